@@ -1,0 +1,2 @@
+//! Benchmarks of the slot map against vm-memory (placeholder).
+fn main() {}

@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# Runs every test of the project: unit, property-based, concurrency and doc tests, and the
+# integration tests on /dev/kvm. Installs what the tests need first.
+#
+# KVM integration tests append their name to $KVM_TEST_LOG when they really ran on /dev/kvm
+# (and print a loud SKIPPED message when it is missing); this script counts them at the end.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+bash resources/setup-host.sh
+
+log_dir=$(mktemp -d)
+trap 'rm -rf "$log_dir"' EXIT
+export KVM_TEST_LOG="$log_dir/kvm-tests-ran"
+: >"$KVM_TEST_LOG"
+
+# Integration tests run with optimisations: the slot-count tests do tens of thousands of
+# ioctls and map operations, and the test profile keeps debug assertions on.
+cargo test --workspace --locked --profile test-release
+
+ran=$(sort -u "$KVM_TEST_LOG" | grep -c . || true)
+echo "KVM integration tests run on /dev/kvm: $ran"
