@@ -1,0 +1,330 @@
+//! Test doubles for KVM's memory-slot ioctls: [`FakeKvm`] enforces KVM's rules and records its
+//! slots, for testing the manager where `/dev/kvm` is missing; [`Faulty`] wraps any
+//! [`KvmMemory`] (the fake or real KVM) and fails the calls a test chooses, for testing every
+//! undo path.
+
+use std::collections::BTreeMap;
+use std::sync::{Mutex, MutexGuard};
+
+use vmm_sys_util::errno::Error as Errno;
+
+use crate::kvm::{KvmMemory, KvmSlot};
+use crate::PAGE_SIZE;
+
+/// Which call a planned failure hits.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FakeCall {
+    /// `KVM_SET_USER_MEMORY_REGION`.
+    SetRegion,
+    /// `KVM_GET_DIRTY_LOG`.
+    GetDirtyLog,
+    /// `KVM_CLEAR_DIRTY_LOG`.
+    ClearDirtyLog,
+}
+
+struct FakeSlot {
+    kvm: KvmSlot,
+    /// One bit per page while dirty logging is on.
+    dirty: Option<Vec<u64>>,
+}
+
+#[derive(Default)]
+struct State {
+    slots: BTreeMap<u32, FakeSlot>,
+    set_calls: u64,
+}
+
+/// A fake VM: KVM's checks on slot changes and per-slot dirty logs.
+pub struct FakeKvm {
+    max_slots: u32,
+    manual_dirty_log: bool,
+    state: Mutex<State>,
+}
+
+/// KVM's limit on the pages of one slot.
+const MAX_SLOT_PAGES: u64 = (1 << 31) - 1;
+
+impl FakeKvm {
+    /// A fake VM with `max_slots` slot numbers; `manual_dirty_log` as in
+    /// [`KvmMemory::manual_dirty_log`].
+    pub fn new(max_slots: u32, manual_dirty_log: bool) -> Self {
+        FakeKvm {
+            max_slots,
+            manual_dirty_log,
+            state: Mutex::new(State::default()),
+        }
+    }
+
+    fn state(&self) -> MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// The slots KVM has, by slot number.
+    pub fn slots(&self) -> Vec<KvmSlot> {
+        self.state().slots.values().map(|s| s.kvm).collect()
+    }
+
+    /// How many `KVM_SET_USER_MEMORY_REGION` calls succeeded so far.
+    pub fn set_calls(&self) -> u64 {
+        self.state().set_calls
+    }
+
+    /// A guest write to `gpa`: sets the page's dirty bit if a logging slot holds it. Returns
+    /// whether a slot holds `gpa` at all (a write elsewhere would exit to the VMM).
+    pub fn guest_write(&self, gpa: u64) -> bool {
+        let mut state = self.state();
+        let Some(slot) = state
+            .slots
+            .values_mut()
+            .find(|s| gpa >= s.kvm.gpa && gpa - s.kvm.gpa < s.kvm.size)
+        else {
+            return false;
+        };
+        let page = ((gpa - slot.kvm.gpa) / PAGE_SIZE) as usize;
+        if let Some(bits) = &mut slot.dirty {
+            bits[page / 64] |= 1 << (page % 64);
+        }
+        true
+    }
+
+    fn new_log(&self, pages: u64) -> Vec<u64> {
+        let words = pages.div_ceil(64) as usize;
+        if !self.manual_dirty_log {
+            return vec![0; words];
+        }
+        // KVM_DIRTY_LOG_INITIALLY_SET: every page of the slot starts dirty.
+        let mut log = vec![u64::MAX; words];
+        if pages % 64 != 0 {
+            log[words - 1] = (1 << (pages % 64)) - 1;
+        }
+        log
+    }
+}
+
+fn overlaps(slots: &BTreeMap<u32, FakeSlot>, skip: u32, gpa: u64, size: u64) -> bool {
+    slots
+        .values()
+        .any(|s| s.kvm.slot != skip && gpa < s.kvm.gpa + s.kvm.size && s.kvm.gpa < gpa + size)
+}
+
+impl KvmMemory for FakeKvm {
+    fn max_slots(&self) -> u32 {
+        self.max_slots
+    }
+
+    unsafe fn set_user_memory_region(&self, req: &KvmSlot) -> Result<(), Errno> {
+        let mut state = self.state();
+        let einval = Err(Errno::new(libc::EINVAL));
+        if req.slot >= self.max_slots
+            || req.gpa % PAGE_SIZE != 0
+            || req.size % PAGE_SIZE != 0
+            || req.hva % PAGE_SIZE != 0
+            || req.gpa.checked_add(req.size).is_none()
+            || req.hva.checked_add(req.size).is_none()
+            || req.size / PAGE_SIZE > MAX_SLOT_PAGES
+        {
+            return einval;
+        }
+        let pages = req.size / PAGE_SIZE;
+        match state.slots.get(&req.slot).map(|s| s.kvm) {
+            None if req.size == 0 => return einval,
+            None => {
+                if overlaps(&state.slots, req.slot, req.gpa, req.size) {
+                    return Err(Errno::new(libc::EEXIST));
+                }
+                let dirty = req.flags.log_dirty.then(|| self.new_log(pages));
+                state.slots.insert(req.slot, FakeSlot { kvm: *req, dirty });
+            }
+            Some(_) if req.size == 0 => {
+                state.slots.remove(&req.slot);
+            }
+            Some(old) => {
+                if old.size != req.size
+                    || old.hva != req.hva
+                    || old.flags.read_only != req.flags.read_only
+                {
+                    return einval;
+                }
+                if old.gpa != req.gpa && overlaps(&state.slots, req.slot, req.gpa, req.size) {
+                    return Err(Errno::new(libc::EEXIST));
+                }
+                let new_log =
+                    (req.flags.log_dirty && !old.flags.log_dirty).then(|| self.new_log(pages));
+                let slot = state.slots.get_mut(&req.slot).expect("looked up above");
+                slot.kvm = *req;
+                if !req.flags.log_dirty {
+                    slot.dirty = None;
+                } else if new_log.is_some() {
+                    slot.dirty = new_log;
+                }
+            }
+        }
+        state.set_calls += 1;
+        Ok(())
+    }
+
+    fn get_dirty_log(&self, slot: u32, bitmap: &mut [u64]) -> Result<(), Errno> {
+        let mut state = self.state();
+        let manual = self.manual_dirty_log;
+        let log = state
+            .slots
+            .get_mut(&slot)
+            .and_then(|s| s.dirty.as_mut())
+            .ok_or(Errno::new(libc::ENOENT))?;
+        if bitmap.len() < log.len() {
+            return Err(Errno::new(libc::EFAULT));
+        }
+        bitmap[..log.len()].copy_from_slice(log);
+        if !manual {
+            log.fill(0);
+        }
+        Ok(())
+    }
+
+    fn clear_dirty_log(
+        &self,
+        slot: u32,
+        first_page: u64,
+        num_pages: u32,
+        bitmap: &[u64],
+    ) -> Result<(), Errno> {
+        let mut state = self.state();
+        let s = state.slots.get_mut(&slot).ok_or(Errno::new(libc::ENOENT))?;
+        let pages = s.kvm.size / PAGE_SIZE;
+        let end = first_page + u64::from(num_pages);
+        if !self.manual_dirty_log
+            || first_page % 64 != 0
+            || (num_pages % 64 != 0 && end != pages)
+            || end > pages
+            || bitmap.len() < (num_pages as usize).div_ceil(64)
+        {
+            return Err(Errno::new(libc::EINVAL));
+        }
+        let log = s.dirty.as_mut().ok_or(Errno::new(libc::ENOENT))?;
+        for i in 0..u64::from(num_pages) {
+            if bitmap[(i / 64) as usize] & (1 << (i % 64)) != 0 {
+                let page = first_page + i;
+                log[(page / 64) as usize] &= !(1 << (page % 64));
+            }
+        }
+        Ok(())
+    }
+
+    fn manual_dirty_log(&self) -> bool {
+        self.manual_dirty_log
+    }
+}
+
+struct PlannedFailure {
+    call: FakeCall,
+    /// Calls of that kind still to succeed before the failing one.
+    skip: u64,
+    errno: i32,
+    /// Every later call of that kind fails too.
+    sticky: bool,
+}
+
+/// Wraps a [`KvmMemory`] and makes chosen calls fail (without reaching the inner one).
+pub struct Faulty<K> {
+    inner: K,
+    failure: Mutex<Option<PlannedFailure>>,
+}
+
+impl<K: KvmMemory> Faulty<K> {
+    /// `inner`, with no failure planned.
+    pub fn new(inner: K) -> Self {
+        Faulty {
+            inner,
+            failure: Mutex::new(None),
+        }
+    }
+
+    /// The wrapped KVM.
+    pub fn inner(&self) -> &K {
+        &self.inner
+    }
+
+    /// Makes the call of kind `call` that comes after `skip` successful ones fail with `errno`.
+    /// Replaces any failure planned before.
+    pub fn fail(&self, call: FakeCall, skip: u64, errno: i32) {
+        *self.planned() = Some(PlannedFailure {
+            call,
+            skip,
+            errno,
+            sticky: false,
+        });
+    }
+
+    /// Like [`fail`](Self::fail), but that call and every later one of its kind fail, until
+    /// [`heal`](Self::heal).
+    pub fn fail_from(&self, call: FakeCall, skip: u64, errno: i32) {
+        *self.planned() = Some(PlannedFailure {
+            call,
+            skip,
+            errno,
+            sticky: true,
+        });
+    }
+
+    /// Cancels any planned failure.
+    pub fn heal(&self) {
+        *self.planned() = None;
+    }
+
+    /// Whether a planned failure is still to come.
+    pub fn failure_pending(&self) -> bool {
+        self.planned().is_some()
+    }
+
+    fn planned(&self) -> MutexGuard<'_, Option<PlannedFailure>> {
+        self.failure.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn check(&self, call: FakeCall) -> Result<(), Errno> {
+        let mut planned = self.planned();
+        if let Some(f) = planned.as_mut().filter(|f| f.call == call) {
+            if f.skip == 0 {
+                let errno = f.errno;
+                if !f.sticky {
+                    *planned = None;
+                }
+                return Err(Errno::new(errno));
+            }
+            f.skip -= 1;
+        }
+        Ok(())
+    }
+}
+
+impl<K: KvmMemory> KvmMemory for Faulty<K> {
+    fn max_slots(&self) -> u32 {
+        self.inner.max_slots()
+    }
+
+    unsafe fn set_user_memory_region(&self, slot: &KvmSlot) -> Result<(), Errno> {
+        self.check(FakeCall::SetRegion)?;
+        // SAFETY: the caller's guarantee is passed on unchanged.
+        unsafe { self.inner.set_user_memory_region(slot) }
+    }
+
+    fn get_dirty_log(&self, slot: u32, bitmap: &mut [u64]) -> Result<(), Errno> {
+        self.check(FakeCall::GetDirtyLog)?;
+        self.inner.get_dirty_log(slot, bitmap)
+    }
+
+    fn clear_dirty_log(
+        &self,
+        slot: u32,
+        first_page: u64,
+        num_pages: u32,
+        bitmap: &[u64],
+    ) -> Result<(), Errno> {
+        self.check(FakeCall::ClearDirtyLog)?;
+        self.inner
+            .clear_dirty_log(slot, first_page, num_pages, bitmap)
+    }
+
+    fn manual_dirty_log(&self) -> bool {
+        self.inner.manual_dirty_log()
+    }
+}

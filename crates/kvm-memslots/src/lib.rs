@@ -1,0 +1,31 @@
+//! Guest memory for Rust VMMs: regions of host memory kept in a scalable memslot map and
+//! mirrored exactly to KVM's memory slots.
+//!
+//! [`MemoryManager`] owns a VM's memory. Each region is one host mapping split into one or more
+//! KVM slots; the slots live in a [`memslot_map`] map whose versions readers get lock-free
+//! through [`GuestMemoryHandle`] (a vm-memory `GuestAddressSpace`, so linux-loader,
+//! virtio-queue and every other vm-memory user work with it). Every change is planned as KVM
+//! requests, applied, and published only if KVM accepted all of them; a refused request undoes
+//! the ones before it. Dirty logging is switched per region with flags-only updates and
+//! harvested from KVM's log and the VMM's own write bitmap.
+
+mod dirty;
+mod error;
+pub mod fake;
+mod kvm;
+mod manager;
+mod memory;
+
+pub use dirty::DirtyPages;
+pub use error::Error;
+pub use kvm::{KvmMemory, KvmSlot, KvmVm};
+pub use manager::{
+    HvaMatch, MemoryManager, RegionInfo, RegionSpec, SlotUsage, Target, KVM_MAX_SLOT_SIZE,
+};
+pub use memory::{
+    Backing, GuestMemoryHandle, GuestMemorySlots, GuestMemorySnapshot, GuestSlot, GuestSlotData,
+    MemoryError, RegionId, RegionMemory, SlotBacking,
+};
+
+/// The page size of guest memory and of KVM's dirty logs on x86_64.
+pub const PAGE_SIZE: u64 = 4096;

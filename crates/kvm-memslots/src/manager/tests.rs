@@ -1,0 +1,414 @@
+//! The manager against the rule-enforcing fake KVM, with failures injected at every step.
+
+use vm_memory::{Bytes, GuestMemoryBackend};
+
+use super::*;
+use crate::fake::{FakeCall, FakeKvm, Faulty};
+
+type Manager = MemoryManager<Faulty<FakeKvm>>;
+
+const MIB: u64 = 1 << 20;
+const SLOT: u64 = 0x4000;
+
+fn manager(max_slots: u32) -> Manager {
+    MemoryManager::new(Faulty::new(FakeKvm::new(max_slots, true)))
+}
+
+fn region(gpa: u64, slots: u64) -> RegionSpec {
+    RegionSpec::new(GuestAddress(gpa), slots * SLOT).with_slot_size(SLOT)
+}
+
+/// KVM's slots as the published map says they are.
+fn expected_kvm(m: &Manager) -> Vec<KvmSlot> {
+    let mut slots: Vec<KvmSlot> = m
+        .current()
+        .iter()
+        .map(|s| KvmSlot::from(s.as_ref()))
+        .collect();
+    slots.sort_by_key(|s| s.slot);
+    slots
+}
+
+fn assert_mirrored(m: &Manager) {
+    assert_eq!(
+        m.kvm().inner().slots(),
+        expected_kvm(m),
+        "KVM and the map disagree"
+    );
+}
+
+/// Everything an operation may change, to compare before and after a failure.
+#[derive(Debug, PartialEq)]
+struct Everything {
+    kvm: Vec<KvmSlot>,
+    map: Vec<KvmSlot>,
+    regions: Vec<RegionInfo>,
+    usage: SlotUsage,
+}
+
+fn everything(m: &Manager) -> Everything {
+    Everything {
+        kvm: m.kvm().inner().slots(),
+        map: expected_kvm(m),
+        regions: m.regions(),
+        usage: m.slot_usage(),
+    }
+}
+
+#[test]
+fn regions_are_split_into_slots_and_mirrored() {
+    let m = manager(64);
+    let a = m.add_region(region(MIB, 8)).unwrap();
+    let b = m
+        .add_region(RegionSpec::new(GuestAddress(4 * MIB), 3 * SLOT + 0x1000).with_slot_size(SLOT))
+        .unwrap();
+    assert_mirrored(&m);
+    let regions = m.regions();
+    assert_eq!(regions.len(), 2);
+    assert_eq!((regions[0].id, regions[0].slots), (a, 8));
+    assert_eq!((regions[1].id, regions[1].slots), (b, 4));
+    let last = m
+        .snapshot()
+        .find_region(GuestAddress(4 * MIB + 3 * SLOT))
+        .unwrap()
+        .slot()
+        .size();
+    assert_eq!(last, 0x1000, "the last slot holds the remainder");
+    assert_eq!(
+        m.slot_usage(),
+        SlotUsage {
+            used: 12,
+            free: 52,
+            max: 64
+        }
+    );
+    m.remove_region(a).unwrap();
+    assert_mirrored(&m);
+    // Freed slot numbers are reused, lowest first.
+    m.add_region(region(8 * MIB, 2)).unwrap();
+    let numbers: Vec<u32> = m.kvm().inner().slots().iter().map(|s| s.slot).collect();
+    assert_eq!(numbers, vec![0, 1, 8, 9, 10, 11]);
+    assert_mirrored(&m);
+}
+
+#[test]
+fn bad_requests_are_refused_with_the_fault_named() {
+    let m = manager(10);
+    let a = m.add_region(region(MIB, 8)).unwrap();
+    let before = everything(&m);
+    let cases: Vec<(RegionSpec, &str)> = vec![
+        (
+            region(MIB + 7 * SLOT, 2),
+            "guest range [0x11c000, 0x124000) overlaps region 0 at [0x11c000, 0x120000)",
+        ),
+        (
+            region(0, 3),
+            "out of KVM memory slots: 3 needed, 2 of 10 free",
+        ),
+        (
+            RegionSpec::new(GuestAddress(0x800), SLOT),
+            "guest address 0x800 is not a multiple of the page size (0x1000)",
+        ),
+        (RegionSpec::new(GuestAddress(0), 0), "region size is zero"),
+        (
+            RegionSpec::new(GuestAddress(u64::MAX - 0xfff), 0x2000),
+            "guest range at 0xfffffffffffff000 of size 0x2000 wraps around the address space",
+        ),
+        (
+            RegionSpec::new(GuestAddress(0), SLOT).with_slot_size(0),
+            "slot size 0x0 is zero or above the per-slot limit 0x7fffffff000",
+        ),
+    ];
+    for (spec, message) in cases {
+        assert_eq!(m.add_region(spec).unwrap_err().to_string(), message);
+        assert_eq!(everything(&m), before);
+    }
+    assert_eq!(
+        m.remove_region(RegionId(7)).unwrap_err().to_string(),
+        "region 7 does not exist"
+    );
+    let err = m.move_region(a, GuestAddress(MIB - SLOT)).map(|_| ());
+    assert!(err.is_ok());
+    m.add_region(region(0, 1)).unwrap();
+    assert_eq!(
+        m.move_region(a, GuestAddress(0)).unwrap_err().to_string(),
+        "guest range [0x0, 0x4000) overlaps region 1 at [0x0, 0x4000)"
+    );
+    assert_mirrored(&m);
+}
+
+/// An operation on a manager prepared by `setup`.
+type Operation = fn(&Manager, RegionId) -> Result<(), Error>;
+
+fn setup() -> (Manager, RegionId) {
+    let m = manager(64);
+    let r = m.add_region(region(MIB, 8)).unwrap();
+    m.add_region(region(16 * MIB, 2)).unwrap();
+    (m, r)
+}
+
+/// Each operation under test: its name, what to do first (not failed), and the operation.
+fn operations() -> Vec<(&'static str, Operation, Operation)> {
+    let nothing: Operation = |_, _| Ok(());
+    vec![
+        ("add", nothing, |m, _| {
+            m.add_region(region(32 * MIB, 8)).map(drop)
+        }),
+        ("remove", nothing, |m, r| m.remove_region(r)),
+        ("move up into itself", nothing, |m, r| {
+            m.move_region(r, GuestAddress(MIB + 3 * SLOT))
+        }),
+        ("move down into itself", nothing, |m, r| {
+            m.move_region(r, GuestAddress(MIB - 5 * SLOT))
+        }),
+        ("set read-only", nothing, |m, r| m.set_read_only(r, true)),
+        ("start logging all", nothing, |m, _| {
+            m.start_dirty_log(Target::All)
+        }),
+        (
+            "stop logging one",
+            |m, r| m.start_dirty_log(Target::Region(r)),
+            |m, r| m.stop_dirty_log(Target::Region(r)),
+        ),
+    ]
+}
+
+#[test]
+fn a_failure_at_any_step_leaves_kvm_and_the_map_as_they_were() {
+    let fresh = |prepare: Operation| {
+        let (m, r) = setup();
+        prepare(&m, r).unwrap();
+        (m, r)
+    };
+    for (name, prepare, op) in operations() {
+        // Count the KVM requests the operation makes.
+        let (m, r) = fresh(prepare);
+        let calls = m.kvm().inner().set_calls();
+        op(&m, r).unwrap_or_else(|e| panic!("{name}: {e}"));
+        let steps = m.kvm().inner().set_calls() - calls;
+        assert!(steps >= 2, "{name}: {steps} steps");
+        assert_mirrored(&m);
+        for k in 0..steps {
+            let (m, r) = fresh(prepare);
+            let before = everything(&m);
+            m.kvm().fail(FakeCall::SetRegion, k, libc::EIO);
+            let err = op(&m, r).expect_err(name);
+            assert!(matches!(err, Error::Kvm { .. }), "{name} step {k}: {err}");
+            assert!(err.to_string().contains("Input/output error"), "{err}");
+            assert_eq!(
+                everything(&m),
+                before,
+                "{name}: failure at step {k} changed something"
+            );
+            assert_mirrored(&m);
+            // The same operation goes through once KVM accepts it.
+            op(&m, r).unwrap_or_else(|e| panic!("{name} after a failure: {e}"));
+            assert_mirrored(&m);
+        }
+    }
+}
+
+#[test]
+fn a_failed_undo_is_reported_and_refuses_further_changes() {
+    let (m, r) = setup();
+    // The third request fails, and so does every later one: the undo of the first two too.
+    m.kvm().fail_from(FakeCall::SetRegion, 2, libc::EIO);
+    let err = m.move_region(r, GuestAddress(64 * MIB)).unwrap_err();
+    assert!(matches!(err, Error::UndoFailed { .. }), "{err}");
+    assert!(
+        err.to_string()
+            .contains("KVM's slots no longer match the map"),
+        "{err}"
+    );
+    m.kvm().heal();
+    let refused = m.add_region(region(128 * MIB, 1)).unwrap_err();
+    assert!(matches!(refused, Error::Broken { .. }), "{refused}");
+    // Reads still work.
+    assert_eq!(m.regions().len(), 2);
+    m.harvest_dirty(Target::All).unwrap();
+}
+
+#[test]
+fn dirty_pages_come_from_kvm_and_from_the_vmm() {
+    let (m, r) = setup();
+    m.start_dirty_log(Target::Region(r)).unwrap();
+    // Initially set: the first harvest reports every page of the logging region.
+    let first = m.harvest_dirty(Target::All).unwrap();
+    assert_eq!(first[0].count(), 8 * SLOT / PAGE_SIZE);
+    assert_eq!(first[1].count(), 0);
+    assert!(m
+        .harvest_dirty(Target::All)
+        .unwrap()
+        .iter()
+        .all(|d| d.count() == 0));
+    // The guest writes two pages in different slots; the VMM writes one through vm-memory.
+    let fake = m.kvm().inner();
+    assert!(fake.guest_write(MIB + 0x1000));
+    assert!(fake.guest_write(MIB + 5 * SLOT + 0x2010));
+    m.snapshot()
+        .write_obj(0xabcd_u32, GuestAddress(MIB + 7 * SLOT + 0x3000))
+        .unwrap();
+    let dirty = m.harvest_dirty(Target::Region(r)).unwrap();
+    let got: Vec<u64> = dirty[0].addresses().map(|a| a.0).collect();
+    assert_eq!(
+        got,
+        vec![
+            MIB + 0x1000,
+            MIB + 5 * SLOT + 0x2000,
+            MIB + 7 * SLOT + 0x3000
+        ]
+    );
+    assert_eq!(m.harvest_dirty(Target::Region(r)).unwrap()[0].count(), 0);
+}
+
+#[test]
+fn a_failed_harvest_loses_no_dirty_page() {
+    let (m, r) = setup();
+    m.start_dirty_log(Target::Region(r)).unwrap();
+    m.harvest_dirty(Target::All).unwrap();
+    let fake = m.kvm().inner();
+    fake.guest_write(MIB);
+    fake.guest_write(MIB + 6 * SLOT);
+    // Reading the second slot's log fails: the first slot's page was read already.
+    m.kvm().fail(FakeCall::GetDirtyLog, 1, libc::EFAULT);
+    let err = m.harvest_dirty(Target::All).unwrap_err();
+    assert_eq!(
+        err.to_string(),
+        "region 0: reading the dirty log of slot 1 failed: Bad address (os error 14)"
+    );
+    // Clearing fails once: the bits stay pending (and set in KVM).
+    m.kvm().fail(FakeCall::ClearDirtyLog, 0, libc::EINVAL);
+    assert!(m.harvest_dirty(Target::All).is_err());
+    let dirty = m.harvest_dirty(Target::All).unwrap();
+    let got: Vec<u64> = dirty[0].addresses().map(|a| a.0).collect();
+    assert_eq!(got, vec![MIB, MIB + 6 * SLOT]);
+    assert_eq!(m.harvest_dirty(Target::All).unwrap()[0].count(), 0);
+}
+
+#[test]
+fn stopping_logging_or_toggling_read_only_keeps_logged_pages() {
+    let (m, r) = setup();
+    m.start_dirty_log(Target::All).unwrap();
+    m.harvest_dirty(Target::All).unwrap();
+    m.kvm().inner().guest_write(MIB + 2 * SLOT);
+    m.set_read_only(r, true).unwrap();
+    assert!(m.regions()[0].flags.read_only);
+    assert_mirrored(&m);
+    let dirty = m.harvest_dirty(Target::Region(r)).unwrap();
+    // Re-created slots start all dirty again (initially set), and the page written before is
+    // among them.
+    assert!(dirty[0].addresses().any(|a| a.0 == MIB + 2 * SLOT));
+    m.harvest_dirty(Target::All).unwrap();
+    m.kvm().inner().guest_write(MIB + 3 * SLOT);
+    m.stop_dirty_log(Target::All).unwrap();
+    assert_mirrored(&m);
+    let dirty = m.harvest_dirty(Target::Region(r)).unwrap();
+    assert_eq!(
+        dirty[0].addresses().map(|a| a.0).collect::<Vec<_>>(),
+        vec![MIB + 3 * SLOT]
+    );
+}
+
+#[test]
+fn a_moved_region_keeps_its_data_and_slot_numbers() {
+    let (m, r) = setup();
+    let pattern: Vec<u8> = (0..8 * SLOT).map(|i| (i % 251) as u8).collect();
+    m.snapshot()
+        .write_slice(&pattern, GuestAddress(MIB))
+        .unwrap();
+    let numbers_before: Vec<u32> = m.kvm().inner().slots().iter().map(|s| s.slot).collect();
+    m.move_region(r, GuestAddress(MIB + 3 * SLOT)).unwrap();
+    m.move_region(r, GuestAddress(40 * MIB)).unwrap();
+    assert_mirrored(&m);
+    let numbers_after: Vec<u32> = m.kvm().inner().slots().iter().map(|s| s.slot).collect();
+    assert_eq!(
+        numbers_before, numbers_after,
+        "a move keeps KVM's slot numbers"
+    );
+    let mut back = vec![0u8; pattern.len()];
+    m.snapshot()
+        .read_slice(&mut back, GuestAddress(40 * MIB))
+        .unwrap();
+    assert_eq!(back, pattern);
+    assert!(m.snapshot().find_region(GuestAddress(MIB)).is_none());
+}
+
+#[test]
+fn discard_zeroes_private_and_frees_shared_memory() {
+    let m = manager(16);
+    let private = m.add_region(region(MIB, 4)).unwrap();
+    let shared = m
+        .add_region(region(2 * MIB, 4).with_backing(Backing::Memfd))
+        .unwrap();
+    let mem = m.snapshot();
+    for gpa in [MIB, 2 * MIB] {
+        mem.write_slice(&[0xaa; 4 * SLOT as usize], GuestAddress(gpa))
+            .unwrap();
+    }
+    // Across a slot boundary, in both regions.
+    for gpa in [MIB + SLOT, 2 * MIB + SLOT] {
+        m.discard(GuestAddress(gpa + 0x3000), 0x2000).unwrap();
+        let mut buf = [0u8; 0x4000];
+        mem.read_slice(&mut buf, GuestAddress(gpa)).unwrap();
+        assert!(buf[..0x3000].iter().all(|b| *b == 0xaa));
+        assert!(buf[0x3000..].iter().all(|b| *b == 0));
+        assert_eq!(
+            mem.read_obj::<u8>(GuestAddress(gpa + 0x5000)).unwrap(),
+            0xaa
+        );
+    }
+    let err = m
+        .discard(GuestAddress(MIB + 3 * SLOT), 2 * SLOT)
+        .unwrap_err();
+    assert_eq!(
+        err.to_string(),
+        "cannot discard [0x10c000, 0x114000): no memory at 0x110000"
+    );
+    // The refused discard did not touch the part that is memory.
+    assert_eq!(
+        mem.read_obj::<u8>(GuestAddress(MIB + 3 * SLOT)).unwrap(),
+        0xaa
+    );
+    assert!(m.regions().iter().any(|r| r.id == shared && r.shared));
+    assert!(m.regions().iter().any(|r| r.id == private && !r.shared));
+}
+
+#[test]
+fn host_addresses_lead_back_to_their_guest_addresses() {
+    let (m, r) = setup();
+    let info = m.regions().into_iter().find(|i| i.id == r).unwrap();
+    let found = m.find_by_hva(HostAddress(info.hva.0 + 5 * SLOT + 0x10));
+    assert_eq!(found.len(), 1);
+    assert_eq!(found[0].region, r);
+    assert_eq!(found[0].gpa, GuestAddress(MIB + 5 * SLOT + 0x10));
+    assert!(m.find_by_hva(HostAddress(8)).is_empty());
+}
+
+#[test]
+fn dropping_the_manager_deletes_every_kvm_slot() {
+    let fake = Arc::new(FakeKvm::new(16, false));
+    struct Shared(Arc<FakeKvm>);
+    impl KvmMemory for Shared {
+        fn max_slots(&self) -> u32 {
+            self.0.max_slots()
+        }
+        unsafe fn set_user_memory_region(&self, slot: &KvmSlot) -> Result<(), Errno> {
+            // SAFETY: passed on unchanged.
+            unsafe { self.0.set_user_memory_region(slot) }
+        }
+        fn get_dirty_log(&self, slot: u32, bitmap: &mut [u64]) -> Result<(), Errno> {
+            self.0.get_dirty_log(slot, bitmap)
+        }
+        fn clear_dirty_log(&self, s: u32, f: u64, n: u32, b: &[u64]) -> Result<(), Errno> {
+            self.0.clear_dirty_log(s, f, n, b)
+        }
+        fn manual_dirty_log(&self) -> bool {
+            false
+        }
+    }
+    let m = MemoryManager::new(Shared(Arc::clone(&fake)));
+    m.add_region(region(MIB, 5)).unwrap();
+    assert_eq!(fake.slots().len(), 5);
+    drop(m);
+    assert!(fake.slots().is_empty());
+}

@@ -1,0 +1,343 @@
+//! Guest memory as the rust-vmm ecosystem sees it: each slot is a `GuestMemoryRegion`, a map
+//! version is a `GuestMemoryBackend`, and the manager's handle is a `GuestAddressSpace`.
+
+use std::fmt;
+use std::fs::File;
+use std::ops::Deref;
+use std::os::fd::FromRawFd;
+use std::sync::Arc;
+
+use memslot_map::{MemslotMap, SharedMap, Slot};
+use ref_cast::RefCast;
+use vm_memory::bitmap::{AtomicBitmap, Bitmap, BS};
+use vm_memory::guest_memory::Error as GuestMemoryError;
+use vm_memory::mmap::{MmapRegionBuilder, MmapRegionError};
+use vm_memory::{
+    FileOffset, GuestAddress, GuestAddressSpace, GuestMemoryBackend, GuestMemoryRegion,
+    GuestMemoryRegionBytes, GuestUsize, MemoryRegionAddress, MmapRegion, VolatileMemory,
+    VolatileSlice,
+};
+
+use crate::PAGE_SIZE;
+
+/// A region's id, unique for the manager's lifetime (never reused).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct RegionId(pub u64);
+
+impl fmt::Display for RegionId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}", self.0)
+    }
+}
+
+/// What memory backs a region.
+#[derive(Debug, Clone)]
+pub enum Backing {
+    /// Private anonymous memory, reserved lazily (`MAP_NORESERVE`): pages cost host memory
+    /// only once touched. Discarded pages read back as zeros.
+    Anonymous,
+    /// A new memfd, mapped shared: the memory can be handed to another process (vhost-user).
+    /// Discarding frees the memfd's pages (`MADV_REMOVE`).
+    Memfd,
+    /// A file (or memfd) the caller opened, mapped shared from the given offset.
+    File(FileOffset),
+}
+
+impl Backing {
+    /// A word for the kind of backing, for messages.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            Backing::Anonymous => "anonymous",
+            Backing::Memfd => "memfd",
+            Backing::File(_) => "file",
+        }
+    }
+}
+
+/// Why a region's memory could not be mapped.
+#[derive(Debug, thiserror::Error)]
+pub enum MemoryError {
+    /// `memfd_create` or sizing the memfd failed.
+    #[error("creating a memfd of {size:#x} bytes failed: {source}")]
+    Memfd {
+        /// Requested size.
+        size: u64,
+        /// The system's error.
+        source: std::io::Error,
+    },
+    /// `mmap` failed.
+    #[error("mapping {size:#x} bytes of {backing} memory failed: {source}")]
+    Mmap {
+        /// Requested size.
+        size: u64,
+        /// The kind of backing asked for.
+        backing: &'static str,
+        /// vm-memory's error.
+        source: MmapRegionError,
+    },
+}
+
+/// The host memory of one region: one mapping, with a bitmap of the pages the VMM itself
+/// writes through vm-memory's `Bytes` (KVM's dirty log sees only the guest's writes).
+///
+/// The mapping is unmapped when the last `Arc` to it goes; the manager keeps one for as long as
+/// KVM has a slot in it.
+pub struct RegionMemory {
+    mapping: MmapRegion<AtomicBitmap>,
+    shared: bool,
+}
+
+impl RegionMemory {
+    /// Maps `size` bytes (a multiple of the page size) of `backing`.
+    pub fn new(size: u64, backing: &Backing) -> Result<Self, MemoryError> {
+        let len = usize::try_from(size).map_err(|_| MemoryError::Mmap {
+            size,
+            backing: backing.kind(),
+            source: MmapRegionError::InvalidOffsetLength,
+        })?;
+        let file = match backing {
+            Backing::Anonymous => None,
+            Backing::Memfd => Some(FileOffset::new(new_memfd(size)?, 0)),
+            Backing::File(fo) => Some(fo.clone()),
+        };
+        let shared = file.is_some();
+        let sharing = if shared {
+            libc::MAP_SHARED
+        } else {
+            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS
+        };
+        let page_size = std::num::NonZeroUsize::new(PAGE_SIZE as usize).expect("not zero");
+        let mut builder =
+            MmapRegionBuilder::new_with_bitmap(len, AtomicBitmap::new(len, page_size))
+                .with_mmap_prot(libc::PROT_READ | libc::PROT_WRITE)
+                .with_mmap_flags(sharing | libc::MAP_NORESERVE);
+        if let Some(fo) = file {
+            builder = builder.with_file_offset(fo);
+        }
+        let mapping = builder.build().map_err(|source| MemoryError::Mmap {
+            size,
+            backing: backing.kind(),
+            source,
+        })?;
+        Ok(RegionMemory { mapping, shared })
+    }
+
+    /// Host address of the first byte.
+    pub fn host_address(&self) -> u64 {
+        self.mapping.as_ptr() as u64
+    }
+
+    /// Size in bytes.
+    pub fn size(&self) -> u64 {
+        self.mapping.size() as u64
+    }
+
+    /// Whether the mapping is shared (file or memfd backed) rather than private anonymous.
+    pub fn is_shared(&self) -> bool {
+        self.shared
+    }
+
+    /// The pages the VMM wrote through `Bytes` since they were last harvested.
+    pub fn vmm_dirty_bitmap(&self) -> &AtomicBitmap {
+        self.mapping.bitmap()
+    }
+
+    /// The file and offset behind the mapping, if any.
+    pub fn file_offset(&self) -> Option<&FileOffset> {
+        self.mapping.file_offset()
+    }
+}
+
+fn new_memfd(size: u64) -> Result<File, MemoryError> {
+    let fail = |source| MemoryError::Memfd { size, source };
+    // SAFETY: the name is a valid NUL-terminated string; the call has no other input.
+    let fd = unsafe { libc::memfd_create(c"kvm-memslots-guest".as_ptr(), libc::MFD_CLOEXEC) };
+    if fd < 0 {
+        return Err(fail(std::io::Error::last_os_error()));
+    }
+    // SAFETY: `fd` was just returned by memfd_create and nothing else owns it.
+    let file = unsafe { File::from_raw_fd(fd) };
+    file.set_len(size).map_err(fail)?;
+    Ok(file)
+}
+
+/// What each slot of the map carries: the region it belongs to, and where in the region's
+/// mapping the slot starts.
+#[derive(Clone)]
+pub struct SlotBacking {
+    region: RegionId,
+    memory: Arc<RegionMemory>,
+    offset: u64,
+    file_offset: Option<FileOffset>,
+}
+
+impl SlotBacking {
+    pub(crate) fn new(region: RegionId, memory: Arc<RegionMemory>, offset: u64) -> Self {
+        let file_offset = memory
+            .file_offset()
+            .map(|fo| FileOffset::from_arc(Arc::clone(fo.arc()), fo.start() + offset));
+        SlotBacking {
+            region,
+            memory,
+            offset,
+            file_offset,
+        }
+    }
+
+    /// The region the slot belongs to.
+    pub fn region(&self) -> RegionId {
+        self.region
+    }
+
+    /// The region's memory.
+    pub fn memory(&self) -> &Arc<RegionMemory> {
+        &self.memory
+    }
+
+    /// Offset of the slot's first byte in the region.
+    pub fn offset(&self) -> u64 {
+        self.offset
+    }
+}
+
+impl fmt::Debug for SlotBacking {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("SlotBacking")
+            .field("region", &self.region)
+            .field("offset", &self.offset)
+            .finish()
+    }
+}
+
+/// The slot type of a manager's map.
+pub type GuestSlotData = Slot<SlotBacking>;
+
+/// One slot seen as a vm-memory `GuestMemoryRegion` (a view of its region's mapping).
+#[derive(RefCast)]
+#[repr(transparent)]
+pub struct GuestSlot(GuestSlotData);
+
+impl GuestSlot {
+    /// The slot in the map.
+    pub fn slot(&self) -> &GuestSlotData {
+        &self.0
+    }
+
+    /// The region the slot belongs to.
+    pub fn region(&self) -> RegionId {
+        self.0.payload().region
+    }
+}
+
+impl GuestMemoryRegion for GuestSlot {
+    type B = AtomicBitmap;
+
+    fn len(&self) -> GuestUsize {
+        self.0.size()
+    }
+
+    fn start_addr(&self) -> GuestAddress {
+        self.0.gpa()
+    }
+
+    fn bitmap(&self) -> BS<'_, AtomicBitmap> {
+        let backing = self.0.payload();
+        backing
+            .memory
+            .mapping
+            .bitmap()
+            .slice_at(backing.offset as usize)
+    }
+
+    fn get_host_address(
+        &self,
+        addr: MemoryRegionAddress,
+    ) -> vm_memory::guest_memory::Result<*mut u8> {
+        let addr = self
+            .check_address(addr)
+            .ok_or(GuestMemoryError::InvalidBackendAddress)?;
+        Ok((self.0.hva().0 + addr.0) as *mut u8)
+    }
+
+    fn file_offset(&self) -> Option<&FileOffset> {
+        self.0.payload().file_offset.as_ref()
+    }
+
+    fn get_slice(
+        &self,
+        offset: MemoryRegionAddress,
+        count: usize,
+    ) -> vm_memory::guest_memory::Result<VolatileSlice<'_, BS<'_, AtomicBitmap>>> {
+        let end = offset
+            .0
+            .checked_add(count as u64)
+            .ok_or(GuestMemoryError::InvalidBackendAddress)?;
+        if end > self.len() {
+            return Err(GuestMemoryError::InvalidBackendAddress);
+        }
+        let backing = self.0.payload();
+        let start = usize::try_from(backing.offset + offset.0)
+            .map_err(|_| GuestMemoryError::InvalidBackendAddress)?;
+        Ok(backing.memory.mapping.get_slice(start, count)?)
+    }
+}
+
+impl GuestMemoryRegionBytes for GuestSlot {}
+
+/// One version of the guest's memory map seen as a vm-memory `GuestMemoryBackend`: region
+/// lookups go through the map's O(log n) guest-address index.
+#[derive(RefCast)]
+#[repr(transparent)]
+pub struct GuestMemorySlots(MemslotMap<SlotBacking>);
+
+impl GuestMemorySlots {
+    /// The map version underneath.
+    pub fn map(&self) -> &MemslotMap<SlotBacking> {
+        &self.0
+    }
+}
+
+impl GuestMemoryBackend for GuestMemorySlots {
+    type R = GuestSlot;
+
+    fn num_regions(&self) -> usize {
+        self.0.len()
+    }
+
+    fn find_region(&self, addr: GuestAddress) -> Option<&GuestSlot> {
+        self.0
+            .find_by_gpa(addr)
+            .map(|slot| GuestSlot::ref_cast(slot))
+    }
+
+    fn iter(&self) -> impl Iterator<Item = &GuestSlot> {
+        self.0.iter().map(|slot| GuestSlot::ref_cast(slot))
+    }
+}
+
+/// A consistent snapshot of guest memory that keeps its version (and every mapping in it)
+/// alive while held. Dereferences to [`GuestMemorySlots`].
+#[derive(Clone)]
+pub struct GuestMemorySnapshot(Arc<MemslotMap<SlotBacking>>);
+
+impl Deref for GuestMemorySnapshot {
+    type Target = GuestMemorySlots;
+
+    fn deref(&self) -> &GuestMemorySlots {
+        GuestMemorySlots::ref_cast(&self.0)
+    }
+}
+
+/// The handle devices and vCPU threads use to reach guest memory: a vm-memory
+/// `GuestAddressSpace` whose `memory()` is a lock-free snapshot of the current version.
+#[derive(Clone)]
+pub struct GuestMemoryHandle(pub(crate) Arc<SharedMap<SlotBacking>>);
+
+impl GuestAddressSpace for GuestMemoryHandle {
+    type M = GuestMemorySlots;
+    type T = GuestMemorySnapshot;
+
+    fn memory(&self) -> GuestMemorySnapshot {
+        GuestMemorySnapshot(self.0.snapshot())
+    }
+}

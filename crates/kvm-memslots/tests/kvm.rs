@@ -1,0 +1,457 @@
+//! The manager on real `/dev/kvm`: the slot limit, dirty logging seen by a running vCPU,
+//! moves and flag changes under a guest, and KVM's side checked after injected and real
+//! failures.
+//!
+//! A test that finds no `/dev/kvm` prints a loud SKIPPED line and passes; one that runs appends
+//! its name to the file named by `$KVM_TEST_LOG` (the test runner counts them).
+
+use std::io::Write;
+use std::sync::Arc;
+use std::time::Instant;
+
+use kvm_ioctls::{Kvm, VcpuExit, VmFd};
+use kvm_memslots::fake::{FakeCall, Faulty};
+use kvm_memslots::{Error, KvmVm, MemoryManager, RegionId, RegionSpec, Target};
+use vm_memory::{Bytes, GuestAddress, GuestAddressSpace};
+
+/// Opens KVM and a VM, or says loudly why the test is skipped.
+fn kvm_or_skip(test: &str) -> Option<(Kvm, Arc<VmFd>)> {
+    let kvm = match Kvm::new() {
+        Ok(kvm) => kvm,
+        Err(e) => {
+            eprintln!("SKIPPED {test}: cannot open /dev/kvm ({e}): this KVM test did not run");
+            return None;
+        }
+    };
+    let vm = Arc::new(kvm.create_vm().expect("KVM_CREATE_VM"));
+    if let Ok(path) = std::env::var("KVM_TEST_LOG") {
+        let mut log = std::fs::OpenOptions::new()
+            .append(true)
+            .create(true)
+            .open(path)
+            .expect("open $KVM_TEST_LOG");
+        writeln!(log, "kvm-memslots::{test}").expect("write $KVM_TEST_LOG");
+    }
+    Some((kvm, vm))
+}
+
+fn manager(kvm: &Kvm, vm: &Arc<VmFd>) -> MemoryManager<KvmVm> {
+    MemoryManager::new(KvmVm::new(kvm, Arc::clone(vm)).expect("set up KVM's dirty logging"))
+}
+
+const KIB: u64 = 1024;
+/// Where the test guest's code lives.
+const CODE: u64 = 0x1000;
+/// The port the guest reports bytes on.
+const PORT: u16 = 0x10;
+
+/// A real-mode program (guest ring 0 runs in this host's instruction emulator, which handles
+/// these few instructions).
+#[derive(Default)]
+struct Program(Vec<u8>);
+
+impl Program {
+    /// Points DS at the 64 KiB segment holding `gpa` (below 1 MiB); returns the offset.
+    fn segment(&mut self, gpa: u64) -> u16 {
+        assert!(gpa < 0x10_0000, "real mode reaches the first MiB only");
+        let seg = ((gpa & !0xffff) >> 4) as u16;
+        self.0.push(0xb8); // mov ax, imm16
+        self.0.extend(seg.to_le_bytes());
+        self.0.extend([0x8e, 0xd8]); // mov ds, ax
+        (gpa & 0xffff) as u16
+    }
+
+    fn write_byte(mut self, gpa: u64, value: u8) -> Self {
+        let offset = self.segment(gpa);
+        self.0.extend([0xc6, 0x06]); // mov byte [imm16], imm8
+        self.0.extend(offset.to_le_bytes());
+        self.0.push(value);
+        self
+    }
+
+    fn report_byte(mut self, gpa: u64) -> Self {
+        let offset = self.segment(gpa);
+        self.0.push(0xa0); // mov al, [imm16]
+        self.0.extend(offset.to_le_bytes());
+        self.0.extend([0xe6, PORT as u8]); // out PORT, al
+        self
+    }
+
+    fn halt(mut self) -> Vec<u8> {
+        self.0.push(0xf4);
+        self.0
+    }
+}
+
+/// What the guest did: bytes it reported, and the MMIO writes and reads it exited on.
+#[derive(Debug, Default, PartialEq)]
+struct Run {
+    reported: Vec<u8>,
+    mmio_writes: Vec<u64>,
+    mmio_reads: Vec<u64>,
+}
+
+/// Loads `code` at `CODE` through the manager's memory and runs it to `hlt`.
+fn run_guest(
+    vm: &VmFd,
+    memory: &impl GuestAddressSpace<M = kvm_memslots::GuestMemorySlots>,
+    code: &[u8],
+) -> Run {
+    memory
+        .memory()
+        .write_slice(code, GuestAddress(CODE))
+        .expect("load the guest code");
+    // KVM keeps a vCPU until the VM goes, so every run gets a new id.
+    static NEXT_VCPU: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let id = NEXT_VCPU.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let mut vcpu = vm.create_vcpu(id).expect("KVM_CREATE_VCPU");
+    let mut sregs = vcpu.get_sregs().expect("get sregs");
+    sregs.cs.base = 0;
+    sregs.cs.selector = 0;
+    vcpu.set_sregs(&sregs).expect("set sregs");
+    let mut regs = vcpu.get_regs().expect("get regs");
+    regs.rip = CODE;
+    regs.rflags = 2;
+    vcpu.set_regs(&regs).expect("set regs");
+    let mut run = Run::default();
+    loop {
+        match vcpu.run().expect("KVM_RUN") {
+            VcpuExit::IoOut(PORT, data) => run.reported.push(data[0]),
+            VcpuExit::MmioWrite(addr, _) => run.mmio_writes.push(addr),
+            VcpuExit::MmioRead(addr, data) => {
+                data.fill(0xff);
+                run.mmio_reads.push(addr);
+            }
+            VcpuExit::Hlt => return run,
+            other => panic!("unexpected vCPU exit: {other:?}"),
+        }
+    }
+}
+
+/// Whether KVM has a slot covering `gpa`: creating a one-page probe slot there is refused with
+/// EEXIST exactly when one does.
+fn kvm_has_slot_at(vm: &VmFd, probe_page: &[u8; 4096], gpa: u64) -> bool {
+    let slot = kvm_bindings::kvm_userspace_memory_region {
+        slot: 32000,
+        flags: 0,
+        guest_phys_addr: gpa & !0xfff,
+        memory_size: 4096,
+        userspace_addr: probe_page.as_ptr() as u64,
+    };
+    // SAFETY: the probe slot maps `probe_page` (page-aligned, see `ProbePage`), which outlives
+    // the slot: it is deleted again right here.
+    match unsafe { vm.set_user_memory_region(slot) } {
+        Ok(()) => {
+            // SAFETY: deleting needs no memory.
+            unsafe {
+                vm.set_user_memory_region(kvm_bindings::kvm_userspace_memory_region {
+                    memory_size: 0,
+                    ..slot
+                })
+            }
+            .expect("delete the probe slot");
+            false
+        }
+        Err(e) if e.errno() == libc::EEXIST => true,
+        Err(e) => panic!("probe at {gpa:#x}: {e}"),
+    }
+}
+
+/// A page-aligned page for probe slots.
+#[repr(align(4096))]
+struct ProbePage([u8; 4096]);
+
+/// Checks that KVM has a slot at the start of every slot of the map, and none at `free`.
+fn assert_kvm_matches(vm: &VmFd, m: &MemoryManager<impl kvm_memslots::KvmMemory>, free: &[u64]) {
+    let probe = ProbePage([0; 4096]);
+    for slot in m.snapshot().map().iter() {
+        assert!(
+            kvm_has_slot_at(vm, &probe.0, slot.gpa().0),
+            "KVM lost slot {} at {:#x}",
+            slot.id(),
+            slot.gpa().0
+        );
+        let last = slot.gpa().0 + slot.size() - 4096;
+        assert!(
+            kvm_has_slot_at(vm, &probe.0, last),
+            "KVM slot {} shorter than the map's",
+            slot.id()
+        );
+    }
+    for gpa in free {
+        assert!(m.snapshot().map().find_by_gpa(GuestAddress(*gpa)).is_none());
+        assert!(
+            !kvm_has_slot_at(vm, &probe.0, *gpa),
+            "KVM has a slot at {gpa:#x} the map has not"
+        );
+    }
+}
+
+#[test]
+fn kvm_fills_every_slot_then_refuses_one_more() {
+    let Some((kvm, vm)) = kvm_or_skip("kvm_fills_every_slot_then_refuses_one_more") else {
+        return;
+    };
+    let m = manager(&kvm, &vm);
+    let max = kvm.get_nr_memslots();
+    let base = 1 << 30;
+    let start = Instant::now();
+    let region = m
+        .add_region(
+            RegionSpec::new(GuestAddress(base), max as u64 * 4 * KIB).with_slot_size(4 * KIB),
+        )
+        .expect("fill every KVM slot");
+    let created = start.elapsed();
+    let usage = m.slot_usage();
+    assert_eq!((usage.used, usage.free, usage.max as usize), (max, 0, max));
+    eprintln!(
+        "created {max} slots in {created:?}; manager memory {:.0} bytes/slot",
+        m.bytes_per_slot()
+    );
+
+    let before = m.regions();
+    let err = m
+        .add_region(RegionSpec::new(GuestAddress(0), 4 * KIB))
+        .expect_err("one slot more than KVM has");
+    assert_eq!(
+        err.to_string(),
+        format!("out of KVM memory slots: 1 needed, 0 of {max} free")
+    );
+    assert_eq!(m.regions(), before);
+    assert_eq!(m.slot_usage(), usage);
+    assert_eq!(m.snapshot().map().len(), max);
+
+    let start = Instant::now();
+    m.remove_region(region).expect("delete every slot");
+    eprintln!("deleted {max} slots in {:?}", start.elapsed());
+    assert_eq!(m.slot_usage().used, 0);
+    assert_kvm_matches(&vm, &m, &[base, base + (max as u64 - 1) * 4 * KIB]);
+}
+
+/// A code region at 0 and a data region of 16 slots of 16 KiB at 128 KiB.
+fn guest_layout(
+    m: &MemoryManager<impl kvm_memslots::KvmMemory>,
+    log_dirty: bool,
+) -> (RegionId, RegionId) {
+    let code = m
+        .add_region(RegionSpec::new(GuestAddress(0), 64 * KIB))
+        .expect("code region");
+    let mut data = RegionSpec::new(GuestAddress(DATA), 256 * KIB).with_slot_size(16 * KIB);
+    data.log_dirty = log_dirty;
+    (code, m.add_region(data).expect("data region"))
+}
+
+const DATA: u64 = 128 * KIB;
+
+#[test]
+fn kvm_harvest_reports_exactly_the_pages_written() {
+    let Some((kvm, vm)) = kvm_or_skip("kvm_harvest_reports_exactly_the_pages_written") else {
+        return;
+    };
+    let m = manager(&kvm, &vm);
+    let (_, data) = guest_layout(&m, true);
+    let guest_pages = [
+        DATA,
+        DATA + 5 * 4 * KIB + 12,
+        DATA + 130 * KIB,
+        DATA + 255 * KIB,
+    ];
+    let mut program = Program::default();
+    for (i, gpa) in guest_pages.iter().enumerate() {
+        program = program.write_byte(*gpa, i as u8 + 1);
+    }
+    let code = program.halt();
+    // Logging starts with every page counted dirty (initially set): take that first.
+    let first = m
+        .harvest_dirty(Target::Region(data))
+        .expect("first harvest");
+    assert_eq!(first[0].count(), 64, "every page of a newly logging region");
+    // The VMM writes one page through vm-memory; the guest writes four.
+    let vmm_page = DATA + 200 * KIB;
+    m.snapshot()
+        .write_obj(7u8, GuestAddress(vmm_page))
+        .expect("VMM write");
+    let run = run_guest(&vm, &m.handle(), &code);
+    assert_eq!(run, Run::default(), "the guest only writes memory");
+    let dirty = m.harvest_dirty(Target::Region(data)).expect("harvest");
+    let mut expected: Vec<u64> = guest_pages.iter().map(|a| a & !0xfff).collect();
+    expected.push(vmm_page);
+    expected.sort();
+    let got: Vec<u64> = dirty[0].addresses().map(|a| a.0).collect();
+    assert_eq!(got, expected);
+    for (i, gpa) in guest_pages.iter().enumerate() {
+        assert_eq!(
+            m.snapshot()
+                .read_obj::<u8>(GuestAddress(*gpa))
+                .expect("read"),
+            i as u8 + 1
+        );
+    }
+    let again = m
+        .harvest_dirty(Target::Region(data))
+        .expect("second harvest");
+    assert_eq!(again[0].count(), 0, "a second harvest reports nothing new");
+}
+
+#[test]
+fn kvm_data_survives_moves_and_flag_changes() {
+    let Some((kvm, vm)) = kvm_or_skip("kvm_data_survives_moves_and_flag_changes") else {
+        return;
+    };
+    let m = manager(&kvm, &vm);
+    let (_, data) = guest_layout(&m, false);
+    let pattern: Vec<u8> = (0..256 * KIB).map(|i| (i * 7 % 253) as u8).collect();
+    m.snapshot()
+        .write_slice(&pattern, GuestAddress(DATA))
+        .expect("fill");
+    let moved_to = 512 * KIB;
+    m.start_dirty_log(Target::All).expect("start logging");
+    m.move_region(data, GuestAddress(moved_to)).expect("move");
+    m.stop_dirty_log(Target::All).expect("stop logging");
+    m.set_read_only(data, true).expect("read-only");
+    assert_kvm_matches(&vm, &m, &[DATA, DATA + 255 * KIB]);
+    // The guest sees the data at the new place, nothing at the old one, and cannot write it.
+    let probe = [moved_to, moved_to + 100 * KIB + 3, moved_to + 256 * KIB - 1];
+    let mut program = Program::default();
+    for gpa in probe {
+        program = program.report_byte(gpa);
+    }
+    let code = program
+        .write_byte(moved_to + 16, 0x55)
+        .report_byte(DATA)
+        .halt();
+    let run = run_guest(&vm, &m.handle(), &code);
+    let mut expected: Vec<u8> = probe
+        .iter()
+        .map(|a| pattern[(a - moved_to) as usize])
+        .collect();
+    expected.push(0xff); // the old place is MMIO now
+    assert_eq!(run.reported, expected);
+    assert_eq!(
+        run.mmio_writes,
+        vec![moved_to + 16],
+        "a write to a read-only slot exits"
+    );
+    assert_eq!(run.mmio_reads, vec![DATA]);
+    let mut back = vec![0u8; pattern.len()];
+    m.snapshot()
+        .read_slice(&mut back, GuestAddress(moved_to))
+        .expect("read back");
+    assert_eq!(
+        back, pattern,
+        "data changed across move, logging and read-only"
+    );
+    // Writable again: the guest's write lands.
+    m.set_read_only(data, false).expect("read-write");
+    let run = run_guest(
+        &vm,
+        &m.handle(),
+        &Program::default().write_byte(moved_to + 16, 0x55).halt(),
+    );
+    assert_eq!(run, Run::default());
+    assert_eq!(
+        m.snapshot()
+            .read_obj::<u8>(GuestAddress(moved_to + 16))
+            .expect("read"),
+        0x55
+    );
+}
+
+#[test]
+fn kvm_injected_failures_leave_kvm_as_the_map_says() {
+    let Some((kvm, vm)) = kvm_or_skip("kvm_injected_failures_leave_kvm_as_the_map_says") else {
+        return;
+    };
+    let m = MemoryManager::new(Faulty::new(KvmVm::new(&kvm, Arc::clone(&vm)).expect("KVM")));
+    let (_, data) = guest_layout(&m, false);
+    let pattern: Vec<u8> = (0..256 * KIB).map(|i| (i % 241) as u8).collect();
+    m.snapshot()
+        .write_slice(&pattern, GuestAddress(DATA))
+        .expect("fill");
+    let moved_to = 512 * KIB;
+    type Op = fn(&MemoryManager<Faulty<KvmVm>>, RegionId) -> Result<(), Error>;
+    let operations: [(&str, Op, usize); 5] = [
+        ("move", |m, r| m.move_region(r, GuestAddress(512 * KIB)), 16),
+        ("read-only", |m, r| m.set_read_only(r, true), 32),
+        (
+            "start logging",
+            |m, r| m.start_dirty_log(Target::Region(r)),
+            16,
+        ),
+        (
+            "add",
+            |m, _| {
+                m.add_region(
+                    RegionSpec::new(GuestAddress(768 * KIB), 64 * KIB).with_slot_size(8 * KIB),
+                )
+                .map(drop)
+            },
+            8,
+        ),
+        ("remove", |m, r| m.remove_region(r), 16),
+    ];
+    for (name, op, steps) in operations {
+        for k in [0, 1, steps as u64 / 2, steps as u64 - 1] {
+            m.kvm().fail(FakeCall::SetRegion, k, libc::EIO);
+            let before = m.regions();
+            let err = op(&m, data).expect_err(name);
+            assert!(
+                err.to_string().contains("Input/output error"),
+                "{name} at {k}: {err}"
+            );
+            assert_eq!(m.regions(), before);
+            assert_kvm_matches(&vm, &m, &[moved_to, 768 * KIB]);
+        }
+        assert!(!m.kvm().failure_pending());
+    }
+    // After all that, the guest still reads the data where the map says it is.
+    let probe = [DATA, DATA + 77 * KIB, DATA + 256 * KIB - 1];
+    let mut program = Program::default();
+    for gpa in probe {
+        program = program.report_byte(gpa);
+    }
+    let run = run_guest(&vm, &m.handle(), &program.halt());
+    let expected: Vec<u8> = probe.iter().map(|a| pattern[(a - DATA) as usize]).collect();
+    assert_eq!(run.reported, expected);
+}
+
+#[test]
+fn kvm_refusing_an_overlap_undoes_the_slots_created_before() {
+    let Some((kvm, vm)) = kvm_or_skip("kvm_refusing_an_overlap_undoes_the_slots_created_before")
+    else {
+        return;
+    };
+    let m = manager(&kvm, &vm);
+    // A slot the manager does not know about, in the middle of where the region will go.
+    let foreign = ProbePage([0; 4096]);
+    let slot = kvm_bindings::kvm_userspace_memory_region {
+        slot: 32001,
+        flags: 0,
+        guest_phys_addr: DATA + 40 * KIB,
+        memory_size: 4096,
+        userspace_addr: foreign.0.as_ptr() as u64,
+    };
+    // SAFETY: `foreign` outlives the slot, which is deleted at the end of the test.
+    unsafe { vm.set_user_memory_region(slot) }.expect("foreign slot");
+    let err = m
+        .add_region(RegionSpec::new(GuestAddress(DATA), 64 * KIB).with_slot_size(16 * KIB))
+        .expect_err("KVM refuses the overlap");
+    assert_eq!(
+        err.to_string(),
+        "region 0: KVM refused to create slot 2 (guest 0x28000, size 0x4000): File exists (os error 17)"
+    );
+    assert!(m.regions().is_empty());
+    assert_eq!(m.slot_usage().used, 0);
+    // The two slots created before the refusal were deleted again.
+    let probe = ProbePage([0; 4096]);
+    assert!(!kvm_has_slot_at(&vm, &probe.0, DATA));
+    assert!(!kvm_has_slot_at(&vm, &probe.0, DATA + 16 * KIB));
+    // SAFETY: deleting needs no memory.
+    unsafe {
+        vm.set_user_memory_region(kvm_bindings::kvm_userspace_memory_region {
+            memory_size: 0,
+            ..slot
+        })
+    }
+    .expect("delete the foreign slot");
+}
