@@ -679,7 +679,7 @@ impl<K: KvmMemory> MemoryManager<K> {
         &self,
         id: RegionId,
         region: &mut Region,
-        slots: &[Arc<GuestSlotData>],
+        slots: &[&Arc<GuestSlotData>],
     ) -> Result<(), Error> {
         let mut log = Vec::new();
         for slot in slots.iter().filter(|s| s.flags().log_dirty) {
@@ -902,12 +902,15 @@ fn check_range(gpa: u64, size: u64) -> Result<(), Error> {
     Ok(())
 }
 
-fn region_slots(current: &MemslotMap<SlotBacking>, region: &Region) -> Vec<Arc<GuestSlotData>> {
-    region
-        .slots
-        .iter()
-        .map(|id| Arc::clone(current.get(*id).expect("a region's slots are in the map")))
-        .collect()
+/// The region's slots in offset order. They are contiguous in guest-address order, so this is
+/// one walk along the map's leaves rather than a lookup per slot.
+fn region_slots<'a>(
+    current: &'a MemslotMap<SlotBacking>,
+    region: &Region,
+) -> Vec<&'a Arc<GuestSlotData>> {
+    let slots: Vec<_> = current.iter_from_gpa(region.gpa).take(region.slots.len()).collect();
+    debug_assert!(slots.iter().map(|s| s.id()).eq(region.slots.iter().copied()));
+    slots
 }
 
 fn target_regions(state: &State, target: Target) -> Result<Vec<RegionId>, Error> {
