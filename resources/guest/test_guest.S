@@ -1,0 +1,161 @@
+# tinyvmm's built-in test guest: 64-bit code that runs in ring 3 (user mode runs natively even
+# under software-only virtualisation, where ring 0 is emulated) and executes commands the host
+# posts in a per-vCPU command block. Plain instructions only: no SSE, XSAVE or syscall.
+#
+# The VMM loads this code at CODE_GPA and enters it in ring 3 with IOPL 3, identity page tables,
+# rsi = the vCPU's command block and rsp = its stack. Layout of a command block (u64 fields):
+#   0x00 cmd_seq   host: bumped to post a command     0x08 done_seq  guest: = cmd_seq when done
+#   0x10 op        1 write, 2 verify, 3 write loop, 4 exit
+#   0x18 start     0x20 end      0x28 stride    0x30 seed     (the range [start, end))
+#   0x38 stop      host: non-zero ends a write loop after the current pass
+#   0x40 result    guest: verify's first bad address (0: all good; -1: unknown op)
+#   0x48 found     guest: the value found there      0x50 passes  guest: write-loop passes done
+# The value of a page at address a written with seed s is a ^ s (a u64 at a).
+#
+# Ring 0 is used only for exceptions: each vector's stub stores the vector and the top of the
+# exception stack in the fault block (FAULT_GPA) and reports it on PORT_FAULT.
+
+.intel_syntax noprefix
+.code64
+
+.set CMD_SEQ, 0x00
+.set DONE_SEQ, 0x08
+.set OP, 0x10
+.set START, 0x18
+.set END, 0x20
+.set STRIDE, 0x28
+.set SEED, 0x30
+.set STOP, 0x38
+.set RESULT, 0x40
+.set FOUND, 0x48
+.set PASSES, 0x50
+
+.set OP_WRITE, 1
+.set OP_VERIFY, 2
+.set OP_WRITE_LOOP, 3
+.set OP_EXIT, 4
+
+.set PORT_DONE, 0x510
+.set PORT_EXIT, 0x511
+.set PORT_FAULT, 0x512
+
+.set FAULT_GPA, 0x1f00
+
+.text
+# Offset 0: the entry point.
+entry:
+    jmp start
+
+# Offset 0x100: 32 exception stubs of 16 bytes each, one per vector.
+.org 0x100
+.set vector, 0
+.rept 32
+    .balign 16
+    push vector
+    jmp fault
+    .set vector, vector + 1
+.endr
+
+.balign 16
+fault:
+    pop rax
+    mov qword ptr [FAULT_GPA], rax
+    mov rcx, qword ptr [rsp]
+    mov qword ptr [FAULT_GPA + 0x08], rcx
+    mov rcx, qword ptr [rsp + 0x08]
+    mov qword ptr [FAULT_GPA + 0x10], rcx
+    mov rcx, qword ptr [rsp + 0x10]
+    mov qword ptr [FAULT_GPA + 0x18], rcx
+    mov rcx, qword ptr [rsp + 0x18]
+    mov qword ptr [FAULT_GPA + 0x20], rcx
+    mov rcx, qword ptr [rsp + 0x20]
+    mov qword ptr [FAULT_GPA + 0x28], rcx
+    mov dx, PORT_FAULT
+    out dx, eax
+1:  hlt
+    jmp 1b
+
+start:
+    mov rbx, rsi                        # rbx: the command block, for the whole run
+    mov r15, qword ptr [rbx + DONE_SEQ] # first report ready, as if a command had just ended
+    jmp done
+
+next_command:
+    mov rax, qword ptr [rbx + CMD_SEQ]
+    cmp rax, qword ptr [rbx + DONE_SEQ]
+    jne have_command
+    pause
+    jmp next_command
+
+have_command:
+    mov r15, rax                        # r15: this command's sequence number
+    mov r8, qword ptr [rbx + START]
+    mov r9, qword ptr [rbx + END]
+    mov r10, qword ptr [rbx + STRIDE]
+    mov r11, qword ptr [rbx + SEED]
+    mov rax, qword ptr [rbx + OP]
+    cmp rax, OP_WRITE
+    je op_write
+    cmp rax, OP_VERIFY
+    je op_verify
+    cmp rax, OP_WRITE_LOOP
+    je op_write_loop
+    cmp rax, OP_EXIT
+    je op_exit
+    mov qword ptr [rbx + RESULT], -1
+    jmp done
+
+op_write:
+    call write_pass
+    jmp done
+
+op_verify:
+    mov qword ptr [rbx + RESULT], 0
+    mov rcx, r8
+1:  cmp rcx, r9
+    jae done
+    mov rax, rcx
+    xor rax, r11
+    mov rdx, qword ptr [rcx]
+    cmp rdx, rax
+    jne 2f
+    add rcx, r10
+    jmp 1b
+2:  mov qword ptr [rbx + FOUND], rdx
+    mov qword ptr [rbx + RESULT], rcx
+    jmp done
+
+op_write_loop:
+    xor r12, r12                        # r12: passes completed
+    mov qword ptr [rbx + PASSES], 0
+1:  mov r11, qword ptr [rbx + SEED]
+    add r11, r12                        # pass k writes a ^ (seed + k)
+    call write_pass
+    inc r12
+    mov qword ptr [rbx + PASSES], r12
+    cmp qword ptr [rbx + STOP], 0
+    je 1b
+    jmp done
+
+op_exit:
+    mov dx, PORT_EXIT
+    out dx, al
+    jmp op_exit
+
+# Writes a ^ r11 at a = r8, r8 + r10, ... below r9.
+write_pass:
+    mov rcx, r8
+1:  cmp rcx, r9
+    jae 2f
+    mov rax, rcx
+    xor rax, r11
+    mov qword ptr [rcx], rax
+    add rcx, r10
+    jmp 1b
+2:  ret
+
+done:
+    mov qword ptr [rbx + DONE_SEQ], r15
+    mov dx, PORT_DONE
+    out dx, al
+    jmp next_command

@@ -1,0 +1,240 @@
+//! The main job: run the test guest across many slots and check every slot both ways.
+//!
+//! The guest writes a pattern at both ends of every slot and the host reads it back through
+//! the memory map; then the host writes a new pattern and the guest checks it. A slot that KVM
+//! maps to the wrong host memory, or the map to the wrong guest address, fails the run.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use serde::Serialize;
+use vm_memory::{Bytes, GuestAddress};
+use vmm_sys_util::eventfd::EventFd;
+
+use crate::area::{AreaError, TestArea, AREA_GPA};
+use crate::guest::{pattern, Command, Op};
+use crate::vm::{Vcpus, Vm, VmError};
+
+/// What to run.
+#[derive(Debug, Clone, Copy)]
+pub struct CheckConfig {
+    /// KVM slots in all (one is the system region's).
+    pub slots: usize,
+    /// Bytes of test area to split over the other slots.
+    pub area_size: u64,
+    /// vCPUs sharing the work.
+    pub vcpus: usize,
+}
+
+/// Why a check run failed.
+#[derive(Debug, thiserror::Error)]
+pub enum CheckError {
+    /// The VM failed.
+    #[error(transparent)]
+    Vm(#[from] VmError),
+    /// The test area could not be made.
+    #[error(transparent)]
+    Area(#[from] AreaError),
+    /// Fewer than two slots, or more than KVM has.
+    #[error("{asked} slots asked for; KVM offers 2 to {max} (one is the system region's)")]
+    SlotCount {
+        /// Slots asked for.
+        asked: usize,
+        /// KVM's limit.
+        max: usize,
+    },
+    /// Reading guest memory from the host failed.
+    #[error("host read at {gpa:#x} failed: {source}")]
+    Read {
+        /// The address.
+        gpa: u64,
+        /// vm-memory's error.
+        source: vm_memory::GuestMemoryError,
+    },
+    /// The run was interrupted (a signal).
+    #[error("interrupted")]
+    Interrupted,
+}
+
+/// What a check run did.
+#[derive(Debug, Clone, Serialize)]
+pub struct CheckReport {
+    /// KVM slots in use.
+    pub slots: usize,
+    /// Slots in the test area.
+    pub area_slots: u64,
+    /// Bytes per test slot.
+    pub slot_size: u64,
+    /// Bytes of test area.
+    pub area_size: u64,
+    /// vCPUs.
+    pub vcpus: usize,
+    /// Addresses checked in each direction (both ends of every slot).
+    pub addresses_checked: u64,
+    /// Adding the test area (every KVM slot created).
+    pub slot_setup: Duration,
+    /// The guest writing both ends of every slot.
+    pub guest_write: Duration,
+    /// The host checking them.
+    pub host_check: Duration,
+    /// The host writing a new pattern.
+    pub host_write: Duration,
+    /// The guest checking it.
+    pub guest_check: Duration,
+    /// The manager's memory per slot.
+    pub manager_bytes_per_slot: f64,
+}
+
+/// Runs the check; `stop` interrupts it between steps.
+pub fn run_check(
+    config: CheckConfig,
+    stop: &AtomicBool,
+    stopped: &Arc<EventFd>,
+) -> Result<CheckReport, CheckError> {
+    let vm = Vm::new()?;
+    let max = vm.max_slots();
+    if config.slots < 2 || config.slots > max {
+        return Err(CheckError::SlotCount {
+            asked: config.slots,
+            max,
+        });
+    }
+    let start = Instant::now();
+    let area = TestArea::add(
+        vm.memory(),
+        AREA_GPA,
+        config.area_size,
+        config.slots as u64 - 1,
+    )?;
+    let slot_setup = start.elapsed();
+    let mut vcpus = vm.start_vcpus(config.vcpus, stopped)?;
+    let result = check_area(&vm, &mut vcpus, &area, stop);
+    let shutdown = vcpus.shut_down();
+    let (guest_write, host_check, host_write, guest_check) = result?;
+    shutdown?;
+    Ok(CheckReport {
+        slots: vm.memory().slot_usage().used,
+        area_slots: area.slots,
+        slot_size: area.slot_size,
+        area_size: area.size(),
+        vcpus: config.vcpus,
+        addresses_checked: 2 * area.slots,
+        slot_setup,
+        guest_write,
+        host_check,
+        host_write,
+        guest_check,
+        manager_bytes_per_slot: vm.memory().bytes_per_slot(),
+    })
+}
+
+/// The first and last u64 of every slot.
+fn addresses(area: &TestArea) -> impl Iterator<Item = u64> + '_ {
+    (0..area.slots).flat_map(|i| [area.slot_gpa(i), area.slot_gpa(i + 1) - 8])
+}
+
+/// Runs `op` with `seed` on both ends of every slot, the slots shared among the vCPUs.
+fn guest_pass(vcpus: &mut Vcpus, area: &TestArea, op: Op, seed: u64) -> Result<Duration, VmError> {
+    let start = Instant::now();
+    for offset in [0, area.slot_size - 8] {
+        for v in 0..vcpus.count() {
+            let (first, last) = area.share(v, vcpus.count());
+            vcpus.start(
+                v,
+                Command {
+                    op,
+                    start: area.slot_gpa(first) + offset,
+                    end: area.slot_gpa(last),
+                    stride: area.slot_size,
+                    seed,
+                },
+            );
+        }
+        for v in 0..vcpus.count() {
+            vcpus.wait(v)?;
+        }
+    }
+    Ok(start.elapsed())
+}
+
+type Times = (Duration, Duration, Duration, Duration);
+
+fn check_area(
+    vm: &Vm,
+    vcpus: &mut Vcpus,
+    area: &TestArea,
+    stop: &AtomicBool,
+) -> Result<Times, CheckError> {
+    let interrupted = || stop.load(Ordering::Acquire);
+    let guest_seed = 0x5eed_0000_6e57_0001;
+    let guest_write = guest_pass(vcpus, area, Op::Write, guest_seed)?;
+    if interrupted() {
+        return Err(CheckError::Interrupted);
+    }
+    let memory = vm.memory().snapshot();
+    let start = Instant::now();
+    for gpa in addresses(area) {
+        let found: u64 = memory
+            .read_obj(GuestAddress(gpa))
+            .map_err(|source| CheckError::Read { gpa, source })?;
+        let expected = pattern(gpa, guest_seed);
+        if found != expected {
+            return Err(VmError::HostSawWrongData {
+                gpa,
+                found,
+                expected,
+            }
+            .into());
+        }
+    }
+    let host_check = start.elapsed();
+    if interrupted() {
+        return Err(CheckError::Interrupted);
+    }
+    let host_seed = 0x5eed_0000_4057_0002;
+    let start = Instant::now();
+    for gpa in addresses(area) {
+        memory
+            .write_obj(pattern(gpa, host_seed), GuestAddress(gpa))
+            .map_err(|source| CheckError::Read { gpa, source })?;
+    }
+    let host_write = start.elapsed();
+    let guest_check = guest_pass(vcpus, area, Op::Verify, host_seed)?;
+    Ok((guest_write, host_check, host_write, guest_check))
+}
+
+impl std::fmt::Display for CheckReport {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let ms = |d: Duration| d.as_secs_f64() * 1e3;
+        writeln!(
+            f,
+            "{} KVM slots: 1 system slot + {} test slots of {} KiB ({} MiB at {:#x}), {} vCPU(s)",
+            self.slots,
+            self.area_slots,
+            self.slot_size / 1024,
+            self.area_size >> 20,
+            AREA_GPA,
+            self.vcpus
+        )?;
+        writeln!(
+            f,
+            "  slot setup    {:9.1} ms  (every test slot created in KVM)",
+            ms(self.slot_setup)
+        )?;
+        writeln!(
+            f,
+            "  guest write   {:9.1} ms  ({} addresses: both ends of every slot)",
+            ms(self.guest_write),
+            self.addresses_checked
+        )?;
+        writeln!(f, "  host check    {:9.1} ms  ok", ms(self.host_check))?;
+        writeln!(f, "  host write    {:9.1} ms", ms(self.host_write))?;
+        writeln!(f, "  guest check   {:9.1} ms  ok", ms(self.guest_check))?;
+        write!(
+            f,
+            "  manager memory {:.0} bytes per slot",
+            self.manager_bytes_per_slot
+        )
+    }
+}

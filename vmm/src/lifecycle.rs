@@ -1,0 +1,140 @@
+//! The VMM's event loop (event-manager) for everything that is not a vCPU: the job's end, vCPUs
+//! stopping, and SIGINT/SIGTERM, which end the job cleanly.
+
+use std::os::fd::AsRawFd;
+use std::sync::atomic::{AtomicBool, AtomicI32, Ordering};
+use std::sync::{Arc, Mutex};
+
+use event_manager::{EventManager, EventOps, EventSet, Events, MutEventSubscriber, SubscriberOps};
+use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
+use vmm_sys_util::signal::register_signal_handler;
+
+/// What a job gets to see of the loop.
+#[derive(Clone)]
+pub struct JobContext {
+    /// Set when the job should stop early (a signal came, or a vCPU stopped on an error).
+    pub stop: Arc<AtomicBool>,
+    /// For vCPU threads to signal that they stopped.
+    pub vcpu_stopped: Arc<EventFd>,
+}
+
+/// How the loop ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Ending {
+    /// The job finished on its own.
+    Finished,
+    /// SIGINT or SIGTERM asked the VMM to stop.
+    Interrupted,
+}
+
+/// The write end of the signal eventfd, for the async-signal-safe handler.
+static SIGNAL_FD: AtomicI32 = AtomicI32::new(-1);
+
+extern "C" fn on_termination_signal(_: libc::c_int, _: *mut libc::siginfo_t, _: *mut libc::c_void) {
+    let fd = SIGNAL_FD.load(Ordering::Relaxed);
+    if fd >= 0 {
+        let one = 1u64;
+        // SAFETY: write(2) is async-signal-safe; `one` is a valid 8-byte buffer, and `fd` is an
+        // eventfd that lives for the rest of the process once published.
+        unsafe { libc::write(fd, (&one as *const u64).cast(), 8) };
+    }
+}
+
+struct Lifecycle {
+    context: JobContext,
+    job_done: Arc<EventFd>,
+    signal: Arc<EventFd>,
+    ending: Option<Ending>,
+}
+
+impl MutEventSubscriber for Lifecycle {
+    fn process(&mut self, events: Events, _ops: &mut EventOps) {
+        let fd = events.fd();
+        if fd == self.job_done.as_raw_fd() {
+            let _ = self.job_done.read();
+            self.ending.get_or_insert(Ending::Finished);
+        } else if fd == self.signal.as_raw_fd() {
+            let _ = self.signal.read();
+            eprintln!("tinyvmm: stopping on a signal");
+            self.context.stop.store(true, Ordering::Release);
+            self.ending = Some(Ending::Interrupted);
+        } else if fd == self.context.vcpu_stopped.as_raw_fd() {
+            // The job hears why from the vCPU itself; the loop only wakes it up.
+            let _ = self.context.vcpu_stopped.read();
+        }
+    }
+
+    fn init(&mut self, ops: &mut EventOps) {
+        for fd in [&*self.job_done, &*self.signal, &*self.context.vcpu_stopped] {
+            ops.add(Events::new(fd, EventSet::IN))
+                .expect("watching an eventfd");
+        }
+    }
+}
+
+/// Errors of the loop itself.
+#[derive(Debug, thiserror::Error)]
+pub enum LoopError {
+    /// Creating the loop's eventfds or epoll failed.
+    #[error("setting up the event loop failed: {0}")]
+    Setup(String),
+}
+
+/// Runs `job` on its own thread while this thread runs the event loop; returns the job's result
+/// and how the loop ended. A signal sets the job's stop flag; the loop waits for the job anyway
+/// so that it can shut its vCPUs down cleanly.
+pub fn run_job<T: Send + 'static>(
+    job: impl FnOnce(JobContext) -> T + Send + 'static,
+) -> Result<(T, Ending), LoopError> {
+    let setup = |e: vmm_sys_util::errno::Error| LoopError::Setup(e.to_string());
+    let eventfd = || {
+        EventFd::new(EFD_NONBLOCK)
+            .map(Arc::new)
+            .map_err(|e| LoopError::Setup(e.to_string()))
+    };
+    let context = JobContext {
+        stop: Arc::new(AtomicBool::new(false)),
+        vcpu_stopped: eventfd()?,
+    };
+    let job_done = eventfd()?;
+    let signal = eventfd()?;
+    SIGNAL_FD.store(signal.as_raw_fd(), Ordering::Relaxed);
+    for num in [libc::SIGINT, libc::SIGTERM] {
+        register_signal_handler(num, on_termination_signal).map_err(setup)?;
+    }
+    let lifecycle = Arc::new(Mutex::new(Lifecycle {
+        context: context.clone(),
+        job_done: Arc::clone(&job_done),
+        signal: Arc::clone(&signal),
+        ending: None,
+    }));
+    let mut manager: EventManager<Arc<Mutex<dyn MutEventSubscriber + Send>>> =
+        EventManager::new().map_err(|e| LoopError::Setup(format!("{e:?}")))?;
+    manager.add_subscriber(lifecycle.clone());
+    let job_context = context.clone();
+    let job_done_writer = Arc::clone(&job_done);
+    let worker = std::thread::Builder::new()
+        .name("job".into())
+        .spawn(move || {
+            let result = job(job_context);
+            let _ = job_done_writer.write(1);
+            result
+        })
+        .map_err(|e| LoopError::Setup(e.to_string()))?;
+    let mut ending = Ending::Finished;
+    loop {
+        // A signal interrupts epoll_wait; that is not an error.
+        let _ = manager.run_with_timeout(1000);
+        let state = lifecycle.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(e) = state.ending {
+            ending = e;
+        }
+        if worker.is_finished() {
+            break;
+        }
+    }
+    let result = worker
+        .join()
+        .unwrap_or_else(|panic| std::panic::resume_unwind(panic));
+    Ok((result, ending))
+}

@@ -1,0 +1,245 @@
+//! A vCPU thread: runs the guest and carries out what the exit handler decides.
+
+use std::ops::Range;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::mpsc::{Receiver, Sender};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use kvm_ioctls::{VcpuExit, VcpuFd};
+use kvm_memslots::{KvmVm, MemoryManager};
+use vm_memory::Bytes;
+use vmm_sys_util::eventfd::EventFd;
+
+use crate::exit::{handle_exit, Action, Exit, ExitContext, ExitError};
+use crate::guest::Fault;
+
+/// Counts of the exits a vCPU handled, readable while it runs.
+#[derive(Debug, Default)]
+pub struct ExitCounters {
+    /// Every exit.
+    pub exits: AtomicU64,
+    /// Accesses to memory that was away during a slot change, finished against the map.
+    pub completed_after_change: AtomicU64,
+    /// Exits inside the expected window.
+    pub expected: AtomicU64,
+    /// Writes to read-only slots, dropped.
+    pub read_only_writes: AtomicU64,
+}
+
+/// What the host and a vCPU thread share.
+#[derive(Debug, Default)]
+pub struct VcpuShared {
+    /// Exit counts.
+    pub counters: ExitCounters,
+    /// Where MMIO exits are expected (see [`ExitContext::expected_mmio`]).
+    pub expected_mmio: Mutex<Option<Range<u64>>>,
+    /// Set to make the vCPU stop at its next exit.
+    pub stop: AtomicBool,
+}
+
+/// Why a vCPU stopped other than by the guest's exit command.
+#[derive(Debug, thiserror::Error)]
+pub enum VcpuError {
+    /// The exit handler gave up.
+    #[error("vCPU {vcpu}: {error}")]
+    Exit {
+        /// The vCPU.
+        vcpu: usize,
+        /// Why.
+        error: ExitError,
+    },
+    /// The guest took an exception.
+    #[error("vCPU {vcpu}: the guest took {fault}")]
+    Fault {
+        /// The vCPU.
+        vcpu: usize,
+        /// What the guest's fault block says.
+        fault: Fault,
+    },
+    /// `KVM_RUN` failed.
+    #[error("vCPU {vcpu}: KVM_RUN failed: {source}")]
+    Run {
+        /// The vCPU.
+        vcpu: usize,
+        /// The kernel's error.
+        source: kvm_ioctls::Error,
+    },
+    /// Finishing an access against the memory map failed.
+    #[error("vCPU {vcpu}: finishing an access at {gpa:#x} against memory failed: {source}")]
+    Memory {
+        /// The vCPU.
+        vcpu: usize,
+        /// The address.
+        gpa: u64,
+        /// vm-memory's error.
+        source: vm_memory::GuestMemoryError,
+    },
+}
+
+/// What a vCPU thread tells the host.
+#[derive(Debug)]
+pub enum VcpuEvent {
+    /// The guest finished a command (or is ready for its first one); the vCPU waits for the
+    /// host's go-ahead before it enters the guest again.
+    Done,
+    /// The vCPU stopped: the guest exited, or the host asked it to stop.
+    Stopped,
+    /// The vCPU stopped on an error.
+    Failed(VcpuError),
+}
+
+/// One vCPU, ready to run on its own thread.
+pub struct Vcpu {
+    /// Its index (and KVM vCPU id).
+    pub index: usize,
+    /// KVM's vCPU.
+    pub fd: VcpuFd,
+    /// The guest's memory.
+    pub memory: Arc<MemoryManager<KvmVm>>,
+    /// Shared with the host.
+    pub shared: Arc<VcpuShared>,
+    /// Where events go.
+    pub events: Sender<VcpuEvent>,
+    /// The host's go-ahead after [`VcpuEvent::Done`].
+    pub resume: Receiver<()>,
+    /// Signalled when the vCPU stops, for the VMM's event loop.
+    pub stopped: Arc<EventFd>,
+}
+
+impl Vcpu {
+    /// Runs the guest until it exits, the host stops it or an error; reports how it ended.
+    pub fn run(mut self) {
+        let event = match self.run_loop() {
+            Ok(()) => VcpuEvent::Stopped,
+            Err(e) => VcpuEvent::Failed(e),
+        };
+        // The host may have gone already; nothing is left to tell then.
+        let _ = self.events.send(event);
+        let _ = self.stopped.write(1);
+    }
+
+    fn run_loop(&mut self) -> Result<(), VcpuError> {
+        let Vcpu {
+            index,
+            fd,
+            memory,
+            shared,
+            events,
+            resume,
+            ..
+        } = self;
+        let vcpu = *index;
+        loop {
+            if shared.stop.load(Ordering::Acquire) {
+                return Ok(());
+            }
+            let sequence_at_entry = memory.change_sequence();
+            let (exit, mut read_buffer) = match fd.run() {
+                Ok(VcpuExit::IoOut(port, data)) => (Exit::IoOut { port, data }, None),
+                Ok(VcpuExit::IoIn(port, data)) => (
+                    Exit::IoIn {
+                        port,
+                        len: data.len(),
+                    },
+                    None,
+                ),
+                Ok(VcpuExit::MmioRead(gpa, data)) => (
+                    Exit::MmioRead {
+                        gpa,
+                        len: data.len(),
+                    },
+                    Some(data),
+                ),
+                Ok(VcpuExit::MmioWrite(gpa, data)) => (Exit::MmioWrite { gpa, data }, None),
+                Ok(VcpuExit::Hlt) => (Exit::Hlt, None),
+                Ok(VcpuExit::Shutdown) => (Exit::Shutdown, None),
+                Ok(VcpuExit::InternalError) => (Exit::InternalError, None),
+                Ok(VcpuExit::FailEntry(reason, _)) => (Exit::FailEntry { reason }, None),
+                Ok(VcpuExit::Intr) => (Exit::Interrupted, None),
+                Ok(_) => (
+                    Exit::Other("an exit kind the test guest never causes"),
+                    None,
+                ),
+                Err(e) if e.errno() == libc::EINTR || e.errno() == libc::EAGAIN => {
+                    (Exit::Interrupted, None)
+                }
+                Err(source) => return Err(VcpuError::Run { vcpu, source }),
+            };
+            shared.counters.exits.fetch_add(1, Ordering::Relaxed);
+            loop {
+                // The sequence first, then the map: a map loaded after an even sequence holds
+                // every change that sequence counts.
+                let sequence_now = memory.change_sequence();
+                let snapshot = memory.snapshot();
+                let expected_mmio = shared
+                    .expected_mmio
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .clone();
+                let ctx = ExitContext {
+                    memory: snapshot.map(),
+                    sequence_at_entry,
+                    sequence_now,
+                    expected_mmio,
+                };
+                let memory_error = |gpa: u64| move |source| VcpuError::Memory { vcpu, gpa, source };
+                match handle_exit(&exit, &ctx) {
+                    Action::WaitForChange => {
+                        while memory.change_sequence() % 2 == 1 {
+                            std::thread::sleep(Duration::from_micros(20));
+                        }
+                        continue;
+                    }
+                    Action::Resume => {}
+                    Action::CommandDone => {
+                        if events.send(VcpuEvent::Done).is_err() || resume.recv().is_err() {
+                            // The host is gone: nobody will post another command.
+                            return Ok(());
+                        }
+                    }
+                    Action::GuestExit => return Ok(()),
+                    Action::WriteMemory { gpa, data } => {
+                        snapshot
+                            .write_slice(&data, gpa)
+                            .map_err(memory_error(gpa.0))?;
+                        shared
+                            .counters
+                            .completed_after_change
+                            .fetch_add(1, Ordering::Relaxed);
+                    }
+                    Action::ReadMemory { gpa, len } => {
+                        let buffer = read_buffer
+                            .as_deref_mut()
+                            .expect("a read exit has a buffer");
+                        snapshot
+                            .read_slice(&mut buffer[..len], gpa)
+                            .map_err(memory_error(gpa.0))?;
+                        shared
+                            .counters
+                            .completed_after_change
+                            .fetch_add(1, Ordering::Relaxed);
+                    }
+                    Action::CountExpected => {
+                        if let Some(buffer) = read_buffer.as_deref_mut() {
+                            buffer.fill(0xff);
+                        }
+                        shared.counters.expected.fetch_add(1, Ordering::Relaxed);
+                    }
+                    Action::DropReadOnlyWrite => {
+                        shared
+                            .counters
+                            .read_only_writes
+                            .fetch_add(1, Ordering::Relaxed);
+                    }
+                    Action::GuestFault => {
+                        let fault = Fault::read(&*snapshot);
+                        return Err(VcpuError::Fault { vcpu, fault });
+                    }
+                    Action::Fatal(error) => return Err(VcpuError::Exit { vcpu, error }),
+                }
+                break;
+            }
+        }
+    }
+}

@@ -1,0 +1,336 @@
+//! A VM running the test guest: KVM, its memory (through kvm-memslots) and vCPU threads, and
+//! the host's side of the guest's command protocol.
+
+use std::sync::atomic::Ordering;
+use std::sync::mpsc::{channel, Receiver, RecvTimeoutError, Sender};
+use std::sync::{Arc, Once};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use kvm_ioctls::{Kvm, VmFd};
+use kvm_memslots::{KvmVm, MemoryManager, RegionId, RegionSpec};
+use vm_memory::GuestAddress;
+use vmm_sys_util::eventfd::EventFd;
+use vmm_sys_util::signal::{register_signal_handler, Killable, SIGRTMIN};
+
+use crate::guest::{self, Command, CommandBlock, Op, Outcome};
+use crate::vcpu::{Vcpu, VcpuError, VcpuEvent, VcpuShared};
+
+/// Why the VM could not be set up or driven.
+#[derive(Debug, thiserror::Error)]
+pub enum VmError {
+    /// `/dev/kvm` could not be opened.
+    #[error("cannot open /dev/kvm: {0}")]
+    Kvm(kvm_ioctls::Error),
+    /// A KVM ioctl of the set-up failed.
+    #[error("{what} failed: {source}")]
+    Setup {
+        /// What was being set up.
+        what: &'static str,
+        /// The kernel's error.
+        source: kvm_ioctls::Error,
+    },
+    /// The memory manager refused.
+    #[error(transparent)]
+    Memory(#[from] kvm_memslots::Error),
+    /// Writing the guest's tables and code failed.
+    #[error("writing the guest's system memory failed: {0}")]
+    GuestMemory(#[from] vm_memory::GuestMemoryError),
+    /// More vCPUs than the test guest's layout has room for.
+    #[error("{0} vCPUs asked for; the test guest supports 1 to {max}", max = guest::MAX_VCPUS)]
+    TooManyVcpus(usize),
+    /// A vCPU stopped on an error.
+    #[error(transparent)]
+    Vcpu(#[from] VcpuError),
+    /// The guest did not finish a command in time.
+    #[error("vCPU {vcpu}: no answer from the guest within {timeout:?} to {op:?}")]
+    Timeout {
+        /// The vCPU.
+        vcpu: usize,
+        /// The command.
+        op: Op,
+        /// How long the host waited.
+        timeout: Duration,
+    },
+    /// A vCPU stopped while the host waited for it.
+    #[error("vCPU {0} stopped while the host was waiting for it")]
+    Stopped(usize),
+    /// A verify command found a page that does not hold its pattern.
+    #[error("guest found {found:#x} at {gpa:#x} where the host had written {expected:#x}")]
+    GuestSawWrongData {
+        /// The address.
+        gpa: u64,
+        /// What the guest read.
+        found: u64,
+        /// What the host had written.
+        expected: u64,
+    },
+    /// The host read back something other than what the guest wrote.
+    #[error("host found {found:#x} at {gpa:#x} where the guest had written {expected:#x}")]
+    HostSawWrongData {
+        /// The address.
+        gpa: u64,
+        /// What the host read.
+        found: u64,
+        /// What the guest had written.
+        expected: u64,
+    },
+}
+
+/// The VM: KVM, guest memory with the system region in place, and the test guest's code.
+pub struct Vm {
+    kvm: Kvm,
+    fd: Arc<VmFd>,
+    memory: Arc<MemoryManager<KvmVm>>,
+    system: RegionId,
+}
+
+extern "C" fn ignore_signal(_: libc::c_int, _: *mut libc::siginfo_t, _: *mut libc::c_void) {}
+
+/// The signal that kicks a vCPU thread out of `KVM_RUN`.
+fn kick_signal() -> libc::c_int {
+    SIGRTMIN()
+}
+
+impl Vm {
+    /// Creates the VM and its system region (guest address 0, one slot: tables, code, stacks,
+    /// command blocks).
+    pub fn new() -> Result<Self, VmError> {
+        let kvm = Kvm::new().map_err(VmError::Kvm)?;
+        let fd = Arc::new(kvm.create_vm().map_err(|source| VmError::Setup {
+            what: "KVM_CREATE_VM",
+            source,
+        })?);
+        let kvm_vm = KvmVm::new(&kvm, Arc::clone(&fd)).map_err(|source| VmError::Setup {
+            what: "enabling manual dirty-log protection",
+            source,
+        })?;
+        let memory = Arc::new(MemoryManager::new(kvm_vm));
+        let system = memory.add_region(RegionSpec::new(GuestAddress(0), guest::SYSTEM_SIZE))?;
+        guest::write_system_memory(&*memory.snapshot())?;
+        static HANDLER: Once = Once::new();
+        HANDLER.call_once(|| {
+            register_signal_handler(kick_signal(), ignore_signal)
+                .expect("SIGRTMIN is a valid signal for a handler");
+        });
+        Ok(Vm {
+            kvm,
+            fd,
+            memory,
+            system,
+        })
+    }
+
+    /// The guest's memory.
+    pub fn memory(&self) -> &Arc<MemoryManager<KvmVm>> {
+        &self.memory
+    }
+
+    /// The system region.
+    pub fn system_region(&self) -> RegionId {
+        self.system
+    }
+
+    /// KVM's number of memory slots.
+    pub fn max_slots(&self) -> usize {
+        self.kvm.get_nr_memslots()
+    }
+
+    /// Creates `count` vCPUs in the guest's boot state and starts their threads; returns once
+    /// each guest reported ready.
+    pub fn start_vcpus(&self, count: usize, stopped: &Arc<EventFd>) -> Result<Vcpus, VmError> {
+        if count == 0 || count > guest::MAX_VCPUS {
+            return Err(VmError::TooManyVcpus(count));
+        }
+        let setup = |what| move |source| VmError::Setup { what, source };
+        let mut vcpus = Vcpus {
+            memory: Arc::clone(&self.memory),
+            threads: Vec::new(),
+            timeout: Duration::from_secs(120),
+        };
+        for index in 0..count {
+            let fd = self
+                .fd
+                .create_vcpu(index as u64)
+                .map_err(setup("KVM_CREATE_VCPU"))?;
+            let sregs = fd.get_sregs().map_err(setup("KVM_GET_SREGS"))?;
+            fd.set_sregs(&guest::boot_sregs(sregs))
+                .map_err(setup("KVM_SET_SREGS"))?;
+            fd.set_regs(&guest::boot_regs(index))
+                .map_err(setup("KVM_SET_REGS"))?;
+            let (events_tx, events) = channel();
+            let (resume, resume_rx) = channel();
+            let shared = Arc::new(VcpuShared::default());
+            let vcpu = Vcpu {
+                index,
+                fd,
+                memory: Arc::clone(&self.memory),
+                shared: Arc::clone(&shared),
+                events: events_tx,
+                resume: resume_rx,
+                stopped: Arc::clone(stopped),
+            };
+            let thread = std::thread::Builder::new()
+                .name(format!("vcpu{index}"))
+                .spawn(move || vcpu.run())
+                .expect("spawning a vCPU thread");
+            vcpus.threads.push(VcpuThread {
+                thread: Some(thread),
+                shared,
+                events,
+                resume: Some(resume),
+                block: CommandBlock::new(index),
+                running: None,
+            });
+        }
+        for index in 0..count {
+            vcpus.wait_event(index, Op::Write)?;
+        }
+        Ok(vcpus)
+    }
+}
+
+struct VcpuThread {
+    thread: Option<JoinHandle<()>>,
+    shared: Arc<VcpuShared>,
+    events: Receiver<VcpuEvent>,
+    /// The go-ahead after a command; dropped at shutdown so that a waiting vCPU leaves.
+    resume: Option<Sender<()>>,
+    block: CommandBlock,
+    /// The command the guest is running, if any.
+    running: Option<Command>,
+}
+
+/// The running vCPUs, and the host's side of the command protocol.
+pub struct Vcpus {
+    memory: Arc<MemoryManager<KvmVm>>,
+    threads: Vec<VcpuThread>,
+    timeout: Duration,
+}
+
+impl Vcpus {
+    /// Number of vCPUs.
+    pub fn count(&self) -> usize {
+        self.threads.len()
+    }
+
+    /// What vCPU `index` shares with the host (exit counts, the expected-MMIO window).
+    pub fn shared(&self, index: usize) -> &Arc<VcpuShared> {
+        &self.threads[index].shared
+    }
+
+    /// Sets how long [`wait`](Self::wait) waits for a command.
+    pub fn set_timeout(&mut self, timeout: Duration) {
+        self.timeout = timeout;
+    }
+
+    /// Posts `command` to vCPU `index` and lets it run; [`wait`](Self::wait) collects it.
+    pub fn start(&mut self, index: usize, command: Command) {
+        let vcpu = &mut self.threads[index];
+        assert!(
+            vcpu.running.is_none(),
+            "vCPU {index} is still running a command"
+        );
+        vcpu.block.post(&*self.memory.snapshot(), &command);
+        vcpu.running = Some(command);
+        // A vCPU that stopped has dropped its receiver; `wait` reports why.
+        if let Some(resume) = &vcpu.resume {
+            let _ = resume.send(());
+        }
+    }
+
+    /// Asks vCPU `index`'s write loop to end after its current pass.
+    pub fn stop_loop(&self, index: usize) {
+        self.threads[index].block.stop(&*self.memory.snapshot());
+    }
+
+    /// Write-loop passes vCPU `index` has completed so far.
+    pub fn passes(&self, index: usize) -> u64 {
+        self.threads[index].block.passes(&*self.memory.snapshot())
+    }
+
+    fn wait_event(&mut self, index: usize, op: Op) -> Result<(), VmError> {
+        let timeout = self.timeout;
+        match self.threads[index].events.recv_timeout(timeout) {
+            Ok(VcpuEvent::Done) => Ok(()),
+            Ok(VcpuEvent::Failed(e)) => Err(e.into()),
+            Ok(VcpuEvent::Stopped) | Err(RecvTimeoutError::Disconnected) => {
+                Err(VmError::Stopped(index))
+            }
+            Err(RecvTimeoutError::Timeout) => Err(VmError::Timeout {
+                vcpu: index,
+                op,
+                timeout,
+            }),
+        }
+    }
+
+    /// Waits for vCPU `index` to finish its command; returns what the guest reported.
+    pub fn wait(&mut self, index: usize) -> Result<Outcome, VmError> {
+        let command = self.threads[index]
+            .running
+            .take()
+            .expect("wait follows start");
+        self.wait_event(index, command.op)?;
+        let outcome = self.threads[index]
+            .block
+            .outcome(&*self.memory.snapshot(), command.op);
+        if let Some((gpa, found)) = outcome.mismatch {
+            return Err(VmError::GuestSawWrongData {
+                gpa,
+                found,
+                expected: guest::pattern(gpa, command.seed),
+            });
+        }
+        Ok(outcome)
+    }
+
+    /// Runs `command` on vCPU `index` to the end.
+    pub fn run(&mut self, index: usize, command: Command) -> Result<Outcome, VmError> {
+        self.start(index, command);
+        self.wait(index)
+    }
+
+    /// Ends every vCPU: the exit command for those between commands, a kick for the others;
+    /// joins their threads. Returns the first error a vCPU stopped with.
+    pub fn shut_down(mut self) -> Result<(), VmError> {
+        let mut first_error = None;
+        for index in 0..self.threads.len() {
+            let vcpu = &mut self.threads[index];
+            vcpu.shared.stop.store(true, Ordering::Release);
+            if vcpu.running.is_none() {
+                vcpu.block.post(&*self.memory.snapshot(), &Command::exit());
+                if let Some(resume) = &vcpu.resume {
+                    let _ = resume.send(());
+                }
+            } else {
+                vcpu.block.stop(&*self.memory.snapshot());
+            }
+            // With no sender left, a vCPU waiting for a go-ahead after its last command leaves.
+            vcpu.resume = None;
+        }
+        for vcpu in &mut self.threads {
+            let Some(thread) = vcpu.thread.take() else {
+                continue;
+            };
+            // A vCPU inside the guest leaves at its next exit; a signal makes one come soon.
+            let deadline = Instant::now() + Duration::from_secs(10);
+            while !thread.is_finished() && Instant::now() < deadline {
+                let _ = thread.kill(kick_signal());
+                std::thread::sleep(Duration::from_millis(1));
+            }
+            if thread.join().is_err() && first_error.is_none() {
+                first_error = Some(VmError::Stopped(0));
+            }
+            while let Ok(event) = vcpu.events.try_recv() {
+                if let VcpuEvent::Failed(e) = event {
+                    first_error.get_or_insert(e.into());
+                }
+            }
+        }
+        match first_error {
+            Some(e) => Err(e),
+            None => Ok(()),
+        }
+    }
+}
