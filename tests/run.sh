@@ -20,3 +20,7 @@ cargo test --workspace --locked --profile test-release
 
 ran=$(sort -u "$KVM_TEST_LOG" | grep -c . || true)
 echo "KVM integration tests run on /dev/kvm: $ran"
+if [ -e /dev/kvm ] && [ "$ran" -eq 0 ]; then
+    echo "error: /dev/kvm exists but no KVM integration test ran" >&2
+    exit 1
+fi

@@ -908,8 +908,14 @@ fn region_slots<'a>(
     current: &'a MemslotMap<SlotBacking>,
     region: &Region,
 ) -> Vec<&'a Arc<GuestSlotData>> {
-    let slots: Vec<_> = current.iter_from_gpa(region.gpa).take(region.slots.len()).collect();
-    debug_assert!(slots.iter().map(|s| s.id()).eq(region.slots.iter().copied()));
+    let slots: Vec<_> = current
+        .iter_from_gpa(region.gpa)
+        .take(region.slots.len())
+        .collect();
+    debug_assert!(slots
+        .iter()
+        .map(|s| s.id())
+        .eq(region.slots.iter().copied()));
     slots
 }
 
