@@ -5,7 +5,6 @@
 //! A test that finds no `/dev/kvm` prints a loud SKIPPED line and passes; one that runs appends
 //! its name to the file named by `$KVM_TEST_LOG` (the test runner counts them).
 
-use std::io::Write;
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -16,22 +15,11 @@ use vm_memory::{Bytes, GuestAddress, GuestAddressSpace};
 
 /// Opens KVM and a VM, or says loudly why the test is skipped.
 fn kvm_or_skip(test: &str) -> Option<(Kvm, Arc<VmFd>)> {
-    let kvm = match Kvm::new() {
-        Ok(kvm) => kvm,
-        Err(e) => {
-            eprintln!("SKIPPED {test}: cannot open /dev/kvm ({e}): this KVM test did not run");
-            return None;
-        }
-    };
-    let vm = Arc::new(kvm.create_vm().expect("KVM_CREATE_VM"));
-    if let Ok(path) = std::env::var("KVM_TEST_LOG") {
-        let mut log = std::fs::OpenOptions::new()
-            .append(true)
-            .create(true)
-            .open(path)
-            .expect("open $KVM_TEST_LOG");
-        writeln!(log, "kvm-memslots::{test}").expect("write $KVM_TEST_LOG");
+    if !kvm_test_support::require_kvm(&format!("kvm-memslots::{test}")) {
+        return None;
     }
+    let kvm = Kvm::new().expect("open /dev/kvm");
+    let vm = Arc::new(kvm.create_vm().expect("KVM_CREATE_VM"));
     Some((kvm, vm))
 }
 

@@ -1,0 +1,68 @@
+//! The main job on real `/dev/kvm`: the test guest writes both ends of every slot and the host
+//! reads them back, then the other way round, at KVM's maximum slot count and with several
+//! vCPUs; and bad slot counts are refused.
+
+use std::sync::atomic::AtomicBool;
+use std::sync::Arc;
+
+use tinyvmm::check::{run_check, CheckConfig, CheckError};
+use vmm_sys_util::eventfd::EventFd;
+
+fn check(slots: usize, vcpus: usize) -> Result<tinyvmm::check::CheckReport, CheckError> {
+    let stopped = Arc::new(EventFd::new(0).expect("eventfd"));
+    let config = CheckConfig {
+        slots,
+        area_size: 512 << 20,
+        vcpus,
+    };
+    run_check(config, &AtomicBool::new(false), &stopped)
+}
+
+#[test]
+fn kvm_every_one_of_the_maximum_slots_is_checked_both_ways() {
+    if !kvm_test_support::require_kvm(
+        "tinyvmm::kvm_every_one_of_the_maximum_slots_is_checked_both_ways",
+    ) {
+        return;
+    }
+    let max = kvm_ioctls::Kvm::new().expect("KVM").get_nr_memslots();
+    let report = check(max, 1).expect("check at the maximum slot count");
+    assert_eq!(report.slots, max);
+    assert_eq!(report.area_slots, max as u64 - 1);
+    assert_eq!(report.addresses_checked, 2 * (max as u64 - 1));
+    eprintln!("{report}");
+}
+
+#[test]
+fn kvm_several_vcpus_share_the_slots() {
+    if !kvm_test_support::require_kvm("tinyvmm::kvm_several_vcpus_share_the_slots") {
+        return;
+    }
+    for (slots, vcpus) in [(2, 1), (10, 3), (509, 2)] {
+        let report =
+            check(slots, vcpus).unwrap_or_else(|e| panic!("{slots} slots, {vcpus} vCPUs: {e}"));
+        assert_eq!((report.slots, report.vcpus), (slots, vcpus));
+    }
+}
+
+#[test]
+fn kvm_bad_slot_counts_are_refused_with_the_limit_named() {
+    if !kvm_test_support::require_kvm(
+        "tinyvmm::kvm_bad_slot_counts_are_refused_with_the_limit_named",
+    ) {
+        return;
+    }
+    let max = kvm_ioctls::Kvm::new().expect("KVM").get_nr_memslots();
+    for slots in [0, 1, max + 1] {
+        let err = check(slots, 1).expect_err("refused");
+        assert_eq!(
+            err.to_string(),
+            format!("{slots} slots asked for; KVM offers 2 to {max} (one is the system region's)")
+        );
+    }
+    let err = check(4, 16).expect_err("too many vCPUs");
+    assert_eq!(
+        err.to_string(),
+        "16 vCPUs asked for; the test guest supports 1 to 15"
+    );
+}
