@@ -1,6 +1,7 @@
 //! The manager against a raw loop of the same KVM ioctls over the same slots, in one run.
 //!
 //! `cargo bench -p kvm-memslots --bench mirror -- [--slots N] [--runs R] [--json PATH]`
+//! (JSON by default in the workspace's `target/bench/`)
 //!
 //! Each run makes two fresh VMs with manual dirty-log protection, maps one region of N 4 KiB
 //! slots in each, and times five phases on both: create every slot, start dirty logging on all,
@@ -44,7 +45,11 @@ fn options() -> Options {
     let mut o = Options {
         slots: 0,
         runs: 3,
-        json: "target/bench/kvm-memslots-mirror.json".into(),
+        json: concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/../../target/bench/kvm-memslots-mirror.json"
+        )
+        .into(),
     };
     let mut args = std::env::args().skip(1);
     while let Some(arg) = args.next() {
