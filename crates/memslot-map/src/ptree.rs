@@ -231,10 +231,18 @@ impl<K: Ord + Copy, V: Clone, S: Summary<K, V>> Node<K, V, S> {
                 let i = child_index(keys, key);
                 let child = Arc::make_mut(&mut children[i]);
                 let removed = child.remove(key);
-                if child.len() > 0 {
-                    keys[i] = child.keys[0];
-                    sums[i] = child.summary();
+                if child.len() == 0 {
+                    // The child held the single entry an appending split left it. Drop it:
+                    // with no sibling to merge with, `rebalance` would leave it in place, and
+                    // its stale key would steer later searches into an empty leaf. If this
+                    // node is now underfull, its parent rebalances it.
+                    keys.remove(i);
+                    sums.remove(i);
+                    children.remove(i);
+                    return removed;
                 }
+                keys[i] = child.keys[0];
+                sums[i] = child.summary();
                 if child.len() < MIN_FANOUT {
                     self.rebalance(i);
                 }
