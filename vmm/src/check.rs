@@ -158,9 +158,13 @@ fn guest_pass(vcpus: &mut Vcpus, area: &TestArea, op: Op, seed: u64) -> Result<D
     Ok(start.elapsed())
 }
 
-type Times = (Duration, Duration, Duration, Duration);
+/// How long each step of [`check_area`] took: guest write, host check, host write, guest check.
+pub type Times = (Duration, Duration, Duration, Duration);
 
-fn check_area(
+/// Checks every slot of `area` both ways: the guest writes both ends of every slot and the host
+/// reads them through the memory map, then the host writes a new pattern and the guest checks
+/// it. `stop` interrupts between steps.
+pub fn check_area(
     vm: &Vm,
     vcpus: &mut Vcpus,
     area: &TestArea,

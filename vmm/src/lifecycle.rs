@@ -44,7 +44,10 @@ struct Lifecycle {
     context: JobContext,
     job_done: Arc<EventFd>,
     signal: Arc<EventFd>,
-    ending: Option<Ending>,
+    /// A signal asked the VMM to stop.
+    interrupted: bool,
+    /// The job said it is done.
+    job_done_seen: bool,
 }
 
 impl MutEventSubscriber for Lifecycle {
@@ -52,12 +55,12 @@ impl MutEventSubscriber for Lifecycle {
         let fd = events.fd();
         if fd == self.job_done.as_raw_fd() {
             let _ = self.job_done.read();
-            self.ending.get_or_insert(Ending::Finished);
+            self.job_done_seen = true;
         } else if fd == self.signal.as_raw_fd() {
             let _ = self.signal.read();
             eprintln!("tinyvmm: stopping on a signal");
             self.context.stop.store(true, Ordering::Release);
-            self.ending = Some(Ending::Interrupted);
+            self.interrupted = true;
         } else if fd == self.context.vcpu_stopped.as_raw_fd() {
             // The job hears why from the vCPU itself; the loop only wakes it up.
             let _ = self.context.vcpu_stopped.read();
@@ -80,57 +83,107 @@ pub enum LoopError {
     Setup(String),
 }
 
+/// The event loop with the lifecycle subscriber in place; more subscribers can join it.
+pub struct EventLoop {
+    manager: EventManager<Arc<Mutex<dyn MutEventSubscriber + Send>>>,
+    lifecycle: Arc<Mutex<Lifecycle>>,
+    context: JobContext,
+    job_done: Arc<EventFd>,
+}
+
+impl EventLoop {
+    /// Creates the loop and routes SIGINT and SIGTERM to it.
+    pub fn new() -> Result<Self, LoopError> {
+        let setup = |e: vmm_sys_util::errno::Error| LoopError::Setup(e.to_string());
+        let eventfd = || {
+            EventFd::new(EFD_NONBLOCK)
+                .map(Arc::new)
+                .map_err(|e| LoopError::Setup(e.to_string()))
+        };
+        let context = JobContext {
+            stop: Arc::new(AtomicBool::new(false)),
+            vcpu_stopped: eventfd()?,
+        };
+        let job_done = eventfd()?;
+        let signal = eventfd()?;
+        SIGNAL_FD.store(signal.as_raw_fd(), Ordering::Relaxed);
+        for num in [libc::SIGINT, libc::SIGTERM] {
+            register_signal_handler(num, on_termination_signal).map_err(setup)?;
+        }
+        let lifecycle = Arc::new(Mutex::new(Lifecycle {
+            context: context.clone(),
+            job_done: Arc::clone(&job_done),
+            signal,
+            interrupted: false,
+            job_done_seen: false,
+        }));
+        let mut manager: EventManager<Arc<Mutex<dyn MutEventSubscriber + Send>>> =
+            EventManager::new().map_err(|e| LoopError::Setup(format!("{e:?}")))?;
+        manager.add_subscriber(lifecycle.clone());
+        Ok(EventLoop {
+            manager,
+            lifecycle,
+            context,
+            job_done,
+        })
+    }
+
+    /// What jobs and vCPUs share with the loop.
+    pub fn context(&self) -> &JobContext {
+        &self.context
+    }
+
+    /// Adds a subscriber (the API server, say).
+    pub fn add(&mut self, subscriber: Arc<Mutex<dyn MutEventSubscriber + Send>>) {
+        self.manager.add_subscriber(subscriber);
+    }
+
+    /// Waits up to `timeout_ms` for events and dispatches them; returns how the loop should end,
+    /// if it should: `Interrupted` once a signal came, `Finished` once the job said it is done.
+    pub fn dispatch(&mut self, timeout_ms: i32) -> Option<Ending> {
+        // A signal interrupts epoll_wait; that is not an error.
+        let _ = self.manager.run_with_timeout(timeout_ms);
+        let state = self.lifecycle.lock().unwrap_or_else(|p| p.into_inner());
+        if state.interrupted {
+            Some(Ending::Interrupted)
+        } else if state.job_done_seen {
+            Some(Ending::Finished)
+        } else {
+            None
+        }
+    }
+
+    fn job_done_seen(&self) -> bool {
+        self.lifecycle
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .job_done_seen
+    }
+}
+
 /// Runs `job` on its own thread while this thread runs the event loop; returns the job's result
 /// and how the loop ended. A signal sets the job's stop flag; the loop waits for the job anyway
 /// so that it can shut its vCPUs down cleanly.
 pub fn run_job<T: Send + 'static>(
     job: impl FnOnce(JobContext) -> T + Send + 'static,
 ) -> Result<(T, Ending), LoopError> {
-    let setup = |e: vmm_sys_util::errno::Error| LoopError::Setup(e.to_string());
-    let eventfd = || {
-        EventFd::new(EFD_NONBLOCK)
-            .map(Arc::new)
-            .map_err(|e| LoopError::Setup(e.to_string()))
-    };
-    let context = JobContext {
-        stop: Arc::new(AtomicBool::new(false)),
-        vcpu_stopped: eventfd()?,
-    };
-    let job_done = eventfd()?;
-    let signal = eventfd()?;
-    SIGNAL_FD.store(signal.as_raw_fd(), Ordering::Relaxed);
-    for num in [libc::SIGINT, libc::SIGTERM] {
-        register_signal_handler(num, on_termination_signal).map_err(setup)?;
-    }
-    let lifecycle = Arc::new(Mutex::new(Lifecycle {
-        context: context.clone(),
-        job_done: Arc::clone(&job_done),
-        signal: Arc::clone(&signal),
-        ending: None,
-    }));
-    let mut manager: EventManager<Arc<Mutex<dyn MutEventSubscriber + Send>>> =
-        EventManager::new().map_err(|e| LoopError::Setup(format!("{e:?}")))?;
-    manager.add_subscriber(lifecycle.clone());
-    let job_context = context.clone();
-    let job_done_writer = Arc::clone(&job_done);
+    let mut event_loop = EventLoop::new()?;
+    let job_context = event_loop.context().clone();
+    let job_done = Arc::clone(&event_loop.job_done);
     let worker = std::thread::Builder::new()
         .name("job".into())
         .spawn(move || {
             let result = job(job_context);
-            let _ = job_done_writer.write(1);
+            let _ = job_done.write(1);
             result
         })
         .map_err(|e| LoopError::Setup(e.to_string()))?;
+    // Keep dispatching (a signal sets the job's stop flag) until the job says it is done; its
+    // thread ends right after that.
     let mut ending = Ending::Finished;
-    loop {
-        // A signal interrupts epoll_wait; that is not an error.
-        let _ = manager.run_with_timeout(1000);
-        let state = lifecycle.lock().unwrap_or_else(|p| p.into_inner());
-        if let Some(e) = state.ending {
-            ending = e;
-        }
-        if worker.is_finished() {
-            break;
+    while !event_loop.job_done_seen() {
+        if event_loop.dispatch(1000) == Some(Ending::Interrupted) {
+            ending = Ending::Interrupted;
         }
     }
     let result = worker

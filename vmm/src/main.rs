@@ -21,6 +21,31 @@ struct Cli {
 enum Commands {
     /// Run the test guest over many slots and check every slot both ways (the default).
     Check(CheckArgs),
+    /// Run the memslot performance suite (after the kernel's memslot_perf_test): print a table
+    /// and write JSON.
+    Bench(BenchArgs),
+    /// Stress the manager (after the kernel's memslot_modification_stress_test): vCPUs write
+    /// continuously while the host adds, removes, moves and re-flags slots next to their memory.
+    Stress(StressArgs),
+    /// Run the test guest with an API socket (HTTP/1.1 + JSON) to add, remove and move memory,
+    /// plug the hotplug area and switch dirty logging while it runs; see docs/api.yaml.
+    Serve(ServeArgs),
+}
+
+#[derive(clap::Args)]
+struct ServeArgs {
+    /// Path of the API socket (created 0600; a stale socket there is replaced).
+    #[arg(long)]
+    api_sock: std::path::PathBuf,
+    /// KVM slots at start: the system region's plus the initial memory's.
+    #[arg(long, default_value_t = 2)]
+    slots: usize,
+    /// MiB of initial memory at 256 MiB, split over the other slots (0: none).
+    #[arg(long, default_value_t = 256)]
+    mem_mib: u64,
+    /// vCPUs of the test guest (1 to 15).
+    #[arg(long, default_value_t = 1)]
+    vcpus: usize,
 }
 
 #[derive(clap::Args)]
@@ -54,6 +79,9 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     match cli.command.unwrap_or(Commands::Check(CheckArgs::default())) {
         Commands::Check(args) => check(args),
+        Commands::Bench(args) => bench(args),
+        Commands::Stress(args) => stress(args),
+        Commands::Serve(args) => serve(args),
     }
 }
 
@@ -83,6 +111,166 @@ fn check(args: CheckArgs) -> ExitCode {
         Ok((Err(e), Ending::Finished)) => {
             eprintln!("tinyvmm: {e}");
             ExitCode::FAILURE
+        }
+        Err(e) => {
+            eprintln!("tinyvmm: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+#[derive(clap::Args)]
+struct BenchArgs {
+    /// KVM slot counts, comma-separated (each 2 to KVM's maximum; default: KVM's maximum).
+    #[arg(long, value_delimiter = ',')]
+    slots: Vec<usize>,
+    /// MiB of test area for the move and RW tests (map uses 32 MiB, unmap 128 MiB).
+    #[arg(long, default_value_t = 512)]
+    area_mib: u64,
+    /// Seconds each test repeats its iteration (fractions allowed).
+    #[arg(long, default_value_t = 5.0)]
+    seconds: f64,
+    /// Runs of each test at each slot count.
+    #[arg(long, default_value_t = 1)]
+    runs: usize,
+    /// Tests, comma-separated (default: all): map, unmap, unmap-chunked, move-active,
+    /// move-inactive, rw.
+    #[arg(long, value_delimiter = ',')]
+    tests: Vec<tinyvmm::perf::Scenario>,
+    /// Where to write the results as JSON.
+    #[arg(long, default_value = "target/bench/tinyvmm-perf.json")]
+    json: std::path::PathBuf,
+}
+
+fn bench(args: BenchArgs) -> ExitCode {
+    let config = tinyvmm::perf::PerfConfig {
+        slots: args.slots,
+        area_size: args.area_mib.saturating_mul(1 << 20),
+        seconds: args.seconds,
+        runs: args.runs,
+        scenarios: args.tests,
+    };
+    let outcome = run_job(move |ctx| {
+        tinyvmm::perf::run_perf(&config, &ctx.stop, &ctx.vcpu_stopped, &mut |p| {
+            eprintln!("{p}")
+        })
+    });
+    let report = match outcome {
+        Ok((Ok(report), _)) => report,
+        Ok((Err(e), Ending::Interrupted)) => {
+            eprintln!("tinyvmm: interrupted: {e}");
+            return ExitCode::from(130);
+        }
+        Ok((Err(e), Ending::Finished)) => {
+            eprintln!("tinyvmm: {e}");
+            return ExitCode::FAILURE;
+        }
+        Err(e) => {
+            eprintln!("tinyvmm: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    println!("{report}");
+    let json = serde_json::to_string_pretty(&report).expect("the report is JSON");
+    let written = match args.json.parent() {
+        Some(dir) if !dir.as_os_str().is_empty() => std::fs::create_dir_all(dir),
+        _ => Ok(()),
+    }
+    .and_then(|()| std::fs::write(&args.json, json + "\n"));
+    match written {
+        Ok(()) => eprintln!("tinyvmm: results written to {}", args.json.display()),
+        Err(e) => {
+            eprintln!("tinyvmm: cannot write {}: {e}", args.json.display());
+            return ExitCode::FAILURE;
+        }
+    }
+    if report.interrupted {
+        ExitCode::from(130)
+    } else {
+        ExitCode::SUCCESS
+    }
+}
+
+#[derive(clap::Args)]
+struct StressArgs {
+    /// Writer vCPUs (1 to 15); with fewer than 15, one more vCPU verifies alongside them.
+    #[arg(long, default_value_t = 2)]
+    vcpus: usize,
+    /// KiB of memory each writer writes.
+    #[arg(long, default_value_t = 4096)]
+    kib_per_vcpu: u64,
+    /// KVM slots per writer in the writers' region.
+    #[arg(long, default_value_t = 2)]
+    slots_per_vcpu: u64,
+    /// Bytes between the addresses the writers write (a multiple of 8; 4096: every page).
+    #[arg(long, default_value_t = 4096)]
+    stride: u64,
+    /// Iterations of changes (each makes every kind of change once).
+    #[arg(long, default_value_t = 1000)]
+    iterations: u64,
+    /// Stop after this many seconds even if iterations are left (fractions allowed).
+    #[arg(long, default_value_t = 10.0)]
+    seconds: f64,
+    /// Also print the report as JSON.
+    #[arg(long)]
+    json: bool,
+}
+
+fn stress(args: StressArgs) -> ExitCode {
+    use tinyvmm::stress::{run_stress, StressConfig};
+    let Ok(duration) = std::time::Duration::try_from_secs_f64(args.seconds) else {
+        eprintln!("tinyvmm: --seconds {} is not a duration", args.seconds);
+        return ExitCode::FAILURE;
+    };
+    let config = StressConfig {
+        vcpus: args.vcpus,
+        part_size: args.kib_per_vcpu.saturating_mul(1024),
+        slots_per_vcpu: args.slots_per_vcpu,
+        stride: args.stride,
+        iterations: args.iterations,
+        duration,
+        corrupt_page: None,
+    };
+    let outcome = run_job(move |ctx| run_stress(config, &ctx.stop, &ctx.vcpu_stopped));
+    match outcome {
+        Ok((Ok(report), _)) => {
+            println!("{report}");
+            if args.json {
+                println!(
+                    "{}",
+                    serde_json::to_string_pretty(&report).expect("the report is JSON")
+                );
+            }
+            println!("stress passed: no write lost, no dirty page missed, no wrong data");
+            ExitCode::SUCCESS
+        }
+        Ok((Err(e), Ending::Interrupted)) => {
+            eprintln!("tinyvmm: interrupted: {e}");
+            ExitCode::from(130)
+        }
+        Ok((Err(e), Ending::Finished)) => {
+            eprintln!("tinyvmm: stress failed: {e}");
+            ExitCode::FAILURE
+        }
+        Err(e) => {
+            eprintln!("tinyvmm: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn serve(args: ServeArgs) -> ExitCode {
+    let config = tinyvmm::api::server::ServeConfig {
+        api_sock: args.api_sock,
+        slots: args.slots,
+        area_size: args.mem_mib << 20,
+        vcpus: args.vcpus,
+    };
+    let path = config.api_sock.display().to_string();
+    match tinyvmm::api::server::serve(&config, || eprintln!("tinyvmm: serving the API on {path}")) {
+        Ok(()) => {
+            eprintln!("tinyvmm: stopped");
+            ExitCode::SUCCESS
         }
         Err(e) => {
             eprintln!("tinyvmm: {e}");

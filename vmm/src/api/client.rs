@@ -1,0 +1,102 @@
+//! A small blocking client for the API socket, for tests, benchmarks and scripts.
+
+use std::io::{Read, Write};
+use std::os::unix::net::UnixStream;
+use std::path::Path;
+use std::time::Duration;
+
+use serde_json::Value;
+
+/// Why a call failed (not a 4xx or 5xx: those are answers).
+#[derive(Debug, thiserror::Error)]
+pub enum ClientError {
+    /// Connecting, sending or receiving failed.
+    #[error("talking to the API socket failed: {0}")]
+    Io(#[from] std::io::Error),
+    /// The answer was not HTTP with a JSON body.
+    #[error("the API answered something unexpected: {0}")]
+    Answer(String),
+}
+
+/// One connection to the API socket.
+pub struct Client {
+    stream: UnixStream,
+}
+
+impl Client {
+    /// Connects to the socket at `path`.
+    pub fn connect(path: &Path) -> Result<Self, ClientError> {
+        let stream = UnixStream::connect(path)?;
+        stream.set_read_timeout(Some(Duration::from_secs(300)))?;
+        Ok(Client { stream })
+    }
+
+    /// Sends raw bytes and reads one answer: the status and the JSON body (`Null` if none).
+    pub fn raw(&mut self, request: &[u8]) -> Result<(u16, Value), ClientError> {
+        self.stream.write_all(request)?;
+        self.read_response()
+    }
+
+    /// Sends `method path` with an optional JSON body on this (kept-alive) connection.
+    pub fn call(
+        &mut self,
+        method: &str,
+        path: &str,
+        body: Option<&Value>,
+    ) -> Result<(u16, Value), ClientError> {
+        let body = body.map(Value::to_string).unwrap_or_default();
+        let request = format!(
+            "{method} {path} HTTP/1.1\r\nHost: localhost\r\nContent-Length: {}\r\n\r\n{body}",
+            body.len()
+        );
+        self.raw(request.as_bytes())
+    }
+
+    /// Sends raw bytes without waiting for an answer.
+    pub fn send(&mut self, bytes: &[u8]) -> Result<(), ClientError> {
+        Ok(self.stream.write_all(bytes)?)
+    }
+
+    /// Half-closes the connection: the server sees the end of the request stream.
+    pub fn finish_sending(&self) -> Result<(), ClientError> {
+        Ok(self.stream.shutdown(std::net::Shutdown::Write)?)
+    }
+
+    /// Reads one answer.
+    pub fn read_response(&mut self) -> Result<(u16, Value), ClientError> {
+        let mut data = Vec::new();
+        let mut chunk = [0u8; 64 * 1024];
+        loop {
+            if let Some(end) = data.windows(4).position(|w| w == b"\r\n\r\n") {
+                let head = String::from_utf8_lossy(&data[..end]).to_string();
+                let length: usize = head
+                    .lines()
+                    .find_map(|l| l.strip_prefix("Content-Length: "))
+                    .and_then(|v| v.trim().parse().ok())
+                    .ok_or_else(|| ClientError::Answer(format!("no Content-Length in {head}")))?;
+                if data.len() >= end + 4 + length {
+                    let status = head
+                        .get(9..12)
+                        .and_then(|s| s.parse().ok())
+                        .ok_or_else(|| ClientError::Answer(head.clone()))?;
+                    let body = &data[end + 4..end + 4 + length];
+                    let json = if body.is_empty() {
+                        Value::Null
+                    } else {
+                        serde_json::from_slice(body)
+                            .map_err(|e| ClientError::Answer(e.to_string()))?
+                    };
+                    return Ok((status, json));
+                }
+            }
+            let n = self.stream.read(&mut chunk)?;
+            if n == 0 {
+                return Err(ClientError::Answer(format!(
+                    "connection closed after {} bytes of an answer",
+                    data.len()
+                )));
+            }
+            data.extend_from_slice(&chunk[..n]);
+        }
+    }
+}

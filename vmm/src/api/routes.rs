@@ -1,0 +1,184 @@
+//! Turns a request into an [`Action`]: paths, methods and JSON bodies. Nothing here touches
+//! the VM.
+
+use serde::de::DeserializeOwned;
+
+use crate::api::http::{Request, Response};
+use crate::controller::{Action, Harvest};
+
+/// Parses a JSON body, naming the problem (unknown field, wrong type, negative or overflowing
+/// number, bad syntax) in the error.
+fn body<T: DeserializeOwned>(request: &Request) -> Result<T, Response> {
+    if request.body.is_empty() {
+        return Err(Response::fault(400, "a JSON body is required"));
+    }
+    serde_json::from_slice(&request.body)
+        .map_err(|e| Response::fault(400, format!("invalid request body: {e}")))
+}
+
+fn id(segment: &str) -> Result<u64, Response> {
+    segment
+        .parse()
+        .map_err(|_| Response::fault(400, format!("'{segment}' is not a region id")))
+}
+
+fn method_not_allowed(method: &str, path: &str, allowed: &str) -> Response {
+    Response::fault(
+        405,
+        format!("{method} is not allowed on {path} (allowed: {allowed})"),
+    )
+}
+
+/// The action a request asks for, or the response that refuses it.
+pub fn route(request: &Request) -> Result<Action, Response> {
+    let method = request.method.as_str();
+    let path = request.path.trim_end_matches('/');
+    let segments: Vec<&str> = path.split('/').skip(1).collect();
+    match segments.as_slice() {
+        ["memory"] => match method {
+            "GET" => Ok(Action::GetMemory),
+            _ => Err(method_not_allowed(method, path, "GET")),
+        },
+        ["memory", "regions"] => match method {
+            "PUT" | "POST" => Ok(Action::AddRegion(body(request)?)),
+            _ => Err(method_not_allowed(method, path, "PUT, POST")),
+        },
+        ["memory", "regions", region] => match method {
+            "DELETE" => Ok(Action::RemoveRegion(id(region)?)),
+            "PATCH" => Ok(Action::PatchRegion(id(region)?, body(request)?)),
+            _ => Err(method_not_allowed(method, path, "DELETE, PATCH")),
+        },
+        ["dirty-log"] => match method {
+            "PATCH" => Ok(Action::SwitchDirtyLog(body(request)?)),
+            _ => Err(method_not_allowed(method, path, "PATCH")),
+        },
+        ["dirty-log", "harvest"] => match method {
+            "POST" | "PUT" => Ok(Action::Harvest(if request.body.is_empty() {
+                Harvest::default()
+            } else {
+                body(request)?
+            })),
+            _ => Err(method_not_allowed(method, path, "POST")),
+        },
+        ["hotplug", "memory"] => match method {
+            "GET" => Ok(Action::GetHotplug),
+            "PUT" => Ok(Action::ConfigureHotplug(body(request)?)),
+            "PATCH" => Ok(Action::RequestHotplug(body(request)?)),
+            _ => Err(method_not_allowed(method, path, "GET, PUT, PATCH")),
+        },
+        ["guest", "command"] => match method {
+            "PUT" => Ok(Action::Guest(body(request)?)),
+            _ => Err(method_not_allowed(method, path, "PUT")),
+        },
+        ["vm"] => match method {
+            "GET" => Ok(Action::GetVm),
+            "PATCH" => Ok(Action::PatchVm(body(request)?)),
+            _ => Err(method_not_allowed(method, path, "GET, PATCH")),
+        },
+        ["actions"] => match method {
+            "PUT" => Ok(Action::Act(body(request)?)),
+            _ => Err(method_not_allowed(method, path, "PUT")),
+        },
+        _ => Err(Response::fault(
+            404,
+            format!("no resource at {}", request.path),
+        )),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::controller::{AddRegion, BackingKind};
+
+    fn request(method: &str, path: &str, body: &str) -> Request {
+        Request {
+            method: method.into(),
+            path: path.into(),
+            query: None,
+            body: body.as_bytes().to_vec(),
+            keep_alive: true,
+        }
+    }
+
+    fn refusal(method: &str, path: &str, body: &str) -> (u16, String) {
+        let response = route(&request(method, path, body)).expect_err("refused");
+        let message = response.body.expect("a fault message")["fault_message"]
+            .as_str()
+            .expect("a string")
+            .to_owned();
+        (response.status, message)
+    }
+
+    #[test]
+    fn bodies_become_actions() {
+        let action = route(&request(
+            "PUT",
+            "/memory/regions",
+            r#"{"size": 4096, "guest_address": 1073741824, "backing": "memfd"}"#,
+        ))
+        .unwrap();
+        assert_eq!(
+            action,
+            Action::AddRegion(AddRegion {
+                size: 4096,
+                guest_address: Some(1 << 30),
+                backing: BackingKind::Memfd,
+                slot_size: None,
+                read_only: false,
+                dirty_log: false,
+                guest_check: true,
+            })
+        );
+        assert_eq!(
+            route(&request("DELETE", "/memory/regions/12/", "")).unwrap(),
+            Action::RemoveRegion(12)
+        );
+        assert_eq!(
+            route(&request("POST", "/dirty-log/harvest", "")).unwrap(),
+            Action::Harvest(Harvest { region: None })
+        );
+    }
+
+    #[test]
+    fn bad_bodies_and_paths_are_refused_with_the_reason() {
+        let (status, message) = refusal(
+            "PUT",
+            "/memory/regions",
+            r#"{"size": 4096, "colour": "red"}"#,
+        );
+        assert_eq!(status, 400);
+        assert!(message.contains("unknown field `colour`"), "{message}");
+        let (_, message) = refusal("PUT", "/memory/regions", r#"{"size": -4096}"#);
+        assert!(
+            message.contains("invalid value: integer `-4096`, expected u64"),
+            "{message}"
+        );
+        let (_, message) = refusal(
+            "PUT",
+            "/memory/regions",
+            r#"{"size": 18446744073709551616}"#,
+        );
+        assert!(message.contains("invalid request body"), "{message}");
+        let (_, message) = refusal("PUT", "/memory/regions", r#"{"size": "big"}"#);
+        assert!(
+            message.contains("invalid type: string \"big\", expected u64"),
+            "{message}"
+        );
+        let (_, message) = refusal("PUT", "/memory/regions", r#"{"size": 4096"#);
+        assert!(message.contains("EOF while parsing"), "{message}");
+        assert_eq!(
+            refusal("PUT", "/memory/regions", "").1,
+            "a JSON body is required"
+        );
+        assert_eq!(
+            refusal("DELETE", "/memory/regions/x", "").1,
+            "'x' is not a region id"
+        );
+        assert_eq!(
+            refusal("GET", "/nowhere", ""),
+            (404, "no resource at /nowhere".into())
+        );
+        assert_eq!(refusal("POST", "/memory", "").0, 405);
+    }
+}

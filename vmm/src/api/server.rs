@@ -1,0 +1,290 @@
+//! The API socket on the VMM's event loop: accepts clients, frames their requests, hands the
+//! actions to the controller and writes the answers.
+
+use std::collections::HashMap;
+use std::io::{ErrorKind, Read, Write};
+use std::os::fd::{AsRawFd, RawFd};
+use std::os::unix::fs::{FileTypeExt, PermissionsExt};
+use std::os::unix::net::{UnixListener, UnixStream};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use event_manager::{EventOps, EventSet, Events, MutEventSubscriber};
+
+use crate::api::http::{self, Parsed, Response, MAX_BODY_BYTES, MAX_HEADER_BYTES};
+use crate::api::routes::route;
+use crate::area::{TestArea, AREA_GPA};
+use crate::controller::Controller;
+use crate::lifecycle::{EventLoop, LoopError};
+use crate::vm::{Vm, VmError};
+
+/// Why the API server could not start or ended badly.
+#[derive(Debug, thiserror::Error)]
+pub enum ServeError {
+    /// The socket path is taken by something that is not a socket.
+    #[error("{0} exists and is not a socket: refusing to replace it")]
+    NotASocket(PathBuf),
+    /// Another process answers on the socket.
+    #[error("{0} is in use by another process")]
+    InUse(PathBuf),
+    /// Creating the socket failed.
+    #[error("cannot create the API socket {path}: {source}")]
+    Socket {
+        /// The path.
+        path: PathBuf,
+        /// The system's error.
+        source: std::io::Error,
+    },
+    /// The VM failed.
+    #[error(transparent)]
+    Vm(#[from] VmError),
+    /// The initial memory could not be added.
+    #[error(transparent)]
+    Area(#[from] crate::area::AreaError),
+    /// The event loop failed.
+    #[error(transparent)]
+    Loop(#[from] LoopError),
+}
+
+/// Creates the API socket at `path`, readable and writable by its owner only. A stale socket
+/// (nobody answers) is replaced; anything else at the path is refused.
+pub fn bind_api_socket(path: &Path) -> Result<UnixListener, ServeError> {
+    let socket_error = |source| ServeError::Socket {
+        path: path.to_owned(),
+        source,
+    };
+    match std::fs::symlink_metadata(path) {
+        Ok(meta) if !meta.file_type().is_socket() => {
+            return Err(ServeError::NotASocket(path.to_owned()))
+        }
+        Ok(_) => match UnixStream::connect(path) {
+            Ok(_) => return Err(ServeError::InUse(path.to_owned())),
+            Err(e) if e.kind() == ErrorKind::ConnectionRefused => {
+                std::fs::remove_file(path).map_err(socket_error)?;
+            }
+            Err(e) => return Err(socket_error(e)),
+        },
+        Err(e) if e.kind() == ErrorKind::NotFound => {}
+        Err(e) => return Err(socket_error(e)),
+    }
+    // SAFETY: umask only changes the process's file-creation mask; no memory is involved. The
+    // mask makes the socket 0600 from the moment it exists, and is restored right after.
+    let old = unsafe { libc::umask(0o177) };
+    let bound = UnixListener::bind(path);
+    // SAFETY: as above.
+    unsafe { libc::umask(old) };
+    let listener = bound.map_err(socket_error)?;
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600)).map_err(socket_error)?;
+    listener.set_nonblocking(true).map_err(socket_error)?;
+    Ok(listener)
+}
+
+struct Connection {
+    stream: UnixStream,
+    buffer: Vec<u8>,
+}
+
+/// Bytes a connection may hold unparsed before the server stops reading from it for a while.
+const READ_LIMIT: usize = 2 * (MAX_HEADER_BYTES + MAX_BODY_BYTES);
+
+/// The API socket's subscriber: the listener and every client connection.
+pub struct ApiServer {
+    listener: UnixListener,
+    connections: HashMap<RawFd, Connection>,
+    controller: Controller,
+}
+
+impl ApiServer {
+    /// Serves `listener` with `controller`.
+    pub fn new(listener: UnixListener, controller: Controller) -> Self {
+        ApiServer {
+            listener,
+            connections: HashMap::new(),
+            controller,
+        }
+    }
+
+    /// The controller.
+    pub fn controller_mut(&mut self) -> &mut Controller {
+        &mut self.controller
+    }
+
+    fn accept(&mut self, ops: &mut EventOps) {
+        loop {
+            match self.listener.accept() {
+                Ok((stream, _)) => {
+                    if stream.set_nonblocking(true).is_err() {
+                        continue;
+                    }
+                    let fd = stream.as_raw_fd();
+                    if ops.add(Events::new(&stream, EventSet::IN)).is_ok() {
+                        self.connections.insert(
+                            fd,
+                            Connection {
+                                stream,
+                                buffer: Vec::new(),
+                            },
+                        );
+                    }
+                }
+                Err(e) if e.kind() == ErrorKind::WouldBlock => return,
+                Err(e) if e.kind() == ErrorKind::Interrupted => {}
+                Err(_) => return,
+            }
+        }
+    }
+
+    /// Reads what is there; returns whether the client closed its end.
+    fn read(connection: &mut Connection) -> bool {
+        let mut chunk = [0u8; 16 * 1024];
+        while connection.buffer.len() < READ_LIMIT {
+            match connection.stream.read(&mut chunk) {
+                Ok(0) => return true,
+                Ok(n) => connection.buffer.extend_from_slice(&chunk[..n]),
+                Err(e) if e.kind() == ErrorKind::Interrupted => {}
+                Err(e) if e.kind() == ErrorKind::WouldBlock => return false,
+                Err(_) => return true,
+            }
+        }
+        false
+    }
+
+    fn send(stream: &mut UnixStream, response: &Response, keep_alive: bool) -> bool {
+        // Answers are small: write them whole, but never wait long for a client that does not
+        // read.
+        let _ = stream.set_nonblocking(false);
+        let _ = stream.set_write_timeout(Some(Duration::from_secs(5)));
+        let sent = stream.write_all(&response.to_bytes(keep_alive)).is_ok();
+        let _ = stream.set_nonblocking(true);
+        sent
+    }
+
+    /// Serves the requests buffered on connection `fd`; returns whether to keep it open.
+    fn serve(&mut self, fd: RawFd) -> bool {
+        let Some(connection) = self.connections.get_mut(&fd) else {
+            return false;
+        };
+        let closed = Self::read(connection);
+        loop {
+            let connection = self.connections.get_mut(&fd).expect("present above");
+            match http::parse(&connection.buffer) {
+                Ok(Parsed::Incomplete) => break,
+                Ok(Parsed::Complete(request, used)) => {
+                    connection.buffer.drain(..used);
+                    let response = match route(&request) {
+                        Ok(action) => self.controller.apply(action),
+                        Err(refusal) => refusal,
+                    };
+                    let connection = self.connections.get_mut(&fd).expect("present above");
+                    if !Self::send(&mut connection.stream, &response, request.keep_alive)
+                        || !request.keep_alive
+                    {
+                        return false;
+                    }
+                }
+                Err(e) => {
+                    Self::send(
+                        &mut connection.stream,
+                        &Response::fault(e.status(), &e),
+                        false,
+                    );
+                    return false;
+                }
+            }
+        }
+        if closed {
+            let connection = self.connections.get_mut(&fd).expect("present above");
+            if let Err(e) = http::at_close(&connection.buffer) {
+                // The client may have closed only its sending side: tell it what went wrong.
+                Self::send(
+                    &mut connection.stream,
+                    &Response::fault(e.status(), &e),
+                    false,
+                );
+            }
+            return false;
+        }
+        true
+    }
+}
+
+impl MutEventSubscriber for ApiServer {
+    fn process(&mut self, events: Events, ops: &mut EventOps) {
+        let fd = events.fd();
+        if fd == self.listener.as_raw_fd() {
+            self.accept(ops);
+        } else if !self.serve(fd) {
+            if let Some(connection) = self.connections.remove(&fd) {
+                let _ = ops.remove(Events::new(&connection.stream, EventSet::IN));
+            }
+        }
+    }
+
+    fn init(&mut self, ops: &mut EventOps) {
+        ops.add(Events::new(&self.listener, EventSet::IN))
+            .expect("watching the API socket");
+    }
+}
+
+/// What `tinyvmm serve` starts with.
+#[derive(Debug, Clone)]
+pub struct ServeConfig {
+    /// Where the API socket goes.
+    pub api_sock: PathBuf,
+    /// KVM slots at start (the system region's and the initial memory's).
+    pub slots: usize,
+    /// Bytes of initial memory at 256 MiB, split over `slots - 1` slots (0: none).
+    pub area_size: u64,
+    /// vCPUs of the test guest.
+    pub vcpus: usize,
+}
+
+/// Runs a test-guest VM with an API socket until a client stops it or a signal comes; removes
+/// the socket at the end.
+pub fn serve(config: &ServeConfig, ready: impl FnOnce()) -> Result<(), ServeError> {
+    let listener = bind_api_socket(&config.api_sock)?;
+    let result = serve_on(listener, config, ready);
+    let _ = std::fs::remove_file(&config.api_sock);
+    result
+}
+
+fn serve_on(
+    listener: UnixListener,
+    config: &ServeConfig,
+    ready: impl FnOnce(),
+) -> Result<(), ServeError> {
+    let mut event_loop = EventLoop::new()?;
+    let vm = Vm::new()?;
+    if config.area_size > 0 && config.slots > 1 {
+        TestArea::add(
+            vm.memory(),
+            AREA_GPA,
+            config.area_size,
+            config.slots as u64 - 1,
+        )?;
+    }
+    let vcpus = vm.start_vcpus(config.vcpus, &event_loop.context().vcpu_stopped)?;
+    let server = Arc::new(Mutex::new(ApiServer::new(
+        listener,
+        Controller::new(vm, vcpus),
+    )));
+    event_loop.add(server.clone());
+    let stop = Arc::clone(&event_loop.context().stop);
+    ready();
+    loop {
+        let ending = event_loop.dispatch(1000);
+        let asked = server
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .controller_mut()
+            .stop_requested();
+        if ending.is_some() || asked || stop.load(Ordering::Acquire) {
+            break;
+        }
+    }
+    let mut server = server.lock().unwrap_or_else(|p| p.into_inner());
+    server.controller_mut().shut_down()?;
+    Ok(())
+}

@@ -1,0 +1,460 @@
+//! The API socket against a running test guest on real `/dev/kvm`: hotplugging memory up to the
+//! slot limit, dirty logging through the socket, the hotplug area, and every kind of bad input,
+//! each answered with the right 4xx and leaving memory, KVM and the guest as they were.
+
+use std::os::unix::fs::PermissionsExt;
+use std::path::PathBuf;
+use std::sync::mpsc::channel;
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+use serde_json::{json, Value};
+use tinyvmm::api::client::Client;
+use tinyvmm::api::server::{serve, ServeConfig, ServeError};
+
+/// A VMM serving its API on a socket of its own, stopped when dropped.
+struct Vmm {
+    socket: PathBuf,
+    thread: Option<JoinHandle<Result<(), ServeError>>>,
+}
+
+impl Vmm {
+    fn start(name: &str, slots: usize, mem_mib: u64) -> Vmm {
+        let socket =
+            std::env::temp_dir().join(format!("tinyvmm-test-{}-{name}.sock", std::process::id()));
+        let config = ServeConfig {
+            api_sock: socket.clone(),
+            slots,
+            area_size: mem_mib << 20,
+            vcpus: 1,
+        };
+        let (ready, is_ready) = channel();
+        let thread =
+            std::thread::spawn(move || serve(&config, move || ready.send(()).expect("test waits")));
+        is_ready
+            .recv_timeout(Duration::from_secs(60))
+            .expect("the VMM starts");
+        Vmm {
+            socket,
+            thread: Some(thread),
+        }
+    }
+
+    /// Sends raw bytes on a new connection; returns the status and the JSON body.
+    fn raw(&self, bytes: &[u8]) -> (u16, Value) {
+        Client::connect(&self.socket)
+            .expect("connect")
+            .raw(bytes)
+            .expect("an answer")
+    }
+
+    fn call(&self, method: &str, path: &str, body: Option<Value>) -> (u16, Value) {
+        let mut client = Client::connect(&self.socket).expect("connect");
+        client.call(method, path, body.as_ref()).expect("an answer")
+    }
+
+    fn memory(&self) -> Value {
+        let (status, body) = self.call("GET", "/memory", None);
+        assert_eq!(status, 200);
+        body
+    }
+
+    fn stop(mut self) {
+        assert_eq!(
+            self.call("PUT", "/actions", Some(json!({"action_type": "Stop"})))
+                .0,
+            204
+        );
+        let thread = self.thread.take().expect("running");
+        thread.join().expect("no panic").expect("clean stop");
+        assert!(!self.socket.exists(), "the socket is removed at the end");
+    }
+}
+
+impl Drop for Vmm {
+    fn drop(&mut self) {
+        if let Some(thread) = self.thread.take() {
+            let _ = self.call("PUT", "/actions", Some(json!({"action_type": "Stop"})));
+            let _ = thread.join();
+        }
+    }
+}
+
+fn fault(response: &(u16, Value)) -> &str {
+    response.1["fault_message"]
+        .as_str()
+        .unwrap_or_else(|| panic!("no fault message in {response:?}"))
+}
+
+fn region(gpa: u64, size: u64) -> Value {
+    json!({"size": size, "guest_address": gpa})
+}
+
+const GIB: u64 = 1 << 30;
+
+#[test]
+fn kvm_hotplug_up_to_the_slot_limit_with_the_guest_checking_each_region() {
+    if !kvm_test_support::require_kvm(
+        "tinyvmm::kvm_hotplug_up_to_the_slot_limit_with_the_guest_checking_each_region",
+    ) {
+        return;
+    }
+    let vmm = Vmm::start("fill", 2, 4);
+    let free = vmm.memory()["slots"]["free"].as_u64().expect("free slots");
+    let mut ids = Vec::new();
+    for i in 0..free {
+        let (status, body) = vmm.call(
+            "PUT",
+            "/memory/regions",
+            Some(json!({"size": 4096, "guest_address": GIB + i * 8192})),
+        );
+        assert_eq!(status, 201, "region {i}: {body}");
+        assert_eq!(body["guest_checked"], json!(true));
+        ids.push(body["id"].as_u64().expect("an id"));
+    }
+    let memory = vmm.memory();
+    assert_eq!(memory["slots"]["free"], json!(0));
+    let refused = vmm.call("PUT", "/memory/regions", Some(region(GIB - 8192, 4096)));
+    assert_eq!(refused.0, 409);
+    assert!(
+        fault(&refused).starts_with("out of KVM memory slots: 1 needed, 0 of"),
+        "{refused:?}"
+    );
+    assert_eq!(vmm.memory(), memory, "a refused add changed the memory");
+    // The guest can still check any of them (here: the first and the last page it wrote).
+    for gpa in [GIB, GIB + (free - 1) * 8192] {
+        let (status, body) = vmm.call(
+            "PUT",
+            "/guest/command",
+            Some(json!({"op": "write", "start": gpa, "end": gpa + 4096, "stride": 8, "seed": 3})),
+        );
+        assert_eq!((status, &body["result"]), (200, &json!("ok")));
+        let (_, body) = vmm.call(
+            "PUT",
+            "/guest/command",
+            Some(json!({"op": "verify", "start": gpa, "end": gpa + 4096, "stride": 8, "seed": 3})),
+        );
+        assert_eq!(body["result"], json!("ok"));
+    }
+    for id in ids {
+        assert_eq!(
+            vmm.call("DELETE", &format!("/memory/regions/{id}"), None).0,
+            204
+        );
+    }
+    assert_eq!(vmm.memory()["slots"]["used"], json!(2));
+    vmm.stop();
+}
+
+#[test]
+fn kvm_dirty_logging_through_the_socket_reports_exactly_the_pages_written() {
+    if !kvm_test_support::require_kvm(
+        "tinyvmm::kvm_dirty_logging_through_the_socket_reports_exactly_the_pages_written",
+    ) {
+        return;
+    }
+    let vmm = Vmm::start("dirty", 2, 4);
+    let (status, body) = vmm.call(
+        "PUT",
+        "/memory/regions",
+        Some(json!({"size": 1 << 20, "guest_address": GIB, "slot_size": 65536})),
+    );
+    assert_eq!(status, 201, "{body}");
+    let id = body["id"].as_u64().expect("an id");
+    assert_eq!(
+        vmm.call(
+            "PATCH",
+            "/dirty-log",
+            Some(json!({"enabled": true, "region": id}))
+        )
+        .0,
+        204
+    );
+    // Logging starts with every page counted dirty (documented): take that first.
+    let (_, first) = vmm.call("POST", "/dirty-log/harvest", Some(json!({"region": id})));
+    assert_eq!(first["regions"][0]["dirty_pages"], json!(256));
+    // The guest writes one u64 in every third page of the first 48 pages.
+    let write = json!({"op": "write", "start": GIB + 16, "end": GIB + 48 * 4096, "stride": 3 * 4096, "seed": 9});
+    assert_eq!(vmm.call("PUT", "/guest/command", Some(write)).0, 200);
+    let (status, dirty) = vmm.call("POST", "/dirty-log/harvest", Some(json!({"region": id})));
+    assert_eq!(status, 200);
+    let expected: Vec<Value> = (0..16)
+        .map(|i| json!([GIB + i * 3 * 4096, GIB + i * 3 * 4096 + 4096]))
+        .collect();
+    assert_eq!(dirty["regions"][0]["ranges"], Value::Array(expected));
+    assert_eq!(dirty["regions"][0]["dirty_pages"], json!(16));
+    assert_eq!(dirty["page_size"], json!(4096));
+    let (_, again) = vmm.call("POST", "/dirty-log/harvest", Some(json!({"region": id})));
+    assert_eq!(
+        again["regions"][0]["dirty_pages"],
+        json!(0),
+        "a second harvest reports nothing new"
+    );
+    assert_eq!(
+        vmm.call("PATCH", "/dirty-log", Some(json!({"enabled": false})))
+            .0,
+        204
+    );
+    vmm.stop();
+}
+
+#[test]
+fn kvm_the_hotplug_area_plugs_and_unplugs_slots() {
+    if !kvm_test_support::require_kvm("tinyvmm::kvm_the_hotplug_area_plugs_and_unplugs_slots") {
+        return;
+    }
+    let vmm = Vmm::start("hotplug", 2, 4);
+    assert_eq!(vmm.call("GET", "/hotplug/memory", None).0, 404);
+    let bad = vmm.call(
+        "PUT",
+        "/hotplug/memory",
+        Some(json!({"total_size_mib": 64, "block_size_mib": 3})),
+    );
+    assert_eq!(
+        (bad.0, fault(&bad)),
+        (400, "block_size_mib 3 must be a power of two of at least 2")
+    );
+    let config = json!({"total_size_mib": 64, "block_size_mib": 2, "slot_size_mib": 8});
+    assert_eq!(vmm.call("PUT", "/hotplug/memory", Some(config)).0, 204);
+    let used = |vmm: &Vmm| vmm.memory()["slots"]["used"].as_u64().expect("used");
+    assert_eq!(
+        vmm.call(
+            "PATCH",
+            "/hotplug/memory",
+            Some(json!({"requested_size_mib": 20}))
+        )
+        .0,
+        204
+    );
+    assert_eq!(used(&vmm), 2 + 3, "20 MiB in 8 MiB slots maps three slots");
+    let (_, state) = vmm.call("GET", "/hotplug/memory", None);
+    assert_eq!(
+        (
+            state["plugged_size_mib"].clone(),
+            state["mapped_slots"].clone()
+        ),
+        (json!(20), json!(3))
+    );
+    let base = state["guest_address"].as_u64().expect("base");
+    let touch = json!({"op": "write", "start": base, "end": base + (20 << 20), "stride": 1 << 20, "seed": 1});
+    assert_eq!(
+        vmm.call("PUT", "/guest/command", Some(touch)).1["result"],
+        json!("ok")
+    );
+    let odd = vmm.call(
+        "PATCH",
+        "/hotplug/memory",
+        Some(json!({"requested_size_mib": 5})),
+    );
+    assert_eq!(odd.0, 400, "{odd:?}");
+    assert_eq!(
+        vmm.call(
+            "PATCH",
+            "/hotplug/memory",
+            Some(json!({"requested_size_mib": 6}))
+        )
+        .0,
+        204
+    );
+    assert_eq!(used(&vmm), 2 + 1);
+    let beyond = json!({"op": "write", "start": base + (8 << 20), "end": base + (9 << 20), "stride": 4096, "seed": 1});
+    let refused = vmm.call("PUT", "/guest/command", Some(beyond));
+    assert_eq!(
+        refused.0, 400,
+        "the unplugged range is no memory: {refused:?}"
+    );
+    let owned = vmm.call("DELETE", "/memory/regions/2", None);
+    assert_eq!(owned.0, 409, "{owned:?}");
+    assert_eq!(
+        vmm.call(
+            "PATCH",
+            "/hotplug/memory",
+            Some(json!({"requested_size_mib": 0}))
+        )
+        .0,
+        204
+    );
+    assert_eq!(used(&vmm), 2);
+    vmm.stop();
+}
+
+#[test]
+fn kvm_bad_input_gets_the_right_4xx_and_changes_nothing() {
+    if !kvm_test_support::require_kvm(
+        "tinyvmm::kvm_bad_input_gets_the_right_4xx_and_changes_nothing",
+    ) {
+        return;
+    }
+    let vmm = Vmm::start("bad", 8, 4);
+    let (status, body) = vmm.call(
+        "PUT",
+        "/memory/regions",
+        Some(json!({"size": 65536, "guest_address": GIB, "slot_size": 16384})),
+    );
+    assert_eq!(status, 201, "{body}");
+    let pattern = json!({"op": "write", "start": GIB, "end": GIB + 65536, "stride": 8, "seed": 77});
+    assert_eq!(vmm.call("PUT", "/guest/command", Some(pattern)).0, 200);
+    let before = vmm.memory();
+    let with = |method: &str, path: &str, body: &str| {
+        format!(
+            "{method} {path} HTTP/1.1\r\nContent-Length: {}\r\n\r\n{body}",
+            body.len()
+        )
+        .into_bytes()
+    };
+    let raw = |body: &str| with("PUT", "/memory/regions", body);
+    let cases: Vec<(Vec<u8>, u16, &str)> = vec![
+        (raw("{\"size\": 4096,"), 400, "EOF while parsing"),
+        (raw("{\"size\": 4096, \"colour\": 1}"), 400, "unknown field `colour`"),
+        (raw("{\"size\": \"4096\"}"), 400, "invalid type: string"),
+        (raw("{\"size\": -4096}"), 400, "invalid value: integer `-4096`, expected u64"),
+        (raw("{\"size\": 1e400}"), 400, "invalid request body"),
+        (raw("{\"size\": 18446744073709551616}"), 400, "invalid request body"),
+        (raw("{\"size\": 4097, \"guest_address\": 2147483648}"), 400, "size 0x1001 is not a multiple of the page size"),
+        (raw("{\"size\": 4096, \"guest_address\": 2147483649}"), 400, "guest address 0x80000001 is not a multiple of the page size"),
+        (raw("{\"size\": 8192, \"guest_address\": 18446744073709547520}"), 400, "wraps around the address space"),
+        (raw("{\"size\": 4096, \"guest_address\": 1073745920}"), 409, "overlaps region 2 at [0x40000000, 0x40004000)"),
+        (raw("{\"size\": 65536, \"slot_size\": 24576}"), 400, "is not a multiple of slot_size"),
+        (raw("{\"size\": 2147483648, \"slot_size\": 4096, \"guest_check\": false}"), 409, "out of KVM memory slots: 524288 needed"),
+        (b"DELETE /memory/regions/99 HTTP/1.1\r\n\r\n".to_vec(), 404, "region 99 does not exist"),
+        (with("PATCH", "/memory/regions/2", "{\"guest_address\": 268435456}"), 409, "overlaps region 1"),
+        (with("PATCH", "/memory/regions/2", "{}"), 400, "nothing to change"),
+        (b"DELETE /memory/regions/0 HTTP/1.1\r\n\r\n".to_vec(), 409, "holds the guest's code"),
+        (b"PUT /memory/regions HTTP/1.1\r\nContent-Length: 9999999\r\n\r\n".to_vec(), 413, "too large"),
+        (format!("GET /memory HTTP/1.1\r\nX-Filler: {}\r\n\r\n", "x".repeat(9000)).into_bytes(), 431, "headers too large"),
+        (b"PUT /memory/regions HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n".to_vec(), 411, "send Content-Length"),
+        (b"GET /nowhere HTTP/1.1\r\n\r\n".to_vec(), 404, "no resource at /nowhere"),
+        (b"POST /vm HTTP/1.1\r\n\r\n".to_vec(), 405, "POST is not allowed on /vm"),
+        (b"\x16\x03\x01 not http\r\n\r\n".to_vec(), 400, "malformed HTTP request"),
+        (with("PUT", "/guest/command", "{\"op\":\"write\",\"start\":8,\"end\":16,\"stride\":8,\"seed\":1,\"vcpu\":5}"), 400, "vcpu 5 does not exist"),
+        (with("PUT", "/guest/command", "{\"op\":\"write\",\"start\":3221225472,\"end\":3221229568,\"stride\":8,\"seed\":1}"), 400, "is not all memory"),
+    ];
+    for (request, status, message) in &cases {
+        let response = vmm.raw(request);
+        assert_eq!(
+            response.0,
+            *status,
+            "{}: {response:?}",
+            String::from_utf8_lossy(request)
+        );
+        assert!(
+            fault(&response).contains(message),
+            "{}: {response:?}",
+            String::from_utf8_lossy(request)
+        );
+        assert_eq!(
+            vmm.memory(),
+            before,
+            "{} changed the memory",
+            String::from_utf8_lossy(request)
+        );
+    }
+    // A truncated request: the client stops sending half-way and closes its side.
+    let mut client = Client::connect(&vmm.socket).expect("connect");
+    client
+        .send(b"PUT /memory/regions HTTP/1.1\r\nContent-Length: 40\r\n\r\n{\"size\":")
+        .expect("send");
+    client.finish_sending().expect("half-close");
+    let truncated = client.read_response().expect("an answer");
+    assert_eq!(truncated.0, 400);
+    assert!(
+        fault(&truncated).contains("request truncated"),
+        "{truncated:?}"
+    );
+    // Many clients at once, each with a bad and a good request on one connection.
+    let clients: Vec<_> = (0..32)
+        .map(|_| {
+            let socket = vmm.socket.clone();
+            std::thread::spawn(move || {
+                let mut client = Client::connect(&socket).expect("connect");
+                let bad = client
+                    .raw(
+                        b"PUT /memory/regions HTTP/1.1\r\nContent-Length: 12\r\n\r\n{\"size\": -1}",
+                    )
+                    .expect("an answer");
+                (
+                    bad.0,
+                    client.raw(b"GET /vm HTTP/1.1\r\n\r\n").expect("an answer"),
+                )
+            })
+        })
+        .collect();
+    for client in clients {
+        let (bad, (status, vm)) = client.join().expect("client");
+        assert_eq!(
+            (bad, status, vm["state"].as_str()),
+            (400, 200, Some("Running"))
+        );
+    }
+    assert_eq!(vmm.memory(), before);
+    // Pausing stops the guest taking commands; the data it wrote is still there after.
+    assert_eq!(
+        vmm.call("PATCH", "/vm", Some(json!({"state": "Paused"}))).0,
+        204
+    );
+    let check = json!({"op": "verify", "start": GIB, "end": GIB + 65536, "stride": 8, "seed": 77});
+    assert_eq!(
+        vmm.call("PUT", "/guest/command", Some(check.clone())).0,
+        409
+    );
+    assert_eq!(
+        vmm.call("PATCH", "/vm", Some(json!({"state": "Resumed"})))
+            .0,
+        204
+    );
+    assert_eq!(
+        vmm.call("PUT", "/guest/command", Some(check)).1["result"],
+        json!("ok")
+    );
+    vmm.stop();
+}
+
+#[test]
+fn kvm_the_socket_is_private_and_never_replaces_a_file() {
+    if !kvm_test_support::require_kvm(
+        "tinyvmm::kvm_the_socket_is_private_and_never_replaces_a_file",
+    ) {
+        return;
+    }
+    let file = std::env::temp_dir().join(format!("tinyvmm-test-{}-file", std::process::id()));
+    std::fs::write(&file, b"keep me").expect("write");
+    let config = ServeConfig {
+        api_sock: file.clone(),
+        slots: 2,
+        area_size: 0,
+        vcpus: 1,
+    };
+    let err = serve(&config, || {}).expect_err("refused");
+    assert_eq!(
+        err.to_string(),
+        format!(
+            "{} exists and is not a socket: refusing to replace it",
+            file.display()
+        )
+    );
+    assert_eq!(std::fs::read(&file).expect("still there"), b"keep me");
+    std::fs::remove_file(&file).expect("clean up");
+    // A stale socket (nobody listening) is replaced; a live one is refused.
+    let path = std::env::temp_dir().join(format!("tinyvmm-test-{}-perm.sock", std::process::id()));
+    drop(std::os::unix::net::UnixListener::bind(&path).expect("stale socket"));
+    let vmm = Vmm::start("perm", 2, 0);
+    let mode = std::fs::metadata(&vmm.socket)
+        .expect("socket")
+        .permissions()
+        .mode()
+        & 0o777;
+    assert_eq!(mode, 0o600);
+    let again = ServeConfig {
+        api_sock: vmm.socket.clone(),
+        slots: 2,
+        area_size: 0,
+        vcpus: 1,
+    };
+    let err = serve(&again, || {}).expect_err("in use");
+    assert!(
+        err.to_string().ends_with("is in use by another process"),
+        "{err}"
+    );
+    vmm.stop();
+    let _ = std::fs::remove_file(&path);
+}

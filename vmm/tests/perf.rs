@@ -1,0 +1,262 @@
+//! The perf suite on real `/dev/kvm`: every scenario briefly, at a small slot count and at KVM's
+//! maximum where that is cheap, checking that iterations ran, that the data the scenario checks
+//! was right, that the move tests count the guest's exits, and that bad configurations are
+//! refused. No timing is asserted: the figures are the bench's job.
+
+use std::sync::atomic::AtomicBool;
+use std::sync::Arc;
+use std::time::Duration;
+
+use tinyvmm::perf::{
+    run_perf, run_test, Outcome, PerfConfig, Scenario, Skipped, TestResult, TestSpec,
+};
+use vmm_sys_util::eventfd::EventFd;
+
+const BRIEF: Duration = Duration::from_millis(200);
+
+fn outcome(test: Scenario, slots: usize, area_mib: u64) -> Outcome {
+    let stopped = Arc::new(EventFd::new(0).expect("eventfd"));
+    let spec = TestSpec {
+        test,
+        slots,
+        area_size: area_mib << 20,
+        duration: BRIEF,
+    };
+    run_test(&spec, &AtomicBool::new(false), &stopped, &mut |_| {})
+        .unwrap_or_else(|e| panic!("{test} at {slots} slots: {e}"))
+}
+
+fn ran(test: Scenario, slots: usize, area_mib: u64) -> TestResult {
+    match outcome(test, slots, area_mib) {
+        Outcome::Ran(result) => {
+            assert_eq!((result.test, result.slots), (test, slots));
+            assert!(result.iterations > 0, "{result:?}");
+            assert!(result.per_iteration > Duration::ZERO, "{result:?}");
+            result
+        }
+        Outcome::Skipped(s) => panic!("{test} at {slots} slots skipped: {}", s.reason),
+    }
+}
+
+fn skipped(test: Scenario, slots: usize, area_mib: u64) -> Skipped {
+    match outcome(test, slots, area_mib) {
+        Outcome::Skipped(s) => s,
+        Outcome::Ran(r) => panic!("{test} at {slots} slots ran: {r:?}"),
+    }
+}
+
+fn max_slots() -> usize {
+    kvm_ioctls::Kvm::new().expect("KVM").get_nr_memslots()
+}
+
+#[test]
+fn kvm_perf_map_faults_in_one_half_while_the_host_discards_the_other() {
+    if !kvm_test_support::require_kvm(
+        "tinyvmm::kvm_perf_map_faults_in_one_half_while_the_host_discards_the_other",
+    ) {
+        return;
+    }
+    let r = ran(Scenario::Map, 64, 512);
+    assert_eq!(r.area_size, 32 << 20);
+    // The first and last page of every half the guest wrote, read back by the host.
+    assert_eq!(r.data_checks, 2 * r.iterations);
+    // 32 MiB has 8192 pages: one per test slot at 8193 slots, none to spare at 8194.
+    let r = ran(Scenario::Map, 8193, 512);
+    assert_eq!((r.slot_size, r.last_slot_size), (4096, 4096));
+    let s = skipped(Scenario::Map, 8194, 512);
+    assert_eq!(
+        s.reason.to_string(),
+        "the 32 MiB area has 8192 pages, fewer than its 8193 test slots (at most 8193 slots)"
+    );
+}
+
+#[test]
+fn kvm_perf_unmap_discards_halves_page_by_page_and_in_chunks() {
+    if !kvm_test_support::require_kvm(
+        "tinyvmm::kvm_perf_unmap_discards_halves_page_by_page_and_in_chunks",
+    ) {
+        return;
+    }
+    for test in [Scenario::Unmap, Scenario::UnmapChunked] {
+        let r = ran(test, 64, 512);
+        assert_eq!(r.area_size, 128 << 20);
+        // The two pages the guest kept writing hold its last pass.
+        assert_eq!(r.data_checks, 2);
+        assert!(r.exits.is_none());
+    }
+}
+
+#[test]
+fn kvm_perf_move_active_area_counts_the_guests_exits_on_the_moved_slot() {
+    if !kvm_test_support::require_kvm(
+        "tinyvmm::kvm_perf_move_active_area_counts_the_guests_exits_on_the_moved_slot",
+    ) {
+        return;
+    }
+    // Whether the guest touches the slot while it is away is a race: retry a bounded number of
+    // times until an exit was counted in the expected window.
+    let mut attempts = Vec::new();
+    for _ in 0..20 {
+        let r = ran(Scenario::MoveActive, 64, 512);
+        // Every page of the window holds the guest's last pass, across the moved slot too.
+        assert_eq!(r.data_checks, 48);
+        let exits = r.exits.expect("a move test reports exits");
+        attempts.push(exits);
+        if exits.mmio_counted > 0 {
+            assert!(exits.all >= exits.on_moved_slot(), "{exits:?}");
+            return;
+        }
+    }
+    panic!("no MMIO exit counted in 20 runs: {attempts:?}");
+}
+
+#[test]
+fn kvm_perf_move_inactive_area_sees_no_exit_on_the_moved_slot() {
+    if !kvm_test_support::require_kvm(
+        "tinyvmm::kvm_perf_move_inactive_area_sees_no_exit_on_the_moved_slot",
+    ) {
+        return;
+    }
+    let r = ran(Scenario::MoveInactive, 64, 512);
+    assert_eq!(r.data_checks, 48);
+    let exits = r.exits.expect("a move test reports exits");
+    assert_eq!(exits.on_moved_slot(), 0, "{exits:?}");
+}
+
+#[test]
+fn kvm_perf_rw_checks_every_page_both_ways() {
+    if !kvm_test_support::require_kvm("tinyvmm::kvm_perf_rw_checks_every_page_both_ways") {
+        return;
+    }
+    let r = ran(Scenario::Rw, 64, 8);
+    assert_eq!(r.area_size, 8 << 20);
+    // Every page read by the host after the guest wrote it, and by the guest after the host.
+    assert_eq!(r.data_checks, 2 * 2048 * r.iterations);
+}
+
+#[test]
+fn kvm_perf_moves_and_unmaps_at_the_maximum_slot_count() {
+    if !kvm_test_support::require_kvm(
+        "tinyvmm::kvm_perf_moves_and_unmaps_at_the_maximum_slot_count",
+    ) {
+        return;
+    }
+    let max = max_slots();
+    let r = ran(Scenario::MoveActive, max, 512);
+    // The kernel's layout: the last slot also holds the remainder of the pages.
+    let pages = (512 << 20) / 4096;
+    let test_slots = max as u64 - 1;
+    assert_eq!(r.slot_size, pages / test_slots * 4096);
+    assert_eq!(
+        r.last_slot_size,
+        (pages / test_slots + pages % test_slots) * 4096
+    );
+    assert_eq!(r.area_size, 512 << 20);
+    assert_eq!(r.data_checks, 48);
+    // One page per slot: every 2 MiB chunk is discarded across 512 slots.
+    let r = ran(Scenario::UnmapChunked, max, 512);
+    assert_eq!((r.slot_size, r.area_size), (4096, 128 << 20));
+    assert_eq!(r.data_checks, 2);
+}
+
+#[test]
+fn kvm_perf_suite_prints_a_table_and_json_with_skips_named() {
+    if !kvm_test_support::require_kvm(
+        "tinyvmm::kvm_perf_suite_prints_a_table_and_json_with_skips_named",
+    ) {
+        return;
+    }
+    let stopped = Arc::new(EventFd::new(0).expect("eventfd"));
+    let config = PerfConfig {
+        slots: vec![2, 64],
+        area_size: 4 << 20,
+        seconds: 0.05,
+        runs: 2,
+        scenarios: Vec::new(),
+    };
+    let mut events = 0;
+    let report = run_perf(&config, &AtomicBool::new(false), &stopped, &mut |_| {
+        events += 1
+    })
+    .expect("the suite runs");
+    assert!(!report.interrupted);
+    // At 2 slots the one test slot is the moved one: no room below it for the move windows.
+    let skipped: Vec<_> = report.skipped.iter().map(|s| (s.slots, s.test)).collect();
+    assert_eq!(
+        skipped,
+        [(2, Scenario::MoveActive), (2, Scenario::MoveInactive)]
+    );
+    // Two runs of every other test; a skip is reported once.
+    assert_eq!(report.results.len(), 2 * (4 + 6));
+    assert!(report.results.iter().all(|r| r.iterations > 0));
+    assert!(events > report.results.len());
+    let table = report.to_string();
+    assert!(table.contains("move active area"), "{table}");
+    assert!(
+        table.contains("skipped: the slots below the last hold 0 bytes"),
+        "{table}"
+    );
+    let json = serde_json::to_value(&report).expect("JSON");
+    let first = &json["results"][0];
+    assert_eq!(first["test"], "map");
+    assert!(first["per_iteration_ms"].as_f64().expect("a number") > 0.0);
+    assert_eq!(json["skipped"][0]["test"], "move-active");
+}
+
+#[test]
+fn kvm_perf_bad_configurations_are_refused() {
+    if !kvm_test_support::require_kvm("tinyvmm::kvm_perf_bad_configurations_are_refused") {
+        return;
+    }
+    let max = max_slots();
+    let stopped = Arc::new(EventFd::new(0).expect("eventfd"));
+    let run = |config: PerfConfig| {
+        run_perf(&config, &AtomicBool::new(false), &stopped, &mut |_| {})
+            .expect_err("refused")
+            .to_string()
+    };
+    let base = PerfConfig {
+        slots: vec![64],
+        seconds: 0.05,
+        scenarios: vec![Scenario::MoveInactive],
+        ..PerfConfig::default()
+    };
+    for slots in [1, max + 1] {
+        assert_eq!(
+            run(PerfConfig {
+                slots: vec![64, slots],
+                ..base.clone()
+            }),
+            format!("{slots} slots asked for; KVM offers 2 to {max} (one is the system region's)")
+        );
+    }
+    for seconds in [0.0, -1.0, f64::NAN] {
+        assert_eq!(
+            run(PerfConfig {
+                seconds,
+                ..base.clone()
+            }),
+            format!("the time per test must be a positive number of seconds, not {seconds}")
+        );
+    }
+    assert_eq!(
+        run(PerfConfig {
+            runs: 0,
+            ..base.clone()
+        }),
+        "the number of runs must be at least 1"
+    );
+    let err = run(PerfConfig {
+        area_size: 0,
+        ..base.clone()
+    });
+    assert!(err.starts_with("a test area of 0x0 bytes"), "{err}");
+    // A stop before the first test: nothing ran, and the report says so.
+    let report = run_perf(&base, &AtomicBool::new(true), &stopped, &mut |_| {})
+        .expect("an interrupted suite still reports");
+    assert!(report.interrupted && report.results.is_empty());
+    assert!(matches!(
+        "nope".parse::<Scenario>(),
+        Err(e) if e.to_string().starts_with("unknown test \"nope\"")
+    ));
+}
