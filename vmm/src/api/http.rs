@@ -308,8 +308,8 @@ mod tests {
         assert_eq!(
             at_close(b"PUT / HTTP/1.1\r\nContent-Length: 10\r\n\r\n{\"a\""),
             Err(HttpError::Truncated {
-                got: 41,
-                expected: 47
+                got: 42,
+                expected: 48
             })
         );
         assert_eq!(at_close(b"\r\n"), Ok(()));
