@@ -172,6 +172,12 @@ impl Vcpu {
                 // every change that sequence counts.
                 let sequence_now = memory.change_sequence();
                 let snapshot = memory.snapshot();
+                // A change may have been published between the two loads (its odd step comes
+                // before its publication): the map would then be newer than `sequence_now`
+                // says, and an exit from before that change would look like a mismatch.
+                if memory.change_sequence() != sequence_now {
+                    continue;
+                }
                 let expected_mmio = shared
                     .expected_mmio
                     .lock()
