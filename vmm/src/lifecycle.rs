@@ -12,7 +12,8 @@ use vmm_sys_util::signal::register_signal_handler;
 /// What a job gets to see of the loop.
 #[derive(Clone)]
 pub struct JobContext {
-    /// Set when the job should stop early (a signal came, or a vCPU stopped on an error).
+    /// Set when the job should stop early: a signal came. (A vCPU that stops on an error tells
+    /// the job through its own channel, which the job sees at its next wait.)
     pub stop: Arc<AtomicBool>,
     /// For vCPU threads to signal that they stopped.
     pub vcpu_stopped: Arc<EventFd>,

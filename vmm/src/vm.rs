@@ -55,6 +55,9 @@ pub enum VmError {
     /// A vCPU stopped while the host waited for it.
     #[error("vCPU {0} stopped while the host was waiting for it")]
     Stopped(usize),
+    /// A vCPU thread panicked.
+    #[error("vCPU {0}'s thread panicked")]
+    Panicked(usize),
     /// A verify command found a page that does not hold its pattern.
     #[error("guest found {found:#x} at {gpa:#x} where the host had written {expected:#x}")]
     GuestSawWrongData {
@@ -309,7 +312,7 @@ impl Vcpus {
             // With no sender left, a vCPU waiting for a go-ahead after its last command leaves.
             vcpu.resume = None;
         }
-        for vcpu in &mut self.threads {
+        for (index, vcpu) in self.threads.iter_mut().enumerate() {
             let Some(thread) = vcpu.thread.take() else {
                 continue;
             };
@@ -320,7 +323,7 @@ impl Vcpus {
                 std::thread::sleep(Duration::from_millis(1));
             }
             if thread.join().is_err() && first_error.is_none() {
-                first_error = Some(VmError::Stopped(0));
+                first_error = Some(VmError::Panicked(index));
             }
             while let Ok(event) = vcpu.events.try_recv() {
                 if let VcpuEvent::Failed(e) = event {
