@@ -14,7 +14,7 @@ use vmm_sys_util::eventfd::EventFd;
 
 use crate::area::{AreaError, TestArea, AREA_GPA};
 use crate::guest::{pattern, Command, Op};
-use crate::vm::{Vcpus, Vm, VmError};
+use crate::vm::{expect_pattern, Vcpus, Vm, VmError};
 
 /// What to run.
 #[derive(Debug, Clone, Copy)]
@@ -44,9 +44,9 @@ pub enum CheckError {
         /// KVM's limit.
         max: usize,
     },
-    /// Reading guest memory from the host failed.
-    #[error("host read at {gpa:#x} failed: {source}")]
-    Read {
+    /// Writing guest memory from the host failed.
+    #[error("host write at {gpa:#x} failed: {source}")]
+    Write {
         /// The address.
         gpa: u64,
         /// vm-memory's error.
@@ -179,18 +179,7 @@ pub fn check_area(
     let memory = vm.memory().snapshot();
     let start = Instant::now();
     for gpa in addresses(area) {
-        let found: u64 = memory
-            .read_obj(GuestAddress(gpa))
-            .map_err(|source| CheckError::Read { gpa, source })?;
-        let expected = pattern(gpa, guest_seed);
-        if found != expected {
-            return Err(VmError::HostSawWrongData {
-                gpa,
-                found,
-                expected,
-            }
-            .into());
-        }
+        expect_pattern(&*memory, gpa, guest_seed)?;
     }
     let host_check = start.elapsed();
     if interrupted() {
@@ -201,7 +190,7 @@ pub fn check_area(
     for gpa in addresses(area) {
         memory
             .write_obj(pattern(gpa, host_seed), GuestAddress(gpa))
-            .map_err(|source| CheckError::Read { gpa, source })?;
+            .map_err(|source| CheckError::Write { gpa, source })?;
     }
     let host_write = start.elapsed();
     let guest_check = guest_pass(vcpus, area, Op::Verify, host_seed)?;

@@ -32,7 +32,7 @@ use vmm_sys_util::eventfd::EventFd;
 
 use crate::area::{AreaError, TestArea, AREA_GPA};
 use crate::guest::{self, pattern, Command, Op};
-use crate::vm::{Vcpus, Vm, VmError};
+use crate::vm::{expect_pattern, Vcpus, Vm, VmError};
 
 const KIB: u64 = 1 << 10;
 const MIB: u64 = 1 << 20;
@@ -827,27 +827,9 @@ impl Bench<'_> {
         })
     }
 
-    fn read(&self, gpa: u64) -> Result<u64, PerfError> {
-        self.vm
-            .memory()
-            .snapshot()
-            .read_obj(GuestAddress(gpa))
-            .map_err(|source| PerfError::Access { gpa, source })
-    }
-
     /// Checks that `gpa` holds what the guest wrote there with `seed`.
     fn check(&self, gpa: u64, seed: u64) -> Result<(), PerfError> {
-        let found = self.read(gpa)?;
-        let expected = pattern(gpa, seed);
-        if found != expected {
-            return Err(VmError::HostSawWrongData {
-                gpa,
-                found,
-                expected,
-            }
-            .into());
-        }
-        Ok(())
+        Ok(expect_pattern(&*self.vm.memory().snapshot(), gpa, seed)?)
     }
 
     /// Ends the vCPU's write loop once it has run a whole pass after this call (so that no
@@ -1029,18 +1011,7 @@ impl Bench<'_> {
             b.vcpus.run(0, command(Op::Write, start, guest_seed))?;
             let memory = b.vm.memory().snapshot();
             for gpa in (start..end).step_by(PAGE_SIZE as usize) {
-                let found: u64 = memory
-                    .read_obj(GuestAddress(gpa))
-                    .map_err(|source| PerfError::Access { gpa, source })?;
-                let expected = pattern(gpa, guest_seed);
-                if found != expected {
-                    return Err(VmError::HostSawWrongData {
-                        gpa,
-                        found,
-                        expected,
-                    }
-                    .into());
-                }
+                expect_pattern(&*memory, gpa, guest_seed)?;
                 let middle = gpa + PAGE_SIZE / 2;
                 memory
                     .write_obj(pattern(middle, host_seed), GuestAddress(middle))

@@ -68,6 +68,14 @@ pub enum VmError {
         /// What the host had written.
         expected: u64,
     },
+    /// The host could not read guest memory.
+    #[error("host read at {gpa:#x} failed: {source}")]
+    HostRead {
+        /// The address.
+        gpa: u64,
+        /// vm-memory's error.
+        source: vm_memory::GuestMemoryError,
+    },
     /// The host read back something other than what the guest wrote.
     #[error("host found {found:#x} at {gpa:#x} where the guest had written {expected:#x}")]
     HostSawWrongData {
@@ -78,6 +86,27 @@ pub enum VmError {
         /// What the guest had written.
         expected: u64,
     },
+}
+
+/// Checks from the host that `gpa` holds what the test guest writes there with `seed`.
+pub fn expect_pattern(
+    memory: &impl vm_memory::GuestMemory,
+    gpa: u64,
+    seed: u64,
+) -> Result<(), VmError> {
+    use vm_memory::Bytes;
+    let found: u64 = memory
+        .read_obj(GuestAddress(gpa))
+        .map_err(|source| VmError::HostRead { gpa, source })?;
+    let expected = guest::pattern(gpa, seed);
+    if found != expected {
+        return Err(VmError::HostSawWrongData {
+            gpa,
+            found,
+            expected,
+        });
+    }
+    Ok(())
 }
 
 /// The VM: KVM, guest memory with the system region in place, and the test guest's code.
