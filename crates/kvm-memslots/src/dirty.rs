@@ -14,7 +14,7 @@ pub struct DirtyPages {
     pub gpa: GuestAddress,
     /// Pages in the region (bits that count in `bitmap`).
     pub pages: u64,
-    /// One bit per page; empty if no page of the region was written.
+    /// One bit per page of the region.
     pub bitmap: Vec<u64>,
 }
 
@@ -27,6 +27,13 @@ impl DirtyPages {
     /// Guest addresses of the dirty pages, in order.
     pub fn addresses(&self) -> impl Iterator<Item = GuestAddress> + '_ {
         set_bits(&self.bitmap).map(|page| GuestAddress(self.gpa.0 + page * PAGE_SIZE))
+    }
+}
+
+/// Sets bits `first .. first + count` of `bitmap`.
+pub(crate) fn mark_range(bitmap: &mut [u64], first: u64, count: u64) {
+    for bit in first..first + count {
+        bitmap[(bit / 64) as usize] |= 1 << (bit % 64);
     }
 }
 

@@ -126,7 +126,7 @@ pub struct KvmVm {
 impl KvmVm {
     /// Wraps `vm`, reading KVM's slot limit, using `KVM_SET_USER_MEMORY_REGION2` where the kernel
     /// has it, and enabling manual dirty-log protection with initially-set logs where available.
-    /// Call before any vCPU is created (KVM requires that for the dirty-log capability).
+    /// Call before logging starts on any slot, so that every log has the same semantics.
     pub fn new(kvm: &Kvm, vm: Arc<VmFd>) -> Result<Self, Errno> {
         let max_slots = u32::try_from(kvm.get_nr_memslots()).unwrap_or(u32::MAX);
         let region2 = vm.check_extension(Cap::UserMemory2);

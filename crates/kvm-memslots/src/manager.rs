@@ -11,7 +11,7 @@ use memslot_map::{
 use vm_memory::GuestAddress;
 use vmm_sys_util::errno::Error as Errno;
 
-use crate::dirty::{or_bits, DirtyPages};
+use crate::dirty::{mark_range, or_bits, DirtyPages};
 use crate::error::Error;
 use crate::kvm::{KvmMemory, KvmSlot};
 use crate::memory::{
@@ -126,6 +126,17 @@ pub struct HvaMatch {
     pub slot: SlotId,
     /// The guest address.
     pub gpa: GuestAddress,
+}
+
+/// A part of a discard that is one run of one region's mapping.
+struct Piece {
+    region: RegionId,
+    memory: Arc<RegionMemory>,
+    /// Offset of the run in the region.
+    offset: u64,
+    /// Its guest range.
+    start: u64,
+    end: u64,
 }
 
 struct Region {
@@ -754,7 +765,8 @@ impl<K: KvmMemory> MemoryManager<K> {
 
     /// Gives the host back the memory behind guest range `[gpa, gpa + len)`, which must be
     /// all memory: private pages read back as zeros, shared ones are freed from their file
-    /// (`MADV_DONTNEED` / `MADV_REMOVE`). The slots stay as they are.
+    /// (`MADV_DONTNEED` / `MADV_REMOVE`). The slots stay as they are; the pages count as dirty
+    /// in the next harvest, since their contents changed.
     pub fn discard(&self, gpa: GuestAddress, len: u64) -> Result<(), Error> {
         check_range(gpa.0, len)?;
         let range = AddressRange {
@@ -763,40 +775,61 @@ impl<K: KvmMemory> MemoryManager<K> {
         };
         let current = self.current();
         // Check the whole range first so that a hole refuses the discard before any of it.
-        let mut pieces = Vec::new();
+        // Pieces of one mapping that follow each other are merged into one madvise call.
+        let mut pieces: Vec<Piece> = Vec::new();
         let mut at = range.start;
         for slot in current.iter_from_gpa(gpa) {
-            if at == range.end {
-                break;
-            }
-            if slot.gpa().0 > at {
+            if at == range.end || slot.gpa().0 > at {
                 break;
             }
             let end = slot.gpa_range().end.min(range.end);
-            pieces.push((Arc::clone(slot), at, end));
+            let offset = slot.payload().offset() + (at - slot.gpa().0);
+            match pieces.last_mut() {
+                Some(last)
+                    if Arc::ptr_eq(&last.memory, slot.payload().memory())
+                        && last.offset + (last.end - last.start) == offset =>
+                {
+                    last.end = end;
+                }
+                _ => pieces.push(Piece {
+                    region: slot.payload().region(),
+                    memory: Arc::clone(slot.payload().memory()),
+                    offset,
+                    start: at,
+                    end,
+                }),
+            }
             at = end;
         }
         if at != range.end {
             return Err(Error::DiscardHole { range, hole: at });
         }
-        for (slot, start, end) in pieces {
-            let advice = if slot.payload().memory().is_shared() {
+        let mut state = self.state();
+        for piece in pieces {
+            let advice = if piece.memory.is_shared() {
                 libc::MADV_REMOVE
             } else {
                 libc::MADV_DONTNEED
             };
-            let hva = slot.hva().0 + (start - slot.gpa().0);
-            // SAFETY: `[hva, hva + end - start)` lies inside the slot's region mapping, which
-            // `slot` keeps mapped during the call. Guest memory is only accessed through
-            // volatile accesses and raw pointers, never Rust references, so replacing its
-            // contents with zeros (or freeing its file pages) breaks no aliasing rule.
-            let ret =
-                unsafe { libc::madvise(hva as *mut libc::c_void, (end - start) as usize, advice) };
+            let hva = piece.memory.host_address() + piece.offset;
+            let len = piece.end - piece.start;
+            // SAFETY: `[hva, hva + len)` lies inside the region's mapping, which `piece.memory`
+            // keeps mapped during the call. Guest memory is only accessed through volatile
+            // accesses and raw pointers, never Rust references, so replacing its contents with
+            // zeros (or freeing its file pages) breaks no aliasing rule.
+            let ret = unsafe { libc::madvise(hva as *mut libc::c_void, len as usize, advice) };
             if ret != 0 {
                 return Err(Error::Discard {
-                    range: AddressRange { start, end },
+                    range: AddressRange {
+                        start: piece.start,
+                        end: piece.end,
+                    },
                     source: std::io::Error::last_os_error(),
                 });
+            }
+            // The guest's memory changed: the next harvest must report these pages.
+            if let Some(region) = state.regions.get_mut(&piece.region) {
+                mark_range(region.pending(), piece.offset / PAGE_SIZE, len / PAGE_SIZE);
             }
         }
         Ok(())
