@@ -55,6 +55,9 @@ pub enum CheckError {
     /// The run was interrupted (a signal).
     #[error("interrupted")]
     Interrupted,
+    /// The VM's vCPUs are stopping.
+    #[error("the VM is shutting down")]
+    ShuttingDown,
 }
 
 /// What a check run did.

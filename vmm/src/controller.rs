@@ -373,13 +373,19 @@ impl Controller {
             if slot.gpa().0 >= at.checked_add(size)? {
                 break;
             }
-            at = slot.gpa_range().end.next_multiple_of(align);
+            at = slot.gpa_range().end.checked_next_multiple_of(align)?;
         }
         Some(at)
     }
 
     /// Checks that `[start, end)` is all guest memory the test guest can reach.
     fn reachable(&self, start: u64, end: u64) -> Result<(), Response> {
+        if start < guest::SYSTEM_SIZE {
+            return Err(bad(format!(
+                "guest range [{start:#x}, {end:#x}) overlaps the system region [0, {:#x}): the guest's code, tables and command blocks are off limits",
+                guest::SYSTEM_SIZE
+            )));
+        }
         if end > guest::IDENTITY_MAPPED {
             return Err(bad(format!(
                 "the test guest reaches guest addresses below {:#x} only",
@@ -439,24 +445,7 @@ impl Controller {
                 )));
             }
         }
-        let memory = std::sync::Arc::clone(self.vm.memory());
-        let region = memory.add_region(spec).map_err(memory_fault)?;
-        if checkable {
-            let area = TestArea {
-                region,
-                gpa,
-                slot_size,
-                slots: add.size / slot_size,
-            };
-            if let Err(e) = self.check(&area) {
-                // Leave the memory as it was: the region goes again.
-                let _ = memory.remove_region(region);
-                return Err(Response::fault(
-                    500,
-                    format!("the guest's check of the new region failed: {e}"),
-                ));
-            }
-        }
+        let region = self.add_checked(spec, slot_size, checkable)?;
         Ok(Response::json(
             201,
             json!({
@@ -471,7 +460,7 @@ impl Controller {
 
     fn check(&mut self, area: &TestArea) -> Result<(), CheckError> {
         let Some(vcpus) = self.vcpus.as_mut() else {
-            return Err(CheckError::Interrupted);
+            return Err(CheckError::ShuttingDown);
         };
         check_area(&self.vm, vcpus, area, &self.never).map(drop)
     }
@@ -512,17 +501,33 @@ impl Controller {
                 "nothing to change: give guest_address and/or read_only",
             ));
         }
-        let memory = self.vm.memory();
-        if !memory.regions().iter().any(|r| r.id == id) {
-            return Err(memory_fault(MemoryError::UnknownRegion(id)));
-        }
-        if let Some(gpa) = patch.guest_address {
-            memory
-                .move_region(id, GuestAddress(gpa))
-                .map_err(memory_fault)?;
-        }
-        if let Some(read_only) = patch.read_only {
+        let memory = std::sync::Arc::clone(self.vm.memory());
+        let Some(gpa) = patch.guest_address else {
+            let read_only = patch.read_only.expect("one of the two is given");
             memory.set_read_only(id, read_only).map_err(memory_fault)?;
+            return Ok(Response::no_content());
+        };
+        let old_gpa = memory
+            .regions()
+            .iter()
+            .find(|r| r.id == id)
+            .map(|r| r.gpa)
+            .ok_or_else(|| memory_fault(MemoryError::UnknownRegion(id)))?;
+        memory
+            .move_region(id, GuestAddress(gpa))
+            .map_err(memory_fault)?;
+        if let Some(read_only) = patch.read_only {
+            if let Err(e) = memory.set_read_only(id, read_only) {
+                // Both changes or neither: move it back.
+                let status = memory_status(&e);
+                let undo = match memory.move_region(id, old_gpa) {
+                    Ok(()) => "the move was undone".to_owned(),
+                    Err(u) => {
+                        format!("undoing the move failed too ({u}): the region is at {gpa:#x}")
+                    }
+                };
+                return Err(Response::fault(status, format!("{e}; {undo}")));
+            }
         }
         Ok(Response::no_content())
     }
@@ -628,7 +633,11 @@ impl Controller {
         let total = config
             .total_size_mib
             .checked_mul(MIB)
-            .filter(|t| HOTPLUG_GPA + t <= guest::IDENTITY_MAPPED)
+            .filter(|t| {
+                HOTPLUG_GPA
+                    .checked_add(*t)
+                    .is_some_and(|end| end <= guest::IDENTITY_MAPPED)
+            })
             .ok_or_else(|| {
                 bad(format!(
                     "total_size_mib {} does not fit below {:#x}, where the test guest reaches",
@@ -681,11 +690,29 @@ impl Controller {
             if region.is_none() {
                 let gpa = HOTPLUG_GPA + i as u64 * slot_size;
                 if let Err(response) = self.plug_slot(i, gpa, slot_size) {
+                    let mut stuck = Vec::new();
                     for (j, id) in added.drain(..).rev() {
-                        let _ = self.vm.memory().remove_region(id);
-                        self.hotplug.as_mut().expect("configured").slots[j] = None;
+                        match self.vm.memory().remove_region(id) {
+                            Ok(()) => self.hotplug.as_mut().expect("configured").slots[j] = None,
+                            Err(e) => stuck.push(format!("slot {j} (region {id}): {e}")),
+                        }
                     }
-                    return Err(response);
+                    if stuck.is_empty() {
+                        return Err(response);
+                    }
+                    let first = response
+                        .body
+                        .as_ref()
+                        .and_then(|b| b["fault_message"].as_str())
+                        .unwrap_or("plugging failed")
+                        .to_owned();
+                    return Err(Response::fault(
+                        500,
+                        format!(
+                            "{first}; undoing the slots plugged before failed too: {}",
+                            stuck.join("; ")
+                        ),
+                    ));
                 }
                 added.push((
                     i,
@@ -697,7 +724,13 @@ impl Controller {
         // inside a slot that stays.
         for (i, region) in mapped.iter().enumerate().skip(wanted_slots) {
             if let Some(id) = region {
-                self.vm.memory().remove_region(*id).map_err(memory_fault)?;
+                if let Err(e) = self.vm.memory().remove_region(*id) {
+                    // Slots past `i` may be gone already: count as plugged only what stays.
+                    let h = self.hotplug.as_mut().expect("configured");
+                    let mapped_now = h.slots.iter().take_while(|s| s.is_some()).count() as u64;
+                    h.plugged_blocks = old_blocks.min(mapped_now * blocks_per_slot);
+                    return Err(memory_fault(e));
+                }
                 self.hotplug.as_mut().expect("configured").slots[i] = None;
             }
         }
@@ -715,23 +748,47 @@ impl Controller {
 
     /// Maps hotplug slot `i` at `gpa` and has the guest check it; on failure nothing stays.
     fn plug_slot(&mut self, i: usize, gpa: u64, slot_size: u64) -> Result<(), Response> {
-        let spec = RegionSpec::new(GuestAddress(gpa), slot_size);
-        let id = self.vm.memory().add_region(spec).map_err(memory_fault)?;
-        let area = TestArea {
-            region: id,
-            gpa,
+        let id = self.add_checked(
+            RegionSpec::new(GuestAddress(gpa), slot_size),
             slot_size,
-            slots: 1,
-        };
-        if let Err(e) = self.check(&area) {
-            let _ = self.vm.memory().remove_region(id);
-            return Err(Response::fault(
-                500,
-                format!("the guest's check of plugged memory at {gpa:#x} failed: {e}"),
-            ));
-        }
+            true,
+        )?;
         self.hotplug.as_mut().expect("configured").slots[i] = Some(id);
         Ok(())
+    }
+
+    /// Adds the region `spec`; with `check`, the test guest then checks both ends of every slot
+    /// of `slot_size` both ways, and if that fails the region goes again, so that the memory is
+    /// as it was. The error says whether even that removal failed.
+    fn add_checked(
+        &mut self,
+        spec: RegionSpec,
+        slot_size: u64,
+        check: bool,
+    ) -> Result<RegionId, Response> {
+        let (gpa, size) = (spec.gpa.0, spec.size);
+        let memory = std::sync::Arc::clone(self.vm.memory());
+        let region = memory.add_region(spec).map_err(memory_fault)?;
+        if !check {
+            return Ok(region);
+        }
+        let area = TestArea {
+            region,
+            gpa,
+            slot_size,
+            slots: size / slot_size,
+        };
+        if let Err(e) = self.check(&area) {
+            let cleanup = match memory.remove_region(region) {
+                Ok(()) => "the memory was removed again".to_owned(),
+                Err(r) => format!("removing it again failed too ({r}): region {region} stays"),
+            };
+            return Err(Response::fault(
+                500,
+                format!("the guest's check of the new memory at {gpa:#x} failed: {e}; {cleanup}"),
+            ));
+        }
+        Ok(region)
     }
 
     fn guest_command(&mut self, command: GuestCommand) -> Result<Response, Response> {

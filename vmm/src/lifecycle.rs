@@ -3,7 +3,7 @@
 
 use std::os::fd::AsRawFd;
 use std::sync::atomic::{AtomicBool, AtomicI32, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock};
 
 use event_manager::{EventManager, EventOps, EventSet, Events, MutEventSubscriber, SubscriberOps};
 use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
@@ -28,15 +28,34 @@ pub enum Ending {
     Interrupted,
 }
 
-/// The write end of the signal eventfd, for the async-signal-safe handler.
+/// The eventfd SIGINT and SIGTERM write to: made once and never closed, so that the handler
+/// (which stays installed) can never write into a file descriptor that was reused.
+static SIGNAL_EVENT: OnceLock<EventFd> = OnceLock::new();
+/// Its number, for the async-signal-safe handler.
 static SIGNAL_FD: AtomicI32 = AtomicI32::new(-1);
+
+/// The signal eventfd, with the handlers installed on first use.
+fn signal_event() -> Result<&'static EventFd, LoopError> {
+    if let Some(event) = SIGNAL_EVENT.get() {
+        return Ok(event);
+    }
+    let created = EventFd::new(EFD_NONBLOCK).map_err(LoopError::EventFd)?;
+    // Another thread may have won the race: then its eventfd is the one.
+    let _ = SIGNAL_EVENT.set(created);
+    let event = SIGNAL_EVENT.get().expect("set just above");
+    SIGNAL_FD.store(event.as_raw_fd(), Ordering::Release);
+    for num in [libc::SIGINT, libc::SIGTERM] {
+        register_signal_handler(num, on_termination_signal).map_err(LoopError::Signal)?;
+    }
+    Ok(event)
+}
 
 extern "C" fn on_termination_signal(_: libc::c_int, _: *mut libc::siginfo_t, _: *mut libc::c_void) {
     let fd = SIGNAL_FD.load(Ordering::Relaxed);
     if fd >= 0 {
         let one = 1u64;
-        // SAFETY: write(2) is async-signal-safe; `one` is a valid 8-byte buffer, and `fd` is an
-        // eventfd that lives for the rest of the process once published.
+        // SAFETY: write(2) is async-signal-safe; `one` is a valid 8-byte buffer, and `fd` is
+        // SIGNAL_EVENT's eventfd, which is never closed once published.
         unsafe { libc::write(fd, (&one as *const u64).cast(), 8) };
     }
 }
@@ -44,7 +63,7 @@ extern "C" fn on_termination_signal(_: libc::c_int, _: *mut libc::siginfo_t, _: 
 struct Lifecycle {
     context: JobContext,
     job_done: Arc<EventFd>,
-    signal: Arc<EventFd>,
+    signal: &'static EventFd,
     /// A signal asked the VMM to stop.
     interrupted: bool,
     /// The job said it is done.
@@ -69,7 +88,7 @@ impl MutEventSubscriber for Lifecycle {
     }
 
     fn init(&mut self, ops: &mut EventOps) {
-        for fd in [&*self.job_done, &*self.signal, &*self.context.vcpu_stopped] {
+        for fd in [&*self.job_done, self.signal, &*self.context.vcpu_stopped] {
             ops.add(Events::new(fd, EventSet::IN))
                 .expect("watching an eventfd");
         }
@@ -79,9 +98,18 @@ impl MutEventSubscriber for Lifecycle {
 /// Errors of the loop itself.
 #[derive(Debug, thiserror::Error)]
 pub enum LoopError {
-    /// Creating the loop's eventfds or epoll failed.
-    #[error("setting up the event loop failed: {0}")]
-    Setup(String),
+    /// Creating an eventfd failed.
+    #[error("creating an eventfd for the event loop failed: {0}")]
+    EventFd(std::io::Error),
+    /// Creating the epoll instance failed.
+    #[error("creating the event loop failed: {0:?}")]
+    Epoll(event_manager::Error),
+    /// Installing the SIGINT/SIGTERM handler failed.
+    #[error("installing the signal handler failed: {0}")]
+    Signal(vmm_sys_util::errno::Error),
+    /// Starting the job's thread failed.
+    #[error("starting the job's thread failed: {0}")]
+    Thread(std::io::Error),
 }
 
 /// The event loop with the lifecycle subscriber in place; more subscribers can join it.
@@ -95,22 +123,17 @@ pub struct EventLoop {
 impl EventLoop {
     /// Creates the loop and routes SIGINT and SIGTERM to it.
     pub fn new() -> Result<Self, LoopError> {
-        let setup = |e: vmm_sys_util::errno::Error| LoopError::Setup(e.to_string());
         let eventfd = || {
             EventFd::new(EFD_NONBLOCK)
                 .map(Arc::new)
-                .map_err(|e| LoopError::Setup(e.to_string()))
+                .map_err(LoopError::EventFd)
         };
         let context = JobContext {
             stop: Arc::new(AtomicBool::new(false)),
             vcpu_stopped: eventfd()?,
         };
         let job_done = eventfd()?;
-        let signal = eventfd()?;
-        SIGNAL_FD.store(signal.as_raw_fd(), Ordering::Relaxed);
-        for num in [libc::SIGINT, libc::SIGTERM] {
-            register_signal_handler(num, on_termination_signal).map_err(setup)?;
-        }
+        let signal = signal_event()?;
         let lifecycle = Arc::new(Mutex::new(Lifecycle {
             context: context.clone(),
             job_done: Arc::clone(&job_done),
@@ -119,7 +142,7 @@ impl EventLoop {
             job_done_seen: false,
         }));
         let mut manager: EventManager<Arc<Mutex<dyn MutEventSubscriber + Send>>> =
-            EventManager::new().map_err(|e| LoopError::Setup(format!("{e:?}")))?;
+            EventManager::new().map_err(LoopError::Epoll)?;
         manager.add_subscriber(lifecycle.clone());
         Ok(EventLoop {
             manager,
@@ -178,7 +201,7 @@ pub fn run_job<T: Send + 'static>(
             let _ = job_done.write(1);
             result
         })
-        .map_err(|e| LoopError::Setup(e.to_string()))?;
+        .map_err(LoopError::Thread)?;
     // Keep dispatching (a signal sets the job's stop flag) until the job says it is done; its
     // thread ends right after that.
     let mut ending = Ending::Finished;

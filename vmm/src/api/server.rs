@@ -86,6 +86,9 @@ struct Connection {
     buffer: Vec<u8>,
 }
 
+/// Most clients connected at once; more get a 503 and are closed.
+pub const MAX_CONNECTIONS: usize = 128;
+
 /// Bytes a connection may hold unparsed before the server stops reading from it for a while.
 const READ_LIMIT: usize = 2 * (MAX_HEADER_BYTES + MAX_BODY_BYTES);
 
@@ -114,7 +117,15 @@ impl ApiServer {
     fn accept(&mut self, ops: &mut EventOps) {
         loop {
             match self.listener.accept() {
-                Ok((stream, _)) => {
+                Ok((mut stream, _)) => {
+                    if self.connections.len() >= MAX_CONNECTIONS {
+                        let busy = Response::fault(
+                            503,
+                            format!("too many clients: at most {MAX_CONNECTIONS} at once"),
+                        );
+                        Self::send(&mut stream, &busy, false);
+                        continue;
+                    }
                     if stream.set_nonblocking(true).is_err() {
                         continue;
                     }
