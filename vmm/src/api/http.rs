@@ -29,7 +29,7 @@ pub struct Request {
 pub enum HttpError {
     /// Not HTTP/1.x.
     #[error("malformed HTTP request: {0}")]
-    Malformed(String),
+    Malformed(httparse::Error),
     /// Request line and headers over [`MAX_HEADER_BYTES`] or more than 32 headers.
     #[error("request headers too large (at most {MAX_HEADER_BYTES} bytes and 32 headers)")]
     HeadersTooLarge,
@@ -84,7 +84,7 @@ pub fn parse(buf: &[u8]) -> Result<Parsed, HttpError> {
         }
         Ok(httparse::Status::Partial) => return Ok(Parsed::Incomplete),
         Err(httparse::Error::TooManyHeaders) => return Err(HttpError::HeadersTooLarge),
-        Err(e) => return Err(HttpError::Malformed(e.to_string())),
+        Err(e) => return Err(HttpError::Malformed(e)),
     };
     if header_len > MAX_HEADER_BYTES {
         return Err(HttpError::HeadersTooLarge);
