@@ -392,17 +392,9 @@ impl Controller {
                 guest::IDENTITY_MAPPED
             )));
         }
-        let snapshot = self.vm.memory().snapshot();
-        let mut at = start;
-        for slot in snapshot.map().iter_from_gpa(GuestAddress(start)) {
-            if at >= end || slot.gpa().0 > at {
-                break;
-            }
-            at = slot.gpa_range().end;
-        }
-        if at < end {
+        if let Some(hole) = self.vm.memory().snapshot().map().first_hole(start, end) {
             return Err(bad(format!(
-                "guest range [{start:#x}, {end:#x}) is not all memory: nothing at {at:#x}"
+                "guest range [{start:#x}, {end:#x}) is not all memory: nothing at {hole:#x}"
             )));
         }
         Ok(())

@@ -434,14 +434,12 @@ impl<K: KvmMemory> MemoryManager<K> {
             start: spec.gpa.0,
             end: spec.gpa.0 + spec.size,
         };
-        if let Some(other) = current.iter_from_gpa(spec.gpa).next() {
-            if other.gpa().0 < range.end {
-                return Err(Error::Overlap {
-                    range,
-                    other: other.payload().region(),
-                    other_range: other.gpa_range(),
-                });
-            }
+        if let Some(other) = current.first_overlap(range.start, range.end) {
+            return Err(Error::Overlap {
+                range,
+                other: other.payload().region(),
+                other_range: other.gpa_range(),
+            });
         }
         let needed = spec.size.div_ceil(slot_size) as usize;
         let ids = state.ids.alloc(needed).ok_or(Error::OutOfSlots {
@@ -775,11 +773,14 @@ impl<K: KvmMemory> MemoryManager<K> {
         };
         let current = self.current();
         // Check the whole range first so that a hole refuses the discard before any of it.
+        if let Some(hole) = current.first_hole(range.start, range.end) {
+            return Err(Error::DiscardHole { range, hole });
+        }
         // Pieces of one mapping that follow each other are merged into one madvise call.
         let mut pieces: Vec<Piece> = Vec::new();
         let mut at = range.start;
         for slot in current.iter_from_gpa(gpa) {
-            if at == range.end || slot.gpa().0 > at {
+            if at == range.end {
                 break;
             }
             let end = slot.gpa_range().end.min(range.end);
@@ -800,9 +801,6 @@ impl<K: KvmMemory> MemoryManager<K> {
                 }),
             }
             at = end;
-        }
-        if at != range.end {
-            return Err(Error::DiscardHole { range, hole: at });
         }
         let mut state = self.state();
         for piece in pieces {

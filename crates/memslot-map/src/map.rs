@@ -296,6 +296,27 @@ impl<P: Clone> MemslotMap<P> {
         self.by_gpa.iter_from(&from).map(|(_, slot)| slot)
     }
 
+    /// The first slot, in guest-address order, whose guest range overlaps `[start, end)`.
+    /// O(log n).
+    pub fn first_overlap(&self, start: u64, end: u64) -> Option<&Arc<Slot<P>>> {
+        self.iter_from_gpa(GuestAddress(start))
+            .next()
+            .filter(|slot| start < end && slot.gpa().0 < end)
+    }
+
+    /// The first address of `[start, end)` that no slot holds, or `None` if slots cover all of
+    /// it. O(log n + k) for the k slots covering the range before the hole.
+    pub fn first_hole(&self, start: u64, end: u64) -> Option<u64> {
+        let mut at = start;
+        for slot in self.iter_from_gpa(GuestAddress(start)) {
+            if at >= end || slot.gpa().0 > at {
+                break;
+            }
+            at = slot.gpa_range().end;
+        }
+        (at < end).then_some(at)
+    }
+
     /// Heap memory held by this version (shared nodes counted as if they were its own).
     pub fn memory_usage(&self) -> MemoryUsage {
         let slots = self.len();
@@ -708,6 +729,28 @@ mod tests {
         assert!(next.get(SlotId(0)).unwrap().flags().log_dirty);
         assert_eq!(map.get(SlotId(0)).unwrap().size(), 0x1000);
         check_indexes(&next);
+    }
+
+    #[test]
+    fn overlaps_and_holes_in_guest_ranges() {
+        let mut map = MemslotMap::new(MapConfig::default());
+        map.insert(slot(0, 0x1000, 0x2000, 0)).unwrap();
+        map.insert(slot(1, 0x3000, 0x1000, 0)).unwrap();
+        map.insert(slot(2, 0x8000, 0x1000, 0)).unwrap();
+        let overlap = |s, e| map.first_overlap(s, e).map(|s| s.id().0);
+        assert_eq!(overlap(0x0, 0x1000), None);
+        assert_eq!(overlap(0x0, 0x1001), Some(0));
+        assert_eq!(overlap(0x2fff, 0x9000), Some(0));
+        assert_eq!(overlap(0x4000, 0x8000), None);
+        assert_eq!(overlap(0x4000, 0x8001), Some(2));
+        assert_eq!(overlap(0x9000, u64::MAX), None);
+        assert_eq!(overlap(0x1000, 0x1000), None);
+        assert_eq!(map.first_hole(0x1000, 0x4000), None);
+        assert_eq!(map.first_hole(0x1800, 0x3800), None);
+        assert_eq!(map.first_hole(0x1000, 0x4001), Some(0x4000));
+        assert_eq!(map.first_hole(0x800, 0x2000), Some(0x800));
+        assert_eq!(map.first_hole(0x8000, 0x9000), None);
+        assert_eq!(map.first_hole(0x5000, 0x5000), None);
     }
 
     #[test]

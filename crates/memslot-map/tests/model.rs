@@ -7,7 +7,8 @@
 //! exact `MapError` or `BatchError`), the length, iteration in guest-address order, `get` for
 //! every id in range, `find_by_gpa` at every page boundary and around every slot (also through
 //! a `LookupHint` kept across steps and versions), `slots_overlapping_hva` for many ranges
-//! (empty, spanning several slots, up to `u64::MAX` long) and `iter_from_gpa`. A refused change
+//! (empty, spanning several slots, up to `u64::MAX` long), `iter_from_gpa`, `first_overlap`
+//! and `first_hole`. A refused change
 //! must leave the generation as it was and an accepted one must give a generation never seen
 //! before, and the version a change started from (a clone kept aside) must not change.
 //!
@@ -709,6 +710,41 @@ fn check(
             .collect();
         let expected: Vec<Rec> = expected.iter().take(take).copied().collect();
         prop_assert_eq!(got, expected, "iter_from_gpa({:#x}) after {}", addr, ctx);
+    }
+
+    // Guest-range queries over windows between probe addresses: the first overlapping slot and
+    // the first address no slot holds, against a scan of the model.
+    for pair in probes.windows(2).step_by(3) {
+        let (start, end) = (pair[0].min(pair[1]), pair[0].max(pair[1]).saturating_add(1));
+        let overlap = sorted
+            .iter()
+            .find(|s| s.gpa < end && start < s.end())
+            .copied();
+        let got = map.first_overlap(start, end).map(|s| Rec::of(s));
+        prop_assert_eq!(
+            got,
+            overlap,
+            "first_overlap({:#x}, {:#x}) after {}",
+            start,
+            end,
+            ctx
+        );
+        let mut hole = Some(start);
+        for s in sorted.iter().filter(|s| s.end() > start) {
+            match hole {
+                Some(at) if at < end && s.gpa <= at => hole = Some(s.end()),
+                _ => break,
+            }
+        }
+        let hole = hole.filter(|at| *at < end);
+        prop_assert_eq!(
+            map.first_hole(start, end),
+            hole,
+            "first_hole({:#x}, {:#x}) after {}",
+            start,
+            end,
+            ctx
+        );
     }
 
     for (hva, len) in hva_queries(&sorted, scale) {
