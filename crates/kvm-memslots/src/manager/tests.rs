@@ -418,9 +418,13 @@ fn discarded_pages_are_reported_dirty() {
     let (m, r) = setup();
     m.harvest_dirty(Target::All).unwrap();
     // Three pages across a slot boundary, with no guest or VMM write.
-    m.discard(GuestAddress(MIB + SLOT - 0x1000), 0x3000).unwrap();
+    m.discard(GuestAddress(MIB + SLOT - 0x1000), 0x3000)
+        .unwrap();
     let dirty = m.harvest_dirty(Target::Region(r)).unwrap();
     let got: Vec<u64> = dirty[0].addresses().map(|a| a.0).collect();
-    assert_eq!(got, vec![MIB + SLOT - 0x1000, MIB + SLOT, MIB + SLOT + 0x1000]);
+    assert_eq!(
+        got,
+        vec![MIB + SLOT - 0x1000, MIB + SLOT, MIB + SLOT + 0x1000]
+    );
     assert_eq!(m.harvest_dirty(Target::Region(r)).unwrap()[0].count(), 0);
 }
