@@ -9,6 +9,13 @@ cd "$(dirname "$0")/.."
 
 bash resources/setup-host.sh
 
+# Debian's stock kernel for the boot tests (vmm/tests/boot.rs); they skip loudly without it.
+if ! kernel=$(bash resources/fetch-kernel.sh); then
+    echo "warning: Debian's kernel could not be fetched: the boot tests will be SKIPPED" >&2
+else
+    echo "kernel for the boot tests: $kernel"
+fi
+
 log_dir=$(mktemp -d)
 trap 'rm -rf "$log_dir"' EXIT
 export KVM_TEST_LOG="$log_dir/kvm-tests-ran"

@@ -6,6 +6,11 @@
 //! moved, or deleted and re-created), and the handler asks the vCPU to wait for the change and
 //! finish the access against the memory map as it is afterwards, never reporting MMIO. Outside
 //! such a window the same exit means KVM and the map disagree: a fatal error, never papered over.
+//!
+//! Port I/O goes through a [`PortBus`]: port ranges mapped to devices. The test guest's bus holds
+//! its command-protocol ports and nothing else (any other port is fatal); a Linux guest's bus
+//! holds the serial console and the i8042, and answers every other port as absent hardware does
+//! (reads all ones, writes dropped), because Linux probes legacy ports that are not there.
 
 use std::fmt;
 use std::ops::Range;
@@ -15,6 +20,122 @@ use memslot_map::MemslotMap;
 use vm_memory::GuestAddress;
 
 use crate::guest::port;
+
+/// What answers a port.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PortDevice {
+    /// The test guest finished a command.
+    CommandDone,
+    /// The test guest ran its exit command.
+    GuestExit,
+    /// The test guest took an exception.
+    GuestFault,
+    /// The 16550 serial console (offsets 0 to 7).
+    Serial,
+    /// The i8042 keyboard controller (offset 0: data port 0x60, offset 4: command port 0x64).
+    I8042,
+    /// Nothing: reads see all ones, writes are dropped (an empty ISA bus).
+    Absent,
+}
+
+/// A port range and the device behind it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PortRange {
+    /// First port.
+    pub base: u16,
+    /// Number of ports.
+    pub len: u16,
+    /// The device; it sees offsets from `base`.
+    pub device: PortDevice,
+}
+
+/// Port ranges mapped to devices, and what answers the ports in no range.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PortBus {
+    /// Sorted by base, never overlapping.
+    ranges: Vec<PortRange>,
+    /// The device for ports in no range; `None` makes them fatal.
+    otherwise: Option<PortDevice>,
+}
+
+/// Why a port range cannot join a bus.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("ports {base:#x}+{len} for {device:?} are empty, wrap past 0xffff or overlap {other:?}")]
+pub struct PortBusError {
+    /// First port.
+    pub base: u16,
+    /// Number of ports.
+    pub len: u16,
+    /// The device.
+    pub device: PortDevice,
+    /// The range it overlaps, if any.
+    pub other: Option<PortRange>,
+}
+
+impl PortBus {
+    /// An empty bus; `otherwise` answers ports in no range (`None`: such ports are fatal).
+    pub fn new(otherwise: Option<PortDevice>) -> Self {
+        PortBus {
+            ranges: Vec::new(),
+            otherwise,
+        }
+    }
+
+    /// Maps `len` ports from `base` to `device`.
+    pub fn insert(&mut self, base: u16, len: u16, device: PortDevice) -> Result<(), PortBusError> {
+        let error = |other| PortBusError {
+            base,
+            len,
+            device,
+            other,
+        };
+        let end = u32::from(base) + u32::from(len);
+        if len == 0 || end > 0x1_0000 {
+            return Err(error(None));
+        }
+        let at = self.ranges.partition_point(|r| r.base < base);
+        let overlaps = |r: &PortRange| {
+            u32::from(r.base) < end && u32::from(base) < u32::from(r.base) + u32::from(r.len)
+        };
+        for neighbour in [at.checked_sub(1), Some(at)].into_iter().flatten() {
+            if let Some(r) = self.ranges.get(neighbour).filter(|r| overlaps(r)) {
+                return Err(error(Some(*r)));
+            }
+        }
+        self.ranges.insert(at, PortRange { base, len, device });
+        Ok(())
+    }
+
+    /// The test guest's bus: its three command-protocol ports; any other port is fatal.
+    pub fn test_guest() -> Self {
+        let mut bus = PortBus::new(None);
+        for (base, device) in [
+            (port::DONE, PortDevice::CommandDone),
+            (port::EXIT, PortDevice::GuestExit),
+            (port::FAULT, PortDevice::GuestFault),
+        ] {
+            bus.insert(base, 1, device)
+                .expect("the test guest's ports are distinct");
+        }
+        bus
+    }
+
+    /// The device answering `port`, and the port's offset in its range.
+    pub fn find(&self, port: u16) -> Option<(PortDevice, u16)> {
+        let at = self.ranges.partition_point(|r| r.base <= port);
+        let found = at
+            .checked_sub(1)
+            .map(|i| self.ranges[i])
+            .filter(|r| u32::from(port) < u32::from(r.base) + u32::from(r.len))
+            .map(|r| (r.device, port - r.base));
+        found.or(self.otherwise.map(|d| (d, 0)))
+    }
+
+    /// The ranges, by base.
+    pub fn ranges(&self) -> &[PortRange] {
+        &self.ranges
+    }
+}
 
 /// A vCPU exit, as far as the handler cares.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -75,6 +196,8 @@ pub struct ExitContext<'a> {
     /// Addresses where MMIO exits are expected and only counted (the move benchmarks' window,
     /// where the kernel's own test counts them the same way).
     pub expected_mmio: Option<Range<u64>>,
+    /// The devices behind the ports.
+    pub ports: &'a PortBus,
 }
 
 /// What the vCPU loop does next.
@@ -110,6 +233,22 @@ pub enum Action {
     DropReadOnlyWrite,
     /// The guest took an exception; its fault block says which.
     GuestFault,
+    /// The guest read a device's port: the device fills the exit's buffer.
+    DeviceRead {
+        /// The device.
+        device: PortDevice,
+        /// The port's offset in the device's range.
+        offset: u16,
+    },
+    /// The guest wrote a device's port: the device takes the exit's data.
+    DeviceWrite {
+        /// The device.
+        device: PortDevice,
+        /// The port's offset in the device's range.
+        offset: u16,
+    },
+    /// A read of a port where nothing answers: the guest sees all ones.
+    ReadAllOnes,
     /// Something the VMM cannot go on from.
     Fatal(ExitError),
 }
@@ -163,13 +302,22 @@ pub enum ExitError {
 /// Decides what to do about `exit`.
 pub fn handle_exit(exit: &Exit<'_>, ctx: &ExitContext<'_>) -> Action {
     match *exit {
-        Exit::IoOut { port, .. } => match port {
-            port::DONE => Action::CommandDone,
-            port::EXIT => Action::GuestExit,
-            port::FAULT => Action::GuestFault,
-            port => Action::Fatal(ExitError::UnexpectedPort { port, write: true }),
+        Exit::IoOut { port, .. } => match ctx.ports.find(port) {
+            Some((PortDevice::CommandDone, _)) => Action::CommandDone,
+            Some((PortDevice::GuestExit, _)) => Action::GuestExit,
+            Some((PortDevice::GuestFault, _)) => Action::GuestFault,
+            Some((PortDevice::Absent, _)) => Action::Resume,
+            Some((device, offset)) => Action::DeviceWrite { device, offset },
+            None => Action::Fatal(ExitError::UnexpectedPort { port, write: true }),
         },
-        Exit::IoIn { port, .. } => Action::Fatal(ExitError::UnexpectedPort { port, write: false }),
+        Exit::IoIn { port, .. } => match ctx.ports.find(port) {
+            Some((device @ (PortDevice::Serial | PortDevice::I8042), offset)) => {
+                Action::DeviceRead { device, offset }
+            }
+            Some((PortDevice::Absent, _)) => Action::ReadAllOnes,
+            // The protocol ports are write-only.
+            Some(_) | None => Action::Fatal(ExitError::UnexpectedPort { port, write: false }),
+        },
         Exit::MmioRead { gpa, len } => handle_mmio(gpa, len, None, ctx),
         Exit::MmioWrite { gpa, data } => handle_mmio(gpa, data.len(), Some(data), ctx),
         Exit::Interrupted => Action::Resume,
@@ -259,6 +407,7 @@ mod tests {
             sequence_at_entry: at_entry,
             sequence_now: now,
             expected_mmio: Some(0x30_0000..0x30_1000),
+            ports: &PortBus::test_guest(),
         };
         handle_exit(&exit, &context)
     }
@@ -283,6 +432,66 @@ mod tests {
                 port: 0x60,
                 write: false
             })
+        );
+    }
+
+    #[test]
+    fn the_bus_routes_ranges_refuses_overlaps_and_answers_the_rest_by_its_default() {
+        let mut bus = PortBus::new(Some(PortDevice::Absent));
+        bus.insert(0x3f8, 8, PortDevice::Serial).unwrap();
+        bus.insert(0x60, 5, PortDevice::I8042).unwrap();
+        let e = bus.insert(0x3fc, 2, PortDevice::Absent).unwrap_err();
+        assert_eq!(e.other.map(|r| r.base), Some(0x3f8));
+        assert!(bus.insert(0x3f0, 9, PortDevice::Absent).is_err());
+        assert!(bus.insert(0xffff, 2, PortDevice::Absent).is_err());
+        assert!(bus.insert(0x10, 0, PortDevice::Absent).is_err());
+        bus.insert(0x3f0, 8, PortDevice::Absent).unwrap();
+        assert_eq!(bus.ranges().len(), 3);
+        assert_eq!(bus.find(0x3ff), Some((PortDevice::Serial, 7)));
+        assert_eq!(bus.find(0x400), Some((PortDevice::Absent, 0)));
+        assert_eq!(bus.find(0x64), Some((PortDevice::I8042, 4)));
+
+        // A Linux guest's bus: devices get their accesses, other ports read all ones.
+        let m = memory();
+        let snapshot = m.snapshot();
+        let ctx = ExitContext {
+            memory: snapshot.map(),
+            sequence_at_entry: 0,
+            sequence_now: 0,
+            expected_mmio: None,
+            ports: &bus,
+        };
+        let out = |port| Exit::IoOut { port, data: &[1] };
+        assert_eq!(
+            handle_exit(&out(0x3f8), &ctx),
+            Action::DeviceWrite {
+                device: PortDevice::Serial,
+                offset: 0
+            }
+        );
+        assert_eq!(
+            handle_exit(
+                &Exit::IoIn {
+                    port: 0x3fd,
+                    len: 1
+                },
+                &ctx
+            ),
+            Action::DeviceRead {
+                device: PortDevice::Serial,
+                offset: 5
+            }
+        );
+        assert_eq!(handle_exit(&out(0x80), &ctx), Action::Resume);
+        assert_eq!(
+            handle_exit(
+                &Exit::IoIn {
+                    port: 0x2f8,
+                    len: 1
+                },
+                &ctx
+            ),
+            Action::ReadAllOnes
         );
     }
 

@@ -3,6 +3,7 @@
 
 pub mod api;
 pub mod area;
+pub mod boot;
 pub mod check;
 pub mod controller;
 pub mod exit;

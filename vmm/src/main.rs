@@ -30,6 +30,9 @@ enum Commands {
     /// Run the test guest with an API socket (HTTP/1.1 + JSON) to add, remove and move memory,
     /// plug the hotplug area and switch dirty logging while it runs; see docs/api.yaml.
     Serve(ServeArgs),
+    /// Boot a Linux kernel (bzImage or ELF vmlinux) with its RAM split into KVM slots; the
+    /// serial console is stdout (and stdin on a terminal). See docs/BOOT.md.
+    Boot(BootArgs),
 }
 
 #[derive(clap::Args)]
@@ -82,6 +85,7 @@ fn main() -> ExitCode {
         Commands::Bench(args) => bench(args),
         Commands::Stress(args) => stress(args),
         Commands::Serve(args) => serve(args),
+        Commands::Boot(args) => boot(args),
     }
 }
 
@@ -271,6 +275,91 @@ fn serve(args: ServeArgs) -> ExitCode {
         Ok(()) => {
             eprintln!("tinyvmm: stopped");
             ExitCode::SUCCESS
+        }
+        Err(e) => {
+            eprintln!("tinyvmm: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+#[derive(clap::Args)]
+struct BootArgs {
+    /// A JSON boot configuration (fields as the options below; unknown fields are refused).
+    /// Options given with it override the file's fields.
+    #[arg(long)]
+    config: Option<std::path::PathBuf>,
+    /// The kernel: a bzImage, or an ELF vmlinux (PVH entry when it has the note).
+    #[arg(long, required_unless_present = "config")]
+    kernel: Option<std::path::PathBuf>,
+    /// An initramfs.
+    #[arg(long)]
+    initramfs: Option<std::path::PathBuf>,
+    /// The kernel command line.
+    #[arg(long)]
+    cmdline: Option<String>,
+    /// vCPUs (1 to 32).
+    #[arg(long)]
+    vcpus: Option<u8>,
+    /// MiB of RAM.
+    #[arg(long)]
+    mem_mib: Option<u64>,
+    /// KVM slots the RAM is split into (equal sizes, whole pages).
+    #[arg(long)]
+    mem_slots: Option<u64>,
+    /// Leave a hole after every slot above the first 128 MiB (one e820 RAM range per slot).
+    #[arg(long)]
+    mem_holes: bool,
+    /// Stop the VM after this many seconds (fractions allowed; exit code 124).
+    #[arg(long)]
+    timeout: Option<f64>,
+    /// How to enter the kernel: auto (PVH when the kernel and map allow), linux or pvh.
+    #[arg(long, value_enum)]
+    protocol: Option<tinyvmm::boot::BootProtocol>,
+    /// Do not print the e820 map and the command line the VMM built (on stderr).
+    #[arg(long)]
+    quiet: bool,
+}
+
+fn boot(args: BootArgs) -> ExitCode {
+    use tinyvmm::boot::{boot, describe, BootConfig, Console};
+    let mut config = match &args.config {
+        Some(path) => match BootConfig::from_file(path) {
+            Ok(config) => config,
+            Err(e) => {
+                eprintln!("tinyvmm: {e}");
+                return ExitCode::FAILURE;
+            }
+        },
+        None => BootConfig::default(),
+    };
+    if let Some(kernel) = args.kernel {
+        config.kernel = kernel;
+    }
+    config.initramfs = args.initramfs.or(config.initramfs);
+    if let Some(cmdline) = args.cmdline {
+        config.cmdline = cmdline;
+    }
+    config.vcpus = args.vcpus.unwrap_or(config.vcpus);
+    config.mem_mib = args.mem_mib.unwrap_or(config.mem_mib);
+    config.mem_slots = args.mem_slots.unwrap_or(config.mem_slots);
+    config.mem_holes |= args.mem_holes;
+    config.timeout_secs = args.timeout.or(config.timeout_secs);
+    config.protocol = args.protocol.unwrap_or(config.protocol);
+    let console = Console {
+        output: Box::new(std::io::stdout()),
+        stdin: true,
+        stop: None,
+    };
+    let quiet = args.quiet;
+    match boot(&config, console, |report| {
+        if !quiet {
+            eprint!("{}", describe(report));
+        }
+    }) {
+        Ok(report) => {
+            eprintln!("tinyvmm: {}", report.ending);
+            ExitCode::from(report.ending.exit_code())
         }
         Err(e) => {
             eprintln!("tinyvmm: {e}");

@@ -3,7 +3,7 @@
 use std::ops::Range;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::mpsc::{Receiver, Sender};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, LazyLock, Mutex};
 use std::time::Duration;
 
 use kvm_ioctls::{VcpuExit, VcpuFd};
@@ -11,8 +11,11 @@ use kvm_memslots::{KvmVm, MemoryManager};
 use vm_memory::Bytes;
 use vmm_sys_util::eventfd::EventFd;
 
-use crate::exit::{handle_exit, Action, Exit, ExitContext, ExitError};
+use crate::exit::{handle_exit, Action, Exit, ExitContext, ExitError, PortBus};
 use crate::guest::Fault;
+
+/// The test guest's ports: its command protocol, nothing else.
+static TEST_GUEST_PORTS: LazyLock<PortBus> = LazyLock::new(PortBus::test_guest);
 
 /// Counts of the exits a vCPU handled, readable while it runs.
 #[derive(Debug, Default)]
@@ -188,6 +191,7 @@ impl Vcpu {
                     sequence_at_entry,
                     sequence_now,
                     expected_mmio,
+                    ports: &TEST_GUEST_PORTS,
                 };
                 let memory_error = |gpa: u64| move |source| VcpuError::Memory { vcpu, gpa, source };
                 match handle_exit(&exit, &ctx) {
@@ -243,6 +247,18 @@ impl Vcpu {
                         return Err(VcpuError::Fault { vcpu, fault });
                     }
                     Action::Fatal(error) => return Err(VcpuError::Exit { vcpu, error }),
+                    // The test guest's bus has no devices and no default.
+                    Action::DeviceRead { .. }
+                    | Action::DeviceWrite { .. }
+                    | Action::ReadAllOnes => {
+                        let (port, write) = match exit {
+                            Exit::IoOut { port, .. } => (port, true),
+                            Exit::IoIn { port, .. } => (port, false),
+                            _ => (0, false),
+                        };
+                        let error = ExitError::UnexpectedPort { port, write };
+                        return Err(VcpuError::Exit { vcpu, error });
+                    }
                 }
                 break;
             }

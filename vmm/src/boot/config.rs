@@ -1,0 +1,269 @@
+//! What to boot, from the command line or a JSON file.
+
+use std::path::{Path, PathBuf};
+
+use serde::{Deserialize, Serialize};
+
+use crate::boot::layout;
+
+/// The most vCPUs: the MP table in the EBDA has room for 32 processor entries.
+pub const MAX_VCPUS: u8 = 32;
+
+/// How the vCPU enters the kernel.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "lowercase")]
+pub enum BootProtocol {
+    /// PVH for an ELF with the PVH note whose e820 map fits PVH's 127 ranges; the 64-bit Linux
+    /// boot protocol otherwise.
+    #[default]
+    Auto,
+    /// The 64-bit Linux boot protocol (zero page, `SETUP_E820_EXT` past 128 ranges).
+    Linux,
+    /// PVH (an ELF vmlinux with the PVH note).
+    Pvh,
+}
+
+/// A Linux guest to boot.
+///
+/// As JSON (`tinyvmm boot --config FILE`), with every field but `kernel` optional:
+///
+/// ```json
+/// { "kernel": "vmlinuz", "initramfs": "initrd.cpio.gz", "cmdline": "console=ttyS0",
+///   "vcpus": 1, "mem_mib": 512, "mem_slots": 4096, "mem_holes": false, "timeout_secs": 30,
+///   "protocol": "auto" }
+/// ```
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct BootConfig {
+    /// The kernel: a bzImage, or an ELF vmlinux (PVH entry when it has the note).
+    pub kernel: PathBuf,
+    /// An initramfs to load with it.
+    pub initramfs: Option<PathBuf>,
+    /// The kernel command line.
+    pub cmdline: String,
+    /// vCPUs (1 to [`MAX_VCPUS`]).
+    pub vcpus: u8,
+    /// MiB of RAM.
+    pub mem_mib: u64,
+    /// KVM slots the RAM is split into, all of one size (which must be whole pages).
+    pub mem_slots: u64,
+    /// Leave a hole after every slot above the first 128 MiB, so that the e820 map has one RAM
+    /// range per such slot (more than the zero page's 128 with enough slots).
+    pub mem_holes: bool,
+    /// Stop the VM after this many seconds (none: run until the guest resets or stops).
+    pub timeout_secs: Option<f64>,
+    /// How to enter the kernel.
+    pub protocol: BootProtocol,
+}
+
+impl Default for BootConfig {
+    fn default() -> Self {
+        BootConfig {
+            kernel: PathBuf::new(),
+            initramfs: None,
+            cmdline: "console=ttyS0 reboot=k panic=-1".to_owned(),
+            vcpus: 1,
+            mem_mib: 512,
+            mem_slots: 1,
+            mem_holes: false,
+            timeout_secs: None,
+            protocol: BootProtocol::Auto,
+        }
+    }
+}
+
+/// Why a configuration cannot be booted.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    /// The file could not be read.
+    #[error("cannot read the config file {path}: {source}")]
+    Read {
+        /// The file.
+        path: PathBuf,
+        /// The system's error.
+        source: std::io::Error,
+    },
+    /// The file is no valid configuration.
+    #[error("the config file {path} is not a valid boot configuration: {source}")]
+    Parse {
+        /// The file.
+        path: PathBuf,
+        /// serde's message.
+        source: serde_json::Error,
+    },
+    /// No kernel given.
+    #[error("no kernel given")]
+    NoKernel,
+    /// vCPU count out of range.
+    #[error("{0} vCPUs asked for: 1 to {MAX_VCPUS} are supported")]
+    Vcpus(u8),
+    /// Too little RAM for a kernel.
+    #[error("{0} MiB of RAM is too little: a kernel needs at least {min} MiB", min = MIN_MEM_MIB)]
+    TooLittleMemory(u64),
+    /// More RAM than guest-physical addresses this VMM lays out.
+    #[error("{0} MiB of RAM is more than the {max} MiB this VMM lays out", max = MAX_MEM_MIB)]
+    TooMuchMemory(u64),
+    /// The RAM cannot be split into equal slots of whole pages.
+    #[error("{mem_mib} MiB of RAM cannot be split into {slots} KVM slots of equal size in whole 4 KiB pages")]
+    Slots {
+        /// RAM.
+        mem_mib: u64,
+        /// Slots asked for.
+        slots: u64,
+    },
+    /// With holes, the boot area must itself be whole slots, and RAM must reach past it.
+    #[error("with holes, RAM ({mem_mib} MiB) must exceed the {boot} MiB boot area, which must be whole slots of {slot_size} bytes", boot = layout::BOOT_AREA >> 20)]
+    Holes {
+        /// RAM.
+        mem_mib: u64,
+        /// The slot size.
+        slot_size: u64,
+    },
+    /// The command line is too long or holds a NUL.
+    #[error("the command line ({len} bytes) must be shorter than {max} bytes and hold no NUL", max = layout::CMDLINE_MAX)]
+    Cmdline {
+        /// Its length.
+        len: usize,
+    },
+    /// A timeout that is no positive number of seconds.
+    #[error("timeout {0} is not a positive number of seconds")]
+    Timeout(f64),
+}
+
+/// The least RAM: a bzImage decompresses itself at 16 MiB into some 50 MiB.
+pub const MIN_MEM_MIB: u64 = 128;
+/// The most RAM (1 TiB).
+pub const MAX_MEM_MIB: u64 = 1 << 20;
+
+impl BootConfig {
+    /// Reads a configuration from a JSON file (unknown fields are refused) and validates it.
+    pub fn from_file(path: &Path) -> Result<Self, ConfigError> {
+        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
+            path: path.to_owned(),
+            source,
+        })?;
+        let config: BootConfig =
+            serde_json::from_str(&text).map_err(|source| ConfigError::Parse {
+                path: path.to_owned(),
+                source,
+            })?;
+        config.validate()?;
+        Ok(config)
+    }
+
+    /// Checks everything that can be checked without KVM or the files.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        if self.kernel.as_os_str().is_empty() {
+            return Err(ConfigError::NoKernel);
+        }
+        if self.vcpus == 0 || self.vcpus > MAX_VCPUS {
+            return Err(ConfigError::Vcpus(self.vcpus));
+        }
+        if self.mem_mib < MIN_MEM_MIB {
+            return Err(ConfigError::TooLittleMemory(self.mem_mib));
+        }
+        if self.mem_mib > MAX_MEM_MIB {
+            return Err(ConfigError::TooMuchMemory(self.mem_mib));
+        }
+        let pages = self.mem_mib << 8;
+        if self.mem_slots == 0 || pages % self.mem_slots != 0 {
+            return Err(ConfigError::Slots {
+                mem_mib: self.mem_mib,
+                slots: self.mem_slots,
+            });
+        }
+        let slot_size = (self.mem_mib << 20) / self.mem_slots;
+        if self.mem_holes
+            && (self.mem_mib << 20 <= layout::BOOT_AREA || layout::BOOT_AREA % slot_size != 0)
+        {
+            return Err(ConfigError::Holes {
+                mem_mib: self.mem_mib,
+                slot_size,
+            });
+        }
+        if self.cmdline.len() >= layout::CMDLINE_MAX || self.cmdline.contains('\0') {
+            return Err(ConfigError::Cmdline {
+                len: self.cmdline.len(),
+            });
+        }
+        if let Some(t) = self.timeout_secs {
+            if !(t.is_finite() && t > 0.0) {
+                return Err(ConfigError::Timeout(t));
+            }
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn valid() -> BootConfig {
+        BootConfig {
+            kernel: "vmlinuz".into(),
+            ..BootConfig::default()
+        }
+    }
+
+    #[test]
+    fn json_with_unknown_fields_or_wrong_types_is_refused() {
+        let ok: BootConfig =
+            serde_json::from_str(r#"{"kernel": "k", "mem_mib": 256, "mem_slots": 64}"#).unwrap();
+        assert_eq!(ok.mem_slots, 64);
+        assert_eq!(ok.vcpus, 1);
+        ok.validate().unwrap();
+        let e = serde_json::from_str::<BootConfig>(r#"{"kernel": "k", "mem_size": 1}"#)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("unknown field `mem_size`"), "{e}");
+        assert!(serde_json::from_str::<BootConfig>(r#"{"vcpus": -1}"#).is_err());
+        assert!(serde_json::from_str::<BootConfig>(r#"{"vcpus": 300}"#).is_err());
+    }
+
+    #[test]
+    fn validate_names_the_problem() {
+        let check = |c: BootConfig| c.validate().unwrap_err().to_string();
+        assert_eq!(check(BootConfig::default()), "no kernel given");
+        assert!(check(BootConfig {
+            vcpus: 0,
+            ..valid()
+        })
+        .contains("0 vCPUs"));
+        assert!(check(BootConfig {
+            mem_mib: 64,
+            ..valid()
+        })
+        .contains("too little"));
+        assert!(check(BootConfig {
+            mem_slots: 3,
+            ..valid()
+        })
+        .contains("cannot be split into 3 KVM slots"));
+        assert!(check(BootConfig {
+            mem_mib: 128,
+            mem_holes: true,
+            ..valid()
+        })
+        .contains("boot area"));
+        assert!(check(BootConfig {
+            cmdline: "x".repeat(3000),
+            ..valid()
+        })
+        .contains("3000 bytes"));
+        assert!(check(BootConfig {
+            timeout_secs: Some(-1.0),
+            ..valid()
+        })
+        .contains("timeout"));
+        valid().validate().unwrap();
+        BootConfig {
+            mem_mib: 256,
+            mem_slots: 512,
+            mem_holes: true,
+            ..valid()
+        }
+        .validate()
+        .unwrap();
+    }
+}

@@ -1,0 +1,200 @@
+//! The legacy devices a Linux guest gets: a 16550 serial console (vm-superio) at 0x3f8 on IRQ 4,
+//! and an i8042 whose reset command ends the VM. The exit handler routes ports to them through
+//! the [`PortBus`]; the vCPU threads and the event loop (for console input) share them.
+
+use std::io::Write;
+use std::sync::{Mutex, MutexGuard};
+
+use vm_superio::{I8042Device, Serial, Trigger};
+use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
+
+use crate::exit::{PortBus, PortDevice};
+
+/// The serial console's ports.
+pub const SERIAL_PORT: u16 = 0x3f8;
+/// The serial console's interrupt line (GSI).
+pub const SERIAL_IRQ: u32 = 4;
+/// The i8042's data port; its command port is 4 above.
+pub const I8042_PORT: u16 = 0x60;
+
+/// An eventfd as a vm-superio interrupt or reset line.
+#[derive(Debug)]
+pub struct EventFdTrigger(pub EventFd);
+
+impl Trigger for EventFdTrigger {
+    type E = std::io::Error;
+
+    fn trigger(&self) -> Result<(), std::io::Error> {
+        self.0.write(1)
+    }
+}
+
+/// The serial console's output.
+pub type ConsoleOutput = Box<dyn Write + Send>;
+
+/// The devices, shared between vCPU threads and the event loop.
+pub struct LegacyDevices {
+    serial: Mutex<Serial<EventFdTrigger, vm_superio::serial::NoEvents, ConsoleOutput>>,
+    i8042: Mutex<I8042Device<EventFdTrigger>>,
+}
+
+/// Why the devices could not be created.
+#[derive(Debug, thiserror::Error)]
+#[error("creating the {what} eventfd failed: {source}")]
+pub struct DeviceError {
+    /// Which one.
+    what: &'static str,
+    /// The system's error.
+    source: std::io::Error,
+}
+
+/// A device access that failed.
+#[derive(Debug, thiserror::Error)]
+pub enum DeviceIoError {
+    /// The serial console could not write its output or raise its interrupt.
+    #[error("the serial console failed: {0}")]
+    Serial(vm_superio::serial::Error<std::io::Error>),
+    /// The i8042 could not signal its reset line.
+    #[error("signalling the i8042's reset line failed: {0}")]
+    Reset(std::io::Error),
+}
+
+impl DeviceError {
+    /// The eventfd for `what` could not be made: `source`.
+    pub fn new(what: &'static str, source: std::io::Error) -> Self {
+        DeviceError { what, source }
+    }
+}
+
+fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
+    // A device whose user panicked mid-access is still a device.
+    mutex.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+impl LegacyDevices {
+    /// The serial console writing to `output`, with its interrupt on `serial_irq` (an irqfd),
+    /// and the i8042 signalling `reset` when the guest asks for a reset.
+    pub fn new(output: ConsoleOutput, serial_irq: EventFd, reset: EventFd) -> Self {
+        LegacyDevices {
+            serial: Mutex::new(Serial::new(EventFdTrigger(serial_irq), output)),
+            i8042: Mutex::new(I8042Device::new(EventFdTrigger(reset))),
+        }
+    }
+
+    /// Creates an eventfd for a device line.
+    pub fn eventfd(what: &'static str) -> Result<EventFd, DeviceError> {
+        EventFd::new(EFD_NONBLOCK).map_err(|e| DeviceError { what, source: e })
+    }
+
+    /// A Linux guest's bus: the serial console, the i8042, and absent hardware elsewhere.
+    pub fn bus() -> PortBus {
+        let mut bus = PortBus::new(Some(PortDevice::Absent));
+        bus.insert(SERIAL_PORT, 8, PortDevice::Serial)
+            .expect("the serial's ports are free");
+        // 0x61 (the PIT's speaker port) is the in-kernel PIT's and never exits to here.
+        bus.insert(I8042_PORT, 5, PortDevice::I8042)
+            .expect("the i8042's ports are free");
+        bus
+    }
+
+    /// The guest reads `data.len()` bytes from `device` at `offset`.
+    pub fn read(&self, device: PortDevice, offset: u16, data: &mut [u8]) {
+        data.fill(0xff);
+        let Some(first) = data.first_mut() else {
+            return;
+        };
+        let offset = offset as u8;
+        *first = match device {
+            PortDevice::Serial => lock(&self.serial).read(offset),
+            PortDevice::I8042 => lock(&self.i8042).read(offset),
+            _ => 0xff,
+        };
+    }
+
+    /// The guest writes `data` to `device` at `offset`; a failure to write the console's output
+    /// or to signal a line is reported.
+    pub fn write(&self, device: PortDevice, offset: u16, data: &[u8]) -> Result<(), DeviceIoError> {
+        let Some(&value) = data.first() else {
+            return Ok(());
+        };
+        let offset = offset as u8;
+        match device {
+            PortDevice::Serial => lock(&self.serial)
+                .write(offset, value)
+                .map_err(DeviceIoError::Serial),
+            PortDevice::I8042 => lock(&self.i8042)
+                .write(offset, value)
+                .map_err(DeviceIoError::Reset),
+            _ => Ok(()),
+        }
+    }
+
+    /// Queues console input for the guest; returns how many bytes the FIFO took.
+    pub fn console_input(&self, bytes: &[u8]) -> usize {
+        let mut serial = lock(&self.serial);
+        let room = serial.fifo_capacity();
+        if room == 0 {
+            return 0;
+        }
+        serial
+            .enqueue_raw_bytes(&bytes[..bytes.len().min(room)])
+            .unwrap_or(0)
+    }
+
+    /// Flushes the console's output.
+    pub fn flush(&self) {
+        let _ = lock(&self.serial).writer_mut().flush();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::io;
+    use std::sync::Arc;
+
+    #[derive(Clone, Default)]
+    struct Shared(Arc<Mutex<Vec<u8>>>);
+
+    impl Write for Shared {
+        fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+            self.0.lock().unwrap().extend_from_slice(buf);
+            Ok(buf.len())
+        }
+        fn flush(&mut self) -> io::Result<()> {
+            Ok(())
+        }
+    }
+
+    #[test]
+    fn the_bus_routes_the_serial_and_the_i8042_and_answers_the_rest_as_absent() {
+        let bus = LegacyDevices::bus();
+        assert_eq!(bus.find(0x3f8), Some((PortDevice::Serial, 0)));
+        assert_eq!(bus.find(0x3fd), Some((PortDevice::Serial, 5)));
+        assert_eq!(bus.find(0x64), Some((PortDevice::I8042, 4)));
+        assert_eq!(bus.find(0x2f8), Some((PortDevice::Absent, 0)));
+    }
+
+    #[test]
+    fn serial_output_reaches_the_writer_and_a_reset_signals_its_line() {
+        let out = Shared::default();
+        let irq = EventFd::new(EFD_NONBLOCK).unwrap();
+        let reset = EventFd::new(EFD_NONBLOCK).unwrap();
+        let devices = LegacyDevices::new(
+            Box::new(out.clone()),
+            irq.try_clone().unwrap(),
+            reset.try_clone().unwrap(),
+        );
+        for b in b"ok\n" {
+            devices.write(PortDevice::Serial, 0, &[*b]).unwrap();
+        }
+        assert_eq!(&*out.0.lock().unwrap(), b"ok\n");
+        assert!(reset.read().is_err(), "no reset yet");
+        devices.write(PortDevice::I8042, 4, &[0xfe]).unwrap();
+        assert_eq!(reset.read().unwrap(), 1);
+        assert_eq!(devices.console_input(b"x"), 1);
+        let mut data = [0u8; 1];
+        devices.read(PortDevice::Serial, 0, &mut data);
+        assert_eq!(data, *b"x");
+    }
+}

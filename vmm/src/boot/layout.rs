@@ -1,0 +1,176 @@
+//! Where things go in a Linux guest's memory, and how its RAM is cut into regions and slots.
+//!
+//! Low memory (the first MiB) holds what the VMM writes for the boot: the GDT, the PVH start
+//! info, the zero page, the boot stack, the identity page tables, the command line, the
+//! `SETUP_E820_EXT` data and, in the last KiB below 640 KiB, the MP table. RAM starts at 0 and
+//! runs up to the 32-bit MMIO gap at 3 GiB, continuing at 4 GiB (the local and I/O APICs live in
+//! the gap).
+
+use vm_memory::GuestAddress;
+
+use crate::boot::config::BootConfig;
+
+/// The GDT for the boot (five 8-byte entries).
+pub const GDT: GuestAddress = GuestAddress(0x500);
+/// The PVH `hvm_start_info`.
+pub const PVH_START_INFO: GuestAddress = GuestAddress(0x6000);
+/// The PVH module list (the initramfs).
+pub const PVH_MODLIST: GuestAddress = GuestAddress(0x6040);
+/// The PVH memory map.
+pub const PVH_MEMMAP: GuestAddress = GuestAddress(0x6080);
+/// The PVH memory map's room, in entries (up to the zero page).
+pub const PVH_MEMMAP_MAX: usize = (0x7000 - 0x6080) / 24;
+/// The zero page (`boot_params`).
+pub const ZERO_PAGE: GuestAddress = GuestAddress(0x7000);
+/// The top of the boot stack.
+pub const BOOT_STACK_TOP: u64 = 0x8ff0;
+/// The identity page tables: PML4, then one PDPT, then one page directory of 2 MiB pages.
+pub const PML4: GuestAddress = GuestAddress(0x9000);
+/// The page-directory-pointer table.
+pub const PDPT: GuestAddress = GuestAddress(0xa000);
+/// The page directory (512 × 2 MiB: the first GiB).
+pub const PD: GuestAddress = GuestAddress(0xb000);
+/// How much the boot page tables identity-map.
+pub const IDENTITY_MAPPED: u64 = 1 << 30;
+/// The kernel command line (the kernel takes at most 2047 bytes and a NUL).
+pub const CMDLINE: GuestAddress = GuestAddress(0x2_0000);
+/// The largest command line, NUL included.
+pub const CMDLINE_MAX: usize = 0x800;
+/// The `SETUP_E820_EXT` setup_data entry (its header, then the entries past the zero page's
+/// 128).
+pub const SETUP_DATA: GuestAddress = GuestAddress(0x2_1000);
+/// The end of the setup_data room.
+pub const SETUP_DATA_END: u64 = 0x9_f000;
+/// The extended BIOS data area, which holds the MP table: the last KiB below 640 KiB.
+pub const EBDA: GuestAddress = GuestAddress(0x9_fc00);
+/// The end of the low area the e820 map calls reserved (EBDA, VGA hole, BIOS).
+pub const LOW_RESERVED_END: u64 = 0x10_0000;
+/// Where high memory starts: kernels and initramfs go above.
+pub const HIGH_MEMORY: GuestAddress = GuestAddress(0x10_0000);
+/// The start of the 32-bit MMIO gap (no RAM from here to 4 GiB).
+pub const MMIO_GAP_START: u64 = 3 << 30;
+/// The end of the 32-bit MMIO gap.
+pub const MMIO_GAP_END: u64 = 4 << 30;
+/// The I/O APIC's registers.
+pub const IOAPIC: u64 = 0xfec0_0000;
+/// The local APICs' registers.
+pub const LAPIC: u64 = 0xfee0_0000;
+/// With holes, the RAM at the bottom that stays contiguous, for the kernel (a bzImage
+/// decompresses itself at 16 MiB into about 52 MiB for Debian's) and the initramfs.
+pub const BOOT_AREA: u64 = 128 << 20;
+
+/// One region of guest RAM as the VMM asks the manager for it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RamRegion {
+    /// Guest-physical base.
+    pub gpa: GuestAddress,
+    /// Size in bytes.
+    pub size: u64,
+    /// Size of its KVM slots (the last one may be smaller).
+    pub slot_size: u64,
+}
+
+impl RamRegion {
+    /// How many KVM slots it takes.
+    pub fn slots(&self) -> u64 {
+        self.size.div_ceil(self.slot_size)
+    }
+}
+
+/// The RAM regions for `config`: `mem_slots` slots of equal size over `mem_mib` MiB. Without
+/// holes the RAM is one region from 0 (two when it reaches the MMIO gap); with holes the
+/// first [`BOOT_AREA`] bytes are one region and every further slot is a region of its own
+/// followed by a hole as large as a slot, so that the e820 map gets one RAM range per slot.
+/// `config` must have passed [`BootConfig::validate`].
+pub fn ram_regions(config: &BootConfig) -> Vec<RamRegion> {
+    let mem = config.mem_mib << 20;
+    let slot_size = mem / config.mem_slots;
+    let mut regions = Vec::new();
+    let place = |gpa: u64, size: u64, regions: &mut Vec<RamRegion>| -> u64 {
+        // A region never straddles the MMIO gap: the part above goes to 4 GiB.
+        let mut gpa = gpa;
+        let mut size = size;
+        if (MMIO_GAP_START..MMIO_GAP_END).contains(&gpa) {
+            gpa = MMIO_GAP_END;
+        }
+        if gpa < MMIO_GAP_START && gpa + size > MMIO_GAP_START {
+            let below = MMIO_GAP_START - gpa;
+            regions.push(RamRegion {
+                gpa: GuestAddress(gpa),
+                size: below,
+                slot_size,
+            });
+            gpa = MMIO_GAP_END;
+            size -= below;
+        }
+        regions.push(RamRegion {
+            gpa: GuestAddress(gpa),
+            size,
+            slot_size,
+        });
+        gpa + size
+    };
+    if !config.mem_holes {
+        place(0, mem, &mut regions);
+        return regions;
+    }
+    let mut next = place(0, BOOT_AREA, &mut regions);
+    for _ in 0..(mem - BOOT_AREA) / slot_size {
+        next = place(next, slot_size, &mut regions) + slot_size;
+    }
+    regions
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn config(mem_mib: u64, mem_slots: u64, mem_holes: bool) -> BootConfig {
+        BootConfig {
+            mem_mib,
+            mem_slots,
+            mem_holes,
+            ..BootConfig::default()
+        }
+    }
+
+    #[test]
+    fn contiguous_ram_is_one_region_split_into_the_slots_asked_for() {
+        let regions = ram_regions(&config(512, 4096, false));
+        assert_eq!(
+            regions,
+            vec![RamRegion {
+                gpa: GuestAddress(0),
+                size: 512 << 20,
+                slot_size: 128 << 10
+            }]
+        );
+        assert_eq!(regions[0].slots(), 4096);
+    }
+
+    #[test]
+    fn ram_skips_the_mmio_gap() {
+        let regions = ram_regions(&config(4096, 4, false));
+        assert_eq!(regions.len(), 2);
+        assert_eq!(regions[0].size, 3 << 30);
+        assert_eq!(regions[1].gpa, GuestAddress(4 << 30));
+        assert_eq!(regions[1].size, 1 << 30);
+        assert_eq!(regions.iter().map(RamRegion::slots).sum::<u64>(), 4);
+    }
+
+    #[test]
+    fn holes_give_one_region_per_slot_above_the_boot_area() {
+        let regions = ram_regions(&config(256, 512, true));
+        let slot = 512 << 10;
+        assert_eq!(regions.len(), 1 + 256);
+        assert_eq!(regions[0].size, BOOT_AREA);
+        assert_eq!(regions[0].slots(), 256);
+        for (i, r) in regions[1..].iter().enumerate() {
+            assert_eq!(r.gpa.0, BOOT_AREA + 2 * slot * i as u64);
+            assert_eq!(r.size, slot);
+        }
+        let total: u64 = regions.iter().map(|r| r.size).sum();
+        assert_eq!(total, 256 << 20);
+        assert_eq!(regions.iter().map(RamRegion::slots).sum::<u64>(), 512);
+    }
+}

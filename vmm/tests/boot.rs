@@ -1,0 +1,534 @@
+//! Boots Debian's stock kernel (fetched by `resources/fetch-kernel.sh`, which `tests/run.sh`
+//! runs first) and lets the kernel check the VMM's work: the `BIOS-e820` map it prints (and, past
+//! 128 ranges, the `extended` and `reserve setup_data` maps) and its command line must be exactly
+//! what the VMM built from the kvm-memslots map, with RAM in 1, 64 and 4096 slots and in a layout
+//! with holes that needs `SETUP_E820_EXT`.
+//!
+//! On this project's host (`/dev/kvm` is kvm_pvm, no VT-x/AMD-V) guest ring 0 runs in KVM's
+//! instruction emulator: the kernel reaches its e820 print in some 10 s and stops later on an
+//! instruction the emulator lacks (`lock cmpxchg16b`, after `Memory: …`). The tests boot the ELF vmlinux from the same package (PVH or the
+//! 64-bit entry; the bzImage's decompressor alone takes over a minute in the emulator) and stop
+//! the VM once the kernel printed what they check. With hardware virtualisation, a further test
+//! boots the bzImage to a busybox shell.
+
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+
+use tinyvmm::boot::e820::{kernel_lines, lines_in_log};
+use tinyvmm::boot::{
+    boot, BootConfig, BootEnding, BootProtocol, BootReport, Console, E820Entry, GuestStop,
+    KernelFormat,
+};
+
+/// The command line: the serial console from the first line, no xsave (issue 6: XRSTOR is not
+/// in the emulator), no KASLR (reproducible addresses), reset through the i8042 on panic.
+const CMDLINE: &str = "console=ttyS0 earlyprintk=ttyS0 noxsave nokaslr panic=-1 reboot=k";
+
+/// Printed right after the kernel's e820 maps (from `dmi_setup`: `DMI: …` or `DMI not present`).
+const AFTER_E820: &str = "] DMI";
+
+/// The most any boot may take before the test stops it (the guest is stopped long before on
+/// this host, and reboots on its own on others).
+const TIMEOUT_SECS: f64 = 120.0;
+
+fn cache() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../resources/cache/kernel")
+}
+
+/// Debian's kernel: the bzImage and the ELF vmlinux unpacked from it.
+fn debian_kernel(test: &str) -> Option<(PathBuf, PathBuf)> {
+    let listed = cache().join("vmlinuz.path");
+    let Ok(path) = std::fs::read_to_string(&listed) else {
+        eprintln!(
+            "SKIPPED {test}: no kernel ({} is missing): resources/fetch-kernel.sh could not fetch \
+             Debian's linux-image-cloud-amd64; this boot test did not run",
+            listed.display()
+        );
+        return None;
+    };
+    let vmlinuz = PathBuf::from(path.trim());
+    let name = vmlinuz
+        .file_name()?
+        .to_str()?
+        .replace("vmlinuz-", "vmlinux-");
+    let vmlinux = vmlinuz.with_file_name(name);
+    if !vmlinuz.is_file() || !vmlinux.is_file() {
+        eprintln!(
+            "SKIPPED {test}: {} or {} is missing (rerun resources/fetch-kernel.sh; the vmlinux \
+             needs lz4); this boot test did not run",
+            vmlinuz.display(),
+            vmlinux.display()
+        );
+        return None;
+    }
+    Some((vmlinuz, vmlinux))
+}
+
+/// Whether test `test` can run: the kernel is there (checked first, so that a test skipped for
+/// the lack of it is not counted as a KVM test that ran) and so is `/dev/kvm`.
+fn ready(test: &str) -> bool {
+    debian_kernel(test).is_some() && kvm_test_support::require_kvm(test)
+}
+
+/// Whether the host has hardware virtualisation (VT-x or AMD-V flags in /proc/cpuinfo).
+fn hardware_virtualisation() -> bool {
+    std::fs::read_to_string("/proc/cpuinfo").is_ok_and(|info| {
+        info.lines()
+            .filter(|l| l.starts_with("flags"))
+            .any(|l| l.split_whitespace().any(|f| f == "vmx" || f == "svm"))
+    })
+}
+
+/// The serial console's output, kept; raises `stop` once a line holds `until`.
+#[derive(Clone)]
+struct Capture {
+    log: Arc<Mutex<Vec<u8>>>,
+    line_start: Arc<Mutex<usize>>,
+    until: Option<&'static str>,
+    stop: Arc<AtomicBool>,
+}
+
+impl Capture {
+    fn new(until: Option<&'static str>) -> Self {
+        Capture {
+            log: Arc::default(),
+            line_start: Arc::default(),
+            until,
+            stop: Arc::default(),
+        }
+    }
+
+    fn text(&self) -> String {
+        String::from_utf8_lossy(&self.log.lock().expect("the console log lock")).into_owned()
+    }
+}
+
+impl Write for Capture {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        let mut log = self.log.lock().expect("the console log lock");
+        log.extend_from_slice(buf);
+        if buf.contains(&b'\n') {
+            let mut start = self.line_start.lock().expect("the line lock");
+            let line = String::from_utf8_lossy(&log[*start..]);
+            if self.until.is_some_and(|u| line.contains(u)) {
+                self.stop.store(true, Ordering::Release);
+            }
+            *start = log.len();
+        }
+        Ok(buf.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+/// Boots `config` with its console captured, stopping once the console shows `until`.
+fn run(config: &BootConfig, until: Option<&'static str>) -> (BootReport, String) {
+    let capture = Capture::new(until);
+    let console = Console {
+        output: Box::new(capture.clone()),
+        stdin: false,
+        stop: Some(Arc::clone(&capture.stop)),
+    };
+    let started = std::time::Instant::now();
+    let report = boot(config, console, |_| {}).expect("the VMM sets the guest up");
+    let log = capture.text();
+    eprintln!(
+        "boot with {} slots, {} e820 ranges ended after {:.1} s: {}",
+        report.slots,
+        report.e820.len(),
+        started.elapsed().as_secs_f64(),
+        report.ending
+    );
+    (report, log)
+}
+
+/// The map the kernel prints after it reserved the setup_data: the range holding it is split off
+/// (as E820_TYPE_RESERVED_KERN, which prints as "usable").
+fn split_at_setup_data(map: &[E820Entry], (addr, len): (u64, u64)) -> Vec<E820Entry> {
+    let mut out = Vec::new();
+    for e in map {
+        let end = addr + len;
+        if addr >= e.addr && end <= e.end() {
+            for (from, to) in [(e.addr, addr), (addr, end), (end, e.end())] {
+                if to > from {
+                    out.push(E820Entry {
+                        addr: from,
+                        size: to - from,
+                        kind: e.kind,
+                    });
+                }
+            }
+        } else {
+            out.push(*e);
+        }
+    }
+    out
+}
+
+/// Fails with the log unless the guest was stopped by the test after the e820 print, or
+/// stopped on the host's limitation after it (never a VMM error).
+fn check_ending(report: &BootReport, log: &str) {
+    match &report.ending {
+        BootEnding::Stopped | BootEnding::Reset => {}
+        BootEnding::GuestStopped(stop @ GuestStop::HostLimitation { .. }) => {
+            let message = stop.to_string();
+            assert!(message.contains("limitation of the host"), "{message}");
+        }
+        other => panic!("the boot ended with: {other}\n--- console ---\n{log}"),
+    }
+}
+
+/// Boots Debian's vmlinux with `mem_slots` slots and checks the kernel's e820 map and command
+/// line against what the VMM built.
+fn boot_and_compare(
+    test: &str,
+    mem_mib: u64,
+    mem_slots: u64,
+    mem_holes: bool,
+    protocol: BootProtocol,
+) -> Option<(BootReport, String)> {
+    boot_and_compare_with(
+        test, mem_mib, mem_slots, mem_holes, protocol, None, AFTER_E820,
+    )
+}
+
+/// As [`boot_and_compare`], with an initramfs, stopping at `until`.
+fn boot_and_compare_with(
+    test: &str,
+    mem_mib: u64,
+    mem_slots: u64,
+    mem_holes: bool,
+    protocol: BootProtocol,
+    initramfs: Option<PathBuf>,
+    until: &'static str,
+) -> Option<(BootReport, String)> {
+    let (_, vmlinux) = debian_kernel(test)?;
+    let config = BootConfig {
+        kernel: vmlinux,
+        initramfs,
+        cmdline: CMDLINE.to_owned(),
+        mem_mib,
+        mem_slots,
+        mem_holes,
+        protocol,
+        timeout_secs: Some(TIMEOUT_SECS),
+        ..BootConfig::default()
+    };
+    let (report, log) = run(&config, Some(until));
+    check_ending(&report, &log);
+    assert_eq!(report.slots as u64, mem_slots, "KVM slots of RAM");
+
+    let command_line: Vec<&str> = log
+        .lines()
+        .filter_map(|l| l.split_once("] Command line: ").map(|(_, c)| c.trim_end()))
+        .collect();
+    assert_eq!(
+        command_line,
+        [report.cmdline.as_str()],
+        "the kernel's command line\n{log}"
+    );
+
+    // PVH hands over the whole map (at most 127 ranges), which Linux copies into its zero page.
+    let in_zero_page = match report.zero_page_entries {
+        0 => report.e820.len(),
+        n => n,
+    };
+    let zero_page = &report.e820[..in_zero_page];
+    assert_eq!(
+        lines_in_log(&log, "BIOS-e820"),
+        kernel_lines(zero_page, "BIOS-e820"),
+        "the kernel's BIOS-e820 map\n{log}"
+    );
+    match report.setup_data {
+        None => assert!(lines_in_log(&log, "extended").is_empty()),
+        Some(setup_data) => {
+            assert!(report.e820.len() > 128);
+            assert_eq!(
+                lines_in_log(&log, "extended"),
+                kernel_lines(&report.e820, "extended"),
+                "the kernel's map with SETUP_E820_EXT\n{log}"
+            );
+            assert_eq!(
+                lines_in_log(&log, "reserve setup_data"),
+                kernel_lines(
+                    &split_at_setup_data(&report.e820, setup_data),
+                    "reserve setup_data"
+                ),
+                "the kernel's map after reserving our setup_data\n{log}"
+            );
+        }
+    }
+    eprintln!(
+        "kernel's e820 ({} ranges) and command line match the VMM's",
+        report.e820.len()
+    );
+    Some((report, log))
+}
+
+#[test]
+fn boot_debian_kernel_with_ram_in_one_slot() {
+    if !ready("tinyvmm::boot_debian_kernel_with_ram_in_one_slot") {
+        return;
+    }
+    let Some((report, _)) = boot_and_compare(
+        "tinyvmm::boot_debian_kernel_with_ram_in_one_slot",
+        512,
+        1,
+        false,
+        BootProtocol::Auto,
+    ) else {
+        return;
+    };
+    assert_eq!(report.format, KernelFormat::Elf);
+    assert_eq!(
+        report.zero_page_entries, 0,
+        "PVH: the map is in the start info"
+    );
+    assert_eq!(report.e820.len(), 3);
+}
+
+#[test]
+fn boot_debian_kernel_with_ram_in_64_slots_through_the_64_bit_entry() {
+    let test = "tinyvmm::boot_debian_kernel_with_ram_in_64_slots_through_the_64_bit_entry";
+    if !ready(test) {
+        return;
+    }
+    // With an initramfs, which the kernel finds where the zero page says (it prints it while
+    // it reserves it, shortly after the e820 maps).
+    let dir = std::env::temp_dir().join(format!("tinyvmm-boot-64-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let initramfs = dir.join("initramfs.cpio");
+    std::fs::write(
+        &initramfs,
+        cpio(&[("init", 0o100755, b"#!/bin/sh\necho hello\n", (0, 0))]),
+    )
+    .unwrap();
+    let booted = boot_and_compare_with(
+        test,
+        512,
+        64,
+        false,
+        BootProtocol::Linux,
+        Some(initramfs),
+        "] RAMDISK: ",
+    );
+    std::fs::remove_dir_all(&dir).ok();
+    let Some((report, log)) = booted else {
+        return;
+    };
+    assert_eq!(report.zero_page_entries, 3);
+    assert!(report.setup_data.is_none());
+    let (addr, size) = report.initramfs.unwrap();
+    let ramdisk: Vec<&str> = log
+        .lines()
+        .filter_map(|l| l.split_once("] RAMDISK: ").map(|(_, r)| r.trim_end()))
+        .collect();
+    // The kernel reserves (and prints) whole pages.
+    let end = (addr + size).next_multiple_of(4096);
+    assert_eq!(
+        ramdisk,
+        [format!("[mem {addr:#010x}-{:#010x}]", end - 1)],
+        "{log}"
+    );
+}
+
+#[test]
+fn boot_debian_kernel_with_ram_in_4096_slots() {
+    let test = "tinyvmm::boot_debian_kernel_with_ram_in_4096_slots";
+    if !ready(test) {
+        return;
+    }
+    let Some((report, _)) = boot_and_compare(test, 512, 4096, false, BootProtocol::Auto) else {
+        return;
+    };
+    // One region of 4096 slots is still one RAM range: the map follows regions, not slots.
+    assert_eq!(report.e820.len(), 3);
+}
+
+#[test]
+fn boot_debian_kernel_with_holes_needing_setup_e820_ext() {
+    let test = "tinyvmm::boot_debian_kernel_with_holes_needing_setup_e820_ext";
+    if !ready(test) {
+        return;
+    }
+    // 256 MiB in 512 slots of 512 KiB: 128 MiB contiguous, then 256 slots each followed by a
+    // hole (the first touches the contiguous part): 258 ranges, 130 past the zero page's 128.
+    let Some((report, _)) = boot_and_compare(test, 256, 512, true, BootProtocol::Auto) else {
+        return;
+    };
+    assert_eq!(report.e820.len(), 258);
+    assert_eq!(report.zero_page_entries, 128);
+    assert!(report.setup_data.is_some());
+}
+
+#[test]
+fn the_kernel_stopping_in_the_hosts_emulator_is_reported_as_the_hosts_limitation() {
+    let test =
+        "tinyvmm::the_kernel_stopping_in_the_hosts_emulator_is_reported_as_the_hosts_limitation";
+    if hardware_virtualisation() {
+        eprintln!(
+            "SKIPPED {test}: this host has hardware virtualisation, where the guest's ring 0 runs \
+             natively and the kernel does not stop on an emulator's gap"
+        );
+        return;
+    }
+    if !ready(test) {
+        return;
+    }
+    let Some((_, vmlinux)) = debian_kernel(test) else {
+        return;
+    };
+    // Run on to the end: on kvm_pvm the kernel stops on `lock cmpxchg16b` (SLUB) right after
+    // printing "Memory: …", which KVM's emulator does not have.
+    let config = BootConfig {
+        kernel: vmlinux,
+        cmdline: CMDLINE.to_owned(),
+        mem_mib: 256,
+        timeout_secs: Some(TIMEOUT_SECS),
+        ..BootConfig::default()
+    };
+    let (report, log) = run(&config, None);
+    let BootEnding::GuestStopped(stop @ GuestStop::HostLimitation { .. }) = &report.ending else {
+        panic!(
+            "expected KVM_EXIT_INTERNAL_ERROR, got: {}\n{log}",
+            report.ending
+        );
+    };
+    let message = stop.to_string();
+    assert!(message.contains("KVM_EXIT_INTERNAL_ERROR"), "{message}");
+    assert!(
+        message.contains("a limitation of the host, not a VMM crash"),
+        "{message}"
+    );
+    assert_eq!(report.ending.exit_code(), 3);
+    assert!(
+        log.contains("Memory: "),
+        "the kernel got that far first\n{log}"
+    );
+}
+
+/// A file for [`cpio`]: path, mode (with its type bits), contents, and (major, minor) for a
+/// device node.
+type CpioFile<'a> = (&'a str, u32, &'a [u8], (u32, u32));
+
+/// A newc cpio archive of `files`.
+fn cpio(files: &[CpioFile<'_>]) -> Vec<u8> {
+    let mut out = Vec::new();
+    let mut entry = |(name, mode, data, (major, minor)): CpioFile<'_>, ino: usize| {
+        // ino, mode, uid, gid, nlink, mtime, filesize, devmajor, devminor, rdevmajor,
+        // rdevminor, namesize, check.
+        let fields = [
+            ino,
+            mode as usize,
+            0,
+            0,
+            1,
+            0,
+            data.len(),
+            0,
+            0,
+            major as usize,
+            minor as usize,
+            name.len() + 1,
+            0,
+        ];
+        out.extend_from_slice(b"070701");
+        for field in fields {
+            out.extend_from_slice(format!("{field:08x}").as_bytes());
+        }
+        out.extend_from_slice(name.as_bytes());
+        out.push(0);
+        while out.len() % 4 != 0 {
+            out.push(0);
+        }
+        out.extend_from_slice(data);
+        while out.len() % 4 != 0 {
+            out.push(0);
+        }
+    };
+    for (ino, file) in files.iter().enumerate() {
+        entry(*file, ino + 1);
+    }
+    entry(("TRAILER!!!", 0, &[], (0, 0)), 0);
+    out
+}
+
+#[test]
+fn cpio_archives_are_newc() {
+    let archive = cpio(&[("init", 0o100755, b"#!/bin/sh\n", (0, 0))]);
+    assert!(archive.starts_with(b"070701"));
+    assert_eq!(archive.len() % 4, 0);
+    let text = String::from_utf8_lossy(&archive);
+    assert!(text.contains("init\0"));
+    assert!(text.contains("TRAILER!!!"));
+    // The first header: magic, inode 1, mode 0o100755, ..., size 10, ..., name size 5.
+    assert_eq!(&archive[..22], b"07070100000001000081ed");
+    assert_eq!(&archive[54..62], b"0000000a");
+    assert_eq!(&archive[94..102], b"00000005");
+}
+
+#[test]
+fn boot_bzimage_to_a_busybox_shell_with_hardware_virtualisation() {
+    let test = "tinyvmm::boot_bzimage_to_a_busybox_shell_with_hardware_virtualisation";
+    // Checked before require_kvm, so that a skipped test is not counted as one that ran.
+    if !hardware_virtualisation() {
+        eprintln!(
+            "SKIPPED {test}: /proc/cpuinfo has neither vmx nor svm: this host's KVM (kvm_pvm) \
+             emulates guest ring 0, and a stock kernel stops on an instruction its emulator lacks \
+             long before userspace (see docs/BOOT.md)"
+        );
+        return;
+    }
+    let Some((vmlinuz, _)) = debian_kernel(test) else {
+        return;
+    };
+    if !kvm_test_support::require_kvm(test) {
+        return;
+    }
+    let busybox = cache().join("busybox");
+    let Ok(busybox_bytes) = std::fs::read(&busybox) else {
+        eprintln!(
+            "SKIPPED {test}: {} is missing (resources/fetch-kernel.sh fetches busybox-static)",
+            busybox.display()
+        );
+        return;
+    };
+    let init = b"#!/bin/busybox sh\n\
+        /bin/busybox mkdir -p /proc /sys\n\
+        /bin/busybox mount -t proc proc /proc\n\
+        /bin/busybox sh -c 'echo \"busybox shell: 6*7=$((6*7))\"'\n\
+        /bin/busybox reboot -f\n";
+    let archive = cpio(&[
+        ("bin", 0o040755, b"", (0, 0)),
+        ("bin/busybox", 0o100755, &busybox_bytes, (0, 0)),
+        ("dev", 0o040755, b"", (0, 0)),
+        ("dev/console", 0o020600, b"", (5, 1)),
+        ("init", 0o100755, init, (0, 0)),
+    ]);
+    let dir = std::env::temp_dir().join(format!("tinyvmm-boot-test-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let initramfs = dir.join("initramfs.cpio");
+    std::fs::write(&initramfs, archive).unwrap();
+    let config = BootConfig {
+        kernel: vmlinuz,
+        initramfs: Some(initramfs),
+        cmdline: "console=ttyS0 reboot=k panic=-1 rdinit=/init".to_owned(),
+        timeout_secs: Some(TIMEOUT_SECS),
+        ..BootConfig::default()
+    };
+    let (report, log) = run(&config, None);
+    std::fs::remove_dir_all(&dir).ok();
+    assert!(
+        log.contains("busybox shell: 6*7=42"),
+        "no shell output\n{log}"
+    );
+    assert!(
+        matches!(report.ending, BootEnding::Reset),
+        "the guest's reboot should end the VM through the i8042: {}\n{log}",
+        report.ending
+    );
+}
