@@ -7,7 +7,7 @@ use std::sync::{Arc, LazyLock, Mutex};
 use std::time::Duration;
 
 use kvm_ioctls::{VcpuExit, VcpuFd};
-use kvm_memslots::{KvmVm, MemoryManager};
+use kvm_memslots::{GuestMemorySlots, KvmVm, MemoryManager};
 use vm_memory::Bytes;
 use vmm_sys_util::eventfd::EventFd;
 
@@ -170,24 +170,31 @@ impl Vcpu {
                 Err(source) => return Err(VcpuError::Run { vcpu, source }),
             };
             shared.counters.exits.fetch_add(1, Ordering::Relaxed);
+            let mmio = matches!(exit, Exit::MmioRead { .. } | Exit::MmioWrite { .. });
             loop {
                 // The sequence first, then the map: a map loaded after an even sequence holds
-                // every change that sequence counts.
+                // every change that sequence counts. `load` borrows the version without a
+                // shared reference-count update, so exits on several vCPUs do not contend.
                 let sequence_now = memory.change_sequence();
-                let snapshot = memory.snapshot();
+                let map = memory.load();
                 // A change may have been published between the two loads (its odd step comes
                 // before its publication): the map would then be newer than `sequence_now`
                 // says, and an exit from before that change would look like a mismatch.
-                if memory.change_sequence() != sequence_now {
+                if mmio && memory.change_sequence() != sequence_now {
                     continue;
                 }
-                let expected_mmio = shared
-                    .expected_mmio
-                    .lock()
-                    .unwrap_or_else(|p| p.into_inner())
-                    .clone();
+                let guest_memory = GuestMemorySlots::of(&map);
+                let expected_mmio = if mmio {
+                    shared
+                        .expected_mmio
+                        .lock()
+                        .unwrap_or_else(|p| p.into_inner())
+                        .clone()
+                } else {
+                    None
+                };
                 let ctx = ExitContext {
-                    memory: snapshot.map(),
+                    memory: &map,
                     sequence_at_entry,
                     sequence_now,
                     expected_mmio,
@@ -197,12 +204,18 @@ impl Vcpu {
                 match handle_exit(&exit, &ctx) {
                     Action::WaitForChange => {
                         while memory.change_sequence() % 2 == 1 {
+                            if shared.stop.load(Ordering::Acquire) {
+                                return Ok(());
+                            }
                             std::thread::sleep(Duration::from_micros(20));
                         }
                         continue;
                     }
                     Action::Resume => {}
                     Action::CommandDone => {
+                        // Waiting for the next command may take long: pin no map version
+                        // (and none of its mappings) meanwhile.
+                        drop(map);
                         if events.send(VcpuEvent::Done).is_err() || resume.recv().is_err() {
                             // The host is gone: nobody will post another command.
                             return Ok(());
@@ -210,7 +223,7 @@ impl Vcpu {
                     }
                     Action::GuestExit => return Ok(()),
                     Action::WriteMemory { gpa, data } => {
-                        snapshot
+                        guest_memory
                             .write_slice(&data, gpa)
                             .map_err(memory_error(gpa.0))?;
                         shared
@@ -222,7 +235,7 @@ impl Vcpu {
                         let buffer = read_buffer
                             .as_deref_mut()
                             .expect("a read exit has a buffer");
-                        snapshot
+                        guest_memory
                             .read_slice(&mut buffer[..len], gpa)
                             .map_err(memory_error(gpa.0))?;
                         shared
@@ -243,7 +256,7 @@ impl Vcpu {
                             .fetch_add(1, Ordering::Relaxed);
                     }
                     Action::GuestFault => {
-                        let fault = Fault::read(&*snapshot);
+                        let fault = Fault::read(guest_memory);
                         return Err(VcpuError::Fault { vcpu, fault });
                     }
                     Action::Fatal(error) => return Err(VcpuError::Exit { vcpu, error }),

@@ -328,6 +328,13 @@ impl<K: KvmMemory> MemoryManager<K> {
         self.handle().memory()
     }
 
+    /// The current map version for a short look (a vCPU exit, say): lock-free, and without
+    /// touching the version's shared reference count in the common case (arc-swap's guard).
+    /// Do not hold it across long operations; keep a [`snapshot`](Self::snapshot) for that.
+    pub fn load(&self) -> arc_swap::Guard<Arc<MemslotMap<SlotBacking>>> {
+        self.map.load()
+    }
+
     /// Even while KVM's slots match the published map; odd while a change is being applied to
     /// KVM (a vCPU may then exit on an address the map still or already calls memory). Each
     /// change adds 2.

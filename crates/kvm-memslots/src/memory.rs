@@ -291,6 +291,11 @@ impl GuestMemoryRegionBytes for GuestSlot {}
 pub struct GuestMemorySlots(MemslotMap<SlotBacking>);
 
 impl GuestMemorySlots {
+    /// A map version seen as vm-memory's guest memory (no copy).
+    pub fn of(map: &MemslotMap<SlotBacking>) -> &Self {
+        Self::ref_cast(map)
+    }
+
     /// The map version underneath.
     pub fn map(&self) -> &MemslotMap<SlotBacking> {
         &self.0
