@@ -78,6 +78,46 @@ impl Default for CheckArgs {
     }
 }
 
+/// The job's report, or the exit status for how it failed, with the failure named on stderr:
+/// 130 when a signal interrupted it, 1 otherwise.
+fn job_report<R, E: std::fmt::Display>(
+    outcome: Result<(Result<R, E>, Ending), tinyvmm::lifecycle::LoopError>,
+    failed: &str,
+) -> Result<R, ExitCode> {
+    match outcome {
+        Ok((Ok(report), _)) => Ok(report),
+        Ok((Err(e), Ending::Interrupted)) => {
+            eprintln!("tinyvmm: interrupted: {e}");
+            Err(ExitCode::from(130))
+        }
+        Ok((Err(e), Ending::Finished)) => {
+            eprintln!("tinyvmm: {failed}{e}");
+            Err(ExitCode::FAILURE)
+        }
+        Err(e) => {
+            eprintln!("tinyvmm: {e}");
+            Err(ExitCode::FAILURE)
+        }
+    }
+}
+
+/// Prints `report` (also as JSON with `json`) and the closing line of a successful run.
+fn print_report<R: std::fmt::Display + serde::Serialize>(
+    report: &R,
+    json: bool,
+    closing: &str,
+) -> ExitCode {
+    println!("{report}");
+    if json {
+        println!(
+            "{}",
+            serde_json::to_string_pretty(report).expect("the report is JSON")
+        );
+    }
+    println!("{closing}");
+    ExitCode::SUCCESS
+}
+
 fn main() -> ExitCode {
     let cli = Cli::parse();
     match cli.command.unwrap_or(Commands::Check(CheckArgs::default())) {
@@ -96,30 +136,9 @@ fn check(args: CheckArgs) -> ExitCode {
         vcpus: args.vcpus,
     };
     let outcome = run_job(move |ctx| run_check(config, &ctx.stop, &ctx.vcpu_stopped));
-    match outcome {
-        Ok((Ok(report), _)) => {
-            println!("{report}");
-            if args.json {
-                println!(
-                    "{}",
-                    serde_json::to_string_pretty(&report).expect("the report is JSON")
-                );
-            }
-            println!("all checks passed");
-            ExitCode::SUCCESS
-        }
-        Ok((Err(e), Ending::Interrupted)) => {
-            eprintln!("tinyvmm: interrupted: {e}");
-            ExitCode::from(130)
-        }
-        Ok((Err(e), Ending::Finished)) => {
-            eprintln!("tinyvmm: {e}");
-            ExitCode::FAILURE
-        }
-        Err(e) => {
-            eprintln!("tinyvmm: {e}");
-            ExitCode::FAILURE
-        }
+    match job_report(outcome, "") {
+        Ok(report) => print_report(&report, args.json, "all checks passed"),
+        Err(code) => code,
     }
 }
 
@@ -159,20 +178,9 @@ fn bench(args: BenchArgs) -> ExitCode {
             eprintln!("{p}")
         })
     });
-    let report = match outcome {
-        Ok((Ok(report), _)) => report,
-        Ok((Err(e), Ending::Interrupted)) => {
-            eprintln!("tinyvmm: interrupted: {e}");
-            return ExitCode::from(130);
-        }
-        Ok((Err(e), Ending::Finished)) => {
-            eprintln!("tinyvmm: {e}");
-            return ExitCode::FAILURE;
-        }
-        Err(e) => {
-            eprintln!("tinyvmm: {e}");
-            return ExitCode::FAILURE;
-        }
+    let report = match job_report(outcome, "") {
+        Ok(report) => report,
+        Err(code) => return code,
     };
     println!("{report}");
     let json = serde_json::to_string_pretty(&report).expect("the report is JSON");
@@ -236,30 +244,13 @@ fn stress(args: StressArgs) -> ExitCode {
         corrupt_page: None,
     };
     let outcome = run_job(move |ctx| run_stress(config, &ctx.stop, &ctx.vcpu_stopped));
-    match outcome {
-        Ok((Ok(report), _)) => {
-            println!("{report}");
-            if args.json {
-                println!(
-                    "{}",
-                    serde_json::to_string_pretty(&report).expect("the report is JSON")
-                );
-            }
-            println!("stress passed: no write lost, no dirty page missed, no wrong data");
-            ExitCode::SUCCESS
-        }
-        Ok((Err(e), Ending::Interrupted)) => {
-            eprintln!("tinyvmm: interrupted: {e}");
-            ExitCode::from(130)
-        }
-        Ok((Err(e), Ending::Finished)) => {
-            eprintln!("tinyvmm: stress failed: {e}");
-            ExitCode::FAILURE
-        }
-        Err(e) => {
-            eprintln!("tinyvmm: {e}");
-            ExitCode::FAILURE
-        }
+    match job_report(outcome, "stress failed: ") {
+        Ok(report) => print_report(
+            &report,
+            args.json,
+            "stress passed: no write lost, no dirty page missed, no wrong data",
+        ),
+        Err(code) => code,
     }
 }
 
