@@ -185,6 +185,39 @@ pub enum Exit<'a> {
     Other(&'static str),
 }
 
+impl<'a> Exit<'a> {
+    /// Turns what `KVM_RUN` returned into an exit, with the buffer a read's answer goes into
+    /// (port and MMIO reads). `EINTR` and `EAGAIN` (a signal, `immediate_exit`) are
+    /// [`Exit::Interrupted`]; other errors are returned.
+    pub fn from_kvm(
+        run: Result<kvm_ioctls::VcpuExit<'a>, kvm_ioctls::Error>,
+    ) -> Result<(Exit<'a>, Option<&'a mut [u8]>), kvm_ioctls::Error> {
+        use kvm_ioctls::VcpuExit;
+        Ok(match run {
+            Ok(VcpuExit::IoOut(port, data)) => (Exit::IoOut { port, data }, None),
+            Ok(VcpuExit::IoIn(port, data)) => {
+                let len = data.len();
+                (Exit::IoIn { port, len }, Some(data))
+            }
+            Ok(VcpuExit::MmioRead(gpa, data)) => {
+                let len = data.len();
+                (Exit::MmioRead { gpa, len }, Some(data))
+            }
+            Ok(VcpuExit::MmioWrite(gpa, data)) => (Exit::MmioWrite { gpa, data }, None),
+            Ok(VcpuExit::Hlt) => (Exit::Hlt, None),
+            Ok(VcpuExit::Shutdown) => (Exit::Shutdown, None),
+            Ok(VcpuExit::InternalError) => (Exit::InternalError, None),
+            Ok(VcpuExit::FailEntry(reason, _)) => (Exit::FailEntry { reason }, None),
+            Ok(VcpuExit::Intr) => (Exit::Interrupted, None),
+            Ok(_) => (Exit::Other("an exit kind tinyvmm does not handle"), None),
+            Err(e) if e.errno() == libc::EINTR || e.errno() == libc::EAGAIN => {
+                (Exit::Interrupted, None)
+            }
+            Err(e) => return Err(e),
+        })
+    }
+}
+
 /// What the handler knows besides the exit.
 pub struct ExitContext<'a> {
     /// The current version of the memory map.

@@ -6,7 +6,7 @@ use std::sync::mpsc::{Receiver, Sender};
 use std::sync::{Arc, LazyLock, Mutex};
 use std::time::Duration;
 
-use kvm_ioctls::{VcpuExit, VcpuFd};
+use kvm_ioctls::VcpuFd;
 use kvm_memslots::{GuestMemorySlots, KvmVm, MemoryManager};
 use vm_memory::Bytes;
 use vmm_sys_util::eventfd::EventFd;
@@ -138,37 +138,8 @@ impl Vcpu {
                 return Ok(());
             }
             let sequence_at_entry = memory.change_sequence();
-            let (exit, mut read_buffer) = match fd.run() {
-                Ok(VcpuExit::IoOut(port, data)) => (Exit::IoOut { port, data }, None),
-                Ok(VcpuExit::IoIn(port, data)) => (
-                    Exit::IoIn {
-                        port,
-                        len: data.len(),
-                    },
-                    None,
-                ),
-                Ok(VcpuExit::MmioRead(gpa, data)) => (
-                    Exit::MmioRead {
-                        gpa,
-                        len: data.len(),
-                    },
-                    Some(data),
-                ),
-                Ok(VcpuExit::MmioWrite(gpa, data)) => (Exit::MmioWrite { gpa, data }, None),
-                Ok(VcpuExit::Hlt) => (Exit::Hlt, None),
-                Ok(VcpuExit::Shutdown) => (Exit::Shutdown, None),
-                Ok(VcpuExit::InternalError) => (Exit::InternalError, None),
-                Ok(VcpuExit::FailEntry(reason, _)) => (Exit::FailEntry { reason }, None),
-                Ok(VcpuExit::Intr) => (Exit::Interrupted, None),
-                Ok(_) => (
-                    Exit::Other("an exit kind the test guest never causes"),
-                    None,
-                ),
-                Err(e) if e.errno() == libc::EINTR || e.errno() == libc::EAGAIN => {
-                    (Exit::Interrupted, None)
-                }
-                Err(source) => return Err(VcpuError::Run { vcpu, source }),
-            };
+            let (exit, mut read_buffer) =
+                Exit::from_kvm(fd.run()).map_err(|source| VcpuError::Run { vcpu, source })?;
             shared.counters.exits.fetch_add(1, Ordering::Relaxed);
             let mmio = matches!(exit, Exit::MmioRead { .. } | Exit::MmioWrite { .. });
             loop {

@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use event_manager::{EventOps, EventSet, Events, MutEventSubscriber};
-use kvm_ioctls::{VcpuExit, VcpuFd};
+use kvm_ioctls::VcpuFd;
 use kvm_memslots::{KvmVm, MemoryManager};
 use vm_memory::Bytes;
 use vmm_sys_util::eventfd::EventFd;
@@ -110,34 +110,15 @@ impl LinuxVcpu {
                 return Ok(());
             }
             let sequence_at_entry = self.memory.change_sequence();
-            let run = self.fd.run();
-            let (exit, read_buffer): (Exit<'_>, Option<&mut [u8]>) = match run {
-                Ok(VcpuExit::IoOut(port, data)) => (Exit::IoOut { port, data }, None),
-                Ok(VcpuExit::IoIn(port, data)) => {
-                    let len = data.len();
-                    (Exit::IoIn { port, len }, Some(data))
-                }
-                Ok(VcpuExit::MmioRead(gpa, data)) => {
-                    let len = data.len();
-                    (Exit::MmioRead { gpa, len }, Some(data))
-                }
-                Ok(VcpuExit::MmioWrite(gpa, data)) => (Exit::MmioWrite { gpa, data }, None),
-                Ok(VcpuExit::Hlt) => (Exit::Hlt, None),
-                Ok(VcpuExit::Shutdown) => (Exit::Shutdown, None),
-                Ok(VcpuExit::InternalError) => (Exit::InternalError, None),
-                Ok(VcpuExit::FailEntry(reason, _)) => (Exit::FailEntry { reason }, None),
-                Ok(VcpuExit::Intr) => (Exit::Interrupted, None),
-                Ok(_) => (Exit::Other("an exit kind tinyvmm does not handle"), None),
-                Err(e) if e.errno() == libc::EINTR || e.errno() == libc::EAGAIN => {
-                    (Exit::Interrupted, None)
-                }
-                Err(source) => return Err(GuestStop::Run { vcpu, source }),
-            };
+            let (exit, read_buffer) =
+                Exit::from_kvm(self.fd.run()).map_err(|source| GuestStop::Run { vcpu, source })?;
+            // The sequence first, then the map (see the test guest's vCPU loop).
+            let sequence_now = self.memory.change_sequence();
             let snapshot = self.memory.snapshot();
             let ctx = ExitContext {
                 memory: snapshot.map(),
                 sequence_at_entry,
-                sequence_now: self.memory.change_sequence(),
+                sequence_now,
                 expected_mmio: None,
                 ports: &self.bus,
             };
