@@ -259,6 +259,10 @@ impl KvmOp {
 struct Step {
     region: RegionId,
     op: KvmOp,
+    /// Read the slot's dirty log into the region's pending bits just before this step, which
+    /// frees it (logging off, or a delete). Reading it right there, rather than all logs up
+    /// front, is also cheaper for the kernel.
+    read_log: bool,
 }
 
 impl From<&GuestSlotData> for KvmSlot {
@@ -361,20 +365,28 @@ impl<K: KvmMemory> MemoryManager<K> {
     fn run(&self, state: &mut State, steps: &[Step]) -> Result<(), Error> {
         for (i, step) in steps.iter().enumerate() {
             let request = step.op.request();
-            // SAFETY: every request that creates or updates a slot describes memory of a
-            // `RegionMemory` that the manager keeps mapped for as long as KVM has the slot: the
-            // region's entry in `state.regions` holds it (for a region being added, the caller
-            // holds it and moves it into `state.regions` on success, or into `state.orphans` if
-            // an undo fails), and it is dropped only after KVM's slots in it were deleted.
-            if let Err(source) = unsafe { self.kvm.set_user_memory_region(&request) } {
-                let failed = Error::Kvm {
+            let read = if step.read_log {
+                self.read_freed_log(state, step)
+            } else {
+                Ok(())
+            };
+            let applied = read.and_then(|()| {
+                // SAFETY: every request that creates or updates a slot describes memory of a
+                // `RegionMemory` that the manager keeps mapped for as long as KVM has the slot:
+                // the region's entry in `state.regions` holds it (for a region being added, the
+                // caller holds it and moves it into `state.regions` on success, or into
+                // `state.orphans` if an undo fails), and it is dropped only after KVM's slots
+                // in it were deleted.
+                unsafe { self.kvm.set_user_memory_region(&request) }.map_err(|source| Error::Kvm {
                     region: step.region,
                     op: step.op.verb(),
                     slot: request.slot,
                     gpa: request.gpa,
                     size: request.size,
                     source,
-                };
+                })
+            });
+            if let Err(failed) = applied {
                 for done in steps[..i].iter().rev() {
                     let undo = done.op.inverse();
                     // SAFETY: as above; an undo restores a slot KVM had before this operation.
@@ -518,6 +530,7 @@ impl<K: KvmMemory> MemoryManager<K> {
             .map(|s| Step {
                 region,
                 op: KvmOp::Create(s.into()),
+                read_log: false,
             })
             .collect();
         let changes = slots.into_iter().map(Change::Insert).collect();
@@ -539,6 +552,7 @@ impl<K: KvmMemory> MemoryManager<K> {
             .map(|s| Step {
                 region: id,
                 op: KvmOp::Delete(s.as_ref().into()),
+                read_log: false,
             })
             .collect();
         let changes = region.slots.iter().map(|s| Change::Remove(*s)).collect();
@@ -575,6 +589,7 @@ impl<K: KvmMemory> MemoryManager<K> {
                 Step {
                     region: id,
                     op: KvmOp::Update { old, new },
+                    read_log: false,
                 }
             })
             .collect();
@@ -603,10 +618,6 @@ impl<K: KvmMemory> MemoryManager<K> {
             return Ok(());
         }
         let slots = region_slots(&current, region);
-        // Deleting a slot frees its KVM log: keep its bits first.
-        if region.flags.log_dirty {
-            self.fetch_kvm_log(id, region, &slots)?;
-        }
         let flags = SlotFlags {
             read_only,
             ..region.flags
@@ -614,13 +625,16 @@ impl<K: KvmMemory> MemoryManager<K> {
         let mut steps = Vec::with_capacity(2 * slots.len());
         for s in &slots {
             let old = KvmSlot::from(s.as_ref());
+            // Deleting a slot frees its KVM log: keep its bits first.
             steps.push(Step {
                 region: id,
                 op: KvmOp::Delete(old),
+                read_log: old.flags.log_dirty,
             });
             steps.push(Step {
                 region: id,
                 op: KvmOp::Create(KvmSlot { flags, ..old }),
+                read_log: false,
             });
         }
         let changes = slots
@@ -655,12 +669,8 @@ impl<K: KvmMemory> MemoryManager<K> {
         let mut steps = Vec::new();
         let mut changes = Vec::new();
         for id in &ids {
-            let region = state.regions.get_mut(id).expect("listed above");
+            let region = &state.regions[id];
             let slots = region_slots(&current, region);
-            if !on {
-                // KVM frees a slot's log when logging stops: keep its bits first.
-                self.fetch_kvm_log(*id, region, &slots)?;
-            }
             let flags = SlotFlags {
                 log_dirty: on,
                 ..region.flags
@@ -673,6 +683,8 @@ impl<K: KvmMemory> MemoryManager<K> {
                         old,
                         new: KvmSlot { flags, ..old },
                     },
+                    // KVM frees a slot's log when logging stops: keep its bits first.
+                    read_log: !on,
                 });
                 changes.push(Change::SetFlags { id: s.id(), flags });
             }
@@ -689,49 +701,57 @@ impl<K: KvmMemory> MemoryManager<K> {
         Ok(())
     }
 
-    /// Moves the dirty bits KVM logged for `slots` of `region` into the region's pending bits,
-    /// clearing them in KVM.
-    fn fetch_kvm_log(
+    /// Moves the dirty bits KVM logged for slot `number` (`size` bytes at `offset` in the
+    /// region) into the region's pending bits; with `clear` (and manual protection), clears
+    /// exactly those bits in KVM so that the pages are logged again.
+    fn fetch_slot_log(
         &self,
         id: RegionId,
         region: &mut Region,
-        slots: &[&Arc<GuestSlotData>],
+        number: u32,
+        size: u64,
+        offset: u64,
+        clear: bool,
     ) -> Result<(), Error> {
-        let mut log = Vec::new();
-        for slot in slots.iter().filter(|s| s.flags().log_dirty) {
-            let pages = slot.size() / PAGE_SIZE;
-            log.clear();
-            log.resize(pages.div_ceil(64) as usize, 0);
-            let number = slot.id().0;
+        let pages = size / PAGE_SIZE;
+        let mut log = vec![0u64; pages.div_ceil(64) as usize];
+        self.kvm
+            .get_dirty_log(number, &mut log)
+            .map_err(|source| Error::GetDirtyLog {
+                region: id,
+                slot: number,
+                source,
+            })?;
+        if log.iter().all(|w| *w == 0) {
+            return Ok(());
+        }
+        or_bits(region.pending(), offset / PAGE_SIZE, &log, pages);
+        if clear && self.kvm.manual_dirty_log() {
+            // Clear exactly the pages read: a page dirtied since stays set in KVM.
+            let pages = u32::try_from(pages).expect("KVM slots have fewer than 2^31 pages");
             self.kvm
-                .get_dirty_log(number, &mut log)
-                .map_err(|source| Error::GetDirtyLog {
+                .clear_dirty_log(number, 0, pages, &log)
+                .map_err(|source| Error::ClearDirtyLog {
                     region: id,
                     slot: number,
                     source,
                 })?;
-            if log.iter().all(|w| *w == 0) {
-                continue;
-            }
-            or_bits(
-                region.pending(),
-                slot.payload().offset() / PAGE_SIZE,
-                &log,
-                pages,
-            );
-            if self.kvm.manual_dirty_log() {
-                // Clear exactly the pages read: a page dirtied since stays set in KVM.
-                let pages = u32::try_from(pages).expect("KVM slots have fewer than 2^31 pages");
-                self.kvm
-                    .clear_dirty_log(number, 0, pages, &log)
-                    .map_err(|source| Error::ClearDirtyLog {
-                        region: id,
-                        slot: number,
-                        source,
-                    })?;
-            }
         }
         Ok(())
+    }
+
+    /// Keeps the log of the slot that `step` is about to free (no need to clear it in KVM).
+    fn read_freed_log(&self, state: &mut State, step: &Step) -> Result<(), Error> {
+        let slot = match step.op {
+            KvmOp::Delete(old) | KvmOp::Update { old, .. } => old,
+            KvmOp::Create(_) => return Ok(()),
+        };
+        let region = state
+            .regions
+            .get_mut(&step.region)
+            .expect("a step's region is in the table");
+        let offset = slot.gpa - region.gpa.0;
+        self.fetch_slot_log(step.region, region, slot.slot, slot.size, offset, false)
     }
 
     /// The pages of the target regions written since the last harvest, by the guest (KVM's
@@ -746,8 +766,11 @@ impl<K: KvmMemory> MemoryManager<K> {
         for id in &ids {
             let region = state.regions.get_mut(id).expect("listed above");
             if region.flags.log_dirty {
-                let slots = region_slots(&current, region);
-                self.fetch_kvm_log(*id, region, &slots)?;
+                for slot in region_slots(&current, region) {
+                    let (number, size) = (slot.id().0, slot.size());
+                    let offset = slot.payload().offset();
+                    self.fetch_slot_log(*id, region, number, size, offset, true)?;
+                }
             }
             let vmm = region.memory.vmm_dirty_bitmap().get_and_reset();
             let pages = region.pages();

@@ -428,3 +428,37 @@ fn discarded_pages_are_reported_dirty() {
     );
     assert_eq!(m.harvest_dirty(Target::Region(r)).unwrap()[0].count(), 0);
 }
+
+#[test]
+fn a_log_read_failing_during_a_stop_undoes_it_and_loses_no_page() {
+    let (m, r) = setup();
+    m.start_dirty_log(Target::Region(r)).unwrap();
+    m.harvest_dirty(Target::All).unwrap();
+    let fake = m.kvm().inner();
+    fake.guest_write(MIB + 0x10);
+    fake.guest_write(MIB + 4 * SLOT);
+    let before = everything(&m);
+    // The third slot's log cannot be read: the first two slots had stopped logging already.
+    m.kvm().fail(FakeCall::GetDirtyLog, 2, libc::EIO);
+    let err = m.stop_dirty_log(Target::Region(r)).unwrap_err();
+    assert!(matches!(err, Error::GetDirtyLog { slot: 2, .. }), "{err}");
+    assert_eq!(everything(&m), before, "the stop was undone");
+    assert!(
+        m.regions()
+            .iter()
+            .find(|i| i.id == r)
+            .unwrap()
+            .flags
+            .log_dirty
+    );
+    // Slot 0's page was read before the failure and slot 4's is still in KVM's log; slots
+    // 0 and 1 logged again from all-set bitmaps (initially set), so they report every page.
+    let dirty = m.harvest_dirty(Target::Region(r)).unwrap();
+    let got: Vec<u64> = dirty[0].addresses().map(|a| a.0).collect();
+    assert!(
+        got.contains(&MIB) && got.contains(&(MIB + 4 * SLOT)),
+        "{got:x?}"
+    );
+    m.stop_dirty_log(Target::Region(r)).unwrap();
+    assert_mirrored(&m);
+}
