@@ -3,24 +3,25 @@
 //! `cargo bench -p kvm-memslots --bench mirror -- [--slots N] [--runs R] [--json PATH]`
 //! (JSON by default in the workspace's `target/bench/`)
 //!
-//! Each run makes two fresh VMs with manual dirty-log protection, maps one region of N 4 KiB
-//! slots in each, and times five phases on both: create every slot, start dirty logging on all,
-//! harvest all (the first harvest after logging starts finds every page dirty and clears it),
-//! stop logging, delete all. The raw loop issues the ioctls the manager issues and nothing
-//! else; an untimed warm-up of both sides comes first; stopping is also timed against a loop that only flips the flag, because the manager
-//! reads each log first so that no dirty page is lost. Runs alternate which side goes first.
-//! Prints the medians and writes them as JSON.
-//!
-//! Kernel time dominates every phase (mostly SRCU grace periods, whose length swings with the
-//! rest of the machine's load), so the bench also times the manager against a KVM that does
-//! nothing: the manager's own cost, without the kernel's noise.
+//! Each run makes two fresh VMs with manual dirty-log protection and takes both through five
+//! phases over N 4 KiB slots: create every slot, start dirty logging on all, harvest all (the
+//! first harvest after logging starts finds every page dirty and clears it), stop logging (read
+//! each slot's log, then flip its flag), delete all. The raw loop issues the ioctls the manager
+//! issues and nothing else. Kernel time dominates every phase (mostly SRCU grace periods, whose
+//! length swings with the machine's state from one second to the next), so the two sides do not
+//! take turns by phase but by batch: within each phase, the raw loop and the manager alternate
+//! on batches of 1024 slots (one region each on the manager's side), so that both see the same
+//! kernel conditions. A third side runs the manager against a KVM that does nothing: its own
+//! cost. Stopping is also compared with a raw loop that only flips the flag (without reading
+//! the logs, so losing the pages dirtied since the last harvest). An untimed warm-up comes
+//! first. Prints the medians over the runs and writes them as JSON.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use kvm_ioctls::Kvm;
 use kvm_memslots::{
-    KvmMemory, KvmSlot, KvmVm, MemoryManager, RegionMemory, RegionSpec, Target, PAGE_SIZE,
+    KvmMemory, KvmSlot, KvmVm, MemoryManager, RegionId, RegionMemory, RegionSpec, Target, PAGE_SIZE,
 };
 use memslot_map::SlotFlags;
 use vm_memory::GuestAddress;
@@ -75,52 +76,84 @@ fn timed(f: impl FnOnce()) -> Duration {
     start.elapsed()
 }
 
+/// Slots per batch: the manager's side adds one region of this many slots per batch.
+const BATCH: u32 = 1024;
+
+/// The phases, in order; the last is "stop logging" again, against the raw flag-only loop.
+#[derive(Clone, Copy)]
+enum Phase {
+    Create,
+    Start,
+    Harvest,
+    Stop,
+    Delete,
+}
+
 /// The raw loop: the same requests, with nothing around them.
-fn raw_run(kvm: &Kvm, n: u32) -> [Duration; 6] {
-    let memory = RegionMemory::new(u64::from(n) * PAGE_SIZE, &kvm_memslots::Backing::Anonymous)
-        .expect("map");
-    let vm = new_vm(kvm);
-    let slot = |i: u32, log_dirty: bool| KvmSlot {
-        slot: i,
-        gpa: BASE + u64::from(i) * PAGE_SIZE,
-        size: PAGE_SIZE,
-        hva: memory.host_address() + u64::from(i) * PAGE_SIZE,
-        flags: SlotFlags {
-            log_dirty,
-            read_only: false,
-        },
-    };
-    let set = |s: &KvmSlot| {
-        // SAFETY: every slot maps a page of `memory`, which outlives the VM (declared before
-        // `vm`, so dropped after it; and every slot is deleted before the function returns).
-        unsafe { vm.set_user_memory_region(s) }.expect("KVM_SET_USER_MEMORY_REGION");
-    };
-    let mut t = [Duration::ZERO; 6];
-    t[0] = timed(|| (0..n).for_each(|i| set(&slot(i, false))));
-    t[1] = timed(|| (0..n).for_each(|i| set(&slot(i, true))));
-    let mut log = [0u64; 1];
-    t[2] = timed(|| {
-        for i in 0..n {
-            vm.get_dirty_log(i, &mut log).expect("KVM_GET_DIRTY_LOG");
-            if log[0] != 0 {
-                vm.clear_dirty_log(i, 0, 1, &log)
-                    .expect("KVM_CLEAR_DIRTY_LOG");
+struct Raw {
+    // Declared before `memory` so that the VM (and its slots) goes first.
+    vm: KvmVm,
+    memory: RegionMemory,
+}
+
+impl Raw {
+    fn new(kvm: &Kvm, n: u32) -> Self {
+        let memory = RegionMemory::new(u64::from(n) * PAGE_SIZE, &kvm_memslots::Backing::Anonymous)
+            .expect("map");
+        Raw {
+            vm: new_vm(kvm),
+            memory,
+        }
+    }
+
+    fn slot(&self, i: u32, log_dirty: bool) -> KvmSlot {
+        KvmSlot {
+            slot: i,
+            gpa: BASE + u64::from(i) * PAGE_SIZE,
+            size: PAGE_SIZE,
+            hva: self.memory.host_address() + u64::from(i) * PAGE_SIZE,
+            flags: SlotFlags {
+                log_dirty,
+                read_only: false,
+            },
+        }
+    }
+
+    fn set(&self, s: &KvmSlot) {
+        // SAFETY: every slot maps a page of `self.memory`, which outlives the VM (`vm` is
+        // dropped first), and KVM frees the VM's slots with it.
+        unsafe { self.vm.set_user_memory_region(s) }.expect("KVM_SET_USER_MEMORY_REGION");
+    }
+
+    /// Phase `phase` on slots `range`; `read_logs` says whether a stop reads the logs first.
+    fn run(&self, phase: Phase, range: std::ops::Range<u32>, read_logs: bool) {
+        let mut log = [0u64; 1];
+        for i in range {
+            match phase {
+                Phase::Create => self.set(&self.slot(i, false)),
+                Phase::Start => self.set(&self.slot(i, true)),
+                Phase::Harvest => {
+                    self.vm
+                        .get_dirty_log(i, &mut log)
+                        .expect("KVM_GET_DIRTY_LOG");
+                    if log[0] != 0 {
+                        self.vm
+                            .clear_dirty_log(i, 0, 1, &log)
+                            .expect("KVM_CLEAR_DIRTY_LOG");
+                    }
+                }
+                Phase::Stop => {
+                    if read_logs {
+                        self.vm
+                            .get_dirty_log(i, &mut log)
+                            .expect("KVM_GET_DIRTY_LOG");
+                    }
+                    self.set(&self.slot(i, false));
+                }
+                Phase::Delete => self.set(&self.slot(i, false).deleted()),
             }
         }
-    });
-    // As the manager does: read each slot's log (so no dirty page is lost), then flip its flag.
-    t[3] = timed(|| {
-        for i in 0..n {
-            vm.get_dirty_log(i, &mut log).expect("KVM_GET_DIRTY_LOG");
-            set(&slot(i, false));
-        }
-    });
-    t[4] = timed(|| (0..n).for_each(|i| set(&slot(i, false).deleted())));
-    // Flag-only stop, on slots created and logging again (not timed).
-    (0..n).for_each(|i| set(&slot(i, true)));
-    t[5] = timed(|| (0..n).for_each(|i| set(&slot(i, false))));
-    (0..n).for_each(|i| set(&slot(i, false).deleted()));
-    t
+    }
 }
 
 /// A KVM that accepts every request and logs nothing: what the manager costs by itself.
@@ -150,22 +183,97 @@ impl KvmMemory for NullKvm {
     }
 }
 
-fn manager_run<K: KvmMemory>(kvm: K, n: u32) -> ([Duration; 6], f64) {
-    let m = MemoryManager::new(kvm);
-    let spec =
-        RegionSpec::new(GuestAddress(BASE), u64::from(n) * PAGE_SIZE).with_slot_size(PAGE_SIZE);
-    let mut t = [Duration::ZERO; 6];
-    let mut region = None;
-    t[0] = timed(|| region = Some(m.add_region(spec).expect("add")));
-    let region = region.expect("added");
-    let bytes_per_slot = m.bytes_per_slot();
-    t[1] = timed(|| m.start_dirty_log(Target::All).expect("start logging"));
-    t[2] = timed(|| {
-        m.harvest_dirty(Target::All).expect("harvest");
-    });
-    t[3] = timed(|| m.stop_dirty_log(Target::All).expect("stop logging"));
-    t[4] = timed(|| m.remove_region(region).expect("remove"));
-    t[5] = t[3];
+/// The manager, with one region per batch.
+struct Managed<K: KvmMemory> {
+    m: MemoryManager<K>,
+    regions: Vec<RegionId>,
+}
+
+impl<K: KvmMemory> Managed<K> {
+    fn new(kvm: K) -> Self {
+        Managed {
+            m: MemoryManager::new(kvm),
+            regions: Vec::new(),
+        }
+    }
+
+    fn run(&mut self, phase: Phase, batch: usize, range: std::ops::Range<u32>) {
+        let m = &self.m;
+        match phase {
+            Phase::Create => {
+                let spec = RegionSpec::new(
+                    GuestAddress(BASE + u64::from(range.start) * PAGE_SIZE),
+                    u64::from(range.end - range.start) * PAGE_SIZE,
+                )
+                .with_slot_size(PAGE_SIZE);
+                self.regions.push(m.add_region(spec).expect("add"));
+            }
+            Phase::Start => m
+                .start_dirty_log(Target::Region(self.regions[batch]))
+                .expect("start"),
+            Phase::Harvest => {
+                m.harvest_dirty(Target::Region(self.regions[batch]))
+                    .expect("harvest");
+            }
+            Phase::Stop => m
+                .stop_dirty_log(Target::Region(self.regions[batch]))
+                .expect("stop"),
+            Phase::Delete => m.remove_region(self.regions[batch]).expect("remove"),
+        }
+    }
+}
+
+/// One run: per phase, the time the raw loop, the manager and the manager alone took, plus the
+/// raw flag-only stop (last). The manager's memory per slot.
+fn run(kvm: &Kvm, n: u32) -> ([[Duration; 3]; 6], f64) {
+    let raw = Raw::new(kvm, n);
+    let mut managed = Managed::new(new_vm(kvm));
+    let mut alone = Managed::new(NullKvm(n + 1));
+    let batches: Vec<std::ops::Range<u32>> = (0..n)
+        .step_by(BATCH as usize)
+        .map(|s| s..(s + BATCH).min(n))
+        .collect();
+    let mut t = [[Duration::ZERO; 3]; 6];
+    let mut bytes_per_slot = 0.0;
+    let phases = [Phase::Create, Phase::Start, Phase::Harvest, Phase::Stop];
+    for (p, phase) in phases.into_iter().enumerate() {
+        for (b, range) in batches.iter().enumerate() {
+            // Alternate which side goes first, batch by batch.
+            let raw_time = || timed(|| raw.run(phase, range.clone(), true));
+            if b % 2 == 0 {
+                t[p][0] += raw_time();
+                t[p][1] += timed(|| managed.run(phase, b, range.clone()));
+            } else {
+                t[p][1] += timed(|| managed.run(phase, b, range.clone()));
+                t[p][0] += raw_time();
+            }
+            t[p][2] += timed(|| alone.run(phase, b, range.clone()));
+        }
+        if p == 0 {
+            bytes_per_slot = managed.m.bytes_per_slot();
+        }
+    }
+    // Stop again, against a raw stop that does not read the logs (logging back on, untimed).
+    for (b, range) in batches.iter().enumerate() {
+        raw.run(Phase::Start, range.clone(), true);
+        managed.run(Phase::Start, b, range.clone());
+    }
+    for (b, range) in batches.iter().enumerate() {
+        t[5][0] += timed(|| raw.run(Phase::Stop, range.clone(), false));
+        t[5][1] += timed(|| managed.run(Phase::Stop, b, range.clone()));
+    }
+    t[5][2] = t[3][2];
+    for (b, range) in batches.iter().enumerate() {
+        let raw_time = || timed(|| raw.run(Phase::Delete, range.clone(), true));
+        if b % 2 == 0 {
+            t[4][0] += raw_time();
+            t[4][1] += timed(|| managed.run(Phase::Delete, b, range.clone()));
+        } else {
+            t[4][1] += timed(|| managed.run(Phase::Delete, b, range.clone()));
+            t[4][0] += raw_time();
+        }
+        t[4][2] += timed(|| alone.run(Phase::Delete, b, range.clone()));
+    }
     (t, bytes_per_slot)
 }
 
@@ -193,29 +301,20 @@ fn main() {
         o.runs
     );
     // The first VMs of a process pay one-time kernel and allocator costs: pay them untimed.
-    raw_run(&kvm, n.min(1024));
-    manager_run(new_vm(&kvm), n.min(1024));
+    run(&kvm, n.min(2048));
     let mut raw = vec![Vec::new(); PHASES.len()];
     let mut managed = vec![Vec::new(); PHASES.len()];
     let mut own = vec![Vec::new(); PHASES.len()];
     let mut bytes_per_slot = 0.0;
-    for run in 0..o.runs {
-        let do_raw = || raw_run(&kvm, n);
-        let (r, (m, b)) = if run % 2 == 0 {
-            let r = do_raw();
-            (r, manager_run(new_vm(&kvm), n))
-        } else {
-            let m = manager_run(new_vm(&kvm), n);
-            (do_raw(), m)
-        };
-        let (alone, _) = manager_run(NullKvm(n + 1), n);
+    for r in 0..o.runs {
+        let (t, b) = run(&kvm, n);
         bytes_per_slot = b;
         for p in 0..PHASES.len() {
-            raw[p].push(r[p]);
-            managed[p].push(m[p]);
-            own[p].push(alone[p]);
+            raw[p].push(t[p][0]);
+            managed[p].push(t[p][1]);
+            own[p].push(t[p][2]);
         }
-        eprintln!("run {}/{} done", run + 1, o.runs);
+        eprintln!("run {}/{} done", r + 1, o.runs);
     }
     println!("| phase ({n} slots) | raw ioctl loop | manager | manager / raw | manager alone (no-op KVM) | (raw + alone) / raw |");
     println!("|---|---:|---:|---:|---:|---:|");
