@@ -93,13 +93,20 @@ enum Phase {
 struct Raw {
     // Declared before `memory` so that the VM (and its slots) goes first.
     vm: KvmVm,
-    memory: RegionMemory,
+    /// One mapping per batch, laid out as the manager's side has them (one region a batch).
+    memory: Vec<RegionMemory>,
 }
 
 impl Raw {
     fn new(kvm: &Kvm, n: u32) -> Self {
-        let memory = RegionMemory::new(u64::from(n) * PAGE_SIZE, &kvm_memslots::Backing::Anonymous)
-            .expect("map");
+        let memory = (0..n)
+            .step_by(BATCH as usize)
+            .map(|first| {
+                let pages = u64::from(BATCH.min(n - first));
+                RegionMemory::new(pages * PAGE_SIZE, &kvm_memslots::Backing::Anonymous)
+                    .expect("map")
+            })
+            .collect();
         Raw {
             vm: new_vm(kvm),
             memory,
@@ -111,7 +118,8 @@ impl Raw {
             slot: i,
             gpa: BASE + u64::from(i) * PAGE_SIZE,
             size: PAGE_SIZE,
-            hva: self.memory.host_address() + u64::from(i) * PAGE_SIZE,
+            hva: self.memory[(i / BATCH) as usize].host_address()
+                + u64::from(i % BATCH) * PAGE_SIZE,
             flags: SlotFlags {
                 log_dirty,
                 read_only: false,
@@ -120,7 +128,7 @@ impl Raw {
     }
 
     fn set(&self, s: &KvmSlot) {
-        // SAFETY: every slot maps a page of `self.memory`, which outlives the VM (`vm` is
+        // SAFETY: every slot maps a page of `self.memory`'s mappings, which outlive the VM (`vm` is
         // dropped first), and KVM frees the VM's slots with it.
         unsafe { self.vm.set_user_memory_region(s) }.expect("KVM_SET_USER_MEMORY_REGION");
     }
