@@ -20,7 +20,10 @@ pub fn require_kvm(name: &str) -> bool {
             .create(true)
             .open(&path)
             .unwrap_or_else(|e| panic!("cannot open $KVM_TEST_LOG ({path}): {e}"));
-        writeln!(log, "{name}").unwrap_or_else(|e| panic!("cannot write $KVM_TEST_LOG: {e}"));
+        // One write per line: tests run in parallel, and an O_APPEND write this small lands whole,
+        // where `writeln!` may split the name and the newline into two writes that interleave.
+        log.write_all(format!("{name}\n").as_bytes())
+            .unwrap_or_else(|e| panic!("cannot write $KVM_TEST_LOG: {e}"));
     }
     true
 }
