@@ -17,6 +17,36 @@ use crate::guest::Fault;
 /// The test guest's ports: its command protocol, nothing else.
 static TEST_GUEST_PORTS: LazyLock<PortBus> = LazyLock::new(PortBus::test_guest);
 
+extern "C" fn ignore_signal(_: libc::c_int, _: *mut libc::siginfo_t, _: *mut libc::c_void) {}
+
+/// The signal that kicks a vCPU thread out of `KVM_RUN` (its run then fails with `EINTR`).
+pub fn kick_signal() -> libc::c_int {
+    vmm_sys_util::signal::SIGRTMIN()
+}
+
+/// Installs the kick signal's handler (a no-op: the signal only has to interrupt `KVM_RUN`),
+/// once per process.
+pub fn install_kick_handler() {
+    static HANDLER: std::sync::Once = std::sync::Once::new();
+    HANDLER.call_once(|| {
+        vmm_sys_util::signal::register_signal_handler(kick_signal(), ignore_signal)
+            .expect("SIGRTMIN is a valid signal for a handler");
+    });
+}
+
+/// Kicks the vCPU thread `thread` out of the guest until it has finished, for at most
+/// `timeout` (a kick can land just before the thread enters the guest, so one is not enough).
+/// Returns whether the thread finished.
+pub fn kick_until_finished<T>(thread: &std::thread::JoinHandle<T>, timeout: Duration) -> bool {
+    use vmm_sys_util::signal::Killable;
+    let deadline = std::time::Instant::now() + timeout;
+    while !thread.is_finished() && std::time::Instant::now() < deadline {
+        let _ = thread.kill(kick_signal());
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    thread.is_finished()
+}
+
 /// Counts of the exits a vCPU handled, readable while it runs.
 #[derive(Debug, Default)]
 pub struct ExitCounters {

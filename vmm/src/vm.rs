@@ -3,18 +3,19 @@
 
 use std::sync::atomic::Ordering;
 use std::sync::mpsc::{channel, Receiver, RecvTimeoutError, Sender};
-use std::sync::{Arc, Once};
+use std::sync::Arc;
 use std::thread::JoinHandle;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use kvm_ioctls::{Kvm, VmFd};
 use kvm_memslots::{KvmVm, MemoryManager, RegionId, RegionSpec};
 use vm_memory::GuestAddress;
 use vmm_sys_util::eventfd::EventFd;
-use vmm_sys_util::signal::{register_signal_handler, Killable, SIGRTMIN};
 
 use crate::guest::{self, Command, CommandBlock, Op, Outcome};
-use crate::vcpu::{Vcpu, VcpuError, VcpuEvent, VcpuShared};
+use crate::vcpu::{
+    install_kick_handler, kick_until_finished, Vcpu, VcpuError, VcpuEvent, VcpuShared,
+};
 
 /// Why the VM could not be set up or driven.
 #[derive(Debug, thiserror::Error)]
@@ -123,13 +124,6 @@ pub struct Vm {
     system: RegionId,
 }
 
-extern "C" fn ignore_signal(_: libc::c_int, _: *mut libc::siginfo_t, _: *mut libc::c_void) {}
-
-/// The signal that kicks a vCPU thread out of `KVM_RUN`.
-fn kick_signal() -> libc::c_int {
-    SIGRTMIN()
-}
-
 impl Vm {
     /// Creates the VM and its system region (guest address 0, one slot: tables, code, stacks,
     /// command blocks).
@@ -146,11 +140,7 @@ impl Vm {
         let memory = Arc::new(MemoryManager::new(kvm_vm));
         let system = memory.add_region(RegionSpec::new(GuestAddress(0), guest::SYSTEM_SIZE))?;
         guest::write_system_memory(&*memory.snapshot())?;
-        static HANDLER: Once = Once::new();
-        HANDLER.call_once(|| {
-            register_signal_handler(kick_signal(), ignore_signal)
-                .expect("SIGRTMIN is a valid signal for a handler");
-        });
+        install_kick_handler();
         Ok(Vm {
             kvm,
             fd,
@@ -377,12 +367,7 @@ impl Vcpus {
                 continue;
             };
             // A vCPU inside the guest leaves at its next exit; a signal makes one come soon.
-            let deadline = Instant::now() + Duration::from_secs(10);
-            while !thread.is_finished() && Instant::now() < deadline {
-                let _ = thread.kill(kick_signal());
-                std::thread::sleep(Duration::from_millis(1));
-            }
-            if !thread.is_finished() {
+            if !kick_until_finished(&thread, Duration::from_secs(10)) {
                 // Never wait forever for a vCPU: leave its thread behind and say so.
                 first_error.get_or_insert(VmError::Stuck(index));
                 continue;

@@ -20,14 +20,14 @@ pub mod run;
 
 use std::os::fd::AsRawFd;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex, Once};
+use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
+use crate::vcpu::{install_kick_handler, kick_until_finished};
 use kvm_bindings::{kvm_pit_config, KVM_PIT_SPEAKER_DUMMY};
 use kvm_ioctls::Kvm;
 use kvm_memslots::{KvmVm, MemoryManager, RegionSpec};
-use vmm_sys_util::signal::{register_signal_handler, Killable, SIGRTMIN};
 
 pub use config::{BootConfig, BootProtocol, ConfigError};
 pub use e820::{E820Entry, E820Kind};
@@ -172,13 +172,6 @@ pub fn describe(report: &BootReport) -> String {
     text
 }
 
-extern "C" fn ignore_signal(_: libc::c_int, _: *mut libc::siginfo_t, _: *mut libc::c_void) {}
-
-/// The signal that kicks a vCPU thread out of `KVM_RUN` (the same as the test guest's).
-fn kick_signal() -> libc::c_int {
-    SIGRTMIN()
-}
-
 /// Where the console goes and comes from.
 pub struct Console {
     /// The serial console's output.
@@ -269,11 +262,7 @@ pub fn boot(
         input: terminal.as_ref().map(|_| std::io::stdin().as_raw_fd()),
     })));
 
-    static HANDLER: Once = Once::new();
-    HANDLER.call_once(|| {
-        register_signal_handler(kick_signal(), ignore_signal)
-            .expect("SIGRTMIN is a valid signal for a handler");
-    });
+    install_kick_handler();
     let stop = Arc::new(AtomicBool::new(false));
     let mut vcpus = Vec::new();
     for index in 0..config.vcpus {
@@ -374,13 +363,10 @@ pub fn boot(
 fn stop_vcpus(stop: &AtomicBool, threads: Vec<JoinHandle<Result<(), GuestStop>>>) {
     stop.store(true, Ordering::Release);
     for thread in threads {
-        // A vCPU in the guest leaves at its next exit; the signal makes one come now. Kick
-        // until it is out, in case a kick landed just before it entered the guest.
-        while !thread.is_finished() {
-            let _ = thread.kill(kick_signal());
-            std::thread::sleep(Duration::from_millis(1));
+        // Its outcome no longer matters: the run's ending is decided. A vCPU that does not
+        // leave the guest within 10 s is left behind rather than waited for forever.
+        if kick_until_finished(&thread, Duration::from_secs(10)) {
+            let _ = thread.join();
         }
-        // Its outcome no longer matters: the run's ending is decided.
-        let _ = thread.join();
     }
 }
