@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use event_manager::{EventOps, EventSet, Events, MutEventSubscriber};
 use kvm_ioctls::VcpuFd;
-use kvm_memslots::{KvmVm, MemoryManager};
+use kvm_memslots::{GuestMemorySlots, KvmVm, MemoryManager};
 use vm_memory::Bytes;
 use vmm_sys_util::eventfd::EventFd;
 
@@ -112,17 +112,38 @@ impl LinuxVcpu {
             let sequence_at_entry = self.memory.change_sequence();
             let (exit, read_buffer) =
                 Exit::from_kvm(self.fd.run()).map_err(|source| GuestStop::Run { vcpu, source })?;
-            // The sequence first, then the map (see the test guest's vCPU loop).
-            let sequence_now = self.memory.change_sequence();
-            let snapshot = self.memory.snapshot();
-            let ctx = ExitContext {
-                memory: snapshot.map(),
-                sequence_at_entry,
-                sequence_now,
-                expected_mmio: None,
-                ports: &self.bus,
+            let mmio = matches!(exit, Exit::MmioRead { .. } | Exit::MmioWrite { .. });
+            let (map, action) = loop {
+                // The sequence first, then the map, then the sequence again (see the test
+                // guest's vCPU loop); `load` borrows the version without cloning it.
+                let sequence_now = self.memory.change_sequence();
+                let map = self.memory.load();
+                if mmio && self.memory.change_sequence() != sequence_now {
+                    continue;
+                }
+                let ctx = ExitContext {
+                    memory: &map,
+                    sequence_at_entry,
+                    sequence_now,
+                    expected_mmio: None,
+                    ports: &self.bus,
+                };
+                match handle_exit(&exit, &ctx) {
+                    Action::WaitForChange => {
+                        // A slot is away for a moment: wait for the change, then handle the
+                        // exit again against the map as it is afterwards.
+                        drop(map);
+                        while self.memory.change_sequence() % 2 == 1 {
+                            if self.stop.load(Ordering::Acquire) {
+                                return Ok(());
+                            }
+                            std::thread::sleep(Duration::from_micros(20));
+                        }
+                    }
+                    action => break (map, action),
+                }
             };
-            let action = handle_exit(&exit, &ctx);
+            let guest_memory = GuestMemorySlots::of(&map);
             let device_error = |source| GuestStop::Device { vcpu, source };
             match action {
                 Action::Resume | Action::CountExpected | Action::DropReadOnlyWrite => {}
@@ -143,15 +164,9 @@ impl LinuxVcpu {
                         buffer.fill(0xff);
                     }
                 }
-                Action::WaitForChange => {
-                    // Boot-time memory does not change; should it, wait and let the guest
-                    // retry the access.
-                    while self.memory.change_sequence() % 2 == 1 {
-                        std::thread::sleep(Duration::from_micros(20));
-                    }
-                }
+                Action::WaitForChange => unreachable!("waited for above"),
                 Action::WriteMemory { gpa, data } => {
-                    snapshot
+                    guest_memory
                         .write_slice(&data, gpa)
                         .map_err(|source| GuestStop::Memory {
                             vcpu,
@@ -161,7 +176,7 @@ impl LinuxVcpu {
                 }
                 Action::ReadMemory { gpa, len } => {
                     if let Some(buffer) = read_buffer {
-                        snapshot
+                        guest_memory
                             .read_slice(&mut buffer[..len], gpa)
                             .map_err(|source| GuestStop::Memory {
                                 vcpu,
