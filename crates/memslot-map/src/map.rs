@@ -1,5 +1,6 @@
 //! One version of the slot map: three persistent indexes over the same slots.
 
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::fmt;
 use std::mem::size_of;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -393,16 +394,144 @@ impl<P: Clone> MemslotMap<P> {
 
     /// A new version with all `changes` applied in order, or, if any is refused, the error of
     /// the first refused one and no new version. `self` is never changed.
+    ///
+    /// Neighbouring changes of one kind (a region's slots added, removed or given new flags)
+    /// are checked one by one, exactly as [`apply`](Self::apply) checks them, and then written
+    /// to each index in one sorted pass, which visits every node on the way once rather than
+    /// once per slot. Moves are applied one by one.
     pub fn with_changes(
         &self,
         changes: impl IntoIterator<Item = Change<P>>,
     ) -> Result<Self, BatchError> {
         let mut next = self.clone();
-        for (index, change) in changes.into_iter().enumerate() {
-            next.apply(change)
-                .map_err(|source| BatchError { index, source })?;
+        let mut changes = changes.into_iter().enumerate().peekable();
+        while let Some((index, change)) = changes.next() {
+            let kind = std::mem::discriminant(&change);
+            let mut run = vec![(index, change)];
+            while let Some(more) = changes.next_if(|(_, c)| std::mem::discriminant(c) == kind) {
+                run.push(more);
+            }
+            next.apply_run(run)?;
         }
         Ok(next)
+    }
+
+    /// Applies `run`, changes of one kind in batch order (with their indexes in the batch).
+    fn apply_run(&mut self, run: Vec<(usize, Change<P>)>) -> Result<(), BatchError> {
+        let fail = |index| move |source| BatchError { index, source };
+        if run.len() == 1 || matches!(run[0].1, Change::Move { .. }) {
+            for (index, change) in run {
+                self.apply(change).map_err(fail(index))?;
+            }
+            return Ok(());
+        }
+        let mut slots: Vec<Arc<Slot<P>>> = Vec::with_capacity(run.len());
+        let put = match run[0].1 {
+            Change::Insert(_) => {
+                // The run's earlier slots, for the checks of later ones. A run in ascending
+                // order (a region's slots, say) needs no more than its last slot: ids seen are
+                // below the next id, and the last slot is the one that starts highest.
+                let mut ids = Seen::default();
+                let mut added = Added::default();
+                for (index, change) in run {
+                    let Change::Insert(slot) = change else {
+                        unreachable!("a run holds changes of one kind")
+                    };
+                    let id = slot.id();
+                    if self.by_id.get(&id).is_some() || !ids.insert(id) {
+                        return Err(fail(index)(MapError::DuplicateId { id }));
+                    }
+                    if self.len() + slots.len() >= self.config.max_slots {
+                        return Err(fail(index)(MapError::SlotLimit {
+                            id,
+                            limit: self.config.max_slots,
+                        }));
+                    }
+                    self.check_shape(id, slot.gpa(), slot.size(), slot.hva())
+                        .map_err(fail(index))?;
+                    // The last slot starting below the end, in the map or the run (see
+                    // `check_no_overlap`; the id is new, so it cannot be the slot itself).
+                    let range = slot.gpa_range();
+                    let in_map = self.by_gpa.floor(&(range.end - 1)).map(|(_, s)| s);
+                    let in_run = added.floor(range.end - 1);
+                    let candidate = match (in_map, in_run) {
+                        (Some(m), Some(r)) => Some(if r.gpa() > m.gpa() { r } else { m }),
+                        (m, r) => m.or(r),
+                    };
+                    if let Some(other) = candidate {
+                        overlap(id, range.start, range.end, other).map_err(fail(index))?;
+                    }
+                    let slot = Arc::new(slot);
+                    added.push(&slot);
+                    slots.push(slot);
+                }
+                true
+            }
+            Change::Remove(_) => {
+                let mut gone = Seen::default();
+                for (index, change) in run {
+                    let Change::Remove(id) = change else {
+                        unreachable!("a run holds changes of one kind")
+                    };
+                    let slot = self
+                        .by_id
+                        .get(&id)
+                        .filter(|_| gone.insert(id))
+                        .ok_or(MapError::UnknownId { id })
+                        .map_err(fail(index))?;
+                    slots.push(Arc::clone(slot));
+                }
+                false
+            }
+            Change::SetFlags { .. } => {
+                // A slot named twice ends with the flags it was given last.
+                let mut seen = Seen::default();
+                let mut position = HashMap::new();
+                for (index, change) in run {
+                    let Change::SetFlags { id, flags } = change else {
+                        unreachable!("a run holds changes of one kind")
+                    };
+                    let old = self
+                        .by_id
+                        .get(&id)
+                        .ok_or(MapError::UnknownId { id })
+                        .map_err(fail(index))?;
+                    let new = Arc::new(old.with_flags(flags));
+                    if seen.insert(id) {
+                        if !position.is_empty() {
+                            position.insert(id, slots.len());
+                        }
+                        slots.push(new);
+                    } else {
+                        // Named before (rare): index the run's slots by id, once.
+                        if position.is_empty() {
+                            position.extend(slots.iter().enumerate().map(|(i, s)| (s.id(), i)));
+                        }
+                        slots[position[&id]] = new;
+                    }
+                }
+                true
+            }
+            Change::Move { .. } => unreachable!("moves are applied one by one above"),
+        };
+        self.write_slots(&slots, put);
+        Ok(())
+    }
+
+    /// Puts `slots` into the three indexes (replacing what they hold under the slots' keys), or
+    /// removes them: one sorted pass per index.
+    fn write_slots(&mut self, slots: &[Arc<Slot<P>>], put: bool) {
+        let value = |s: &Arc<Slot<P>>| put.then(|| Arc::clone(s));
+        let mut by_id: Vec<_> = slots.iter().map(|s| (s.id(), value(s))).collect();
+        by_id.sort_unstable_by_key(|w| w.0);
+        self.by_id.write_sorted(&mut by_id);
+        let mut by_gpa: Vec<_> = slots.iter().map(|s| (s.gpa().0, value(s))).collect();
+        by_gpa.sort_unstable_by_key(|w| w.0);
+        self.by_gpa.write_sorted(&mut by_gpa);
+        let mut by_hva: Vec<_> = slots.iter().map(|s| (hva_key(s), value(s))).collect();
+        by_hva.sort_unstable_by_key(|w| w.0);
+        self.by_hva.write_sorted(&mut by_hva);
+        self.generation = next_generation();
     }
 
     /// Puts `slot` into all three indexes, replacing whatever they hold under its keys.
@@ -469,16 +598,90 @@ impl<P: Clone> MemslotMap<P> {
                 None => return Ok(()),
             }
         }
-        if candidate.gpa_range().end > start {
-            return Err(MapError::Overlap {
-                id,
-                range: crate::slot::AddressRange { start, end },
-                other: candidate.id(),
-                other_range: candidate.gpa_range(),
-            });
-        }
-        Ok(())
+        overlap(id, start, end, candidate)
     }
+}
+
+/// The ids a run of changes named so far. While they ascend (a region's slots, say), a list
+/// answers; a set is built only once they stop.
+#[derive(Default)]
+struct Seen {
+    ascending: Vec<SlotId>,
+    set: Option<HashSet<SlotId>>,
+}
+
+impl Seen {
+    /// Records `id`; false if it was named before.
+    fn insert(&mut self, id: SlotId) -> bool {
+        if self.set.is_none() {
+            if self.ascending.last().is_none_or(|last| *last < id) {
+                self.ascending.push(id);
+                return true;
+            }
+            self.set = Some(self.ascending.drain(..).collect());
+        }
+        self.set.as_mut().is_some_and(|set| set.insert(id))
+    }
+}
+
+/// The slots a run of inserts added so far, for overlap checks. While their guest bases
+/// ascend, a list searched by halving answers; a tree is built only once they stop.
+struct Added<P> {
+    ascending: Vec<Arc<Slot<P>>>,
+    tree: Option<BTreeMap<u64, Arc<Slot<P>>>>,
+}
+
+impl<P> Default for Added<P> {
+    fn default() -> Self {
+        Added {
+            ascending: Vec::new(),
+            tree: None,
+        }
+    }
+}
+
+impl<P> Added<P> {
+    fn push(&mut self, slot: &Arc<Slot<P>>) {
+        if self.tree.is_none() {
+            if self
+                .ascending
+                .last()
+                .is_none_or(|last| last.gpa() < slot.gpa())
+            {
+                self.ascending.push(Arc::clone(slot));
+                return;
+            }
+            self.tree = Some(self.ascending.drain(..).map(|s| (s.gpa().0, s)).collect());
+        }
+        if let Some(tree) = &mut self.tree {
+            tree.insert(slot.gpa().0, Arc::clone(slot));
+        }
+    }
+
+    /// The added slot that starts last at or below `addr`.
+    fn floor(&self, addr: u64) -> Option<&Arc<Slot<P>>> {
+        match &self.tree {
+            Some(tree) => tree.range(..=addr).next_back().map(|(_, s)| s),
+            None => {
+                let below = self.ascending.partition_point(|s| s.gpa().0 <= addr);
+                below.checked_sub(1).map(|i| &self.ascending[i])
+            }
+        }
+    }
+}
+
+/// Refuses the guest range `[start, end)` for slot `id` if `candidate`, the last other slot
+/// starting below `end`, reaches into it.
+fn overlap<P>(id: SlotId, start: u64, end: u64, candidate: &Slot<P>) -> Result<(), MapError> {
+    if candidate.gpa_range().end > start {
+        return Err(MapError::Overlap {
+            id,
+            range: crate::slot::AddressRange { start, end },
+            other: candidate.id(),
+            other_range: candidate.gpa_range(),
+        });
+    }
+    Ok(())
 }
 
 fn hva_key<P>(slot: &Slot<P>) -> HvaKey {

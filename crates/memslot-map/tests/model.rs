@@ -272,7 +272,7 @@ fn apply_to_map(map: &mut Map, op: &Op) -> Result<Option<Rec>, MapError> {
 }
 
 /// Which slot a symbolic change is about, resolved against the model when the step runs.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, Copy)]
 enum Pick {
     /// This id, whether or not a slot has it.
     Raw(u32),
@@ -493,8 +493,8 @@ fn place(scale: Scale) -> BoxedStrategy<Place> {
     }
 }
 
-fn sym_op(scale: Scale) -> impl Strategy<Value = SymOp> {
-    let insert = (
+fn insert_op(scale: Scale) -> impl Strategy<Value = SymOp> {
+    (
         new_id(scale),
         place(scale),
         size(scale.max_size_pages),
@@ -509,9 +509,12 @@ fn sym_op(scale: Scale) -> impl Strategy<Value = SymOp> {
             hva,
             flags,
             payload,
-        });
+        })
+}
+
+fn sym_op(scale: Scale) -> impl Strategy<Value = SymOp> {
     prop_oneof![
-        4 => insert,
+        4 => insert_op(scale),
         2 => pick(scale).prop_map(SymOp::Remove),
         2 => (pick(scale), place(scale)).prop_map(|(id, gpa)| SymOp::Move { id, gpa }),
         1 => (pick(scale), flags()).prop_map(|(id, flags)| SymOp::SetFlags { id, flags }),
@@ -560,14 +563,64 @@ fn merge(scale: Scale) -> impl Strategy<Value = SymStep> {
         })
 }
 
+/// A batch of many changes of one kind, which the map checks one by one and writes in one
+/// sorted pass per index: inserts anywhere or back to back (as a region's slots), removes and
+/// flag changes of any slots or of neighbouring ones. Drawn ids and places often collide with
+/// the map or with each other, so refusals in the middle of a run are common.
+fn run_of_one_kind(scale: Scale) -> impl Strategy<Value = SymStep> {
+    let count = 2..48usize;
+    let neighbours = |first: u16, count: usize| {
+        (0..count).map(move |i| Pick::Ranked(first.wrapping_add(i as u16)))
+    };
+    let back_to_back = (
+        new_id(scale),
+        address(scale.gpa_pages),
+        1..=scale.max_size_pages,
+        address(scale.hva_pages),
+        count.clone(),
+    )
+        .prop_map(|(id, gpa, pages, hva, count)| {
+            (0..count as u64)
+                .map(|i| SymOp::Insert {
+                    id: match id {
+                        Pick::Raw(id) => Pick::Raw(id.wrapping_add(i as u32)),
+                        other => other,
+                    },
+                    gpa: Place::Raw(gpa.wrapping_add(i * pages * PAGE)),
+                    size: pages * PAGE,
+                    hva: hva.wrapping_add(i * pages * PAGE),
+                    flags: SlotFlags::default(),
+                    payload: i,
+                })
+                .collect()
+        });
+    prop_oneof![
+        prop::collection::vec(insert_op(scale), count.clone()),
+        back_to_back,
+        prop::collection::vec(pick(scale).prop_map(SymOp::Remove), count.clone()),
+        (any::<u16>(), count.clone())
+            .prop_map(move |(first, n)| neighbours(first, n).map(SymOp::Remove).collect()),
+        prop::collection::vec(
+            (pick(scale), flags()).prop_map(|(id, flags)| SymOp::SetFlags { id, flags }),
+            count.clone()
+        ),
+        (any::<u16>(), count, flags()).prop_map(move |(first, n, flags)| {
+            neighbours(first, n)
+                .map(|id| SymOp::SetFlags { id, flags })
+                .collect()
+        }),
+    ]
+    .prop_map(SymStep::Batch)
+}
+
 fn sym_step(scale: Scale) -> BoxedStrategy<SymStep> {
     let one = sym_op(scale).prop_map(SymStep::One);
     let batch = prop::collection::vec(sym_op(scale), 1..6).prop_map(SymStep::Batch);
     let empty = Just(SymStep::Batch(Vec::new()));
     if scale.targeted {
-        prop_oneof![12 => one, 4 => batch, 1 => empty, 3 => merge(scale)].boxed()
+        prop_oneof![12 => one, 4 => batch, 1 => empty, 3 => merge(scale), 3 => run_of_one_kind(scale)].boxed()
     } else {
-        prop_oneof![16 => one, 5 => batch, 1 => empty].boxed()
+        prop_oneof![16 => one, 5 => batch, 1 => empty, 3 => run_of_one_kind(scale)].boxed()
     }
 }
 
