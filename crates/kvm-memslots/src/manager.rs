@@ -414,7 +414,7 @@ impl<K: KvmMemory> MemoryManager<K> {
         &self,
         state: &mut State,
         current: &MemslotMap<SlotBacking>,
-        changes: Vec<Change<SlotBacking>>,
+        changes: impl IntoIterator<Item = Change<SlotBacking>>,
         steps: &[Step],
     ) -> Result<(), Error> {
         let next = current
@@ -533,7 +533,7 @@ impl<K: KvmMemory> MemoryManager<K> {
                 read_log: false,
             })
             .collect();
-        let changes = slots.into_iter().map(Change::Insert).collect();
+        let changes = slots.into_iter().map(Change::Insert);
         let committed = self.commit(state, current, changes, &steps);
         if committed.is_err() && state.broken.is_some() {
             state.orphans.push(Arc::clone(&memory));
@@ -555,7 +555,9 @@ impl<K: KvmMemory> MemoryManager<K> {
                 read_log: false,
             })
             .collect();
-        let changes = region.slots.iter().map(|s| Change::Remove(*s)).collect();
+        let changes = steps
+            .iter()
+            .map(|step| Change::Remove(SlotId(step.op.request().slot)));
         self.commit(&mut state, &current, changes, &steps)?;
         let region = state.regions.remove(&id).expect("looked up above");
         state.ids.release(&region.slots);
@@ -593,13 +595,10 @@ impl<K: KvmMemory> MemoryManager<K> {
                 }
             })
             .collect();
-        let changes = slots
-            .iter()
-            .map(|s| Change::Move {
-                id: s.id(),
-                gpa: new_gpa(s),
-            })
-            .collect();
+        let changes = slots.iter().map(|s| Change::Move {
+            id: s.id(),
+            gpa: new_gpa(s),
+        });
         self.commit(&mut state, &current, changes, &steps)?;
         state.regions.get_mut(&id).expect("looked up above").gpa = gpa;
         Ok(())
@@ -637,10 +636,7 @@ impl<K: KvmMemory> MemoryManager<K> {
                 read_log: false,
             });
         }
-        let changes = slots
-            .iter()
-            .map(|s| Change::SetFlags { id: s.id(), flags })
-            .collect();
+        let changes = slots.iter().map(|s| Change::SetFlags { id: s.id(), flags });
         self.commit(&mut state, &current, changes, &steps)?;
         state.regions.get_mut(&id).expect("looked up above").flags = flags;
         Ok(())
@@ -666,8 +662,8 @@ impl<K: KvmMemory> MemoryManager<K> {
             .into_iter()
             .filter(|id| state.regions[id].flags.log_dirty != on)
             .collect();
-        let mut steps = Vec::new();
-        let mut changes = Vec::new();
+        let mut steps =
+            Vec::with_capacity(ids.iter().map(|id| state.regions[id].slots.len()).sum());
         for id in &ids {
             let region = &state.regions[id];
             let slots = region_slots(&current, region);
@@ -686,9 +682,15 @@ impl<K: KvmMemory> MemoryManager<K> {
                     // KVM frees a slot's log when logging stops: keep its bits first.
                     read_log: !on,
                 });
-                changes.push(Change::SetFlags { id: s.id(), flags });
             }
         }
+        let changes = steps.iter().map(|step| {
+            let new = step.op.request();
+            Change::SetFlags {
+                id: SlotId(new.slot),
+                flags: new.flags,
+            }
+        });
         self.commit(&mut state, &current, changes, &steps)?;
         for id in ids {
             state

@@ -407,30 +407,33 @@ impl<P: Clone> MemslotMap<P> {
         let mut changes = changes.into_iter().enumerate().peekable();
         while let Some((index, change)) = changes.next() {
             let kind = std::mem::discriminant(&change);
-            let mut run = vec![(index, change)];
-            while let Some(more) = changes.next_if(|(_, c)| std::mem::discriminant(c) == kind) {
-                run.push(more);
+            let same_kind = |(_, c): &(usize, Change<P>)| std::mem::discriminant(c) == kind;
+            if matches!(change, Change::Move { .. }) || !changes.peek().is_some_and(same_kind) {
+                next.apply(change)
+                    .map_err(|source| BatchError { index, source })?;
+                continue;
             }
-            next.apply_run(run)?;
+            let rest = std::iter::from_fn(|| changes.next_if(same_kind));
+            next.apply_run(std::iter::once((index, change)).chain(rest))?;
         }
         Ok(next)
     }
 
-    /// Applies `run`, changes of one kind in batch order (with their indexes in the batch).
-    fn apply_run(&mut self, run: Vec<(usize, Change<P>)>) -> Result<(), BatchError> {
+    /// Applies `run`: two or more changes of one kind other than a move, in batch order (with
+    /// their indexes in the batch), taken one at a time.
+    fn apply_run(
+        &mut self,
+        run: impl Iterator<Item = (usize, Change<P>)>,
+    ) -> Result<(), BatchError> {
         let fail = |index| move |source| BatchError { index, source };
-        if run.len() == 1 || matches!(run[0].1, Change::Move { .. }) {
-            for (index, change) in run {
-                self.apply(change).map_err(fail(index))?;
-            }
+        let mut run = run.peekable();
+        let mut slots: Vec<Arc<Slot<P>>> = Vec::new();
+        let Some((_, first)) = run.peek() else {
             return Ok(());
-        }
-        let mut slots: Vec<Arc<Slot<P>>> = Vec::with_capacity(run.len());
-        let put = match run[0].1 {
+        };
+        let put = match first {
             Change::Insert(_) => {
-                // The run's earlier slots, for the checks of later ones. A run in ascending
-                // order (a region's slots, say) needs no more than its last slot: ids seen are
-                // below the next id, and the last slot is the one that starts highest.
+                // The run's earlier slots and ids, for the checks of later ones.
                 let mut ids = Seen::default();
                 let mut added = Added::default();
                 for (index, change) in run {
@@ -512,7 +515,7 @@ impl<P: Clone> MemslotMap<P> {
                 }
                 true
             }
-            Change::Move { .. } => unreachable!("moves are applied one by one above"),
+            Change::Move { .. } => unreachable!("moves are applied one at a time"),
         };
         self.write_slots(&slots, put);
         Ok(())
