@@ -1,21 +1,35 @@
 //! The manager against a raw loop of the same KVM ioctls over the same slots, in one run.
 //!
-//! `cargo bench -p kvm-memslots --bench mirror -- [--slots N] [--runs R] [--json PATH]`
+//! `cargo bench -p kvm-memslots --bench mirror -- [--slots N] [--batch B] [--runs R] [--json PATH]`
 //! (JSON by default in the workspace's `target/bench/`)
 //!
 //! Each run makes two fresh VMs with manual dirty-log protection and takes both through five
-//! phases over N 4 KiB slots: create every slot, start dirty logging on all, harvest all (the
-//! first harvest after logging starts finds every page dirty and clears it), stop logging (read
-//! each slot's log, then flip its flag), delete all. The raw loop issues the ioctls the manager
-//! issues and nothing else. Kernel time dominates every phase (mostly SRCU grace periods, whose
-//! length swings with the machine's state from one second to the next), so the two sides do not
-//! take turns by phase but by batch: within each phase, the raw loop and the manager alternate
-//! on batches of 1024 slots (one region each on the manager's side), so that both see the same
-//! kernel conditions. A third side runs the manager against a KVM that does nothing: its own
-//! cost. Stopping is also compared with a raw loop that only flips the flag (without reading
-//! the logs, so losing the pages dirtied since the last harvest). An untimed warm-up comes
-//! first. Prints the medians over the runs and writes them as JSON.
+//! phases over N 4 KiB slots (default: KVM's maximum): create every slot, start dirty logging on
+//! all, harvest all (the first harvest after logging starts finds every page dirty and clears
+//! it), stop logging (read each slot's log, then flip its flag), delete all. The raw loop makes
+//! the system calls the manager makes and nothing else: it maps each batch's memory before
+//! creating its slots and unmaps it after deleting them, as adding and removing a region do.
+//!
+//! Kernel time is nearly all of every phase and swings with the machine's state from one second
+//! to the next, so the two sides take turns batch by batch within each phase: raw, manager,
+//! raw, manager, … on batches of B slots (default 1024; one region each on the manager's side),
+//! so that each side's batch always follows one of the other's and both meet the same kernel
+//! conditions. (A side that went twice in a row was measured 20–30% faster than one that
+//! followed the other, so the order is strict.) Single batches still meet kernel stalls of up to
+//! 15× their usual time, which swing a phase's total, so three figures are printed per phase:
+//! - the median over every batch pair (all runs) of manager / raw, with its quartiles;
+//! - the median over the runs of the ratio of the phase totals;
+//! - the manager's own time: its time minus the time inside its KVM ioctls (both sides' ioctls
+//!   are timed), as a share of the raw loop's time. KVM does the same work for both sides, so
+//!   this is the part of the ratio that is the manager's, without the kernel's noise.
+//!
+//! A third side runs the manager against a KVM that does nothing (its own time with warm
+//! caches), in a loop of its own after each phase. Stopping is also compared with a raw loop
+//! that only flips the flag (without reading the logs, so losing the pages dirtied since the
+//! last harvest). An untimed warm-up run comes first. Prints a table and writes it, with every
+//! batch's times, as JSON.
 
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -38,6 +52,7 @@ const BASE: u64 = 1 << 32;
 
 struct Options {
     slots: u32,
+    batch: u32,
     runs: usize,
     json: String,
 }
@@ -45,6 +60,7 @@ struct Options {
 fn options() -> Options {
     let mut o = Options {
         slots: 0,
+        batch: 1024,
         runs: 3,
         json: concat!(
             env!("CARGO_MANIFEST_DIR"),
@@ -57,12 +73,15 @@ fn options() -> Options {
         let mut value = || args.next().unwrap_or_else(|| panic!("{arg} needs a value"));
         match arg.as_str() {
             "--slots" => o.slots = value().parse().expect("--slots takes a number"),
+            "--batch" => o.batch = value().parse().expect("--batch takes a number"),
             "--runs" => o.runs = value().parse().expect("--runs takes a number"),
             "--json" => o.json = value(),
             "--bench" => {}
             other => panic!("unknown option {other}"),
         }
     }
+    assert!(o.batch > 0, "--batch must be at least 1");
+    assert!(o.runs > 0, "--runs must be at least 1");
     o
 }
 
@@ -76,10 +95,7 @@ fn timed(f: impl FnOnce()) -> Duration {
     start.elapsed()
 }
 
-/// Slots per batch: the manager's side adds one region of this many slots per batch.
-const BATCH: u32 = 1024;
-
-/// The phases, in order; the last is "stop logging" again, against the raw flag-only loop.
+/// What one batch does, on either side.
 #[derive(Clone, Copy)]
 enum Phase {
     Create,
@@ -92,34 +108,31 @@ enum Phase {
 /// The raw loop: the same requests, with nothing around them.
 struct Raw {
     // Declared before `memory` so that the VM (and its slots) goes first.
-    vm: KvmVm,
-    /// One mapping per batch, laid out as the manager's side has them (one region a batch).
-    memory: Vec<RegionMemory>,
+    vm: Clocked,
+    batch: u32,
+    /// One mapping per batch, as the manager's side has them (one region a batch), while the
+    /// batch's slots exist.
+    memory: Vec<Option<RegionMemory>>,
 }
 
 impl Raw {
-    fn new(kvm: &Kvm, n: u32) -> Self {
-        let memory = (0..n)
-            .step_by(BATCH as usize)
-            .map(|first| {
-                let pages = u64::from(BATCH.min(n - first));
-                RegionMemory::new(pages * PAGE_SIZE, &kvm_memslots::Backing::Anonymous)
-                    .expect("map")
-            })
-            .collect();
+    fn new(vm: Clocked, n: u32, batch: u32) -> Self {
         Raw {
-            vm: new_vm(kvm),
-            memory,
+            vm,
+            batch,
+            memory: (0..n.div_ceil(batch)).map(|_| None).collect(),
         }
     }
 
     fn slot(&self, i: u32, log_dirty: bool) -> KvmSlot {
+        let memory = self.memory[(i / self.batch) as usize]
+            .as_ref()
+            .expect("the batch is mapped");
         KvmSlot {
             slot: i,
             gpa: BASE + u64::from(i) * PAGE_SIZE,
             size: PAGE_SIZE,
-            hva: self.memory[(i / BATCH) as usize].host_address()
-                + u64::from(i % BATCH) * PAGE_SIZE,
+            hva: memory.host_address() + u64::from(i % self.batch) * PAGE_SIZE,
             flags: SlotFlags {
                 log_dirty,
                 read_only: false,
@@ -128,13 +141,21 @@ impl Raw {
     }
 
     fn set(&self, s: &KvmSlot) {
-        // SAFETY: every slot maps a page of `self.memory`'s mappings, which outlive the VM (`vm` is
-        // dropped first), and KVM frees the VM's slots with it.
+        // SAFETY: every slot maps a page of one of `self.memory`'s mappings, which is unmapped
+        // only after the batch's slots are deleted (or, at the end, after the VM is dropped:
+        // `vm` is declared first), and KVM frees the VM's slots with it.
         unsafe { self.vm.set_user_memory_region(s) }.expect("KVM_SET_USER_MEMORY_REGION");
     }
 
-    /// Phase `phase` on slots `range`; `read_logs` says whether a stop reads the logs first.
-    fn run(&self, phase: Phase, range: std::ops::Range<u32>, read_logs: bool) {
+    /// Phase `phase` on batch `b`; `read_logs` says whether a stop reads the logs first.
+    fn run(&mut self, phase: Phase, b: usize, range: std::ops::Range<u32>, read_logs: bool) {
+        if let Phase::Create = phase {
+            let pages = u64::from(range.end - range.start);
+            self.memory[b] = Some(
+                RegionMemory::new(pages * PAGE_SIZE, &kvm_memslots::Backing::Anonymous)
+                    .expect("map"),
+            );
+        }
         let mut log = [0u64; 1];
         for i in range {
             match phase {
@@ -161,6 +182,67 @@ impl Raw {
                 Phase::Delete => self.set(&self.slot(i, false).deleted()),
             }
         }
+        if let Phase::Delete = phase {
+            self.memory[b] = None;
+        }
+    }
+}
+
+/// A VM's ioctls, adding up the time spent in them: what is left of a side's time is its own.
+struct Clocked {
+    kvm: KvmVm,
+    max: u32,
+    nanos: AtomicU64,
+}
+
+impl Clocked {
+    fn new(kvm: &Kvm) -> Self {
+        let vm = new_vm(kvm);
+        Clocked {
+            max: vm.max_slots(),
+            kvm: vm,
+            nanos: 0.into(),
+        }
+    }
+    fn clock<T>(&self, f: impl FnOnce() -> T) -> T {
+        let start = Instant::now();
+        let out = f();
+        let nanos = u64::try_from(start.elapsed().as_nanos()).unwrap_or(u64::MAX);
+        self.nanos.fetch_add(nanos, Ordering::Relaxed);
+        out
+    }
+
+    fn total(&self) -> Duration {
+        Duration::from_nanos(self.nanos.load(Ordering::Relaxed))
+    }
+}
+
+impl KvmMemory for Clocked {
+    fn max_slots(&self) -> u32 {
+        self.max
+    }
+    unsafe fn set_user_memory_region(&self, s: &KvmSlot) -> Result<(), vmm_sys_util::errno::Error> {
+        // SAFETY: the caller's promise about the slot's memory, passed on.
+        self.clock(|| unsafe { self.kvm.set_user_memory_region(s) })
+    }
+    fn get_dirty_log(
+        &self,
+        slot: u32,
+        bitmap: &mut [u64],
+    ) -> Result<(), vmm_sys_util::errno::Error> {
+        self.clock(|| self.kvm.get_dirty_log(slot, bitmap))
+    }
+    fn clear_dirty_log(
+        &self,
+        slot: u32,
+        first: u64,
+        pages: u32,
+        bitmap: &[u64],
+    ) -> Result<(), vmm_sys_util::errno::Error> {
+        self.clock(|| self.kvm.clear_dirty_log(slot, first, pages, bitmap))
+    }
+    fn manual_dirty_log(&self) -> bool {
+        self.kvm.manual_dirty_log()
     }
 }
 
@@ -231,63 +313,90 @@ impl<K: KvmMemory> Managed<K> {
     }
 }
 
-/// One run: per phase, the time the raw loop, the manager and the manager alone took, plus the
-/// raw flag-only stop (last). The manager's memory per slot.
-fn run(kvm: &Kvm, n: u32) -> ([[Duration; 3]; 6], f64) {
-    let raw = Raw::new(kvm, n);
-    let mut managed = Managed::new(new_vm(kvm));
-    let mut alone = Managed::new(NullKvm(n + 1));
-    let batches: Vec<std::ops::Range<u32>> = (0..n)
-        .step_by(BATCH as usize)
-        .map(|s| s..(s + BATCH).min(n))
-        .collect();
-    let mut t = [[Duration::ZERO; 3]; 6];
-    let mut bytes_per_slot = 0.0;
-    let phases = [Phase::Create, Phase::Start, Phase::Harvest, Phase::Stop];
-    for (p, phase) in phases.into_iter().enumerate() {
-        for (b, range) in batches.iter().enumerate() {
-            // Alternate which side goes first, batch by batch.
-            let raw_time = || timed(|| raw.run(phase, range.clone(), true));
-            if b % 2 == 0 {
-                t[p][0] += raw_time();
-                t[p][1] += timed(|| managed.run(phase, b, range.clone()));
-            } else {
-                t[p][1] += timed(|| managed.run(phase, b, range.clone()));
-                t[p][0] += raw_time();
-            }
-            t[p][2] += timed(|| alone.run(phase, b, range.clone()));
-        }
-        if p == 0 {
-            bytes_per_slot = managed.m.bytes_per_slot();
-        }
-    }
-    // Stop again, against a raw stop that does not read the logs (logging back on, untimed).
-    for (b, range) in batches.iter().enumerate() {
-        raw.run(Phase::Start, range.clone(), true);
-        managed.run(Phase::Start, b, range.clone());
-    }
-    for (b, range) in batches.iter().enumerate() {
-        t[5][0] += timed(|| raw.run(Phase::Stop, range.clone(), false));
-        t[5][1] += timed(|| managed.run(Phase::Stop, b, range.clone()));
-    }
-    t[5][2] = t[3][2];
-    for (b, range) in batches.iter().enumerate() {
-        let raw_time = || timed(|| raw.run(Phase::Delete, range.clone(), true));
-        if b % 2 == 0 {
-            t[4][0] += raw_time();
-            t[4][1] += timed(|| managed.run(Phase::Delete, b, range.clone()));
-        } else {
-            t[4][1] += timed(|| managed.run(Phase::Delete, b, range.clone()));
-            t[4][0] += raw_time();
-        }
-        t[4][2] += timed(|| alone.run(Phase::Delete, b, range.clone()));
-    }
-    (t, bytes_per_slot)
+/// One batch of one side: its time, and the part of it spent in KVM's ioctls.
+#[derive(Clone, Copy)]
+struct Batch {
+    time: Duration,
+    in_kvm: Duration,
 }
 
-fn median(mut v: Vec<Duration>) -> Duration {
-    v.sort();
+/// What one run measured, per phase (in `PHASES` order): each batch's raw and manager sides,
+/// in the order they ran, and the manager alone's total.
+struct RunTimes {
+    pairs: Vec<Vec<(Batch, Batch)>>,
+    alone: Vec<Duration>,
+    bytes_per_slot: f64,
+}
+
+/// One run: the five phases, then "stop logging" again against the raw flag-only stop (with
+/// logging turned back on, untimed, before it), then delete.
+fn run(kvm: &Kvm, n: u32, batch: u32) -> RunTimes {
+    let mut raw = Raw::new(Clocked::new(kvm), n, batch);
+    let mut managed = Managed::new(Clocked::new(kvm));
+    let mut alone = Managed::new(NullKvm(n + 1));
+    let batches: Vec<std::ops::Range<u32>> = (0..n)
+        .step_by(batch as usize)
+        .map(|s| s..(s + batch).min(n))
+        .collect();
+    let mut times = RunTimes {
+        pairs: vec![Vec::new(); PHASES.len()],
+        alone: vec![Duration::ZERO; PHASES.len()],
+        bytes_per_slot: 0.0,
+    };
+    // (index in PHASES, or None for the untimed restart of logging; phase; whether the raw
+    // stop reads the logs)
+    let order = [
+        (Some(0), Phase::Create, true),
+        (Some(1), Phase::Start, true),
+        (Some(2), Phase::Harvest, true),
+        (Some(3), Phase::Stop, true),
+        (None, Phase::Start, true),
+        (Some(5), Phase::Stop, false),
+        (Some(4), Phase::Delete, true),
+    ];
+    for (p, phase, read_logs) in order {
+        for (b, range) in batches.iter().enumerate() {
+            // Strictly raw then manager: each side's batch follows one of the other's.
+            let before = raw.vm.total();
+            let r = timed(|| raw.run(phase, b, range.clone(), read_logs));
+            let r = Batch {
+                time: r,
+                in_kvm: raw.vm.total() - before,
+            };
+            let before = managed.m.kvm().total();
+            let m = timed(|| managed.run(phase, b, range.clone()));
+            let m = Batch {
+                time: m,
+                in_kvm: managed.m.kvm().total() - before,
+            };
+            if let Some(p) = p {
+                times.pairs[p].push((r, m));
+            }
+        }
+        match p {
+            // The manager alone stopped logging in phase 3 already.
+            Some(5) => times.alone[5] = times.alone[3],
+            Some(p) => {
+                for (b, range) in batches.iter().enumerate() {
+                    times.alone[p] += timed(|| alone.run(phase, b, range.clone()));
+                }
+                if p == 0 {
+                    times.bytes_per_slot = managed.m.bytes_per_slot();
+                }
+            }
+            None => {}
+        }
+    }
+    times
+}
+
+fn median<T: PartialOrd + Copy>(mut v: Vec<T>) -> T {
+    v.sort_by(|a, b| a.partial_cmp(b).expect("no NaN"));
     v[v.len() / 2]
+}
+
+fn quantile(sorted: &[f64], q: f64) -> f64 {
+    sorted[((sorted.len() - 1) as f64 * q).round() as usize]
 }
 
 fn main() {
@@ -305,49 +414,93 @@ fn main() {
         o.slots
     };
     eprintln!(
-        "{n} slots of 4 KiB, {} runs (two fresh VMs per run)",
-        o.runs
+        "{n} slots of 4 KiB in batches of {}, {} runs (two fresh VMs per run)",
+        o.batch, o.runs
     );
     // The first VMs of a process pay one-time kernel and allocator costs: pay them untimed.
-    run(&kvm, n.min(2048));
-    let mut raw = vec![Vec::new(); PHASES.len()];
-    let mut managed = vec![Vec::new(); PHASES.len()];
-    let mut own = vec![Vec::new(); PHASES.len()];
-    let mut bytes_per_slot = 0.0;
-    for r in 0..o.runs {
-        let (t, b) = run(&kvm, n);
-        bytes_per_slot = b;
-        for p in 0..PHASES.len() {
-            raw[p].push(t[p][0]);
-            managed[p].push(t[p][1]);
-            own[p].push(t[p][2]);
-        }
-        eprintln!("run {}/{} done", r + 1, o.runs);
-    }
-    println!("| phase ({n} slots) | raw ioctl loop | manager | manager / raw | manager alone (no-op KVM) | (raw + alone) / raw |");
-    println!("|---|---:|---:|---:|---:|---:|");
+    run(&kvm, n.min(2048), o.batch);
+    let runs: Vec<RunTimes> = (0..o.runs)
+        .map(|r| {
+            let t = run(&kvm, n, o.batch);
+            eprintln!("run {}/{} done", r + 1, o.runs);
+            t
+        })
+        .collect();
+    let bytes_per_slot = runs[runs.len() - 1].bytes_per_slot;
+    let ms = |d: Duration| d.as_secs_f64() * 1e3;
+    println!(
+        "| phase ({n} slots) | raw ioctl loop | manager | manager / raw: median of batch pairs \
+         [quartiles] | ratio of totals | manager's own time (outside KVM) | own / raw | \
+         manager alone (no-op KVM) |"
+    );
+    println!("|---|---:|---:|---:|---:|---:|---:|---:|");
     let mut rows = Vec::new();
     for (p, name) in PHASES.iter().enumerate() {
-        let r = median(raw[p].clone());
-        let m = median(managed[p].clone());
-        let a = median(own[p].clone());
-        let ms = |d: Duration| d.as_secs_f64() * 1e3;
-        let ratio = m.as_secs_f64() / r.as_secs_f64();
-        let own_ratio = (r + a).as_secs_f64() / r.as_secs_f64();
+        // Per run: the sum of a quantity over the phase's batches.
+        let per_run = |f: &dyn Fn(&(Batch, Batch)) -> Duration| -> Vec<Duration> {
+            runs.iter()
+                .map(|t| t.pairs[p].iter().map(f).sum())
+                .collect()
+        };
+        let raw_totals = per_run(&|x| x.0.time);
+        let manager_totals = per_run(&|x| x.1.time);
+        let r = median(raw_totals.clone());
+        let m = median(manager_totals.clone());
+        let own = median(per_run(&|x| x.1.time - x.1.in_kvm));
+        let a = median(runs.iter().map(|t| t.alone[p]).collect());
+        let totals_ratio = median(
+            raw_totals
+                .iter()
+                .zip(&manager_totals)
+                .map(|(r, m)| m.as_secs_f64() / r.as_secs_f64())
+                .collect(),
+        );
+        let mut ratios: Vec<f64> = runs
+            .iter()
+            .flat_map(|t| &t.pairs[p])
+            .map(|(r, m)| m.time.as_secs_f64() / r.time.as_secs_f64())
+            .collect();
+        ratios.sort_by(|a, b| a.partial_cmp(b).expect("no NaN"));
+        let (q1, mid, q3) = (
+            quantile(&ratios, 0.25),
+            quantile(&ratios, 0.5),
+            quantile(&ratios, 0.75),
+        );
+        let own_share = own.as_secs_f64() / r.as_secs_f64();
         println!(
-            "| {name} | {:.1} ms | {:.1} ms | {ratio:.3} | {:.2} ms | {own_ratio:.3} |",
+            "| {name} | {:.1} ms | {:.1} ms | **{mid:.3}** [{q1:.3}, {q3:.3}] | {totals_ratio:.3} | \
+             {:.1} ms | {:.1}% | {:.1} ms |",
             ms(r),
             ms(m),
+            ms(own),
+            own_share * 100.0,
             ms(a)
         );
+        let pairs: Vec<Vec<[f64; 4]>> = runs
+            .iter()
+            .map(|t| {
+                t.pairs[p]
+                    .iter()
+                    .map(|(r, m)| {
+                        let us = |d: Duration| d.as_secs_f64() * 1e6;
+                        [us(r.time), us(r.in_kvm), us(m.time), us(m.in_kvm)]
+                    })
+                    .collect()
+            })
+            .collect();
         rows.push(serde_json::json!({
-            "phase": name, "raw_ms": ms(r), "manager_ms": ms(m), "ratio": ratio,
-            "manager_alone_ms": ms(a), "raw_plus_alone_ratio": own_ratio,
+            "phase": name, "raw_ms": ms(r), "manager_ms": ms(m),
+            "pair_ratio_median": mid, "pair_ratio_q1": q1, "pair_ratio_q3": q3,
+            "totals_ratio": totals_ratio, "manager_own_ms": ms(own), "own_over_raw": own_share,
+            "manager_alone_ms": ms(a),
+            "batches_us": "per run, per batch: [raw, raw in KVM, manager, manager in KVM]",
+            "batch_pairs_us": pairs,
         }));
     }
     println!("manager memory: {bytes_per_slot:.0} bytes per slot");
     let json = serde_json::json!({
-        "slots": n, "runs": o.runs, "phases": rows, "manager_bytes_per_slot": bytes_per_slot,
+        "slots": n, "batch": o.batch, "runs": o.runs, "phases": rows,
+        "manager_bytes_per_slot": bytes_per_slot,
     });
     if let Some(dir) = std::path::Path::new(&o.json).parent() {
         std::fs::create_dir_all(dir).expect("create the JSON directory");
