@@ -1,7 +1,7 @@
 //! The manager against a raw loop of the same KVM ioctls over the same slots, in one run.
 //!
-//! `cargo bench -p kvm-memslots --bench mirror -- [--slots N] [--batch B] [--runs R] [--json PATH]`
-//! (JSON by default in the workspace's `target/bench/`)
+//! `cargo bench -p kvm-memslots --bench mirror -- [--slots N] [--batch B] [--runs R]
+//! [--shared-vm] [--calibrate] [--json PATH]` (JSON by default in the workspace's `target/bench/`)
 //!
 //! Each run makes two fresh VMs with manual dirty-log protection and takes both through five
 //! phases over N 4 KiB slots (default: KVM's maximum): create every slot, start dirty logging on
@@ -22,6 +22,11 @@
 //! - the manager's own time: its time minus the time inside its KVM ioctls (both sides' ioctls
 //!   are timed), as a share of the raw loop's time. KVM does the same work for both sides, so
 //!   this is the part of the ratio that is the manager's, without the kernel's noise.
+//!
+//! `--calibrate` replaces the manager by a second copy of the raw loop: how far two identical
+//! sides drift apart in this comparison on this machine. `--shared-vm` gives both sides one VM,
+//! each with every other slot number and every other batch of guest addresses (so each side has
+//! N/2 slots), to take the differences between two VMs out of the comparison.
 //!
 //! A third side runs the manager against a KVM that does nothing (its own time with warm
 //! caches), in a loop of its own after each phase. Stopping is also compared with a raw loop
@@ -52,6 +57,8 @@ const BASE: u64 = 1 << 32;
 
 struct Options {
     slots: u32,
+    shared_vm: bool,
+    calibrate: bool,
     batch: u32,
     runs: usize,
     json: String,
@@ -60,6 +67,8 @@ struct Options {
 fn options() -> Options {
     let mut o = Options {
         slots: 0,
+        shared_vm: false,
+        calibrate: false,
         batch: 1024,
         runs: 3,
         json: concat!(
@@ -73,6 +82,8 @@ fn options() -> Options {
         let mut value = || args.next().unwrap_or_else(|| panic!("{arg} needs a value"));
         match arg.as_str() {
             "--slots" => o.slots = value().parse().expect("--slots takes a number"),
+            "--shared-vm" => o.shared_vm = true,
+            "--calibrate" => o.calibrate = true,
             "--batch" => o.batch = value().parse().expect("--batch takes a number"),
             "--runs" => o.runs = value().parse().expect("--runs takes a number"),
             "--json" => o.json = value(),
@@ -95,6 +106,23 @@ fn timed(f: impl FnOnce()) -> Duration {
     start.elapsed()
 }
 
+/// Where one side's slots go: batch `b` of side `side` is the `(b * sides + side)`-th run of
+/// `batch` pages from `BASE`, so that with a shared VM the two sides' batches alternate in
+/// guest-physical space as their slot numbers alternate.
+#[derive(Clone, Copy)]
+struct Layout {
+    batch: u32,
+    sides: u32,
+    side: u32,
+}
+
+impl Layout {
+    fn gpa(&self, i: u32) -> u64 {
+        let run = u64::from(i / self.batch) * u64::from(self.sides) + u64::from(self.side);
+        BASE + (run * u64::from(self.batch) + u64::from(i % self.batch)) * PAGE_SIZE
+    }
+}
+
 /// What one batch does, on either side.
 #[derive(Clone, Copy)]
 enum Phase {
@@ -109,30 +137,31 @@ enum Phase {
 struct Raw {
     // Declared before `memory` so that the VM (and its slots) goes first.
     vm: Clocked,
-    batch: u32,
+    layout: Layout,
     /// One mapping per batch, as the manager's side has them (one region a batch), while the
     /// batch's slots exist.
     memory: Vec<Option<RegionMemory>>,
 }
 
 impl Raw {
-    fn new(vm: Clocked, n: u32, batch: u32) -> Self {
+    fn new(vm: Clocked, n: u32, layout: Layout) -> Self {
         Raw {
             vm,
-            batch,
-            memory: (0..n.div_ceil(batch)).map(|_| None).collect(),
+            layout,
+            memory: (0..n.div_ceil(layout.batch)).map(|_| None).collect(),
         }
     }
 
     fn slot(&self, i: u32, log_dirty: bool) -> KvmSlot {
-        let memory = self.memory[(i / self.batch) as usize]
+        let batch = self.layout.batch;
+        let memory = self.memory[(i / batch) as usize]
             .as_ref()
             .expect("the batch is mapped");
         KvmSlot {
             slot: i,
-            gpa: BASE + u64::from(i) * PAGE_SIZE,
+            gpa: self.layout.gpa(i),
             size: PAGE_SIZE,
-            hva: memory.host_address() + u64::from(i % self.batch) * PAGE_SIZE,
+            hva: memory.host_address() + u64::from(i % batch) * PAGE_SIZE,
             flags: SlotFlags {
                 log_dirty,
                 read_only: false,
@@ -142,9 +171,26 @@ impl Raw {
 
     fn set(&self, s: &KvmSlot) {
         // SAFETY: every slot maps a page of one of `self.memory`'s mappings, which is unmapped
-        // only after the batch's slots are deleted (or, at the end, after the VM is dropped:
-        // `vm` is declared first), and KVM frees the VM's slots with it.
+        // only after the batch's slots are deleted, or at the end after the VM is closed (`vm`
+        // is declared first, and a manager sharing the VM is dropped before the raw side).
+        // KVM frees the VM's slots with it.
         unsafe { self.vm.set_user_memory_region(s) }.expect("KVM_SET_USER_MEMORY_REGION");
+    }
+
+    /// [`run`](Self::run), timed.
+    fn timed_run(
+        &mut self,
+        phase: Phase,
+        b: usize,
+        range: std::ops::Range<u32>,
+        read_logs: bool,
+    ) -> Batch {
+        let before = self.vm.total();
+        let time = timed(|| self.run(phase, b, range, read_logs));
+        Batch {
+            time,
+            in_kvm: self.vm.total() - before,
+        }
     }
 
     /// Phase `phase` on batch `b`; `read_logs` says whether a stop reads the logs first.
@@ -189,21 +235,30 @@ impl Raw {
 }
 
 /// A VM's ioctls, adding up the time spent in them: what is left of a side's time is its own.
+///
+/// With a VM shared by both sides (`sides` = 2), each side has every other KVM slot number: the
+/// side's slot `i` is KVM's `i * sides + side`.
 struct Clocked {
-    kvm: KvmVm,
-    max: u32,
+    kvm: Arc<KvmVm>,
+    sides: u32,
+    side: u32,
     nanos: AtomicU64,
 }
 
 impl Clocked {
-    fn new(kvm: &Kvm) -> Self {
-        let vm = new_vm(kvm);
+    fn new(kvm: Arc<KvmVm>, sides: u32, side: u32) -> Self {
         Clocked {
-            max: vm.max_slots(),
-            kvm: vm,
+            kvm,
+            sides,
+            side,
             nanos: 0.into(),
         }
     }
+
+    fn slot(&self, slot: u32) -> u32 {
+        slot * self.sides + self.side
+    }
+
     fn clock<T>(&self, f: impl FnOnce() -> T) -> T {
         let start = Instant::now();
         let out = f();
@@ -219,18 +274,22 @@ impl Clocked {
 
 impl KvmMemory for Clocked {
     fn max_slots(&self) -> u32 {
-        self.max
+        self.kvm.max_slots() / self.sides
     }
     unsafe fn set_user_memory_region(&self, s: &KvmSlot) -> Result<(), vmm_sys_util::errno::Error> {
+        let s = KvmSlot {
+            slot: self.slot(s.slot),
+            ..*s
+        };
         // SAFETY: the caller's promise about the slot's memory, passed on.
-        self.clock(|| unsafe { self.kvm.set_user_memory_region(s) })
+        self.clock(|| unsafe { self.kvm.set_user_memory_region(&s) })
     }
     fn get_dirty_log(
         &self,
         slot: u32,
         bitmap: &mut [u64],
     ) -> Result<(), vmm_sys_util::errno::Error> {
-        self.clock(|| self.kvm.get_dirty_log(slot, bitmap))
+        self.clock(|| self.kvm.get_dirty_log(self.slot(slot), bitmap))
     }
     fn clear_dirty_log(
         &self,
@@ -239,7 +298,10 @@ impl KvmMemory for Clocked {
         pages: u32,
         bitmap: &[u64],
     ) -> Result<(), vmm_sys_util::errno::Error> {
-        self.clock(|| self.kvm.clear_dirty_log(slot, first, pages, bitmap))
+        self.clock(|| {
+            self.kvm
+                .clear_dirty_log(self.slot(slot), first, pages, bitmap)
+        })
     }
     fn manual_dirty_log(&self) -> bool {
         self.kvm.manual_dirty_log()
@@ -276,13 +338,15 @@ impl KvmMemory for NullKvm {
 /// The manager, with one region per batch.
 struct Managed<K: KvmMemory> {
     m: MemoryManager<K>,
+    layout: Layout,
     regions: Vec<RegionId>,
 }
 
 impl<K: KvmMemory> Managed<K> {
-    fn new(kvm: K) -> Self {
+    fn new(kvm: K, layout: Layout) -> Self {
         Managed {
             m: MemoryManager::new(kvm),
+            layout,
             regions: Vec::new(),
         }
     }
@@ -292,7 +356,7 @@ impl<K: KvmMemory> Managed<K> {
         match phase {
             Phase::Create => {
                 let spec = RegionSpec::new(
-                    GuestAddress(BASE + u64::from(range.start) * PAGE_SIZE),
+                    GuestAddress(self.layout.gpa(range.start)),
                     u64::from(range.end - range.start) * PAGE_SIZE,
                 )
                 .with_slot_size(PAGE_SIZE);
@@ -330,10 +394,55 @@ struct RunTimes {
 
 /// One run: the five phases, then "stop logging" again against the raw flag-only stop (with
 /// logging turned back on, untimed, before it), then delete.
-fn run(kvm: &Kvm, n: u32, batch: u32) -> RunTimes {
-    let mut raw = Raw::new(Clocked::new(kvm), n, batch);
-    let mut managed = Managed::new(Clocked::new(kvm));
-    let mut alone = Managed::new(NullKvm(n + 1));
+/// The side compared with the raw loop: the manager, or (to calibrate the comparison) a second
+/// copy of the raw loop.
+enum Second {
+    Manager(Managed<Clocked>),
+    Raw(Raw),
+}
+
+impl Second {
+    fn run(
+        &mut self,
+        phase: Phase,
+        b: usize,
+        range: std::ops::Range<u32>,
+        read_logs: bool,
+    ) -> Batch {
+        match self {
+            Second::Manager(managed) => {
+                let before = managed.m.kvm().total();
+                let time = timed(|| managed.run(phase, b, range));
+                Batch {
+                    time,
+                    in_kvm: managed.m.kvm().total() - before,
+                }
+            }
+            Second::Raw(raw) => raw.timed_run(phase, b, range, read_logs),
+        }
+    }
+}
+
+fn run(kvm: &Kvm, n: u32, o: &Options) -> RunTimes {
+    let (batch, shared_vm) = (o.batch, o.shared_vm);
+    let (raw_vm, manager_vm) = if shared_vm {
+        let vm = Arc::new(new_vm(kvm));
+        (Arc::clone(&vm), vm)
+    } else {
+        (Arc::new(new_vm(kvm)), Arc::new(new_vm(kvm)))
+    };
+    let sides = if shared_vm { 2 } else { 1 };
+    let n = n / sides;
+    let layout = |side| Layout { batch, sides, side };
+    // Declared first, dropped last: the manager deletes its slots first.
+    let mut raw = Raw::new(Clocked::new(raw_vm, sides, sides - 1), n, layout(sides - 1));
+    let second_kvm = Clocked::new(manager_vm, sides, 0);
+    let mut second = if o.calibrate {
+        Second::Raw(Raw::new(second_kvm, n, layout(0)))
+    } else {
+        Second::Manager(Managed::new(second_kvm, layout(0)))
+    };
+    let mut alone = Managed::new(NullKvm(n + 1), layout(0));
     let batches: Vec<std::ops::Range<u32>> = (0..n)
         .step_by(batch as usize)
         .map(|s| s..(s + batch).min(n))
@@ -357,18 +466,8 @@ fn run(kvm: &Kvm, n: u32, batch: u32) -> RunTimes {
     for (p, phase, read_logs) in order {
         for (b, range) in batches.iter().enumerate() {
             // Strictly raw then manager: each side's batch follows one of the other's.
-            let before = raw.vm.total();
-            let r = timed(|| raw.run(phase, b, range.clone(), read_logs));
-            let r = Batch {
-                time: r,
-                in_kvm: raw.vm.total() - before,
-            };
-            let before = managed.m.kvm().total();
-            let m = timed(|| managed.run(phase, b, range.clone()));
-            let m = Batch {
-                time: m,
-                in_kvm: managed.m.kvm().total() - before,
-            };
+            let r = raw.timed_run(phase, b, range.clone(), read_logs);
+            let m = second.run(phase, b, range.clone(), read_logs);
             if let Some(p) = p {
                 times.pairs[p].push((r, m));
             }
@@ -381,7 +480,8 @@ fn run(kvm: &Kvm, n: u32, batch: u32) -> RunTimes {
                     times.alone[p] += timed(|| alone.run(phase, b, range.clone()));
                 }
                 if p == 0 {
-                    times.bytes_per_slot = managed.m.bytes_per_slot();
+                    // The same map and records as the real manager's.
+                    times.bytes_per_slot = alone.m.bytes_per_slot();
                 }
             }
             None => {}
@@ -413,23 +513,32 @@ fn main() {
     } else {
         o.slots
     };
+    let vms = if o.shared_vm {
+        "one fresh VM per run, its slots shared between the sides"
+    } else {
+        "two fresh VMs per run"
+    };
     eprintln!(
-        "{n} slots of 4 KiB in batches of {}, {} runs (two fresh VMs per run)",
+        "{n} slots of 4 KiB in batches of {}, {} runs ({vms})",
         o.batch, o.runs
     );
     // The first VMs of a process pay one-time kernel and allocator costs: pay them untimed.
-    run(&kvm, n.min(2048), o.batch);
+    run(&kvm, n.min(2048), &o);
     let runs: Vec<RunTimes> = (0..o.runs)
         .map(|r| {
-            let t = run(&kvm, n, o.batch);
+            let t = run(&kvm, n, &o);
             eprintln!("run {}/{} done", r + 1, o.runs);
             t
         })
         .collect();
     let bytes_per_slot = runs[runs.len() - 1].bytes_per_slot;
     let ms = |d: Duration| d.as_secs_f64() * 1e3;
+    let per_side = if o.shared_vm { n / 2 } else { n };
+    if o.calibrate {
+        println!("CALIBRATION: the \"manager\" columns are a second copy of the raw loop");
+    }
     println!(
-        "| phase ({n} slots) | raw ioctl loop | manager | manager / raw: median of batch pairs \
+        "| phase ({per_side} slots a side) | raw ioctl loop | manager | manager / raw: median of batch pairs \
          [quartiles] | ratio of totals | manager's own time (outside KVM) | own / raw | \
          manager alone (no-op KVM) |"
     );
@@ -499,7 +608,7 @@ fn main() {
     }
     println!("manager memory: {bytes_per_slot:.0} bytes per slot");
     let json = serde_json::json!({
-        "slots": n, "batch": o.batch, "runs": o.runs, "phases": rows,
+        "slots": n, "shared_vm": o.shared_vm, "calibration": o.calibrate, "batch": o.batch, "runs": o.runs, "phases": rows,
         "manager_bytes_per_slot": bytes_per_slot,
     });
     if let Some(dir) = std::path::Path::new(&o.json).parent() {
