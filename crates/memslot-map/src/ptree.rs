@@ -265,26 +265,35 @@ impl<K: Ord + Copy, V: Clone, S: Summary<K, V>> Node<K, V, S> {
         let (head, tail) = children.split_at_mut(r);
         let left = Arc::make_mut(&mut head[l]);
         let right = Arc::make_mut(&mut tail[0]);
-        let total = left.len() + right.len();
-        if total <= MAX_FANOUT {
-            left.take_front_of(right, right.len());
-            keys[l] = left.keys[0];
-            sums[l] = left.summary();
+        let merged = left.even_out(right);
+        keys[l] = left.keys[0];
+        sums[l] = left.summary();
+        if merged {
             keys.remove(r);
             sums.remove(r);
             children.remove(r);
-            return;
+        } else {
+            keys[r] = right.keys[0];
+            sums[r] = right.summary();
+        }
+    }
+
+    /// Evens out two neighbouring nodes of one level: moves all of `right` into `self` if they
+    /// fit in one node (and returns true: `right` is then empty and must go), or else moves
+    /// entries across so that each holds half.
+    fn even_out(&mut self, right: &mut Self) -> bool {
+        let total = self.len() + right.len();
+        if total <= MAX_FANOUT {
+            self.take_front_of(right, right.len());
+            return true;
         }
         let want_left = total / 2;
-        if left.len() < want_left {
-            left.take_front_of(right, want_left - left.len());
+        if self.len() < want_left {
+            self.take_front_of(right, want_left - self.len());
         } else {
-            left.give_back_to(right, left.len() - want_left);
+            self.give_back_to(right, self.len() - want_left);
         }
-        keys[l] = left.keys[0];
-        sums[l] = left.summary();
-        keys[r] = right.keys[0];
-        sums[r] = right.summary();
+        false
     }
 
     /// Calls `emit` on every entry a pruned in-order walk reaches; returns false once `prune`
@@ -443,22 +452,14 @@ fn mend<K: Ord + Copy, V: Clone, S: Summary<K, V>>(list: &mut Vec<Entry<K, V, S>
         let (head, tail) = list.split_at_mut(l + 1);
         let (left, right) = (&mut head[l], &mut tail[0]);
         let (left_node, right_node) = (Arc::make_mut(&mut left.2), Arc::make_mut(&mut right.2));
-        let total = left_node.len() + right_node.len();
-        if total <= MAX_FANOUT {
-            left_node.take_front_of(right_node, right_node.len());
-            (left.0, left.1) = (left_node.keys[0], left_node.summary());
+        let merged = left_node.even_out(right_node);
+        (left.0, left.1) = (left_node.keys[0], left_node.summary());
+        if merged {
             list.remove(l + 1);
             // The merged node may still be underfull: look at it again.
             i = l;
             continue;
         }
-        let want_left = total / 2;
-        if left_node.len() < want_left {
-            left_node.take_front_of(right_node, want_left - left_node.len());
-        } else {
-            left_node.give_back_to(right_node, left_node.len() - want_left);
-        }
-        (left.0, left.1) = (left_node.keys[0], left_node.summary());
         (right.0, right.1) = (right_node.keys[0], right_node.summary());
         i += 1;
     }
