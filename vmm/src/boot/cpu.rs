@@ -183,17 +183,61 @@ pub fn regs(entry: Entry) -> kvm_regs {
     regs
 }
 
-/// KVM's supported CPUID, completed for vCPU `index` of `count`: the APIC ID, the hypervisor bit
-/// and KVM's signature leaf (0x40000000, "KVMKVMKVM"), so the kernel finds kvmclock.
-pub fn cpuid(kvm: &Kvm, index: u8, count: u8) -> Result<CpuId, kvm_ioctls::Error> {
+/// Whether this host's KVM runs a guest's ring 0 in its instruction emulator: kvm_pvm (KVM
+/// without VT-x or AMD-V), whose module shows in sysfs.
+pub fn host_emulates_ring0() -> bool {
+    std::path::Path::new("/sys/module/kvm_pvm").exists()
+}
+
+/// CPUID.1:ECX bit 13: `cmpxchg16b`.
+const CPUID_1_ECX_CX16: u32 = 1 << 13;
+
+/// KVM's supported CPUID, completed for vCPU `index` of `count` (see [`complete_cpuid`]).
+pub fn cpuid(
+    kvm: &Kvm,
+    index: u8,
+    count: u8,
+    emulated_ring0: bool,
+) -> Result<CpuId, kvm_ioctls::Error> {
     let mut cpuid = kvm.get_supported_cpuid(KVM_MAX_CPUID_ENTRIES)?;
+    let has_signature = complete_cpuid(cpuid.as_mut_slice(), index, count, emulated_ring0);
+    if !has_signature {
+        let mut entry = kvm_bindings::kvm_cpuid_entry2 {
+            function: 0x4000_0000,
+            ..Default::default()
+        };
+        set_signature(&mut entry);
+        // A full list keeps KVM's own leaves; the signature then stays missing.
+        let _ = cpuid.push(entry);
+    }
+    Ok(cpuid)
+}
+
+/// Completes KVM's supported CPUID `entries` for vCPU `index` of `count`: the APIC ID, the
+/// hypervisor bit and KVM's signature leaf (0x40000000, "KVMKVMKVM"), so the kernel finds
+/// kvmclock. Returns whether the signature leaf was there (else the caller adds it).
+///
+/// With `emulated_ring0` (see [`host_emulates_ring0`]), `cmpxchg16b` is hidden: KVM offers it,
+/// but its instruction emulator, where the guest's ring 0 runs on such a host, does not have it,
+/// and Linux's slab allocator uses it as soon as the CPU says it has it (the kernel then stops
+/// right after printing `Memory: …`; without it, it runs on through the console, IRQ and clock
+/// set-up to its `int3` self-test, another instruction the emulator lacks).
+pub fn complete_cpuid(
+    entries: &mut [kvm_bindings::kvm_cpuid_entry2],
+    index: u8,
+    count: u8,
+    emulated_ring0: bool,
+) -> bool {
     let mut has_signature = false;
-    for entry in cpuid.as_mut_slice() {
+    for entry in entries {
         match entry.function {
             1 => {
                 // EBX: APIC ID (31-24), logical processors (23-16), CLFLUSH size in 8 bytes (15-8).
                 entry.ebx = (u32::from(index) << 24) | (u32::from(count) << 16) | (8 << 8);
                 entry.ecx |= 1 << 31; // running on a hypervisor
+                if emulated_ring0 {
+                    entry.ecx &= !CPUID_1_ECX_CX16;
+                }
                 if count > 1 {
                     entry.edx |= 1 << 28; // HTT: the logical-processor count is valid
                 }
@@ -206,16 +250,7 @@ pub fn cpuid(kvm: &Kvm, index: u8, count: u8) -> Result<CpuId, kvm_ioctls::Error
             _ => {}
         }
     }
-    if !has_signature {
-        let mut entry = kvm_bindings::kvm_cpuid_entry2 {
-            function: 0x4000_0000,
-            ..Default::default()
-        };
-        set_signature(&mut entry);
-        // A full list keeps KVM's own leaves; the signature then stays missing.
-        let _ = cpuid.push(entry);
-    }
-    Ok(cpuid)
+    has_signature
 }
 
 fn set_signature(entry: &mut kvm_bindings::kvm_cpuid_entry2) {
@@ -267,7 +302,8 @@ pub fn setup_vcpu(
             source,
         }
     };
-    let cpuid = cpuid(kvm, index, count).map_err(kvm_error("KVM_GET_SUPPORTED_CPUID"))?;
+    let cpuid = cpuid(kvm, index, count, host_emulates_ring0())
+        .map_err(kvm_error("KVM_GET_SUPPORTED_CPUID"))?;
     fd.set_cpuid2(&cpuid).map_err(kvm_error("KVM_SET_CPUID2"))?;
 
     let entries = boot_msrs();
@@ -336,6 +372,32 @@ mod tests {
         assert_eq!((tr.type_, tr.s, tr.limit, tr.g), (0xb, 0, 0x67, 0));
         let pvh = kvm_segment_of(gdt(Entry::Pvh { rip: 0 })[2], SEL_CODE);
         assert_eq!((pvh.l, pvh.db), (0, 1));
+    }
+
+    #[test]
+    fn cpuid_is_completed_and_cmpxchg16b_hidden_only_for_an_emulated_ring0() {
+        let leaf = |function, ecx| kvm_bindings::kvm_cpuid_entry2 {
+            function,
+            ecx,
+            ..Default::default()
+        };
+        let supported = [leaf(0, 0), leaf(1, CPUID_1_ECX_CX16 | 1), leaf(0xb, 0)];
+        for emulated in [false, true] {
+            let mut entries = supported;
+            let has_signature = complete_cpuid(&mut entries, 2, 4, emulated);
+            assert!(!has_signature);
+            let one = entries[1];
+            assert_eq!(one.ebx >> 24, 2, "APIC ID");
+            assert_eq!((one.ebx >> 16) & 0xff, 4, "logical processors");
+            assert_ne!(one.ecx & (1 << 31), 0, "hypervisor bit");
+            assert_eq!(one.ecx & 1, 1, "other features kept");
+            assert_eq!(one.ecx & CPUID_1_ECX_CX16 == 0, emulated, "cmpxchg16b");
+            assert_ne!(one.edx & (1 << 28), 0, "HTT");
+            assert_eq!(entries[2].edx, 2, "x2APIC ID");
+        }
+        let mut with_signature = [leaf(0x4000_0000, 0)];
+        assert!(complete_cpuid(&mut with_signature, 0, 1, false));
+        assert_eq!(with_signature[0].ebx.to_le_bytes(), *b"KVMK");
     }
 
     #[test]
