@@ -2,6 +2,7 @@
 //! actions to the controller and writes the answers.
 
 use std::collections::HashMap;
+use std::fs::File;
 use std::io::{ErrorKind, Read, Write};
 use std::os::fd::{AsRawFd, RawFd};
 use std::os::unix::fs::{FileTypeExt, PermissionsExt};
@@ -97,6 +98,12 @@ pub struct ApiServer {
     listener: UnixListener,
     connections: HashMap<RawFd, Connection>,
     controller: Controller,
+    /// A file descriptor held in reserve. When the process runs out (`EMFILE`), a waiting client
+    /// can be neither served nor left waiting (the listener would stay readable and the event
+    /// loop spin): the server gives this one up to take the client, answers 503 and closes it.
+    spare: Option<File>,
+    /// Out of descriptors with no spare: the listener is not watched until a client leaves.
+    paused: bool,
 }
 
 impl ApiServer {
@@ -106,6 +113,8 @@ impl ApiServer {
             listener,
             connections: HashMap::new(),
             controller,
+            spare: File::open("/dev/null").ok(),
+            paused: false,
         }
     }
 
@@ -142,9 +151,43 @@ impl ApiServer {
                 }
                 Err(e) if e.kind() == ErrorKind::WouldBlock => return,
                 Err(e) if e.kind() == ErrorKind::Interrupted => {}
+                // Linux refuses an accept for want of a descriptor whether or not a client waits.
+                Err(e) if matches!(e.raw_os_error(), Some(libc::EMFILE | libc::ENFILE)) => {
+                    match self.shed() {
+                        Some(true) => {}
+                        Some(false) => return,
+                        None => {
+                            eprintln!(
+                                "tinyvmm: the API socket stops accepting until a client leaves: {e}"
+                            );
+                            let _ = ops.remove(Events::new(&self.listener, EventSet::IN));
+                            self.paused = true;
+                            return;
+                        }
+                    }
+                }
                 Err(_) => return,
             }
         }
+    }
+
+    /// Out of file descriptors: gives up the spare one to take the next waiting client, tells
+    /// it so and closes it. Whether a client was there; `None` if there was no spare.
+    fn shed(&mut self) -> Option<bool> {
+        drop(self.spare.take()?);
+        let shed = match self.listener.accept() {
+            Ok((mut stream, _)) => {
+                let busy = Response::fault(
+                    503,
+                    "the VMM is out of file descriptors: try again when other clients have left",
+                );
+                Self::send(&mut stream, &busy, false);
+                true
+            }
+            Err(_) => false,
+        };
+        self.spare = File::open("/dev/null").ok();
+        Some(shed)
     }
 
     /// Reads what is there; returns whether the client closed its end.
@@ -229,6 +272,13 @@ impl MutEventSubscriber for ApiServer {
         } else if !self.serve(fd) {
             if let Some(connection) = self.connections.remove(&fd) {
                 let _ = ops.remove(Events::new(&connection.stream, EventSet::IN));
+            }
+            if self.paused {
+                // A descriptor is free again: take the spare back and listen again.
+                if self.spare.is_none() {
+                    self.spare = File::open("/dev/null").ok();
+                }
+                self.paused = ops.add(Events::new(&self.listener, EventSet::IN)).is_err();
             }
         }
     }
