@@ -15,7 +15,7 @@ use kvm_ioctls::Kvm;
 use kvm_memslots::{KvmVm, MemoryManager, RegionSpec};
 use serde_json::json;
 use tinyvmm::api::client::Client;
-use tinyvmm::api::server::{serve, ServeConfig};
+use tinyvmm::api::server::{serve_in_background, ServeConfig};
 use vm_memory::GuestAddress;
 
 const FILLS: [usize; 3] = [1, 4096, 32763];
@@ -59,10 +59,7 @@ fn through_socket(fill: usize, iterations: usize) -> (Duration, Duration) {
         area_size: (fill as u64).saturating_sub(1) * PAGE,
         vcpus: 1,
     };
-    let (ready, is_ready) = std::sync::mpsc::channel();
-    let server =
-        std::thread::spawn(move || serve(&config, move || ready.send(()).expect("bench waits")));
-    is_ready.recv().expect("the VMM starts");
+    let server = serve_in_background(config).expect("the VMM starts");
     let mut client = Client::connect(&socket).expect("connect");
     let add = json!({"size": PAGE, "guest_address": TARGET_GPA, "guest_check": false});
     let (mut adds, mut removes) = (Vec::new(), Vec::new());

@@ -4,13 +4,11 @@
 
 use std::os::unix::fs::PermissionsExt;
 use std::path::PathBuf;
-use std::sync::mpsc::channel;
 use std::thread::JoinHandle;
-use std::time::Duration;
 
 use serde_json::{json, Value};
 use tinyvmm::api::client::Client;
-use tinyvmm::api::server::{serve, ServeConfig, ServeError};
+use tinyvmm::api::server::{serve, serve_in_background, ServeConfig, ServeError};
 
 /// A VMM serving its API on a socket of its own, stopped when dropped.
 struct Vmm {
@@ -28,12 +26,7 @@ impl Vmm {
             area_size: mem_mib << 20,
             vcpus: 1,
         };
-        let (ready, is_ready) = channel();
-        let thread =
-            std::thread::spawn(move || serve(&config, move || ready.send(()).expect("test waits")));
-        is_ready
-            .recv_timeout(Duration::from_secs(60))
-            .expect("the VMM starts");
+        let thread = serve_in_background(config).expect("the VMM starts");
         Vmm {
             socket,
             thread: Some(thread),

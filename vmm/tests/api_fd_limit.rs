@@ -5,12 +5,11 @@
 //! A test binary of its own: it lowers the whole process's descriptor limit.
 
 use std::fs::File;
-use std::sync::mpsc::channel;
 use std::time::Duration;
 
 use serde_json::json;
 use tinyvmm::api::client::Client;
-use tinyvmm::api::server::{serve, ServeConfig};
+use tinyvmm::api::server::{serve_in_background, ServeConfig};
 
 /// The process's soft and hard limits on open descriptors.
 fn nofile() -> libc::rlimit {
@@ -44,12 +43,7 @@ fn a_client_beyond_the_descriptor_limit_gets_503_and_the_socket_recovers() {
         area_size: 1 << 20,
         vcpus: 1,
     };
-    let (ready, is_ready) = channel();
-    let thread =
-        std::thread::spawn(move || serve(&config, move || ready.send(()).expect("test waits")));
-    is_ready
-        .recv_timeout(Duration::from_secs(60))
-        .expect("the VMM starts");
+    let thread = serve_in_background(config).expect("the VMM starts");
     let get_memory = || {
         Client::connect(&socket)
             .expect("connect")

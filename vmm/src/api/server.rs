@@ -311,6 +311,30 @@ pub fn serve(config: &ServeConfig, ready: impl FnOnce()) -> Result<(), ServeErro
     result
 }
 
+/// Runs [`serve`] on a thread of its own and returns that thread once the socket is ready, or
+/// the error that kept the VMM from starting.
+pub fn serve_in_background(
+    config: ServeConfig,
+) -> Result<std::thread::JoinHandle<Result<(), ServeError>>, ServeError> {
+    let (ready, is_ready) = std::sync::mpsc::channel();
+    let thread = std::thread::spawn(move || {
+        serve(&config, move || {
+            // The caller may have stopped waiting; serving goes on regardless.
+            let _ = ready.send(());
+        })
+    });
+    if is_ready.recv().is_ok() {
+        return Ok(thread);
+    }
+    // `serve` ended before the socket was ready: it failed (it ends cleanly only on a Stop,
+    // which needs a client), or panicked.
+    match thread.join() {
+        Ok(Err(e)) => Err(e),
+        Ok(Ok(())) => unreachable!("serve says it is ready before it can stop cleanly"),
+        Err(panic) => std::panic::resume_unwind(panic),
+    }
+}
+
 fn serve_on(
     listener: UnixListener,
     config: &ServeConfig,
