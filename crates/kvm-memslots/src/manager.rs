@@ -363,10 +363,11 @@ impl<K: KvmMemory> MemoryManager<K> {
 
     /// Applies `steps` to KVM in order; on a refusal, undoes the applied ones in reverse.
     fn run(&self, state: &mut State, steps: &[Step]) -> Result<(), Error> {
+        let mut log = Vec::new();
         for (i, step) in steps.iter().enumerate() {
             let request = step.op.request();
             let read = if step.read_log {
-                self.read_freed_log(state, step)
+                self.read_freed_log(state, step, &mut log)
             } else {
                 Ok(())
             };
@@ -703,22 +704,23 @@ impl<K: KvmMemory> MemoryManager<K> {
         Ok(())
     }
 
-    /// Moves the dirty bits KVM logged for slot `number` (`size` bytes at `offset` in the
-    /// region) into the region's pending bits; with `clear` (and manual protection), clears
-    /// exactly those bits in KVM so that the pages are logged again.
+    /// Moves the dirty bits KVM logged for `slot` of region `id` into the region's pending
+    /// bits; with `clear` (and manual protection), clears exactly those bits in KVM so that the
+    /// pages are logged again. `log` is scratch space, reused from slot to slot.
     fn fetch_slot_log(
         &self,
         id: RegionId,
         region: &mut Region,
-        number: u32,
-        size: u64,
-        offset: u64,
+        slot: &KvmSlot,
         clear: bool,
+        log: &mut Vec<u64>,
     ) -> Result<(), Error> {
-        let pages = size / PAGE_SIZE;
-        let mut log = vec![0u64; pages.div_ceil(64) as usize];
+        let number = slot.slot;
+        let pages = slot.size / PAGE_SIZE;
+        log.clear();
+        log.resize(pages.div_ceil(64) as usize, 0);
         self.kvm
-            .get_dirty_log(number, &mut log)
+            .get_dirty_log(number, log)
             .map_err(|source| Error::GetDirtyLog {
                 region: id,
                 slot: number,
@@ -727,12 +729,13 @@ impl<K: KvmMemory> MemoryManager<K> {
         if log.iter().all(|w| *w == 0) {
             return Ok(());
         }
-        or_bits(region.pending(), offset / PAGE_SIZE, &log, pages);
+        let first = (slot.gpa - region.gpa.0) / PAGE_SIZE;
+        or_bits(region.pending(), first, log, pages);
         if clear && self.kvm.manual_dirty_log() {
             // Clear exactly the pages read: a page dirtied since stays set in KVM.
             let pages = u32::try_from(pages).expect("KVM slots have fewer than 2^31 pages");
             self.kvm
-                .clear_dirty_log(number, 0, pages, &log)
+                .clear_dirty_log(number, 0, pages, log)
                 .map_err(|source| Error::ClearDirtyLog {
                     region: id,
                     slot: number,
@@ -743,7 +746,12 @@ impl<K: KvmMemory> MemoryManager<K> {
     }
 
     /// Keeps the log of the slot that `step` is about to free (no need to clear it in KVM).
-    fn read_freed_log(&self, state: &mut State, step: &Step) -> Result<(), Error> {
+    fn read_freed_log(
+        &self,
+        state: &mut State,
+        step: &Step,
+        log: &mut Vec<u64>,
+    ) -> Result<(), Error> {
         let slot = match step.op {
             KvmOp::Delete(old) | KvmOp::Update { old, .. } => old,
             KvmOp::Create(_) => return Ok(()),
@@ -752,8 +760,7 @@ impl<K: KvmMemory> MemoryManager<K> {
             .regions
             .get_mut(&step.region)
             .expect("a step's region is in the table");
-        let offset = slot.gpa - region.gpa.0;
-        self.fetch_slot_log(step.region, region, slot.slot, slot.size, offset, false)
+        self.fetch_slot_log(step.region, region, &slot, false, log)
     }
 
     /// The pages of the target regions written since the last harvest, by the guest (KVM's
@@ -765,13 +772,13 @@ impl<K: KvmMemory> MemoryManager<K> {
         let mut state = self.state();
         let current = self.current();
         let ids = target_regions(&state, target)?;
+        let mut log = Vec::new();
         for id in &ids {
             let region = state.regions.get_mut(id).expect("listed above");
             if region.flags.log_dirty {
                 for slot in region_slots(&current, region) {
-                    let (number, size) = (slot.id().0, slot.size());
-                    let offset = slot.payload().offset();
-                    self.fetch_slot_log(*id, region, number, size, offset, true)?;
+                    let slot = KvmSlot::from(slot.as_ref());
+                    self.fetch_slot_log(*id, region, &slot, true, &mut log)?;
                 }
             }
             let vmm = region.memory.vmm_dirty_bitmap().get_and_reset();
