@@ -1,15 +1,24 @@
 //! tinyvmm: a tiny VMM that runs a test guest on kvm-memslots at any slot count up to KVM's
-//! maximum, to exercise and measure the manager.
+//! maximum, to exercise and measure the manager, and boots Linux on RAM split into KVM slots.
+//!
+//! The parts, by folder:
+//!
+//! | module | what |
+//! |---|---|
+//! | [`vm`] | a KVM VM with its memory manager, vCPUs, and the one vCPU exit loop every guest uses |
+//! | [`test_guest`] | the built-in ring-3 test guest: its layout, command protocol and ports |
+//! | [`linux`] | booting a Linux kernel: configuration, e820, loading, CPU set-up |
+//! | [`devices`] | device models (the legacy serial console and i8042) |
+//! | [`controller`] | the VM's operations as typed requests and replies; knows no transport |
+//! | [`api`] | the API socket: HTTP/1.1 + JSON on a Unix socket, onto the controller |
+//! | [`jobs`] | what the binary runs: check, perf suite, stress, serve |
+//! | [`lifecycle`] | the event loop for everything that is not a vCPU |
 
 pub mod api;
-pub mod area;
-pub mod boot;
-pub mod check;
 pub mod controller;
-pub mod exit;
-pub mod guest;
+pub mod devices;
+pub mod jobs;
 pub mod lifecycle;
-pub mod perf;
-pub mod stress;
-pub mod vcpu;
+pub mod linux;
+pub mod test_guest;
 pub mod vm;

@@ -3,7 +3,7 @@
 use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
-use tinyvmm::check::{run_check, CheckConfig};
+use tinyvmm::jobs::check::{run_check, CheckConfig};
 use tinyvmm::lifecycle::{run_job, Ending};
 
 #[derive(Parser)]
@@ -159,14 +159,14 @@ struct BenchArgs {
     /// Tests, comma-separated (default: all): map, unmap, unmap-chunked, move-active,
     /// move-inactive, rw.
     #[arg(long, value_delimiter = ',')]
-    tests: Vec<tinyvmm::perf::Scenario>,
+    tests: Vec<tinyvmm::jobs::perf::Scenario>,
     /// Where to write the results as JSON.
     #[arg(long, default_value = "target/bench/tinyvmm-perf.json")]
     json: std::path::PathBuf,
 }
 
 fn bench(args: BenchArgs) -> ExitCode {
-    let config = tinyvmm::perf::PerfConfig {
+    let config = tinyvmm::jobs::perf::PerfConfig {
         slots: args.slots,
         area_size: args.area_mib.saturating_mul(1 << 20),
         seconds: args.seconds,
@@ -174,7 +174,7 @@ fn bench(args: BenchArgs) -> ExitCode {
         scenarios: args.tests,
     };
     let outcome = run_job(move |ctx| {
-        tinyvmm::perf::run_perf(&config, &ctx.stop, &ctx.vcpu_stopped, &mut |p| {
+        tinyvmm::jobs::perf::run_perf(&config, &ctx.stop, &ctx.vcpu_stopped, &mut |p| {
             eprintln!("{p}")
         })
     });
@@ -229,7 +229,7 @@ struct StressArgs {
 }
 
 fn stress(args: StressArgs) -> ExitCode {
-    use tinyvmm::stress::{run_stress, StressConfig};
+    use tinyvmm::jobs::stress::{run_stress, StressConfig};
     let Ok(duration) = std::time::Duration::try_from_secs_f64(args.seconds) else {
         eprintln!("tinyvmm: --seconds {} is not a duration", args.seconds);
         return ExitCode::FAILURE;
@@ -306,14 +306,14 @@ struct BootArgs {
     timeout: Option<f64>,
     /// How to enter the kernel: auto (PVH when the kernel and map allow), linux or pvh.
     #[arg(long, value_enum)]
-    protocol: Option<tinyvmm::boot::BootProtocol>,
+    protocol: Option<tinyvmm::linux::BootProtocol>,
     /// Do not print the e820 map and the command line the VMM built (on stderr).
     #[arg(long)]
     quiet: bool,
 }
 
 fn boot(args: BootArgs) -> ExitCode {
-    use tinyvmm::boot::{boot, describe, BootConfig, Console};
+    use tinyvmm::linux::{boot, describe, BootConfig, Console};
     let mut config = match &args.config {
         Some(path) => match BootConfig::from_file(path) {
             Ok(config) => config,

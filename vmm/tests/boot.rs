@@ -16,8 +16,8 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 
-use tinyvmm::boot::e820::{kernel_lines, lines_in_log};
-use tinyvmm::boot::{
+use tinyvmm::linux::e820::{kernel_lines, lines_in_log};
+use tinyvmm::linux::{
     boot, BootConfig, BootEnding, BootProtocol, BootReport, Console, E820Entry, GuestStop,
     KernelFormat,
 };
@@ -411,7 +411,7 @@ fn the_kernel_stopping_in_the_hosts_emulator_is_reported_as_the_hosts_limitation
         log.contains("Memory: "),
         "the kernel got that far first\n{log}"
     );
-    if tinyvmm::boot::cpu::host_emulates_ring0() {
+    if tinyvmm::linux::cpu::host_emulates_ring0() {
         assert!(
             log.contains("printk: console [ttyS0] enabled"),
             "past SLUB, the kernel's serial driver drove the console\n{log}"

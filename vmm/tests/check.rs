@@ -5,10 +5,10 @@
 use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
 
-use tinyvmm::check::{run_check, CheckConfig, CheckError};
+use tinyvmm::jobs::check::{run_check, CheckConfig, CheckError};
 use vmm_sys_util::eventfd::EventFd;
 
-fn check(slots: usize, vcpus: usize) -> Result<tinyvmm::check::CheckReport, CheckError> {
+fn check(slots: usize, vcpus: usize) -> Result<tinyvmm::jobs::check::CheckReport, CheckError> {
     let stopped = Arc::new(EventFd::new(0).expect("eventfd"));
     let config = CheckConfig {
         slots,
@@ -74,9 +74,9 @@ fn kvm_a_vcpu_whose_command_timed_out_takes_no_other() {
         return;
     }
     use std::time::Duration;
-    use tinyvmm::area::{TestArea, AREA_GPA};
-    use tinyvmm::guest::{Command, Op};
-    use tinyvmm::vm::{Vm, VmError};
+    use tinyvmm::test_guest::area::{TestArea, AREA_GPA};
+    use tinyvmm::test_guest::vcpus::{Vm, VmError};
+    use tinyvmm::test_guest::{Command, Op};
     let vm = Vm::new().expect("VM");
     let area = TestArea::add(vm.memory(), AREA_GPA, 64 << 20, 16).expect("area");
     let stopped = Arc::new(EventFd::new(0).expect("eventfd"));

@@ -7,7 +7,7 @@ use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
 use std::time::Duration;
 
-use tinyvmm::perf::{
+use tinyvmm::jobs::perf::{
     run_perf, run_test, Outcome, PerfConfig, Scenario, Skipped, TestResult, TestSpec,
 };
 use vmm_sys_util::eventfd::EventFd;

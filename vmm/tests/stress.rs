@@ -6,8 +6,8 @@ use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
 use std::time::Duration;
 
-use tinyvmm::area::AREA_GPA;
-use tinyvmm::stress::{run_stress, StressConfig, StressError, StressReport};
+use tinyvmm::jobs::stress::{run_stress, StressConfig, StressError, StressReport};
+use tinyvmm::test_guest::area::AREA_GPA;
 use vmm_sys_util::eventfd::EventFd;
 
 fn stress(config: StressConfig) -> Result<StressReport, StressError> {

@@ -16,10 +16,10 @@ use event_manager::{EventOps, EventSet, Events, MutEventSubscriber};
 
 use crate::api::http::{self, Parsed, Response, MAX_BODY_BYTES, MAX_HEADER_BYTES};
 use crate::api::routes::route;
-use crate::area::{TestArea, AREA_GPA};
 use crate::controller::Controller;
 use crate::lifecycle::{EventLoop, LoopError};
-use crate::vm::{Vm, VmError};
+use crate::test_guest::area::{TestArea, AREA_GPA};
+use crate::test_guest::vcpus::{Vm, VmError};
 
 /// Why the API server could not start or ended badly.
 #[derive(Debug, thiserror::Error)]
@@ -43,7 +43,7 @@ pub enum ServeError {
     Vm(#[from] VmError),
     /// The initial memory could not be added.
     #[error(transparent)]
-    Area(#[from] crate::area::AreaError),
+    Area(#[from] crate::test_guest::area::AreaError),
     /// The event loop failed.
     #[error(transparent)]
     Loop(#[from] LoopError),

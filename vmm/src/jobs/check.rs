@@ -12,9 +12,9 @@ use serde::Serialize;
 use vm_memory::{Bytes, GuestAddress};
 use vmm_sys_util::eventfd::EventFd;
 
-use crate::area::{AreaError, TestArea, AREA_GPA};
-use crate::guest::{pattern, Command, Op};
-use crate::vm::{expect_pattern, Vcpus, Vm, VmError};
+use crate::test_guest::area::{AreaError, TestArea, AREA_GPA};
+use crate::test_guest::vcpus::{expect_pattern, Vcpus, Vm, VmError};
+use crate::test_guest::{pattern, Command, Op};
 
 /// What to run.
 #[derive(Debug, Clone, Copy)]

@@ -9,10 +9,10 @@ use serde_json::{json, Value};
 use vm_memory::GuestAddress;
 
 use crate::api::http::Response;
-use crate::area::TestArea;
-use crate::check::{check_area, CheckError};
-use crate::guest::{self, Command, Op};
-use crate::vm::{Vcpus, Vm, VmError};
+use crate::jobs::check::{check_area, CheckError};
+use crate::test_guest::area::TestArea;
+use crate::test_guest::vcpus::{Vcpus, Vm, VmError};
+use crate::test_guest::{self, Command, Op};
 
 const MIB: u64 = 1 << 20;
 /// Where regions added without a guest address go (above the test area).
@@ -380,16 +380,16 @@ impl Controller {
 
     /// Checks that `[start, end)` is all guest memory the test guest can reach.
     fn reachable(&self, start: u64, end: u64) -> Result<(), Response> {
-        if start < guest::SYSTEM_SIZE {
+        if start < test_guest::SYSTEM_SIZE {
             return Err(bad(format!(
                 "guest range [{start:#x}, {end:#x}) overlaps the system region [0, {:#x}): the guest's code, tables and command blocks are off limits",
-                guest::SYSTEM_SIZE
+                test_guest::SYSTEM_SIZE
             )));
         }
-        if end > guest::IDENTITY_MAPPED {
+        if end > test_guest::IDENTITY_MAPPED {
             return Err(bad(format!(
                 "the test guest reaches guest addresses below {:#x} only",
-                guest::IDENTITY_MAPPED
+                test_guest::IDENTITY_MAPPED
             )));
         }
         if let Some(hole) = self.vm.memory().snapshot().map().first_hole(start, end) {
@@ -429,11 +429,11 @@ impl Controller {
             // (A range that wraps is the manager's to refuse, with its own message.)
             if gpa
                 .checked_add(add.size)
-                .is_some_and(|end| end > guest::IDENTITY_MAPPED)
+                .is_some_and(|end| end > test_guest::IDENTITY_MAPPED)
             {
                 return Err(bad(format!(
                     "guest_check: the test guest reaches guest addresses below {:#x} only",
-                    guest::IDENTITY_MAPPED
+                    test_guest::IDENTITY_MAPPED
                 )));
             }
         }
@@ -628,13 +628,13 @@ impl Controller {
             .filter(|t| {
                 HOTPLUG_GPA
                     .checked_add(*t)
-                    .is_some_and(|end| end <= guest::IDENTITY_MAPPED)
+                    .is_some_and(|end| end <= test_guest::IDENTITY_MAPPED)
             })
             .ok_or_else(|| {
                 bad(format!(
                     "total_size_mib {} does not fit below {:#x}, where the test guest reaches",
                     config.total_size_mib,
-                    guest::IDENTITY_MAPPED
+                    test_guest::IDENTITY_MAPPED
                 ))
             })?;
         let free = self.vm.memory().slot_usage().free as u64;

@@ -4,7 +4,7 @@ use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 
-use crate::boot::layout;
+use crate::linux::layout;
 
 /// The most vCPUs: the MP table in the EBDA has room for 32 processor entries.
 pub const MAX_VCPUS: u8 = 32;

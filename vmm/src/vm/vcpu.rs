@@ -11,8 +11,8 @@ use kvm_memslots::{GuestMemorySlots, KvmVm, MemoryManager};
 use vm_memory::Bytes;
 use vmm_sys_util::eventfd::EventFd;
 
-use crate::exit::{handle_exit, Action, Exit, ExitContext, ExitError, PortBus};
-use crate::guest::Fault;
+use crate::test_guest::Fault;
+use crate::vm::exit::{handle_exit, Action, Exit, ExitContext, ExitError, PortBus};
 
 /// The test guest's ports: its command protocol, nothing else.
 static TEST_GUEST_PORTS: LazyLock<PortBus> = LazyLock::new(PortBus::test_guest);

@@ -11,7 +11,6 @@
 
 pub mod config;
 pub mod cpu;
-pub mod devices;
 pub mod e820;
 pub mod layout;
 pub mod loader;
@@ -24,7 +23,7 @@ use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use crate::vcpu::{install_kick_handler, kick_until_finished};
+use crate::vm::vcpu::{install_kick_handler, kick_until_finished};
 use kvm_bindings::{kvm_pit_config, KVM_PIT_SPEAKER_DUMMY};
 use kvm_ioctls::Kvm;
 use kvm_memslots::{KvmVm, MemoryManager, RegionSpec};
@@ -34,8 +33,8 @@ pub use e820::{E820Entry, E820Kind};
 pub use loader::{KernelFormat, LoadError};
 pub use run::GuestStop;
 
+use crate::devices::legacy::{ConsoleOutput, DeviceError, LegacyDevices, SERIAL_IRQ};
 use crate::lifecycle::{EventLoop, LoopError};
-use devices::{ConsoleOutput, DeviceError, LegacyDevices, SERIAL_IRQ};
 use run::{ConsoleSubscriber, LinuxVcpu, RawTerminal};
 
 /// Why a boot could not start (or the VMM failed while it ran).

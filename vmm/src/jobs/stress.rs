@@ -11,7 +11,7 @@
 //! A verifier vCPU keeps checking the read-only-toggled region, whose pattern the host wrote:
 //! KVM deletes and re-creates each of its slots on a toggle, so a read inside that window exits
 //! to the VMM, which must wait for the change and finish the read against memory (counted in
-//! [`ExitCounters::completed_after_change`](crate::vcpu::ExitCounters)). With 15 writers there is
+//! [`ExitCounters::completed_after_change`](crate::vm::vcpu::ExitCounters)). With 15 writers there is
 //! no vCPU left for it, and vCPU 0 verifies in a phase after the writers stop.
 //!
 //! The run fails if a vCPU stops on an error, a verify finds wrong data, or a write is lost:
@@ -33,10 +33,10 @@ use serde::Serialize;
 use vm_memory::{Bytes, GuestAddress, GuestMemory};
 use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 
-use crate::area::{AreaError, TestArea, AREA_GPA};
-use crate::guest::{self, pattern, Command, CommandBlock, Op};
-use crate::vcpu::{ExitCounters, VcpuShared};
-use crate::vm::{Vcpus, Vm, VmError};
+use crate::test_guest::area::{AreaError, TestArea, AREA_GPA};
+use crate::test_guest::vcpus::{Vcpus, Vm, VmError};
+use crate::test_guest::{self, pattern, Command, CommandBlock, Op};
+use crate::vm::vcpu::{ExitCounters, VcpuShared};
 
 /// Where the region the verifier reads (and the host toggles read-only) starts.
 pub const VERIFY_GPA: u64 = 128 << 20;
@@ -117,7 +117,7 @@ pub enum StressError {
         source: kvm_memslots::Error,
     },
     /// A writer count the test guest has no room for.
-    #[error("{0} writer vCPUs asked for; the stress mode runs 1 to {max}", max = guest::MAX_VCPUS)]
+    #[error("{0} writer vCPUs asked for; the stress mode runs 1 to {max}", max = test_guest::MAX_VCPUS)]
     VcpuCount(usize),
     /// A stride that is no multiple of 8 or does not fit a part.
     #[error("stride {stride:#x} must be a non-zero multiple of 8 and at most a part ({part_size:#x} bytes)")]
@@ -730,7 +730,7 @@ pub fn run_stress(
     stop: &AtomicBool,
     stopped: &Arc<EventFd>,
 ) -> Result<StressReport, StressError> {
-    if config.vcpus == 0 || config.vcpus > guest::MAX_VCPUS {
+    if config.vcpus == 0 || config.vcpus > test_guest::MAX_VCPUS {
         return Err(StressError::VcpuCount(config.vcpus));
     }
     if config.stride == 0 || config.stride % 8 != 0 || config.stride > config.part_size {
@@ -741,7 +741,8 @@ pub fn run_stress(
     }
     let writers = config.vcpus as u64;
     let area_size = config.part_size.saturating_mul(writers);
-    let limit = guest::IDENTITY_MAPPED - AREA_GPA - (ABOVE_PAGES + MOVE_WINDOW_PAGES) * PAGE_SIZE;
+    let limit =
+        test_guest::IDENTITY_MAPPED - AREA_GPA - (ABOVE_PAGES + MOVE_WINDOW_PAGES) * PAGE_SIZE;
     if area_size > limit {
         return Err(StressError::AreaSize {
             size: area_size,
@@ -801,7 +802,7 @@ pub fn run_stress(
     }
     drop(snapshot);
 
-    let alongside = config.vcpus < guest::MAX_VCPUS;
+    let alongside = config.vcpus < test_guest::MAX_VCPUS;
     let count = config.vcpus + usize::from(alongside);
     // The VMM's loop only wakes up on `stopped`; the job watches its own eventfd to notice a
     // vCPU that stops while it should be running.

@@ -12,8 +12,8 @@ use kvm_memslots::{GuestMemorySlots, KvmVm, MemoryManager};
 use vm_memory::Bytes;
 use vmm_sys_util::eventfd::EventFd;
 
-use crate::boot::devices::{DeviceIoError, LegacyDevices};
-use crate::exit::{handle_exit, Action, Exit, ExitContext, ExitError, PortBus};
+use crate::devices::legacy::{DeviceIoError, LegacyDevices};
+use crate::vm::exit::{handle_exit, Action, Exit, ExitContext, ExitError, PortBus};
 
 /// Why a Linux guest's vCPU stopped, other than by the host's request.
 #[derive(Debug, thiserror::Error)]

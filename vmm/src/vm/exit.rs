@@ -19,7 +19,7 @@ use kvm_memslots::SlotBacking;
 use memslot_map::MemslotMap;
 use vm_memory::GuestAddress;
 
-use crate::guest::port;
+use crate::test_guest::layout::port;
 
 /// What answers a port.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

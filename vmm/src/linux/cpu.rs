@@ -7,8 +7,8 @@ use kvm_bindings::{
 use kvm_ioctls::{Kvm, VcpuFd};
 use vm_memory::{Bytes, GuestMemoryBackend};
 
-use crate::boot::layout;
-use crate::boot::loader::Entry;
+use crate::linux::layout;
+use crate::linux::loader::Entry;
 
 /// Why a vCPU could not be set up.
 #[derive(Debug, thiserror::Error)]

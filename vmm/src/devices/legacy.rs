@@ -8,7 +8,7 @@ use std::sync::{Mutex, MutexGuard};
 use vm_superio::{I8042Device, Serial, Trigger};
 use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 
-use crate::exit::{PortBus, PortDevice};
+use crate::vm::exit::{PortBus, PortDevice};
 
 /// The serial console's ports.
 pub const SERIAL_PORT: u16 = 0x3f8;

@@ -8,7 +8,7 @@
 
 use vm_memory::GuestAddress;
 
-use crate::boot::config::BootConfig;
+use crate::linux::config::BootConfig;
 
 /// The GDT for the boot (five 8-byte entries).
 pub const GDT: GuestAddress = GuestAddress(0x500);

@@ -30,9 +30,9 @@ use serde::{Serialize, Serializer};
 use vm_memory::{Bytes, GuestAddress};
 use vmm_sys_util::eventfd::EventFd;
 
-use crate::area::{AreaError, TestArea, AREA_GPA};
-use crate::guest::{self, pattern, Command, Op};
-use crate::vm::{expect_pattern, Vcpus, Vm, VmError};
+use crate::test_guest::area::{AreaError, TestArea, AREA_GPA};
+use crate::test_guest::vcpus::{expect_pattern, Vcpus, Vm, VmError};
+use crate::test_guest::{self, pattern, Command, Op};
 
 const KIB: u64 = 1 << 10;
 const MIB: u64 = 1 << 20;
@@ -492,7 +492,7 @@ impl PerfConfig {
         if self.runs == 0 {
             return Err(PerfError::NoRuns);
         }
-        let limit = guest::IDENTITY_MAPPED;
+        let limit = test_guest::IDENTITY_MAPPED;
         if self.area_size < PAGE_SIZE || self.area_size > limit - AREA_GPA {
             return Err(PerfError::AreaSize {
                 size: self.area_size,

@@ -18,9 +18,9 @@ use linux_loader::loader::elf::start_info::{
 use linux_loader::loader::{load_cmdline, BzImage, Cmdline, Elf, KernelLoader, PvhBootCapability};
 use vm_memory::{Bytes, GuestAddress, GuestMemoryBackend};
 
-use crate::boot::config::BootProtocol;
-use crate::boot::e820::{E820Entry, E820Kind};
-use crate::boot::layout;
+use crate::linux::config::BootProtocol;
+use crate::linux::e820::{E820Entry, E820Kind};
+use crate::linux::layout;
 
 /// Why the kernel could not be loaded.
 #[derive(Debug, thiserror::Error)]
@@ -483,8 +483,8 @@ fn write_pvh<M: GuestMemoryBackend>(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::boot::config::BootConfig;
-    use crate::boot::{e820, layout};
+    use crate::linux::config::BootConfig;
+    use crate::linux::{e820, layout};
     use kvm_memslots::fake::FakeKvm;
     use kvm_memslots::{MemoryManager, RegionSpec};
     use vm_memory::ByteValued;

@@ -10,7 +10,7 @@ use std::fmt;
 
 use kvm_memslots::RegionInfo;
 
-use crate::boot::layout;
+use crate::linux::layout;
 
 /// What an e820 range is.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]

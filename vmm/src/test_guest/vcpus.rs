@@ -12,8 +12,8 @@ use kvm_memslots::{KvmVm, MemoryManager, RegionId, RegionSpec};
 use vm_memory::GuestAddress;
 use vmm_sys_util::eventfd::EventFd;
 
-use crate::guest::{self, Command, CommandBlock, Op, Outcome};
-use crate::vcpu::{
+use crate::test_guest::{self, Command, CommandBlock, Op, Outcome};
+use crate::vm::vcpu::{
     install_kick_handler, kick_until_finished, Vcpu, VcpuError, VcpuEvent, VcpuShared,
 };
 
@@ -38,7 +38,7 @@ pub enum VmError {
     #[error("writing the guest's system memory failed: {0}")]
     GuestMemory(#[from] vm_memory::GuestMemoryError),
     /// More vCPUs than the test guest's layout has room for.
-    #[error("{0} vCPUs asked for; the test guest supports 1 to {max}", max = guest::MAX_VCPUS)]
+    #[error("{0} vCPUs asked for; the test guest supports 1 to {max}", max = test_guest::MAX_VCPUS)]
     TooManyVcpus(usize),
     /// A vCPU stopped on an error.
     #[error(transparent)]
@@ -105,7 +105,7 @@ pub fn expect_pattern(
     let found: u64 = memory
         .read_obj(GuestAddress(gpa))
         .map_err(|source| VmError::HostRead { gpa, source })?;
-    let expected = guest::pattern(gpa, seed);
+    let expected = test_guest::pattern(gpa, seed);
     if found != expected {
         return Err(VmError::HostSawWrongData {
             gpa,
@@ -138,8 +138,9 @@ impl Vm {
             source,
         })?;
         let memory = Arc::new(MemoryManager::new(kvm_vm));
-        let system = memory.add_region(RegionSpec::new(GuestAddress(0), guest::SYSTEM_SIZE))?;
-        guest::write_system_memory(&*memory.snapshot())?;
+        let system =
+            memory.add_region(RegionSpec::new(GuestAddress(0), test_guest::SYSTEM_SIZE))?;
+        test_guest::write_system_memory(&*memory.snapshot())?;
         install_kick_handler();
         Ok(Vm {
             kvm,
@@ -167,7 +168,7 @@ impl Vm {
     /// Creates `count` vCPUs in the guest's boot state and starts their threads; returns once
     /// each guest reported ready.
     pub fn start_vcpus(&self, count: usize, stopped: &Arc<EventFd>) -> Result<Vcpus, VmError> {
-        if count == 0 || count > guest::MAX_VCPUS {
+        if count == 0 || count > test_guest::MAX_VCPUS {
             return Err(VmError::TooManyVcpus(count));
         }
         let setup = |what| move |source| VmError::Setup { what, source };
@@ -182,9 +183,9 @@ impl Vm {
                 .create_vcpu(index as u64)
                 .map_err(setup("KVM_CREATE_VCPU"))?;
             let sregs = fd.get_sregs().map_err(setup("KVM_GET_SREGS"))?;
-            fd.set_sregs(&guest::boot_sregs(sregs))
+            fd.set_sregs(&test_guest::boot_sregs(sregs))
                 .map_err(setup("KVM_SET_SREGS"))?;
-            fd.set_regs(&guest::boot_regs(index))
+            fd.set_regs(&test_guest::boot_regs(index))
                 .map_err(setup("KVM_SET_REGS"))?;
             let (events_tx, events) = channel();
             let (resume, resume_rx) = channel();
@@ -332,7 +333,7 @@ impl Vcpus {
             return Err(VmError::GuestSawWrongData {
                 gpa,
                 found,
-                expected: guest::pattern(gpa, command.seed),
+                expected: test_guest::pattern(gpa, command.seed),
             });
         }
         Ok(outcome)

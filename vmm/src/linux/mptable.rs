@@ -8,7 +8,7 @@
 
 use vm_memory::{Bytes, GuestMemoryBackend};
 
-use crate::boot::layout;
+use crate::linux::layout;
 
 /// Why the MP table could not be written.
 #[derive(Debug, thiserror::Error)]
@@ -122,7 +122,7 @@ mod tests {
 
     #[test]
     fn checksums_hold_and_the_largest_table_fits() {
-        let table = build(crate::boot::config::MAX_VCPUS);
+        let table = build(crate::linux::config::MAX_VCPUS);
         assert!(table.len() <= ROOM, "{}", table.len());
         let sum = |b: &[u8]| b.iter().fold(0u8, |s, x| s.wrapping_add(*x));
         assert_eq!(sum(&table[..16]), 0);

@@ -1,0 +1,3 @@
+//! Device models the guests' ports and interrupts reach.
+
+pub mod legacy;

@@ -1,0 +1,6 @@
+//! What the `tinyvmm` binary runs, each on the job thread of [`crate::lifecycle::run_job`] or,
+//! for `serve`, on the event loop itself.
+
+pub mod check;
+pub mod perf;
+pub mod stress;

@@ -1,0 +1,219 @@
+//! The command protocol: what the host posts in a vCPU's command block, what the guest reports
+//! back, and what its exception stubs record.
+
+use std::sync::atomic::Ordering;
+
+use vm_memory::{Bytes, GuestAddress, GuestMemory};
+
+use super::layout::{command_block, FAULT_GPA};
+
+/// What the guest does with a range.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Op {
+    /// Write `a ^ seed` at every `stride`-th address `a` of the range, once.
+    Write,
+    /// Check that every `stride`-th address `a` holds `a ^ seed`; report the first that does not.
+    Verify,
+    /// Write passes (pass `k` with seed `seed + k`) until the host sets `stop`.
+    WriteLoop,
+    /// Leave: report on the exit port and stop.
+    Exit,
+}
+
+impl Op {
+    fn code(self) -> u64 {
+        match self {
+            Op::Write => 1,
+            Op::Verify => 2,
+            Op::WriteLoop => 3,
+            Op::Exit => 4,
+        }
+    }
+}
+
+/// One command for the guest.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Command {
+    /// What to do.
+    pub op: Op,
+    /// First address of the range.
+    pub start: u64,
+    /// First address after the range.
+    pub end: u64,
+    /// Distance between the addresses touched (a multiple of 8).
+    pub stride: u64,
+    /// Pattern seed.
+    pub seed: u64,
+}
+
+impl Command {
+    /// A command with no range (for [`Op::Exit`]).
+    pub fn exit() -> Self {
+        Command {
+            op: Op::Exit,
+            start: 0,
+            end: 0,
+            stride: 8,
+            seed: 0,
+        }
+    }
+}
+
+/// The value the guest writes at `addr` with `seed`.
+pub fn pattern(addr: u64, seed: u64) -> u64 {
+    addr ^ seed
+}
+
+mod field {
+    pub const CMD_SEQ: u64 = 0x00;
+    pub const DONE_SEQ: u64 = 0x08;
+    pub const OP: u64 = 0x10;
+    pub const START: u64 = 0x18;
+    pub const END: u64 = 0x20;
+    pub const STRIDE: u64 = 0x28;
+    pub const SEED: u64 = 0x30;
+    pub const STOP: u64 = 0x38;
+    pub const RESULT: u64 = 0x40;
+    pub const FOUND: u64 = 0x48;
+    pub const PASSES: u64 = 0x50;
+}
+
+/// The host's side of one vCPU's command block.
+#[derive(Debug, Clone, Copy)]
+pub struct CommandBlock {
+    base: GuestAddress,
+}
+
+/// What the guest reported for a finished command.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Outcome {
+    /// For a verify: the first address that did not hold its pattern, and what it held.
+    pub mismatch: Option<(u64, u64)>,
+    /// For a write loop: the passes completed.
+    pub passes: u64,
+}
+
+impl CommandBlock {
+    /// The block of vCPU `index`.
+    pub fn new(index: usize) -> Self {
+        CommandBlock {
+            base: command_block(index),
+        }
+    }
+
+    fn at(&self, field: u64) -> GuestAddress {
+        GuestAddress(self.base.0 + field)
+    }
+
+    fn load(&self, mem: &impl GuestMemory, field: u64) -> u64 {
+        mem.load(self.at(field), Ordering::Acquire)
+            .expect("the command block is in the system region")
+    }
+
+    fn store(&self, mem: &impl GuestMemory, field: u64, value: u64) {
+        mem.store(value, self.at(field), Ordering::Release)
+            .expect("the command block is in the system region");
+    }
+
+    /// Posts `command`; returns its sequence number. The vCPU must be between commands.
+    pub fn post(&self, mem: &impl GuestMemory, command: &Command) -> u64 {
+        self.store(mem, field::OP, command.op.code());
+        self.store(mem, field::START, command.start);
+        self.store(mem, field::END, command.end);
+        self.store(mem, field::STRIDE, command.stride);
+        self.store(mem, field::SEED, command.seed);
+        self.store(mem, field::STOP, 0);
+        let seq = self.load(mem, field::CMD_SEQ) + 1;
+        self.store(mem, field::CMD_SEQ, seq);
+        seq
+    }
+
+    /// Asks a write loop to end after its current pass.
+    pub fn stop(&self, mem: &impl GuestMemory) {
+        self.store(mem, field::STOP, 1);
+    }
+
+    /// Passes a write loop has completed so far.
+    pub fn passes(&self, mem: &impl GuestMemory) -> u64 {
+        self.load(mem, field::PASSES)
+    }
+
+    /// The sequence number of the last command the guest finished.
+    pub fn done_seq(&self, mem: &impl GuestMemory) -> u64 {
+        self.load(mem, field::DONE_SEQ)
+    }
+
+    /// What the guest reported for its last finished command.
+    pub fn outcome(&self, mem: &impl GuestMemory, op: Op) -> Outcome {
+        let result = self.load(mem, field::RESULT);
+        Outcome {
+            mismatch: (op == Op::Verify && result != 0)
+                .then(|| (result, self.load(mem, field::FOUND))),
+            passes: self.load(mem, field::PASSES),
+        }
+    }
+}
+
+/// What the guest's exception stub recorded.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Fault {
+    /// The exception vector.
+    pub vector: u64,
+    /// The top of the exception stack: [error code,] rip, cs, rflags, rsp, ss.
+    pub frame: [u64; 5],
+}
+
+impl Fault {
+    /// Reads the fault block.
+    pub fn read(mem: &impl GuestMemory) -> Self {
+        let word = |i: u64| {
+            mem.read_obj::<u64>(GuestAddress(FAULT_GPA + 8 * i))
+                .unwrap_or(0)
+        };
+        Fault {
+            vector: word(0),
+            frame: [word(1), word(2), word(3), word(4), word(5)],
+        }
+    }
+
+    /// The guest's instruction pointer at the fault.
+    pub fn rip(&self) -> u64 {
+        // Vectors 8, 10-14, 17, 21, 29 and 30 push an error code before the return frame.
+        if matches!(self.vector, 8 | 10..=14 | 17 | 21 | 29 | 30) {
+            self.frame[1]
+        } else {
+            self.frame[0]
+        }
+    }
+}
+
+impl std::fmt::Display for Fault {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "exception {} at rip {:#x} (frame {:x?})",
+            self.vector,
+            self.rip(),
+            self.frame
+        )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_fault_with_an_error_code_finds_its_rip_behind_it() {
+        let page_fault = Fault {
+            vector: 14,
+            frame: [2, 0x10_123, 0x23, 0x3002, 0x9000],
+        };
+        assert_eq!(page_fault.rip(), 0x10_123);
+        let divide = Fault {
+            vector: 0,
+            frame: [0x10_456, 0x23, 0x3002, 0x9000, 0x1b],
+        };
+        assert_eq!(divide.rip(), 0x10_456);
+    }
+}
