@@ -810,6 +810,10 @@ impl<K: KvmMemory> MemoryManager<K> {
             start: gpa.0,
             end: gpa.0 + len,
         };
+        // Take the writer lock before reading the map, and hold it until the pages are
+        // discarded and marked: a change (a move, say) cannot then come between the look-up
+        // and the madvise and make the discard hit memory that is no longer at `gpa`.
+        let mut state = self.state();
         let current = self.current();
         // Check the whole range first so that a hole refuses the discard before any of it.
         if let Some(hole) = current.first_hole(range.start, range.end) {
@@ -841,7 +845,6 @@ impl<K: KvmMemory> MemoryManager<K> {
             }
             at = end;
         }
-        let mut state = self.state();
         for piece in pieces {
             let advice = if piece.memory.is_shared() {
                 libc::MADV_REMOVE

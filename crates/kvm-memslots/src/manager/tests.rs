@@ -1,5 +1,9 @@
 //! The manager against the rule-enforcing fake KVM, with failures injected at every step.
 
+use std::sync::{mpsc, Condvar, Mutex, MutexGuard};
+use std::thread;
+use std::time::Duration;
+
 use vm_memory::{Bytes, GuestMemoryBackend};
 
 use super::*;
@@ -461,4 +465,172 @@ fn a_log_read_failing_during_a_stop_undoes_it_and_loses_no_page() {
     );
     m.stop_dirty_log(Target::Region(r)).unwrap();
     assert_mirrored(&m);
+}
+
+/// How long a test waits for another thread before it gives up.
+const PATIENCE: Duration = Duration::from_secs(30);
+
+#[derive(Default)]
+struct GateState {
+    /// The next `set_user_memory_region` call stops at the gate.
+    armed: bool,
+    /// A call is waiting at the gate.
+    entered: bool,
+    /// The waiting call may go on.
+    released: bool,
+}
+
+/// The fake KVM with a gate: once armed, the next `set_user_memory_region` call says that it
+/// arrived and waits until the test releases it. A change stopped there holds the manager's
+/// writer lock and has published nothing.
+struct Gate {
+    inner: FakeKvm,
+    state: Mutex<GateState>,
+    changed: Condvar,
+}
+
+impl Gate {
+    fn new(inner: FakeKvm) -> Self {
+        Gate {
+            inner,
+            state: Mutex::new(GateState::default()),
+            changed: Condvar::new(),
+        }
+    }
+
+    fn lock(&self) -> MutexGuard<'_, GateState> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn arm(&self) {
+        self.lock().armed = true;
+    }
+
+    /// Waits until a call is stopped at the gate.
+    fn wait_entered(&self) {
+        let state = self.lock();
+        let (_state, waited) = self
+            .changed
+            .wait_timeout_while(state, PATIENCE, |s| !s.entered)
+            .unwrap_or_else(|p| p.into_inner());
+        assert!(!waited.timed_out(), "no KVM call reached the gate");
+    }
+
+    fn release(&self) {
+        self.lock().released = true;
+        self.changed.notify_all();
+    }
+}
+
+impl KvmMemory for Gate {
+    fn max_slots(&self) -> u32 {
+        self.inner.max_slots()
+    }
+
+    unsafe fn set_user_memory_region(&self, slot: &KvmSlot) -> Result<(), Errno> {
+        let mut state = self.lock();
+        if state.armed {
+            state.armed = false;
+            state.entered = true;
+            self.changed.notify_all();
+            let (_state, waited) = self
+                .changed
+                .wait_timeout_while(state, PATIENCE, |s| !s.released)
+                .unwrap_or_else(|p| p.into_inner());
+            assert!(!waited.timed_out(), "the gate was never released");
+        } else {
+            drop(state);
+        }
+        // SAFETY: the caller's guarantee is passed on unchanged.
+        unsafe { self.inner.set_user_memory_region(slot) }
+    }
+
+    fn get_dirty_log(&self, slot: u32, bitmap: &mut [u64]) -> Result<(), Errno> {
+        self.inner.get_dirty_log(slot, bitmap)
+    }
+
+    fn clear_dirty_log(&self, s: u32, f: u64, n: u32, b: &[u64]) -> Result<(), Errno> {
+        self.inner.clear_dirty_log(s, f, n, b)
+    }
+
+    fn manual_dirty_log(&self) -> bool {
+        self.inner.manual_dirty_log()
+    }
+}
+
+/// The scheduling state of thread `tid` of this process ('R', 'S', 'D', ...).
+fn thread_state(tid: libc::pid_t) -> char {
+    let stat = std::fs::read_to_string(format!("/proc/self/task/{tid}/stat"))
+        .unwrap_or_else(|e| panic!("cannot read the state of thread {tid}: {e}"));
+    // "tid (name) S ...": the name may hold spaces and parentheses, the state follows the last
+    // ')'.
+    let after_name = &stat[stat.rfind(')').expect("a stat line names its thread") + 1..];
+    after_name
+        .trim_start()
+        .chars()
+        .next()
+        .expect("a stat line has a state")
+}
+
+/// Waits until thread `tid` sleeps (on a lock, in these tests).
+fn wait_until_asleep(tid: libc::pid_t) {
+    let step = Duration::from_millis(1);
+    for _ in 0..PATIENCE.as_millis() {
+        if thread_state(tid) == 'S' {
+            return;
+        }
+        thread::sleep(step);
+    }
+    panic!("thread {tid} never went to sleep");
+}
+
+/// A discard that starts while a move of the region it names is half-way through KVM waits for
+/// the move and then sees the region gone from the old range. Reading the map before taking the
+/// writer lock would let it wipe the region at its new address and mark its pages dirty.
+#[test]
+fn a_discard_racing_a_move_waits_for_it_and_spares_the_moved_data() {
+    let m = MemoryManager::new(Gate::new(FakeKvm::new(16, true)));
+    let r = m.add_region(region(MIB, 4)).unwrap();
+    let pattern: Vec<u8> = (0..4 * SLOT).map(|i| (i % 251) as u8 | 1).collect();
+    m.snapshot()
+        .write_slice(&pattern, GuestAddress(MIB))
+        .unwrap();
+    assert_eq!(
+        m.harvest_dirty(Target::All).unwrap()[0].count(),
+        4 * SLOT / PAGE_SIZE
+    );
+    let m = &m;
+    m.kvm().arm();
+    let discarded = thread::scope(|scope| {
+        // The move stops in KVM, holding the writer lock, before it publishes anything.
+        let mover = scope.spawn(|| m.move_region(r, GuestAddress(8 * MIB)));
+        m.kvm().wait_entered();
+        let (tid_tx, tid_rx) = mpsc::channel();
+        let discarder = scope.spawn(move || {
+            // SAFETY: gettid has no preconditions and cannot fail.
+            tid_tx.send(unsafe { libc::gettid() }).unwrap();
+            m.discard(GuestAddress(MIB), 4 * SLOT)
+        });
+        let tid = tid_rx.recv_timeout(PATIENCE).unwrap();
+        // The discard is blocked on the writer lock that the move holds.
+        wait_until_asleep(tid);
+        m.kvm().release();
+        mover.join().unwrap().unwrap();
+        discarder.join().unwrap()
+    });
+    // The discard ran after the move: the old range is a hole.
+    match discarded {
+        Err(Error::DiscardHole { range, hole }) => {
+            assert_eq!(range.start, MIB);
+            assert_eq!(hole, MIB);
+        }
+        other => panic!("the discard did not see the move: {other:?}"),
+    }
+    let mut back = vec![0u8; pattern.len()];
+    m.snapshot()
+        .read_slice(&mut back, GuestAddress(8 * MIB))
+        .unwrap();
+    assert!(back == pattern, "the moved region lost its data");
+    let dirty = m.harvest_dirty(Target::All).unwrap();
+    assert_eq!(dirty[0].count(), 0, "pages were marked dirty: {dirty:?}");
 }
