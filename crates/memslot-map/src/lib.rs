@@ -21,6 +21,6 @@ mod slot;
 
 pub use error::{AddressKind, BatchError, ConfigError, MapError};
 pub use map::{Change, LookupHint, MapConfig, MemoryUsage, MemslotMap};
-pub use shared::SharedMap;
+pub use shared::{MapWriter, SharedMap};
 pub use slot::{AddressRange, HostAddress, Slot, SlotFlags, SlotId};
 pub use vm_memory::GuestAddress;
