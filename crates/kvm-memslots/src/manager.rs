@@ -2,11 +2,11 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::Arc;
 
 use memslot_map::{
-    AddressRange, Change, HostAddress, MapConfig, MapError, MemslotMap, SharedMap, SlotFlags,
-    SlotId,
+    AddressRange, Change, HostAddress, MapConfig, MapError, MapWriter, MemslotMap, SharedMap,
+    SlotFlags, SlotId,
 };
 use vm_memory::GuestAddress;
 use vmm_sys_util::errno::Error as Errno;
@@ -208,7 +208,10 @@ impl SlotIds {
     }
 }
 
-struct State {
+/// The manager's records, kept behind the map's writer lock (the manager's one writer lock):
+/// a change reads the map, updates these and publishes the next version without letting
+/// another writer in.
+pub(crate) struct State {
     regions: BTreeMap<RegionId, Region>,
     ids: SlotIds,
     next_region: u64,
@@ -277,17 +280,22 @@ impl From<&GuestSlotData> for KvmSlot {
     }
 }
 
+/// The writer lock of a manager's map, held: its [`State`], the current version, and the right
+/// to publish.
+type Writer<'a> = MapWriter<'a, SlotBacking, State>;
+
 /// Owns a VM's guest memory: regions of host memory split into slots, kept in a memslot map
 /// that lock-free readers see through [`GuestMemoryHandle`], and mirrored exactly to KVM's
 /// slots.
 ///
 /// Every change is planned as KVM requests, applied, and only then published in the map; if
 /// KVM refuses a request, the requests already applied are undone and the map is left as it
-/// was. Changes are serialised; readers (vCPU and device threads) never wait for them.
+/// was. Changes are serialised by one lock, the map's writer lock, which also guards the
+/// manager's own records; readers (vCPU and device threads) never wait for it.
 pub struct MemoryManager<K: KvmMemory> {
     kvm: K,
-    map: Arc<SharedMap<SlotBacking>>,
-    state: Mutex<State>,
+    /// The published versions and, behind their writer lock, the manager's [`State`].
+    map: Arc<SharedMap<SlotBacking, State>>,
     /// Even while KVM's slots equal the published map, odd while a change is being applied.
     sequence: AtomicU64,
 }
@@ -300,18 +308,20 @@ impl<K: KvmMemory> MemoryManager<K> {
             MapConfig::new(PAGE_SIZE, limit as usize).expect("the page size is a power of two");
         MemoryManager {
             kvm,
-            map: Arc::new(SharedMap::new(MemslotMap::new(config))),
-            state: Mutex::new(State {
-                regions: BTreeMap::new(),
-                ids: SlotIds {
-                    limit,
-                    next: 0,
-                    free: BTreeSet::new(),
+            map: Arc::new(SharedMap::with_writer_state(
+                MemslotMap::new(config),
+                State {
+                    regions: BTreeMap::new(),
+                    ids: SlotIds {
+                        limit,
+                        next: 0,
+                        free: BTreeSet::new(),
+                    },
+                    next_region: 0,
+                    broken: None,
+                    orphans: Vec::new(),
                 },
-                next_region: 0,
-                broken: None,
-                orphans: Vec::new(),
-            }),
+            )),
             sequence: AtomicU64::new(0),
         }
     }
@@ -346,14 +356,14 @@ impl<K: KvmMemory> MemoryManager<K> {
         self.sequence.load(Ordering::Acquire)
     }
 
-    fn state(&self) -> MutexGuard<'_, State> {
-        // A panic while the lock was held left KVM and the map as the last completed operation
-        // made them (publication is the last step): the state is usable.
-        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    /// Takes the writer lock. A panic while it was held left KVM and the map as the last
+    /// completed operation made them (publication is the last step): the state is usable.
+    fn state(&self) -> Writer<'_> {
+        self.map.write()
     }
 
-    /// The state, for a change: refused once an undo failed.
-    fn state_for_change(&self) -> Result<MutexGuard<'_, State>, Error> {
+    /// The writer lock, for a change: refused once an undo failed.
+    fn state_for_change(&self) -> Result<Writer<'_>, Error> {
         let state = self.state();
         match state.broken {
             Some((slot, errno)) => Err(Error::Broken { slot, errno }),
@@ -409,27 +419,28 @@ impl<K: KvmMemory> MemoryManager<K> {
         Ok(())
     }
 
-    /// Validates `changes` against `current`, applies `steps` to KVM, and publishes the new
-    /// map version only if both succeeded.
+    /// Validates `changes` against the current version, applies `steps` to KVM, and publishes
+    /// the new map version only if both succeeded, all under the writer lock `state` holds.
     fn commit(
         &self,
-        state: &mut State,
-        current: &MemslotMap<SlotBacking>,
+        state: &mut Writer<'_>,
         changes: impl IntoIterator<Item = Change<SlotBacking>>,
         steps: &[Step],
     ) -> Result<(), Error> {
+        let current = state.current();
         let next = current
             .with_changes(changes)
             .map_err(|e| map_error(current, e.source))?;
         self.sequence.fetch_add(1, Ordering::AcqRel);
         let applied = self.run(state, steps);
         if applied.is_ok() {
-            self.map.update(|_| Ok::<_, Error>((next, ())))?;
+            state.publish(next);
         }
         self.sequence.fetch_add(1, Ordering::AcqRel);
         applied
     }
 
+    /// The published version, lock-free: for reads that need no writer lock.
     fn current(&self) -> Arc<MemslotMap<SlotBacking>> {
         self.map.snapshot()
     }
@@ -448,7 +459,7 @@ impl<K: KvmMemory> MemoryManager<K> {
             });
         }
         check_aligned("slot size", slot_size)?;
-        let current = self.current();
+        let current = Arc::clone(state.current());
         // Refuse an overlap before mapping anything.
         let range = AddressRange {
             start: spec.gpa.0,
@@ -468,7 +479,7 @@ impl<K: KvmMemory> MemoryManager<K> {
             limit: state.ids.limit,
         })?;
         let region_id = RegionId(state.next_region);
-        let result = self.add_slots(&mut state, &current, region_id, &spec, slot_size, &ids);
+        let result = self.add_slots(&mut state, region_id, &spec, slot_size, &ids);
         match result {
             Ok(memory) => {
                 state.next_region += 1;
@@ -499,8 +510,7 @@ impl<K: KvmMemory> MemoryManager<K> {
 
     fn add_slots(
         &self,
-        state: &mut State,
-        current: &MemslotMap<SlotBacking>,
+        state: &mut Writer<'_>,
         region: RegionId,
         spec: &RegionSpec,
         slot_size: u64,
@@ -535,7 +545,7 @@ impl<K: KvmMemory> MemoryManager<K> {
             })
             .collect();
         let changes = slots.into_iter().map(Change::Insert);
-        let committed = self.commit(state, current, changes, &steps);
+        let committed = self.commit(state, changes, &steps);
         if committed.is_err() && state.broken.is_some() {
             state.orphans.push(Arc::clone(&memory));
         }
@@ -545,7 +555,7 @@ impl<K: KvmMemory> MemoryManager<K> {
     /// Takes a region away from the guest and unmaps it (once no snapshot holds it).
     pub fn remove_region(&self, id: RegionId) -> Result<(), Error> {
         let mut state = self.state_for_change()?;
-        let current = self.current();
+        let current = Arc::clone(state.current());
         let region = state.regions.get(&id).ok_or(Error::UnknownRegion(id))?;
         let slots = region_slots(&current, region);
         let steps: Vec<Step> = slots
@@ -559,7 +569,7 @@ impl<K: KvmMemory> MemoryManager<K> {
         let changes = steps
             .iter()
             .map(|step| Change::Remove(SlotId(step.op.request().slot)));
-        self.commit(&mut state, &current, changes, &steps)?;
+        self.commit(&mut state, changes, &steps)?;
         let region = state.regions.remove(&id).expect("looked up above");
         state.ids.release(&region.slots);
         Ok(())
@@ -568,7 +578,7 @@ impl<K: KvmMemory> MemoryManager<K> {
     /// Moves a region to a new guest-physical base (KVM moves each slot in place).
     pub fn move_region(&self, id: RegionId, gpa: GuestAddress) -> Result<(), Error> {
         let mut state = self.state_for_change()?;
-        let current = self.current();
+        let current = Arc::clone(state.current());
         let region = state.regions.get(&id).ok_or(Error::UnknownRegion(id))?;
         check_range(gpa.0, region.size)?;
         if gpa == region.gpa {
@@ -600,7 +610,7 @@ impl<K: KvmMemory> MemoryManager<K> {
             id: s.id(),
             gpa: new_gpa(s),
         });
-        self.commit(&mut state, &current, changes, &steps)?;
+        self.commit(&mut state, changes, &steps)?;
         state.regions.get_mut(&id).expect("looked up above").gpa = gpa;
         Ok(())
     }
@@ -612,7 +622,7 @@ impl<K: KvmMemory> MemoryManager<K> {
     /// [`change_sequence`](Self::change_sequence)). Dirty bits KVM had for the slot are kept.
     pub fn set_read_only(&self, id: RegionId, read_only: bool) -> Result<(), Error> {
         let mut state = self.state_for_change()?;
-        let current = self.current();
+        let current = Arc::clone(state.current());
         let region = state.regions.get_mut(&id).ok_or(Error::UnknownRegion(id))?;
         if region.flags.read_only == read_only {
             return Ok(());
@@ -638,7 +648,7 @@ impl<K: KvmMemory> MemoryManager<K> {
             });
         }
         let changes = slots.iter().map(|s| Change::SetFlags { id: s.id(), flags });
-        self.commit(&mut state, &current, changes, &steps)?;
+        self.commit(&mut state, changes, &steps)?;
         state.regions.get_mut(&id).expect("looked up above").flags = flags;
         Ok(())
     }
@@ -658,7 +668,7 @@ impl<K: KvmMemory> MemoryManager<K> {
 
     fn set_dirty_log(&self, target: Target, on: bool) -> Result<(), Error> {
         let mut state = self.state_for_change()?;
-        let current = self.current();
+        let current = Arc::clone(state.current());
         let ids: Vec<RegionId> = target_regions(&state, target)?
             .into_iter()
             .filter(|id| state.regions[id].flags.log_dirty != on)
@@ -692,7 +702,7 @@ impl<K: KvmMemory> MemoryManager<K> {
                 flags: new.flags,
             }
         });
-        self.commit(&mut state, &current, changes, &steps)?;
+        self.commit(&mut state, changes, &steps)?;
         for id in ids {
             state
                 .regions
@@ -770,7 +780,7 @@ impl<K: KvmMemory> MemoryManager<K> {
     /// next harvest: no dirty page is ever lost.
     pub fn harvest_dirty(&self, target: Target) -> Result<Vec<DirtyPages>, Error> {
         let mut state = self.state();
-        let current = self.current();
+        let current = Arc::clone(state.current());
         let ids = target_regions(&state, target)?;
         let mut log = Vec::new();
         for id in &ids {
@@ -814,7 +824,7 @@ impl<K: KvmMemory> MemoryManager<K> {
         // discarded and marked: a change (a move, say) cannot then come between the look-up
         // and the madvise and make the discard hit memory that is no longer at `gpa`.
         let mut state = self.state();
-        let current = self.current();
+        let current = Arc::clone(state.current());
         // Check the whole range first so that a hole refuses the discard before any of it.
         if let Some(hole) = current.first_hole(range.start, range.end) {
             return Err(Error::DiscardHole { range, hole });
@@ -924,8 +934,8 @@ impl<K: KvmMemory> MemoryManager<K> {
     /// manager's own per-slot records (region slot lists, free slot numbers). Region mappings,
     /// dirty bitmaps and KVM's own memory are not counted.
     pub fn bytes_per_slot(&self) -> f64 {
-        let usage = self.current().memory_usage();
         let state = self.state();
+        let usage = state.current().memory_usage();
         let own: usize = state
             .regions
             .values()
@@ -943,14 +953,15 @@ impl<K: KvmMemory> Drop for MemoryManager<K> {
     /// Deletes every KVM slot before the memory behind it can be unmapped; memory whose slot
     /// KVM refuses to delete is leaked rather than unmapped under the guest.
     fn drop(&mut self) {
-        for slot in self.current().iter() {
+        let mut state = self.state();
+        for slot in state.current().iter() {
             let request = KvmSlot::from(slot.as_ref()).deleted();
             // SAFETY: a deletion makes KVM stop using the memory; it needs none mapped.
             if unsafe { self.kvm.set_user_memory_region(&request) }.is_err() {
                 std::mem::forget(Arc::clone(slot.payload().memory()));
             }
         }
-        for memory in self.state().orphans.drain(..) {
+        for memory in state.orphans.drain(..) {
             std::mem::forget(memory);
         }
     }

@@ -18,6 +18,7 @@ use vm_memory::{
     VolatileSlice,
 };
 
+use crate::manager::State;
 use crate::PAGE_SIZE;
 
 /// A region's id, unique for the manager's lifetime (never reused).
@@ -336,7 +337,7 @@ impl Deref for GuestMemorySnapshot {
 /// The handle devices and vCPU threads use to reach guest memory: a vm-memory
 /// `GuestAddressSpace` whose `memory()` is a lock-free snapshot of the current version.
 #[derive(Clone)]
-pub struct GuestMemoryHandle(pub(crate) Arc<SharedMap<SlotBacking>>);
+pub struct GuestMemoryHandle(pub(crate) Arc<SharedMap<SlotBacking, State>>);
 
 impl GuestAddressSpace for GuestMemoryHandle {
     type M = GuestMemorySlots;
