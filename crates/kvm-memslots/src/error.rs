@@ -4,7 +4,7 @@
 use memslot_map::{AddressRange, MapError};
 use vmm_sys_util::errno::Error as Errno;
 
-use crate::memory::{MemoryError, RegionId};
+use crate::memory::{MappingError, RegionId};
 
 /// A memory operation that failed.
 #[derive(Debug, thiserror::Error)]
@@ -61,7 +61,7 @@ pub enum Error {
     },
     /// The region's memory could not be mapped.
     #[error(transparent)]
-    Memory(#[from] MemoryError),
+    Mapping(#[from] MappingError),
     /// KVM refused a slot change; everything the operation had done was undone.
     #[error("region {region}: KVM refused to {op} slot {slot} (guest {gpa:#x}, size {size:#x}): {source}")]
     Kvm {
@@ -137,7 +137,203 @@ pub enum Error {
         /// The system's error.
         source: std::io::Error,
     },
-    /// The map refused a change for a reason the checks above did not catch.
+    /// The map refused a change for a reason the manager's own checks did not catch.
+    ///
+    /// The manager checks everything a caller can get wrong before it asks the map (size,
+    /// alignment, wrap-around, overlap, free slot numbers), and an overlap the map finds is
+    /// reported as [`Error::Overlap`]; the slot ids, host addresses and slot counts it hands
+    /// the map are its own. So this error means that the manager's records and its map
+    /// disagree: a bug in the manager, never the caller's mistake. Nothing was changed.
+    /// Its [`kind`](Error::kind) is [`ErrorKind::Broken`].
     #[error("the slot map refused the change: {0}")]
     Map(MapError),
+}
+
+/// What kind of failure an [`Error`] is, for callers that react to the kind rather than to each
+/// variant (an API that answers "bad request" or "conflict", say). See [`Error::kind`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum ErrorKind {
+    /// The request is malformed or impossible whatever the state: a zero size, an unaligned
+    /// address or size, a range that wraps around the address space, a slot size KVM does not
+    /// take, a discard of a range that is not all memory.
+    Invalid,
+    /// The request names a region that does not exist.
+    NotFound,
+    /// The request collides with the current state: its range overlaps a region already there,
+    /// or there are not enough free KVM slot numbers. It may succeed once the state changes.
+    Conflict,
+    /// The manager refuses changes: undoing a failed change failed, so KVM's slots and the map
+    /// may disagree ([`Error::UndoFailed`], [`Error::Broken`]); or the manager found its own
+    /// records inconsistent ([`Error::Map`]).
+    Broken,
+    /// KVM or the operating system failed: mapping memory (mmap, memfd), KVM refusing a slot
+    /// change, reading or clearing a dirty log, madvise. The request itself was acceptable.
+    Host,
+}
+
+impl Error {
+    /// What kind of failure this is.
+    pub fn kind(&self) -> ErrorKind {
+        match self {
+            Error::ZeroSize
+            | Error::Unaligned { .. }
+            | Error::WrapAround { .. }
+            | Error::SlotSize { .. }
+            | Error::DiscardHole { .. } => ErrorKind::Invalid,
+            Error::UnknownRegion(_) => ErrorKind::NotFound,
+            Error::Overlap { .. } | Error::OutOfSlots { .. } => ErrorKind::Conflict,
+            Error::UndoFailed { .. } | Error::Broken { .. } | Error::Map(_) => ErrorKind::Broken,
+            Error::Mapping(_)
+            | Error::Kvm { .. }
+            | Error::GetDirtyLog { .. }
+            | Error::ClearDirtyLog { .. }
+            | Error::Discard { .. } => ErrorKind::Host,
+        }
+    }
+
+    /// Whether the caller's request was at fault ([`ErrorKind::Invalid`],
+    /// [`ErrorKind::NotFound`] or [`ErrorKind::Conflict`]) rather than the manager or the host.
+    pub fn is_caller_error(&self) -> bool {
+        matches!(
+            self.kind(),
+            ErrorKind::Invalid | ErrorKind::NotFound | ErrorKind::Conflict
+        )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use memslot_map::SlotId;
+    use vm_memory::mmap::MmapRegionError;
+
+    use super::*;
+
+    fn range() -> AddressRange {
+        AddressRange {
+            start: 0x1000,
+            end: 0x3000,
+        }
+    }
+
+    fn kvm_refused() -> Error {
+        Error::Kvm {
+            region: RegionId(1),
+            op: "create",
+            slot: 2,
+            gpa: 0x1000,
+            size: 0x2000,
+            source: Errno::new(libc::EEXIST),
+        }
+    }
+
+    #[test]
+    fn every_error_has_the_kind_its_cause_gives_it() {
+        use ErrorKind::*;
+        let cases = [
+            (Error::ZeroSize, Invalid),
+            (
+                Error::Unaligned {
+                    what: "size",
+                    value: 0x800,
+                },
+                Invalid,
+            ),
+            (Error::WrapAround { gpa: 1, size: 2 }, Invalid),
+            (
+                Error::SlotSize {
+                    slot_size: 0,
+                    limit: 1,
+                },
+                Invalid,
+            ),
+            (
+                Error::DiscardHole {
+                    range: range(),
+                    hole: 0x2000,
+                },
+                Invalid,
+            ),
+            (Error::UnknownRegion(RegionId(3)), NotFound),
+            (
+                Error::Overlap {
+                    range: range(),
+                    other: RegionId(0),
+                    other_range: range(),
+                },
+                Conflict,
+            ),
+            (
+                Error::OutOfSlots {
+                    needed: 2,
+                    free: 1,
+                    limit: 8,
+                },
+                Conflict,
+            ),
+            (
+                Error::UndoFailed {
+                    failed: Box::new(kvm_refused()),
+                    undo_op: "delete",
+                    slot: 2,
+                    undo_errno: Errno::new(libc::EIO),
+                },
+                Broken,
+            ),
+            (
+                Error::Broken {
+                    slot: 2,
+                    errno: Errno::new(libc::EIO),
+                },
+                Broken,
+            ),
+            (Error::Map(MapError::DuplicateId { id: SlotId(4) }), Broken),
+            (
+                Error::Mapping(MappingError::Mmap {
+                    size: 0x1000,
+                    backing: "anonymous",
+                    source: MmapRegionError::InvalidOffsetLength,
+                }),
+                Host,
+            ),
+            (
+                Error::Mapping(MappingError::Memfd {
+                    size: 0x1000,
+                    source: std::io::Error::from_raw_os_error(libc::EMFILE),
+                }),
+                Host,
+            ),
+            (kvm_refused(), Host),
+            (
+                Error::GetDirtyLog {
+                    region: RegionId(1),
+                    slot: 2,
+                    source: Errno::new(libc::EFAULT),
+                },
+                Host,
+            ),
+            (
+                Error::ClearDirtyLog {
+                    region: RegionId(1),
+                    slot: 2,
+                    source: Errno::new(libc::EINVAL),
+                },
+                Host,
+            ),
+            (
+                Error::Discard {
+                    range: range(),
+                    source: std::io::Error::from_raw_os_error(libc::EINVAL),
+                },
+                Host,
+            ),
+        ];
+        for (error, kind) in cases {
+            assert_eq!(error.kind(), kind, "{error}");
+            assert_eq!(
+                error.is_caller_error(),
+                matches!(kind, Invalid | NotFound | Conflict),
+                "{error}"
+            );
+        }
+    }
 }

@@ -17,14 +17,14 @@ mod manager;
 mod memory;
 
 pub use dirty::DirtyPages;
-pub use error::Error;
+pub use error::{Error, ErrorKind};
 pub use kvm::{KvmMemory, KvmSlot, KvmVm};
 pub use manager::{
     HvaMatch, MemoryManager, RegionInfo, RegionSpec, SlotUsage, Target, KVM_MAX_SLOT_SIZE,
 };
 pub use memory::{
     Backing, GuestMemoryHandle, GuestMemorySlots, GuestMemorySnapshot, GuestSlot, GuestSlotData,
-    MemoryError, RegionId, RegionMemory, SlotBacking,
+    MappingError, RegionId, RegionMemory, SlotBacking,
 };
 
 /// The page size of guest memory and of KVM's dirty logs on x86_64.

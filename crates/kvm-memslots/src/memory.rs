@@ -57,7 +57,7 @@ impl Backing {
 
 /// Why a region's memory could not be mapped.
 #[derive(Debug, thiserror::Error)]
-pub enum MemoryError {
+pub enum MappingError {
     /// `memfd_create` or sizing the memfd failed.
     #[error("creating a memfd of {size:#x} bytes failed: {source}")]
     Memfd {
@@ -90,8 +90,8 @@ pub struct RegionMemory {
 
 impl RegionMemory {
     /// Maps `size` bytes (a multiple of the page size) of `backing`.
-    pub fn new(size: u64, backing: &Backing) -> Result<Self, MemoryError> {
-        let len = usize::try_from(size).map_err(|_| MemoryError::Mmap {
+    pub fn new(size: u64, backing: &Backing) -> Result<Self, MappingError> {
+        let len = usize::try_from(size).map_err(|_| MappingError::Mmap {
             size,
             backing: backing.kind(),
             source: MmapRegionError::InvalidOffsetLength,
@@ -115,7 +115,7 @@ impl RegionMemory {
         if let Some(fo) = file {
             builder = builder.with_file_offset(fo);
         }
-        let mapping = builder.build().map_err(|source| MemoryError::Mmap {
+        let mapping = builder.build().map_err(|source| MappingError::Mmap {
             size,
             backing: backing.kind(),
             source,
@@ -149,8 +149,8 @@ impl RegionMemory {
     }
 }
 
-fn new_memfd(size: u64) -> Result<File, MemoryError> {
-    let fail = |source| MemoryError::Memfd { size, source };
+fn new_memfd(size: u64) -> Result<File, MappingError> {
+    let fail = |source| MappingError::Memfd { size, source };
     // SAFETY: the name is a valid NUL-terminated string; the call has no other input.
     let fd = unsafe { libc::memfd_create(c"kvm-memslots-guest".as_ptr(), libc::MFD_CLOEXEC) };
     if fd < 0 {

@@ -7,6 +7,7 @@ use std::time::Duration;
 use vm_memory::{Bytes, GuestMemoryBackend};
 
 use super::*;
+use crate::error::ErrorKind;
 use crate::fake::{FakeCall, FakeKvm, Faulty};
 
 type Manager = MemoryManager<Faulty<FakeKvm>>;
@@ -633,4 +634,41 @@ fn a_discard_racing_a_move_waits_for_it_and_spares_the_moved_data() {
     assert!(back == pattern, "the moved region lost its data");
     let dirty = m.harvest_dirty(Target::All).unwrap();
     assert_eq!(dirty[0].count(), 0, "pages were marked dirty: {dirty:?}");
+}
+
+#[test]
+fn refusals_are_the_callers_errors_and_kvm_failures_are_not() {
+    let (m, r) = setup();
+    let caller_errors = [
+        (
+            m.add_region(RegionSpec::new(GuestAddress(0x800), SLOT)),
+            ErrorKind::Invalid,
+        ),
+        (m.add_region(region(MIB, 1)), ErrorKind::Conflict),
+        (m.add_region(region(64 * MIB, 100)), ErrorKind::Conflict),
+        (
+            m.remove_region(RegionId(99)).map(|()| RegionId(99)),
+            ErrorKind::NotFound,
+        ),
+        (
+            m.discard(GuestAddress(MIB), 9 * SLOT).map(|()| r),
+            ErrorKind::Invalid,
+        ),
+    ];
+    for (result, kind) in caller_errors {
+        let err = result.unwrap_err();
+        assert_eq!(err.kind(), kind, "{err}");
+        assert!(err.is_caller_error(), "{err}");
+    }
+    m.kvm().fail(FakeCall::SetRegion, 0, libc::EIO);
+    let err = m.move_region(r, GuestAddress(64 * MIB)).unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::Host, "{err}");
+    assert!(!err.is_caller_error());
+    m.kvm().fail_from(FakeCall::SetRegion, 1, libc::EIO);
+    let err = m.move_region(r, GuestAddress(64 * MIB)).unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::Broken, "{err}");
+    m.kvm().heal();
+    let err = m.remove_region(r).unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::Broken, "{err}");
+    assert!(!err.is_caller_error());
 }
