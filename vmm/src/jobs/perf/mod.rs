@@ -1,0 +1,127 @@
+//! The memslot performance suite, after the kernel's `memslot_perf_test`
+//! (`tools/testing/selftests/kvm/memslot_perf_test.c`): the same six scenarios, run on the test
+//! guest through kvm-memslots instead of raw ioctls.
+//!
+//! Every test gets a fresh VM: the system region at 0 and a test area at [`AREA_GPA`] split over
+//! `slots - 1` KVM slots, laid out as the kernel lays it out: every test slot has
+//! `pages / (slots - 1)` pages, and the last one also holds the remainder. The last slot is a
+//! one-slot region of its own (the others are one [`TestArea`] region), so that the move tests can
+//! move it alone. Adding both regions is the *slot setup* time. Then one vCPU runs the guest
+//! while the host repeats the scenario's iteration for the given time; the result is the number
+//! of iterations and the average time of one.
+//!
+//! | scenario | area | iteration |
+//! |---|---|---|
+//! | map | 32 MiB | the guest writes 8 bytes to every page of one half while the host discards (`MADV_DONTNEED`) the other half; the halves swap every iteration |
+//! | unmap | 128 MiB | the host discards one 64 MiB half page by page while the guest keeps touching the first page of each half |
+//! | unmap chunked | 128 MiB | the same in 2 MiB chunks |
+//! | move active area | `area_size` | the host moves the last slot far away and back while the guest writes a 192 KiB window whose upper half is in that slot |
+//! | move inactive area | `area_size` | the same with the window just below the moved slot |
+//! | RW | `area_size` | the guest writes every page, the host checks and writes every page, the guest checks |
+//!
+//! [`AREA_GPA`]: crate::test_guest::area::AREA_GPA
+//! [`TestArea`]: crate::test_guest::area::TestArea
+
+mod config;
+mod layout;
+mod report;
+mod run;
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+
+use vmm_sys_util::eventfd::EventFd;
+
+pub use config::{
+    PerfConfig, PerfError, Scenario, SkipReason, UnknownScenario, MAP_AREA_SIZE, MOVE_WINDOW,
+    UNMAP_AREA_SIZE, UNMAP_CHUNK,
+};
+pub use report::{MoveExits, Outcome, PerfReport, Progress, Skipped, TestResult};
+pub use run::{run_test, TestSpec};
+
+use crate::test_guest::vcpus::VmError;
+
+/// Runs the suite; `stop` ends it early (the results so far are returned, marked interrupted).
+/// `progress` hears of every step.
+pub fn run_perf(
+    config: &PerfConfig,
+    stop: &AtomicBool,
+    stopped: &Arc<EventFd>,
+    progress: &mut dyn FnMut(Progress<'_>),
+) -> Result<PerfReport, PerfError> {
+    let duration = config.duration()?;
+    let max = kvm_ioctls::Kvm::new()
+        .map_err(VmError::Kvm)?
+        .get_nr_memslots();
+    let slot_counts = if config.slots.is_empty() {
+        vec![max]
+    } else {
+        config.slots.clone()
+    };
+    if let Some(&asked) = slot_counts.iter().find(|&&s| s < 2 || s > max) {
+        return Err(PerfError::SlotCount { asked, max });
+    }
+    let scenarios = if config.scenarios.is_empty() {
+        Scenario::ALL.to_vec()
+    } else {
+        config.scenarios.clone()
+    };
+    let mut report = PerfReport {
+        kvm_max_slots: max,
+        slot_counts: slot_counts.clone(),
+        tests: scenarios.clone(),
+        area_size: config.area_size,
+        seconds: duration.as_secs_f64(),
+        runs: config.runs,
+        results: Vec::new(),
+        skipped: Vec::new(),
+        interrupted: false,
+    };
+    let total = slot_counts.len() * scenarios.len() * config.runs;
+    let mut index = 0;
+    for &slots in &slot_counts {
+        for &test in &scenarios {
+            for run in 1..=config.runs {
+                index += 1;
+                if stop.load(Ordering::Acquire) {
+                    report.interrupted = true;
+                    return Ok(report);
+                }
+                progress(Progress::Starting {
+                    index,
+                    total,
+                    test,
+                    slots,
+                    run,
+                });
+                let spec = TestSpec {
+                    test,
+                    slots,
+                    area_size: config.area_size,
+                    duration,
+                };
+                let outcome = match run_test(&spec, stop, stopped, progress) {
+                    Err(PerfError::Interrupted) => {
+                        report.interrupted = true;
+                        return Ok(report);
+                    }
+                    outcome => outcome?,
+                };
+                progress(Progress::Finished(&outcome));
+                match outcome {
+                    Outcome::Ran(mut result) => {
+                        result.run = run;
+                        report.results.push(result);
+                    }
+                    Outcome::Skipped(skipped) => {
+                        // A skip does not depend on the run.
+                        report.skipped.push(skipped);
+                        index += config.runs - run;
+                        break;
+                    }
+                }
+            }
+        }
+    }
+    Ok(report)
+}
