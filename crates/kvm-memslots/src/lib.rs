@@ -27,5 +27,17 @@ pub use memory::{
     MappingError, RegionId, RegionMemory, SlotBacking,
 };
 
+pub use memslot_map::{AddressRange, HostAddress, SlotFlags, SlotId};
+
 /// The page size of guest memory and of KVM's dirty logs on x86_64.
 pub const PAGE_SIZE: u64 = 4096;
+
+/// One version of a manager's memory map: the type vCPU exit handlers look slots up in (by
+/// guest address, host address or slot id; [`MemoryManager::load`] gives the current one).
+/// Each slot's payload is its [`SlotBacking`].
+pub type GuestMemoryMap = memslot_map::MemslotMap<SlotBacking>;
+
+/// A short-lived, lock-free hold on the current [`GuestMemoryMap`], from
+/// [`MemoryManager::load`] (arc-swap's guard, so that users need no arc-swap dependency).
+/// Dereferences to `Arc<GuestMemoryMap>`.
+pub type MapGuard = arc_swap::Guard<std::sync::Arc<GuestMemoryMap>>;

@@ -18,7 +18,7 @@ use crate::memory::{
     Backing, GuestMemoryHandle, GuestMemorySnapshot, GuestSlotData, RegionId, RegionMemory,
     SlotBacking,
 };
-use crate::PAGE_SIZE;
+use crate::{MapGuard, PAGE_SIZE};
 
 /// The largest slot KVM accepts: 2^31 - 1 pages.
 pub const KVM_MAX_SLOT_SIZE: u64 = ((1 << 31) - 1) * PAGE_SIZE;
@@ -345,7 +345,7 @@ impl<K: KvmMemory> MemoryManager<K> {
     /// The current map version for a short look (a vCPU exit, say): lock-free, and without
     /// touching the version's shared reference count in the common case (arc-swap's guard).
     /// Do not hold it across long operations; keep a [`snapshot`](Self::snapshot) for that.
-    pub fn load(&self) -> arc_swap::Guard<Arc<MemslotMap<SlotBacking>>> {
+    pub fn load(&self) -> MapGuard {
         self.map.load()
     }
 

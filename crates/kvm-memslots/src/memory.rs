@@ -19,7 +19,7 @@ use vm_memory::{
 };
 
 use crate::manager::State;
-use crate::PAGE_SIZE;
+use crate::{GuestMemoryMap, PAGE_SIZE};
 
 /// A region's id, unique for the manager's lifetime (never reused).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
@@ -293,12 +293,12 @@ pub struct GuestMemorySlots(MemslotMap<SlotBacking>);
 
 impl GuestMemorySlots {
     /// A map version seen as vm-memory's guest memory (no copy).
-    pub fn of(map: &MemslotMap<SlotBacking>) -> &Self {
+    pub fn of(map: &GuestMemoryMap) -> &Self {
         Self::ref_cast(map)
     }
 
     /// The map version underneath.
-    pub fn map(&self) -> &MemslotMap<SlotBacking> {
+    pub fn map(&self) -> &GuestMemoryMap {
         &self.0
     }
 }
