@@ -4,6 +4,7 @@
 //! undo path.
 
 use std::collections::BTreeMap;
+use std::fmt;
 use std::sync::{Mutex, MutexGuard};
 
 use vmm_sys_util::errno::Error as Errno;
@@ -98,6 +99,20 @@ impl FakeKvm {
             log[words - 1] = (1 << (pages % 64)) - 1;
         }
         log
+    }
+}
+
+impl fmt::Debug for FakeKvm {
+    /// The configuration, and the slot count unless the fake is busy (it is never waited for).
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let mut d = f.debug_struct("FakeKvm");
+        d.field("max_slots", &self.max_slots)
+            .field("manual_dirty_log", &self.manual_dirty_log);
+        if let Ok(state) = self.state.try_lock() {
+            d.field("slots", &state.slots.len())
+                .field("set_calls", &state.set_calls);
+        }
+        d.finish_non_exhaustive()
     }
 }
 
@@ -215,6 +230,7 @@ impl KvmMemory for FakeKvm {
     }
 }
 
+#[derive(Debug)]
 struct PlannedFailure {
     call: FakeCall,
     /// Calls of that kind still to succeed before the failing one.
@@ -228,6 +244,18 @@ struct PlannedFailure {
 pub struct Faulty<K> {
     inner: K,
     failure: Mutex<Option<PlannedFailure>>,
+}
+
+impl<K: fmt::Debug> fmt::Debug for Faulty<K> {
+    /// The wrapped KVM, and the planned failure unless a call is checking it.
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let mut d = f.debug_struct("Faulty");
+        d.field("inner", &self.inner);
+        if let Ok(failure) = self.failure.try_lock() {
+            d.field("failure", &*failure);
+        }
+        d.finish_non_exhaustive()
+    }
 }
 
 impl<K: KvmMemory> Faulty<K> {

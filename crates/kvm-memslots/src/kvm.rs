@@ -116,6 +116,7 @@ pub trait KvmMemory: Send + Sync {
 }
 
 /// A real VM's memory-slot ioctls.
+#[derive(Debug)]
 pub struct KvmVm {
     vm: Arc<VmFd>,
     max_slots: u32,

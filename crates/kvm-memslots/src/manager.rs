@@ -1,6 +1,7 @@
 //! The guest-memory manager: regions in a memslot map, mirrored to KVM's slots.
 
 use std::collections::{BTreeMap, BTreeSet};
+use std::fmt;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
@@ -946,6 +947,31 @@ impl<K: KvmMemory> MemoryManager<K> {
             return 0.0;
         }
         usage.bytes_per_slot() + own as f64 / usage.slots as f64
+    }
+}
+
+impl<K: KvmMemory> fmt::Debug for MemoryManager<K> {
+    /// A summary of the published version: slots in use, KVM's number of slots, regions, and
+    /// the change sequence. It does not take the writer lock, so it neither waits for a change
+    /// nor deadlocks inside one.
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let map = self.load();
+        // A region's slots follow each other in guest-address order.
+        let mut regions = 0;
+        let mut last = None;
+        for slot in map.iter() {
+            let region = slot.payload().region();
+            if last != Some(region) {
+                regions += 1;
+                last = Some(region);
+            }
+        }
+        f.debug_struct("MemoryManager")
+            .field("slots", &map.len())
+            .field("max_slots", &self.kvm.max_slots())
+            .field("regions", &regions)
+            .field("change_sequence", &self.change_sequence())
+            .finish_non_exhaustive()
     }
 }
 

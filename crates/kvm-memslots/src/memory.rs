@@ -88,6 +88,16 @@ pub struct RegionMemory {
     shared: bool,
 }
 
+impl fmt::Debug for RegionMemory {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("RegionMemory")
+            .field("host_address", &format_args!("{:#x}", self.host_address()))
+            .field("size", &format_args!("{:#x}", self.size()))
+            .field("shared", &self.shared)
+            .finish()
+    }
+}
+
 impl RegionMemory {
     /// Maps `size` bytes (a multiple of the page size) of `backing`.
     pub fn new(size: u64, backing: &Backing) -> Result<Self, MappingError> {
@@ -214,7 +224,7 @@ impl fmt::Debug for SlotBacking {
 pub type GuestSlotData = Slot<SlotBacking>;
 
 /// One slot seen as a vm-memory `GuestMemoryRegion` (a view of its region's mapping).
-#[derive(RefCast)]
+#[derive(Debug, RefCast)]
 #[repr(transparent)]
 pub struct GuestSlot(GuestSlotData);
 
@@ -287,7 +297,7 @@ impl GuestMemoryRegionBytes for GuestSlot {}
 
 /// One version of the guest's memory map seen as a vm-memory `GuestMemoryBackend`: region
 /// lookups go through the map's O(log n) guest-address index.
-#[derive(RefCast)]
+#[derive(Debug, RefCast)]
 #[repr(transparent)]
 pub struct GuestMemorySlots(MemslotMap<SlotBacking>);
 
@@ -323,7 +333,7 @@ impl GuestMemoryBackend for GuestMemorySlots {
 
 /// A consistent snapshot of guest memory that keeps its version (and every mapping in it)
 /// alive while held. Dereferences to [`GuestMemorySlots`].
-#[derive(Clone)]
+#[derive(Debug, Clone)]
 pub struct GuestMemorySnapshot(Arc<MemslotMap<SlotBacking>>);
 
 impl Deref for GuestMemorySnapshot {
@@ -336,7 +346,7 @@ impl Deref for GuestMemorySnapshot {
 
 /// The handle devices and vCPU threads use to reach guest memory: a vm-memory
 /// `GuestAddressSpace` whose `memory()` is a lock-free snapshot of the current version.
-#[derive(Clone)]
+#[derive(Debug, Clone)]
 pub struct GuestMemoryHandle(pub(crate) Arc<SharedMap<SlotBacking, State>>);
 
 impl GuestAddressSpace for GuestMemoryHandle {

@@ -117,6 +117,16 @@ pub struct LookupHint<P> {
     slot: Option<Arc<Slot<P>>>,
 }
 
+impl<P> fmt::Debug for LookupHint<P> {
+    /// The generation of the version that filled the hint and the id of the slot it holds.
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("LookupHint")
+            .field("generation", &self.generation)
+            .field("slot", &self.slot.as_ref().map(|s| s.id()))
+            .finish()
+    }
+}
+
 impl<P> Default for LookupHint<P> {
     fn default() -> Self {
         LookupHint {

@@ -672,3 +672,18 @@ fn refusals_are_the_callers_errors_and_kvm_failures_are_not() {
     assert_eq!(err.kind(), ErrorKind::Broken, "{err}");
     assert!(!err.is_caller_error());
 }
+
+#[test]
+fn debug_output_summarises_the_manager() {
+    let (m, r) = setup();
+    m.move_region(r, GuestAddress(64 * MIB)).unwrap();
+    assert_eq!(
+        format!("{m:?}"),
+        "MemoryManager { slots: 10, max_slots: 64, regions: 2, change_sequence: 6, .. }"
+    );
+    assert!(
+        format!("{:?}", m.handle()).contains("slots: 10"),
+        "{:?}",
+        m.handle()
+    );
+}
