@@ -10,7 +10,7 @@ use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 use vmm_sys_util::signal::register_signal_handler;
 
 /// What a job gets to see of the loop.
-#[derive(Clone)]
+#[derive(Debug, Clone)]
 pub struct JobContext {
     /// Set when the job should stop early: a signal came. (A vCPU that stops on an error tells
     /// the job through its own channel, which the job sees at its next wait.)
@@ -118,6 +118,14 @@ pub struct EventLoop {
     lifecycle: Arc<Mutex<Lifecycle>>,
     context: JobContext,
     job_done: Arc<EventFd>,
+}
+
+impl std::fmt::Debug for EventLoop {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("EventLoop")
+            .field("context", &self.context)
+            .finish_non_exhaustive()
+    }
 }
 
 impl EventLoop {

@@ -75,9 +75,9 @@ fn kvm_a_vcpu_whose_command_timed_out_takes_no_other() {
     }
     use std::time::Duration;
     use tinyvmm::test_guest::area::{TestArea, AREA_GPA};
-    use tinyvmm::test_guest::vcpus::{Vm, VmError};
+    use tinyvmm::test_guest::vcpus::{GuestError, TestVm};
     use tinyvmm::test_guest::{Command, Op};
-    let vm = Vm::new().expect("VM");
+    let vm = TestVm::new().expect("VM");
     let area = TestArea::add(vm.memory(), AREA_GPA, 64 << 20, 16).expect("area");
     let stopped = Arc::new(EventFd::new(0).expect("eventfd"));
     let mut vcpus = vm.start_vcpus(1, &stopped).expect("vCPU");
@@ -93,7 +93,7 @@ fn kvm_a_vcpu_whose_command_timed_out_takes_no_other() {
     let err = vcpus
         .run(0, write(area.gpa, area.end()))
         .expect_err("times out");
-    assert!(matches!(err, VmError::Timeout { vcpu: 0, .. }), "{err}");
+    assert!(matches!(err, GuestError::Timeout { vcpu: 0, .. }), "{err}");
     vcpus.set_timeout(Duration::from_secs(60));
     // Its late answer must not be taken for the next command's.
     let err = vcpus

@@ -1,6 +1,7 @@
 //! The legacy devices a Linux guest gets: a 16550 serial console (vm-superio) at 0x3f8 on IRQ 4,
 //! and an i8042 whose reset command ends the VM. The exit handler routes ports to them through
-//! the [`PortBus`]; the vCPU threads and the event loop (for console input) share them.
+//! the [`PortBus`] of [`LegacyDevices::bus`]; the vCPU threads and the event loop (for console
+//! input) share them.
 
 use std::io::Write;
 use std::sync::{Mutex, MutexGuard};
@@ -8,7 +9,7 @@ use std::sync::{Mutex, MutexGuard};
 use vm_superio::{I8042Device, Serial, Trigger};
 use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 
-use crate::vm::exit::{PortBus, PortDevice};
+use crate::vm::ports::{PortBus, Unmapped};
 
 /// The serial console's ports.
 pub const SERIAL_PORT: u16 = 0x3f8;
@@ -16,6 +17,15 @@ pub const SERIAL_PORT: u16 = 0x3f8;
 pub const SERIAL_IRQ: u32 = 4;
 /// The i8042's data port; its command port is 4 above.
 pub const I8042_PORT: u16 = 0x60;
+
+/// A legacy device, as the port bus names it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LegacyDevice {
+    /// The 16550 serial console (offsets 0 to 7).
+    Serial,
+    /// The i8042 keyboard controller (offset 0: data port 0x60, offset 4: command port 0x64).
+    I8042,
+}
 
 /// An eventfd as a vm-superio interrupt or reset line.
 #[derive(Debug)]
@@ -66,6 +76,12 @@ impl DeviceError {
     }
 }
 
+impl std::fmt::Debug for LegacyDevices {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("LegacyDevices").finish_non_exhaustive()
+    }
+}
+
 fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
     // A device whose user panicked mid-access is still a device.
     mutex.lock().unwrap_or_else(|p| p.into_inner())
@@ -87,45 +103,48 @@ impl LegacyDevices {
     }
 
     /// A Linux guest's bus: the serial console, the i8042, and absent hardware elsewhere.
-    pub fn bus() -> PortBus {
-        let mut bus = PortBus::new(Some(PortDevice::Absent));
-        bus.insert(SERIAL_PORT, 8, PortDevice::Serial)
+    pub fn bus() -> PortBus<LegacyDevice> {
+        let mut bus = PortBus::new(Unmapped::Absent);
+        bus.insert(SERIAL_PORT, 8, LegacyDevice::Serial)
             .expect("the serial's ports are free");
         // 0x61 (the PIT's speaker port) is the in-kernel PIT's and never exits to here.
-        bus.insert(I8042_PORT, 5, PortDevice::I8042)
+        bus.insert(I8042_PORT, 5, LegacyDevice::I8042)
             .expect("the i8042's ports are free");
         bus
     }
 
     /// The guest reads `data.len()` bytes from `device` at `offset`.
-    pub fn read(&self, device: PortDevice, offset: u16, data: &mut [u8]) {
+    pub fn read(&self, device: LegacyDevice, offset: u16, data: &mut [u8]) {
         data.fill(0xff);
         let Some(first) = data.first_mut() else {
             return;
         };
         let offset = offset as u8;
         *first = match device {
-            PortDevice::Serial => lock(&self.serial).read(offset),
-            PortDevice::I8042 => lock(&self.i8042).read(offset),
-            _ => 0xff,
+            LegacyDevice::Serial => lock(&self.serial).read(offset),
+            LegacyDevice::I8042 => lock(&self.i8042).read(offset),
         };
     }
 
     /// The guest writes `data` to `device` at `offset`; a failure to write the console's output
     /// or to signal a line is reported.
-    pub fn write(&self, device: PortDevice, offset: u16, data: &[u8]) -> Result<(), DeviceIoError> {
+    pub fn write(
+        &self,
+        device: LegacyDevice,
+        offset: u16,
+        data: &[u8],
+    ) -> Result<(), DeviceIoError> {
         let Some(&value) = data.first() else {
             return Ok(());
         };
         let offset = offset as u8;
         match device {
-            PortDevice::Serial => lock(&self.serial)
+            LegacyDevice::Serial => lock(&self.serial)
                 .write(offset, value)
                 .map_err(DeviceIoError::Serial),
-            PortDevice::I8042 => lock(&self.i8042)
+            LegacyDevice::I8042 => lock(&self.i8042)
                 .write(offset, value)
                 .map_err(DeviceIoError::Reset),
-            _ => Ok(()),
         }
     }
 
@@ -150,6 +169,7 @@ impl LegacyDevices {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::vm::ports::PortTarget;
     use std::io;
     use std::sync::Arc;
 
@@ -169,10 +189,10 @@ mod tests {
     #[test]
     fn the_bus_routes_the_serial_and_the_i8042_and_answers_the_rest_as_absent() {
         let bus = LegacyDevices::bus();
-        assert_eq!(bus.find(0x3f8), Some((PortDevice::Serial, 0)));
-        assert_eq!(bus.find(0x3fd), Some((PortDevice::Serial, 5)));
-        assert_eq!(bus.find(0x64), Some((PortDevice::I8042, 4)));
-        assert_eq!(bus.find(0x2f8), Some((PortDevice::Absent, 0)));
+        assert_eq!(bus.find(0x3f8), PortTarget::Device(LegacyDevice::Serial, 0));
+        assert_eq!(bus.find(0x3fd), PortTarget::Device(LegacyDevice::Serial, 5));
+        assert_eq!(bus.find(0x64), PortTarget::Device(LegacyDevice::I8042, 4));
+        assert_eq!(bus.find(0x2f8), PortTarget::Absent);
     }
 
     #[test]
@@ -186,15 +206,15 @@ mod tests {
             reset.try_clone().unwrap(),
         );
         for b in b"ok\n" {
-            devices.write(PortDevice::Serial, 0, &[*b]).unwrap();
+            devices.write(LegacyDevice::Serial, 0, &[*b]).unwrap();
         }
         assert_eq!(&*out.0.lock().unwrap(), b"ok\n");
         assert!(reset.read().is_err(), "no reset yet");
-        devices.write(PortDevice::I8042, 4, &[0xfe]).unwrap();
+        devices.write(LegacyDevice::I8042, 4, &[0xfe]).unwrap();
         assert_eq!(reset.read().unwrap(), 1);
         assert_eq!(devices.console_input(b"x"), 1);
         let mut data = [0u8; 1];
-        devices.read(PortDevice::Serial, 0, &mut data);
+        devices.read(LegacyDevice::Serial, 0, &mut data);
         assert_eq!(data, *b"x");
     }
 }

@@ -4,17 +4,15 @@
 //! the memory map; then the host writes a new pattern and the guest checks it. A slot that KVM
 //! maps to the wrong host memory, or the map to the wrong guest address, fails the run.
 
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use serde::Serialize;
-use vm_memory::{Bytes, GuestAddress};
 use vmm_sys_util::eventfd::EventFd;
 
-use crate::test_guest::area::{AreaError, TestArea, AREA_GPA};
-use crate::test_guest::vcpus::{expect_pattern, Vcpus, Vm, VmError};
-use crate::test_guest::{pattern, Command, Op};
+use crate::test_guest::area::{check_area, AreaError, TestArea, AREA_GPA};
+use crate::test_guest::vcpus::{GuestError, TestVm};
 
 /// What to run.
 #[derive(Debug, Clone, Copy)]
@@ -32,7 +30,7 @@ pub struct CheckConfig {
 pub enum CheckError {
     /// The VM failed.
     #[error(transparent)]
-    Vm(#[from] VmError),
+    Vm(#[from] GuestError),
     /// The test area could not be made.
     #[error(transparent)]
     Area(#[from] AreaError),
@@ -44,20 +42,6 @@ pub enum CheckError {
         /// KVM's limit.
         max: usize,
     },
-    /// Writing guest memory from the host failed.
-    #[error("host write at {gpa:#x} failed: {source}")]
-    Write {
-        /// The address.
-        gpa: u64,
-        /// vm-memory's error.
-        source: vm_memory::GuestMemoryError,
-    },
-    /// The run was interrupted (a signal).
-    #[error("interrupted")]
-    Interrupted,
-    /// The VM's vCPUs are stopping.
-    #[error("the VM is shutting down")]
-    ShuttingDown,
 }
 
 /// What a check run did.
@@ -95,7 +79,7 @@ pub fn run_check(
     stop: &AtomicBool,
     stopped: &Arc<EventFd>,
 ) -> Result<CheckReport, CheckError> {
-    let vm = Vm::new()?;
+    let vm = TestVm::new()?;
     let max = vm.max_slots();
     if config.slots < 2 || config.slots > max {
         return Err(CheckError::SlotCount {
@@ -130,74 +114,6 @@ pub fn run_check(
         guest_check,
         manager_bytes_per_slot: vm.memory().bytes_per_slot(),
     })
-}
-
-/// The first and last u64 of every slot.
-fn addresses(area: &TestArea) -> impl Iterator<Item = u64> + '_ {
-    (0..area.slots).flat_map(|i| [area.slot_gpa(i), area.slot_gpa(i + 1) - 8])
-}
-
-/// Runs `op` with `seed` on both ends of every slot, the slots shared among the vCPUs.
-fn guest_pass(vcpus: &mut Vcpus, area: &TestArea, op: Op, seed: u64) -> Result<Duration, VmError> {
-    let start = Instant::now();
-    for offset in [0, area.slot_size - 8] {
-        for v in 0..vcpus.count() {
-            let (first, last) = area.share(v, vcpus.count());
-            vcpus.start(
-                v,
-                Command {
-                    op,
-                    start: area.slot_gpa(first) + offset,
-                    end: area.slot_gpa(last),
-                    stride: area.slot_size,
-                    seed,
-                },
-            );
-        }
-        for v in 0..vcpus.count() {
-            vcpus.wait(v)?;
-        }
-    }
-    Ok(start.elapsed())
-}
-
-/// How long each step of [`check_area`] took: guest write, host check, host write, guest check.
-pub type Times = (Duration, Duration, Duration, Duration);
-
-/// Checks every slot of `area` both ways: the guest writes both ends of every slot and the host
-/// reads them through the memory map, then the host writes a new pattern and the guest checks
-/// it. `stop` interrupts between steps.
-pub fn check_area(
-    vm: &Vm,
-    vcpus: &mut Vcpus,
-    area: &TestArea,
-    stop: &AtomicBool,
-) -> Result<Times, CheckError> {
-    let interrupted = || stop.load(Ordering::Acquire);
-    let guest_seed = 0x5eed_0000_6e57_0001;
-    let guest_write = guest_pass(vcpus, area, Op::Write, guest_seed)?;
-    if interrupted() {
-        return Err(CheckError::Interrupted);
-    }
-    let memory = vm.memory().snapshot();
-    let start = Instant::now();
-    for gpa in addresses(area) {
-        expect_pattern(&*memory, gpa, guest_seed)?;
-    }
-    let host_check = start.elapsed();
-    if interrupted() {
-        return Err(CheckError::Interrupted);
-    }
-    let host_seed = 0x5eed_0000_4057_0002;
-    let start = Instant::now();
-    for gpa in addresses(area) {
-        memory
-            .write_obj(pattern(gpa, host_seed), GuestAddress(gpa))
-            .map_err(|source| CheckError::Write { gpa, source })?;
-    }
-    let host_write = start.elapsed();
-    let guest_check = guest_pass(vcpus, area, Op::Verify, host_seed)?;
-    Ok((guest_write, host_check, host_write, guest_check))
 }
 
 impl std::fmt::Display for CheckReport {

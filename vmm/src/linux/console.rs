@@ -1,222 +1,18 @@
-//! Running a Linux guest: its vCPU threads (exits go through the pure exit handler and the port
-//! bus) and the event-loop subscriber for the console's input and the i8042's reset line.
+//! The event loop's side of a Linux guest: console input from the host's terminal into the
+//! serial FIFO, the i8042's reset line, and the terminal in raw mode while it is the console.
 
 use std::os::fd::{AsRawFd, RawFd};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
-use std::time::Duration;
 
 use event_manager::{EventOps, EventSet, Events, MutEventSubscriber};
-use kvm_ioctls::VcpuFd;
-use kvm_memslots::{GuestMemorySlots, KvmVm, MemoryManager};
-use vm_memory::Bytes;
 use vmm_sys_util::eventfd::EventFd;
 
-use crate::devices::legacy::{DeviceIoError, LegacyDevices};
-use crate::vm::exit::{handle_exit, Action, Exit, ExitContext, ExitError, PortBus};
-
-/// Why a Linux guest's vCPU stopped, other than by the host's request.
-#[derive(Debug, thiserror::Error)]
-pub enum GuestStop {
-    /// `KVM_EXIT_INTERNAL_ERROR`: on this host's kvm_pvm, the emulator met an instruction it
-    /// does not have.
-    #[error("vCPU {vcpu} at rip {rip:#x} (KVM suberror {suberror}): {error}", error = ExitError::InternalError)]
-    HostLimitation {
-        /// The vCPU.
-        vcpu: u8,
-        /// The guest's instruction pointer.
-        rip: u64,
-        /// KVM's `internal.suberror` (1: emulation failure).
-        suberror: u32,
-    },
-    /// The guest triple-faulted (or a reset by triple fault, `reboot=t`).
-    #[error("vCPU {vcpu}: the guest shut down (triple fault) at rip {rip:#x}")]
-    TripleFault {
-        /// The vCPU.
-        vcpu: u8,
-        /// Its instruction pointer.
-        rip: u64,
-    },
-    /// The exit handler gave up.
-    #[error("vCPU {vcpu}: {error}")]
-    Exit {
-        /// The vCPU.
-        vcpu: u8,
-        /// Why.
-        error: ExitError,
-    },
-    /// `KVM_RUN` failed.
-    #[error("vCPU {vcpu}: KVM_RUN failed: {source}")]
-    Run {
-        /// The vCPU.
-        vcpu: u8,
-        /// The kernel's error.
-        source: kvm_ioctls::Error,
-    },
-    /// A device failed.
-    #[error("vCPU {vcpu}: {source}")]
-    Device {
-        /// The vCPU.
-        vcpu: u8,
-        /// The device's error.
-        source: DeviceIoError,
-    },
-    /// Finishing an access against memory failed.
-    #[error("vCPU {vcpu}: finishing an access at {gpa:#x} against memory failed: {source}")]
-    Memory {
-        /// The vCPU.
-        vcpu: u8,
-        /// The address.
-        gpa: u64,
-        /// vm-memory's error.
-        source: vm_memory::GuestMemoryError,
-    },
-}
-
-/// A vCPU of a Linux guest, ready to run on its own thread.
-pub struct LinuxVcpu {
-    /// Its index (and APIC ID).
-    pub index: u8,
-    /// KVM's vCPU, set up.
-    pub fd: VcpuFd,
-    /// The guest's memory.
-    pub memory: Arc<MemoryManager<KvmVm>>,
-    /// The devices.
-    pub devices: Arc<LegacyDevices>,
-    /// The port bus.
-    pub bus: Arc<PortBus>,
-    /// Set by the host to stop the vCPU at its next exit.
-    pub stop: Arc<AtomicBool>,
-    /// Signalled when the vCPU stops, for the event loop.
-    pub stopped: Arc<EventFd>,
-}
-
-impl LinuxVcpu {
-    /// Runs the guest until the host stops the vCPU (`Ok`) or the guest stops it.
-    pub fn run(mut self) -> Result<(), GuestStop> {
-        let result = self.run_loop();
-        let _ = self.stopped.write(1);
-        result
-    }
-
-    fn rip(&self) -> u64 {
-        self.fd.get_regs().map(|r| r.rip).unwrap_or(u64::MAX)
-    }
-
-    fn run_loop(&mut self) -> Result<(), GuestStop> {
-        let vcpu = self.index;
-        loop {
-            if self.stop.load(Ordering::Acquire) {
-                return Ok(());
-            }
-            let sequence_at_entry = self.memory.change_sequence();
-            let (exit, read_buffer) =
-                Exit::from_kvm(self.fd.run()).map_err(|source| GuestStop::Run { vcpu, source })?;
-            let mmio = matches!(exit, Exit::MmioRead { .. } | Exit::MmioWrite { .. });
-            let (map, action) = loop {
-                // The sequence first, then the map, then the sequence again (see the test
-                // guest's vCPU loop); `load` borrows the version without cloning it.
-                let sequence_now = self.memory.change_sequence();
-                let map = self.memory.load();
-                if mmio && self.memory.change_sequence() != sequence_now {
-                    continue;
-                }
-                let ctx = ExitContext {
-                    memory: &map,
-                    sequence_at_entry,
-                    sequence_now,
-                    expected_mmio: None,
-                    ports: &self.bus,
-                };
-                match handle_exit(&exit, &ctx) {
-                    Action::WaitForChange => {
-                        // A slot is away for a moment: wait for the change, then handle the
-                        // exit again against the map as it is afterwards.
-                        drop(map);
-                        while self.memory.change_sequence() % 2 == 1 {
-                            if self.stop.load(Ordering::Acquire) {
-                                return Ok(());
-                            }
-                            std::thread::sleep(Duration::from_micros(20));
-                        }
-                    }
-                    action => break (map, action),
-                }
-            };
-            let guest_memory = GuestMemorySlots::of(&map);
-            let device_error = |source| GuestStop::Device { vcpu, source };
-            match action {
-                Action::Resume | Action::CountExpected | Action::DropReadOnlyWrite => {}
-                Action::DeviceWrite { device, offset } => {
-                    if let Exit::IoOut { data, .. } = exit {
-                        self.devices
-                            .write(device, offset, data)
-                            .map_err(device_error)?;
-                    }
-                }
-                Action::DeviceRead { device, offset } => {
-                    if let Some(buffer) = read_buffer {
-                        self.devices.read(device, offset, buffer);
-                    }
-                }
-                Action::ReadAllOnes => {
-                    if let Some(buffer) = read_buffer {
-                        buffer.fill(0xff);
-                    }
-                }
-                Action::WaitForChange => unreachable!("waited for above"),
-                Action::WriteMemory { gpa, data } => {
-                    guest_memory
-                        .write_slice(&data, gpa)
-                        .map_err(|source| GuestStop::Memory {
-                            vcpu,
-                            gpa: gpa.0,
-                            source,
-                        })?
-                }
-                Action::ReadMemory { gpa, len } => {
-                    if let Some(buffer) = read_buffer {
-                        guest_memory
-                            .read_slice(&mut buffer[..len], gpa)
-                            .map_err(|source| GuestStop::Memory {
-                                vcpu,
-                                gpa: gpa.0,
-                                source,
-                            })?;
-                    }
-                }
-                Action::Fatal(ExitError::InternalError) => {
-                    let kvm_run = self.fd.get_kvm_run();
-                    // SAFETY: the exit reason is KVM_EXIT_INTERNAL_ERROR, for which KVM fills
-                    // the `internal` member of the union; reading a u32 of it is always defined.
-                    let suberror = unsafe { kvm_run.__bindgen_anon_1.internal.suberror };
-                    return Err(GuestStop::HostLimitation {
-                        vcpu,
-                        rip: self.rip(),
-                        suberror,
-                    });
-                }
-                Action::Fatal(ExitError::Shutdown) => {
-                    return Err(GuestStop::TripleFault {
-                        vcpu,
-                        rip: self.rip(),
-                    })
-                }
-                Action::Fatal(error) => return Err(GuestStop::Exit { vcpu, error }),
-                // The protocol ports of the test guest are not on a Linux guest's bus.
-                Action::CommandDone | Action::GuestExit | Action::GuestFault => {
-                    return Err(GuestStop::Exit {
-                        vcpu,
-                        error: ExitError::Other("a test-guest protocol port on a Linux guest"),
-                    })
-                }
-            }
-        }
-    }
-}
+use crate::devices::legacy::LegacyDevices;
 
 /// The event loop's part of a Linux guest: console input from the host's terminal into the
 /// serial FIFO, and the i8042's reset line.
+#[derive(Debug)]
 pub struct ConsoleSubscriber {
     /// The devices.
     pub devices: Arc<LegacyDevices>,
@@ -278,6 +74,14 @@ impl MutEventSubscriber for ConsoleSubscriber {
 pub struct RawTerminal {
     fd: RawFd,
     saved: libc::termios,
+}
+
+impl std::fmt::Debug for RawTerminal {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RawTerminal")
+            .field("fd", &self.fd)
+            .finish_non_exhaustive()
+    }
 }
 
 impl RawTerminal {

@@ -125,7 +125,7 @@ pub fn lines_in_log(log: &str, prefix: &str) -> Vec<String> {
 mod tests {
     use super::*;
     use kvm_memslots::RegionId;
-    use memslot_map::{HostAddress, SlotFlags};
+    use kvm_memslots::{HostAddress, SlotFlags};
     use vm_memory::GuestAddress;
 
     fn region(gpa: u64, size: u64) -> RegionInfo {

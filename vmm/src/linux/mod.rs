@@ -10,12 +10,13 @@
 //! timeout. See `docs/BOOT.md`.
 
 pub mod config;
+pub mod console;
 pub mod cpu;
 pub mod e820;
 pub mod layout;
 pub mod loader;
 pub mod mptable;
-pub mod run;
+pub mod ports;
 
 use std::os::fd::AsRawFd;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -23,19 +24,19 @@ use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use crate::vm::vcpu::{install_kick_handler, kick_until_finished};
-use kvm_bindings::{kvm_pit_config, KVM_PIT_SPEAKER_DUMMY};
-use kvm_ioctls::Kvm;
-use kvm_memslots::{KvmVm, MemoryManager, RegionSpec};
+use crate::vm::vcpu::{kick_until_finished, Vcpu, VcpuShared};
+use crate::vm::{Vm, VmError, VmOptions};
+use kvm_memslots::RegionSpec;
 
 pub use config::{BootConfig, BootProtocol, ConfigError};
 pub use e820::{E820Entry, E820Kind};
 pub use loader::{KernelFormat, LoadError};
-pub use run::GuestStop;
+pub use ports::GuestStop;
 
 use crate::devices::legacy::{ConsoleOutput, DeviceError, LegacyDevices, SERIAL_IRQ};
 use crate::lifecycle::{EventLoop, LoopError};
-use run::{ConsoleSubscriber, LinuxVcpu, RawTerminal};
+use console::{ConsoleSubscriber, RawTerminal};
+use ports::LinuxPorts;
 
 /// Why a boot could not start (or the VMM failed while it ran).
 #[derive(Debug, thiserror::Error)]
@@ -43,17 +44,9 @@ pub enum BootError {
     /// The configuration is not valid.
     #[error(transparent)]
     Config(#[from] ConfigError),
-    /// `/dev/kvm` could not be opened.
-    #[error("cannot open /dev/kvm: {0}")]
-    Kvm(kvm_ioctls::Error),
-    /// A KVM ioctl of the set-up failed.
-    #[error("{what} failed: {source}")]
-    Setup {
-        /// What was being set up.
-        what: &'static str,
-        /// The kernel's error.
-        source: kvm_ioctls::Error,
-    },
+    /// Creating or setting up the VM failed.
+    #[error(transparent)]
+    Vm(#[from] VmError),
     /// The memory manager refused the RAM.
     #[error("giving the guest its RAM failed: {0}")]
     Memory(#[from] kvm_memslots::Error),
@@ -76,7 +69,7 @@ pub enum BootError {
     #[error("starting vCPU thread {vcpu} failed: {source}")]
     Thread {
         /// The vCPU.
-        vcpu: u8,
+        vcpu: usize,
         /// The system's error.
         source: std::io::Error,
     },
@@ -182,6 +175,15 @@ pub struct Console {
     pub stop: Option<Arc<AtomicBool>>,
 }
 
+impl std::fmt::Debug for Console {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Console")
+            .field("stdin", &self.stdin)
+            .field("stop", &self.stop)
+            .finish_non_exhaustive()
+    }
+}
+
 /// Boots `config`'s kernel and runs it until it resets, a vCPU stops, a signal or the timeout.
 /// `on_start` sees the report (ending aside) just before the vCPUs start.
 pub fn boot(
@@ -196,23 +198,8 @@ pub fn boot(
         stdin,
         stop: stop_request,
     } = console;
-    let setup = |what| move |source| BootError::Setup { what, source };
-    let kvm = Kvm::new().map_err(BootError::Kvm)?;
-    let vm = Arc::new(kvm.create_vm().map_err(setup("KVM_CREATE_VM"))?);
-    // Intel's VMX needs three pages for real mode's TSS below 4 GiB; in the MMIO gap.
-    vm.set_tss_address(0xfffb_d000)
-        .map_err(setup("KVM_SET_TSS_ADDR"))?;
-    // The irqchip (PIC, IOAPIC, local APICs) comes before any vCPU.
-    vm.create_irq_chip().map_err(setup("KVM_CREATE_IRQCHIP"))?;
-    let pit = kvm_pit_config {
-        flags: KVM_PIT_SPEAKER_DUMMY,
-        ..Default::default()
-    };
-    vm.create_pit2(pit).map_err(setup("KVM_CREATE_PIT2"))?;
-
-    let kvm_vm =
-        KvmVm::new(&kvm, Arc::clone(&vm)).map_err(setup("enabling dirty-log protection"))?;
-    let memory = Arc::new(MemoryManager::new(kvm_vm));
+    let vm = Vm::new(VmOptions { irqchip: true })?;
+    let memory = vm.memory();
     for region in layout::ram_regions(config) {
         memory.add_region(
             RegionSpec::new(region.gpa, region.size).with_slot_size(region.slot_size),
@@ -235,8 +222,9 @@ pub fn boot(
 
     let serial_irq = LegacyDevices::eventfd("serial interrupt")?;
     let reset = LegacyDevices::eventfd("i8042 reset")?;
-    vm.register_irqfd(&serial_irq, SERIAL_IRQ)
-        .map_err(setup("KVM_IRQFD for the serial console"))?;
+    vm.fd()
+        .register_irqfd(&serial_irq, SERIAL_IRQ)
+        .map_err(VmError::setup("KVM_IRQFD for the serial console"))?;
     let devices = Arc::new(LegacyDevices::new(
         output,
         serial_irq,
@@ -261,22 +249,20 @@ pub fn boot(
         input: terminal.as_ref().map(|_| std::io::stdin().as_raw_fd()),
     })));
 
-    install_kick_handler();
-    let stop = Arc::new(AtomicBool::new(false));
+    let ports = LinuxPorts {
+        devices: Arc::clone(&devices),
+        bus,
+    };
     let mut vcpus = Vec::new();
     for index in 0..config.vcpus {
-        let fd = vm
-            .create_vcpu(u64::from(index))
-            .map_err(setup("KVM_CREATE_VCPU"))?;
-        cpu::setup_vcpu(&kvm, &fd, index, config.vcpus, loaded.entry)?;
-        vcpus.push(LinuxVcpu {
-            index,
+        let fd = vm.create_vcpu(usize::from(index))?;
+        cpu::setup_vcpu(vm.kvm(), &fd, index, config.vcpus, loaded.entry)?;
+        vcpus.push(Vcpu {
+            index: usize::from(index),
             fd,
-            memory: Arc::clone(&memory),
-            devices: Arc::clone(&devices),
-            bus: Arc::clone(&bus),
-            stop: Arc::clone(&stop),
-            stopped: Arc::clone(&stopped),
+            memory: Arc::clone(memory),
+            shared: Arc::new(VcpuShared::default()),
+            ports: ports.clone(),
         });
     }
 
@@ -294,16 +280,14 @@ pub fn boot(
     };
     on_start(&report);
 
-    let mut threads: Vec<JoinHandle<Result<(), GuestStop>>> = Vec::new();
+    let mut threads: Vec<VcpuThread> = Vec::new();
     for vcpu in vcpus {
         let index = vcpu.index;
-        match std::thread::Builder::new()
-            .name(format!("vcpu{index}"))
-            .spawn(move || vcpu.run())
-        {
-            Ok(thread) => threads.push(thread),
+        let shared = Arc::clone(&vcpu.shared);
+        match vcpu.spawn(Arc::clone(&stopped), |outcome| outcome) {
+            Ok(thread) => threads.push((thread, shared)),
             Err(source) => {
-                stop_vcpus(&stop, threads);
+                stop_vcpus(threads);
                 return Err(BootError::Thread {
                     vcpu: index,
                     source,
@@ -335,8 +319,8 @@ pub fn boot(
         {
             break BootEnding::Stopped;
         }
-        if let Some(at) = threads.iter().position(|t| t.is_finished()) {
-            let thread = threads.swap_remove(at);
+        if let Some(at) = threads.iter().position(|(t, _)| t.is_finished()) {
+            let (thread, _) = threads.swap_remove(at);
             match thread.join() {
                 Ok(Err(stop)) => break BootEnding::GuestStopped(stop),
                 // A vCPU that stopped without an error was asked to: keep going.
@@ -351,17 +335,22 @@ pub fn boot(
             break BootEnding::Timeout;
         }
     };
-    stop_vcpus(&stop, threads);
+    stop_vcpus(threads);
     devices.flush();
     drop(terminal);
     report.ending = ending;
     Ok(report)
 }
 
+/// A Linux vCPU's thread and what it shares with the host.
+type VcpuThread = (JoinHandle<Result<(), GuestStop>>, Arc<VcpuShared>);
+
 /// Stops every vCPU thread (a flag, then kicks out of `KVM_RUN`) and joins them.
-fn stop_vcpus(stop: &AtomicBool, threads: Vec<JoinHandle<Result<(), GuestStop>>>) {
-    stop.store(true, Ordering::Release);
-    for thread in threads {
+fn stop_vcpus(threads: Vec<VcpuThread>) {
+    for (_, shared) in &threads {
+        shared.request_stop();
+    }
+    for (thread, _) in threads {
         // Its outcome no longer matters: the run's ending is decided. A vCPU that does not
         // leave the guest within 10 s is left behind rather than waited for forever.
         if kick_until_finished(&thread, Duration::from_secs(10)) {

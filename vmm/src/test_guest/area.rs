@@ -1,8 +1,15 @@
 //! The test area: one region of guest memory split evenly into many KVM slots, as the kernel's
-//! memslot tests lay it out (512 MiB at 256 MiB by default).
+//! memslot tests lay it out (512 MiB at 256 MiB by default), and the two-way check of every
+//! slot in it that the check job and the API's new regions use.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
 
 use kvm_memslots::{KvmMemory, MemoryManager, RegionId, RegionSpec, PAGE_SIZE};
-use vm_memory::GuestAddress;
+use vm_memory::{Bytes, GuestAddress};
+
+use super::vcpus::{expect_pattern, GuestError, TestVm, Vcpus};
+use super::{pattern, Command, Op};
 
 /// Where the test area starts, as in the kernel's memslot_perf_test.
 pub const AREA_GPA: u64 = 256 << 20;
@@ -79,4 +86,77 @@ impl TestArea {
         let (vcpu, vcpus) = (vcpu as u64, vcpus as u64);
         (self.slots * vcpu / vcpus, self.slots * (vcpu + 1) / vcpus)
     }
+}
+
+/// The first and last u64 of every slot.
+fn addresses(area: &TestArea) -> impl Iterator<Item = u64> + '_ {
+    (0..area.slots).flat_map(|i| [area.slot_gpa(i), area.slot_gpa(i + 1) - 8])
+}
+
+/// Runs `op` with `seed` on both ends of every slot, the slots shared among the vCPUs.
+fn guest_pass(
+    vcpus: &mut Vcpus,
+    area: &TestArea,
+    op: Op,
+    seed: u64,
+) -> Result<Duration, GuestError> {
+    let start = Instant::now();
+    for offset in [0, area.slot_size - 8] {
+        for v in 0..vcpus.count() {
+            let (first, last) = area.share(v, vcpus.count());
+            vcpus.start(
+                v,
+                Command {
+                    op,
+                    start: area.slot_gpa(first) + offset,
+                    end: area.slot_gpa(last),
+                    stride: area.slot_size,
+                    seed,
+                },
+            );
+        }
+        for v in 0..vcpus.count() {
+            vcpus.wait(v)?;
+        }
+    }
+    Ok(start.elapsed())
+}
+
+/// How long each step of [`check_area`] took: guest write, host check, host write, guest check.
+pub type Times = (Duration, Duration, Duration, Duration);
+
+/// Checks every slot of `area` both ways: the guest writes both ends of every slot and the host
+/// reads them through the memory map, then the host writes a new pattern and the guest checks
+/// it. `stop` interrupts between steps.
+pub fn check_area(
+    vm: &TestVm,
+    vcpus: &mut Vcpus,
+    area: &TestArea,
+    stop: &AtomicBool,
+) -> Result<Times, GuestError> {
+    let interrupted = || stop.load(Ordering::Acquire);
+    let guest_seed = 0x5eed_0000_6e57_0001;
+    let guest_write = guest_pass(vcpus, area, Op::Write, guest_seed)?;
+    if interrupted() {
+        return Err(GuestError::Interrupted);
+    }
+    let memory = vm.memory().snapshot();
+    let start = Instant::now();
+    for gpa in addresses(area) {
+        expect_pattern(&*memory, gpa, guest_seed)?;
+    }
+    let host_check = start.elapsed();
+    if interrupted() {
+        return Err(GuestError::Interrupted);
+    }
+    let host_seed = 0x5eed_0000_4057_0002;
+    let start = Instant::now();
+    for gpa in addresses(area) {
+        memory
+            .write_obj(pattern(gpa, host_seed), GuestAddress(gpa))
+            .map_err(|source| GuestError::HostWrite { gpa, source })?;
+    }
+    let host_write = start.elapsed();
+    let guest_check = guest_pass(vcpus, area, Op::Verify, host_seed)?;
+    Ok((guest_write, host_check, host_write, guest_check))
 }

@@ -1,36 +1,26 @@
-//! A VM running the test guest: KVM, its memory (through kvm-memslots) and vCPU threads, and
-//! the host's side of the guest's command protocol.
+//! A VM running the test guest: the generic VM with the guest's system region, its vCPU
+//! threads on the shared exit loop, and the host's side of the command protocol.
 
-use std::sync::atomic::Ordering;
 use std::sync::mpsc::{channel, Receiver, RecvTimeoutError, Sender};
 use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::Duration;
 
-use kvm_ioctls::{Kvm, VmFd};
 use kvm_memslots::{KvmVm, MemoryManager, RegionId, RegionSpec};
 use vm_memory::GuestAddress;
 use vmm_sys_util::eventfd::EventFd;
 
+use super::ports::{TestGuestPorts, VcpuError, VcpuEvent};
 use crate::test_guest::{self, Command, CommandBlock, Op, Outcome};
-use crate::vm::vcpu::{
-    install_kick_handler, kick_until_finished, Vcpu, VcpuError, VcpuEvent, VcpuShared,
-};
+use crate::vm::vcpu::{kick_until_finished, Vcpu, VcpuShared};
+use crate::vm::{Vm, VmError, VmOptions};
 
-/// Why the VM could not be set up or driven.
+/// Why the test guest's VM could not be set up or driven.
 #[derive(Debug, thiserror::Error)]
-pub enum VmError {
-    /// `/dev/kvm` could not be opened.
-    #[error("cannot open /dev/kvm: {0}")]
-    Kvm(kvm_ioctls::Error),
-    /// A KVM ioctl of the set-up failed.
-    #[error("{what} failed: {source}")]
-    Setup {
-        /// What was being set up.
-        what: &'static str,
-        /// The kernel's error.
-        source: kvm_ioctls::Error,
-    },
+pub enum GuestError {
+    /// Creating or setting up the VM failed.
+    #[error(transparent)]
+    Vm(#[from] VmError),
     /// The memory manager refused.
     #[error(transparent)]
     Memory(#[from] kvm_memslots::Error),
@@ -43,6 +33,14 @@ pub enum VmError {
     /// A vCPU stopped on an error.
     #[error(transparent)]
     Vcpu(#[from] VcpuError),
+    /// A vCPU thread could not be started.
+    #[error("starting vCPU thread {vcpu} failed: {source}")]
+    Thread {
+        /// The vCPU.
+        vcpu: usize,
+        /// The system's error.
+        source: std::io::Error,
+    },
     /// The guest did not finish a command in time.
     #[error("vCPU {vcpu}: no answer from the guest within {timeout:?} to {op:?}")]
     Timeout {
@@ -83,6 +81,17 @@ pub enum VmError {
         /// vm-memory's error.
         source: vm_memory::GuestMemoryError,
     },
+    /// The host could not write guest memory.
+    #[error("host write at {gpa:#x} failed: {source}")]
+    HostWrite {
+        /// The address.
+        gpa: u64,
+        /// vm-memory's error.
+        source: vm_memory::GuestMemoryError,
+    },
+    /// A signal asked the job to stop between two steps.
+    #[error("interrupted")]
+    Interrupted,
     /// The host read back something other than what the guest wrote.
     #[error("host found {found:#x} at {gpa:#x} where the guest had written {expected:#x}")]
     HostSawWrongData {
@@ -100,14 +109,14 @@ pub fn expect_pattern(
     memory: &impl vm_memory::GuestMemory,
     gpa: u64,
     seed: u64,
-) -> Result<(), VmError> {
+) -> Result<(), GuestError> {
     use vm_memory::Bytes;
     let found: u64 = memory
         .read_obj(GuestAddress(gpa))
-        .map_err(|source| VmError::HostRead { gpa, source })?;
+        .map_err(|source| GuestError::HostRead { gpa, source })?;
     let expected = test_guest::pattern(gpa, seed);
     if found != expected {
-        return Err(VmError::HostSawWrongData {
+        return Err(GuestError::HostSawWrongData {
             gpa,
             found,
             expected,
@@ -116,43 +125,34 @@ pub fn expect_pattern(
     Ok(())
 }
 
-/// The VM: KVM, guest memory with the system region in place, and the test guest's code.
-pub struct Vm {
-    kvm: Kvm,
-    fd: Arc<VmFd>,
-    memory: Arc<MemoryManager<KvmVm>>,
+/// The test guest's VM: the generic VM with the system region in place and the guest's code
+/// and tables in it.
+#[derive(Debug)]
+pub struct TestVm {
+    vm: Vm,
     system: RegionId,
 }
 
-impl Vm {
+impl TestVm {
     /// Creates the VM and its system region (guest address 0, one slot: tables, code, stacks,
     /// command blocks).
-    pub fn new() -> Result<Self, VmError> {
-        let kvm = Kvm::new().map_err(VmError::Kvm)?;
-        let fd = Arc::new(kvm.create_vm().map_err(|source| VmError::Setup {
-            what: "KVM_CREATE_VM",
-            source,
-        })?);
-        let kvm_vm = KvmVm::new(&kvm, Arc::clone(&fd)).map_err(|source| VmError::Setup {
-            what: "enabling manual dirty-log protection",
-            source,
-        })?;
-        let memory = Arc::new(MemoryManager::new(kvm_vm));
+    pub fn new() -> Result<Self, GuestError> {
+        let vm = Vm::new(VmOptions::default())?;
+        let memory = vm.memory();
         let system =
             memory.add_region(RegionSpec::new(GuestAddress(0), test_guest::SYSTEM_SIZE))?;
         test_guest::write_system_memory(&*memory.snapshot())?;
-        install_kick_handler();
-        Ok(Vm {
-            kvm,
-            fd,
-            memory,
-            system,
-        })
+        Ok(TestVm { vm, system })
+    }
+
+    /// The generic VM.
+    pub fn vm(&self) -> &Vm {
+        &self.vm
     }
 
     /// The guest's memory.
     pub fn memory(&self) -> &Arc<MemoryManager<KvmVm>> {
-        &self.memory
+        self.vm.memory()
     }
 
     /// The system region.
@@ -162,47 +162,54 @@ impl Vm {
 
     /// KVM's number of memory slots.
     pub fn max_slots(&self) -> usize {
-        self.kvm.get_nr_memslots()
+        self.vm.max_slots()
     }
 
     /// Creates `count` vCPUs in the guest's boot state and starts their threads; returns once
     /// each guest reported ready.
-    pub fn start_vcpus(&self, count: usize, stopped: &Arc<EventFd>) -> Result<Vcpus, VmError> {
+    pub fn start_vcpus(&self, count: usize, stopped: &Arc<EventFd>) -> Result<Vcpus, GuestError> {
         if count == 0 || count > test_guest::MAX_VCPUS {
-            return Err(VmError::TooManyVcpus(count));
+            return Err(GuestError::TooManyVcpus(count));
         }
-        let setup = |what| move |source| VmError::Setup { what, source };
+        let memory = self.vm.memory();
         let mut vcpus = Vcpus {
-            memory: Arc::clone(&self.memory),
+            memory: Arc::clone(memory),
             threads: Vec::new(),
             timeout: Duration::from_secs(120),
         };
         for index in 0..count {
-            let fd = self
-                .fd
-                .create_vcpu(index as u64)
-                .map_err(setup("KVM_CREATE_VCPU"))?;
-            let sregs = fd.get_sregs().map_err(setup("KVM_GET_SREGS"))?;
+            let fd = self.vm.create_vcpu(index)?;
+            let sregs = fd.get_sregs().map_err(VmError::setup("KVM_GET_SREGS"))?;
             fd.set_sregs(&test_guest::boot_sregs(sregs))
-                .map_err(setup("KVM_SET_SREGS"))?;
+                .map_err(VmError::setup("KVM_SET_SREGS"))?;
             fd.set_regs(&test_guest::boot_regs(index))
-                .map_err(setup("KVM_SET_REGS"))?;
+                .map_err(VmError::setup("KVM_SET_REGS"))?;
             let (events_tx, events) = channel();
             let (resume, resume_rx) = channel();
             let shared = Arc::new(VcpuShared::default());
             let vcpu = Vcpu {
                 index,
                 fd,
-                memory: Arc::clone(&self.memory),
+                memory: Arc::clone(memory),
                 shared: Arc::clone(&shared),
-                events: events_tx,
-                resume: resume_rx,
-                stopped: Arc::clone(stopped),
+                ports: TestGuestPorts {
+                    events: events_tx.clone(),
+                    resume: resume_rx,
+                    memory: Arc::clone(memory),
+                },
             };
-            let thread = std::thread::Builder::new()
-                .name(format!("vcpu{index}"))
-                .spawn(move || vcpu.run())
-                .expect("spawning a vCPU thread");
+            let thread = vcpu
+                .spawn(Arc::clone(stopped), move |outcome| {
+                    // The host may have gone already; nothing is left to tell then.
+                    let _ = events_tx.send(match outcome {
+                        Ok(()) => VcpuEvent::Stopped,
+                        Err(e) => VcpuEvent::Failed(e),
+                    });
+                })
+                .map_err(|source| GuestError::Thread {
+                    vcpu: index,
+                    source,
+                })?;
             vcpus.threads.push(VcpuThread {
                 thread: Some(thread),
                 shared,
@@ -221,6 +228,7 @@ impl Vm {
     }
 }
 
+#[derive(Debug)]
 struct VcpuThread {
     thread: Option<JoinHandle<()>>,
     shared: Arc<VcpuShared>,
@@ -237,6 +245,7 @@ struct VcpuThread {
 }
 
 /// The running vCPUs, and the host's side of the command protocol.
+#[derive(Debug)]
 pub struct Vcpus {
     memory: Arc<MemoryManager<KvmVm>>,
     threads: Vec<VcpuThread>,
@@ -288,15 +297,15 @@ impl Vcpus {
         self.threads[index].block.passes(&*self.memory.snapshot())
     }
 
-    fn wait_event(&mut self, index: usize, op: Op) -> Result<(), VmError> {
+    fn wait_event(&mut self, index: usize, op: Op) -> Result<(), GuestError> {
         let timeout = self.timeout;
         match self.threads[index].events.recv_timeout(timeout) {
             Ok(VcpuEvent::Done) => Ok(()),
             Ok(VcpuEvent::Failed(e)) => Err(e.into()),
             Ok(VcpuEvent::Stopped) | Err(RecvTimeoutError::Disconnected) => {
-                Err(VmError::Stopped(index))
+                Err(GuestError::Stopped(index))
             }
-            Err(RecvTimeoutError::Timeout) => Err(VmError::Timeout {
+            Err(RecvTimeoutError::Timeout) => Err(GuestError::Timeout {
                 vcpu: index,
                 op,
                 timeout,
@@ -305,18 +314,18 @@ impl Vcpus {
     }
 
     /// Waits for vCPU `index` to finish its command; returns what the guest reported.
-    pub fn wait(&mut self, index: usize) -> Result<Outcome, VmError> {
+    pub fn wait(&mut self, index: usize) -> Result<Outcome, GuestError> {
         let command = self.threads[index]
             .running
             .take()
             .expect("wait follows start");
         if self.threads[index].wedged {
-            return Err(VmError::Wedged(index));
+            return Err(GuestError::Wedged(index));
         }
         // Only the answer to this command counts (the guest numbers them).
         loop {
             if let Err(e) = self.wait_event(index, command.op) {
-                if matches!(e, VmError::Timeout { .. }) {
+                if matches!(e, GuestError::Timeout { .. }) {
                     self.threads[index].wedged = true;
                 }
                 return Err(e);
@@ -330,7 +339,7 @@ impl Vcpus {
             .block
             .outcome(&*self.memory.snapshot(), command.op);
         if let Some((gpa, found)) = outcome.mismatch {
-            return Err(VmError::GuestSawWrongData {
+            return Err(GuestError::GuestSawWrongData {
                 gpa,
                 found,
                 expected: test_guest::pattern(gpa, command.seed),
@@ -340,18 +349,18 @@ impl Vcpus {
     }
 
     /// Runs `command` on vCPU `index` to the end.
-    pub fn run(&mut self, index: usize, command: Command) -> Result<Outcome, VmError> {
+    pub fn run(&mut self, index: usize, command: Command) -> Result<Outcome, GuestError> {
         self.start(index, command);
         self.wait(index)
     }
 
     /// Ends every vCPU: the exit command for those between commands, a kick for the others;
     /// joins their threads. Returns the first error a vCPU stopped with.
-    pub fn shut_down(mut self) -> Result<(), VmError> {
+    pub fn shut_down(mut self) -> Result<(), GuestError> {
         let mut first_error = None;
         for index in 0..self.threads.len() {
             let vcpu = &mut self.threads[index];
-            vcpu.shared.stop.store(true, Ordering::Release);
+            vcpu.shared.request_stop();
             if vcpu.running.is_none() && !vcpu.wedged {
                 vcpu.block.post(&*self.memory.snapshot(), &Command::exit());
                 if let Some(resume) = &vcpu.resume {
@@ -370,11 +379,11 @@ impl Vcpus {
             // A vCPU inside the guest leaves at its next exit; a signal makes one come soon.
             if !kick_until_finished(&thread, Duration::from_secs(10)) {
                 // Never wait forever for a vCPU: leave its thread behind and say so.
-                first_error.get_or_insert(VmError::Stuck(index));
+                first_error.get_or_insert(GuestError::Stuck(index));
                 continue;
             }
             if thread.join().is_err() && first_error.is_none() {
-                first_error = Some(VmError::Panicked(index));
+                first_error = Some(GuestError::Panicked(index));
             }
             while let Ok(event) = vcpu.events.try_recv() {
                 if let VcpuEvent::Failed(e) = event {

@@ -7,135 +7,17 @@
 //! finish the access against the memory map as it is afterwards, never reporting MMIO. Outside
 //! such a window the same exit means KVM and the map disagree: a fatal error, never papered over.
 //!
-//! Port I/O goes through a [`PortBus`]: port ranges mapped to devices. The test guest's bus holds
-//! its command-protocol ports and nothing else (any other port is fatal); a Linux guest's bus
-//! holds the serial console and the i8042, and answers every other port as absent hardware does
-//! (reads all ones, writes dropped), because Linux probes legacy ports that are not there.
+//! Port I/O goes through the guest kind's [`PortBus`]: the handler only says which device (of
+//! the guest kind's own type) gets the access, or that nothing is there; the vCPU loop hands the
+//! access to the guest kind. No guest's port or device is named here.
 
 use std::fmt;
 use std::ops::Range;
 
-use kvm_memslots::SlotBacking;
-use memslot_map::MemslotMap;
+use kvm_memslots::GuestMemoryMap;
 use vm_memory::GuestAddress;
 
-use crate::test_guest::layout::port;
-
-/// What answers a port.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum PortDevice {
-    /// The test guest finished a command.
-    CommandDone,
-    /// The test guest ran its exit command.
-    GuestExit,
-    /// The test guest took an exception.
-    GuestFault,
-    /// The 16550 serial console (offsets 0 to 7).
-    Serial,
-    /// The i8042 keyboard controller (offset 0: data port 0x60, offset 4: command port 0x64).
-    I8042,
-    /// Nothing: reads see all ones, writes are dropped (an empty ISA bus).
-    Absent,
-}
-
-/// A port range and the device behind it.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct PortRange {
-    /// First port.
-    pub base: u16,
-    /// Number of ports.
-    pub len: u16,
-    /// The device; it sees offsets from `base`.
-    pub device: PortDevice,
-}
-
-/// Port ranges mapped to devices, and what answers the ports in no range.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct PortBus {
-    /// Sorted by base, never overlapping.
-    ranges: Vec<PortRange>,
-    /// The device for ports in no range; `None` makes them fatal.
-    otherwise: Option<PortDevice>,
-}
-
-/// Why a port range cannot join a bus.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("ports {base:#x}+{len} for {device:?} are empty, wrap past 0xffff or overlap {other:?}")]
-pub struct PortBusError {
-    /// First port.
-    pub base: u16,
-    /// Number of ports.
-    pub len: u16,
-    /// The device.
-    pub device: PortDevice,
-    /// The range it overlaps, if any.
-    pub other: Option<PortRange>,
-}
-
-impl PortBus {
-    /// An empty bus; `otherwise` answers ports in no range (`None`: such ports are fatal).
-    pub fn new(otherwise: Option<PortDevice>) -> Self {
-        PortBus {
-            ranges: Vec::new(),
-            otherwise,
-        }
-    }
-
-    /// Maps `len` ports from `base` to `device`.
-    pub fn insert(&mut self, base: u16, len: u16, device: PortDevice) -> Result<(), PortBusError> {
-        let error = |other| PortBusError {
-            base,
-            len,
-            device,
-            other,
-        };
-        let end = u32::from(base) + u32::from(len);
-        if len == 0 || end > 0x1_0000 {
-            return Err(error(None));
-        }
-        let at = self.ranges.partition_point(|r| r.base < base);
-        let overlaps = |r: &PortRange| {
-            u32::from(r.base) < end && u32::from(base) < u32::from(r.base) + u32::from(r.len)
-        };
-        for neighbour in [at.checked_sub(1), Some(at)].into_iter().flatten() {
-            if let Some(r) = self.ranges.get(neighbour).filter(|r| overlaps(r)) {
-                return Err(error(Some(*r)));
-            }
-        }
-        self.ranges.insert(at, PortRange { base, len, device });
-        Ok(())
-    }
-
-    /// The test guest's bus: its three command-protocol ports; any other port is fatal.
-    pub fn test_guest() -> Self {
-        let mut bus = PortBus::new(None);
-        for (base, device) in [
-            (port::DONE, PortDevice::CommandDone),
-            (port::EXIT, PortDevice::GuestExit),
-            (port::FAULT, PortDevice::GuestFault),
-        ] {
-            bus.insert(base, 1, device)
-                .expect("the test guest's ports are distinct");
-        }
-        bus
-    }
-
-    /// The device answering `port`, and the port's offset in its range.
-    pub fn find(&self, port: u16) -> Option<(PortDevice, u16)> {
-        let at = self.ranges.partition_point(|r| r.base <= port);
-        let found = at
-            .checked_sub(1)
-            .map(|i| self.ranges[i])
-            .filter(|r| u32::from(port) < u32::from(r.base) + u32::from(r.len))
-            .map(|r| (r.device, port - r.base));
-        found.or(self.otherwise.map(|d| (d, 0)))
-    }
-
-    /// The ranges, by base.
-    pub fn ranges(&self) -> &[PortRange] {
-        &self.ranges
-    }
-}
+use super::ports::{PortBus, PortTarget};
 
 /// A vCPU exit, as far as the handler cares.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -186,6 +68,11 @@ pub enum Exit<'a> {
 }
 
 impl<'a> Exit<'a> {
+    /// Whether the guest touched an address that is no (writable) memory slot in KVM.
+    pub fn is_mmio(&self) -> bool {
+        matches!(self, Exit::MmioRead { .. } | Exit::MmioWrite { .. })
+    }
+
     /// Turns what `KVM_RUN` returned into an exit, with the buffer a read's answer goes into
     /// (port and MMIO reads). `EINTR` and `EAGAIN` (a signal, `immediate_exit`) are
     /// [`Exit::Interrupted`]; other errors are returned.
@@ -219,9 +106,10 @@ impl<'a> Exit<'a> {
 }
 
 /// What the handler knows besides the exit.
-pub struct ExitContext<'a> {
+#[derive(Debug)]
+pub struct ExitContext<'a, D> {
     /// The current version of the memory map.
-    pub memory: &'a MemslotMap<SlotBacking>,
+    pub memory: &'a GuestMemoryMap,
     /// The manager's change sequence read just before the vCPU entered the guest.
     pub sequence_at_entry: u64,
     /// The change sequence now (after the exit).
@@ -230,19 +118,14 @@ pub struct ExitContext<'a> {
     /// where the kernel's own test counts them the same way).
     pub expected_mmio: Option<Range<u64>>,
     /// The devices behind the ports.
-    pub ports: &'a PortBus,
+    pub ports: &'a PortBus<D>,
 }
 
-/// What the vCPU loop does next.
+/// What the vCPU loop does next about an exit. `D` is the guest kind's device type.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Action {
+pub enum ExitAction<D> {
     /// Enter the guest again.
     Resume,
-    /// The guest finished a command (or is ready for its first): tell the host, wait for the
-    /// next one, then resume.
-    CommandDone,
-    /// The guest left: stop this vCPU.
-    GuestExit,
     /// A slot change is being applied: wait until it is done, then handle this exit again.
     WaitForChange,
     /// The access hit memory that was away during a change that is now done: write `data` at
@@ -253,7 +136,7 @@ pub enum Action {
         /// What.
         data: Vec<u8>,
     },
-    /// As [`Action::WriteMemory`], for a read: give the guest `len` bytes read at `gpa`.
+    /// As [`ExitAction::WriteMemory`], for a read: give the guest `len` bytes read at `gpa`.
     ReadMemory {
         /// Where.
         gpa: GuestAddress,
@@ -264,19 +147,17 @@ pub enum Action {
     CountExpected,
     /// A write to a read-only slot: dropped, as ROM drops writes.
     DropReadOnlyWrite,
-    /// The guest took an exception; its fault block says which.
-    GuestFault,
-    /// The guest read a device's port: the device fills the exit's buffer.
-    DeviceRead {
+    /// The guest read a device's port: the guest kind fills the exit's buffer.
+    PortRead {
         /// The device.
-        device: PortDevice,
+        device: D,
         /// The port's offset in the device's range.
         offset: u16,
     },
-    /// The guest wrote a device's port: the device takes the exit's data.
-    DeviceWrite {
+    /// The guest wrote a device's port: the guest kind takes the exit's data.
+    PortWrite {
         /// The device.
-        device: PortDevice,
+        device: D,
         /// The port's offset in the device's range.
         offset: u16,
     },
@@ -333,71 +214,74 @@ pub enum ExitError {
 }
 
 /// Decides what to do about `exit`.
-pub fn handle_exit(exit: &Exit<'_>, ctx: &ExitContext<'_>) -> Action {
+pub fn handle_exit<D: Copy>(exit: &Exit<'_>, ctx: &ExitContext<'_, D>) -> ExitAction<D> {
     match *exit {
         Exit::IoOut { port, .. } => match ctx.ports.find(port) {
-            Some((PortDevice::CommandDone, _)) => Action::CommandDone,
-            Some((PortDevice::GuestExit, _)) => Action::GuestExit,
-            Some((PortDevice::GuestFault, _)) => Action::GuestFault,
-            Some((PortDevice::Absent, _)) => Action::Resume,
-            Some((device, offset)) => Action::DeviceWrite { device, offset },
-            None => Action::Fatal(ExitError::UnexpectedPort { port, write: true }),
+            PortTarget::Device(device, offset) => ExitAction::PortWrite { device, offset },
+            PortTarget::Absent => ExitAction::Resume,
+            PortTarget::Nothing => {
+                ExitAction::Fatal(ExitError::UnexpectedPort { port, write: true })
+            }
         },
         Exit::IoIn { port, .. } => match ctx.ports.find(port) {
-            Some((device @ (PortDevice::Serial | PortDevice::I8042), offset)) => {
-                Action::DeviceRead { device, offset }
+            PortTarget::Device(device, offset) => ExitAction::PortRead { device, offset },
+            PortTarget::Absent => ExitAction::ReadAllOnes,
+            PortTarget::Nothing => {
+                ExitAction::Fatal(ExitError::UnexpectedPort { port, write: false })
             }
-            Some((PortDevice::Absent, _)) => Action::ReadAllOnes,
-            // The protocol ports are write-only.
-            Some(_) | None => Action::Fatal(ExitError::UnexpectedPort { port, write: false }),
         },
         Exit::MmioRead { gpa, len } => handle_mmio(gpa, len, None, ctx),
         Exit::MmioWrite { gpa, data } => handle_mmio(gpa, data.len(), Some(data), ctx),
-        Exit::Interrupted => Action::Resume,
-        Exit::Hlt => Action::Fatal(ExitError::Halted),
-        Exit::Shutdown => Action::Fatal(ExitError::Shutdown),
-        Exit::InternalError => Action::Fatal(ExitError::InternalError),
-        Exit::FailEntry { reason } => Action::Fatal(ExitError::FailEntry(reason)),
-        Exit::Other(what) => Action::Fatal(ExitError::Other(what)),
+        Exit::Interrupted => ExitAction::Resume,
+        Exit::Hlt => ExitAction::Fatal(ExitError::Halted),
+        Exit::Shutdown => ExitAction::Fatal(ExitError::Shutdown),
+        Exit::InternalError => ExitAction::Fatal(ExitError::InternalError),
+        Exit::FailEntry { reason } => ExitAction::Fatal(ExitError::FailEntry(reason)),
+        Exit::Other(what) => ExitAction::Fatal(ExitError::Other(what)),
     }
 }
 
-fn handle_mmio(gpa: u64, len: usize, write: Option<&[u8]>, ctx: &ExitContext<'_>) -> Action {
+fn handle_mmio<D>(
+    gpa: u64,
+    len: usize,
+    write: Option<&[u8]>,
+    ctx: &ExitContext<'_, D>,
+) -> ExitAction<D> {
     let changing = ctx.sequence_now % 2 == 1;
     let changed = ctx.sequence_now != ctx.sequence_at_entry;
     if changing {
-        return Action::WaitForChange;
+        return ExitAction::WaitForChange;
     }
     let slot = ctx.memory.find_by_gpa(GuestAddress(gpa));
     let read_only_write = write.is_some() && slot.is_some_and(|s| s.flags().read_only);
     if let Some(slot) = slot {
         if read_only_write {
             // KVM exits on every write to a read-only slot: that is what read-only means.
-            return Action::DropReadOnlyWrite;
+            return ExitAction::DropReadOnlyWrite;
         }
         if changed {
             // The slot was away while the guest touched it; the change is done and the
             // address is memory now: finish the access there.
             return match write {
-                Some(data) => Action::WriteMemory {
+                Some(data) => ExitAction::WriteMemory {
                     gpa: GuestAddress(gpa),
                     data: data.to_vec(),
                 },
-                None => Action::ReadMemory {
+                None => ExitAction::ReadMemory {
                     gpa: GuestAddress(gpa),
                     len,
                 },
             };
         }
-        return Action::Fatal(ExitError::SlotMismatch {
+        return ExitAction::Fatal(ExitError::SlotMismatch {
             gpa,
             slot: slot.id().0,
         });
     }
     if ctx.expected_mmio.as_ref().is_some_and(|w| w.contains(&gpa)) {
-        return Action::CountExpected;
+        return ExitAction::CountExpected;
     }
-    Action::Fatal(ExitError::UnexpectedMmio {
+    ExitAction::Fatal(ExitError::UnexpectedMmio {
         gpa,
         len,
         write: write.is_some(),
@@ -413,9 +297,9 @@ impl fmt::Display for Exit<'_> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::vm::ports::Unmapped;
     use kvm_memslots::fake::FakeKvm;
-    use kvm_memslots::{MemoryManager, RegionSpec};
-    use memslot_map::SlotFlags;
+    use kvm_memslots::{MemoryManager, RegionSpec, SlotFlags};
 
     const RAM: u64 = 0x10_0000;
 
@@ -433,98 +317,83 @@ mod tests {
         m
     }
 
-    fn decide(m: &MemoryManager<FakeKvm>, exit: Exit<'_>, at_entry: u64, now: u64) -> Action {
-        let snapshot = m.snapshot();
+    /// A bus with a device `'D'` on port 0x510 and `'S'` on 0x3f8..0x400.
+    fn bus(unmapped: Unmapped) -> PortBus<char> {
+        let mut bus = PortBus::new(unmapped);
+        bus.insert(0x510, 1, 'D').unwrap();
+        bus.insert(0x3f8, 8, 'S').unwrap();
+        bus
+    }
+
+    fn decide_on(
+        m: &MemoryManager<FakeKvm>,
+        bus: &PortBus<char>,
+        exit: Exit<'_>,
+        at_entry: u64,
+        now: u64,
+    ) -> ExitAction<char> {
+        let map = m.load();
         let context = ExitContext {
-            memory: snapshot.map(),
+            memory: &map,
             sequence_at_entry: at_entry,
             sequence_now: now,
             expected_mmio: Some(0x30_0000..0x30_1000),
-            ports: &PortBus::test_guest(),
+            ports: bus,
         };
         handle_exit(&exit, &context)
     }
 
+    fn decide(
+        m: &MemoryManager<FakeKvm>,
+        exit: Exit<'_>,
+        at_entry: u64,
+        now: u64,
+    ) -> ExitAction<char> {
+        decide_on(m, &bus(Unmapped::Fatal), exit, at_entry, now)
+    }
+
     #[test]
-    fn ports_drive_the_command_protocol() {
+    fn ports_go_to_the_bus_devices_and_the_rest_by_its_policy() {
         let m = memory();
-        let out = |port| Exit::IoOut { port, data: &[0] };
-        assert_eq!(decide(&m, out(port::DONE), 0, 0), Action::CommandDone);
-        assert_eq!(decide(&m, out(port::EXIT), 0, 0), Action::GuestExit);
-        assert_eq!(decide(&m, out(port::FAULT), 0, 0), Action::GuestFault);
+        let out = |port| Exit::IoOut { port, data: &[1] };
+        let read = |port| Exit::IoIn { port, len: 1 };
+        for unmapped in [Unmapped::Fatal, Unmapped::Absent] {
+            let bus = bus(unmapped);
+            assert_eq!(
+                decide_on(&m, &bus, out(0x510), 0, 0),
+                ExitAction::PortWrite {
+                    device: 'D',
+                    offset: 0
+                }
+            );
+            assert_eq!(
+                decide_on(&m, &bus, read(0x3fd), 0, 0),
+                ExitAction::PortRead {
+                    device: 'S',
+                    offset: 5
+                }
+            );
+        }
+        let strict = bus(Unmapped::Fatal);
         assert_eq!(
-            decide(&m, out(0x80), 0, 0),
-            Action::Fatal(ExitError::UnexpectedPort {
+            decide_on(&m, &strict, out(0x80), 0, 0),
+            ExitAction::Fatal(ExitError::UnexpectedPort {
                 port: 0x80,
                 write: true
             })
         );
         assert_eq!(
-            decide(&m, Exit::IoIn { port: 0x60, len: 1 }, 0, 0),
-            Action::Fatal(ExitError::UnexpectedPort {
+            decide_on(&m, &strict, read(0x60), 0, 0),
+            ExitAction::Fatal(ExitError::UnexpectedPort {
                 port: 0x60,
                 write: false
             })
         );
-    }
-
-    #[test]
-    fn the_bus_routes_ranges_refuses_overlaps_and_answers_the_rest_by_its_default() {
-        let mut bus = PortBus::new(Some(PortDevice::Absent));
-        bus.insert(0x3f8, 8, PortDevice::Serial).unwrap();
-        bus.insert(0x60, 5, PortDevice::I8042).unwrap();
-        let e = bus.insert(0x3fc, 2, PortDevice::Absent).unwrap_err();
-        assert_eq!(e.other.map(|r| r.base), Some(0x3f8));
-        assert!(bus.insert(0x3f0, 9, PortDevice::Absent).is_err());
-        assert!(bus.insert(0xffff, 2, PortDevice::Absent).is_err());
-        assert!(bus.insert(0x10, 0, PortDevice::Absent).is_err());
-        bus.insert(0x3f0, 8, PortDevice::Absent).unwrap();
-        assert_eq!(bus.ranges().len(), 3);
-        assert_eq!(bus.find(0x3ff), Some((PortDevice::Serial, 7)));
-        assert_eq!(bus.find(0x400), Some((PortDevice::Absent, 0)));
-        assert_eq!(bus.find(0x64), Some((PortDevice::I8042, 4)));
-
-        // A Linux guest's bus: devices get their accesses, other ports read all ones.
-        let m = memory();
-        let snapshot = m.snapshot();
-        let ctx = ExitContext {
-            memory: snapshot.map(),
-            sequence_at_entry: 0,
-            sequence_now: 0,
-            expected_mmio: None,
-            ports: &bus,
-        };
-        let out = |port| Exit::IoOut { port, data: &[1] };
+        let isa = bus(Unmapped::Absent);
+        assert_eq!(decide_on(&m, &isa, out(0x80), 0, 0), ExitAction::Resume);
         assert_eq!(
-            handle_exit(&out(0x3f8), &ctx),
-            Action::DeviceWrite {
-                device: PortDevice::Serial,
-                offset: 0
-            }
-        );
-        assert_eq!(
-            handle_exit(
-                &Exit::IoIn {
-                    port: 0x3fd,
-                    len: 1
-                },
-                &ctx
-            ),
-            Action::DeviceRead {
-                device: PortDevice::Serial,
-                offset: 5
-            }
-        );
-        assert_eq!(handle_exit(&out(0x80), &ctx), Action::Resume);
-        assert_eq!(
-            handle_exit(
-                &Exit::IoIn {
-                    port: 0x2f8,
-                    len: 1
-                },
-                &ctx
-            ),
-            Action::ReadAllOnes
+            decide_on(&m, &isa, read(0x2f8), 0, 0),
+            ExitAction::ReadAllOnes
         );
     }
 
@@ -539,20 +408,22 @@ mod tests {
             gpa: RAM + 16,
             len: 8,
         };
+        assert!(write.is_mmio() && read.is_mmio());
+        assert!(!Exit::Hlt.is_mmio());
         // A change is being applied: wait for it.
-        assert_eq!(decide(&m, write, 4, 5), Action::WaitForChange);
-        assert_eq!(decide(&m, read, 5, 5), Action::WaitForChange);
+        assert_eq!(decide(&m, write, 4, 5), ExitAction::WaitForChange);
+        assert_eq!(decide(&m, read, 5, 5), ExitAction::WaitForChange);
         // It finished during the run: finish the access in memory.
         assert_eq!(
             decide(&m, write, 4, 6),
-            Action::WriteMemory {
+            ExitAction::WriteMemory {
                 gpa: GuestAddress(RAM + 8),
                 data: vec![1, 2, 3, 4]
             }
         );
         assert_eq!(
             decide(&m, read, 5, 6),
-            Action::ReadMemory {
+            ExitAction::ReadMemory {
                 gpa: GuestAddress(RAM + 16),
                 len: 8
             }
@@ -563,7 +434,7 @@ mod tests {
     fn an_exit_on_memory_with_no_change_is_a_mismatch_never_mmio() {
         let m = memory();
         let action = decide(&m, Exit::MmioRead { gpa: RAM, len: 4 }, 6, 6);
-        let Action::Fatal(error) = action else {
+        let ExitAction::Fatal(error) = action else {
             panic!("{action:?}")
         };
         assert!(
@@ -581,14 +452,14 @@ mod tests {
             gpa: 0x30_0008,
             data: &[0; 8],
         };
-        assert_eq!(decide(&m, window, 2, 2), Action::CountExpected);
+        assert_eq!(decide(&m, window, 2, 2), ExitAction::CountExpected);
         // Also after a change: the window is not memory then either.
-        assert_eq!(decide(&m, window, 2, 4), Action::CountExpected);
+        assert_eq!(decide(&m, window, 2, 4), ExitAction::CountExpected);
         let stray = Exit::MmioRead {
             gpa: 0x40_0000,
             len: 2,
         };
-        let Action::Fatal(error) = decide(&m, stray, 2, 4) else {
+        let ExitAction::Fatal(error) = decide(&m, stray, 2, 4) else {
             panic!()
         };
         assert_eq!(
@@ -604,16 +475,16 @@ mod tests {
             gpa: 0x20_0010,
             data: &[9],
         };
-        assert_eq!(decide(&m, rom, 0, 0), Action::DropReadOnlyWrite);
-        assert_eq!(decide(&m, rom, 0, 2), Action::DropReadOnlyWrite);
-        assert_eq!(decide(&m, Exit::Interrupted, 0, 0), Action::Resume);
-        let Action::Fatal(e) = decide(&m, Exit::InternalError, 0, 0) else {
+        assert_eq!(decide(&m, rom, 0, 0), ExitAction::DropReadOnlyWrite);
+        assert_eq!(decide(&m, rom, 0, 2), ExitAction::DropReadOnlyWrite);
+        assert_eq!(decide(&m, Exit::Interrupted, 0, 0), ExitAction::Resume);
+        let ExitAction::Fatal(e) = decide(&m, Exit::InternalError, 0, 0) else {
             panic!()
         };
         assert!(e.to_string().contains("limitation of the host"), "{e}");
         assert_eq!(
             decide(&m, Exit::Hlt, 0, 0),
-            Action::Fatal(ExitError::Halted)
+            ExitAction::Fatal(ExitError::Halted)
         );
     }
 }

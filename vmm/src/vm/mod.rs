@@ -1,4 +1,111 @@
-//! A KVM VM and what every guest kind shares: its vCPU threads and their exit loop.
+//! A KVM VM and what every guest kind shares: creating it with its memory manager, its vCPUs,
+//! and the one vCPU exit loop ([`vcpu`]) with its pure exit handler ([`exit`]) and port bus
+//! ([`ports`]).
 
 pub mod exit;
+pub mod ports;
 pub mod vcpu;
+
+use std::sync::Arc;
+
+use kvm_bindings::{kvm_pit_config, KVM_PIT_SPEAKER_DUMMY};
+use kvm_ioctls::{Kvm, VcpuFd, VmFd};
+use kvm_memslots::{KvmVm, MemoryManager};
+
+/// Where KVM puts the three pages Intel's VMX needs for real mode's TSS: in the 3-4 GiB MMIO
+/// gap, below 4 GiB.
+pub const TSS_ADDRESS: usize = 0xfffb_d000;
+
+/// What a VM is created with besides its memory.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct VmOptions {
+    /// The in-kernel irqchip (PIC, IOAPIC, local APICs) and PIT, and the real-mode TSS: what
+    /// a Linux guest needs. The test guest runs without interrupts.
+    pub irqchip: bool,
+}
+
+/// Why a VM could not be created or set up.
+#[derive(Debug, thiserror::Error)]
+pub enum VmError {
+    /// `/dev/kvm` could not be opened.
+    #[error("cannot open /dev/kvm: {0}")]
+    Kvm(kvm_ioctls::Error),
+    /// A KVM ioctl of the set-up failed.
+    #[error("{what} failed: {source}")]
+    Setup {
+        /// What was being set up.
+        what: &'static str,
+        /// The kernel's error.
+        source: kvm_ioctls::Error,
+    },
+}
+
+impl VmError {
+    /// A closure that names the set-up step `what` in the error it makes of KVM's.
+    pub fn setup(what: &'static str) -> impl Fn(kvm_ioctls::Error) -> VmError {
+        move |source| VmError::Setup { what, source }
+    }
+}
+
+/// A KVM VM with its guest memory in a [`MemoryManager`], and no memory yet.
+#[derive(Debug)]
+pub struct Vm {
+    kvm: Kvm,
+    fd: Arc<VmFd>,
+    memory: Arc<MemoryManager<KvmVm>>,
+}
+
+impl Vm {
+    /// Opens `/dev/kvm` and creates the VM: with `options.irqchip`, the real-mode TSS, the
+    /// in-kernel irqchip (before any vCPU, as KVM requires) and the PIT; then the memory
+    /// manager, with manual dirty-log protection where KVM offers it. Also installs the
+    /// signal handler that kicks vCPUs out of the guest.
+    pub fn new(options: VmOptions) -> Result<Self, VmError> {
+        let kvm = Kvm::new().map_err(VmError::Kvm)?;
+        let fd = Arc::new(kvm.create_vm().map_err(VmError::setup("KVM_CREATE_VM"))?);
+        if options.irqchip {
+            fd.set_tss_address(TSS_ADDRESS)
+                .map_err(VmError::setup("KVM_SET_TSS_ADDR"))?;
+            fd.create_irq_chip()
+                .map_err(VmError::setup("KVM_CREATE_IRQCHIP"))?;
+            let pit = kvm_pit_config {
+                flags: KVM_PIT_SPEAKER_DUMMY,
+                ..Default::default()
+            };
+            fd.create_pit2(pit)
+                .map_err(VmError::setup("KVM_CREATE_PIT2"))?;
+        }
+        let kvm_vm = KvmVm::new(&kvm, Arc::clone(&fd))
+            .map_err(VmError::setup("enabling manual dirty-log protection"))?;
+        let memory = Arc::new(MemoryManager::new(kvm_vm));
+        vcpu::install_kick_handler();
+        Ok(Vm { kvm, fd, memory })
+    }
+
+    /// `/dev/kvm`.
+    pub fn kvm(&self) -> &Kvm {
+        &self.kvm
+    }
+
+    /// KVM's VM.
+    pub fn fd(&self) -> &Arc<VmFd> {
+        &self.fd
+    }
+
+    /// The guest's memory.
+    pub fn memory(&self) -> &Arc<MemoryManager<KvmVm>> {
+        &self.memory
+    }
+
+    /// KVM's number of memory slots.
+    pub fn max_slots(&self) -> usize {
+        self.kvm.get_nr_memslots()
+    }
+
+    /// Creates vCPU `index` (its KVM id and APIC ID).
+    pub fn create_vcpu(&self, index: usize) -> Result<VcpuFd, VmError> {
+        self.fd
+            .create_vcpu(index as u64)
+            .map_err(VmError::setup("KVM_CREATE_VCPU"))
+    }
+}

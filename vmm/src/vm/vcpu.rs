@@ -1,9 +1,13 @@
-//! A vCPU thread: runs the guest and carries out what the exit handler decides.
+//! The vCPU thread: the one exit loop every guest kind runs. It enters the guest, turns the exit
+//! into an [`ExitAction`] with the pure handler, carries out what concerns memory (finishing an
+//! access that hit a slot while it was away, counting expected exits) and hands port accesses
+//! to the guest kind's [`VcpuPorts`], which is all a guest kind supplies: its port bus and what
+//! its devices do.
 
 use std::ops::Range;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::mpsc::{Receiver, Sender};
-use std::sync::{Arc, LazyLock, Mutex};
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
 use std::time::Duration;
 
 use kvm_ioctls::VcpuFd;
@@ -11,11 +15,8 @@ use kvm_memslots::{GuestMemorySlots, KvmVm, MemoryManager};
 use vm_memory::Bytes;
 use vmm_sys_util::eventfd::EventFd;
 
-use crate::test_guest::Fault;
-use crate::vm::exit::{handle_exit, Action, Exit, ExitContext, ExitError, PortBus};
-
-/// The test guest's ports: its command protocol, nothing else.
-static TEST_GUEST_PORTS: LazyLock<PortBus> = LazyLock::new(PortBus::test_guest);
+use super::exit::{handle_exit, Exit, ExitAction, ExitContext, ExitError};
+use super::ports::PortBus;
 
 extern "C" fn ignore_signal(_: libc::c_int, _: *mut libc::siginfo_t, _: *mut libc::c_void) {}
 
@@ -37,7 +38,7 @@ pub fn install_kick_handler() {
 /// Kicks the vCPU thread `thread` out of the guest until it has finished, for at most
 /// `timeout` (a kick can land just before the thread enters the guest, so one is not enough).
 /// Returns whether the thread finished.
-pub fn kick_until_finished<T>(thread: &std::thread::JoinHandle<T>, timeout: Duration) -> bool {
+pub fn kick_until_finished<T>(thread: &JoinHandle<T>, timeout: Duration) -> bool {
     use vmm_sys_util::signal::Killable;
     let deadline = std::time::Instant::now() + timeout;
     while !thread.is_finished() && std::time::Instant::now() < deadline {
@@ -67,29 +68,62 @@ pub struct VcpuShared {
     pub counters: ExitCounters,
     /// Where MMIO exits are expected (see [`ExitContext::expected_mmio`]).
     pub expected_mmio: Mutex<Option<Range<u64>>>,
-    /// Set to make the vCPU stop at its next exit.
+    /// Set to make the vCPU stop at its next exit (kick it to make that exit come soon).
     pub stop: AtomicBool,
 }
 
-/// Why a vCPU stopped other than by the guest's exit command.
+impl VcpuShared {
+    /// Asks the vCPU to stop at its next exit.
+    pub fn request_stop(&self) {
+        self.stop.store(true, Ordering::Release);
+    }
+
+    fn stop_requested(&self) -> bool {
+        self.stop.load(Ordering::Acquire)
+    }
+}
+
+/// Whether the vCPU goes on after a port access.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Flow {
+    /// Enter the guest again.
+    Continue,
+    /// Stop the vCPU without an error (the guest left, or nobody will drive it again).
+    Stop,
+}
+
+/// What a guest kind supplies to the exit loop: its port bus and what its devices do. The loop
+/// calls it only for port accesses, never with a map version held, so a device may block (the
+/// test guest waits there for the host's next command).
+pub trait VcpuPorts: Send {
+    /// The guest kind's devices, as its bus names them.
+    type Device: Copy + std::fmt::Debug;
+    /// Why a device stopped the vCPU.
+    type Error: std::error::Error + Send + 'static;
+
+    /// The port bus the exit handler routes accesses with.
+    fn bus(&self) -> &PortBus<Self::Device>;
+
+    /// The guest reads `data.len()` bytes from `device` at `offset`: fill `data`.
+    fn read(
+        &mut self,
+        device: Self::Device,
+        offset: u16,
+        data: &mut [u8],
+    ) -> Result<Flow, Self::Error>;
+
+    /// The guest writes `data` to `device` at `offset`.
+    fn write(
+        &mut self,
+        device: Self::Device,
+        offset: u16,
+        data: &[u8],
+    ) -> Result<Flow, Self::Error>;
+}
+
+/// Why a vCPU stopped other than by request; `E` is the guest kind's device error.
 #[derive(Debug, thiserror::Error)]
-pub enum VcpuError {
-    /// The exit handler gave up.
-    #[error("vCPU {vcpu}: {error}")]
-    Exit {
-        /// The vCPU.
-        vcpu: usize,
-        /// Why.
-        error: ExitError,
-    },
-    /// The guest took an exception.
-    #[error("vCPU {vcpu}: the guest took {fault}")]
-    Fault {
-        /// The vCPU.
-        vcpu: usize,
-        /// What the guest's fault block says.
-        fault: Fault,
-    },
+pub enum VcpuError<E: std::error::Error + 'static> {
     /// `KVM_RUN` failed.
     #[error("vCPU {vcpu}: KVM_RUN failed: {source}")]
     Run {
@@ -97,6 +131,33 @@ pub enum VcpuError {
         vcpu: usize,
         /// The kernel's error.
         source: kvm_ioctls::Error,
+    },
+    /// `KVM_EXIT_INTERNAL_ERROR`: on this host's kvm_pvm, the emulator met an instruction it
+    /// does not have.
+    #[error("vCPU {vcpu} at rip {rip:#x} (KVM suberror {suberror}): {error}", error = ExitError::InternalError)]
+    HostLimitation {
+        /// The vCPU.
+        vcpu: usize,
+        /// The guest's instruction pointer.
+        rip: u64,
+        /// KVM's `internal.suberror` (1: emulation failure).
+        suberror: u32,
+    },
+    /// The guest triple-faulted (or a reset by triple fault, `reboot=t`).
+    #[error("vCPU {vcpu}: the guest shut down (triple fault) at rip {rip:#x}")]
+    TripleFault {
+        /// The vCPU.
+        vcpu: usize,
+        /// Its instruction pointer.
+        rip: u64,
+    },
+    /// The exit handler gave up.
+    #[error("vCPU {vcpu}: {error}")]
+    Exit {
+        /// The vCPU.
+        vcpu: usize,
+        /// Why.
+        error: ExitError,
     },
     /// Finishing an access against the memory map failed.
     #[error("vCPU {vcpu}: finishing an access at {gpa:#x} against memory failed: {source}")]
@@ -108,71 +169,89 @@ pub enum VcpuError {
         /// vm-memory's error.
         source: vm_memory::GuestMemoryError,
     },
-}
-
-/// What a vCPU thread tells the host.
-#[derive(Debug)]
-pub enum VcpuEvent {
-    /// The guest finished a command (or is ready for its first one); the vCPU waits for the
-    /// host's go-ahead before it enters the guest again.
-    Done,
-    /// The vCPU stopped: the guest exited, or the host asked it to stop.
-    Stopped,
-    /// The vCPU stopped on an error.
-    Failed(VcpuError),
+    /// A device of the guest kind stopped the vCPU.
+    #[error("vCPU {vcpu}: {error}")]
+    Device {
+        /// The vCPU.
+        vcpu: usize,
+        /// The device's error.
+        error: E,
+    },
 }
 
 /// One vCPU, ready to run on its own thread.
-pub struct Vcpu {
+#[derive(Debug)]
+pub struct Vcpu<P> {
     /// Its index (and KVM vCPU id).
     pub index: usize,
-    /// KVM's vCPU.
+    /// KVM's vCPU, set up.
     pub fd: VcpuFd,
     /// The guest's memory.
     pub memory: Arc<MemoryManager<KvmVm>>,
     /// Shared with the host.
     pub shared: Arc<VcpuShared>,
-    /// Where events go.
-    pub events: Sender<VcpuEvent>,
-    /// The host's go-ahead after [`VcpuEvent::Done`].
-    pub resume: Receiver<()>,
-    /// Signalled when the vCPU stops, for the VMM's event loop.
-    pub stopped: Arc<EventFd>,
+    /// The guest kind's ports.
+    pub ports: P,
 }
 
-impl Vcpu {
-    /// Runs the guest until it exits, the host stops it or an error; reports how it ended.
-    pub fn run(mut self) {
-        let event = match self.run_loop() {
-            Ok(()) => VcpuEvent::Stopped,
-            Err(e) => VcpuEvent::Failed(e),
-        };
-        // The host may have gone already; nothing is left to tell then.
-        let _ = self.events.send(event);
-        let _ = self.stopped.write(1);
+impl<P: VcpuPorts + 'static> Vcpu<P> {
+    /// Starts the vCPU on a thread of its own (named `vcpuN`). When the loop ends, the thread
+    /// passes its outcome to `finish`, then signals `stopped` (the event loop's wake-up) and
+    /// returns what `finish` returned.
+    pub fn spawn<T: Send + 'static>(
+        self,
+        stopped: Arc<EventFd>,
+        finish: impl FnOnce(Result<(), VcpuError<P::Error>>) -> T + Send + 'static,
+    ) -> std::io::Result<JoinHandle<T>> {
+        std::thread::Builder::new()
+            .name(format!("vcpu{}", self.index))
+            .spawn(move || {
+                let outcome = finish(self.run());
+                // The loop may have gone already; nothing is left to tell then.
+                let _ = stopped.write(1);
+                outcome
+            })
     }
+}
 
-    fn run_loop(&mut self) -> Result<(), VcpuError> {
+fn rip(fd: &VcpuFd) -> u64 {
+    fd.get_regs().map(|r| r.rip).unwrap_or(u64::MAX)
+}
+
+/// Waits while a slot change is being applied; false if the vCPU was asked to stop meanwhile.
+fn wait_for_change(memory: &MemoryManager<KvmVm>, shared: &VcpuShared) -> bool {
+    while memory.change_sequence() % 2 == 1 {
+        if shared.stop_requested() {
+            return false;
+        }
+        std::thread::sleep(Duration::from_micros(20));
+    }
+    true
+}
+
+impl<P: VcpuPorts> Vcpu<P> {
+    /// Runs the guest until the host asks the vCPU to stop or a device says so (`Ok`), or an
+    /// error stops it.
+    pub fn run(self) -> Result<(), VcpuError<P::Error>> {
         let Vcpu {
-            index,
-            fd,
+            index: vcpu,
+            mut fd,
             memory,
             shared,
-            events,
-            resume,
-            ..
+            mut ports,
         } = self;
-        let vcpu = *index;
         loop {
-            if shared.stop.load(Ordering::Acquire) {
+            if shared.stop_requested() {
                 return Ok(());
             }
             let sequence_at_entry = memory.change_sequence();
-            let (exit, mut read_buffer) =
+            let (exit, mut buffer) =
                 Exit::from_kvm(fd.run()).map_err(|source| VcpuError::Run { vcpu, source })?;
-            shared.counters.exits.fetch_add(1, Ordering::Relaxed);
-            let mmio = matches!(exit, Exit::MmioRead { .. } | Exit::MmioWrite { .. });
-            loop {
+            let counters = &shared.counters;
+            counters.exits.fetch_add(1, Ordering::Relaxed);
+            let mmio = exit.is_mmio();
+            let memory_error = |gpa: u64| move |source| VcpuError::Memory { vcpu, gpa, source };
+            let action = loop {
                 // The sequence first, then the map: a map loaded after an even sequence holds
                 // every change that sequence counts. `load` borrows the version without a
                 // shared reference-count update, so exits on several vCPUs do not contend.
@@ -184,13 +263,9 @@ impl Vcpu {
                 if mmio && memory.change_sequence() != sequence_now {
                     continue;
                 }
-                let guest_memory = GuestMemorySlots::of(&map);
                 let expected_mmio = if mmio {
-                    shared
-                        .expected_mmio
-                        .lock()
-                        .unwrap_or_else(|p| p.into_inner())
-                        .clone()
+                    let window = shared.expected_mmio.lock();
+                    window.unwrap_or_else(|p| p.into_inner()).clone()
                 } else {
                     None
                 };
@@ -199,82 +274,93 @@ impl Vcpu {
                     sequence_at_entry,
                     sequence_now,
                     expected_mmio,
-                    ports: &TEST_GUEST_PORTS,
+                    ports: ports.bus(),
                 };
-                let memory_error = |gpa: u64| move |source| VcpuError::Memory { vcpu, gpa, source };
                 match handle_exit(&exit, &ctx) {
-                    Action::WaitForChange => {
-                        while memory.change_sequence() % 2 == 1 {
-                            if shared.stop.load(Ordering::Acquire) {
-                                return Ok(());
-                            }
-                            std::thread::sleep(Duration::from_micros(20));
-                        }
-                        continue;
-                    }
-                    Action::Resume => {}
-                    Action::CommandDone => {
-                        // Waiting for the next command may take long: pin no map version
-                        // (and none of its mappings) meanwhile.
+                    ExitAction::WaitForChange => {
+                        // A slot is away for a moment: wait for the change (pinning no map
+                        // version), then handle the exit again against the map afterwards.
                         drop(map);
-                        if events.send(VcpuEvent::Done).is_err() || resume.recv().is_err() {
-                            // The host is gone: nobody will post another command.
+                        if !wait_for_change(&memory, &shared) {
                             return Ok(());
                         }
                     }
-                    Action::GuestExit => return Ok(()),
-                    Action::WriteMemory { gpa, data } => {
-                        guest_memory
+                    ExitAction::WriteMemory { gpa, data } => {
+                        GuestMemorySlots::of(&map)
                             .write_slice(&data, gpa)
                             .map_err(memory_error(gpa.0))?;
-                        shared
-                            .counters
+                        counters
                             .completed_after_change
                             .fetch_add(1, Ordering::Relaxed);
+                        break ExitAction::Resume;
                     }
-                    Action::ReadMemory { gpa, len } => {
-                        let buffer = read_buffer
-                            .as_deref_mut()
-                            .expect("a read exit has a buffer");
-                        guest_memory
+                    ExitAction::ReadMemory { gpa, len } => {
+                        let buffer = buffer.as_deref_mut().expect("a read exit has a buffer");
+                        GuestMemorySlots::of(&map)
                             .read_slice(&mut buffer[..len], gpa)
                             .map_err(memory_error(gpa.0))?;
-                        shared
-                            .counters
+                        counters
                             .completed_after_change
                             .fetch_add(1, Ordering::Relaxed);
+                        break ExitAction::Resume;
                     }
-                    Action::CountExpected => {
-                        if let Some(buffer) = read_buffer.as_deref_mut() {
-                            buffer.fill(0xff);
-                        }
-                        shared.counters.expected.fetch_add(1, Ordering::Relaxed);
-                    }
-                    Action::DropReadOnlyWrite => {
-                        shared
-                            .counters
-                            .read_only_writes
-                            .fetch_add(1, Ordering::Relaxed);
-                    }
-                    Action::GuestFault => {
-                        let fault = Fault::read(guest_memory);
-                        return Err(VcpuError::Fault { vcpu, fault });
-                    }
-                    Action::Fatal(error) => return Err(VcpuError::Exit { vcpu, error }),
-                    // The test guest's bus has no devices and no default.
-                    Action::DeviceRead { .. }
-                    | Action::DeviceWrite { .. }
-                    | Action::ReadAllOnes => {
-                        let (port, write) = match exit {
-                            Exit::IoOut { port, .. } => (port, true),
-                            Exit::IoIn { port, .. } => (port, false),
-                            _ => (0, false),
-                        };
-                        let error = ExitError::UnexpectedPort { port, write };
-                        return Err(VcpuError::Exit { vcpu, error });
-                    }
+                    // The map version is let go here: what follows may block.
+                    action => break action,
                 }
-                break;
+            };
+            let device_error = |error| VcpuError::Device { vcpu, error };
+            let flow = match action {
+                ExitAction::Resume => Flow::Continue,
+                ExitAction::CountExpected => {
+                    if let Some(buffer) = buffer {
+                        buffer.fill(0xff);
+                    }
+                    counters.expected.fetch_add(1, Ordering::Relaxed);
+                    Flow::Continue
+                }
+                ExitAction::DropReadOnlyWrite => {
+                    counters.read_only_writes.fetch_add(1, Ordering::Relaxed);
+                    Flow::Continue
+                }
+                ExitAction::ReadAllOnes => {
+                    if let Some(buffer) = buffer {
+                        buffer.fill(0xff);
+                    }
+                    Flow::Continue
+                }
+                ExitAction::PortRead { device, offset } => {
+                    let buffer = buffer.expect("a port read has a buffer");
+                    ports.read(device, offset, buffer).map_err(device_error)?
+                }
+                ExitAction::PortWrite { device, offset } => {
+                    let Exit::IoOut { data, .. } = exit else {
+                        unreachable!("a port write comes from an IoOut exit")
+                    };
+                    ports.write(device, offset, data).map_err(device_error)?
+                }
+                ExitAction::Fatal(ExitError::InternalError) => {
+                    let kvm_run = fd.get_kvm_run();
+                    // SAFETY: the exit reason is KVM_EXIT_INTERNAL_ERROR, for which KVM fills
+                    // the `internal` member of the union; reading a u32 of it is always defined.
+                    let suberror = unsafe { kvm_run.__bindgen_anon_1.internal.suberror };
+                    let rip = rip(&fd);
+                    return Err(VcpuError::HostLimitation {
+                        vcpu,
+                        rip,
+                        suberror,
+                    });
+                }
+                ExitAction::Fatal(ExitError::Shutdown) => {
+                    let rip = rip(&fd);
+                    return Err(VcpuError::TripleFault { vcpu, rip });
+                }
+                ExitAction::Fatal(error) => return Err(VcpuError::Exit { vcpu, error }),
+                ExitAction::WaitForChange
+                | ExitAction::WriteMemory { .. }
+                | ExitAction::ReadMemory { .. } => unreachable!("handled with the map above"),
+            };
+            if flow == Flow::Stop {
+                return Ok(());
             }
         }
     }

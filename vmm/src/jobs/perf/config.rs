@@ -11,7 +11,7 @@ use serde::Serialize;
 use super::report::size;
 use crate::test_guest;
 use crate::test_guest::area::{AreaError, AREA_GPA};
-use crate::test_guest::vcpus::VmError;
+use crate::test_guest::vcpus::GuestError;
 
 pub(super) const KIB: u64 = 1 << 10;
 pub(super) const MIB: u64 = 1 << 20;
@@ -149,7 +149,7 @@ impl Default for PerfConfig {
 pub enum PerfError {
     /// The VM failed.
     #[error(transparent)]
-    Vm(#[from] VmError),
+    Vm(#[from] GuestError),
     /// The test area could not be made.
     #[error(transparent)]
     Area(#[from] AreaError),

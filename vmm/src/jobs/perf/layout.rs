@@ -5,7 +5,7 @@ use vm_memory::GuestAddress;
 
 use super::config::{PerfError, Scenario, SkipReason, MOVE_WINDOW};
 use crate::test_guest::area::{TestArea, AREA_GPA};
-use crate::test_guest::vcpus::Vm;
+use crate::test_guest::vcpus::TestVm;
 
 /// The test area as the kernel lays it out (see the [suite's documentation](super)).
 pub(super) struct Layout {
@@ -52,7 +52,7 @@ impl Layout {
 
     /// Adds the slots below the last as one [`TestArea`] and the last as a one-slot region;
     /// returns the last one's region.
-    pub(super) fn add(&self, vm: &Vm) -> Result<RegionId, PerfError> {
+    pub(super) fn add(&self, vm: &TestVm) -> Result<RegionId, PerfError> {
         if self.test_slots > 1 {
             TestArea::add(
                 vm.memory(),

@@ -39,7 +39,7 @@ pub use config::{
 pub use report::{MoveExits, Outcome, PerfReport, Progress, Skipped, TestResult};
 pub use run::{run_test, TestSpec};
 
-use crate::test_guest::vcpus::VmError;
+use crate::test_guest::vcpus::GuestError;
 
 /// Runs the suite; `stop` ends it early (the results so far are returned, marked interrupted).
 /// `progress` hears of every step.
@@ -51,7 +51,7 @@ pub fn run_perf(
 ) -> Result<PerfReport, PerfError> {
     let duration = config.duration()?;
     let max = kvm_ioctls::Kvm::new()
-        .map_err(VmError::Kvm)?
+        .map_err(|e| GuestError::Vm(crate::vm::VmError::Kvm(e)))?
         .get_nr_memslots();
     let slot_counts = if config.slots.is_empty() {
         vec![max]

@@ -11,7 +11,7 @@ use vmm_sys_util::eventfd::EventFd;
 use super::config::{PerfError, Scenario, GIB, MOVE_WINDOW, UNMAP_CHUNK};
 use super::layout::{move_window, Layout};
 use super::report::{average, MoveExits, Outcome, Progress, Skipped, TestResult};
-use crate::test_guest::vcpus::{expect_pattern, Vcpus, Vm};
+use crate::test_guest::vcpus::{expect_pattern, TestVm, Vcpus};
 use crate::test_guest::{pattern, Command, Op};
 
 /// How long the host waits for a write loop to make progress before it stops it.
@@ -48,7 +48,7 @@ struct Timed {
 
 /// The VM of one test, with its vCPU running.
 struct Bench<'a> {
-    vm: &'a Vm,
+    vm: &'a TestVm,
     vcpus: &'a mut Vcpus,
     layout: &'a Layout,
     last: RegionId,
@@ -71,7 +71,7 @@ pub fn run_test(
             reason,
         }))
     };
-    let vm = Vm::new()?;
+    let vm = TestVm::new()?;
     let max = vm.max_slots();
     if spec.slots < 2 || spec.slots > max {
         return Err(PerfError::SlotCount {

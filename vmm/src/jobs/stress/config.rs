@@ -7,7 +7,7 @@ use kvm_memslots::PAGE_SIZE;
 
 use crate::test_guest;
 use crate::test_guest::area::AreaError;
-use crate::test_guest::vcpus::VmError;
+use crate::test_guest::vcpus::GuestError;
 
 /// Where the region the verifier reads (and the host toggles read-only) starts.
 pub const VERIFY_GPA: u64 = 128 << 20;
@@ -75,7 +75,7 @@ impl Default for StressConfig {
 pub enum StressError {
     /// The VM failed, or a vCPU stopped on an error, or the verifier found wrong data.
     #[error(transparent)]
-    Vm(#[from] VmError),
+    Vm(#[from] GuestError),
     /// The test area could not be made.
     #[error(transparent)]
     Area(#[from] AreaError),

@@ -2,6 +2,7 @@
 //! checking every harvest against what the writers changed since the one before.
 
 use kvm_memslots::{DirtyPages, KvmMemory, Target, PAGE_SIZE};
+use vm_memory::GuestAddress;
 
 use super::changer::Changer;
 use super::config::{change, StressError, ROUNDS_PER_LOGGING};
@@ -12,14 +13,6 @@ pub(super) struct Logging {
     round: u32,
     before: Vec<Vec<u64>>,
     passes: Vec<u64>,
-}
-
-/// Whether a harvest reported page `page` of its region.
-fn is_set(dirty: &DirtyPages, page: u64) -> bool {
-    dirty
-        .bitmap
-        .get((page / 64) as usize)
-        .is_some_and(|word| word & (1 << (page % 64)) != 0)
 }
 
 impl Changer<'_> {
@@ -51,7 +44,7 @@ impl Changer<'_> {
         if self.memory.kvm().manual_dirty_log() {
             // Logs start all set: the first harvest has every page, written or not.
             let area = self.writers.area;
-            if let Some(page) = (0..area.size() / PAGE_SIZE).find(|&p| !is_set(&first, p)) {
+            if let Some(page) = (0..area.size() / PAGE_SIZE).find(|&p| !first.is_dirty(p)) {
                 return Err(StressError::FirstHarvest {
                     gpa: area.gpa + page * PAGE_SIZE,
                 });
@@ -107,8 +100,7 @@ impl Changer<'_> {
             self.counts.dirty_log_stops += 1;
         }
         let dirty = self.harvest()?;
-        let area = self.writers.area;
-        let is_dirty = |gpa: u64| is_set(&dirty, (gpa - area.gpa) / PAGE_SIZE);
+        let is_dirty = |gpa: u64| dirty.is_dirty_at(GuestAddress(gpa));
         for (vcpu, (before, after)) in logging.before.iter().zip(&after).enumerate() {
             for ((gpa, &before), &after) in self.writers.addresses(vcpu).zip(before).zip(after) {
                 if before != after && !is_dirty(gpa) {

@@ -48,7 +48,7 @@ use config::{
 use run::{stress, Watch};
 
 use crate::test_guest::area::{TestArea, AREA_GPA};
-use crate::test_guest::vcpus::Vm;
+use crate::test_guest::vcpus::TestVm;
 use crate::test_guest::{self, pattern};
 use crate::vm::vcpu::{ExitCounters, VcpuShared};
 
@@ -78,7 +78,7 @@ pub fn run_stress(
             limit,
         });
     }
-    let vm = Vm::new()?;
+    let vm = TestVm::new()?;
     let area = TestArea::add(
         vm.memory(),
         AREA_GPA,

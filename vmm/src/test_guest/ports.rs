@@ -1,0 +1,136 @@
+//! The test guest's ports, as the shared vCPU loop sees them: three write-only protocol ports
+//! (command done, exit, fault) and nothing else, so any other port stops the vCPU.
+
+use std::sync::mpsc::{Receiver, Sender};
+use std::sync::{Arc, LazyLock};
+
+use kvm_memslots::{KvmVm, MemoryManager};
+
+use super::command::Fault;
+use super::layout::port;
+use crate::vm::exit::ExitError;
+use crate::vm::ports::{PortBus, Unmapped};
+use crate::vm::vcpu::{Flow, VcpuPorts};
+
+/// A protocol port of the test guest.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum GuestPort {
+    /// The guest finished a command (or is ready for its first one).
+    Done,
+    /// The guest ran its exit command.
+    Exit,
+    /// The guest took an exception; its fault block says which.
+    Fault,
+}
+
+impl GuestPort {
+    /// The port's number.
+    pub fn number(self) -> u16 {
+        match self {
+            GuestPort::Done => port::DONE,
+            GuestPort::Exit => port::EXIT,
+            GuestPort::Fault => port::FAULT,
+        }
+    }
+}
+
+/// The test guest's bus: its three protocol ports; any other port is fatal.
+pub fn bus() -> &'static PortBus<GuestPort> {
+    static BUS: LazyLock<PortBus<GuestPort>> = LazyLock::new(|| {
+        let mut bus = PortBus::new(Unmapped::Fatal);
+        for device in [GuestPort::Done, GuestPort::Exit, GuestPort::Fault] {
+            bus.insert(device.number(), 1, device)
+                .expect("the test guest's ports are distinct");
+        }
+        bus
+    });
+    &BUS
+}
+
+/// Why the test guest's ports stopped a vCPU.
+#[derive(Debug, thiserror::Error)]
+pub enum GuestPortError {
+    /// The guest took an exception.
+    #[error("the guest took {0}")]
+    Fault(Fault),
+    /// The guest read a protocol port, which are write-only.
+    #[error(transparent)]
+    Read(ExitError),
+}
+
+/// The vCPU loop's error for a test-guest vCPU.
+pub type VcpuError = crate::vm::vcpu::VcpuError<GuestPortError>;
+
+/// What a test-guest vCPU thread tells the host.
+#[derive(Debug)]
+pub enum VcpuEvent {
+    /// The guest finished a command (or is ready for its first one); the vCPU waits for the
+    /// host's go-ahead before it enters the guest again.
+    Done,
+    /// The vCPU stopped: the guest exited, or the host asked it to stop.
+    Stopped,
+    /// The vCPU stopped on an error.
+    Failed(VcpuError),
+}
+
+/// A test-guest vCPU's side of the command protocol.
+#[derive(Debug)]
+pub struct TestGuestPorts {
+    /// Where the vCPU reports finished commands.
+    pub events: Sender<VcpuEvent>,
+    /// The host's go-ahead after [`VcpuEvent::Done`].
+    pub resume: Receiver<()>,
+    /// The guest's memory, to read the fault block.
+    pub memory: Arc<MemoryManager<KvmVm>>,
+}
+
+impl VcpuPorts for TestGuestPorts {
+    type Device = GuestPort;
+    type Error = GuestPortError;
+
+    fn bus(&self) -> &PortBus<GuestPort> {
+        bus()
+    }
+
+    fn read(&mut self, device: GuestPort, _: u16, _: &mut [u8]) -> Result<Flow, GuestPortError> {
+        Err(GuestPortError::Read(ExitError::UnexpectedPort {
+            port: device.number(),
+            write: false,
+        }))
+    }
+
+    fn write(&mut self, device: GuestPort, _: u16, _: &[u8]) -> Result<Flow, GuestPortError> {
+        match device {
+            GuestPort::Done => {
+                // Waiting for the next command may take long; the loop holds no map version.
+                if self.events.send(VcpuEvent::Done).is_err() || self.resume.recv().is_err() {
+                    // The host is gone: nobody will post another command.
+                    return Ok(Flow::Stop);
+                }
+                Ok(Flow::Continue)
+            }
+            GuestPort::Exit => Ok(Flow::Stop),
+            GuestPort::Fault => Err(GuestPortError::Fault(Fault::read(&*self.memory.snapshot()))),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::vm::ports::PortTarget;
+
+    #[test]
+    fn the_bus_has_the_three_protocol_ports_and_nothing_else() {
+        let bus = bus();
+        assert_eq!(bus.find(port::DONE), PortTarget::Device(GuestPort::Done, 0));
+        assert_eq!(bus.find(port::EXIT), PortTarget::Device(GuestPort::Exit, 0));
+        assert_eq!(
+            bus.find(port::FAULT),
+            PortTarget::Device(GuestPort::Fault, 0)
+        );
+        assert_eq!(bus.find(0x80), PortTarget::Nothing);
+        assert_eq!(bus.find(port::DONE - 1), PortTarget::Nothing);
+        assert_eq!(bus.ranges().len(), 3);
+    }
+}
