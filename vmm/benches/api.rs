@@ -15,7 +15,7 @@ use kvm_ioctls::Kvm;
 use kvm_memslots::{KvmVm, MemoryManager, RegionSpec};
 use serde_json::json;
 use tinyvmm::api::client::Client;
-use tinyvmm::api::server::{serve_in_background, ServeConfig};
+use tinyvmm::jobs::serve::{serve_in_background, ServeConfig};
 use vm_memory::GuestAddress;
 
 const FILLS: [usize; 3] = [1, 4096, 32763];

@@ -255,14 +255,14 @@ fn stress(args: StressArgs) -> ExitCode {
 }
 
 fn serve(args: ServeArgs) -> ExitCode {
-    let config = tinyvmm::api::server::ServeConfig {
+    let config = tinyvmm::jobs::serve::ServeConfig {
         api_sock: args.api_sock,
         slots: args.slots,
         area_size: args.mem_mib << 20,
         vcpus: args.vcpus,
     };
     let path = config.api_sock.display().to_string();
-    match tinyvmm::api::server::serve(&config, || eprintln!("tinyvmm: serving the API on {path}")) {
+    match tinyvmm::jobs::serve::serve(&config, || eprintln!("tinyvmm: serving the API on {path}")) {
         Ok(()) => {
             eprintln!("tinyvmm: stopped");
             ExitCode::SUCCESS

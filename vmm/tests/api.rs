@@ -8,7 +8,7 @@ use std::thread::JoinHandle;
 
 use serde_json::{json, Value};
 use tinyvmm::api::client::Client;
-use tinyvmm::api::server::{serve, serve_in_background, ServeConfig, ServeError};
+use tinyvmm::jobs::serve::{serve, serve_in_background, ServeConfig, ServeError};
 
 /// A VMM serving its API on a socket of its own, stopped when dropped.
 struct Vmm {

@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use serde_json::json;
 use tinyvmm::api::client::Client;
-use tinyvmm::api::server::{serve_in_background, ServeConfig};
+use tinyvmm::jobs::serve::{serve_in_background, ServeConfig};
 
 /// The process's soft and hard limits on open descriptors.
 fn nofile() -> libc::rlimit {

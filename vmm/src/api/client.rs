@@ -19,6 +19,7 @@ pub enum ClientError {
 }
 
 /// One connection to the API socket.
+#[derive(Debug)]
 pub struct Client {
     stream: UnixStream,
 }
@@ -33,7 +34,15 @@ impl Client {
 
     /// Sends raw bytes and reads one answer: the status and the JSON body (`Null` if none).
     pub fn raw(&mut self, request: &[u8]) -> Result<(u16, Value), ClientError> {
-        self.stream.write_all(request)?;
+        if let Err(e) = self.stream.write_all(request) {
+            // A server that refuses a client (503: too many, or out of descriptors) answers and
+            // closes at once, possibly before the request is written: its answer is still there
+            // to read.
+            if e.kind() == std::io::ErrorKind::BrokenPipe {
+                return self.read_response().map_err(|_| ClientError::Io(e));
+            }
+            return Err(e.into());
+        }
         self.read_response()
     }
 

@@ -1,10 +1,14 @@
-//! Turns a request into an [`Action`]: paths, methods and JSON bodies. Nothing here touches
-//! the VM.
+//! Between HTTP and the controller: turns a request (path, method, JSON body) into a
+//! controller [`ControllerRequest`], and the controller's reply or error into a response. The
+//! status of an error is decided here, from its kind, and nowhere else. Nothing here touches the
+//! VM.
 
 use serde::de::DeserializeOwned;
+use serde::Serialize;
 
 use crate::api::http::{Request, Response};
-use crate::controller::{Action, Harvest};
+use crate::api::types::Harvest;
+use crate::controller::{ControllerError, ErrorKind, Outcome, Reply, Request as ControllerRequest};
 
 /// Parses a JSON body, naming the problem (unknown field, wrong type, negative or overflowing
 /// number, bad syntax) in the error.
@@ -29,31 +33,63 @@ fn method_not_allowed(method: &str, path: &str, allowed: &str) -> Response {
     )
 }
 
-/// The action a request asks for, or the response that refuses it.
-pub fn route(request: &Request) -> Result<Action, Response> {
+/// The status for an error of `kind`.
+pub fn status(kind: ErrorKind) -> u16 {
+    match kind {
+        ErrorKind::BadRequest => 400,
+        ErrorKind::NotFound => 404,
+        ErrorKind::Conflict => 409,
+        ErrorKind::Internal => 500,
+        ErrorKind::Unavailable => 503,
+    }
+}
+
+fn json(status: u16, body: &impl Serialize) -> Response {
+    Response::json(
+        status,
+        serde_json::to_value(body).expect("reply types serialise to JSON"),
+    )
+}
+
+/// The response for what the controller did.
+pub fn respond(outcome: Outcome) -> Response {
+    match outcome {
+        Ok(Reply::Done) => Response::no_content(),
+        Ok(Reply::Memory(info)) => json(200, &info),
+        Ok(Reply::RegionAdded(added)) => json(201, &added),
+        Ok(Reply::Harvest(dirty)) => json(200, &dirty),
+        Ok(Reply::Hotplug(info)) => json(200, &info),
+        Ok(Reply::Vm(info)) => json(200, &info),
+        Ok(Reply::Guest(result)) => json(200, &result),
+        Err(ControllerError { kind, message }) => Response::fault(status(kind), message),
+    }
+}
+
+/// The controller request an HTTP request asks for, or the response that refuses it.
+pub fn route(request: &Request) -> Result<ControllerRequest, Response> {
     let method = request.method.as_str();
     let path = request.path.trim_end_matches('/');
     let segments: Vec<&str> = path.split('/').skip(1).collect();
     match segments.as_slice() {
         ["memory"] => match method {
-            "GET" => Ok(Action::GetMemory),
+            "GET" => Ok(ControllerRequest::GetMemory),
             _ => Err(method_not_allowed(method, path, "GET")),
         },
         ["memory", "regions"] => match method {
-            "PUT" | "POST" => Ok(Action::AddRegion(body(request)?)),
+            "PUT" | "POST" => Ok(ControllerRequest::AddRegion(body(request)?)),
             _ => Err(method_not_allowed(method, path, "PUT, POST")),
         },
         ["memory", "regions", region] => match method {
-            "DELETE" => Ok(Action::RemoveRegion(id(region)?)),
-            "PATCH" => Ok(Action::PatchRegion(id(region)?, body(request)?)),
+            "DELETE" => Ok(ControllerRequest::RemoveRegion(id(region)?)),
+            "PATCH" => Ok(ControllerRequest::PatchRegion(id(region)?, body(request)?)),
             _ => Err(method_not_allowed(method, path, "DELETE, PATCH")),
         },
         ["dirty-log"] => match method {
-            "PATCH" => Ok(Action::SwitchDirtyLog(body(request)?)),
+            "PATCH" => Ok(ControllerRequest::SwitchDirtyLog(body(request)?)),
             _ => Err(method_not_allowed(method, path, "PATCH")),
         },
         ["dirty-log", "harvest"] => match method {
-            "POST" | "PUT" => Ok(Action::Harvest(if request.body.is_empty() {
+            "POST" | "PUT" => Ok(ControllerRequest::Harvest(if request.body.is_empty() {
                 Harvest::default()
             } else {
                 body(request)?
@@ -61,22 +97,22 @@ pub fn route(request: &Request) -> Result<Action, Response> {
             _ => Err(method_not_allowed(method, path, "POST")),
         },
         ["hotplug", "memory"] => match method {
-            "GET" => Ok(Action::GetHotplug),
-            "PUT" => Ok(Action::ConfigureHotplug(body(request)?)),
-            "PATCH" => Ok(Action::RequestHotplug(body(request)?)),
+            "GET" => Ok(ControllerRequest::GetHotplug),
+            "PUT" => Ok(ControllerRequest::ConfigureHotplug(body(request)?)),
+            "PATCH" => Ok(ControllerRequest::RequestHotplug(body(request)?)),
             _ => Err(method_not_allowed(method, path, "GET, PUT, PATCH")),
         },
         ["guest", "command"] => match method {
-            "PUT" => Ok(Action::Guest(body(request)?)),
+            "PUT" => Ok(ControllerRequest::Guest(body(request)?)),
             _ => Err(method_not_allowed(method, path, "PUT")),
         },
         ["vm"] => match method {
-            "GET" => Ok(Action::GetVm),
-            "PATCH" => Ok(Action::PatchVm(body(request)?)),
+            "GET" => Ok(ControllerRequest::GetVm),
+            "PATCH" => Ok(ControllerRequest::PatchVm(body(request)?)),
             _ => Err(method_not_allowed(method, path, "GET, PATCH")),
         },
         ["actions"] => match method {
-            "PUT" => Ok(Action::Act(body(request)?)),
+            "PUT" => Ok(ControllerRequest::Act(body(request)?)),
             _ => Err(method_not_allowed(method, path, "PUT")),
         },
         _ => Err(Response::fault(
@@ -89,7 +125,7 @@ pub fn route(request: &Request) -> Result<Action, Response> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::controller::{AddRegion, BackingKind};
+    use crate::api::types::{AddRegion, BackingKind, GuestCommandResult};
 
     fn request(method: &str, path: &str, body: &str) -> Request {
         Request {
@@ -120,7 +156,7 @@ mod tests {
         .unwrap();
         assert_eq!(
             action,
-            Action::AddRegion(AddRegion {
+            ControllerRequest::AddRegion(AddRegion {
                 size: 4096,
                 guest_address: Some(1 << 30),
                 backing: BackingKind::Memfd,
@@ -132,11 +168,11 @@ mod tests {
         );
         assert_eq!(
             route(&request("DELETE", "/memory/regions/12/", "")).unwrap(),
-            Action::RemoveRegion(12)
+            ControllerRequest::RemoveRegion(12)
         );
         assert_eq!(
             route(&request("POST", "/dirty-log/harvest", "")).unwrap(),
-            Action::Harvest(Harvest { region: None })
+            ControllerRequest::Harvest(Harvest { region: None })
         );
     }
 
@@ -180,5 +216,38 @@ mod tests {
             (404, "no resource at /nowhere".into())
         );
         assert_eq!(refusal("POST", "/memory", "").0, 405);
+    }
+
+    #[test]
+    fn replies_and_errors_become_statuses_and_bodies() {
+        let mismatch = respond(Ok(Reply::Guest(GuestCommandResult::Mismatch {
+            address: 0x1000_0000,
+            found: 1,
+            expected: 2,
+        })));
+        assert_eq!(mismatch.status, 200);
+        assert_eq!(
+            mismatch.body,
+            Some(serde_json::json!({
+                "result": "mismatch", "address": 0x1000_0000u64, "found": 1, "expected": 2
+            }))
+        );
+        let ok = respond(Ok(Reply::Guest(GuestCommandResult::Ok)));
+        assert_eq!(ok.body, Some(serde_json::json!({ "result": "ok" })));
+        assert_eq!(respond(Ok(Reply::Done)).status, 204);
+        for (kind, code) in [
+            (ErrorKind::BadRequest, 400),
+            (ErrorKind::NotFound, 404),
+            (ErrorKind::Conflict, 409),
+            (ErrorKind::Internal, 500),
+            (ErrorKind::Unavailable, 503),
+        ] {
+            let response = respond(Err(ControllerError::new(kind, "why")));
+            assert_eq!(response.status, code);
+            assert_eq!(
+                response.body,
+                Some(serde_json::json!({ "fault_message": "why" }))
+            );
+        }
     }
 }

@@ -1,5 +1,5 @@
-//! The API socket on the VMM's event loop: accepts clients, frames their requests, hands the
-//! actions to the controller and writes the answers.
+//! The API socket on the VMM's event loop: accepts clients, frames their requests, hands them
+//! to the controller and writes the answers. Transport only: the `serve` job builds the VM.
 
 use std::collections::HashMap;
 use std::fs::File;
@@ -8,22 +8,17 @@ use std::os::fd::{AsRawFd, RawFd};
 use std::os::unix::fs::{FileTypeExt, PermissionsExt};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
-use std::sync::atomic::Ordering;
-use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use event_manager::{EventOps, EventSet, Events, MutEventSubscriber};
 
 use crate::api::http::{self, Parsed, Response, MAX_BODY_BYTES, MAX_HEADER_BYTES};
-use crate::api::routes::route;
+use crate::api::routes::{respond, route};
 use crate::controller::Controller;
-use crate::lifecycle::{EventLoop, LoopError};
-use crate::test_guest::area::{TestArea, AREA_GPA};
-use crate::test_guest::vcpus::{Vm, VmError};
 
-/// Why the API server could not start or ended badly.
+/// Why the API socket could not be created.
 #[derive(Debug, thiserror::Error)]
-pub enum ServeError {
+pub enum SocketError {
     /// The socket path is taken by something that is not a socket.
     #[error("{0} exists and is not a socket: refusing to replace it")]
     NotASocket(PathBuf),
@@ -38,30 +33,21 @@ pub enum ServeError {
         /// The system's error.
         source: std::io::Error,
     },
-    /// The VM failed.
-    #[error(transparent)]
-    Vm(#[from] VmError),
-    /// The initial memory could not be added.
-    #[error(transparent)]
-    Area(#[from] crate::test_guest::area::AreaError),
-    /// The event loop failed.
-    #[error(transparent)]
-    Loop(#[from] LoopError),
 }
 
 /// Creates the API socket at `path`, readable and writable by its owner only. A stale socket
 /// (nobody answers) is replaced; anything else at the path is refused.
-pub fn bind_api_socket(path: &Path) -> Result<UnixListener, ServeError> {
-    let socket_error = |source| ServeError::Socket {
+pub fn bind_api_socket(path: &Path) -> Result<UnixListener, SocketError> {
+    let socket_error = |source| SocketError::Socket {
         path: path.to_owned(),
         source,
     };
     match std::fs::symlink_metadata(path) {
         Ok(meta) if !meta.file_type().is_socket() => {
-            return Err(ServeError::NotASocket(path.to_owned()))
+            return Err(SocketError::NotASocket(path.to_owned()))
         }
         Ok(_) => match UnixStream::connect(path) {
-            Ok(_) => return Err(ServeError::InUse(path.to_owned())),
+            Ok(_) => return Err(SocketError::InUse(path.to_owned())),
             Err(e) if e.kind() == ErrorKind::ConnectionRefused => {
                 std::fs::remove_file(path).map_err(socket_error)?;
             }
@@ -82,6 +68,7 @@ pub fn bind_api_socket(path: &Path) -> Result<UnixListener, ServeError> {
     Ok(listener)
 }
 
+#[derive(Debug)]
 struct Connection {
     stream: UnixStream,
     buffer: Vec<u8>,
@@ -94,6 +81,7 @@ pub const MAX_CONNECTIONS: usize = 128;
 const READ_LIMIT: usize = 2 * (MAX_HEADER_BYTES + MAX_BODY_BYTES);
 
 /// The API socket's subscriber: the listener and every client connection.
+#[derive(Debug)]
 pub struct ApiServer {
     listener: UnixListener,
     connections: HashMap<RawFd, Connection>,
@@ -228,7 +216,7 @@ impl ApiServer {
                 Ok(Parsed::Complete(request, used)) => {
                     connection.buffer.drain(..used);
                     let response = match route(&request) {
-                        Ok(action) => self.controller.apply(action),
+                        Ok(request) => respond(self.controller.apply(request)),
                         Err(refusal) => refusal,
                     };
                     let connection = self.connections.get_mut(&fd).expect("present above");
@@ -287,89 +275,4 @@ impl MutEventSubscriber for ApiServer {
         ops.add(Events::new(&self.listener, EventSet::IN))
             .expect("watching the API socket");
     }
-}
-
-/// What `tinyvmm serve` starts with.
-#[derive(Debug, Clone)]
-pub struct ServeConfig {
-    /// Where the API socket goes.
-    pub api_sock: PathBuf,
-    /// KVM slots at start (the system region's and the initial memory's).
-    pub slots: usize,
-    /// Bytes of initial memory at 256 MiB, split over `slots - 1` slots (0: none).
-    pub area_size: u64,
-    /// vCPUs of the test guest.
-    pub vcpus: usize,
-}
-
-/// Runs a test-guest VM with an API socket until a client stops it or a signal comes; removes
-/// the socket at the end.
-pub fn serve(config: &ServeConfig, ready: impl FnOnce()) -> Result<(), ServeError> {
-    let listener = bind_api_socket(&config.api_sock)?;
-    let result = serve_on(listener, config, ready);
-    let _ = std::fs::remove_file(&config.api_sock);
-    result
-}
-
-/// Runs [`serve`] on a thread of its own and returns that thread once the socket is ready, or
-/// the error that kept the VMM from starting.
-pub fn serve_in_background(
-    config: ServeConfig,
-) -> Result<std::thread::JoinHandle<Result<(), ServeError>>, ServeError> {
-    let (ready, is_ready) = std::sync::mpsc::channel();
-    let thread = std::thread::spawn(move || {
-        serve(&config, move || {
-            // The caller may have stopped waiting; serving goes on regardless.
-            let _ = ready.send(());
-        })
-    });
-    if is_ready.recv().is_ok() {
-        return Ok(thread);
-    }
-    // `serve` ended before the socket was ready: it failed (it ends cleanly only on a Stop,
-    // which needs a client), or panicked.
-    match thread.join() {
-        Ok(Err(e)) => Err(e),
-        Ok(Ok(())) => unreachable!("serve says it is ready before it can stop cleanly"),
-        Err(panic) => std::panic::resume_unwind(panic),
-    }
-}
-
-fn serve_on(
-    listener: UnixListener,
-    config: &ServeConfig,
-    ready: impl FnOnce(),
-) -> Result<(), ServeError> {
-    let mut event_loop = EventLoop::new()?;
-    let vm = Vm::new()?;
-    if config.area_size > 0 && config.slots > 1 {
-        TestArea::add(
-            vm.memory(),
-            AREA_GPA,
-            config.area_size,
-            config.slots as u64 - 1,
-        )?;
-    }
-    let vcpus = vm.start_vcpus(config.vcpus, &event_loop.context().vcpu_stopped)?;
-    let server = Arc::new(Mutex::new(ApiServer::new(
-        listener,
-        Controller::new(vm, vcpus),
-    )));
-    event_loop.add(server.clone());
-    let stop = Arc::clone(&event_loop.context().stop);
-    ready();
-    loop {
-        let ending = event_loop.dispatch(1000);
-        let asked = server
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .controller_mut()
-            .stop_requested();
-        if ending.is_some() || asked || stop.load(Ordering::Acquire) {
-            break;
-        }
-    }
-    let mut server = server.lock().unwrap_or_else(|p| p.into_inner());
-    server.controller_mut().shut_down()?;
-    Ok(())
 }

@@ -3,4 +3,5 @@
 
 pub mod check;
 pub mod perf;
+pub mod serve;
 pub mod stress;

@@ -1,0 +1,291 @@
+//! The API's request and reply bodies, as `docs/api.yaml` describes them. Requests refuse
+//! unknown fields; replies serialise to exactly the documented JSON. The controller takes and
+//! returns these types; only `api::routes` and `api::server` know they travel over HTTP.
+
+use serde::{Deserialize, Serialize};
+
+/// How a new region is backed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum BackingKind {
+    /// Private anonymous memory.
+    Anonymous,
+    /// A new memfd, mapped shared.
+    Memfd,
+}
+
+/// `PUT /memory/regions`.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct AddRegion {
+    /// Size in bytes (a multiple of 4 KiB).
+    pub size: u64,
+    /// Guest-physical base; by default the first free place from 1 GiB up.
+    pub guest_address: Option<u64>,
+    /// Backing; anonymous by default.
+    #[serde(default = "default_backing")]
+    pub backing: BackingKind,
+    /// KVM slot size the region is split into (must divide `size`); one slot by default.
+    pub slot_size: Option<u64>,
+    /// Read-only for the guest.
+    #[serde(default)]
+    pub read_only: bool,
+    /// Log the guest's writes from the start.
+    #[serde(default)]
+    pub dirty_log: bool,
+    /// Have the test guest write and check both ends of every new slot (default true).
+    #[serde(default = "yes")]
+    pub guest_check: bool,
+}
+
+fn default_backing() -> BackingKind {
+    BackingKind::Anonymous
+}
+
+fn yes() -> bool {
+    true
+}
+
+/// `PATCH /memory/regions/{id}`.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PatchRegion {
+    /// Move the region here.
+    pub guest_address: Option<u64>,
+    /// Make it read-only, or writable again.
+    pub read_only: Option<bool>,
+}
+
+/// `PATCH /dirty-log`.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DirtyLogSwitch {
+    /// Start (true) or stop (false) logging.
+    pub enabled: bool,
+    /// One region; all by default.
+    pub region: Option<u64>,
+}
+
+/// `POST /dirty-log/harvest`.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Harvest {
+    /// One region; all by default.
+    pub region: Option<u64>,
+}
+
+/// `PUT /hotplug/memory`: the hotplug area, as Firecracker describes it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct HotplugConfig {
+    /// Size of the whole area, in MiB.
+    pub total_size_mib: u64,
+    /// Plugging granularity in MiB (a power of two, at least 2).
+    pub block_size_mib: u64,
+    /// KVM slot size in MiB (a multiple of the block size); a slot is mapped while any of its
+    /// blocks is plugged. Defaults to the block size.
+    pub slot_size_mib: Option<u64>,
+}
+
+/// `PATCH /hotplug/memory`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct HotplugRequest {
+    /// How much of the area should be plugged, in MiB (a multiple of the block size).
+    pub requested_size_mib: u64,
+}
+
+/// The test guest's operations, as the API names them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum GuestOp {
+    /// Write the pattern.
+    Write,
+    /// Check the pattern.
+    Verify,
+}
+
+/// `PUT /guest/command`: run one command of the test guest.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct GuestCommand {
+    /// What to do.
+    pub op: GuestOp,
+    /// First guest address (a multiple of 8).
+    pub start: u64,
+    /// First address after the range.
+    pub end: u64,
+    /// Distance between touched addresses (a non-zero multiple of 8).
+    pub stride: u64,
+    /// Pattern seed: the value at address `a` is `a ^ seed`.
+    pub seed: u64,
+    /// The vCPU to run it on (0 by default).
+    #[serde(default)]
+    pub vcpu: usize,
+}
+
+/// The VM's run state.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Serialize)]
+pub enum RunState {
+    /// The guest runs commands.
+    Running,
+    /// The guest runs no command until resumed.
+    Paused,
+}
+
+/// `PATCH /vm` (Firecracker's shape).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct VmStatePatch {
+    /// `Paused` or `Resumed`.
+    pub state: VmStateRequest,
+}
+
+/// The states a client may ask for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+pub enum VmStateRequest {
+    /// Pause.
+    Paused,
+    /// Resume.
+    Resumed,
+}
+
+/// `PUT /actions` (Firecracker's shape).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct VmAction {
+    /// Only `Stop`: shut the VMM down.
+    pub action_type: VmActionType,
+}
+
+/// Actions on the whole VM.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+pub enum VmActionType {
+    /// Stop the guest and the VMM.
+    Stop,
+}
+
+/// `GET /memory`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct MemoryInfo {
+    /// KVM slot numbers in use and free.
+    pub slots: SlotCounts,
+    /// The regions, by id.
+    pub regions: Vec<RegionInfo>,
+}
+
+/// KVM slot numbers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub struct SlotCounts {
+    /// In use.
+    pub used: usize,
+    /// Free.
+    pub free: usize,
+    /// KVM's number of slots.
+    pub max: u32,
+}
+
+/// One region in [`MemoryInfo`].
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct RegionInfo {
+    /// Its id.
+    pub id: u64,
+    /// Guest-physical base.
+    pub guest_address: u64,
+    /// Size in bytes.
+    pub size: u64,
+    /// Host address of its mapping.
+    pub host_address: u64,
+    /// KVM slots it takes.
+    pub slots: usize,
+    /// Read-only for the guest.
+    pub read_only: bool,
+    /// Its writes are logged.
+    pub dirty_log: bool,
+    /// `anonymous` or `memfd`.
+    pub backing: &'static str,
+}
+
+/// `PUT /memory/regions` (201).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct RegionAdded {
+    /// The new region's id.
+    pub id: u64,
+    /// Where it is.
+    pub guest_address: u64,
+    /// Its size.
+    pub size: u64,
+    /// KVM slots it takes.
+    pub slots: u64,
+    /// Whether the test guest checked every slot.
+    pub guest_checked: bool,
+}
+
+/// `POST /dirty-log/harvest`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct HarvestInfo {
+    /// Bytes per page.
+    pub page_size: u64,
+    /// Each region harvested.
+    pub regions: Vec<DirtyRegion>,
+}
+
+/// One region in [`HarvestInfo`].
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct DirtyRegion {
+    /// The region.
+    pub id: u64,
+    /// Its guest base when harvested.
+    pub guest_address: u64,
+    /// Its pages.
+    pub pages: u64,
+    /// How many of them are dirty.
+    pub dirty_pages: u64,
+    /// The dirty pages as `[start, end)` guest-address ranges.
+    pub ranges: Vec<[u64; 2]>,
+}
+
+/// `GET /hotplug/memory`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct HotplugInfo {
+    /// Size of the whole area, in MiB.
+    pub total_size_mib: u64,
+    /// Plugging granularity, in MiB.
+    pub block_size_mib: u64,
+    /// KVM slot size, in MiB.
+    pub slot_size_mib: u64,
+    /// Plugged, in MiB.
+    pub plugged_size_mib: u64,
+    /// Requested, in MiB (the same as plugged: the test guest takes every request at once).
+    pub requested_size_mib: u64,
+    /// Where the area starts.
+    pub guest_address: u64,
+    /// KVM slots mapped in it.
+    pub mapped_slots: usize,
+}
+
+/// `GET /vm`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct VmInfo {
+    /// Running or paused.
+    pub state: RunState,
+    /// vCPUs (0 once shutting down).
+    pub vcpus: usize,
+}
+
+/// `PUT /guest/command`: what the guest found.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[serde(tag = "result", rename_all = "snake_case")]
+pub enum GuestCommandResult {
+    /// The command ran; a verify found every address as expected.
+    Ok,
+    /// A verify found an address that does not hold its pattern.
+    Mismatch {
+        /// The address.
+        address: u64,
+        /// What it held.
+        found: u64,
+        /// What it should have held.
+        expected: u64,
+    },
+}

@@ -1,0 +1,116 @@
+//! `tinyvmm serve`: the test guest with an API socket. The job builds the VM (the system
+//! region, the initial memory, the vCPUs) as the other jobs do, hands it to the controller, and
+//! serves the socket on the event loop until a client stops the VMM or a signal comes.
+
+use std::os::unix::net::UnixListener;
+use std::path::PathBuf;
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, Mutex};
+
+use crate::api::server::{bind_api_socket, ApiServer, SocketError};
+use crate::controller::Controller;
+use crate::lifecycle::{EventLoop, LoopError};
+use crate::test_guest::area::{AreaError, TestArea, AREA_GPA};
+use crate::test_guest::vcpus::{GuestError, TestVm};
+
+/// Why serving could not start or ended badly.
+#[derive(Debug, thiserror::Error)]
+pub enum ServeError {
+    /// The API socket could not be created.
+    #[error(transparent)]
+    Socket(#[from] SocketError),
+    /// The VM failed.
+    #[error(transparent)]
+    Vm(#[from] GuestError),
+    /// The initial memory could not be added.
+    #[error(transparent)]
+    Area(#[from] AreaError),
+    /// The event loop failed.
+    #[error(transparent)]
+    Loop(#[from] LoopError),
+}
+
+/// What `tinyvmm serve` starts with.
+#[derive(Debug, Clone)]
+pub struct ServeConfig {
+    /// Where the API socket goes.
+    pub api_sock: PathBuf,
+    /// KVM slots at start (the system region's and the initial memory's).
+    pub slots: usize,
+    /// Bytes of initial memory at 256 MiB, split over `slots - 1` slots (0: none).
+    pub area_size: u64,
+    /// vCPUs of the test guest.
+    pub vcpus: usize,
+}
+
+/// Runs a test-guest VM with an API socket until a client stops it or a signal comes; removes
+/// the socket at the end.
+pub fn serve(config: &ServeConfig, ready: impl FnOnce()) -> Result<(), ServeError> {
+    let listener = bind_api_socket(&config.api_sock)?;
+    let result = serve_on(listener, config, ready);
+    let _ = std::fs::remove_file(&config.api_sock);
+    result
+}
+
+/// Runs [`serve`] on a thread of its own and returns that thread once the socket is ready, or
+/// the error that kept the VMM from starting.
+pub fn serve_in_background(
+    config: ServeConfig,
+) -> Result<std::thread::JoinHandle<Result<(), ServeError>>, ServeError> {
+    let (ready, is_ready) = std::sync::mpsc::channel();
+    let thread = std::thread::spawn(move || {
+        serve(&config, move || {
+            // The caller may have stopped waiting; serving goes on regardless.
+            let _ = ready.send(());
+        })
+    });
+    if is_ready.recv().is_ok() {
+        return Ok(thread);
+    }
+    // `serve` ended before the socket was ready: it failed (it ends cleanly only on a Stop,
+    // which needs a client), or panicked.
+    match thread.join() {
+        Ok(Err(e)) => Err(e),
+        Ok(Ok(())) => unreachable!("serve says it is ready before it can stop cleanly"),
+        Err(panic) => std::panic::resume_unwind(panic),
+    }
+}
+
+fn serve_on(
+    listener: UnixListener,
+    config: &ServeConfig,
+    ready: impl FnOnce(),
+) -> Result<(), ServeError> {
+    let mut event_loop = EventLoop::new()?;
+    let vm = TestVm::new()?;
+    if config.area_size > 0 && config.slots > 1 {
+        TestArea::add(
+            vm.memory(),
+            AREA_GPA,
+            config.area_size,
+            config.slots as u64 - 1,
+        )?;
+    }
+    let vcpus = vm.start_vcpus(config.vcpus, &event_loop.context().vcpu_stopped)?;
+    let server = Arc::new(Mutex::new(ApiServer::new(
+        listener,
+        Controller::new(vm, vcpus),
+    )));
+    event_loop.add(server.clone());
+    let stop = Arc::clone(&event_loop.context().stop);
+    ready();
+    loop {
+        let ending = event_loop.dispatch(1000);
+        let asked = server
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .controller_mut()
+            .stop_requested();
+        if ending.is_some() || asked || stop.load(Ordering::Acquire) {
+            break;
+        }
+    }
+    let mut server = server.lock().unwrap_or_else(|p| p.into_inner());
+    server.controller_mut().shut_down()?;
+    Ok(())
+}
