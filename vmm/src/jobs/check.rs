@@ -34,14 +34,6 @@ pub enum CheckError {
     /// The test area could not be made.
     #[error(transparent)]
     Area(#[from] AreaError),
-    /// Fewer than two slots, or more than KVM has.
-    #[error("{asked} slots asked for; KVM offers 2 to {max} (one is the system region's)")]
-    SlotCount {
-        /// Slots asked for.
-        asked: usize,
-        /// KVM's limit.
-        max: usize,
-    },
 }
 
 /// What a check run did.
@@ -80,13 +72,7 @@ pub fn run_check(
     stopped: &Arc<EventFd>,
 ) -> Result<CheckReport, CheckError> {
     let vm = TestVm::new()?;
-    let max = vm.max_slots();
-    if config.slots < 2 || config.slots > max {
-        return Err(CheckError::SlotCount {
-            asked: config.slots,
-            max,
-        });
-    }
+    vm.check_slot_count(config.slots)?;
     let start = Instant::now();
     let area = TestArea::add(
         vm.memory(),

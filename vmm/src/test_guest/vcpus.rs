@@ -33,6 +33,14 @@ pub enum GuestError {
     /// A vCPU stopped on an error.
     #[error(transparent)]
     Vcpu(#[from] VcpuError),
+    /// Fewer than two slots, or more than KVM has.
+    #[error("{asked} slots asked for; KVM offers 2 to {max} (one is the system region's)")]
+    SlotCount {
+        /// Slots asked for.
+        asked: usize,
+        /// KVM's limit.
+        max: usize,
+    },
     /// A vCPU thread could not be started.
     #[error("starting vCPU thread {vcpu} failed: {source}")]
     Thread {
@@ -125,6 +133,15 @@ pub fn expect_pattern(
     Ok(())
 }
 
+/// Checks that `slots` KVM slots in all are at least two (the system region's and one of a
+/// test area) and at most `max`.
+pub fn check_slot_count(slots: usize, max: usize) -> Result<(), GuestError> {
+    if slots < 2 || slots > max {
+        return Err(GuestError::SlotCount { asked: slots, max });
+    }
+    Ok(())
+}
+
 /// The test guest's VM: the generic VM with the system region in place and the guest's code
 /// and tables in it.
 #[derive(Debug)]
@@ -163,6 +180,12 @@ impl TestVm {
     /// KVM's number of memory slots.
     pub fn max_slots(&self) -> usize {
         self.vm.max_slots()
+    }
+
+    /// Checks that `slots` KVM slots in all (the system region's and a test area's) are at
+    /// least two and at most KVM's number.
+    pub fn check_slot_count(&self, slots: usize) -> Result<(), GuestError> {
+        check_slot_count(slots, self.max_slots())
     }
 
     /// Creates `count` vCPUs in the guest's boot state and starts their threads; returns once

@@ -47,6 +47,11 @@ impl VmError {
     }
 }
 
+/// KVM's number of memory slots (`KVM_CAP_NR_MEMSLOTS`), without creating a VM.
+pub fn max_slots() -> Result<usize, VmError> {
+    Ok(Kvm::new().map_err(VmError::Kvm)?.get_nr_memslots())
+}
+
 /// A KVM VM with its guest memory in a [`MemoryManager`], and no memory yet.
 #[derive(Debug)]
 pub struct Vm {

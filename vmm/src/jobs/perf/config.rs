@@ -156,14 +156,6 @@ pub enum PerfError {
     /// The memory manager refused a change or a discard.
     #[error(transparent)]
     Memory(#[from] kvm_memslots::Error),
-    /// A slot count outside what KVM offers.
-    #[error("{asked} slots asked for; KVM offers 2 to {max} (one is the system region's)")]
-    SlotCount {
-        /// Slots asked for.
-        asked: usize,
-        /// KVM's limit.
-        max: usize,
-    },
     /// The test time is not a positive number of seconds.
     #[error("the time per test must be a positive number of seconds, not {0}")]
     Seconds(f64),

@@ -39,7 +39,7 @@ pub use config::{
 pub use report::{MoveExits, Outcome, PerfReport, Progress, Skipped, TestResult};
 pub use run::{run_test, TestSpec};
 
-use crate::test_guest::vcpus::GuestError;
+use crate::test_guest::vcpus::{check_slot_count, GuestError};
 
 /// Runs the suite; `stop` ends it early (the results so far are returned, marked interrupted).
 /// `progress` hears of every step.
@@ -50,16 +50,14 @@ pub fn run_perf(
     progress: &mut dyn FnMut(Progress<'_>),
 ) -> Result<PerfReport, PerfError> {
     let duration = config.duration()?;
-    let max = kvm_ioctls::Kvm::new()
-        .map_err(|e| GuestError::Vm(crate::vm::VmError::Kvm(e)))?
-        .get_nr_memslots();
+    let max = crate::vm::max_slots().map_err(GuestError::Vm)?;
     let slot_counts = if config.slots.is_empty() {
         vec![max]
     } else {
         config.slots.clone()
     };
-    if let Some(&asked) = slot_counts.iter().find(|&&s| s < 2 || s > max) {
-        return Err(PerfError::SlotCount { asked, max });
+    for &slots in &slot_counts {
+        check_slot_count(slots, max)?;
     }
     let scenarios = if config.scenarios.is_empty() {
         Scenario::ALL.to_vec()

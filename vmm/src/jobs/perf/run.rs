@@ -72,13 +72,7 @@ pub fn run_test(
         }))
     };
     let vm = TestVm::new()?;
-    let max = vm.max_slots();
-    if spec.slots < 2 || spec.slots > max {
-        return Err(PerfError::SlotCount {
-            asked: spec.slots,
-            max,
-        });
-    }
+    vm.check_slot_count(spec.slots)?;
     let area_size = test.area_size(spec.area_size);
     let layout = match Layout::plan(area_size, spec.slots as u64 - 1) {
         Ok(layout) => layout,
