@@ -36,9 +36,13 @@ pub enum HttpError {
     /// A body over [`MAX_BODY_BYTES`].
     #[error("request body of {0} bytes is too large (at most {MAX_BODY_BYTES})")]
     BodyTooLarge(usize),
-    /// A `Content-Length` that is not a number.
-    #[error("invalid Content-Length header")]
-    BadContentLength,
+    /// A `Content-Length` that is not a plain decimal number (RFC 9112 §6.3: a 400, and the
+    /// connection is closed).
+    #[error("invalid Content-Length header: {0:?} is not a decimal number of bytes")]
+    BadContentLength(String),
+    /// Several `Content-Length` headers that disagree: the body's end is ambiguous.
+    #[error("conflicting Content-Length headers: {0} and {1}")]
+    ConflictingContentLength(usize, usize),
     /// `Transfer-Encoding` (chunked bodies) is not supported.
     #[error("chunked or encoded bodies are not supported: send Content-Length")]
     TransferEncoding,
@@ -89,14 +93,17 @@ pub fn parse(buf: &[u8]) -> Result<Parsed, HttpError> {
     if header_len > MAX_HEADER_BYTES {
         return Err(HttpError::HeadersTooLarge);
     }
-    let mut content_length = 0usize;
+    let mut content_length: Option<usize> = None;
     let mut connection = None;
     for header in request.headers.iter() {
         if header.name.eq_ignore_ascii_case("content-length") {
-            content_length = std::str::from_utf8(header.value)
-                .ok()
-                .and_then(|v| v.trim().parse().ok())
-                .ok_or(HttpError::BadContentLength)?;
+            let length = content_length_value(header.value)?;
+            match content_length {
+                Some(earlier) if earlier != length => {
+                    return Err(HttpError::ConflictingContentLength(earlier, length))
+                }
+                _ => content_length = Some(length),
+            }
         } else if header.name.eq_ignore_ascii_case("transfer-encoding") {
             return Err(HttpError::TransferEncoding);
         } else if header.name.eq_ignore_ascii_case("connection") {
@@ -105,6 +112,7 @@ pub fn parse(buf: &[u8]) -> Result<Parsed, HttpError> {
                 .map(str::to_ascii_lowercase);
         }
     }
+    let content_length = content_length.unwrap_or(0);
     if content_length > MAX_BODY_BYTES {
         return Err(HttpError::BodyTooLarge(content_length));
     }
@@ -133,6 +141,18 @@ pub fn parse(buf: &[u8]) -> Result<Parsed, HttpError> {
         },
         total,
     ))
+}
+
+/// A `Content-Length` value: one or more ASCII digits and nothing else (no sign, no list), as
+/// RFC 9112 §8.6 defines it; optional whitespace around it is the header's, not the value's.
+fn content_length_value(value: &[u8]) -> Result<usize, HttpError> {
+    let text = String::from_utf8_lossy(value);
+    let digits = text.trim_matches(|c| c == ' ' || c == '\t');
+    if digits.is_empty() || !digits.bytes().all(|b| b.is_ascii_digit()) {
+        return Err(HttpError::BadContentLength(text.into_owned()));
+    }
+    // A number too large for usize is far over the body limit anyway.
+    Ok(digits.parse().unwrap_or(usize::MAX))
 }
 
 /// What is left in a connection's buffer when the client closes it: an error if it is part of
@@ -233,6 +253,7 @@ fn reason(status: u16) -> &'static str {
         400 => "Bad Request",
         404 => "Not Found",
         405 => "Method Not Allowed",
+        408 => "Request Timeout",
         409 => "Conflict",
         411 => "Length Required",
         413 => "Payload Too Large",
@@ -297,7 +318,7 @@ mod tests {
         ));
         assert_eq!(
             parse(b"GET / HTTP/1.1\r\nContent-Length: x\r\n\r\n"),
-            Err(HttpError::BadContentLength)
+            Err(HttpError::BadContentLength("x".into()))
         );
         assert_eq!(
             parse(b"PUT / HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n")
@@ -327,5 +348,39 @@ mod tests {
         );
         let empty = String::from_utf8(Response::no_content().to_bytes(true)).unwrap();
         assert!(empty.contains("Content-Length: 0\r\n") && !empty.contains("Content-Type"));
+    }
+
+    #[test]
+    fn content_length_is_digits_only_and_never_ambiguous() {
+        let with = |headers: &str| format!("PUT / HTTP/1.1\r\n{headers}\r\n{}", "x".repeat(33));
+        // RFC 9112 §6.3: an invalid or conflicting length is a 400, never a guess.
+        for bad in ["+33", "-1", "33 33", "33,33", "0x21", "", "3 3"] {
+            let request = with(&format!("Content-Length: {bad}\r\n"));
+            let error = parse(request.as_bytes()).unwrap_err();
+            assert_eq!(
+                error,
+                HttpError::BadContentLength(bad.trim().into()),
+                "{bad:?}"
+            );
+            assert_eq!(error.status(), 400);
+        }
+        for (first, second) in [(10, 33), (33, 10)] {
+            let request = with(&format!(
+                "Content-Length: {first}\r\nContent-Length: {second}\r\n"
+            ));
+            assert_eq!(
+                parse(request.as_bytes()),
+                Err(HttpError::ConflictingContentLength(first, second))
+            );
+        }
+        // The same length twice is one length; whitespace around it is the header's.
+        let twice = with("Content-Length: 33\r\ncontent-length:  33 \r\n");
+        let (request, used) = complete(twice.as_bytes());
+        assert_eq!((request.body.len(), used), (33, twice.len()));
+        let huge = with("Content-Length: 99999999999999999999999999\r\n");
+        assert_eq!(
+            parse(huge.as_bytes()),
+            Err(HttpError::BodyTooLarge(usize::MAX))
+        );
     }
 }

@@ -16,6 +16,14 @@ fn body<T: DeserializeOwned>(request: &Request) -> Result<T, Response> {
     if request.body.is_empty() {
         return Err(Response::fault(400, "a JSON body is required"));
     }
+    // serde's derived structs also take their fields as an array (`["Paused"]`): every body
+    // the API documents is an object, so anything else is refused here, once for all routes.
+    if request.body.trim_ascii_start().first() != Some(&b'{') {
+        return Err(Response::fault(
+            400,
+            "invalid request body: it must be a JSON object (see docs/api.yaml)",
+        ));
+    }
     serde_json::from_slice(&request.body)
         .map_err(|e| Response::fault(400, format!("invalid request body: {e}")))
 }
@@ -249,5 +257,37 @@ mod tests {
                 Some(serde_json::json!({ "fault_message": "why" }))
             );
         }
+    }
+
+    #[test]
+    fn every_body_must_be_an_object_on_every_route() {
+        let routes = [
+            (
+                "PUT",
+                "/memory/regions",
+                r#"[4096, 3221225472, "anonymous", 4096, false, false, false]"#,
+            ),
+            ("PATCH", "/memory/regions/2", r#"[1073741824, null]"#),
+            ("PATCH", "/dirty-log", "[true, 1]"),
+            ("POST", "/dirty-log/harvest", "[1]"),
+            ("PUT", "/hotplug/memory", "[64, 2, null]"),
+            ("PATCH", "/hotplug/memory", "[4]"),
+            ("PUT", "/guest/command", r#"["write", 0, 8, 8, 1, 0]"#),
+            ("PATCH", "/vm", r#"["Paused"]"#),
+            ("PUT", "/actions", r#"["Stop"]"#),
+        ];
+        for (method, path, array) in routes {
+            for body in [array, " \n\"text\"", "42", "null", "true"] {
+                let (status, message) = refusal(method, path, body);
+                assert_eq!(status, 400, "{method} {path} {body}");
+                assert_eq!(
+                    message, "invalid request body: it must be a JSON object (see docs/api.yaml)",
+                    "{method} {path} {body}"
+                );
+            }
+        }
+        // The same requests as objects are taken.
+        assert!(route(&request("PATCH", "/vm", r#" {"state": "Paused"}"#)).is_ok());
+        assert!(route(&request("POST", "/dirty-log/harvest", r#"{"region": 1}"#)).is_ok());
     }
 }
