@@ -8,9 +8,10 @@ use std::os::fd::{AsRawFd, RawFd};
 use std::os::unix::fs::{FileTypeExt, PermissionsExt};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use event_manager::{EventOps, EventSet, Events, MutEventSubscriber};
+use vmm_sys_util::timerfd::TimerFd;
 
 use crate::api::http::{self, Parsed, Response, MAX_BODY_BYTES, MAX_HEADER_BYTES};
 use crate::api::routes::{respond, route};
@@ -72,7 +73,12 @@ pub fn bind_api_socket(path: &Path) -> Result<UnixListener, SocketError> {
 struct Connection {
     stream: UnixStream,
     buffer: Vec<u8>,
+    /// When the client last sent something or was answered.
+    last_active: Instant,
 }
+
+/// How long a connection may stay open with nothing from its client, by default.
+pub const DEFAULT_IDLE_TIMEOUT: Duration = Duration::from_secs(30);
 
 /// Most clients connected at once; more get a 503 and are closed.
 pub const MAX_CONNECTIONS: usize = 128;
@@ -92,6 +98,11 @@ pub struct ApiServer {
     spare: Option<File>,
     /// Out of descriptors with no spare: the listener is not watched until a client leaves.
     paused: bool,
+    /// A connection with nothing from its client for this long is answered 408 and closed, so
+    /// that idle clients cannot hold every connection slot for ever.
+    idle_timeout: Duration,
+    /// Fires a few times per idle timeout to close idle connections.
+    sweep: Option<TimerFd>,
 }
 
 impl ApiServer {
@@ -103,6 +114,53 @@ impl ApiServer {
             controller,
             spare: File::open("/dev/null").ok(),
             paused: false,
+            idle_timeout: DEFAULT_IDLE_TIMEOUT,
+            sweep: None,
+        }
+    }
+
+    /// Closes connections whose client sent nothing for `timeout` (after a 408).
+    pub fn with_idle_timeout(self, timeout: Duration) -> Self {
+        ApiServer {
+            idle_timeout: timeout,
+            ..self
+        }
+    }
+
+    /// Answers 408 to every connection idle for the idle timeout and closes it.
+    fn close_idle(&mut self, ops: &mut EventOps) {
+        let now = Instant::now();
+        let timeout = self.idle_timeout;
+        let idle: Vec<RawFd> = self
+            .connections
+            .iter()
+            .filter(|(_, c)| now.duration_since(c.last_active) >= timeout)
+            .map(|(fd, _)| *fd)
+            .collect();
+        for fd in idle {
+            let mut connection = self.connections.remove(&fd).expect("listed above");
+            let message = format!(
+                "the connection was idle for {} s: closed (send a request within that time)",
+                timeout.as_secs_f64()
+            );
+            Self::send(
+                &mut connection.stream,
+                &Response::fault(408, message),
+                false,
+            );
+            let _ = ops.remove(Events::new(&connection.stream, EventSet::IN));
+            self.connection_closed(ops);
+        }
+    }
+
+    /// A connection went: if the listener was paused for want of descriptors, listen again.
+    fn connection_closed(&mut self, ops: &mut EventOps) {
+        if self.paused {
+            // A descriptor is free again: take the spare back and listen again.
+            if self.spare.is_none() {
+                self.spare = File::open("/dev/null").ok();
+            }
+            self.paused = ops.add(Events::new(&self.listener, EventSet::IN)).is_err();
         }
     }
 
@@ -133,6 +191,7 @@ impl ApiServer {
                             Connection {
                                 stream,
                                 buffer: Vec::new(),
+                                last_active: Instant::now(),
                             },
                         );
                     }
@@ -184,7 +243,10 @@ impl ApiServer {
         while connection.buffer.len() < READ_LIMIT {
             match connection.stream.read(&mut chunk) {
                 Ok(0) => return true,
-                Ok(n) => connection.buffer.extend_from_slice(&chunk[..n]),
+                Ok(n) => {
+                    connection.buffer.extend_from_slice(&chunk[..n]);
+                    connection.last_active = Instant::now();
+                }
                 Err(e) if e.kind() == ErrorKind::Interrupted => {}
                 Err(e) if e.kind() == ErrorKind::WouldBlock => return false,
                 Err(_) => return true,
@@ -220,6 +282,7 @@ impl ApiServer {
                         Err(refusal) => refusal,
                     };
                     let connection = self.connections.get_mut(&fd).expect("present above");
+                    connection.last_active = Instant::now();
                     if !Self::send(&mut connection.stream, &response, request.keep_alive)
                         || !request.keep_alive
                     {
@@ -257,22 +320,34 @@ impl MutEventSubscriber for ApiServer {
         let fd = events.fd();
         if fd == self.listener.as_raw_fd() {
             self.accept(ops);
+        } else if self.sweep.as_ref().is_some_and(|t| t.as_raw_fd() == fd) {
+            if let Some(timer) = self.sweep.as_mut() {
+                let _ = timer.wait();
+            }
+            self.close_idle(ops);
         } else if !self.serve(fd) {
             if let Some(connection) = self.connections.remove(&fd) {
                 let _ = ops.remove(Events::new(&connection.stream, EventSet::IN));
             }
-            if self.paused {
-                // A descriptor is free again: take the spare back and listen again.
-                if self.spare.is_none() {
-                    self.spare = File::open("/dev/null").ok();
-                }
-                self.paused = ops.add(Events::new(&self.listener, EventSet::IN)).is_err();
-            }
+            self.connection_closed(ops);
         }
     }
 
     fn init(&mut self, ops: &mut EventOps) {
         ops.add(Events::new(&self.listener, EventSet::IN))
             .expect("watching the API socket");
+        // Sweep a few times per timeout, so that a connection goes at most a quarter of the
+        // timeout late.
+        let every =
+            (self.idle_timeout / 4).clamp(Duration::from_millis(10), Duration::from_secs(1));
+        let timer = TimerFd::new().and_then(|mut t| t.reset(every, Some(every)).map(|()| t));
+        match timer {
+            Ok(timer) => {
+                ops.add(Events::new(&timer, EventSet::IN))
+                    .expect("watching the idle sweep's timer");
+                self.sweep = Some(timer);
+            }
+            Err(e) => eprintln!("tinyvmm: idle API connections will not be closed: {e}"),
+        }
     }
 }
