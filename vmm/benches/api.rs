@@ -58,6 +58,7 @@ fn through_socket(fill: usize, iterations: usize) -> (Duration, Duration) {
         slots: fill,
         area_size: (fill as u64).saturating_sub(1) * PAGE,
         vcpus: 1,
+        ..ServeConfig::new(std::path::PathBuf::new())
     };
     let server = serve_in_background(config).expect("the VMM starts");
     let mut client = Client::connect(&socket).expect("connect");

@@ -33,6 +33,15 @@ pub enum Ending {
 static SIGNAL_EVENT: OnceLock<EventFd> = OnceLock::new();
 /// Its number, for the async-signal-safe handler.
 static SIGNAL_FD: AtomicI32 = AtomicI32::new(-1);
+/// Set by the handler too, for work that runs on the event loop's own thread (an API request)
+/// and so cannot hear the eventfd until it returns: it checks this at its safe points.
+static SIGNALLED: AtomicBool = AtomicBool::new(false);
+
+/// Set once SIGINT or SIGTERM came (after [`EventLoop::new`] installed the handler); never
+/// cleared, since the process is on its way out. Long operations poll it between steps.
+pub fn termination_signal() -> &'static AtomicBool {
+    &SIGNALLED
+}
 
 /// The signal eventfd, with the handlers installed on first use.
 fn signal_event() -> Result<&'static EventFd, LoopError> {
@@ -51,6 +60,8 @@ fn signal_event() -> Result<&'static EventFd, LoopError> {
 }
 
 extern "C" fn on_termination_signal(_: libc::c_int, _: *mut libc::siginfo_t, _: *mut libc::c_void) {
+    // An atomic store is async-signal-safe.
+    SIGNALLED.store(true, Ordering::Release);
     let fd = SIGNAL_FD.load(Ordering::Relaxed);
     if fd >= 0 {
         let one = 1u64;

@@ -49,6 +49,9 @@ struct ServeArgs {
     /// vCPUs of the test guest (1 to 15).
     #[arg(long, default_value_t = 1)]
     vcpus: usize,
+    /// Seconds a client connection may send nothing before it is answered 408 and closed.
+    #[arg(long, default_value_t = 30.0)]
+    idle_timeout: f64,
 }
 
 #[derive(clap::Args)]
@@ -255,17 +258,32 @@ fn stress(args: StressArgs) -> ExitCode {
 }
 
 fn serve(args: ServeArgs) -> ExitCode {
+    let Some(idle_timeout) = std::time::Duration::try_from_secs_f64(args.idle_timeout)
+        .ok()
+        .filter(|d| !d.is_zero())
+    else {
+        eprintln!(
+            "tinyvmm: --idle-timeout {} is not a positive number of seconds",
+            args.idle_timeout
+        );
+        return ExitCode::FAILURE;
+    };
     let config = tinyvmm::jobs::serve::ServeConfig {
         api_sock: args.api_sock,
         slots: args.slots,
         area_size: args.mem_mib << 20,
         vcpus: args.vcpus,
+        idle_timeout,
     };
     let path = config.api_sock.display().to_string();
     match tinyvmm::jobs::serve::serve(&config, || eprintln!("tinyvmm: serving the API on {path}")) {
-        Ok(()) => {
+        Ok(Ending::Finished) => {
             eprintln!("tinyvmm: stopped");
             ExitCode::SUCCESS
+        }
+        Ok(Ending::Interrupted) => {
+            eprintln!("tinyvmm: stopped by a signal");
+            ExitCode::from(130)
         }
         Err(e) => {
             eprintln!("tinyvmm: {e}");

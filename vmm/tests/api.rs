@@ -9,23 +9,28 @@ use std::thread::JoinHandle;
 use serde_json::{json, Value};
 use tinyvmm::api::client::Client;
 use tinyvmm::jobs::serve::{serve, serve_in_background, ServeConfig, ServeError};
+use tinyvmm::lifecycle::Ending;
 
 /// A VMM serving its API on a socket of its own, stopped when dropped.
 struct Vmm {
     socket: PathBuf,
-    thread: Option<JoinHandle<Result<(), ServeError>>>,
+    thread: Option<JoinHandle<Result<Ending, ServeError>>>,
 }
 
 impl Vmm {
     fn start(name: &str, slots: usize, mem_mib: u64) -> Vmm {
-        let socket =
-            std::env::temp_dir().join(format!("tinyvmm-test-{}-{name}.sock", std::process::id()));
-        let config = ServeConfig {
-            api_sock: socket.clone(),
+        Self::start_with(name, |config| ServeConfig {
             slots,
             area_size: mem_mib << 20,
-            vcpus: 1,
-        };
+            ..config
+        })
+    }
+
+    /// Starts a VMM on a socket named after `name`, with the defaults changed by `configure`.
+    fn start_with(name: &str, configure: impl FnOnce(ServeConfig) -> ServeConfig) -> Vmm {
+        let socket =
+            std::env::temp_dir().join(format!("tinyvmm-test-{}-{name}.sock", std::process::id()));
+        let config = configure(ServeConfig::new(socket.clone()));
         let thread = serve_in_background(config).expect("the VMM starts");
         Vmm {
             socket,
@@ -59,7 +64,8 @@ impl Vmm {
             204
         );
         let thread = self.thread.take().expect("running");
-        thread.join().expect("no panic").expect("clean stop");
+        let ending = thread.join().expect("no panic").expect("clean stop");
+        assert_eq!(ending, Ending::Finished, "a client's Stop is a clean end");
         assert!(!self.socket.exists(), "the socket is removed at the end");
     }
 }
@@ -271,6 +277,9 @@ fn kvm_the_hotplug_area_plugs_and_unplugs_slots() {
     vmm.stop();
 }
 
+/// A valid region to add, 33 bytes long: what the framing cases would add if they were taken.
+const ADD: &str = r#"{"size":4096,"guest_check":false}"#;
+
 #[test]
 fn kvm_bad_input_gets_the_right_4xx_and_changes_nothing() {
     if !kvm_test_support::require_kvm(
@@ -322,6 +331,16 @@ fn kvm_bad_input_gets_the_right_4xx_and_changes_nothing() {
         (with("PUT", "/guest/command", "{\"op\":\"write\",\"start\":1073741824,\"end\":1073741840,\"stride\":8,\"seed\":1,\"vcpu\":5}"), 400, "vcpu 5 does not exist"),
         (with("PUT", "/guest/command", "{\"op\":\"write\",\"start\":4096,\"end\":8192,\"stride\":8,\"seed\":1}"), 400, "overlaps the system region"),
         (with("PUT", "/guest/command", "{\"op\":\"write\",\"start\":3221225472,\"end\":3221229568,\"stride\":8,\"seed\":1}"), 400, "is not all memory"),
+        // Bodies that are not the documented object, on every kind of route.
+        (with("PATCH", "/vm", "[\"Paused\"]"), 400, "must be a JSON object"),
+        (with("PUT", "/actions", "[\"Stop\"]"), 400, "must be a JSON object"),
+        (raw("[4096, 3221225472, \"anonymous\", 4096, false, false, false]"), 400, "must be a JSON object"),
+        (with("POST", "/dirty-log/harvest", "[1]"), 400, "must be a JSON object"),
+        (with("PATCH", "/dirty-log", "[true, 1]"), 400, "must be a JSON object"),
+        // Framing that RFC 9112 §6.3 calls invalid: never a guess at where the body ends.
+        (format!("PUT /memory/regions HTTP/1.1\r\nContent-Length: 10\r\nContent-Length: {}\r\n\r\n{ADD}", ADD.len()).into_bytes(), 400, "conflicting Content-Length headers: 10 and 33"),
+        (format!("PUT /memory/regions HTTP/1.1\r\nContent-Length: {}\r\nContent-Length: 10\r\n\r\n{ADD}", ADD.len()).into_bytes(), 400, "conflicting Content-Length headers: 33 and 10"),
+        (format!("PUT /memory/regions HTTP/1.1\r\nContent-Length: +{}\r\n\r\n{ADD}", ADD.len()).into_bytes(), 400, "invalid Content-Length header: \"+33\""),
     ];
     for (request, status, message) in &cases {
         let response = vmm.raw(request);
@@ -413,10 +432,8 @@ fn kvm_the_socket_is_private_and_never_replaces_a_file() {
     let file = std::env::temp_dir().join(format!("tinyvmm-test-{}-file", std::process::id()));
     std::fs::write(&file, b"keep me").expect("write");
     let config = ServeConfig {
-        api_sock: file.clone(),
-        slots: 2,
         area_size: 0,
-        vcpus: 1,
+        ..ServeConfig::new(file.clone())
     };
     let err = serve(&config, || {}).expect_err("refused");
     assert_eq!(
@@ -439,10 +456,8 @@ fn kvm_the_socket_is_private_and_never_replaces_a_file() {
         & 0o777;
     assert_eq!(mode, 0o600);
     let again = ServeConfig {
-        api_sock: vmm.socket.clone(),
-        slots: 2,
         area_size: 0,
-        vcpus: 1,
+        ..ServeConfig::new(vmm.socket.clone())
     };
     let err = serve(&again, || {}).expect_err("in use");
     assert!(
@@ -451,4 +466,36 @@ fn kvm_the_socket_is_private_and_never_replaces_a_file() {
     );
     vmm.stop();
     let _ = std::fs::remove_file(&path);
+}
+
+#[test]
+fn kvm_idle_connections_are_closed_so_they_cannot_lock_clients_out() {
+    if !kvm_test_support::require_kvm(
+        "tinyvmm::kvm_idle_connections_are_closed_so_they_cannot_lock_clients_out",
+    ) {
+        return;
+    }
+    let vmm = Vmm::start_with("idle", |config| ServeConfig {
+        area_size: 0,
+        idle_timeout: std::time::Duration::from_millis(300),
+        ..config
+    });
+    // Every connection slot taken by a client that sends nothing...
+    let idle: Vec<Client> = (1..tinyvmm::api::server::MAX_CONNECTIONS)
+        .map(|_| Client::connect(&vmm.socket).expect("connect"))
+        .collect();
+    // ...and one that sent half a request: idle too once it stops sending.
+    let mut slow = Client::connect(&vmm.socket).expect("connect");
+    slow.send(b"GET /memory HTTP/1.1\r\n").expect("send");
+    // Each is told why and closed, and a new client is served again.
+    for mut client in idle.into_iter().chain([slow]) {
+        let (status, body) = client.read_response().expect("a 408 before the close");
+        assert_eq!(status, 408, "{body}");
+        assert!(
+            fault(&(status, body.clone())).contains("idle for 0.3 s"),
+            "{body}"
+        );
+    }
+    assert_eq!(vmm.call("GET", "/vm", None).0, 200);
+    vmm.stop();
 }

@@ -42,6 +42,7 @@ fn a_client_beyond_the_descriptor_limit_gets_503_and_the_socket_recovers() {
         slots: 2,
         area_size: 1 << 20,
         vcpus: 1,
+        ..ServeConfig::new(std::path::PathBuf::new())
     };
     let thread = serve_in_background(config).expect("the VMM starts");
     let get_memory = || {

@@ -143,11 +143,13 @@ impl HotplugArea {
         })
     }
 
-    /// After unmapping stopped part-way: plugged are at most the blocks of the slots still
-    /// mapped from the start, and never more than before.
-    pub fn settle_after_failed_unplug(&mut self) {
+    /// After a plug or unplug stopped part-way (a failure, or a signal): plugged are the blocks
+    /// of the slots mapped from the area's start, but never more than `limit` (what was
+    /// requested on a plug, what was plugged before on an unplug). Returns the blocks plugged.
+    pub fn settle(&mut self, limit: u64) -> u64 {
         let mapped = self.slots.iter().take_while(|s| s.is_some()).count() as u64;
-        self.plugged_blocks = self.plugged_blocks.min(mapped * self.blocks_per_slot());
+        self.plugged_blocks = limit.min(mapped * self.blocks_per_slot());
+        self.plugged_blocks
     }
 
     /// The area as `GET /hotplug/memory` reports it.
@@ -301,18 +303,32 @@ mod tests {
     }
 
     #[test]
-    fn a_failed_unplug_counts_only_the_leading_mapped_slots() {
+    fn an_unplug_stopped_part_way_counts_only_the_leading_mapped_slots() {
         let mut a = area(32, 2, Some(8));
         let all = a.plan(32).unwrap();
         apply(&mut a, &all);
         // Unplugging to 2 MiB unmapped slots 1 and 2 in the plan's order, then slot 3 failed.
         a.slots[1] = None;
         a.slots[2] = None;
-        a.settle_after_failed_unplug();
-        assert_eq!(a.plugged_blocks, 4);
+        assert_eq!(a.settle(a.plugged_blocks), 4);
         // Never more than before.
         a.plugged_blocks = 3;
-        a.settle_after_failed_unplug();
-        assert_eq!(a.plugged_blocks, 3);
+        assert_eq!(a.settle(a.plugged_blocks), 3);
+    }
+
+    #[test]
+    fn a_plug_stopped_part_way_counts_its_mapped_slots_up_to_the_request() {
+        let mut a = area(32, 2, Some(8));
+        let plan = a.plan(22).unwrap();
+        assert_eq!(plan.map.len(), 3);
+        // Two of the three slots were mapped when the signal came.
+        for &(i, _) in &plan.map[..2] {
+            a.slots[i] = Some(RegionId(i as u64));
+        }
+        assert_eq!(a.settle(plan.blocks), 8);
+        assert_eq!(a.info().plugged_size_mib, 16);
+        // All three: the request, not the third slot's last block.
+        a.slots[2] = Some(RegionId(2));
+        assert_eq!(a.settle(plan.blocks), 11);
     }
 }

@@ -5,7 +5,7 @@
 pub mod error;
 pub mod hotplug;
 
-use std::sync::atomic::AtomicBool;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 use kvm_memslots::{Backing, RegionId, RegionSpec, Target, PAGE_SIZE};
@@ -90,7 +90,9 @@ pub struct Controller {
     state: RunState,
     hotplug: Option<HotplugArea>,
     stop_requested: bool,
-    never: AtomicBool,
+    /// Set when the VMM is asked to stop while a request runs (SIGINT/SIGTERM): long requests
+    /// stop at their next safe point.
+    interrupt: &'static AtomicBool,
 }
 
 fn no_hotplug_area() -> ControllerError {
@@ -106,8 +108,18 @@ impl Controller {
             state: RunState::Running,
             hotplug: None,
             stop_requested: false,
-            never: AtomicBool::new(false),
+            interrupt: crate::lifecycle::termination_signal(),
         }
+    }
+
+    /// Has long requests stop at their next safe point once `interrupt` is set (by default,
+    /// once SIGINT or SIGTERM came).
+    pub fn with_interrupt(self, interrupt: &'static AtomicBool) -> Self {
+        Controller { interrupt, ..self }
+    }
+
+    fn interrupted(&self) -> bool {
+        self.interrupt.load(Ordering::Acquire)
     }
 
     /// The VM.
@@ -294,7 +306,7 @@ impl Controller {
         let Some(vcpus) = self.vcpus.as_mut() else {
             return Err("the VM is shutting down".into());
         };
-        check_area(&self.vm, vcpus, area, &self.never)
+        check_area(&self.vm, vcpus, area, self.interrupt)
             .map(drop)
             .map_err(|e| e.to_string())
     }
@@ -436,20 +448,33 @@ impl Controller {
         // that fails, the slots mapped so far go again: the area stays as it was.
         let mut added = Vec::new();
         for &(i, gpa) in &plan.map {
+            if self.interrupted() {
+                // Stop at a slot boundary: the slots plugged so far stay, each checked.
+                return Err(self.stop_hotplug_early(plan.blocks, added.len(), plan.map.len()));
+            }
             let spec = RegionSpec::new(gpa, slot_size);
             match self.add_checked(spec, slot_size, true) {
                 Ok(id) => {
                     self.area_mut().slots[i] = Some(id);
                     added.push((i, id));
                 }
+                Err(failed) if self.interrupted() => {
+                    // The signal came during this slot's check, which removed the slot again.
+                    let stopped = self.stop_hotplug_early(plan.blocks, added.len(), plan.map.len());
+                    return Err(stopped.and(failed.message));
+                }
                 Err(failed) => return Err(self.unplug_after_failure(failed, added)),
             }
         }
         // Unplug: unmap the slots left with no plugged block; give back unplugged blocks
         // inside a slot that stays.
-        for &(i, id) in &plan.unmap {
+        for (done, &(i, id)) in plan.unmap.iter().enumerate() {
+            if self.interrupted() {
+                return Err(self.stop_hotplug_early(plan.blocks, done, plan.unmap.len()));
+            }
             if let Err(e) = self.vm.memory().remove_region(id) {
-                self.area_mut().settle_after_failed_unplug();
+                let area = self.area_mut();
+                area.settle(area.plugged_blocks);
                 return Err(e.into());
             }
             self.area_mut().slots[i] = None;
@@ -459,6 +484,20 @@ impl Controller {
         }
         self.area_mut().plugged_blocks = plan.blocks;
         Ok(())
+    }
+
+    /// A signal stopped a plug or unplug after `done` of `of` slots: the area counts as
+    /// plugged what its mapped slots hold (never past the request on a plug, never more than
+    /// before on an unplug), which `GET /hotplug/memory` reports.
+    fn stop_hotplug_early(&mut self, requested: u64, done: usize, of: usize) -> ControllerError {
+        let area = self.area_mut();
+        let mib = area.settle(requested.max(area.plugged_blocks)) * area.config.block_size_mib;
+        ControllerError::new(
+            ErrorKind::Unavailable,
+            format!(
+                "the VMM is stopping (a signal came): the request stopped after {done} of {of} slots; {mib} MiB are plugged"
+            ),
+        )
     }
 
     /// Removes the slots a failed plug mapped, newest first; returns `failed`, or an internal

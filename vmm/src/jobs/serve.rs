@@ -6,10 +6,11 @@ use std::os::unix::net::UnixListener;
 use std::path::PathBuf;
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
-use crate::api::server::{bind_api_socket, ApiServer, SocketError};
+use crate::api::server::{bind_api_socket, ApiServer, SocketError, DEFAULT_IDLE_TIMEOUT};
 use crate::controller::Controller;
-use crate::lifecycle::{EventLoop, LoopError};
+use crate::lifecycle::{Ending, EventLoop, LoopError};
 use crate::test_guest::area::{AreaError, TestArea, AREA_GPA};
 use crate::test_guest::vcpus::{GuestError, TestVm};
 
@@ -41,11 +42,27 @@ pub struct ServeConfig {
     pub area_size: u64,
     /// vCPUs of the test guest.
     pub vcpus: usize,
+    /// How long a client connection may send nothing before it is answered 408 and closed.
+    pub idle_timeout: Duration,
 }
 
-/// Runs a test-guest VM with an API socket until a client stops it or a signal comes; removes
-/// the socket at the end.
-pub fn serve(config: &ServeConfig, ready: impl FnOnce()) -> Result<(), ServeError> {
+impl ServeConfig {
+    /// Serves on `api_sock` with the defaults of `tinyvmm serve`: 2 slots, 256 MiB of initial
+    /// memory, 1 vCPU, the default idle timeout.
+    pub fn new(api_sock: PathBuf) -> Self {
+        ServeConfig {
+            api_sock,
+            slots: 2,
+            area_size: 256 << 20,
+            vcpus: 1,
+            idle_timeout: DEFAULT_IDLE_TIMEOUT,
+        }
+    }
+}
+
+/// Runs a test-guest VM with an API socket until a client stops it ([`Ending::Finished`]) or
+/// SIGINT/SIGTERM comes ([`Ending::Interrupted`]); removes the socket at the end.
+pub fn serve(config: &ServeConfig, ready: impl FnOnce()) -> Result<Ending, ServeError> {
     let listener = bind_api_socket(&config.api_sock)?;
     let result = serve_on(listener, config, ready);
     let _ = std::fs::remove_file(&config.api_sock);
@@ -56,7 +73,7 @@ pub fn serve(config: &ServeConfig, ready: impl FnOnce()) -> Result<(), ServeErro
 /// the error that kept the VMM from starting.
 pub fn serve_in_background(
     config: ServeConfig,
-) -> Result<std::thread::JoinHandle<Result<(), ServeError>>, ServeError> {
+) -> Result<std::thread::JoinHandle<Result<Ending, ServeError>>, ServeError> {
     let (ready, is_ready) = std::sync::mpsc::channel();
     let thread = std::thread::spawn(move || {
         serve(&config, move || {
@@ -71,7 +88,7 @@ pub fn serve_in_background(
     // which needs a client), or panicked.
     match thread.join() {
         Ok(Err(e)) => Err(e),
-        Ok(Ok(())) => unreachable!("serve says it is ready before it can stop cleanly"),
+        Ok(Ok(_)) => unreachable!("serve says it is ready before it can stop cleanly"),
         Err(panic) => std::panic::resume_unwind(panic),
     }
 }
@@ -80,7 +97,7 @@ fn serve_on(
     listener: UnixListener,
     config: &ServeConfig,
     ready: impl FnOnce(),
-) -> Result<(), ServeError> {
+) -> Result<Ending, ServeError> {
     let mut event_loop = EventLoop::new()?;
     let vm = TestVm::new()?;
     if config.area_size > 0 && config.slots > 1 {
@@ -92,25 +109,26 @@ fn serve_on(
         )?;
     }
     let vcpus = vm.start_vcpus(config.vcpus, &event_loop.context().vcpu_stopped)?;
-    let server = Arc::new(Mutex::new(ApiServer::new(
-        listener,
-        Controller::new(vm, vcpus),
-    )));
+    let server = Arc::new(Mutex::new(
+        ApiServer::new(listener, Controller::new(vm, vcpus)).with_idle_timeout(config.idle_timeout),
+    ));
     event_loop.add(server.clone());
     let stop = Arc::clone(&event_loop.context().stop);
     ready();
-    loop {
-        let ending = event_loop.dispatch(1000);
+    let ending = loop {
+        if event_loop.dispatch(1000) == Some(Ending::Interrupted) || stop.load(Ordering::Acquire) {
+            break Ending::Interrupted;
+        }
         let asked = server
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .controller_mut()
             .stop_requested();
-        if ending.is_some() || asked || stop.load(Ordering::Acquire) {
-            break;
+        if asked {
+            break Ending::Finished;
         }
-    }
+    };
     let mut server = server.lock().unwrap_or_else(|p| p.into_inner());
     server.controller_mut().shut_down()?;
-    Ok(())
+    Ok(ending)
 }

@@ -1,0 +1,121 @@
+//! The `tinyvmm` binary's exit status on SIGTERM, and a long API request stopped by one.
+
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use serde_json::json;
+use tinyvmm::api::client::Client;
+
+fn start_serve(name: &str) -> (Child, std::path::PathBuf) {
+    let socket =
+        std::env::temp_dir().join(format!("tinyvmm-test-{}-{name}.sock", std::process::id()));
+    let child = Command::new(env!("CARGO_BIN_EXE_tinyvmm"))
+        .args(["serve", "--mem-mib", "0", "--api-sock"])
+        .arg(&socket)
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("tinyvmm starts");
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while Client::connect(&socket).is_err() {
+        assert!(Instant::now() < deadline, "the API socket never came up");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    (child, socket)
+}
+
+fn terminate(child: &Child) {
+    // SAFETY: kill(2) only sends a signal to the child's pid, which we have not reaped yet.
+    let sent = unsafe { libc::kill(child.id() as libc::pid_t, libc::SIGTERM) };
+    assert_eq!(sent, 0, "kill");
+}
+
+/// The child's virtual memory size in KiB: each region it maps adds its size.
+fn mapped_kib(child: &Child) -> u64 {
+    std::fs::read_to_string(format!("/proc/{}/status", child.id()))
+        .ok()
+        .and_then(|status| {
+            let line = status.lines().find(|l| l.starts_with("VmSize:"))?;
+            line.split_whitespace().nth(1)?.parse().ok()
+        })
+        .unwrap_or(0)
+}
+
+/// Kills the child if a test fails before it exits.
+struct Reap(Option<Child>);
+
+impl Drop for Reap {
+    fn drop(&mut self) {
+        if let Some(child) = self.0.as_mut() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+}
+
+#[test]
+fn kvm_serve_exits_130_on_sigterm() {
+    if !kvm_test_support::require_kvm("tinyvmm::kvm_serve_exits_130_on_sigterm") {
+        return;
+    }
+    let (child, socket) = start_serve("sigterm");
+    terminate(&child);
+    let output = child.wait_with_output().expect("wait");
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert_eq!(output.status.code(), Some(130), "{stderr}");
+    assert!(stderr.contains("stopped by a signal"), "{stderr}");
+    assert!(!socket.exists(), "the socket is removed");
+}
+
+#[test]
+fn kvm_a_signal_stops_a_long_plug_at_a_slot_boundary() {
+    if !kvm_test_support::require_kvm("tinyvmm::kvm_a_signal_stops_a_long_plug_at_a_slot_boundary")
+    {
+        return;
+    }
+    let (child, socket) = start_serve("sigterm-plug");
+    let mut child = Reap(Some(child));
+    let pid = child.0.as_ref().expect("running");
+    let mut client = Client::connect(&socket).expect("connect");
+    let area = json!({"total_size_mib": 32768, "block_size_mib": 2});
+    assert_eq!(
+        client
+            .call("PUT", "/hotplug/memory", Some(&area))
+            .expect("configure")
+            .0,
+        204
+    );
+    let before = mapped_kib(pid);
+    let plug = std::thread::spawn(move || {
+        client
+            .call(
+                "PATCH",
+                "/hotplug/memory",
+                Some(&json!({"requested_size_mib": 32768})),
+            )
+            .expect("an answer before the VMM exits")
+    });
+    // Once the plug is under way (8 slots of 2 MiB mapped), ask the VMM to stop.
+    let deadline = Instant::now() + Duration::from_secs(120);
+    while mapped_kib(pid) < before + 8 * 2048 {
+        assert!(Instant::now() < deadline, "the plug never started");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    terminate(pid);
+    let (status, body) = plug.join().expect("client thread");
+    let output = child
+        .0
+        .take()
+        .expect("running")
+        .wait_with_output()
+        .expect("wait");
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert_eq!(status, 503, "{body}");
+    let message = body["fault_message"].as_str().unwrap_or_default();
+    assert!(
+        message.contains("the request stopped after") && message.contains("of 16384 slots"),
+        "{message}"
+    );
+    assert_eq!(output.status.code(), Some(130), "{stderr}");
+}
