@@ -1,0 +1,101 @@
+//! Discard: giving the host back the memory behind a guest range.
+
+use std::sync::Arc;
+
+use memslot_map::AddressRange;
+use vm_memory::GuestAddress;
+
+use super::{check_range, MemoryManager};
+use crate::dirty::mark_range;
+use crate::error::Error;
+use crate::kvm::KvmMemory;
+use crate::memory::{RegionId, RegionMemory};
+use crate::PAGE_SIZE;
+
+/// A part of a discard that is one run of one region's mapping.
+struct Piece {
+    region: RegionId,
+    memory: Arc<RegionMemory>,
+    /// Offset of the run in the region.
+    offset: u64,
+    /// Its guest range.
+    start: u64,
+    end: u64,
+}
+
+impl<K: KvmMemory> MemoryManager<K> {
+    /// Gives the host back the memory behind guest range `[gpa, gpa + len)`, which must be
+    /// all memory: private pages read back as zeros, shared ones are freed from their file
+    /// (`MADV_DONTNEED` / `MADV_REMOVE`). The slots stay as they are; the pages count as dirty
+    /// in the next harvest, since their contents changed.
+    pub fn discard(&self, gpa: GuestAddress, len: u64) -> Result<(), Error> {
+        check_range(gpa.0, len)?;
+        let range = AddressRange {
+            start: gpa.0,
+            end: gpa.0 + len,
+        };
+        // Take the writer lock before reading the map, and hold it until the pages are
+        // discarded and marked: a change (a move, say) cannot then come between the look-up
+        // and the madvise and make the discard hit memory that is no longer at `gpa`.
+        let mut state = self.state();
+        let current = Arc::clone(state.current());
+        // Check the whole range first so that a hole refuses the discard before any of it.
+        if let Some(hole) = current.first_hole(range.start, range.end) {
+            return Err(Error::DiscardHole { range, hole });
+        }
+        // Pieces of one mapping that follow each other are merged into one madvise call.
+        let mut pieces: Vec<Piece> = Vec::new();
+        let mut at = range.start;
+        for slot in current.iter_from_gpa(gpa) {
+            if at == range.end {
+                break;
+            }
+            let end = slot.gpa_range().end.min(range.end);
+            let offset = slot.payload().offset() + (at - slot.gpa().0);
+            match pieces.last_mut() {
+                Some(last)
+                    if Arc::ptr_eq(&last.memory, slot.payload().memory())
+                        && last.offset + (last.end - last.start) == offset =>
+                {
+                    last.end = end;
+                }
+                _ => pieces.push(Piece {
+                    region: slot.payload().region(),
+                    memory: Arc::clone(slot.payload().memory()),
+                    offset,
+                    start: at,
+                    end,
+                }),
+            }
+            at = end;
+        }
+        for piece in pieces {
+            let advice = if piece.memory.is_shared() {
+                libc::MADV_REMOVE
+            } else {
+                libc::MADV_DONTNEED
+            };
+            let hva = piece.memory.host_address() + piece.offset;
+            let len = piece.end - piece.start;
+            // SAFETY: `[hva, hva + len)` lies inside the region's mapping, which `piece.memory`
+            // keeps mapped during the call. Guest memory is only accessed through volatile
+            // accesses and raw pointers, never Rust references, so replacing its contents with
+            // zeros (or freeing its file pages) breaks no aliasing rule.
+            let ret = unsafe { libc::madvise(hva as *mut libc::c_void, len as usize, advice) };
+            if ret != 0 {
+                return Err(Error::Discard {
+                    range: AddressRange {
+                        start: piece.start,
+                        end: piece.end,
+                    },
+                    source: std::io::Error::last_os_error(),
+                });
+            }
+            // The guest's memory changed: the next harvest must report these pages.
+            if let Some(region) = state.regions.get_mut(&piece.region) {
+                mark_range(region.pending(), piece.offset / PAGE_SIZE, len / PAGE_SIZE);
+            }
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,345 @@
+//! The guest-memory manager: regions in a memslot map, mirrored to KVM's slots.
+//!
+//! This module holds [`MemoryManager`], its records and the change pipeline (plan, apply to
+//! KVM, undo on refusal, publish); its submodules hold one job each: the types callers pass
+//! and get back (`spec`), the KVM slot-number allocator (`slot_ids`), planned KVM requests
+//! (`plan`), region operations (`regions`), dirty logging (`dirty_log`), discard (`discard`)
+//! and read-only queries (`query`).
+
+mod dirty_log;
+mod discard;
+mod plan;
+mod query;
+mod regions;
+mod slot_ids;
+mod spec;
+
+use std::collections::BTreeMap;
+use std::fmt;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+
+use memslot_map::{
+    Change, MapConfig, MapError, MapWriter, MemslotMap, SharedMap, SlotFlags, SlotId,
+};
+use vm_memory::GuestAddress;
+use vmm_sys_util::errno::Error as Errno;
+
+use crate::error::Error;
+use crate::kvm::{KvmMemory, KvmSlot};
+use crate::memory::{
+    GuestMemoryHandle, GuestMemorySnapshot, GuestSlotData, RegionId, RegionMemory, SlotBacking,
+};
+use crate::{MapGuard, PAGE_SIZE};
+use plan::Step;
+use slot_ids::SlotIds;
+pub use spec::{HvaMatch, RegionInfo, RegionSpec, SlotUsage, Target, KVM_MAX_SLOT_SIZE};
+
+// Names the tests (`use super::*`) need that this module itself no longer uses.
+#[cfg(test)]
+use crate::memory::Backing;
+#[cfg(test)]
+use memslot_map::HostAddress;
+
+struct Region {
+    memory: Arc<RegionMemory>,
+    gpa: GuestAddress,
+    size: u64,
+    /// Slot ids in the order of their offsets in the region.
+    slots: Vec<SlotId>,
+    flags: SlotFlags,
+    /// Dirty bits read from KVM or the VMM's bitmap and not yet delivered by a harvest, one per
+    /// page of the region; empty until needed.
+    pending: Vec<u64>,
+}
+
+impl Region {
+    fn pages(&self) -> u64 {
+        self.size / PAGE_SIZE
+    }
+
+    fn pending(&mut self) -> &mut Vec<u64> {
+        let words = self.pages().div_ceil(64) as usize;
+        if self.pending.len() != words {
+            self.pending.resize(words, 0);
+        }
+        &mut self.pending
+    }
+}
+
+/// The manager's records, kept behind the map's writer lock (the manager's one writer lock):
+/// a change reads the map, updates these and publishes the next version without letting
+/// another writer in.
+pub(crate) struct State {
+    regions: BTreeMap<RegionId, Region>,
+    ids: SlotIds,
+    next_region: u64,
+    /// Set when an undo failed: KVM and the map may disagree, so changes are refused.
+    broken: Option<(u32, Errno)>,
+    /// Memory KVM may still map after a failed undo: kept mapped for the process's lifetime.
+    orphans: Vec<Arc<RegionMemory>>,
+}
+
+/// The writer lock of a manager's map, held: its [`State`], the current version, and the right
+/// to publish.
+type Writer<'a> = MapWriter<'a, SlotBacking, State>;
+
+/// Owns a VM's guest memory: regions of host memory split into slots, kept in a memslot map
+/// that lock-free readers see through [`GuestMemoryHandle`], and mirrored exactly to KVM's
+/// slots.
+///
+/// Every change is planned as KVM requests, applied, and only then published in the map; if
+/// KVM refuses a request, the requests already applied are undone and the map is left as it
+/// was. Changes are serialised by one lock, the map's writer lock, which also guards the
+/// manager's own records; readers (vCPU and device threads) never wait for it.
+pub struct MemoryManager<K: KvmMemory> {
+    kvm: K,
+    /// The published versions and, behind their writer lock, the manager's [`State`].
+    map: Arc<SharedMap<SlotBacking, State>>,
+    /// Even while KVM's slots equal the published map, odd while a change is being applied.
+    sequence: AtomicU64,
+}
+
+impl<K: KvmMemory> MemoryManager<K> {
+    /// A manager with no memory, for the VM behind `kvm`.
+    pub fn new(kvm: K) -> Self {
+        let limit = kvm.max_slots();
+        let config =
+            MapConfig::new(PAGE_SIZE, limit as usize).expect("the page size is a power of two");
+        MemoryManager {
+            kvm,
+            map: Arc::new(SharedMap::with_writer_state(
+                MemslotMap::new(config),
+                State {
+                    regions: BTreeMap::new(),
+                    ids: SlotIds::new(limit),
+                    next_region: 0,
+                    broken: None,
+                    orphans: Vec::new(),
+                },
+            )),
+            sequence: AtomicU64::new(0),
+        }
+    }
+
+    /// The KVM side.
+    pub fn kvm(&self) -> &K {
+        &self.kvm
+    }
+
+    /// The handle for readers (a vm-memory `GuestAddressSpace`).
+    pub fn handle(&self) -> GuestMemoryHandle {
+        GuestMemoryHandle(Arc::clone(&self.map))
+    }
+
+    /// The current version of guest memory.
+    pub fn snapshot(&self) -> GuestMemorySnapshot {
+        use vm_memory::GuestAddressSpace;
+        self.handle().memory()
+    }
+
+    /// The current map version for a short look (a vCPU exit, say): lock-free, and without
+    /// touching the version's shared reference count in the common case (arc-swap's guard).
+    /// Do not hold it across long operations; keep a [`snapshot`](Self::snapshot) for that.
+    pub fn load(&self) -> MapGuard {
+        self.map.load()
+    }
+
+    /// Even while KVM's slots match the published map; odd while a change is being applied to
+    /// KVM (a vCPU may then exit on an address the map still or already calls memory). Each
+    /// change adds 2.
+    pub fn change_sequence(&self) -> u64 {
+        self.sequence.load(Ordering::Acquire)
+    }
+
+    /// Takes the writer lock. A panic while it was held left KVM and the map as the last
+    /// completed operation made them (publication is the last step): the state is usable.
+    fn state(&self) -> Writer<'_> {
+        self.map.write()
+    }
+
+    /// The writer lock, for a change: refused once an undo failed.
+    fn state_for_change(&self) -> Result<Writer<'_>, Error> {
+        let state = self.state();
+        match state.broken {
+            Some((slot, errno)) => Err(Error::Broken { slot, errno }),
+            None => Ok(state),
+        }
+    }
+
+    /// Applies `steps` to KVM in order; on a refusal, undoes the applied ones in reverse.
+    fn run(&self, state: &mut State, steps: &[Step]) -> Result<(), Error> {
+        let mut log = Vec::new();
+        for (i, step) in steps.iter().enumerate() {
+            let request = step.op.request();
+            let read = if step.read_log {
+                self.read_freed_log(state, step, &mut log)
+            } else {
+                Ok(())
+            };
+            let applied = read.and_then(|()| {
+                // SAFETY: every request that creates or updates a slot describes memory of a
+                // `RegionMemory` that the manager keeps mapped for as long as KVM has the slot:
+                // the region's entry in `state.regions` holds it (for a region being added, the
+                // caller holds it and moves it into `state.regions` on success, or into
+                // `state.orphans` if an undo fails), and it is dropped only after KVM's slots
+                // in it were deleted.
+                unsafe { self.kvm.set_user_memory_region(&request) }.map_err(|source| Error::Kvm {
+                    region: step.region,
+                    op: step.op.verb(),
+                    slot: request.slot,
+                    gpa: request.gpa,
+                    size: request.size,
+                    source,
+                })
+            });
+            if let Err(failed) = applied {
+                for done in steps[..i].iter().rev() {
+                    let undo = done.op.inverse();
+                    // SAFETY: as above; an undo restores a slot KVM had before this operation.
+                    let undone = unsafe { self.kvm.set_user_memory_region(&undo.request()) };
+                    if let Err(undo_errno) = undone {
+                        let slot = undo.request().slot;
+                        state.broken = Some((slot, undo_errno));
+                        return Err(Error::UndoFailed {
+                            failed: Box::new(failed),
+                            undo_op: undo.verb(),
+                            slot,
+                            undo_errno,
+                        });
+                    }
+                }
+                return Err(failed);
+            }
+        }
+        Ok(())
+    }
+
+    /// Validates `changes` against the current version, applies `steps` to KVM, and publishes
+    /// the new map version only if both succeeded, all under the writer lock `state` holds.
+    fn commit(
+        &self,
+        state: &mut Writer<'_>,
+        changes: impl IntoIterator<Item = Change<SlotBacking>>,
+        steps: &[Step],
+    ) -> Result<(), Error> {
+        let current = state.current();
+        let next = current
+            .with_changes(changes)
+            .map_err(|e| map_error(current, e.source))?;
+        self.sequence.fetch_add(1, Ordering::AcqRel);
+        let applied = self.run(state, steps);
+        if applied.is_ok() {
+            state.publish(next);
+        }
+        self.sequence.fetch_add(1, Ordering::AcqRel);
+        applied
+    }
+
+    /// The published version, lock-free: for reads that need no writer lock.
+    fn current(&self) -> Arc<MemslotMap<SlotBacking>> {
+        self.map.snapshot()
+    }
+}
+
+impl<K: KvmMemory> fmt::Debug for MemoryManager<K> {
+    /// A summary of the published version: slots in use, KVM's number of slots, regions, and
+    /// the change sequence. It does not take the writer lock, so it neither waits for a change
+    /// nor deadlocks inside one.
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let map = self.load();
+        // A region's slots follow each other in guest-address order.
+        let mut regions = 0;
+        let mut last = None;
+        for slot in map.iter() {
+            let region = slot.payload().region();
+            if last != Some(region) {
+                regions += 1;
+                last = Some(region);
+            }
+        }
+        f.debug_struct("MemoryManager")
+            .field("slots", &map.len())
+            .field("max_slots", &self.kvm.max_slots())
+            .field("regions", &regions)
+            .field("change_sequence", &self.change_sequence())
+            .finish_non_exhaustive()
+    }
+}
+
+impl<K: KvmMemory> Drop for MemoryManager<K> {
+    /// Deletes every KVM slot before the memory behind it can be unmapped; memory whose slot
+    /// KVM refuses to delete is leaked rather than unmapped under the guest.
+    fn drop(&mut self) {
+        let mut state = self.state();
+        for slot in state.current().iter() {
+            let request = KvmSlot::from(slot.as_ref()).deleted();
+            // SAFETY: a deletion makes KVM stop using the memory; it needs none mapped.
+            if unsafe { self.kvm.set_user_memory_region(&request) }.is_err() {
+                std::mem::forget(Arc::clone(slot.payload().memory()));
+            }
+        }
+        for memory in state.orphans.drain(..) {
+            std::mem::forget(memory);
+        }
+    }
+}
+
+fn check_aligned(what: &'static str, value: u64) -> Result<(), Error> {
+    if value % PAGE_SIZE != 0 {
+        return Err(Error::Unaligned { what, value });
+    }
+    Ok(())
+}
+
+fn check_range(gpa: u64, size: u64) -> Result<(), Error> {
+    if size == 0 {
+        return Err(Error::ZeroSize);
+    }
+    check_aligned("guest address", gpa)?;
+    check_aligned("size", size)?;
+    if gpa.checked_add(size).is_none() {
+        return Err(Error::WrapAround { gpa, size });
+    }
+    Ok(())
+}
+
+/// The region's slots in offset order. They are contiguous in guest-address order, so this is
+/// one walk along the map's leaves rather than a lookup per slot.
+fn region_slots<'a>(
+    current: &'a MemslotMap<SlotBacking>,
+    region: &Region,
+) -> Vec<&'a Arc<GuestSlotData>> {
+    let slots: Vec<_> = current
+        .iter_from_gpa(region.gpa)
+        .take(region.slots.len())
+        .collect();
+    debug_assert!(slots
+        .iter()
+        .map(|s| s.id())
+        .eq(region.slots.iter().copied()));
+    slots
+}
+
+/// Names the region in the way of a refused map change.
+fn map_error(current: &MemslotMap<SlotBacking>, error: MapError) -> Error {
+    if let MapError::Overlap {
+        range,
+        other,
+        other_range,
+        ..
+    } = error
+    {
+        if let Some(slot) = current.get(other) {
+            return Error::Overlap {
+                range,
+                other: slot.payload().region(),
+                other_range,
+            };
+        }
+    }
+    Error::Map(error)
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,226 @@
+//! Region operations: add, remove, move, read-only.
+
+use std::sync::Arc;
+
+use memslot_map::{AddressRange, Change, HostAddress, SlotFlags, SlotId};
+use vm_memory::GuestAddress;
+
+use super::plan::{KvmOp, Step};
+use super::{
+    check_aligned, check_range, region_slots, MemoryManager, Region, RegionSpec, Writer,
+    KVM_MAX_SLOT_SIZE,
+};
+use crate::error::Error;
+use crate::kvm::{KvmMemory, KvmSlot};
+use crate::memory::{GuestSlotData, RegionId, RegionMemory, SlotBacking};
+use crate::PAGE_SIZE;
+
+impl<K: KvmMemory> MemoryManager<K> {
+    /// Maps a new region and gives it to the guest. Returns its id.
+    pub fn add_region(&self, spec: RegionSpec) -> Result<RegionId, Error> {
+        let mut state = self.state_for_change()?;
+        let slot_size = spec
+            .slot_size
+            .unwrap_or(KVM_MAX_SLOT_SIZE & !(PAGE_SIZE - 1));
+        check_range(spec.gpa.0, spec.size)?;
+        if slot_size == 0 || slot_size > KVM_MAX_SLOT_SIZE {
+            return Err(Error::SlotSize {
+                slot_size,
+                limit: KVM_MAX_SLOT_SIZE,
+            });
+        }
+        check_aligned("slot size", slot_size)?;
+        let current = Arc::clone(state.current());
+        // Refuse an overlap before mapping anything.
+        let range = AddressRange {
+            start: spec.gpa.0,
+            end: spec.gpa.0 + spec.size,
+        };
+        if let Some(other) = current.first_overlap(range.start, range.end) {
+            return Err(Error::Overlap {
+                range,
+                other: other.payload().region(),
+                other_range: other.gpa_range(),
+            });
+        }
+        let needed = spec.size.div_ceil(slot_size) as usize;
+        let ids = state.ids.alloc(needed).ok_or(Error::OutOfSlots {
+            needed,
+            free: state.ids.available(),
+            limit: state.ids.limit,
+        })?;
+        let region_id = RegionId(state.next_region);
+        let result = self.add_slots(&mut state, region_id, &spec, slot_size, &ids);
+        match result {
+            Ok(memory) => {
+                state.next_region += 1;
+                state.regions.insert(
+                    region_id,
+                    Region {
+                        memory,
+                        gpa: spec.gpa,
+                        size: spec.size,
+                        slots: ids,
+                        flags: SlotFlags {
+                            log_dirty: spec.log_dirty,
+                            read_only: spec.read_only,
+                        },
+                        pending: Vec::new(),
+                    },
+                );
+                Ok(region_id)
+            }
+            Err(e) => {
+                if state.broken.is_none() {
+                    state.ids.release(&ids);
+                }
+                Err(e)
+            }
+        }
+    }
+
+    fn add_slots(
+        &self,
+        state: &mut Writer<'_>,
+        region: RegionId,
+        spec: &RegionSpec,
+        slot_size: u64,
+        ids: &[SlotId],
+    ) -> Result<Arc<RegionMemory>, Error> {
+        let memory = Arc::new(RegionMemory::new(spec.size, &spec.backing)?);
+        let flags = SlotFlags {
+            log_dirty: spec.log_dirty,
+            read_only: spec.read_only,
+        };
+        let slots: Vec<GuestSlotData> = ids
+            .iter()
+            .enumerate()
+            .map(|(i, id)| {
+                let offset = i as u64 * slot_size;
+                GuestSlotData::new(
+                    *id,
+                    GuestAddress(spec.gpa.0 + offset),
+                    slot_size.min(spec.size - offset),
+                    HostAddress(memory.host_address() + offset),
+                    flags,
+                    SlotBacking::new(region, Arc::clone(&memory), offset),
+                )
+            })
+            .collect();
+        let steps: Vec<Step> = slots
+            .iter()
+            .map(|s| Step {
+                region,
+                op: KvmOp::Create(s.into()),
+                read_log: false,
+            })
+            .collect();
+        let changes = slots.into_iter().map(Change::Insert);
+        let committed = self.commit(state, changes, &steps);
+        if committed.is_err() && state.broken.is_some() {
+            state.orphans.push(Arc::clone(&memory));
+        }
+        committed.map(|()| memory)
+    }
+
+    /// Takes a region away from the guest and unmaps it (once no snapshot holds it).
+    pub fn remove_region(&self, id: RegionId) -> Result<(), Error> {
+        let mut state = self.state_for_change()?;
+        let current = Arc::clone(state.current());
+        let region = state.regions.get(&id).ok_or(Error::UnknownRegion(id))?;
+        let slots = region_slots(&current, region);
+        let steps: Vec<Step> = slots
+            .iter()
+            .map(|s| Step {
+                region: id,
+                op: KvmOp::Delete(s.as_ref().into()),
+                read_log: false,
+            })
+            .collect();
+        let changes = steps
+            .iter()
+            .map(|step| Change::Remove(SlotId(step.op.request().slot)));
+        self.commit(&mut state, changes, &steps)?;
+        let region = state.regions.remove(&id).expect("looked up above");
+        state.ids.release(&region.slots);
+        Ok(())
+    }
+
+    /// Moves a region to a new guest-physical base (KVM moves each slot in place).
+    pub fn move_region(&self, id: RegionId, gpa: GuestAddress) -> Result<(), Error> {
+        let mut state = self.state_for_change()?;
+        let current = Arc::clone(state.current());
+        let region = state.regions.get(&id).ok_or(Error::UnknownRegion(id))?;
+        check_range(gpa.0, region.size)?;
+        if gpa == region.gpa {
+            return Ok(());
+        }
+        // Move the slot at the leading edge first so that no slot lands on one of its own
+        // region's slots that has not moved yet.
+        let mut slots = region_slots(&current, region);
+        if gpa > region.gpa {
+            slots.reverse();
+        }
+        let new_gpa = |s: &GuestSlotData| GuestAddress(gpa.0 + s.payload().offset());
+        let steps: Vec<Step> = slots
+            .iter()
+            .map(|s| {
+                let old = KvmSlot::from(s.as_ref());
+                let new = KvmSlot {
+                    gpa: new_gpa(s).0,
+                    ..old
+                };
+                Step {
+                    region: id,
+                    op: KvmOp::Update { old, new },
+                    read_log: false,
+                }
+            })
+            .collect();
+        let changes = slots.iter().map(|s| Change::Move {
+            id: s.id(),
+            gpa: new_gpa(s),
+        });
+        self.commit(&mut state, changes, &steps)?;
+        state.regions.get_mut(&id).expect("looked up above").gpa = gpa;
+        Ok(())
+    }
+
+    /// Makes a region read-only for the guest, or writable again.
+    ///
+    /// KVM cannot change this flag in place: each slot is deleted and created again, and
+    /// between the two a vCPU that touches the slot exits to the VMM (see
+    /// [`change_sequence`](Self::change_sequence)). Dirty bits KVM had for the slot are kept.
+    pub fn set_read_only(&self, id: RegionId, read_only: bool) -> Result<(), Error> {
+        let mut state = self.state_for_change()?;
+        let current = Arc::clone(state.current());
+        let region = state.regions.get_mut(&id).ok_or(Error::UnknownRegion(id))?;
+        if region.flags.read_only == read_only {
+            return Ok(());
+        }
+        let slots = region_slots(&current, region);
+        let flags = SlotFlags {
+            read_only,
+            ..region.flags
+        };
+        let mut steps = Vec::with_capacity(2 * slots.len());
+        for s in &slots {
+            let old = KvmSlot::from(s.as_ref());
+            // Deleting a slot frees its KVM log: keep its bits first.
+            steps.push(Step {
+                region: id,
+                op: KvmOp::Delete(old),
+                read_log: old.flags.log_dirty,
+            });
+            steps.push(Step {
+                region: id,
+                op: KvmOp::Create(KvmSlot { flags, ..old }),
+                read_log: false,
+            });
+        }
+        let changes = slots.iter().map(|s| Change::SetFlags { id: s.id(), flags });
+        self.commit(&mut state, changes, &steps)?;
+        state.regions.get_mut(&id).expect("looked up above").flags = flags;
+        Ok(())
+    }
+}

@@ -1,0 +1,118 @@
+//! What callers pass the manager and what it reports: region specs, targets, region and slot
+//! reports, host-address matches.
+
+use memslot_map::{HostAddress, SlotFlags, SlotId};
+use vm_memory::GuestAddress;
+
+use crate::memory::{Backing, RegionId};
+use crate::PAGE_SIZE;
+
+/// The largest slot KVM accepts: 2^31 - 1 pages.
+pub const KVM_MAX_SLOT_SIZE: u64 = ((1 << 31) - 1) * PAGE_SIZE;
+
+/// What a new region is.
+#[derive(Debug, Clone)]
+pub struct RegionSpec {
+    /// Guest-physical base.
+    pub gpa: GuestAddress,
+    /// Size in bytes, a multiple of 4 KiB.
+    pub size: u64,
+    /// Host memory behind it.
+    pub backing: Backing,
+    /// Split the region into KVM slots of this size (the last one may be smaller); by default
+    /// as few slots as KVM's per-slot limit allows.
+    pub slot_size: Option<u64>,
+    /// The guest can read but not write the region.
+    pub read_only: bool,
+    /// Log the guest's writes from the start.
+    pub log_dirty: bool,
+}
+
+impl RegionSpec {
+    /// `size` bytes of anonymous memory at `gpa`, read-write, not logged, in as few slots as
+    /// possible.
+    pub fn new(gpa: GuestAddress, size: u64) -> Self {
+        RegionSpec {
+            gpa,
+            size,
+            backing: Backing::Anonymous,
+            slot_size: None,
+            read_only: false,
+            log_dirty: false,
+        }
+    }
+
+    /// Splits the region into slots of `slot_size` bytes.
+    pub fn with_slot_size(self, slot_size: u64) -> Self {
+        RegionSpec {
+            slot_size: Some(slot_size),
+            ..self
+        }
+    }
+
+    /// Uses `backing` for the region's memory.
+    pub fn with_backing(self, backing: Backing) -> Self {
+        RegionSpec { backing, ..self }
+    }
+
+    /// Sets the initial flags.
+    pub fn with_flags(self, flags: SlotFlags) -> Self {
+        RegionSpec {
+            read_only: flags.read_only,
+            log_dirty: flags.log_dirty,
+            ..self
+        }
+    }
+}
+
+/// Which regions an operation is for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Target {
+    /// Every region.
+    All,
+    /// One region.
+    Region(RegionId),
+}
+
+/// A region as the manager reports it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RegionInfo {
+    /// Its id.
+    pub id: RegionId,
+    /// Guest-physical base.
+    pub gpa: GuestAddress,
+    /// Size in bytes.
+    pub size: u64,
+    /// Host address of its mapping.
+    pub hva: HostAddress,
+    /// KVM slots it uses.
+    pub slots: usize,
+    /// Its flags (the same on all its slots).
+    pub flags: SlotFlags,
+    /// Whether its memory is a shared (file or memfd) mapping.
+    pub shared: bool,
+}
+
+/// How many KVM slot numbers are in use.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SlotUsage {
+    /// Slots in use.
+    pub used: usize,
+    /// Slots free.
+    pub free: usize,
+    /// KVM's number of slots.
+    pub max: u32,
+}
+
+/// A guest address that a host address backs, found by [`MemoryManager::find_by_hva`].
+///
+/// [`MemoryManager::find_by_hva`]: crate::MemoryManager::find_by_hva
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct HvaMatch {
+    /// The region.
+    pub region: RegionId,
+    /// KVM's slot number.
+    pub slot: SlotId,
+    /// The guest address.
+    pub gpa: GuestAddress,
+}
