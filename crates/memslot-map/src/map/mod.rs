@@ -1,0 +1,459 @@
+//! One version of the slot map: three persistent indexes over the same slots.
+//!
+//! This file holds the map's types, its configuration and its queries; `change` holds
+//! [`Change`] and the single changes with their checks, and `batch`
+//! [`MemslotMap::with_changes`], which writes runs of changes in one sorted pass.
+
+use std::fmt;
+use std::mem::size_of;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+
+use vm_memory::GuestAddress;
+
+use crate::error::ConfigError;
+use crate::ptree::{PTree, Summary, Visit};
+use crate::slot::{HostAddress, Slot, SlotId};
+
+mod batch;
+mod change;
+
+pub use change::Change;
+
+/// Rules a map checks every slot against.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MapConfig {
+    page_size: u64,
+    max_slots: usize,
+}
+
+impl MapConfig {
+    /// Slots must be aligned to `page_size` (a power of two) in guest address, host address and
+    /// size, and the map holds at most `max_slots` slots.
+    pub fn new(page_size: u64, max_slots: usize) -> Result<Self, ConfigError> {
+        if !page_size.is_power_of_two() {
+            return Err(ConfigError::PageSize(page_size));
+        }
+        Ok(MapConfig {
+            page_size,
+            max_slots,
+        })
+    }
+
+    /// The alignment every slot must have.
+    pub fn page_size(&self) -> u64 {
+        self.page_size
+    }
+
+    /// The most slots the map holds.
+    pub fn max_slots(&self) -> usize {
+        self.max_slots
+    }
+}
+
+impl Default for MapConfig {
+    /// 4 KiB pages and no limit on the number of slots.
+    fn default() -> Self {
+        MapConfig {
+            page_size: 4096,
+            max_slots: usize::MAX,
+        }
+    }
+}
+
+/// Key of the host-address index. Host ranges may overlap, so the id breaks ties; the end is in
+/// the key so that a search never loads a slot to learn where it ends.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+struct HvaKey {
+    start: u64,
+    end: u64,
+    id: SlotId,
+}
+
+/// The largest host range end in a subtree of the host-address index.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+struct MaxHvaEnd(u64);
+
+impl<V> Summary<HvaKey, V> for MaxHvaEnd {
+    fn of_entry(key: &HvaKey, _: &V) -> Self {
+        MaxHvaEnd(key.end)
+    }
+    fn merge(self, other: Self) -> Self {
+        MaxHvaEnd(self.0.max(other.0))
+    }
+}
+
+/// Every map version gets a generation no other version in the process has, so that a
+/// [`LookupHint`] can tell whether it was filled from the version it is used with.
+static NEXT_GENERATION: AtomicU64 = AtomicU64::new(1);
+
+fn next_generation() -> u64 {
+    NEXT_GENERATION.fetch_add(1, Ordering::Relaxed)
+}
+
+/// A reader's own memory of the slot it found last (the kernel's `last_used_slot`, but kept by
+/// each reader rather than in the shared map, so that readers never write a shared cache line).
+///
+/// A hint is valid only for the map version that filled it; used with another version it is
+/// ignored and refilled. It holds a reference to its slot, keeping that slot's payload alive
+/// until the hint is refilled or dropped.
+pub struct LookupHint<P> {
+    generation: u64,
+    slot: Option<Arc<Slot<P>>>,
+}
+
+impl<P> fmt::Debug for LookupHint<P> {
+    /// The generation of the version that filled the hint and the id of the slot it holds.
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("LookupHint")
+            .field("generation", &self.generation)
+            .field("slot", &self.slot.as_ref().map(|s| s.id()))
+            .finish()
+    }
+}
+
+impl<P> Default for LookupHint<P> {
+    fn default() -> Self {
+        LookupHint {
+            generation: 0,
+            slot: None,
+        }
+    }
+}
+
+/// Heap memory a map version holds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MemoryUsage {
+    /// Number of slots.
+    pub slots: usize,
+    /// Bytes of the three indexes' nodes.
+    pub index_bytes: usize,
+    /// Bytes of the slots themselves (their payloads' own heap not included).
+    pub slot_bytes: usize,
+}
+
+impl MemoryUsage {
+    /// Index and slot bytes divided by the number of slots (0 for an empty map).
+    pub fn bytes_per_slot(&self) -> f64 {
+        if self.slots == 0 {
+            0.0
+        } else {
+            (self.index_bytes + self.slot_bytes) as f64 / self.slots as f64
+        }
+    }
+}
+
+/// One version of a map of memory slots, indexed by guest address, host address and id.
+///
+/// Guest ranges never overlap; host ranges may. Cloning a map is O(1) and the clone shares every
+/// node with the original; changing a clone copies only the O(log n) nodes on the changed paths.
+/// Lookups are O(log n) (host-range lookups O(log n + k) for k results).
+///
+/// ```
+/// use memslot_map::{Change, HostAddress, MapConfig, MemslotMap, Slot, SlotFlags, SlotId};
+/// use vm_memory::GuestAddress;
+///
+/// let map = MemslotMap::new(MapConfig::default());
+/// let slot = |id, gpa, hva| {
+///     Slot::new(SlotId(id), GuestAddress(gpa), 0x1000, HostAddress(hva), SlotFlags::default(), ())
+/// };
+/// let v1 = map
+///     .with_changes([Change::Insert(slot(0, 0x0, 0x7000_0000)), Change::Insert(slot(1, 0x1000, 0x7000_0000))])
+///     .unwrap();
+/// assert_eq!(v1.find_by_gpa(GuestAddress(0x1800)).unwrap().id(), SlotId(1));
+/// // Both slots are backed by the same host page.
+/// assert_eq!(v1.slots_overlapping_hva(HostAddress(0x7000_0010), 1).len(), 2);
+/// // A refused batch changes nothing.
+/// assert!(v1.with_changes([Change::Remove(SlotId(0)), Change::Remove(SlotId(9))]).is_err());
+/// assert_eq!(v1.len(), 2);
+/// ```
+#[derive(Clone)]
+pub struct MemslotMap<P> {
+    by_gpa: PTree<u64, Arc<Slot<P>>, ()>,
+    by_hva: PTree<HvaKey, Arc<Slot<P>>, MaxHvaEnd>,
+    by_id: PTree<SlotId, Arc<Slot<P>>, ()>,
+    config: MapConfig,
+    generation: u64,
+}
+
+impl<P> fmt::Debug for MemslotMap<P> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("MemslotMap")
+            .field("slots", &self.by_id.len())
+            .field("config", &self.config)
+            .field("generation", &self.generation)
+            .finish()
+    }
+}
+
+impl<P: Clone> MemslotMap<P> {
+    /// An empty map whose slots must follow `config`.
+    pub fn new(config: MapConfig) -> Self {
+        MemslotMap {
+            by_gpa: PTree::default(),
+            by_hva: PTree::default(),
+            by_id: PTree::default(),
+            config,
+            generation: next_generation(),
+        }
+    }
+
+    /// The rules this map checks slots against.
+    pub fn config(&self) -> MapConfig {
+        self.config
+    }
+
+    /// A number unique to this version in this process; every change gives a new one.
+    pub fn generation(&self) -> u64 {
+        self.generation
+    }
+
+    /// Number of slots.
+    pub fn len(&self) -> usize {
+        self.by_id.len()
+    }
+
+    /// Whether the map has no slot.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// The slot that holds guest-physical address `addr`. O(log n).
+    pub fn find_by_gpa(&self, addr: GuestAddress) -> Option<&Arc<Slot<P>>> {
+        let (_, slot) = self.by_gpa.floor(&addr.0)?;
+        slot.contains_gpa(addr).then_some(slot)
+    }
+
+    /// Like [`find_by_gpa`](Self::find_by_gpa), first trying the slot `hint` remembers; on a
+    /// miss the hint is refilled with the slot found.
+    pub fn find_by_gpa_hinted<'a>(
+        &'a self,
+        addr: GuestAddress,
+        hint: &'a mut LookupHint<P>,
+    ) -> Option<&'a Arc<Slot<P>>> {
+        let hit = hint.generation == self.generation
+            && hint.slot.as_ref().is_some_and(|s| s.contains_gpa(addr));
+        if hit {
+            return hint.slot.as_ref();
+        }
+        let found = self.find_by_gpa(addr)?;
+        hint.generation = self.generation;
+        hint.slot = Some(Arc::clone(found));
+        Some(found)
+    }
+
+    /// The slot with id `id`. O(log n).
+    pub fn get(&self, id: SlotId) -> Option<&Arc<Slot<P>>> {
+        self.by_id.get(&id)
+    }
+
+    /// Calls `f` on every slot whose host range overlaps `[hva, hva + len)`, in host-address
+    /// order. O(log n + k) for k slots found; `len` 0 finds nothing.
+    pub fn for_each_hva_overlap<'a>(
+        &'a self,
+        hva: HostAddress,
+        len: u64,
+        mut f: impl FnMut(&'a Arc<Slot<P>>),
+    ) {
+        let (lo, hi) = (hva.0, hva.0.saturating_add(len));
+        if lo == hi {
+            return;
+        }
+        self.by_hva.search(
+            |key, max_end| {
+                if key.start >= hi {
+                    Visit::Stop
+                } else if max_end.0 <= lo {
+                    Visit::Skip
+                } else {
+                    Visit::Enter
+                }
+            },
+            |_, slot| f(slot),
+        );
+    }
+
+    /// Every slot whose host range overlaps `[hva, hva + len)`, in host-address order.
+    pub fn slots_overlapping_hva(&self, hva: HostAddress, len: u64) -> Vec<&Arc<Slot<P>>> {
+        let mut out = Vec::new();
+        self.for_each_hva_overlap(hva, len, |s| out.push(s));
+        out
+    }
+
+    /// All slots in guest-address order.
+    pub fn iter(&self) -> impl Iterator<Item = &Arc<Slot<P>>> + '_ {
+        self.by_gpa.iter().map(|(_, slot)| slot)
+    }
+
+    /// Slots in guest-address order, starting with the one that holds `addr` or else the first
+    /// one above it.
+    pub fn iter_from_gpa(&self, addr: GuestAddress) -> impl Iterator<Item = &Arc<Slot<P>>> + '_ {
+        let from = self.find_by_gpa(addr).map_or(addr.0, |s| s.gpa().0);
+        self.by_gpa.iter_from(&from).map(|(_, slot)| slot)
+    }
+
+    /// The first slot, in guest-address order, whose guest range overlaps `[start, end)`.
+    /// O(log n).
+    pub fn first_overlap(&self, start: u64, end: u64) -> Option<&Arc<Slot<P>>> {
+        self.iter_from_gpa(GuestAddress(start))
+            .next()
+            .filter(|slot| start < end && slot.gpa().0 < end)
+    }
+
+    /// The first address of `[start, end)` that no slot holds, or `None` if slots cover all of
+    /// it. O(log n + k) for the k slots covering the range before the hole.
+    pub fn first_hole(&self, start: u64, end: u64) -> Option<u64> {
+        let mut at = start;
+        for slot in self.iter_from_gpa(GuestAddress(start)) {
+            if at >= end || slot.gpa().0 > at {
+                break;
+            }
+            at = slot.gpa_range().end;
+        }
+        (at < end).then_some(at)
+    }
+
+    /// Heap memory held by this version (shared nodes counted as if they were its own).
+    pub fn memory_usage(&self) -> MemoryUsage {
+        let slots = self.len();
+        MemoryUsage {
+            slots,
+            index_bytes: self.by_gpa.heap_bytes()
+                + self.by_hva.heap_bytes()
+                + self.by_id.heap_bytes(),
+            slot_bytes: slots * (size_of::<Slot<P>>() + 2 * size_of::<usize>()),
+        }
+    }
+}
+
+fn hva_key<P>(slot: &Slot<P>) -> HvaKey {
+    let range = slot.hva_range();
+    HvaKey {
+        start: range.start,
+        end: range.end,
+        id: slot.id(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::slot::SlotFlags;
+
+    pub(super) fn slot(id: u32, gpa: u64, size: u64, hva: u64) -> Slot<u32> {
+        Slot::new(
+            SlotId(id),
+            GuestAddress(gpa),
+            size,
+            HostAddress(hva),
+            SlotFlags::default(),
+            id,
+        )
+    }
+
+    pub(super) fn check_indexes<P: Clone>(map: &MemslotMap<P>) {
+        map.by_gpa.check();
+        map.by_hva.check();
+        map.by_id.check();
+        assert_eq!(map.by_gpa.len(), map.by_id.len());
+        assert_eq!(map.by_hva.len(), map.by_id.len());
+    }
+
+    #[test]
+    fn hinted_lookup_never_returns_a_slot_of_another_version() {
+        let mut map = MemslotMap::new(MapConfig::default());
+        map.insert(slot(0, 0x0, 0x10_000, 0x0)).unwrap();
+        let mut hint = LookupHint::default();
+        let v1 = map.clone();
+        assert_eq!(
+            v1.find_by_gpa_hinted(GuestAddress(0x100), &mut hint)
+                .map(|s| s.id()),
+            Some(SlotId(0))
+        );
+        map.move_slot(SlotId(0), GuestAddress(0x100_000)).unwrap();
+        // Same address, newer version: the hint (still pointing at the old slot) is not used.
+        assert!(map
+            .find_by_gpa_hinted(GuestAddress(0x100), &mut hint)
+            .is_none());
+        assert_eq!(
+            map.find_by_gpa_hinted(GuestAddress(0x100_100), &mut hint)
+                .map(|s| s.gpa()),
+            Some(GuestAddress(0x100_000))
+        );
+        // And the old version still answers from its own slots.
+        assert_eq!(
+            v1.find_by_gpa_hinted(GuestAddress(0x100), &mut hint)
+                .map(|s| s.gpa()),
+            Some(GuestAddress(0))
+        );
+    }
+
+    #[test]
+    fn overlapping_host_ranges_are_all_found() {
+        let mut map = MemslotMap::new(MapConfig::default());
+        // Two guest ranges aliasing one host range, and a large one covering both.
+        map.insert(slot(0, 0x0, 0x4000, 0x10_000)).unwrap();
+        map.insert(slot(1, 0x10_000, 0x4000, 0x10_000)).unwrap();
+        map.insert(slot(2, 0x100_000, 0x100_000, 0x0)).unwrap();
+        map.insert(slot(3, 0x300_000, 0x1000, 0x200_000)).unwrap();
+        let ids = |hva, len| {
+            let mut v: Vec<_> = map
+                .slots_overlapping_hva(HostAddress(hva), len)
+                .iter()
+                .map(|s| s.id().0)
+                .collect();
+            v.sort();
+            v
+        };
+        assert_eq!(ids(0x10_000, 1), vec![0, 1, 2]);
+        assert_eq!(ids(0x14_000, 0x1000), vec![2]);
+        assert_eq!(ids(0xf_f000, 0x1000), vec![2]);
+        assert_eq!(ids(0x100_000, 0x100_000), Vec::<u32>::new());
+        assert_eq!(ids(0x1f_f000, 0x2000), vec![3]);
+        assert_eq!(ids(0x0, u64::MAX), vec![0, 1, 2, 3]);
+        assert_eq!(ids(0x10_000, 0), Vec::<u32>::new());
+    }
+
+    #[test]
+    fn overlaps_and_holes_in_guest_ranges() {
+        let mut map = MemslotMap::new(MapConfig::default());
+        map.insert(slot(0, 0x1000, 0x2000, 0)).unwrap();
+        map.insert(slot(1, 0x3000, 0x1000, 0)).unwrap();
+        map.insert(slot(2, 0x8000, 0x1000, 0)).unwrap();
+        let overlap = |s, e| map.first_overlap(s, e).map(|s| s.id().0);
+        assert_eq!(overlap(0x0, 0x1000), None);
+        assert_eq!(overlap(0x0, 0x1001), Some(0));
+        assert_eq!(overlap(0x2fff, 0x9000), Some(0));
+        assert_eq!(overlap(0x4000, 0x8000), None);
+        assert_eq!(overlap(0x4000, 0x8001), Some(2));
+        assert_eq!(overlap(0x9000, u64::MAX), None);
+        assert_eq!(overlap(0x1000, 0x1000), None);
+        assert_eq!(map.first_hole(0x1000, 0x4000), None);
+        assert_eq!(map.first_hole(0x1800, 0x3800), None);
+        assert_eq!(map.first_hole(0x1000, 0x4001), Some(0x4000));
+        assert_eq!(map.first_hole(0x800, 0x2000), Some(0x800));
+        assert_eq!(map.first_hole(0x8000, 0x9000), None);
+        assert_eq!(map.first_hole(0x5000, 0x5000), None);
+    }
+
+    #[test]
+    fn memory_grows_with_slots_in_use() {
+        let mut map = MemslotMap::new(MapConfig::default());
+        assert_eq!(map.memory_usage().bytes_per_slot(), 0.0);
+        for i in 0..10_000u32 {
+            let gpa = u64::from(i) * 0x1000;
+            map.insert(slot(i, gpa, 0x1000, gpa)).unwrap();
+        }
+        let full = map.memory_usage();
+        for i in 0..9_000u32 {
+            map.remove(SlotId(i)).unwrap();
+        }
+        let few = map.memory_usage();
+        check_indexes(&map);
+        assert!(full.bytes_per_slot() < 400.0, "{full:?}");
+        assert!(
+            (few.index_bytes + few.slot_bytes) * 5 < full.index_bytes + full.slot_bytes,
+            "{few:?} vs {full:?}"
+        );
+    }
+}
