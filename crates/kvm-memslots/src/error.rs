@@ -4,7 +4,27 @@
 use memslot_map::{AddressRange, MapError};
 use vmm_sys_util::errno::Error as Errno;
 
+use crate::limits::Limit;
 use crate::memory::{MappingError, RegionId};
+
+/// The message of [`Error::OverLimit`]: which limit, the figure, and the limit's value.
+fn over_limit(limit: Limit, size: u64, figure: u64, max: u64) -> String {
+    let gib = |bytes: u64| bytes as f64 / (1u64 << 30) as f64;
+    match limit {
+        Limit::RegionSize => format!(
+            "a region of {size:#x} bytes ({:.1} GiB) is over the limit {} = {max:#x} bytes ({:.1} GiB)",
+            gib(size), limit.name(), gib(max)
+        ),
+        Limit::GuestMemory => format!(
+            "a region of {size:#x} bytes would bring guest memory to {figure:#x} bytes ({:.1} GiB), over the limit {} = {max:#x} bytes ({:.1} GiB)",
+            gib(figure), limit.name(), gib(max)
+        ),
+        Limit::Metadata => format!(
+            "a region of {size:#x} bytes would bring the host memory KVM and the manager spend on guest-memory metadata to an estimated {figure} bytes ({:.1} GiB), over the limit {} = {max} bytes ({:.1} GiB)",
+            gib(figure), limit.name(), gib(max)
+        ),
+    }
+}
 
 /// A memory operation that failed.
 #[derive(Debug, thiserror::Error)]
@@ -137,6 +157,28 @@ pub enum Error {
         /// The system's error.
         source: std::io::Error,
     },
+    /// A new region is over one of the manager's [`MemoryLimits`](crate::MemoryLimits);
+    /// nothing was allocated.
+    #[error("{}", over_limit(*.limit, *.size, *.figure, *.max))]
+    OverLimit {
+        /// The limit.
+        limit: Limit,
+        /// The region's size.
+        size: u64,
+        /// What the limited quantity would reach with the region (its size, for the per-region
+        /// limit).
+        figure: u64,
+        /// The limit's value.
+        max: u64,
+    },
+    /// The host had no memory for a buffer the operation needs; nothing was changed.
+    #[error("out of host memory: {bytes} bytes for {what} could not be allocated")]
+    OutOfMemory {
+        /// What the buffer is for.
+        what: &'static str,
+        /// Its size.
+        bytes: u64,
+    },
     /// The map refused a change for a reason the manager's own checks did not catch.
     ///
     /// The manager checks everything a caller can get wrong before it asks the map (size,
@@ -181,13 +223,20 @@ impl Error {
             | Error::SlotSize { .. }
             | Error::DiscardHole { .. } => ErrorKind::Invalid,
             Error::UnknownRegion(_) => ErrorKind::NotFound,
-            Error::Overlap { .. } | Error::OutOfSlots { .. } => ErrorKind::Conflict,
+            Error::OverLimit {
+                limit: Limit::RegionSize,
+                ..
+            } => ErrorKind::Invalid,
+            Error::Overlap { .. } | Error::OutOfSlots { .. } | Error::OverLimit { .. } => {
+                ErrorKind::Conflict
+            }
             Error::UndoFailed { .. } | Error::Broken { .. } | Error::Map(_) => ErrorKind::Broken,
             Error::Mapping(_)
             | Error::Kvm { .. }
             | Error::GetDirtyLog { .. }
             | Error::ClearDirtyLog { .. }
-            | Error::Discard { .. } => ErrorKind::Host,
+            | Error::Discard { .. }
+            | Error::OutOfMemory { .. } => ErrorKind::Host,
         }
     }
 

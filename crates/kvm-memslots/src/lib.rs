@@ -13,12 +13,14 @@ mod dirty;
 mod error;
 pub mod fake;
 mod kvm;
+mod limits;
 mod manager;
 mod memory;
 
 pub use dirty::DirtyPages;
 pub use error::{Error, ErrorKind};
 pub use kvm::{KvmMemory, KvmSlot, KvmVm};
+pub use limits::{metadata_bytes, Limit, MemoryLimits, MemoryUse};
 pub use manager::{
     HvaMatch, MemoryManager, RegionInfo, RegionSpec, SlotUsage, Target, KVM_MAX_SLOT_SIZE,
 };

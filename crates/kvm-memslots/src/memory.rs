@@ -66,6 +66,12 @@ pub enum MappingError {
         /// The system's error.
         source: std::io::Error,
     },
+    /// The host had no memory for the region's write bitmap.
+    #[error("out of host memory for the region's write bitmap ({bytes} bytes)")]
+    Bitmap {
+        /// The bitmap's size.
+        bytes: u64,
+    },
     /// `mmap` failed.
     #[error("mapping {size:#x} bytes of {backing} memory failed: {source}")]
     Mmap {
@@ -117,6 +123,14 @@ impl RegionMemory {
         } else {
             libc::MAP_PRIVATE | libc::MAP_ANONYMOUS
         };
+        // vm-memory allocates the bitmap of the VMM's writes without a way to fail: make sure
+        // the host has room for it first, so that a failure is an error, never an abort.
+        let words = len.div_ceil(PAGE_SIZE as usize).div_ceil(64);
+        Vec::<u64>::new()
+            .try_reserve_exact(words)
+            .map_err(|_| MappingError::Bitmap {
+                bytes: words as u64 * 8,
+            })?;
         let page_size = std::num::NonZeroUsize::new(PAGE_SIZE as usize).expect("not zero");
         let mut builder =
             MmapRegionBuilder::new_with_bitmap(len, AtomicBitmap::new(len, page_size))

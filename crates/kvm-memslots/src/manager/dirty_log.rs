@@ -5,7 +5,7 @@ use std::sync::Arc;
 use memslot_map::{Change, SlotFlags, SlotId};
 
 use super::plan::{KvmOp, Step};
-use super::{region_slots, MemoryManager, Region, State, Target};
+use super::{region_slots, reserve, MemoryManager, Region, State, Target};
 use crate::dirty::{or_bits, DirtyPages};
 use crate::error::Error;
 use crate::kvm::{KvmMemory, KvmSlot};
@@ -87,8 +87,13 @@ impl<K: KvmMemory> MemoryManager<K> {
     ) -> Result<(), Error> {
         let number = slot.slot;
         let pages = slot.size / PAGE_SIZE;
+        // Room for the bits first: once KVM's log is read, nothing may fail before they are
+        // kept (with manual protection KVM keeps them until cleared, but not without).
+        region.pending()?;
+        let words = pages.div_ceil(64) as usize;
         log.clear();
-        log.resize(pages.div_ceil(64) as usize, 0);
+        reserve(log, words, "a slot's dirty log")?;
+        log.resize(words, 0);
         self.kvm
             .get_dirty_log(number, log)
             .map_err(|source| Error::GetDirtyLog {
@@ -100,7 +105,7 @@ impl<K: KvmMemory> MemoryManager<K> {
             return Ok(());
         }
         let first = (slot.gpa - region.gpa.0) / PAGE_SIZE;
-        or_bits(region.pending(), first, log, pages);
+        or_bits(region.pending()?, first, log, pages);
         if clear && self.kvm.manual_dirty_log() {
             // Clear exactly the pages read: a page dirtied since stays set in KVM.
             let pages = u32::try_from(pages).expect("KVM slots have fewer than 2^31 pages");
@@ -151,9 +156,10 @@ impl<K: KvmMemory> MemoryManager<K> {
                     self.fetch_slot_log(*id, region, &slot, true, &mut log)?;
                 }
             }
+            region.pending()?;
             let vmm = region.memory.vmm_dirty_bitmap().get_and_reset();
             let pages = region.pages();
-            or_bits(region.pending(), 0, &vmm, pages);
+            or_bits(region.pending()?, 0, &vmm, pages);
         }
         Ok(ids
             .into_iter()
@@ -164,7 +170,8 @@ impl<K: KvmMemory> MemoryManager<K> {
                     region: id,
                     gpa: region.gpa,
                     pages,
-                    bitmap: std::mem::take(region.pending()),
+                    // Sized by the loop above.
+                    bitmap: std::mem::take(&mut region.pending),
                 }
             })
             .collect())

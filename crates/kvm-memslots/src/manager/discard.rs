@@ -69,6 +69,12 @@ impl<K: KvmMemory> MemoryManager<K> {
             }
             at = end;
         }
+        // Room for the dirty bits first, so that nothing fails once memory is discarded.
+        for piece in &pieces {
+            if let Some(region) = state.regions.get_mut(&piece.region) {
+                region.pending()?;
+            }
+        }
         for piece in pieces {
             let advice = if piece.memory.is_shared() {
                 libc::MADV_REMOVE
@@ -93,7 +99,7 @@ impl<K: KvmMemory> MemoryManager<K> {
             }
             // The guest's memory changed: the next harvest must report these pages.
             if let Some(region) = state.regions.get_mut(&piece.region) {
-                mark_range(region.pending(), piece.offset / PAGE_SIZE, len / PAGE_SIZE);
+                mark_range(region.pending()?, piece.offset / PAGE_SIZE, len / PAGE_SIZE);
             }
         }
         Ok(())

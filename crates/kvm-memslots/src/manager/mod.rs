@@ -27,6 +27,7 @@ use vmm_sys_util::errno::Error as Errno;
 
 use crate::error::Error;
 use crate::kvm::{KvmMemory, KvmSlot};
+use crate::limits::{Limit, MemoryLimits, MemoryUse};
 use crate::memory::{
     GuestMemoryHandle, GuestMemorySnapshot, GuestSlotData, RegionId, RegionMemory, SlotBacking,
 };
@@ -58,13 +59,27 @@ impl Region {
         self.size / PAGE_SIZE
     }
 
-    fn pending(&mut self) -> &mut Vec<u64> {
+    /// The pending bits, allocated (fallibly: a failure is an error, never an abort) if the
+    /// last harvest took them.
+    fn pending(&mut self) -> Result<&mut Vec<u64>, Error> {
         let words = self.pages().div_ceil(64) as usize;
         if self.pending.len() != words {
+            reserve(&mut self.pending, words, "a region's pending dirty bits")?;
             self.pending.resize(words, 0);
         }
-        &mut self.pending
+        Ok(&mut self.pending)
     }
+}
+
+/// Makes room for `words` words in `buffer` without aborting when the host has none.
+fn reserve(buffer: &mut Vec<u64>, words: usize, what: &'static str) -> Result<(), Error> {
+    let more = words.saturating_sub(buffer.len());
+    buffer
+        .try_reserve_exact(more)
+        .map_err(|_| Error::OutOfMemory {
+            what,
+            bytes: (words as u64).saturating_mul(8),
+        })
 }
 
 /// The manager's records, kept behind the map's writer lock (the manager's one writer lock):
@@ -78,6 +93,10 @@ pub(crate) struct State {
     broken: Option<(u32, Errno)>,
     /// Memory KVM may still map after a failed undo: kept mapped for the process's lifetime.
     orphans: Vec<Arc<RegionMemory>>,
+    /// What regions are admitted against.
+    limits: MemoryLimits,
+    /// What the regions in place use of it.
+    used: MemoryUse,
 }
 
 /// The writer lock of a manager's map, held: its [`State`], the current version, and the right
@@ -101,8 +120,14 @@ pub struct MemoryManager<K: KvmMemory> {
 }
 
 impl<K: KvmMemory> MemoryManager<K> {
-    /// A manager with no memory, for the VM behind `kvm`.
+    /// A manager with no memory, for the VM behind `kvm`, with this host's default limits
+    /// ([`MemoryLimits::for_this_host`]).
     pub fn new(kvm: K) -> Self {
+        Self::with_limits(kvm, MemoryLimits::for_this_host())
+    }
+
+    /// A manager with no memory, for the VM behind `kvm`, that admits regions within `limits`.
+    pub fn with_limits(kvm: K, limits: MemoryLimits) -> Self {
         let limit = kvm.max_slots();
         let config =
             MapConfig::new(PAGE_SIZE, limit as usize).expect("the page size is a power of two");
@@ -116,6 +141,8 @@ impl<K: KvmMemory> MemoryManager<K> {
                     next_region: 0,
                     broken: None,
                     orphans: Vec::new(),
+                    limits,
+                    used: MemoryUse::default(),
                 },
             )),
             sequence: AtomicU64::new(0),
@@ -156,6 +183,39 @@ impl<K: KvmMemory> MemoryManager<K> {
     /// completed operation made them (publication is the last step): the state is usable.
     fn state(&self) -> Writer<'_> {
         self.map.write()
+    }
+
+    /// The limits regions are admitted against.
+    pub fn limits(&self) -> MemoryLimits {
+        self.state().limits
+    }
+
+    /// What the regions in place use of the limits.
+    pub fn memory_use(&self) -> MemoryUse {
+        self.state().used
+    }
+
+    /// Admits later regions against `limits`. Regions already in place stay, even if they are
+    /// over the new limits.
+    pub fn set_limits(&self, limits: MemoryLimits) {
+        self.state().limits = limits;
+    }
+
+    /// Whether `total` bytes of new regions, none larger than `largest`, would be admitted
+    /// now (for a caller planning several regions, such as a hotplug area); nothing is
+    /// reserved.
+    pub fn admit(&self, total: u64, largest: u64) -> Result<(), Error> {
+        let state = self.state();
+        admit(&state, largest)?;
+        let whole = MemoryLimits {
+            max_region_size: u64::MAX,
+            ..state.limits
+        };
+        state
+            .used
+            .admit(total, &whole)
+            .map(drop)
+            .map_err(|(limit, figure)| over_limit(&state.limits, limit, total, figure))
     }
 
     /// The writer lock, for a change: refused once an undo failed.
@@ -282,6 +342,27 @@ impl<K: KvmMemory> Drop for MemoryManager<K> {
         for memory in state.orphans.drain(..) {
             std::mem::forget(memory);
         }
+    }
+}
+
+/// Checks a new region of `size` bytes against the limits; the use with it added.
+fn admit(state: &State, size: u64) -> Result<MemoryUse, Error> {
+    state
+        .used
+        .admit(size, &state.limits)
+        .map_err(|(limit, figure)| over_limit(&state.limits, limit, size, figure))
+}
+
+fn over_limit(limits: &MemoryLimits, limit: Limit, size: u64, figure: u64) -> Error {
+    Error::OverLimit {
+        limit,
+        size,
+        figure,
+        max: match limit {
+            Limit::RegionSize => limits.max_region_size,
+            Limit::GuestMemory => limits.max_guest_memory,
+            Limit::Metadata => limits.max_metadata,
+        },
     }
 }
 

@@ -7,7 +7,7 @@ use vm_memory::GuestAddress;
 
 use super::plan::{KvmOp, Step};
 use super::{
-    check_aligned, check_range, region_slots, MemoryManager, Region, RegionSpec, Writer,
+    admit, check_aligned, check_range, region_slots, MemoryManager, Region, RegionSpec, Writer,
     KVM_MAX_SLOT_SIZE,
 };
 use crate::error::Error;
@@ -30,6 +30,8 @@ impl<K: KvmMemory> MemoryManager<K> {
             });
         }
         check_aligned("slot size", slot_size)?;
+        // Before anything is allocated: a region the host cannot carry is refused here.
+        let used = admit(&state, spec.size)?;
         let current = Arc::clone(state.current());
         // Refuse an overlap before mapping anything.
         let range = AddressRange {
@@ -53,6 +55,7 @@ impl<K: KvmMemory> MemoryManager<K> {
         let result = self.add_slots(&mut state, region_id, &spec, slot_size, &ids);
         match result {
             Ok(memory) => {
+                state.used = used;
                 state.next_region += 1;
                 state.regions.insert(
                     region_id,
@@ -143,6 +146,7 @@ impl<K: KvmMemory> MemoryManager<K> {
         self.commit(&mut state, changes, &steps)?;
         let region = state.regions.remove(&id).expect("looked up above");
         state.ids.release(&region.slots);
+        state.used = state.used.without(region.size);
         Ok(())
     }
 

@@ -13,6 +13,7 @@ use crate::fake::{FakeCall, FakeKvm, Faulty};
 type Manager = MemoryManager<Faulty<FakeKvm>>;
 
 const MIB: u64 = 1 << 20;
+const GIB: u64 = 1 << 30;
 const SLOT: u64 = 0x4000;
 
 fn manager(max_slots: u32) -> Manager {
@@ -686,4 +687,75 @@ fn debug_output_summarises_the_manager() {
         "{:?}",
         m.handle()
     );
+}
+
+#[test]
+fn regions_over_a_limit_are_refused_before_anything_is_allocated() {
+    let limits = MemoryLimits {
+        max_guest_memory: 8 * MIB,
+        max_region_size: 4 * MIB,
+        max_metadata: u64::MAX,
+    };
+    let m = MemoryManager::with_limits(Faulty::new(FakeKvm::new(64, true)), limits);
+    assert_eq!(m.limits(), limits);
+    let first = m
+        .add_region(RegionSpec::new(GuestAddress(0), 4 * MIB))
+        .unwrap();
+    m.add_region(RegionSpec::new(GuestAddress(4 * MIB), 3 * MIB))
+        .unwrap();
+    assert_eq!(m.memory_use().guest_memory, 7 * MIB);
+    let before = everything(&m);
+    let calls = m.kvm().inner().set_calls();
+    let refuse = |size: u64| {
+        m.add_region(RegionSpec::new(GuestAddress(GIB), size))
+            .unwrap_err()
+    };
+    let e = refuse(4 * MIB + PAGE_SIZE);
+    assert_eq!(e.kind(), ErrorKind::Invalid);
+    assert!(
+        e.to_string()
+            .contains("over the limit max_region_size = 0x400000"),
+        "{e}"
+    );
+    let e = refuse(2 * MIB);
+    assert_eq!(e.kind(), ErrorKind::Conflict);
+    assert!(
+        e.to_string()
+            .contains("would bring guest memory to 0x900000 bytes (0.0 GiB), over the limit max_guest_memory = 0x800000"),
+        "{e}"
+    );
+    // Sizes no host can give are limits' business too, never an allocation that aborts.
+    for shift in [40, 44, 52, 56, 63] {
+        assert!(
+            matches!(refuse(1 << shift), Error::OverLimit { .. }),
+            "2^{shift}"
+        );
+    }
+    assert!(matches!(refuse(u64::MAX - 4095), Error::WrapAround { .. }));
+    assert_eq!(everything(&m), before, "a refusal changes nothing");
+    assert_eq!(m.kvm().inner().set_calls(), calls, "nor asks KVM anything");
+    assert!(m.admit(MIB, MIB).is_ok() && m.admit(2 * MIB, MIB).is_err());
+    // An area of many regions: each under the per-region limit, the total under the others.
+    assert!(matches!(
+        m.admit(MIB, 5 * MIB),
+        Err(Error::OverLimit {
+            limit: Limit::RegionSize,
+            ..
+        })
+    ));
+    // Removing a region gives its share back.
+    m.remove_region(first).unwrap();
+    assert_eq!(m.memory_use().guest_memory, 3 * MIB);
+    m.add_region(RegionSpec::new(GuestAddress(GIB), 4 * MIB))
+        .unwrap();
+    // Metadata is limited as well: the estimate of the next region is over.
+    let tight = MemoryLimits {
+        max_metadata: m.memory_use().metadata + crate::metadata_bytes(MIB) - 1,
+        ..MemoryLimits::unlimited()
+    };
+    m.set_limits(tight);
+    let e = m
+        .add_region(RegionSpec::new(GuestAddress(2 * GIB), MIB))
+        .unwrap_err();
+    assert!(e.to_string().contains("max_metadata"), "{e}");
 }
