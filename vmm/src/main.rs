@@ -3,6 +3,7 @@
 use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
+use kvm_memslots::MemoryLimits;
 use tinyvmm::jobs::check::{run_check, CheckConfig};
 use tinyvmm::lifecycle::{run_job, Ending};
 
@@ -52,6 +53,8 @@ struct ServeArgs {
     /// Seconds a client connection may send nothing before it is answered 408 and closed.
     #[arg(long, default_value_t = 30.0)]
     idle_timeout: f64,
+    #[command(flatten)]
+    limits: LimitArgs,
 }
 
 #[derive(clap::Args)]
@@ -68,6 +71,8 @@ struct CheckArgs {
     /// Also print the report as JSON.
     #[arg(long)]
     json: bool,
+    #[command(flatten)]
+    limits: LimitArgs,
 }
 
 impl Default for CheckArgs {
@@ -77,6 +82,7 @@ impl Default for CheckArgs {
             area_mib: 512,
             vcpus: 1,
             json: false,
+            limits: LimitArgs::default(),
         }
     }
 }
@@ -121,14 +127,59 @@ fn print_report<R: std::fmt::Display + serde::Serialize>(
     ExitCode::SUCCESS
 }
 
+/// The admission limits of guest memory (`kvm_memslots::MemoryLimits`), for every subcommand.
+#[derive(clap::Args, Default)]
+struct LimitArgs {
+    /// Most guest memory in all regions, in MiB (default: 4 × the host's RAM, at least 64 GiB).
+    #[arg(long)]
+    max_guest_mib: Option<u64>,
+    /// Largest single region, in MiB (default: the guest-memory limit).
+    #[arg(long)]
+    max_region_mib: Option<u64>,
+    /// Most host memory KVM and the manager may spend on guest-memory metadata (bitmaps,
+    /// KVM's per-page arrays: about 1/490 of the guest memory), in MiB (default: 1/8 of the
+    /// host's RAM).
+    #[arg(long)]
+    max_metadata_mib: Option<u64>,
+}
+
+impl LimitArgs {
+    /// Makes these the limits of the VMs this process creates.
+    fn apply(&self) {
+        let mib = |v: u64| v.saturating_mul(1 << 20);
+        let host = MemoryLimits::for_this_host();
+        let max_guest_memory = self.max_guest_mib.map_or(host.max_guest_memory, mib);
+        tinyvmm::vm::set_memory_limits(MemoryLimits {
+            max_guest_memory,
+            max_region_size: self.max_region_mib.map_or(max_guest_memory, mib),
+            max_metadata: self.max_metadata_mib.map_or(host.max_metadata, mib),
+        });
+    }
+}
+
 fn main() -> ExitCode {
     let cli = Cli::parse();
     match cli.command.unwrap_or(Commands::Check(CheckArgs::default())) {
-        Commands::Check(args) => check(args),
-        Commands::Bench(args) => bench(args),
-        Commands::Stress(args) => stress(args),
-        Commands::Serve(args) => serve(args),
-        Commands::Boot(args) => boot(args),
+        Commands::Check(args) => {
+            args.limits.apply();
+            check(args)
+        }
+        Commands::Bench(args) => {
+            args.limits.apply();
+            bench(args)
+        }
+        Commands::Stress(args) => {
+            args.limits.apply();
+            stress(args)
+        }
+        Commands::Serve(args) => {
+            args.limits.apply();
+            serve(args)
+        }
+        Commands::Boot(args) => {
+            args.limits.apply();
+            boot(args)
+        }
     }
 }
 
@@ -166,6 +217,8 @@ struct BenchArgs {
     /// Where to write the results as JSON.
     #[arg(long, default_value = "target/bench/tinyvmm-perf.json")]
     json: std::path::PathBuf,
+    #[command(flatten)]
+    limits: LimitArgs,
 }
 
 fn bench(args: BenchArgs) -> ExitCode {
@@ -229,6 +282,8 @@ struct StressArgs {
     /// Also print the report as JSON.
     #[arg(long)]
     json: bool,
+    #[command(flatten)]
+    limits: LimitArgs,
 }
 
 fn stress(args: StressArgs) -> ExitCode {
@@ -274,6 +329,7 @@ fn serve(args: ServeArgs) -> ExitCode {
         area_size: args.mem_mib << 20,
         vcpus: args.vcpus,
         idle_timeout,
+        limits: None,
     };
     let path = config.api_sock.display().to_string();
     match tinyvmm::jobs::serve::serve(&config, || eprintln!("tinyvmm: serving the API on {path}")) {
@@ -328,6 +384,8 @@ struct BootArgs {
     /// Do not print the e820 map and the command line the VMM built (on stderr).
     #[arg(long)]
     quiet: bool,
+    #[command(flatten)]
+    limits: LimitArgs,
 }
 
 fn boot(args: BootArgs) -> ExitCode {

@@ -331,6 +331,10 @@ fn kvm_bad_input_gets_the_right_4xx_and_changes_nothing() {
         (with("PUT", "/guest/command", "{\"op\":\"write\",\"start\":1073741824,\"end\":1073741840,\"stride\":8,\"seed\":1,\"vcpu\":5}"), 400, "vcpu 5 does not exist"),
         (with("PUT", "/guest/command", "{\"op\":\"write\",\"start\":4096,\"end\":8192,\"stride\":8,\"seed\":1}"), 400, "overlaps the system region"),
         (with("PUT", "/guest/command", "{\"op\":\"write\",\"start\":3221225472,\"end\":3221229568,\"stride\":8,\"seed\":1}"), 400, "is not all memory"),
+        // Sizes no host can give: refused by the default limits before anything is allocated
+        // (2^56 bytes used to abort the process, 16 TiB to be taken and OOM-killed later).
+        (raw("{\"size\": 72057594037927936, \"guest_check\": false}"), 400, "over the limit max_region_size"),
+        (raw("{\"size\": 17592186044416, \"guest_check\": false}"), 400, "over the limit max_region_size"),
         // Bodies that are not the documented object, on every kind of route.
         (with("PATCH", "/vm", "[\"Paused\"]"), 400, "must be a JSON object"),
         (with("PUT", "/actions", "[\"Stop\"]"), 400, "must be a JSON object"),
@@ -497,5 +501,74 @@ fn kvm_idle_connections_are_closed_so_they_cannot_lock_clients_out() {
         );
     }
     assert_eq!(vmm.call("GET", "/vm", None).0, 200);
+    vmm.stop();
+}
+
+#[test]
+fn kvm_requests_over_the_limits_are_refused_and_the_vmm_survives() {
+    if !kvm_test_support::require_kvm(
+        "tinyvmm::kvm_requests_over_the_limits_are_refused_and_the_vmm_survives",
+    ) {
+        return;
+    }
+    let limits = kvm_memslots::MemoryLimits {
+        max_guest_memory: GIB,
+        max_region_size: GIB / 2,
+        max_metadata: 64 << 20,
+    };
+    let vmm = Vmm::start_with("limits", |config| ServeConfig {
+        area_size: 0,
+        limits: Some(limits),
+        ..config
+    });
+    let memory = vmm.memory();
+    assert_eq!(
+        memory["limits"],
+        json!({"max_guest_memory": GIB, "max_region_size": GIB / 2, "max_metadata": 64 << 20})
+    );
+    assert_eq!(
+        memory["used"]["guest_memory"],
+        json!(2 << 20),
+        "the system region"
+    );
+    let add = |size: u64| {
+        vmm.call(
+            "PUT",
+            "/memory/regions",
+            Some(json!({"size": size, "guest_check": false})),
+        )
+    };
+    let before = vmm.memory();
+    for shift in [40, 44, 52, 56, 63] {
+        let response = add(1 << shift);
+        assert_eq!(response.0, 400, "2^{shift}: {response:?}");
+        assert!(
+            fault(&response).contains("over the limit max_region_size"),
+            "{response:?}"
+        );
+    }
+    for size in [u64::MAX, u64::MAX - 4095] {
+        let response = add(size);
+        assert_eq!(response.0, 400, "{size:#x}: {response:?}");
+    }
+    assert_eq!(vmm.memory(), before, "refusals change nothing");
+    assert_eq!(add(GIB / 2).0, 201);
+    let response = add(GIB / 2);
+    assert_eq!(response.0, 409, "{response:?}");
+    assert!(
+        fault(&response).contains("over the limit max_guest_memory = 0x40000000"),
+        "{response:?}"
+    );
+    // The hotplug area is admitted whole when it is configured.
+    let area = json!({"total_size_mib": 1024, "block_size_mib": 2});
+    let response = vmm.call("PUT", "/hotplug/memory", Some(area));
+    assert_eq!(response.0, 409, "{response:?}");
+    assert!(
+        fault(&response).contains("the hotplug area was not configured"),
+        "{response:?}"
+    );
+    assert_eq!(vmm.call("GET", "/hotplug/memory", None).0, 404);
+    let used = vmm.memory()["used"]["guest_memory"].clone();
+    assert_eq!(used, json!((2 << 20) + GIB / 2));
     vmm.stop();
 }

@@ -170,8 +170,32 @@ pub enum VmActionType {
 pub struct MemoryInfo {
     /// KVM slot numbers in use and free.
     pub slots: SlotCounts,
+    /// What new memory is admitted against (`--max-*` on the command line).
+    pub limits: Limits,
+    /// What the regions in place use of the limits.
+    pub used: MemoryUse,
     /// The regions, by id.
     pub regions: Vec<RegionInfo>,
+}
+
+/// The admission limits, in bytes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub struct Limits {
+    /// Most guest memory in all regions.
+    pub max_guest_memory: u64,
+    /// Largest single region.
+    pub max_region_size: u64,
+    /// Most host memory for guest-memory metadata (KVM's and the VMM's), as estimated.
+    pub max_metadata: u64,
+}
+
+/// What the regions use of the limits, in bytes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub struct MemoryUse {
+    /// Guest memory in all regions.
+    pub guest_memory: u64,
+    /// The estimated host memory for its metadata.
+    pub metadata: u64,
 }
 
 /// KVM slot numbers.

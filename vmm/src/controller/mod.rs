@@ -13,9 +13,9 @@ use vm_memory::GuestAddress;
 
 use crate::api::types::{
     AddRegion, BackingKind, DirtyLogSwitch, DirtyRegion, GuestCommand, GuestCommandResult, GuestOp,
-    Harvest, HarvestInfo, HotplugConfig, HotplugInfo, HotplugRequest, MemoryInfo, PatchRegion,
-    RegionAdded, RegionInfo, RunState, SlotCounts, VmAction, VmActionType, VmInfo, VmStatePatch,
-    VmStateRequest,
+    Harvest, HarvestInfo, HotplugConfig, HotplugInfo, HotplugRequest, Limits, MemoryInfo,
+    MemoryUse, PatchRegion, RegionAdded, RegionInfo, RunState, SlotCounts, VmAction, VmActionType,
+    VmInfo, VmStatePatch, VmStateRequest,
 };
 use crate::test_guest::area::{check_area, TestArea};
 use crate::test_guest::vcpus::{GuestError, TestVm, Vcpus};
@@ -207,11 +207,22 @@ impl Controller {
                 backing: if r.shared { "memfd" } else { "anonymous" },
             })
             .collect();
+        let limits = memory.limits();
+        let used = memory.memory_use();
         MemoryInfo {
             slots: SlotCounts {
                 used: usage.used,
                 free: usage.free,
                 max: usage.max,
+            },
+            limits: Limits {
+                max_guest_memory: limits.max_guest_memory,
+                max_region_size: limits.max_region_size,
+                max_metadata: limits.max_metadata,
+            },
+            used: MemoryUse {
+                guest_memory: used.guest_memory,
+                metadata: used.metadata,
             },
             regions,
         }
@@ -434,8 +445,19 @@ impl Controller {
                 "the hotplug area has plugged memory: unplug it all first",
             ));
         }
-        let free = self.vm.memory().slot_usage().free;
-        let area = HotplugArea::new(config, HOTPLUG_GPA, test_guest::IDENTITY_MAPPED, free)?;
+        let memory = self.vm.memory();
+        let area = HotplugArea::new(
+            config,
+            HOTPLUG_GPA,
+            test_guest::IDENTITY_MAPPED,
+            memory.slot_usage().free,
+        )?;
+        // All of it plugged must be admissible now: refuse an area that could only ever be
+        // plugged in part.
+        let total = area.slots.len() as u64 * area.slot_size;
+        memory
+            .admit(total, area.slot_size)
+            .map_err(|e| ControllerError::from(e).and("the hotplug area was not configured"))?;
         self.hotplug = Some(area);
         Ok(())
     }

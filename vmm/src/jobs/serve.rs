@@ -13,6 +13,8 @@ use crate::controller::Controller;
 use crate::lifecycle::{Ending, EventLoop, LoopError};
 use crate::test_guest::area::{AreaError, TestArea, AREA_GPA};
 use crate::test_guest::vcpus::{GuestError, TestVm};
+use crate::vm::VmOptions;
+use kvm_memslots::MemoryLimits;
 
 /// Why serving could not start or ended badly.
 #[derive(Debug, thiserror::Error)]
@@ -44,6 +46,8 @@ pub struct ServeConfig {
     pub vcpus: usize,
     /// How long a client connection may send nothing before it is answered 408 and closed.
     pub idle_timeout: Duration,
+    /// What guest memory is admitted against; `None`: the process's ([`crate::vm::memory_limits`]).
+    pub limits: Option<MemoryLimits>,
 }
 
 impl ServeConfig {
@@ -56,6 +60,7 @@ impl ServeConfig {
             area_size: 256 << 20,
             vcpus: 1,
             idle_timeout: DEFAULT_IDLE_TIMEOUT,
+            limits: None,
         }
     }
 }
@@ -99,7 +104,10 @@ fn serve_on(
     ready: impl FnOnce(),
 ) -> Result<Ending, ServeError> {
     let mut event_loop = EventLoop::new()?;
-    let vm = TestVm::new()?;
+    let vm = TestVm::with_options(VmOptions {
+        limits: config.limits,
+        ..VmOptions::default()
+    })?;
     if config.area_size > 0 && config.slots > 1 {
         TestArea::add(
             vm.memory(),

@@ -198,7 +198,10 @@ pub fn boot(
         stdin,
         stop: stop_request,
     } = console;
-    let vm = Vm::new(VmOptions { irqchip: true })?;
+    let vm = Vm::new(VmOptions {
+        irqchip: true,
+        ..VmOptions::default()
+    })?;
     let memory = vm.memory();
     for region in layout::ram_regions(config) {
         memory.add_region(

@@ -154,7 +154,12 @@ impl TestVm {
     /// Creates the VM and its system region (guest address 0, one slot: tables, code, stacks,
     /// command blocks).
     pub fn new() -> Result<Self, GuestError> {
-        let vm = Vm::new(VmOptions::default())?;
+        Self::with_options(VmOptions::default())
+    }
+
+    /// As [`new`](Self::new), with `options` for the VM (its memory limits, say).
+    pub fn with_options(options: VmOptions) -> Result<Self, GuestError> {
+        let vm = Vm::new(options)?;
         let memory = vm.memory();
         let system =
             memory.add_region(RegionSpec::new(GuestAddress(0), test_guest::SYSTEM_SIZE))?;

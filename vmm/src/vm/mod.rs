@@ -6,11 +6,11 @@ pub mod exit;
 pub mod ports;
 pub mod vcpu;
 
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use kvm_bindings::{kvm_pit_config, KVM_PIT_SPEAKER_DUMMY};
 use kvm_ioctls::{Kvm, VcpuFd, VmFd};
-use kvm_memslots::{KvmVm, MemoryManager};
+use kvm_memslots::{KvmVm, MemoryLimits, MemoryManager};
 
 /// Where KVM puts the three pages Intel's VMX needs for real mode's TSS: in the 3-4 GiB MMIO
 /// gap, below 4 GiB.
@@ -22,6 +22,23 @@ pub struct VmOptions {
     /// The in-kernel irqchip (PIC, IOAPIC, local APICs) and PIT, and the real-mode TSS: what
     /// a Linux guest needs. The test guest runs without interrupts.
     pub irqchip: bool,
+    /// What the memory manager admits; by default the process's ([`memory_limits`]).
+    pub limits: Option<MemoryLimits>,
+}
+
+/// The limits VMs of this process admit memory against unless created with their own.
+static MEMORY_LIMITS: Mutex<Option<MemoryLimits>> = Mutex::new(None);
+
+/// The limits VMs of this process get: as set by [`set_memory_limits`] (the command line's
+/// `--max-*` options), else this host's defaults ([`MemoryLimits::for_this_host`]).
+pub fn memory_limits() -> MemoryLimits {
+    let set = *MEMORY_LIMITS.lock().unwrap_or_else(|p| p.into_inner());
+    set.unwrap_or_else(MemoryLimits::for_this_host)
+}
+
+/// Sets the limits VMs created from now on get by default.
+pub fn set_memory_limits(limits: MemoryLimits) {
+    *MEMORY_LIMITS.lock().unwrap_or_else(|p| p.into_inner()) = Some(limits);
 }
 
 /// Why a VM could not be created or set up.
@@ -63,7 +80,8 @@ pub struct Vm {
 impl Vm {
     /// Opens `/dev/kvm` and creates the VM: with `options.irqchip`, the real-mode TSS, the
     /// in-kernel irqchip (before any vCPU, as KVM requires) and the PIT; then the memory
-    /// manager, with manual dirty-log protection where KVM offers it. Also installs the
+    /// manager (admitting memory within `options.limits`), with manual dirty-log protection
+    /// where KVM offers it. Also installs the
     /// signal handler that kicks vCPUs out of the guest.
     pub fn new(options: VmOptions) -> Result<Self, VmError> {
         let kvm = Kvm::new().map_err(VmError::Kvm)?;
@@ -82,7 +100,8 @@ impl Vm {
         }
         let kvm_vm = KvmVm::new(&kvm, Arc::clone(&fd))
             .map_err(VmError::setup("enabling manual dirty-log protection"))?;
-        let memory = Arc::new(MemoryManager::new(kvm_vm));
+        let limits = options.limits.unwrap_or_else(memory_limits);
+        let memory = Arc::new(MemoryManager::with_limits(kvm_vm, limits));
         vcpu::install_kick_handler();
         Ok(Vm { kvm, fd, memory })
     }
