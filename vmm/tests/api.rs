@@ -214,7 +214,52 @@ fn kvm_the_hotplug_area_plugs_and_unplugs_slots() {
         (400, "block_size_mib 3 must be a power of two of at least 2")
     );
     let config = json!({"total_size_mib": 64, "block_size_mib": 2, "slot_size_mib": 8});
+    // The area's range is reserved: memory already there keeps it from being configured...
+    let hotplug_gpa = 32 * GIB;
+    let squatter = vmm.call(
+        "PUT",
+        "/memory/regions",
+        Some(json!({"size": 4096, "guest_address": hotplug_gpa + 60 * (1 << 20), "guest_check": false})),
+    );
+    assert_eq!(squatter.0, 201, "{squatter:?}");
+    let refused = vmm.call("PUT", "/hotplug/memory", Some(config.clone()));
+    assert_eq!(refused.0, 409, "{refused:?}");
+    assert!(
+        fault(&refused).contains("is inside the hotplug area"),
+        "{refused:?}"
+    );
+    let squatter = squatter.1["id"].as_u64().expect("an id");
+    assert_eq!(
+        vmm.call("DELETE", &format!("/memory/regions/{squatter}"), None)
+            .0,
+        204
+    );
     assert_eq!(vmm.call("PUT", "/hotplug/memory", Some(config)).0, 204);
+    // ...and once configured, nothing else may go there, by adding or by moving.
+    let before = vmm.memory();
+    for gpa in [
+        hotplug_gpa,
+        hotplug_gpa + 64 * (1 << 20) - 4096,
+        hotplug_gpa - 4096,
+    ] {
+        let response = vmm.call(
+            "PUT",
+            "/memory/regions",
+            Some(json!({"size": 8192, "guest_address": gpa, "guest_check": false})),
+        );
+        assert_eq!(response.0, 409, "{gpa:#x}: {response:?}");
+        assert!(
+            fault(&response).contains("reserved for PATCH /hotplug/memory"),
+            "{response:?}"
+        );
+    }
+    let mover = vmm.call(
+        "PATCH",
+        "/memory/regions/1",
+        Some(json!({"guest_address": hotplug_gpa + 8 * (1 << 20)})),
+    );
+    assert_eq!(mover.0, 409, "{mover:?}");
+    assert_eq!(vmm.memory(), before);
     let used = |vmm: &Vmm| vmm.memory()["slots"]["used"].as_u64().expect("used");
     assert_eq!(
         vmm.call(
@@ -262,7 +307,14 @@ fn kvm_the_hotplug_area_plugs_and_unplugs_slots() {
         refused.0, 400,
         "the unplugged range is no memory: {refused:?}"
     );
-    let owned = vmm.call("DELETE", "/memory/regions/2", None);
+    let first_slot = vmm.memory()["regions"]
+        .as_array()
+        .expect("regions")
+        .iter()
+        .find(|r| r["guest_address"] == json!(base))
+        .map(|r| r["id"].clone())
+        .expect("the area's first slot is a region");
+    let owned = vmm.call("DELETE", &format!("/memory/regions/{first_slot}"), None);
     assert_eq!(owned.0, 409, "{owned:?}");
     assert_eq!(
         vmm.call(

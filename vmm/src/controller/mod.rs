@@ -230,17 +230,50 @@ impl Controller {
 
     /// The first free place for `size` bytes at or above [`AUTO_PLACE_BASE`], aligned to the
     /// size's largest power-of-two factor up to 2 MiB.
+    /// Never inside the hotplug area.
     fn auto_place(&self, size: u64) -> Option<u64> {
+        let at = self.first_free(AUTO_PLACE_BASE, size)?;
+        match self.reserved() {
+            Some(area) if at < area.end && area.start < at.checked_add(size)? => {
+                self.first_free(area.end, size)
+            }
+            _ => Some(at),
+        }
+    }
+
+    /// The first free place for `size` bytes at or above `from`, aligned as `auto_place` says.
+    fn first_free(&self, from: u64, size: u64) -> Option<u64> {
         let align = (size & size.wrapping_neg()).clamp(PAGE_SIZE, 2 * MIB);
         let snapshot = self.vm.memory().snapshot();
-        let mut at = AUTO_PLACE_BASE;
-        for slot in snapshot.map().iter_from_gpa(GuestAddress(AUTO_PLACE_BASE)) {
+        let mut at = from.checked_next_multiple_of(align)?;
+        for slot in snapshot.map().iter_from_gpa(GuestAddress(at)) {
             if slot.gpa().0 >= at.checked_add(size)? {
                 break;
             }
             at = slot.gpa_range().end.checked_next_multiple_of(align)?;
         }
         Some(at)
+    }
+
+    /// The hotplug area's guest range, once configured: reserved for its slots.
+    fn reserved(&self) -> Option<std::ops::Range<u64>> {
+        self.hotplug
+            .as_ref()
+            .map(|h| h.gpa..h.gpa + h.slots.len() as u64 * h.slot_size)
+    }
+
+    /// Refuses `[gpa, gpa + size)` if it reaches into the hotplug area.
+    fn outside_hotplug_area(&self, gpa: u64, size: u64) -> Result<(), ControllerError> {
+        let end = gpa.saturating_add(size);
+        match self.reserved() {
+            Some(area) if gpa < area.end && area.start < end => {
+                Err(ControllerError::conflict(format!(
+                    "guest range [{gpa:#x}, {end:#x}) reaches into the hotplug area [{:#x}, {:#x}), which is reserved for PATCH /hotplug/memory",
+                    area.start, area.end
+                )))
+            }
+            _ => Ok(()),
+        }
     }
 
     /// Checks that `[start, end)` is all guest memory the test guest can reach.
@@ -279,6 +312,7 @@ impl Controller {
                 ControllerError::bad(format!("no free guest range of {:#x} bytes", add.size))
             })?,
         };
+        self.outside_hotplug_area(gpa, add.size)?;
         let backing = match add.backing {
             BackingKind::Anonymous => Backing::Anonymous,
             BackingKind::Memfd => Backing::Memfd,
@@ -394,6 +428,12 @@ impl Controller {
             .find(|r| r.id == id)
             .map(|r| r.gpa)
             .ok_or(kvm_memslots::Error::UnknownRegion(id))?;
+        let size = memory
+            .regions()
+            .iter()
+            .find(|r| r.id == id)
+            .map_or(0, |r| r.size);
+        self.outside_hotplug_area(gpa, size)?;
         memory.move_region(id, GuestAddress(gpa))?;
         if let Some(read_only) = patch.read_only {
             if let Err(e) = memory.set_read_only(id, read_only) {
@@ -455,6 +495,20 @@ impl Controller {
         // All of it plugged must be admissible now: refuse an area that could only ever be
         // plugged in part.
         let total = area.slots.len() as u64 * area.slot_size;
+        // Its range is reserved from now on: nothing else may be there.
+        if let Some(other) = memory
+            .snapshot()
+            .map()
+            .first_overlap(area.gpa, area.gpa + total)
+        {
+            return Err(ControllerError::conflict(format!(
+                "region {} at {} is inside the hotplug area [{:#x}, {:#x}): move or remove it first",
+                other.payload().region(),
+                other.gpa_range(),
+                area.gpa,
+                area.gpa + total
+            )));
+        }
         memory
             .admit(total, area.slot_size)
             .map_err(|e| ControllerError::from(e).and("the hotplug area was not configured"))?;
