@@ -101,7 +101,49 @@ fn kvm_a_vcpu_whose_command_timed_out_takes_no_other() {
         .expect_err("refused");
     assert_eq!(
         err.to_string(),
-        "vCPU 0 takes no command since one timed out"
+        "vCPU 0 takes no command since one timed out or was interrupted"
     );
+    vcpus.shut_down().expect("the vCPU still stops cleanly");
+}
+
+#[test]
+fn kvm_an_interrupt_ends_a_wait_for_a_command_that_would_run_on() {
+    if !kvm_test_support::require_kvm(
+        "tinyvmm::kvm_an_interrupt_ends_a_wait_for_a_command_that_would_run_on",
+    ) {
+        return;
+    }
+    use std::sync::atomic::Ordering;
+    use tinyvmm::test_guest::area::{TestArea, AREA_GPA};
+    use tinyvmm::test_guest::vcpus::{GuestError, TestVm};
+    use tinyvmm::test_guest::{Command, Op};
+    let vm = TestVm::new().expect("VM");
+    let area = TestArea::add(vm.memory(), AREA_GPA, 4 << 20, 4).expect("area");
+    let stopped = Arc::new(EventFd::new(0).expect("eventfd"));
+    let mut vcpus = vm.start_vcpus(1, &stopped).expect("vCPU");
+    let interrupt: &'static AtomicBool = Box::leak(Box::new(AtomicBool::new(false)));
+    vcpus.set_interrupt(interrupt);
+    // A write loop runs until it is told to stop: only the interrupt can end this wait.
+    vcpus.start(
+        0,
+        Command {
+            op: Op::WriteLoop,
+            start: area.gpa,
+            end: area.end(),
+            stride: 4096,
+            seed: 9,
+        },
+    );
+    let setter = std::thread::spawn(move || {
+        std::thread::sleep(std::time::Duration::from_millis(50));
+        interrupt.store(true, Ordering::Release);
+    });
+    let err = vcpus.wait(0).expect_err("interrupted");
+    setter.join().expect("setter");
+    assert!(matches!(err, GuestError::Interrupted), "{err}");
+    // The guest may still be in its loop: the vCPU takes no other command, and stops.
+    vcpus.start(0, Command::exit());
+    let err = vcpus.wait(0).expect_err("refused");
+    assert!(matches!(err, GuestError::Wedged(0)), "{err}");
     vcpus.shut_down().expect("the vCPU still stops cleanly");
 }

@@ -651,6 +651,10 @@ impl Controller {
                 found,
                 expected,
             }),
+            Err(GuestError::Interrupted) => Err(ControllerError::new(
+                ErrorKind::Unavailable,
+                "the VMM is stopping (a signal came) while the guest ran the command",
+            )),
             Err(e) => Err(ControllerError::internal(e)),
         }
     }

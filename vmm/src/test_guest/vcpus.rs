@@ -1,10 +1,11 @@
 //! A VM running the test guest: the generic VM with the guest's system region, its vCPU
 //! threads on the shared exit loop, and the host's side of the command protocol.
 
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::{channel, Receiver, RecvTimeoutError, Sender};
 use std::sync::Arc;
 use std::thread::JoinHandle;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use kvm_memslots::{KvmVm, MemoryManager, RegionId, RegionSpec};
 use vm_memory::GuestAddress;
@@ -68,8 +69,9 @@ pub enum GuestError {
     /// A vCPU did not stop within 10 s of being asked at shutdown.
     #[error("vCPU {0} did not stop when asked")]
     Stuck(usize),
-    /// An earlier command timed out on this vCPU, which may still be running it.
-    #[error("vCPU {0} takes no command since one timed out")]
+    /// An earlier command timed out or its wait was interrupted on this vCPU, which may still
+    /// be running it.
+    #[error("vCPU {0} takes no command since one timed out or was interrupted")]
     Wedged(usize),
     /// A verify command found a page that does not hold its pattern.
     #[error("guest found {found:#x} at {gpa:#x} where the host had written {expected:#x}")]
@@ -204,6 +206,7 @@ impl TestVm {
             memory: Arc::clone(memory),
             threads: Vec::new(),
             timeout: Duration::from_secs(120),
+            interrupt: crate::lifecycle::termination_signal(),
         };
         for index in 0..count {
             let fd = self.vm.create_vcpu(index)?;
@@ -278,6 +281,9 @@ pub struct Vcpus {
     memory: Arc<MemoryManager<KvmVm>>,
     threads: Vec<VcpuThread>,
     timeout: Duration,
+    /// Once set, waiting for a command gives up ([`GuestError::Interrupted`]): by default the
+    /// process's SIGINT/SIGTERM flag, so that a long command never holds the VMM's exit.
+    interrupt: &'static AtomicBool,
 }
 
 impl Vcpus {
@@ -325,9 +331,29 @@ impl Vcpus {
         self.threads[index].block.passes(&*self.memory.snapshot())
     }
 
+    /// Has waits give up once `interrupt` is set.
+    pub fn set_interrupt(&mut self, interrupt: &'static AtomicBool) {
+        self.interrupt = interrupt;
+    }
+
     fn wait_event(&mut self, index: usize, op: Op) -> Result<(), GuestError> {
         let timeout = self.timeout;
-        match self.threads[index].events.recv_timeout(timeout) {
+        let deadline = Instant::now() + timeout;
+        // In slices, to see the interrupt flag (a signal handler cannot wake a channel).
+        let event = loop {
+            let slice = deadline
+                .saturating_duration_since(Instant::now())
+                .min(Duration::from_millis(20));
+            match self.threads[index].events.recv_timeout(slice) {
+                Err(RecvTimeoutError::Timeout) if Instant::now() < deadline => {
+                    if self.interrupt.load(Ordering::Acquire) {
+                        return Err(GuestError::Interrupted);
+                    }
+                }
+                event => break event,
+            }
+        };
+        match event {
             Ok(VcpuEvent::Done) => Ok(()),
             Ok(VcpuEvent::Failed(e)) => Err(e.into()),
             Ok(VcpuEvent::Stopped) | Err(RecvTimeoutError::Disconnected) => {
@@ -353,7 +379,8 @@ impl Vcpus {
         // Only the answer to this command counts (the guest numbers them).
         loop {
             if let Err(e) = self.wait_event(index, command.op) {
-                if matches!(e, GuestError::Timeout { .. }) {
+                // The guest may still be on the command: the vCPU takes no other.
+                if matches!(e, GuestError::Timeout { .. } | GuestError::Interrupted) {
                     self.threads[index].wedged = true;
                 }
                 return Err(e);
