@@ -171,6 +171,15 @@ pub enum Error {
         /// The limit's value.
         max: u64,
     },
+    /// Collecting or resetting the dirty rings failed. Every entry collected is kept for the
+    /// next harvest.
+    #[error("{op} the dirty rings failed: {source}")]
+    DirtyRing {
+        /// "collecting" or "resetting".
+        op: &'static str,
+        /// The kernel's error.
+        source: Errno,
+    },
     /// The host had no memory for a buffer the operation needs; nothing was changed.
     #[error("out of host memory: {bytes} bytes for {what} could not be allocated")]
     OutOfMemory {
@@ -236,6 +245,7 @@ impl Error {
             | Error::GetDirtyLog { .. }
             | Error::ClearDirtyLog { .. }
             | Error::Discard { .. }
+            | Error::DirtyRing { .. }
             | Error::OutOfMemory { .. } => ErrorKind::Host,
         }
     }

@@ -3,7 +3,7 @@
 //! [`KvmMemory`] (the fake or real KVM) and fails the calls a test chooses, for testing every
 //! undo path.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::fmt;
 use std::sync::{Mutex, MutexGuard};
 
@@ -21,6 +21,8 @@ pub enum FakeCall {
     GetDirtyLog,
     /// `KVM_CLEAR_DIRTY_LOG`.
     ClearDirtyLog,
+    /// `KVM_RESET_DIRTY_RINGS`.
+    ResetDirtyRings,
 }
 
 struct FakeSlot {
@@ -33,12 +35,21 @@ struct FakeSlot {
 struct State {
     slots: BTreeMap<u32, FakeSlot>,
     set_calls: u64,
+    /// In ring mode: entries published and not collected, in order (one ring for all vCPUs).
+    ring: VecDeque<(u32, u64)>,
+    /// Pages with an entry not yet reset: KVM publishes a page once until the reset that
+    /// follows its collection re-protects it.
+    unreset: BTreeSet<(u32, u64)>,
+    /// Entries collected and not yet reset.
+    collected: Vec<(u32, u64)>,
 }
 
-/// A fake VM: KVM's checks on slot changes and per-slot dirty logs.
+/// A fake VM: KVM's checks on slot changes and per-slot dirty logs, or a dirty ring.
 pub struct FakeKvm {
     max_slots: u32,
     manual_dirty_log: bool,
+    /// Ring mode, with this many entries.
+    ring_entries: Option<u32>,
     state: Mutex<State>,
 }
 
@@ -52,8 +63,28 @@ impl FakeKvm {
         FakeKvm {
             max_slots,
             manual_dirty_log,
+            ring_entries: None,
             state: Mutex::new(State::default()),
         }
+    }
+
+    /// A fake VM in ring mode: the guest's writes to logging slots publish ring entries (at
+    /// most `entries` outstanding, as one vCPU's ring) instead of setting log bits.
+    pub fn with_dirty_ring(max_slots: u32, entries: u32) -> Self {
+        FakeKvm {
+            max_slots,
+            manual_dirty_log: false,
+            ring_entries: Some(entries),
+            state: Mutex::new(State::default()),
+        }
+    }
+
+    /// Whether the ring has no room for another entry (a vCPU would exit with
+    /// `KVM_EXIT_DIRTY_RING_FULL`).
+    pub fn ring_full(&self) -> bool {
+        let state = self.state();
+        self.ring_entries
+            .is_some_and(|n| state.ring.len() + state.collected.len() >= n as usize)
     }
 
     fn state(&self) -> MutexGuard<'_, State> {
@@ -82,8 +113,19 @@ impl FakeKvm {
             return false;
         };
         let page = ((gpa - slot.kvm.gpa) / PAGE_SIZE) as usize;
+        let logging = slot.kvm.flags.log_dirty;
+        let number = slot.kvm.slot;
         if let Some(bits) = &mut slot.dirty {
             bits[page / 64] |= 1 << (page % 64);
+        }
+        if let Some(n) = self.ring_entries.filter(|_| logging) {
+            if state.unreset.insert((number, page as u64)) {
+                assert!(
+                    state.ring.len() + state.collected.len() < n as usize,
+                    "the guest wrote with its dirty ring full: a vCPU would have exited first"
+                );
+                state.ring.push_back((number, page as u64));
+            }
         }
         true
     }
@@ -152,6 +194,9 @@ impl KvmMemory for FakeKvm {
             }
             Some(_) if req.size == 0 => {
                 state.slots.remove(&req.slot);
+                // A slot made again starts write-protected: its next writes publish again.
+                // (Entries already in the ring stay; KVM's reset skips a slot that is gone.)
+                state.unreset.retain(|(slot, _)| *slot != req.slot);
             }
             Some(old) => {
                 if old.size != req.size
@@ -165,6 +210,10 @@ impl KvmMemory for FakeKvm {
                 }
                 let new_log =
                     (req.flags.log_dirty && !old.flags.log_dirty).then(|| self.new_log(pages));
+                if req.flags.log_dirty && !old.flags.log_dirty {
+                    // Logging starts with every page protected again.
+                    state.unreset.retain(|(slot, _)| *slot != req.slot);
+                }
                 let slot = state.slots.get_mut(&req.slot).expect("looked up above");
                 slot.kvm = *req;
                 if !req.flags.log_dirty {
@@ -227,6 +276,29 @@ impl KvmMemory for FakeKvm {
 
     fn manual_dirty_log(&self) -> bool {
         self.manual_dirty_log
+    }
+
+    fn dirty_ring(&self) -> bool {
+        self.ring_entries.is_some()
+    }
+
+    fn collect_dirty_rings(&self, sink: &mut dyn FnMut(u32, u64)) -> Result<u64, Errno> {
+        let mut state = self.state();
+        let mut count = 0;
+        while let Some((slot, offset)) = state.ring.pop_front() {
+            sink(slot, offset);
+            state.collected.push((slot, offset));
+            count += 1;
+        }
+        Ok(count)
+    }
+
+    fn reset_dirty_rings(&self) -> Result<(), Errno> {
+        let mut state = self.state();
+        for entry in std::mem::take(&mut state.collected) {
+            state.unreset.remove(&entry);
+        }
+        Ok(())
     }
 }
 
@@ -354,5 +426,18 @@ impl<K: KvmMemory> KvmMemory for Faulty<K> {
 
     fn manual_dirty_log(&self) -> bool {
         self.inner.manual_dirty_log()
+    }
+
+    fn dirty_ring(&self) -> bool {
+        self.inner.dirty_ring()
+    }
+
+    fn collect_dirty_rings(&self, sink: &mut dyn FnMut(u32, u64)) -> Result<u64, Errno> {
+        self.inner.collect_dirty_rings(sink)
+    }
+
+    fn reset_dirty_rings(&self) -> Result<(), Errno> {
+        self.check(FakeCall::ResetDirtyRings)?;
+        self.inner.reset_dirty_rings()
     }
 }

@@ -1,18 +1,20 @@
 //! The KVM ioctls the manager issues, behind a trait so that tests can inject failures.
 
 use std::os::fd::AsRawFd;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use kvm_bindings::{
     kvm_clear_dirty_log, kvm_clear_dirty_log__bindgen_ty_1, kvm_enable_cap,
-    kvm_userspace_memory_region, kvm_userspace_memory_region2, KVMIO,
-    KVM_CAP_MANUAL_DIRTY_LOG_PROTECT2, KVM_DIRTY_LOG_INITIALLY_SET,
+    kvm_userspace_memory_region, kvm_userspace_memory_region2, KVMIO, KVM_CAP_DIRTY_LOG_RING,
+    KVM_CAP_DIRTY_LOG_RING_ACQ_REL, KVM_CAP_MANUAL_DIRTY_LOG_PROTECT2, KVM_DIRTY_LOG_INITIALLY_SET,
     KVM_DIRTY_LOG_MANUAL_PROTECT_ENABLE, KVM_MEM_LOG_DIRTY_PAGES, KVM_MEM_READONLY,
 };
-use kvm_ioctls::{Cap, Kvm, VmFd};
+use kvm_ioctls::{Cap, Kvm, VcpuFd, VmFd};
 use memslot_map::SlotFlags;
 use vmm_sys_util::errno::Error as Errno;
-use vmm_sys_util::ioctl::ioctl_with_ref;
+use vmm_sys_util::ioctl::{ioctl, ioctl_with_ref};
+
+use crate::ring::{check_entries, DirtyRing, RingError, KVM_RESET_DIRTY_RINGS};
 use vmm_sys_util::ioctl_iowr_nr;
 
 ioctl_iowr_nr!(KVM_CLEAR_DIRTY_LOG, KVMIO, 0xc0, kvm_clear_dirty_log);
@@ -113,6 +115,27 @@ pub trait KvmMemory: Send + Sync {
     /// by reading them (`KVM_CAP_MANUAL_DIRTY_LOG_PROTECT2` enabled), and a slot's log starts
     /// all set when logging is turned on (`KVM_DIRTY_LOG_INITIALLY_SET`).
     fn manual_dirty_log(&self) -> bool;
+
+    /// Whether the VM reports dirty pages in per-vCPU rings (`KVM_CAP_DIRTY_LOG_RING`) rather
+    /// than in per-slot logs; then [`get_dirty_log`](KvmMemory::get_dirty_log) is not used.
+    fn dirty_ring(&self) -> bool {
+        false
+    }
+
+    /// Collects every published entry of every vCPU's ring, handing each to `sink` as (slot
+    /// number, page offset in the slot), and marks them for [`reset_dirty_rings`]; returns
+    /// how many.
+    ///
+    /// [`reset_dirty_rings`]: KvmMemory::reset_dirty_rings
+    fn collect_dirty_rings(&self, sink: &mut dyn FnMut(u32, u64)) -> Result<u64, Errno> {
+        let _ = sink;
+        Ok(0)
+    }
+
+    /// Frees the collected entries and logs their pages again (`KVM_RESET_DIRTY_RINGS`).
+    fn reset_dirty_rings(&self) -> Result<(), Errno> {
+        Ok(())
+    }
 }
 
 /// A real VM's memory-slot ioctls.
@@ -122,6 +145,10 @@ pub struct KvmVm {
     max_slots: u32,
     region2: bool,
     manual_dirty_log: bool,
+    /// Entries per vCPU ring, in ring mode.
+    ring_entries: Option<u32>,
+    /// Every vCPU's ring, in ring mode.
+    rings: Mutex<Vec<DirtyRing>>,
 }
 
 impl KvmVm {
@@ -148,7 +175,65 @@ impl KvmVm {
             max_slots,
             region2,
             manual_dirty_log,
+            ring_entries: None,
+            rings: Mutex::new(Vec::new()),
         })
+    }
+
+    /// Wraps `vm` in ring mode: KVM reports the guest's dirty pages in a ring of `entries`
+    /// entries per vCPU (a power of two; 16 bytes each) instead of per-slot logs. KVM takes
+    /// this only before the VM has any vCPU; create them with
+    /// [`create_vcpu`](Self::create_vcpu), which maps each one's ring for the manager.
+    pub fn with_dirty_ring(kvm: &Kvm, vm: Arc<VmFd>, entries: u32) -> Result<Self, RingError> {
+        let entry = size_of::<kvm_bindings::kvm_dirty_gfn>() as u64;
+        // The release/acquire variant where KVM has it; on x86 the plain one behaves the same.
+        let (cap, max_bytes) = [KVM_CAP_DIRTY_LOG_RING_ACQ_REL, KVM_CAP_DIRTY_LOG_RING]
+            .into_iter()
+            .map(|cap| (cap, vm.check_extension_raw(libc::c_ulong::from(cap))))
+            .find(|(_, bytes)| *bytes > 0)
+            .ok_or(RingError::Unsupported)?;
+        let max = u32::try_from(max_bytes as u64 / entry).unwrap_or(u32::MAX);
+        check_entries(entries, max)?;
+        let mut enable = kvm_enable_cap {
+            cap,
+            ..Default::default()
+        };
+        enable.args[0] = u64::from(entries) * entry;
+        vm.enable_cap(&enable).map_err(RingError::Enable)?;
+        let max_slots = u32::try_from(kvm.get_nr_memslots()).unwrap_or(u32::MAX);
+        let region2 = vm.check_extension(Cap::UserMemory2);
+        Ok(KvmVm {
+            vm,
+            max_slots,
+            region2,
+            manual_dirty_log: false,
+            ring_entries: Some(entries),
+            rings: Mutex::new(Vec::new()),
+        })
+    }
+
+    /// Creates vCPU `id`; in ring mode, also maps its ring so that harvests see its entries.
+    /// (A vCPU created on the `VmFd` directly would have its dirty pages missed in ring mode.)
+    pub fn create_vcpu(&self, id: u64) -> Result<VcpuFd, RingError> {
+        let vcpu = self
+            .vm
+            .create_vcpu(id)
+            .map_err(|source| RingError::Vcpu { vcpu: id, source })?;
+        if let Some(entries) = self.ring_entries {
+            let ring = DirtyRing::map(vcpu.as_raw_fd(), entries)
+                .map_err(|source| RingError::Map { vcpu: id, source })?;
+            self.rings().push(ring);
+        }
+        Ok(vcpu)
+    }
+
+    /// Entries per vCPU ring, in ring mode.
+    pub fn ring_entries(&self) -> Option<u32> {
+        self.ring_entries
+    }
+
+    fn rings(&self) -> std::sync::MutexGuard<'_, Vec<DirtyRing>> {
+        self.rings.lock().unwrap_or_else(|p| p.into_inner())
     }
 
     /// The VM.
@@ -211,6 +296,27 @@ impl KvmMemory for KvmVm {
 
     fn manual_dirty_log(&self) -> bool {
         self.manual_dirty_log
+    }
+
+    fn dirty_ring(&self) -> bool {
+        self.ring_entries.is_some()
+    }
+
+    fn collect_dirty_rings(&self, sink: &mut dyn FnMut(u32, u64)) -> Result<u64, Errno> {
+        Ok(self.rings().iter_mut().map(|ring| ring.collect(sink)).sum())
+    }
+
+    fn reset_dirty_rings(&self) -> Result<(), Errno> {
+        if self.ring_entries.is_none() {
+            return Ok(());
+        }
+        // SAFETY: `self.vm` is a VM fd; KVM_RESET_DIRTY_RINGS takes no argument.
+        let ret = unsafe { ioctl(self.vm.as_ref(), KVM_RESET_DIRTY_RINGS()) };
+        if ret < 0 {
+            Err(Errno::last())
+        } else {
+            Ok(())
+        }
     }
 }
 

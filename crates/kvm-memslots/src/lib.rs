@@ -16,6 +16,7 @@ mod kvm;
 mod limits;
 mod manager;
 mod memory;
+mod ring;
 
 pub use dirty::DirtyPages;
 pub use error::{Error, ErrorKind};
@@ -28,6 +29,7 @@ pub use memory::{
     Backing, GuestMemoryHandle, GuestMemorySlots, GuestMemorySnapshot, GuestSlot, GuestSlotData,
     MappingError, RegionId, RegionMemory, SlotBacking,
 };
+pub use ring::{RingError, MIN_RING_ENTRIES};
 
 pub use memslot_map::{AddressRange, HostAddress, SlotFlags, SlotId};
 

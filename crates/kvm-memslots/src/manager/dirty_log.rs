@@ -6,10 +6,11 @@ use memslot_map::{Change, SlotFlags, SlotId};
 
 use super::plan::{KvmOp, Step};
 use super::{region_slots, reserve, MemoryManager, Region, State, Target};
-use crate::dirty::{or_bits, DirtyPages};
+use crate::dirty::{mark_range, or_bits, DirtyPages};
 use crate::error::Error;
 use crate::kvm::{KvmMemory, KvmSlot};
 use crate::memory::RegionId;
+use crate::GuestMemoryMap;
 use crate::PAGE_SIZE;
 
 impl<K: KvmMemory> MemoryManager<K> {
@@ -62,7 +63,22 @@ impl<K: KvmMemory> MemoryManager<K> {
                 flags: new.flags,
             }
         });
+        // Ring mode: KVM reports only writes from now on; as with an initially-set log in
+        // bitmap mode, the first harvest reports every page (room for the bits first).
+        let initially_set = on && self.kvm.dirty_ring();
+        if initially_set {
+            for id in &ids {
+                state.regions.get_mut(id).expect("listed above").pending()?;
+            }
+        }
         self.commit(&mut state, changes, &steps)?;
+        if initially_set {
+            for id in &ids {
+                let region = state.regions.get_mut(id).expect("listed above");
+                let pages = region.pages();
+                mark_range(region.pending()?, 0, pages);
+            }
+        }
         for id in ids {
             state
                 .regions
@@ -120,6 +136,68 @@ impl<K: KvmMemory> MemoryManager<K> {
         Ok(())
     }
 
+    /// Ring mode: moves every vCPU's published entries into the pending bits of the regions
+    /// they name (slot ids resolved in `current`), then resets the rings so that KVM reports
+    /// those pages again. A failure keeps every entry collected: in pending, or in the backlog
+    /// the next collection starts with.
+    pub(super) fn collect_rings(
+        &self,
+        state: &mut State,
+        current: &GuestMemoryMap,
+    ) -> Result<(), Error> {
+        let mut entries = std::mem::take(&mut state.ring_backlog);
+        let collected = self
+            .kvm
+            .collect_dirty_rings(&mut |slot, offset| entries.push((slot, offset)));
+        if let Err(source) = collected {
+            state.ring_backlog = entries;
+            return Err(Error::DirtyRing {
+                op: "collecting",
+                source,
+            });
+        }
+        for (i, &(number, offset)) in entries.iter().enumerate() {
+            // The high half of the slot field is the address space, always 0 here.
+            let slot = current
+                .get(SlotId(number))
+                .filter(|s| number >> 16 == 0 && offset < s.size() / PAGE_SIZE);
+            let Some(slot) = slot else {
+                state.stray_ring_entries += 1;
+                continue;
+            };
+            let first = slot.payload().offset() / PAGE_SIZE;
+            let Some(region) = state.regions.get_mut(&slot.payload().region()) else {
+                state.stray_ring_entries += 1;
+                continue;
+            };
+            match region.pending() {
+                Ok(bits) => mark_range(bits, first + offset, 1),
+                Err(e) => {
+                    state.ring_backlog = entries[i..].to_vec();
+                    return Err(e);
+                }
+            }
+        }
+        self.kvm
+            .reset_dirty_rings()
+            .map_err(|source| Error::DirtyRing {
+                op: "resetting",
+                source,
+            })
+    }
+
+    /// Ring mode: collects the vCPUs' dirty rings into the regions' pending bits and resets
+    /// them, as a vCPU's `KVM_EXIT_DIRTY_RING_FULL` asks; the next harvest reports the pages.
+    /// Nothing to do in bitmap mode.
+    pub fn collect_dirty_rings(&self) -> Result<(), Error> {
+        if !self.kvm.dirty_ring() {
+            return Ok(());
+        }
+        let mut state = self.state();
+        let current = Arc::clone(state.current());
+        self.collect_rings(&mut state, &current)
+    }
+
     /// Keeps the log of the slot that `step` is about to free (no need to clear it in KVM).
     pub(super) fn read_freed_log(
         &self,
@@ -147,10 +225,14 @@ impl<K: KvmMemory> MemoryManager<K> {
         let mut state = self.state();
         let current = Arc::clone(state.current());
         let ids = target_regions(&state, target)?;
+        let ring = self.kvm.dirty_ring();
+        if ring {
+            self.collect_rings(&mut state, &current)?;
+        }
         let mut log = Vec::new();
         for id in &ids {
             let region = state.regions.get_mut(id).expect("listed above");
-            if region.flags.log_dirty {
+            if region.flags.log_dirty && !ring {
                 for slot in region_slots(&current, region) {
                     let slot = KvmSlot::from(slot.as_ref());
                     self.fetch_slot_log(*id, region, &slot, true, &mut log)?;

@@ -32,7 +32,7 @@ use crate::memory::{
     GuestMemoryHandle, GuestMemorySnapshot, GuestSlotData, RegionId, RegionMemory, SlotBacking,
 };
 use crate::{MapGuard, PAGE_SIZE};
-use plan::Step;
+use plan::{KvmOp, Step};
 use slot_ids::SlotIds;
 pub use spec::{HvaMatch, RegionInfo, RegionSpec, SlotUsage, Target, KVM_MAX_SLOT_SIZE};
 
@@ -97,6 +97,11 @@ pub(crate) struct State {
     limits: MemoryLimits,
     /// What the regions in place use of it.
     used: MemoryUse,
+    /// Ring mode: entries collected but not yet attributed (a pending bitmap could not be
+    /// allocated), tried again first by the next collection.
+    ring_backlog: Vec<(u32, u64)>,
+    /// Ring mode: entries that named no slot of the map (or a page past their slot).
+    stray_ring_entries: u64,
 }
 
 /// The writer lock of a manager's map, held: its [`State`], the current version, and the right
@@ -143,6 +148,8 @@ impl<K: KvmMemory> MemoryManager<K> {
                     orphans: Vec::new(),
                     limits,
                     used: MemoryUse::default(),
+                    ring_backlog: Vec::new(),
+                    stray_ring_entries: 0,
                 },
             )),
             sequence: AtomicU64::new(0),
@@ -232,7 +239,7 @@ impl<K: KvmMemory> MemoryManager<K> {
         let mut log = Vec::new();
         for (i, step) in steps.iter().enumerate() {
             let request = step.op.request();
-            let read = if step.read_log {
+            let read = if step.read_log && !self.kvm.dirty_ring() {
                 self.read_freed_log(state, step, &mut log)
             } else {
                 Ok(())
@@ -283,13 +290,30 @@ impl<K: KvmMemory> MemoryManager<K> {
         changes: impl IntoIterator<Item = Change<SlotBacking>>,
         steps: &[Step],
     ) -> Result<(), Error> {
-        let current = state.current();
+        let current = Arc::clone(state.current());
         let next = current
             .with_changes(changes)
-            .map_err(|e| map_error(current, e.source))?;
+            .map_err(|e| map_error(&current, e.source))?;
+        // Ring mode: a step that deletes a slot or stops its logging ends what KVM reports of
+        // it. Take its entries first (while its id still names it), and again once the steps
+        // are done, for the entries published meanwhile: a deleted slot's id may be reused by
+        // another region once the change is done, and an entry left in a ring would then be
+        // taken for that region's.
+        let drain = self.kvm.dirty_ring()
+            && steps
+                .iter()
+                .any(|s| s.read_log || matches!(s.op, KvmOp::Delete(_)));
+        if drain {
+            self.collect_rings(state, &current)?;
+        }
         self.sequence.fetch_add(1, Ordering::AcqRel);
         let applied = self.run(state, steps);
         if applied.is_ok() {
+            if drain {
+                // The change is made: a failure here only leaves entries for the next harvest
+                // (the ids are not reused before the caller releases them, after this).
+                let _ = self.collect_rings(state, &current);
+            }
             state.publish(next);
         }
         self.sequence.fetch_add(1, Ordering::AcqRel);

@@ -7,9 +7,10 @@ use vm_memory::GuestAddress;
 
 use super::plan::{KvmOp, Step};
 use super::{
-    admit, check_aligned, check_range, region_slots, MemoryManager, Region, RegionSpec, Writer,
-    KVM_MAX_SLOT_SIZE,
+    admit, check_aligned, check_range, region_slots, reserve, MemoryManager, Region, RegionSpec,
+    Writer, KVM_MAX_SLOT_SIZE,
 };
+use crate::dirty::mark_range;
 use crate::error::Error;
 use crate::kvm::{KvmMemory, KvmSlot};
 use crate::memory::{GuestSlotData, RegionId, RegionMemory, SlotBacking};
@@ -51,6 +52,19 @@ impl<K: KvmMemory> MemoryManager<K> {
             free: state.ids.available(),
             limit: state.ids.limit,
         })?;
+        // Ring mode: a region that logs from the start reports every page in its first
+        // harvest, as an initially-set log does in bitmap mode (room for the bits first).
+        let mut pending = Vec::new();
+        if spec.log_dirty && self.kvm.dirty_ring() {
+            let pages = spec.size / PAGE_SIZE;
+            let words = pages.div_ceil(64) as usize;
+            if let Err(e) = reserve(&mut pending, words, "a region's pending dirty bits") {
+                state.ids.release(&ids);
+                return Err(e);
+            }
+            pending.resize(words, 0);
+            mark_range(&mut pending, 0, pages);
+        }
         let region_id = RegionId(state.next_region);
         let result = self.add_slots(&mut state, region_id, &spec, slot_size, &ids);
         match result {
@@ -68,7 +82,7 @@ impl<K: KvmMemory> MemoryManager<K> {
                             log_dirty: spec.log_dirty,
                             read_only: spec.read_only,
                         },
-                        pending: Vec::new(),
+                        pending,
                     },
                 );
                 Ok(region_id)

@@ -759,3 +759,144 @@ fn regions_over_a_limit_are_refused_before_anything_is_allocated() {
         .unwrap_err();
     assert!(e.to_string().contains("max_metadata"), "{e}");
 }
+
+type RingManager = MemoryManager<Faulty<FakeKvm>>;
+
+fn ring_manager(entries: u32) -> RingManager {
+    MemoryManager::new(Faulty::new(FakeKvm::with_dirty_ring(64, entries)))
+}
+
+/// Harvests region `id` and returns the guest addresses of its dirty pages.
+fn dirty_addresses(m: &RingManager, id: RegionId) -> Vec<u64> {
+    let harvested = m.harvest_dirty(Target::Region(id)).unwrap();
+    harvested[0].addresses().map(|a| a.0).collect()
+}
+
+#[test]
+fn ring_mode_harvests_exactly_the_pages_written() {
+    let m = ring_manager(256);
+    let id = m.add_region(region(MIB, 4)).unwrap();
+    m.start_dirty_log(Target::Region(id)).unwrap();
+    // As an initially-set log: the first harvest has every page.
+    assert_eq!(dirty_addresses(&m, id).len() as u64, 4 * SLOT / PAGE_SIZE);
+    assert!(dirty_addresses(&m, id).is_empty(), "nothing written since");
+    let written = [MIB, MIB + SLOT + PAGE_SIZE, MIB + 4 * SLOT - PAGE_SIZE];
+    for gpa in written {
+        assert!(m.kvm().inner().guest_write(gpa + 8));
+        // Written twice before a harvest: one entry, one page.
+        assert!(m.kvm().inner().guest_write(gpa));
+    }
+    assert_eq!(dirty_addresses(&m, id), written.to_vec());
+    assert!(dirty_addresses(&m, id).is_empty());
+    // Reset re-protected the pages: written again, reported again.
+    m.kvm().inner().guest_write(MIB);
+    assert_eq!(dirty_addresses(&m, id), vec![MIB]);
+}
+
+#[test]
+fn ring_entries_keep_their_region_across_changes_and_id_reuse() {
+    let m = ring_manager(256);
+    let a = m
+        .add_region(region(MIB, 2).with_flags(SlotFlags {
+            log_dirty: true,
+            read_only: false,
+        }))
+        .unwrap();
+    let b = m
+        .add_region(region(2 * MIB, 2).with_flags(SlotFlags {
+            log_dirty: true,
+            read_only: false,
+        }))
+        .unwrap();
+    let c = m
+        .add_region(region(3 * MIB, 2).with_flags(SlotFlags {
+            log_dirty: true,
+            read_only: false,
+        }))
+        .unwrap();
+    for id in [a, b, c] {
+        assert_eq!(
+            dirty_addresses(&m, id).len() as u64,
+            2 * SLOT / PAGE_SIZE,
+            "initially set"
+        );
+    }
+    let write = |gpa: u64| assert!(m.kvm().inner().guest_write(gpa));
+    // A read-only toggle deletes and re-creates the slots: the entry is kept, and nothing
+    // else is added (the re-created slots start protected, not all dirty).
+    write(MIB + SLOT);
+    m.set_read_only(a, true).unwrap();
+    assert_eq!(dirty_addresses(&m, a), vec![MIB + SLOT]);
+    m.set_read_only(a, false).unwrap();
+    assert!(dirty_addresses(&m, a).is_empty());
+    // Stopping logging keeps what was written while it was on.
+    write(2 * MIB + PAGE_SIZE);
+    m.stop_dirty_log(Target::Region(b)).unwrap();
+    assert_eq!(dirty_addresses(&m, b), vec![2 * MIB + PAGE_SIZE]);
+    // A moved slot keeps its id and its offset: the entry follows the region.
+    write(3 * MIB + 2 * PAGE_SIZE);
+    m.move_region(c, GuestAddress(5 * MIB)).unwrap();
+    assert_eq!(dirty_addresses(&m, c), vec![5 * MIB + 2 * PAGE_SIZE]);
+    // An entry of a removed region never lands in the region that reuses its slot ids.
+    write(5 * MIB + SLOT);
+    let c_slots: Vec<SlotId> = m
+        .current()
+        .iter()
+        .filter(|s| s.payload().region() == c)
+        .map(|s| s.id())
+        .collect();
+    m.remove_region(c).unwrap();
+    let d = m.add_region(region(6 * MIB, 2)).unwrap();
+    let d_slots: Vec<SlotId> = m
+        .current()
+        .iter()
+        .filter(|s| s.payload().region() == d)
+        .map(|s| s.id())
+        .collect();
+    assert_eq!(d_slots, c_slots, "the ids are reused");
+    assert!(dirty_addresses(&m, d).is_empty(), "nothing of c's is d's");
+    m.start_dirty_log(Target::Region(d)).unwrap();
+    assert_eq!(dirty_addresses(&m, d).len() as u64, 2 * SLOT / PAGE_SIZE);
+    write(6 * MIB + SLOT + PAGE_SIZE);
+    assert_eq!(dirty_addresses(&m, d), vec![6 * MIB + SLOT + PAGE_SIZE]);
+}
+
+#[test]
+fn a_failed_ring_reset_loses_no_page_and_a_full_ring_is_emptied() {
+    let m = ring_manager(256);
+    let id = m
+        .add_region(
+            region(MIB, 80)
+                .with_slot_size(4 * SLOT)
+                .with_flags(SlotFlags {
+                    log_dirty: true,
+                    read_only: false,
+                }),
+        )
+        .unwrap();
+    dirty_addresses(&m, id);
+    m.kvm().inner().guest_write(MIB);
+    m.kvm().fail(FakeCall::ResetDirtyRings, 0, libc::EIO);
+    let e = m.harvest_dirty(Target::All).unwrap_err();
+    assert!(
+        e.to_string().contains("resetting the dirty rings failed"),
+        "{e}"
+    );
+    assert_eq!(
+        dirty_addresses(&m, id),
+        vec![MIB],
+        "kept for the next harvest"
+    );
+    // Fill the ring, as a running vCPU would before exiting with KVM_EXIT_DIRTY_RING_FULL.
+    let pages: Vec<u64> = (0..300).map(|p| MIB + p * PAGE_SIZE).collect();
+    for &gpa in &pages[..256] {
+        m.kvm().inner().guest_write(gpa);
+    }
+    assert!(m.kvm().inner().ring_full());
+    m.collect_dirty_rings().unwrap();
+    assert!(!m.kvm().inner().ring_full());
+    for &gpa in &pages[256..] {
+        m.kvm().inner().guest_write(gpa);
+    }
+    assert_eq!(dirty_addresses(&m, id), pages);
+}

@@ -1,0 +1,232 @@
+//! KVM's dirty ring (`KVM_CAP_DIRTY_LOG_RING[_ACQ_REL]`): each vCPU has a ring of
+//! `(slot, page offset)` entries, one per page the guest dirtied, that KVM fills and the VMM
+//! collects; a harvest then costs what was dirtied, not what exists.
+//!
+//! The protocol (the kernel's `Documentation/virt/kvm/api.rst`, "KVM_CAP_DIRTY_LOG_RING"): KVM
+//! publishes an entry by setting its `DIRTY` flag (a release store); the VMM reads the flag
+//! with an acquire load, reads the entry, and hands it back by setting `RESET`, in ring order
+//! from its own fetch index; `KVM_RESET_DIRTY_RINGS` then re-protects the pages handed back and
+//! frees their entries. kvm-ioctls has the capability but not the ring, hence this module.
+
+use std::os::fd::RawFd;
+use std::ptr::NonNull;
+use std::sync::atomic::{AtomicU32, Ordering};
+
+use kvm_bindings::{kvm_dirty_gfn, KVMIO, KVM_DIRTY_LOG_PAGE_OFFSET};
+use vmm_sys_util::ioctl_io_nr;
+
+ioctl_io_nr!(KVM_RESET_DIRTY_RINGS, KVMIO, 0xc7);
+
+/// `kvm_dirty_gfn.flags`: KVM published the entry.
+const DIRTY: u32 = 1;
+/// `kvm_dirty_gfn.flags`: the VMM collected it; KVM frees it at the next reset.
+const RESET: u32 = 2;
+
+/// The fewest entries a ring may have: KVM keeps some in reserve (64 on x86), and the ring is
+/// at least a page.
+pub const MIN_RING_ENTRIES: u32 = 4096 / 16;
+
+/// One vCPU's ring, mapped from its vCPU file.
+#[derive(Debug)]
+pub(crate) struct DirtyRing {
+    entries: NonNull<kvm_dirty_gfn>,
+    count: u32,
+    /// The next entry to look at (the VMM's fetch index, modulo `count`).
+    next: u32,
+}
+
+// SAFETY: the ring is a shared mapping that KVM and this process access only through the
+// atomic flag protocol; the raw pointer is owned by this `DirtyRing` alone (it is unmapped in
+// `Drop`), so moving it to another thread is sound.
+unsafe impl Send for DirtyRing {}
+
+impl DirtyRing {
+    /// Maps the ring of the vCPU whose file is `vcpu`, of `count` entries (the size the VM's
+    /// ring was enabled with).
+    pub(crate) fn map(vcpu: RawFd, count: u32) -> std::io::Result<Self> {
+        let len = count as usize * size_of::<kvm_dirty_gfn>();
+        // SAFETY: sysconf has no memory arguments.
+        let page = unsafe { libc::sysconf(libc::_SC_PAGESIZE) } as libc::off_t;
+        // SAFETY: a new shared mapping of the vCPU file at KVM's documented ring offset; it
+        // overlaps no Rust object, and its length is what the ring was enabled with.
+        let ptr = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_SHARED,
+                vcpu,
+                libc::off_t::from(KVM_DIRTY_LOG_PAGE_OFFSET) * page,
+            )
+        };
+        if ptr == libc::MAP_FAILED {
+            return Err(std::io::Error::last_os_error());
+        }
+        Ok(DirtyRing {
+            entries: NonNull::new(ptr.cast()).expect("mmap does not return null on success"),
+            count,
+            next: 0,
+        })
+    }
+
+    /// Collects the published entries in ring order, handing each to `sink` as (slot, page
+    /// offset in the slot) and back to KVM; returns how many.
+    pub(crate) fn collect(&mut self, sink: &mut dyn FnMut(u32, u64)) -> u64 {
+        let mut collected = 0;
+        loop {
+            let index = (self.next % self.count) as usize;
+            // SAFETY: `index < count`, so the entry lies in the mapping, which lives as long
+            // as `self`; it is 16-byte aligned (the mapping is page-aligned).
+            let entry = unsafe { self.entries.as_ptr().add(index) };
+            // `flags` is the entry's first field (kvm_dirty_gfn is repr(C)).
+            let flags_ptr = entry.cast::<u32>();
+            // SAFETY: `flags_ptr` points at a live, aligned u32 in the mapping; KVM and this
+            // process access it only atomically, so viewing it as an `AtomicU32` is sound.
+            let flags = unsafe { AtomicU32::from_ptr(flags_ptr) };
+            if flags.load(Ordering::Acquire) & DIRTY == 0 {
+                return collected;
+            }
+            // SAFETY: the acquire load saw DIRTY, so KVM wrote the entry before it and will
+            // not touch it until it is reset: copying it out is race-free.
+            let gfn = unsafe { entry.read() };
+            sink(gfn.slot, gfn.offset);
+            flags.store(RESET, Ordering::Release);
+            self.next = self.next.wrapping_add(1);
+            collected += 1;
+        }
+    }
+}
+
+impl Drop for DirtyRing {
+    fn drop(&mut self) {
+        let len = self.count as usize * size_of::<kvm_dirty_gfn>();
+        // SAFETY: the mapping was made in `map` with this length and is not used after this.
+        unsafe { libc::munmap(self.entries.as_ptr().cast(), len) };
+    }
+}
+
+/// Checks a ring size: a power of two, at least [`MIN_RING_ENTRIES`], at most `max` entries
+/// (KVM's, from the capability).
+pub(crate) fn check_entries(entries: u32, max: u32) -> Result<(), RingError> {
+    if !entries.is_power_of_two() || entries < MIN_RING_ENTRIES || entries > max {
+        return Err(RingError::Size {
+            entries,
+            min: MIN_RING_ENTRIES,
+            max,
+        });
+    }
+    Ok(())
+}
+
+/// Why a dirty ring could not be set up.
+#[derive(Debug, thiserror::Error)]
+pub enum RingError {
+    /// KVM has no dirty ring.
+    #[error("this KVM has no dirty ring (KVM_CAP_DIRTY_LOG_RING)")]
+    Unsupported,
+    /// The size is not one KVM takes.
+    #[error("a dirty ring of {entries} entries: it must be a power of two from {min} to {max} (KVM's maximum, 16 bytes an entry)")]
+    Size {
+        /// Entries asked for.
+        entries: u32,
+        /// The fewest.
+        min: u32,
+        /// The most.
+        max: u32,
+    },
+    /// KVM refused to enable it: it must be enabled before any vCPU exists.
+    #[error("enabling the dirty ring failed ({0}): it must be enabled before any vCPU is created")]
+    Enable(vmm_sys_util::errno::Error),
+    /// Mapping a vCPU's ring failed.
+    #[error("mapping vCPU {vcpu}'s dirty ring failed: {source}")]
+    Map {
+        /// The vCPU.
+        vcpu: u64,
+        /// The system's error.
+        source: std::io::Error,
+    },
+    /// Creating the vCPU failed.
+    #[error("creating vCPU {vcpu} failed: {source}")]
+    Vcpu {
+        /// The vCPU.
+        vcpu: u64,
+        /// KVM's error.
+        source: vmm_sys_util::errno::Error,
+    },
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ring_sizes_are_powers_of_two_within_kvm_s_bounds() {
+        assert!(check_entries(4096, 65536).is_ok());
+        assert!(check_entries(256, 65536).is_ok());
+        for bad in [0, 3, 128, 4095, 131072] {
+            let e = check_entries(bad, 65536).unwrap_err();
+            assert!(
+                e.to_string().contains("power of two from 256 to 65536"),
+                "{e}"
+            );
+        }
+    }
+
+    #[test]
+    fn entries_are_collected_in_order_and_handed_back() {
+        // An anonymous mapping stands in for the vCPU file's ring.
+        let count = 256u32;
+        let len = count as usize * 16;
+        // SAFETY: a new private anonymous mapping.
+        let ptr = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+                -1,
+                0,
+            )
+        };
+        assert_ne!(ptr, libc::MAP_FAILED);
+        let entries: NonNull<kvm_dirty_gfn> = NonNull::new(ptr.cast()).unwrap();
+        let mut ring = DirtyRing {
+            entries,
+            count,
+            next: count - 2,
+        };
+        let publish = |i: u32, slot: u32, offset: u64| {
+            // SAFETY: `i < count`: inside the mapping, which the ring keeps alive.
+            let e = unsafe { entries.as_ptr().add(i as usize) };
+            let gfn = kvm_dirty_gfn {
+                flags: 0,
+                slot,
+                offset,
+            };
+            // SAFETY: `e` is a valid, aligned entry nothing else accesses during the test.
+            unsafe { e.write(gfn) };
+            // SAFETY: as in `collect`: the entry's first field, accessed atomically.
+            unsafe { AtomicU32::from_ptr(e.cast::<u32>()) }.store(DIRTY, Ordering::Release);
+        };
+        // Three entries that wrap around the end of the ring, then a gap.
+        publish(count - 2, 1, 10);
+        publish(count - 1, 2, 20);
+        publish(0, 1, 11);
+        publish(2, 9, 99);
+        let mut seen = Vec::new();
+        assert_eq!(ring.collect(&mut |s, o| seen.push((s, o))), 3);
+        assert_eq!(seen, vec![(1, 10), (2, 20), (1, 11)]);
+        let flags = |i: usize| {
+            // SAFETY: `i < count`: inside the mapping.
+            let e = unsafe { entries.as_ptr().add(i) };
+            // SAFETY: a valid entry; the ring no longer touches it.
+            unsafe { e.read() }.flags
+        };
+        assert_eq!(
+            (flags(254), flags(255), flags(0), flags(2)),
+            (RESET, RESET, RESET, DIRTY)
+        );
+        // Nothing new until entry 1 is published.
+        assert_eq!(ring.collect(&mut |_, _| panic!("no entry")), 0);
+    }
+}
