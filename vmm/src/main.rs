@@ -53,6 +53,10 @@ struct ServeArgs {
     /// Seconds a client connection may send nothing before it is answered 408 and closed.
     #[arg(long, default_value_t = 30.0)]
     idle_timeout: f64,
+    /// Harvest dirty pages from per-vCPU rings of this many entries (a power of two, 16 bytes
+    /// each) instead of per-slot bitmaps: a harvest then costs what was dirtied.
+    #[arg(long)]
+    dirty_ring: Option<u32>,
     #[command(flatten)]
     limits: LimitArgs,
 }
@@ -279,6 +283,10 @@ struct StressArgs {
     /// Stop after this many seconds even if iterations are left (fractions allowed).
     #[arg(long, default_value_t = 10.0)]
     seconds: f64,
+    /// Harvest dirty pages from per-vCPU rings of this many entries (a power of two) instead
+    /// of per-slot bitmaps.
+    #[arg(long)]
+    dirty_ring: Option<u32>,
     /// Also print the report as JSON.
     #[arg(long)]
     json: bool,
@@ -300,6 +308,7 @@ fn stress(args: StressArgs) -> ExitCode {
         iterations: args.iterations,
         duration,
         corrupt_page: None,
+        dirty_ring: args.dirty_ring,
     };
     let outcome = run_job(move |ctx| run_stress(config, &ctx.stop, &ctx.vcpu_stopped));
     match job_report(outcome, "stress failed: ") {
@@ -330,6 +339,7 @@ fn serve(args: ServeArgs) -> ExitCode {
         vcpus: args.vcpus,
         idle_timeout,
         limits: None,
+        dirty_ring: args.dirty_ring,
     };
     let path = config.api_sock.display().to_string();
     match tinyvmm::jobs::serve::serve(&config, || eprintln!("tinyvmm: serving the API on {path}")) {

@@ -152,7 +152,32 @@ fn kvm_dirty_logging_through_the_socket_reports_exactly_the_pages_written() {
     ) {
         return;
     }
-    let vmm = Vmm::start("dirty", 2, 4);
+    dirty_logging_reports_exactly_the_pages_written(None);
+}
+
+#[test]
+fn kvm_dirty_ring_through_the_socket_reports_exactly_the_pages_written() {
+    if !kvm_test_support::require_kvm(
+        "tinyvmm::kvm_dirty_ring_through_the_socket_reports_exactly_the_pages_written",
+    ) {
+        return;
+    }
+    dirty_logging_reports_exactly_the_pages_written(Some(4096));
+}
+
+/// Logging on a region, the guest's writes, harvests: in bitmap mode, or in ring mode with
+/// rings of `dirty_ring` entries.
+fn dirty_logging_reports_exactly_the_pages_written(dirty_ring: Option<u32>) {
+    let name = if dirty_ring.is_some() {
+        "ring"
+    } else {
+        "dirty"
+    };
+    let vmm = Vmm::start_with(name, |config| ServeConfig {
+        area_size: 4 << 20,
+        dirty_ring,
+        ..config
+    });
     let (status, body) = vmm.call(
         "PUT",
         "/memory/regions",

@@ -161,3 +161,34 @@ fn kvm_stress_refuses_what_the_guest_cannot_run() {
         "page 256 is outside the test area of 256 pages"
     );
 }
+
+#[test]
+fn kvm_stress_in_ring_mode_loses_nothing_and_survives_full_rings() {
+    if !kvm_test_support::require_kvm(
+        "tinyvmm::kvm_stress_in_ring_mode_loses_nothing_and_survives_full_rings",
+    ) {
+        return;
+    }
+    // The smallest ring: the writers fill it again and again, and each full ring is an exit
+    // that collects the rings and goes on; every harvest is still checked for exactness.
+    let report = stress(StressConfig {
+        dirty_ring: Some(kvm_memslots::MIN_RING_ENTRIES),
+        ..brief(2, 1 << 20)
+    })
+    .unwrap_or_else(|e| panic!("stress in ring mode failed: {e}"));
+    eprintln!("{report}");
+    assert_every_kind_of_change_happened(&report);
+    assert_eq!(report.dirty_ring, Some(256));
+    assert!(report.dirty_ring_full > 0, "{report}");
+    // An invalid size is refused before anything is made, naming the bounds.
+    let err = stress(StressConfig {
+        dirty_ring: Some(1000),
+        ..brief(1, 1 << 20)
+    })
+    .expect_err("refused");
+    assert!(
+        err.to_string()
+            .contains("must be a power of two from 256 to"),
+        "{err}"
+    );
+}

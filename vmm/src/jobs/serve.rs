@@ -48,6 +48,8 @@ pub struct ServeConfig {
     pub idle_timeout: Duration,
     /// What guest memory is admitted against; `None`: the process's ([`crate::vm::memory_limits`]).
     pub limits: Option<MemoryLimits>,
+    /// Harvest from per-vCPU dirty rings of this many entries instead of per-slot bitmaps.
+    pub dirty_ring: Option<u32>,
 }
 
 impl ServeConfig {
@@ -61,6 +63,7 @@ impl ServeConfig {
             vcpus: 1,
             idle_timeout: DEFAULT_IDLE_TIMEOUT,
             limits: None,
+            dirty_ring: None,
         }
     }
 }
@@ -106,6 +109,7 @@ fn serve_on(
     let mut event_loop = EventLoop::new()?;
     let vm = TestVm::with_options(VmOptions {
         limits: config.limits,
+        dirty_ring: config.dirty_ring,
         ..VmOptions::default()
     })?;
     if config.area_size > 0 && config.slots > 1 {

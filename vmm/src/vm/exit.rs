@@ -63,6 +63,9 @@ pub enum Exit<'a> {
     },
     /// A signal interrupted the run (`EINTR`), for example a request to stop.
     Interrupted,
+    /// The vCPU's dirty ring is full (`KVM_EXIT_DIRTY_RING_FULL`): it must be collected and
+    /// reset before the guest can go on.
+    DirtyRingFull,
     /// Anything else.
     Other(&'static str),
 }
@@ -96,6 +99,9 @@ impl<'a> Exit<'a> {
             Ok(VcpuExit::InternalError) => (Exit::InternalError, None),
             Ok(VcpuExit::FailEntry(reason, _)) => (Exit::FailEntry { reason }, None),
             Ok(VcpuExit::Intr) => (Exit::Interrupted, None),
+            Ok(VcpuExit::Unsupported(kvm_bindings::KVM_EXIT_DIRTY_RING_FULL)) => {
+                (Exit::DirtyRingFull, None)
+            }
             Ok(_) => (Exit::Other("an exit kind tinyvmm does not handle"), None),
             Err(e) if e.errno() == libc::EINTR || e.errno() == libc::EAGAIN => {
                 (Exit::Interrupted, None)
@@ -147,6 +153,8 @@ pub enum ExitAction<D> {
     CountExpected,
     /// A write to a read-only slot: dropped, as ROM drops writes.
     DropReadOnlyWrite,
+    /// The dirty ring is full: collect and reset the rings, then resume.
+    CollectDirtyRings,
     /// The guest read a device's port: the guest kind fills the exit's buffer.
     PortRead {
         /// The device.
@@ -233,6 +241,7 @@ pub fn handle_exit<D: Copy>(exit: &Exit<'_>, ctx: &ExitContext<'_, D>) -> ExitAc
         Exit::MmioRead { gpa, len } => handle_mmio(gpa, len, None, ctx),
         Exit::MmioWrite { gpa, data } => handle_mmio(gpa, data.len(), Some(data), ctx),
         Exit::Interrupted => ExitAction::Resume,
+        Exit::DirtyRingFull => ExitAction::CollectDirtyRings,
         Exit::Hlt => ExitAction::Fatal(ExitError::Halted),
         Exit::Shutdown => ExitAction::Fatal(ExitError::Shutdown),
         Exit::InternalError => ExitAction::Fatal(ExitError::InternalError),
@@ -478,6 +487,10 @@ mod tests {
         assert_eq!(decide(&m, rom, 0, 0), ExitAction::DropReadOnlyWrite);
         assert_eq!(decide(&m, rom, 0, 2), ExitAction::DropReadOnlyWrite);
         assert_eq!(decide(&m, Exit::Interrupted, 0, 0), ExitAction::Resume);
+        assert_eq!(
+            decide(&m, Exit::DirtyRingFull, 0, 0),
+            ExitAction::CollectDirtyRings
+        );
         let ExitAction::Fatal(e) = decide(&m, Exit::InternalError, 0, 0) else {
             panic!()
         };

@@ -10,7 +10,7 @@ use std::sync::{Arc, Mutex};
 
 use kvm_bindings::{kvm_pit_config, KVM_PIT_SPEAKER_DUMMY};
 use kvm_ioctls::{Kvm, VcpuFd, VmFd};
-use kvm_memslots::{KvmVm, MemoryLimits, MemoryManager};
+use kvm_memslots::{KvmVm, MemoryLimits, MemoryManager, RingError};
 
 /// Where KVM puts the three pages Intel's VMX needs for real mode's TSS: in the 3-4 GiB MMIO
 /// gap, below 4 GiB.
@@ -24,6 +24,9 @@ pub struct VmOptions {
     pub irqchip: bool,
     /// What the memory manager admits; by default the process's ([`memory_limits`]).
     pub limits: Option<MemoryLimits>,
+    /// Harvest dirty pages from per-vCPU rings of this many entries (a power of two) instead
+    /// of per-slot bitmaps.
+    pub dirty_ring: Option<u32>,
 }
 
 /// The limits VMs of this process admit memory against unless created with their own.
@@ -55,6 +58,9 @@ pub enum VmError {
         /// The kernel's error.
         source: kvm_ioctls::Error,
     },
+    /// The dirty ring could not be set up (or a vCPU with its ring).
+    #[error(transparent)]
+    Ring(#[from] RingError),
 }
 
 impl VmError {
@@ -98,8 +104,11 @@ impl Vm {
             fd.create_pit2(pit)
                 .map_err(VmError::setup("KVM_CREATE_PIT2"))?;
         }
-        let kvm_vm = KvmVm::new(&kvm, Arc::clone(&fd))
-            .map_err(VmError::setup("enabling manual dirty-log protection"))?;
+        let kvm_vm = match options.dirty_ring {
+            Some(entries) => KvmVm::with_dirty_ring(&kvm, Arc::clone(&fd), entries)?,
+            None => KvmVm::new(&kvm, Arc::clone(&fd))
+                .map_err(VmError::setup("enabling manual dirty-log protection"))?,
+        };
         let limits = options.limits.unwrap_or_else(memory_limits);
         let memory = Arc::new(MemoryManager::with_limits(kvm_vm, limits));
         vcpu::install_kick_handler();
@@ -127,9 +136,8 @@ impl Vm {
     }
 
     /// Creates vCPU `index` (its KVM id and APIC ID).
+    /// In ring mode, its ring is mapped for the memory manager.
     pub fn create_vcpu(&self, index: usize) -> Result<VcpuFd, VmError> {
-        self.fd
-            .create_vcpu(index as u64)
-            .map_err(VmError::setup("KVM_CREATE_VCPU"))
+        Ok(self.memory.kvm().create_vcpu(index as u64)?)
     }
 }

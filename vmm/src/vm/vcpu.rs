@@ -59,6 +59,8 @@ pub struct ExitCounters {
     pub expected: AtomicU64,
     /// Writes to read-only slots, dropped.
     pub read_only_writes: AtomicU64,
+    /// Exits on a full dirty ring.
+    pub dirty_ring_full: AtomicU64,
 }
 
 /// What the host and a vCPU thread share.
@@ -168,6 +170,15 @@ pub enum VcpuError<E: std::error::Error + 'static> {
         gpa: u64,
         /// vm-memory's error.
         source: vm_memory::GuestMemoryError,
+    },
+    /// Collecting the dirty rings when this vCPU's was full failed (the entries collected are
+    /// kept for the next harvest).
+    #[error("vCPU {vcpu}: its dirty ring is full, and collecting the rings failed: {source}")]
+    DirtyRing {
+        /// The vCPU.
+        vcpu: usize,
+        /// The manager's error.
+        source: kvm_memslots::Error,
     },
     /// A device of the guest kind stopped the vCPU.
     #[error("vCPU {vcpu}: {error}")]
@@ -320,6 +331,15 @@ impl<P: VcpuPorts> Vcpu<P> {
                 }
                 ExitAction::DropReadOnlyWrite => {
                     counters.read_only_writes.fetch_add(1, Ordering::Relaxed);
+                    Flow::Continue
+                }
+                ExitAction::CollectDirtyRings => {
+                    // Never fatal: the entries go into the regions' pending bits for the next
+                    // harvest, and the guest goes on.
+                    memory
+                        .collect_dirty_rings()
+                        .map_err(|source| VcpuError::DirtyRing { vcpu, source })?;
+                    counters.dirty_ring_full.fetch_add(1, Ordering::Relaxed);
                     Flow::Continue
                 }
                 ExitAction::ReadAllOnes => {

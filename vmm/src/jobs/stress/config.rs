@@ -54,6 +54,8 @@ pub struct StressConfig {
     /// the last wrote at the start of this page (an index into the test area), as if the last
     /// pass's write there had been lost; the final check must then fail naming its address.
     pub corrupt_page: Option<u64>,
+    /// Harvest from per-vCPU dirty rings of this many entries instead of per-slot bitmaps.
+    pub dirty_ring: Option<u32>,
 }
 
 impl Default for StressConfig {
@@ -66,6 +68,7 @@ impl Default for StressConfig {
             iterations: 1000,
             duration: Duration::from_secs(10),
             corrupt_page: None,
+            dirty_ring: None,
         }
     }
 }

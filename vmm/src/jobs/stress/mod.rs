@@ -51,6 +51,7 @@ use crate::test_guest::area::{TestArea, AREA_GPA};
 use crate::test_guest::vcpus::TestVm;
 use crate::test_guest::{self, pattern};
 use crate::vm::vcpu::{ExitCounters, VcpuShared};
+use crate::vm::VmOptions;
 
 /// Runs the stress mode; `stop` ends it early (as interrupted); `stopped` is woken whenever a
 /// vCPU stops.
@@ -78,7 +79,10 @@ pub fn run_stress(
             limit,
         });
     }
-    let vm = TestVm::new()?;
+    let vm = TestVm::with_options(VmOptions {
+        dirty_ring: config.dirty_ring,
+        ..VmOptions::default()
+    })?;
     let area = TestArea::add(
         vm.memory(),
         AREA_GPA,
@@ -180,6 +184,8 @@ pub fn run_stress(
         exits: count_of(|c| &c.exits).iter().sum(),
         completed_after_change: count_of(|c| &c.completed_after_change),
         read_only_writes: count_of(|c| &c.read_only_writes).iter().sum(),
+        dirty_ring: config.dirty_ring,
+        dirty_ring_full: count_of(|c| &c.dirty_ring_full).iter().sum(),
         duration,
     })
 }

@@ -62,6 +62,10 @@ pub struct StressReport {
     pub completed_after_change: Vec<u64>,
     /// Writes to read-only memory dropped (none expected).
     pub read_only_writes: u64,
+    /// In ring mode, the size of each vCPU's dirty ring.
+    pub dirty_ring: Option<u32>,
+    /// Exits on a full dirty ring, all vCPUs together (ring mode).
+    pub dirty_ring_full: u64,
     /// From starting the write loops to the end of the last check.
     pub duration: Duration,
 }
@@ -136,6 +140,13 @@ impl std::fmt::Display for StressReport {
             self.total_completed_after_change(),
             self.completed_after_change
         )?;
+        if let Some(entries) = self.dirty_ring {
+            writeln!(
+                f,
+                "  dirty ring          {:8} entries per vCPU; {} exits on a full ring",
+                entries, self.dirty_ring_full
+            )?;
+        }
         write!(
             f,
             "  duration            {:8.3} s",
