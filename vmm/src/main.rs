@@ -28,6 +28,9 @@ enum Commands {
     /// Stress the manager (after the kernel's memslot_modification_stress_test): vCPUs write
     /// continuously while the host adds, removes, moves and re-flags slots next to their memory.
     Stress(StressArgs),
+    /// Measure a dirty-page harvest in bitmap and ring mode side by side, with 0 % to 100 % of
+    /// the pages dirtied: print a table and write JSON.
+    HarvestBench(HarvestArgs),
     /// Run the test guest with an API socket (HTTP/1.1 + JSON) to add, remove and move memory,
     /// plug the hotplug area and switch dirty logging while it runs; see docs/api.yaml.
     Serve(ServeArgs),
@@ -176,6 +179,10 @@ fn main() -> ExitCode {
             args.limits.apply();
             stress(args)
         }
+        Commands::HarvestBench(args) => {
+            args.limits.apply();
+            harvest_bench(args)
+        }
         Commands::Serve(args) => {
             args.limits.apply();
             serve(args)
@@ -243,23 +250,81 @@ fn bench(args: BenchArgs) -> ExitCode {
         Err(code) => return code,
     };
     println!("{report}");
-    let json = serde_json::to_string_pretty(&report).expect("the report is JSON");
-    let written = match args.json.parent() {
-        Some(dir) if !dir.as_os_str().is_empty() => std::fs::create_dir_all(dir),
-        _ => Ok(()),
-    }
-    .and_then(|()| std::fs::write(&args.json, json + "\n"));
-    match written {
-        Ok(()) => eprintln!("tinyvmm: results written to {}", args.json.display()),
-        Err(e) => {
-            eprintln!("tinyvmm: cannot write {}: {e}", args.json.display());
-            return ExitCode::FAILURE;
-        }
+    if write_json(&args.json, &report) != ExitCode::SUCCESS {
+        return ExitCode::FAILURE;
     }
     if report.interrupted {
         ExitCode::from(130)
     } else {
         ExitCode::SUCCESS
+    }
+}
+
+#[derive(clap::Args)]
+struct HarvestArgs {
+    /// KVM slots in all (default: KVM's maximum).
+    #[arg(long)]
+    slots: Option<usize>,
+    /// MiB of logged guest memory split over the slots.
+    #[arg(long, default_value_t = 1024)]
+    area_mib: u64,
+    /// Entries per vCPU ring in ring mode (a power of two).
+    #[arg(long, default_value_t = 65536)]
+    ring_entries: u32,
+    /// Repetitions per share of dirtied pages.
+    #[arg(long, default_value_t = 5)]
+    runs: usize,
+    /// Where to write the results as JSON.
+    #[arg(long, default_value = "target/bench/tinyvmm-harvest.json")]
+    json: std::path::PathBuf,
+    #[command(flatten)]
+    limits: LimitArgs,
+}
+
+fn harvest_bench(args: HarvestArgs) -> ExitCode {
+    use tinyvmm::jobs::harvest::{run_harvest_bench, HarvestConfig};
+    let slots = match args.slots {
+        Some(slots) => slots,
+        None => match tinyvmm::vm::max_slots() {
+            Ok(max) => max,
+            Err(e) => {
+                eprintln!("tinyvmm: {e}");
+                return ExitCode::FAILURE;
+            }
+        },
+    };
+    let config = HarvestConfig {
+        slots,
+        area_size: args.area_mib.saturating_mul(1 << 20),
+        ring_entries: args.ring_entries,
+        runs: args.runs,
+    };
+    let outcome = run_job(move |ctx| run_harvest_bench(&config, &ctx.stop, &ctx.vcpu_stopped));
+    let report = match job_report(outcome, "") {
+        Ok(report) => report,
+        Err(code) => return code,
+    };
+    println!("{report}");
+    write_json(&args.json, &report)
+}
+
+/// Writes `report` as JSON to `path` (creating its folder).
+fn write_json<R: serde::Serialize>(path: &std::path::Path, report: &R) -> ExitCode {
+    let json = serde_json::to_string_pretty(report).expect("the report is JSON");
+    let written = match path.parent() {
+        Some(dir) if !dir.as_os_str().is_empty() => std::fs::create_dir_all(dir),
+        _ => Ok(()),
+    }
+    .and_then(|()| std::fs::write(path, json + "\n"));
+    match written {
+        Ok(()) => {
+            eprintln!("tinyvmm: results written to {}", path.display());
+            ExitCode::SUCCESS
+        }
+        Err(e) => {
+            eprintln!("tinyvmm: cannot write {}: {e}", path.display());
+            ExitCode::FAILURE
+        }
     }
 }
 

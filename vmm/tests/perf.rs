@@ -259,3 +259,30 @@ fn kvm_perf_bad_configurations_are_refused() {
         Err(e) if e.to_string().starts_with("unknown test \"nope\"")
     ));
 }
+
+#[test]
+fn kvm_the_harvest_bench_checks_every_harvest_in_both_modes() {
+    if !kvm_test_support::require_kvm(
+        "tinyvmm::kvm_the_harvest_bench_checks_every_harvest_in_both_modes",
+    ) {
+        return;
+    }
+    use tinyvmm::jobs::harvest::{run_harvest_bench, HarvestConfig};
+    let stopped = Arc::new(EventFd::new(0).expect("eventfd"));
+    let config = HarvestConfig {
+        slots: 65,
+        area_size: 8 << 20,
+        ring_entries: 256,
+        runs: 1,
+    };
+    // Every harvest is checked against the pages the guest wrote (an inexact one is an
+    // error), in bitmap and in ring mode; the smallest ring fills during the full writes.
+    let report = run_harvest_bench(&config, &AtomicBool::new(false), &stopped)
+        .unwrap_or_else(|e| panic!("{e}"));
+    let pages: Vec<u64> = report.rows.iter().map(|r| r.dirty_pages).collect();
+    assert_eq!(pages, vec![0, 3, 21, 205, 2048], "{report}");
+    assert!(report.ring_full_exits > 0, "{report}");
+    let bad = HarvestConfig { slots: 1, ..config };
+    let err = run_harvest_bench(&bad, &AtomicBool::new(false), &stopped).expect_err("refused");
+    assert!(err.to_string().contains("KVM offers 2 to"), "{err}");
+}

@@ -2,6 +2,7 @@
 //! for `serve`, on the event loop itself.
 
 pub mod check;
+pub mod harvest;
 pub mod perf;
 pub mod serve;
 pub mod stress;

@@ -1,0 +1,294 @@
+//! `tinyvmm harvest-bench`: what a dirty-page harvest costs in bitmap mode and in ring mode,
+//! side by side in one run, when the guest dirtied 0 %, 0.1 %, 1 %, 10 % and 100 % of its pages.
+//!
+//! Two VMs, one per mode, each with the test area split over the same number of slots and
+//! dirty logging on. The guest first touches every page (so that later writes cost tracking,
+//! not first faults) and a harvest takes the initially-set pages. Then, per dirtied share and
+//! repetition, in each VM in turn: the guest writes one u64 in every k-th page (timed), and the
+//! host harvests (timed) and checks that exactly the written pages are reported. The result is
+//! the median of each, and the ratio bitmap / ring.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use kvm_memslots::{Target, PAGE_SIZE};
+use serde::Serialize;
+use vmm_sys_util::eventfd::EventFd;
+
+use crate::test_guest::area::{AreaError, TestArea, AREA_GPA};
+use crate::test_guest::vcpus::{check_slot_count, GuestError, TestVm, Vcpus};
+use crate::test_guest::{Command, Op};
+use crate::vm::VmOptions;
+
+/// The shares of pages dirtied, as one page in `k` (0: none).
+const EVERY_KTH: [u64; 5] = [0, 1000, 100, 10, 1];
+
+/// What to measure.
+#[derive(Debug, Clone, Copy)]
+pub struct HarvestConfig {
+    /// KVM slots in all (one is the system region's).
+    pub slots: usize,
+    /// Bytes of test area.
+    pub area_size: u64,
+    /// Entries per vCPU ring in ring mode.
+    pub ring_entries: u32,
+    /// Repetitions per share.
+    pub runs: usize,
+}
+
+/// Why the benchmark failed.
+#[derive(Debug, thiserror::Error)]
+pub enum HarvestError {
+    /// The VM or its guest failed.
+    #[error(transparent)]
+    Guest(#[from] GuestError),
+    /// The test area could not be made.
+    #[error(transparent)]
+    Area(#[from] AreaError),
+    /// The manager refused.
+    #[error(transparent)]
+    Memory(#[from] kvm_memslots::Error),
+    /// A harvest reported other pages than the guest wrote.
+    #[error("{mode} mode: the guest wrote {written} pages, the harvest reported {reported}")]
+    Inexact {
+        /// The mode.
+        mode: &'static str,
+        /// Pages written.
+        written: u64,
+        /// Pages reported.
+        reported: u64,
+    },
+    /// A signal stopped the run.
+    #[error("interrupted")]
+    Interrupted,
+}
+
+/// One share of dirtied pages, both modes.
+#[derive(Debug, Clone, Serialize)]
+pub struct HarvestRow {
+    /// Share of the pages dirtied, in percent.
+    pub dirtied_percent: f64,
+    /// Pages dirtied per round.
+    pub dirty_pages: u64,
+    /// Median harvest time in bitmap mode, microseconds.
+    pub bitmap_harvest_us: f64,
+    /// Median harvest time in ring mode, microseconds.
+    pub ring_harvest_us: f64,
+    /// bitmap / ring.
+    pub ratio: f64,
+    /// Median time of the guest's write in bitmap mode, microseconds.
+    pub bitmap_write_us: f64,
+    /// Median time of the guest's write in ring mode, microseconds.
+    pub ring_write_us: f64,
+}
+
+/// The benchmark's result.
+#[derive(Debug, Clone, Serialize)]
+pub struct HarvestReport {
+    /// KVM slots in all.
+    pub slots: usize,
+    /// Bytes of test area.
+    pub area_size: u64,
+    /// Entries per vCPU ring.
+    pub ring_entries: u32,
+    /// Repetitions per share.
+    pub runs: usize,
+    /// One row per share.
+    pub rows: Vec<HarvestRow>,
+    /// Exits on a full ring during the ring VM's writes.
+    pub ring_full_exits: u64,
+}
+
+struct Side {
+    mode: &'static str,
+    _vm: TestVm,
+    memory: Arc<kvm_memslots::MemoryManager<kvm_memslots::KvmVm>>,
+    vcpus: Vcpus,
+    area: TestArea,
+}
+
+impl Side {
+    fn new(
+        mode: &'static str,
+        config: &HarvestConfig,
+        ring: Option<u32>,
+        stopped: &Arc<EventFd>,
+    ) -> Result<Self, HarvestError> {
+        let vm = TestVm::with_options(VmOptions {
+            dirty_ring: ring,
+            ..VmOptions::default()
+        })?;
+        vm.check_slot_count(config.slots)?;
+        let area = TestArea::add(
+            vm.memory(),
+            AREA_GPA,
+            config.area_size,
+            config.slots as u64 - 1,
+        )?;
+        let mut vcpus = vm.start_vcpus(1, stopped)?;
+        vcpus.set_timeout(Duration::from_secs(600));
+        let memory = Arc::clone(vm.memory());
+        memory.start_dirty_log(Target::Region(area.region))?;
+        let mut side = Side {
+            mode,
+            _vm: vm,
+            memory,
+            vcpus,
+            area,
+        };
+        // Every page touched once, and the initially-set pages taken.
+        side.write(1, 0)?;
+        side.memory
+            .harvest_dirty(Target::Region(side.area.region))?;
+        Ok(side)
+    }
+
+    /// The guest writes one u64 in every `k`-th page; returns the pages written and the time.
+    fn write(&mut self, k: u64, seed: u64) -> Result<(u64, Duration), HarvestError> {
+        if k == 0 {
+            return Ok((0, Duration::ZERO));
+        }
+        let stride = k * PAGE_SIZE;
+        let start = Instant::now();
+        self.vcpus.run(
+            0,
+            Command {
+                op: Op::Write,
+                start: self.area.gpa,
+                end: self.area.end(),
+                stride,
+                seed,
+            },
+        )?;
+        Ok((self.area.size().div_ceil(stride), start.elapsed()))
+    }
+
+    /// Harvests and checks that exactly `written` pages are reported.
+    fn harvest(&self, written: u64) -> Result<Duration, HarvestError> {
+        let start = Instant::now();
+        // The area alone: the system region has the host's own writes (command blocks).
+        let dirty = self
+            .memory
+            .harvest_dirty(Target::Region(self.area.region))?;
+        let elapsed = start.elapsed();
+        let reported: u64 = dirty.iter().map(|d| d.count()).sum();
+        if reported != written {
+            return Err(HarvestError::Inexact {
+                mode: self.mode,
+                written,
+                reported,
+            });
+        }
+        Ok(elapsed)
+    }
+}
+
+fn median(mut v: Vec<Duration>) -> f64 {
+    v.sort();
+    v.get(v.len() / 2).map_or(0.0, |d| d.as_secs_f64() * 1e6)
+}
+
+/// Runs the benchmark; `stop` ends it between rounds.
+pub fn run_harvest_bench(
+    config: &HarvestConfig,
+    stop: &AtomicBool,
+    stopped: &Arc<EventFd>,
+) -> Result<HarvestReport, HarvestError> {
+    check_slot_count(
+        config.slots,
+        crate::vm::max_slots().map_err(GuestError::Vm)?,
+    )?;
+    let mut sides = [
+        Side::new("bitmap", config, None, stopped)?,
+        Side::new("ring", config, Some(config.ring_entries), stopped)?,
+    ];
+    let pages = sides[0].area.size() / PAGE_SIZE;
+    let mut rows = Vec::new();
+    let mut seed = 1;
+    for k in EVERY_KTH {
+        let mut harvests = [Vec::new(), Vec::new()];
+        let mut writes = [Vec::new(), Vec::new()];
+        let mut dirty_pages = 0;
+        for _ in 0..config.runs.max(1) {
+            for (i, side) in sides.iter_mut().enumerate() {
+                if stop.load(Ordering::Acquire) {
+                    return Err(HarvestError::Interrupted);
+                }
+                seed += 1;
+                let (written, write_time) = side.write(k, seed)?;
+                harvests[i].push(side.harvest(written)?);
+                writes[i].push(write_time);
+                dirty_pages = written;
+            }
+        }
+        let [bitmap, ring] = harvests.map(median);
+        let [bitmap_write, ring_write] = writes.map(median);
+        rows.push(HarvestRow {
+            dirtied_percent: 100.0 * dirty_pages as f64 / pages as f64,
+            dirty_pages,
+            bitmap_harvest_us: bitmap,
+            ring_harvest_us: ring,
+            ratio: if ring > 0.0 {
+                bitmap / ring
+            } else {
+                f64::INFINITY
+            },
+            bitmap_write_us: bitmap_write,
+            ring_write_us: ring_write,
+        });
+    }
+    let ring_full_exits = sides[1]
+        .vcpus
+        .shared(0)
+        .counters
+        .dirty_ring_full
+        .load(Ordering::Relaxed);
+    for side in sides {
+        side.vcpus.shut_down()?;
+    }
+    Ok(HarvestReport {
+        slots: config.slots,
+        area_size: config.area_size,
+        ring_entries: config.ring_entries,
+        runs: config.runs,
+        rows,
+        ring_full_exits,
+    })
+}
+
+impl std::fmt::Display for HarvestReport {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        writeln!(
+            f,
+            "harvest: {} KVM slots, {} MiB of logged guest memory, rings of {} entries, median of {} run(s)",
+            self.slots,
+            self.area_size >> 20,
+            self.ring_entries,
+            self.runs
+        )?;
+        writeln!(
+            f,
+            "| dirtied | pages | bitmap harvest | ring harvest | bitmap / ring | guest write (bitmap) | guest write (ring) |"
+        )?;
+        writeln!(f, "|---:|---:|---:|---:|---:|---:|---:|")?;
+        for r in &self.rows {
+            writeln!(
+                f,
+                "| {:.1} % | {} | {:.0} µs | {:.0} µs | {:.1}× | {:.0} µs | {:.0} µs |",
+                r.dirtied_percent,
+                r.dirty_pages,
+                r.bitmap_harvest_us,
+                r.ring_harvest_us,
+                r.ratio,
+                r.bitmap_write_us,
+                r.ring_write_us
+            )?;
+        }
+        write!(
+            f,
+            "ring-full exits during the ring VM's writes: {}",
+            self.ring_full_exits
+        )
+    }
+}
