@@ -214,6 +214,38 @@ fn dirty_logging_reports_exactly_the_pages_written(dirty_ring: Option<u32>) {
         json!(0),
         "a second harvest reports nothing new"
     );
+    // The mode, what logs, and a dirty rate over the window between two harvests of all.
+    let (_, info) = vmm.call("GET", "/dirty-log", None);
+    assert_eq!(
+        info["mode"],
+        json!(if dirty_ring.is_some() {
+            "ring"
+        } else {
+            "bitmap"
+        })
+    );
+    assert_eq!(info["ring_entries"], json!(dirty_ring));
+    assert_eq!(info["logging_regions"], json!([id]));
+    assert_eq!(info["dirty_rate"], Value::Null, "no window yet");
+    vmm.call("POST", "/dirty-log/harvest", None);
+    let write =
+        json!({"op": "write", "start": GIB, "end": GIB + 32 * 4096, "stride": 4096, "seed": 10});
+    assert_eq!(vmm.call("PUT", "/guest/command", Some(write)).0, 200);
+    vmm.call("POST", "/dirty-log/harvest", None);
+    let (_, info) = vmm.call("GET", "/dirty-log", None);
+    assert_eq!(info["harvests"], json!(2));
+    let rate = &info["dirty_rate"];
+    // The 32 pages the guest wrote, and the host's own writes to the command block.
+    let pages = rate["pages"].as_u64().expect("pages");
+    assert!((32..=34).contains(&pages), "{info}");
+    assert!(
+        rate["window_ms"].as_f64().expect("a window") > 0.0,
+        "{info}"
+    );
+    assert!(
+        rate["pages_per_second"].as_f64().expect("a rate") > 0.0,
+        "{info}"
+    );
     assert_eq!(
         vmm.call("PATCH", "/dirty-log", Some(json!({"enabled": false})))
             .0,

@@ -66,6 +66,7 @@ pub fn respond(outcome: Outcome) -> Response {
         Ok(Reply::Memory(info)) => json(200, &info),
         Ok(Reply::RegionAdded(added)) => json(201, &added),
         Ok(Reply::Harvest(dirty)) => json(200, &dirty),
+        Ok(Reply::DirtyLog(info)) => json(200, &info),
         Ok(Reply::Hotplug(info)) => json(200, &info),
         Ok(Reply::Vm(info)) => json(200, &info),
         Ok(Reply::Guest(result)) => json(200, &result),
@@ -93,8 +94,9 @@ pub fn route(request: &Request) -> Result<ControllerRequest, Response> {
             _ => Err(method_not_allowed(method, path, "DELETE, PATCH")),
         },
         ["dirty-log"] => match method {
+            "GET" => Ok(ControllerRequest::GetDirtyLog),
             "PATCH" => Ok(ControllerRequest::SwitchDirtyLog(body(request)?)),
-            _ => Err(method_not_allowed(method, path, "PATCH")),
+            _ => Err(method_not_allowed(method, path, "GET, PATCH")),
         },
         ["dirty-log", "harvest"] => match method {
             "POST" | "PUT" => Ok(ControllerRequest::Harvest(if request.body.is_empty() {

@@ -12,10 +12,10 @@ use kvm_memslots::{Backing, RegionId, RegionSpec, Target, PAGE_SIZE};
 use vm_memory::GuestAddress;
 
 use crate::api::types::{
-    AddRegion, BackingKind, DirtyLogSwitch, DirtyRegion, GuestCommand, GuestCommandResult, GuestOp,
-    Harvest, HarvestInfo, HotplugConfig, HotplugInfo, HotplugRequest, Limits, MemoryInfo,
-    MemoryUse, PatchRegion, RegionAdded, RegionInfo, RunState, SlotCounts, VmAction, VmActionType,
-    VmInfo, VmStatePatch, VmStateRequest,
+    AddRegion, BackingKind, DirtyLogInfo, DirtyLogSwitch, DirtyRate, DirtyRegion, GuestCommand,
+    GuestCommandResult, GuestOp, Harvest, HarvestInfo, HotplugConfig, HotplugInfo, HotplugRequest,
+    Limits, MemoryInfo, MemoryUse, PatchRegion, RegionAdded, RegionInfo, RunState, SlotCounts,
+    VmAction, VmActionType, VmInfo, VmStatePatch, VmStateRequest,
 };
 use crate::test_guest::area::{check_area, TestArea};
 use crate::test_guest::vcpus::{GuestError, TestVm, Vcpus};
@@ -44,6 +44,8 @@ pub enum Request {
     SwitchDirtyLog(DirtyLogSwitch),
     /// Fetch and clear dirty pages.
     Harvest(Harvest),
+    /// Describe dirty logging: the mode, the logging regions, the dirty rate.
+    GetDirtyLog,
     /// Describe the hotplug area.
     GetHotplug,
     /// Set the hotplug area up.
@@ -61,7 +63,7 @@ pub enum Request {
 }
 
 /// What a request produced.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq)]
 pub enum Reply {
     /// Done; nothing to report.
     Done,
@@ -71,6 +73,8 @@ pub enum Reply {
     RegionAdded(RegionAdded),
     /// The dirty pages.
     Harvest(HarvestInfo),
+    /// Dirty logging.
+    DirtyLog(DirtyLogInfo),
     /// The hotplug area.
     Hotplug(HotplugInfo),
     /// The VM.
@@ -90,6 +94,11 @@ pub struct Controller {
     state: RunState,
     hotplug: Option<HotplugArea>,
     stop_requested: bool,
+    /// Harvests of every region so far, and the last one's time.
+    harvests: u64,
+    last_harvest: Option<std::time::Instant>,
+    /// The dirty rate between the last two harvests of every region.
+    dirty_rate: Option<DirtyRate>,
     /// Set when the VMM is asked to stop while a request runs (SIGINT/SIGTERM): long requests
     /// stop at their next safe point.
     interrupt: &'static AtomicBool,
@@ -108,6 +117,9 @@ impl Controller {
             state: RunState::Running,
             hotplug: None,
             stop_requested: false,
+            harvests: 0,
+            last_harvest: None,
+            dirty_rate: None,
             interrupt: crate::lifecycle::termination_signal(),
         }
     }
@@ -160,6 +172,7 @@ impl Controller {
             Request::PatchRegion(id, patch) => self.patch_region(id, patch).map(|()| Reply::Done),
             Request::SwitchDirtyLog(switch) => self.switch_dirty_log(switch).map(|()| Reply::Done),
             Request::Harvest(harvest) => self.harvest(harvest).map(Reply::Harvest),
+            Request::GetDirtyLog => Ok(Reply::DirtyLog(self.dirty_log_info())),
             Request::GetHotplug => self
                 .hotplug
                 .as_ref()
@@ -463,6 +476,25 @@ impl Controller {
 
     fn harvest(&mut self, harvest: Harvest) -> Result<HarvestInfo, ControllerError> {
         let dirty = self.vm.memory().harvest_dirty(target(harvest.region))?;
+        if harvest.region.is_none() {
+            // Every region: a window for the dirty rate since the last such harvest.
+            let now = std::time::Instant::now();
+            let pages = dirty.iter().map(|d| d.count()).sum();
+            if let Some(last) = self.last_harvest {
+                let window = now.duration_since(last).as_secs_f64();
+                self.dirty_rate = Some(DirtyRate {
+                    pages,
+                    window_ms: window * 1e3,
+                    pages_per_second: if window > 0.0 {
+                        pages as f64 / window
+                    } else {
+                        0.0
+                    },
+                });
+            }
+            self.last_harvest = Some(now);
+            self.harvests += 1;
+        }
         let regions = dirty
             .iter()
             .map(|d| DirtyRegion {
@@ -477,6 +509,27 @@ impl Controller {
             page_size: PAGE_SIZE,
             regions,
         })
+    }
+
+    fn dirty_log_info(&self) -> DirtyLogInfo {
+        let memory = self.vm.memory();
+        let ring_entries = memory.kvm().ring_entries();
+        DirtyLogInfo {
+            mode: if ring_entries.is_some() {
+                "ring"
+            } else {
+                "bitmap"
+            },
+            ring_entries,
+            logging_regions: memory
+                .regions()
+                .iter()
+                .filter(|r| r.flags.log_dirty)
+                .map(|r| r.id.0)
+                .collect(),
+            harvests: self.harvests,
+            dirty_rate: self.dirty_rate,
+        }
     }
 
     fn configure_hotplug(&mut self, config: HotplugConfig) -> Result<(), ControllerError> {
