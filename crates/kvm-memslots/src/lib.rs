@@ -17,6 +17,7 @@ mod limits;
 mod manager;
 mod memory;
 mod ring;
+pub mod snapshot;
 
 pub use dirty::DirtyPages;
 pub use error::{Error, ErrorKind};

@@ -162,7 +162,18 @@ impl RegionMemory {
         self.shared
     }
 
-    /// The pages the VMM wrote through `Bytes` since they were last harvested.
+    /// Copies `buf.len()` bytes from `offset` with volatile reads (the guest may be writing),
+    /// without marking anything dirty.
+    pub fn read_volatile(&self, offset: u64, buf: &mut [u8]) -> Result<(), GuestMemoryError> {
+        let slice = self
+            .mapping
+            .get_slice(offset as usize, buf.len())
+            .map_err(|_| GuestMemoryError::InvalidBackendAddress)?;
+        slice.copy_to(buf);
+        Ok(())
+    }
+
+    /// The bitmap of the pages the VMM itself wrote through vm-memory.
     pub fn vmm_dirty_bitmap(&self) -> &AtomicBitmap {
         self.mapping.bitmap()
     }

@@ -135,6 +135,7 @@ mod tests {
             size,
             hva: HostAddress(0),
             slots: 1,
+            slot_size: size,
             flags: SlotFlags::default(),
             shared: false,
         }

@@ -26,6 +26,7 @@ impl<K: KvmMemory> MemoryManager<K> {
     /// The regions, by id.
     pub fn regions(&self) -> Vec<RegionInfo> {
         let state = self.state();
+        let map = state.current();
         state
             .regions
             .iter()
@@ -35,6 +36,12 @@ impl<K: KvmMemory> MemoryManager<K> {
                 size: r.size,
                 hva: HostAddress(r.memory.host_address()),
                 slots: r.slots.len(),
+                // A region's first slot has the full slot size.
+                slot_size: r
+                    .slots
+                    .first()
+                    .and_then(|s| map.get(*s))
+                    .map_or(r.size, |s| s.size()),
                 flags: r.flags,
                 shared: r.memory.is_shared(),
             })

@@ -87,6 +87,8 @@ pub struct RegionInfo {
     pub hva: HostAddress,
     /// KVM slots it uses.
     pub slots: usize,
+    /// Bytes per slot (the last one may be smaller).
+    pub slot_size: u64,
     /// Its flags (the same on all its slots).
     pub flags: SlotFlags,
     /// Whether its memory is a shared (file or memfd) mapping.

@@ -1,0 +1,241 @@
+//! Snapshot and restore with the crate alone, as another VMM would: the layout file, a sparse
+//! full memory file, diffs merged onto it, and a new manager built and loaded from them.
+
+use std::fs::File;
+use std::os::unix::fs::MetadataExt;
+use std::path::PathBuf;
+
+use kvm_memslots::fake::FakeKvm;
+use kvm_memslots::snapshot::{
+    data_runs, load_memory_file, merge_memory_files, write_dirty_pages, write_memory_file,
+    MemoryLayout, SnapshotError,
+};
+use kvm_memslots::{Backing, MemoryManager, RegionSpec, SlotFlags, Target, PAGE_SIZE};
+use vm_memory::{Bytes, GuestAddress, GuestAddressSpace};
+
+const MIB: u64 = 1 << 20;
+
+struct TempFile(PathBuf);
+
+impl TempFile {
+    fn new(name: &str) -> (Self, File) {
+        let path = std::env::temp_dir().join(format!(
+            "kvm-memslots-snapshot-{}-{name}",
+            std::process::id()
+        ));
+        let _ = std::fs::remove_file(&path);
+        let file = File::options()
+            .read(true)
+            .write(true)
+            .create_new(true)
+            .open(&path)
+            .expect("a new file");
+        (TempFile(path), file)
+    }
+}
+
+impl Drop for TempFile {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.0);
+    }
+}
+
+fn manager() -> MemoryManager<FakeKvm> {
+    MemoryManager::new(FakeKvm::new(512, true))
+}
+
+/// Three regions: anonymous in 16 KiB slots, a memfd, and a read-only one that logs.
+fn source() -> MemoryManager<FakeKvm> {
+    let m = manager();
+    m.add_region(RegionSpec::new(GuestAddress(MIB), 2 * MIB).with_slot_size(16 << 10))
+        .expect("the fake takes it");
+    m.add_region(RegionSpec::new(GuestAddress(8 * MIB), MIB).with_backing(Backing::Memfd))
+        .expect("the fake takes it");
+    m.add_region(
+        RegionSpec::new(GuestAddress(16 * MIB), 512 << 10).with_flags(SlotFlags {
+            read_only: true,
+            log_dirty: true,
+        }),
+    )
+    .expect("the fake takes it");
+    m
+}
+
+fn write(m: &MemoryManager<FakeKvm>, gpa: u64, byte: u8, len: usize) {
+    m.handle()
+        .memory()
+        .write_slice(&vec![byte; len], GuestAddress(gpa))
+        .expect("the fake takes it");
+}
+
+/// Every byte of every region of `m`, in guest-address order.
+fn contents(m: &MemoryManager<FakeKvm>) -> Vec<u8> {
+    let mut regions = m.regions();
+    regions.sort_by_key(|r| r.gpa);
+    let memory = m.handle().memory();
+    let mut out = Vec::new();
+    for r in regions {
+        let mut bytes = vec![0u8; r.size as usize];
+        memory
+            .read_slice(&mut bytes, r.gpa)
+            .expect("the fake takes it");
+        out.extend(bytes);
+    }
+    out
+}
+
+#[test]
+fn a_new_manager_restores_the_layout_and_every_byte_and_holes_stay_holes() {
+    let a = source();
+    write(&a, MIB + 100, 0xa1, 3 * PAGE_SIZE as usize);
+    write(&a, 3 * MIB - PAGE_SIZE, 0xa2, PAGE_SIZE as usize);
+    write(&a, 8 * MIB + 5 * PAGE_SIZE, 0xb1, 10);
+    write(&a, 16 * MIB, 0xc1, 64);
+    // Touched, then given back: a hole again.
+    write(&a, 2 * MIB, 0xdd, 4 * PAGE_SIZE as usize);
+    a.discard(GuestAddress(2 * MIB), 4 * PAGE_SIZE).unwrap();
+
+    let layout = MemoryLayout::of(&a);
+    assert_eq!(layout.regions.len(), 3);
+    assert_eq!(layout.regions[0].slot_size, 16 << 10);
+    assert_eq!(layout.memory_file_size(), 2 * MIB + MIB + (512 << 10));
+    let (_path, file) = TempFile::new("full");
+    let stats = write_memory_file(&a, &layout, &file).unwrap();
+    // 4 + 1 + 1 + 1 pages hold data; the discarded ones and every other page are holes.
+    assert_eq!(stats.bytes, 7 * PAGE_SIZE, "{stats:?}");
+    let meta = file.metadata().unwrap();
+    assert_eq!(meta.len(), layout.memory_file_size());
+    assert!(
+        meta.blocks() * 512 <= 16 * PAGE_SIZE,
+        "sparse: {} blocks",
+        meta.blocks()
+    );
+
+    // Another manager, from the layout file's bytes and the memory file alone.
+    let b = manager();
+    let read = MemoryLayout::from_bytes(&layout.to_bytes()).unwrap();
+    assert_eq!(read, layout);
+    let ids = read.build(&b).unwrap();
+    assert_eq!(ids.len(), 3);
+    let loaded = load_memory_file(&b, &read, &file).unwrap();
+    assert_eq!(loaded, 7 * PAGE_SIZE);
+    assert_eq!(contents(&b), contents(&a));
+    let shape = |m: &MemoryManager<FakeKvm>| {
+        let mut r: Vec<_> = m
+            .regions()
+            .into_iter()
+            .map(|r| (r.gpa, r.size, r.slots, r.slot_size, r.flags, r.shared))
+            .collect();
+        r.sort_by_key(|r| r.0);
+        r
+    };
+    assert_eq!(shape(&b), shape(&a));
+    // The restored manager snapshots to the same pages: the holes stayed holes.
+    let (_again_path, again) = TempFile::new("again");
+    let stats = write_memory_file(&b, &read, &again).unwrap();
+    assert_eq!(stats.bytes, 7 * PAGE_SIZE, "{stats:?}");
+    // What the host has of the source's first region: at least the pages written (a
+    // transparent huge page may bring its neighbours).
+    let map = a.load();
+    let first = map.find_by_gpa(GuestAddress(MIB)).unwrap();
+    let runs = data_runs(first.payload().memory()).unwrap();
+    let present = |offset: u64| runs.iter().any(|r| r.contains(&offset));
+    assert!(
+        present(0) && present(3 * PAGE_SIZE) && present(2 * MIB - PAGE_SIZE),
+        "{runs:?}"
+    );
+}
+
+#[test]
+fn diffs_merged_onto_a_full_snapshot_equal_a_full_snapshot_of_the_same_point() {
+    let a = source();
+    a.start_dirty_log(Target::All).unwrap();
+    write(&a, MIB, 0x11, 2 * PAGE_SIZE as usize);
+    write(&a, 8 * MIB, 0x22, 100);
+    let layout = MemoryLayout::of(&a);
+    let (_base_path, base) = TempFile::new("base");
+    write_memory_file(&a, &layout, &base).unwrap();
+    // The harvest that ends the full snapshot's period.
+    a.harvest_dirty(Target::All).unwrap();
+
+    let mut diffs = Vec::new();
+    let mut paths = Vec::new();
+    for (round, (gpa, byte)) in [(MIB + PAGE_SIZE, 0x33u8), (8 * MIB + 3 * PAGE_SIZE, 0x44)]
+        .into_iter()
+        .enumerate()
+    {
+        write(&a, gpa, byte, 2 * PAGE_SIZE as usize);
+        if round == 1 {
+            // Discarded pages are part of a diff too: their contents changed to zeros.
+            a.discard(GuestAddress(MIB), PAGE_SIZE).unwrap();
+        }
+        let dirty = a.harvest_dirty(Target::All).unwrap();
+        let (path, diff) = TempFile::new(&format!("diff{round}"));
+        let stats = write_dirty_pages(&a, &layout, &dirty, &diff).unwrap();
+        assert!(stats.bytes >= 2 * PAGE_SIZE, "{stats:?}");
+        paths.push(path);
+        diffs.push(diff);
+    }
+    merge_memory_files(&layout, &base, &diffs).unwrap();
+
+    let (_full_path, full) = TempFile::new("now");
+    write_memory_file(&a, &layout, &full).unwrap();
+    let read = |f: &File| {
+        let mut bytes = vec![0u8; layout.memory_file_size() as usize];
+        std::os::unix::fs::FileExt::read_exact_at(f, &mut bytes, 0).unwrap();
+        bytes
+    };
+    assert_eq!(
+        read(&base),
+        read(&full),
+        "merged differs from a full snapshot"
+    );
+    assert_eq!(read(&full), contents(&a));
+}
+
+#[test]
+fn broken_layout_files_and_memory_files_are_refused_with_the_reason() {
+    let a = source();
+    let layout = MemoryLayout::of(&a);
+    let bytes = layout.to_bytes();
+    let refuse = |b: &[u8]| MemoryLayout::from_bytes(b).unwrap_err().to_string();
+    // Any byte flipped, anywhere: never accepted.
+    for at in 0..bytes.len() {
+        let mut flipped = bytes.clone();
+        flipped[at] ^= 0x40;
+        assert!(
+            MemoryLayout::from_bytes(&flipped).is_err(),
+            "byte {at} flipped was taken"
+        );
+    }
+    let mut flipped = bytes.clone();
+    flipped[30] ^= 1;
+    assert!(
+        refuse(&flipped).contains("checksum"),
+        "{}",
+        refuse(&flipped)
+    );
+    assert!(refuse(&bytes[..bytes.len() - 1]).contains("truncated"));
+    assert!(refuse(b"GIF89a and more than 24 bytes ...").contains("no KVMSLYT magic"));
+    let mut version = bytes.clone();
+    version[8] = 9;
+    assert!(refuse(&version).contains("format version 9; this build reads version 1"));
+    // A well-formed file whose regions overlap.
+    let mut overlapping = layout.clone();
+    overlapping.regions[1].gpa = layout.regions[0].gpa + PAGE_SIZE;
+    assert!(refuse(&overlapping.to_bytes()).contains("overlaps"));
+
+    // A memory file of the wrong size, before anything is loaded.
+    let b = manager();
+    layout.build(&b).unwrap();
+    let (_path, short) = TempFile::new("short");
+    short
+        .set_len(layout.memory_file_size() - PAGE_SIZE)
+        .unwrap();
+    let err = load_memory_file(&b, &layout, &short).unwrap_err();
+    assert!(matches!(err, SnapshotError::FileSize { .. }), "{err}");
+    // Building where regions already are is refused, and nothing stays.
+    let before = b.regions();
+    assert!(layout.build(&b).is_err());
+    assert_eq!(b.regions(), before);
+}
