@@ -9,6 +9,8 @@
 //! the ones before it. Dirty logging is switched per region with flags-only updates and
 //! harvested from KVM's log and the VMM's own write bitmap.
 
+#![doc = include_str!("../README.md")]
+
 mod dirty;
 mod error;
 pub mod fake;

@@ -11,6 +11,7 @@
 //! The crate is pure data structure: it knows nothing of KVM or of mappings. The payload `P`
 //! carried by each slot is the caller's (for example an `Arc` of the backing region).
 
+#![doc = include_str!("../README.md")]
 #![forbid(unsafe_code)]
 
 mod error;
