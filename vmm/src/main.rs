@@ -34,6 +34,9 @@ enum Commands {
     /// Run the test guest with an API socket (HTTP/1.1 + JSON) to add, remove and move memory,
     /// plug the hotplug area and switch dirty logging while it runs; see docs/api.yaml.
     Serve(ServeArgs),
+    /// Restore a test-guest VM from a snapshot (PUT /snapshot/create) and serve it, paused, on
+    /// an API socket: PATCH /vm {"state": "Resumed"} continues it where it was.
+    Restore(RestoreArgs),
     /// Boot a Linux kernel (bzImage or ELF vmlinux) with its RAM split into KVM slots; the
     /// serial console is stdout (and stdin on a terminal). See docs/BOOT.md.
     Boot(BootArgs),
@@ -182,6 +185,10 @@ fn main() -> ExitCode {
         Commands::HarvestBench(args) => {
             args.limits.apply();
             harvest_bench(args)
+        }
+        Commands::Restore(args) => {
+            args.serve.limits.apply();
+            restore(args)
         }
         Commands::Serve(args) => {
             args.limits.apply();
@@ -386,7 +393,31 @@ fn stress(args: StressArgs) -> ExitCode {
     }
 }
 
+#[derive(clap::Args)]
+struct RestoreArgs {
+    /// The state file a snapshot wrote (`snapshot_path` of PUT /snapshot/create).
+    #[arg(long)]
+    snapshot: std::path::PathBuf,
+    /// The memory file (`mem_file_path`; merge Diff snapshots onto their Full one first).
+    #[arg(long)]
+    mem_file: std::path::PathBuf,
+    #[command(flatten)]
+    serve: ServeArgs,
+}
+
+fn restore(args: RestoreArgs) -> ExitCode {
+    let from = tinyvmm::jobs::serve::RestoreFrom {
+        snapshot: args.snapshot,
+        mem_file: args.mem_file,
+    };
+    serve_config(args.serve, Some(from))
+}
+
 fn serve(args: ServeArgs) -> ExitCode {
+    serve_config(args, None)
+}
+
+fn serve_config(args: ServeArgs, restore: Option<tinyvmm::jobs::serve::RestoreFrom>) -> ExitCode {
     let Some(idle_timeout) = std::time::Duration::try_from_secs_f64(args.idle_timeout)
         .ok()
         .filter(|d| !d.is_zero())
@@ -405,6 +436,7 @@ fn serve(args: ServeArgs) -> ExitCode {
         idle_timeout,
         limits: None,
         dirty_ring: args.dirty_ring,
+        restore,
     };
     let path = config.api_sock.display().to_string();
     match tinyvmm::jobs::serve::serve(&config, || eprintln!("tinyvmm: serving the API on {path}")) {

@@ -2,7 +2,7 @@
 //! slot limit, dirty logging through the socket, the hotplug area, and every kind of bad input,
 //! each answered with the right 4xx and leaving memory, KVM and the guest as they were.
 
-use std::os::unix::fs::PermissionsExt;
+use std::os::unix::fs::{MetadataExt, PermissionsExt};
 use std::path::PathBuf;
 use std::thread::JoinHandle;
 
@@ -680,4 +680,149 @@ fn kvm_requests_over_the_limits_are_refused_and_the_vmm_survives() {
     let used = vmm.memory()["used"]["guest_memory"].clone();
     assert_eq!(used, json!((2 << 20) + GIB / 2));
     vmm.stop();
+}
+
+#[test]
+fn kvm_a_snapshot_restores_in_a_new_vm_and_diffs_merge_onto_it() {
+    if !kvm_test_support::require_kvm(
+        "tinyvmm::kvm_a_snapshot_restores_in_a_new_vm_and_diffs_merge_onto_it",
+    ) {
+        return;
+    }
+    use kvm_memslots::snapshot::merge_memory_files;
+    use tinyvmm::jobs::serve::RestoreFrom;
+    use tinyvmm::test_guest::snapshot::SnapshotState;
+
+    let dir = std::env::temp_dir().join(format!("tinyvmm-test-{}-snap", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).expect("a temporary folder");
+    let file = |name: &str| dir.join(name);
+    let vmm = Vmm::start("snap", 2, 4);
+    let (status, body) = vmm.call(
+        "PUT",
+        "/memory/regions",
+        Some(json!({"size": 1 << 20, "guest_address": GIB, "slot_size": 65536})),
+    );
+    assert_eq!(status, 201, "{body}");
+    let command = |op: &str, start: u64, end: u64, seed: u64| json!({"op": op, "start": start, "end": end, "stride": 4096, "seed": seed});
+    let run = |vmm: &Vmm, c: Value| vmm.call("PUT", "/guest/command", Some(c));
+    assert_eq!(run(&vmm, command("write", GIB, GIB + (1 << 20), 5)).0, 200);
+    let create = |kind: &str, state: &str, mem: &str| json!({"snapshot_type": kind, "snapshot_path": file(state), "mem_file_path": file(mem)});
+    // Only a paused VM is snapshotted.
+    let running = vmm.call("PUT", "/snapshot/create", Some(create("Full", "s0", "m0")));
+    assert_eq!(running.0, 400, "{running:?}");
+    assert!(fault(&running).contains("pause it first"), "{running:?}");
+    assert!(!file("s0").exists() && !file("m0").exists());
+    let diff_first = vmm.call("PUT", "/snapshot/create", Some(create("Diff", "s0", "m0")));
+    assert_eq!(diff_first.0, 400, "{diff_first:?}");
+    let pause = |vmm: &Vmm, state: &str| vmm.call("PATCH", "/vm", Some(json!({"state": state})));
+    assert_eq!(pause(&vmm, "Paused").0, 204);
+    assert_eq!(
+        vmm.call(
+            "PUT",
+            "/snapshot/create",
+            Some(create("Full", "full.state", "full.mem"))
+        )
+        .0,
+        204
+    );
+    let again = vmm.call(
+        "PUT",
+        "/snapshot/create",
+        Some(create("Full", "full.state", "x")),
+    );
+    assert_eq!(again.0, 400, "{again:?}");
+    assert!(fault(&again).contains("must not exist"), "{again:?}");
+    assert!(!file("x").exists(), "a refused snapshot leaves no file");
+    // The guest goes on, then a Diff of what it changed.
+    assert_eq!(pause(&vmm, "Resumed").0, 204);
+    assert_eq!(run(&vmm, command("write", GIB, GIB + (1 << 19), 6)).0, 200);
+    assert_eq!(pause(&vmm, "Paused").0, 204);
+    assert_eq!(
+        vmm.call(
+            "PUT",
+            "/snapshot/create",
+            Some(create("Diff", "diff.state", "diff.mem"))
+        )
+        .0,
+        204
+    );
+    vmm.stop();
+    let diff_size = std::fs::metadata(file("diff.mem")).expect("diff").blocks();
+    let full_size = std::fs::metadata(file("full.mem")).expect("full").blocks();
+    assert!(
+        diff_size < full_size,
+        "the diff holds fewer pages: {diff_size} / {full_size}"
+    );
+
+    // Restore the Full snapshot: the guest continues where it was and finds its data.
+    let restored = |name: &str, state: &str, mem: &str| {
+        Vmm::start_with(name, |config| ServeConfig {
+            restore: Some(RestoreFrom {
+                snapshot: file(state),
+                mem_file: file(mem),
+            }),
+            ..config
+        })
+    };
+    let full = restored("restored-full", "full.state", "full.mem");
+    assert_eq!(full.call("GET", "/vm", None).1["state"], json!("Paused"));
+    assert_eq!(
+        run(&full, command("verify", GIB, GIB + 4096, 5)).0,
+        409,
+        "paused"
+    );
+    assert_eq!(pause(&full, "Resumed").0, 204);
+    let verify = run(&full, command("verify", GIB, GIB + (1 << 20), 5));
+    assert_eq!(verify.1["result"], json!("ok"), "{verify:?}");
+    // And runs new commands.
+    assert_eq!(run(&full, command("write", GIB, GIB + (1 << 20), 7)).0, 200);
+    assert_eq!(
+        run(&full, command("verify", GIB, GIB + (1 << 20), 7)).1["result"],
+        json!("ok")
+    );
+    full.stop();
+
+    // The Diff merged onto the Full one is the VM at the Diff's point.
+    let state = SnapshotState::from_bytes(&std::fs::read(file("diff.state")).expect("state"))
+        .expect("a valid state file");
+    let base = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(file("full.mem"))
+        .expect("the base");
+    let diff = std::fs::File::open(file("diff.mem")).expect("the diff");
+    merge_memory_files(&state.layout, &base, &[diff]).expect("merged");
+    let merged = restored("restored-merged", "diff.state", "full.mem");
+    assert_eq!(pause(&merged, "Resumed").0, 204);
+    assert_eq!(
+        run(&merged, command("verify", GIB, GIB + (1 << 19), 6)).1["result"],
+        json!("ok")
+    );
+    assert_eq!(
+        run(
+            &merged,
+            command("verify", GIB + (1 << 19), GIB + (1 << 20), 5)
+        )
+        .1["result"],
+        json!("ok")
+    );
+    merged.stop();
+
+    // A state file with a byte flipped is refused before anything runs.
+    let mut bytes = std::fs::read(file("diff.state")).expect("state");
+    let middle = bytes.len() / 2;
+    bytes[middle] ^= 0x20;
+    std::fs::write(file("bad.state"), bytes).expect("write");
+    let mut config = ServeConfig::new(std::env::temp_dir().join(format!(
+        "tinyvmm-test-{}-bad-restore.sock",
+        std::process::id()
+    )));
+    config.restore = Some(RestoreFrom {
+        snapshot: file("bad.state"),
+        mem_file: file("full.mem"),
+    });
+    let err = serve(&config, || {}).expect_err("refused");
+    assert!(err.to_string().contains("checksum"), "{err}");
+    let _ = std::fs::remove_dir_all(&dir);
 }

@@ -116,6 +116,10 @@ pub fn route(request: &Request) -> Result<ControllerRequest, Response> {
             "PUT" => Ok(ControllerRequest::Guest(body(request)?)),
             _ => Err(method_not_allowed(method, path, "PUT")),
         },
+        ["snapshot", "create"] => match method {
+            "PUT" => Ok(ControllerRequest::CreateSnapshot(body(request)?)),
+            _ => Err(method_not_allowed(method, path, "PUT")),
+        },
         ["vm"] => match method {
             "GET" => Ok(ControllerRequest::GetVm),
             "PATCH" => Ok(ControllerRequest::PatchVm(body(request)?)),

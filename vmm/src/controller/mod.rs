@@ -8,16 +8,21 @@ pub mod hotplug;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
-use kvm_memslots::{Backing, RegionId, RegionSpec, Target, PAGE_SIZE};
+use std::fs::File;
+use std::os::unix::fs::FileExt;
+
+use kvm_memslots::snapshot::{write_dirty_pages, write_memory_file, MemoryLayout};
+use kvm_memslots::{Backing, DirtyPages, RegionId, RegionSpec, Target, PAGE_SIZE};
 use vm_memory::GuestAddress;
 
 use crate::api::types::{
     AddRegion, BackingKind, DirtyLogInfo, DirtyLogSwitch, DirtyRate, DirtyRegion, GuestCommand,
     GuestCommandResult, GuestOp, Harvest, HarvestInfo, HotplugConfig, HotplugInfo, HotplugRequest,
     Limits, MemoryInfo, MemoryUse, PatchRegion, RegionAdded, RegionInfo, RunState, SlotCounts,
-    VmAction, VmActionType, VmInfo, VmStatePatch, VmStateRequest,
+    SnapshotCreate, SnapshotType, VmAction, VmActionType, VmInfo, VmStatePatch, VmStateRequest,
 };
 use crate::test_guest::area::{check_area, TestArea};
+use crate::test_guest::snapshot::{SnapshotState, STATE_VERSION};
 use crate::test_guest::vcpus::{GuestError, TestVm, Vcpus};
 use crate::test_guest::{self, Command, Op};
 pub use error::{ControllerError, ErrorKind};
@@ -58,6 +63,8 @@ pub enum Request {
     GetVm,
     /// Pause or resume.
     PatchVm(VmStatePatch),
+    /// Save the (paused) VM's state and memory.
+    CreateSnapshot(SnapshotCreate),
     /// Stop the VMM.
     Act(VmAction),
 }
@@ -99,6 +106,9 @@ pub struct Controller {
     last_harvest: Option<std::time::Instant>,
     /// The dirty rate between the last two harvests of every region.
     dirty_rate: Option<DirtyRate>,
+    /// The layout of the last snapshot, and the pages harvested for a diff that failed (kept
+    /// for the next one).
+    snapshot_base: Option<(MemoryLayout, Vec<DirtyPages>)>,
     /// Set when the VMM is asked to stop while a request runs (SIGINT/SIGTERM): long requests
     /// stop at their next safe point.
     interrupt: &'static AtomicBool,
@@ -120,7 +130,16 @@ impl Controller {
             harvests: 0,
             last_harvest: None,
             dirty_rate: None,
+            snapshot_base: None,
             interrupt: crate::lifecycle::termination_signal(),
+        }
+    }
+
+    /// The VM starts paused (a restored VM: `PATCH /vm {"state": "Resumed"}` continues it).
+    pub fn paused(self) -> Self {
+        Controller {
+            state: RunState::Paused,
+            ..self
         }
     }
 
@@ -194,6 +213,7 @@ impl Controller {
                 };
                 Ok(Reply::Done)
             }
+            Request::CreateSnapshot(create) => self.create_snapshot(create).map(|()| Reply::Done),
             Request::Act(VmAction {
                 action_type: VmActionType::Stop,
             }) => {
@@ -511,6 +531,92 @@ impl Controller {
         })
     }
 
+    fn create_snapshot(&mut self, create: SnapshotCreate) -> Result<(), ControllerError> {
+        if self.state != RunState::Paused {
+            return Err(ControllerError::bad(
+                "the VM is running: pause it first with PATCH /vm {\"state\": \"Paused\"}",
+            ));
+        }
+        let memory = Arc::clone(self.vm.memory());
+        if create.snapshot_type == SnapshotType::Diff && self.snapshot_base.is_none() {
+            return Err(ControllerError::bad(
+                "no snapshot to diff against: take a Full snapshot first",
+            ));
+        }
+        let files = new_files(&[&create.snapshot_path, &create.mem_file_path])?;
+        let (state_file, mem_file) = (&files[0].1, &files[1].1);
+        let written = self.write_snapshot(&memory, create.snapshot_type, state_file, mem_file);
+        if written.is_err() {
+            // A failed snapshot leaves no file behind.
+            for (path, _) in &files {
+                let _ = std::fs::remove_file(path);
+            }
+        }
+        written
+    }
+
+    fn write_snapshot(
+        &mut self,
+        memory: &kvm_memslots::MemoryManager<kvm_memslots::KvmVm>,
+        kind: SnapshotType,
+        state_file: &File,
+        mem_file: &File,
+    ) -> Result<(), ControllerError> {
+        let failed = |e: &dyn std::fmt::Display| {
+            ControllerError::internal(format!("the snapshot failed: {e}"))
+        };
+        match kind {
+            SnapshotType::Full => {
+                // The harvest below takes the dirty bits a Diff against an earlier base would
+                // need: until this Full is written, there is no base.
+                self.snapshot_base = None;
+                // Logging on every region from now on, so that a Diff can follow; what was
+                // dirty before is in the full image.
+                memory.start_dirty_log(Target::All)?;
+                memory.harvest_dirty(Target::All)?;
+                let layout = MemoryLayout::of(memory);
+                write_memory_file(memory, &layout, mem_file).map_err(|e| failed(&e))?;
+                self.snapshot_base = Some((layout, Vec::new()));
+            }
+            SnapshotType::Diff => {
+                let layout = MemoryLayout::of(memory);
+                let (base, carried) = self.snapshot_base.as_mut().expect("checked by the caller");
+                if *base != layout {
+                    return Err(ControllerError::conflict(
+                        "the memory layout changed since the last snapshot: take a Full snapshot",
+                    ));
+                }
+                let mut dirty = std::mem::take(carried);
+                match memory.harvest_dirty(Target::All) {
+                    Ok(now) => dirty.extend(now),
+                    Err(e) => {
+                        *carried = dirty;
+                        return Err(e.into());
+                    }
+                }
+                if let Err(e) = write_dirty_pages(memory, &layout, &dirty, mem_file) {
+                    // Every page harvested goes into the next diff.
+                    *carried = dirty;
+                    return Err(failed(&e));
+                }
+            }
+        }
+        let vcpus = self.vcpus.as_mut().ok_or_else(|| {
+            ControllerError::new(ErrorKind::Unavailable, "the VM is shutting down")
+        })?;
+        let states = vcpus.save_states().map_err(|e| failed(&e))?;
+        let layout = MemoryLayout::of(memory);
+        let state = SnapshotState {
+            version: STATE_VERSION,
+            layout,
+            vcpus: states,
+        };
+        state_file
+            .write_all_at(&state.to_bytes(), 0)
+            .map_err(|e| failed(&e))?;
+        Ok(())
+    }
+
     fn dirty_log_info(&self) -> DirtyLogInfo {
         let memory = self.vm.memory();
         let ring_entries = memory.kvm().ring_entries();
@@ -711,6 +817,33 @@ impl Controller {
             Err(e) => Err(ControllerError::internal(e)),
         }
     }
+}
+
+/// Creates each of `paths` (which must not exist), or none of them.
+fn new_files(
+    paths: &[&std::path::Path],
+) -> Result<Vec<(std::path::PathBuf, File)>, ControllerError> {
+    let mut files = Vec::with_capacity(paths.len());
+    for path in paths {
+        match File::options()
+            .read(true)
+            .write(true)
+            .create_new(true)
+            .open(path)
+        {
+            Ok(file) => files.push((path.to_path_buf(), file)),
+            Err(e) => {
+                for (made, _) in &files {
+                    let _ = std::fs::remove_file(made);
+                }
+                return Err(ControllerError::bad(format!(
+                    "cannot create {}: {e} (snapshot files must not exist)",
+                    path.display()
+                )));
+            }
+        }
+    }
+    Ok(files)
 }
 
 fn target(region: Option<u64>) -> Target {

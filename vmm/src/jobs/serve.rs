@@ -12,6 +12,7 @@ use crate::api::server::{bind_api_socket, ApiServer, SocketError, DEFAULT_IDLE_T
 use crate::controller::Controller;
 use crate::lifecycle::{Ending, EventLoop, LoopError};
 use crate::test_guest::area::{AreaError, TestArea, AREA_GPA};
+use crate::test_guest::snapshot::SnapshotState;
 use crate::test_guest::vcpus::{GuestError, TestVm};
 use crate::vm::VmOptions;
 use kvm_memslots::MemoryLimits;
@@ -31,6 +32,14 @@ pub enum ServeError {
     /// The event loop failed.
     #[error(transparent)]
     Loop(#[from] LoopError),
+    /// A snapshot file could not be read or is not valid.
+    #[error("cannot restore from {path}: {reason}")]
+    Restore {
+        /// The file.
+        path: PathBuf,
+        /// What is wrong.
+        reason: String,
+    },
 }
 
 /// What `tinyvmm serve` starts with.
@@ -50,6 +59,17 @@ pub struct ServeConfig {
     pub limits: Option<MemoryLimits>,
     /// Harvest from per-vCPU dirty rings of this many entries instead of per-slot bitmaps.
     pub dirty_ring: Option<u32>,
+    /// Serve a VM restored from this snapshot (paused) instead of a new one.
+    pub restore: Option<RestoreFrom>,
+}
+
+/// The files of a snapshot to restore from.
+#[derive(Debug, Clone)]
+pub struct RestoreFrom {
+    /// The state file (`snapshot_path` of `PUT /snapshot/create`).
+    pub snapshot: PathBuf,
+    /// The memory file (`mem_file_path`; with Diff snapshots, merged onto the Full first).
+    pub mem_file: PathBuf,
 }
 
 impl ServeConfig {
@@ -64,6 +84,7 @@ impl ServeConfig {
             idle_timeout: DEFAULT_IDLE_TIMEOUT,
             limits: None,
             dirty_ring: None,
+            restore: None,
         }
     }
 }
@@ -107,22 +128,52 @@ fn serve_on(
     ready: impl FnOnce(),
 ) -> Result<Ending, ServeError> {
     let mut event_loop = EventLoop::new()?;
-    let vm = TestVm::with_options(VmOptions {
+    let options = VmOptions {
         limits: config.limits,
         dirty_ring: config.dirty_ring,
         ..VmOptions::default()
-    })?;
-    if config.area_size > 0 && config.slots > 1 {
-        TestArea::add(
-            vm.memory(),
-            AREA_GPA,
-            config.area_size,
-            config.slots as u64 - 1,
-        )?;
-    }
-    let vcpus = vm.start_vcpus(config.vcpus, &event_loop.context().vcpu_stopped)?;
+    };
+    let stopped = &event_loop.context().vcpu_stopped;
+    let controller = match &config.restore {
+        None => {
+            let vm = TestVm::with_options(options)?;
+            if config.area_size > 0 && config.slots > 1 {
+                TestArea::add(
+                    vm.memory(),
+                    AREA_GPA,
+                    config.area_size,
+                    config.slots as u64 - 1,
+                )?;
+            }
+            let vcpus = vm.start_vcpus(config.vcpus, stopped)?;
+            Controller::new(vm, vcpus)
+        }
+        Some(from) => {
+            // Nothing runs until every byte is loaded and every vCPU has its state.
+            let read = |path: &PathBuf| {
+                std::fs::read(path).map_err(|source| ServeError::Restore {
+                    path: path.clone(),
+                    reason: source.to_string(),
+                })
+            };
+            let state = SnapshotState::from_bytes(&read(&from.snapshot)?).map_err(|e| {
+                ServeError::Restore {
+                    path: from.snapshot.clone(),
+                    reason: e.to_string(),
+                }
+            })?;
+            let mem_file =
+                std::fs::File::open(&from.mem_file).map_err(|source| ServeError::Restore {
+                    path: from.mem_file.clone(),
+                    reason: source.to_string(),
+                })?;
+            let vm = TestVm::restore(&state.layout, &mem_file, options)?;
+            let vcpus = vm.start_restored_vcpus(&state.vcpus, stopped)?;
+            Controller::new(vm, vcpus).paused()
+        }
+    };
     let server = Arc::new(Mutex::new(
-        ApiServer::new(listener, Controller::new(vm, vcpus)).with_idle_timeout(config.idle_timeout),
+        ApiServer::new(listener, controller).with_idle_timeout(config.idle_timeout),
     ));
     event_loop.add(server.clone());
     let stop = Arc::clone(&event_loop.context().stop);

@@ -39,6 +39,7 @@ impl VcpuPorts for LinuxPorts {
 
     fn write(
         &mut self,
+        _: &kvm_ioctls::VcpuFd,
         device: LegacyDevice,
         offset: u16,
         data: &[u8],

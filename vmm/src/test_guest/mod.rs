@@ -5,6 +5,7 @@ pub mod area;
 pub mod command;
 pub mod layout;
 pub mod ports;
+pub mod snapshot;
 pub mod vcpus;
 
 pub use command::{pattern, Command, CommandBlock, Fault, Op, Outcome};

@@ -10,7 +10,9 @@ use super::command::Fault;
 use super::layout::port;
 use crate::vm::exit::ExitError;
 use crate::vm::ports::{PortBus, Unmapped};
+use crate::vm::state::{StateError, VcpuState};
 use crate::vm::vcpu::{Flow, VcpuPorts};
+use kvm_ioctls::VcpuFd;
 
 /// A protocol port of the test guest.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -73,15 +75,44 @@ pub enum VcpuEvent {
     Failed(VcpuError),
 }
 
+/// What the host sends a vCPU that waits between commands.
+#[derive(Debug)]
+pub enum GoAhead {
+    /// Enter the guest again (a command was posted, or the VMM is stopping).
+    Resume,
+    /// Send the vCPU's state, and keep waiting.
+    SaveState(Sender<Result<VcpuState, StateError>>),
+}
+
 /// A test-guest vCPU's side of the command protocol.
 #[derive(Debug)]
 pub struct TestGuestPorts {
     /// Where the vCPU reports finished commands.
     pub events: Sender<VcpuEvent>,
     /// The host's go-ahead after [`VcpuEvent::Done`].
-    pub resume: Receiver<()>,
+    pub resume: Receiver<GoAhead>,
     /// The guest's memory, to read the fault block.
     pub memory: Arc<MemoryManager<KvmVm>>,
+    /// Wait for a go-ahead before first entering the guest (a restored guest, saved between
+    /// commands).
+    pub parked: bool,
+}
+
+impl TestGuestPorts {
+    /// Waits for the host's go-ahead, saving the vCPU's state whenever asked meanwhile.
+    fn wait(&mut self, vcpu: &VcpuFd) -> Flow {
+        loop {
+            match self.resume.recv() {
+                Ok(GoAhead::Resume) => return Flow::Continue,
+                // Out of KVM_RUN and idle: the state is stable.
+                Ok(GoAhead::SaveState(reply)) => {
+                    let _ = reply.send(VcpuState::save(vcpu));
+                }
+                // The host is gone: nobody will post another command.
+                Err(_) => return Flow::Stop,
+            }
+        }
+    }
 }
 
 impl VcpuPorts for TestGuestPorts {
@@ -92,6 +123,13 @@ impl VcpuPorts for TestGuestPorts {
         bus()
     }
 
+    fn before_run(&mut self, vcpu: &VcpuFd) -> Flow {
+        if std::mem::take(&mut self.parked) {
+            return self.wait(vcpu);
+        }
+        Flow::Continue
+    }
+
     fn read(&mut self, device: GuestPort, _: u16, _: &mut [u8]) -> Result<Flow, GuestPortError> {
         Err(GuestPortError::Read(ExitError::UnexpectedPort {
             port: device.number(),
@@ -99,15 +137,20 @@ impl VcpuPorts for TestGuestPorts {
         }))
     }
 
-    fn write(&mut self, device: GuestPort, _: u16, _: &[u8]) -> Result<Flow, GuestPortError> {
+    fn write(
+        &mut self,
+        vcpu: &VcpuFd,
+        device: GuestPort,
+        _: u16,
+        _: &[u8],
+    ) -> Result<Flow, GuestPortError> {
         match device {
             GuestPort::Done => {
                 // Waiting for the next command may take long; the loop holds no map version.
-                if self.events.send(VcpuEvent::Done).is_err() || self.resume.recv().is_err() {
-                    // The host is gone: nobody will post another command.
+                if self.events.send(VcpuEvent::Done).is_err() {
                     return Ok(Flow::Stop);
                 }
-                Ok(Flow::Continue)
+                Ok(self.wait(vcpu))
             }
             GuestPort::Exit => Ok(Flow::Stop),
             GuestPort::Fault => Err(GuestPortError::Fault(Fault::read(&*self.memory.snapshot()))),

@@ -7,14 +7,17 @@ use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
+use kvm_memslots::snapshot::{load_memory_file, MemoryLayout, SnapshotError};
 use kvm_memslots::{KvmVm, MemoryManager, RegionId, RegionSpec};
 use vm_memory::GuestAddress;
 use vmm_sys_util::eventfd::EventFd;
 
-use super::ports::{TestGuestPorts, VcpuError, VcpuEvent};
+use super::ports::{GoAhead, TestGuestPorts, VcpuError, VcpuEvent};
 use crate::test_guest::{self, Command, CommandBlock, Op, Outcome};
+use crate::vm::state::{StateError, VcpuState};
 use crate::vm::vcpu::{kick_until_finished, Vcpu, VcpuShared};
 use crate::vm::{Vm, VmError, VmOptions};
+use kvm_ioctls::VcpuFd;
 
 /// Why the test guest's VM could not be set up or driven.
 #[derive(Debug, thiserror::Error)]
@@ -42,6 +45,18 @@ pub enum GuestError {
         /// KVM's limit.
         max: usize,
     },
+    /// A snapshot could not be read or loaded.
+    #[error(transparent)]
+    Snapshot(#[from] SnapshotError),
+    /// A restored layout has no system region at guest address 0.
+    #[error("the snapshot's layout has no test-guest system region at guest address 0")]
+    NoSystemRegion,
+    /// A vCPU's state could not be read or set.
+    #[error(transparent)]
+    State(#[from] StateError),
+    /// A vCPU is running a command, or stopped: its state cannot be saved.
+    #[error("vCPU {0} is busy or stopped: its state can be saved only between commands")]
+    Busy(usize),
     /// A vCPU thread could not be started.
     #[error("starting vCPU thread {vcpu} failed: {source}")]
     Thread {
@@ -169,6 +184,26 @@ impl TestVm {
         Ok(TestVm { vm, system })
     }
 
+    /// A VM restored from a snapshot: the saved layout's regions (the system region among
+    /// them) in fresh memory, loaded from `memory_file`. Start its vCPUs with
+    /// [`start_restored_vcpus`](Self::start_restored_vcpus).
+    pub fn restore(
+        layout: &MemoryLayout,
+        memory_file: &std::fs::File,
+        options: VmOptions,
+    ) -> Result<Self, GuestError> {
+        let vm = Vm::new(options)?;
+        let ids = layout.build(vm.memory())?;
+        load_memory_file(vm.memory(), layout, memory_file)?;
+        let system = layout
+            .regions
+            .iter()
+            .position(|r| r.gpa == 0 && r.size == test_guest::SYSTEM_SIZE)
+            .map(|i| ids[i])
+            .ok_or(GuestError::NoSystemRegion)?;
+        Ok(TestVm { vm, system })
+    }
+
     /// The generic VM.
     pub fn vm(&self) -> &Vm {
         &self.vm
@@ -198,6 +233,42 @@ impl TestVm {
     /// Creates `count` vCPUs in the guest's boot state and starts their threads; returns once
     /// each guest reported ready.
     pub fn start_vcpus(&self, count: usize, stopped: &Arc<EventFd>) -> Result<Vcpus, GuestError> {
+        let mut vcpus = self.spawn_vcpus(count, stopped, false, |index, fd| {
+            let sregs = fd.get_sregs().map_err(VmError::setup("KVM_GET_SREGS"))?;
+            fd.set_sregs(&test_guest::boot_sregs(sregs))
+                .map_err(VmError::setup("KVM_SET_SREGS"))?;
+            fd.set_regs(&test_guest::boot_regs(index))
+                .map_err(VmError::setup("KVM_SET_REGS"))?;
+            Ok(())
+        })?;
+        for index in 0..count {
+            vcpus.wait_event(index, Op::Write)?;
+        }
+        Ok(vcpus)
+    }
+
+    /// Creates one vCPU per saved state, gives each its state, and starts their threads parked:
+    /// each enters the guest at its first command (the guests were saved between commands,
+    /// past reporting ready).
+    pub fn start_restored_vcpus(
+        &self,
+        states: &[VcpuState],
+        stopped: &Arc<EventFd>,
+    ) -> Result<Vcpus, GuestError> {
+        self.spawn_vcpus(states.len(), stopped, true, |index, fd| {
+            Ok(states[index].restore(fd)?)
+        })
+    }
+
+    /// Creates `count` vCPUs, sets each up with `init`, and starts their threads (`parked`:
+    /// waiting for a go-ahead before they first enter the guest).
+    fn spawn_vcpus(
+        &self,
+        count: usize,
+        stopped: &Arc<EventFd>,
+        parked: bool,
+        init: impl Fn(usize, &VcpuFd) -> Result<(), GuestError>,
+    ) -> Result<Vcpus, GuestError> {
         if count == 0 || count > test_guest::MAX_VCPUS {
             return Err(GuestError::TooManyVcpus(count));
         }
@@ -210,11 +281,7 @@ impl TestVm {
         };
         for index in 0..count {
             let fd = self.vm.create_vcpu(index)?;
-            let sregs = fd.get_sregs().map_err(VmError::setup("KVM_GET_SREGS"))?;
-            fd.set_sregs(&test_guest::boot_sregs(sregs))
-                .map_err(VmError::setup("KVM_SET_SREGS"))?;
-            fd.set_regs(&test_guest::boot_regs(index))
-                .map_err(VmError::setup("KVM_SET_REGS"))?;
+            init(index, &fd)?;
             let (events_tx, events) = channel();
             let (resume, resume_rx) = channel();
             let shared = Arc::new(VcpuShared::default());
@@ -227,6 +294,7 @@ impl TestVm {
                     events: events_tx.clone(),
                     resume: resume_rx,
                     memory: Arc::clone(memory),
+                    parked,
                 },
             };
             let thread = vcpu
@@ -252,9 +320,6 @@ impl TestVm {
                 wedged: false,
             });
         }
-        for index in 0..count {
-            vcpus.wait_event(index, Op::Write)?;
-        }
         Ok(vcpus)
     }
 }
@@ -265,7 +330,7 @@ struct VcpuThread {
     shared: Arc<VcpuShared>,
     events: Receiver<VcpuEvent>,
     /// The go-ahead after a command; dropped at shutdown so that a waiting vCPU leaves.
-    resume: Option<Sender<()>>,
+    resume: Option<Sender<GoAhead>>,
     block: CommandBlock,
     /// The command the guest is running, if any.
     running: Option<Command>,
@@ -317,8 +382,28 @@ impl Vcpus {
         vcpu.posted = vcpu.block.post(&*self.memory.snapshot(), &command);
         // A vCPU that stopped has dropped its receiver; `wait` reports why.
         if let Some(resume) = &vcpu.resume {
-            let _ = resume.send(());
+            let _ = resume.send(GoAhead::Resume);
         }
+    }
+
+    /// Every vCPU's state, read by its own thread while it waits between commands.
+    pub fn save_states(&mut self) -> Result<Vec<VcpuState>, GuestError> {
+        let mut states = Vec::with_capacity(self.threads.len());
+        for (index, vcpu) in self.threads.iter().enumerate() {
+            let resume = match &vcpu.resume {
+                Some(resume) if vcpu.running.is_none() && !vcpu.wedged => resume,
+                _ => return Err(GuestError::Busy(index)),
+            };
+            let (reply, state) = channel();
+            if resume.send(GoAhead::SaveState(reply)).is_err() {
+                return Err(GuestError::Stopped(index));
+            }
+            match state.recv_timeout(Duration::from_secs(10)) {
+                Ok(state) => states.push(state?),
+                Err(_) => return Err(GuestError::Busy(index)),
+            }
+        }
+        Ok(states)
     }
 
     /// Asks vCPU `index`'s write loop to end after its current pass.
@@ -419,7 +504,7 @@ impl Vcpus {
             if vcpu.running.is_none() && !vcpu.wedged {
                 vcpu.block.post(&*self.memory.snapshot(), &Command::exit());
                 if let Some(resume) = &vcpu.resume {
-                    let _ = resume.send(());
+                    let _ = resume.send(GoAhead::Resume);
                 }
             } else {
                 vcpu.block.stop(&*self.memory.snapshot());

@@ -4,6 +4,7 @@
 
 pub mod exit;
 pub mod ports;
+pub mod state;
 pub mod vcpu;
 
 use std::sync::{Arc, Mutex};

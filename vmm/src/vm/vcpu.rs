@@ -106,6 +106,13 @@ pub trait VcpuPorts: Send {
     /// The port bus the exit handler routes accesses with.
     fn bus(&self) -> &PortBus<Self::Device>;
 
+    /// Called once on the vCPU's thread before it first enters the guest; `Stop` ends the
+    /// vCPU there.
+    fn before_run(&mut self, vcpu: &VcpuFd) -> Flow {
+        let _ = vcpu;
+        Flow::Continue
+    }
+
     /// The guest reads `data.len()` bytes from `device` at `offset`: fill `data`.
     fn read(
         &mut self,
@@ -114,9 +121,12 @@ pub trait VcpuPorts: Send {
         data: &mut [u8],
     ) -> Result<Flow, Self::Error>;
 
-    /// The guest writes `data` to `device` at `offset`.
+    /// The guest writes `data` to `device` at `offset`. `vcpu` is the vCPU, out of
+    /// `KVM_RUN`: a device that blocks here (the test guest between commands) may read or set
+    /// its state meanwhile.
     fn write(
         &mut self,
+        vcpu: &VcpuFd,
         device: Self::Device,
         offset: u16,
         data: &[u8],
@@ -251,6 +261,9 @@ impl<P: VcpuPorts> Vcpu<P> {
             shared,
             mut ports,
         } = self;
+        if ports.before_run(&fd) == Flow::Stop {
+            return Ok(());
+        }
         loop {
             if shared.stop_requested() {
                 return Ok(());
@@ -356,7 +369,14 @@ impl<P: VcpuPorts> Vcpu<P> {
                     let Exit::IoOut { data, .. } = exit else {
                         unreachable!("a port write comes from an IoOut exit")
                     };
-                    ports.write(device, offset, data).map_err(device_error)?
+                    // A port write is at most 4 bytes: copy it out of the run area, so that
+                    // the device may use the vCPU itself.
+                    let mut bytes = [0u8; 8];
+                    let len = data.len().min(bytes.len());
+                    bytes[..len].copy_from_slice(&data[..len]);
+                    ports
+                        .write(&fd, device, offset, &bytes[..len])
+                        .map_err(device_error)?
                 }
                 ExitAction::Fatal(ExitError::InternalError) => {
                     let kvm_run = fd.get_kvm_run();
