@@ -1197,3 +1197,201 @@ fn a_ring_harvest_held_in_kvm_lets_changes_through_and_loses_no_page() {
     assert_eq!(reported, written);
     assert_mirrored_gated(&m);
 }
+
+/// What the concurrency test's threads share.
+#[derive(Default)]
+struct Race {
+    /// Changes attempted so far by the writer thread.
+    changes: AtomicU64,
+    writer_done: std::sync::atomic::AtomicBool,
+    /// A harvest waited in vain for a change to complete while it was inside KVM.
+    stalled: std::sync::atomic::AtomicBool,
+    harvester: std::sync::OnceLock<thread::ThreadId>,
+    calls: AtomicU64,
+    /// Logical time: each completed guest write and each returned harvest takes a tick.
+    clock: AtomicU64,
+}
+
+impl Race {
+    /// Every third dirty-log or ring call of the harvester waits inside KVM until the writer
+    /// completes a change: it proves that changes go on while a harvest is half-way.
+    fn rendezvous(&self) {
+        if self.harvester.get() != Some(&thread::current().id())
+            || self.calls.fetch_add(1, Ordering::Relaxed) % 3 != 0
+            || self.stalled.load(Ordering::Relaxed)
+        {
+            return;
+        }
+        let before = self.changes.load(Ordering::SeqCst);
+        let start = std::time::Instant::now();
+        while self.changes.load(Ordering::SeqCst) == before
+            && !self.writer_done.load(Ordering::SeqCst)
+        {
+            if start.elapsed() > CHANGE_PATIENCE {
+                self.stalled.store(true, Ordering::SeqCst);
+                return;
+            }
+            thread::sleep(Duration::from_micros(50));
+        }
+    }
+}
+
+/// A tiny deterministic generator (xorshift64).
+struct Rng(u64);
+
+impl Rng {
+    fn below(&mut self, n: u64) -> u64 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        self.0 % n
+    }
+}
+
+/// A writer thread making random changes, a guest writing random pages through the fake, and
+/// a harvester, all at once. Checked at the end, for every page of a region that still exists:
+/// if the guest's last write to it hit a logging slot (known exactly: no change was applied to
+/// KVM between the guest's look at the map and its write), some harvest that *returned* after
+/// that write reported the page. (A harvest in flight during the write may be the one: a write
+/// between its read and its clear of the log is covered by its report only.) And changes
+/// complete while a harvest is inside KVM (`Race::rendezvous`).
+fn random_changes_writes_and_harvests(kvm: FakeKvm, seed: u64) {
+    let ring = kvm.dirty_ring();
+    let race = Arc::new(Race::default());
+    let gate = Gate::new(kvm);
+    let hook_race = Arc::clone(&race);
+    let _ = gate
+        .hook
+        .set(Box::new(move |_call: FakeCall| hook_race.rendezvous()));
+    let m: GatedManager = MemoryManager::new(gate);
+    for i in 0..3 {
+        m.add_region(logging(region((1 + 2 * i) * MIB, 2))).unwrap();
+    }
+    type Pages = BTreeMap<(RegionId, u64), u64>;
+    let (writes, reports) = thread::scope(|scope| {
+        let writer = scope.spawn(|| {
+            let mut rng = Rng(seed);
+            for _ in 0..150 {
+                let regions = m.regions();
+                let pick = |rng: &mut Rng| regions[rng.below(regions.len() as u64) as usize].id;
+                let gpa = GuestAddress((1 + rng.below(12)) * MIB);
+                let result = match rng.below(7) {
+                    _ if regions.is_empty() => m.add_region(region(gpa.0, 2)).map(drop),
+                    0 | 1 => {
+                        let spec = region(gpa.0, 1 + rng.below(3));
+                        let spec = if rng.below(2) == 0 {
+                            logging(spec)
+                        } else {
+                            spec
+                        };
+                        m.add_region(spec).map(drop)
+                    }
+                    2 => m.remove_region(pick(&mut rng)),
+                    3 => m.move_region(pick(&mut rng), gpa),
+                    4 => {
+                        let r = pick(&mut rng);
+                        let ro = m.regions().iter().any(|i| i.id == r && i.flags.read_only);
+                        m.set_read_only(r, !ro)
+                    }
+                    5 => m.start_dirty_log(Target::Region(pick(&mut rng))),
+                    _ => m.stop_dirty_log(Target::Region(pick(&mut rng))),
+                };
+                if let Err(e) = result {
+                    assert!(e.is_caller_error(), "{e}");
+                }
+                race.changes.fetch_add(1, Ordering::SeqCst);
+                thread::sleep(Duration::from_micros(200));
+            }
+            race.writer_done.store(true, Ordering::SeqCst);
+        });
+        let guest = scope.spawn(|| {
+            let mut rng = Rng(seed ^ 0x5555);
+            let mut writes = Pages::new();
+            while !race.writer_done.load(Ordering::SeqCst) {
+                let before = m.change_sequence();
+                let map = m.snapshot();
+                let slots: Vec<_> = map.map().iter().cloned().collect();
+                if before % 2 == 1 || slots.is_empty() {
+                    continue;
+                }
+                let slot = &slots[rng.below(slots.len() as u64) as usize];
+                if slot.flags().read_only {
+                    continue;
+                }
+                if ring && m.kvm().inner.ring_full() {
+                    // As a vCPU exiting with KVM_EXIT_DIRTY_RING_FULL.
+                    m.collect_dirty_rings().unwrap();
+                }
+                let page = rng.below(slot.size() / PAGE_SIZE);
+                // Misses when a change moved or removed the slot since the look at the map.
+                let hit = m.kvm().inner.guest_write(slot.gpa().0 + page * PAGE_SIZE);
+                let at = race.clock.fetch_add(1, Ordering::SeqCst) + 1;
+                if m.change_sequence() == before && slot.flags().log_dirty {
+                    assert!(hit, "no change, yet the slot was not there");
+                    let page = slot.payload().offset() / PAGE_SIZE + page;
+                    writes.insert((slot.payload().region(), page), at);
+                }
+            }
+            writes
+        });
+        let harvester = scope.spawn(|| {
+            race.harvester.set(thread::current().id()).unwrap();
+            let mut rng = Rng(seed ^ 0xaaaa);
+            let mut reports = Pages::new();
+            while !race.writer_done.load(Ordering::SeqCst) {
+                let target = match m.regions() {
+                    r if r.is_empty() || rng.below(3) == 0 => Target::All,
+                    r => Target::Region(r[rng.below(r.len() as u64) as usize].id),
+                };
+                let harvested = match m.harvest_dirty(target) {
+                    Err(Error::UnknownRegion(_)) => continue,
+                    other => other.unwrap(),
+                };
+                let at = race.clock.fetch_add(1, Ordering::SeqCst) + 1;
+                for d in &harvested {
+                    for page in (0..d.pages).filter(|p| d.is_dirty(*p)) {
+                        reports.insert((d.region, page), at);
+                    }
+                }
+            }
+            reports
+        });
+        writer.join().unwrap();
+        (guest.join().unwrap(), harvester.join().unwrap())
+    });
+    assert!(
+        !race.stalled.load(Ordering::SeqCst),
+        "a change waited for a harvest that was inside KVM (the writer lock?)"
+    );
+    // A last harvest, after everything.
+    let mut reports = reports;
+    let at = race.clock.fetch_add(1, Ordering::SeqCst) + 1;
+    for d in m.harvest_dirty(Target::All).unwrap() {
+        for page in (0..d.pages).filter(|p| d.is_dirty(*p)) {
+            reports.insert((d.region, page), at);
+        }
+    }
+    let live: Vec<RegionId> = m.regions().iter().map(|r| r.id).collect();
+    let mut checked = 0;
+    for ((region, page), written) in &writes {
+        if !live.contains(region) {
+            continue;
+        }
+        checked += 1;
+        let reported = reports.get(&(*region, *page)).copied().unwrap_or(0);
+        assert!(
+            reported > *written,
+            "region {region} page {page}: last written at {written}, last reported at {reported}"
+        );
+    }
+    assert!(checked > 0, "the guest wrote nothing checkable");
+    assert!(race.changes.load(Ordering::SeqCst) == 150);
+    assert_mirrored_gated(&m);
+}
+
+#[test]
+fn random_changes_lose_no_page_written_while_logging() {
+    random_changes_writes_and_harvests(FakeKvm::new(32, true), 0x1234_5678_9abc_def1);
+    random_changes_writes_and_harvests(FakeKvm::new(32, false), 0x0fed_cba9_8765_4321);
+    random_changes_writes_and_harvests(FakeKvm::with_dirty_ring(32, 4096), 0x1357_9bdf_2468_ace0);
+}
