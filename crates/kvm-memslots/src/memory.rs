@@ -18,6 +18,7 @@ use vm_memory::{
     VolatileSlice,
 };
 
+use crate::dirty::PendingBits;
 use crate::manager::State;
 use crate::{GuestMemoryMap, PAGE_SIZE};
 
@@ -203,18 +204,27 @@ fn new_memfd(size: u64) -> Result<File, MappingError> {
 pub struct SlotBacking {
     region: RegionId,
     memory: Arc<RegionMemory>,
+    /// The region's pending dirty bits (one `Arc` for all its slots): what makes a slot of a
+    /// map version lead a harvest to its region without the writer lock.
+    pending: Arc<PendingBits>,
     offset: u64,
     file_offset: Option<FileOffset>,
 }
 
 impl SlotBacking {
-    pub(crate) fn new(region: RegionId, memory: Arc<RegionMemory>, offset: u64) -> Self {
+    pub(crate) fn new(
+        region: RegionId,
+        memory: Arc<RegionMemory>,
+        pending: Arc<PendingBits>,
+        offset: u64,
+    ) -> Self {
         let file_offset = memory
             .file_offset()
             .map(|fo| FileOffset::from_arc(Arc::clone(fo.arc()), fo.start() + offset));
         SlotBacking {
             region,
             memory,
+            pending,
             offset,
             file_offset,
         }
@@ -233,6 +243,11 @@ impl SlotBacking {
     /// Offset of the slot's first byte in the region.
     pub fn offset(&self) -> u64 {
         self.offset
+    }
+
+    /// The region's pending dirty bits.
+    pub(crate) fn pending(&self) -> &Arc<PendingBits> {
+        &self.pending
     }
 }
 

@@ -1,15 +1,17 @@
 //! Dirty logging: switching KVM's log per region, reading it, and harvesting dirty pages.
 
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
 use memslot_map::{Change, SlotFlags, SlotId};
+use vm_memory::GuestAddress;
 
 use super::plan::{KvmOp, Step};
-use super::{region_slots, reserve, MemoryManager, Region, State, Target};
-use crate::dirty::{mark_range, or_bits, DirtyPages};
+use super::{region_slots, reserve, Harvestable, MemoryManager, State, Target, NO_LEASE};
+use crate::dirty::{DirtyPages, PendingBits};
 use crate::error::Error;
 use crate::kvm::{KvmMemory, KvmSlot};
-use crate::memory::RegionId;
+use crate::memory::{GuestSlotData, RegionId};
 use crate::GuestMemoryMap;
 use crate::PAGE_SIZE;
 
@@ -64,19 +66,13 @@ impl<K: KvmMemory> MemoryManager<K> {
             }
         });
         // Ring mode: KVM reports only writes from now on; as with an initially-set log in
-        // bitmap mode, the first harvest reports every page (room for the bits first).
+        // bitmap mode, the first harvest reports every page.
         let initially_set = on && self.kvm.dirty_ring();
-        if initially_set {
-            for id in &ids {
-                state.regions.get_mut(id).expect("listed above").pending()?;
-            }
-        }
         self.commit(&mut state, changes, &steps)?;
         if initially_set {
             for id in &ids {
-                let region = state.regions.get_mut(id).expect("listed above");
-                let pages = region.pages();
-                mark_range(region.pending()?, 0, pages);
+                let region = &state.regions[id];
+                region.pending().mark(0, region.size / PAGE_SIZE);
             }
         }
         for id in ids {
@@ -90,22 +86,21 @@ impl<K: KvmMemory> MemoryManager<K> {
         Ok(())
     }
 
-    /// Moves the dirty bits KVM logged for `slot` of region `id` into the region's pending
-    /// bits; with `clear` (and manual protection), clears exactly those bits in KVM so that the
-    /// pages are logged again. `log` is scratch space, reused from slot to slot.
+    /// Moves the dirty bits KVM logged for `slot` into `pending` (the slot's first page is
+    /// page `first` of its region); with `clear` (and manual protection), clears exactly those
+    /// bits in KVM so that the pages are logged again. `log` is scratch space, reused from
+    /// slot to slot. A bit is cleared in KVM only once it is in `pending`.
     fn fetch_slot_log(
         &self,
         id: RegionId,
-        region: &mut Region,
+        pending: &PendingBits,
         slot: &KvmSlot,
+        first: u64,
         clear: bool,
         log: &mut Vec<u64>,
     ) -> Result<(), Error> {
         let number = slot.slot;
         let pages = slot.size / PAGE_SIZE;
-        // Room for the bits first: once KVM's log is read, nothing may fail before they are
-        // kept (with manual protection KVM keeps them until cleared, but not without).
-        region.pending()?;
         let words = pages.div_ceil(64) as usize;
         log.clear();
         reserve(log, words, "a slot's dirty log")?;
@@ -120,8 +115,7 @@ impl<K: KvmMemory> MemoryManager<K> {
         if log.iter().all(|w| *w == 0) {
             return Ok(());
         }
-        let first = (slot.gpa - region.gpa.0) / PAGE_SIZE;
-        or_bits(region.pending()?, first, log, pages);
+        pending.or_bits(first, log, pages);
         if clear && self.kvm.manual_dirty_log() {
             // Clear exactly the pages read: a page dirtied since stays set in KVM.
             let pages = u32::try_from(pages).expect("KVM slots have fewer than 2^31 pages");
@@ -137,47 +131,42 @@ impl<K: KvmMemory> MemoryManager<K> {
     }
 
     /// Ring mode: moves every vCPU's published entries into the pending bits of the regions
-    /// they name (slot ids resolved in `current`), then resets the rings so that KVM reports
-    /// those pages again. A failure keeps every entry collected: in pending, or in the backlog
-    /// the next collection starts with.
-    pub(super) fn collect_rings(
-        &self,
-        state: &mut State,
-        current: &GuestMemoryMap,
-    ) -> Result<(), Error> {
-        let mut entries = std::mem::take(&mut state.ring_backlog);
+    /// they name (slot ids resolved in the latest version), then resets
+    /// the rings so that KVM reports those pages again. The entries are taken and attributed
+    /// under the rings lock, so that no slot number is released (and maybe reused) in between:
+    /// a change releases numbers only after its own drain, which waits for this one. A failed
+    /// collection still attributes what it took; a failed reset keeps every entry (in pending).
+    pub(super) fn collect_rings(&self) -> Result<(), Error> {
+        let rings = self.rings.lock().unwrap_or_else(|p| p.into_inner());
+        let mut entries = Vec::new();
         let collected = self
             .kvm
             .collect_dirty_rings(&mut |slot, offset| entries.push((slot, offset)));
-        if let Err(source) = collected {
-            state.ring_backlog = entries;
-            return Err(Error::DirtyRing {
-                op: "collecting",
-                source,
-            });
-        }
-        for (i, &(number, offset)) in entries.iter().enumerate() {
+        // Loaded after the entries were taken: every slot an entry can name (one that existed
+        // when the guest wrote, and whose number is not released yet) is in it, but for a
+        // slot being added, whose region's pages are all pending already. (A change's drain
+        // runs under the writer lock: this is then the version it is replacing.)
+        let map = self.current();
+        for &(number, offset) in &entries {
             // The high half of the slot field is the address space, always 0 here.
-            let slot = current
+            match map
                 .get(SlotId(number))
-                .filter(|s| number >> 16 == 0 && offset < s.size() / PAGE_SIZE);
-            let Some(slot) = slot else {
-                state.stray_ring_entries += 1;
-                continue;
-            };
-            let first = slot.payload().offset() / PAGE_SIZE;
-            let Some(region) = state.regions.get_mut(&slot.payload().region()) else {
-                state.stray_ring_entries += 1;
-                continue;
-            };
-            match region.pending() {
-                Ok(bits) => mark_range(bits, first + offset, 1),
-                Err(e) => {
-                    state.ring_backlog = entries[i..].to_vec();
-                    return Err(e);
+                .filter(|s| number >> 16 == 0 && offset < s.size() / PAGE_SIZE)
+            {
+                Some(slot) => {
+                    let first = slot.payload().offset() / PAGE_SIZE;
+                    slot.payload().pending().mark(first + offset, 1);
+                }
+                None => {
+                    self.stray_ring_entries.fetch_add(1, Ordering::Relaxed);
                 }
             }
         }
+        drop(rings);
+        collected.map_err(|source| Error::DirtyRing {
+            op: "collecting",
+            source,
+        })?;
         self.kvm
             .reset_dirty_rings()
             .map_err(|source| Error::DirtyRing {
@@ -188,14 +177,12 @@ impl<K: KvmMemory> MemoryManager<K> {
 
     /// Ring mode: collects the vCPUs' dirty rings into the regions' pending bits and resets
     /// them, as a vCPU's `KVM_EXIT_DIRTY_RING_FULL` asks; the next harvest reports the pages.
-    /// Nothing to do in bitmap mode.
+    /// Nothing to do in bitmap mode. Takes neither the writer lock nor the harvests' lock.
     pub fn collect_dirty_rings(&self) -> Result<(), Error> {
         if !self.kvm.dirty_ring() {
             return Ok(());
         }
-        let mut state = self.state();
-        let current = Arc::clone(state.current());
-        self.collect_rings(&mut state, &current)
+        self.collect_rings()
     }
 
     /// Keeps the log of the slot that `step` is about to free (no need to clear it in KVM).
@@ -211,9 +198,10 @@ impl<K: KvmMemory> MemoryManager<K> {
         };
         let region = state
             .regions
-            .get_mut(&step.region)
+            .get(&step.region)
             .expect("a step's region is in the table");
-        self.fetch_slot_log(step.region, region, &slot, false, log)
+        let first = (slot.gpa - region.gpa.0) / PAGE_SIZE;
+        self.fetch_slot_log(step.region, region.pending(), &slot, first, false, log)
     }
 
     /// The pages of the target regions written since the last harvest, by the guest (KVM's
@@ -221,43 +209,154 @@ impl<K: KvmMemory> MemoryManager<K> {
     ///
     /// If reading a log fails, the error is returned and every bit read so far is kept for the
     /// next harvest: no dirty page is ever lost.
+    ///
+    /// A harvest never takes the writer lock: it runs alongside changes (each waits for
+    /// neither), reaching the regions' pending bits from a map version. Harvests wait for one
+    /// another, so that two of them never split one dirty set. A page is reported more than
+    /// once only where a change re-created a logging slot (see `set_read_only`).
     pub fn harvest_dirty(&self, target: Target) -> Result<Vec<DirtyPages>, Error> {
-        let mut state = self.state();
-        let current = Arc::clone(state.current());
-        let ids = target_regions(&state, target)?;
-        let ring = self.kvm.dirty_ring();
-        if ring {
-            self.collect_rings(&mut state, &current)?;
-        }
-        let mut log = Vec::new();
-        for id in &ids {
-            let region = state.regions.get_mut(id).expect("listed above");
-            if region.flags.log_dirty && !ring {
-                for slot in region_slots(&current, region) {
-                    let slot = KvmSlot::from(slot.as_ref());
-                    self.fetch_slot_log(*id, region, &slot, true, &mut log)?;
+        let _serial = self.harvests.lock().unwrap_or_else(|p| p.into_inner());
+        let regions: Vec<(RegionId, Arc<Harvestable>)> = {
+            let directory = self.directory();
+            match target {
+                Target::All => directory
+                    .iter()
+                    .map(|(id, r)| (*id, Arc::clone(r)))
+                    .collect(),
+                Target::Region(id) => {
+                    let region = directory.get(&id).ok_or(Error::UnknownRegion(id))?;
+                    vec![(id, Arc::clone(region))]
                 }
             }
-            region.pending()?;
-            let vmm = region.memory.vmm_dirty_bitmap().get_and_reset();
-            let pages = region.pages();
-            or_bits(region.pending()?, 0, &vmm, pages);
+        };
+        if self.kvm.dirty_ring() {
+            self.collect_rings()?;
+        } else {
+            let mut log = Vec::new();
+            let fetched = regions
+                .iter()
+                .try_for_each(|(id, region)| self.fetch_region_logs(*id, region, &mut log));
+            self.leased.store(NO_LEASE, Ordering::SeqCst);
+            fetched?;
         }
-        Ok(ids
+        // Room for every region's bits before any is handed over: a failure takes none.
+        let mut bitmaps = Vec::new();
+        reserve_vecs(&mut bitmaps, regions.len())?;
+        for (_, region) in &regions {
+            let mut bitmap = Vec::new();
+            let words = region.pending.pages().div_ceil(64) as usize;
+            reserve(&mut bitmap, words, "a region's harvested dirty bits")?;
+            bitmaps.push(bitmap);
+        }
+        Ok(regions
             .into_iter()
-            .map(|id| {
-                let region = state.regions.get_mut(&id).expect("listed above");
-                let pages = region.pages();
+            .zip(bitmaps)
+            .map(|((id, region), mut bitmap)| {
+                let pages = region.pending.pages();
+                let vmm = region.memory.vmm_dirty_bitmap().get_and_reset();
+                region.pending.or_bits(0, &vmm, pages);
+                region
+                    .pending
+                    .take_into(&mut bitmap)
+                    .expect("room was reserved above");
                 DirtyPages {
                     region: id,
-                    gpa: region.gpa,
+                    gpa: GuestAddress(region.gpa.load(Ordering::Acquire)),
                     pages,
-                    // Sized by the loop above.
-                    bitmap: std::mem::take(&mut region.pending),
+                    bitmap,
                 }
             })
             .collect())
     }
+
+    /// Bitmap mode: reads (and clears) the log of each logging slot of `region` into its
+    /// pending bits, without the writer lock. A slot number is looked up in a map version and
+    /// leased (`leased`) for the reads, so that it names a slot of this region, of the size
+    /// looked up, throughout: a change may stop its logging or re-create it meanwhile (the
+    /// read then fails or sees the new log, both fine), but never give the number to another
+    /// region. A read that fails because a change freed the log is skipped: that change read
+    /// the log into the region's pending bits before freeing it.
+    fn fetch_region_logs(
+        &self,
+        id: RegionId,
+        region: &Harvestable,
+        log: &mut Vec<u64>,
+    ) -> Result<(), Error> {
+        let mut freed = self.ids_freed.load(Ordering::SeqCst);
+        let mut map = self.current();
+        for &number in region.slots.iter() {
+            if region_slot(&map, number, region).is_none_or(|s| !s.flags().log_dirty) {
+                continue;
+            }
+            self.leased.store(number.0, Ordering::SeqCst);
+            // A number freed since `map` was loaded may name another region's slot by now:
+            // look again in a version loaded after the lease (which keeps it from being given
+            // out from now on).
+            loop {
+                let now = self.ids_freed.load(Ordering::SeqCst);
+                if now == freed {
+                    break;
+                }
+                freed = now;
+                map = self.current();
+            }
+            let Some(slot) = region_slot(&map, number, region).filter(|s| s.flags().log_dirty)
+            else {
+                continue;
+            };
+            let slot = Arc::clone(slot);
+            let sequence = self.change_sequence();
+            let kvm_slot = KvmSlot::from(slot.as_ref());
+            let first = slot.payload().offset() / PAGE_SIZE;
+            let fetched = self.fetch_slot_log(id, &region.pending, &kvm_slot, first, true, log);
+            self.leased.store(NO_LEASE, Ordering::SeqCst);
+            match fetched {
+                Err(e) if self.freed_meanwhile(&e, sequence, &slot) => {}
+                other => other?,
+            }
+        }
+        Ok(())
+    }
+
+    /// Whether `error`, from reading or clearing the log of `slot`, came from a change that
+    /// freed the log (stopped logging, or deleted the slot) while the harvest was at it: KVM
+    /// says the slot or its log is gone, and a change ran since `sequence` was read (or the
+    /// published slot is no longer the one read).
+    fn freed_meanwhile(&self, error: &Error, sequence: u64, slot: &Arc<GuestSlotData>) -> bool {
+        let source = match error {
+            Error::GetDirtyLog { source, .. } | Error::ClearDirtyLog { source, .. } => source,
+            _ => return false,
+        };
+        if !matches!(source.errno(), libc::ENOENT | libc::EINVAL) {
+            return false;
+        }
+        let now = self.change_sequence();
+        sequence % 2 == 1
+            || now != sequence
+            || self
+                .current()
+                .get(slot.id())
+                .is_none_or(|latest| !Arc::ptr_eq(latest, slot))
+    }
+}
+
+/// The slot `number` of `map` if it belongs to `region` (the same pending bits: regions are
+/// never re-created, so this is the region's slot and no other region's).
+fn region_slot<'a>(
+    map: &'a GuestMemoryMap,
+    number: SlotId,
+    region: &Harvestable,
+) -> Option<&'a Arc<GuestSlotData>> {
+    map.get(number)
+        .filter(|s| Arc::ptr_eq(s.payload().pending(), &region.pending))
+}
+
+/// Room for `n` vectors in `v`, fallibly.
+fn reserve_vecs(v: &mut Vec<Vec<u64>>, n: usize) -> Result<(), Error> {
+    v.try_reserve_exact(n).map_err(|_| Error::OutOfMemory {
+        what: "the harvested regions",
+        bytes: (n as u64).saturating_mul(size_of::<Vec<u64>>() as u64),
+    })
 }
 
 fn target_regions(state: &State, target: Target) -> Result<Vec<RegionId>, Error> {

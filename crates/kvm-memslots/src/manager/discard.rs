@@ -6,15 +6,15 @@ use memslot_map::AddressRange;
 use vm_memory::GuestAddress;
 
 use super::{check_range, MemoryManager};
-use crate::dirty::mark_range;
+use crate::dirty::PendingBits;
 use crate::error::Error;
 use crate::kvm::KvmMemory;
-use crate::memory::{RegionId, RegionMemory};
+use crate::memory::RegionMemory;
 use crate::PAGE_SIZE;
 
 /// A part of a discard that is one run of one region's mapping.
 struct Piece {
-    region: RegionId,
+    pending: Arc<PendingBits>,
     memory: Arc<RegionMemory>,
     /// Offset of the run in the region.
     offset: u64,
@@ -37,7 +37,7 @@ impl<K: KvmMemory> MemoryManager<K> {
         // Take the writer lock before reading the map, and hold it until the pages are
         // discarded and marked: a change (a move, say) cannot then come between the look-up
         // and the madvise and make the discard hit memory that is no longer at `gpa`.
-        let mut state = self.state();
+        let state = self.state();
         let current = Arc::clone(state.current());
         // Check the whole range first so that a hole refuses the discard before any of it.
         if let Some(hole) = current.first_hole(range.start, range.end) {
@@ -60,7 +60,7 @@ impl<K: KvmMemory> MemoryManager<K> {
                     last.end = end;
                 }
                 _ => pieces.push(Piece {
-                    region: slot.payload().region(),
+                    pending: Arc::clone(slot.payload().pending()),
                     memory: Arc::clone(slot.payload().memory()),
                     offset,
                     start: at,
@@ -68,12 +68,6 @@ impl<K: KvmMemory> MemoryManager<K> {
                 }),
             }
             at = end;
-        }
-        // Room for the dirty bits first, so that nothing fails once memory is discarded.
-        for piece in &pieces {
-            if let Some(region) = state.regions.get_mut(&piece.region) {
-                region.pending()?;
-            }
         }
         for piece in pieces {
             let advice = if piece.memory.is_shared() {
@@ -98,10 +92,11 @@ impl<K: KvmMemory> MemoryManager<K> {
                 });
             }
             // The guest's memory changed: the next harvest must report these pages.
-            if let Some(region) = state.regions.get_mut(&piece.region) {
-                mark_range(region.pending()?, piece.offset / PAGE_SIZE, len / PAGE_SIZE);
-            }
+            piece
+                .pending
+                .mark(piece.offset / PAGE_SIZE, len / PAGE_SIZE);
         }
+        drop(state);
         Ok(())
     }
 }

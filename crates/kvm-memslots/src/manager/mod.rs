@@ -16,8 +16,8 @@ mod spec;
 
 use std::collections::BTreeMap;
 use std::fmt;
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
 
 use memslot_map::{
     Change, MapConfig, MapError, MapWriter, MemslotMap, SharedMap, SlotFlags, SlotId,
@@ -25,6 +25,7 @@ use memslot_map::{
 use vm_memory::GuestAddress;
 use vmm_sys_util::errno::Error as Errno;
 
+use crate::dirty::PendingBits;
 use crate::error::Error;
 use crate::kvm::{KvmMemory, KvmSlot};
 use crate::limits::{Limit, MemoryLimits, MemoryUse};
@@ -49,27 +50,31 @@ struct Region {
     /// Slot ids in the order of their offsets in the region.
     slots: Vec<SlotId>,
     flags: SlotFlags,
-    /// Dirty bits read from KVM or the VMM's bitmap and not yet delivered by a harvest, one per
-    /// page of the region; empty until needed.
-    pending: Vec<u64>,
+    /// What a harvest reaches without the writer lock, among it the region's pending bits.
+    shared: Arc<Harvestable>,
 }
 
 impl Region {
-    fn pages(&self) -> u64 {
-        self.size / PAGE_SIZE
-    }
-
-    /// The pending bits, allocated (fallibly: a failure is an error, never an abort) if the
-    /// last harvest took them.
-    fn pending(&mut self) -> Result<&mut Vec<u64>, Error> {
-        let words = self.pages().div_ceil(64) as usize;
-        if self.pending.len() != words {
-            reserve(&mut self.pending, words, "a region's pending dirty bits")?;
-            self.pending.resize(words, 0);
-        }
-        Ok(&mut self.pending)
+    /// Dirty bits read from KVM or the VMM's bitmap (or marked) and not yet delivered by a
+    /// harvest, one per page of the region.
+    fn pending(&self) -> &PendingBits {
+        &self.shared.pending
     }
 }
+
+/// A region as a harvest sees it, kept in the manager's directory (not behind the writer
+/// lock): its memory (for the VMM's write bitmap), its pending bits, and its slot numbers,
+/// which stay the region's for its whole life (moves and read-only toggles keep them).
+struct Harvestable {
+    memory: Arc<RegionMemory>,
+    pending: Arc<PendingBits>,
+    slots: Box<[SlotId]>,
+    /// The region's guest base, updated by moves.
+    gpa: AtomicU64,
+}
+
+/// `MemoryManager::leased` when no harvest is reading a slot's log.
+const NO_LEASE: u32 = u32::MAX;
 
 /// Makes room for `words` words in `buffer` without aborting when the host has none.
 fn reserve(buffer: &mut Vec<u64>, words: usize, what: &'static str) -> Result<(), Error> {
@@ -97,11 +102,6 @@ pub(crate) struct State {
     limits: MemoryLimits,
     /// What the regions in place use of it.
     used: MemoryUse,
-    /// Ring mode: entries collected but not yet attributed (a pending bitmap could not be
-    /// allocated), tried again first by the next collection.
-    ring_backlog: Vec<(u32, u64)>,
-    /// Ring mode: entries that named no slot of the map (or a page past their slot).
-    stray_ring_entries: u64,
 }
 
 /// The writer lock of a manager's map, held: its [`State`], the current version, and the right
@@ -122,6 +122,24 @@ pub struct MemoryManager<K: KvmMemory> {
     map: Arc<SharedMap<SlotBacking, State>>,
     /// Even while KVM's slots equal the published map, odd while a change is being applied.
     sequence: AtomicU64,
+    /// The regions a harvest may name, by id (changed by the writer when it adds or removes
+    /// a region, after publishing; never held across anything slow).
+    directory: Mutex<BTreeMap<RegionId, Arc<Harvestable>>>,
+    /// Serialises harvests with one another, never with changes: two harvests never split
+    /// one dirty set between them.
+    harvests: Mutex<()>,
+    /// Ring mode: held by a collection from taking the entries to attributing them, whether a
+    /// harvest's or a change's drain, so that no slot number is released in between.
+    rings: Mutex<()>,
+    /// Ring mode: entries that named no slot of the map (or a page past their slot).
+    stray_ring_entries: AtomicU64,
+    /// Bitmap mode: the KVM slot number whose log a harvest is reading (`NO_LEASE` if none).
+    /// A new region is never given it, so that the number names a slot of the same region
+    /// (and so of the same size) for the whole `KVM_GET_DIRTY_LOG`/`KVM_CLEAR_DIRTY_LOG`.
+    leased: AtomicU32,
+    /// How many times slot numbers of published slots were released (by removes): a harvest
+    /// that sees it move re-reads the map before trusting a slot number.
+    ids_freed: AtomicU64,
 }
 
 impl<K: KvmMemory> MemoryManager<K> {
@@ -148,11 +166,15 @@ impl<K: KvmMemory> MemoryManager<K> {
                     orphans: Vec::new(),
                     limits,
                     used: MemoryUse::default(),
-                    ring_backlog: Vec::new(),
-                    stray_ring_entries: 0,
                 },
             )),
             sequence: AtomicU64::new(0),
+            directory: Mutex::new(BTreeMap::new()),
+            harvests: Mutex::new(()),
+            rings: Mutex::new(()),
+            stray_ring_entries: AtomicU64::new(0),
+            leased: AtomicU32::new(NO_LEASE),
+            ids_freed: AtomicU64::new(0),
         }
     }
 
@@ -190,6 +212,12 @@ impl<K: KvmMemory> MemoryManager<K> {
     /// completed operation made them (publication is the last step): the state is usable.
     fn state(&self) -> Writer<'_> {
         self.map.write()
+    }
+
+    /// The harvest directory. Poisoning is ignored: it is changed by single insertions and
+    /// removals, never left half-done.
+    fn directory(&self) -> MutexGuard<'_, BTreeMap<RegionId, Arc<Harvestable>>> {
+        self.directory.lock().unwrap_or_else(|p| p.into_inner())
     }
 
     /// The limits regions are admitted against.
@@ -304,7 +332,7 @@ impl<K: KvmMemory> MemoryManager<K> {
                 .iter()
                 .any(|s| s.read_log || matches!(s.op, KvmOp::Delete(_)));
         if drain {
-            self.collect_rings(state, &current)?;
+            self.collect_rings()?;
         }
         self.sequence.fetch_add(1, Ordering::AcqRel);
         let applied = self.run(state, steps);
@@ -312,7 +340,7 @@ impl<K: KvmMemory> MemoryManager<K> {
             if drain {
                 // The change is made: a failure here only leaves entries for the next harvest
                 // (the ids are not reused before the caller releases them, after this).
-                let _ = self.collect_rings(state, &current);
+                let _ = self.collect_rings();
             }
             state.publish(next);
         }

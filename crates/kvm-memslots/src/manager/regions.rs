@@ -1,5 +1,6 @@
 //! Region operations: add, remove, move, read-only.
 
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 use memslot_map::{AddressRange, Change, HostAddress, SlotFlags, SlotId};
@@ -7,10 +8,10 @@ use vm_memory::GuestAddress;
 
 use super::plan::{KvmOp, Step};
 use super::{
-    admit, check_aligned, check_range, region_slots, reserve, MemoryManager, Region, RegionSpec,
-    Writer, KVM_MAX_SLOT_SIZE,
+    admit, check_aligned, check_range, region_slots, Harvestable, MemoryManager, Region,
+    RegionSpec, Writer, KVM_MAX_SLOT_SIZE,
 };
-use crate::dirty::mark_range;
+use crate::dirty::PendingBits;
 use crate::error::Error;
 use crate::kvm::{KvmMemory, KvmSlot};
 use crate::memory::{GuestSlotData, RegionId, RegionMemory, SlotBacking};
@@ -47,30 +48,27 @@ impl<K: KvmMemory> MemoryManager<K> {
             });
         }
         let needed = spec.size.div_ceil(slot_size) as usize;
-        let ids = state.ids.alloc(needed).ok_or(Error::OutOfSlots {
+        // Not the number a harvest is reading the log of: it must keep naming that harvest's
+        // slot (and its size) until the harvest is done with it.
+        let leased = self.leased.load(Ordering::SeqCst);
+        let ids = state.ids.alloc(needed, leased).ok_or(Error::OutOfSlots {
             needed,
-            free: state.ids.available(),
+            free: state.ids.available_besides(leased),
             limit: state.ids.limit,
         })?;
-        // Ring mode: a region that logs from the start reports every page in its first
-        // harvest, as an initially-set log does in bitmap mode (room for the bits first).
-        let mut pending = Vec::new();
-        if spec.log_dirty && self.kvm.dirty_ring() {
-            let pages = spec.size / PAGE_SIZE;
-            let words = pages.div_ceil(64) as usize;
-            if let Err(e) = reserve(&mut pending, words, "a region's pending dirty bits") {
-                state.ids.release(&ids);
-                return Err(e);
-            }
-            pending.resize(words, 0);
-            mark_range(&mut pending, 0, pages);
-        }
         let region_id = RegionId(state.next_region);
         let result = self.add_slots(&mut state, region_id, &spec, slot_size, &ids);
         match result {
-            Ok(memory) => {
+            Ok((memory, pending)) => {
                 state.used = used;
                 state.next_region += 1;
+                let shared = Arc::new(Harvestable {
+                    memory: Arc::clone(&memory),
+                    pending,
+                    slots: ids.clone().into_boxed_slice(),
+                    gpa: AtomicU64::new(spec.gpa.0),
+                });
+                self.directory().insert(region_id, Arc::clone(&shared));
                 state.regions.insert(
                     region_id,
                     Region {
@@ -82,7 +80,7 @@ impl<K: KvmMemory> MemoryManager<K> {
                             log_dirty: spec.log_dirty,
                             read_only: spec.read_only,
                         },
-                        pending,
+                        shared,
                     },
                 );
                 Ok(region_id)
@@ -103,8 +101,17 @@ impl<K: KvmMemory> MemoryManager<K> {
         spec: &RegionSpec,
         slot_size: u64,
         ids: &[SlotId],
-    ) -> Result<Arc<RegionMemory>, Error> {
+    ) -> Result<(Arc<RegionMemory>, Arc<PendingBits>), Error> {
         let memory = Arc::new(RegionMemory::new(spec.size, &spec.backing)?);
+        // Allocated with the region (fallibly), so that nothing that marks a page dirty can
+        // fail for want of room later.
+        let pages = spec.size / PAGE_SIZE;
+        let pending = Arc::new(PendingBits::new(pages)?);
+        // Ring mode: a region that logs from the start reports every page in its first
+        // harvest, as an initially-set log does in bitmap mode.
+        if spec.log_dirty && self.kvm.dirty_ring() {
+            pending.mark(0, pages);
+        }
         let flags = SlotFlags {
             log_dirty: spec.log_dirty,
             read_only: spec.read_only,
@@ -120,7 +127,7 @@ impl<K: KvmMemory> MemoryManager<K> {
                     slot_size.min(spec.size - offset),
                     HostAddress(memory.host_address() + offset),
                     flags,
-                    SlotBacking::new(region, Arc::clone(&memory), offset),
+                    SlotBacking::new(region, Arc::clone(&memory), Arc::clone(&pending), offset),
                 )
             })
             .collect();
@@ -137,7 +144,7 @@ impl<K: KvmMemory> MemoryManager<K> {
         if committed.is_err() && state.broken.is_some() {
             state.orphans.push(Arc::clone(&memory));
         }
-        committed.map(|()| memory)
+        committed.map(|()| (memory, pending))
     }
 
     /// Takes a region away from the guest and unmaps it (once no snapshot holds it).
@@ -160,6 +167,10 @@ impl<K: KvmMemory> MemoryManager<K> {
         self.commit(&mut state, changes, &steps)?;
         let region = state.regions.remove(&id).expect("looked up above");
         state.ids.release(&region.slots);
+        // After the release (and so after the version without the slots was published): a
+        // harvest that sees this count move looks the numbers up again (see `leased`).
+        self.ids_freed.fetch_add(1, Ordering::SeqCst);
+        self.directory().remove(&id);
         state.used = state.used.without(region.size);
         Ok(())
     }
@@ -200,7 +211,9 @@ impl<K: KvmMemory> MemoryManager<K> {
             gpa: new_gpa(s),
         });
         self.commit(&mut state, changes, &steps)?;
-        state.regions.get_mut(&id).expect("looked up above").gpa = gpa;
+        let region = state.regions.get_mut(&id).expect("looked up above");
+        region.gpa = gpa;
+        region.shared.gpa.store(gpa.0, Ordering::Release);
         Ok(())
     }
 

@@ -1,5 +1,6 @@
 //! The manager against the rule-enforcing fake KVM, with failures injected at every step.
 
+use crate::dirty::DirtyPages;
 use std::sync::{mpsc, Condvar, Mutex, MutexGuard};
 use std::thread;
 use std::time::Duration;
@@ -474,21 +475,25 @@ const PATIENCE: Duration = Duration::from_secs(30);
 
 #[derive(Default)]
 struct GateState {
-    /// The next `set_user_memory_region` call stops at the gate.
-    armed: bool,
+    /// The next call of this kind (on this slot number, if given) stops at the gate.
+    armed: Option<(FakeCall, Option<u32>)>,
     /// A call is waiting at the gate.
     entered: bool,
     /// The waiting call may go on.
     released: bool,
 }
 
-/// The fake KVM with a gate: once armed, the next `set_user_memory_region` call says that it
-/// arrived and waits until the test releases it. A change stopped there holds the manager's
-/// writer lock and has published nothing.
+/// The fake KVM with a gate: once armed, the next call of the armed kind says that it arrived
+/// and waits until the test releases it. A change stopped in `set_user_memory_region` holds
+/// the manager's writer lock and has published nothing; a harvest stopped in
+/// `get_dirty_log` or `reset_dirty_rings` is half-way through.
 struct Gate {
     inner: FakeKvm,
     state: Mutex<GateState>,
     changed: Condvar,
+    /// Called before every dirty-log or ring call reaches the fake (the concurrency test's
+    /// rendezvous).
+    hook: std::sync::OnceLock<Box<dyn Fn(FakeCall) + Send + Sync>>,
 }
 
 impl Gate {
@@ -497,6 +502,7 @@ impl Gate {
             inner,
             state: Mutex::new(GateState::default()),
             changed: Condvar::new(),
+            hook: std::sync::OnceLock::new(),
         }
     }
 
@@ -505,7 +511,39 @@ impl Gate {
     }
 
     fn arm(&self) {
-        self.lock().armed = true;
+        self.arm_at(FakeCall::SetRegion, None);
+    }
+
+    /// Arms the gate for the next call of kind `call` (on slot number `slot`, if given).
+    fn arm_at(&self, call: FakeCall, slot: Option<u32>) {
+        self.lock().armed = Some((call, slot));
+    }
+
+    /// Whether a call is waiting at the gate now.
+    fn holding(&self) -> bool {
+        let state = self.lock();
+        state.entered && !state.released
+    }
+
+    /// Stops the calling KVM call at the gate if it is armed for it.
+    fn pass(&self, call: FakeCall, slot: Option<u32>) {
+        if let Some(hook) = self.hook.get() {
+            hook(call);
+        }
+        let mut state = self.lock();
+        let hit = state
+            .armed
+            .is_some_and(|(c, s)| c == call && (s.is_none() || s == slot));
+        if hit {
+            state.armed = None;
+            state.entered = true;
+            self.changed.notify_all();
+            let (_state, waited) = self
+                .changed
+                .wait_timeout_while(state, PATIENCE, |s| !s.released)
+                .unwrap_or_else(|p| p.into_inner());
+            assert!(!waited.timed_out(), "the gate was never released");
+        }
     }
 
     /// Waits until a call is stopped at the gate.
@@ -531,8 +569,8 @@ impl KvmMemory for Gate {
 
     unsafe fn set_user_memory_region(&self, slot: &KvmSlot) -> Result<(), Errno> {
         let mut state = self.lock();
-        if state.armed {
-            state.armed = false;
+        if state.armed == Some((FakeCall::SetRegion, None)) {
+            state.armed = None;
             state.entered = true;
             self.changed.notify_all();
             let (_state, waited) = self
@@ -548,15 +586,30 @@ impl KvmMemory for Gate {
     }
 
     fn get_dirty_log(&self, slot: u32, bitmap: &mut [u64]) -> Result<(), Errno> {
+        self.pass(FakeCall::GetDirtyLog, Some(slot));
         self.inner.get_dirty_log(slot, bitmap)
     }
 
     fn clear_dirty_log(&self, s: u32, f: u64, n: u32, b: &[u64]) -> Result<(), Errno> {
+        self.pass(FakeCall::ClearDirtyLog, Some(s));
         self.inner.clear_dirty_log(s, f, n, b)
     }
 
     fn manual_dirty_log(&self) -> bool {
         self.inner.manual_dirty_log()
+    }
+
+    fn dirty_ring(&self) -> bool {
+        self.inner.dirty_ring()
+    }
+
+    fn collect_dirty_rings(&self, sink: &mut dyn FnMut(u32, u64)) -> Result<u64, Errno> {
+        self.inner.collect_dirty_rings(sink)
+    }
+
+    fn reset_dirty_rings(&self) -> Result<(), Errno> {
+        self.pass(FakeCall::ResetDirtyRings, None);
+        self.inner.reset_dirty_rings()
     }
 }
 
@@ -899,4 +952,446 @@ fn a_failed_ring_reset_loses_no_page_and_a_full_ring_is_emptied() {
         m.kvm().inner().guest_write(gpa);
     }
     assert_eq!(dirty_addresses(&m, id), pages);
+}
+
+type GatedManager = MemoryManager<Gate>;
+
+fn logging(spec: RegionSpec) -> RegionSpec {
+    spec.with_flags(SlotFlags {
+        log_dirty: true,
+        read_only: false,
+    })
+}
+
+/// The slot numbers of region `id` in the published map, in offset order.
+fn slot_numbers<K: KvmMemory>(m: &MemoryManager<K>, id: RegionId) -> Vec<u32> {
+    let mut slots: Vec<(u64, u32)> = m
+        .current()
+        .iter()
+        .filter(|s| s.payload().region() == id)
+        .map(|s| (s.payload().offset(), s.id().0))
+        .collect();
+    slots.sort_unstable();
+    slots.into_iter().map(|(_, n)| n).collect()
+}
+
+/// Pages reported, by region (page numbers counted from the region's base).
+type Reported = BTreeMap<RegionId, std::collections::BTreeSet<u64>>;
+
+fn record(into: &mut Reported, harvested: &[DirtyPages]) {
+    for d in harvested {
+        let pages = into.entry(d.region).or_default();
+        pages.extend((0..d.pages).filter(|p| d.is_dirty(*p)));
+    }
+}
+
+/// How long a change may take while a harvest is stopped at the gate: it waits for nothing,
+/// so this is plenty; a change that waited for the harvest would never end.
+const CHANGE_PATIENCE: Duration = Duration::from_secs(5);
+
+/// Runs `changes` on another thread while the gate holds a harvest, and returns what they
+/// return. Fails (after releasing the gate) if they do not finish while the harvest is held.
+fn change_while_held<T: Send>(m: &GatedManager, changes: impl FnOnce() -> T + Send) -> T {
+    thread::scope(|scope| {
+        let (done_tx, done_rx) = mpsc::channel();
+        let changer = scope.spawn(move || {
+            let result = changes();
+            let _ = done_tx.send(());
+            result
+        });
+        if done_rx.recv_timeout(CHANGE_PATIENCE).is_err() {
+            m.kvm().release();
+            panic!("a change waited for a harvest held inside KVM (the writer lock?)");
+        }
+        assert!(m.kvm().holding(), "the harvest was held throughout");
+        changer.join().unwrap()
+    })
+}
+
+/// A bitmap-mode harvest held inside `KVM_GET_DIRTY_LOG`: a stop of logging, a remove and an
+/// add that reuses the removed slot numbers, and a read-only toggle of the harvested region
+/// all complete meanwhile, and the harvests report every page the guest wrote while logging.
+/// Without manual protection (logs start empty) exactly those pages; with it, a re-created
+/// slot and a new logging region start with all-set logs, so those regions report every page
+/// (the documented over-report), and the others exactly what was written.
+fn bitmap_harvest_held_in_kvm(manual: bool) {
+    let m: GatedManager = MemoryManager::new(Gate::new(FakeKvm::new(16, manual)));
+    let a = m.add_region(logging(region(MIB, 4))).unwrap();
+    let b = m.add_region(logging(region(2 * MIB, 2))).unwrap();
+    let c = m.add_region(logging(region(3 * MIB, 2))).unwrap();
+    m.harvest_dirty(Target::All).unwrap();
+    let fake = &m.kvm().inner;
+    let write = |base: u64, page: u64| assert!(fake.guest_write(base + page * PAGE_SIZE));
+    let mut written = Reported::new();
+    let mut wrote = |r: RegionId, base: u64, page: u64| {
+        write(base, page);
+        written.entry(r).or_default().insert(page);
+    };
+    for page in [1, 5, 13] {
+        wrote(a, MIB, page);
+    }
+    wrote(b, 2 * MIB, 2);
+    write(3 * MIB, 0);
+    write(3 * MIB, 6);
+    let c_slots = slot_numbers(&m, c);
+    let a_slots = slot_numbers(&m, a);
+    // The harvest stops reading a's second slot (its first one is read already).
+    m.kvm().arm_at(FakeCall::GetDirtyLog, Some(a_slots[1]));
+    let mut reported = Reported::new();
+    let (d, more) = thread::scope(|scope| {
+        let harvester = scope.spawn(|| m.harvest_dirty(Target::All));
+        m.kvm().wait_entered();
+        let changed = change_while_held(&m, || {
+            let mut more = Vec::new();
+            write(MIB, 6);
+            more.push((a, 6));
+            m.stop_dirty_log(Target::Region(b)).unwrap();
+            write(2 * MIB, 3); // not logged: not the harvests' to report
+            m.remove_region(c).unwrap();
+            let d = m.add_region(logging(region(4 * MIB, 2))).unwrap();
+            assert_eq!(slot_numbers(&m, d), c_slots, "c's slot numbers are reused");
+            write(4 * MIB, 1);
+            more.push((d, 1));
+            m.set_read_only(a, true).unwrap();
+            m.set_read_only(a, false).unwrap();
+            write(MIB, 9);
+            more.push((a, 9));
+            (d, more)
+        });
+        assert!(!harvester.is_finished());
+        m.kvm().release();
+        record(&mut reported, &harvester.join().unwrap().unwrap());
+        changed
+    });
+    for (r, page) in more {
+        written.entry(r).or_default().insert(page);
+    }
+    record(&mut reported, &m.harvest_dirty(Target::All).unwrap());
+    assert!(
+        m.harvest_dirty(Target::All)
+            .unwrap()
+            .iter()
+            .all(|h| h.count() == 0),
+        "everything was reported once"
+    );
+    reported.remove(&c);
+    if manual {
+        written.insert(a, (0..16).collect());
+        written.insert(d, (0..8).collect());
+    }
+    assert_eq!(reported, written);
+    assert_mirrored_gated(&m);
+}
+
+fn assert_mirrored_gated(m: &GatedManager) {
+    let mut expected: Vec<KvmSlot> = m
+        .current()
+        .iter()
+        .map(|s| KvmSlot::from(s.as_ref()))
+        .collect();
+    expected.sort_by_key(|s| s.slot);
+    assert_eq!(m.kvm().inner.slots(), expected, "KVM and the map disagree");
+}
+
+#[test]
+fn a_harvest_held_in_kvm_lets_changes_through_and_loses_no_page() {
+    bitmap_harvest_held_in_kvm(false);
+    bitmap_harvest_held_in_kvm(true);
+}
+
+/// A harvest reading a slot's log keeps its number from being given to a new region (KVM
+/// would write that region's log, maybe longer, into the harvest's buffer); a read that finds
+/// the slot deleted meanwhile is skipped, not an error.
+#[test]
+fn a_slot_number_being_read_is_not_given_to_a_new_region() {
+    let m: GatedManager = MemoryManager::new(Gate::new(FakeKvm::new(16, true)));
+    let _a = m.add_region(logging(region(MIB, 2))).unwrap();
+    let d = m.add_region(logging(region(2 * MIB, 2))).unwrap();
+    let d_slots = slot_numbers(&m, d);
+    m.harvest_dirty(Target::All).unwrap();
+    m.kvm().arm_at(FakeCall::GetDirtyLog, Some(d_slots[0]));
+    thread::scope(|scope| {
+        let harvester = scope.spawn(|| m.harvest_dirty(Target::Region(d)));
+        m.kvm().wait_entered();
+        let e = change_while_held(&m, || {
+            m.remove_region(d).unwrap();
+            m.add_region(logging(region(3 * MIB, 2))).unwrap()
+        });
+        let e_slots = slot_numbers(&m, e);
+        assert!(
+            !e_slots.contains(&d_slots[0]),
+            "{e_slots:?} reuse the number being read"
+        );
+        assert!(e_slots.contains(&d_slots[1]), "the others are reused");
+        m.kvm().release();
+        let harvested = harvester.join().unwrap();
+        assert!(harvested.is_ok(), "{harvested:?}");
+    });
+    // Once the harvest is done, the number is free for the next region.
+    let f = m.add_region(region(4 * MIB, 1)).unwrap();
+    assert_eq!(slot_numbers(&m, f), vec![d_slots[0]]);
+    assert_mirrored_gated(&m);
+}
+
+/// The same race in ring mode, with the harvest held in `KVM_RESET_DIRTY_RINGS` after it
+/// took and attributed the entries: the changes (whose drains collect the rings too) complete
+/// meanwhile, and the harvests report exactly the pages written while logging; an entry of a
+/// removed region never lands in the region that reuses its slot numbers.
+#[test]
+fn a_ring_harvest_held_in_kvm_lets_changes_through_and_loses_no_page() {
+    let m: GatedManager = MemoryManager::new(Gate::new(FakeKvm::with_dirty_ring(16, 256)));
+    let a = m.add_region(logging(region(MIB, 4))).unwrap();
+    let b = m.add_region(logging(region(2 * MIB, 2))).unwrap();
+    let c = m.add_region(logging(region(3 * MIB, 2))).unwrap();
+    m.harvest_dirty(Target::All).unwrap();
+    let fake = &m.kvm().inner;
+    let write = |base: u64, page: u64| assert!(fake.guest_write(base + page * PAGE_SIZE));
+    let mut written = Reported::new();
+    for page in [1, 5, 13] {
+        write(MIB, page);
+        written.entry(a).or_default().insert(page);
+    }
+    write(2 * MIB, 2);
+    written.entry(b).or_default().insert(2);
+    write(3 * MIB, 0);
+    let c_slots = slot_numbers(&m, c);
+    m.kvm().arm_at(FakeCall::ResetDirtyRings, None);
+    let mut reported = Reported::new();
+    let d = thread::scope(|scope| {
+        let harvester = scope.spawn(|| m.harvest_dirty(Target::All));
+        m.kvm().wait_entered();
+        let d = change_while_held(&m, || {
+            write(MIB, 6);
+            write(3 * MIB, 6); // c's, in the ring when c is removed
+            m.stop_dirty_log(Target::Region(b)).unwrap();
+            write(2 * MIB, 3); // not logged
+            write(3 * MIB, 7);
+            m.remove_region(c).unwrap();
+            // Not logging: any page it reports would be one of c's entries.
+            let d = m.add_region(region(4 * MIB, 2)).unwrap();
+            assert_eq!(slot_numbers(&m, d), c_slots, "c's slot numbers are reused");
+            write(MIB, 8);
+            m.set_read_only(a, true).unwrap();
+            m.set_read_only(a, false).unwrap();
+            write(MIB, 9);
+            d
+        });
+        assert!(!harvester.is_finished());
+        m.kvm().release();
+        record(&mut reported, &harvester.join().unwrap().unwrap());
+        d
+    });
+    written.entry(a).or_default().extend([6, 8, 9]);
+    record(&mut reported, &m.harvest_dirty(Target::All).unwrap());
+    assert!(m
+        .harvest_dirty(Target::All)
+        .unwrap()
+        .iter()
+        .all(|h| h.count() == 0));
+    reported.remove(&c);
+    reported.retain(|_, pages| !pages.is_empty());
+    assert!(
+        !reported.contains_key(&d),
+        "c's entries landed in d: {reported:?}"
+    );
+    assert_eq!(reported, written);
+    assert_mirrored_gated(&m);
+}
+
+/// What the concurrency test's threads share.
+#[derive(Default)]
+struct Race {
+    /// Changes attempted so far by the writer thread.
+    changes: AtomicU64,
+    writer_done: std::sync::atomic::AtomicBool,
+    /// A harvest waited in vain for a change to complete while it was inside KVM.
+    stalled: std::sync::atomic::AtomicBool,
+    harvester: std::sync::OnceLock<thread::ThreadId>,
+    calls: AtomicU64,
+    /// Logical time: each completed guest write and each returned harvest takes a tick.
+    clock: AtomicU64,
+}
+
+impl Race {
+    /// Every third dirty-log or ring call of the harvester waits inside KVM until the writer
+    /// completes a change: it proves that changes go on while a harvest is half-way.
+    fn rendezvous(&self) {
+        if self.harvester.get() != Some(&thread::current().id())
+            || self.calls.fetch_add(1, Ordering::Relaxed) % 3 != 0
+            || self.stalled.load(Ordering::Relaxed)
+        {
+            return;
+        }
+        let before = self.changes.load(Ordering::SeqCst);
+        let start = std::time::Instant::now();
+        while self.changes.load(Ordering::SeqCst) == before
+            && !self.writer_done.load(Ordering::SeqCst)
+        {
+            if start.elapsed() > CHANGE_PATIENCE {
+                self.stalled.store(true, Ordering::SeqCst);
+                return;
+            }
+            thread::sleep(Duration::from_micros(50));
+        }
+    }
+}
+
+/// A tiny deterministic generator (xorshift64).
+struct Rng(u64);
+
+impl Rng {
+    fn below(&mut self, n: u64) -> u64 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        self.0 % n
+    }
+}
+
+/// A writer thread making random changes, a guest writing random pages through the fake, and
+/// a harvester, all at once. Checked at the end, for every page of a region that still exists:
+/// if the guest's last write to it hit a logging slot (known exactly: no change was applied to
+/// KVM between the guest's look at the map and its write), some harvest that *returned* after
+/// that write reported the page. (A harvest in flight during the write may be the one: a write
+/// between its read and its clear of the log is covered by its report only.) And changes
+/// complete while a harvest is inside KVM (`Race::rendezvous`).
+fn random_changes_writes_and_harvests(kvm: FakeKvm, seed: u64) {
+    let ring = kvm.dirty_ring();
+    let race = Arc::new(Race::default());
+    let gate = Gate::new(kvm);
+    let hook_race = Arc::clone(&race);
+    let _ = gate
+        .hook
+        .set(Box::new(move |_call: FakeCall| hook_race.rendezvous()));
+    let m: GatedManager = MemoryManager::new(gate);
+    for i in 0..3 {
+        m.add_region(logging(region((1 + 2 * i) * MIB, 2))).unwrap();
+    }
+    type Pages = BTreeMap<(RegionId, u64), u64>;
+    let (writes, reports) = thread::scope(|scope| {
+        let writer = scope.spawn(|| {
+            let mut rng = Rng(seed);
+            for _ in 0..150 {
+                let regions = m.regions();
+                let pick = |rng: &mut Rng| regions[rng.below(regions.len() as u64) as usize].id;
+                let gpa = GuestAddress((1 + rng.below(12)) * MIB);
+                let result = match rng.below(7) {
+                    _ if regions.is_empty() => m.add_region(region(gpa.0, 2)).map(drop),
+                    0 | 1 => {
+                        let spec = region(gpa.0, 1 + rng.below(3));
+                        let spec = if rng.below(2) == 0 {
+                            logging(spec)
+                        } else {
+                            spec
+                        };
+                        m.add_region(spec).map(drop)
+                    }
+                    2 => m.remove_region(pick(&mut rng)),
+                    3 => m.move_region(pick(&mut rng), gpa),
+                    4 => {
+                        let r = pick(&mut rng);
+                        let ro = m.regions().iter().any(|i| i.id == r && i.flags.read_only);
+                        m.set_read_only(r, !ro)
+                    }
+                    5 => m.start_dirty_log(Target::Region(pick(&mut rng))),
+                    _ => m.stop_dirty_log(Target::Region(pick(&mut rng))),
+                };
+                if let Err(e) = result {
+                    assert!(e.is_caller_error(), "{e}");
+                }
+                race.changes.fetch_add(1, Ordering::SeqCst);
+                thread::sleep(Duration::from_micros(200));
+            }
+            race.writer_done.store(true, Ordering::SeqCst);
+        });
+        let guest = scope.spawn(|| {
+            let mut rng = Rng(seed ^ 0x5555);
+            let mut writes = Pages::new();
+            while !race.writer_done.load(Ordering::SeqCst) {
+                let before = m.change_sequence();
+                let map = m.snapshot();
+                let slots: Vec<_> = map.map().iter().cloned().collect();
+                if before % 2 == 1 || slots.is_empty() {
+                    continue;
+                }
+                let slot = &slots[rng.below(slots.len() as u64) as usize];
+                if slot.flags().read_only {
+                    continue;
+                }
+                if ring && m.kvm().inner.ring_full() {
+                    // As a vCPU exiting with KVM_EXIT_DIRTY_RING_FULL.
+                    m.collect_dirty_rings().unwrap();
+                }
+                let page = rng.below(slot.size() / PAGE_SIZE);
+                // Misses when a change moved or removed the slot since the look at the map.
+                let hit = m.kvm().inner.guest_write(slot.gpa().0 + page * PAGE_SIZE);
+                let at = race.clock.fetch_add(1, Ordering::SeqCst) + 1;
+                if m.change_sequence() == before && slot.flags().log_dirty {
+                    assert!(hit, "no change, yet the slot was not there");
+                    let page = slot.payload().offset() / PAGE_SIZE + page;
+                    writes.insert((slot.payload().region(), page), at);
+                }
+            }
+            writes
+        });
+        let harvester = scope.spawn(|| {
+            race.harvester.set(thread::current().id()).unwrap();
+            let mut rng = Rng(seed ^ 0xaaaa);
+            let mut reports = Pages::new();
+            while !race.writer_done.load(Ordering::SeqCst) {
+                let target = match m.regions() {
+                    r if r.is_empty() || rng.below(3) == 0 => Target::All,
+                    r => Target::Region(r[rng.below(r.len() as u64) as usize].id),
+                };
+                let harvested = match m.harvest_dirty(target) {
+                    Err(Error::UnknownRegion(_)) => continue,
+                    other => other.unwrap(),
+                };
+                let at = race.clock.fetch_add(1, Ordering::SeqCst) + 1;
+                for d in &harvested {
+                    for page in (0..d.pages).filter(|p| d.is_dirty(*p)) {
+                        reports.insert((d.region, page), at);
+                    }
+                }
+            }
+            reports
+        });
+        writer.join().unwrap();
+        (guest.join().unwrap(), harvester.join().unwrap())
+    });
+    assert!(
+        !race.stalled.load(Ordering::SeqCst),
+        "a change waited for a harvest that was inside KVM (the writer lock?)"
+    );
+    // A last harvest, after everything.
+    let mut reports = reports;
+    let at = race.clock.fetch_add(1, Ordering::SeqCst) + 1;
+    for d in m.harvest_dirty(Target::All).unwrap() {
+        for page in (0..d.pages).filter(|p| d.is_dirty(*p)) {
+            reports.insert((d.region, page), at);
+        }
+    }
+    let live: Vec<RegionId> = m.regions().iter().map(|r| r.id).collect();
+    let mut checked = 0;
+    for ((region, page), written) in &writes {
+        if !live.contains(region) {
+            continue;
+        }
+        checked += 1;
+        let reported = reports.get(&(*region, *page)).copied().unwrap_or(0);
+        assert!(
+            reported > *written,
+            "region {region} page {page}: last written at {written}, last reported at {reported}"
+        );
+    }
+    assert!(checked > 0, "the guest wrote nothing checkable");
+    assert!(race.changes.load(Ordering::SeqCst) == 150);
+    assert_mirrored_gated(&m);
+}
+
+#[test]
+fn random_changes_lose_no_page_written_while_logging() {
+    random_changes_writes_and_harvests(FakeKvm::new(32, true), 0x1234_5678_9abc_def1);
+    random_changes_writes_and_harvests(FakeKvm::new(32, false), 0x0fed_cba9_8765_4321);
+    random_changes_writes_and_harvests(FakeKvm::with_dirty_ring(32, 4096), 0x1357_9bdf_2468_ace0);
 }
