@@ -37,6 +37,10 @@ enum Commands {
     /// Restore a test-guest VM from a snapshot (PUT /snapshot/create) and serve it, paused, on
     /// an API socket: PATCH /vm {"state": "Resumed"} continues it where it was.
     Restore(RestoreArgs),
+    /// Apply Diff snapshots' memory files, in order, onto a Full snapshot's memory file (in
+    /// place): the result is the memory of the last Diff's point, to restore with its state
+    /// file.
+    SnapshotMerge(MergeArgs),
     /// Boot a Linux kernel (bzImage or ELF vmlinux) with its RAM split into KVM slots; the
     /// serial console is stdout (and stdin on a terminal). See docs/BOOT.md.
     Boot(BootArgs),
@@ -186,6 +190,7 @@ fn main() -> ExitCode {
             args.limits.apply();
             harvest_bench(args)
         }
+        Commands::SnapshotMerge(args) => snapshot_merge(args),
         Commands::Restore(args) => {
             args.serve.limits.apply();
             restore(args)
@@ -403,6 +408,57 @@ struct RestoreArgs {
     mem_file: std::path::PathBuf,
     #[command(flatten)]
     serve: ServeArgs,
+}
+
+#[derive(clap::Args)]
+struct MergeArgs {
+    /// The state file of the last Diff (its layout is checked against every file).
+    #[arg(long)]
+    state: std::path::PathBuf,
+    /// The Full snapshot's memory file; the diffs are written into it.
+    #[arg(long)]
+    base: std::path::PathBuf,
+    /// The Diff snapshots' memory files, oldest first.
+    #[arg(required = true)]
+    diffs: Vec<std::path::PathBuf>,
+}
+
+fn snapshot_merge(args: MergeArgs) -> ExitCode {
+    use kvm_memslots::snapshot::merge_memory_files;
+    use tinyvmm::test_guest::snapshot::SnapshotState;
+    let merged = (|| -> Result<u64, String> {
+        let bytes = std::fs::read(&args.state)
+            .map_err(|e| format!("cannot read {}: {e}", args.state.display()))?;
+        let state = SnapshotState::from_bytes(&bytes).map_err(|e| e.to_string())?;
+        let open = |path: &std::path::Path, write: bool| {
+            std::fs::OpenOptions::new()
+                .read(true)
+                .write(write)
+                .open(path)
+                .map_err(|e| format!("cannot open {}: {e}", path.display()))
+        };
+        let base = open(&args.base, true)?;
+        let diffs = args
+            .diffs
+            .iter()
+            .map(|d| open(d, false))
+            .collect::<Result<Vec<_>, _>>()?;
+        merge_memory_files(&state.layout, &base, &diffs).map_err(|e| e.to_string())
+    })();
+    match merged {
+        Ok(bytes) => {
+            eprintln!(
+                "tinyvmm: {} diff(s), {bytes} bytes, merged into {}",
+                args.diffs.len(),
+                args.base.display()
+            );
+            ExitCode::SUCCESS
+        }
+        Err(e) => {
+            eprintln!("tinyvmm: {e}");
+            ExitCode::FAILURE
+        }
+    }
 }
 
 fn restore(args: RestoreArgs) -> ExitCode {

@@ -119,3 +119,30 @@ fn kvm_a_signal_stops_a_long_plug_at_a_slot_boundary() {
     );
     assert_eq!(output.status.code(), Some(130), "{stderr}");
 }
+
+#[test]
+fn snapshot_merge_names_a_bad_state_file_and_changes_nothing() {
+    let dir = std::env::temp_dir().join(format!("tinyvmm-test-{}-merge", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("a folder");
+    let (state, base, diff) = (dir.join("state"), dir.join("base"), dir.join("diff"));
+    std::fs::write(&state, b"not a snapshot at all, but long enough").expect("write");
+    std::fs::write(&base, vec![7u8; 8192]).expect("write");
+    std::fs::write(&diff, vec![9u8; 8192]).expect("write");
+    let output = Command::new(env!("CARGO_BIN_EXE_tinyvmm"))
+        .args(["snapshot-merge", "--state"])
+        .arg(&state)
+        .arg("--base")
+        .arg(&base)
+        .arg(&diff)
+        .output()
+        .expect("tinyvmm runs");
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert_eq!(output.status.code(), Some(1), "{stderr}");
+    assert!(stderr.contains("no TVMSNAP magic"), "{stderr}");
+    assert_eq!(
+        std::fs::read(&base).expect("read"),
+        vec![7u8; 8192],
+        "the base is untouched"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
