@@ -1,4 +1,5 @@
-//! The `tinyvmm` binary's exit status on SIGTERM, and a long API request stopped by one.
+//! The `tinyvmm` binary as a user runs it: its exit status on SIGTERM, a long API request
+//! stopped by one, snapshot files handed from one process to another.
 
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
@@ -7,10 +8,16 @@ use serde_json::json;
 use tinyvmm::api::client::Client;
 
 fn start_serve(name: &str) -> (Child, std::path::PathBuf) {
+    start(name, &["serve", "--mem-mib", "0"])
+}
+
+/// Runs `tinyvmm ARGS --api-sock SOCKET` and waits for its socket.
+fn start(name: &str, args: &[&str]) -> (Child, std::path::PathBuf) {
     let socket =
         std::env::temp_dir().join(format!("tinyvmm-test-{}-{name}.sock", std::process::id()));
     let child = Command::new(env!("CARGO_BIN_EXE_tinyvmm"))
-        .args(["serve", "--mem-mib", "0", "--api-sock"])
+        .args(args)
+        .arg("--api-sock")
         .arg(&socket)
         .stdin(Stdio::null())
         .stdout(Stdio::null())
@@ -143,6 +150,99 @@ fn snapshot_merge_names_a_bad_state_file_and_changes_nothing() {
         std::fs::read(&base).expect("read"),
         vec![7u8; 8192],
         "the base is untouched"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn kvm_a_snapshot_of_the_maximum_slots_restores_in_a_new_process() {
+    if !kvm_test_support::require_kvm(
+        "tinyvmm::kvm_a_snapshot_of_the_maximum_slots_restores_in_a_new_process",
+    ) {
+        return;
+    }
+    let dir = std::env::temp_dir().join(format!("tinyvmm-test-{}-xproc", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).expect("a folder");
+    let (state, mem) = (dir.join("vm.state"), dir.join("vm.mem"));
+    let max = kvm_ioctls::Kvm::new().expect("kvm").get_nr_memslots();
+    let slots = max.to_string();
+    // 128 MiB at 256 MiB over all but the system slot: 4 KiB a slot at 32764 slots.
+    let (child, socket) = start("xproc", &["serve", "--slots", &slots, "--mem-mib", "128"]);
+    let mut child = Reap(Some(child));
+    let mut client = Client::connect(&socket).expect("connect");
+    let memory = client.call("GET", "/memory", None).expect("memory").1;
+    let area = &memory["regions"][1];
+    let (base, size) = (
+        area["guest_address"].as_u64().expect("base"),
+        area["size"].as_u64().expect("size"),
+    );
+    assert_eq!(area["slots"].as_u64(), Some(max as u64 - 1));
+    let slot = area["size"].as_u64().expect("size") / (max as u64 - 1);
+    // One u64 in every slot.
+    let command = |op: &str, seed: u64| json!({"op": op, "start": base, "end": base + size, "stride": slot, "seed": seed});
+    let call = |client: &mut Client, method: &str, path: &str, body: serde_json::Value| {
+        client.call(method, path, Some(&body)).expect("an answer")
+    };
+    assert_eq!(
+        call(&mut client, "PUT", "/guest/command", command("write", 41)).0,
+        200
+    );
+    assert_eq!(
+        call(&mut client, "PATCH", "/vm", json!({"state": "Paused"})).0,
+        204
+    );
+    let create = json!({"snapshot_type": "Full", "snapshot_path": state, "mem_file_path": mem});
+    let saved = call(&mut client, "PUT", "/snapshot/create", create);
+    assert_eq!(saved.0, 204, "{saved:?}");
+    assert_eq!(
+        call(
+            &mut client,
+            "PUT",
+            "/actions",
+            json!({"action_type": "Stop"})
+        )
+        .0,
+        204
+    );
+    let first = child
+        .0
+        .take()
+        .expect("running")
+        .wait_with_output()
+        .expect("wait");
+    assert_eq!(
+        first.status.code(),
+        Some(0),
+        "{}",
+        String::from_utf8_lossy(&first.stderr)
+    );
+
+    // A new process: every slot back, every value where the guest wrote it.
+    let (state_arg, mem_arg) = (state.to_str().expect("utf-8"), mem.to_str().expect("utf-8"));
+    let (child, socket) = start(
+        "xproc-restored",
+        &["restore", "--snapshot", state_arg, "--mem-file", mem_arg],
+    );
+    let _restored = Reap(Some(child));
+    let mut client = Client::connect(&socket).expect("connect");
+    let memory = client.call("GET", "/memory", None).expect("memory").1;
+    assert_eq!(memory["slots"]["used"].as_u64(), Some(max as u64));
+    assert_eq!(
+        call(&mut client, "PATCH", "/vm", json!({"state": "Resumed"})).0,
+        204
+    );
+    let verified = call(&mut client, "PUT", "/guest/command", command("verify", 41));
+    assert_eq!(verified.1["result"], json!("ok"), "{verified:?}");
+    assert_eq!(
+        call(
+            &mut client,
+            "PUT",
+            "/actions",
+            json!({"action_type": "Stop"})
+        )
+        .0,
+        204
     );
     let _ = std::fs::remove_dir_all(&dir);
 }
