@@ -406,6 +406,10 @@ struct RestoreArgs {
     /// The memory file (`mem_file_path`; merge Diff snapshots onto their Full one first).
     #[arg(long)]
     mem_file: std::path::PathBuf,
+    /// copy: read the memory in before the guest runs; file: map the file privately, pages
+    /// load when first touched.
+    #[arg(long, value_enum, default_value_t)]
+    mem_backend: tinyvmm::test_guest::vcpus::MemBackend,
     #[command(flatten)]
     serve: ServeArgs,
 }
@@ -465,6 +469,7 @@ fn restore(args: RestoreArgs) -> ExitCode {
     let from = tinyvmm::jobs::serve::RestoreFrom {
         snapshot: args.snapshot,
         mem_file: args.mem_file,
+        backend: args.mem_backend,
     };
     serve_config(args.serve, Some(from))
 }

@@ -692,6 +692,7 @@ fn kvm_a_snapshot_restores_in_a_new_vm_and_diffs_merge_onto_it() {
     use kvm_memslots::snapshot::merge_memory_files;
     use tinyvmm::jobs::serve::RestoreFrom;
     use tinyvmm::test_guest::snapshot::SnapshotState;
+    use tinyvmm::test_guest::vcpus::MemBackend;
 
     let dir = std::env::temp_dir().join(format!("tinyvmm-test-{}-snap", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
@@ -756,16 +757,18 @@ fn kvm_a_snapshot_restores_in_a_new_vm_and_diffs_merge_onto_it() {
     );
 
     // Restore the Full snapshot: the guest continues where it was and finds its data.
-    let restored = |name: &str, state: &str, mem: &str| {
+    let restored = |name: &str, state: &str, mem: &str, backend| {
         Vmm::start_with(name, |config| ServeConfig {
             restore: Some(RestoreFrom {
                 snapshot: file(state),
                 mem_file: file(mem),
+                backend,
             }),
             ..config
         })
     };
-    let full = restored("restored-full", "full.state", "full.mem");
+    // Copied in up front...
+    let full = restored("restored-full", "full.state", "full.mem", MemBackend::Copy);
     assert_eq!(full.call("GET", "/vm", None).1["state"], json!("Paused"));
     assert_eq!(
         run(&full, command("verify", GIB, GIB + 4096, 5)).0,
@@ -793,7 +796,13 @@ fn kvm_a_snapshot_restores_in_a_new_vm_and_diffs_merge_onto_it() {
         .expect("the base");
     let diff = std::fs::File::open(file("diff.mem")).expect("the diff");
     merge_memory_files(&state.layout, &base, &[diff]).expect("merged");
-    let merged = restored("restored-merged", "diff.state", "full.mem");
+    // ...or mapped from the file, loaded on touch.
+    let merged = restored(
+        "restored-merged",
+        "diff.state",
+        "full.mem",
+        MemBackend::File,
+    );
     assert_eq!(pause(&merged, "Resumed").0, 204);
     assert_eq!(
         run(&merged, command("verify", GIB, GIB + (1 << 19), 6)).1["result"],
@@ -821,6 +830,7 @@ fn kvm_a_snapshot_restores_in_a_new_vm_and_diffs_merge_onto_it() {
     config.restore = Some(RestoreFrom {
         snapshot: file("bad.state"),
         mem_file: file("full.mem"),
+        backend: MemBackend::File,
     });
     let err = serve(&config, || {}).expect_err("refused");
     assert!(err.to_string().contains("checksum"), "{err}");

@@ -43,6 +43,10 @@ pub enum Backing {
     Memfd,
     /// A file (or memfd) the caller opened, mapped shared from the given offset.
     File(FileOffset),
+    /// A file mapped privately (copy-on-write) from the given offset: pages load from the file
+    /// (through the page cache) when first touched, and writes never reach it. A snapshot's
+    /// memory file restores this way. Discarded pages read back as zeros.
+    PrivateFile(FileOffset),
 }
 
 impl Backing {
@@ -52,6 +56,7 @@ impl Backing {
             Backing::Anonymous => "anonymous",
             Backing::Memfd => "memfd",
             Backing::File(_) => "file",
+            Backing::PrivateFile(_) => "private file",
         }
     }
 }
@@ -93,6 +98,9 @@ pub enum MappingError {
 pub struct RegionMemory {
     mapping: MmapRegion<AtomicBitmap>,
     shared: bool,
+    /// A private mapping of a file: discarding a page must replace it with a zero page, since
+    /// dropping it would bring the file's page back.
+    private_file: bool,
 }
 
 impl fmt::Debug for RegionMemory {
@@ -116,13 +124,14 @@ impl RegionMemory {
         let file = match backing {
             Backing::Anonymous => None,
             Backing::Memfd => Some(FileOffset::new(new_memfd(size)?, 0)),
-            Backing::File(fo) => Some(fo.clone()),
+            Backing::File(fo) | Backing::PrivateFile(fo) => Some(fo.clone()),
         };
-        let shared = file.is_some();
-        let sharing = if shared {
-            libc::MAP_SHARED
-        } else {
-            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS
+        let private_file = matches!(backing, Backing::PrivateFile(_));
+        let shared = file.is_some() && !private_file;
+        let sharing = match (&file, shared) {
+            (_, true) => libc::MAP_SHARED,
+            (Some(_), false) => libc::MAP_PRIVATE,
+            (None, _) => libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
         };
         // vm-memory allocates the bitmap of the VMM's writes without a way to fail: make sure
         // the host has room for it first, so that a failure is an error, never an abort.
@@ -145,7 +154,11 @@ impl RegionMemory {
             backing: backing.kind(),
             source,
         })?;
-        Ok(RegionMemory { mapping, shared })
+        Ok(RegionMemory {
+            mapping,
+            shared,
+            private_file,
+        })
     }
 
     /// Host address of the first byte.
@@ -158,9 +171,14 @@ impl RegionMemory {
         self.mapping.size() as u64
     }
 
-    /// Whether the mapping is shared (file or memfd backed) rather than private anonymous.
+    /// Whether the mapping is shared (file or memfd backed) rather than private.
     pub fn is_shared(&self) -> bool {
         self.shared
+    }
+
+    /// Whether the mapping is a private (copy-on-write) mapping of a file.
+    pub fn is_private_file(&self) -> bool {
+        self.private_file
     }
 
     /// Copies `buf.len()` bytes from `offset` with volatile reads (the guest may be writing),

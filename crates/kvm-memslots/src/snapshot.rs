@@ -232,16 +232,59 @@ impl MemoryLayout {
 
     /// Gives `memory` (a manager with no region in the way) this layout's regions, with their
     /// slot sizes and flags, in fresh memory; returns their new ids, in layout order. On a
-    /// refusal, the regions added so far are removed again.
+    /// refusal, the regions added so far are removed again. Load their contents with
+    /// [`load_memory_file`].
     pub fn build<K: KvmMemory>(&self, memory: &MemoryManager<K>) -> Result<Vec<RegionId>, Error> {
+        self.build_with(memory, |r| match r.backing {
+            BackingKind::Anonymous => Backing::Anonymous,
+            BackingKind::Shared => Backing::Memfd,
+        })
+    }
+
+    /// As [`build`](Self::build), each region mapped privately from `memory_file` at its
+    /// offset instead: pages load from the file when first touched, with nothing copied up
+    /// front, and the guest's writes never reach the file. Every region is private then, shared
+    /// ones included.
+    pub fn build_from_file<K: KvmMemory>(
+        &self,
+        memory: &MemoryManager<K>,
+        memory_file: &File,
+    ) -> Result<Vec<RegionId>, SnapshotError> {
+        let found = memory_file
+            .metadata()
+            .map_err(io("reading the memory file's size"))?
+            .len();
+        if found != self.memory_file_size() {
+            return Err(SnapshotError::FileSize {
+                found,
+                expected: self.memory_file_size(),
+            });
+        }
+        let mut clones = Vec::with_capacity(self.regions.len());
+        for _ in &self.regions {
+            clones.push(
+                memory_file
+                    .try_clone()
+                    .map_err(io("duplicating the memory file"))?,
+            );
+        }
+        let mut clones = clones.into_iter();
+        Ok(self.build_with(memory, |r| {
+            let file = clones.next().expect("one per region");
+            Backing::PrivateFile(vm_memory::FileOffset::new(file, r.file_offset))
+        })?)
+    }
+
+    fn build_with<K: KvmMemory>(
+        &self,
+        memory: &MemoryManager<K>,
+        mut backing: impl FnMut(&RegionLayout) -> Backing,
+    ) -> Result<Vec<RegionId>, Error> {
         let mut added = Vec::with_capacity(self.regions.len());
         for r in &self.regions {
             let mut spec = RegionSpec::new(GuestAddress(r.gpa), r.size)
                 .with_slot_size(r.slot_size)
-                .with_backing(match r.backing {
-                    BackingKind::Anonymous => Backing::Anonymous,
-                    BackingKind::Shared => Backing::Memfd,
-                });
+                .with_backing(backing(r));
             spec.read_only = r.read_only;
             spec.log_dirty = r.log_dirty;
             match memory.add_region(spec) {

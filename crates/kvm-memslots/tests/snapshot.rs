@@ -239,3 +239,41 @@ fn broken_layout_files_and_memory_files_are_refused_with_the_reason() {
     assert!(layout.build(&b).is_err());
     assert_eq!(b.regions(), before);
 }
+
+#[test]
+fn a_manager_mapped_from_the_memory_file_loads_on_touch_and_never_writes_the_file() {
+    let a = source();
+    write(&a, MIB + 3 * PAGE_SIZE, 0x5a, 100);
+    write(&a, 8 * MIB, 0x6b, PAGE_SIZE as usize);
+    let layout = MemoryLayout::of(&a);
+    let (_path, file) = TempFile::new("private");
+    write_memory_file(&a, &layout, &file).expect("written");
+    let before = contents(&a);
+
+    let b = manager();
+    layout.build_from_file(&b, &file).expect("mapped");
+    assert_eq!(contents(&b), before, "every byte, loaded on touch");
+    // The guest's writes stay in the VM's copy.
+    write(&b, MIB + 3 * PAGE_SIZE, 0x77, 8);
+    let mut byte = [0u8; 1];
+    std::os::unix::fs::FileExt::read_exact_at(&file, &mut byte, 3 * PAGE_SIZE).expect("read");
+    assert_eq!(byte, [0x5a], "the file is untouched");
+    // A discarded page reads zeros, not the file's page.
+    b.discard(GuestAddress(MIB + 3 * PAGE_SIZE), PAGE_SIZE)
+        .expect("discarded");
+    let mut page = vec![0xffu8; PAGE_SIZE as usize];
+    b.handle()
+        .memory()
+        .read_slice(&mut page, GuestAddress(MIB + 3 * PAGE_SIZE))
+        .expect("read");
+    assert!(page.iter().all(|b| *b == 0), "zeros after a discard");
+    // A file of another size is refused before anything is mapped.
+    let (_p, short) = TempFile::new("private-short");
+    short.set_len(PAGE_SIZE).expect("sized");
+    let c = manager();
+    assert!(matches!(
+        layout.build_from_file(&c, &short),
+        Err(SnapshotError::FileSize { .. })
+    ));
+    assert!(c.regions().is_empty());
+}

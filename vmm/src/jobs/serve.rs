@@ -13,7 +13,7 @@ use crate::controller::Controller;
 use crate::lifecycle::{Ending, EventLoop, LoopError};
 use crate::test_guest::area::{AreaError, TestArea, AREA_GPA};
 use crate::test_guest::snapshot::SnapshotState;
-use crate::test_guest::vcpus::{GuestError, TestVm};
+use crate::test_guest::vcpus::{GuestError, MemBackend, TestVm};
 use crate::vm::VmOptions;
 use kvm_memslots::MemoryLimits;
 
@@ -70,6 +70,8 @@ pub struct RestoreFrom {
     pub snapshot: PathBuf,
     /// The memory file (`mem_file_path`; with Diff snapshots, merged onto the Full first).
     pub mem_file: PathBuf,
+    /// How memory comes from the memory file.
+    pub backend: MemBackend,
 }
 
 impl ServeConfig {
@@ -167,7 +169,7 @@ fn serve_on(
                     path: from.mem_file.clone(),
                     reason: source.to_string(),
                 })?;
-            let vm = TestVm::restore(&state.layout, &mem_file, options)?;
+            let vm = TestVm::restore(&state.layout, &mem_file, from.backend, options)?;
             let vcpus = vm.start_restored_vcpus(&state.vcpus, stopped)?;
             Controller::new(vm, vcpus).paused()
         }

@@ -159,6 +159,17 @@ pub fn check_slot_count(slots: usize, max: usize) -> Result<(), GuestError> {
     Ok(())
 }
 
+/// How a restored VM gets its memory from the snapshot's memory file.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, clap::ValueEnum)]
+pub enum MemBackend {
+    /// Read every page that holds data into fresh memory before the guest runs.
+    Copy,
+    /// Map the file privately: pages load from the page cache when the guest first touches
+    /// them; its writes never reach the file.
+    #[default]
+    File,
+}
+
 /// The test guest's VM: the generic VM with the system region in place and the guest's code
 /// and tables in it.
 #[derive(Debug)]
@@ -190,11 +201,18 @@ impl TestVm {
     pub fn restore(
         layout: &MemoryLayout,
         memory_file: &std::fs::File,
+        backend: MemBackend,
         options: VmOptions,
     ) -> Result<Self, GuestError> {
         let vm = Vm::new(options)?;
-        let ids = layout.build(vm.memory())?;
-        load_memory_file(vm.memory(), layout, memory_file)?;
+        let ids = match backend {
+            MemBackend::Copy => {
+                let ids = layout.build(vm.memory())?;
+                load_memory_file(vm.memory(), layout, memory_file)?;
+                ids
+            }
+            MemBackend::File => layout.build_from_file(vm.memory(), memory_file)?,
+        };
         let system = layout
             .regions
             .iter()

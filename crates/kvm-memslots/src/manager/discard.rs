@@ -70,18 +70,49 @@ impl<K: KvmMemory> MemoryManager<K> {
             at = end;
         }
         for piece in pieces {
-            let advice = if piece.memory.is_shared() {
-                libc::MADV_REMOVE
-            } else {
-                libc::MADV_DONTNEED
-            };
             let hva = piece.memory.host_address() + piece.offset;
             let len = piece.end - piece.start;
-            // SAFETY: `[hva, hva + len)` lies inside the region's mapping, which `piece.memory`
-            // keeps mapped during the call. Guest memory is only accessed through volatile
-            // accesses and raw pointers, never Rust references, so replacing its contents with
-            // zeros (or freeing its file pages) breaks no aliasing rule.
-            let ret = unsafe { libc::madvise(hva as *mut libc::c_void, len as usize, advice) };
+            let ret = if piece.memory.is_private_file() {
+                // Dropping a copy-on-write page would bring the file's page back: put fresh
+                // zero pages there instead, in one step (MAP_FIXED replaces the range
+                // atomically, so it is never unmapped; KVM's MMU notifier sees the change).
+                // SAFETY: `[hva, hva + len)` lies inside the region's mapping, which
+                // `piece.memory` keeps alive; it is replaced by a private anonymous mapping of
+                // the same range and protection, so the region's memory stays mapped and
+                // writable. Guest memory is only accessed through volatile accesses and raw
+                // pointers, never Rust references, so replacing its contents breaks no
+                // aliasing rule.
+                let mapped = unsafe {
+                    libc::mmap(
+                        hva as *mut libc::c_void,
+                        len as usize,
+                        libc::PROT_READ | libc::PROT_WRITE,
+                        libc::MAP_PRIVATE
+                            | libc::MAP_ANONYMOUS
+                            | libc::MAP_FIXED
+                            | libc::MAP_NORESERVE,
+                        -1,
+                        0,
+                    )
+                };
+                if mapped == libc::MAP_FAILED {
+                    -1
+                } else {
+                    0
+                }
+            } else {
+                let advice = if piece.memory.is_shared() {
+                    libc::MADV_REMOVE
+                } else {
+                    libc::MADV_DONTNEED
+                };
+                // SAFETY: `[hva, hva + len)` lies inside the region's mapping, which
+                // `piece.memory` keeps mapped during the call. Guest memory is only accessed
+                // through volatile accesses and raw pointers, never Rust references, so
+                // replacing its contents with zeros (or freeing its file pages) breaks no
+                // aliasing rule.
+                unsafe { libc::madvise(hva as *mut libc::c_void, len as usize, advice) }
+            };
             if ret != 0 {
                 return Err(Error::Discard {
                     range: AddressRange {
