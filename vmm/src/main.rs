@@ -407,7 +407,7 @@ struct RestoreArgs {
     #[arg(long)]
     mem_file: std::path::PathBuf,
     /// copy: read the memory in before the guest runs; file: map the file privately, pages
-    /// load when first touched.
+    /// load when first touched; uffd: a userfaultfd handler fills each page on first touch.
     #[arg(long, value_enum, default_value_t)]
     mem_backend: tinyvmm::test_guest::vcpus::MemBackend,
     #[command(flatten)]

@@ -817,6 +817,22 @@ fn kvm_a_snapshot_restores_in_a_new_vm_and_diffs_merge_onto_it() {
         json!("ok")
     );
     merged.stop();
+    // ...or filled page by page on first touch by a userfaultfd handler.
+    let lazy = restored("restored-uffd", "diff.state", "full.mem", MemBackend::Uffd);
+    assert_eq!(pause(&lazy, "Resumed").0, 204);
+    assert_eq!(
+        run(&lazy, command("verify", GIB, GIB + (1 << 19), 6)).1["result"],
+        json!("ok")
+    );
+    assert_eq!(
+        run(
+            &lazy,
+            command("verify", GIB + (1 << 19), GIB + (1 << 20), 5)
+        )
+        .1["result"],
+        json!("ok")
+    );
+    lazy.stop();
 
     // A state file with a byte flipped is refused before anything runs.
     let mut bytes = std::fs::read(file("diff.state")).expect("state");

@@ -20,6 +20,7 @@ mod manager;
 mod memory;
 mod ring;
 pub mod snapshot;
+pub mod uffd;
 
 pub use dirty::DirtyPages;
 pub use error::{Error, ErrorKind};

@@ -302,7 +302,7 @@ impl MemoryLayout {
 }
 
 /// Each layout region's mapping in `memory` now (by the region's guest base).
-fn mappings<K: KvmMemory>(
+pub(crate) fn mappings<K: KvmMemory>(
     memory: &MemoryManager<K>,
     layout: &MemoryLayout,
 ) -> Result<Vec<Arc<RegionMemory>>, SnapshotError> {
@@ -514,7 +514,7 @@ pub fn write_dirty_pages<K: KvmMemory>(
 }
 
 /// The data runs of `file` (`SEEK_DATA` / `SEEK_HOLE`), as byte ranges.
-fn file_data_runs(file: &File, size: u64) -> Result<Vec<Range<u64>>, SnapshotError> {
+pub(crate) fn file_data_runs(file: &File, size: u64) -> Result<Vec<Range<u64>>, SnapshotError> {
     let fd = file.as_raw_fd();
     let mut runs = Vec::new();
     let mut at = 0i64;
@@ -542,7 +542,7 @@ fn file_data_runs(file: &File, size: u64) -> Result<Vec<Range<u64>>, SnapshotErr
     Ok(runs)
 }
 
-fn check_size(file: &File, layout: &MemoryLayout) -> Result<u64, SnapshotError> {
+pub(crate) fn check_size(file: &File, layout: &MemoryLayout) -> Result<u64, SnapshotError> {
     let found = file
         .metadata()
         .map_err(io("reading the memory file's size"))?

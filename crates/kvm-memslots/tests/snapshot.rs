@@ -277,3 +277,48 @@ fn a_manager_mapped_from_the_memory_file_loads_on_touch_and_never_writes_the_fil
     ));
     assert!(c.regions().is_empty());
 }
+
+#[test]
+fn a_lazy_restore_fills_exactly_the_pages_touched() {
+    use kvm_memslots::uffd::LazyLoader;
+    use std::sync::atomic::Ordering;
+    let a = source();
+    write(&a, MIB + 5 * PAGE_SIZE, 0x3c, 64);
+    write(&a, MIB + 9 * PAGE_SIZE, 0x4d, 64);
+    write(&a, 8 * MIB, 0x5e, 64);
+    let layout = MemoryLayout::of(&a);
+    let (_path, file) = TempFile::new("lazy");
+    write_memory_file(&a, &layout, &file).expect("written");
+
+    let b = manager();
+    layout.build(&b).expect("built");
+    let loader = LazyLoader::start(&b, &layout, &file).expect("userfaultfd");
+    let memory = b.handle().memory();
+    let read = |gpa: u64| {
+        let mut bytes = [0u8; 64];
+        memory
+            .read_slice(&mut bytes, GuestAddress(gpa))
+            .expect("read");
+        bytes
+    };
+    // Two pages with data and one hole touched: three pages filled, two from the file.
+    assert_eq!(read(MIB + 5 * PAGE_SIZE), [0x3c; 64]);
+    assert_eq!(read(8 * MIB), [0x5e; 64]);
+    assert_eq!(read(MIB + 6 * PAGE_SIZE), [0; 64]);
+    let stats = loader.stats();
+    assert_eq!(stats.copied.load(Ordering::Relaxed), 2);
+    assert_eq!(stats.zeroed.load(Ordering::Relaxed), 1);
+    // Touched again: nothing more to fill.
+    assert_eq!(read(MIB + 5 * PAGE_SIZE), [0x3c; 64]);
+    assert_eq!(stats.copied.load(Ordering::Relaxed), 2);
+    // A filled page that is discarded comes back as zeros, not as the file's page.
+    b.discard(GuestAddress(MIB + 5 * PAGE_SIZE), PAGE_SIZE)
+        .expect("discarded");
+    assert_eq!(read(MIB + 5 * PAGE_SIZE), [0; 64]);
+    // The page never touched still has its data.
+    assert_eq!(read(MIB + 9 * PAGE_SIZE), [0x4d; 64]);
+    assert!(!stats.failed.load(Ordering::Relaxed));
+    drop(loader);
+    // Unregistered: the memory is ordinary memory again.
+    assert_eq!(read(MIB + 20 * PAGE_SIZE), [0; 64]);
+}

@@ -8,6 +8,7 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use kvm_memslots::snapshot::{load_memory_file, MemoryLayout, SnapshotError};
+use kvm_memslots::uffd::LazyLoader;
 use kvm_memslots::{KvmVm, MemoryManager, RegionId, RegionSpec};
 use vm_memory::GuestAddress;
 use vmm_sys_util::eventfd::EventFd;
@@ -168,6 +169,9 @@ pub enum MemBackend {
     /// them; its writes never reach the file.
     #[default]
     File,
+    /// Fresh memory filled page by page on first touch by a userfaultfd handler, from the file
+    /// or with zeros for its holes.
+    Uffd,
 }
 
 /// The test guest's VM: the generic VM with the system region in place and the guest's code
@@ -176,6 +180,8 @@ pub enum MemBackend {
 pub struct TestVm {
     vm: Vm,
     system: RegionId,
+    /// The fault handler of a VM restored with [`MemBackend::Uffd`], for as long as it runs.
+    loader: Option<LazyLoader>,
 }
 
 impl TestVm {
@@ -192,7 +198,11 @@ impl TestVm {
         let system =
             memory.add_region(RegionSpec::new(GuestAddress(0), test_guest::SYSTEM_SIZE))?;
         test_guest::write_system_memory(&*memory.snapshot())?;
-        Ok(TestVm { vm, system })
+        Ok(TestVm {
+            vm,
+            system,
+            loader: None,
+        })
     }
 
     /// A VM restored from a snapshot: the saved layout's regions (the system region among
@@ -205,6 +215,7 @@ impl TestVm {
         options: VmOptions,
     ) -> Result<Self, GuestError> {
         let vm = Vm::new(options)?;
+        let mut loader = None;
         let ids = match backend {
             MemBackend::Copy => {
                 let ids = layout.build(vm.memory())?;
@@ -212,6 +223,11 @@ impl TestVm {
                 ids
             }
             MemBackend::File => layout.build_from_file(vm.memory(), memory_file)?,
+            MemBackend::Uffd => {
+                let ids = layout.build(vm.memory())?;
+                loader = Some(LazyLoader::start(vm.memory(), layout, memory_file)?);
+                ids
+            }
         };
         let system = layout
             .regions
@@ -219,7 +235,12 @@ impl TestVm {
             .position(|r| r.gpa == 0 && r.size == test_guest::SYSTEM_SIZE)
             .map(|i| ids[i])
             .ok_or(GuestError::NoSystemRegion)?;
-        Ok(TestVm { vm, system })
+        Ok(TestVm { vm, system, loader })
+    }
+
+    /// The userfaultfd handler's counts, for a VM restored with [`MemBackend::Uffd`].
+    pub fn lazy_loader(&self) -> Option<&LazyLoader> {
+        self.loader.as_ref()
     }
 
     /// The generic VM.

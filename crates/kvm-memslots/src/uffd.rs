@@ -1,0 +1,355 @@
+//! Lazy restore with userfaultfd: a snapshot's regions are fresh anonymous memory registered
+//! for missing-page faults, and a handler thread fills each page the first time anything
+//! touches it (a vCPU through KVM, or the VMM), from the memory file (`UFFDIO_COPY`) or, for a
+//! hole, with zeros (`UFFDIO_ZEROPAGE`). Nothing is read up front.
+//!
+//! A page the handler filled once and that is then discarded faults again; the handler
+//! remembers what it filled and gives such a page zeros, as a discard promises. libc has only
+//! the system call's number, so the ioctl structures are declared here from the kernel's
+//! `include/uapi/linux/userfaultfd.h`.
+
+use std::fs::File;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::os::unix::fs::FileExt;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::thread::JoinHandle;
+
+use vmm_sys_util::eventfd::EventFd;
+use vmm_sys_util::ioctl::ioctl_with_mut_ref;
+
+use crate::memory::RegionMemory;
+use crate::snapshot::{MemoryLayout, SnapshotError};
+use crate::PAGE_SIZE;
+
+const UFFDIO: u32 = 0xAA;
+const UFFD_API: u64 = 0xAA;
+const UFFD_EVENT_PAGEFAULT: u8 = 0x12;
+const UFFDIO_REGISTER_MODE_MISSING: u64 = 1;
+
+#[repr(C)]
+#[derive(Default)]
+struct UffdioApi {
+    api: u64,
+    features: u64,
+    ioctls: u64,
+}
+
+#[repr(C)]
+#[derive(Default, Clone, Copy)]
+struct UffdioRange {
+    start: u64,
+    len: u64,
+}
+
+#[repr(C)]
+#[derive(Default)]
+struct UffdioRegister {
+    range: UffdioRange,
+    mode: u64,
+    ioctls: u64,
+}
+
+#[repr(C)]
+#[derive(Default)]
+struct UffdioCopy {
+    dst: u64,
+    src: u64,
+    len: u64,
+    mode: u64,
+    copy: i64,
+}
+
+#[repr(C)]
+#[derive(Default)]
+struct UffdioZeropage {
+    range: UffdioRange,
+    mode: u64,
+    zeropage: i64,
+}
+
+/// The ioctl numbers (the macros make public functions: kept in a private module).
+mod nr {
+    use super::{UffdioApi, UffdioCopy, UffdioRange, UffdioRegister, UffdioZeropage, UFFDIO};
+    use vmm_sys_util::{ioctl_ior_nr, ioctl_iowr_nr};
+
+    ioctl_iowr_nr!(UFFDIO_API, UFFDIO, 0x3F, UffdioApi);
+    ioctl_iowr_nr!(UFFDIO_REGISTER, UFFDIO, 0x00, UffdioRegister);
+    ioctl_ior_nr!(UFFDIO_UNREGISTER, UFFDIO, 0x01, UffdioRange);
+    ioctl_iowr_nr!(UFFDIO_COPY, UFFDIO, 0x03, UffdioCopy);
+    ioctl_iowr_nr!(UFFDIO_ZEROPAGE, UFFDIO, 0x04, UffdioZeropage);
+}
+use nr::{UFFDIO_API, UFFDIO_COPY, UFFDIO_REGISTER, UFFDIO_UNREGISTER, UFFDIO_ZEROPAGE};
+
+/// One registered region: its mapping, its place in the file, the file's data runs in it, and
+/// the pages filled so far (a later fault there follows a discard: zeros).
+struct Lazy {
+    memory: Arc<RegionMemory>,
+    file_offset: u64,
+    data: Vec<std::ops::Range<u64>>,
+    filled: Vec<AtomicU64>,
+}
+
+impl Lazy {
+    fn holds(&self, hva: u64) -> bool {
+        let base = self.memory.host_address();
+        hva >= base && hva - base < self.memory.size()
+    }
+
+    /// Marks page `page` filled; whether it was filled before.
+    fn fill(&self, page: u64) -> bool {
+        let bit = 1 << (page % 64);
+        self.filled[(page / 64) as usize].fetch_or(bit, Ordering::AcqRel) & bit != 0
+    }
+
+    fn has_data(&self, offset: u64) -> bool {
+        let at = self.data.partition_point(|r| r.end <= offset);
+        self.data.get(at).is_some_and(|r| r.start <= offset)
+    }
+}
+
+/// The handler of a lazily restored manager's page faults; stops (and unregisters the
+/// memory) when dropped. Keep it as long as the VM runs.
+#[derive(Debug)]
+pub struct LazyLoader {
+    uffd: Arc<OwnedFd>,
+    stop: Arc<EventFd>,
+    thread: Option<JoinHandle<()>>,
+    stats: Arc<LoaderStats>,
+    ranges: Vec<UffdioRangeDebug>,
+}
+
+#[derive(Debug, Clone, Copy)]
+struct UffdioRangeDebug {
+    start: u64,
+    len: u64,
+}
+
+/// What the handler did.
+#[derive(Debug, Default)]
+pub struct LoaderStats {
+    /// Pages filled from the file.
+    pub copied: AtomicU64,
+    /// Pages filled with zeros (holes, or pages discarded after their first fill).
+    pub zeroed: AtomicU64,
+    /// Set when the handler met an error it could not serve a fault past (it stops; the
+    /// faulting thread then waits for ever, so this is also printed).
+    pub failed: AtomicBool,
+}
+
+fn os_error(what: &str) -> SnapshotError {
+    SnapshotError::Io {
+        what: what.into(),
+        source: std::io::Error::last_os_error(),
+    }
+}
+
+impl LazyLoader {
+    /// Registers every region of `layout` in `memory` (built with
+    /// [`MemoryLayout::build`](crate::snapshot::MemoryLayout::build): anonymous or memfd) for
+    /// missing-page faults and starts the handler that fills them from `memory_file`.
+    pub fn start<K: crate::kvm::KvmMemory>(
+        memory: &crate::manager::MemoryManager<K>,
+        layout: &MemoryLayout,
+        memory_file: &File,
+    ) -> Result<Self, SnapshotError> {
+        let regions = crate::snapshot::mappings(memory, layout)?;
+        let size = crate::snapshot::check_size(memory_file, layout)?;
+        let runs = crate::snapshot::file_data_runs(memory_file, size)?;
+        // SAFETY: userfaultfd(2) takes flags only and returns a new descriptor or -1.
+        let fd =
+            unsafe { libc::syscall(libc::SYS_userfaultfd, libc::O_CLOEXEC | libc::O_NONBLOCK) };
+        if fd < 0 {
+            return Err(os_error("userfaultfd"));
+        }
+        // SAFETY: `fd` is a new descriptor this function owns from here on.
+        let uffd = unsafe { OwnedFd::from_raw_fd(fd as RawFd) };
+        let mut api = UffdioApi {
+            api: UFFD_API,
+            ..Default::default()
+        };
+        // SAFETY: UFFDIO_API on a userfaultfd with a valid `uffdio_api`, which outlives the call.
+        if unsafe { ioctl_with_mut_ref(&uffd, UFFDIO_API(), &mut api) } < 0 {
+            return Err(os_error("UFFDIO_API"));
+        }
+        let mut lazies = Vec::with_capacity(regions.len());
+        let mut ranges = Vec::with_capacity(regions.len());
+        for (r, region) in layout.regions.iter().zip(regions) {
+            let mut register = UffdioRegister {
+                range: UffdioRange {
+                    start: region.host_address(),
+                    len: region.size(),
+                },
+                mode: UFFDIO_REGISTER_MODE_MISSING,
+                ioctls: 0,
+            };
+            // SAFETY: UFFDIO_REGISTER with a valid structure naming the region's own mapping,
+            // which `region` keeps mapped; faults there now wait for this loader.
+            if unsafe { ioctl_with_mut_ref(&uffd, UFFDIO_REGISTER(), &mut register) } < 0 {
+                return Err(os_error("UFFDIO_REGISTER"));
+            }
+            ranges.push(UffdioRangeDebug {
+                start: register.range.start,
+                len: register.range.len,
+            });
+            let end = r.file_offset + r.size;
+            let data = runs
+                .iter()
+                .filter(|run| run.start < end && r.file_offset < run.end)
+                .map(|run| {
+                    run.start.max(r.file_offset) - r.file_offset..run.end.min(end) - r.file_offset
+                })
+                .collect();
+            let pages = r.size / PAGE_SIZE;
+            lazies.push(Lazy {
+                memory: region,
+                file_offset: r.file_offset,
+                data,
+                filled: (0..pages.div_ceil(64)).map(|_| AtomicU64::new(0)).collect(),
+            });
+        }
+        let uffd = Arc::new(uffd);
+        let stop =
+            Arc::new(
+                EventFd::new(libc::EFD_NONBLOCK).map_err(|source| SnapshotError::Io {
+                    what: "an eventfd for the fault handler".into(),
+                    source,
+                })?,
+            );
+        let stats = Arc::new(LoaderStats::default());
+        let file = memory_file
+            .try_clone()
+            .map_err(|source| SnapshotError::Io {
+                what: "duplicating the memory file".into(),
+                source,
+            })?;
+        let thread = {
+            let (uffd, stop, stats) = (Arc::clone(&uffd), Arc::clone(&stop), Arc::clone(&stats));
+            std::thread::Builder::new()
+                .name("uffd".into())
+                .spawn(move || serve(&uffd, &stop, &stats, &lazies, &file))
+                .map_err(|source| SnapshotError::Io {
+                    what: "starting the fault handler".into(),
+                    source,
+                })?
+        };
+        Ok(LazyLoader {
+            uffd,
+            stop,
+            thread: Some(thread),
+            stats,
+            ranges,
+        })
+    }
+
+    /// What the handler did so far.
+    pub fn stats(&self) -> &LoaderStats {
+        &self.stats
+    }
+}
+
+impl Drop for LazyLoader {
+    fn drop(&mut self) {
+        let _ = self.stop.write(1);
+        if let Some(thread) = self.thread.take() {
+            let _ = thread.join();
+        }
+        for r in &self.ranges {
+            let mut range = UffdioRange {
+                start: r.start,
+                len: r.len,
+            };
+            // SAFETY: UFFDIO_UNREGISTER with a valid range this loader registered; the memory
+            // behaves as ordinary anonymous memory afterwards.
+            unsafe { ioctl_with_mut_ref(self.uffd.as_ref(), UFFDIO_UNREGISTER(), &mut range) };
+        }
+    }
+}
+
+/// The handler: waits for faults (or the stop eventfd) and fills each faulting page once.
+fn serve(uffd: &OwnedFd, stop: &EventFd, stats: &LoaderStats, lazies: &[Lazy], file: &File) {
+    let mut page = vec![0u8; PAGE_SIZE as usize];
+    loop {
+        let mut fds = [
+            libc::pollfd {
+                fd: uffd.as_raw_fd(),
+                events: libc::POLLIN,
+                revents: 0,
+            },
+            libc::pollfd {
+                fd: stop.as_raw_fd(),
+                events: libc::POLLIN,
+                revents: 0,
+            },
+        ];
+        // SAFETY: poll(2) on two valid pollfds in a local array.
+        let ready = unsafe { libc::poll(fds.as_mut_ptr(), 2, -1) };
+        if ready < 0 {
+            if std::io::Error::last_os_error().kind() == std::io::ErrorKind::Interrupted {
+                continue;
+            }
+            break;
+        }
+        if fds[1].revents != 0 {
+            return;
+        }
+        let mut msg = [0u8; 32];
+        // SAFETY: reading one 32-byte `uffd_msg` into a local buffer of that size.
+        let n = unsafe { libc::read(uffd.as_raw_fd(), msg.as_mut_ptr().cast(), msg.len()) };
+        if n != 32 {
+            continue; // EAGAIN: another wake-up took it.
+        }
+        if msg[0] != UFFD_EVENT_PAGEFAULT {
+            continue;
+        }
+        // struct uffd_msg { u8 event; u8 r1; u16 r2; u32 r3; { u64 flags; u64 address; } }
+        let address = u64::from_le_bytes(msg[16..24].try_into().expect("8 bytes"));
+        let hva = address & !(PAGE_SIZE - 1);
+        let Some(lazy) = lazies.iter().find(|l| l.holds(hva)) else {
+            continue;
+        };
+        let offset = hva - lazy.memory.host_address();
+        let again = lazy.fill(offset / PAGE_SIZE);
+        let filled_or_raced =
+            |r: i32| r >= 0 || std::io::Error::last_os_error().raw_os_error() == Some(libc::EEXIST);
+        let ok = if !again && lazy.has_data(offset) {
+            let read = file.read_exact_at(&mut page, lazy.file_offset + offset);
+            let mut copy = UffdioCopy {
+                dst: hva,
+                src: page.as_ptr() as u64,
+                len: PAGE_SIZE,
+                ..Default::default()
+            };
+            let copied = read.is_ok() && {
+                // SAFETY: UFFDIO_COPY of one page from a local buffer to the faulting page of
+                // a registered region; the kernel copies and wakes the faulting thread.
+                let r = unsafe { ioctl_with_mut_ref(uffd, UFFDIO_COPY(), &mut copy) };
+                filled_or_raced(r)
+            };
+            if copied {
+                stats.copied.fetch_add(1, Ordering::Relaxed);
+            }
+            copied
+        } else {
+            let mut zero = UffdioZeropage {
+                range: UffdioRange {
+                    start: hva,
+                    len: PAGE_SIZE,
+                },
+                ..Default::default()
+            };
+            // SAFETY: UFFDIO_ZEROPAGE of the faulting page of a registered region.
+            let r = unsafe { ioctl_with_mut_ref(uffd, UFFDIO_ZEROPAGE(), &mut zero) };
+            let zeroed = filled_or_raced(r);
+            if zeroed {
+                stats.zeroed.fetch_add(1, Ordering::Relaxed);
+            }
+            zeroed
+        };
+        if !ok {
+            stats.failed.store(true, Ordering::Release);
+            eprintln!("kvm-memslots: the userfaultfd handler could not fill {hva:#x}");
+            return;
+        }
+    }
+}
