@@ -852,3 +852,83 @@ fn kvm_a_snapshot_restores_in_a_new_vm_and_diffs_merge_onto_it() {
     assert!(err.to_string().contains("checksum"), "{err}");
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// A tmpfs of `kib` KiB mounted on a new folder, unmounted on drop; `None` where mounting is
+/// not allowed.
+struct SmallFs(PathBuf);
+
+impl SmallFs {
+    fn mount(name: &str, kib: u64) -> Option<SmallFs> {
+        let dir = std::env::temp_dir().join(format!("tinyvmm-test-{}-{name}", std::process::id()));
+        std::fs::create_dir_all(&dir).ok()?;
+        let mounted = std::process::Command::new("mount")
+            .args(["-t", "tmpfs", "-o", &format!("size={kib}k"), "tmpfs"])
+            .arg(&dir)
+            .status()
+            .is_ok_and(|s| s.success());
+        mounted.then_some(SmallFs(dir))
+    }
+}
+
+impl Drop for SmallFs {
+    fn drop(&mut self) {
+        let _ = std::process::Command::new("umount").arg(&self.0).status();
+        let _ = std::fs::remove_dir(&self.0);
+    }
+}
+
+#[test]
+fn kvm_a_diff_that_fails_keeps_every_page_for_the_next() {
+    if !kvm_test_support::require_kvm(
+        "tinyvmm::kvm_a_diff_that_fails_keeps_every_page_for_the_next",
+    ) {
+        return;
+    }
+    let Some(small) = SmallFs::mount("smallfs", 256) else {
+        eprintln!("SKIPPED: kvm_a_diff_that_fails_keeps_every_page_for_the_next: cannot mount a tmpfs (not root?)");
+        return;
+    };
+    let dir = std::env::temp_dir().join(format!("tinyvmm-test-{}-keep", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).expect("a folder");
+    let vmm = Vmm::start("keep", 2, 4);
+    let (status, _) = vmm.call(
+        "PUT",
+        "/memory/regions",
+        Some(json!({"size": 1 << 20, "guest_address": GIB, "guest_check": false})),
+    );
+    assert_eq!(status, 201);
+    let pause = |state: &str| vmm.call("PATCH", "/vm", Some(json!({"state": state}))).0;
+    let snapshot = |kind: &str, state: PathBuf, mem: PathBuf| {
+        vmm.call(
+            "PUT",
+            "/snapshot/create",
+            Some(json!({"snapshot_type": kind, "snapshot_path": state, "mem_file_path": mem})),
+        )
+    };
+    assert_eq!(pause("Paused"), 204);
+    assert_eq!(snapshot("Full", dir.join("s0"), dir.join("m0")).0, 204);
+    assert_eq!(pause("Resumed"), 204);
+    // The guest dirties all 256 pages of the region: 1 MiB, more than the small fs holds.
+    let write =
+        json!({"op": "write", "start": GIB, "end": GIB + (1 << 20), "stride": 4096, "seed": 3});
+    assert_eq!(vmm.call("PUT", "/guest/command", Some(write)).0, 200);
+    assert_eq!(pause("Paused"), 204);
+    let failed = snapshot("Diff", small.0.join("s1"), small.0.join("m1"));
+    assert_eq!(failed.0, 500, "{failed:?}");
+    assert!(fault(&failed).contains("the snapshot failed"), "{failed:?}");
+    assert!(
+        !small.0.join("m1").exists(),
+        "a failed snapshot leaves no file"
+    );
+    // The next Diff has every page the failed one had harvested.
+    assert_eq!(snapshot("Diff", dir.join("s2"), dir.join("m2")).0, 204);
+    let data = std::fs::metadata(dir.join("m2")).expect("diff").blocks() * 512;
+    assert!(
+        data >= 1 << 20,
+        "the diff holds the region's 256 pages: {data} bytes"
+    );
+    vmm.stop();
+    drop(small);
+    let _ = std::fs::remove_dir_all(&dir);
+}
