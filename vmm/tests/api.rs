@@ -708,6 +708,17 @@ fn kvm_a_snapshot_restores_in_a_new_vm_and_diffs_merge_onto_it() {
     let command = |op: &str, start: u64, end: u64, seed: u64| json!({"op": op, "start": start, "end": end, "stride": 4096, "seed": seed});
     let run = |vmm: &Vmm, c: Value| vmm.call("PUT", "/guest/command", Some(c));
     assert_eq!(run(&vmm, command("write", GIB, GIB + (1 << 20), 5)).0, 200);
+    // A hotplug area with 10 MiB plugged: two 8 MiB slots mapped, the second one in part.
+    let area = json!({"total_size_mib": 64, "block_size_mib": 2, "slot_size_mib": 8});
+    assert_eq!(vmm.call("PUT", "/hotplug/memory", Some(area)).0, 204);
+    let plug = json!({"requested_size_mib": 10});
+    assert_eq!(vmm.call("PATCH", "/hotplug/memory", Some(plug)).0, 204);
+    let (_, hotplug) = vmm.call("GET", "/hotplug/memory", None);
+    let plugged = hotplug["guest_address"].as_u64().expect("base");
+    assert_eq!(
+        run(&vmm, command("write", plugged, plugged + (10 << 20), 8)).0,
+        200
+    );
     let create = |kind: &str, state: &str, mem: &str| json!({"snapshot_type": kind, "snapshot_path": file(state), "mem_file_path": file(mem)});
     // Only a paused VM is snapshotted.
     let running = vmm.call("PUT", "/snapshot/create", Some(create("Full", "s0", "m0")));
@@ -778,6 +789,16 @@ fn kvm_a_snapshot_restores_in_a_new_vm_and_diffs_merge_onto_it() {
     assert_eq!(pause(&full, "Resumed").0, 204);
     let verify = run(&full, command("verify", GIB, GIB + (1 << 20), 5));
     assert_eq!(verify.1["result"], json!("ok"), "{verify:?}");
+    // The hotplug area comes back as it was, plugged memory and all, and still unplugs.
+    assert_eq!(full.call("GET", "/hotplug/memory", None).1, hotplug);
+    let plugged_data = run(&full, command("verify", plugged, plugged + (10 << 20), 8));
+    assert_eq!(plugged_data.1["result"], json!("ok"), "{plugged_data:?}");
+    let unplug = json!({"requested_size_mib": 0});
+    assert_eq!(full.call("PATCH", "/hotplug/memory", Some(unplug)).0, 204);
+    assert_eq!(
+        full.call("GET", "/hotplug/memory", None).1["mapped_slots"],
+        json!(0)
+    );
     // And runs new commands.
     assert_eq!(run(&full, command("write", GIB, GIB + (1 << 20), 7)).0, 200);
     assert_eq!(

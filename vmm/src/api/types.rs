@@ -75,7 +75,7 @@ pub struct Harvest {
 }
 
 /// `PUT /hotplug/memory`: the hotplug area, as Firecracker describes it.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct HotplugConfig {
     /// Size of the whole area, in MiB.

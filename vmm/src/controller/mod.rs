@@ -22,7 +22,7 @@ use crate::api::types::{
     SnapshotCreate, SnapshotType, VmAction, VmActionType, VmInfo, VmStatePatch, VmStateRequest,
 };
 use crate::test_guest::area::{check_area, TestArea};
-use crate::test_guest::snapshot::{SnapshotState, STATE_VERSION};
+use crate::test_guest::snapshot::{HotplugState, SnapshotState, STATE_VERSION};
 use crate::test_guest::vcpus::{GuestError, TestVm, Vcpus};
 use crate::test_guest::{self, Command, Op};
 pub use error::{ControllerError, ErrorKind};
@@ -133,6 +133,45 @@ impl Controller {
             snapshot_base: None,
             interrupt: crate::lifecycle::termination_signal(),
         }
+    }
+
+    /// Takes back a restored VM's hotplug area: its mapped slots are the regions at their guest
+    /// addresses in the restored memory.
+    pub fn with_hotplug(mut self, saved: Option<&HotplugState>) -> Result<Self, ControllerError> {
+        let Some(saved) = saved else {
+            return Ok(self);
+        };
+        let block = saved.config.block_size_mib;
+        let slot_size = saved.config.slot_size_mib.unwrap_or(block) * MIB;
+        let regions = self.vm.memory().regions();
+        let slots = saved
+            .mapped
+            .iter()
+            .enumerate()
+            .map(|(i, mapped)| {
+                let gpa = HOTPLUG_GPA + i as u64 * slot_size;
+                if !mapped {
+                    return Ok(None);
+                }
+                regions
+                    .iter()
+                    .find(|r| r.gpa.0 == gpa && r.size == slot_size)
+                    .map(|r| Some(r.id))
+                    .ok_or_else(|| {
+                        ControllerError::bad(format!(
+                            "the snapshot's hotplug slot {i} at {gpa:#x} is not in its memory layout"
+                        ))
+                    })
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        self.hotplug = Some(HotplugArea {
+            config: saved.config,
+            gpa: HOTPLUG_GPA,
+            slot_size,
+            plugged_blocks: saved.plugged_blocks,
+            slots,
+        });
+        Ok(self)
     }
 
     /// The VM starts paused (a restored VM: `PATCH /vm {"state": "Resumed"}` continues it).
@@ -610,6 +649,11 @@ impl Controller {
             version: STATE_VERSION,
             layout,
             vcpus: states,
+            hotplug: self.hotplug.as_ref().map(|h| HotplugState {
+                config: h.config,
+                plugged_blocks: h.plugged_blocks,
+                mapped: h.slots.iter().map(Option::is_some).collect(),
+            }),
         };
         state_file
             .write_all_at(&state.to_bytes(), 0)

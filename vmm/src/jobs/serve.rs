@@ -171,7 +171,13 @@ fn serve_on(
                 })?;
             let vm = TestVm::restore(&state.layout, &mem_file, from.backend, options)?;
             let vcpus = vm.start_restored_vcpus(&state.vcpus, stopped)?;
-            Controller::new(vm, vcpus).paused()
+            Controller::new(vm, vcpus)
+                .paused()
+                .with_hotplug(state.hotplug.as_ref())
+                .map_err(|e| ServeError::Restore {
+                    path: from.snapshot.clone(),
+                    reason: e.to_string(),
+                })?
         }
     };
     let server = Arc::new(Mutex::new(

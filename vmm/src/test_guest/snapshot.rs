@@ -6,6 +6,7 @@
 use kvm_memslots::snapshot::MemoryLayout;
 use serde::{Deserialize, Serialize};
 
+use crate::api::types::HotplugConfig;
 use crate::vm::state::VcpuState;
 
 /// The state file's format version.
@@ -23,6 +24,22 @@ pub struct SnapshotState {
     pub layout: MemoryLayout,
     /// Every vCPU's state, by index.
     pub vcpus: Vec<VcpuState>,
+    /// The hotplug area, if one was configured.
+    #[serde(default)]
+    pub hotplug: Option<HotplugState>,
+}
+
+/// The hotplug area's bookkeeping: its configuration, the blocks plugged, and which of its
+/// slots are mapped (their regions are in the layout).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct HotplugState {
+    /// As configured.
+    pub config: HotplugConfig,
+    /// Plugged blocks, from the area's start.
+    pub plugged_blocks: u64,
+    /// Whether each slot of the area is mapped.
+    pub mapped: Vec<bool>,
 }
 
 /// Why a state file was refused.
