@@ -41,6 +41,9 @@ enum Commands {
     /// place): the result is the memory of the last Diff's point, to restore with its state
     /// file.
     SnapshotMerge(MergeArgs),
+    /// Measure Full and Diff snapshots and each restore backend at several slot counts, next to
+    /// the file system's bandwidth and a cold start: print a table and write JSON.
+    SnapshotBench(SnapshotBenchArgs),
     /// Boot a Linux kernel (bzImage or ELF vmlinux) with its RAM split into KVM slots; the
     /// serial console is stdout (and stdin on a terminal). See docs/BOOT.md.
     Boot(BootArgs),
@@ -191,6 +194,10 @@ fn main() -> ExitCode {
             harvest_bench(args)
         }
         Commands::SnapshotMerge(args) => snapshot_merge(args),
+        Commands::SnapshotBench(args) => {
+            args.limits.apply();
+            snapshot_bench(args)
+        }
         Commands::Restore(args) => {
             args.serve.limits.apply();
             restore(args)
@@ -412,6 +419,51 @@ struct RestoreArgs {
     mem_backend: tinyvmm::test_guest::vcpus::MemBackend,
     #[command(flatten)]
     serve: ServeArgs,
+}
+
+#[derive(clap::Args)]
+struct SnapshotBenchArgs {
+    /// KVM slot counts, comma-separated (default: 2, 4096 and KVM's maximum).
+    #[arg(long, value_delimiter = ',')]
+    slots: Vec<usize>,
+    /// MiB of test area.
+    #[arg(long, default_value_t = 512)]
+    area_mib: u64,
+    /// The folder for the snapshot files (on the file system to measure).
+    #[arg(long, default_value = "target/bench/snapshots")]
+    dir: std::path::PathBuf,
+    /// Where to write the results as JSON.
+    #[arg(long, default_value = "target/bench/tinyvmm-snapshot.json")]
+    json: std::path::PathBuf,
+    #[command(flatten)]
+    limits: LimitArgs,
+}
+
+fn snapshot_bench(args: SnapshotBenchArgs) -> ExitCode {
+    use tinyvmm::jobs::snapshot_bench::{run_snapshot_bench, SnapshotBenchConfig};
+    let slots = if args.slots.is_empty() {
+        match tinyvmm::vm::max_slots() {
+            Ok(max) => vec![2, 4096, max],
+            Err(e) => {
+                eprintln!("tinyvmm: {e}");
+                return ExitCode::FAILURE;
+            }
+        }
+    } else {
+        args.slots
+    };
+    let config = SnapshotBenchConfig {
+        slots,
+        area_size: args.area_mib.saturating_mul(1 << 20),
+        dir: args.dir,
+    };
+    let outcome = run_job(move |ctx| run_snapshot_bench(&config, &ctx.stop, &ctx.vcpu_stopped));
+    let report = match job_report(outcome, "") {
+        Ok(report) => report,
+        Err(code) => return code,
+    };
+    println!("{report}");
+    write_json(&args.json, &report)
 }
 
 #[derive(clap::Args)]

@@ -286,3 +286,31 @@ fn kvm_the_harvest_bench_checks_every_harvest_in_both_modes() {
     let err = run_harvest_bench(&bad, &AtomicBool::new(false), &stopped).expect_err("refused");
     assert!(err.to_string().contains("KVM offers 2 to"), "{err}");
 }
+
+#[test]
+fn kvm_the_snapshot_bench_restores_with_every_backend() {
+    if !kvm_test_support::require_kvm("tinyvmm::kvm_the_snapshot_bench_restores_with_every_backend")
+    {
+        return;
+    }
+    use tinyvmm::jobs::snapshot_bench::{run_snapshot_bench, SnapshotBenchConfig};
+    let stopped = Arc::new(EventFd::new(0).expect("eventfd"));
+    let dir = std::env::temp_dir().join(format!("tinyvmm-test-{}-snapbench", std::process::id()));
+    let config = SnapshotBenchConfig {
+        slots: vec![2, 33],
+        area_size: 8 << 20,
+        dir: dir.clone(),
+    };
+    // Every restore is verified by the guest (a failed verify is an error).
+    let report = run_snapshot_bench(&config, &AtomicBool::new(false), &stopped)
+        .unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(report.rows.len(), 2);
+    for row in &report.rows {
+        let backends: Vec<&str> = row.restores.iter().map(|r| r.backend.as_str()).collect();
+        assert_eq!(backends, ["copy", "file", "uffd"]);
+        // Half of 8 MiB written: the full file holds about 4 MiB, the diff a sixteenth.
+        assert!((4 << 20..=5 << 20).contains(&row.full_bytes), "{report}");
+        assert!(row.diff_bytes < row.full_bytes / 2, "{report}");
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -5,4 +5,5 @@ pub mod check;
 pub mod harvest;
 pub mod perf;
 pub mod serve;
+pub mod snapshot_bench;
 pub mod stress;

@@ -1,0 +1,343 @@
+//! `tinyvmm snapshot-bench`: what snapshots and restores cost, at several slot counts, next to
+//! the file system's sequential bandwidth and a cold start, in one run.
+//!
+//! Per slot count: a VM with the test area split over the slots; the guest writes half the
+//! pages (every other one); a Full snapshot (timed: logging on, harvest, memory file, vCPU
+//! state, state file) and its size on disk; the guest writes one page in 16; a Diff (timed) and
+//! its size. Then, per restore backend, a new VM from the Full files: time to its first guest
+//! command done (the guest has run) and to the guest having verified every page it wrote.
+//! A cold start (new VM, test area, vCPUs, first command) of the same slot count, and the
+//! bandwidth of writing and reading a file as large as the area in the same folder, for scale.
+
+use std::fs::File;
+use std::io::{Read, Write};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use kvm_memslots::snapshot::{write_dirty_pages, write_memory_file, MemoryLayout};
+use kvm_memslots::Target;
+use serde::Serialize;
+use vmm_sys_util::eventfd::EventFd;
+
+use crate::test_guest::area::{AreaError, TestArea, AREA_GPA};
+use crate::test_guest::snapshot::{SnapshotState, STATE_VERSION};
+use crate::test_guest::vcpus::{check_slot_count, GuestError, MemBackend, TestVm, Vcpus};
+use crate::test_guest::{Command, Op};
+use crate::vm::VmOptions;
+
+/// What to measure.
+#[derive(Debug, Clone)]
+pub struct SnapshotBenchConfig {
+    /// Slot counts (each 2 to KVM's maximum).
+    pub slots: Vec<usize>,
+    /// Bytes of test area.
+    pub area_size: u64,
+    /// Where the files go (removed at the end).
+    pub dir: PathBuf,
+}
+
+/// Why the benchmark failed.
+#[derive(Debug, thiserror::Error)]
+pub enum SnapshotBenchError {
+    /// The VM or its guest failed.
+    #[error(transparent)]
+    Guest(#[from] GuestError),
+    /// The test area could not be made.
+    #[error(transparent)]
+    Area(#[from] AreaError),
+    /// The manager refused.
+    #[error(transparent)]
+    Memory(#[from] kvm_memslots::Error),
+    /// Writing or reading a snapshot failed.
+    #[error(transparent)]
+    Snapshot(#[from] kvm_memslots::snapshot::SnapshotError),
+    /// A file operation failed.
+    #[error("{0}: {1}")]
+    Io(String, std::io::Error),
+    /// A restored guest found other data than it wrote.
+    #[error("{backend:?} restore at {slots} slots: the guest's verify failed")]
+    Verify {
+        /// The backend.
+        backend: MemBackend,
+        /// The slot count.
+        slots: usize,
+    },
+    /// A signal stopped the run.
+    #[error("interrupted")]
+    Interrupted,
+}
+
+/// One restore.
+#[derive(Debug, Clone, Serialize)]
+pub struct RestoreRow {
+    /// `copy`, `file` or `uffd`.
+    pub backend: String,
+    /// To the first guest command done, milliseconds.
+    pub first_command_ms: f64,
+    /// To the guest having verified every page it wrote, milliseconds.
+    pub verified_ms: f64,
+}
+
+/// One slot count.
+#[derive(Debug, Clone, Serialize)]
+pub struct SnapshotRow {
+    /// KVM slots in all.
+    pub slots: usize,
+    /// Full snapshot, milliseconds.
+    pub full_ms: f64,
+    /// Its memory file on disk, bytes.
+    pub full_bytes: u64,
+    /// Diff snapshot (1 page in 16 dirtied), milliseconds.
+    pub diff_ms: f64,
+    /// Its memory file on disk, bytes.
+    pub diff_bytes: u64,
+    /// A cold start to the first guest command done, milliseconds.
+    pub cold_start_ms: f64,
+    /// Each restore backend.
+    pub restores: Vec<RestoreRow>,
+}
+
+/// The benchmark's result.
+#[derive(Debug, Clone, Serialize)]
+pub struct SnapshotBenchReport {
+    /// Bytes of test area.
+    pub area_size: u64,
+    /// Sequential write of a file of that size in the same folder (with fsync), MiB/s.
+    pub write_mib_s: f64,
+    /// Sequential read of it back (from the page cache, as a restore right after a snapshot
+    /// reads), MiB/s.
+    pub read_mib_s: f64,
+    /// One row per slot count.
+    pub rows: Vec<SnapshotRow>,
+}
+
+fn ms(d: Duration) -> f64 {
+    d.as_secs_f64() * 1e3
+}
+
+fn io(what: impl Into<String>) -> impl FnOnce(std::io::Error) -> SnapshotBenchError {
+    let what = what.into();
+    move |e| SnapshotBenchError::Io(what, e)
+}
+
+fn command(op: Op, area: &TestArea, stride: u64, seed: u64) -> Command {
+    Command {
+        op,
+        start: area.gpa,
+        end: area.end(),
+        stride,
+        seed,
+    }
+}
+
+/// A VM with the test area over `slots - 1` slots and one vCPU.
+fn new_vm(
+    slots: usize,
+    area_size: u64,
+    stopped: &Arc<EventFd>,
+) -> Result<(TestVm, TestArea, Vcpus), SnapshotBenchError> {
+    let vm = TestVm::new()?;
+    vm.check_slot_count(slots)?;
+    let area = TestArea::add(vm.memory(), AREA_GPA, area_size, slots as u64 - 1)?;
+    let mut vcpus = vm.start_vcpus(1, stopped)?;
+    vcpus.set_timeout(Duration::from_secs(600));
+    Ok((vm, area, vcpus))
+}
+
+fn new_file(path: &Path) -> Result<File, SnapshotBenchError> {
+    File::options()
+        .read(true)
+        .write(true)
+        .create_new(true)
+        .open(path)
+        .map_err(io(format!("creating {}", path.display())))
+}
+
+fn disk_bytes(file: &File) -> u64 {
+    use std::os::unix::fs::MetadataExt;
+    file.metadata().map_or(0, |m| m.blocks() * 512)
+}
+
+/// Saves `vm`'s vCPUs and layout into a new state file at `path`.
+fn save_state(vm: &TestVm, vcpus: &mut Vcpus, path: &Path) -> Result<(), SnapshotBenchError> {
+    let state = SnapshotState {
+        version: STATE_VERSION,
+        layout: MemoryLayout::of(vm.memory()),
+        vcpus: vcpus.save_states()?,
+        hotplug: None,
+    };
+    new_file(path)?
+        .write_all(&state.to_bytes())
+        .map_err(io("writing the state file"))
+}
+
+/// Sequential write (with fsync) and read of `size` bytes at `path`, in MiB/s.
+fn bandwidth(path: &Path, size: u64) -> Result<(f64, f64), SnapshotBenchError> {
+    let chunk = vec![0x5au8; 1 << 20];
+    let mut file = new_file(path)?;
+    let start = Instant::now();
+    for _ in 0..size.div_ceil(chunk.len() as u64) {
+        file.write_all(&chunk).map_err(io("the bandwidth file"))?;
+    }
+    file.sync_all().map_err(io("fsync"))?;
+    let write = start.elapsed();
+    let mut file = File::open(path).map_err(io("the bandwidth file"))?;
+    let mut buf = vec![0u8; 1 << 20];
+    let start = Instant::now();
+    while file.read(&mut buf).map_err(io("reading"))? > 0 {}
+    let read = start.elapsed();
+    let _ = std::fs::remove_file(path);
+    let mib = size as f64 / (1 << 20) as f64;
+    Ok((mib / write.as_secs_f64(), mib / read.as_secs_f64()))
+}
+
+/// Runs the benchmark; `stop` ends it between steps.
+pub fn run_snapshot_bench(
+    config: &SnapshotBenchConfig,
+    stop: &AtomicBool,
+    stopped: &Arc<EventFd>,
+) -> Result<SnapshotBenchReport, SnapshotBenchError> {
+    let max = crate::vm::max_slots().map_err(GuestError::Vm)?;
+    for &slots in &config.slots {
+        check_slot_count(slots, max)?;
+    }
+    std::fs::create_dir_all(&config.dir).map_err(io("creating the bench folder"))?;
+    let (write_mib_s, read_mib_s) = bandwidth(&config.dir.join("bandwidth"), config.area_size)?;
+    let check = || {
+        if stop.load(Ordering::Acquire) {
+            Err(SnapshotBenchError::Interrupted)
+        } else {
+            Ok(())
+        }
+    };
+    let mut rows = Vec::new();
+    for &slots in &config.slots {
+        check()?;
+        let path = |name: &str| config.dir.join(format!("{slots}-{name}"));
+        let (vm, area, mut vcpus) = new_vm(slots, config.area_size, stopped)?;
+        // Half the pages hold data.
+        vcpus.run(0, command(Op::Write, &area, 2 * 4096, 1))?;
+        let start = Instant::now();
+        let memory = vm.memory();
+        memory.start_dirty_log(Target::All)?;
+        memory.harvest_dirty(Target::All)?;
+        let full = new_file(&path("full.mem"))?;
+        write_memory_file(memory, &MemoryLayout::of(memory), &full)?;
+        save_state(&vm, &mut vcpus, &path("full.state"))?;
+        let full_ms = ms(start.elapsed());
+        // One page in 16 dirtied since.
+        vcpus.run(0, command(Op::Write, &area, 16 * 4096, 2))?;
+        let start = Instant::now();
+        let dirty = memory.harvest_dirty(Target::All)?;
+        let diff = new_file(&path("diff.mem"))?;
+        write_dirty_pages(memory, &MemoryLayout::of(memory), &dirty, &diff)?;
+        save_state(&vm, &mut vcpus, &path("diff.state"))?;
+        let diff_ms = ms(start.elapsed());
+        vcpus.shut_down()?;
+        drop(vm);
+
+        let mut restores = Vec::new();
+        for backend in [MemBackend::Copy, MemBackend::File, MemBackend::Uffd] {
+            check()?;
+            let start = Instant::now();
+            let bytes = std::fs::read(path("full.state")).map_err(io("reading the state"))?;
+            let state = SnapshotState::from_bytes(&bytes).map_err(|e| {
+                SnapshotBenchError::Io(e.to_string(), std::io::ErrorKind::InvalidData.into())
+            })?;
+            let mem = File::open(path("full.mem")).map_err(io("the memory file"))?;
+            let vm = TestVm::restore(&state.layout, &mem, backend, VmOptions::default())?;
+            let mut vcpus = vm.start_restored_vcpus(&state.vcpus, stopped)?;
+            vcpus.set_timeout(Duration::from_secs(600));
+            let one = Command {
+                end: area.gpa + 8,
+                ..command(Op::Verify, &area, 8, 1)
+            };
+            vcpus.run(0, one)?;
+            let first_command_ms = ms(start.elapsed());
+            let verified = vcpus.run(0, command(Op::Verify, &area, 2 * 4096, 1));
+            let verified_ms = ms(start.elapsed());
+            vcpus.shut_down()?;
+            if verified.is_err() {
+                return Err(SnapshotBenchError::Verify { backend, slots });
+            }
+            restores.push(RestoreRow {
+                backend: format!("{backend:?}").to_lowercase(),
+                first_command_ms,
+                verified_ms,
+            });
+        }
+        check()?;
+        let start = Instant::now();
+        let (_vm, area, mut vcpus) = new_vm(slots, config.area_size, stopped)?;
+        vcpus.run(
+            0,
+            Command {
+                end: area.gpa + 8,
+                ..command(Op::Write, &area, 8, 3)
+            },
+        )?;
+        let cold_start_ms = ms(start.elapsed());
+        vcpus.shut_down()?;
+        rows.push(SnapshotRow {
+            slots,
+            full_ms,
+            full_bytes: disk_bytes(&full),
+            diff_ms,
+            diff_bytes: disk_bytes(&diff),
+            cold_start_ms,
+            restores,
+        });
+        for name in ["full.mem", "full.state", "diff.mem", "diff.state"] {
+            let _ = std::fs::remove_file(path(name));
+        }
+    }
+    Ok(SnapshotBenchReport {
+        area_size: config.area_size,
+        write_mib_s,
+        read_mib_s,
+        rows,
+    })
+}
+
+impl std::fmt::Display for SnapshotBenchReport {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        writeln!(
+            f,
+            "snapshots of {} MiB (half the pages written), file system: write {:.0} MiB/s (fsync), read {:.0} MiB/s",
+            self.area_size >> 20,
+            self.write_mib_s,
+            self.read_mib_s
+        )?;
+        writeln!(
+            f,
+            "| slots | Full | Full on disk | Diff (1/16) | Diff on disk | cold start | restore copy: first / verified | file | uffd |"
+        )?;
+        writeln!(f, "|---:|---:|---:|---:|---:|---:|---:|---:|---:|")?;
+        for r in &self.rows {
+            let restore = |b: &str| {
+                r.restores
+                    .iter()
+                    .find(|x| x.backend == b)
+                    .map_or(String::new(), |x| {
+                        format!("{:.0} / {:.0} ms", x.first_command_ms, x.verified_ms)
+                    })
+            };
+            writeln!(
+                f,
+                "| {} | {:.0} ms | {} MiB | {:.0} ms | {} MiB | {:.0} ms | {} | {} | {} |",
+                r.slots,
+                r.full_ms,
+                r.full_bytes >> 20,
+                r.diff_ms,
+                r.diff_bytes >> 20,
+                r.cold_start_ms,
+                restore("copy"),
+                restore("file"),
+                restore("uffd")
+            )?;
+        }
+        Ok(())
+    }
+}
