@@ -25,6 +25,13 @@ export KVM_TEST_LOG="$log_dir/kvm-tests-ran"
 # ioctls and map operations, and the test profile keeps debug assertions on.
 cargo test --workspace --locked --profile test-release
 
+# The crate's example VMM, as a reader would run it from the README: a guest on real KVM.
+if [ -e /dev/kvm ]; then
+    cargo run --locked --release -p kvm-memslots --example minimal_vmm
+else
+    echo "SKIPPED the minimal_vmm example: /dev/kvm is missing"
+fi
+
 ran=$(sort -u "$KVM_TEST_LOG" | grep -c . || true)
 echo "KVM integration tests run on /dev/kvm: $ran"
 if [ -e /dev/kvm ] && [ "$ran" -eq 0 ]; then
