@@ -48,6 +48,8 @@ struct State {
 pub struct FakeKvm {
     max_slots: u32,
     manual_dirty_log: bool,
+    /// With manual protection: logs start all set (KVM_DIRTY_LOG_INITIALLY_SET).
+    initially_set: bool,
     /// Ring mode, with this many entries.
     ring_entries: Option<u32>,
     state: Mutex<State>,
@@ -63,8 +65,18 @@ impl FakeKvm {
         FakeKvm {
             max_slots,
             manual_dirty_log,
+            initially_set: manual_dirty_log,
             ring_entries: None,
             state: Mutex::new(State::default()),
+        }
+    }
+
+    /// A fake VM with manual protection whose logs start clear and tracked, as real KVM
+    /// without `KVM_DIRTY_LOG_INITIALLY_SET` (what [`KvmVm`](crate::KvmVm) asks for).
+    pub fn without_initially_set(max_slots: u32) -> Self {
+        FakeKvm {
+            initially_set: false,
+            ..Self::new(max_slots, true)
         }
     }
 
@@ -74,6 +86,7 @@ impl FakeKvm {
         FakeKvm {
             max_slots,
             manual_dirty_log: false,
+            initially_set: false,
             ring_entries: Some(entries),
             state: Mutex::new(State::default()),
         }
@@ -132,7 +145,7 @@ impl FakeKvm {
 
     fn new_log(&self, pages: u64) -> Vec<u64> {
         let words = pages.div_ceil(64) as usize;
-        if !self.manual_dirty_log {
+        if !self.manual_dirty_log || !self.initially_set {
             return vec![0; words];
         }
         // KVM_DIRTY_LOG_INITIALLY_SET: every page of the slot starts dirty.
@@ -276,6 +289,10 @@ impl KvmMemory for FakeKvm {
 
     fn manual_dirty_log(&self) -> bool {
         self.manual_dirty_log
+    }
+
+    fn initially_set_logs(&self) -> bool {
+        self.manual_dirty_log && self.initially_set
     }
 
     fn dirty_ring(&self) -> bool {
@@ -426,6 +443,10 @@ impl<K: KvmMemory> KvmMemory for Faulty<K> {
 
     fn manual_dirty_log(&self) -> bool {
         self.inner.manual_dirty_log()
+    }
+
+    fn initially_set_logs(&self) -> bool {
+        self.inner.initially_set_logs()
     }
 
     fn dirty_ring(&self) -> bool {

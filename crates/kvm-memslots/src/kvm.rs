@@ -6,7 +6,7 @@ use std::sync::{Arc, Mutex};
 use kvm_bindings::{
     kvm_clear_dirty_log, kvm_clear_dirty_log__bindgen_ty_1, kvm_enable_cap,
     kvm_userspace_memory_region, kvm_userspace_memory_region2, KVMIO, KVM_CAP_DIRTY_LOG_RING,
-    KVM_CAP_DIRTY_LOG_RING_ACQ_REL, KVM_CAP_MANUAL_DIRTY_LOG_PROTECT2, KVM_DIRTY_LOG_INITIALLY_SET,
+    KVM_CAP_DIRTY_LOG_RING_ACQ_REL, KVM_CAP_MANUAL_DIRTY_LOG_PROTECT2,
     KVM_DIRTY_LOG_MANUAL_PROTECT_ENABLE, KVM_MEM_LOG_DIRTY_PAGES, KVM_MEM_READONLY,
 };
 use kvm_ioctls::{Cap, Kvm, VcpuFd, VmFd};
@@ -112,9 +112,15 @@ pub trait KvmMemory: Send + Sync {
     ) -> Result<(), Errno>;
 
     /// Whether logs are cleared by [`clear_dirty_log`](KvmMemory::clear_dirty_log) rather than
-    /// by reading them (`KVM_CAP_MANUAL_DIRTY_LOG_PROTECT2` enabled), and a slot's log starts
-    /// all set when logging is turned on (`KVM_DIRTY_LOG_INITIALLY_SET`).
+    /// by reading them (`KVM_CAP_MANUAL_DIRTY_LOG_PROTECT2` enabled).
     fn manual_dirty_log(&self) -> bool;
+
+    /// Whether, with manual protection, a slot's log starts all set when logging is turned on
+    /// (`KVM_DIRTY_LOG_INITIALLY_SET`). Where it does not, the manager marks every page itself,
+    /// so the first harvest reports every page either way.
+    fn initially_set_logs(&self) -> bool {
+        self.manual_dirty_log()
+    }
 
     /// Whether the VM reports dirty pages in per-vCPU rings (`KVM_CAP_DIRTY_LOG_RING`) rather
     /// than in per-slot logs; then [`get_dirty_log`](KvmMemory::get_dirty_log) is not used.
@@ -153,12 +159,18 @@ pub struct KvmVm {
 
 impl KvmVm {
     /// Wraps `vm`, reading KVM's slot limit, using `KVM_SET_USER_MEMORY_REGION2` where the kernel
-    /// has it, and enabling manual dirty-log protection with initially-set logs where available.
-    /// Call before logging starts on any slot, so that every log has the same semantics.
+    /// has it, and enabling manual dirty-log protection where available. Call before logging
+    /// starts on any slot, so that every log has the same semantics.
+    ///
+    /// Not `KVM_DIRTY_LOG_INITIALLY_SET`: with it, a slot KVM creates with logging on (a
+    /// read-only toggle re-creates its slots) starts with every page "dirty" and untracked, and
+    /// the manager could never tell which of them the guest wrote. Without it, KVM
+    /// write-protects a slot when logging starts (the cost moves from the first clear to the
+    /// start), every write is tracked, and the manager marks the first harvest's pages itself.
     pub fn new(kvm: &Kvm, vm: Arc<VmFd>) -> Result<Self, Errno> {
         let max_slots = u32::try_from(kvm.get_nr_memslots()).unwrap_or(u32::MAX);
         let region2 = vm.check_extension(Cap::UserMemory2);
-        let wanted = u64::from(KVM_DIRTY_LOG_MANUAL_PROTECT_ENABLE | KVM_DIRTY_LOG_INITIALLY_SET);
+        let wanted = u64::from(KVM_DIRTY_LOG_MANUAL_PROTECT_ENABLE);
         let offered =
             vm.check_extension_raw(libc::c_ulong::from(KVM_CAP_MANUAL_DIRTY_LOG_PROTECT2));
         let manual_dirty_log = u64::try_from(offered).is_ok_and(|o| o & wanted == wanted);
@@ -296,6 +308,10 @@ impl KvmMemory for KvmVm {
 
     fn manual_dirty_log(&self) -> bool {
         self.manual_dirty_log
+    }
+
+    fn initially_set_logs(&self) -> bool {
+        false
     }
 
     fn dirty_ring(&self) -> bool {

@@ -65,9 +65,10 @@ impl<K: KvmMemory> MemoryManager<K> {
                 flags: new.flags,
             }
         });
-        // Ring mode: KVM reports only writes from now on; as with an initially-set log in
-        // bitmap mode, the first harvest reports every page.
-        let initially_set = on && self.kvm.dirty_ring();
+        // Where KVM's logs do not start all set (ring mode, or manual protection without
+        // KVM_DIRTY_LOG_INITIALLY_SET), KVM reports only writes from now on: mark every page
+        // so that the first harvest reports every page in every mode.
+        let initially_set = on && self.marks_logging_start();
         self.commit(&mut state, changes, &steps)?;
         if initially_set {
             for id in &ids {
@@ -128,6 +129,11 @@ impl<K: KvmMemory> MemoryManager<K> {
                 })?;
         }
         Ok(())
+    }
+
+    /// Whether the manager marks every page of a region whose logging starts (KVM will not).
+    pub(super) fn marks_logging_start(&self) -> bool {
+        self.kvm.dirty_ring() || (self.kvm.manual_dirty_log() && !self.kvm.initially_set_logs())
     }
 
     /// Ring mode: moves every vCPU's published entries into the pending bits of the regions

@@ -107,9 +107,9 @@ impl<K: KvmMemory> MemoryManager<K> {
         // fail for want of room later.
         let pages = spec.size / PAGE_SIZE;
         let pending = Arc::new(PendingBits::new(pages)?);
-        // Ring mode: a region that logs from the start reports every page in its first
-        // harvest, as an initially-set log does in bitmap mode.
-        if spec.log_dirty && self.kvm.dirty_ring() {
+        // A region that logs from the start reports every page in its first harvest, in every
+        // mode (where KVM's log does not start all set, the manager marks them).
+        if spec.log_dirty && self.marks_logging_start() {
             pending.mark(0, pages);
         }
         let flags = SlotFlags {
@@ -158,7 +158,9 @@ impl<K: KvmMemory> MemoryManager<K> {
             .map(|s| Step {
                 region: id,
                 op: KvmOp::Delete(s.as_ref().into()),
-                read_log: false,
+                // If KVM refuses a later step, the deleted slots are created again with fresh
+                // logs: keep what their logs held, or a rolled-back remove would lose it.
+                read_log: s.flags().log_dirty,
             })
             .collect();
         let changes = steps

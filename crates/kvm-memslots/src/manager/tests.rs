@@ -599,6 +599,10 @@ impl KvmMemory for Gate {
         self.inner.manual_dirty_log()
     }
 
+    fn initially_set_logs(&self) -> bool {
+        self.inner.initially_set_logs()
+    }
+
     fn dirty_ring(&self) -> bool {
         self.inner.dirty_ring()
     }
@@ -1302,12 +1306,24 @@ fn random_changes_writes_and_harvests(kvm: FakeKvm, seed: u64) {
                 race.changes.fetch_add(1, Ordering::SeqCst);
                 thread::sleep(Duration::from_micros(200));
             }
+            // Somewhere for the guest's last writes to land, whatever the changes left.
+            let writable_logging = |r: &RegionInfo| r.flags.log_dirty && !r.flags.read_only;
+            if !m.regions().iter().any(writable_logging) {
+                m.add_region(logging(region(20 * MIB, 2))).unwrap();
+            }
             race.writer_done.store(true, Ordering::SeqCst);
         });
         let guest = scope.spawn(|| {
             let mut rng = Rng(seed ^ 0x5555);
             let mut writes = Pages::new();
-            while !race.writer_done.load(Ordering::SeqCst) {
+            // After the last change, writes land in regions that stay: a few of those make
+            // sure the final check has pages to check, however the race went.
+            let mut settled = 0;
+            loop {
+                let done = race.writer_done.load(Ordering::SeqCst);
+                if done && settled >= 20 {
+                    break;
+                }
                 let before = m.change_sequence();
                 let map = m.snapshot();
                 let slots: Vec<_> = map.map().iter().cloned().collect();
@@ -1330,6 +1346,9 @@ fn random_changes_writes_and_harvests(kvm: FakeKvm, seed: u64) {
                     assert!(hit, "no change, yet the slot was not there");
                     let page = slot.payload().offset() / PAGE_SIZE + page;
                     writes.insert((slot.payload().region(), page), at);
+                    if done {
+                        settled += 1;
+                    }
                 }
             }
             writes
@@ -1393,5 +1412,49 @@ fn random_changes_writes_and_harvests(kvm: FakeKvm, seed: u64) {
 fn random_changes_lose_no_page_written_while_logging() {
     random_changes_writes_and_harvests(FakeKvm::new(32, true), 0x1234_5678_9abc_def1);
     random_changes_writes_and_harvests(FakeKvm::new(32, false), 0x0fed_cba9_8765_4321);
+    // As KvmVm sets real KVM up: manual protection, logs that start clear.
+    random_changes_writes_and_harvests(FakeKvm::without_initially_set(32), 0x2468_ace0_1357_9bdf);
     random_changes_writes_and_harvests(FakeKvm::with_dirty_ring(32, 4096), 0x1357_9bdf_2468_ace0);
+}
+
+#[test]
+fn without_initially_set_logs_a_toggle_or_a_rollback_reports_only_what_was_written() {
+    // What KvmVm asks of real KVM: manual protection, logs that start clear and tracked.
+    let m = MemoryManager::new(Faulty::new(FakeKvm::without_initially_set(64)));
+    let id = m.add_region(region(MIB, 4)).unwrap();
+    m.start_dirty_log(Target::Region(id)).unwrap();
+    let pages = |m: &Manager| -> Vec<u64> {
+        let d = m.harvest_dirty(Target::Region(id)).unwrap();
+        d[0].addresses().map(|a| a.0).collect()
+    };
+    // The first harvest still reports every page (the manager marks them).
+    assert_eq!(pages(&m).len() as u64, 4 * SLOT / PAGE_SIZE);
+    assert!(pages(&m).is_empty());
+    // A read-only toggle deletes and re-creates the slots: only the page written is reported,
+    // not the whole region.
+    m.kvm().inner().guest_write(MIB + PAGE_SIZE);
+    m.set_read_only(id, true).unwrap();
+    m.set_read_only(id, false).unwrap();
+    m.kvm().inner().guest_write(MIB + 2 * SLOT);
+    assert_eq!(pages(&m), vec![MIB + PAGE_SIZE, MIB + 2 * SLOT]);
+    // A remove that KVM refuses half-way is rolled back (its slots created again): still exact.
+    m.kvm().inner().guest_write(MIB + SLOT);
+    m.kvm().fail(FakeCall::SetRegion, 2, libc::EIO);
+    assert!(m.remove_region(id).is_err());
+    assert_eq!(pages(&m), vec![MIB + SLOT]);
+    // A region added logging reports all its pages first, then what is written.
+    let logged = m
+        .add_region(region(8 * MIB, 2).with_flags(SlotFlags {
+            log_dirty: true,
+            read_only: false,
+        }))
+        .unwrap();
+    let first = m.harvest_dirty(Target::Region(logged)).unwrap();
+    assert_eq!(first[0].count(), 2 * SLOT / PAGE_SIZE);
+    m.kvm().inner().guest_write(8 * MIB);
+    let next = m.harvest_dirty(Target::Region(logged)).unwrap();
+    assert_eq!(
+        next[0].addresses().collect::<Vec<_>>(),
+        [GuestAddress(8 * MIB)]
+    );
 }
