@@ -604,21 +604,24 @@ impl Controller {
         let failed = |e: &dyn std::fmt::Display| {
             ControllerError::internal(format!("the snapshot failed: {e}"))
         };
+        // What a Diff harvested, until the whole snapshot is written: if any step fails, every
+        // page of it goes into the next Diff.
+        let mut harvested = None;
+        let mut layout = MemoryLayout::of(memory);
         match kind {
             SnapshotType::Full => {
                 // The harvest below takes the dirty bits a Diff against an earlier base would
-                // need: until this Full is written, there is no base.
+                // need: until this Full is written whole, there is no base.
                 self.snapshot_base = None;
                 // Logging on every region from now on, so that a Diff can follow; what was
                 // dirty before is in the full image.
                 memory.start_dirty_log(Target::All)?;
                 memory.harvest_dirty(Target::All)?;
-                let layout = MemoryLayout::of(memory);
+                // The regions log now: the layout says so.
+                layout = MemoryLayout::of(memory);
                 write_memory_file(memory, &layout, mem_file).map_err(|e| failed(&e))?;
-                self.snapshot_base = Some((layout, Vec::new()));
             }
             SnapshotType::Diff => {
-                let layout = MemoryLayout::of(memory);
                 let (base, carried) = self.snapshot_base.as_mut().expect("checked by the caller");
                 if *base != layout {
                     return Err(ControllerError::conflict(
@@ -633,18 +636,45 @@ impl Controller {
                         return Err(e.into());
                     }
                 }
-                if let Err(e) = write_dirty_pages(memory, &layout, &dirty, mem_file) {
-                    // Every page harvested goes into the next diff.
-                    *carried = dirty;
+                let written = write_dirty_pages(memory, &layout, &dirty, mem_file);
+                harvested = Some(dirty);
+                if let Err(e) = written {
+                    self.keep_for_next_diff(harvested);
                     return Err(failed(&e));
                 }
             }
         }
+        let saved = self.write_state(&layout, state_file);
+        if let Err(e) = saved {
+            self.keep_for_next_diff(harvested);
+            return Err(failed(&e));
+        }
+        if kind == SnapshotType::Full {
+            self.snapshot_base = Some((layout, Vec::new()));
+        }
+        Ok(())
+    }
+
+    /// Puts the pages a failed Diff harvested back for the next one.
+    fn keep_for_next_diff(&mut self, harvested: Option<Vec<DirtyPages>>) {
+        if let (Some(pages), Some((_, carried))) = (harvested, self.snapshot_base.as_mut()) {
+            *carried = pages;
+        }
+    }
+
+    /// Writes every vCPU's state, the layout and the hotplug area into the state file.
+    fn write_state(
+        &mut self,
+        layout: &MemoryLayout,
+        state_file: &File,
+    ) -> Result<(), ControllerError> {
         let vcpus = self.vcpus.as_mut().ok_or_else(|| {
             ControllerError::new(ErrorKind::Unavailable, "the VM is shutting down")
         })?;
-        let states = vcpus.save_states().map_err(|e| failed(&e))?;
-        let layout = MemoryLayout::of(memory);
+        let states = vcpus
+            .save_states()
+            .map_err(|e| ControllerError::internal(e.to_string()))?;
+        let layout = layout.clone();
         let state = SnapshotState {
             version: STATE_VERSION,
             layout,
@@ -657,8 +687,7 @@ impl Controller {
         };
         state_file
             .write_all_at(&state.to_bytes(), 0)
-            .map_err(|e| failed(&e))?;
-        Ok(())
+            .map_err(|e| ControllerError::internal(e.to_string()))
     }
 
     fn dirty_log_info(&self) -> DirtyLogInfo {
