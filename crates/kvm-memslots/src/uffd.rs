@@ -128,7 +128,7 @@ struct UffdioRangeDebug {
 /// What the handler did.
 #[derive(Debug, Default)]
 pub struct LoaderStats {
-    /// Pages filled from the file.
+    /// Pages filled from the file (counted before the faulting thread is woken).
     pub copied: AtomicU64,
     /// Pages filled with zeros (holes, or pages discarded after their first fill).
     pub zeroed: AtomicU64,
@@ -310,8 +310,15 @@ fn serve(uffd: &OwnedFd, stop: &EventFd, stats: &LoaderStats, lazies: &[Lazy], f
         };
         let offset = hva - lazy.memory.host_address();
         let again = lazy.fill(offset / PAGE_SIZE);
-        let filled_or_raced =
-            |r: i32| r >= 0 || std::io::Error::last_os_error().raw_os_error() == Some(libc::EEXIST);
+        // EEXIST: another fault on the page was served first; that one was counted.
+        let filled_or_raced = |r: i32, count: &AtomicU64| {
+            if r >= 0 {
+                return true;
+            }
+            let raced = std::io::Error::last_os_error().raw_os_error() == Some(libc::EEXIST);
+            count.fetch_sub(1, Ordering::AcqRel);
+            raced
+        };
         let ok = if !again && lazy.has_data(offset) {
             let read = file.read_exact_at(&mut page, lazy.file_offset + offset);
             let mut copy = UffdioCopy {
@@ -320,16 +327,14 @@ fn serve(uffd: &OwnedFd, stop: &EventFd, stats: &LoaderStats, lazies: &[Lazy], f
                 len: PAGE_SIZE,
                 ..Default::default()
             };
-            let copied = read.is_ok() && {
+            // Counted before the ioctl wakes the faulting thread, so that it sees the count.
+            stats.copied.fetch_add(1, Ordering::AcqRel);
+            read.is_ok() && {
                 // SAFETY: UFFDIO_COPY of one page from a local buffer to the faulting page of
                 // a registered region; the kernel copies and wakes the faulting thread.
                 let r = unsafe { ioctl_with_mut_ref(uffd, UFFDIO_COPY(), &mut copy) };
-                filled_or_raced(r)
-            };
-            if copied {
-                stats.copied.fetch_add(1, Ordering::Relaxed);
+                filled_or_raced(r, &stats.copied)
             }
-            copied
         } else {
             let mut zero = UffdioZeropage {
                 range: UffdioRange {
@@ -338,13 +343,11 @@ fn serve(uffd: &OwnedFd, stop: &EventFd, stats: &LoaderStats, lazies: &[Lazy], f
                 },
                 ..Default::default()
             };
+            // Counted before the ioctl wakes the faulting thread, so that it sees the count.
+            stats.zeroed.fetch_add(1, Ordering::AcqRel);
             // SAFETY: UFFDIO_ZEROPAGE of the faulting page of a registered region.
             let r = unsafe { ioctl_with_mut_ref(uffd, UFFDIO_ZEROPAGE(), &mut zero) };
-            let zeroed = filled_or_raced(r);
-            if zeroed {
-                stats.zeroed.fetch_add(1, Ordering::Relaxed);
-            }
-            zeroed
+            filled_or_raced(r, &stats.zeroed)
         };
         if !ok {
             stats.failed.store(true, Ordering::Release);
