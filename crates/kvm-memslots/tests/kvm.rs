@@ -443,3 +443,31 @@ fn kvm_refusing_an_overlap_undoes_the_slots_created_before() {
     }
     .expect("delete the foreign slot");
 }
+
+#[test]
+fn kvm_a_dirty_ring_is_refused_with_the_reason_when_its_size_or_timing_is_wrong() {
+    let Some((kvm, vm)) = kvm_or_skip("kvm_a_dirty_ring_is_refused_with_the_reason") else {
+        return;
+    };
+    // Not a power of two, too small, too large: refused before KVM is asked.
+    for entries in [1000, 128, 1 << 20] {
+        let e = KvmVm::with_dirty_ring(&kvm, Arc::clone(&vm), entries).unwrap_err();
+        assert!(
+            e.to_string().contains("must be a power of two from 256 to"),
+            "{e}"
+        );
+    }
+    // KVM takes a ring only before the VM has a vCPU: afterwards the error says so.
+    let _vcpu = vm.create_vcpu(0).expect("a vCPU");
+    let e = KvmVm::with_dirty_ring(&kvm, Arc::clone(&vm), 4096).unwrap_err();
+    assert!(
+        e.to_string()
+            .contains("must be enabled before any vCPU is created"),
+        "{e}"
+    );
+    // On a VM without vCPUs it is taken, and vCPUs made through it get their rings.
+    let fresh = Arc::new(kvm.create_vm().expect("a VM"));
+    let ring = KvmVm::with_dirty_ring(&kvm, fresh, 4096).expect("ring mode");
+    assert_eq!(ring.ring_entries(), Some(4096));
+    ring.create_vcpu(0).expect("a vCPU with its ring");
+}
