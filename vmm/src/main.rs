@@ -37,9 +37,8 @@ enum Commands {
     /// Restore a test-guest VM from a snapshot (PUT /snapshot/create) and serve it, paused, on
     /// an API socket: PATCH /vm {"state": "Resumed"} continues it where it was.
     Restore(RestoreArgs),
-    /// Apply Diff snapshots' memory files, in order, onto a Full snapshot's memory file (in
-    /// place): the result is the memory of the last Diff's point, to restore with its state
-    /// file.
+    /// Merge a chain of snapshots (a Full, then Diffs, even across hotplug, removals and
+    /// moves) into the memory file of the last one's point, to restore with its state file.
     SnapshotMerge(MergeArgs),
     /// Measure Full and Diff snapshots and each restore backend at several slot counts, next to
     /// the file system's bandwidth and a cold start: print a table and write JSON.
@@ -468,45 +467,51 @@ fn snapshot_bench(args: SnapshotBenchArgs) -> ExitCode {
 
 #[derive(clap::Args)]
 struct MergeArgs {
-    /// The state file of the last Diff (its layout is checked against every file).
+    /// Where the merged memory file goes (it must not exist); restore it with the last state
+    /// file.
     #[arg(long)]
-    state: std::path::PathBuf,
-    /// The Full snapshot's memory file; the diffs are written into it.
-    #[arg(long)]
-    base: std::path::PathBuf,
-    /// The Diff snapshots' memory files, oldest first.
-    #[arg(required = true)]
-    diffs: Vec<std::path::PathBuf>,
+    out: std::path::PathBuf,
+    /// The chain, oldest first: the Full snapshot's state and memory files, then each Diff's,
+    /// as pairs: STATE MEM STATE MEM ...
+    #[arg(required = true, num_args = 2..)]
+    files: Vec<std::path::PathBuf>,
 }
 
 fn snapshot_merge(args: MergeArgs) -> ExitCode {
-    use kvm_memslots::snapshot::merge_memory_files;
+    use kvm_memslots::snapshot::merge_snapshots;
     use tinyvmm::test_guest::snapshot::SnapshotState;
     let merged = (|| -> Result<u64, String> {
-        let bytes = std::fs::read(&args.state)
-            .map_err(|e| format!("cannot read {}: {e}", args.state.display()))?;
-        let state = SnapshotState::from_bytes(&bytes).map_err(|e| e.to_string())?;
-        let open = |path: &std::path::Path, write: bool| {
-            std::fs::OpenOptions::new()
-                .read(true)
-                .write(write)
-                .open(path)
-                .map_err(|e| format!("cannot open {}: {e}", path.display()))
-        };
-        let base = open(&args.base, true)?;
-        let diffs = args
-            .diffs
-            .iter()
-            .map(|d| open(d, false))
-            .collect::<Result<Vec<_>, _>>()?;
-        merge_memory_files(&state.layout, &base, &diffs).map_err(|e| e.to_string())
+        if args.files.len() % 2 != 0 {
+            return Err("the chain is pairs of a state file and a memory file".into());
+        }
+        let mut chain = Vec::new();
+        for pair in args.files.chunks(2) {
+            let bytes = std::fs::read(&pair[0])
+                .map_err(|e| format!("cannot read {}: {e}", pair[0].display()))?;
+            let state = SnapshotState::from_bytes(&bytes)
+                .map_err(|e| format!("{}: {e}", pair[0].display()))?;
+            let mem = std::fs::File::open(&pair[1])
+                .map_err(|e| format!("cannot open {}: {e}", pair[1].display()))?;
+            chain.push((state.layout, mem));
+        }
+        let out = std::fs::File::options()
+            .read(true)
+            .write(true)
+            .create_new(true)
+            .open(&args.out)
+            .map_err(|e| format!("cannot create {}: {e}", args.out.display()))?;
+        let refs: Vec<_> = chain.iter().map(|(l, f)| (l, f)).collect();
+        merge_snapshots(&refs, &out).map_err(|e| {
+            let _ = std::fs::remove_file(&args.out);
+            e.to_string()
+        })
     })();
     match merged {
         Ok(bytes) => {
             eprintln!(
-                "tinyvmm: {} diff(s), {bytes} bytes, merged into {}",
-                args.diffs.len(),
-                args.base.display()
+                "tinyvmm: {} snapshot(s), {bytes} bytes, merged into {}",
+                args.files.len() / 2,
+                args.out.display()
             );
             ExitCode::SUCCESS
         }

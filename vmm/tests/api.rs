@@ -689,7 +689,7 @@ fn kvm_a_snapshot_restores_in_a_new_vm_and_diffs_merge_onto_it() {
     ) {
         return;
     }
-    use kvm_memslots::snapshot::merge_memory_files;
+    use kvm_memslots::snapshot::merge_snapshots;
     use tinyvmm::jobs::serve::RestoreFrom;
     use tinyvmm::test_guest::snapshot::SnapshotState;
     use tinyvmm::test_guest::vcpus::MemBackend;
@@ -746,9 +746,22 @@ fn kvm_a_snapshot_restores_in_a_new_vm_and_diffs_merge_onto_it() {
     assert_eq!(again.0, 400, "{again:?}");
     assert!(fault(&again).contains("must not exist"), "{again:?}");
     assert!(!file("x").exists(), "a refused snapshot leaves no file");
-    // The guest goes on, then a Diff of what it changed.
+    // The guest goes on, memory is hotplugged and removed, then a Diff of what changed.
     assert_eq!(pause(&vmm, "Resumed").0, 204);
     assert_eq!(run(&vmm, command("write", GIB, GIB + (1 << 19), 6)).0, 200);
+    let added = vmm.call(
+        "PUT",
+        "/memory/regions",
+        Some(json!({"size": 1 << 20, "guest_address": 2 * GIB, "slot_size": 1 << 18})),
+    );
+    assert_eq!(added.0, 201, "{added:?}");
+    assert_eq!(added.1["guest_checked"], json!(true));
+    assert_eq!(
+        run(&vmm, command("write", 2 * GIB, 2 * GIB + (1 << 20), 9)).0,
+        200
+    );
+    // The test area at 256 MiB (region 1) goes.
+    assert_eq!(vmm.call("DELETE", "/memory/regions/1", None).0, 204);
     assert_eq!(pause(&vmm, "Paused").0, 204);
     assert_eq!(
         vmm.call(
@@ -807,24 +820,44 @@ fn kvm_a_snapshot_restores_in_a_new_vm_and_diffs_merge_onto_it() {
     );
     full.stop();
 
-    // The Diff merged onto the Full one is the VM at the Diff's point.
-    let state = SnapshotState::from_bytes(&std::fs::read(file("diff.state")).expect("state"))
-        .expect("a valid state file");
-    let base = std::fs::OpenOptions::new()
-        .read(true)
-        .write(true)
-        .open(file("full.mem"))
-        .expect("the base");
-    let diff = std::fs::File::open(file("diff.mem")).expect("the diff");
-    merge_memory_files(&state.layout, &base, &[diff]).expect("merged");
+    // The Full and the Diff merged, across the hotplug and the removal, is the VM at the
+    // Diff's point.
+    let layout = |name: &str| {
+        SnapshotState::from_bytes(&std::fs::read(file(name)).expect("state"))
+            .expect("a valid state file")
+            .layout
+    };
+    let (full_layout, diff_layout) = (layout("full.state"), layout("diff.state"));
+    let full_mem = std::fs::File::open(file("full.mem")).expect("the full memory");
+    let diff_mem = std::fs::File::open(file("diff.mem")).expect("the diff");
+    let out = std::fs::File::create_new(file("merged.mem")).expect("a new file");
+    merge_snapshots(
+        &[(&full_layout, &full_mem), (&diff_layout, &diff_mem)],
+        &out,
+    )
+    .expect("merged");
     // ...or mapped from the file, loaded on touch.
     let merged = restored(
         "restored-merged",
         "diff.state",
-        "full.mem",
+        "merged.mem",
         MemBackend::File,
     );
+    let regions = merged.memory()["regions"].clone();
+    let at = |gpa: u64| {
+        regions
+            .as_array()
+            .expect("regions")
+            .iter()
+            .any(|r| r["guest_address"] == json!(gpa))
+    };
+    assert!(at(2 * GIB) && !at(256 << 20), "{regions}");
     assert_eq!(pause(&merged, "Resumed").0, 204);
+    assert_eq!(
+        run(&merged, command("verify", 2 * GIB, 2 * GIB + (1 << 20), 9)).1["result"],
+        json!("ok"),
+        "the hotplugged region's data"
+    );
     assert_eq!(
         run(&merged, command("verify", GIB, GIB + (1 << 19), 6)).1["result"],
         json!("ok")
@@ -839,7 +872,12 @@ fn kvm_a_snapshot_restores_in_a_new_vm_and_diffs_merge_onto_it() {
     );
     merged.stop();
     // ...or filled page by page on first touch by a userfaultfd handler.
-    let lazy = restored("restored-uffd", "diff.state", "full.mem", MemBackend::Uffd);
+    let lazy = restored(
+        "restored-uffd",
+        "diff.state",
+        "merged.mem",
+        MemBackend::Uffd,
+    );
     assert_eq!(pause(&lazy, "Resumed").0, 204);
     assert_eq!(
         run(&lazy, command("verify", GIB, GIB + (1 << 19), 6)).1["result"],

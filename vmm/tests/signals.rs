@@ -135,17 +135,20 @@ fn snapshot_merge_names_a_bad_state_file_and_changes_nothing() {
     std::fs::write(&state, b"not a snapshot at all, but long enough").expect("write");
     std::fs::write(&base, vec![7u8; 8192]).expect("write");
     std::fs::write(&diff, vec![9u8; 8192]).expect("write");
+    let merged = dir.join("merged");
     let output = Command::new(env!("CARGO_BIN_EXE_tinyvmm"))
-        .args(["snapshot-merge", "--state"])
+        .args(["snapshot-merge", "--out"])
+        .arg(&merged)
         .arg(&state)
-        .arg("--base")
         .arg(&base)
+        .arg(&state)
         .arg(&diff)
         .output()
         .expect("tinyvmm runs");
     let stderr = String::from_utf8_lossy(&output.stderr);
     assert_eq!(output.status.code(), Some(1), "{stderr}");
     assert!(stderr.contains("no TVMSNAP magic"), "{stderr}");
+    assert!(!merged.exists(), "nothing is written");
     assert_eq!(
         std::fs::read(&base).expect("read"),
         vec![7u8; 8192],

@@ -471,10 +471,10 @@ fn non_zero_runs(memory: &RegionMemory, run: Range<u64>) -> Vec<Range<u64>> {
     runs
 }
 
-/// A diff snapshot: the pages of `dirty` (a harvest of `memory`) into `file` (created empty by
-/// the caller), sized to the layout, at the same offsets as a full snapshot. A region of the
-/// harvest that the layout does not have is an error, so that no dirty page is silently left
-/// out.
+/// A diff snapshot: the pages of `dirty` (harvests of `memory`) into `file` (created empty by
+/// the caller), sized to the layout, at the same offsets as a full snapshot of it. Regions are
+/// matched by id, so a harvest taken before a region moved still lands at its pages; a
+/// harvested region the layout no longer has (removed since) has nothing to keep.
 pub fn write_dirty_pages<K: KvmMemory>(
     memory: &MemoryManager<K>,
     layout: &MemoryLayout,
@@ -486,19 +486,17 @@ pub fn write_dirty_pages<K: KvmMemory>(
         .map_err(io("sizing the memory file"))?;
     let mut stats = WriteStats::default();
     for d in dirty {
-        let index = layout
+        let Some(index) = layout
             .regions
             .iter()
-            .position(|r| r.gpa == d.gpa.0 && r.size == d.pages * PAGE_SIZE)
-            .ok_or_else(|| {
-                SnapshotError::Format(format!(
-                    "harvested region {} at {:#x} is not in the layout",
-                    d.region, d.gpa.0
-                ))
-            })?;
+            .position(|r| r.id == d.region.0 && r.size == d.pages * PAGE_SIZE)
+        else {
+            continue;
+        };
         let (r, region) = (&layout.regions[index], &regions[index]);
         for run in d.ranges() {
-            let offset = run.start - r.gpa;
+            // From the harvest's own base: the region may have moved since.
+            let offset = run.start - d.gpa.0;
             write_run(
                 file,
                 region,
@@ -580,6 +578,51 @@ pub fn load_memory_file<K: KvmMemory>(
         }
     }
     Ok(loaded)
+}
+
+/// Builds the full memory file of the last snapshot of a chain into `out` (created empty by the
+/// caller), from the chain's files oldest first: a full snapshot, then diffs, each with the
+/// layout it was taken with. The layouts may differ (regions added, removed or moved between
+/// snapshots): every region of the last layout gets, in order, the data each file has of the
+/// region with the same id, at its own offset in the last layout. A region added after the
+/// full snapshot has all its pages in the first diff that has it (a region added while logging
+/// reports every page first). Returns the bytes copied.
+pub fn merge_snapshots(chain: &[(&MemoryLayout, &File)], out: &File) -> Result<u64, SnapshotError> {
+    let Some((last, _)) = chain.last() else {
+        return Err(SnapshotError::Format("no snapshot to merge".into()));
+    };
+    out.set_len(last.memory_file_size())
+        .map_err(io("sizing the merged memory file"))?;
+    let mut copied = 0;
+    let mut buffer = vec![0u8; 1 << 20];
+    for (layout, file) in chain {
+        let size = check_size(file, layout)?;
+        let runs = file_data_runs(file, size)?;
+        for target in &last.regions {
+            let Some(source) = layout
+                .regions
+                .iter()
+                .find(|r| r.id == target.id && r.size == target.size)
+            else {
+                continue;
+            };
+            let (from, to) = (source.file_offset, source.file_offset + source.size);
+            for run in &runs {
+                let (start, end) = (run.start.max(from), run.end.min(to));
+                let mut at = start;
+                while at < end {
+                    let n = ((end - at) as usize).min(buffer.len());
+                    file.read_exact_at(&mut buffer[..n], at)
+                        .map_err(io("reading a snapshot's memory file"))?;
+                    out.write_all_at(&buffer[..n], target.file_offset + (at - from))
+                        .map_err(io("writing the merged memory file"))?;
+                    at += n as u64;
+                    copied += n as u64;
+                }
+            }
+        }
+    }
+    Ok(copied)
 }
 
 /// Applies the diff memory files `diffs`, in order, onto `base` (all of `layout`): each diff's

@@ -322,3 +322,81 @@ fn a_lazy_restore_fills_exactly_the_pages_touched() {
     // Unregistered: the memory is ordinary memory again.
     assert_eq!(read(MIB + 20 * PAGE_SIZE), [0; 64]);
 }
+
+#[test]
+fn a_chain_across_hotplug_removal_and_moves_merges_into_the_last_point() {
+    use kvm_memslots::snapshot::merge_snapshots;
+    let a = source();
+    a.start_dirty_log(Target::All).expect("logging");
+    write(&a, MIB, 0x11, 2 * PAGE_SIZE as usize);
+    let base_layout = MemoryLayout::of(&a);
+    let (_b, base) = TempFile::new("chain-base");
+    write_memory_file(&a, &base_layout, &base).expect("full");
+    a.harvest_dirty(Target::All).expect("harvest");
+
+    // Between the full snapshot and the first diff: a region is hotplugged (logging from the
+    // start: every page of it is dirty first) and written, another is removed.
+    let plugged = a
+        .add_region(
+            RegionSpec::new(GuestAddress(32 * MIB), MIB).with_flags(SlotFlags {
+                log_dirty: true,
+                read_only: false,
+            }),
+        )
+        .expect("hotplug");
+    write(&a, 32 * MIB + 3 * PAGE_SIZE, 0x22, 64);
+    let memfd = a
+        .regions()
+        .into_iter()
+        .find(|r| r.gpa == GuestAddress(8 * MIB))
+        .expect("the memfd region");
+    a.remove_region(memfd.id).expect("removed");
+    let first_layout = MemoryLayout::of(&a);
+    let (_d1, first) = TempFile::new("chain-diff1");
+    write_dirty_pages(
+        &a,
+        &first_layout,
+        &a.harvest_dirty(Target::All).expect("h"),
+        &first,
+    )
+    .expect("diff 1");
+
+    // Then the hotplugged region moves and both old and new pages change.
+    a.move_region(plugged, GuestAddress(40 * MIB))
+        .expect("moved");
+    write(&a, 40 * MIB, 0x33, 64);
+    write(&a, MIB + PAGE_SIZE, 0x44, 64);
+    let second_layout = MemoryLayout::of(&a);
+    let (_d2, second) = TempFile::new("chain-diff2");
+    write_dirty_pages(
+        &a,
+        &second_layout,
+        &a.harvest_dirty(Target::All).expect("h"),
+        &second,
+    )
+    .expect("diff 2");
+
+    let (_m, merged) = TempFile::new("chain-merged");
+    merge_snapshots(
+        &[
+            (&base_layout, &base),
+            (&first_layout, &first),
+            (&second_layout, &second),
+        ],
+        &merged,
+    )
+    .expect("merged");
+    // The same bytes as a full snapshot of the last point, and a restore from it.
+    let (_f, full) = TempFile::new("chain-full");
+    write_memory_file(&a, &second_layout, &full).expect("full now");
+    let bytes = |f: &File| {
+        let mut b = vec![0u8; second_layout.memory_file_size() as usize];
+        std::os::unix::fs::FileExt::read_exact_at(f, &mut b, 0).expect("read");
+        b
+    };
+    assert_eq!(bytes(&merged), bytes(&full));
+    let b = manager();
+    second_layout.build(&b).expect("built");
+    load_memory_file(&b, &second_layout, &merged).expect("loaded");
+    assert_eq!(contents(&b), contents(&a));
+}

@@ -439,6 +439,12 @@ impl Controller {
     ) -> Result<RegionId, ControllerError> {
         let (gpa, size) = (spec.gpa.0, spec.size);
         let memory = Arc::clone(self.vm.memory());
+        let mut spec = spec;
+        if self.snapshot_base.is_some() {
+            // Once there is a snapshot to diff against, new memory logs from the start, so
+            // that the next Diff has every page of it.
+            spec.log_dirty = true;
+        }
         let region = memory.add_region(spec)?;
         if !check {
             return Ok(region);
@@ -622,12 +628,10 @@ impl Controller {
                 write_memory_file(memory, &layout, mem_file).map_err(|e| failed(&e))?;
             }
             SnapshotType::Diff => {
-                let (base, carried) = self.snapshot_base.as_mut().expect("checked by the caller");
-                if *base != layout {
-                    return Err(ControllerError::conflict(
-                        "the memory layout changed since the last snapshot: take a Full snapshot",
-                    ));
-                }
+                // The layout may have changed since the last snapshot (regions added, removed,
+                // moved): this Diff is laid out as memory is now, and merging follows region
+                // ids (`snapshot-merge`).
+                let (_, carried) = self.snapshot_base.as_mut().expect("checked by the caller");
                 let mut dirty = std::mem::take(carried);
                 match memory.harvest_dirty(Target::All) {
                     Ok(now) => dirty.extend(now),
@@ -649,8 +653,9 @@ impl Controller {
             self.keep_for_next_diff(harvested);
             return Err(failed(&e));
         }
-        if kind == SnapshotType::Full {
-            self.snapshot_base = Some((layout, Vec::new()));
+        match &mut self.snapshot_base {
+            Some((base, _)) => *base = layout,
+            None => self.snapshot_base = Some((layout, Vec::new())),
         }
         Ok(())
     }
