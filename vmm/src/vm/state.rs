@@ -1,12 +1,13 @@
 //! A vCPU's architectural state, saved and restored with KVM's ioctls: general and special
-//! registers, the XSAVE area (x87, SSE, AVX), XCR0, and pending events (exceptions,
-//! interrupts, NMIs). Serialisable with serde (kvm-bindings' `serde` feature), for snapshots.
-//!
-//! Not saved: MSRs other than EFER (in the special registers) and the local APIC, which the
-//! test guest does not use (it runs without an in-kernel irqchip); a Linux guest's state would
-//! need them.
+//! registers, the XSAVE area (x87, SSE, AVX), XCR0, pending events (exceptions, interrupts,
+//! NMIs), the architectural MSRs a 64-bit guest sets (`SAVED_MSRS`; EFER and the FS/GS bases
+//! are in the special registers), and the local APIC where the VM has an in-kernel irqchip
+//! (the test guest runs without one). Serialisable with serde (kvm-bindings' `serde` feature),
+//! for snapshots.
 
-use kvm_bindings::{kvm_regs, kvm_sregs, kvm_vcpu_events, kvm_xcrs, kvm_xsave};
+use kvm_bindings::{
+    kvm_lapic_state, kvm_msr_entry, kvm_regs, kvm_sregs, kvm_vcpu_events, kvm_xcrs, kvm_xsave, Msrs,
+};
 use kvm_ioctls::VcpuFd;
 use serde::{Deserialize, Serialize};
 
@@ -23,7 +24,27 @@ pub struct VcpuState {
     pub xcrs: kvm_xcrs,
     /// Pending exceptions, interrupts and NMIs.
     pub events: kvm_vcpu_events,
+    /// The [`SAVED_MSRS`], as (index, value).
+    pub msrs: Vec<(u32, u64)>,
+    /// The local APIC, where the VM has an in-kernel irqchip.
+    pub lapic: Option<kvm_lapic_state>,
 }
+
+/// MSRs saved with a vCPU: the time-stamp counter, SYSENTER, the SYSCALL targets and mask,
+/// the swapped GS base, TSC_AUX, PAT and MISC_ENABLE. KVM supports each on every x86 host.
+pub const SAVED_MSRS: [u32; 11] = [
+    0x10,        // IA32_TIME_STAMP_COUNTER
+    0x174,       // IA32_SYSENTER_CS
+    0x175,       // IA32_SYSENTER_ESP
+    0x176,       // IA32_SYSENTER_EIP
+    0x1a0,       // IA32_MISC_ENABLE
+    0x277,       // IA32_PAT
+    0xc000_0081, // STAR
+    0xc000_0082, // LSTAR
+    0xc000_0083, // CSTAR
+    0xc000_0084, // SFMASK
+    0xc000_0102, // KERNEL_GS_BASE
+];
 
 /// Which ioctl failed.
 #[derive(Debug, thiserror::Error)]
@@ -51,6 +72,9 @@ impl VcpuState {
             events: vcpu
                 .get_vcpu_events()
                 .map_err(failed("KVM_GET_VCPU_EVENTS"))?,
+            msrs: read_msrs(vcpu)?,
+            // Without an in-kernel irqchip there is no local APIC to read (KVM says ENXIO).
+            lapic: vcpu.get_lapic().ok(),
         })
     }
 
@@ -65,8 +89,53 @@ impl VcpuState {
         // more than the struct holds.
         unsafe { vcpu.set_xsave(&self.xsave) }.map_err(failed("KVM_SET_XSAVE"))?;
         vcpu.set_regs(&self.regs).map_err(failed("KVM_SET_REGS"))?;
+        write_msrs(vcpu, &self.msrs)?;
+        if let Some(lapic) = &self.lapic {
+            vcpu.set_lapic(lapic).map_err(failed("KVM_SET_LAPIC"))?;
+        }
+        // Events last: they may refer to the state above.
         vcpu.set_vcpu_events(&self.events)
             .map_err(failed("KVM_SET_VCPU_EVENTS"))?;
         Ok(())
     }
+}
+
+fn msr_list(entries: impl Iterator<Item = kvm_msr_entry>) -> Result<Msrs, StateError> {
+    let entries: Vec<kvm_msr_entry> = entries.collect();
+    Msrs::from_entries(&entries).map_err(|_| StateError {
+        what: "building the MSR list",
+        source: kvm_ioctls::Error::new(libc::E2BIG),
+    })
+}
+
+fn read_msrs(vcpu: &VcpuFd) -> Result<Vec<(u32, u64)>, StateError> {
+    let mut msrs = msr_list(SAVED_MSRS.iter().map(|&index| kvm_msr_entry {
+        index,
+        ..Default::default()
+    }))?;
+    let read = vcpu.get_msrs(&mut msrs).map_err(failed("KVM_GET_MSRS"))?;
+    if read != SAVED_MSRS.len() {
+        // KVM stops at the first MSR it cannot read.
+        return Err(StateError {
+            what: "KVM_GET_MSRS (it refused an MSR)",
+            source: kvm_ioctls::Error::new(libc::EINVAL),
+        });
+    }
+    Ok(msrs.as_slice().iter().map(|e| (e.index, e.data)).collect())
+}
+
+fn write_msrs(vcpu: &VcpuFd, saved: &[(u32, u64)]) -> Result<(), StateError> {
+    let msrs = msr_list(saved.iter().map(|&(index, data)| kvm_msr_entry {
+        index,
+        data,
+        ..Default::default()
+    }))?;
+    let written = vcpu.set_msrs(&msrs).map_err(failed("KVM_SET_MSRS"))?;
+    if written != saved.len() {
+        return Err(StateError {
+            what: "KVM_SET_MSRS (it refused an MSR)",
+            source: kvm_ioctls::Error::new(libc::EINVAL),
+        });
+    }
+    Ok(())
 }
