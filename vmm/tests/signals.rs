@@ -221,31 +221,45 @@ fn kvm_a_snapshot_of_the_maximum_slots_restores_in_a_new_process() {
         String::from_utf8_lossy(&first.stderr)
     );
 
-    // A new process: every slot back, every value where the guest wrote it.
+    // A new process per restore backend: every slot back, every value where the guest wrote
+    // it.
     let (state_arg, mem_arg) = (state.to_str().expect("utf-8"), mem.to_str().expect("utf-8"));
-    let (child, socket) = start(
-        "xproc-restored",
-        &["restore", "--snapshot", state_arg, "--mem-file", mem_arg],
-    );
-    let _restored = Reap(Some(child));
-    let mut client = Client::connect(&socket).expect("connect");
-    let memory = client.call("GET", "/memory", None).expect("memory").1;
-    assert_eq!(memory["slots"]["used"].as_u64(), Some(max as u64));
-    assert_eq!(
-        call(&mut client, "PATCH", "/vm", json!({"state": "Resumed"})).0,
-        204
-    );
-    let verified = call(&mut client, "PUT", "/guest/command", command("verify", 41));
-    assert_eq!(verified.1["result"], json!("ok"), "{verified:?}");
-    assert_eq!(
-        call(
-            &mut client,
-            "PUT",
-            "/actions",
-            json!({"action_type": "Stop"})
-        )
-        .0,
-        204
-    );
+    for backend in ["file", "copy", "uffd"] {
+        let (child, socket) = start(
+            &format!("xproc-restored-{backend}"),
+            &[
+                "restore",
+                "--snapshot",
+                state_arg,
+                "--mem-file",
+                mem_arg,
+                "--mem-backend",
+                backend,
+            ],
+        );
+        let mut restored = Reap(Some(child));
+        let mut client = Client::connect(&socket).expect("connect");
+        let memory = client.call("GET", "/memory", None).expect("memory").1;
+        assert_eq!(
+            memory["slots"]["used"].as_u64(),
+            Some(max as u64),
+            "{backend}"
+        );
+        assert_eq!(
+            call(&mut client, "PATCH", "/vm", json!({"state": "Resumed"})).0,
+            204
+        );
+        let verified = call(&mut client, "PUT", "/guest/command", command("verify", 41));
+        assert_eq!(verified.1["result"], json!("ok"), "{backend}: {verified:?}");
+        let stop = json!({"action_type": "Stop"});
+        assert_eq!(call(&mut client, "PUT", "/actions", stop).0, 204);
+        let ended = restored
+            .0
+            .take()
+            .expect("running")
+            .wait_with_output()
+            .expect("wait");
+        assert_eq!(ended.status.code(), Some(0), "{backend}");
+    }
     let _ = std::fs::remove_dir_all(&dir);
 }
