@@ -111,6 +111,55 @@ fn io(what: impl Into<String>) -> impl FnOnce(std::io::Error) -> SnapshotError {
     move |source| SnapshotError::Io { what, source }
 }
 
+/// Frames `payload` for a file: the 8-byte `magic`, the format `version` (u32), the payload's
+/// length (u64), the payload, and its CRC-32 (all little-endian), so that a reader can refuse a
+/// foreign, truncated or corrupted file before it parses anything ([`unframe`]).
+pub fn frame(magic: &[u8; 8], version: u32, payload: &[u8]) -> Vec<u8> {
+    let mut out = Vec::with_capacity(payload.len() + 24);
+    out.extend_from_slice(magic);
+    out.extend_from_slice(&version.to_le_bytes());
+    out.extend_from_slice(&(payload.len() as u64).to_le_bytes());
+    out.extend_from_slice(payload);
+    out.extend_from_slice(&crc32fast::hash(payload).to_le_bytes());
+    out
+}
+
+/// The payload of a file [`frame`] made with `magic` and `version`, or why it is not one: no
+/// such magic, another version, a length that does not match the file's (truncated or
+/// padded), or a checksum that does not match (corrupted).
+pub fn unframe<'a>(magic: &[u8; 8], version: u32, bytes: &'a [u8]) -> Result<&'a [u8], String> {
+    let name = String::from_utf8_lossy(magic.split(|b| *b == 0).next().unwrap_or(magic));
+    if bytes.len() < 24 || &bytes[..8] != magic {
+        return Err(format!("not a file of this kind (no {name} magic)"));
+    }
+    let found = u32::from_le_bytes(bytes[8..12].try_into().expect("4 bytes"));
+    if found != version {
+        return Err(format!(
+            "format version {found}; this build reads version {version}"
+        ));
+    }
+    let len = u64::from_le_bytes(bytes[12..20].try_into().expect("8 bytes"));
+    let end = usize::try_from(len)
+        .ok()
+        .and_then(|l| l.checked_add(24))
+        .filter(|total| *total == bytes.len())
+        .ok_or_else(|| {
+            format!(
+                "{} bytes, but its header announces {len} bytes of content (truncated or padded)",
+                bytes.len()
+            )
+        })?;
+    let payload = &bytes[20..end - 4];
+    let stored = u32::from_le_bytes(bytes[end - 4..].try_into().expect("4 bytes"));
+    let computed = crc32fast::hash(payload);
+    if stored != computed {
+        return Err(format!(
+            "checksum {computed:#010x} does not match the stored {stored:#010x} (corrupted)"
+        ));
+    }
+    Ok(payload)
+}
+
 impl MemoryLayout {
     /// The layout of `memory` now.
     pub fn of<K: KvmMemory>(memory: &MemoryManager<K>) -> Self {
@@ -149,16 +198,10 @@ impl MemoryLayout {
         self.regions.iter().map(|r| r.size).sum()
     }
 
-    /// The layout file: magic, version, length, the layout as JSON, its CRC-32.
+    /// The layout file: magic, version, length, the layout as JSON, its CRC-32 ([`frame`]).
     pub fn to_bytes(&self) -> Vec<u8> {
         let json = serde_json::to_vec(self).expect("a layout serialises");
-        let mut out = Vec::with_capacity(json.len() + 24);
-        out.extend_from_slice(MAGIC);
-        out.extend_from_slice(&self.version.to_le_bytes());
-        out.extend_from_slice(&(json.len() as u64).to_le_bytes());
-        out.extend_from_slice(&json);
-        out.extend_from_slice(&crc32fast::hash(&json).to_le_bytes());
-        out
+        frame(MAGIC, self.version, &json)
     }
 
     /// Reads a layout file, refusing (with the reason) a wrong magic or version, a truncated
@@ -166,36 +209,9 @@ impl MemoryLayout {
     /// file offsets are not the regions laid end to end.
     pub fn from_bytes(bytes: &[u8]) -> Result<Self, SnapshotError> {
         let bad = |why: String| SnapshotError::Format(why);
-        if bytes.len() < 24 || &bytes[..8] != MAGIC {
-            return Err(bad("not a memory layout file (no KVMSLYT magic)".into()));
-        }
-        let version = u32::from_le_bytes(bytes[8..12].try_into().expect("4 bytes"));
-        if version != LAYOUT_VERSION {
-            return Err(bad(format!(
-                "format version {version}; this build reads version {LAYOUT_VERSION}"
-            )));
-        }
-        let len = u64::from_le_bytes(bytes[12..20].try_into().expect("8 bytes"));
-        let expected = usize::try_from(len)
-            .ok()
-            .and_then(|l| l.checked_add(24))
-            .filter(|total| *total == bytes.len())
-            .ok_or_else(|| {
-                bad(format!(
-                    "{} bytes, but its header announces {len} bytes of layout (truncated or padded)",
-                    bytes.len()
-                ))
-            })?;
-        let json = &bytes[20..expected - 4];
-        let stored = u32::from_le_bytes(bytes[expected - 4..].try_into().expect("4 bytes"));
-        let computed = crc32fast::hash(json);
-        if stored != computed {
-            return Err(bad(format!(
-                "checksum {computed:#010x} does not match the stored {stored:#010x} (corrupted)"
-            )));
-        }
+        let json = unframe(MAGIC, LAYOUT_VERSION, bytes).map_err(bad)?;
         let layout: MemoryLayout = serde_json::from_slice(json).map_err(|e| bad(format!("{e}")))?;
-        if layout.version != version {
+        if layout.version != LAYOUT_VERSION {
             return Err(bad("the header's and the layout's versions differ".into()));
         }
         layout.check()?;

@@ -3,7 +3,7 @@
 //! a truncated, corrupted or foreign file is refused before anything is built. The guest's
 //! memory (its command blocks included) is in the memory file beside it.
 
-use kvm_memslots::snapshot::MemoryLayout;
+use kvm_memslots::snapshot::{frame, unframe, MemoryLayout};
 use serde::{Deserialize, Serialize};
 
 use crate::api::types::HotplugConfig;
@@ -48,51 +48,18 @@ pub struct HotplugState {
 pub struct StateFileError(pub String);
 
 impl SnapshotState {
-    /// The file's bytes.
+    /// The file's bytes (kvm-memslots' [`frame`]: magic, version, length, JSON, CRC-32).
     pub fn to_bytes(&self) -> Vec<u8> {
         let json = serde_json::to_vec(self).expect("a snapshot state serialises");
-        let mut out = Vec::with_capacity(json.len() + 24);
-        out.extend_from_slice(MAGIC);
-        out.extend_from_slice(&self.version.to_le_bytes());
-        out.extend_from_slice(&(json.len() as u64).to_le_bytes());
-        out.extend_from_slice(&json);
-        out.extend_from_slice(&crc32fast::hash(&json).to_le_bytes());
-        out
+        frame(MAGIC, self.version, &json)
     }
 
     /// Reads a state file, naming what is wrong with a bad one.
     pub fn from_bytes(bytes: &[u8]) -> Result<Self, StateFileError> {
         let bad = |why: String| StateFileError(why);
-        if bytes.len() < 24 || &bytes[..8] != MAGIC {
-            return Err(bad("not a tinyvmm snapshot (no TVMSNAP magic)".into()));
-        }
-        let version = u32::from_le_bytes(bytes[8..12].try_into().expect("4 bytes"));
-        if version != STATE_VERSION {
-            return Err(bad(format!(
-                "format version {version}; this build reads version {STATE_VERSION}"
-            )));
-        }
-        let len = u64::from_le_bytes(bytes[12..20].try_into().expect("8 bytes"));
-        let end = usize::try_from(len)
-            .ok()
-            .and_then(|l| l.checked_add(24))
-            .filter(|total| *total == bytes.len())
-            .ok_or_else(|| {
-                bad(format!(
-                    "{} bytes, but its header announces {len} bytes of state (truncated or padded)",
-                    bytes.len()
-                ))
-            })?;
-        let json = &bytes[20..end - 4];
-        let stored = u32::from_le_bytes(bytes[end - 4..].try_into().expect("4 bytes"));
-        let computed = crc32fast::hash(json);
-        if stored != computed {
-            return Err(bad(format!(
-                "checksum {computed:#010x} does not match the stored {stored:#010x} (corrupted)"
-            )));
-        }
+        let json = unframe(MAGIC, STATE_VERSION, bytes).map_err(bad)?;
         let state: SnapshotState = serde_json::from_slice(json).map_err(|e| bad(e.to_string()))?;
-        if state.version != version || state.vcpus.is_empty() {
+        if state.version != STATE_VERSION || state.vcpus.is_empty() {
             return Err(bad(
                 "no vCPU, or the header's and the state's versions differ".into(),
             ));
