@@ -2,6 +2,7 @@
 //! guest's memory as they were, except where [`Error::UndoFailed`] says otherwise.
 
 use memslot_map::{AddressRange, MapError};
+use vm_memory::mmap::MmapRegionError;
 use vmm_sys_util::errno::Error as Errno;
 
 use crate::limits::Limit;
@@ -247,6 +248,41 @@ impl Error {
             | Error::Discard { .. }
             | Error::DirtyRing { .. }
             | Error::OutOfMemory { .. } => ErrorKind::Host,
+        }
+    }
+
+    /// The system's error number (`errno`) behind this failure, where there is one: KVM's or
+    /// the kernel's for a refused ioctl, `madvise`, `memfd_create` or `mmap`; for
+    /// [`Error::UndoFailed`], that of the first failure. `None` for errors the manager found
+    /// itself (bad requests, limits, its own records).
+    ///
+    /// ```
+    /// # use kvm_memslots::testing::{FakeKvm, Faulty, KvmCall};
+    /// # use kvm_memslots::{MemoryManager, RegionSpec};
+    /// # use vm_memory::GuestAddress;
+    /// let memory = MemoryManager::new(Faulty::new(FakeKvm::new(32, true)));
+    /// memory.kvm().fail(KvmCall::SetRegion, 0, libc::EEXIST);
+    /// let err = memory.add_region(RegionSpec::new(GuestAddress(0), 0x1000)).unwrap_err();
+    /// assert_eq!(err.errno(), Some(libc::EEXIST));
+    /// let err = memory.add_region(RegionSpec::new(GuestAddress(0x10), 0x1000)).unwrap_err();
+    /// assert_eq!(err.errno(), None);
+    /// ```
+    pub fn errno(&self) -> Option<i32> {
+        match self {
+            Error::Kvm { source, .. }
+            | Error::GetDirtyLog { source, .. }
+            | Error::ClearDirtyLog { source, .. }
+            | Error::DirtyRing { source, .. } => Some(source.errno()),
+            Error::Broken { errno, .. } => Some(errno.errno()),
+            Error::UndoFailed { failed, .. } => failed.errno(),
+            Error::Discard { source, .. } | Error::Mapping(MappingError::Memfd { source, .. }) => {
+                source.raw_os_error()
+            }
+            Error::Mapping(MappingError::Mmap {
+                source: MmapRegionError::Mmap(source),
+                ..
+            }) => source.raw_os_error(),
+            _ => None,
         }
     }
 

@@ -13,13 +13,14 @@
 
 mod dirty;
 mod error;
-pub mod fake;
 mod kvm;
 mod limits;
 mod manager;
 mod memory;
 mod ring;
 pub mod snapshot;
+#[cfg(any(test, feature = "testing"))]
+pub mod testing;
 pub mod uffd;
 
 pub use dirty::DirtyPages;

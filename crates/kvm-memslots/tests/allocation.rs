@@ -3,7 +3,7 @@
 //! logs and discarding fail cleanly and leave the manager as it was. One test in its own
 //! process, since the limit is the process's.
 
-use kvm_memslots::fake::FakeKvm;
+use kvm_memslots::testing::FakeKvm;
 use kvm_memslots::{Error, MappingError, MemoryLimits, MemoryManager, RegionSpec};
 use vm_memory::GuestAddress;
 

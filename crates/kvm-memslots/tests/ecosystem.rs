@@ -4,7 +4,7 @@
 
 use std::io::Cursor;
 
-use kvm_memslots::fake::FakeKvm;
+use kvm_memslots::testing::FakeKvm;
 use kvm_memslots::{MemoryManager, RegionSpec};
 use linux_loader::loader::{Elf, KernelLoader};
 use virtio_bindings::virtio_ring::VRING_DESC_F_NEXT;

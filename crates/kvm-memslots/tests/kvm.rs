@@ -9,7 +9,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use kvm_ioctls::{Kvm, VcpuExit, VmFd};
-use kvm_memslots::fake::{FakeCall, Faulty};
+use kvm_memslots::testing::{Faulty, KvmCall};
 use kvm_memslots::{Error, KvmVm, MemoryManager, RegionId, RegionSpec, Target};
 use vm_memory::{Bytes, GuestAddress, GuestAddressSpace};
 
@@ -191,7 +191,7 @@ fn kvm_fills_every_slot_then_refuses_one_more() {
         .expect("fill every KVM slot");
     let created = start.elapsed();
     let usage = m.slot_usage();
-    assert_eq!((usage.used, usage.free, usage.max as usize), (max, 0, max));
+    assert_eq!((usage.used, usage.free, usage.max), (max, 0, max));
     eprintln!(
         "created {max} slots in {created:?}; manager memory {:.0} bytes/slot",
         m.bytes_per_slot()
@@ -380,7 +380,7 @@ fn kvm_injected_failures_leave_kvm_as_the_map_says() {
     ];
     for (name, op, steps) in operations {
         for k in [0, 1, steps as u64 / 2, steps as u64 - 1] {
-            m.kvm().fail(FakeCall::SetRegion, k, libc::EIO);
+            m.kvm().fail(KvmCall::SetRegion, k, libc::EIO);
             let before = m.regions();
             let err = op(&m, data).expect_err(name);
             assert!(

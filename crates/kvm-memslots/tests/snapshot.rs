@@ -5,11 +5,11 @@ use std::fs::File;
 use std::os::unix::fs::MetadataExt;
 use std::path::PathBuf;
 
-use kvm_memslots::fake::FakeKvm;
 use kvm_memslots::snapshot::{
     data_runs, load_memory_file, merge_memory_files, write_dirty_pages, write_memory_file,
     MemoryLayout, SnapshotError,
 };
+use kvm_memslots::testing::FakeKvm;
 use kvm_memslots::{Backing, MemoryManager, RegionSpec, SlotFlags, Target, PAGE_SIZE};
 use vm_memory::{Bytes, GuestAddress, GuestAddressSpace};
 

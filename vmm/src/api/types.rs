@@ -227,7 +227,7 @@ pub struct SlotCounts {
     /// Free.
     pub free: usize,
     /// KVM's number of slots.
-    pub max: u32,
+    pub max: usize,
 }
 
 /// One region in [`MemoryInfo`].

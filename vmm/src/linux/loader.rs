@@ -485,7 +485,7 @@ mod tests {
     use super::*;
     use crate::linux::config::BootConfig;
     use crate::linux::{e820, layout};
-    use kvm_memslots::fake::FakeKvm;
+    use kvm_memslots::testing::FakeKvm;
     use kvm_memslots::{MemoryManager, RegionSpec};
     use vm_memory::ByteValued;
 

@@ -307,7 +307,7 @@ impl fmt::Display for Exit<'_> {
 mod tests {
     use super::*;
     use crate::vm::ports::Unmapped;
-    use kvm_memslots::fake::FakeKvm;
+    use kvm_memslots::testing::FakeKvm;
     use kvm_memslots::{MemoryManager, RegionSpec, SlotFlags};
 
     const RAM: u64 = 0x10_0000;

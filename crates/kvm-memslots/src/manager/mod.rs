@@ -152,6 +152,49 @@ impl<K: KvmMemory> MemoryManager<K> {
     /// A manager with no memory, for the VM behind `kvm`, that admits regions within `limits`.
     pub fn with_limits(kvm: K, limits: MemoryLimits) -> Self {
         let limit = kvm.max_slots();
+        Self::build(kvm, limits, limit)
+    }
+
+    /// Like [`with_limits`](Self::with_limits), but the manager leaves KVM's top `reserved`
+    /// slot numbers ([`reserved_slots`](Self::reserved_slots)) to the VMM: for slots it makes
+    /// itself (a device's MMIO-backed memory, a ROM outside the manager). The manager never
+    /// creates, changes or deletes a slot with one of those numbers.
+    ///
+    /// Fails with [`Error::OutOfSlots`] if KVM has fewer than `reserved` slot numbers.
+    ///
+    /// ```
+    /// use kvm_memslots::testing::FakeKvm;
+    /// use kvm_memslots::{MemoryLimits, MemoryManager};
+    ///
+    /// let limits = MemoryLimits::for_this_host();
+    /// let memory = MemoryManager::with_reserved_slots(FakeKvm::new(32764, true), limits, 4)?;
+    /// assert_eq!(memory.reserved_slots(), 32760..32764);
+    /// assert_eq!(memory.slot_usage().free, 32760);
+    ///
+    /// let err = MemoryManager::with_reserved_slots(FakeKvm::new(8, true), limits, 9).unwrap_err();
+    /// assert_eq!(err.to_string(), "out of KVM memory slots: 9 needed, 8 of 8 free");
+    /// # Ok::<(), kvm_memslots::Error>(())
+    /// ```
+    pub fn with_reserved_slots(kvm: K, limits: MemoryLimits, reserved: u32) -> Result<Self, Error> {
+        let max = kvm.max_slots();
+        let Some(limit) = max.checked_sub(reserved) else {
+            return Err(Error::OutOfSlots {
+                needed: reserved as usize,
+                free: max as usize,
+                limit: max,
+            });
+        };
+        Ok(Self::build(kvm, limits, limit))
+    }
+
+    /// The KVM slot numbers the manager leaves to the VMM (empty unless made by
+    /// [`with_reserved_slots`](Self::with_reserved_slots)).
+    pub fn reserved_slots(&self) -> std::ops::Range<u32> {
+        self.state().ids.limit..self.kvm.max_slots()
+    }
+
+    /// A manager that uses KVM slot numbers `0..limit`.
+    fn build(kvm: K, limits: MemoryLimits, limit: u32) -> Self {
         let config =
             MapConfig::new(PAGE_SIZE, limit as usize).expect("the page size is a power of two");
         MemoryManager {

@@ -54,7 +54,8 @@ impl<K: KvmMemory> MemoryManager<K> {
         SlotUsage {
             used: state.ids.used(),
             free: state.ids.available(),
-            max: state.ids.limit,
+            reserved: (self.kvm.max_slots() - state.ids.limit) as usize,
+            max: self.kvm.max_slots() as usize,
         }
     }
 

@@ -56,12 +56,14 @@ impl<K: KvmMemory> MemoryManager<K> {
             free: state.ids.available_besides(leased),
             limit: state.ids.limit,
         })?;
+        // The id is used up even if the add fails: its errors name it, and an id never names
+        // two regions.
         let region_id = RegionId(state.next_region);
+        state.next_region += 1;
         let result = self.add_slots(&mut state, region_id, &spec, slot_size, &ids);
         match result {
             Ok((memory, pending)) => {
                 state.used = used;
-                state.next_region += 1;
                 let shared = Arc::new(Harvestable {
                     memory: Arc::clone(&memory),
                     pending,

@@ -95,15 +95,17 @@ pub struct RegionInfo {
     pub shared: bool,
 }
 
-/// How many KVM slot numbers are in use.
+/// How many KVM slot numbers are in use: `used + free + reserved == max`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct SlotUsage {
     /// Slots in use.
     pub used: usize,
     /// Slots free.
     pub free: usize,
+    /// Slot numbers left to the VMM ([`MemoryManager::with_reserved_slots`](crate::MemoryManager::with_reserved_slots)).
+    pub reserved: usize,
     /// KVM's number of slots.
-    pub max: u32,
+    pub max: usize,
 }
 
 /// A guest address that a host address backs, found by [`MemoryManager::find_by_hva`].

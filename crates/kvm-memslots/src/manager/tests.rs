@@ -9,7 +9,7 @@ use vm_memory::{Bytes, GuestMemoryBackend};
 
 use super::*;
 use crate::error::ErrorKind;
-use crate::fake::{FakeCall, FakeKvm, Faulty};
+use crate::testing::{FakeKvm, Faulty, KvmCall};
 
 type Manager = MemoryManager<Faulty<FakeKvm>>;
 
@@ -86,6 +86,7 @@ fn regions_are_split_into_slots_and_mirrored() {
         SlotUsage {
             used: 12,
             free: 52,
+            reserved: 0,
             max: 64
         }
     );
@@ -198,7 +199,7 @@ fn a_failure_at_any_step_leaves_kvm_and_the_map_as_they_were() {
         for k in 0..steps {
             let (m, r) = fresh(prepare);
             let before = everything(&m);
-            m.kvm().fail(FakeCall::SetRegion, k, libc::EIO);
+            m.kvm().fail(KvmCall::SetRegion, k, libc::EIO);
             let err = op(&m, r).expect_err(name);
             assert!(matches!(err, Error::Kvm { .. }), "{name} step {k}: {err}");
             assert!(err.to_string().contains("Input/output error"), "{err}");
@@ -219,7 +220,7 @@ fn a_failure_at_any_step_leaves_kvm_and_the_map_as_they_were() {
 fn a_failed_undo_is_reported_and_refuses_further_changes() {
     let (m, r) = setup();
     // The third request fails, and so does every later one: the undo of the first two too.
-    m.kvm().fail_from(FakeCall::SetRegion, 2, libc::EIO);
+    m.kvm().fail_from(KvmCall::SetRegion, 2, libc::EIO);
     let err = m.move_region(r, GuestAddress(64 * MIB)).unwrap_err();
     assert!(matches!(err, Error::UndoFailed { .. }), "{err}");
     assert!(
@@ -277,19 +278,81 @@ fn a_failed_harvest_loses_no_dirty_page() {
     fake.guest_write(MIB);
     fake.guest_write(MIB + 6 * SLOT);
     // Reading the second slot's log fails: the first slot's page was read already.
-    m.kvm().fail(FakeCall::GetDirtyLog, 1, libc::EFAULT);
+    m.kvm().fail(KvmCall::GetDirtyLog, 1, libc::EFAULT);
     let err = m.harvest_dirty(Target::All).unwrap_err();
     assert_eq!(
         err.to_string(),
         "region 0: reading the dirty log of slot 1 failed: Bad address (os error 14)"
     );
     // Clearing fails once: the bits stay pending (and set in KVM).
-    m.kvm().fail(FakeCall::ClearDirtyLog, 0, libc::EINVAL);
+    m.kvm().fail(KvmCall::ClearDirtyLog, 0, libc::EINVAL);
     assert!(m.harvest_dirty(Target::All).is_err());
     let dirty = m.harvest_dirty(Target::All).unwrap();
     let got: Vec<u64> = dirty[0].addresses().map(|a| a.0).collect();
     assert_eq!(got, vec![MIB, MIB + 6 * SLOT]);
     assert_eq!(m.harvest_dirty(Target::All).unwrap()[0].count(), 0);
+}
+
+#[test]
+fn a_failed_add_uses_up_the_region_id_its_error_names() {
+    let m = manager(64);
+    m.kvm().fail(KvmCall::SetRegion, 1, libc::EIO);
+    let err = m.add_region(region(MIB, 3)).unwrap_err();
+    assert!(err.to_string().starts_with("region 0: "), "{err}");
+    assert_eq!(m.add_region(region(MIB, 3)).unwrap(), RegionId(1));
+    // Refused before any id is taken: the next one is still free.
+    assert!(m.add_region(region(MIB, 1)).is_err());
+    assert_eq!(m.add_region(region(64 * MIB, 1)).unwrap(), RegionId(2));
+}
+
+#[test]
+fn reserved_slot_numbers_are_never_used() {
+    let kvm = Faulty::new(FakeKvm::new(16, true));
+    let m = MemoryManager::with_reserved_slots(kvm, MemoryLimits::unlimited(), 6).unwrap();
+    assert_eq!(m.reserved_slots(), 10..16);
+    // Ten slots fill the numbers left to the manager; an eleventh is refused.
+    let r = m.add_region(region(MIB, 10)).unwrap();
+    let err = m.add_region(region(64 * MIB, 1)).unwrap_err();
+    assert_eq!(
+        err.to_string(),
+        "out of KVM memory slots: 1 needed, 0 of 10 free"
+    );
+    let numbers: Vec<u32> = m.kvm().inner().slots().iter().map(|s| s.slot).collect();
+    assert_eq!(numbers, (0..10).collect::<Vec<_>>());
+    assert_eq!(
+        m.slot_usage(),
+        SlotUsage {
+            used: 10,
+            free: 0,
+            reserved: 6,
+            max: 16
+        }
+    );
+    // Moves and re-creates stay within them too.
+    m.set_read_only(r, true).unwrap();
+    m.move_region(r, GuestAddress(128 * MIB)).unwrap();
+    assert!(m.kvm().inner().slots().iter().all(|s| s.slot < 10));
+    assert_mirrored(&m);
+}
+
+#[test]
+fn failures_planned_for_two_kinds_of_call_both_come() {
+    let (m, r) = setup();
+    m.start_dirty_log(Target::Region(r)).unwrap();
+    m.kvm().fail(KvmCall::GetDirtyLog, 0, libc::EFAULT);
+    m.kvm().fail(KvmCall::SetRegion, 0, libc::EIO);
+    // A second plan for a kind replaces the first: this one skips a call.
+    m.kvm().fail(KvmCall::GetDirtyLog, 1, libc::EIO);
+    let err = m.harvest_dirty(Target::All).unwrap_err();
+    assert!(err.to_string().contains("Input/output error"), "{err}");
+    assert!(
+        m.kvm().failure_pending(),
+        "the SetRegion plan is still to come"
+    );
+    let err = m.set_read_only(r, true).unwrap_err();
+    assert!(err.to_string().contains("KVM refused"), "{err}");
+    assert!(!m.kvm().failure_pending());
+    m.set_read_only(r, true).unwrap();
 }
 
 #[test]
@@ -446,7 +509,7 @@ fn a_log_read_failing_during_a_stop_undoes_it_and_loses_no_page() {
     fake.guest_write(MIB + 4 * SLOT);
     let before = everything(&m);
     // The third slot's log cannot be read: the first two slots had stopped logging already.
-    m.kvm().fail(FakeCall::GetDirtyLog, 2, libc::EIO);
+    m.kvm().fail(KvmCall::GetDirtyLog, 2, libc::EIO);
     let err = m.stop_dirty_log(Target::Region(r)).unwrap_err();
     assert!(matches!(err, Error::GetDirtyLog { slot: 2, .. }), "{err}");
     assert_eq!(everything(&m), before, "the stop was undone");
@@ -476,7 +539,7 @@ const PATIENCE: Duration = Duration::from_secs(30);
 #[derive(Default)]
 struct GateState {
     /// The next call of this kind (on this slot number, if given) stops at the gate.
-    armed: Option<(FakeCall, Option<u32>)>,
+    armed: Option<(KvmCall, Option<u32>)>,
     /// A call is waiting at the gate.
     entered: bool,
     /// The waiting call may go on.
@@ -493,7 +556,7 @@ struct Gate {
     changed: Condvar,
     /// Called before every dirty-log or ring call reaches the fake (the concurrency test's
     /// rendezvous).
-    hook: std::sync::OnceLock<Box<dyn Fn(FakeCall) + Send + Sync>>,
+    hook: std::sync::OnceLock<Box<dyn Fn(KvmCall) + Send + Sync>>,
 }
 
 impl Gate {
@@ -511,11 +574,11 @@ impl Gate {
     }
 
     fn arm(&self) {
-        self.arm_at(FakeCall::SetRegion, None);
+        self.arm_at(KvmCall::SetRegion, None);
     }
 
     /// Arms the gate for the next call of kind `call` (on slot number `slot`, if given).
-    fn arm_at(&self, call: FakeCall, slot: Option<u32>) {
+    fn arm_at(&self, call: KvmCall, slot: Option<u32>) {
         self.lock().armed = Some((call, slot));
     }
 
@@ -526,7 +589,7 @@ impl Gate {
     }
 
     /// Stops the calling KVM call at the gate if it is armed for it.
-    fn pass(&self, call: FakeCall, slot: Option<u32>) {
+    fn pass(&self, call: KvmCall, slot: Option<u32>) {
         if let Some(hook) = self.hook.get() {
             hook(call);
         }
@@ -569,7 +632,7 @@ impl KvmMemory for Gate {
 
     unsafe fn set_user_memory_region(&self, slot: &KvmSlot) -> Result<(), Errno> {
         let mut state = self.lock();
-        if state.armed == Some((FakeCall::SetRegion, None)) {
+        if state.armed == Some((KvmCall::SetRegion, None)) {
             state.armed = None;
             state.entered = true;
             self.changed.notify_all();
@@ -586,12 +649,12 @@ impl KvmMemory for Gate {
     }
 
     fn get_dirty_log(&self, slot: u32, bitmap: &mut [u64]) -> Result<(), Errno> {
-        self.pass(FakeCall::GetDirtyLog, Some(slot));
+        self.pass(KvmCall::GetDirtyLog, Some(slot));
         self.inner.get_dirty_log(slot, bitmap)
     }
 
     fn clear_dirty_log(&self, s: u32, f: u64, n: u32, b: &[u64]) -> Result<(), Errno> {
-        self.pass(FakeCall::ClearDirtyLog, Some(s));
+        self.pass(KvmCall::ClearDirtyLog, Some(s));
         self.inner.clear_dirty_log(s, f, n, b)
     }
 
@@ -612,7 +675,7 @@ impl KvmMemory for Gate {
     }
 
     fn reset_dirty_rings(&self) -> Result<(), Errno> {
-        self.pass(FakeCall::ResetDirtyRings, None);
+        self.pass(KvmCall::ResetDirtyRings, None);
         self.inner.reset_dirty_rings()
     }
 }
@@ -718,11 +781,11 @@ fn refusals_are_the_callers_errors_and_kvm_failures_are_not() {
         assert_eq!(err.kind(), kind, "{err}");
         assert!(err.is_caller_error(), "{err}");
     }
-    m.kvm().fail(FakeCall::SetRegion, 0, libc::EIO);
+    m.kvm().fail(KvmCall::SetRegion, 0, libc::EIO);
     let err = m.move_region(r, GuestAddress(64 * MIB)).unwrap_err();
     assert_eq!(err.kind(), ErrorKind::Host, "{err}");
     assert!(!err.is_caller_error());
-    m.kvm().fail_from(FakeCall::SetRegion, 1, libc::EIO);
+    m.kvm().fail_from(KvmCall::SetRegion, 1, libc::EIO);
     let err = m.move_region(r, GuestAddress(64 * MIB)).unwrap_err();
     assert_eq!(err.kind(), ErrorKind::Broken, "{err}");
     m.kvm().heal();
@@ -933,7 +996,7 @@ fn a_failed_ring_reset_loses_no_page_and_a_full_ring_is_emptied() {
         .unwrap();
     dirty_addresses(&m, id);
     m.kvm().inner().guest_write(MIB);
-    m.kvm().fail(FakeCall::ResetDirtyRings, 0, libc::EIO);
+    m.kvm().fail(KvmCall::ResetDirtyRings, 0, libc::EIO);
     let e = m.harvest_dirty(Target::All).unwrap_err();
     assert!(
         e.to_string().contains("resetting the dirty rings failed"),
@@ -1040,7 +1103,7 @@ fn bitmap_harvest_held_in_kvm(manual: bool) {
     let c_slots = slot_numbers(&m, c);
     let a_slots = slot_numbers(&m, a);
     // The harvest stops reading a's second slot (its first one is read already).
-    m.kvm().arm_at(FakeCall::GetDirtyLog, Some(a_slots[1]));
+    m.kvm().arm_at(KvmCall::GetDirtyLog, Some(a_slots[1]));
     let mut reported = Reported::new();
     let (d, more) = thread::scope(|scope| {
         let harvester = scope.spawn(|| m.harvest_dirty(Target::All));
@@ -1113,7 +1176,7 @@ fn a_slot_number_being_read_is_not_given_to_a_new_region() {
     let d = m.add_region(logging(region(2 * MIB, 2))).unwrap();
     let d_slots = slot_numbers(&m, d);
     m.harvest_dirty(Target::All).unwrap();
-    m.kvm().arm_at(FakeCall::GetDirtyLog, Some(d_slots[0]));
+    m.kvm().arm_at(KvmCall::GetDirtyLog, Some(d_slots[0]));
     thread::scope(|scope| {
         let harvester = scope.spawn(|| m.harvest_dirty(Target::Region(d)));
         m.kvm().wait_entered();
@@ -1159,7 +1222,7 @@ fn a_ring_harvest_held_in_kvm_lets_changes_through_and_loses_no_page() {
     written.entry(b).or_default().insert(2);
     write(3 * MIB, 0);
     let c_slots = slot_numbers(&m, c);
-    m.kvm().arm_at(FakeCall::ResetDirtyRings, None);
+    m.kvm().arm_at(KvmCall::ResetDirtyRings, None);
     let mut reported = Reported::new();
     let d = thread::scope(|scope| {
         let harvester = scope.spawn(|| m.harvest_dirty(Target::All));
@@ -1266,7 +1329,7 @@ fn random_changes_writes_and_harvests(kvm: FakeKvm, seed: u64) {
     let hook_race = Arc::clone(&race);
     let _ = gate
         .hook
-        .set(Box::new(move |_call: FakeCall| hook_race.rendezvous()));
+        .set(Box::new(move |_call: KvmCall| hook_race.rendezvous()));
     let m: GatedManager = MemoryManager::new(gate);
     for i in 0..3 {
         m.add_region(logging(region((1 + 2 * i) * MIB, 2))).unwrap();
@@ -1439,7 +1502,7 @@ fn without_initially_set_logs_a_toggle_or_a_rollback_reports_only_what_was_writt
     assert_eq!(pages(&m), vec![MIB + PAGE_SIZE, MIB + 2 * SLOT]);
     // A remove that KVM refuses half-way is rolled back (its slots created again): still exact.
     m.kvm().inner().guest_write(MIB + SLOT);
-    m.kvm().fail(FakeCall::SetRegion, 2, libc::EIO);
+    m.kvm().fail(KvmCall::SetRegion, 2, libc::EIO);
     assert!(m.remove_region(id).is_err());
     assert_eq!(pages(&m), vec![MIB + SLOT]);
     // A region added logging reports all its pages first, then what is written.

@@ -150,7 +150,7 @@ impl Changer<'_> {
 mod tests {
     use super::*;
     use crate::jobs::stress::config::WRITE_SEED;
-    use kvm_memslots::fake::FakeKvm;
+    use kvm_memslots::testing::FakeKvm;
     use kvm_memslots::{RegionSpec, PAGE_SIZE};
 
     const BASE: u64 = 0x10_0000;

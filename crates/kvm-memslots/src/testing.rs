@@ -14,7 +14,7 @@ use crate::PAGE_SIZE;
 
 /// Which call a planned failure hits.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum FakeCall {
+pub enum KvmCall {
     /// `KVM_SET_USER_MEMORY_REGION`.
     SetRegion,
     /// `KVM_GET_DIRTY_LOG`.
@@ -321,7 +321,7 @@ impl KvmMemory for FakeKvm {
 
 #[derive(Debug)]
 struct PlannedFailure {
-    call: FakeCall,
+    call: KvmCall,
     /// Calls of that kind still to succeed before the failing one.
     skip: u64,
     errno: i32,
@@ -329,19 +329,21 @@ struct PlannedFailure {
     sticky: bool,
 }
 
-/// Wraps a [`KvmMemory`] and makes chosen calls fail (without reaching the inner one).
+/// Wraps a [`KvmMemory`] and makes chosen calls fail (without reaching the inner one). Each
+/// kind of call ([`KvmCall`]) has its own plan, so one test can fail, say, the third
+/// `KVM_SET_USER_MEMORY_REGION` and the first `KVM_CLEAR_DIRTY_LOG` of one operation.
 pub struct Faulty<K> {
     inner: K,
-    failure: Mutex<Option<PlannedFailure>>,
+    failures: Mutex<Vec<PlannedFailure>>,
 }
 
 impl<K: fmt::Debug> fmt::Debug for Faulty<K> {
-    /// The wrapped KVM, and the planned failure unless a call is checking it.
+    /// The wrapped KVM, and the planned failures unless a call is checking them.
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let mut d = f.debug_struct("Faulty");
         d.field("inner", &self.inner);
-        if let Ok(failure) = self.failure.try_lock() {
-            d.field("failure", &*failure);
+        if let Ok(failures) = self.failures.try_lock() {
+            d.field("failures", &*failures);
         }
         d.finish_non_exhaustive()
     }
@@ -352,7 +354,7 @@ impl<K: KvmMemory> Faulty<K> {
     pub fn new(inner: K) -> Self {
         Faulty {
             inner,
-            failure: Mutex::new(None),
+            failures: Mutex::new(Vec::new()),
         }
     }
 
@@ -362,9 +364,9 @@ impl<K: KvmMemory> Faulty<K> {
     }
 
     /// Makes the call of kind `call` that comes after `skip` successful ones fail with `errno`.
-    /// Replaces any failure planned before.
-    pub fn fail(&self, call: FakeCall, skip: u64, errno: i32) {
-        *self.planned() = Some(PlannedFailure {
+    /// Replaces a failure planned before for the same kind of call; plans for other kinds stay.
+    pub fn fail(&self, call: KvmCall, skip: u64, errno: i32) {
+        self.plan(PlannedFailure {
             call,
             skip,
             errno,
@@ -374,8 +376,8 @@ impl<K: KvmMemory> Faulty<K> {
 
     /// Like [`fail`](Self::fail), but that call and every later one of its kind fail, until
     /// [`heal`](Self::heal).
-    pub fn fail_from(&self, call: FakeCall, skip: u64, errno: i32) {
-        *self.planned() = Some(PlannedFailure {
+    pub fn fail_from(&self, call: KvmCall, skip: u64, errno: i32) {
+        self.plan(PlannedFailure {
             call,
             skip,
             errno,
@@ -383,33 +385,41 @@ impl<K: KvmMemory> Faulty<K> {
         });
     }
 
-    /// Cancels any planned failure.
+    /// Cancels every planned failure.
     pub fn heal(&self) {
-        *self.planned() = None;
+        self.planned().clear();
     }
 
     /// Whether a planned failure is still to come.
     pub fn failure_pending(&self) -> bool {
-        self.planned().is_some()
+        !self.planned().is_empty()
     }
 
-    fn planned(&self) -> MutexGuard<'_, Option<PlannedFailure>> {
-        self.failure.lock().unwrap_or_else(|p| p.into_inner())
-    }
-
-    fn check(&self, call: FakeCall) -> Result<(), Errno> {
+    fn plan(&self, failure: PlannedFailure) {
         let mut planned = self.planned();
-        if let Some(f) = planned.as_mut().filter(|f| f.call == call) {
-            if f.skip == 0 {
-                let errno = f.errno;
-                if !f.sticky {
-                    *planned = None;
-                }
-                return Err(Errno::new(errno));
-            }
+        planned.retain(|f| f.call != failure.call);
+        planned.push(failure);
+    }
+
+    fn planned(&self) -> MutexGuard<'_, Vec<PlannedFailure>> {
+        self.failures.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn check(&self, call: KvmCall) -> Result<(), Errno> {
+        let mut planned = self.planned();
+        let Some(i) = planned.iter().position(|f| f.call == call) else {
+            return Ok(());
+        };
+        let f = &mut planned[i];
+        if f.skip > 0 {
             f.skip -= 1;
+            return Ok(());
         }
-        Ok(())
+        let errno = f.errno;
+        if !f.sticky {
+            planned.remove(i);
+        }
+        Err(Errno::new(errno))
     }
 }
 
@@ -419,13 +429,13 @@ impl<K: KvmMemory> KvmMemory for Faulty<K> {
     }
 
     unsafe fn set_user_memory_region(&self, slot: &KvmSlot) -> Result<(), Errno> {
-        self.check(FakeCall::SetRegion)?;
+        self.check(KvmCall::SetRegion)?;
         // SAFETY: the caller's guarantee is passed on unchanged.
         unsafe { self.inner.set_user_memory_region(slot) }
     }
 
     fn get_dirty_log(&self, slot: u32, bitmap: &mut [u64]) -> Result<(), Errno> {
-        self.check(FakeCall::GetDirtyLog)?;
+        self.check(KvmCall::GetDirtyLog)?;
         self.inner.get_dirty_log(slot, bitmap)
     }
 
@@ -436,7 +446,7 @@ impl<K: KvmMemory> KvmMemory for Faulty<K> {
         num_pages: u32,
         bitmap: &[u64],
     ) -> Result<(), Errno> {
-        self.check(FakeCall::ClearDirtyLog)?;
+        self.check(KvmCall::ClearDirtyLog)?;
         self.inner
             .clear_dirty_log(slot, first_page, num_pages, bitmap)
     }
@@ -458,7 +468,7 @@ impl<K: KvmMemory> KvmMemory for Faulty<K> {
     }
 
     fn reset_dirty_rings(&self) -> Result<(), Errno> {
-        self.check(FakeCall::ResetDirtyRings)?;
+        self.check(KvmCall::ResetDirtyRings)?;
         self.inner.reset_dirty_rings()
     }
 }
