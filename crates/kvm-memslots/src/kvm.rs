@@ -82,6 +82,9 @@ impl From<&KvmSlot> for kvm_userspace_memory_region2 {
 /// The memory-slot ioctls of one VM.
 pub trait KvmMemory: Send + Sync {
     /// How many slot numbers the VM has (`KVM_CAP_NR_MEMSLOTS`).
+    ///
+    /// [`KvmVm`]: no call; the number was read once, in [`KvmVm::new`] or
+    /// [`KvmVm::with_dirty_ring`].
     fn max_slots(&self) -> u32;
 
     /// Creates, deletes, moves or changes the flags of one slot (`KVM_SET_USER_MEMORY_REGION`).
@@ -92,17 +95,28 @@ pub trait KvmMemory: Send + Sync {
     /// process (writable unless the slot is read-only) and must stay mapped for as long as KVM
     /// has this slot: until a later call deletes or replaces it, or the VM is closed. The guest
     /// reads and writes that memory at any time.
+    ///
+    /// # KVM calls
+    ///
+    /// [`KvmVm`]: one `KVM_SET_USER_MEMORY_REGION2` where KVM has `KVM_CAP_USER_MEMORY2`,
+    /// else one `KVM_SET_USER_MEMORY_REGION`; no retry.
     unsafe fn set_user_memory_region(&self, slot: &KvmSlot) -> Result<(), Errno>;
 
     /// Copies the dirty log of `slot` (one bit per page, `KVM_GET_DIRTY_LOG`) into `bitmap`,
     /// which has a bit for every page of the slot. Unless [`manual_dirty_log`] is true, this
     /// also clears KVM's log.
     ///
+    /// [`KvmVm`]: one `KVM_GET_DIRTY_LOG`, into a buffer kvm-ioctls allocates for the call
+    /// (not fallibly), then copied into `bitmap`.
+    ///
     /// [`manual_dirty_log`]: KvmMemory::manual_dirty_log
     fn get_dirty_log(&self, slot: u32, bitmap: &mut [u64]) -> Result<(), Errno>;
 
     /// Clears (and write-protects again) the pages of `slot` whose bits are set in `bitmap`,
     /// which covers `num_pages` pages from page `first_page` (`KVM_CLEAR_DIRTY_LOG`).
+    ///
+    /// [`KvmVm`]: one `KVM_CLEAR_DIRTY_LOG`; `EINVAL`, with no call, if `bitmap` has fewer
+    /// than `num_pages` bits.
     fn clear_dirty_log(
         &self,
         slot: u32,
@@ -112,18 +126,21 @@ pub trait KvmMemory: Send + Sync {
     ) -> Result<(), Errno>;
 
     /// Whether logs are cleared by [`clear_dirty_log`](KvmMemory::clear_dirty_log) rather than
-    /// by reading them (`KVM_CAP_MANUAL_DIRTY_LOG_PROTECT2` enabled).
+    /// by reading them (`KVM_CAP_MANUAL_DIRTY_LOG_PROTECT2` enabled). [`KvmVm`]: no call; decided
+    /// in [`KvmVm::new`].
     fn manual_dirty_log(&self) -> bool;
 
     /// Whether, with manual protection, a slot's log starts all set when logging is turned on
     /// (`KVM_DIRTY_LOG_INITIALLY_SET`). Where it does not, the manager marks every page itself,
-    /// so the first harvest reports every page either way.
+    /// so the first harvest reports every page either way. [`KvmVm`]: false (it never enables
+    /// `KVM_DIRTY_LOG_INITIALLY_SET`); no call.
     fn initially_set_logs(&self) -> bool {
         self.manual_dirty_log()
     }
 
     /// Whether the VM reports dirty pages in per-vCPU rings (`KVM_CAP_DIRTY_LOG_RING`) rather
-    /// than in per-slot logs; then [`get_dirty_log`](KvmMemory::get_dirty_log) is not used.
+    /// than in per-slot logs; then [`get_dirty_log`](KvmMemory::get_dirty_log) is not used. No
+    /// call.
     fn dirty_ring(&self) -> bool {
         false
     }
@@ -132,6 +149,9 @@ pub trait KvmMemory: Send + Sync {
     /// number, page offset in the slot), and marks them for [`reset_dirty_rings`]; returns
     /// how many.
     ///
+    /// [`KvmVm`]: no syscall: reads each vCPU's ring (vCPUs in creation order) from its
+    /// mapping, and hands each entry back by setting its `RESET` flag; never fails.
+    ///
     /// [`reset_dirty_rings`]: KvmMemory::reset_dirty_rings
     fn collect_dirty_rings(&self, sink: &mut dyn FnMut(u32, u64)) -> Result<u64, Errno> {
         let _ = sink;
@@ -139,6 +159,8 @@ pub trait KvmMemory: Send + Sync {
     }
 
     /// Frees the collected entries and logs their pages again (`KVM_RESET_DIRTY_RINGS`).
+    /// [`KvmVm`]: one `KVM_RESET_DIRTY_RINGS` on the VM, issued even if nothing was collected;
+    /// no call outside ring mode.
     fn reset_dirty_rings(&self) -> Result<(), Errno> {
         Ok(())
     }
@@ -167,6 +189,15 @@ impl KvmVm {
     /// the manager could never tell which of them the guest wrote. Without it, KVM
     /// write-protects a slot when logging starts (the cost moves from the first clear to the
     /// start), every write is tracked, and the manager marks the first harvest's pages itself.
+    ///
+    /// # KVM calls
+    ///
+    /// 1. `KVM_CHECK_EXTENSION(KVM_CAP_NR_MEMSLOTS)` on `kvm` (32 slots if it answers 0).
+    /// 2. `KVM_CHECK_EXTENSION(KVM_CAP_USER_MEMORY2)` on the VM.
+    /// 3. `KVM_CHECK_EXTENSION(KVM_CAP_MANUAL_DIRTY_LOG_PROTECT2)` on the VM.
+    /// 4. If it offers `KVM_DIRTY_LOG_MANUAL_PROTECT_ENABLE`: `KVM_ENABLE_CAP` of
+    ///    `KVM_CAP_MANUAL_DIRTY_LOG_PROTECT2` with that bit alone. Its error is returned;
+    ///    nothing to undo.
     pub fn new(kvm: &Kvm, vm: Arc<VmFd>) -> Result<Self, Errno> {
         let max_slots = u32::try_from(kvm.get_nr_memslots()).unwrap_or(u32::MAX);
         let region2 = vm.check_extension(Cap::UserMemory2);
@@ -196,6 +227,18 @@ impl KvmVm {
     /// entries per vCPU (a power of two; 16 bytes each) instead of per-slot logs. KVM takes
     /// this only before the VM has any vCPU; create them with
     /// [`create_vcpu`](Self::create_vcpu), which maps each one's ring for the manager.
+    ///
+    /// # KVM calls
+    ///
+    /// 1. `KVM_CHECK_EXTENSION(KVM_CAP_DIRTY_LOG_RING_ACQ_REL)` on the VM; only if that
+    ///    answers 0, `KVM_CHECK_EXTENSION(KVM_CAP_DIRTY_LOG_RING)`.
+    /// 2. `KVM_ENABLE_CAP` of the first capability offered, with `entries` × 16 bytes (after
+    ///    checking `entries`, without a call).
+    /// 3. `KVM_CHECK_EXTENSION(KVM_CAP_NR_MEMSLOTS)` on `kvm`, then
+    ///    `KVM_CHECK_EXTENSION(KVM_CAP_USER_MEMORY2)` on the VM.
+    ///
+    /// Manual dirty-log protection is not enabled. On a failure, nothing is undone (an enabled
+    /// ring stays enabled).
     pub fn with_dirty_ring(kvm: &Kvm, vm: Arc<VmFd>, entries: u32) -> Result<Self, RingError> {
         let entry = size_of::<kvm_bindings::kvm_dirty_gfn>() as u64;
         // The release/acquire variant where KVM has it; on x86 the plain one behaves the same.
@@ -226,6 +269,16 @@ impl KvmVm {
 
     /// Creates vCPU `id`; in ring mode, also maps its ring so that harvests see its entries.
     /// (A vCPU created on the `VmFd` directly would have its dirty pages missed in ring mode.)
+    ///
+    /// # KVM calls
+    ///
+    /// 1. `KVM_CREATE_VCPU(id)` on the VM.
+    /// 2. Ring mode: `mmap` (`MAP_SHARED`, read-write) of the vCPU file's ring, `entries` × 16
+    ///    bytes at page `KVM_DIRTY_LOG_PAGE_OFFSET`; unmapped (`munmap`) only when this
+    ///    `KvmVm` is dropped.
+    ///
+    /// If the `mmap` fails, the vCPU's file is closed, but KVM keeps the vCPU: `id` cannot be
+    /// created again.
     pub fn create_vcpu(&self, id: u64) -> Result<VcpuFd, RingError> {
         let vcpu = self
             .vm

@@ -250,6 +250,17 @@ impl MemoryLayout {
     /// slot sizes and flags, in fresh memory; returns their new ids, in layout order. On a
     /// refusal, the regions added so far are removed again. Load their contents with
     /// [`load_memory_file`].
+    ///
+    /// # KVM calls
+    ///
+    /// 1. [`MemoryManager::add_region`] for each region, in layout (guest-address) order: for a
+    ///    shared one `memfd_create` and `ftruncate`; one `mmap`; `KVM_SET_USER_MEMORY_REGION`
+    ///    creating its slots, lowest guest address first (see there, with its own undo).
+    ///
+    /// On a refusal: [`MemoryManager::remove_region`] of each region added so far, last first
+    /// (its slots deleted, lowest guest address first, after its logs are read in bitmap mode
+    /// or the rings drained in ring mode; then its mapping unmapped). A remove that fails is
+    /// ignored: its region stays, and the add's error is returned.
     pub fn build<K: KvmMemory>(&self, memory: &MemoryManager<K>) -> Result<Vec<RegionId>, Error> {
         self.build_with(memory, |r| match r.backing {
             BackingKind::Anonymous => Backing::Anonymous,
@@ -261,6 +272,14 @@ impl MemoryLayout {
     /// offset instead: pages load from the file when first touched, with nothing copied up
     /// front, and the guest's writes never reach the file. Every region is private then, shared
     /// ones included.
+    ///
+    /// # KVM calls
+    ///
+    /// 1. `statx` (or `fstat`) of `memory_file` for its size, then one `fcntl(F_DUPFD_CLOEXEC)` per
+    ///    region; a wrong size or a failed duplicate makes no KVM call (duplicates are closed).
+    /// 2. As [`build`](Self::build), with no memfd: each region's one `mmap` is a
+    ///    `MAP_PRIVATE` mapping of its duplicate at the region's file offset. The same undo on
+    ///    a refusal; each duplicate is closed with its region's mapping.
     pub fn build_from_file<K: KvmMemory>(
         &self,
         memory: &MemoryManager<K>,

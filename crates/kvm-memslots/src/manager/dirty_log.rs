@@ -19,12 +19,39 @@ impl<K: KvmMemory> MemoryManager<K> {
     /// Starts logging the guest's writes to the target regions: a flags-only update of each
     /// slot, never a delete and create. With manual dirty-log protection, every page counts as
     /// dirty in the first harvest after logging starts.
+    ///
+    /// # KVM calls
+    ///
+    /// None if every target region logs already. Otherwise:
+    ///
+    /// 1. `KVM_SET_USER_MEMORY_REGION` setting `KVM_MEM_LOG_DIRTY_PAGES` on each slot of each
+    ///    target region that does not log yet (a flags-only update): region by region in
+    ///    region-id order, each region's slots lowest guest address first.
+    ///
+    /// No log is read and no ring drained. On a refusal: the slots already updated get their
+    /// old flags back, last first.
     pub fn start_dirty_log(&self, target: Target) -> Result<(), Error> {
         self.set_dirty_log(target, true)
     }
 
     /// Stops logging the guest's writes to the target regions. Pages logged so far are kept
     /// for the next harvest.
+    ///
+    /// # KVM calls
+    ///
+    /// None if no target region logs. Otherwise:
+    ///
+    /// 1. Ring mode: a ring drain (see [`MemoryManager`]).
+    /// 2. For each slot of each target region that logs (region by region in region-id order,
+    ///    each region's slots lowest guest address first): in bitmap mode, `KVM_GET_DIRTY_LOG`
+    ///    into the region's pending bits; then `KVM_SET_USER_MEMORY_REGION` clearing
+    ///    `KVM_MEM_LOG_DIRTY_PAGES` (a flags-only update).
+    /// 3. Ring mode: a second ring drain; its failure is ignored.
+    ///
+    /// On a refusal in step 2 (of an update or of a `KVM_GET_DIRTY_LOG`): the slots already
+    /// updated get logging back, last first (new logs, in bitmap mode); the bits read are
+    /// kept. Nothing marks their pages (unlike [`start_dirty_log`](Self::start_dirty_log)): a
+    /// guest write between a slot's update and its reversal is not reported.
     pub fn stop_dirty_log(&self, target: Target) -> Result<(), Error> {
         self.set_dirty_log(target, false)
     }
@@ -184,6 +211,13 @@ impl<K: KvmMemory> MemoryManager<K> {
     /// Ring mode: collects the vCPUs' dirty rings into the regions' pending bits and resets
     /// them, as a vCPU's `KVM_EXIT_DIRTY_RING_FULL` asks; the next harvest reports the pages.
     /// Nothing to do in bitmap mode. Takes neither the writer lock nor the harvests' lock.
+    ///
+    /// # KVM calls
+    ///
+    /// Bitmap mode: none. Ring mode: a ring drain (see [`MemoryManager`]): every vCPU's ring
+    /// read from its mapping and each entry handed back (no syscall), then one
+    /// `KVM_RESET_DIRTY_RINGS`, even if nothing was collected. Nothing to undo: what was
+    /// collected stays in the pending bits; a failed collection skips the reset.
     pub fn collect_dirty_rings(&self) -> Result<(), Error> {
         if !self.kvm.dirty_ring() {
             return Ok(());
@@ -220,6 +254,24 @@ impl<K: KvmMemory> MemoryManager<K> {
     /// neither), reaching the regions' pending bits from a map version. Harvests wait for one
     /// another, so that two of them never split one dirty set. A page is reported more than
     /// once only where a change re-created a logging slot (see `set_read_only`).
+    ///
+    /// # KVM calls
+    ///
+    /// Ring mode: one ring drain (see [`MemoryManager`]), whatever the target: every vCPU's
+    /// ring read from its mapping (no syscall), then one `KVM_RESET_DIRTY_RINGS`. Entries of
+    /// regions outside the target stay pending for their own harvest.
+    ///
+    /// Bitmap mode: for each target region in region-id order, for each of its slots that
+    /// logs in the current map, lowest guest address first:
+    ///
+    /// 1. `KVM_GET_DIRTY_LOG`.
+    /// 2. Only if a bit is set and logs are cleared manually
+    ///    ([`KvmMemory::manual_dirty_log`]): `KVM_CLEAR_DIRTY_LOG` of exactly the bits read,
+    ///    over the whole slot.
+    ///
+    /// Then no call: the VMM's write bitmaps are read in memory. Nothing to undo: on a failure
+    /// the harvest stops and returns the error, every bit read kept pending, except that an
+    /// `ENOENT`/`EINVAL` from a slot whose log a concurrent change freed is skipped.
     pub fn harvest_dirty(&self, target: Target) -> Result<Vec<DirtyPages>, Error> {
         let _serial = self.harvests.lock().unwrap_or_else(|p| p.into_inner());
         let regions: Vec<(RegionId, Arc<Harvestable>)> = {

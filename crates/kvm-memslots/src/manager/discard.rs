@@ -28,6 +28,21 @@ impl<K: KvmMemory> MemoryManager<K> {
     /// all memory: private pages read back as zeros, shared ones are freed from their file
     /// (`MADV_DONTNEED` / `MADV_REMOVE`). The slots stay as they are; the pages count as dirty
     /// in the next harvest, since their contents changed.
+    ///
+    /// # KVM calls
+    ///
+    /// No KVM ioctl (KVM's MMU notifier sees the change); a range with a hole is refused
+    /// before any call. For each run of one region's mapping in the range, lowest guest
+    /// address first (neighbouring slots of a region make one run), one call:
+    ///
+    /// - [`Backing::PrivateFile`](crate::Backing::PrivateFile): `mmap` with `MAP_FIXED` of
+    ///   private anonymous read-write memory (`MAP_NORESERVE`) over the run;
+    /// - a shared mapping (memfd or [`Backing::File`](crate::Backing::File)):
+    ///   `madvise(MADV_REMOVE)`;
+    /// - private anonymous memory: `madvise(MADV_DONTNEED)`.
+    ///
+    /// Nothing to undo: on a failure the discard stops and returns the error; runs before it
+    /// stay discarded (and count as dirty), the rest is untouched.
     pub fn discard(&self, gpa: GuestAddress, len: u64) -> Result<(), Error> {
         check_range(gpa.0, len)?;
         let range = AddressRange {

@@ -116,6 +116,26 @@ type Writer<'a> = MapWriter<'a, SlotBacking, State>;
 /// KVM refuses a request, the requests already applied are undone and the map is left as it
 /// was. Changes are serialised by one lock, the map's writer lock, which also guards the
 /// manager's own records; readers (vCPU and device threads) never wait for it.
+///
+/// # KVM calls
+///
+/// Each operation that reaches KVM or the OS lists its calls, in order, under "KVM calls".
+/// There:
+///
+/// - `KVM_SET_USER_MEMORY_REGION` is [`KvmMemory::set_user_memory_region`], which
+///   [`KvmVm`](crate::KvmVm) issues as `KVM_SET_USER_MEMORY_REGION2` where KVM has it.
+/// - *Bitmap mode* and *ring mode*: KVM reports dirty pages in per-slot logs, or in per-vCPU
+///   rings ([`KvmMemory::dirty_ring`]).
+/// - *A ring drain* (ring mode): every vCPU's ring is read from its mapping, each entry handed
+///   back (no syscall), then one `KVM_RESET_DIRTY_RINGS`. A failed drain before a change's
+///   first request refuses the change.
+/// - *The undo* of a change: when KVM refuses a request, or a `KVM_GET_DIRTY_LOG` before one
+///   fails, the requests already made are reversed, last first. If KVM refuses a reversal,
+///   the rest are not attempted: [`Error::UndoFailed`] is returned, and every later change is
+///   refused ([`Error::Broken`]) before any call.
+///
+/// A change refused before its first request (a bad argument, an unknown region, a map change
+/// the map refuses) makes no call.
 pub struct MemoryManager<K: KvmMemory> {
     kvm: K,
     /// The published versions and, behind their writer lock, the manager's [`State`].
@@ -425,6 +445,17 @@ impl<K: KvmMemory> fmt::Debug for MemoryManager<K> {
 impl<K: KvmMemory> Drop for MemoryManager<K> {
     /// Deletes every KVM slot before the memory behind it can be unmapped; memory whose slot
     /// KVM refuses to delete is leaked rather than unmapped under the guest.
+    ///
+    /// # KVM calls
+    ///
+    /// 1. `KVM_SET_USER_MEMORY_REGION` deleting (size 0) each slot of the published map,
+    ///    lowest guest address first. A refusal is not returned: that slot's region mapping is
+    ///    leaked (never unmapped) and the next slots are still deleted.
+    /// 2. `munmap` of each region's mapping (closing a memfd the manager made) as its last
+    ///    reference goes: now, unless a snapshot or handle still holds it. Memory kept after a
+    ///    failed undo is leaked instead.
+    ///
+    /// No dirty log is read and no ring drained.
     fn drop(&mut self) {
         let mut state = self.state();
         for slot in state.current().iter() {

@@ -19,6 +19,21 @@ use crate::PAGE_SIZE;
 
 impl<K: KvmMemory> MemoryManager<K> {
     /// Maps a new region and gives it to the guest. Returns its id.
+    ///
+    /// # KVM calls
+    ///
+    /// 1. [`Backing::Memfd`](crate::Backing::Memfd) only: `memfd_create` (`MFD_CLOEXEC`), then
+    ///    `ftruncate` to the region's size.
+    /// 2. One `mmap` of the whole region, read-write, `MAP_NORESERVE`: private anonymous,
+    ///    `MAP_SHARED` of the memfd or [`Backing::File`](crate::Backing::File), `MAP_PRIVATE`
+    ///    of a [`Backing::PrivateFile`](crate::Backing::PrivateFile).
+    /// 3. `KVM_SET_USER_MEMORY_REGION` creating each slot, lowest guest address first.
+    ///
+    /// No log is read and no ring drained. On a refusal in step 3: the slots already created
+    /// are deleted again (size 0), last first; then the mapping is unmapped (`munmap`) and a
+    /// memfd made in step 1 closed. If KVM refuses one of those deletes, the mapping is instead
+    /// kept for the process's lifetime. A failure in step 1 or 2 makes no KVM call and closes
+    /// or unmaps what was made.
     pub fn add_region(&self, spec: RegionSpec) -> Result<RegionId, Error> {
         let mut state = self.state_for_change()?;
         let slot_size = spec
@@ -150,6 +165,21 @@ impl<K: KvmMemory> MemoryManager<K> {
     }
 
     /// Takes a region away from the guest and unmaps it (once no snapshot holds it).
+    ///
+    /// # KVM calls
+    ///
+    /// 1. Ring mode: a ring drain (see [`MemoryManager`]).
+    /// 2. For each slot, lowest guest address first: in bitmap mode, if the slot logs,
+    ///    `KVM_GET_DIRTY_LOG` into the region's pending bits (they matter if the remove is
+    ///    undone); then `KVM_SET_USER_MEMORY_REGION` deleting it (size 0).
+    /// 3. Ring mode: a second ring drain; its failure is ignored.
+    /// 4. `munmap` of the mapping (closing a memfd the manager made) as its last reference
+    ///    goes: at the end of this call, unless a snapshot, a map guard or a running harvest
+    ///    still holds it.
+    ///
+    /// On a refusal in step 2 (of a delete or of a `KVM_GET_DIRTY_LOG`): the slots already
+    /// deleted are created again (same ranges and flags; new logs, in bitmap mode), last
+    /// first; nothing is unmapped.
     pub fn remove_region(&self, id: RegionId) -> Result<(), Error> {
         let mut state = self.state_for_change()?;
         let current = Arc::clone(state.current());
@@ -180,6 +210,17 @@ impl<K: KvmMemory> MemoryManager<K> {
     }
 
     /// Moves a region to a new guest-physical base (KVM moves each slot in place).
+    ///
+    /// # KVM calls
+    ///
+    /// None if the region is at `gpa` already. Otherwise:
+    ///
+    /// 1. `KVM_SET_USER_MEMORY_REGION` moving each slot to its new guest address (same number,
+    ///    host range, size and flags), the slot at the leading edge first: highest guest
+    ///    address first when moving up, lowest first when moving down.
+    ///
+    /// No log is read, no ring drained, and the mapping is untouched. On a refusal: the slots
+    /// already moved are moved back, last first.
     pub fn move_region(&self, id: RegionId, gpa: GuestAddress) -> Result<(), Error> {
         let mut state = self.state_for_change()?;
         let current = Arc::clone(state.current());
@@ -226,6 +267,22 @@ impl<K: KvmMemory> MemoryManager<K> {
     /// KVM cannot change this flag in place: each slot is deleted and created again, and
     /// between the two a vCPU that touches the slot exits to the VMM (see
     /// [`change_sequence`](Self::change_sequence)). Dirty bits KVM had for the slot are kept.
+    ///
+    /// # KVM calls
+    ///
+    /// None if the region has that setting already. Otherwise:
+    ///
+    /// 1. Ring mode: a ring drain (see [`MemoryManager`]).
+    /// 2. For each slot, lowest guest address first: in bitmap mode, if the slot logs,
+    ///    `KVM_GET_DIRTY_LOG` into the region's pending bits; `KVM_SET_USER_MEMORY_REGION`
+    ///    deleting it (size 0); `KVM_SET_USER_MEMORY_REGION` creating it again with
+    ///    `KVM_MEM_READONLY` set or cleared (same number, ranges and logging flag).
+    /// 3. Ring mode: a second ring drain; its failure is ignored.
+    ///
+    /// The mapping is untouched. On a refusal in step 2: the requests already made are
+    /// reversed, last first (a re-created slot deleted, a deleted slot created again with its
+    /// old flags), so every slot ends as it was (a new log where it logs, in bitmap mode);
+    /// the bits read are kept.
     pub fn set_read_only(&self, id: RegionId, read_only: bool) -> Result<(), Error> {
         let mut state = self.state_for_change()?;
         let current = Arc::clone(state.current());
