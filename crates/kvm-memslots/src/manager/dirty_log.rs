@@ -17,8 +17,8 @@ use crate::PAGE_SIZE;
 
 impl<K: KvmMemory> MemoryManager<K> {
     /// Starts logging the guest's writes to the target regions: a flags-only update of each
-    /// slot, never a delete and create. With manual dirty-log protection, every page counts as
-    /// dirty in the first harvest after logging starts.
+    /// slot, never a delete and create. Every page counts as dirty in the first harvest after
+    /// logging starts, in every mode.
     ///
     /// # KVM calls
     ///
@@ -50,8 +50,8 @@ impl<K: KvmMemory> MemoryManager<K> {
     ///
     /// On a refusal in step 2 (of an update or of a `KVM_GET_DIRTY_LOG`): the slots already
     /// updated get logging back, last first (new logs, in bitmap mode); the bits read are
-    /// kept. Nothing marks their pages (unlike [`start_dirty_log`](Self::start_dirty_log)): a
-    /// guest write between a slot's update and its reversal is not reported.
+    /// kept, and every page of the target regions is marked dirty: a guest write between a
+    /// slot's update and its reversal was not logged, so the next harvest reports them all.
     pub fn stop_dirty_log(&self, target: Target) -> Result<(), Error> {
         self.set_dirty_log(target, false)
     }
@@ -96,7 +96,18 @@ impl<K: KvmMemory> MemoryManager<K> {
         // KVM_DIRTY_LOG_INITIALLY_SET), KVM reports only writes from now on: mark every page
         // so that the first harvest reports every page in every mode.
         let initially_set = on && self.marks_logging_start();
-        self.commit(&mut state, changes, &steps)?;
+        if let Err(err) = self.commit(&mut state, changes, &steps) {
+            // A refused stop was undone, but between a slot's logging-off update and its undo
+            // the guest could write the slot unlogged, and the log KVM starts on the undo does
+            // not know: every page of those regions may be dirty.
+            if !on && !matches!(err, Error::UndoFailed { .. }) {
+                for id in &ids {
+                    let region = &state.regions[id];
+                    region.pending().mark(0, region.size / PAGE_SIZE);
+                }
+            }
+            return Err(err);
+        }
         if initially_set {
             for id in &ids {
                 let region = &state.regions[id];
@@ -160,7 +171,9 @@ impl<K: KvmMemory> MemoryManager<K> {
 
     /// Whether the manager marks every page of a region whose logging starts (KVM will not).
     pub(super) fn marks_logging_start(&self) -> bool {
-        self.kvm.dirty_ring() || (self.kvm.manual_dirty_log() && !self.kvm.initially_set_logs())
+        // Without manual protection KVM's new log is empty too (it write-protects the slot and
+        // logs only later writes).
+        self.kvm.dirty_ring() || !self.kvm.initially_set_logs()
     }
 
     /// Ring mode: moves every vCPU's published entries into the pending bits of the regions
