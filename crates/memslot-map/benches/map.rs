@@ -7,7 +7,7 @@
 //! are spread: region `i` sits at `i * GPA_STRIDE`, which leaves a gap between regions where
 //! the one-slot insert/remove scenario puts its extra region.
 //!
-//! Scenarios, each at 10, 100, 509, 4096 and 32764 slots (criterion group `memslot-map/NAME`,
+//! Scenarios, each at 1, 10, 100, 509, 4096 and 32764 slots (criterion group `memslot-map/NAME`,
 //! functions `MemslotMap` and `GuestMemoryMmap`, parameter = slot count):
 //!
 //! - `build`: start empty and add the regions one at a time, in guest-address order.
@@ -45,7 +45,7 @@ use vm_memory::{
 };
 
 /// Slot counts to measure at; 509 and 32764 are KVM's historical and current slot limits.
-const SIZES: [usize; 5] = [10, 100, 509, 4096, 32764];
+const SIZES: [usize; 6] = [1, 10, 100, 509, 4096, 32764];
 /// Size of every region.
 const REGION_SIZE: u64 = 0x1000;
 /// Guest distance between the bases of consecutive regions.
