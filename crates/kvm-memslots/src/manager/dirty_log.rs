@@ -209,16 +209,24 @@ impl<K: KvmMemory> MemoryManager<K> {
             }
         }
         drop(rings);
-        collected.map_err(|source| Error::DirtyRing {
+        let collected = collected.map_err(|source| Error::DirtyRing {
             op: "collecting",
             source,
         })?;
+        // With nothing collected there is nothing to reset, unless an earlier reset failed (or
+        // another collector's is still to come, which that collector does itself).
+        if collected == 0 && !self.ring_reset_owed.load(Ordering::SeqCst) {
+            return Ok(());
+        }
+        self.ring_reset_owed.store(true, Ordering::SeqCst);
         self.kvm
             .reset_dirty_rings()
             .map_err(|source| Error::DirtyRing {
                 op: "resetting",
                 source,
-            })
+            })?;
+        self.ring_reset_owed.store(false, Ordering::SeqCst);
+        Ok(())
     }
 
     /// Ring mode: collects the vCPUs' dirty rings into the regions' pending bits and resets
@@ -229,8 +237,9 @@ impl<K: KvmMemory> MemoryManager<K> {
     ///
     /// Bitmap mode: none. Ring mode: a ring drain (see [`MemoryManager`]): every vCPU's ring
     /// read from its mapping and each entry handed back (no syscall), then one
-    /// `KVM_RESET_DIRTY_RINGS`, even if nothing was collected. Nothing to undo: what was
-    /// collected stays in the pending bits; a failed collection skips the reset.
+    /// `KVM_RESET_DIRTY_RINGS`, unless nothing was collected and no earlier reset failed.
+    /// Nothing to undo: what was collected stays in the pending bits; a failed collection
+    /// skips the reset.
     pub fn collect_dirty_rings(&self) -> Result<(), Error> {
         if !self.kvm.dirty_ring() {
             return Ok(());

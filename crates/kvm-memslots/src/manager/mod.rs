@@ -16,7 +16,7 @@ mod spec;
 
 use std::collections::BTreeMap;
 use std::fmt;
-use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use memslot_map::{
@@ -127,7 +127,8 @@ type Writer<'a> = MapWriter<'a, SlotBacking, State>;
 /// - *Bitmap mode* and *ring mode*: KVM reports dirty pages in per-slot logs, or in per-vCPU
 ///   rings ([`KvmMemory::dirty_ring`]).
 /// - *A ring drain* (ring mode): every vCPU's ring is read from its mapping, each entry handed
-///   back (no syscall), then one `KVM_RESET_DIRTY_RINGS`. A failed drain before a change's
+///   back (no syscall), then one `KVM_RESET_DIRTY_RINGS` if anything was collected (or an
+///   earlier reset failed). A failed drain before a change's
 ///   first request refuses the change.
 /// - *The undo* of a change: when KVM refuses a request, or a `KVM_GET_DIRTY_LOG` before one
 ///   fails, the requests already made are reversed, last first. If KVM refuses a reversal,
@@ -153,6 +154,10 @@ pub struct MemoryManager<K: KvmMemory> {
     rings: Mutex<()>,
     /// Ring mode: entries that named no slot of the map (or a page past their slot).
     stray_ring_entries: AtomicU64,
+    /// Ring mode: a `KVM_RESET_DIRTY_RINGS` failed and none has succeeded since, so KVM holds
+    /// collected entries whose pages it does not report again until a reset: the next
+    /// collection resets even if it collects nothing.
+    ring_reset_owed: AtomicBool,
     /// Bitmap mode: the KVM slot number whose log a harvest is reading (`NO_LEASE` if none).
     /// A new region is never given it, so that the number names a slot of the same region
     /// (and so of the same size) for the whole `KVM_GET_DIRTY_LOG`/`KVM_CLEAR_DIRTY_LOG`.
@@ -236,6 +241,7 @@ impl<K: KvmMemory> MemoryManager<K> {
             harvests: Mutex::new(()),
             rings: Mutex::new(()),
             stray_ring_entries: AtomicU64::new(0),
+            ring_reset_owed: AtomicBool::new(false),
             leased: AtomicU32::new(NO_LEASE),
             ids_freed: AtomicU64::new(0),
         }

@@ -942,6 +942,35 @@ fn ring_mode_harvests_exactly_the_pages_written() {
 }
 
 #[test]
+fn rings_are_reset_only_when_entries_were_collected_or_a_reset_is_owed() {
+    let m = ring_manager(256);
+    let id = m
+        .add_region(region(MIB, 2).with_flags(SlotFlags {
+            log_dirty: true,
+            read_only: false,
+        }))
+        .unwrap();
+    dirty_addresses(&m, id);
+    m.kvm().fail(KvmCall::ResetDirtyRings, 0, libc::EIO);
+    // Nothing written: nothing collected, no reset asked for.
+    assert!(dirty_addresses(&m, id).is_empty());
+    assert!(m.kvm().failure_pending(), "no reset was asked for");
+    m.kvm().inner().guest_write(MIB);
+    assert!(m.harvest_dirty(Target::All).is_err(), "the reset fails");
+    // Nothing new collected, but the failed reset is owed: this harvest asks for it (the page
+    // was collected into pending by the failed harvest, and is reported now).
+    m.kvm().fail(KvmCall::ResetDirtyRings, 0, libc::EIO);
+    assert!(
+        m.harvest_dirty(Target::All).is_err(),
+        "the owed reset is asked for"
+    );
+    assert_eq!(dirty_addresses(&m, id), vec![MIB]);
+    // Reset now: the page is protected again and a new write to it is reported.
+    m.kvm().inner().guest_write(MIB);
+    assert_eq!(dirty_addresses(&m, id), vec![MIB]);
+}
+
+#[test]
 fn ring_entries_keep_their_region_across_changes_and_id_reuse() {
     let m = ring_manager(256);
     let a = m
@@ -1298,9 +1327,9 @@ fn a_ring_harvest_held_in_kvm_lets_changes_through_and_loses_no_page() {
 struct Race {
     /// Changes attempted so far by the writer thread.
     changes: AtomicU64,
-    writer_done: std::sync::atomic::AtomicBool,
+    writer_done: AtomicBool,
     /// A harvest waited in vain for a change to complete while it was inside KVM.
-    stalled: std::sync::atomic::AtomicBool,
+    stalled: AtomicBool,
     harvester: std::sync::OnceLock<thread::ThreadId>,
     calls: AtomicU64,
     /// Logical time: each completed guest write and each returned harvest takes a tick.
