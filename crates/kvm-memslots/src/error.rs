@@ -77,7 +77,8 @@ pub enum Error {
         needed: usize,
         /// Slots free.
         free: usize,
-        /// KVM's number of slots.
+        /// The slot numbers the manager may use: KVM's number, less those reserved for the
+        /// VMM ([`MemoryManager::with_reserved_slots`](crate::MemoryManager::with_reserved_slots)).
         limit: u32,
     },
     /// The region's memory could not be mapped.
