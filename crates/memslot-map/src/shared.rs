@@ -21,6 +21,29 @@ use crate::map::{Change, MemslotMap};
 /// one lock which serialises publication also serialises changes to that state, and a writer
 /// reads the map, changes its state and publishes the next version as one step. Take it with
 /// [`write`](Self::write).
+///
+/// ```
+/// use std::sync::Arc;
+/// use std::thread;
+/// use memslot_map::{Change, GuestAddress, HostAddress, MapConfig, MemslotMap, SharedMap, Slot, SlotFlags, SlotId};
+///
+/// let shared = Arc::new(SharedMap::new(MemslotMap::new(MapConfig::default())));
+/// let slot = Slot::new(SlotId(0), GuestAddress(0), 0x1000, HostAddress(0x7f00_0000_0000), SlotFlags::default(), ());
+/// shared.apply([Change::Insert(slot)]).unwrap();
+///
+/// // A reader takes the current version without a lock; a later change does not alter it.
+/// let reader = Arc::clone(&shared);
+/// let seen = thread::spawn(move || {
+///     let version = reader.snapshot();
+///     version.find_by_gpa(GuestAddress(0x800)).map(|s| s.id())
+/// })
+/// .join()
+/// .unwrap();
+/// assert_eq!(seen, Some(SlotId(0)));
+/// let before = shared.snapshot();
+/// shared.apply([Change::Remove(SlotId(0))]).unwrap();
+/// assert_eq!((before.len(), shared.load().len()), (1, 0));
+/// ```
 pub struct SharedMap<P, W = ()> {
     current: ArcSwap<MemslotMap<P>>,
     writer: Mutex<W>,

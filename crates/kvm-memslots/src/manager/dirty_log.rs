@@ -283,6 +283,31 @@ impl<K: KvmMemory> MemoryManager<K> {
     /// ring read from its mapping (no syscall), then one `KVM_RESET_DIRTY_RINGS`. Entries of
     /// regions outside the target stay pending for their own harvest.
     ///
+    /// # Example
+    ///
+    /// Dirty tracking as a snapshot or a migration round uses it (on the fake KVM, whose
+    /// `guest_write` stands for a vCPU's store):
+    ///
+    /// ```
+    /// use kvm_memslots::testing::FakeKvm;
+    /// use kvm_memslots::{MemoryManager, RegionSpec, Target};
+    /// use vm_memory::{Bytes, GuestAddress, GuestAddressSpace};
+    ///
+    /// let memory = MemoryManager::new(FakeKvm::new(64, true));
+    /// let ram = memory.add_region(RegionSpec::new(GuestAddress(0), 1 << 20).with_slot_size(64 << 10))?;
+    /// memory.start_dirty_log(Target::Region(ram))?;
+    /// // The first harvest reports every page: copy them all.
+    /// assert_eq!(memory.harvest_dirty(Target::All)?[0].count(), 256);
+    ///
+    /// memory.kvm().guest_write(0x2_3000); // the guest writes a page
+    /// memory.handle().memory().write_obj(7u64, GuestAddress(0xf_f000))?; // so does the VMM
+    /// let dirty = memory.harvest_dirty(Target::Region(ram))?;
+    /// let pages: Vec<u64> = dirty[0].addresses().map(|a| a.0).collect();
+    /// assert_eq!(pages, [0x2_3000, 0xf_f000]);
+    /// assert_eq!(memory.harvest_dirty(Target::All)?[0].count(), 0);
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    ///
     /// Bitmap mode: for each target region in region-id order, for each of its slots that
     /// logs in the current map, lowest guest address first:
     ///

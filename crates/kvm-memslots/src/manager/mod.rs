@@ -252,7 +252,29 @@ impl<K: KvmMemory> MemoryManager<K> {
         &self.kvm
     }
 
-    /// The handle for readers (a vm-memory `GuestAddressSpace`).
+    /// The handle for readers (a vm-memory `GuestAddressSpace`): what device models,
+    /// loaders and vCPU exit handlers hold. Each `memory()` is a lock-free snapshot of the
+    /// current map; accesses that cross slot boundaries work as in one mapping.
+    ///
+    /// ```
+    /// use kvm_memslots::testing::FakeKvm;
+    /// use kvm_memslots::{MemoryManager, RegionSpec};
+    /// use linux_loader::cmdline::Cmdline;
+    /// use linux_loader::loader::load_cmdline;
+    /// use vm_memory::{Bytes, GuestAddress, GuestAddressSpace};
+    ///
+    /// let memory = MemoryManager::new(FakeKvm::new(64, true));
+    /// // 64 KiB in 4 KiB slots: the command line below spans two of them.
+    /// memory.add_region(RegionSpec::new(GuestAddress(0x2_0000), 64 << 10).with_slot_size(4096))?;
+    /// let mut cmdline = Cmdline::new(4096)?;
+    /// cmdline.insert_str("console=ttyS0 reboot=k panic=1")?;
+    /// let guest = memory.handle();
+    /// load_cmdline(&*guest.memory(), GuestAddress(0x2_0ff0), &cmdline)?;
+    /// let mut read = [0u8; 13];
+    /// guest.memory().read_slice(&mut read, GuestAddress(0x2_0ff0))?;
+    /// assert_eq!(&read, b"console=ttyS0");
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
     pub fn handle(&self) -> GuestMemoryHandle {
         GuestMemoryHandle(Arc::clone(&self.map))
     }

@@ -17,6 +17,27 @@ impl<P: Clone> MemslotMap<P> {
     /// are checked one by one, exactly as [`apply`](Self::apply) checks them, and then written
     /// to each index in one sorted pass, which visits every node on the way once rather than
     /// once per slot. Moves are applied one by one.
+    ///
+    /// ```
+    /// use memslot_map::{Change, GuestAddress, HostAddress, MapConfig, MemslotMap, Slot, SlotFlags, SlotId};
+    ///
+    /// let slot = |id: u32, gpa: u64| {
+    ///     let hva = HostAddress(0x7f00_0000_0000 + gpa);
+    ///     Slot::new(SlotId(id), GuestAddress(gpa), 0x1000, hva, SlotFlags::default(), ())
+    /// };
+    /// let map = MemslotMap::new(MapConfig::default());
+    /// // A region of four slots, added as one batch.
+    /// let next = map
+    ///     .with_changes((0..4).map(|i| Change::Insert(slot(i, u64::from(i) * 0x1000))))
+    ///     .unwrap();
+    /// assert_eq!((map.len(), next.len()), (0, 4), "the old version is unchanged");
+    ///
+    /// // All or nothing: the second change overlaps slot 1, so neither is applied.
+    /// let err = next
+    ///     .with_changes([Change::Remove(SlotId(0)), Change::Insert(slot(9, 0x1000))])
+    ///     .unwrap_err();
+    /// assert_eq!(err.index, 1);
+    /// ```
     pub fn with_changes(
         &self,
         changes: impl IntoIterator<Item = Change<P>>,

@@ -226,6 +226,22 @@ impl<P: Clone> MemslotMap<P> {
 
     /// Like [`find_by_gpa`](Self::find_by_gpa), first trying the slot `hint` remembers; on a
     /// miss the hint is refilled with the slot found.
+    ///
+    /// ```
+    /// use memslot_map::{GuestAddress, HostAddress, LookupHint, MapConfig, MemslotMap, Slot, SlotFlags, SlotId};
+    ///
+    /// let mut map = MemslotMap::new(MapConfig::default());
+    /// let hva = HostAddress(0x7f00_0000_0000);
+    /// map.insert(Slot::new(SlotId(3), GuestAddress(0x10_0000), 0x10_0000, hva, SlotFlags::default(), "ram"))
+    ///     .unwrap();
+    /// // One hint per reader (a vCPU thread, say): a run of accesses to one slot skips the tree.
+    /// let mut hint = LookupHint::default();
+    /// for offset in (0..0x10_0000).step_by(0x1000) {
+    ///     let slot = map.find_by_gpa_hinted(GuestAddress(0x10_0000 + offset), &mut hint).unwrap();
+    ///     assert_eq!(slot.id(), SlotId(3));
+    /// }
+    /// assert!(map.find_by_gpa_hinted(GuestAddress(0x20_0000), &mut hint).is_none());
+    /// ```
     pub fn find_by_gpa_hinted<'a>(
         &'a self,
         addr: GuestAddress,
