@@ -19,6 +19,7 @@ mod manager;
 mod memory;
 mod ring;
 pub mod snapshot;
+pub mod stream;
 #[cfg(any(test, feature = "testing"))]
 pub mod testing;
 pub mod uffd;

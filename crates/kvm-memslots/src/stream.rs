@@ -1,0 +1,508 @@
+//! A stream of guest memory between two VMM processes: the reusable part of a migration.
+//!
+//! A stream is a sequence of records, each a header (kind, payload length, CRC-32 of kind,
+//! length and payload; little-endian) and its payload:
+//!
+//! - **Hello**: the stream's magic and [`STREAM_VERSION`], then the sender's [`MemoryLayout`]
+//!   (its own framed, checksummed bytes). Always first. The receiver checks the layout against
+//!   its own before any memory moves ([`check_layout`]) and refuses a mismatch with the first
+//!   difference.
+//! - **Pages**: a run of whole pages at an offset of the layout's memory file (so each page
+//!   lands in the region with the same place in both layouts, wherever the region sits in the
+//!   guest), at most [`MAX_RUN`] bytes.
+//! - **State**: opaque bytes of the VMM's (vCPU and device state).
+//! - **RoundEnd**: the end of a round of pages, with the round's number and page count; the
+//!   receiver checks the count.
+//! - **Done**: the end of the stream.
+//!
+//! A record that is truncated, corrupted, of an unknown kind, too long, or not where the
+//! stream's order allows is refused with the reason ([`StreamError`]): a receiver never applies
+//! a page it could not check. Writing pages a harvest reported ([`StreamWriter::send_dirty`])
+//! or every page that holds data ([`StreamWriter::send_all`]) reads guest memory with volatile
+//! copies, so the guest may keep running during a round.
+
+use std::io::{self, Read, Write};
+
+use crate::dirty::DirtyPages;
+use crate::kvm::KvmMemory;
+use crate::manager::MemoryManager;
+use crate::memory::RegionMemory;
+use crate::snapshot::{data_runs, mappings, MemoryLayout, SnapshotError};
+use crate::PAGE_SIZE;
+
+/// The stream format's version; a stream of another version is refused.
+pub const STREAM_VERSION: u32 = 1;
+
+/// The largest run of pages one record carries (bytes).
+pub const MAX_RUN: u64 = 1 << 20;
+
+const MAGIC: &[u8; 8] = b"KVMSMIG\0";
+/// Kind (1), reserved (3), payload length (4), CRC-32 (4).
+const HEADER: usize = 12;
+/// The largest payload any record may announce: a run and its offset, or a layout or state of
+/// up to 64 MiB.
+const MAX_PAYLOAD: u32 = 64 << 20;
+
+const HELLO: u8 = 1;
+const PAGES: u8 = 2;
+const STATE: u8 = 3;
+const ROUND_END: u8 = 4;
+const DONE: u8 = 5;
+
+/// Why a stream could not be written or read.
+#[derive(Debug, thiserror::Error)]
+pub enum StreamError {
+    /// Reading or writing the connection failed.
+    #[error("{what} failed: {source}")]
+    Io {
+        /// What was being done.
+        what: String,
+        /// The system's error.
+        source: io::Error,
+    },
+    /// The stream ended inside a record, or before its Done record.
+    #[error("the stream ended early: {0}")]
+    Truncated(String),
+    /// A record is not what the format allows there.
+    #[error("invalid stream: {0}")]
+    Format(String),
+    /// The sender's memory layout is not the receiver's.
+    #[error("the memory layouts differ: {0}")]
+    LayoutMismatch(String),
+    /// Reading guest memory or the layout's regions failed.
+    #[error(transparent)]
+    Snapshot(#[from] SnapshotError),
+}
+
+fn io_error(what: impl Into<String>) -> impl FnOnce(io::Error) -> StreamError {
+    let what = what.into();
+    move |source| {
+        if source.kind() == io::ErrorKind::UnexpectedEof {
+            StreamError::Truncated(what)
+        } else {
+            StreamError::Io { what, source }
+        }
+    }
+}
+
+/// One record as read.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Record {
+    /// The sender's memory layout (the version was checked).
+    Hello(MemoryLayout),
+    /// Pages at an offset of the layout's memory file.
+    Pages {
+        /// Offset in the layout's memory file.
+        offset: u64,
+        /// Whole pages.
+        data: Vec<u8>,
+    },
+    /// The VMM's opaque state.
+    State(Vec<u8>),
+    /// The end of a round of pages.
+    RoundEnd {
+        /// The round's number, from 1.
+        round: u32,
+        /// The pages sent in it.
+        pages: u64,
+    },
+    /// The end of the stream.
+    Done,
+}
+
+/// What [`StreamWriter`] sent in one call.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct SendStats {
+    /// Bytes of pages.
+    pub bytes: u64,
+    /// Page records.
+    pub records: u64,
+}
+
+/// Writes a stream: [`hello`](Self::hello) first, then rounds of pages, state, and
+/// [`done`](Self::done).
+#[derive(Debug)]
+pub struct StreamWriter<W: Write> {
+    out: W,
+    layout: Option<MemoryLayout>,
+    round: u32,
+    round_pages: u64,
+    buf: Vec<u8>,
+}
+
+impl<W: Write> StreamWriter<W> {
+    /// A writer on `out` (a socket, say); nothing is written yet.
+    pub fn new(out: W) -> Self {
+        StreamWriter {
+            out,
+            layout: None,
+            round: 1,
+            round_pages: 0,
+            buf: Vec::new(),
+        }
+    }
+
+    /// The connection.
+    pub fn get_ref(&self) -> &W {
+        &self.out
+    }
+
+    fn record(&mut self, kind: u8, parts: &[&[u8]]) -> Result<(), StreamError> {
+        let len: usize = parts.iter().map(|p| p.len()).sum();
+        let len = u32::try_from(len)
+            .ok()
+            .filter(|l| *l <= MAX_PAYLOAD)
+            .ok_or_else(|| StreamError::Format(format!("a record of {len} bytes is too long")))?;
+        let mut crc = crc32fast::Hasher::new();
+        crc.update(&[kind]);
+        crc.update(&len.to_le_bytes());
+        for p in parts {
+            crc.update(p);
+        }
+        let mut header = [0u8; HEADER];
+        header[0] = kind;
+        header[4..8].copy_from_slice(&len.to_le_bytes());
+        header[8..12].copy_from_slice(&crc.finalize().to_le_bytes());
+        self.out
+            .write_all(&header)
+            .map_err(io_error("writing a record header"))?;
+        for p in parts {
+            self.out
+                .write_all(p)
+                .map_err(io_error("writing a record"))?;
+        }
+        Ok(())
+    }
+
+    /// Sends the Hello record with `layout`, which every later page refers to.
+    pub fn hello(&mut self, layout: &MemoryLayout) -> Result<(), StreamError> {
+        if self.layout.is_some() {
+            return Err(StreamError::Format("a second Hello".into()));
+        }
+        self.record(
+            HELLO,
+            &[MAGIC, &STREAM_VERSION.to_le_bytes(), &layout.to_bytes()],
+        )?;
+        self.layout = Some(layout.clone());
+        Ok(())
+    }
+
+    fn layout(&self) -> Result<&MemoryLayout, StreamError> {
+        self.layout
+            .as_ref()
+            .ok_or_else(|| StreamError::Format("pages or state before Hello".into()))
+    }
+
+    /// Sends `len` bytes of `region` from `offset` (page-aligned) as records of at most
+    /// [`MAX_RUN`] bytes, at `file_offset + offset` of the memory file.
+    fn send_run(
+        &mut self,
+        region: &RegionMemory,
+        file_offset: u64,
+        offset: u64,
+        len: u64,
+        stats: &mut SendStats,
+    ) -> Result<(), StreamError> {
+        let mut done = 0;
+        while done < len {
+            let n = (len - done).min(MAX_RUN);
+            let mut buf = std::mem::take(&mut self.buf);
+            buf.resize(n as usize, 0);
+            region
+                .read_volatile(offset + done, &mut buf)
+                .map_err(|e| StreamError::Format(format!("reading guest memory: {e}")))?;
+            let at = (file_offset + offset + done).to_le_bytes();
+            let sent = self.record(PAGES, &[&at, &buf]);
+            self.buf = buf;
+            sent?;
+            done += n;
+            stats.bytes += n;
+            stats.records += 1;
+        }
+        self.round_pages += len / PAGE_SIZE;
+        Ok(())
+    }
+
+    /// Sends every page of `memory` that holds data (present or swapped out; holes and
+    /// discarded pages are not sent: the receiver's fresh memory reads them as zeros). A
+    /// migration's first round.
+    pub fn send_all<K: KvmMemory>(
+        &mut self,
+        memory: &MemoryManager<K>,
+    ) -> Result<SendStats, StreamError> {
+        let layout = self.layout()?.clone();
+        let regions = mappings(memory, &layout)?;
+        let mut stats = SendStats::default();
+        for (r, region) in layout.regions.iter().zip(&regions) {
+            for run in data_runs(region)? {
+                self.send_run(
+                    region,
+                    r.file_offset,
+                    run.start,
+                    run.end - run.start,
+                    &mut stats,
+                )?;
+            }
+        }
+        Ok(stats)
+    }
+
+    /// Sends the pages of `dirty` (harvests of `memory`); regions are matched by id, as a diff
+    /// snapshot matches them, and a harvested region the layout does not have is refused.
+    pub fn send_dirty<K: KvmMemory>(
+        &mut self,
+        memory: &MemoryManager<K>,
+        dirty: &[DirtyPages],
+    ) -> Result<SendStats, StreamError> {
+        let layout = self.layout()?.clone();
+        let regions = mappings(memory, &layout)?;
+        let mut stats = SendStats::default();
+        for d in dirty {
+            let index = layout
+                .regions
+                .iter()
+                .position(|r| r.id == d.region.0 && r.size == d.pages * PAGE_SIZE)
+                .ok_or_else(|| {
+                    StreamError::LayoutMismatch(format!(
+                        "region {} was harvested but is not in the stream's layout",
+                        d.region
+                    ))
+                })?;
+            let file_offset = layout.regions[index].file_offset;
+            for run in d.ranges() {
+                let offset = run.start - d.gpa.0;
+                self.send_run(
+                    &regions[index],
+                    file_offset,
+                    offset,
+                    run.end - run.start,
+                    &mut stats,
+                )?;
+            }
+        }
+        Ok(stats)
+    }
+
+    /// Ends the current round (the receiver checks its page count) and starts the next.
+    pub fn end_round(&mut self) -> Result<(), StreamError> {
+        self.layout()?;
+        let (round, pages) = (self.round, self.round_pages);
+        self.record(ROUND_END, &[&round.to_le_bytes(), &pages.to_le_bytes()])?;
+        self.round += 1;
+        self.round_pages = 0;
+        Ok(())
+    }
+
+    /// Sends the VMM's opaque state.
+    pub fn state(&mut self, state: &[u8]) -> Result<(), StreamError> {
+        self.layout()?;
+        self.record(STATE, &[state])
+    }
+
+    /// Ends the stream and flushes the connection.
+    pub fn done(&mut self) -> Result<(), StreamError> {
+        self.layout()?;
+        self.record(DONE, &[])?;
+        self.out.flush().map_err(io_error("flushing the stream"))
+    }
+}
+
+/// Reads a stream and applies its pages to a manager built from the same layout.
+#[derive(Debug)]
+pub struct StreamReader<R: Read> {
+    input: R,
+    layout: Option<MemoryLayout>,
+    round: u32,
+    round_pages: u64,
+    done: bool,
+}
+
+impl<R: Read> StreamReader<R> {
+    /// A reader on `input`.
+    pub fn new(input: R) -> Self {
+        StreamReader {
+            input,
+            layout: None,
+            round: 1,
+            round_pages: 0,
+            done: false,
+        }
+    }
+
+    /// The next record, checked: its checksum, its kind, and its place in the stream (Hello
+    /// first and once, nothing after Done, pages inside the layout and page-aligned, round
+    /// numbers and page counts as sent). `Ok(None)` after Done.
+    pub fn next_record(&mut self) -> Result<Option<Record>, StreamError> {
+        if self.done {
+            return Ok(None);
+        }
+        let mut header = [0u8; HEADER];
+        self.input.read_exact(&mut header).map_err(io_error(
+            "reading a record header (the sender stopped before Done)",
+        ))?;
+        let kind = header[0];
+        let len = u32::from_le_bytes(header[4..8].try_into().expect("4 bytes"));
+        let stored = u32::from_le_bytes(header[8..12].try_into().expect("4 bytes"));
+        if len > MAX_PAYLOAD {
+            return Err(StreamError::Format(format!(
+                "a record announces {len} bytes, over the limit of {MAX_PAYLOAD} (corrupted)"
+            )));
+        }
+        let mut payload = vec![0u8; len as usize];
+        self.input
+            .read_exact(&mut payload)
+            .map_err(io_error(format!("reading a record of {len} bytes")))?;
+        let mut crc = crc32fast::Hasher::new();
+        crc.update(&[kind]);
+        crc.update(&len.to_le_bytes());
+        crc.update(&payload);
+        let computed = crc.finalize();
+        if computed != stored {
+            return Err(StreamError::Format(format!(
+                "record checksum {computed:#010x} does not match the stored {stored:#010x} (corrupted)"
+            )));
+        }
+        let record = self.parse(kind, payload)?;
+        Ok(Some(record))
+    }
+
+    fn parse(&mut self, kind: u8, payload: Vec<u8>) -> Result<Record, StreamError> {
+        let short = |what: &str| StreamError::Format(format!("a {what} record is too short"));
+        if kind != HELLO && self.layout.is_none() {
+            return Err(StreamError::Format(format!(
+                "a record of kind {kind} before Hello"
+            )));
+        }
+        match kind {
+            HELLO => {
+                if self.layout.is_some() {
+                    return Err(StreamError::Format("a second Hello".into()));
+                }
+                if payload.len() < 12 || &payload[..8] != MAGIC {
+                    return Err(StreamError::Format(
+                        "not a kvm-memslots memory stream (no KVMSMIG magic)".into(),
+                    ));
+                }
+                let version = u32::from_le_bytes(payload[8..12].try_into().expect("4 bytes"));
+                if version != STREAM_VERSION {
+                    return Err(StreamError::Format(format!(
+                        "stream version {version}; this build reads version {STREAM_VERSION}"
+                    )));
+                }
+                let layout = MemoryLayout::from_bytes(&payload[12..])?;
+                self.layout = Some(layout.clone());
+                Ok(Record::Hello(layout))
+            }
+            PAGES => {
+                if payload.len() < 8 {
+                    return Err(short("Pages"));
+                }
+                let offset = u64::from_le_bytes(payload[..8].try_into().expect("8 bytes"));
+                let len = (payload.len() - 8) as u64;
+                let layout = self.layout.as_ref().expect("checked above");
+                let inside = layout.regions.iter().any(|r| {
+                    offset >= r.file_offset
+                        && offset
+                            .checked_add(len)
+                            .is_some_and(|end| end <= r.file_offset + r.size)
+                });
+                if len == 0 || len % PAGE_SIZE != 0 || offset % PAGE_SIZE != 0 || !inside {
+                    return Err(StreamError::Format(format!(
+                        "pages at offset {offset:#x} of length {len:#x} are not whole pages \
+                         inside one region of the layout"
+                    )));
+                }
+                self.round_pages += len / PAGE_SIZE;
+                let mut data = payload;
+                data.drain(..8);
+                Ok(Record::Pages { offset, data })
+            }
+            STATE => Ok(Record::State(payload)),
+            ROUND_END => {
+                if payload.len() != 12 {
+                    return Err(short("RoundEnd"));
+                }
+                let round = u32::from_le_bytes(payload[..4].try_into().expect("4 bytes"));
+                let pages = u64::from_le_bytes(payload[4..].try_into().expect("8 bytes"));
+                if round != self.round || pages != self.round_pages {
+                    return Err(StreamError::Format(format!(
+                        "round {round} ends with {pages} pages sent, but this is round {} and \
+                         {} pages arrived",
+                        self.round, self.round_pages
+                    )));
+                }
+                self.round += 1;
+                self.round_pages = 0;
+                Ok(Record::RoundEnd { round, pages })
+            }
+            DONE => {
+                self.done = true;
+                Ok(Record::Done)
+            }
+            other => Err(StreamError::Format(format!("unknown record kind {other}"))),
+        }
+    }
+}
+
+/// Checks that `sent` (a sender's layout) and `local` have the same regions (guest base, size,
+/// slot size, read-only) at the same memory-file offsets, so that every page lands where the
+/// sender had it. The first difference is the error.
+pub fn check_layout(sent: &MemoryLayout, local: &MemoryLayout) -> Result<(), StreamError> {
+    if sent.regions.len() != local.regions.len() {
+        return Err(StreamError::LayoutMismatch(format!(
+            "the sender has {} regions, this VM {}",
+            sent.regions.len(),
+            local.regions.len()
+        )));
+    }
+    for (s, l) in sent.regions.iter().zip(&local.regions) {
+        let key = |r: &crate::snapshot::RegionLayout| {
+            (r.gpa, r.size, r.slot_size, r.read_only, r.file_offset)
+        };
+        if key(s) != key(l) {
+            return Err(StreamError::LayoutMismatch(format!(
+                "the sender's region at guest {:#x} ({:#x} bytes, slots of {:#x}{}) is here \
+                 a region at guest {:#x} ({:#x} bytes, slots of {:#x}{})",
+                s.gpa,
+                s.size,
+                s.slot_size,
+                if s.read_only { ", read-only" } else { "" },
+                l.gpa,
+                l.size,
+                l.slot_size,
+                if l.read_only { ", read-only" } else { "" },
+            )));
+        }
+    }
+    Ok(())
+}
+
+/// Writes a Pages record's `data` into `memory` (built from `layout`, the stream's) at memory
+/// file `offset`, through vm-memory (the receiver's VMM write bitmap records it).
+pub fn apply_pages<K: KvmMemory>(
+    memory: &MemoryManager<K>,
+    layout: &MemoryLayout,
+    offset: u64,
+    data: &[u8],
+) -> Result<(), StreamError> {
+    use vm_memory::{Bytes, GuestAddress, GuestAddressSpace};
+    let r = layout
+        .regions
+        .iter()
+        .find(|r| offset >= r.file_offset && offset - r.file_offset < r.size)
+        .ok_or_else(|| {
+            StreamError::Format(format!("offset {offset:#x} is in no region of the layout"))
+        })?;
+    let gpa = GuestAddress(r.gpa + (offset - r.file_offset));
+    memory
+        .handle()
+        .memory()
+        .write_slice(data, gpa)
+        .map_err(|e| {
+            StreamError::Format(format!(
+                "writing {} bytes at guest {:#x}: {e}",
+                data.len(),
+                gpa.0
+            ))
+        })
+}

@@ -1,0 +1,296 @@
+//! The memory stream between two managers, as two VMM processes would use it over a Unix
+//! socket: a first round of every page with data, rounds of harvested pages while the "guest"
+//! keeps writing, state, and Done; and every kind of bad stream refused with its reason.
+
+use std::io::{Cursor, Read};
+use std::os::unix::net::UnixStream;
+use std::thread;
+
+use kvm_memslots::snapshot::MemoryLayout;
+use kvm_memslots::stream::{
+    apply_pages, check_layout, Record, StreamError, StreamReader, StreamWriter, MAX_RUN,
+};
+use kvm_memslots::testing::FakeKvm;
+use kvm_memslots::{MemoryManager, RegionSpec, SlotFlags, Target, PAGE_SIZE};
+use vm_memory::{Bytes, GuestAddress, GuestAddressSpace};
+
+const MIB: u64 = 1 << 20;
+
+/// Two logging regions (one in 16 KiB slots), and a read-only one.
+fn source() -> MemoryManager<FakeKvm> {
+    let m = MemoryManager::new(FakeKvm::new(512, true));
+    let logging = SlotFlags {
+        log_dirty: true,
+        read_only: false,
+    };
+    m.add_region(
+        RegionSpec::new(GuestAddress(MIB), 3 * MIB)
+            .with_slot_size(16 << 10)
+            .with_flags(logging),
+    )
+    .expect("the fake takes it");
+    m.add_region(RegionSpec::new(GuestAddress(8 * MIB), MIB).with_flags(logging))
+        .expect("the fake takes it");
+    m.add_region(
+        RegionSpec::new(GuestAddress(16 * MIB), 256 << 10).with_flags(SlotFlags {
+            read_only: true,
+            log_dirty: false,
+        }),
+    )
+    .expect("the fake takes it");
+    m
+}
+
+/// Writes `value` at `gpa` as the guest would: through the mapping, and in KVM's log.
+fn guest_write(m: &MemoryManager<FakeKvm>, gpa: u64, value: u64) {
+    m.handle()
+        .memory()
+        .write_obj(value, GuestAddress(gpa))
+        .expect("guest memory");
+    m.kvm().guest_write(gpa);
+}
+
+fn read(m: &MemoryManager<FakeKvm>, gpa: u64) -> u64 {
+    m.handle()
+        .memory()
+        .read_obj(GuestAddress(gpa))
+        .expect("guest memory")
+}
+
+/// What a receiver ends with: the new VM's memory, the state, and each round's page count.
+type Received = (MemoryManager<FakeKvm>, Vec<u8>, Vec<u64>);
+
+/// Receives a whole stream into a manager built from its layout.
+fn receive(input: impl Read) -> Result<Received, StreamError> {
+    let mut reader = StreamReader::new(input);
+    let Some(Record::Hello(layout)) = reader.next_record()? else {
+        panic!("Hello comes first");
+    };
+    let m = MemoryManager::new(FakeKvm::new(512, true));
+    layout.build(&m).expect("the fake takes the layout");
+    check_layout(&layout, &MemoryLayout::of(&m))?;
+    let (mut state, mut rounds) = (Vec::new(), Vec::new());
+    while let Some(record) = reader.next_record()? {
+        match record {
+            Record::Pages { offset, data } => apply_pages(&m, &layout, offset, &data)?,
+            Record::State(s) => state = s,
+            Record::RoundEnd { pages, .. } => rounds.push(pages),
+            Record::Done => {}
+            Record::Hello(_) => unreachable!("refused by the reader"),
+        }
+    }
+    Ok((m, state, rounds))
+}
+
+#[test]
+fn pages_rounds_and_state_arrive_over_a_socket_and_every_page_matches() {
+    let src = source();
+    // Data in every region, including across slot boundaries, and a hole left untouched.
+    for (i, gpa) in [
+        MIB,
+        MIB + (16 << 10) - 8,
+        2 * MIB + 0x5000,
+        8 * MIB + 0xf_f000,
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        guest_write(&src, gpa, 0x1111 * (i as u64 + 1));
+    }
+    src.handle()
+        .memory()
+        .write_obj(0xabcdu64, GuestAddress(16 * MIB + 0x1000))
+        .unwrap();
+    src.harvest_dirty(Target::All).unwrap();
+    let layout = MemoryLayout::of(&src);
+
+    let (tx, rx) = UnixStream::pair().unwrap();
+    let receiver = thread::spawn(move || receive(rx));
+    let mut writer = StreamWriter::new(tx);
+    writer.hello(&layout).unwrap();
+    let first = writer.send_all(&src).unwrap();
+    writer.end_round().unwrap();
+    // The guest keeps writing: round 2 sends exactly what it wrote since the first harvest.
+    guest_write(&src, MIB + 0x3000, 0x2222);
+    guest_write(&src, 8 * MIB, 0x3333);
+    let dirty = src.harvest_dirty(Target::All).unwrap();
+    let second = writer.send_dirty(&src, &dirty).unwrap();
+    writer.end_round().unwrap();
+    assert_eq!((second.bytes, second.records), (2 * PAGE_SIZE, 2));
+    writer.state(b"vcpu state").unwrap();
+    writer.done().unwrap();
+    drop(writer);
+
+    let (dst, state, rounds) = receiver.join().unwrap().unwrap();
+    assert_eq!(state, b"vcpu state");
+    assert_eq!(rounds, vec![first.bytes / PAGE_SIZE, 2]);
+    // Only pages with data were sent in round 1: far less than the 4.25 MiB of memory.
+    assert!(first.bytes < MIB, "{first:?}");
+    for gpa in [
+        MIB,
+        MIB + (16 << 10) - 8,
+        2 * MIB + 0x5000,
+        8 * MIB + 0xf_f000,
+        MIB + 0x3000,
+        8 * MIB,
+        16 * MIB + 0x1000,
+        3 * MIB, // never written: zero on both sides
+    ] {
+        assert_eq!(read(&dst, gpa), read(&src, gpa), "guest {gpa:#x}");
+    }
+    assert_eq!(read(&dst, 8 * MIB), 0x3333);
+}
+
+/// A stream with one Hello, one full round and Done, as bytes.
+fn sample_stream() -> Vec<u8> {
+    let src = source();
+    guest_write(&src, MIB, 7);
+    let mut writer = StreamWriter::new(Vec::new());
+    writer
+        .hello(&MemoryLayout::of(&src))
+        .expect("a Vec takes it");
+    writer.send_all(&src).expect("a Vec takes it");
+    writer.end_round().expect("a Vec takes it");
+    writer.done().expect("a Vec takes it");
+    writer.get_ref().clone()
+}
+
+fn read_all(bytes: &[u8]) -> Result<(), StreamError> {
+    let mut reader = StreamReader::new(Cursor::new(bytes));
+    while reader.next_record()?.is_some() {}
+    Ok(())
+}
+
+#[test]
+fn a_flipped_byte_anywhere_is_refused_as_corrupted() {
+    let stream = sample_stream();
+    read_all(&stream).unwrap();
+    // In the Hello's layout, in a page's data, in a header's length.
+    for at in [40, stream.len() / 2, stream.len() - 20] {
+        let mut bad = stream.clone();
+        bad[at] ^= 0x10;
+        let err = read_all(&bad).unwrap_err().to_string();
+        assert!(
+            err.contains("corrupted") || err.contains("ended early"),
+            "byte {at}: {err}"
+        );
+    }
+}
+
+#[test]
+fn a_stream_cut_short_is_refused_as_truncated() {
+    let stream = sample_stream();
+    for len in [0, 5, 100, stream.len() - 1] {
+        let err = read_all(&stream[..len]).unwrap_err();
+        assert!(matches!(err, StreamError::Truncated(_)), "{len}: {err}");
+        assert!(
+            err.to_string().starts_with("the stream ended early"),
+            "{err}"
+        );
+    }
+}
+
+#[test]
+fn another_version_or_kind_of_stream_is_refused_with_the_reason() {
+    let src = source();
+    let mut writer = StreamWriter::new(Vec::new());
+    writer.hello(&MemoryLayout::of(&src)).unwrap();
+    let mut stream = writer.get_ref().clone();
+    // The version sits after the 12-byte header and the 8-byte magic; fix the checksum up as
+    // a sender of version 2 would have computed it.
+    stream[20] = 2;
+    let len = u32::from_le_bytes(stream[4..8].try_into().unwrap());
+    let mut crc = crc32fast::Hasher::new();
+    crc.update(&[stream[0]]);
+    crc.update(&len.to_le_bytes());
+    crc.update(&stream[12..]);
+    stream[8..12].copy_from_slice(&crc.finalize().to_le_bytes());
+    let err = read_all(&stream).unwrap_err().to_string();
+    assert_eq!(
+        err,
+        "invalid stream: stream version 2; this build reads version 1"
+    );
+    let err = read_all(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n").unwrap_err();
+    assert!(
+        err.to_string().contains("corrupted") || err.to_string().contains("over the limit"),
+        "{err}"
+    );
+}
+
+#[test]
+fn records_out_of_order_are_refused() {
+    // Pages before Hello.
+    let src = source();
+    let mut writer = StreamWriter::new(Vec::new());
+    assert!(writer.send_all(&src).is_err(), "the writer refuses it too");
+    let stream = sample_stream();
+    let hello_len = 12 + u32::from_le_bytes(stream[4..8].try_into().unwrap()) as usize;
+    let err = read_all(&stream[hello_len..]).unwrap_err().to_string();
+    assert!(err.contains("before Hello"), "{err}");
+    // A second Hello.
+    let mut twice = stream[..hello_len].to_vec();
+    twice.extend_from_slice(&stream);
+    let err = read_all(&twice).unwrap_err().to_string();
+    assert_eq!(err, "invalid stream: a second Hello");
+}
+
+#[test]
+fn a_round_whose_page_count_does_not_match_is_refused() {
+    let src = source();
+    guest_write(&src, MIB, 7);
+    guest_write(&src, 2 * MIB, 7);
+    let mut writer = StreamWriter::new(Vec::new());
+    writer.hello(&MemoryLayout::of(&src)).unwrap();
+    writer.send_all(&src).unwrap();
+    writer.end_round().unwrap();
+    let stream = writer.get_ref().clone();
+    // Drop the first Pages record (a sender that lost one): the round's count gives it away.
+    let hello_len = 12 + u32::from_le_bytes(stream[4..8].try_into().unwrap()) as usize;
+    let pages_len =
+        12 + u32::from_le_bytes(stream[hello_len + 4..hello_len + 8].try_into().unwrap()) as usize;
+    let mut lost = stream[..hello_len].to_vec();
+    lost.extend_from_slice(&stream[hello_len + pages_len..]);
+    let err = read_all(&lost).unwrap_err().to_string();
+    assert!(err.contains("round 1 ends with"), "{err}");
+}
+
+#[test]
+fn a_different_layout_is_refused_before_any_page() {
+    let src = source();
+    let other = MemoryManager::new(FakeKvm::new(512, true));
+    other
+        .add_region(RegionSpec::new(GuestAddress(MIB), 3 * MIB))
+        .unwrap();
+    let err = check_layout(&MemoryLayout::of(&src), &MemoryLayout::of(&other)).unwrap_err();
+    assert_eq!(
+        err.to_string(),
+        "the memory layouts differ: the sender has 3 regions, this VM 1"
+    );
+    other
+        .add_region(RegionSpec::new(GuestAddress(8 * MIB), MIB))
+        .unwrap();
+    other
+        .add_region(RegionSpec::new(GuestAddress(16 * MIB), 256 << 10))
+        .unwrap();
+    let err = check_layout(&MemoryLayout::of(&src), &MemoryLayout::of(&other)).unwrap_err();
+    assert_eq!(
+        err.to_string(),
+        "the memory layouts differ: the sender's region at guest 0x100000 (0x300000 bytes, \
+         slots of 0x4000) is here a region at guest 0x100000 (0x300000 bytes, slots of 0x300000)"
+    );
+}
+
+#[test]
+fn long_runs_are_cut_into_records_of_at_most_max_run() {
+    let src = source();
+    // 3 MiB of data in one region: one run, three records.
+    src.handle()
+        .memory()
+        .write_slice(&vec![0x5a; 3 * MIB as usize], GuestAddress(MIB))
+        .unwrap();
+    let mut writer = StreamWriter::new(Vec::new());
+    writer.hello(&MemoryLayout::of(&src)).unwrap();
+    let stats = writer.send_all(&src).unwrap();
+    assert_eq!(stats.bytes, 3 * MIB);
+    assert_eq!(stats.records, 3 * MIB / MAX_RUN);
+}
