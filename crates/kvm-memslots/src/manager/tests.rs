@@ -944,12 +944,7 @@ fn ring_mode_harvests_exactly_the_pages_written() {
 #[test]
 fn rings_are_reset_only_when_entries_were_collected_or_a_reset_is_owed() {
     let m = ring_manager(256);
-    let id = m
-        .add_region(region(MIB, 2).with_flags(SlotFlags {
-            log_dirty: true,
-            read_only: false,
-        }))
-        .unwrap();
+    let id = m.add_region(logging(region(MIB, 2))).unwrap();
     dirty_addresses(&m, id);
     m.kvm().fail(KvmCall::ResetDirtyRings, 0, libc::EIO);
     // Nothing written: nothing collected, no reset asked for.
