@@ -211,6 +211,28 @@ impl<K: KvmMemory> MemoryManager<K> {
 
     /// Moves a region to a new guest-physical base (KVM moves each slot in place).
     ///
+    /// ```
+    /// use kvm_memslots::testing::FakeKvm;
+    /// use kvm_memslots::{MemoryManager, RegionSpec};
+    /// use vm_memory::{Bytes, GuestAddress, GuestAddressSpace};
+    ///
+    /// let memory = MemoryManager::new(FakeKvm::new(64, true));
+    /// let rom = memory.add_region(RegionSpec::new(GuestAddress(0x10_0000), 0x8000).with_slot_size(0x2000))?;
+    /// memory.handle().memory().write_obj(0xfeedu64, GuestAddress(0x10_2000))?;
+    /// // The contents move with it; the old range is no longer memory.
+    /// memory.move_region(rom, GuestAddress(0x40_0000))?;
+    /// assert_eq!(memory.handle().memory().read_obj::<u64>(GuestAddress(0x40_2000))?, 0xfeed);
+    /// assert!(memory.handle().memory().read_obj::<u64>(GuestAddress(0x10_2000)).is_err());
+    /// // KVM cannot flip KVM_MEM_READONLY in place: each slot is deleted and created again.
+    /// memory.set_read_only(rom, true)?;
+    /// assert!(memory.kvm().slots().iter().all(|s| s.flags.read_only));
+    /// // An overlapping move is refused and changes nothing.
+    /// let ram = memory.add_region(RegionSpec::new(GuestAddress(0), 0x10_0000))?;
+    /// assert!(memory.move_region(ram, GuestAddress(0x3f_f000)).is_err());
+    /// assert!(memory.regions().iter().any(|r| r.id == ram && r.gpa == GuestAddress(0)));
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    ///
     /// # KVM calls
     ///
     /// None if the region is at `gpa` already. Otherwise:
