@@ -161,6 +161,14 @@ pub fn unframe<'a>(magic: &[u8; 8], version: u32, bytes: &'a [u8]) -> Result<&'a
 }
 
 impl MemoryLayout {
+    /// The index of the region a harvest `d` is of: the one with its id and size (a harvest
+    /// taken before a move still finds it).
+    pub(crate) fn harvested_region(&self, d: &DirtyPages) -> Option<usize> {
+        self.regions
+            .iter()
+            .position(|r| r.id == d.region.0 && r.size == d.pages * PAGE_SIZE)
+    }
+
     /// The layout of `memory` now.
     pub fn of<K: KvmMemory>(memory: &MemoryManager<K>) -> Self {
         let mut regions = memory.regions();
@@ -472,21 +480,28 @@ pub fn write_memory_file<K: KvmMemory>(
         .map_err(io("sizing the memory file"))?;
     let mut stats = WriteStats::default();
     for (r, region) in layout.regions.iter().zip(&regions) {
-        for present in data_runs(region)? {
-            for run in non_zero_runs(region, present) {
-                write_run(
-                    file,
-                    region,
-                    run.start,
-                    run.end - run.start,
-                    r.file_offset + run.start,
-                )?;
-                stats.bytes += run.end - run.start;
-                stats.runs += 1;
-            }
+        for run in content_runs(region)? {
+            write_run(
+                file,
+                region,
+                run.start,
+                run.end - run.start,
+                r.file_offset + run.start,
+            )?;
+            stats.bytes += run.end - run.start;
+            stats.runs += 1;
         }
     }
     Ok(stats)
+}
+
+/// The byte ranges of `memory` a full copy must carry: pages the host holds ([`data_runs`])
+/// that are not all zeros (fresh memory on the other side reads zeros anyway).
+pub(crate) fn content_runs(memory: &RegionMemory) -> Result<Vec<Range<u64>>, SnapshotError> {
+    Ok(data_runs(memory)?
+        .into_iter()
+        .flat_map(|present| non_zero_runs(memory, present))
+        .collect())
 }
 
 /// The parts of `run` (byte offsets in `memory`, page-aligned) whose pages are not all zeros.
@@ -521,11 +536,7 @@ pub fn write_dirty_pages<K: KvmMemory>(
         .map_err(io("sizing the memory file"))?;
     let mut stats = WriteStats::default();
     for d in dirty {
-        let Some(index) = layout
-            .regions
-            .iter()
-            .position(|r| r.id == d.region.0 && r.size == d.pages * PAGE_SIZE)
-        else {
+        let Some(index) = layout.harvested_region(d) else {
             continue;
         };
         let (r, region) = (&layout.regions[index], &regions[index]);

@@ -27,7 +27,7 @@ use crate::dirty::DirtyPages;
 use crate::kvm::KvmMemory;
 use crate::manager::MemoryManager;
 use crate::memory::RegionMemory;
-use crate::snapshot::{data_runs, mappings, MemoryLayout, SnapshotError};
+use crate::snapshot::{content_runs, mappings, MemoryLayout, SnapshotError};
 use crate::PAGE_SIZE;
 
 /// The stream format's version; a stream of another version is refused.
@@ -223,9 +223,9 @@ impl<W: Write> StreamWriter<W> {
         Ok(())
     }
 
-    /// Sends every page of `memory` that holds data (present or swapped out; holes and
-    /// discarded pages are not sent: the receiver's fresh memory reads them as zeros). A
-    /// migration's first round.
+    /// Sends every page of `memory` that holds data, as a full snapshot selects them (present
+    /// or swapped out and not all zeros; the receiver's fresh memory reads the rest as zeros).
+    /// A migration's first round.
     pub fn send_all<K: KvmMemory>(
         &mut self,
         memory: &MemoryManager<K>,
@@ -234,7 +234,7 @@ impl<W: Write> StreamWriter<W> {
         let regions = mappings(memory, &layout)?;
         let mut stats = SendStats::default();
         for (r, region) in layout.regions.iter().zip(&regions) {
-            for run in data_runs(region)? {
+            for run in content_runs(region)? {
                 self.send_run(
                     region,
                     r.file_offset,
@@ -258,16 +258,12 @@ impl<W: Write> StreamWriter<W> {
         let regions = mappings(memory, &layout)?;
         let mut stats = SendStats::default();
         for d in dirty {
-            let index = layout
-                .regions
-                .iter()
-                .position(|r| r.id == d.region.0 && r.size == d.pages * PAGE_SIZE)
-                .ok_or_else(|| {
-                    StreamError::LayoutMismatch(format!(
-                        "region {} was harvested but is not in the stream's layout",
-                        d.region
-                    ))
-                })?;
+            let index = layout.harvested_region(d).ok_or_else(|| {
+                StreamError::LayoutMismatch(format!(
+                    "region {} was harvested but is not in the stream's layout",
+                    d.region
+                ))
+            })?;
             let file_offset = layout.regions[index].file_offset;
             for run in d.ranges() {
                 let offset = run.start - d.gpa.0;
