@@ -6,9 +6,10 @@
 
 use std::ops::Range;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::mpsc::Sender;
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock};
 use std::thread::JoinHandle;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use kvm_ioctls::VcpuFd;
 use kvm_memslots::{GuestMemorySlots, KvmVm, MemoryManager};
@@ -17,6 +18,7 @@ use vmm_sys_util::eventfd::EventFd;
 
 use super::exit::{handle_exit, Exit, ExitAction, ExitContext, ExitError};
 use super::ports::PortBus;
+use super::state::{StateError, VcpuState};
 
 extern "C" fn ignore_signal(_: libc::c_int, _: *mut libc::siginfo_t, _: *mut libc::c_void) {}
 
@@ -40,8 +42,8 @@ pub fn install_kick_handler() {
 /// Returns whether the thread finished.
 pub fn kick_until_finished<T>(thread: &JoinHandle<T>, timeout: Duration) -> bool {
     use vmm_sys_util::signal::Killable;
-    let deadline = std::time::Instant::now() + timeout;
-    while !thread.is_finished() && std::time::Instant::now() < deadline {
+    let deadline = Instant::now() + timeout;
+    while !thread.is_finished() && Instant::now() < deadline {
         let _ = thread.kill(kick_signal());
         std::thread::sleep(Duration::from_millis(1));
     }
@@ -72,16 +74,171 @@ pub struct VcpuShared {
     pub expected_mmio: Mutex<Option<Range<u64>>>,
     /// Set to make the vCPU stop at its next exit (kick it to make that exit come soon).
     pub stop: AtomicBool,
+    /// Where the host pauses the vCPU inside a guest's run (see [`VcpuShared::pause`]).
+    pause: PauseGate,
+    /// The vCPU thread, for kicks from any host thread; set when the thread starts.
+    thread: OnceLock<libc::pthread_t>,
+    /// Set when the vCPU's loop has ended (its thread may still be finishing).
+    finished: AtomicBool,
+}
+
+/// Why a vCPU could not be paused or its state saved while paused.
+#[derive(Debug, thiserror::Error)]
+pub enum PauseError {
+    /// The vCPU did not reach a stop within the time allowed.
+    #[error("the vCPU did not pause within {0:?}")]
+    Timeout(Duration),
+    /// The vCPU's loop has ended: there is nothing to pause.
+    #[error("the vCPU has stopped")]
+    Stopped,
+    /// The vCPU is not paused.
+    #[error("the vCPU is not paused")]
+    NotPaused,
+    /// Reading the state failed.
+    #[error(transparent)]
+    State(#[from] StateError),
+}
+
+/// The host's side of pausing a vCPU mid-run: it asks, the vCPU parks at its next exit with
+/// every pending I/O completed (so its registers are a consistent point of the guest), saves
+/// its state whenever asked, and enters the guest again once the pause is lifted.
+#[derive(Debug, Default)]
+struct PauseGate {
+    state: Mutex<Gate>,
+    changed: Condvar,
+}
+
+#[derive(Debug, Default)]
+struct Gate {
+    requested: bool,
+    parked: bool,
+    save: Option<Sender<Result<VcpuState, StateError>>>,
+}
+
+impl PauseGate {
+    fn lock(&self) -> MutexGuard<'_, Gate> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
 }
 
 impl VcpuShared {
     /// Asks the vCPU to stop at its next exit.
     pub fn request_stop(&self) {
         self.stop.store(true, Ordering::Release);
+        // A parked vCPU sees it at once.
+        self.pause.changed.notify_all();
     }
 
     fn stop_requested(&self) -> bool {
         self.stop.load(Ordering::Acquire)
+    }
+
+    /// Kicks the vCPU's thread out of `KVM_RUN` (no-op before it started or once it ended).
+    pub fn kick(&self) {
+        if self.finished.load(Ordering::Acquire) {
+            return;
+        }
+        if let Some(&thread) = self.thread.get() {
+            // SAFETY: `thread` is the vCPU's own pthread id, taken by the thread itself. Its
+            // loop has not finished (checked above), and its JoinHandle is joined only after
+            // the loop ends, so the id still names that live thread; the kick signal has a
+            // no-op handler installed before any vCPU runs.
+            unsafe { libc::pthread_kill(thread, kick_signal()) };
+        }
+    }
+
+    /// Pauses the vCPU: asks it to park and kicks it until it has, for at most `timeout`. A
+    /// vCPU waiting outside the guest (the test guest between commands) parks only when it
+    /// would next enter it, so `pause` times out on it. On a timeout the request stays:
+    /// [`resume`](Self::resume) withdraws it.
+    pub fn pause(&self, timeout: Duration) -> Result<(), PauseError> {
+        let deadline = Instant::now() + timeout;
+        let mut gate = self.pause.lock();
+        gate.requested = true;
+        while !gate.parked {
+            if self.finished.load(Ordering::Acquire) {
+                return Err(PauseError::Stopped);
+            }
+            if Instant::now() >= deadline {
+                return Err(PauseError::Timeout(timeout));
+            }
+            drop(gate);
+            self.kick();
+            gate = self.pause.lock();
+            gate = self
+                .pause
+                .changed
+                .wait_timeout(gate, Duration::from_millis(1))
+                .unwrap_or_else(|p| p.into_inner())
+                .0;
+        }
+        Ok(())
+    }
+
+    /// Whether the vCPU's loop has ended.
+    pub fn has_finished(&self) -> bool {
+        self.finished.load(Ordering::Acquire)
+    }
+
+    /// Whether the vCPU is parked by [`pause`](Self::pause).
+    pub fn is_paused(&self) -> bool {
+        self.pause.lock().parked
+    }
+
+    /// The state of a paused vCPU, read by its own thread.
+    pub fn save_paused(&self) -> Result<VcpuState, PauseError> {
+        let (reply, state) = std::sync::mpsc::channel();
+        {
+            let mut gate = self.pause.lock();
+            if !gate.parked {
+                return Err(PauseError::NotPaused);
+            }
+            gate.save = Some(reply);
+        }
+        self.pause.changed.notify_all();
+        match state.recv_timeout(Duration::from_secs(10)) {
+            Ok(state) => Ok(state?),
+            Err(_) => Err(PauseError::Stopped),
+        }
+    }
+
+    /// Lifts a pause: the vCPU enters the guest again where it was.
+    pub fn resume(&self) {
+        self.pause.lock().requested = false;
+        self.pause.changed.notify_all();
+    }
+
+    fn pause_requested(&self) -> bool {
+        self.pause.lock().requested
+    }
+
+    /// Parks the calling vCPU thread while a pause is requested, saving its state when asked;
+    /// false if the vCPU was asked to stop meanwhile.
+    fn park(&self, vcpu: &VcpuFd) -> bool {
+        let mut gate = self.pause.lock();
+        gate.parked = true;
+        self.pause.changed.notify_all();
+        let go_on = loop {
+            if self.stop_requested() {
+                break false;
+            }
+            if !gate.requested {
+                break true;
+            }
+            if let Some(reply) = gate.save.take() {
+                let _ = reply.send(VcpuState::save(vcpu));
+                continue;
+            }
+            gate = self
+                .pause
+                .changed
+                .wait_timeout(gate, Duration::from_millis(20))
+                .unwrap_or_else(|p| p.into_inner())
+                .0;
+        };
+        gate.parked = false;
+        self.pause.changed.notify_all();
+        go_on
     }
 }
 
@@ -227,7 +384,14 @@ impl<P: VcpuPorts + 'static> Vcpu<P> {
         std::thread::Builder::new()
             .name(format!("vcpu{}", self.index))
             .spawn(move || {
-                let outcome = finish(self.run());
+                // SAFETY: pthread_self has no preconditions.
+                let me = unsafe { libc::pthread_self() };
+                let _ = self.shared.thread.set(me);
+                let shared = Arc::clone(&self.shared);
+                let outcome = self.run();
+                shared.finished.store(true, Ordering::Release);
+                shared.pause.changed.notify_all();
+                let outcome = finish(outcome);
                 // The loop may have gone already; nothing is left to tell then.
                 let _ = stopped.write(1);
                 outcome
@@ -264,15 +428,33 @@ impl<P: VcpuPorts> Vcpu<P> {
         if ports.before_run(&fd) == Flow::Stop {
             return Ok(());
         }
+        let (mut immediate_exit, mut interrupted) = (false, false);
         loop {
             if shared.stop_requested() {
                 return Ok(());
+            }
+            // A pause parks the vCPU at a whole instruction: KVM finishes what the last exit
+            // left pending (a port or MMIO read's data goes into the guest on the next entry)
+            // in a run with `immediate_exit` set, which returns at once without entering the
+            // guest. That run's return is the point to park at.
+            if immediate_exit && interrupted {
+                fd.set_kvm_immediate_exit(0);
+                immediate_exit = false;
+                if shared.pause_requested() && !shared.park(&fd) {
+                    return Ok(());
+                }
+                continue;
+            }
+            if !immediate_exit && shared.pause_requested() {
+                fd.set_kvm_immediate_exit(1);
+                immediate_exit = true;
             }
             let sequence_at_entry = memory.change_sequence();
             let (exit, mut buffer) =
                 Exit::from_kvm(fd.run()).map_err(|source| VcpuError::Run { vcpu, source })?;
             let counters = &shared.counters;
             counters.exits.fetch_add(1, Ordering::Relaxed);
+            interrupted = matches!(exit, Exit::Interrupted);
             let mmio = exit.is_mmio();
             let memory_error = |gpa: u64| move |source| VcpuError::Memory { vcpu, gpa, source };
             let action = loop {
