@@ -15,6 +15,10 @@
 //!   receiver checks the count.
 //! - **Done**: the end of the stream.
 //!
+//! The receiver answers on the same connection ([`send_answer`], [`read_answer`]): once after
+//! Hello (it could lay its memory out the same way, or why not) so that no memory moves to a
+//! receiver that will refuse it, and once after Done (its VM runs).
+//!
 //! A record that is truncated, corrupted, of an unknown kind, too long, or not where the
 //! stream's order allows is refused with the reason ([`StreamError`]): a receiver never applies
 //! a page it could not check. Writing pages a harvest reported ([`StreamWriter::send_dirty`])
@@ -48,6 +52,7 @@ const PAGES: u8 = 2;
 const STATE: u8 = 3;
 const ROUND_END: u8 = 4;
 const DONE: u8 = 5;
+const ANSWER: u8 = 6;
 
 /// Why a stream could not be written or read.
 #[derive(Debug, thiserror::Error)]
@@ -119,6 +124,92 @@ pub struct SendStats {
     pub records: u64,
 }
 
+/// Writes one record: its header (kind, length, CRC-32) and the payload made of `parts`.
+fn write_record(out: &mut impl Write, kind: u8, parts: &[&[u8]]) -> Result<(), StreamError> {
+    let len: usize = parts.iter().map(|p| p.len()).sum();
+    let len = u32::try_from(len)
+        .ok()
+        .filter(|l| *l <= MAX_PAYLOAD)
+        .ok_or_else(|| StreamError::Format(format!("a record of {len} bytes is too long")))?;
+    let mut crc = crc32fast::Hasher::new();
+    crc.update(&[kind]);
+    crc.update(&len.to_le_bytes());
+    for p in parts {
+        crc.update(p);
+    }
+    let mut header = [0u8; HEADER];
+    header[0] = kind;
+    header[4..8].copy_from_slice(&len.to_le_bytes());
+    header[8..12].copy_from_slice(&crc.finalize().to_le_bytes());
+    out.write_all(&header)
+        .map_err(io_error("writing a record header"))?;
+    for p in parts {
+        out.write_all(p).map_err(io_error("writing a record"))?;
+    }
+    Ok(())
+}
+
+/// Reads one record's kind and payload, checking its length and checksum.
+fn read_record(input: &mut impl Read) -> Result<(u8, Vec<u8>), StreamError> {
+    let mut header = [0u8; HEADER];
+    input.read_exact(&mut header).map_err(io_error(
+        "reading a record header (the sender stopped before Done)",
+    ))?;
+    let kind = header[0];
+    let len = u32::from_le_bytes(header[4..8].try_into().expect("4 bytes"));
+    let stored = u32::from_le_bytes(header[8..12].try_into().expect("4 bytes"));
+    if len > MAX_PAYLOAD {
+        return Err(StreamError::Format(format!(
+            "a record announces {len} bytes, over the limit of {MAX_PAYLOAD} (corrupted)"
+        )));
+    }
+    let mut payload = vec![0u8; len as usize];
+    input
+        .read_exact(&mut payload)
+        .map_err(io_error(format!("reading a record of {len} bytes")))?;
+    let mut crc = crc32fast::Hasher::new();
+    crc.update(&[kind]);
+    crc.update(&len.to_le_bytes());
+    crc.update(&payload);
+    let computed = crc.finalize();
+    if computed != stored {
+        return Err(StreamError::Format(format!(
+            "record checksum {computed:#010x} does not match the stored {stored:#010x} (corrupted)"
+        )));
+    }
+    Ok((kind, payload))
+}
+
+/// Sends the receiver's answer back to the sender, on the same connection in the other
+/// direction: `Ok` (the layout was built, or the VM runs here now) or the reason it refused.
+/// A migration needs two: after Hello, before any memory moves, and after Done, once the
+/// receiver's VM runs (the sender may stop its own only then).
+pub fn send_answer(out: &mut impl Write, answer: Result<(), &str>) -> Result<(), StreamError> {
+    let (status, message) = match answer {
+        Ok(()) => (0u8, ""),
+        Err(reason) => (1u8, reason),
+    };
+    write_record(out, ANSWER, &[&[status], message.as_bytes()])?;
+    out.flush().map_err(io_error("flushing an answer"))
+}
+
+/// Reads the receiver's answer ([`send_answer`]): `Ok(Ok(()))` for yes, `Ok(Err(reason))` for
+/// a refusal, `Err` if no valid answer came.
+pub fn read_answer(input: &mut impl Read) -> Result<Result<(), String>, StreamError> {
+    let (kind, payload) = read_record(input)?;
+    if kind != ANSWER || payload.is_empty() {
+        return Err(StreamError::Format(format!(
+            "expected the receiver's answer, got a record of kind {kind}"
+        )));
+    }
+    let message = String::from_utf8_lossy(&payload[1..]).into_owned();
+    match payload[0] {
+        0 => Ok(Ok(())),
+        1 => Ok(Err(message)),
+        other => Err(StreamError::Format(format!("answer status {other}"))),
+    }
+}
+
 /// Writes a stream: [`hello`](Self::hello) first, then rounds of pages, state, and
 /// [`done`](Self::done).
 #[derive(Debug)]
@@ -148,30 +239,7 @@ impl<W: Write> StreamWriter<W> {
     }
 
     fn record(&mut self, kind: u8, parts: &[&[u8]]) -> Result<(), StreamError> {
-        let len: usize = parts.iter().map(|p| p.len()).sum();
-        let len = u32::try_from(len)
-            .ok()
-            .filter(|l| *l <= MAX_PAYLOAD)
-            .ok_or_else(|| StreamError::Format(format!("a record of {len} bytes is too long")))?;
-        let mut crc = crc32fast::Hasher::new();
-        crc.update(&[kind]);
-        crc.update(&len.to_le_bytes());
-        for p in parts {
-            crc.update(p);
-        }
-        let mut header = [0u8; HEADER];
-        header[0] = kind;
-        header[4..8].copy_from_slice(&len.to_le_bytes());
-        header[8..12].copy_from_slice(&crc.finalize().to_le_bytes());
-        self.out
-            .write_all(&header)
-            .map_err(io_error("writing a record header"))?;
-        for p in parts {
-            self.out
-                .write_all(p)
-                .map_err(io_error("writing a record"))?;
-        }
-        Ok(())
+        write_record(&mut self.out, kind, parts)
     }
 
     /// Sends the Hello record with `layout`, which every later page refers to.
@@ -332,32 +400,7 @@ impl<R: Read> StreamReader<R> {
         if self.done {
             return Ok(None);
         }
-        let mut header = [0u8; HEADER];
-        self.input.read_exact(&mut header).map_err(io_error(
-            "reading a record header (the sender stopped before Done)",
-        ))?;
-        let kind = header[0];
-        let len = u32::from_le_bytes(header[4..8].try_into().expect("4 bytes"));
-        let stored = u32::from_le_bytes(header[8..12].try_into().expect("4 bytes"));
-        if len > MAX_PAYLOAD {
-            return Err(StreamError::Format(format!(
-                "a record announces {len} bytes, over the limit of {MAX_PAYLOAD} (corrupted)"
-            )));
-        }
-        let mut payload = vec![0u8; len as usize];
-        self.input
-            .read_exact(&mut payload)
-            .map_err(io_error(format!("reading a record of {len} bytes")))?;
-        let mut crc = crc32fast::Hasher::new();
-        crc.update(&[kind]);
-        crc.update(&len.to_le_bytes());
-        crc.update(&payload);
-        let computed = crc.finalize();
-        if computed != stored {
-            return Err(StreamError::Format(format!(
-                "record checksum {computed:#010x} does not match the stored {stored:#010x} (corrupted)"
-            )));
-        }
+        let (kind, payload) = read_record(&mut self.input)?;
         let record = self.parse(kind, payload)?;
         Ok(Some(record))
     }
