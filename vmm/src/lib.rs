@@ -11,7 +11,8 @@
 //! | [`devices`] | device models (the legacy serial console and i8042) |
 //! | [`controller`] | the VM's operations as typed requests and replies; knows no transport |
 //! | [`api`] | the API socket: HTTP/1.1 + JSON on a Unix socket, onto the controller |
-//! | [`jobs`] | what the binary runs: check, perf suite, stress, serve |
+//! | [`migration`] | live migration between two tinyvmm processes: the source's rounds, the transport |
+//! | [`jobs`] | what the binary runs: check, perf suite, stress, serve, receive |
 //! | [`lifecycle`] | the event loop for everything that is not a vCPU |
 
 pub mod api;
@@ -20,5 +21,6 @@ pub mod devices;
 pub mod jobs;
 pub mod lifecycle;
 pub mod linux;
+pub mod migration;
 pub mod test_guest;
 pub mod vm;

@@ -43,6 +43,9 @@ enum Commands {
     /// Measure Full and Diff snapshots and each restore backend at several slot counts, next to
     /// the file system's bandwidth and a cold start: print a table and write JSON.
     SnapshotBench(SnapshotBenchArgs),
+    /// Receive a VM that `PUT /migrate` on another tinyvmm sends, run it, and serve it on an
+    /// API socket as `serve` does.
+    Receive(ReceiveArgs),
     /// Boot a Linux kernel (bzImage or ELF vmlinux) with its RAM split into KVM slots; the
     /// serial console is stdout (and stdin on a terminal). See docs/BOOT.md.
     Boot(BootArgs),
@@ -204,6 +207,10 @@ fn main() -> ExitCode {
         Commands::Serve(args) => {
             args.limits.apply();
             serve(args)
+        }
+        Commands::Receive(args) => {
+            args.limits.apply();
+            receive(args)
         }
         Commands::Boot(args) => {
             args.limits.apply();
@@ -531,19 +538,82 @@ fn restore(args: RestoreArgs) -> ExitCode {
     serve_config(args.serve, Some(from))
 }
 
+#[derive(clap::Args)]
+struct ReceiveArgs {
+    /// Where to wait for the source: unix:PATH or tcp:HOST:PORT.
+    #[arg(long)]
+    listen: tinyvmm::migration::Endpoint,
+    /// Path of the API socket, created once the VM runs here.
+    #[arg(long)]
+    api_sock: std::path::PathBuf,
+    /// Seconds a client connection may send nothing before it is answered 408 and closed.
+    #[arg(long, default_value_t = 30.0)]
+    idle_timeout: f64,
+    /// Harvest dirty pages from per-vCPU rings of this many entries (for migrating onwards).
+    #[arg(long)]
+    dirty_ring: Option<u32>,
+    #[command(flatten)]
+    limits: LimitArgs,
+}
+
+fn receive(args: ReceiveArgs) -> ExitCode {
+    let Some(idle_timeout) = idle_timeout(args.idle_timeout) else {
+        return ExitCode::FAILURE;
+    };
+    let config = tinyvmm::jobs::receive::ReceiveConfig {
+        listen: args.listen,
+        api_sock: args.api_sock,
+        idle_timeout,
+        limits: None,
+        dirty_ring: args.dirty_ring,
+    };
+    let listen = config.listen.to_string();
+    let api = config.api_sock.display().to_string();
+    let outcome = tinyvmm::jobs::receive::receive(
+        &config,
+        || eprintln!("tinyvmm: waiting for a migration on {listen}"),
+        |r| {
+            eprintln!(
+                "tinyvmm: the VM runs here after {} rounds, {} MiB, {:.0} ms; serving the API on {api}",
+                r.rounds,
+                r.bytes >> 20,
+                r.elapsed.as_secs_f64() * 1e3
+            )
+        },
+    );
+    match outcome {
+        Ok(Ending::Finished) => {
+            eprintln!("tinyvmm: stopped");
+            ExitCode::SUCCESS
+        }
+        Ok(Ending::Interrupted) => {
+            eprintln!("tinyvmm: stopped by a signal");
+            ExitCode::from(130)
+        }
+        Err(e) => {
+            eprintln!("tinyvmm: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+/// `--idle-timeout` as a duration, or `None` (said on stderr) if it is not a positive number.
+fn idle_timeout(seconds: f64) -> Option<std::time::Duration> {
+    let timeout = std::time::Duration::try_from_secs_f64(seconds)
+        .ok()
+        .filter(|d| !d.is_zero());
+    if timeout.is_none() {
+        eprintln!("tinyvmm: --idle-timeout {seconds} is not a positive number of seconds");
+    }
+    timeout
+}
+
 fn serve(args: ServeArgs) -> ExitCode {
     serve_config(args, None)
 }
 
 fn serve_config(args: ServeArgs, restore: Option<tinyvmm::jobs::serve::RestoreFrom>) -> ExitCode {
-    let Some(idle_timeout) = std::time::Duration::try_from_secs_f64(args.idle_timeout)
-        .ok()
-        .filter(|d| !d.is_zero())
-    else {
-        eprintln!(
-            "tinyvmm: --idle-timeout {} is not a positive number of seconds",
-            args.idle_timeout
-        );
+    let Some(idle_timeout) = idle_timeout(args.idle_timeout) else {
         return ExitCode::FAILURE;
     };
     let config = tinyvmm::jobs::serve::ServeConfig {

@@ -70,6 +70,7 @@ pub fn respond(outcome: Outcome) -> Response {
         Ok(Reply::Hotplug(info)) => json(200, &info),
         Ok(Reply::Vm(info)) => json(200, &info),
         Ok(Reply::Guest(result)) => json(200, &result),
+        Ok(Reply::Migration(info)) => json(200, &info),
         Err(ControllerError { kind, message }) => Response::fault(status(kind), message),
     }
 }
@@ -124,6 +125,15 @@ pub fn route(request: &Request) -> Result<ControllerRequest, Response> {
             "GET" => Ok(ControllerRequest::GetVm),
             "PATCH" => Ok(ControllerRequest::PatchVm(body(request)?)),
             _ => Err(method_not_allowed(method, path, "GET, PATCH")),
+        },
+        ["migrate"] => match method {
+            "GET" => Ok(ControllerRequest::GetMigration),
+            "PUT" => Ok(ControllerRequest::Migrate(body(request)?)),
+            _ => Err(method_not_allowed(method, path, "GET, PUT")),
+        },
+        ["migrate", "cancel"] => match method {
+            "PUT" => Ok(ControllerRequest::CancelMigration),
+            _ => Err(method_not_allowed(method, path, "PUT")),
         },
         ["actions"] => match method {
             "PUT" => Ok(ControllerRequest::Act(body(request)?)),

@@ -103,6 +103,11 @@ pub enum GuestOp {
     Write,
     /// Check the pattern.
     Verify,
+    /// Start writing passes over the range (pass `k` with seed `seed + k`) and answer at once;
+    /// the guest keeps writing until `stop_loop`.
+    WriteLoop,
+    /// End the vCPU's write loop after its current pass; answers the passes completed.
+    StopLoop,
 }
 
 /// `PUT /guest/command`: run one command of the test guest.
@@ -111,13 +116,17 @@ pub enum GuestOp {
 pub struct GuestCommand {
     /// What to do.
     pub op: GuestOp,
-    /// First guest address (a multiple of 8).
+    /// First guest address (a multiple of 8); not for `stop_loop`.
+    #[serde(default)]
     pub start: u64,
-    /// First address after the range.
+    /// First address after the range; not for `stop_loop`.
+    #[serde(default)]
     pub end: u64,
-    /// Distance between touched addresses (a non-zero multiple of 8).
+    /// Distance between touched addresses (a non-zero multiple of 8); not for `stop_loop`.
+    #[serde(default)]
     pub stride: u64,
     /// Pattern seed: the value at address `a` is `a ^ seed`.
+    #[serde(default)]
     pub seed: u64,
     /// The vCPU to run it on (0 by default).
     #[serde(default)]
@@ -361,4 +370,101 @@ pub enum GuestCommandResult {
         /// What it should have held.
         expected: u64,
     },
+    /// A write loop started.
+    Started,
+    /// A write loop ended.
+    Stopped {
+        /// Passes completed over the whole range.
+        passes: u64,
+        /// The seed of the last complete pass (`seed + passes - 1`): what the range holds.
+        last_seed: Option<u64>,
+    },
+}
+
+/// What a migration does when its timeout comes before it converged.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum OnTimeout {
+    /// Give up: the VM keeps running here.
+    Cancel,
+    /// Stop and copy what is left, however long the pause.
+    Force,
+}
+
+/// `PUT /migrate`: move the running VM to a `tinyvmm receive` process.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct MigrateRequest {
+    /// `unix:PATH` or `tcp:HOST:PORT`, where `tinyvmm receive` listens.
+    pub destination: String,
+    /// The longest pause the VM may see (its memory left over the measured throughput).
+    #[serde(default = "default_downtime_ms")]
+    pub downtime_ms: u64,
+    /// Seconds before `on_timeout` applies.
+    #[serde(default = "default_timeout_s")]
+    pub timeout_s: u64,
+    /// What to do at the timeout.
+    #[serde(default = "default_on_timeout")]
+    pub on_timeout: OnTimeout,
+    /// Hand memfd-backed memory over with `SCM_RIGHTS` instead of copying it (Unix only).
+    #[serde(default)]
+    pub local: bool,
+}
+
+fn default_downtime_ms() -> u64 {
+    300
+}
+
+fn default_timeout_s() -> u64 {
+    60
+}
+
+fn default_on_timeout() -> OnTimeout {
+    OnTimeout::Cancel
+}
+
+/// Where a migration is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum MigrationPhase {
+    /// Connecting and exchanging the memory layout.
+    Setup,
+    /// Copying memory while the guest runs.
+    PreCopy,
+    /// The guest is paused: the last pages and the state go over.
+    StopAndCopy,
+    /// The destination runs the VM; this VMM exits.
+    Completed,
+    /// It failed; the VM runs here as before.
+    Failed,
+    /// A client or the timeout cancelled it; the VM runs here as before.
+    Cancelled,
+}
+
+/// `GET /migrate`.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct MigrationInfo {
+    /// Where it is.
+    pub phase: MigrationPhase,
+    /// Where it goes.
+    pub destination: String,
+    /// The round of pages under way (1: every page that holds data).
+    pub round: u32,
+    /// Bytes of pages sent so far.
+    pub bytes_sent: u64,
+    /// Pages the last harvest found dirty: what the next round sends.
+    pub pages_left: u64,
+    /// Pages the guest dirtied per second over the last round.
+    pub dirty_rate_pages_per_second: f64,
+    /// Bytes per second the last round sent at.
+    pub throughput_bytes_per_second: f64,
+    /// The pause `pages_left` would take at that throughput.
+    pub estimated_downtime_ms: f64,
+    /// The pause the VM saw (from pausing here to the destination's word that it runs there),
+    /// once completed.
+    pub downtime_ms: Option<f64>,
+    /// Milliseconds since the migration started.
+    pub elapsed_ms: f64,
+    /// Why it failed or was cancelled.
+    pub error: Option<String>,
 }

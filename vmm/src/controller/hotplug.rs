@@ -7,6 +7,7 @@ use vm_memory::GuestAddress;
 
 use super::error::ControllerError;
 use crate::api::types::{HotplugConfig, HotplugInfo};
+use crate::test_guest::snapshot::HotplugState;
 
 const MIB: u64 = 1 << 20;
 
@@ -102,6 +103,15 @@ impl HotplugArea {
     /// Guest address of slot `i`.
     pub fn slot_gpa(&self, i: usize) -> GuestAddress {
         GuestAddress(self.gpa + i as u64 * self.slot_size)
+    }
+
+    /// The area's bookkeeping as a snapshot or a migration saves it.
+    pub fn state(&self) -> HotplugState {
+        HotplugState {
+            config: self.config,
+            plugged_blocks: self.plugged_blocks,
+            mapped: self.slots.iter().map(Option::is_some).collect(),
+        }
     }
 
     /// Slots mapped now.

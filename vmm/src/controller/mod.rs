@@ -18,9 +18,12 @@ use vm_memory::GuestAddress;
 use crate::api::types::{
     AddRegion, BackingKind, DirtyLogInfo, DirtyLogSwitch, DirtyRate, DirtyRegion, GuestCommand,
     GuestCommandResult, GuestOp, Harvest, HarvestInfo, HotplugConfig, HotplugInfo, HotplugRequest,
-    Limits, MemoryInfo, MemoryUse, PatchRegion, RegionAdded, RegionInfo, RunState, SlotCounts,
-    SnapshotCreate, SnapshotType, VmAction, VmActionType, VmInfo, VmStatePatch, VmStateRequest,
+    Limits, MemoryInfo, MemoryUse, MigrateRequest, MigrationInfo, PatchRegion, RegionAdded,
+    RegionInfo, RunState, SlotCounts, SnapshotCreate, SnapshotType, VmAction, VmActionType, VmInfo,
+    VmStatePatch, VmStateRequest,
 };
+use crate::migration::source::SourceVm;
+use crate::migration::{Endpoint, Migration};
 use crate::test_guest::area::{check_area, TestArea};
 use crate::test_guest::snapshot::{HotplugState, SnapshotState, STATE_VERSION};
 use crate::test_guest::vcpus::{GuestError, TestVm, Vcpus};
@@ -67,6 +70,12 @@ pub enum Request {
     CreateSnapshot(SnapshotCreate),
     /// Stop the VMM.
     Act(VmAction),
+    /// Start migrating the VM to a `tinyvmm receive`.
+    Migrate(MigrateRequest),
+    /// Describe the migration.
+    GetMigration,
+    /// Cancel the migration under way.
+    CancelMigration,
 }
 
 /// What a request produced.
@@ -88,6 +97,8 @@ pub enum Reply {
     Vm(VmInfo),
     /// What the guest's command found.
     Guest(GuestCommandResult),
+    /// The migration.
+    Migration(MigrationInfo),
 }
 
 /// What a request gets back.
@@ -112,6 +123,8 @@ pub struct Controller {
     /// Set when the VMM is asked to stop while a request runs (SIGINT/SIGTERM): long requests
     /// stop at their next safe point.
     interrupt: &'static AtomicBool,
+    /// The last migration, under way or ended.
+    migration: Option<Migration>,
 }
 
 fn no_hotplug_area() -> ControllerError {
@@ -132,6 +145,7 @@ impl Controller {
             dirty_rate: None,
             snapshot_base: None,
             interrupt: crate::lifecycle::termination_signal(),
+            migration: None,
         }
     }
 
@@ -182,6 +196,14 @@ impl Controller {
         }
     }
 
+    /// Lets restored vCPUs that were saved mid-command (a write loop) run on; the others wait
+    /// for their next command.
+    pub fn resume_unfinished(&mut self) {
+        if let Some(vcpus) = &mut self.vcpus {
+            vcpus.resume_unfinished();
+        }
+    }
+
     /// Has long requests stop at their next safe point once `interrupt` is set (by default,
     /// once SIGINT or SIGTERM came).
     pub fn with_interrupt(self, interrupt: &'static AtomicBool) -> Self {
@@ -197,13 +219,23 @@ impl Controller {
         &self.vm
     }
 
-    /// Whether a client asked the VMM to stop.
+    /// Whether the VMM should stop: a client asked, or the VM migrated away.
     pub fn stop_requested(&self) -> bool {
-        self.stop_requested
+        self.stop_requested || self.migrated()
     }
 
-    /// Stops the vCPUs; returns the first error one of them stopped with.
+    /// Whether the VM runs on a migration's destination now.
+    pub fn migrated(&self) -> bool {
+        self.migration.as_ref().is_some_and(Migration::completed)
+    }
+
+    /// Stops the vCPUs (a migration under way is cancelled first); returns the first error one
+    /// of them stopped with.
     pub fn shut_down(&mut self) -> Result<(), GuestError> {
+        if let Some(migration) = &mut self.migration {
+            migration.cancel();
+            migration.join();
+        }
         match self.vcpus.take() {
             Some(vcpus) => vcpus.shut_down(),
             None => Ok(()),
@@ -223,6 +255,10 @@ impl Controller {
 
     /// Applies `request`.
     pub fn apply(&mut self, request: Request) -> Outcome {
+        self.settle_migration();
+        if let Some(refused) = self.refused_while_migrating(&request) {
+            return Err(refused);
+        }
         match request {
             Request::GetMemory => Ok(Reply::Memory(self.memory_info())),
             Request::AddRegion(add) => self.add_region(add).map(Reply::RegionAdded),
@@ -259,7 +295,94 @@ impl Controller {
                 self.stop_requested = true;
                 Ok(Reply::Done)
             }
+            Request::Migrate(request) => self.migrate(request).map(|()| Reply::Done),
+            Request::GetMigration => self
+                .migration
+                .as_ref()
+                .map(|m| Reply::Migration(m.info()))
+                .ok_or_else(|| ControllerError::not_found("no migration has been started")),
+            Request::CancelMigration => match &self.migration {
+                Some(m) if m.is_running() => {
+                    m.cancel();
+                    Ok(Reply::Done)
+                }
+                _ => Err(ControllerError::conflict("no migration is under way")),
+            },
         }
+    }
+
+    /// Once the migration thread has ended without completing, takes back what it harvested
+    /// (a Diff snapshot needs those pages).
+    fn settle_migration(&mut self) {
+        let Some(migration) = &mut self.migration else {
+            return;
+        };
+        if migration.is_running() || migration.completed() {
+            return;
+        }
+        let ending = migration.join();
+        if let Some((_, carried)) = &mut self.snapshot_base {
+            carried.extend(ending.harvested);
+        }
+    }
+
+    /// Why `request` cannot run now: the VM is moving (its layout, run state and guest must
+    /// stay as the migration found them) or has moved.
+    fn refused_while_migrating(&self, request: &Request) -> Option<ControllerError> {
+        let migration = self.migration.as_ref()?;
+        let reads = matches!(
+            request,
+            Request::GetMemory
+                | Request::GetDirtyLog
+                | Request::GetHotplug
+                | Request::GetVm
+                | Request::GetMigration
+                | Request::CancelMigration
+                | Request::Act(_)
+        );
+        if reads {
+            return None;
+        }
+        if migration.completed() {
+            return Some(ControllerError::conflict(format!(
+                "the VM has migrated to {}; this VMM is exiting",
+                migration.info().destination
+            )));
+        }
+        migration.is_running().then(|| {
+            ControllerError::conflict(
+                "a migration is under way: GET /migrate for its progress, PUT /migrate/cancel to stop it",
+            )
+        })
+    }
+
+    fn migrate(&mut self, request: MigrateRequest) -> Result<(), ControllerError> {
+        let endpoint: Endpoint = request.destination.parse().map_err(ControllerError::bad)?;
+        if request.local {
+            return Err(ControllerError::bad(
+                "local mode (handing memfd-backed memory over with SCM_RIGHTS) is not implemented yet: migrate with \"local\": false",
+            ));
+        }
+        if request.timeout_s == 0 {
+            return Err(ControllerError::bad("timeout_s must be at least 1"));
+        }
+        let vcpus = self.vcpus.as_ref().ok_or_else(|| {
+            ControllerError::new(ErrorKind::Unavailable, "the VM is shutting down")
+        })?;
+        let handles = vcpus
+            .migration_handles()
+            .map_err(|e| ControllerError::conflict(format!("the VM cannot migrate now: {e}")))?;
+        let vm = SourceVm {
+            memory: Arc::clone(self.vm.memory()),
+            vcpus: handles,
+            hotplug: self.hotplug.as_ref().map(HotplugArea::state),
+            paused: self.state == RunState::Paused,
+            keep_harvested: self.snapshot_base.is_some(),
+        };
+        let migration = Migration::start(&request, endpoint, vm, self.interrupt)
+            .map_err(|e| ControllerError::internal(format!("starting the migration: {e}")))?;
+        self.migration = Some(migration);
+        Ok(())
     }
 
     fn memory_info(&self) -> MemoryInfo {
@@ -684,11 +807,7 @@ impl Controller {
             version: STATE_VERSION,
             layout,
             vcpus: states,
-            hotplug: self.hotplug.as_ref().map(|h| HotplugState {
-                config: h.config,
-                plugged_blocks: h.plugged_blocks,
-                mapped: h.slots.iter().map(Option::is_some).collect(),
-            }),
+            hotplug: self.hotplug.as_ref().map(HotplugArea::state),
         };
         state_file
             .write_all_at(&state.to_bytes(), 0)
@@ -846,6 +965,9 @@ impl Controller {
         &mut self,
         command: GuestCommand,
     ) -> Result<GuestCommandResult, ControllerError> {
+        if command.op == GuestOp::StopLoop {
+            return self.stop_loop(command.vcpu);
+        }
         if command.start % 8 != 0 || command.stride == 0 || command.stride % 8 != 0 {
             return Err(ControllerError::bad(
                 "start and stride must be multiples of 8, and stride not 0",
@@ -856,44 +978,87 @@ impl Controller {
         }
         self.reachable(command.start, command.end)?;
         let vcpus = self.vcpus()?;
-        if command.vcpu >= vcpus.count() {
-            return Err(ControllerError::bad(format!(
-                "vcpu {} does not exist (the VM has {})",
-                command.vcpu,
-                vcpus.count()
+        check_vcpu(vcpus, command.vcpu)?;
+        if let Some(running) = vcpus.running(command.vcpu) {
+            return Err(ControllerError::conflict(format!(
+                "vCPU {} runs a {:?} command: stop it first (op stop_loop)",
+                command.vcpu, running.op
             )));
         }
         let op = match command.op {
             GuestOp::Write => Op::Write,
             GuestOp::Verify => Op::Verify,
+            GuestOp::WriteLoop => Op::WriteLoop,
+            GuestOp::StopLoop => unreachable!("handled above"),
         };
-        let run = vcpus.run(
-            command.vcpu,
-            Command {
-                op,
-                start: command.start,
-                end: command.end,
-                stride: command.stride,
-                seed: command.seed,
-            },
-        );
-        match run {
-            Ok(_) => Ok(GuestCommandResult::Ok),
-            Err(GuestError::GuestSawWrongData {
-                gpa,
-                found,
-                expected,
-            }) => Ok(GuestCommandResult::Mismatch {
-                address: gpa,
-                found,
-                expected,
-            }),
-            Err(GuestError::Interrupted) => Err(ControllerError::new(
-                ErrorKind::Unavailable,
-                "the VMM is stopping (a signal came) while the guest ran the command",
-            )),
-            Err(e) => Err(ControllerError::internal(e)),
+        let guest_command = Command {
+            op,
+            start: command.start,
+            end: command.end,
+            stride: command.stride,
+            seed: command.seed,
+        };
+        if op == Op::WriteLoop {
+            vcpus.start(command.vcpu, guest_command);
+            return Ok(GuestCommandResult::Started);
         }
+        guest_outcome(vcpus.run(command.vcpu, guest_command))
+    }
+
+    /// Ends vCPU `vcpu`'s write loop and reports its passes.
+    fn stop_loop(&mut self, vcpu: usize) -> Result<GuestCommandResult, ControllerError> {
+        let vcpus = self.vcpus()?;
+        check_vcpu(vcpus, vcpu)?;
+        let seed = match vcpus.running(vcpu) {
+            Some(command) if command.op == Op::WriteLoop => command.seed,
+            _ => {
+                return Err(ControllerError::conflict(format!(
+                    "vCPU {vcpu} runs no write loop"
+                )))
+            }
+        };
+        vcpus.stop_loop(vcpu);
+        let outcome = vcpus.wait(vcpu);
+        match outcome {
+            Ok(outcome) => Ok(GuestCommandResult::Stopped {
+                passes: outcome.passes,
+                last_seed: outcome.passes.checked_sub(1).map(|k| seed.wrapping_add(k)),
+            }),
+            Err(e) => guest_outcome(Err(e)),
+        }
+    }
+}
+
+fn check_vcpu(vcpus: &Vcpus, vcpu: usize) -> Result<(), ControllerError> {
+    if vcpu >= vcpus.count() {
+        return Err(ControllerError::bad(format!(
+            "vcpu {vcpu} does not exist (the VM has {})",
+            vcpus.count()
+        )));
+    }
+    Ok(())
+}
+
+/// What a guest command's run means to a client.
+fn guest_outcome(
+    run: Result<test_guest::Outcome, GuestError>,
+) -> Result<GuestCommandResult, ControllerError> {
+    match run {
+        Ok(_) => Ok(GuestCommandResult::Ok),
+        Err(GuestError::GuestSawWrongData {
+            gpa,
+            found,
+            expected,
+        }) => Ok(GuestCommandResult::Mismatch {
+            address: gpa,
+            found,
+            expected,
+        }),
+        Err(GuestError::Interrupted) => Err(ControllerError::new(
+            ErrorKind::Unavailable,
+            "the VMM is stopping (a signal came) while the guest ran the command",
+        )),
+        Err(e) => Err(ControllerError::internal(e)),
     }
 }
 

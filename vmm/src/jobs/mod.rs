@@ -4,6 +4,7 @@
 pub mod check;
 pub mod harvest;
 pub mod perf;
+pub mod receive;
 pub mod serve;
 pub mod snapshot_bench;
 pub mod stress;

@@ -129,7 +129,7 @@ fn serve_on(
     config: &ServeConfig,
     ready: impl FnOnce(),
 ) -> Result<Ending, ServeError> {
-    let mut event_loop = EventLoop::new()?;
+    let event_loop = EventLoop::new()?;
     let options = VmOptions {
         limits: config.limits,
         dirty_ring: config.dirty_ring,
@@ -180,14 +180,27 @@ fn serve_on(
                 })?
         }
     };
+    serve_controller(event_loop, listener, controller, config.idle_timeout, ready)
+}
+
+/// Serves `controller` on `listener` from `event_loop` until a client stops the VMM, the VM
+/// migrates away, or a signal comes; then stops the vCPUs.
+pub(crate) fn serve_controller(
+    mut event_loop: EventLoop,
+    listener: UnixListener,
+    controller: Controller,
+    idle_timeout: Duration,
+    ready: impl FnOnce(),
+) -> Result<Ending, ServeError> {
     let server = Arc::new(Mutex::new(
-        ApiServer::new(listener, controller).with_idle_timeout(config.idle_timeout),
+        ApiServer::new(listener, controller).with_idle_timeout(idle_timeout),
     ));
     event_loop.add(server.clone());
     let stop = Arc::clone(&event_loop.context().stop);
     ready();
     let ending = loop {
-        if event_loop.dispatch(1000) == Some(Ending::Interrupted) || stop.load(Ordering::Acquire) {
+        // A short wait: a migration that completes ends the VMM without any event here.
+        if event_loop.dispatch(50) == Some(Ending::Interrupted) || stop.load(Ordering::Acquire) {
             break Ending::Interrupted;
         }
         let asked = server
@@ -200,6 +213,9 @@ fn serve_on(
         }
     };
     let mut server = server.lock().unwrap_or_else(|p| p.into_inner());
+    if server.controller_mut().migrated() {
+        eprintln!("tinyvmm: the VM runs on the migration's destination now");
+    }
     server.controller_mut().shut_down()?;
     Ok(ending)
 }

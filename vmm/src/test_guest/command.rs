@@ -21,6 +21,12 @@ pub enum Op {
 }
 
 impl Op {
+    fn from_code(code: u64) -> Option<Op> {
+        [Op::Write, Op::Verify, Op::WriteLoop, Op::Exit]
+            .into_iter()
+            .find(|op| op.code() == code)
+    }
+
     fn code(self) -> u64 {
         match self {
             Op::Write => 1,
@@ -126,6 +132,23 @@ impl CommandBlock {
         let seq = self.load(mem, field::CMD_SEQ) + 1;
         self.store(mem, field::CMD_SEQ, seq);
         seq
+    }
+
+    /// The command the guest is on, with its sequence number, if it has not finished it (a
+    /// VM that arrived by migration or snapshot mid-command); `None` between commands.
+    pub fn unfinished(&self, mem: &impl GuestMemory) -> Option<(Command, u64)> {
+        let seq = self.load(mem, field::CMD_SEQ);
+        if seq == self.load(mem, field::DONE_SEQ) {
+            return None;
+        }
+        let command = Command {
+            op: Op::from_code(self.load(mem, field::OP))?,
+            start: self.load(mem, field::START),
+            end: self.load(mem, field::END),
+            stride: self.load(mem, field::STRIDE),
+            seed: self.load(mem, field::SEED),
+        };
+        Some((command, seq))
     }
 
     /// Asks a write loop to end after its current pass.

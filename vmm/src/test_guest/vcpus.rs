@@ -14,6 +14,7 @@ use vm_memory::GuestAddress;
 use vmm_sys_util::eventfd::EventFd;
 
 use super::ports::{GoAhead, TestGuestPorts, VcpuError, VcpuEvent};
+use crate::migration::VcpuHandle;
 use crate::test_guest::{self, Command, CommandBlock, Op, Outcome};
 use crate::vm::state::{StateError, VcpuState};
 use crate::vm::vcpu::{kick_until_finished, Vcpu, VcpuShared};
@@ -229,13 +230,22 @@ impl TestVm {
                 ids
             }
         };
-        let system = layout
-            .regions
-            .iter()
-            .position(|r| r.gpa == 0 && r.size == test_guest::SYSTEM_SIZE)
-            .map(|i| ids[i])
-            .ok_or(GuestError::NoSystemRegion)?;
+        let system = system_region(layout, &ids)?;
         Ok(TestVm { vm, system, loader })
+    }
+
+    /// A VM with `layout`'s regions (the system region among them) in fresh, empty memory,
+    /// for a migration to fill. Start its vCPUs with
+    /// [`start_restored_vcpus`](Self::start_restored_vcpus).
+    pub fn from_layout(layout: &MemoryLayout, options: VmOptions) -> Result<Self, GuestError> {
+        let vm = Vm::new(options)?;
+        let ids = layout.build(vm.memory())?;
+        let system = system_region(layout, &ids)?;
+        Ok(TestVm {
+            vm,
+            system,
+            loader: None,
+        })
     }
 
     /// The userfaultfd handler's counts, for a VM restored with [`MemBackend::Uffd`].
@@ -363,6 +373,16 @@ impl TestVm {
     }
 }
 
+/// The test guest's system region among a restored layout's regions (`ids`, in its order).
+fn system_region(layout: &MemoryLayout, ids: &[RegionId]) -> Result<RegionId, GuestError> {
+    layout
+        .regions
+        .iter()
+        .position(|r| r.gpa == 0 && r.size == test_guest::SYSTEM_SIZE)
+        .map(|i| ids[i])
+        .ok_or(GuestError::NoSystemRegion)
+}
+
 #[derive(Debug)]
 struct VcpuThread {
     thread: Option<JoinHandle<()>>,
@@ -443,6 +463,42 @@ impl Vcpus {
             }
         }
         Ok(states)
+    }
+
+    /// The command vCPU `index` is running, if any (a write loop runs until stopped).
+    pub fn running(&self, index: usize) -> Option<Command> {
+        self.threads[index].running
+    }
+
+    /// What a migration needs of each vCPU; refused while one is wedged or stopped.
+    pub fn migration_handles(&self) -> Result<Vec<VcpuHandle>, GuestError> {
+        self.threads
+            .iter()
+            .enumerate()
+            .map(|(index, vcpu)| match &vcpu.resume {
+                Some(resume) if !vcpu.wedged && !vcpu.shared.has_finished() => Ok(VcpuHandle {
+                    shared: Arc::clone(&vcpu.shared),
+                    resume: resume.clone(),
+                    running: vcpu.running.is_some(),
+                }),
+                _ => Err(GuestError::Busy(index)),
+            })
+            .collect()
+    }
+
+    /// Takes up the commands restored vCPUs were on when they were saved (a migrated guest in
+    /// a write loop) and lets those vCPUs run on; the others wait for their next command.
+    pub fn resume_unfinished(&mut self) {
+        for vcpu in &mut self.threads {
+            let Some((command, seq)) = vcpu.block.unfinished(&*self.memory.snapshot()) else {
+                continue;
+            };
+            vcpu.running = Some(command);
+            vcpu.posted = seq;
+            if let Some(resume) = &vcpu.resume {
+                let _ = resume.send(GoAhead::Resume);
+            }
+        }
     }
 
     /// Asks vCPU `index`'s write loop to end after its current pass.

@@ -1,0 +1,181 @@
+//! `tinyvmm receive`: the destination of a migration. It listens for one source, builds the
+//! VM the source's layout describes (or refuses it, saying why, before any memory moves),
+//! applies every round of pages, restores the vCPUs from the state record, lets the guest run
+//! on where it was paused, tells the source, and then serves the VM on its API socket as
+//! `serve` does. If anything fails before the guest runs here, nothing runs here: what came is
+//! dropped, the source is told why where it still listens, and the process exits with 1.
+
+use std::io::BufReader;
+use std::path::PathBuf;
+use std::sync::atomic::AtomicBool;
+use std::time::{Duration, Instant};
+
+use kvm_memslots::stream::{apply_pages, check_layout, send_answer, Record, StreamReader};
+use kvm_memslots::MemoryLimits;
+
+use super::serve::{serve_controller, ServeError};
+use crate::api::server::bind_api_socket;
+use crate::controller::Controller;
+use crate::lifecycle::{termination_signal, Ending, EventLoop};
+use crate::migration::transport::Patient;
+use crate::migration::{Connection, Endpoint, MigrationState};
+use crate::test_guest::vcpus::TestVm;
+use crate::vm::VmOptions;
+
+/// How long the source may send nothing before the destination gives up.
+const STALL: Duration = Duration::from_secs(60);
+
+/// What `tinyvmm receive` starts with.
+#[derive(Debug, Clone)]
+pub struct ReceiveConfig {
+    /// Where to listen for the source.
+    pub listen: Endpoint,
+    /// Where the API socket goes once the VM runs here.
+    pub api_sock: PathBuf,
+    /// The API's idle timeout.
+    pub idle_timeout: Duration,
+    /// What guest memory is admitted against; `None`: the process's.
+    pub limits: Option<MemoryLimits>,
+    /// Harvest from dirty rings of this many entries (for a later migration onwards).
+    pub dirty_ring: Option<u32>,
+}
+
+/// Why receiving failed.
+#[derive(Debug, thiserror::Error)]
+pub enum ReceiveError {
+    /// Listening or accepting failed.
+    #[error("cannot listen on {endpoint}: {source}")]
+    Listen {
+        /// Where.
+        endpoint: String,
+        /// The system's error.
+        source: std::io::Error,
+    },
+    /// The migration failed before the VM ran here; nothing runs.
+    #[error("the migration failed: {0}; nothing runs here")]
+    Migration(String),
+    /// Serving the VM failed.
+    #[error(transparent)]
+    Serve(#[from] ServeError),
+}
+
+/// What a completed receive did.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Received {
+    /// Rounds of pages.
+    pub rounds: u32,
+    /// Bytes of pages applied.
+    pub bytes: u64,
+    /// From the first byte to the guest running here.
+    pub elapsed: Duration,
+}
+
+/// Receives one VM and serves it until a client stops it or a signal comes. `ready` is
+/// called once listening; `received` once the VM runs here.
+pub fn receive(
+    config: &ReceiveConfig,
+    ready: impl FnOnce(),
+    received: impl FnOnce(Received),
+) -> Result<Ending, ReceiveError> {
+    let event_loop = EventLoop::new().map_err(ServeError::from)?;
+    let listen_failed = |source| ReceiveError::Listen {
+        endpoint: config.listen.to_string(),
+        source,
+    };
+    let listener = config.listen.listen().map_err(listen_failed)?;
+    ready();
+    let Some(mut connection) = listener
+        .accept(termination_signal())
+        .map_err(listen_failed)?
+    else {
+        return Ok(Ending::Interrupted);
+    };
+    drop(listener);
+    let stopped = &event_loop.context().vcpu_stopped;
+    let (controller, stats) = match receive_vm(config, &mut connection, stopped) {
+        Ok(vm) => vm,
+        Err(reason) => {
+            // The source may still listen for why (it gets an error of its own otherwise).
+            let _ = send_answer(&mut connection, Err(&reason));
+            return Err(ReceiveError::Migration(reason));
+        }
+    };
+    // The guest runs here now: the source may stop. If it cannot hear that (it died after
+    // sending everything), the VM still runs here, once.
+    if let Err(e) = send_answer(&mut connection, Ok(())) {
+        eprintln!("tinyvmm: the VM runs here, but the source could not be told: {e}");
+    }
+    received(stats);
+    let api = bind_api_socket(&config.api_sock).map_err(ServeError::from)?;
+    let ending = serve_controller(event_loop, api, controller, config.idle_timeout, || {});
+    let _ = std::fs::remove_file(&config.api_sock);
+    Ok(ending?)
+}
+
+/// Reads the stream into a new VM and starts it; the reason if anything is wrong.
+fn receive_vm(
+    config: &ReceiveConfig,
+    connection: &mut Connection,
+    stopped: &std::sync::Arc<vmm_sys_util::eventfd::EventFd>,
+) -> Result<(Controller, Received), String> {
+    let started = Instant::now();
+    connection
+        .set_read_timeout(Some(Duration::from_millis(200)))
+        .map_err(|e| e.to_string())?;
+    let reading = connection.try_clone().map_err(|e| e.to_string())?;
+    let stop: &AtomicBool = termination_signal();
+    let mut reader = StreamReader::new(BufReader::with_capacity(
+        1 << 20,
+        Patient {
+            inner: reading,
+            stop,
+            stall: STALL,
+        },
+    ));
+    let layout = match reader.next_record().map_err(|e| e.to_string())? {
+        Some(Record::Hello(layout)) => layout,
+        _ => return Err("the stream does not start with Hello".into()),
+    };
+    let options = VmOptions {
+        limits: config.limits,
+        dirty_ring: config.dirty_ring,
+        ..VmOptions::default()
+    };
+    let vm = TestVm::from_layout(&layout, options)
+        .map_err(|e| format!("this VMM cannot lay the VM's memory out: {e}"))?;
+    send_answer(connection, Ok(())).map_err(|e| e.to_string())?;
+    let mut state = None;
+    let (mut rounds, mut bytes) = (0, 0);
+    loop {
+        match reader.next_record().map_err(|e| e.to_string())? {
+            Some(Record::Pages { offset, data }) => {
+                apply_pages(vm.memory(), &layout, offset, &data).map_err(|e| e.to_string())?;
+                bytes += data.len() as u64;
+            }
+            Some(Record::RoundEnd { round, .. }) => rounds = round,
+            Some(Record::State(bytes)) => state = Some(MigrationState::from_bytes(&bytes)?),
+            Some(Record::Done) | None => break,
+            Some(Record::Hello(_)) => unreachable!("the reader refuses a second Hello"),
+        }
+    }
+    let state = state.ok_or("the stream ended without the VM's state")?;
+    check_layout(&state.snapshot.layout, &layout).map_err(|e| e.to_string())?;
+    let vcpus = vm
+        .start_restored_vcpus(&state.snapshot.vcpus, stopped)
+        .map_err(|e| format!("restoring the vCPUs: {e}"))?;
+    let mut controller = Controller::new(vm, vcpus)
+        .with_hotplug(state.snapshot.hotplug.as_ref())
+        .map_err(|e| e.to_string())?;
+    if state.paused {
+        controller = controller.paused();
+    }
+    controller.resume_unfinished();
+    Ok((
+        controller,
+        Received {
+            rounds,
+            bytes,
+            elapsed: started.elapsed(),
+        },
+    ))
+}

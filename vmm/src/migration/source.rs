@@ -1,0 +1,555 @@
+//! The source side of a migration, on a thread of its own so that the API keeps answering
+//! (`GET /migrate`, `PUT /migrate/cancel`) while it runs.
+//!
+//! Rounds: turn dirty logging on, send the layout and wait for the destination to accept it;
+//! round 1 sends every page that holds data; each next round harvests (bitmap or ring, never
+//! behind the writers' lock) and sends what the guest dirtied meanwhile. Before each round the
+//! pause it would take to send what is left — the last harvest's duration plus its pages at the
+//! last round's throughput — is compared with the budget; once it fits (or at the timeout with
+//! `force`) the vCPUs pause, the last pages and the state go, and the destination's word that
+//! the VM runs there completes it. Anything else leaves the VM running here as before: vCPUs
+//! resumed, logging as it was, and the pages harvested handed back to the controller (a Diff
+//! snapshot after a failed migration still gets them).
+
+use std::io::{self, Write};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::mpsc::{channel, Sender};
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use kvm_memslots::snapshot::MemoryLayout;
+use kvm_memslots::stream::{read_answer, StreamError, StreamWriter};
+use kvm_memslots::{DirtyPages, KvmVm, MemoryManager, RegionId, Target, PAGE_SIZE};
+
+use super::transport::{Connection, Endpoint};
+use super::MigrationState;
+use crate::api::types::{MigrateRequest, MigrationInfo, MigrationPhase, OnTimeout};
+use crate::test_guest::ports::GoAhead;
+use crate::test_guest::snapshot::{HotplugState, SnapshotState, STATE_VERSION};
+use crate::vm::state::VcpuState;
+use crate::vm::vcpu::{PauseError, VcpuShared};
+
+/// How long the destination may take to answer (to accept the layout, or to run the VM).
+const ANSWER_TIMEOUT: Duration = Duration::from_secs(60);
+/// How long a write to the destination may block before the migration fails.
+const WRITE_TIMEOUT: Duration = Duration::from_secs(60);
+/// How long a vCPU may take to pause.
+const PAUSE_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// Why a migration failed.
+#[derive(Debug, thiserror::Error)]
+pub enum MigrationError {
+    /// The destination could not be reached.
+    #[error("cannot connect to {endpoint}: {source}")]
+    Connect {
+        /// Where.
+        endpoint: String,
+        /// The system's error.
+        source: io::Error,
+    },
+    /// The destination refused the VM.
+    #[error("the destination refused: {0}")]
+    Refused(String),
+    /// Sending or the destination's answer failed.
+    #[error(transparent)]
+    Stream(#[from] StreamError),
+    /// Harvesting or switching dirty logging failed.
+    #[error(transparent)]
+    Memory(#[from] kvm_memslots::Error),
+    /// A vCPU could not be paused or its state read.
+    #[error("vCPU {vcpu}: {error}")]
+    Vcpu {
+        /// The vCPU.
+        vcpu: usize,
+        /// Why.
+        error: PauseError,
+    },
+    /// A client cancelled it, or the VMM is stopping.
+    #[error("cancelled: {0}")]
+    Cancelled(String),
+}
+
+/// What a migration needs of one vCPU.
+#[derive(Debug)]
+pub struct VcpuHandle {
+    /// What the host shares with the vCPU thread (its pause).
+    pub shared: Arc<VcpuShared>,
+    /// Its go-ahead channel, for a vCPU waiting between commands (its state is read there).
+    pub resume: Sender<GoAhead>,
+    /// It runs a command (a write loop): it is paused inside the guest to read its state.
+    pub running: bool,
+}
+
+impl VcpuHandle {
+    fn pause(&self) -> Result<(), PauseError> {
+        if self.running {
+            self.shared.pause(PAUSE_TIMEOUT)
+        } else {
+            // Between commands it is out of the guest, and the controller posts none while a
+            // migration runs.
+            Ok(())
+        }
+    }
+
+    fn save(&self) -> Result<VcpuState, PauseError> {
+        if self.running {
+            return self.shared.save_paused();
+        }
+        let (reply, state) = channel();
+        self.resume
+            .send(GoAhead::SaveState(reply))
+            .map_err(|_| PauseError::Stopped)?;
+        match state.recv_timeout(PAUSE_TIMEOUT) {
+            Ok(state) => Ok(state?),
+            Err(_) => Err(PauseError::Stopped),
+        }
+    }
+
+    fn resume(&self) {
+        if self.running {
+            self.shared.resume();
+        }
+    }
+}
+
+/// The VM as a migration sees it: taken from the controller when it starts, unchanged while
+/// it runs (the controller refuses changes meanwhile).
+#[derive(Debug)]
+pub struct SourceVm {
+    /// Its memory.
+    pub memory: Arc<MemoryManager<KvmVm>>,
+    /// Its vCPUs.
+    pub vcpus: Vec<VcpuHandle>,
+    /// The hotplug area's bookkeeping.
+    pub hotplug: Option<HotplugState>,
+    /// Paused by a client.
+    pub paused: bool,
+    /// Keep what the rounds harvest, to hand back on failure (a snapshot base needs it).
+    pub keep_harvested: bool,
+}
+
+/// How a migration ended, for the controller.
+#[derive(Debug, Default)]
+pub struct Ending {
+    /// The destination runs the VM.
+    pub completed: bool,
+    /// Every page harvested (with [`SourceVm::keep_harvested`]), on failure.
+    pub harvested: Vec<DirtyPages>,
+}
+
+/// A migration under way or ended: its progress, and the thread that runs it.
+#[derive(Debug)]
+pub struct Migration {
+    status: Arc<Mutex<MigrationInfo>>,
+    bytes_sent: Arc<AtomicU64>,
+    cancel: Arc<AtomicBool>,
+    started: Instant,
+    thread: Option<JoinHandle<Ending>>,
+    ending: Option<Ending>,
+}
+
+impl Migration {
+    /// Starts migrating `vm` as `request` says; `interrupt` is the process's stop flag.
+    pub fn start(
+        request: &MigrateRequest,
+        endpoint: Endpoint,
+        vm: SourceVm,
+        interrupt: &'static AtomicBool,
+    ) -> io::Result<Self> {
+        let status = Arc::new(Mutex::new(MigrationInfo {
+            phase: MigrationPhase::Setup,
+            destination: endpoint.to_string(),
+            round: 0,
+            bytes_sent: 0,
+            pages_left: 0,
+            dirty_rate_pages_per_second: 0.0,
+            throughput_bytes_per_second: 0.0,
+            estimated_downtime_ms: 0.0,
+            downtime_ms: None,
+            elapsed_ms: 0.0,
+            error: None,
+        }));
+        let bytes_sent = Arc::new(AtomicU64::new(0));
+        let cancel = Arc::new(AtomicBool::new(false));
+        let run = Run {
+            endpoint,
+            budget: Duration::from_millis(request.downtime_ms),
+            timeout: Duration::from_secs(request.timeout_s),
+            on_timeout: request.on_timeout,
+            vm,
+            status: Arc::clone(&status),
+            bytes_sent: Arc::clone(&bytes_sent),
+            cancel: Arc::clone(&cancel),
+            interrupt,
+            started: Instant::now(),
+            harvested: Vec::new(),
+        };
+        let thread = std::thread::Builder::new()
+            .name("migration".into())
+            .spawn(move || run.run())?;
+        Ok(Migration {
+            status,
+            bytes_sent,
+            cancel,
+            started: Instant::now(),
+            thread: Some(thread),
+            ending: None,
+        })
+    }
+
+    /// Its progress now.
+    pub fn info(&self) -> MigrationInfo {
+        let mut info = self
+            .status
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone();
+        info.bytes_sent = self.bytes_sent.load(Ordering::Relaxed);
+        if info.elapsed_ms == 0.0 || self.is_running() {
+            info.elapsed_ms = self.started.elapsed().as_secs_f64() * 1e3;
+        }
+        info
+    }
+
+    /// Whether its thread still runs.
+    pub fn is_running(&self) -> bool {
+        self.thread.as_ref().is_some_and(|t| !t.is_finished())
+    }
+
+    /// Asks it to stop at its next step; the VM keeps running here.
+    pub fn cancel(&self) {
+        self.cancel.store(true, Ordering::Release);
+    }
+
+    /// Waits for its thread; returns how it ended (once: later calls get the default).
+    pub fn join(&mut self) -> Ending {
+        if let Some(thread) = self.thread.take() {
+            let ending = thread.join().unwrap_or_else(|_| {
+                let mut status = self.status.lock().unwrap_or_else(|p| p.into_inner());
+                status.phase = MigrationPhase::Failed;
+                status.error = Some("the migration thread panicked".into());
+                Ending::default()
+            });
+            self.ending = Some(ending);
+        }
+        self.ending.take().unwrap_or_default()
+    }
+
+    /// Whether it completed: the destination runs the VM.
+    pub fn completed(&self) -> bool {
+        self.status.lock().unwrap_or_else(|p| p.into_inner()).phase == MigrationPhase::Completed
+    }
+}
+
+/// Counts the bytes written and fails a write once the migration is cancelled.
+struct Counted {
+    inner: Connection,
+    bytes: Arc<AtomicU64>,
+    cancel: Arc<AtomicBool>,
+    interrupt: &'static AtomicBool,
+}
+
+impl Write for Counted {
+    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+        if self.cancel.load(Ordering::Acquire) || self.interrupt.load(Ordering::Acquire) {
+            return Err(io::Error::other("the migration was cancelled"));
+        }
+        let n = self.inner.write(buf)?;
+        self.bytes.fetch_add(n as u64, Ordering::Relaxed);
+        Ok(n)
+    }
+
+    fn flush(&mut self) -> io::Result<()> {
+        self.inner.flush()
+    }
+}
+
+/// The migration thread's state.
+struct Run {
+    endpoint: Endpoint,
+    budget: Duration,
+    timeout: Duration,
+    on_timeout: OnTimeout,
+    vm: SourceVm,
+    status: Arc<Mutex<MigrationInfo>>,
+    bytes_sent: Arc<AtomicU64>,
+    cancel: Arc<AtomicBool>,
+    interrupt: &'static AtomicBool,
+    started: Instant,
+    harvested: Vec<DirtyPages>,
+}
+
+/// Where the rounds stand.
+#[derive(Debug, Clone, Copy)]
+struct Progress {
+    /// Bytes per second the last round was sent at.
+    throughput: f64,
+    /// How long the last harvest took.
+    harvest_time: Duration,
+}
+
+impl Run {
+    fn update(&self, f: impl FnOnce(&mut MigrationInfo)) {
+        f(&mut self.status.lock().unwrap_or_else(|p| p.into_inner()));
+    }
+
+    fn run(mut self) -> Ending {
+        let memory = Arc::clone(&self.vm.memory);
+        let logging_before: Vec<RegionId> = memory
+            .regions()
+            .iter()
+            .filter(|r| r.flags.log_dirty)
+            .map(|r| r.id)
+            .collect();
+        let outcome = self.migrate(&memory);
+        let completed = outcome.is_ok();
+        match outcome {
+            Ok(downtime) => self.update(|s| {
+                s.phase = MigrationPhase::Completed;
+                s.downtime_ms = Some(downtime.as_secs_f64() * 1e3);
+            }),
+            Err(e) => {
+                // The VM stays here as it was: logging off where it was off.
+                for region in memory.regions() {
+                    if region.flags.log_dirty && !logging_before.contains(&region.id) {
+                        let _ = memory.stop_dirty_log(Target::Region(region.id));
+                    }
+                }
+                let cancelled = matches!(e, MigrationError::Cancelled(_));
+                self.update(|s| {
+                    s.phase = if cancelled {
+                        MigrationPhase::Cancelled
+                    } else {
+                        MigrationPhase::Failed
+                    };
+                    s.error = Some(e.to_string());
+                });
+            }
+        }
+        let elapsed = self.started.elapsed().as_secs_f64() * 1e3;
+        self.update(|s| s.elapsed_ms = elapsed);
+        Ending {
+            completed,
+            harvested: if completed {
+                Vec::new()
+            } else {
+                std::mem::take(&mut self.harvested)
+            },
+        }
+    }
+
+    fn check_cancel(&self) -> Result<(), MigrationError> {
+        if self.cancel.load(Ordering::Acquire) {
+            return Err(MigrationError::Cancelled("a client cancelled it".into()));
+        }
+        if self.interrupt.load(Ordering::Acquire) {
+            return Err(MigrationError::Cancelled("the VMM is stopping".into()));
+        }
+        Ok(())
+    }
+
+    /// A write failed: the destination may have said why before it closed; prefer that.
+    fn explain(&self, error: StreamError, answers: &mut Connection) -> MigrationError {
+        self.check_cancel().err().unwrap_or_else(|| {
+            let _ = answers.set_read_timeout(Some(Duration::from_millis(500)));
+            match read_answer(answers) {
+                Ok(Err(reason)) => MigrationError::Refused(reason),
+                _ => MigrationError::Stream(error),
+            }
+        })
+    }
+
+    fn harvest(
+        &mut self,
+        memory: &MemoryManager<KvmVm>,
+    ) -> Result<Vec<DirtyPages>, MigrationError> {
+        let dirty = memory.harvest_dirty(Target::All)?;
+        if self.vm.keep_harvested {
+            self.harvested.extend(dirty.iter().cloned());
+        }
+        Ok(dirty)
+    }
+
+    /// Runs the migration to the destination's word; returns the downtime.
+    fn migrate(&mut self, memory: &MemoryManager<KvmVm>) -> Result<Duration, MigrationError> {
+        let connection = self
+            .endpoint
+            .connect(Duration::from_secs(10))
+            .map_err(|source| MigrationError::Connect {
+                endpoint: self.endpoint.to_string(),
+                source,
+            })?;
+        let _ = connection.set_write_timeout(Some(WRITE_TIMEOUT));
+        let mut answers = connection
+            .try_clone()
+            .map_err(|source| MigrationError::Connect {
+                endpoint: self.endpoint.to_string(),
+                source,
+            })?;
+        answers
+            .set_read_timeout(Some(ANSWER_TIMEOUT))
+            .map_err(|source| MigrationError::Connect {
+                endpoint: self.endpoint.to_string(),
+                source,
+            })?;
+        let mut writer = StreamWriter::new(Counted {
+            inner: connection,
+            bytes: Arc::clone(&self.bytes_sent),
+            cancel: Arc::clone(&self.cancel),
+            interrupt: self.interrupt,
+        });
+        // The layout as the VM has it (the destination logs nothing it was not asked to).
+        let layout = MemoryLayout::of(memory);
+        memory.start_dirty_log(Target::All)?;
+        // From here every write is logged: what the first harvest reports went out in round 1
+        // or is dirty again.
+        let cleared = self.harvest(memory)?;
+        drop(cleared);
+        writer
+            .hello(&layout)
+            .map_err(|e| self.explain(e, &mut answers))?;
+        match read_answer(&mut answers) {
+            Ok(Ok(())) => {}
+            Ok(Err(reason)) => return Err(MigrationError::Refused(reason)),
+            Err(e) => return Err(e.into()),
+        }
+        self.check_cancel()?;
+
+        self.update(|s| {
+            s.phase = MigrationPhase::PreCopy;
+            s.round = 1;
+        });
+        let round_start = Instant::now();
+        let sent = writer
+            .send_all(memory)
+            .map_err(|e| self.explain(e, &mut answers))?;
+        writer
+            .end_round()
+            .map_err(|e| self.explain(e, &mut answers))?;
+        let mut progress = Progress {
+            throughput: throughput(sent.bytes, round_start.elapsed()),
+            harvest_time: Duration::ZERO,
+        };
+        let mut last_harvest = Instant::now();
+        let mut round = 1;
+        let dirty = loop {
+            self.check_cancel()?;
+            let harvest_start = Instant::now();
+            let dirty = self.harvest(memory)?;
+            progress.harvest_time = harvest_start.elapsed();
+            let pages: u64 = dirty.iter().map(|d| d.count()).sum();
+            let window = last_harvest.elapsed().as_secs_f64();
+            last_harvest = harvest_start;
+            let estimate = progress.harvest_time
+                + Duration::from_secs_f64(
+                    (pages * PAGE_SIZE) as f64 / progress.throughput.max(1.0),
+                );
+            self.update(|s| {
+                s.pages_left = pages;
+                s.dirty_rate_pages_per_second = pages as f64 / window.max(1e-9);
+                s.throughput_bytes_per_second = progress.throughput;
+                s.estimated_downtime_ms = estimate.as_secs_f64() * 1e3;
+            });
+            if estimate <= self.budget {
+                break dirty;
+            }
+            if self.started.elapsed() >= self.timeout {
+                match self.on_timeout {
+                    OnTimeout::Force => break dirty,
+                    OnTimeout::Cancel => {
+                        return Err(MigrationError::Cancelled(format!(
+                            "not converged within {:?}: {pages} pages left would take about \
+                             {:.0} ms, over the {} ms budget",
+                            self.timeout,
+                            estimate.as_secs_f64() * 1e3,
+                            self.budget.as_millis()
+                        )))
+                    }
+                }
+            }
+            round += 1;
+            self.update(|s| s.round = round);
+            let round_start = Instant::now();
+            let sent = writer
+                .send_dirty(memory, &dirty)
+                .map_err(|e| self.explain(e, &mut answers))?;
+            writer
+                .end_round()
+                .map_err(|e| self.explain(e, &mut answers))?;
+            if sent.bytes > 0 {
+                progress.throughput = throughput(sent.bytes, round_start.elapsed());
+            }
+        };
+        self.check_cancel()?;
+        let paused_at = Instant::now();
+        self.update(|s| {
+            s.phase = MigrationPhase::StopAndCopy;
+            s.round = round + 1;
+        });
+        let outcome = self.stop_and_copy(memory, &layout, &mut writer, &mut answers, dirty);
+        match outcome {
+            Ok(()) => Ok(paused_at.elapsed()),
+            Err(e) => {
+                for vcpu in &self.vm.vcpus {
+                    vcpu.resume();
+                }
+                Err(e)
+            }
+        }
+    }
+
+    /// Pauses the vCPUs, sends the pages left and the state, and waits for the destination to
+    /// run the VM. The caller resumes the vCPUs if this fails.
+    fn stop_and_copy(
+        &mut self,
+        memory: &MemoryManager<KvmVm>,
+        layout: &MemoryLayout,
+        writer: &mut StreamWriter<Counted>,
+        answers: &mut Connection,
+        dirty: Vec<DirtyPages>,
+    ) -> Result<(), MigrationError> {
+        for (index, vcpu) in self.vm.vcpus.iter().enumerate() {
+            vcpu.pause()
+                .map_err(|error| MigrationError::Vcpu { vcpu: index, error })?;
+        }
+        // Out of the guest, every vCPU has published what it dirtied: this harvest is the
+        // last word.
+        let last = self.harvest(memory)?;
+        for pages in [&dirty, &last] {
+            writer
+                .send_dirty(memory, pages)
+                .map_err(|e| self.explain(e, answers))?;
+        }
+        writer.end_round().map_err(|e| self.explain(e, answers))?;
+        let mut vcpus = Vec::with_capacity(self.vm.vcpus.len());
+        for (index, vcpu) in self.vm.vcpus.iter().enumerate() {
+            vcpus.push(
+                vcpu.save()
+                    .map_err(|error| MigrationError::Vcpu { vcpu: index, error })?,
+            );
+        }
+        let state = MigrationState {
+            snapshot: SnapshotState {
+                version: STATE_VERSION,
+                layout: layout.clone(),
+                vcpus,
+                hotplug: self.vm.hotplug.clone(),
+            },
+            paused: self.vm.paused,
+        };
+        writer
+            .state(&state.to_bytes())
+            .map_err(|e| self.explain(e, answers))?;
+        writer.done().map_err(|e| self.explain(e, answers))?;
+        match read_answer(answers) {
+            Ok(Ok(())) => Ok(()),
+            Ok(Err(reason)) => Err(MigrationError::Refused(reason)),
+            Err(e) => Err(e.into()),
+        }
+    }
+}
+
+fn throughput(bytes: u64, time: Duration) -> f64 {
+    bytes as f64 / time.as_secs_f64().max(1e-6)
+}
