@@ -1,0 +1,20 @@
+//! A virtio-mem device for VMMs built on [`kvm_memslots`]: guest memory that grows and shrinks
+//! block by block at the guest driver's request, each plugged block one KVM slot.
+//!
+//! - [`mmio`]: the virtio-mmio transport (version 2), generic over [`VirtioDevice`]. A VMM
+//!   forwards vCPU MMIO exits in the device's window to [`MmioTransport::read`] and
+//!   [`MmioTransport::write`].
+//! - [`mem`]: the virtio-mem device, [`VirtioMem`], which plugs a block by adding a region of
+//!   one block (one KVM slot) to a [`kvm_memslots::MemoryManager`] and unplugs it by removing
+//!   that region.
+
+#![doc = include_str!("../README.md")]
+
+pub mod mem;
+pub mod mmio;
+
+pub use mem::{Error, PluggedBlock, RequestCounts, VirtioMem, VirtioMemOptions};
+pub use mmio::{
+    DriverError, Interrupt, MmioTransport, QueueOutcome, TransportError, VirtioDevice,
+    MMIO_WINDOW_SIZE,
+};
