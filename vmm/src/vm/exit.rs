@@ -17,6 +17,7 @@ use std::ops::Range;
 use kvm_memslots::GuestMemoryMap;
 use vm_memory::GuestAddress;
 
+use super::mmio::{MmioBus, MmioTarget};
 use super::ports::{PortBus, PortTarget};
 
 /// A vCPU exit, as far as the handler cares.
@@ -125,6 +126,8 @@ pub struct ExitContext<'a, D> {
     pub expected_mmio: Option<Range<u64>>,
     /// The devices behind the ports.
     pub ports: &'a PortBus<D>,
+    /// Device windows and absent memory, where there is no slot.
+    pub mmio: Option<&'a MmioBus>,
 }
 
 /// What the vCPU loop does next about an exit. `D` is the guest kind's device type.
@@ -171,6 +174,23 @@ pub enum ExitAction<D> {
     },
     /// A read of a port where nothing answers: the guest sees all ones.
     ReadAllOnes,
+    /// The guest read a device's MMIO window: the guest kind fills the exit's buffer.
+    MmioRead {
+        /// The device, as the guest kind numbers them.
+        device: usize,
+        /// Offset in its window.
+        offset: u64,
+    },
+    /// The guest wrote a device's MMIO window: the guest kind takes the exit's data.
+    MmioWrite {
+        /// The device.
+        device: usize,
+        /// Offset in its window.
+        offset: u64,
+    },
+    /// An access to memory that is absent on purpose (an unplugged virtio-mem block): count
+    /// it, a read sees all ones, a write is dropped, the guest goes on.
+    AbsentMemory,
     /// Something the VMM cannot go on from.
     Fatal(ExitError),
 }
@@ -287,6 +307,16 @@ fn handle_mmio<D>(
             slot: slot.id().0,
         });
     }
+    match ctx.mmio.and_then(|bus| bus.find(gpa)) {
+        Some(MmioTarget::Device { device, offset }) => {
+            return match write {
+                Some(_) => ExitAction::MmioWrite { device, offset },
+                None => ExitAction::MmioRead { device, offset },
+            }
+        }
+        Some(MmioTarget::Absent) => return ExitAction::AbsentMemory,
+        None => {}
+    }
     if ctx.expected_mmio.as_ref().is_some_and(|w| w.contains(&gpa)) {
         return ExitAction::CountExpected;
     }
@@ -342,14 +372,66 @@ mod tests {
         now: u64,
     ) -> ExitAction<char> {
         let map = m.load();
+        let mut mmio = MmioBus::new();
+        mmio.insert_device(0xd000_0000, 0x200, 7).expect("free");
+        mmio.insert_absent(0x1_0000_0000, 0x4000_0000)
+            .expect("free");
         let context = ExitContext {
             memory: &map,
             sequence_at_entry: at_entry,
             sequence_now: now,
             expected_mmio: Some(0x30_0000..0x30_1000),
             ports: bus,
+            mmio: Some(&mmio),
         };
         handle_exit(&exit, &context)
+    }
+
+    #[test]
+    fn device_windows_and_absent_memory_answer_where_there_is_no_slot() {
+        let m = memory();
+        let read = Exit::MmioRead {
+            gpa: 0xd000_0010,
+            len: 4,
+        };
+        assert_eq!(
+            decide(&m, read, 2, 2),
+            ExitAction::MmioRead {
+                device: 7,
+                offset: 0x10
+            }
+        );
+        let write = Exit::MmioWrite {
+            gpa: 0xd000_0050,
+            data: &[1, 0, 0, 0],
+        };
+        assert_eq!(
+            decide(&m, write, 2, 2),
+            ExitAction::MmioWrite {
+                device: 7,
+                offset: 0x50
+            }
+        );
+        let unplugged = Exit::MmioWrite {
+            gpa: 0x1_2000_0000,
+            data: &[1; 8],
+        };
+        assert_eq!(decide(&m, unplugged, 2, 2), ExitAction::AbsentMemory);
+        // While a block is being plugged the access waits for the change, then finds memory
+        // or, if the block stayed unplugged, absent memory.
+        let racing = Exit::MmioRead {
+            gpa: 0x1_2000_0000,
+            len: 8,
+        };
+        assert_eq!(decide(&m, racing, 2, 3), ExitAction::WaitForChange);
+        let past = Exit::MmioRead {
+            gpa: 0xd000_0200,
+            len: 4,
+        };
+        assert!(matches!(
+            decide(&m, past, 2, 2),
+            ExitAction::Fatal(ExitError::UnexpectedMmio { .. })
+        ));
     }
 
     fn decide(

@@ -3,6 +3,7 @@
 //! ([`ports`]).
 
 pub mod exit;
+pub mod mmio;
 pub mod ports;
 pub mod state;
 pub mod vcpu;

@@ -17,6 +17,7 @@ use vm_memory::Bytes;
 use vmm_sys_util::eventfd::EventFd;
 
 use super::exit::{handle_exit, Exit, ExitAction, ExitContext, ExitError};
+use super::mmio::MmioBus;
 use super::ports::PortBus;
 use super::state::{StateError, VcpuState};
 
@@ -63,6 +64,8 @@ pub struct ExitCounters {
     pub read_only_writes: AtomicU64,
     /// Exits on a full dirty ring.
     pub dirty_ring_full: AtomicU64,
+    /// Accesses to memory that is absent on purpose (unplugged virtio-mem blocks).
+    pub absent_memory: AtomicU64,
 }
 
 /// What the host and a vCPU thread share.
@@ -278,6 +281,29 @@ pub trait VcpuPorts: Send {
         data: &mut [u8],
     ) -> Result<Flow, Self::Error>;
 
+    /// Device windows and absent memory where there is no slot (none by default).
+    fn mmio(&self) -> Option<&MmioBus> {
+        None
+    }
+
+    /// The guest reads `data.len()` bytes of MMIO device `device` at `offset`: fill `data`.
+    fn mmio_read(
+        &mut self,
+        device: usize,
+        offset: u64,
+        data: &mut [u8],
+    ) -> Result<Flow, Self::Error> {
+        let _ = (device, offset);
+        data.fill(0xff);
+        Ok(Flow::Continue)
+    }
+
+    /// The guest writes `data` to MMIO device `device` at `offset`.
+    fn mmio_write(&mut self, device: usize, offset: u64, data: &[u8]) -> Result<Flow, Self::Error> {
+        let _ = (device, offset, data);
+        Ok(Flow::Continue)
+    }
+
     /// The guest writes `data` to `device` at `offset`. `vcpu` is the vCPU, out of
     /// `KVM_RUN`: a device that blocks here (the test guest between commands) may read or set
     /// its state meanwhile.
@@ -481,6 +507,7 @@ impl<P: VcpuPorts> Vcpu<P> {
                     sequence_now,
                     expected_mmio,
                     ports: ports.bus(),
+                    mmio: ports.mmio(),
                 };
                 match handle_exit(&exit, &ctx) {
                     ExitAction::WaitForChange => {
@@ -542,6 +569,40 @@ impl<P: VcpuPorts> Vcpu<P> {
                         buffer.fill(0xff);
                     }
                     Flow::Continue
+                }
+                ExitAction::AbsentMemory => {
+                    if let Some(buffer) = buffer {
+                        buffer.fill(0xff);
+                    }
+                    if counters.absent_memory.fetch_add(1, Ordering::Relaxed) == 0 {
+                        let gpa = match exit {
+                            Exit::MmioRead { gpa, .. } | Exit::MmioWrite { gpa, .. } => gpa,
+                            _ => 0,
+                        };
+                        eprintln!(
+                            "tinyvmm: vCPU {vcpu} touched absent (unplugged) memory at {gpa:#x}; \
+                             reads see all ones, writes are dropped (reported once per vCPU)"
+                        );
+                    }
+                    Flow::Continue
+                }
+                ExitAction::MmioRead { device, offset } => {
+                    let buffer = buffer.expect("an MMIO read has a buffer");
+                    ports
+                        .mmio_read(device, offset, buffer)
+                        .map_err(device_error)?
+                }
+                ExitAction::MmioWrite { device, offset } => {
+                    let Exit::MmioWrite { data, .. } = exit else {
+                        unreachable!("an MMIO write comes from an MmioWrite exit")
+                    };
+                    // At most 8 bytes: copied out of the run area, as for ports.
+                    let mut bytes = [0u8; 8];
+                    let len = data.len().min(bytes.len());
+                    bytes[..len].copy_from_slice(&data[..len]);
+                    ports
+                        .mmio_write(device, offset, &bytes[..len])
+                        .map_err(device_error)?
                 }
                 ExitAction::PortRead { device, offset } => {
                     let buffer = buffer.expect("a port read has a buffer");

@@ -1,0 +1,151 @@
+//! Guest-physical ranges with no memory slot that something other than memory answers: a
+//! device's MMIO window (a virtio-mmio transport, say), or memory that is deliberately absent
+//! (the unplugged blocks of a virtio-mem device, which have no KVM slot at all). The exit handler
+//! looks an MMIO exit up here after the memory map.
+
+use std::ops::Range;
+
+/// What answers an address of an [`MmioBus`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum MmioTarget {
+    /// The guest kind's device number `device`, at `offset` in its window.
+    Device {
+        /// The device, as the guest kind numbers them.
+        device: usize,
+        /// Offset in the device's window.
+        offset: u64,
+    },
+    /// Memory that is not there on purpose: reads see all ones, writes are dropped, and each
+    /// access is counted (a guest that touches unplugged memory is told nothing; the host
+    /// can see it).
+    Absent,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Kind {
+    Device(usize),
+    Absent,
+}
+
+/// Non-overlapping guest-physical ranges, each a device window or absent memory.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct MmioBus {
+    ranges: Vec<(Range<u64>, Kind)>,
+}
+
+/// Why a range cannot join a bus.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("guest range [{start:#x}, {end:#x}) is empty, wraps, or overlaps another MMIO range")]
+pub struct MmioBusError {
+    /// Its start.
+    pub start: u64,
+    /// Its end.
+    pub end: u64,
+}
+
+impl MmioBus {
+    /// An empty bus.
+    pub fn new() -> Self {
+        MmioBus::default()
+    }
+
+    fn insert(&mut self, start: u64, len: u64, kind: Kind) -> Result<(), MmioBusError> {
+        let end = start.checked_add(len).filter(|_| len > 0);
+        let error = MmioBusError {
+            start,
+            end: end.unwrap_or(u64::MAX),
+        };
+        let end = end.ok_or(error.clone())?;
+        if self
+            .ranges
+            .iter()
+            .any(|(r, _)| r.start < end && start < r.end)
+        {
+            return Err(error);
+        }
+        let at = self.ranges.partition_point(|(r, _)| r.start < start);
+        self.ranges.insert(at, (start..end, kind));
+        Ok(())
+    }
+
+    /// Maps `len` bytes from `start` to device number `device`.
+    pub fn insert_device(
+        &mut self,
+        start: u64,
+        len: u64,
+        device: usize,
+    ) -> Result<(), MmioBusError> {
+        self.insert(start, len, Kind::Device(device))
+    }
+
+    /// Marks `len` bytes from `start` as absent memory.
+    pub fn insert_absent(&mut self, start: u64, len: u64) -> Result<(), MmioBusError> {
+        self.insert(start, len, Kind::Absent)
+    }
+
+    /// What answers `gpa`, if anything.
+    pub fn find(&self, gpa: u64) -> Option<MmioTarget> {
+        let at = self.ranges.partition_point(|(r, _)| r.start <= gpa);
+        let (range, kind) = self.ranges.get(at.checked_sub(1)?)?;
+        if !range.contains(&gpa) {
+            return None;
+        }
+        Some(match *kind {
+            Kind::Device(device) => MmioTarget::Device {
+                device,
+                offset: gpa - range.start,
+            },
+            Kind::Absent => MmioTarget::Absent,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn lookups_find_the_range_and_the_offset() {
+        let mut bus = MmioBus::new();
+        bus.insert_absent(0x1_0000_0000, 0x4000_0000).expect("free");
+        bus.insert_device(0xd000_0000, 0x200, 3).expect("free");
+        assert_eq!(bus.find(0xcfff_ffff), None);
+        assert_eq!(
+            bus.find(0xd000_0000),
+            Some(MmioTarget::Device {
+                device: 3,
+                offset: 0
+            })
+        );
+        assert_eq!(
+            bus.find(0xd000_01ff),
+            Some(MmioTarget::Device {
+                device: 3,
+                offset: 0x1ff
+            })
+        );
+        assert_eq!(bus.find(0xd000_0200), None);
+        assert_eq!(bus.find(0x1_0000_0000), Some(MmioTarget::Absent));
+        assert_eq!(bus.find(0x1_3fff_ffff), Some(MmioTarget::Absent));
+        assert_eq!(bus.find(0x1_4000_0000), None);
+        assert_eq!(bus.find(0), None);
+    }
+
+    #[test]
+    fn overlapping_empty_or_wrapping_ranges_are_refused() {
+        let mut bus = MmioBus::new();
+        bus.insert_device(0x1000, 0x1000, 0).expect("free");
+        assert!(bus.insert_device(0x1800, 0x100, 1).is_err());
+        assert!(bus.insert_absent(0x0, 0x1001).is_err());
+        assert!(bus.insert_absent(0x2000, 0).is_err());
+        assert!(bus.insert_absent(u64::MAX - 10, 100).is_err());
+        bus.insert_absent(0x2000, 0x1000).expect("adjacent is fine");
+        assert_eq!(
+            bus.find(0x1fff),
+            Some(MmioTarget::Device {
+                device: 0,
+                offset: 0xfff
+            })
+        );
+    }
+}
