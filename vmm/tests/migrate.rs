@@ -89,7 +89,7 @@ impl Vmm {
         let pid = self.child.as_ref().expect("spawned").id();
         // A zombie still has a /proc entry: look at its state.
         std::fs::read_to_string(format!("/proc/{pid}/stat"))
-            .is_ok_and(|s| !s.split(' ').nth(2).is_some_and(|state| state == "Z"))
+            .is_ok_and(|s| s.split(' ').nth(2).is_none_or(|state| state != "Z"))
     }
 
     fn call(&self, method: &str, path: &str, body: Option<Value>) -> (u16, Value) {
@@ -101,7 +101,10 @@ impl Vmm {
 
     fn ok(&self, method: &str, path: &str, body: Option<Value>) -> Value {
         let (status, answer) = self.call(method, path, body);
-        assert!((200..300).contains(&status), "{method} {path}: {status} {answer}");
+        assert!(
+            (200..300).contains(&status),
+            "{method} {path}: {status} {answer}"
+        );
         answer
     }
 
@@ -114,7 +117,10 @@ impl Vmm {
     fn wait(&mut self, timeout: Duration) -> Output {
         let deadline = Instant::now() + timeout;
         while self.running() {
-            assert!(Instant::now() < deadline, "tinyvmm did not exit in {timeout:?}");
+            assert!(
+                Instant::now() < deadline,
+                "tinyvmm did not exit in {timeout:?}"
+            );
             std::thread::sleep(Duration::from_millis(20));
         }
         self.child
@@ -173,7 +179,10 @@ fn watch(source: &Vmm, until: impl Fn(&Value) -> bool) -> Value {
         if until(&info) {
             return info;
         }
-        assert!(Instant::now() < deadline, "the migration never got there: {info}");
+        assert!(
+            Instant::now() < deadline,
+            "the migration never got there: {info}"
+        );
         std::thread::sleep(Duration::from_millis(20));
     }
 }
@@ -256,7 +265,10 @@ fn migrate_a_writing_guest(name: &str, slots: usize, dirty_ring: Option<&str>, d
     let output = source.wait(Duration::from_secs(60));
     let stderr = String::from_utf8_lossy(&output.stderr);
     assert_eq!(output.status.code(), Some(0), "{info} {stderr}");
-    assert!(stderr.contains("runs on the migration's destination"), "{stderr}");
+    assert!(
+        stderr.contains("runs on the migration's destination"),
+        "{stderr}"
+    );
 
     destination.wait_for_api();
     let after = destination.ok("GET", "/memory", None);
@@ -321,9 +333,7 @@ fn kvm_a_writing_guest_migrates_at_kvms_slot_count() {
     // pages in about a millisecond, and collecting and resetting that many ring entries takes
     // this host's emulated KVM some 600 ms: no 300 ms pause could hold it, and the default
     // budget would time out (correctly). This test is about every slot arriving intact.
-    let max = kvm_ioctls::Kvm::new()
-        .expect("/dev/kvm")
-        .get_nr_memslots();
+    let max = kvm_ioctls::Kvm::new().expect("/dev/kvm").get_nr_memslots();
     migrate_a_writing_guest("max", max - 34, Some("65536"), 5000);
 }
 
@@ -342,8 +352,7 @@ fn never_converging(name: &str) -> (Vmm, u64) {
 
 #[test]
 fn kvm_the_source_runs_on_when_the_destination_dies() {
-    if !kvm_test_support::require_kvm("tinyvmm::kvm_the_source_runs_on_when_the_destination_dies")
-    {
+    if !kvm_test_support::require_kvm("tinyvmm::kvm_the_source_runs_on_when_the_destination_dies") {
         return;
     }
     let (source, end) = never_converging("dst-dies");
@@ -369,7 +378,7 @@ fn kvm_the_source_runs_on_when_the_destination_dies() {
         "/guest/command",
         Some(guest("write_loop", AREA, end, 500)),
     );
-    let (mut second, listen) = Vmm::receive("dst-dies-2", &[]);
+    let (second, listen) = Vmm::receive("dst-dies-2", &[]);
     let (status, answer) = migrate(&source, &listen, json!({}));
     assert_eq!(status, 204, "{answer}");
     let mut source = source;
@@ -417,7 +426,9 @@ fn kvm_a_client_cancels_and_a_timeout_cancels() {
     assert_eq!(status, 204, "{answer}");
     let info = watch(&source, |i| phase(i) == "cancelled");
     assert!(
-        info["error"].as_str().is_some_and(|e| e.contains("cancelled")),
+        info["error"]
+            .as_str()
+            .is_some_and(|e| e.contains("cancelled")),
         "{info}"
     );
     // Dirty logging is off again: it was off before.
