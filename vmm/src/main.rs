@@ -679,6 +679,16 @@ struct BootArgs {
     /// Do not print the e820 map and the command line the VMM built (on stderr).
     #[arg(long)]
     quiet: bool,
+    /// MiB of hotpluggable memory behind a virtio-mem device above RAM (none plugged at boot;
+    /// `PATCH /hotplug/memory` on --api-sock asks the guest to plug).
+    #[arg(long)]
+    hotplug_mib: Option<u64>,
+    /// The virtio-mem block size in MiB (a power of two, at least 2; default 2).
+    #[arg(long)]
+    hotplug_block_mib: Option<u64>,
+    /// An API socket while the guest runs: /memory, /hotplug/memory, /actions.
+    #[arg(long)]
+    api_sock: Option<std::path::PathBuf>,
     #[command(flatten)]
     limits: LimitArgs,
 }
@@ -708,6 +718,9 @@ fn boot(args: BootArgs) -> ExitCode {
     config.mem_holes |= args.mem_holes;
     config.timeout_secs = args.timeout.or(config.timeout_secs);
     config.protocol = args.protocol.unwrap_or(config.protocol);
+    config.hotplug_mib = args.hotplug_mib.unwrap_or(config.hotplug_mib);
+    config.hotplug_block_mib = args.hotplug_block_mib.unwrap_or(config.hotplug_block_mib);
+    config.api_sock = args.api_sock.or(config.api_sock);
     let console = Console {
         output: Box::new(std::io::stdout()),
         stdin: true,

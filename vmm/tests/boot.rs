@@ -337,6 +337,51 @@ fn boot_debian_kernel_with_ram_in_64_slots_through_the_64_bit_entry() {
 }
 
 #[test]
+fn boot_debian_kernel_with_a_virtio_mem_area_kept_out_of_its_e820() {
+    let test = "tinyvmm::boot_debian_kernel_with_a_virtio_mem_area_kept_out_of_its_e820";
+    if !ready(test) {
+        return;
+    }
+    let Some((_, vmlinux)) = debian_kernel(test) else {
+        return;
+    };
+    let config = BootConfig {
+        kernel: vmlinux,
+        cmdline: CMDLINE.to_owned(),
+        timeout_secs: Some(TIMEOUT_SECS),
+        hotplug_mib: 1024,
+        ..BootConfig::default()
+    };
+    let (report, log) = run(&config, Some(AFTER_E820));
+    check_ending(&report, &log);
+    // The kernel got the device's place on its command line ...
+    let command_line: Vec<&str> = log
+        .lines()
+        .filter_map(|l| l.split_once("] Command line: ").map(|(_, c)| c.trim_end()))
+        .collect();
+    assert_eq!(command_line, [report.cmdline.as_str()], "{log}");
+    assert!(
+        report
+            .cmdline
+            .contains("virtio_mmio.device=512@0xd0000000:5"),
+        "{}",
+        report.cmdline
+    );
+    // ... and no RAM where the hotplug area is: it has no slot until the guest plugs.
+    assert_eq!(
+        lines_in_log(&log, "BIOS-e820"),
+        kernel_lines(&report.e820, "BIOS-e820"),
+        "{log}"
+    );
+    assert!(
+        report.e820.iter().all(|e| e.end() <= 4 << 30),
+        "{:?}",
+        report.e820
+    );
+    assert_eq!(report.slots, 1, "RAM only: nothing plugged");
+}
+
+#[test]
 fn boot_debian_kernel_with_ram_in_4096_slots() {
     let test = "tinyvmm::boot_debian_kernel_with_ram_in_4096_slots";
     if !ready(test) {

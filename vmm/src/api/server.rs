@@ -15,7 +15,7 @@ use vmm_sys_util::timerfd::TimerFd;
 
 use crate::api::http::{self, Parsed, Response, MAX_BODY_BYTES, MAX_HEADER_BYTES};
 use crate::api::routes::{respond, route};
-use crate::controller::Controller;
+use crate::controller::{Controller, Outcome, Request as ControllerRequest};
 
 /// Why the API socket could not be created.
 #[derive(Debug, thiserror::Error)]
@@ -88,10 +88,10 @@ const READ_LIMIT: usize = 2 * (MAX_HEADER_BYTES + MAX_BODY_BYTES);
 
 /// The API socket's subscriber: the listener and every client connection.
 #[derive(Debug)]
-pub struct ApiServer {
+pub struct ApiServer<C = Controller> {
     listener: UnixListener,
     connections: HashMap<RawFd, Connection>,
-    controller: Controller,
+    controller: C,
     /// A file descriptor held in reserve. When the process runs out (`EMFILE`), a waiting client
     /// can be neither served nor left waiting (the listener would stay readable and the event
     /// loop spin): the server gives this one up to take the client, answers 503 and closes it.
@@ -105,9 +105,22 @@ pub struct ApiServer {
     sweep: Option<TimerFd>,
 }
 
-impl ApiServer {
+/// What the API server hands requests to: the test guest's [`Controller`], or a Linux guest's
+/// smaller one.
+pub trait Apply {
+    /// Applies `request`.
+    fn apply(&mut self, request: ControllerRequest) -> Outcome;
+}
+
+impl Apply for Controller {
+    fn apply(&mut self, request: ControllerRequest) -> Outcome {
+        Controller::apply(self, request)
+    }
+}
+
+impl<C: Apply> ApiServer<C> {
     /// Serves `listener` with `controller`.
-    pub fn new(listener: UnixListener, controller: Controller) -> Self {
+    pub fn new(listener: UnixListener, controller: C) -> Self {
         ApiServer {
             listener,
             connections: HashMap::new(),
@@ -165,7 +178,7 @@ impl ApiServer {
     }
 
     /// The controller.
-    pub fn controller_mut(&mut self) -> &mut Controller {
+    pub fn controller_mut(&mut self) -> &mut C {
         &mut self.controller
     }
 
@@ -315,7 +328,7 @@ impl ApiServer {
     }
 }
 
-impl MutEventSubscriber for ApiServer {
+impl<C: Apply> MutEventSubscriber for ApiServer<C> {
     fn process(&mut self, events: Events, ops: &mut EventOps) {
         let fd = events.fd();
         if fd == self.listener.as_raw_fd() {

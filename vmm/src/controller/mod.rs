@@ -78,6 +78,32 @@ pub enum Request {
     CancelMigration,
 }
 
+impl Request {
+    /// The request's route, for messages.
+    pub fn name(&self) -> &'static str {
+        match self {
+            Request::GetMemory => "GET /memory",
+            Request::AddRegion(_) => "PUT /memory/regions",
+            Request::RemoveRegion(_) => "DELETE /memory/regions/{id}",
+            Request::PatchRegion(..) => "PATCH /memory/regions/{id}",
+            Request::SwitchDirtyLog(_) => "PATCH /dirty-log",
+            Request::Harvest(_) => "POST /dirty-log/harvest",
+            Request::GetDirtyLog => "GET /dirty-log",
+            Request::GetHotplug => "GET /hotplug/memory",
+            Request::ConfigureHotplug(_) => "PUT /hotplug/memory",
+            Request::RequestHotplug(_) => "PATCH /hotplug/memory",
+            Request::Guest(_) => "PUT /guest/command",
+            Request::GetVm => "GET /vm",
+            Request::PatchVm(_) => "PATCH /vm",
+            Request::CreateSnapshot(_) => "PUT /snapshot/create",
+            Request::Act(_) => "PUT /actions",
+            Request::Migrate(_) => "PUT /migrate",
+            Request::GetMigration => "GET /migrate",
+            Request::CancelMigration => "PUT /migrate/cancel",
+        }
+    }
+}
+
 /// What a request produced.
 #[derive(Debug, Clone, PartialEq)]
 pub enum Reply {
@@ -386,41 +412,7 @@ impl Controller {
     }
 
     fn memory_info(&self) -> MemoryInfo {
-        let memory = self.vm.memory();
-        let usage = memory.slot_usage();
-        let regions = memory
-            .regions()
-            .iter()
-            .map(|r| RegionInfo {
-                id: r.id.0,
-                guest_address: r.gpa.0,
-                size: r.size,
-                host_address: r.hva.0,
-                slots: r.slots,
-                read_only: r.flags.read_only,
-                dirty_log: r.flags.log_dirty,
-                backing: if r.shared { "memfd" } else { "anonymous" },
-            })
-            .collect();
-        let limits = memory.limits();
-        let used = memory.memory_use();
-        MemoryInfo {
-            slots: SlotCounts {
-                used: usage.used,
-                free: usage.free,
-                max: usage.max,
-            },
-            limits: Limits {
-                max_guest_memory: limits.max_guest_memory,
-                max_region_size: limits.max_region_size,
-                max_metadata: limits.max_metadata,
-            },
-            used: MemoryUse {
-                guest_memory: used.guest_memory,
-                metadata: used.metadata,
-            },
-            regions,
-        }
+        memory_info(self.vm.memory())
     }
 
     /// The first free place for `size` bytes at or above [`AUTO_PLACE_BASE`], aligned to the
@@ -1026,6 +1018,44 @@ impl Controller {
             }),
             Err(e) => guest_outcome(Err(e)),
         }
+    }
+}
+
+/// `GET /memory` for any VM's memory.
+pub fn memory_info(memory: &kvm_memslots::MemoryManager<kvm_memslots::KvmVm>) -> MemoryInfo {
+    let usage = memory.slot_usage();
+    let regions = memory
+        .regions()
+        .iter()
+        .map(|r| RegionInfo {
+            id: r.id.0,
+            guest_address: r.gpa.0,
+            size: r.size,
+            host_address: r.hva.0,
+            slots: r.slots,
+            read_only: r.flags.read_only,
+            dirty_log: r.flags.log_dirty,
+            backing: if r.shared { "memfd" } else { "anonymous" },
+        })
+        .collect();
+    let limits = memory.limits();
+    let used = memory.memory_use();
+    MemoryInfo {
+        slots: SlotCounts {
+            used: usage.used,
+            free: usage.free,
+            max: usage.max,
+        },
+        limits: Limits {
+            max_guest_memory: limits.max_guest_memory,
+            max_region_size: limits.max_region_size,
+            max_metadata: limits.max_metadata,
+        },
+        used: MemoryUse {
+            guest_memory: used.guest_memory,
+            metadata: used.metadata,
+        },
+        regions,
     }
 }
 

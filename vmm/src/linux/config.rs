@@ -30,7 +30,7 @@ pub enum BootProtocol {
 /// ```json
 /// { "kernel": "vmlinuz", "initramfs": "initrd.cpio.gz", "cmdline": "console=ttyS0",
 ///   "vcpus": 1, "mem_mib": 512, "mem_slots": 4096, "mem_holes": false, "timeout_secs": 30,
-///   "protocol": "auto" }
+///   "protocol": "auto", "hotplug_mib": 1024, "hotplug_block_mib": 2, "api_sock": "api.sock" }
 /// ```
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
@@ -54,6 +54,13 @@ pub struct BootConfig {
     pub timeout_secs: Option<f64>,
     /// How to enter the kernel.
     pub protocol: BootProtocol,
+    /// MiB of hotpluggable memory behind a virtio-mem device (0: no device). Nothing of it is
+    /// plugged at boot; `PATCH /hotplug/memory` on the API socket asks the guest to plug.
+    pub hotplug_mib: u64,
+    /// The virtio-mem device's block size in MiB (a power of two, at least 2).
+    pub hotplug_block_mib: u64,
+    /// An API socket (`/hotplug/memory`, `/memory`, `/vm`, `/actions`) while the guest runs.
+    pub api_sock: Option<PathBuf>,
 }
 
 impl Default for BootConfig {
@@ -68,6 +75,9 @@ impl Default for BootConfig {
             mem_holes: false,
             timeout_secs: None,
             protocol: BootProtocol::Auto,
+            hotplug_mib: 0,
+            hotplug_block_mib: 2,
+            api_sock: None,
         }
     }
 }
@@ -128,12 +138,22 @@ pub enum ConfigError {
     /// A timeout that is no positive number of seconds.
     #[error("timeout {0} is not a positive number of seconds")]
     Timeout(f64),
+    /// The hotplug area or its block size is not one virtio-mem can offer.
+    #[error("hotplug_mib {mib} must be a multiple of hotplug_block_mib {block}, which must be a power of two of at least 2, and at most {max} MiB", max = MAX_HOTPLUG_MIB)]
+    Hotplug {
+        /// The area's size.
+        mib: u64,
+        /// The block size.
+        block: u64,
+    },
 }
 
 /// The least RAM: a bzImage decompresses itself at 16 MiB into some 50 MiB.
 pub const MIN_MEM_MIB: u64 = 128;
 /// The most RAM (1 TiB).
 pub const MAX_MEM_MIB: u64 = 1 << 20;
+/// The largest hotplug area (1 TiB).
+pub const MAX_HOTPLUG_MIB: u64 = 1 << 20;
 
 impl BootConfig {
     /// Reads a configuration from a JSON file (unknown fields are refused) and validates it.
@@ -191,6 +211,18 @@ impl BootConfig {
                 return Err(ConfigError::Timeout(t));
             }
         }
+        let block = self.hotplug_block_mib;
+        if self.hotplug_mib > 0
+            && (block < 2
+                || !block.is_power_of_two()
+                || self.hotplug_mib % block != 0
+                || self.hotplug_mib > MAX_HOTPLUG_MIB)
+        {
+            return Err(ConfigError::Hotplug {
+                mib: self.hotplug_mib,
+                block,
+            });
+        }
         Ok(())
     }
 }
@@ -240,6 +272,21 @@ mod tests {
             ..valid()
         })
         .contains("cannot be split into 3 KVM slots"));
+        for (mib, block) in [(100, 3), (100, 64), (3, 1), (MAX_HOTPLUG_MIB * 2, 2)] {
+            assert!(check(BootConfig {
+                hotplug_mib: mib,
+                hotplug_block_mib: block,
+                ..valid()
+            })
+            .contains(&format!("hotplug_mib {mib} must be a multiple")));
+        }
+        BootConfig {
+            hotplug_mib: 1024,
+            hotplug_block_mib: 2,
+            ..valid()
+        }
+        .validate()
+        .expect("1 GiB in 2 MiB blocks");
         assert!(check(BootConfig {
             mem_mib: 128,
             mem_holes: true,

@@ -13,6 +13,7 @@ pub mod config;
 pub mod console;
 pub mod cpu;
 pub mod e820;
+pub mod hotplug;
 pub mod layout;
 pub mod loader;
 pub mod mptable;
@@ -65,6 +66,12 @@ pub enum BootError {
     /// The event loop could not be set up.
     #[error(transparent)]
     Loop(#[from] LoopError),
+    /// The hotplug device could not be set up.
+    #[error(transparent)]
+    Hotplug(#[from] hotplug::HotplugError),
+    /// The API socket could not be created.
+    #[error(transparent)]
+    Api(#[from] crate::api::server::SocketError),
     /// A vCPU thread could not be started.
     #[error("starting vCPU thread {vcpu} failed: {source}")]
     Thread {
@@ -210,12 +217,21 @@ pub fn boot(
     }
     let regions = memory.regions();
     let e820 = e820::build(&regions);
+    // The hotplug area has no region until the guest plugs: it stays out of the e820 map.
+    let hotplug = match config.hotplug_mib {
+        0 => None,
+        mib => Some(hotplug::setup(&vm, mib, config.hotplug_block_mib)?),
+    };
+    let mut cmdline = config.cmdline.clone();
+    if let Some(hotplug) = &hotplug {
+        cmdline.push_str(&hotplug.cmdline);
+    }
     let snapshot = memory.snapshot();
     let loaded = loader::load(
         &*snapshot,
         &config.kernel,
         config.initramfs.as_deref(),
-        &config.cmdline,
+        &cmdline,
         e820,
         config.protocol,
     )?;
@@ -252,9 +268,22 @@ pub fn boot(
         input: terminal.as_ref().map(|_| std::io::stdin().as_raw_fd()),
     })));
 
+    let api_stop = Arc::new(AtomicBool::new(false));
+    if let Some(path) = &config.api_sock {
+        let listener = crate::api::server::bind_api_socket(path)?;
+        let controller = hotplug::LinuxController::new(
+            Arc::clone(memory),
+            hotplug.as_ref().map(|h| Arc::clone(&h.device)),
+            Arc::clone(&api_stop),
+        );
+        event_loop.add(Arc::new(Mutex::new(crate::api::server::ApiServer::new(
+            listener, controller,
+        ))));
+    }
     let ports = LinuxPorts {
         devices: Arc::clone(&devices),
         bus,
+        hotplug: hotplug.map(|h| (h.device, h.mmio)),
     };
     let mut vcpus = Vec::new();
     for index in 0..config.vcpus {
@@ -307,8 +336,12 @@ pub fn boot(
             Some(d) => d.saturating_duration_since(Instant::now()),
             None => Duration::from_secs(1),
         };
-        // A caller's stop request is polled.
-        let most = if stop_request.is_some() { 20 } else { 1000 };
+        // A caller's or a client's stop request is polled.
+        let most = if stop_request.is_some() || config.api_sock.is_some() {
+            20
+        } else {
+            1000
+        };
         let wait_ms = wait.as_millis().clamp(1, most) as i32;
         if event_loop.dispatch(wait_ms) == Some(crate::lifecycle::Ending::Interrupted) {
             break BootEnding::Interrupted;
@@ -316,9 +349,10 @@ pub fn boot(
         if reset_seen.load(Ordering::Acquire) {
             break BootEnding::Reset;
         }
-        if stop_request
-            .as_ref()
-            .is_some_and(|s| s.load(Ordering::Acquire))
+        if api_stop.load(Ordering::Acquire)
+            || stop_request
+                .as_ref()
+                .is_some_and(|s| s.load(Ordering::Acquire))
         {
             break BootEnding::Stopped;
         }
@@ -340,6 +374,9 @@ pub fn boot(
     };
     stop_vcpus(threads);
     devices.flush();
+    if let Some(path) = &config.api_sock {
+        let _ = std::fs::remove_file(path);
+    }
     drop(terminal);
     report.ending = ending;
     Ok(report)

@@ -135,8 +135,24 @@ pub struct Desc {
     pub next: u16,
 }
 
-pub struct Driver<K: KvmMemory> {
-    pub device: MmioTransport<VirtioMem<K>>,
+/// How the driver reaches the device's registers: as a vCPU's MMIO exits would, at offsets in
+/// the device's window. The transport itself, or a VMM's exit path in front of it.
+pub trait Registers {
+    fn read(&mut self, offset: u64, data: &mut [u8]);
+    fn write(&mut self, offset: u64, data: &[u8]);
+}
+
+impl<K: KvmMemory> Registers for MmioTransport<VirtioMem<K>> {
+    fn read(&mut self, offset: u64, data: &mut [u8]) {
+        MmioTransport::read(self, offset, data)
+    }
+    fn write(&mut self, offset: u64, data: &[u8]) {
+        MmioTransport::write(self, offset, data)
+    }
+}
+
+pub struct Driver<K: KvmMemory, R = MmioTransport<VirtioMem<K>>> {
+    pub device: R,
     pub memory: Arc<MemoryManager<K>>,
     pub layout: Layout,
     /// Our copy of the available ring's idx.
@@ -145,12 +161,8 @@ pub struct Driver<K: KvmMemory> {
     used_seen: u16,
 }
 
-impl<K: KvmMemory> Driver<K> {
-    pub fn new(
-        device: MmioTransport<VirtioMem<K>>,
-        memory: Arc<MemoryManager<K>>,
-        layout: Layout,
-    ) -> Self {
+impl<K: KvmMemory, R: Registers> Driver<K, R> {
+    pub fn new(device: R, memory: Arc<MemoryManager<K>>, layout: Layout) -> Self {
         Driver {
             device,
             memory,

@@ -1,0 +1,202 @@
+//! Memory hotplug for a Linux guest: a virtio-mem device (kvm-virtio-mem) on the virtio-mmio
+//! transport, which Linux's `virtio_mem` driver drives, and the API that sets how much of it
+//! the guest should plug.
+//!
+//! The hotplug area starts at the first GiB boundary above RAM (and above 4 GiB); it has no
+//! slot and is not in the e820 map. Each block the guest plugs becomes a region of one KVM
+//! slot; unplugged blocks have none and their memory goes back to the host. The device's
+//! window sits in the MMIO gap below 4 GiB, its interrupt is an irqfd on an IOAPIC pin, and
+//! the kernel learns both from `virtio_mmio.device=` on its command line. An access to an
+//! unplugged block is counted and answered as absent memory; the guest goes on.
+
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use kvm_memslots::{KvmVm, MemoryManager};
+use kvm_virtio_mem::{MmioTransport, VirtioMem, VirtioMemOptions, MMIO_WINDOW_SIZE};
+use vm_memory::GuestAddress;
+use vmm_sys_util::eventfd::EventFd;
+
+use super::layout::MMIO_GAP_END;
+use crate::api::server::Apply;
+use crate::api::types::{HotplugInfo, MemoryInfo};
+use crate::controller::{memory_info, ControllerError, Outcome, Reply, Request};
+use crate::vm::mmio::MmioBus;
+use crate::vm::{Vm, VmError};
+
+const MIB: u64 = 1 << 20;
+const GIB: u64 = 1 << 30;
+
+/// Where the device's MMIO window is (in the gap below 4 GiB, clear of the IOAPIC and LAPIC).
+pub const VIRTIO_MEM_MMIO: u64 = 0xd000_0000;
+/// The IOAPIC pin (GSI) of its interrupt.
+pub const VIRTIO_MEM_IRQ: u32 = 5;
+/// Its number on the Linux guest's MMIO bus.
+pub const VIRTIO_MEM_DEVICE: usize = 0;
+
+/// The virtio-mem device as the VMM holds it: shared by the vCPUs (MMIO exits) and the API.
+pub type VirtioMemDevice = Arc<Mutex<MmioTransport<VirtioMem<KvmVm>>>>;
+
+/// Why the hotplug device could not be set up.
+#[derive(Debug, thiserror::Error)]
+pub enum HotplugError {
+    /// The device refused its options (the area overlaps memory, or needs more slots than
+    /// are free).
+    #[error("the virtio-mem device: {0}")]
+    Device(#[from] kvm_virtio_mem::Error),
+    /// Its interrupt could not be set up.
+    #[error(transparent)]
+    Vm(#[from] VmError),
+    /// Its interrupt's eventfd could not be created.
+    #[error("creating the virtio-mem interrupt's eventfd failed: {0}")]
+    EventFd(std::io::Error),
+}
+
+/// The hotplug device and what the guest needs to find it.
+#[derive(Debug)]
+pub struct Hotplug {
+    /// The device.
+    pub device: VirtioMemDevice,
+    /// Its MMIO window and its area (absent memory where unplugged).
+    pub mmio: Arc<MmioBus>,
+    /// What the kernel command line gets.
+    pub cmdline: String,
+}
+
+/// Where a hotplug area goes for RAM ending at `ram_end`: the first GiB boundary at or above
+/// both it and 4 GiB.
+pub fn area_base(ram_end: u64) -> u64 {
+    ram_end.max(MMIO_GAP_END).next_multiple_of(GIB)
+}
+
+/// Sets the device up on `vm` for `size_mib` MiB in blocks of `block_mib` MiB, above RAM.
+pub fn setup(vm: &Vm, size_mib: u64, block_mib: u64) -> Result<Hotplug, HotplugError> {
+    let memory = vm.memory();
+    let ram_end = memory
+        .regions()
+        .iter()
+        .map(|r| r.gpa.0 + r.size)
+        .max()
+        .unwrap_or(0);
+    let base = area_base(ram_end);
+    let options = VirtioMemOptions::new(GuestAddress(base), size_mib * MIB, block_mib * MIB);
+    let device = VirtioMem::new(Arc::clone(memory), options)?;
+    let interrupt = EventFd::new(0).map_err(HotplugError::EventFd)?;
+    vm.fd()
+        .register_irqfd(&interrupt, VIRTIO_MEM_IRQ)
+        .map_err(VmError::setup("KVM_IRQFD for virtio-mem"))?;
+    let transport = device.into_mmio(Box::new(interrupt));
+    let mut mmio = MmioBus::new();
+    mmio.insert_device(VIRTIO_MEM_MMIO, MMIO_WINDOW_SIZE, VIRTIO_MEM_DEVICE)
+        .expect("the device window is in the free MMIO gap");
+    mmio.insert_absent(base, size_mib * MIB)
+        .expect("the area lies above RAM and the window");
+    Ok(Hotplug {
+        device: Arc::new(Mutex::new(transport)),
+        mmio: Arc::new(mmio),
+        cmdline: format!(
+            " virtio_mmio.device={}@{VIRTIO_MEM_MMIO:#x}:{VIRTIO_MEM_IRQ} memhp_default_state=online_movable",
+            MMIO_WINDOW_SIZE
+        ),
+    })
+}
+
+fn lock(device: &VirtioMemDevice) -> MutexGuard<'_, MmioTransport<VirtioMem<KvmVm>>> {
+    device.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// `GET /hotplug/memory` for the device.
+pub fn hotplug_info(device: &VirtioMemDevice) -> HotplugInfo {
+    let transport = lock(device);
+    let mem = transport.device();
+    let region = mem.region();
+    HotplugInfo {
+        total_size_mib: (region.end - region.start) / MIB,
+        block_size_mib: mem.block_size() / MIB,
+        slot_size_mib: mem.block_size() / MIB,
+        plugged_size_mib: mem.plugged_size() / MIB,
+        requested_size_mib: mem.requested_size() / MIB,
+        guest_address: region.start,
+        mapped_slots: mem.plugged_blocks().len(),
+    }
+}
+
+/// What a Linux guest's API socket offers: its memory, its hotplug device, and a stop.
+#[derive(Debug)]
+pub struct LinuxController {
+    memory: Arc<MemoryManager<KvmVm>>,
+    hotplug: Option<VirtioMemDevice>,
+    stop: Arc<std::sync::atomic::AtomicBool>,
+}
+
+impl LinuxController {
+    /// A controller over `memory` and `hotplug`; a client's stop sets `stop`.
+    pub fn new(
+        memory: Arc<MemoryManager<KvmVm>>,
+        hotplug: Option<VirtioMemDevice>,
+        stop: Arc<std::sync::atomic::AtomicBool>,
+    ) -> Self {
+        LinuxController {
+            memory,
+            hotplug,
+            stop,
+        }
+    }
+
+    fn device(&self) -> Result<&VirtioMemDevice, ControllerError> {
+        self.hotplug.as_ref().ok_or_else(|| {
+            ControllerError::not_found(
+                "no hotplug device: boot with --hotplug-mib to give the guest a virtio-mem device",
+            )
+        })
+    }
+
+    fn memory_info(&self) -> MemoryInfo {
+        memory_info(&self.memory)
+    }
+}
+
+impl Apply for LinuxController {
+    fn apply(&mut self, request: Request) -> Outcome {
+        match request {
+            Request::GetMemory => Ok(Reply::Memory(self.memory_info())),
+            Request::GetHotplug => Ok(Reply::Hotplug(hotplug_info(self.device()?))),
+            Request::RequestHotplug(request) => {
+                let device = self.device()?;
+                let bytes = request.requested_size_mib.checked_mul(MIB).ok_or_else(|| {
+                    ControllerError::bad(format!(
+                        "requested_size_mib {} is too large",
+                        request.requested_size_mib
+                    ))
+                })?;
+                // The guest plugs or unplugs on its own time; GET shows how far it got.
+                lock(device)
+                    .set_requested_size(bytes)
+                    .map_err(ControllerError::bad)?;
+                Ok(Reply::Done)
+            }
+            Request::ConfigureHotplug(_) => Err(ControllerError::conflict(
+                "a Linux guest's hotplug device is configured at boot (--hotplug-mib, --hotplug-block-mib)",
+            )),
+            Request::Act(_) => {
+                self.stop.store(true, std::sync::atomic::Ordering::Release);
+                Ok(Reply::Done)
+            }
+            other => Err(ControllerError::not_found(format!(
+                "{} is for the test guest (tinyvmm serve); a Linux guest's API has /memory, /hotplug/memory and /actions",
+                other.name()
+            ))),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_area_starts_on_a_gib_above_ram_and_4_gib() {
+        assert_eq!(area_base(512 * MIB), 4 * GIB);
+        assert_eq!(area_base(5 * GIB), 5 * GIB);
+        assert_eq!(area_base(5 * GIB + 1), 6 * GIB);
+    }
+}

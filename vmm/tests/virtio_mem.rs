@@ -1,0 +1,281 @@
+//! A Linux guest's virtio-mem device as tinyvmm wires it, on /dev/kvm: the spec-written driver
+//! model (kvm-virtio-mem's tests) reaches the device only through the vCPU exit path — the exit
+//! handler's MMIO routing and the Linux guest kind's MMIO entry points — and the API's
+//! `/hotplug/memory` sets the size it plugs to. No Linux here (this host cannot run a kernel
+//! past its console; see boot.rs for the boot tests): the driver model stands in for its
+//! `virtio_mem` driver.
+
+#[path = "../../crates/kvm-virtio-mem/tests/support/driver.rs"]
+#[allow(
+    missing_docs,
+    missing_debug_implementations,
+    clippy::unwrap_used,
+    clippy::undocumented_unsafe_blocks
+)]
+mod driver;
+
+use std::sync::atomic::AtomicBool;
+use std::sync::Arc;
+
+use driver::{
+    Driver, Layout, Registers, CFG_ADDR, CFG_PLUGGED_SIZE, CFG_REQUESTED_SIZE, INT_CONFIG,
+    RESP_ACK, RESP_NACK, STATE_PLUGGED, STATE_UNPLUGGED,
+};
+use kvm_memslots::{KvmVm, MemoryManager, RegionSpec};
+use tinyvmm::api::server::Apply;
+use tinyvmm::api::types::{HotplugConfig, HotplugRequest, RegionInfo};
+use tinyvmm::controller::{ControllerError, ErrorKind, Reply, Request};
+use tinyvmm::devices::legacy::LegacyDevices;
+use tinyvmm::linux::hotplug::{self, LinuxController, VIRTIO_MEM_MMIO};
+use tinyvmm::linux::ports::LinuxPorts;
+use tinyvmm::vm::exit::{handle_exit, Exit, ExitAction, ExitContext};
+use tinyvmm::vm::vcpu::VcpuPorts;
+use tinyvmm::vm::{Vm, VmOptions};
+use vm_memory::{Bytes, GuestAddress, GuestAddressSpace};
+use vmm_sys_util::eventfd::EventFd;
+
+const MIB: u64 = 1 << 20;
+
+/// The device as a vCPU reaches it: an MMIO exit at the window's address, decided by the exit
+/// handler against the memory map and the guest kind's MMIO bus, then handed to the guest
+/// kind's ports.
+struct ExitPath {
+    ports: LinuxPorts,
+    memory: Arc<MemoryManager<KvmVm>>,
+}
+
+impl ExitPath {
+    /// What the exit handler decides for an access at `gpa`.
+    fn decide(&self, gpa: u64, read_len: Option<usize>, write: &[u8]) -> ExitAction<()> {
+        let map = self.memory.load();
+        let sequence = self.memory.change_sequence();
+        let exit = match read_len {
+            Some(len) => Exit::MmioRead { gpa, len },
+            None => Exit::MmioWrite { gpa, data: write },
+        };
+        let bus = tinyvmm::vm::ports::PortBus::new(tinyvmm::vm::ports::Unmapped::Absent);
+        let ctx = ExitContext {
+            memory: &map,
+            sequence_at_entry: sequence,
+            sequence_now: sequence,
+            expected_mmio: None,
+            ports: &bus,
+            mmio: self.ports.mmio(),
+        };
+        handle_exit(&exit, &ctx)
+    }
+}
+
+impl Registers for ExitPath {
+    fn read(&mut self, offset: u64, data: &mut [u8]) {
+        match self.decide(VIRTIO_MEM_MMIO + offset, Some(data.len()), &[]) {
+            ExitAction::MmioRead { device, offset } => {
+                self.ports
+                    .mmio_read(device, offset, data)
+                    .expect("the device answers");
+            }
+            other => panic!("a read of the device window became {other:?}"),
+        }
+    }
+
+    fn write(&mut self, offset: u64, data: &[u8]) {
+        match self.decide(VIRTIO_MEM_MMIO + offset, None, data) {
+            ExitAction::MmioWrite { device, offset } => {
+                self.ports
+                    .mmio_write(device, offset, data)
+                    .expect("the device takes it");
+            }
+            other => panic!("a write to the device window became {other:?}"),
+        }
+    }
+}
+
+fn patch(controller: &mut LinuxController, mib: u64) -> Result<Reply, ControllerError> {
+    controller.apply(Request::RequestHotplug(HotplugRequest {
+        requested_size_mib: mib,
+    }))
+}
+
+fn info(controller: &mut LinuxController) -> tinyvmm::api::types::HotplugInfo {
+    match controller.apply(Request::GetHotplug) {
+        Ok(Reply::Hotplug(info)) => info,
+        other => panic!("GET /hotplug/memory: {other:?}"),
+    }
+}
+
+fn regions(controller: &mut LinuxController) -> Vec<RegionInfo> {
+    match controller.apply(Request::GetMemory) {
+        Ok(Reply::Memory(memory)) => memory.regions,
+        other => panic!("GET /memory: {other:?}"),
+    }
+}
+
+#[test]
+fn kvm_the_api_sizes_virtio_mem_and_the_guest_plugs_through_mmio_exits() {
+    if !kvm_test_support::require_kvm(
+        "tinyvmm::kvm_the_api_sizes_virtio_mem_and_the_guest_plugs_through_mmio_exits",
+    ) {
+        return;
+    }
+    let vm = Vm::new(VmOptions {
+        irqchip: true,
+        ..VmOptions::default()
+    })
+    .expect("a VM");
+    let memory = Arc::clone(vm.memory());
+    memory
+        .add_region(RegionSpec::new(GuestAddress(0), 256 * MIB))
+        .expect("RAM");
+    // 1 GiB in 2 MiB blocks, above RAM at 4 GiB.
+    let hotplug = hotplug::setup(&vm, 1024, 2).expect("the device");
+    assert!(
+        hotplug
+            .cmdline
+            .contains(&format!("virtio_mmio.device=512@{VIRTIO_MEM_MMIO:#x}:5")),
+        "{}",
+        hotplug.cmdline
+    );
+    let devices = Arc::new(LegacyDevices::new(
+        Box::new(std::io::sink()),
+        EventFd::new(0).expect("eventfd"),
+        EventFd::new(0).expect("eventfd"),
+    ));
+    let ports = LinuxPorts {
+        devices,
+        bus: Arc::new(LegacyDevices::bus()),
+        hotplug: Some((Arc::clone(&hotplug.device), Arc::clone(&hotplug.mmio))),
+    };
+    let path = ExitPath {
+        ports,
+        memory: Arc::clone(&memory),
+    };
+    let mut guest = Driver::new(
+        path,
+        Arc::clone(&memory),
+        Layout {
+            base: 16 * MIB,
+            size: 128,
+        },
+    );
+    guest.init();
+    let base = guest.config64(CFG_ADDR);
+    assert_eq!(base, 4 << 30, "the area starts at 4 GiB");
+    let mut api = LinuxController::new(
+        Arc::clone(&memory),
+        Some(Arc::clone(&hotplug.device)),
+        Arc::new(AtomicBool::new(false)),
+    );
+
+    // The API asks for 64 MiB: the guest hears of it (config change) and plugs it.
+    assert!(matches!(patch(&mut api, 64), Ok(Reply::Done)));
+    assert_ne!(
+        guest.take_interrupt() & INT_CONFIG,
+        0,
+        "a config-change interrupt"
+    );
+    assert_eq!(guest.config64(CFG_REQUESTED_SIZE), 64 * MIB);
+    assert_eq!(
+        info(&mut api).plugged_size_mib,
+        0,
+        "nothing plugged before the guest acts"
+    );
+    assert_eq!(guest.plug(base, 16), RESP_ACK);
+    assert_eq!(guest.plug(base + 32 * MIB, 16), RESP_ACK);
+    assert_eq!(
+        guest.plug(base + 64 * MIB, 1),
+        RESP_NACK,
+        "past the requested size"
+    );
+    let plugged = info(&mut api);
+    assert_eq!(
+        (
+            plugged.plugged_size_mib,
+            plugged.requested_size_mib,
+            plugged.mapped_slots
+        ),
+        (64, 64, 32),
+        "{plugged:?}"
+    );
+    assert_eq!(guest.config64(CFG_PLUGGED_SIZE), 64 * MIB);
+    // Each plugged block is a region of one KVM slot; the rest of the area has none.
+    let now = regions(&mut api);
+    let in_area: Vec<&RegionInfo> = now.iter().filter(|r| r.guest_address >= base).collect();
+    assert_eq!(in_area.len(), 32);
+    assert!(in_area.iter().all(|r| r.size == 2 * MIB && r.slots == 1));
+    // Plugged memory is memory; an unplugged block is absent memory: the guest goes on.
+    let snapshot = memory.handle().memory();
+    snapshot
+        .write_obj(0x1234_5678u64, GuestAddress(base + 63 * MIB))
+        .expect("plugged memory is writable");
+    assert_eq!(
+        snapshot
+            .read_obj::<u64>(GuestAddress(base + 63 * MIB))
+            .expect("and readable"),
+        0x1234_5678
+    );
+    drop(snapshot);
+    assert_eq!(
+        guest.device.decide(base + 64 * MIB, Some(8), &[]),
+        ExitAction::AbsentMemory
+    );
+    assert_eq!(
+        guest.device.decide(base + 1023 * MIB, None, &[1; 8]),
+        ExitAction::AbsentMemory
+    );
+    assert_eq!(guest.state(base, 32), (RESP_ACK, STATE_PLUGGED));
+
+    // Bad sizes are refused with what is wrong, and change nothing.
+    for (mib, says) in [(3, "multiple"), (2048, "region")] {
+        let error = patch(&mut api, mib).expect_err("refused");
+        assert_eq!(error.kind, ErrorKind::BadRequest, "{error:?}");
+        assert!(error.message.contains(says), "{mib}: {}", error.message);
+    }
+    assert_eq!(info(&mut api).requested_size_mib, 64);
+    let configure = api.apply(Request::ConfigureHotplug(HotplugConfig {
+        total_size_mib: 128,
+        block_size_mib: 2,
+        slot_size_mib: None,
+    }));
+    assert_eq!(
+        configure.expect_err("configured at boot").kind,
+        ErrorKind::Conflict
+    );
+    let test_guest_only = api.apply(Request::GetDirtyLog).expect_err("not here");
+    assert!(
+        test_guest_only.message.contains("GET /dirty-log"),
+        "{}",
+        test_guest_only.message
+    );
+
+    // Down to nothing: the guest unplugs, and the slots go.
+    assert!(matches!(patch(&mut api, 0), Ok(Reply::Done)));
+    assert_ne!(guest.take_interrupt() & INT_CONFIG, 0);
+    assert_eq!(guest.unplug(base, 16), RESP_ACK);
+    assert_eq!(guest.unplug_all(), RESP_ACK);
+    assert_eq!(guest.state(base, 32), (RESP_ACK, STATE_UNPLUGGED));
+    let unplugged = info(&mut api);
+    assert_eq!((unplugged.plugged_size_mib, unplugged.mapped_slots), (0, 0));
+    assert_eq!(regions(&mut api).len(), 1, "only RAM is left");
+    assert_eq!(
+        guest.device.decide(base, Some(8), &[]),
+        ExitAction::AbsentMemory
+    );
+}
+
+#[test]
+fn kvm_a_hotplug_area_needing_more_slots_than_are_free_is_refused() {
+    if !kvm_test_support::require_kvm(
+        "tinyvmm::kvm_a_hotplug_area_needing_more_slots_than_are_free_is_refused",
+    ) {
+        return;
+    }
+    let vm = Vm::new(VmOptions::default()).expect("a VM");
+    vm.memory()
+        .add_region(RegionSpec::new(GuestAddress(0), 256 * MIB))
+        .expect("RAM");
+    // 64 GiB in 2 MiB blocks: 32768 slots, more than KVM has.
+    let error = hotplug::setup(&vm, 65536, 2).expect_err("refused");
+    let message = error.to_string();
+    assert!(message.contains("32768"), "{message}");
+    assert_eq!(vm.memory().regions().len(), 1, "nothing was added");
+}
