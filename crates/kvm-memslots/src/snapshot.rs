@@ -22,7 +22,7 @@ use std::os::unix::fs::FileExt;
 use std::sync::Arc;
 
 use serde::{Deserialize, Serialize};
-use vm_memory::GuestAddress;
+use vm_memory::{FileOffset, GuestAddress};
 
 use crate::dirty::DirtyPages;
 use crate::error::Error;
@@ -270,10 +270,7 @@ impl MemoryLayout {
     /// or the rings drained in ring mode; then its mapping unmapped). A remove that fails is
     /// ignored: its region stays, and the add's error is returned.
     pub fn build<K: KvmMemory>(&self, memory: &MemoryManager<K>) -> Result<Vec<RegionId>, Error> {
-        self.build_with(memory, |r| match r.backing {
-            BackingKind::Anonymous => Backing::Anonymous,
-            BackingKind::Shared => Backing::Memfd,
-        })
+        self.build_with(memory, fresh_backing)
     }
 
     /// As [`build`](Self::build), each region mapped privately from `memory_file` at its
@@ -314,8 +311,31 @@ impl MemoryLayout {
         let mut clones = clones.into_iter();
         Ok(self.build_with(memory, |r| {
             let file = clones.next().expect("one per region");
-            Backing::PrivateFile(vm_memory::FileOffset::new(file, r.file_offset))
+            Backing::PrivateFile(FileOffset::new(file, r.file_offset))
         })?)
+    }
+
+    /// Adds the layout's regions to `memory` as [`build`](Self::build) does, except that
+    /// region `i` maps `handed[&i]` (a file or memfd another process handed over, shared) instead
+    /// of fresh memory: its contents are the other process's, nothing to copy. All or nothing.
+    ///
+    /// # KVM calls
+    ///
+    /// As [`build`](Self::build); a handed-over region's `mmap` is a shared mapping of its file.
+    pub fn build_handed_over<K: KvmMemory>(
+        &self,
+        memory: &MemoryManager<K>,
+        handed: &std::collections::HashMap<usize, FileOffset>,
+    ) -> Result<Vec<RegionId>, Error> {
+        let mut index = 0;
+        self.build_with(memory, |r| {
+            let backing = match handed.get(&index) {
+                Some(file) => Backing::File(file.clone()),
+                None => fresh_backing(r),
+            };
+            index += 1;
+            backing
+        })
     }
 
     fn build_with<K: KvmMemory>(
@@ -341,6 +361,14 @@ impl MemoryLayout {
             }
         }
         Ok(added)
+    }
+}
+
+/// Fresh memory of the kind a layout region had.
+fn fresh_backing(r: &RegionLayout) -> Backing {
+    match r.backing {
+        BackingKind::Anonymous => Backing::Anonymous,
+        BackingKind::Shared => Backing::Memfd,
     }
 }
 

@@ -3,10 +3,15 @@
 //! A stream is a sequence of records, each a header (kind, payload length, CRC-32 of kind,
 //! length and payload; little-endian) and its payload:
 //!
-//! - **Hello**: the stream's magic and [`STREAM_VERSION`], then the sender's [`MemoryLayout`]
-//!   (its own framed, checksummed bytes). Always first. The receiver checks the layout against
-//!   its own before any memory moves ([`check_layout`]) and refuses a mismatch with the first
-//!   difference.
+//! - **Hello**: the stream's magic and [`STREAM_VERSION`], flags, then the sender's
+//!   [`MemoryLayout`] (its own framed, checksummed bytes). Always first. The receiver checks the
+//!   layout against its own before any memory moves ([`check_layout`]) and refuses a mismatch
+//!   with the first difference. A flag says the sender hands its shared memory over.
+//! - **Handover** (only right after a Hello that says so): which of the layout's shared
+//!   regions (memfd or file) the sender hands over, each as the layout's index and the offset
+//!   in a file that travels beside the record (`SCM_RIGHTS` on a Unix socket: the transport's
+//!   part); at most [`MAX_HANDOVER`] per record. Every shared region is handed over; their pages
+//!   never travel.
 //! - **Pages**: a run of whole pages at an offset of the layout's memory file (so each page
 //!   lands in the region with the same place in both layouts, wherever the region sits in the
 //!   guest), at most [`MAX_RUN`] bytes.
@@ -31,16 +36,22 @@ use crate::dirty::DirtyPages;
 use crate::kvm::KvmMemory;
 use crate::manager::MemoryManager;
 use crate::memory::RegionMemory;
-use crate::snapshot::{content_runs, mappings, MemoryLayout, SnapshotError};
+use crate::snapshot::{content_runs, mappings, BackingKind, MemoryLayout, SnapshotError};
 use crate::PAGE_SIZE;
 
 /// The stream format's version; a stream of another version is refused.
-pub const STREAM_VERSION: u32 = 1;
+pub const STREAM_VERSION: u32 = 2;
 
 /// The largest run of pages one record carries (bytes).
 pub const MAX_RUN: u64 = 1 << 20;
 
+/// The most regions one Handover record hands over: the kernel passes at most 253 file
+/// descriptors in one message.
+pub const MAX_HANDOVER: usize = 250;
+
 const MAGIC: &[u8; 8] = b"KVMSMIG\0";
+/// Hello flag: the sender hands its shared regions over (Handover records follow).
+const HANDS_OVER: u32 = 1;
 /// Kind (1), reserved (3), payload length (4), CRC-32 (4).
 const HEADER: usize = 12;
 /// The largest payload any record may announce: a run and its offset, or a layout or state of
@@ -53,6 +64,7 @@ const STATE: u8 = 3;
 const ROUND_END: u8 = 4;
 const DONE: u8 = 5;
 const ANSWER: u8 = 6;
+const HANDOVER: u8 = 7;
 
 /// Why a stream could not be written or read.
 #[derive(Debug, thiserror::Error)]
@@ -94,7 +106,16 @@ fn io_error(what: impl Into<String>) -> impl FnOnce(io::Error) -> StreamError {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Record {
     /// The sender's memory layout (the version was checked).
-    Hello(MemoryLayout),
+    Hello {
+        /// The layout.
+        layout: MemoryLayout,
+        /// The sender hands its shared regions over: Handover records come next, until
+        /// every shared region has its file.
+        hands_over: bool,
+    },
+    /// Shared regions handed over: (index in the layout, offset in its file), in the order
+    /// their files travel beside the record.
+    Handover(Vec<(u32, u64)>),
     /// Pages at an offset of the layout's memory file.
     Pages {
         /// Offset in the layout's memory file.
@@ -219,6 +240,8 @@ pub struct StreamWriter<W: Write> {
     round: u32,
     round_pages: u64,
     buf: Vec<u8>,
+    /// Regions handed over (by layout index): their pages are never sent.
+    handed: Vec<bool>,
 }
 
 impl<W: Write> StreamWriter<W> {
@@ -230,6 +253,7 @@ impl<W: Write> StreamWriter<W> {
             round: 1,
             round_pages: 0,
             buf: Vec::new(),
+            handed: Vec::new(),
         }
     }
 
@@ -244,15 +268,75 @@ impl<W: Write> StreamWriter<W> {
 
     /// Sends the Hello record with `layout`, which every later page refers to.
     pub fn hello(&mut self, layout: &MemoryLayout) -> Result<(), StreamError> {
+        self.hello_with(layout, 0)
+    }
+
+    /// As [`hello`](Self::hello), saying that Handover records follow at once
+    /// ([`handover`](Self::handover)): the sender hands every shared region over instead of
+    /// sending its pages.
+    pub fn hello_handing_over(&mut self, layout: &MemoryLayout) -> Result<(), StreamError> {
+        self.hello_with(layout, HANDS_OVER)
+    }
+
+    fn hello_with(&mut self, layout: &MemoryLayout, flags: u32) -> Result<(), StreamError> {
         if self.layout.is_some() {
             return Err(StreamError::Format("a second Hello".into()));
         }
         self.record(
             HELLO,
-            &[MAGIC, &STREAM_VERSION.to_le_bytes(), &layout.to_bytes()],
+            &[
+                MAGIC,
+                &STREAM_VERSION.to_le_bytes(),
+                &flags.to_le_bytes(),
+                &layout.to_bytes(),
+            ],
         )?;
         self.layout = Some(layout.clone());
         Ok(())
+    }
+
+    /// Sends a Handover record for `regions` (index in the layout, offset in its file; at most
+    /// [`MAX_HANDOVER`]). The files must travel beside this record's bytes: the caller's
+    /// writer attaches them to its next write (on a Unix socket, `SCM_RIGHTS`).
+    pub fn handover(&mut self, regions: &[(u32, u64)]) -> Result<(), StreamError> {
+        let layout = self.layout()?;
+        if regions.is_empty() || regions.len() > MAX_HANDOVER {
+            return Err(StreamError::Format(format!(
+                "a Handover record holds 1 to {MAX_HANDOVER} regions, not {}",
+                regions.len()
+            )));
+        }
+        if let Some((index, _)) = regions.iter().find(|(i, _)| {
+            layout
+                .regions
+                .get(*i as usize)
+                .is_none_or(|r| r.backing != BackingKind::Shared)
+        }) {
+            return Err(StreamError::Format(format!(
+                "region {index} of the layout is not a shared region"
+            )));
+        }
+        let mut payload = Vec::with_capacity(regions.len() * 12);
+        for (index, offset) in regions {
+            payload.extend_from_slice(&index.to_le_bytes());
+            payload.extend_from_slice(&offset.to_le_bytes());
+        }
+        let count = layout.regions.len();
+        self.record(HANDOVER, &[&payload])?;
+        self.handed.resize(count, false);
+        for (index, _) in regions {
+            self.handed[*index as usize] = true;
+        }
+        Ok(())
+    }
+
+    fn is_handed(&self, index: usize) -> bool {
+        self.handed.get(index).copied().unwrap_or(false)
+    }
+
+    /// The writer, to attach what travels beside a record (files on a Unix socket).
+    pub fn get_mut(&mut self) -> &mut W {
+        &mut self.out
     }
 
     fn layout(&self) -> Result<&MemoryLayout, StreamError> {
@@ -301,7 +385,10 @@ impl<W: Write> StreamWriter<W> {
         let layout = self.layout()?.clone();
         let regions = mappings(memory, &layout)?;
         let mut stats = SendStats::default();
-        for (r, region) in layout.regions.iter().zip(&regions) {
+        for (index, (r, region)) in layout.regions.iter().zip(&regions).enumerate() {
+            if self.is_handed(index) {
+                continue;
+            }
             for run in content_runs(region)? {
                 self.send_run(
                     region,
@@ -332,6 +419,9 @@ impl<W: Write> StreamWriter<W> {
                     d.region
                 ))
             })?;
+            if self.is_handed(index) {
+                continue;
+            }
             let file_offset = layout.regions[index].file_offset;
             for run in d.ranges() {
                 let offset = run.start - d.gpa.0;
@@ -379,6 +469,10 @@ pub struct StreamReader<R: Read> {
     round: u32,
     round_pages: u64,
     done: bool,
+    /// With a handover: which of the layout's regions still wait for theirs.
+    unhanded: Vec<bool>,
+    /// Which were handed over: no page may come for them.
+    handed: Vec<bool>,
 }
 
 impl<R: Read> StreamReader<R> {
@@ -390,6 +484,8 @@ impl<R: Read> StreamReader<R> {
             round: 1,
             round_pages: 0,
             done: false,
+            unhanded: Vec::new(),
+            handed: Vec::new(),
         }
     }
 
@@ -412,6 +508,11 @@ impl<R: Read> StreamReader<R> {
                 "a record of kind {kind} before Hello"
             )));
         }
+        if kind != HANDOVER && self.unhanded.iter().any(|&u| u) {
+            return Err(StreamError::Format(format!(
+                "a record of kind {kind} before every shared region was handed over"
+            )));
+        }
         match kind {
             HELLO => {
                 if self.layout.is_some() {
@@ -428,9 +529,59 @@ impl<R: Read> StreamReader<R> {
                         "stream version {version}; this build reads version {STREAM_VERSION}"
                     )));
                 }
-                let layout = MemoryLayout::from_bytes(&payload[12..])?;
+                if payload.len() < 16 {
+                    return Err(short("Hello"));
+                }
+                let flags = u32::from_le_bytes(payload[12..16].try_into().expect("4 bytes"));
+                if flags & !HANDS_OVER != 0 {
+                    return Err(StreamError::Format(format!(
+                        "unknown Hello flags {flags:#x}"
+                    )));
+                }
+                let layout = MemoryLayout::from_bytes(&payload[16..])?;
+                let hands_over = flags & HANDS_OVER != 0;
+                self.handed = vec![false; layout.regions.len()];
+                self.unhanded = if hands_over {
+                    layout
+                        .regions
+                        .iter()
+                        .map(|r| r.backing == BackingKind::Shared)
+                        .collect()
+                } else {
+                    Vec::new()
+                };
                 self.layout = Some(layout.clone());
-                Ok(Record::Hello(layout))
+                Ok(Record::Hello { layout, hands_over })
+            }
+            HANDOVER => {
+                if payload.is_empty() || payload.len() % 12 != 0 {
+                    return Err(short("Handover"));
+                }
+                if !self.unhanded.iter().any(|&u| u) {
+                    return Err(StreamError::Format(
+                        "a Handover record where the Hello announced none, or after every \
+                         shared region was handed over"
+                            .into(),
+                    ));
+                }
+                let mut regions = Vec::with_capacity(payload.len() / 12);
+                for entry in payload.chunks_exact(12) {
+                    let index = u32::from_le_bytes(entry[..4].try_into().expect("4 bytes"));
+                    let offset = u64::from_le_bytes(entry[4..].try_into().expect("8 bytes"));
+                    match self.unhanded.get_mut(index as usize) {
+                        Some(owed) if *owed => {
+                            *owed = false;
+                            self.handed[index as usize] = true;
+                        }
+                        _ => {
+                            return Err(StreamError::Format(format!(
+                                "region {index} is not a shared region still to hand over"
+                            )))
+                        }
+                    }
+                    regions.push((index, offset));
+                }
+                Ok(Record::Handover(regions))
             }
             PAGES => {
                 if payload.len() < 8 {
@@ -439,12 +590,18 @@ impl<R: Read> StreamReader<R> {
                 let offset = u64::from_le_bytes(payload[..8].try_into().expect("8 bytes"));
                 let len = (payload.len() - 8) as u64;
                 let layout = self.layout.as_ref().expect("checked above");
-                let inside = layout.regions.iter().any(|r| {
+                let region = layout.regions.iter().position(|r| {
                     offset >= r.file_offset
                         && offset
                             .checked_add(len)
                             .is_some_and(|end| end <= r.file_offset + r.size)
                 });
+                if region.is_some_and(|i| self.handed.get(i).copied().unwrap_or(false)) {
+                    return Err(StreamError::Format(format!(
+                        "pages at offset {offset:#x} are in a region that was handed over"
+                    )));
+                }
+                let inside = region.is_some();
                 if len == 0 || len % PAGE_SIZE != 0 || offset % PAGE_SIZE != 0 || !inside {
                     return Err(StreamError::Format(format!(
                         "pages at offset {offset:#x} of length {len:#x} are not whole pages \
@@ -544,4 +701,27 @@ pub fn apply_pages<K: KvmMemory>(
                 gpa.0
             ))
         })
+}
+
+/// The file (memfd or the caller's) and offset behind each shared region of `layout` in
+/// `memory`, by layout index: what a sender hands over ([`StreamWriter::handover`]).
+pub fn shared_files<K: KvmMemory>(
+    memory: &MemoryManager<K>,
+    layout: &MemoryLayout,
+) -> Result<Vec<(u32, vm_memory::FileOffset)>, StreamError> {
+    let regions = mappings(memory, layout)?;
+    let mut files = Vec::new();
+    for (index, (r, region)) in layout.regions.iter().zip(&regions).enumerate() {
+        if r.backing != BackingKind::Shared {
+            continue;
+        }
+        let file = region.file_offset().ok_or_else(|| {
+            StreamError::Format(format!(
+                "region at guest {:#x} is shared but has no file",
+                r.gpa
+            ))
+        })?;
+        files.push((index as u32, file.clone()));
+    }
+    Ok(files)
 }

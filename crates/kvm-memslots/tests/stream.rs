@@ -8,10 +8,11 @@ use std::thread;
 
 use kvm_memslots::snapshot::MemoryLayout;
 use kvm_memslots::stream::{
-    apply_pages, check_layout, Record, StreamError, StreamReader, StreamWriter, MAX_RUN,
+    apply_pages, check_layout, read_answer, send_answer, shared_files, Record, StreamError,
+    StreamReader, StreamWriter, MAX_HANDOVER, MAX_RUN,
 };
 use kvm_memslots::testing::FakeKvm;
-use kvm_memslots::{MemoryManager, RegionSpec, SlotFlags, Target, PAGE_SIZE};
+use kvm_memslots::{Backing, MemoryManager, RegionSpec, SlotFlags, Target, PAGE_SIZE};
 use vm_memory::{Bytes, GuestAddress, GuestAddressSpace};
 
 const MIB: u64 = 1 << 20;
@@ -63,7 +64,7 @@ type Received = (MemoryManager<FakeKvm>, Vec<u8>, Vec<u64>);
 /// Receives a whole stream into a manager built from its layout.
 fn receive(input: impl Read) -> Result<Received, StreamError> {
     let mut reader = StreamReader::new(input);
-    let Some(Record::Hello(layout)) = reader.next_record()? else {
+    let Some(Record::Hello { layout, .. }) = reader.next_record()? else {
         panic!("Hello comes first");
     };
     let m = MemoryManager::new(FakeKvm::new(512, true));
@@ -76,7 +77,7 @@ fn receive(input: impl Read) -> Result<Received, StreamError> {
             Record::State(s) => state = s,
             Record::RoundEnd { pages, .. } => rounds.push(pages),
             Record::Done => {}
-            Record::Hello(_) => unreachable!("refused by the reader"),
+            Record::Hello { .. } | Record::Handover(_) => unreachable!("refused by the reader"),
         }
     }
     Ok((m, state, rounds))
@@ -197,8 +198,8 @@ fn another_version_or_kind_of_stream_is_refused_with_the_reason() {
     writer.hello(&MemoryLayout::of(&src)).unwrap();
     let mut stream = writer.get_ref().clone();
     // The version sits after the 12-byte header and the 8-byte magic; fix the checksum up as
-    // a sender of version 2 would have computed it.
-    stream[20] = 2;
+    // a sender of version 9 would have computed it.
+    stream[20] = 9;
     let len = u32::from_le_bytes(stream[4..8].try_into().unwrap());
     let mut crc = crc32fast::Hasher::new();
     crc.update(&[stream[0]]);
@@ -208,7 +209,7 @@ fn another_version_or_kind_of_stream_is_refused_with_the_reason() {
     let err = read_all(&stream).unwrap_err().to_string();
     assert_eq!(
         err,
-        "invalid stream: stream version 2; this build reads version 1"
+        "invalid stream: stream version 9; this build reads version 2"
     );
     let err = read_all(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n").unwrap_err();
     assert!(
@@ -293,4 +294,122 @@ fn long_runs_are_cut_into_records_of_at_most_max_run() {
     let stats = writer.send_all(&src).unwrap();
     assert_eq!(stats.bytes, 3 * MIB);
     assert_eq!(stats.records, 3 * MIB / MAX_RUN);
+}
+
+#[test]
+fn answers_go_back_and_a_bad_one_is_refused() {
+    let mut wire = Vec::new();
+    send_answer(&mut wire, Ok(())).unwrap();
+    send_answer(&mut wire, Err("no room for 9 GiB")).unwrap();
+    let mut input = Cursor::new(wire.clone());
+    assert_eq!(read_answer(&mut input).unwrap(), Ok(()));
+    assert_eq!(
+        read_answer(&mut input).unwrap(),
+        Err("no room for 9 GiB".to_string())
+    );
+    // A flipped byte, or a record that is not an answer.
+    let mut flipped = wire.clone();
+    flipped[12] ^= 1;
+    assert!(read_answer(&mut Cursor::new(flipped))
+        .unwrap_err()
+        .to_string()
+        .contains("corrupted"));
+    let err = read_answer(&mut Cursor::new(sample_stream())).unwrap_err();
+    assert!(
+        err.to_string().contains("expected the receiver's answer"),
+        "{err}"
+    );
+}
+
+/// A source with a memfd region between two anonymous ones.
+fn shared_source() -> MemoryManager<FakeKvm> {
+    let m = MemoryManager::new(FakeKvm::new(512, true));
+    m.add_region(RegionSpec::new(GuestAddress(MIB), MIB))
+        .expect("the fake takes it");
+    m.add_region(RegionSpec::new(GuestAddress(4 * MIB), 2 * MIB).with_backing(Backing::Memfd))
+        .expect("the fake takes it");
+    m.add_region(RegionSpec::new(GuestAddress(8 * MIB), MIB))
+        .expect("the fake takes it");
+    m
+}
+
+#[test]
+fn a_handover_shares_the_memfd_and_only_the_rest_is_copied() {
+    let src = shared_source();
+    guest_write(&src, MIB, 1);
+    guest_write(&src, 4 * MIB + 0x3000, 2);
+    guest_write(&src, 8 * MIB, 3);
+    let layout = MemoryLayout::of(&src);
+    let files = shared_files(&src, &layout).unwrap();
+    assert_eq!(files.len(), 1);
+    assert_eq!(files[0].0, 1, "the middle region is the shared one");
+    let mut writer = StreamWriter::new(Vec::new());
+    writer.hello_handing_over(&layout).unwrap();
+    writer
+        .handover(&[(files[0].0, files[0].1.start())])
+        .unwrap();
+    let sent = writer.send_all(&src).unwrap();
+    assert_eq!(
+        sent.bytes,
+        2 * PAGE_SIZE,
+        "the two anonymous pages, not the memfd's"
+    );
+    writer.end_round().unwrap();
+    writer.done().unwrap();
+
+    let mut reader = StreamReader::new(Cursor::new(writer.get_ref().clone()));
+    let Some(Record::Hello { layout, hands_over }) = reader.next_record().unwrap() else {
+        panic!("Hello first");
+    };
+    assert!(hands_over);
+    let Some(Record::Handover(regions)) = reader.next_record().unwrap() else {
+        panic!("the Handover next");
+    };
+    assert_eq!(regions, vec![(1, files[0].1.start())]);
+    // The receiver maps the same memfd (here: the same process's file).
+    let handed = [(1usize, files[0].1.clone())].into_iter().collect();
+    let dst = MemoryManager::new(FakeKvm::new(512, true));
+    layout.build_handed_over(&dst, &handed).unwrap();
+    while let Some(record) = reader.next_record().unwrap() {
+        if let Record::Pages { offset, data } = record {
+            apply_pages(&dst, &layout, offset, &data).unwrap();
+        }
+    }
+    assert_eq!(read(&dst, MIB), 1);
+    assert_eq!(read(&dst, 8 * MIB), 3);
+    assert_eq!(read(&dst, 4 * MIB + 0x3000), 2, "shared, not copied");
+    // One memory: a write on one side is there on the other.
+    guest_write(&src, 4 * MIB + 0x5000, 9);
+    assert_eq!(read(&dst, 4 * MIB + 0x5000), 9);
+}
+
+#[test]
+fn handovers_out_of_place_are_refused() {
+    let src = shared_source();
+    let layout = MemoryLayout::of(&src);
+    // A Hello that announced none.
+    let mut writer = StreamWriter::new(Vec::new());
+    writer.hello(&layout).unwrap();
+    writer.handover(&[(1, 0)]).unwrap();
+    let err = read_all(writer.get_ref()).unwrap_err().to_string();
+    assert!(err.contains("announced none"), "{err}");
+    // Pages before every shared region was handed over.
+    let mut writer = StreamWriter::new(Vec::new());
+    writer.hello_handing_over(&layout).unwrap();
+    writer.send_all(&src).unwrap();
+    writer.end_round().unwrap();
+    let err = read_all(writer.get_ref()).unwrap_err().to_string();
+    assert!(err.contains("before every shared region"), "{err}");
+    // An anonymous region, or one twice: the writer refuses the first, the reader the second.
+    let mut writer = StreamWriter::new(Vec::new());
+    writer.hello_handing_over(&layout).unwrap();
+    assert!(writer.handover(&[(0, 0)]).is_err());
+    assert!(writer.handover(&[]).is_err());
+    assert!(writer.handover(&vec![(1, 0); MAX_HANDOVER + 1]).is_err());
+    writer.handover(&[(1, 0), (1, 0)]).unwrap();
+    let err = read_all(writer.get_ref()).unwrap_err().to_string();
+    assert!(
+        err.contains("not a shared region still to hand over"),
+        "{err}"
+    );
 }
