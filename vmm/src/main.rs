@@ -72,6 +72,10 @@ struct ServeArgs {
     /// each) instead of per-slot bitmaps: a harvest then costs what was dirtied.
     #[arg(long)]
     dirty_ring: Option<u32>,
+    /// Put the initial memory in a memfd (shared; a local migration hands it over instead of
+    /// copying it) rather than in anonymous memory.
+    #[arg(long)]
+    memfd: bool,
     #[command(flatten)]
     limits: LimitArgs,
 }
@@ -624,6 +628,7 @@ fn serve_config(args: ServeArgs, restore: Option<tinyvmm::jobs::serve::RestoreFr
         idle_timeout,
         limits: None,
         dirty_ring: args.dirty_ring,
+        memfd: args.memfd,
         restore,
     };
     let path = config.api_sock.display().to_string();

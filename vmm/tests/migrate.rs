@@ -211,12 +211,22 @@ fn stop_and_verify(vmm: &Vmm, start: u64, end: u64) -> u64 {
 
 /// A guest writing across `slots` slots migrates while it writes; every slot, a hotplugged
 /// region and a read-only region verify on the destination, and the source exits 0.
-fn migrate_a_writing_guest(name: &str, slots: usize, dirty_ring: Option<&str>, downtime_ms: u64) {
+/// With `local`, the initial memory is a memfd that the source hands over instead of copying.
+fn migrate_a_writing_guest(
+    name: &str,
+    slots: usize,
+    dirty_ring: Option<&str>,
+    downtime_ms: u64,
+    local: bool,
+) {
     let mem_mib = 256;
-    let ring: Vec<&str> = dirty_ring
+    let mut args: Vec<&str> = dirty_ring
         .map(|entries| vec!["--dirty-ring", entries])
         .unwrap_or_default();
-    let mut source = Vmm::serve(name, slots, mem_mib, &ring);
+    if local {
+        args.push("--memfd");
+    }
+    let mut source = Vmm::serve(name, slots, mem_mib, &args);
     // Hotplugged memory with a pattern, and a region made read-only after the guest wrote it.
     let hot = source.ok(
         "PUT",
@@ -254,17 +264,28 @@ fn migrate_a_writing_guest(name: &str, slots: usize, dirty_ring: Option<&str>, d
     let before = source.ok("GET", "/memory", None);
 
     let (mut destination, listen) = Vmm::receive(name, &[]);
-    let (status, answer) = migrate(&source, &listen, json!({"downtime_ms": downtime_ms}));
-    assert_eq!(status, 204, "{answer}");
-    let info = watch(&source, |i| phase(i) != "setup" && phase(i) != "pre_copy");
-    assert!(
-        ["stop_and_copy", "completed"].contains(&phase(&info)),
-        "{info}"
+    let (status, answer) = migrate(
+        &source,
+        &listen,
+        json!({"downtime_ms": downtime_ms, "local": local}),
     );
-    // The source leaves once the destination runs the VM.
+    assert_eq!(status, 204, "{answer}");
+    // The source leaves once the destination runs the VM (a local migration may be over
+    // before a first look); a migration that fails keeps it running.
+    let deadline = Instant::now() + Duration::from_secs(240);
+    while source.running() {
+        let info = Client::connect(&source.api)
+            .and_then(|mut c| c.call("GET", "/migrate", None))
+            .map(|(_, info)| info);
+        if let Ok(info) = info {
+            assert!(!["failed", "cancelled"].contains(&phase(&info)), "{info}");
+        }
+        assert!(Instant::now() < deadline, "the migration never completed");
+        std::thread::sleep(Duration::from_millis(20));
+    }
     let output = source.wait(Duration::from_secs(60));
     let stderr = String::from_utf8_lossy(&output.stderr);
-    assert_eq!(output.status.code(), Some(0), "{info} {stderr}");
+    assert_eq!(output.status.code(), Some(0), "{stderr}");
     assert!(
         stderr.contains("runs on the migration's destination"),
         "{stderr}"
@@ -304,6 +325,21 @@ fn migrate_a_writing_guest(name: &str, slots: usize, dirty_ring: Option<&str>, d
     destination.ok("PUT", "/actions", Some(json!({"action_type": "Stop"})));
     let output = destination.wait(Duration::from_secs(30));
     assert_eq!(output.status.code(), Some(0));
+    // "the VM runs here after N rounds, M MiB, ...": what was copied.
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    let copied_mib: u64 = stderr
+        .split_once(" rounds, ")
+        .and_then(|(_, rest)| rest.split_once(" MiB")?.0.parse().ok())
+        .unwrap_or_else(|| panic!("no summary line: {stderr}"));
+    if local {
+        // The hotplugged and the read-only region (80 MiB, anonymous) travel; the memfd does not.
+        assert!(copied_mib < mem_mib, "{copied_mib} MiB copied: {stderr}");
+    } else {
+        assert!(
+            copied_mib >= mem_mib + 80,
+            "{copied_mib} MiB copied: {stderr}"
+        );
+    }
 }
 
 #[test]
@@ -312,7 +348,7 @@ fn kvm_a_writing_guest_migrates_with_bitmap_harvests() {
     {
         return;
     }
-    migrate_a_writing_guest("bitmap", 4096, None, 300);
+    migrate_a_writing_guest("bitmap", 4096, None, 300, false);
 }
 
 #[test]
@@ -320,7 +356,7 @@ fn kvm_a_writing_guest_migrates_with_ring_harvests() {
     if !kvm_test_support::require_kvm("tinyvmm::kvm_a_writing_guest_migrates_with_ring_harvests") {
         return;
     }
-    migrate_a_writing_guest("ring", 4096, Some("4096"), 300);
+    migrate_a_writing_guest("ring", 4096, Some("4096"), 300, false);
 }
 
 #[test]
@@ -334,7 +370,51 @@ fn kvm_a_writing_guest_migrates_at_kvms_slot_count() {
     // this host's emulated KVM some 600 ms: no 300 ms pause could hold it, and the default
     // budget would time out (correctly). This test is about every slot arriving intact.
     let max = kvm_ioctls::Kvm::new().expect("/dev/kvm").get_nr_memslots();
-    migrate_a_writing_guest("max", max - 34, Some("65536"), 5000);
+    migrate_a_writing_guest("max", max - 34, Some("65536"), 5000, false);
+}
+
+#[test]
+fn kvm_a_writing_guest_migrates_locally_by_handing_its_memfd_over() {
+    if !kvm_test_support::require_kvm(
+        "tinyvmm::kvm_a_writing_guest_migrates_locally_by_handing_its_memfd_over",
+    ) {
+        return;
+    }
+    migrate_a_writing_guest("local", 4096, None, 300, true);
+}
+
+#[test]
+fn kvm_a_local_migration_at_kvms_slot_count_copies_no_shared_memory() {
+    if !kvm_test_support::require_kvm(
+        "tinyvmm::kvm_a_local_migration_at_kvms_slot_count_copies_no_shared_memory",
+    ) {
+        return;
+    }
+    let max = kvm_ioctls::Kvm::new().expect("/dev/kvm").get_nr_memslots();
+    // The memfd needs no harvest: the default budget holds even with the guest rewriting it.
+    migrate_a_writing_guest("local-max", max - 34, Some("65536"), 300, true);
+}
+
+#[test]
+fn kvm_local_mode_needs_a_unix_socket() {
+    if !kvm_test_support::require_kvm("tinyvmm::kvm_local_mode_needs_a_unix_socket") {
+        return;
+    }
+    let source = Vmm::serve("local-tcp", 8, 64, &["--memfd"]);
+    let (status, answer) = source.call(
+        "PUT",
+        "/migrate",
+        Some(json!({"destination": "tcp:127.0.0.1:1", "local": true})),
+    );
+    assert_eq!(status, 400, "{answer}");
+    assert!(
+        answer["fault_message"]
+            .as_str()
+            .is_some_and(|m| m.contains("Unix socket")),
+        "{answer}"
+    );
+    let (status, _) = source.call("GET", "/migrate", None);
+    assert_eq!(status, 404, "nothing started");
 }
 
 /// A guest that keeps writing, and a budget no round can meet: the migration stays in

@@ -5,13 +5,16 @@
 //! `serve` does. If anything fails before the guest runs here, nothing runs here: what came is
 //! dropped, the source is told why where it still listens, and the process exits with 1.
 
+use std::collections::HashMap;
 use std::io::BufReader;
 use std::path::PathBuf;
 use std::sync::atomic::AtomicBool;
 use std::time::{Duration, Instant};
 
+use kvm_memslots::snapshot::BackingKind;
 use kvm_memslots::stream::{apply_pages, check_layout, send_answer, Record, StreamReader};
 use kvm_memslots::MemoryLimits;
+use vm_memory::FileOffset;
 
 use super::serve::{serve_controller, ServeError};
 use crate::api::server::bind_api_socket;
@@ -132,16 +135,46 @@ fn receive_vm(
             stall: STALL,
         },
     ));
-    let layout = match reader.next_record().map_err(|e| e.to_string())? {
-        Some(Record::Hello(layout)) => layout,
+    let (layout, hands_over) = match reader.next_record().map_err(|e| e.to_string())? {
+        Some(Record::Hello { layout, hands_over }) => (layout, hands_over),
         _ => return Err("the stream does not start with Hello".into()),
     };
+    // Local mode: the source's shared regions come as files beside Handover records, one
+    // for each, before anything else.
+    let mut handed = HashMap::new();
+    if hands_over {
+        let shared = layout
+            .regions
+            .iter()
+            .filter(|r| r.backing == BackingKind::Shared)
+            .count();
+        while handed.len() < shared {
+            let Some(Record::Handover(regions)) =
+                reader.next_record().map_err(|e| e.to_string())?
+            else {
+                return Err("the Hello announced a handover, but no Handover came".into());
+            };
+            let fds = connection.take_fds(regions.len()).ok_or_else(|| {
+                format!(
+                    "a Handover of {} regions came without as many file descriptors (local \
+                     mode needs a Unix socket)",
+                    regions.len()
+                )
+            })?;
+            for ((index, offset), fd) in regions.into_iter().zip(fds) {
+                handed.insert(
+                    index as usize,
+                    FileOffset::new(std::fs::File::from(fd), offset),
+                );
+            }
+        }
+    }
     let options = VmOptions {
         limits: config.limits,
         dirty_ring: config.dirty_ring,
         ..VmOptions::default()
     };
-    let vm = TestVm::from_layout(&layout, options)
+    let vm = TestVm::from_layout(&layout, &handed, options)
         .map_err(|e| format!("this VMM cannot lay the VM's memory out: {e}"))?;
     send_answer(connection, Ok(())).map_err(|e| e.to_string())?;
     let mut state = None;
@@ -155,7 +188,9 @@ fn receive_vm(
             Some(Record::RoundEnd { round, .. }) => rounds = round,
             Some(Record::State(bytes)) => state = Some(MigrationState::from_bytes(&bytes)?),
             Some(Record::Done) | None => break,
-            Some(Record::Hello(_)) => unreachable!("the reader refuses a second Hello"),
+            Some(Record::Hello { .. } | Record::Handover(_)) => {
+                unreachable!("the reader refuses a second Hello, and a Handover past the first")
+            }
         }
     }
     let state = state.ok_or("the stream ended without the VM's state")?;

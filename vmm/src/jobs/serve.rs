@@ -59,6 +59,9 @@ pub struct ServeConfig {
     pub limits: Option<MemoryLimits>,
     /// Harvest from per-vCPU dirty rings of this many entries instead of per-slot bitmaps.
     pub dirty_ring: Option<u32>,
+    /// The initial memory in a memfd (shared, so a local migration can hand it over) rather
+    /// than anonymous memory.
+    pub memfd: bool,
     /// Serve a VM restored from this snapshot (paused) instead of a new one.
     pub restore: Option<RestoreFrom>,
 }
@@ -86,6 +89,7 @@ impl ServeConfig {
             idle_timeout: DEFAULT_IDLE_TIMEOUT,
             limits: None,
             dirty_ring: None,
+            memfd: false,
             restore: None,
         }
     }
@@ -140,11 +144,17 @@ fn serve_on(
         None => {
             let vm = TestVm::with_options(options)?;
             if config.area_size > 0 && config.slots > 1 {
-                TestArea::add(
+                let backing = if config.memfd {
+                    kvm_memslots::Backing::Memfd
+                } else {
+                    kvm_memslots::Backing::Anonymous
+                };
+                TestArea::add_backed(
                     vm.memory(),
                     AREA_GPA,
                     config.area_size,
                     config.slots as u64 - 1,
+                    backing,
                 )?;
             }
             let vcpus = vm.start_vcpus(config.vcpus, stopped)?;

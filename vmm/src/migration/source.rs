@@ -12,14 +12,15 @@
 //! snapshot after a failed migration still gets them).
 
 use std::io::{self, Write};
+use std::os::fd::OwnedFd;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::mpsc::{channel, Sender};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use kvm_memslots::snapshot::MemoryLayout;
-use kvm_memslots::stream::{read_answer, StreamError, StreamWriter};
+use kvm_memslots::snapshot::{BackingKind, MemoryLayout};
+use kvm_memslots::stream::{read_answer, shared_files, StreamError, StreamWriter, MAX_HANDOVER};
 use kvm_memslots::{DirtyPages, KvmVm, MemoryManager, RegionId, Target, PAGE_SIZE};
 
 use super::transport::{Connection, Endpoint};
@@ -184,6 +185,8 @@ impl Migration {
             interrupt,
             started: Instant::now(),
             harvested: Vec::new(),
+            local: request.local,
+            targets: vec![Target::All],
         };
         let thread = std::thread::Builder::new()
             .name("migration".into())
@@ -278,6 +281,10 @@ struct Run {
     interrupt: &'static AtomicBool,
     started: Instant,
     harvested: Vec<DirtyPages>,
+    /// Hand shared memory over instead of copying it.
+    local: bool,
+    /// What to log and harvest: every region, or (local mode) those not handed over.
+    targets: Vec<Target>,
 }
 
 /// Where the rounds stand.
@@ -364,7 +371,10 @@ impl Run {
         &mut self,
         memory: &MemoryManager<KvmVm>,
     ) -> Result<Vec<DirtyPages>, MigrationError> {
-        let dirty = memory.harvest_dirty(Target::All)?;
+        let mut dirty = Vec::new();
+        for &target in &self.targets {
+            dirty.extend(memory.harvest_dirty(target)?);
+        }
         if self.vm.keep_harvested {
             self.harvested.extend(dirty.iter().cloned());
         }
@@ -401,14 +411,31 @@ impl Run {
         });
         // The layout as the VM has it (the destination logs nothing it was not asked to).
         let layout = MemoryLayout::of(memory);
-        memory.start_dirty_log(Target::All)?;
+        if self.local {
+            // Memory the destination maps too needs no copy and no log: only the rest does.
+            self.targets = layout
+                .regions
+                .iter()
+                .filter(|r| r.backing != BackingKind::Shared)
+                .map(|r| Target::Region(RegionId(r.id)))
+                .collect();
+            writer
+                .hello_handing_over(&layout)
+                .map_err(|e| self.explain(e, &mut answers))?;
+            self.hand_over(memory, &layout, &mut writer)
+                .map_err(|e| self.explain(e, &mut answers))?;
+        } else {
+            writer
+                .hello(&layout)
+                .map_err(|e| self.explain(e, &mut answers))?;
+        }
+        for &target in &self.targets {
+            memory.start_dirty_log(target)?;
+        }
         // From here every write is logged: what the first harvest reports went out in round 1
         // or is dirty again.
         let cleared = self.harvest(memory)?;
         drop(cleared);
-        writer
-            .hello(&layout)
-            .map_err(|e| self.explain(e, &mut answers))?;
         match read_answer(&mut answers) {
             Ok(Ok(())) => {}
             Ok(Err(reason)) => return Err(MigrationError::Refused(reason)),
@@ -497,6 +524,37 @@ impl Run {
                 Err(e)
             }
         }
+    }
+
+    /// Hands every shared region's file over beside Handover records.
+    fn hand_over(
+        &self,
+        memory: &MemoryManager<KvmVm>,
+        layout: &MemoryLayout,
+        writer: &mut StreamWriter<Counted>,
+    ) -> Result<(), StreamError> {
+        let files = shared_files(memory, layout)?;
+        for chunk in files.chunks(MAX_HANDOVER) {
+            let fds = chunk
+                .iter()
+                .map(|(_, file)| file.file().try_clone().map(OwnedFd::from))
+                .collect::<io::Result<Vec<_>>>()
+                .map_err(|source| StreamError::Io {
+                    what: "duplicating a region's file descriptor".into(),
+                    source,
+                })?;
+            writer
+                .get_mut()
+                .inner
+                .attach_fds(fds)
+                .map_err(|source| StreamError::Io {
+                    what: "handing memory over".into(),
+                    source,
+                })?;
+            let regions: Vec<(u32, u64)> = chunk.iter().map(|(i, f)| (*i, f.start())).collect();
+            writer.handover(&regions)?;
+        }
+        Ok(())
     }
 
     /// Pauses the vCPUs, sends the pages left and the state, and waits for the destination to

@@ -1,12 +1,20 @@
 //! Where a migration goes: `unix:PATH` or `tcp:HOST:PORT`, the connection between the two
 //! VMMs, and a listener that gives up when the process is asked to stop.
 
+use std::collections::VecDeque;
 use std::io::{self, Read, Write};
 use std::net::{TcpListener, TcpStream, ToSocketAddrs};
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
+
+use vmm_sys_util::sock_ctrl_msg::ScmSocket;
+
+/// The most file descriptors one message carries (the kernel's `SCM_MAX_FD`).
+const MAX_FDS: usize = 253;
 
 /// A migration's endpoint.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -57,7 +65,7 @@ impl Endpoint {
     /// Connects to a listening `tinyvmm receive`, trying for at most `timeout`.
     pub fn connect(&self, timeout: Duration) -> io::Result<Connection> {
         match self {
-            Endpoint::Unix(path) => UnixStream::connect(path).map(Connection::Unix),
+            Endpoint::Unix(path) => UnixStream::connect(path).map(Connection::unix),
             Endpoint::Tcp(address) => {
                 let mut last = io::Error::new(io::ErrorKind::NotFound, "no address");
                 for addr in address.to_socket_addrs()? {
@@ -110,7 +118,7 @@ impl Listener {
     pub fn accept(&self, stop: &AtomicBool) -> io::Result<Option<Connection>> {
         loop {
             let accepted = match self {
-                Listener::Unix(l, _) => l.accept().map(|(s, _)| Connection::Unix(s)),
+                Listener::Unix(l, _) => l.accept().map(|(s, _)| Connection::unix(s)),
                 Listener::Tcp(l) => l.accept().map(|(s, _)| Connection::Tcp(s)),
             };
             match accepted {
@@ -145,25 +153,76 @@ impl Drop for Listener {
 /// A connection between the two VMMs.
 #[derive(Debug)]
 pub enum Connection {
-    /// Over a Unix socket.
-    Unix(UnixStream),
+    /// Over a Unix socket, which can carry file descriptors beside the bytes.
+    Unix(UnixConnection),
     /// Over TCP.
     Tcp(TcpStream),
 }
 
+/// A Unix socket connection: file descriptors that arrive beside the bytes are kept, in order,
+/// for whoever reads the record they came with; some can be attached to the next write.
+#[derive(Debug)]
+pub struct UnixConnection {
+    stream: UnixStream,
+    received: Arc<Mutex<VecDeque<OwnedFd>>>,
+    attach: Vec<OwnedFd>,
+}
+
 impl Connection {
-    /// A second handle on the same connection (one reads while the other writes).
+    fn unix(stream: UnixStream) -> Self {
+        Connection::Unix(UnixConnection {
+            stream,
+            received: Arc::default(),
+            attach: Vec::new(),
+        })
+    }
+
+    /// A second handle on the same connection (one reads while the other writes); file
+    /// descriptors either receives land in the same queue.
     pub fn try_clone(&self) -> io::Result<Connection> {
         Ok(match self {
-            Connection::Unix(s) => Connection::Unix(s.try_clone()?),
+            Connection::Unix(c) => Connection::Unix(UnixConnection {
+                stream: c.stream.try_clone()?,
+                received: Arc::clone(&c.received),
+                attach: Vec::new(),
+            }),
             Connection::Tcp(s) => Connection::Tcp(s.try_clone()?),
         })
+    }
+
+    /// Sends `fds` beside the next write (at most 253; Unix sockets only).
+    pub fn attach_fds(&mut self, fds: Vec<OwnedFd>) -> io::Result<()> {
+        match self {
+            Connection::Unix(c) if fds.len() <= MAX_FDS => {
+                c.attach = fds;
+                Ok(())
+            }
+            Connection::Unix(_) => Err(io::Error::other(format!(
+                "{} file descriptors in one message; at most {MAX_FDS}",
+                fds.len()
+            ))),
+            Connection::Tcp(_) => Err(io::Error::other(
+                "file descriptors travel only over a Unix socket",
+            )),
+        }
+    }
+
+    /// The next `count` file descriptors that arrived, in order, or `None` if fewer did.
+    pub fn take_fds(&self, count: usize) -> Option<Vec<OwnedFd>> {
+        let Connection::Unix(c) = self else {
+            return (count == 0).then(Vec::new);
+        };
+        let mut received = c.received.lock().unwrap_or_else(|p| p.into_inner());
+        if received.len() < count {
+            return None;
+        }
+        Some(received.drain(..count).collect())
     }
 
     /// Sets how long a read may wait (`None`: for ever).
     pub fn set_read_timeout(&self, timeout: Option<Duration>) -> io::Result<()> {
         match self {
-            Connection::Unix(s) => s.set_read_timeout(timeout),
+            Connection::Unix(c) => c.stream.set_read_timeout(timeout),
             Connection::Tcp(s) => s.set_read_timeout(timeout),
         }
     }
@@ -171,23 +230,65 @@ impl Connection {
     /// Sets how long a write may wait (`None`: for ever).
     pub fn set_write_timeout(&self, timeout: Option<Duration>) -> io::Result<()> {
         match self {
-            Connection::Unix(s) => s.set_write_timeout(timeout),
+            Connection::Unix(c) => c.stream.set_write_timeout(timeout),
             Connection::Tcp(s) => s.set_write_timeout(timeout),
         }
     }
 
     fn set_nonblocking(&self, nonblocking: bool) -> io::Result<()> {
         match self {
-            Connection::Unix(s) => s.set_nonblocking(nonblocking),
+            Connection::Unix(c) => c.stream.set_nonblocking(nonblocking),
             Connection::Tcp(s) => s.set_nonblocking(nonblocking),
         }
+    }
+}
+
+fn errno(e: vmm_sys_util::errno::Error) -> io::Error {
+    io::Error::from_raw_os_error(e.errno())
+}
+
+impl Read for UnixConnection {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        let mut fds: [RawFd; MAX_FDS] = [-1; MAX_FDS];
+        let mut iovecs = [libc::iovec {
+            iov_base: buf.as_mut_ptr().cast(),
+            iov_len: buf.len(),
+        }];
+        // SAFETY: the one iovec covers `buf`, borrowed mutably for the call, where any bytes
+        // may be written; `fds` has room for the most a message carries.
+        let (n, count) =
+            unsafe { self.stream.recv_with_fds(&mut iovecs, &mut fds) }.map_err(errno)?;
+        let mut received = self.received.lock().unwrap_or_else(|p| p.into_inner());
+        for &fd in &fds[..count] {
+            // SAFETY: recvmsg installed these descriptors for this process just now; nothing
+            // else owns them.
+            received.push_back(unsafe { OwnedFd::from_raw_fd(fd) });
+        }
+        Ok(n)
+    }
+}
+
+impl Write for UnixConnection {
+    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+        if self.attach.is_empty() {
+            return self.stream.write(buf);
+        }
+        let raw: Vec<RawFd> = self.attach.iter().map(AsRawFd::as_raw_fd).collect();
+        let n = self.stream.send_with_fds(&[buf], &raw).map_err(errno)?;
+        // The receiver has its own references now; ours close.
+        self.attach.clear();
+        Ok(n)
+    }
+
+    fn flush(&mut self) -> io::Result<()> {
+        self.stream.flush()
     }
 }
 
 impl Read for Connection {
     fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
         match self {
-            Connection::Unix(s) => s.read(buf),
+            Connection::Unix(c) => c.read(buf),
             Connection::Tcp(s) => s.read(buf),
         }
     }
@@ -196,14 +297,14 @@ impl Read for Connection {
 impl Write for Connection {
     fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
         match self {
-            Connection::Unix(s) => s.write(buf),
+            Connection::Unix(c) => c.write(buf),
             Connection::Tcp(s) => s.write(buf),
         }
     }
 
     fn flush(&mut self) -> io::Result<()> {
         match self {
-            Connection::Unix(s) => s.flush(),
+            Connection::Unix(c) => c.flush(),
             Connection::Tcp(s) => s.flush(),
         }
     }
@@ -278,6 +379,38 @@ mod tests {
             "unix:/a",
             "Display is the parse's inverse"
         );
+    }
+
+    #[test]
+    fn file_descriptors_travel_beside_the_bytes_in_order() {
+        let (a, b) = UnixStream::pair().expect("pair");
+        let (mut a, mut b) = (Connection::unix(a), Connection::unix(b));
+        let files: Vec<OwnedFd> = (0..3).map(|_| OwnedFd::from(tempfile_like())).collect();
+        let inodes: Vec<u64> = files.iter().map(inode).collect();
+        a.attach_fds(files).expect("attach");
+        a.write_all(b"with fds").expect("send");
+        a.write_all(b", without").expect("send");
+        let mut got = [0u8; 17];
+        b.read_exact(&mut got).expect("receive");
+        assert_eq!(&got, b"with fds, without");
+        assert!(b.take_fds(4).is_none(), "three came");
+        let fds = b.take_fds(3).expect("three came");
+        assert_eq!(fds.iter().map(inode).collect::<Vec<_>>(), inodes);
+        assert_eq!(b.take_fds(1).map(|f| f.len()), None);
+        let mut tcp_less = Connection::unix(UnixStream::pair().expect("pair").0);
+        let too_many = (0..MAX_FDS + 1)
+            .map(|_| OwnedFd::from(tempfile_like()))
+            .collect();
+        assert!(tcp_less.attach_fds(too_many).is_err());
+    }
+
+    fn tempfile_like() -> std::fs::File {
+        std::fs::File::open("/proc/self/exe").expect("a file")
+    }
+
+    fn inode(fd: &OwnedFd) -> u64 {
+        let file = std::fs::File::from(fd.try_clone().expect("dup"));
+        std::os::unix::fs::MetadataExt::ino(&file.metadata().expect("stat"))
     }
 
     #[test]

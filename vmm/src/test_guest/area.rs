@@ -5,7 +5,7 @@
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
-use kvm_memslots::{KvmMemory, MemoryManager, RegionId, RegionSpec, PAGE_SIZE};
+use kvm_memslots::{Backing, KvmMemory, MemoryManager, RegionId, RegionSpec, PAGE_SIZE};
 use vm_memory::{Bytes, GuestAddress};
 
 use super::vcpus::{expect_pattern, GuestError, TestVm, Vcpus};
@@ -52,11 +52,25 @@ impl TestArea {
         size: u64,
         slots: u64,
     ) -> Result<Self, AreaError> {
+        Self::add_backed(memory, gpa, size, slots, Backing::Anonymous)
+    }
+
+    /// As [`add`](Self::add), in memory of `backing` (a memfd, say, that a local migration
+    /// can hand over).
+    pub fn add_backed<K: KvmMemory>(
+        memory: &MemoryManager<K>,
+        gpa: u64,
+        size: u64,
+        slots: u64,
+        backing: Backing,
+    ) -> Result<Self, AreaError> {
         let slot_size = size.checked_div(slots).unwrap_or(0) / PAGE_SIZE * PAGE_SIZE;
         if slot_size == 0 {
             return Err(AreaError::TooSmall { size, slots });
         }
-        let spec = RegionSpec::new(GuestAddress(gpa), slot_size * slots).with_slot_size(slot_size);
+        let spec = RegionSpec::new(GuestAddress(gpa), slot_size * slots)
+            .with_slot_size(slot_size)
+            .with_backing(backing);
         let region = memory.add_region(spec)?;
         Ok(TestArea {
             region,

@@ -234,12 +234,17 @@ impl TestVm {
         Ok(TestVm { vm, system, loader })
     }
 
-    /// A VM with `layout`'s regions (the system region among them) in fresh, empty memory,
-    /// for a migration to fill. Start its vCPUs with
+    /// A VM with `layout`'s regions (the system region among them) in fresh, empty memory for
+    /// a migration to fill, except the regions in `handed` (by layout index), which map the
+    /// files another process handed over. Start its vCPUs with
     /// [`start_restored_vcpus`](Self::start_restored_vcpus).
-    pub fn from_layout(layout: &MemoryLayout, options: VmOptions) -> Result<Self, GuestError> {
+    pub fn from_layout(
+        layout: &MemoryLayout,
+        handed: &std::collections::HashMap<usize, vm_memory::FileOffset>,
+        options: VmOptions,
+    ) -> Result<Self, GuestError> {
         let vm = Vm::new(options)?;
-        let ids = layout.build(vm.memory())?;
+        let ids = layout.build_handed_over(vm.memory(), handed)?;
         let system = system_region(layout, &ids)?;
         Ok(TestVm {
             vm,
