@@ -22,9 +22,8 @@ use driver::{
     RESP_ACK, RESP_NACK, STATE_PLUGGED, STATE_UNPLUGGED,
 };
 use kvm_memslots::{KvmVm, MemoryManager, RegionSpec};
-use tinyvmm::api::server::Apply;
 use tinyvmm::api::types::{HotplugConfig, HotplugRequest, RegionInfo};
-use tinyvmm::controller::{ControllerError, ErrorKind, Reply, Request};
+use tinyvmm::controller::{Apply, ControllerError, ErrorKind, Reply, Request};
 use tinyvmm::devices::legacy::LegacyDevices;
 use tinyvmm::linux::hotplug::{self, LinuxController, VIRTIO_MEM_MMIO};
 use tinyvmm::linux::ports::LinuxPorts;

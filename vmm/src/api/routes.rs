@@ -201,6 +201,41 @@ mod tests {
     }
 
     #[test]
+    fn migration_routes_take_their_defaults_and_refuse_the_rest() {
+        let started = route(&request(
+            "PUT",
+            "/migrate",
+            r#"{"destination": "unix:/tmp/m.sock"}"#,
+        ))
+        .expect("routed");
+        let ControllerRequest::Migrate(m) = started else {
+            panic!("{started:?}");
+        };
+        assert_eq!(
+            (m.downtime_ms, m.timeout_s, m.on_timeout, m.local),
+            (300, 60, crate::api::types::OnTimeout::Cancel, false)
+        );
+        assert_eq!(
+            route(&request("GET", "/migrate", "")).expect("routed"),
+            ControllerRequest::GetMigration
+        );
+        assert_eq!(
+            route(&request("PUT", "/migrate/cancel", "")).expect("routed"),
+            ControllerRequest::CancelMigration
+        );
+        assert_eq!(refusal("DELETE", "/migrate", "").0, 405);
+        let (status, message) = refusal(
+            "PUT",
+            "/migrate",
+            r#"{"destination": "x", "on_timeout": "wait"}"#,
+        );
+        assert_eq!(status, 400);
+        assert!(message.contains("unknown variant `wait`"), "{message}");
+        let (_, message) = refusal("PUT", "/migrate", r#"{"downtime_ms": 5}"#);
+        assert!(message.contains("missing field `destination`"), "{message}");
+    }
+
+    #[test]
     fn bad_bodies_and_paths_are_refused_with_the_reason() {
         let (status, message) = refusal(
             "PUT",

@@ -15,7 +15,7 @@ use vmm_sys_util::timerfd::TimerFd;
 
 use crate::api::http::{self, Parsed, Response, MAX_BODY_BYTES, MAX_HEADER_BYTES};
 use crate::api::routes::{respond, route};
-use crate::controller::{Controller, Outcome, Request as ControllerRequest};
+use crate::controller::{Apply, Controller};
 
 /// Why the API socket could not be created.
 #[derive(Debug, thiserror::Error)]
@@ -103,19 +103,6 @@ pub struct ApiServer<C = Controller> {
     idle_timeout: Duration,
     /// Fires a few times per idle timeout to close idle connections.
     sweep: Option<TimerFd>,
-}
-
-/// What the API server hands requests to: the test guest's [`Controller`], or a Linux guest's
-/// smaller one.
-pub trait Apply {
-    /// Applies `request`.
-    fn apply(&mut self, request: ControllerRequest) -> Outcome;
-}
-
-impl Apply for Controller {
-    fn apply(&mut self, request: ControllerRequest) -> Outcome {
-        Controller::apply(self, request)
-    }
 }
 
 impl<C: Apply> ApiServer<C> {

@@ -130,6 +130,19 @@ pub enum Reply {
 /// What a request gets back.
 pub type Outcome = Result<Reply, ControllerError>;
 
+/// What applies requests: the test guest's [`Controller`], or a Linux guest's smaller one
+/// (`linux::hotplug::LinuxController`). The API server serves either.
+pub trait Apply {
+    /// Applies `request`.
+    fn apply(&mut self, request: Request) -> Outcome;
+}
+
+impl Apply for Controller {
+    fn apply(&mut self, request: Request) -> Outcome {
+        Controller::apply(self, request)
+    }
+}
+
 /// Applies requests to a running test-guest VM, one at a time.
 #[derive(Debug)]
 pub struct Controller {

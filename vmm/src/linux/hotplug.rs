@@ -17,9 +17,8 @@ use vm_memory::GuestAddress;
 use vmm_sys_util::eventfd::EventFd;
 
 use super::layout::MMIO_GAP_END;
-use crate::api::server::Apply;
 use crate::api::types::{HotplugInfo, MemoryInfo};
-use crate::controller::{memory_info, ControllerError, Outcome, Reply, Request};
+use crate::controller::{memory_info, Apply, ControllerError, Outcome, Reply, Request};
 use crate::vm::mmio::MmioBus;
 use crate::vm::{Vm, VmError};
 

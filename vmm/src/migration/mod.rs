@@ -12,7 +12,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::test_guest::snapshot::SnapshotState;
 
-pub use source::{Migration, VcpuHandle};
+pub use source::Migration;
 pub use transport::{Connection, Endpoint, Listener};
 
 const STATE_MAGIC: &[u8; 8] = b"TVMMIGR\0";

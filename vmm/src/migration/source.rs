@@ -14,7 +14,6 @@
 use std::io::{self, Write};
 use std::os::fd::OwnedFd;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::mpsc::{channel, Sender};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -26,17 +25,14 @@ use kvm_memslots::{DirtyPages, KvmVm, MemoryManager, RegionId, Target, PAGE_SIZE
 use super::transport::{Connection, Endpoint};
 use super::MigrationState;
 use crate::api::types::{MigrateRequest, MigrationInfo, MigrationPhase, OnTimeout};
-use crate::test_guest::ports::GoAhead;
 use crate::test_guest::snapshot::{HotplugState, SnapshotState, STATE_VERSION};
-use crate::vm::state::VcpuState;
-use crate::vm::vcpu::{PauseError, VcpuShared};
+use crate::test_guest::vcpus::VcpuHandle;
+use crate::vm::vcpu::PauseError;
 
 /// How long the destination may take to answer (to accept the layout, or to run the VM).
 const ANSWER_TIMEOUT: Duration = Duration::from_secs(60);
 /// How long a write to the destination may block before the migration fails.
 const WRITE_TIMEOUT: Duration = Duration::from_secs(60);
-/// How long a vCPU may take to pause.
-const PAUSE_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// Why a migration failed.
 #[derive(Debug, thiserror::Error)]
@@ -69,49 +65,6 @@ pub enum MigrationError {
     /// A client cancelled it, or the VMM is stopping.
     #[error("cancelled: {0}")]
     Cancelled(String),
-}
-
-/// What a migration needs of one vCPU.
-#[derive(Debug)]
-pub struct VcpuHandle {
-    /// What the host shares with the vCPU thread (its pause).
-    pub shared: Arc<VcpuShared>,
-    /// Its go-ahead channel, for a vCPU waiting between commands (its state is read there).
-    pub resume: Sender<GoAhead>,
-    /// It runs a command (a write loop): it is paused inside the guest to read its state.
-    pub running: bool,
-}
-
-impl VcpuHandle {
-    fn pause(&self) -> Result<(), PauseError> {
-        if self.running {
-            self.shared.pause(PAUSE_TIMEOUT)
-        } else {
-            // Between commands it is out of the guest, and the controller posts none while a
-            // migration runs.
-            Ok(())
-        }
-    }
-
-    fn save(&self) -> Result<VcpuState, PauseError> {
-        if self.running {
-            return self.shared.save_paused();
-        }
-        let (reply, state) = channel();
-        self.resume
-            .send(GoAhead::SaveState(reply))
-            .map_err(|_| PauseError::Stopped)?;
-        match state.recv_timeout(PAUSE_TIMEOUT) {
-            Ok(state) => Ok(state?),
-            Err(_) => Err(PauseError::Stopped),
-        }
-    }
-
-    fn resume(&self) {
-        if self.running {
-            self.shared.resume();
-        }
-    }
 }
 
 /// The VM as a migration sees it: taken from the controller when it starts, unchanged while

@@ -14,10 +14,9 @@ use vm_memory::GuestAddress;
 use vmm_sys_util::eventfd::EventFd;
 
 use super::ports::{GoAhead, TestGuestPorts, VcpuError, VcpuEvent};
-use crate::migration::VcpuHandle;
 use crate::test_guest::{self, Command, CommandBlock, Op, Outcome};
 use crate::vm::state::{StateError, VcpuState};
-use crate::vm::vcpu::{kick_until_finished, Vcpu, VcpuShared};
+use crate::vm::vcpu::{kick_until_finished, PauseError, Vcpu, VcpuShared};
 use crate::vm::{Vm, VmError, VmOptions};
 use kvm_ioctls::VcpuFd;
 
@@ -375,6 +374,55 @@ impl TestVm {
             });
         }
         Ok(vcpus)
+    }
+}
+
+/// How long a vCPU may take to pause for a migration.
+const PAUSE_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// What a migration needs of one test-guest vCPU: its pause, and its go-ahead channel.
+#[derive(Debug)]
+pub struct VcpuHandle {
+    /// What the host shares with the vCPU thread (its pause).
+    pub shared: Arc<VcpuShared>,
+    /// Its go-ahead channel, for a vCPU waiting between commands (its state is read there).
+    pub resume: Sender<GoAhead>,
+    /// It runs a command (a write loop): it is paused inside the guest to read its state.
+    pub running: bool,
+}
+
+impl VcpuHandle {
+    /// Pauses it if it runs a command (one between commands is out of the guest already).
+    pub fn pause(&self) -> Result<(), PauseError> {
+        if self.running {
+            self.shared.pause(PAUSE_TIMEOUT)
+        } else {
+            // Between commands it is out of the guest, and the controller posts none while a
+            // migration runs.
+            Ok(())
+        }
+    }
+
+    /// Its state, read by its own thread.
+    pub fn save(&self) -> Result<VcpuState, PauseError> {
+        if self.running {
+            return self.shared.save_paused();
+        }
+        let (reply, state) = channel();
+        self.resume
+            .send(GoAhead::SaveState(reply))
+            .map_err(|_| PauseError::Stopped)?;
+        match state.recv_timeout(PAUSE_TIMEOUT) {
+            Ok(state) => Ok(state?),
+            Err(_) => Err(PauseError::Stopped),
+        }
+    }
+
+    /// Lifts a pause.
+    pub fn resume(&self) {
+        if self.running {
+            self.shared.resume();
+        }
     }
 }
 
