@@ -585,6 +585,12 @@ fn receive(args: ReceiveArgs) -> ExitCode {
             )
         },
     );
+    served(outcome)
+}
+
+/// The exit status of a VMM that served a VM: 0 when a client stopped it (or it migrated
+/// away), 130 on a signal, 1 on a failure (named on stderr).
+fn served(outcome: Result<Ending, impl std::fmt::Display>) -> ExitCode {
     match outcome {
         Ok(Ending::Finished) => {
             eprintln!("tinyvmm: stopped");
@@ -632,20 +638,9 @@ fn serve_config(args: ServeArgs, restore: Option<tinyvmm::jobs::serve::RestoreFr
         restore,
     };
     let path = config.api_sock.display().to_string();
-    match tinyvmm::jobs::serve::serve(&config, || eprintln!("tinyvmm: serving the API on {path}")) {
-        Ok(Ending::Finished) => {
-            eprintln!("tinyvmm: stopped");
-            ExitCode::SUCCESS
-        }
-        Ok(Ending::Interrupted) => {
-            eprintln!("tinyvmm: stopped by a signal");
-            ExitCode::from(130)
-        }
-        Err(e) => {
-            eprintln!("tinyvmm: {e}");
-            ExitCode::FAILURE
-        }
-    }
+    served(tinyvmm::jobs::serve::serve(&config, || {
+        eprintln!("tinyvmm: serving the API on {path}")
+    }))
 }
 
 #[derive(clap::Args)]
