@@ -374,6 +374,18 @@ fn kvm_a_writing_guest_migrates_at_kvms_slot_count() {
 }
 
 #[test]
+fn kvm_a_writing_guest_migrates_at_kvms_slot_count_with_bitmap_harvests() {
+    if !kvm_test_support::require_kvm(
+        "tinyvmm::kvm_a_writing_guest_migrates_at_kvms_slot_count_with_bitmap_harvests",
+    ) {
+        return;
+    }
+    let max = kvm_ioctls::Kvm::new().expect("/dev/kvm").get_nr_memslots();
+    // A bitmap harvest reads 32764 logs (about half a second here): a budget that fits it.
+    migrate_a_writing_guest("max-bitmap", max - 34, None, 5000, false);
+}
+
+#[test]
 fn kvm_a_writing_guest_migrates_locally_by_handing_its_memfd_over() {
     if !kvm_test_support::require_kvm(
         "tinyvmm::kvm_a_writing_guest_migrates_locally_by_handing_its_memfd_over",
@@ -642,4 +654,94 @@ fn kvm_a_corrupted_or_foreign_stream_is_refused_with_its_reason() {
     // Not a stream at all.
     let stderr = receive_bytes("http", b"GET / HTTP/1.1\r\nHost: x\r\n\r\n");
     assert!(stderr.contains("migration failed"), "{stderr}");
+}
+
+#[test]
+fn kvm_pages_a_failed_migration_harvested_go_into_the_next_diff_snapshot() {
+    if !kvm_test_support::require_kvm(
+        "tinyvmm::kvm_pages_a_failed_migration_harvested_go_into_the_next_diff_snapshot",
+    ) {
+        return;
+    }
+    use std::os::unix::fs::MetadataExt;
+    let dir = std::env::temp_dir().join(format!("tinyvmm-migrate-{}-diff", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).expect("a folder");
+    let source = Vmm::serve("diff", 8, 64, &[]);
+    let region = 4096 * MIB;
+    source.ok(
+        "PUT",
+        "/memory/regions",
+        Some(json!({"size": MIB, "guest_address": region})),
+    );
+    let snapshot = |kind: &str, name: &str| {
+        source.call(
+            "PUT",
+            "/snapshot/create",
+            Some(json!({
+                "snapshot_type": kind,
+                "snapshot_path": dir.join(format!("{name}.state")),
+                "mem_file_path": dir.join(format!("{name}.mem")),
+            })),
+        )
+    };
+    let pause = |state: &str| {
+        source.ok("PATCH", "/vm", Some(json!({"state": state})));
+    };
+    pause("Paused");
+    assert_eq!(snapshot("Full", "full").0, 204);
+    pause("Resumed");
+    // The guest dirties all 256 pages of the region; then a migration harvests them and fails
+    // (the destination cannot hold the VM).
+    let wrote = source.ok(
+        "PUT",
+        "/guest/command",
+        Some(guest("write", region, region + MIB, 5)),
+    );
+    assert_eq!(wrote["result"], "ok");
+    let (_destination, listen) = Vmm::receive("diff", &["--max-guest-mib", "16"]);
+    let (status, answer) = migrate(&source, &listen, json!({}));
+    assert_eq!(status, 204, "{answer}");
+    let info = watch(&source, |i| phase(i) == "failed");
+    assert!(
+        info["error"]
+            .as_str()
+            .is_some_and(|e| e.contains("refused")),
+        "{info}"
+    );
+    // The next Diff has every page the migration took from the log.
+    pause("Paused");
+    assert_eq!(snapshot("Diff", "diff").0, 204);
+    let data = std::fs::metadata(dir.join("diff.mem"))
+        .expect("the diff")
+        .blocks()
+        * 512;
+    assert!(
+        data >= MIB,
+        "the diff holds the region's 256 pages: {data} bytes"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn kvm_the_source_runs_on_when_the_destination_dies_at_once() {
+    if !kvm_test_support::require_kvm(
+        "tinyvmm::kvm_the_source_runs_on_when_the_destination_dies_at_once",
+    ) {
+        return;
+    }
+    // Killed before it can answer the layout: the source's first step fails.
+    let (source, end) = never_converging("dst-dies-early");
+    let (mut destination, listen) = Vmm::receive("dst-dies-early", &[]);
+    destination.kill();
+    let (status, answer) = migrate(&source, &listen, json!({"downtime_ms": 0}));
+    assert_eq!(status, 204, "{answer}");
+    let info = watch(&source, |i| phase(i) == "failed");
+    assert!(
+        info["error"]
+            .as_str()
+            .is_some_and(|e| e.contains("cannot connect")),
+        "{info}"
+    );
+    stop_and_verify(&source, AREA, end);
 }
