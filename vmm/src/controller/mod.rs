@@ -268,6 +268,11 @@ impl Controller {
         self.migration.as_ref().is_some_and(Migration::completed)
     }
 
+    /// The last migration's progress, if one was started.
+    pub fn migration_info(&self) -> Option<MigrationInfo> {
+        self.migration.as_ref().map(Migration::info)
+    }
+
     /// Stops the vCPUs (a migration under way is cancelled first); returns the first error one
     /// of them stopped with.
     pub fn shut_down(&mut self) -> Result<(), GuestError> {

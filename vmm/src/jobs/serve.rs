@@ -223,8 +223,19 @@ pub(crate) fn serve_controller(
         }
     };
     let mut server = server.lock().unwrap_or_else(|p| p.into_inner());
-    if server.controller_mut().migrated() {
-        eprintln!("tinyvmm: the VM runs on the migration's destination now");
+    if let Some(info) = server
+        .controller_mut()
+        .migration_info()
+        .filter(|_| server.controller_mut().migrated())
+    {
+        eprintln!(
+            "tinyvmm: the VM runs on the migration's destination now: {} rounds, {} bytes sent in \
+             {:.0} ms, paused {:.1} ms",
+            info.round,
+            info.bytes_sent,
+            info.elapsed_ms,
+            info.downtime_ms.unwrap_or(f64::NAN)
+        );
     }
     server.controller_mut().shut_down()?;
     Ok(ending)
