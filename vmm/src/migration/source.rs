@@ -31,6 +31,8 @@ use crate::vm::vcpu::PauseError;
 
 /// How long the destination may take to answer (to accept the layout, or to run the VM).
 const ANSWER_TIMEOUT: Duration = Duration::from_secs(60);
+/// The fewest bytes a round must send for its throughput to count.
+const MIN_MEASURED: u64 = 1 << 20;
 /// How long a write to the destination may block before the migration fails.
 const WRITE_TIMEOUT: Duration = Duration::from_secs(60);
 
@@ -457,7 +459,9 @@ impl Run {
             writer
                 .end_round()
                 .map_err(|e| self.explain(e, &mut answers))?;
-            if sent.bytes > 0 {
+            // A round of a few pages times the syscalls more than the link: keep the last
+            // real figure.
+            if sent.bytes >= MIN_MEASURED {
                 progress.throughput = throughput(sent.bytes, round_start.elapsed());
             }
         };
