@@ -167,7 +167,8 @@ def map_plots(summary):
 
 
 def harvest_plots(bench):
-    rows = [r for r in bench["rows"] if r["dirtied_percent"] > 0]
+    rows = [r for r in bench["rows"] if r["dirtied_percent"] > 0 and r.get("pattern", "scattered") == "scattered"]
+    clustered = [r for r in bench["rows"] if r.get("pattern") == "clustered"]
     svg = loglog_svg(
         f"Harvest of {bench['slots']} slots ({bench['area_size'] >> 20} MiB), one vCPU",
         "share of pages dirtied since the last harvest",
@@ -181,6 +182,11 @@ def harvest_plots(bench):
             ("dirty ring", [
                 (r["dirtied_percent"], r["ring_harvest_us"])
                 for r in rows
+                if r["dirty_pages"] <= bench["ring_entries"]
+            ]),
+            ("dirty ring, neighbouring pages", [
+                (r["dirtied_percent"], r["ring_harvest_us"])
+                for r in clustered
                 if r["dirty_pages"] <= bench["ring_entries"]
             ]),
         ],

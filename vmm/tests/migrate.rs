@@ -745,3 +745,45 @@ fn kvm_the_source_runs_on_when_the_destination_dies_at_once() {
     );
     stop_and_verify(&source, AREA, end);
 }
+
+#[test]
+fn kvm_a_writing_guest_migrates_over_tcp() {
+    if !kvm_test_support::require_kvm("tinyvmm::kvm_a_writing_guest_migrates_over_tcp") {
+        return;
+    }
+    let (source, end) = never_converging("tcp");
+    // A port the kernel just handed out, free again for the destination.
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .expect("a free port")
+        .port();
+    let endpoint = format!("tcp:127.0.0.1:{port}");
+    let mut destination = Vmm::spawn(&["receive", "--listen", &endpoint], path("tcp", "dst-api"));
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
+        assert!(Instant::now() < deadline, "receive never listened");
+        assert!(destination.running(), "receive exited");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    // That probe was the destination's one connection: it dropped it, said why and exited.
+    let probed = destination.wait(Duration::from_secs(30));
+    assert_eq!(probed.status.code(), Some(1));
+    let mut destination = Vmm::spawn(&["receive", "--listen", &endpoint], path("tcp", "dst-api"));
+    std::thread::sleep(Duration::from_millis(200));
+    let (status, answer) = source.call(
+        "PUT",
+        "/migrate",
+        Some(json!({"destination": endpoint, "downtime_ms": 1000, "timeout_s": 30, "on_timeout": "force"})),
+    );
+    assert_eq!(status, 204, "{answer}");
+    let mut source = source;
+    let output = source.wait(Duration::from_secs(120));
+    assert_eq!(
+        output.status.code(),
+        Some(0),
+        "{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    destination.wait_for_api();
+    stop_and_verify(&destination, AREA, end);
+}

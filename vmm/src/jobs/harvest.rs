@@ -6,7 +6,9 @@
 //! not first faults) and a harvest takes the initially-set pages. Then, per dirtied share and
 //! repetition, in each VM in turn: the guest writes one u64 in every k-th page (timed), and the
 //! host harvests (timed) and checks that exactly the written pages are reported. The result is
-//! the median of each, and the ratio bitmap / ring.
+//! the median of each, and the ratio bitmap / ring. The same shares are then written clustered:
+//! as many pages, but neighbours from the area's start (a guest's usual pattern), which KVM
+//! re-protects in fewer, larger steps.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -21,8 +23,10 @@ use crate::test_guest::vcpus::{check_slot_count, GuestError, TestVm, Vcpus};
 use crate::test_guest::{Command, Op};
 use crate::vm::VmOptions;
 
-/// The shares of pages dirtied, as one page in `k` (0: none).
+/// The shares of pages dirtied, as one page in `k` (0: none), scattered over the area.
 const EVERY_KTH: [u64; 5] = [0, 1000, 100, 10, 1];
+/// The shares written again as neighbouring pages.
+const CLUSTERED_KTH: [u64; 3] = [1000, 100, 10];
 
 /// What to measure.
 #[derive(Debug, Clone, Copy)]
@@ -67,6 +71,8 @@ pub enum HarvestError {
 /// One share of dirtied pages, both modes.
 #[derive(Debug, Clone, Serialize)]
 pub struct HarvestRow {
+    /// `scattered` (every k-th page) or `clustered` (neighbouring pages).
+    pub pattern: &'static str,
     /// Share of the pages dirtied, in percent.
     pub dirtied_percent: f64,
     /// Pages dirtied per round.
@@ -138,30 +144,41 @@ impl Side {
             area,
         };
         // Every page touched once, and the initially-set pages taken.
-        side.write(1, 0)?;
+        side.write(1, 0, false)?;
         side.memory
             .harvest_dirty(Target::Region(side.area.region))?;
         Ok(side)
     }
 
-    /// The guest writes one u64 in every `k`-th page; returns the pages written and the time.
-    fn write(&mut self, k: u64, seed: u64) -> Result<(u64, Duration), HarvestError> {
+    /// The guest writes one u64 in one page of `k`: every `k`-th page, or (`clustered`) as
+    /// many neighbouring pages from the area's start. Returns the pages written and the time.
+    fn write(
+        &mut self,
+        k: u64,
+        seed: u64,
+        clustered: bool,
+    ) -> Result<(u64, Duration), HarvestError> {
         if k == 0 {
             return Ok((0, Duration::ZERO));
         }
-        let stride = k * PAGE_SIZE;
+        let pages = self.area.size().div_ceil(k * PAGE_SIZE);
+        let (end, stride) = if clustered {
+            (self.area.gpa + pages * PAGE_SIZE, PAGE_SIZE)
+        } else {
+            (self.area.end(), k * PAGE_SIZE)
+        };
         let start = Instant::now();
         self.vcpus.run(
             0,
             Command {
                 op: Op::Write,
                 start: self.area.gpa,
-                end: self.area.end(),
+                end,
                 stride,
                 seed,
             },
         )?;
-        Ok((self.area.size().div_ceil(stride), start.elapsed()))
+        Ok((pages, start.elapsed()))
     }
 
     /// Harvests and checks that exactly `written` pages are reported.
@@ -206,7 +223,11 @@ pub fn run_harvest_bench(
     let pages = sides[0].area.size() / PAGE_SIZE;
     let mut rows = Vec::new();
     let mut seed = 1;
-    for k in EVERY_KTH {
+    let shares = EVERY_KTH
+        .iter()
+        .map(|&k| (k, false))
+        .chain(CLUSTERED_KTH.iter().map(|&k| (k, true)));
+    for (k, clustered) in shares {
         let mut harvests = [Vec::new(), Vec::new()];
         let mut writes = [Vec::new(), Vec::new()];
         let mut dirty_pages = 0;
@@ -216,7 +237,7 @@ pub fn run_harvest_bench(
                     return Err(HarvestError::Interrupted);
                 }
                 seed += 1;
-                let (written, write_time) = side.write(k, seed)?;
+                let (written, write_time) = side.write(k, seed, clustered)?;
                 harvests[i].push(side.harvest(written)?);
                 writes[i].push(write_time);
                 dirty_pages = written;
@@ -225,6 +246,7 @@ pub fn run_harvest_bench(
         let [bitmap, ring] = harvests.map(median);
         let [bitmap_write, ring_write] = writes.map(median);
         rows.push(HarvestRow {
+            pattern: if clustered { "clustered" } else { "scattered" },
             dirtied_percent: 100.0 * dirty_pages as f64 / pages as f64,
             dirty_pages,
             bitmap_harvest_us: bitmap,
@@ -269,13 +291,14 @@ impl std::fmt::Display for HarvestReport {
         )?;
         writeln!(
             f,
-            "| dirtied | pages | bitmap harvest | ring harvest | bitmap / ring | guest write (bitmap) | guest write (ring) |"
+            "| pages written | dirtied | pages | bitmap harvest | ring harvest | bitmap / ring | guest write (bitmap) | guest write (ring) |"
         )?;
-        writeln!(f, "|---:|---:|---:|---:|---:|---:|---:|")?;
+        writeln!(f, "|---|---:|---:|---:|---:|---:|---:|---:|")?;
         for r in &self.rows {
             writeln!(
                 f,
-                "| {:.1} % | {} | {:.0} µs | {:.0} µs | {:.1}× | {:.0} µs | {:.0} µs |",
+                "| {} | {:.1} % | {} | {:.0} µs | {:.0} µs | {:.1}× | {:.0} µs | {:.0} µs |",
+                r.pattern,
                 r.dirtied_percent,
                 r.dirty_pages,
                 r.bitmap_harvest_us,
