@@ -760,6 +760,8 @@ def main():
     if not os.path.exists(opts.binary):
         sys.exit(f"{opts.binary} is missing: cargo build --release -p tinyvmm")
     signal.signal(signal.SIGTERM, on_sigterm)
+    # Also when started in the background, where SIGINT may come in ignored.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     tmp = tempfile.mkdtemp(prefix="tinyvmm-migrate-bench-")
     logs = os.path.join(os.path.dirname(os.path.abspath(opts.json)), "migrate-logs")
     shutil.rmtree(logs, ignore_errors=True)
