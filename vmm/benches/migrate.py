@@ -596,7 +596,7 @@ def migrate_qemu(opts, tmp, logs, qemu, size_mib, accels):
                     continue
                 result["accel"] = accel
                 result["version"] = qmp.execute("query-version")["qemu"]
-                # QEMU's default bandwidth cap (32 MiB/s in 7.2) would measure the cap: lift it.
+                # QEMU's default bandwidth cap (128 MiB/s in 7.2) would measure the cap: lift it.
                 qmp.execute("migrate-set-parameters", **{"max-bandwidth": 100 << 30,
                                                           "downtime-limit": opts.downtime_ms})
                 t_put = time.monotonic()
