@@ -390,6 +390,7 @@ impl Run {
         // From here every write is logged: what the first harvest reports went out in round 1
         // or is dirty again.
         let cleared = self.harvest(memory)?;
+        let mut last_harvest = Instant::now();
         drop(cleared);
         match read_answer(&mut answers) {
             Ok(Ok(())) => {}
@@ -413,7 +414,6 @@ impl Run {
             throughput: throughput(sent.bytes, round_start.elapsed()),
             harvest_time: Duration::ZERO,
         };
-        let mut last_harvest = Instant::now();
         let mut round = 1;
         let dirty = loop {
             self.check_cancel()?;
