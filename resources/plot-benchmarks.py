@@ -176,15 +176,15 @@ def harvest_plots(bench):
         "harvest time",
         "us",
         [
-            ("bitmap (KVM_GET/CLEAR_DIRTY_LOG)", [(r["dirtied_percent"], r["bitmap_harvest_us"]) for r in rows]),
+            ("bitmap, scattered", [(r["dirtied_percent"], r["bitmap_harvest_us"]) for r in rows]),
             # Where the pages outnumber the ring's entries, the ring filled during the writes
             # and most entries were collected then: the harvest's own time would mislead.
-            ("dirty ring", [
+            ("ring, scattered", [
                 (r["dirtied_percent"], r["ring_harvest_us"])
                 for r in rows
                 if r["dirty_pages"] <= bench["ring_entries"]
             ]),
-            ("dirty ring, neighbouring pages", [
+            ("ring, neighbouring", [
                 (r["dirtied_percent"], r["ring_harvest_us"])
                 for r in clustered
                 if r["dirty_pages"] <= bench["ring_entries"]

@@ -237,14 +237,19 @@ def guest(op, start, end, seed):
 # ---------------------------------------------------------------------------------------------
 # One tinyvmm migration.
 
-def migrate_tinyvmm(opts, tmp, logs, size_mib, slots, mode, workload):
-    """Runs one configuration; returns its figures (raises if the migration is broken)."""
-    tag = f"{workload}-{size_mib}-{slots}-{mode}"
+def migrate_tinyvmm(opts, tmp, logs, size_mib, slots, mode, workload, transfer="copy"):
+    """Runs one configuration; returns its figures (raises if the migration is broken).
+    `transfer` "local" puts the guest's memory in a memfd (`serve --memfd`) and hands it over
+    (`"local": true`) instead of copying it."""
+    tag = f"{workload}-{size_mib}-{slots}-{mode}-{transfer}"
     src_api = os.path.join(tmp, f"{tag}-src.sock")
     dst_api = os.path.join(tmp, f"{tag}-dst.sock")
     listen = os.path.join(tmp, f"{tag}-mig.sock")
     ring = ["--dirty-ring", str(opts.ring_entries)] if mode == "ring" else []
-    result = {"workload": workload, "mem_mib": size_mib, "slots": slots, "mode": mode}
+    if transfer == "local":
+        ring.append("--memfd")
+    result = {"workload": workload, "mem_mib": size_mib, "slots": slots, "mode": mode,
+              "transfer": transfer}
     source = destination = None
     try:
         started = time.monotonic()
@@ -278,7 +283,8 @@ def migrate_tinyvmm(opts, tmp, logs, size_mib, slots, mode, workload):
         wait_for_path(listen, destination)
 
         body = {"destination": f"unix:{listen}", "downtime_ms": opts.downtime_ms,
-                "timeout_s": opts.timeout_s, "on_timeout": opts.on_timeout}
+                "timeout_s": opts.timeout_s, "on_timeout": opts.on_timeout,
+                "local": transfer == "local"}
         poll = Api(src_api)
         poll.connect()
         t_put = time.monotonic()
@@ -343,6 +349,14 @@ def migrate_tinyvmm(opts, tmp, logs, size_mib, slots, mode, workload):
         info = final or last
         result["completed_seen"] = final is not None
         result["downtime_ms"] = final["downtime_ms"] if final else None
+        if result["downtime_ms"] is None:
+            # The source says it as it leaves: "..., paused X ms".
+            said = source.line_with("paused ")
+            if said is not None:
+                try:
+                    result["downtime_ms"] = float(said[1].rsplit("paused ", 1)[1].split()[0])
+                except (IndexError, ValueError):
+                    pass
         result["source_elapsed_ms"] = final["elapsed_ms"] if final else None
         result["bytes_sent"] = info["bytes_sent"]
         result["rounds"] = info["round"]
@@ -674,7 +688,7 @@ def print_table(results, baseline, qemu_results, qemu_skipped):
           f"{', '.join(f'{r / MIB:.0f}' for r in baseline['fresh_memory_runs_bytes_per_second'])}"
           f" MiB/s)")
     print()
-    head = ("| workload | guest | slots | harvest | total | to pre-copy | round 1 | after round 1"
+    head = ("| workload | guest | slots | harvest | memory | total | to pre-copy | round 1 | after round 1"
             " | downtime | rounds | sent | sent / guest | throughput | / socket | / socket into"
             " fresh memory | round 1 rate"
             " | / socket | destination's line | verify |")
@@ -683,7 +697,7 @@ def print_table(results, baseline, qemu_results, qemu_skipped):
     for r in results:
         if "error" in r:
             print(f"| {r['workload']} | {r['mem_mib']} MiB | {r['slots']} | {r['mode']} | "
-                  f"FAILED: {r['error']} |")
+                  f"{r.get('transfer', 'copy')} | FAILED: {r['error']} |")
             continue
         after = (max(0.0, r["total_ms"] - r["t_round1_end_ms"]) if r["t_round1_end_ms"]
                  else None)
@@ -695,6 +709,7 @@ def print_table(results, baseline, qemu_results, qemu_skipped):
             down = f"not seen ({fmt_ms(low)}-{fmt_ms(high)} ms)"
         rounds = f"{r['rounds']}" + (" (forced at the timeout)" if r["forced_at_timeout"] else "")
         print(f"| {r['workload']} | {r['mem_mib']} MiB | {r['slots']} | {r['mode']} "
+              f"| {'handed over' if r.get('transfer') == 'local' else 'copied'} "
               f"| {r['total_ms']:.0f} ms | {fmt_ms(r['t_pre_copy_ms'])} ms "
               f"| {fmt_ms((r['t_round1_end_ms'] or 0) - (r['t_pre_copy_ms'] or 0))} ms "
               f"| {fmt_ms(after)} ms | {down} | {rounds} "
@@ -741,6 +756,8 @@ def main():
     parser.add_argument("--slots", default="2,4096,32764",
                         help="KVM slots in all (`serve --slots`: the system region's too)")
     parser.add_argument("--modes", default="bitmap,ring")
+    parser.add_argument("--transfers", default="copy",
+                        help="copy (the guest memory travels) and/or local (a memfd handed over)")
     parser.add_argument("--workloads", default="idle",
                         help="idle (every page written once) and/or loop (a write_loop too)")
     parser.add_argument("--loop-mib", type=int, default=16)
@@ -774,17 +791,19 @@ def main():
         for workload in opts.workloads.split(","):
             for size in [int(s) for s in opts.sizes.split(",")]:
                 for slots in [int(s) for s in opts.slots.split(",")]:
-                    for mode in opts.modes.split(","):
+                    for mode, transfer in [(m, t) for t in opts.transfers.split(",")
+                                           for m in opts.modes.split(",")]:
                         t = time.monotonic()
-                        print(f"tinyvmm {workload} {size} MiB {slots} slots {mode} ...",
+                        print(f"tinyvmm {workload} {size} MiB {slots} slots {mode} {transfer} ...",
                               file=sys.stderr, end=" ", flush=True)
                         try:
-                            r = migrate_tinyvmm(opts, tmp, logs, size, slots, mode, workload)
+                            r = migrate_tinyvmm(opts, tmp, logs, size, slots, mode, workload,
+                                                transfer)
                             print(f"{r['total_ms']:.0f} ms, downtime {r['downtime_ms']}; "
                                   f"{time.monotonic() - t:.0f} s in all", file=sys.stderr)
                         except (RuntimeError, OSError, ConnectionError, ValueError) as e:
                             r = {"workload": workload, "mem_mib": size, "slots": slots,
-                                 "mode": mode, "error": str(e)}
+                                 "mode": mode, "transfer": transfer, "error": str(e)}
                             print(f"FAILED: {e}", file=sys.stderr)
                         results.append(r)
         if opts.qemu == "off":
