@@ -24,6 +24,53 @@
 //! Hello (it could lay its memory out the same way, or why not) so that no memory moves to a
 //! receiver that will refuse it, and once after Done (its VM runs).
 //!
+//! # Example
+//!
+//! Two rounds from one manager to another (here through a `Vec`; a VMM writes to a socket and
+//! reads on the other end), the receiver building the sender's layout from the Hello:
+//!
+//! ```
+//! use kvm_memslots::snapshot::MemoryLayout;
+//! use kvm_memslots::stream::{apply_pages, Record, StreamReader, StreamWriter};
+//! use kvm_memslots::testing::FakeKvm;
+//! use kvm_memslots::{MemoryManager, RegionSpec, Target};
+//! use vm_memory::{Bytes, GuestAddress, GuestAddressSpace};
+//!
+//! let source = MemoryManager::new(FakeKvm::new(64, true));
+//! source.add_region(RegionSpec::new(GuestAddress(0), 1 << 20))?;
+//! let ram = source.handle().memory();
+//! ram.write_obj(1u64, GuestAddress(0x1000))?;
+//!
+//! let mut writer = StreamWriter::new(Vec::new());
+//! writer.hello(&MemoryLayout::of(&source))?;
+//! source.start_dirty_log(Target::All)?;
+//! source.harvest_dirty(Target::All)?; // from here on, writes are logged
+//! writer.send_all(&source)?; // round 1: every page that holds data
+//! writer.end_round()?;
+//! ram.write_obj(2u64, GuestAddress(0x8000))?; // the VM runs on and writes
+//! let dirty = source.harvest_dirty(Target::All)?;
+//! writer.send_dirty(&source, &dirty)?; // round 2: what changed
+//! writer.end_round()?;
+//! writer.state(b"vcpu state")?;
+//! writer.done()?;
+//!
+//! let destination = MemoryManager::new(FakeKvm::new(64, true));
+//! let mut reader = StreamReader::new(writer.get_ref().as_slice());
+//! let Some(Record::Hello { layout, .. }) = reader.next_record()? else { unreachable!() };
+//! layout.build(&destination)?;
+//! while let Some(record) = reader.next_record()? {
+//!     match record {
+//!         Record::Pages { offset, data } => apply_pages(&destination, &layout, offset, &data)?,
+//!         Record::State(state) => assert_eq!(state, b"vcpu state"),
+//!         _ => {}
+//!     }
+//! }
+//! let there = destination.handle().memory();
+//! assert_eq!(there.read_obj::<u64>(GuestAddress(0x1000))?, 1);
+//! assert_eq!(there.read_obj::<u64>(GuestAddress(0x8000))?, 2);
+//! # Ok::<(), Box<dyn std::error::Error>>(())
+//! ```
+//!
 //! A record that is truncated, corrupted, of an unknown kind, too long, or not where the
 //! stream's order allows is refused with the reason ([`StreamError`]): a receiver never applies
 //! a page it could not check. Writing pages a harvest reported ([`StreamWriter::send_dirty`])
