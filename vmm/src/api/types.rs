@@ -74,18 +74,9 @@ pub struct Harvest {
     pub region: Option<u64>,
 }
 
-/// `PUT /hotplug/memory`: the hotplug area, as Firecracker describes it.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Serialize)]
-#[serde(deny_unknown_fields)]
-pub struct HotplugConfig {
-    /// Size of the whole area, in MiB.
-    pub total_size_mib: u64,
-    /// Plugging granularity in MiB (a power of two, at least 2).
-    pub block_size_mib: u64,
-    /// KVM slot size in MiB (a multiple of the block size); a slot is mapped while any of its
-    /// blocks is plugged. Defaults to the block size.
-    pub slot_size_mib: Option<u64>,
-}
+/// `PUT /hotplug/memory`: the hotplug area, as Firecracker describes it (defined where the
+/// snapshot state file saves it, below this module).
+pub use crate::test_guest::snapshot::HotplugConfig;
 
 /// `PATCH /hotplug/memory`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
