@@ -768,7 +768,7 @@ fn kvm_a_writing_guest_migrates_over_tcp() {
     // That probe was the destination's one connection: it dropped it, said why and exited.
     let probed = destination.wait(Duration::from_secs(30));
     assert_eq!(probed.status.code(), Some(1));
-    let mut destination = Vmm::spawn(&["receive", "--listen", &endpoint], path("tcp", "dst-api"));
+    let destination = Vmm::spawn(&["receive", "--listen", &endpoint], path("tcp", "dst-api"));
     std::thread::sleep(Duration::from_millis(200));
     let (status, answer) = source.call(
         "PUT",
