@@ -14,6 +14,40 @@
 //! **The layout file** ([`MemoryLayout::to_bytes`]) is a magic, the format version, the JSON of
 //! the layout and its CRC-32: a truncated, corrupted or foreign file is refused with the reason,
 //! before anything is built.
+//!
+//! # Example
+//!
+//! A full snapshot of one manager restored into another (on the fake KVM; a VMM pauses its
+//! vCPUs first and saves their state beside these two files):
+//!
+//! ```
+//! use kvm_memslots::snapshot::{load_memory_file, write_memory_file, MemoryLayout};
+//! use kvm_memslots::testing::FakeKvm;
+//! use kvm_memslots::{MemoryManager, RegionSpec};
+//! use vm_memory::{Bytes, GuestAddress, GuestAddressSpace};
+//!
+//! let vm = MemoryManager::new(FakeKvm::new(64, true));
+//! vm.add_region(RegionSpec::new(GuestAddress(0), 4 << 20).with_slot_size(1 << 20))?;
+//! vm.handle().memory().write_obj(42u64, GuestAddress(0x20_0000))?;
+//!
+//! let layout_bytes = MemoryLayout::of(&vm).to_bytes(); // the layout file's contents
+//! let memory_file = tempfile()?;
+//! write_memory_file(&vm, &MemoryLayout::of(&vm), &memory_file)?;
+//!
+//! let restored = MemoryManager::new(FakeKvm::new(64, true));
+//! let layout = MemoryLayout::from_bytes(&layout_bytes)?; // checked before anything is built
+//! layout.build(&restored)?;
+//! load_memory_file(&restored, &layout, &memory_file)?;
+//! assert_eq!(restored.handle().memory().read_obj::<u64>(GuestAddress(0x20_0000))?, 42);
+//! assert_eq!(restored.slot_usage().used, 4);
+//! # fn tempfile() -> std::io::Result<std::fs::File> {
+//! #     let path = std::env::temp_dir().join(format!("kvm-memslots-doc-{}", std::process::id()));
+//! #     let file = std::fs::OpenOptions::new().read(true).write(true).create(true).truncate(true).open(&path)?;
+//! #     std::fs::remove_file(&path)?;
+//! #     Ok(file)
+//! # }
+//! # Ok::<(), Box<dyn std::error::Error>>(())
+//! ```
 
 use std::fs::File;
 use std::ops::Range;

@@ -7,6 +7,36 @@
 //! remembers what it filled and gives such a page zeros, as a discard promises. libc has only
 //! the system call's number, so the ioctl structures are declared here from the kernel's
 //! `include/uapi/linux/userfaultfd.h`.
+//!
+//! # Example
+//!
+//! A snapshot restored lazily: nothing is read until the first touch (here the VMM's own read;
+//! a vCPU's access through KVM faults the same way). Needs userfaultfd (Linux 4.3+, and root or
+//! `vm.unprivileged_userfaultfd`).
+//!
+//! ```
+//! use kvm_memslots::snapshot::{write_memory_file, MemoryLayout};
+//! use kvm_memslots::testing::FakeKvm;
+//! use kvm_memslots::uffd::LazyLoader;
+//! use kvm_memslots::{MemoryManager, RegionSpec};
+//! use vm_memory::{Bytes, GuestAddress, GuestAddressSpace};
+//!
+//! let vm = MemoryManager::new(FakeKvm::new(64, true));
+//! vm.add_region(RegionSpec::new(GuestAddress(0), 2 << 20))?;
+//! vm.handle().memory().write_obj(7u64, GuestAddress(0x1000))?;
+//! let layout = MemoryLayout::of(&vm);
+//! # let path = std::env::temp_dir().join(format!("kvm-memslots-uffd-doc-{}", std::process::id()));
+//! # let memory_file = std::fs::OpenOptions::new().read(true).write(true).create(true).truncate(true).open(&path)?;
+//! # std::fs::remove_file(&path)?;
+//! write_memory_file(&vm, &layout, &memory_file)?;
+//!
+//! let restored = MemoryManager::new(FakeKvm::new(64, true));
+//! layout.build(&restored)?;
+//! let loader = LazyLoader::start(&restored, &layout, &memory_file)?;
+//! assert_eq!(restored.handle().memory().read_obj::<u64>(GuestAddress(0x1000))?, 7);
+//! drop(loader);
+//! # Ok::<(), Box<dyn std::error::Error>>(())
+//! ```
 
 use std::fs::File;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
