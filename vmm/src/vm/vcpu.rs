@@ -142,10 +142,12 @@ impl VcpuShared {
             return;
         }
         if let Some(&thread) = self.thread.get() {
-            // SAFETY: `thread` is the vCPU's own pthread id, taken by the thread itself. Its
-            // loop has not finished (checked above), and its JoinHandle is joined only after
-            // the loop ends, so the id still names that live thread; the kick signal has a
-            // no-op handler installed before any vCPU runs.
+            // SAFETY: `thread` is the vCPU's own pthread id, taken by the thread itself, and
+            // stays valid until the thread is joined. Its loop has not finished (checked
+            // above), and the owner of its JoinHandle joins it only after every thread that
+            // kicks or pauses it is done (`Controller::shut_down` ends a migration before it
+            // stops the vCPUs), so the id names that thread. The kick signal's handler is a
+            // no-op installed before any vCPU runs.
             unsafe { libc::pthread_kill(thread, kick_signal()) };
         }
     }
