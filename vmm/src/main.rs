@@ -602,7 +602,13 @@ fn served(outcome: Result<Ending, impl std::fmt::Display>) -> ExitCode {
         }
         Err(e) => {
             eprintln!("tinyvmm: {e}");
-            ExitCode::FAILURE
+            // A signal that cut a step short (a migration being received, say) is still the
+            // signal's ending.
+            if tinyvmm::lifecycle::termination_signal().load(std::sync::atomic::Ordering::Acquire) {
+                ExitCode::from(130)
+            } else {
+                ExitCode::FAILURE
+            }
         }
     }
 }

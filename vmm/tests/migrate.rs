@@ -787,3 +787,26 @@ fn kvm_a_writing_guest_migrates_over_tcp() {
     destination.wait_for_api();
     stop_and_verify(&destination, AREA, end);
 }
+
+#[test]
+fn kvm_sigterm_stops_a_receiving_destination_with_130_and_the_source_runs_on() {
+    if !kvm_test_support::require_kvm(
+        "tinyvmm::kvm_sigterm_stops_a_receiving_destination_with_130_and_the_source_runs_on",
+    ) {
+        return;
+    }
+    let (source, end) = never_converging("dst-sigterm");
+    let (mut destination, listen) = Vmm::receive("dst-sigterm", &[]);
+    let (status, answer) = migrate(&source, &listen, json!({"downtime_ms": 0}));
+    assert_eq!(status, 204, "{answer}");
+    watch(&source, |i| i["round"].as_u64() >= Some(2));
+    let pid = destination.child.as_ref().expect("running").id();
+    // SAFETY: kill(2) only sends a signal to the child's pid, which we have not reaped yet.
+    assert_eq!(unsafe { libc::kill(pid as libc::pid_t, libc::SIGTERM) }, 0);
+    let output = destination.wait(Duration::from_secs(60));
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert_eq!(output.status.code(), Some(130), "{stderr}");
+    assert!(stderr.contains("nothing runs here"), "{stderr}");
+    watch(&source, |i| phase(i) == "failed");
+    stop_and_verify(&source, AREA, end);
+}

@@ -327,6 +327,11 @@ impl<R: Read> Read for Patient<'_, R> {
     fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
         let start = std::time::Instant::now();
         loop {
+            // Before every read, not only when one times out: a source that streams without a
+            // pause would otherwise keep a signalled receiver reading.
+            if self.stop.load(Ordering::Acquire) {
+                return Err(io::Error::other("stopped by a signal"));
+            }
             match self.inner.read(buf) {
                 Err(e)
                     if matches!(
@@ -336,9 +341,6 @@ impl<R: Read> Read for Patient<'_, R> {
                             | io::ErrorKind::Interrupted
                     ) =>
                 {
-                    if self.stop.load(Ordering::Acquire) {
-                        return Err(io::Error::other("stopped by a signal"));
-                    }
                     if start.elapsed() >= self.stall {
                         return Err(io::Error::new(
                             io::ErrorKind::TimedOut,
