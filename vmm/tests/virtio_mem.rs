@@ -278,3 +278,57 @@ fn kvm_a_hotplug_area_needing_more_slots_than_are_free_is_refused() {
     assert!(message.contains("32768"), "{message}");
     assert_eq!(vm.memory().regions().len(), 1, "nothing was added");
 }
+
+#[test]
+fn kvm_a_guest_touching_unplugged_memory_is_counted_and_goes_on() {
+    if !kvm_test_support::require_kvm(
+        "tinyvmm::kvm_a_guest_touching_unplugged_memory_is_counted_and_goes_on",
+    ) {
+        return;
+    }
+    use tinyvmm::test_guest::vcpus::{GuestError, TestVm};
+    use tinyvmm::test_guest::{Command, Op};
+    use tinyvmm::vm::mmio::MmioBus;
+
+    // 2 MiB of absent memory at 4 GiB (an unplugged block), and 2 MiB of RAM beside it.
+    let mut absent = MmioBus::new();
+    absent
+        .insert_absent(4 << 30, 2 * MIB)
+        .expect("an empty bus takes it");
+    let vm = TestVm::new().expect("a VM").with_mmio(absent);
+    vm.memory()
+        .add_region(RegionSpec::new(GuestAddress((4 << 30) + 2 * MIB), 2 * MIB))
+        .expect("RAM");
+    let stopped = Arc::new(EventFd::new(0).expect("eventfd"));
+    let mut vcpus = vm.start_vcpus(1, &stopped).expect("vCPUs");
+    let command = |op, start: u64, seed| Command {
+        op,
+        start,
+        end: start + 2 * MIB,
+        stride: 4096,
+        seed,
+    };
+    // A real vCPU's 512 writes into absent memory: each an MMIO exit, dropped, the guest on.
+    vcpus
+        .run(0, command(Op::Write, 4 << 30, 1))
+        .expect("the guest goes on");
+    let counted = vcpus
+        .shared(0)
+        .counters
+        .absent_memory
+        .load(std::sync::atomic::Ordering::Relaxed);
+    assert_eq!(counted, 512);
+    // Its reads see all ones, not what it wrote.
+    match vcpus.run(0, command(Op::Verify, 4 << 30, 1)) {
+        Err(GuestError::GuestSawWrongData { found, .. }) => assert_eq!(found, u64::MAX),
+        other => panic!("reading absent memory: {other:?}"),
+    }
+    // And the VM is as good as before: memory beside it works both ways.
+    vcpus
+        .run(0, command(Op::Write, (4 << 30) + 2 * MIB, 2))
+        .expect("write");
+    vcpus
+        .run(0, command(Op::Verify, (4 << 30) + 2 * MIB, 2))
+        .expect("verify");
+    vcpus.shut_down().expect("clean stop");
+}

@@ -9,6 +9,7 @@ use kvm_memslots::{KvmVm, MemoryManager};
 use super::command::Fault;
 use super::layout::port;
 use crate::vm::exit::ExitError;
+use crate::vm::mmio::MmioBus;
 use crate::vm::ports::{PortBus, Unmapped};
 use crate::vm::state::{StateError, VcpuState};
 use crate::vm::vcpu::{Flow, VcpuPorts};
@@ -96,6 +97,8 @@ pub struct TestGuestPorts {
     /// Wait for a go-ahead before first entering the guest (a restored guest, saved between
     /// commands).
     pub parked: bool,
+    /// Absent memory (and device windows) where the guest has no slot, if any.
+    pub mmio: Option<Arc<MmioBus>>,
 }
 
 impl TestGuestPorts {
@@ -121,6 +124,10 @@ impl VcpuPorts for TestGuestPorts {
 
     fn bus(&self) -> &PortBus<GuestPort> {
         bus()
+    }
+
+    fn mmio(&self) -> Option<&MmioBus> {
+        self.mmio.as_deref()
     }
 
     fn before_run(&mut self, vcpu: &VcpuFd) -> Flow {

@@ -15,6 +15,7 @@ use vmm_sys_util::eventfd::EventFd;
 
 use super::ports::{GoAhead, TestGuestPorts, VcpuError, VcpuEvent};
 use crate::test_guest::{self, Command, CommandBlock, Op, Outcome};
+use crate::vm::mmio::MmioBus;
 use crate::vm::state::{StateError, VcpuState};
 use crate::vm::vcpu::{kick_until_finished, PauseError, Vcpu, VcpuShared};
 use crate::vm::{Vm, VmError, VmOptions};
@@ -182,6 +183,8 @@ pub struct TestVm {
     system: RegionId,
     /// The fault handler of a VM restored with [`MemBackend::Uffd`], for as long as it runs.
     loader: Option<LazyLoader>,
+    /// Absent memory the vCPUs answer without stopping (see [`TestVm::with_mmio`]).
+    mmio: Option<Arc<MmioBus>>,
 }
 
 impl TestVm {
@@ -202,6 +205,7 @@ impl TestVm {
             vm,
             system,
             loader: None,
+            mmio: None,
         })
     }
 
@@ -230,7 +234,12 @@ impl TestVm {
             }
         };
         let system = system_region(layout, &ids)?;
-        Ok(TestVm { vm, system, loader })
+        Ok(TestVm {
+            vm,
+            system,
+            loader,
+            mmio: None,
+        })
     }
 
     /// A VM with `layout`'s regions (the system region among them) in fresh, empty memory for
@@ -249,7 +258,18 @@ impl TestVm {
             vm,
             system,
             loader: None,
+            mmio: None,
         })
+    }
+
+    /// Has vCPUs started from now on answer `bus`'s ranges where there is no slot: absent
+    /// memory reads as all ones and drops writes, and the guest goes on (an unplugged
+    /// virtio-mem block, say), where an access to no memory otherwise stops the vCPU.
+    pub fn with_mmio(self, bus: MmioBus) -> Self {
+        TestVm {
+            mmio: Some(Arc::new(bus)),
+            ..self
+        }
     }
 
     /// The userfaultfd handler's counts, for a VM restored with [`MemBackend::Uffd`].
@@ -348,6 +368,7 @@ impl TestVm {
                     resume: resume_rx,
                     memory: Arc::clone(memory),
                     parked,
+                    mmio: self.mmio.clone(),
                 },
             };
             let thread = vcpu
