@@ -547,7 +547,7 @@ struct ReceiveArgs {
     /// Where to wait for the source: unix:PATH or tcp:HOST:PORT.
     #[arg(long)]
     listen: tinyvmm::migration::Endpoint,
-    /// Path of the API socket, created once the VM runs here.
+    /// Path of the API socket: bound at start, it answers once the VM runs here.
     #[arg(long)]
     api_sock: std::path::PathBuf,
     /// Seconds a client connection may send nothing before it is answered 408 and closed.

@@ -2,8 +2,10 @@
 //! VM the source's layout describes (or refuses it, saying why, before any memory moves),
 //! applies every round of pages, restores the vCPUs from the state record, lets the guest run
 //! on where it was paused, tells the source, and then serves the VM on its API socket as
-//! `serve` does. If anything fails before the guest runs here, nothing runs here: what came is
-//! dropped, the source is told why where it still listens, and the process exits with 1.
+//! `serve` does (the API socket is bound first, so nothing can fail between the source's
+//! hand-over and serving; it answers once the VM runs). If anything fails before the guest runs
+//! here, nothing runs here: what came is dropped, the source is told why where it still
+//! listens, and the process exits with 1.
 
 use std::collections::HashMap;
 use std::io::BufReader;
@@ -80,6 +82,20 @@ pub fn receive(
     ready: impl FnOnce(),
     received: impl FnOnce(Received),
 ) -> Result<Ending, ReceiveError> {
+    // The API socket first: once the source has handed the VM over, nothing may fail before it
+    // is served. It answers nobody until the VM runs here.
+    let api = bind_api_socket(&config.api_sock).map_err(ServeError::from)?;
+    let outcome = receive_and_serve(config, api, ready, received);
+    let _ = std::fs::remove_file(&config.api_sock);
+    outcome
+}
+
+fn receive_and_serve(
+    config: &ReceiveConfig,
+    api: std::os::unix::net::UnixListener,
+    ready: impl FnOnce(),
+    received: impl FnOnce(Received),
+) -> Result<Ending, ReceiveError> {
     let event_loop = EventLoop::new().map_err(ServeError::from)?;
     let listen_failed = |source| ReceiveError::Listen {
         endpoint: config.listen.to_string(),
@@ -109,10 +125,13 @@ pub fn receive(
         eprintln!("tinyvmm: the VM runs here, but the source could not be told: {e}");
     }
     received(stats);
-    let api = bind_api_socket(&config.api_sock).map_err(ServeError::from)?;
-    let ending = serve_controller(event_loop, api, controller, config.idle_timeout, || {});
-    let _ = std::fs::remove_file(&config.api_sock);
-    Ok(ending?)
+    Ok(serve_controller(
+        event_loop,
+        api,
+        controller,
+        config.idle_timeout,
+        || {},
+    )?)
 }
 
 /// Reads the stream into a new VM and starts it; the reason if anything is wrong.
