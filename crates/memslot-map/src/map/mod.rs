@@ -262,6 +262,7 @@ impl<P: Clone> MemslotMap<P> {
     }
 
     /// The slot that holds guest-physical address `addr`. O(log n).
+    #[inline]
     pub fn find_by_gpa(&self, addr: GuestAddress) -> Option<&Arc<Slot<P>>> {
         match &self.index {
             Index::Flat(flat) => flat.find_gpa(addr.0),
@@ -333,6 +334,7 @@ impl<P: Clone> MemslotMap<P> {
 
     /// Calls `f` on every slot whose host range overlaps `[hva, hva + len)`, in host-address
     /// order. O(log n + k) for k slots found; `len` 0 finds nothing.
+    #[inline]
     pub fn for_each_hva_overlap<'a>(
         &'a self,
         hva: HostAddress,
@@ -547,6 +549,57 @@ mod tests {
         assert_eq!(map.first_hole(0x800, 0x2000), Some(0x800));
         assert_eq!(map.first_hole(0x8000, 0x9000), None);
         assert_eq!(map.first_hole(0x5000, 0x5000), None);
+    }
+
+    #[test]
+    fn the_form_follows_the_size_with_hysteresis() {
+        let is_flat = |map: &MemslotMap<u32>| matches!(map.index, Index::Flat(_));
+        let page = |i: u32| {
+            slot(
+                i,
+                u64::from(i) * 0x1000,
+                0x1000,
+                0x10_000_000 - u64::from(i) * 0x1000,
+            )
+        };
+        let mut map = MemslotMap::new(MapConfig::default());
+        for i in 0..FLAT_MAX as u32 {
+            map.insert(page(i)).unwrap();
+            assert!(is_flat(&map), "{} slots", map.len());
+        }
+        let flat = map.clone();
+        map.insert(page(FLAT_MAX as u32)).unwrap();
+        assert!(!is_flat(&map) && is_flat(&flat));
+        check_indexes(&map);
+        // Down to the lower bound, the trees stay; one fewer, and the array is back.
+        for i in (FLAT_MIN as u32..=FLAT_MAX as u32).rev() {
+            assert!(!is_flat(&map), "{} slots", map.len());
+            map.remove(SlotId(i)).unwrap();
+        }
+        assert!(map.len() == FLAT_MIN && !is_flat(&map));
+        map.remove(SlotId(FLAT_MIN as u32 - 1)).unwrap();
+        assert!(is_flat(&map));
+        check_indexes(&map);
+        // A batch that crosses the bound in the middle lands in the trees.
+        let next = map
+            .with_changes(
+                (FLAT_MIN as u32 - 1..2 * FLAT_MAX as u32).map(|i| Change::Insert(page(i))),
+            )
+            .unwrap();
+        assert!(!is_flat(&next) && is_flat(&map));
+        check_indexes(&next);
+        assert!(next.iter().map(|s| s.id().0).eq(0..2 * FLAT_MAX as u32));
+        let hvas: Vec<u32> = next
+            .slots_overlapping_hva(HostAddress(0), u64::MAX)
+            .iter()
+            .map(|s| s.id().0)
+            .collect();
+        assert!(hvas.iter().copied().eq((0..2 * FLAT_MAX as u32).rev()));
+        // And one that empties it lands in the array.
+        let empty = next
+            .with_changes((0..2 * FLAT_MAX as u32).map(|i| Change::Remove(SlotId(i))))
+            .unwrap();
+        assert!(is_flat(&empty) && empty.is_empty());
     }
 
     #[test]
