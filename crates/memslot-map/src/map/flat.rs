@@ -75,21 +75,38 @@ impl<P> Row<P> {
 
 /// All slots of a small map.
 pub(super) struct Flat<P> {
-    rows: Vec<Row<P>>,
+    store: Store<P>,
+}
+
+/// Where the rows are: a map of one slot (a VM with one memory region) keeps its row inline,
+/// so that building, cloning and dropping it allocates nothing beyond the slot.
+enum Store<P> {
+    One(Row<P>),
+    /// Any other number of rows, none included.
+    Many(Vec<Row<P>>),
 }
 
 impl<P> Clone for Flat<P> {
     /// Copies the rows, with room for one more: a clone is most often made to be changed.
     fn clone(&self) -> Self {
-        let mut rows = Vec::with_capacity(self.rows.len() + 1);
-        rows.extend(self.rows.iter().cloned());
-        Flat { rows }
+        let store = match &self.store {
+            Store::One(row) => Store::One(row.clone()),
+            Store::Many(rows) if rows.is_empty() => Store::Many(Vec::new()),
+            Store::Many(rows) => {
+                let mut copy = Vec::with_capacity(rows.len() + 1);
+                copy.extend(rows.iter().cloned());
+                Store::Many(copy)
+            }
+        };
+        Flat { store }
     }
 }
 
 impl<P> Default for Flat<P> {
     fn default() -> Self {
-        Flat { rows: Vec::new() }
+        Flat {
+            store: Store::Many(Vec::new()),
+        }
     }
 }
 
@@ -134,38 +151,83 @@ fn put_entry<P, T: Copy>(
 }
 
 impl<P> Flat<P> {
+    #[inline]
     pub(super) fn rows(&self) -> &[Row<P>] {
-        &self.rows
+        match &self.store {
+            Store::One(row) => std::slice::from_ref(row),
+            Store::Many(rows) => rows,
+        }
+    }
+
+    fn rows_mut(&mut self) -> &mut [Row<P>] {
+        match &mut self.store {
+            Store::One(row) => std::slice::from_mut(row),
+            Store::Many(rows) => rows,
+        }
+    }
+
+    /// The rows as a `Vec`, to add or remove some.
+    fn vec(&mut self) -> &mut Vec<Row<P>> {
+        if let Store::One(_) = self.store {
+            let Store::One(row) = std::mem::replace(&mut self.store, Store::Many(Vec::new()))
+            else {
+                unreachable!("matched above")
+            };
+            let mut rows = Vec::with_capacity(2);
+            rows.push(row);
+            self.store = Store::Many(rows);
+        }
+        match &mut self.store {
+            Store::Many(rows) => rows,
+            Store::One(_) => unreachable!("turned into a vector above"),
+        }
+    }
+
+    /// Keeps a single row inline.
+    fn settle(&mut self) {
+        if let Store::Many(rows) = &mut self.store {
+            if rows.len() == 1 {
+                let row = rows.pop().expect("one row");
+                self.store = Store::One(row);
+            }
+        }
+    }
+
+    fn into_rows(self) -> Vec<Row<P>> {
+        match self.store {
+            Store::One(row) => vec![row],
+            Store::Many(rows) => rows,
+        }
     }
 
     pub(super) fn len(&self) -> usize {
-        self.rows.len()
+        self.rows().len()
     }
 
     /// The slot with the largest guest base at most `addr`.
     #[inline]
     pub(super) fn floor_gpa(&self, addr: u64) -> Option<&Arc<Slot<P>>> {
-        let i = self.rows.partition_point(|r| r.gpa_start <= addr);
-        Some(&self.rows[i.checked_sub(1)?].slot)
+        let i = self.rows().partition_point(|r| r.gpa_start <= addr);
+        Some(&self.rows()[i.checked_sub(1)?].slot)
     }
 
     /// The slot that holds guest address `addr`.
     #[inline]
     pub(super) fn find_gpa(&self, addr: u64) -> Option<&Arc<Slot<P>>> {
-        let i = self.rows.partition_point(|r| r.gpa_start <= addr);
-        let row = &self.rows[i.checked_sub(1)?];
+        let i = self.rows().partition_point(|r| r.gpa_start <= addr);
+        let row = &self.rows()[i.checked_sub(1)?];
         (addr < row.gpa_end).then_some(&row.slot)
     }
 
     /// The row whose id entry is `id`.
     fn id_row(&self, id: SlotId) -> Option<usize> {
-        let k = self.rows.partition_point(|r| r.id.id < id);
-        self.rows.get(k).filter(|r| r.id.id == id).map(|_| k)
+        let k = self.rows().partition_point(|r| r.id.id < id);
+        self.rows().get(k).filter(|r| r.id.id == id).map(|_| k)
     }
 
     pub(super) fn get(&self, id: SlotId) -> Option<&Arc<Slot<P>>> {
         let k = self.id_row(id)?;
-        Some(&self.rows[self.rows[k].id.slot as usize].slot)
+        Some(&self.rows()[self.rows()[k].id.slot as usize].slot)
     }
 
     /// Calls `f` on every slot whose host range overlaps `[lo, hi)` (not empty), in host-range
@@ -177,7 +239,7 @@ impl<P> Flat<P> {
         hi: u64,
         mut f: impl FnMut(&'a Arc<Slot<P>>),
     ) {
-        let rows = &self.rows[..];
+        let rows = self.rows();
         if rows.len() <= LINEAR_SCAN {
             for row in rows {
                 if row.hva.start >= hi {
@@ -202,15 +264,15 @@ impl<P> Flat<P> {
 
     /// The slots whose guest base is at least `from`, in guest-address order.
     pub(super) fn iter_from(&self, from: u64) -> std::slice::Iter<'_, Row<P>> {
-        self.rows[self.rows.partition_point(|r| r.gpa_start < from)..].iter()
+        self.rows()[self.rows().partition_point(|r| r.gpa_start < from)..].iter()
     }
 
     /// The position in the host-range order of `key`: the number of entries below it.
     fn hva_position(&self, key: &HvaKey) -> usize {
-        self.rows.partition_point(|r| {
+        self.rows().partition_point(|r| {
             (r.hva.start, r.hva.end)
                 .cmp(&(key.start, key.end))
-                .then_with(|| self.rows[r.hva.slot as usize].slot.id().cmp(&key.id))
+                .then_with(|| self.rows()[r.hva.slot as usize].slot.id().cmp(&key.id))
                 == Ordering::Less
         })
     }
@@ -225,7 +287,7 @@ impl<P> Flat<P> {
         skip_id: Option<usize>,
     ) {
         let mut max_end = 0;
-        for (i, row) in self.rows.iter_mut().enumerate() {
+        for (i, row) in self.rows_mut().iter_mut().enumerate() {
             if Some(i) != skip_hva {
                 row.hva.slot = renumber(row.hva.slot);
             }
@@ -241,9 +303,9 @@ impl<P> Flat<P> {
     pub(super) fn insert(&mut self, slot: Arc<Slot<P>>) {
         let key = hva_key(&slot);
         let range = slot.gpa_range();
-        let g = self.rows.partition_point(|r| r.gpa_start < range.start);
+        let g = self.rows().partition_point(|r| r.gpa_start < range.start);
         let h = self.hva_position(&key);
-        let k = self.rows.partition_point(|r| r.id.id < key.id);
+        let k = self.rows().partition_point(|r| r.id.id < key.id);
         let at = position(g);
         let hva = HvaEntry {
             start: key.start,
@@ -255,49 +317,64 @@ impl<P> Flat<P> {
             id: key.id,
             slot: at,
         };
+        let row = Row {
+            gpa_start: range.start,
+            gpa_end: range.end,
+            slot,
+            hva: HvaEntry {
+                max_end: key.end,
+                ..hva
+            },
+            id,
+        };
+        if self.len() == 0 {
+            self.store = Store::One(row);
+            return;
+        }
         // The new row goes in at `g` whole, which puts its guest-address entry in place and
         // shifts every column's entries from `g` on; then its host-range and id entries go to
         // theirs, the entries in between moving back by one.
-        self.rows.insert(
-            g,
-            Row {
-                gpa_start: range.start,
-                gpa_end: range.end,
-                slot,
-                hva,
-                id,
-            },
-        );
-        put_entry(&mut self.rows, g, h, hva, |r| &mut r.hva);
-        put_entry(&mut self.rows, g, k, id, |r| &mut r.id);
+        let rows = self.vec();
+        rows.insert(g, row);
+        put_entry(rows, g, h, hva, |r| &mut r.hva);
+        put_entry(rows, g, k, id, |r| &mut r.id);
         self.renumber(|s| s + u32::from(s >= at), Some(h), Some(k));
     }
 
     /// Removes the slot with id `id` and returns it.
     pub(super) fn remove(&mut self, id: SlotId) -> Option<Arc<Slot<P>>> {
         let k = self.id_row(id)?;
-        let g = self.rows[k].id.slot as usize;
-        let h = self.hva_position(&hva_key(&self.rows[g].slot));
+        if let Store::One(_) = self.store {
+            let Store::One(row) = std::mem::take(self).store else {
+                unreachable!("matched above")
+            };
+            return Some(row.slot);
+        }
+        let g = self.rows()[k].id.slot as usize;
+        let h = self.hva_position(&hva_key(&self.rows()[g].slot));
         // Gather the slot's three entries in its row, then take the row out.
-        move_entry(&mut self.rows, h, g, |r| &mut r.hva);
-        move_entry(&mut self.rows, k, g, |r| &mut r.id);
-        let row = self.rows.remove(g);
+        let rows = self.rows_mut();
+        move_entry(rows, h, g, |r| &mut r.hva);
+        move_entry(rows, k, g, |r| &mut r.id);
+        let row = self.vec().remove(g);
         let at = position(g);
         self.renumber(|s| s - u32::from(s > at), None, None);
+        self.settle();
         Some(row.slot)
     }
 
     /// Puts `slot` in place of the slot with its id, whose guest base and host range it keeps.
     pub(super) fn replace_in_place(&mut self, slot: Arc<Slot<P>>) {
-        let g = self.rows.partition_point(|r| r.gpa_start < slot.gpa().0);
-        self.rows[g].slot = slot;
+        let g = self.rows().partition_point(|r| r.gpa_start < slot.gpa().0);
+        self.rows_mut()[g].slot = slot;
     }
 
     /// Puts `slots` in (replacing the slots with their ids) or takes them out.
     pub(super) fn write_slots(&mut self, slots: &[Arc<Slot<P>>], put: bool) {
         let mut ids: Vec<SlotId> = slots.iter().map(|s| s.id()).collect();
         ids.sort_unstable();
-        let mut kept: Vec<Arc<Slot<P>>> = std::mem::take(&mut self.rows)
+        let mut kept: Vec<Arc<Slot<P>>> = std::mem::take(self)
+            .into_rows()
             .into_iter()
             .map(|r| r.slot)
             .filter(|s| ids.binary_search(&s.id()).is_err())
@@ -339,33 +416,40 @@ impl<P> Flat<P> {
                 }
             })
             .collect();
-        Flat { rows }
+        let mut flat = Flat {
+            store: Store::Many(rows),
+        };
+        flat.settle();
+        flat
     }
 
     /// The slots in host-range order.
     pub(super) fn by_hva(&self) -> impl Iterator<Item = &Arc<Slot<P>>> {
-        self.rows
+        self.rows()
             .iter()
-            .map(|r| &self.rows[r.hva.slot as usize].slot)
+            .map(|r| &self.rows()[r.hva.slot as usize].slot)
     }
 
     /// The slots in id order.
     pub(super) fn by_id(&self) -> impl Iterator<Item = &Arc<Slot<P>>> {
-        self.rows
+        self.rows()
             .iter()
-            .map(|r| &self.rows[r.id.slot as usize].slot)
+            .map(|r| &self.rows()[r.id.slot as usize].slot)
     }
 
     /// Bytes of the array.
     pub(super) fn heap_bytes(&self) -> usize {
-        self.rows.capacity() * size_of::<Row<P>>()
+        match &self.store {
+            Store::One(_) => 0,
+            Store::Many(rows) => rows.capacity() * size_of::<Row<P>>(),
+        }
     }
 
     /// Checks that the three columns are each sorted, name every row once and agree with the
     /// slots, and the running maxima. For tests.
     #[cfg(test)]
     pub(super) fn check(&self) {
-        let rows = &self.rows;
+        let rows = self.rows();
         let mut hva_seen = vec![false; rows.len()];
         let mut id_seen = vec![false; rows.len()];
         let mut max_end = 0;
