@@ -163,9 +163,10 @@ impl<P: Clone> MemslotMap<P> {
     /// removes them: one sorted pass per index.
     fn write_slots(&mut self, slots: &[Arc<Slot<P>>], put: bool) {
         if let Index::Flat(flat) = &self.index {
-            if put && flat.len() + slots.len() > FLAT_MAX {
-                // Too many for the array (unless most replace slots already there): write them
-                // to the trees.
+            // Slots put under an id in use replace a slot (new flags); the others are added.
+            let added = || slots.iter().filter(|s| flat.get(s.id()).is_none()).count();
+            if put && flat.len() + slots.len() > FLAT_MAX && flat.len() + added() > FLAT_MAX {
+                // Too many for the array: write them to the trees.
                 self.index = Index::Trees(trees_of(flat));
             }
         }

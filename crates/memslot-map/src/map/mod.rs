@@ -157,8 +157,13 @@ impl MemoryUsage {
 
 /// One version of a map of memory slots, indexed by guest address, host address and id.
 ///
-/// Guest ranges never overlap; host ranges may. Cloning a map is O(1) and the clone shares every
-/// node with the original; changing a clone copies only the O(log n) nodes on the changed paths.
+/// Guest ranges never overlap; host ranges may. A map of more than 128 slots keeps them in
+/// persistent B+trees: cloning it is O(1) and the clone shares every node with the original;
+/// changing a clone copies only the O(log n) nodes on the changed paths. A smaller map keeps them
+/// in one array, as vm-memory does: cloning it copies the array (one reference-count increment
+/// per slot) and a change edits the copy in place, which costs less than copying tree paths at
+/// that size. The map turns from one form into the other as it grows past 128 slots and back
+/// below 64; the two answer every query alike.
 /// Lookups are O(log n) (host-range lookups O(log n + k) for k results).
 ///
 /// ```
@@ -595,6 +600,23 @@ mod tests {
             .map(|s| s.id().0)
             .collect();
         assert!(hvas.iter().copied().eq((0..2 * FLAT_MAX as u32).rev()));
+        // New flags for every slot of a flat map leave it flat.
+        let flat = MemslotMap::new(MapConfig::default())
+            .with_changes((0..FLAT_MAX as u32).map(|i| Change::Insert(page(i))))
+            .unwrap();
+        let flags = SlotFlags {
+            log_dirty: true,
+            read_only: false,
+        };
+        let logged = flat
+            .with_changes((0..FLAT_MAX as u32).map(|i| Change::SetFlags {
+                id: SlotId(i),
+                flags,
+            }))
+            .unwrap();
+        assert!(is_flat(&flat) && is_flat(&logged));
+        assert!(logged.iter().all(|s| s.flags() == flags));
+        check_indexes(&logged);
         // And one that empties it lands in the array.
         let empty = next
             .with_changes((0..2 * FLAT_MAX as u32).map(|i| Change::Remove(SlotId(i))))
