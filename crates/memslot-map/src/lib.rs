@@ -4,7 +4,9 @@
 //! ways, by guest-physical address (slots never overlap there), by host-virtual address (an
 //! interval tree: host ranges may overlap) and by id, and all three indexes are persistent
 //! B+trees that share structure between versions. A change costs O(log n) and copies only the
-//! nodes on the changed paths; lookups are O(log n). [`SharedMap`] publishes versions to
+//! nodes on the changed paths; lookups are O(log n). Up to 128 slots (where most VMMs live) a
+//! map keeps them instead in one array copied whole for a new version, like vm-memory's
+//! `GuestMemoryMmap`, which is cheaper at that size. [`SharedMap`] publishes versions to
 //! lock-free readers (read-copy-update on `arc-swap`), and a per-reader [`LookupHint`] makes
 //! repeated lookups in the same slot constant-time without any shared write.
 //!

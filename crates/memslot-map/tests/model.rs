@@ -841,6 +841,19 @@ fn run(
     steps: &[SymStep],
     scale: Scale,
 ) -> Result<(), TestCaseError> {
+    run_and_drain(config, initial, steps, scale, false).map(drop)
+}
+
+/// Like [`run`]; then, if `drain`, removes the slots (the top ones, in batches while there are
+/// many) until none is left, comparing after each step. Returns the most slots the map held
+/// after a step.
+fn run_and_drain(
+    config: MapConfig,
+    initial: &[Rec],
+    steps: &[SymStep],
+    scale: Scale,
+    drain: bool,
+) -> Result<usize, TestCaseError> {
     let mut map = Map::new(config);
     let mut model = Model::new(config);
     for rec in initial {
@@ -851,8 +864,23 @@ fn run(
     let mut hint = LookupHint::default();
     let mut generations = HashSet::from([map.generation()]);
     check(&map, &model, &mut hint, scale, "the initial build")?;
+    let mut most = map.len();
 
-    for (n, sym) in steps.iter().enumerate() {
+    let drain_step = |model: &Model| {
+        if model.slots.len() > 24 {
+            SymStep::Batch((0..16).map(|i| SymOp::Remove(Pick::Top(i))).collect())
+        } else {
+            SymStep::One(SymOp::Remove(Pick::Top(0)))
+        }
+    };
+    let mut steps = steps.iter().cloned();
+    for n in 0.. {
+        let sym = match steps.next() {
+            Some(sym) => sym,
+            None if drain && !model.slots.is_empty() => drain_step(&model),
+            None => break,
+        };
+        let sym = &sym;
         let step = Resolver::step(&model, sym);
         let ctx = format!("step {n}: {step:?}");
         let before_map = map.clone();
@@ -884,6 +912,7 @@ fn run(
             );
         }
         check(&map, &model, &mut hint, scale, &ctx)?;
+        most = most.max(map.len());
 
         // The version the step started from is untouched (it shares nodes with the new one).
         prop_assert_eq!(before_map.generation(), generation);
@@ -895,7 +924,7 @@ fn run(
             prop_assert_eq!(old, before_model.sorted(), "old version after {}", ctx);
         }
     }
-    Ok(())
+    Ok(most)
 }
 
 /// `PROPTEST_CASES` divided by `divisor`, or `default` cases; no regression files are written.
@@ -993,6 +1022,130 @@ proptest! {
     #[test]
     fn small_maps_match_the_model((max_slots, steps) in small_case()) {
         run(map_config(max_slots), &[], &steps, SMALL)?;
+    }
+}
+
+/// The scale of the test that grows maps past the size where the map turns its array into
+/// trees, and shrinks them back: a few hundred slots of one or two pages.
+const MEDIUM: Scale = Scale {
+    // Many ids, so that a batch of new slots rarely meets one in use.
+    ids: 1 << 16,
+    gpa_pages: 1024,
+    hva_pages: 512,
+    max_size_pages: 2,
+    targeted: false,
+};
+
+/// A step that mostly adds slots above the top one (alone, or a batch of up to 24 at once);
+/// now and then another change. All of them keep the slots well below the top of the address
+/// space, so that there is always room above the top slot.
+fn growing_step(scale: Scale) -> BoxedStrategy<SymStep> {
+    let above_top = |id: u32, gap: i8, pages: u64, hva: u64, payload: u64| SymOp::Insert {
+        id: Pick::Raw(id),
+        gpa: Place::Near {
+            slot: Pick::Top(0),
+            pages: gap,
+            from_end: true,
+        },
+        size: pages * PAGE,
+        hva,
+        flags: SlotFlags::default(),
+        payload,
+    };
+    // Aligned host addresses that do not wrap: these inserts are meant to succeed.
+    let hva = move || (0..scale.hva_pages).prop_map(|p| p * PAGE);
+    let one = (
+        0..scale.ids,
+        0..3i8,
+        1..=scale.max_size_pages,
+        hva(),
+        any::<u64>(),
+    )
+        .prop_map(move |(id, gap, pages, hva, payload)| {
+            SymStep::One(above_top(id, gap, pages, hva, payload))
+        });
+    // Slot `i` of the batch starts `3 * i` pages above the top slot (the batch is resolved
+    // against the map before it), so they do not overlap each other.
+    let batch =
+        (0..scale.ids, 1..24u32, hva(), any::<u64>()).prop_map(move |(id, count, hva, payload)| {
+            SymStep::Batch(
+                (0..count)
+                    .map(|i| {
+                        let gap = i8::try_from(3 * i).expect("below 127");
+                        above_top(id.wrapping_add(i), gap, 1 + u64::from(i % 2), hva, payload)
+                    })
+                    .collect(),
+            )
+        });
+    // Never below a slot: the base of a slot that is not there is 0.
+    let near =
+        (pick(scale), 0..=3i8, any::<bool>()).prop_map(|(slot, pages, from_end)| Place::Near {
+            slot,
+            pages,
+            from_end,
+        });
+    let other = prop_oneof![
+        2 => pick(scale).prop_map(SymOp::Remove),
+        2 => (pick(scale), near).prop_map(|(id, gpa)| SymOp::Move { id, gpa }),
+        1 => (pick(scale), flags()).prop_map(|(id, flags)| SymOp::SetFlags { id, flags }),
+        2 => (0..scale.ids, 0..scale.gpa_pages, size(scale.max_size_pages), hva(), any::<u64>())
+            .prop_map(|(id, page, size, hva, payload)| SymOp::Insert {
+                id: Pick::Raw(id),
+                gpa: Place::Raw(page * PAGE),
+                size,
+                hva,
+                flags: SlotFlags::default(),
+                payload,
+            }),
+    ];
+    prop_oneof![
+        6 => one,
+        4 => batch,
+        2 => other.prop_map(SymStep::One),
+    ]
+    .boxed()
+}
+
+/// A step that mostly removes slots (one, or up to 40 neighbours at once); now and then any
+/// other step.
+fn shrinking_step(scale: Scale) -> BoxedStrategy<SymStep> {
+    let one = any::<u16>().prop_map(|i| SymStep::One(SymOp::Remove(Pick::Ranked(i))));
+    let batch = (any::<u16>(), 2..40u16).prop_map(|(first, count)| {
+        SymStep::Batch(
+            (0..count)
+                .map(|i| SymOp::Remove(Pick::Ranked(first.wrapping_add(i))))
+                .collect(),
+        )
+    });
+    prop_oneof![5 => one, 3 => batch, 2 => sym_step(scale)].boxed()
+}
+
+fn growing_then_shrinking_case() -> impl Strategy<Value = Vec<SymStep>> {
+    (
+        prop::collection::vec(growing_step(MEDIUM), 100..130),
+        prop::collection::vec(shrinking_step(MEDIUM), 20..60),
+    )
+        .prop_map(|(mut grow, shrink)| {
+            grow.extend(shrink);
+            grow
+        })
+}
+
+/// From empty to a few hundred slots and back to empty, by random changes and batches, checked
+/// against the model after every step: the map keeps small maps in one array and turns it into
+/// trees past 128 slots (and back below 64), so this crosses both ways, at single changes and
+/// in the middle of batches. (A runner of its own, like the large maps' test.)
+#[test]
+fn maps_growing_into_trees_and_shrinking_back_match_the_model() {
+    let mut runner = TestRunner::new(proptest_config(6, 32));
+    let result = runner.run(&growing_then_shrinking_case(), |steps| {
+        let most = run_and_drain(map_config(usize::MAX), &[], &steps, MEDIUM, true)?;
+        // Twice the size at which the array turns into trees.
+        prop_assert!(most >= 256, "the map grew only to {} slots", most);
+        Ok(())
+    });
+    if let Err(e) = result {
+        panic!("{e}");
     }
 }
 

@@ -5,7 +5,8 @@ use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::Arc;
 
 use super::change::overlap;
-use super::{hva_key, next_generation, Change, MemslotMap};
+use super::flat::FLAT_MAX;
+use super::{next_generation, trees_of, Change, Index, MemslotMap};
 use crate::error::{BatchError, MapError};
 use crate::slot::{Slot, SlotId};
 
@@ -80,7 +81,7 @@ impl<P: Clone> MemslotMap<P> {
                         unreachable!("a run holds changes of one kind")
                     };
                     let id = slot.id();
-                    if self.by_id.get(&id).is_some() || !ids.insert(id) {
+                    if self.get(id).is_some() || !ids.insert(id) {
                         return Err(fail(index)(MapError::DuplicateId { id }));
                     }
                     if self.len() + slots.len() >= self.config.max_slots {
@@ -94,7 +95,7 @@ impl<P: Clone> MemslotMap<P> {
                     // The last slot starting below the end, in the map or the run (see
                     // `check_no_overlap`; the id is new, so it cannot be the slot itself).
                     let range = slot.gpa_range();
-                    let in_map = self.by_gpa.floor(&(range.end - 1)).map(|(_, s)| s);
+                    let in_map = self.floor_gpa(range.end - 1);
                     let in_run = added.floor(range.end - 1);
                     let candidate = match (in_map, in_run) {
                         (Some(m), Some(r)) => Some(if r.gpa() > m.gpa() { r } else { m }),
@@ -116,8 +117,7 @@ impl<P: Clone> MemslotMap<P> {
                         unreachable!("a run holds changes of one kind")
                     };
                     let slot = self
-                        .by_id
-                        .get(&id)
+                        .get(id)
                         .filter(|_| gone.insert(id))
                         .ok_or(MapError::UnknownId { id })
                         .map_err(fail(index))?;
@@ -134,8 +134,7 @@ impl<P: Clone> MemslotMap<P> {
                         unreachable!("a run holds changes of one kind")
                     };
                     let old = self
-                        .by_id
-                        .get(&id)
+                        .get(id)
                         .ok_or(MapError::UnknownId { id })
                         .map_err(fail(index))?;
                     let new = Arc::new(old.with_flags(flags));
@@ -163,16 +162,19 @@ impl<P: Clone> MemslotMap<P> {
     /// Puts `slots` into the three indexes (replacing what they hold under the slots' keys), or
     /// removes them: one sorted pass per index.
     fn write_slots(&mut self, slots: &[Arc<Slot<P>>], put: bool) {
-        let value = |s: &Arc<Slot<P>>| put.then(|| Arc::clone(s));
-        let mut by_id: Vec<_> = slots.iter().map(|s| (s.id(), value(s))).collect();
-        by_id.sort_unstable_by_key(|w| w.0);
-        self.by_id.write_sorted(&mut by_id);
-        let mut by_gpa: Vec<_> = slots.iter().map(|s| (s.gpa().0, value(s))).collect();
-        by_gpa.sort_unstable_by_key(|w| w.0);
-        self.by_gpa.write_sorted(&mut by_gpa);
-        let mut by_hva: Vec<_> = slots.iter().map(|s| (hva_key(s), value(s))).collect();
-        by_hva.sort_unstable_by_key(|w| w.0);
-        self.by_hva.write_sorted(&mut by_hva);
+        if let Index::Flat(flat) = &self.index {
+            // Slots put under an id in use replace a slot (new flags); the others are added.
+            let added = || slots.iter().filter(|s| flat.get(s.id()).is_none()).count();
+            if put && flat.len() + slots.len() > FLAT_MAX && flat.len() + added() > FLAT_MAX {
+                // Too many for the array: write them to the trees.
+                self.index = Index::Trees(trees_of(flat));
+            }
+        }
+        match &mut self.index {
+            Index::Flat(flat) => flat.write_slots(slots, put),
+            Index::Trees(trees) => trees.write_slots(slots, put),
+        }
+        self.settle();
         self.generation = next_generation();
     }
 }

@@ -5,7 +5,7 @@ use std::sync::Arc;
 
 use vm_memory::GuestAddress;
 
-use super::{hva_key, next_generation, MemslotMap};
+use super::{next_generation, Index, MemslotMap};
 use crate::error::{AddressKind, MapError};
 use crate::slot::{HostAddress, Slot, SlotFlags, SlotId};
 
@@ -38,7 +38,7 @@ impl<P: Clone> MemslotMap<P> {
     /// (checked in that order).
     pub fn insert(&mut self, slot: Slot<P>) -> Result<(), MapError> {
         let id = slot.id();
-        if self.by_id.get(&id).is_some() {
+        if self.get(id).is_some() {
             return Err(MapError::DuplicateId { id });
         }
         if self.len() >= self.config.max_slots {
@@ -49,16 +49,23 @@ impl<P: Clone> MemslotMap<P> {
         }
         self.check_shape(id, slot.gpa(), slot.size(), slot.hva())?;
         self.check_no_overlap(id, slot.gpa(), slot.size())?;
-        self.put(Arc::new(slot));
+        let slot = Arc::new(slot);
+        match &mut self.index {
+            Index::Flat(flat) => flat.insert(slot),
+            Index::Trees(trees) => trees.put(slot),
+        }
+        self.settle();
         self.generation = next_generation();
         Ok(())
     }
 
     /// Removes the slot with id `id` and returns it.
     pub fn remove(&mut self, id: SlotId) -> Result<Arc<Slot<P>>, MapError> {
-        let slot = self.by_id.remove(&id).ok_or(MapError::UnknownId { id })?;
-        self.by_gpa.remove(&slot.gpa().0);
-        self.by_hva.remove(&hva_key(&slot));
+        let slot = match &mut self.index {
+            Index::Flat(flat) => flat.remove(id).ok_or(MapError::UnknownId { id })?,
+            Index::Trees(trees) => trees.remove(id).ok_or(MapError::UnknownId { id })?,
+        };
+        self.settle();
         self.generation = next_generation();
         Ok(slot)
     }
@@ -66,20 +73,29 @@ impl<P: Clone> MemslotMap<P> {
     /// Gives slot `id` the guest-physical base `gpa`. Refused when the id is unknown, the new
     /// base is unaligned or the range would wrap, or it would overlap another slot.
     pub fn move_slot(&mut self, id: SlotId, gpa: GuestAddress) -> Result<(), MapError> {
-        let old = Arc::clone(self.by_id.get(&id).ok_or(MapError::UnknownId { id })?);
+        let old = Arc::clone(self.get(id).ok_or(MapError::UnknownId { id })?);
         self.check_shape(id, gpa, old.size(), old.hva())?;
         self.check_no_overlap(id, gpa, old.size())?;
-        self.by_gpa.remove(&old.gpa().0);
-        self.put(Arc::new(old.with_gpa(gpa)));
+        let new = Arc::new(old.with_gpa(gpa));
+        match &mut self.index {
+            Index::Flat(flat) => {
+                flat.remove(id).expect("the slot was found by its id");
+                flat.insert(new);
+            }
+            Index::Trees(trees) => trees.replace(old.gpa().0, new),
+        }
         self.generation = next_generation();
         Ok(())
     }
 
     /// Replaces the flags of slot `id`.
     pub fn set_flags(&mut self, id: SlotId, flags: SlotFlags) -> Result<(), MapError> {
-        let old = self.by_id.get(&id).ok_or(MapError::UnknownId { id })?;
+        let old = self.get(id).ok_or(MapError::UnknownId { id })?;
         let new = Arc::new(old.with_flags(flags));
-        self.put(new);
+        match &mut self.index {
+            Index::Flat(flat) => flat.replace_in_place(new),
+            Index::Trees(trees) => trees.put(new),
+        }
         self.generation = next_generation();
         Ok(())
     }
@@ -93,13 +109,6 @@ impl<P: Clone> MemslotMap<P> {
             Change::Move { id, gpa } => self.move_slot(id, gpa),
             Change::SetFlags { id, flags } => self.set_flags(id, flags),
         }
-    }
-
-    /// Puts `slot` into all three indexes, replacing whatever they hold under its keys.
-    fn put(&mut self, slot: Arc<Slot<P>>) {
-        self.by_gpa.insert(slot.gpa().0, Arc::clone(&slot));
-        self.by_hva.insert(hva_key(&slot), Arc::clone(&slot));
-        self.by_id.insert(slot.id(), slot);
     }
 
     pub(super) fn check_shape(
@@ -118,7 +127,8 @@ impl<P: Clone> MemslotMap<P> {
             (AddressKind::Host, hva.0),
             (AddressKind::Size, size),
         ] {
-            if value % page_size != 0 {
+            // The page size is a power of two (`MapConfig::new` checks it).
+            if value & (page_size - 1) != 0 {
                 return Err(MapError::Unaligned {
                     id,
                     what,
@@ -147,15 +157,15 @@ impl<P: Clone> MemslotMap<P> {
         let end = start + size;
         // Guest ranges are disjoint, so only the last slot starting below `end` (or, if that is
         // the slot being moved, the one just below it) can reach into the range.
-        let Some((_, mut candidate)) = self.by_gpa.floor(&(end - 1)) else {
+        let Some(mut candidate) = self.floor_gpa(end - 1) else {
             return Ok(());
         };
         if candidate.id() == id {
             let Some(below) = candidate.gpa().0.checked_sub(1) else {
                 return Ok(());
             };
-            match self.by_gpa.floor(&below) {
-                Some((_, slot)) => candidate = slot,
+            match self.floor_gpa(below) {
+                Some(slot) => candidate = slot,
                 None => return Ok(()),
             }
         }

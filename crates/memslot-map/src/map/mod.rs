@@ -4,6 +4,7 @@
 //! [`Change`] and the single changes with their checks, and `batch`
 //! [`MemslotMap::with_changes`], which writes runs of changes in one sorted pass.
 
+use std::cell::Cell;
 use std::fmt;
 use std::mem::size_of;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -12,11 +13,15 @@ use std::sync::Arc;
 use vm_memory::GuestAddress;
 
 use crate::error::ConfigError;
-use crate::ptree::{PTree, Summary, Visit};
 use crate::slot::{HostAddress, Slot, SlotId};
 
 mod batch;
 mod change;
+mod flat;
+mod trees;
+
+use flat::{Flat, Row, FLAT_MAX, FLAT_MIN};
+use trees::{GpaIter, Trees};
 
 pub use change::Change;
 
@@ -70,25 +75,32 @@ struct HvaKey {
     id: SlotId,
 }
 
-/// The largest host range end in a subtree of the host-address index.
-#[derive(Debug, Clone, Copy, Default, PartialEq)]
-struct MaxHvaEnd(u64);
+/// Every map version gets a generation no other version in the process has, so that a
+/// [`LookupHint`] can tell whether it was filled from the version it is used with. Each thread
+/// takes a block of [`GENERATION_BLOCK`] generations at a time from here (0 is never handed
+/// out: it is the generation of an empty hint).
+static NEXT_GENERATION_BLOCK: AtomicU64 = AtomicU64::new(1);
 
-impl<V> Summary<HvaKey, V> for MaxHvaEnd {
-    fn of_entry(key: &HvaKey, _: &V) -> Self {
-        MaxHvaEnd(key.end)
-    }
-    fn merge(self, other: Self) -> Self {
-        MaxHvaEnd(self.0.max(other.0))
-    }
+/// How many generations a thread takes at a time, so that most changes get theirs without an
+/// atomic operation on a line that all writers share.
+const GENERATION_BLOCK: u64 = 1024;
+
+thread_local! {
+    /// The next generation this thread hands out and the end of its block.
+    static GENERATIONS: Cell<(u64, u64)> = const { Cell::new((0, 0)) };
 }
 
-/// Every map version gets a generation no other version in the process has, so that a
-/// [`LookupHint`] can tell whether it was filled from the version it is used with.
-static NEXT_GENERATION: AtomicU64 = AtomicU64::new(1);
-
 fn next_generation() -> u64 {
-    NEXT_GENERATION.fetch_add(1, Ordering::Relaxed)
+    GENERATIONS.with(|block| {
+        let (next, end) = block.get();
+        if next < end {
+            block.set((next + 1, end));
+            return next;
+        }
+        let start = NEXT_GENERATION_BLOCK.fetch_add(GENERATION_BLOCK, Ordering::Relaxed);
+        block.set((start + 1, start + GENERATION_BLOCK));
+        start
+    })
 }
 
 /// A reader's own memory of the slot it found last (the kernel's `last_used_slot`, but kept by
@@ -145,8 +157,13 @@ impl MemoryUsage {
 
 /// One version of a map of memory slots, indexed by guest address, host address and id.
 ///
-/// Guest ranges never overlap; host ranges may. Cloning a map is O(1) and the clone shares every
-/// node with the original; changing a clone copies only the O(log n) nodes on the changed paths.
+/// Guest ranges never overlap; host ranges may. A map of more than 128 slots keeps them in
+/// persistent B+trees: cloning it is O(1) and the clone shares every node with the original;
+/// changing a clone copies only the O(log n) nodes on the changed paths. A smaller map keeps them
+/// in one array, as vm-memory does: cloning it copies the array (one reference-count increment
+/// per slot) and a change edits the copy in place, which costs less than copying tree paths at
+/// that size. The map turns from one form into the other as it grows past 128 slots and back
+/// below 64; the two answer every query alike.
 /// Lookups are O(log n) (host-range lookups O(log n + k) for k results).
 ///
 /// ```
@@ -169,17 +186,47 @@ impl MemoryUsage {
 /// ```
 #[derive(Clone)]
 pub struct MemslotMap<P> {
-    by_gpa: PTree<u64, Arc<Slot<P>>, ()>,
-    by_hva: PTree<HvaKey, Arc<Slot<P>>, MaxHvaEnd>,
-    by_id: PTree<SlotId, Arc<Slot<P>>, ()>,
+    index: Index<P>,
     config: MapConfig,
     generation: u64,
+}
+
+/// The three indexes, in the form that suits the number of slots: up to [`FLAT_MAX`] slots one
+/// array copied whole on a change, beyond that three persistent B+trees, and back to the array
+/// below [`FLAT_MIN`].
+#[derive(Clone)]
+enum Index<P> {
+    Flat(Flat<P>),
+    Trees(Trees<P>),
+}
+
+/// The slots of either form in guest-address order.
+enum SlotIter<'a, P> {
+    Flat(std::slice::Iter<'a, Row<P>>),
+    Trees(GpaIter<'a, P>),
+}
+
+impl<'a, P> Iterator for SlotIter<'a, P> {
+    type Item = &'a Arc<Slot<P>>;
+
+    fn next(&mut self) -> Option<Self::Item> {
+        match self {
+            SlotIter::Flat(rows) => rows.next().map(Row::slot),
+            SlotIter::Trees(entries) => entries.next().map(|(_, slot)| slot),
+        }
+    }
 }
 
 impl<P> fmt::Debug for MemslotMap<P> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("MemslotMap")
-            .field("slots", &self.by_id.len())
+            .field(
+                "slots",
+                &match &self.index {
+                    Index::Flat(flat) => flat.len(),
+                    Index::Trees(trees) => trees.len(),
+                },
+            )
             .field("config", &self.config)
             .field("generation", &self.generation)
             .finish()
@@ -190,9 +237,7 @@ impl<P: Clone> MemslotMap<P> {
     /// An empty map whose slots must follow `config`.
     pub fn new(config: MapConfig) -> Self {
         MemslotMap {
-            by_gpa: PTree::default(),
-            by_hva: PTree::default(),
-            by_id: PTree::default(),
+            index: Index::Flat(Flat::default()),
             config,
             generation: next_generation(),
         }
@@ -210,7 +255,10 @@ impl<P: Clone> MemslotMap<P> {
 
     /// Number of slots.
     pub fn len(&self) -> usize {
-        self.by_id.len()
+        match &self.index {
+            Index::Flat(flat) => flat.len(),
+            Index::Trees(trees) => trees.len(),
+        }
     }
 
     /// Whether the map has no slot.
@@ -219,9 +267,20 @@ impl<P: Clone> MemslotMap<P> {
     }
 
     /// The slot that holds guest-physical address `addr`. O(log n).
+    #[inline]
     pub fn find_by_gpa(&self, addr: GuestAddress) -> Option<&Arc<Slot<P>>> {
-        let (_, slot) = self.by_gpa.floor(&addr.0)?;
-        slot.contains_gpa(addr).then_some(slot)
+        match &self.index {
+            Index::Flat(flat) => flat.find_gpa(addr.0),
+            Index::Trees(trees) => trees.floor_gpa(addr.0).filter(|s| s.contains_gpa(addr)),
+        }
+    }
+
+    /// The slot with the largest guest base at most `addr`.
+    fn floor_gpa(&self, addr: u64) -> Option<&Arc<Slot<P>>> {
+        match &self.index {
+            Index::Flat(flat) => flat.floor_gpa(addr),
+            Index::Trees(trees) => trees.floor_gpa(addr),
+        }
     }
 
     /// Like [`find_by_gpa`](Self::find_by_gpa), first trying the slot `hint` remembers; on a
@@ -242,6 +301,7 @@ impl<P: Clone> MemslotMap<P> {
     /// }
     /// assert!(map.find_by_gpa_hinted(GuestAddress(0x20_0000), &mut hint).is_none());
     /// ```
+    #[inline]
     pub fn find_by_gpa_hinted<'a>(
         &'a self,
         addr: GuestAddress,
@@ -252,6 +312,17 @@ impl<P: Clone> MemslotMap<P> {
         if hit {
             return hint.slot.as_ref();
         }
+        self.find_and_fill_hint(addr, hint)
+    }
+
+    /// The miss path of [`find_by_gpa_hinted`](Self::find_by_gpa_hinted), kept out of line so
+    /// that the hit path inlines into its caller.
+    #[inline(never)]
+    fn find_and_fill_hint<'a>(
+        &'a self,
+        addr: GuestAddress,
+        hint: &'a mut LookupHint<P>,
+    ) -> Option<&'a Arc<Slot<P>>> {
         let found = self.find_by_gpa(addr)?;
         hint.generation = self.generation;
         hint.slot = Some(Arc::clone(found));
@@ -260,33 +331,29 @@ impl<P: Clone> MemslotMap<P> {
 
     /// The slot with id `id`. O(log n).
     pub fn get(&self, id: SlotId) -> Option<&Arc<Slot<P>>> {
-        self.by_id.get(&id)
+        match &self.index {
+            Index::Flat(flat) => flat.get(id),
+            Index::Trees(trees) => trees.get(id),
+        }
     }
 
     /// Calls `f` on every slot whose host range overlaps `[hva, hva + len)`, in host-address
     /// order. O(log n + k) for k slots found; `len` 0 finds nothing.
+    #[inline]
     pub fn for_each_hva_overlap<'a>(
         &'a self,
         hva: HostAddress,
         len: u64,
-        mut f: impl FnMut(&'a Arc<Slot<P>>),
+        f: impl FnMut(&'a Arc<Slot<P>>),
     ) {
         let (lo, hi) = (hva.0, hva.0.saturating_add(len));
         if lo == hi {
             return;
         }
-        self.by_hva.search(
-            |key, max_end| {
-                if key.start >= hi {
-                    Visit::Stop
-                } else if max_end.0 <= lo {
-                    Visit::Skip
-                } else {
-                    Visit::Enter
-                }
-            },
-            |_, slot| f(slot),
-        );
+        match &self.index {
+            Index::Flat(flat) => flat.for_each_hva_overlap(lo, hi, f),
+            Index::Trees(trees) => trees.for_each_hva_overlap(lo, hi, f),
+        }
     }
 
     /// Every slot whose host range overlaps `[hva, hva + len)`, in host-address order.
@@ -298,14 +365,20 @@ impl<P: Clone> MemslotMap<P> {
 
     /// All slots in guest-address order.
     pub fn iter(&self) -> impl Iterator<Item = &Arc<Slot<P>>> + '_ {
-        self.by_gpa.iter().map(|(_, slot)| slot)
+        match &self.index {
+            Index::Flat(flat) => SlotIter::Flat(flat.rows().iter()),
+            Index::Trees(trees) => SlotIter::Trees(trees.iter()),
+        }
     }
 
     /// Slots in guest-address order, starting with the one that holds `addr` or else the first
     /// one above it.
     pub fn iter_from_gpa(&self, addr: GuestAddress) -> impl Iterator<Item = &Arc<Slot<P>>> + '_ {
         let from = self.find_by_gpa(addr).map_or(addr.0, |s| s.gpa().0);
-        self.by_gpa.iter_from(&from).map(|(_, slot)| slot)
+        match &self.index {
+            Index::Flat(flat) => SlotIter::Flat(flat.iter_from(from)),
+            Index::Trees(trees) => SlotIter::Trees(trees.iter_from(from)),
+        }
     }
 
     /// The first slot, in guest-address order, whose guest range overlaps `[start, end)`.
@@ -334,12 +407,38 @@ impl<P: Clone> MemslotMap<P> {
         let slots = self.len();
         MemoryUsage {
             slots,
-            index_bytes: self.by_gpa.heap_bytes()
-                + self.by_hva.heap_bytes()
-                + self.by_id.heap_bytes(),
+            index_bytes: match &self.index {
+                Index::Flat(flat) => flat.heap_bytes(),
+                Index::Trees(trees) => trees.heap_bytes(),
+            },
             slot_bytes: slots * (size_of::<Slot<P>>() + 2 * size_of::<usize>()),
         }
     }
+}
+
+impl<P: Clone> MemslotMap<P> {
+    /// Puts the index into the form that suits the number of slots, if it is not in it: the
+    /// trees above [`FLAT_MAX`] slots, the array below [`FLAT_MIN`].
+    fn settle(&mut self) {
+        match &self.index {
+            Index::Flat(flat) if flat.len() > FLAT_MAX => self.index = Index::Trees(trees_of(flat)),
+            Index::Trees(trees) if trees.len() < FLAT_MIN => {
+                self.index = Index::Flat(Flat::from_slots(
+                    trees.iter().map(|(_, s)| Arc::clone(s)).collect(),
+                ));
+            }
+            _ => {}
+        }
+    }
+}
+
+/// The trees that hold the slots of `flat`.
+fn trees_of<P>(flat: &Flat<P>) -> Trees<P> {
+    Trees::from_sorted(
+        flat.rows().iter().map(Row::slot),
+        flat.by_hva(),
+        flat.by_id(),
+    )
 }
 
 fn hva_key<P>(slot: &Slot<P>) -> HvaKey {
@@ -368,11 +467,16 @@ mod tests {
     }
 
     pub(super) fn check_indexes<P: Clone>(map: &MemslotMap<P>) {
-        map.by_gpa.check();
-        map.by_hva.check();
-        map.by_id.check();
-        assert_eq!(map.by_gpa.len(), map.by_id.len());
-        assert_eq!(map.by_hva.len(), map.by_id.len());
+        match &map.index {
+            Index::Flat(flat) => {
+                flat.check();
+                assert!(flat.len() <= FLAT_MAX, "a flat map too large");
+            }
+            Index::Trees(trees) => {
+                trees.check();
+                assert!(trees.len() >= FLAT_MIN, "trees for a small map");
+            }
+        }
     }
 
     #[test]
@@ -450,6 +554,74 @@ mod tests {
         assert_eq!(map.first_hole(0x800, 0x2000), Some(0x800));
         assert_eq!(map.first_hole(0x8000, 0x9000), None);
         assert_eq!(map.first_hole(0x5000, 0x5000), None);
+    }
+
+    #[test]
+    fn the_form_follows_the_size_with_hysteresis() {
+        let is_flat = |map: &MemslotMap<u32>| matches!(map.index, Index::Flat(_));
+        let page = |i: u32| {
+            slot(
+                i,
+                u64::from(i) * 0x1000,
+                0x1000,
+                0x10_000_000 - u64::from(i) * 0x1000,
+            )
+        };
+        let mut map = MemslotMap::new(MapConfig::default());
+        for i in 0..FLAT_MAX as u32 {
+            map.insert(page(i)).unwrap();
+            assert!(is_flat(&map), "{} slots", map.len());
+        }
+        let flat = map.clone();
+        map.insert(page(FLAT_MAX as u32)).unwrap();
+        assert!(!is_flat(&map) && is_flat(&flat));
+        check_indexes(&map);
+        // Down to the lower bound, the trees stay; one fewer, and the array is back.
+        for i in (FLAT_MIN as u32..=FLAT_MAX as u32).rev() {
+            assert!(!is_flat(&map), "{} slots", map.len());
+            map.remove(SlotId(i)).unwrap();
+        }
+        assert!(map.len() == FLAT_MIN && !is_flat(&map));
+        map.remove(SlotId(FLAT_MIN as u32 - 1)).unwrap();
+        assert!(is_flat(&map));
+        check_indexes(&map);
+        // A batch that crosses the bound in the middle lands in the trees.
+        let next = map
+            .with_changes(
+                (FLAT_MIN as u32 - 1..2 * FLAT_MAX as u32).map(|i| Change::Insert(page(i))),
+            )
+            .unwrap();
+        assert!(!is_flat(&next) && is_flat(&map));
+        check_indexes(&next);
+        assert!(next.iter().map(|s| s.id().0).eq(0..2 * FLAT_MAX as u32));
+        let hvas: Vec<u32> = next
+            .slots_overlapping_hva(HostAddress(0), u64::MAX)
+            .iter()
+            .map(|s| s.id().0)
+            .collect();
+        assert!(hvas.iter().copied().eq((0..2 * FLAT_MAX as u32).rev()));
+        // New flags for every slot of a flat map leave it flat.
+        let flat = MemslotMap::new(MapConfig::default())
+            .with_changes((0..FLAT_MAX as u32).map(|i| Change::Insert(page(i))))
+            .unwrap();
+        let flags = SlotFlags {
+            log_dirty: true,
+            read_only: false,
+        };
+        let logged = flat
+            .with_changes((0..FLAT_MAX as u32).map(|i| Change::SetFlags {
+                id: SlotId(i),
+                flags,
+            }))
+            .unwrap();
+        assert!(is_flat(&flat) && is_flat(&logged));
+        assert!(logged.iter().all(|s| s.flags() == flags));
+        check_indexes(&logged);
+        // And one that empties it lands in the array.
+        let empty = next
+            .with_changes((0..2 * FLAT_MAX as u32).map(|i| Change::Remove(SlotId(i))))
+            .unwrap();
+        assert!(is_flat(&empty) && empty.is_empty());
     }
 
     #[test]
