@@ -116,52 +116,23 @@ fn run_guest(
     }
 }
 
-/// Whether KVM has a slot covering `gpa`: creating a one-page probe slot there is refused with
-/// EEXIST exactly when one does.
-fn kvm_has_slot_at(vm: &VmFd, probe_page: &[u8; 4096], gpa: u64) -> bool {
-    let slot = kvm_bindings::kvm_userspace_memory_region {
-        slot: 32000,
-        flags: 0,
-        guest_phys_addr: gpa & !0xfff,
-        memory_size: 4096,
-        userspace_addr: probe_page.as_ptr() as u64,
-    };
-    // SAFETY: the probe slot maps `probe_page` (page-aligned, see `ProbePage`), which outlives
-    // the slot: it is deleted again right here.
-    match unsafe { vm.set_user_memory_region(slot) } {
-        Ok(()) => {
-            // SAFETY: deleting needs no memory.
-            unsafe {
-                vm.set_user_memory_region(kvm_bindings::kvm_userspace_memory_region {
-                    memory_size: 0,
-                    ..slot
-                })
-            }
-            .expect("delete the probe slot");
-            false
-        }
-        Err(e) if e.errno() == libc::EEXIST => true,
-        Err(e) => panic!("probe at {gpa:#x}: {e}"),
-    }
+/// Whether KVM has a slot covering `gpa` (probed in slot 32000, which these tests leave free).
+fn kvm_has_slot_at(vm: &VmFd, gpa: u64) -> bool {
+    kvm_test_support::kvm_has_slot_at(vm, 32000, gpa)
 }
-
-/// A page-aligned page for probe slots.
-#[repr(align(4096))]
-struct ProbePage([u8; 4096]);
 
 /// Checks that KVM has a slot at the start of every slot of the map, and none at `free`.
 fn assert_kvm_matches(vm: &VmFd, m: &MemoryManager<impl kvm_memslots::KvmMemory>, free: &[u64]) {
-    let probe = ProbePage([0; 4096]);
     for slot in m.snapshot().map().iter() {
         assert!(
-            kvm_has_slot_at(vm, &probe.0, slot.gpa().0),
+            kvm_has_slot_at(vm, slot.gpa().0),
             "KVM lost slot {} at {:#x}",
             slot.id(),
             slot.gpa().0
         );
         let last = slot.gpa().0 + slot.size() - 4096;
         assert!(
-            kvm_has_slot_at(vm, &probe.0, last),
+            kvm_has_slot_at(vm, last),
             "KVM slot {} shorter than the map's",
             slot.id()
         );
@@ -169,7 +140,7 @@ fn assert_kvm_matches(vm: &VmFd, m: &MemoryManager<impl kvm_memslots::KvmMemory>
     for gpa in free {
         assert!(m.snapshot().map().find_by_gpa(GuestAddress(*gpa)).is_none());
         assert!(
-            !kvm_has_slot_at(vm, &probe.0, *gpa),
+            !kvm_has_slot_at(vm, *gpa),
             "KVM has a slot at {gpa:#x} the map has not"
         );
     }
@@ -411,7 +382,7 @@ fn kvm_refusing_an_overlap_undoes_the_slots_created_before() {
     };
     let m = manager(&kvm, &vm);
     // A slot the manager does not know about, in the middle of where the region will go.
-    let foreign = ProbePage([0; 4096]);
+    let foreign = kvm_test_support::ProbePage([0; 4096]);
     let slot = kvm_bindings::kvm_userspace_memory_region {
         slot: 32001,
         flags: 0,
@@ -431,9 +402,8 @@ fn kvm_refusing_an_overlap_undoes_the_slots_created_before() {
     assert!(m.regions().is_empty());
     assert_eq!(m.slot_usage().used, 0);
     // The two slots created before the refusal were deleted again.
-    let probe = ProbePage([0; 4096]);
-    assert!(!kvm_has_slot_at(&vm, &probe.0, DATA));
-    assert!(!kvm_has_slot_at(&vm, &probe.0, DATA + 16 * KIB));
+    assert!(!kvm_has_slot_at(&vm, DATA));
+    assert!(!kvm_has_slot_at(&vm, DATA + 16 * KIB));
     // SAFETY: deleting needs no memory.
     unsafe {
         vm.set_user_memory_region(kvm_bindings::kvm_userspace_memory_region {

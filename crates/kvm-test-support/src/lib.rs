@@ -27,3 +27,39 @@ pub fn require_kvm(name: &str) -> bool {
     }
     true
 }
+
+/// A page-aligned page of memory, for probe slots.
+#[repr(align(4096))]
+#[derive(Debug)]
+pub struct ProbePage(pub [u8; 4096]);
+
+/// Whether KVM itself has a memory slot covering `gpa` in `vm`: creating a one-page slot there
+/// (as slot number `probe_slot`, which the code under test must not use) is refused with
+/// `EEXIST` exactly when one does. The probe slot is deleted again at once.
+pub fn kvm_has_slot_at(vm: &kvm_ioctls::VmFd, probe_slot: u32, gpa: u64) -> bool {
+    let probe = ProbePage([0; 4096]);
+    let slot = kvm_bindings::kvm_userspace_memory_region {
+        slot: probe_slot,
+        flags: 0,
+        guest_phys_addr: gpa & !0xfff,
+        memory_size: 4096,
+        userspace_addr: probe.0.as_ptr() as u64,
+    };
+    // SAFETY: the probe slot maps `probe`, a page-aligned page that outlives the slot: it is
+    // deleted again below, before `probe` goes; the caller keeps `probe_slot` free of its own.
+    match unsafe { vm.set_user_memory_region(slot) } {
+        Ok(()) => {
+            // SAFETY: deleting a slot (size 0) maps no memory.
+            unsafe {
+                vm.set_user_memory_region(kvm_bindings::kvm_userspace_memory_region {
+                    memory_size: 0,
+                    ..slot
+                })
+            }
+            .expect("delete the probe slot");
+            false
+        }
+        Err(e) if e.errno() == libc::EEXIST => true,
+        Err(e) => panic!("probe at {gpa:#x}: {e}"),
+    }
+}

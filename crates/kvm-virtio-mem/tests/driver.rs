@@ -784,38 +784,9 @@ fn kvm_manager(test: &str) -> Option<(Arc<kvm_ioctls::VmFd>, Arc<MemoryManager<K
     Some((vm, Arc::new(memory)))
 }
 
-/// A page-aligned page for probe slots.
-#[repr(align(4096))]
-struct ProbePage([u8; 4096]);
-
-/// Whether KVM itself has a slot covering `gpa`: KVM refuses a one-page slot there (in the
-/// reserved slot number) with EEXIST exactly when it does.
+/// Whether KVM itself has a slot covering `gpa` (probed in the manager's reserved slot).
 fn kvm_has_slot(vm: &kvm_ioctls::VmFd, memory: &MemoryManager<KvmVm>, gpa: u64) -> bool {
-    let probe = ProbePage([0; 4096]);
-    let slot = kvm_bindings::kvm_userspace_memory_region {
-        slot: memory.reserved_slots().start,
-        flags: 0,
-        guest_phys_addr: gpa & !0xfff,
-        memory_size: 4096,
-        userspace_addr: probe.0.as_ptr() as u64,
-    };
-    // SAFETY: the probe slot maps `probe`, page-aligned and alive until after the slot is
-    // deleted below; the slot number is reserved, so the manager never uses it.
-    match unsafe { vm.set_user_memory_region(slot) } {
-        Ok(()) => {
-            // SAFETY: deleting a slot needs no memory.
-            unsafe {
-                vm.set_user_memory_region(kvm_bindings::kvm_userspace_memory_region {
-                    memory_size: 0,
-                    ..slot
-                })
-            }
-            .expect("delete the probe slot");
-            false
-        }
-        Err(e) if e.errno() == libc::EEXIST => true,
-        Err(e) => panic!("probe at {gpa:#x}: {e}"),
-    }
+    kvm_test_support::kvm_has_slot_at(vm, memory.reserved_slots().start, gpa)
 }
 
 #[test]
