@@ -269,8 +269,11 @@ pub fn boot(
     })));
 
     let api_stop = Arc::new(AtomicBool::new(false));
+    let mut _socket = None;
     if let Some(path) = &config.api_sock {
         let listener = crate::api::server::bind_api_socket(path)?;
+        // Ours now: it goes when the boot ends, however it ends.
+        _socket = Some(RemoveOnDrop(path.clone()));
         let controller = hotplug::LinuxController::new(
             Arc::clone(memory),
             hotplug.as_ref().map(|h| Arc::clone(&h.device)),
@@ -374,12 +377,18 @@ pub fn boot(
     };
     stop_vcpus(threads);
     devices.flush();
-    if let Some(path) = &config.api_sock {
-        let _ = std::fs::remove_file(path);
-    }
     drop(terminal);
     report.ending = ending;
     Ok(report)
+}
+
+/// Removes a file (the API socket) when dropped.
+struct RemoveOnDrop(std::path::PathBuf);
+
+impl Drop for RemoveOnDrop {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.0);
+    }
 }
 
 /// A Linux vCPU's thread and what it shares with the host.
