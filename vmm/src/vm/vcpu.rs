@@ -109,6 +109,8 @@ pub enum PauseError {
 struct PauseGate {
     state: Mutex<Gate>,
     changed: Condvar,
+    /// `Gate::requested`, readable without the lock: the exit loop checks it on every exit.
+    wanted: AtomicBool,
 }
 
 #[derive(Debug, Default)]
@@ -160,6 +162,7 @@ impl VcpuShared {
         let deadline = Instant::now() + timeout;
         let mut gate = self.pause.lock();
         gate.requested = true;
+        self.pause.wanted.store(true, Ordering::Release);
         while !gate.parked {
             if self.finished.load(Ordering::Acquire) {
                 return Err(PauseError::Stopped);
@@ -209,12 +212,16 @@ impl VcpuShared {
 
     /// Lifts a pause: the vCPU enters the guest again where it was.
     pub fn resume(&self) {
-        self.pause.lock().requested = false;
+        let mut gate = self.pause.lock();
+        gate.requested = false;
+        self.pause.wanted.store(false, Ordering::Release);
+        drop(gate);
         self.pause.changed.notify_all();
     }
 
+    /// Whether a pause is asked for; no lock, as it is read on every exit.
     fn pause_requested(&self) -> bool {
-        self.pause.lock().requested
+        self.pause.wanted.load(Ordering::Acquire)
     }
 
     /// Parks the calling vCPU thread while a pause is requested, saving its state when asked;
