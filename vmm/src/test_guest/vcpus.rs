@@ -429,11 +429,7 @@ impl VcpuHandle {
         if self.running {
             return self.shared.save_paused();
         }
-        let (reply, state) = channel();
-        self.resume
-            .send(GoAhead::SaveState(reply))
-            .map_err(|_| PauseError::Stopped)?;
-        match state.recv_timeout(PAUSE_TIMEOUT) {
+        match ask_idle_state(&self.resume, PAUSE_TIMEOUT) {
             Ok(state) => Ok(state?),
             Err(_) => Err(PauseError::Stopped),
         }
@@ -445,6 +441,28 @@ impl VcpuHandle {
             self.shared.resume();
         }
     }
+}
+
+/// Why a vCPU between commands gave no state.
+#[derive(Debug)]
+enum Unanswered {
+    /// Its thread has gone.
+    Gone,
+    /// It did not answer in time.
+    Silent,
+}
+
+/// The state of a vCPU waiting between commands, read by its own thread when its go-ahead
+/// channel asks.
+fn ask_idle_state(
+    resume: &Sender<GoAhead>,
+    timeout: Duration,
+) -> Result<Result<VcpuState, StateError>, Unanswered> {
+    let (reply, state) = channel();
+    resume
+        .send(GoAhead::SaveState(reply))
+        .map_err(|_| Unanswered::Gone)?;
+    state.recv_timeout(timeout).map_err(|_| Unanswered::Silent)
 }
 
 /// The test guest's system region among a restored layout's regions (`ids`, in its order).
@@ -527,13 +545,10 @@ impl Vcpus {
                 Some(resume) if vcpu.running.is_none() && !vcpu.wedged => resume,
                 _ => return Err(GuestError::Busy(index)),
             };
-            let (reply, state) = channel();
-            if resume.send(GoAhead::SaveState(reply)).is_err() {
-                return Err(GuestError::Stopped(index));
-            }
-            match state.recv_timeout(Duration::from_secs(10)) {
+            match ask_idle_state(resume, Duration::from_secs(10)) {
                 Ok(state) => states.push(state?),
-                Err(_) => return Err(GuestError::Busy(index)),
+                Err(Unanswered::Gone) => return Err(GuestError::Stopped(index)),
+                Err(Unanswered::Silent) => return Err(GuestError::Busy(index)),
             }
         }
         Ok(states)
