@@ -17,7 +17,7 @@ use vm_memory::GuestAddress;
 use vmm_sys_util::eventfd::EventFd;
 
 use super::layout::MMIO_GAP_END;
-use crate::api::types::{HotplugInfo, MemoryInfo};
+use crate::api::types::HotplugInfo;
 use crate::controller::{memory_info, Apply, ControllerError, Outcome, Reply, Request};
 use crate::vm::mmio::MmioBus;
 use crate::vm::{Vm, VmError};
@@ -115,7 +115,8 @@ pub fn hotplug_info(device: &VirtioMemDevice) -> HotplugInfo {
         plugged_size_mib: mem.plugged_size() / MIB,
         requested_size_mib: mem.requested_size() / MIB,
         guest_address: region.start,
-        mapped_slots: mem.plugged_blocks().len(),
+        // One slot per plugged block.
+        mapped_slots: (mem.plugged_size() / mem.block_size()) as usize,
     }
 }
 
@@ -148,16 +149,12 @@ impl LinuxController {
             )
         })
     }
-
-    fn memory_info(&self) -> MemoryInfo {
-        memory_info(&self.memory)
-    }
 }
 
 impl Apply for LinuxController {
     fn apply(&mut self, request: Request) -> Outcome {
         match request {
-            Request::GetMemory => Ok(Reply::Memory(self.memory_info())),
+            Request::GetMemory => Ok(Reply::Memory(memory_info(&self.memory))),
             Request::GetHotplug => Ok(Reply::Hotplug(hotplug_info(self.device()?))),
             Request::RequestHotplug(request) => {
                 let device = self.device()?;
