@@ -9,7 +9,7 @@ if ! command -v cargo >/dev/null 2>&1; then
 fi
 
 need=()
-for tool in cc:gcc as:binutils objcopy:binutils lz4:lz4 dpkg-deb:dpkg; do
+for tool in cc:gcc as:binutils objcopy:binutils lz4:lz4 dpkg-deb:dpkg iasl:acpica-tools; do
     command -v "${tool%%:*}" >/dev/null 2>&1 || need+=("${tool##*:}")
 done
 if [ ${#need[@]} -gt 0 ]; then

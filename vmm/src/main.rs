@@ -695,6 +695,10 @@ struct BootArgs {
     /// An API socket while the guest runs: /memory, /hotplug/memory, /actions.
     #[arg(long)]
     api_sock: Option<std::path::PathBuf>,
+    /// No ACPI tables: the guest gets the MP table alone and finds the virtio-mem device on its
+    /// command line (`virtio_mmio.device=`, for kernels with CONFIG_VIRTIO_MMIO_CMDLINE_DEVICES).
+    #[arg(long)]
+    no_acpi: bool,
     #[command(flatten)]
     limits: LimitArgs,
 }
@@ -727,6 +731,7 @@ fn boot(args: BootArgs) -> ExitCode {
     config.hotplug_mib = args.hotplug_mib.unwrap_or(config.hotplug_mib);
     config.hotplug_block_mib = args.hotplug_block_mib.unwrap_or(config.hotplug_block_mib);
     config.api_sock = args.api_sock.or(config.api_sock);
+    config.acpi &= !args.no_acpi;
     let console = Console {
         output: Box::new(std::io::stdout()),
         stdin: true,

@@ -350,23 +350,26 @@ fn boot_debian_kernel_with_a_virtio_mem_area_kept_out_of_its_e820() {
         cmdline: CMDLINE.to_owned(),
         timeout_secs: Some(TIMEOUT_SECS),
         hotplug_mib: 1024,
+        vcpus: 2,
         ..BootConfig::default()
     };
-    let (report, log) = run(&config, Some(AFTER_E820));
+    // Run until the kernel has read the MADT (in setup_arch, some seconds after the e820 map).
+    let (report, log) = run(&config, Some("smpboot: Allowing"));
     check_ending(&report, &log);
-    // The kernel got the device's place on its command line ...
+    // The kernel got its command line; the device is in the DSDT, not on it ...
     let command_line: Vec<&str> = log
         .lines()
         .filter_map(|l| l.split_once("] Command line: ").map(|(_, c)| c.trim_end()))
         .collect();
     assert_eq!(command_line, [report.cmdline.as_str()], "{log}");
     assert!(
-        report
-            .cmdline
-            .contains("virtio_mmio.device=512@0xd0000000:5"),
+        !report.cmdline.contains("virtio_mmio.device="),
         "{}",
         report.cmdline
     );
+    assert!(report
+        .cmdline
+        .contains("memhp_default_state=online_movable"));
     // ... and no RAM where the hotplug area is: it has no slot until the guest plugs.
     assert_eq!(
         lines_in_log(&log, "BIOS-e820"),
@@ -379,6 +382,46 @@ fn boot_debian_kernel_with_a_virtio_mem_area_kept_out_of_its_e820() {
         report.e820
     );
     assert_eq!(report.slots, 1, "RAM only: nothing plugged");
+
+    // The kernel found the ACPI tables where the boot parameters said, with valid checksums,
+    // and took its processors and I/O APIC from our MADT.
+    let rsdp = report.rsdp.expect("ACPI tables");
+    assert!(
+        log.contains(&format!("ACPI: RSDP {rsdp:#018X} 000024 (v02 TINYVM)")),
+        "{log}"
+    );
+    for (table, id) in [
+        ("XSDT", "TINYXSDT"),
+        ("FACP", "TINYFACP"),
+        ("DSDT", "TINYDSDT"),
+        ("APIC", "TINYMADT"),
+    ] {
+        assert!(
+            log.lines()
+                .any(|l| l.contains(&format!("ACPI: {table} 0x")) && l.contains(id)),
+            "no {table} in\n{log}"
+        );
+    }
+    for complaint in [
+        "ACPI BIOS Warning",
+        "ACPI BIOS Error",
+        "ACPI Error",
+        "Incorrect checksum",
+    ] {
+        assert!(!log.contains(complaint), "{complaint}\n{log}");
+    }
+    assert!(
+        log.contains("IOAPIC[0]: apic_id 2, version 17, address 0xfec00000, GSI 0-23"),
+        "{log}"
+    );
+    assert!(
+        log.contains("ACPI: Using ACPI (MADT) for SMP configuration information"),
+        "{log}"
+    );
+    assert!(
+        log.contains("smpboot: Allowing 2 CPUs, 0 hotplug CPUs"),
+        "{log}"
+    );
 }
 
 #[test]

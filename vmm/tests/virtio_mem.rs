@@ -129,10 +129,10 @@ fn kvm_the_api_sizes_virtio_mem_and_the_guest_plugs_through_mmio_exits() {
     let hotplug = hotplug::setup(&vm, 1024, 2).expect("the device");
     assert!(
         hotplug
-            .cmdline
+            .cmdline(false)
             .contains(&format!("virtio_mmio.device=512@{VIRTIO_MEM_MMIO:#x}:5")),
         "{}",
-        hotplug.cmdline
+        hotplug.cmdline(false)
     );
     let devices = Arc::new(LegacyDevices::new(
         Box::new(std::io::sink()),

@@ -30,7 +30,8 @@ pub enum BootProtocol {
 /// ```json
 /// { "kernel": "vmlinuz", "initramfs": "initrd.cpio.gz", "cmdline": "console=ttyS0",
 ///   "vcpus": 1, "mem_mib": 512, "mem_slots": 4096, "mem_holes": false, "timeout_secs": 30,
-///   "protocol": "auto", "hotplug_mib": 1024, "hotplug_block_mib": 2, "api_sock": "api.sock" }
+///   "protocol": "auto", "hotplug_mib": 1024, "hotplug_block_mib": 2, "api_sock": "api.sock",
+///   "acpi": true }
 /// ```
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
@@ -61,6 +62,9 @@ pub struct BootConfig {
     pub hotplug_block_mib: u64,
     /// An API socket (`/hotplug/memory`, `/memory`, `/vm`, `/actions`) while the guest runs.
     pub api_sock: Option<PathBuf>,
+    /// Give the guest ACPI tables (how a stock kernel finds the virtio-mem device). Without,
+    /// it has the MP table alone and finds the device on its command line.
+    pub acpi: bool,
 }
 
 impl Default for BootConfig {
@@ -78,6 +82,7 @@ impl Default for BootConfig {
             hotplug_mib: 0,
             hotplug_block_mib: 2,
             api_sock: None,
+            acpi: true,
         }
     }
 }

@@ -6,8 +6,10 @@
 //! slot and is not in the e820 map. Each block the guest plugs becomes a region of one KVM
 //! slot; unplugged blocks have none and their memory goes back to the host. The device's
 //! window sits in the MMIO gap below 4 GiB, its interrupt is an irqfd on an IOAPIC pin, and
-//! the kernel learns both from `virtio_mmio.device=` on its command line. An access to an
-//! unplugged block is counted and answered as absent memory; the guest goes on.
+//! the kernel learns both from the DSDT (an `LNRO0005` device, [`super::acpi`]) or, booted
+//! without ACPI, from `virtio_mmio.device=` on its command line (which needs a kernel with
+//! `CONFIG_VIRTIO_MMIO_CMDLINE_DEVICES`). An access to an unplugged block is counted and
+//! answered as absent memory; the guest goes on.
 
 use std::sync::{Arc, Mutex, MutexGuard};
 
@@ -16,6 +18,7 @@ use kvm_virtio_mem::{MmioTransport, VirtioMem, VirtioMemOptions, MMIO_WINDOW_SIZ
 use vm_memory::GuestAddress;
 use vmm_sys_util::eventfd::EventFd;
 
+use super::acpi::MmioDevice;
 use super::layout::MMIO_GAP_END;
 use crate::api::types::HotplugInfo;
 use crate::controller::{memory_info, Apply, ControllerError, Outcome, Reply, Request};
@@ -57,8 +60,26 @@ pub struct Hotplug {
     pub device: VirtioMemDevice,
     /// Its MMIO window and its area (absent memory where unplugged).
     pub mmio: Arc<MmioBus>,
-    /// What the kernel command line gets.
-    pub cmdline: String,
+    /// Its window and interrupt as the guest finds them.
+    pub window: MmioDevice,
+}
+
+impl Hotplug {
+    /// What the kernel command line gets: plugged memory is onlined as movable (so that it can
+    /// be unplugged again), and without ACPI the device's place.
+    pub fn cmdline(&self, acpi: bool) -> String {
+        cmdline(self.window, acpi)
+    }
+}
+
+fn cmdline(window: MmioDevice, acpi: bool) -> String {
+    let mut line = String::new();
+    if !acpi {
+        let MmioDevice { base, size, gsi } = window;
+        line.push_str(&format!(" virtio_mmio.device={size}@{base:#x}:{gsi}"));
+    }
+    line.push_str(" memhp_default_state=online_movable");
+    line
 }
 
 /// Where a hotplug area goes for RAM ending at `ram_end`: the first GiB boundary at or above
@@ -92,10 +113,11 @@ pub fn setup(vm: &Vm, size_mib: u64, block_mib: u64) -> Result<Hotplug, HotplugE
     Ok(Hotplug {
         device: Arc::new(Mutex::new(transport)),
         mmio: Arc::new(mmio),
-        cmdline: format!(
-            " virtio_mmio.device={}@{VIRTIO_MEM_MMIO:#x}:{VIRTIO_MEM_IRQ} memhp_default_state=online_movable",
-            MMIO_WINDOW_SIZE
-        ),
+        window: MmioDevice {
+            base: VIRTIO_MEM_MMIO as u32,
+            size: MMIO_WINDOW_SIZE as u32,
+            gsi: VIRTIO_MEM_IRQ,
+        },
     })
 }
 
@@ -188,6 +210,20 @@ impl Apply for LinuxController {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_command_line_names_the_device_only_without_acpi() {
+        let window = MmioDevice {
+            base: VIRTIO_MEM_MMIO as u32,
+            size: 0x200,
+            gsi: 5,
+        };
+        assert_eq!(
+            cmdline(window, false),
+            " virtio_mmio.device=512@0xd0000000:5 memhp_default_state=online_movable"
+        );
+        assert_eq!(cmdline(window, true), " memhp_default_state=online_movable");
+    }
 
     #[test]
     fn the_area_starts_on_a_gib_above_ram_and_4_gib() {

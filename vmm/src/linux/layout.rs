@@ -2,9 +2,9 @@
 //!
 //! Low memory (the first MiB) holds what the VMM writes for the boot: the GDT, the PVH start
 //! info, the zero page, the boot stack, the identity page tables, the command line, the
-//! `SETUP_E820_EXT` data and, in the last KiB below 640 KiB, the MP table. RAM starts at 0 and
-//! runs up to the 32-bit MMIO gap at 3 GiB, continuing at 4 GiB (the local and I/O APICs live in
-//! the gap).
+//! `SETUP_E820_EXT` data, in the last KiB below 640 KiB the MP table, and from 896 KiB the ACPI
+//! tables. RAM starts at 0 and runs up to the 32-bit MMIO gap at 3 GiB, continuing at 4 GiB
+//! (the local and I/O APICs live in the gap).
 
 use vm_memory::GuestAddress;
 
@@ -43,6 +43,8 @@ pub const SETUP_DATA: GuestAddress = GuestAddress(0x2_1000);
 pub const SETUP_DATA_END: u64 = 0x9_f000;
 /// The extended BIOS data area, which holds the MP table: the last KiB below 640 KiB.
 pub const EBDA: GuestAddress = GuestAddress(0x9_fc00);
+/// The ACPI tables, RSDP first (in the BIOS area, where Linux scans for the RSDP).
+pub const ACPI_TABLES: GuestAddress = GuestAddress(0xe_0000);
 /// The end of the low area the e820 map calls reserved (EBDA, VGA hole, BIOS).
 pub const LOW_RESERVED_END: u64 = 0x10_0000;
 /// Where high memory starts: kernels and initramfs go above.

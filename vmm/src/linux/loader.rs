@@ -195,7 +195,8 @@ fn kernel_format(file: &mut File, path: &Path) -> Result<KernelFormat, LoadError
 }
 
 /// Loads `kernel` (and `initramfs`) into `memory` with `cmdline`, and writes the boot
-/// parameters for the e820 map `e820` for `protocol`.
+/// parameters for the e820 map `e820` for `protocol`, with the ACPI RSDP's address `rsdp`
+/// when the guest has ACPI tables.
 pub fn load<M: GuestMemoryBackend>(
     memory: &M,
     kernel: &Path,
@@ -203,6 +204,7 @@ pub fn load<M: GuestMemoryBackend>(
     cmdline: &str,
     e820: Vec<E820Entry>,
     protocol: BootProtocol,
+    rsdp: Option<GuestAddress>,
 ) -> Result<Loaded, LoadError> {
     let mut file = open("kernel", kernel)?;
     let format = kernel_format(&mut file, kernel)?;
@@ -296,7 +298,7 @@ pub fn load<M: GuestMemoryBackend>(
     let mut setup_data = None;
     match (pvh, result.setup_header) {
         (Some(rip), _) => {
-            write_pvh(memory, &e820, initramfs)?;
+            write_pvh(memory, &e820, initramfs, rsdp)?;
             entry = Entry::Pvh { rip: rip.0 };
             zero_page_entries = 0;
         }
@@ -309,6 +311,8 @@ pub fn load<M: GuestMemoryBackend>(
                 params.hdr.header = HDRS_MAGIC;
             }
             params.hdr.type_of_loader = LOADER_TYPE_UNDEFINED;
+            // Read by kernels of boot protocol 2.14 and later; older ones scan for the RSDP.
+            params.acpi_rsdp_addr = rsdp.map_or(0, |a| a.0);
             params.hdr.cmd_line_ptr = layout::CMDLINE.0 as u32;
             params.hdr.cmdline_size = cmdline.len() as u32;
             if let Some((addr, size)) = initramfs {
@@ -436,6 +440,7 @@ fn write_pvh<M: GuestMemoryBackend>(
     memory: &M,
     e820: &[E820Entry],
     initramfs: Option<(GuestAddress, u64)>,
+    rsdp: Option<GuestAddress>,
 ) -> Result<(), LoadError> {
     let max = PVH_MAX_RANGES;
     if e820.len() > max {
@@ -450,6 +455,7 @@ fn write_pvh<M: GuestMemoryBackend>(
         cmdline_paddr: layout::CMDLINE.0,
         memmap_paddr: layout::PVH_MEMMAP.0,
         memmap_entries: e820.len() as u32,
+        rsdp_paddr: rsdp.map_or(0, |a| a.0),
         ..Default::default()
     };
     let memmap: Vec<hvm_memmap_table_entry> = e820
@@ -547,6 +553,7 @@ mod tests {
             "console=ttyS0",
             map.clone(),
             BootProtocol::Auto,
+            Some(layout::ACPI_TABLES),
         )
         .unwrap();
         std::fs::remove_file(kernel).unwrap();
@@ -582,6 +589,8 @@ mod tests {
         assert_eq!(cmd_line_ptr as u64, layout::CMDLINE.0);
         assert_eq!(loader, 0xff);
         assert_eq!(setup_data, layout::SETUP_DATA.0);
+        let rsdp = params.acpi_rsdp_addr;
+        assert_eq!(rsdp, layout::ACPI_TABLES.0);
         let mut cmdline = [0u8; 14];
         snapshot.read_slice(&mut cmdline, layout::CMDLINE).unwrap();
         assert_eq!(&cmdline, b"console=ttyS0\0");
@@ -630,6 +639,7 @@ mod tests {
             "",
             map,
             BootProtocol::Pvh,
+            None,
         )
         .unwrap_err();
         std::fs::remove_file(&kernel).unwrap();
@@ -642,6 +652,7 @@ mod tests {
             "",
             Vec::new(),
             BootProtocol::Auto,
+            None,
         )
         .unwrap_err();
         std::fs::remove_file(&junk).unwrap();

@@ -4,11 +4,13 @@
 //! [`boot`] goes: create the VM with the in-kernel irqchip and PIT; give it RAM as regions split
 //! into KVM slots ([`layout::ram_regions`]); build the e820 map from the manager's regions
 //! ([`e820::build`]); load the kernel, command line and initramfs and write the boot parameters
-//! ([`loader::load`]), the MP table ([`mptable`]), the GDT and page tables; create the vCPUs
+//! ([`loader::load`]), the ACPI tables ([`acpi`]) and the MP table ([`mptable`]), the GDT and
+//! page tables; create the vCPUs
 //! (CPUID, MSRs, FPU, LAPIC, entry registers: [`cpu`]); then run them while the event loop
 //! carries console input and waits for the guest's reset, a vCPU stopping, a signal or the
 //! timeout. See `docs/BOOT.md`.
 
+pub mod acpi;
 pub mod config;
 pub mod console;
 pub mod cpu;
@@ -57,6 +59,9 @@ pub enum BootError {
     /// The MP table could not be written.
     #[error(transparent)]
     MpTable(#[from] mptable::MpTableError),
+    /// The ACPI tables could not be written.
+    #[error(transparent)]
+    Acpi(#[from] acpi::AcpiError),
     /// A vCPU could not be set up.
     #[error(transparent)]
     Cpu(#[from] cpu::CpuError),
@@ -141,6 +146,8 @@ pub struct BootReport {
     pub cmdline: String,
     /// Where the initramfs went and its size, if there was one.
     pub initramfs: Option<(u64, u64)>,
+    /// The ACPI RSDP's address, if the guest has ACPI tables.
+    pub rsdp: Option<u64>,
     /// RAM regions and the KVM slots they took.
     pub regions: usize,
     /// KVM slots of RAM.
@@ -224,9 +231,15 @@ pub fn boot(
     };
     let mut cmdline = config.cmdline.clone();
     if let Some(hotplug) = &hotplug {
-        cmdline.push_str(&hotplug.cmdline);
+        cmdline.push_str(&hotplug.cmdline(config.acpi));
     }
     let snapshot = memory.snapshot();
+    let rsdp = if config.acpi {
+        let windows: Vec<acpi::MmioDevice> = hotplug.iter().map(|h| h.window).collect();
+        Some(acpi::write(&*snapshot, config.vcpus, &windows)?.rsdp())
+    } else {
+        None
+    };
     let loaded = loader::load(
         &*snapshot,
         &config.kernel,
@@ -234,6 +247,7 @@ pub fn boot(
         &cmdline,
         e820,
         config.protocol,
+        rsdp,
     )?;
     cpu::write_tables(&*snapshot, loaded.entry)?;
     mptable::write(&*snapshot, config.vcpus)?;
@@ -309,6 +323,7 @@ pub fn boot(
         e820: loaded.e820,
         cmdline: loaded.cmdline,
         initramfs: loaded.initramfs.map(|(a, l)| (a.0, l)),
+        rsdp: rsdp.map(|a| a.0),
         regions: regions.len(),
         slots: regions.iter().map(|r| r.slots).sum(),
         setup_time: started.elapsed(),
