@@ -628,3 +628,215 @@ fn boot_bzimage_to_a_busybox_shell_with_hardware_virtualisation() {
         report.ending
     );
 }
+
+/// The kernel package's directory and version, from its vmlinuz's path
+/// (`<package>/boot/vmlinuz-<version>`).
+fn kernel_package(vmlinuz: &Path) -> Option<(PathBuf, String)> {
+    let version = vmlinuz
+        .file_name()?
+        .to_str()?
+        .strip_prefix("vmlinuz-")?
+        .to_owned();
+    Some((vmlinuz.parent()?.parent()?.to_owned(), version))
+}
+
+/// The last `guest MemTotal: N kB` the init script printed, in KiB.
+fn last_mem_total(log: &str) -> Option<u64> {
+    log.lines()
+        .rev()
+        .find_map(|l| l.strip_prefix("guest MemTotal: "))
+        .and_then(|rest| rest.trim_end().strip_suffix(" kB"))
+        .and_then(|n| n.parse().ok())
+}
+
+/// Polls `check` on the console log every 100 ms for up to `secs` seconds.
+fn wait_for<T>(
+    capture: &Capture,
+    secs: u64,
+    mut check: impl FnMut(&str) -> Option<T>,
+) -> Option<T> {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(secs);
+    loop {
+        if let Some(found) = check(&capture.text()) {
+            return Some(found);
+        }
+        if std::time::Instant::now() >= deadline {
+            return None;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(100));
+    }
+}
+
+#[test]
+fn linux_plugs_and_unplugs_virtio_mem_through_the_api_with_hardware_virtualisation() {
+    use serde_json::{json, Value};
+    use tinyvmm::api::client::Client;
+
+    let test =
+        "tinyvmm::linux_plugs_and_unplugs_virtio_mem_through_the_api_with_hardware_virtualisation";
+    if !hardware_virtualisation() {
+        eprintln!(
+            "SKIPPED {test}: /proc/cpuinfo has neither vmx nor svm: this host's KVM (kvm_pvm) \
+             emulates guest ring 0, and a stock kernel stops long before it could load \
+             virtio_mem (see docs/BOOT.md); the ACPI tables it would find are checked by \
+             boot_debian_kernel_with_a_virtio_mem_area_kept_out_of_its_e820"
+        );
+        return;
+    }
+    let Some((vmlinuz, _)) = debian_kernel(test) else {
+        return;
+    };
+    if !kvm_test_support::require_kvm(test) {
+        return;
+    }
+    let Ok(busybox) = std::fs::read(cache().join("busybox")) else {
+        eprintln!("SKIPPED {test}: busybox is missing (resources/fetch-kernel.sh fetches it)");
+        return;
+    };
+    // Debian builds virtio, virtio_mmio and virtio_mem as modules: the initramfs loads them.
+    let (package, version) = kernel_package(&vmlinuz).expect("the kernel package's layout");
+    let modules = package.join(format!("lib/modules/{version}/kernel/drivers/virtio"));
+    let names = ["virtio_ring", "virtio", "virtio_mmio", "virtio_mem"];
+    let module_bytes: Vec<Vec<u8>> = names
+        .iter()
+        .map(|m| {
+            let path = modules.join(format!("{m}.ko"));
+            std::fs::read(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
+        })
+        .collect();
+    let init = b"#!/bin/busybox sh\n\
+        B=/bin/busybox\n\
+        $B mkdir -p /proc /sys\n\
+        $B mount -t proc proc /proc\n\
+        $B mount -t sysfs sysfs /sys\n\
+        for m in virtio_ring virtio virtio_mmio virtio_mem; do\n\
+        \x20   $B insmod /lib/$m.ko || echo \"insmod $m failed\"\n\
+        done\n\
+        echo \"virtio devices: $($B ls /sys/bus/virtio/drivers/virtio_mem)\"\n\
+        while true; do\n\
+        \x20   echo \"guest MemTotal: $($B awk '/MemTotal/ {print $2}' /proc/meminfo) kB\"\n\
+        \x20   $B sleep 1\n\
+        done\n";
+    let module_paths: Vec<String> = names.iter().map(|m| format!("lib/{m}.ko")).collect();
+    let mut files: Vec<CpioFile<'_>> = vec![
+        ("bin", 0o040755, b"", (0, 0)),
+        ("bin/busybox", 0o100755, &busybox, (0, 0)),
+        ("dev", 0o040755, b"", (0, 0)),
+        ("dev/console", 0o020600, b"", (5, 1)),
+        ("lib", 0o040755, b"", (0, 0)),
+        ("init", 0o100755, init, (0, 0)),
+    ];
+    for (path, bytes) in module_paths.iter().zip(&module_bytes) {
+        files.push((path, 0o100644, bytes, (0, 0)));
+    }
+    let dir = std::env::temp_dir().join(format!("tinyvmm-virtio-mem-boot-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let initramfs = dir.join("initramfs.cpio");
+    std::fs::write(&initramfs, cpio(&files)).unwrap();
+    let socket = dir.join("api.sock");
+    let config = BootConfig {
+        kernel: vmlinuz,
+        initramfs: Some(initramfs),
+        cmdline: "console=ttyS0 reboot=k panic=-1 rdinit=/init".to_owned(),
+        mem_mib: 512,
+        hotplug_mib: 1024,
+        hotplug_block_mib: 2,
+        api_sock: Some(socket.clone()),
+        timeout_secs: Some(300.0),
+        ..BootConfig::default()
+    };
+
+    let capture = Capture::new(None);
+    let console = Console {
+        output: Box::new(capture.clone()),
+        stdin: false,
+        stop: Some(Arc::clone(&capture.stop)),
+    };
+    let vm = std::thread::spawn(move || boot(&config, console, |_| {}).expect("the boot"));
+    let call = |method: &str, path: &str, body: Option<Value>| -> (u16, Value) {
+        Client::connect(&socket)
+            .expect("the API socket")
+            .call(method, path, body.as_ref())
+            .expect("an answer")
+    };
+    let hotplug = || call("GET", "/hotplug/memory", None).1;
+    let slots_used = || call("GET", "/memory", None).1["slots"]["used"].clone();
+    let finish = |capture: &Capture, vm: std::thread::JoinHandle<BootReport>| {
+        capture.stop.store(true, Ordering::Release);
+        let report = vm.join().expect("the boot thread");
+        std::fs::remove_dir_all(&dir).ok();
+        report
+    };
+
+    // The driver found the device in the DSDT and bound to it.
+    let bound = wait_for(&capture, 120, |log| {
+        log.lines()
+            .find_map(|l| l.strip_prefix("virtio devices: "))
+            .map(str::to_owned)
+    });
+    let log = capture.text();
+    let Some(bound) = bound else {
+        finish(&capture, vm);
+        panic!("the init script never listed the virtio-mem driver's devices\n{log}");
+    };
+    assert!(bound.contains("virtio0"), "virtio_mem bound nothing\n{log}");
+    assert!(!log.contains("insmod"), "a module did not load\n{log}");
+    let base = wait_for(&capture, 30, last_mem_total).expect("a MemTotal line");
+    assert_eq!(slots_used(), json!(1), "RAM's one slot, nothing plugged");
+
+    // Plug 256 MiB: the guest plugs 128 blocks, each a slot, and onlines the memory.
+    assert_eq!(
+        call(
+            "PATCH",
+            "/hotplug/memory",
+            Some(json!({"requested_size_mib": 256}))
+        )
+        .0,
+        204
+    );
+    let plugged = wait_for(&capture, 60, |_| {
+        (hotplug()["plugged_size_mib"] == json!(256)).then_some(())
+    });
+    assert!(plugged.is_some(), "{}\n{}", hotplug(), capture.text());
+    assert_eq!(slots_used(), json!(1 + 128));
+    let grown = wait_for(&capture, 30, |log| {
+        last_mem_total(log).filter(|&kib| kib >= base + 256 * 1024 - 8 * 1024)
+    });
+    assert!(
+        grown.is_some(),
+        "MemTotal stayed near {base} kB\n{}",
+        capture.text()
+    );
+
+    // Unplug it all: the slots go, the guest's MemTotal shrinks back.
+    assert_eq!(
+        call(
+            "PATCH",
+            "/hotplug/memory",
+            Some(json!({"requested_size_mib": 0}))
+        )
+        .0,
+        204
+    );
+    let unplugged = wait_for(&capture, 60, |_| {
+        (hotplug()["plugged_size_mib"] == json!(0)).then_some(())
+    });
+    assert!(unplugged.is_some(), "{}\n{}", hotplug(), capture.text());
+    assert_eq!(slots_used(), json!(1));
+    let shrunk = wait_for(&capture, 30, |log| {
+        last_mem_total(log).filter(|&kib| kib <= base + 8 * 1024)
+    });
+    assert!(
+        shrunk.is_some(),
+        "MemTotal did not shrink back to {base} kB\n{}",
+        capture.text()
+    );
+
+    let report = finish(&capture, vm);
+    assert!(
+        matches!(report.ending, BootEnding::Stopped),
+        "{}\n{}",
+        report.ending,
+        capture.text()
+    );
+}
