@@ -10,7 +10,7 @@ use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
 use kvm_memslots::snapshot::{BackingKind, MemoryLayout, RegionLayout, LAYOUT_VERSION};
-use kvm_memslots::stream::StreamWriter;
+use kvm_memslots::stream::{send_answer, Record, StreamReader, StreamWriter};
 use serde_json::{json, Value};
 use tinyvmm::api::client::Client;
 
@@ -743,6 +743,112 @@ fn kvm_the_source_runs_on_when_the_destination_dies_at_once() {
             .is_some_and(|e| e.contains("cannot connect")),
         "{info}"
     );
+    stop_and_verify(&source, AREA, end);
+}
+
+/// A destination written in the test: it takes the layout and the whole stream up to Done,
+/// then answers `after_done` (a refusal) or, with `None`, closes without a word (it died after
+/// starting the VM, or its answer was lost).
+fn fake_destination(
+    name: &str,
+    after_done: Option<&'static str>,
+) -> (PathBuf, std::thread::JoinHandle<()>) {
+    let listen = path(name, "fake");
+    let _ = std::fs::remove_file(&listen);
+    let listener = std::os::unix::net::UnixListener::bind(&listen).expect("bind");
+    let thread = std::thread::spawn(move || {
+        let (connection, _) = listener.accept().expect("the source connects");
+        let mut answers = connection.try_clone().expect("clone");
+        let mut reader = StreamReader::new(std::io::BufReader::new(connection));
+        let hello = reader.next_record().expect("a record");
+        assert!(matches!(hello, Some(Record::Hello { .. })), "{hello:?}");
+        send_answer(&mut answers, Ok(())).expect("accept the layout");
+        let mut state = false;
+        loop {
+            match reader.next_record().expect("a whole stream") {
+                Some(Record::State(_)) => state = true,
+                Some(Record::Done) => break,
+                Some(_) => {}
+                None => panic!("no Done"),
+            }
+        }
+        assert!(state, "the stream carried the VM's state");
+        if let Some(reason) = after_done {
+            send_answer(&mut answers, Err(reason)).expect("refuse");
+        }
+    });
+    (listen, thread)
+}
+
+#[test]
+fn kvm_a_destination_silent_after_the_whole_vm_leaves_it_paused_here() {
+    if !kvm_test_support::require_kvm(
+        "tinyvmm::kvm_a_destination_silent_after_the_whole_vm_leaves_it_paused_here",
+    ) {
+        return;
+    }
+    let (source, end) = never_converging("silent-dst");
+    let (listen, destination) = fake_destination("silent-dst", None);
+    // A budget the first round fits: stop-and-copy comes at once.
+    let (status, answer) = migrate(&source, &listen, json!({"downtime_ms": 600000}));
+    assert_eq!(status, 204, "{answer}");
+    let info = watch(&source, |i| {
+        !matches!(phase(i), "setup" | "pre_copy" | "stop_and_copy")
+    });
+    destination
+        .join()
+        .expect("the fake destination read everything");
+    assert_eq!(phase(&info), "unconfirmed", "{info}");
+    assert!(
+        info["error"]
+            .as_str()
+            .is_some_and(|e| e.contains("it may be running the VM")),
+        "{info}"
+    );
+    // The VM may run there: here it is paused, runs no command and starts no migration.
+    assert!(source.running(), "the source VMM keeps its VM");
+    assert_eq!(source.ok("GET", "/vm", None)["state"], "Paused");
+    let (status, _) = source.call(
+        "PUT",
+        "/guest/command",
+        Some(json!({"op": "stop_loop", "vcpu": 0})),
+    );
+    assert_eq!(status, 409);
+    let (status, answer) = migrate(&source, &listen, json!({}));
+    assert_eq!(status, 409, "{answer}");
+    // A client who knows the destination does not run it resumes it here: the write loop goes
+    // on where it was paused, and the memory holds its last pass.
+    source.ok("PATCH", "/vm", Some(json!({"state": "Resumed"})));
+    stop_and_verify(&source, AREA, end);
+}
+
+#[test]
+fn kvm_a_destination_refusing_after_the_whole_vm_leaves_it_running_here() {
+    if !kvm_test_support::require_kvm(
+        "tinyvmm::kvm_a_destination_refusing_after_the_whole_vm_leaves_it_running_here",
+    ) {
+        return;
+    }
+    let (source, end) = never_converging("refusing-dst");
+    let (listen, destination) =
+        fake_destination("refusing-dst", Some("restoring the vCPUs failed"));
+    let (status, answer) = migrate(&source, &listen, json!({"downtime_ms": 600000}));
+    assert_eq!(status, 204, "{answer}");
+    let info = watch(&source, |i| {
+        !matches!(phase(i), "setup" | "pre_copy" | "stop_and_copy")
+    });
+    destination
+        .join()
+        .expect("the fake destination read everything");
+    assert_eq!(phase(&info), "failed", "{info}");
+    assert!(
+        info["error"]
+            .as_str()
+            .is_some_and(|e| e.contains("restoring the vCPUs failed")),
+        "{info}"
+    );
+    // It said it runs nothing: the VM went on here without a word from a client.
+    assert_eq!(source.ok("GET", "/vm", None)["state"], "Running");
     stop_and_verify(&source, AREA, end);
 }
 

@@ -430,6 +430,9 @@ pub enum MigrationPhase {
     Failed,
     /// A client or the timeout cancelled it; the VM runs here as before.
     Cancelled,
+    /// The destination got the whole VM but its answer did not come: it may run the VM, so
+    /// the VM stays paused here (`PATCH /vm {"state": "Resumed"}` runs it here again).
+    Unconfirmed,
 }
 
 /// `GET /migrate`.

@@ -26,7 +26,7 @@ use crate::migration::source::SourceVm;
 use crate::migration::{Endpoint, Migration};
 use crate::test_guest::area::{check_area, TestArea};
 use crate::test_guest::snapshot::{HotplugState, SnapshotState, STATE_VERSION};
-use crate::test_guest::vcpus::{GuestError, TestVm, Vcpus};
+use crate::test_guest::vcpus::{GuestError, TestVm, VcpuHandle, Vcpus};
 use crate::test_guest::{self, Command, Op};
 pub use error::{ControllerError, ErrorKind};
 use hotplug::HotplugArea;
@@ -164,6 +164,9 @@ pub struct Controller {
     interrupt: &'static AtomicBool,
     /// The last migration, under way or ended.
     migration: Option<Migration>,
+    /// vCPUs a migration left paused because the destination may run the VM (its answer did
+    /// not come): `PATCH /vm {"state": "Resumed"}` lets them go on.
+    held: Vec<VcpuHandle>,
 }
 
 fn no_hotplug_area() -> ControllerError {
@@ -185,6 +188,7 @@ impl Controller {
             snapshot_base: None,
             interrupt: crate::lifecycle::termination_signal(),
             migration: None,
+            held: Vec::new(),
         }
     }
 
@@ -328,7 +332,12 @@ impl Controller {
             Request::PatchVm(patch) => {
                 self.state = match patch.state {
                     VmStateRequest::Paused => RunState::Paused,
-                    VmStateRequest::Resumed => RunState::Running,
+                    VmStateRequest::Resumed => {
+                        for vcpu in self.held.drain(..) {
+                            vcpu.resume();
+                        }
+                        RunState::Running
+                    }
                 };
                 Ok(Reply::Done)
             }
@@ -368,6 +377,11 @@ impl Controller {
         if let Some((_, carried)) = &mut self.snapshot_base {
             carried.extend(ending.harvested);
         }
+        if !ending.held.is_empty() {
+            // The destination may run the VM: it stays paused here until a client says.
+            self.state = RunState::Paused;
+            self.held = ending.held;
+        }
     }
 
     /// Why `request` cannot run now: the VM is moving (its layout, run state and guest must
@@ -401,6 +415,13 @@ impl Controller {
     }
 
     fn migrate(&mut self, request: MigrateRequest) -> Result<(), ControllerError> {
+        if !self.held.is_empty() {
+            return Err(ControllerError::conflict(
+                "the last migration's outcome is unknown (GET /migrate): the destination may \
+                 run the VM; resume it here first (PATCH /vm {\"state\": \"Resumed\"}) if it \
+                 does not",
+            ));
+        }
         let endpoint: Endpoint = request.destination.parse().map_err(ControllerError::bad)?;
         if request.local && !matches!(endpoint, Endpoint::Unix(_)) {
             return Err(ControllerError::bad(format!(

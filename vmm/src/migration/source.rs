@@ -9,7 +9,11 @@
 //! `force`) the vCPUs pause, the last pages and the state go, and the destination's word that
 //! the VM runs there completes it. Anything else leaves the VM running here as before: vCPUs
 //! resumed, logging as it was, and the pages harvested handed back to the controller (a Diff
-//! snapshot after a failed migration still gets them).
+//! snapshot after a failed migration still gets them) — with one exception. Once the Done
+//! record went out whole, the destination may run the VM (it starts it before it answers), so
+//! a missing answer leaves the vCPUs paused here: resuming them could run the guest twice. The
+//! migration ends [`MigrationPhase::Unconfirmed`] and hands the paused vCPUs to the controller,
+//! where a client who knows the destination does not run the VM resumes it.
 
 use std::io::{self, Write};
 use std::os::fd::OwnedFd;
@@ -67,6 +71,13 @@ pub enum MigrationError {
     /// A client cancelled it, or the VMM is stopping.
     #[error("cancelled: {0}")]
     Cancelled(String),
+    /// Everything went out, but the destination's answer did not come: it may run the VM.
+    #[error(
+        "the destination got the whole VM but did not answer ({0}): it may be running the VM, \
+         so the VM stays paused here; if the destination does not run it, PATCH /vm \
+         {{\"state\": \"Resumed\"}} runs it here again"
+    )]
+    Unconfirmed(StreamError),
 }
 
 /// The VM as a migration sees it: taken from the controller when it starts, unchanged while
@@ -92,6 +103,10 @@ pub struct Ending {
     pub completed: bool,
     /// Every page harvested (with [`SourceVm::keep_harvested`]), on failure.
     pub harvested: Vec<DirtyPages>,
+    /// The vCPUs, left paused because the outcome is unknown
+    /// ([`MigrationPhase::Unconfirmed`]): resume them only if the destination does not run the
+    /// VM.
+    pub held: Vec<VcpuHandle>,
 }
 
 /// A migration under way or ended: its progress, and the thread that runs it.
@@ -266,6 +281,7 @@ impl Run {
             .collect();
         let outcome = self.migrate(&memory);
         let completed = outcome.is_ok();
+        let mut held = Vec::new();
         match outcome {
             Ok(downtime) => self.update(|s| {
                 s.phase = MigrationPhase::Completed;
@@ -278,15 +294,17 @@ impl Run {
                         let _ = memory.stop_dirty_log(Target::Region(region.id));
                     }
                 }
-                let cancelled = matches!(e, MigrationError::Cancelled(_));
                 self.update(|s| {
-                    s.phase = if cancelled {
-                        MigrationPhase::Cancelled
-                    } else {
-                        MigrationPhase::Failed
+                    s.phase = match e {
+                        MigrationError::Cancelled(_) => MigrationPhase::Cancelled,
+                        MigrationError::Unconfirmed(_) => MigrationPhase::Unconfirmed,
+                        _ => MigrationPhase::Failed,
                     };
                     s.error = Some(e.to_string());
                 });
+                if matches!(e, MigrationError::Unconfirmed(_)) {
+                    held = std::mem::take(&mut self.vm.vcpus);
+                }
             }
         }
         let elapsed = self.started.elapsed().as_secs_f64() * 1e3;
@@ -298,6 +316,7 @@ impl Run {
             } else {
                 std::mem::take(&mut self.harvested)
             },
+            held,
         }
     }
 
@@ -474,6 +493,8 @@ impl Run {
         let outcome = self.stop_and_copy(memory, &layout, &mut writer, &mut answers, dirty);
         match outcome {
             Ok(()) => Ok(paused_at.elapsed()),
+            // The destination may run the VM: it must not run here too.
+            Err(e @ MigrationError::Unconfirmed(_)) => Err(e),
             Err(e) => {
                 for vcpu in &self.vm.vcpus {
                     vcpu.resume();
@@ -515,7 +536,8 @@ impl Run {
     }
 
     /// Pauses the vCPUs, sends the pages left and the state, and waits for the destination to
-    /// run the VM. The caller resumes the vCPUs if this fails.
+    /// run the VM. The caller resumes the vCPUs if this fails, unless it fails
+    /// [`MigrationError::Unconfirmed`].
     fn stop_and_copy(
         &mut self,
         memory: &MemoryManager<KvmVm>,
@@ -556,11 +578,13 @@ impl Run {
         writer
             .state(&state.to_bytes())
             .map_err(|e| self.explain(e, answers))?;
+        // A failed write leaves Done incomplete, and a destination runs nothing without it.
         writer.done().map_err(|e| self.explain(e, answers))?;
         match read_answer(answers) {
             Ok(Ok(())) => Ok(()),
+            // It says it does not run the VM: the VM goes on here.
             Ok(Err(reason)) => Err(MigrationError::Refused(reason)),
-            Err(e) => Err(e.into()),
+            Err(e) => Err(MigrationError::Unconfirmed(e)),
         }
     }
 }
