@@ -63,6 +63,10 @@ impl<K: KvmMemory> MemoryManager<K> {
             .into_iter()
             .filter(|id| state.regions[id].flags.log_dirty != on)
             .collect();
+        if ids.is_empty() {
+            // Nothing changes: no KVM call, and no new map version for readers to pick up.
+            return Ok(());
+        }
         let mut steps =
             Vec::with_capacity(ids.iter().map(|id| state.regions[id].slots.len()).sum());
         for id in &ids {

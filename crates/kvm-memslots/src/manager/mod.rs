@@ -426,6 +426,9 @@ impl<K: KvmMemory> MemoryManager<K> {
             self.collect_rings()?;
         }
         self.sequence.fetch_add(1, Ordering::AcqRel);
+        // Even again when this returns, and also if a KVM call panics: a vCPU waiting for an
+        // even sequence must not wait forever.
+        let _even = EndOfChange(&self.sequence);
         let applied = self.run(state, steps);
         if applied.is_ok() {
             if drain {
@@ -435,7 +438,6 @@ impl<K: KvmMemory> MemoryManager<K> {
             }
             state.publish(next);
         }
-        self.sequence.fetch_add(1, Ordering::AcqRel);
         applied
     }
 
@@ -574,6 +576,15 @@ fn map_error(current: &MemslotMap<SlotBacking>, error: MapError) -> Error {
         }
     }
     Error::Map(error)
+}
+
+/// Ends a change in the change sequence (makes it even again) when dropped.
+struct EndOfChange<'a>(&'a AtomicU64);
+
+impl Drop for EndOfChange<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_add(1, Ordering::AcqRel);
+    }
 }
 
 #[cfg(test)]
