@@ -137,8 +137,13 @@ pub enum RingError {
     /// KVM refused to enable it: it must be enabled before any vCPU exists.
     #[error("enabling the dirty ring failed ({0}): it must be enabled before any vCPU is created")]
     Enable(vmm_sys_util::errno::Error),
-    /// Mapping a vCPU's ring failed.
-    #[error("mapping vCPU {vcpu}'s dirty ring failed: {source}")]
+    /// Mapping a vCPU's ring failed. KVM keeps the vCPU it created until the VM goes (KVM
+    /// cannot destroy a vCPU): the id is spent, and creating it again fails with `EEXIST`.
+    /// The vCPU never ran, so its ring holds nothing to harvest.
+    #[error(
+        "mapping vCPU {vcpu}'s dirty ring failed: {source} (KVM keeps the vCPU it created: \
+         this VM cannot use id {vcpu} again)"
+    )]
     Map {
         /// The vCPU.
         vcpu: u64,
