@@ -1,10 +1,10 @@
 //! The e820 memory map, built from the memory manager's regions.
 //!
 //! Every RAM region the manager holds becomes usable memory, except the low area the VMM keeps
-//! for the firmware tables it writes (the EBDA with the MP table, the VGA hole and the BIOS area:
-//! 0x9fc00 to 1 MiB), which is reserved. Ranges of the same kind that touch are merged and the
-//! map is sorted, so that it reads exactly as the kernel prints it after its own sanitising
-//! (`BIOS-e820: [mem 0x…-0x…] usable`).
+//! for the firmware tables it writes (the EBDA with the MP table, the VGA hole and the BIOS area
+//! with the ACPI tables: 0x9fc00 to 1 MiB), which is reserved. Ranges of the same kind that
+//! touch are merged and the map is sorted, so that it reads exactly as the kernel prints it
+//! after its own sanitising (`BIOS-e820: [mem 0x…-0x…] usable`).
 
 use std::fmt;
 

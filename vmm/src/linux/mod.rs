@@ -5,10 +5,9 @@
 //! into KVM slots ([`layout::ram_regions`]); build the e820 map from the manager's regions
 //! ([`e820::build`]); load the kernel, command line and initramfs and write the boot parameters
 //! ([`loader::load`]), the ACPI tables ([`acpi`]) and the MP table ([`mptable`]), the GDT and
-//! page tables; create the vCPUs
-//! (CPUID, MSRs, FPU, LAPIC, entry registers: [`cpu`]); then run them while the event loop
-//! carries console input and waits for the guest's reset, a vCPU stopping, a signal or the
-//! timeout. See `docs/BOOT.md`.
+//! page tables; create the vCPUs (CPUID, MSRs, FPU, LAPIC, entry registers: [`cpu`]); then run
+//! them while the event loop carries console input and waits for the guest's reset, a vCPU
+//! stopping, a signal or the timeout. See `docs/BOOT.md`.
 
 pub mod acpi;
 pub mod config;
