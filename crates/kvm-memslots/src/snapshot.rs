@@ -386,11 +386,23 @@ impl MemoryLayout {
             spec.log_dirty = r.log_dirty;
             match memory.add_region(spec) {
                 Ok(id) => added.push(id),
-                Err(e) => {
+                Err(failed) => {
+                    let mut left = Vec::new();
+                    let mut undo = None;
                     for id in added.into_iter().rev() {
-                        let _ = memory.remove_region(id);
+                        if let Err(e) = memory.remove_region(id) {
+                            left.push(id);
+                            undo.get_or_insert(e);
+                        }
                     }
-                    return Err(e);
+                    return Err(match undo {
+                        None => failed,
+                        Some(undo) => Error::PartlyUndone {
+                            failed: Box::new(failed),
+                            left,
+                            undo: Box::new(undo),
+                        },
+                    });
                 }
             }
         }

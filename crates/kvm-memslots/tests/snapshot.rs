@@ -400,3 +400,35 @@ fn a_chain_across_hotplug_removal_and_moves_merges_into_the_last_point() {
     load_memory_file(&b, &second_layout, &merged).expect("loaded");
     assert_eq!(contents(&b), contents(&a));
 }
+
+#[test]
+fn a_build_that_fails_removes_what_it_added_or_names_what_stays() {
+    use kvm_memslots::testing::{Faulty, KvmCall};
+    use kvm_memslots::ErrorKind;
+    let layout = MemoryLayout::of(&source());
+    // The first region takes 128 slots, the second one: the third region's slot fails.
+    let b = MemoryManager::new(Faulty::new(FakeKvm::new(512, true)));
+    b.kvm().fail(KvmCall::SetRegion, 129, libc::ENOMEM);
+    let err = layout.build(&b).unwrap_err();
+    assert_eq!(err.errno(), Some(libc::ENOMEM), "{err}");
+    assert!(
+        b.regions().is_empty(),
+        "the first two regions were removed again"
+    );
+
+    // The same failure, and every removal refused too: the error names the regions left.
+    let b = MemoryManager::new(Faulty::new(FakeKvm::new(512, true)));
+    b.kvm().fail_from(KvmCall::SetRegion, 129, libc::ENOMEM);
+    let err = layout.build(&b).unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::Broken, "{err}");
+    assert_eq!(err.errno(), Some(libc::ENOMEM));
+    let left: Vec<_> = b.regions().iter().map(|r| r.id).collect();
+    assert_eq!(left.len(), 2, "{err}");
+    let kvm_memslots::Error::PartlyUndone { left: named, .. } = &err else {
+        panic!("{err}");
+    };
+    let mut named = named.clone();
+    named.sort();
+    assert_eq!(named, left, "{err}");
+    assert!(err.to_string().contains("stay"), "{err}");
+}
