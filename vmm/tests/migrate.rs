@@ -746,17 +746,22 @@ fn kvm_the_source_runs_on_when_the_destination_dies_at_once() {
     stop_and_verify(&source, AREA, end);
 }
 
-/// A destination written in the test: it takes the layout and the whole stream up to Done,
-/// then answers `after_done` (a refusal) or, with `None`, closes without a word (it died after
-/// starting the VM, or its answer was lost).
-fn fake_destination(
+/// Migrates a writing guest to a destination written in the test: it takes the layout and
+/// the whole stream up to Done, then answers `after_done` (a refusal) or, with `None`, closes
+/// without a word (it died after starting the VM, or its answer was lost). Checks that the
+/// migration ended in `phase_expected` with `error` in its message; returns the source and the
+/// end of its written area.
+fn migrate_to_a_fake_destination(
     name: &str,
     after_done: Option<&'static str>,
-) -> (PathBuf, std::thread::JoinHandle<()>) {
+    phase_expected: &str,
+    error: &str,
+) -> (Vmm, u64) {
+    let (source, end) = never_converging(name);
     let listen = path(name, "fake");
     let _ = std::fs::remove_file(&listen);
     let listener = std::os::unix::net::UnixListener::bind(&listen).expect("bind");
-    let thread = std::thread::spawn(move || {
+    let destination = std::thread::spawn(move || {
         let (connection, _) = listener.accept().expect("the source connects");
         let mut answers = connection.try_clone().expect("clone");
         let mut reader = StreamReader::new(std::io::BufReader::new(connection));
@@ -777,18 +782,6 @@ fn fake_destination(
             send_answer(&mut answers, Err(reason)).expect("refuse");
         }
     });
-    (listen, thread)
-}
-
-#[test]
-fn kvm_a_destination_silent_after_the_whole_vm_leaves_it_paused_here() {
-    if !kvm_test_support::require_kvm(
-        "tinyvmm::kvm_a_destination_silent_after_the_whole_vm_leaves_it_paused_here",
-    ) {
-        return;
-    }
-    let (source, end) = never_converging("silent-dst");
-    let (listen, destination) = fake_destination("silent-dst", None);
     // A budget the first round fits: stop-and-copy comes at once.
     let (status, answer) = migrate(&source, &listen, json!({"downtime_ms": 600000}));
     assert_eq!(status, 204, "{answer}");
@@ -798,12 +791,27 @@ fn kvm_a_destination_silent_after_the_whole_vm_leaves_it_paused_here() {
     destination
         .join()
         .expect("the fake destination read everything");
-    assert_eq!(phase(&info), "unconfirmed", "{info}");
+    assert_eq!(phase(&info), phase_expected, "{info}");
     assert!(
-        info["error"]
-            .as_str()
-            .is_some_and(|e| e.contains("it may be running the VM")),
+        info["error"].as_str().is_some_and(|e| e.contains(error)),
         "{info}"
+    );
+    let _ = std::fs::remove_file(&listen);
+    (source, end)
+}
+
+#[test]
+fn kvm_a_destination_silent_after_the_whole_vm_leaves_it_paused_here() {
+    if !kvm_test_support::require_kvm(
+        "tinyvmm::kvm_a_destination_silent_after_the_whole_vm_leaves_it_paused_here",
+    ) {
+        return;
+    }
+    let (source, end) = migrate_to_a_fake_destination(
+        "silent-dst",
+        None,
+        "unconfirmed",
+        "it may be running the VM",
     );
     // The VM may run there: here it is paused, runs no command and starts no migration.
     assert!(source.running(), "the source VMM keeps its VM");
@@ -814,7 +822,7 @@ fn kvm_a_destination_silent_after_the_whole_vm_leaves_it_paused_here() {
         Some(json!({"op": "stop_loop", "vcpu": 0})),
     );
     assert_eq!(status, 409);
-    let (status, answer) = migrate(&source, &listen, json!({}));
+    let (status, answer) = migrate(&source, &path("silent-dst", "fake"), json!({}));
     assert_eq!(status, 409, "{answer}");
     // A client who knows the destination does not run it resumes it here: the write loop goes
     // on where it was paused, and the memory holds its last pass.
@@ -829,23 +837,11 @@ fn kvm_a_destination_refusing_after_the_whole_vm_leaves_it_running_here() {
     ) {
         return;
     }
-    let (source, end) = never_converging("refusing-dst");
-    let (listen, destination) =
-        fake_destination("refusing-dst", Some("restoring the vCPUs failed"));
-    let (status, answer) = migrate(&source, &listen, json!({"downtime_ms": 600000}));
-    assert_eq!(status, 204, "{answer}");
-    let info = watch(&source, |i| {
-        !matches!(phase(i), "setup" | "pre_copy" | "stop_and_copy")
-    });
-    destination
-        .join()
-        .expect("the fake destination read everything");
-    assert_eq!(phase(&info), "failed", "{info}");
-    assert!(
-        info["error"]
-            .as_str()
-            .is_some_and(|e| e.contains("restoring the vCPUs failed")),
-        "{info}"
+    let (source, end) = migrate_to_a_fake_destination(
+        "refusing-dst",
+        Some("restoring the vCPUs failed"),
+        "failed",
+        "restoring the vCPUs failed",
     );
     // It said it runs nothing: the VM went on here without a word from a client.
     assert_eq!(source.ok("GET", "/vm", None)["state"], "Running");
