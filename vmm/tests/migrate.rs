@@ -746,11 +746,35 @@ fn kvm_the_source_runs_on_when_the_destination_dies_at_once() {
     stop_and_verify(&source, AREA, end);
 }
 
-/// Migrates a writing guest to a destination written in the test: it takes the layout and
-/// the whole stream up to Done, then answers `after_done` (a refusal) or, with `None`, closes
-/// without a word (it died after starting the VM, or its answer was lost). Checks that the
-/// migration ended in `phase_expected` with `error` in its message; returns the source and the
-/// end of its written area.
+/// A stream reader on a fake destination's connection.
+type FakeReader = StreamReader<std::io::BufReader<UnixStream>>;
+
+/// A destination written in the test, listening at the returned path: it accepts the layout
+/// and hands the rest of the stream to `rest`, with the connection for answers.
+fn fake_destination(
+    name: &str,
+    rest: impl FnOnce(&mut FakeReader, &mut UnixStream) + Send + 'static,
+) -> (PathBuf, std::thread::JoinHandle<()>) {
+    let listen = path(name, "fake");
+    let _ = std::fs::remove_file(&listen);
+    let listener = std::os::unix::net::UnixListener::bind(&listen).expect("bind");
+    let thread = std::thread::spawn(move || {
+        let (connection, _) = listener.accept().expect("the source connects");
+        let mut answers = connection.try_clone().expect("clone");
+        let mut reader = StreamReader::new(std::io::BufReader::new(connection));
+        let hello = reader.next_record().expect("a record");
+        assert!(matches!(hello, Some(Record::Hello { .. })), "{hello:?}");
+        send_answer(&mut answers, Ok(())).expect("accept the layout");
+        rest(&mut reader, &mut answers);
+    });
+    (listen, thread)
+}
+
+/// Migrates a writing guest to a fake destination that reads the whole stream up to Done,
+/// then answers `after_done` (a refusal) or, with `None`, closes without a word (it died after
+/// starting the VM, or its answer was lost). Checks that the migration ended in
+/// `phase_expected` with `error` in its message; returns the source and the end of its written
+/// area.
 fn migrate_to_a_fake_destination(
     name: &str,
     after_done: Option<&'static str>,
@@ -758,16 +782,7 @@ fn migrate_to_a_fake_destination(
     error: &str,
 ) -> (Vmm, u64) {
     let (source, end) = never_converging(name);
-    let listen = path(name, "fake");
-    let _ = std::fs::remove_file(&listen);
-    let listener = std::os::unix::net::UnixListener::bind(&listen).expect("bind");
-    let destination = std::thread::spawn(move || {
-        let (connection, _) = listener.accept().expect("the source connects");
-        let mut answers = connection.try_clone().expect("clone");
-        let mut reader = StreamReader::new(std::io::BufReader::new(connection));
-        let hello = reader.next_record().expect("a record");
-        assert!(matches!(hello, Some(Record::Hello { .. })), "{hello:?}");
-        send_answer(&mut answers, Ok(())).expect("accept the layout");
+    let (listen, destination) = fake_destination(name, move |reader, answers| {
         let mut state = false;
         loop {
             match reader.next_record().expect("a whole stream") {
@@ -779,7 +794,7 @@ fn migrate_to_a_fake_destination(
         }
         assert!(state, "the stream carried the VM's state");
         if let Some(reason) = after_done {
-            send_answer(&mut answers, Err(reason)).expect("refuse");
+            send_answer(answers, Err(reason)).expect("refuse");
         }
     });
     // A budget the first round fits: stop-and-copy comes at once.
@@ -846,6 +861,64 @@ fn kvm_a_destination_refusing_after_the_whole_vm_leaves_it_running_here() {
     // It said it runs nothing: the VM went on here without a word from a client.
     assert_eq!(source.ok("GET", "/vm", None)["state"], "Running");
     stop_and_verify(&source, AREA, end);
+}
+
+#[test]
+fn kvm_a_budget_below_one_bitmap_harvest_ends_the_rounds_early() {
+    if !kvm_test_support::require_kvm(
+        "tinyvmm::kvm_a_budget_below_one_bitmap_harvest_ends_the_rounds_early",
+    ) {
+        return;
+    }
+    // An idle guest at KVM's slot count: each bitmap harvest reads 32k logs (tens of ms at the
+    // very least), and nothing is left to send. A 1 ms budget cannot be met, however long the
+    // rounds go on: the migration says so after a few rounds, long before its timeout.
+    let max = kvm_ioctls::Kvm::new().expect("/dev/kvm").get_nr_memslots();
+    let source = Vmm::serve("harvest-bound", max - 34, 256, &[]);
+    let (listen, destination) = fake_destination("harvest-bound", |reader, _| {
+        // Until the source gives up and closes.
+        while let Ok(Some(_)) = reader.next_record() {}
+    });
+    let started = Instant::now();
+    let (status, answer) = migrate(
+        &source,
+        &listen,
+        json!({"downtime_ms": 1, "timeout_s": 600, "on_timeout": "cancel"}),
+    );
+    assert_eq!(status, 204, "{answer}");
+    let info = watch(&source, |i| phase(i) == "cancelled");
+    destination.join().expect("the fake destination");
+    assert!(
+        started.elapsed() < Duration::from_secs(300),
+        "it waited for the timeout"
+    );
+    assert!(
+        info["error"]
+            .as_str()
+            .is_some_and(|e| e.contains("budget cannot be met") && e.contains("--dirty-ring")),
+        "{info}"
+    );
+    assert!(info["round"].as_u64() >= Some(3), "{info}");
+    assert_eq!(info["forced"], false, "{info}");
+    // The VM runs on here, logging as it was (off).
+    let log = source.ok("GET", "/dirty-log", None);
+    assert_eq!(log["logging_regions"], json!([]), "{log}");
+
+    // With `force`, the pause comes at that point instead, and says it was forced (the fake
+    // destination then keeps silent: the VM stays paused here, to be resumed).
+    let (listen, destination) = fake_destination("harvest-bound-2", |reader, _| {
+        while !matches!(reader.next_record(), Ok(Some(Record::Done)) | Err(_)) {}
+    });
+    let (status, answer) = migrate(
+        &source,
+        &listen,
+        json!({"downtime_ms": 1, "timeout_s": 600, "on_timeout": "force"}),
+    );
+    assert_eq!(status, 204, "{answer}");
+    let info = watch(&source, |i| phase(i) == "unconfirmed");
+    destination.join().expect("the fake destination");
+    assert_eq!(info["forced"], true, "{info}");
+    source.ok("PATCH", "/vm", Some(json!({"state": "Resumed"})));
 }
 
 #[test]

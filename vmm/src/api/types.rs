@@ -454,6 +454,9 @@ pub struct MigrationInfo {
     pub throughput_bytes_per_second: f64,
     /// The pause `pages_left` would take at that throughput.
     pub estimated_downtime_ms: f64,
+    /// The pause began although the estimate did not fit the budget (`on_timeout: force`, at
+    /// the timeout or once the harvest alone outlasted the budget): expect a longer pause.
+    pub forced: bool,
     /// The pause the VM saw (from pausing here to the destination's word that it runs there),
     /// once completed.
     pub downtime_ms: Option<f64>,

@@ -5,15 +5,18 @@
 //! round 1 sends every page that holds data; each next round harvests (bitmap or ring, never
 //! behind the writers' lock) and sends what the guest dirtied meanwhile. Before each round the
 //! pause it would take to send what is left — the last harvest's duration plus its pages at the
-//! last round's throughput — is compared with the budget; once it fits (or at the timeout with
-//! `force`) the vCPUs pause, the last pages and the state go, and the destination's word that
-//! the VM runs there completes it. Anything else leaves the VM running here as before: vCPUs
-//! resumed, logging as it was, and the pages harvested handed back to the controller (a Diff
-//! snapshot after a failed migration still gets them) — with one exception. Once the Done
-//! record went out whole, the destination may run the VM (it starts it before it answers), so
-//! a missing answer leaves the vCPUs paused here: resuming them could run the guest twice. The
-//! migration ends [`MigrationPhase::Unconfirmed`] and hands the paused vCPUs to the controller,
-//! where a client who knows the destination does not run the VM resumes it.
+//! last round's throughput — is compared with the budget; once it fits the vCPUs pause, the
+//! last pages and the state go, and the destination's word that the VM runs there completes
+//! it. At the timeout, or earlier once the harvest alone took longer than the budget three
+//! rounds running while the pages left would have fit it (more rounds cannot help then),
+//! `force` goes on to the pause anyway and `cancel` gives up. Anything else leaves the VM
+//! running here as before: vCPUs resumed, logging as it was, and the pages harvested handed
+//! back to the controller (a Diff snapshot after a failed migration still gets them) — with one
+//! exception. Once the Done record went out whole, the destination may run the VM (it starts
+//! it before it answers), so a missing answer leaves the vCPUs paused here: resuming them could
+//! run the guest twice. The migration ends [`MigrationPhase::Unconfirmed`] and hands the paused
+//! vCPUs to the controller, where a client who knows the destination does not run the VM
+//! resumes it.
 
 use std::io::{self, Write};
 use std::os::fd::OwnedFd;
@@ -39,6 +42,9 @@ const ANSWER_TIMEOUT: Duration = Duration::from_secs(60);
 const MIN_MEASURED: u64 = 1 << 20;
 /// How long a write to the destination may block before the migration fails.
 const WRITE_TIMEOUT: Duration = Duration::from_secs(60);
+/// Rounds in a row in which the harvest alone took longer than the budget while the pages
+/// left would have fit it: then waiting cannot help, and `on_timeout` applies at once.
+const HARVEST_BOUND_ROUNDS: u32 = 3;
 
 /// Why a migration failed.
 #[derive(Debug, thiserror::Error)]
@@ -137,6 +143,7 @@ impl Migration {
             dirty_rate_pages_per_second: 0.0,
             throughput_bytes_per_second: 0.0,
             estimated_downtime_ms: 0.0,
+            forced: false,
             downtime_ms: None,
             elapsed_ms: 0.0,
             error: None,
@@ -434,6 +441,7 @@ impl Run {
             harvest_time: Duration::ZERO,
         };
         let mut round = 1;
+        let mut harvest_bound = 0;
         let dirty = loop {
             self.check_cancel()?;
             let harvest_start = Instant::now();
@@ -442,10 +450,9 @@ impl Run {
             let pages: u64 = dirty.iter().map(|d| d.count()).sum();
             let window = last_harvest.elapsed().as_secs_f64();
             last_harvest = harvest_start;
-            let estimate = progress.harvest_time
-                + Duration::from_secs_f64(
-                    (pages * PAGE_SIZE) as f64 / progress.throughput.max(1.0),
-                );
+            let copy =
+                Duration::from_secs_f64((pages * PAGE_SIZE) as f64 / progress.throughput.max(1.0));
+            let estimate = progress.harvest_time + copy;
             self.update(|s| {
                 s.pages_left = pages;
                 s.dirty_rate_pages_per_second = pages as f64 / window.max(1e-9);
@@ -455,9 +462,31 @@ impl Run {
             if estimate <= self.budget {
                 break dirty;
             }
-            if self.started.elapsed() >= self.timeout {
+            // The guest's writes are not what is in the way, the harvest is (a bitmap harvest
+            // reads every slot's log, dirty or not): more rounds cannot make it fit.
+            harvest_bound = if progress.harvest_time > self.budget && copy <= self.budget {
+                harvest_bound + 1
+            } else {
+                0
+            };
+            let stuck = harvest_bound >= HARVEST_BOUND_ROUNDS;
+            if stuck || self.started.elapsed() >= self.timeout {
                 match self.on_timeout {
-                    OnTimeout::Force => break dirty,
+                    OnTimeout::Force => {
+                        self.update(|s| s.forced = true);
+                        break dirty;
+                    }
+                    OnTimeout::Cancel if stuck => {
+                        return Err(MigrationError::Cancelled(format!(
+                            "the {} ms budget cannot be met: harvesting the dirty log alone took \
+                             over it in each of the last {HARVEST_BOUND_ROUNDS} rounds (last \
+                             {:.0} ms) with little else left to send; raise downtime_ms, use \
+                             on_timeout force, or the dirty ring (--dirty-ring), whose harvest \
+                             costs what was dirtied",
+                            self.budget.as_millis(),
+                            progress.harvest_time.as_secs_f64() * 1e3,
+                        )))
+                    }
                     OnTimeout::Cancel => {
                         return Err(MigrationError::Cancelled(format!(
                             "not converged within {:?}: {pages} pages left would take about \
