@@ -7,7 +7,7 @@
 //! are spread: region `i` sits at `i * GPA_STRIDE`, which leaves a gap between regions where
 //! the one-slot insert/remove scenario puts its extra region.
 //!
-//! Scenarios, each at 1, 10, 100, 509, 4096 and 32764 slots (criterion group `memslot-map/NAME`,
+//! Scenarios, each at 1, 10, 100, 128, 256, 509, 4096 and 32764 slots (criterion group `memslot-map/NAME`,
 //! functions `MemslotMap` and `GuestMemoryMmap`, parameter = slot count):
 //!
 //! - `build`: start empty and add the regions one at a time, in guest-address order.
@@ -44,8 +44,10 @@ use vm_memory::{
     GuestAddress, GuestMemoryBackend, GuestMemoryMmap, GuestMemoryRegion, GuestRegionMmap,
 };
 
-/// Slot counts to measure at; 509 and 32764 are KVM's historical and current slot limits.
-const SIZES: [usize; 6] = [1, 10, 100, 509, 4096, 32764];
+/// Slot counts to measure at; 509 and 32764 are KVM's historical and current slot limits, 128
+/// is the largest flat map (one more slot, as `insert_remove` adds, turns it into trees) and
+/// 256 lies between the two forms' measured sizes.
+const SIZES: [usize; 8] = [1, 10, 100, 128, 256, 509, 4096, 32764];
 /// Size of every region.
 const REGION_SIZE: u64 = 0x1000;
 /// Guest distance between the bases of consecutive regions.
