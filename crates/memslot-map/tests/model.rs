@@ -21,6 +21,7 @@
 //! eighth of that (default 32).
 
 use std::collections::HashSet;
+use std::sync::Arc;
 
 use memslot_map::{
     AddressKind, AddressRange, BatchError, Change, GuestAddress, HostAddress, LookupHint,
@@ -261,9 +262,13 @@ impl Model {
     }
 }
 
-/// Applies one change to the map through the method for it.
+/// Applies one change to the map through the method for it (inserts of odd payloads through
+/// `insert_arc`, which must behave as `insert` does).
 fn apply_to_map(map: &mut Map, op: &Op) -> Result<Option<Rec>, MapError> {
     match *op {
+        Op::Insert(rec) if rec.payload % 2 == 1 => {
+            map.insert_arc(Arc::new(rec.slot())).map(|()| None)
+        }
         Op::Insert(rec) => map.insert(rec.slot()).map(|()| None),
         Op::Remove(id) => map.remove(SlotId(id)).map(|s| Some(Rec::of(&s))),
         Op::Move { id, gpa } => map.move_slot(SlotId(id), GuestAddress(gpa)).map(|()| None),
