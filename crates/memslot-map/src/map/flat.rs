@@ -10,7 +10,6 @@
 //! less than a descent through nodes. The map switches between this form and the trees with
 //! hysteresis (see [`FLAT_MAX`] and [`FLAT_MIN`]).
 
-use std::cmp::Ordering;
 use std::mem::size_of;
 use std::sync::Arc;
 
@@ -70,6 +69,27 @@ impl<P> Clone for Row<P> {
 impl<P> Row<P> {
     pub(super) fn slot(&self) -> &Arc<Slot<P>> {
         &self.slot
+    }
+
+    /// The only row of a map of one slot: every column names row 0.
+    fn single(slot: Arc<Slot<P>>) -> Self {
+        let gpa = slot.gpa_range();
+        let hva = slot.hva_range();
+        Row {
+            gpa_start: gpa.start,
+            gpa_end: gpa.end,
+            hva: HvaEntry {
+                start: hva.start,
+                end: hva.end,
+                max_end: hva.end,
+                slot: 0,
+            },
+            id: IdEntry {
+                id: slot.id(),
+                slot: 0,
+            },
+            slot,
+        }
     }
 }
 
@@ -239,6 +259,12 @@ impl<P> Flat<P> {
         hi: u64,
         mut f: impl FnMut(&'a Arc<Slot<P>>),
     ) {
+        if let Store::One(row) = &self.store {
+            if row.hva.start < hi && row.hva.end > lo {
+                f(&row.slot);
+            }
+            return;
+        }
         let rows = self.rows();
         if rows.len() <= LINEAR_SCAN {
             for row in rows {
@@ -269,11 +295,12 @@ impl<P> Flat<P> {
 
     /// The position in the host-range order of `key`: the number of entries below it.
     fn hva_position(&self, key: &HvaKey) -> usize {
-        self.rows().partition_point(|r| {
-            (r.hva.start, r.hva.end)
-                .cmp(&(key.start, key.end))
-                .then_with(|| self.rows()[r.hva.slot as usize].slot.id().cmp(&key.id))
-                == Ordering::Less
+        let rows = self.rows();
+        rows.partition_point(|r| {
+            r.hva.start < key.start
+                || (r.hva.start == key.start
+                    && (r.hva.end < key.end
+                        || (r.hva.end == key.end && rows[r.hva.slot as usize].slot.id() < key.id)))
         })
     }
 
@@ -344,13 +371,23 @@ impl<P> Flat<P> {
     /// Removes the slot with id `id` and returns it.
     pub(super) fn remove(&mut self, id: SlotId) -> Option<Arc<Slot<P>>> {
         let k = self.id_row(id)?;
-        if let Store::One(_) = self.store {
-            let Store::One(row) = std::mem::take(self).store else {
-                unreachable!("matched above")
-            };
-            return Some(row.slot);
-        }
         let g = self.rows()[k].id.slot as usize;
+        match &mut self.store {
+            Store::One(_) => {
+                let Store::One(row) = std::mem::take(self).store else {
+                    unreachable!("matched above")
+                };
+                return Some(row.slot);
+            }
+            // The other row becomes the only one, rebuilt rather than moved about.
+            Store::Many(rows) if rows.len() == 2 => {
+                let removed = rows.swap_remove(g);
+                let kept = rows.pop().expect("two rows");
+                self.store = Store::One(Row::single(kept.slot));
+                return Some(removed.slot);
+            }
+            Store::Many(_) => {}
+        }
         let h = self.hva_position(&hva_key(&self.rows()[g].slot));
         // Gather the slot's three entries in its row, then take the row out.
         let rows = self.rows_mut();
