@@ -89,6 +89,7 @@ impl<P: Clone> MemslotMap<P> {
     fn put_checked(&mut self, slot: Arc<Slot<P>>) {
         match &mut self.index {
             Index::Flat(flat) => flat.insert(slot),
+            Index::Slab(slab) => slab.insert(slot),
             Index::Trees(trees) => trees.put(slot),
         }
         self.settle();
@@ -99,6 +100,7 @@ impl<P: Clone> MemslotMap<P> {
     pub fn remove(&mut self, id: SlotId) -> Result<Arc<Slot<P>>, MapError> {
         let slot = match &mut self.index {
             Index::Flat(flat) => flat.remove(id).ok_or(MapError::UnknownId { id })?,
+            Index::Slab(slab) => slab.remove(id).ok_or(MapError::UnknownId { id })?,
             Index::Trees(trees) => trees.remove(id).ok_or(MapError::UnknownId { id })?,
         };
         self.settle();
@@ -118,6 +120,10 @@ impl<P: Clone> MemslotMap<P> {
                 flat.remove(id).expect("the slot was found by its id");
                 flat.insert(new);
             }
+            Index::Slab(slab) => {
+                slab.remove(id).expect("the slot was found by its id");
+                slab.insert(new);
+            }
             Index::Trees(trees) => trees.replace(old.gpa().0, new),
         }
         self.generation = next_generation();
@@ -130,6 +136,7 @@ impl<P: Clone> MemslotMap<P> {
         let new = Arc::new(old.with_flags(flags));
         match &mut self.index {
             Index::Flat(flat) => flat.replace_in_place(new),
+            Index::Slab(slab) => slab.replace_in_place(new),
             Index::Trees(trees) => trees.put(new),
         }
         self.generation = next_generation();
@@ -312,9 +319,9 @@ mod tests {
 
     #[test]
     fn insert_arc_keeps_the_callers_arc_and_checks_as_insert_does() {
-        let mut map = MemslotMap::new(MapConfig::new(0x1000, 300).unwrap());
-        // Through both forms: flat up to 128 slots, trees beyond.
-        let slots: Vec<Arc<Slot<u32>>> = (0..200u32)
+        let mut map = MemslotMap::new(MapConfig::new(0x1000, 500).unwrap());
+        // Through all three forms: flat up to 32 slots, a slab up to 384, trees beyond.
+        let slots: Vec<Arc<Slot<u32>>> = (0..400u32)
             .map(|i| {
                 let gpa = u64::from(i) * 0x2000;
                 Arc::new(slot(i, gpa, 0x1000, 0x100_0000 - gpa))
@@ -343,7 +350,7 @@ mod tests {
             let expected = twin.insert(bad.clone()).unwrap_err();
             assert_eq!(map.insert_arc(Arc::new(bad)).unwrap_err(), expected);
             assert_eq!(map.generation(), before);
-            assert_eq!(map.len(), 200);
+            assert_eq!(map.len(), 400);
         }
         // A slot taken out goes back in as itself; down to one slot and back up.
         for s in slots.iter().rev() {

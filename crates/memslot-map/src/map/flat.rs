@@ -4,11 +4,12 @@
 //! This is vm-memory's design (a sorted `Vec` of `Arc`s, copied whole for a new version) with
 //! the keys inline: cloning the map copies the array (one allocation and one reference-count
 //! increment per slot) and a change then moves rows in place, without touching a reference
-//! count. Below a hundred or so slots that costs less than copying the root-to-leaf paths of
-//! three trees (a full-capacity node allocated per level and index, one reference-count
-//! increment per entry of each), and searching a contiguous array with the keys inline costs
-//! less than a descent through nodes. The map switches between this form and the trees with
-//! hysteresis (see [`FLAT_MAX`] and [`FLAT_MIN`]).
+//! count. For a few dozen slots that costs less than copying the root-to-leaf paths of three
+//! trees (a full-capacity node allocated per level and index, one reference-count increment per
+//! entry of each) and, being one allocation, less than the slab form (`super::slab`), which
+//! takes over past [`FLAT_MAX`] slots, where the increments dominate; searching a contiguous
+//! array with the keys and slots inline costs less than a descent through nodes. The map
+//! switches between the forms with hysteresis (see [`FLAT_MAX`] and [`FLAT_MIN`]).
 
 use std::mem::size_of;
 use std::sync::Arc;
@@ -16,12 +17,12 @@ use std::sync::Arc;
 use super::{hva_key, HvaKey};
 use crate::slot::{Slot, SlotId};
 
-/// The most slots a map keeps in the flat form: one more, and it turns into the trees.
-pub(super) const FLAT_MAX: usize = 128;
-/// A map in tree form with fewer slots than this turns back into the flat form. Well below
+/// The most slots a map keeps in the flat form: one more, and it turns into the slab.
+pub(super) const FLAT_MAX: usize = 32;
+/// A map in slab form with fewer slots than this turns back into the flat form. Well below
 /// [`FLAT_MAX`], so that a map whose size wanders around either bound does not convert back and
 /// forth on every change.
-pub(super) const FLAT_MIN: usize = 64;
+pub(super) const FLAT_MIN: usize = 16;
 
 /// Up to this many slots, a host-address search reads the rows in order rather than halving.
 const LINEAR_SCAN: usize = 16;
@@ -30,18 +31,18 @@ const LINEAR_SCAN: usize = 16;
 /// entry (it only grows, so an overlap search finds the first entry that can reach a range by
 /// halving), and the row of its slot.
 #[derive(Debug, Clone, Copy)]
-struct HvaEntry {
-    start: u64,
-    end: u64,
-    max_end: u64,
-    slot: u32,
+pub(super) struct HvaEntry {
+    pub(super) start: u64,
+    pub(super) end: u64,
+    pub(super) max_end: u64,
+    pub(super) slot: u32,
 }
 
 /// An entry of the id order: an id and the row of its slot.
 #[derive(Debug, Clone, Copy)]
-struct IdEntry {
-    id: SlotId,
-    slot: u32,
+pub(super) struct IdEntry {
+    pub(super) id: SlotId,
+    pub(super) slot: u32,
 }
 
 /// Row `i` of the array: the `i`-th slot in guest-address order (with its guest range inline),
@@ -131,17 +132,17 @@ impl<P> Default for Flat<P> {
 }
 
 /// A row position as the index columns store it. Flat maps hold at most a few hundred slots.
-fn position(i: usize) -> u32 {
+pub(super) fn position(i: usize) -> u32 {
     u32::try_from(i).expect("a flat map holds few slots")
 }
 
 /// Moves the column entry of row `from` to row `to`, shifting the entries in between by one
 /// towards `from`.
-fn move_entry<P, T: Copy>(
-    rows: &mut [Row<P>],
+pub(super) fn move_entry<R, T: Copy>(
+    rows: &mut [R],
     from: usize,
     to: usize,
-    col: impl Fn(&mut Row<P>) -> &mut T,
+    col: impl Fn(&mut R) -> &mut T,
 ) {
     let moved = *col(&mut rows[from]);
     put_entry(rows, from, to, moved, col);
@@ -149,12 +150,12 @@ fn move_entry<P, T: Copy>(
 
 /// Writes `entry` into the column at row `to`, shifting the entries from `to` up to (and over)
 /// row `from` by one towards `from`.
-fn put_entry<P, T: Copy>(
-    rows: &mut [Row<P>],
+pub(super) fn put_entry<R, T: Copy>(
+    rows: &mut [R],
     from: usize,
     to: usize,
     moved: T,
-    col: impl Fn(&mut Row<P>) -> &mut T,
+    col: impl Fn(&mut R) -> &mut T,
 ) {
     if from < to {
         for i in from..to {
@@ -210,13 +211,6 @@ impl<P> Flat<P> {
                 let row = rows.pop().expect("one row");
                 self.store = Store::One(row);
             }
-        }
-    }
-
-    fn into_rows(self) -> Vec<Row<P>> {
-        match self.store {
-            Store::One(row) => vec![row],
-            Store::Many(rows) => rows,
         }
     }
 
@@ -406,22 +400,6 @@ impl<P> Flat<P> {
         self.rows_mut()[g].slot = slot;
     }
 
-    /// Puts `slots` in (replacing the slots with their ids) or takes them out.
-    pub(super) fn write_slots(&mut self, slots: &[Arc<Slot<P>>], put: bool) {
-        let mut ids: Vec<SlotId> = slots.iter().map(|s| s.id()).collect();
-        ids.sort_unstable();
-        let mut kept: Vec<Arc<Slot<P>>> = std::mem::take(self)
-            .into_rows()
-            .into_iter()
-            .map(|r| r.slot)
-            .filter(|s| ids.binary_search(&s.id()).is_err())
-            .collect();
-        if put {
-            kept.extend(slots.iter().cloned());
-        }
-        *self = Flat::from_slots(kept);
-    }
-
     /// The array of `slots` (any order, each id once, guest ranges disjoint).
     pub(super) fn from_slots(mut slots: Vec<Arc<Slot<P>>>) -> Self {
         slots.sort_unstable_by_key(|s| s.gpa().0);
@@ -458,20 +436,6 @@ impl<P> Flat<P> {
         };
         flat.settle();
         flat
-    }
-
-    /// The slots in host-range order.
-    pub(super) fn by_hva(&self) -> impl Iterator<Item = &Arc<Slot<P>>> {
-        self.rows()
-            .iter()
-            .map(|r| &self.rows()[r.hva.slot as usize].slot)
-    }
-
-    /// The slots in id order.
-    pub(super) fn by_id(&self) -> impl Iterator<Item = &Arc<Slot<P>>> {
-        self.rows()
-            .iter()
-            .map(|r| &self.rows()[r.id.slot as usize].slot)
     }
 
     /// Bytes of the array.
