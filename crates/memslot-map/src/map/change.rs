@@ -319,9 +319,9 @@ mod tests {
 
     #[test]
     fn insert_arc_keeps_the_callers_arc_and_checks_as_insert_does() {
-        let mut map = MemslotMap::new(MapConfig::new(0x1000, 500).unwrap());
-        // Through all three forms: flat up to 32 slots, a slab up to 384, trees beyond.
-        let slots: Vec<Arc<Slot<u32>>> = (0..400u32)
+        let mut map = MemslotMap::new(MapConfig::new(0x1000, 700).unwrap());
+        // Through all three forms: flat up to 32 slots, a slab up to 512, trees beyond.
+        let slots: Vec<Arc<Slot<u32>>> = (0..600u32)
             .map(|i| {
                 let gpa = u64::from(i) * 0x2000;
                 Arc::new(slot(i, gpa, 0x1000, 0x100_0000 - gpa))
@@ -350,7 +350,7 @@ mod tests {
             let expected = twin.insert(bad.clone()).unwrap_err();
             assert_eq!(map.insert_arc(Arc::new(bad)).unwrap_err(), expected);
             assert_eq!(map.generation(), before);
-            assert_eq!(map.len(), 400);
+            assert_eq!(map.len(), 600);
         }
         // A slot taken out goes back in as itself; down to one slot and back up.
         for s in slots.iter().rev() {

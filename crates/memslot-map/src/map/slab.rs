@@ -24,10 +24,10 @@ use crate::slot::{Slot, SlotId};
 const CHUNK: usize = 16;
 
 /// The most slots a map keeps in the slab form: one more, and it turns into the trees.
-pub(super) const SLAB_MAX: usize = 384;
+pub(super) const SLAB_MAX: usize = 512;
 /// A map in tree form with fewer slots than this turns back into the slab form (hysteresis, as
 /// for the flat form).
-pub(super) const SLAB_MIN: usize = 192;
+pub(super) const SLAB_MIN: usize = 256;
 
 /// Row `i` of the key array: the `i`-th slot in guest-address order (its guest range and slab
 /// position), the `i`-th entry of the host-range order and the `i`-th entry of the id order,
