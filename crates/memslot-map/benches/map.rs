@@ -7,7 +7,7 @@
 //! are spread: region `i` sits at `i * GPA_STRIDE`, which leaves a gap between regions where
 //! the one-slot insert/remove scenario puts its extra region.
 //!
-//! Scenarios, each at 1, 10, 100, 509, 4096 and 32764 slots (criterion group `memslot-map/NAME`,
+//! Scenarios, each at 1, 10, 100, 128, 256, 509, 4096 and 32764 slots (criterion group `memslot-map/NAME`,
 //! functions `MemslotMap` and `GuestMemoryMmap`, parameter = slot count):
 //!
 //! - `build`: start empty and add the regions one at a time, in guest-address order.
@@ -16,12 +16,15 @@
 //!   place, and `MemslotMap-published` publishes a version after every insert (the previous one
 //!   is kept until the next insert, so every insert takes the copy-on-write path), like
 //!   vm-memory, whose every insert makes a new collection. Dropping the finished map or
-//!   collection is not timed.
+//!   collection is not timed. Ours is given each slot as an `Arc` it already has
+//!   (`insert_arc`), as vm-memory is given each region.
 //! - `insert_remove`: at full occupancy, add one region and remove it again (one iteration is
 //!   both changes). Ours: each change is made on a clone of the published version, which then
 //!   becomes the published version (the previous one is dropped), so every change copies its
 //!   paths; vm-memory: `insert_region` then `remove_region`, each result replacing the published
-//!   collection.
+//!   collection. `MemslotMap` is given the slot as an `Arc` (`insert_arc`), as vm-memory is
+//!   given the region; `MemslotMap-owned` is given a `Slot` (`insert`, which allocates the
+//!   `Arc`).
 //! - `gpa_lookup_random`: guest-address lookup of precomputed random addresses over all slots,
 //!   the same sequence for both.
 //! - `gpa_lookup_repeated`: the same guest address again and again: ours with
@@ -44,8 +47,10 @@ use vm_memory::{
     GuestAddress, GuestMemoryBackend, GuestMemoryMmap, GuestMemoryRegion, GuestRegionMmap,
 };
 
-/// Slot counts to measure at; 509 and 32764 are KVM's historical and current slot limits.
-const SIZES: [usize; 6] = [1, 10, 100, 509, 4096, 32764];
+/// Slot counts to measure at; 509 and 32764 are KVM's historical and current slot limits, 128
+/// is the largest flat map (one more slot, as `insert_remove` adds, turns it into trees) and
+/// 256 lies between the two forms' measured sizes.
+const SIZES: [usize; 8] = [1, 10, 100, 128, 256, 509, 4096, 32764];
 /// Size of every region.
 const REGION_SIZE: u64 = 0x1000;
 /// Guest distance between the bases of consecutive regions.
@@ -68,7 +73,7 @@ type Map = MemslotMap<Payload>;
 /// `insert_remove` adds and removes.
 struct Fixture {
     regions: Vec<Payload>,
-    slots: Vec<Slot<Payload>>,
+    slots: Vec<Arc<Slot<Payload>>>,
 }
 
 fn hva_of(region: &Region) -> u64 {
@@ -102,7 +107,7 @@ impl Fixture {
         let slots = regions
             .iter()
             .enumerate()
-            .map(|(i, r)| slot_for(i, r))
+            .map(|(i, r)| Arc::new(slot_for(i, r)))
             .collect();
         Fixture { regions, slots }
     }
@@ -111,7 +116,7 @@ impl Fixture {
     fn map(&self, n: usize) -> Map {
         let mut map = MemslotMap::new(MapConfig::default());
         for slot in &self.slots[..n] {
-            map.insert(slot.clone())
+            map.insert_arc(Arc::clone(slot))
                 .expect("fixture slots do not overlap");
         }
         map
@@ -218,7 +223,7 @@ fn bench_build(c: &mut Criterion, fixture: &Fixture) {
                     let start = Instant::now();
                     let mut map = MemslotMap::new(MapConfig::default());
                     for slot in slots {
-                        map.insert(slot.clone())
+                        map.insert_arc(Arc::clone(slot))
                             .expect("fixture slots do not overlap");
                     }
                     let map = black_box(map);
@@ -236,7 +241,7 @@ fn bench_build(c: &mut Criterion, fixture: &Fixture) {
                     let mut map = MemslotMap::new(MapConfig::default());
                     let mut published = map.clone();
                     for slot in slots {
-                        map.insert(slot.clone())
+                        map.insert_arc(Arc::clone(slot))
                             .expect("fixture slots do not overlap");
                         published = black_box(map.clone());
                     }
@@ -277,10 +282,23 @@ fn bench_insert_remove(c: &mut Criterion, fixture: &Fixture) {
         let extra = new_region((n / 2) as u64 * GPA_STRIDE + GPA_STRIDE / 2);
         let extra_slot = slot_for(n, &extra);
         let extra_id = extra_slot.id();
+        let extra_arc = Arc::new(extra_slot.clone());
 
         let full = fixture.map(n);
         group.bench_function(BenchmarkId::new(OURS, n), |b| {
             // `full` stays alive too, like a reader's snapshot.
+            let mut published = full.clone();
+            b.iter(|| {
+                let mut next = published.clone();
+                next.insert_arc(Arc::clone(&extra_arc))
+                    .expect("the extra slot fits in a gap");
+                published = next;
+                let mut next = published.clone();
+                next.remove(extra_id).expect("the extra slot is there");
+                published = next;
+            });
+        });
+        group.bench_function(BenchmarkId::new(format!("{OURS}-owned"), n), |b| {
             let mut published = full.clone();
             b.iter(|| {
                 let mut next = published.clone();

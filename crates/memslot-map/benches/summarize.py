@@ -36,6 +36,11 @@ SCENARIOS = [
     ("build", OURS, "build, one slot at a time (ours in place)"),
     ("build", OURS + "-published", "build, one slot at a time (ours published after each)"),
     ("insert_remove", OURS, "insert + remove one slot at full occupancy"),
+    (
+        "insert_remove",
+        OURS + "-owned",
+        "insert + remove, ours given a Slot (insert allocates its Arc)",
+    ),
     ("gpa_lookup_random", OURS, "random guest-address lookup"),
     ("gpa_lookup_repeated", OURS, "repeated lookup, same slot (ours hinted)"),
     ("hva_lookup_random", OURS, "host-address lookup (vm-memory: linear scan)"),

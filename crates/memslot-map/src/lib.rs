@@ -4,9 +4,11 @@
 //! ways, by guest-physical address (slots never overlap there), by host-virtual address (an
 //! interval tree: host ranges may overlap) and by id, and all three indexes are persistent
 //! B+trees that share structure between versions. A change costs O(log n) and copies only the
-//! nodes on the changed paths; lookups are O(log n). Up to 128 slots (where most VMMs live) a
-//! map keeps them instead in one array copied whole for a new version, like vm-memory's
-//! `GuestMemoryMmap`, which is cheaper at that size. [`SharedMap`] publishes versions to
+//! nodes on the changed paths; lookups are O(log n). Up to 512 slots (where most VMMs live) a
+//! map keeps them instead in arrays, which is cheaper at that size: up to 32 slots one array
+//! copied whole for a new version, like vm-memory's `GuestMemoryMmap`; beyond that an array of
+//! the keys (plain data, one block copy) and the slots in shared chunks of 16, of which a change
+//! copies one. [`SharedMap`] publishes versions to
 //! lock-free readers (read-copy-update on `arc-swap`), and a per-reader [`LookupHint`] makes
 //! repeated lookups in the same slot constant-time without any shared write.
 //!

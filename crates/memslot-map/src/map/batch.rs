@@ -5,8 +5,7 @@ use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::Arc;
 
 use super::change::overlap;
-use super::flat::FLAT_MAX;
-use super::{next_generation, trees_of, Change, Index, MemslotMap};
+use super::{next_generation, Change, Index, MemslotMap};
 use crate::error::{BatchError, MapError};
 use crate::slot::{Slot, SlotId};
 
@@ -162,17 +161,24 @@ impl<P: Clone> MemslotMap<P> {
     /// Puts `slots` into the three indexes (replacing what they hold under the slots' keys), or
     /// removes them: one sorted pass per index.
     fn write_slots(&mut self, slots: &[Arc<Slot<P>>], put: bool) {
-        if let Index::Flat(flat) = &self.index {
-            // Slots put under an id in use replace a slot (new flags); the others are added.
-            let added = || slots.iter().filter(|s| flat.get(s.id()).is_none()).count();
-            if put && flat.len() + slots.len() > FLAT_MAX && flat.len() + added() > FLAT_MAX {
-                // Too many for the array: write them to the trees.
-                self.index = Index::Trees(trees_of(flat));
-            }
-        }
         match &mut self.index {
-            Index::Flat(flat) => flat.write_slots(slots, put),
             Index::Trees(trees) => trees.write_slots(slots, put),
+            // The array and the slab are rebuilt whole (in the form for the new number of
+            // slots): slots put under an id in use replace a slot (new flags), the others are
+            // added.
+            Index::Flat(_) | Index::Slab(_) => {
+                let mut ids: Vec<SlotId> = slots.iter().map(|s| s.id()).collect();
+                ids.sort_unstable();
+                let mut kept: Vec<Arc<Slot<P>>> = self
+                    .iter()
+                    .filter(|s| ids.binary_search(&s.id()).is_err())
+                    .cloned()
+                    .collect();
+                if put {
+                    kept.extend(slots.iter().cloned());
+                }
+                self.index = Index::of_slots(kept);
+            }
         }
         self.settle();
         self.generation = next_generation();

@@ -37,6 +37,40 @@ impl<P: Clone> MemslotMap<P> {
     /// the slot is empty, unaligned or wraps around, or its guest range overlaps another slot
     /// (checked in that order).
     pub fn insert(&mut self, slot: Slot<P>) -> Result<(), MapError> {
+        self.check_insert(&slot)?;
+        self.put_checked(Arc::new(slot));
+        Ok(())
+    }
+
+    /// Adds the slot `slot` points to, as [`insert`](Self::insert) does, but without allocating
+    /// a new `Arc` for it: the map holds (and its lookups return) `slot` itself. For a caller
+    /// that already keeps its slots in `Arc`s, as vm-memory's callers keep their regions, or
+    /// that puts back a slot it took out with [`remove`](Self::remove). Refused, leaving the
+    /// map as it was, for the same reasons and in the same order as `insert`.
+    ///
+    /// ```
+    /// use std::sync::Arc;
+    /// use memslot_map::{GuestAddress, HostAddress, MapConfig, MemslotMap, Slot, SlotFlags, SlotId};
+    ///
+    /// let slot = Arc::new(Slot::new(
+    ///     SlotId(0), GuestAddress(0x1000), 0x1000, HostAddress(0x7f00_0000_0000), SlotFlags::default(), "ram",
+    /// ));
+    /// let mut map = MemslotMap::new(MapConfig::default());
+    /// map.insert_arc(Arc::clone(&slot)).unwrap();
+    /// assert!(Arc::ptr_eq(map.get(SlotId(0)).unwrap(), &slot));
+    /// // Taken out and put back: still the same slot, nothing allocated.
+    /// let taken = map.remove(SlotId(0)).unwrap();
+    /// map.insert_arc(taken).unwrap();
+    /// assert!(Arc::ptr_eq(map.find_by_gpa(GuestAddress(0x1800)).unwrap(), &slot));
+    /// ```
+    pub fn insert_arc(&mut self, slot: Arc<Slot<P>>) -> Result<(), MapError> {
+        self.check_insert(&slot)?;
+        self.put_checked(slot);
+        Ok(())
+    }
+
+    /// The checks of [`insert`](Self::insert), in its order.
+    fn check_insert(&self, slot: &Slot<P>) -> Result<(), MapError> {
         let id = slot.id();
         if self.get(id).is_some() {
             return Err(MapError::DuplicateId { id });
@@ -48,21 +82,25 @@ impl<P: Clone> MemslotMap<P> {
             });
         }
         self.check_shape(id, slot.gpa(), slot.size(), slot.hva())?;
-        self.check_no_overlap(id, slot.gpa(), slot.size())?;
-        let slot = Arc::new(slot);
+        self.check_no_overlap(id, slot.gpa(), slot.size())
+    }
+
+    /// Adds `slot`, which [`check_insert`](Self::check_insert) accepted.
+    fn put_checked(&mut self, slot: Arc<Slot<P>>) {
         match &mut self.index {
             Index::Flat(flat) => flat.insert(slot),
+            Index::Slab(slab) => slab.insert(slot),
             Index::Trees(trees) => trees.put(slot),
         }
         self.settle();
         self.generation = next_generation();
-        Ok(())
     }
 
     /// Removes the slot with id `id` and returns it.
     pub fn remove(&mut self, id: SlotId) -> Result<Arc<Slot<P>>, MapError> {
         let slot = match &mut self.index {
             Index::Flat(flat) => flat.remove(id).ok_or(MapError::UnknownId { id })?,
+            Index::Slab(slab) => slab.remove(id).ok_or(MapError::UnknownId { id })?,
             Index::Trees(trees) => trees.remove(id).ok_or(MapError::UnknownId { id })?,
         };
         self.settle();
@@ -82,6 +120,10 @@ impl<P: Clone> MemslotMap<P> {
                 flat.remove(id).expect("the slot was found by its id");
                 flat.insert(new);
             }
+            Index::Slab(slab) => {
+                slab.remove(id).expect("the slot was found by its id");
+                slab.insert(new);
+            }
             Index::Trees(trees) => trees.replace(old.gpa().0, new),
         }
         self.generation = next_generation();
@@ -94,6 +136,7 @@ impl<P: Clone> MemslotMap<P> {
         let new = Arc::new(old.with_flags(flags));
         match &mut self.index {
             Index::Flat(flat) => flat.replace_in_place(new),
+            Index::Slab(slab) => slab.replace_in_place(new),
             Index::Trees(trees) => trees.put(new),
         }
         self.generation = next_generation();
@@ -272,6 +315,61 @@ mod tests {
             "slot 4: the map is full (3 slots)"
         );
         check_indexes(&map);
+    }
+
+    #[test]
+    fn insert_arc_keeps_the_callers_arc_and_checks_as_insert_does() {
+        let mut map = MemslotMap::new(MapConfig::new(0x1000, 700).unwrap());
+        // Through all three forms: flat up to 32 slots, a slab up to 512, trees beyond.
+        let slots: Vec<Arc<Slot<u32>>> = (0..600u32)
+            .map(|i| {
+                let gpa = u64::from(i) * 0x2000;
+                Arc::new(slot(i, gpa, 0x1000, 0x100_0000 - gpa))
+            })
+            .collect();
+        for (n, s) in slots.iter().enumerate() {
+            map.insert_arc(Arc::clone(s)).unwrap();
+            assert_eq!(map.len(), n + 1);
+            check_indexes(&map);
+            for s in &slots[..=n] {
+                assert!(Arc::ptr_eq(map.get(s.id()).unwrap(), s));
+                assert!(Arc::ptr_eq(map.find_by_gpa(s.gpa()).unwrap(), s));
+                let by_hva = map.slots_overlapping_hva(s.hva(), 1);
+                assert!(by_hva.len() == 1 && Arc::ptr_eq(by_hva[0], s));
+            }
+        }
+        // Refused for the reasons `insert` refuses, with the same errors, changing nothing.
+        let before = map.generation();
+        for bad in [
+            slot(3, 0x1000, 0x1000, 0x0),
+            slot(900, 0x1001, 0x1000, 0x0),
+            slot(900, 0x2000 * 5, 0x1000, 0x0),
+            slot(900, 0x1000, 0, 0x0),
+        ] {
+            let mut twin = map.clone();
+            let expected = twin.insert(bad.clone()).unwrap_err();
+            assert_eq!(map.insert_arc(Arc::new(bad)).unwrap_err(), expected);
+            assert_eq!(map.generation(), before);
+            assert_eq!(map.len(), 600);
+        }
+        // A slot taken out goes back in as itself; down to one slot and back up.
+        for s in slots.iter().rev() {
+            let taken = map.remove(s.id()).unwrap();
+            assert!(Arc::ptr_eq(&taken, s));
+            map.insert_arc(taken).unwrap();
+            map.remove(s.id()).unwrap();
+            check_indexes(&map);
+        }
+        assert!(map.is_empty());
+        let mut full = MemslotMap::new(MapConfig::new(0x1000, 1).unwrap());
+        full.insert_arc(Arc::clone(&slots[0])).unwrap();
+        assert_eq!(
+            full.insert_arc(Arc::clone(&slots[1])),
+            Err(MapError::SlotLimit {
+                id: SlotId(1),
+                limit: 1
+            })
+        );
     }
 
     #[test]

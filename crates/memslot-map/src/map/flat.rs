@@ -4,25 +4,25 @@
 //! This is vm-memory's design (a sorted `Vec` of `Arc`s, copied whole for a new version) with
 //! the keys inline: cloning the map copies the array (one allocation and one reference-count
 //! increment per slot) and a change then moves rows in place, without touching a reference
-//! count. Below a hundred or so slots that costs less than copying the root-to-leaf paths of
-//! three trees (a full-capacity node allocated per level and index, one reference-count
-//! increment per entry of each), and searching a contiguous array with the keys inline costs
-//! less than a descent through nodes. The map switches between this form and the trees with
-//! hysteresis (see [`FLAT_MAX`] and [`FLAT_MIN`]).
+//! count. For a few dozen slots that costs less than copying the root-to-leaf paths of three
+//! trees (a full-capacity node allocated per level and index, one reference-count increment per
+//! entry of each) and, being one allocation, less than the slab form (`super::slab`), which
+//! takes over past [`FLAT_MAX`] slots, where the increments dominate; searching a contiguous
+//! array with the keys and slots inline costs less than a descent through nodes. The map
+//! switches between the forms with hysteresis (see [`FLAT_MAX`] and [`FLAT_MIN`]).
 
-use std::cmp::Ordering;
 use std::mem::size_of;
 use std::sync::Arc;
 
 use super::{hva_key, HvaKey};
 use crate::slot::{Slot, SlotId};
 
-/// The most slots a map keeps in the flat form: one more, and it turns into the trees.
-pub(super) const FLAT_MAX: usize = 128;
-/// A map in tree form with fewer slots than this turns back into the flat form. Well below
+/// The most slots a map keeps in the flat form: one more, and it turns into the slab.
+pub(super) const FLAT_MAX: usize = 32;
+/// A map in slab form with fewer slots than this turns back into the flat form. Well below
 /// [`FLAT_MAX`], so that a map whose size wanders around either bound does not convert back and
 /// forth on every change.
-pub(super) const FLAT_MIN: usize = 64;
+pub(super) const FLAT_MIN: usize = 16;
 
 /// Up to this many slots, a host-address search reads the rows in order rather than halving.
 const LINEAR_SCAN: usize = 16;
@@ -31,18 +31,18 @@ const LINEAR_SCAN: usize = 16;
 /// entry (it only grows, so an overlap search finds the first entry that can reach a range by
 /// halving), and the row of its slot.
 #[derive(Debug, Clone, Copy)]
-struct HvaEntry {
-    start: u64,
-    end: u64,
-    max_end: u64,
-    slot: u32,
+pub(super) struct HvaEntry {
+    pub(super) start: u64,
+    pub(super) end: u64,
+    pub(super) max_end: u64,
+    pub(super) slot: u32,
 }
 
 /// An entry of the id order: an id and the row of its slot.
 #[derive(Debug, Clone, Copy)]
-struct IdEntry {
-    id: SlotId,
-    slot: u32,
+pub(super) struct IdEntry {
+    pub(super) id: SlotId,
+    pub(super) slot: u32,
 }
 
 /// Row `i` of the array: the `i`-th slot in guest-address order (with its guest range inline),
@@ -70,6 +70,27 @@ impl<P> Clone for Row<P> {
 impl<P> Row<P> {
     pub(super) fn slot(&self) -> &Arc<Slot<P>> {
         &self.slot
+    }
+
+    /// The only row of a map of one slot: every column names row 0.
+    fn single(slot: Arc<Slot<P>>) -> Self {
+        let gpa = slot.gpa_range();
+        let hva = slot.hva_range();
+        Row {
+            gpa_start: gpa.start,
+            gpa_end: gpa.end,
+            hva: HvaEntry {
+                start: hva.start,
+                end: hva.end,
+                max_end: hva.end,
+                slot: 0,
+            },
+            id: IdEntry {
+                id: slot.id(),
+                slot: 0,
+            },
+            slot,
+        }
     }
 }
 
@@ -111,17 +132,17 @@ impl<P> Default for Flat<P> {
 }
 
 /// A row position as the index columns store it. Flat maps hold at most a few hundred slots.
-fn position(i: usize) -> u32 {
+pub(super) fn position(i: usize) -> u32 {
     u32::try_from(i).expect("a flat map holds few slots")
 }
 
 /// Moves the column entry of row `from` to row `to`, shifting the entries in between by one
 /// towards `from`.
-fn move_entry<P, T: Copy>(
-    rows: &mut [Row<P>],
+pub(super) fn move_entry<R, T: Copy>(
+    rows: &mut [R],
     from: usize,
     to: usize,
-    col: impl Fn(&mut Row<P>) -> &mut T,
+    col: impl Fn(&mut R) -> &mut T,
 ) {
     let moved = *col(&mut rows[from]);
     put_entry(rows, from, to, moved, col);
@@ -129,12 +150,12 @@ fn move_entry<P, T: Copy>(
 
 /// Writes `entry` into the column at row `to`, shifting the entries from `to` up to (and over)
 /// row `from` by one towards `from`.
-fn put_entry<P, T: Copy>(
-    rows: &mut [Row<P>],
+pub(super) fn put_entry<R, T: Copy>(
+    rows: &mut [R],
     from: usize,
     to: usize,
     moved: T,
-    col: impl Fn(&mut Row<P>) -> &mut T,
+    col: impl Fn(&mut R) -> &mut T,
 ) {
     if from < to {
         for i in from..to {
@@ -193,13 +214,6 @@ impl<P> Flat<P> {
         }
     }
 
-    fn into_rows(self) -> Vec<Row<P>> {
-        match self.store {
-            Store::One(row) => vec![row],
-            Store::Many(rows) => rows,
-        }
-    }
-
     pub(super) fn len(&self) -> usize {
         self.rows().len()
     }
@@ -239,6 +253,12 @@ impl<P> Flat<P> {
         hi: u64,
         mut f: impl FnMut(&'a Arc<Slot<P>>),
     ) {
+        if let Store::One(row) = &self.store {
+            if row.hva.start < hi && row.hva.end > lo {
+                f(&row.slot);
+            }
+            return;
+        }
         let rows = self.rows();
         if rows.len() <= LINEAR_SCAN {
             for row in rows {
@@ -269,11 +289,12 @@ impl<P> Flat<P> {
 
     /// The position in the host-range order of `key`: the number of entries below it.
     fn hva_position(&self, key: &HvaKey) -> usize {
-        self.rows().partition_point(|r| {
-            (r.hva.start, r.hva.end)
-                .cmp(&(key.start, key.end))
-                .then_with(|| self.rows()[r.hva.slot as usize].slot.id().cmp(&key.id))
-                == Ordering::Less
+        let rows = self.rows();
+        rows.partition_point(|r| {
+            r.hva.start < key.start
+                || (r.hva.start == key.start
+                    && (r.hva.end < key.end
+                        || (r.hva.end == key.end && rows[r.hva.slot as usize].slot.id() < key.id)))
         })
     }
 
@@ -344,13 +365,23 @@ impl<P> Flat<P> {
     /// Removes the slot with id `id` and returns it.
     pub(super) fn remove(&mut self, id: SlotId) -> Option<Arc<Slot<P>>> {
         let k = self.id_row(id)?;
-        if let Store::One(_) = self.store {
-            let Store::One(row) = std::mem::take(self).store else {
-                unreachable!("matched above")
-            };
-            return Some(row.slot);
-        }
         let g = self.rows()[k].id.slot as usize;
+        match &mut self.store {
+            Store::One(_) => {
+                let Store::One(row) = std::mem::take(self).store else {
+                    unreachable!("matched above")
+                };
+                return Some(row.slot);
+            }
+            // The other row becomes the only one, rebuilt rather than moved about.
+            Store::Many(rows) if rows.len() == 2 => {
+                let removed = rows.swap_remove(g);
+                let kept = rows.pop().expect("two rows");
+                self.store = Store::One(Row::single(kept.slot));
+                return Some(removed.slot);
+            }
+            Store::Many(_) => {}
+        }
         let h = self.hva_position(&hva_key(&self.rows()[g].slot));
         // Gather the slot's three entries in its row, then take the row out.
         let rows = self.rows_mut();
@@ -367,22 +398,6 @@ impl<P> Flat<P> {
     pub(super) fn replace_in_place(&mut self, slot: Arc<Slot<P>>) {
         let g = self.rows().partition_point(|r| r.gpa_start < slot.gpa().0);
         self.rows_mut()[g].slot = slot;
-    }
-
-    /// Puts `slots` in (replacing the slots with their ids) or takes them out.
-    pub(super) fn write_slots(&mut self, slots: &[Arc<Slot<P>>], put: bool) {
-        let mut ids: Vec<SlotId> = slots.iter().map(|s| s.id()).collect();
-        ids.sort_unstable();
-        let mut kept: Vec<Arc<Slot<P>>> = std::mem::take(self)
-            .into_rows()
-            .into_iter()
-            .map(|r| r.slot)
-            .filter(|s| ids.binary_search(&s.id()).is_err())
-            .collect();
-        if put {
-            kept.extend(slots.iter().cloned());
-        }
-        *self = Flat::from_slots(kept);
     }
 
     /// The array of `slots` (any order, each id once, guest ranges disjoint).
@@ -421,20 +436,6 @@ impl<P> Flat<P> {
         };
         flat.settle();
         flat
-    }
-
-    /// The slots in host-range order.
-    pub(super) fn by_hva(&self) -> impl Iterator<Item = &Arc<Slot<P>>> {
-        self.rows()
-            .iter()
-            .map(|r| &self.rows()[r.hva.slot as usize].slot)
-    }
-
-    /// The slots in id order.
-    pub(super) fn by_id(&self) -> impl Iterator<Item = &Arc<Slot<P>>> {
-        self.rows()
-            .iter()
-            .map(|r| &self.rows()[r.id.slot as usize].slot)
     }
 
     /// Bytes of the array.

@@ -18,9 +18,11 @@ use crate::slot::{HostAddress, Slot, SlotId};
 mod batch;
 mod change;
 mod flat;
+mod slab;
 mod trees;
 
 use flat::{Flat, Row, FLAT_MAX, FLAT_MIN};
+use slab::{Slab, SlabIter, SLAB_MAX, SLAB_MIN};
 use trees::{GpaIter, Trees};
 
 pub use change::Change;
@@ -157,13 +159,16 @@ impl MemoryUsage {
 
 /// One version of a map of memory slots, indexed by guest address, host address and id.
 ///
-/// Guest ranges never overlap; host ranges may. A map of more than 128 slots keeps them in
+/// Guest ranges never overlap; host ranges may. A map of more than 512 slots keeps them in
 /// persistent B+trees: cloning it is O(1) and the clone shares every node with the original;
-/// changing a clone copies only the O(log n) nodes on the changed paths. A smaller map keeps them
-/// in one array, as vm-memory does: cloning it copies the array (one reference-count increment
-/// per slot) and a change edits the copy in place, which costs less than copying tree paths at
-/// that size. The map turns from one form into the other as it grows past 128 slots and back
-/// below 64; the two answer every query alike.
+/// changing a clone copies only the O(log n) nodes on the changed paths. A map of up to 32 slots
+/// keeps them in one array, as vm-memory does: cloning it copies the array (one reference-count
+/// increment per slot) and a change edits the copy in place. In between, a map keeps the keys of
+/// its three orders in one array of plain data (cloned as one block copy) and the slots in a
+/// slab of shared chunks of 16 (cloning it costs one increment per chunk, a change copies the
+/// chunk it writes). Both cost less than copying tree paths at their sizes. The map changes
+/// form as it grows past 32 and 512 slots and as it shrinks below 256 and 16; the forms answer
+/// every query alike.
 /// Lookups are O(log n) (host-range lookups O(log n + k) for k results).
 ///
 /// ```
@@ -192,17 +197,20 @@ pub struct MemslotMap<P> {
 }
 
 /// The three indexes, in the form that suits the number of slots: up to [`FLAT_MAX`] slots one
-/// array copied whole on a change, beyond that three persistent B+trees, and back to the array
-/// below [`FLAT_MIN`].
+/// array copied whole on a change, up to [`SLAB_MAX`] an array of keys and a slab of shared
+/// chunks of slots, beyond that three persistent B+trees; back to the slab below [`SLAB_MIN`]
+/// and to the array below [`FLAT_MIN`].
 #[derive(Clone)]
 enum Index<P> {
     Flat(Flat<P>),
+    Slab(Slab<P>),
     Trees(Trees<P>),
 }
 
-/// The slots of either form in guest-address order.
+/// The slots of any form in guest-address order.
 enum SlotIter<'a, P> {
     Flat(std::slice::Iter<'a, Row<P>>),
+    Slab(SlabIter<'a, P>),
     Trees(GpaIter<'a, P>),
 }
 
@@ -212,6 +220,7 @@ impl<'a, P> Iterator for SlotIter<'a, P> {
     fn next(&mut self) -> Option<Self::Item> {
         match self {
             SlotIter::Flat(rows) => rows.next().map(Row::slot),
+            SlotIter::Slab(slots) => slots.next(),
             SlotIter::Trees(entries) => entries.next().map(|(_, slot)| slot),
         }
     }
@@ -220,13 +229,7 @@ impl<'a, P> Iterator for SlotIter<'a, P> {
 impl<P> fmt::Debug for MemslotMap<P> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("MemslotMap")
-            .field(
-                "slots",
-                &match &self.index {
-                    Index::Flat(flat) => flat.len(),
-                    Index::Trees(trees) => trees.len(),
-                },
-            )
+            .field("slots", &self.index.len())
             .field("config", &self.config)
             .field("generation", &self.generation)
             .finish()
@@ -255,10 +258,7 @@ impl<P: Clone> MemslotMap<P> {
 
     /// Number of slots.
     pub fn len(&self) -> usize {
-        match &self.index {
-            Index::Flat(flat) => flat.len(),
-            Index::Trees(trees) => trees.len(),
-        }
+        self.index.len()
     }
 
     /// Whether the map has no slot.
@@ -271,6 +271,7 @@ impl<P: Clone> MemslotMap<P> {
     pub fn find_by_gpa(&self, addr: GuestAddress) -> Option<&Arc<Slot<P>>> {
         match &self.index {
             Index::Flat(flat) => flat.find_gpa(addr.0),
+            Index::Slab(slab) => slab.find_gpa(addr.0),
             Index::Trees(trees) => trees.floor_gpa(addr.0).filter(|s| s.contains_gpa(addr)),
         }
     }
@@ -279,6 +280,7 @@ impl<P: Clone> MemslotMap<P> {
     fn floor_gpa(&self, addr: u64) -> Option<&Arc<Slot<P>>> {
         match &self.index {
             Index::Flat(flat) => flat.floor_gpa(addr),
+            Index::Slab(slab) => slab.floor_gpa(addr),
             Index::Trees(trees) => trees.floor_gpa(addr),
         }
     }
@@ -333,6 +335,7 @@ impl<P: Clone> MemslotMap<P> {
     pub fn get(&self, id: SlotId) -> Option<&Arc<Slot<P>>> {
         match &self.index {
             Index::Flat(flat) => flat.get(id),
+            Index::Slab(slab) => slab.get(id),
             Index::Trees(trees) => trees.get(id),
         }
     }
@@ -352,6 +355,7 @@ impl<P: Clone> MemslotMap<P> {
         }
         match &self.index {
             Index::Flat(flat) => flat.for_each_hva_overlap(lo, hi, f),
+            Index::Slab(slab) => slab.for_each_hva_overlap(lo, hi, f),
             Index::Trees(trees) => trees.for_each_hva_overlap(lo, hi, f),
         }
     }
@@ -367,6 +371,7 @@ impl<P: Clone> MemslotMap<P> {
     pub fn iter(&self) -> impl Iterator<Item = &Arc<Slot<P>>> + '_ {
         match &self.index {
             Index::Flat(flat) => SlotIter::Flat(flat.rows().iter()),
+            Index::Slab(slab) => SlotIter::Slab(slab.iter()),
             Index::Trees(trees) => SlotIter::Trees(trees.iter()),
         }
     }
@@ -377,6 +382,7 @@ impl<P: Clone> MemslotMap<P> {
         let from = self.find_by_gpa(addr).map_or(addr.0, |s| s.gpa().0);
         match &self.index {
             Index::Flat(flat) => SlotIter::Flat(flat.iter_from(from)),
+            Index::Slab(slab) => SlotIter::Slab(slab.iter_from(from)),
             Index::Trees(trees) => SlotIter::Trees(trees.iter_from(from)),
         }
     }
@@ -409,6 +415,7 @@ impl<P: Clone> MemslotMap<P> {
             slots,
             index_bytes: match &self.index {
                 Index::Flat(flat) => flat.heap_bytes(),
+                Index::Slab(slab) => slab.heap_bytes(),
                 Index::Trees(trees) => trees.heap_bytes(),
             },
             slot_bytes: slots * (size_of::<Slot<P>>() + 2 * size_of::<usize>()),
@@ -418,27 +425,42 @@ impl<P: Clone> MemslotMap<P> {
 
 impl<P: Clone> MemslotMap<P> {
     /// Puts the index into the form that suits the number of slots, if it is not in it: the
-    /// trees above [`FLAT_MAX`] slots, the array below [`FLAT_MIN`].
+    /// slab above [`FLAT_MAX`] slots, the trees above [`SLAB_MAX`], the slab again below
+    /// [`SLAB_MIN`] and the array below [`FLAT_MIN`].
     fn settle(&mut self) {
-        match &self.index {
-            Index::Flat(flat) if flat.len() > FLAT_MAX => self.index = Index::Trees(trees_of(flat)),
-            Index::Trees(trees) if trees.len() < FLAT_MIN => {
-                self.index = Index::Flat(Flat::from_slots(
-                    trees.iter().map(|(_, s)| Arc::clone(s)).collect(),
-                ));
-            }
-            _ => {}
+        let n = self.len();
+        let wrong = match &self.index {
+            Index::Flat(_) => n > FLAT_MAX,
+            Index::Slab(_) => !(FLAT_MIN..=SLAB_MAX).contains(&n),
+            Index::Trees(_) => n < SLAB_MIN,
+        };
+        if wrong {
+            self.index = Index::of_slots(self.iter().cloned().collect());
         }
     }
 }
 
-/// The trees that hold the slots of `flat`.
-fn trees_of<P>(flat: &Flat<P>) -> Trees<P> {
-    Trees::from_sorted(
-        flat.rows().iter().map(Row::slot),
-        flat.by_hva(),
-        flat.by_id(),
-    )
+impl<P> Index<P> {
+    fn len(&self) -> usize {
+        match self {
+            Index::Flat(flat) => flat.len(),
+            Index::Slab(slab) => slab.len(),
+            Index::Trees(trees) => trees.len(),
+        }
+    }
+
+    /// The index of `slots` (any order, each id once, guest ranges disjoint) in the form for
+    /// their number when a map grows to it.
+    fn of_slots(slots: Vec<Arc<Slot<P>>>) -> Self {
+        match slots.len() {
+            n if n <= FLAT_MAX => Index::Flat(Flat::from_slots(slots)),
+            n if n <= SLAB_MAX => Index::Slab(Slab::from_slots(slots)),
+            _ => {
+                let slab = Slab::from_slots(slots);
+                Index::Trees(Trees::from_sorted(slab.iter(), slab.by_hva(), slab.by_id()))
+            }
+        }
+    }
 }
 
 fn hva_key<P>(slot: &Slot<P>) -> HvaKey {
@@ -472,9 +494,17 @@ mod tests {
                 flat.check();
                 assert!(flat.len() <= FLAT_MAX, "a flat map too large");
             }
+            Index::Slab(slab) => {
+                slab.check();
+                assert!(
+                    (FLAT_MIN..=SLAB_MAX).contains(&slab.len()),
+                    "a slab of {} slots",
+                    slab.len()
+                );
+            }
             Index::Trees(trees) => {
                 trees.check();
-                assert!(trees.len() >= FLAT_MIN, "trees for a small map");
+                assert!(trees.len() >= SLAB_MIN, "trees for a small map");
             }
         }
     }
@@ -558,8 +588,13 @@ mod tests {
 
     #[test]
     fn the_form_follows_the_size_with_hysteresis() {
-        let is_flat = |map: &MemslotMap<u32>| matches!(map.index, Index::Flat(_));
-        let page = |i: u32| {
+        let form = |map: &MemslotMap<u32>| match map.index {
+            Index::Flat(_) => "flat",
+            Index::Slab(_) => "slab",
+            Index::Trees(_) => "trees",
+        };
+        let page = |i: usize| {
+            let i = i as u32;
             slot(
                 i,
                 u64::from(i) * 0x1000,
@@ -567,61 +602,98 @@ mod tests {
                 0x10_000_000 - u64::from(i) * 0x1000,
             )
         };
+        // Growing one slot at a time: flat, then the slab past FLAT_MAX, the trees past
+        // SLAB_MAX; every step checked.
         let mut map = MemslotMap::new(MapConfig::default());
-        for i in 0..FLAT_MAX as u32 {
+        let mut versions = Vec::new();
+        for i in 0..=SLAB_MAX {
             map.insert(page(i)).unwrap();
-            assert!(is_flat(&map), "{} slots", map.len());
+            let expected = match map.len() {
+                n if n <= FLAT_MAX => "flat",
+                n if n <= SLAB_MAX => "slab",
+                _ => "trees",
+            };
+            assert_eq!(form(&map), expected, "{} slots", map.len());
+            check_indexes(&map);
+            versions.push(map.clone());
         }
-        let flat = map.clone();
-        map.insert(page(FLAT_MAX as u32)).unwrap();
-        assert!(!is_flat(&map) && is_flat(&flat));
-        check_indexes(&map);
-        // Down to the lower bound, the trees stay; one fewer, and the array is back.
-        for i in (FLAT_MIN as u32..=FLAT_MAX as u32).rev() {
-            assert!(!is_flat(&map), "{} slots", map.len());
-            map.remove(SlotId(i)).unwrap();
+        assert_eq!(form(&map), "trees");
+        // Every earlier version is untouched (the slab's chunks are shared copy-on-write).
+        for (n, version) in versions.iter().enumerate() {
+            assert!(version.iter().map(|s| s.id().0 as usize).eq(0..=n));
+            check_indexes(version);
         }
-        assert!(map.len() == FLAT_MIN && !is_flat(&map));
-        map.remove(SlotId(FLAT_MIN as u32 - 1)).unwrap();
-        assert!(is_flat(&map));
-        check_indexes(&map);
-        // A batch that crosses the bound in the middle lands in the trees.
+        // Shrinking: the trees stay down to SLAB_MIN, the slab down to FLAT_MIN, removing from
+        // the middle so that the slab moves its last slot into each hole.
+        let mut ids: Vec<usize> = (0..=SLAB_MAX).collect();
+        while let Some(id) = (!ids.is_empty()).then(|| ids.remove(ids.len() / 2)) {
+            let before = form(&map);
+            map.remove(SlotId(id as u32)).unwrap();
+            let expected = match (before, map.len()) {
+                ("trees", n) if n >= SLAB_MIN => "trees",
+                ("trees" | "slab", n) if n >= FLAT_MIN => "slab",
+                _ => "flat",
+            };
+            assert_eq!(form(&map), expected, "{} slots", map.len());
+            check_indexes(&map);
+            assert!(map
+                .iter()
+                .map(|s| s.id().0 as usize)
+                .eq(ids.iter().copied()));
+        }
+        assert!(map.is_empty());
+        // The removals, which moved slots about in chunks the versions share, left them as
+        // they were.
+        for (n, version) in versions.iter().enumerate() {
+            assert!(version.iter().map(|s| s.id().0 as usize).eq(0..=n));
+            for i in 0..=n {
+                let found = version
+                    .find_by_gpa(GuestAddress(i as u64 * 0x1000))
+                    .unwrap();
+                assert_eq!(found.id(), SlotId(i as u32));
+                assert_eq!(
+                    version.get(SlotId(i as u32)).map(|s| s.id()),
+                    Some(found.id())
+                );
+            }
+            check_indexes(version);
+        }
+        // A batch that crosses both bounds lands in the trees; one that empties them in the
+        // array; new flags for every slot leave each form as it was.
         let next = map
-            .with_changes(
-                (FLAT_MIN as u32 - 1..2 * FLAT_MAX as u32).map(|i| Change::Insert(page(i))),
-            )
+            .with_changes((0..2 * SLAB_MAX).map(|i| Change::Insert(page(i))))
             .unwrap();
-        assert!(!is_flat(&next) && is_flat(&map));
+        assert_eq!((form(&map), form(&next)), ("flat", "trees"));
         check_indexes(&next);
-        assert!(next.iter().map(|s| s.id().0).eq(0..2 * FLAT_MAX as u32));
-        let hvas: Vec<u32> = next
+        let hvas: Vec<usize> = next
             .slots_overlapping_hva(HostAddress(0), u64::MAX)
             .iter()
-            .map(|s| s.id().0)
+            .map(|s| s.id().0 as usize)
             .collect();
-        assert!(hvas.iter().copied().eq((0..2 * FLAT_MAX as u32).rev()));
-        // New flags for every slot of a flat map leave it flat.
-        let flat = MemslotMap::new(MapConfig::default())
-            .with_changes((0..FLAT_MAX as u32).map(|i| Change::Insert(page(i))))
-            .unwrap();
+        assert!(hvas.iter().copied().eq((0..2 * SLAB_MAX).rev()));
         let flags = SlotFlags {
             log_dirty: true,
             read_only: false,
         };
-        let logged = flat
-            .with_changes((0..FLAT_MAX as u32).map(|i| Change::SetFlags {
-                id: SlotId(i),
-                flags,
-            }))
-            .unwrap();
-        assert!(is_flat(&flat) && is_flat(&logged));
-        assert!(logged.iter().all(|s| s.flags() == flags));
-        check_indexes(&logged);
-        // And one that empties it lands in the array.
+        for n in [FLAT_MAX, SLAB_MAX] {
+            let built = MemslotMap::new(MapConfig::default())
+                .with_changes((0..n).map(|i| Change::Insert(page(i))))
+                .unwrap();
+            let logged = built
+                .with_changes((0..n).map(|i| Change::SetFlags {
+                    id: SlotId(i as u32),
+                    flags,
+                }))
+                .unwrap();
+            assert_eq!(form(&built), form(&logged));
+            assert!(logged.iter().all(|s| s.flags() == flags));
+            assert!(built.iter().all(|s| s.flags() == SlotFlags::default()));
+            check_indexes(&logged);
+        }
         let empty = next
-            .with_changes((0..2 * FLAT_MAX as u32).map(|i| Change::Remove(SlotId(i))))
+            .with_changes((0..2 * SLAB_MAX).map(|i| Change::Remove(SlotId(i as u32))))
             .unwrap();
-        assert!(is_flat(&empty) && empty.is_empty());
+        assert!(form(&empty) == "flat" && empty.is_empty());
     }
 
     #[test]
