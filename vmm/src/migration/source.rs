@@ -42,8 +42,8 @@ const ANSWER_TIMEOUT: Duration = Duration::from_secs(60);
 const MIN_MEASURED: u64 = 1 << 20;
 /// How long a write to the destination may block before the migration fails.
 const WRITE_TIMEOUT: Duration = Duration::from_secs(60);
-/// Rounds in a row in which the harvest alone took longer than the budget while the pages
-/// left would have fit it: then waiting cannot help, and `on_timeout` applies at once.
+/// Rounds in a row in which the harvest alone took longer than the (non-zero) budget while the
+/// pages left would have fit it: then waiting cannot help, and `on_timeout` applies at once.
 const HARVEST_BOUND_ROUNDS: u32 = 3;
 
 /// Why a migration failed.
@@ -463,8 +463,12 @@ impl Run {
                 break dirty;
             }
             // The guest's writes are not what is in the way, the harvest is (a bitmap harvest
-            // reads every slot's log, dirty or not): more rounds cannot make it fit.
-            harvest_bound = if progress.harvest_time > self.budget && copy <= self.budget {
+            // reads every slot's log, dirty or not): more rounds cannot make it fit. (A budget
+            // of 0, which nothing fits, asks for rounds until the timeout.)
+            harvest_bound = if !self.budget.is_zero()
+                && progress.harvest_time > self.budget
+                && copy <= self.budget
+            {
                 harvest_bound + 1
             } else {
                 0
