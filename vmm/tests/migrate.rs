@@ -879,7 +879,6 @@ fn kvm_a_budget_below_one_bitmap_harvest_ends_the_rounds_early() {
         // Until the source gives up and closes.
         while let Ok(Some(_)) = reader.next_record() {}
     });
-    let started = Instant::now();
     let (status, answer) = migrate(
         &source,
         &listen,
@@ -888,10 +887,7 @@ fn kvm_a_budget_below_one_bitmap_harvest_ends_the_rounds_early() {
     assert_eq!(status, 204, "{answer}");
     let info = watch(&source, |i| phase(i) == "cancelled");
     destination.join().expect("the fake destination");
-    assert!(
-        started.elapsed() < Duration::from_secs(300),
-        "it waited for the timeout"
-    );
+    // The reason names the harvest, not the (600 s) timeout.
     assert!(
         info["error"]
             .as_str()
