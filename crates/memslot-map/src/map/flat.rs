@@ -131,6 +131,39 @@ impl<P> Default for Flat<P> {
     }
 }
 
+/// Sorts `slots` (each id once, guest ranges disjoint) into guest-address order and returns,
+/// for each position `i`, the `i`-th entry of the host-range order (with the running maximum
+/// of host ends) and the `i`-th entry of the id order, each naming its slot by position: the
+/// rows of a flat map and the keys of a slab alike.
+pub(super) fn sorted_entries<P>(slots: &mut [Arc<Slot<P>>]) -> Vec<(HvaEntry, IdEntry)> {
+    slots.sort_unstable_by_key(|s| s.gpa().0);
+    let mut by_hva: Vec<u32> = (0..position(slots.len())).collect();
+    by_hva.sort_unstable_by_key(|&i| hva_key(&slots[i as usize]));
+    let mut by_id: Vec<u32> = (0..position(slots.len())).collect();
+    by_id.sort_unstable_by_key(|&i| slots[i as usize].id());
+    let mut max_end = 0;
+    by_hva
+        .into_iter()
+        .zip(by_id)
+        .map(|(hva_slot, id_slot)| {
+            let range = slots[hva_slot as usize].hva_range();
+            max_end = max_end.max(range.end);
+            (
+                HvaEntry {
+                    start: range.start,
+                    end: range.end,
+                    max_end,
+                    slot: hva_slot,
+                },
+                IdEntry {
+                    id: slots[id_slot as usize].id(),
+                    slot: id_slot,
+                },
+            )
+        })
+        .collect()
+}
+
 /// A row position as the index columns store it. Flat maps hold at most a few hundred slots.
 pub(super) fn position(i: usize) -> u32 {
     u32::try_from(i).expect("a flat map holds few slots")
@@ -402,33 +435,16 @@ impl<P> Flat<P> {
 
     /// The array of `slots` (any order, each id once, guest ranges disjoint).
     pub(super) fn from_slots(mut slots: Vec<Arc<Slot<P>>>) -> Self {
-        slots.sort_unstable_by_key(|s| s.gpa().0);
-        let mut by_hva: Vec<u32> = (0..position(slots.len())).collect();
-        by_hva.sort_unstable_by_key(|&i| hva_key(&slots[i as usize]));
-        let mut by_id: Vec<u32> = (0..position(slots.len())).collect();
-        by_id.sort_unstable_by_key(|&i| slots[i as usize].id());
-        let mut max_end = 0;
+        let entries = sorted_entries(&mut slots);
         let rows = slots
             .iter()
-            .zip(by_hva.iter().zip(&by_id))
-            .map(|(slot, (&hva_slot, &id_slot))| {
-                let range = slots[hva_slot as usize].hva_range();
-                max_end = max_end.max(range.end);
-                Row {
-                    gpa_start: slot.gpa().0,
-                    gpa_end: slot.gpa_range().end,
-                    slot: Arc::clone(slot),
-                    hva: HvaEntry {
-                        start: range.start,
-                        end: range.end,
-                        max_end,
-                        slot: hva_slot,
-                    },
-                    id: IdEntry {
-                        id: slots[id_slot as usize].id(),
-                        slot: id_slot,
-                    },
-                }
+            .zip(entries)
+            .map(|(slot, (hva, id))| Row {
+                gpa_start: slot.gpa().0,
+                gpa_end: slot.gpa_range().end,
+                slot: Arc::clone(slot),
+                hva,
+                id,
             })
             .collect();
         let mut flat = Flat {

@@ -16,7 +16,7 @@ use std::sync::Arc;
 
 use arrayvec::ArrayVec;
 
-use super::flat::{move_entry, position, put_entry, HvaEntry, IdEntry};
+use super::flat::{move_entry, position, put_entry, sorted_entries, HvaEntry, IdEntry};
 use super::{hva_key, HvaKey};
 use crate::slot::{Slot, SlotId};
 
@@ -291,34 +291,17 @@ impl<P> Slab<P> {
     /// The slab of `slots` (any order, each id once, guest ranges disjoint).
     pub(super) fn from_slots(mut slots: Vec<Arc<Slot<P>>>) -> Self {
         // Slab position = guest-address order.
-        slots.sort_unstable_by_key(|s| s.gpa().0);
-        let mut by_hva: Vec<u32> = (0..position(slots.len())).collect();
-        by_hva.sort_unstable_by_key(|&i| hva_key(&slots[i as usize]));
-        let mut by_id: Vec<u32> = (0..position(slots.len())).collect();
-        by_id.sort_unstable_by_key(|&i| slots[i as usize].id());
-        let mut max_end = 0;
+        let entries = sorted_entries(&mut slots);
         let keys = slots
             .iter()
             .enumerate()
-            .zip(by_hva.iter().zip(&by_id))
-            .map(|((g, slot), (&hva_slot, &id_slot))| {
-                let range = slots[hva_slot as usize].hva_range();
-                max_end = max_end.max(range.end);
-                Key {
-                    gpa_start: slot.gpa().0,
-                    gpa_end: slot.gpa_range().end,
-                    gpa_slot: position(g),
-                    hva: HvaEntry {
-                        start: range.start,
-                        end: range.end,
-                        max_end,
-                        slot: hva_slot,
-                    },
-                    id: IdEntry {
-                        id: slots[id_slot as usize].id(),
-                        slot: id_slot,
-                    },
-                }
+            .zip(entries)
+            .map(|((g, slot), (hva, id))| Key {
+                gpa_start: slot.gpa().0,
+                gpa_end: slot.gpa_range().end,
+                gpa_slot: position(g),
+                hva,
+                id,
             })
             .collect();
         let chunks = slots
