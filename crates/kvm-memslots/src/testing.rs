@@ -327,6 +327,8 @@ struct PlannedFailure {
     errno: i32,
     /// Every later call of that kind fails too.
     sticky: bool,
+    /// The call panics instead of failing.
+    panics: bool,
 }
 
 /// Wraps a [`KvmMemory`] and makes chosen calls fail (without reaching the inner one). Each
@@ -371,6 +373,20 @@ impl<K: KvmMemory> Faulty<K> {
             skip,
             errno,
             sticky: false,
+            panics: false,
+        });
+    }
+
+    /// Makes the call of kind `call` that comes after `skip` successful ones panic, as a bug in
+    /// a KVM wrapper would: for testing that the caller survives an unwinding change (the
+    /// manager's change sequence ends even, say). Replaces a plan for the same kind of call.
+    pub fn panic_at(&self, call: KvmCall, skip: u64) {
+        self.plan(PlannedFailure {
+            call,
+            skip,
+            errno: 0,
+            sticky: false,
+            panics: true,
         });
     }
 
@@ -382,6 +398,7 @@ impl<K: KvmMemory> Faulty<K> {
             skip,
             errno,
             sticky: true,
+            panics: false,
         });
     }
 
@@ -415,9 +432,13 @@ impl<K: KvmMemory> Faulty<K> {
             f.skip -= 1;
             return Ok(());
         }
-        let errno = f.errno;
+        let (errno, panics) = (f.errno, f.panics);
         if !f.sticky {
             planned.remove(i);
+        }
+        if panics {
+            drop(planned);
+            panic!("Faulty: the planned panic in {call:?}");
         }
         Err(Errno::new(errno))
     }

@@ -1591,64 +1591,18 @@ fn switching_logging_to_what_it_is_makes_no_call_and_no_version() {
     assert_eq!(m.kvm().inner().set_calls(), calls + 4);
 }
 
-/// A KVM whose `KVM_SET_USER_MEMORY_REGION` panics when asked to.
-struct Panicking {
-    inner: FakeKvm,
-    panic: AtomicBool,
-}
-
-impl KvmMemory for Panicking {
-    fn max_slots(&self) -> u32 {
-        self.inner.max_slots()
-    }
-
-    unsafe fn set_user_memory_region(
-        &self,
-        slot: &KvmSlot,
-    ) -> Result<(), vmm_sys_util::errno::Error> {
-        assert!(!self.panic.load(Ordering::Acquire), "a KVM call panics");
-        // SAFETY: the caller's guarantee is passed on unchanged.
-        unsafe { self.inner.set_user_memory_region(slot) }
-    }
-
-    fn get_dirty_log(
-        &self,
-        slot: u32,
-        bitmap: &mut [u64],
-    ) -> Result<(), vmm_sys_util::errno::Error> {
-        self.inner.get_dirty_log(slot, bitmap)
-    }
-
-    fn clear_dirty_log(
-        &self,
-        slot: u32,
-        first_page: u64,
-        num_pages: u32,
-        bitmap: &[u64],
-    ) -> Result<(), vmm_sys_util::errno::Error> {
-        self.inner
-            .clear_dirty_log(slot, first_page, num_pages, bitmap)
-    }
-
-    fn manual_dirty_log(&self) -> bool {
-        self.inner.manual_dirty_log()
-    }
-}
-
 #[test]
 fn a_panicking_kvm_call_leaves_the_change_sequence_even() {
-    let m = MemoryManager::new(Panicking {
-        inner: FakeKvm::new(64, true),
-        panic: AtomicBool::new(false),
-    });
+    let m = manager(64);
     m.add_region(region(0, 2)).unwrap();
     assert_eq!(m.change_sequence() % 2, 0);
-    m.kvm().panic.store(true, Ordering::Release);
+    // The second slot's KVM_SET_USER_MEMORY_REGION panics, mid-change.
+    m.kvm().panic_at(KvmCall::SetRegion, 1);
     let panicked = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
         m.add_region(region(GIB, 2))
     }));
     assert!(panicked.is_err());
-    m.kvm().panic.store(false, Ordering::Release);
+    assert!(!m.kvm().failure_pending(), "the planned panic came");
     // A vCPU waiting for the change to end (an even sequence) goes on.
     assert_eq!(m.change_sequence() % 2, 0, "{}", m.change_sequence());
 }
