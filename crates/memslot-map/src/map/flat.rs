@@ -131,6 +131,20 @@ impl<P> Default for Flat<P> {
     }
 }
 
+/// A new slot's host-range and id entries, naming it as `slot` (its running maximum is set
+/// when the entry is in place).
+pub(super) fn new_entries(key: &HvaKey, slot: u32) -> (HvaEntry, IdEntry) {
+    (
+        HvaEntry {
+            start: key.start,
+            end: key.end,
+            max_end: 0,
+            slot,
+        },
+        IdEntry { id: key.id, slot },
+    )
+}
+
 /// Sorts `slots` (each id once, guest ranges disjoint) into guest-address order and returns,
 /// for each position `i`, the `i`-th entry of the host-range order (with the running maximum
 /// of host ends) and the `i`-th entry of the id order, each naming its slot by position: the
@@ -361,16 +375,7 @@ impl<P> Flat<P> {
         let h = self.hva_position(&key);
         let k = self.rows().partition_point(|r| r.id.id < key.id);
         let at = position(g);
-        let hva = HvaEntry {
-            start: key.start,
-            end: key.end,
-            max_end: 0,
-            slot: at,
-        };
-        let id = IdEntry {
-            id: key.id,
-            slot: at,
-        };
+        let (hva, id) = new_entries(&key, at);
         let row = Row {
             gpa_start: range.start,
             gpa_end: range.end,

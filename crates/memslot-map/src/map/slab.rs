@@ -16,7 +16,9 @@ use std::sync::Arc;
 
 use arrayvec::ArrayVec;
 
-use super::flat::{move_entry, position, put_entry, sorted_entries, HvaEntry, IdEntry};
+use super::flat::{
+    move_entry, new_entries, position, put_entry, sorted_entries, HvaEntry, IdEntry,
+};
 use super::{hva_key, HvaKey};
 use crate::slot::{Slot, SlotId};
 
@@ -216,16 +218,7 @@ impl<P> Slab<P> {
                 self.chunks.push(Arc::new(Chunk { slots }));
             }
         }
-        let hva = HvaEntry {
-            start: key.start,
-            end: key.end,
-            max_end: 0,
-            slot: s,
-        };
-        let id = IdEntry {
-            id: key.id,
-            slot: s,
-        };
+        let (hva, id) = new_entries(&key, s);
         // The new row goes in at `g` whole, which puts its guest-address entry in place and
         // shifts every column's entries from `g` on; then its host-range and id entries go to
         // theirs, the entries in between moving back by one.
