@@ -182,6 +182,19 @@ fn check_ending(report: &BootReport, log: &str) {
     }
 }
 
+/// The kernel printed exactly the command line the VMM built, once.
+fn check_command_line(report: &BootReport, log: &str) {
+    let command_line: Vec<&str> = log
+        .lines()
+        .filter_map(|l| l.split_once("] Command line: ").map(|(_, c)| c.trim_end()))
+        .collect();
+    assert_eq!(
+        command_line,
+        [report.cmdline.as_str()],
+        "the kernel's command line\n{log}"
+    );
+}
+
 /// Boots Debian's vmlinux with `mem_slots` slots and checks the kernel's e820 map and command
 /// line against what the VMM built.
 fn boot_and_compare(
@@ -222,15 +235,7 @@ fn boot_and_compare_with(
     check_ending(&report, &log);
     assert_eq!(report.slots as u64, mem_slots, "KVM slots of RAM");
 
-    let command_line: Vec<&str> = log
-        .lines()
-        .filter_map(|l| l.split_once("] Command line: ").map(|(_, c)| c.trim_end()))
-        .collect();
-    assert_eq!(
-        command_line,
-        [report.cmdline.as_str()],
-        "the kernel's command line\n{log}"
-    );
+    check_command_line(&report, &log);
 
     // PVH hands over the whole map (at most 127 ranges), which Linux copies into its zero page.
     let in_zero_page = match report.zero_page_entries {
@@ -357,11 +362,7 @@ fn boot_debian_kernel_with_a_virtio_mem_area_kept_out_of_its_e820() {
     let (report, log) = run(&config, Some("smpboot: Allowing"));
     check_ending(&report, &log);
     // The kernel got its command line; the device is in the DSDT, not on it ...
-    let command_line: Vec<&str> = log
-        .lines()
-        .filter_map(|l| l.split_once("] Command line: ").map(|(_, c)| c.trim_end()))
-        .collect();
-    assert_eq!(command_line, [report.cmdline.as_str()], "{log}");
+    check_command_line(&report, &log);
     assert!(
         !report.cmdline.contains("virtio_mmio.device="),
         "{}",
