@@ -1,95 +1,81 @@
-//! The indexes of a small map: one array, owned by the map version, that holds all three
-//! orders (guest address, host range, id).
+//! The index of a small map: one array of rows in guest-address order, owned by the map
+//! version, each row holding its slot's keys inline.
 //!
 //! This is vm-memory's design (a sorted `Vec` of `Arc`s, copied whole for a new version) with
-//! the keys inline: cloning the map copies the array (one allocation and one reference-count
-//! increment per slot) and a change then moves rows in place, without touching a reference
-//! count. For a few dozen slots that costs less than copying the root-to-leaf paths of three
-//! trees (a full-capacity node allocated per level and index, one reference-count increment per
-//! entry of each) and, being one allocation, less than the slab form (`super::slab`), which
-//! takes over past [`FLAT_MAX`] slots, where the increments dominate; searching a contiguous
-//! array with the keys and slots inline costs less than a descent through nodes. The map
-//! switches between the forms with hysteresis (see [`FLAT_MAX`] and [`FLAT_MIN`]).
+//! the keys beside each `Arc`: cloning the map copies the array (one allocation and one
+//! reference-count increment per slot) and a change then inserts or removes one row in place.
+//! With at most [`FLAT_MAX`] rows the other two orders are not kept: a search by id or host
+//! range reads every row's inline keys, which costs less than keeping two more orders up to
+//! date on every change and never loads a slot. For a few dozen slots that costs less than
+//! copying the root-to-leaf paths of three trees (a full-capacity node allocated per level and
+//! index, one reference-count increment per entry of each) and, being one allocation, less
+//! than the slab form (`super::slab`), which takes over past [`FLAT_MAX`] slots, where the
+//! increments dominate. The map switches between the forms with hysteresis (see [`FLAT_MAX`]
+//! and [`FLAT_MIN`]).
 
 use std::mem::size_of;
 use std::sync::Arc;
 
-use super::{hva_key, HvaKey};
+use arrayvec::ArrayVec;
+
+use super::HvaKey;
 use crate::slot::{Slot, SlotId};
 
 /// The most slots a map keeps in the flat form: one more, and it turns into the slab.
 pub(super) const FLAT_MAX: usize = 32;
+const _: () = assert!(
+    FLAT_MAX <= 64,
+    "a host-range search keeps one bit per row in a u64"
+);
 /// A map in slab form with fewer slots than this turns back into the flat form. Well below
 /// [`FLAT_MAX`], so that a map whose size wanders around either bound does not convert back and
 /// forth on every change.
 pub(super) const FLAT_MIN: usize = 16;
 
-/// Up to this many slots, a host-address search reads the rows in order rather than halving.
-const LINEAR_SCAN: usize = 16;
-
-/// An entry of the host-range order: a host range, the largest end in this and every earlier
-/// entry (it only grows, so an overlap search finds the first entry that can reach a range by
-/// halving), and the row of its slot.
-#[derive(Debug, Clone, Copy)]
-pub(super) struct HvaEntry {
-    pub(super) start: u64,
-    pub(super) end: u64,
-    pub(super) max_end: u64,
-    pub(super) slot: u32,
-}
-
-/// An entry of the id order: an id and the row of its slot.
-#[derive(Debug, Clone, Copy)]
-pub(super) struct IdEntry {
-    pub(super) id: SlotId,
-    pub(super) slot: u32,
-}
-
-/// Row `i` of the array: the `i`-th slot in guest-address order (with its guest range inline),
-/// the `i`-th entry of the host-range order and the `i`-th entry of the id order.
+/// Row `i` of the array: the `i`-th slot in guest-address order with its guest range, host
+/// range and id inline.
 pub(super) struct Row<P> {
     gpa_start: u64,
     gpa_end: u64,
+    hva_start: u64,
+    hva_end: u64,
+    id: SlotId,
     slot: Arc<Slot<P>>,
-    hva: HvaEntry,
-    id: IdEntry,
 }
 
 impl<P> Clone for Row<P> {
     fn clone(&self) -> Self {
         Row {
-            gpa_start: self.gpa_start,
-            gpa_end: self.gpa_end,
             slot: Arc::clone(&self.slot),
-            hva: self.hva,
-            id: self.id,
+            ..*self
         }
     }
 }
 
 impl<P> Row<P> {
-    pub(super) fn slot(&self) -> &Arc<Slot<P>> {
-        &self.slot
-    }
-
-    /// The only row of a map of one slot: every column names row 0.
-    fn single(slot: Arc<Slot<P>>) -> Self {
+    fn new(slot: Arc<Slot<P>>) -> Self {
         let gpa = slot.gpa_range();
         let hva = slot.hva_range();
         Row {
             gpa_start: gpa.start,
             gpa_end: gpa.end,
-            hva: HvaEntry {
-                start: hva.start,
-                end: hva.end,
-                max_end: hva.end,
-                slot: 0,
-            },
-            id: IdEntry {
-                id: slot.id(),
-                slot: 0,
-            },
+            hva_start: hva.start,
+            hva_end: hva.end,
+            id: slot.id(),
             slot,
+        }
+    }
+
+    pub(super) fn slot(&self) -> &Arc<Slot<P>> {
+        &self.slot
+    }
+
+    /// The row's place in the host-range order.
+    fn hva_key(&self) -> HvaKey {
+        HvaKey {
+            start: self.hva_start,
+            end: self.hva_end,
+            id: self.id,
         }
     }
 }
@@ -131,105 +117,11 @@ impl<P> Default for Flat<P> {
     }
 }
 
-/// A new slot's host-range and id entries, naming it as `slot` (its running maximum is set
-/// when the entry is in place).
-pub(super) fn new_entries(key: &HvaKey, slot: u32) -> (HvaEntry, IdEntry) {
-    (
-        HvaEntry {
-            start: key.start,
-            end: key.end,
-            max_end: 0,
-            slot,
-        },
-        IdEntry { id: key.id, slot },
-    )
-}
-
-/// Sorts `slots` (each id once, guest ranges disjoint) into guest-address order and returns,
-/// for each position `i`, the `i`-th entry of the host-range order (with the running maximum
-/// of host ends) and the `i`-th entry of the id order, each naming its slot by position: the
-/// rows of a flat map and the keys of a slab alike.
-pub(super) fn sorted_entries<P>(slots: &mut [Arc<Slot<P>>]) -> Vec<(HvaEntry, IdEntry)> {
-    slots.sort_unstable_by_key(|s| s.gpa().0);
-    let mut by_hva: Vec<u32> = (0..position(slots.len())).collect();
-    by_hva.sort_unstable_by_key(|&i| hva_key(&slots[i as usize]));
-    let mut by_id: Vec<u32> = (0..position(slots.len())).collect();
-    by_id.sort_unstable_by_key(|&i| slots[i as usize].id());
-    let mut max_end = 0;
-    by_hva
-        .into_iter()
-        .zip(by_id)
-        .map(|(hva_slot, id_slot)| {
-            let range = slots[hva_slot as usize].hva_range();
-            max_end = max_end.max(range.end);
-            (
-                HvaEntry {
-                    start: range.start,
-                    end: range.end,
-                    max_end,
-                    slot: hva_slot,
-                },
-                IdEntry {
-                    id: slots[id_slot as usize].id(),
-                    slot: id_slot,
-                },
-            )
-        })
-        .collect()
-}
-
-/// A row position as the index columns store it. Flat maps hold at most a few hundred slots.
-pub(super) fn position(i: usize) -> u32 {
-    u32::try_from(i).expect("a flat map holds few slots")
-}
-
-/// Moves the column entry of row `from` to row `to`, shifting the entries in between by one
-/// towards `from`.
-pub(super) fn move_entry<R, T: Copy>(
-    rows: &mut [R],
-    from: usize,
-    to: usize,
-    col: impl Fn(&mut R) -> &mut T,
-) {
-    let moved = *col(&mut rows[from]);
-    put_entry(rows, from, to, moved, col);
-}
-
-/// Writes `entry` into the column at row `to`, shifting the entries from `to` up to (and over)
-/// row `from` by one towards `from`.
-pub(super) fn put_entry<R, T: Copy>(
-    rows: &mut [R],
-    from: usize,
-    to: usize,
-    moved: T,
-    col: impl Fn(&mut R) -> &mut T,
-) {
-    if from < to {
-        for i in from..to {
-            let next = *col(&mut rows[i + 1]);
-            *col(&mut rows[i]) = next;
-        }
-    } else {
-        for i in (to..from).rev() {
-            let prev = *col(&mut rows[i]);
-            *col(&mut rows[i + 1]) = prev;
-        }
-    }
-    *col(&mut rows[to]) = moved;
-}
-
 impl<P> Flat<P> {
     #[inline]
     pub(super) fn rows(&self) -> &[Row<P>] {
         match &self.store {
             Store::One(row) => std::slice::from_ref(row),
-            Store::Many(rows) => rows,
-        }
-    }
-
-    fn rows_mut(&mut self) -> &mut [Row<P>] {
-        match &mut self.store {
-            Store::One(row) => std::slice::from_mut(row),
             Store::Many(rows) => rows,
         }
     }
@@ -248,16 +140,6 @@ impl<P> Flat<P> {
         match &mut self.store {
             Store::Many(rows) => rows,
             Store::One(_) => unreachable!("turned into a vector above"),
-        }
-    }
-
-    /// Keeps a single row inline.
-    fn settle(&mut self) {
-        if let Store::Many(rows) = &mut self.store {
-            if rows.len() == 1 {
-                let row = rows.pop().expect("one row");
-                self.store = Store::One(row);
-            }
         }
     }
 
@@ -280,15 +162,15 @@ impl<P> Flat<P> {
         (addr < row.gpa_end).then_some(&row.slot)
     }
 
-    /// The row whose id entry is `id`.
+    /// The row of the slot with id `id`.
+    #[inline]
     fn id_row(&self, id: SlotId) -> Option<usize> {
-        let k = self.rows().partition_point(|r| r.id.id < id);
-        self.rows().get(k).filter(|r| r.id.id == id).map(|_| k)
+        self.rows().iter().position(|r| r.id == id)
     }
 
+    #[inline]
     pub(super) fn get(&self, id: SlotId) -> Option<&Arc<Slot<P>>> {
-        let k = self.id_row(id)?;
-        Some(&self.rows()[self.rows()[k].id.slot as usize].slot)
+        self.rows().iter().find(|r| r.id == id).map(Row::slot)
     }
 
     /// Calls `f` on every slot whose host range overlaps `[lo, hi)` (not empty), in host-range
@@ -300,32 +182,48 @@ impl<P> Flat<P> {
         hi: u64,
         mut f: impl FnMut(&'a Arc<Slot<P>>),
     ) {
-        if let Store::One(row) = &self.store {
-            if row.hva.start < hi && row.hva.end > lo {
-                f(&row.slot);
+        let overlaps = |r: &Row<P>| (r.hva_start < hi) & (r.hva_end > lo);
+        let rows = match &self.store {
+            Store::One(row) => {
+                if overlaps(row) {
+                    f(&row.slot);
+                }
+                return;
+            }
+            Store::Many(rows) => rows,
+        };
+        // One bit per row that overlaps, gathered without a branch per row.
+        let mut mask: u64 = 0;
+        for (i, row) in rows.iter().enumerate() {
+            mask |= u64::from(overlaps(row)) << i;
+        }
+        if mask & (mask.wrapping_sub(1)) == 0 {
+            if mask != 0 {
+                f(&rows[mask.trailing_zeros() as usize].slot);
             }
             return;
         }
-        let rows = self.rows();
-        if rows.len() <= LINEAR_SCAN {
-            for row in rows {
-                if row.hva.start >= hi {
-                    break;
-                }
-                if row.hva.end > lo {
-                    f(&rows[row.hva.slot as usize].slot);
-                }
-            }
-            return;
+        Self::report_in_hva_order(rows, mask, f);
+    }
+
+    /// Calls `f` on the slots of the rows in `mask` (one bit per row, several set), in
+    /// host-range order: host ranges may overlap. Out of line, so that the common search (at
+    /// most one slot found) keeps a small frame.
+    #[cold]
+    #[inline(never)]
+    fn report_in_hva_order<'a>(
+        rows: &'a [Row<P>],
+        mut mask: u64,
+        mut f: impl FnMut(&'a Arc<Slot<P>>),
+    ) {
+        let mut found: ArrayVec<&'a Row<P>, FLAT_MAX> = ArrayVec::new();
+        while mask != 0 {
+            found.push(&rows[mask.trailing_zeros() as usize]);
+            mask &= mask - 1;
         }
-        // Entries from `end` on start at or after `hi`; entries before `start` all end at or
-        // before `lo` (their running maximum does).
-        let end = rows.partition_point(|r| r.hva.start < hi);
-        let start = rows[..end].partition_point(|r| r.hva.max_end <= lo);
-        for row in &rows[start..end] {
-            if row.hva.end > lo {
-                f(&rows[row.hva.slot as usize].slot);
-            }
+        found.sort_unstable_by_key(|r| r.hva_key());
+        for row in found {
+            f(&row.slot);
         }
     }
 
@@ -334,129 +232,56 @@ impl<P> Flat<P> {
         self.rows()[self.rows().partition_point(|r| r.gpa_start < from)..].iter()
     }
 
-    /// The position in the host-range order of `key`: the number of entries below it.
-    fn hva_position(&self, key: &HvaKey) -> usize {
-        let rows = self.rows();
-        rows.partition_point(|r| {
-            r.hva.start < key.start
-                || (r.hva.start == key.start
-                    && (r.hva.end < key.end
-                        || (r.hva.end == key.end && rows[r.hva.slot as usize].slot.id() < key.id)))
-        })
-    }
-
-    /// Renumbers the slot rows that the host-range and id entries name after a row was added
-    /// or removed at `at` (`renumber`), except those of the entries at `skip_hva` and `skip_id`,
-    /// and recomputes the running maximum of host range ends.
-    fn renumber(
-        &mut self,
-        renumber: impl Fn(u32) -> u32,
-        skip_hva: Option<usize>,
-        skip_id: Option<usize>,
-    ) {
-        let mut max_end = 0;
-        for (i, row) in self.rows_mut().iter_mut().enumerate() {
-            if Some(i) != skip_hva {
-                row.hva.slot = renumber(row.hva.slot);
-            }
-            if Some(i) != skip_id {
-                row.id.slot = renumber(row.id.slot);
-            }
-            max_end = max_end.max(row.hva.end);
-            row.hva.max_end = max_end;
-        }
-    }
-
     /// Adds `slot`; its id must be new and its guest base unused.
     pub(super) fn insert(&mut self, slot: Arc<Slot<P>>) {
-        let key = hva_key(&slot);
-        let range = slot.gpa_range();
-        let g = self.rows().partition_point(|r| r.gpa_start < range.start);
-        let h = self.hva_position(&key);
-        let k = self.rows().partition_point(|r| r.id.id < key.id);
-        let at = position(g);
-        let (hva, id) = new_entries(&key, at);
-        let row = Row {
-            gpa_start: range.start,
-            gpa_end: range.end,
-            slot,
-            hva: HvaEntry {
-                max_end: key.end,
-                ..hva
-            },
-            id,
-        };
+        let row = Row::new(slot);
         if self.len() == 0 {
             self.store = Store::One(row);
             return;
         }
-        // The new row goes in at `g` whole, which puts its guest-address entry in place and
-        // shifts every column's entries from `g` on; then its host-range and id entries go to
-        // theirs, the entries in between moving back by one.
-        let rows = self.vec();
-        rows.insert(g, row);
-        put_entry(rows, g, h, hva, |r| &mut r.hva);
-        put_entry(rows, g, k, id, |r| &mut r.id);
-        self.renumber(|s| s + u32::from(s >= at), Some(h), Some(k));
+        let g = self.rows().partition_point(|r| r.gpa_start < row.gpa_start);
+        self.vec().insert(g, row);
     }
 
     /// Removes the slot with id `id` and returns it.
     pub(super) fn remove(&mut self, id: SlotId) -> Option<Arc<Slot<P>>> {
-        let k = self.id_row(id)?;
-        let g = self.rows()[k].id.slot as usize;
+        let g = self.id_row(id)?;
         match &mut self.store {
             Store::One(_) => {
                 let Store::One(row) = std::mem::take(self).store else {
                     unreachable!("matched above")
                 };
-                return Some(row.slot);
+                Some(row.slot)
             }
-            // The other row becomes the only one, rebuilt rather than moved about.
+            // The other row becomes the only one, kept inline.
             Store::Many(rows) if rows.len() == 2 => {
                 let removed = rows.swap_remove(g);
                 let kept = rows.pop().expect("two rows");
-                self.store = Store::One(Row::single(kept.slot));
-                return Some(removed.slot);
+                self.store = Store::One(kept);
+                Some(removed.slot)
             }
-            Store::Many(_) => {}
+            Store::Many(rows) => Some(rows.remove(g).slot),
         }
-        let h = self.hva_position(&hva_key(&self.rows()[g].slot));
-        // Gather the slot's three entries in its row, then take the row out.
-        let rows = self.rows_mut();
-        move_entry(rows, h, g, |r| &mut r.hva);
-        move_entry(rows, k, g, |r| &mut r.id);
-        let row = self.vec().remove(g);
-        let at = position(g);
-        self.renumber(|s| s - u32::from(s > at), None, None);
-        self.settle();
-        Some(row.slot)
     }
 
     /// Puts `slot` in place of the slot with its id, whose guest base and host range it keeps.
     pub(super) fn replace_in_place(&mut self, slot: Arc<Slot<P>>) {
-        let g = self.rows().partition_point(|r| r.gpa_start < slot.gpa().0);
-        self.rows_mut()[g].slot = slot;
+        let g = self.id_row(slot.id()).expect("the slot is in the map");
+        match &mut self.store {
+            Store::One(row) => row.slot = slot,
+            Store::Many(rows) => rows[g].slot = slot,
+        }
     }
 
     /// The array of `slots` (any order, each id once, guest ranges disjoint).
     pub(super) fn from_slots(mut slots: Vec<Arc<Slot<P>>>) -> Self {
-        let entries = sorted_entries(&mut slots);
-        let rows = slots
-            .iter()
-            .zip(entries)
-            .map(|(slot, (hva, id))| Row {
-                gpa_start: slot.gpa().0,
-                gpa_end: slot.gpa_range().end,
-                slot: Arc::clone(slot),
-                hva,
-                id,
-            })
-            .collect();
-        let mut flat = Flat {
-            store: Store::Many(rows),
+        slots.sort_unstable_by_key(|s| s.gpa().0);
+        let store = if slots.len() == 1 {
+            Store::One(Row::new(slots.pop().expect("one slot")))
+        } else {
+            Store::Many(slots.into_iter().map(Row::new).collect())
         };
-        flat.settle();
-        flat
+        Flat { store }
     }
 
     /// Bytes of the array.
@@ -467,34 +292,28 @@ impl<P> Flat<P> {
         }
     }
 
-    /// Checks that the three columns are each sorted, name every row once and agree with the
-    /// slots, and the running maxima. For tests.
+    /// Checks that the rows are in guest-address order without overlaps, that their keys agree
+    /// with their slots, that every id is there once, and that one row is kept inline. For
+    /// tests.
     #[cfg(test)]
     pub(super) fn check(&self) {
         let rows = self.rows();
-        let mut hva_seen = vec![false; rows.len()];
-        let mut id_seen = vec![false; rows.len()];
-        let mut max_end = 0;
+        if let Store::Many(rows) = &self.store {
+            assert_ne!(rows.len(), 1, "a single row not kept inline");
+        }
+        let mut ids: Vec<SlotId> = rows.iter().map(|r| r.id).collect();
+        ids.sort_unstable();
+        ids.dedup();
+        assert_eq!(ids.len(), rows.len(), "an id twice");
         for (i, row) in rows.iter().enumerate() {
             assert_eq!(row.gpa_start, row.slot.gpa().0);
             assert_eq!(row.gpa_end, row.slot.gpa_range().end);
-            let hva_slot = &rows[row.hva.slot as usize].slot;
-            let range = hva_slot.hva_range();
-            assert_eq!((row.hva.start, row.hva.end), (range.start, range.end));
-            assert_eq!(row.id.id, rows[row.id.slot as usize].slot.id());
-            max_end = max_end.max(row.hva.end);
-            assert_eq!(row.hva.max_end, max_end);
-            assert!(!std::mem::replace(
-                &mut hva_seen[row.hva.slot as usize],
-                true
-            ));
-            assert!(!std::mem::replace(&mut id_seen[row.id.slot as usize], true));
+            assert_eq!(row.hva_key(), super::hva_key(&row.slot));
             if i > 0 {
-                let prev = &rows[i - 1];
-                assert!(prev.gpa_end <= row.gpa_start, "guest order or overlap");
-                let prev_key = hva_key(&rows[prev.hva.slot as usize].slot);
-                assert!(prev_key < hva_key(hva_slot), "host-range order");
-                assert!(prev.id.id < row.id.id, "id order");
+                assert!(
+                    rows[i - 1].gpa_end <= row.gpa_start,
+                    "guest order or overlap"
+                );
             }
         }
     }

@@ -16,9 +16,6 @@ use std::sync::Arc;
 
 use arrayvec::ArrayVec;
 
-use super::flat::{
-    move_entry, new_entries, position, put_entry, sorted_entries, HvaEntry, IdEntry,
-};
 use super::{hva_key, HvaKey};
 use crate::slot::{Slot, SlotId};
 
@@ -30,6 +27,105 @@ pub(super) const SLAB_MAX: usize = 512;
 /// A map in tree form with fewer slots than this turns back into the slab form (hysteresis, as
 /// for the flat form).
 pub(super) const SLAB_MIN: usize = 256;
+
+/// An entry of the host-range order: a host range, the largest end in this and every earlier
+/// entry (it only grows, so an overlap search finds the first entry that can reach a range by
+/// halving), and the slab position of its slot.
+#[derive(Debug, Clone, Copy)]
+struct HvaEntry {
+    start: u64,
+    end: u64,
+    max_end: u64,
+    slot: u32,
+}
+
+/// An entry of the id order: an id and the slab position of its slot.
+#[derive(Debug, Clone, Copy)]
+struct IdEntry {
+    id: SlotId,
+    slot: u32,
+}
+
+/// A new slot's host-range and id entries, naming it as `slot` (its running maximum is set
+/// when the entry is in place).
+fn new_entries(key: &HvaKey, slot: u32) -> (HvaEntry, IdEntry) {
+    (
+        HvaEntry {
+            start: key.start,
+            end: key.end,
+            max_end: 0,
+            slot,
+        },
+        IdEntry { id: key.id, slot },
+    )
+}
+
+/// Sorts `slots` (each id once, guest ranges disjoint) into guest-address order and returns,
+/// for each position `i`, the `i`-th entry of the host-range order (with the running maximum
+/// of host ends) and the `i`-th entry of the id order, each naming its slot by position.
+fn sorted_entries<P>(slots: &mut [Arc<Slot<P>>]) -> Vec<(HvaEntry, IdEntry)> {
+    slots.sort_unstable_by_key(|s| s.gpa().0);
+    let mut by_hva: Vec<u32> = (0..position(slots.len())).collect();
+    by_hva.sort_unstable_by_key(|&i| hva_key(&slots[i as usize]));
+    let mut by_id: Vec<u32> = (0..position(slots.len())).collect();
+    by_id.sort_unstable_by_key(|&i| slots[i as usize].id());
+    let mut max_end = 0;
+    by_hva
+        .into_iter()
+        .zip(by_id)
+        .map(|(hva_slot, id_slot)| {
+            let range = slots[hva_slot as usize].hva_range();
+            max_end = max_end.max(range.end);
+            (
+                HvaEntry {
+                    start: range.start,
+                    end: range.end,
+                    max_end,
+                    slot: hva_slot,
+                },
+                IdEntry {
+                    id: slots[id_slot as usize].id(),
+                    slot: id_slot,
+                },
+            )
+        })
+        .collect()
+}
+
+/// A slab position as the key columns store it. A slab holds at most [`SLAB_MAX`] slots.
+fn position(i: usize) -> u32 {
+    u32::try_from(i).expect("a slab holds few slots")
+}
+
+/// Moves the column entry of row `from` to row `to`, shifting the entries in between by one
+/// towards `from`.
+fn move_entry<R, T: Copy>(rows: &mut [R], from: usize, to: usize, col: impl Fn(&mut R) -> &mut T) {
+    let moved = *col(&mut rows[from]);
+    put_entry(rows, from, to, moved, col);
+}
+
+/// Writes `entry` into the column at row `to`, shifting the entries from `to` up to (and over)
+/// row `from` by one towards `from`.
+fn put_entry<R, T: Copy>(
+    rows: &mut [R],
+    from: usize,
+    to: usize,
+    moved: T,
+    col: impl Fn(&mut R) -> &mut T,
+) {
+    if from < to {
+        for i in from..to {
+            let next = *col(&mut rows[i + 1]);
+            *col(&mut rows[i]) = next;
+        }
+    } else {
+        for i in (to..from).rev() {
+            let prev = *col(&mut rows[i]);
+            *col(&mut rows[i + 1]) = prev;
+        }
+    }
+    *col(&mut rows[to]) = moved;
+}
 
 /// Row `i` of the key array: the `i`-th slot in guest-address order (its guest range and slab
 /// position), the `i`-th entry of the host-range order and the `i`-th entry of the id order,
@@ -129,8 +225,9 @@ impl<P> Slab<P> {
     }
 
     /// Calls `f` on every slot whose host range overlaps `[lo, hi)` (not empty), in host-range
-    /// order.
-    #[inline]
+    /// order. Kept out of line (as the trees' search is), so that the flat form's search
+    /// inlines into its callers.
+    #[inline(never)]
     pub(super) fn for_each_hva_overlap<'a>(
         &'a self,
         lo: u64,

@@ -58,6 +58,7 @@ impl<P> Trees<P> {
 
     /// Calls `f` on every slot whose host range overlaps `[lo, hi)` (not empty), in host-range
     /// order.
+    #[inline(never)]
     pub(super) fn for_each_hva_overlap<'a>(
         &'a self,
         lo: u64,
