@@ -36,6 +36,7 @@ impl<P: Clone> MemslotMap<P> {
     /// Adds `slot`. Refused, leaving the map as it was, when the id is taken, the map is full,
     /// the slot is empty, unaligned or wraps around, or its guest range overlaps another slot
     /// (checked in that order).
+    #[inline]
     pub fn insert(&mut self, slot: Slot<P>) -> Result<(), MapError> {
         self.check_insert(&slot)?;
         self.put_checked(Arc::new(slot));
@@ -63,6 +64,7 @@ impl<P: Clone> MemslotMap<P> {
     /// map.insert_arc(taken).unwrap();
     /// assert!(Arc::ptr_eq(map.find_by_gpa(GuestAddress(0x1800)).unwrap(), &slot));
     /// ```
+    #[inline]
     pub fn insert_arc(&mut self, slot: Arc<Slot<P>>) -> Result<(), MapError> {
         self.check_insert(&slot)?;
         self.put_checked(slot);
@@ -70,6 +72,7 @@ impl<P: Clone> MemslotMap<P> {
     }
 
     /// The checks of [`insert`](Self::insert), in its order.
+    #[inline]
     fn check_insert(&self, slot: &Slot<P>) -> Result<(), MapError> {
         let id = slot.id();
         if self.get(id).is_some() {
@@ -86,6 +89,7 @@ impl<P: Clone> MemslotMap<P> {
     }
 
     /// Adds `slot`, which [`check_insert`](Self::check_insert) accepted.
+    #[inline]
     fn put_checked(&mut self, slot: Arc<Slot<P>>) {
         match &mut self.index {
             Index::Flat(flat) => flat.insert(slot),
@@ -97,6 +101,7 @@ impl<P: Clone> MemslotMap<P> {
     }
 
     /// Removes the slot with id `id` and returns it.
+    #[inline]
     pub fn remove(&mut self, id: SlotId) -> Result<Arc<Slot<P>>, MapError> {
         let slot = match &mut self.index {
             Index::Flat(flat) => flat.remove(id).ok_or(MapError::UnknownId { id })?,
@@ -154,6 +159,7 @@ impl<P: Clone> MemslotMap<P> {
         }
     }
 
+    #[inline]
     pub(super) fn check_shape(
         &self,
         id: SlotId,
@@ -195,6 +201,7 @@ impl<P: Clone> MemslotMap<P> {
 
     /// Refuses a guest range `[gpa, gpa + size)` (already checked not to wrap) that overlaps a
     /// slot other than `id`.
+    #[inline]
     fn check_no_overlap(&self, id: SlotId, gpa: GuestAddress, size: u64) -> Result<(), MapError> {
         let start = gpa.0;
         let end = start + size;

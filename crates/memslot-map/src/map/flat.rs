@@ -44,6 +44,7 @@ pub(super) struct Row<P> {
 }
 
 impl<P> Clone for Row<P> {
+    #[inline]
     fn clone(&self) -> Self {
         Row {
             slot: Arc::clone(&self.slot),
@@ -95,6 +96,7 @@ enum Store<P> {
 
 impl<P> Clone for Flat<P> {
     /// Copies the rows, with room for one more: a clone is most often made to be changed.
+    #[inline]
     fn clone(&self) -> Self {
         let store = match &self.store {
             Store::One(row) => Store::One(row.clone()),

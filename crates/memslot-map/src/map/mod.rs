@@ -92,6 +92,7 @@ thread_local! {
     static GENERATIONS: Cell<(u64, u64)> = const { Cell::new((0, 0)) };
 }
 
+#[inline]
 fn next_generation() -> u64 {
     GENERATIONS.with(|block| {
         let (next, end) = block.get();
@@ -169,7 +170,9 @@ impl MemoryUsage {
 /// chunk it writes). Both cost less than copying tree paths at their sizes. The map changes
 /// form as it grows past 32 and 512 slots and as it shrinks below 256 and 16; the forms answer
 /// every query alike.
-/// Lookups are O(log n) (host-range lookups O(log n + k) for k results).
+/// Lookups are O(log n) (host-range lookups O(log n + k) for k results), except that a map of
+/// up to 32 slots, which keeps only the guest-address order, answers lookups by id and by host
+/// address by reading its (at most 32) rows' inline keys.
 ///
 /// ```
 /// use memslot_map::{Change, HostAddress, MapConfig, MemslotMap, Slot, SlotFlags, SlotId};
@@ -427,6 +430,7 @@ impl<P: Clone> MemslotMap<P> {
     /// Puts the index into the form that suits the number of slots, if it is not in it: the
     /// slab above [`FLAT_MAX`] slots, the trees above [`SLAB_MAX`], the slab again below
     /// [`SLAB_MIN`] and the array below [`FLAT_MIN`].
+    #[inline]
     fn settle(&mut self) {
         let n = self.len();
         let wrong = match &self.index {
@@ -435,8 +439,15 @@ impl<P: Clone> MemslotMap<P> {
             Index::Trees(_) => n < SLAB_MIN,
         };
         if wrong {
-            self.index = Index::of_slots(self.iter().cloned().collect());
+            self.change_form();
         }
+    }
+
+    /// Rebuilds the index in the form for its number of slots (out of line: rare).
+    #[cold]
+    #[inline(never)]
+    fn change_form(&mut self) {
+        self.index = Index::of_slots(self.iter().cloned().collect());
     }
 }
 
