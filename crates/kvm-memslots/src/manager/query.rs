@@ -2,7 +2,7 @@
 
 use memslot_map::{HostAddress, SlotId};
 
-use super::{HvaMatch, MemoryManager, Region, RegionInfo, SlotUsage};
+use super::{HvaMatch, MemoryManager, Region, RegionId, RegionInfo, SlotUsage};
 use crate::kvm::KvmMemory;
 
 impl<K: KvmMemory> MemoryManager<K> {
@@ -46,6 +46,29 @@ impl<K: KvmMemory> MemoryManager<K> {
                 shared: r.memory.is_shared(),
             })
             .collect()
+    }
+
+    /// The KVM slot numbers of region `id`, in the order of their offsets in the region (slot
+    /// `i` maps bytes `i * slot_size ..` of it), or `None` if there is no such region. A region
+    /// keeps its slot numbers for its whole life: moves and read-only toggles re-create its KVM
+    /// slots under the same numbers.
+    ///
+    /// ```
+    /// use kvm_memslots::testing::FakeKvm;
+    /// use kvm_memslots::{MemoryManager, RegionSpec, SlotId};
+    /// use vm_memory::GuestAddress;
+    ///
+    /// let manager = MemoryManager::new(FakeKvm::new(16, true));
+    /// // 3 MiB in 1 MiB slots: three KVM slots.
+    /// let spec = RegionSpec::new(GuestAddress(0), 3 << 20).with_slot_size(1 << 20);
+    /// let region = manager.add_region(spec)?;
+    /// assert_eq!(manager.region_slots(region), Some(vec![SlotId(0), SlotId(1), SlotId(2)]));
+    /// manager.remove_region(region)?;
+    /// assert_eq!(manager.region_slots(region), None);
+    /// # Ok::<(), kvm_memslots::Error>(())
+    /// ```
+    pub fn region_slots(&self, id: RegionId) -> Option<Vec<SlotId>> {
+        self.state().regions.get(&id).map(|r| r.slots.clone())
     }
 
     /// KVM slot numbers in use and free.
