@@ -49,9 +49,9 @@ use vm_memory::{
 };
 
 /// Slot counts to measure at; 509 and 32764 are KVM's historical and current slot limits. The
-/// map changes form past 32 slots (flat to slab) and past 512 (slab to trees): 32 is the
-/// largest flat map (the slot `insert_remove` adds turns it into a slab), 128 and 256 lie in
-/// the slab's range and 1000 in the trees' below 4096.
+/// map changes form past 32 slots (flat to slab) and past 1024 (slab to trees): 32 is the
+/// largest flat map (the slot `insert_remove` adds turns it into a slab), 100 to 1000 lie in
+/// the slab's range, 4096 and 32764 in the trees'.
 const SIZES: [usize; 10] = [1, 10, 32, 100, 128, 256, 509, 1000, 4096, 32764];
 /// Size of every region.
 const REGION_SIZE: u64 = 0x1000;

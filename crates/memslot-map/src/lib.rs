@@ -4,7 +4,7 @@
 //! ways, by guest-physical address (slots never overlap there), by host-virtual address (an
 //! interval tree: host ranges may overlap) and by id, and all three indexes are persistent
 //! B+trees that share structure between versions. A change costs O(log n) and copies only the
-//! nodes on the changed paths; lookups are O(log n). Up to 512 slots (where most VMMs live) a
+//! nodes on the changed paths; lookups are O(log n). Up to 1024 slots (where most VMMs live) a
 //! map keeps them instead in arrays, which is cheaper at that size: up to 32 slots one array
 //! copied whole for a new version, like vm-memory's `GuestMemoryMmap`; beyond that an array of
 //! the keys (plain data, one block copy) and the slots in shared chunks of 16, of which a change

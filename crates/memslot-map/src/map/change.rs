@@ -326,9 +326,9 @@ mod tests {
 
     #[test]
     fn insert_arc_keeps_the_callers_arc_and_checks_as_insert_does() {
-        let mut map = MemslotMap::new(MapConfig::new(0x1000, 700).unwrap());
-        // Through all three forms: flat up to 32 slots, a slab up to 512, trees beyond.
-        let slots: Vec<Arc<Slot<u32>>> = (0..600u32)
+        let mut map = MemslotMap::new(MapConfig::new(0x1000, 1200).unwrap());
+        // Through all three forms: flat up to 32 slots, a slab up to 1024, trees beyond.
+        let slots: Vec<Arc<Slot<u32>>> = (0..1100u32)
             .map(|i| {
                 let gpa = u64::from(i) * 0x2000;
                 Arc::new(slot(i, gpa, 0x1000, 0x100_0000 - gpa))
@@ -349,15 +349,15 @@ mod tests {
         let before = map.generation();
         for bad in [
             slot(3, 0x1000, 0x1000, 0x0),
-            slot(900, 0x1001, 0x1000, 0x0),
-            slot(900, 0x2000 * 5, 0x1000, 0x0),
-            slot(900, 0x1000, 0, 0x0),
+            slot(1150, 0x1001, 0x1000, 0x0),
+            slot(1150, 0x2000 * 5, 0x1000, 0x0),
+            slot(1150, 0x1000, 0, 0x0),
         ] {
             let mut twin = map.clone();
             let expected = twin.insert(bad.clone()).unwrap_err();
             assert_eq!(map.insert_arc(Arc::new(bad)).unwrap_err(), expected);
             assert_eq!(map.generation(), before);
-            assert_eq!(map.len(), 600);
+            assert_eq!(map.len(), 1100);
         }
         // A slot taken out goes back in as itself; down to one slot and back up.
         for s in slots.iter().rev() {

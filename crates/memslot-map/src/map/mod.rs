@@ -160,7 +160,7 @@ impl MemoryUsage {
 
 /// One version of a map of memory slots, indexed by guest address, host address and id.
 ///
-/// Guest ranges never overlap; host ranges may. A map of more than 512 slots keeps them in
+/// Guest ranges never overlap; host ranges may. A map of more than 1024 slots keeps them in
 /// persistent B+trees: cloning it is O(1) and the clone shares every node with the original;
 /// changing a clone copies only the O(log n) nodes on the changed paths. A map of up to 32 slots
 /// keeps them in one array, as vm-memory does: cloning it copies the array (one reference-count
@@ -168,7 +168,7 @@ impl MemoryUsage {
 /// its three orders in one array of plain data (cloned as one block copy) and the slots in a
 /// slab of shared chunks of 16 (cloning it costs one increment per chunk, a change copies the
 /// chunk it writes). Both cost less than copying tree paths at their sizes. The map changes
-/// form as it grows past 32 and 512 slots and as it shrinks below 256 and 16; the forms answer
+/// form as it grows past 32 and 1024 slots and as it shrinks below 512 and 16; the forms answer
 /// every query alike.
 /// Lookups are O(log n) (host-range lookups O(log n + k) for k results), except that a map of
 /// up to 32 slots, which keeps only the guest-address order, answers lookups by id and by host

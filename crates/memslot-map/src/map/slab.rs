@@ -23,10 +23,10 @@ use crate::slot::{Slot, SlotId};
 const CHUNK: usize = 16;
 
 /// The most slots a map keeps in the slab form: one more, and it turns into the trees.
-pub(super) const SLAB_MAX: usize = 512;
+pub(super) const SLAB_MAX: usize = 1024;
 /// A map in tree form with fewer slots than this turns back into the slab form (hysteresis, as
 /// for the flat form).
-pub(super) const SLAB_MIN: usize = 256;
+pub(super) const SLAB_MIN: usize = 512;
 
 /// An entry of the host-range order: a host range, the largest end in this and every earlier
 /// entry (it only grows, so an overlap search finds the first entry that can reach a range by
