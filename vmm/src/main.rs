@@ -492,7 +492,7 @@ fn snapshot_merge(args: MergeArgs) -> ExitCode {
     use kvm_memslots::snapshot::merge_snapshots;
     use tinyvmm::test_guest::snapshot::SnapshotState;
     let merged = (|| -> Result<u64, String> {
-        if args.files.len() % 2 != 0 {
+        if !args.files.len().is_multiple_of(2) {
             return Err("the chain is pairs of a state file and a memory file".into());
         }
         let mut chain = Vec::new();

@@ -142,7 +142,7 @@ impl PendingBits {
 
     /// Sets the bits `at + i` for every bit `i < bits` set in `src`.
     pub(crate) fn or_bits(&self, at: u64, src: &[u64], bits: u64) {
-        if at % 64 == 0 {
+        if at.is_multiple_of(64) {
             // Word-aligned (every slot but the odd one): one `fetch_or` per word.
             let first = (at / 64) as usize;
             for (i, w) in src.iter().enumerate() {

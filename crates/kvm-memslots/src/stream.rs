@@ -601,7 +601,7 @@ impl<R: Read> StreamReader<R> {
                 Ok(Record::Hello { layout, hands_over })
             }
             HANDOVER => {
-                if payload.is_empty() || payload.len() % 12 != 0 {
+                if payload.is_empty() || !payload.len().is_multiple_of(12) {
                     return Err(short("Handover"));
                 }
                 if !self.unhanded.iter().any(|&u| u) {
@@ -649,7 +649,8 @@ impl<R: Read> StreamReader<R> {
                     )));
                 }
                 let inside = region.is_some();
-                if len == 0 || len % PAGE_SIZE != 0 || offset % PAGE_SIZE != 0 || !inside {
+                if len == 0 || !len.is_multiple_of(PAGE_SIZE) || offset % PAGE_SIZE != 0 || !inside
+                {
                     return Err(StreamError::Format(format!(
                         "pages at offset {offset:#x} of length {len:#x} are not whole pages \
                          inside one region of the layout"

@@ -150,7 +150,7 @@ impl FakeKvm {
         }
         // KVM_DIRTY_LOG_INITIALLY_SET: every page of the slot starts dirty.
         let mut log = vec![u64::MAX; words];
-        if pages % 64 != 0 {
+        if !pages.is_multiple_of(64) {
             log[words - 1] = (1 << (pages % 64)) - 1;
         }
         log
@@ -186,9 +186,9 @@ impl KvmMemory for FakeKvm {
         let mut state = self.state();
         let einval = Err(Errno::new(libc::EINVAL));
         if req.slot >= self.max_slots
-            || req.gpa % PAGE_SIZE != 0
-            || req.size % PAGE_SIZE != 0
-            || req.hva % PAGE_SIZE != 0
+            || !req.gpa.is_multiple_of(PAGE_SIZE)
+            || !req.size.is_multiple_of(PAGE_SIZE)
+            || !req.hva.is_multiple_of(PAGE_SIZE)
             || req.gpa.checked_add(req.size).is_none()
             || req.hva.checked_add(req.size).is_none()
             || req.size / PAGE_SIZE > MAX_SLOT_PAGES
@@ -270,8 +270,8 @@ impl KvmMemory for FakeKvm {
         let pages = s.kvm.size / PAGE_SIZE;
         let end = first_page + u64::from(num_pages);
         if !self.manual_dirty_log
-            || first_page % 64 != 0
-            || (num_pages % 64 != 0 && end != pages)
+            || !first_page.is_multiple_of(64)
+            || (!num_pages.is_multiple_of(64) && end != pages)
             || end > pages
             || bitmap.len() < (num_pages as usize).div_ceil(64)
         {

@@ -274,7 +274,7 @@ impl<K: KvmMemory> fmt::Debug for VirtioMem<K> {
 }
 
 fn check_aligned(what: &'static str, value: u64, block_size: u64) -> Result<(), Error> {
-    if value % block_size != 0 {
+    if !value.is_multiple_of(block_size) {
         return Err(Error::Unaligned {
             what,
             value,
@@ -531,7 +531,7 @@ impl<K: KvmMemory> VirtioMem<K> {
     /// The block indices a PLUG, UNPLUG or STATE request covers, if it is well-formed: `addr`
     /// block-aligned, at least one block, every block inside the usable region.
     fn covered(&self, addr: u64, blocks: u16) -> Option<std::ops::Range<usize>> {
-        if blocks == 0 || addr % self.block_size != 0 {
+        if blocks == 0 || !addr.is_multiple_of(self.block_size) {
             return None;
         }
         let first = addr.checked_sub(self.addr)? / self.block_size;

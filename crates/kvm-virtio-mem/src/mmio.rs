@@ -335,7 +335,7 @@ impl<D: VirtioDevice> MmioTransport<D> {
             }
             return;
         }
-        if data.len() != 4 || offset % 4 != 0 {
+        if data.len() != 4 || !offset.is_multiple_of(4) {
             return;
         }
         let Ok(register) = u32::try_from(offset) else {
@@ -375,7 +375,7 @@ impl<D: VirtioDevice> MmioTransport<D> {
             }
             return;
         }
-        let (Ok(bytes), true) = (<[u8; 4]>::try_from(data), offset % 4 == 0) else {
+        let (Ok(bytes), true) = (<[u8; 4]>::try_from(data), offset.is_multiple_of(4)) else {
             return;
         };
         let Ok(register) = u32::try_from(offset) else {

@@ -66,7 +66,7 @@ fn flags_of(bits: u64) -> SlotFlags {
 
 /// Whether batch `k` re-inserts slot `i` (stamping it `k`).
 fn restamped(k: u64, i: u32) -> bool {
-    k > 0 && mix(k, i) % 4 == 0
+    k > 0 && mix(k, i).is_multiple_of(4)
 }
 
 /// The slot `i` is in state `state`. Its size and host base depend on its stamp, its guest base
@@ -303,7 +303,7 @@ fn reader(
             seen.versions.push(m);
         }
         last_checked.store(m, Ordering::SeqCst);
-        if seen.checks % 8 == 0 {
+        if seen.checks.is_multiple_of(8) {
             // A version kept past later changes is still whole.
             if let Some(old) = kept.replace(shared.snapshot()) {
                 verify(&old, states, &mut hint);

@@ -55,12 +55,12 @@ impl HotplugArea {
                 "block_size_mib {block} must be a power of two of at least 2"
             )));
         }
-        if slot == 0 || slot % block != 0 {
+        if slot == 0 || !slot.is_multiple_of(block) {
             return Err(ControllerError::bad(format!(
                 "slot_size_mib {slot} must be a multiple of block_size_mib {block}"
             )));
         }
-        if config.total_size_mib == 0 || config.total_size_mib % slot != 0 {
+        if config.total_size_mib == 0 || !config.total_size_mib.is_multiple_of(slot) {
             return Err(ControllerError::bad(format!(
                 "total_size_mib {} must be a non-zero multiple of slot_size_mib {slot}",
                 config.total_size_mib
@@ -124,7 +124,9 @@ impl HotplugArea {
     /// none, and discard the unplugged blocks of the last slot that stays.
     pub fn plan(&self, requested_size_mib: u64) -> Result<HotplugPlan, ControllerError> {
         let block = self.config.block_size_mib;
-        if requested_size_mib % block != 0 || requested_size_mib > self.config.total_size_mib {
+        if !requested_size_mib.is_multiple_of(block)
+            || requested_size_mib > self.config.total_size_mib
+        {
             return Err(ControllerError::bad(format!(
                 "requested_size_mib {requested_size_mib} must be a multiple of block_size_mib {block} no larger than total_size_mib {}",
                 self.config.total_size_mib
@@ -140,11 +142,12 @@ impl HotplugArea {
         let unmap = (wanted..self.slots.len())
             .filter_map(|i| self.slots[i].map(|id| (i, id)))
             .collect();
-        let discard = (blocks < self.plugged_blocks && blocks % per_slot != 0).then(|| {
-            let from = self.gpa + blocks * self.block_size();
-            let to = self.slot_gpa(wanted).0;
-            (GuestAddress(from), to - from)
-        });
+        let discard =
+            (blocks < self.plugged_blocks && !blocks.is_multiple_of(per_slot)).then(|| {
+                let from = self.gpa + blocks * self.block_size();
+                let to = self.slot_gpa(wanted).0;
+                (GuestAddress(from), to - from)
+            });
         Ok(HotplugPlan {
             blocks,
             map,

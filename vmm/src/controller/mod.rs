@@ -527,7 +527,7 @@ impl Controller {
 
     fn add_region(&mut self, add: AddRegion) -> Result<RegionAdded, ControllerError> {
         let slot_size = add.slot_size.unwrap_or(add.size);
-        if add.slot_size.is_some() && (slot_size == 0 || add.size % slot_size != 0) {
+        if add.slot_size.is_some() && (slot_size == 0 || !add.size.is_multiple_of(slot_size)) {
             return Err(ControllerError::bad(format!(
                 "size {:#x} is not a multiple of slot_size {slot_size:#x}",
                 add.size
@@ -1000,7 +1000,10 @@ impl Controller {
         if command.op == GuestOp::StopLoop {
             return self.stop_loop(command.vcpu);
         }
-        if command.start % 8 != 0 || command.stride == 0 || command.stride % 8 != 0 {
+        if !command.start.is_multiple_of(8)
+            || command.stride == 0
+            || !command.stride.is_multiple_of(8)
+        {
             return Err(ControllerError::bad(
                 "start and stride must be multiples of 8, and stride not 0",
             ));

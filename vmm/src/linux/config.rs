@@ -191,7 +191,7 @@ impl BootConfig {
             return Err(ConfigError::TooMuchMemory(self.mem_mib));
         }
         let pages = self.mem_mib << 8;
-        if self.mem_slots == 0 || pages % self.mem_slots != 0 {
+        if self.mem_slots == 0 || !pages.is_multiple_of(self.mem_slots) {
             return Err(ConfigError::Slots {
                 mem_mib: self.mem_mib,
                 slots: self.mem_slots,
@@ -199,7 +199,8 @@ impl BootConfig {
         }
         let slot_size = (self.mem_mib << 20) / self.mem_slots;
         if self.mem_holes
-            && (self.mem_mib << 20 <= layout::BOOT_AREA || layout::BOOT_AREA % slot_size != 0)
+            && (self.mem_mib << 20 <= layout::BOOT_AREA
+                || !layout::BOOT_AREA.is_multiple_of(slot_size))
         {
             return Err(ConfigError::Holes {
                 mem_mib: self.mem_mib,
@@ -220,7 +221,7 @@ impl BootConfig {
         if self.hotplug_mib > 0
             && (block < 2
                 || !block.is_power_of_two()
-                || self.hotplug_mib % block != 0
+                || !self.hotplug_mib.is_multiple_of(block)
                 || self.hotplug_mib > MAX_HOTPLUG_MIB)
         {
             return Err(ConfigError::Hotplug {

@@ -523,7 +523,7 @@ fn over_limit(limits: &MemoryLimits, limit: Limit, size: u64, figure: u64) -> Er
 }
 
 fn check_aligned(what: &'static str, value: u64) -> Result<(), Error> {
-    if value % PAGE_SIZE != 0 {
+    if !value.is_multiple_of(PAGE_SIZE) {
         return Err(Error::Unaligned { what, value });
     }
     Ok(())

@@ -1336,7 +1336,7 @@ impl Race {
     /// completes a change: it proves that changes go on while a harvest is half-way.
     fn rendezvous(&self) {
         if self.harvester.get() != Some(&thread::current().id())
-            || self.calls.fetch_add(1, Ordering::Relaxed) % 3 != 0
+            || !self.calls.fetch_add(1, Ordering::Relaxed).is_multiple_of(3)
             || self.stalled.load(Ordering::Relaxed)
         {
             return;

@@ -236,7 +236,7 @@ mod tests {
                     let put = match mode {
                         0 => true,
                         1 => false,
-                        _ => pseudo_random(&mut seed) % 2 == 0,
+                        _ => pseudo_random(&mut seed).is_multiple_of(2),
                     };
                     (k, put.then_some(round))
                 })

@@ -295,7 +295,7 @@ mod tests {
         let mut model = BTreeMap::new();
         for round in 0..20_000 {
             let key = pseudo_random(&mut seed) % 3000;
-            if pseudo_random(&mut seed) % 3 == 0 {
+            if pseudo_random(&mut seed).is_multiple_of(3) {
                 assert_eq!(tree.remove(&key), model.remove(&key));
             } else {
                 assert_eq!(tree.insert(key, round), model.insert(key, round));

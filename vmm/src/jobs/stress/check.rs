@@ -58,7 +58,7 @@ pub fn check_part(
     seed: u64,
     passes: u64,
 ) -> Result<(), StressError> {
-    if stride == 0 || stride % 8 != 0 {
+    if stride == 0 || !stride.is_multiple_of(8) {
         return Err(StressError::Stride {
             stride,
             part_size: part.end.saturating_sub(part.start),

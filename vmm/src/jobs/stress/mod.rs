@@ -63,7 +63,7 @@ pub fn run_stress(
     if config.vcpus == 0 || config.vcpus > test_guest::MAX_VCPUS {
         return Err(StressError::VcpuCount(config.vcpus));
     }
-    if config.stride == 0 || config.stride % 8 != 0 || config.stride > config.part_size {
+    if config.stride == 0 || !config.stride.is_multiple_of(8) || config.stride > config.part_size {
         return Err(StressError::Stride {
             stride: config.stride,
             part_size: config.part_size,
