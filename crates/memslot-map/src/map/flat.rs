@@ -32,6 +32,10 @@ const _: () = assert!(
 /// forth on every change.
 pub(super) const FLAT_MIN: usize = 16;
 
+/// A guest-address search compares this many rows one by one once halving has narrowed it
+/// down to them.
+const LINEAR_COUNT: usize = 8;
+
 /// Row `i` of the array: the `i`-th slot in guest-address order with its guest range, host
 /// range and id inline.
 pub(super) struct Row<P> {
@@ -84,6 +88,12 @@ impl<P> Row<P> {
 /// All slots of a small map.
 pub(super) struct Flat<P> {
     store: Store<P>,
+    /// Whether two rows' host ranges may overlap (slots aliasing host memory). False means no
+    /// two do, so a single host address matches at most one row and a search for it can stop
+    /// at the first.
+    /// Set when an insert adds an overlap and cleared only when at most one row is left: a
+    /// removal does not look for the overlaps that remain, so true may be stale, never false.
+    aliased: bool,
 }
 
 /// Where the rows are: a map of one slot (a VM with one memory region) keeps its row inline,
@@ -107,7 +117,10 @@ impl<P> Clone for Flat<P> {
                 Store::Many(copy)
             }
         };
-        Flat { store }
+        Flat {
+            store,
+            aliased: self.aliased,
+        }
     }
 }
 
@@ -115,6 +128,7 @@ impl<P> Default for Flat<P> {
     fn default() -> Self {
         Flat {
             store: Store::Many(Vec::new()),
+            aliased: false,
         }
     }
 }
@@ -152,14 +166,43 @@ impl<P> Flat<P> {
     /// The slot with the largest guest base at most `addr`.
     #[inline]
     pub(super) fn floor_gpa(&self, addr: u64) -> Option<&Arc<Slot<P>>> {
-        let i = self.rows().partition_point(|r| r.gpa_start <= addr);
+        let i = self.rows_at_or_below(addr);
         Some(&self.rows()[i.checked_sub(1)?].slot)
+    }
+
+    /// The number of rows whose guest base is at most `addr`: halving down to [`LINEAR_COUNT`]
+    /// rows, then comparing each of those (no branch or dependent load per row).
+    #[inline]
+    fn rows_at_or_below(&self, addr: u64) -> usize {
+        let rows = match &self.store {
+            Store::One(row) => return usize::from(row.gpa_start <= addr),
+            Store::Many(rows) => rows,
+        };
+        // Halve down to at most LINEAR_COUNT candidate rows `base..base + len`: every row
+        // before `base` starts at or below `addr`, every row from `base + len` on above it.
+        let (mut base, mut len) = (0, rows.len());
+        while len > LINEAR_COUNT {
+            let half = len / 2;
+            base = std::hint::select_unpredictable(
+                rows[base + half].gpa_start <= addr,
+                base + half,
+                base,
+            );
+            len -= half;
+        }
+        base + rows[base..base + len]
+            .iter()
+            .map(|r| usize::from(r.gpa_start <= addr))
+            .sum::<usize>()
     }
 
     /// The slot that holds guest address `addr`.
     #[inline]
     pub(super) fn find_gpa(&self, addr: u64) -> Option<&Arc<Slot<P>>> {
-        let i = self.rows().partition_point(|r| r.gpa_start <= addr);
+        if let Store::One(row) = &self.store {
+            return (row.gpa_start <= addr && addr < row.gpa_end).then_some(&row.slot);
+        }
+        let i = self.rows_at_or_below(addr);
         let row = &self.rows()[i.checked_sub(1)?];
         (addr < row.gpa_end).then_some(&row.slot)
     }
@@ -194,6 +237,13 @@ impl<P> Flat<P> {
             }
             Store::Many(rows) => rows,
         };
+        if !self.aliased && hi - lo == 1 {
+            // No two rows share a host address, so at most one holds this one.
+            if let Some(row) = rows.iter().find(|r| overlaps(r)) {
+                f(&row.slot);
+            }
+            return;
+        }
         // One bit per row that overlaps, gathered without a branch per row.
         let mut mask: u64 = 0;
         for (i, row) in rows.iter().enumerate() {
@@ -241,6 +291,13 @@ impl<P> Flat<P> {
             self.store = Store::One(row);
             return;
         }
+        if !self.aliased {
+            let (lo, hi) = (row.hva_start, row.hva_end);
+            self.aliased = self
+                .rows()
+                .iter()
+                .any(|r| (r.hva_start < hi) & (r.hva_end > lo));
+        }
         let g = self.rows().partition_point(|r| r.gpa_start < row.gpa_start);
         self.vec().insert(g, row);
     }
@@ -260,6 +317,7 @@ impl<P> Flat<P> {
                 let removed = rows.swap_remove(g);
                 let kept = rows.pop().expect("two rows");
                 self.store = Store::One(kept);
+                self.aliased = false;
                 Some(removed.slot)
             }
             Store::Many(rows) => Some(rows.remove(g).slot),
@@ -283,7 +341,22 @@ impl<P> Flat<P> {
         } else {
             Store::Many(slots.into_iter().map(Row::new).collect())
         };
-        Flat { store }
+        let mut flat = Flat {
+            store,
+            aliased: false,
+        };
+        flat.aliased = flat.any_aliased();
+        flat
+    }
+
+    /// Whether any two rows' host ranges overlap (at most [`FLAT_MAX`] rows: every pair).
+    fn any_aliased(&self) -> bool {
+        let rows = self.rows();
+        rows.iter().enumerate().any(|(i, a)| {
+            rows[i + 1..]
+                .iter()
+                .any(|b| a.hva_start < b.hva_end && b.hva_start < a.hva_end)
+        })
     }
 
     /// Bytes of the array.
@@ -302,6 +375,12 @@ impl<P> Flat<P> {
         let rows = self.rows();
         if let Store::Many(rows) = &self.store {
             assert_ne!(rows.len(), 1, "a single row not kept inline");
+        }
+        if !self.aliased {
+            assert!(
+                !self.any_aliased(),
+                "host ranges overlap in a map marked unaliased"
+            );
         }
         let mut ids: Vec<SlotId> = rows.iter().map(|r| r.id).collect();
         ids.sort_unstable();
