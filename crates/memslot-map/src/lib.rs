@@ -21,6 +21,7 @@
 mod error;
 mod map;
 mod ptree;
+mod search;
 mod shared;
 mod slot;
 

@@ -19,6 +19,7 @@ use std::sync::Arc;
 use arrayvec::ArrayVec;
 
 use super::HvaKey;
+use crate::search::count_prefix;
 use crate::slot::{Slot, SlotId};
 
 /// The most slots a map keeps in the flat form: one more, and it turns into the slab.
@@ -31,10 +32,6 @@ const _: () = assert!(
 /// [`FLAT_MAX`], so that a map whose size wanders around either bound does not convert back and
 /// forth on every change.
 pub(super) const FLAT_MIN: usize = 16;
-
-/// A guest-address search compares this many rows one by one once halving has narrowed it
-/// down to them.
-const LINEAR_COUNT: usize = 8;
 
 /// Row `i` of the array: the `i`-th slot in guest-address order with its guest range, host
 /// range and id inline.
@@ -170,30 +167,10 @@ impl<P> Flat<P> {
         Some(&self.rows()[i.checked_sub(1)?].slot)
     }
 
-    /// The number of rows whose guest base is at most `addr`: halving down to [`LINEAR_COUNT`]
-    /// rows, then comparing each of those (no branch or dependent load per row).
+    /// The number of rows whose guest base is at most `addr`.
     #[inline]
     fn rows_at_or_below(&self, addr: u64) -> usize {
-        let rows = match &self.store {
-            Store::One(row) => return usize::from(row.gpa_start <= addr),
-            Store::Many(rows) => rows,
-        };
-        // Halve down to at most LINEAR_COUNT candidate rows `base..base + len`: every row
-        // before `base` starts at or below `addr`, every row from `base + len` on above it.
-        let (mut base, mut len) = (0, rows.len());
-        while len > LINEAR_COUNT {
-            let half = len / 2;
-            base = std::hint::select_unpredictable(
-                rows[base + half].gpa_start <= addr,
-                base + half,
-                base,
-            );
-            len -= half;
-        }
-        base + rows[base..base + len]
-            .iter()
-            .map(|r| usize::from(r.gpa_start <= addr))
-            .sum::<usize>()
+        count_prefix(self.rows(), |r| r.gpa_start <= addr)
     }
 
     /// The slot that holds guest address `addr`.

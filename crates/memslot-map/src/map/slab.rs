@@ -17,6 +17,7 @@ use std::sync::Arc;
 use arrayvec::ArrayVec;
 
 use super::{hva_key, HvaKey};
+use crate::search::count_prefix;
 use crate::slot::{Slot, SlotId};
 
 /// Slots per chunk of the slab.
@@ -202,14 +203,14 @@ impl<P> Slab<P> {
     /// The slot with the largest guest base at most `addr`.
     #[inline]
     pub(super) fn floor_gpa(&self, addr: u64) -> Option<&Arc<Slot<P>>> {
-        let i = self.keys.partition_point(|k| k.gpa_start <= addr);
+        let i = count_prefix(&self.keys, |k| k.gpa_start <= addr);
         Some(self.slot(self.keys[i.checked_sub(1)?].gpa_slot))
     }
 
     /// The slot that holds guest address `addr`.
     #[inline]
     pub(super) fn find_gpa(&self, addr: u64) -> Option<&Arc<Slot<P>>> {
-        let i = self.keys.partition_point(|k| k.gpa_start <= addr);
+        let i = count_prefix(&self.keys, |k| k.gpa_start <= addr);
         let key = &self.keys[i.checked_sub(1)?];
         (addr < key.gpa_end).then(|| self.slot(key.gpa_slot))
     }

@@ -21,6 +21,8 @@ use std::sync::Arc;
 
 use arrayvec::ArrayVec;
 
+use crate::search::count_prefix;
+
 mod batch;
 mod edit;
 
@@ -78,23 +80,6 @@ enum Items<K, V, S> {
 
 /// The index of the child of an inner node whose key range holds `key`: the last child whose
 /// smallest key is at most `key`, or the first child if `key` is below every key.
-/// How many of `keys` (sorted) are at most `key`, as `partition_point` answers: halving
-/// without branches down to 8 keys, then comparing each of those (independent loads rather
-/// than three more dependent halvings; a quarter off a 32764-slot lookup).
-#[inline]
-fn count_at_most<K: Ord>(keys: &[K], key: &K) -> usize {
-    let (mut base, mut len) = (0, keys.len());
-    while len > 8 {
-        let half = len / 2;
-        base = std::hint::select_unpredictable(keys[base + half] <= *key, base + half, base);
-        len -= half;
-    }
-    base + keys[base..base + len]
-        .iter()
-        .map(|k| usize::from(k <= key))
-        .sum::<usize>()
-}
-
 fn child_index<K: Ord>(keys: &[K], key: &K) -> usize {
     keys.partition_point(|k| k <= key).saturating_sub(1)
 }
@@ -194,11 +179,11 @@ impl<K: Ord + Copy, V: Clone, S: Summary<K, V>> PTree<K, V, S> {
         loop {
             match &node.items {
                 Items::Inner { children, .. } => {
-                    let i = count_at_most(&node.keys, key);
+                    let i = count_prefix(&node.keys, |k| k <= key);
                     node = children.get(i.checked_sub(1)?)?;
                 }
                 Items::Leaf(values) => {
-                    let i = count_at_most(&node.keys, key).checked_sub(1)?;
+                    let i = count_prefix(&node.keys, |k| k <= key).checked_sub(1)?;
                     return Some((&node.keys[i], &values[i]));
                 }
             }
