@@ -263,20 +263,22 @@ impl<P> Flat<P> {
 
     /// Adds `slot`; its id must be new and its guest base unused.
     pub(super) fn insert(&mut self, slot: Arc<Slot<P>>) {
-        let row = Row::new(slot);
+        // The row is built where it goes in each case: built once before them, it was written
+        // field by field to the stack and read back in wider loads, which stalled.
         if self.len() == 0 {
-            self.store = Store::One(row);
+            self.store = Store::One(Row::new(slot));
             return;
         }
         if !self.aliased {
-            let (lo, hi) = (row.hva_start, row.hva_end);
+            let hva = slot.hva_range();
             self.aliased = self
                 .rows()
                 .iter()
-                .any(|r| (r.hva_start < hi) & (r.hva_end > lo));
+                .any(|r| (r.hva_start < hva.end) & (r.hva_end > hva.start));
         }
-        let g = self.rows().partition_point(|r| r.gpa_start < row.gpa_start);
-        self.vec().insert(g, row);
+        let gpa = slot.gpa().0;
+        let g = self.rows().partition_point(|r| r.gpa_start < gpa);
+        self.vec().insert(g, Row::new(slot));
     }
 
     /// Removes the slot with id `id` and returns it.
