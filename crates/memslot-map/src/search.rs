@@ -3,8 +3,8 @@
 /// The number of leading `items` for which `pred` holds, where it holds for a prefix of them:
 /// what `slice::partition_point` answers. It halves without branches down to [`TAIL`] items
 /// and then tests each of those, which are independent loads rather than the three dependent
-/// halvings that would remain; on random lookups this took about a quarter off the trees'
-/// time per lookup, and a third off a small map's.
+/// halvings that would remain; on random lookups this took a tenth to a fifth off the trees'
+/// time per lookup (32764 and 4096 slots) and a quarter off a 10-slot map's.
 #[inline]
 pub(crate) fn count_prefix<T>(items: &[T], pred: impl Fn(&T) -> bool) -> usize {
     let (mut base, mut len) = (0, items.len());
