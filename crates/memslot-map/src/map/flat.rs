@@ -72,6 +72,12 @@ impl<P> Row<P> {
         &self.slot
     }
 
+    /// Whether the row's host range overlaps `[lo, hi)` (both comparisons made, no branch).
+    #[inline]
+    fn hva_overlaps(&self, lo: u64, hi: u64) -> bool {
+        (self.hva_start < hi) & (self.hva_end > lo)
+    }
+
     /// The row's place in the host-range order.
     fn hva_key(&self) -> HvaKey {
         HvaKey {
@@ -192,7 +198,7 @@ impl<P> Flat<P> {
 
     #[inline]
     pub(super) fn get(&self, id: SlotId) -> Option<&Arc<Slot<P>>> {
-        self.rows().iter().find(|r| r.id == id).map(Row::slot)
+        Some(&self.rows()[self.id_row(id)?].slot)
     }
 
     /// Calls `f` on every slot whose host range overlaps `[lo, hi)` (not empty), in host-range
@@ -204,7 +210,7 @@ impl<P> Flat<P> {
         hi: u64,
         mut f: impl FnMut(&'a Arc<Slot<P>>),
     ) {
-        let overlaps = |r: &Row<P>| (r.hva_start < hi) & (r.hva_end > lo);
+        let overlaps = |r: &Row<P>| r.hva_overlaps(lo, hi);
         let rows = match &self.store {
             Store::One(row) => {
                 if overlaps(row) {
@@ -274,7 +280,7 @@ impl<P> Flat<P> {
             self.aliased = self
                 .rows()
                 .iter()
-                .any(|r| (r.hva_start < hva.end) & (r.hva_end > hva.start));
+                .any(|r| r.hva_overlaps(hva.start, hva.end));
         }
         let gpa = slot.gpa().0;
         let g = self.rows().partition_point(|r| r.gpa_start < gpa);
@@ -334,7 +340,7 @@ impl<P> Flat<P> {
         rows.iter().enumerate().any(|(i, a)| {
             rows[i + 1..]
                 .iter()
-                .any(|b| a.hva_start < b.hva_end && b.hva_start < a.hva_end)
+                .any(|b| b.hva_overlaps(a.hva_start, a.hva_end))
         })
     }
 
