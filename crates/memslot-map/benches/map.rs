@@ -31,8 +31,8 @@
 //! - `gpa_lookup_repeated`: the same guest address again and again: ours with
 //!   `find_by_gpa_hinted` and a per-reader `LookupHint`, vm-memory with `find_region`.
 //! - `hva_lookup_random`: the slot whose host range holds a precomputed random host address.
-//!   Ours: `for_each_hva_overlap(hva, 1, ..)`; vm-memory has no such index, so a linear scan of
-//!   its regions stands in for it.
+//!   Ours: `find_by_hva`; vm-memory has no such index, so a linear scan of its regions (stopping
+//!   at the first that holds the address) stands in for it.
 //!
 //! At startup the bench prints to stderr, as `memslot-map memory:` lines, the bytes per slot of
 //! our map at each size. `benches/summarize.py` turns criterion's estimates into a table.
@@ -172,9 +172,7 @@ fn scan_for_hva(memory: &GuestMemoryMmap, hva: HostAddress) -> Option<&Region> {
 /// Ours: the slot whose host range holds `hva`.
 #[inline]
 fn map_find_hva(map: &Map, hva: HostAddress) -> Option<&Arc<Slot<Payload>>> {
-    let mut found = None;
-    map.for_each_hva_overlap(hva, 1, |slot| found = Some(slot));
-    found
+    map.find_by_hva(hva)
 }
 
 /// Checks, before measuring, that both sides answer every scenario's questions the same way.

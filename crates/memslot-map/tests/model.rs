@@ -7,8 +7,8 @@
 //! exact `MapError` or `BatchError`), the length, iteration in guest-address order, `get` for
 //! every id in range, `find_by_gpa` at every page boundary and around every slot (also through
 //! a `LookupHint` kept across steps and versions), `slots_overlapping_hva` for many ranges
-//! (empty, spanning several slots, up to `u64::MAX` long), `iter_from_gpa`, `first_overlap`
-//! and `first_hole`. A refused change
+//! (empty, spanning several slots, up to `u64::MAX` long) and `find_by_hva` at each range's
+//! start, `iter_from_gpa`, `first_overlap` and `first_hole`. A refused change
 //! must leave the generation as it was and an accepted one must give a generation never seen
 //! before, and the version a change started from (a clone kept aside) must not change.
 //!
@@ -653,6 +653,17 @@ fn model_hva(model: &Model, hva: u64, len: u64) -> Vec<u32> {
     ids
 }
 
+/// The slot `find_by_hva(hva)` must return: of those whose host range holds `hva`, the first by
+/// host start, then host end, then id.
+fn model_first_hva(model: &Model, hva: u64) -> Option<u32> {
+    model
+        .slots
+        .iter()
+        .filter(|s| s.hva <= hva && hva < s.hva_end())
+        .min_by_key(|s| (s.hva, s.hva_end(), s.id))
+        .map(|s| s.id)
+}
+
 /// Guest addresses to look up: every page boundary of the space in use, the last pages of the
 /// address space, and addresses in and around every slot (in guest-address order, so that a
 /// hinted lookup often meets the slot it found last).
@@ -806,6 +817,13 @@ fn check(
     }
 
     for (hva, len) in hva_queries(&sorted, scale) {
+        prop_assert_eq!(
+            map.find_by_hva(HostAddress(hva)).map(|s| s.id().0),
+            model_first_hva(model, hva),
+            "find_by_hva({:#x}) after {}",
+            hva,
+            ctx
+        );
         let found = map.slots_overlapping_hva(HostAddress(hva), len);
         prop_assert!(
             found.windows(2).all(|w| w[0].hva() <= w[1].hva()),

@@ -78,6 +78,12 @@ impl<P> Row<P> {
         (self.hva_start < hi) & (self.hva_end > lo)
     }
 
+    /// Whether the row's host range holds `hva` (both comparisons made, no branch).
+    #[inline]
+    fn holds_hva(&self, hva: u64) -> bool {
+        (self.hva_start <= hva) & (hva < self.hva_end)
+    }
+
     /// The row's place in the host-range order.
     fn hva_key(&self) -> HvaKey {
         HvaKey {
@@ -199,6 +205,30 @@ impl<P> Flat<P> {
     #[inline]
     pub(super) fn get(&self, id: SlotId) -> Option<&Arc<Slot<P>>> {
         Some(&self.rows()[self.id_row(id)?].slot)
+    }
+
+    /// The first slot in host-range order whose host range holds `hva`: while no two rows'
+    /// host ranges overlap, the first row that holds it; otherwise the first of all that do.
+    #[inline]
+    pub(super) fn find_hva(&self, hva: u64) -> Option<&Arc<Slot<P>>> {
+        match &self.store {
+            Store::One(row) => row.holds_hva(hva).then_some(&row.slot),
+            Store::Many(rows) if !self.aliased => {
+                rows.iter().find(|r| r.holds_hva(hva)).map(Row::slot)
+            }
+            Store::Many(rows) => Self::first_aliased(rows, hva),
+        }
+    }
+
+    /// [`find_hva`](Self::find_hva) where host ranges may overlap: of the rows that hold `hva`,
+    /// the one first in host-range order.
+    #[cold]
+    #[inline(never)]
+    fn first_aliased(rows: &[Row<P>], hva: u64) -> Option<&Arc<Slot<P>>> {
+        rows.iter()
+            .filter(|r| r.holds_hva(hva))
+            .min_by_key(|r| r.hva_key())
+            .map(Row::slot)
     }
 
     /// Calls `f` on every slot whose host range overlaps `[lo, hi)` (not empty), in host-range

@@ -343,6 +343,42 @@ impl<P: Clone> MemslotMap<P> {
         }
     }
 
+    /// The slot whose host range holds host address `hva`; where slots alias host memory
+    /// (their host ranges overlap), the first of those that hold it in host-address order (by
+    /// start, then end, then id). O(log n + k) for k slots holding it (k is 1 without aliasing).
+    /// [`for_each_hva_overlap`](Self::for_each_hva_overlap) finds them all.
+    ///
+    /// ```
+    /// use memslot_map::{HostAddress, MapConfig, MemslotMap, Slot, SlotFlags, SlotId};
+    /// use vm_memory::GuestAddress;
+    ///
+    /// let mut map = MemslotMap::new(MapConfig::default());
+    /// let hva = HostAddress(0x7f00_0000_0000);
+    /// // Two guest ranges backed by the same host page.
+    /// for (id, gpa) in [(0, 0x10_0000), (1, 0x20_0000)] {
+    ///     let slot = Slot::new(SlotId(id), GuestAddress(gpa), 0x1000, hva, SlotFlags::default(), ());
+    ///     map.insert(slot)?;
+    /// }
+    /// let found = map.find_by_hva(HostAddress(hva.0 + 0x10)).expect("both hold it");
+    /// assert_eq!(found.id(), SlotId(0));
+    /// assert!(map.find_by_hva(HostAddress(hva.0 + 0x1000)).is_none());
+    /// # Ok::<(), memslot_map::MapError>(())
+    /// ```
+    #[inline]
+    pub fn find_by_hva(&self, hva: HostAddress) -> Option<&Arc<Slot<P>>> {
+        match &self.index {
+            Index::Flat(flat) => flat.find_hva(hva.0),
+            // Out of line; while no host ranges overlap, there is at most one to find.
+            _ => {
+                let mut first = None;
+                self.for_each_hva_overlap(hva, 1, |slot| {
+                    first.get_or_insert(slot);
+                });
+                first
+            }
+        }
+    }
+
     /// Calls `f` on every slot whose host range overlaps `[hva, hva + len)`, in host-address
     /// order. O(log n + k) for k slots found; `len` 0 finds nothing.
     #[inline]
