@@ -16,7 +16,8 @@
 //!   place, and `MemslotMap-published` makes every insert on a clone of the last published
 //!   version, which the result then replaces (so every insert takes the copy-on-write path and
 //!   drops the version before it), as `SharedMap`'s writers do and as vm-memory's every
-//!   `insert_region` makes a new collection from the last. Dropping the finished map or
+//!   `insert_region` makes a new collection from the last. Each new published version and each
+//!   new collection passes through `black_box`, on both sides alike. Dropping the finished map or
 //!   collection is not timed. Ours is given each slot as an `Arc` it already has
 //!   (`insert_arc`), as vm-memory is given each region.
 //! - `insert_remove`: at full occupancy, add one region and remove it again (one iteration is
@@ -274,9 +275,11 @@ fn bench_build(c: &mut Criterion, fixture: &Fixture) {
                 time_batched(iters, || {
                     let mut memory = GuestMemoryMmap::new();
                     for region in regions {
-                        memory = memory
-                            .insert_region(Arc::clone(region))
-                            .expect("fixture regions do not overlap");
+                        memory = black_box(
+                            memory
+                                .insert_region(Arc::clone(region))
+                                .expect("fixture regions do not overlap"),
+                        );
                     }
                     memory
                 })
