@@ -649,7 +649,10 @@ impl<R: Read> StreamReader<R> {
                     )));
                 }
                 let inside = region.is_some();
-                if len == 0 || !len.is_multiple_of(PAGE_SIZE) || offset % PAGE_SIZE != 0 || !inside
+                if len == 0
+                    || !len.is_multiple_of(PAGE_SIZE)
+                    || !offset.is_multiple_of(PAGE_SIZE)
+                    || !inside
                 {
                     return Err(StreamError::Format(format!(
                         "pages at offset {offset:#x} of length {len:#x} are not whole pages \

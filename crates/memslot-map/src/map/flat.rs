@@ -263,8 +263,8 @@ impl<P> Flat<P> {
         };
         if !self.aliased && hi - lo == 1 {
             // No two rows share a host address, so at most one holds this one.
-            if let Some(row) = rows.iter().find(|r| overlaps(r)) {
-                f(&row.slot);
+            if let Some(slot) = self.find_hva(lo) {
+                f(slot);
             }
             return;
         }
