@@ -70,6 +70,19 @@ pub enum Error {
         /// The part of it that is in the way (one of its slots).
         other_range: AddressRange,
     },
+    /// Two regions added by one batch ([`MemoryManager::apply`](crate::MemoryManager::apply))
+    /// overlap.
+    #[error(
+        "guest range {range} overlaps {other_range}, added by addition {other} of the same batch"
+    )]
+    BatchOverlap {
+        /// The range asked for.
+        range: AddressRange,
+        /// The other addition, by its position among the batch's additions (from 0).
+        other: usize,
+        /// Its range.
+        other_range: AddressRange,
+    },
     /// Not enough free KVM slot numbers.
     #[error("out of KVM memory slots: {needed} needed, {free} of {limit} free")]
     OutOfSlots {
@@ -251,9 +264,10 @@ impl Error {
                 limit: Limit::RegionSize,
                 ..
             } => ErrorKind::Invalid,
-            Error::Overlap { .. } | Error::OutOfSlots { .. } | Error::OverLimit { .. } => {
-                ErrorKind::Conflict
-            }
+            Error::Overlap { .. }
+            | Error::BatchOverlap { .. }
+            | Error::OutOfSlots { .. }
+            | Error::OverLimit { .. } => ErrorKind::Conflict,
             Error::UndoFailed { .. }
             | Error::PartlyUndone { .. }
             | Error::Broken { .. }
@@ -370,6 +384,14 @@ mod tests {
                 Error::Overlap {
                     range: range(),
                     other: RegionId(0),
+                    other_range: range(),
+                },
+                Conflict,
+            ),
+            (
+                Error::BatchOverlap {
+                    range: range(),
+                    other: 1,
                     other_range: range(),
                 },
                 Conflict,

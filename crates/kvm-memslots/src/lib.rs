@@ -29,7 +29,8 @@ pub use error::{Error, ErrorKind};
 pub use kvm::{KvmMemory, KvmSlot, KvmVm};
 pub use limits::{metadata_bytes, Limit, MemoryLimits, MemoryUse};
 pub use manager::{
-    HvaMatch, MemoryManager, RegionInfo, RegionSpec, SlotUsage, Target, KVM_MAX_SLOT_SIZE,
+    HvaMatch, MemoryManager, RegionChange, RegionInfo, RegionSpec, SlotUsage, Target,
+    KVM_MAX_SLOT_SIZE,
 };
 pub use memory::{
     Backing, GuestMemoryHandle, GuestMemorySlots, GuestMemorySnapshot, GuestSlot, GuestSlotData,

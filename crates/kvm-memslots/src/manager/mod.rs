@@ -6,6 +6,7 @@
 //! (`plan`), region operations (`regions`), dirty logging (`dirty_log`), discard (`discard`)
 //! and read-only queries (`query`).
 
+mod batch;
 mod dirty_log;
 mod discard;
 mod plan;
@@ -17,7 +18,7 @@ mod spec;
 use std::collections::BTreeMap;
 use std::fmt;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 
 use memslot_map::{
     Change, MapConfig, MapError, MapWriter, MemslotMap, SharedMap, SlotFlags, SlotId,
@@ -33,6 +34,7 @@ use crate::memory::{
     GuestMemoryHandle, GuestMemorySnapshot, GuestSlotData, RegionId, RegionMemory, SlotBacking,
 };
 use crate::{MapGuard, PAGE_SIZE};
+pub use batch::RegionChange;
 use plan::{KvmOp, Step};
 use slot_ids::SlotIds;
 pub use spec::{HvaMatch, RegionInfo, RegionSpec, SlotUsage, Target, KVM_MAX_SLOT_SIZE};
@@ -142,7 +144,7 @@ pub struct MemoryManager<K: KvmMemory> {
     /// The published versions and, behind their writer lock, the manager's [`State`].
     map: Arc<SharedMap<SlotBacking, State>>,
     /// Even while KVM's slots equal the published map, odd while a change is being applied.
-    sequence: AtomicU64,
+    sequence: ChangeSequence,
     /// The regions a harvest may name, by id (changed by the writer when it adds or removes
     /// a region, after publishing; never held across anything slow).
     directory: Mutex<BTreeMap<RegionId, Arc<Harvestable>>>,
@@ -236,7 +238,7 @@ impl<K: KvmMemory> MemoryManager<K> {
                     used: MemoryUse::default(),
                 },
             )),
-            sequence: AtomicU64::new(0),
+            sequence: ChangeSequence::default(),
             directory: Mutex::new(BTreeMap::new()),
             harvests: Mutex::new(()),
             rings: Mutex::new(()),
@@ -296,7 +298,41 @@ impl<K: KvmMemory> MemoryManager<K> {
     /// KVM (a vCPU may then exit on an address the map still or already calls memory). Each
     /// change adds 2.
     pub fn change_sequence(&self) -> u64 {
-        self.sequence.load(Ordering::Acquire)
+        self.sequence.get()
+    }
+
+    /// The change sequence and the current map version, read so that they agree: the map holds
+    /// every change an even sequence counts, and no change began or ended between the two
+    /// reads. What a vCPU exit handler needs to tell an address that is away for a moment (the
+    /// sequence is odd, or moved since the vCPU entered the guest) from one that is not
+    /// memory. Lock-free; it retries only while a change publishes.
+    pub fn load_consistent(&self) -> (u64, MapGuard) {
+        loop {
+            // The sequence first, then the map: a map loaded after an even sequence holds every
+            // change that sequence counts. A change may publish between the two loads (its odd
+            // step comes before its publication), so the sequence is read again.
+            let sequence = self.sequence.get();
+            let map = self.map.load();
+            if self.sequence.get() == sequence {
+                return (sequence, map);
+            }
+        }
+    }
+
+    /// Waits until no change is being applied (the change sequence is even) and returns the
+    /// sequence, or returns `None` as soon as `give_up` says so (it is asked at least every
+    /// millisecond while a change lasts: a vCPU asked to stop, a deadline). The end of a change
+    /// wakes the waiter at once; nothing polls KVM.
+    ///
+    /// ```
+    /// use kvm_memslots::testing::FakeKvm;
+    /// use kvm_memslots::MemoryManager;
+    ///
+    /// let memory = MemoryManager::new(FakeKvm::new(8, true));
+    /// assert_eq!(memory.wait_settled(|| false), Some(memory.change_sequence()));
+    /// ```
+    pub fn wait_settled(&self, give_up: impl Fn() -> bool) -> Option<u64> {
+        self.sequence.wait_even(&give_up)
     }
 
     /// Takes the writer lock. A panic while it was held left KVM and the map as the last
@@ -425,7 +461,7 @@ impl<K: KvmMemory> MemoryManager<K> {
         if drain {
             self.collect_rings()?;
         }
-        self.sequence.fetch_add(1, Ordering::AcqRel);
+        self.sequence.begin();
         // Even again when this returns, and also if a KVM call panics: a vCPU waiting for an
         // even sequence must not wait forever.
         let _even = EndOfChange(&self.sequence);
@@ -579,13 +615,61 @@ fn map_error(current: &MemslotMap<SlotBacking>, error: MapError) -> Error {
 }
 
 /// Ends a change in the change sequence (makes it even again) when dropped.
-struct EndOfChange<'a>(&'a AtomicU64);
+struct EndOfChange<'a>(&'a ChangeSequence);
 
 impl Drop for EndOfChange<'_> {
     fn drop(&mut self) {
-        self.0.fetch_add(1, Ordering::AcqRel);
+        self.0.end();
     }
 }
+
+/// The change sequence (even while KVM's slots match the published map, odd while a change is
+/// being applied), and what wakes those waiting for it to be even.
+#[derive(Default)]
+struct ChangeSequence {
+    value: AtomicU64,
+    lock: Mutex<()>,
+    settled: Condvar,
+}
+
+impl ChangeSequence {
+    fn get(&self) -> u64 {
+        self.value.load(Ordering::Acquire)
+    }
+
+    fn begin(&self) {
+        self.value.fetch_add(1, Ordering::AcqRel);
+    }
+
+    fn end(&self) {
+        self.value.fetch_add(1, Ordering::AcqRel);
+        // Under the lock: a waiter checks the value and starts waiting under it, so it either
+        // saw the new value or is waiting when this wakes it.
+        let _waiters = self.lock.lock().unwrap_or_else(|p| p.into_inner());
+        self.settled.notify_all();
+    }
+
+    fn wait_even(&self, give_up: &dyn Fn() -> bool) -> Option<u64> {
+        let mut guard = self.lock.lock().unwrap_or_else(|p| p.into_inner());
+        loop {
+            let value = self.get();
+            if value.is_multiple_of(2) {
+                return Some(value);
+            }
+            if give_up() {
+                return None;
+            }
+            guard = self
+                .settled
+                .wait_timeout(guard, GIVE_UP_CHECK)
+                .unwrap_or_else(|p| p.into_inner())
+                .0;
+        }
+    }
+}
+
+/// How often [`MemoryManager::wait_settled`] asks whether to give up.
+const GIVE_UP_CHECK: std::time::Duration = std::time::Duration::from_millis(1);
 
 #[cfg(test)]
 mod tests;

@@ -1,21 +1,17 @@
 //! Region operations: add, remove, move, read-only.
 
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
-use memslot_map::{AddressRange, Change, HostAddress, SlotFlags, SlotId};
+use memslot_map::{Change, SlotFlags};
 use vm_memory::GuestAddress;
 
+use super::batch::RegionChange;
 use super::plan::{KvmOp, Step};
-use super::{
-    admit, check_aligned, check_range, region_slots, Harvestable, MemoryManager, Region,
-    RegionSpec, Writer, KVM_MAX_SLOT_SIZE,
-};
-use crate::dirty::PendingBits;
+use super::{check_range, region_slots, MemoryManager, RegionSpec};
 use crate::error::Error;
 use crate::kvm::{KvmMemory, KvmSlot};
-use crate::memory::{GuestSlotData, RegionId, RegionMemory, SlotBacking};
-use crate::PAGE_SIZE;
+use crate::memory::{GuestSlotData, RegionId};
 
 impl<K: KvmMemory> MemoryManager<K> {
     /// Maps a new region and gives it to the guest. Returns its id.
@@ -35,133 +31,8 @@ impl<K: KvmMemory> MemoryManager<K> {
     /// kept for the process's lifetime. A failure in step 1 or 2 makes no KVM call and closes
     /// or unmaps what was made.
     pub fn add_region(&self, spec: RegionSpec) -> Result<RegionId, Error> {
-        let mut state = self.state_for_change()?;
-        let slot_size = spec
-            .slot_size
-            .unwrap_or(KVM_MAX_SLOT_SIZE & !(PAGE_SIZE - 1));
-        check_range(spec.gpa.0, spec.size)?;
-        if slot_size == 0 || slot_size > KVM_MAX_SLOT_SIZE {
-            return Err(Error::SlotSize {
-                slot_size,
-                limit: KVM_MAX_SLOT_SIZE,
-            });
-        }
-        check_aligned("slot size", slot_size)?;
-        // Before anything is allocated: a region the host cannot carry is refused here.
-        let used = admit(&state, spec.size)?;
-        let current = Arc::clone(state.current());
-        // Refuse an overlap before mapping anything.
-        let range = AddressRange {
-            start: spec.gpa.0,
-            end: spec.gpa.0 + spec.size,
-        };
-        if let Some(other) = current.first_overlap(range.start, range.end) {
-            return Err(Error::Overlap {
-                range,
-                other: other.payload().region(),
-                other_range: other.gpa_range(),
-            });
-        }
-        let needed = spec.size.div_ceil(slot_size) as usize;
-        // Not the number a harvest is reading the log of: it must keep naming that harvest's
-        // slot (and its size) until the harvest is done with it.
-        let leased = self.leased.load(Ordering::SeqCst);
-        let ids = state.ids.alloc(needed, leased).ok_or(Error::OutOfSlots {
-            needed,
-            free: state.ids.available_besides(leased),
-            limit: state.ids.limit,
-        })?;
-        // The id is used up even if the add fails: its errors name it, and an id never names
-        // two regions.
-        let region_id = RegionId(state.next_region);
-        state.next_region += 1;
-        let result = self.add_slots(&mut state, region_id, &spec, slot_size, &ids);
-        match result {
-            Ok((memory, pending)) => {
-                state.used = used;
-                let shared = Arc::new(Harvestable {
-                    memory: Arc::clone(&memory),
-                    pending,
-                    slots: ids.clone().into_boxed_slice(),
-                    gpa: AtomicU64::new(spec.gpa.0),
-                });
-                self.directory().insert(region_id, Arc::clone(&shared));
-                state.regions.insert(
-                    region_id,
-                    Region {
-                        memory,
-                        gpa: spec.gpa,
-                        size: spec.size,
-                        slots: ids,
-                        flags: SlotFlags {
-                            log_dirty: spec.log_dirty,
-                            read_only: spec.read_only,
-                        },
-                        shared,
-                    },
-                );
-                Ok(region_id)
-            }
-            Err(e) => {
-                if state.broken.is_none() {
-                    state.ids.release(&ids);
-                }
-                Err(e)
-            }
-        }
-    }
-
-    fn add_slots(
-        &self,
-        state: &mut Writer<'_>,
-        region: RegionId,
-        spec: &RegionSpec,
-        slot_size: u64,
-        ids: &[SlotId],
-    ) -> Result<(Arc<RegionMemory>, Arc<PendingBits>), Error> {
-        let memory = Arc::new(RegionMemory::new(spec.size, &spec.backing)?);
-        // Allocated with the region (fallibly), so that nothing that marks a page dirty can
-        // fail for want of room later.
-        let pages = spec.size / PAGE_SIZE;
-        let pending = Arc::new(PendingBits::new(pages)?);
-        // A region that logs from the start reports every page in its first harvest, in every
-        // mode (where KVM's log does not start all set, the manager marks them).
-        if spec.log_dirty && self.marks_logging_start() {
-            pending.mark(0, pages);
-        }
-        let flags = SlotFlags {
-            log_dirty: spec.log_dirty,
-            read_only: spec.read_only,
-        };
-        let slots: Vec<GuestSlotData> = ids
-            .iter()
-            .enumerate()
-            .map(|(i, id)| {
-                let offset = i as u64 * slot_size;
-                GuestSlotData::new(
-                    *id,
-                    GuestAddress(spec.gpa.0 + offset),
-                    slot_size.min(spec.size - offset),
-                    HostAddress(memory.host_address() + offset),
-                    flags,
-                    SlotBacking::new(region, Arc::clone(&memory), Arc::clone(&pending), offset),
-                )
-            })
-            .collect();
-        let steps: Vec<Step> = slots
-            .iter()
-            .map(|s| Step {
-                region,
-                op: KvmOp::Create(s.into()),
-                read_log: false,
-            })
-            .collect();
-        let changes = slots.into_iter().map(Change::Insert);
-        let committed = self.commit(state, changes, &steps);
-        if committed.is_err() && state.broken.is_some() {
-            state.orphans.push(Arc::clone(&memory));
-        }
-        committed.map(|()| (memory, pending))
+        let added = self.apply(vec![RegionChange::Add(spec)])?;
+        Ok(added[0])
     }
 
     /// Takes a region away from the guest and unmaps it (once no snapshot holds it).
@@ -181,32 +52,7 @@ impl<K: KvmMemory> MemoryManager<K> {
     /// deleted are created again (same ranges and flags; new logs, in bitmap mode), last
     /// first; nothing is unmapped.
     pub fn remove_region(&self, id: RegionId) -> Result<(), Error> {
-        let mut state = self.state_for_change()?;
-        let current = Arc::clone(state.current());
-        let region = state.regions.get(&id).ok_or(Error::UnknownRegion(id))?;
-        let slots = region_slots(&current, region);
-        let steps: Vec<Step> = slots
-            .iter()
-            .map(|s| Step {
-                region: id,
-                op: KvmOp::Delete(s.as_ref().into()),
-                // If KVM refuses a later step, the deleted slots are created again with fresh
-                // logs: keep what their logs held, or a rolled-back remove would lose it.
-                read_log: s.flags().log_dirty,
-            })
-            .collect();
-        let changes = steps
-            .iter()
-            .map(|step| Change::Remove(SlotId(step.op.request().slot)));
-        self.commit(&mut state, changes, &steps)?;
-        let region = state.regions.remove(&id).expect("looked up above");
-        state.ids.release(&region.slots);
-        // After the release (and so after the version without the slots was published): a
-        // harvest that sees this count move looks the numbers up again (see `leased`).
-        self.ids_freed.fetch_add(1, Ordering::SeqCst);
-        self.directory().remove(&id);
-        state.used = state.used.without(region.size);
-        Ok(())
+        self.remove_regions([id])
     }
 
     /// Moves a region to a new guest-physical base (KVM moves each slot in place).

@@ -51,6 +51,7 @@ struct Everything {
     map: Vec<KvmSlot>,
     regions: Vec<RegionInfo>,
     usage: SlotUsage,
+    memory: MemoryUse,
 }
 
 fn everything(m: &Manager) -> Everything {
@@ -59,6 +60,7 @@ fn everything(m: &Manager) -> Everything {
         map: expected_kvm(m),
         regions: m.regions(),
         usage: m.slot_usage(),
+        memory: m.memory_use(),
     }
 }
 
@@ -163,6 +165,26 @@ fn operations() -> Vec<(&'static str, Operation, Operation)> {
             m.add_region(region(32 * MIB, 8)).map(drop)
         }),
         ("remove", nothing, |m, r| m.remove_region(r)),
+        ("add a batch", nothing, |m, _| {
+            m.add_regions([region(32 * MIB, 3), region(48 * MIB, 1), region(8 * MIB, 2)])
+                .map(drop)
+        }),
+        ("remove a batch", nothing, |m, r| {
+            m.remove_regions([RegionId(1), r])
+        }),
+        (
+            "replace logging regions in one batch",
+            |m, _| m.start_dirty_log(Target::All),
+            |m, r| {
+                m.apply(vec![
+                    RegionChange::Add(region(MIB + 4 * SLOT, 6)),
+                    RegionChange::Remove(r),
+                    RegionChange::Add(region(MIB, 4)),
+                    RegionChange::Remove(RegionId(1)),
+                ])
+                .map(drop)
+            },
+        ),
         ("move up into itself", nothing, |m, r| {
             m.move_region(r, GuestAddress(MIB + 3 * SLOT))
         }),
@@ -1605,4 +1627,282 @@ fn a_panicking_kvm_call_leaves_the_change_sequence_even() {
     assert!(!m.kvm().failure_pending(), "the planned panic came");
     // A vCPU waiting for the change to end (an even sequence) goes on.
     assert_eq!(m.change_sequence() % 2, 0, "{}", m.change_sequence());
+}
+
+#[test]
+fn a_batch_is_one_change_and_one_published_version() {
+    let (m, r) = setup();
+    let sequence = m.change_sequence();
+    let before = m.load();
+    let added = m
+        .apply(vec![
+            RegionChange::Add(region(32 * MIB, 3)),
+            RegionChange::Remove(r),
+            // Where the removed region was: removals come first.
+            RegionChange::Add(region(MIB, 8)),
+        ])
+        .unwrap();
+    assert_eq!(added, vec![RegionId(2), RegionId(3)]);
+    assert_eq!(m.change_sequence(), sequence + 2, "one change");
+    // The version before the batch is whole: no reader saw part of it.
+    assert_eq!(before.len(), 10);
+    assert_eq!(m.load().len(), 2 + 3 + 8);
+    assert_mirrored(&m);
+    let ids: Vec<RegionId> = m.regions().iter().map(|i| i.id).collect();
+    assert_eq!(ids, vec![RegionId(1), RegionId(2), RegionId(3)]);
+    assert_eq!(m.memory_use().guest_memory, (2 + 3 + 8) * SLOT);
+    // The removed region's slot numbers were freed only after the batch: the new regions
+    // took numbers the removed one did not hold.
+    let numbers = |id| m.region_slots(id).unwrap();
+    assert!(numbers(RegionId(2))
+        .iter()
+        .chain(&numbers(RegionId(3)))
+        .all(|n| !(0..8).contains(&n.0)));
+}
+
+#[test]
+fn a_refused_batch_makes_no_call_and_takes_no_id() {
+    let (m, r) = setup();
+    let before = everything(&m);
+    let calls = m.kvm().inner().set_calls();
+    type Refusal = (&'static str, Vec<RegionChange>, fn(&Error) -> bool);
+    let refusals: Vec<Refusal> = vec![
+        (
+            "unknown region",
+            vec![
+                RegionChange::Add(region(32 * MIB, 1)),
+                RegionChange::Remove(RegionId(9)),
+            ],
+            |e| matches!(e, Error::UnknownRegion(RegionId(9))),
+        ),
+        (
+            "region removed twice",
+            vec![RegionChange::Remove(r), RegionChange::Remove(r)],
+            |e| matches!(e, Error::UnknownRegion(_)),
+        ),
+        (
+            "additions overlap each other",
+            vec![
+                RegionChange::Add(region(32 * MIB, 4)),
+                RegionChange::Add(region(48 * MIB, 1)),
+                RegionChange::Add(region(32 * MIB + 3 * SLOT, 1)),
+            ],
+            |e| matches!(e, Error::BatchOverlap { other: 0, .. }),
+        ),
+        (
+            "an addition overlaps a region that stays",
+            vec![
+                RegionChange::Remove(r),
+                RegionChange::Add(region(16 * MIB, 1)),
+            ],
+            |e| {
+                matches!(
+                    e,
+                    Error::Overlap {
+                        other: RegionId(1),
+                        ..
+                    }
+                )
+            },
+        ),
+        (
+            "a bad addition after good ones",
+            vec![
+                RegionChange::Add(region(32 * MIB, 1)),
+                RegionChange::Add(RegionSpec::new(GuestAddress(48 * MIB), 0x800)),
+            ],
+            |e| matches!(e, Error::Unaligned { .. }),
+        ),
+        (
+            "more slots than KVM has, counted over the batch",
+            vec![
+                RegionChange::Add(region(32 * MIB, 30)),
+                RegionChange::Add(region(64 * MIB, 30)),
+            ],
+            |e| {
+                matches!(
+                    e,
+                    Error::OutOfSlots {
+                        needed: 60,
+                        free: 54,
+                        ..
+                    }
+                )
+            },
+        ),
+    ];
+    for (name, batch, expected) in refusals {
+        let err = m.apply(batch).expect_err(name);
+        assert!(expected(&err), "{name}: {err}");
+        assert_eq!(everything(&m), before, "{name}");
+        assert_eq!(m.kvm().inner().set_calls(), calls, "{name}: a KVM call");
+    }
+    // No region id was used up by the refusals.
+    assert_eq!(m.add_region(region(32 * MIB, 1)).unwrap(), RegionId(2));
+}
+
+#[test]
+fn a_batch_over_a_limit_is_refused_as_a_whole() {
+    let limits = MemoryLimits {
+        max_guest_memory: 10 * SLOT,
+        ..MemoryLimits::for_this_host()
+    };
+    let m = MemoryManager::with_limits(Faulty::new(FakeKvm::new(64, true)), limits);
+    let r = m.add_region(region(0, 6)).unwrap();
+    let before = everything(&m);
+    // Each addition fits alone; together they do not.
+    let err = m
+        .add_regions([region(MIB, 3), region(2 * MIB, 3)])
+        .unwrap_err();
+    assert!(matches!(err, Error::OverLimit { .. }), "{err}");
+    assert_eq!(everything(&m), before);
+    // A removal in the same batch makes room.
+    m.apply(vec![
+        RegionChange::Add(region(MIB, 3)),
+        RegionChange::Add(region(2 * MIB, 3)),
+        RegionChange::Remove(r),
+    ])
+    .unwrap();
+    assert_eq!(m.memory_use().guest_memory, 6 * SLOT);
+}
+
+#[test]
+fn a_log_read_failing_during_a_batch_removal_undoes_it_and_loses_no_page() {
+    // Two logging regions, 10 slots: fail the k-th log read of the batch that removes both.
+    for k in 0..10 {
+        let (m, r) = setup();
+        m.start_dirty_log(Target::All).unwrap();
+        m.harvest_dirty(Target::All).unwrap();
+        let fake = m.kvm().inner();
+        fake.guest_write(MIB + 7 * SLOT);
+        fake.guest_write(16 * MIB + SLOT);
+        let before = everything(&m);
+        m.kvm().fail(KvmCall::GetDirtyLog, k, libc::EIO);
+        let err = m
+            .apply(vec![
+                RegionChange::Remove(r),
+                RegionChange::Remove(RegionId(1)),
+                RegionChange::Add(region(32 * MIB, 2)),
+            ])
+            .unwrap_err();
+        assert!(matches!(err, Error::GetDirtyLog { .. }), "{k}: {err}");
+        assert_eq!(everything(&m), before, "step {k}: the batch was undone");
+        let dirty = m.harvest_dirty(Target::All).unwrap();
+        let got: Vec<u64> = dirty
+            .iter()
+            .flat_map(|d| d.addresses().map(|a| a.0))
+            .collect();
+        assert!(
+            got.contains(&(MIB + 7 * SLOT)) && got.contains(&(16 * MIB + SLOT)),
+            "step {k}: {got:x?}"
+        );
+    }
+}
+
+#[test]
+fn a_failed_undo_of_a_batch_keeps_the_new_memory_mapped() {
+    let (m, r) = setup();
+    // The batch removes region r (8 deletes), then adds 2 slots: the second create fails,
+    // and so does every later request, the undo's first among them.
+    m.kvm().fail_from(KvmCall::SetRegion, 9, libc::EIO);
+    let err = m
+        .apply(vec![
+            RegionChange::Remove(r),
+            RegionChange::Add(region(32 * MIB, 2)),
+        ])
+        .unwrap_err();
+    assert!(matches!(err, Error::UndoFailed { .. }), "{err}");
+    m.kvm().heal();
+    // KVM still has the new region's first slot: its memory must still be mapped.
+    let stuck = m
+        .kvm()
+        .inner()
+        .slots()
+        .into_iter()
+        .find(|s| s.gpa == 32 * MIB)
+        .expect("the created slot stays in KVM");
+    assert!(
+        is_mapped(stuck.hva),
+        "the memory under a KVM slot was unmapped"
+    );
+    assert!(matches!(
+        m.add_region(region(64 * MIB, 1)).unwrap_err(),
+        Error::Broken { .. }
+    ));
+}
+
+#[test]
+fn a_ring_mode_batch_drains_the_rings_around_its_removals() {
+    let m = ring_manager(256);
+    let a = m.add_region(logging(region(0, 2))).unwrap();
+    let b = m.add_region(logging(region(MIB, 2))).unwrap();
+    m.harvest_dirty(Target::All).unwrap();
+    let write = |gpa: u64| assert!(m.kvm().inner().guest_write(gpa));
+    write(SLOT);
+    write(MIB);
+    let old: Vec<u32> = [a, b].iter().flat_map(|&id| slot_numbers(&m, id)).collect();
+    // Both regions go and, in the same batch, a new one comes that takes none of their
+    // numbers; the next region takes them all: no entry written before is its.
+    let c = m
+        .apply(vec![
+            RegionChange::Remove(a),
+            RegionChange::Add(region(4 * MIB, 1)),
+            RegionChange::Remove(b),
+        ])
+        .unwrap()[0];
+    assert!(slot_numbers(&m, c).iter().all(|n| !old.contains(n)));
+    let d = m.add_region(region(8 * MIB, 4)).unwrap();
+    let mut reused = slot_numbers(&m, d);
+    reused.sort_unstable();
+    assert_eq!(reused, old, "the numbers are reused");
+    assert!(
+        dirty_addresses(&m, d).is_empty(),
+        "nothing of a's or b's is d's"
+    );
+    m.start_dirty_log(Target::Region(d)).unwrap();
+    assert_eq!(dirty_addresses(&m, d).len() as u64, 4 * SLOT / PAGE_SIZE);
+    write(8 * MIB + SLOT);
+    assert_eq!(dirty_addresses(&m, d), vec![8 * MIB + SLOT]);
+}
+
+/// Whether the page at host address `hva` is mapped in this process.
+fn is_mapped(hva: u64) -> bool {
+    // SAFETY: `msync` with MS_ASYNC only inspects the mapping at the page; it neither reads
+    // nor writes memory, and fails with ENOMEM where nothing is mapped.
+    unsafe { libc::msync(hva as *mut libc::c_void, PAGE_SIZE as usize, libc::MS_ASYNC) == 0 }
+}
+
+#[test]
+fn a_waiter_for_a_settled_map_wakes_when_the_change_ends_or_gives_up() {
+    let m: Arc<GatedManager> = Arc::new(MemoryManager::new(Gate::new(FakeKvm::new(16, true))));
+    m.add_region(region(0, 2)).unwrap();
+    // A change held inside KVM: the sequence is odd until it is let go.
+    m.kvm().arm();
+    let changer = {
+        let m = Arc::clone(&m);
+        thread::spawn(move || m.add_region(region(MIB, 1)).unwrap())
+    };
+    m.kvm().wait_entered();
+    let odd = m.change_sequence();
+    assert_eq!(odd % 2, 1);
+    // Giving up returns at once with nothing.
+    assert_eq!(m.wait_settled(|| true), None);
+    let (sequence, map) = m.load_consistent();
+    assert_eq!(
+        (sequence, map.len()),
+        (odd, 2),
+        "the old version, mid-change"
+    );
+    drop(map);
+    let waiter = {
+        let m = Arc::clone(&m);
+        thread::spawn(move || m.wait_settled(|| false))
+    };
+    thread::sleep(Duration::from_millis(20));
+    assert!(!waiter.is_finished(), "it waits while the change lasts");
+    m.kvm().release();
+    changer.join().unwrap();
+    assert_eq!(waiter.join().unwrap(), Some(odd + 1));
+    let (sequence, map) = m.load_consistent();
+    assert_eq!((sequence, map.len()), (odd + 1, 3));
 }
