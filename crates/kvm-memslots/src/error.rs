@@ -147,6 +147,15 @@ pub enum Error {
         /// The kernel's error.
         errno: Errno,
     },
+    /// A KVM call panicked during an earlier change (a bug in the [`KvmMemory`] in use): KVM
+    /// and the map may disagree, so changes are refused. Memory KVM may still map stays mapped.
+    ///
+    /// [`KvmMemory`]: crate::KvmMemory
+    #[error("changes are refused since a KVM call on slot {slot} panicked during a change")]
+    BrokenByPanic {
+        /// The slot the panicking call was for.
+        slot: u32,
+    },
     /// Reading a slot's dirty log failed. Dirty pages read before the failure are kept and
     /// reported by the next harvest.
     #[error("region {region}: reading the dirty log of slot {slot} failed: {source}")]
@@ -271,6 +280,7 @@ impl Error {
             Error::UndoFailed { .. }
             | Error::PartlyUndone { .. }
             | Error::Broken { .. }
+            | Error::BrokenByPanic { .. }
             | Error::Map(_) => ErrorKind::Broken,
             Error::Mapping(_)
             | Error::Kvm { .. }
@@ -413,6 +423,7 @@ mod tests {
                 },
                 Broken,
             ),
+            (Error::BrokenByPanic { slot: 3 }, Broken),
             (
                 Error::Broken {
                     slot: 2,

@@ -157,7 +157,10 @@ impl<K: KvmMemory> MemoryManager<K> {
                 map_changes.push(Change::Insert(slot));
             }
         }
-        if let Err(e) = self.commit(&mut state, map_changes, &steps) {
+        state.adding = mapped.iter().map(|m| Arc::clone(&m.memory)).collect();
+        let committed = self.commit(&mut state, map_changes, &steps);
+        state.adding.clear();
+        if let Err(e) = committed {
             if state.broken.is_some() {
                 // KVM may still map some of the new memory: keep it mapped for good.
                 state

@@ -96,14 +96,26 @@ pub(crate) struct State {
     regions: BTreeMap<RegionId, Region>,
     ids: SlotIds,
     next_region: u64,
-    /// Set when an undo failed: KVM and the map may disagree, so changes are refused.
-    broken: Option<(u32, Errno)>,
+    /// Set when an undo failed or a KVM call panicked: KVM and the map may disagree, so
+    /// changes are refused.
+    broken: Option<Broken>,
+    /// The memory of regions a change is adding, while it is being applied.
+    adding: Vec<Arc<RegionMemory>>,
     /// Memory KVM may still map after a failed undo: kept mapped for the process's lifetime.
     orphans: Vec<Arc<RegionMemory>>,
     /// What regions are admitted against.
     limits: MemoryLimits,
     /// What the regions in place use of it.
     used: MemoryUse,
+}
+
+/// Why a manager refuses changes.
+#[derive(Debug, Clone, Copy)]
+enum Broken {
+    /// KVM refused to undo a step of a failed change on this slot.
+    UndoFailed { slot: u32, errno: Errno },
+    /// A KVM call on this slot panicked mid-change.
+    Panicked { slot: u32 },
 }
 
 /// The writer lock of a manager's map, held: its [`State`], the current version, and the right
@@ -233,6 +245,7 @@ impl<K: KvmMemory> MemoryManager<K> {
                     ids: SlotIds::new(limit),
                     next_region: 0,
                     broken: None,
+                    adding: Vec::new(),
                     orphans: Vec::new(),
                     limits,
                     used: MemoryUse::default(),
@@ -335,8 +348,9 @@ impl<K: KvmMemory> MemoryManager<K> {
         self.sequence.wait_even(&give_up)
     }
 
-    /// Takes the writer lock. A panic while it was held left KVM and the map as the last
-    /// completed operation made them (publication is the last step): the state is usable.
+    /// Takes the writer lock. A panic while it was held left the map as the last completed
+    /// operation made it (publication is the last step); a panic inside a KVM call also marked
+    /// the manager broken (KVM may differ from the map), so reads go on and changes are refused.
     fn state(&self) -> Writer<'_> {
         self.map.write()
     }
@@ -384,7 +398,8 @@ impl<K: KvmMemory> MemoryManager<K> {
     fn state_for_change(&self) -> Result<Writer<'_>, Error> {
         let state = self.state();
         match state.broken {
-            Some((slot, errno)) => Err(Error::Broken { slot, errno }),
+            Some(Broken::UndoFailed { slot, errno }) => Err(Error::Broken { slot, errno }),
+            Some(Broken::Panicked { slot }) => Err(Error::BrokenByPanic { slot }),
             None => Ok(state),
         }
     }
@@ -394,27 +409,43 @@ impl<K: KvmMemory> MemoryManager<K> {
         let mut log = Vec::new();
         for (i, step) in steps.iter().enumerate() {
             let request = step.op.request();
-            let read = if step.read_log && !self.kvm.dirty_ring() {
-                self.read_freed_log(state, step, &mut log)
-            } else {
-                Ok(())
-            };
-            let applied = read.and_then(|()| {
-                // SAFETY: every request that creates or updates a slot describes memory of a
-                // `RegionMemory` that the manager keeps mapped for as long as KVM has the slot:
-                // the region's entry in `state.regions` holds it (for a region being added, the
-                // caller holds it and moves it into `state.regions` on success, or into
-                // `state.orphans` if an undo fails), and it is dropped only after KVM's slots
-                // in it were deleted.
-                unsafe { self.kvm.set_user_memory_region(&request) }.map_err(|source| Error::Kvm {
-                    region: step.region,
-                    op: step.op.verb(),
-                    slot: request.slot,
-                    gpa: request.gpa,
-                    size: request.size,
-                    source,
+            // A panicking KVM wrapper (a bug) leaves this step's effect unknown: KVM and the
+            // map may disagree from here on, so the manager is marked broken and the memory of
+            // regions being added stays mapped for good before the panic goes on.
+            let attempt = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                let read = if step.read_log && !self.kvm.dirty_ring() {
+                    self.read_freed_log(state, step, &mut log)
+                } else {
+                    Ok(())
+                };
+                read.and_then(|()| {
+                    // SAFETY: every request that creates or updates a slot describes memory of
+                    // a `RegionMemory` that the manager keeps mapped for as long as KVM has the
+                    // slot: the region's entry in `state.regions` holds it (for a region being
+                    // added, `state.adding` holds it until it moves into `state.regions` on
+                    // success, or into `state.orphans` if an undo fails or a call panics), and
+                    // it is dropped only after KVM's slots in it were deleted.
+                    unsafe { self.kvm.set_user_memory_region(&request) }.map_err(|source| {
+                        Error::Kvm {
+                            region: step.region,
+                            op: step.op.verb(),
+                            slot: request.slot,
+                            gpa: request.gpa,
+                            size: request.size,
+                            source,
+                        }
+                    })
                 })
-            });
+            }));
+            let applied = match attempt {
+                Ok(applied) => applied,
+                Err(panic) => {
+                    state.broken = Some(Broken::Panicked { slot: request.slot });
+                    let adding = std::mem::take(&mut state.adding);
+                    state.orphans.extend(adding);
+                    std::panic::resume_unwind(panic);
+                }
+            };
             if let Err(failed) = applied {
                 for done in steps[..i].iter().rev() {
                     let undo = done.op.inverse();
@@ -422,7 +453,10 @@ impl<K: KvmMemory> MemoryManager<K> {
                     let undone = unsafe { self.kvm.set_user_memory_region(&undo.request()) };
                     if let Err(undo_errno) = undone {
                         let slot = undo.request().slot;
-                        state.broken = Some((slot, undo_errno));
+                        state.broken = Some(Broken::UndoFailed {
+                            slot,
+                            errno: undo_errno,
+                        });
                         return Err(Error::UndoFailed {
                             failed: Box::new(failed),
                             undo_op: undo.verb(),

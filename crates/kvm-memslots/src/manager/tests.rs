@@ -1627,6 +1627,23 @@ fn a_panicking_kvm_call_leaves_the_change_sequence_even() {
     assert!(!m.kvm().failure_pending(), "the planned panic came");
     // A vCPU waiting for the change to end (an even sequence) goes on.
     assert_eq!(m.change_sequence() % 2, 0, "{}", m.change_sequence());
+    // KVM kept the new region's first slot: its memory is still mapped, and the manager
+    // refuses changes rather than trust a map that disagrees with KVM.
+    let kept = m.kvm().inner().slots();
+    let created = kept
+        .iter()
+        .find(|s| s.gpa == GIB)
+        .expect("the first slot was made");
+    assert!(is_mapped(created.hva), "a KVM slot over unmapped memory");
+    assert!(
+        !m.current().iter().any(|s| s.gpa().0 == GIB),
+        "nothing was published"
+    );
+    let refused = m.add_region(region(2 * GIB, 1)).unwrap_err();
+    assert!(matches!(refused, Error::BrokenByPanic { .. }), "{refused}");
+    assert_eq!(refused.kind(), ErrorKind::Broken);
+    // Reads go on.
+    assert_eq!(m.regions().len(), 1);
 }
 
 #[test]
