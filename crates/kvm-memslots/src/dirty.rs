@@ -9,6 +9,33 @@ use crate::error::Error;
 use crate::memory::RegionId;
 use crate::PAGE_SIZE;
 
+/// A reader of the dirty log ([`MemoryManager::add_dirty_consumer`]): each consumer's harvests
+/// report every page dirtied since its own last harvest, whatever the others harvest.
+///
+/// [`MemoryManager::add_dirty_consumer`]: crate::MemoryManager::add_dirty_consumer
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct DirtyConsumer(pub(crate) u32);
+
+impl DirtyConsumer {
+    /// The consumer every manager has, which [`harvest_dirty`] and [`start_dirty_log`] read
+    /// and log for.
+    ///
+    /// [`harvest_dirty`]: crate::MemoryManager::harvest_dirty
+    /// [`start_dirty_log`]: crate::MemoryManager::start_dirty_log
+    pub const DEFAULT: DirtyConsumer = DirtyConsumer(0);
+
+    /// Its number (the default consumer's is 0).
+    pub fn number(self) -> u32 {
+        self.0
+    }
+}
+
+impl std::fmt::Display for DirtyConsumer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "dirty-log consumer {}", self.0)
+    }
+}
+
 /// The pages of one region written since the previous harvest.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct DirtyPages {

@@ -5,6 +5,7 @@ use memslot_map::{AddressRange, MapError};
 use vm_memory::mmap::MmapRegionError;
 use vmm_sys_util::errno::Error as Errno;
 
+use crate::dirty::DirtyConsumer;
 use crate::limits::Limit;
 use crate::memory::{MappingError, RegionId};
 
@@ -147,6 +148,9 @@ pub enum Error {
         /// The kernel's error.
         errno: Errno,
     },
+    /// No such dirty-log consumer (never added, or removed; the default one cannot be removed).
+    #[error("{0} does not exist")]
+    UnknownConsumer(DirtyConsumer),
     /// A KVM call panicked during an earlier change (a bug in the [`KvmMemory`] in use): KVM
     /// and the map may disagree, so changes are refused. Memory KVM may still map stays mapped.
     ///
@@ -268,7 +272,7 @@ impl Error {
             | Error::WrapAround { .. }
             | Error::SlotSize { .. }
             | Error::DiscardHole { .. } => ErrorKind::Invalid,
-            Error::UnknownRegion(_) => ErrorKind::NotFound,
+            Error::UnknownRegion(_) | Error::UnknownConsumer(_) => ErrorKind::NotFound,
             Error::OverLimit {
                 limit: Limit::RegionSize,
                 ..
@@ -390,6 +394,7 @@ mod tests {
                 Invalid,
             ),
             (Error::UnknownRegion(RegionId(3)), NotFound),
+            (Error::UnknownConsumer(DirtyConsumer(2)), NotFound),
             (
                 Error::Overlap {
                     range: range(),

@@ -24,7 +24,7 @@ pub mod stream;
 pub mod testing;
 pub mod uffd;
 
-pub use dirty::DirtyPages;
+pub use dirty::{DirtyConsumer, DirtyPages};
 pub use error::{Error, ErrorKind};
 pub use kvm::{KvmMemory, KvmSlot, KvmVm};
 pub use limits::{metadata_bytes, Limit, MemoryLimits, MemoryUse};

@@ -89,10 +89,18 @@ fn run_guest(
         .memory()
         .write_slice(code, GuestAddress(CODE))
         .expect("load the guest code");
-    // KVM keeps a vCPU until the VM goes, so every run gets a new id.
+    run_vcpu(vm.create_vcpu(next_vcpu_id()).expect("KVM_CREATE_VCPU"))
+}
+
+/// A vCPU id not used before in this process: KVM keeps a vCPU until the VM goes, so every
+/// run gets a new one.
+fn next_vcpu_id() -> u64 {
     static NEXT_VCPU: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
-    let id = NEXT_VCPU.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-    let mut vcpu = vm.create_vcpu(id).expect("KVM_CREATE_VCPU");
+    NEXT_VCPU.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+}
+
+/// Runs the code loaded at `CODE` on `vcpu` to `hlt`.
+fn run_vcpu(mut vcpu: kvm_ioctls::VcpuFd) -> Run {
     let mut sregs = vcpu.get_sregs().expect("get sregs");
     sregs.cs.base = 0;
     sregs.cs.selector = 0;
@@ -440,4 +448,78 @@ fn kvm_a_dirty_ring_is_refused_with_the_reason_when_its_size_or_timing_is_wrong(
     let ring = KvmVm::with_dirty_ring(&kvm, fresh, 4096).expect("ring mode");
     assert_eq!(ring.ring_entries(), Some(4096));
     ring.create_vcpu(0).expect("a vCPU with its ring");
+}
+
+/// Two readers of the dirty log on real KVM, in both harvest modes: a client's harvest and its
+/// stop of logging hide no page from the other consumer (a snapshot chain, say).
+#[test]
+fn kvm_each_dirty_log_consumer_sees_every_page() {
+    let name = "kvm_each_dirty_log_consumer_sees_every_page";
+    let Some((kvm, _)) = kvm_or_skip(name) else {
+        return;
+    };
+    for ring in [false, true] {
+        let vm = Arc::new(kvm.create_vm().expect("KVM_CREATE_VM"));
+        let kvm_vm = if ring {
+            KvmVm::with_dirty_ring(&kvm, Arc::clone(&vm), 4096).expect("ring mode")
+        } else {
+            KvmVm::new(&kvm, Arc::clone(&vm)).expect("bitmap mode")
+        };
+        let m = MemoryManager::new(kvm_vm);
+        let (_, data) = guest_layout(&m, false);
+        let chain = m.add_dirty_consumer().expect("a second consumer");
+        m.start_dirty_log_for(chain, Target::Region(data))
+            .expect("the chain logs");
+        m.harvest_dirty_for(chain, Target::All)
+            .expect("the chain's first harvest");
+        m.start_dirty_log(Target::All).expect("the client logs");
+        let run = |gpa: u64| {
+            let code = Program::default().write_byte(gpa, 0x5a).halt();
+            m.handle()
+                .memory()
+                .write_slice(&code, GuestAddress(CODE))
+                .expect("load the guest code");
+            let vcpu = if ring {
+                m.kvm()
+                    .create_vcpu(next_vcpu_id())
+                    .expect("a vCPU with a ring")
+            } else {
+                vm.create_vcpu(next_vcpu_id()).expect("KVM_CREATE_VCPU")
+            };
+            assert_eq!(run_vcpu(vcpu), Run::default());
+        };
+        let pages = |d: Vec<kvm_memslots::DirtyPages>| -> Vec<u64> {
+            d.iter()
+                .filter(|d| d.region == data)
+                .flat_map(|d| d.addresses().map(|a| a.0))
+                .collect()
+        };
+        m.harvest_dirty(Target::All)
+            .expect("the client's first harvest");
+        run(DATA + 3 * 4 * KIB);
+        // The client reads the page, then stops logging...
+        assert_eq!(
+            pages(m.harvest_dirty(Target::All).expect("harvest")),
+            vec![DATA + 3 * 4 * KIB],
+            "ring {ring}"
+        );
+        m.stop_dirty_log(Target::All).expect("the client stops");
+        assert!(m
+            .regions()
+            .iter()
+            .any(|r| r.id == data && r.flags.log_dirty));
+        run(DATA + 40 * 4 * KIB);
+        // ... and the chain still gets both pages.
+        assert_eq!(
+            pages(m.harvest_dirty_for(chain, Target::All).expect("harvest")),
+            vec![DATA + 3 * 4 * KIB, DATA + 40 * 4 * KIB],
+            "ring {ring}"
+        );
+        // A consumer also gets what was logged for others in regions it does not log (the
+        // manager does not know whose logging caught a write).
+        assert_eq!(
+            pages(m.harvest_dirty(Target::All).expect("harvest")),
+            vec![DATA + 40 * 4 * KIB]
+        );
+    }
 }

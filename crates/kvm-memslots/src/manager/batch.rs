@@ -5,17 +5,18 @@
 
 use std::collections::BTreeSet;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use memslot_map::{AddressRange, Change, HostAddress, SlotFlags, SlotId};
 use vm_memory::GuestAddress;
 
+use super::consumers::{new_stashes, Stash};
 use super::plan::{KvmOp, Step};
 use super::{
     check_aligned, check_range, over_limit, region_slots, Harvestable, MemoryManager, Region,
     RegionSpec, Writer, KVM_MAX_SLOT_SIZE,
 };
-use crate::dirty::PendingBits;
+use crate::dirty::{DirtyConsumer, PendingBits};
 use crate::error::Error;
 use crate::kvm::KvmMemory;
 use crate::limits::MemoryUse;
@@ -43,6 +44,7 @@ struct Mapped {
     id: RegionId,
     memory: Arc<RegionMemory>,
     pending: Arc<PendingBits>,
+    stash: Vec<Stash>,
 }
 
 impl<K: KvmMemory> MemoryManager<K> {
@@ -112,15 +114,12 @@ impl<K: KvmMemory> MemoryManager<K> {
         // their memory or KVM fails (their errors name them).
         let mut mapped = Vec::with_capacity(added.len());
         let mut failed = None;
+        let consumers = self.consumers().clone();
         for new in &added {
             let id = RegionId(state.next_region);
             state.next_region += 1;
-            match self.map_memory(&new.spec) {
-                Ok((memory, pending)) => mapped.push(Mapped {
-                    id,
-                    memory,
-                    pending,
-                }),
+            match self.map_memory(id, &new.spec, &consumers) {
+                Ok(m) => mapped.push(m),
                 Err(e) => {
                     failed = Some(e);
                     break;
@@ -192,6 +191,7 @@ impl<K: KvmMemory> MemoryManager<K> {
                 pending: m.pending,
                 slots: new.ids.clone().into_boxed_slice(),
                 gpa: AtomicU64::new(new.spec.gpa.0),
+                stash: Mutex::new(m.stash),
             });
             self.directory().insert(m.id, Arc::clone(&shared));
             state.regions.insert(
@@ -202,6 +202,11 @@ impl<K: KvmMemory> MemoryManager<K> {
                     size: new.spec.size,
                     slots: new.ids,
                     flags: flags_of(&new.spec),
+                    loggers: if new.spec.log_dirty {
+                        BTreeSet::from([DirtyConsumer::DEFAULT])
+                    } else {
+                        BTreeSet::new()
+                    },
                     shared,
                 },
             );
@@ -323,22 +328,35 @@ impl<K: KvmMemory> MemoryManager<K> {
         Ok((removed, added, used))
     }
 
-    /// Maps a new region's memory and its pending bits.
+    /// Maps a new region's memory, its pending bits and, if there is more than one consumer,
+    /// their stashes.
     fn map_memory(
         &self,
+        id: RegionId,
         spec: &RegionSpec,
-    ) -> Result<(Arc<RegionMemory>, Arc<PendingBits>), Error> {
+        consumers: &BTreeSet<DirtyConsumer>,
+    ) -> Result<Mapped, Error> {
         let memory = Arc::new(RegionMemory::new(spec.size, &spec.backing)?);
         // Allocated with the region (fallibly), so that nothing that marks a page dirty can
         // fail for want of room later.
         let pages = spec.size / PAGE_SIZE;
         let pending = Arc::new(PendingBits::new(pages)?);
+        let stash = if consumers.len() > 1 {
+            new_stashes(consumers, pages.div_ceil(64) as usize)?
+        } else {
+            Vec::new()
+        };
         // A region that logs from the start reports every page in its first harvest, in every
         // mode (where KVM's log does not start all set, the manager marks them).
         if spec.log_dirty && self.marks_logging_start() {
             pending.mark(0, pages);
         }
-        Ok((memory, pending))
+        Ok(Mapped {
+            id,
+            memory,
+            pending,
+            stash,
+        })
     }
 }
 

@@ -6,9 +6,10 @@ use std::sync::Arc;
 use memslot_map::{Change, SlotFlags, SlotId};
 use vm_memory::GuestAddress;
 
+use super::consumers::share;
 use super::plan::{KvmOp, Step};
 use super::{region_slots, reserve, Harvestable, MemoryManager, State, Target, NO_LEASE};
-use crate::dirty::{DirtyPages, PendingBits};
+use crate::dirty::{DirtyConsumer, DirtyPages, PendingBits};
 use crate::error::Error;
 use crate::kvm::{KvmMemory, KvmSlot};
 use crate::memory::{GuestSlotData, RegionId};
@@ -31,7 +32,29 @@ impl<K: KvmMemory> MemoryManager<K> {
     /// No log is read and no ring drained. On a refusal: the slots already updated get their
     /// old flags back, last first.
     pub fn start_dirty_log(&self, target: Target) -> Result<(), Error> {
-        self.set_dirty_log(target, true)
+        self.set_dirty_log(DirtyConsumer::DEFAULT, target, true)
+    }
+
+    /// Starts logging the target regions for `consumer` ([`add_dirty_consumer`]). KVM logs a
+    /// region while any consumer logs it: this makes KVM calls only for regions no consumer
+    /// logged, as [`start_dirty_log`](Self::start_dirty_log) does. A region that logged for
+    /// another consumer already reports every page in `consumer`'s next harvest, as one whose
+    /// logging starts does.
+    ///
+    /// [`add_dirty_consumer`]: Self::add_dirty_consumer
+    pub fn start_dirty_log_for(
+        &self,
+        consumer: DirtyConsumer,
+        target: Target,
+    ) -> Result<(), Error> {
+        self.set_dirty_log(consumer, target, true)
+    }
+
+    /// Stops logging the target regions for `consumer`. KVM stops logging a region (with the
+    /// calls of [`stop_dirty_log`](Self::stop_dirty_log)) only where no other consumer logs it;
+    /// [`dirty_log_holders`](Self::dirty_log_holders) says which consumers keep it logging.
+    pub fn stop_dirty_log_for(&self, consumer: DirtyConsumer, target: Target) -> Result<(), Error> {
+        self.set_dirty_log(consumer, target, false)
     }
 
     /// Stops logging the guest's writes to the target regions. Pages logged so far are kept
@@ -53,18 +76,57 @@ impl<K: KvmMemory> MemoryManager<K> {
     /// kept, and every page of the target regions is marked dirty: a guest write between a
     /// slot's update and its reversal was not logged, so the next harvest reports them all.
     pub fn stop_dirty_log(&self, target: Target) -> Result<(), Error> {
-        self.set_dirty_log(target, false)
+        self.set_dirty_log(DirtyConsumer::DEFAULT, target, false)
     }
 
-    fn set_dirty_log(&self, target: Target, on: bool) -> Result<(), Error> {
+    fn set_dirty_log(
+        &self,
+        consumer: DirtyConsumer,
+        target: Target,
+        on: bool,
+    ) -> Result<(), Error> {
         let mut state = self.state_for_change()?;
+        self.check_consumer(consumer)?;
         let current = Arc::clone(state.current());
-        let ids: Vec<RegionId> = target_regions(&state, target)?
-            .into_iter()
-            .filter(|id| state.regions[id].flags.log_dirty != on)
+        let targets = target_regions(&state, target)?;
+        // Regions whose logging in KVM changes: the first consumer to log one, the last to
+        // stop. The others only gain or lose `consumer` among their loggers.
+        let ids: Vec<RegionId> = targets
+            .iter()
+            .copied()
+            .filter(|id| {
+                let loggers = &state.regions[id].loggers;
+                if on {
+                    loggers.is_empty()
+                } else {
+                    loggers.len() == 1 && loggers.contains(&consumer)
+                }
+            })
             .collect();
+        let joined: Vec<RegionId> = targets
+            .iter()
+            .copied()
+            .filter(|id| {
+                let loggers = &state.regions[id].loggers;
+                on && !loggers.is_empty() && !loggers.contains(&consumer)
+            })
+            .collect();
+        let set_loggers = |state: &mut State| {
+            for id in &targets {
+                let loggers = &mut state.regions.get_mut(id).expect("listed above").loggers;
+                if on {
+                    loggers.insert(consumer);
+                } else {
+                    loggers.remove(&consumer);
+                }
+            }
+        };
         if ids.is_empty() {
-            // Nothing changes: no KVM call, and no new map version for readers to pick up.
+            // Nothing changes in KVM: no call, and no new map version for readers to pick up.
+            // Logging for others already: `consumer`'s first harvest has every page, as if
+            // logging started now.
+            mark_all_for(&state, &joined, consumer);
+            set_loggers(&mut state);
             return Ok(());
         }
         let mut steps =
@@ -126,6 +188,8 @@ impl<K: KvmMemory> MemoryManager<K> {
                 .flags
                 .log_dirty = on;
         }
+        mark_all_for(&state, &joined, consumer);
+        set_loggers(&mut state);
         Ok(())
     }
 
@@ -271,7 +335,11 @@ impl<K: KvmMemory> MemoryManager<K> {
     }
 
     /// The pages of the target regions written since the last harvest, by the guest (KVM's
-    /// log, for regions that log) or by the VMM through vm-memory (`Bytes`), and clears them.
+    /// log, for regions that log) or by the VMM through vm-memory (`Bytes`), and clears them:
+    /// the harvest of the default consumer ([`DirtyConsumer::DEFAULT`]). Other consumers
+    /// ([`add_dirty_consumer`](Self::add_dirty_consumer)) still get these pages in their own
+    /// harvests ([`harvest_dirty_for`](Self::harvest_dirty_for)). A consumer gets every page
+    /// logged in a region, for whichever consumer KVM logged it.
     ///
     /// If reading a log fails, the error is returned and every bit read so far is kept for the
     /// next harvest: no dirty page is ever lost.
@@ -324,7 +392,19 @@ impl<K: KvmMemory> MemoryManager<K> {
     /// the harvest stops and returns the error, every bit read kept pending, except that an
     /// `ENOENT`/`EINVAL` from a slot whose log a concurrent change freed is skipped.
     pub fn harvest_dirty(&self, target: Target) -> Result<Vec<DirtyPages>, Error> {
+        self.harvest_dirty_for(DirtyConsumer::DEFAULT, target)
+    }
+
+    /// The pages of the target regions dirtied since `consumer`'s last harvest, and clears
+    /// them for `consumer` only: every other consumer still gets them in its own next
+    /// harvest. Otherwise as [`harvest_dirty`](Self::harvest_dirty), with the same KVM calls.
+    pub fn harvest_dirty_for(
+        &self,
+        consumer: DirtyConsumer,
+        target: Target,
+    ) -> Result<Vec<DirtyPages>, Error> {
         let _serial = self.harvests.lock().unwrap_or_else(|p| p.into_inner());
+        self.check_consumer(consumer)?;
         let regions: Vec<(RegionId, Arc<Harvestable>)> = {
             let directory = self.directory();
             match target {
@@ -368,6 +448,10 @@ impl<K: KvmMemory> MemoryManager<K> {
                     .pending
                     .take_into(&mut bitmap)
                     .expect("room was reserved above");
+                let mut stashes = region.stash();
+                if !stashes.is_empty() {
+                    share(&mut stashes, consumer, &mut bitmap);
+                }
                 DirtyPages {
                     region: id,
                     gpa: GuestAddress(region.gpa.load(Ordering::Acquire)),
@@ -473,5 +557,25 @@ fn target_regions(state: &State, target: Target) -> Result<Vec<RegionId>, Error>
         Target::All => Ok(state.regions.keys().copied().collect()),
         Target::Region(id) if state.regions.contains_key(&id) => Ok(vec![id]),
         Target::Region(id) => Err(Error::UnknownRegion(id)),
+    }
+}
+
+/// Marks every page of `regions` dirty for `consumer` alone (in its stash: there is one, since a
+/// region logging for another consumer means there are two).
+fn mark_all_for(state: &State, regions: &[RegionId], consumer: DirtyConsumer) {
+    for id in regions {
+        let region = &state.regions[id];
+        let pages = region.size / PAGE_SIZE;
+        let mut stashes = region.shared.stash();
+        if let Some(stash) = stashes.iter_mut().find(|s| s.consumer == consumer) {
+            for (i, word) in stash.bits.iter_mut().enumerate() {
+                let left = pages.saturating_sub(i as u64 * 64);
+                *word = if left >= 64 {
+                    u64::MAX
+                } else {
+                    (1 << left) - 1
+                };
+            }
+        }
     }
 }

@@ -7,6 +7,7 @@
 //! and read-only queries (`query`).
 
 mod batch;
+mod consumers;
 mod dirty_log;
 mod discard;
 mod plan;
@@ -15,7 +16,7 @@ mod regions;
 mod slot_ids;
 mod spec;
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
@@ -26,7 +27,7 @@ use memslot_map::{
 use vm_memory::GuestAddress;
 use vmm_sys_util::errno::Error as Errno;
 
-use crate::dirty::PendingBits;
+use crate::dirty::{DirtyConsumer, PendingBits};
 use crate::error::Error;
 use crate::kvm::{KvmMemory, KvmSlot};
 use crate::limits::{Limit, MemoryLimits, MemoryUse};
@@ -52,6 +53,8 @@ struct Region {
     /// Slot ids in the order of their offsets in the region.
     slots: Vec<SlotId>,
     flags: SlotFlags,
+    /// The consumers logging it: `flags.log_dirty` while there is one.
+    loggers: BTreeSet<DirtyConsumer>,
     /// What a harvest reaches without the writer lock, among it the region's pending bits.
     shared: Arc<Harvestable>,
 }
@@ -73,6 +76,17 @@ struct Harvestable {
     slots: Box<[SlotId]>,
     /// The region's guest base, updated by moves.
     gpa: AtomicU64,
+    /// Each consumer's bits of the region taken by other consumers' harvests; empty while the
+    /// default consumer is the only one (see `consumers`).
+    stash: Mutex<Vec<consumers::Stash>>,
+}
+
+impl Harvestable {
+    /// The stashes. Poisoning is ignored: they are changed word by word, and a bit is never
+    /// taken from one place before it is in another.
+    fn stash(&self) -> MutexGuard<'_, Vec<consumers::Stash>> {
+        self.stash.lock().unwrap_or_else(|p| p.into_inner())
+    }
 }
 
 /// `MemoryManager::leased` when no harvest is reading a slot's log.
@@ -103,6 +117,8 @@ pub(crate) struct State {
     adding: Vec<Arc<RegionMemory>>,
     /// Memory KVM may still map after a failed undo: kept mapped for the process's lifetime.
     orphans: Vec<Arc<RegionMemory>>,
+    /// The number the next dirty-log consumer gets.
+    next_consumer: u32,
     /// What regions are admitted against.
     limits: MemoryLimits,
     /// What the regions in place use of it.
@@ -163,6 +179,9 @@ pub struct MemoryManager<K: KvmMemory> {
     /// Serialises harvests with one another, never with changes: two harvests never split
     /// one dirty set between them.
     harvests: Mutex<()>,
+    /// The dirty-log consumers, the default first. Changed only under both the writer lock and
+    /// `harvests`, so a change or a harvest reads it stable under its own lock.
+    consumers: Mutex<BTreeSet<DirtyConsumer>>,
     /// Ring mode: held by a collection from taking the entries to attributing them, whether a
     /// harvest's or a change's drain, so that no slot number is released in between.
     rings: Mutex<()>,
@@ -246,6 +265,7 @@ impl<K: KvmMemory> MemoryManager<K> {
                     next_region: 0,
                     broken: None,
                     adding: Vec::new(),
+                    next_consumer: 1,
                     orphans: Vec::new(),
                     limits,
                     used: MemoryUse::default(),
@@ -254,6 +274,7 @@ impl<K: KvmMemory> MemoryManager<K> {
             sequence: ChangeSequence::default(),
             directory: Mutex::new(BTreeMap::new()),
             harvests: Mutex::new(()),
+            consumers: Mutex::new(BTreeSet::from([DirtyConsumer::DEFAULT])),
             rings: Mutex::new(()),
             stray_ring_entries: AtomicU64::new(0),
             ring_reset_owed: AtomicBool::new(false),

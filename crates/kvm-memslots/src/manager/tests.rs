@@ -1117,7 +1117,7 @@ fn slot_numbers<K: KvmMemory>(m: &MemoryManager<K>, id: RegionId) -> Vec<u32> {
 }
 
 /// Pages reported, by region (page numbers counted from the region's base).
-type Reported = BTreeMap<RegionId, std::collections::BTreeSet<u64>>;
+type Reported = BTreeMap<RegionId, BTreeSet<u64>>;
 
 fn record(into: &mut Reported, harvested: &[DirtyPages]) {
     for d in harvested {
@@ -1408,7 +1408,33 @@ fn random_changes_writes_and_harvests(kvm: FakeKvm, seed: u64) {
     for i in 0..3 {
         m.add_region(logging(region((1 + 2 * i) * MIB, 2))).unwrap();
     }
+    // A second reader of the log (a snapshot chain, a migration), which logs what it likes:
+    // each must get every logged page, whatever the other harvests or stops.
+    let second = m.add_dirty_consumer().unwrap();
+    m.start_dirty_log_for(second, Target::All).unwrap();
+    let consumers = [DirtyConsumer::DEFAULT, second];
     type Pages = BTreeMap<(RegionId, u64), u64>;
+    let harvester = |consumer: DirtyConsumer| {
+        let mut rng = Rng(seed ^ 0xaaaa ^ u64::from(consumer.number()));
+        let mut reports = Pages::new();
+        while !race.writer_done.load(Ordering::SeqCst) {
+            let target = match m.regions() {
+                r if r.is_empty() || rng.below(3) == 0 => Target::All,
+                r => Target::Region(r[rng.below(r.len() as u64) as usize].id),
+            };
+            let harvested = match m.harvest_dirty_for(consumer, target) {
+                Err(Error::UnknownRegion(_)) => continue,
+                other => other.unwrap(),
+            };
+            let at = race.clock.fetch_add(1, Ordering::SeqCst) + 1;
+            for d in &harvested {
+                for page in (0..d.pages).filter(|p| d.is_dirty(*p)) {
+                    reports.insert((d.region, page), at);
+                }
+            }
+        }
+        reports
+    };
     let (writes, reports) = thread::scope(|scope| {
         let writer = scope.spawn(|| {
             let mut rng = Rng(seed);
@@ -1434,8 +1460,14 @@ fn random_changes_writes_and_harvests(kvm: FakeKvm, seed: u64) {
                         let ro = m.regions().iter().any(|i| i.id == r && i.flags.read_only);
                         m.set_read_only(r, !ro)
                     }
-                    5 => m.start_dirty_log(Target::Region(pick(&mut rng))),
-                    _ => m.stop_dirty_log(Target::Region(pick(&mut rng))),
+                    5 => {
+                        let consumer = consumers[rng.below(2) as usize];
+                        m.start_dirty_log_for(consumer, Target::Region(pick(&mut rng)))
+                    }
+                    _ => {
+                        let consumer = consumers[rng.below(2) as usize];
+                        m.stop_dirty_log_for(consumer, Target::Region(pick(&mut rng)))
+                    }
                 };
                 if let Err(e) = result {
                     assert!(e.is_caller_error(), "{e}");
@@ -1490,57 +1522,42 @@ fn random_changes_writes_and_harvests(kvm: FakeKvm, seed: u64) {
             }
             writes
         });
-        let harvester = scope.spawn(|| {
+        let first = scope.spawn(|| {
             race.harvester.set(thread::current().id()).unwrap();
-            let mut rng = Rng(seed ^ 0xaaaa);
-            let mut reports = Pages::new();
-            while !race.writer_done.load(Ordering::SeqCst) {
-                let target = match m.regions() {
-                    r if r.is_empty() || rng.below(3) == 0 => Target::All,
-                    r => Target::Region(r[rng.below(r.len() as u64) as usize].id),
-                };
-                let harvested = match m.harvest_dirty(target) {
-                    Err(Error::UnknownRegion(_)) => continue,
-                    other => other.unwrap(),
-                };
-                let at = race.clock.fetch_add(1, Ordering::SeqCst) + 1;
-                for d in &harvested {
-                    for page in (0..d.pages).filter(|p| d.is_dirty(*p)) {
-                        reports.insert((d.region, page), at);
-                    }
-                }
-            }
-            reports
+            harvester(consumers[0])
         });
+        let other = scope.spawn(|| harvester(consumers[1]));
         writer.join().unwrap();
-        (guest.join().unwrap(), harvester.join().unwrap())
+        let reports = [first.join().unwrap(), other.join().unwrap()];
+        (guest.join().unwrap(), reports)
     });
     assert!(
         !race.stalled.load(Ordering::SeqCst),
         "a change waited for a harvest that was inside KVM (the writer lock?)"
     );
-    // A last harvest, after everything.
-    let mut reports = reports;
-    let at = race.clock.fetch_add(1, Ordering::SeqCst) + 1;
-    for d in m.harvest_dirty(Target::All).unwrap() {
-        for page in (0..d.pages).filter(|p| d.is_dirty(*p)) {
-            reports.insert((d.region, page), at);
-        }
-    }
     let live: Vec<RegionId> = m.regions().iter().map(|r| r.id).collect();
-    let mut checked = 0;
-    for ((region, page), written) in &writes {
-        if !live.contains(region) {
-            continue;
+    for (consumer, mut reports) in consumers.into_iter().zip(reports) {
+        // A last harvest, after everything.
+        let at = race.clock.fetch_add(1, Ordering::SeqCst) + 1;
+        for d in m.harvest_dirty_for(consumer, Target::All).unwrap() {
+            for page in (0..d.pages).filter(|p| d.is_dirty(*p)) {
+                reports.insert((d.region, page), at);
+            }
         }
-        checked += 1;
-        let reported = reports.get(&(*region, *page)).copied().unwrap_or(0);
-        assert!(
-            reported > *written,
-            "region {region} page {page}: last written at {written}, last reported at {reported}"
-        );
+        let mut checked = 0;
+        for ((region, page), written) in &writes {
+            if !live.contains(region) {
+                continue;
+            }
+            checked += 1;
+            let reported = reports.get(&(*region, *page)).copied().unwrap_or(0);
+            assert!(
+                reported > *written,
+                "{consumer}: region {region} page {page}: last written at {written}, last reported at {reported}"
+            );
+        }
+        assert!(checked > 0, "the guest wrote nothing checkable");
     }
-    assert!(checked > 0, "the guest wrote nothing checkable");
     assert!(race.changes.load(Ordering::SeqCst) == 150);
     assert_mirrored_gated(&m);
 }
@@ -1922,4 +1939,125 @@ fn a_waiter_for_a_settled_map_wakes_when_the_change_ends_or_gives_up() {
     assert_eq!(waiter.join().unwrap(), Some(odd + 1));
     let (sequence, map) = m.load_consistent();
     assert_eq!((sequence, map.len()), (odd + 1, 3));
+}
+
+/// The pages of `harvested` as guest addresses.
+fn addresses_of(harvested: &[DirtyPages]) -> Vec<u64> {
+    harvested
+        .iter()
+        .flat_map(|d| d.addresses().map(|a| a.0))
+        .collect()
+}
+
+#[test]
+fn a_harvest_or_a_stop_by_one_consumer_hides_no_page_from_another() {
+    let kvms: [fn() -> FakeKvm; 3] = [
+        || FakeKvm::new(16, true),
+        || FakeKvm::without_initially_set(16),
+        || FakeKvm::with_dirty_ring(16, 256),
+    ];
+    for kvm in kvms {
+        for stop in [false, true] {
+            let m = MemoryManager::new(Faulty::new(kvm()));
+            let ram = m.add_region(region(MIB, 4)).unwrap();
+            // A snapshot chain logs from its Full on, and reads at each Diff.
+            let chain = m.add_dirty_consumer().unwrap();
+            m.start_dirty_log_for(chain, Target::All).unwrap();
+            m.harvest_dirty_for(chain, Target::All).unwrap();
+            // A client starts logging too, to watch the dirty rate.
+            m.start_dirty_log(Target::All).unwrap();
+            assert_eq!(
+                addresses_of(&m.harvest_dirty(Target::All).unwrap()).len() as u64,
+                4 * SLOT / PAGE_SIZE,
+                "the client's first harvest has every page"
+            );
+            m.kvm().inner().guest_write(MIB + SLOT);
+            if stop {
+                m.stop_dirty_log(Target::All).unwrap();
+                assert_eq!(m.dirty_log_holders(ram), Some(vec![chain]));
+                assert!(
+                    m.regions()[0].flags.log_dirty,
+                    "still logging for the chain"
+                );
+            } else {
+                assert_eq!(
+                    addresses_of(&m.harvest_dirty(Target::All).unwrap()),
+                    vec![MIB + SLOT]
+                );
+            }
+            m.kvm().inner().guest_write(MIB + 3 * SLOT);
+            assert_eq!(
+                addresses_of(&m.harvest_dirty_for(chain, Target::All).unwrap()),
+                vec![MIB + SLOT, MIB + 3 * SLOT],
+                "stop {stop}"
+            );
+            // KVM logs while a consumer does: the chain's stop ends it only after the client's.
+            m.stop_dirty_log_for(chain, Target::All).unwrap();
+            assert_eq!(m.regions()[0].flags.log_dirty, !stop);
+            assert_mirrored(&m);
+        }
+    }
+}
+
+#[test]
+fn a_consumer_removed_leaves_the_others_their_pages() {
+    let m = manager(16);
+    let a = m.add_region(logging(region(0, 2))).unwrap();
+    m.harvest_dirty(Target::All).unwrap();
+    let other = m.add_dirty_consumer().unwrap();
+    m.kvm().inner().guest_write(SLOT);
+    // The other consumer's harvest moves the page to the default consumer's stash...
+    assert_eq!(
+        addresses_of(&m.harvest_dirty_for(other, Target::All).unwrap()),
+        vec![SLOT]
+    );
+    // ... and a region added meanwhile has stashes for both.
+    let b = m.add_region(logging(region(MIB, 1))).unwrap();
+    m.kvm().inner().guest_write(MIB);
+    m.remove_dirty_consumer(other).unwrap();
+    assert_eq!(m.dirty_consumers(), vec![DirtyConsumer::DEFAULT]);
+    // ... from which it goes back to pending when the default is alone again.
+    let dirty = m.harvest_dirty(Target::All).unwrap();
+    let first: Vec<u64> = (0..SLOT / PAGE_SIZE).map(|p| MIB + p * PAGE_SIZE).collect();
+    assert_eq!(dirty[0].region, a);
+    assert_eq!(
+        dirty[0].addresses().map(|a| a.0).collect::<Vec<_>>(),
+        vec![SLOT]
+    );
+    assert_eq!(dirty[1].region, b);
+    assert_eq!(dirty[1].addresses().map(|a| a.0).collect::<Vec<_>>(), first);
+    // Gone for good.
+    for err in [
+        m.harvest_dirty_for(other, Target::All).unwrap_err(),
+        m.start_dirty_log_for(other, Target::All).unwrap_err(),
+        m.remove_dirty_consumer(other).unwrap_err(),
+        m.remove_dirty_consumer(DirtyConsumer::DEFAULT).unwrap_err(),
+    ] {
+        assert!(matches!(err, Error::UnknownConsumer(_)), "{err}");
+        assert_eq!(err.kind(), ErrorKind::NotFound);
+    }
+}
+
+#[test]
+fn removing_a_consumer_stops_logging_only_where_it_was_the_last() {
+    let m = manager(16);
+    let a = m.add_region(region(0, 2)).unwrap();
+    let b = m.add_region(region(MIB, 2)).unwrap();
+    let migration = m.add_dirty_consumer().unwrap();
+    m.start_dirty_log_for(migration, Target::All).unwrap();
+    m.start_dirty_log(Target::Region(b)).unwrap();
+    let calls = m.kvm().inner().set_calls();
+    // A refused stop removes nothing.
+    m.kvm().fail(KvmCall::SetRegion, 1, libc::EIO);
+    m.remove_dirty_consumer(migration).unwrap_err();
+    assert_eq!(m.dirty_consumers().len(), 2);
+    assert_mirrored(&m);
+    m.remove_dirty_consumer(migration).unwrap();
+    let logging: Vec<bool> = m.regions().iter().map(|r| r.flags.log_dirty).collect();
+    assert_eq!(logging, vec![false, true]);
+    assert_eq!(m.dirty_log_holders(a), Some(vec![]));
+    assert_eq!(m.dirty_log_holders(b), Some(vec![DirtyConsumer::DEFAULT]));
+    // Two updates (a's slots) for the refusal's undo-and-retry, each way.
+    assert!(m.kvm().inner().set_calls() > calls);
+    assert_mirrored(&m);
 }
