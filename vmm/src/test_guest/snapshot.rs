@@ -1,9 +1,9 @@
-//! A test-guest VM's snapshot state file: the memory layout (kvm-memslots' `MemoryLayout`) and
-//! every vCPU's state, framed as a magic, the format version, the JSON and its CRC-32, so that
-//! a truncated, corrupted or foreign file is refused before anything is built. The guest's
-//! memory (its command blocks included) is in the memory file beside it.
+//! A test-guest VM's snapshot state file: the memory layout (kvm-memslots-persist's
+//! `MemoryLayout`) and every vCPU's state, framed as a magic, the format version, the JSON and
+//! its CRC-32, so that a truncated, corrupted or foreign file is refused before anything is
+//! built. The guest's memory (its command blocks included) is in the memory file beside it.
 
-use kvm_memslots::snapshot::{frame, unframe, MemoryLayout};
+use kvm_memslots_persist::{frame, unframe, MemoryLayout};
 use serde::{Deserialize, Serialize};
 
 use crate::vm::state::VcpuState;
@@ -60,7 +60,7 @@ pub struct HotplugState {
 pub struct StateFileError(pub String);
 
 impl SnapshotState {
-    /// The file's bytes (kvm-memslots' [`frame`]: magic, version, length, JSON, CRC-32).
+    /// The file's bytes (kvm-memslots-persist's [`frame`]: magic, version, length, JSON, CRC-32).
     pub fn to_bytes(&self) -> Vec<u8> {
         let json = serde_json::to_vec(self).expect("a snapshot state serialises");
         frame(MAGIC, self.version, &json)

@@ -15,17 +15,16 @@
 //! `vm.unprivileged_userfaultfd`).
 //!
 //! ```
-//! use kvm_memslots::snapshot::{write_memory_file, MemoryLayout};
 //! use kvm_memslots::testing::FakeKvm;
-//! use kvm_memslots::uffd::LazyLoader;
 //! use kvm_memslots::{MemoryManager, RegionSpec};
+//! use kvm_memslots_persist::{write_memory_file, LazyLoader, MemoryLayout};
 //! use vm_memory::{Bytes, GuestAddress, GuestAddressSpace};
 //!
 //! let vm = MemoryManager::new(FakeKvm::new(64, true));
 //! vm.add_region(RegionSpec::new(GuestAddress(0), 2 << 20))?;
 //! vm.handle().memory().write_obj(7u64, GuestAddress(0x1000))?;
 //! let layout = MemoryLayout::of(&vm);
-//! # let path = std::env::temp_dir().join(format!("kvm-memslots-uffd-doc-{}", std::process::id()));
+//! # let path = std::env::temp_dir().join(format!("kvm-memslots-persist-uffd-doc-{}", std::process::id()));
 //! # let memory_file = std::fs::OpenOptions::new().read(true).write(true).create(true).truncate(true).open(&path)?;
 //! # std::fs::remove_file(&path)?;
 //! write_memory_file(&vm, &layout, &memory_file)?;
@@ -48,9 +47,11 @@ use std::thread::JoinHandle;
 use vmm_sys_util::eventfd::EventFd;
 use vmm_sys_util::ioctl::ioctl_with_mut_ref;
 
-use crate::memory::RegionMemory;
-use crate::snapshot::{MemoryLayout, SnapshotError};
-use crate::PAGE_SIZE;
+use kvm_memslots::{KvmMemory, MemoryManager, RegionMemory, PAGE_SIZE};
+
+use crate::error::SnapshotError;
+use crate::layout::MemoryLayout;
+use crate::memory_file::file_data_runs;
 
 const UFFDIO: u32 = 0xAA;
 const UFFD_API: u64 = 0xAA;
@@ -176,16 +177,16 @@ fn os_error(what: &str) -> SnapshotError {
 
 impl LazyLoader {
     /// Registers every region of `layout` in `memory` (built with
-    /// [`MemoryLayout::build`](crate::snapshot::MemoryLayout::build): anonymous or memfd) for
+    /// [`MemoryLayout::build`]: anonymous or memfd) for
     /// missing-page faults and starts the handler that fills them from `memory_file`.
-    pub fn start<K: crate::kvm::KvmMemory>(
-        memory: &crate::manager::MemoryManager<K>,
+    pub fn start<K: KvmMemory>(
+        memory: &MemoryManager<K>,
         layout: &MemoryLayout,
         memory_file: &File,
     ) -> Result<Self, SnapshotError> {
-        let regions = crate::snapshot::mappings(memory, layout)?;
-        let size = crate::snapshot::check_size(memory_file, layout)?;
-        let runs = crate::snapshot::file_data_runs(memory_file, size)?;
+        let regions = layout.mappings(memory)?;
+        let size = layout.check_file_size(memory_file)?;
+        let runs = file_data_runs(memory_file, size)?;
         // SAFETY: userfaultfd(2) takes flags only and returns a new descriptor or -1.
         let fd =
             unsafe { libc::syscall(libc::SYS_userfaultfd, libc::O_CLOEXEC | libc::O_NONBLOCK) };
@@ -381,7 +382,7 @@ fn serve(uffd: &OwnedFd, stop: &EventFd, stats: &LoaderStats, lazies: &[Lazy], f
         };
         if !ok {
             stats.failed.store(true, Ordering::Release);
-            eprintln!("kvm-memslots: the userfaultfd handler could not fill {hva:#x}");
+            eprintln!("kvm-memslots-persist: the userfaultfd handler could not fill {hva:#x}");
             return;
         }
     }
