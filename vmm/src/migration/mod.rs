@@ -43,7 +43,7 @@ impl MigrationState {
         let state: MigrationState =
             serde_json::from_slice(json).map_err(|e| format!("the migration state: {e}"))?;
         // The snapshot state's own checks.
-        SnapshotState::from_bytes(&state.snapshot.to_bytes()).map_err(|e| e.to_string())?;
+        state.snapshot.validate().map_err(|e| e.to_string())?;
         Ok(state)
     }
 }

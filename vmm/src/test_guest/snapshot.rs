@@ -71,13 +71,20 @@ impl SnapshotState {
         let bad = |why: String| StateFileError(why);
         let json = unframe(MAGIC, STATE_VERSION, bytes).map_err(bad)?;
         let state: SnapshotState = serde_json::from_slice(json).map_err(|e| bad(e.to_string()))?;
-        if state.version != STATE_VERSION || state.vcpus.is_empty() {
+        state.validate()?;
+        Ok(state)
+    }
+
+    /// The checks [`from_bytes`](Self::from_bytes) makes after parsing: a vCPU at least, this
+    /// version, and a layout that passes [`MemoryLayout::validate`].
+    pub fn validate(&self) -> Result<(), StateFileError> {
+        let bad = |why: String| StateFileError(why);
+        if self.version != STATE_VERSION || self.vcpus.is_empty() {
             return Err(bad(
                 "no vCPU, or the header's and the state's versions differ".into(),
             ));
         }
-        // The layout's own checks (alignment, overlaps, file offsets).
-        MemoryLayout::from_bytes(&state.layout.to_bytes()).map_err(|e| bad(e.to_string()))?;
-        Ok(state)
+        // The layout's own checks (version, alignment, order, overlaps, file offsets).
+        self.layout.validate().map_err(|e| bad(e.to_string()))
     }
 }
