@@ -18,6 +18,7 @@ use std::fs::File;
 use std::ops::Range;
 use std::os::fd::AsRawFd;
 use std::os::unix::fs::FileExt;
+use std::sync::Arc;
 
 use kvm_memslots::{DirtyPages, KvmMemory, MemoryManager, RegionMemory, PAGE_SIZE};
 
@@ -110,17 +111,45 @@ fn transfer(
     Ok(())
 }
 
-/// Writes `len` bytes of `memory` from `offset` to `file` at `at`.
-fn write_run(
-    file: &File,
-    memory: &RegionMemory,
-    offset: u64,
-    len: u64,
-    at: u64,
-) -> Result<(), SnapshotError> {
-    transfer(file, memory, offset, len, at, true).map_err(io(format!(
-        "writing {len} bytes at offset {at:#x} of the memory file"
-    )))
+/// A memory file being written: the layout's regions as mapped in the manager, and the file,
+/// sized to the layout.
+struct Writer<'a> {
+    file: &'a File,
+    layout: &'a MemoryLayout,
+    regions: Vec<Arc<RegionMemory>>,
+    stats: WriteStats,
+}
+
+impl<'a> Writer<'a> {
+    fn new<K: KvmMemory>(
+        memory: &MemoryManager<K>,
+        layout: &'a MemoryLayout,
+        file: &'a File,
+    ) -> Result<Self, SnapshotError> {
+        let regions = layout.mappings(memory)?;
+        file.set_len(layout.memory_file_size())
+            .map_err(io("sizing the memory file"))?;
+        Ok(Writer {
+            file,
+            layout,
+            regions,
+            stats: WriteStats::default(),
+        })
+    }
+
+    /// Writes `run` (byte offsets in the layout's region `index`) at its place in the file.
+    fn write(&mut self, index: usize, run: Range<u64>) -> Result<(), SnapshotError> {
+        let (len, at) = (
+            run.end - run.start,
+            self.layout.regions[index].file_offset + run.start,
+        );
+        transfer(self.file, &self.regions[index], run.start, len, at, true).map_err(io(
+            format!("writing {len} bytes at offset {at:#x} of the memory file"),
+        ))?;
+        self.stats.bytes += len;
+        self.stats.runs += 1;
+        Ok(())
+    }
 }
 
 /// A full snapshot of `memory`'s pages into `file` (created empty by the caller): the file is
@@ -131,24 +160,13 @@ pub fn write_memory_file<K: KvmMemory>(
     layout: &MemoryLayout,
     file: &File,
 ) -> Result<WriteStats, SnapshotError> {
-    let regions = layout.mappings(memory)?;
-    file.set_len(layout.memory_file_size())
-        .map_err(io("sizing the memory file"))?;
-    let mut stats = WriteStats::default();
-    for (r, region) in layout.regions.iter().zip(&regions) {
-        for run in content_runs(region)? {
-            write_run(
-                file,
-                region,
-                run.start,
-                run.end - run.start,
-                r.file_offset + run.start,
-            )?;
-            stats.bytes += run.end - run.start;
-            stats.runs += 1;
+    let mut out = Writer::new(memory, layout, file)?;
+    for index in 0..layout.regions.len() {
+        for run in content_runs(&out.regions[index])? {
+            out.write(index, run)?;
         }
     }
-    Ok(stats)
+    Ok(out.stats)
 }
 
 /// The byte ranges of `memory` a full copy must carry: pages the host holds ([`data_runs`])
@@ -187,34 +205,21 @@ pub fn write_dirty_pages<K: KvmMemory>(
     dirty: &[DirtyPages],
     file: &File,
 ) -> Result<WriteStats, SnapshotError> {
-    let regions = layout.mappings(memory)?;
-    file.set_len(layout.memory_file_size())
-        .map_err(io("sizing the memory file"))?;
-    let mut stats = WriteStats::default();
+    let mut out = Writer::new(memory, layout, file)?;
     for d in dirty {
         let Some(index) = layout.harvested_region(d) else {
             continue;
         };
-        let (r, region) = (&layout.regions[index], &regions[index]);
         for run in d.ranges() {
             // From the harvest's own base: the region may have moved since.
-            let offset = run.start - d.gpa.0;
-            write_run(
-                file,
-                region,
-                offset,
-                run.end - run.start,
-                r.file_offset + offset,
-            )?;
-            stats.bytes += run.end - run.start;
-            stats.runs += 1;
+            out.write(index, run.start - d.gpa.0..run.end - d.gpa.0)?;
         }
     }
-    Ok(stats)
+    Ok(out.stats)
 }
 
 /// The data runs of `file` (`SEEK_DATA` / `SEEK_HOLE`), as byte ranges.
-pub(crate) fn file_data_runs(file: &File, size: u64) -> Result<Vec<Range<u64>>, SnapshotError> {
+fn file_data_runs(file: &File, size: u64) -> Result<Vec<Range<u64>>, SnapshotError> {
     let fd = file.as_raw_fd();
     let mut runs = Vec::new();
     let mut at = 0i64;
@@ -242,6 +247,52 @@ pub(crate) fn file_data_runs(file: &File, size: u64) -> Result<Vec<Range<u64>>, 
     Ok(runs)
 }
 
+/// One layout region of a memory file being loaded: its mapping in the manager, its place in
+/// the file, and the file's data runs inside it (byte offsets in the region; the rest are
+/// holes).
+pub(crate) struct RegionData {
+    /// The region's mapping.
+    pub(crate) memory: Arc<RegionMemory>,
+    /// Where the region starts in the file.
+    pub(crate) file_offset: u64,
+    /// The file's data in the region, in order.
+    pub(crate) data: Vec<Range<u64>>,
+}
+
+/// What loading `file` (a memory file of `layout`) into `memory` needs, region by region in
+/// layout order. Refuses a file of another size than the layout's and a manager without the
+/// layout's regions.
+pub(crate) fn regions_with_data<K: KvmMemory>(
+    memory: &MemoryManager<K>,
+    layout: &MemoryLayout,
+    file: &File,
+) -> Result<Vec<RegionData>, SnapshotError> {
+    let size = layout.check_file_size(file)?;
+    let regions = layout.mappings(memory)?;
+    let runs = file_data_runs(file, size)?;
+    Ok(layout
+        .regions
+        .iter()
+        .zip(regions)
+        .map(|(r, memory)| {
+            // A run may span regions: cut it at their boundaries.
+            let end = r.file_offset + r.size;
+            let data = runs
+                .iter()
+                .filter(|run| run.start < end && r.file_offset < run.end)
+                .map(|run| {
+                    run.start.max(r.file_offset) - r.file_offset..run.end.min(end) - r.file_offset
+                })
+                .collect();
+            RegionData {
+                memory,
+                file_offset: r.file_offset,
+                data,
+            }
+        })
+        .collect())
+}
+
 /// Copies the data of `file` (a memory file of `layout`) into `memory`'s regions, which
 /// [`MemoryLayout::build`] made; holes are left as the fresh memory's zeros. Returns the bytes
 /// copied. Load before any vCPU runs.
@@ -250,21 +301,13 @@ pub fn load_memory_file<K: KvmMemory>(
     layout: &MemoryLayout,
     file: &File,
 ) -> Result<u64, SnapshotError> {
-    let size = layout.check_file_size(file)?;
-    let regions = layout.mappings(memory)?;
     let mut loaded = 0;
-    for run in file_data_runs(file, size)? {
-        // A run may span regions: cut it at their boundaries.
-        for (r, region) in layout.regions.iter().zip(&regions) {
-            let start = run.start.max(r.file_offset);
-            let end = run.end.min(r.file_offset + r.size);
-            if start >= end {
-                continue;
-            }
-            let offset = start - r.file_offset;
-            transfer(file, region, offset, end - start, start, false)
-                .map_err(io(format!("reading the memory file at {start:#x}")))?;
-            loaded += end - start;
+    for region in regions_with_data(memory, layout, file)? {
+        for run in &region.data {
+            let (at, len) = (region.file_offset + run.start, run.end - run.start);
+            transfer(file, &region.memory, run.start, len, at, false)
+                .map_err(io(format!("reading the memory file at {at:#x}")))?;
+            loaded += len;
         }
     }
     Ok(loaded)

@@ -51,7 +51,7 @@ use kvm_memslots::{KvmMemory, MemoryManager, RegionMemory, PAGE_SIZE};
 
 use crate::error::SnapshotError;
 use crate::layout::MemoryLayout;
-use crate::memory_file::file_data_runs;
+use crate::memory_file::regions_with_data;
 
 const UFFDIO: u32 = 0xAA;
 const UFFD_API: u64 = 0xAA;
@@ -176,17 +176,15 @@ fn os_error(what: &str) -> SnapshotError {
 }
 
 impl LazyLoader {
-    /// Registers every region of `layout` in `memory` (built with
-    /// [`MemoryLayout::build`]: anonymous or memfd) for
-    /// missing-page faults and starts the handler that fills them from `memory_file`.
+    /// Registers every region of `layout` in `memory` (built with [`MemoryLayout::build`]:
+    /// anonymous or memfd) for missing-page faults and starts the handler that fills them from
+    /// `memory_file`.
     pub fn start<K: KvmMemory>(
         memory: &MemoryManager<K>,
         layout: &MemoryLayout,
         memory_file: &File,
     ) -> Result<Self, SnapshotError> {
-        let regions = layout.mappings(memory)?;
-        let size = layout.check_file_size(memory_file)?;
-        let runs = file_data_runs(memory_file, size)?;
+        let regions = regions_with_data(memory, layout, memory_file)?;
         // SAFETY: userfaultfd(2) takes flags only and returns a new descriptor or -1.
         let fd =
             unsafe { libc::syscall(libc::SYS_userfaultfd, libc::O_CLOEXEC | libc::O_NONBLOCK) };
@@ -205,17 +203,17 @@ impl LazyLoader {
         }
         let mut lazies = Vec::with_capacity(regions.len());
         let mut ranges = Vec::with_capacity(regions.len());
-        for (r, region) in layout.regions.iter().zip(regions) {
+        for region in regions {
             let mut register = UffdioRegister {
                 range: UffdioRange {
-                    start: region.host_address(),
-                    len: region.size(),
+                    start: region.memory.host_address(),
+                    len: region.memory.size(),
                 },
                 mode: UFFDIO_REGISTER_MODE_MISSING,
                 ioctls: 0,
             };
             // SAFETY: UFFDIO_REGISTER with a valid structure naming the region's own mapping,
-            // which `region` keeps mapped; faults there now wait for this loader.
+            // which `region.memory` keeps mapped; faults there now wait for this loader.
             if unsafe { ioctl_with_mut_ref(&uffd, UFFDIO_REGISTER(), &mut register) } < 0 {
                 return Err(os_error("UFFDIO_REGISTER"));
             }
@@ -223,19 +221,11 @@ impl LazyLoader {
                 start: register.range.start,
                 len: register.range.len,
             });
-            let end = r.file_offset + r.size;
-            let data = runs
-                .iter()
-                .filter(|run| run.start < end && r.file_offset < run.end)
-                .map(|run| {
-                    run.start.max(r.file_offset) - r.file_offset..run.end.min(end) - r.file_offset
-                })
-                .collect();
-            let pages = r.size / PAGE_SIZE;
+            let pages = region.memory.size() / PAGE_SIZE;
             lazies.push(Lazy {
-                memory: region,
-                file_offset: r.file_offset,
-                data,
+                memory: region.memory,
+                file_offset: region.file_offset,
+                data: region.data,
                 filled: (0..pages.div_ceil(64)).map(|_| AtomicU64::new(0)).collect(),
             });
         }
