@@ -489,7 +489,7 @@ struct MergeArgs {
 }
 
 fn snapshot_merge(args: MergeArgs) -> ExitCode {
-    use kvm_memslots::snapshot::merge_snapshots;
+    use kvm_memslots_persist::merge_snapshots;
     use tinyvmm::test_guest::snapshot::SnapshotState;
     let merged = (|| -> Result<u64, String> {
         if !args.files.len().is_multiple_of(2) {

@@ -9,8 +9,8 @@ use std::path::PathBuf;
 use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
-use kvm_memslots::snapshot::{BackingKind, MemoryLayout, RegionLayout, LAYOUT_VERSION};
-use kvm_memslots::stream::{send_answer, Record, StreamReader, StreamWriter};
+use kvm_memslots_persist::stream::{send_answer, Record, StreamReader, StreamWriter};
+use kvm_memslots_persist::{BackingKind, MemoryLayout, RegionLayout, LAYOUT_VERSION};
 use serde_json::{json, Value};
 use tinyvmm::api::client::Client;
 

@@ -18,11 +18,8 @@ mod limits;
 mod manager;
 mod memory;
 mod ring;
-pub mod snapshot;
-pub mod stream;
 #[cfg(any(test, feature = "testing"))]
 pub mod testing;
-pub mod uffd;
 
 pub use dirty::{DirtyConsumer, DirtyPages};
 pub use error::{Error, ErrorKind};

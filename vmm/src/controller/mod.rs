@@ -11,8 +11,8 @@ use std::sync::Arc;
 use std::fs::File;
 use std::os::unix::fs::FileExt;
 
-use kvm_memslots::snapshot::{write_dirty_pages, write_memory_file, MemoryLayout};
 use kvm_memslots::{Backing, DirtyPages, RegionId, RegionSpec, Target, PAGE_SIZE};
+use kvm_memslots_persist::{write_dirty_pages, write_memory_file, MemoryLayout};
 use vm_memory::GuestAddress;
 
 use crate::api::types::{

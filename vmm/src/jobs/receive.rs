@@ -13,9 +13,9 @@ use std::path::PathBuf;
 use std::sync::atomic::AtomicBool;
 use std::time::{Duration, Instant};
 
-use kvm_memslots::snapshot::BackingKind;
-use kvm_memslots::stream::{apply_pages, check_layout, send_answer, Record, StreamReader};
 use kvm_memslots::MemoryLimits;
+use kvm_memslots_persist::stream::{apply_pages, check_layout, send_answer, Record, StreamReader};
+use kvm_memslots_persist::BackingKind;
 use vm_memory::FileOffset;
 
 use super::serve::{serve_controller, ServeError};

@@ -16,8 +16,8 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use kvm_memslots::snapshot::{write_dirty_pages, write_memory_file, MemoryLayout};
 use kvm_memslots::Target;
+use kvm_memslots_persist::{write_dirty_pages, write_memory_file, MemoryLayout};
 use serde::Serialize;
 use vmm_sys_util::eventfd::EventFd;
 
@@ -52,7 +52,7 @@ pub enum SnapshotBenchError {
     Memory(#[from] kvm_memslots::Error),
     /// Writing or reading a snapshot failed.
     #[error(transparent)]
-    Snapshot(#[from] kvm_memslots::snapshot::SnapshotError),
+    Snapshot(#[from] kvm_memslots_persist::SnapshotError),
     /// A file operation failed.
     #[error("{0}: {1}")]
     Io(String, std::io::Error),

@@ -1,5 +1,5 @@
-//! Live migration of a test-guest VM between two tinyvmm processes, on kvm-memslots' memory
-//! stream: the source ([`source`]) copies memory in rounds while the guest runs, harvesting
+//! Live migration of a test-guest VM between two tinyvmm processes, on kvm-memslots-persist's
+//! memory stream: the source ([`source`]) copies memory in rounds while the guest runs, harvesting
 //! what it dirtied (bitmap or ring), pauses it once what is left fits the downtime budget,
 //! sends the last pages and the vCPU and device state, and stops only once the destination
 //! (`tinyvmm receive`, [`crate::jobs::receive`]) says the VM runs there.
@@ -7,7 +7,7 @@
 pub mod source;
 pub mod transport;
 
-use kvm_memslots::snapshot::{frame, unframe};
+use kvm_memslots_persist::{frame, unframe};
 use serde::{Deserialize, Serialize};
 
 use crate::test_guest::snapshot::SnapshotState;
@@ -43,7 +43,7 @@ impl MigrationState {
         let state: MigrationState =
             serde_json::from_slice(json).map_err(|e| format!("the migration state: {e}"))?;
         // The snapshot state's own checks.
-        SnapshotState::from_bytes(&state.snapshot.to_bytes()).map_err(|e| e.to_string())?;
+        state.snapshot.validate().map_err(|e| e.to_string())?;
         Ok(state)
     }
 }

@@ -25,9 +25,11 @@ use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use kvm_memslots::snapshot::{BackingKind, MemoryLayout};
-use kvm_memslots::stream::{read_answer, shared_files, StreamError, StreamWriter, MAX_HANDOVER};
 use kvm_memslots::{DirtyPages, KvmVm, MemoryManager, RegionId, Target, PAGE_SIZE};
+use kvm_memslots_persist::stream::{
+    read_answer, shared_files, StreamError, StreamWriter, MAX_HANDOVER,
+};
+use kvm_memslots_persist::{BackingKind, MemoryLayout};
 
 use super::transport::{Connection, Endpoint};
 use super::MigrationState;

@@ -1,9 +1,9 @@
-//! A test-guest VM's snapshot state file: the memory layout (kvm-memslots' `MemoryLayout`) and
-//! every vCPU's state, framed as a magic, the format version, the JSON and its CRC-32, so that
-//! a truncated, corrupted or foreign file is refused before anything is built. The guest's
-//! memory (its command blocks included) is in the memory file beside it.
+//! A test-guest VM's snapshot state file: the memory layout (kvm-memslots-persist's
+//! `MemoryLayout`) and every vCPU's state, framed as a magic, the format version, the JSON and
+//! its CRC-32, so that a truncated, corrupted or foreign file is refused before anything is
+//! built. The guest's memory (its command blocks included) is in the memory file beside it.
 
-use kvm_memslots::snapshot::{frame, unframe, MemoryLayout};
+use kvm_memslots_persist::{frame, unframe, MemoryLayout};
 use serde::{Deserialize, Serialize};
 
 use crate::vm::state::VcpuState;
@@ -60,7 +60,7 @@ pub struct HotplugState {
 pub struct StateFileError(pub String);
 
 impl SnapshotState {
-    /// The file's bytes (kvm-memslots' [`frame`]: magic, version, length, JSON, CRC-32).
+    /// The file's bytes (kvm-memslots-persist's [`frame`]: magic, version, length, JSON, CRC-32).
     pub fn to_bytes(&self) -> Vec<u8> {
         let json = serde_json::to_vec(self).expect("a snapshot state serialises");
         frame(MAGIC, self.version, &json)
@@ -71,13 +71,20 @@ impl SnapshotState {
         let bad = |why: String| StateFileError(why);
         let json = unframe(MAGIC, STATE_VERSION, bytes).map_err(bad)?;
         let state: SnapshotState = serde_json::from_slice(json).map_err(|e| bad(e.to_string()))?;
-        if state.version != STATE_VERSION || state.vcpus.is_empty() {
+        state.validate()?;
+        Ok(state)
+    }
+
+    /// The checks [`from_bytes`](Self::from_bytes) makes after parsing: a vCPU at least, this
+    /// version, and a layout that passes [`MemoryLayout::validate`].
+    pub fn validate(&self) -> Result<(), StateFileError> {
+        let bad = |why: String| StateFileError(why);
+        if self.version != STATE_VERSION || self.vcpus.is_empty() {
             return Err(bad(
                 "no vCPU, or the header's and the state's versions differ".into(),
             ));
         }
-        // The layout's own checks (alignment, overlaps, file offsets).
-        MemoryLayout::from_bytes(&state.layout.to_bytes()).map_err(|e| bad(e.to_string()))?;
-        Ok(state)
+        // The layout's own checks (version, alignment, order, overlaps, file offsets).
+        self.layout.validate().map_err(|e| bad(e.to_string()))
     }
 }

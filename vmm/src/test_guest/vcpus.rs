@@ -7,9 +7,8 @@ use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use kvm_memslots::snapshot::{load_memory_file, MemoryLayout, SnapshotError};
-use kvm_memslots::uffd::LazyLoader;
 use kvm_memslots::{KvmVm, MemoryManager, RegionId, RegionSpec};
+use kvm_memslots_persist::{load_memory_file, LazyLoader, MemoryLayout, SnapshotError};
 use vm_memory::GuestAddress;
 use vmm_sys_util::eventfd::EventFd;
 

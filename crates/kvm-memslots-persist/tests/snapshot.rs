@@ -5,12 +5,12 @@ use std::fs::File;
 use std::os::unix::fs::MetadataExt;
 use std::path::PathBuf;
 
-use kvm_memslots::snapshot::{
+use kvm_memslots::testing::FakeKvm;
+use kvm_memslots::{Backing, MemoryManager, RegionSpec, SlotFlags, Target, PAGE_SIZE};
+use kvm_memslots_persist::{
     data_runs, load_memory_file, merge_memory_files, write_dirty_pages, write_memory_file,
     MemoryLayout, SnapshotError,
 };
-use kvm_memslots::testing::FakeKvm;
-use kvm_memslots::{Backing, MemoryManager, RegionSpec, SlotFlags, Target, PAGE_SIZE};
 use vm_memory::{Bytes, GuestAddress, GuestAddressSpace};
 
 const MIB: u64 = 1 << 20;
@@ -241,6 +241,70 @@ fn broken_layout_files_and_memory_files_are_refused_with_the_reason() {
 }
 
 #[test]
+fn validate_refuses_what_from_bytes_refuses_without_a_round_trip() {
+    let layout = MemoryLayout::of(&source());
+    layout.validate().expect("a manager's own layout is valid");
+    assert!(MemoryLayout {
+        version: layout.version,
+        regions: Vec::new(),
+    }
+    .validate()
+    .is_ok());
+
+    let broken = |change: &dyn Fn(&mut MemoryLayout), why: &str| {
+        let mut bad = layout.clone();
+        change(&mut bad);
+        let err = bad.validate().expect_err(why).to_string();
+        assert!(err.contains(why), "{why}: {err}");
+        // from_bytes refuses the same layout for the same reason.
+        if bad.version == layout.version {
+            let read = MemoryLayout::from_bytes(&bad.to_bytes()).expect_err(why);
+            assert_eq!(read.to_string(), err);
+        }
+    };
+    broken(
+        &|l| l.version = 7,
+        "layout version 7; this build reads version 1",
+    );
+    broken(&|l| l.regions[0].size = 0, "is empty or not page-aligned");
+    broken(&|l| l.regions[1].gpa += 1, "is empty or not page-aligned");
+    broken(
+        &|l| l.regions[0].slot_size = 100,
+        "is empty or not page-aligned",
+    );
+    broken(
+        &|l| l.regions[0].slot_size = kvm_memslots::KVM_MAX_SLOT_SIZE + PAGE_SIZE,
+        "over KVM's limit",
+    );
+    broken(
+        &|l| {
+            l.regions.swap(0, 2);
+            let mut offset = 0;
+            for r in &mut l.regions {
+                r.file_offset = offset;
+                offset += r.size;
+            }
+        },
+        "not in guest-address order",
+    );
+    broken(
+        &|l| l.regions[1].gpa = l.regions[0].gpa + PAGE_SIZE,
+        "overlaps the one before",
+    );
+    broken(
+        &|l| l.regions[2].file_offset += PAGE_SIZE,
+        "not at 0x300000",
+    );
+    broken(
+        &|l| {
+            l.regions.truncate(1);
+            l.regions[0].gpa = u64::MAX - PAGE_SIZE + 1;
+        },
+        "wraps around",
+    );
+}
+
+#[test]
 fn a_manager_mapped_from_the_memory_file_loads_on_touch_and_never_writes_the_file() {
     let a = source();
     write(&a, MIB + 3 * PAGE_SIZE, 0x5a, 100);
@@ -280,7 +344,7 @@ fn a_manager_mapped_from_the_memory_file_loads_on_touch_and_never_writes_the_fil
 
 #[test]
 fn a_lazy_restore_fills_exactly_the_pages_touched() {
-    use kvm_memslots::uffd::LazyLoader;
+    use kvm_memslots_persist::LazyLoader;
     use std::sync::atomic::Ordering;
     let a = source();
     write(&a, MIB + 5 * PAGE_SIZE, 0x3c, 64);
@@ -325,7 +389,7 @@ fn a_lazy_restore_fills_exactly_the_pages_touched() {
 
 #[test]
 fn a_chain_across_hotplug_removal_and_moves_merges_into_the_last_point() {
-    use kvm_memslots::snapshot::merge_snapshots;
+    use kvm_memslots_persist::merge_snapshots;
     let a = source();
     a.start_dirty_log(Target::All).expect("logging");
     write(&a, MIB, 0x11, 2 * PAGE_SIZE as usize);

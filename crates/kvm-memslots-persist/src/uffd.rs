@@ -15,17 +15,16 @@
 //! `vm.unprivileged_userfaultfd`).
 //!
 //! ```
-//! use kvm_memslots::snapshot::{write_memory_file, MemoryLayout};
 //! use kvm_memslots::testing::FakeKvm;
-//! use kvm_memslots::uffd::LazyLoader;
 //! use kvm_memslots::{MemoryManager, RegionSpec};
+//! use kvm_memslots_persist::{write_memory_file, LazyLoader, MemoryLayout};
 //! use vm_memory::{Bytes, GuestAddress, GuestAddressSpace};
 //!
 //! let vm = MemoryManager::new(FakeKvm::new(64, true));
 //! vm.add_region(RegionSpec::new(GuestAddress(0), 2 << 20))?;
 //! vm.handle().memory().write_obj(7u64, GuestAddress(0x1000))?;
 //! let layout = MemoryLayout::of(&vm);
-//! # let path = std::env::temp_dir().join(format!("kvm-memslots-uffd-doc-{}", std::process::id()));
+//! # let path = std::env::temp_dir().join(format!("kvm-memslots-persist-uffd-doc-{}", std::process::id()));
 //! # let memory_file = std::fs::OpenOptions::new().read(true).write(true).create(true).truncate(true).open(&path)?;
 //! # std::fs::remove_file(&path)?;
 //! write_memory_file(&vm, &layout, &memory_file)?;
@@ -48,9 +47,11 @@ use std::thread::JoinHandle;
 use vmm_sys_util::eventfd::EventFd;
 use vmm_sys_util::ioctl::ioctl_with_mut_ref;
 
-use crate::memory::RegionMemory;
-use crate::snapshot::{MemoryLayout, SnapshotError};
-use crate::PAGE_SIZE;
+use kvm_memslots::{KvmMemory, MemoryManager, RegionMemory, PAGE_SIZE};
+
+use crate::error::SnapshotError;
+use crate::layout::MemoryLayout;
+use crate::memory_file::regions_with_data;
 
 const UFFDIO: u32 = 0xAA;
 const UFFD_API: u64 = 0xAA;
@@ -175,17 +176,15 @@ fn os_error(what: &str) -> SnapshotError {
 }
 
 impl LazyLoader {
-    /// Registers every region of `layout` in `memory` (built with
-    /// [`MemoryLayout::build`](crate::snapshot::MemoryLayout::build): anonymous or memfd) for
-    /// missing-page faults and starts the handler that fills them from `memory_file`.
-    pub fn start<K: crate::kvm::KvmMemory>(
-        memory: &crate::manager::MemoryManager<K>,
+    /// Registers every region of `layout` in `memory` (built with [`MemoryLayout::build`]:
+    /// anonymous or memfd) for missing-page faults and starts the handler that fills them from
+    /// `memory_file`.
+    pub fn start<K: KvmMemory>(
+        memory: &MemoryManager<K>,
         layout: &MemoryLayout,
         memory_file: &File,
     ) -> Result<Self, SnapshotError> {
-        let regions = crate::snapshot::mappings(memory, layout)?;
-        let size = crate::snapshot::check_size(memory_file, layout)?;
-        let runs = crate::snapshot::file_data_runs(memory_file, size)?;
+        let regions = regions_with_data(memory, layout, memory_file)?;
         // SAFETY: userfaultfd(2) takes flags only and returns a new descriptor or -1.
         let fd =
             unsafe { libc::syscall(libc::SYS_userfaultfd, libc::O_CLOEXEC | libc::O_NONBLOCK) };
@@ -204,17 +203,17 @@ impl LazyLoader {
         }
         let mut lazies = Vec::with_capacity(regions.len());
         let mut ranges = Vec::with_capacity(regions.len());
-        for (r, region) in layout.regions.iter().zip(regions) {
+        for region in regions {
             let mut register = UffdioRegister {
                 range: UffdioRange {
-                    start: region.host_address(),
-                    len: region.size(),
+                    start: region.memory.host_address(),
+                    len: region.memory.size(),
                 },
                 mode: UFFDIO_REGISTER_MODE_MISSING,
                 ioctls: 0,
             };
             // SAFETY: UFFDIO_REGISTER with a valid structure naming the region's own mapping,
-            // which `region` keeps mapped; faults there now wait for this loader.
+            // which `region.memory` keeps mapped; faults there now wait for this loader.
             if unsafe { ioctl_with_mut_ref(&uffd, UFFDIO_REGISTER(), &mut register) } < 0 {
                 return Err(os_error("UFFDIO_REGISTER"));
             }
@@ -222,19 +221,11 @@ impl LazyLoader {
                 start: register.range.start,
                 len: register.range.len,
             });
-            let end = r.file_offset + r.size;
-            let data = runs
-                .iter()
-                .filter(|run| run.start < end && r.file_offset < run.end)
-                .map(|run| {
-                    run.start.max(r.file_offset) - r.file_offset..run.end.min(end) - r.file_offset
-                })
-                .collect();
-            let pages = r.size / PAGE_SIZE;
+            let pages = region.memory.size() / PAGE_SIZE;
             lazies.push(Lazy {
-                memory: region,
-                file_offset: r.file_offset,
-                data,
+                memory: region.memory,
+                file_offset: region.file_offset,
+                data: region.data,
                 filled: (0..pages.div_ceil(64)).map(|_| AtomicU64::new(0)).collect(),
             });
         }
@@ -381,7 +372,7 @@ fn serve(uffd: &OwnedFd, stop: &EventFd, stats: &LoaderStats, lazies: &[Lazy], f
         };
         if !ok {
             stats.failed.store(true, Ordering::Release);
-            eprintln!("kvm-memslots: the userfaultfd handler could not fill {hva:#x}");
+            eprintln!("kvm-memslots-persist: the userfaultfd handler could not fill {hva:#x}");
             return;
         }
     }

@@ -6,13 +6,13 @@ use std::io::{Cursor, Read};
 use std::os::unix::net::UnixStream;
 use std::thread;
 
-use kvm_memslots::snapshot::MemoryLayout;
-use kvm_memslots::stream::{
+use kvm_memslots::testing::FakeKvm;
+use kvm_memslots::{Backing, MemoryManager, RegionSpec, SlotFlags, Target, PAGE_SIZE};
+use kvm_memslots_persist::stream::{
     apply_pages, check_layout, read_answer, send_answer, shared_files, Record, StreamError,
     StreamReader, StreamWriter, MAX_HANDOVER, MAX_RUN,
 };
-use kvm_memslots::testing::FakeKvm;
-use kvm_memslots::{Backing, MemoryManager, RegionSpec, SlotFlags, Target, PAGE_SIZE};
+use kvm_memslots_persist::MemoryLayout;
 use vm_memory::{Bytes, GuestAddress, GuestAddressSpace};
 
 const MIB: u64 = 1 << 20;

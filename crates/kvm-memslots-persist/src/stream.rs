@@ -30,10 +30,10 @@
 //! reads on the other end), the receiver building the sender's layout from the Hello:
 //!
 //! ```
-//! use kvm_memslots::snapshot::MemoryLayout;
-//! use kvm_memslots::stream::{apply_pages, Record, StreamReader, StreamWriter};
 //! use kvm_memslots::testing::FakeKvm;
 //! use kvm_memslots::{MemoryManager, RegionSpec, Target};
+//! use kvm_memslots_persist::stream::{apply_pages, Record, StreamReader, StreamWriter};
+//! use kvm_memslots_persist::MemoryLayout;
 //! use vm_memory::{Bytes, GuestAddress, GuestAddressSpace};
 //!
 //! let source = MemoryManager::new(FakeKvm::new(64, true));
@@ -79,12 +79,12 @@
 
 use std::io::{self, Read, Write};
 
-use crate::dirty::DirtyPages;
-use crate::kvm::KvmMemory;
-use crate::manager::MemoryManager;
-use crate::memory::RegionMemory;
-use crate::snapshot::{content_runs, mappings, BackingKind, MemoryLayout, SnapshotError};
-use crate::PAGE_SIZE;
+use kvm_memslots::{DirtyPages, KvmMemory, MemoryManager, RegionMemory, PAGE_SIZE};
+
+use crate::error::SnapshotError;
+use crate::frame::{crc32, le_u32, le_u64};
+use crate::layout::{BackingKind, MemoryLayout, RegionLayout};
+use crate::memory_file::content_runs;
 
 /// The stream format's version; a stream of another version is refused.
 pub const STREAM_VERSION: u32 = 2;
@@ -199,16 +199,12 @@ fn write_record(out: &mut impl Write, kind: u8, parts: &[&[u8]]) -> Result<(), S
         .ok()
         .filter(|l| *l <= MAX_PAYLOAD)
         .ok_or_else(|| StreamError::Format(format!("a record of {len} bytes is too long")))?;
-    let mut crc = crc32fast::Hasher::new();
-    crc.update(&[kind]);
-    crc.update(&len.to_le_bytes());
-    for p in parts {
-        crc.update(p);
-    }
+    let header_fields = [&[kind][..], &len.to_le_bytes()[..]];
+    let crc = crc32(header_fields.into_iter().chain(parts.iter().copied()));
     let mut header = [0u8; HEADER];
     header[0] = kind;
     header[4..8].copy_from_slice(&len.to_le_bytes());
-    header[8..12].copy_from_slice(&crc.finalize().to_le_bytes());
+    header[8..12].copy_from_slice(&crc.to_le_bytes());
     out.write_all(&header)
         .map_err(io_error("writing a record header"))?;
     for p in parts {
@@ -224,8 +220,8 @@ fn read_record(input: &mut impl Read) -> Result<(u8, Vec<u8>), StreamError> {
         "reading a record header (the sender stopped before Done)",
     ))?;
     let kind = header[0];
-    let len = u32::from_le_bytes(header[4..8].try_into().expect("4 bytes"));
-    let stored = u32::from_le_bytes(header[8..12].try_into().expect("4 bytes"));
+    let len = le_u32(&header, 4);
+    let stored = le_u32(&header, 8);
     if len > MAX_PAYLOAD {
         return Err(StreamError::Format(format!(
             "a record announces {len} bytes, over the limit of {MAX_PAYLOAD} (corrupted)"
@@ -235,11 +231,7 @@ fn read_record(input: &mut impl Read) -> Result<(u8, Vec<u8>), StreamError> {
     input
         .read_exact(&mut payload)
         .map_err(io_error(format!("reading a record of {len} bytes")))?;
-    let mut crc = crc32fast::Hasher::new();
-    crc.update(&[kind]);
-    crc.update(&len.to_le_bytes());
-    crc.update(&payload);
-    let computed = crc.finalize();
+    let computed = crc32([&[kind][..], &len.to_le_bytes()[..], &payload[..]]);
     if computed != stored {
         return Err(StreamError::Format(format!(
             "record checksum {computed:#010x} does not match the stored {stored:#010x} (corrupted)"
@@ -430,7 +422,7 @@ impl<W: Write> StreamWriter<W> {
         memory: &MemoryManager<K>,
     ) -> Result<SendStats, StreamError> {
         let layout = self.layout()?.clone();
-        let regions = mappings(memory, &layout)?;
+        let regions = layout.mappings(memory)?;
         let mut stats = SendStats::default();
         for (index, (r, region)) in layout.regions.iter().zip(&regions).enumerate() {
             if self.is_handed(index) {
@@ -457,7 +449,7 @@ impl<W: Write> StreamWriter<W> {
         dirty: &[DirtyPages],
     ) -> Result<SendStats, StreamError> {
         let layout = self.layout()?.clone();
-        let regions = mappings(memory, &layout)?;
+        let regions = layout.mappings(memory)?;
         let mut stats = SendStats::default();
         for d in dirty {
             let index = layout.harvested_region(d).ok_or_else(|| {
@@ -570,7 +562,7 @@ impl<R: Read> StreamReader<R> {
                         "not a kvm-memslots memory stream (no KVMSMIG magic)".into(),
                     ));
                 }
-                let version = u32::from_le_bytes(payload[8..12].try_into().expect("4 bytes"));
+                let version = le_u32(&payload, 8);
                 if version != STREAM_VERSION {
                     return Err(StreamError::Format(format!(
                         "stream version {version}; this build reads version {STREAM_VERSION}"
@@ -579,7 +571,7 @@ impl<R: Read> StreamReader<R> {
                 if payload.len() < 16 {
                     return Err(short("Hello"));
                 }
-                let flags = u32::from_le_bytes(payload[12..16].try_into().expect("4 bytes"));
+                let flags = le_u32(&payload, 12);
                 if flags & !HANDS_OVER != 0 {
                     return Err(StreamError::Format(format!(
                         "unknown Hello flags {flags:#x}"
@@ -613,8 +605,8 @@ impl<R: Read> StreamReader<R> {
                 }
                 let mut regions = Vec::with_capacity(payload.len() / 12);
                 for entry in payload.chunks_exact(12) {
-                    let index = u32::from_le_bytes(entry[..4].try_into().expect("4 bytes"));
-                    let offset = u64::from_le_bytes(entry[4..].try_into().expect("8 bytes"));
+                    let index = le_u32(entry, 0);
+                    let offset = le_u64(entry, 4);
                     match self.unhanded.get_mut(index as usize) {
                         Some(owed) if *owed => {
                             *owed = false;
@@ -634,7 +626,7 @@ impl<R: Read> StreamReader<R> {
                 if payload.len() < 8 {
                     return Err(short("Pages"));
                 }
-                let offset = u64::from_le_bytes(payload[..8].try_into().expect("8 bytes"));
+                let offset = le_u64(&payload, 0);
                 let len = (payload.len() - 8) as u64;
                 let layout = self.layout.as_ref().expect("checked above");
                 let region = layout.regions.iter().position(|r| {
@@ -669,8 +661,8 @@ impl<R: Read> StreamReader<R> {
                 if payload.len() != 12 {
                     return Err(short("RoundEnd"));
                 }
-                let round = u32::from_le_bytes(payload[..4].try_into().expect("4 bytes"));
-                let pages = u64::from_le_bytes(payload[4..].try_into().expect("8 bytes"));
+                let round = le_u32(&payload, 0);
+                let pages = le_u64(&payload, 4);
                 if round != self.round || pages != self.round_pages {
                     return Err(StreamError::Format(format!(
                         "round {round} ends with {pages} pages sent, but this is round {} and \
@@ -703,9 +695,7 @@ pub fn check_layout(sent: &MemoryLayout, local: &MemoryLayout) -> Result<(), Str
         )));
     }
     for (s, l) in sent.regions.iter().zip(&local.regions) {
-        let key = |r: &crate::snapshot::RegionLayout| {
-            (r.gpa, r.size, r.slot_size, r.read_only, r.file_offset)
-        };
+        let key = |r: &RegionLayout| (r.gpa, r.size, r.slot_size, r.read_only, r.file_offset);
         if key(s) != key(l) {
             return Err(StreamError::LayoutMismatch(format!(
                 "the sender's region at guest {:#x} ({:#x} bytes, slots of {:#x}{}) is here \
@@ -760,7 +750,7 @@ pub fn shared_files<K: KvmMemory>(
     memory: &MemoryManager<K>,
     layout: &MemoryLayout,
 ) -> Result<Vec<(u32, vm_memory::FileOffset)>, StreamError> {
-    let regions = mappings(memory, layout)?;
+    let regions = layout.mappings(memory)?;
     let mut files = Vec::new();
     for (index, (r, region)) in layout.regions.iter().zip(&regions).enumerate() {
         if r.backing != BackingKind::Shared {

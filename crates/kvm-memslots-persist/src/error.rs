@@ -1,0 +1,36 @@
+//! Why a snapshot could not be written, read or restored.
+
+use kvm_memslots::Error;
+
+/// Why a snapshot could not be written, read or restored.
+#[derive(Debug, thiserror::Error)]
+pub enum SnapshotError {
+    /// A file operation failed.
+    #[error("{what} failed: {source}")]
+    Io {
+        /// What was being done.
+        what: String,
+        /// The system's error.
+        source: std::io::Error,
+    },
+    /// A layout (or its file) is not one this version reads, or does not fit the manager.
+    #[error("invalid memory layout: {0}")]
+    Format(String),
+    /// The memory file does not fit the layout.
+    #[error("the memory file is {found} bytes; the layout needs {expected}")]
+    FileSize {
+        /// The file's size.
+        found: u64,
+        /// The layout's.
+        expected: u64,
+    },
+    /// The manager refused a region.
+    #[error(transparent)]
+    Memory(#[from] Error),
+}
+
+/// A map from an I/O error to [`SnapshotError::Io`] saying `what` was being done.
+pub(crate) fn io(what: impl Into<String>) -> impl FnOnce(std::io::Error) -> SnapshotError {
+    let what = what.into();
+    move |source| SnapshotError::Io { what, source }
+}

@@ -1,0 +1,357 @@
+//! A manager's memory layout: every region (guest range, slot size, flags, backing) in
+//! guest-address order with its offset in the memory file, where the regions lie end to end.
+//! The memory files ([`crate::memory_file`]), the stream ([`crate::stream`]) and the lazy
+//! loader ([`crate::uffd`]) all address memory by it.
+//!
+//! [`MemoryLayout::of`] takes a manager's layout; [`MemoryLayout::validate`] checks one against
+//! itself; [`MemoryLayout::to_bytes`] and [`MemoryLayout::from_bytes`] write and read the layout
+//! file (its JSON in a [`frame`]: a truncated, corrupted, foreign or inconsistent file is refused
+//! with the reason, before anything is built); [`MemoryLayout::build`] and its variants give a
+//! fresh manager the layout's regions.
+
+use std::collections::HashMap;
+use std::fs::File;
+use std::sync::Arc;
+
+use kvm_memslots::{
+    Backing, DirtyPages, Error, KvmMemory, MemoryManager, RegionId, RegionMemory, RegionSpec,
+    KVM_MAX_SLOT_SIZE, PAGE_SIZE,
+};
+use serde::{Deserialize, Serialize};
+use vm_memory::{FileOffset, GuestAddress};
+
+use crate::error::{io, SnapshotError};
+use crate::frame::{frame, unframe};
+
+/// The layout format's version; a file of another version is refused.
+pub const LAYOUT_VERSION: u32 = 1;
+
+const MAGIC: &[u8; 8] = b"KVMSLYT\0";
+
+/// How a region's memory is backed, as a layout records it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum BackingKind {
+    /// Private anonymous memory.
+    Anonymous,
+    /// A shared mapping (a memfd, or a file of the VMM's); restored as a new memfd.
+    Shared,
+}
+
+/// One region of a [`MemoryLayout`].
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RegionLayout {
+    /// The region's id when it was saved (a restored manager numbers its own).
+    pub id: u64,
+    /// Guest-physical base.
+    pub gpa: u64,
+    /// Size in bytes.
+    pub size: u64,
+    /// Bytes per KVM slot (the last slot may be smaller).
+    pub slot_size: u64,
+    /// Read-only for the guest.
+    pub read_only: bool,
+    /// Its writes are logged.
+    pub log_dirty: bool,
+    /// Its backing.
+    pub backing: BackingKind,
+    /// Where its pages are in the memory file.
+    pub file_offset: u64,
+}
+
+/// A manager's memory layout: every region with its slot size, flags and backing, in
+/// guest-address order, and where each one's pages are in the memory file.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct MemoryLayout {
+    /// [`LAYOUT_VERSION`].
+    pub version: u32,
+    /// The regions, by guest address.
+    pub regions: Vec<RegionLayout>,
+}
+
+impl MemoryLayout {
+    /// The index of the region a harvest `d` is of: the one with its id and size (a harvest
+    /// taken before a move still finds it).
+    pub(crate) fn harvested_region(&self, d: &DirtyPages) -> Option<usize> {
+        self.regions
+            .iter()
+            .position(|r| r.id == d.region.0 && r.size == d.pages * PAGE_SIZE)
+    }
+
+    /// The layout of `memory` now.
+    pub fn of<K: KvmMemory>(memory: &MemoryManager<K>) -> Self {
+        let mut regions = memory.regions();
+        regions.sort_by_key(|r| r.gpa);
+        let mut offset = 0;
+        let regions = regions
+            .into_iter()
+            .map(|r| {
+                let layout = RegionLayout {
+                    id: r.id.0,
+                    gpa: r.gpa.0,
+                    size: r.size,
+                    slot_size: r.slot_size,
+                    read_only: r.flags.read_only,
+                    log_dirty: r.flags.log_dirty,
+                    backing: if r.shared {
+                        BackingKind::Shared
+                    } else {
+                        BackingKind::Anonymous
+                    },
+                    file_offset: offset,
+                };
+                offset += r.size;
+                layout
+            })
+            .collect();
+        MemoryLayout {
+            version: LAYOUT_VERSION,
+            regions,
+        }
+    }
+
+    /// The memory file's size: every region's pages.
+    pub fn memory_file_size(&self) -> u64 {
+        self.regions.iter().map(|r| r.size).sum()
+    }
+
+    /// The layout file: magic, version, length, the layout as JSON, its CRC-32 ([`frame`]).
+    pub fn to_bytes(&self) -> Vec<u8> {
+        let json = serde_json::to_vec(self).expect("a layout serialises");
+        frame(MAGIC, self.version, &json)
+    }
+
+    /// Reads a layout file, refusing (with the reason) a wrong magic or version, a truncated
+    /// or corrupted file, and a layout that [`validate`](Self::validate) refuses.
+    pub fn from_bytes(bytes: &[u8]) -> Result<Self, SnapshotError> {
+        let bad = |why: String| SnapshotError::Format(why);
+        let json = unframe(MAGIC, LAYOUT_VERSION, bytes).map_err(bad)?;
+        let layout: MemoryLayout = serde_json::from_slice(json).map_err(|e| bad(format!("{e}")))?;
+        if layout.version != LAYOUT_VERSION {
+            return Err(bad("the header's and the layout's versions differ".into()));
+        }
+        layout.validate()?;
+        Ok(layout)
+    }
+
+    /// Checks the layout against itself, as [`from_bytes`](Self::from_bytes) does after reading
+    /// one, so that a layout that was built, edited or deserialised some other way need not be
+    /// written out and read back to be checked. Refuses, with the first problem and its region:
+    /// another [`version`](Self::version) than [`LAYOUT_VERSION`]; an empty region, or a guest
+    /// base, size or slot size that is not page-aligned; a slot size over KVM's limit
+    /// ([`KVM_MAX_SLOT_SIZE`]); a region that wraps around the address space; regions that are
+    /// not in guest-address order or overlap; and file offsets that are not the regions laid
+    /// end to end.
+    pub fn validate(&self) -> Result<(), SnapshotError> {
+        let bad = |why: String| Err(SnapshotError::Format(why));
+        if self.version != LAYOUT_VERSION {
+            return bad(format!(
+                "layout version {}; this build reads version {LAYOUT_VERSION}",
+                self.version
+            ));
+        }
+        let mut offset = 0u64;
+        let mut end = 0u64;
+        for r in &self.regions {
+            let aligned = [r.gpa, r.size, r.slot_size]
+                .iter()
+                .all(|v| v % PAGE_SIZE == 0);
+            if !aligned || r.size == 0 || r.slot_size == 0 {
+                return bad(format!(
+                    "region {} (guest {:#x}, size {:#x}, slot size {:#x}) is empty or not page-aligned",
+                    r.id, r.gpa, r.size, r.slot_size
+                ));
+            }
+            if r.slot_size > KVM_MAX_SLOT_SIZE {
+                return bad(format!(
+                    "region {} has slots of {:#x} bytes, over KVM's limit of \
+                     {KVM_MAX_SLOT_SIZE:#x}",
+                    r.id, r.slot_size
+                ));
+            }
+            if r.gpa < end {
+                return bad(format!(
+                    "region {} at {:#x} overlaps the one before or is not in guest-address order \
+                     (the one before ends at {end:#x})",
+                    r.id, r.gpa
+                ));
+            }
+            if r.file_offset != offset {
+                return bad(format!(
+                    "region {} at {:#x} is at file offset {:#x}, not at {offset:#x} where the \
+                     regions before it end",
+                    r.id, r.gpa, r.file_offset
+                ));
+            }
+            end = match r.gpa.checked_add(r.size) {
+                Some(end) => end,
+                None => return bad(format!("region {} wraps around", r.id)),
+            };
+            offset += r.size;
+        }
+        Ok(())
+    }
+
+    /// Gives `memory` (a manager with no region in the way) this layout's regions, with their
+    /// slot sizes and flags, in fresh memory; returns their new ids, in layout order. On a
+    /// refusal, the regions added so far are removed again. Load their contents with
+    /// [`load_memory_file`](crate::memory_file::load_memory_file).
+    ///
+    /// # KVM calls
+    ///
+    /// 1. [`MemoryManager::add_region`] for each region, in layout (guest-address) order: for a
+    ///    shared one `memfd_create` and `ftruncate`; one `mmap`; `KVM_SET_USER_MEMORY_REGION`
+    ///    creating its slots, lowest guest address first (see there, with its own undo).
+    ///
+    /// On a refusal: [`MemoryManager::remove_region`] of each region added so far, last first
+    /// (its slots deleted, lowest guest address first, after its logs are read in bitmap mode
+    /// or the rings drained in ring mode; then its mapping unmapped). A remove that fails is
+    /// ignored: its region stays, and the add's error is returned.
+    pub fn build<K: KvmMemory>(&self, memory: &MemoryManager<K>) -> Result<Vec<RegionId>, Error> {
+        self.build_with(memory, fresh_backing)
+    }
+
+    /// As [`build`](Self::build), each region mapped privately from `memory_file` at its
+    /// offset instead: pages load from the file when first touched, with nothing copied up
+    /// front, and the guest's writes never reach the file. Every region is private then, shared
+    /// ones included.
+    ///
+    /// # KVM calls
+    ///
+    /// 1. `statx` (or `fstat`) of `memory_file` for its size, then one `fcntl(F_DUPFD_CLOEXEC)` per
+    ///    region; a wrong size or a failed duplicate makes no KVM call (duplicates are closed).
+    /// 2. As [`build`](Self::build), with no memfd: each region's one `mmap` is a
+    ///    `MAP_PRIVATE` mapping of its duplicate at the region's file offset. The same undo on
+    ///    a refusal; each duplicate is closed with its region's mapping.
+    pub fn build_from_file<K: KvmMemory>(
+        &self,
+        memory: &MemoryManager<K>,
+        memory_file: &File,
+    ) -> Result<Vec<RegionId>, SnapshotError> {
+        self.check_file_size(memory_file)?;
+        let mut clones = Vec::with_capacity(self.regions.len());
+        for _ in &self.regions {
+            clones.push(
+                memory_file
+                    .try_clone()
+                    .map_err(io("duplicating the memory file"))?,
+            );
+        }
+        let mut clones = clones.into_iter();
+        Ok(self.build_with(memory, |r| {
+            let file = clones.next().expect("one per region");
+            Backing::PrivateFile(FileOffset::new(file, r.file_offset))
+        })?)
+    }
+
+    /// Adds the layout's regions to `memory` as [`build`](Self::build) does, except that
+    /// region `i` maps `handed[&i]` (a file or memfd another process handed over, shared) instead
+    /// of fresh memory: its contents are the other process's, nothing to copy. All or nothing.
+    ///
+    /// # KVM calls
+    ///
+    /// As [`build`](Self::build); a handed-over region's `mmap` is a shared mapping of its file.
+    pub fn build_handed_over<K: KvmMemory>(
+        &self,
+        memory: &MemoryManager<K>,
+        handed: &HashMap<usize, FileOffset>,
+    ) -> Result<Vec<RegionId>, Error> {
+        let mut index = 0;
+        self.build_with(memory, |r| {
+            let backing = match handed.get(&index) {
+                Some(file) => Backing::File(file.clone()),
+                None => fresh_backing(r),
+            };
+            index += 1;
+            backing
+        })
+    }
+
+    fn build_with<K: KvmMemory>(
+        &self,
+        memory: &MemoryManager<K>,
+        mut backing: impl FnMut(&RegionLayout) -> Backing,
+    ) -> Result<Vec<RegionId>, Error> {
+        let mut added = Vec::with_capacity(self.regions.len());
+        for r in &self.regions {
+            let mut spec = RegionSpec::new(GuestAddress(r.gpa), r.size)
+                .with_slot_size(r.slot_size)
+                .with_backing(backing(r));
+            spec.read_only = r.read_only;
+            spec.log_dirty = r.log_dirty;
+            match memory.add_region(spec) {
+                Ok(id) => added.push(id),
+                Err(failed) => {
+                    let mut left = Vec::new();
+                    let mut undo = None;
+                    for id in added.into_iter().rev() {
+                        if let Err(e) = memory.remove_region(id) {
+                            left.push(id);
+                            undo.get_or_insert(e);
+                        }
+                    }
+                    return Err(match undo {
+                        None => failed,
+                        Some(undo) => Error::PartlyUndone {
+                            failed: Box::new(failed),
+                            left,
+                            undo: Box::new(undo),
+                        },
+                    });
+                }
+            }
+        }
+        Ok(added)
+    }
+}
+
+/// Fresh memory of the kind a layout region had.
+fn fresh_backing(r: &RegionLayout) -> Backing {
+    match r.backing {
+        BackingKind::Anonymous => Backing::Anonymous,
+        BackingKind::Shared => Backing::Memfd,
+    }
+}
+
+/// What the memory files, the stream and the lazy loader need of a layout.
+impl MemoryLayout {
+    /// Each region's mapping in `memory` now, in layout order: the region at the layout
+    /// region's guest base, of its size. Refuses a manager that lacks one.
+    pub(crate) fn mappings<K: KvmMemory>(
+        &self,
+        memory: &MemoryManager<K>,
+    ) -> Result<Vec<Arc<RegionMemory>>, SnapshotError> {
+        let map = memory.load();
+        self.regions
+            .iter()
+            .map(|r| {
+                map.find_by_gpa(GuestAddress(r.gpa))
+                    .filter(|s| s.gpa().0 == r.gpa && s.payload().offset() == 0)
+                    .filter(|s| s.payload().memory().size() == r.size)
+                    .map(|s| Arc::clone(s.payload().memory()))
+                    .ok_or_else(|| {
+                        SnapshotError::Format(format!(
+                            "no region of {:#x} bytes at guest {:#x} in this manager",
+                            r.size, r.gpa
+                        ))
+                    })
+            })
+            .collect()
+    }
+
+    /// The size of `file`, which must be [`memory_file_size`](Self::memory_file_size): a memory
+    /// file of another size is not of this layout.
+    pub(crate) fn check_file_size(&self, file: &File) -> Result<u64, SnapshotError> {
+        let found = file
+            .metadata()
+            .map_err(io("reading the memory file's size"))?
+            .len();
+        let expected = self.memory_file_size();
+        if found != expected {
+            return Err(SnapshotError::FileSize { found, expected });
+        }
+        Ok(found)
+    }
+}

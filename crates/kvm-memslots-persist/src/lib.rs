@@ -1,0 +1,32 @@
+//! Persistence for [`kvm_memslots`] guest memory: what a VMM saves, restores and migrates.
+//!
+//! - [`layout`]: a manager's [`MemoryLayout`] (every region with its slot size, flags, backing
+//!   and place in the memory file), checked with [`MemoryLayout::validate`], written and read as
+//!   a checksummed layout file, and built into a fresh manager.
+//! - [`frame`]/[`unframe`]: the checksummed frame (magic, version, length, payload, CRC-32) of
+//!   the layout file, for a VMM's own state files too.
+//! - [`memory_file`]: sparse memory files, full or of a harvest's pages; merging diffs;
+//!   loading.
+//! - [`stream`]: guest memory between two VMM processes as checksummed records, the reusable
+//!   part of a live migration.
+//! - [`uffd`]: a lazy restore whose pages a userfaultfd handler fills on first touch.
+//!
+//! The crate uses only `kvm-memslots`' public API; the manager crate does not depend on it.
+
+#![doc = include_str!("../README.md")]
+
+mod error;
+mod frame;
+pub mod layout;
+pub mod memory_file;
+pub mod stream;
+pub mod uffd;
+
+pub use error::SnapshotError;
+pub use frame::{frame, unframe};
+pub use layout::{BackingKind, MemoryLayout, RegionLayout, LAYOUT_VERSION};
+pub use memory_file::{
+    data_runs, load_memory_file, merge_memory_files, merge_snapshots, write_dirty_pages,
+    write_memory_file, WriteStats,
+};
+pub use uffd::{LazyLoader, LoaderStats};

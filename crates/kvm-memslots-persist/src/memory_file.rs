@@ -1,0 +1,388 @@
+//! Memory files: every region's pages at its [`RegionLayout::file_offset`], the regions laid
+//! end to end in guest-address order as the [`MemoryLayout`] says.
+//!
+//! Only pages that hold data are written, so pages the guest never touched and pages that were
+//! discarded stay holes: a full snapshot ([`write_memory_file`]) writes the pages the host has
+//! (present or swapped, from `/proc/self/pagemap`: [`data_runs`]) that are not all zeros (a
+//! transparent huge page makes 511 untouched neighbours present), a diff snapshot
+//! ([`write_dirty_pages`]) writes the pages a harvest reported into a new file at the same
+//! offsets, and [`merge_memory_files`] applies diffs onto a base ([`merge_snapshots`] when the
+//! layouts changed in between). Loading ([`load_memory_file`]) copies the file's data runs
+//! (`SEEK_DATA`/`SEEK_HOLE`) into the regions; holes read as zeros in fresh memory. Guest memory
+//! moves between file and mapping with `pread`/`pwrite`: the kernel copies, and no Rust
+//! reference to guest memory is made.
+//!
+//! [`RegionLayout::file_offset`]: crate::RegionLayout::file_offset
+
+use std::fs::File;
+use std::ops::Range;
+use std::os::fd::AsRawFd;
+use std::os::unix::fs::FileExt;
+use std::sync::Arc;
+
+use kvm_memslots::{DirtyPages, KvmMemory, MemoryManager, RegionMemory, PAGE_SIZE};
+
+use crate::error::{io, SnapshotError};
+use crate::layout::MemoryLayout;
+
+/// The byte ranges of `memory` that hold data: pages present in memory or swapped out, from
+/// `/proc/self/pagemap`. Pages never touched and pages discarded are not data.
+pub fn data_runs(memory: &RegionMemory) -> Result<Vec<Range<u64>>, SnapshotError> {
+    let pagemap = File::open("/proc/self/pagemap").map_err(io("opening /proc/self/pagemap"))?;
+    let pages = memory.size() / PAGE_SIZE;
+    let first = memory.host_address() / PAGE_SIZE;
+    let mut runs: Vec<Range<u64>> = Vec::new();
+    let mut entries = vec![0u8; 8 * 4096];
+    let mut page = 0;
+    while page < pages {
+        let batch = (pages - page).min(4096);
+        let buf = &mut entries[..8 * batch as usize];
+        pagemap
+            .read_exact_at(buf, (first + page) * 8)
+            .map_err(io("reading /proc/self/pagemap"))?;
+        for (i, entry) in buf.chunks_exact(8).enumerate() {
+            let entry = u64::from_le_bytes(entry.try_into().expect("8 bytes"));
+            // Bit 63: present; bit 62: swapped.
+            if entry & (3 << 62) == 0 {
+                continue;
+            }
+            let at = (page + i as u64) * PAGE_SIZE;
+            match runs.last_mut() {
+                Some(run) if run.end == at => run.end += PAGE_SIZE,
+                _ => runs.push(at..at + PAGE_SIZE),
+            }
+        }
+        page += batch;
+    }
+    Ok(runs)
+}
+
+/// What writing a memory file did.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct WriteStats {
+    /// Bytes of pages written.
+    pub bytes: u64,
+    /// Runs of neighbouring pages (one `pwrite` each).
+    pub runs: u64,
+}
+
+/// Moves `len` bytes between guest memory at `offset` in `memory` and `file` at `at`, with
+/// `pwrite` (`to_file`) or `pread`: the kernel copies, so no Rust reference to guest memory is
+/// ever made.
+fn transfer(
+    file: &File,
+    memory: &RegionMemory,
+    offset: u64,
+    len: u64,
+    at: u64,
+    to_file: bool,
+) -> std::io::Result<()> {
+    assert!(
+        offset
+            .checked_add(len)
+            .is_some_and(|end| end <= memory.size()),
+        "a run inside its region"
+    );
+    let mut done = 0u64;
+    while done < len {
+        let ptr = (memory.host_address() + offset + done) as *mut libc::c_void;
+        let count = (len - done).min(1 << 30) as usize;
+        let pos = (at + done) as libc::off_t;
+        let n = if to_file {
+            // SAFETY: `[ptr, ptr + count)` lies inside the region's mapping (asserted above),
+            // which `memory` keeps mapped for the call; the kernel only reads it.
+            unsafe { libc::pwrite(file.as_raw_fd(), ptr, count, pos) }
+        } else {
+            // SAFETY: as above, and the mapping is writable; the kernel writes it. The guest
+            // does not run while memory is loaded.
+            unsafe { libc::pread(file.as_raw_fd(), ptr, count, pos) }
+        };
+        match n {
+            n if n > 0 => done += n as u64,
+            0 => return Err(std::io::ErrorKind::UnexpectedEof.into()),
+            _ => {
+                let e = std::io::Error::last_os_error();
+                if e.kind() != std::io::ErrorKind::Interrupted {
+                    return Err(e);
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+/// A memory file being written: the layout's regions as mapped in the manager, and the file,
+/// sized to the layout.
+struct Writer<'a> {
+    file: &'a File,
+    layout: &'a MemoryLayout,
+    regions: Vec<Arc<RegionMemory>>,
+    stats: WriteStats,
+}
+
+impl<'a> Writer<'a> {
+    fn new<K: KvmMemory>(
+        memory: &MemoryManager<K>,
+        layout: &'a MemoryLayout,
+        file: &'a File,
+    ) -> Result<Self, SnapshotError> {
+        let regions = layout.mappings(memory)?;
+        file.set_len(layout.memory_file_size())
+            .map_err(io("sizing the memory file"))?;
+        Ok(Writer {
+            file,
+            layout,
+            regions,
+            stats: WriteStats::default(),
+        })
+    }
+
+    /// Writes `run` (byte offsets in the layout's region `index`) at its place in the file.
+    fn write(&mut self, index: usize, run: Range<u64>) -> Result<(), SnapshotError> {
+        let (len, at) = (
+            run.end - run.start,
+            self.layout.regions[index].file_offset + run.start,
+        );
+        transfer(self.file, &self.regions[index], run.start, len, at, true).map_err(io(
+            format!("writing {len} bytes at offset {at:#x} of the memory file"),
+        ))?;
+        self.stats.bytes += len;
+        self.stats.runs += 1;
+        Ok(())
+    }
+}
+
+/// A full snapshot of `memory`'s pages into `file` (created empty by the caller): the file is
+/// sized to the layout, and every page that holds data is written at its offset; the rest are
+/// holes. Pause the vCPUs first for a consistent image.
+pub fn write_memory_file<K: KvmMemory>(
+    memory: &MemoryManager<K>,
+    layout: &MemoryLayout,
+    file: &File,
+) -> Result<WriteStats, SnapshotError> {
+    let mut out = Writer::new(memory, layout, file)?;
+    for index in 0..layout.regions.len() {
+        for run in content_runs(&out.regions[index])? {
+            out.write(index, run)?;
+        }
+    }
+    Ok(out.stats)
+}
+
+/// The byte ranges of `memory` a full copy must carry: pages the host holds ([`data_runs`])
+/// that are not all zeros (fresh memory on the other side reads zeros anyway).
+pub(crate) fn content_runs(memory: &RegionMemory) -> Result<Vec<Range<u64>>, SnapshotError> {
+    Ok(data_runs(memory)?
+        .into_iter()
+        .flat_map(|present| non_zero_runs(memory, present))
+        .collect())
+}
+
+/// The parts of `run` (byte offsets in `memory`, page-aligned) whose pages are not all zeros.
+fn non_zero_runs(memory: &RegionMemory, run: Range<u64>) -> Vec<Range<u64>> {
+    let mut runs: Vec<Range<u64>> = Vec::new();
+    let mut page = [0u8; PAGE_SIZE as usize];
+    for at in run.step_by(PAGE_SIZE as usize) {
+        // A page that cannot be read is written, not guessed to be zeros.
+        if memory.read_volatile(at, &mut page).is_ok() && page.iter().all(|b| *b == 0) {
+            continue;
+        }
+        match runs.last_mut() {
+            Some(last) if last.end == at => last.end += PAGE_SIZE,
+            _ => runs.push(at..at + PAGE_SIZE),
+        }
+    }
+    runs
+}
+
+/// A diff snapshot: the pages of `dirty` (harvests of `memory`) into `file` (created empty by
+/// the caller), sized to the layout, at the same offsets as a full snapshot of it. Regions are
+/// matched by id, so a harvest taken before a region moved still lands at its pages; a
+/// harvested region the layout no longer has (removed since) has nothing to keep.
+pub fn write_dirty_pages<K: KvmMemory>(
+    memory: &MemoryManager<K>,
+    layout: &MemoryLayout,
+    dirty: &[DirtyPages],
+    file: &File,
+) -> Result<WriteStats, SnapshotError> {
+    let mut out = Writer::new(memory, layout, file)?;
+    for d in dirty {
+        let Some(index) = layout.harvested_region(d) else {
+            continue;
+        };
+        for run in d.ranges() {
+            // From the harvest's own base: the region may have moved since.
+            out.write(index, run.start - d.gpa.0..run.end - d.gpa.0)?;
+        }
+    }
+    Ok(out.stats)
+}
+
+/// The data runs of `file` (`SEEK_DATA` / `SEEK_HOLE`), as byte ranges.
+fn file_data_runs(file: &File, size: u64) -> Result<Vec<Range<u64>>, SnapshotError> {
+    let fd = file.as_raw_fd();
+    let mut runs = Vec::new();
+    let mut at = 0i64;
+    let size = i64::try_from(size).map_err(|_| SnapshotError::Format("file too large".into()))?;
+    while at < size {
+        // SAFETY: lseek only moves the file's offset; no memory is involved.
+        let data = unsafe { libc::lseek(fd, at, libc::SEEK_DATA) };
+        if data < 0 {
+            let e = std::io::Error::last_os_error();
+            if e.raw_os_error() == Some(libc::ENXIO) {
+                break; // No data past `at`.
+            }
+            return Err(io("finding the memory file's data (SEEK_DATA)")(e));
+        }
+        // SAFETY: as above.
+        let hole = unsafe { libc::lseek(fd, data, libc::SEEK_HOLE) };
+        if hole < 0 {
+            return Err(io("finding the memory file's holes (SEEK_HOLE)")(
+                std::io::Error::last_os_error(),
+            ));
+        }
+        runs.push(data as u64..hole as u64);
+        at = hole;
+    }
+    Ok(runs)
+}
+
+/// One layout region of a memory file being loaded: its mapping in the manager, its place in
+/// the file, and the file's data runs inside it (byte offsets in the region; the rest are
+/// holes).
+pub(crate) struct RegionData {
+    /// The region's mapping.
+    pub(crate) memory: Arc<RegionMemory>,
+    /// Where the region starts in the file.
+    pub(crate) file_offset: u64,
+    /// The file's data in the region, in order.
+    pub(crate) data: Vec<Range<u64>>,
+}
+
+/// What loading `file` (a memory file of `layout`) into `memory` needs, region by region in
+/// layout order. Refuses a file of another size than the layout's and a manager without the
+/// layout's regions.
+pub(crate) fn regions_with_data<K: KvmMemory>(
+    memory: &MemoryManager<K>,
+    layout: &MemoryLayout,
+    file: &File,
+) -> Result<Vec<RegionData>, SnapshotError> {
+    let size = layout.check_file_size(file)?;
+    let regions = layout.mappings(memory)?;
+    let runs = file_data_runs(file, size)?;
+    Ok(layout
+        .regions
+        .iter()
+        .zip(regions)
+        .map(|(r, memory)| {
+            // A run may span regions: cut it at their boundaries.
+            let end = r.file_offset + r.size;
+            let data = runs
+                .iter()
+                .filter(|run| run.start < end && r.file_offset < run.end)
+                .map(|run| {
+                    run.start.max(r.file_offset) - r.file_offset..run.end.min(end) - r.file_offset
+                })
+                .collect();
+            RegionData {
+                memory,
+                file_offset: r.file_offset,
+                data,
+            }
+        })
+        .collect())
+}
+
+/// Copies the data of `file` (a memory file of `layout`) into `memory`'s regions, which
+/// [`MemoryLayout::build`] made; holes are left as the fresh memory's zeros. Returns the bytes
+/// copied. Load before any vCPU runs.
+pub fn load_memory_file<K: KvmMemory>(
+    memory: &MemoryManager<K>,
+    layout: &MemoryLayout,
+    file: &File,
+) -> Result<u64, SnapshotError> {
+    let mut loaded = 0;
+    for region in regions_with_data(memory, layout, file)? {
+        for run in &region.data {
+            let (at, len) = (region.file_offset + run.start, run.end - run.start);
+            transfer(file, &region.memory, run.start, len, at, false)
+                .map_err(io(format!("reading the memory file at {at:#x}")))?;
+            loaded += len;
+        }
+    }
+    Ok(loaded)
+}
+
+/// Builds the full memory file of the last snapshot of a chain into `out` (created empty by the
+/// caller), from the chain's files oldest first: a full snapshot, then diffs, each with the
+/// layout it was taken with. The layouts may differ (regions added, removed or moved between
+/// snapshots): every region of the last layout gets, in order, the data each file has of the
+/// region with the same id, at its own offset in the last layout. A region added after the
+/// full snapshot has all its pages in the first diff that has it (a region added while logging
+/// reports every page first). Returns the bytes copied.
+pub fn merge_snapshots(chain: &[(&MemoryLayout, &File)], out: &File) -> Result<u64, SnapshotError> {
+    let Some((last, _)) = chain.last() else {
+        return Err(SnapshotError::Format("no snapshot to merge".into()));
+    };
+    out.set_len(last.memory_file_size())
+        .map_err(io("sizing the merged memory file"))?;
+    let mut copied = 0;
+    let mut buffer = vec![0u8; 1 << 20];
+    for (layout, file) in chain {
+        let size = layout.check_file_size(file)?;
+        let runs = file_data_runs(file, size)?;
+        for target in &last.regions {
+            let Some(source) = layout
+                .regions
+                .iter()
+                .find(|r| r.id == target.id && r.size == target.size)
+            else {
+                continue;
+            };
+            let (from, to) = (source.file_offset, source.file_offset + source.size);
+            for run in &runs {
+                let (start, end) = (run.start.max(from), run.end.min(to));
+                let mut at = start;
+                while at < end {
+                    let n = ((end - at) as usize).min(buffer.len());
+                    file.read_exact_at(&mut buffer[..n], at)
+                        .map_err(io("reading a snapshot's memory file"))?;
+                    out.write_all_at(&buffer[..n], target.file_offset + (at - from))
+                        .map_err(io("writing the merged memory file"))?;
+                    at += n as u64;
+                    copied += n as u64;
+                }
+            }
+        }
+    }
+    Ok(copied)
+}
+
+/// Applies the diff memory files `diffs`, in order, onto `base` (all of `layout`): each diff's
+/// data runs overwrite the base's bytes there. The result is the full snapshot of the point the
+/// last diff was taken at.
+pub fn merge_memory_files(
+    layout: &MemoryLayout,
+    base: &File,
+    diffs: &[File],
+) -> Result<u64, SnapshotError> {
+    layout.check_file_size(base)?;
+    let mut merged = 0;
+    let mut buffer = vec![0u8; 1 << 20];
+    for diff in diffs {
+        let size = layout.check_file_size(diff)?;
+        for run in file_data_runs(diff, size)? {
+            let mut at = run.start;
+            while at < run.end {
+                let n = ((run.end - at) as usize).min(buffer.len());
+                diff.read_exact_at(&mut buffer[..n], at)
+                    .map_err(io("reading a diff"))?;
+                base.write_all_at(&buffer[..n], at)
+                    .map_err(io("writing the base"))?;
+                at += n as u64;
+                merged += n as u64;
+            }
+        }
+    }
+    Ok(merged)
+}
