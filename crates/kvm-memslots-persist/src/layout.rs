@@ -201,14 +201,11 @@ impl MemoryLayout {
     ///
     /// # KVM calls
     ///
-    /// 1. [`MemoryManager::add_region`] for each region, in layout (guest-address) order: for a
-    ///    shared one `memfd_create` and `ftruncate`; one `mmap`; `KVM_SET_USER_MEMORY_REGION`
-    ///    creating its slots, lowest guest address first (see there, with its own undo).
-    ///
-    /// On a refusal: [`MemoryManager::remove_region`] of each region added so far, last first
-    /// (its slots deleted, lowest guest address first, after its logs are read in bitmap mode
-    /// or the rings drained in ring mode; then its mapping unmapped). A remove that fails is
-    /// ignored: its region stays, and the add's error is returned.
+    /// One [`MemoryManager::add_regions`] of every region, in layout (guest-address) order:
+    /// for each shared one `memfd_create` and `ftruncate`, then one `mmap` each, then
+    /// `KVM_SET_USER_MEMORY_REGION` creating every slot, region by region, lowest guest address
+    /// first. All or nothing: on a refusal the slots created are deleted again and the
+    /// mappings unmapped (see there); the map never shows part of the layout.
     pub fn build<K: KvmMemory>(&self, memory: &MemoryManager<K>) -> Result<Vec<RegionId>, Error> {
         self.build_with(memory, fresh_backing)
     }
@@ -274,36 +271,15 @@ impl MemoryLayout {
         memory: &MemoryManager<K>,
         mut backing: impl FnMut(&RegionLayout) -> Backing,
     ) -> Result<Vec<RegionId>, Error> {
-        let mut added = Vec::with_capacity(self.regions.len());
-        for r in &self.regions {
+        let specs = self.regions.iter().map(|r| {
             let mut spec = RegionSpec::new(GuestAddress(r.gpa), r.size)
                 .with_slot_size(r.slot_size)
                 .with_backing(backing(r));
             spec.read_only = r.read_only;
             spec.log_dirty = r.log_dirty;
-            match memory.add_region(spec) {
-                Ok(id) => added.push(id),
-                Err(failed) => {
-                    let mut left = Vec::new();
-                    let mut undo = None;
-                    for id in added.into_iter().rev() {
-                        if let Err(e) = memory.remove_region(id) {
-                            left.push(id);
-                            undo.get_or_insert(e);
-                        }
-                    }
-                    return Err(match undo {
-                        None => failed,
-                        Some(undo) => Error::PartlyUndone {
-                            failed: Box::new(failed),
-                            left,
-                            undo: Box::new(undo),
-                        },
-                    });
-                }
-            }
-        }
-        Ok(added)
+            spec
+        });
+        memory.add_regions(specs)
     }
 }
 

@@ -127,19 +127,6 @@ pub enum Error {
         /// The kernel's error for it.
         undo_errno: Errno,
     },
-    /// Building a layout's regions failed, and removing the regions it had already added
-    /// failed too: those regions stay (each is whole and mirrored to KVM).
-    #[error(
-        "{failed}; removing the regions added before it failed too ({undo}): regions {left:?} stay"
-    )]
-    PartlyUndone {
-        /// The first failure.
-        failed: Box<Error>,
-        /// The regions that stay.
-        left: Vec<RegionId>,
-        /// Why the first of them could not be removed.
-        undo: Box<Error>,
-    },
     /// An earlier undo failed (see [`Error::UndoFailed`]); changes are refused.
     #[error("changes are refused since undoing a failed change of slot {slot} failed: {errno}")]
     Broken {
@@ -282,7 +269,6 @@ impl Error {
             | Error::OutOfSlots { .. }
             | Error::OverLimit { .. } => ErrorKind::Conflict,
             Error::UndoFailed { .. }
-            | Error::PartlyUndone { .. }
             | Error::Broken { .. }
             | Error::BrokenByPanic { .. }
             | Error::Map(_) => ErrorKind::Broken,
@@ -319,7 +305,7 @@ impl Error {
             | Error::ClearDirtyLog { source, .. }
             | Error::DirtyRing { source, .. } => Some(source.errno()),
             Error::Broken { errno, .. } => Some(errno.errno()),
-            Error::UndoFailed { failed, .. } | Error::PartlyUndone { failed, .. } => failed.errno(),
+            Error::UndoFailed { failed, .. } => failed.errno(),
             Error::Discard { source, .. } | Error::Mapping(MappingError::Memfd { source, .. }) => {
                 source.raw_os_error()
             }
