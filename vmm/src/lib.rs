@@ -9,13 +9,15 @@
 //! | [`test_guest`] | the built-in ring-3 test guest: its layout, command protocol and ports |
 //! | [`linux`] | booting a Linux kernel: configuration, e820, loading, CPU set-up |
 //! | [`devices`] | device models (the legacy serial console and i8042) |
-//! | [`controller`] | the VM's operations as typed requests and replies; knows no transport |
-//! | [`api`] | the API socket: HTTP/1.1 + JSON on a Unix socket, onto the controller |
+//! | [`control`] | the control vocabulary every guest kind shares: typed requests, replies, errors |
+//! | [`controller`] | the test guest's controller: applies [`control`] requests to its VM |
+//! | [`api`] | the API socket: HTTP/1.1 + JSON on a Unix socket, onto a controller |
 //! | [`migration`] | live migration between two tinyvmm processes: the source's rounds, the transport |
 //! | [`jobs`] | what the binary runs: check, perf suite, stress, serve, receive |
 //! | [`lifecycle`] | the event loop for everything that is not a vCPU |
 
 pub mod api;
+pub mod control;
 pub mod controller;
 pub mod devices;
 pub mod jobs;

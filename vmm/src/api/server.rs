@@ -15,7 +15,7 @@ use vmm_sys_util::timerfd::TimerFd;
 
 use crate::api::http::{self, Parsed, Response, MAX_BODY_BYTES, MAX_HEADER_BYTES};
 use crate::api::routes::{respond, route};
-use crate::controller::{Apply, Controller};
+use crate::control::Apply;
 
 /// Why the API socket could not be created.
 #[derive(Debug, thiserror::Error)]
@@ -88,7 +88,7 @@ const READ_LIMIT: usize = 2 * (MAX_HEADER_BYTES + MAX_BODY_BYTES);
 
 /// The API socket's subscriber: the listener and every client connection.
 #[derive(Debug)]
-pub struct ApiServer<C = Controller> {
+pub struct ApiServer<C> {
     listener: UnixListener,
     connections: HashMap<RawFd, Connection>,
     controller: C,

@@ -5,8 +5,8 @@
 use kvm_memslots::RegionId;
 use vm_memory::GuestAddress;
 
-use super::error::ControllerError;
-use crate::api::types::{HotplugConfig, HotplugInfo};
+use crate::control::hotplug::{HotplugConfig, HotplugInfo};
+use crate::control::ControllerError;
 use crate::test_guest::snapshot::HotplugState;
 
 const MIB: u64 = 1 << 20;
@@ -183,7 +183,7 @@ impl HotplugArea {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::controller::error::ErrorKind;
+    use crate::control::ErrorKind;
 
     const GPA: u64 = 32 << 30;
     const LIMIT: u64 = 64 << 30;

@@ -2,7 +2,6 @@
 //! returns a typed [`Reply`] or a [`ControllerError`] whose kind says whose fault it was; it
 //! knows no transport (the API socket, `api`, turns HTTP into requests and replies into HTTP).
 
-pub mod error;
 pub mod hotplug;
 
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -15,20 +14,24 @@ use kvm_memslots::snapshot::{write_dirty_pages, write_memory_file, MemoryLayout}
 use kvm_memslots::{Backing, DirtyPages, RegionId, RegionSpec, Target, PAGE_SIZE};
 use vm_memory::GuestAddress;
 
-use crate::api::types::{
-    AddRegion, BackingKind, DirtyLogInfo, DirtyLogSwitch, DirtyRate, DirtyRegion, GuestCommand,
-    GuestCommandResult, GuestOp, Harvest, HarvestInfo, HotplugConfig, HotplugInfo, HotplugRequest,
-    Limits, MemoryInfo, MemoryUse, MigrateRequest, MigrationInfo, PatchRegion, RegionAdded,
-    RegionInfo, RunState, SlotCounts, SnapshotCreate, SnapshotType, VmAction, VmActionType, VmInfo,
-    VmStatePatch, VmStateRequest,
+use crate::control::dirty_log::{
+    DirtyLogInfo, DirtyLogSwitch, DirtyRate, DirtyRegion, Harvest, HarvestInfo,
 };
+use crate::control::guest::{GuestCommand, GuestCommandResult, GuestOp};
+use crate::control::hotplug::{HotplugConfig, HotplugRequest};
+use crate::control::memory::{
+    memory_info, AddRegion, BackingKind, MemoryInfo, PatchRegion, RegionAdded,
+};
+use crate::control::migration::{MigrateRequest, MigrationInfo};
+use crate::control::snapshot::{SnapshotCreate, SnapshotType};
+use crate::control::vm::{RunState, VmAction, VmActionType, VmInfo, VmStateRequest};
+use crate::control::{Apply, ControllerError, ErrorKind, Outcome, Reply, Request};
 use crate::migration::source::SourceVm;
 use crate::migration::{Endpoint, Migration};
 use crate::test_guest::area::{check_area, TestArea};
 use crate::test_guest::snapshot::{HotplugState, SnapshotState, STATE_VERSION};
 use crate::test_guest::vcpus::{GuestError, TestVm, VcpuHandle, Vcpus};
 use crate::test_guest::{self, Command, Op};
-pub use error::{ControllerError, ErrorKind};
 use hotplug::HotplugArea;
 
 const MIB: u64 = 1 << 20;
@@ -36,106 +39,6 @@ const MIB: u64 = 1 << 20;
 pub const AUTO_PLACE_BASE: u64 = 1 << 30;
 /// Where the hotplug area starts.
 pub const HOTPLUG_GPA: u64 = 32 << 30;
-
-/// Everything a client can ask of the VM.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Request {
-    /// List regions and slots.
-    GetMemory,
-    /// Add a region.
-    AddRegion(AddRegion),
-    /// Remove a region.
-    RemoveRegion(u64),
-    /// Move a region or change whether it is read-only.
-    PatchRegion(u64, PatchRegion),
-    /// Start or stop dirty logging.
-    SwitchDirtyLog(DirtyLogSwitch),
-    /// Fetch and clear dirty pages.
-    Harvest(Harvest),
-    /// Describe dirty logging: the mode, the logging regions, the dirty rate.
-    GetDirtyLog,
-    /// Describe the hotplug area.
-    GetHotplug,
-    /// Set the hotplug area up.
-    ConfigureHotplug(HotplugConfig),
-    /// Plug or unplug memory in the hotplug area.
-    RequestHotplug(HotplugRequest),
-    /// Run a test-guest command.
-    Guest(GuestCommand),
-    /// Describe the VM.
-    GetVm,
-    /// Pause or resume.
-    PatchVm(VmStatePatch),
-    /// Save the (paused) VM's state and memory.
-    CreateSnapshot(SnapshotCreate),
-    /// Stop the VMM.
-    Act(VmAction),
-    /// Start migrating the VM to a `tinyvmm receive`.
-    Migrate(MigrateRequest),
-    /// Describe the migration.
-    GetMigration,
-    /// Cancel the migration under way.
-    CancelMigration,
-}
-
-impl Request {
-    /// The request's route, for messages.
-    pub fn name(&self) -> &'static str {
-        match self {
-            Request::GetMemory => "GET /memory",
-            Request::AddRegion(_) => "PUT /memory/regions",
-            Request::RemoveRegion(_) => "DELETE /memory/regions/{id}",
-            Request::PatchRegion(..) => "PATCH /memory/regions/{id}",
-            Request::SwitchDirtyLog(_) => "PATCH /dirty-log",
-            Request::Harvest(_) => "POST /dirty-log/harvest",
-            Request::GetDirtyLog => "GET /dirty-log",
-            Request::GetHotplug => "GET /hotplug/memory",
-            Request::ConfigureHotplug(_) => "PUT /hotplug/memory",
-            Request::RequestHotplug(_) => "PATCH /hotplug/memory",
-            Request::Guest(_) => "PUT /guest/command",
-            Request::GetVm => "GET /vm",
-            Request::PatchVm(_) => "PATCH /vm",
-            Request::CreateSnapshot(_) => "PUT /snapshot/create",
-            Request::Act(_) => "PUT /actions",
-            Request::Migrate(_) => "PUT /migrate",
-            Request::GetMigration => "GET /migrate",
-            Request::CancelMigration => "PUT /migrate/cancel",
-        }
-    }
-}
-
-/// What a request produced.
-#[derive(Debug, Clone, PartialEq)]
-pub enum Reply {
-    /// Done; nothing to report.
-    Done,
-    /// The regions and slots.
-    Memory(MemoryInfo),
-    /// The new region.
-    RegionAdded(RegionAdded),
-    /// The dirty pages.
-    Harvest(HarvestInfo),
-    /// Dirty logging.
-    DirtyLog(DirtyLogInfo),
-    /// The hotplug area.
-    Hotplug(HotplugInfo),
-    /// The VM.
-    Vm(VmInfo),
-    /// What the guest's command found.
-    Guest(GuestCommandResult),
-    /// The migration.
-    Migration(MigrationInfo),
-}
-
-/// What a request gets back.
-pub type Outcome = Result<Reply, ControllerError>;
-
-/// What applies requests: the test guest's [`Controller`], or a Linux guest's smaller one
-/// (`linux::hotplug::LinuxController`). The API server serves either.
-pub trait Apply {
-    /// Applies `request`.
-    fn apply(&mut self, request: Request) -> Outcome;
-}
 
 impl Apply for Controller {
     fn apply(&mut self, request: Request) -> Outcome {
@@ -1061,44 +964,6 @@ impl Controller {
             }),
             Err(e) => guest_outcome(Err(e)),
         }
-    }
-}
-
-/// `GET /memory` for any VM's memory.
-pub fn memory_info(memory: &kvm_memslots::MemoryManager<kvm_memslots::KvmVm>) -> MemoryInfo {
-    let usage = memory.slot_usage();
-    let regions = memory
-        .regions()
-        .iter()
-        .map(|r| RegionInfo {
-            id: r.id.0,
-            guest_address: r.gpa.0,
-            size: r.size,
-            host_address: r.hva.0,
-            slots: r.slots,
-            read_only: r.flags.read_only,
-            dirty_log: r.flags.log_dirty,
-            backing: if r.shared { "memfd" } else { "anonymous" },
-        })
-        .collect();
-    let limits = memory.limits();
-    let used = memory.memory_use();
-    MemoryInfo {
-        slots: SlotCounts {
-            used: usage.used,
-            free: usage.free,
-            max: usage.max,
-        },
-        limits: Limits {
-            max_guest_memory: limits.max_guest_memory,
-            max_region_size: limits.max_region_size,
-            max_metadata: limits.max_metadata,
-        },
-        used: MemoryUse {
-            guest_memory: used.guest_memory,
-            metadata: used.metadata,
-        },
-        regions,
     }
 }
 

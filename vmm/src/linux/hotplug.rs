@@ -20,8 +20,9 @@ use vmm_sys_util::eventfd::EventFd;
 
 use super::acpi::MmioDevice;
 use super::layout::MMIO_GAP_END;
-use crate::api::types::HotplugInfo;
-use crate::controller::{memory_info, Apply, ControllerError, Outcome, Reply, Request};
+use crate::control::hotplug::HotplugInfo;
+use crate::control::memory::memory_info;
+use crate::control::{Apply, ControllerError, Outcome, Reply, Request};
 use crate::vm::mmio::MmioBus;
 use crate::vm::{Vm, VmError};
 

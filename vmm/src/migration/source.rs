@@ -31,7 +31,7 @@ use kvm_memslots::{DirtyPages, KvmVm, MemoryManager, RegionId, Target, PAGE_SIZE
 
 use super::transport::{Connection, Endpoint};
 use super::MigrationState;
-use crate::api::types::{MigrateRequest, MigrationInfo, MigrationPhase, OnTimeout};
+use crate::control::migration::{MigrateRequest, MigrationInfo, MigrationPhase, OnTimeout};
 use crate::test_guest::snapshot::{HotplugState, SnapshotState, STATE_VERSION};
 use crate::test_guest::vcpus::VcpuHandle;
 use crate::vm::vcpu::PauseError;

@@ -6,6 +6,7 @@
 use kvm_memslots::snapshot::{frame, unframe, MemoryLayout};
 use serde::{Deserialize, Serialize};
 
+use crate::control::hotplug::HotplugConfig;
 use crate::vm::state::VcpuState;
 
 /// The state file's format version.
@@ -26,19 +27,6 @@ pub struct SnapshotState {
     /// The hotplug area, if one was configured.
     #[serde(default)]
     pub hotplug: Option<HotplugState>,
-}
-
-/// The hotplug area, as Firecracker describes it (`PUT /hotplug/memory`'s body).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Serialize)]
-#[serde(deny_unknown_fields)]
-pub struct HotplugConfig {
-    /// Size of the whole area, in MiB.
-    pub total_size_mib: u64,
-    /// Plugging granularity in MiB (a power of two, at least 2).
-    pub block_size_mib: u64,
-    /// KVM slot size in MiB (a multiple of the block size); a slot is mapped while any of its
-    /// blocks is plugged. Defaults to the block size.
-    pub slot_size_mib: Option<u64>,
 }
 
 /// The hotplug area's bookkeeping: its configuration, the blocks plugged, and which of its
