@@ -10,7 +10,6 @@
 //! | [`linux`] | booting a Linux kernel: configuration, e820, loading, CPU set-up |
 //! | [`devices`] | device models (the legacy serial console and i8042) |
 //! | [`control`] | the control vocabulary every guest kind shares: typed requests, replies, errors |
-//! | [`controller`] | the test guest's controller: applies [`control`] requests to its VM |
 //! | [`api`] | the API socket: HTTP/1.1 + JSON on a Unix socket, onto a controller |
 //! | [`migration`] | live migration between two tinyvmm processes: the source's rounds, the transport |
 //! | [`jobs`] | what the binary runs: check, perf suite, stress, serve, receive |
@@ -18,7 +17,6 @@
 
 pub mod api;
 pub mod control;
-pub mod controller;
 pub mod devices;
 pub mod jobs;
 pub mod lifecycle;

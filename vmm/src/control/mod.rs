@@ -2,9 +2,10 @@
 //! [`Reply`] or [`ControllerError`] each gets, and the [`Apply`] trait a guest kind's controller
 //! implements. The request and reply bodies are in one file per resource (as Firecracker's
 //! `vmm_config/`): [`memory`], [`dirty_log`], [`hotplug`], [`guest`] (the test guest's
-//! commands), [`vm`], [`snapshot`] and [`migration`]. The API socket (`api`) turns HTTP into
-//! requests and replies into HTTP; the guest kinds' controllers (`test_guest::controller`,
-//! `linux::controller`) carry requests out.
+//! commands), [`vm`], [`snapshot`] and [`migration`]. Which guest kind answers which request
+//! is one table, [`support`]. The API socket (`api`) turns HTTP into requests and replies into
+//! HTTP; the guest kinds' controllers (`test_guest::controller`, `linux::controller`) carry
+//! requests out.
 
 pub mod dirty_log;
 pub mod error;
@@ -13,6 +14,7 @@ pub mod hotplug;
 pub mod memory;
 pub mod migration;
 pub mod snapshot;
+pub mod support;
 pub mod vm;
 
 pub use error::{ControllerError, ErrorKind};

@@ -20,10 +20,11 @@ use vm_memory::FileOffset;
 
 use super::serve::{serve_controller, ServeError};
 use crate::api::server::bind_api_socket;
-use crate::controller::Controller;
 use crate::lifecycle::{termination_signal, Ending, EventLoop};
 use crate::migration::transport::Patient;
-use crate::migration::{Connection, Endpoint, MigrationState};
+use crate::migration::{Connection, Endpoint};
+use crate::test_guest::controller::Controller;
+use crate::test_guest::snapshot::MigrationState;
 use crate::test_guest::vcpus::TestVm;
 use crate::vm::VmOptions;
 

@@ -9,9 +9,9 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use crate::api::server::{bind_api_socket, ApiServer, SocketError, DEFAULT_IDLE_TIMEOUT};
-use crate::controller::Controller;
 use crate::lifecycle::{Ending, EventLoop, LoopError};
 use crate::test_guest::area::{AreaError, TestArea, AREA_GPA};
+use crate::test_guest::controller::Controller;
 use crate::test_guest::snapshot::SnapshotState;
 use crate::test_guest::vcpus::{GuestError, MemBackend, TestVm};
 use crate::vm::VmOptions;

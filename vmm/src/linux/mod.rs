@@ -12,6 +12,7 @@
 pub mod acpi;
 pub mod config;
 pub mod console;
+pub mod controller;
 pub mod cpu;
 pub mod e820;
 pub mod hotplug;
@@ -287,7 +288,7 @@ pub fn boot(
         let listener = crate::api::server::bind_api_socket(path)?;
         // Ours now: it goes when the boot ends, however it ends.
         _socket = Some(RemoveOnDrop(path.clone()));
-        let controller = hotplug::LinuxController::new(
+        let controller = controller::LinuxController::new(
             Arc::clone(memory),
             hotplug.as_ref().map(|h| Arc::clone(&h.device)),
             Arc::clone(&api_stop),

@@ -14,6 +14,7 @@ use vm_memory::GuestAddress;
 use vmm_sys_util::eventfd::EventFd;
 
 use super::ports::{GoAhead, TestGuestPorts, VcpuError, VcpuEvent};
+use crate::migration::MigratingVcpu;
 use crate::test_guest::{self, Command, CommandBlock, Op, Outcome};
 use crate::vm::mmio::MmioBus;
 use crate::vm::state::{StateError, VcpuState};
@@ -412,9 +413,9 @@ pub struct VcpuHandle {
     pub running: bool,
 }
 
-impl VcpuHandle {
+impl MigratingVcpu for VcpuHandle {
     /// Pauses it if it runs a command (one between commands is out of the guest already).
-    pub fn pause(&self) -> Result<(), PauseError> {
+    fn pause(&self) -> Result<(), PauseError> {
         if self.running {
             self.shared.pause(PAUSE_TIMEOUT)
         } else {
@@ -425,7 +426,7 @@ impl VcpuHandle {
     }
 
     /// Its state, read by its own thread.
-    pub fn save(&self) -> Result<VcpuState, PauseError> {
+    fn save(&self) -> Result<VcpuState, PauseError> {
         if self.running {
             return self.shared.save_paused();
         }
@@ -436,7 +437,7 @@ impl VcpuHandle {
     }
 
     /// Lifts a pause.
-    pub fn resume(&self) {
+    fn resume(&self) {
         if self.running {
             self.shared.resume();
         }

@@ -1,6 +1,7 @@
-//! The hotplug area (Firecracker's resource: total, block and slot sizes) and its plan: which
-//! slots to map, unmap and discard to reach a requested size. Pure: the controller carries the
-//! plan out through the memory manager and has the guest check what it maps.
+//! The test guest's hotplug area (Firecracker's resource: total, block and slot sizes) and its
+//! plan: which slots to map, unmap and discard to reach a requested size. Pure: the controller
+//! (`controller/hotplug.rs`) carries the plan out through the memory manager and has the guest
+//! check what it maps.
 
 use kvm_memslots::RegionId;
 use vm_memory::GuestAddress;
