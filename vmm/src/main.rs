@@ -534,7 +534,7 @@ fn snapshot_merge(args: MergeArgs) -> ExitCode {
 }
 
 fn restore(args: RestoreArgs) -> ExitCode {
-    let from = tinyvmm::jobs::serve::RestoreFrom {
+    let from = tinyvmm::jobs::restore::RestoreFrom {
         snapshot: args.snapshot,
         mem_file: args.mem_file,
         backend: args.mem_backend,
@@ -628,7 +628,7 @@ fn serve(args: ServeArgs) -> ExitCode {
     serve_config(args, None)
 }
 
-fn serve_config(args: ServeArgs, restore: Option<tinyvmm::jobs::serve::RestoreFrom>) -> ExitCode {
+fn serve_config(args: ServeArgs, restore: Option<tinyvmm::jobs::restore::RestoreFrom>) -> ExitCode {
     let Some(idle_timeout) = idle_timeout(args.idle_timeout) else {
         return ExitCode::FAILURE;
     };
@@ -704,7 +704,8 @@ struct BootArgs {
 }
 
 fn boot(args: BootArgs) -> ExitCode {
-    use tinyvmm::linux::{boot, describe, BootConfig, Console};
+    use tinyvmm::jobs::boot::boot;
+    use tinyvmm::linux::{describe, BootConfig, Console};
     let mut config = match &args.config {
         Some(path) => match BootConfig::from_file(path) {
             Ok(config) => config,

@@ -18,9 +18,10 @@ use kvm_memslots::stream::{apply_pages, check_layout, send_answer, Record, Strea
 use kvm_memslots::MemoryLimits;
 use vm_memory::FileOffset;
 
+use super::run_loop::RunLoop;
 use super::serve::{serve_controller, ServeError};
-use crate::api::server::bind_api_socket;
-use crate::lifecycle::{termination_signal, Ending, EventLoop};
+use crate::api::server::ApiSocket;
+use crate::lifecycle::{termination_signal, Ending};
 use crate::migration::transport::Patient;
 use crate::migration::{Connection, Endpoint};
 use crate::test_guest::controller::Controller;
@@ -85,19 +86,8 @@ pub fn receive(
 ) -> Result<Ending, ReceiveError> {
     // The API socket first: once the source has handed the VM over, nothing may fail before it
     // is served. It answers nobody until the VM runs here.
-    let api = bind_api_socket(&config.api_sock).map_err(ServeError::from)?;
-    let outcome = receive_and_serve(config, api, ready, received);
-    let _ = std::fs::remove_file(&config.api_sock);
-    outcome
-}
-
-fn receive_and_serve(
-    config: &ReceiveConfig,
-    api: std::os::unix::net::UnixListener,
-    ready: impl FnOnce(),
-    received: impl FnOnce(Received),
-) -> Result<Ending, ReceiveError> {
-    let event_loop = EventLoop::new().map_err(ServeError::from)?;
+    let api = ApiSocket::bind(&config.api_sock).map_err(ServeError::from)?;
+    let run = RunLoop::new().map_err(ServeError::from)?;
     let listen_failed = |source| ReceiveError::Listen {
         endpoint: config.listen.to_string(),
         source,
@@ -111,7 +101,7 @@ fn receive_and_serve(
         return Ok(Ending::Interrupted);
     };
     drop(listener);
-    let stopped = &event_loop.context().vcpu_stopped;
+    let stopped = &run.context().vcpu_stopped;
     let (controller, stats) = match receive_vm(config, &mut connection, stopped) {
         Ok(vm) => vm,
         Err(reason) => {
@@ -127,7 +117,7 @@ fn receive_and_serve(
     }
     received(stats);
     Ok(serve_controller(
-        event_loop,
+        run,
         api,
         controller,
         config.idle_timeout,
