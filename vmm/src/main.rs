@@ -253,7 +253,7 @@ struct BenchArgs {
     /// Tests, comma-separated (default: all): map, unmap, unmap-chunked, move-active,
     /// move-inactive, rw.
     #[arg(long, value_delimiter = ',')]
-    tests: Vec<tinyvmm::jobs::perf::Scenario>,
+    tests: Vec<tinyvmm::bench::perf::Scenario>,
     /// Where to write the results as JSON.
     #[arg(long, default_value = "target/bench/tinyvmm-perf.json")]
     json: std::path::PathBuf,
@@ -262,7 +262,7 @@ struct BenchArgs {
 }
 
 fn bench(args: BenchArgs) -> ExitCode {
-    let config = tinyvmm::jobs::perf::PerfConfig {
+    let config = tinyvmm::bench::perf::PerfConfig {
         slots: args.slots,
         area_size: args.area_mib.saturating_mul(1 << 20),
         seconds: args.seconds,
@@ -270,7 +270,7 @@ fn bench(args: BenchArgs) -> ExitCode {
         scenarios: args.tests,
     };
     let outcome = run_job(move |ctx| {
-        tinyvmm::jobs::perf::run_perf(&config, &ctx.stop, &ctx.vcpu_stopped, &mut |p| {
+        tinyvmm::bench::perf::run_perf(&config, &ctx.stop, &ctx.vcpu_stopped, &mut |p| {
             eprintln!("{p}")
         })
     });
@@ -311,7 +311,7 @@ struct HarvestArgs {
 }
 
 fn harvest_bench(args: HarvestArgs) -> ExitCode {
-    use tinyvmm::jobs::harvest::{run_harvest_bench, HarvestConfig};
+    use tinyvmm::bench::harvest::{run_harvest_bench, HarvestConfig};
     let slots = match args.slots {
         Some(slots) => slots,
         None => match tinyvmm::vm::max_slots() {
@@ -389,7 +389,7 @@ struct StressArgs {
 }
 
 fn stress(args: StressArgs) -> ExitCode {
-    use tinyvmm::jobs::stress::{run_stress, StressConfig};
+    use tinyvmm::bench::stress::{run_stress, StressConfig};
     let Ok(duration) = std::time::Duration::try_from_secs_f64(args.seconds) else {
         eprintln!("tinyvmm: --seconds {} is not a duration", args.seconds);
         return ExitCode::FAILURE;
@@ -450,7 +450,7 @@ struct SnapshotBenchArgs {
 }
 
 fn snapshot_bench(args: SnapshotBenchArgs) -> ExitCode {
-    use tinyvmm::jobs::snapshot_bench::{run_snapshot_bench, SnapshotBenchConfig};
+    use tinyvmm::bench::snapshot::{run_snapshot_bench, SnapshotBenchConfig};
     let slots = if args.slots.is_empty() {
         match tinyvmm::vm::max_slots() {
             Ok(max) => vec![2, 4096, max],

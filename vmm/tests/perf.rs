@@ -7,7 +7,7 @@ use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
 use std::time::Duration;
 
-use tinyvmm::jobs::perf::{
+use tinyvmm::bench::perf::{
     run_perf, run_test, Outcome, PerfConfig, Scenario, Skipped, TestResult, TestSpec,
 };
 use vmm_sys_util::eventfd::EventFd;
@@ -267,7 +267,7 @@ fn kvm_the_harvest_bench_checks_every_harvest_in_both_modes() {
     ) {
         return;
     }
-    use tinyvmm::jobs::harvest::{run_harvest_bench, HarvestConfig};
+    use tinyvmm::bench::harvest::{run_harvest_bench, HarvestConfig};
     let stopped = Arc::new(EventFd::new(0).expect("eventfd"));
     let config = HarvestConfig {
         slots: 65,
@@ -299,7 +299,7 @@ fn kvm_the_snapshot_bench_restores_with_every_backend() {
     {
         return;
     }
-    use tinyvmm::jobs::snapshot_bench::{run_snapshot_bench, SnapshotBenchConfig};
+    use tinyvmm::bench::snapshot::{run_snapshot_bench, SnapshotBenchConfig};
     let stopped = Arc::new(EventFd::new(0).expect("eventfd"));
     let dir = std::env::temp_dir().join(format!("tinyvmm-test-{}-snapbench", std::process::id()));
     let config = SnapshotBenchConfig {
