@@ -41,7 +41,8 @@ pub struct ReceiveConfig {
     pub api_sock: PathBuf,
     /// The API's idle timeout.
     pub idle_timeout: Duration,
-    /// What guest memory is admitted against; `None`: the process's.
+    /// What guest memory is admitted against; `None`: this host's defaults
+    /// ([`MemoryLimits::for_this_host`]).
     pub limits: Option<MemoryLimits>,
     /// Harvest from dirty rings of this many entries (for a later migration onwards).
     pub dirty_ring: Option<u32>,

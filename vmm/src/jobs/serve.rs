@@ -54,7 +54,8 @@ pub struct ServeConfig {
     pub vcpus: usize,
     /// How long a client connection may send nothing before it is answered 408 and closed.
     pub idle_timeout: Duration,
-    /// What guest memory is admitted against; `None`: the process's ([`crate::vm::memory_limits`]).
+    /// What guest memory is admitted against; `None`: this host's defaults
+    /// ([`MemoryLimits::for_this_host`]).
     pub limits: Option<MemoryLimits>,
     /// Harvest from per-vCPU dirty rings of this many entries instead of per-slot bitmaps.
     pub dirty_ring: Option<u32>,

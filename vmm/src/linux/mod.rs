@@ -222,6 +222,7 @@ impl LinuxVm {
         config.validate()?;
         let vm = Vm::new(VmOptions {
             irqchip: true,
+            limits: config.limits,
             ..VmOptions::default()
         })?;
         let memory = vm.memory();
