@@ -182,8 +182,9 @@ pub enum MemBackend {
 pub struct TestVm {
     vm: Vm,
     system: RegionId,
-    /// The fault handler of a VM restored with [`MemBackend::Uffd`], for as long as it runs.
-    loader: Option<LazyLoader>,
+    /// The fault handler of a VM restored with [`MemBackend::Uffd`]: held for as long as the
+    /// VM lives (dropping it stops the handler).
+    _loader: Option<LazyLoader>,
     /// Absent memory the vCPUs answer without stopping (see [`TestVm::with_mmio`]).
     mmio: Option<Arc<MmioBus>>,
 }
@@ -205,7 +206,7 @@ impl TestVm {
         Ok(TestVm {
             vm,
             system,
-            loader: None,
+            _loader: None,
             mmio: None,
         })
     }
@@ -238,7 +239,7 @@ impl TestVm {
         Ok(TestVm {
             vm,
             system,
-            loader,
+            _loader: loader,
             mmio: None,
         })
     }
@@ -258,7 +259,7 @@ impl TestVm {
         Ok(TestVm {
             vm,
             system,
-            loader: None,
+            _loader: None,
             mmio: None,
         })
     }
@@ -271,11 +272,6 @@ impl TestVm {
             mmio: Some(Arc::new(bus)),
             ..self
         }
-    }
-
-    /// The userfaultfd handler's counts, for a VM restored with [`MemBackend::Uffd`].
-    pub fn lazy_loader(&self) -> Option<&LazyLoader> {
-        self.loader.as_ref()
     }
 
     /// The generic VM.

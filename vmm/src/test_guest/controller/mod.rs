@@ -101,12 +101,6 @@ impl Controller {
         }
     }
 
-    /// Has long requests stop at their next safe point once `interrupt` is set (by default,
-    /// once SIGINT or SIGTERM came).
-    pub fn with_interrupt(self, interrupt: &'static AtomicBool) -> Self {
-        Controller { interrupt, ..self }
-    }
-
     fn interrupted(&self) -> bool {
         self.interrupt.load(Ordering::Acquire)
     }
