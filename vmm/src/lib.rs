@@ -14,7 +14,7 @@
 //! | [`linux`] | booting a Linux kernel: configuration, e820, loading, CPU set-up, its controller |
 //! | [`api`] | the API socket: HTTP/1.1 + JSON on a Unix socket, onto a controller |
 //! | [`jobs`] | the product's subcommands: check, serve, restore, receive, boot, on one run loop |
-//! | [`bench`] | the measurement harnesses: perf suite, stress, harvest and snapshot benches |
+//! | [`bench`](mod@bench) | the measurement harnesses: perf suite, stress, harvest and snapshot benches |
 //!
 //! Each module uses only modules listed before it (`vmm/tests/layers.rs` checks this against the
 //! table in `docs/DESIGN.md`).

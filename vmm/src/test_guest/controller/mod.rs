@@ -3,8 +3,8 @@
 //! [`ControllerError`] whose kind says whose fault it was; it knows no transport (the API
 //! socket, `api`, turns HTTP into requests and replies into HTTP). The test guest answers
 //! every request; this file holds the VM's state and the dispatch, and each resource's
-//! requests are carried out in a file of their own: [`memory`], [`dirty_log`], [`hotplug`],
-//! [`guest`], [`snapshot`] and [`migration`].
+//! requests are carried out in a file of their own: `memory.rs`, `dirty_log.rs`, `hotplug.rs`,
+//! `guest.rs`, `snapshot.rs` and `migration.rs`.
 
 mod dirty_log;
 mod guest;
