@@ -6,17 +6,22 @@
 //! | module | what |
 //! |---|---|
 //! | [`vm`] | a KVM VM with its memory manager, vCPUs, and the one vCPU exit loop every guest uses |
-//! | [`test_guest`] | the built-in ring-3 test guest: its layout, command protocol and ports |
-//! | [`linux`] | booting a Linux kernel: configuration, e820, loading, CPU set-up |
+//! | [`lifecycle`] | the event loop for everything that is not a vCPU, and the signal flag |
+//! | [`control`] | the control vocabulary every guest kind shares: typed requests, replies, errors, and which guest kind answers which request |
 //! | [`devices`] | device models (the legacy serial console and i8042) |
-//! | [`controller`] | the VM's operations as typed requests and replies; knows no transport |
-//! | [`api`] | the API socket: HTTP/1.1 + JSON on a Unix socket, onto the controller |
 //! | [`migration`] | live migration between two tinyvmm processes: the source's rounds, the transport |
-//! | [`jobs`] | what the binary runs: check, perf suite, stress, serve, receive |
-//! | [`lifecycle`] | the event loop for everything that is not a vCPU |
+//! | [`test_guest`] | the built-in ring-3 test guest: its layout, command protocol, ports and controller |
+//! | [`linux`] | booting a Linux kernel: configuration, e820, loading, CPU set-up, its controller |
+//! | [`api`] | the API socket: HTTP/1.1 + JSON on a Unix socket, onto a controller |
+//! | [`jobs`] | the product's subcommands: check, serve, restore, receive, boot, on one run loop |
+//! | [`bench`](mod@bench) | the measurement harnesses: perf suite, stress, harvest and snapshot benches |
+//!
+//! Each module uses only modules listed before it (`vmm/tests/layers.rs` checks this against the
+//! table in `docs/DESIGN.md`).
 
 pub mod api;
-pub mod controller;
+pub mod bench;
+pub mod control;
 pub mod devices;
 pub mod jobs;
 pub mod lifecycle;

@@ -167,59 +167,32 @@ struct LimitArgs {
 }
 
 impl LimitArgs {
-    /// Makes these the limits of the VMs this process creates.
-    fn apply(&self) {
+    /// The limits of the VMs the subcommand creates: these, else this host's defaults.
+    fn resolve(&self) -> MemoryLimits {
         let mib = |v: u64| v.saturating_mul(1 << 20);
         let host = MemoryLimits::for_this_host();
         let max_guest_memory = self.max_guest_mib.map_or(host.max_guest_memory, mib);
-        tinyvmm::vm::set_memory_limits(MemoryLimits {
+        MemoryLimits {
             max_guest_memory,
             max_region_size: self.max_region_mib.map_or(max_guest_memory, mib),
             max_metadata: self.max_metadata_mib.map_or(host.max_metadata, mib),
-        });
+        }
     }
 }
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
     match cli.command.unwrap_or(Commands::Check(CheckArgs::default())) {
-        Commands::Check(args) => {
-            args.limits.apply();
-            check(args)
-        }
-        Commands::Bench(args) => {
-            args.limits.apply();
-            bench(args)
-        }
-        Commands::Stress(args) => {
-            args.limits.apply();
-            stress(args)
-        }
-        Commands::HarvestBench(args) => {
-            args.limits.apply();
-            harvest_bench(args)
-        }
+        Commands::Check(args) => check(args),
+        Commands::Bench(args) => bench(args),
+        Commands::Stress(args) => stress(args),
+        Commands::HarvestBench(args) => harvest_bench(args),
         Commands::SnapshotMerge(args) => snapshot_merge(args),
-        Commands::SnapshotBench(args) => {
-            args.limits.apply();
-            snapshot_bench(args)
-        }
-        Commands::Restore(args) => {
-            args.serve.limits.apply();
-            restore(args)
-        }
-        Commands::Serve(args) => {
-            args.limits.apply();
-            serve(args)
-        }
-        Commands::Receive(args) => {
-            args.limits.apply();
-            receive(args)
-        }
-        Commands::Boot(args) => {
-            args.limits.apply();
-            boot(args)
-        }
+        Commands::SnapshotBench(args) => snapshot_bench(args),
+        Commands::Restore(args) => restore(args),
+        Commands::Serve(args) => serve(args),
+        Commands::Receive(args) => receive(args),
+        Commands::Boot(args) => boot(args),
     }
 }
 
@@ -228,6 +201,7 @@ fn check(args: CheckArgs) -> ExitCode {
         slots: args.slots,
         area_size: args.area_mib << 20,
         vcpus: args.vcpus,
+        limits: Some(args.limits.resolve()),
     };
     let outcome = run_job(move |ctx| run_check(config, &ctx.stop, &ctx.vcpu_stopped));
     match job_report(outcome, "") {
@@ -253,7 +227,7 @@ struct BenchArgs {
     /// Tests, comma-separated (default: all): map, unmap, unmap-chunked, move-active,
     /// move-inactive, rw.
     #[arg(long, value_delimiter = ',')]
-    tests: Vec<tinyvmm::jobs::perf::Scenario>,
+    tests: Vec<tinyvmm::bench::perf::Scenario>,
     /// Where to write the results as JSON.
     #[arg(long, default_value = "target/bench/tinyvmm-perf.json")]
     json: std::path::PathBuf,
@@ -262,15 +236,16 @@ struct BenchArgs {
 }
 
 fn bench(args: BenchArgs) -> ExitCode {
-    let config = tinyvmm::jobs::perf::PerfConfig {
+    let config = tinyvmm::bench::perf::PerfConfig {
         slots: args.slots,
         area_size: args.area_mib.saturating_mul(1 << 20),
         seconds: args.seconds,
         runs: args.runs,
         scenarios: args.tests,
+        limits: Some(args.limits.resolve()),
     };
     let outcome = run_job(move |ctx| {
-        tinyvmm::jobs::perf::run_perf(&config, &ctx.stop, &ctx.vcpu_stopped, &mut |p| {
+        tinyvmm::bench::perf::run_perf(&config, &ctx.stop, &ctx.vcpu_stopped, &mut |p| {
             eprintln!("{p}")
         })
     });
@@ -311,7 +286,7 @@ struct HarvestArgs {
 }
 
 fn harvest_bench(args: HarvestArgs) -> ExitCode {
-    use tinyvmm::jobs::harvest::{run_harvest_bench, HarvestConfig};
+    use tinyvmm::bench::harvest::{run_harvest_bench, HarvestConfig};
     let slots = match args.slots {
         Some(slots) => slots,
         None => match tinyvmm::vm::max_slots() {
@@ -327,6 +302,7 @@ fn harvest_bench(args: HarvestArgs) -> ExitCode {
         area_size: args.area_mib.saturating_mul(1 << 20),
         ring_entries: args.ring_entries,
         runs: args.runs,
+        limits: Some(args.limits.resolve()),
     };
     let outcome = run_job(move |ctx| run_harvest_bench(&config, &ctx.stop, &ctx.vcpu_stopped));
     let report = match job_report(outcome, "") {
@@ -389,7 +365,7 @@ struct StressArgs {
 }
 
 fn stress(args: StressArgs) -> ExitCode {
-    use tinyvmm::jobs::stress::{run_stress, StressConfig};
+    use tinyvmm::bench::stress::{run_stress, StressConfig};
     let Ok(duration) = std::time::Duration::try_from_secs_f64(args.seconds) else {
         eprintln!("tinyvmm: --seconds {} is not a duration", args.seconds);
         return ExitCode::FAILURE;
@@ -403,6 +379,7 @@ fn stress(args: StressArgs) -> ExitCode {
         duration,
         corrupt_page: None,
         dirty_ring: args.dirty_ring,
+        limits: Some(args.limits.resolve()),
     };
     let outcome = run_job(move |ctx| run_stress(config, &ctx.stop, &ctx.vcpu_stopped));
     match job_report(outcome, "stress failed: ") {
@@ -450,7 +427,7 @@ struct SnapshotBenchArgs {
 }
 
 fn snapshot_bench(args: SnapshotBenchArgs) -> ExitCode {
-    use tinyvmm::jobs::snapshot_bench::{run_snapshot_bench, SnapshotBenchConfig};
+    use tinyvmm::bench::snapshot::{run_snapshot_bench, SnapshotBenchConfig};
     let slots = if args.slots.is_empty() {
         match tinyvmm::vm::max_slots() {
             Ok(max) => vec![2, 4096, max],
@@ -466,6 +443,7 @@ fn snapshot_bench(args: SnapshotBenchArgs) -> ExitCode {
         slots,
         area_size: args.area_mib.saturating_mul(1 << 20),
         dir: args.dir,
+        limits: Some(args.limits.resolve()),
     };
     let outcome = run_job(move |ctx| run_snapshot_bench(&config, &ctx.stop, &ctx.vcpu_stopped));
     let report = match job_report(outcome, "") {
@@ -534,7 +512,7 @@ fn snapshot_merge(args: MergeArgs) -> ExitCode {
 }
 
 fn restore(args: RestoreArgs) -> ExitCode {
-    let from = tinyvmm::jobs::serve::RestoreFrom {
+    let from = tinyvmm::jobs::restore::RestoreFrom {
         snapshot: args.snapshot,
         mem_file: args.mem_file,
         backend: args.mem_backend,
@@ -568,7 +546,7 @@ fn receive(args: ReceiveArgs) -> ExitCode {
         listen: args.listen,
         api_sock: args.api_sock,
         idle_timeout,
-        limits: None,
+        limits: Some(args.limits.resolve()),
         dirty_ring: args.dirty_ring,
     };
     let listen = config.listen.to_string();
@@ -628,7 +606,7 @@ fn serve(args: ServeArgs) -> ExitCode {
     serve_config(args, None)
 }
 
-fn serve_config(args: ServeArgs, restore: Option<tinyvmm::jobs::serve::RestoreFrom>) -> ExitCode {
+fn serve_config(args: ServeArgs, restore: Option<tinyvmm::jobs::restore::RestoreFrom>) -> ExitCode {
     let Some(idle_timeout) = idle_timeout(args.idle_timeout) else {
         return ExitCode::FAILURE;
     };
@@ -638,7 +616,7 @@ fn serve_config(args: ServeArgs, restore: Option<tinyvmm::jobs::serve::RestoreFr
         area_size: args.mem_mib << 20,
         vcpus: args.vcpus,
         idle_timeout,
-        limits: None,
+        limits: Some(args.limits.resolve()),
         dirty_ring: args.dirty_ring,
         memfd: args.memfd,
         restore,
@@ -704,7 +682,8 @@ struct BootArgs {
 }
 
 fn boot(args: BootArgs) -> ExitCode {
-    use tinyvmm::linux::{boot, describe, BootConfig, Console};
+    use tinyvmm::jobs::boot::boot;
+    use tinyvmm::linux::{describe, BootConfig, Console};
     let mut config = match &args.config {
         Some(path) => match BootConfig::from_file(path) {
             Ok(config) => config,
@@ -732,6 +711,7 @@ fn boot(args: BootArgs) -> ExitCode {
     config.hotplug_block_mib = args.hotplug_block_mib.unwrap_or(config.hotplug_block_mib);
     config.api_sock = args.api_sock.or(config.api_sock);
     config.acpi &= !args.no_acpi;
+    config.limits = Some(args.limits.resolve());
     let console = Console {
         output: Box::new(std::io::stdout()),
         stdin: true,

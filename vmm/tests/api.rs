@@ -690,7 +690,7 @@ fn kvm_a_snapshot_restores_in_a_new_vm_and_diffs_merge_onto_it() {
         return;
     }
     use kvm_memslots_persist::merge_snapshots;
-    use tinyvmm::jobs::serve::RestoreFrom;
+    use tinyvmm::jobs::restore::RestoreFrom;
     use tinyvmm::test_guest::snapshot::SnapshotState;
     use tinyvmm::test_guest::vcpus::MemBackend;
 

@@ -16,10 +16,10 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 
+use tinyvmm::jobs::boot::boot;
 use tinyvmm::linux::e820::{kernel_lines, lines_in_log};
 use tinyvmm::linux::{
-    boot, BootConfig, BootEnding, BootProtocol, BootReport, Console, E820Entry, GuestStop,
-    KernelFormat,
+    BootConfig, BootEnding, BootProtocol, BootReport, Console, E820Entry, GuestStop, KernelFormat,
 };
 
 /// The command line: the serial console from the first line, no xsave (issue 6: XRSTOR is not

@@ -14,6 +14,7 @@ fn check(slots: usize, vcpus: usize) -> Result<tinyvmm::jobs::check::CheckReport
         slots,
         area_size: 512 << 20,
         vcpus,
+        limits: None,
     };
     run_check(config, &AtomicBool::new(false), &stopped)
 }

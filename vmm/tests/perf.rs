@@ -7,7 +7,7 @@ use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
 use std::time::Duration;
 
-use tinyvmm::jobs::perf::{
+use tinyvmm::bench::perf::{
     run_perf, run_test, Outcome, PerfConfig, Scenario, Skipped, TestResult, TestSpec,
 };
 use vmm_sys_util::eventfd::EventFd;
@@ -21,6 +21,7 @@ fn outcome(test: Scenario, slots: usize, area_mib: u64) -> Outcome {
         slots,
         area_size: area_mib << 20,
         duration: BRIEF,
+        limits: None,
     };
     run_test(&spec, &AtomicBool::new(false), &stopped, &mut |_| {})
         .unwrap_or_else(|e| panic!("{test} at {slots} slots: {e}"))
@@ -172,6 +173,7 @@ fn kvm_perf_suite_prints_a_table_and_json_with_skips_named() {
         seconds: 0.05,
         runs: 2,
         scenarios: Vec::new(),
+        limits: None,
     };
     let mut events = 0;
     let report = run_perf(&config, &AtomicBool::new(false), &stopped, &mut |_| {
@@ -267,13 +269,14 @@ fn kvm_the_harvest_bench_checks_every_harvest_in_both_modes() {
     ) {
         return;
     }
-    use tinyvmm::jobs::harvest::{run_harvest_bench, HarvestConfig};
+    use tinyvmm::bench::harvest::{run_harvest_bench, HarvestConfig};
     let stopped = Arc::new(EventFd::new(0).expect("eventfd"));
     let config = HarvestConfig {
         slots: 65,
         area_size: 8 << 20,
         ring_entries: 256,
         runs: 1,
+        limits: None,
     };
     // Every harvest is checked against the pages the guest wrote (an inexact one is an
     // error), in bitmap and in ring mode; the smallest ring fills during the full writes.
@@ -299,13 +302,14 @@ fn kvm_the_snapshot_bench_restores_with_every_backend() {
     {
         return;
     }
-    use tinyvmm::jobs::snapshot_bench::{run_snapshot_bench, SnapshotBenchConfig};
+    use tinyvmm::bench::snapshot::{run_snapshot_bench, SnapshotBenchConfig};
     let stopped = Arc::new(EventFd::new(0).expect("eventfd"));
     let dir = std::env::temp_dir().join(format!("tinyvmm-test-{}-snapbench", std::process::id()));
     let config = SnapshotBenchConfig {
         slots: vec![2, 33],
         area_size: 8 << 20,
         dir: dir.clone(),
+        limits: None,
     };
     // Every restore is verified by the guest (a failed verify is an error).
     let report = run_snapshot_bench(&config, &AtomicBool::new(false), &stopped)

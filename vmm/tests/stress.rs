@@ -6,7 +6,7 @@ use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
 use std::time::Duration;
 
-use tinyvmm::jobs::stress::{run_stress, StressConfig, StressError, StressReport};
+use tinyvmm::bench::stress::{run_stress, StressConfig, StressError, StressReport};
 use tinyvmm::test_guest::area::AREA_GPA;
 use vmm_sys_util::eventfd::EventFd;
 

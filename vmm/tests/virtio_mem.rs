@@ -22,10 +22,12 @@ use driver::{
     RESP_ACK, RESP_NACK, STATE_PLUGGED, STATE_UNPLUGGED,
 };
 use kvm_memslots::{KvmVm, MemoryManager, RegionSpec};
-use tinyvmm::api::types::{HotplugConfig, HotplugRequest, RegionInfo};
-use tinyvmm::controller::{Apply, ControllerError, ErrorKind, Reply, Request};
+use tinyvmm::control::hotplug::{HotplugConfig, HotplugInfo, HotplugRequest};
+use tinyvmm::control::memory::RegionInfo;
+use tinyvmm::control::{Apply, ControllerError, ErrorKind, Reply, Request};
 use tinyvmm::devices::legacy::LegacyDevices;
-use tinyvmm::linux::hotplug::{self, LinuxController, VIRTIO_MEM_MMIO};
+use tinyvmm::linux::controller::LinuxController;
+use tinyvmm::linux::hotplug::{self, VIRTIO_MEM_MMIO};
 use tinyvmm::linux::ports::LinuxPorts;
 use tinyvmm::vm::exit::{handle_exit, Exit, ExitAction, ExitContext};
 use tinyvmm::vm::vcpu::VcpuPorts;
@@ -95,7 +97,7 @@ fn patch(controller: &mut LinuxController, mib: u64) -> Result<Reply, Controller
     }))
 }
 
-fn info(controller: &mut LinuxController) -> tinyvmm::api::types::HotplugInfo {
+fn info(controller: &mut LinuxController) -> HotplugInfo {
     match controller.apply(Request::GetHotplug) {
         Ok(Reply::Hotplug(info)) => info,
         other => panic!("GET /hotplug/memory: {other:?}"),

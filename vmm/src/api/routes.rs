@@ -7,8 +7,8 @@ use serde::de::DeserializeOwned;
 use serde::Serialize;
 
 use crate::api::http::{Request, Response};
-use crate::api::types::Harvest;
-use crate::controller::{ControllerError, ErrorKind, Outcome, Reply, Request as ControllerRequest};
+use crate::control::dirty_log::Harvest;
+use crate::control::{ControllerError, ErrorKind, Outcome, Reply, Request as ControllerRequest};
 
 /// Parses a JSON body, naming the problem (unknown field, wrong type, negative or overflowing
 /// number, bad syntax) in the error.
@@ -149,7 +149,8 @@ pub fn route(request: &Request) -> Result<ControllerRequest, Response> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::api::types::{AddRegion, BackingKind, GuestCommandResult};
+    use crate::control::guest::GuestCommandResult;
+    use crate::control::memory::{AddRegion, BackingKind};
 
     fn request(method: &str, path: &str, body: &str) -> Request {
         Request {
@@ -213,7 +214,7 @@ mod tests {
         };
         assert_eq!(
             (m.downtime_ms, m.timeout_s, m.on_timeout, m.local),
-            (300, 60, crate::api::types::OnTimeout::Cancel, false)
+            (300, 60, crate::control::migration::OnTimeout::Cancel, false)
         );
         assert_eq!(
             route(&request("GET", "/migrate", "")).expect("routed"),

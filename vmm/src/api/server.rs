@@ -15,7 +15,7 @@ use vmm_sys_util::timerfd::TimerFd;
 
 use crate::api::http::{self, Parsed, Response, MAX_BODY_BYTES, MAX_HEADER_BYTES};
 use crate::api::routes::{respond, route};
-use crate::controller::{Apply, Controller};
+use crate::control::Apply;
 
 /// Why the API socket could not be created.
 #[derive(Debug, thiserror::Error)]
@@ -69,6 +69,35 @@ pub fn bind_api_socket(path: &Path) -> Result<UnixListener, SocketError> {
     Ok(listener)
 }
 
+/// The API socket, bound: its listener, and its file, which goes when the VMM's run ends.
+#[derive(Debug)]
+pub struct ApiSocket {
+    /// The listener, for the server.
+    pub listener: UnixListener,
+    /// The socket's file.
+    pub file: SocketFile,
+}
+
+impl ApiSocket {
+    /// Binds the API socket at `path` ([`bind_api_socket`]).
+    pub fn bind(path: &Path) -> Result<Self, SocketError> {
+        Ok(ApiSocket {
+            listener: bind_api_socket(path)?,
+            file: SocketFile(path.to_owned()),
+        })
+    }
+}
+
+/// A bound API socket's file: removed when this is dropped, however the run ends.
+#[derive(Debug)]
+pub struct SocketFile(PathBuf);
+
+impl Drop for SocketFile {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.0);
+    }
+}
+
 #[derive(Debug)]
 struct Connection {
     stream: UnixStream,
@@ -88,7 +117,7 @@ const READ_LIMIT: usize = 2 * (MAX_HEADER_BYTES + MAX_BODY_BYTES);
 
 /// The API socket's subscriber: the listener and every client connection.
 #[derive(Debug)]
-pub struct ApiServer<C = Controller> {
+pub struct ApiServer<C> {
     listener: UnixListener,
     connections: HashMap<RawFd, Connection>,
     controller: C,

@@ -13,6 +13,8 @@ use vmm_sys_util::eventfd::EventFd;
 
 use crate::test_guest::area::{check_area, AreaError, TestArea, AREA_GPA};
 use crate::test_guest::vcpus::{GuestError, TestVm};
+use crate::vm::VmOptions;
+use kvm_memslots::MemoryLimits;
 
 /// What to run.
 #[derive(Debug, Clone, Copy)]
@@ -23,6 +25,9 @@ pub struct CheckConfig {
     pub area_size: u64,
     /// vCPUs sharing the work.
     pub vcpus: usize,
+    /// What guest memory is admitted against; `None`: this host's defaults
+    /// ([`MemoryLimits::for_this_host`]).
+    pub limits: Option<MemoryLimits>,
 }
 
 /// Why a check run failed.
@@ -71,7 +76,10 @@ pub fn run_check(
     stop: &AtomicBool,
     stopped: &Arc<EventFd>,
 ) -> Result<CheckReport, CheckError> {
-    let vm = TestVm::new()?;
+    let vm = TestVm::with_options(VmOptions {
+        limits: config.limits,
+        ..VmOptions::default()
+    })?;
     vm.check_slot_count(config.slots)?;
     let start = Instant::now();
     let area = TestArea::add(

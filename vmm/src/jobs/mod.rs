@@ -1,10 +1,10 @@
-//! What the `tinyvmm` binary runs, each on the job thread of [`crate::lifecycle::run_job`] or,
-//! for `serve`, on the event loop itself.
+//! The product's subcommands: `check` (on the job thread of [`crate::lifecycle::run_job`]) and
+//! the VMs that run until they are stopped (`serve`, `restore`, `receive`, `boot`), under the
+//! event loop and API socket of [`run_loop`]. The measurement harnesses are in `bench`.
 
+pub mod boot;
 pub mod check;
-pub mod harvest;
-pub mod perf;
 pub mod receive;
+pub mod restore;
+pub mod run_loop;
 pub mod serve;
-pub mod snapshot_bench;
-pub mod stress;

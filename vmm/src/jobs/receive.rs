@@ -18,12 +18,14 @@ use kvm_memslots_persist::stream::{apply_pages, check_layout, send_answer, Recor
 use kvm_memslots_persist::BackingKind;
 use vm_memory::FileOffset;
 
+use super::run_loop::RunLoop;
 use super::serve::{serve_controller, ServeError};
-use crate::api::server::bind_api_socket;
-use crate::controller::Controller;
-use crate::lifecycle::{termination_signal, Ending, EventLoop};
+use crate::api::server::ApiSocket;
+use crate::lifecycle::{termination_signal, Ending};
 use crate::migration::transport::Patient;
-use crate::migration::{Connection, Endpoint, MigrationState};
+use crate::migration::{Connection, Endpoint};
+use crate::test_guest::controller::Controller;
+use crate::test_guest::snapshot::MigrationState;
 use crate::test_guest::vcpus::TestVm;
 use crate::vm::VmOptions;
 
@@ -39,7 +41,8 @@ pub struct ReceiveConfig {
     pub api_sock: PathBuf,
     /// The API's idle timeout.
     pub idle_timeout: Duration,
-    /// What guest memory is admitted against; `None`: the process's.
+    /// What guest memory is admitted against; `None`: this host's defaults
+    /// ([`MemoryLimits::for_this_host`]).
     pub limits: Option<MemoryLimits>,
     /// Harvest from dirty rings of this many entries (for a later migration onwards).
     pub dirty_ring: Option<u32>,
@@ -84,19 +87,8 @@ pub fn receive(
 ) -> Result<Ending, ReceiveError> {
     // The API socket first: once the source has handed the VM over, nothing may fail before it
     // is served. It answers nobody until the VM runs here.
-    let api = bind_api_socket(&config.api_sock).map_err(ServeError::from)?;
-    let outcome = receive_and_serve(config, api, ready, received);
-    let _ = std::fs::remove_file(&config.api_sock);
-    outcome
-}
-
-fn receive_and_serve(
-    config: &ReceiveConfig,
-    api: std::os::unix::net::UnixListener,
-    ready: impl FnOnce(),
-    received: impl FnOnce(Received),
-) -> Result<Ending, ReceiveError> {
-    let event_loop = EventLoop::new().map_err(ServeError::from)?;
+    let api = ApiSocket::bind(&config.api_sock).map_err(ServeError::from)?;
+    let run = RunLoop::new().map_err(ServeError::from)?;
     let listen_failed = |source| ReceiveError::Listen {
         endpoint: config.listen.to_string(),
         source,
@@ -110,7 +102,7 @@ fn receive_and_serve(
         return Ok(Ending::Interrupted);
     };
     drop(listener);
-    let stopped = &event_loop.context().vcpu_stopped;
+    let stopped = &run.context().vcpu_stopped;
     let (controller, stats) = match receive_vm(config, &mut connection, stopped) {
         Ok(vm) => vm,
         Err(reason) => {
@@ -126,7 +118,7 @@ fn receive_and_serve(
     }
     received(stats);
     Ok(serve_controller(
-        event_loop,
+        run,
         api,
         controller,
         config.idle_timeout,

@@ -1,19 +1,18 @@
 //! `tinyvmm serve`: the test guest with an API socket. The job builds the VM (the system
-//! region, the initial memory, the vCPUs) as the other jobs do, hands it to the controller, and
-//! serves the socket on the event loop until a client stops the VMM or a signal comes.
+//! region, the initial memory, the vCPUs) as the other jobs do, or restores one
+//! ([`super::restore`]), hands it to the controller, and serves the socket on the run loop
+//! ([`RunLoop`]) until a client stops the VMM, the VM migrates away, or a signal comes.
 
-use std::os::unix::net::UnixListener;
 use std::path::PathBuf;
-use std::sync::atomic::Ordering;
-use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use crate::api::server::{bind_api_socket, ApiServer, SocketError, DEFAULT_IDLE_TIMEOUT};
-use crate::controller::Controller;
-use crate::lifecycle::{Ending, EventLoop, LoopError};
+use super::restore::{restored_controller, RestoreFrom};
+use super::run_loop::RunLoop;
+use crate::api::server::{ApiSocket, SocketError, DEFAULT_IDLE_TIMEOUT};
+use crate::lifecycle::{Ending, LoopError};
 use crate::test_guest::area::{AreaError, TestArea, AREA_GPA};
-use crate::test_guest::snapshot::SnapshotState;
-use crate::test_guest::vcpus::{GuestError, MemBackend, TestVm};
+use crate::test_guest::controller::Controller;
+use crate::test_guest::vcpus::{GuestError, TestVm};
 use crate::vm::VmOptions;
 use kvm_memslots::MemoryLimits;
 
@@ -55,7 +54,8 @@ pub struct ServeConfig {
     pub vcpus: usize,
     /// How long a client connection may send nothing before it is answered 408 and closed.
     pub idle_timeout: Duration,
-    /// What guest memory is admitted against; `None`: the process's ([`crate::vm::memory_limits`]).
+    /// What guest memory is admitted against; `None`: this host's defaults
+    /// ([`MemoryLimits::for_this_host`]).
     pub limits: Option<MemoryLimits>,
     /// Harvest from per-vCPU dirty rings of this many entries instead of per-slot bitmaps.
     pub dirty_ring: Option<u32>,
@@ -64,17 +64,6 @@ pub struct ServeConfig {
     pub memfd: bool,
     /// Serve a VM restored from this snapshot (paused) instead of a new one.
     pub restore: Option<RestoreFrom>,
-}
-
-/// The files of a snapshot to restore from.
-#[derive(Debug, Clone)]
-pub struct RestoreFrom {
-    /// The state file (`snapshot_path` of `PUT /snapshot/create`).
-    pub snapshot: PathBuf,
-    /// The memory file (`mem_file_path`; with Diff snapshots, merged onto the Full first).
-    pub mem_file: PathBuf,
-    /// How memory comes from the memory file.
-    pub backend: MemBackend,
 }
 
 impl ServeConfig {
@@ -98,10 +87,37 @@ impl ServeConfig {
 /// Runs a test-guest VM with an API socket until a client stops it ([`Ending::Finished`]) or
 /// SIGINT/SIGTERM comes ([`Ending::Interrupted`]); removes the socket at the end.
 pub fn serve(config: &ServeConfig, ready: impl FnOnce()) -> Result<Ending, ServeError> {
-    let listener = bind_api_socket(&config.api_sock)?;
-    let result = serve_on(listener, config, ready);
-    let _ = std::fs::remove_file(&config.api_sock);
-    result
+    let socket = ApiSocket::bind(&config.api_sock)?;
+    let run = RunLoop::new()?;
+    let options = VmOptions {
+        limits: config.limits,
+        dirty_ring: config.dirty_ring,
+        ..VmOptions::default()
+    };
+    let stopped = &run.context().vcpu_stopped;
+    let controller = match &config.restore {
+        None => {
+            let vm = TestVm::with_options(options)?;
+            if config.area_size > 0 && config.slots > 1 {
+                let backing = if config.memfd {
+                    kvm_memslots::Backing::Memfd
+                } else {
+                    kvm_memslots::Backing::Anonymous
+                };
+                TestArea::add_backed(
+                    vm.memory(),
+                    AREA_GPA,
+                    config.area_size,
+                    config.slots as u64 - 1,
+                    backing,
+                )?;
+            }
+            let vcpus = vm.start_vcpus(config.vcpus, stopped)?;
+            Controller::new(vm, vcpus)
+        }
+        Some(from) => restored_controller(from, options, stopped)?,
+    };
+    serve_controller(run, socket, controller, config.idle_timeout, ready)
 }
 
 /// Runs [`serve`] on a thread of its own and returns that thread once the socket is ready, or
@@ -128,115 +144,41 @@ pub fn serve_in_background(
     }
 }
 
-fn serve_on(
-    listener: UnixListener,
-    config: &ServeConfig,
-    ready: impl FnOnce(),
-) -> Result<Ending, ServeError> {
-    let event_loop = EventLoop::new()?;
-    let options = VmOptions {
-        limits: config.limits,
-        dirty_ring: config.dirty_ring,
-        ..VmOptions::default()
-    };
-    let stopped = &event_loop.context().vcpu_stopped;
-    let controller = match &config.restore {
-        None => {
-            let vm = TestVm::with_options(options)?;
-            if config.area_size > 0 && config.slots > 1 {
-                let backing = if config.memfd {
-                    kvm_memslots::Backing::Memfd
-                } else {
-                    kvm_memslots::Backing::Anonymous
-                };
-                TestArea::add_backed(
-                    vm.memory(),
-                    AREA_GPA,
-                    config.area_size,
-                    config.slots as u64 - 1,
-                    backing,
-                )?;
-            }
-            let vcpus = vm.start_vcpus(config.vcpus, stopped)?;
-            Controller::new(vm, vcpus)
-        }
-        Some(from) => {
-            // Nothing runs until every byte is loaded and every vCPU has its state.
-            let read = |path: &PathBuf| {
-                std::fs::read(path).map_err(|source| ServeError::Restore {
-                    path: path.clone(),
-                    reason: source.to_string(),
-                })
-            };
-            let state = SnapshotState::from_bytes(&read(&from.snapshot)?).map_err(|e| {
-                ServeError::Restore {
-                    path: from.snapshot.clone(),
-                    reason: e.to_string(),
-                }
-            })?;
-            let mem_file =
-                std::fs::File::open(&from.mem_file).map_err(|source| ServeError::Restore {
-                    path: from.mem_file.clone(),
-                    reason: source.to_string(),
-                })?;
-            let vm = TestVm::restore(&state.layout, &mem_file, from.backend, options)?;
-            let vcpus = vm.start_restored_vcpus(&state.vcpus, stopped)?;
-            Controller::new(vm, vcpus)
-                .paused()
-                .with_hotplug(state.hotplug.as_ref())
-                .map_err(|e| ServeError::Restore {
-                    path: from.snapshot.clone(),
-                    reason: e.to_string(),
-                })?
-        }
-    };
-    serve_controller(event_loop, listener, controller, config.idle_timeout, ready)
-}
-
-/// Serves `controller` on `listener` from `event_loop` until a client stops the VMM, the VM
-/// migrates away, or a signal comes; then stops the vCPUs.
+/// Serves `controller` on `socket` from `run` until a client stops the VMM, the VM migrates
+/// away, or a signal comes; then stops the vCPUs.
 pub(crate) fn serve_controller(
-    mut event_loop: EventLoop,
-    listener: UnixListener,
+    mut run: RunLoop<Controller>,
+    socket: ApiSocket,
     controller: Controller,
     idle_timeout: Duration,
     ready: impl FnOnce(),
 ) -> Result<Ending, ServeError> {
-    let server = Arc::new(Mutex::new(
-        ApiServer::new(listener, controller).with_idle_timeout(idle_timeout),
-    ));
-    event_loop.add(server.clone());
-    let stop = Arc::clone(&event_loop.context().stop);
+    run.serve(socket, controller, idle_timeout);
     ready();
-    let ending = loop {
-        // A short wait: a migration that completes ends the VMM without any event here.
-        if event_loop.dispatch(50) == Some(Ending::Interrupted) || stop.load(Ordering::Acquire) {
-            break Ending::Interrupted;
+    // A short wait: a migration that completes ends the VMM without any event here.
+    let ending = run
+        .run(
+            || 50,
+            |controller| {
+                controller
+                    .is_some_and(|c| c.stop_requested())
+                    .then_some(Ending::Finished)
+            },
+        )
+        .unwrap_or(Ending::Interrupted);
+    let shut_down = run.with_controller(|controller| {
+        if let Some(info) = controller.migration_info().filter(|_| controller.migrated()) {
+            eprintln!(
+                "tinyvmm: the VM runs on the migration's destination now: {} rounds, {} bytes sent in \
+                 {:.0} ms, paused {:.1} ms",
+                info.round,
+                info.bytes_sent,
+                info.elapsed_ms,
+                info.downtime_ms.unwrap_or(f64::NAN)
+            );
         }
-        let asked = server
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .controller_mut()
-            .stop_requested();
-        if asked {
-            break Ending::Finished;
-        }
-    };
-    let mut server = server.lock().unwrap_or_else(|p| p.into_inner());
-    if let Some(info) = server
-        .controller_mut()
-        .migration_info()
-        .filter(|_| server.controller_mut().migrated())
-    {
-        eprintln!(
-            "tinyvmm: the VM runs on the migration's destination now: {} rounds, {} bytes sent in \
-             {:.0} ms, paused {:.1} ms",
-            info.round,
-            info.bytes_sent,
-            info.elapsed_ms,
-            info.downtime_ms.unwrap_or(f64::NAN)
-        );
-    }
-    server.controller_mut().shut_down()?;
+        controller.shut_down()
+    });
+    shut_down.unwrap_or(Ok(()))?;
     Ok(ending)
 }

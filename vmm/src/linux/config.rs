@@ -2,6 +2,7 @@
 
 use std::path::{Path, PathBuf};
 
+use kvm_memslots::MemoryLimits;
 use serde::{Deserialize, Serialize};
 
 use crate::linux::layout;
@@ -65,6 +66,11 @@ pub struct BootConfig {
     /// Give the guest ACPI tables (how a stock kernel finds the virtio-mem device). Without,
     /// it has the MP table alone and finds the device on its command line.
     pub acpi: bool,
+    /// What guest memory is admitted against; `None`: this host's defaults
+    /// ([`MemoryLimits::for_this_host`]). From the command line only (`--max-*`), never from
+    /// a configuration file.
+    #[serde(skip)]
+    pub limits: Option<MemoryLimits>,
 }
 
 impl Default for BootConfig {
@@ -83,6 +89,7 @@ impl Default for BootConfig {
             hotplug_block_mib: 2,
             api_sock: None,
             acpi: true,
+            limits: None,
         }
     }
 }

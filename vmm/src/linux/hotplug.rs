@@ -1,6 +1,6 @@
 //! Memory hotplug for a Linux guest: a virtio-mem device (kvm-virtio-mem) on the virtio-mmio
 //! transport, which Linux's `virtio_mem` driver drives, and the API that sets how much of it
-//! the guest should plug.
+//! the guest should plug (`PATCH /hotplug/memory`, through [`super::controller`]).
 //!
 //! The hotplug area starts at the first GiB boundary above RAM (and above 4 GiB); it has no
 //! slot and is not in the e820 map. Each block the guest plugs becomes a region of one KVM
@@ -13,15 +13,14 @@
 
 use std::sync::{Arc, Mutex, MutexGuard};
 
-use kvm_memslots::{KvmVm, MemoryManager};
+use kvm_memslots::KvmVm;
 use kvm_virtio_mem::{MmioTransport, VirtioMem, VirtioMemOptions, MMIO_WINDOW_SIZE};
 use vm_memory::GuestAddress;
 use vmm_sys_util::eventfd::EventFd;
 
 use super::acpi::MmioDevice;
 use super::layout::MMIO_GAP_END;
-use crate::api::types::HotplugInfo;
-use crate::controller::{memory_info, Apply, ControllerError, Outcome, Reply, Request};
+use crate::control::hotplug::HotplugInfo;
 use crate::vm::mmio::MmioBus;
 use crate::vm::{Vm, VmError};
 
@@ -121,7 +120,7 @@ pub fn setup(vm: &Vm, size_mib: u64, block_mib: u64) -> Result<Hotplug, HotplugE
     })
 }
 
-fn lock(device: &VirtioMemDevice) -> MutexGuard<'_, MmioTransport<VirtioMem<KvmVm>>> {
+pub(crate) fn lock(device: &VirtioMemDevice) -> MutexGuard<'_, MmioTransport<VirtioMem<KvmVm>>> {
     device.lock().unwrap_or_else(|p| p.into_inner())
 }
 
@@ -139,71 +138,6 @@ pub fn hotplug_info(device: &VirtioMemDevice) -> HotplugInfo {
         guest_address: region.start,
         // One slot per plugged block.
         mapped_slots: (mem.plugged_size() / mem.block_size()) as usize,
-    }
-}
-
-/// What a Linux guest's API socket offers: its memory, its hotplug device, and a stop.
-#[derive(Debug)]
-pub struct LinuxController {
-    memory: Arc<MemoryManager<KvmVm>>,
-    hotplug: Option<VirtioMemDevice>,
-    stop: Arc<std::sync::atomic::AtomicBool>,
-}
-
-impl LinuxController {
-    /// A controller over `memory` and `hotplug`; a client's stop sets `stop`.
-    pub fn new(
-        memory: Arc<MemoryManager<KvmVm>>,
-        hotplug: Option<VirtioMemDevice>,
-        stop: Arc<std::sync::atomic::AtomicBool>,
-    ) -> Self {
-        LinuxController {
-            memory,
-            hotplug,
-            stop,
-        }
-    }
-
-    fn device(&self) -> Result<&VirtioMemDevice, ControllerError> {
-        self.hotplug.as_ref().ok_or_else(|| {
-            ControllerError::not_found(
-                "no hotplug device: boot with --hotplug-mib to give the guest a virtio-mem device",
-            )
-        })
-    }
-}
-
-impl Apply for LinuxController {
-    fn apply(&mut self, request: Request) -> Outcome {
-        match request {
-            Request::GetMemory => Ok(Reply::Memory(memory_info(&self.memory))),
-            Request::GetHotplug => Ok(Reply::Hotplug(hotplug_info(self.device()?))),
-            Request::RequestHotplug(request) => {
-                let device = self.device()?;
-                let bytes = request.requested_size_mib.checked_mul(MIB).ok_or_else(|| {
-                    ControllerError::bad(format!(
-                        "requested_size_mib {} is too large",
-                        request.requested_size_mib
-                    ))
-                })?;
-                // The guest plugs or unplugs on its own time; GET shows how far it got.
-                lock(device)
-                    .set_requested_size(bytes)
-                    .map_err(ControllerError::bad)?;
-                Ok(Reply::Done)
-            }
-            Request::ConfigureHotplug(_) => Err(ControllerError::conflict(
-                "a Linux guest's hotplug device is configured at boot (--hotplug-mib, --hotplug-block-mib)",
-            )),
-            Request::Act(_) => {
-                self.stop.store(true, std::sync::atomic::Ordering::Release);
-                Ok(Reply::Done)
-            }
-            other => Err(ControllerError::not_found(format!(
-                "{} is for the test guest (tinyvmm serve); a Linux guest's API has /memory, /hotplug/memory and /actions",
-                other.name()
-            ))),
-        }
     }
 }
 

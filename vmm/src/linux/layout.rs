@@ -18,8 +18,6 @@ pub const PVH_START_INFO: GuestAddress = GuestAddress(0x6000);
 pub const PVH_MODLIST: GuestAddress = GuestAddress(0x6040);
 /// The PVH memory map.
 pub const PVH_MEMMAP: GuestAddress = GuestAddress(0x6080);
-/// The PVH memory map's room, in entries (up to the zero page).
-pub const PVH_MEMMAP_MAX: usize = (0x7000 - 0x6080) / 24;
 /// The zero page (`boot_params`).
 pub const ZERO_PAGE: GuestAddress = GuestAddress(0x7000);
 /// The top of the boot stack.

@@ -1,17 +1,19 @@
 //! Booting a Linux kernel on kvm-memslots, with the e820 map built from the memory manager's
 //! regions.
 //!
-//! [`boot`] goes: create the VM with the in-kernel irqchip and PIT; give it RAM as regions split
-//! into KVM slots ([`layout::ram_regions`]); build the e820 map from the manager's regions
-//! ([`e820::build`]); load the kernel, command line and initramfs and write the boot parameters
-//! ([`loader::load`]), the ACPI tables ([`acpi`]) and the MP table ([`mptable`]), the GDT and
-//! page tables; create the vCPUs (CPUID, MSRs, FPU, LAPIC, entry registers: [`cpu`]); then run
-//! them while the event loop carries console input and waits for the guest's reset, a vCPU
-//! stopping, a signal or the timeout. See `docs/BOOT.md`.
+//! [`LinuxVm::new`] creates the VM with the in-kernel irqchip and PIT; gives it RAM as regions
+//! split into KVM slots ([`layout::ram_regions`]); builds the e820 map from the manager's
+//! regions ([`e820::build`]); loads the kernel, command line and initramfs and writes the boot
+//! parameters ([`loader::load`]), the ACPI tables ([`acpi`]) and the MP table ([`mptable`]), the
+//! GDT and page tables. [`LinuxVm::create_vcpus`] creates the vCPUs (CPUID, MSRs, FPU, LAPIC,
+//! entry registers: [`cpu`]). The boot job (`jobs::boot`) then runs them while the event loop
+//! carries console input ([`console`]) and the API socket ([`controller`]), and waits for the
+//! guest's reset, a vCPU stopping, a signal or the timeout. See `docs/BOOT.md`.
 
 pub mod acpi;
 pub mod config;
 pub mod console;
+pub mod controller;
 pub mod cpu;
 pub mod e820;
 pub mod hotplug;
@@ -20,24 +22,28 @@ pub mod loader;
 pub mod mptable;
 pub mod ports;
 
-use std::os::fd::AsRawFd;
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex};
+use std::os::fd::RawFd;
+use std::sync::atomic::AtomicBool;
+use std::sync::Arc;
 use std::thread::JoinHandle;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
+use kvm_memslots::{KvmVm, MemoryManager, RegionSpec};
+use vmm_sys_util::eventfd::EventFd;
+
+use crate::vm::ports::PortBus;
 use crate::vm::vcpu::{kick_until_finished, Vcpu, VcpuShared};
 use crate::vm::{Vm, VmError, VmOptions};
-use kvm_memslots::RegionSpec;
 
 pub use config::{BootConfig, BootProtocol, ConfigError};
 pub use e820::{E820Entry, E820Kind};
 pub use loader::{KernelFormat, LoadError};
 pub use ports::GuestStop;
 
-use crate::devices::legacy::{ConsoleOutput, DeviceError, LegacyDevices, SERIAL_IRQ};
-use crate::lifecycle::{EventLoop, LoopError};
-use console::{ConsoleSubscriber, RawTerminal};
+use crate::devices::legacy::{ConsoleOutput, DeviceError, LegacyDevice, LegacyDevices, SERIAL_IRQ};
+use console::ConsoleSubscriber;
+use hotplug::VirtioMemDevice;
+use loader::Entry;
 use ports::LinuxPorts;
 
 /// Why a boot could not start (or the VMM failed while it ran).
@@ -67,15 +73,9 @@ pub enum BootError {
     /// A device could not be created.
     #[error(transparent)]
     Device(#[from] DeviceError),
-    /// The event loop could not be set up.
-    #[error(transparent)]
-    Loop(#[from] LoopError),
     /// The hotplug device could not be set up.
     #[error(transparent)]
     Hotplug(#[from] hotplug::HotplugError),
-    /// The API socket could not be created.
-    #[error(transparent)]
-    Api(#[from] crate::api::server::SocketError),
     /// A vCPU thread could not be started.
     #[error("starting vCPU thread {vcpu} failed: {source}")]
     Thread {
@@ -97,7 +97,7 @@ pub enum BootEnding {
     Timeout,
     /// SIGINT or SIGTERM.
     Interrupted,
-    /// The caller asked for a stop ([`Console::stop`]).
+    /// The caller asked for a stop ([`Console::stop`]), or a client did (`PUT /actions`).
     Stopped,
 }
 
@@ -151,7 +151,7 @@ pub struct BootReport {
     pub regions: usize,
     /// KVM slots of RAM.
     pub slots: usize,
-    /// Time from the start of [`boot`] to entering the guest.
+    /// Time from the start of the boot (`jobs::boot::boot`) to entering the guest.
     pub setup_time: Duration,
 }
 
@@ -197,227 +197,227 @@ impl std::fmt::Debug for Console {
     }
 }
 
-/// Boots `config`'s kernel and runs it until it resets, a vCPU stops, a signal or the timeout.
-/// `on_start` sees the report (ending aside) just before the vCPUs start.
-pub fn boot(
-    config: &BootConfig,
-    console: Console,
-    on_start: impl FnOnce(&BootReport),
-) -> Result<BootReport, BootError> {
-    let started = Instant::now();
-    config.validate()?;
-    let Console {
-        output,
-        stdin,
-        stop: stop_request,
-    } = console;
-    let vm = Vm::new(VmOptions {
-        irqchip: true,
-        ..VmOptions::default()
-    })?;
-    let memory = vm.memory();
-    for region in layout::ram_regions(config) {
-        memory.add_region(
-            RegionSpec::new(region.gpa, region.size).with_slot_size(region.slot_size),
-        )?;
-    }
-    let regions = memory.regions();
-    let e820 = e820::build(&regions);
-    // The hotplug area has no region until the guest plugs: it stays out of the e820 map.
-    let hotplug = match config.hotplug_mib {
-        0 => None,
-        mib => Some(hotplug::setup(&vm, mib, config.hotplug_block_mib)?),
-    };
-    let mut cmdline = config.cmdline.clone();
-    if let Some(hotplug) = &hotplug {
-        cmdline.push_str(&hotplug.cmdline(config.acpi));
-    }
-    let snapshot = memory.snapshot();
-    let rsdp = if config.acpi {
-        let windows: Vec<acpi::MmioDevice> = hotplug.iter().map(|h| h.window).collect();
-        Some(acpi::write(&*snapshot, config.vcpus, &windows)?.rsdp())
-    } else {
-        None
-    };
-    let loaded = loader::load(
-        &*snapshot,
-        &config.kernel,
-        config.initramfs.as_deref(),
-        &cmdline,
-        e820,
-        config.protocol,
-        rsdp,
-    )?;
-    cpu::write_tables(&*snapshot, loaded.entry)?;
-    mptable::write(&*snapshot, config.vcpus)?;
-    drop(snapshot);
-
-    let serial_irq = LegacyDevices::eventfd("serial interrupt")?;
-    let reset = LegacyDevices::eventfd("i8042 reset")?;
-    vm.fd()
-        .register_irqfd(&serial_irq, SERIAL_IRQ)
-        .map_err(VmError::setup("KVM_IRQFD for the serial console"))?;
-    let devices = Arc::new(LegacyDevices::new(
-        output,
-        serial_irq,
-        reset
-            .try_clone()
-            .map_err(|e| BootError::Device(DeviceError::new("i8042 reset", e)))?,
-    ));
-    let bus = Arc::new(LegacyDevices::bus());
-
-    let mut event_loop = EventLoop::new()?;
-    let stopped = Arc::clone(&event_loop.context().vcpu_stopped);
-    let terminal = if stdin {
-        RawTerminal::new(std::io::stdin().as_raw_fd())
-    } else {
-        None
-    };
-    let reset_seen = Arc::new(AtomicBool::new(false));
-    event_loop.add(Arc::new(Mutex::new(ConsoleSubscriber {
-        devices: Arc::clone(&devices),
-        reset,
-        reset_seen: Arc::clone(&reset_seen),
-        input: terminal.as_ref().map(|_| std::io::stdin().as_raw_fd()),
-    })));
-
-    let api_stop = Arc::new(AtomicBool::new(false));
-    let mut _socket = None;
-    if let Some(path) = &config.api_sock {
-        let listener = crate::api::server::bind_api_socket(path)?;
-        // Ours now: it goes when the boot ends, however it ends.
-        _socket = Some(RemoveOnDrop(path.clone()));
-        let controller = hotplug::LinuxController::new(
-            Arc::clone(memory),
-            hotplug.as_ref().map(|h| Arc::clone(&h.device)),
-            Arc::clone(&api_stop),
-        );
-        event_loop.add(Arc::new(Mutex::new(crate::api::server::ApiServer::new(
-            listener, controller,
-        ))));
-    }
-    let ports = LinuxPorts {
-        devices: Arc::clone(&devices),
-        bus,
-        hotplug: hotplug.map(|h| (h.device, h.mmio)),
-    };
-    let mut vcpus = Vec::new();
-    for index in 0..config.vcpus {
-        let fd = vm.create_vcpu(usize::from(index))?;
-        cpu::setup_vcpu(vm.kvm(), &fd, index, config.vcpus, loaded.entry)?;
-        vcpus.push(Vcpu {
-            index: usize::from(index),
-            fd,
-            memory: Arc::clone(memory),
-            shared: Arc::new(VcpuShared::default()),
-            ports: ports.clone(),
-        });
-    }
-
-    let mut report = BootReport {
-        ending: BootEnding::Timeout,
-        format: loaded.format,
-        zero_page_entries: loaded.zero_page_entries,
-        setup_data: loaded.setup_data.map(|(a, l)| (a.0, l)),
-        e820: loaded.e820,
-        cmdline: loaded.cmdline,
-        initramfs: loaded.initramfs.map(|(a, l)| (a.0, l)),
-        rsdp: rsdp.map(|a| a.0),
-        regions: regions.len(),
-        slots: regions.iter().map(|r| r.slots).sum(),
-        setup_time: started.elapsed(),
-    };
-    on_start(&report);
-
-    let mut threads: Vec<VcpuThread> = Vec::new();
-    for vcpu in vcpus {
-        let index = vcpu.index;
-        let shared = Arc::clone(&vcpu.shared);
-        match vcpu.spawn(Arc::clone(&stopped), |outcome| outcome) {
-            Ok(thread) => threads.push((thread, shared)),
-            Err(source) => {
-                stop_vcpus(threads);
-                return Err(BootError::Thread {
-                    vcpu: index,
-                    source,
-                });
-            }
-        }
-    }
-
-    let deadline = config
-        .timeout_secs
-        .map(|t| Instant::now() + Duration::from_secs_f64(t));
-    let ending = loop {
-        let wait = match deadline {
-            Some(d) => d.saturating_duration_since(Instant::now()),
-            None => Duration::from_secs(1),
-        };
-        // A caller's or a client's stop request is polled.
-        let most = if stop_request.is_some() || config.api_sock.is_some() {
-            20
-        } else {
-            1000
-        };
-        let wait_ms = wait.as_millis().clamp(1, most) as i32;
-        if event_loop.dispatch(wait_ms) == Some(crate::lifecycle::Ending::Interrupted) {
-            break BootEnding::Interrupted;
-        }
-        if reset_seen.load(Ordering::Acquire) {
-            break BootEnding::Reset;
-        }
-        if api_stop.load(Ordering::Acquire)
-            || stop_request
-                .as_ref()
-                .is_some_and(|s| s.load(Ordering::Acquire))
-        {
-            break BootEnding::Stopped;
-        }
-        if let Some(at) = threads.iter().position(|(t, _)| t.is_finished()) {
-            let (thread, _) = threads.swap_remove(at);
-            match thread.join() {
-                Ok(Err(stop)) => break BootEnding::GuestStopped(stop),
-                // A vCPU that stopped without an error was asked to: keep going.
-                Ok(Ok(())) => {}
-                Err(panic) => std::panic::resume_unwind(panic),
-            }
-            if threads.is_empty() {
-                break BootEnding::Timeout;
-            }
-        }
-        if deadline.is_some_and(|d| Instant::now() >= d) {
-            break BootEnding::Timeout;
-        }
-    };
-    stop_vcpus(threads);
-    devices.flush();
-    drop(terminal);
-    report.ending = ending;
-    Ok(report)
+/// A Linux guest set up to boot: its VM, RAM, tables and loaded kernel, its devices and, once
+/// [`LinuxVm::create_vcpus`] ran, its vCPUs; nothing runs yet. The boot job
+/// (`jobs::boot`) runs it under the event loop.
+#[derive(Debug)]
+pub struct LinuxVm {
+    vm: Vm,
+    devices: Arc<LegacyDevices>,
+    reset: EventFd,
+    hotplug: Option<hotplug::Hotplug>,
+    bus: Arc<PortBus<LegacyDevice>>,
+    entry: Entry,
 }
 
-/// Removes a file (the API socket) when dropped.
-struct RemoveOnDrop(std::path::PathBuf);
+impl LinuxVm {
+    /// Validates `config`, creates the VM, gives it RAM, builds the e820 map, sets the hotplug
+    /// device up, writes the ACPI tables, loads the kernel, writes the page tables and the MP
+    /// table, and creates the serial console (writing to `output`) and the i8042. Returns it
+    /// with the report of what was built (its ending and set-up time still to fill in).
+    pub fn new(
+        config: &BootConfig,
+        output: ConsoleOutput,
+    ) -> Result<(Self, BootReport), BootError> {
+        config.validate()?;
+        let vm = Vm::new(VmOptions {
+            irqchip: true,
+            limits: config.limits,
+            ..VmOptions::default()
+        })?;
+        let memory = vm.memory();
+        for region in layout::ram_regions(config) {
+            memory.add_region(
+                RegionSpec::new(region.gpa, region.size).with_slot_size(region.slot_size),
+            )?;
+        }
+        let regions = memory.regions();
+        let e820 = e820::build(&regions);
+        // The hotplug area has no region until the guest plugs: it stays out of the e820 map.
+        let hotplug = match config.hotplug_mib {
+            0 => None,
+            mib => Some(hotplug::setup(&vm, mib, config.hotplug_block_mib)?),
+        };
+        let mut cmdline = config.cmdline.clone();
+        if let Some(hotplug) = &hotplug {
+            cmdline.push_str(&hotplug.cmdline(config.acpi));
+        }
+        let snapshot = memory.snapshot();
+        let rsdp = if config.acpi {
+            let windows: Vec<acpi::MmioDevice> = hotplug.iter().map(|h| h.window).collect();
+            Some(acpi::write(&*snapshot, config.vcpus, &windows)?.rsdp())
+        } else {
+            None
+        };
+        let loaded = loader::load(
+            &*snapshot,
+            &config.kernel,
+            config.initramfs.as_deref(),
+            &cmdline,
+            e820,
+            config.protocol,
+            rsdp,
+        )?;
+        cpu::write_tables(&*snapshot, loaded.entry)?;
+        mptable::write(&*snapshot, config.vcpus)?;
+        drop(snapshot);
 
-impl Drop for RemoveOnDrop {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_file(&self.0);
+        let serial_irq = LegacyDevices::eventfd("serial interrupt")?;
+        let reset = LegacyDevices::eventfd("i8042 reset")?;
+        vm.fd()
+            .register_irqfd(&serial_irq, SERIAL_IRQ)
+            .map_err(VmError::setup("KVM_IRQFD for the serial console"))?;
+        let devices = Arc::new(LegacyDevices::new(
+            output,
+            serial_irq,
+            reset
+                .try_clone()
+                .map_err(|e| BootError::Device(DeviceError::new("i8042 reset", e)))?,
+        ));
+        let report = BootReport {
+            ending: BootEnding::Timeout,
+            format: loaded.format,
+            zero_page_entries: loaded.zero_page_entries,
+            setup_data: loaded.setup_data.map(|(a, l)| (a.0, l)),
+            e820: loaded.e820,
+            cmdline: loaded.cmdline,
+            initramfs: loaded.initramfs.map(|(a, l)| (a.0, l)),
+            rsdp: rsdp.map(|a| a.0),
+            regions: regions.len(),
+            slots: regions.iter().map(|r| r.slots).sum(),
+            setup_time: Duration::ZERO,
+        };
+        let linux = LinuxVm {
+            vm,
+            devices,
+            reset,
+            hotplug,
+            bus: Arc::new(LegacyDevices::bus()),
+            entry: loaded.entry,
+        };
+        Ok((linux, report))
+    }
+
+    /// The guest's memory.
+    pub fn memory(&self) -> &Arc<MemoryManager<KvmVm>> {
+        self.vm.memory()
+    }
+
+    /// The virtio-mem device, if the guest has one.
+    pub fn hotplug_device(&self) -> Option<VirtioMemDevice> {
+        self.hotplug.as_ref().map(|h| Arc::clone(&h.device))
+    }
+
+    /// The event loop's part of the guest: console input from `input` (a terminal) into the
+    /// serial FIFO, and the i8042's reset line, which sets `reset_seen`.
+    pub fn console(
+        &self,
+        reset_seen: Arc<AtomicBool>,
+        input: Option<RawFd>,
+    ) -> Result<ConsoleSubscriber, BootError> {
+        Ok(ConsoleSubscriber {
+            devices: Arc::clone(&self.devices),
+            reset: self
+                .reset
+                .try_clone()
+                .map_err(|e| BootError::Device(DeviceError::new("i8042 reset", e)))?,
+            reset_seen,
+            input,
+        })
+    }
+
+    /// Creates and sets up `config`'s vCPUs; returns them, not yet running.
+    pub fn create_vcpus(&self, config: &BootConfig) -> Result<LinuxVcpus, BootError> {
+        let ports = LinuxPorts {
+            devices: Arc::clone(&self.devices),
+            bus: Arc::clone(&self.bus),
+            hotplug: self
+                .hotplug
+                .as_ref()
+                .map(|h| (Arc::clone(&h.device), Arc::clone(&h.mmio))),
+        };
+        let mut vcpus = Vec::new();
+        for index in 0..config.vcpus {
+            let fd = self.vm.create_vcpu(usize::from(index))?;
+            cpu::setup_vcpu(self.vm.kvm(), &fd, index, config.vcpus, self.entry)?;
+            vcpus.push(Vcpu {
+                index: usize::from(index),
+                fd,
+                memory: Arc::clone(self.memory()),
+                shared: Arc::new(VcpuShared::default()),
+                ports: ports.clone(),
+            });
+        }
+        Ok(LinuxVcpus(vcpus))
+    }
+
+    /// Writes out what the serial console holds.
+    pub fn flush_console(&self) {
+        self.devices.flush();
+    }
+}
+
+/// A Linux guest's vCPUs, created and set up, not yet running.
+#[derive(Debug)]
+pub struct LinuxVcpus(Vec<Vcpu<LinuxPorts>>);
+
+impl LinuxVcpus {
+    /// Starts a thread for each vCPU on the shared exit loop; each tells `stopped` when it
+    /// stops. If one cannot start, those started are stopped again.
+    pub fn start(self, stopped: &Arc<EventFd>) -> Result<RunningVcpus, BootError> {
+        let mut threads: Vec<VcpuThread> = Vec::new();
+        for vcpu in self.0 {
+            let index = vcpu.index;
+            let shared = Arc::clone(&vcpu.shared);
+            match vcpu.spawn(Arc::clone(stopped), |outcome| outcome) {
+                Ok(thread) => threads.push((thread, shared)),
+                Err(source) => {
+                    RunningVcpus(threads).stop();
+                    return Err(BootError::Thread {
+                        vcpu: index,
+                        source,
+                    });
+                }
+            }
+        }
+        Ok(RunningVcpus(threads))
     }
 }
 
 /// A Linux vCPU's thread and what it shares with the host.
 type VcpuThread = (JoinHandle<Result<(), GuestStop>>, Arc<VcpuShared>);
 
-/// Stops every vCPU thread (a flag, then kicks out of `KVM_RUN`) and joins them.
-fn stop_vcpus(threads: Vec<VcpuThread>) {
-    for (_, shared) in &threads {
-        shared.request_stop();
+/// A Linux guest's running vCPU threads.
+#[derive(Debug)]
+pub struct RunningVcpus(Vec<VcpuThread>);
+
+impl RunningVcpus {
+    /// How the run ended, if a vCPU's end decides it: a vCPU that stopped on its own
+    /// ([`BootEnding::GuestStopped`]), or every vCPU gone ([`BootEnding::Timeout`]). Joins at
+    /// most one finished thread a call; a vCPU that stopped without an error was asked to.
+    pub fn ended(&mut self) -> Option<BootEnding> {
+        let at = self.0.iter().position(|(t, _)| t.is_finished())?;
+        let (thread, _) = self.0.swap_remove(at);
+        match thread.join() {
+            Ok(Err(stop)) => return Some(BootEnding::GuestStopped(stop)),
+            // A vCPU that stopped without an error was asked to: keep going.
+            Ok(Ok(())) => {}
+            Err(panic) => std::panic::resume_unwind(panic),
+        }
+        self.0.is_empty().then_some(BootEnding::Timeout)
     }
-    for (thread, _) in threads {
-        // Its outcome no longer matters: the run's ending is decided. A vCPU that does not
-        // leave the guest within 10 s is left behind rather than waited for forever.
-        if kick_until_finished(&thread, Duration::from_secs(10)) {
-            let _ = thread.join();
+
+    /// Stops every vCPU thread (a flag, then kicks out of `KVM_RUN`) and joins them.
+    pub fn stop(self) {
+        for (_, shared) in &self.0 {
+            shared.request_stop();
+        }
+        for (thread, _) in self.0 {
+            // Its outcome no longer matters: the run's ending is decided. A vCPU that does not
+            // leave the guest within 10 s is left behind rather than waited for forever.
+            if kick_until_finished(&thread, Duration::from_secs(10)) {
+                let _ = thread.join();
+            }
         }
     }
 }

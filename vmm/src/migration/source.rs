@@ -17,6 +17,9 @@
 //! run the guest twice. The migration ends [`MigrationPhase::Unconfirmed`] and hands the paused
 //! vCPUs to the controller, where a client who knows the destination does not run the VM
 //! resumes it.
+//!
+//! The rounds know no guest kind: a guest kind hands over its vCPUs as [`MigratingVcpu`]s
+//! (paused, saved and resumed its own way) and the [`StateRecord`] it sends last.
 
 use std::io::{self, Write};
 use std::os::fd::OwnedFd;
@@ -32,10 +35,8 @@ use kvm_memslots_persist::stream::{
 use kvm_memslots_persist::{BackingKind, MemoryLayout};
 
 use super::transport::{Connection, Endpoint};
-use super::MigrationState;
-use crate::api::types::{MigrateRequest, MigrationInfo, MigrationPhase, OnTimeout};
-use crate::test_guest::snapshot::{HotplugState, SnapshotState, STATE_VERSION};
-use crate::test_guest::vcpus::VcpuHandle;
+use crate::control::migration::{MigrateRequest, MigrationInfo, MigrationPhase, OnTimeout};
+use crate::vm::state::VcpuState;
 use crate::vm::vcpu::PauseError;
 
 /// How long the destination may take to answer (to accept the layout, or to run the VM).
@@ -88,25 +89,41 @@ pub enum MigrationError {
     Unconfirmed(StreamError),
 }
 
+/// A vCPU as a migration pauses, saves and resumes it: each guest kind has its own handle.
+pub trait MigratingVcpu: std::fmt::Debug + Send + 'static {
+    /// Pauses it: once this returns, it is out of the guest and has published what it
+    /// dirtied.
+    fn pause(&self) -> Result<(), PauseError>;
+    /// Its state, read while it is paused.
+    fn save(&self) -> Result<VcpuState, PauseError>;
+    /// Lifts the pause.
+    fn resume(&self);
+}
+
+/// The State record a migration sends last: the guest kind's own bytes (the destination of
+/// the same guest kind reads them), made once the vCPUs are paused.
+pub trait StateRecord: std::fmt::Debug + Send + 'static {
+    /// The record for memory laid out as `layout` and the vCPUs' `states`, by index.
+    fn to_bytes(&self, layout: &MemoryLayout, states: Vec<VcpuState>) -> Vec<u8>;
+}
+
 /// The VM as a migration sees it: taken from the controller when it starts, unchanged while
 /// it runs (the controller refuses changes meanwhile).
 #[derive(Debug)]
-pub struct SourceVm {
+pub struct SourceVm<V> {
     /// Its memory.
     pub memory: Arc<MemoryManager<KvmVm>>,
     /// Its vCPUs.
-    pub vcpus: Vec<VcpuHandle>,
-    /// The hotplug area's bookkeeping.
-    pub hotplug: Option<HotplugState>,
-    /// Paused by a client.
-    pub paused: bool,
+    pub vcpus: Vec<V>,
+    /// What the State record holds besides the layout and the vCPUs' states.
+    pub state: Box<dyn StateRecord>,
     /// Keep what the rounds harvest, to hand back on failure (a snapshot base needs it).
     pub keep_harvested: bool,
 }
 
 /// How a migration ended, for the controller.
-#[derive(Debug, Default)]
-pub struct Ending {
+#[derive(Debug)]
+pub struct Ending<V> {
     /// The destination runs the VM.
     pub completed: bool,
     /// Every page harvested (with [`SourceVm::keep_harvested`]), on failure.
@@ -114,26 +131,36 @@ pub struct Ending {
     /// The vCPUs, left paused because the outcome is unknown
     /// ([`MigrationPhase::Unconfirmed`]): resume them only if the destination does not run the
     /// VM.
-    pub held: Vec<VcpuHandle>,
+    pub held: Vec<V>,
+}
+
+impl<V> Default for Ending<V> {
+    fn default() -> Self {
+        Ending {
+            completed: false,
+            harvested: Vec::new(),
+            held: Vec::new(),
+        }
+    }
 }
 
 /// A migration under way or ended: its progress, and the thread that runs it.
 #[derive(Debug)]
-pub struct Migration {
+pub struct Migration<V> {
     status: Arc<Mutex<MigrationInfo>>,
     bytes_sent: Arc<AtomicU64>,
     cancel: Arc<AtomicBool>,
     started: Instant,
-    thread: Option<JoinHandle<Ending>>,
-    ending: Option<Ending>,
+    thread: Option<JoinHandle<Ending<V>>>,
+    ending: Option<Ending<V>>,
 }
 
-impl Migration {
+impl<V: MigratingVcpu> Migration<V> {
     /// Starts migrating `vm` as `request` says; `interrupt` is the process's stop flag.
     pub fn start(
         request: &MigrateRequest,
         endpoint: Endpoint,
-        vm: SourceVm,
+        vm: SourceVm<V>,
         interrupt: &'static AtomicBool,
     ) -> io::Result<Self> {
         let status = Arc::new(Mutex::new(MigrationInfo {
@@ -205,7 +232,7 @@ impl Migration {
     }
 
     /// Waits for its thread; returns how it ended (once: later calls get the default).
-    pub fn join(&mut self) -> Ending {
+    pub fn join(&mut self) -> Ending<V> {
         if let Some(thread) = self.thread.take() {
             let ending = thread.join().unwrap_or_else(|_| {
                 let mut status = self.status.lock().unwrap_or_else(|p| p.into_inner());
@@ -248,12 +275,12 @@ impl Write for Counted {
 }
 
 /// The migration thread's state.
-struct Run {
+struct Run<V> {
     endpoint: Endpoint,
     budget: Duration,
     timeout: Duration,
     on_timeout: OnTimeout,
-    vm: SourceVm,
+    vm: SourceVm<V>,
     status: Arc<Mutex<MigrationInfo>>,
     bytes_sent: Arc<AtomicU64>,
     cancel: Arc<AtomicBool>,
@@ -275,12 +302,12 @@ struct Progress {
     harvest_time: Duration,
 }
 
-impl Run {
+impl<V: MigratingVcpu> Run<V> {
     fn update(&self, f: impl FnOnce(&mut MigrationInfo)) {
         f(&mut self.status.lock().unwrap_or_else(|p| p.into_inner()));
     }
 
-    fn run(mut self) -> Ending {
+    fn run(mut self) -> Ending<V> {
         let memory = Arc::clone(&self.vm.memory);
         let logging_before: Vec<RegionId> = memory
             .regions()
@@ -601,18 +628,8 @@ impl Run {
                     .map_err(|error| MigrationError::Vcpu { vcpu: index, error })?,
             );
         }
-        let state = MigrationState {
-            snapshot: SnapshotState {
-                version: STATE_VERSION,
-                layout: layout.clone(),
-                vcpus,
-                hotplug: self.vm.hotplug.clone(),
-            },
-            paused: self.vm.paused,
-        };
-        writer
-            .state(&state.to_bytes())
-            .map_err(|e| self.explain(e, answers))?;
+        let state = self.vm.state.to_bytes(layout, vcpus);
+        writer.state(&state).map_err(|e| self.explain(e, answers))?;
         // A failed write leaves Done incomplete, and a destination runs nothing without it.
         writer.done().map_err(|e| self.explain(e, answers))?;
         match read_answer(answers) {

@@ -3,6 +3,8 @@
 
 pub mod area;
 pub mod command;
+pub mod controller;
+pub mod hotplug;
 pub mod layout;
 pub mod ports;
 pub mod snapshot;

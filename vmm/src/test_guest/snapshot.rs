@@ -6,12 +6,18 @@
 use kvm_memslots_persist::{frame, unframe, MemoryLayout};
 use serde::{Deserialize, Serialize};
 
+use crate::control::hotplug::HotplugConfig;
+use crate::migration::StateRecord;
 use crate::vm::state::VcpuState;
 
 /// The state file's format version.
 pub const STATE_VERSION: u32 = 1;
 
 const MAGIC: &[u8; 8] = b"TVMSNAP\0";
+
+const STATE_MAGIC: &[u8; 8] = b"TVMMIGR\0";
+/// The migration state record's format version.
+pub const MIGRATION_STATE_VERSION: u32 = 1;
 
 /// What a snapshot saves besides memory.
 #[derive(Debug, Serialize, Deserialize)]
@@ -26,19 +32,6 @@ pub struct SnapshotState {
     /// The hotplug area, if one was configured.
     #[serde(default)]
     pub hotplug: Option<HotplugState>,
-}
-
-/// The hotplug area, as Firecracker describes it (`PUT /hotplug/memory`'s body).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Serialize)]
-#[serde(deny_unknown_fields)]
-pub struct HotplugConfig {
-    /// Size of the whole area, in MiB.
-    pub total_size_mib: u64,
-    /// Plugging granularity in MiB (a power of two, at least 2).
-    pub block_size_mib: u64,
-    /// KVM slot size in MiB (a multiple of the block size); a slot is mapped while any of its
-    /// blocks is plugged. Defaults to the block size.
-    pub slot_size_mib: Option<u64>,
 }
 
 /// The hotplug area's bookkeeping: its configuration, the blocks plugged, and which of its
@@ -86,5 +79,59 @@ impl SnapshotState {
         }
         // The layout's own checks (version, alignment, order, overlaps, file offsets).
         self.layout.validate().map_err(|e| bad(e.to_string()))
+    }
+}
+
+/// What the State record of a migration carries: the snapshot state (layout, vCPUs, hotplug
+/// area) and whether the VM was paused by a client.
+#[derive(Debug, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct MigrationState {
+    /// What a snapshot would save.
+    pub snapshot: SnapshotState,
+    /// The VM was paused (`PATCH /vm`): it stays paused on the destination.
+    pub paused: bool,
+}
+
+impl MigrationState {
+    /// The record's bytes (framed: magic, version, length, JSON, CRC-32).
+    pub fn to_bytes(&self) -> Vec<u8> {
+        let json = serde_json::to_vec(self).expect("a migration state serialises");
+        frame(STATE_MAGIC, MIGRATION_STATE_VERSION, &json)
+    }
+
+    /// Reads a State record, naming what is wrong with a bad one.
+    pub fn from_bytes(bytes: &[u8]) -> Result<Self, String> {
+        let json = unframe(STATE_MAGIC, MIGRATION_STATE_VERSION, bytes)?;
+        let state: MigrationState =
+            serde_json::from_slice(json).map_err(|e| format!("the migration state: {e}"))?;
+        // The snapshot state's own checks.
+        state.snapshot.validate().map_err(|e| e.to_string())?;
+        Ok(state)
+    }
+}
+
+/// The test guest's [`StateRecord`]: what its migration sends besides the layout and the
+/// vCPUs' states, taken when the migration starts.
+#[derive(Debug)]
+pub struct MigrationRecord {
+    /// The hotplug area's bookkeeping.
+    pub hotplug: Option<HotplugState>,
+    /// Paused by a client.
+    pub paused: bool,
+}
+
+impl StateRecord for MigrationRecord {
+    fn to_bytes(&self, layout: &MemoryLayout, states: Vec<VcpuState>) -> Vec<u8> {
+        MigrationState {
+            snapshot: SnapshotState {
+                version: STATE_VERSION,
+                layout: layout.clone(),
+                vcpus: states,
+                hotplug: self.hotplug.clone(),
+            },
+            paused: self.paused,
+        }
+        .to_bytes()
     }
 }

@@ -13,6 +13,7 @@ use vm_memory::GuestAddress;
 use vmm_sys_util::eventfd::EventFd;
 
 use super::ports::{GoAhead, TestGuestPorts, VcpuError, VcpuEvent};
+use crate::migration::MigratingVcpu;
 use crate::test_guest::{self, Command, CommandBlock, Op, Outcome};
 use crate::vm::mmio::MmioBus;
 use crate::vm::state::{StateError, VcpuState};
@@ -180,8 +181,9 @@ pub enum MemBackend {
 pub struct TestVm {
     vm: Vm,
     system: RegionId,
-    /// The fault handler of a VM restored with [`MemBackend::Uffd`], for as long as it runs.
-    loader: Option<LazyLoader>,
+    /// The fault handler of a VM restored with [`MemBackend::Uffd`]: held for as long as the
+    /// VM lives (dropping it stops the handler).
+    _loader: Option<LazyLoader>,
     /// Absent memory the vCPUs answer without stopping (see [`TestVm::with_mmio`]).
     mmio: Option<Arc<MmioBus>>,
 }
@@ -203,7 +205,7 @@ impl TestVm {
         Ok(TestVm {
             vm,
             system,
-            loader: None,
+            _loader: None,
             mmio: None,
         })
     }
@@ -236,7 +238,7 @@ impl TestVm {
         Ok(TestVm {
             vm,
             system,
-            loader,
+            _loader: loader,
             mmio: None,
         })
     }
@@ -256,7 +258,7 @@ impl TestVm {
         Ok(TestVm {
             vm,
             system,
-            loader: None,
+            _loader: None,
             mmio: None,
         })
     }
@@ -269,11 +271,6 @@ impl TestVm {
             mmio: Some(Arc::new(bus)),
             ..self
         }
-    }
-
-    /// The userfaultfd handler's counts, for a VM restored with [`MemBackend::Uffd`].
-    pub fn lazy_loader(&self) -> Option<&LazyLoader> {
-        self.loader.as_ref()
     }
 
     /// The generic VM.
@@ -411,9 +408,9 @@ pub struct VcpuHandle {
     pub running: bool,
 }
 
-impl VcpuHandle {
+impl MigratingVcpu for VcpuHandle {
     /// Pauses it if it runs a command (one between commands is out of the guest already).
-    pub fn pause(&self) -> Result<(), PauseError> {
+    fn pause(&self) -> Result<(), PauseError> {
         if self.running {
             self.shared.pause(PAUSE_TIMEOUT)
         } else {
@@ -424,7 +421,7 @@ impl VcpuHandle {
     }
 
     /// Its state, read by its own thread.
-    pub fn save(&self) -> Result<VcpuState, PauseError> {
+    fn save(&self) -> Result<VcpuState, PauseError> {
         if self.running {
             return self.shared.save_paused();
         }
@@ -435,7 +432,7 @@ impl VcpuHandle {
     }
 
     /// Lifts a pause.
-    pub fn resume(&self) {
+    fn resume(&self) {
         if self.running {
             self.shared.resume();
         }

@@ -8,7 +8,7 @@ pub mod ports;
 pub mod state;
 pub mod vcpu;
 
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 
 use kvm_bindings::{kvm_pit_config, KVM_PIT_SPEAKER_DUMMY};
 use kvm_ioctls::{Kvm, VcpuFd, VmFd};
@@ -24,26 +24,12 @@ pub struct VmOptions {
     /// The in-kernel irqchip (PIC, IOAPIC, local APICs) and PIT, and the real-mode TSS: what
     /// a Linux guest needs. The test guest runs without interrupts.
     pub irqchip: bool,
-    /// What the memory manager admits; by default the process's ([`memory_limits`]).
+    /// What the memory manager admits; by default this host's
+    /// ([`MemoryLimits::for_this_host`]).
     pub limits: Option<MemoryLimits>,
     /// Harvest dirty pages from per-vCPU rings of this many entries (a power of two) instead
     /// of per-slot bitmaps.
     pub dirty_ring: Option<u32>,
-}
-
-/// The limits VMs of this process admit memory against unless created with their own.
-static MEMORY_LIMITS: Mutex<Option<MemoryLimits>> = Mutex::new(None);
-
-/// The limits VMs of this process get: as set by [`set_memory_limits`] (the command line's
-/// `--max-*` options), else this host's defaults ([`MemoryLimits::for_this_host`]).
-pub fn memory_limits() -> MemoryLimits {
-    let set = *MEMORY_LIMITS.lock().unwrap_or_else(|p| p.into_inner());
-    set.unwrap_or_else(MemoryLimits::for_this_host)
-}
-
-/// Sets the limits VMs created from now on get by default.
-pub fn set_memory_limits(limits: MemoryLimits) {
-    *MEMORY_LIMITS.lock().unwrap_or_else(|p| p.into_inner()) = Some(limits);
 }
 
 /// Why a VM could not be created or set up.
@@ -111,7 +97,7 @@ impl Vm {
             None => KvmVm::new(&kvm, Arc::clone(&fd))
                 .map_err(VmError::setup("enabling manual dirty-log protection"))?,
         };
-        let limits = options.limits.unwrap_or_else(memory_limits);
+        let limits = options.limits.unwrap_or_else(MemoryLimits::for_this_host);
         let memory = Arc::new(MemoryManager::with_limits(kvm_vm, limits));
         vcpu::install_kick_handler();
         Ok(Vm { kvm, fd, memory })

@@ -188,11 +188,6 @@ impl VcpuShared {
         self.finished.load(Ordering::Acquire)
     }
 
-    /// Whether the vCPU is parked by [`pause`](Self::pause).
-    pub fn is_paused(&self) -> bool {
-        self.pause.lock().parked
-    }
-
     /// The state of a paused vCPU, read by its own thread.
     pub fn save_paused(&self) -> Result<VcpuState, PauseError> {
         let (reply, state) = std::sync::mpsc::channel();

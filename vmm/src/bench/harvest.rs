@@ -14,7 +14,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use kvm_memslots::{Target, PAGE_SIZE};
+use kvm_memslots::{MemoryLimits, Target, PAGE_SIZE};
 use serde::Serialize;
 use vmm_sys_util::eventfd::EventFd;
 
@@ -39,6 +39,9 @@ pub struct HarvestConfig {
     pub ring_entries: u32,
     /// Repetitions per share.
     pub runs: usize,
+    /// What guest memory is admitted against; `None`: this host's defaults
+    /// ([`MemoryLimits::for_this_host`]).
+    pub limits: Option<MemoryLimits>,
 }
 
 /// Why the benchmark failed.
@@ -123,6 +126,7 @@ impl Side {
     ) -> Result<Self, HarvestError> {
         let vm = TestVm::with_options(VmOptions {
             dirty_ring: ring,
+            limits: config.limits,
             ..VmOptions::default()
         })?;
         vm.check_slot_count(config.slots)?;

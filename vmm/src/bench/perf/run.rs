@@ -4,7 +4,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use kvm_memslots::{RegionId, PAGE_SIZE};
+use kvm_memslots::{MemoryLimits, RegionId, PAGE_SIZE};
 use vm_memory::{Bytes, GuestAddress};
 use vmm_sys_util::eventfd::EventFd;
 
@@ -13,6 +13,7 @@ use super::layout::{move_window, Layout};
 use super::report::{average, MoveExits, Outcome, Progress, Skipped, TestResult};
 use crate::test_guest::vcpus::{expect_pattern, TestVm, Vcpus};
 use crate::test_guest::{pattern, Command, Op};
+use crate::vm::VmOptions;
 
 /// How long the host waits for a write loop to make progress before it stops it.
 const LOOP_PROGRESS_TIMEOUT: Duration = Duration::from_secs(10);
@@ -28,6 +29,9 @@ pub struct TestSpec {
     pub area_size: u64,
     /// How long to repeat the iteration.
     pub duration: Duration,
+    /// What guest memory is admitted against; `None`: this host's defaults
+    /// ([`MemoryLimits::for_this_host`]).
+    pub limits: Option<MemoryLimits>,
 }
 
 /// What a scenario's loop measured.
@@ -71,7 +75,10 @@ pub fn run_test(
             reason,
         }))
     };
-    let vm = TestVm::new()?;
+    let vm = TestVm::with_options(VmOptions {
+        limits: spec.limits,
+        ..VmOptions::default()
+    })?;
     vm.check_slot_count(spec.slots)?;
     let area_size = test.area_size(spec.area_size);
     let layout = match Layout::plan(area_size, spec.slots as u64 - 1) {

@@ -5,7 +5,7 @@ use std::fmt;
 use std::str::FromStr;
 use std::time::Duration;
 
-use kvm_memslots::PAGE_SIZE;
+use kvm_memslots::{MemoryLimits, PAGE_SIZE};
 use serde::Serialize;
 
 use super::report::size;
@@ -130,6 +130,9 @@ pub struct PerfConfig {
     pub runs: usize,
     /// The scenarios, in the order given; empty: all of them.
     pub scenarios: Vec<Scenario>,
+    /// What guest memory is admitted against; `None`: this host's defaults
+    /// ([`MemoryLimits::for_this_host`]).
+    pub limits: Option<MemoryLimits>,
 }
 
 impl Default for PerfConfig {
@@ -140,6 +143,7 @@ impl Default for PerfConfig {
             seconds: 5.0,
             runs: 1,
             scenarios: Scenario::ALL.to_vec(),
+            limits: None,
         }
     }
 }

@@ -16,7 +16,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use kvm_memslots::Target;
+use kvm_memslots::{MemoryLimits, Target};
 use kvm_memslots_persist::{write_dirty_pages, write_memory_file, MemoryLayout};
 use serde::Serialize;
 use vmm_sys_util::eventfd::EventFd;
@@ -36,6 +36,19 @@ pub struct SnapshotBenchConfig {
     pub area_size: u64,
     /// Where the files go (removed at the end).
     pub dir: PathBuf,
+    /// What guest memory is admitted against; `None`: this host's defaults
+    /// ([`MemoryLimits::for_this_host`]).
+    pub limits: Option<MemoryLimits>,
+}
+
+impl SnapshotBenchConfig {
+    /// What each VM of the bench is made with.
+    fn vm_options(&self) -> VmOptions {
+        VmOptions {
+            limits: self.limits,
+            ..VmOptions::default()
+        }
+    }
 }
 
 /// Why the benchmark failed.
@@ -135,10 +148,11 @@ fn command(op: Op, area: &TestArea, stride: u64, seed: u64) -> Command {
 /// A VM with the test area over `slots - 1` slots and one vCPU.
 fn new_vm(
     slots: usize,
-    area_size: u64,
+    config: &SnapshotBenchConfig,
     stopped: &Arc<EventFd>,
 ) -> Result<(TestVm, TestArea, Vcpus), SnapshotBenchError> {
-    let vm = TestVm::new()?;
+    let area_size = config.area_size;
+    let vm = TestVm::with_options(config.vm_options())?;
     vm.check_slot_count(slots)?;
     let area = TestArea::add(vm.memory(), AREA_GPA, area_size, slots as u64 - 1)?;
     let mut vcpus = vm.start_vcpus(1, stopped)?;
@@ -216,7 +230,7 @@ pub fn run_snapshot_bench(
     for &slots in &config.slots {
         check()?;
         let path = |name: &str| config.dir.join(format!("{slots}-{name}"));
-        let (vm, area, mut vcpus) = new_vm(slots, config.area_size, stopped)?;
+        let (vm, area, mut vcpus) = new_vm(slots, config, stopped)?;
         // Half the pages hold data.
         vcpus.run(0, command(Op::Write, &area, 2 * 4096, 1))?;
         let start = Instant::now();
@@ -247,7 +261,7 @@ pub fn run_snapshot_bench(
                 SnapshotBenchError::Io(e.to_string(), std::io::ErrorKind::InvalidData.into())
             })?;
             let mem = File::open(path("full.mem")).map_err(io("the memory file"))?;
-            let vm = TestVm::restore(&state.layout, &mem, backend, VmOptions::default())?;
+            let vm = TestVm::restore(&state.layout, &mem, backend, config.vm_options())?;
             let mut vcpus = vm.start_restored_vcpus(&state.vcpus, stopped)?;
             vcpus.set_timeout(Duration::from_secs(600));
             let one = Command {
@@ -270,7 +284,7 @@ pub fn run_snapshot_bench(
         }
         check()?;
         let start = Instant::now();
-        let (_vm, area, mut vcpus) = new_vm(slots, config.area_size, stopped)?;
+        let (_vm, area, mut vcpus) = new_vm(slots, config, stopped)?;
         vcpus.run(
             0,
             Command {

@@ -1,12 +1,13 @@
-//! The hotplug area (Firecracker's resource: total, block and slot sizes) and its plan: which
-//! slots to map, unmap and discard to reach a requested size. Pure: the controller carries the
-//! plan out through the memory manager and has the guest check what it maps.
+//! The test guest's hotplug area (Firecracker's resource: total, block and slot sizes) and its
+//! plan: which slots to map, unmap and discard to reach a requested size. Pure: the controller
+//! (`controller/hotplug.rs`) carries the plan out through the memory manager and has the guest
+//! check what it maps.
 
 use kvm_memslots::RegionId;
 use vm_memory::GuestAddress;
 
-use super::error::ControllerError;
-use crate::api::types::{HotplugConfig, HotplugInfo};
+use crate::control::hotplug::{HotplugConfig, HotplugInfo};
+use crate::control::ControllerError;
 use crate::test_guest::snapshot::HotplugState;
 
 const MIB: u64 = 1 << 20;
@@ -183,7 +184,7 @@ impl HotplugArea {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::controller::error::ErrorKind;
+    use crate::control::ErrorKind;
 
     const GPA: u64 = 32 << 30;
     const LIMIT: u64 = 64 << 30;

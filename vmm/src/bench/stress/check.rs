@@ -149,7 +149,7 @@ impl Changer<'_> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::jobs::stress::config::WRITE_SEED;
+    use crate::bench::stress::config::WRITE_SEED;
     use kvm_memslots::testing::FakeKvm;
     use kvm_memslots::{RegionSpec, PAGE_SIZE};
 

@@ -81,6 +81,7 @@ pub fn run_stress(
     }
     let vm = TestVm::with_options(VmOptions {
         dirty_ring: config.dirty_ring,
+        limits: config.limits,
         ..VmOptions::default()
     })?;
     let area = TestArea::add(

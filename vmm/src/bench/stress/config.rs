@@ -3,7 +3,7 @@
 
 use std::time::Duration;
 
-use kvm_memslots::PAGE_SIZE;
+use kvm_memslots::{MemoryLimits, PAGE_SIZE};
 
 use crate::test_guest;
 use crate::test_guest::area::AreaError;
@@ -56,6 +56,9 @@ pub struct StressConfig {
     pub corrupt_page: Option<u64>,
     /// Harvest from per-vCPU dirty rings of this many entries instead of per-slot bitmaps.
     pub dirty_ring: Option<u32>,
+    /// What guest memory is admitted against; `None`: this host's defaults
+    /// ([`MemoryLimits::for_this_host`]).
+    pub limits: Option<MemoryLimits>,
 }
 
 impl Default for StressConfig {
@@ -69,6 +72,7 @@ impl Default for StressConfig {
             duration: Duration::from_secs(10),
             corrupt_page: None,
             dirty_ring: None,
+            limits: None,
         }
     }
 }

@@ -90,7 +90,7 @@ pub(super) fn move_window(test: Scenario, layout: &Layout) -> Result<u64, SkipRe
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::jobs::perf::config::{KIB, MAP_AREA_SIZE, MIB, UNMAP_AREA_SIZE};
+    use crate::bench::perf::config::{KIB, MAP_AREA_SIZE, MIB, UNMAP_AREA_SIZE};
 
     #[test]
     fn the_last_slot_holds_the_remainder_as_in_the_kernel() {

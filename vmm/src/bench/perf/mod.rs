@@ -97,6 +97,7 @@ pub fn run_perf(
                     slots,
                     area_size: config.area_size,
                     duration,
+                    limits: config.limits,
                 };
                 let outcome = match run_test(&spec, stop, stopped, progress) {
                     Err(PerfError::Interrupted) => {

@@ -1,0 +1,67 @@
+//! The test guest's commands: `PUT /guest/command`.
+
+use serde::{Deserialize, Serialize};
+
+/// The test guest's operations, as the API names them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum GuestOp {
+    /// Write the pattern.
+    Write,
+    /// Check the pattern.
+    Verify,
+    /// Start writing passes over the range (pass `k` with seed `seed + k`) and answer at once;
+    /// the guest keeps writing until `stop_loop`.
+    WriteLoop,
+    /// End the vCPU's write loop after its current pass; answers the passes completed.
+    StopLoop,
+}
+
+/// `PUT /guest/command`: run one command of the test guest.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct GuestCommand {
+    /// What to do.
+    pub op: GuestOp,
+    /// First guest address (a multiple of 8); not for `stop_loop`.
+    #[serde(default)]
+    pub start: u64,
+    /// First address after the range; not for `stop_loop`.
+    #[serde(default)]
+    pub end: u64,
+    /// Distance between touched addresses (a non-zero multiple of 8); not for `stop_loop`.
+    #[serde(default)]
+    pub stride: u64,
+    /// Pattern seed: the value at address `a` is `a ^ seed`.
+    #[serde(default)]
+    pub seed: u64,
+    /// The vCPU to run it on (0 by default).
+    #[serde(default)]
+    pub vcpu: usize,
+}
+
+/// `PUT /guest/command`: what the guest found.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[serde(tag = "result", rename_all = "snake_case")]
+pub enum GuestCommandResult {
+    /// The command ran; a verify found every address as expected.
+    Ok,
+    /// A verify found an address that does not hold its pattern.
+    Mismatch {
+        /// The address.
+        address: u64,
+        /// What it held.
+        found: u64,
+        /// What it should have held.
+        expected: u64,
+    },
+    /// A write loop started.
+    Started,
+    /// A write loop ended.
+    Stopped {
+        /// Passes completed over the whole range.
+        passes: u64,
+        /// The seed of the last complete pass (`seed + passes - 1`): what the range holds.
+        last_seed: Option<u64>,
+    },
+}

@@ -1,0 +1,45 @@
+//! Memory hotplug: `GET`, `PUT` and `PATCH /hotplug/memory`. The test guest's hotplug area
+//! and a Linux guest's virtio-mem device answer with the same bodies.
+
+use serde::{Deserialize, Serialize};
+
+/// `PUT /hotplug/memory`: the hotplug area, as Firecracker describes it. A snapshot saves it
+/// with the area's bookkeeping.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct HotplugConfig {
+    /// Size of the whole area, in MiB.
+    pub total_size_mib: u64,
+    /// Plugging granularity in MiB (a power of two, at least 2).
+    pub block_size_mib: u64,
+    /// KVM slot size in MiB (a multiple of the block size); a slot is mapped while any of its
+    /// blocks is plugged. Defaults to the block size.
+    pub slot_size_mib: Option<u64>,
+}
+
+/// `PATCH /hotplug/memory`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct HotplugRequest {
+    /// How much of the area should be plugged, in MiB (a multiple of the block size).
+    pub requested_size_mib: u64,
+}
+
+/// `GET /hotplug/memory`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct HotplugInfo {
+    /// Size of the whole area, in MiB.
+    pub total_size_mib: u64,
+    /// Plugging granularity, in MiB.
+    pub block_size_mib: u64,
+    /// KVM slot size, in MiB.
+    pub slot_size_mib: u64,
+    /// Plugged, in MiB.
+    pub plugged_size_mib: u64,
+    /// Requested, in MiB (the same as plugged: the test guest takes every request at once).
+    pub requested_size_mib: u64,
+    /// Where the area starts.
+    pub guest_address: u64,
+    /// KVM slots mapped in it.
+    pub mapped_slots: usize,
+}

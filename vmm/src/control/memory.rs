@@ -1,0 +1,176 @@
+//! Guest memory: `GET /memory`, `PUT /memory/regions`, `DELETE` and `PATCH
+//! /memory/regions/{id}`. The request and reply bodies, and [`memory_info`], which every guest
+//! kind answers `GET /memory` with.
+
+use kvm_memslots::{KvmVm, MemoryManager};
+use serde::{Deserialize, Serialize};
+
+/// How a new region is backed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum BackingKind {
+    /// Private anonymous memory.
+    Anonymous,
+    /// A new memfd, mapped shared.
+    Memfd,
+}
+
+/// `PUT /memory/regions`.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct AddRegion {
+    /// Size in bytes (a multiple of 4 KiB).
+    pub size: u64,
+    /// Guest-physical base; by default the first free place from 1 GiB up.
+    pub guest_address: Option<u64>,
+    /// Backing; anonymous by default.
+    #[serde(default = "default_backing")]
+    pub backing: BackingKind,
+    /// KVM slot size the region is split into (must divide `size`); one slot by default.
+    pub slot_size: Option<u64>,
+    /// Read-only for the guest.
+    #[serde(default)]
+    pub read_only: bool,
+    /// Log the guest's writes from the start.
+    #[serde(default)]
+    pub dirty_log: bool,
+    /// Have the test guest write and check both ends of every new slot (default true).
+    #[serde(default = "yes")]
+    pub guest_check: bool,
+}
+
+fn default_backing() -> BackingKind {
+    BackingKind::Anonymous
+}
+
+fn yes() -> bool {
+    true
+}
+
+/// `PATCH /memory/regions/{id}`.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PatchRegion {
+    /// Move the region here.
+    pub guest_address: Option<u64>,
+    /// Make it read-only, or writable again.
+    pub read_only: Option<bool>,
+}
+
+/// `GET /memory`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct MemoryInfo {
+    /// KVM slot numbers in use and free.
+    pub slots: SlotCounts,
+    /// What new memory is admitted against (`--max-*` on the command line).
+    pub limits: Limits,
+    /// What the regions in place use of the limits.
+    pub used: MemoryUse,
+    /// The regions, by id.
+    pub regions: Vec<RegionInfo>,
+}
+
+/// The admission limits, in bytes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub struct Limits {
+    /// Most guest memory in all regions.
+    pub max_guest_memory: u64,
+    /// Largest single region.
+    pub max_region_size: u64,
+    /// Most host memory for guest-memory metadata (KVM's and the VMM's), as estimated.
+    pub max_metadata: u64,
+}
+
+/// What the regions use of the limits, in bytes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub struct MemoryUse {
+    /// Guest memory in all regions.
+    pub guest_memory: u64,
+    /// The estimated host memory for its metadata.
+    pub metadata: u64,
+}
+
+/// KVM slot numbers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub struct SlotCounts {
+    /// In use.
+    pub used: usize,
+    /// Free.
+    pub free: usize,
+    /// KVM's number of slots.
+    pub max: usize,
+}
+
+/// One region in [`MemoryInfo`].
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct RegionInfo {
+    /// Its id.
+    pub id: u64,
+    /// Guest-physical base.
+    pub guest_address: u64,
+    /// Size in bytes.
+    pub size: u64,
+    /// Host address of its mapping.
+    pub host_address: u64,
+    /// KVM slots it takes.
+    pub slots: usize,
+    /// Read-only for the guest.
+    pub read_only: bool,
+    /// Its writes are logged.
+    pub dirty_log: bool,
+    /// `anonymous` or `memfd`.
+    pub backing: &'static str,
+}
+
+/// `PUT /memory/regions` (201).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct RegionAdded {
+    /// The new region's id.
+    pub id: u64,
+    /// Where it is.
+    pub guest_address: u64,
+    /// Its size.
+    pub size: u64,
+    /// KVM slots it takes.
+    pub slots: u64,
+    /// Whether the test guest checked every slot.
+    pub guest_checked: bool,
+}
+
+/// `GET /memory` for any VM's memory.
+pub fn memory_info(memory: &MemoryManager<KvmVm>) -> MemoryInfo {
+    let usage = memory.slot_usage();
+    let regions = memory
+        .regions()
+        .iter()
+        .map(|r| RegionInfo {
+            id: r.id.0,
+            guest_address: r.gpa.0,
+            size: r.size,
+            host_address: r.hva.0,
+            slots: r.slots,
+            read_only: r.flags.read_only,
+            dirty_log: r.flags.log_dirty,
+            backing: if r.shared { "memfd" } else { "anonymous" },
+        })
+        .collect();
+    let limits = memory.limits();
+    let used = memory.memory_use();
+    MemoryInfo {
+        slots: SlotCounts {
+            used: usage.used,
+            free: usage.free,
+            max: usage.max,
+        },
+        limits: Limits {
+            max_guest_memory: limits.max_guest_memory,
+            max_region_size: limits.max_region_size,
+            max_metadata: limits.max_metadata,
+        },
+        used: MemoryUse {
+            guest_memory: used.guest_memory,
+            metadata: used.metadata,
+        },
+        regions,
+    }
+}

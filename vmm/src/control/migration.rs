@@ -1,0 +1,97 @@
+//! Live migration: `PUT /migrate`, `GET /migrate`, `PUT /migrate/cancel`.
+
+use serde::{Deserialize, Serialize};
+
+/// What a migration does when its timeout comes before it converged.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum OnTimeout {
+    /// Give up: the VM keeps running here.
+    Cancel,
+    /// Stop and copy what is left, however long the pause.
+    Force,
+}
+
+/// `PUT /migrate`: move the running VM to a `tinyvmm receive` process.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct MigrateRequest {
+    /// `unix:PATH` or `tcp:HOST:PORT`, where `tinyvmm receive` listens.
+    pub destination: String,
+    /// The longest pause the VM may see (its memory left over the measured throughput).
+    #[serde(default = "default_downtime_ms")]
+    pub downtime_ms: u64,
+    /// Seconds before `on_timeout` applies.
+    #[serde(default = "default_timeout_s")]
+    pub timeout_s: u64,
+    /// What to do at the timeout.
+    #[serde(default = "default_on_timeout")]
+    pub on_timeout: OnTimeout,
+    /// Hand memfd-backed memory over with `SCM_RIGHTS` instead of copying it (Unix only).
+    #[serde(default)]
+    pub local: bool,
+}
+
+fn default_downtime_ms() -> u64 {
+    300
+}
+
+fn default_timeout_s() -> u64 {
+    60
+}
+
+fn default_on_timeout() -> OnTimeout {
+    OnTimeout::Cancel
+}
+
+/// Where a migration is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum MigrationPhase {
+    /// Connecting and exchanging the memory layout.
+    Setup,
+    /// Copying memory while the guest runs.
+    PreCopy,
+    /// The guest is paused: the last pages and the state go over.
+    StopAndCopy,
+    /// The destination runs the VM; this VMM exits.
+    Completed,
+    /// It failed; the VM runs here as before.
+    Failed,
+    /// A client or the timeout cancelled it; the VM runs here as before.
+    Cancelled,
+    /// The destination got the whole VM but its answer did not come: it may run the VM, so
+    /// the VM stays paused here (`PATCH /vm {"state": "Resumed"}` runs it here again).
+    Unconfirmed,
+}
+
+/// `GET /migrate`.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct MigrationInfo {
+    /// Where it is.
+    pub phase: MigrationPhase,
+    /// Where it goes.
+    pub destination: String,
+    /// The round of pages under way (1: every page that holds data).
+    pub round: u32,
+    /// Bytes of pages sent so far.
+    pub bytes_sent: u64,
+    /// Pages the last harvest found dirty: what the next round sends.
+    pub pages_left: u64,
+    /// Pages the guest dirtied per second over the last round.
+    pub dirty_rate_pages_per_second: f64,
+    /// Bytes per second the last round sent at.
+    pub throughput_bytes_per_second: f64,
+    /// The pause `pages_left` would take at that throughput.
+    pub estimated_downtime_ms: f64,
+    /// The pause began although the estimate did not fit the budget (`on_timeout: force`, at
+    /// the timeout or once the harvest alone outlasted the budget): expect a longer pause.
+    pub forced: bool,
+    /// The pause the VM saw (from pausing here to the destination's word that it runs there),
+    /// once completed.
+    pub downtime_ms: Option<f64>,
+    /// Milliseconds since the migration started.
+    pub elapsed_ms: f64,
+    /// Why it failed or was cancelled.
+    pub error: Option<String>,
+}

@@ -1,0 +1,127 @@
+//! The control vocabulary every guest kind shares, and no transport: typed [`Request`]s, the
+//! [`Reply`] or [`ControllerError`] each gets, and the [`Apply`] trait a guest kind's controller
+//! implements. The request and reply bodies are in one file per resource (as Firecracker's
+//! `vmm_config/`): [`memory`], [`dirty_log`], [`hotplug`], [`guest`] (the test guest's
+//! commands), [`vm`], [`snapshot`] and [`migration`]. Which guest kind answers which request
+//! is one table, [`support`]. The API socket (`api`) turns HTTP into requests and replies into
+//! HTTP; the guest kinds' controllers (`test_guest::controller`, `linux::controller`) carry
+//! requests out.
+
+pub mod dirty_log;
+pub mod error;
+pub mod guest;
+pub mod hotplug;
+pub mod memory;
+pub mod migration;
+pub mod snapshot;
+pub mod support;
+pub mod vm;
+
+pub use error::{ControllerError, ErrorKind};
+
+use dirty_log::{DirtyLogInfo, DirtyLogSwitch, Harvest, HarvestInfo};
+use guest::{GuestCommand, GuestCommandResult};
+use hotplug::{HotplugConfig, HotplugInfo, HotplugRequest};
+use memory::{AddRegion, MemoryInfo, PatchRegion, RegionAdded};
+use migration::{MigrateRequest, MigrationInfo};
+use snapshot::SnapshotCreate;
+use vm::{VmAction, VmInfo, VmStatePatch};
+
+/// Everything a client can ask of the VM.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Request {
+    /// List regions and slots.
+    GetMemory,
+    /// Add a region.
+    AddRegion(AddRegion),
+    /// Remove a region.
+    RemoveRegion(u64),
+    /// Move a region or change whether it is read-only.
+    PatchRegion(u64, PatchRegion),
+    /// Start or stop dirty logging.
+    SwitchDirtyLog(DirtyLogSwitch),
+    /// Fetch and clear dirty pages.
+    Harvest(Harvest),
+    /// Describe dirty logging: the mode, the logging regions, the dirty rate.
+    GetDirtyLog,
+    /// Describe the hotplug area.
+    GetHotplug,
+    /// Set the hotplug area up.
+    ConfigureHotplug(HotplugConfig),
+    /// Plug or unplug memory in the hotplug area.
+    RequestHotplug(HotplugRequest),
+    /// Run a test-guest command.
+    Guest(GuestCommand),
+    /// Describe the VM.
+    GetVm,
+    /// Pause or resume.
+    PatchVm(VmStatePatch),
+    /// Save the (paused) VM's state and memory.
+    CreateSnapshot(SnapshotCreate),
+    /// Stop the VMM.
+    Act(VmAction),
+    /// Start migrating the VM to a `tinyvmm receive`.
+    Migrate(MigrateRequest),
+    /// Describe the migration.
+    GetMigration,
+    /// Cancel the migration under way.
+    CancelMigration,
+}
+
+impl Request {
+    /// The request's route, for messages.
+    pub fn name(&self) -> &'static str {
+        match self {
+            Request::GetMemory => "GET /memory",
+            Request::AddRegion(_) => "PUT /memory/regions",
+            Request::RemoveRegion(_) => "DELETE /memory/regions/{id}",
+            Request::PatchRegion(..) => "PATCH /memory/regions/{id}",
+            Request::SwitchDirtyLog(_) => "PATCH /dirty-log",
+            Request::Harvest(_) => "POST /dirty-log/harvest",
+            Request::GetDirtyLog => "GET /dirty-log",
+            Request::GetHotplug => "GET /hotplug/memory",
+            Request::ConfigureHotplug(_) => "PUT /hotplug/memory",
+            Request::RequestHotplug(_) => "PATCH /hotplug/memory",
+            Request::Guest(_) => "PUT /guest/command",
+            Request::GetVm => "GET /vm",
+            Request::PatchVm(_) => "PATCH /vm",
+            Request::CreateSnapshot(_) => "PUT /snapshot/create",
+            Request::Act(_) => "PUT /actions",
+            Request::Migrate(_) => "PUT /migrate",
+            Request::GetMigration => "GET /migrate",
+            Request::CancelMigration => "PUT /migrate/cancel",
+        }
+    }
+}
+
+/// What a request produced.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Reply {
+    /// Done; nothing to report.
+    Done,
+    /// The regions and slots.
+    Memory(MemoryInfo),
+    /// The new region.
+    RegionAdded(RegionAdded),
+    /// The dirty pages.
+    Harvest(HarvestInfo),
+    /// Dirty logging.
+    DirtyLog(DirtyLogInfo),
+    /// The hotplug area.
+    Hotplug(HotplugInfo),
+    /// The VM.
+    Vm(VmInfo),
+    /// What the guest's command found.
+    Guest(GuestCommandResult),
+    /// The migration.
+    Migration(MigrationInfo),
+}
+
+/// What a request gets back.
+pub type Outcome = Result<Reply, ControllerError>;
+
+/// What applies requests: a guest kind's controller. The API server serves any.
+pub trait Apply {
+    /// Applies `request`.
+    fn apply(&mut self, request: Request) -> Outcome;
+}
