@@ -435,13 +435,7 @@ fn rip(fd: &VcpuFd) -> u64 {
 
 /// Waits while a slot change is being applied; false if the vCPU was asked to stop meanwhile.
 fn wait_for_change(memory: &MemoryManager<KvmVm>, shared: &VcpuShared) -> bool {
-    while memory.change_sequence() % 2 == 1 {
-        if shared.stop_requested() {
-            return false;
-        }
-        std::thread::sleep(Duration::from_micros(20));
-    }
-    true
+    memory.wait_settled(|| shared.stop_requested()).is_some()
 }
 
 impl<P: VcpuPorts> Vcpu<P> {
@@ -488,17 +482,14 @@ impl<P: VcpuPorts> Vcpu<P> {
             let mmio = exit.is_mmio();
             let memory_error = |gpa: u64| move |source| VcpuError::Memory { vcpu, gpa, source };
             let action = loop {
-                // The sequence first, then the map: a map loaded after an even sequence holds
-                // every change that sequence counts. `load` borrows the version without a
-                // shared reference-count update, so exits on several vCPUs do not contend.
-                let sequence_now = memory.change_sequence();
-                let map = memory.load();
-                // A change may have been published between the two loads (its odd step comes
-                // before its publication): the map would then be newer than `sequence_now`
-                // says, and an exit from before that change would look like a mismatch.
-                if mmio && memory.change_sequence() != sequence_now {
-                    continue;
-                }
+                // A sequence and a map that agree (the manager re-reads the sequence around
+                // the load). `load_consistent` borrows the version without a shared
+                // reference-count update, so exits on several vCPUs do not contend.
+                let (sequence_now, map) = if mmio {
+                    memory.load_consistent()
+                } else {
+                    (memory.change_sequence(), memory.load())
+                };
                 let expected_mmio = if mmio {
                     let window = shared.expected_mmio.lock();
                     window.unwrap_or_else(|p| p.into_inner()).clone()

@@ -98,40 +98,65 @@ impl Controller {
         let area = self.hotplug.as_ref().ok_or_else(no_hotplug_area)?;
         let plan = area.plan(request.requested_size_mib)?;
         let slot_size = area.slot_size;
-        // Plug: map the slots that get a first block, and let the guest check them. If any of
-        // that fails, the slots mapped so far go again: the area stays as it was.
-        let mut added = Vec::new();
-        for &(i, gpa) in &plan.map {
+        // Plug: map every slot that gets a first block in one batch (all or none of them),
+        // then let the guest check each. If a check fails, they all go again in one batch: the
+        // area stays as it was.
+        if !plan.map.is_empty() {
             if self.interrupted() {
-                // Stop at a slot boundary: the slots plugged so far stay, each checked.
-                return Err(self.stop_hotplug_early(plan.blocks, added.len(), plan.map.len()));
+                return Err(self.stop_hotplug_early(plan.blocks, 0, plan.map.len()));
             }
-            let spec = RegionSpec::new(gpa, slot_size);
-            match self.add_checked(spec, slot_size, true) {
-                Ok(id) => {
-                    self.area_mut().slots[i] = Some(id);
-                    added.push((i, id));
+            let specs: Vec<RegionSpec> = plan
+                .map
+                .iter()
+                .map(|&(_, gpa)| self.new_region_spec(RegionSpec::new(gpa, slot_size)))
+                .collect();
+            let ids = self.vm.memory().add_regions(specs)?;
+            let added: Vec<(usize, RegionId)> =
+                plan.map.iter().map(|&(i, _)| i).zip(ids).collect();
+            for &(i, id) in &added {
+                self.area_mut().slots[i] = Some(id);
+            }
+            for (done, &(_, gpa)) in plan.map.iter().enumerate() {
+                let checked = if self.interrupted() {
+                    Err(None)
+                } else {
+                    self.check_new(added[done].1, gpa.0, slot_size, slot_size)
+                        .map_err(Some)
+                };
+                let Err(failed) = checked else {
+                    continue;
+                };
+                if self.interrupted() {
+                    // Stop at a slot boundary: the slots checked so far stay, the others go.
+                    let dropped = self.drop_slots(&added[done..]);
+                    let stopped = self.stop_hotplug_early(plan.blocks, done, plan.map.len());
+                    let stopped = match failed {
+                        Some(e) => stopped.and(e),
+                        None => stopped,
+                    };
+                    return Err(with_drop_failure(stopped, dropped));
                 }
-                Err(failed) if self.interrupted() => {
-                    // The signal came during this slot's check, which removed the slot again.
-                    let stopped = self.stop_hotplug_early(plan.blocks, added.len(), plan.map.len());
-                    return Err(stopped.and(failed.message));
-                }
-                Err(failed) => return Err(self.unplug_after_failure(failed, added)),
+                let failed = ControllerError::internal(format!(
+                    "the guest's check of the new memory at {:#x} failed: {}; the memory was removed again",
+                    gpa.0,
+                    failed.unwrap_or_default()
+                ));
+                let dropped = self.drop_slots(&added);
+                return Err(with_drop_failure(failed, dropped));
             }
         }
-        // Unplug: unmap the slots left with no plugged block; give back unplugged blocks
-        // inside a slot that stays.
-        for (done, &(i, id)) in plan.unmap.iter().enumerate() {
+        // Unplug: unmap the slots left with no plugged block, in one batch; give back unplugged
+        // blocks inside a slot that stays.
+        if !plan.unmap.is_empty() {
             if self.interrupted() {
-                return Err(self.stop_hotplug_early(plan.blocks, done, plan.unmap.len()));
+                return Err(self.stop_hotplug_early(plan.blocks, 0, plan.unmap.len()));
             }
-            if let Err(e) = self.vm.memory().remove_region(id) {
-                let area = self.area_mut();
-                area.settle(area.plugged_blocks);
-                return Err(e.into());
+            self.vm
+                .memory()
+                .remove_regions(plan.unmap.iter().map(|&(_, id)| id))?;
+            for &(i, _) in &plan.unmap {
+                self.area_mut().slots[i] = None;
             }
-            self.area_mut().slots[i] = None;
         }
         if let Some((gpa, len)) = plan.discard {
             self.vm.memory().discard(gpa, len)?;
@@ -154,33 +179,33 @@ impl Controller {
         )
     }
 
-    /// Removes the slots a failed plug mapped, newest first; returns `failed`, or an internal
-    /// error naming the slots that could not be removed.
-    fn unplug_after_failure(
-        &mut self,
-        failed: ControllerError,
-        added: Vec<(usize, RegionId)>,
-    ) -> ControllerError {
-        let mut stuck = Vec::new();
-        for (i, id) in added.into_iter().rev() {
-            match self.vm.memory().remove_region(id) {
-                Ok(()) => self.area_mut().slots[i] = None,
-                Err(e) => stuck.push(format!("slot {i} (region {id}): {e}")),
-            }
+    /// Removes the slots `added` in one batch (those of a plug that failed or stopped).
+    fn drop_slots(&mut self, added: &[(usize, RegionId)]) -> Result<(), String> {
+        self.vm
+            .memory()
+            .remove_regions(added.iter().map(|&(_, id)| id))
+            .map_err(|e| {
+                let ids: Vec<u64> = added.iter().map(|&(_, id)| id.0).collect();
+                format!("removing the slots mapped for it failed too ({e}): regions {ids:?} stay")
+            })?;
+        for &(i, _) in added {
+            self.area_mut().slots[i] = None;
         }
-        if stuck.is_empty() {
-            return failed;
-        }
-        ControllerError::internal(failed.message).and(format!(
-            "undoing the slots plugged before failed too: {}",
-            stuck.join("; ")
-        ))
+        Ok(())
     }
 
     fn area_mut(&mut self) -> &mut HotplugArea {
         self.hotplug
             .as_mut()
             .expect("the hotplug area is configured")
+    }
+}
+
+/// `error`, made internal and told that the slots mapped for it stay, if `dropped` failed.
+fn with_drop_failure(error: ControllerError, dropped: Result<(), String>) -> ControllerError {
+    match dropped {
+        Ok(()) => error,
+        Err(stuck) => ControllerError::internal(error.message).and(stuck),
     }
 }
 

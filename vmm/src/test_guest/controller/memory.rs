@@ -152,23 +152,11 @@ impl Controller {
     ) -> Result<RegionId, ControllerError> {
         let (gpa, size) = (spec.gpa.0, spec.size);
         let memory = Arc::clone(self.vm.memory());
-        let mut spec = spec;
-        if self.snapshot_base.is_some() {
-            // Once there is a snapshot to diff against, new memory logs from the start, so
-            // that the next Diff has every page of it.
-            spec.log_dirty = true;
-        }
-        let region = memory.add_region(spec)?;
+        let region = memory.add_region(self.new_region_spec(spec))?;
         if !check {
             return Ok(region);
         }
-        let area = TestArea {
-            region,
-            gpa,
-            slot_size,
-            slots: size / slot_size,
-        };
-        if let Err(e) = self.check(&area) {
+        if let Err(e) = self.check_new(region, gpa, size, slot_size) {
             let cleanup = match memory.remove_region(region) {
                 Ok(()) => "the memory was removed again".to_owned(),
                 Err(r) => format!("removing it again failed too ({r}): region {region} stays"),
@@ -178,6 +166,32 @@ impl Controller {
             )));
         }
         Ok(region)
+    }
+
+    /// `spec` as the VM adds new memory: once there is a snapshot to diff against, new memory
+    /// logs from the start, so that the next Diff has every page of it.
+    pub(super) fn new_region_spec(&self, mut spec: RegionSpec) -> RegionSpec {
+        if self.snapshot_base.is_some() {
+            spec.log_dirty = true;
+        }
+        spec
+    }
+
+    /// Has the test guest check both ends of every slot of `slot_size` of the new region
+    /// `region` (`size` bytes at `gpa`) both ways.
+    pub(super) fn check_new(
+        &mut self,
+        region: RegionId,
+        gpa: u64,
+        size: u64,
+        slot_size: u64,
+    ) -> Result<(), String> {
+        self.check(&TestArea {
+            region,
+            gpa,
+            slot_size,
+            slots: size / slot_size,
+        })
     }
 
     fn protect_system(&self, id: u64) -> Result<RegionId, ControllerError> {
