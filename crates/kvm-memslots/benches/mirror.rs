@@ -25,8 +25,9 @@
 //!
 //! `--calibrate` replaces the manager by a second copy of the raw loop: how far two identical
 //! sides drift apart in this comparison on this machine. `--shared-vm` gives both sides one VM,
-//! each with every other slot number and every other batch of guest addresses (so each side has
-//! N/2 slots), to take the differences between two VMs out of the comparison.
+//! each with half of its slot numbers (the manager the lower half: it reserves the upper half for
+//! the raw loop) and every other batch of guest addresses (so each side has N/2 slots), to take
+//! the differences between two VMs out of the comparison.
 //!
 //! A third side runs the manager against a KVM that does nothing (its own time with warm
 //! caches), in a loop of its own after each phase. Stopping is also compared with a raw loop
@@ -34,13 +35,14 @@
 //! last harvest). An untimed warm-up run comes first. Prints a table and writes it, with every
 //! batch's times, as JSON.
 
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use kvm_ioctls::Kvm;
+use kvm_memslots::testing::{Hooked, Stopwatch};
 use kvm_memslots::{
-    KvmMemory, KvmSlot, KvmVm, MemoryManager, RegionId, RegionMemory, RegionSpec, Target, PAGE_SIZE,
+    KvmMemory, KvmSlot, KvmVm, MemoryLimits, MemoryManager, RegionId, RegionMemory, RegionSpec,
+    Target, PAGE_SIZE,
 };
 use memslot_map::SlotFlags;
 use vm_memory::GuestAddress;
@@ -108,18 +110,27 @@ fn timed(f: impl FnOnce()) -> Duration {
 
 /// Where one side's slots go: batch `b` of side `side` is the `(b * sides + side)`-th run of
 /// `batch` pages from `BASE`, so that with a shared VM the two sides' batches alternate in
-/// guest-physical space as their slot numbers alternate.
+/// guest-physical space; its KVM slot numbers are the side's share of the VM's, the `side`-th
+/// run of `numbers` (the manager, side 0, leaves the numbers above its share to the raw loop
+/// with `MemoryManager::with_reserved_slots`).
 #[derive(Clone, Copy)]
 struct Layout {
     batch: u32,
     sides: u32,
     side: u32,
+    /// KVM slot numbers per side.
+    numbers: u32,
 }
 
 impl Layout {
     fn gpa(&self, i: u32) -> u64 {
         let run = u64::from(i / self.batch) * u64::from(self.sides) + u64::from(self.side);
         BASE + (run * u64::from(self.batch) + u64::from(i % self.batch)) * PAGE_SIZE
+    }
+
+    /// The KVM slot number of the side's `i`-th slot.
+    fn slot(&self, i: u32) -> u32 {
+        self.side * self.numbers + i
     }
 }
 
@@ -158,7 +169,7 @@ impl Raw {
             .as_ref()
             .expect("the batch is mapped");
         KvmSlot {
-            slot: i,
+            slot: self.layout.slot(i),
             gpa: self.layout.gpa(i),
             size: PAGE_SIZE,
             hva: memory.host_address() + u64::from(i % batch) * PAGE_SIZE,
@@ -185,11 +196,11 @@ impl Raw {
         range: std::ops::Range<u32>,
         read_logs: bool,
     ) -> Batch {
-        let before = self.vm.total();
+        let before = self.vm.hook().total_time();
         let time = timed(|| self.run(phase, b, range, read_logs));
         Batch {
             time,
-            in_kvm: self.vm.total() - before,
+            in_kvm: self.vm.hook().total_time() - before,
         }
     }
 
@@ -235,78 +246,7 @@ impl Raw {
 }
 
 /// A VM's ioctls, adding up the time spent in them: what is left of a side's time is its own.
-///
-/// With a VM shared by both sides (`sides` = 2), each side has every other KVM slot number: the
-/// side's slot `i` is KVM's `i * sides + side`.
-struct Clocked {
-    kvm: Arc<KvmVm>,
-    sides: u32,
-    side: u32,
-    nanos: AtomicU64,
-}
-
-impl Clocked {
-    fn new(kvm: Arc<KvmVm>, sides: u32, side: u32) -> Self {
-        Clocked {
-            kvm,
-            sides,
-            side,
-            nanos: 0.into(),
-        }
-    }
-
-    fn slot(&self, slot: u32) -> u32 {
-        slot * self.sides + self.side
-    }
-
-    fn clock<T>(&self, f: impl FnOnce() -> T) -> T {
-        let start = Instant::now();
-        let out = f();
-        let nanos = u64::try_from(start.elapsed().as_nanos()).unwrap_or(u64::MAX);
-        self.nanos.fetch_add(nanos, Ordering::Relaxed);
-        out
-    }
-
-    fn total(&self) -> Duration {
-        Duration::from_nanos(self.nanos.load(Ordering::Relaxed))
-    }
-}
-
-impl KvmMemory for Clocked {
-    fn max_slots(&self) -> u32 {
-        self.kvm.max_slots() / self.sides
-    }
-    unsafe fn set_user_memory_region(&self, s: &KvmSlot) -> Result<(), vmm_sys_util::errno::Error> {
-        let s = KvmSlot {
-            slot: self.slot(s.slot),
-            ..*s
-        };
-        // SAFETY: the caller's promise about the slot's memory, passed on.
-        self.clock(|| unsafe { self.kvm.set_user_memory_region(&s) })
-    }
-    fn get_dirty_log(
-        &self,
-        slot: u32,
-        bitmap: &mut [u64],
-    ) -> Result<(), vmm_sys_util::errno::Error> {
-        self.clock(|| self.kvm.get_dirty_log(self.slot(slot), bitmap))
-    }
-    fn clear_dirty_log(
-        &self,
-        slot: u32,
-        first: u64,
-        pages: u32,
-        bitmap: &[u64],
-    ) -> Result<(), vmm_sys_util::errno::Error> {
-        self.clock(|| {
-            self.kvm
-                .clear_dirty_log(self.slot(slot), first, pages, bitmap)
-        })
-    }
-    fn manual_dirty_log(&self) -> bool {
-        self.kvm.manual_dirty_log()
-    }
-}
+type Clocked = Hooked<Arc<KvmVm>, Stopwatch>;
 
 /// A KVM that accepts every request and logs nothing: what the manager costs by itself.
 struct NullKvm(u32);
@@ -333,6 +273,22 @@ impl KvmMemory for NullKvm {
     fn manual_dirty_log(&self) -> bool {
         true
     }
+    /// As `KvmVm` (the compared side's KVM), which never enables `KVM_DIRTY_LOG_INITIALLY_SET`.
+    fn initially_set_logs(&self) -> bool {
+        false
+    }
+    fn dirty_ring(&self) -> bool {
+        false
+    }
+    fn collect_dirty_rings(
+        &self,
+        _: &mut dyn FnMut(u32, u64),
+    ) -> Result<u64, vmm_sys_util::errno::Error> {
+        Ok(0)
+    }
+    fn reset_dirty_rings(&self) -> Result<(), vmm_sys_util::errno::Error> {
+        Ok(())
+    }
 }
 
 /// The manager, with one region per batch.
@@ -343,9 +299,11 @@ struct Managed<K: KvmMemory> {
 }
 
 impl<K: KvmMemory> Managed<K> {
-    fn new(kvm: K, layout: Layout) -> Self {
+    /// A manager leaving KVM's top `reserved` slot numbers to the other side.
+    fn new(kvm: K, layout: Layout, reserved: u32) -> Self {
         Managed {
-            m: MemoryManager::new(kvm),
+            m: MemoryManager::with_reserved_slots(kvm, MemoryLimits::for_this_host(), reserved)
+                .expect("KVM has the slot numbers"),
             layout,
             regions: Vec::new(),
         }
@@ -411,11 +369,11 @@ impl Second {
     ) -> Batch {
         match self {
             Second::Manager(managed) => {
-                let before = managed.m.kvm().total();
+                let before = managed.m.kvm().hook().total_time();
                 let time = timed(|| managed.run(phase, b, range));
                 Batch {
                     time,
-                    in_kvm: managed.m.kvm().total() - before,
+                    in_kvm: managed.m.kvm().hook().total_time() - before,
                 }
             }
             Second::Raw(raw) => raw.timed_run(phase, b, range, read_logs),
@@ -433,16 +391,23 @@ fn run(kvm: &Kvm, n: u32, o: &Options) -> RunTimes {
     };
     let sides = if shared_vm { 2 } else { 1 };
     let n = n / sides;
-    let layout = |side| Layout { batch, sides, side };
+    let max_slots = manager_vm.max_slots();
+    let numbers = max_slots / sides;
+    let layout = |side| Layout {
+        batch,
+        sides,
+        side,
+        numbers,
+    };
     // Declared first, dropped last: the manager deletes its slots first.
-    let mut raw = Raw::new(Clocked::new(raw_vm, sides, sides - 1), n, layout(sides - 1));
-    let second_kvm = Clocked::new(manager_vm, sides, 0);
+    let mut raw = Raw::new(Clocked::new(raw_vm), n, layout(sides - 1));
+    let second_kvm = Clocked::new(manager_vm);
     let mut second = if o.calibrate {
         Second::Raw(Raw::new(second_kvm, n, layout(0)))
     } else {
-        Second::Manager(Managed::new(second_kvm, layout(0)))
+        Second::Manager(Managed::new(second_kvm, layout(0), max_slots - numbers))
     };
-    let mut alone = Managed::new(NullKvm(n + 1), layout(0));
+    let mut alone = Managed::new(NullKvm(n + 1), layout(0), 0);
     let batches: Vec<std::ops::Range<u32>> = (0..n)
         .step_by(batch as usize)
         .map(|s| s..(s + batch).min(n))

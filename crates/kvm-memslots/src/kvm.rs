@@ -80,6 +80,42 @@ impl From<&KvmSlot> for kvm_userspace_memory_region2 {
 }
 
 /// The memory-slot ioctls of one VM.
+///
+/// Every method is required, the properties too: a default would be the right answer for one
+/// KVM and the wrong one for a wrapper of another (a wrapper of [`KvmVm`] that inherited
+/// `initially_set_logs() == manual_dirty_log()` would make the manager skip marking the pages
+/// of a region whose logging starts, and the first harvest would miss what the guest wrote).
+/// To share one KVM, implement nothing: `Arc<K>` and `&K` are `KvmMemory` for every
+/// `K: KvmMemory` and forward every method; to watch, delay or fail calls in tests, wrap it in
+/// `testing::Hooked` (the `testing` feature) with a hook. A wrapper written by hand must
+/// decide every method, so that one that forwards only the calls does not compile:
+///
+/// ```compile_fail,E0046
+/// use kvm_memslots::{KvmMemory, KvmSlot};
+/// use vmm_sys_util::errno::Error as Errno;
+///
+/// struct Forward<K>(K);
+///
+/// impl<K: KvmMemory> KvmMemory for Forward<K> {
+///     fn max_slots(&self) -> u32 {
+///         self.0.max_slots()
+///     }
+///     unsafe fn set_user_memory_region(&self, slot: &KvmSlot) -> Result<(), Errno> {
+///         // SAFETY: the caller's guarantee, passed on.
+///         unsafe { self.0.set_user_memory_region(slot) }
+///     }
+///     fn get_dirty_log(&self, slot: u32, bitmap: &mut [u64]) -> Result<(), Errno> {
+///         self.0.get_dirty_log(slot, bitmap)
+///     }
+///     fn clear_dirty_log(&self, slot: u32, first: u64, n: u32, bits: &[u64]) -> Result<(), Errno> {
+///         self.0.clear_dirty_log(slot, first, n, bits)
+///     }
+///     fn manual_dirty_log(&self) -> bool {
+///         self.0.manual_dirty_log()
+///     }
+///     // No initially_set_logs, dirty_ring, collect_dirty_rings, reset_dirty_rings.
+/// }
+/// ```
 pub trait KvmMemory: Send + Sync {
     /// How many slot numbers the VM has (`KVM_CAP_NR_MEMSLOTS`).
     ///
@@ -134,37 +170,83 @@ pub trait KvmMemory: Send + Sync {
     /// (`KVM_DIRTY_LOG_INITIALLY_SET`). Where it does not, the manager marks every page itself,
     /// so the first harvest reports every page either way. [`KvmVm`]: false (it never enables
     /// `KVM_DIRTY_LOG_INITIALLY_SET`); no call.
-    fn initially_set_logs(&self) -> bool {
-        self.manual_dirty_log()
-    }
+    fn initially_set_logs(&self) -> bool;
 
     /// Whether the VM reports dirty pages in per-vCPU rings (`KVM_CAP_DIRTY_LOG_RING`) rather
-    /// than in per-slot logs; then [`get_dirty_log`](KvmMemory::get_dirty_log) is not used. No
-    /// call.
-    fn dirty_ring(&self) -> bool {
-        false
-    }
+    /// than in per-slot logs; then [`get_dirty_log`](KvmMemory::get_dirty_log) is not used.
+    /// [`KvmVm`]: whether it was made by [`KvmVm::with_dirty_ring`]; no call.
+    fn dirty_ring(&self) -> bool;
 
     /// Collects every published entry of every vCPU's ring, handing each to `sink` as (slot
     /// number, page offset in the slot), and marks them for [`reset_dirty_rings`]; returns
     /// how many.
     ///
     /// [`KvmVm`]: no syscall: reads each vCPU's ring (vCPUs in creation order) from its
-    /// mapping, and hands each entry back by setting its `RESET` flag; never fails.
+    /// mapping, and hands each entry back by setting its `RESET` flag; never fails. Outside
+    /// ring mode it has no ring and collects nothing.
     ///
     /// [`reset_dirty_rings`]: KvmMemory::reset_dirty_rings
-    fn collect_dirty_rings(&self, sink: &mut dyn FnMut(u32, u64)) -> Result<u64, Errno> {
-        let _ = sink;
-        Ok(0)
-    }
+    fn collect_dirty_rings(&self, sink: &mut dyn FnMut(u32, u64)) -> Result<u64, Errno>;
 
     /// Frees the collected entries and logs their pages again (`KVM_RESET_DIRTY_RINGS`).
     /// [`KvmVm`]: one `KVM_RESET_DIRTY_RINGS` on the VM, issued even if nothing was collected;
     /// no call outside ring mode.
-    fn reset_dirty_rings(&self) -> Result<(), Errno> {
-        Ok(())
-    }
+    fn reset_dirty_rings(&self) -> Result<(), Errno>;
 }
+
+/// `KvmMemory` for a pointer to a `KvmMemory`: every method forwarded, unchanged.
+macro_rules! forward_kvm_memory {
+    ([$($generics:tt)*] $pointer:ty) => {
+        /// The pointed-to KVM's: every method forwarded, unchanged.
+        impl<$($generics)*> KvmMemory for $pointer {
+            fn max_slots(&self) -> u32 {
+                (**self).max_slots()
+            }
+
+            unsafe fn set_user_memory_region(&self, slot: &KvmSlot) -> Result<(), Errno> {
+                // SAFETY: the caller's guarantee about `slot`'s memory is passed on unchanged.
+                unsafe { (**self).set_user_memory_region(slot) }
+            }
+
+            fn get_dirty_log(&self, slot: u32, bitmap: &mut [u64]) -> Result<(), Errno> {
+                (**self).get_dirty_log(slot, bitmap)
+            }
+
+            fn clear_dirty_log(
+                &self,
+                slot: u32,
+                first_page: u64,
+                num_pages: u32,
+                bitmap: &[u64],
+            ) -> Result<(), Errno> {
+                (**self).clear_dirty_log(slot, first_page, num_pages, bitmap)
+            }
+
+            fn manual_dirty_log(&self) -> bool {
+                (**self).manual_dirty_log()
+            }
+
+            fn initially_set_logs(&self) -> bool {
+                (**self).initially_set_logs()
+            }
+
+            fn dirty_ring(&self) -> bool {
+                (**self).dirty_ring()
+            }
+
+            fn collect_dirty_rings(&self, sink: &mut dyn FnMut(u32, u64)) -> Result<u64, Errno> {
+                (**self).collect_dirty_rings(sink)
+            }
+
+            fn reset_dirty_rings(&self) -> Result<(), Errno> {
+                (**self).reset_dirty_rings()
+            }
+        }
+    };
+}
+
+forward_kvm_memory!([K: KvmMemory + ?Sized] Arc<K>);
+forward_kvm_memory!(['a, K: KvmMemory + ?Sized] &'a K);
 
 /// A real VM's memory-slot ioctls.
 #[derive(Debug)]

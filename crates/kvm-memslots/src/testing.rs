@@ -1,18 +1,21 @@
 //! Test doubles for KVM's memory-slot ioctls: [`FakeKvm`] enforces KVM's rules and records its
-//! slots, for testing the manager where `/dev/kvm` is missing; [`Faulty`] wraps any
-//! [`KvmMemory`] (the fake or real KVM) and fails the calls a test chooses, for testing every
-//! undo path.
+//! slots, for testing the manager where `/dev/kvm` is missing; [`Hooked`] wraps any
+//! [`KvmMemory`] (the fake or real KVM) and runs a [`Hook`] around each of its calls. The
+//! hooks here: [`Faulty`]'s [`FailurePlan`] fails the calls a test chooses, for testing every
+//! undo path; [`Stopwatch`] counts and times them, for benchmarks.
 
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::fmt;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Mutex, MutexGuard};
+use std::time::{Duration, Instant};
 
 use vmm_sys_util::errno::Error as Errno;
 
 use crate::kvm::{KvmMemory, KvmSlot};
 use crate::PAGE_SIZE;
 
-/// Which call a planned failure hits.
+/// A kind of KVM call: what a planned failure hits, what a [`Stopwatch`] counts.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum KvmCall {
     /// `KVM_SET_USER_MEMORY_REGION`.
@@ -21,6 +24,8 @@ pub enum KvmCall {
     GetDirtyLog,
     /// `KVM_CLEAR_DIRTY_LOG`.
     ClearDirtyLog,
+    /// Collecting the dirty rings' entries ([`KvmMemory::collect_dirty_rings`]).
+    CollectDirtyRings,
     /// `KVM_RESET_DIRTY_RINGS`.
     ResetDirtyRings,
 }
@@ -319,6 +324,185 @@ impl KvmMemory for FakeKvm {
     }
 }
 
+/// One KVM call as a [`Hook`] sees it: its kind and its request.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum KvmRequest<'a> {
+    /// [`KvmMemory::set_user_memory_region`] of this slot.
+    SetRegion(&'a KvmSlot),
+    /// [`KvmMemory::get_dirty_log`] of this slot.
+    GetDirtyLog {
+        /// KVM's slot number.
+        slot: u32,
+    },
+    /// [`KvmMemory::clear_dirty_log`] of these pages.
+    ClearDirtyLog {
+        /// KVM's slot number.
+        slot: u32,
+        /// The first page the bitmap covers.
+        first_page: u64,
+        /// How many pages it covers.
+        num_pages: u32,
+        /// One bit per page to clear.
+        bitmap: &'a [u64],
+    },
+    /// [`KvmMemory::collect_dirty_rings`].
+    CollectDirtyRings,
+    /// [`KvmMemory::reset_dirty_rings`].
+    ResetDirtyRings,
+}
+
+impl KvmRequest<'_> {
+    /// Its kind.
+    pub fn kind(&self) -> KvmCall {
+        match self {
+            KvmRequest::SetRegion(_) => KvmCall::SetRegion,
+            KvmRequest::GetDirtyLog { .. } => KvmCall::GetDirtyLog,
+            KvmRequest::ClearDirtyLog { .. } => KvmCall::ClearDirtyLog,
+            KvmRequest::CollectDirtyRings => KvmCall::CollectDirtyRings,
+            KvmRequest::ResetDirtyRings => KvmCall::ResetDirtyRings,
+        }
+    }
+
+    /// The KVM slot number it names, if it names one.
+    pub fn slot(&self) -> Option<u32> {
+        match *self {
+            KvmRequest::SetRegion(slot) => Some(slot.slot),
+            KvmRequest::GetDirtyLog { slot } | KvmRequest::ClearDirtyLog { slot, .. } => Some(slot),
+            KvmRequest::CollectDirtyRings | KvmRequest::ResetDirtyRings => None,
+        }
+    }
+}
+
+/// What a [`Hooked`] KVM runs around each of its calls.
+pub trait Hook: Send + Sync {
+    /// Makes the call `request` describes by calling `proceed` (which passes it to the wrapped
+    /// KVM and returns its answer), doing anything it likes before and after: counting or
+    /// timing it, stopping it until a test says go, or failing it instead (returning an error
+    /// without calling `proceed`). It returns the call's answer.
+    ///
+    /// A hook that returns `Ok` without calling `proceed` tells the caller that KVM did what
+    /// it did not.
+    fn around<T>(
+        &self,
+        request: KvmRequest<'_>,
+        proceed: impl FnOnce() -> Result<T, Errno>,
+    ) -> Result<T, Errno>;
+}
+
+/// No hook: every call goes straight through.
+impl Hook for () {
+    fn around<T>(
+        &self,
+        _request: KvmRequest<'_>,
+        proceed: impl FnOnce() -> Result<T, Errno>,
+    ) -> Result<T, Errno> {
+        proceed()
+    }
+}
+
+/// A [`KvmMemory`] that runs `hook` around each call of the wrapped one (every method that
+/// makes a call; the properties [`max_slots`](KvmMemory::max_slots),
+/// [`manual_dirty_log`](KvmMemory::manual_dirty_log),
+/// [`initially_set_logs`](KvmMemory::initially_set_logs) and
+/// [`dirty_ring`](KvmMemory::dirty_ring) are the wrapped KVM's, unhooked).
+///
+/// To wrap a KVM that something else holds too (a test that drives the fake while a manager
+/// owns it), wrap an `Arc` of it, or a reference.
+#[derive(Debug)]
+pub struct Hooked<K, H> {
+    inner: K,
+    hook: H,
+}
+
+impl<K: KvmMemory, H: Hook> Hooked<K, H> {
+    /// `inner`, with `hook` around its calls.
+    pub fn with_hook(inner: K, hook: H) -> Self {
+        Hooked { inner, hook }
+    }
+
+    /// The wrapped KVM.
+    pub fn inner(&self) -> &K {
+        &self.inner
+    }
+
+    /// The hook.
+    pub fn hook(&self) -> &H {
+        &self.hook
+    }
+}
+
+impl<K: KvmMemory, H: Hook + Default> Hooked<K, H> {
+    /// `inner`, with a hook in its default state around its calls ([`Faulty::new`] plans no
+    /// failure).
+    pub fn new(inner: K) -> Self {
+        Self::with_hook(inner, H::default())
+    }
+}
+
+impl<K: KvmMemory, H: Hook> KvmMemory for Hooked<K, H> {
+    fn max_slots(&self) -> u32 {
+        self.inner.max_slots()
+    }
+
+    unsafe fn set_user_memory_region(&self, slot: &KvmSlot) -> Result<(), Errno> {
+        self.hook.around(KvmRequest::SetRegion(slot), || {
+            // SAFETY: the caller's guarantee about `slot`'s memory is passed on unchanged; the
+            // hook neither changes the request nor outlives the call, so KVM gets this slot
+            // (or nothing) while the caller is still inside this call.
+            unsafe { self.inner.set_user_memory_region(slot) }
+        })
+    }
+
+    fn get_dirty_log(&self, slot: u32, bitmap: &mut [u64]) -> Result<(), Errno> {
+        self.hook.around(KvmRequest::GetDirtyLog { slot }, || {
+            self.inner.get_dirty_log(slot, bitmap)
+        })
+    }
+
+    fn clear_dirty_log(
+        &self,
+        slot: u32,
+        first_page: u64,
+        num_pages: u32,
+        bitmap: &[u64],
+    ) -> Result<(), Errno> {
+        let request = KvmRequest::ClearDirtyLog {
+            slot,
+            first_page,
+            num_pages,
+            bitmap,
+        };
+        self.hook.around(request, || {
+            self.inner
+                .clear_dirty_log(slot, first_page, num_pages, bitmap)
+        })
+    }
+
+    fn manual_dirty_log(&self) -> bool {
+        self.inner.manual_dirty_log()
+    }
+
+    fn initially_set_logs(&self) -> bool {
+        self.inner.initially_set_logs()
+    }
+
+    fn dirty_ring(&self) -> bool {
+        self.inner.dirty_ring()
+    }
+
+    fn collect_dirty_rings(&self, sink: &mut dyn FnMut(u32, u64)) -> Result<u64, Errno> {
+        self.hook.around(KvmRequest::CollectDirtyRings, || {
+            self.inner.collect_dirty_rings(sink)
+        })
+    }
+
+    fn reset_dirty_rings(&self) -> Result<(), Errno> {
+        self.hook.around(KvmRequest::ResetDirtyRings, || {
+            self.inner.reset_dirty_rings()
+        })
+    }
+}
+
 #[derive(Debug)]
 struct PlannedFailure {
     call: KvmCall,
@@ -331,19 +515,16 @@ struct PlannedFailure {
     panics: bool,
 }
 
-/// Wraps a [`KvmMemory`] and makes chosen calls fail (without reaching the inner one). Each
-/// kind of call ([`KvmCall`]) has its own plan, so one test can fail, say, the third
-/// `KVM_SET_USER_MEMORY_REGION` and the first `KVM_CLEAR_DIRTY_LOG` of one operation.
-pub struct Faulty<K> {
-    inner: K,
+/// The hook of [`Faulty`]: the failures planned, at most one per kind of call ([`KvmCall`]).
+#[derive(Default)]
+pub struct FailurePlan {
     failures: Mutex<Vec<PlannedFailure>>,
 }
 
-impl<K: fmt::Debug> fmt::Debug for Faulty<K> {
-    /// The wrapped KVM, and the planned failures unless a call is checking them.
+impl fmt::Debug for FailurePlan {
+    /// The planned failures, unless a call is checking them.
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let mut d = f.debug_struct("Faulty");
-        d.field("inner", &self.inner);
+        let mut d = f.debug_struct("FailurePlan");
         if let Ok(failures) = self.failures.try_lock() {
             d.field("failures", &*failures);
         }
@@ -351,67 +532,7 @@ impl<K: fmt::Debug> fmt::Debug for Faulty<K> {
     }
 }
 
-impl<K: KvmMemory> Faulty<K> {
-    /// `inner`, with no failure planned.
-    pub fn new(inner: K) -> Self {
-        Faulty {
-            inner,
-            failures: Mutex::new(Vec::new()),
-        }
-    }
-
-    /// The wrapped KVM.
-    pub fn inner(&self) -> &K {
-        &self.inner
-    }
-
-    /// Makes the call of kind `call` that comes after `skip` successful ones fail with `errno`.
-    /// Replaces a failure planned before for the same kind of call; plans for other kinds stay.
-    pub fn fail(&self, call: KvmCall, skip: u64, errno: i32) {
-        self.plan(PlannedFailure {
-            call,
-            skip,
-            errno,
-            sticky: false,
-            panics: false,
-        });
-    }
-
-    /// Makes the call of kind `call` that comes after `skip` successful ones panic, as a bug in
-    /// a KVM wrapper would: for testing that the caller survives an unwinding change (the
-    /// manager's change sequence ends even, say). Replaces a plan for the same kind of call.
-    pub fn panic_at(&self, call: KvmCall, skip: u64) {
-        self.plan(PlannedFailure {
-            call,
-            skip,
-            errno: 0,
-            sticky: false,
-            panics: true,
-        });
-    }
-
-    /// Like [`fail`](Self::fail), but that call and every later one of its kind fail, until
-    /// [`heal`](Self::heal).
-    pub fn fail_from(&self, call: KvmCall, skip: u64, errno: i32) {
-        self.plan(PlannedFailure {
-            call,
-            skip,
-            errno,
-            sticky: true,
-            panics: false,
-        });
-    }
-
-    /// Cancels every planned failure.
-    pub fn heal(&self) {
-        self.planned().clear();
-    }
-
-    /// Whether a planned failure is still to come.
-    pub fn failure_pending(&self) -> bool {
-        !self.planned().is_empty()
-    }
-
+impl FailurePlan {
     fn plan(&self, failure: PlannedFailure) {
         let mut planned = self.planned();
         planned.retain(|f| f.call != failure.call);
@@ -444,52 +565,114 @@ impl<K: KvmMemory> Faulty<K> {
     }
 }
 
-impl<K: KvmMemory> KvmMemory for Faulty<K> {
-    fn max_slots(&self) -> u32 {
-        self.inner.max_slots()
-    }
-
-    unsafe fn set_user_memory_region(&self, slot: &KvmSlot) -> Result<(), Errno> {
-        self.check(KvmCall::SetRegion)?;
-        // SAFETY: the caller's guarantee is passed on unchanged.
-        unsafe { self.inner.set_user_memory_region(slot) }
-    }
-
-    fn get_dirty_log(&self, slot: u32, bitmap: &mut [u64]) -> Result<(), Errno> {
-        self.check(KvmCall::GetDirtyLog)?;
-        self.inner.get_dirty_log(slot, bitmap)
-    }
-
-    fn clear_dirty_log(
+/// A planned failure fails its call without reaching the wrapped KVM.
+impl Hook for FailurePlan {
+    fn around<T>(
         &self,
-        slot: u32,
-        first_page: u64,
-        num_pages: u32,
-        bitmap: &[u64],
-    ) -> Result<(), Errno> {
-        self.check(KvmCall::ClearDirtyLog)?;
-        self.inner
-            .clear_dirty_log(slot, first_page, num_pages, bitmap)
+        request: KvmRequest<'_>,
+        proceed: impl FnOnce() -> Result<T, Errno>,
+    ) -> Result<T, Errno> {
+        self.check(request.kind())?;
+        proceed()
+    }
+}
+
+/// Wraps a [`KvmMemory`] and makes chosen calls fail (without reaching the inner one). Each
+/// kind of call ([`KvmCall`]) has its own plan, so one test can fail, say, the third
+/// `KVM_SET_USER_MEMORY_REGION` and the first `KVM_CLEAR_DIRTY_LOG` of one operation.
+/// [`Faulty::new`] wraps a KVM with no failure planned.
+pub type Faulty<K> = Hooked<K, FailurePlan>;
+
+impl<K: KvmMemory> Faulty<K> {
+    /// Makes the call of kind `call` that comes after `skip` successful ones fail with `errno`.
+    /// Replaces a failure planned before for the same kind of call; plans for other kinds stay.
+    pub fn fail(&self, call: KvmCall, skip: u64, errno: i32) {
+        self.hook.plan(PlannedFailure {
+            call,
+            skip,
+            errno,
+            sticky: false,
+            panics: false,
+        });
     }
 
-    fn manual_dirty_log(&self) -> bool {
-        self.inner.manual_dirty_log()
+    /// Makes the call of kind `call` that comes after `skip` successful ones panic, as a bug in
+    /// a KVM wrapper would: for testing that the caller survives an unwinding change (the
+    /// manager's change sequence ends even, say). Replaces a plan for the same kind of call.
+    pub fn panic_at(&self, call: KvmCall, skip: u64) {
+        self.hook.plan(PlannedFailure {
+            call,
+            skip,
+            errno: 0,
+            sticky: false,
+            panics: true,
+        });
     }
 
-    fn initially_set_logs(&self) -> bool {
-        self.inner.initially_set_logs()
+    /// Like [`fail`](Self::fail), but that call and every later one of its kind fail, until
+    /// [`heal`](Self::heal).
+    pub fn fail_from(&self, call: KvmCall, skip: u64, errno: i32) {
+        self.hook.plan(PlannedFailure {
+            call,
+            skip,
+            errno,
+            sticky: true,
+            panics: false,
+        });
     }
 
-    fn dirty_ring(&self) -> bool {
-        self.inner.dirty_ring()
+    /// Cancels every planned failure.
+    pub fn heal(&self) {
+        self.hook.planned().clear();
     }
 
-    fn collect_dirty_rings(&self, sink: &mut dyn FnMut(u32, u64)) -> Result<u64, Errno> {
-        self.inner.collect_dirty_rings(sink)
+    /// Whether a planned failure is still to come.
+    pub fn failure_pending(&self) -> bool {
+        !self.hook.planned().is_empty()
+    }
+}
+
+/// How many kinds of call there are.
+const KINDS: usize = 5;
+
+/// A hook that counts the calls of each kind and adds up the time each kind spent in the
+/// wrapped KVM: for benchmarks, to tell their own time from KVM's.
+#[derive(Debug, Default)]
+pub struct Stopwatch {
+    calls: [AtomicU64; KINDS],
+    nanos: [AtomicU64; KINDS],
+}
+
+impl Stopwatch {
+    /// Calls of kind `kind` so far (failed ones too).
+    pub fn calls(&self, kind: KvmCall) -> u64 {
+        self.calls[kind as usize].load(Ordering::Relaxed)
     }
 
-    fn reset_dirty_rings(&self) -> Result<(), Errno> {
-        self.check(KvmCall::ResetDirtyRings)?;
-        self.inner.reset_dirty_rings()
+    /// Time spent in calls of kind `kind` so far.
+    pub fn time(&self, kind: KvmCall) -> Duration {
+        Duration::from_nanos(self.nanos[kind as usize].load(Ordering::Relaxed))
+    }
+
+    /// Time spent in calls of every kind so far.
+    pub fn total_time(&self) -> Duration {
+        let nanos = self.nanos.iter().map(|n| n.load(Ordering::Relaxed)).sum();
+        Duration::from_nanos(nanos)
+    }
+}
+
+impl Hook for Stopwatch {
+    fn around<T>(
+        &self,
+        request: KvmRequest<'_>,
+        proceed: impl FnOnce() -> Result<T, Errno>,
+    ) -> Result<T, Errno> {
+        let kind = request.kind() as usize;
+        let start = Instant::now();
+        let answer = proceed();
+        let nanos = u64::try_from(start.elapsed().as_nanos()).unwrap_or(u64::MAX);
+        self.nanos[kind].fetch_add(nanos, Ordering::Relaxed);
+        self.calls[kind].fetch_add(1, Ordering::Relaxed);
+        answer
     }
 }

@@ -32,15 +32,14 @@
 mod driver;
 
 use std::fmt::Write as _;
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use driver::{Driver, Layout, REQ_STATE, RESP_ACK};
-use kvm_memslots::{KvmMemory, KvmSlot, KvmVm, MemoryLimits, MemoryManager, RegionId, RegionSpec};
+use kvm_memslots::testing::{Hooked, KvmCall, Stopwatch};
+use kvm_memslots::{KvmMemory, KvmVm, MemoryLimits, MemoryManager, RegionId, RegionSpec};
 use kvm_virtio_mem::{VirtioMem, VirtioMemOptions};
 use vm_memory::GuestAddress;
-use vmm_sys_util::errno::Error as Errno;
 use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 
 const MIB: u64 = 1 << 20;
@@ -52,48 +51,8 @@ const QUEUE_RAM: u64 = 0;
 const FILLER: u64 = 16 * MIB;
 const DEVICE: u64 = 4 << 30;
 
-/// KVM, counting `KVM_SET_USER_MEMORY_REGION` calls and their time.
-struct Counting<K> {
-    inner: K,
-    calls: AtomicU64,
-    nanos: AtomicU64,
-}
-
-impl<K: KvmMemory> KvmMemory for Counting<K> {
-    fn max_slots(&self) -> u32 {
-        self.inner.max_slots()
-    }
-
-    unsafe fn set_user_memory_region(&self, slot: &KvmSlot) -> Result<(), Errno> {
-        let start = Instant::now();
-        // SAFETY: the caller's guarantee (the memory stays mapped while KVM has the slot) is
-        // passed on unchanged.
-        let result = unsafe { self.inner.set_user_memory_region(slot) };
-        self.nanos
-            .fetch_add(start.elapsed().as_nanos() as u64, Ordering::Relaxed);
-        self.calls.fetch_add(1, Ordering::Relaxed);
-        result
-    }
-
-    fn get_dirty_log(&self, slot: u32, bitmap: &mut [u64]) -> Result<(), Errno> {
-        self.inner.get_dirty_log(slot, bitmap)
-    }
-
-    fn clear_dirty_log(
-        &self,
-        slot: u32,
-        first_page: u64,
-        num_pages: u32,
-        bitmap: &[u64],
-    ) -> Result<(), Errno> {
-        self.inner
-            .clear_dirty_log(slot, first_page, num_pages, bitmap)
-    }
-
-    fn manual_dirty_log(&self) -> bool {
-        self.inner.manual_dirty_log()
-    }
-}
+/// KVM, counting its calls and their time.
+type Counting<K> = Hooked<K, Stopwatch>;
 
 type Manager = MemoryManager<Counting<KvmVm>>;
 
@@ -123,17 +82,19 @@ impl Phase {
     }
 }
 
-fn kvm_counters(m: &Manager) -> (u64, u64) {
+/// `KVM_SET_USER_MEMORY_REGION` calls so far, and their time.
+fn kvm_counters(m: &Manager) -> (u64, Duration) {
+    let stopwatch = m.kvm().hook();
     (
-        m.kvm().calls.load(Ordering::Relaxed),
-        m.kvm().nanos.load(Ordering::Relaxed),
+        stopwatch.calls(KvmCall::SetRegion),
+        stopwatch.time(KvmCall::SetRegion),
     )
 }
 
-fn finish(phase: &mut Phase, m: &Manager, before: (u64, u64)) {
+fn finish(phase: &mut Phase, m: &Manager, before: (u64, Duration)) {
     let after = kvm_counters(m);
     phase.kvm_calls = after.0 - before.0;
-    phase.kvm_time = Duration::from_nanos(after.1 - before.1);
+    phase.kvm_time = after.1 - before.1;
 }
 
 /// Slots the device's region uses now.
@@ -300,11 +261,7 @@ fn main() {
     let vm = Arc::new(kvm.create_vm().expect("KVM_CREATE_VM"));
     let kvm_vm = KvmVm::new(&kvm, Arc::clone(&vm)).expect("set up the VM");
     let max_slots = kvm_vm.max_slots();
-    let counting = Counting {
-        inner: kvm_vm,
-        calls: AtomicU64::new(0),
-        nanos: AtomicU64::new(0),
-    };
+    let counting = Counting::new(kvm_vm);
     let memory = Arc::new(MemoryManager::with_limits(
         counting,
         MemoryLimits::unlimited(),

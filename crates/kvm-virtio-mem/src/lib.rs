@@ -9,6 +9,7 @@
 //!   that region.
 
 #![doc = include_str!("../README.md")]
+#![forbid(unsafe_code)]
 
 pub mod mem;
 pub mod mmio;

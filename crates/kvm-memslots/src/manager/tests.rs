@@ -9,7 +9,7 @@ use vm_memory::{Bytes, GuestMemoryBackend};
 
 use super::*;
 use crate::error::ErrorKind;
-use crate::testing::{FakeKvm, Faulty, KvmCall};
+use crate::testing::{FakeKvm, Faulty, Hook, Hooked, KvmCall, KvmRequest};
 
 type Manager = MemoryManager<Faulty<FakeKvm>>;
 
@@ -479,26 +479,7 @@ fn host_addresses_lead_back_to_their_guest_addresses() {
 #[test]
 fn dropping_the_manager_deletes_every_kvm_slot() {
     let fake = Arc::new(FakeKvm::new(16, false));
-    struct Shared(Arc<FakeKvm>);
-    impl KvmMemory for Shared {
-        fn max_slots(&self) -> u32 {
-            self.0.max_slots()
-        }
-        unsafe fn set_user_memory_region(&self, slot: &KvmSlot) -> Result<(), Errno> {
-            // SAFETY: passed on unchanged.
-            unsafe { self.0.set_user_memory_region(slot) }
-        }
-        fn get_dirty_log(&self, slot: u32, bitmap: &mut [u64]) -> Result<(), Errno> {
-            self.0.get_dirty_log(slot, bitmap)
-        }
-        fn clear_dirty_log(&self, s: u32, f: u64, n: u32, b: &[u64]) -> Result<(), Errno> {
-            self.0.clear_dirty_log(s, f, n, b)
-        }
-        fn manual_dirty_log(&self) -> bool {
-            false
-        }
-    }
-    let m = MemoryManager::new(Shared(Arc::clone(&fake)));
+    let m = MemoryManager::new(Arc::clone(&fake));
     m.add_region(region(MIB, 5)).unwrap();
     assert_eq!(fake.slots().len(), 5);
     drop(m);
@@ -596,29 +577,23 @@ struct GateState {
     released: bool,
 }
 
-/// The fake KVM with a gate: once armed, the next call of the armed kind says that it arrived
-/// and waits until the test releases it. A change stopped in `set_user_memory_region` holds
-/// the manager's writer lock and has published nothing; a harvest stopped in
-/// `get_dirty_log` or `reset_dirty_rings` is half-way through.
+/// A hook with a gate: once armed, the next call of the armed kind says that it arrived and
+/// waits until the test releases it. A change stopped in `set_user_memory_region` holds the
+/// manager's writer lock and has published nothing; a harvest stopped in `get_dirty_log` or
+/// `reset_dirty_rings` is half-way through.
+#[derive(Default)]
 struct Gate {
-    inner: FakeKvm,
     state: Mutex<GateState>,
     changed: Condvar,
     /// Called before every dirty-log or ring call reaches the fake (the concurrency test's
     /// rendezvous).
-    hook: std::sync::OnceLock<Box<dyn Fn(KvmCall) + Send + Sync>>,
+    rendezvous: std::sync::OnceLock<Box<dyn Fn(KvmCall) + Send + Sync>>,
 }
 
-impl Gate {
-    fn new(inner: FakeKvm) -> Self {
-        Gate {
-            inner,
-            state: Mutex::new(GateState::default()),
-            changed: Condvar::new(),
-            hook: std::sync::OnceLock::new(),
-        }
-    }
+/// The fake KVM behind a [`Gate`].
+type Gated = Hooked<FakeKvm, Gate>;
 
+impl Gate {
     fn lock(&self) -> MutexGuard<'_, GateState> {
         self.state.lock().unwrap_or_else(|p| p.into_inner())
     }
@@ -640,9 +615,6 @@ impl Gate {
 
     /// Stops the calling KVM call at the gate if it is armed for it.
     fn pass(&self, call: KvmCall, slot: Option<u32>) {
-        if let Some(hook) = self.hook.get() {
-            hook(call);
-        }
         let mut state = self.lock();
         let hit = state
             .armed
@@ -675,58 +647,23 @@ impl Gate {
     }
 }
 
-impl KvmMemory for Gate {
-    fn max_slots(&self) -> u32 {
-        self.inner.max_slots()
-    }
-
-    unsafe fn set_user_memory_region(&self, slot: &KvmSlot) -> Result<(), Errno> {
-        let mut state = self.lock();
-        if state.armed == Some((KvmCall::SetRegion, None)) {
-            state.armed = None;
-            state.entered = true;
-            self.changed.notify_all();
-            let (_state, waited) = self
-                .changed
-                .wait_timeout_while(state, PATIENCE, |s| !s.released)
-                .unwrap_or_else(|p| p.into_inner());
-            assert!(!waited.timed_out(), "the gate was never released");
-        } else {
-            drop(state);
+impl Hook for Gate {
+    fn around<T>(
+        &self,
+        request: KvmRequest<'_>,
+        proceed: impl FnOnce() -> Result<T, Errno>,
+    ) -> Result<T, Errno> {
+        let call = request.kind();
+        if matches!(
+            call,
+            KvmCall::GetDirtyLog | KvmCall::ClearDirtyLog | KvmCall::ResetDirtyRings
+        ) {
+            if let Some(rendezvous) = self.rendezvous.get() {
+                rendezvous(call);
+            }
         }
-        // SAFETY: the caller's guarantee is passed on unchanged.
-        unsafe { self.inner.set_user_memory_region(slot) }
-    }
-
-    fn get_dirty_log(&self, slot: u32, bitmap: &mut [u64]) -> Result<(), Errno> {
-        self.pass(KvmCall::GetDirtyLog, Some(slot));
-        self.inner.get_dirty_log(slot, bitmap)
-    }
-
-    fn clear_dirty_log(&self, s: u32, f: u64, n: u32, b: &[u64]) -> Result<(), Errno> {
-        self.pass(KvmCall::ClearDirtyLog, Some(s));
-        self.inner.clear_dirty_log(s, f, n, b)
-    }
-
-    fn manual_dirty_log(&self) -> bool {
-        self.inner.manual_dirty_log()
-    }
-
-    fn initially_set_logs(&self) -> bool {
-        self.inner.initially_set_logs()
-    }
-
-    fn dirty_ring(&self) -> bool {
-        self.inner.dirty_ring()
-    }
-
-    fn collect_dirty_rings(&self, sink: &mut dyn FnMut(u32, u64)) -> Result<u64, Errno> {
-        self.inner.collect_dirty_rings(sink)
-    }
-
-    fn reset_dirty_rings(&self) -> Result<(), Errno> {
-        self.pass(KvmCall::ResetDirtyRings, None);
-        self.inner.reset_dirty_rings()
+        self.pass(call, request.slot());
+        proceed()
     }
 }
 
@@ -761,7 +698,7 @@ fn wait_until_asleep(tid: libc::pid_t) {
 /// writer lock would let it wipe the region at its new address and mark its pages dirty.
 #[test]
 fn a_discard_racing_a_move_waits_for_it_and_spares_the_moved_data() {
-    let m = MemoryManager::new(Gate::new(FakeKvm::new(16, true)));
+    let m = MemoryManager::new(Gated::new(FakeKvm::new(16, true)));
     let r = m.add_region(region(MIB, 4)).unwrap();
     let pattern: Vec<u8> = (0..4 * SLOT).map(|i| (i % 251) as u8 | 1).collect();
     m.snapshot()
@@ -772,11 +709,11 @@ fn a_discard_racing_a_move_waits_for_it_and_spares_the_moved_data() {
         4 * SLOT / PAGE_SIZE
     );
     let m = &m;
-    m.kvm().arm();
+    m.kvm().hook().arm();
     let discarded = thread::scope(|scope| {
         // The move stops in KVM, holding the writer lock, before it publishes anything.
         let mover = scope.spawn(|| m.move_region(r, GuestAddress(8 * MIB)));
-        m.kvm().wait_entered();
+        m.kvm().hook().wait_entered();
         let (tid_tx, tid_rx) = mpsc::channel();
         let discarder = scope.spawn(move || {
             // SAFETY: gettid has no preconditions and cannot fail.
@@ -786,7 +723,7 @@ fn a_discard_racing_a_move_waits_for_it_and_spares_the_moved_data() {
         let tid = tid_rx.recv_timeout(PATIENCE).unwrap();
         // The discard is blocked on the writer lock that the move holds.
         wait_until_asleep(tid);
-        m.kvm().release();
+        m.kvm().hook().release();
         mover.join().unwrap().unwrap();
         discarder.join().unwrap()
     });
@@ -1095,7 +1032,7 @@ fn a_failed_ring_reset_loses_no_page_and_a_full_ring_is_emptied() {
     assert_eq!(dirty_addresses(&m, id), pages);
 }
 
-type GatedManager = MemoryManager<Gate>;
+type GatedManager = MemoryManager<Gated>;
 
 fn logging(spec: RegionSpec) -> RegionSpec {
     spec.with_flags(SlotFlags {
@@ -1141,10 +1078,10 @@ fn change_while_held<T: Send>(m: &GatedManager, changes: impl FnOnce() -> T + Se
             result
         });
         if done_rx.recv_timeout(CHANGE_PATIENCE).is_err() {
-            m.kvm().release();
+            m.kvm().hook().release();
             panic!("a change waited for a harvest held inside KVM (the writer lock?)");
         }
-        assert!(m.kvm().holding(), "the harvest was held throughout");
+        assert!(m.kvm().hook().holding(), "the harvest was held throughout");
         changer.join().unwrap()
     })
 }
@@ -1156,12 +1093,12 @@ fn change_while_held<T: Send>(m: &GatedManager, changes: impl FnOnce() -> T + Se
 /// all-set logs, so does the region whose slots were re-created (the documented over-report);
 /// the others report exactly what was written.
 fn bitmap_harvest_held_in_kvm(manual: bool) {
-    let m: GatedManager = MemoryManager::new(Gate::new(FakeKvm::new(16, manual)));
+    let m: GatedManager = MemoryManager::new(Gated::new(FakeKvm::new(16, manual)));
     let a = m.add_region(logging(region(MIB, 4))).unwrap();
     let b = m.add_region(logging(region(2 * MIB, 2))).unwrap();
     let c = m.add_region(logging(region(3 * MIB, 2))).unwrap();
     m.harvest_dirty(Target::All).unwrap();
-    let fake = &m.kvm().inner;
+    let fake = m.kvm().inner();
     let write = |base: u64, page: u64| assert!(fake.guest_write(base + page * PAGE_SIZE));
     let mut written = Reported::new();
     let mut wrote = |r: RegionId, base: u64, page: u64| {
@@ -1177,11 +1114,13 @@ fn bitmap_harvest_held_in_kvm(manual: bool) {
     let c_slots = slot_numbers(&m, c);
     let a_slots = slot_numbers(&m, a);
     // The harvest stops reading a's second slot (its first one is read already).
-    m.kvm().arm_at(KvmCall::GetDirtyLog, Some(a_slots[1]));
+    m.kvm()
+        .hook()
+        .arm_at(KvmCall::GetDirtyLog, Some(a_slots[1]));
     let mut reported = Reported::new();
     let (d, more) = thread::scope(|scope| {
         let harvester = scope.spawn(|| m.harvest_dirty(Target::All));
-        m.kvm().wait_entered();
+        m.kvm().hook().wait_entered();
         let changed = change_while_held(&m, || {
             let mut more = Vec::new();
             write(MIB, 6);
@@ -1200,7 +1139,7 @@ fn bitmap_harvest_held_in_kvm(manual: bool) {
             (d, more)
         });
         assert!(!harvester.is_finished());
-        m.kvm().release();
+        m.kvm().hook().release();
         record(&mut reported, &harvester.join().unwrap().unwrap());
         changed
     });
@@ -1231,7 +1170,11 @@ fn assert_mirrored_gated(m: &GatedManager) {
         .map(|s| KvmSlot::from(s.as_ref()))
         .collect();
     expected.sort_by_key(|s| s.slot);
-    assert_eq!(m.kvm().inner.slots(), expected, "KVM and the map disagree");
+    assert_eq!(
+        m.kvm().inner().slots(),
+        expected,
+        "KVM and the map disagree"
+    );
 }
 
 #[test]
@@ -1245,15 +1188,17 @@ fn a_harvest_held_in_kvm_lets_changes_through_and_loses_no_page() {
 /// the slot deleted meanwhile is skipped, not an error.
 #[test]
 fn a_slot_number_being_read_is_not_given_to_a_new_region() {
-    let m: GatedManager = MemoryManager::new(Gate::new(FakeKvm::new(16, true)));
+    let m: GatedManager = MemoryManager::new(Gated::new(FakeKvm::new(16, true)));
     let _a = m.add_region(logging(region(MIB, 2))).unwrap();
     let d = m.add_region(logging(region(2 * MIB, 2))).unwrap();
     let d_slots = slot_numbers(&m, d);
     m.harvest_dirty(Target::All).unwrap();
-    m.kvm().arm_at(KvmCall::GetDirtyLog, Some(d_slots[0]));
+    m.kvm()
+        .hook()
+        .arm_at(KvmCall::GetDirtyLog, Some(d_slots[0]));
     thread::scope(|scope| {
         let harvester = scope.spawn(|| m.harvest_dirty(Target::Region(d)));
-        m.kvm().wait_entered();
+        m.kvm().hook().wait_entered();
         let e = change_while_held(&m, || {
             m.remove_region(d).unwrap();
             m.add_region(logging(region(3 * MIB, 2))).unwrap()
@@ -1264,7 +1209,7 @@ fn a_slot_number_being_read_is_not_given_to_a_new_region() {
             "{e_slots:?} reuse the number being read"
         );
         assert!(e_slots.contains(&d_slots[1]), "the others are reused");
-        m.kvm().release();
+        m.kvm().hook().release();
         let harvested = harvester.join().unwrap();
         assert!(harvested.is_ok(), "{harvested:?}");
     });
@@ -1280,12 +1225,12 @@ fn a_slot_number_being_read_is_not_given_to_a_new_region() {
 /// removed region never lands in the region that reuses its slot numbers.
 #[test]
 fn a_ring_harvest_held_in_kvm_lets_changes_through_and_loses_no_page() {
-    let m: GatedManager = MemoryManager::new(Gate::new(FakeKvm::with_dirty_ring(16, 256)));
+    let m: GatedManager = MemoryManager::new(Gated::new(FakeKvm::with_dirty_ring(16, 256)));
     let a = m.add_region(logging(region(MIB, 4))).unwrap();
     let b = m.add_region(logging(region(2 * MIB, 2))).unwrap();
     let c = m.add_region(logging(region(3 * MIB, 2))).unwrap();
     m.harvest_dirty(Target::All).unwrap();
-    let fake = &m.kvm().inner;
+    let fake = m.kvm().inner();
     let write = |base: u64, page: u64| assert!(fake.guest_write(base + page * PAGE_SIZE));
     let mut written = Reported::new();
     for page in [1, 5, 13] {
@@ -1296,11 +1241,11 @@ fn a_ring_harvest_held_in_kvm_lets_changes_through_and_loses_no_page() {
     written.entry(b).or_default().insert(2);
     write(3 * MIB, 0);
     let c_slots = slot_numbers(&m, c);
-    m.kvm().arm_at(KvmCall::ResetDirtyRings, None);
+    m.kvm().hook().arm_at(KvmCall::ResetDirtyRings, None);
     let mut reported = Reported::new();
     let d = thread::scope(|scope| {
         let harvester = scope.spawn(|| m.harvest_dirty(Target::All));
-        m.kvm().wait_entered();
+        m.kvm().hook().wait_entered();
         let d = change_while_held(&m, || {
             write(MIB, 6);
             write(3 * MIB, 6); // c's, in the ring when c is removed
@@ -1318,7 +1263,7 @@ fn a_ring_harvest_held_in_kvm_lets_changes_through_and_loses_no_page() {
             d
         });
         assert!(!harvester.is_finished());
-        m.kvm().release();
+        m.kvm().hook().release();
         record(&mut reported, &harvester.join().unwrap().unwrap());
         d
     });
@@ -1399,10 +1344,11 @@ impl Rng {
 fn random_changes_writes_and_harvests(kvm: FakeKvm, seed: u64) {
     let ring = kvm.dirty_ring();
     let race = Arc::new(Race::default());
-    let gate = Gate::new(kvm);
+    let gate = Gated::new(kvm);
     let hook_race = Arc::clone(&race);
     let _ = gate
-        .hook
+        .hook()
+        .rendezvous
         .set(Box::new(move |_call: KvmCall| hook_race.rendezvous()));
     let m: GatedManager = MemoryManager::new(gate);
     for i in 0..3 {
@@ -1503,13 +1449,13 @@ fn random_changes_writes_and_harvests(kvm: FakeKvm, seed: u64) {
                 if slot.flags().read_only {
                     continue;
                 }
-                if ring && m.kvm().inner.ring_full() {
+                if ring && m.kvm().inner().ring_full() {
                     // As a vCPU exiting with KVM_EXIT_DIRTY_RING_FULL.
                     m.collect_dirty_rings().unwrap();
                 }
                 let page = rng.below(slot.size() / PAGE_SIZE);
                 // Misses when a change moved or removed the slot since the look at the map.
-                let hit = m.kvm().inner.guest_write(slot.gpa().0 + page * PAGE_SIZE);
+                let hit = m.kvm().inner().guest_write(slot.gpa().0 + page * PAGE_SIZE);
                 let at = race.clock.fetch_add(1, Ordering::SeqCst) + 1;
                 if m.change_sequence() == before && slot.flags().log_dirty {
                     assert!(hit, "no change, yet the slot was not there");
@@ -1908,15 +1854,15 @@ fn is_mapped(hva: u64) -> bool {
 
 #[test]
 fn a_waiter_for_a_settled_map_wakes_when_the_change_ends_or_gives_up() {
-    let m: Arc<GatedManager> = Arc::new(MemoryManager::new(Gate::new(FakeKvm::new(16, true))));
+    let m: Arc<GatedManager> = Arc::new(MemoryManager::new(Gated::new(FakeKvm::new(16, true))));
     m.add_region(region(0, 2)).unwrap();
     // A change held inside KVM: the sequence is odd until it is let go.
-    m.kvm().arm();
+    m.kvm().hook().arm();
     let changer = {
         let m = Arc::clone(&m);
         thread::spawn(move || m.add_region(region(MIB, 1)).unwrap())
     };
-    m.kvm().wait_entered();
+    m.kvm().hook().wait_entered();
     let odd = m.change_sequence();
     assert_eq!(odd % 2, 1);
     // Giving up returns at once with nothing.
@@ -1934,7 +1880,7 @@ fn a_waiter_for_a_settled_map_wakes_when_the_change_ends_or_gives_up() {
     };
     thread::sleep(Duration::from_millis(20));
     assert!(!waiter.is_finished(), "it waits while the change lasts");
-    m.kvm().release();
+    m.kvm().hook().release();
     changer.join().unwrap();
     assert_eq!(waiter.join().unwrap(), Some(odd + 1));
     let (sequence, map) = m.load_consistent();

@@ -1,0 +1,422 @@
+//! The device: which blocks are plugged (each one region, one KVM slot, of the manager), the
+//! requests that change them, and the device's side of the virtio-mmio transport.
+
+use std::fmt;
+use std::sync::Arc;
+
+use kvm_memslots::{AddressRange, KvmMemory, MemoryManager, RegionId, RegionSpec};
+use virtio_bindings::virtio_ids::VIRTIO_ID_MEM;
+use virtio_queue::{Queue, QueueOwnedT, QueueT};
+use vm_memory::GuestAddress;
+
+use super::config::{Config, Error, VirtioMemOptions};
+use super::request::{
+    read_request, write_response, Request, Response, RESPONSE_SIZE, VIRTIO_MEM_RESP_ACK,
+    VIRTIO_MEM_RESP_BUSY, VIRTIO_MEM_RESP_NACK, VIRTIO_MEM_STATE_MIXED, VIRTIO_MEM_STATE_PLUGGED,
+    VIRTIO_MEM_STATE_UNPLUGGED,
+};
+use crate::mmio::{DriverError, Interrupt, MmioTransport, QueueOutcome, VirtioDevice, F_VERSION_1};
+
+/// Feature bit number: `node_id` is an ACPI proximity domain (not offered).
+pub const VIRTIO_MEM_F_ACPI_PXM: u32 = 0;
+/// Feature bit number: the driver must not touch unplugged memory (offered and required).
+pub const VIRTIO_MEM_F_UNPLUGGED_INACCESSIBLE: u32 = 1;
+
+/// A plugged block: its guest address and the manager region (one KVM slot) behind it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PluggedBlock {
+    /// Guest-physical base of the block.
+    pub gpa: GuestAddress,
+    /// The manager's region holding it.
+    pub region: RegionId,
+}
+
+/// Counts of the requests answered, by response.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct RequestCounts {
+    /// Answered ACK.
+    pub ack: u64,
+    /// Answered NACK.
+    pub nack: u64,
+    /// Answered BUSY (the host could not change its memory; nothing changed).
+    pub busy: u64,
+    /// Answered ERROR.
+    pub error: u64,
+}
+
+/// The virtio-mem device. Put it behind an [`MmioTransport`] ([`into_mmio`](Self::into_mmio)).
+pub struct VirtioMem<K: KvmMemory> {
+    memory: Arc<MemoryManager<K>>,
+    config: Config,
+    queue_sizes: [u16; 1],
+    /// One entry per block: the region behind it while plugged.
+    blocks: Vec<Option<RegionId>>,
+    plugged: u64,
+    counts: RequestCounts,
+}
+
+impl<K: KvmMemory> fmt::Debug for VirtioMem<K> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let region = self.region();
+        f.debug_struct("VirtioMem")
+            .field("addr", &format_args!("{:#x}", region.start))
+            .field(
+                "region_size",
+                &format_args!("{:#x}", region.end - region.start),
+            )
+            .field("block_size", &format_args!("{:#x}", self.block_size()))
+            .field(
+                "usable_region_size",
+                &format_args!("{:#x}", self.usable_region_size()),
+            )
+            .field(
+                "requested_size",
+                &format_args!("{:#x}", self.requested_size()),
+            )
+            .field("plugged_size", &format_args!("{:#x}", self.plugged_size()))
+            .finish_non_exhaustive()
+    }
+}
+
+impl<K: KvmMemory> VirtioMem<K> {
+    /// A device for the region `options` describes, adding plugged blocks to `memory`. Nothing
+    /// is plugged.
+    ///
+    /// Refused if the options are inconsistent, if the region overlaps one of `memory`'s
+    /// regions, or if `memory` has fewer free KVM slots than the region has blocks (each
+    /// plugged block takes one).
+    pub fn new(memory: Arc<MemoryManager<K>>, options: VirtioMemOptions) -> Result<Self, Error> {
+        let config = Config::new(&options)?;
+        let range = config.region();
+        if let Some(other) = memory
+            .regions()
+            .into_iter()
+            .find(|r| r.gpa.0 < range.end && range.start < r.gpa.0 + r.size)
+        {
+            return Err(Error::Overlap {
+                range,
+                other: other.id,
+                other_gpa: other.gpa.0,
+                other_size: other.size,
+            });
+        }
+        let needed = config.blocks();
+        let free = memory.slot_usage().free as u64;
+        if needed > free {
+            return Err(Error::NotEnoughSlots { needed, free });
+        }
+        Ok(VirtioMem {
+            memory,
+            config,
+            queue_sizes: [options.queue_size],
+            blocks: vec![None; needed as usize],
+            plugged: 0,
+            counts: RequestCounts::default(),
+        })
+    }
+
+    /// The device behind a virtio-mmio transport that raises `interrupt`.
+    pub fn into_mmio(self, interrupt: Box<dyn Interrupt>) -> MmioTransport<Self> {
+        MmioTransport::new(self, interrupt).expect("the queue size was checked by `new`")
+    }
+
+    /// The manager plugged blocks are added to.
+    pub fn memory(&self) -> &Arc<MemoryManager<K>> {
+        &self.memory
+    }
+
+    /// The device's region of guest-physical address space.
+    pub fn region(&self) -> AddressRange {
+        self.config.region()
+    }
+
+    /// The block size.
+    pub fn block_size(&self) -> u64 {
+        self.config.block_size()
+    }
+
+    /// Bytes plugged.
+    pub fn plugged_size(&self) -> u64 {
+        self.plugged * self.block_size()
+    }
+
+    /// The size the device asks the driver to plug.
+    pub fn requested_size(&self) -> u64 {
+        self.config.requested_size()
+    }
+
+    /// How much of the region (from its base) the driver may plug blocks in.
+    ///
+    /// The rule: the requested size plus the headroom ([`VirtioMemOptions::usable_headroom`]),
+    /// rounded up to a block and capped at the region size. It grows when the requested size
+    /// does, and shrinks only when the driver unplugs everything (UNPLUG_ALL) or the VMM calls
+    /// [`unplug_all`](Self::unplug_all), as the specification requires; so it is at least the
+    /// requested size, and every plugged block lies inside it.
+    pub fn usable_region_size(&self) -> u64 {
+        self.config.usable_region_size()
+    }
+
+    /// The plugged blocks, lowest address first, each with the manager region (one KVM slot)
+    /// behind it.
+    pub fn plugged_blocks(&self) -> Vec<PluggedBlock> {
+        self.blocks
+            .iter()
+            .enumerate()
+            .filter_map(|(i, region)| {
+                region.map(|region| PluggedBlock {
+                    gpa: self.block_gpa(i),
+                    region,
+                })
+            })
+            .collect()
+    }
+
+    /// The requests answered so far, by response.
+    pub fn request_counts(&self) -> RequestCounts {
+        self.counts
+    }
+
+    /// Asks the driver for `bytes` of plugged memory: sets `requested_size` and grows the
+    /// usable region to fit it, without telling the driver: a VMM calls
+    /// [`MmioTransport::set_requested_size`], which does.
+    ///
+    /// Refused, changing nothing, unless `bytes` is a multiple of the block size and at most
+    /// the region size.
+    pub(crate) fn set_requested_size(&mut self, bytes: u64) -> Result<(), Error> {
+        self.config.set_requested_size(bytes)
+    }
+
+    /// Unplugs every block and shrinks the usable region to fit the requested size, as an
+    /// UNPLUG_ALL request does: for a VMM resetting the whole VM (the specification asks that
+    /// a system reset unplug all memory; a device reset alone does not).
+    ///
+    /// All or nothing: if the manager refuses to remove a block's region, the blocks removed
+    /// before it are plugged again (with fresh memory) and the error is returned.
+    pub fn unplug_all(&mut self) -> Result<(), kvm_memslots::Error> {
+        let all: Vec<usize> = (0..self.blocks.len())
+            .filter(|&i| self.blocks[i].is_some())
+            .collect();
+        self.unplug_blocks(&all)?;
+        self.config.shrink_usable_region();
+        Ok(())
+    }
+
+    fn block_gpa(&self, index: usize) -> GuestAddress {
+        self.config.block_gpa(index)
+    }
+
+    /// Adds a region for each block in `indices`; on a failure, removes the ones added.
+    fn plug_blocks(&mut self, indices: &[usize]) -> Result<(), kvm_memslots::Error> {
+        for (done, &i) in indices.iter().enumerate() {
+            let spec = RegionSpec::new(self.block_gpa(i), self.block_size());
+            match self.memory.add_region(spec) {
+                Ok(region) => {
+                    self.blocks[i] = Some(region);
+                    self.plugged += 1;
+                }
+                Err(e) => {
+                    // Best effort: a block whose removal fails stays recorded as plugged, as
+                    // it is (only possible once the manager is broken).
+                    let _ = self.unplug_blocks_partial(&indices[..done]);
+                    return Err(e);
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Removes the region of each block in `indices`; on a failure, plugs the removed ones
+    /// again.
+    fn unplug_blocks(&mut self, indices: &[usize]) -> Result<(), kvm_memslots::Error> {
+        let removed = self.unplug_blocks_partial(indices);
+        match removed {
+            Ok(()) => Ok(()),
+            Err((done, e)) => {
+                // The driver asked to unplug these, so it does not use them: their contents
+                // need not survive, and they come back as fresh memory.
+                let _ = self.plug_blocks(&indices[..done]);
+                Err(e)
+            }
+        }
+    }
+
+    /// Removes regions in order until one fails; on failure returns how many were removed.
+    fn unplug_blocks_partial(
+        &mut self,
+        indices: &[usize],
+    ) -> Result<(), (usize, kvm_memslots::Error)> {
+        for (done, &i) in indices.iter().enumerate() {
+            let Some(region) = self.blocks[i] else {
+                continue;
+            };
+            if let Err(e) = self.memory.remove_region(region) {
+                return Err((done, e));
+            }
+            self.blocks[i] = None;
+            self.plugged -= 1;
+        }
+        Ok(())
+    }
+
+    /// Answers one request. Returns the response and whether the configuration changed.
+    pub(super) fn handle(&mut self, request: Request) -> (Response, bool) {
+        let plugged_before = self.plugged;
+        let usable_before = self.usable_region_size();
+        let response = match request {
+            Request::Plug { addr, blocks } => match self.config.covered(addr, blocks) {
+                None => Response::ERROR,
+                Some(range) if self.blocks[range.clone()].iter().any(Option::is_some) => {
+                    Response::ERROR
+                }
+                Some(range) => {
+                    let after = (self.plugged + range.len() as u64) * self.block_size();
+                    if after > self.requested_size() {
+                        Response::NACK
+                    } else {
+                        let indices: Vec<usize> = range.collect();
+                        match self.plug_blocks(&indices) {
+                            Ok(()) => Response::ACK,
+                            Err(_) => Response::BUSY,
+                        }
+                    }
+                }
+            },
+            Request::Unplug { addr, blocks } => match self.config.covered(addr, blocks) {
+                None => Response::ERROR,
+                Some(range) if self.blocks[range.clone()].iter().any(Option::is_none) => {
+                    Response::ERROR
+                }
+                Some(range) => {
+                    let indices: Vec<usize> = range.collect();
+                    match self.unplug_blocks(&indices) {
+                        Ok(()) => Response::ACK,
+                        Err(_) => Response::BUSY,
+                    }
+                }
+            },
+            Request::UnplugAll => match self.unplug_all() {
+                Ok(()) => Response::ACK,
+                Err(_) => Response::BUSY,
+            },
+            Request::State { addr, blocks } => match self.config.covered(addr, blocks) {
+                None => Response::ERROR,
+                Some(range) => {
+                    let plugged = self.blocks[range.clone()]
+                        .iter()
+                        .filter(|b| b.is_some())
+                        .count();
+                    let state = if plugged == range.len() {
+                        VIRTIO_MEM_STATE_PLUGGED
+                    } else if plugged == 0 {
+                        VIRTIO_MEM_STATE_UNPLUGGED
+                    } else {
+                        VIRTIO_MEM_STATE_MIXED
+                    };
+                    Response {
+                        kind: VIRTIO_MEM_RESP_ACK,
+                        state,
+                    }
+                }
+            },
+            // Not a request the specification defines: the driver is told it is wrong.
+            Request::Unknown(_) => Response::ERROR,
+        };
+        match response.kind {
+            VIRTIO_MEM_RESP_ACK => self.counts.ack += 1,
+            VIRTIO_MEM_RESP_NACK => self.counts.nack += 1,
+            VIRTIO_MEM_RESP_BUSY => self.counts.busy += 1,
+            _ => self.counts.error += 1,
+        }
+        let changed = self.plugged != plugged_before || self.usable_region_size() != usable_before;
+        (response, changed)
+    }
+}
+
+impl<K: KvmMemory> VirtioDevice for VirtioMem<K> {
+    fn device_id(&self) -> u32 {
+        VIRTIO_ID_MEM
+    }
+
+    fn features(&self) -> u64 {
+        F_VERSION_1 | (1 << VIRTIO_MEM_F_UNPLUGGED_INACCESSIBLE)
+    }
+
+    /// Unplugged blocks have no KVM slot, so the device cannot let a driver read them, as it
+    /// would have to without VIRTIO_MEM_F_UNPLUGGED_INACCESSIBLE: a driver that does not
+    /// accept the feature is refused (the specification allows a device to stop there).
+    fn accept_features(&self, acked: u64) -> bool {
+        acked & (1 << VIRTIO_MEM_F_UNPLUGGED_INACCESSIBLE) != 0
+    }
+
+    fn queue_max_sizes(&self) -> &[u16] {
+        &self.queue_sizes
+    }
+
+    fn read_config(&self, offset: u64, data: &mut [u8]) {
+        self.config.read(self.plugged_size(), offset, data);
+    }
+
+    /// The configuration space is read-only for the driver: writes are ignored.
+    fn write_config(&mut self, _offset: u64, _data: &[u8]) {}
+
+    fn activate(&mut self, _features: u64) -> Result<(), DriverError> {
+        Ok(())
+    }
+
+    fn process_queue(
+        &mut self,
+        index: usize,
+        queue: &mut Queue,
+    ) -> Result<QueueOutcome, DriverError> {
+        let mut outcome = QueueOutcome::default();
+        if index != 0 {
+            return Ok(outcome);
+        }
+        if !queue.is_valid(&*self.memory.snapshot()) {
+            return Err(DriverError(
+                "the request queue's rings are outside guest memory or misplaced".into(),
+            ));
+        }
+        loop {
+            // A fresh snapshot per request: one request may plug memory the next one uses,
+            // and a snapshot held across an unplug would keep its mapping alive.
+            let mem = self.memory.snapshot();
+            let chain = queue
+                .iter(mem.clone())
+                .map_err(|e| DriverError(format!("reading the available ring: {e}")))?
+                .next();
+            let Some(chain) = chain else {
+                break;
+            };
+            let head = chain.head_index();
+            let (request, buffers) = read_request(chain, &mem)?;
+            drop(mem);
+            let (response, changed) = self.handle(request);
+            outcome.config_changed |= changed;
+            let mem = self.memory.snapshot();
+            write_response(&mem, head, buffers, response)?;
+            queue
+                .add_used(&*mem, head, RESPONSE_SIZE as u32)
+                .map_err(|e| DriverError(format!("chain {head}: updating the used ring: {e}")))?;
+            outcome.used_buffers = true;
+        }
+        Ok(outcome)
+    }
+
+    /// Plugged blocks stay plugged and keep their contents (the specification forbids a device
+    /// reset to change them); the driver unplugs them with UNPLUG_ALL when it starts again.
+    fn reset(&mut self) {}
+}
+
+impl<K: KvmMemory> MmioTransport<VirtioMem<K>> {
+    /// Asks the driver for `bytes` of plugged memory and tells it: sets the requested size,
+    /// grows the usable region to fit it ([`VirtioMem::usable_region_size`]), and announces the
+    /// change with a new configuration generation and a configuration-change interrupt (once
+    /// the driver is running). Refused, changing nothing, if `bytes` is not a multiple of the
+    /// block size or is larger than the region.
+    pub fn set_requested_size(&mut self, bytes: u64) -> Result<(), Error> {
+        self.device_mut().set_requested_size(bytes)?;
+        self.config_changed();
+        Ok(())
+    }
+}

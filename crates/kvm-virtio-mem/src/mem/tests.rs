@@ -1,0 +1,302 @@
+//! The device against the fake KVM: options, requests, failures mid-request, the
+//! configuration space.
+
+use std::sync::Arc;
+
+use kvm_memslots::testing::{FakeKvm, Faulty, KvmCall};
+use kvm_memslots::{MemoryManager, RegionSpec};
+use vm_memory::GuestAddress;
+
+use super::request::{Request, Response};
+use super::*;
+use crate::mmio::VirtioDevice;
+
+const MIB: u64 = 1 << 20;
+const BASE: u64 = 1 << 32;
+
+fn device(kvm_slots: u32) -> VirtioMem<Faulty<FakeKvm>> {
+    let memory = Arc::new(MemoryManager::new(Faulty::new(FakeKvm::new(
+        kvm_slots, true,
+    ))));
+    let mut options = VirtioMemOptions::new(GuestAddress(BASE), 64 * MIB, 2 * MIB);
+    options.usable_headroom = 8 * MIB;
+    VirtioMem::new(memory, options).expect("valid device")
+}
+
+fn plug(addr: u64, blocks: u16) -> Request {
+    Request::Plug { addr, blocks }
+}
+
+#[test]
+fn options_are_checked() {
+    let memory = Arc::new(MemoryManager::new(FakeKvm::new(64, true)));
+    let new = |o| VirtioMem::new(Arc::clone(&memory), o).map(drop);
+    let o = VirtioMemOptions::new(GuestAddress(BASE), 64 * MIB, 2 * MIB);
+    assert_eq!(
+        new(VirtioMemOptions {
+            block_size: 3 * MIB,
+            ..o
+        }),
+        Err(Error::BlockSize(3 * MIB))
+    );
+    assert_eq!(
+        new(VirtioMemOptions {
+            block_size: 2048,
+            ..o
+        }),
+        Err(Error::BlockSize(2048))
+    );
+    assert!(matches!(
+        new(VirtioMemOptions {
+            addr: GuestAddress(BASE + MIB),
+            ..o
+        }),
+        Err(Error::Unaligned {
+            what: "region base",
+            ..
+        })
+    ));
+    assert_eq!(
+        new(VirtioMemOptions {
+            region_size: 0,
+            ..o
+        }),
+        Err(Error::EmptyRegion)
+    );
+    assert!(matches!(
+        new(VirtioMemOptions {
+            addr: GuestAddress(u64::MAX - 2 * MIB + 1),
+            region_size: 4 * MIB,
+            ..o
+        }),
+        Err(Error::WrapAround { .. })
+    ));
+    assert_eq!(
+        new(VirtioMemOptions {
+            queue_size: 100,
+            ..o
+        }),
+        Err(Error::QueueSize(100))
+    );
+    let err = new(VirtioMemOptions {
+        region_size: 130 * MIB,
+        ..o
+    })
+    .unwrap_err();
+    assert_eq!(
+        err,
+        Error::NotEnoughSlots {
+            needed: 65,
+            free: 64
+        }
+    );
+    assert_eq!(
+        err.to_string(),
+        "the device region needs 65 KVM slots (one per block) but only 64 are free"
+    );
+    memory
+        .add_region(RegionSpec::new(GuestAddress(BASE + 62 * MIB), 4 * MIB))
+        .expect("add a region");
+    assert!(matches!(new(o), Err(Error::Overlap { .. })));
+}
+
+#[test]
+fn requests_are_answered_as_the_specification_says() {
+    let mut d = device(64);
+    d.set_requested_size(8 * MIB).expect("aligned and in range");
+    assert_eq!(d.usable_region_size(), 16 * MIB);
+    assert_eq!(d.handle(plug(BASE, 2)), (Response::ACK, true));
+    assert_eq!(d.plugged_size(), 4 * MIB);
+    assert_eq!(
+        d.handle(plug(BASE, 1)).0,
+        Response::ERROR,
+        "already plugged"
+    );
+    assert_eq!(
+        d.handle(plug(BASE + MIB, 1)).0,
+        Response::ERROR,
+        "unaligned"
+    );
+    assert_eq!(
+        d.handle(plug(BASE + 4 * MIB, 0)).0,
+        Response::ERROR,
+        "no blocks"
+    );
+    assert_eq!(
+        d.handle(plug(BASE - 2 * MIB, 1)).0,
+        Response::ERROR,
+        "below"
+    );
+    assert_eq!(
+        d.handle(plug(BASE + 16 * MIB, 1)).0,
+        Response::ERROR,
+        "past usable"
+    );
+    assert_eq!(
+        d.handle(plug(BASE + 14 * MIB, 2)).0,
+        Response::ERROR,
+        "straddles"
+    );
+    assert_eq!(
+        d.handle(plug(BASE + 4 * MIB, 3)),
+        (Response::NACK, false),
+        "past requested"
+    );
+    assert_eq!(d.handle(plug(BASE + 4 * MIB, 2)).0, Response::ACK);
+    assert_eq!(
+        d.handle(Request::State {
+            addr: BASE,
+            blocks: 5
+        })
+        .0,
+        Response {
+            kind: VIRTIO_MEM_RESP_ACK,
+            state: VIRTIO_MEM_STATE_MIXED
+        }
+    );
+    assert_eq!(
+        d.handle(Request::State {
+            addr: BASE + 4 * MIB,
+            blocks: 2
+        })
+        .0
+        .state,
+        VIRTIO_MEM_STATE_PLUGGED
+    );
+    assert_eq!(
+        d.handle(Request::State {
+            addr: BASE + 8 * MIB,
+            blocks: 4
+        })
+        .0
+        .state,
+        VIRTIO_MEM_STATE_UNPLUGGED
+    );
+    assert_eq!(
+        d.handle(Request::Unplug {
+            addr: BASE + 6 * MIB,
+            blocks: 2
+        })
+        .0,
+        Response::ERROR
+    );
+    assert_eq!(
+        d.handle(Request::Unplug {
+            addr: BASE + 2 * MIB,
+            blocks: 1
+        })
+        .0,
+        Response::ACK
+    );
+    assert_eq!(d.plugged_size(), 6 * MIB);
+    assert_eq!(d.handle(Request::Unknown(9)).0, Response::ERROR);
+    d.set_requested_size(0).expect("zero is fine");
+    assert_eq!(
+        d.usable_region_size(),
+        16 * MIB,
+        "the usable region does not shrink"
+    );
+    assert_eq!(d.handle(Request::UnplugAll), (Response::ACK, true));
+    assert_eq!(d.plugged_size(), 0);
+    assert_eq!(d.usable_region_size(), 8 * MIB, "UNPLUG_ALL shrinks it");
+    assert!(d.memory().regions().is_empty());
+    assert_eq!(
+        d.request_counts(),
+        RequestCounts {
+            ack: 7,
+            nack: 1,
+            busy: 0,
+            error: 8
+        }
+    );
+}
+
+#[test]
+fn set_requested_size_checks_and_names_the_values() {
+    let mut d = device(64);
+    let err = d.set_requested_size(MIB).unwrap_err();
+    assert_eq!(
+        err.to_string(),
+        "requested size 0x100000 is not a multiple of the block size 0x200000"
+    );
+    let err = d.set_requested_size(66 * MIB).unwrap_err();
+    assert_eq!(
+        err.to_string(),
+        "requested size 0x4200000 is larger than the region size 0x4000000"
+    );
+    assert_eq!(d.requested_size(), 0);
+    d.set_requested_size(60 * MIB).expect("fits");
+    assert_eq!(d.usable_region_size(), 64 * MIB, "capped at the region");
+}
+
+#[test]
+fn a_kvm_failure_mid_plug_or_unplug_changes_nothing() {
+    let mut d = device(64);
+    d.set_requested_size(16 * MIB).expect("fits");
+    assert_eq!(d.handle(plug(BASE, 1)).0, Response::ACK);
+    let before = d.memory().kvm().inner().slots();
+    // The third block's slot is refused.
+    d.memory().kvm().fail(KvmCall::SetRegion, 2, libc_eio());
+    assert_eq!(d.handle(plug(BASE + 2 * MIB, 4)), (Response::BUSY, false));
+    assert!(!d.memory().kvm().failure_pending());
+    assert_eq!(d.memory().kvm().inner().slots(), before);
+    assert_eq!(d.plugged_blocks().len(), 1);
+    assert_eq!(d.plugged_size(), 2 * MIB);
+    assert_eq!(d.handle(plug(BASE + 2 * MIB, 4)).0, Response::ACK);
+    let ranges = |d: &VirtioMem<Faulty<FakeKvm>>| {
+        let mut r: Vec<_> = d
+            .memory()
+            .kvm()
+            .inner()
+            .slots()
+            .iter()
+            .map(|s| (s.gpa, s.size))
+            .collect();
+        r.sort();
+        r
+    };
+    let before = ranges(&d);
+    d.memory().kvm().fail(KvmCall::SetRegion, 3, libc_eio());
+    assert_eq!(
+        d.handle(Request::Unplug {
+            addr: BASE + 2 * MIB,
+            blocks: 4
+        })
+        .0,
+        Response::BUSY
+    );
+    assert_eq!(ranges(&d), before);
+    assert_eq!(d.plugged_size(), 10 * MIB);
+    d.memory().kvm().fail(KvmCall::SetRegion, 1, libc_eio());
+    assert_eq!(d.handle(Request::UnplugAll), (Response::BUSY, false));
+    assert_eq!(ranges(&d), before);
+    assert_eq!(d.handle(Request::UnplugAll).0, Response::ACK);
+    assert!(d.memory().kvm().inner().slots().is_empty());
+}
+
+fn libc_eio() -> i32 {
+    5
+}
+
+#[test]
+fn config_space_layout() {
+    let mut d = device(64);
+    d.set_requested_size(4 * MIB).expect("fits");
+    assert_eq!(d.handle(plug(BASE, 1)).0, Response::ACK);
+    let mut space = [0xaau8; 64];
+    d.read_config(0, &mut space);
+    let le = |at: usize| u64::from_le_bytes(space[at..at + 8].try_into().expect("8 bytes"));
+    assert_eq!(le(0), 2 * MIB);
+    assert_eq!(&space[8..16], &[0; 8], "node_id and padding");
+    assert_eq!(le(16), BASE);
+    assert_eq!(le(24), 64 * MIB);
+    assert_eq!(le(32), 12 * MIB);
+    assert_eq!(le(40), 2 * MIB);
+    assert_eq!(le(48), 4 * MIB);
+    assert_eq!(&space[56..], &[0; 8], "past the end");
+    let mut word = [0u8; 4];
+    d.read_config(20, &mut word);
+    assert_eq!(u32::from_le_bytes(word), 1, "high half of addr");
+    d.read_config(u64::MAX, &mut word);
+    assert_eq!(word, [0; 4]);
+}
