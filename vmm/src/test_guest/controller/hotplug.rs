@@ -111,8 +111,7 @@ impl Controller {
                 .map(|&(_, gpa)| self.new_region_spec(RegionSpec::new(gpa, slot_size)))
                 .collect();
             let ids = self.vm.memory().add_regions(specs)?;
-            let added: Vec<(usize, RegionId)> =
-                plan.map.iter().map(|&(i, _)| i).zip(ids).collect();
+            let added: Vec<(usize, RegionId)> = plan.map.iter().map(|&(i, _)| i).zip(ids).collect();
             for &(i, id) in &added {
                 self.area_mut().slots[i] = Some(id);
             }

@@ -15,8 +15,8 @@ mod snapshot;
 
 use std::sync::atomic::{AtomicBool, Ordering};
 
-use kvm_memslots_persist::MemoryLayout;
 use kvm_memslots::DirtyPages;
+use kvm_memslots_persist::MemoryLayout;
 
 use crate::control::dirty_log::DirtyRate;
 use crate::control::memory::{memory_info, MemoryInfo};

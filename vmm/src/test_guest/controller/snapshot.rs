@@ -4,8 +4,8 @@ use std::fs::File;
 use std::os::unix::fs::FileExt;
 use std::sync::Arc;
 
-use kvm_memslots_persist::{write_dirty_pages, write_memory_file, MemoryLayout};
 use kvm_memslots::{DirtyPages, Target};
+use kvm_memslots_persist::{write_dirty_pages, write_memory_file, MemoryLayout};
 
 use super::Controller;
 use crate::control::snapshot::{SnapshotCreate, SnapshotType};
