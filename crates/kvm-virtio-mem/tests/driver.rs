@@ -713,9 +713,20 @@ fn a_kvm_failure_mid_request_is_rolled_back_and_answered_busy() {
     // The driver retries, as Linux does on BUSY.
     assert_eq!(s.driver.plug(BASE + 2 * BLOCK, 4), RESP_ACK);
     let before = (kvm_slots(&s), s.device_regions());
+    let ram = s.memory().handle();
+    ram.memory()
+        .write_obj(0x5a5a_u32, GuestAddress(BASE + BLOCK))
+        .expect("plugged");
     s.memory().kvm().fail(KvmCall::SetRegion, 2, libc::EIO);
     assert_eq!(s.driver.unplug(BASE + BLOCK, 4), RESP_BUSY);
     assert_eq!((kvm_slots(&s), s.device_regions()), before);
+    assert_eq!(
+        ram.memory()
+            .read_obj::<u32>(GuestAddress(BASE + BLOCK))
+            .expect("still plugged"),
+        0x5a5a,
+        "a refused unplug is one undone change: the blocks keep their memory"
+    );
     assert_eq!(s.plugged(), 6 * BLOCK);
     s.memory().kvm().fail(KvmCall::SetRegion, 4, libc::EIO);
     assert_eq!(s.driver.unplug_all(), RESP_BUSY);

@@ -190,8 +190,8 @@ impl<K: KvmMemory> VirtioMem<K> {
     /// UNPLUG_ALL request does: for a VMM resetting the whole VM (the specification asks that
     /// a system reset unplug all memory; a device reset alone does not).
     ///
-    /// All or nothing: if the manager refuses to remove a block's region, the blocks removed
-    /// before it are plugged again (with fresh memory) and the error is returned.
+    /// All or nothing: the blocks' regions go in one change of the manager; if it refuses,
+    /// every block stays plugged, its memory untouched, and the error is returned.
     pub fn unplug_all(&mut self) -> Result<(), kvm_memslots::Error> {
         let all: Vec<usize> = (0..self.blocks.len())
             .filter(|&i| self.blocks[i].is_some())
@@ -205,53 +205,31 @@ impl<K: KvmMemory> VirtioMem<K> {
         self.config.block_gpa(index)
     }
 
-    /// Adds a region for each block in `indices`; on a failure, removes the ones added.
+    /// Adds a region for each block in `indices`, all in one change of the manager: all of
+    /// them or none.
     fn plug_blocks(&mut self, indices: &[usize]) -> Result<(), kvm_memslots::Error> {
-        for (done, &i) in indices.iter().enumerate() {
-            let spec = RegionSpec::new(self.block_gpa(i), self.block_size());
-            match self.memory.add_region(spec) {
-                Ok(region) => {
-                    self.blocks[i] = Some(region);
-                    self.plugged += 1;
-                }
-                Err(e) => {
-                    // Best effort: a block whose removal fails stays recorded as plugged, as
-                    // it is (only possible once the manager is broken).
-                    let _ = self.unplug_blocks_partial(&indices[..done]);
-                    return Err(e);
-                }
-            }
+        let specs = indices
+            .iter()
+            .map(|&i| RegionSpec::new(self.block_gpa(i), self.block_size()));
+        let regions = self.memory.add_regions(specs)?;
+        for (&i, region) in indices.iter().zip(regions) {
+            self.blocks[i] = Some(region);
+            self.plugged += 1;
         }
         Ok(())
     }
 
-    /// Removes the region of each block in `indices`; on a failure, plugs the removed ones
-    /// again.
+    /// Removes the region of each plugged block in `indices`, all in one change of the
+    /// manager: all of them or none.
     fn unplug_blocks(&mut self, indices: &[usize]) -> Result<(), kvm_memslots::Error> {
-        let removed = self.unplug_blocks_partial(indices);
-        match removed {
-            Ok(()) => Ok(()),
-            Err((done, e)) => {
-                // The driver asked to unplug these, so it does not use them: their contents
-                // need not survive, and they come back as fresh memory.
-                let _ = self.plug_blocks(&indices[..done]);
-                Err(e)
-            }
-        }
-    }
-
-    /// Removes regions in order until one fails; on failure returns how many were removed.
-    fn unplug_blocks_partial(
-        &mut self,
-        indices: &[usize],
-    ) -> Result<(), (usize, kvm_memslots::Error)> {
-        for (done, &i) in indices.iter().enumerate() {
-            let Some(region) = self.blocks[i] else {
-                continue;
-            };
-            if let Err(e) = self.memory.remove_region(region) {
-                return Err((done, e));
-            }
+        let plugged: Vec<usize> = indices
+            .iter()
+            .copied()
+            .filter(|&i| self.blocks[i].is_some())
+            .collect();
+        self.memory
+            .remove_regions(plugged.iter().filter_map(|&i| self.blocks[i]))?;
+        for i in plugged {
             self.blocks[i] = None;
             self.plugged -= 1;
         }
