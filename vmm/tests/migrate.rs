@@ -10,7 +10,7 @@ use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
 use kvm_memslots_persist::stream::{send_answer, Record, StreamReader, StreamWriter};
-use kvm_memslots_persist::{BackingKind, MemoryLayout, RegionLayout, LAYOUT_VERSION};
+use kvm_memslots_persist::{LayoutBacking, MemoryLayout, RegionLayout, LAYOUT_VERSION};
 use serde_json::{json, Value};
 use tinyvmm::api::client::Client;
 
@@ -612,7 +612,7 @@ fn hello() -> Vec<u8> {
             slot_size: 2 * MIB,
             read_only: false,
             log_dirty: false,
-            backing: BackingKind::Anonymous,
+            backing: LayoutBacking::Anonymous,
             file_offset: 0,
         }],
     };

@@ -31,7 +31,7 @@ const MAGIC: &[u8; 8] = b"KVMSLYT\0";
 /// How a region's memory is backed, as a layout records it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
-pub enum BackingKind {
+pub enum LayoutBacking {
     /// Private anonymous memory.
     Anonymous,
     /// A shared mapping (a memfd, or a file of the VMM's); restored as a new memfd.
@@ -55,7 +55,7 @@ pub struct RegionLayout {
     /// Its writes are logged.
     pub log_dirty: bool,
     /// Its backing.
-    pub backing: BackingKind,
+    pub backing: LayoutBacking,
     /// Where its pages are in the memory file.
     pub file_offset: u64,
 }
@@ -96,9 +96,9 @@ impl MemoryLayout {
                     read_only: r.flags.read_only,
                     log_dirty: r.flags.log_dirty,
                     backing: if r.shared {
-                        BackingKind::Shared
+                        LayoutBacking::Shared
                     } else {
-                        BackingKind::Anonymous
+                        LayoutBacking::Anonymous
                     },
                     file_offset: offset,
                 };
@@ -286,8 +286,8 @@ impl MemoryLayout {
 /// Fresh memory of the kind a layout region had.
 fn fresh_backing(r: &RegionLayout) -> Backing {
     match r.backing {
-        BackingKind::Anonymous => Backing::Anonymous,
-        BackingKind::Shared => Backing::Memfd,
+        LayoutBacking::Anonymous => Backing::Anonymous,
+        LayoutBacking::Shared => Backing::Memfd,
     }
 }
 

@@ -24,7 +24,7 @@ pub mod uffd;
 
 pub use error::SnapshotError;
 pub use frame::{frame, unframe};
-pub use layout::{BackingKind, MemoryLayout, RegionLayout, LAYOUT_VERSION};
+pub use layout::{LayoutBacking, MemoryLayout, RegionLayout, LAYOUT_VERSION};
 pub use memory_file::{
     data_runs, load_memory_file, merge_memory_files, merge_snapshots, write_dirty_pages,
     write_memory_file, WriteStats,

@@ -83,7 +83,7 @@ use kvm_memslots::{DirtyPages, KvmMemory, MemoryManager, RegionMemory, PAGE_SIZE
 
 use crate::error::SnapshotError;
 use crate::frame::{crc32, le_u32, le_u64};
-use crate::layout::{BackingKind, MemoryLayout, RegionLayout};
+use crate::layout::{LayoutBacking, MemoryLayout, RegionLayout};
 use crate::memory_file::content_runs;
 
 /// The stream format's version; a stream of another version is refused.
@@ -349,7 +349,7 @@ impl<W: Write> StreamWriter<W> {
             layout
                 .regions
                 .get(*i as usize)
-                .is_none_or(|r| r.backing != BackingKind::Shared)
+                .is_none_or(|r| r.backing != LayoutBacking::Shared)
         }) {
             return Err(StreamError::Format(format!(
                 "region {index} of the layout is not a shared region"
@@ -584,7 +584,7 @@ impl<R: Read> StreamReader<R> {
                     layout
                         .regions
                         .iter()
-                        .map(|r| r.backing == BackingKind::Shared)
+                        .map(|r| r.backing == LayoutBacking::Shared)
                         .collect()
                 } else {
                     Vec::new()
@@ -753,7 +753,7 @@ pub fn shared_files<K: KvmMemory>(
     let regions = layout.mappings(memory)?;
     let mut files = Vec::new();
     for (index, (r, region)) in layout.regions.iter().zip(&regions).enumerate() {
-        if r.backing != BackingKind::Shared {
+        if r.backing != LayoutBacking::Shared {
             continue;
         }
         let file = region.file_offset().ok_or_else(|| {

@@ -30,7 +30,7 @@ pub use manager::{
     KVM_MAX_SLOT_SIZE,
 };
 pub use memory::{
-    Backing, GuestMemoryHandle, GuestMemorySlots, GuestMemorySnapshot, GuestSlot, GuestSlotData,
+    Backing, GuestMemoryHandle, GuestMemorySlots, GuestMemoryView, GuestSlot, GuestSlotData,
     MappingError, RegionId, RegionMemory, SlotBacking,
 };
 pub use ring::{RingError, MIN_RING_ENTRIES};

@@ -389,12 +389,14 @@ impl GuestMemoryBackend for GuestMemorySlots {
     }
 }
 
-/// A consistent snapshot of guest memory that keeps its version (and every mapping in it)
-/// alive while held. Dereferences to [`GuestMemorySlots`].
+/// A view of one version of guest memory (vm-memory's `GuestAddressSpace::M`), consistent
+/// while held: it keeps that version, and every mapping in it, alive. Dereferences to
+/// [`GuestMemorySlots`]. (Not a snapshot in the save-and-restore sense: that is
+/// kvm-memslots-persist's.)
 #[derive(Debug, Clone)]
-pub struct GuestMemorySnapshot(Arc<MemslotMap<SlotBacking>>);
+pub struct GuestMemoryView(Arc<MemslotMap<SlotBacking>>);
 
-impl Deref for GuestMemorySnapshot {
+impl Deref for GuestMemoryView {
     type Target = GuestMemorySlots;
 
     fn deref(&self) -> &GuestMemorySlots {
@@ -409,9 +411,9 @@ pub struct GuestMemoryHandle(pub(crate) Arc<SharedMap<SlotBacking, State>>);
 
 impl GuestAddressSpace for GuestMemoryHandle {
     type M = GuestMemorySlots;
-    type T = GuestMemorySnapshot;
+    type T = GuestMemoryView;
 
-    fn memory(&self) -> GuestMemorySnapshot {
-        GuestMemorySnapshot(self.0.snapshot())
+    fn memory(&self) -> GuestMemoryView {
+        GuestMemoryView(self.0.load_full())
     }
 }

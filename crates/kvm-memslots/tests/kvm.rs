@@ -131,7 +131,7 @@ fn kvm_has_slot_at(vm: &VmFd, gpa: u64) -> bool {
 
 /// Checks that KVM has a slot at the start of every slot of the map, and none at `free`.
 fn assert_kvm_matches(vm: &VmFd, m: &MemoryManager<impl kvm_memslots::KvmMemory>, free: &[u64]) {
-    for slot in m.snapshot().map().iter() {
+    for slot in m.current().map().iter() {
         assert!(
             kvm_has_slot_at(vm, slot.gpa().0),
             "KVM lost slot {} at {:#x}",
@@ -146,7 +146,7 @@ fn assert_kvm_matches(vm: &VmFd, m: &MemoryManager<impl kvm_memslots::KvmMemory>
         );
     }
     for gpa in free {
-        assert!(m.snapshot().map().find_by_gpa(GuestAddress(*gpa)).is_none());
+        assert!(m.current().map().find_by_gpa(GuestAddress(*gpa)).is_none());
         assert!(
             !kvm_has_slot_at(vm, *gpa),
             "KVM has a slot at {gpa:#x} the map has not"
@@ -186,7 +186,7 @@ fn kvm_fills_every_slot_then_refuses_one_more() {
     );
     assert_eq!(m.regions(), before);
     assert_eq!(m.slot_usage(), usage);
-    assert_eq!(m.snapshot().map().len(), max);
+    assert_eq!(m.current().map().len(), max);
 
     let start = Instant::now();
     m.remove_region(region).expect("delete every slot");
@@ -235,7 +235,7 @@ fn kvm_harvest_reports_exactly_the_pages_written() {
     assert_eq!(first[0].count(), 64, "every page of a newly logging region");
     // The VMM writes one page through vm-memory; the guest writes four.
     let vmm_page = DATA + 200 * KIB;
-    m.snapshot()
+    m.current()
         .write_obj(7u8, GuestAddress(vmm_page))
         .expect("VMM write");
     let run = run_guest(&vm, &m.handle(), &code);
@@ -248,7 +248,7 @@ fn kvm_harvest_reports_exactly_the_pages_written() {
     assert_eq!(got, expected);
     for (i, gpa) in guest_pages.iter().enumerate() {
         assert_eq!(
-            m.snapshot()
+            m.current()
                 .read_obj::<u8>(GuestAddress(*gpa))
                 .expect("read"),
             i as u8 + 1
@@ -268,7 +268,7 @@ fn kvm_data_survives_moves_and_flag_changes() {
     let m = manager(&kvm, &vm);
     let (_, data) = guest_layout(&m, false);
     let pattern: Vec<u8> = (0..256 * KIB).map(|i| (i * 7 % 253) as u8).collect();
-    m.snapshot()
+    m.current()
         .write_slice(&pattern, GuestAddress(DATA))
         .expect("fill");
     let moved_to = 512 * KIB;
@@ -301,7 +301,7 @@ fn kvm_data_survives_moves_and_flag_changes() {
     );
     assert_eq!(run.mmio_reads, vec![DATA]);
     let mut back = vec![0u8; pattern.len()];
-    m.snapshot()
+    m.current()
         .read_slice(&mut back, GuestAddress(moved_to))
         .expect("read back");
     assert_eq!(
@@ -317,7 +317,7 @@ fn kvm_data_survives_moves_and_flag_changes() {
     );
     assert_eq!(run, Run::default());
     assert_eq!(
-        m.snapshot()
+        m.current()
             .read_obj::<u8>(GuestAddress(moved_to + 16))
             .expect("read"),
         0x55
@@ -332,7 +332,7 @@ fn kvm_injected_failures_leave_kvm_as_the_map_says() {
     let m = MemoryManager::new(Faulty::new(KvmVm::new(&kvm, Arc::clone(&vm)).expect("KVM")));
     let (_, data) = guest_layout(&m, false);
     let pattern: Vec<u8> = (0..256 * KIB).map(|i| (i % 241) as u8).collect();
-    m.snapshot()
+    m.current()
         .write_slice(&pattern, GuestAddress(DATA))
         .expect("fill");
     let moved_to = 512 * KIB;

@@ -34,13 +34,13 @@ use crate::map::{Change, MemslotMap};
 /// // A reader takes the current version without a lock; a later change does not alter it.
 /// let reader = Arc::clone(&shared);
 /// let seen = thread::spawn(move || {
-///     let version = reader.snapshot();
+///     let version = reader.load_full();
 ///     version.find_by_gpa(GuestAddress(0x800)).map(|s| s.id())
 /// })
 /// .join()
 /// .unwrap();
 /// assert_eq!(seen, Some(SlotId(0)));
-/// let before = shared.snapshot();
+/// let before = shared.load_full();
 /// shared.apply([Change::Remove(SlotId(0))]).unwrap();
 /// assert_eq!((before.len(), shared.load().len()), (1, 0));
 /// ```
@@ -67,13 +67,13 @@ impl<P, W> SharedMap<P, W> {
     }
 
     /// The current version, lock-free. Hold the guard briefly (it may pin the version); use
-    /// [`snapshot`](Self::snapshot) to keep a version.
+    /// [`load_full`](Self::load_full) to keep a version.
     pub fn load(&self) -> Guard<Arc<MemslotMap<P>>> {
         self.current.load()
     }
 
     /// The current version as an `Arc` the caller may keep as long as it likes.
-    pub fn snapshot(&self) -> Arc<MemslotMap<P>> {
+    pub fn load_full(&self) -> Arc<MemslotMap<P>> {
         self.current.load_full()
     }
 
@@ -210,7 +210,7 @@ mod tests {
     #[test]
     fn a_writer_sees_its_own_publications_and_readers_see_them_at_once() {
         let shared = SharedMap::with_writer_state(MemslotMap::new(MapConfig::default()), 0u32);
-        let first = shared.snapshot();
+        let first = shared.load_full();
         let mut writer = shared.write();
         assert!(Arc::ptr_eq(writer.current(), &first));
         for n in 0..2 {
@@ -229,12 +229,12 @@ mod tests {
     fn a_writer_that_publishes_nothing_changes_nothing() {
         let shared = SharedMap::new(MemslotMap::new(MapConfig::default()));
         shared.apply([page(0)]).unwrap();
-        let before = shared.snapshot();
+        let before = shared.load_full();
         drop(shared.write());
         assert!(shared.apply([page(0)]).is_err(), "a duplicate id");
         let refused: Result<(), &str> = shared.update(|_| Err("no"));
         assert_eq!(refused, Err("no"));
-        assert!(Arc::ptr_eq(&shared.snapshot(), &before));
+        assert!(Arc::ptr_eq(&shared.load_full(), &before));
     }
 
     /// Each writer reads the next slot number from the writer state and inserts that slot: a

@@ -8,7 +8,7 @@
 //! that same version, that the slots stamped `m` are exactly batch `m`'s subset, that nothing is
 //! stamped above `m`, and that every slot, the slot count, and the lookups by id, by guest
 //! address (plain and through a per-thread `LookupHint` carried across versions) and by host
-//! range are exactly version `m`'s. Readers also keep `snapshot()`s and check them again after
+//! range are exactly version `m`'s. Readers also keep `load_full()`s and check them again after
 //! the writer has moved on. At checkpoints the writer waits until every reader has checked the
 //! version just published, so that each reader is sure to see many distinct versions.
 
@@ -305,7 +305,7 @@ fn reader(
         last_checked.store(m, Ordering::SeqCst);
         if seen.checks.is_multiple_of(8) {
             // A version kept past later changes is still whole.
-            if let Some(old) = kept.replace(shared.snapshot()) {
+            if let Some(old) = kept.replace(shared.load_full()) {
                 verify(&old, states, &mut hint);
                 seen.kept_rechecked += 1;
             }
@@ -329,7 +329,7 @@ fn writer(
             .apply(batch.iter().cloned())
             .unwrap_or_else(|e| panic!("batch {k} refused: {e}"));
         assert_eq!(published.get(SlotId(MARKER)).map(|s| *s.payload()), Some(k));
-        assert_eq!(shared.snapshot().generation(), published.generation());
+        assert_eq!(shared.load_full().generation(), published.generation());
         if k % CHECKPOINT == 0 {
             while last_checked.iter().any(|c| c.load(Ordering::SeqCst) < k) {
                 if alive.load(Ordering::SeqCst) < READERS {

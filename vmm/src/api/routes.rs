@@ -150,7 +150,7 @@ pub fn route(request: &Request) -> Result<ControllerRequest, Response> {
 mod tests {
     use super::*;
     use crate::control::guest::GuestCommandResult;
-    use crate::control::memory::{AddRegion, BackingKind};
+    use crate::control::memory::{AddRegion, RegionBacking};
 
     fn request(method: &str, path: &str, body: &str) -> Request {
         Request {
@@ -184,7 +184,7 @@ mod tests {
             ControllerRequest::AddRegion(AddRegion {
                 size: 4096,
                 guest_address: Some(1 << 30),
-                backing: BackingKind::Memfd,
+                backing: RegionBacking::Memfd,
                 slot_size: None,
                 read_only: false,
                 dirty_log: false,

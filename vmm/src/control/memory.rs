@@ -8,7 +8,7 @@ use serde::{Deserialize, Serialize};
 /// How a new region is backed.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
 #[serde(rename_all = "snake_case")]
-pub enum BackingKind {
+pub enum RegionBacking {
     /// Private anonymous memory.
     Anonymous,
     /// A new memfd, mapped shared.
@@ -25,7 +25,7 @@ pub struct AddRegion {
     pub guest_address: Option<u64>,
     /// Backing; anonymous by default.
     #[serde(default = "default_backing")]
-    pub backing: BackingKind,
+    pub backing: RegionBacking,
     /// KVM slot size the region is split into (must divide `size`); one slot by default.
     pub slot_size: Option<u64>,
     /// Read-only for the guest.
@@ -39,8 +39,8 @@ pub struct AddRegion {
     pub guest_check: bool,
 }
 
-fn default_backing() -> BackingKind {
-    BackingKind::Anonymous
+fn default_backing() -> RegionBacking {
+    RegionBacking::Anonymous
 }
 
 fn yes() -> bool {

@@ -15,7 +15,7 @@ use std::time::{Duration, Instant};
 
 use kvm_memslots::MemoryLimits;
 use kvm_memslots_persist::stream::{apply_pages, check_layout, send_answer, Record, StreamReader};
-use kvm_memslots_persist::BackingKind;
+use kvm_memslots_persist::LayoutBacking;
 use vm_memory::FileOffset;
 
 use super::run_loop::RunLoop;
@@ -157,7 +157,7 @@ fn receive_vm(
         let shared = layout
             .regions
             .iter()
-            .filter(|r| r.backing == BackingKind::Shared)
+            .filter(|r| r.backing == LayoutBacking::Shared)
             .count();
         while handed.len() < shared {
             let Some(Record::Handover(regions)) =

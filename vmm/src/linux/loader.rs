@@ -547,7 +547,7 @@ mod tests {
         let kernel = temp_file("bzimage", &fake_bzimage(b"payload!"));
         let initrd = temp_file("initrd", &[7u8; 5000]);
         let loaded = load(
-            &*memory.snapshot(),
+            &*memory.current(),
             &kernel,
             Some(&initrd),
             "console=ttyS0",
@@ -558,7 +558,7 @@ mod tests {
         .unwrap();
         std::fs::remove_file(kernel).unwrap();
         std::fs::remove_file(initrd).unwrap();
-        let snapshot = memory.snapshot();
+        let snapshot = memory.current();
         assert_eq!(loaded.format, KernelFormat::BzImage);
         assert_eq!(
             loaded.entry,
@@ -633,7 +633,7 @@ mod tests {
         let (memory, map) = guest(&config);
         let kernel = temp_file("bzimage-pvh", &fake_bzimage(b"x"));
         let e = load(
-            &*memory.snapshot(),
+            &*memory.current(),
             &kernel,
             None,
             "",
@@ -646,7 +646,7 @@ mod tests {
         assert!(e.to_string().contains("has no PVH entry"), "{e}");
         let junk = temp_file("junk", b"not a kernel at all");
         let e = load(
-            &*memory.snapshot(),
+            &*memory.current(),
             &junk,
             None,
             "",

@@ -242,7 +242,7 @@ impl LinuxVm {
         if let Some(hotplug) = &hotplug {
             cmdline.push_str(&hotplug.cmdline(config.acpi));
         }
-        let snapshot = memory.snapshot();
+        let snapshot = memory.current();
         let rsdp = if config.acpi {
             let windows: Vec<acpi::MmioDevice> = hotplug.iter().map(|h| h.window).collect();
             Some(acpi::write(&*snapshot, config.vcpus, &windows)?.rsdp())

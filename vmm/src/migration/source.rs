@@ -32,7 +32,7 @@ use kvm_memslots::{DirtyPages, KvmVm, MemoryManager, RegionId, Target, PAGE_SIZE
 use kvm_memslots_persist::stream::{
     read_answer, shared_files, StreamError, StreamWriter, MAX_HANDOVER,
 };
-use kvm_memslots_persist::{BackingKind, MemoryLayout};
+use kvm_memslots_persist::{LayoutBacking, MemoryLayout};
 
 use super::transport::{Connection, Endpoint};
 use crate::control::migration::{MigrateRequest, MigrationInfo, MigrationPhase, OnTimeout};
@@ -426,7 +426,7 @@ impl<V: MigratingVcpu> Run<V> {
             self.targets = layout
                 .regions
                 .iter()
-                .filter(|r| r.backing != BackingKind::Shared)
+                .filter(|r| r.backing != LayoutBacking::Shared)
                 .map(|r| Target::Region(RegionId(r.id)))
                 .collect();
             writer

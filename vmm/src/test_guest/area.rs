@@ -154,7 +154,7 @@ pub fn check_area(
     if interrupted() {
         return Err(GuestError::Interrupted);
     }
-    let memory = vm.memory().snapshot();
+    let memory = vm.memory().current();
     let start = Instant::now();
     for gpa in addresses(area) {
         expect_pattern(&*memory, gpa, guest_seed)?;

@@ -160,7 +160,7 @@ impl VcpuPorts for TestGuestPorts {
                 Ok(self.wait(vcpu))
             }
             GuestPort::Exit => Ok(Flow::Stop),
-            GuestPort::Fault => Err(GuestPortError::Fault(Fault::read(&*self.memory.snapshot()))),
+            GuestPort::Fault => Err(GuestPortError::Fault(Fault::read(&*self.memory.current()))),
         }
     }
 }

@@ -201,7 +201,7 @@ impl TestVm {
         let memory = vm.memory();
         let system =
             memory.add_region(RegionSpec::new(GuestAddress(0), test_guest::SYSTEM_SIZE))?;
-        test_guest::write_system_memory(&*memory.snapshot())?;
+        test_guest::write_system_memory(&*memory.current())?;
         Ok(TestVm {
             vm,
             system,
@@ -526,7 +526,7 @@ impl Vcpus {
         if vcpu.wedged {
             return;
         }
-        vcpu.posted = vcpu.block.post(&*self.memory.snapshot(), &command);
+        vcpu.posted = vcpu.block.post(&*self.memory.current(), &command);
         // A vCPU that stopped has dropped its receiver; `wait` reports why.
         if let Some(resume) = &vcpu.resume {
             let _ = resume.send(GoAhead::Resume);
@@ -575,7 +575,7 @@ impl Vcpus {
     /// a write loop) and lets those vCPUs run on; the others wait for their next command.
     pub fn resume_unfinished(&mut self) {
         for vcpu in &mut self.threads {
-            let Some((command, seq)) = vcpu.block.unfinished(&*self.memory.snapshot()) else {
+            let Some((command, seq)) = vcpu.block.unfinished(&*self.memory.current()) else {
                 continue;
             };
             vcpu.running = Some(command);
@@ -588,12 +588,12 @@ impl Vcpus {
 
     /// Asks vCPU `index`'s write loop to end after its current pass.
     pub fn stop_loop(&self, index: usize) {
-        self.threads[index].block.stop(&*self.memory.snapshot());
+        self.threads[index].block.stop(&*self.memory.current());
     }
 
     /// Write-loop passes vCPU `index` has completed so far.
     pub fn passes(&self, index: usize) -> u64 {
-        self.threads[index].block.passes(&*self.memory.snapshot())
+        self.threads[index].block.passes(&*self.memory.current())
     }
 
     /// Has waits give up once `interrupt` is set.
@@ -651,13 +651,13 @@ impl Vcpus {
                 return Err(e);
             }
             let vcpu = &self.threads[index];
-            if vcpu.block.done_seq(&*self.memory.snapshot()) == vcpu.posted {
+            if vcpu.block.done_seq(&*self.memory.current()) == vcpu.posted {
                 break;
             }
         }
         let outcome = self.threads[index]
             .block
-            .outcome(&*self.memory.snapshot(), command.op);
+            .outcome(&*self.memory.current(), command.op);
         if let Some((gpa, found)) = outcome.mismatch {
             return Err(GuestError::GuestSawWrongData {
                 gpa,
@@ -682,12 +682,12 @@ impl Vcpus {
             let vcpu = &mut self.threads[index];
             vcpu.shared.request_stop();
             if vcpu.running.is_none() && !vcpu.wedged {
-                vcpu.block.post(&*self.memory.snapshot(), &Command::exit());
+                vcpu.block.post(&*self.memory.current(), &Command::exit());
                 if let Some(resume) = &vcpu.resume {
                     let _ = resume.send(GoAhead::Resume);
                 }
             } else {
-                vcpu.block.stop(&*self.memory.snapshot());
+                vcpu.block.stop(&*self.memory.current());
             }
             // With no sender left, a vCPU waiting for a go-ahead after its last command leaves.
             vcpu.resume = None;

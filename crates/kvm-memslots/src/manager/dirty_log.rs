@@ -260,7 +260,7 @@ impl<K: KvmMemory> MemoryManager<K> {
         // when the guest wrote, and whose number is not released yet) is in it, but for a
         // slot being added, whose region's pages are all pending already. (A change's drain
         // runs under the writer lock: this is then the version it is replacing.)
-        let map = self.current();
+        let map = self.published();
         for &(number, offset) in &entries {
             // The high half of the slot field is the address space, always 0 here.
             match map
@@ -476,7 +476,7 @@ impl<K: KvmMemory> MemoryManager<K> {
         log: &mut Vec<u64>,
     ) -> Result<(), Error> {
         let mut freed = self.ids_freed.load(Ordering::SeqCst);
-        let mut map = self.current();
+        let mut map = self.published();
         for &number in region.slots.iter() {
             if region_slot(&map, number, region).is_none_or(|s| !s.flags().log_dirty) {
                 continue;
@@ -491,7 +491,7 @@ impl<K: KvmMemory> MemoryManager<K> {
                     break;
                 }
                 freed = now;
-                map = self.current();
+                map = self.published();
             }
             let Some(slot) = region_slot(&map, number, region).filter(|s| s.flags().log_dirty)
             else {
@@ -527,7 +527,7 @@ impl<K: KvmMemory> MemoryManager<K> {
         sequence % 2 == 1
             || now != sequence
             || self
-                .current()
+                .published()
                 .get(slot.id())
                 .is_none_or(|latest| !Arc::ptr_eq(latest, slot))
     }

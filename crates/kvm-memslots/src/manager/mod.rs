@@ -32,7 +32,7 @@ use crate::error::Error;
 use crate::kvm::{KvmMemory, KvmSlot};
 use crate::limits::{Limit, MemoryLimits, MemoryUse};
 use crate::memory::{
-    GuestMemoryHandle, GuestMemorySnapshot, GuestSlotData, RegionId, RegionMemory, SlotBacking,
+    GuestMemoryHandle, GuestMemoryView, GuestSlotData, RegionId, RegionMemory, SlotBacking,
 };
 use crate::{MapGuard, PAGE_SIZE};
 pub use batch::RegionChange;
@@ -315,15 +315,16 @@ impl<K: KvmMemory> MemoryManager<K> {
         GuestMemoryHandle(Arc::clone(&self.map))
     }
 
-    /// The current version of guest memory.
-    pub fn snapshot(&self) -> GuestMemorySnapshot {
+    /// The current version of guest memory, as a vm-memory view to read and write through
+    /// (what `handle().memory()` gives).
+    pub fn current(&self) -> GuestMemoryView {
         use vm_memory::GuestAddressSpace;
         self.handle().memory()
     }
 
     /// The current map version for a short look (a vCPU exit, say): lock-free, and without
     /// touching the version's shared reference count in the common case (arc-swap's guard).
-    /// Do not hold it across long operations; keep a [`snapshot`](Self::snapshot) for that.
+    /// Do not hold it across long operations; keep a [`current`](Self::current) for that.
     pub fn load(&self) -> MapGuard {
         self.map.load()
     }
@@ -533,8 +534,8 @@ impl<K: KvmMemory> MemoryManager<K> {
     }
 
     /// The published version, lock-free: for reads that need no writer lock.
-    fn current(&self) -> Arc<MemslotMap<SlotBacking>> {
-        self.map.snapshot()
+    fn published(&self) -> Arc<MemslotMap<SlotBacking>> {
+        self.map.load_full()
     }
 }
 

@@ -9,7 +9,7 @@ impl<K: KvmMemory> MemoryManager<K> {
     /// Every guest address that host address `hva` backs (several where slots alias one host
     /// range), through the map's host-address index.
     pub fn find_by_hva(&self, hva: HostAddress) -> Vec<HvaMatch> {
-        let current = self.current();
+        let current = self.published();
         let mut out = Vec::new();
         current.for_each_hva_overlap(hva, 1, |slot| {
             if let Some(gpa) = slot.hva_to_gpa(hva) {

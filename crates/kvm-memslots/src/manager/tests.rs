@@ -28,7 +28,7 @@ fn region(gpa: u64, slots: u64) -> RegionSpec {
 /// KVM's slots as the published map says they are.
 fn expected_kvm(m: &Manager) -> Vec<KvmSlot> {
     let mut slots: Vec<KvmSlot> = m
-        .current()
+        .published()
         .iter()
         .map(|s| KvmSlot::from(s.as_ref()))
         .collect();
@@ -77,7 +77,7 @@ fn regions_are_split_into_slots_and_mirrored() {
     assert_eq!((regions[0].id, regions[0].slots), (a, 8));
     assert_eq!((regions[1].id, regions[1].slots), (b, 4));
     let last = m
-        .snapshot()
+        .current()
         .find_region(GuestAddress(4 * MIB + 3 * SLOT))
         .unwrap()
         .slot()
@@ -275,7 +275,7 @@ fn dirty_pages_come_from_kvm_and_from_the_vmm() {
     let fake = m.kvm().inner();
     assert!(fake.guest_write(MIB + 0x1000));
     assert!(fake.guest_write(MIB + 5 * SLOT + 0x2010));
-    m.snapshot()
+    m.current()
         .write_obj(0xabcd_u32, GuestAddress(MIB + 7 * SLOT + 0x3000))
         .unwrap();
     let dirty = m.harvest_dirty(Target::Region(r)).unwrap();
@@ -405,7 +405,7 @@ fn stopping_logging_or_toggling_read_only_keeps_logged_pages() {
 fn a_moved_region_keeps_its_data_and_slot_numbers() {
     let (m, r) = setup();
     let pattern: Vec<u8> = (0..8 * SLOT).map(|i| (i % 251) as u8).collect();
-    m.snapshot()
+    m.current()
         .write_slice(&pattern, GuestAddress(MIB))
         .unwrap();
     let numbers_before: Vec<u32> = m.kvm().inner().slots().iter().map(|s| s.slot).collect();
@@ -418,11 +418,11 @@ fn a_moved_region_keeps_its_data_and_slot_numbers() {
         "a move keeps KVM's slot numbers"
     );
     let mut back = vec![0u8; pattern.len()];
-    m.snapshot()
+    m.current()
         .read_slice(&mut back, GuestAddress(40 * MIB))
         .unwrap();
     assert_eq!(back, pattern);
-    assert!(m.snapshot().find_region(GuestAddress(MIB)).is_none());
+    assert!(m.current().find_region(GuestAddress(MIB)).is_none());
 }
 
 #[test]
@@ -432,7 +432,7 @@ fn discard_zeroes_private_and_frees_shared_memory() {
     let shared = m
         .add_region(region(2 * MIB, 4).with_backing(Backing::Memfd))
         .unwrap();
-    let mem = m.snapshot();
+    let mem = m.current();
     for gpa in [MIB, 2 * MIB] {
         mem.write_slice(&[0xaa; 4 * SLOT as usize], GuestAddress(gpa))
             .unwrap();
@@ -701,7 +701,7 @@ fn a_discard_racing_a_move_waits_for_it_and_spares_the_moved_data() {
     let m = MemoryManager::new(Gated::new(FakeKvm::new(16, true)));
     let r = m.add_region(region(MIB, 4)).unwrap();
     let pattern: Vec<u8> = (0..4 * SLOT).map(|i| (i % 251) as u8 | 1).collect();
-    m.snapshot()
+    m.current()
         .write_slice(&pattern, GuestAddress(MIB))
         .unwrap();
     assert_eq!(
@@ -736,7 +736,7 @@ fn a_discard_racing_a_move_waits_for_it_and_spares_the_moved_data() {
         other => panic!("the discard did not see the move: {other:?}"),
     }
     let mut back = vec![0u8; pattern.len()];
-    m.snapshot()
+    m.current()
         .read_slice(&mut back, GuestAddress(8 * MIB))
         .unwrap();
     assert!(back == pattern, "the moved region lost its data");
@@ -971,7 +971,7 @@ fn ring_entries_keep_their_region_across_changes_and_id_reuse() {
     // An entry of a removed region never lands in the region that reuses its slot ids.
     write(5 * MIB + SLOT);
     let c_slots: Vec<SlotId> = m
-        .current()
+        .published()
         .iter()
         .filter(|s| s.payload().region() == c)
         .map(|s| s.id())
@@ -979,7 +979,7 @@ fn ring_entries_keep_their_region_across_changes_and_id_reuse() {
     m.remove_region(c).unwrap();
     let d = m.add_region(region(6 * MIB, 2)).unwrap();
     let d_slots: Vec<SlotId> = m
-        .current()
+        .published()
         .iter()
         .filter(|s| s.payload().region() == d)
         .map(|s| s.id())
@@ -1044,7 +1044,7 @@ fn logging(spec: RegionSpec) -> RegionSpec {
 /// The slot numbers of region `id` in the published map, in offset order.
 fn slot_numbers<K: KvmMemory>(m: &MemoryManager<K>, id: RegionId) -> Vec<u32> {
     let mut slots: Vec<(u64, u32)> = m
-        .current()
+        .published()
         .iter()
         .filter(|s| s.payload().region() == id)
         .map(|s| (s.payload().offset(), s.id().0))
@@ -1165,7 +1165,7 @@ fn bitmap_harvest_held_in_kvm(manual: bool) {
 
 fn assert_mirrored_gated(m: &GatedManager) {
     let mut expected: Vec<KvmSlot> = m
-        .current()
+        .published()
         .iter()
         .map(|s| KvmSlot::from(s.as_ref()))
         .collect();
@@ -1440,7 +1440,7 @@ fn random_changes_writes_and_harvests(kvm: FakeKvm, seed: u64) {
                     break;
                 }
                 let before = m.change_sequence();
-                let map = m.snapshot();
+                let map = m.current();
                 let slots: Vec<_> = map.map().iter().cloned().collect();
                 if before % 2 == 1 || slots.is_empty() {
                     continue;
@@ -1564,12 +1564,12 @@ fn switching_logging_to_what_it_is_makes_no_call_and_no_version() {
     let m = manager(64);
     let id = m.add_region(region(0, 4)).unwrap();
     m.start_dirty_log(Target::Region(id)).unwrap();
-    let (calls, generation) = (m.kvm().inner().set_calls(), m.current().generation());
+    let (calls, generation) = (m.kvm().inner().set_calls(), m.published().generation());
     let sequence = m.change_sequence();
     m.start_dirty_log(Target::Region(id)).unwrap();
     m.start_dirty_log(Target::All).unwrap();
     assert_eq!(m.kvm().inner().set_calls(), calls);
-    assert_eq!(m.current().generation(), generation, "no new version");
+    assert_eq!(m.published().generation(), generation, "no new version");
     assert_eq!(m.change_sequence(), sequence);
     m.stop_dirty_log(Target::Region(id)).unwrap();
     m.stop_dirty_log(Target::Region(id)).unwrap();
@@ -1599,7 +1599,7 @@ fn a_panicking_kvm_call_leaves_the_change_sequence_even() {
         .expect("the first slot was made");
     assert!(is_mapped(created.hva), "a KVM slot over unmapped memory");
     assert!(
-        !m.current().iter().any(|s| s.gpa().0 == GIB),
+        !m.published().iter().any(|s| s.gpa().0 == GIB),
         "nothing was published"
     );
     let refused = m.add_region(region(2 * GIB, 1)).unwrap_err();

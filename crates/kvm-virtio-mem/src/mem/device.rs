@@ -350,7 +350,7 @@ impl<K: KvmMemory> VirtioDevice for VirtioMem<K> {
         if index != 0 {
             return Ok(outcome);
         }
-        if !queue.is_valid(&*self.memory.snapshot()) {
+        if !queue.is_valid(&*self.memory.current()) {
             return Err(DriverError(
                 "the request queue's rings are outside guest memory or misplaced".into(),
             ));
@@ -358,7 +358,7 @@ impl<K: KvmMemory> VirtioDevice for VirtioMem<K> {
         loop {
             // A fresh snapshot per request: one request may plug memory the next one uses,
             // and a snapshot held across an unplug would keep its mapping alive.
-            let mem = self.memory.snapshot();
+            let mem = self.memory.current();
             let chain = queue
                 .iter(mem.clone())
                 .map_err(|e| DriverError(format!("reading the available ring: {e}")))?
@@ -371,7 +371,7 @@ impl<K: KvmMemory> VirtioDevice for VirtioMem<K> {
             drop(mem);
             let (response, changed) = self.handle(request);
             outcome.config_changed |= changed;
-            let mem = self.memory.snapshot();
+            let mem = self.memory.current();
             write_response(&mem, head, buffers, response)?;
             queue
                 .add_used(&*mem, head, RESPONSE_SIZE as u32)

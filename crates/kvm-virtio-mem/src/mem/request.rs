@@ -3,7 +3,7 @@
 //! chain, and writing a response back into it.
 
 use kvm_memslots::GuestMemorySlots;
-use kvm_memslots::GuestMemorySnapshot;
+use kvm_memslots::GuestMemoryView;
 use virtio_queue::DescriptorChain;
 use vm_memory::{Bytes, GuestAddress, GuestMemoryBackend};
 
@@ -101,7 +101,7 @@ pub(super) struct Buffer {
 /// Takes one descriptor chain apart: reads the request, and returns it with the
 /// device-writable buffers the response goes to.
 pub(super) fn read_request(
-    chain: DescriptorChain<GuestMemorySnapshot>,
+    chain: DescriptorChain<GuestMemoryView>,
     mem: &GuestMemorySlots,
 ) -> Result<(Request, Vec<Buffer>), DriverError> {
     let head = chain.head_index();

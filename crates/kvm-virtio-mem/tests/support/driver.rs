@@ -285,7 +285,7 @@ impl<K: KvmMemory, R: Registers> Driver<K, R> {
         self.used_seen = 0;
     }
 
-    fn ram(&self) -> kvm_memslots::GuestMemorySnapshot {
+    fn ram(&self) -> kvm_memslots::GuestMemoryView {
         self.memory.handle().memory()
     }
 

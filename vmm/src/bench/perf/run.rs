@@ -167,7 +167,7 @@ impl Bench<'_> {
 
     /// Checks that `gpa` holds what the guest wrote there with `seed`.
     fn check(&self, gpa: u64, seed: u64) -> Result<(), PerfError> {
-        Ok(expect_pattern(&*self.vm.memory().snapshot(), gpa, seed)?)
+        Ok(expect_pattern(&*self.vm.memory().current(), gpa, seed)?)
     }
 
     /// Ends the vCPU's write loop once it has run a whole pass after this call (so that no
@@ -347,7 +347,7 @@ impl Bench<'_> {
                 seed,
             };
             b.vcpus.run(0, command(Op::Write, start, guest_seed))?;
-            let memory = b.vm.memory().snapshot();
+            let memory = b.vm.memory().current();
             for gpa in (start..end).step_by(PAGE_SIZE as usize) {
                 expect_pattern(&*memory, gpa, guest_seed)?;
                 let middle = gpa + PAGE_SIZE / 2;

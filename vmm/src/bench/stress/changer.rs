@@ -135,7 +135,7 @@ impl Changer<'_> {
         )?;
         self.mover_gpa = gpa;
         self.counts.moves += 1;
-        let snapshot = self.memory.snapshot();
+        let snapshot = self.memory.current();
         for page in 0..MOVER_PAGES {
             let at = gpa + page * PAGE_SIZE;
             let found = read(&*snapshot, at)?;

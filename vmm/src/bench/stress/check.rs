@@ -32,7 +32,7 @@ impl Writers {
     }
 
     pub(super) fn passes(&self, memory: &MemoryManager<KvmVm>, vcpu: usize) -> u64 {
-        CommandBlock::new(vcpu).passes(&*memory.snapshot())
+        CommandBlock::new(vcpu).passes(&*memory.current())
     }
 }
 
@@ -101,7 +101,7 @@ impl Changer<'_> {
     fn scan(&mut self, vcpu: usize) -> Result<(Vec<u64>, u64), StressError> {
         let seed = self.writers.parts[vcpu].seed;
         let before = self.writers.passes(self.memory, vcpu);
-        let snapshot = self.memory.snapshot();
+        let snapshot = self.memory.current();
         let values = self
             .writers
             .addresses(vcpu)
@@ -160,7 +160,7 @@ mod tests {
         let m = MemoryManager::new(FakeKvm::new(8, false));
         m.add_region(RegionSpec::new(GuestAddress(BASE), 4 * PAGE_SIZE))
             .unwrap();
-        let snapshot = m.snapshot();
+        let snapshot = m.current();
         for k in 0..passes {
             for gpa in (BASE..BASE + 4 * PAGE_SIZE).step_by(PAGE_SIZE as usize) {
                 snapshot
@@ -173,7 +173,7 @@ mod tests {
 
     fn check(m: &MemoryManager<FakeKvm>, passes: u64) -> Result<(), StressError> {
         let part = BASE..BASE + 4 * PAGE_SIZE;
-        check_part(&*m.snapshot(), 3, part, PAGE_SIZE, SEED, passes)
+        check_part(&*m.current(), 3, part, PAGE_SIZE, SEED, passes)
     }
 
     #[test]
@@ -187,7 +187,7 @@ mod tests {
     fn the_final_check_names_a_lost_write_and_wrong_data() {
         let m = memory_after_passes(5);
         let lost = BASE + 2 * PAGE_SIZE;
-        m.snapshot()
+        m.current()
             .write_obj(pattern(lost, SEED + 3), GuestAddress(lost))
             .unwrap();
         let err = check(&m, 5).unwrap_err();
@@ -200,7 +200,7 @@ mod tests {
                 .starts_with("lost write at 0x102000 (vCPU 3)"),
             "{err}"
         );
-        m.snapshot()
+        m.current()
             .write_obj(0xdead_beef_u64, GuestAddress(lost))
             .unwrap();
         let err = check(&m, 5).unwrap_err();

@@ -117,7 +117,7 @@ pub fn run_stress(
         "adding the verifier's region",
         memory.add_region(verify_spec),
     )?;
-    let snapshot = memory.snapshot();
+    let snapshot = memory.current();
     for gpa in (VERIFY_GPA..VERIFY_GPA + VERIFY_SIZE).step_by(VERIFY_STRIDE as usize) {
         snapshot
             .write_obj(pattern(gpa, VERIFY_SEED), GuestAddress(gpa))
@@ -127,7 +127,7 @@ pub fn run_stress(
     let mover_spec =
         RegionSpec::new(GuestAddress(mover_gpa), MOVER_PAGES * PAGE_SIZE).with_slot_size(PAGE_SIZE);
     let mover = change("adding the two-slot region", memory.add_region(mover_spec))?;
-    let snapshot = memory.snapshot();
+    let snapshot = memory.current();
     for page in 0..MOVER_PAGES {
         let gpa = mover_gpa + page * PAGE_SIZE;
         snapshot

@@ -176,7 +176,7 @@ pub(super) fn stress(
     if watch.interrupted() {
         return Err(StressError::Interrupted);
     }
-    let snapshot = changer.memory.snapshot();
+    let snapshot = changer.memory.current();
     if let Some(page) = config.corrupt_page {
         // Undo the last pass's write there, as if it had been lost.
         let gpa = writers.area.gpa + page * PAGE_SIZE;

@@ -72,7 +72,7 @@ impl Controller {
         let total = area.slots.len() as u64 * area.slot_size;
         // Its range is reserved from now on: nothing else may be there.
         if let Some(other) = memory
-            .snapshot()
+            .current()
             .map()
             .first_overlap(area.gpa, area.gpa + total)
         {

@@ -7,7 +7,7 @@ use kvm_memslots::{Backing, RegionId, RegionSpec, PAGE_SIZE};
 use vm_memory::GuestAddress;
 
 use super::{Controller, AUTO_PLACE_BASE, MIB};
-use crate::control::memory::{AddRegion, BackingKind, PatchRegion, RegionAdded};
+use crate::control::memory::{AddRegion, PatchRegion, RegionAdded, RegionBacking};
 use crate::control::ControllerError;
 use crate::test_guest;
 use crate::test_guest::area::{check_area, TestArea};
@@ -29,7 +29,7 @@ impl Controller {
     /// The first free place for `size` bytes at or above `from`, aligned as `auto_place` says.
     fn first_free(&self, from: u64, size: u64) -> Option<u64> {
         let align = (size & size.wrapping_neg()).clamp(PAGE_SIZE, 2 * MIB);
-        let snapshot = self.vm.memory().snapshot();
+        let snapshot = self.vm.memory().current();
         let mut at = from.checked_next_multiple_of(align)?;
         for slot in snapshot.map().iter_from_gpa(GuestAddress(at)) {
             if slot.gpa().0 >= at.checked_add(size)? {
@@ -75,7 +75,7 @@ impl Controller {
                 test_guest::IDENTITY_MAPPED
             )));
         }
-        if let Some(hole) = self.vm.memory().snapshot().map().first_hole(start, end) {
+        if let Some(hole) = self.vm.memory().current().map().first_hole(start, end) {
             return Err(ControllerError::bad(format!(
                 "guest range [{start:#x}, {end:#x}) is not all memory: nothing at {hole:#x}"
             )));
@@ -99,8 +99,8 @@ impl Controller {
         };
         self.outside_hotplug_area(gpa, add.size)?;
         let backing = match add.backing {
-            BackingKind::Anonymous => Backing::Anonymous,
-            BackingKind::Memfd => Backing::Memfd,
+            RegionBacking::Anonymous => Backing::Anonymous,
+            RegionBacking::Memfd => Backing::Memfd,
         };
         let mut spec = RegionSpec::new(GuestAddress(gpa), add.size).with_backing(backing);
         spec.slot_size = add.slot_size;
