@@ -34,7 +34,10 @@ pub enum RegionChange {
 
 /// A region a batch adds, once its arguments were checked and its slot numbers taken.
 struct NewRegion {
+    /// As given, except that it logs if a consumer logs every new region.
     spec: RegionSpec,
+    /// The consumers it logs for.
+    loggers: BTreeSet<DirtyConsumer>,
     slot_size: u64,
     ids: Vec<SlotId>,
 }
@@ -202,11 +205,7 @@ impl<K: KvmMemory> MemoryManager<K> {
                     size: new.spec.size,
                     slots: new.ids,
                     flags: flags_of(&new.spec),
-                    loggers: if new.spec.log_dirty {
-                        BTreeSet::from([DirtyConsumer::DEFAULT])
-                    } else {
-                        BTreeSet::new()
-                    },
+                    loggers: new.loggers,
                     shared,
                 },
             );
@@ -308,7 +307,12 @@ impl<K: KvmMemory> MemoryManager<K> {
         let free = state.ids.available_besides(leased);
         let mut added: Vec<NewRegion> = Vec::with_capacity(adds.len());
         let mut needed = 0;
-        for (spec, slot_size) in adds {
+        for (mut spec, slot_size) in adds {
+            let mut loggers = state.followers.clone();
+            if spec.log_dirty {
+                loggers.insert(DirtyConsumer::DEFAULT);
+            }
+            spec.log_dirty = !loggers.is_empty();
             let count = spec.size.div_ceil(slot_size) as usize;
             needed += count;
             let Some(ids) = state.ids.alloc(count, leased) else {
@@ -321,6 +325,7 @@ impl<K: KvmMemory> MemoryManager<K> {
             };
             added.push(NewRegion {
                 spec,
+                loggers,
                 slot_size,
                 ids,
             });

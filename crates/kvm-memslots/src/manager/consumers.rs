@@ -153,12 +153,13 @@ impl<K: KvmMemory> MemoryManager<K> {
         }
         self.check_consumer(consumer)?;
         self.stop_dirty_log_for(consumer, Target::All)?;
-        let _state = self.state_for_change()?;
+        let mut state = self.state_for_change()?;
         let _serial = self.harvests.lock().unwrap_or_else(|p| p.into_inner());
         let mut registry = self.consumers();
         if !registry.remove(&consumer) {
             return Err(Error::UnknownConsumer(consumer));
         }
+        state.followers.remove(&consumer);
         let last = registry.len() == 1;
         for region in self.directory().values() {
             let mut stashes = region.stash();
@@ -170,6 +171,28 @@ impl<K: KvmMemory> MemoryManager<K> {
                     give_back(&stash, &region.pending);
                 }
             }
+        }
+        Ok(())
+    }
+
+    /// Makes every region added from now on log for `consumer` from the start (`on`), or stops
+    /// that; regions in place are not changed. With [`start_dirty_log_for`] on every region, a
+    /// consumer that must see all guest memory change (a snapshot chain, a migration) misses no
+    /// region added later: its first harvest after the add reports the new region's every
+    /// page. [`remove_dirty_consumer`](Self::remove_dirty_consumer) ends it too.
+    ///
+    /// [`start_dirty_log_for`]: Self::start_dirty_log_for
+    ///
+    /// # KVM calls
+    ///
+    /// None.
+    pub fn log_new_regions_for(&self, consumer: DirtyConsumer, on: bool) -> Result<(), Error> {
+        let mut state = self.state_for_change()?;
+        self.check_consumer(consumer)?;
+        if on {
+            state.followers.insert(consumer);
+        } else {
+            state.followers.remove(&consumer);
         }
         Ok(())
     }

@@ -119,6 +119,9 @@ pub(crate) struct State {
     orphans: Vec<Arc<RegionMemory>>,
     /// The number the next dirty-log consumer gets.
     next_consumer: u32,
+    /// Consumers every new region logs for from the start
+    /// ([`MemoryManager::log_new_regions_for`]).
+    followers: BTreeSet<DirtyConsumer>,
     /// What regions are admitted against.
     limits: MemoryLimits,
     /// What the regions in place use of it.
@@ -266,6 +269,7 @@ impl<K: KvmMemory> MemoryManager<K> {
                     broken: None,
                     adding: Vec::new(),
                     next_consumer: 1,
+                    followers: BTreeSet::new(),
                     orphans: Vec::new(),
                     limits,
                     used: MemoryUse::default(),

@@ -2007,3 +2007,38 @@ fn removing_a_consumer_stops_logging_only_where_it_was_the_last() {
     assert!(m.kvm().inner().set_calls() > calls);
     assert_mirrored(&m);
 }
+
+#[test]
+fn a_consumer_that_logs_new_regions_sees_every_page_of_them() {
+    let m = manager(16);
+    let chain = m.add_dirty_consumer().unwrap();
+    m.log_new_regions_for(chain, true).unwrap();
+    let a = m.add_region(region(0, 2)).unwrap();
+    assert_eq!(m.dirty_log_holders(a), Some(vec![chain]));
+    assert!(m.regions()[0].flags.log_dirty);
+    // Its first harvest has every page of the new region; the client's stop changes nothing.
+    let first = m.harvest_dirty_for(chain, Target::Region(a)).unwrap();
+    assert_eq!(first[0].count(), 2 * SLOT / PAGE_SIZE);
+    m.stop_dirty_log(Target::All).unwrap();
+    m.kvm().inner().guest_write(SLOT + PAGE_SIZE);
+    assert_eq!(
+        addresses_of(&m.harvest_dirty_for(chain, Target::All).unwrap()),
+        vec![SLOT + PAGE_SIZE]
+    );
+    // A region added with logging on logs for the default consumer too.
+    let b = m.add_region(logging(region(MIB, 1))).unwrap();
+    assert_eq!(
+        m.dirty_log_holders(b),
+        Some(vec![DirtyConsumer::DEFAULT, chain])
+    );
+    // Ended, the consumer no longer logs new regions, and its regions stop logging.
+    m.remove_dirty_consumer(chain).unwrap();
+    let c = m.add_region(region(2 * MIB, 1)).unwrap();
+    assert_eq!(m.dirty_log_holders(c), Some(vec![]));
+    assert_eq!(m.dirty_log_holders(a), Some(vec![]));
+    assert!(matches!(
+        m.log_new_regions_for(chain, true).unwrap_err(),
+        Error::UnknownConsumer(_)
+    ));
+    assert_mirrored(&m);
+}
