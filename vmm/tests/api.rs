@@ -991,3 +991,122 @@ fn kvm_a_diff_that_fails_keeps_every_page_for_the_next() {
     drop(small);
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// Issue 24's chain: a client that reads the dirty rate, or switches its logging off, between a
+/// Full and a Diff snapshot must not take the Diff's pages: the merged chain restores the
+/// guest's last writes, not the Full's.
+fn a_client_between_full_and_diff_hides_no_page(variant: &str) {
+    use kvm_memslots_persist::merge_snapshots;
+    use tinyvmm::jobs::restore::RestoreFrom;
+    use tinyvmm::test_guest::snapshot::SnapshotState;
+    use tinyvmm::test_guest::vcpus::MemBackend;
+
+    let dir = std::env::temp_dir().join(format!(
+        "tinyvmm-test-{}-chain-{variant}",
+        std::process::id()
+    ));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).expect("a temporary folder");
+    let file = |name: &str| dir.join(name);
+    let vmm = Vmm::start(&format!("chain-{variant}"), 2, 4);
+    let (status, body) = vmm.call(
+        "PUT",
+        "/memory/regions",
+        Some(json!({"size": 1 << 20, "guest_address": GIB, "slot_size": 65536})),
+    );
+    assert_eq!(status, 201, "{body}");
+    let region = body["id"].as_u64().expect("an id");
+    let command = |op: &str, seed: u64| json!({"op": op, "start": GIB, "end": GIB + (1 << 20), "stride": 4096, "seed": seed});
+    let run = |vmm: &Vmm, c: Value| vmm.call("PUT", "/guest/command", Some(c));
+    let state = |vmm: &Vmm, s: &str| vmm.call("PATCH", "/vm", Some(json!({"state": s}))).0;
+    let create = |kind: &str, name: &str| json!({"snapshot_type": kind, "snapshot_path": file(&format!("{name}.state")), "mem_file_path": file(&format!("{name}.mem"))});
+    assert_eq!(run(&vmm, command("write", 1)).0, 200);
+    assert_eq!(state(&vmm, "Paused"), 204);
+    assert_eq!(
+        vmm.call("PUT", "/snapshot/create", Some(create("Full", "k1")))
+            .0,
+        204
+    );
+    assert_eq!(state(&vmm, "Resumed"), 204);
+    assert_eq!(run(&vmm, command("write", 2)).0, 200);
+    match variant {
+        "harvest" => {
+            let (status, body) = vmm.call(
+                "POST",
+                "/dirty-log/harvest",
+                Some(json!({"region": region})),
+            );
+            assert_eq!(status, 200, "{body}");
+            assert_eq!(body["regions"][0]["dirty_pages"], json!(256), "{body}");
+        }
+        _ => {
+            let off = vmm.call("PATCH", "/dirty-log", Some(json!({"enabled": false})));
+            assert_eq!(off.0, 204, "{off:?}");
+            // The chain keeps the region logging, and the API says so.
+            let (_, log) = vmm.call("GET", "/dirty-log", None);
+            assert!(log["logging_regions"]
+                .as_array()
+                .expect("regions")
+                .contains(&json!(region)));
+            assert!(
+                log["logging_for"]["snapshot_chain"]
+                    .as_array()
+                    .expect("the chain's regions")
+                    .contains(&json!(region)),
+                "{log}"
+            );
+            assert!(log["logging_for"].get("client").is_none(), "{log}");
+        }
+    }
+    assert_eq!(state(&vmm, "Paused"), 204);
+    assert_eq!(
+        vmm.call("PUT", "/snapshot/create", Some(create("Diff", "k2")))
+            .0,
+        204
+    );
+    vmm.stop();
+
+    let layout = |name: &str| {
+        SnapshotState::from_bytes(&std::fs::read(file(name)).expect("state"))
+            .expect("a valid state file")
+            .layout
+    };
+    let (k1, k2) = (layout("k1.state"), layout("k2.state"));
+    let k1_mem = std::fs::File::open(file("k1.mem")).expect("k1");
+    let k2_mem = std::fs::File::open(file("k2.mem")).expect("k2");
+    let merged = std::fs::File::create_new(file("km.mem")).expect("a new file");
+    merge_snapshots(&[(&k1, &k1_mem), (&k2, &k2_mem)], &merged).expect("merged");
+    let restored = Vmm::start_with(&format!("chain-{variant}-restored"), |config| ServeConfig {
+        restore: Some(RestoreFrom {
+            snapshot: file("k2.state"),
+            mem_file: file("km.mem"),
+            backend: MemBackend::Copy,
+        }),
+        ..config
+    });
+    assert_eq!(state(&restored, "Resumed"), 204);
+    let verify = run(&restored, command("verify", 2));
+    assert_eq!(verify.1["result"], json!("ok"), "{variant}: {verify:?}");
+    restored.stop();
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn kvm_a_client_harvest_between_full_and_diff_hides_no_page() {
+    if !kvm_test_support::require_kvm(
+        "tinyvmm::kvm_a_client_harvest_between_full_and_diff_hides_no_page",
+    ) {
+        return;
+    }
+    a_client_between_full_and_diff_hides_no_page("harvest");
+}
+
+#[test]
+fn kvm_a_client_logging_stop_between_full_and_diff_hides_no_page() {
+    if !kvm_test_support::require_kvm(
+        "tinyvmm::kvm_a_client_logging_stop_between_full_and_diff_hides_no_page",
+    ) {
+        return;
+    }
+    a_client_between_full_and_diff_hides_no_page("logging-off");
+}

@@ -51,8 +51,14 @@ pub struct DirtyLogInfo {
     pub mode: &'static str,
     /// Entries per vCPU ring, in ring mode.
     pub ring_entries: Option<u32>,
-    /// Regions whose writes are logged.
+    /// Regions whose writes are logged (for any reader of the log).
     pub logging_regions: Vec<u64>,
+    /// Who keeps each of those logging: `client` (`PATCH /dirty-log`), `snapshot_chain` (every
+    /// region from the first Full snapshot on, so that a Diff has every page), `migration`
+    /// (while one runs); each with its regions. A client's `PATCH /dirty-log {"enabled":
+    /// false}` ends only the client's logging: a region another reader logs goes on logging,
+    /// and each reader's harvests get every page dirtied since its own last one.
+    pub logging_for: std::collections::BTreeMap<&'static str, Vec<u64>>,
     /// Harvests of every region so far.
     pub harvests: u64,
     /// The dirty rate between the last two harvests of every region, if there were two.

@@ -10,9 +10,9 @@
 //! it. At the timeout, or earlier once the harvest alone took longer than the budget three
 //! rounds running while the pages left would have fit it (more rounds cannot help then),
 //! `force` goes on to the pause anyway and `cancel` gives up. Anything else leaves the VM
-//! running here as before: vCPUs resumed, logging as it was, and the pages harvested handed
-//! back to the controller (a Diff snapshot after a failed migration still gets them) — with one
-//! exception. Once the Done record went out whole, the destination may run the VM (it starts
+//! running here as before: vCPUs resumed, logging as it was (the migration reads the dirty log
+//! as a consumer of its own, so it takes no page from a client or a snapshot chain, and its end
+//! stops only the logging it alone held) — with one exception. Once the Done record went out whole, the destination may run the VM (it starts
 //! it before it answers), so a missing answer leaves the vCPUs paused here: resuming them could
 //! run the guest twice. The migration ends [`MigrationPhase::Unconfirmed`] and hands the paused
 //! vCPUs to the controller, where a client who knows the destination does not run the VM
@@ -28,7 +28,7 @@ use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use kvm_memslots::{DirtyPages, KvmVm, MemoryManager, RegionId, Target, PAGE_SIZE};
+use kvm_memslots::{DirtyConsumer, DirtyPages, KvmVm, MemoryManager, RegionId, Target, PAGE_SIZE};
 use kvm_memslots_persist::stream::{
     read_answer, shared_files, StreamError, StreamWriter, MAX_HANDOVER,
 };
@@ -117,8 +117,6 @@ pub struct SourceVm<V> {
     pub vcpus: Vec<V>,
     /// What the State record holds besides the layout and the vCPUs' states.
     pub state: Box<dyn StateRecord>,
-    /// Keep what the rounds harvest, to hand back on failure (a snapshot base needs it).
-    pub keep_harvested: bool,
 }
 
 /// How a migration ended, for the controller.
@@ -126,8 +124,6 @@ pub struct SourceVm<V> {
 pub struct Ending<V> {
     /// The destination runs the VM.
     pub completed: bool,
-    /// Every page harvested (with [`SourceVm::keep_harvested`]), on failure.
-    pub harvested: Vec<DirtyPages>,
     /// The vCPUs, left paused because the outcome is unknown
     /// ([`MigrationPhase::Unconfirmed`]): resume them only if the destination does not run the
     /// VM.
@@ -138,7 +134,6 @@ impl<V> Default for Ending<V> {
     fn default() -> Self {
         Ending {
             completed: false,
-            harvested: Vec::new(),
             held: Vec::new(),
         }
     }
@@ -179,6 +174,13 @@ impl<V: MigratingVcpu> Migration<V> {
         }));
         let bytes_sent = Arc::new(AtomicU64::new(0));
         let cancel = Arc::new(AtomicBool::new(false));
+        // The rounds read the dirty log as a reader of their own, logging every region (and
+        // any added meanwhile) for themselves.
+        let consumer = vm.memory.add_dirty_consumer().map_err(io::Error::other)?;
+        if let Err(e) = vm.memory.log_new_regions_for(consumer, true) {
+            let _ = vm.memory.remove_dirty_consumer(consumer);
+            return Err(io::Error::other(e));
+        }
         let run = Run {
             endpoint,
             budget: Duration::from_millis(request.downtime_ms),
@@ -190,7 +192,7 @@ impl<V: MigratingVcpu> Migration<V> {
             cancel: Arc::clone(&cancel),
             interrupt,
             started: Instant::now(),
-            harvested: Vec::new(),
+            consumer,
             local: request.local,
             targets: vec![Target::All],
         };
@@ -286,7 +288,8 @@ struct Run<V> {
     cancel: Arc<AtomicBool>,
     interrupt: &'static AtomicBool,
     started: Instant,
-    harvested: Vec<DirtyPages>,
+    /// The migration's reader of the dirty log.
+    consumer: DirtyConsumer,
     /// Hand shared memory over instead of copying it.
     local: bool,
     /// What to log and harvest: every region, or (local mode) those not handed over.
@@ -309,13 +312,10 @@ impl<V: MigratingVcpu> Run<V> {
 
     fn run(mut self) -> Ending<V> {
         let memory = Arc::clone(&self.vm.memory);
-        let logging_before: Vec<RegionId> = memory
-            .regions()
-            .iter()
-            .filter(|r| r.flags.log_dirty)
-            .map(|r| r.id)
-            .collect();
         let outcome = self.migrate(&memory);
+        // Its logging ends where no other consumer logs (a failed stop leaves it logging:
+        // harmless, a later harvest reports the pages).
+        let _ = memory.remove_dirty_consumer(self.consumer);
         let completed = outcome.is_ok();
         let mut held = Vec::new();
         match outcome {
@@ -324,12 +324,6 @@ impl<V: MigratingVcpu> Run<V> {
                 s.downtime_ms = Some(downtime.as_secs_f64() * 1e3);
             }),
             Err(e) => {
-                // The VM stays here as it was: logging off where it was off.
-                for region in memory.regions() {
-                    if region.flags.log_dirty && !logging_before.contains(&region.id) {
-                        let _ = memory.stop_dirty_log(Target::Region(region.id));
-                    }
-                }
                 self.update(|s| {
                     s.phase = match e {
                         MigrationError::Cancelled(_) => MigrationPhase::Cancelled,
@@ -345,15 +339,7 @@ impl<V: MigratingVcpu> Run<V> {
         }
         let elapsed = self.started.elapsed().as_secs_f64() * 1e3;
         self.update(|s| s.elapsed_ms = elapsed);
-        Ending {
-            completed,
-            harvested: if completed {
-                Vec::new()
-            } else {
-                std::mem::take(&mut self.harvested)
-            },
-            held,
-        }
+        Ending { completed, held }
     }
 
     fn check_cancel(&self) -> Result<(), MigrationError> {
@@ -383,10 +369,7 @@ impl<V: MigratingVcpu> Run<V> {
     ) -> Result<Vec<DirtyPages>, MigrationError> {
         let mut dirty = Vec::new();
         for &target in &self.targets {
-            dirty.extend(memory.harvest_dirty(target)?);
-        }
-        if self.vm.keep_harvested {
-            self.harvested.extend(dirty.iter().cloned());
+            dirty.extend(memory.harvest_dirty_for(self.consumer, target)?);
         }
         Ok(dirty)
     }
@@ -440,7 +423,7 @@ impl<V: MigratingVcpu> Run<V> {
                 .map_err(|e| self.explain(e, &mut answers))?;
         }
         for &target in &self.targets {
-            memory.start_dirty_log(target)?;
+            memory.start_dirty_log_for(self.consumer, target)?;
         }
         // From here every write is logged: what the first harvest reports went out in round 1
         // or is dirty again.

@@ -1,6 +1,8 @@
 //! The test guest's dirty-log requests: switching logging, harvests and the dirty rate.
 
-use kvm_memslots::{RegionId, Target, PAGE_SIZE};
+use std::collections::BTreeMap;
+
+use kvm_memslots::{DirtyConsumer, RegionId, Target, PAGE_SIZE};
 
 use super::Controller;
 use crate::control::dirty_log::{
@@ -76,9 +78,31 @@ impl Controller {
                 .filter(|r| r.flags.log_dirty)
                 .map(|r| r.id.0)
                 .collect(),
+            logging_for: self.logging_for(),
             harvests: self.harvests,
             dirty_rate: self.dirty_rate,
         }
+    }
+}
+
+impl Controller {
+    /// Each reader of the dirty log, by name, with the regions it logs.
+    fn logging_for(&self) -> BTreeMap<&'static str, Vec<u64>> {
+        let memory = self.vm.memory();
+        let mut held: BTreeMap<&'static str, Vec<u64>> = BTreeMap::new();
+        for region in memory.regions() {
+            for consumer in memory.dirty_log_holders(region.id).unwrap_or_default() {
+                let name = if consumer == DirtyConsumer::DEFAULT {
+                    "client"
+                } else if Some(consumer) == self.chain {
+                    "snapshot_chain"
+                } else {
+                    "migration"
+                };
+                held.entry(name).or_default().push(region.id.0);
+            }
+        }
+        held
     }
 }
 

@@ -108,7 +108,7 @@ impl Controller {
             let specs: Vec<RegionSpec> = plan
                 .map
                 .iter()
-                .map(|&(_, gpa)| self.new_region_spec(RegionSpec::new(gpa, slot_size)))
+                .map(|&(_, gpa)| RegionSpec::new(gpa, slot_size))
                 .collect();
             let ids = self.vm.memory().add_regions(specs)?;
             let added: Vec<(usize, RegionId)> = plan.map.iter().map(|&(i, _)| i).zip(ids).collect();

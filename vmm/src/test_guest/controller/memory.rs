@@ -152,7 +152,7 @@ impl Controller {
     ) -> Result<RegionId, ControllerError> {
         let (gpa, size) = (spec.gpa.0, spec.size);
         let memory = Arc::clone(self.vm.memory());
-        let region = memory.add_region(self.new_region_spec(spec))?;
+        let region = memory.add_region(spec)?;
         if !check {
             return Ok(region);
         }
@@ -166,15 +166,6 @@ impl Controller {
             )));
         }
         Ok(region)
-    }
-
-    /// `spec` as the VM adds new memory: once there is a snapshot to diff against, new memory
-    /// logs from the start, so that the next Diff has every page of it.
-    pub(super) fn new_region_spec(&self, mut spec: RegionSpec) -> RegionSpec {
-        if self.snapshot_base.is_some() {
-            spec.log_dirty = true;
-        }
-        spec
     }
 
     /// Has the test guest check both ends of every slot of `slot_size` of the new region

@@ -13,8 +13,7 @@ use crate::test_guest::hotplug::HotplugArea;
 use crate::test_guest::snapshot::MigrationRecord;
 
 impl Controller {
-    /// Once the migration thread has ended without completing, takes back what it harvested
-    /// (a Diff snapshot needs those pages).
+    /// Once the migration thread has ended without completing, takes back the vCPUs it held.
     pub(super) fn settle_migration(&mut self) {
         let Some(migration) = &mut self.migration else {
             return;
@@ -23,9 +22,6 @@ impl Controller {
             return;
         }
         let ending = migration.join();
-        if let Some((_, carried)) = &mut self.snapshot_base {
-            carried.extend(ending.harvested);
-        }
         if !ending.held.is_empty() {
             // The destination may run the VM: it stays paused here until a client says.
             self.state = RunState::Paused;
@@ -94,7 +90,6 @@ impl Controller {
                 hotplug: self.hotplug.as_ref().map(HotplugArea::state),
                 paused: self.state == RunState::Paused,
             }),
-            keep_harvested: self.snapshot_base.is_some(),
         };
         let migration = Migration::start(&request, endpoint, vm, self.interrupt)
             .map_err(|e| ControllerError::internal(format!("starting the migration: {e}")))?;

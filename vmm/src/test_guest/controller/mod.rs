@@ -15,7 +15,7 @@ mod snapshot;
 
 use std::sync::atomic::{AtomicBool, Ordering};
 
-use kvm_memslots::DirtyPages;
+use kvm_memslots::{DirtyConsumer, DirtyPages};
 use kvm_memslots_persist::MemoryLayout;
 
 use crate::control::dirty_log::DirtyRate;
@@ -50,6 +50,8 @@ pub struct Controller {
     /// The layout of the last snapshot, and the pages harvested for a diff that failed (kept
     /// for the next one).
     snapshot_base: Option<(MemoryLayout, Vec<DirtyPages>)>,
+    /// The snapshot chain's reader of the dirty log, from the first Full snapshot on.
+    chain: Option<DirtyConsumer>,
     /// Set when the VMM is asked to stop while a request runs (SIGINT/SIGTERM): long requests
     /// stop at their next safe point.
     interrupt: &'static AtomicBool,
@@ -79,6 +81,7 @@ impl Controller {
             last_harvest: None,
             dirty_rate: None,
             snapshot_base: None,
+            chain: None,
             interrupt: crate::lifecycle::termination_signal(),
             migration: None,
             held: Vec::new(),

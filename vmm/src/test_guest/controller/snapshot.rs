@@ -4,7 +4,7 @@ use std::fs::File;
 use std::os::unix::fs::FileExt;
 use std::sync::Arc;
 
-use kvm_memslots::{DirtyPages, Target};
+use kvm_memslots::{DirtyConsumer, DirtyPages, Target};
 use kvm_memslots_persist::{write_dirty_pages, write_memory_file, MemoryLayout};
 
 use super::Controller;
@@ -61,21 +61,34 @@ impl Controller {
                 // The harvest below takes the dirty bits a Diff against an earlier base would
                 // need: until this Full is written whole, there is no base.
                 self.snapshot_base = None;
-                // Logging on every region from now on, so that a Diff can follow; what was
-                // dirty before is in the full image.
-                memory.start_dirty_log(Target::All)?;
-                memory.harvest_dirty(Target::All)?;
-                // The regions log now: the layout says so.
-                layout = MemoryLayout::of(memory);
-                write_memory_file(memory, &layout, mem_file).map_err(|e| failed(&e))?;
+                // The chain reads the dirty log as a consumer of its own: a client's harvests
+                // and its logging switches take nothing from it. It logs every region, those
+                // added later too, so that a Diff can follow; what was dirty before is in the
+                // full image.
+                let chain = self.chain_consumer(memory)?;
+                let full = memory
+                    .start_dirty_log_for(chain, Target::All)
+                    .and_then(|()| memory.harvest_dirty_for(chain, Target::All))
+                    .map_err(ControllerError::from)
+                    .and_then(|_| {
+                        // The regions log now: the layout says so.
+                        layout = MemoryLayout::of(memory);
+                        write_memory_file(memory, &layout, mem_file).map_err(|e| failed(&e))
+                    });
+                if let Err(e) = full {
+                    // No chain: its logging ends where nobody else logs.
+                    self.end_chain(memory);
+                    return Err(e);
+                }
             }
             SnapshotType::Diff => {
                 // The layout may have changed since the last snapshot (regions added, removed,
                 // moved): this Diff is laid out as memory is now, and merging follows region
                 // ids (`snapshot-merge`).
+                let chain = self.chain.expect("a snapshot base has a chain");
                 let (_, carried) = self.snapshot_base.as_mut().expect("checked by the caller");
                 let mut dirty = std::mem::take(carried);
-                match memory.harvest_dirty(Target::All) {
+                match memory.harvest_dirty_for(chain, Target::All) {
                     Ok(now) => dirty.extend(now),
                     Err(e) => {
                         *carried = dirty;
@@ -92,6 +105,9 @@ impl Controller {
         }
         let saved = self.write_state(&layout, state_file);
         if let Err(e) = saved {
+            if kind == SnapshotType::Full {
+                self.end_chain(memory);
+            }
             self.keep_for_next_diff(harvested);
             return Err(failed(&e));
         }
@@ -100,6 +116,34 @@ impl Controller {
             None => self.snapshot_base = Some((layout, Vec::new())),
         }
         Ok(())
+    }
+
+    /// The snapshot chain's dirty-log consumer, made (logging every new region) if there is
+    /// none.
+    fn chain_consumer(
+        &mut self,
+        memory: &kvm_memslots::MemoryManager<kvm_memslots::KvmVm>,
+    ) -> Result<DirtyConsumer, ControllerError> {
+        if let Some(chain) = self.chain {
+            return Ok(chain);
+        }
+        let chain = memory.add_dirty_consumer()?;
+        if let Err(e) = memory.log_new_regions_for(chain, true) {
+            let _ = memory.remove_dirty_consumer(chain);
+            return Err(e.into());
+        }
+        self.chain = Some(chain);
+        Ok(chain)
+    }
+
+    /// Ends the snapshot chain's consumer (a Full failed: there is no base to diff against).
+    fn end_chain(&mut self, memory: &kvm_memslots::MemoryManager<kvm_memslots::KvmVm>) {
+        if let Some(chain) = self.chain.take() {
+            if memory.remove_dirty_consumer(chain).is_err() {
+                // Its logging could not be stopped: keep it for the next Full.
+                self.chain = Some(chain);
+            }
+        }
     }
 
     /// Puts the pages a failed Diff harvested back for the next one.
