@@ -499,3 +499,32 @@ fn a_build_is_all_or_nothing() {
     );
     assert!(b.regions().is_empty(), "{err}");
 }
+
+/// How many of this process's open files are `path`.
+fn open_files_of(path: &std::path::Path) -> usize {
+    std::fs::read_dir("/proc/self/fd")
+        .expect("/proc/self/fd")
+        .filter_map(|e| std::fs::read_link(e.ok()?.path()).ok())
+        .filter(|target| target == path)
+        .count()
+}
+
+#[test]
+fn a_file_backed_restore_opens_the_memory_file_once_whatever_the_region_count() {
+    let m = MemoryManager::new(FakeKvm::new(1200, true));
+    let specs = (0..1100).map(|i| RegionSpec::new(GuestAddress(i * 2 * MIB), 64 << 10));
+    m.add_regions(specs).expect("1,100 regions");
+    write(&m, 2 * MIB * 1099, 0x5a, 4096);
+    let layout = MemoryLayout::of(&m);
+    let (temp, file) = TempFile::new("many-regions");
+    write_memory_file(&m, &layout, &file).expect("written");
+    let restored = MemoryManager::new(FakeKvm::new(1200, true));
+    layout
+        .build_from_file(&restored, &file)
+        .expect("mapped from the file");
+    // The file handed in, and one duplicate shared by the 1,100 mappings.
+    assert_eq!(open_files_of(&temp.0), 2);
+    assert_eq!(contents(&restored), contents(&m));
+    drop(restored);
+    assert_eq!(open_files_of(&temp.0), 1, "closed with the last mapping");
+}
