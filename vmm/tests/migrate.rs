@@ -228,18 +228,20 @@ fn migrate_a_writing_guest(
     }
     let mut source = Vmm::serve(name, slots, mem_mib, &args);
     // Hotplugged memory with a pattern, and a region made read-only after the guest wrote it.
-    let hot = source.ok(
-        "PUT",
-        "/memory/regions",
-        Some(json!({"size": 64 * MIB, "guest_address": 4096 * MIB, "slot_size": 2 * MIB})),
-    );
-    assert_eq!(hot["guest_address"], 4096 * MIB, "{hot}");
+    // The read-only one comes first, so that region ids are not in guest-address order: the
+    // destination must keep them, not number the regions again.
     let ro = 4160 * MIB;
     let ro_region = source.ok(
         "PUT",
         "/memory/regions",
         Some(json!({"size": 16 * MIB, "guest_address": ro})),
     );
+    let hot = source.ok(
+        "PUT",
+        "/memory/regions",
+        Some(json!({"size": 64 * MIB, "guest_address": 4096 * MIB, "slot_size": 2 * MIB})),
+    );
+    assert_eq!(hot["guest_address"], 4096 * MIB, "{hot}");
     for (start, size, seed) in [(4096 * MIB, 64 * MIB, 11), (ro, 16 * MIB, 12)] {
         let wrote = source.ok(
             "PUT",
@@ -301,13 +303,14 @@ fn migrate_a_writing_guest(
 
     destination.wait_for_api();
     let after = destination.ok("GET", "/memory", None);
-    let shape = |m: &Value| -> Vec<(Value, Value, Value, Value)> {
+    let shape = |m: &Value| -> Vec<(Value, Value, Value, Value, Value)> {
         m["regions"]
             .as_array()
             .expect("regions")
             .iter()
             .map(|r| {
                 (
+                    r["id"].clone(),
                     r["guest_address"].clone(),
                     r["size"].clone(),
                     r["slots"].clone(),
@@ -330,6 +333,19 @@ fn migrate_a_writing_guest(
         );
         assert_eq!(verified["result"], "ok", "{verified}");
     }
+    // The API's handle survived the move: the source's id of the read-only region removes
+    // that region on the destination.
+    let (status, body) = destination.call("DELETE", &format!("/memory/regions/{id}"), None);
+    assert_eq!(status, 204, "{body}");
+    let left = destination.ok("GET", "/memory", None);
+    assert!(
+        left["regions"]
+            .as_array()
+            .expect("regions")
+            .iter()
+            .all(|r| r["guest_address"] != json!(ro) && r["id"] != json!(id)),
+        "{left}"
+    );
     destination.ok("PUT", "/actions", Some(json!({"action_type": "Stop"})));
     let output = destination.wait(Duration::from_secs(30));
     assert_eq!(output.status.code(), Some(0));

@@ -42,7 +42,7 @@ pub enum LayoutBacking {
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct RegionLayout {
-    /// The region's id when it was saved (a restored manager numbers its own).
+    /// The region's id when it was saved; a restored or received manager gives it the same id.
     pub id: u64,
     /// Guest-physical base.
     pub gpa: u64,
@@ -142,8 +142,8 @@ impl MemoryLayout {
     /// another [`version`](Self::version) than [`LAYOUT_VERSION`]; an empty region, or a guest
     /// base, size or slot size that is not page-aligned; a slot size over KVM's limit
     /// ([`KVM_MAX_SLOT_SIZE`]); a region that wraps around the address space; regions that are
-    /// not in guest-address order or overlap; and file offsets that are not the regions laid
-    /// end to end.
+    /// not in guest-address order or overlap; two regions with one id; and file offsets that
+    /// are not the regions laid end to end.
     pub fn validate(&self) -> Result<(), SnapshotError> {
         let bad = |why: String| Err(SnapshotError::Format(why));
         if self.version != LAYOUT_VERSION {
@@ -154,7 +154,11 @@ impl MemoryLayout {
         }
         let mut offset = 0u64;
         let mut end = 0u64;
+        let mut ids = std::collections::BTreeSet::new();
         for r in &self.regions {
+            if !ids.insert(r.id) {
+                return bad(format!("two regions have id {}", r.id));
+            }
             let aligned = [r.gpa, r.size, r.slot_size]
                 .iter()
                 .all(|v| v % PAGE_SIZE == 0);
@@ -194,9 +198,9 @@ impl MemoryLayout {
         Ok(())
     }
 
-    /// Gives `memory` (a manager with no region in the way) this layout's regions, with their
-    /// slot sizes and flags, in fresh memory; returns their new ids, in layout order. On a
-    /// refusal, the regions added so far are removed again. Load their contents with
+    /// Gives `memory` (a manager with no region in the way, nor any of the layout's region ids
+    /// in use) this layout's regions, with their ids, slot sizes and flags, in fresh memory;
+    /// returns their ids, in layout order. All or nothing. Load their contents with
     /// [`load_memory_file`](crate::memory_file::load_memory_file).
     ///
     /// # KVM calls
@@ -272,7 +276,8 @@ impl MemoryLayout {
         let specs = self.regions.iter().map(|r| {
             let mut spec = RegionSpec::new(GuestAddress(r.gpa), r.size)
                 .with_slot_size(r.slot_size)
-                .with_backing(backing(r));
+                .with_backing(backing(r))
+                .with_id(RegionId(r.id));
             spec.read_only = r.read_only;
             spec.log_dirty = r.log_dirty;
             spec

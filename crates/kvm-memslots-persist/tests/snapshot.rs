@@ -302,6 +302,40 @@ fn validate_refuses_what_from_bytes_refuses_without_a_round_trip() {
         },
         "wraps around",
     );
+    broken(
+        &|l| l.regions[2].id = l.regions[0].id,
+        "two regions have id 0",
+    );
+}
+
+#[test]
+fn a_restored_region_keeps_its_id() {
+    // Ids with gaps: region 1 goes before the snapshot.
+    let a = source();
+    a.remove_region(kvm_memslots::RegionId(1)).expect("removed");
+    let later = a
+        .add_region(RegionSpec::new(GuestAddress(32 * MIB), MIB))
+        .expect("added");
+    let layout = MemoryLayout::of(&a);
+    let b = manager();
+    let ids = layout.build(&b).expect("built");
+    let of = |m: &MemoryManager<FakeKvm>| -> Vec<(u64, u64)> {
+        m.regions().iter().map(|r| (r.id.0, r.gpa.0)).collect()
+    };
+    assert_eq!(of(&b), of(&a));
+    assert_eq!(ids.last(), Some(&later));
+    // A region added after the restore takes an id no region had.
+    let next = b
+        .add_region(RegionSpec::new(GuestAddress(64 * MIB), MIB))
+        .expect("added");
+    assert!(a.regions().iter().all(|r| r.id < next), "{next}");
+    // A layout built onto a manager that has one of its ids is refused, and changes nothing.
+    let err = layout.build(&b).expect_err("ids in use");
+    assert!(
+        matches!(err, kvm_memslots::Error::RegionIdInUse(_)),
+        "{err}"
+    );
+    assert_eq!(b.regions().len(), a.regions().len() + 1);
 }
 
 #[test]

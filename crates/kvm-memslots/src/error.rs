@@ -84,6 +84,10 @@ pub enum Error {
         /// Its range.
         other_range: AddressRange,
     },
+    /// A region was asked for with an id that a region in place (or another of the same
+    /// batch) has.
+    #[error("region id {0} is in use")]
+    RegionIdInUse(RegionId),
     /// Not enough free KVM slot numbers.
     #[error("out of KVM memory slots: {needed} needed, {free} of {limit} free")]
     OutOfSlots {
@@ -266,6 +270,7 @@ impl Error {
             } => ErrorKind::Invalid,
             Error::Overlap { .. }
             | Error::BatchOverlap { .. }
+            | Error::RegionIdInUse(_)
             | Error::OutOfSlots { .. }
             | Error::OverLimit { .. } => ErrorKind::Conflict,
             Error::UndoFailed { .. }
@@ -381,6 +386,7 @@ mod tests {
             ),
             (Error::UnknownRegion(RegionId(3)), NotFound),
             (Error::UnknownConsumer(DirtyConsumer(2)), NotFound),
+            (Error::RegionIdInUse(RegionId(3)), Conflict),
             (
                 Error::Overlap {
                     range: range(),

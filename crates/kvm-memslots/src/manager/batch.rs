@@ -119,8 +119,15 @@ impl<K: KvmMemory> MemoryManager<K> {
         let mut failed = None;
         let consumers = self.consumers().clone();
         for new in &added {
-            let id = RegionId(state.next_region);
-            state.next_region += 1;
+            let id = match new.spec.id {
+                Some(id) => id,
+                None => {
+                    state.next_region += 1;
+                    RegionId(state.next_region - 1)
+                }
+            };
+            // An id asked for is never handed out again.
+            state.next_region = state.next_region.max(id.0.saturating_add(1));
             match self.map_memory(id, &new.spec, &consumers) {
                 Ok(m) => mapped.push(m),
                 Err(e) => {
@@ -253,10 +260,17 @@ impl<K: KvmMemory> MemoryManager<K> {
         }
         let removed_set: BTreeSet<RegionId> = removed.iter().copied().collect();
         let mut ranges: Vec<AddressRange> = Vec::new();
+        let mut asked: BTreeSet<RegionId> = BTreeSet::new();
         for change in changes {
             let RegionChange::Add(spec) = change else {
                 continue;
             };
+            if let Some(id) = spec.id {
+                // A removed region's id is not free until the batch is made.
+                if state.regions.contains_key(&id) || !asked.insert(id) {
+                    return Err(Error::RegionIdInUse(id));
+                }
+            }
             let slot_size = spec
                 .slot_size
                 .unwrap_or(KVM_MAX_SLOT_SIZE & !(PAGE_SIZE - 1));

@@ -26,6 +26,10 @@ pub struct RegionSpec {
     pub read_only: bool,
     /// Log the guest's writes from the start.
     pub log_dirty: bool,
+    /// The region's id; by default the manager's next one. A VMM that restores or receives a
+    /// VM gives each region the id it had, so that ids stay the API's handle across a
+    /// snapshot or a migration ([`with_id`](Self::with_id)).
+    pub id: Option<RegionId>,
 }
 
 impl RegionSpec {
@@ -39,6 +43,16 @@ impl RegionSpec {
             slot_size: None,
             read_only: false,
             log_dirty: false,
+            id: None,
+        }
+    }
+
+    /// Gives the region id `id` (it must not be in use). Later regions without one get ids
+    /// above every id in use, so none is ever handed out twice.
+    pub fn with_id(self, id: RegionId) -> Self {
+        RegionSpec {
+            id: Some(id),
+            ..self
         }
     }
 

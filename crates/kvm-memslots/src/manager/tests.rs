@@ -2042,3 +2042,46 @@ fn a_consumer_that_logs_new_regions_sees_every_page_of_them() {
     ));
     assert_mirrored(&m);
 }
+
+#[test]
+fn regions_may_be_given_their_ids() {
+    let m = manager(16);
+    let ids = m
+        .add_regions([
+            region(0, 1).with_id(RegionId(7)),
+            region(MIB, 1),
+            region(2 * MIB, 1).with_id(RegionId(3)),
+        ])
+        .unwrap();
+    // An id asked for is never handed out after: the region without one gets one above it.
+    assert_eq!(ids, vec![RegionId(7), RegionId(8), RegionId(3)]);
+    assert_eq!(m.add_region(region(3 * MIB, 1)).unwrap(), RegionId(9));
+    let before = everything(&m);
+    for batch in [
+        vec![region(4 * MIB, 1).with_id(RegionId(3))],
+        vec![
+            region(4 * MIB, 1).with_id(RegionId(20)),
+            region(5 * MIB, 1).with_id(RegionId(20)),
+        ],
+    ] {
+        let err = m.add_regions(batch).unwrap_err();
+        assert!(matches!(err, Error::RegionIdInUse(_)), "{err}");
+        assert_eq!(err.kind(), ErrorKind::Conflict);
+        assert_eq!(everything(&m), before);
+    }
+    // The id of a region removed in the same batch is not free yet; after it, it is.
+    let err = m
+        .apply(vec![
+            RegionChange::Remove(RegionId(3)),
+            RegionChange::Add(region(2 * MIB, 1).with_id(RegionId(3))),
+        ])
+        .unwrap_err();
+    assert!(matches!(err, Error::RegionIdInUse(RegionId(3))), "{err}");
+    m.remove_region(RegionId(3)).unwrap();
+    assert_eq!(
+        m.add_region(region(2 * MIB, 1).with_id(RegionId(3)))
+            .unwrap(),
+        RegionId(3)
+    );
+    assert_mirrored(&m);
+}
