@@ -3,8 +3,12 @@
 //! touches it (a vCPU through KVM, or the VMM), from the memory file (`UFFDIO_COPY`) or, for a
 //! hole, with zeros (`UFFDIO_ZEROPAGE`). Nothing is read up front.
 //!
-//! A page the handler filled once and that is then discarded faults again; the handler
-//! remembers what it filled and gives such a page zeros, as a discard promises. libc has only
+//! A discarded page reads zeros afterwards, as a discard promises, whether the handler had
+//! filled it or not: the loader asks for `UFFD_FEATURE_EVENT_REMOVE`, so a discard of
+//! registered memory (`MADV_DONTNEED`, `MADV_REMOVE`) first tells the handler its range, which
+//! the handler then treats as filled (and a page filled once that faults again is one that was
+//! discarded since). The discard waits until the handler has read the event, and the handler
+//! serves events in order, so no fault after the discard is served before it. libc has only
 //! the system call's number, so the ioctl structures are declared here from the kernel's
 //! `include/uapi/linux/userfaultfd.h`.
 //!
@@ -56,6 +60,8 @@ use crate::memory_file::regions_with_data;
 const UFFDIO: u32 = 0xAA;
 const UFFD_API: u64 = 0xAA;
 const UFFD_EVENT_PAGEFAULT: u8 = 0x12;
+const UFFD_EVENT_REMOVE: u8 = 0x15;
+const UFFD_FEATURE_EVENT_REMOVE: u64 = 1 << 3;
 const UFFDIO_REGISTER_MODE_MISSING: u64 = 1;
 
 #[repr(C)]
@@ -133,6 +139,17 @@ impl Lazy {
         self.filled[(page / 64) as usize].fetch_or(bit, Ordering::AcqRel) & bit != 0
     }
 
+    /// Marks the pages of host range `[start, end)` (clipped to the region) filled: they were
+    /// discarded, so they read zeros from now on.
+    fn discarded(&self, start: u64, end: u64) {
+        let base = self.memory.host_address();
+        let first = start.max(base) - base;
+        let last = end.min(base + self.memory.size()).saturating_sub(base);
+        for page in first / PAGE_SIZE..last.div_ceil(PAGE_SIZE) {
+            self.fill(page);
+        }
+    }
+
     fn has_data(&self, offset: u64) -> bool {
         let at = self.data.partition_point(|r| r.end <= offset);
         self.data.get(at).is_some_and(|r| r.start <= offset)
@@ -195,6 +212,7 @@ impl LazyLoader {
         let uffd = unsafe { OwnedFd::from_raw_fd(fd as RawFd) };
         let mut api = UffdioApi {
             api: UFFD_API,
+            features: UFFD_FEATURE_EVENT_REMOVE,
             ..Default::default()
         };
         // SAFETY: UFFDIO_API on a userfaultfd with a valid `uffdio_api`, which outlives the call.
@@ -319,6 +337,15 @@ fn serve(uffd: &OwnedFd, stop: &EventFd, stats: &LoaderStats, lazies: &[Lazy], f
         let n = unsafe { libc::read(uffd.as_raw_fd(), msg.as_mut_ptr().cast(), msg.len()) };
         if n != 32 {
             continue; // EAGAIN: another wake-up took it.
+        }
+        if msg[0] == UFFD_EVENT_REMOVE {
+            // struct uffd_msg { u8 event; u8 r1; u16 r2; u32 r3; { u64 start; u64 end; } }
+            let start = u64::from_le_bytes(msg[8..16].try_into().expect("8 bytes"));
+            let end = u64::from_le_bytes(msg[16..24].try_into().expect("8 bytes"));
+            for lazy in lazies {
+                lazy.discarded(start, end);
+            }
+            continue;
         }
         if msg[0] != UFFD_EVENT_PAGEFAULT {
             continue;

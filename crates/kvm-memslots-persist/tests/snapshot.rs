@@ -384,6 +384,8 @@ fn a_lazy_restore_fills_exactly_the_pages_touched() {
     write(&a, MIB + 5 * PAGE_SIZE, 0x3c, 64);
     write(&a, MIB + 9 * PAGE_SIZE, 0x4d, 64);
     write(&a, 8 * MIB, 0x5e, 64);
+    write(&a, MIB + 12 * PAGE_SIZE, 0x6f, 64);
+    write(&a, 8 * MIB + 3 * PAGE_SIZE, 0x70, 64);
     let layout = MemoryLayout::of(&a);
     let (_path, file) = TempFile::new("lazy");
     write_memory_file(&a, &layout, &file).expect("written");
@@ -415,6 +417,12 @@ fn a_lazy_restore_fills_exactly_the_pages_touched() {
     assert_eq!(read(MIB + 5 * PAGE_SIZE), [0; 64]);
     // The page never touched still has its data.
     assert_eq!(read(MIB + 9 * PAGE_SIZE), [0x4d; 64]);
+    // A page discarded before anything touched it reads zeros too, not the file's page: in
+    // anonymous memory and in a memfd.
+    for gpa in [MIB + 12 * PAGE_SIZE, 8 * MIB + 3 * PAGE_SIZE] {
+        b.discard(GuestAddress(gpa), PAGE_SIZE).expect("discarded");
+        assert_eq!(read(gpa), [0; 64], "{gpa:#x}");
+    }
     assert!(!stats.failed.load(Ordering::Relaxed));
     drop(loader);
     // Unregistered: the memory is ordinary memory again.
