@@ -283,8 +283,8 @@ impl KvmMemory for NullKvm {
     fn collect_dirty_rings(
         &self,
         _: &mut dyn FnMut(u32, u64),
-    ) -> Result<u64, vmm_sys_util::errno::Error> {
-        Ok(0)
+    ) -> Result<kvm_memslots::RingCollection, vmm_sys_util::errno::Error> {
+        Ok(kvm_memslots::RingCollection::default())
     }
     fn reset_dirty_rings(&self) -> Result<(), vmm_sys_util::errno::Error> {
         Ok(())

@@ -14,7 +14,7 @@ use memslot_map::SlotFlags;
 use vmm_sys_util::errno::Error as Errno;
 use vmm_sys_util::ioctl::{ioctl, ioctl_with_ref};
 
-use crate::ring::{check_entries, DirtyRing, RingError, KVM_RESET_DIRTY_RINGS};
+use crate::ring::{check_entries, DirtyRing, RingCollection, RingError, KVM_RESET_DIRTY_RINGS};
 use vmm_sys_util::ioctl_iowr_nr;
 
 ioctl_iowr_nr!(KVM_CLEAR_DIRTY_LOG, KVMIO, 0xc0, kvm_clear_dirty_log);
@@ -179,14 +179,15 @@ pub trait KvmMemory: Send + Sync {
 
     /// Collects every published entry of every vCPU's ring, handing each to `sink` as (slot
     /// number, page offset in the slot), and marks them for [`reset_dirty_rings`]; returns
-    /// how many.
+    /// how many, and whether a ring overflowed ([`RingCollection::lost`]: entries may have been
+    /// written over, and every logging page must count as dirty).
     ///
     /// [`KvmVm`]: no syscall: reads each vCPU's ring (vCPUs in creation order) from its
     /// mapping, and hands each entry back by setting its `RESET` flag; never fails. Outside
     /// ring mode it has no ring and collects nothing.
     ///
     /// [`reset_dirty_rings`]: KvmMemory::reset_dirty_rings
-    fn collect_dirty_rings(&self, sink: &mut dyn FnMut(u32, u64)) -> Result<u64, Errno>;
+    fn collect_dirty_rings(&self, sink: &mut dyn FnMut(u32, u64)) -> Result<RingCollection, Errno>;
 
     /// Frees the collected entries and logs their pages again (`KVM_RESET_DIRTY_RINGS`).
     /// [`KvmVm`]: one `KVM_RESET_DIRTY_RINGS` on the VM, issued even if nothing was collected;
@@ -234,7 +235,10 @@ macro_rules! forward_kvm_memory {
                 (**self).dirty_ring()
             }
 
-            fn collect_dirty_rings(&self, sink: &mut dyn FnMut(u32, u64)) -> Result<u64, Errno> {
+            fn collect_dirty_rings(
+                &self,
+                sink: &mut dyn FnMut(u32, u64),
+            ) -> Result<RingCollection, Errno> {
                 (**self).collect_dirty_rings(sink)
             }
 
@@ -453,8 +457,12 @@ impl KvmMemory for KvmVm {
         self.ring_entries.is_some()
     }
 
-    fn collect_dirty_rings(&self, sink: &mut dyn FnMut(u32, u64)) -> Result<u64, Errno> {
-        Ok(self.rings().iter_mut().map(|ring| ring.collect(sink)).sum())
+    fn collect_dirty_rings(&self, sink: &mut dyn FnMut(u32, u64)) -> Result<RingCollection, Errno> {
+        Ok(self
+            .rings()
+            .iter_mut()
+            .map(|ring| ring.collect(sink))
+            .fold(RingCollection::default(), |a, b| a + b))
     }
 
     fn reset_dirty_rings(&self) -> Result<(), Errno> {
@@ -466,6 +474,7 @@ impl KvmMemory for KvmVm {
         if ret < 0 {
             Err(Errno::last())
         } else {
+            self.rings().iter_mut().for_each(DirtyRing::reset_done);
             Ok(())
         }
     }

@@ -33,7 +33,7 @@ pub use memory::{
     Backing, GuestMemoryHandle, GuestMemorySlots, GuestMemoryView, GuestSlot, GuestSlotData,
     MappingError, RegionId, RegionMemory, SlotBacking,
 };
-pub use ring::{RingError, MIN_RING_ENTRIES};
+pub use ring::{RingCollection, RingError, MIN_RING_ENTRIES};
 
 pub use memslot_map::{AddressRange, HostAddress, SlotFlags, SlotId};
 

@@ -26,6 +26,38 @@ const RESET: u32 = 2;
 /// at least a page.
 pub const MIN_RING_ENTRIES: u32 = 4096 / 16;
 
+/// Entries KVM keeps free below a ring's size (`KVM_DIRTY_RING_RSVD_ENTRIES`): it stops a vCPU
+/// (`KVM_EXIT_DIRTY_RING_FULL`) before a ring holds more than `size - RSVD_ENTRIES` entries
+/// between two resets. More than that since the last reset means KVM pushed past its soft
+/// limit (an instruction emulator that pushes a batch of writes without stopping does), and
+/// may have written over entries: pages may be lost.
+const RSVD_ENTRIES: u32 = 64;
+
+/// What a collection of the dirty rings found ([`KvmMemory::collect_dirty_rings`]).
+///
+/// [`KvmMemory::collect_dirty_rings`]: crate::KvmMemory::collect_dirty_rings
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct RingCollection {
+    /// Entries collected.
+    pub entries: u64,
+    /// A ring overflowed (more entries since the last reset than KVM lets a ring hold, or the
+    /// entries were found out of step with the collector): entries may have been written over
+    /// before they were collected, so the pages they named are lost to the rings. The caller
+    /// must treat every page of every logging slot as dirty.
+    pub lost: bool,
+}
+
+impl std::ops::Add for RingCollection {
+    type Output = RingCollection;
+
+    fn add(self, other: RingCollection) -> RingCollection {
+        RingCollection {
+            entries: self.entries + other.entries,
+            lost: self.lost || other.lost,
+        }
+    }
+}
+
 /// One vCPU's ring, mapped from its vCPU file.
 #[derive(Debug)]
 pub(crate) struct DirtyRing {
@@ -33,6 +65,11 @@ pub(crate) struct DirtyRing {
     count: u32,
     /// The next entry to look at (the VMM's fetch index, modulo `count`).
     next: u32,
+    /// Entries collected since the last successful `KVM_RESET_DIRTY_RINGS`.
+    since_reset: u32,
+    /// An overflow was seen and no collection since found the ring in step: each collection
+    /// that finds nothing at `next` looks for published entries elsewhere.
+    suspect: bool,
 }
 
 // SAFETY: the ring is a shared mapping that KVM and this process access only through the
@@ -66,33 +103,90 @@ impl DirtyRing {
             entries: NonNull::new(ptr.cast()).expect("mmap does not return null on success"),
             count,
             next: 0,
+            since_reset: 0,
+            suspect: false,
         })
     }
 
+    /// The entry's flags, seen atomically.
+    fn flags(&self, index: u32) -> &AtomicU32 {
+        let index = (index % self.count) as usize;
+        // SAFETY: `index < count`, so the entry lies in the mapping, which lives as long as
+        // `self`; it is 16-byte aligned (the mapping is page-aligned), and `flags` is its first
+        // field (kvm_dirty_gfn is repr(C)).
+        let flags_ptr = unsafe { self.entries.as_ptr().add(index) }.cast::<u32>();
+        // SAFETY: `flags_ptr` points at a live, aligned u32 in the mapping; KVM and this
+        // process access it only atomically, so viewing it as an `AtomicU32` is sound.
+        unsafe { AtomicU32::from_ptr(flags_ptr) }
+    }
+
+    /// KVM's `KVM_RESET_DIRTY_RINGS` succeeded: the entries collected so far are free again.
+    pub(crate) fn reset_done(&mut self) {
+        self.since_reset = 0;
+    }
+
     /// Collects the published entries in ring order, handing each to `sink` as (slot, page
-    /// offset in the slot) and back to KVM; returns how many.
-    pub(crate) fn collect(&mut self, sink: &mut dyn FnMut(u32, u64)) -> u64 {
-        let mut collected = 0;
-        loop {
-            let index = (self.next % self.count) as usize;
-            // SAFETY: `index < count`, so the entry lies in the mapping, which lives as long
-            // as `self`; it is 16-byte aligned (the mapping is page-aligned).
-            let entry = unsafe { self.entries.as_ptr().add(index) };
-            // `flags` is the entry's first field (kvm_dirty_gfn is repr(C)).
-            let flags_ptr = entry.cast::<u32>();
-            // SAFETY: `flags_ptr` points at a live, aligned u32 in the mapping; KVM and this
-            // process access it only atomically, so viewing it as an `AtomicU32` is sound.
-            let flags = unsafe { AtomicU32::from_ptr(flags_ptr) };
-            if flags.load(Ordering::Acquire) & DIRTY == 0 {
-                return collected;
+    /// offset in the slot) and back to KVM; says how many, and whether entries may have been
+    /// lost (see [`RingCollection::lost`]).
+    pub(crate) fn collect(&mut self, sink: &mut dyn FnMut(u32, u64)) -> RingCollection {
+        let mut found = self.collect_in_order(sink);
+        if found.entries == 0 && self.suspect {
+            // After an overflow KVM's write index and ours may differ: nothing at ours, but
+            // entries elsewhere. KVM publishes in ring order, so if an entry after ours is
+            // published while ours (looked at again after it) is not, ours is out of step:
+            // start from the first published entry after it.
+            let published = (1..self.count).find(|&step| {
+                self.flags(self.next.wrapping_add(step))
+                    .load(Ordering::Acquire)
+                    & DIRTY
+                    != 0
+            });
+            match published {
+                Some(step) if self.flags(self.next).load(Ordering::Acquire) & DIRTY == 0 => {
+                    // The entries skipped are handed back too: KVM's reset frees entries in
+                    // ring order and stops at one that is not, so without them it would never
+                    // get past the ones written over, and the vCPU would exit ring-full for
+                    // ever. (KVM re-protects the page an entry names: a stale one's, harmless.)
+                    for skipped in 0..step {
+                        self.flags(self.next.wrapping_add(skipped))
+                            .store(RESET, Ordering::Release);
+                    }
+                    self.next = self.next.wrapping_add(step);
+                    found = self.collect_in_order(sink);
+                    found.lost = true;
+                }
+                Some(_) => found = self.collect_in_order(sink),
+                None => self.suspect = false,
             }
+        }
+        if found.lost {
+            self.suspect = true;
+        }
+        found
+    }
+
+    /// Collects from the fetch index on while entries are published.
+    fn collect_in_order(&mut self, sink: &mut dyn FnMut(u32, u64)) -> RingCollection {
+        let mut found = RingCollection::default();
+        loop {
+            let flags = self.flags(self.next);
+            if flags.load(Ordering::Acquire) & DIRTY == 0 {
+                return found;
+            }
+            let index = (self.next % self.count) as usize;
+            // SAFETY: `index < count`, so the entry lies in the mapping.
+            let entry = unsafe { self.entries.as_ptr().add(index) };
             // SAFETY: the acquire load saw DIRTY, so KVM wrote the entry before it and will
             // not touch it until it is reset: copying it out is race-free.
             let gfn = unsafe { entry.read() };
             sink(gfn.slot, gfn.offset);
             flags.store(RESET, Ordering::Release);
             self.next = self.next.wrapping_add(1);
-            collected += 1;
+            found.entries += 1;
+            self.since_reset = self.since_reset.saturating_add(1);
+            if self.since_reset > self.count - RSVD_ENTRIES {
+                found.lost = true;
+            }
         }
     }
 }
@@ -199,6 +293,8 @@ mod tests {
             entries,
             count,
             next: count - 2,
+            since_reset: 0,
+            suspect: false,
         };
         let publish = |i: u32, slot: u32, offset: u64| {
             // SAFETY: `i < count`: inside the mapping, which the ring keeps alive.
@@ -219,7 +315,13 @@ mod tests {
         publish(0, 1, 11);
         publish(2, 9, 99);
         let mut seen = Vec::new();
-        assert_eq!(ring.collect(&mut |s, o| seen.push((s, o))), 3);
+        assert_eq!(
+            ring.collect(&mut |s, o| seen.push((s, o))),
+            RingCollection {
+                entries: 3,
+                lost: false
+            }
+        );
         assert_eq!(seen, vec![(1, 10), (2, 20), (1, 11)]);
         let flags = |i: usize| {
             // SAFETY: `i < count`: inside the mapping.
@@ -232,6 +334,139 @@ mod tests {
             (RESET, RESET, RESET, DIRTY)
         );
         // Nothing new until entry 1 is published.
-        assert_eq!(ring.collect(&mut |_, _| panic!("no entry")), 0);
+        assert_eq!(
+            ring.collect(&mut |_, _| panic!("no entry")),
+            RingCollection::default()
+        );
+    }
+
+    /// KVM's side of a ring, as the kernel keeps it: entries pushed at its write index (with
+    /// no room check: an emulator pushing past the soft limit), and a reset that frees entries
+    /// from its reset index on while they are handed back.
+    struct Kernel {
+        entries: NonNull<kvm_dirty_gfn>,
+        count: u32,
+        dirty_index: u32,
+        reset_index: u32,
+    }
+
+    impl Kernel {
+        fn entry(&self, i: u32) -> *mut kvm_dirty_gfn {
+            // SAFETY: the index is reduced modulo `count`: inside the mapping.
+            unsafe { self.entries.as_ptr().add((i % self.count) as usize) }
+        }
+
+        fn flags(&self, i: u32) -> &AtomicU32 {
+            // SAFETY: an entry of the mapping, whose first field is only accessed atomically.
+            unsafe { AtomicU32::from_ptr(self.entry(i).cast::<u32>()) }
+        }
+
+        fn push(&mut self, offset: u64) {
+            let e = self.entry(self.dirty_index);
+            // SAFETY: inside the mapping; the collector reads it only once DIRTY is stored.
+            unsafe {
+                e.write(kvm_dirty_gfn {
+                    flags: 0,
+                    slot: 1,
+                    offset,
+                })
+            };
+            self.flags(self.dirty_index).store(DIRTY, Ordering::Release);
+            self.dirty_index = self.dirty_index.wrapping_add(1);
+        }
+
+        fn reset(&mut self) {
+            while self.reset_index != self.dirty_index
+                && self.flags(self.reset_index).load(Ordering::Acquire) & RESET != 0
+            {
+                self.flags(self.reset_index).store(0, Ordering::Release);
+                self.reset_index = self.reset_index.wrapping_add(1);
+            }
+        }
+
+        /// Whether KVM would stop the vCPU with a ring-full exit.
+        fn full(&self) -> bool {
+            self.dirty_index.wrapping_sub(self.reset_index) >= self.count - RSVD_ENTRIES
+        }
+    }
+
+    #[test]
+    fn an_overflow_is_reported_and_the_collector_follows_kvm_again() {
+        let count = 256u32;
+        let len = count as usize * 16;
+        // SAFETY: a new private anonymous mapping, standing in for a vCPU's ring.
+        let ptr = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+                -1,
+                0,
+            )
+        };
+        assert_ne!(ptr, libc::MAP_FAILED);
+        let entries: NonNull<kvm_dirty_gfn> = NonNull::new(ptr.cast()).unwrap();
+        let mut ring = DirtyRing {
+            entries,
+            count,
+            next: 0,
+            since_reset: 0,
+            suspect: false,
+        };
+        let mut kernel = Kernel {
+            entries,
+            count,
+            dirty_index: 0,
+            reset_index: 0,
+        };
+        // In step, below the soft limit: nothing lost.
+        for page in 0..100 {
+            kernel.push(page);
+        }
+        let found = ring.collect(&mut |_, _| {});
+        assert_eq!(
+            found,
+            RingCollection {
+                entries: 100,
+                lost: false
+            }
+        );
+        ring.reset_done();
+        kernel.reset();
+        // 300 writes pushed in one emulated batch into a ring of 256: 44 written over.
+        for page in 0..300 {
+            kernel.push(1000 + page);
+        }
+        let found = ring.collect(&mut |_, _| {});
+        assert!(found.lost, "{found:?}");
+        kernel.reset();
+        ring.reset_done();
+        // KVM's write index and the collector's now differ; the vCPU's next writes must still
+        // be collected (or its ring-full exits would never end).
+        let mut seen = Vec::new();
+        for page in 0..150 {
+            kernel.push(5000 + page);
+        }
+        let found = ring.collect(&mut |_, o| seen.push(o));
+        assert!(found.lost, "found out of step: {found:?}");
+        assert_eq!(seen, (5000..5150).collect::<Vec<_>>());
+        ring.reset_done();
+        kernel.reset();
+        assert!(!kernel.full(), "the reset freed them all");
+        // In step again: later entries are collected as usual.
+        seen.clear();
+        for page in 0..10 {
+            kernel.push(9000 + page);
+        }
+        assert_eq!(ring.collect(&mut |_, o| seen.push(o)).entries, 10);
+        assert_eq!(seen, (9000..9010).collect::<Vec<_>>());
+        kernel.reset();
+        ring.reset_done();
+        // An empty ring clears the suspicion.
+        assert_eq!(ring.collect(&mut |_, _| {}), RingCollection::default());
+        assert!(!ring.suspect);
+        // `ring` unmaps the mapping when dropped, after the last use of `kernel`.
+        drop(ring);
     }
 }

@@ -13,6 +13,7 @@ use std::time::{Duration, Instant};
 use vmm_sys_util::errno::Error as Errno;
 
 use crate::kvm::{KvmMemory, KvmSlot};
+use crate::ring::RingCollection;
 use crate::PAGE_SIZE;
 
 /// A kind of KVM call: what a planned failure hits, what a [`Stopwatch`] counts.
@@ -47,6 +48,8 @@ struct State {
     unreset: BTreeSet<(u32, u64)>,
     /// Entries collected and not yet reset.
     collected: Vec<(u32, u64)>,
+    /// In ring mode: entries were written over (`overflow_ring`), not yet reported.
+    lost: bool,
 }
 
 /// A fake VM: KVM's checks on slot changes and per-slot dirty logs, or a dirty ring.
@@ -103,6 +106,17 @@ impl FakeKvm {
         let state = self.state();
         self.ring_entries
             .is_some_and(|n| state.ring.len() + state.collected.len() >= n as usize)
+    }
+
+    /// As a ring that overflowed (this host's instruction emulator pushes past the ring's
+    /// room): the entries not yet collected are lost, and the next collection says so
+    /// ([`RingCollection::lost`](crate::RingCollection::lost)). Their pages stay unprotected
+    /// until a reset, as KVM's do.
+    pub fn overflow_ring(&self) {
+        let mut state = self.state();
+        let lost = std::mem::take(&mut state.ring);
+        state.collected.extend(lost);
+        state.lost = true;
     }
 
     fn state(&self) -> MutexGuard<'_, State> {
@@ -304,15 +318,18 @@ impl KvmMemory for FakeKvm {
         self.ring_entries.is_some()
     }
 
-    fn collect_dirty_rings(&self, sink: &mut dyn FnMut(u32, u64)) -> Result<u64, Errno> {
+    fn collect_dirty_rings(&self, sink: &mut dyn FnMut(u32, u64)) -> Result<RingCollection, Errno> {
         let mut state = self.state();
-        let mut count = 0;
+        let mut found = RingCollection {
+            entries: 0,
+            lost: std::mem::take(&mut state.lost),
+        };
         while let Some((slot, offset)) = state.ring.pop_front() {
             sink(slot, offset);
             state.collected.push((slot, offset));
-            count += 1;
+            found.entries += 1;
         }
-        Ok(count)
+        Ok(found)
     }
 
     fn reset_dirty_rings(&self) -> Result<(), Errno> {
@@ -490,7 +507,7 @@ impl<K: KvmMemory, H: Hook> KvmMemory for Hooked<K, H> {
         self.inner.dirty_ring()
     }
 
-    fn collect_dirty_rings(&self, sink: &mut dyn FnMut(u32, u64)) -> Result<u64, Errno> {
+    fn collect_dirty_rings(&self, sink: &mut dyn FnMut(u32, u64)) -> Result<RingCollection, Errno> {
         self.hook.around(KvmRequest::CollectDirtyRings, || {
             self.inner.collect_dirty_rings(sink)
         })

@@ -103,7 +103,10 @@ fn a_hook_sees_every_call() {
 fn faulty_fails_a_ring_collection_too() {
     let kvm = Faulty::new(FakeKvm::with_dirty_ring(16, 256));
     kvm.fail(KvmCall::CollectDirtyRings, 1, 5);
-    assert_eq!(kvm.collect_dirty_rings(&mut |_, _| {}), Ok(0));
+    assert_eq!(
+        kvm.collect_dirty_rings(&mut |_, _| {}),
+        Ok(kvm_memslots::RingCollection::default())
+    );
     let err = kvm.collect_dirty_rings(&mut |_, _| {}).unwrap_err();
     assert_eq!(err.errno(), 5);
     assert!(!kvm.failure_pending());

@@ -276,6 +276,21 @@ impl<K: KvmMemory> MemoryManager<K> {
                 }
             }
         }
+        let lost = collected.as_ref().is_ok_and(|c| c.lost);
+        if lost {
+            self.ring_overflows.fetch_add(1, Ordering::Relaxed);
+        }
+        if lost || self.ring_overflows.load(Ordering::Relaxed) > 0 {
+            // Entries were written over: which pages they named is unknown, and KVM will not
+            // report those pages again (they stay unprotected), so from now on every page of
+            // every logging slot counts as dirty in every collection, for every consumer.
+            for slot in map.iter().filter(|s| s.flags().log_dirty) {
+                let first = slot.payload().offset() / PAGE_SIZE;
+                slot.payload()
+                    .pending()
+                    .mark(first, slot.size() / PAGE_SIZE);
+            }
+        }
         drop(rings);
         let collected = collected.map_err(|source| Error::DirtyRing {
             op: "collecting",
@@ -283,7 +298,7 @@ impl<K: KvmMemory> MemoryManager<K> {
         })?;
         // With nothing collected there is nothing to reset, unless an earlier reset failed (or
         // another collector's is still to come, which that collector does itself).
-        if collected == 0 && !self.ring_reset_owed.load(Ordering::SeqCst) {
+        if collected.entries == 0 && !self.ring_reset_owed.load(Ordering::SeqCst) {
             return Ok(());
         }
         self.ring_reset_owed.store(true, Ordering::SeqCst);
@@ -295,6 +310,20 @@ impl<K: KvmMemory> MemoryManager<K> {
             })?;
         self.ring_reset_owed.store(false, Ordering::SeqCst);
         Ok(())
+    }
+
+    /// Ring mode: how many collections found a dirty ring overflowed. KVM keeps a ring from
+    /// filling by stopping the vCPU (`KVM_EXIT_DIRTY_RING_FULL`) at a soft limit below its
+    /// size; a host whose instruction emulator pushes a batch of guest writes without stopping
+    /// (this project's kvm_pvm host, for guest kernel code) can push past it and write over
+    /// entries. The manager notices it (more entries since the last reset than the ring's room,
+    /// or entries out of step with its fetch index, which it then follows again so that the
+    /// vCPU does not livelock on ring-full exits), and from the first overflow on reports
+    /// every page of every logging slot in every harvest, for every consumer: pages whose
+    /// entries were lost stay unprotected in KVM and would never be reported again. Never a
+    /// lost page; a VMM seeing this count grow should stop using ring mode for that guest.
+    pub fn dirty_ring_overflows(&self) -> u64 {
+        self.ring_overflows.load(Ordering::Relaxed)
     }
 
     /// Ring mode: collects the vCPUs' dirty rings into the regions' pending bits and resets

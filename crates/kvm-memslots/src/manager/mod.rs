@@ -190,6 +190,8 @@ pub struct MemoryManager<K: KvmMemory> {
     rings: Mutex<()>,
     /// Ring mode: entries that named no slot of the map (or a page past their slot).
     stray_ring_entries: AtomicU64,
+    /// Ring mode: collections that found a ring overflowed (entries written over).
+    ring_overflows: AtomicU64,
     /// Ring mode: a `KVM_RESET_DIRTY_RINGS` failed and none has succeeded since, so KVM holds
     /// collected entries whose pages it does not report again until a reset: the next
     /// collection resets even if it collects nothing.
@@ -281,6 +283,7 @@ impl<K: KvmMemory> MemoryManager<K> {
             consumers: Mutex::new(BTreeSet::from([DirtyConsumer::DEFAULT])),
             rings: Mutex::new(()),
             stray_ring_entries: AtomicU64::new(0),
+            ring_overflows: AtomicU64::new(0),
             ring_reset_owed: AtomicBool::new(false),
             leased: AtomicU32::new(NO_LEASE),
             ids_freed: AtomicU64::new(0),

@@ -2085,3 +2085,28 @@ fn regions_may_be_given_their_ids() {
     );
     assert_mirrored(&m);
 }
+
+#[test]
+fn an_overflowed_ring_reports_every_logging_page_for_every_consumer() {
+    let m = ring_manager(256);
+    let a = m.add_region(logging(region(0, 2))).unwrap();
+    let quiet = m.add_region(region(MIB, 2)).unwrap();
+    let chain = m.add_dirty_consumer().unwrap();
+    m.harvest_dirty(Target::All).unwrap();
+    m.harvest_dirty_for(chain, Target::All).unwrap();
+    m.kvm().inner().guest_write(PAGE_SIZE);
+    assert_eq!(m.dirty_ring_overflows(), 0);
+    // The emulator pushed past the ring's room: entries were written over.
+    m.kvm().inner().overflow_ring();
+    let all = 2 * SLOT / PAGE_SIZE;
+    for consumer in [DirtyConsumer::DEFAULT, chain] {
+        let dirty = m.harvest_dirty_for(consumer, Target::All).unwrap();
+        let count = |id| dirty.iter().find(|d| d.region == id).unwrap().count();
+        assert_eq!((count(a), count(quiet)), (all, 0), "{consumer}");
+    }
+    assert_eq!(m.dirty_ring_overflows(), 1);
+    // Pages whose entries were lost stay unprotected in KVM: every later harvest reports
+    // every logging page too.
+    let again = m.harvest_dirty(Target::Region(a)).unwrap();
+    assert_eq!(again[0].count(), all);
+}
