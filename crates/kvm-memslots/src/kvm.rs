@@ -6,8 +6,9 @@ use std::sync::{Arc, Mutex};
 use kvm_bindings::{
     kvm_clear_dirty_log, kvm_clear_dirty_log__bindgen_ty_1, kvm_enable_cap,
     kvm_userspace_memory_region, kvm_userspace_memory_region2, KVMIO, KVM_CAP_DIRTY_LOG_RING,
-    KVM_CAP_DIRTY_LOG_RING_ACQ_REL, KVM_CAP_MANUAL_DIRTY_LOG_PROTECT2,
+    KVM_CAP_DIRTY_LOG_RING_ACQ_REL, KVM_CAP_DISABLE_QUIRKS2, KVM_CAP_MANUAL_DIRTY_LOG_PROTECT2,
     KVM_DIRTY_LOG_MANUAL_PROTECT_ENABLE, KVM_MEM_LOG_DIRTY_PAGES, KVM_MEM_READONLY,
+    KVM_X86_QUIRK_SLOT_ZAP_ALL,
 };
 use kvm_ioctls::{Cap, Kvm, VcpuFd, VmFd};
 use memslot_map::SlotFlags;
@@ -263,6 +264,27 @@ pub struct KvmVm {
     ring_entries: Option<u32>,
     /// Every vCPU's ring, in ring mode.
     rings: Mutex<Vec<DirtyRing>>,
+    /// KVM still zaps every guest mapping when any slot is deleted or moved
+    /// (`KVM_X86_QUIRK_SLOT_ZAP_ALL`).
+    zaps_all: bool,
+}
+
+/// Turns off `KVM_X86_QUIRK_SLOT_ZAP_ALL` where KVM offers it (`KVM_CAP_DISABLE_QUIRKS2`):
+/// deleting or moving a slot then drops only that slot's mappings, as "KVM: x86/mmu: Remove fast
+/// invalidate mechanism" asks, instead of every vCPU's translations. Whether KVM still zaps all.
+fn zap_only_the_slot(vm: &VmFd) -> Result<bool, Errno> {
+    let offered = vm.check_extension_raw(libc::c_ulong::from(KVM_CAP_DISABLE_QUIRKS2));
+    let quirk = u64::from(KVM_X86_QUIRK_SLOT_ZAP_ALL);
+    if u64::try_from(offered).map_or(true, |o| o & quirk == 0) {
+        return Ok(true);
+    }
+    let mut cap = kvm_enable_cap {
+        cap: KVM_CAP_DISABLE_QUIRKS2,
+        ..Default::default()
+    };
+    cap.args[0] = quirk;
+    vm.enable_cap(&cap)?;
+    Ok(false)
 }
 
 impl KvmVm {
@@ -284,7 +306,22 @@ impl KvmVm {
     /// 4. If it offers `KVM_DIRTY_LOG_MANUAL_PROTECT_ENABLE`: `KVM_ENABLE_CAP` of
     ///    `KVM_CAP_MANUAL_DIRTY_LOG_PROTECT2` with that bit alone. Its error is returned;
     ///    nothing to undo.
+    /// 5. `KVM_CHECK_EXTENSION(KVM_CAP_DISABLE_QUIRKS2)` on the VM; if it offers
+    ///    `KVM_X86_QUIRK_SLOT_ZAP_ALL`, `KVM_ENABLE_CAP` of it with that bit alone, so that a
+    ///    slot's deletion or move drops only that slot's mappings
+    ///    ([`zaps_all_on_slot_change`](Self::zaps_all_on_slot_change)). Its error is returned.
+    ///
+    /// [`keeping_slot_zap_all`](Self::keeping_slot_zap_all) leaves out step 5.
     pub fn new(kvm: &Kvm, vm: Arc<VmFd>) -> Result<Self, Errno> {
+        let mut this = Self::keeping_slot_zap_all(kvm, vm)?;
+        this.zaps_all = zap_only_the_slot(&this.vm)?;
+        Ok(this)
+    }
+
+    /// As [`new`](Self::new), but KVM keeps zapping every guest mapping whenever a slot is
+    /// deleted or moved (its default, `KVM_X86_QUIRK_SLOT_ZAP_ALL`): for comparing the two, or
+    /// for a kernel where turning it off misbehaves.
+    pub fn keeping_slot_zap_all(kvm: &Kvm, vm: Arc<VmFd>) -> Result<Self, Errno> {
         let max_slots = u32::try_from(kvm.get_nr_memslots()).unwrap_or(u32::MAX);
         let region2 = vm.check_extension(Cap::UserMemory2);
         let wanted = u64::from(KVM_DIRTY_LOG_MANUAL_PROTECT_ENABLE);
@@ -306,7 +343,15 @@ impl KvmVm {
             manual_dirty_log,
             ring_entries: None,
             rings: Mutex::new(Vec::new()),
+            zaps_all: true,
         })
+    }
+
+    /// Whether KVM drops every guest mapping (all vCPUs' translations) when any slot is
+    /// deleted or moved, rather than only that slot's: true unless [`new`](Self::new) or
+    /// [`with_dirty_ring`](Self::with_dirty_ring) could turn `KVM_X86_QUIRK_SLOT_ZAP_ALL` off.
+    pub fn zaps_all_on_slot_change(&self) -> bool {
+        self.zaps_all
     }
 
     /// Wraps `vm` in ring mode: KVM reports the guest's dirty pages in a ring of `entries`
@@ -322,6 +367,7 @@ impl KvmVm {
     ///    checking `entries`, without a call).
     /// 3. `KVM_CHECK_EXTENSION(KVM_CAP_NR_MEMSLOTS)` on `kvm`, then
     ///    `KVM_CHECK_EXTENSION(KVM_CAP_USER_MEMORY2)` on the VM.
+    /// 4. As [`new`](Self::new)'s step 5: `KVM_X86_QUIRK_SLOT_ZAP_ALL` turned off where offered.
     ///
     /// Manual dirty-log protection is not enabled. On a failure, nothing is undone (an enabled
     /// ring stays enabled).
@@ -343,6 +389,7 @@ impl KvmVm {
         vm.enable_cap(&enable).map_err(RingError::Enable)?;
         let max_slots = u32::try_from(kvm.get_nr_memslots()).unwrap_or(u32::MAX);
         let region2 = vm.check_extension(Cap::UserMemory2);
+        let zaps_all = zap_only_the_slot(&vm).map_err(RingError::Quirk)?;
         Ok(KvmVm {
             vm,
             max_slots,
@@ -350,6 +397,7 @@ impl KvmVm {
             manual_dirty_log: false,
             ring_entries: Some(entries),
             rings: Mutex::new(Vec::new()),
+            zaps_all,
         })
     }
 

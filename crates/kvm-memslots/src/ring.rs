@@ -231,6 +231,10 @@ pub enum RingError {
     /// KVM refused to enable it: it must be enabled before any vCPU exists.
     #[error("enabling the dirty ring failed ({0}): it must be enabled before any vCPU is created")]
     Enable(vmm_sys_util::errno::Error),
+    /// KVM offered to stop zapping every mapping on a slot change
+    /// (`KVM_X86_QUIRK_SLOT_ZAP_ALL`) and then refused to.
+    #[error("turning KVM_X86_QUIRK_SLOT_ZAP_ALL off failed ({0})")]
+    Quirk(vmm_sys_util::errno::Error),
     /// Mapping a vCPU's ring failed. KVM keeps the vCPU it created until the VM goes (KVM
     /// cannot destroy a vCPU): the id is spent, and creating it again fails with `EEXIST`.
     /// The vCPU never ran, so its ring holds nothing to harvest.

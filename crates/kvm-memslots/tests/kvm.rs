@@ -523,3 +523,40 @@ fn kvm_each_dirty_log_consumer_sees_every_page() {
         );
     }
 }
+
+/// Where KVM can drop only a deleted or moved slot's mappings, `KvmVm` asks it to; moves and
+/// deletes under a guest then behave as before (the other tests here run with it too).
+#[test]
+fn kvm_slot_changes_zap_only_that_slot_where_kvm_can() {
+    let name = "kvm_slot_changes_zap_only_that_slot_where_kvm_can";
+    let Some((kvm, vm)) = kvm_or_skip(name) else {
+        return;
+    };
+    let offered =
+        vm.check_extension_raw(libc::c_ulong::from(kvm_bindings::KVM_CAP_DISABLE_QUIRKS2));
+    let can = u64::try_from(offered)
+        .is_ok_and(|o| o & u64::from(kvm_bindings::KVM_X86_QUIRK_SLOT_ZAP_ALL) != 0);
+    let m = manager(&kvm, &vm);
+    assert_eq!(
+        m.kvm().zaps_all_on_slot_change(),
+        !can,
+        "offered {offered:#x}"
+    );
+    eprintln!("{name}: KVM offers turning KVM_X86_QUIRK_SLOT_ZAP_ALL off: {can}");
+    let fresh = Arc::new(kvm.create_vm().expect("KVM_CREATE_VM"));
+    let kept = KvmVm::keeping_slot_zap_all(&kvm, fresh).expect("a VM");
+    assert!(kept.zaps_all_on_slot_change());
+    // A guest reads memory across a move with the quirk off.
+    let (_, data) = guest_layout(&m, false);
+    m.current()
+        .write_obj(0x77u8, GuestAddress(DATA + 4 * KIB))
+        .expect("write");
+    let code = Program::default().report_byte(DATA + 4 * KIB).halt();
+    assert_eq!(run_guest(&vm, &m.handle(), &code).reported, vec![0x77]);
+    m.move_region(data, GuestAddress(DATA + 512 * KIB))
+        .expect("moved");
+    let code = Program::default()
+        .report_byte(DATA + 512 * KIB + 4 * KIB)
+        .halt();
+    assert_eq!(run_guest(&vm, &m.handle(), &code).reported, vec![0x77]);
+}
