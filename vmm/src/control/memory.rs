@@ -68,6 +68,10 @@ pub struct MemoryInfo {
     pub used: MemoryUse,
     /// The regions, by id.
     pub regions: Vec<RegionInfo>,
+    /// Whether KVM drops every vCPU's guest mappings when any slot is deleted or moved
+    /// (`KVM_X86_QUIRK_SLOT_ZAP_ALL`, KVM's default), rather than only that slot's: false
+    /// where KVM let the VMM turn it off.
+    pub slot_zap_all: bool,
 }
 
 /// The admission limits, in bytes.
@@ -172,5 +176,6 @@ pub fn memory_info(memory: &MemoryManager<KvmVm>) -> MemoryInfo {
             metadata: used.metadata,
         },
         regions,
+        slot_zap_all: memory.kvm().zaps_all_on_slot_change(),
     }
 }
