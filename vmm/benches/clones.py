@@ -1,0 +1,224 @@
+#!/usr/bin/env python3
+"""Clone fan-out: N test-guest VMs restored one after another from one template snapshot, each a
+`tinyvmm restore` process with its own API socket, with the memory file mapped privately (the
+default `file` backend), so that the clones share the template's unchanged pages through the
+page cache.
+
+The template: `tinyvmm serve` with `--mem-mib` MiB in `--slots` KVM slots; the test guest writes
+every page of the first `--written-mib` MiB (one u64 per 4 KiB page), then the VM is paused and
+a Full snapshot taken. Each clone is started, resumed, and its first guest command (a verify of
+one page the template wrote) timed from the process's start: the time to the first guest
+command. Once all are idle, each clone's proportional set size (PSS, `/proc/PID/smaps_rollup`)
+is read, and their sum compared with N x the template's data (what N copies would cost) and
+with the target of 1.2 x one template's data + 2 MiB per clone.
+
+Isolation is checked, not assumed: clone 0 rewrites the written range with another seed and
+verifies it; clone 1 then still verifies the template's seed over the whole range, and so does
+a clone started after that. A failed check is a failure, never a figure.
+
+Python 3 standard library only.
+
+    cargo build --release -p tinyvmm
+    python3 vmm/benches/clones.py                          # 32 clones of 512 MiB, 4096 slots
+    python3 vmm/benches/clones.py --clones 4 --mem-mib 64  # quick
+"""
+import argparse
+import json
+import os
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+MIB = 1 << 20
+AREA = 256 * MIB  # where `serve` puts its initial memory
+PAGE = 4096
+SEED = 0x5EED_0001
+CLONE_SEED = 0xC10E_0002
+
+
+class Api:
+    """One connection per call to a tinyvmm API socket (HTTP/1.1, JSON, Content-Length)."""
+
+    def __init__(self, path):
+        self.path = path
+
+    def call(self, method, url, body=None, timeout=600):
+        data = b"" if body is None else json.dumps(body).encode()
+        head = (f"{method} {url} HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n"
+                f"Content-Length: {len(data)}\r\n\r\n").encode()
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+            sock.settimeout(timeout)
+            sock.connect(self.path)
+            sock.sendall(head + data)
+            buf = b""
+            while True:
+                end = buf.find(b"\r\n\r\n")
+                if end >= 0:
+                    head_text = buf[:end].decode(errors="replace")
+                    length = 0
+                    for line in head_text.split("\r\n")[1:]:
+                        key, _, value = line.partition(":")
+                        if key.strip().lower() == "content-length":
+                            length = int(value)
+                    if len(buf) >= end + 4 + length:
+                        body = buf[end + 4:end + 4 + length]
+                        return int(head_text[9:12]), (json.loads(body) if body else None)
+                chunk = sock.recv(1 << 16)
+                if not chunk:
+                    raise ConnectionError(f"{self.path}: closed after {len(buf)} bytes")
+                buf += chunk
+
+    def ok(self, method, url, body=None):
+        status, answer = self.call(method, url, body)
+        if not 200 <= status < 300:
+            raise RuntimeError(f"{method} {url}: {status} {answer}")
+        return answer
+
+
+def wait_for(path, proc, deadline_s=120):
+    deadline = time.monotonic() + deadline_s
+    while not os.path.exists(path):
+        if proc.poll() is not None:
+            raise RuntimeError(f"{proc.args[1]} exited ({proc.returncode}) before {path} appeared")
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{path} never appeared")
+        time.sleep(0.002)
+
+
+def command(op, start, end, seed):
+    return {"op": op, "start": start, "end": end, "stride": PAGE, "seed": seed}
+
+
+def verify(api, start, end, seed, what):
+    answer = api.ok("PUT", "/guest/command", command("verify", start, end, seed))
+    if answer.get("result") != "ok":
+        raise RuntimeError(f"{what}: {answer}")
+
+
+def pss_kib(pid):
+    with open(f"/proc/{pid}/smaps_rollup") as f:
+        for line in f:
+            if line.startswith("Pss:"):
+                return int(line.split()[1])
+    raise RuntimeError(f"no Pss in /proc/{pid}/smaps_rollup")
+
+
+def percentile(values, p):
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(round(p / 100 * (len(ordered) - 1))))]
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--clones", type=int, default=32)
+    parser.add_argument("--mem-mib", type=int, default=512)
+    parser.add_argument("--written-mib", type=int, default=256)
+    parser.add_argument("--slots", type=int, default=4096)
+    parser.add_argument("--tinyvmm", default=os.path.join(ROOT, "target/release/tinyvmm"))
+    parser.add_argument("--json", default=os.path.join(ROOT, "target/bench/clones.json"))
+    args = parser.parse_args()
+    if args.clones < 2:
+        sys.exit("--clones: at least 2 (isolation is checked between two clones)")
+    work = tempfile.mkdtemp(prefix="tinyvmm-clones-")
+    procs = []
+    try:
+        written_end = AREA + args.written_mib * MIB
+        # The template.
+        sock = os.path.join(work, "template.sock")
+        template = subprocess.Popen(
+            [args.tinyvmm, "serve", "--api-sock", sock, "--slots", str(args.slots),
+             "--mem-mib", str(args.mem_mib)],
+            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        procs.append(template)
+        wait_for(sock, template)
+        api = Api(sock)
+        api.ok("PUT", "/guest/command", command("write", AREA, written_end, SEED))
+        api.ok("PATCH", "/vm", {"state": "Paused"})
+        state, mem = os.path.join(work, "t.state"), os.path.join(work, "t.mem")
+        api.ok("PUT", "/snapshot/create",
+               {"snapshot_type": "Full", "snapshot_path": state, "mem_file_path": mem})
+        api.ok("PUT", "/actions", {"action_type": "Stop"})
+        template.wait(timeout=120)
+        procs.remove(template)
+        mem_file_mib = os.stat(mem).st_blocks * 512 / MIB
+        # Drop nothing from the page cache: the file was just written, as a template's is.
+
+        def start_clone(i):
+            sock = os.path.join(work, f"clone{i}.sock")
+            t0 = time.monotonic()
+            proc = subprocess.Popen(
+                [args.tinyvmm, "restore", "--snapshot", state, "--mem-file", mem,
+                 "--api-sock", sock],
+                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+            procs.append(proc)
+            wait_for(sock, proc)
+            api = Api(sock)
+            api.ok("PATCH", "/vm", {"state": "Resumed"})
+            verify(api, AREA, AREA + PAGE, SEED, f"clone {i}'s first command")
+            return proc, api, time.monotonic() - t0
+
+        clones = [start_clone(i) for i in range(args.clones)]
+        first_ms = [c[2] * 1e3 for c in clones]
+        # Memory of the idle clones, each having run one command.
+        pss = [pss_kib(c[0].pid) for c in clones]
+        # Isolation: clone 0 writes; its siblings and a later clone still see the template.
+        clones[0][1].ok("PUT", "/guest/command", command("write", AREA, written_end, CLONE_SEED))
+        verify(clones[0][1], AREA, written_end, CLONE_SEED, "clone 0 after its write")
+        verify(clones[1][1], AREA, written_end, SEED, "clone 1 after clone 0 wrote")
+        late, late_api, _ = start_clone(args.clones)
+        verify(late_api, AREA, written_end, SEED, "a clone started after clone 0 wrote")
+        late_api.ok("PUT", "/actions", {"action_type": "Stop"})
+        late.wait(timeout=60)
+        procs.remove(late)
+        template_data_kib = args.written_mib * 1024
+        total_pss_mib = sum(pss) / 1024
+        copies_mib = args.clones * args.written_mib
+        target_mib = 1.2 * args.written_mib + 2 * args.clones
+        result = {
+            "clones": args.clones,
+            "mem_mib": args.mem_mib,
+            "written_mib": args.written_mib,
+            "slots": args.slots,
+            "memory_file_mib": mem_file_mib,
+            "first_command_ms": {"median": statistics.median(first_ms),
+                                 "p99": percentile(first_ms, 99),
+                                 "min": min(first_ms), "max": max(first_ms),
+                                 "all": first_ms},
+            "pss_mib": {"sum": total_pss_mib, "per_clone": [p / 1024 for p in pss]},
+            "n_copies_mib": copies_mib,
+            "target_mib": target_mib,
+            "within_target": total_pss_mib <= target_mib,
+            "template_data_kib": template_data_kib,
+        }
+        for proc, capi, _ in clones:
+            capi.ok("PUT", "/actions", {"action_type": "Stop"})
+            proc.wait(timeout=60)
+            procs.remove(proc)
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait()
+        shutil.rmtree(work, ignore_errors=True)
+
+    print(f"{args.clones} clones of a {args.mem_mib} MiB template ({args.written_mib} MiB written, "
+          f"{args.slots} KVM slots), memory file mapped privately:")
+    f = result["first_command_ms"]
+    print(f"  time to the first guest command   median {f['median']:.1f} ms, p99 {f['p99']:.1f} ms "
+          f"(min {f['min']:.1f}, max {f['max']:.1f})")
+    print(f"  PSS of the idle clones, summed    {total_pss_mib:.1f} MiB")
+    print(f"  {args.clones} copies of the data would be {copies_mib} MiB; target "
+          f"<= 1.2 x {args.written_mib} + 2 x {args.clones} = {target_mib:.1f} MiB: "
+          f"{'met' if result['within_target'] else 'NOT met'}")
+    os.makedirs(os.path.dirname(args.json), exist_ok=True)
+    with open(args.json, "w") as out:
+        json.dump(result, out, indent=2)
+    print(f"  JSON: {args.json}")
+
+
+if __name__ == "__main__":
+    main()
