@@ -263,11 +263,9 @@ fn pairs<'a>(snaps: &[&'a Snap]) -> Vec<&'a Path> {
         .collect()
 }
 
-/// Asserts that `snapshot-merge` refuses `files` with one line that contains each of `names`,
-/// exit status 1, and writes nothing.
-fn assert_merge_refused(case: &str, files: &[&Path], names: &[&str]) {
-    let out = file(&format!("refused-{case}.mem"));
-    let (code, stderr) = merge(&out, files);
+/// Asserts that a `tinyvmm` that ended with `code` and `stderr` failed with exit status 1 and
+/// one line that contains each of `names`.
+fn assert_one_line_error(case: &str, code: Option<i32>, stderr: &str, names: &[&str]) {
     assert_eq!(code, Some(1), "{case}: {stderr}");
     assert_eq!(
         stderr.trim().lines().count(),
@@ -277,31 +275,35 @@ fn assert_merge_refused(case: &str, files: &[&Path], names: &[&str]) {
     for name in names {
         assert!(stderr.contains(name), "{case}: names {name}: {stderr}");
     }
+}
+
+/// Asserts that `snapshot-merge` refuses `files` with one line that contains each of `names`,
+/// exit status 1, and writes nothing.
+fn assert_merge_refused(case: &str, files: &[&Path], names: &[&str]) {
+    let out = file(&format!("refused-{case}.mem"));
+    let (code, stderr) = merge(&out, files);
+    assert_one_line_error(case, code, &stderr, names);
     assert!(!out.exists(), "{case}: nothing is written");
 }
 
-/// Asserts that `tinyvmm restore` of `state` and `mem` exits 1 before serving, with one line
-/// that contains each of `names`, and leaves no socket; returns the line.
-fn assert_restore_refused(case: &str, state: &Path, mem: &Path, names: &[&str]) -> String {
-    let args = [
+/// `tinyvmm restore`'s arguments for `state` and `mem`.
+fn restore_args<'a>(state: &'a Path, mem: &'a Path) -> [&'a std::ffi::OsStr; 5] {
+    [
         "restore".as_ref(),
         "--snapshot".as_ref(),
         state.as_os_str(),
         "--mem-file".as_ref(),
         mem.as_os_str(),
-    ];
+    ]
+}
+
+/// Asserts that `tinyvmm restore` of `state` and `mem` exits 1 before serving, with one line
+/// that contains each of `names`, and leaves no socket; returns the line.
+fn assert_restore_refused(case: &str, state: &Path, mem: &Path, names: &[&str]) -> String {
     let socket = file(&format!("restore-{case}.sock"));
-    match start(&format!("restore-{case}"), &args) {
+    match start(&format!("restore-{case}"), &restore_args(state, mem)) {
         Started::Exited { code, stderr } => {
-            assert_eq!(code, Some(1), "{case}: {stderr}");
-            assert_eq!(
-                stderr.trim().lines().count(),
-                1,
-                "{case}: one line: {stderr}"
-            );
-            for name in names {
-                assert!(stderr.contains(name), "{case}: names {name}: {stderr}");
-            }
+            assert_one_line_error(case, code, &stderr, names);
             assert!(!socket.exists(), "{case}: the socket is removed");
             stderr
         }
@@ -331,13 +333,7 @@ fn kvm_a_merged_chain_restores_with_its_last_state_file() {
         let chain: Vec<&Snap> = c.a[..last].iter().collect();
         let (code, stderr) = merge(&out, &pairs(&chain));
         assert_eq!(code, Some(0), "{case}: {stderr}");
-        let args = [
-            "restore".as_ref(),
-            "--snapshot".as_ref(),
-            c.a[last - 1].state.as_os_str(),
-            "--mem-file".as_ref(),
-            out.as_os_str(),
-        ];
+        let args = restore_args(&c.a[last - 1].state, &out);
         let Started::Served(vmm) = start(&format!("merged-{case}"), &args) else {
             panic!("{case}: the merged chain did not restore");
         };
@@ -562,16 +558,8 @@ fn kvm_a_state_file_that_contradicts_itself_is_refused_before_anything_runs() {
     let short_map = tampered("short-map", |s| {
         s["hotplug"]["mapped"] = json!([true, true]);
     });
-    if let Started::Served(vmm) = start(
-        "short-map-served",
-        &[
-            "restore".as_ref(),
-            "--snapshot".as_ref(),
-            short_map.as_os_str(),
-            "--mem-file".as_ref(),
-            c.a[0].mem.as_os_str(),
-        ],
-    ) {
+    if let Started::Served(vmm) = start("short-map-served", &restore_args(&short_map, &c.a[0].mem))
+    {
         let plug = Client::connect(&vmm.socket).and_then(|mut client| {
             let plug = json!({"requested_size_mib": 64});
             client.call("PATCH", "/hotplug/memory", Some(&plug))
