@@ -37,8 +37,10 @@ enum Commands {
     /// Restore a test-guest VM from a snapshot (PUT /snapshot/create) and serve it, paused, on
     /// an API socket: PATCH /vm {"state": "Resumed"} continues it where it was.
     Restore(RestoreArgs),
-    /// Merge a chain of snapshots (a Full, then Diffs, even across hotplug, removals and
-    /// moves) into the memory file of the last one's point, to restore with its state file.
+    /// Merge a chain of snapshots (a Full, then its Diffs in order, even across hotplug,
+    /// removals and moves) into the memory file of the last one's point, to restore with its
+    /// state file; a broken chain (a Diff first, a link repeated, missing or out of order,
+    /// another VM's snapshot) is refused naming the file.
     SnapshotMerge(MergeArgs),
     /// Measure Full and Diff snapshots and each restore backend at several slot counts, next to
     /// the file system's bandwidth and a cold start: print a table and write JSON.
@@ -397,7 +399,8 @@ struct RestoreArgs {
     /// The state file a snapshot wrote (`snapshot_path` of PUT /snapshot/create).
     #[arg(long)]
     snapshot: std::path::PathBuf,
-    /// The memory file (`mem_file_path`; merge Diff snapshots onto their Full one first).
+    /// The memory file: a Full's own (`mem_file_path`), or for a Diff its chain merged with
+    /// `tinyvmm snapshot-merge` (a Diff's own memory file is refused).
     #[arg(long)]
     mem_file: std::path::PathBuf,
     /// copy: read the memory in before the guest runs; file: map the file privately, pages
@@ -467,39 +470,12 @@ struct MergeArgs {
 }
 
 fn snapshot_merge(args: MergeArgs) -> ExitCode {
-    use kvm_memslots_persist::merge_snapshots;
-    use tinyvmm::test_guest::snapshot::SnapshotState;
-    let merged = (|| -> Result<u64, String> {
-        if !args.files.len().is_multiple_of(2) {
-            return Err("the chain is pairs of a state file and a memory file".into());
-        }
-        let mut chain = Vec::new();
-        for pair in args.files.chunks(2) {
-            let bytes = std::fs::read(&pair[0])
-                .map_err(|e| format!("cannot read {}: {e}", pair[0].display()))?;
-            let state = SnapshotState::from_bytes(&bytes)
-                .map_err(|e| format!("{}: {e}", pair[0].display()))?;
-            let mem = std::fs::File::open(&pair[1])
-                .map_err(|e| format!("cannot open {}: {e}", pair[1].display()))?;
-            chain.push((state.layout, mem));
-        }
-        let out = std::fs::File::options()
-            .read(true)
-            .write(true)
-            .create_new(true)
-            .open(&args.out)
-            .map_err(|e| format!("cannot create {}: {e}", args.out.display()))?;
-        let refs: Vec<_> = chain.iter().map(|(l, f)| (l, f)).collect();
-        merge_snapshots(&refs, &out).map_err(|e| {
-            let _ = std::fs::remove_file(&args.out);
-            e.to_string()
-        })
-    })();
-    match merged {
-        Ok(bytes) => {
+    match tinyvmm::jobs::merge::merge_chain(&args.files, &args.out) {
+        Ok(report) => {
             eprintln!(
-                "tinyvmm: {} snapshot(s), {bytes} bytes, merged into {}",
-                args.files.len() / 2,
+                "tinyvmm: {} snapshot(s), {} bytes, merged into {}",
+                report.snapshots,
+                report.bytes,
                 args.out.display()
             );
             ExitCode::SUCCESS

@@ -46,29 +46,43 @@ pub fn frame(magic: &[u8; 8], version: u32, payload: &[u8]) -> Vec<u8> {
     out
 }
 
-/// The payload of a file [`frame`] made with `magic` and `version`, or why it is not one: no
-/// such magic, another version, a length that does not match the file's (truncated or
-/// padded), or a checksum that does not match (corrupted).
-pub fn unframe<'a>(magic: &[u8; 8], version: u32, bytes: &'a [u8]) -> Result<&'a [u8], String> {
+/// The bytes of a frame's header: magic (8), version (4), length (8).
+pub const FRAME_HEADER: usize = 20;
+
+/// The whole length of the frame whose first bytes are `header` (at least [`FRAME_HEADER`]
+/// of them), or why it is not a frame made with `magic` and `version`: no such magic, or
+/// another version. A reader checks a file's header this way before it reads the file whole
+/// (and compares the length with the file's size).
+pub fn framed_len(magic: &[u8; 8], version: u32, header: &[u8]) -> Result<u64, String> {
     let name = String::from_utf8_lossy(magic.split(|b| *b == 0).next().unwrap_or(magic));
-    if bytes.len() < OVERHEAD || &bytes[..8] != magic {
+    if header.len() < FRAME_HEADER || &header[..8] != magic {
         return Err(format!("not a file of this kind (no {name} magic)"));
     }
-    let found = le_u32(bytes, 8);
+    let found = le_u32(header, 8);
     if found != version {
         return Err(format!(
             "format version {found}; this build reads version {version}"
         ));
     }
-    let len = le_u64(bytes, 12);
-    let end = usize::try_from(len)
+    let len = le_u64(header, 12);
+    len.checked_add(OVERHEAD as u64).ok_or_else(|| {
+        format!("its header announces {len} bytes of content, more than a file holds")
+    })
+}
+
+/// The payload of a file [`frame`] made with `magic` and `version`, or why it is not one: no
+/// such magic, another version, a length that does not match the file's (truncated or
+/// padded), or a checksum that does not match (corrupted).
+pub fn unframe<'a>(magic: &[u8; 8], version: u32, bytes: &'a [u8]) -> Result<&'a [u8], String> {
+    let total = framed_len(magic, version, bytes)?;
+    let end = usize::try_from(total)
         .ok()
-        .and_then(|l| l.checked_add(OVERHEAD))
         .filter(|total| *total == bytes.len())
         .ok_or_else(|| {
             format!(
-                "{} bytes, but its header announces {len} bytes of content (truncated or padded)",
-                bytes.len()
+                "{} bytes, but its header announces {} bytes of content (truncated or padded)",
+                bytes.len(),
+                total - OVERHEAD as u64
             )
         })?;
     let payload = &bytes[20..end - 4];
@@ -103,6 +117,22 @@ mod tests {
         let mut corrupted = framed.clone();
         corrupted[21] ^= 1;
         assert!(refuse(&corrupted).contains("checksum"));
+        // The header alone says how long the frame is, or what is wrong with it.
+        assert_eq!(
+            framed_len(b"TESTMAG\0", 3, &framed[..FRAME_HEADER]),
+            Ok(framed.len() as u64)
+        );
+        assert!(framed_len(b"TESTMAG\0", 4, &framed[..FRAME_HEADER])
+            .unwrap_err()
+            .contains("format version 3; this build reads version 4"));
+        assert!(framed_len(b"TESTMAG\0", 3, &framed[..FRAME_HEADER - 1])
+            .unwrap_err()
+            .contains("no TESTMAG magic"));
+        let mut huge = framed[..FRAME_HEADER].to_vec();
+        huge[12..20].copy_from_slice(&u64::MAX.to_le_bytes());
+        assert!(framed_len(b"TESTMAG\0", 3, &huge)
+            .unwrap_err()
+            .contains("more than a file holds"));
         // An empty payload is a frame too.
         assert_eq!(
             unframe(b"TESTMAG\0", 1, &frame(b"TESTMAG\0", 1, b"")),

@@ -4,7 +4,8 @@
 //!   and place in the memory file), checked with [`MemoryLayout::validate`], written and read as
 //!   a checksummed layout file, and built into a fresh manager.
 //! - [`frame`]/[`unframe`]: the checksummed frame (magic, version, length, payload, CRC-32) of
-//!   the layout file, for a VMM's own state files too.
+//!   the layout file, for a VMM's own state files too; [`framed_len`] checks a header before
+//!   a reader reads a file whole.
 //! - [`memory_file`]: sparse memory files, full or of a harvest's pages; merging diffs;
 //!   loading.
 //! - [`stream`]: guest memory between two VMM processes as checksummed records, the reusable
@@ -23,7 +24,7 @@ pub mod stream;
 pub mod uffd;
 
 pub use error::SnapshotError;
-pub use frame::{frame, unframe};
+pub use frame::{frame, framed_len, unframe, FRAME_HEADER};
 pub use layout::{LayoutBacking, MemoryLayout, RegionLayout, LAYOUT_VERSION};
 pub use memory_file::{
     data_runs, load_memory_file, merge_memory_files, merge_snapshots, write_dirty_pages,

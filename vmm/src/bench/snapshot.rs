@@ -22,7 +22,7 @@ use serde::Serialize;
 use vmm_sys_util::eventfd::EventFd;
 
 use crate::test_guest::area::{AreaError, TestArea, AREA_GPA};
-use crate::test_guest::snapshot::{SnapshotState, STATE_VERSION};
+use crate::test_guest::snapshot::{MemoryCheck, SnapshotInfo, SnapshotState, STATE_VERSION};
 use crate::test_guest::vcpus::{check_slot_count, GuestError, MemBackend, TestVm, Vcpus};
 use crate::test_guest::{Command, Op};
 use crate::vm::VmOptions;
@@ -174,17 +174,33 @@ fn disk_bytes(file: &File) -> u64 {
     file.metadata().map_or(0, |m| m.blocks() * 512)
 }
 
-/// Saves `vm`'s vCPUs and layout into a new state file at `path`.
-fn save_state(vm: &TestVm, vcpus: &mut Vcpus, path: &Path) -> Result<(), SnapshotBenchError> {
+/// Saves `vm`'s vCPUs and layout into a new state file at `path`: a Full snapshot's, or the
+/// Diff's that follows `parent`. Returns what snapshot it is.
+fn save_state(
+    vm: &TestVm,
+    vcpus: &mut Vcpus,
+    path: &Path,
+    parent: Option<&SnapshotInfo>,
+) -> Result<SnapshotInfo, SnapshotBenchError> {
+    let layout = MemoryLayout::of(vm.memory());
+    let check = MemoryCheck::of_memory(&*vm.memory().current(), &layout)
+        .map_err(|e| io("reading guest memory")(std::io::Error::other(e)))?;
+    let info = match parent {
+        Some(parent) => parent.next_diff(check),
+        None => SnapshotInfo::full(check),
+    }
+    .map_err(io("a snapshot id"))?;
     let state = SnapshotState {
         version: STATE_VERSION,
-        layout: MemoryLayout::of(vm.memory()),
+        snapshot: Some(info),
+        layout,
         vcpus: vcpus.save_states()?,
         hotplug: None,
     };
     new_file(path)?
         .write_all(&state.to_bytes())
-        .map_err(io("writing the state file"))
+        .map_err(io("writing the state file"))?;
+    Ok(info)
 }
 
 /// Sequential write (with fsync) and read of `size` bytes at `path`, in MiB/s.
@@ -239,7 +255,7 @@ pub fn run_snapshot_bench(
         memory.harvest_dirty(Target::All)?;
         let full = new_file(&path("full.mem"))?;
         write_memory_file(memory, &MemoryLayout::of(memory), &full)?;
-        save_state(&vm, &mut vcpus, &path("full.state"))?;
+        let full_info = save_state(&vm, &mut vcpus, &path("full.state"), None)?;
         let full_ms = ms(start.elapsed());
         // One page in 16 dirtied since.
         vcpus.run(0, command(Op::Write, &area, 16 * 4096, 2))?;
@@ -247,7 +263,7 @@ pub fn run_snapshot_bench(
         let dirty = memory.harvest_dirty(Target::All)?;
         let diff = new_file(&path("diff.mem"))?;
         write_dirty_pages(memory, &MemoryLayout::of(memory), &dirty, &diff)?;
-        save_state(&vm, &mut vcpus, &path("diff.state"))?;
+        save_state(&vm, &mut vcpus, &path("diff.state"), Some(&full_info))?;
         let diff_ms = ms(start.elapsed());
         vcpus.shut_down()?;
         drop(vm);

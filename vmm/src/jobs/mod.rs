@@ -1,9 +1,11 @@
-//! The product's subcommands: `check` (on the job thread of [`crate::lifecycle::run_job`]) and
+//! The product's subcommands: `check` (on the job thread of [`crate::lifecycle::run_job`]),
 //! the VMs that run until they are stopped (`serve`, `restore`, `receive`, `boot`), under the
-//! event loop and API socket of [`run_loop`]. The measurement harnesses are in `bench`.
+//! event loop and API socket of [`run_loop`], and `snapshot-merge` ([`merge`]). The
+//! measurement harnesses are in `bench`.
 
 pub mod boot;
 pub mod check;
+pub mod merge;
 pub mod receive;
 pub mod restore;
 pub mod run_loop;

@@ -1,6 +1,9 @@
 //! `tinyvmm restore`: a test-guest VM restored from a snapshot (`PUT /snapshot/create`), served
 //! paused as `serve` serves a new one. The state file is read and checked before anything is
-//! built; nothing runs until every byte is loaded and every vCPU has its state.
+//! built, and the memory file checked against what the state file recorded of it: a Diff
+//! restores from its chain merged (`tinyvmm snapshot-merge`) with its own state file, and its
+//! own memory file, or another snapshot's or VM's, is refused. Nothing runs until every byte is
+//! loaded and every vCPU has its state.
 
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -9,7 +12,9 @@ use vmm_sys_util::eventfd::EventFd;
 
 use super::serve::ServeError;
 use crate::test_guest::controller::Controller;
-use crate::test_guest::snapshot::SnapshotState;
+use crate::test_guest::snapshot::{
+    open_input, read_state_file, MemoryMismatch, SnapshotInfo, SnapshotKind,
+};
 use crate::test_guest::vcpus::{MemBackend, TestVm};
 use crate::vm::VmOptions;
 
@@ -32,21 +37,18 @@ pub(crate) fn restored_controller(
     stopped: &Arc<EventFd>,
 ) -> Result<Controller, ServeError> {
     // Nothing runs until every byte is loaded and every vCPU has its state.
-    let read = |path: &PathBuf| {
-        std::fs::read(path).map_err(|source| ServeError::Restore {
-            path: path.clone(),
-            reason: source.to_string(),
-        })
+    let refused = |path: &PathBuf, reason: String| ServeError::Restore {
+        path: path.clone(),
+        reason,
     };
     let state =
-        SnapshotState::from_bytes(&read(&from.snapshot)?).map_err(|e| ServeError::Restore {
-            path: from.snapshot.clone(),
-            reason: e.to_string(),
-        })?;
-    let mem_file = std::fs::File::open(&from.mem_file).map_err(|source| ServeError::Restore {
-        path: from.mem_file.clone(),
-        reason: source.to_string(),
-    })?;
+        read_state_file(&from.snapshot).map_err(|e| refused(&from.snapshot, e.to_string()))?;
+    let mem_file = open_input(&from.mem_file).map_err(|e| refused(&from.mem_file, e))?;
+    if let Some(info) = &state.snapshot {
+        info.memory
+            .check(&mem_file)
+            .map_err(|e| refused(&from.snapshot, wrong_memory(from, info, &e)))?;
+    }
     let vm = TestVm::restore(&state.layout, &mem_file, from.backend, options)?;
     let vcpus = vm.start_restored_vcpus(&state.vcpus, stopped)?;
     Controller::new(vm, vcpus)
@@ -56,4 +58,24 @@ pub(crate) fn restored_controller(
             path: from.snapshot.clone(),
             reason: e.to_string(),
         })
+}
+
+/// Why `from`'s memory file is not the memory of the snapshot `info` (`mismatch`), and for a
+/// Diff what to restore instead.
+fn wrong_memory(from: &RestoreFrom, info: &SnapshotInfo, mismatch: &MemoryMismatch) -> String {
+    let (state, mem) = (from.snapshot.display(), from.mem_file.display());
+    match info.kind {
+        SnapshotKind::Full => format!(
+            "{mem} is not the memory of Full snapshot {} ({mismatch}): another snapshot's or \
+             another VM's memory file?",
+            info.id
+        ),
+        SnapshotKind::Diff => format!(
+            "{mem} is not the memory of Diff snapshot {} ({mismatch}): a Diff's own memory file \
+             has only the pages changed since its parent; merge its chain with `tinyvmm \
+             snapshot-merge --out MERGED FULL.state FULL.mem ... {state} DIFF.mem` and restore \
+             MERGED with this last state file",
+            info.id
+        ),
+    }
 }

@@ -15,8 +15,7 @@ mod snapshot;
 
 use std::sync::atomic::{AtomicBool, Ordering};
 
-use kvm_memslots::{DirtyConsumer, DirtyPages};
-use kvm_memslots_persist::MemoryLayout;
+use kvm_memslots::DirtyConsumer;
 
 use crate::control::dirty_log::DirtyRate;
 use crate::control::memory::{memory_info, MemoryInfo};
@@ -47,9 +46,9 @@ pub struct Controller {
     last_harvest: Option<std::time::Instant>,
     /// The dirty rate between the last two harvests of every region.
     dirty_rate: Option<DirtyRate>,
-    /// The layout of the last snapshot, and the pages harvested for a diff that failed (kept
-    /// for the next one).
-    snapshot_base: Option<(MemoryLayout, Vec<DirtyPages>)>,
+    /// The last snapshot (what the next Diff follows), and the pages harvested for a diff that
+    /// failed (kept for the next one).
+    snapshot_base: Option<snapshot::SnapshotBase>,
     /// The snapshot chain's reader of the dirty log, from the first Full snapshot on.
     chain: Option<DirtyConsumer>,
     /// Set when the VMM is asked to stop while a request runs (SIGINT/SIGTERM): long requests

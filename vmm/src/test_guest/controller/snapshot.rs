@@ -1,4 +1,6 @@
 //! The test guest's snapshots: Full and Diff memory files and the state file, on a paused VM.
+//! Each state file says what snapshot it is (`SnapshotInfo`): a Full starts a chain, each Diff
+//! follows the last snapshot taken.
 
 use std::fs::File;
 use std::os::unix::fs::FileExt;
@@ -12,7 +14,16 @@ use crate::control::snapshot::{SnapshotCreate, SnapshotType};
 use crate::control::vm::RunState;
 use crate::control::{ControllerError, ErrorKind};
 use crate::test_guest::hotplug::HotplugArea;
-use crate::test_guest::snapshot::{SnapshotState, STATE_VERSION};
+use crate::test_guest::snapshot::{MemoryCheck, SnapshotInfo, SnapshotState, STATE_VERSION};
+
+/// The last snapshot of the chain: what the next Diff follows.
+#[derive(Debug)]
+pub(super) struct SnapshotBase {
+    /// What it was.
+    info: SnapshotInfo,
+    /// The pages a Diff that failed since harvested (kept for the next one).
+    carried: Vec<DirtyPages>,
+}
 
 impl Controller {
     pub(super) fn create_snapshot(
@@ -86,7 +97,11 @@ impl Controller {
                 // moved): this Diff is laid out as memory is now, and merging follows region
                 // ids (`snapshot-merge`).
                 let chain = self.chain.expect("a snapshot base has a chain");
-                let (_, carried) = self.snapshot_base.as_mut().expect("checked by the caller");
+                let carried = &mut self
+                    .snapshot_base
+                    .as_mut()
+                    .expect("checked by the caller")
+                    .carried;
                 let mut dirty = std::mem::take(carried);
                 match memory.harvest_dirty_for(chain, Target::All) {
                     Ok(now) => dirty.extend(now),
@@ -103,18 +118,35 @@ impl Controller {
                 }
             }
         }
-        let saved = self.write_state(&layout, state_file);
-        if let Err(e) = saved {
-            if kind == SnapshotType::Full {
-                self.end_chain(memory);
+        // What this snapshot is, with the check of its point's memory (the VM is paused).
+        let info = MemoryCheck::of_memory(&*memory.current(), &layout)
+            .map_err(|e| failed(&format!("reading guest memory: {e}")))
+            .and_then(|check| {
+                match &self.snapshot_base {
+                    Some(base) if kind == SnapshotType::Diff => base.info.next_diff(check),
+                    _ => SnapshotInfo::full(check),
+                }
+                .map_err(|e| failed(&format!("a snapshot id: {e}")))
+            });
+        let saved = info.and_then(|info| {
+            self.write_state(info, &layout, state_file)
+                .map_err(|e| failed(&e))
+                .map(|()| info)
+        });
+        let info = match saved {
+            Ok(info) => info,
+            Err(e) => {
+                if kind == SnapshotType::Full {
+                    self.end_chain(memory);
+                }
+                self.keep_for_next_diff(harvested);
+                return Err(e);
             }
-            self.keep_for_next_diff(harvested);
-            return Err(failed(&e));
-        }
-        match &mut self.snapshot_base {
-            Some((base, _)) => *base = layout,
-            None => self.snapshot_base = Some((layout, Vec::new())),
-        }
+        };
+        self.snapshot_base = Some(SnapshotBase {
+            info,
+            carried: Vec::new(),
+        });
         Ok(())
     }
 
@@ -148,14 +180,16 @@ impl Controller {
 
     /// Puts the pages a failed Diff harvested back for the next one.
     fn keep_for_next_diff(&mut self, harvested: Option<Vec<DirtyPages>>) {
-        if let (Some(pages), Some((_, carried))) = (harvested, self.snapshot_base.as_mut()) {
-            *carried = pages;
+        if let (Some(pages), Some(base)) = (harvested, self.snapshot_base.as_mut()) {
+            base.carried = pages;
         }
     }
 
-    /// Writes every vCPU's state, the layout and the hotplug area into the state file.
+    /// Writes what the snapshot is, every vCPU's state, the layout and the hotplug area into
+    /// the state file.
     fn write_state(
         &mut self,
+        info: SnapshotInfo,
         layout: &MemoryLayout,
         state_file: &File,
     ) -> Result<(), ControllerError> {
@@ -168,6 +202,7 @@ impl Controller {
         let layout = layout.clone();
         let state = SnapshotState {
             version: STATE_VERSION,
+            snapshot: Some(info),
             layout,
             vcpus: states,
             hotplug: self.hotplug.as_ref().map(HotplugArea::state),
