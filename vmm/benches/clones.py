@@ -8,8 +8,9 @@ The template: `tinyvmm serve` with `--mem-mib` MiB in `--slots` KVM slots; the t
 every page of the first `--written-mib` MiB (one u64 per 4 KiB page), then the VM is paused and
 a Full snapshot taken. Each clone is started, resumed, and its first guest command (a verify of
 one page the template wrote) timed from the process's start: the time to the first guest
-command. Once all are idle, each clone's proportional set size (PSS, `/proc/PID/smaps_rollup`)
-is read, and their sum compared with N x the template's data (what N copies would cost) and
+command. Each clone then reads every page the template wrote (so that every shared page is
+mapped in it), and once all are idle each clone's proportional set size (PSS,
+`/proc/PID/smaps_rollup`) is read, and their sum compared with N x the template's data (what N copies would cost) and
 with the target of 1.2 x one template's data + 2 MiB per clone.
 
 Isolation is checked, not assumed: clone 0 rewrites the written range with another seed and
@@ -164,7 +165,11 @@ def main():
 
         clones = [start_clone(i) for i in range(args.clones)]
         first_ms = [c[2] * 1e3 for c in clones]
-        # Memory of the idle clones, each having run one command.
+        # Each clone reads the template's whole data (a working set of every written page), so
+        # that every shared page is mapped in every clone and counted, shared, in its PSS.
+        for i, (_, capi, _) in enumerate(clones):
+            verify(capi, AREA, written_end, SEED, f"clone {i}'s whole data")
+        # Memory of the idle clones.
         pss = [pss_kib(c[0].pid) for c in clones]
         # Isolation: clone 0 writes; its siblings and a later clone still see the template.
         clones[0][1].ok("PUT", "/guest/command", command("write", AREA, written_end, CLONE_SEED))
