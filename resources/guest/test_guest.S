@@ -7,9 +7,12 @@
 #   0x00 cmd_seq   host: bumped to post a command     0x08 done_seq  guest: = cmd_seq when done
 #   0x10 op        1 write, 2 verify, 3 write loop, 4 exit
 #   0x18 start     0x20 end      0x28 stride    0x30 seed     (the range [start, end))
-#   0x38 stop      host: non-zero ends a write loop after the current pass
+#   0x38 stop      host: 1 ends a write loop after the current pass; 2 (cancel) ends any
+#                  command where it is, within CHECK_EVERY addresses
 #   0x40 result    guest: verify's first bad address (0: all good; -1: unknown op)
 #   0x48 found     guest: the value found there      0x50 passes  guest: write-loop passes done
+#   0x58 cut_at    guest: 0 if the command ran to its end; else, cancelled, the first address
+#                  of the range it did not reach (every stride-th address below it is done)
 # The value of a page at address a written with seed s is a ^ s (a u64 at a).
 #
 # Ring 0 is used only for exceptions: each vector's stub stores the vector and the top of the
@@ -29,6 +32,21 @@
 .set RESULT, 0x40
 .set FOUND, 0x48
 .set PASSES, 0x50
+.set CUT_AT, 0x58
+
+.set STOP_NOW, 2                        # `stop` value that cancels a command where it is
+.set CHECK_EVERY, 64                    # addresses between two looks at `stop`
+
+# Counts an address down in r13 and, every CHECK_EVERY, looks at `stop`: jumps to `cut` if it
+# says cancel.
+.macro cancel_point cut
+    dec r13
+    jnz 9f
+    mov r13, CHECK_EVERY
+    cmp qword ptr [rbx + STOP], STOP_NOW
+    jae \cut
+9:
+.endm
 
 .set OP_WRITE, 1
 .set OP_VERIFY, 2
@@ -89,6 +107,7 @@ next_command:
 
 have_command:
     mov r15, rax                        # r15: this command's sequence number
+    mov qword ptr [rbx + CUT_AT], 0
     mov r8, qword ptr [rbx + START]
     mov r9, qword ptr [rbx + END]
     mov r10, qword ptr [rbx + STRIDE]
@@ -112,8 +131,10 @@ op_write:
 op_verify:
     mov qword ptr [rbx + RESULT], 0
     mov rcx, r8
+    mov r13, CHECK_EVERY                # r13: addresses until the next look at `stop`
 1:  cmp rcx, r9
     jae done
+    cancel_point 4f
     mov rax, rcx
     xor rax, r11
     mov rdx, qword ptr [rcx]
@@ -124,6 +145,8 @@ op_verify:
 2:  mov qword ptr [rbx + FOUND], rdx
     mov qword ptr [rbx + RESULT], rcx
     jmp done
+4:  mov qword ptr [rbx + CUT_AT], rcx   # cancelled: rcx is the first address not checked
+    jmp done
 
 op_write_loop:
     xor r12, r12                        # r12: passes completed
@@ -131,6 +154,8 @@ op_write_loop:
 1:  mov r11, qword ptr [rbx + SEED]
     add r11, r12                        # pass k writes a ^ (seed + k)
     call write_pass
+    cmp qword ptr [rbx + CUT_AT], 0     # a cancelled pass is no pass
+    jne done
     inc r12
     mov qword ptr [rbx + PASSES], r12
     cmp qword ptr [rbx + STOP], 0
@@ -142,16 +167,20 @@ op_exit:
     out dx, al
     jmp op_exit
 
-# Writes a ^ r11 at a = r8, r8 + r10, ... below r9.
+# Writes a ^ r11 at a = r8, r8 + r10, ... below r9; on a cancel, stops early and stores the
+# first address it did not write in cut_at.
 write_pass:
     mov rcx, r8
+    mov r13, CHECK_EVERY                # r13: addresses until the next look at `stop`
 1:  cmp rcx, r9
     jae 2f
+    cancel_point 4f
     mov rax, rcx
     xor rax, r11
     mov qword ptr [rcx], rax
     add rcx, r10
     jmp 1b
+4:  mov qword ptr [rbx + CUT_AT], rcx
 2:  ret
 
 done:

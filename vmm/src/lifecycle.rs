@@ -26,6 +26,9 @@ pub enum Ending {
     Finished,
     /// SIGINT or SIGTERM asked the VMM to stop.
     Interrupted,
+    /// The VMM was stopped (by a client or a signal) after its guest had failed: a vCPU
+    /// stopped on an error (`control::vm::FAILED_EXIT_STATUS`).
+    GuestFailed,
 }
 
 /// The eventfd SIGINT and SIGTERM write to: made once and never closed, so that the handler

@@ -124,7 +124,7 @@ fn job_report<R, E: std::fmt::Display>(
             eprintln!("tinyvmm: interrupted: {e}");
             Err(ExitCode::from(130))
         }
-        Ok((Err(e), Ending::Finished)) => {
+        Ok((Err(e), Ending::Finished | Ending::GuestFailed)) => {
             eprintln!("tinyvmm: {failed}{e}");
             Err(ExitCode::FAILURE)
         }
@@ -543,9 +543,15 @@ fn receive(args: ReceiveArgs) -> ExitCode {
 }
 
 /// The exit status of a VMM that served a VM: 0 when a client stopped it (or it migrated
-/// away), 130 on a signal, 1 on a failure (named on stderr).
+/// away), 130 on a signal, 4 when stopped either way after its guest failed, 1 on a failure
+/// (named on stderr).
 fn served(outcome: Result<Ending, impl std::fmt::Display>) -> ExitCode {
+    use tinyvmm::control::vm::FAILED_EXIT_STATUS;
     match outcome {
+        Ok(Ending::GuestFailed) => {
+            eprintln!("tinyvmm: stopped, with a failed guest (exit status {FAILED_EXIT_STATUS})");
+            ExitCode::from(FAILED_EXIT_STATUS)
+        }
         Ok(Ending::Finished) => {
             eprintln!("tinyvmm: stopped");
             ExitCode::SUCCESS

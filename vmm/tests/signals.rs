@@ -1,6 +1,9 @@
 //! The `tinyvmm` binary as a user runs it: its exit status on SIGTERM, a long API request
-//! stopped by one, snapshot files handed from one process to another.
+//! stopped by one, long guest commands (reads answered meanwhile; cancel, a pause, Stop and
+//! SIGTERM cutting them short), a guest that dies (`Failed`, exit status 4), snapshot files
+//! handed from one process to another.
 
+use std::path::Path;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
@@ -73,6 +76,261 @@ fn kvm_serve_exits_130_on_sigterm() {
     assert_eq!(output.status.code(), Some(130), "{stderr}");
     assert!(stderr.contains("stopped by a signal"), "{stderr}");
     assert!(!socket.exists(), "the socket is removed");
+}
+
+/// A JSON value (the API's bodies).
+type Json = serde_json::Value;
+
+const MIB: u64 = 1 << 20;
+/// Where `serve` puts its initial memory.
+const AREA: u64 = 256 * MIB;
+/// The long command's range: 4 GiB of initial memory, one u64 a page (each page's first touch
+/// is what takes the time: seconds in all).
+const LONG: u64 = 4096 * MIB;
+const PAGE: u64 = 4096;
+
+/// `tinyvmm serve` with `mem_mib` MiB of initial memory, killed if the test fails first.
+fn serve_mib(name: &str, mem_mib: u64) -> (Reap, std::path::PathBuf) {
+    let (child, socket) = start(name, &["serve", "--mem-mib", &mem_mib.to_string()]);
+    (Reap(Some(child)), socket)
+}
+
+/// One request on a connection of its own.
+fn ask(socket: &Path, method: &str, path: &str, body: Json) -> (u16, Json) {
+    let body = (!body.is_null()).then_some(body);
+    Client::connect(socket)
+        .expect("connect")
+        .call(method, path, body.as_ref())
+        .expect("an answer")
+}
+
+/// Sends `PUT /guest/command` with `body` on a connection of its own, without waiting for the
+/// answer.
+fn start_command(socket: &Path, body: &Json) -> Client {
+    let mut client = Client::connect(socket).expect("connect");
+    let body = body.to_string();
+    let request = format!(
+        "PUT /guest/command HTTP/1.1\r\nContent-Length: {}\r\n\r\n{body}",
+        body.len()
+    );
+    client.send(request.as_bytes()).expect("send");
+    client
+}
+
+/// Waits for the VMM to exit (it was asked to) and checks its status; returns its stderr.
+fn exits_with(mut vmm: Reap, socket: &Path, status: i32) -> String {
+    let output = vmm
+        .0
+        .take()
+        .expect("running")
+        .wait_with_output()
+        .expect("wait");
+    let stderr = String::from_utf8_lossy(&output.stderr).into_owned();
+    assert_eq!(output.status.code(), Some(status), "{stderr}");
+    assert!(!socket.exists(), "the socket is removed");
+    stderr
+}
+
+fn stop(socket: &Path) {
+    let stop = ask(socket, "PUT", "/actions", json!({"action_type": "Stop"}));
+    assert_eq!(stop.0, 204, "{stop:?}");
+}
+
+fn write(start: u64, end: u64, seed: u64) -> Json {
+    json!({"op": "write", "start": start, "end": end, "stride": PAGE, "seed": seed})
+}
+
+fn verify(start: u64, end: u64, seed: u64) -> Json {
+    json!({"op": "verify", "start": start, "end": end, "stride": PAGE, "seed": seed})
+}
+
+/// Checks that `answer` is a write of `[AREA, AREA + LONG)` with `seed` cut short, and that
+/// the guest wrote every page below where it says it stopped and not the one there.
+fn cut_short(socket: &Path, answer: &(u16, Json), seed: u64) {
+    let (status, body) = answer;
+    assert_eq!(*status, 200, "{body}");
+    assert_eq!(body["result"], "cancelled", "{body}");
+    let address = body["address"].as_u64().expect("an address");
+    let done = body["done_bytes"].as_u64().expect("done_bytes");
+    assert_eq!(address, AREA + done, "{body}");
+    assert!(done < LONG && done.is_multiple_of(PAGE), "{body}");
+    if done > 0 {
+        let below = ask(socket, "PUT", "/guest/command", verify(AREA, address, seed));
+        assert_eq!(below.1["result"], "ok", "{below:?}");
+    }
+    let there = verify(address, address + PAGE, seed);
+    let there = ask(socket, "PUT", "/guest/command", there);
+    assert_eq!(there.1["result"], "mismatch", "{there:?}");
+}
+
+#[test]
+fn kvm_reads_are_answered_during_a_long_write_and_cancel_cuts_it_short() {
+    if !kvm_test_support::require_kvm(
+        "tinyvmm::kvm_reads_are_answered_during_a_long_write_and_cancel_cuts_it_short",
+    ) {
+        return;
+    }
+    let (vmm, socket) = serve_mib("reads", LONG / MIB);
+    let mut writer = start_command(&socket, &write(AREA, AREA + LONG, 7));
+    // A request behind the write on its connection is answered after it.
+    writer
+        .send(b"GET /vm HTTP/1.1\r\nContent-Length: 0\r\n\r\n")
+        .expect("send");
+    // The write came first (its bytes were there before the next client connected): every
+    // read is answered while it runs.
+    let (status, state) = ask(&socket, "GET", "/vm", Json::Null);
+    assert_eq!(
+        (status, &state["state"]),
+        (200, &json!("Running")),
+        "{state}"
+    );
+    assert_eq!(ask(&socket, "GET", "/memory", Json::Null).0, 200);
+    assert_eq!(ask(&socket, "GET", "/dirty-log", Json::Null).0, 200);
+    assert_eq!(ask(&socket, "GET", "/migrate", Json::Null).0, 404, "none");
+    assert!(
+        !writer.answer_waiting().expect("poll"),
+        "the write answered before the reads"
+    );
+    // What needs the vCPU waits its turn, and says why.
+    let busy = ask(
+        &socket,
+        "PUT",
+        "/guest/command",
+        write(AREA, AREA + PAGE, 1),
+    );
+    assert_eq!(busy.0, 409, "{busy:?}");
+    let region = json!({"size": 2 * MIB, "guest_address": 8192 * MIB});
+    let check = ask(&socket, "PUT", "/memory/regions", region);
+    assert_eq!(check.0, 409, "{check:?}");
+    assert!(
+        check.1["fault_message"]
+            .as_str()
+            .is_some_and(|m| m.contains("op cancel")),
+        "{check:?}"
+    );
+
+    let cancel = ask(&socket, "PUT", "/guest/command", json!({"op": "cancel"}));
+    let answer = writer.read_response().expect("the write's answer");
+    assert_eq!(cancel, answer, "cancel answers what the command answers");
+    let behind = writer.read_response().expect("the next answer");
+    assert_eq!(behind.1["state"], "Running", "{behind:?}");
+    cut_short(&socket, &answer, 7);
+    let nothing = ask(&socket, "PUT", "/guest/command", json!({"op": "cancel"}));
+    assert_eq!(nothing.0, 409, "{nothing:?}");
+    stop(&socket);
+    exits_with(vmm, &socket, 0);
+}
+
+#[test]
+fn kvm_a_pause_and_a_stop_cut_a_long_write_short() {
+    if !kvm_test_support::require_kvm("tinyvmm::kvm_a_pause_and_a_stop_cut_a_long_write_short") {
+        return;
+    }
+    let (vmm, socket) = serve_mib("pause-stop", LONG / MIB);
+    let mut writer = start_command(&socket, &write(AREA, AREA + LONG, 8));
+    let paused = ask(&socket, "PATCH", "/vm", json!({"state": "Paused"}));
+    assert_eq!(paused.0, 204, "{paused:?}");
+    // The pause answers once the command has ended: its answer is there.
+    assert!(writer.answer_waiting().expect("poll"));
+    let answer = writer.read_response().expect("the write's answer");
+    assert_eq!(ask(&socket, "GET", "/vm", Json::Null).1["state"], "Paused");
+    let resumed = ask(&socket, "PATCH", "/vm", json!({"state": "Resumed"}));
+    assert_eq!(resumed.0, 204);
+    cut_short(&socket, &answer, 8);
+
+    let mut writer = start_command(&socket, &write(AREA, AREA + LONG, 9));
+    assert_eq!(ask(&socket, "GET", "/vm", Json::Null).0, 200);
+    stop(&socket);
+    let answer = writer.read_response().expect("the write's answer");
+    assert_eq!(answer.1["result"], "cancelled", "{answer:?}");
+    assert!(answer.1["done_bytes"].as_u64() < Some(LONG), "{answer:?}");
+    exits_with(vmm, &socket, 0);
+}
+
+#[test]
+fn kvm_sigterm_cuts_a_long_write_short_and_exits_130() {
+    if !kvm_test_support::require_kvm("tinyvmm::kvm_sigterm_cuts_a_long_write_short_and_exits_130")
+    {
+        return;
+    }
+    let (vmm, socket) = serve_mib("sigterm-write", LONG / MIB);
+    let mut writer = start_command(&socket, &write(AREA, AREA + LONG, 10));
+    assert_eq!(ask(&socket, "GET", "/vm", Json::Null).0, 200);
+    terminate(vmm.0.as_ref().expect("running"));
+    let answer = writer.read_response().expect("the write's answer");
+    assert_eq!(answer.1["result"], "cancelled", "{answer:?}");
+    exits_with(vmm, &socket, 130);
+}
+
+#[test]
+fn kvm_a_dead_guest_is_failed_refuses_commands_and_exits_4() {
+    if !kvm_test_support::require_kvm(
+        "tinyvmm::kvm_a_dead_guest_is_failed_refuses_commands_and_exits_4",
+    ) {
+        return;
+    }
+    let (vmm, socket) = serve_mib("dead", 64);
+    let gpa = 1024 * MIB;
+    let region = json!({"size": 2 * MIB, "guest_address": gpa});
+    let (status, added) = ask(&socket, "PUT", "/memory/regions", region);
+    assert_eq!(status, 201, "{added}");
+    let write_loop =
+        json!({"op": "write_loop", "start": gpa, "end": gpa + 2 * MIB, "stride": PAGE});
+    let started = ask(&socket, "PUT", "/guest/command", write_loop);
+    assert_eq!(started.1["result"], "started", "{started:?}");
+    // The guest writes the region over and over: once it is gone, its next write reaches no
+    // memory and no device, and its vCPU stops on that error.
+    let id = added["id"].as_u64().expect("an id");
+    let removed = ask(
+        &socket,
+        "DELETE",
+        &format!("/memory/regions/{id}"),
+        Json::Null,
+    );
+    assert_eq!(removed.0, 204, "{removed:?}");
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let state = loop {
+        let (status, state) = ask(&socket, "GET", "/vm", Json::Null);
+        assert_eq!(status, 200);
+        if state["state"] == "Failed" {
+            break state;
+        }
+        assert_eq!(state["state"], "Running", "{state}");
+        assert!(Instant::now() < deadline, "the guest never failed: {state}");
+        std::thread::sleep(Duration::from_millis(10));
+    };
+    let failure = &state["failure"];
+    assert_eq!(failure["vcpu"], 0, "{state}");
+    assert_eq!(failure["reason"], "error", "{state}");
+    assert!(failure["rip"].as_u64().is_some(), "{state}");
+    let message = failure["message"].as_str().expect("a message");
+    assert!(message.contains("neither memory nor a device"), "{message}");
+    // What needs a running guest is refused, naming the failure; reads go on.
+    for (method, path, body) in [
+        ("PUT", "/guest/command", write(AREA, AREA + PAGE, 1)),
+        ("PUT", "/guest/command", json!({"op": "stop_loop"})),
+        ("PUT", "/guest/command", json!({"op": "cancel"})),
+        ("PATCH", "/vm", json!({"state": "Paused"})),
+        ("PATCH", "/vm", json!({"state": "Resumed"})),
+    ] {
+        let (status, refusal) = ask(&socket, method, path, body.clone());
+        assert_eq!(status, 409, "{method} {path} {body}: {refusal}");
+        let fault = refusal["fault_message"].as_str().unwrap_or_default();
+        assert!(
+            fault.contains("the guest failed") && fault.contains(message),
+            "{fault}"
+        );
+    }
+    assert_eq!(ask(&socket, "GET", "/memory", Json::Null).0, 200);
+    let again = ask(&socket, "GET", "/vm", Json::Null).1;
+    assert_eq!(again, state, "the failure stays");
+    stop(&socket);
+    let stderr = exits_with(vmm, &socket, 4);
+    let said = stderr
+        .lines()
+        .filter(|l| l.contains("the guest failed"))
+        .count();
+    assert_eq!(said, 1, "said once, when it happened: {stderr}");
 }
 
 #[test]

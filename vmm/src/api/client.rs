@@ -22,6 +22,8 @@ pub enum ClientError {
 #[derive(Debug)]
 pub struct Client {
     stream: UnixStream,
+    /// Bytes read past the last answer (the start of the next, when requests were pipelined).
+    unread: Vec<u8>,
 }
 
 impl Client {
@@ -29,7 +31,10 @@ impl Client {
     pub fn connect(path: &Path) -> Result<Self, ClientError> {
         let stream = UnixStream::connect(path)?;
         stream.set_read_timeout(Some(Duration::from_secs(300)))?;
-        Ok(Client { stream })
+        Ok(Client {
+            stream,
+            unread: Vec::new(),
+        })
     }
 
     /// Sends raw bytes and reads one answer: the status and the JSON body (`Null` if none).
@@ -66,6 +71,27 @@ impl Client {
         Ok(self.stream.write_all(bytes)?)
     }
 
+    /// Whether an answer (or the end of the connection) is there to read now, without
+    /// reading it or waiting.
+    pub fn answer_waiting(&self) -> Result<bool, ClientError> {
+        if !self.unread.is_empty() {
+            return Ok(true);
+        }
+        use std::os::fd::AsRawFd;
+        let mut poll = libc::pollfd {
+            fd: self.stream.as_raw_fd(),
+            events: libc::POLLIN,
+            revents: 0,
+        };
+        // SAFETY: `poll` is one valid pollfd for the call's duration, naming this client's open
+        // socket; a timeout of 0 never blocks.
+        let ready = unsafe { libc::poll(&mut poll, 1, 0) };
+        if ready < 0 {
+            return Err(std::io::Error::last_os_error().into());
+        }
+        Ok(ready > 0)
+    }
+
     /// Half-closes the connection: the server sees the end of the request stream.
     pub fn finish_sending(&self) -> Result<(), ClientError> {
         Ok(self.stream.shutdown(std::net::Shutdown::Write)?)
@@ -73,7 +99,7 @@ impl Client {
 
     /// Reads one answer.
     pub fn read_response(&mut self) -> Result<(u16, Value), ClientError> {
-        let mut data = Vec::new();
+        let mut data = std::mem::take(&mut self.unread);
         let mut chunk = [0u8; 64 * 1024];
         loop {
             if let Some(end) = data.windows(4).position(|w| w == b"\r\n\r\n") {
@@ -88,6 +114,7 @@ impl Client {
                         .get(9..12)
                         .and_then(|s| s.parse().ok())
                         .ok_or_else(|| ClientError::Answer(head.clone()))?;
+                    self.unread = data.split_off(end + 4 + length);
                     let body = &data[end + 4..end + 4 + length];
                     let json = if body.is_empty() {
                         Value::Null

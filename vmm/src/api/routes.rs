@@ -71,6 +71,12 @@ pub fn respond(outcome: Outcome) -> Response {
         Ok(Reply::Vm(info)) => json(200, &info),
         Ok(Reply::Guest(result)) => json(200, &result),
         Ok(Reply::Migration(info)) => json(200, &info),
+        // The server holds a deferred request's connection until its outcome comes (see
+        // `ApiServer`); an outcome is never deferred twice.
+        Ok(Reply::Deferred(_)) => Response::fault(
+            500,
+            "the controller deferred an answer that was already deferred",
+        ),
         Err(ControllerError { kind, message }) => Response::fault(status(kind), message),
     }
 }

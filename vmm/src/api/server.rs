@@ -15,7 +15,7 @@ use vmm_sys_util::timerfd::TimerFd;
 
 use crate::api::http::{self, Parsed, Response, MAX_BODY_BYTES, MAX_HEADER_BYTES};
 use crate::api::routes::{respond, route};
-use crate::control::Apply;
+use crate::control::{Apply, Outcome, Reply, Ticket};
 
 /// Why the API socket could not be created.
 #[derive(Debug, thiserror::Error)]
@@ -104,6 +104,21 @@ struct Connection {
     buffer: Vec<u8>,
     /// When the client last sent something or was answered.
     last_active: Instant,
+    /// The request whose answer the controller deferred, and whether to keep the connection
+    /// open after it. Until it comes, the connection is not watched and nothing more of it is
+    /// served (answers keep the requests' order).
+    waiting: Option<(Ticket, bool)>,
+}
+
+/// What serving a connection's requests left it as.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Served {
+    /// Open, watched for more.
+    Open,
+    /// To be closed.
+    Close,
+    /// Waiting for a deferred answer.
+    Waiting,
 }
 
 /// How long a connection may stay open with nothing from its client, by default.
@@ -132,6 +147,10 @@ pub struct ApiServer<C> {
     idle_timeout: Duration,
     /// Fires a few times per idle timeout to close idle connections.
     sweep: Option<TimerFd>,
+    /// The controller's notifier (see [`Apply::notifier`]), once watched.
+    notifier: Option<RawFd>,
+    /// Connections waiting for a deferred answer, by its ticket.
+    waiting: HashMap<Ticket, RawFd>,
 }
 
 impl<C: Apply> ApiServer<C> {
@@ -145,6 +164,8 @@ impl<C: Apply> ApiServer<C> {
             paused: false,
             idle_timeout: DEFAULT_IDLE_TIMEOUT,
             sweep: None,
+            notifier: None,
+            waiting: HashMap::new(),
         }
     }
 
@@ -163,7 +184,8 @@ impl<C: Apply> ApiServer<C> {
         let idle: Vec<RawFd> = self
             .connections
             .iter()
-            .filter(|(_, c)| now.duration_since(c.last_active) >= timeout)
+            // A client waiting for a deferred answer is not idle.
+            .filter(|(_, c)| c.waiting.is_none() && now.duration_since(c.last_active) >= timeout)
             .map(|(fd, _)| *fd)
             .collect();
         for fd in idle {
@@ -198,6 +220,75 @@ impl<C: Apply> ApiServer<C> {
         &mut self.controller
     }
 
+    /// Requests whose answer the controller deferred and has not given yet.
+    pub fn waiting(&self) -> usize {
+        self.waiting.len()
+    }
+
+    /// Answers every request still waiting for a deferred answer with a 503 saying `why`,
+    /// and closes its connection: the VMM is going.
+    pub fn abandon_waiting(&mut self, why: &str) {
+        for (_, fd) in self.waiting.drain() {
+            if let Some(mut connection) = self.connections.remove(&fd) {
+                Self::send(&mut connection.stream, &Response::fault(503, why), false);
+            }
+        }
+    }
+
+    /// Hands the controller's ready deferred answers to the clients waiting for them, and
+    /// serves what those clients sent meanwhile.
+    fn deliver(&mut self, ops: &mut EventOps) {
+        for (ticket, outcome) in self.controller.settle() {
+            self.answer(ticket, outcome, ops);
+        }
+    }
+
+    fn answer(&mut self, ticket: Ticket, outcome: Outcome, ops: &mut EventOps) {
+        let Some(fd) = self.waiting.remove(&ticket) else {
+            return;
+        };
+        let Some(connection) = self.connections.get_mut(&fd) else {
+            return;
+        };
+        let keep_alive = connection.waiting.take().is_some_and(|(_, keep)| keep);
+        connection.last_active = Instant::now();
+        if !Self::send(&mut connection.stream, &respond(outcome), keep_alive)
+            || !keep_alive
+            || ops
+                .add(Events::new(&connection.stream, EventSet::IN))
+                .is_err()
+        {
+            self.close(fd, ops);
+            return;
+        }
+        // Requests the client sent meanwhile are in the buffer already: no event will come
+        // for them.
+        self.handle(fd, ops);
+    }
+
+    /// Serves connection `fd` and watches, parks or closes it as that left it.
+    fn handle(&mut self, fd: RawFd, ops: &mut EventOps) {
+        match self.serve(fd) {
+            Served::Open => {}
+            Served::Waiting => {
+                if let Some(connection) = self.connections.get(&fd) {
+                    let _ = ops.remove(Events::new(&connection.stream, EventSet::IN));
+                }
+            }
+            Served::Close => self.close(fd, ops),
+        }
+    }
+
+    fn close(&mut self, fd: RawFd, ops: &mut EventOps) {
+        if let Some(connection) = self.connections.remove(&fd) {
+            if let Some((ticket, _)) = connection.waiting {
+                self.waiting.remove(&ticket);
+            }
+            let _ = ops.remove(Events::new(&connection.stream, EventSet::IN));
+        }
+        self.connection_closed(ops);
+    }
+
     fn accept(&mut self, ops: &mut EventOps) {
         loop {
             match self.listener.accept() {
@@ -221,6 +312,7 @@ impl<C: Apply> ApiServer<C> {
                                 stream,
                                 buffer: Vec::new(),
                                 last_active: Instant::now(),
+                                waiting: None,
                             },
                         );
                     }
@@ -294,11 +386,14 @@ impl<C: Apply> ApiServer<C> {
         sent
     }
 
-    /// Serves the requests buffered on connection `fd`; returns whether to keep it open.
-    fn serve(&mut self, fd: RawFd) -> bool {
+    /// Serves the requests buffered on connection `fd`, up to one whose answer is deferred.
+    fn serve(&mut self, fd: RawFd) -> Served {
         let Some(connection) = self.connections.get_mut(&fd) else {
-            return false;
+            return Served::Close;
         };
+        if connection.waiting.is_some() {
+            return Served::Waiting;
+        }
         let closed = Self::read(connection);
         loop {
             let connection = self.connections.get_mut(&fd).expect("present above");
@@ -306,16 +401,24 @@ impl<C: Apply> ApiServer<C> {
                 Ok(Parsed::Incomplete) => break,
                 Ok(Parsed::Complete(request, used)) => {
                     connection.buffer.drain(..used);
-                    let response = match route(&request) {
-                        Ok(request) => respond(self.controller.apply(request)),
-                        Err(refusal) => refusal,
-                    };
+                    let outcome = route(&request).map(|r| self.controller.apply(r));
                     let connection = self.connections.get_mut(&fd).expect("present above");
                     connection.last_active = Instant::now();
+                    let response = match outcome {
+                        Ok(Ok(Reply::Deferred(ticket))) => {
+                            // The answer comes later (`deliver`); nothing more of this
+                            // connection is served until then.
+                            connection.waiting = Some((ticket, request.keep_alive));
+                            self.waiting.insert(ticket, fd);
+                            return Served::Waiting;
+                        }
+                        Ok(outcome) => respond(outcome),
+                        Err(refusal) => refusal,
+                    };
                     if !Self::send(&mut connection.stream, &response, request.keep_alive)
                         || !request.keep_alive
                     {
-                        return false;
+                        return Served::Close;
                     }
                 }
                 Err(e) => {
@@ -324,7 +427,7 @@ impl<C: Apply> ApiServer<C> {
                         &Response::fault(e.status(), &e),
                         false,
                     );
-                    return false;
+                    return Served::Close;
                 }
             }
         }
@@ -338,9 +441,9 @@ impl<C: Apply> ApiServer<C> {
                     false,
                 );
             }
-            return false;
+            return Served::Close;
         }
-        true
+        Served::Open
     }
 }
 
@@ -354,17 +457,21 @@ impl<C: Apply> MutEventSubscriber for ApiServer<C> {
                 let _ = timer.wait();
             }
             self.close_idle(ops);
-        } else if !self.serve(fd) {
-            if let Some(connection) = self.connections.remove(&fd) {
-                let _ = ops.remove(Events::new(&connection.stream, EventSet::IN));
-            }
-            self.connection_closed(ops);
+        } else if self.notifier == Some(fd) {
+            self.deliver(ops);
+        } else {
+            self.handle(fd, ops);
         }
     }
 
     fn init(&mut self, ops: &mut EventOps) {
         ops.add(Events::new(&self.listener, EventSet::IN))
             .expect("watching the API socket");
+        if let Some(fd) = self.controller.notifier() {
+            ops.add(Events::new_raw(fd, EventSet::IN))
+                .expect("watching the controller's notifier");
+            self.notifier = Some(fd);
+        }
         // Sweep a few times per timeout, so that a connection goes at most a quarter of the
         // timeout late.
         let every =

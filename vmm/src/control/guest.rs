@@ -15,6 +15,10 @@ pub enum GuestOp {
     WriteLoop,
     /// End the vCPU's write loop after its current pass; answers the passes completed.
     StopLoop,
+    /// End the vCPU's command where it is (within 64 addresses): a write or verify answers
+    /// [`GuestCommandResult::Cancelled`], and so does this request; a write loop ends in the
+    /// middle of its pass.
+    Cancel,
 }
 
 /// `PUT /guest/command`: run one command of the test guest.
@@ -23,13 +27,14 @@ pub enum GuestOp {
 pub struct GuestCommand {
     /// What to do.
     pub op: GuestOp,
-    /// First guest address (a multiple of 8); not for `stop_loop`.
+    /// First guest address (a multiple of 8); not for `stop_loop` and `cancel`.
     #[serde(default)]
     pub start: u64,
-    /// First address after the range; not for `stop_loop`.
+    /// First address after the range; not for `stop_loop` and `cancel`.
     #[serde(default)]
     pub end: u64,
-    /// Distance between touched addresses (a non-zero multiple of 8); not for `stop_loop`.
+    /// Distance between touched addresses (a non-zero multiple of 8); not for `stop_loop` and
+    /// `cancel`.
     #[serde(default)]
     pub stride: u64,
     /// Pattern seed: the value at address `a` is `a ^ seed`.
@@ -63,5 +68,16 @@ pub enum GuestCommandResult {
         passes: u64,
         /// The seed of the last complete pass (`seed + passes - 1`): what the range holds.
         last_seed: Option<u64>,
+    },
+    /// The command was cut short (`cancel`, a pause, the VMM stopping) before its end.
+    Cancelled {
+        /// The first address of the range it did not reach: every stride-th address below it
+        /// was written (or, for a verify, held its pattern).
+        address: u64,
+        /// Bytes of the range below `address`.
+        done_bytes: u64,
+        /// For a write loop: the passes completed before the one cut short.
+        #[serde(skip_serializing_if = "Option::is_none")]
+        passes: Option<u64>,
     },
 }

@@ -19,6 +19,8 @@ pub mod vm;
 
 pub use error::{ControllerError, ErrorKind};
 
+use std::os::fd::RawFd;
+
 use dirty_log::{DirtyLogInfo, DirtyLogSwitch, Harvest, HarvestInfo};
 use guest::{GuestCommand, GuestCommandResult};
 use hotplug::{HotplugConfig, HotplugInfo, HotplugRequest};
@@ -115,13 +117,39 @@ pub enum Reply {
     Guest(GuestCommandResult),
     /// The migration.
     Migration(MigrationInfo),
+    /// The answer comes later (a guest command runs on its vCPU meanwhile): the controller
+    /// hands it over with this ticket from [`Apply::settle`].
+    Deferred(Ticket),
 }
+
+/// Names a request whose answer was deferred ([`Reply::Deferred`]), for as long as it waits.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Ticket(pub u64);
 
 /// What a request gets back.
 pub type Outcome = Result<Reply, ControllerError>;
 
-/// What applies requests: a guest kind's controller. The API server serves any.
+/// What applies requests: a guest kind's controller. The API server serves any. A request
+/// that runs long (a guest command) need not hold the controller: it may answer
+/// [`Reply::Deferred`] and hand the outcome over later from [`settle`](Apply::settle), when
+/// its [`notifier`](Apply::notifier) says so; other requests are applied meanwhile.
 pub trait Apply {
     /// Applies `request`.
     fn apply(&mut self, request: Request) -> Outcome;
+
+    /// A file descriptor that becomes readable when [`settle`](Apply::settle) may have news
+    /// (a deferred answer, a vCPU that failed); `None` if nothing is ever deferred.
+    fn notifier(&self) -> Option<RawFd> {
+        None
+    }
+
+    /// The deferred requests whose outcome is ready, with their tickets. Called when the
+    /// notifier is readable; it also takes note of what else happened to the VM meanwhile.
+    fn settle(&mut self) -> Vec<(Ticket, Outcome)> {
+        Vec::new()
+    }
+
+    /// The VMM is stopping: cut every deferred request short (its outcome comes through
+    /// [`settle`](Apply::settle) soon after) and defer no new one.
+    fn cut_short(&mut self) {}
 }

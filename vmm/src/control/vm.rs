@@ -9,6 +9,57 @@ pub enum RunState {
     Running,
     /// The guest runs no command until resumed.
     Paused,
+    /// A vCPU stopped on an error (a triple fault, an internal error, an exit the VMM cannot
+    /// handle): the guest runs nothing again; [`VmInfo::failure`] says why, and stopping the
+    /// VMM now ends it with exit status [`FAILED_EXIT_STATUS`].
+    Failed,
+}
+
+/// The exit status of a VMM stopped (by `PUT /actions` Stop or SIGINT/SIGTERM) after its guest
+/// failed: distinct from 1 (a VMM error), 2 (usage), 3 and 124 (`boot`) and 130 (a signal
+/// with a healthy guest).
+pub const FAILED_EXIT_STATUS: u8 = 4;
+
+/// What stopped a vCPU for good.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum FailureReason {
+    /// The guest shut down: a triple fault (`KVM_EXIT_SHUTDOWN`).
+    TripleFault,
+    /// KVM could not handle the guest's instruction (`KVM_EXIT_INTERNAL_ERROR`).
+    InternalError,
+    /// The guest took an exception it reports as fatal (the test guest's exception stubs).
+    Exception,
+    /// An exit the VMM cannot go on from (an access to no memory and no device, an unknown
+    /// port, a failed entry), or `KVM_RUN` itself failed.
+    Error,
+    /// The vCPU's thread ended without being asked to (or panicked).
+    Stopped,
+}
+
+/// Why the VM is [`RunState::Failed`]: the first vCPU that stopped on an error.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct VmFailure {
+    /// The vCPU.
+    pub vcpu: usize,
+    /// What kind of failure.
+    pub reason: FailureReason,
+    /// The guest's instruction pointer where it stopped, when known.
+    pub rip: Option<u64>,
+    /// The whole story, as the vCPU told it.
+    pub message: String,
+}
+
+impl std::fmt::Display for VmFailure {
+    /// One line: the vCPU's own message (which names the vCPU), and the rip if it does not
+    /// say it already.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "the guest failed: {}", self.message)?;
+        match self.rip {
+            Some(rip) if !self.message.contains("rip") => write!(f, " (rip {rip:#x})"),
+            _ => Ok(()),
+        }
+    }
 }
 
 /// `PATCH /vm` (Firecracker's shape).
@@ -46,8 +97,11 @@ pub enum VmActionType {
 /// `GET /vm`.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub struct VmInfo {
-    /// Running or paused.
+    /// Running, paused or failed.
     pub state: RunState,
     /// vCPUs (0 once shutting down).
     pub vcpus: usize,
+    /// Why the VM failed, once it has.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub failure: Option<VmFailure>,
 }

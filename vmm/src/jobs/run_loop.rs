@@ -6,7 +6,7 @@
 
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use event_manager::MutEventSubscriber;
 
@@ -86,6 +86,31 @@ impl<C: Apply + Send + 'static> RunLoop<C> {
                 return ending;
             }
         }
+    }
+
+    /// The run is ending: has the controller cut short every request still waiting for the
+    /// guest (a command under way) and keeps the loop going until their answers are out, for
+    /// at most `within`; those still without an answer then get a 503.
+    pub fn finish_deferred(&mut self, within: Duration) {
+        let Some((server, _)) = &self.api else {
+            return;
+        };
+        let server = Arc::clone(server);
+        let lock = || server.lock().unwrap_or_else(|p| p.into_inner());
+        lock().controller_mut().cut_short();
+        let deadline = Instant::now() + within;
+        while lock().waiting() > 0 {
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                break;
+            }
+            // The controller's notifier wakes the loop when an answer is ready.
+            let ms = i32::try_from(left.as_millis()).unwrap_or(i32::MAX).max(1);
+            self.event_loop.dispatch(ms);
+        }
+        lock().abandon_waiting(&format!(
+            "the VMM stopped before the guest's command ended (waited {within:?} for it)"
+        ));
     }
 
     /// Calls `f` with the controller serving the socket, if one does.

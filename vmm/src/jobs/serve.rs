@@ -85,7 +85,8 @@ impl ServeConfig {
 }
 
 /// Runs a test-guest VM with an API socket until a client stops it ([`Ending::Finished`]) or
-/// SIGINT/SIGTERM comes ([`Ending::Interrupted`]); removes the socket at the end.
+/// SIGINT/SIGTERM comes ([`Ending::Interrupted`]), either after the guest failed
+/// ([`Ending::GuestFailed`]); removes the socket at the end.
 pub fn serve(config: &ServeConfig, ready: impl FnOnce()) -> Result<Ending, ServeError> {
     let socket = ApiSocket::bind(&config.api_sock)?;
     let run = RunLoop::new()?;
@@ -144,8 +145,13 @@ pub fn serve_in_background(
     }
 }
 
+/// How long the end of a run waits for the guest's commands under way to report where they
+/// were cut short (the guest looks for a cancel every 64 addresses: it takes milliseconds).
+const CUT_SHORT_WAIT: Duration = Duration::from_secs(2);
+
 /// Serves `controller` on `socket` from `run` until a client stops the VMM, the VM migrates
-/// away, or a signal comes; then stops the vCPUs.
+/// away, or a signal comes; then answers the requests waiting for the guest (their commands
+/// cut short) and stops the vCPUs.
 pub(crate) fn serve_controller(
     mut run: RunLoop<Controller>,
     socket: ApiSocket,
@@ -166,6 +172,10 @@ pub(crate) fn serve_controller(
             },
         )
         .unwrap_or(Ending::Interrupted);
+    run.finish_deferred(CUT_SHORT_WAIT);
+    let failed = run
+        .with_controller(|controller| controller.failure().is_some())
+        .unwrap_or(false);
     let shut_down = run.with_controller(|controller| {
         if let Some(info) = controller.migration_info().filter(|_| controller.migrated()) {
             eprintln!(
@@ -179,6 +189,10 @@ pub(crate) fn serve_controller(
         }
         controller.shut_down()
     });
+    if failed {
+        // Said on stderr when it happened; the vCPUs' error at shutdown is the same failure.
+        return Ok(Ending::GuestFailed);
+    }
     shut_down.unwrap_or(Ok(()))?;
     Ok(ending)
 }

@@ -82,6 +82,13 @@ mod field {
     pub const RESULT: u64 = 0x40;
     pub const FOUND: u64 = 0x48;
     pub const PASSES: u64 = 0x50;
+    pub const CUT_AT: u64 = 0x58;
+}
+
+/// `stop` values: end a write loop after its pass, or end any command where it is.
+mod stop {
+    pub const AFTER_PASS: u64 = 1;
+    pub const NOW: u64 = 2;
 }
 
 /// The host's side of one vCPU's command block.
@@ -97,6 +104,9 @@ pub struct Outcome {
     pub mismatch: Option<(u64, u64)>,
     /// For a write loop: the passes completed.
     pub passes: u64,
+    /// For a command cancelled before its end: the first address of the range it did not
+    /// reach (every stride-th address below it was done).
+    pub cut_at: Option<u64>,
 }
 
 impl CommandBlock {
@@ -153,7 +163,14 @@ impl CommandBlock {
 
     /// Asks a write loop to end after its current pass.
     pub fn stop(&self, mem: &impl GuestMemory) {
-        self.store(mem, field::STOP, 1);
+        self.store(mem, field::STOP, stop::AFTER_PASS);
+    }
+
+    /// Asks the command under way to end where it is: the guest looks every 64 addresses, and
+    /// reports how far it got ([`Outcome::cut_at`]). A write loop ends in the middle of its
+    /// pass, which does not count.
+    pub fn cancel(&self, mem: &impl GuestMemory) {
+        self.store(mem, field::STOP, stop::NOW);
     }
 
     /// Passes a write loop has completed so far.
@@ -173,6 +190,8 @@ impl CommandBlock {
             mismatch: (op == Op::Verify && result != 0)
                 .then(|| (result, self.load(mem, field::FOUND))),
             passes: self.load(mem, field::PASSES),
+            // Ranges start above the system region, so 0 is never an address reached.
+            cut_at: Some(self.load(mem, field::CUT_AT)).filter(|&at| at != 0),
         }
     }
 }

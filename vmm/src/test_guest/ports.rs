@@ -5,6 +5,7 @@ use std::sync::mpsc::{Receiver, Sender};
 use std::sync::{Arc, LazyLock};
 
 use kvm_memslots::{KvmVm, MemoryManager};
+use vmm_sys_util::eventfd::EventFd;
 
 use super::command::Fault;
 use super::layout::port;
@@ -90,6 +91,8 @@ pub enum GoAhead {
 pub struct TestGuestPorts {
     /// Where the vCPU reports finished commands.
     pub events: Sender<VcpuEvent>,
+    /// Written after each report, for an event loop that waits for news of the vCPUs.
+    pub notify: Arc<EventFd>,
     /// The host's go-ahead after [`VcpuEvent::Done`].
     pub resume: Receiver<GoAhead>,
     /// The guest's memory, to read the fault block.
@@ -157,6 +160,8 @@ impl VcpuPorts for TestGuestPorts {
                 if self.events.send(VcpuEvent::Done).is_err() {
                     return Ok(Flow::Stop);
                 }
+                // A full counter (never, in practice) still leaves the eventfd readable.
+                let _ = self.notify.write(1);
                 Ok(self.wait(vcpu))
             }
             GuestPort::Exit => Ok(Flow::Stop),

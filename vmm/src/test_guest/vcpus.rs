@@ -2,7 +2,7 @@
 //! threads on the shared exit loop, and the host's side of the command protocol.
 
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::mpsc::{channel, Receiver, RecvTimeoutError, Sender};
+use std::sync::mpsc::{channel, Receiver, RecvTimeoutError, Sender, TryRecvError};
 use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -10,9 +10,10 @@ use std::time::{Duration, Instant};
 use kvm_memslots::{KvmVm, MemoryManager, RegionId, RegionSpec};
 use kvm_memslots_persist::{load_memory_file, LazyLoader, MemoryLayout, SnapshotError};
 use vm_memory::GuestAddress;
-use vmm_sys_util::eventfd::EventFd;
+use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 
-use super::ports::{GoAhead, TestGuestPorts, VcpuError, VcpuEvent};
+use super::ports::{GoAhead, GuestPortError, TestGuestPorts, VcpuError, VcpuEvent};
+use crate::control::vm::{FailureReason, VmFailure};
 use crate::migration::MigratingVcpu;
 use crate::test_guest::{self, Command, CommandBlock, Op, Outcome};
 use crate::vm::mmio::MmioBus;
@@ -59,6 +60,10 @@ pub enum GuestError {
     /// A vCPU is running a command, or stopped: its state cannot be saved.
     #[error("vCPU {0} is busy or stopped: its state can be saved only between commands")]
     Busy(usize),
+    /// The eventfd the vCPUs tell the host's event loop about their news with could not be
+    /// made.
+    #[error("creating the vCPUs' notifier (an eventfd) failed: {0}")]
+    Notifier(std::io::Error),
     /// A vCPU thread could not be started.
     #[error("starting vCPU thread {vcpu} failed: {source}")]
     Thread {
@@ -342,11 +347,14 @@ impl TestVm {
             return Err(GuestError::TooManyVcpus(count));
         }
         let memory = self.vm.memory();
+        let notify = Arc::new(EventFd::new(EFD_NONBLOCK).map_err(GuestError::Notifier)?);
         let mut vcpus = Vcpus {
             memory: Arc::clone(memory),
             threads: Vec::new(),
             timeout: Duration::from_secs(120),
             interrupt: crate::lifecycle::termination_signal(),
+            notify: Arc::clone(&notify),
+            failure: None,
         };
         for index in 0..count {
             let fd = self.vm.create_vcpu(index)?;
@@ -361,12 +369,14 @@ impl TestVm {
                 shared: Arc::clone(&shared),
                 ports: TestGuestPorts {
                     events: events_tx.clone(),
+                    notify: Arc::clone(&notify),
                     resume: resume_rx,
                     memory: Arc::clone(memory),
                     parked,
                     mmio: self.mmio.clone(),
                 },
             };
+            let notify = Arc::clone(&notify);
             let thread = vcpu
                 .spawn(Arc::clone(stopped), move |outcome| {
                     // The host may have gone already; nothing is left to tell then.
@@ -374,6 +384,7 @@ impl TestVm {
                         Ok(()) => VcpuEvent::Stopped,
                         Err(e) => VcpuEvent::Failed(e),
                     });
+                    let _ = notify.write(1);
                 })
                 .map_err(|source| GuestError::Thread {
                     vcpu: index,
@@ -496,6 +507,10 @@ pub struct Vcpus {
     /// Once set, waiting for a command gives up ([`GuestError::Interrupted`]): by default the
     /// process's SIGINT/SIGTERM flag, so that a long command never holds the VMM's exit.
     interrupt: &'static AtomicBool,
+    /// Readable once a vCPU reported something (a command done, its loop ended).
+    notify: Arc<EventFd>,
+    /// The first vCPU that stopped on an error (or without being asked), once one has.
+    failure: Option<VmFailure>,
 }
 
 impl Vcpus {
@@ -555,17 +570,24 @@ impl Vcpus {
         self.threads[index].running
     }
 
-    /// What a migration needs of each vCPU; refused while one is wedged or stopped.
+    /// What a migration needs of each vCPU; refused while one is wedged or stopped, or runs a
+    /// command other than a write loop (a client waits for its answer, here).
     pub fn migration_handles(&self) -> Result<Vec<VcpuHandle>, GuestError> {
         self.threads
             .iter()
             .enumerate()
             .map(|(index, vcpu)| match &vcpu.resume {
-                Some(resume) if !vcpu.wedged && !vcpu.shared.has_finished() => Ok(VcpuHandle {
-                    shared: Arc::clone(&vcpu.shared),
-                    resume: resume.clone(),
-                    running: vcpu.running.is_some(),
-                }),
+                Some(resume)
+                    if !vcpu.wedged
+                        && !vcpu.shared.has_finished()
+                        && vcpu.running.is_none_or(|c| c.op == Op::WriteLoop) =>
+                {
+                    Ok(VcpuHandle {
+                        shared: Arc::clone(&vcpu.shared),
+                        resume: resume.clone(),
+                        running: vcpu.running.is_some(),
+                    })
+                }
                 _ => Err(GuestError::Busy(index)),
             })
             .collect()
@@ -589,6 +611,122 @@ impl Vcpus {
     /// Asks vCPU `index`'s write loop to end after its current pass.
     pub fn stop_loop(&self, index: usize) {
         self.threads[index].block.stop(&*self.memory.current());
+    }
+
+    /// Asks vCPU `index`'s command to end where it is (see [`CommandBlock::cancel`]); its
+    /// answer says how far it got ([`Outcome::cut_at`]).
+    pub fn cancel(&self, index: usize) {
+        self.threads[index].block.cancel(&*self.memory.current());
+    }
+
+    /// Readable once a vCPU has reported something since the last [`poll`](Self::poll)s:
+    /// for an event loop to wait on (edge of news, not a count: read it to re-arm).
+    pub fn notifier(&self) -> &EventFd {
+        &self.notify
+    }
+
+    /// The first vCPU that stopped on an error or without being asked, once one has: the
+    /// guest cannot run again.
+    pub fn failure(&self) -> Option<&VmFailure> {
+        self.failure.as_ref()
+    }
+
+    /// Takes note of vCPU `index` having stopped, with `error` or without being asked: the
+    /// first such is the VM's failure.
+    fn note_failure(&mut self, index: usize, error: Option<&VcpuError>) {
+        if self.failure.is_some() {
+            return;
+        }
+        let loop_rip = self.threads[index].shared.failed_rip();
+        let (reason, rip, message) = match error {
+            Some(e) => {
+                let (reason, rip) = match e {
+                    VcpuError::TripleFault { rip, .. } => (FailureReason::TripleFault, Some(*rip)),
+                    VcpuError::HostLimitation { rip, .. } => {
+                        (FailureReason::InternalError, Some(*rip))
+                    }
+                    VcpuError::Device {
+                        error: GuestPortError::Fault(fault),
+                        ..
+                    } => (FailureReason::Exception, Some(fault.rip())),
+                    _ => (FailureReason::Error, loop_rip),
+                };
+                (reason, rip, e.to_string())
+            }
+            None => (
+                FailureReason::Stopped,
+                loop_rip,
+                format!("vCPU {index}'s thread ended without being asked to"),
+            ),
+        };
+        self.failure = Some(VmFailure {
+            vcpu: index,
+            reason,
+            rip,
+            message,
+        });
+    }
+
+    /// What vCPU `index`'s report means to the host (`None`: it has gone without one): `Ok`
+    /// for a command done; a vCPU that stopped is the VM's failure.
+    fn take_event(&mut self, index: usize, event: Option<VcpuEvent>) -> Result<(), GuestError> {
+        match event {
+            Some(VcpuEvent::Done) => Ok(()),
+            Some(VcpuEvent::Failed(e)) => {
+                self.note_failure(index, Some(&e));
+                Err(e.into())
+            }
+            Some(VcpuEvent::Stopped) | None => {
+                self.note_failure(index, None);
+                Err(GuestError::Stopped(index))
+            }
+        }
+    }
+
+    /// The answer to vCPU `index`'s command, if it has come (never waits): the command, and
+    /// what the guest reported or why it gave no report. `None` while it runs, or if the vCPU
+    /// runs none.
+    pub fn poll(&mut self, index: usize) -> Option<(Command, Result<Outcome, GuestError>)> {
+        let command = self.threads[index].running?;
+        let answered = loop {
+            let vcpu = &self.threads[index];
+            if vcpu.wedged {
+                break Err(GuestError::Wedged(index));
+            }
+            let event = match vcpu.events.try_recv() {
+                Ok(event) => Some(event),
+                Err(TryRecvError::Disconnected) => None,
+                Err(TryRecvError::Empty) => return None,
+            };
+            if let Err(e) = self.take_event(index, event) {
+                break Err(e);
+            }
+            // Only the answer to this command counts (the guest numbers them).
+            let vcpu = &self.threads[index];
+            if vcpu.block.done_seq(&*self.memory.current()) == vcpu.posted {
+                break Ok(());
+            }
+        };
+        self.threads[index].running = None;
+        Some((
+            command,
+            answered.and_then(|()| self.reported(index, command)),
+        ))
+    }
+
+    /// What the guest reported for `command`, its last on vCPU `index`.
+    fn reported(&self, index: usize, command: Command) -> Result<Outcome, GuestError> {
+        let outcome = self.threads[index]
+            .block
+            .outcome(&*self.memory.current(), command.op);
+        if let Some((gpa, found)) = outcome.mismatch {
+            return Err(GuestError::GuestSawWrongData {
+                gpa,
+                found,
+                expected: test_guest::pattern(gpa, command.seed),
+            });
+        }
+        Ok(outcome)
     }
 
     /// Write-loop passes vCPU `index` has completed so far.
@@ -619,11 +757,8 @@ impl Vcpus {
             }
         };
         match event {
-            Ok(VcpuEvent::Done) => Ok(()),
-            Ok(VcpuEvent::Failed(e)) => Err(e.into()),
-            Ok(VcpuEvent::Stopped) | Err(RecvTimeoutError::Disconnected) => {
-                Err(GuestError::Stopped(index))
-            }
+            Ok(event) => self.take_event(index, Some(event)),
+            Err(RecvTimeoutError::Disconnected) => self.take_event(index, None),
             Err(RecvTimeoutError::Timeout) => Err(GuestError::Timeout {
                 vcpu: index,
                 op,
@@ -655,17 +790,7 @@ impl Vcpus {
                 break;
             }
         }
-        let outcome = self.threads[index]
-            .block
-            .outcome(&*self.memory.current(), command.op);
-        if let Some((gpa, found)) = outcome.mismatch {
-            return Err(GuestError::GuestSawWrongData {
-                gpa,
-                found,
-                expected: test_guest::pattern(gpa, command.seed),
-            });
-        }
-        Ok(outcome)
+        self.reported(index, command)
     }
 
     /// Runs `command` on vCPU `index` to the end.

@@ -83,6 +83,8 @@ pub struct VcpuShared {
     thread: OnceLock<libc::pthread_t>,
     /// Set when the vCPU's loop has ended (its thread may still be finishing).
     finished: AtomicBool,
+    /// The guest's instruction pointer when the loop ended on an error.
+    failed_rip: OnceLock<u64>,
 }
 
 /// Why a vCPU could not be paused or its state saved while paused.
@@ -186,6 +188,15 @@ impl VcpuShared {
     /// Whether the vCPU's loop has ended.
     pub fn has_finished(&self) -> bool {
         self.finished.load(Ordering::Acquire)
+    }
+
+    /// The guest's instruction pointer where the vCPU's loop ended on an error, once it has
+    /// (`None` while it runs, after a clean stop, or if the registers could not be read).
+    pub fn failed_rip(&self) -> Option<u64> {
+        self.failed_rip
+            .get()
+            .copied()
+            .filter(|&rip| rip != u64::MAX)
     }
 
     /// The state of a paused vCPU, read by its own thread.
@@ -452,6 +463,23 @@ impl<P: VcpuPorts> Vcpu<P> {
         if ports.before_run(&fd) == Flow::Stop {
             return Ok(());
         }
+        let ended = Self::exit_loop(vcpu, &mut fd, &memory, &shared, &mut ports);
+        if ended.is_err() {
+            // Where the guest was, for whoever reports the failure.
+            let _ = shared.failed_rip.set(rip(&fd));
+        }
+        ended
+    }
+
+    /// Enters the guest and handles its exits until the host asks the vCPU to stop or a
+    /// device says so (`Ok`), or an error stops it.
+    fn exit_loop(
+        vcpu: usize,
+        fd: &mut VcpuFd,
+        memory: &MemoryManager<KvmVm>,
+        shared: &VcpuShared,
+        ports: &mut P,
+    ) -> Result<(), VcpuError<P::Error>> {
         let (mut immediate_exit, mut interrupted) = (false, false);
         loop {
             if shared.stop_requested() {
@@ -464,7 +492,7 @@ impl<P: VcpuPorts> Vcpu<P> {
             if immediate_exit && interrupted {
                 fd.set_kvm_immediate_exit(0);
                 immediate_exit = false;
-                if shared.pause_requested() && !shared.park(&fd) {
+                if shared.pause_requested() && !shared.park(fd) {
                     return Ok(());
                 }
                 continue;
@@ -509,7 +537,7 @@ impl<P: VcpuPorts> Vcpu<P> {
                         // A slot is away for a moment: wait for the change (pinning no map
                         // version), then handle the exit again against the map afterwards.
                         drop(map);
-                        if !wait_for_change(&memory, &shared) {
+                        if !wait_for_change(memory, shared) {
                             return Ok(());
                         }
                     }
@@ -613,7 +641,7 @@ impl<P: VcpuPorts> Vcpu<P> {
                     let len = data.len().min(bytes.len());
                     bytes[..len].copy_from_slice(&data[..len]);
                     ports
-                        .write(&fd, device, offset, &bytes[..len])
+                        .write(fd, device, offset, &bytes[..len])
                         .map_err(device_error)?
                 }
                 ExitAction::Fatal(ExitError::InternalError) => {
@@ -621,7 +649,7 @@ impl<P: VcpuPorts> Vcpu<P> {
                     // SAFETY: the exit reason is KVM_EXIT_INTERNAL_ERROR, for which KVM fills
                     // the `internal` member of the union; reading a u32 of it is always defined.
                     let suberror = unsafe { kvm_run.__bindgen_anon_1.internal.suberror };
-                    let rip = rip(&fd);
+                    let rip = rip(fd);
                     return Err(VcpuError::HostLimitation {
                         vcpu,
                         rip,
@@ -629,7 +657,7 @@ impl<P: VcpuPorts> Vcpu<P> {
                     });
                 }
                 ExitAction::Fatal(ExitError::Shutdown) => {
-                    let rip = rip(&fd);
+                    let rip = rip(fd);
                     return Err(VcpuError::TripleFault { vcpu, rip });
                 }
                 ExitAction::Fatal(error) => return Err(VcpuError::Exit { vcpu, error }),

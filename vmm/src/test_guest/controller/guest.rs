@@ -1,19 +1,45 @@
-//! The test guest's commands: write, verify and write loops on a vCPU.
+//! The test guest's commands: write, verify and write loops on a vCPU, and ending them.
+//!
+//! A command runs on its vCPU while the controller goes on applying other requests: it answers
+//! [`Reply::Deferred`], and the answer comes from [`Controller::settle`] once the guest
+//! reported (the vCPUs' notifier wakes the event loop). What ends a command early (`cancel`,
+//! a pause, the VMM stopping) sets the command block's `stop` to "now": the guest looks every
+//! 64 addresses and reports how far it got.
 
 use super::Controller;
 use crate::control::guest::{GuestCommand, GuestCommandResult, GuestOp};
-use crate::control::{ControllerError, ErrorKind};
+use crate::control::{ControllerError, Outcome, Reply, Ticket};
 use crate::test_guest::vcpus::{GuestError, Vcpus};
 use crate::test_guest::{self, Command, Op};
 
+/// A deferred request, waiting for commands to end.
+#[derive(Debug)]
+pub(super) struct Waiter {
+    ticket: Ticket,
+    /// The vCPUs whose commands it still waits for.
+    vcpus: Vec<usize>,
+    /// What it answers.
+    answer: Answer,
+}
+
+/// What a [`Waiter`] answers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Answer {
+    /// What its (one) vCPU's command answers: the command itself, `stop_loop`, `cancel`.
+    Command,
+    /// 204 once all its vCPUs' commands ended (a pause that cut them short).
+    Done,
+}
+
 impl Controller {
-    pub(super) fn guest_command(
-        &mut self,
-        command: GuestCommand,
-    ) -> Result<GuestCommandResult, ControllerError> {
-        if command.op == GuestOp::StopLoop {
-            return self.stop_loop(command.vcpu);
-        }
+    pub(super) fn guest_command(&mut self, command: GuestCommand) -> Outcome {
+        let op = match command.op {
+            GuestOp::Write => Op::Write,
+            GuestOp::Verify => Op::Verify,
+            GuestOp::WriteLoop => Op::WriteLoop,
+            GuestOp::StopLoop => return self.end_command(command.vcpu, true),
+            GuestOp::Cancel => return self.end_command(command.vcpu, false),
+        };
         if !command.start.is_multiple_of(8)
             || command.stride == 0
             || !command.stride.is_multiple_of(8)
@@ -30,51 +56,115 @@ impl Controller {
         check_vcpu(vcpus, command.vcpu)?;
         if let Some(running) = vcpus.running(command.vcpu) {
             return Err(ControllerError::conflict(format!(
-                "vCPU {} runs a {:?} command: stop it first (op stop_loop)",
+                "vCPU {} runs a {:?} command: wait for its answer or end it first (op cancel; \
+                 stop_loop for a loop)",
                 command.vcpu, running.op
             )));
         }
-        let op = match command.op {
-            GuestOp::Write => Op::Write,
-            GuestOp::Verify => Op::Verify,
-            GuestOp::WriteLoop => Op::WriteLoop,
-            GuestOp::StopLoop => unreachable!("handled above"),
-        };
-        let guest_command = Command {
-            op,
-            start: command.start,
-            end: command.end,
-            stride: command.stride,
-            seed: command.seed,
-        };
+        vcpus.start(
+            command.vcpu,
+            Command {
+                op,
+                start: command.start,
+                end: command.end,
+                stride: command.stride,
+                seed: command.seed,
+            },
+        );
         if op == Op::WriteLoop {
-            vcpus.start(command.vcpu, guest_command);
-            return Ok(GuestCommandResult::Started);
+            return Ok(Reply::Guest(GuestCommandResult::Started));
         }
-        guest_outcome(vcpus.run(command.vcpu, guest_command))
+        Ok(self.defer(vec![command.vcpu], Answer::Command))
     }
 
-    /// Ends vCPU `vcpu`'s write loop and reports its passes.
-    fn stop_loop(&mut self, vcpu: usize) -> Result<GuestCommandResult, ControllerError> {
+    /// Ends vCPU `vcpu`'s command: its write loop after the current pass (`after_pass`), or
+    /// any command where it is (`cancel`). Answers what the command answers, when it does.
+    fn end_command(&mut self, vcpu: usize, after_pass: bool) -> Outcome {
         let vcpus = self.vcpus()?;
         check_vcpu(vcpus, vcpu)?;
-        let seed = match vcpus.running(vcpu) {
-            Some(command) if command.op == Op::WriteLoop => command.seed,
-            _ => {
-                return Err(ControllerError::conflict(format!(
-                    "vCPU {vcpu} runs no write loop"
-                )))
-            }
-        };
-        vcpus.stop_loop(vcpu);
-        let outcome = vcpus.wait(vcpu);
-        match outcome {
-            Ok(outcome) => Ok(GuestCommandResult::Stopped {
-                passes: outcome.passes,
-                last_seed: outcome.passes.checked_sub(1).map(|k| seed.wrapping_add(k)),
-            }),
-            Err(e) => guest_outcome(Err(e)),
+        let running = vcpus.running(vcpu);
+        if after_pass && !running.is_some_and(|c| c.op == Op::WriteLoop) {
+            return Err(ControllerError::conflict(format!(
+                "vCPU {vcpu} runs no write loop"
+            )));
         }
+        if running.is_none() {
+            return Err(ControllerError::conflict(format!(
+                "vCPU {vcpu} runs no command"
+            )));
+        }
+        if after_pass {
+            vcpus.stop_loop(vcpu);
+        } else {
+            vcpus.cancel(vcpu);
+        }
+        Ok(self.defer(vec![vcpu], Answer::Command))
+    }
+
+    /// Cuts short every command but write loops (a pause) and every command someone waits for
+    /// (`waited`: the VMM is stopping); returns the vCPUs cut.
+    pub(super) fn cut_commands(&mut self, waited: bool) -> Vec<usize> {
+        let Some(vcpus) = &self.vcpus else {
+            return Vec::new();
+        };
+        let cut: Vec<usize> = (0..vcpus.count())
+            .filter(|&v| {
+                let waited_for = waited && self.waiters.iter().any(|w| w.vcpus.contains(&v));
+                vcpus
+                    .running(v)
+                    .is_some_and(|c| c.op != Op::WriteLoop || waited_for)
+            })
+            .collect();
+        for &v in &cut {
+            vcpus.cancel(v);
+        }
+        cut
+    }
+
+    /// Defers the answer until the commands of `vcpus` have ended.
+    pub(super) fn defer(&mut self, vcpus: Vec<usize>, answer: Answer) -> Reply {
+        let ticket = Ticket(self.next_ticket);
+        self.next_ticket += 1;
+        self.waiters.push(Waiter {
+            ticket,
+            vcpus,
+            answer,
+        });
+        Reply::Deferred(ticket)
+    }
+
+    /// Collects the commands that ended and answers those who wait for them.
+    pub(super) fn collect_commands(&mut self) -> Vec<(Ticket, Outcome)> {
+        let mut ready = Vec::new();
+        let Some(vcpus) = &mut self.vcpus else {
+            return ready;
+        };
+        // Read first: news that comes after the polls below makes it readable again.
+        let _ = vcpus.notifier().read();
+        for v in 0..vcpus.count() {
+            let Some((command, run)) = vcpus.poll(v) else {
+                continue;
+            };
+            let result = command_result(command, run);
+            self.waiters.retain_mut(|waiter| {
+                if !waiter.vcpus.contains(&v) {
+                    return true;
+                }
+                waiter.vcpus.retain(|&w| w != v);
+                match waiter.answer {
+                    Answer::Command => {
+                        ready.push((waiter.ticket, result.clone().map(Reply::Guest)));
+                        false
+                    }
+                    Answer::Done if waiter.vcpus.is_empty() => {
+                        ready.push((waiter.ticket, Ok(Reply::Done)));
+                        false
+                    }
+                    Answer::Done => true,
+                }
+            });
+        }
+        ready
     }
 }
 
@@ -88,12 +178,27 @@ fn check_vcpu(vcpus: &Vcpus, vcpu: usize) -> Result<(), ControllerError> {
     Ok(())
 }
 
-/// What a guest command's run means to a client.
-fn guest_outcome(
+/// What `command`'s run means to a client.
+fn command_result(
+    command: Command,
     run: Result<test_guest::Outcome, GuestError>,
 ) -> Result<GuestCommandResult, ControllerError> {
     match run {
-        Ok(_) => Ok(GuestCommandResult::Ok),
+        Ok(outcome) => Ok(match (outcome.cut_at, command.op) {
+            (Some(address), op) => GuestCommandResult::Cancelled {
+                address,
+                done_bytes: address.saturating_sub(command.start),
+                passes: (op == Op::WriteLoop).then_some(outcome.passes),
+            },
+            (None, Op::WriteLoop) => GuestCommandResult::Stopped {
+                passes: outcome.passes,
+                last_seed: outcome
+                    .passes
+                    .checked_sub(1)
+                    .map(|k| command.seed.wrapping_add(k)),
+            },
+            (None, _) => GuestCommandResult::Ok,
+        }),
         Err(GuestError::GuestSawWrongData {
             gpa,
             found,
@@ -103,10 +208,65 @@ fn guest_outcome(
             found,
             expected,
         }),
-        Err(GuestError::Interrupted) => Err(ControllerError::new(
-            ErrorKind::Unavailable,
-            "the VMM is stopping (a signal came) while the guest ran the command",
-        )),
         Err(e) => Err(ControllerError::internal(e)),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn outcome(cut_at: Option<u64>, passes: u64) -> test_guest::Outcome {
+        test_guest::Outcome {
+            mismatch: None,
+            passes,
+            cut_at,
+        }
+    }
+
+    fn command(op: Op) -> Command {
+        Command {
+            op,
+            start: 0x1000_0000,
+            end: 0x2000_0000,
+            stride: 4096,
+            seed: 40,
+        }
+    }
+
+    #[test]
+    fn a_command_cut_short_says_how_far_it_got() {
+        let write = command(Op::Write);
+        assert_eq!(
+            command_result(write, Ok(outcome(Some(0x1000_3000), 0))),
+            Ok(GuestCommandResult::Cancelled {
+                address: 0x1000_3000,
+                done_bytes: 0x3000,
+                passes: None,
+            })
+        );
+        assert_eq!(
+            command_result(write, Ok(outcome(None, 0))),
+            Ok(GuestCommandResult::Ok)
+        );
+        let write_loop = command(Op::WriteLoop);
+        assert_eq!(
+            command_result(write_loop, Ok(outcome(Some(0x1800_0000), 2))),
+            Ok(GuestCommandResult::Cancelled {
+                address: 0x1800_0000,
+                done_bytes: 0x800_0000,
+                passes: Some(2),
+            })
+        );
+        // A cancel that came between two passes ends the loop as a stop does.
+        assert_eq!(
+            command_result(write_loop, Ok(outcome(None, 3))),
+            Ok(GuestCommandResult::Stopped {
+                passes: 3,
+                last_seed: Some(42),
+            })
+        );
+        let failed = command_result(write, Err(GuestError::Stopped(0))).expect_err("failed");
+        assert_eq!(failed.kind, crate::control::ErrorKind::Internal);
     }
 }

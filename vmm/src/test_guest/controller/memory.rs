@@ -110,6 +110,7 @@ impl Controller {
         if checkable {
             // Refuse a check the guest cannot do before anything is added.
             self.vcpus()?;
+            self.refuse_if_busy()?;
             // (A range that wraps is the manager's to refuse, with its own message.)
             if gpa
                 .checked_add(add.size)
@@ -133,6 +134,7 @@ impl Controller {
 
     /// Has the guest check both ends of every slot of `area` both ways.
     fn check(&mut self, area: &TestArea) -> Result<(), String> {
+        self.refuse_if_busy().map_err(|e| e.message)?;
         let Some(vcpus) = self.vcpus.as_mut() else {
             return Err("the VM is shutting down".into());
         };

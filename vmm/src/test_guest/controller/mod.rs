@@ -20,11 +20,14 @@ use kvm_memslots::DirtyConsumer;
 use crate::control::dirty_log::DirtyRate;
 use crate::control::memory::{memory_info, MemoryInfo};
 use crate::control::migration::MigrationInfo;
-use crate::control::vm::{RunState, VmAction, VmActionType, VmInfo, VmStateRequest};
-use crate::control::{Apply, ControllerError, ErrorKind, Outcome, Reply, Request};
+use crate::control::vm::{
+    RunState, VmAction, VmActionType, VmFailure, VmInfo, VmStateRequest, FAILED_EXIT_STATUS,
+};
+use crate::control::{Apply, ControllerError, ErrorKind, Outcome, Reply, Request, Ticket};
 use crate::migration::{MigratingVcpu, Migration};
 use crate::test_guest::hotplug::HotplugArea;
 use crate::test_guest::vcpus::{GuestError, TestVm, VcpuHandle, Vcpus};
+use guest::{Answer, Waiter};
 use hotplug::no_hotplug_area;
 
 const MIB: u64 = 1 << 20;
@@ -59,11 +62,32 @@ pub struct Controller {
     /// vCPUs a migration left paused because the destination may run the VM (its answer did
     /// not come): `PATCH /vm {"state": "Resumed"}` lets them go on.
     held: Vec<VcpuHandle>,
+    /// Deferred requests waiting for guest commands to end.
+    waiters: Vec<Waiter>,
+    /// The next deferred request's ticket.
+    next_ticket: u64,
+    /// Why the guest failed, once a vCPU stopped on an error: sticky, said once on stderr.
+    failure: Option<VmFailure>,
+    /// The VMM is stopping: no new command starts.
+    stopping: bool,
 }
 
 impl Apply for Controller {
     fn apply(&mut self, request: Request) -> Outcome {
         Controller::apply(self, request)
+    }
+
+    fn notifier(&self) -> Option<std::os::fd::RawFd> {
+        use std::os::fd::AsRawFd;
+        self.vcpus.as_ref().map(|v| v.notifier().as_raw_fd())
+    }
+
+    fn settle(&mut self) -> Vec<(Ticket, Outcome)> {
+        Controller::settle(self)
+    }
+
+    fn cut_short(&mut self) {
+        Controller::cut_short(self)
     }
 }
 
@@ -84,6 +108,10 @@ impl Controller {
             interrupt: crate::lifecycle::termination_signal(),
             migration: None,
             held: Vec::new(),
+            waiters: Vec::new(),
+            next_ticket: 0,
+            failure: None,
+            stopping: false,
         }
     }
 
@@ -127,6 +155,51 @@ impl Controller {
         self.migration.as_ref().map(Migration::info)
     }
 
+    /// Why the guest failed, if it has: the VMM should exit with [`FAILED_EXIT_STATUS`] once
+    /// stopped.
+    pub fn failure(&self) -> Option<&VmFailure> {
+        self.failure.as_ref()
+    }
+
+    /// The answers of guest commands that ended since the last call, and of requests that
+    /// waited for them; takes note of a vCPU that failed meanwhile.
+    pub fn settle(&mut self) -> Vec<(Ticket, Outcome)> {
+        let ready = self.collect_commands();
+        self.note_failure();
+        ready
+    }
+
+    /// The VMM is stopping: every command someone waits for is cut short (its answer comes
+    /// from [`settle`](Self::settle)), and no new one starts.
+    pub fn cut_short(&mut self) {
+        self.stopping = true;
+        self.cut_commands(true);
+    }
+
+    /// Says on stderr, once, that the guest failed, as soon as the vCPUs tell.
+    fn note_failure(&mut self) {
+        if self.failure.is_some() {
+            return;
+        }
+        if let Some(failure) = self.vcpus.as_ref().and_then(Vcpus::failure) {
+            eprintln!(
+                "tinyvmm: {failure}; the VM is Failed (GET /vm), and stopping the VMM now exits \
+                 {FAILED_EXIT_STATUS}"
+            );
+            self.failure = Some(failure.clone());
+        }
+    }
+
+    /// Refuses what needs a guest that runs, once it has failed.
+    fn refuse_if_failed(&self) -> Result<(), ControllerError> {
+        match &self.failure {
+            Some(failure) => Err(ControllerError::conflict(format!(
+                "{failure}. It runs nothing more: stop the VMM (PUT /actions Stop)"
+            ))),
+            None => Ok(()),
+        }
+    }
+
     /// Stops the vCPUs (a migration under way is cancelled first); returns the first error one
     /// of them stopped with.
     pub fn shut_down(&mut self) -> Result<(), GuestError> {
@@ -141,6 +214,13 @@ impl Controller {
     }
 
     fn vcpus(&mut self) -> Result<&mut Vcpus, ControllerError> {
+        self.refuse_if_failed()?;
+        if self.stopping {
+            return Err(ControllerError::new(
+                ErrorKind::Unavailable,
+                "the VMM is stopping: the guest starts no new command",
+            ));
+        }
         if self.state == RunState::Paused {
             return Err(ControllerError::conflict(
                 "the VM is paused: the guest runs no command until it is resumed",
@@ -151,8 +231,31 @@ impl Controller {
             .ok_or_else(|| ControllerError::new(ErrorKind::Unavailable, "the VM is shutting down"))
     }
 
-    /// Applies `request`.
+    /// Refuses a check of new memory (which runs on every vCPU) while a vCPU runs a command.
+    pub(super) fn refuse_if_busy(&self) -> Result<(), ControllerError> {
+        let Some(vcpus) = &self.vcpus else {
+            return Ok(());
+        };
+        match (0..vcpus.count()).find_map(|v| vcpus.running(v).map(|c| (v, c))) {
+            Some((index, command)) => Err(ControllerError::conflict(format!(
+                "vCPU {index} runs a {:?} command, and the guest checks new memory on every \
+                 vCPU: wait for its answer or end it first (PUT /guest/command op cancel)",
+                command.op
+            ))),
+            None => Ok(()),
+        }
+    }
+
+    /// Applies `request`. A guest command answers [`Reply::Deferred`]: its answer comes from
+    /// [`settle`](Self::settle) when the guest has reported.
     pub fn apply(&mut self, request: Request) -> Outcome {
+        let outcome = self.apply_now(request);
+        // A request that ran the guest (a new region's check) may have seen a vCPU fail.
+        self.note_failure();
+        outcome
+    }
+
+    fn apply_now(&mut self, request: Request) -> Outcome {
         self.settle_migration();
         if let Some(refused) = self.refused_while_migrating(&request) {
             return Err(refused);
@@ -174,21 +277,34 @@ impl Controller {
                 self.configure_hotplug(config).map(|()| Reply::Done)
             }
             Request::RequestHotplug(request) => self.request_hotplug(request).map(|()| Reply::Done),
-            Request::Guest(command) => self.guest_command(command).map(Reply::Guest),
+            Request::Guest(command) => self.guest_command(command),
             Request::GetVm => Ok(Reply::Vm(VmInfo {
-                state: self.state,
+                state: match self.failure {
+                    Some(_) => RunState::Failed,
+                    None => self.state,
+                },
                 vcpus: self.vcpus.as_ref().map_or(0, |v| v.count()),
+                failure: self.failure.clone(),
             })),
             Request::PatchVm(patch) => {
-                self.state = match patch.state {
-                    VmStateRequest::Paused => RunState::Paused,
+                self.refuse_if_failed()?;
+                match patch.state {
+                    VmStateRequest::Paused => {
+                        self.state = RunState::Paused;
+                        // A write or verify under way ends where it is; the answer waits
+                        // for it (write loops go on: stop_loop ends them).
+                        let cut = self.cut_commands(false);
+                        if !cut.is_empty() {
+                            return Ok(self.defer(cut, Answer::Done));
+                        }
+                    }
                     VmStateRequest::Resumed => {
                         for vcpu in self.held.drain(..) {
                             vcpu.resume();
                         }
-                        RunState::Running
+                        self.state = RunState::Running;
                     }
-                };
+                }
                 Ok(Reply::Done)
             }
             Request::CreateSnapshot(create) => self.create_snapshot(create).map(|()| Reply::Done),
@@ -196,6 +312,7 @@ impl Controller {
                 action_type: VmActionType::Stop,
             }) => {
                 self.stop_requested = true;
+                self.cut_short();
                 Ok(Reply::Done)
             }
             Request::Migrate(request) => self.migrate(request).map(|()| Reply::Done),
