@@ -989,3 +989,162 @@ fn kvm_sigterm_stops_a_receiving_destination_with_130_and_the_source_runs_on() {
     watch(&source, |i| phase(i) == "failed");
     stop_and_verify(&source, AREA, end);
 }
+
+/// A destination that takes the connection (the kernel's backlog does) and never reads a byte
+/// or answers: a listener the test holds and never accepts on.
+fn silent_destination(name: &str) -> (PathBuf, std::os::unix::net::UnixListener) {
+    let listen = path(name, "silent");
+    let _ = std::fs::remove_file(&listen);
+    let listener = std::os::unix::net::UnixListener::bind(&listen).expect("bind");
+    (listen, listener)
+}
+
+/// A fake destination that accepts the layout and then reads nothing until `release` is
+/// dropped: the source's writes block once the socket's buffer is full.
+fn stalled_destination(name: &str) -> (PathBuf, std::sync::mpsc::Sender<()>) {
+    let (release, wait) = std::sync::mpsc::channel::<()>();
+    let (listen, _thread) = fake_destination(name, move |_, _| {
+        let _ = wait.recv();
+    });
+    (listen, release)
+}
+
+/// Watches the migration until it has ended; returns the answer and how long that took from
+/// `since`.
+fn ended(source: &Vmm, since: Instant) -> (Value, Duration) {
+    let info = watch(source, |i| {
+        !matches!(phase(i), "setup" | "pre_copy" | "stop_and_copy")
+    });
+    (info, since.elapsed())
+}
+
+#[test]
+fn kvm_a_cancel_ends_a_migration_to_a_silent_destination_at_once() {
+    if !kvm_test_support::require_kvm(
+        "tinyvmm::kvm_a_cancel_ends_a_migration_to_a_silent_destination_at_once",
+    ) {
+        return;
+    }
+    let (source, end) = never_converging("silent-cancel");
+    // It never answers the layout.
+    let (listen, _listener) = silent_destination("silent-cancel");
+    let (status, answer) = migrate(&source, &listen, json!({}));
+    assert_eq!(status, 204, "{answer}");
+    std::thread::sleep(Duration::from_millis(500));
+    assert_eq!(phase(&source.ok("GET", "/migrate", None)), "setup");
+    let (status, _) = source.call("POST", "/memory/regions", Some(json!({"size": MIB})));
+    assert_eq!(status, 409, "a change waits for the migration");
+    let cancelled = Instant::now();
+    source.ok("PUT", "/migrate/cancel", None);
+    let (info, took) = ended(&source, cancelled);
+    assert_eq!(phase(&info), "cancelled", "{info}");
+    assert!(took < Duration::from_secs(1), "{took:?}: {info}");
+    let error = info["error"].as_str().expect("an error");
+    assert!(error.contains("a client cancelled it"), "{error}");
+    stop_and_verify(&source, AREA, end);
+
+    // It takes the layout, then reads nothing: the source's writes block.
+    source.ok(
+        "PUT",
+        "/guest/command",
+        Some(guest("write_loop", AREA, end, 50)),
+    );
+    let (listen, _release) = stalled_destination("stalled-cancel");
+    let (status, answer) = migrate(&source, &listen, json!({}));
+    assert_eq!(status, 204, "{answer}");
+    watch(&source, |i| phase(i) == "pre_copy");
+    std::thread::sleep(Duration::from_millis(500));
+    let cancelled = Instant::now();
+    source.ok("PUT", "/migrate/cancel", None);
+    let (info, took) = ended(&source, cancelled);
+    assert_eq!(phase(&info), "cancelled", "{info}");
+    assert!(took < Duration::from_secs(1), "{took:?}: {info}");
+    stop_and_verify(&source, AREA, end);
+}
+
+#[test]
+fn kvm_timeout_s_ends_a_migration_to_a_silent_destination() {
+    if !kvm_test_support::require_kvm(
+        "tinyvmm::kvm_timeout_s_ends_a_migration_to_a_silent_destination",
+    ) {
+        return;
+    }
+    let (source, end) = never_converging("silent-timeout");
+    let (listen, _listener) = silent_destination("silent-timeout");
+    let started = Instant::now();
+    let (status, answer) = migrate(&source, &listen, json!({"timeout_s": 2}));
+    assert_eq!(status, 204, "{answer}");
+    let (info, took) = ended(&source, started);
+    assert_eq!(phase(&info), "cancelled", "{info}");
+    assert!(
+        took >= Duration::from_millis(1900) && took < Duration::from_secs(3),
+        "{took:?}: {info}"
+    );
+    let error = info["error"].as_str().expect("an error");
+    assert!(
+        error.contains("within 2s") && error.contains("answer to the memory layout"),
+        "{error}"
+    );
+    stop_and_verify(&source, AREA, end);
+
+    // Even with `force`: there is nothing to force without the destination's answer.
+    source.ok(
+        "PUT",
+        "/guest/command",
+        Some(guest("write_loop", AREA, end, 60)),
+    );
+    let started = Instant::now();
+    let (status, answer) = migrate(
+        &source,
+        &listen,
+        json!({"timeout_s": 2, "on_timeout": "force"}),
+    );
+    assert_eq!(status, 204, "{answer}");
+    let (info, took) = ended(&source, started);
+    assert_eq!(phase(&info), "cancelled", "{info}");
+    assert!(took < Duration::from_secs(3), "{took:?}: {info}");
+    stop_and_verify(&source, AREA, end);
+
+    // It takes the layout and then nothing: the round's writes end at the timeout.
+    source.ok(
+        "PUT",
+        "/guest/command",
+        Some(guest("write_loop", AREA, end, 70)),
+    );
+    let (listen, _release) = stalled_destination("stalled-timeout");
+    let started = Instant::now();
+    let (status, answer) = migrate(&source, &listen, json!({"timeout_s": 2}));
+    assert_eq!(status, 204, "{answer}");
+    let (info, took) = ended(&source, started);
+    assert_eq!(phase(&info), "cancelled", "{info}");
+    assert!(took < Duration::from_secs(3), "{took:?}: {info}");
+    let error = info["error"].as_str().expect("an error");
+    assert!(
+        error.contains("within 2s") && error.contains("round 1"),
+        "{error}"
+    );
+    stop_and_verify(&source, AREA, end);
+}
+
+#[test]
+fn kvm_sigterm_ends_a_source_waiting_on_a_silent_destination_at_once() {
+    if !kvm_test_support::require_kvm(
+        "tinyvmm::kvm_sigterm_ends_a_source_waiting_on_a_silent_destination_at_once",
+    ) {
+        return;
+    }
+    let (mut source, _) = never_converging("silent-sigterm");
+    let (listen, _listener) = silent_destination("silent-sigterm");
+    let (status, answer) = migrate(&source, &listen, json!({}));
+    assert_eq!(status, 204, "{answer}");
+    std::thread::sleep(Duration::from_millis(500));
+    let pid = source.child.as_ref().expect("running").id();
+    let signalled = Instant::now();
+    // SAFETY: kill(2) only sends a signal to the child's pid, which we have not reaped yet.
+    assert_eq!(unsafe { libc::kill(pid as libc::pid_t, libc::SIGTERM) }, 0);
+    let output = source.wait(Duration::from_secs(70));
+    let took = signalled.elapsed();
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert_eq!(output.status.code(), Some(130), "{stderr}");
+    assert!(took < Duration::from_secs(2), "{took:?}: {stderr}");
+}

@@ -10,7 +10,6 @@
 use std::collections::HashMap;
 use std::io::BufReader;
 use std::path::PathBuf;
-use std::sync::atomic::AtomicBool;
 use std::time::{Duration, Instant};
 
 use kvm_memslots::MemoryLimits;
@@ -22,7 +21,7 @@ use super::run_loop::RunLoop;
 use super::serve::{serve_controller, ServeError};
 use crate::api::server::ApiSocket;
 use crate::lifecycle::{termination_signal, Ending};
-use crate::migration::transport::Patient;
+use crate::migration::transport::{Limits, Watch};
 use crate::migration::{Connection, Endpoint};
 use crate::test_guest::controller::Controller;
 use crate::test_guest::snapshot::MigrationState;
@@ -95,10 +94,18 @@ pub fn receive(
     };
     let listener = config.listen.listen().map_err(listen_failed)?;
     ready();
-    let Some(mut connection) = listener
-        .accept(termination_signal())
-        .map_err(listen_failed)?
-    else {
+    // A source may come whenever it likes; once it is here, every wait on it ends after
+    // `STALL` of silence, or on a signal.
+    let watch = Watch::new(
+        termination_signal(),
+        None,
+        "the source's next record",
+        Limits {
+            deadline: None,
+            stall: STALL,
+        },
+    );
+    let Some(mut connection) = listener.accept(watch).map_err(listen_failed)? else {
         return Ok(Ending::Interrupted);
     };
     drop(listener);
@@ -133,19 +140,8 @@ fn receive_vm(
     stopped: &std::sync::Arc<vmm_sys_util::eventfd::EventFd>,
 ) -> Result<(Controller, Received), String> {
     let started = Instant::now();
-    connection
-        .set_read_timeout(Some(Duration::from_millis(200)))
-        .map_err(|e| e.to_string())?;
     let reading = connection.try_clone().map_err(|e| e.to_string())?;
-    let stop: &AtomicBool = termination_signal();
-    let mut reader = StreamReader::new(BufReader::with_capacity(
-        1 << 20,
-        Patient {
-            inner: reading,
-            stop,
-            stall: STALL,
-        },
-    ));
+    let mut reader = StreamReader::new(BufReader::with_capacity(1 << 20, reading));
     let (layout, hands_over) = match reader.next_record().map_err(|e| e.to_string())? {
         Some(Record::Hello { layout, hands_over }) => (layout, hands_over),
         _ => return Err("the stream does not start with Hello".into()),
