@@ -790,6 +790,18 @@ fn migrate_to_a_fake_destination(
     error: &str,
 ) -> (Vmm, u64) {
     let (source, end) = never_converging(name);
+    migrate_source_to_a_fake_destination(&source, name, after_done, phase_expected, error);
+    (source, end)
+}
+
+/// [`migrate_to_a_fake_destination`] from a source the caller set up.
+fn migrate_source_to_a_fake_destination(
+    source: &Vmm,
+    name: &str,
+    after_done: Option<&'static str>,
+    phase_expected: &str,
+    error: &str,
+) {
     let (listen, destination) = fake_destination(name, move |reader, answers| {
         let mut state = false;
         loop {
@@ -806,9 +818,9 @@ fn migrate_to_a_fake_destination(
         }
     });
     // A budget the first round fits: stop-and-copy comes at once.
-    let (status, answer) = migrate(&source, &listen, json!({"downtime_ms": 600000}));
+    let (status, answer) = migrate(source, &listen, json!({"downtime_ms": 600000}));
     assert_eq!(status, 204, "{answer}");
-    let info = watch(&source, |i| {
+    let info = watch(source, |i| {
         !matches!(phase(i), "setup" | "pre_copy" | "stop_and_copy")
     });
     destination
@@ -820,7 +832,6 @@ fn migrate_to_a_fake_destination(
         "{info}"
     );
     let _ = std::fs::remove_file(&listen);
-    (source, end)
 }
 
 #[test]
@@ -1147,4 +1158,138 @@ fn kvm_sigterm_ends_a_source_waiting_on_a_silent_destination_at_once() {
     let stderr = String::from_utf8_lossy(&output.stderr);
     assert_eq!(output.status.code(), Some(130), "{stderr}");
     assert!(took < Duration::from_secs(2), "{took:?}: {stderr}");
+}
+
+/// The fault message of an answer.
+fn fault(answer: &Value) -> &str {
+    answer["fault_message"].as_str().unwrap_or_default()
+}
+
+#[test]
+fn kvm_an_unconfirmed_migration_refuses_whatever_would_run_or_change_the_guest() {
+    if !kvm_test_support::require_kvm(
+        "tinyvmm::kvm_an_unconfirmed_migration_refuses_whatever_would_run_or_change_the_guest",
+    ) {
+        return;
+    }
+    let (source, end) = never_converging("held");
+    let area = json!({"total_size_mib": 64, "block_size_mib": 2, "slot_size_mib": 8});
+    source.ok("PUT", "/hotplug/memory", Some(area.clone()));
+    migrate_source_to_a_fake_destination(
+        &source,
+        "held",
+        None,
+        "unconfirmed",
+        "it may be running the VM",
+    );
+    // The destination may run the VM: here nothing may run its guest or change what moved.
+    let plug = json!({"requested_size_mib": 10});
+    let refused = [
+        ("PATCH", "/hotplug/memory", Some(plug.clone())),
+        ("PUT", "/hotplug/memory", Some(area)),
+        ("PUT", "/memory/regions", Some(json!({"size": MIB}))),
+        (
+            "PUT",
+            "/memory/regions",
+            Some(json!({"size": MIB, "guest_check": false})),
+        ),
+        ("DELETE", "/memory/regions/1", None),
+        (
+            "PATCH",
+            "/memory/regions/1",
+            Some(json!({"read_only": true})),
+        ),
+        ("PUT", "/guest/command", Some(guest("write", AREA, end, 9))),
+    ];
+    for (method, route, body) in refused {
+        let (status, answer) = source.call(method, route, body);
+        assert_eq!(status, 409, "{method} {route}: {answer}");
+        assert!(
+            fault(&answer).contains("unconfirmed") && fault(&answer).contains("PATCH /vm"),
+            "{method} {route}: {answer}"
+        );
+    }
+    let hotplug = source.ok("GET", "/hotplug/memory", None);
+    assert_eq!(hotplug["plugged_size_mib"], 0, "{hotplug}");
+    // Reads answer, and so does the way out: the loop goes on, then the plug is checked.
+    source.ok("GET", "/memory", None);
+    source.ok("PATCH", "/vm", Some(json!({"state": "Resumed"})));
+    stop_and_verify(&source, AREA, end);
+    source.ok("PATCH", "/hotplug/memory", Some(plug));
+}
+
+#[test]
+fn kvm_a_plug_that_maps_slots_waits_for_the_guest_like_a_checked_add() {
+    if !kvm_test_support::require_kvm(
+        "tinyvmm::kvm_a_plug_that_maps_slots_waits_for_the_guest_like_a_checked_add",
+    ) {
+        return;
+    }
+    let vmm = Vmm::serve("paused-plug", 4, 16, &[]);
+    let area = json!({"total_size_mib": 64, "block_size_mib": 2, "slot_size_mib": 8});
+    vmm.ok("PUT", "/hotplug/memory", Some(area));
+    vmm.ok(
+        "PATCH",
+        "/hotplug/memory",
+        Some(json!({"requested_size_mib": 4})),
+    );
+    vmm.ok("PATCH", "/vm", Some(json!({"state": "Paused"})));
+    let (status, added) = vmm.call("PUT", "/memory/regions", Some(json!({"size": MIB})));
+    assert_eq!(status, 409, "an add the guest checks: {added}");
+    let (status, answer) = vmm.call(
+        "PATCH",
+        "/hotplug/memory",
+        Some(json!({"requested_size_mib": 20})),
+    );
+    assert_eq!(status, 409, "{answer}");
+    assert!(
+        fault(&answer).contains("paused") && fault(&answer).contains("Resumed"),
+        "{answer}"
+    );
+    let hotplug = vmm.ok("GET", "/hotplug/memory", None);
+    assert_eq!(hotplug["plugged_size_mib"], 4, "nothing changed: {hotplug}");
+    // Within the slot already mapped, or an unplug: the guest checks nothing.
+    vmm.ok(
+        "PATCH",
+        "/hotplug/memory",
+        Some(json!({"requested_size_mib": 8})),
+    );
+    vmm.ok(
+        "PATCH",
+        "/hotplug/memory",
+        Some(json!({"requested_size_mib": 2})),
+    );
+    vmm.ok("PATCH", "/vm", Some(json!({"state": "Resumed"})));
+    // A vCPU in a write loop cannot check either: refused, where the VMM used to panic.
+    let end = area_end(&vmm);
+    vmm.ok(
+        "PUT",
+        "/guest/command",
+        Some(guest("write_loop", AREA, end, 3)),
+    );
+    for (route, body) in [
+        ("/hotplug/memory", json!({"requested_size_mib": 20})),
+        ("/memory/regions", json!({"size": MIB})),
+    ] {
+        let method = if route == "/hotplug/memory" {
+            "PATCH"
+        } else {
+            "PUT"
+        };
+        let (status, answer) = vmm.call(method, route, Some(body));
+        assert_eq!(status, 409, "{answer}");
+        assert!(
+            fault(&answer).contains("vCPU 0 runs a WriteLoop command")
+                && fault(&answer).contains("stop_loop"),
+            "{answer}"
+        );
+    }
+    stop_and_verify(&vmm, AREA, end);
+    vmm.ok(
+        "PATCH",
+        "/hotplug/memory",
+        Some(json!({"requested_size_mib": 20})),
+    );
+    let hotplug = vmm.ok("GET", "/hotplug/memory", None);
+    assert_eq!(hotplug["plugged_size_mib"], 20, "{hotplug}");
 }
