@@ -601,23 +601,38 @@ fn kvm_a_destination_that_cannot_hold_the_vm_refuses_it_before_memory_moves() {
     assert_eq!(ran["result"], "ok");
 }
 
+/// A region of a crafted layout: `size` bytes at guest `gpa` and memory-file `file_offset`.
+fn region_layout(
+    id: u64,
+    gpa: u64,
+    size: u64,
+    backing: LayoutBacking,
+    file_offset: u64,
+) -> RegionLayout {
+    RegionLayout {
+        id,
+        gpa,
+        size,
+        slot_size: size,
+        read_only: false,
+        log_dirty: false,
+        backing,
+        file_offset,
+    }
+}
+
+/// A layout with the test guest's system region only (2 MiB at 0).
+fn one_region_layout() -> MemoryLayout {
+    MemoryLayout {
+        version: LAYOUT_VERSION,
+        regions: vec![region_layout(0, 0, 2 * MIB, LayoutBacking::Anonymous, 0)],
+    }
+}
+
 /// A Hello record for a one-region layout, as bytes.
 fn hello() -> Vec<u8> {
-    let layout = MemoryLayout {
-        version: LAYOUT_VERSION,
-        regions: vec![RegionLayout {
-            id: 0,
-            gpa: 0,
-            size: 2 * MIB,
-            slot_size: 2 * MIB,
-            read_only: false,
-            log_dirty: false,
-            backing: LayoutBacking::Anonymous,
-            file_offset: 0,
-        }],
-    };
     let mut writer = StreamWriter::new(Vec::new());
-    writer.hello(&layout).expect("hello");
+    writer.hello(&one_region_layout()).expect("hello");
     writer.get_ref().clone()
 }
 
@@ -1292,4 +1307,205 @@ fn kvm_a_plug_that_maps_slots_waits_for_the_guest_like_a_checked_add() {
     );
     let hotplug = vmm.ok("GET", "/hotplug/memory", None);
     assert_eq!(hotplug["plugged_size_mib"], 20, "{hotplug}");
+}
+
+/// The State record of a one-vCPU VM of [`one_region_layout`], as JSON to tamper with.
+fn state_json() -> Value {
+    use tinyvmm::test_guest::snapshot::{MigrationState, SnapshotState, STATE_VERSION};
+    use tinyvmm::vm::state::VcpuState;
+    let vcpu = VcpuState {
+        regs: kvm_bindings::kvm_regs {
+            rip: 0x10000,
+            rflags: 2,
+            ..Default::default()
+        },
+        sregs: Default::default(),
+        xsave: Default::default(),
+        xcrs: Default::default(),
+        events: Default::default(),
+        msrs: Vec::new(),
+        lapic: None,
+    };
+    let state = MigrationState {
+        snapshot: SnapshotState {
+            version: STATE_VERSION,
+            layout: one_region_layout(),
+            vcpus: vec![vcpu],
+            hotplug: None,
+        },
+        paused: true,
+    };
+    serde_json::to_value(&state).expect("a state serialises")
+}
+
+/// A whole stream of `layout`: Hello, one round of nothing, the State record `state` (its
+/// JSON framed as `version` of the format) and Done; every checksum valid.
+fn stream_with_state(layout: &MemoryLayout, state: &Value, version: u32) -> Vec<u8> {
+    let json = serde_json::to_vec(state).expect("JSON");
+    let mut writer = StreamWriter::new(Vec::new());
+    writer.hello(layout).expect("hello");
+    writer.end_round().expect("a round");
+    writer
+        .state(&kvm_memslots_persist::frame(b"TVMMIGR\0", version, &json))
+        .expect("state");
+    writer.done().expect("done");
+    writer.get_ref().clone()
+}
+
+#[test]
+fn kvm_a_stream_with_valid_checksums_but_inconsistent_contents_is_refused() {
+    if !kvm_test_support::require_kvm(
+        "tinyvmm::kvm_a_stream_with_valid_checksums_but_inconsistent_contents_is_refused",
+    ) {
+        return;
+    }
+    use tinyvmm::test_guest::snapshot::MIGRATION_STATE_VERSION;
+    let layout = one_region_layout();
+    // As sent, the stream is taken: the VM runs (paused) on the destination.
+    let (mut destination, listen) = Vmm::receive("crafted-ok", &[]);
+    let mut stream = UnixStream::connect(&listen).expect("connect");
+    stream
+        .write_all(&stream_with_state(
+            &layout,
+            &state_json(),
+            MIGRATION_STATE_VERSION,
+        ))
+        .expect("send");
+    destination.wait_for_api();
+    assert_eq!(destination.ok("GET", "/vm", None)["state"], "Paused");
+    destination.ok("PUT", "/actions", Some(json!({"action_type": "Stop"})));
+    destination.wait(Duration::from_secs(30));
+
+    // A register block 8 bytes short.
+    let mut short = state_json();
+    let regs = short["snapshot"]["vcpus"][0]["regs"]
+        .as_array_mut()
+        .expect("the registers' bytes");
+    let size = regs.len();
+    regs.truncate(size - 8);
+    let stderr = receive_bytes(
+        "short-regs",
+        &stream_with_state(&layout, &short, MIGRATION_STATE_VERSION),
+    );
+    let expected = format!(
+        "kvm_regs block of {} bytes; this build's has {size}",
+        size - 8
+    );
+    assert!(stderr.contains(&expected), "{stderr}");
+
+    // A State record, or a layout, from a newer version of the format: both versions named.
+    let newer = MIGRATION_STATE_VERSION + 1;
+    let stderr = receive_bytes(
+        "newer-state",
+        &stream_with_state(&layout, &state_json(), newer),
+    );
+    let expected = format!(
+        "State record): format version {newer}; this build reads version {MIGRATION_STATE_VERSION}"
+    );
+    assert!(stderr.contains(&expected), "{stderr}");
+    let newer_layout = MemoryLayout {
+        version: LAYOUT_VERSION + 1,
+        ..one_region_layout()
+    };
+    let stderr = receive_bytes(
+        "newer-layout",
+        &stream_with_state(&newer_layout, &state_json(), MIGRATION_STATE_VERSION),
+    );
+    let expected = format!(
+        "format version {}; this build reads version {LAYOUT_VERSION}",
+        LAYOUT_VERSION + 1
+    );
+    assert!(stderr.contains(&expected), "{stderr}");
+
+    // Pages outside the layout, with a valid checksum.
+    let mut outside = hello();
+    let mut payload = (2 * MIB).to_le_bytes().to_vec();
+    payload.resize(8 + 4096, 0x5a);
+    let mut crc = crc32fast::Hasher::new();
+    crc.update(&[2]);
+    crc.update(&(payload.len() as u32).to_le_bytes());
+    crc.update(&payload);
+    outside.extend_from_slice(&[2, 0, 0, 0]);
+    outside.extend_from_slice(&(payload.len() as u32).to_le_bytes());
+    outside.extend_from_slice(&crc.finalize().to_le_bytes());
+    outside.extend_from_slice(&payload);
+    let stderr = receive_bytes("outside", &outside);
+    assert!(
+        stderr.contains("not whole pages inside one region of the layout"),
+        "{stderr}"
+    );
+}
+
+/// Sends a local-mode Hello and one Handover of region 1 of a two-region layout (the system
+/// region and 2 MiB of shared memory), with `fds` beside it, to a fresh `tinyvmm receive`;
+/// returns its stderr once it refused.
+fn hand_over(name: &str, fds: &[std::os::fd::RawFd]) -> String {
+    use vmm_sys_util::sock_ctrl_msg::ScmSocket;
+    let layout = MemoryLayout {
+        version: LAYOUT_VERSION,
+        regions: vec![
+            region_layout(0, 0, 2 * MIB, LayoutBacking::Anonymous, 0),
+            region_layout(1, AREA, 2 * MIB, LayoutBacking::Shared, 2 * MIB),
+        ],
+    };
+    let mut writer = StreamWriter::new(Vec::new());
+    writer.hello_handing_over(&layout).expect("hello");
+    writer.handover(&[(1, 0)]).expect("handover");
+    let bytes = writer.get_ref().clone();
+    let hello_len = 12 + u32::from_le_bytes(bytes[4..8].try_into().expect("4 bytes")) as usize;
+    let (mut destination, listen) = Vmm::receive(name, &[]);
+    let stream = UnixStream::connect(&listen).expect("connect");
+    (&stream).write_all(&bytes[..hello_len]).expect("send");
+    stream
+        .send_with_fds(&[&bytes[hello_len..]], fds)
+        .expect("send with fds");
+    let output = destination.wait(Duration::from_secs(30));
+    let stderr = String::from_utf8_lossy(&output.stderr).into_owned();
+    assert_eq!(output.status.code(), Some(1), "{stderr}");
+    assert!(stderr.contains("nothing runs here"), "{stderr}");
+    stderr
+}
+
+#[test]
+fn kvm_files_handed_over_that_cannot_hold_the_region_are_refused() {
+    if !kvm_test_support::require_kvm(
+        "tinyvmm::kvm_files_handed_over_that_cannot_hold_the_region_are_refused",
+    ) {
+        return;
+    }
+    use std::os::fd::AsRawFd;
+    let (reader, _writer) = std::io::pipe().expect("a pipe");
+    let stderr = hand_over("handed-fifo", &[reader.as_raw_fd()]);
+    assert!(stderr.contains("is a FIFO, not a regular file"), "{stderr}");
+    let devnull = std::fs::File::open("/dev/null").expect("/dev/null");
+    let stderr = hand_over("handed-device", &[devnull.as_raw_fd()]);
+    assert!(
+        stderr.contains("is a device, not a regular file"),
+        "{stderr}"
+    );
+    // A file shorter than the region: the guest's access past its end would be a SIGBUS.
+    let dir = std::env::temp_dir().join(format!("tinyvmm-migrate-{}-handed", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("a folder");
+    let file = |name: &str, size: u64| {
+        let file = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(true)
+            .open(dir.join(name))
+            .expect("a file");
+        file.set_len(size).expect("its size");
+        file
+    };
+    let small = file("small", 4096);
+    let stderr = hand_over("handed-small", &[small.as_raw_fd()]);
+    assert!(stderr.contains("holds 0x1000 bytes: too few"), "{stderr}");
+    // One file more than the Handover names.
+    let (a, b) = (file("a", 2 * MIB), file("b", 2 * MIB));
+    let stderr = hand_over("handed-stray", &[a.as_raw_fd(), b.as_raw_fd()]);
+    assert!(
+        stderr.contains("1 file descriptors came beside the stream that no Handover record names"),
+        "{stderr}"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
 }

@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 
 use kvm_memslots::MemoryLimits;
 use kvm_memslots_persist::stream::{apply_pages, check_layout, send_answer, Record, StreamReader};
-use kvm_memslots_persist::LayoutBacking;
+use kvm_memslots_persist::{LayoutBacking, RegionLayout};
 use vm_memory::FileOffset;
 
 use super::run_loop::RunLoop;
@@ -169,13 +169,14 @@ fn receive_vm(
                 )
             })?;
             for ((index, offset), fd) in regions.into_iter().zip(fds) {
-                handed.insert(
-                    index as usize,
-                    FileOffset::new(std::fs::File::from(fd), offset),
-                );
+                let file = std::fs::File::from(fd);
+                let index = index as usize;
+                check_handed(&file, index, &layout.regions[index], offset)?;
+                handed.insert(index, FileOffset::new(file, offset));
             }
         }
     }
+    no_stray_fds(connection)?;
     let options = VmOptions {
         limits: config.limits,
         dirty_ring: config.dirty_ring,
@@ -193,13 +194,19 @@ fn receive_vm(
                 bytes += data.len() as u64;
             }
             Some(Record::RoundEnd { round, .. }) => rounds = round,
-            Some(Record::State(bytes)) => state = Some(MigrationState::from_bytes(&bytes)?),
+            Some(Record::State(bytes)) => {
+                state = Some(
+                    MigrationState::from_bytes(&bytes)
+                        .map_err(|e| format!("the VM's state (its State record): {e}"))?,
+                )
+            }
             Some(Record::Done) | None => break,
             Some(Record::Hello { .. } | Record::Handover(_)) => {
                 unreachable!("the reader refuses a second Hello, and a Handover past the first")
             }
         }
     }
+    no_stray_fds(connection)?;
     let state = state.ok_or("the stream ended without the VM's state")?;
     check_layout(&state.snapshot.layout, &layout).map_err(|e| e.to_string())?;
     let vcpus = vm
@@ -220,4 +227,55 @@ fn receive_vm(
             elapsed: started.elapsed(),
         },
     ))
+}
+
+/// Checks the file handed over for region `index` (`region`) at `offset`: a regular file (a
+/// memfd is one; a FIFO, a socket or a device is refused before anything maps it) that holds
+/// the whole region, so that no guest access can fall past its end (SIGBUS).
+fn check_handed(
+    file: &std::fs::File,
+    index: usize,
+    region: &RegionLayout,
+    offset: u64,
+) -> Result<(), String> {
+    use std::os::unix::fs::FileTypeExt;
+    let what = format!(
+        "the file handed over for region {index} (guest {:#x}, {:#x} bytes)",
+        region.gpa, region.size
+    );
+    let meta = file.metadata().map_err(|e| format!("{what}: {e}"))?;
+    let kind = meta.file_type();
+    if !kind.is_file() {
+        let is = if kind.is_fifo() {
+            "a FIFO"
+        } else if kind.is_socket() {
+            "a socket"
+        } else if kind.is_char_device() || kind.is_block_device() {
+            "a device"
+        } else if kind.is_dir() {
+            "a directory"
+        } else {
+            "not a file"
+        };
+        return Err(format!("{what} is {is}, not a regular file or memfd"));
+    }
+    // The stream's reader checked that the end does not wrap.
+    let end = offset.saturating_add(region.size);
+    if meta.len() < end {
+        return Err(format!(
+            "{what} holds {:#x} bytes: too few for the region at offset {offset:#x}",
+            meta.len()
+        ));
+    }
+    Ok(())
+}
+
+/// Refuses file descriptors that came beside the stream but that no Handover record names.
+fn no_stray_fds(connection: &Connection) -> Result<(), String> {
+    match connection.fds_waiting() {
+        0 => Ok(()),
+        stray => Err(format!(
+            "{stray} file descriptors came beside the stream that no Handover record names"
+        )),
+    }
 }
