@@ -1509,3 +1509,112 @@ fn kvm_files_handed_over_that_cannot_hold_the_region_are_refused() {
     );
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// `tinyvmm receive` started under an open-file limit of `soft` (hard limit `hard`).
+fn receive_under_nofile(name: &str, soft: u64, hard: u64) -> (Vmm, PathBuf) {
+    use std::os::unix::process::CommandExt;
+    let listen = path(name, "mig");
+    let _ = std::fs::remove_file(&listen);
+    let api = path(name, "dst-api");
+    let limit = libc::rlimit {
+        rlim_cur: soft,
+        rlim_max: hard,
+    };
+    let lower = move || {
+        // SAFETY: setrlimit reads one valid `rlimit`.
+        match unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &limit) } {
+            0 => Ok(()),
+            _ => Err(std::io::Error::last_os_error()),
+        }
+    };
+    let mut command = Command::new(env!("CARGO_BIN_EXE_tinyvmm"));
+    command
+        .args(["receive", "--listen", &format!("unix:{}", listen.display())])
+        .arg("--api-sock")
+        .arg(&api)
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped());
+    // SAFETY: `lower` runs in the child between fork and exec and calls only setrlimit, which
+    // is async-signal-safe; it allocates nothing and takes no lock.
+    unsafe { command.pre_exec(lower) };
+    let vmm = Vmm {
+        child: Some(command.spawn().expect("tinyvmm starts")),
+        api,
+    };
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while !listen.exists() {
+        assert!(Instant::now() < deadline, "receive never listened");
+        assert!(vmm.running(), "receive exited");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    (vmm, listen)
+}
+
+#[test]
+fn kvm_a_local_migration_of_more_memfd_regions_than_the_soft_open_file_limit() {
+    if !kvm_test_support::require_kvm(
+        "tinyvmm::kvm_a_local_migration_of_more_memfd_regions_than_the_soft_open_file_limit",
+    ) {
+        return;
+    }
+    // 1,100 memfd regions: a local migration hands a file over for each.
+    let source = Vmm::serve("nofile", 2, 2, &[]);
+    for _ in 0..1100 {
+        source.ok(
+            "PUT",
+            "/memory/regions",
+            Some(json!({"size": 65536, "backing": "memfd", "guest_check": false})),
+        );
+    }
+    let regions = |vmm: &Vmm| {
+        vmm.ok("GET", "/memory", None)["regions"]
+            .as_array()
+            .expect("regions")
+            .len()
+    };
+    let before = regions(&source);
+    assert!(before > 1100, "{before}");
+
+    // A hard limit of 1,024 too: no room for them, and the destination says which limit.
+    let (mut destination, listen) = receive_under_nofile("nofile-hard", 1024, 1024);
+    let (status, answer) = migrate(&source, &listen, json!({"local": true}));
+    assert_eq!(status, 204, "{answer}");
+    let info = watch(&source, |i| phase(i) == "failed");
+    let output = destination.wait(Duration::from_secs(60));
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert_eq!(output.status.code(), Some(1), "{stderr}");
+    assert!(
+        stderr.contains("RLIMIT_NOFILE") && stderr.contains("soft limit 1024"),
+        "{stderr}"
+    );
+    assert!(
+        info["error"]
+            .as_str()
+            .is_some_and(|e| e.contains("RLIMIT_NOFILE")),
+        "{info}"
+    );
+    assert_eq!(source.ok("GET", "/vm", None)["state"], "Running");
+
+    // A soft limit of 1,024 under a higher hard one: raised at start, and the VM moves.
+    let (mut destination, listen) = receive_under_nofile("nofile-soft", 1024, 4096);
+    let (status, answer) = migrate(&source, &listen, json!({"local": true}));
+    assert_eq!(status, 204, "{answer}");
+    let mut source = source;
+    let output = source.wait(Duration::from_secs(120));
+    assert_eq!(
+        output.status.code(),
+        Some(0),
+        "{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    destination.wait_for_api();
+    assert_eq!(regions(&destination), before);
+    destination.ok("PUT", "/actions", Some(json!({"action_type": "Stop"})));
+    let output = destination.wait(Duration::from_secs(30));
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(
+        stderr.contains("open-file limit (RLIMIT_NOFILE) raised from 1024 to 4096"),
+        "{stderr}"
+    );
+}
