@@ -12,6 +12,7 @@ use std::io::{self, Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::os::unix::ffi::OsStrExt;
+use std::os::unix::fs::FileTypeExt;
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -80,6 +81,11 @@ impl Endpoint {
     pub fn connect(&self, watch: Watch) -> io::Result<Connection> {
         match self {
             Endpoint::Unix(path) => {
+                if let Ok(m) = std::fs::metadata(path) {
+                    if !m.file_type().is_socket() {
+                        return Err(not_a_socket(path, m.file_type()));
+                    }
+                }
                 let stream = UnixStream::from(connect_unix(path, &watch)?);
                 Ok(Connection::unix(stream, watch))
             }
@@ -106,10 +112,10 @@ impl Endpoint {
     pub fn listen(&self) -> io::Result<Listener> {
         match self {
             Endpoint::Unix(path) => {
-                if std::fs::symlink_metadata(path)
-                    .is_ok_and(|m| std::os::unix::fs::FileTypeExt::is_socket(&m.file_type()))
-                {
-                    std::fs::remove_file(path)?;
+                match std::fs::symlink_metadata(path) {
+                    Ok(m) if m.file_type().is_socket() => std::fs::remove_file(path)?,
+                    Ok(m) => return Err(not_a_socket(path, m.file_type())),
+                    Err(_) => {}
                 }
                 let listener = UnixListener::bind(path)?;
                 listener.set_nonblocking(true)?;
@@ -122,6 +128,24 @@ impl Endpoint {
             }
         }
     }
+}
+
+/// A Unix endpoint's path holds something else than a socket (a FIFO, a device, a file): it
+/// is neither replaced nor opened.
+fn not_a_socket(path: &Path, kind: std::fs::FileType) -> io::Error {
+    let is = if kind.is_fifo() {
+        "a FIFO"
+    } else if kind.is_char_device() || kind.is_block_device() {
+        "a device"
+    } else if kind.is_dir() {
+        "a directory"
+    } else {
+        "a file"
+    };
+    io::Error::new(
+        io::ErrorKind::InvalidInput,
+        format!("{} is {is}, not a Unix socket", path.display()),
+    )
 }
 
 /// A new non-blocking socket of `domain`, closed on exec.
@@ -934,6 +958,32 @@ mod tests {
             matches!(WaitError::of(&e).map(|w| w.end), Some(WaitEnd::Deadline(_))),
             "{e}"
         );
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn a_fifo_or_a_device_is_no_endpoint() {
+        static NEVER: AtomicBool = AtomicBool::new(false);
+        let dir = std::env::temp_dir().join(format!("tinyvmm-fifo-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).expect("a folder");
+        let fifo = dir.join("fifo");
+        let _ = std::fs::remove_file(&fifo);
+        let c_path = std::ffi::CString::new(fifo.as_os_str().as_bytes()).expect("no NUL");
+        // SAFETY: mkfifo reads the NUL-terminated path, valid for the call.
+        assert_eq!(unsafe { libc::mkfifo(c_path.as_ptr(), 0o600) }, 0);
+        for (path, is) in [
+            (fifo.clone(), "is a FIFO"),
+            ("/dev/null".into(), "is a device"),
+        ] {
+            let endpoint = Endpoint::Unix(path);
+            let e = endpoint.listen().expect_err("no listener there");
+            assert!(e.to_string().contains(is), "{e}");
+            let e = endpoint
+                .connect(watch(&NEVER, patient()))
+                .expect_err("no socket there");
+            assert!(e.to_string().contains(is), "{e}");
+        }
+        assert!(fifo.exists(), "left as it was");
         let _ = std::fs::remove_dir_all(&dir);
     }
 
