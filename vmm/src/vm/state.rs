@@ -14,7 +14,7 @@ use serde::de::{DeserializeOwned, Error as _};
 use serde::{Deserialize, Deserializer, Serialize};
 
 /// One vCPU's state. Each register block is read back only if it has exactly its
-/// structure's size ([`exact`]).
+/// structure's size (kvm-bindings' own reader would pad or cut it).
 #[derive(Debug, Serialize, Deserialize)]
 pub struct VcpuState {
     /// General registers.
