@@ -638,9 +638,14 @@ fn hello() -> Vec<u8> {
 
 /// Sends `bytes` to a fresh `tinyvmm receive` as its source; returns its stderr.
 fn receive_bytes(name: &str, bytes: &[u8]) -> String {
-    let (mut destination, listen) = Vmm::receive(name, &[]);
+    let (destination, listen) = Vmm::receive(name, &[]);
     let mut stream = UnixStream::connect(&listen).expect("connect");
     stream.write_all(bytes).expect("send");
+    refusal(destination)
+}
+
+/// Waits for a `tinyvmm receive` to refuse what it was sent: exit 1, nothing run; its stderr.
+fn refusal(mut destination: Vmm) -> String {
     let output = destination.wait(Duration::from_secs(60));
     let stderr = String::from_utf8_lossy(&output.stderr).into_owned();
     assert_eq!(output.status.code(), Some(1), "{stderr}");
@@ -981,14 +986,7 @@ fn kvm_a_writing_guest_migrates_over_tcp() {
         Some(json!({"destination": endpoint, "downtime_ms": 1000, "timeout_s": 30, "on_timeout": "force"})),
     );
     assert_eq!(status, 204, "{answer}");
-    let mut source = source;
-    let output = source.wait(Duration::from_secs(120));
-    assert_eq!(
-        output.status.code(),
-        Some(0),
-        "{}",
-        String::from_utf8_lossy(&output.stderr)
-    );
+    migrated_away(source);
     destination.wait_for_api();
     stop_and_verify(&destination, AREA, end);
 }
@@ -1035,13 +1033,44 @@ fn stalled_destination(name: &str) -> (PathBuf, std::sync::mpsc::Sender<()>) {
     (listen, release)
 }
 
-/// Watches the migration until it has ended; returns the answer and how long that took from
-/// `since`.
-fn ended(source: &Vmm, since: Instant) -> (Value, Duration) {
+/// Migrates `source` (its guest writing `[AREA, end)` in a loop from `seed`) to `listen` with
+/// `body`; with `cancel_after`, cancels it that long after the start. Checks that it ended
+/// `cancelled` within `within` of the start (or of the cancel) and that the guest ran on
+/// here; returns `GET /migrate`'s last answer.
+fn cancelled_migration(
+    source: &Vmm,
+    end: u64,
+    listen: &std::path::Path,
+    body: Value,
+    seed: u64,
+    cancel_after: Option<Duration>,
+    within: Duration,
+) -> Value {
+    if seed > 1 {
+        source.ok(
+            "PUT",
+            "/guest/command",
+            Some(guest("write_loop", AREA, end, seed)),
+        );
+    }
+    let mut since = Instant::now();
+    let (status, answer) = migrate(source, listen, body);
+    assert_eq!(status, 204, "{answer}");
+    if let Some(after) = cancel_after {
+        std::thread::sleep(after);
+        let (status, _) = source.call("POST", "/memory/regions", Some(json!({"size": MIB})));
+        assert_eq!(status, 409, "a change waits for the migration");
+        since = Instant::now();
+        source.ok("PUT", "/migrate/cancel", None);
+    }
     let info = watch(source, |i| {
         !matches!(phase(i), "setup" | "pre_copy" | "stop_and_copy")
     });
-    (info, since.elapsed())
+    let took = since.elapsed();
+    assert_eq!(phase(&info), "cancelled", "{info}");
+    assert!(took < within, "{took:?}: {info}");
+    stop_and_verify(source, AREA, end);
+    info
 }
 
 #[test]
@@ -1052,40 +1081,18 @@ fn kvm_a_cancel_ends_a_migration_to_a_silent_destination_at_once() {
         return;
     }
     let (source, end) = never_converging("silent-cancel");
+    let second = Duration::from_secs(1);
+    let cancel_after = Some(Duration::from_millis(500));
     // It never answers the layout.
     let (listen, _listener) = silent_destination("silent-cancel");
-    let (status, answer) = migrate(&source, &listen, json!({}));
-    assert_eq!(status, 204, "{answer}");
-    std::thread::sleep(Duration::from_millis(500));
-    assert_eq!(phase(&source.ok("GET", "/migrate", None)), "setup");
-    let (status, _) = source.call("POST", "/memory/regions", Some(json!({"size": MIB})));
-    assert_eq!(status, 409, "a change waits for the migration");
-    let cancelled = Instant::now();
-    source.ok("PUT", "/migrate/cancel", None);
-    let (info, took) = ended(&source, cancelled);
-    assert_eq!(phase(&info), "cancelled", "{info}");
-    assert!(took < Duration::from_secs(1), "{took:?}: {info}");
+    let info = cancelled_migration(&source, end, &listen, json!({}), 1, cancel_after, second);
     let error = info["error"].as_str().expect("an error");
     assert!(error.contains("a client cancelled it"), "{error}");
-    stop_and_verify(&source, AREA, end);
-
+    assert_eq!(info["round"], 0, "still in setup: {info}");
     // It takes the layout, then reads nothing: the source's writes block.
-    source.ok(
-        "PUT",
-        "/guest/command",
-        Some(guest("write_loop", AREA, end, 50)),
-    );
     let (listen, _release) = stalled_destination("stalled-cancel");
-    let (status, answer) = migrate(&source, &listen, json!({}));
-    assert_eq!(status, 204, "{answer}");
-    watch(&source, |i| phase(i) == "pre_copy");
-    std::thread::sleep(Duration::from_millis(500));
-    let cancelled = Instant::now();
-    source.ok("PUT", "/migrate/cancel", None);
-    let (info, took) = ended(&source, cancelled);
-    assert_eq!(phase(&info), "cancelled", "{info}");
-    assert!(took < Duration::from_secs(1), "{took:?}: {info}");
-    stop_and_verify(&source, AREA, end);
+    let info = cancelled_migration(&source, end, &listen, json!({}), 50, cancel_after, second);
+    assert_eq!(info["round"], 1, "in round 1: {info}");
 }
 
 #[test]
@@ -1097,59 +1104,42 @@ fn kvm_timeout_s_ends_a_migration_to_a_silent_destination() {
     }
     let (source, end) = never_converging("silent-timeout");
     let (listen, _listener) = silent_destination("silent-timeout");
+    let three = Duration::from_secs(3);
     let started = Instant::now();
-    let (status, answer) = migrate(&source, &listen, json!({"timeout_s": 2}));
-    assert_eq!(status, 204, "{answer}");
-    let (info, took) = ended(&source, started);
-    assert_eq!(phase(&info), "cancelled", "{info}");
-    assert!(
-        took >= Duration::from_millis(1900) && took < Duration::from_secs(3),
-        "{took:?}: {info}"
+    let info = cancelled_migration(
+        &source,
+        end,
+        &listen,
+        json!({"timeout_s": 2}),
+        1,
+        None,
+        three,
     );
+    assert!(started.elapsed() >= Duration::from_millis(1900), "{info}");
     let error = info["error"].as_str().expect("an error");
     assert!(
         error.contains("within 2s") && error.contains("answer to the memory layout"),
         "{error}"
     );
-    stop_and_verify(&source, AREA, end);
-
     // Even with `force`: there is nothing to force without the destination's answer.
-    source.ok(
-        "PUT",
-        "/guest/command",
-        Some(guest("write_loop", AREA, end, 60)),
-    );
-    let started = Instant::now();
-    let (status, answer) = migrate(
-        &source,
-        &listen,
-        json!({"timeout_s": 2, "on_timeout": "force"}),
-    );
-    assert_eq!(status, 204, "{answer}");
-    let (info, took) = ended(&source, started);
-    assert_eq!(phase(&info), "cancelled", "{info}");
-    assert!(took < Duration::from_secs(3), "{took:?}: {info}");
-    stop_and_verify(&source, AREA, end);
-
+    let body = json!({"timeout_s": 2, "on_timeout": "force"});
+    cancelled_migration(&source, end, &listen, body, 60, None, three);
     // It takes the layout and then nothing: the round's writes end at the timeout.
-    source.ok(
-        "PUT",
-        "/guest/command",
-        Some(guest("write_loop", AREA, end, 70)),
-    );
     let (listen, _release) = stalled_destination("stalled-timeout");
-    let started = Instant::now();
-    let (status, answer) = migrate(&source, &listen, json!({"timeout_s": 2}));
-    assert_eq!(status, 204, "{answer}");
-    let (info, took) = ended(&source, started);
-    assert_eq!(phase(&info), "cancelled", "{info}");
-    assert!(took < Duration::from_secs(3), "{took:?}: {info}");
+    let info = cancelled_migration(
+        &source,
+        end,
+        &listen,
+        json!({"timeout_s": 2}),
+        70,
+        None,
+        three,
+    );
     let error = info["error"].as_str().expect("an error");
     assert!(
         error.contains("within 2s") && error.contains("round 1"),
         "{error}"
     );
-    stop_and_verify(&source, AREA, end);
 }
 
 #[test]
@@ -1173,6 +1163,17 @@ fn kvm_sigterm_ends_a_source_waiting_on_a_silent_destination_at_once() {
     let stderr = String::from_utf8_lossy(&output.stderr);
     assert_eq!(output.status.code(), Some(130), "{stderr}");
     assert!(took < Duration::from_secs(2), "{took:?}: {stderr}");
+}
+
+/// Waits for a source whose VM migrated to exit 0.
+fn migrated_away(mut source: Vmm) {
+    let output = source.wait(Duration::from_secs(120));
+    assert_eq!(
+        output.status.code(),
+        Some(0),
+        "{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
 }
 
 /// The fault message of an answer.
@@ -1453,17 +1454,13 @@ fn hand_over(name: &str, fds: &[std::os::fd::RawFd]) -> String {
     writer.handover(&[(1, 0)]).expect("handover");
     let bytes = writer.get_ref().clone();
     let hello_len = 12 + u32::from_le_bytes(bytes[4..8].try_into().expect("4 bytes")) as usize;
-    let (mut destination, listen) = Vmm::receive(name, &[]);
+    let (destination, listen) = Vmm::receive(name, &[]);
     let stream = UnixStream::connect(&listen).expect("connect");
     (&stream).write_all(&bytes[..hello_len]).expect("send");
     stream
         .send_with_fds(&[&bytes[hello_len..]], fds)
         .expect("send with fds");
-    let output = destination.wait(Duration::from_secs(30));
-    let stderr = String::from_utf8_lossy(&output.stderr).into_owned();
-    assert_eq!(output.status.code(), Some(1), "{stderr}");
-    assert!(stderr.contains("nothing runs here"), "{stderr}");
-    stderr
+    refusal(destination)
 }
 
 #[test]
@@ -1600,14 +1597,7 @@ fn kvm_a_local_migration_of_more_memfd_regions_than_the_soft_open_file_limit() {
     let (mut destination, listen) = receive_under_nofile("nofile-soft", 1024, 4096);
     let (status, answer) = migrate(&source, &listen, json!({"local": true}));
     assert_eq!(status, 204, "{answer}");
-    let mut source = source;
-    let output = source.wait(Duration::from_secs(120));
-    assert_eq!(
-        output.status.code(),
-        Some(0),
-        "{}",
-        String::from_utf8_lossy(&output.stderr)
-    );
+    migrated_away(source);
     destination.wait_for_api();
     assert_eq!(regions(&destination), before);
     destination.ok("PUT", "/actions", Some(json!({"action_type": "Stop"})));

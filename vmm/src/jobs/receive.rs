@@ -21,7 +21,7 @@ use super::run_loop::RunLoop;
 use super::serve::{serve_controller, ServeError};
 use crate::api::server::ApiSocket;
 use crate::lifecycle::{termination_signal, Ending};
-use crate::migration::transport::{Limits, Watch};
+use crate::migration::transport::{file_kind, Limits, Watch};
 use crate::migration::{Connection, Endpoint};
 use crate::test_guest::controller::Controller;
 use crate::test_guest::snapshot::MigrationState;
@@ -238,26 +238,16 @@ fn check_handed(
     region: &RegionLayout,
     offset: u64,
 ) -> Result<(), String> {
-    use std::os::unix::fs::FileTypeExt;
     let what = format!(
         "the file handed over for region {index} (guest {:#x}, {:#x} bytes)",
         region.gpa, region.size
     );
     let meta = file.metadata().map_err(|e| format!("{what}: {e}"))?;
-    let kind = meta.file_type();
-    if !kind.is_file() {
-        let is = if kind.is_fifo() {
-            "a FIFO"
-        } else if kind.is_socket() {
-            "a socket"
-        } else if kind.is_char_device() || kind.is_block_device() {
-            "a device"
-        } else if kind.is_dir() {
-            "a directory"
-        } else {
-            "not a file"
-        };
-        return Err(format!("{what} is {is}, not a regular file or memfd"));
+    if !meta.file_type().is_file() {
+        return Err(format!(
+            "{what} is {}, not a regular file or memfd",
+            file_kind(meta.file_type())
+        ));
     }
     // The stream's reader checked that the end does not wrap.
     let end = offset.saturating_add(region.size);

@@ -130,21 +130,33 @@ impl Endpoint {
     }
 }
 
-/// A Unix endpoint's path holds something else than a socket (a FIFO, a device, a file): it
-/// is neither replaced nor opened.
-fn not_a_socket(path: &Path, kind: std::fs::FileType) -> io::Error {
-    let is = if kind.is_fifo() {
+/// What a file of type `kind` is, for messages: "a FIFO", "a device", and so on.
+pub fn file_kind(kind: std::fs::FileType) -> &'static str {
+    if kind.is_file() {
+        "a regular file"
+    } else if kind.is_fifo() {
         "a FIFO"
+    } else if kind.is_socket() {
+        "a socket"
     } else if kind.is_char_device() || kind.is_block_device() {
         "a device"
     } else if kind.is_dir() {
         "a directory"
     } else {
-        "a file"
-    };
+        "a symbolic link"
+    }
+}
+
+/// A Unix endpoint's path holds something else than a socket (a FIFO, a device, a file): it
+/// is neither replaced nor opened.
+fn not_a_socket(path: &Path, kind: std::fs::FileType) -> io::Error {
     io::Error::new(
         io::ErrorKind::InvalidInput,
-        format!("{} is {is}, not a Unix socket", path.display()),
+        format!(
+            "{} is {}, not a Unix socket",
+            path.display(),
+            file_kind(kind)
+        ),
     )
 }
 

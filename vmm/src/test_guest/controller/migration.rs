@@ -97,33 +97,24 @@ impl Controller {
 
 /// Why `request` is refused while a migration's unconfirmed ending holds the VM here: the
 /// destination may run it, so nothing may run the guest or change what moved (its memory, its
-/// hotplug area) until a client resumes it. Pausing, resuming (the way out), snapshots, dirty
-/// logging and harvests run nothing in the guest and stay allowed.
+/// hotplug area) until a client resumes it. Besides reads (allowed before this is asked),
+/// only pausing and resuming (the way out), snapshots, dirty logging and harvests run nothing
+/// in the guest; everything else, a request added later included, is refused.
 fn refused_while_held(request: &Request) -> Option<ControllerError> {
-    match request {
-        Request::AddRegion(_)
-        | Request::RemoveRegion(_)
-        | Request::PatchRegion(..)
-        | Request::ConfigureHotplug(_)
-        | Request::RequestHotplug(_)
-        | Request::Guest(_)
-        | Request::Migrate(_) => Some(ControllerError::conflict(format!(
+    let allowed = matches!(
+        request,
+        Request::PatchVm(_)
+            | Request::SwitchDirtyLog(_)
+            | Request::Harvest(_)
+            | Request::CreateSnapshot(_)
+    );
+    (!allowed).then(|| {
+        ControllerError::conflict(format!(
             "{} is refused: the last migration is unconfirmed (GET /migrate): the destination \
              got the whole VM and may be running it, so nothing runs or changes the guest here; \
              if the destination does not run it, PATCH /vm {{\"state\": \"Resumed\"}} takes \
              it back here",
             request.name()
-        ))),
-        Request::GetMemory
-        | Request::GetDirtyLog
-        | Request::GetHotplug
-        | Request::GetVm
-        | Request::GetMigration
-        | Request::CancelMigration
-        | Request::Act(_)
-        | Request::PatchVm(_)
-        | Request::SwitchDirtyLog(_)
-        | Request::Harvest(_)
-        | Request::CreateSnapshot(_) => None,
-    }
+        ))
+    })
 }
