@@ -1608,3 +1608,27 @@ fn kvm_a_local_migration_of_more_memfd_regions_than_the_soft_open_file_limit() {
         "{stderr}"
     );
 }
+
+#[test]
+fn kvm_sigterm_ends_a_destination_whose_source_sends_nothing_at_once() {
+    if !kvm_test_support::require_kvm(
+        "tinyvmm::kvm_sigterm_ends_a_destination_whose_source_sends_nothing_at_once",
+    ) {
+        return;
+    }
+    let (mut destination, listen) = Vmm::receive("mute-source", &[]);
+    let _mute = UnixStream::connect(&listen).expect("connect");
+    std::thread::sleep(Duration::from_millis(300));
+    let pid = destination.child.as_ref().expect("running").id();
+    let signalled = Instant::now();
+    // SAFETY: kill(2) only sends a signal to the child's pid, which we have not reaped yet.
+    assert_eq!(unsafe { libc::kill(pid as libc::pid_t, libc::SIGTERM) }, 0);
+    let output = destination.wait(Duration::from_secs(70));
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert_eq!(output.status.code(), Some(130), "{stderr}");
+    assert!(signalled.elapsed() < Duration::from_secs(1), "{stderr}");
+    assert!(
+        stderr.contains("waiting for the source's next record: stopped by a signal"),
+        "{stderr}"
+    );
+}
