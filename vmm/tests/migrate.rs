@@ -617,31 +617,51 @@ fn kvm_a_destination_that_cannot_hold_the_vm_refuses_it_before_memory_moves() {
     assert_eq!(ran["result"], "ok");
 }
 
+/// A region of a crafted layout: `size` bytes at guest `gpa` and memory-file `file_offset`.
+fn region_layout(
+    id: u64,
+    gpa: u64,
+    size: u64,
+    backing: LayoutBacking,
+    file_offset: u64,
+) -> RegionLayout {
+    RegionLayout {
+        id,
+        gpa,
+        size,
+        slot_size: size,
+        read_only: false,
+        log_dirty: false,
+        backing,
+        file_offset,
+    }
+}
+
+/// A layout with the test guest's system region only (2 MiB at 0).
+fn one_region_layout() -> MemoryLayout {
+    MemoryLayout {
+        version: LAYOUT_VERSION,
+        regions: vec![region_layout(0, 0, 2 * MIB, LayoutBacking::Anonymous, 0)],
+    }
+}
+
 /// A Hello record for a one-region layout, as bytes.
 fn hello() -> Vec<u8> {
-    let layout = MemoryLayout {
-        version: LAYOUT_VERSION,
-        regions: vec![RegionLayout {
-            id: 0,
-            gpa: 0,
-            size: 2 * MIB,
-            slot_size: 2 * MIB,
-            read_only: false,
-            log_dirty: false,
-            backing: LayoutBacking::Anonymous,
-            file_offset: 0,
-        }],
-    };
     let mut writer = StreamWriter::new(Vec::new());
-    writer.hello(&layout).expect("hello");
+    writer.hello(&one_region_layout()).expect("hello");
     writer.get_ref().clone()
 }
 
 /// Sends `bytes` to a fresh `tinyvmm receive` as its source; returns its stderr.
 fn receive_bytes(name: &str, bytes: &[u8]) -> String {
-    let (mut destination, listen) = Vmm::receive(name, &[]);
+    let (destination, listen) = Vmm::receive(name, &[]);
     let mut stream = UnixStream::connect(&listen).expect("connect");
     stream.write_all(bytes).expect("send");
+    refusal(destination)
+}
+
+/// Waits for a `tinyvmm receive` to refuse what it was sent: exit 1, nothing run; its stderr.
+fn refusal(mut destination: Vmm) -> String {
     let output = destination.wait(Duration::from_secs(60));
     let stderr = String::from_utf8_lossy(&output.stderr).into_owned();
     assert_eq!(output.status.code(), Some(1), "{stderr}");
@@ -806,6 +826,18 @@ fn migrate_to_a_fake_destination(
     error: &str,
 ) -> (Vmm, u64) {
     let (source, end) = never_converging(name);
+    migrate_source_to_a_fake_destination(&source, name, after_done, phase_expected, error);
+    (source, end)
+}
+
+/// [`migrate_to_a_fake_destination`] from a source the caller set up.
+fn migrate_source_to_a_fake_destination(
+    source: &Vmm,
+    name: &str,
+    after_done: Option<&'static str>,
+    phase_expected: &str,
+    error: &str,
+) {
     let (listen, destination) = fake_destination(name, move |reader, answers| {
         let mut state = false;
         loop {
@@ -822,9 +854,9 @@ fn migrate_to_a_fake_destination(
         }
     });
     // A budget the first round fits: stop-and-copy comes at once.
-    let (status, answer) = migrate(&source, &listen, json!({"downtime_ms": 600000}));
+    let (status, answer) = migrate(source, &listen, json!({"downtime_ms": 600000}));
     assert_eq!(status, 204, "{answer}");
-    let info = watch(&source, |i| {
+    let info = watch(source, |i| {
         !matches!(phase(i), "setup" | "pre_copy" | "stop_and_copy")
     });
     destination
@@ -836,7 +868,6 @@ fn migrate_to_a_fake_destination(
         "{info}"
     );
     let _ = std::fs::remove_file(&listen);
-    (source, end)
 }
 
 #[test]
@@ -971,14 +1002,7 @@ fn kvm_a_writing_guest_migrates_over_tcp() {
         Some(json!({"destination": endpoint, "downtime_ms": 1000, "timeout_s": 30, "on_timeout": "force"})),
     );
     assert_eq!(status, 204, "{answer}");
-    let mut source = source;
-    let output = source.wait(Duration::from_secs(120));
-    assert_eq!(
-        output.status.code(),
-        Some(0),
-        "{}",
-        String::from_utf8_lossy(&output.stderr)
-    );
+    migrated_away(source);
     destination.wait_for_api();
     stop_and_verify(&destination, AREA, end);
 }
@@ -1004,4 +1028,624 @@ fn kvm_sigterm_stops_a_receiving_destination_with_130_and_the_source_runs_on() {
     assert!(stderr.contains("nothing runs here"), "{stderr}");
     watch(&source, |i| phase(i) == "failed");
     stop_and_verify(&source, AREA, end);
+}
+
+/// A destination that takes the connection (the kernel's backlog does) and never reads a byte
+/// or answers: a listener the test holds and never accepts on.
+fn silent_destination(name: &str) -> (PathBuf, std::os::unix::net::UnixListener) {
+    let listen = path(name, "silent");
+    let _ = std::fs::remove_file(&listen);
+    let listener = std::os::unix::net::UnixListener::bind(&listen).expect("bind");
+    (listen, listener)
+}
+
+/// A fake destination that accepts the layout and then reads nothing until `release` is
+/// dropped: the source's writes block once the socket's buffer is full.
+fn stalled_destination(name: &str) -> (PathBuf, std::sync::mpsc::Sender<()>) {
+    let (release, wait) = std::sync::mpsc::channel::<()>();
+    let (listen, _thread) = fake_destination(name, move |_, _| {
+        let _ = wait.recv();
+    });
+    (listen, release)
+}
+
+/// Migrates `source` (its guest writing `[AREA, end)` in a loop from `seed`) to `listen` with
+/// `body`; with `cancel_after`, cancels it that long after the start. Checks that it ended
+/// `cancelled` within `within` of the start (or of the cancel) and that the guest ran on
+/// here; returns `GET /migrate`'s last answer.
+fn cancelled_migration(
+    source: &Vmm,
+    end: u64,
+    listen: &std::path::Path,
+    body: Value,
+    seed: u64,
+    cancel_after: Option<Duration>,
+    within: Duration,
+) -> Value {
+    if seed > 1 {
+        source.ok(
+            "PUT",
+            "/guest/command",
+            Some(guest("write_loop", AREA, end, seed)),
+        );
+    }
+    let mut since = Instant::now();
+    let (status, answer) = migrate(source, listen, body);
+    assert_eq!(status, 204, "{answer}");
+    if let Some(after) = cancel_after {
+        std::thread::sleep(after);
+        let (status, _) = source.call("POST", "/memory/regions", Some(json!({"size": MIB})));
+        assert_eq!(status, 409, "a change waits for the migration");
+        since = Instant::now();
+        source.ok("PUT", "/migrate/cancel", None);
+    }
+    let info = watch(source, |i| {
+        !matches!(phase(i), "setup" | "pre_copy" | "stop_and_copy")
+    });
+    let took = since.elapsed();
+    assert_eq!(phase(&info), "cancelled", "{info}");
+    assert!(took < within, "{took:?}: {info}");
+    stop_and_verify(source, AREA, end);
+    info
+}
+
+#[test]
+fn kvm_a_cancel_ends_a_migration_to_a_silent_destination_at_once() {
+    if !kvm_test_support::require_kvm(
+        "tinyvmm::kvm_a_cancel_ends_a_migration_to_a_silent_destination_at_once",
+    ) {
+        return;
+    }
+    let (source, end) = never_converging("silent-cancel");
+    let second = Duration::from_secs(1);
+    let cancel_after = Some(Duration::from_millis(500));
+    // It never answers the layout.
+    let (listen, _listener) = silent_destination("silent-cancel");
+    let info = cancelled_migration(&source, end, &listen, json!({}), 1, cancel_after, second);
+    let error = info["error"].as_str().expect("an error");
+    assert!(error.contains("a client cancelled it"), "{error}");
+    assert_eq!(info["round"], 0, "still in setup: {info}");
+    // It takes the layout, then reads nothing: the source's writes block.
+    let (listen, _release) = stalled_destination("stalled-cancel");
+    let info = cancelled_migration(&source, end, &listen, json!({}), 50, cancel_after, second);
+    assert_eq!(info["round"], 1, "in round 1: {info}");
+}
+
+#[test]
+fn kvm_timeout_s_ends_a_migration_to_a_silent_destination() {
+    if !kvm_test_support::require_kvm(
+        "tinyvmm::kvm_timeout_s_ends_a_migration_to_a_silent_destination",
+    ) {
+        return;
+    }
+    let (source, end) = never_converging("silent-timeout");
+    let (listen, _listener) = silent_destination("silent-timeout");
+    let three = Duration::from_secs(3);
+    let started = Instant::now();
+    let info = cancelled_migration(
+        &source,
+        end,
+        &listen,
+        json!({"timeout_s": 2}),
+        1,
+        None,
+        three,
+    );
+    assert!(started.elapsed() >= Duration::from_millis(1900), "{info}");
+    let error = info["error"].as_str().expect("an error");
+    assert!(
+        error.contains("within 2s") && error.contains("answer to the memory layout"),
+        "{error}"
+    );
+    // Even with `force`: there is nothing to force without the destination's answer.
+    let body = json!({"timeout_s": 2, "on_timeout": "force"});
+    cancelled_migration(&source, end, &listen, body, 60, None, three);
+    // It takes the layout and then nothing: the round's writes end at the timeout.
+    let (listen, _release) = stalled_destination("stalled-timeout");
+    let info = cancelled_migration(
+        &source,
+        end,
+        &listen,
+        json!({"timeout_s": 2}),
+        70,
+        None,
+        three,
+    );
+    let error = info["error"].as_str().expect("an error");
+    assert!(
+        error.contains("within 2s") && error.contains("round 1"),
+        "{error}"
+    );
+}
+
+#[test]
+fn kvm_sigterm_ends_a_source_waiting_on_a_silent_destination_at_once() {
+    if !kvm_test_support::require_kvm(
+        "tinyvmm::kvm_sigterm_ends_a_source_waiting_on_a_silent_destination_at_once",
+    ) {
+        return;
+    }
+    let (mut source, _) = never_converging("silent-sigterm");
+    let (listen, _listener) = silent_destination("silent-sigterm");
+    let (status, answer) = migrate(&source, &listen, json!({}));
+    assert_eq!(status, 204, "{answer}");
+    std::thread::sleep(Duration::from_millis(500));
+    let pid = source.child.as_ref().expect("running").id();
+    let signalled = Instant::now();
+    // SAFETY: kill(2) only sends a signal to the child's pid, which we have not reaped yet.
+    assert_eq!(unsafe { libc::kill(pid as libc::pid_t, libc::SIGTERM) }, 0);
+    let output = source.wait(Duration::from_secs(70));
+    let took = signalled.elapsed();
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert_eq!(output.status.code(), Some(130), "{stderr}");
+    assert!(took < Duration::from_secs(2), "{took:?}: {stderr}");
+}
+
+/// Waits for a source whose VM migrated to exit 0.
+fn migrated_away(mut source: Vmm) {
+    let output = source.wait(Duration::from_secs(120));
+    assert_eq!(
+        output.status.code(),
+        Some(0),
+        "{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+}
+
+/// The fault message of an answer.
+fn fault(answer: &Value) -> &str {
+    answer["fault_message"].as_str().unwrap_or_default()
+}
+
+#[test]
+fn kvm_an_unconfirmed_migration_refuses_whatever_would_run_or_change_the_guest() {
+    if !kvm_test_support::require_kvm(
+        "tinyvmm::kvm_an_unconfirmed_migration_refuses_whatever_would_run_or_change_the_guest",
+    ) {
+        return;
+    }
+    let (source, end) = never_converging("held");
+    let area = json!({"total_size_mib": 64, "block_size_mib": 2, "slot_size_mib": 8});
+    source.ok("PUT", "/hotplug/memory", Some(area.clone()));
+    migrate_source_to_a_fake_destination(
+        &source,
+        "held",
+        None,
+        "unconfirmed",
+        "it may be running the VM",
+    );
+    // The destination may run the VM: here nothing may run its guest or change what moved.
+    let plug = json!({"requested_size_mib": 10});
+    let refused = [
+        ("PATCH", "/hotplug/memory", Some(plug.clone())),
+        ("PUT", "/hotplug/memory", Some(area)),
+        ("PUT", "/memory/regions", Some(json!({"size": MIB}))),
+        (
+            "PUT",
+            "/memory/regions",
+            Some(json!({"size": MIB, "guest_check": false})),
+        ),
+        ("DELETE", "/memory/regions/1", None),
+        (
+            "PATCH",
+            "/memory/regions/1",
+            Some(json!({"read_only": true})),
+        ),
+        ("PUT", "/guest/command", Some(guest("write", AREA, end, 9))),
+    ];
+    for (method, route, body) in refused {
+        let (status, answer) = source.call(method, route, body);
+        assert_eq!(status, 409, "{method} {route}: {answer}");
+        assert!(
+            fault(&answer).contains("unconfirmed") && fault(&answer).contains("PATCH /vm"),
+            "{method} {route}: {answer}"
+        );
+    }
+    let hotplug = source.ok("GET", "/hotplug/memory", None);
+    assert_eq!(hotplug["plugged_size_mib"], 0, "{hotplug}");
+    // Reads answer, and so does the way out: the loop goes on, then the plug is checked.
+    source.ok("GET", "/memory", None);
+    source.ok("PATCH", "/vm", Some(json!({"state": "Resumed"})));
+    stop_and_verify(&source, AREA, end);
+    source.ok("PATCH", "/hotplug/memory", Some(plug));
+}
+
+#[test]
+fn kvm_a_plug_that_maps_slots_waits_for_the_guest_like_a_checked_add() {
+    if !kvm_test_support::require_kvm(
+        "tinyvmm::kvm_a_plug_that_maps_slots_waits_for_the_guest_like_a_checked_add",
+    ) {
+        return;
+    }
+    let vmm = Vmm::serve("paused-plug", 4, 16, &[]);
+    let area = json!({"total_size_mib": 64, "block_size_mib": 2, "slot_size_mib": 8});
+    vmm.ok("PUT", "/hotplug/memory", Some(area));
+    vmm.ok(
+        "PATCH",
+        "/hotplug/memory",
+        Some(json!({"requested_size_mib": 4})),
+    );
+    vmm.ok("PATCH", "/vm", Some(json!({"state": "Paused"})));
+    let (status, added) = vmm.call("PUT", "/memory/regions", Some(json!({"size": MIB})));
+    assert_eq!(status, 409, "an add the guest checks: {added}");
+    let (status, answer) = vmm.call(
+        "PATCH",
+        "/hotplug/memory",
+        Some(json!({"requested_size_mib": 20})),
+    );
+    assert_eq!(status, 409, "{answer}");
+    assert!(
+        fault(&answer).contains("paused") && fault(&answer).contains("Resumed"),
+        "{answer}"
+    );
+    let hotplug = vmm.ok("GET", "/hotplug/memory", None);
+    assert_eq!(hotplug["plugged_size_mib"], 4, "nothing changed: {hotplug}");
+    // Within the slot already mapped, or an unplug: the guest checks nothing.
+    vmm.ok(
+        "PATCH",
+        "/hotplug/memory",
+        Some(json!({"requested_size_mib": 8})),
+    );
+    vmm.ok(
+        "PATCH",
+        "/hotplug/memory",
+        Some(json!({"requested_size_mib": 2})),
+    );
+    vmm.ok("PATCH", "/vm", Some(json!({"state": "Resumed"})));
+    // A vCPU in a write loop cannot check either: refused, where the VMM used to panic.
+    let end = area_end(&vmm);
+    vmm.ok(
+        "PUT",
+        "/guest/command",
+        Some(guest("write_loop", AREA, end, 3)),
+    );
+    for (route, body) in [
+        ("/hotplug/memory", json!({"requested_size_mib": 20})),
+        ("/memory/regions", json!({"size": MIB})),
+    ] {
+        let method = if route == "/hotplug/memory" {
+            "PATCH"
+        } else {
+            "PUT"
+        };
+        let (status, answer) = vmm.call(method, route, Some(body));
+        assert_eq!(status, 409, "{answer}");
+        assert!(
+            fault(&answer).contains("vCPU 0 runs a WriteLoop command")
+                && fault(&answer).contains("stop_loop"),
+            "{answer}"
+        );
+    }
+    stop_and_verify(&vmm, AREA, end);
+    vmm.ok(
+        "PATCH",
+        "/hotplug/memory",
+        Some(json!({"requested_size_mib": 20})),
+    );
+    let hotplug = vmm.ok("GET", "/hotplug/memory", None);
+    assert_eq!(hotplug["plugged_size_mib"], 20, "{hotplug}");
+}
+
+/// The State record of a one-vCPU VM of [`one_region_layout`], as JSON to tamper with.
+fn state_json() -> Value {
+    use tinyvmm::test_guest::snapshot::{MigrationState, SnapshotState, STATE_VERSION};
+    use tinyvmm::vm::state::VcpuState;
+    let vcpu = VcpuState {
+        regs: kvm_bindings::kvm_regs {
+            rip: 0x10000,
+            rflags: 2,
+            ..Default::default()
+        },
+        sregs: Default::default(),
+        xsave: Default::default(),
+        xcrs: Default::default(),
+        events: Default::default(),
+        msrs: Vec::new(),
+        lapic: None,
+    };
+    let state = MigrationState {
+        snapshot: SnapshotState {
+            version: STATE_VERSION,
+            layout: one_region_layout(),
+            vcpus: vec![vcpu],
+            hotplug: None,
+            snapshot: None,
+        },
+        paused: true,
+    };
+    serde_json::to_value(&state).expect("a state serialises")
+}
+
+/// A whole stream of `layout`: Hello, one round of nothing, the State record `state` (its
+/// JSON framed as `version` of the format) and Done; every checksum valid.
+fn stream_with_state(layout: &MemoryLayout, state: &Value, version: u32) -> Vec<u8> {
+    let json = serde_json::to_vec(state).expect("JSON");
+    let mut writer = StreamWriter::new(Vec::new());
+    writer.hello(layout).expect("hello");
+    writer.end_round().expect("a round");
+    writer
+        .state(&kvm_memslots_persist::frame(b"TVMMIGR\0", version, &json))
+        .expect("state");
+    writer.done().expect("done");
+    writer.get_ref().clone()
+}
+
+#[test]
+fn kvm_a_stream_with_valid_checksums_but_inconsistent_contents_is_refused() {
+    if !kvm_test_support::require_kvm(
+        "tinyvmm::kvm_a_stream_with_valid_checksums_but_inconsistent_contents_is_refused",
+    ) {
+        return;
+    }
+    use tinyvmm::test_guest::snapshot::MIGRATION_STATE_VERSION;
+    let layout = one_region_layout();
+    // As sent, the stream is taken: the VM runs (paused) on the destination.
+    let (mut destination, listen) = Vmm::receive("crafted-ok", &[]);
+    let mut stream = UnixStream::connect(&listen).expect("connect");
+    stream
+        .write_all(&stream_with_state(
+            &layout,
+            &state_json(),
+            MIGRATION_STATE_VERSION,
+        ))
+        .expect("send");
+    destination.wait_for_api();
+    assert_eq!(destination.ok("GET", "/vm", None)["state"], "Paused");
+    destination.ok("PUT", "/actions", Some(json!({"action_type": "Stop"})));
+    destination.wait(Duration::from_secs(30));
+
+    // A register block 8 bytes short.
+    let mut short = state_json();
+    let regs = short["snapshot"]["vcpus"][0]["regs"]
+        .as_array_mut()
+        .expect("the registers' bytes");
+    let size = regs.len();
+    regs.truncate(size - 8);
+    let stderr = receive_bytes(
+        "short-regs",
+        &stream_with_state(&layout, &short, MIGRATION_STATE_VERSION),
+    );
+    let expected = format!(
+        "kvm_regs block of {} bytes; this build's has {size}",
+        size - 8
+    );
+    assert!(stderr.contains(&expected), "{stderr}");
+
+    // A State record, or a layout, from a newer version of the format: both versions named.
+    let newer = MIGRATION_STATE_VERSION + 1;
+    let stderr = receive_bytes(
+        "newer-state",
+        &stream_with_state(&layout, &state_json(), newer),
+    );
+    let expected = format!(
+        "State record): format version {newer}; this build reads version {MIGRATION_STATE_VERSION}"
+    );
+    assert!(stderr.contains(&expected), "{stderr}");
+    let newer_layout = MemoryLayout {
+        version: LAYOUT_VERSION + 1,
+        ..one_region_layout()
+    };
+    let stderr = receive_bytes(
+        "newer-layout",
+        &stream_with_state(&newer_layout, &state_json(), MIGRATION_STATE_VERSION),
+    );
+    let expected = format!(
+        "format version {}; this build reads version {LAYOUT_VERSION}",
+        LAYOUT_VERSION + 1
+    );
+    assert!(stderr.contains(&expected), "{stderr}");
+
+    // Pages outside the layout, with a valid checksum.
+    let mut outside = hello();
+    let mut payload = (2 * MIB).to_le_bytes().to_vec();
+    payload.resize(8 + 4096, 0x5a);
+    let mut crc = crc32fast::Hasher::new();
+    crc.update(&[2]);
+    crc.update(&(payload.len() as u32).to_le_bytes());
+    crc.update(&payload);
+    outside.extend_from_slice(&[2, 0, 0, 0]);
+    outside.extend_from_slice(&(payload.len() as u32).to_le_bytes());
+    outside.extend_from_slice(&crc.finalize().to_le_bytes());
+    outside.extend_from_slice(&payload);
+    let stderr = receive_bytes("outside", &outside);
+    assert!(
+        stderr.contains("not whole pages inside one region of the layout"),
+        "{stderr}"
+    );
+}
+
+/// Sends a local-mode Hello and one Handover of region 1 of a two-region layout (the system
+/// region and 2 MiB of shared memory), with `fds` beside it, to a fresh `tinyvmm receive`;
+/// returns its stderr once it refused.
+fn hand_over(name: &str, fds: &[std::os::fd::RawFd]) -> String {
+    use vmm_sys_util::sock_ctrl_msg::ScmSocket;
+    let layout = MemoryLayout {
+        version: LAYOUT_VERSION,
+        regions: vec![
+            region_layout(0, 0, 2 * MIB, LayoutBacking::Anonymous, 0),
+            region_layout(1, AREA, 2 * MIB, LayoutBacking::Shared, 2 * MIB),
+        ],
+    };
+    let mut writer = StreamWriter::new(Vec::new());
+    writer.hello_handing_over(&layout).expect("hello");
+    writer.handover(&[(1, 0)]).expect("handover");
+    let bytes = writer.get_ref().clone();
+    let hello_len = 12 + u32::from_le_bytes(bytes[4..8].try_into().expect("4 bytes")) as usize;
+    let (destination, listen) = Vmm::receive(name, &[]);
+    let stream = UnixStream::connect(&listen).expect("connect");
+    (&stream).write_all(&bytes[..hello_len]).expect("send");
+    stream
+        .send_with_fds(&[&bytes[hello_len..]], fds)
+        .expect("send with fds");
+    refusal(destination)
+}
+
+#[test]
+fn kvm_files_handed_over_that_cannot_hold_the_region_are_refused() {
+    if !kvm_test_support::require_kvm(
+        "tinyvmm::kvm_files_handed_over_that_cannot_hold_the_region_are_refused",
+    ) {
+        return;
+    }
+    use std::os::fd::AsRawFd;
+    let (reader, _writer) = std::io::pipe().expect("a pipe");
+    let stderr = hand_over("handed-fifo", &[reader.as_raw_fd()]);
+    assert!(stderr.contains("is a FIFO, not a regular file"), "{stderr}");
+    let devnull = std::fs::File::open("/dev/null").expect("/dev/null");
+    let stderr = hand_over("handed-device", &[devnull.as_raw_fd()]);
+    assert!(
+        stderr.contains("is a device, not a regular file"),
+        "{stderr}"
+    );
+    // A file shorter than the region: the guest's access past its end would be a SIGBUS.
+    let dir = std::env::temp_dir().join(format!("tinyvmm-migrate-{}-handed", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("a folder");
+    let file = |name: &str, size: u64| {
+        let file = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(true)
+            .open(dir.join(name))
+            .expect("a file");
+        file.set_len(size).expect("its size");
+        file
+    };
+    let small = file("small", 4096);
+    let stderr = hand_over("handed-small", &[small.as_raw_fd()]);
+    assert!(stderr.contains("holds 0x1000 bytes: too few"), "{stderr}");
+    // One file more than the Handover names.
+    let (a, b) = (file("a", 2 * MIB), file("b", 2 * MIB));
+    let stderr = hand_over("handed-stray", &[a.as_raw_fd(), b.as_raw_fd()]);
+    assert!(
+        stderr.contains("1 file descriptors came beside the stream that no Handover record names"),
+        "{stderr}"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// `tinyvmm receive` started under an open-file limit of `soft` (hard limit `hard`).
+fn receive_under_nofile(name: &str, soft: u64, hard: u64) -> (Vmm, PathBuf) {
+    use std::os::unix::process::CommandExt;
+    let listen = path(name, "mig");
+    let _ = std::fs::remove_file(&listen);
+    let api = path(name, "dst-api");
+    let limit = libc::rlimit {
+        rlim_cur: soft,
+        rlim_max: hard,
+    };
+    let lower = move || {
+        // SAFETY: setrlimit reads one valid `rlimit`.
+        match unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &limit) } {
+            0 => Ok(()),
+            _ => Err(std::io::Error::last_os_error()),
+        }
+    };
+    let mut command = Command::new(env!("CARGO_BIN_EXE_tinyvmm"));
+    command
+        .args(["receive", "--listen", &format!("unix:{}", listen.display())])
+        .arg("--api-sock")
+        .arg(&api)
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped());
+    // SAFETY: `lower` runs in the child between fork and exec and calls only setrlimit, which
+    // is async-signal-safe; it allocates nothing and takes no lock.
+    unsafe { command.pre_exec(lower) };
+    let vmm = Vmm {
+        child: Some(command.spawn().expect("tinyvmm starts")),
+        api,
+    };
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while !listen.exists() {
+        assert!(Instant::now() < deadline, "receive never listened");
+        assert!(vmm.running(), "receive exited");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    (vmm, listen)
+}
+
+#[test]
+fn kvm_a_local_migration_of_more_memfd_regions_than_the_soft_open_file_limit() {
+    if !kvm_test_support::require_kvm(
+        "tinyvmm::kvm_a_local_migration_of_more_memfd_regions_than_the_soft_open_file_limit",
+    ) {
+        return;
+    }
+    // 1,100 memfd regions: a local migration hands a file over for each.
+    let source = Vmm::serve("nofile", 2, 2, &[]);
+    for _ in 0..1100 {
+        source.ok(
+            "PUT",
+            "/memory/regions",
+            Some(json!({"size": 65536, "backing": "memfd", "guest_check": false})),
+        );
+    }
+    let regions = |vmm: &Vmm| {
+        vmm.ok("GET", "/memory", None)["regions"]
+            .as_array()
+            .expect("regions")
+            .len()
+    };
+    let before = regions(&source);
+    assert!(before > 1100, "{before}");
+
+    // A hard limit of 1,024 too: no room for them, and the destination says which limit.
+    let (mut destination, listen) = receive_under_nofile("nofile-hard", 1024, 1024);
+    let (status, answer) = migrate(&source, &listen, json!({"local": true}));
+    assert_eq!(status, 204, "{answer}");
+    let info = watch(&source, |i| phase(i) == "failed");
+    let output = destination.wait(Duration::from_secs(60));
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert_eq!(output.status.code(), Some(1), "{stderr}");
+    assert!(
+        stderr.contains("RLIMIT_NOFILE") && stderr.contains("soft limit 1024"),
+        "{stderr}"
+    );
+    assert!(
+        info["error"]
+            .as_str()
+            .is_some_and(|e| e.contains("RLIMIT_NOFILE")),
+        "{info}"
+    );
+    assert_eq!(source.ok("GET", "/vm", None)["state"], "Running");
+
+    // A soft limit of 1,024 under a higher hard one: raised at start, and the VM moves.
+    let (mut destination, listen) = receive_under_nofile("nofile-soft", 1024, 4096);
+    let (status, answer) = migrate(&source, &listen, json!({"local": true}));
+    assert_eq!(status, 204, "{answer}");
+    migrated_away(source);
+    destination.wait_for_api();
+    assert_eq!(regions(&destination), before);
+    destination.ok("PUT", "/actions", Some(json!({"action_type": "Stop"})));
+    let output = destination.wait(Duration::from_secs(30));
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(
+        stderr.contains("open-file limit (RLIMIT_NOFILE) raised from 1024 to 4096"),
+        "{stderr}"
+    );
+}
+
+#[test]
+fn kvm_sigterm_ends_a_destination_whose_source_sends_nothing_at_once() {
+    if !kvm_test_support::require_kvm(
+        "tinyvmm::kvm_sigterm_ends_a_destination_whose_source_sends_nothing_at_once",
+    ) {
+        return;
+    }
+    let (mut destination, listen) = Vmm::receive("mute-source", &[]);
+    let _mute = UnixStream::connect(&listen).expect("connect");
+    std::thread::sleep(Duration::from_millis(300));
+    let pid = destination.child.as_ref().expect("running").id();
+    let signalled = Instant::now();
+    // SAFETY: kill(2) only sends a signal to the child's pid, which we have not reaped yet.
+    assert_eq!(unsafe { libc::kill(pid as libc::pid_t, libc::SIGTERM) }, 0);
+    let output = destination.wait(Duration::from_secs(70));
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert_eq!(output.status.code(), Some(130), "{stderr}");
+    assert!(signalled.elapsed() < Duration::from_secs(1), "{stderr}");
+    assert!(
+        stderr.contains("waiting for the source's next record: stopped by a signal"),
+        "{stderr}"
+    );
 }

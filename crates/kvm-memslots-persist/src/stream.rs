@@ -8,17 +8,19 @@
 //!   layout against its own before any memory moves ([`check_layout`]) and refuses a mismatch
 //!   with the first difference. A flag says the sender hands its shared memory over.
 //! - **Handover** (only right after a Hello that says so): which of the layout's shared
-//!   regions (memfd or file) the sender hands over, each as the layout's index and the offset
-//!   in a file that travels beside the record (`SCM_RIGHTS` on a Unix socket: the transport's
-//!   part); at most [`MAX_HANDOVER`] per record. Every shared region is handed over; their pages
-//!   never travel.
+//!   regions (memfd or file) the sender hands over, each as the layout's index and the
+//!   (page-aligned) offset in a file that travels beside the record (`SCM_RIGHTS` on a Unix
+//!   socket: the transport's part, and the receiver's to check that each file is a regular
+//!   file that holds the region); at most [`MAX_HANDOVER`] per record. Every shared region is
+//!   handed over; their pages never travel.
 //! - **Pages**: a run of whole pages at an offset of the layout's memory file (so each page
 //!   lands in the region with the same place in both layouts, wherever the region sits in the
 //!   guest), at most [`MAX_RUN`] bytes.
-//! - **State**: opaque bytes of the VMM's (vCPU and device state).
+//! - **State**: opaque bytes of the VMM's (vCPU and device state), once, between rounds;
+//!   only Done may follow it.
 //! - **RoundEnd**: the end of a round of pages, with the round's number and page count; the
 //!   receiver checks the count.
-//! - **Done**: the end of the stream.
+//! - **Done**: the end of the stream (between rounds: every page was counted).
 //!
 //! The receiver answers on the same connection ([`send_answer`], [`read_answer`]): once after
 //! Hello (it could lay its memory out the same way, or why not) so that no memory moves to a
@@ -213,12 +215,13 @@ fn write_record(out: &mut impl Write, kind: u8, parts: &[&[u8]]) -> Result<(), S
     Ok(())
 }
 
-/// Reads one record's kind and payload, checking its length and checksum.
-fn read_record(input: &mut impl Read) -> Result<(u8, Vec<u8>), StreamError> {
+/// Reads one record's kind and payload, checking its length and checksum; `what` names
+/// the record for an error (the stream's next record, or an answer).
+fn read_record(input: &mut impl Read, what: &str) -> Result<(u8, Vec<u8>), StreamError> {
     let mut header = [0u8; HEADER];
-    input.read_exact(&mut header).map_err(io_error(
-        "reading a record header (the sender stopped before Done)",
-    ))?;
+    input
+        .read_exact(&mut header)
+        .map_err(io_error(format!("reading {what}")))?;
     let kind = header[0];
     let len = le_u32(&header, 4);
     let stored = le_u32(&header, 8);
@@ -256,7 +259,7 @@ pub fn send_answer(out: &mut impl Write, answer: Result<(), &str>) -> Result<(),
 /// Reads the receiver's answer ([`send_answer`]): `Ok(Ok(()))` for yes, `Ok(Err(reason))` for
 /// a refusal, `Err` if no valid answer came.
 pub fn read_answer(input: &mut impl Read) -> Result<Result<(), String>, StreamError> {
-    let (kind, payload) = read_record(input)?;
+    let (kind, payload) = read_record(input, "the receiver's answer")?;
     if kind != ANSWER || payload.is_empty() {
         return Err(StreamError::Format(format!(
             "expected the receiver's answer, got a record of kind {kind}"
@@ -512,6 +515,8 @@ pub struct StreamReader<R: Read> {
     unhanded: Vec<bool>,
     /// Which were handed over: no page may come for them.
     handed: Vec<bool>,
+    /// The State record came: only Done may follow.
+    state: bool,
 }
 
 impl<R: Read> StreamReader<R> {
@@ -525,17 +530,23 @@ impl<R: Read> StreamReader<R> {
             done: false,
             unhanded: Vec::new(),
             handed: Vec::new(),
+            state: false,
         }
     }
 
     /// The next record, checked: its checksum, its kind, and its place in the stream (Hello
-    /// first and once, nothing after Done, pages inside the layout and page-aligned, round
-    /// numbers and page counts as sent). `Ok(None)` after Done.
+    /// first and once, Handovers of page-aligned file offsets right after a Hello that
+    /// announced them, pages inside the layout and page-aligned, round numbers and page counts
+    /// as sent, State once and between rounds, nothing but Done after it and nothing after
+    /// Done). `Ok(None)` after Done.
     pub fn next_record(&mut self) -> Result<Option<Record>, StreamError> {
         if self.done {
             return Ok(None);
         }
-        let (kind, payload) = read_record(&mut self.input)?;
+        let (kind, payload) = read_record(
+            &mut self.input,
+            "a record header (the sender stopped before Done)",
+        )?;
         let record = self.parse(kind, payload)?;
         Ok(Some(record))
     }
@@ -550,6 +561,19 @@ impl<R: Read> StreamReader<R> {
         if kind != HANDOVER && self.unhanded.iter().any(|&u| u) {
             return Err(StreamError::Format(format!(
                 "a record of kind {kind} before every shared region was handed over"
+            )));
+        }
+        if self.state && kind != DONE {
+            return Err(StreamError::Format(format!(
+                "a record of kind {kind} after the State record (only Done may follow it)"
+            )));
+        }
+        if matches!(kind, STATE | DONE) && self.round_pages != 0 {
+            return Err(StreamError::Format(format!(
+                "a {} record inside round {}: {} pages came after the last RoundEnd",
+                if kind == STATE { "State" } else { "Done" },
+                self.round,
+                self.round_pages
             )));
         }
         match kind {
@@ -603,10 +627,24 @@ impl<R: Read> StreamReader<R> {
                             .into(),
                     ));
                 }
+                if payload.len() / 12 > MAX_HANDOVER {
+                    return Err(StreamError::Format(format!(
+                        "a Handover record of {} regions; at most {MAX_HANDOVER}",
+                        payload.len() / 12
+                    )));
+                }
+                let layout = self.layout.as_ref().expect("checked above");
                 let mut regions = Vec::with_capacity(payload.len() / 12);
                 for entry in payload.chunks_exact(12) {
                     let index = le_u32(entry, 0);
                     let offset = le_u64(entry, 4);
+                    let size = layout.regions.get(index as usize).map_or(0, |r| r.size);
+                    if !offset.is_multiple_of(PAGE_SIZE) || offset.checked_add(size).is_none() {
+                        return Err(StreamError::Format(format!(
+                            "region {index} is handed over at file offset {offset:#x}, which is \
+                             not page-aligned or leaves no room for its {size:#x} bytes"
+                        )));
+                    }
                     match self.unhanded.get_mut(index as usize) {
                         Some(owed) if *owed => {
                             *owed = false;
@@ -656,7 +694,10 @@ impl<R: Read> StreamReader<R> {
                 data.drain(..8);
                 Ok(Record::Pages { offset, data })
             }
-            STATE => Ok(Record::State(payload)),
+            STATE => {
+                self.state = true;
+                Ok(Record::State(payload))
+            }
             ROUND_END => {
                 if payload.len() != 12 {
                     return Err(short("RoundEnd"));

@@ -413,3 +413,142 @@ fn handovers_out_of_place_are_refused() {
         "{err}"
     );
 }
+
+/// A record framed as any sender would (kind, length, CRC-32 over kind, length and payload):
+/// its checksum is valid whatever it holds.
+fn raw_record(kind: u8, payload: &[u8]) -> Vec<u8> {
+    let len = payload.len() as u32;
+    let mut crc = crc32fast::Hasher::new();
+    crc.update(&[kind]);
+    crc.update(&len.to_le_bytes());
+    crc.update(payload);
+    let mut record = vec![kind, 0, 0, 0];
+    record.extend_from_slice(&len.to_le_bytes());
+    record.extend_from_slice(&crc.finalize().to_le_bytes());
+    record.extend_from_slice(payload);
+    record
+}
+
+/// A Pages record of `len` zero bytes at memory-file `offset`, with a valid checksum.
+fn raw_pages(offset: u64, len: usize) -> Vec<u8> {
+    let mut payload = offset.to_le_bytes().to_vec();
+    payload.resize(8 + len, 0);
+    raw_record(2, &payload)
+}
+
+#[test]
+fn records_with_valid_checksums_that_do_not_fit_the_layout_are_refused() {
+    let src = source();
+    let layout = MemoryLayout::of(&src);
+    let mut writer = StreamWriter::new(Vec::new());
+    writer.hello(&layout).unwrap();
+    let hello = writer.get_ref().clone();
+    let last = layout.regions.last().unwrap();
+    let end = last.file_offset + last.size;
+    let page = PAGE_SIZE as usize;
+    // The first region is 3 MiB at file offset 0, the second follows it.
+    for (offset, len, what) in [
+        (end, page, "past the layout's end"),
+        (end - PAGE_SIZE, 2 * page, "running past the layout's end"),
+        (u64::MAX - PAGE_SIZE + 1, page, "wrapping around"),
+        (0x800, page, "not page-aligned"),
+        (0, 100, "not whole pages"),
+        (0, 0, "no page at all"),
+        (3 * MIB - PAGE_SIZE, 2 * page, "across two regions"),
+    ] {
+        let mut stream = hello.clone();
+        stream.extend(raw_pages(offset, len));
+        let err = read_all(&stream).unwrap_err().to_string();
+        assert!(
+            err.contains("not whole pages inside one region"),
+            "{what}: {err}"
+        );
+    }
+    // Page counts and round numbers that do not add up, and a RoundEnd of the wrong size.
+    let round_end = |round: u32, pages: u64| {
+        let mut payload = round.to_le_bytes().to_vec();
+        payload.extend_from_slice(&pages.to_le_bytes());
+        raw_record(4, &payload)
+    };
+    for (records, expected) in [
+        (
+            vec![raw_pages(0, page), round_end(1, 2)],
+            "round 1 ends with 2 pages",
+        ),
+        (vec![round_end(2, 0)], "this is round 1"),
+        (vec![raw_record(4, &[0; 11])], "too short"),
+        (vec![raw_record(9, &[])], "unknown record kind 9"),
+    ] {
+        let mut stream = hello.clone();
+        records.into_iter().for_each(|r| stream.extend(r));
+        let err = read_all(&stream).unwrap_err().to_string();
+        assert!(err.contains(expected), "{err}");
+    }
+    // A Hello too short for its flags, with a valid checksum.
+    let mut short = b"KVMSMIG\0".to_vec();
+    short.extend_from_slice(&2u32.to_le_bytes());
+    let err = read_all(&raw_record(1, &short)).unwrap_err().to_string();
+    assert!(err.contains("Hello record is too short"), "{err}");
+}
+
+#[test]
+fn state_comes_once_between_rounds_and_only_done_follows_it() {
+    let src = source();
+    guest_write(&src, MIB, 7);
+    let layout = MemoryLayout::of(&src);
+    let stream = |steps: &dyn Fn(&mut StreamWriter<Vec<u8>>)| {
+        let mut writer = StreamWriter::new(Vec::new());
+        writer.hello(&layout).unwrap();
+        steps(&mut writer);
+        read_all(writer.get_ref()).map_err(|e| e.to_string())
+    };
+    // Pages after the last RoundEnd were never counted: State or Done there is refused.
+    let err = stream(&|w| {
+        w.send_all(&src).unwrap();
+        w.state(b"state").unwrap();
+    })
+    .unwrap_err();
+    assert!(err.contains("State record inside round 1"), "{err}");
+    let err = stream(&|w| {
+        w.send_all(&src).unwrap();
+        w.done().unwrap();
+    })
+    .unwrap_err();
+    assert!(err.contains("Done record inside round 1"), "{err}");
+    // A second State, or pages after it.
+    let err = stream(&|w| {
+        w.end_round().unwrap();
+        w.state(b"one").unwrap();
+        w.state(b"two").unwrap();
+    })
+    .unwrap_err();
+    assert!(err.contains("after the State record"), "{err}");
+    let err = stream(&|w| {
+        w.end_round().unwrap();
+        w.state(b"state").unwrap();
+        w.send_all(&src).unwrap();
+    })
+    .unwrap_err();
+    assert!(err.contains("after the State record"), "{err}");
+    // In order it reads to the end.
+    stream(&|w| {
+        w.send_all(&src).unwrap();
+        w.end_round().unwrap();
+        w.state(b"state").unwrap();
+        w.done().unwrap();
+    })
+    .unwrap();
+}
+
+#[test]
+fn a_handover_at_an_offset_no_file_can_hold_is_refused() {
+    let src = shared_source();
+    let layout = MemoryLayout::of(&src);
+    for offset in [0x800, u64::MAX - PAGE_SIZE + 1] {
+        let mut writer = StreamWriter::new(Vec::new());
+        writer.hello_handing_over(&layout).unwrap();
+        writer.handover(&[(1, offset)]).unwrap();
+        let err = read_all(writer.get_ref()).unwrap_err().to_string();
+        assert!(err.contains("not page-aligned or leaves no room"), "{err}");
+    }
+}

@@ -10,19 +10,18 @@
 use std::collections::HashMap;
 use std::io::BufReader;
 use std::path::PathBuf;
-use std::sync::atomic::AtomicBool;
 use std::time::{Duration, Instant};
 
 use kvm_memslots::MemoryLimits;
 use kvm_memslots_persist::stream::{apply_pages, check_layout, send_answer, Record, StreamReader};
-use kvm_memslots_persist::LayoutBacking;
+use kvm_memslots_persist::{LayoutBacking, RegionLayout};
 use vm_memory::FileOffset;
 
 use super::run_loop::RunLoop;
 use super::serve::{serve_controller, ServeError};
 use crate::api::server::ApiSocket;
 use crate::lifecycle::{termination_signal, Ending};
-use crate::migration::transport::Patient;
+use crate::migration::transport::{file_kind, Limits, Watch};
 use crate::migration::{Connection, Endpoint};
 use crate::test_guest::controller::Controller;
 use crate::test_guest::snapshot::MigrationState;
@@ -95,10 +94,18 @@ pub fn receive(
     };
     let listener = config.listen.listen().map_err(listen_failed)?;
     ready();
-    let Some(mut connection) = listener
-        .accept(termination_signal())
-        .map_err(listen_failed)?
-    else {
+    // A source may come whenever it likes; once it is here, every wait on it ends after
+    // `STALL` of silence, or on a signal.
+    let watch = Watch::new(
+        termination_signal(),
+        None,
+        "the source's next record",
+        Limits {
+            deadline: None,
+            stall: STALL,
+        },
+    );
+    let Some(mut connection) = listener.accept(watch).map_err(listen_failed)? else {
         return Ok(Ending::Interrupted);
     };
     drop(listener);
@@ -133,19 +140,8 @@ fn receive_vm(
     stopped: &std::sync::Arc<vmm_sys_util::eventfd::EventFd>,
 ) -> Result<(Controller, Received), String> {
     let started = Instant::now();
-    connection
-        .set_read_timeout(Some(Duration::from_millis(200)))
-        .map_err(|e| e.to_string())?;
     let reading = connection.try_clone().map_err(|e| e.to_string())?;
-    let stop: &AtomicBool = termination_signal();
-    let mut reader = StreamReader::new(BufReader::with_capacity(
-        1 << 20,
-        Patient {
-            inner: reading,
-            stop,
-            stall: STALL,
-        },
-    ));
+    let mut reader = StreamReader::new(BufReader::with_capacity(1 << 20, reading));
     let (layout, hands_over) = match reader.next_record().map_err(|e| e.to_string())? {
         Some(Record::Hello { layout, hands_over }) => (layout, hands_over),
         _ => return Err("the stream does not start with Hello".into()),
@@ -173,13 +169,14 @@ fn receive_vm(
                 )
             })?;
             for ((index, offset), fd) in regions.into_iter().zip(fds) {
-                handed.insert(
-                    index as usize,
-                    FileOffset::new(std::fs::File::from(fd), offset),
-                );
+                let file = std::fs::File::from(fd);
+                let index = index as usize;
+                check_handed(&file, index, &layout.regions[index], offset)?;
+                handed.insert(index, FileOffset::new(file, offset));
             }
         }
     }
+    no_stray_fds(connection)?;
     let options = VmOptions {
         limits: config.limits,
         dirty_ring: config.dirty_ring,
@@ -197,13 +194,19 @@ fn receive_vm(
                 bytes += data.len() as u64;
             }
             Some(Record::RoundEnd { round, .. }) => rounds = round,
-            Some(Record::State(bytes)) => state = Some(MigrationState::from_bytes(&bytes)?),
+            Some(Record::State(bytes)) => {
+                state = Some(
+                    MigrationState::from_bytes(&bytes)
+                        .map_err(|e| format!("the VM's state (its State record): {e}"))?,
+                )
+            }
             Some(Record::Done) | None => break,
             Some(Record::Hello { .. } | Record::Handover(_)) => {
                 unreachable!("the reader refuses a second Hello, and a Handover past the first")
             }
         }
     }
+    no_stray_fds(connection)?;
     let state = state.ok_or("the stream ended without the VM's state")?;
     check_layout(&state.snapshot.layout, &layout).map_err(|e| e.to_string())?;
     let vcpus = vm
@@ -224,4 +227,45 @@ fn receive_vm(
             elapsed: started.elapsed(),
         },
     ))
+}
+
+/// Checks the file handed over for region `index` (`region`) at `offset`: a regular file (a
+/// memfd is one; a FIFO, a socket or a device is refused before anything maps it) that holds
+/// the whole region, so that no guest access can fall past its end (SIGBUS).
+fn check_handed(
+    file: &std::fs::File,
+    index: usize,
+    region: &RegionLayout,
+    offset: u64,
+) -> Result<(), String> {
+    let what = format!(
+        "the file handed over for region {index} (guest {:#x}, {:#x} bytes)",
+        region.gpa, region.size
+    );
+    let meta = file.metadata().map_err(|e| format!("{what}: {e}"))?;
+    if !meta.file_type().is_file() {
+        return Err(format!(
+            "{what} is {}, not a regular file or memfd",
+            file_kind(meta.file_type())
+        ));
+    }
+    // The stream's reader checked that the end does not wrap.
+    let end = offset.saturating_add(region.size);
+    if meta.len() < end {
+        return Err(format!(
+            "{what} holds {:#x} bytes: too few for the region at offset {offset:#x}",
+            meta.len()
+        ));
+    }
+    Ok(())
+}
+
+/// Refuses file descriptors that came beside the stream but that no Handover record names.
+fn no_stray_fds(connection: &Connection) -> Result<(), String> {
+    match connection.fds_waiting() {
+        0 => Ok(()),
+        stray => Err(format!(
+            "{stray} file descriptors came beside the stream that no Handover record names"
+        )),
+    }
 }

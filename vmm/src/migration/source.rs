@@ -18,6 +18,12 @@
 //! vCPUs to the controller, where a client who knows the destination does not run the VM
 //! resumes it.
 //!
+//! Every wait on the destination (connecting, its answer to the layout, each write, its final
+//! word) is watched by the connection ([`super::transport::Watch`]): a cancel or a signal ends
+//! it within a slice; nothing moving for `timeout_s` (10 s at least, 60 s at most) fails the
+//! migration; and before the pause the timeout ends it too (with `force`, not the rounds'
+//! writes: the pause follows them). The error names what was waited for.
+//!
 //! The rounds know no guest kind: a guest kind hands over its vCPUs as [`MigratingVcpu`]s
 //! (paused, saved and resumed its own way) and the [`StateRecord`] it sends last.
 
@@ -34,17 +40,22 @@ use kvm_memslots_persist::stream::{
 };
 use kvm_memslots_persist::{LayoutBacking, MemoryLayout};
 
-use super::transport::{Connection, Endpoint};
+use super::transport::{Connection, Endpoint, Limits, WaitEnd, WaitError, Watch};
 use crate::control::migration::{MigrateRequest, MigrationInfo, MigrationPhase, OnTimeout};
 use crate::vm::state::VcpuState;
 use crate::vm::vcpu::PauseError;
 
-/// How long the destination may take to answer (to accept the layout, or to run the VM).
-const ANSWER_TIMEOUT: Duration = Duration::from_secs(60);
+/// How long connecting may wait (within the timeout).
+const CONNECT_STALL: Duration = Duration::from_secs(10);
+/// The shortest and the longest a wait may see nothing move on the connection: `timeout_s`
+/// between the two. (From the pause on, the destination also restores the VM before it
+/// answers: a short timeout must not make a healthy destination look dead.)
+const MIN_STALL: Duration = Duration::from_secs(10);
+const MAX_STALL: Duration = Duration::from_secs(60);
+/// How long a destination that broke the connection may take to say why.
+const REASON_STALL: Duration = Duration::from_millis(500);
 /// The fewest bytes a round must send for its throughput to count.
 const MIN_MEASURED: u64 = 1 << 20;
-/// How long a write to the destination may block before the migration fails.
-const WRITE_TIMEOUT: Duration = Duration::from_secs(60);
 /// Rounds in a row in which the harvest alone took longer than the (non-zero) budget while the
 /// pages left would have fit it: then waiting cannot help, and `on_timeout` applies at once.
 const HARVEST_BOUND_ROUNDS: u32 = 3;
@@ -77,9 +88,12 @@ pub enum MigrationError {
         /// Why.
         error: PauseError,
     },
-    /// A client cancelled it, or the VMM is stopping.
+    /// A client cancelled it, the timeout came, or the VMM is stopping.
     #[error("cancelled: {0}")]
     Cancelled(String),
+    /// Nothing moved on the connection for too long while waiting for the destination.
+    #[error("the destination stopped responding: {0}")]
+    Stalled(WaitError),
     /// Everything went out, but the destination's answer did not come: it may run the VM.
     #[error(
         "the destination got the whole VM but did not answer ({0}): it may be running the VM, \
@@ -253,19 +267,14 @@ impl<V: MigratingVcpu> Migration<V> {
     }
 }
 
-/// Counts the bytes written and fails a write once the migration is cancelled.
+/// Counts the bytes written (the connection watches the waits).
 struct Counted {
     inner: Connection,
     bytes: Arc<AtomicU64>,
-    cancel: Arc<AtomicBool>,
-    interrupt: &'static AtomicBool,
 }
 
 impl Write for Counted {
     fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
-        if self.cancel.load(Ordering::Acquire) || self.interrupt.load(Ordering::Acquire) {
-            return Err(io::Error::other("the migration was cancelled"));
-        }
         let n = self.inner.write(buf)?;
         self.bytes.fetch_add(n as u64, Ordering::Relaxed);
         Ok(n)
@@ -352,15 +361,62 @@ impl<V: MigratingVcpu> Run<V> {
         Ok(())
     }
 
-    /// A write failed: the destination may have said why before it closed; prefer that.
+    /// What a wait that `watch` ended means for the migration: a client's cancel or a signal
+    /// cancels it; the timeout (before the pause) cancels it as "not converged"; a stall
+    /// fails it.
+    fn wait_ended(&self, ended: &WaitError) -> MigrationError {
+        match ended.end {
+            WaitEnd::Cancelled => MigrationError::Cancelled("a client cancelled it".into()),
+            WaitEnd::Interrupted => MigrationError::Cancelled("the VMM is stopping".into()),
+            WaitEnd::Deadline(_) => MigrationError::Cancelled(format!(
+                "not converged within {:?} (timeout_s): still waiting for {}",
+                self.timeout, ended.what
+            )),
+            WaitEnd::Stalled(_) => MigrationError::Stalled(ended.clone()),
+        }
+    }
+
+    /// A step on the connection failed: a watched wait that ended, or the connection broke,
+    /// in which case the destination may have said why before it closed; prefer that.
     fn explain(&self, error: StreamError, answers: &mut Connection) -> MigrationError {
-        self.check_cancel().err().unwrap_or_else(|| {
-            let _ = answers.set_read_timeout(Some(Duration::from_millis(500)));
-            match read_answer(answers) {
-                Ok(Err(reason)) => MigrationError::Refused(reason),
-                _ => MigrationError::Stream(error),
-            }
-        })
+        if let Some(ended) = ended_wait(&error) {
+            return self.wait_ended(ended);
+        }
+        answers.watch().expect(
+            "the destination's reason for closing",
+            Limits {
+                deadline: None,
+                stall: REASON_STALL,
+            },
+        );
+        match read_answer(answers) {
+            Ok(Err(reason)) => MigrationError::Refused(reason),
+            _ => MigrationError::Stream(error),
+        }
+    }
+
+    /// The destination's answer: yes, its refusal, or why none came.
+    fn answer(&self, answers: &mut Connection) -> Result<(), MigrationError> {
+        match read_answer(answers) {
+            Ok(Ok(())) => Ok(()),
+            Ok(Err(reason)) => Err(MigrationError::Refused(reason)),
+            Err(e) => Err(match ended_wait(&e) {
+                Some(ended) => self.wait_ended(ended),
+                None => e.into(),
+            }),
+        }
+    }
+
+    /// From now on the connection's waits are for `what`: until the timeout if `by_timeout`,
+    /// and as long as something moves.
+    fn expect(&self, watch: &Watch, what: impl Into<String>, by_timeout: bool) {
+        watch.expect(
+            what,
+            Limits {
+                deadline: by_timeout.then(|| self.started + self.timeout),
+                stall: self.timeout.clamp(MIN_STALL, MAX_STALL),
+            },
+        );
     }
 
     fn harvest(
@@ -376,31 +432,33 @@ impl<V: MigratingVcpu> Run<V> {
 
     /// Runs the migration to the destination's word; returns the downtime.
     fn migrate(&mut self, memory: &MemoryManager<KvmVm>) -> Result<Duration, MigrationError> {
+        // Every wait from here on ends on a cancel or a signal, and until the pause at the
+        // timeout: the connection watches it.
+        let watch = Watch::new(
+            self.interrupt,
+            Some(Arc::clone(&self.cancel)),
+            format!("a connection to {}", self.endpoint),
+            Limits {
+                deadline: Some(self.started + self.timeout),
+                stall: CONNECT_STALL,
+            },
+        );
+        let connect_failed = |source: io::Error| match WaitError::of(&source) {
+            Some(ended) => self.wait_ended(ended),
+            None => MigrationError::Connect {
+                endpoint: self.endpoint.to_string(),
+                source,
+            },
+        };
         let connection = self
             .endpoint
-            .connect(Duration::from_secs(10))
-            .map_err(|source| MigrationError::Connect {
-                endpoint: self.endpoint.to_string(),
-                source,
-            })?;
-        let _ = connection.set_write_timeout(Some(WRITE_TIMEOUT));
-        let mut answers = connection
-            .try_clone()
-            .map_err(|source| MigrationError::Connect {
-                endpoint: self.endpoint.to_string(),
-                source,
-            })?;
-        answers
-            .set_read_timeout(Some(ANSWER_TIMEOUT))
-            .map_err(|source| MigrationError::Connect {
-                endpoint: self.endpoint.to_string(),
-                source,
-            })?;
+            .connect(watch.clone())
+            .map_err(connect_failed)?;
+        let mut answers = connection.try_clone().map_err(connect_failed)?;
+        self.expect(&watch, "the destination to take the memory layout", true);
         let mut writer = StreamWriter::new(Counted {
             inner: connection,
             bytes: Arc::clone(&self.bytes_sent),
-            cancel: Arc::clone(&self.cancel),
-            interrupt: self.interrupt,
         });
         // The layout as the VM has it (the destination logs nothing it was not asked to).
         let layout = MemoryLayout::of(memory);
@@ -430,17 +488,25 @@ impl<V: MigratingVcpu> Run<V> {
         let cleared = self.harvest(memory)?;
         let mut last_harvest = Instant::now();
         drop(cleared);
-        match read_answer(&mut answers) {
-            Ok(Ok(())) => {}
-            Ok(Err(reason)) => return Err(MigrationError::Refused(reason)),
-            Err(e) => return Err(e.into()),
-        }
+        self.expect(
+            &watch,
+            "the destination's answer to the memory layout",
+            true,
+        );
+        self.answer(&mut answers)?;
         self.check_cancel()?;
+        // With `force`, the timeout ends the rounds, not a round under way: the pause follows.
+        let rounds_by_timeout = self.on_timeout == OnTimeout::Cancel;
 
         self.update(|s| {
             s.phase = MigrationPhase::PreCopy;
             s.round = 1;
         });
+        self.expect(
+            &watch,
+            "the destination to take round 1's pages",
+            rounds_by_timeout,
+        );
         let round_start = Instant::now();
         let sent = writer
             .send_all(memory)
@@ -516,6 +582,11 @@ impl<V: MigratingVcpu> Run<V> {
             }
             round += 1;
             self.update(|s| s.round = round);
+            self.expect(
+                &watch,
+                format!("the destination to take round {round}'s pages"),
+                rounds_by_timeout,
+            );
             let round_start = Instant::now();
             let sent = writer
                 .send_dirty(memory, &dirty)
@@ -535,6 +606,13 @@ impl<V: MigratingVcpu> Run<V> {
             s.phase = MigrationPhase::StopAndCopy;
             s.round = round + 1;
         });
+        // From the pause on, only a stall, a cancel or a signal ends a wait: the timeout (past
+        // with `force`) would leave a destination that is restoring the VM in doubt.
+        self.expect(
+            &watch,
+            "the destination to take the last pages and the VM's state",
+            false,
+        );
         let outcome = self.stop_and_copy(memory, &layout, &mut writer, &mut answers, dirty);
         match outcome {
             Ok(()) => Ok(paused_at.elapsed()),
@@ -615,12 +693,25 @@ impl<V: MigratingVcpu> Run<V> {
         writer.state(&state).map_err(|e| self.explain(e, answers))?;
         // A failed write leaves Done incomplete, and a destination runs nothing without it.
         writer.done().map_err(|e| self.explain(e, answers))?;
+        self.expect(
+            answers.watch(),
+            "the destination's word that the VM runs there",
+            false,
+        );
         match read_answer(answers) {
             Ok(Ok(())) => Ok(()),
             // It says it does not run the VM: the VM goes on here.
             Ok(Err(reason)) => Err(MigrationError::Refused(reason)),
             Err(e) => Err(MigrationError::Unconfirmed(e)),
         }
+    }
+}
+
+/// The watched wait behind a stream error, if one ended it.
+fn ended_wait(error: &StreamError) -> Option<&WaitError> {
+    match error {
+        StreamError::Io { source, .. } => WaitError::of(source),
+        _ => None,
     }
 }
 

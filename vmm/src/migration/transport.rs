@@ -1,20 +1,34 @@
 //! Where a migration goes: `unix:PATH` or `tcp:HOST:PORT`, the connection between the two
 //! VMMs, and a listener that gives up when the process is asked to stop.
+//!
+//! Every wait on a connection is watched ([`Watch`]): connecting, reading and writing are
+//! non-blocking, with poll(2) in slices of [`SLICE`] between which the watch looks at its stop
+//! flags (a client's cancel, the process's signal flag) and its limits (a deadline, and how
+//! long nothing may move). A wait therefore never holds a migration or the process for longer
+//! than its owner allows, and its error names what was waited for ([`WaitError`]).
 
 use std::collections::VecDeque;
 use std::io::{self, Read, Write};
-use std::net::{TcpListener, TcpStream, ToSocketAddrs};
+use std::net::{SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::os::unix::ffi::OsStrExt;
+use std::os::unix::fs::FileTypeExt;
 use std::os::unix::net::{UnixListener, UnixStream};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use vmm_sys_util::sock_ctrl_msg::ScmSocket;
 
 /// The most file descriptors one message carries (the kernel's `SCM_MAX_FD`).
 const MAX_FDS: usize = 253;
+
+/// How often a wait looks at its stop flags and limits.
+pub const SLICE: Duration = Duration::from_millis(20);
+
+/// How long a wait that begins past its deadline may see nothing move.
+pub const GRACE: Duration = Duration::from_secs(1);
 
 /// A migration's endpoint.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -62,18 +76,30 @@ impl std::str::FromStr for Endpoint {
 }
 
 impl Endpoint {
-    /// Connects to a listening `tinyvmm receive`, trying for at most `timeout`.
-    pub fn connect(&self, timeout: Duration) -> io::Result<Connection> {
+    /// Connects to a listening `tinyvmm receive`, for as long as `watch` lets it wait; the
+    /// connection keeps `watch` for every later wait.
+    pub fn connect(&self, watch: Watch) -> io::Result<Connection> {
         match self {
-            Endpoint::Unix(path) => UnixStream::connect(path).map(Connection::unix),
+            Endpoint::Unix(path) => {
+                if let Ok(m) = std::fs::metadata(path) {
+                    if !m.file_type().is_socket() {
+                        return Err(not_a_socket(path, m.file_type()));
+                    }
+                }
+                let stream = UnixStream::from(connect_unix(path, &watch)?);
+                Ok(Connection::unix(stream, watch))
+            }
             Endpoint::Tcp(address) => {
                 let mut last = io::Error::new(io::ErrorKind::NotFound, "no address");
                 for addr in address.to_socket_addrs()? {
-                    match TcpStream::connect_timeout(&addr, timeout) {
-                        Ok(stream) => {
+                    match connect_tcp(addr, &watch) {
+                        Ok(fd) => {
+                            let stream = TcpStream::from(fd);
                             stream.set_nodelay(true)?;
-                            return Ok(Connection::Tcp(stream));
+                            return Ok(Connection::new(Link::Tcp(stream), watch));
                         }
+                        // The watch ended it: no other address may wait longer.
+                        Err(e) if WaitError::of(&e).is_some() => return Err(e),
                         Err(e) => last = e,
                     }
                 }
@@ -86,10 +112,10 @@ impl Endpoint {
     pub fn listen(&self) -> io::Result<Listener> {
         match self {
             Endpoint::Unix(path) => {
-                if std::fs::symlink_metadata(path)
-                    .is_ok_and(|m| std::os::unix::fs::FileTypeExt::is_socket(&m.file_type()))
-                {
-                    std::fs::remove_file(path)?;
+                match std::fs::symlink_metadata(path) {
+                    Ok(m) if m.file_type().is_socket() => std::fs::remove_file(path)?,
+                    Ok(m) => return Err(not_a_socket(path, m.file_type())),
+                    Err(_) => {}
                 }
                 let listener = UnixListener::bind(path)?;
                 listener.set_nonblocking(true)?;
@@ -104,6 +130,163 @@ impl Endpoint {
     }
 }
 
+/// What a file of type `kind` is, for messages: "a FIFO", "a device", and so on.
+pub fn file_kind(kind: std::fs::FileType) -> &'static str {
+    if kind.is_file() {
+        "a regular file"
+    } else if kind.is_fifo() {
+        "a FIFO"
+    } else if kind.is_socket() {
+        "a socket"
+    } else if kind.is_char_device() || kind.is_block_device() {
+        "a device"
+    } else if kind.is_dir() {
+        "a directory"
+    } else {
+        "a symbolic link"
+    }
+}
+
+/// A Unix endpoint's path holds something else than a socket (a FIFO, a device, a file): it
+/// is neither replaced nor opened.
+fn not_a_socket(path: &Path, kind: std::fs::FileType) -> io::Error {
+    io::Error::new(
+        io::ErrorKind::InvalidInput,
+        format!(
+            "{} is {}, not a Unix socket",
+            path.display(),
+            file_kind(kind)
+        ),
+    )
+}
+
+/// A new non-blocking socket of `domain`, closed on exec.
+fn socket(domain: libc::c_int) -> io::Result<OwnedFd> {
+    // SAFETY: socket(2) takes no pointers; it returns a new descriptor or -1.
+    let fd = unsafe {
+        libc::socket(
+            domain,
+            libc::SOCK_STREAM | libc::SOCK_NONBLOCK | libc::SOCK_CLOEXEC,
+            0,
+        )
+    };
+    if fd < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: socket(2) just returned this descriptor; nothing else owns it.
+    Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+}
+
+/// connect(2) on `fd` to the socket address `addr` (a `sockaddr_un`, `sockaddr_in` or
+/// `sockaddr_in6`): the error as is (`EAGAIN`, `EINPROGRESS` included).
+fn connect_raw<A>(fd: &OwnedFd, addr: &A) -> io::Result<()> {
+    let len = size_of::<A>() as libc::socklen_t;
+    // SAFETY: `addr` is a live, initialised socket address of `len` bytes, read only during
+    // the call; `fd` is an open socket.
+    let done = unsafe { libc::connect(fd.as_raw_fd(), (addr as *const A).cast(), len) };
+    if done == 0 {
+        Ok(())
+    } else {
+        Err(io::Error::last_os_error())
+    }
+}
+
+/// Connects a Unix stream socket to `path`: a listener whose backlog is full makes a
+/// non-blocking connect fail with `EAGAIN`, so it is tried again every slice while `watch`
+/// lets it wait.
+fn connect_unix(path: &Path, watch: &Watch) -> io::Result<OwnedFd> {
+    let bytes = path.as_os_str().as_bytes();
+    let mut addr = libc::sockaddr_un {
+        sun_family: libc::AF_UNIX as libc::sa_family_t,
+        sun_path: [0; 108],
+    };
+    if bytes.len() >= addr.sun_path.len() || bytes.contains(&0) {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidInput,
+            format!(
+                "a Unix socket path has at most {} bytes and no NUL: {}",
+                addr.sun_path.len() - 1,
+                path.display()
+            ),
+        ));
+    }
+    for (to, &from) in addr.sun_path.iter_mut().zip(bytes) {
+        *to = from as libc::c_char;
+    }
+    let fd = socket(libc::AF_UNIX)?;
+    let since = Instant::now();
+    loop {
+        match connect_raw(&fd, &addr) {
+            Ok(()) => return Ok(fd),
+            Err(e) if matches!(e.raw_os_error(), Some(libc::EAGAIN | libc::EINTR)) => {
+                let slice = watch.check(since)?;
+                std::thread::sleep(slice);
+            }
+            Err(e) => return Err(e),
+        }
+    }
+}
+
+/// Connects a TCP socket to `addr`: the handshake runs while poll(2) waits in slices for the
+/// socket to be writable, for as long as `watch` lets it.
+fn connect_tcp(addr: SocketAddr, watch: &Watch) -> io::Result<OwnedFd> {
+    let (fd, started) = match addr {
+        SocketAddr::V4(a) => {
+            let raw = libc::sockaddr_in {
+                sin_family: libc::AF_INET as libc::sa_family_t,
+                sin_port: a.port().to_be(),
+                sin_addr: libc::in_addr {
+                    s_addr: u32::from_ne_bytes(a.ip().octets()),
+                },
+                sin_zero: [0; 8],
+            };
+            let fd = socket(libc::AF_INET)?;
+            let started = connect_raw(&fd, &raw);
+            (fd, started)
+        }
+        SocketAddr::V6(a) => {
+            let raw = libc::sockaddr_in6 {
+                sin6_family: libc::AF_INET6 as libc::sa_family_t,
+                sin6_port: a.port().to_be(),
+                sin6_flowinfo: a.flowinfo(),
+                sin6_addr: libc::in6_addr {
+                    s6_addr: a.ip().octets(),
+                },
+                sin6_scope_id: a.scope_id(),
+            };
+            let fd = socket(libc::AF_INET6)?;
+            let started = connect_raw(&fd, &raw);
+            (fd, started)
+        }
+    };
+    match started {
+        Ok(()) => return Ok(fd),
+        Err(e) if e.raw_os_error() == Some(libc::EINPROGRESS) => {}
+        Err(e) => return Err(e),
+    }
+    let since = Instant::now();
+    while !watch.poll(fd.as_raw_fd(), libc::POLLOUT, since)? {}
+    let mut error: libc::c_int = 0;
+    let mut len = size_of::<libc::c_int>() as libc::socklen_t;
+    // SAFETY: SO_ERROR writes one c_int into `error`, whose size `len` gives.
+    let got = unsafe {
+        libc::getsockopt(
+            fd.as_raw_fd(),
+            libc::SOL_SOCKET,
+            libc::SO_ERROR,
+            (&mut error as *mut libc::c_int).cast(),
+            &mut len,
+        )
+    };
+    if got != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    if error != 0 {
+        return Err(io::Error::from_raw_os_error(error));
+    }
+    Ok(fd)
+}
+
 /// A listening endpoint; a Unix socket's file goes when it is dropped.
 #[derive(Debug)]
 pub enum Listener {
@@ -114,26 +297,27 @@ pub enum Listener {
 }
 
 impl Listener {
-    /// Waits for one connection; `None` once `stop` is set.
-    pub fn accept(&self, stop: &AtomicBool) -> io::Result<Option<Connection>> {
+    /// Waits for one connection, however long it takes; `None` once one of `watch`'s stop
+    /// flags is set. The connection keeps `watch` for its waits.
+    pub fn accept(&self, watch: Watch) -> io::Result<Option<Connection>> {
         loop {
             let accepted = match self {
-                Listener::Unix(l, _) => l.accept().map(|(s, _)| Connection::unix(s)),
-                Listener::Tcp(l) => l.accept().map(|(s, _)| Connection::Tcp(s)),
+                Listener::Unix(l, _) => l.accept().map(|(s, _)| Link::unix(s)),
+                Listener::Tcp(l) => l.accept().map(|(s, _)| Link::Tcp(s)),
             };
             match accepted {
-                Ok(connection) => {
-                    connection.set_nonblocking(false)?;
-                    if let Connection::Tcp(s) = &connection {
+                Ok(link) => {
+                    if let Link::Tcp(s) = &link {
                         s.set_nodelay(true)?;
                     }
-                    return Ok(Some(connection));
+                    link.set_nonblocking()?;
+                    return Ok(Some(Connection { link, watch }));
                 }
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
-                    if stop.load(Ordering::Acquire) {
+                    if watch.stopped().is_some() {
                         return Ok(None);
                     }
-                    std::thread::sleep(Duration::from_millis(20));
+                    std::thread::sleep(SLICE);
                 }
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
                 Err(e) => return Err(e),
@@ -150,58 +334,262 @@ impl Drop for Listener {
     }
 }
 
-/// A connection between the two VMMs.
+/// How long a wait may take: as long as something moves on the connection at least every
+/// `stall`, and until `deadline` (a wait that begins past it gets [`GRACE`]). What is ready is
+/// taken whatever the limits: they end only waits.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Limits {
+    /// When every wait ends, whatever moves.
+    pub deadline: Option<Instant>,
+    /// How long one wait may see nothing move (no byte come, no byte taken).
+    pub stall: Duration,
+}
+
+/// Why a watched wait ended before the other side was ready.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+pub enum WaitEnd {
+    /// The owner's cancel flag was set (a client cancelled the migration).
+    #[error("a client cancelled it")]
+    Cancelled,
+    /// The process's stop flag was set (SIGINT/SIGTERM).
+    #[error("stopped by a signal")]
+    Interrupted,
+    /// The deadline came.
+    #[error("the deadline came after {0:.1?} of waiting")]
+    Deadline(Duration),
+    /// Nothing moved for this long.
+    #[error("nothing moved on the connection for {0:.1?}")]
+    Stalled(Duration),
+}
+
+/// A watched wait that ended: what it waited for, and why it ended. Carried inside the
+/// `io::Error` a read, a write or a connect returns ([`WaitError::of`]).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("waiting for {what}: {end}")]
+pub struct WaitError {
+    /// What was waited for (as the watch's owner named it).
+    pub what: String,
+    /// Why it ended.
+    pub end: WaitEnd,
+}
+
+impl WaitError {
+    /// The ended wait behind `error`, if a [`Watch`] ended it.
+    pub fn of(error: &io::Error) -> Option<&WaitError> {
+        error.get_ref()?.downcast_ref()
+    }
+
+    fn into_io(self) -> io::Error {
+        let kind = match self.end {
+            WaitEnd::Deadline(_) | WaitEnd::Stalled(_) => io::ErrorKind::TimedOut,
+            // Never `Interrupted`: `read_exact` and `write_all` would try again.
+            WaitEnd::Cancelled | WaitEnd::Interrupted => io::ErrorKind::Other,
+        };
+        io::Error::new(kind, self)
+    }
+}
+
+/// Watches every wait on a connection (all its handles share it): the stop flags that cut a
+/// wait short, looked at every [`SLICE`] and before every read and write, and what is waited
+/// for now with its [`Limits`], which the connection's owner changes as it goes
+/// ([`expect`](Self::expect)).
+#[derive(Debug, Clone)]
+pub struct Watch {
+    cancel: Option<Arc<AtomicBool>>,
+    interrupt: &'static AtomicBool,
+    now: Arc<Mutex<(String, Limits)>>,
+}
+
+impl Watch {
+    /// A watch that ends waits on `interrupt` (the process's signal flag) and, if given, on
+    /// `cancel`; it waits for `what` within `limits` until told otherwise.
+    pub fn new(
+        interrupt: &'static AtomicBool,
+        cancel: Option<Arc<AtomicBool>>,
+        what: impl Into<String>,
+        limits: Limits,
+    ) -> Self {
+        Watch {
+            cancel,
+            interrupt,
+            now: Arc::new(Mutex::new((what.into(), limits))),
+        }
+    }
+
+    /// From now on, waits are for `what`, within `limits`.
+    pub fn expect(&self, what: impl Into<String>, limits: Limits) {
+        *self.now.lock().unwrap_or_else(|p| p.into_inner()) = (what.into(), limits);
+    }
+
+    /// Which stop flag is set, if one is.
+    pub fn stopped(&self) -> Option<WaitEnd> {
+        if self
+            .cancel
+            .as_ref()
+            .is_some_and(|c| c.load(Ordering::Acquire))
+        {
+            return Some(WaitEnd::Cancelled);
+        }
+        self.interrupt
+            .load(Ordering::Acquire)
+            .then_some(WaitEnd::Interrupted)
+    }
+
+    /// The error that ends any wait now, if a stop flag is set.
+    fn stop_check(&self) -> io::Result<()> {
+        match self.stopped() {
+            Some(end) => {
+                let what = self.now.lock().unwrap_or_else(|p| p.into_inner()).0.clone();
+                Err(WaitError { what, end }.into_io())
+            }
+            None => Ok(()),
+        }
+    }
+
+    /// For a wait that began at `since`: the error that ends it now, or how long it may
+    /// sleep before looking again (a slice at most).
+    pub fn check(&self, since: Instant) -> io::Result<Duration> {
+        let (what, limits) = self.now.lock().unwrap_or_else(|p| p.into_inner()).clone();
+        let now = Instant::now();
+        let stalls_at = since.checked_add(limits.stall);
+        // Past the deadline a wait still gets a moment: what is ready is taken first anyway,
+        // and a peer that keeps things moving is not cut off in the middle of a record.
+        let late_at = limits
+            .deadline
+            .map(|d| since.checked_add(GRACE).map_or(d, |g| d.max(g)));
+        let ends_at = match (late_at, stalls_at) {
+            (Some(d), Some(s)) => Some(d.min(s)),
+            (d, s) => d.or(s),
+        };
+        let end = match self.stopped() {
+            Some(end) => Some(end),
+            None => match ends_at {
+                Some(at) if now >= at => Some(match late_at {
+                    Some(d) if d <= at => WaitEnd::Deadline(now - since),
+                    _ => WaitEnd::Stalled(limits.stall),
+                }),
+                _ => None,
+            },
+        };
+        match end {
+            Some(end) => Err(WaitError { what, end }.into_io()),
+            None => Ok(ends_at.map_or(SLICE, |at| (at - now).min(SLICE))),
+        }
+    }
+
+    /// Waits up to a slice for `fd` to be ready for `events` (poll(2)); whether it is. The
+    /// error if the wait that began at `since` must end.
+    fn poll(&self, fd: RawFd, events: libc::c_short, since: Instant) -> io::Result<bool> {
+        let slice = self.check(since)?;
+        let mut pollfd = libc::pollfd {
+            fd,
+            events,
+            revents: 0,
+        };
+        // Rounded up: a slice below a millisecond would poll without waiting.
+        let ms = slice.as_micros().div_ceil(1000) as libc::c_int;
+        // SAFETY: one valid `pollfd`, borrowed mutably for the call.
+        let ready = unsafe { libc::poll(&mut pollfd, 1, ms) };
+        match ready {
+            n if n > 0 => Ok(true),
+            0 => Ok(false),
+            _ => match io::Error::last_os_error() {
+                e if e.kind() == io::ErrorKind::Interrupted => Ok(false),
+                e => Err(e),
+            },
+        }
+    }
+}
+
+/// A connection between the two VMMs: non-blocking, every wait watched ([`Watch`]).
 #[derive(Debug)]
-pub enum Connection {
-    /// Over a Unix socket, which can carry file descriptors beside the bytes.
+pub struct Connection {
+    link: Link,
+    watch: Watch,
+}
+
+/// The socket under a connection.
+#[derive(Debug)]
+enum Link {
+    /// A Unix socket, which can carry file descriptors beside the bytes.
     Unix(UnixConnection),
-    /// Over TCP.
+    /// TCP.
     Tcp(TcpStream),
 }
 
 /// A Unix socket connection: file descriptors that arrive beside the bytes are kept, in order,
 /// for whoever reads the record they came with; some can be attached to the next write.
 #[derive(Debug)]
-pub struct UnixConnection {
+struct UnixConnection {
     stream: UnixStream,
     received: Arc<Mutex<VecDeque<OwnedFd>>>,
     attach: Vec<OwnedFd>,
 }
 
-impl Connection {
+impl Link {
     fn unix(stream: UnixStream) -> Self {
-        Connection::Unix(UnixConnection {
+        Link::Unix(UnixConnection {
             stream,
             received: Arc::default(),
             attach: Vec::new(),
         })
     }
 
-    /// A second handle on the same connection (one reads while the other writes); file
-    /// descriptors either receives land in the same queue.
+    fn set_nonblocking(&self) -> io::Result<()> {
+        match self {
+            Link::Unix(c) => c.stream.set_nonblocking(true),
+            Link::Tcp(s) => s.set_nonblocking(true),
+        }
+    }
+
+    fn fd(&self) -> RawFd {
+        match self {
+            Link::Unix(c) => c.stream.as_raw_fd(),
+            Link::Tcp(s) => s.as_raw_fd(),
+        }
+    }
+}
+
+impl Connection {
+    fn new(link: Link, watch: Watch) -> Self {
+        Connection { link, watch }
+    }
+
+    fn unix(stream: UnixStream, watch: Watch) -> Self {
+        Connection::new(Link::unix(stream), watch)
+    }
+
+    /// The watch on its waits (shared by every handle on it).
+    pub fn watch(&self) -> &Watch {
+        &self.watch
+    }
+
+    /// A second handle on the same connection (one reads while the other writes), with the
+    /// same watch; file descriptors either receives land in the same queue.
     pub fn try_clone(&self) -> io::Result<Connection> {
-        Ok(match self {
-            Connection::Unix(c) => Connection::Unix(UnixConnection {
+        let link = match &self.link {
+            Link::Unix(c) => Link::Unix(UnixConnection {
                 stream: c.stream.try_clone()?,
                 received: Arc::clone(&c.received),
                 attach: Vec::new(),
             }),
-            Connection::Tcp(s) => Connection::Tcp(s.try_clone()?),
-        })
+            Link::Tcp(s) => Link::Tcp(s.try_clone()?),
+        };
+        Ok(Connection::new(link, self.watch.clone()))
     }
 
     /// Sends `fds` beside the next write (at most 253; Unix sockets only).
     pub fn attach_fds(&mut self, fds: Vec<OwnedFd>) -> io::Result<()> {
-        match self {
-            Connection::Unix(c) if fds.len() <= MAX_FDS => {
+        match &mut self.link {
+            Link::Unix(c) if fds.len() <= MAX_FDS => {
                 c.attach = fds;
                 Ok(())
             }
-            Connection::Unix(_) => Err(io::Error::other(format!(
+            Link::Unix(_) => Err(io::Error::other(format!(
                 "{} file descriptors in one message; at most {MAX_FDS}",
                 fds.len()
             ))),
-            Connection::Tcp(_) => Err(io::Error::other(
+            Link::Tcp(_) => Err(io::Error::other(
                 "file descriptors travel only over a Unix socket",
             )),
         }
@@ -209,7 +597,7 @@ impl Connection {
 
     /// The next `count` file descriptors that arrived, in order, or `None` if fewer did.
     pub fn take_fds(&self, count: usize) -> Option<Vec<OwnedFd>> {
-        let Connection::Unix(c) = self else {
+        let Link::Unix(c) = &self.link else {
             return (count == 0).then(Vec::new);
         };
         let mut received = c.received.lock().unwrap_or_else(|p| p.into_inner());
@@ -219,26 +607,11 @@ impl Connection {
         Some(received.drain(..count).collect())
     }
 
-    /// Sets how long a read may wait (`None`: for ever).
-    pub fn set_read_timeout(&self, timeout: Option<Duration>) -> io::Result<()> {
-        match self {
-            Connection::Unix(c) => c.stream.set_read_timeout(timeout),
-            Connection::Tcp(s) => s.set_read_timeout(timeout),
-        }
-    }
-
-    /// Sets how long a write may wait (`None`: for ever).
-    pub fn set_write_timeout(&self, timeout: Option<Duration>) -> io::Result<()> {
-        match self {
-            Connection::Unix(c) => c.stream.set_write_timeout(timeout),
-            Connection::Tcp(s) => s.set_write_timeout(timeout),
-        }
-    }
-
-    fn set_nonblocking(&self, nonblocking: bool) -> io::Result<()> {
-        match self {
-            Connection::Unix(c) => c.stream.set_nonblocking(nonblocking),
-            Connection::Tcp(s) => s.set_nonblocking(nonblocking),
+    /// How many file descriptors arrived that nobody took yet.
+    pub fn fds_waiting(&self) -> usize {
+        match &self.link {
+            Link::Unix(c) => c.received.lock().unwrap_or_else(|p| p.into_inner()).len(),
+            Link::Tcp(_) => 0,
         }
     }
 }
@@ -257,7 +630,15 @@ impl Read for UnixConnection {
         // SAFETY: the one iovec covers `buf`, borrowed mutably for the call, where any bytes
         // may be written; `fds` has room for the most a message carries.
         let (n, count) =
-            unsafe { self.stream.recv_with_fds(&mut iovecs, &mut fds) }.map_err(errno)?;
+            unsafe { self.stream.recv_with_fds(&mut iovecs, &mut fds) }.map_err(|e| {
+                // The kernel installs what it can and flags the rest cut (MSG_CTRUNC), which
+                // vmm-sys-util reports as ENOBUFS, having closed those that came.
+                if e.errno() == libc::ENOBUFS {
+                    fds_cut_short()
+                } else {
+                    errno(e)
+                }
+            })?;
         let mut received = self.received.lock().unwrap_or_else(|p| p.into_inner());
         for &fd in &fds[..count] {
             // SAFETY: recvmsg installed these descriptors for this process just now; nothing
@@ -266,6 +647,31 @@ impl Read for UnixConnection {
         }
         Ok(n)
     }
+}
+
+/// File descriptors sent beside the bytes did not all arrive: what the process's open-file
+/// limit allows, and how many it has open.
+fn fds_cut_short() -> io::Error {
+    let mut limit = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: getrlimit writes one `rlimit` into the valid `limit`.
+    let known = unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut limit) } == 0;
+    let open = std::fs::read_dir("/proc/self/fd").map_or(0, |d| d.count());
+    let limits = if known {
+        format!(
+            "soft limit {}, hard limit {}",
+            limit.rlim_cur, limit.rlim_max
+        )
+    } else {
+        "limits unknown".into()
+    };
+    io::Error::other(format!(
+        "the file descriptors handed over beside the stream were cut short: this process has \
+         about {open} files open and may open no more than RLIMIT_NOFILE allows ({limits}); \
+         raise it (ulimit -n) for a local migration of this many memfd regions"
+    ))
 }
 
 impl Write for UnixConnection {
@@ -286,70 +692,52 @@ impl Write for UnixConnection {
 }
 
 impl Read for Connection {
+    /// Reads what has come, waiting (watched) until something does.
     fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
-        match self {
-            Connection::Unix(c) => c.read(buf),
-            Connection::Tcp(s) => s.read(buf),
+        let since = Instant::now();
+        loop {
+            // Before every read, not only when one waits: a peer that streams without a pause
+            // would otherwise keep a stopped reader reading.
+            self.watch.stop_check()?;
+            let read = match &mut self.link {
+                Link::Unix(c) => c.read(buf),
+                Link::Tcp(s) => s.read(buf),
+            };
+            match read {
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
+                    self.watch.poll(self.link.fd(), libc::POLLIN, since)?;
+                }
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                other => return other,
+            }
         }
     }
 }
 
 impl Write for Connection {
+    /// Writes what the socket takes now, waiting (watched) until it takes something.
     fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
-        match self {
-            Connection::Unix(c) => c.write(buf),
-            Connection::Tcp(s) => s.write(buf),
+        let since = Instant::now();
+        loop {
+            self.watch.stop_check()?;
+            let written = match &mut self.link {
+                Link::Unix(c) => c.write(buf),
+                Link::Tcp(s) => s.write(buf),
+            };
+            match written {
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
+                    self.watch.poll(self.link.fd(), libc::POLLOUT, since)?;
+                }
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                other => return other,
+            }
         }
     }
 
     fn flush(&mut self) -> io::Result<()> {
-        match self {
-            Connection::Unix(c) => c.flush(),
-            Connection::Tcp(s) => s.flush(),
-        }
-    }
-}
-
-/// Reads from a connection with a read timeout set, giving up once `stop` is set (a signal)
-/// or when nothing came for `stall` (the other side hangs): a blocked read can then never
-/// hold the process.
-#[derive(Debug)]
-pub struct Patient<'a, R> {
-    /// The connection (with a short read timeout).
-    pub inner: R,
-    /// Set when the process should stop.
-    pub stop: &'a AtomicBool,
-    /// How long to wait for a byte.
-    pub stall: Duration,
-}
-
-impl<R: Read> Read for Patient<'_, R> {
-    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
-        let start = std::time::Instant::now();
-        loop {
-            // Before every read, not only when one times out: a source that streams without a
-            // pause would otherwise keep a signalled receiver reading.
-            if self.stop.load(Ordering::Acquire) {
-                return Err(io::Error::other("stopped by a signal"));
-            }
-            match self.inner.read(buf) {
-                Err(e)
-                    if matches!(
-                        e.kind(),
-                        io::ErrorKind::WouldBlock
-                            | io::ErrorKind::TimedOut
-                            | io::ErrorKind::Interrupted
-                    ) =>
-                {
-                    if start.elapsed() >= self.stall {
-                        return Err(io::Error::new(
-                            io::ErrorKind::TimedOut,
-                            format!("nothing came for {:?}", self.stall),
-                        ));
-                    }
-                }
-                other => return other,
-            }
+        match &mut self.link {
+            Link::Unix(c) => c.flush(),
+            Link::Tcp(s) => s.flush(),
         }
     }
 }
@@ -383,10 +771,28 @@ mod tests {
         );
     }
 
+    /// A watch on a flag nothing sets but `stop`, with `limits`.
+    fn watch(stop: &'static AtomicBool, limits: Limits) -> Watch {
+        Watch::new(stop, None, "the test's bytes", limits)
+    }
+
+    fn patient() -> Limits {
+        Limits {
+            deadline: None,
+            stall: Duration::from_secs(10),
+        }
+    }
+
     #[test]
     fn file_descriptors_travel_beside_the_bytes_in_order() {
+        static STOP: AtomicBool = AtomicBool::new(false);
         let (a, b) = UnixStream::pair().expect("pair");
-        let (mut a, mut b) = (Connection::unix(a), Connection::unix(b));
+        a.set_nonblocking(true).expect("non-blocking");
+        b.set_nonblocking(true).expect("non-blocking");
+        let (mut a, mut b) = (
+            Connection::unix(a, watch(&STOP, patient())),
+            Connection::unix(b, watch(&STOP, patient())),
+        );
         let files: Vec<OwnedFd> = (0..3).map(|_| OwnedFd::from(tempfile_like())).collect();
         let inodes: Vec<u64> = files.iter().map(inode).collect();
         a.attach_fds(files).expect("attach");
@@ -396,10 +802,13 @@ mod tests {
         b.read_exact(&mut got).expect("receive");
         assert_eq!(&got, b"with fds, without");
         assert!(b.take_fds(4).is_none(), "three came");
+        assert_eq!(b.fds_waiting(), 3);
         let fds = b.take_fds(3).expect("three came");
         assert_eq!(fds.iter().map(inode).collect::<Vec<_>>(), inodes);
         assert_eq!(b.take_fds(1).map(|f| f.len()), None);
-        let mut tcp_less = Connection::unix(UnixStream::pair().expect("pair").0);
+        assert_eq!(b.fds_waiting(), 0);
+        let mut tcp_less =
+            Connection::unix(UnixStream::pair().expect("pair").0, watch(&STOP, patient()));
         let too_many = (0..MAX_FDS + 1)
             .map(|_| OwnedFd::from(tempfile_like()))
             .collect();
@@ -415,21 +824,197 @@ mod tests {
         std::os::unix::fs::MetadataExt::ino(&file.metadata().expect("stat"))
     }
 
-    #[test]
-    fn a_patient_read_gives_up_on_a_stall_and_on_stop() {
+    /// How a watched read on a connection that gets nothing ends, and how long it took.
+    fn silent_read(
+        watch: Watch,
+        stop_after: Option<(&'static AtomicBool, Duration)>,
+    ) -> (io::Error, Duration) {
         let (a, _b) = UnixStream::pair().expect("pair");
-        a.set_read_timeout(Some(Duration::from_millis(10)))
-            .expect("timeout");
-        let stop = AtomicBool::new(false);
-        let mut patient = Patient {
-            inner: &a,
-            stop: &stop,
+        a.set_nonblocking(true).expect("non-blocking");
+        let mut connection = Connection::unix(a, watch);
+        let started = Instant::now();
+        let stopper = stop_after.map(|(flag, after)| {
+            std::thread::spawn(move || {
+                std::thread::sleep(after);
+                flag.store(true, Ordering::Release);
+            })
+        });
+        let e = connection.read(&mut [0u8; 4]).expect_err("nothing comes");
+        if let Some(stopper) = stopper {
+            stopper.join().expect("the stopper");
+        }
+        (e, started.elapsed())
+    }
+
+    #[test]
+    fn a_watched_read_gives_up_on_a_stall_and_on_stop() {
+        static NEVER: AtomicBool = AtomicBool::new(false);
+        let stall = Limits {
+            deadline: None,
             stall: Duration::from_millis(50),
         };
-        let e = patient.read(&mut [0u8; 4]).expect_err("stall");
+        let (e, took) = silent_read(watch(&NEVER, stall), None);
         assert_eq!(e.kind(), io::ErrorKind::TimedOut);
-        stop.store(true, Ordering::Release);
-        let e = patient.read(&mut [0u8; 4]).expect_err("stop");
+        assert_eq!(
+            WaitError::of(&e).map(|w| w.end),
+            Some(WaitEnd::Stalled(Duration::from_millis(50)))
+        );
+        assert!(e.to_string().contains("the test's bytes"), "{e}");
+        assert!(took < Duration::from_secs(1), "{took:?}");
+
+        // A signal cuts a patient wait short within a slice or so.
+        static SIGNALLED: AtomicBool = AtomicBool::new(false);
+        let (e, took) = silent_read(
+            watch(&SIGNALLED, patient()),
+            Some((&SIGNALLED, Duration::from_millis(100))),
+        );
         assert!(e.to_string().contains("signal"), "{e}");
+        assert_ne!(
+            e.kind(),
+            io::ErrorKind::Interrupted,
+            "read_exact would retry"
+        );
+        assert!(took < Duration::from_millis(300), "{took:?}");
+    }
+
+    #[test]
+    fn a_cancel_or_the_deadline_ends_a_wait_and_names_what_it_waited_for() {
+        static NEVER: AtomicBool = AtomicBool::new(false);
+        let cancel = Arc::new(AtomicBool::new(false));
+        let watch = Watch::new(&NEVER, Some(Arc::clone(&cancel)), "an answer", patient());
+        let flag = Arc::clone(&cancel);
+        let (a, mut peer) = UnixStream::pair().expect("pair");
+        a.set_nonblocking(true).expect("non-blocking");
+        let mut connection = Connection::unix(a, watch.clone());
+        let canceller = std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(100));
+            flag.store(true, Ordering::Release);
+        });
+        let started = Instant::now();
+        let e = connection.read(&mut [0u8; 4]).expect_err("cancelled");
+        canceller.join().expect("the canceller");
+        assert!(started.elapsed() < Duration::from_millis(300));
+        assert_eq!(
+            e.to_string(),
+            "waiting for an answer: a client cancelled it"
+        );
+
+        // The deadline, shared by every handle, as the owner moves on.
+        cancel.store(false, Ordering::Release);
+        let deadline = Instant::now() + GRACE + Duration::from_millis(300);
+        watch.expect(
+            "the other side to take bytes",
+            Limits {
+                deadline: Some(deadline),
+                stall: Duration::from_secs(10),
+            },
+        );
+        let mut writer = connection.try_clone().expect("clone");
+        // The socket's buffer fills, then the writes wait until the deadline.
+        let e = loop {
+            if let Err(e) = writer.write(&[0u8; 65536]) {
+                break e;
+            }
+        };
+        assert!(Instant::now() >= deadline);
+        assert!(Instant::now() < deadline + Duration::from_millis(200));
+        assert!(
+            matches!(WaitError::of(&e).map(|w| w.end), Some(WaitEnd::Deadline(_))),
+            "{e}"
+        );
+        assert!(
+            e.to_string().contains("the other side to take bytes"),
+            "{e}"
+        );
+        // A wait that begins past the deadline gets a moment, no more.
+        let late = Instant::now();
+        let e = writer.write(&[0u8; 65536]).expect_err("still full");
+        assert!(late.elapsed() >= GRACE, "{e}");
+        assert!(late.elapsed() < GRACE + Duration::from_millis(200), "{e}");
+        // What is there is taken even so: the limits end waits, not reads.
+        peer.write_all(b"late").expect("the peer writes");
+        let mut got = [0u8; 4];
+        connection
+            .read_exact(&mut got)
+            .expect("taken past the deadline");
+        assert_eq!(&got, b"late");
+    }
+
+    #[test]
+    fn connecting_to_a_full_backlog_waits_watched_and_to_nothing_fails_at_once() {
+        static NEVER: AtomicBool = AtomicBool::new(false);
+        let dir = std::env::temp_dir().join(format!("tinyvmm-transport-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).expect("a folder");
+        let path = dir.join("backlog.sock");
+        let _ = std::fs::remove_file(&path);
+        let endpoint = Endpoint::Unix(path.clone());
+        let limits = Limits {
+            deadline: Some(Instant::now() + Duration::from_millis(300)),
+            stall: Duration::from_secs(10),
+        };
+        let e = endpoint
+            .connect(watch(&NEVER, limits))
+            .expect_err("nothing listens");
+        assert!(WaitError::of(&e).is_none(), "{e}");
+        // A listener that never accepts: its backlog fills, and a connect then waits.
+        let _listener = UnixListener::bind(&path).expect("bind");
+        let mut held = Vec::new();
+        let e = loop {
+            match endpoint.connect(watch(&NEVER, limits)) {
+                Ok(c) => held.push(c),
+                Err(e) => break e,
+            }
+            assert!(held.len() < 10_000, "the backlog never filled");
+        };
+        assert!(
+            matches!(WaitError::of(&e).map(|w| w.end), Some(WaitEnd::Deadline(_))),
+            "{e}"
+        );
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn a_fifo_or_a_device_is_no_endpoint() {
+        static NEVER: AtomicBool = AtomicBool::new(false);
+        let dir = std::env::temp_dir().join(format!("tinyvmm-fifo-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).expect("a folder");
+        let fifo = dir.join("fifo");
+        let _ = std::fs::remove_file(&fifo);
+        let c_path = std::ffi::CString::new(fifo.as_os_str().as_bytes()).expect("no NUL");
+        // SAFETY: mkfifo reads the NUL-terminated path, valid for the call.
+        assert_eq!(unsafe { libc::mkfifo(c_path.as_ptr(), 0o600) }, 0);
+        for (path, is) in [
+            (fifo.clone(), "is a FIFO"),
+            ("/dev/null".into(), "is a device"),
+        ] {
+            let endpoint = Endpoint::Unix(path);
+            let e = endpoint.listen().expect_err("no listener there");
+            assert!(e.to_string().contains(is), "{e}");
+            let e = endpoint
+                .connect(watch(&NEVER, patient()))
+                .expect_err("no socket there");
+            assert!(e.to_string().contains(is), "{e}");
+        }
+        assert!(fifo.exists(), "left as it was");
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn tcp_connects_watched() {
+        static NEVER: AtomicBool = AtomicBool::new(false);
+        let listener = TcpListener::bind("127.0.0.1:0").expect("a port");
+        let port = listener.local_addr().expect("its address").port();
+        let endpoint = Endpoint::Tcp(format!("127.0.0.1:{port}"));
+        let mut connection = endpoint.connect(watch(&NEVER, patient())).expect("connect");
+        let (mut other, _) = listener.accept().expect("accept");
+        connection.write_all(b"over tcp").expect("send");
+        let mut got = [0u8; 8];
+        other.read_exact(&mut got).expect("receive");
+        assert_eq!(&got, b"over tcp");
+        drop(listener);
+        let e = endpoint
+            .connect(watch(&NEVER, patient()))
+            .expect_err("nothing listens");
+        assert_eq!(e.kind(), io::ErrorKind::ConnectionRefused, "{e}");
     }
 }

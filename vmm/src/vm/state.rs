@@ -9,25 +9,61 @@ use kvm_bindings::{
     kvm_lapic_state, kvm_msr_entry, kvm_regs, kvm_sregs, kvm_vcpu_events, kvm_xcrs, kvm_xsave, Msrs,
 };
 use kvm_ioctls::VcpuFd;
-use serde::{Deserialize, Serialize};
+use serde::de::value::BytesDeserializer;
+use serde::de::{DeserializeOwned, Error as _};
+use serde::{Deserialize, Deserializer, Serialize};
 
-/// One vCPU's state.
+/// One vCPU's state. Each register block is read back only if it has exactly its
+/// structure's size (kvm-bindings' own reader would pad or cut it).
 #[derive(Debug, Serialize, Deserialize)]
 pub struct VcpuState {
     /// General registers.
+    #[serde(deserialize_with = "exact")]
     pub regs: kvm_regs,
     /// Segment, control and descriptor-table registers, EFER.
+    #[serde(deserialize_with = "exact")]
     pub sregs: kvm_sregs,
     /// The XSAVE area.
+    #[serde(deserialize_with = "exact")]
     pub xsave: kvm_xsave,
     /// Extended control registers (XCR0).
+    #[serde(deserialize_with = "exact")]
     pub xcrs: kvm_xcrs,
     /// Pending exceptions, interrupts and NMIs.
+    #[serde(deserialize_with = "exact")]
     pub events: kvm_vcpu_events,
     /// The [`SAVED_MSRS`], as (index, value).
     pub msrs: Vec<(u32, u64)>,
     /// The local APIC, where the VM has an in-kernel irqchip.
+    #[serde(default, deserialize_with = "exact_option")]
     pub lapic: Option<kvm_lapic_state>,
+}
+
+/// Reads a KVM structure that kvm-bindings writes as its raw bytes, refusing any other number
+/// of bytes: kvm-bindings' own reader pads a short block with zeros and drops what a long one
+/// has over, so a block 8 bytes short would restore a register as 0.
+fn exact<'de, D: Deserializer<'de>, T: DeserializeOwned>(deserializer: D) -> Result<T, D::Error> {
+    let bytes = Vec::<u8>::deserialize(deserializer)?;
+    if bytes.len() != size_of::<T>() {
+        let name = std::any::type_name::<T>();
+        return Err(D::Error::custom(format!(
+            "a {} block of {} bytes; this build's has {}",
+            name.rsplit("::").next().unwrap_or(name),
+            bytes.len(),
+            size_of::<T>()
+        )));
+    }
+    T::deserialize(BytesDeserializer::<D::Error>::new(&bytes))
+}
+
+/// [`exact`] for a block that may be absent.
+fn exact_option<'de, D: Deserializer<'de>, T: DeserializeOwned>(
+    deserializer: D,
+) -> Result<Option<T>, D::Error> {
+    #[derive(Deserialize)]
+    #[serde(transparent)]
+    struct Exact<T: DeserializeOwned>(#[serde(deserialize_with = "exact")] T);
+    Ok(Option::<Exact<T>>::deserialize(deserializer)?.map(|Exact(t)| t))
 }
 
 /// MSRs saved with a vCPU: the time-stamp counter, SYSENTER, the SYSCALL targets and mask,
@@ -138,4 +174,56 @@ fn write_msrs(vcpu: &VcpuFd, saved: &[(u32, u64)]) -> Result<(), StateError> {
         });
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn saved() -> serde_json::Value {
+        let state = VcpuState {
+            regs: kvm_regs {
+                rip: 0x10000,
+                rflags: 2,
+                ..Default::default()
+            },
+            sregs: Default::default(),
+            xsave: Default::default(),
+            xcrs: Default::default(),
+            events: Default::default(),
+            msrs: vec![(0x10, 1)],
+            lapic: Some(Default::default()),
+        };
+        serde_json::to_value(&state).expect("serialises")
+    }
+
+    #[test]
+    fn register_blocks_of_another_size_are_refused_naming_both_sizes() {
+        let back: VcpuState = serde_json::from_value(saved()).expect("round trip");
+        assert_eq!((back.regs.rip, back.regs.rflags), (0x10000, 2));
+        assert!(back.lapic.is_some());
+        let mut no_lapic = saved();
+        no_lapic.as_object_mut().expect("an object").remove("lapic");
+        let back: VcpuState = serde_json::from_value(no_lapic).expect("no local APIC");
+        assert!(back.lapic.is_none());
+        for (block, change) in [
+            ("regs", -8i64),
+            ("sregs", 8),
+            ("xsave", -4096),
+            ("lapic", -1),
+        ] {
+            let mut state = saved();
+            let bytes = state[block].as_array_mut().expect("bytes");
+            let size = bytes.len();
+            bytes.resize((size as i64 + change) as usize, 0.into());
+            let e = serde_json::from_value::<VcpuState>(state)
+                .expect_err(block)
+                .to_string();
+            let expected = format!(
+                "block of {} bytes; this build's has {size}",
+                size as i64 + change
+            );
+            assert!(e.contains(&expected), "{block}: {e}");
+        }
+    }
 }

@@ -98,6 +98,15 @@ impl Controller {
         let area = self.hotplug.as_ref().ok_or_else(no_hotplug_area)?;
         let plan = area.plan(request.requested_size_mib)?;
         let slot_size = area.slot_size;
+        // The guest checks every slot a plug maps, as it checks an added region (an unplug,
+        // or a plug into slots already mapped, runs nothing in the guest).
+        if !plan.map.is_empty() {
+            self.guest_can_check(&format!(
+                "plugging {} MiB maps {} new slots, which the guest checks",
+                request.requested_size_mib,
+                plan.map.len()
+            ))?;
+        }
         // Plug: map every slot that gets a first block in one batch (all or none of them),
         // then let the guest check each. If a check fails, they all go again in one batch: the
         // area stays as it was.

@@ -8,6 +8,7 @@ use vm_memory::GuestAddress;
 
 use super::{Controller, AUTO_PLACE_BASE, MIB};
 use crate::control::memory::{AddRegion, PatchRegion, RegionAdded, RegionBacking};
+use crate::control::vm::RunState;
 use crate::control::ControllerError;
 use crate::test_guest;
 use crate::test_guest::area::{check_area, TestArea};
@@ -109,8 +110,7 @@ impl Controller {
         let checkable = add.guest_check && !add.read_only;
         if checkable {
             // Refuse a check the guest cannot do before anything is added.
-            self.vcpus()?;
-            self.refuse_if_busy()?;
+            self.guest_can_check("the guest checks every slot of a new region (guest_check)")?;
             // (A range that wraps is the manager's to refuse, with its own message.)
             if gpa
                 .checked_add(add.size)
@@ -130,6 +130,21 @@ impl Controller {
             slots: add.size / slot_size,
             guest_checked: checkable,
         })
+    }
+
+    /// Refuses a request whose new memory the guest would check (`what` says so) while the
+    /// guest cannot run the check: the VM is paused, or a vCPU runs a command of its own (the
+    /// check runs on every vCPU).
+    pub(super) fn guest_can_check(&mut self, what: &str) -> Result<(), ControllerError> {
+        if self.state == RunState::Paused {
+            return Err(ControllerError::conflict(format!(
+                "the VM is paused: {what}, and the guest runs no command until it is resumed \
+                 (PATCH /vm {{\"state\": \"Resumed\"}})"
+            )));
+        }
+        self.vcpus()?;
+        self.refuse_if_busy()
+            .map_err(|busy| ControllerError::conflict(format!("{what}: {}", busy.message)))
     }
 
     /// Has the guest check both ends of every slot of `area` both ways.

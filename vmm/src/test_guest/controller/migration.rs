@@ -30,7 +30,8 @@ impl Controller {
     }
 
     /// Why `request` cannot run now: the VM is moving (its layout, run state and guest must
-    /// stay as the migration found them) or has moved.
+    /// stay as the migration found them), has moved, or may run on the destination of a
+    /// migration that ended unconfirmed (then nothing may run or change the guest here).
     pub(super) fn refused_while_migrating(&self, request: &Request) -> Option<ControllerError> {
         let migration = self.migration.as_ref()?;
         let reads = matches!(
@@ -46,6 +47,9 @@ impl Controller {
         if reads {
             return None;
         }
+        if !self.held.is_empty() {
+            return refused_while_held(request);
+        }
         if migration.completed() {
             return Some(ControllerError::conflict(format!(
                 "the VM has migrated to {}; this VMM is exiting",
@@ -60,13 +64,6 @@ impl Controller {
     }
 
     pub(super) fn migrate(&mut self, request: MigrateRequest) -> Result<(), ControllerError> {
-        if !self.held.is_empty() {
-            return Err(ControllerError::conflict(
-                "the last migration's outcome is unknown (GET /migrate): the destination may \
-                 run the VM; resume it here first (PATCH /vm {\"state\": \"Resumed\"}) if it \
-                 does not",
-            ));
-        }
         let endpoint: Endpoint = request.destination.parse().map_err(ControllerError::bad)?;
         if request.local && !matches!(endpoint, Endpoint::Unix(_)) {
             return Err(ControllerError::bad(format!(
@@ -96,4 +93,28 @@ impl Controller {
         self.migration = Some(migration);
         Ok(())
     }
+}
+
+/// Why `request` is refused while a migration's unconfirmed ending holds the VM here: the
+/// destination may run it, so nothing may run the guest or change what moved (its memory, its
+/// hotplug area) until a client resumes it. Besides reads (allowed before this is asked),
+/// only pausing and resuming (the way out), snapshots, dirty logging and harvests run nothing
+/// in the guest; everything else, a request added later included, is refused.
+fn refused_while_held(request: &Request) -> Option<ControllerError> {
+    let allowed = matches!(
+        request,
+        Request::PatchVm(_)
+            | Request::SwitchDirtyLog(_)
+            | Request::Harvest(_)
+            | Request::CreateSnapshot(_)
+    );
+    (!allowed).then(|| {
+        ControllerError::conflict(format!(
+            "{} is refused: the last migration is unconfirmed (GET /migrate): the destination \
+             got the whole VM and may be running it, so nothing runs or changes the guest here; \
+             if the destination does not run it, PATCH /vm {{\"state\": \"Resumed\"}} takes \
+             it back here",
+            request.name()
+        ))
+    })
 }
