@@ -239,8 +239,8 @@ impl Controller {
         match (0..vcpus.count()).find_map(|v| vcpus.running(v).map(|c| (v, c))) {
             Some((index, command)) => Err(ControllerError::conflict(format!(
                 "vCPU {index} runs a {:?} command, and the guest checks new memory on every \
-                 vCPU: wait for its answer or end it first (PUT /guest/command {{\"op\": \
-                 \"cancel\", \"vcpu\": {index}}}, or \"stop_loop\" for a loop)",
+                 vCPU: wait for its answer or end it first (PUT /guest/command op cancel, or \
+                 op stop_loop for a loop, with \"vcpu\": {index})",
                 command.op
             ))),
             None => Ok(()),
