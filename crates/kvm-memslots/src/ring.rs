@@ -275,10 +275,9 @@ mod tests {
         }
     }
 
-    #[test]
-    fn entries_are_collected_in_order_and_handed_back() {
-        // An anonymous mapping stands in for the vCPU file's ring.
-        let count = 256u32;
+    /// A ring of `count` entries over an anonymous mapping, standing in for a vCPU file's
+    /// ring (unmapped when the ring is dropped), its fetch index at `next`.
+    fn anonymous_ring(count: u32, next: u32) -> DirtyRing {
         let len = count as usize * 16;
         // SAFETY: a new private anonymous mapping.
         let ptr = unsafe {
@@ -292,14 +291,20 @@ mod tests {
             )
         };
         assert_ne!(ptr, libc::MAP_FAILED);
-        let entries: NonNull<kvm_dirty_gfn> = NonNull::new(ptr.cast()).unwrap();
-        let mut ring = DirtyRing {
-            entries,
+        DirtyRing {
+            entries: NonNull::new(ptr.cast()).unwrap(),
             count,
-            next: count - 2,
+            next,
             since_reset: 0,
             suspect: false,
-        };
+        }
+    }
+
+    #[test]
+    fn entries_are_collected_in_order_and_handed_back() {
+        let count = 256u32;
+        let mut ring = anonymous_ring(count, count - 2);
+        let entries = ring.entries;
         let publish = |i: u32, slot: u32, offset: u64| {
             // SAFETY: `i < count`: inside the mapping, which the ring keeps alive.
             let e = unsafe { entries.as_ptr().add(i as usize) };
@@ -397,27 +402,8 @@ mod tests {
     #[test]
     fn an_overflow_is_reported_and_the_collector_follows_kvm_again() {
         let count = 256u32;
-        let len = count as usize * 16;
-        // SAFETY: a new private anonymous mapping, standing in for a vCPU's ring.
-        let ptr = unsafe {
-            libc::mmap(
-                std::ptr::null_mut(),
-                len,
-                libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
-                -1,
-                0,
-            )
-        };
-        assert_ne!(ptr, libc::MAP_FAILED);
-        let entries: NonNull<kvm_dirty_gfn> = NonNull::new(ptr.cast()).unwrap();
-        let mut ring = DirtyRing {
-            entries,
-            count,
-            next: 0,
-            since_reset: 0,
-            suspect: false,
-        };
+        let mut ring = anonymous_ring(count, 0);
+        let entries = ring.entries;
         let mut kernel = Kernel {
             entries,
             count,
