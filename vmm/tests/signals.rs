@@ -521,3 +521,77 @@ fn kvm_a_snapshot_of_the_maximum_slots_restores_in_a_new_process() {
     }
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// A file-backed restore whose memory file is truncated under it: the access that finds its
+/// page gone does not kill the process without a word; the VM stops, `GET /vm` says Failed
+/// and names the file and the guest address, and stopping the VMM exits 4.
+#[test]
+fn kvm_a_memory_file_truncated_under_a_restore_stops_the_vm_with_a_reason() {
+    if !kvm_test_support::require_kvm(
+        "tinyvmm::kvm_a_memory_file_truncated_under_a_restore_stops_the_vm_with_a_reason",
+    ) {
+        return;
+    }
+    let dir = std::env::temp_dir().join(format!("tinyvmm-test-{}-gone", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).expect("a folder");
+    let (state, mem) = (dir.join("t.state"), dir.join("t.mem"));
+    let (template, socket) = serve_mib("gone-template", 8);
+    assert_eq!(
+        ask(
+            &socket,
+            "PUT",
+            "/guest/command",
+            write(AREA, AREA + 8 * MIB, 5)
+        )
+        .0,
+        200
+    );
+    let paused = ask(&socket, "PATCH", "/vm", json!({"state": "Paused"}));
+    assert_eq!(paused.0, 204, "{paused:?}");
+    let snapshot = json!({"snapshot_type": "Full", "snapshot_path": state, "mem_file_path": mem});
+    let saved = ask(&socket, "PUT", "/snapshot/create", snapshot);
+    assert_eq!(saved.0, 204, "{saved:?}");
+    stop(&socket);
+    exits_with(template, &socket, 0);
+
+    let (child, socket) = start(
+        "gone-restored",
+        &[
+            "restore",
+            "--snapshot",
+            state.to_str().expect("utf-8"),
+            "--mem-file",
+            mem.to_str().expect("utf-8"),
+        ],
+    );
+    let restored = Reap(Some(child));
+    let resumed = ask(&socket, "PATCH", "/vm", json!({"state": "Resumed"}));
+    assert_eq!(resumed.0, 204, "{resumed:?}");
+    // As `cp new.mem old.mem` would: the file is cut to nothing under the mapping.
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(&mem)
+        .expect("the memory file")
+        .set_len(0)
+        .expect("truncated");
+    let verified = ask(
+        &socket,
+        "PUT",
+        "/guest/command",
+        verify(AREA, AREA + 8 * MIB, 5),
+    );
+    assert!(verified.0 >= 400, "{verified:?}");
+    let (status, vm) = ask(&socket, "GET", "/vm", Json::Null);
+    assert_eq!((status, &vm["state"]), (200, &json!("Failed")), "{vm}");
+    let message = vm["failure"]["message"].as_str().unwrap_or_default();
+    assert!(
+        message.contains("is gone") && message.contains(&mem.display().to_string()),
+        "{vm}"
+    );
+    assert!(message.contains("guest address"), "{vm}");
+    stop(&socket);
+    let stderr = exits_with(restored, &socket, 4);
+    assert!(stderr.contains("truncated or replaced"), "{stderr}");
+    let _ = std::fs::remove_dir_all(&dir);
+}

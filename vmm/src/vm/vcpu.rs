@@ -388,6 +388,18 @@ pub enum VcpuError<E: std::error::Error + 'static> {
         /// The manager's error.
         source: kvm_memslots::Error,
     },
+    /// Guest memory was gone under the VM: its backing file (a file-backed restore's memory
+    /// file) was truncated or replaced, and an access got `SIGBUS`.
+    #[error(
+        "vCPU {vcpu}: guest memory at {place} is gone: its backing file was truncated or \
+         replaced under the VM (SIGBUS); the VM stopped, and nothing of it can be saved"
+    )]
+    MemoryGone {
+        /// The vCPU.
+        vcpu: usize,
+        /// Where: the guest address, the region and the file, as far as known.
+        place: String,
+    },
     /// A device of the guest kind stopped the vCPU.
     #[error("vCPU {vcpu}: {error}")]
     Device {
@@ -440,6 +452,34 @@ impl<P: VcpuPorts + 'static> Vcpu<P> {
     }
 }
 
+/// Host address `hva` as the guest and the operator know it: the guest address, its region,
+/// and the file behind it.
+fn gone_place(memory: &MemoryManager<KvmVm>, hva: u64) -> String {
+    let Some(found) = memory
+        .find_by_hva(kvm_memslots::HostAddress(hva))
+        .into_iter()
+        .next()
+    else {
+        return format!("host address {hva:#x}");
+    };
+    let file = memory
+        .load()
+        .get(found.slot)
+        .and_then(|slot| slot.payload().memory().file_offset().cloned())
+        .and_then(|fo| {
+            std::fs::read_link(format!(
+                "/proc/self/fd/{}",
+                std::os::fd::AsRawFd::as_raw_fd(fo.file())
+            ))
+            .ok()
+        })
+        .map_or_else(String::new, |path| format!(", file {}", path.display()));
+    format!(
+        "guest address {:#x} (region {}{file})",
+        found.gpa.0, found.region
+    )
+}
+
 fn rip(fd: &VcpuFd) -> u64 {
     fd.get_regs().map(|r| r.rip).unwrap_or(u64::MAX)
 }
@@ -484,6 +524,12 @@ impl<P: VcpuPorts> Vcpu<P> {
         loop {
             if shared.stop_requested() {
                 return Ok(());
+            }
+            if let Some(hva) = crate::lifecycle::memory_gone() {
+                return Err(VcpuError::MemoryGone {
+                    vcpu,
+                    place: gone_place(memory, hva),
+                });
             }
             // A pause parks the vCPU at a whole instruction: KVM finishes what the last exit
             // left pending (a port or MMIO read's data goes into the guest on the next entry)
