@@ -75,6 +75,9 @@ impl<K: KvmMemory> MemoryManager<K> {
     /// updated get logging back, last first (new logs, in bitmap mode); the bits read are
     /// kept, and every page of the target regions is marked dirty: a guest write between a
     /// slot's update and its reversal was not logged, so the next harvest reports them all.
+    /// A failed ring drain in step 1 refuses the stop before any update, and marks every page
+    /// of the target regions dirty the same way (over-reporting: entries it could not collect
+    /// may have been taken from the rings).
     pub fn stop_dirty_log(&self, target: Target) -> Result<(), Error> {
         self.set_dirty_log(DirtyConsumer::DEFAULT, target, false)
     }
