@@ -8,6 +8,7 @@ pub mod hotplug;
 pub mod layout;
 pub mod ports;
 pub mod snapshot;
+mod test_vm;
 pub mod vcpus;
 
 pub use command::{pattern, Command, CommandBlock, Fault, Op, Outcome};

@@ -3,6 +3,7 @@
 //! ([`ports`]).
 
 pub mod exit;
+pub mod memory_gone;
 pub mod mmio;
 pub mod ports;
 pub mod state;
@@ -76,7 +77,8 @@ impl Vm {
     /// in-kernel irqchip (before any vCPU, as KVM requires) and the PIT; then the memory
     /// manager (admitting memory within `options.limits`), with manual dirty-log protection
     /// where KVM offers it. Also installs the
-    /// signal handler that kicks vCPUs out of the guest.
+    /// signal handler that kicks vCPUs out of the guest, and the one that keeps the process alive
+    /// when guest memory's file is cut under it ([`memory_gone`]).
     pub fn new(options: VmOptions) -> Result<Self, VmError> {
         let kvm = Kvm::new().map_err(VmError::Kvm)?;
         let fd = Arc::new(kvm.create_vm().map_err(VmError::setup("KVM_CREATE_VM"))?);
@@ -100,6 +102,7 @@ impl Vm {
         let limits = options.limits.unwrap_or_else(MemoryLimits::for_this_host);
         let memory = Arc::new(MemoryManager::with_limits(kvm_vm, limits));
         vcpu::install_kick_handler();
+        memory_gone::install();
         Ok(Vm { kvm, fd, memory })
     }
 

@@ -525,7 +525,7 @@ impl<P: VcpuPorts> Vcpu<P> {
             if shared.stop_requested() {
                 return Ok(());
             }
-            if let Some(hva) = crate::lifecycle::memory_gone() {
+            if let Some(hva) = super::memory_gone::memory_gone() {
                 return Err(VcpuError::MemoryGone {
                     vcpu,
                     place: gone_place(memory, hva),

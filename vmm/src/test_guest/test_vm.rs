@@ -1,0 +1,152 @@
+//! The test guest's VM ([`TestVm`]), made fresh or restored from a snapshot with the memory
+//! backend a restore uses ([`MemBackend`]); its vCPUs start in `vcpus.rs`.
+
+use std::sync::Arc;
+
+use kvm_memslots::{KvmVm, MemoryManager, RegionId, RegionSpec};
+use kvm_memslots_persist::{load_memory_file, LazyLoader, MemoryLayout};
+use vm_memory::GuestAddress;
+
+use super::vcpus::{check_slot_count, system_region, GuestError};
+use crate::test_guest;
+use crate::vm::mmio::MmioBus;
+use crate::vm::{Vm, VmOptions};
+
+/// How a restored VM gets its memory from the snapshot's memory file.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, clap::ValueEnum)]
+pub enum MemBackend {
+    /// Read every page that holds data into fresh memory before the guest runs.
+    Copy,
+    /// Map the file privately: pages load from the page cache when the guest first touches
+    /// them; its writes never reach the file.
+    #[default]
+    File,
+    /// Fresh memory filled page by page on first touch by a userfaultfd handler, from the file
+    /// or with zeros for its holes.
+    Uffd,
+}
+
+/// The test guest's VM: the generic VM with the system region in place and the guest's code
+/// and tables in it.
+#[derive(Debug)]
+pub struct TestVm {
+    pub(super) vm: Vm,
+    system: RegionId,
+    /// The fault handler of a VM restored with [`MemBackend::Uffd`]: held for as long as the
+    /// VM lives (dropping it stops the handler).
+    _loader: Option<LazyLoader>,
+    /// Absent memory the vCPUs answer without stopping (see [`TestVm::with_mmio`]).
+    pub(super) mmio: Option<Arc<MmioBus>>,
+}
+
+impl TestVm {
+    /// Creates the VM and its system region (guest address 0, one slot: tables, code, stacks,
+    /// command blocks).
+    pub fn new() -> Result<Self, GuestError> {
+        Self::with_options(VmOptions::default())
+    }
+
+    /// As [`new`](Self::new), with `options` for the VM (its memory limits, say).
+    pub fn with_options(options: VmOptions) -> Result<Self, GuestError> {
+        let vm = Vm::new(options)?;
+        let memory = vm.memory();
+        let system =
+            memory.add_region(RegionSpec::new(GuestAddress(0), test_guest::SYSTEM_SIZE))?;
+        test_guest::write_system_memory(&*memory.current())?;
+        Ok(TestVm {
+            vm,
+            system,
+            _loader: None,
+            mmio: None,
+        })
+    }
+
+    /// A VM restored from a snapshot: the saved layout's regions (the system region among
+    /// them) in fresh memory, loaded from `memory_file`. Start its vCPUs with
+    /// [`start_restored_vcpus`](Self::start_restored_vcpus).
+    pub fn restore(
+        layout: &MemoryLayout,
+        memory_file: &std::fs::File,
+        backend: MemBackend,
+        options: VmOptions,
+    ) -> Result<Self, GuestError> {
+        let vm = Vm::new(options)?;
+        let mut loader = None;
+        let ids = match backend {
+            MemBackend::Copy => {
+                let ids = layout.build(vm.memory())?;
+                load_memory_file(vm.memory(), layout, memory_file)?;
+                ids
+            }
+            MemBackend::File => layout.build_from_file(vm.memory(), memory_file)?,
+            MemBackend::Uffd => {
+                let ids = layout.build(vm.memory())?;
+                loader = Some(LazyLoader::start(vm.memory(), layout, memory_file)?);
+                ids
+            }
+        };
+        let system = system_region(layout, &ids)?;
+        Ok(TestVm {
+            vm,
+            system,
+            _loader: loader,
+            mmio: None,
+        })
+    }
+
+    /// A VM with `layout`'s regions (the system region among them) in fresh, empty memory for
+    /// a migration to fill, except the regions in `handed` (by layout index), which map the
+    /// files another process handed over. Start its vCPUs with
+    /// [`start_restored_vcpus`](Self::start_restored_vcpus).
+    pub fn from_layout(
+        layout: &MemoryLayout,
+        handed: &std::collections::HashMap<usize, vm_memory::FileOffset>,
+        options: VmOptions,
+    ) -> Result<Self, GuestError> {
+        let vm = Vm::new(options)?;
+        let ids = layout.build_handed_over(vm.memory(), handed)?;
+        let system = system_region(layout, &ids)?;
+        Ok(TestVm {
+            vm,
+            system,
+            _loader: None,
+            mmio: None,
+        })
+    }
+
+    /// Has vCPUs started from now on answer `bus`'s ranges where there is no slot: absent
+    /// memory reads as all ones and drops writes, and the guest goes on (an unplugged
+    /// virtio-mem block, say), where an access to no memory otherwise stops the vCPU.
+    pub fn with_mmio(self, bus: MmioBus) -> Self {
+        TestVm {
+            mmio: Some(Arc::new(bus)),
+            ..self
+        }
+    }
+
+    /// The generic VM.
+    pub fn vm(&self) -> &Vm {
+        &self.vm
+    }
+
+    /// The guest's memory.
+    pub fn memory(&self) -> &Arc<MemoryManager<KvmVm>> {
+        self.vm.memory()
+    }
+
+    /// The system region.
+    pub fn system_region(&self) -> RegionId {
+        self.system
+    }
+
+    /// KVM's number of memory slots.
+    pub fn max_slots(&self) -> usize {
+        self.vm.max_slots()
+    }
+
+    /// Checks that `slots` KVM slots in all (the system region's and a test area's) are at
+    /// least two and at most KVM's number.
+    pub fn check_slot_count(&self, slots: usize) -> Result<(), GuestError> {
+        check_slot_count(slots, self.max_slots())
+    }
+}
