@@ -267,6 +267,10 @@ struct BenchArgs {
     /// Where to write the results as JSON.
     #[arg(long, default_value = "target/bench/tinyvmm-perf.json")]
     json: std::path::PathBuf,
+    /// Keep KVM's KVM_X86_QUIRK_SLOT_ZAP_ALL (every guest mapping dropped when any slot is
+    /// deleted or moved) instead of turning it off where KVM allows: to compare the two.
+    #[arg(long)]
+    keep_slot_zap_all: bool,
     #[command(flatten)]
     limits: LimitArgs,
 }
@@ -279,6 +283,7 @@ fn bench(args: BenchArgs) -> ExitCode {
         runs: args.runs,
         scenarios: args.tests,
         limits: Some(args.limits.resolve()),
+        keep_slot_zap_all: args.keep_slot_zap_all,
     };
     let outcome = run_job(move |ctx| {
         tinyvmm::bench::perf::run_perf(&config, &ctx.stop, &ctx.vcpu_stopped, &mut |p| {

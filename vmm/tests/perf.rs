@@ -22,6 +22,7 @@ fn outcome(test: Scenario, slots: usize, area_mib: u64) -> Outcome {
         area_size: area_mib << 20,
         duration: BRIEF,
         limits: None,
+        keep_slot_zap_all: false,
     };
     run_test(&spec, &AtomicBool::new(false), &stopped, &mut |_| {})
         .unwrap_or_else(|e| panic!("{test} at {slots} slots: {e}"))
@@ -174,6 +175,7 @@ fn kvm_perf_suite_prints_a_table_and_json_with_skips_named() {
         runs: 2,
         scenarios: Vec::new(),
         limits: None,
+        keep_slot_zap_all: false,
     };
     let mut events = 0;
     let report = run_perf(&config, &AtomicBool::new(false), &stopped, &mut |_| {
@@ -323,4 +325,36 @@ fn kvm_the_snapshot_bench_restores_with_every_backend() {
         assert!(row.diff_bytes < row.full_bytes / 2, "{report}");
     }
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// The move and unmap scenarios with KVM's zap-everything quirk kept, as
+/// `tinyvmm bench --keep-slot-zap-all` runs them to compare: the same checks pass.
+#[test]
+fn kvm_perf_moves_and_unmaps_also_run_with_kvms_zap_all_quirk_kept() {
+    if !kvm_test_support::require_kvm(
+        "tinyvmm::kvm_perf_moves_and_unmaps_also_run_with_kvms_zap_all_quirk_kept",
+    ) {
+        return;
+    }
+    let stopped = Arc::new(EventFd::new(0).expect("eventfd"));
+    let config = PerfConfig {
+        slots: vec![64],
+        area_size: 4 << 20,
+        seconds: 0.05,
+        runs: 1,
+        scenarios: vec![
+            Scenario::Unmap,
+            Scenario::MoveActive,
+            Scenario::MoveInactive,
+        ],
+        limits: None,
+        keep_slot_zap_all: true,
+    };
+    let report =
+        run_perf(&config, &AtomicBool::new(false), &stopped, &mut |_| {}).expect("the suite runs");
+    assert_eq!(report.results.len(), 3, "{report:?}");
+    assert!(report.skipped.is_empty(), "{report:?}");
+    for result in &report.results {
+        assert!(result.iterations > 0, "{result:?}");
+    }
 }

@@ -31,6 +31,10 @@ pub struct VmOptions {
     /// Harvest dirty pages from per-vCPU rings of this many entries (a power of two) instead
     /// of per-slot bitmaps.
     pub dirty_ring: Option<u32>,
+    /// Keep KVM's `KVM_X86_QUIRK_SLOT_ZAP_ALL` (every guest mapping dropped on any slot's
+    /// deletion or move) instead of turning it off where KVM allows: for measuring the two
+    /// (`tinyvmm bench --keep-slot-zap-all`). Bitmap mode only: a ring-mode VM turns it off.
+    pub keep_slot_zap_all: bool,
 }
 
 /// Why a VM could not be created or set up.
@@ -96,8 +100,11 @@ impl Vm {
         }
         let kvm_vm = match options.dirty_ring {
             Some(entries) => KvmVm::with_dirty_ring(&kvm, Arc::clone(&fd), entries)?,
-            None => KvmVm::new(&kvm, Arc::clone(&fd))
+            None if options.keep_slot_zap_all => KvmVm::keeping_slot_zap_all(&kvm, Arc::clone(&fd))
                 .map_err(VmError::setup("enabling manual dirty-log protection"))?,
+            None => KvmVm::new(&kvm, Arc::clone(&fd)).map_err(VmError::setup(
+                "enabling manual dirty-log protection, or turning KVM_X86_QUIRK_SLOT_ZAP_ALL off",
+            ))?,
         };
         let limits = options.limits.unwrap_or_else(MemoryLimits::for_this_host);
         let memory = Arc::new(MemoryManager::with_limits(kvm_vm, limits));

@@ -133,6 +133,8 @@ pub struct PerfConfig {
     /// What guest memory is admitted against; `None`: this host's defaults
     /// ([`MemoryLimits::for_this_host`]).
     pub limits: Option<MemoryLimits>,
+    /// Keep KVM's zap-everything-on-slot-change quirk (`VmOptions::keep_slot_zap_all`).
+    pub keep_slot_zap_all: bool,
 }
 
 impl Default for PerfConfig {
@@ -144,6 +146,7 @@ impl Default for PerfConfig {
             runs: 1,
             scenarios: Scenario::ALL.to_vec(),
             limits: None,
+            keep_slot_zap_all: false,
         }
     }
 }

@@ -71,6 +71,7 @@ pub fn run_perf(
         area_size: config.area_size,
         seconds: duration.as_secs_f64(),
         runs: config.runs,
+        slot_zap_all_kept: config.keep_slot_zap_all,
         results: Vec::new(),
         skipped: Vec::new(),
         interrupted: false,
@@ -98,6 +99,7 @@ pub fn run_perf(
                     area_size: config.area_size,
                     duration,
                     limits: config.limits,
+                    keep_slot_zap_all: config.keep_slot_zap_all,
                 };
                 let outcome = match run_test(&spec, stop, stopped, progress) {
                     Err(PerfError::Interrupted) => {

@@ -116,6 +116,9 @@ pub struct PerfReport {
     pub seconds: f64,
     /// Runs per test.
     pub runs: usize,
+    /// KVM's zap-everything-on-slot-change quirk was kept (`--keep-slot-zap-all`); otherwise
+    /// turned off where KVM allows.
+    pub slot_zap_all_kept: bool,
     /// Tests that ran, in order.
     pub results: Vec<TestResult>,
     /// Tests that could not run.
@@ -231,6 +234,12 @@ impl fmt::Display for PerfReport {
             size(UNMAP_AREA_SIZE),
             self.kvm_max_slots
         )?;
+        if self.slot_zap_all_kept {
+            writeln!(
+                f,
+                "KVM_X86_QUIRK_SLOT_ZAP_ALL kept: every slot change drops every guest mapping"
+            )?;
+        }
         let runs = self.runs > 1;
         write!(f, "{:>6}  {:<19}", "slots", "test")?;
         if runs {

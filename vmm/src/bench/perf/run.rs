@@ -32,6 +32,8 @@ pub struct TestSpec {
     /// What guest memory is admitted against; `None`: this host's defaults
     /// ([`MemoryLimits::for_this_host`]).
     pub limits: Option<MemoryLimits>,
+    /// Keep KVM's zap-everything-on-slot-change quirk (`VmOptions::keep_slot_zap_all`).
+    pub keep_slot_zap_all: bool,
 }
 
 /// What a scenario's loop measured.
@@ -77,6 +79,7 @@ pub fn run_test(
     };
     let vm = TestVm::with_options(VmOptions {
         limits: spec.limits,
+        keep_slot_zap_all: spec.keep_slot_zap_all,
         ..VmOptions::default()
     })?;
     vm.check_slot_count(spec.slots)?;
