@@ -98,19 +98,16 @@ impl Controller {
         let area = self.hotplug.as_ref().ok_or_else(no_hotplug_area)?;
         let plan = area.plan(request.requested_size_mib)?;
         let slot_size = area.slot_size;
-        // The guest checks every slot a plug maps, as it checks an added region (an unplug,
-        // or a plug into slots already mapped, runs nothing in the guest).
+        // Plug: map every slot that gets a first block in one batch (all or none of them),
+        // then let the guest check each, as it checks an added region (an unplug, or a plug
+        // into slots already mapped, runs nothing in the guest). If a check fails, they all go
+        // again in one batch: the area stays as it was.
         if !plan.map.is_empty() {
             self.guest_can_check(&format!(
                 "plugging {} MiB maps {} new slots, which the guest checks",
                 request.requested_size_mib,
                 plan.map.len()
             ))?;
-        }
-        // Plug: map every slot that gets a first block in one batch (all or none of them),
-        // then let the guest check each. If a check fails, they all go again in one batch: the
-        // area stays as it was.
-        if !plan.map.is_empty() {
             if self.interrupted() {
                 return Err(self.stop_hotplug_early(plan.blocks, 0, plan.map.len()));
             }
@@ -124,33 +121,35 @@ impl Controller {
             for &(i, id) in &added {
                 self.area_mut().slots[i] = Some(id);
             }
-            for (done, &(_, gpa)) in plan.map.iter().enumerate() {
-                let checked = if self.interrupted() {
-                    Err(None)
-                } else {
-                    self.check_new(added[done].1, gpa.0, slot_size, slot_size)
-                        .map_err(Some)
-                };
-                let Err(failed) = checked else {
-                    continue;
-                };
+            // A signal stops the checks at a slot boundary (or during one's check, with why).
+            let mut cut = None;
+            for (done, (&(_, gpa), &(_, id))) in plan.map.iter().zip(&added).enumerate() {
                 if self.interrupted() {
-                    // Stop at a slot boundary: the slots checked so far stay, the others go.
-                    let dropped = self.drop_slots(&added[done..]);
-                    let stopped = self.stop_hotplug_early(plan.blocks, done, plan.map.len());
-                    let stopped = match failed {
-                        Some(e) => stopped.and(e),
-                        None => stopped,
-                    };
-                    return Err(with_drop_failure(stopped, dropped));
+                    cut = Some((done, None));
+                    break;
                 }
-                let failed = ControllerError::internal(format!(
-                    "the guest's check of the new memory at {:#x} failed: {}; the memory was removed again",
-                    gpa.0,
-                    failed.unwrap_or_default()
-                ));
-                let dropped = self.drop_slots(&added);
-                return Err(with_drop_failure(failed, dropped));
+                if let Err(e) = self.check_new(id, gpa.0, slot_size, slot_size) {
+                    if self.interrupted() {
+                        cut = Some((done, Some(e)));
+                        break;
+                    }
+                    let failed = ControllerError::internal(format!(
+                        "the guest's check of the new memory at {:#x} failed: {e}; the memory was removed again",
+                        gpa.0
+                    ));
+                    let dropped = self.drop_slots(&added);
+                    return Err(with_drop_failure(failed, dropped));
+                }
+            }
+            if let Some((done, why)) = cut {
+                // The slots checked so far stay, the others go.
+                let dropped = self.drop_slots(&added[done..]);
+                let stopped = self.stop_hotplug_early(plan.blocks, done, plan.map.len());
+                let stopped = match why {
+                    Some(e) => stopped.and(e),
+                    None => stopped,
+                };
+                return Err(with_drop_failure(stopped, dropped));
             }
         }
         // Unplug: unmap the slots left with no plugged block, in one batch; give back unplugged
