@@ -559,11 +559,7 @@ impl<P: VcpuPorts> Vcpu<P> {
                 // A sequence and a map that agree (the manager re-reads the sequence around
                 // the load). `load_consistent` borrows the version without a shared
                 // reference-count update, so exits on several vCPUs do not contend.
-                let (sequence_now, map) = if mmio {
-                    memory.load_consistent()
-                } else {
-                    (memory.change_sequence(), memory.load())
-                };
+                let (sequence_now, map) = memory.load_consistent();
                 let expected_mmio = if mmio {
                     let window = shared.expected_mmio.lock();
                     window.unwrap_or_else(|p| p.into_inner()).clone()

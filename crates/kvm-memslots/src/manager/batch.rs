@@ -195,6 +195,7 @@ impl<K: KvmMemory> MemoryManager<K> {
             }
         }
         let mut ids = Vec::with_capacity(added.len());
+        let mut directory = self.directory();
         for (new, m) in added.into_iter().zip(mapped) {
             let shared = Arc::new(Harvestable {
                 memory: Arc::clone(&m.memory),
@@ -203,7 +204,7 @@ impl<K: KvmMemory> MemoryManager<K> {
                 gpa: AtomicU64::new(new.spec.gpa.0),
                 stash: Mutex::new(m.stash),
             });
-            self.directory().insert(m.id, Arc::clone(&shared));
+            directory.insert(m.id, Arc::clone(&shared));
             state.regions.insert(
                 m.id,
                 Region {
@@ -218,6 +219,7 @@ impl<K: KvmMemory> MemoryManager<K> {
             );
             ids.push(m.id);
         }
+        drop(directory);
         state.used = used;
         Ok(ids)
     }
