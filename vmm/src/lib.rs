@@ -27,5 +27,6 @@ pub mod jobs;
 pub mod lifecycle;
 pub mod linux;
 pub mod migration;
+pub mod snapshot;
 pub mod test_guest;
 pub mod vm;

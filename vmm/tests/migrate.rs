@@ -1346,6 +1346,9 @@ fn state_json() -> Value {
             .map(|&i| (i, 0))
             .collect(),
         lapic: None,
+        debugregs: None,
+        mp_state: None,
+        cpuid: Vec::new(),
     };
     let state = MigrationState {
         snapshot: SnapshotState {

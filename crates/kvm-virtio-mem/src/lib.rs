@@ -14,8 +14,8 @@
 pub mod mem;
 pub mod mmio;
 
-pub use mem::{Error, PluggedBlock, RequestCounts, VirtioMem, VirtioMemOptions};
+pub use mem::{Error, PluggedBlock, RequestCounts, VirtioMem, VirtioMemOptions, VirtioMemState};
 pub use mmio::{
-    DriverError, Interrupt, MmioTransport, QueueOutcome, TransportError, VirtioDevice,
-    MMIO_WINDOW_SIZE,
+    DriverError, Interrupt, MmioTransport, QueueOutcome, QueueSnapshot, TransportError,
+    TransportState, VirtioDevice, MMIO_WINDOW_SIZE,
 };

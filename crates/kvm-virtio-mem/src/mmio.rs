@@ -16,6 +16,7 @@ use std::fmt;
 use std::io;
 use std::sync::Arc;
 
+use serde::{Deserialize, Serialize};
 use virtio_bindings::virtio_config::{
     VIRTIO_CONFIG_S_ACKNOWLEDGE, VIRTIO_CONFIG_S_DRIVER, VIRTIO_CONFIG_S_DRIVER_OK,
     VIRTIO_CONFIG_S_FAILED, VIRTIO_CONFIG_S_FEATURES_OK, VIRTIO_CONFIG_S_NEEDS_RESET,
@@ -32,7 +33,7 @@ use virtio_bindings::virtio_mmio::{
     VIRTIO_MMIO_SHM_BASE_HIGH, VIRTIO_MMIO_SHM_BASE_LOW, VIRTIO_MMIO_SHM_LEN_HIGH,
     VIRTIO_MMIO_SHM_LEN_LOW, VIRTIO_MMIO_STATUS, VIRTIO_MMIO_VENDOR_ID, VIRTIO_MMIO_VERSION,
 };
-use virtio_queue::{Queue, QueueT};
+use virtio_queue::{Queue, QueueState, QueueT};
 use vm_memory::GuestAddress;
 use vmm_sys_util::eventfd::EventFd;
 
@@ -167,6 +168,61 @@ pub enum TransportError {
         /// Its size.
         size: u16,
     },
+    /// A saved state that this device cannot take.
+    #[error("the saved transport state: {0}")]
+    State(String),
+}
+
+/// A virtqueue's state as a transport saves it: virtio-queue's `QueueState`, serialisable.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct QueueSnapshot {
+    /// The maximum size the device offers.
+    pub max_size: u16,
+    /// The driver's chosen size.
+    pub size: u16,
+    /// Whether the driver made the queue ready.
+    pub ready: bool,
+    /// The descriptor table's guest address.
+    pub desc_table: u64,
+    /// The available ring's guest address.
+    pub avail_ring: u64,
+    /// The used ring's guest address.
+    pub used_ring: u64,
+    /// The next available-ring entry the device reads.
+    pub next_avail: u16,
+    /// The next used-ring entry the device writes.
+    pub next_used: u16,
+    /// Whether `VIRTIO_F_RING_EVENT_IDX` was negotiated.
+    pub event_idx_enabled: bool,
+}
+
+/// What a transport holds beside its device: the registers the driver wrote, the
+/// virtqueues, and the interrupt and configuration state, so that a driver finds its device
+/// as it left it after a snapshot's restore or a migration.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TransportState {
+    /// The device status.
+    pub status: u32,
+    /// `DeviceFeaturesSel`.
+    pub device_features_sel: u32,
+    /// `DriverFeaturesSel`.
+    pub driver_features_sel: u32,
+    /// The features the driver accepted.
+    pub driver_features: u64,
+    /// Whether the driver set a bit past the first 64 features.
+    pub unknown_features_acked: bool,
+    /// `QueueSel`.
+    pub queue_sel: u32,
+    /// Each virtqueue.
+    pub queues: Vec<QueueSnapshot>,
+    /// `InterruptStatus`.
+    pub interrupt_status: u32,
+    /// The configuration generation.
+    pub config_generation: u32,
+    /// The driver error that put the device in `DEVICE_NEEDS_RESET`, if one did.
+    pub driver_error: Option<String>,
 }
 
 /// A virtio device behind virtio-mmio registers: what a VMM forwards a device's MMIO exits to.
@@ -245,6 +301,97 @@ impl<D: VirtioDevice> MmioTransport<D> {
             config_generation: 0,
             interrupt_failures: 0,
             driver_error: None,
+        })
+    }
+
+    /// The transport's state (its device's is the device's own to save).
+    pub fn state(&self) -> TransportState {
+        TransportState {
+            status: self.status,
+            device_features_sel: self.device_features_sel,
+            driver_features_sel: self.driver_features_sel,
+            driver_features: self.driver_features,
+            unknown_features_acked: self.unknown_features_acked,
+            queue_sel: self.queue_sel,
+            queues: self
+                .queues
+                .iter()
+                .map(|q| {
+                    let s = q.state();
+                    QueueSnapshot {
+                        max_size: s.max_size,
+                        size: s.size,
+                        ready: s.ready,
+                        desc_table: s.desc_table,
+                        avail_ring: s.avail_ring,
+                        used_ring: s.used_ring,
+                        next_avail: s.next_avail,
+                        next_used: s.next_used,
+                        event_idx_enabled: s.event_idx_enabled,
+                    }
+                })
+                .collect(),
+            interrupt_status: self.interrupt_status,
+            config_generation: self.config_generation,
+            driver_error: self.driver_error.as_ref().map(|e| e.0.clone()),
+        }
+    }
+
+    /// The transport for `device` (restored by its own means), in `state`, raising its
+    /// interrupt through `interrupt`. Refused if the queues do not match what the device
+    /// offers (their number or maximum sizes) or a queue's state is one virtio-queue refuses;
+    /// the interrupt is not raised (a pending one is in `state.interrupt_status`, and in the
+    /// interrupt controller's own state).
+    pub fn restore(
+        device: D,
+        interrupt: Box<dyn Interrupt>,
+        state: &TransportState,
+    ) -> Result<Self, TransportError> {
+        let bad = |why: String| TransportError::State(why);
+        let offered = device.queue_max_sizes();
+        if offered.len() != state.queues.len() {
+            return Err(bad(format!(
+                "{} queues saved; the device has {}",
+                state.queues.len(),
+                offered.len()
+            )));
+        }
+        let mut queues = Vec::with_capacity(offered.len());
+        for (index, (saved, &max)) in state.queues.iter().zip(offered).enumerate() {
+            if saved.max_size != max {
+                return Err(bad(format!(
+                    "queue {index} was saved with maximum size {}; the device offers {max}",
+                    saved.max_size
+                )));
+            }
+            let queue = Queue::try_from(QueueState {
+                max_size: saved.max_size,
+                next_avail: saved.next_avail,
+                next_used: saved.next_used,
+                event_idx_enabled: saved.event_idx_enabled,
+                size: saved.size,
+                ready: saved.ready,
+                desc_table: saved.desc_table,
+                avail_ring: saved.avail_ring,
+                used_ring: saved.used_ring,
+            })
+            .map_err(|e| bad(format!("queue {index}: {e}")))?;
+            queues.push(queue);
+        }
+        Ok(MmioTransport {
+            device,
+            interrupt,
+            status: state.status,
+            device_features_sel: state.device_features_sel,
+            driver_features_sel: state.driver_features_sel,
+            driver_features: state.driver_features,
+            unknown_features_acked: state.unknown_features_acked,
+            queue_sel: state.queue_sel,
+            queues,
+            interrupt_status: state.interrupt_status,
+            config_generation: state.config_generation,
+            interrupt_failures: 0,
+            driver_error: state.driver_error.clone().map(DriverError),
         })
     }
 

@@ -6,18 +6,19 @@
 //! against themselves ([`SnapshotState::validate`]) before anything is built. The guest's
 //! memory (its command blocks included) is in the memory file beside it.
 
-use std::fs::File;
-use std::io::Read;
-use std::os::unix::fs::{FileExt, FileTypeExt, OpenOptionsExt};
 use std::path::Path;
 
-use kvm_bindings::{kvm_lapic_state, kvm_regs, kvm_sregs, kvm_vcpu_events, kvm_xcrs, kvm_xsave};
-use kvm_memslots_persist::{frame, framed_len, unframe, MemoryLayout, FRAME_HEADER};
+use kvm_memslots_persist::{frame, unframe, MemoryLayout};
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
 use crate::control::hotplug::HotplugConfig;
 use crate::migration::StateRecord;
+use crate::snapshot::file::{check_register_blocks, read_framed, TEST_GUEST_MAGIC};
+pub use crate::snapshot::file::{open_input, StateFileError, MAX_STATE_FILE};
+pub use crate::snapshot::info::{
+    MemoryCheck, MemoryMismatch, SnapshotId, SnapshotInfo, SnapshotKind, MEMORY_HEAD,
+};
 use crate::test_guest::controller::HOTPLUG_GPA;
 use crate::test_guest::hotplug::HotplugArea;
 use crate::test_guest::{IDENTITY_MAPPED, MAX_VCPUS};
@@ -26,15 +27,7 @@ use crate::vm::state::{VcpuState, SAVED_MSRS};
 /// The state file's format version (2: each file knows what snapshot it is).
 pub const STATE_VERSION: u32 = 2;
 
-/// The largest state file read: a layout of every KVM slot as its own region and the most
-/// vCPUs take a few MiB.
-pub const MAX_STATE_FILE: u64 = 64 << 20;
-
-/// How much of the start of the memory file a state file checks ([`MemoryCheck`]): the test
-/// guest's system region (page tables, code, command blocks).
-pub const MEMORY_HEAD: u64 = 2 << 20;
-
-const MAGIC: &[u8; 8] = b"TVMSNAP\0";
+const MAGIC: &[u8; 8] = TEST_GUEST_MAGIC;
 
 const STATE_MAGIC: &[u8; 8] = b"TVMMIGR\0";
 /// The migration state record's format version.
@@ -57,283 +50,6 @@ pub struct SnapshotState {
     /// The hotplug area, if one was configured.
     #[serde(default)]
     pub hotplug: Option<HotplugState>,
-}
-
-/// A snapshot's kind.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-pub enum SnapshotKind {
-    /// Its memory file has every page that holds data.
-    Full,
-    /// Its memory file has the pages changed since its parent: it restores merged onto its
-    /// chain (`tinyvmm snapshot-merge`).
-    Diff,
-}
-
-/// A snapshot's id: 128 random bits, written as 32 hex digits.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
-#[serde(into = "String", try_from = "String")]
-pub struct SnapshotId(pub u128);
-
-impl SnapshotId {
-    /// A new random id (from the kernel's `getrandom`).
-    pub fn random() -> std::io::Result<Self> {
-        let mut bytes = [0u8; 16];
-        let mut filled = 0;
-        while filled < bytes.len() {
-            let rest = &mut bytes[filled..];
-            // SAFETY: the kernel writes at most `rest.len()` bytes into `rest`, which is valid
-            // and exclusively borrowed for the call.
-            let n = unsafe { libc::getrandom(rest.as_mut_ptr().cast(), rest.len(), 0) };
-            if n < 0 {
-                let e = std::io::Error::last_os_error();
-                if e.kind() != std::io::ErrorKind::Interrupted {
-                    return Err(e);
-                }
-            } else {
-                filled += n as usize;
-            }
-        }
-        Ok(SnapshotId(u128::from_le_bytes(bytes)))
-    }
-}
-
-impl std::fmt::Display for SnapshotId {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "{:032x}", self.0)
-    }
-}
-
-impl From<SnapshotId> for String {
-    fn from(id: SnapshotId) -> String {
-        id.to_string()
-    }
-}
-
-impl TryFrom<String> for SnapshotId {
-    type Error = String;
-
-    fn try_from(hex: String) -> Result<Self, String> {
-        if hex.len() != 32 {
-            return Err(format!("snapshot id {hex:?} is not 32 hex digits"));
-        }
-        u128::from_str_radix(&hex, 16)
-            .map(SnapshotId)
-            .map_err(|e| format!("snapshot id {hex:?}: {e}"))
-    }
-}
-
-/// What snapshot a state file is, and what its memory file must be.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct SnapshotInfo {
-    /// Full or Diff.
-    pub kind: SnapshotKind,
-    /// This snapshot's id.
-    pub id: SnapshotId,
-    /// The snapshot before it in its chain (none for a Full).
-    pub parent: Option<SnapshotId>,
-    /// Its place in its chain: 0 for the Full, then 1, 2... for each Diff.
-    pub position: u32,
-    /// The VM's identity: its chain's Full snapshot's id.
-    pub vm: SnapshotId,
-    /// The memory at this snapshot's point (a Diff's: its chain merged up to it).
-    pub memory: MemoryCheck,
-}
-
-impl SnapshotInfo {
-    /// A Full snapshot of memory that `memory` describes: the first of a new chain.
-    pub fn full(memory: MemoryCheck) -> std::io::Result<Self> {
-        let id = SnapshotId::random()?;
-        Ok(SnapshotInfo {
-            kind: SnapshotKind::Full,
-            id,
-            parent: None,
-            position: 0,
-            vm: id,
-            memory,
-        })
-    }
-
-    /// The Diff snapshot that follows this one.
-    pub fn next_diff(&self, memory: MemoryCheck) -> std::io::Result<Self> {
-        Ok(SnapshotInfo {
-            kind: SnapshotKind::Diff,
-            id: SnapshotId::random()?,
-            parent: Some(self.id),
-            position: self.position.saturating_add(1),
-            vm: self.vm,
-            memory,
-        })
-    }
-
-    /// Checks that the fields agree: a Full is its own chain's first, without a parent; a
-    /// Diff comes later, after another snapshot of its VM; the memory is the layout's.
-    fn validate(&self, layout: &MemoryLayout) -> Result<(), String> {
-        let consistent = match self.kind {
-            SnapshotKind::Full => self.parent.is_none() && self.position == 0 && self.vm == self.id,
-            SnapshotKind::Diff => {
-                self.position > 0 && self.parent.is_some_and(|p| p != self.id) && self.vm != self.id
-            }
-        };
-        if !consistent {
-            return Err(format!(
-                "a {:?} snapshot at position {} with parent {} in the chain of {} contradicts itself",
-                self.kind,
-                self.position,
-                self.parent.map_or("none".into(), |p| p.to_string()),
-                self.vm
-            ));
-        }
-        let expected = MemoryCheck::expected_head(layout);
-        if self.memory.size != layout.memory_file_size() || self.memory.head != expected {
-            return Err(format!(
-                "its memory check ({} bytes, the first {} checked) does not fit its layout ({} \
-                 bytes, the first {expected} checked)",
-                self.memory.size,
-                self.memory.head,
-                layout.memory_file_size()
-            ));
-        }
-        Ok(())
-    }
-
-    /// Why `self` (from `path`) cannot follow `before` (from `before_path`) in a chain, if it
-    /// cannot: it is of another VM, or it is not `before`'s child (a link missing between them,
-    /// or out of order).
-    pub fn check_follows(
-        &self,
-        path: &Path,
-        before: &SnapshotInfo,
-        before_path: &Path,
-    ) -> Result<(), String> {
-        let (this, that) = (path.display(), before_path.display());
-        if self.vm != before.vm {
-            return Err(format!(
-                "{this} is of another VM (the chain of Full {}) than {that} (the chain of Full {})",
-                self.vm, before.vm
-            ));
-        }
-        if self.parent != Some(before.id) || self.position != before.position.saturating_add(1) {
-            return Err(format!(
-                "{this} does not follow {that}: it is snapshot {} of its chain, after {}, but \
-                 {that} is snapshot {} ({}): a link is missing or out of order",
-                self.position,
-                self.parent.map_or("none".into(), |p| p.to_string()),
-                before.position,
-                before.id
-            ));
-        }
-        Ok(())
-    }
-}
-
-/// What the memory file of a snapshot's point must be, checked cheaply before a restore and
-/// after a merge: its size and the CRC-32 of its first bytes (the test guest's system region).
-/// A Diff's own memory file fails it (it has holes where the guest's code is), and so does the
-/// memory of another VM or another point, where their first bytes differ (the command blocks
-/// count every command).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct MemoryCheck {
-    /// The memory file's size (the layout's).
-    pub size: u64,
-    /// How many of its first bytes are checked: [`MEMORY_HEAD`], or all of a smaller file.
-    pub head: u64,
-    /// Their CRC-32.
-    pub head_crc32: u32,
-}
-
-/// Why a memory file is not the one a state file wants.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-pub enum MemoryMismatch {
-    /// Another size.
-    #[error("it has {found} bytes; the snapshot's memory has {expected}")]
-    Size {
-        /// The file's.
-        found: u64,
-        /// The snapshot's.
-        expected: u64,
-    },
-    /// Other first bytes.
-    #[error(
-        "its first {head} bytes differ from the snapshot's memory (CRC-32 {found:#010x}, not \
-         {expected:#010x})"
-    )]
-    Head {
-        /// How many bytes were compared.
-        head: u64,
-        /// The file's CRC-32.
-        found: u32,
-        /// The snapshot's.
-        expected: u32,
-    },
-    /// The file could not be read.
-    #[error("reading it failed: {0}")]
-    Io(String),
-}
-
-impl MemoryCheck {
-    /// How many bytes of a memory file of `layout` are checked.
-    fn expected_head(layout: &MemoryLayout) -> u64 {
-        layout.memory_file_size().min(MEMORY_HEAD)
-    }
-
-    /// The check of the memory file `layout` gives `memory` (paused): the bytes at the start
-    /// of the file are those of the layout's first regions, read from guest memory.
-    pub fn of_memory(
-        memory: &impl vm_memory::GuestMemory,
-        layout: &MemoryLayout,
-    ) -> Result<Self, vm_memory::GuestMemoryError> {
-        use vm_memory::{Bytes, GuestAddress};
-        let head = Self::expected_head(layout);
-        let mut bytes = vec![0u8; head as usize];
-        let mut at = 0usize;
-        for region in &layout.regions {
-            if at == bytes.len() {
-                break;
-            }
-            let n = (region.size as usize).min(bytes.len() - at);
-            memory.read_slice(&mut bytes[at..at + n], GuestAddress(region.gpa))?;
-            at += n;
-        }
-        Ok(MemoryCheck {
-            size: layout.memory_file_size(),
-            head,
-            head_crc32: crc32fast::hash(&bytes),
-        })
-    }
-
-    /// Whether `file` has this memory file's size (a Diff's own file has it too).
-    pub fn check_size(&self, file: &File) -> Result<(), MemoryMismatch> {
-        let found = file
-            .metadata()
-            .map_err(|e| MemoryMismatch::Io(e.to_string()))?
-            .len();
-        if found != self.size {
-            return Err(MemoryMismatch::Size {
-                found,
-                expected: self.size,
-            });
-        }
-        Ok(())
-    }
-
-    /// Whether `file` is this memory file: its size, and its first bytes' CRC-32.
-    pub fn check(&self, file: &File) -> Result<(), MemoryMismatch> {
-        let io = |e: std::io::Error| MemoryMismatch::Io(e.to_string());
-        self.check_size(file)?;
-        let mut bytes = vec![0u8; self.head.min(MEMORY_HEAD) as usize];
-        file.read_exact_at(&mut bytes, 0).map_err(io)?;
-        let crc = crc32fast::hash(&bytes);
-        if crc != self.head_crc32 {
-            return Err(MemoryMismatch::Head {
-                head: self.head,
-                found: crc,
-                expected: self.head_crc32,
-            });
-        }
-        Ok(())
-    }
 }
 
 /// The hotplug area's bookkeeping: its configuration, the blocks plugged, and which of its
@@ -415,106 +131,10 @@ impl HotplugState {
     }
 }
 
-/// Why a state file was refused.
-#[derive(Debug, thiserror::Error)]
-#[error("invalid snapshot state file: {0}")]
-pub struct StateFileError(pub String);
-
-/// Opens `path` to read without blocking (a FIFO with no writer, or a device, cannot hang the
-/// caller) and refuses anything but a regular file, saying what it is (the caller names the
-/// path).
-pub fn open_input(path: &Path) -> Result<File, String> {
-    let file = File::options()
-        .read(true)
-        .custom_flags(libc::O_NONBLOCK | libc::O_CLOEXEC)
-        .open(path)
-        .map_err(|e| e.to_string())?;
-    let kind = file
-        .metadata()
-        .map_err(|e| format!("reading its type: {e}"))?
-        .file_type();
-    let what = if kind.is_file() {
-        return Ok(file);
-    } else if kind.is_dir() {
-        "a directory"
-    } else if kind.is_fifo() {
-        "a FIFO"
-    } else if kind.is_socket() {
-        "a socket"
-    } else if kind.is_block_device() || kind.is_char_device() {
-        "a device"
-    } else {
-        "not a regular file"
-    };
-    Err(format!("{what}, not a regular file"))
-}
-
 /// Reads and checks the state file at `path` (see [`SnapshotState::from_bytes`]), its header
-/// first: a file that is not a regular file, is empty, has another magic or version, is over
-/// [`MAX_STATE_FILE`] or another size than its header says is refused before it is read
-/// whole. The error does not name the path: the caller does.
+/// first ([`read_framed`]). The error does not name the path: the caller does.
 pub fn read_state_file(path: &Path) -> Result<SnapshotState, StateFileError> {
-    let bad = StateFileError;
-    let mut file = open_input(path).map_err(bad)?;
-    let size = file
-        .metadata()
-        .map_err(|e| bad(format!("reading its size: {e}")))?
-        .len();
-    if size == 0 {
-        return Err(bad("the file is empty".into()));
-    }
-    let mut header = [0u8; FRAME_HEADER];
-    let got = size.min(FRAME_HEADER as u64) as usize;
-    file.read_exact(&mut header[..got])
-        .map_err(|e| bad(format!("reading its header: {e}")))?;
-    let total = framed_len(MAGIC, STATE_VERSION, &header[..got]).map_err(bad)?;
-    if total > MAX_STATE_FILE {
-        return Err(bad(format!(
-            "its header announces {total} bytes, over the {} MiB a state file may have",
-            MAX_STATE_FILE >> 20
-        )));
-    }
-    if total != size {
-        return Err(bad(format!(
-            "{size} bytes, but its header announces {total} (truncated or padded)"
-        )));
-    }
-    let mut bytes = header[..got].to_vec();
-    bytes.resize(total as usize, 0);
-    file.read_exact(&mut bytes[got..])
-        .map_err(|e| bad(format!("reading it: {e}")))?;
-    SnapshotState::from_bytes(&bytes)
-}
-
-/// Checks that every vCPU's register blocks in `vcpus` (the JSON of [`VcpuState`]s) have
-/// exactly their structure's size: kvm-bindings' deserialiser fills a short one with zeros.
-fn check_register_blocks(vcpus: &Value) -> Result<(), String> {
-    use std::mem::size_of;
-    let Some(vcpus) = vcpus.as_array() else {
-        return Ok(()); // Not a list: the typed parse names it.
-    };
-    let blocks = [
-        ("regs", size_of::<kvm_regs>()),
-        ("sregs", size_of::<kvm_sregs>()),
-        ("xsave", size_of::<kvm_xsave>()),
-        ("xcrs", size_of::<kvm_xcrs>()),
-        ("events", size_of::<kvm_vcpu_events>()),
-        ("lapic", size_of::<kvm_lapic_state>()),
-    ];
-    for (i, vcpu) in vcpus.iter().enumerate() {
-        for (name, size) in blocks {
-            match vcpu.get(name) {
-                Some(Value::Array(bytes)) if bytes.len() != size => {
-                    return Err(format!(
-                        "vCPU {i}'s {name} has {} bytes; a {name} block has {size}",
-                        bytes.len()
-                    ))
-                }
-                _ => {}
-            }
-        }
-    }
-    Ok(())
+    SnapshotState::from_bytes(&read_framed(path, MAGIC, STATE_VERSION)?)
 }
 
 impl SnapshotState {
@@ -640,8 +260,11 @@ impl StateRecord for MigrationRecord {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::vm::state::{VcpuState, SAVED_MSRS};
     use kvm_memslots::testing::FakeKvm;
     use kvm_memslots::{MemoryManager, RegionSpec};
+    use std::fs::File;
+    use std::os::unix::fs::FileExt;
     use vm_memory::{Bytes, GuestAddress};
 
     const MIB: u64 = 1 << 20;
@@ -809,6 +432,9 @@ mod tests {
             events: Default::default(),
             msrs: SAVED_MSRS.iter().map(|&i| (i, 0)).collect(),
             lapic: None,
+            debugregs: None,
+            mp_state: None,
+            cpuid: Vec::new(),
         };
         let mut vcpus = serde_json::to_value([&vcpu]).expect("JSON");
         assert_eq!(check_register_blocks(&vcpus), Ok(()));

@@ -1,14 +1,18 @@
 //! A vCPU's architectural state, saved and restored with KVM's ioctls: general and special
 //! registers, the XSAVE area (x87, SSE, AVX), XCR0, pending events (exceptions, interrupts,
-//! NMIs), the architectural MSRs a 64-bit guest sets (`SAVED_MSRS`; EFER and the FS/GS bases
-//! are in the special registers), and the local APIC where the VM has an in-kernel irqchip
-//! (the test guest runs without one). Serialisable with serde (kvm-bindings' `serde` feature),
-//! for snapshots.
+//! NMIs), debug registers, the multiprocessing state, CPUID, a list of MSRs (the test guest's
+//! fixed `SAVED_MSRS`; for a Linux guest every MSR KVM lists and the vCPU can read,
+//! [`readable_msrs`], kvmclock's among them), and the local APIC where the VM has an in-kernel
+//! irqchip (the test guest runs without one). Beside it, the VM's own state ([`VmState`]): the
+//! in-kernel PIC and IOAPIC, the PIT and the VM clock. Serialisable with serde (kvm-bindings'
+//! `serde` feature), for snapshots and migration.
 
 use kvm_bindings::{
-    kvm_lapic_state, kvm_msr_entry, kvm_regs, kvm_sregs, kvm_vcpu_events, kvm_xcrs, kvm_xsave, Msrs,
+    kvm_clock_data, kvm_cpuid_entry2, kvm_debugregs, kvm_irqchip, kvm_lapic_state, kvm_mp_state,
+    kvm_msr_entry, kvm_pit_state2, kvm_regs, kvm_sregs, kvm_vcpu_events, kvm_xcrs, kvm_xsave,
+    CpuId, Msrs, KVM_MAX_CPUID_ENTRIES,
 };
-use kvm_ioctls::VcpuFd;
+use kvm_ioctls::{Kvm, VcpuFd, VmFd};
 use serde::de::value::BytesDeserializer;
 use serde::de::{DeserializeOwned, Error as _};
 use serde::{Deserialize, Deserializer, Serialize};
@@ -37,6 +41,15 @@ pub struct VcpuState {
     /// The local APIC, where the VM has an in-kernel irqchip.
     #[serde(default, deserialize_with = "exact_option")]
     pub lapic: Option<kvm_lapic_state>,
+    /// The debug registers (absent in files of older builds).
+    #[serde(default, deserialize_with = "exact_option")]
+    pub debugregs: Option<kvm_debugregs>,
+    /// Running, halted, or waiting for its start-up IPI (absent in files of older builds).
+    #[serde(default, deserialize_with = "exact_option")]
+    pub mp_state: Option<kvm_mp_state>,
+    /// The CPUID the vCPU was given (empty where it was given none, as the test guest's).
+    #[serde(default)]
+    pub cpuid: Vec<kvm_cpuid_entry2>,
 }
 
 /// Reads a KVM structure that kvm-bindings writes as its raw bytes, refusing any other number
@@ -97,9 +110,18 @@ fn failed(what: &'static str) -> impl Fn(kvm_ioctls::Error) -> StateError {
 }
 
 impl VcpuState {
-    /// Reads `vcpu`'s state. The vCPU must not be running (call from its own thread between
-    /// runs, or before it starts).
+    /// Reads `vcpu`'s state with the test guest's MSRs ([`SAVED_MSRS`]); see
+    /// [`save_with`](Self::save_with).
     pub fn save(vcpu: &VcpuFd) -> Result<Self, StateError> {
+        Self::save_with(vcpu, &SAVED_MSRS)
+    }
+
+    /// Reads `vcpu`'s state, with the MSRs `msrs`. The vCPU must not be running (call from
+    /// its own thread between runs, or before it starts).
+    pub fn save_with(vcpu: &VcpuFd, msrs: &[u32]) -> Result<Self, StateError> {
+        let cpuid = vcpu
+            .get_cpuid2(KVM_MAX_CPUID_ENTRIES)
+            .map_err(failed("KVM_GET_CPUID2"))?;
         Ok(VcpuState {
             regs: vcpu.get_regs().map_err(failed("KVM_GET_REGS"))?,
             sregs: vcpu.get_sregs().map_err(failed("KVM_GET_SREGS"))?,
@@ -108,15 +130,31 @@ impl VcpuState {
             events: vcpu
                 .get_vcpu_events()
                 .map_err(failed("KVM_GET_VCPU_EVENTS"))?,
-            msrs: read_msrs(vcpu)?,
+            msrs: read_msrs(vcpu, msrs)?,
             // Without an in-kernel irqchip there is no local APIC to read (KVM says ENXIO).
             lapic: vcpu.get_lapic().ok(),
+            debugregs: Some(vcpu.get_debug_regs().map_err(failed("KVM_GET_DEBUGREGS"))?),
+            mp_state: Some(vcpu.get_mp_state().map_err(failed("KVM_GET_MP_STATE"))?),
+            cpuid: cpuid.as_slice().to_vec(),
         })
     }
 
-    /// Gives `vcpu` (not running) this state: special registers first (paging and modes), then
-    /// XCR0 before the XSAVE area it governs, then the rest.
+    /// Gives `vcpu` (not running) this state: CPUID first (it decides what the rest may
+    /// hold), then the multiprocessing state, the special registers (paging and modes, the
+    /// APIC base), XCR0 before the XSAVE area it governs, the registers, the local APIC before
+    /// the MSRs (the TSC deadline needs its timer mode), and the pending events last.
     pub fn restore(&self, vcpu: &VcpuFd) -> Result<(), StateError> {
+        if !self.cpuid.is_empty() {
+            let cpuid = CpuId::from_entries(&self.cpuid).map_err(|_| StateError {
+                what: "building the CPUID list",
+                source: kvm_ioctls::Error::new(libc::E2BIG),
+            })?;
+            vcpu.set_cpuid2(&cpuid).map_err(failed("KVM_SET_CPUID2"))?;
+        }
+        if let Some(mp_state) = self.mp_state {
+            vcpu.set_mp_state(mp_state)
+                .map_err(failed("KVM_SET_MP_STATE"))?;
+        }
         vcpu.set_sregs(&self.sregs)
             .map_err(failed("KVM_SET_SREGS"))?;
         vcpu.set_xcrs(&self.xcrs).map_err(failed("KVM_SET_XCRS"))?;
@@ -125,13 +163,114 @@ impl VcpuState {
         // more than the struct holds.
         unsafe { vcpu.set_xsave(&self.xsave) }.map_err(failed("KVM_SET_XSAVE"))?;
         vcpu.set_regs(&self.regs).map_err(failed("KVM_SET_REGS"))?;
-        write_msrs(vcpu, &self.msrs)?;
+        if let Some(debugregs) = &self.debugregs {
+            vcpu.set_debug_regs(debugregs)
+                .map_err(failed("KVM_SET_DEBUGREGS"))?;
+        }
         if let Some(lapic) = &self.lapic {
             vcpu.set_lapic(lapic).map_err(failed("KVM_SET_LAPIC"))?;
         }
+        write_msrs(vcpu, &self.msrs)?;
         // Events last: they may refer to the state above.
         vcpu.set_vcpu_events(&self.events)
             .map_err(failed("KVM_SET_VCPU_EVENTS"))?;
+        Ok(())
+    }
+}
+
+/// The MSRs of KVM's list (`KVM_GET_MSR_INDEX_LIST`) that `vcpu` lets the VMM read: what a
+/// Linux guest's vCPU saves (kvmclock's, the TSC and its deadline, SYSCALL's, PAT, MTRRs, …).
+/// KVM lists MSRs the host's CPU or this vCPU's CPUID lacks, and stops a read at the first it
+/// refuses, so each is tried.
+pub fn readable_msrs(kvm: &Kvm, vcpu: &VcpuFd) -> Result<Vec<u32>, StateError> {
+    let listed = kvm
+        .get_msr_index_list()
+        .map_err(failed("KVM_GET_MSR_INDEX_LIST"))?;
+    let mut readable = Vec::new();
+    for &index in listed.as_slice() {
+        let mut one = msr_list(std::iter::once(kvm_msr_entry {
+            index,
+            ..Default::default()
+        }))?;
+        if vcpu.get_msrs(&mut one).is_ok_and(|read| read == 1) {
+            readable.push(index);
+        }
+    }
+    Ok(readable)
+}
+
+/// The VM's own state beside its vCPUs', where it has the in-kernel irqchip: the two PICs and
+/// the IOAPIC, the PIT, and the VM clock (kvmclock's base: restored, guest time goes on from
+/// where it was saved rather than jumping by the time the VM was away).
+#[derive(Debug, Serialize, Deserialize)]
+pub struct VmState {
+    /// The master PIC.
+    #[serde(deserialize_with = "exact")]
+    pub pic_master: kvm_irqchip,
+    /// The slave PIC.
+    #[serde(deserialize_with = "exact")]
+    pub pic_slave: kvm_irqchip,
+    /// The IOAPIC.
+    #[serde(deserialize_with = "exact")]
+    pub ioapic: kvm_irqchip,
+    /// The PIT.
+    #[serde(deserialize_with = "exact")]
+    pub pit: kvm_pit_state2,
+    /// The VM clock.
+    #[serde(deserialize_with = "exact")]
+    pub clock: kvm_clock_data,
+}
+
+/// `KVM_GET_IRQCHIP`'s chip ids.
+const PIC_MASTER: u32 = 0;
+const PIC_SLAVE: u32 = 1;
+const IOAPIC: u32 = 2;
+
+fn irqchip(vm: &VmFd, chip_id: u32) -> Result<kvm_irqchip, StateError> {
+    let mut chip = kvm_irqchip {
+        chip_id,
+        ..Default::default()
+    };
+    vm.get_irqchip(&mut chip)
+        .map_err(failed("KVM_GET_IRQCHIP"))?;
+    Ok(chip)
+}
+
+impl VmState {
+    /// Reads `vm`'s state; its vCPUs must be paused (the clock is read as of now).
+    pub fn save(vm: &VmFd) -> Result<Self, StateError> {
+        Ok(VmState {
+            pic_master: irqchip(vm, PIC_MASTER)?,
+            pic_slave: irqchip(vm, PIC_SLAVE)?,
+            ioapic: irqchip(vm, IOAPIC)?,
+            pit: vm.get_pit2().map_err(failed("KVM_GET_PIT2"))?,
+            clock: vm.get_clock().map_err(failed("KVM_GET_CLOCK"))?,
+        })
+    }
+
+    /// Gives `vm` (made with the irqchip and PIT, no vCPU running) this state. The clock is
+    /// set as saved, without `KVM_CLOCK_REALTIME`: the guest's time goes on from the point of
+    /// the save.
+    pub fn restore(&self, vm: &VmFd) -> Result<(), StateError> {
+        for (chip, id) in [
+            (&self.pic_master, PIC_MASTER),
+            (&self.pic_slave, PIC_SLAVE),
+            (&self.ioapic, IOAPIC),
+        ] {
+            if chip.chip_id != id {
+                return Err(StateError {
+                    what: "KVM_SET_IRQCHIP (a saved chip has another chip's id)",
+                    source: kvm_ioctls::Error::new(libc::EINVAL),
+                });
+            }
+            vm.set_irqchip(chip).map_err(failed("KVM_SET_IRQCHIP"))?;
+        }
+        vm.set_pit2(&self.pit).map_err(failed("KVM_SET_PIT2"))?;
+        let clock = kvm_clock_data {
+            clock: self.clock.clock,
+            ..Default::default()
+        };
+        vm.set_clock(&clock).map_err(failed("KVM_SET_CLOCK"))?;
         Ok(())
     }
 }
@@ -144,13 +283,13 @@ fn msr_list(entries: impl Iterator<Item = kvm_msr_entry>) -> Result<Msrs, StateE
     })
 }
 
-fn read_msrs(vcpu: &VcpuFd) -> Result<Vec<(u32, u64)>, StateError> {
-    let mut msrs = msr_list(SAVED_MSRS.iter().map(|&index| kvm_msr_entry {
+fn read_msrs(vcpu: &VcpuFd, indices: &[u32]) -> Result<Vec<(u32, u64)>, StateError> {
+    let mut msrs = msr_list(indices.iter().map(|&index| kvm_msr_entry {
         index,
         ..Default::default()
     }))?;
     let read = vcpu.get_msrs(&mut msrs).map_err(failed("KVM_GET_MSRS"))?;
-    if read != SAVED_MSRS.len() {
+    if read != indices.len() {
         // KVM stops at the first MSR it cannot read.
         return Err(StateError {
             what: "KVM_GET_MSRS (it refused an MSR)",
@@ -193,6 +332,9 @@ mod tests {
             events: Default::default(),
             msrs: vec![(0x10, 1)],
             lapic: Some(Default::default()),
+            debugregs: None,
+            mp_state: None,
+            cpuid: Vec::new(),
         };
         serde_json::to_value(&state).expect("serialises")
     }

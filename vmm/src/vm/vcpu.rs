@@ -119,7 +119,8 @@ struct PauseGate {
 struct Gate {
     requested: bool,
     parked: bool,
-    save: Option<Sender<Result<VcpuState, StateError>>>,
+    /// A save asked for: where the state goes, and the MSRs to read.
+    save: Option<(Sender<Result<VcpuState, StateError>>, Arc<[u32]>)>,
 }
 
 impl PauseGate {
@@ -199,15 +200,20 @@ impl VcpuShared {
             .filter(|&rip| rip != u64::MAX)
     }
 
-    /// The state of a paused vCPU, read by its own thread.
+    /// The state of a paused vCPU, read by its own thread, with the test guest's MSRs.
     pub fn save_paused(&self) -> Result<VcpuState, PauseError> {
+        self.save_paused_with(&Arc::from(&super::state::SAVED_MSRS[..]))
+    }
+
+    /// The state of a paused vCPU, read by its own thread, with the MSRs `msrs`.
+    pub fn save_paused_with(&self, msrs: &Arc<[u32]>) -> Result<VcpuState, PauseError> {
         let (reply, state) = std::sync::mpsc::channel();
         {
             let mut gate = self.pause.lock();
             if !gate.parked {
                 return Err(PauseError::NotPaused);
             }
-            gate.save = Some(reply);
+            gate.save = Some((reply, Arc::clone(msrs)));
         }
         self.pause.changed.notify_all();
         match state.recv_timeout(Duration::from_secs(10)) {
@@ -243,8 +249,8 @@ impl VcpuShared {
             if !gate.requested {
                 break true;
             }
-            if let Some(reply) = gate.save.take() {
-                let _ = reply.send(VcpuState::save(vcpu));
+            if let Some((reply, msrs)) = gate.save.take() {
+                let _ = reply.send(VcpuState::save_with(vcpu, &msrs));
                 continue;
             }
             gate = self

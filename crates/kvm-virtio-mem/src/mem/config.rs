@@ -116,6 +116,9 @@ pub enum Error {
     /// A queue size that is not a power of two between 1 and 32768.
     #[error("queue size {0} is not a power of two between 1 and 32768")]
     QueueSize(u16),
+    /// A saved state that does not fit the device or the memory it is restored over.
+    #[error("the saved virtio-mem state: {0}")]
+    State(String),
 }
 
 fn check_aligned(what: &'static str, value: u64, block_size: u64) -> Result<(), Error> {
@@ -243,6 +246,12 @@ impl Config {
     }
 
     /// Shrinks the usable region to fit the requested size (once every block is unplugged).
+    /// Sets the usable region as saved (checked by the caller against the block size, the
+    /// requested size and the region).
+    pub(super) fn set_usable_region_size(&mut self, bytes: u64) {
+        self.usable_region_size = bytes;
+    }
+
     pub(super) fn shrink_usable_region(&mut self) {
         self.usable_region_size = self.usable_for(self.requested_size);
     }

@@ -47,12 +47,12 @@ pub struct RequestCounts {
 /// The virtio-mem device. Put it behind an [`MmioTransport`] ([`into_mmio`](Self::into_mmio)).
 pub struct VirtioMem<K: KvmMemory> {
     memory: Arc<MemoryManager<K>>,
-    config: Config,
+    pub(super) config: Config,
     queue_sizes: [u16; 1],
     /// One entry per block: the region behind it while plugged.
-    blocks: Vec<Option<RegionId>>,
+    pub(super) blocks: Vec<Option<RegionId>>,
     plugged: u64,
-    counts: RequestCounts,
+    pub(super) counts: RequestCounts,
 }
 
 impl<K: KvmMemory> fmt::Debug for VirtioMem<K> {
@@ -113,6 +113,25 @@ impl<K: KvmMemory> VirtioMem<K> {
             plugged: 0,
             counts: RequestCounts::default(),
         })
+    }
+
+    /// A device of parts checked by the caller (`state.rs`'s restore).
+    pub(super) fn from_parts(
+        memory: Arc<MemoryManager<K>>,
+        config: Config,
+        queue_size: u16,
+        blocks: Vec<Option<RegionId>>,
+        plugged: u64,
+        counts: RequestCounts,
+    ) -> Self {
+        VirtioMem {
+            memory,
+            config,
+            queue_sizes: [queue_size],
+            blocks,
+            plugged,
+            counts,
+        }
     }
 
     /// The device behind a virtio-mmio transport that raises `interrupt`.

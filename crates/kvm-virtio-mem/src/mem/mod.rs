@@ -10,6 +10,7 @@
 mod config;
 mod device;
 mod request;
+mod state;
 #[cfg(test)]
 mod tests;
 
@@ -26,3 +27,4 @@ pub use request::{
     VIRTIO_MEM_RESP_NACK, VIRTIO_MEM_STATE_MIXED, VIRTIO_MEM_STATE_PLUGGED,
     VIRTIO_MEM_STATE_UNPLUGGED,
 };
+pub use state::VirtioMemState;

@@ -300,3 +300,72 @@ fn config_space_layout() {
     d.read_config(u64::MAX, &mut word);
     assert_eq!(word, [0; 4]);
 }
+
+/// A device restored from a saved state over memory with the plugged blocks' regions: the
+/// same blocks plugged (in the same regions), the same sizes; a memory map that does not hold
+/// exactly the plugged blocks is refused by name.
+#[test]
+fn a_saved_state_restores_over_the_plugged_blocks_regions_and_nothing_else() {
+    let mut dev = device(64);
+    dev.set_requested_size(16 * MIB).expect("requested");
+    assert_eq!(dev.handle(plug(BASE, 2)).0, Response::ACK);
+    assert_eq!(dev.handle(plug(BASE + 8 * MIB, 1)).0, Response::ACK);
+    let state = dev.state();
+    assert_eq!(state.plugged, vec![[0, 2], [4, 5]]);
+    assert_eq!(state.requested_size, 16 * MIB);
+    let options = {
+        let mut o = VirtioMemOptions::new(GuestAddress(BASE), 64 * MIB, 2 * MIB);
+        o.usable_headroom = 8 * MIB;
+        o
+    };
+    let blocks = dev.plugged_blocks();
+    // Memory as a restore rebuilds it: the same regions, with their ids.
+    let rebuilt = |skip: Option<usize>, extra: Option<u64>| {
+        let memory = Arc::new(MemoryManager::new(FakeKvm::new(64, true)));
+        let mut specs: Vec<RegionSpec> = blocks
+            .iter()
+            .enumerate()
+            .filter(|(i, _)| Some(*i) != skip)
+            .map(|(_, b)| RegionSpec::new(b.gpa, 2 * MIB).with_id(b.region))
+            .collect();
+        if let Some(gpa) = extra {
+            specs.push(RegionSpec::new(GuestAddress(gpa), 2 * MIB));
+        }
+        memory.add_regions(specs).expect("the regions");
+        memory
+    };
+    let back = VirtioMem::restore(rebuilt(None, None), options, &state).expect("restored");
+    assert_eq!(back.state(), state);
+    assert_eq!(back.plugged_blocks(), blocks);
+    assert_eq!(back.plugged_size(), 3 * 2 * MIB);
+    let refused = |memory, state: &VirtioMemState| match VirtioMem::restore(memory, options, state)
+    {
+        Err(Error::State(why)) => why,
+        other => panic!("expected a refusal, got {other:?}"),
+    };
+    let missing = refused(rebuilt(Some(2), None), &state);
+    assert!(
+        missing.contains("block 4 at 0x100800000 is plugged"),
+        "{missing}"
+    );
+    let unplugged = refused(rebuilt(None, Some(BASE + 12 * MIB)), &state);
+    assert!(
+        unplugged.contains("block 6, which the state says is unplugged"),
+        "{unplugged}"
+    );
+    let overlapping = VirtioMemState {
+        plugged: vec![[0, 2], [1, 5]],
+        ..state.clone()
+    };
+    let why = refused(rebuilt(None, None), &overlapping);
+    assert!(
+        why.contains("plugged blocks 1..5 are not an ascending range"),
+        "{why}"
+    );
+    let beyond = VirtioMemState {
+        usable_region_size: 65 * MIB,
+        ..state.clone()
+    };
+    let why = refused(rebuilt(None, None), &beyond);
+    assert!(why.contains("usable region size 0x4100000"), "{why}");
+}

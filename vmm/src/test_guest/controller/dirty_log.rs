@@ -94,7 +94,7 @@ impl Controller {
             for consumer in memory.dirty_log_holders(region.id).unwrap_or_default() {
                 let name = if consumer == DirtyConsumer::DEFAULT {
                     "client"
-                } else if Some(consumer) == self.chain {
+                } else if Some(consumer) == self.chain.consumer() {
                     "snapshot_chain"
                 } else {
                     "migration"

@@ -15,8 +15,6 @@ mod snapshot;
 
 use std::sync::atomic::{AtomicBool, Ordering};
 
-use kvm_memslots::DirtyConsumer;
-
 use crate::control::dirty_log::DirtyRate;
 use crate::control::memory::{memory_info, MemoryInfo};
 use crate::control::migration::MigrationInfo;
@@ -25,6 +23,7 @@ use crate::control::vm::{
 };
 use crate::control::{Apply, ControllerError, ErrorKind, Outcome, Reply, Request, Ticket};
 use crate::migration::{MigratingVcpu, Migration};
+use crate::snapshot::SnapshotChain;
 use crate::test_guest::hotplug::HotplugArea;
 use crate::test_guest::vcpus::{GuestError, TestVm, VcpuHandle, Vcpus};
 use guest::{Answer, Waiter};
@@ -49,11 +48,9 @@ pub struct Controller {
     last_harvest: Option<std::time::Instant>,
     /// The dirty rate between the last two harvests of every region.
     dirty_rate: Option<DirtyRate>,
-    /// The last snapshot (what the next Diff follows), and the pages harvested for a diff that
-    /// failed (kept for the next one).
-    snapshot_base: Option<snapshot::SnapshotBase>,
-    /// The snapshot chain's reader of the dirty log, from the first Full snapshot on.
-    chain: Option<DirtyConsumer>,
+    /// The snapshots taken: the last one (what the next Diff follows) and the chain's reader
+    /// of the dirty log.
+    chain: SnapshotChain,
     /// Set when the VMM is asked to stop while a request runs (SIGINT/SIGTERM): long requests
     /// stop at their next safe point.
     interrupt: &'static AtomicBool,
@@ -103,8 +100,7 @@ impl Controller {
             harvests: 0,
             last_harvest: None,
             dirty_rate: None,
-            snapshot_base: None,
-            chain: None,
+            chain: SnapshotChain::new(),
             interrupt: crate::lifecycle::termination_signal(),
             migration: None,
             held: Vec::new(),

@@ -1,0 +1,149 @@
+//! The device's state for snapshots and migration: the sizes the driver reads and which blocks
+//! are plugged. The plugged blocks' memory is the manager's (a restore rebuilds its regions
+//! from the memory layout, with their ids); a restored device adopts those regions instead of
+//! plugging again, and refuses a memory map that does not have exactly the plugged blocks in
+//! its area.
+
+use std::sync::Arc;
+
+use kvm_memslots::{KvmMemory, MemoryManager, RegionId};
+use serde::{Deserialize, Serialize};
+
+use super::config::{Config, Error, VirtioMemOptions};
+use super::device::{RequestCounts, VirtioMem};
+
+/// What a [`VirtioMem`] saves besides the options it was made with.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct VirtioMemState {
+    /// The size the device asks the driver to plug.
+    pub requested_size: u64,
+    /// How much of the region the driver may plug in.
+    pub usable_region_size: u64,
+    /// The plugged blocks, as `[first, end)` block-index ranges, ascending.
+    pub plugged: Vec<[u64; 2]>,
+    /// Requests answered, by response: ACK, NACK, BUSY, ERROR.
+    pub counts: [u64; 4],
+}
+
+impl<K: KvmMemory> VirtioMem<K> {
+    /// The device's state.
+    pub fn state(&self) -> VirtioMemState {
+        let mut plugged: Vec<[u64; 2]> = Vec::new();
+        for (i, block) in self.blocks.iter().enumerate() {
+            if block.is_none() {
+                continue;
+            }
+            let i = i as u64;
+            match plugged.last_mut() {
+                Some(run) if run[1] == i => run[1] = i + 1,
+                _ => plugged.push([i, i + 1]),
+            }
+        }
+        let RequestCounts {
+            ack,
+            nack,
+            busy,
+            error,
+        } = self.counts;
+        VirtioMemState {
+            requested_size: self.config.requested_size(),
+            usable_region_size: self.config.usable_region_size(),
+            plugged,
+            counts: [ack, nack, busy, error],
+        }
+    }
+
+    /// The device `options` describe, in `state`, over `memory` that already holds the
+    /// plugged blocks' regions (restored from a snapshot's layout or received in a
+    /// migration). Refused, naming what is wrong, if the options are inconsistent, the state
+    /// does not fit them (sizes, block ranges), or `memory`'s regions in the device's area are
+    /// not exactly one region per plugged block.
+    pub fn restore(
+        memory: Arc<MemoryManager<K>>,
+        options: VirtioMemOptions,
+        state: &VirtioMemState,
+    ) -> Result<Self, Error> {
+        let bad = |why: String| Error::State(why);
+        let mut config = Config::new(&options)?;
+        config.set_requested_size(state.requested_size)?;
+        let block = config.block_size();
+        let usable = state.usable_region_size;
+        let region = config.region();
+        if !usable.is_multiple_of(block)
+            || usable < state.requested_size
+            || usable > region.end - region.start
+        {
+            return Err(bad(format!(
+                "usable region size {usable:#x} is not a multiple of the block size {block:#x} \
+                 between the requested size {:#x} and the region size {:#x}",
+                state.requested_size,
+                region.end - region.start
+            )));
+        }
+        config.set_usable_region_size(usable);
+        let usable_blocks = usable / block;
+        let mut blocks: Vec<Option<RegionId>> = vec![None; config.blocks() as usize];
+        let mut end = 0;
+        for &[first, last] in &state.plugged {
+            if first < end || first >= last || last > usable_blocks {
+                return Err(bad(format!(
+                    "plugged blocks {first}..{last} are not an ascending range inside the \
+                     usable region's {usable_blocks} blocks"
+                )));
+            }
+            end = last;
+        }
+        // Every region of the manager in the area must be one plugged block.
+        for r in memory.regions() {
+            if r.gpa.0 >= region.end || r.gpa.0 + r.size <= region.start {
+                continue;
+            }
+            let index = (r.gpa.0.saturating_sub(region.start)) / block;
+            let plugged = state
+                .plugged
+                .iter()
+                .any(|&[first, last]| (first..last).contains(&index));
+            if r.gpa.0 < region.start || r.size != block || !r.gpa.0.is_multiple_of(block) {
+                return Err(bad(format!(
+                    "region {} at {:#x} ({:#x} bytes) lies in the device's area but is not one \
+                     of its blocks",
+                    r.id, r.gpa.0, r.size
+                )));
+            }
+            if !plugged {
+                return Err(bad(format!(
+                    "region {} at {:#x} is block {index}, which the state says is unplugged",
+                    r.id, r.gpa.0
+                )));
+            }
+            blocks[index as usize] = Some(r.id);
+        }
+        let mut count = 0;
+        for &[first, last] in &state.plugged {
+            for index in first..last {
+                if blocks[index as usize].is_none() {
+                    return Err(bad(format!(
+                        "block {index} at {:#x} is plugged, but the memory has no region there",
+                        config.block_gpa(index as usize).0
+                    )));
+                }
+                count += 1;
+            }
+        }
+        let [ack, nack, busy, error] = state.counts;
+        Ok(VirtioMem::from_parts(
+            memory,
+            config,
+            options.queue_size,
+            blocks,
+            count,
+            RequestCounts {
+                ack,
+                nack,
+                busy,
+                error,
+            },
+        ))
+    }
+}
