@@ -75,3 +75,48 @@ fn kvm_a_vcpu_state_moves_to_another_vm_through_json() {
         }
     }
 }
+
+/// The VM's irqchip, PIT and clock move to another VM through JSON, and the clock goes on from
+/// where it was saved rather than by the time the VM was away.
+#[test]
+fn kvm_a_vm_state_moves_to_another_vm_and_its_clock_does_not_jump() {
+    if !kvm_test_support::require_kvm(
+        "tinyvmm::kvm_a_vm_state_moves_to_another_vm_and_its_clock_does_not_jump",
+    ) {
+        return;
+    }
+    use tinyvmm::vm::state::VmState;
+    let options = VmOptions {
+        irqchip: true,
+        ..VmOptions::default()
+    };
+    let source = Vm::new(options).expect("a VM");
+    let mut ioapic = kvm_bindings::kvm_irqchip {
+        chip_id: 2,
+        ..Default::default()
+    };
+    source.fd().get_irqchip(&mut ioapic).expect("the IOAPIC");
+    // SAFETY: chip_id 2 is the IOAPIC, whose member of the union KVM filled.
+    ioapic.chip.ioapic.id = 3;
+    source.fd().set_irqchip(&ioapic).expect("an IOAPIC id");
+    let saved = VmState::save(source.fd()).expect("saved");
+    let json = serde_json::to_string(&saved).expect("JSON");
+    std::thread::sleep(std::time::Duration::from_millis(1500));
+    let back: VmState = serde_json::from_str(&json).expect("from JSON");
+    let target = Vm::new(options).expect("another VM");
+    back.restore(target.fd()).expect("restored");
+    let clock = target.fd().get_clock().expect("the clock").clock;
+    let ahead = clock.saturating_sub(saved.clock.clock);
+    assert!(
+        ahead < 500_000_000,
+        "the clock jumped {ahead} ns ahead of the saved {} (the VM was away 1.5 s)",
+        saved.clock.clock
+    );
+    let mut restored = kvm_bindings::kvm_irqchip {
+        chip_id: 2,
+        ..Default::default()
+    };
+    target.fd().get_irqchip(&mut restored).expect("the IOAPIC");
+    // SAFETY: as above.
+    assert_eq!(unsafe { restored.chip.ioapic.id }, 3, "the IOAPIC's id");
+}

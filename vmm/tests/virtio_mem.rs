@@ -29,6 +29,7 @@ use tinyvmm::devices::legacy::LegacyDevices;
 use tinyvmm::linux::controller::LinuxController;
 use tinyvmm::linux::hotplug::{self, VIRTIO_MEM_MMIO};
 use tinyvmm::linux::ports::LinuxPorts;
+use tinyvmm::linux::state::{KernelRecord, LinuxMachine, Machine};
 use tinyvmm::vm::exit::{handle_exit, Exit, ExitAction, ExitContext};
 use tinyvmm::vm::vcpu::VcpuPorts;
 use tinyvmm::vm::{Vm, VmOptions};
@@ -141,6 +142,25 @@ fn kvm_the_api_sizes_virtio_mem_and_the_guest_plugs_through_mmio_exits() {
         EventFd::new(0).expect("eventfd"),
         EventFd::new(0).expect("eventfd"),
     ));
+    let machine = Arc::new(LinuxMachine {
+        vm_fd: Arc::clone(vm.fd()),
+        devices: Arc::clone(&devices),
+        bus: Arc::new(LegacyDevices::bus()),
+        hotplug: Some(Arc::clone(&hotplug.device)),
+        machine: Machine {
+            vcpus: 1,
+            acpi: false,
+            hotplug_mib: 1024,
+            hotplug_block_mib: 2,
+            kernel: KernelRecord {
+                path: "none".into(),
+                size: 0,
+                crc32: 0,
+            },
+            cmdline: String::new(),
+        },
+        msrs: Arc::from(Vec::new()),
+    });
     let ports = LinuxPorts {
         devices,
         bus: Arc::new(LegacyDevices::bus()),
@@ -163,7 +183,9 @@ fn kvm_the_api_sizes_virtio_mem_and_the_guest_plugs_through_mmio_exits() {
     assert_eq!(base, 4 << 30, "the area starts at 4 GiB");
     let mut api = LinuxController::new(
         Arc::clone(&memory),
-        Some(Arc::clone(&hotplug.device)),
+        machine,
+        Vec::new(),
+        false,
         Arc::new(AtomicBool::new(false)),
     );
 

@@ -77,3 +77,123 @@ pub struct DirtyRate {
     /// Pages per second.
     pub pages_per_second: f64,
 }
+
+/// A client's side of the dirty log, whatever the guest kind: its logging switches and
+/// harvests (the manager's default consumer), and the dirty rate between its harvests of
+/// every region.
+#[derive(Debug, Default)]
+pub struct DirtyLogClient {
+    /// Harvests of every region so far.
+    harvests: u64,
+    /// The last one's time.
+    last_harvest: Option<std::time::Instant>,
+    /// The dirty rate between the last two harvests of every region.
+    dirty_rate: Option<DirtyRate>,
+}
+
+type Memory = kvm_memslots::MemoryManager<kvm_memslots::KvmVm>;
+
+fn target(region: Option<u64>) -> kvm_memslots::Target {
+    region.map_or(kvm_memslots::Target::All, |id| {
+        kvm_memslots::Target::Region(kvm_memslots::RegionId(id))
+    })
+}
+
+impl DirtyLogClient {
+    /// `PATCH /dirty-log`: the client's logging of one region or all.
+    pub fn switch(
+        &mut self,
+        memory: &Memory,
+        switch: DirtyLogSwitch,
+    ) -> Result<(), kvm_memslots::Error> {
+        let target = target(switch.region);
+        if switch.enabled {
+            memory.start_dirty_log(target)
+        } else {
+            memory.stop_dirty_log(target)
+        }
+    }
+
+    /// `POST /dirty-log/harvest`: what the client's regions dirtied since its last harvest.
+    pub fn harvest(
+        &mut self,
+        memory: &Memory,
+        harvest: Harvest,
+    ) -> Result<HarvestInfo, kvm_memslots::Error> {
+        let dirty = memory.harvest_dirty(target(harvest.region))?;
+        if harvest.region.is_none() {
+            // Every region: a window for the dirty rate since the last such harvest.
+            let now = std::time::Instant::now();
+            let pages = dirty.iter().map(|d| d.count()).sum();
+            if let Some(last) = self.last_harvest {
+                let window = now.duration_since(last).as_secs_f64();
+                self.dirty_rate = Some(DirtyRate {
+                    pages,
+                    window_ms: window * 1e3,
+                    pages_per_second: if window > 0.0 {
+                        pages as f64 / window
+                    } else {
+                        0.0
+                    },
+                });
+            }
+            self.last_harvest = Some(now);
+            self.harvests += 1;
+        }
+        let regions = dirty
+            .iter()
+            .map(|d| DirtyRegion {
+                id: d.region.0,
+                guest_address: d.gpa.0,
+                pages: d.pages,
+                dirty_pages: d.count(),
+                ranges: d.ranges().map(|r| [r.start, r.end]).collect(),
+            })
+            .collect();
+        Ok(HarvestInfo {
+            page_size: kvm_memslots::PAGE_SIZE,
+            regions,
+        })
+    }
+
+    /// `GET /dirty-log`; `chain` is the snapshot chain's reader, if there is one (any other
+    /// reader but the client's is a migration's).
+    pub fn info(
+        &self,
+        memory: &Memory,
+        chain: Option<kvm_memslots::DirtyConsumer>,
+    ) -> DirtyLogInfo {
+        let ring_entries = memory.kvm().ring_entries();
+        let mut logging_for: std::collections::BTreeMap<&'static str, Vec<u64>> =
+            std::collections::BTreeMap::new();
+        for region in memory.regions() {
+            for consumer in memory.dirty_log_holders(region.id).unwrap_or_default() {
+                let name = if consumer == kvm_memslots::DirtyConsumer::DEFAULT {
+                    "client"
+                } else if Some(consumer) == chain {
+                    "snapshot_chain"
+                } else {
+                    "migration"
+                };
+                logging_for.entry(name).or_default().push(region.id.0);
+            }
+        }
+        DirtyLogInfo {
+            mode: if ring_entries.is_some() {
+                "ring"
+            } else {
+                "bitmap"
+            },
+            ring_entries,
+            logging_regions: memory
+                .regions()
+                .iter()
+                .filter(|r| r.flags.log_dirty)
+                .map(|r| r.id.0)
+                .collect(),
+            logging_for,
+            harvests: self.harvests,
+            dirty_rate: self.dirty_rate,
+        }
+    }
+}

@@ -6,6 +6,8 @@
 use std::io::Write;
 use std::sync::{Mutex, MutexGuard};
 
+use serde::{Deserialize, Serialize};
+use vm_superio::serial::SerialState;
 use vm_superio::{I8042Device, Serial, Trigger};
 use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 
@@ -41,6 +43,67 @@ impl Trigger for EventFdTrigger {
 
 /// The serial console's output.
 pub type ConsoleOutput = Box<dyn Write + Send>;
+
+/// The serial console's registers and its receive FIFO (vm-superio's `SerialState`),
+/// serialisable.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SerialSnapshot {
+    /// Divisor latch, low byte.
+    pub baud_divisor_low: u8,
+    /// Divisor latch, high byte.
+    pub baud_divisor_high: u8,
+    /// Interrupt enable register.
+    pub interrupt_enable: u8,
+    /// Interrupt identification register.
+    pub interrupt_identification: u8,
+    /// Line control register.
+    pub line_control: u8,
+    /// Line status register.
+    pub line_status: u8,
+    /// Modem control register.
+    pub modem_control: u8,
+    /// Modem status register.
+    pub modem_status: u8,
+    /// Scratch register.
+    pub scratch: u8,
+    /// Input not yet read by the guest.
+    pub in_buffer: Vec<u8>,
+}
+
+impl From<SerialState> for SerialSnapshot {
+    fn from(s: SerialState) -> Self {
+        SerialSnapshot {
+            baud_divisor_low: s.baud_divisor_low,
+            baud_divisor_high: s.baud_divisor_high,
+            interrupt_enable: s.interrupt_enable,
+            interrupt_identification: s.interrupt_identification,
+            line_control: s.line_control,
+            line_status: s.line_status,
+            modem_control: s.modem_control,
+            modem_status: s.modem_status,
+            scratch: s.scratch,
+            in_buffer: s.in_buffer,
+        }
+    }
+}
+
+impl From<&SerialSnapshot> for SerialState {
+    fn from(s: &SerialSnapshot) -> Self {
+        SerialState {
+            baud_divisor_low: s.baud_divisor_low,
+            baud_divisor_high: s.baud_divisor_high,
+            interrupt_enable: s.interrupt_enable,
+            interrupt_identification: s.interrupt_identification,
+            line_control: s.line_control,
+            line_status: s.line_status,
+            modem_control: s.modem_control,
+            modem_status: s.modem_status,
+            scratch: s.scratch,
+            in_buffer: s.in_buffer.clone(),
+        }
+    }
+}
 
 /// The devices, shared between vCPU threads and the event loop.
 pub struct LegacyDevices {
@@ -95,6 +158,34 @@ impl LegacyDevices {
             serial: Mutex::new(Serial::new(EventFdTrigger(serial_irq), output)),
             i8042: Mutex::new(I8042Device::new(EventFdTrigger(reset))),
         }
+    }
+
+    /// The serial console as saved in `state`, writing to `output`, with its interrupt on
+    /// `serial_irq`, and the i8042 (which has no state of its own: it answers reads with 0 and
+    /// acts only on the reset command) signalling `reset`. Refused if the saved FIFO holds
+    /// more than the device's.
+    pub fn restore(
+        output: ConsoleOutput,
+        serial_irq: EventFd,
+        reset: EventFd,
+        state: &SerialSnapshot,
+    ) -> Result<Self, String> {
+        let serial = Serial::from_state(
+            &SerialState::from(state),
+            EventFdTrigger(serial_irq),
+            vm_superio::serial::NoEvents,
+            output,
+        )
+        .map_err(|e| format!("the serial console's saved state: {e}"))?;
+        Ok(LegacyDevices {
+            serial: Mutex::new(serial),
+            i8042: Mutex::new(I8042Device::new(EventFdTrigger(reset))),
+        })
+    }
+
+    /// The serial console's state (the i8042 has none).
+    pub fn serial_state(&self) -> SerialSnapshot {
+        lock(&self.serial).state().into()
     }
 
     /// Creates an eventfd for a device line.

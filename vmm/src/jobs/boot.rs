@@ -12,7 +12,7 @@ use crate::api::server::{ApiSocket, SocketError, DEFAULT_IDLE_TIMEOUT};
 use crate::lifecycle::LoopError;
 use crate::linux::console::RawTerminal;
 use crate::linux::controller::LinuxController;
-use crate::linux::{BootConfig, BootEnding, BootError, BootReport, Console, LinuxVm};
+use crate::linux::{BootConfig, BootEnding, BootError, BootReport, Console, LinuxVcpus, LinuxVm};
 
 /// Why a boot could not start (or the VMM failed while it ran).
 #[derive(Debug, thiserror::Error)]
@@ -26,6 +26,14 @@ pub enum BootJobError {
     /// The API socket could not be created.
     #[error(transparent)]
     Api(#[from] SocketError),
+    /// A snapshot's or a migration's state file, or its memory file, was refused.
+    #[error("cannot restore from {}: {reason}", path.display())]
+    Restore {
+        /// The file.
+        path: std::path::PathBuf,
+        /// Why.
+        reason: String,
+    },
 }
 
 /// Boots `config`'s kernel and runs it until it resets, a vCPU stops, a signal or the timeout.
@@ -36,15 +44,47 @@ pub fn boot(
     on_start: impl FnOnce(&BootReport),
 ) -> Result<BootReport, BootJobError> {
     let started = Instant::now();
-    let Console {
-        output,
-        stdin,
-        stop: stop_request,
-    } = console;
-    let (linux, mut report) = LinuxVm::new(config, output)?;
+    let (mut linux, mut report) = LinuxVm::new(config, console.output)?;
+    let vcpus = linux.create_vcpus(config)?;
+    report.setup_time = started.elapsed();
+    on_start(&report);
+    let run = LinuxRun {
+        api_sock: config.api_sock.clone(),
+        timeout_secs: config.timeout_secs,
+        stdin: console.stdin,
+        stop: console.stop,
+        paused: false,
+    };
+    report.ending = run_linux(&linux, vcpus, run)?;
+    Ok(report)
+}
 
+/// How a Linux guest runs: its API socket, its timeout, its console input, a caller's stop
+/// flag, and whether it starts paused (a restored or received guest).
+#[derive(Debug, Default)]
+pub struct LinuxRun {
+    /// The API socket to serve.
+    pub api_sock: Option<std::path::PathBuf>,
+    /// Stop the VM after this many seconds.
+    pub timeout_secs: Option<f64>,
+    /// Read console input from stdin (a terminal).
+    pub stdin: bool,
+    /// Set by the caller to stop the VM.
+    pub stop: Option<Arc<AtomicBool>>,
+    /// The vCPUs start paused: a client resumes them (`PATCH /vm`).
+    pub paused: bool,
+}
+
+/// Runs `linux` on `vcpus` under the run loop, with its console and API socket, until it
+/// resets, a vCPU stops, a client or the caller stops it, it migrates away, a signal comes or
+/// the timeout; returns how it ended.
+pub fn run_linux(
+    linux: &LinuxVm,
+    vcpus: LinuxVcpus,
+    options: LinuxRun,
+) -> Result<BootEnding, BootJobError> {
     let mut run = RunLoop::new()?;
-    let terminal = if stdin {
+    let terminal = if options.stdin {
         RawTerminal::new(std::io::stdin().as_raw_fd())
     } else {
         None
@@ -54,26 +94,30 @@ pub fn boot(
     run.add(Arc::new(Mutex::new(
         linux.console(Arc::clone(&reset_seen), input)?,
     )));
+    let socket = options
+        .api_sock
+        .as_deref()
+        .map(ApiSocket::bind)
+        .transpose()?;
+    let mut running = vcpus.start(&run.context().vcpu_stopped)?;
     let api_stop = Arc::new(AtomicBool::new(false));
-    if let Some(path) = &config.api_sock {
-        let socket = ApiSocket::bind(path)?;
+    let serving = socket.is_some();
+    if let Some(socket) = socket {
         let controller = LinuxController::new(
             Arc::clone(linux.memory()),
-            linux.hotplug_device(),
+            Arc::clone(linux.machine()),
+            running.handles(),
+            options.paused,
             Arc::clone(&api_stop),
         );
         run.serve(socket, controller, DEFAULT_IDLE_TIMEOUT);
     }
-    let vcpus = linux.create_vcpus(config)?;
-    report.setup_time = started.elapsed();
-    on_start(&report);
-    let mut running = vcpus.start(&run.context().vcpu_stopped)?;
 
-    let deadline = config
+    let deadline = options
         .timeout_secs
         .map(|t| Instant::now() + Duration::from_secs_f64(t));
     // A caller's or a client's stop request is polled.
-    let most = if stop_request.is_some() || config.api_sock.is_some() {
+    let most = if options.stop.is_some() || serving {
         20
     } else {
         1000
@@ -85,16 +129,20 @@ pub fn boot(
         };
         wait.as_millis().clamp(1, most) as i32
     };
-    let ending = run.run(wait_ms, |_| {
+    let ending = run.run(wait_ms, |controller| {
         if reset_seen.load(Ordering::Acquire) {
             return Some(BootEnding::Reset);
         }
         if api_stop.load(Ordering::Acquire)
-            || stop_request
+            || options
+                .stop
                 .as_ref()
                 .is_some_and(|s| s.load(Ordering::Acquire))
         {
             return Some(BootEnding::Stopped);
+        }
+        if controller.is_some_and(|c| c.migrated()) {
+            return Some(BootEnding::Migrated);
         }
         if let Some(ending) = running.ended() {
             return Some(ending);
@@ -103,9 +151,9 @@ pub fn boot(
             .is_some_and(|d| Instant::now() >= d)
             .then_some(BootEnding::Timeout)
     });
+    run.with_controller(LinuxController::shut_down);
     running.stop();
     linux.flush_console();
     drop(terminal);
-    report.ending = ending.unwrap_or(BootEnding::Interrupted);
-    Ok(report)
+    Ok(ending.unwrap_or(BootEnding::Interrupted))
 }

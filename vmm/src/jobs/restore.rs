@@ -1,5 +1,7 @@
-//! `tinyvmm restore`: a test-guest VM restored from a snapshot (`PUT /snapshot/create`), served
-//! paused as `serve` serves a new one. The state file is read and checked before anything is
+//! `tinyvmm restore`: a VM restored from a snapshot (`PUT /snapshot/create`), paused: a test
+//! guest served as `serve` serves a new one ([`restored_controller`]), a Linux guest run as
+//! `boot` runs one, its console on stdout ([`restore_linux`]); the state file's magic says
+//! which. The state file is read and checked before anything is
 //! built, and the memory file checked against what the state file recorded of it: a Diff
 //! restores from its chain merged (`tinyvmm snapshot-merge`) with its own state file, and its
 //! own memory file, or another snapshot's or VM's, is refused. Nothing runs until every byte is
@@ -10,7 +12,11 @@ use std::sync::Arc;
 
 use vmm_sys_util::eventfd::EventFd;
 
+use super::boot::{run_linux, BootJobError, LinuxRun};
 use super::serve::ServeError;
+use crate::linux::restore::MemorySource;
+use crate::linux::state::LinuxState;
+use crate::linux::{BootEnding, LinuxVm};
 use crate::test_guest::controller::Controller;
 use crate::test_guest::snapshot::{
     open_input, read_state_file, MemoryMismatch, SnapshotInfo, SnapshotKind,
@@ -58,6 +64,53 @@ pub(crate) fn restored_controller(
             path: from.snapshot.clone(),
             reason: e.to_string(),
         })
+}
+
+/// Restores the Linux guest of `from` with its console on `output`, paused, serving its API on
+/// `api_sock`, within `limits`, and runs it as `boot` does until it ends (a client resumes
+/// it). The state file is read and checked, and the memory file checked against it, before
+/// anything is built.
+pub fn restore_linux(
+    from: &RestoreFrom,
+    api_sock: PathBuf,
+    output: crate::devices::legacy::ConsoleOutput,
+    limits: Option<kvm_memslots::MemoryLimits>,
+) -> Result<BootEnding, BootJobError> {
+    let refused = |path: &PathBuf, reason: String| BootJobError::Restore {
+        path: path.clone(),
+        reason,
+    };
+    let state = LinuxState::read_file(&from.snapshot)
+        .map_err(|e| refused(&from.snapshot, e.to_string()))?;
+    let mem_file = open_input(&from.mem_file).map_err(|e| refused(&from.mem_file, e))?;
+    if let Some(info) = &state.snapshot {
+        info.memory
+            .check(&mem_file)
+            .map_err(|e| refused(&from.snapshot, wrong_memory(from, info, &e)))?;
+    }
+    let linux = LinuxVm::restore(
+        &state,
+        MemorySource::File(&mem_file, from.backend),
+        output,
+        limits,
+    )?;
+    let vcpus = linux.restored_vcpus(&state)?;
+    eprintln!(
+        "tinyvmm: Linux guest restored from {} ({} vCPUs, {} regions), paused: PATCH /vm          {{\"state\": \"Resumed\"}} on {} runs it",
+        from.snapshot.display(),
+        state.vcpus.len(),
+        state.layout.regions.len(),
+        api_sock.display()
+    );
+    run_linux(
+        &linux,
+        vcpus,
+        LinuxRun {
+            api_sock: Some(api_sock),
+            paused: true,
+            ..LinuxRun::default()
+        },
+    )
 }
 
 /// Why `from`'s memory file is not the memory of the snapshot `info` (`mismatch`), and for a

@@ -1,52 +1,197 @@
-//! A Linux guest's controller: what its API socket (`tinyvmm boot --api-sock`) answers. Its
-//! memory, its virtio-mem device's requested size, and a stop; the table in
-//! `control::support` refuses every other request before it gets here.
+//! A Linux guest's controller: what its API socket (`tinyvmm boot --api-sock`, `restore` and
+//! `receive` of a Linux guest) answers. Pausing and resuming, Full and Diff snapshots of a
+//! paused VM (the snapshot chain every guest kind shares), dirty logging, live migration (the
+//! generic migration with this guest's vCPUs and State record), its memory, its virtio-mem
+//! device's requested size, and a stop; the table in `control::support` refuses the test
+//! guest's own requests before they get here.
 
+use std::fs::File;
+use std::os::unix::fs::FileExt;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 use kvm_memslots::{KvmVm, MemoryManager};
 
 use super::hotplug::{hotplug_info, lock, VirtioMemDevice};
+use super::state::{LinuxMachine, LinuxRecord};
+use super::vcpus::LinuxVcpu;
+use crate::control::dirty_log::DirtyLogClient;
 use crate::control::memory::memory_info;
 use crate::control::support::LinuxRequest;
+use crate::control::vm::{RunState, VmInfo, VmStateRequest};
 use crate::control::{Apply, ControllerError, Outcome, Reply, Request};
+use crate::migration::slot::MigrationSlot;
+use crate::migration::source::SourceVm;
+use crate::migration::MigratingVcpu;
+use crate::snapshot::SnapshotChain;
 
 const MIB: u64 = 1 << 20;
 
-/// What a Linux guest's API socket offers: its memory, its hotplug device, and a stop.
+/// What a Linux guest's API socket offers.
 #[derive(Debug)]
 pub struct LinuxController {
     memory: Arc<MemoryManager<KvmVm>>,
-    hotplug: Option<VirtioMemDevice>,
+    machine: Arc<LinuxMachine>,
+    vcpus: Vec<LinuxVcpu>,
+    state: RunState,
     stop: Arc<AtomicBool>,
+    chain: SnapshotChain,
+    dirty_log: DirtyLogClient,
+    migration: MigrationSlot<LinuxVcpu>,
+    /// The process's stop flag (SIGINT/SIGTERM), for a migration's waits.
+    interrupt: &'static AtomicBool,
 }
 
 impl LinuxController {
-    /// A controller over `memory` and `hotplug`; a client's stop sets `stop`.
+    /// A controller over the guest `machine` with `memory`, running on `vcpus` (paused if
+    /// `paused`: a restored or received guest); a client's stop sets `stop`.
     pub fn new(
         memory: Arc<MemoryManager<KvmVm>>,
-        hotplug: Option<VirtioMemDevice>,
+        machine: Arc<LinuxMachine>,
+        vcpus: Vec<LinuxVcpu>,
+        paused: bool,
         stop: Arc<AtomicBool>,
     ) -> Self {
         LinuxController {
             memory,
-            hotplug,
+            machine,
+            vcpus,
+            state: if paused {
+                RunState::Paused
+            } else {
+                RunState::Running
+            },
             stop,
+            chain: SnapshotChain::new(),
+            dirty_log: DirtyLogClient::default(),
+            migration: MigrationSlot::default(),
+            interrupt: crate::lifecycle::termination_signal(),
         }
     }
 
+    /// Whether the VM runs on a migration's destination now (the VMM should stop).
+    pub fn migrated(&self) -> bool {
+        self.migration.completed()
+    }
+
+    /// Cancels a migration under way and waits for it (the VMM is stopping).
+    pub fn shut_down(&mut self) {
+        self.migration.shut_down();
+    }
+
     fn device(&self) -> Result<&VirtioMemDevice, ControllerError> {
-        self.hotplug.as_ref().ok_or_else(|| {
+        self.machine.hotplug.as_ref().ok_or_else(|| {
             ControllerError::not_found(
                 "no hotplug device: boot with --hotplug-mib to give the guest a virtio-mem device",
             )
         })
     }
+
+    /// Pauses every vCPU; if one cannot pause, those paused go on again.
+    fn pause(&mut self) -> Result<(), ControllerError> {
+        for (index, vcpu) in self.vcpus.iter().enumerate() {
+            if let Err(e) = vcpu.shared.pause(super::vcpus::PAUSE_TIMEOUT) {
+                for paused in &self.vcpus[..=index] {
+                    paused.shared.resume();
+                }
+                return Err(ControllerError::conflict(format!(
+                    "vCPU {index} could not be paused: {e}"
+                )));
+            }
+        }
+        // What the guest wrote to the console before the pause is out.
+        self.machine.devices.flush();
+        self.state = RunState::Paused;
+        Ok(())
+    }
+
+    fn resume(&mut self) {
+        for vcpu in &self.vcpus {
+            vcpu.shared.resume();
+        }
+        self.migration.resume_held();
+        self.state = RunState::Running;
+    }
+
+    fn create_snapshot(
+        &mut self,
+        create: crate::control::snapshot::SnapshotCreate,
+    ) -> Result<(), ControllerError> {
+        if self.state != RunState::Paused {
+            return Err(ControllerError::bad(
+                "the VM is running: pause it first with PATCH /vm {\"state\": \"Paused\"}",
+            ));
+        }
+        let (memory, machine, vcpus) = (&self.memory, &self.machine, &self.vcpus);
+        self.chain
+            .create(memory, &create, |info, layout, file: &File| {
+                let states = vcpus
+                    .iter()
+                    .enumerate()
+                    .map(|(index, vcpu)| {
+                        vcpu.save().map_err(|e| {
+                            ControllerError::internal(format!(
+                                "the snapshot failed: vCPU {index}: {e}"
+                            ))
+                        })
+                    })
+                    .collect::<Result<Vec<_>, _>>()?;
+                let state = machine
+                    .save(Some(info), layout, states, true)
+                    .map_err(|e| ControllerError::conflict(format!("the snapshot failed: {e}")))?;
+                file.write_all_at(&state.to_bytes(), 0)
+                    .map_err(|e| ControllerError::internal(format!("the snapshot failed: {e}")))
+            })
+            .map(|_| ())
+    }
+
+    fn migrate(
+        &mut self,
+        request: crate::control::migration::MigrateRequest,
+    ) -> Result<(), ControllerError> {
+        if let Some(device) = &self.machine.hotplug {
+            let transport = lock(device);
+            let mem = transport.device();
+            if mem.plugged_size() != mem.requested_size() {
+                return Err(ControllerError::conflict(format!(
+                    "the guest is still plugging or unplugging memory ({} MiB plugged of {} MiB \
+                     requested), which changes the memory layout: migrate once GET \
+                     /hotplug/memory shows them equal",
+                    mem.plugged_size() / MIB,
+                    mem.requested_size() / MIB
+                )));
+            }
+        }
+        let paused = self.state == RunState::Paused;
+        let vcpus = self
+            .vcpus
+            .iter()
+            .map(|v| LinuxVcpu {
+                keep_paused: paused,
+                ..v.clone()
+            })
+            .collect();
+        let vm = SourceVm {
+            memory: Arc::clone(&self.memory),
+            vcpus,
+            state: Box::new(LinuxRecord {
+                machine: Arc::clone(&self.machine),
+                paused,
+            }),
+        };
+        self.migration.start(&request, vm, self.interrupt)
+    }
 }
 
 impl Apply for LinuxController {
     fn apply(&mut self, request: Request) -> Outcome {
+        if self.migration.settle() {
+            // The destination may run the VM: it stays paused here until a client says.
+            self.state = RunState::Paused;
+        }
+        if let Some(refused) = self.migration.refusal(&request) {
+            return Err(refused);
+        }
         match LinuxRequest::try_from(request)? {
             LinuxRequest::GetMemory => Ok(Reply::Memory(memory_info(&self.memory))),
             LinuxRequest::GetHotplug => Ok(Reply::Hotplug(hotplug_info(self.device()?))),
@@ -71,6 +216,35 @@ impl Apply for LinuxController {
                 self.stop.store(true, Ordering::Release);
                 Ok(Reply::Done)
             }
+            LinuxRequest::GetVm => Ok(Reply::Vm(VmInfo {
+                state: self.state,
+                vcpus: self.vcpus.len(),
+                failure: None,
+            })),
+            LinuxRequest::PatchVm(patch) => {
+                match patch.state {
+                    VmStateRequest::Paused if self.state == RunState::Paused => {}
+                    VmStateRequest::Paused => self.pause()?,
+                    VmStateRequest::Resumed => self.resume(),
+                }
+                Ok(Reply::Done)
+            }
+            LinuxRequest::CreateSnapshot(create) => {
+                self.create_snapshot(create).map(|()| Reply::Done)
+            }
+            LinuxRequest::SwitchDirtyLog(switch) => {
+                self.dirty_log.switch(&self.memory, switch)?;
+                Ok(Reply::Done)
+            }
+            LinuxRequest::Harvest(harvest) => Ok(Reply::Harvest(
+                self.dirty_log.harvest(&self.memory, harvest)?,
+            )),
+            LinuxRequest::GetDirtyLog => Ok(Reply::DirtyLog(
+                self.dirty_log.info(&self.memory, self.chain.consumer()),
+            )),
+            LinuxRequest::Migrate(request) => self.migrate(request).map(|()| Reply::Done),
+            LinuxRequest::GetMigration => self.migration.get().map(Reply::Migration),
+            LinuxRequest::CancelMigration => self.migration.cancel().map(|()| Reply::Done),
         }
     }
 }

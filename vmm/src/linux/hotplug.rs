@@ -14,7 +14,9 @@
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use kvm_memslots::KvmVm;
-use kvm_virtio_mem::{MmioTransport, VirtioMem, VirtioMemOptions, MMIO_WINDOW_SIZE};
+use kvm_virtio_mem::{
+    MmioTransport, TransportState, VirtioMem, VirtioMemOptions, VirtioMemState, MMIO_WINDOW_SIZE,
+};
 use vm_memory::GuestAddress;
 use vmm_sys_util::eventfd::EventFd;
 
@@ -47,6 +49,9 @@ pub enum HotplugError {
     /// Its interrupt could not be set up.
     #[error(transparent)]
     Vm(#[from] VmError),
+    /// The saved transport state does not fit the device.
+    #[error("the virtio-mem transport: {0}")]
+    Transport(#[from] kvm_virtio_mem::TransportError),
     /// Its interrupt's eventfd could not be created.
     #[error("creating the virtio-mem interrupt's eventfd failed: {0}")]
     EventFd(std::io::Error),
@@ -87,27 +92,66 @@ pub fn area_base(ram_end: u64) -> u64 {
     ram_end.max(MMIO_GAP_END).next_multiple_of(GIB)
 }
 
-/// Sets the device up on `vm` for `size_mib` MiB in blocks of `block_mib` MiB, above RAM.
-pub fn setup(vm: &Vm, size_mib: u64, block_mib: u64) -> Result<Hotplug, HotplugError> {
-    let memory = vm.memory();
-    let ram_end = memory
+/// The device's options for `size_mib` MiB in blocks of `block_mib` MiB, above RAM ending at
+/// `ram_end`.
+fn options(ram_end: u64, size_mib: u64, block_mib: u64) -> VirtioMemOptions {
+    VirtioMemOptions::new(
+        GuestAddress(area_base(ram_end)),
+        size_mib * MIB,
+        block_mib * MIB,
+    )
+}
+
+/// Where RAM ends on `vm` (no block is plugged yet).
+fn ram_end(vm: &Vm) -> u64 {
+    vm.memory()
         .regions()
         .iter()
         .map(|r| r.gpa.0 + r.size)
         .max()
-        .unwrap_or(0);
-    let base = area_base(ram_end);
+        .unwrap_or(0)
+}
+
+/// Sets the device up on `vm` for `size_mib` MiB in blocks of `block_mib` MiB, above RAM.
+pub fn setup(vm: &Vm, size_mib: u64, block_mib: u64) -> Result<Hotplug, HotplugError> {
+    let options = options(ram_end(vm), size_mib, block_mib);
+    let device = VirtioMem::new(Arc::clone(vm.memory()), options)?;
+    connect(vm, options, |interrupt| Ok(device.into_mmio(interrupt)))
+}
+
+/// The device of a restored VM (`vm` holds its plugged blocks' regions, rebuilt from the
+/// layout) at `base`, as `device` and `transport` saved it, for `size_mib` MiB in blocks of
+/// `block_mib` MiB.
+pub fn restore(
+    vm: &Vm,
+    base: u64,
+    (size_mib, block_mib): (u64, u64),
+    device: &VirtioMemState,
+    transport: &TransportState,
+) -> Result<Hotplug, HotplugError> {
     let options = VirtioMemOptions::new(GuestAddress(base), size_mib * MIB, block_mib * MIB);
-    let device = VirtioMem::new(Arc::clone(memory), options)?;
+    let device = VirtioMem::restore(Arc::clone(vm.memory()), options, device)?;
+    connect(vm, options, |interrupt| {
+        Ok(MmioTransport::restore(device, interrupt, transport)?)
+    })
+}
+
+/// Puts a device for `options` behind its transport (made by `transport` with the device's
+/// interrupt, an irqfd on its IOAPIC pin) in its MMIO window.
+fn connect(
+    vm: &Vm,
+    options: VirtioMemOptions,
+    transport: impl FnOnce(Box<EventFd>) -> Result<MmioTransport<VirtioMem<KvmVm>>, HotplugError>,
+) -> Result<Hotplug, HotplugError> {
     let interrupt = EventFd::new(0).map_err(HotplugError::EventFd)?;
     vm.fd()
         .register_irqfd(&interrupt, VIRTIO_MEM_IRQ)
         .map_err(VmError::setup("KVM_IRQFD for virtio-mem"))?;
-    let transport = device.into_mmio(Box::new(interrupt));
+    let transport = transport(Box::new(interrupt))?;
     let mut mmio = MmioBus::new();
     mmio.insert_device(VIRTIO_MEM_MMIO, MMIO_WINDOW_SIZE, VIRTIO_MEM_DEVICE)
         .expect("the device window is in the free MMIO gap");
-    mmio.insert_absent(base, size_mib * MIB)
+    mmio.insert_absent(options.addr.0, options.region_size)
         .expect("the area lies above RAM and the window");
     Ok(Hotplug {
         device: Arc::new(Mutex::new(transport)),

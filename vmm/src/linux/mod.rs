@@ -21,30 +21,34 @@ pub mod layout;
 pub mod loader;
 pub mod mptable;
 pub mod ports;
+pub mod restore;
+pub mod state;
+pub mod vcpus;
 
 use std::os::fd::RawFd;
 use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
-use std::thread::JoinHandle;
 use std::time::Duration;
 
 use kvm_memslots::{KvmVm, MemoryManager, RegionSpec};
 use vmm_sys_util::eventfd::EventFd;
 
-use crate::vm::ports::PortBus;
-use crate::vm::vcpu::{kick_until_finished, Vcpu, VcpuShared};
-use crate::vm::{Vm, VmError, VmOptions};
+use crate::vm::vcpu::{Vcpu, VcpuShared};
+use crate::vm::{self, Vm, VmError, VmOptions};
 
 pub use config::{BootConfig, BootProtocol, ConfigError};
 pub use e820::{E820Entry, E820Kind};
 pub use loader::{KernelFormat, LoadError};
 pub use ports::GuestStop;
 
-use crate::devices::legacy::{ConsoleOutput, DeviceError, LegacyDevice, LegacyDevices, SERIAL_IRQ};
+use crate::devices::legacy::SERIAL_IRQ;
+use crate::devices::{self, legacy::ConsoleOutput, legacy::DeviceError, legacy::LegacyDevices};
 use console::ConsoleSubscriber;
 use hotplug::VirtioMemDevice;
 use loader::Entry;
 use ports::LinuxPorts;
+use state::LinuxMachine;
+pub use vcpus::{LinuxVcpu, LinuxVcpus, RunningVcpus};
 
 /// Why a boot could not start (or the VMM failed while it ran).
 #[derive(Debug, thiserror::Error)]
@@ -76,6 +80,9 @@ pub enum BootError {
     /// The hotplug device could not be set up.
     #[error(transparent)]
     Hotplug(#[from] hotplug::HotplugError),
+    /// A snapshot's or a migration's state could not be restored.
+    #[error("restoring the guest: {0}")]
+    Restore(String),
     /// A vCPU thread could not be started.
     #[error("starting vCPU thread {vcpu} failed: {source}")]
     Thread {
@@ -99,6 +106,8 @@ pub enum BootEnding {
     Interrupted,
     /// The caller asked for a stop ([`Console::stop`]), or a client did (`PUT /actions`).
     Stopped,
+    /// The VM migrated away: it runs on the destination now.
+    Migrated,
 }
 
 impl BootEnding {
@@ -107,7 +116,7 @@ impl BootEnding {
     /// interrupted. (1 is a VMM error before or outside the run.)
     pub fn exit_code(&self) -> u8 {
         match self {
-            BootEnding::Reset | BootEnding::Stopped => 0,
+            BootEnding::Reset | BootEnding::Stopped | BootEnding::Migrated => 0,
             BootEnding::GuestStopped(GuestStop::HostLimitation { .. }) => 3,
             BootEnding::GuestStopped(_) => 2,
             BootEnding::Timeout => 124,
@@ -124,6 +133,7 @@ impl std::fmt::Display for BootEnding {
             BootEnding::Timeout => write!(f, "timed out: the VM was stopped"),
             BootEnding::Interrupted => write!(f, "interrupted by a signal: the VM was stopped"),
             BootEnding::Stopped => write!(f, "stopped on request"),
+            BootEnding::Migrated => write!(f, "the VM migrated: it runs on the destination now"),
         }
     }
 }
@@ -197,17 +207,45 @@ impl std::fmt::Debug for Console {
     }
 }
 
-/// A Linux guest set up to boot: its VM, RAM, tables and loaded kernel, its devices and, once
-/// [`LinuxVm::create_vcpus`] ran, its vCPUs; nothing runs yet. The boot job
-/// (`jobs::boot`) runs it under the event loop.
+/// A Linux guest set up to boot (or restored from a snapshot): its VM, RAM, tables and loaded
+/// kernel, its devices and, once [`LinuxVm::create_vcpus`] ran, its vCPUs; nothing runs yet.
+/// The boot job (`jobs::boot`) runs it under the event loop.
 #[derive(Debug)]
 pub struct LinuxVm {
     vm: Vm,
-    devices: Arc<LegacyDevices>,
+    /// What its state is saved from: the VM, its devices, the machine booted.
+    machine: Arc<LinuxMachine>,
     reset: EventFd,
-    hotplug: Option<hotplug::Hotplug>,
-    bus: Arc<PortBus<LegacyDevice>>,
-    entry: Entry,
+    /// The virtio-mem device's MMIO window and area, if it has one.
+    hotplug_mmio: Option<Arc<vm::mmio::MmioBus>>,
+    /// Where the boot vCPU enters the kernel (none for a restored guest).
+    entry: Option<Entry>,
+    /// The fault handler of a guest restored with userfaultfd, held for the VM's life.
+    _loader: Option<kvm_memslots_persist::LazyLoader>,
+}
+
+/// The serial console and the i8042 on `vm`, with their interrupt and reset lines: new, or as
+/// `serial` saved them.
+fn legacy_devices(
+    vm: &Vm,
+    output: ConsoleOutput,
+    serial: Option<&devices::legacy::SerialSnapshot>,
+) -> Result<(Arc<LegacyDevices>, EventFd), BootError> {
+    let serial_irq = LegacyDevices::eventfd("serial interrupt")?;
+    let reset = LegacyDevices::eventfd("i8042 reset")?;
+    vm.fd()
+        .register_irqfd(&serial_irq, SERIAL_IRQ)
+        .map_err(VmError::setup("KVM_IRQFD for the serial console"))?;
+    let line = reset
+        .try_clone()
+        .map_err(|e| BootError::Device(DeviceError::new("i8042 reset", e)))?;
+    let devices = match serial {
+        None => LegacyDevices::new(output, serial_irq, line),
+        Some(state) => {
+            LegacyDevices::restore(output, serial_irq, line, state).map_err(BootError::Restore)?
+        }
+    };
+    Ok((Arc::new(devices), reset))
 }
 
 impl LinuxVm {
@@ -261,19 +299,15 @@ impl LinuxVm {
         cpu::write_tables(&*snapshot, loaded.entry)?;
         mptable::write(&*snapshot, config.vcpus)?;
         drop(snapshot);
+        let kernel = state::KernelRecord::of(&config.kernel).map_err(|source| {
+            BootError::Load(LoadError::File {
+                what: "kernel",
+                path: config.kernel.clone(),
+                source,
+            })
+        })?;
 
-        let serial_irq = LegacyDevices::eventfd("serial interrupt")?;
-        let reset = LegacyDevices::eventfd("i8042 reset")?;
-        vm.fd()
-            .register_irqfd(&serial_irq, SERIAL_IRQ)
-            .map_err(VmError::setup("KVM_IRQFD for the serial console"))?;
-        let devices = Arc::new(LegacyDevices::new(
-            output,
-            serial_irq,
-            reset
-                .try_clone()
-                .map_err(|e| BootError::Device(DeviceError::new("i8042 reset", e)))?,
-        ));
+        let (devices, reset) = legacy_devices(&vm, output, None)?;
         let report = BootReport {
             ending: BootEnding::Timeout,
             format: loaded.format,
@@ -287,13 +321,21 @@ impl LinuxVm {
             slots: regions.iter().map(|r| r.slots).sum(),
             setup_time: Duration::ZERO,
         };
+        let machine = LinuxMachine {
+            vm_fd: Arc::clone(vm.fd()),
+            devices,
+            bus: Arc::new(LegacyDevices::bus()),
+            hotplug: hotplug.as_ref().map(|h| Arc::clone(&h.device)),
+            machine: state::Machine::of(config, kernel),
+            msrs: Arc::from(Vec::new()),
+        };
         let linux = LinuxVm {
             vm,
-            devices,
+            machine: Arc::new(machine),
             reset,
-            hotplug,
-            bus: Arc::new(LegacyDevices::bus()),
-            entry: loaded.entry,
+            hotplug_mmio: hotplug.map(|h| h.mmio),
+            entry: Some(loaded.entry),
+            _loader: None,
         };
         Ok((linux, report))
     }
@@ -303,9 +345,14 @@ impl LinuxVm {
         self.vm.memory()
     }
 
+    /// What the guest's state is saved from.
+    pub fn machine(&self) -> &Arc<LinuxMachine> {
+        &self.machine
+    }
+
     /// The virtio-mem device, if the guest has one.
     pub fn hotplug_device(&self) -> Option<VirtioMemDevice> {
-        self.hotplug.as_ref().map(|h| Arc::clone(&h.device))
+        self.machine.hotplug.clone()
     }
 
     /// The event loop's part of the guest: console input from `input` (a terminal) into the
@@ -316,7 +363,7 @@ impl LinuxVm {
         input: Option<RawFd>,
     ) -> Result<ConsoleSubscriber, BootError> {
         Ok(ConsoleSubscriber {
-            devices: Arc::clone(&self.devices),
+            devices: Arc::clone(&self.machine.devices),
             reset: self
                 .reset
                 .try_clone()
@@ -326,20 +373,37 @@ impl LinuxVm {
         })
     }
 
-    /// Creates and sets up `config`'s vCPUs; returns them, not yet running.
-    pub fn create_vcpus(&self, config: &BootConfig) -> Result<LinuxVcpus, BootError> {
-        let ports = LinuxPorts {
-            devices: Arc::clone(&self.devices),
-            bus: Arc::clone(&self.bus),
+    fn ports(&self) -> LinuxPorts {
+        LinuxPorts {
+            devices: Arc::clone(&self.machine.devices),
+            bus: Arc::clone(&self.machine.bus),
             hotplug: self
+                .machine
                 .hotplug
                 .as_ref()
-                .map(|h| (Arc::clone(&h.device), Arc::clone(&h.mmio))),
-        };
+                .zip(self.hotplug_mmio.as_ref())
+                .map(|(device, mmio)| (Arc::clone(device), Arc::clone(mmio))),
+        }
+    }
+
+    /// Creates and sets up `config`'s vCPUs; returns them, not yet running. The MSRs the
+    /// first one lets the VMM read are those every vCPU saves.
+    pub fn create_vcpus(&mut self, config: &BootConfig) -> Result<LinuxVcpus, BootError> {
+        let entry = self.entry.ok_or(BootError::Restore(
+            "a restored guest's vCPUs come from its state".into(),
+        ))?;
+        let ports = self.ports();
         let mut vcpus = Vec::new();
         for index in 0..config.vcpus {
             let fd = self.vm.create_vcpu(usize::from(index))?;
-            cpu::setup_vcpu(self.vm.kvm(), &fd, index, config.vcpus, self.entry)?;
+            cpu::setup_vcpu(self.vm.kvm(), &fd, index, config.vcpus, entry)?;
+            if index == 0 {
+                let msrs = vm::state::readable_msrs(self.vm.kvm(), &fd)
+                    .map_err(|e| BootError::Restore(e.to_string()))?;
+                Arc::get_mut(&mut self.machine)
+                    .expect("the machine is not shared before the vCPUs exist")
+                    .msrs = Arc::from(msrs);
+            }
             vcpus.push(Vcpu {
                 index: usize::from(index),
                 fd,
@@ -348,76 +412,11 @@ impl LinuxVm {
                 ports: ports.clone(),
             });
         }
-        Ok(LinuxVcpus(vcpus))
+        Ok(LinuxVcpus::new(vcpus, Arc::clone(&self.machine.msrs)))
     }
 
     /// Writes out what the serial console holds.
     pub fn flush_console(&self) {
-        self.devices.flush();
-    }
-}
-
-/// A Linux guest's vCPUs, created and set up, not yet running.
-#[derive(Debug)]
-pub struct LinuxVcpus(Vec<Vcpu<LinuxPorts>>);
-
-impl LinuxVcpus {
-    /// Starts a thread for each vCPU on the shared exit loop; each tells `stopped` when it
-    /// stops. If one cannot start, those started are stopped again.
-    pub fn start(self, stopped: &Arc<EventFd>) -> Result<RunningVcpus, BootError> {
-        let mut threads: Vec<VcpuThread> = Vec::new();
-        for vcpu in self.0 {
-            let index = vcpu.index;
-            let shared = Arc::clone(&vcpu.shared);
-            match vcpu.spawn(Arc::clone(stopped), |outcome| outcome) {
-                Ok(thread) => threads.push((thread, shared)),
-                Err(source) => {
-                    RunningVcpus(threads).stop();
-                    return Err(BootError::Thread {
-                        vcpu: index,
-                        source,
-                    });
-                }
-            }
-        }
-        Ok(RunningVcpus(threads))
-    }
-}
-
-/// A Linux vCPU's thread and what it shares with the host.
-type VcpuThread = (JoinHandle<Result<(), GuestStop>>, Arc<VcpuShared>);
-
-/// A Linux guest's running vCPU threads.
-#[derive(Debug)]
-pub struct RunningVcpus(Vec<VcpuThread>);
-
-impl RunningVcpus {
-    /// How the run ended, if a vCPU's end decides it: a vCPU that stopped on its own
-    /// ([`BootEnding::GuestStopped`]), or every vCPU gone ([`BootEnding::Timeout`]). Joins at
-    /// most one finished thread a call; a vCPU that stopped without an error was asked to.
-    pub fn ended(&mut self) -> Option<BootEnding> {
-        let at = self.0.iter().position(|(t, _)| t.is_finished())?;
-        let (thread, _) = self.0.swap_remove(at);
-        match thread.join() {
-            Ok(Err(stop)) => return Some(BootEnding::GuestStopped(stop)),
-            // A vCPU that stopped without an error was asked to: keep going.
-            Ok(Ok(())) => {}
-            Err(panic) => std::panic::resume_unwind(panic),
-        }
-        self.0.is_empty().then_some(BootEnding::Timeout)
-    }
-
-    /// Stops every vCPU thread (a flag, then kicks out of `KVM_RUN`) and joins them.
-    pub fn stop(self) {
-        for (_, shared) in &self.0 {
-            shared.request_stop();
-        }
-        for (thread, _) in self.0 {
-            // Its outcome no longer matters: the run's ending is decided. A vCPU that does not
-            // leave the guest within 10 s is left behind rather than waited for forever.
-            if kick_until_finished(&thread, Duration::from_secs(10)) {
-                let _ = thread.join();
-            }
-        }
+        self.machine.devices.flush();
     }
 }

@@ -6,6 +6,7 @@
 //! guest kind's controller hands over its vCPUs ([`MigratingVcpu`]) and its State record
 //! ([`StateRecord`]).
 
+pub mod slot;
 pub mod source;
 pub mod transport;
 

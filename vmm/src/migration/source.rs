@@ -88,6 +88,9 @@ pub enum MigrationError {
         /// Why.
         error: PauseError,
     },
+    /// The VM's state (its devices', say) could not be saved.
+    #[error("saving the VM's state failed: {0}")]
+    State(String),
     /// A client cancelled it, the timeout came, or the VMM is stopping.
     #[error("cancelled: {0}")]
     Cancelled(String),
@@ -117,8 +120,9 @@ pub trait MigratingVcpu: std::fmt::Debug + Send + 'static {
 /// The State record a migration sends last: the guest kind's own bytes (the destination of
 /// the same guest kind reads them), made once the vCPUs are paused.
 pub trait StateRecord: std::fmt::Debug + Send + 'static {
-    /// The record for memory laid out as `layout` and the vCPUs' `states`, by index.
-    fn to_bytes(&self, layout: &MemoryLayout, states: Vec<VcpuState>) -> Vec<u8>;
+    /// The record for memory laid out as `layout` and the vCPUs' `states`, by index; an error
+    /// says what of the VM could not be saved (the migration then fails and the VM goes on).
+    fn to_bytes(&self, layout: &MemoryLayout, states: Vec<VcpuState>) -> Result<Vec<u8>, String>;
 }
 
 /// The VM as a migration sees it: taken from the controller when it starts, unchanged while
@@ -689,7 +693,11 @@ impl<V: MigratingVcpu> Run<V> {
                     .map_err(|error| MigrationError::Vcpu { vcpu: index, error })?,
             );
         }
-        let state = self.vm.state.to_bytes(layout, vcpus);
+        let state = self
+            .vm
+            .state
+            .to_bytes(layout, vcpus)
+            .map_err(MigrationError::State)?;
         writer.state(&state).map_err(|e| self.explain(e, answers))?;
         // A failed write leaves Done incomplete, and a destination runs nothing without it.
         writer.done().map_err(|e| self.explain(e, answers))?;

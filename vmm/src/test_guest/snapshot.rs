@@ -242,8 +242,8 @@ pub struct MigrationRecord {
 }
 
 impl StateRecord for MigrationRecord {
-    fn to_bytes(&self, layout: &MemoryLayout, states: Vec<VcpuState>) -> Vec<u8> {
-        MigrationState {
+    fn to_bytes(&self, layout: &MemoryLayout, states: Vec<VcpuState>) -> Result<Vec<u8>, String> {
+        Ok(MigrationState {
             snapshot: SnapshotState {
                 version: STATE_VERSION,
                 snapshot: None,
@@ -253,7 +253,7 @@ impl StateRecord for MigrationRecord {
             },
             paused: self.paused,
         }
-        .to_bytes()
+        .to_bytes())
     }
 }
 

@@ -1,30 +1,18 @@
 //! The test guest's VM ([`TestVm`]), made fresh or restored from a snapshot with the memory
-//! backend a restore uses ([`MemBackend`]); its vCPUs start in `vcpus.rs`.
+//! backend a restore uses ([`MemBackend`], the generic VM's); its vCPUs start in `vcpus.rs`.
 
 use std::sync::Arc;
 
 use kvm_memslots::{KvmVm, MemoryManager, RegionId, RegionSpec};
-use kvm_memslots_persist::{load_memory_file, LazyLoader, MemoryLayout};
+use kvm_memslots_persist::{LazyLoader, MemoryLayout};
 use vm_memory::GuestAddress;
 
 use super::vcpus::{check_slot_count, system_region, GuestError};
 use crate::test_guest;
 use crate::vm::mmio::MmioBus;
+pub use crate::vm::restore::MemBackend;
+use crate::vm::restore::{restore_memory, RestoredMemory};
 use crate::vm::{Vm, VmOptions};
-
-/// How a restored VM gets its memory from the snapshot's memory file.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, clap::ValueEnum)]
-pub enum MemBackend {
-    /// Read every page that holds data into fresh memory before the guest runs.
-    Copy,
-    /// Map the file privately: pages load from the page cache when the guest first touches
-    /// them; its writes never reach the file.
-    #[default]
-    File,
-    /// Fresh memory filled page by page on first touch by a userfaultfd handler, from the file
-    /// or with zeros for its holes.
-    Uffd,
-}
 
 /// The test guest's VM: the generic VM with the system region in place and the guest's code
 /// and tables in it.
@@ -71,20 +59,8 @@ impl TestVm {
         options: VmOptions,
     ) -> Result<Self, GuestError> {
         let vm = Vm::new(options)?;
-        let mut loader = None;
-        let ids = match backend {
-            MemBackend::Copy => {
-                let ids = layout.build(vm.memory())?;
-                load_memory_file(vm.memory(), layout, memory_file)?;
-                ids
-            }
-            MemBackend::File => layout.build_from_file(vm.memory(), memory_file)?,
-            MemBackend::Uffd => {
-                let ids = layout.build(vm.memory())?;
-                loader = Some(LazyLoader::start(vm.memory(), layout, memory_file)?);
-                ids
-            }
-        };
+        let RestoredMemory { ids, loader } =
+            restore_memory(vm.memory(), layout, memory_file, backend)?;
         let system = system_region(layout, &ids)?;
         Ok(TestVm {
             vm,

@@ -6,6 +6,7 @@ pub mod exit;
 pub mod memory_gone;
 pub mod mmio;
 pub mod ports;
+pub mod restore;
 pub mod state;
 pub mod vcpu;
 

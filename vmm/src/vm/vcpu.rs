@@ -119,9 +119,12 @@ struct PauseGate {
 struct Gate {
     requested: bool,
     parked: bool,
-    /// A save asked for: where the state goes, and the MSRs to read.
-    save: Option<(Sender<Result<VcpuState, StateError>>, Arc<[u32]>)>,
+    /// A save asked for.
+    save: Option<SaveRequest>,
 }
+
+/// A save a host thread asks of a parked vCPU: where the state goes, and the MSRs to read.
+type SaveRequest = (Sender<Result<VcpuState, StateError>>, Arc<[u32]>);
 
 impl PauseGate {
     fn lock(&self) -> MutexGuard<'_, Gate> {
@@ -130,6 +133,15 @@ impl PauseGate {
 }
 
 impl VcpuShared {
+    /// Shared state of a vCPU that starts paused: its thread parks before it first enters
+    /// the guest (a restored vCPU, until the VM is resumed).
+    pub fn starting_paused() -> Self {
+        let shared = VcpuShared::default();
+        shared.pause.lock().requested = true;
+        shared.pause.wanted.store(true, Ordering::Release);
+        shared
+    }
+
     /// Asks the vCPU to stop at its next exit.
     pub fn request_stop(&self) {
         self.stop.store(true, Ordering::Release);

@@ -3,10 +3,9 @@
 //! [`ControllerError`] whose kind says whose fault it was; it knows no transport (the API
 //! socket, `api`, turns HTTP into requests and replies into HTTP). The test guest answers
 //! every request; this file holds the VM's state and the dispatch, and each resource's
-//! requests are carried out in a file of their own: `memory.rs`, `dirty_log.rs`, `hotplug.rs`,
+//! requests are carried out in a file of their own: `memory.rs`, `hotplug.rs`,
 //! `guest.rs`, `snapshot.rs` and `migration.rs`.
 
-mod dirty_log;
 mod guest;
 mod hotplug;
 mod memory;
@@ -15,14 +14,14 @@ mod snapshot;
 
 use std::sync::atomic::{AtomicBool, Ordering};
 
-use crate::control::dirty_log::DirtyRate;
+use crate::control::dirty_log::DirtyLogClient;
 use crate::control::memory::{memory_info, MemoryInfo};
 use crate::control::migration::MigrationInfo;
 use crate::control::vm::{
     RunState, VmAction, VmActionType, VmFailure, VmInfo, VmStateRequest, FAILED_EXIT_STATUS,
 };
 use crate::control::{Apply, ControllerError, ErrorKind, Outcome, Reply, Request, Ticket};
-use crate::migration::{MigratingVcpu, Migration};
+use crate::migration::slot::MigrationSlot;
 use crate::snapshot::SnapshotChain;
 use crate::test_guest::hotplug::HotplugArea;
 use crate::test_guest::vcpus::{GuestError, TestVm, VcpuHandle, Vcpus};
@@ -43,22 +42,16 @@ pub struct Controller {
     state: RunState,
     hotplug: Option<HotplugArea>,
     stop_requested: bool,
-    /// Harvests of every region so far, and the last one's time.
-    harvests: u64,
-    last_harvest: Option<std::time::Instant>,
-    /// The dirty rate between the last two harvests of every region.
-    dirty_rate: Option<DirtyRate>,
+    /// The client's dirty logging and harvests.
+    dirty_log: DirtyLogClient,
     /// The snapshots taken: the last one (what the next Diff follows) and the chain's reader
     /// of the dirty log.
     chain: SnapshotChain,
     /// Set when the VMM is asked to stop while a request runs (SIGINT/SIGTERM): long requests
     /// stop at their next safe point.
     interrupt: &'static AtomicBool,
-    /// The last migration, under way or ended.
-    migration: Option<Migration<VcpuHandle>>,
-    /// vCPUs a migration left paused because the destination may run the VM (its answer did
-    /// not come): `PATCH /vm {"state": "Resumed"}` lets them go on.
-    held: Vec<VcpuHandle>,
+    /// The last migration, under way or ended, and the vCPUs an unconfirmed one held.
+    migration: MigrationSlot<VcpuHandle>,
     /// Deferred requests waiting for guest commands to end.
     waiters: Vec<Waiter>,
     /// The next deferred request's ticket.
@@ -97,13 +90,10 @@ impl Controller {
             state: RunState::Running,
             hotplug: None,
             stop_requested: false,
-            harvests: 0,
-            last_harvest: None,
-            dirty_rate: None,
+            dirty_log: DirtyLogClient::default(),
             chain: SnapshotChain::new(),
             interrupt: crate::lifecycle::termination_signal(),
-            migration: None,
-            held: Vec::new(),
+            migration: MigrationSlot::default(),
             waiters: Vec::new(),
             next_ticket: 0,
             failure: None,
@@ -143,12 +133,12 @@ impl Controller {
 
     /// Whether the VM runs on a migration's destination now.
     pub fn migrated(&self) -> bool {
-        self.migration.as_ref().is_some_and(Migration::completed)
+        self.migration.completed()
     }
 
     /// The last migration's progress, if one was started.
     pub fn migration_info(&self) -> Option<MigrationInfo> {
-        self.migration.as_ref().map(Migration::info)
+        self.migration.info()
     }
 
     /// Why the guest failed, if it has: the VMM should exit with [`FAILED_EXIT_STATUS`] once
@@ -199,10 +189,7 @@ impl Controller {
     /// Stops the vCPUs (a migration under way is cancelled first); returns the first error one
     /// of them stopped with.
     pub fn shut_down(&mut self) -> Result<(), GuestError> {
-        if let Some(migration) = &mut self.migration {
-            migration.cancel();
-            migration.join();
-        }
+        self.migration.shut_down();
         match self.vcpus.take() {
             Some(vcpus) => vcpus.shut_down(),
             None => Ok(()),
@@ -254,7 +241,7 @@ impl Controller {
 
     fn apply_now(&mut self, request: Request) -> Outcome {
         self.settle_migration();
-        if let Some(refused) = self.refused_while_migrating(&request) {
+        if let Some(refused) = self.migration.refusal(&request) {
             return Err(refused);
         }
         match request {
@@ -262,9 +249,16 @@ impl Controller {
             Request::AddRegion(add) => self.add_region(add).map(Reply::RegionAdded),
             Request::RemoveRegion(id) => self.remove_region(id).map(|()| Reply::Done),
             Request::PatchRegion(id, patch) => self.patch_region(id, patch).map(|()| Reply::Done),
-            Request::SwitchDirtyLog(switch) => self.switch_dirty_log(switch).map(|()| Reply::Done),
-            Request::Harvest(harvest) => self.harvest(harvest).map(Reply::Harvest),
-            Request::GetDirtyLog => Ok(Reply::DirtyLog(self.dirty_log_info())),
+            Request::SwitchDirtyLog(switch) => {
+                self.dirty_log.switch(self.vm.memory(), switch)?;
+                Ok(Reply::Done)
+            }
+            Request::Harvest(harvest) => Ok(Reply::Harvest(
+                self.dirty_log.harvest(self.vm.memory(), harvest)?,
+            )),
+            Request::GetDirtyLog => Ok(Reply::DirtyLog(
+                self.dirty_log.info(self.vm.memory(), self.chain.consumer()),
+            )),
             Request::GetHotplug => self
                 .hotplug
                 .as_ref()
@@ -296,9 +290,7 @@ impl Controller {
                         }
                     }
                     VmStateRequest::Resumed => {
-                        for vcpu in self.held.drain(..) {
-                            vcpu.resume();
-                        }
+                        self.migration.resume_held();
                         self.state = RunState::Running;
                     }
                 }
@@ -313,18 +305,8 @@ impl Controller {
                 Ok(Reply::Done)
             }
             Request::Migrate(request) => self.migrate(request).map(|()| Reply::Done),
-            Request::GetMigration => self
-                .migration
-                .as_ref()
-                .map(|m| Reply::Migration(m.info()))
-                .ok_or_else(|| ControllerError::not_found("no migration has been started")),
-            Request::CancelMigration => match &self.migration {
-                Some(m) if m.is_running() => {
-                    m.cancel();
-                    Ok(Reply::Done)
-                }
-                _ => Err(ControllerError::conflict("no migration is under way")),
-            },
+            Request::GetMigration => self.migration.get().map(Reply::Migration),
+            Request::CancelMigration => self.migration.cancel().map(|()| Reply::Done),
         }
     }
 

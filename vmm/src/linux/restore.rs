@@ -1,0 +1,132 @@
+//! A Linux guest restored from a snapshot or received in a migration: memory from the saved
+//! layout, then the VM's irqchip, PIT and clock, the devices as saved, and vCPUs that start
+//! paused in their saved state. Nothing runs until a client resumes it.
+
+use std::sync::Arc;
+
+use kvm_memslots::MemoryLimits;
+use kvm_memslots_persist::MemoryLayout;
+
+use super::state::{DeviceState, LinuxMachine, LinuxState};
+use super::{hotplug, legacy_devices, BootError, LinuxVcpus, LinuxVm};
+use crate::devices::legacy::{ConsoleOutput, LegacyDevices};
+use crate::vm::restore::RestoredMemory;
+use crate::vm::vcpu::{Vcpu, VcpuShared};
+use crate::vm::{Vm, VmOptions};
+
+/// Where a restored guest's memory comes from.
+#[derive(Debug)]
+pub enum MemorySource<'a> {
+    /// A snapshot's memory file, loaded as the backend says.
+    File(&'a std::fs::File, crate::vm::restore::MemBackend),
+    /// A migration: `layout`'s regions in fresh memory for the stream to fill, except those
+    /// mapping files another process handed over (by layout index).
+    Received(&'a std::collections::HashMap<usize, vm_memory::FileOffset>),
+}
+
+fn failed<E: std::fmt::Display>(what: &str) -> impl Fn(E) -> BootError + '_ {
+    move |e| BootError::Restore(format!("{what}: {e}"))
+}
+
+impl LinuxVm {
+    /// The guest `state` saved, with memory laid out as its layout from `memory`, its console
+    /// writing to `output`, within `limits`. Its vCPUs come from
+    /// [`restored_vcpus`](Self::restored_vcpus).
+    pub fn restore(
+        state: &LinuxState,
+        memory: MemorySource<'_>,
+        output: ConsoleOutput,
+        limits: Option<MemoryLimits>,
+    ) -> Result<Self, BootError> {
+        let vm = Vm::new(VmOptions {
+            irqchip: true,
+            limits,
+            ..VmOptions::default()
+        })?;
+        let loader = fill_memory(&vm, &state.layout, memory)?;
+        state
+            .vm
+            .restore(vm.fd())
+            .map_err(failed("the irqchip, PIT and clock"))?;
+        let mut serial = None;
+        let mut hotplug = None;
+        for device in &state.devices {
+            match device {
+                DeviceState::Serial { state } => serial = Some(state),
+                DeviceState::I8042 => {}
+                DeviceState::VirtioMem {
+                    addr,
+                    device,
+                    transport,
+                } => {
+                    let sizes = (state.machine.hotplug_mib, state.machine.hotplug_block_mib);
+                    hotplug = Some(hotplug::restore(&vm, *addr, sizes, device, transport)?);
+                }
+            }
+        }
+        let serial = serial.ok_or_else(|| BootError::Restore("no serial console saved".into()))?;
+        let (devices, reset) = legacy_devices(&vm, output, Some(serial))?;
+        let msrs: Vec<u32> = state.vcpus[0]
+            .msrs
+            .iter()
+            .map(|&(index, _)| index)
+            .collect();
+        let machine = LinuxMachine {
+            vm_fd: Arc::clone(vm.fd()),
+            devices,
+            bus: Arc::new(LegacyDevices::bus()),
+            hotplug: hotplug.as_ref().map(|h| Arc::clone(&h.device)),
+            machine: state.machine.clone(),
+            msrs: Arc::from(msrs),
+        };
+        Ok(LinuxVm {
+            vm,
+            machine: Arc::new(machine),
+            reset,
+            hotplug_mmio: hotplug.map(|h| h.mmio),
+            entry: None,
+            _loader: loader,
+        })
+    }
+
+    /// The vCPUs of `state`, each given its saved state and made paused: they park before
+    /// they first enter the guest, until a client resumes the VM.
+    pub fn restored_vcpus(&self, state: &LinuxState) -> Result<LinuxVcpus, BootError> {
+        let ports = self.ports();
+        let mut vcpus = Vec::new();
+        for (index, saved) in state.vcpus.iter().enumerate() {
+            let fd = self.vm.create_vcpu(index)?;
+            saved
+                .restore(&fd)
+                .map_err(failed(&format!("vCPU {index}")))?;
+            vcpus.push(Vcpu {
+                index,
+                fd,
+                memory: Arc::clone(self.memory()),
+                shared: Arc::new(VcpuShared::starting_paused()),
+                ports: ports.clone(),
+            });
+        }
+        Ok(LinuxVcpus::new(vcpus, Arc::clone(&self.machine.msrs)))
+    }
+}
+
+/// Gives `vm` the regions of `layout`, filled from `memory`; the lazy loader of a uffd restore.
+fn fill_memory(
+    vm: &Vm,
+    layout: &MemoryLayout,
+    memory: MemorySource<'_>,
+) -> Result<Option<kvm_memslots_persist::LazyLoader>, BootError> {
+    let restored = match memory {
+        MemorySource::File(file, backend) => {
+            crate::vm::restore::restore_memory(vm.memory(), layout, file, backend)
+        }
+        MemorySource::Received(handed) => layout
+            .build_handed_over(vm.memory(), handed)
+            .map(|ids| RestoredMemory { ids, loader: None })
+            .map_err(kvm_memslots_persist::SnapshotError::from),
+    };
+    restored
+        .map(|r| r.loader)
+        .map_err(failed("the guest's memory"))
+}

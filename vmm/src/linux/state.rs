@@ -1,0 +1,356 @@
+//! A Linux guest's saved state: what snapshot it is (a migration's State record is none), the
+//! memory layout, every vCPU, the VM's irqchip, PIT and clock, every device, and the machine it
+//! was booted as, framed as the test guest's state file is (its own magic and version). The
+//! device list is checked against the machine: a state file whose devices are not the ones its
+//! configuration has is refused, and a VM with a device that cannot be saved refuses to
+//! snapshot, naming it ([`LinuxMachine::save`]).
+//!
+//! A restore needs no kernel: the kernel is in guest memory. The state names the kernel it
+//! was booted from (path, size and CRC-32) for the record only.
+
+use std::path::Path;
+use std::sync::Arc;
+
+use kvm_ioctls::VmFd;
+use kvm_memslots_persist::{frame, unframe, MemoryLayout};
+use kvm_virtio_mem::{TransportState, VirtioMemState};
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+
+use super::config::{BootConfig, MAX_VCPUS};
+use super::hotplug::{self, VirtioMemDevice};
+use crate::devices::legacy::{LegacyDevice, LegacyDevices, SerialSnapshot};
+use crate::migration::StateRecord;
+use crate::snapshot::file::{check_register_blocks, read_framed, LINUX_MAGIC};
+use crate::snapshot::{SnapshotInfo, StateFileError};
+use crate::vm::ports::PortBus;
+use crate::vm::state::{StateError, VcpuState, VmState};
+
+/// The Linux state file's format version.
+pub const LINUX_STATE_VERSION: u32 = 1;
+
+/// The machine a Linux guest was booted as: what a restore rebuilds besides memory.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Machine {
+    /// vCPUs.
+    pub vcpus: u8,
+    /// Whether the guest has ACPI tables (in its memory).
+    pub acpi: bool,
+    /// MiB of hotpluggable memory behind the virtio-mem device (0: none).
+    pub hotplug_mib: u64,
+    /// The device's block size in MiB.
+    pub hotplug_block_mib: u64,
+    /// The kernel it was booted from, for the record (a restore does not load it).
+    pub kernel: KernelRecord,
+    /// The command line it was booted with.
+    pub cmdline: String,
+}
+
+/// The kernel a guest was booted from.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct KernelRecord {
+    /// Its path when booted.
+    pub path: std::path::PathBuf,
+    /// Its size in bytes.
+    pub size: u64,
+    /// The CRC-32 of its bytes.
+    pub crc32: u32,
+}
+
+impl KernelRecord {
+    /// The record of the kernel at `path`.
+    pub fn of(path: &Path) -> std::io::Result<Self> {
+        let bytes = std::fs::read(path)?;
+        Ok(KernelRecord {
+            path: path.to_path_buf(),
+            size: bytes.len() as u64,
+            crc32: crc32fast::hash(&bytes),
+        })
+    }
+}
+
+impl Machine {
+    /// The machine `config` boots, booted from `kernel`.
+    pub fn of(config: &BootConfig, kernel: KernelRecord) -> Self {
+        Machine {
+            vcpus: config.vcpus,
+            acpi: config.acpi,
+            hotplug_mib: config.hotplug_mib,
+            hotplug_block_mib: config.hotplug_block_mib,
+            kernel,
+            cmdline: config.cmdline.clone(),
+        }
+    }
+
+    /// The devices this machine has, in the order a state lists them.
+    pub fn devices(&self) -> Vec<DeviceName> {
+        let mut names = vec![DeviceName::Serial, DeviceName::I8042];
+        if self.hotplug_mib > 0 {
+            names.push(DeviceName::VirtioMem);
+        }
+        names
+    }
+}
+
+/// A device of a Linux guest, by kind.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DeviceName {
+    /// The 16550 serial console.
+    Serial,
+    /// The i8042.
+    I8042,
+    /// The virtio-mem device on virtio-mmio.
+    VirtioMem,
+}
+
+impl std::fmt::Display for DeviceName {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            DeviceName::Serial => "serial (ports 0x3f8-0x3ff)",
+            DeviceName::I8042 => "i8042 (ports 0x60-0x64)",
+            DeviceName::VirtioMem => "virtio-mem (virtio-mmio at 0xd0000000)",
+        })
+    }
+}
+
+/// One device's saved state.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "kind", rename_all = "snake_case", deny_unknown_fields)]
+pub enum DeviceState {
+    /// The serial console's registers and input FIFO.
+    Serial {
+        /// vm-superio's state.
+        state: SerialSnapshot,
+    },
+    /// The i8042: no state beyond being there.
+    I8042,
+    /// The virtio-mem device and its transport.
+    VirtioMem {
+        /// The device's guest address.
+        addr: u64,
+        /// The device's sizes and plugged blocks.
+        device: VirtioMemState,
+        /// The transport's registers and queue.
+        transport: TransportState,
+    },
+}
+
+impl DeviceState {
+    /// Its device.
+    pub fn name(&self) -> DeviceName {
+        match self {
+            DeviceState::Serial { .. } => DeviceName::Serial,
+            DeviceState::I8042 => DeviceName::I8042,
+            DeviceState::VirtioMem { .. } => DeviceName::VirtioMem,
+        }
+    }
+}
+
+/// What a Linux guest saves besides memory.
+#[derive(Debug, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct LinuxState {
+    /// [`LINUX_STATE_VERSION`].
+    pub version: u32,
+    /// What snapshot this is (none in a migration's State record).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub snapshot: Option<SnapshotInfo>,
+    /// The memory layout.
+    pub layout: MemoryLayout,
+    /// Every vCPU's state, by index.
+    pub vcpus: Vec<VcpuState>,
+    /// The irqchip, PIT and clock.
+    pub vm: VmState,
+    /// Every device, in the machine's order ([`Machine::devices`]).
+    pub devices: Vec<DeviceState>,
+    /// The machine booted.
+    pub machine: Machine,
+    /// Whether a client had paused the VM (a migration's destination keeps it paused).
+    #[serde(default)]
+    pub paused: bool,
+}
+
+/// Why a Linux state could not be read or taken.
+#[derive(Debug, thiserror::Error)]
+pub enum LinuxStateError {
+    /// The file or record is not a valid Linux state.
+    #[error(transparent)]
+    File(#[from] StateFileError),
+    /// KVM refused to read a part of the state.
+    #[error(transparent)]
+    Kvm(#[from] StateError),
+    /// A device cannot be saved.
+    #[error("the VM cannot be saved: its device {0} has no saved state")]
+    NotSaveable(String),
+}
+
+impl LinuxState {
+    /// Framed bytes.
+    pub fn to_bytes(&self) -> Vec<u8> {
+        let json = serde_json::to_vec(self).expect("a Linux state serialises");
+        frame(LINUX_MAGIC, self.version, &json)
+    }
+
+    /// Reads framed bytes, and checks them ([`validate`](Self::validate)).
+    pub fn from_bytes(bytes: &[u8]) -> Result<Self, StateFileError> {
+        let bad = StateFileError;
+        let json = unframe(LINUX_MAGIC, LINUX_STATE_VERSION, bytes).map_err(bad)?;
+        let json: Value = serde_json::from_slice(json).map_err(|e| bad(e.to_string()))?;
+        check_register_blocks(&json["vcpus"]).map_err(bad)?;
+        let state: LinuxState = serde_json::from_value(json).map_err(|e| bad(e.to_string()))?;
+        state.validate()?;
+        Ok(state)
+    }
+
+    /// Reads and checks the Linux state file at `path` (header first, as every state file;
+    /// the error does not name the path).
+    pub fn read_file(path: &Path) -> Result<Self, StateFileError> {
+        let state = Self::from_bytes(&read_framed(path, LINUX_MAGIC, LINUX_STATE_VERSION)?)?;
+        if state.snapshot.is_none() {
+            return Err(StateFileError("it does not say what snapshot it is".into()));
+        }
+        Ok(state)
+    }
+
+    /// Checks the state against itself: its version, its vCPUs against its machine's, its
+    /// devices against its machine's, its layout and its snapshot info.
+    pub fn validate(&self) -> Result<(), StateFileError> {
+        let bad = |why: String| StateFileError(why);
+        if self.version != LINUX_STATE_VERSION {
+            return Err(bad(format!(
+                "the header's version is {LINUX_STATE_VERSION}, the state's {}",
+                self.version
+            )));
+        }
+        let vcpus = usize::from(self.machine.vcpus);
+        if vcpus == 0 || vcpus > usize::from(MAX_VCPUS) || self.vcpus.len() != vcpus {
+            return Err(bad(format!(
+                "{} vCPUs saved for a machine of {} (1 to {MAX_VCPUS})",
+                self.vcpus.len(),
+                self.machine.vcpus
+            )));
+        }
+        let saved: Vec<DeviceName> = self.devices.iter().map(DeviceState::name).collect();
+        let wanted = self.machine.devices();
+        if saved != wanted {
+            let list = |names: &[DeviceName]| {
+                names
+                    .iter()
+                    .map(ToString::to_string)
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            };
+            return Err(bad(format!(
+                "its devices ({}) do not match its machine's ({})",
+                list(&saved),
+                list(&wanted)
+            )));
+        }
+        self.layout.validate().map_err(|e| bad(e.to_string()))?;
+        if let Some(info) = &self.snapshot {
+            info.validate(&self.layout).map_err(bad)?;
+        }
+        Ok(())
+    }
+}
+
+/// What a Linux guest's state is saved from besides its vCPUs and memory: the VM, its
+/// devices and the machine it was booted as. Shared by the guest and its controller.
+#[derive(Debug)]
+pub struct LinuxMachine {
+    /// KVM's VM (the irqchip, PIT and clock).
+    pub vm_fd: Arc<VmFd>,
+    /// The serial console and the i8042.
+    pub devices: Arc<LegacyDevices>,
+    /// Their port bus: every device on it must save.
+    pub bus: Arc<PortBus<LegacyDevice>>,
+    /// The virtio-mem device, if any.
+    pub hotplug: Option<VirtioMemDevice>,
+    /// The machine booted.
+    pub machine: Machine,
+    /// The MSRs each vCPU saves.
+    pub msrs: Arc<[u32]>,
+}
+
+impl LinuxMachine {
+    /// The devices' states, in the machine's order, one for each device on the port bus and
+    /// each virtio-mmio device; a device that has no saved state refuses the save by name.
+    pub fn save_devices(&self) -> Result<Vec<DeviceState>, LinuxStateError> {
+        let mut states = Vec::new();
+        for range in self.bus.ranges() {
+            states.push(match range.device {
+                LegacyDevice::Serial => DeviceState::Serial {
+                    state: self.devices.serial_state(),
+                },
+                LegacyDevice::I8042 => DeviceState::I8042,
+            });
+        }
+        if let Some(device) = &self.hotplug {
+            let transport = hotplug::lock(device);
+            states.push(DeviceState::VirtioMem {
+                addr: transport.device().region().start,
+                device: transport.device().state(),
+                transport: transport.state(),
+            });
+        }
+        states.sort_by_key(|s| {
+            self.machine
+                .devices()
+                .iter()
+                .position(|&n| n == s.name())
+                .unwrap_or(usize::MAX)
+        });
+        let saved: Vec<DeviceName> = states.iter().map(DeviceState::name).collect();
+        if let Some(missing) = self
+            .machine
+            .devices()
+            .into_iter()
+            .find(|n| !saved.contains(n))
+        {
+            return Err(LinuxStateError::NotSaveable(missing.to_string()));
+        }
+        Ok(states)
+    }
+
+    /// The state of the paused VM: `vcpus` (read by their threads), `layout`, the VM's and the
+    /// devices' state now.
+    pub fn save(
+        &self,
+        snapshot: Option<SnapshotInfo>,
+        layout: &MemoryLayout,
+        vcpus: Vec<VcpuState>,
+        paused: bool,
+    ) -> Result<LinuxState, LinuxStateError> {
+        Ok(LinuxState {
+            version: LINUX_STATE_VERSION,
+            snapshot,
+            layout: layout.clone(),
+            vcpus,
+            vm: VmState::save(&self.vm_fd)?,
+            devices: self.save_devices()?,
+            machine: self.machine.clone(),
+            paused,
+        })
+    }
+}
+
+/// A Linux guest's migration State record: the machine's state, taken once the vCPUs are
+/// paused.
+#[derive(Debug)]
+pub struct LinuxRecord {
+    /// What the state is taken from.
+    pub machine: Arc<LinuxMachine>,
+    /// Whether a client had paused the VM.
+    pub paused: bool,
+}
+
+impl StateRecord for LinuxRecord {
+    fn to_bytes(&self, layout: &MemoryLayout, states: Vec<VcpuState>) -> Result<Vec<u8>, String> {
+        self.machine
+            .save(None, layout, states, self.paused)
+            .map(|s| s.to_bytes())
+            .map_err(|e| e.to_string())
+    }
+}

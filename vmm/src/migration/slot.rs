@@ -1,0 +1,183 @@
+//! A controller's side of migrations, whatever its guest kind: the last migration and the
+//! vCPUs an unconfirmed one left paused, what a request may do while one runs, and starting,
+//! watching and cancelling one. The guest kind hands over its vCPUs and State record.
+
+use std::sync::atomic::AtomicBool;
+
+use super::source::SourceVm;
+use super::{Endpoint, MigratingVcpu, Migration};
+use crate::control::migration::{MigrateRequest, MigrationInfo};
+use crate::control::{ControllerError, Request};
+
+/// The last migration of a VM, and what it left behind.
+#[derive(Debug)]
+pub struct MigrationSlot<V> {
+    /// The last migration, under way or ended.
+    migration: Option<Migration<V>>,
+    /// vCPUs a migration left paused because the destination may run the VM (its answer did
+    /// not come): resuming the VM lets them go on.
+    held: Vec<V>,
+}
+
+impl<V> Default for MigrationSlot<V> {
+    fn default() -> Self {
+        MigrationSlot {
+            migration: None,
+            held: Vec::new(),
+        }
+    }
+}
+
+impl<V: MigratingVcpu> MigrationSlot<V> {
+    /// Once the migration thread has ended without completing, takes back the vCPUs it held;
+    /// true if it held some (the VM is then paused until a client resumes it).
+    pub fn settle(&mut self) -> bool {
+        let Some(migration) = &mut self.migration else {
+            return false;
+        };
+        if migration.is_running() || migration.completed() {
+            return false;
+        }
+        let ending = migration.join();
+        if ending.held.is_empty() {
+            return false;
+        }
+        self.held = ending.held;
+        true
+    }
+
+    /// Lets the vCPUs an unconfirmed migration held go on (a client resumed the VM).
+    pub fn resume_held(&mut self) {
+        for vcpu in self.held.drain(..) {
+            vcpu.resume();
+        }
+    }
+
+    /// Whether the VM runs on a migration's destination now.
+    pub fn completed(&self) -> bool {
+        self.migration.as_ref().is_some_and(Migration::completed)
+    }
+
+    /// Whether a migration is under way.
+    pub fn is_running(&self) -> bool {
+        self.migration.as_ref().is_some_and(Migration::is_running)
+    }
+
+    /// The last migration's progress, if one was started.
+    pub fn info(&self) -> Option<MigrationInfo> {
+        self.migration.as_ref().map(Migration::info)
+    }
+
+    /// `GET /migrate`.
+    pub fn get(&self) -> Result<MigrationInfo, ControllerError> {
+        self.info()
+            .ok_or_else(|| ControllerError::not_found("no migration has been started"))
+    }
+
+    /// `PUT /migrate/cancel`.
+    pub fn cancel(&self) -> Result<(), ControllerError> {
+        match &self.migration {
+            Some(m) if m.is_running() => {
+                m.cancel();
+                Ok(())
+            }
+            _ => Err(ControllerError::conflict("no migration is under way")),
+        }
+    }
+
+    /// Cancels a migration under way and waits for its thread (the VMM is stopping).
+    pub fn shut_down(&mut self) {
+        if let Some(migration) = &mut self.migration {
+            migration.cancel();
+            migration.join();
+        }
+    }
+
+    /// Why `request` cannot run now: the VM is moving (its layout, run state and guest must
+    /// stay as the migration found them), has moved, or may run on the destination of a
+    /// migration that ended unconfirmed (then nothing may run or change the guest here).
+    pub fn refusal(&self, request: &Request) -> Option<ControllerError> {
+        let migration = self.migration.as_ref()?;
+        let reads = matches!(
+            request,
+            Request::GetMemory
+                | Request::GetDirtyLog
+                | Request::GetHotplug
+                | Request::GetVm
+                | Request::GetMigration
+                | Request::CancelMigration
+                | Request::Act(_)
+        );
+        if reads {
+            return None;
+        }
+        if !self.held.is_empty() {
+            return refused_while_held(request);
+        }
+        if migration.completed() {
+            return Some(ControllerError::conflict(format!(
+                "the VM has migrated to {}; this VMM is exiting",
+                migration.info().destination
+            )));
+        }
+        migration.is_running().then(|| {
+            ControllerError::conflict(
+                "a migration is under way: GET /migrate for its progress, PUT /migrate/cancel to stop it",
+            )
+        })
+    }
+
+    /// Checks `request` and starts migrating `vm` as it says; `interrupt` is the process's
+    /// stop flag.
+    pub fn start(
+        &mut self,
+        request: &MigrateRequest,
+        vm: SourceVm<V>,
+        interrupt: &'static AtomicBool,
+    ) -> Result<(), ControllerError> {
+        let endpoint = checked_endpoint(request)?;
+        let migration = Migration::start(request, endpoint, vm, interrupt)
+            .map_err(|e| ControllerError::internal(format!("starting the migration: {e}")))?;
+        self.migration = Some(migration);
+        Ok(())
+    }
+}
+
+/// The destination `request` names, if the request is one a migration can start with.
+pub fn checked_endpoint(request: &MigrateRequest) -> Result<Endpoint, ControllerError> {
+    let endpoint: Endpoint = request.destination.parse().map_err(ControllerError::bad)?;
+    if request.local && !matches!(endpoint, Endpoint::Unix(_)) {
+        return Err(ControllerError::bad(format!(
+            "local mode hands memory over on a Unix socket: {} is not one",
+            request.destination
+        )));
+    }
+    if request.timeout_s == 0 {
+        return Err(ControllerError::bad("timeout_s must be at least 1"));
+    }
+    Ok(endpoint)
+}
+
+/// Why `request` is refused while a migration's unconfirmed ending holds the VM here: the
+/// destination may run it, so nothing may run the guest or change what moved (its memory, its
+/// hotplug area) until a client resumes it. Besides reads (allowed before this is asked),
+/// only pausing and resuming (the way out), snapshots, dirty logging and harvests run nothing
+/// in the guest; everything else, a request added later included, is refused.
+fn refused_while_held(request: &Request) -> Option<ControllerError> {
+    let allowed = matches!(
+        request,
+        Request::PatchVm(_)
+            | Request::SwitchDirtyLog(_)
+            | Request::Harvest(_)
+            | Request::CreateSnapshot(_)
+    );
+    (!allowed).then(|| {
+        ControllerError::conflict(format!(
+            "{} is refused: the last migration is unconfirmed (GET /migrate): the destination \
+             got the whole VM and may be running it, so nothing runs or changes the guest here; \
+             if the destination does not run it, PATCH /vm {{\"state\": \"Resumed\"}} takes \
+             it back here",
+            request.name()
+        ))
+    })
+}
