@@ -598,7 +598,16 @@ fn receive(args: ReceiveArgs) -> ExitCode {
             )
         },
     );
-    served(outcome)
+    match outcome {
+        Ok(tinyvmm::jobs::receive::ReceiveEnding::Linux(ending)) => {
+            eprintln!("tinyvmm: {ending}");
+            ExitCode::from(ending.exit_code())
+        }
+        Ok(tinyvmm::jobs::receive::ReceiveEnding::TestGuest(ending)) => {
+            served(Ok::<_, String>(ending))
+        }
+        Err(e) => served(Err::<Ending, _>(e)),
+    }
 }
 
 /// The exit status of a VMM that served a VM: 0 when a client stopped it (or it migrated

@@ -25,9 +25,52 @@ use kvm_memslots::{DirtyPages, KvmMemory, MemoryManager, RegionMemory, PAGE_SIZE
 use crate::error::{io, SnapshotError};
 use crate::layout::MemoryLayout;
 
-/// The byte ranges of `memory` that hold data: pages present in memory or swapped out, from
-/// `/proc/self/pagemap`. Pages never touched and pages discarded are not data.
+/// The byte ranges of `memory` that may hold data: pages present in memory or swapped out,
+/// from `/proc/self/pagemap`, and for memory mapped from a file (a file-backed restore's private
+/// mapping, a memfd another process handed over) also the file's data there: a page this
+/// process never touched reads the file's bytes, yet its page table has nothing. Pages never
+/// touched of anonymous memory are not data; a discarded page of a file mapping reads zeros,
+/// which [`content_runs`] leaves out.
 pub fn data_runs(memory: &RegionMemory) -> Result<Vec<Range<u64>>, SnapshotError> {
+    let present = present_runs(memory)?;
+    let Some(backing) = memory.file_offset() else {
+        return Ok(present);
+    };
+    let start = backing.start();
+    let end = start.saturating_add(memory.size());
+    let size = backing
+        .file()
+        .metadata()
+        .map_err(io("reading the size of guest memory's file"))?
+        .len();
+    let in_file = file_data_runs(backing.file(), size.min(end))?
+        .into_iter()
+        .filter(|run| run.end > start && run.start < end)
+        .map(|run| {
+            // Whole pages of the region.
+            let from = (run.start.max(start) - start) / PAGE_SIZE * PAGE_SIZE;
+            let to = (run.end.min(end) - start).div_ceil(PAGE_SIZE) * PAGE_SIZE;
+            from..to.min(memory.size())
+        });
+    Ok(union(present.into_iter().chain(in_file)))
+}
+
+/// The union of `runs`, as ordered, disjoint ranges.
+fn union(runs: impl Iterator<Item = Range<u64>>) -> Vec<Range<u64>> {
+    let mut all: Vec<Range<u64>> = runs.filter(|r| r.start < r.end).collect();
+    all.sort_by_key(|r| r.start);
+    let mut merged: Vec<Range<u64>> = Vec::with_capacity(all.len());
+    for run in all {
+        match merged.last_mut() {
+            Some(last) if run.start <= last.end => last.end = last.end.max(run.end),
+            _ => merged.push(run),
+        }
+    }
+    merged
+}
+
+/// The pages of `memory` present in memory or swapped out, from `/proc/self/pagemap`.
+fn present_runs(memory: &RegionMemory) -> Result<Vec<Range<u64>>, SnapshotError> {
     let pagemap = File::open("/proc/self/pagemap").map_err(io("opening /proc/self/pagemap"))?;
     let pages = memory.size() / PAGE_SIZE;
     let first = memory.host_address() / PAGE_SIZE;

@@ -570,3 +570,43 @@ fn a_file_backed_restore_opens_the_memory_file_once_whatever_the_region_count() 
     drop(restored);
     assert_eq!(open_files_of(&temp.0), 1, "closed with the last mapping");
 }
+
+/// A VM restored from a memory file and snapshotted again before the guest touched all of it:
+/// the pages it never touched are in the file, not in the process's page tables, and the new
+/// snapshot must still hold them (and a page discarded since must come back as zeros).
+#[test]
+fn a_snapshot_of_a_file_backed_restore_holds_the_pages_never_touched() {
+    let a = source();
+    write(&a, MIB + 3 * PAGE_SIZE, 0x5a, 100);
+    write(&a, MIB + 9 * PAGE_SIZE, 0x3c, PAGE_SIZE as usize);
+    write(&a, 8 * MIB, 0x6b, PAGE_SIZE as usize);
+    let layout = MemoryLayout::of(&a);
+    let (_path, file) = TempFile::new("restored-first");
+    write_memory_file(&a, &layout, &file).expect("written");
+
+    let b = manager();
+    layout.build_from_file(&b, &file).expect("mapped");
+    // Nothing read yet, but one page changed and one discarded.
+    write(&b, MIB + 20 * PAGE_SIZE, 0x11, 16);
+    b.discard(GuestAddress(MIB + 9 * PAGE_SIZE), PAGE_SIZE)
+        .expect("discarded");
+    let (_again, second) = TempFile::new("restored-second");
+    write_memory_file(&b, &MemoryLayout::of(&b), &second).expect("written");
+
+    let c = manager();
+    MemoryLayout::of(&b).build(&c).expect("built");
+    load_memory_file(&c, &MemoryLayout::of(&b), &second).expect("loaded");
+    assert_eq!(contents(&c), contents(&b), "every byte of the restored VM");
+    let mut page = vec![0xffu8; PAGE_SIZE as usize];
+    c.handle()
+        .memory()
+        .read_slice(&mut page, GuestAddress(MIB + 9 * PAGE_SIZE))
+        .expect("read");
+    assert!(page.iter().all(|b| *b == 0), "the discarded page is zeros");
+    let mut byte = [0u8; 1];
+    c.handle()
+        .memory()
+        .read_slice(&mut byte, GuestAddress(MIB + 3 * PAGE_SIZE))
+        .expect("read");
+    assert_eq!(byte, [0x5a], "a page the restored VM never touched");
+}

@@ -48,8 +48,13 @@ pub fn boot(
     let vcpus = linux.create_vcpus(config)?;
     report.setup_time = started.elapsed();
     on_start(&report);
+    let api = config
+        .api_sock
+        .as_deref()
+        .map(ApiSocket::bind)
+        .transpose()?;
     let run = LinuxRun {
-        api_sock: config.api_sock.clone(),
+        api,
         timeout_secs: config.timeout_secs,
         stdin: console.stdin,
         stop: console.stop,
@@ -63,8 +68,8 @@ pub fn boot(
 /// flag, and whether it starts paused (a restored or received guest).
 #[derive(Debug, Default)]
 pub struct LinuxRun {
-    /// The API socket to serve.
-    pub api_sock: Option<std::path::PathBuf>,
+    /// The API socket to serve, bound.
+    pub api: Option<ApiSocket>,
     /// Stop the VM after this many seconds.
     pub timeout_secs: Option<f64>,
     /// Read console input from stdin (a terminal).
@@ -94,15 +99,16 @@ pub fn run_linux(
     run.add(Arc::new(Mutex::new(
         linux.console(Arc::clone(&reset_seen), input)?,
     )));
-    let socket = options
-        .api_sock
-        .as_deref()
-        .map(ApiSocket::bind)
-        .transpose()?;
     let mut running = vcpus.start(&run.context().vcpu_stopped)?;
+    if !options.paused {
+        // Restored vCPUs start parked; a fresh boot's run at once.
+        for vcpu in running.handles() {
+            vcpu.shared.resume();
+        }
+    }
     let api_stop = Arc::new(AtomicBool::new(false));
-    let serving = socket.is_some();
-    if let Some(socket) = socket {
+    let serving = options.api.is_some();
+    if let Some(socket) = options.api {
         let controller = LinuxController::new(
             Arc::clone(linux.memory()),
             Arc::clone(linux.machine()),

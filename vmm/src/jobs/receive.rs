@@ -1,11 +1,13 @@
 //! `tinyvmm receive`: the destination of a migration. It listens for one source, builds the
 //! VM the source's layout describes (or refuses it, saying why, before any memory moves),
 //! applies every round of pages, restores the vCPUs from the state record, lets the guest run
-//! on where it was paused, tells the source, and then serves the VM on its API socket as
-//! `serve` does (the API socket is bound first, so nothing can fail between the source's
-//! hand-over and serving; it answers once the VM runs). If anything fails before the guest runs
-//! here, nothing runs here: what came is dropped, the source is told why where it still
-//! listens, and the process exits with 1.
+//! on where it was paused, tells the source, and then serves the VM on its API socket (the
+//! API socket is bound first, so nothing can fail between the source's hand-over and serving;
+//! it answers once the VM runs). The State record's magic says the guest kind: a test guest is
+//! served as `serve` serves one, a Linux guest runs as `boot` runs one (the in-kernel irqchip
+//! is added once that is known: no vCPU exists before), its console on stdout. If anything
+//! fails before the guest runs here, nothing runs here: what came is dropped, the source is
+//! told why where it still listens, and the process exits with 1.
 
 use std::collections::HashMap;
 use std::io::BufReader;
@@ -17,16 +19,20 @@ use kvm_memslots_persist::stream::{apply_pages, check_layout, send_answer, Recor
 use kvm_memslots_persist::{LayoutBacking, RegionLayout};
 use vm_memory::FileOffset;
 
+use super::boot::{run_linux, BootJobError, LinuxRun};
 use super::run_loop::RunLoop;
 use super::serve::{serve_controller, ServeError};
 use crate::api::server::ApiSocket;
 use crate::lifecycle::{termination_signal, Ending};
+use crate::linux::state::LinuxState;
+use crate::linux::{BootEnding, LinuxVcpus, LinuxVm};
 use crate::migration::transport::{file_kind, Limits, Watch};
 use crate::migration::{Connection, Endpoint};
+use crate::snapshot::file::LINUX_MAGIC;
 use crate::test_guest::controller::Controller;
-use crate::test_guest::snapshot::MigrationState;
+use crate::test_guest::snapshot::{MigrationState, MIGRATION_MAGIC};
 use crate::test_guest::vcpus::TestVm;
-use crate::vm::VmOptions;
+use crate::vm::{Vm, VmOptions};
 
 /// How long the source may send nothing before the destination gives up.
 const STALL: Duration = Duration::from_secs(60);
@@ -64,6 +70,30 @@ pub enum ReceiveError {
     /// Serving the VM failed.
     #[error(transparent)]
     Serve(#[from] ServeError),
+    /// Running the Linux guest failed.
+    #[error(transparent)]
+    Linux(#[from] BootJobError),
+}
+
+/// How a received VM's run ended.
+#[derive(Debug)]
+pub enum ReceiveEnding {
+    /// A test guest served until a client stopped it, it migrated on, or a signal.
+    TestGuest(Ending),
+    /// A Linux guest's run ended as a boot's does.
+    Linux(BootEnding),
+}
+
+/// The VM received, ready to run.
+enum ReceivedVm {
+    /// A test guest, its vCPUs running (or paused as the source had them).
+    TestGuest(Controller),
+    /// A Linux guest, its vCPUs made paused; `paused`: a client had paused it on the source.
+    Linux {
+        linux: LinuxVm,
+        vcpus: LinuxVcpus,
+        paused: bool,
+    },
 }
 
 /// What a completed receive did.
@@ -83,7 +113,7 @@ pub fn receive(
     config: &ReceiveConfig,
     ready: impl FnOnce(),
     received: impl FnOnce(Received),
-) -> Result<Ending, ReceiveError> {
+) -> Result<ReceiveEnding, ReceiveError> {
     // The API socket first: once the source has handed the VM over, nothing may fail before it
     // is served. It answers nobody until the VM runs here.
     let api = ApiSocket::bind(&config.api_sock).map_err(ServeError::from)?;
@@ -106,11 +136,11 @@ pub fn receive(
         },
     );
     let Some(mut connection) = listener.accept(watch).map_err(listen_failed)? else {
-        return Ok(Ending::Interrupted);
+        return Ok(ReceiveEnding::TestGuest(Ending::Interrupted));
     };
     drop(listener);
     let stopped = &run.context().vcpu_stopped;
-    let (controller, stats) = match receive_vm(config, &mut connection, stopped) {
+    let (vm, stats) = match receive_vm(config, &mut connection, stopped) {
         Ok(vm) => vm,
         Err(reason) => {
             // The source may still listen for why (it gets an error of its own otherwise).
@@ -124,13 +154,29 @@ pub fn receive(
         eprintln!("tinyvmm: the VM runs here, but the source could not be told: {e}");
     }
     received(stats);
-    Ok(serve_controller(
-        run,
-        api,
-        controller,
-        config.idle_timeout,
-        || {},
-    )?)
+    match vm {
+        ReceivedVm::TestGuest(controller) => Ok(ReceiveEnding::TestGuest(serve_controller(
+            run,
+            api,
+            controller,
+            config.idle_timeout,
+            || {},
+        )?)),
+        ReceivedVm::Linux {
+            linux,
+            vcpus,
+            paused,
+        } => {
+            // The Linux guest runs under a loop of its own.
+            drop(run);
+            let options = LinuxRun {
+                api: Some(api),
+                paused,
+                ..LinuxRun::default()
+            };
+            Ok(ReceiveEnding::Linux(run_linux(&linux, vcpus, options)?))
+        }
+    }
 }
 
 /// Reads the stream into a new VM and starts it; the reason if anything is wrong.
@@ -138,7 +184,7 @@ fn receive_vm(
     config: &ReceiveConfig,
     connection: &mut Connection,
     stopped: &std::sync::Arc<vmm_sys_util::eventfd::EventFd>,
-) -> Result<(Controller, Received), String> {
+) -> Result<(ReceivedVm, Received), String> {
     let started = Instant::now();
     let reading = connection.try_clone().map_err(|e| e.to_string())?;
     let mut reader = StreamReader::new(BufReader::with_capacity(1 << 20, reading));
@@ -182,8 +228,12 @@ fn receive_vm(
         dirty_ring: config.dirty_ring,
         ..VmOptions::default()
     };
-    let vm = TestVm::from_layout(&layout, &handed, options)
-        .map_err(|e| format!("this VMM cannot lay the VM's memory out: {e}"))?;
+    let cannot =
+        |e: &dyn std::fmt::Display| format!("this VMM cannot lay the VM's memory out: {e}");
+    let vm = Vm::new(options).map_err(|e| cannot(&e))?;
+    let ids = layout
+        .build_handed_over(vm.memory(), &handed)
+        .map_err(|e| cannot(&e))?;
     send_answer(connection, Ok(())).map_err(|e| e.to_string())?;
     let mut state = None;
     let (mut rounds, mut bytes) = (0, 0);
@@ -194,12 +244,7 @@ fn receive_vm(
                 bytes += data.len() as u64;
             }
             Some(Record::RoundEnd { round, .. }) => rounds = round,
-            Some(Record::State(bytes)) => {
-                state = Some(
-                    MigrationState::from_bytes(&bytes)
-                        .map_err(|e| format!("the VM's state (its State record): {e}"))?,
-                )
-            }
+            Some(Record::State(bytes)) => state = Some(bytes),
             Some(Record::Done) | None => break,
             Some(Record::Hello { .. } | Record::Handover(_)) => {
                 unreachable!("the reader refuses a second Hello, and a Handover past the first")
@@ -208,7 +253,47 @@ fn receive_vm(
     }
     no_stray_fds(connection)?;
     let state = state.ok_or("the stream ended without the VM's state")?;
+    let stats = Received {
+        rounds,
+        bytes,
+        elapsed: started.elapsed(),
+    };
+    let bad_state = |e: &dyn std::fmt::Display| format!("the VM's state (its State record): {e}");
+    if state.starts_with(LINUX_MAGIC) {
+        if config.dirty_ring.is_some() {
+            return Err(
+                "a Linux guest's kernel runs emulated on hosts without hardware \
+                        virtualisation and can overflow a dirty ring: receive it without \
+                        --dirty-ring"
+                    .into(),
+            );
+        }
+        let state = LinuxState::from_bytes(&state).map_err(|e| bad_state(&e))?;
+        check_layout(&state.layout, &layout).map_err(|e| e.to_string())?;
+        vm.add_irqchip()
+            .map_err(|e| format!("setting the VM up for Linux: {e}"))?;
+        let linux = LinuxVm::restore_on(vm, &state, Box::new(std::io::stdout()), None)
+            .map_err(|e| e.to_string())?;
+        let vcpus = linux.restored_vcpus(&state).map_err(|e| e.to_string())?;
+        let paused = state.paused;
+        return Ok((
+            ReceivedVm::Linux {
+                linux,
+                vcpus,
+                paused,
+            },
+            stats,
+        ));
+    }
+    if !state.starts_with(MIGRATION_MAGIC) {
+        return Err(bad_state(
+            &"it is neither a test guest's nor a Linux guest's (its magic is unknown)",
+        ));
+    }
+    let state = MigrationState::from_bytes(&state).map_err(|e| bad_state(&e))?;
     check_layout(&state.snapshot.layout, &layout).map_err(|e| e.to_string())?;
+    let vm = TestVm::from_vm(vm, &layout, &ids)
+        .map_err(|e| format!("this VMM cannot lay the VM's memory out: {e}"))?;
     let vcpus = vm
         .start_restored_vcpus(&state.snapshot.vcpus, stopped)
         .map_err(|e| format!("restoring the vCPUs: {e}"))?;
@@ -219,14 +304,7 @@ fn receive_vm(
         controller = controller.paused();
     }
     controller.resume_unfinished();
-    Ok((
-        controller,
-        Received {
-            rounds,
-            bytes,
-            elapsed: started.elapsed(),
-        },
-    ))
+    Ok((ReceivedVm::TestGuest(controller), stats))
 }
 
 /// Checks the file handed over for region `index` (`region`) at `offset`: a regular file (a

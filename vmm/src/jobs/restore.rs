@@ -14,7 +14,7 @@ use vmm_sys_util::eventfd::EventFd;
 
 use super::boot::{run_linux, BootJobError, LinuxRun};
 use super::serve::ServeError;
-use crate::linux::restore::MemorySource;
+use crate::api::server::ApiSocket;
 use crate::linux::state::LinuxState;
 use crate::linux::{BootEnding, LinuxVm};
 use crate::test_guest::controller::Controller;
@@ -88,12 +88,8 @@ pub fn restore_linux(
             .check(&mem_file)
             .map_err(|e| refused(&from.snapshot, wrong_memory(from, info, &e)))?;
     }
-    let linux = LinuxVm::restore(
-        &state,
-        MemorySource::File(&mem_file, from.backend),
-        output,
-        limits,
-    )?;
+    let api = ApiSocket::bind(&api_sock)?;
+    let linux = LinuxVm::restore(&state, (&mem_file, from.backend), output, limits)?;
     let vcpus = linux.restored_vcpus(&state)?;
     eprintln!(
         "tinyvmm: Linux guest restored from {} ({} vCPUs, {} regions), paused: PATCH /vm          {{\"state\": \"Resumed\"}} on {} runs it",
@@ -106,7 +102,7 @@ pub fn restore_linux(
         &linux,
         vcpus,
         LinuxRun {
-            api_sock: Some(api_sock),
+            api: Some(api),
             paused: true,
             ..LinuxRun::default()
         },

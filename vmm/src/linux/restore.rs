@@ -5,36 +5,25 @@
 use std::sync::Arc;
 
 use kvm_memslots::MemoryLimits;
-use kvm_memslots_persist::MemoryLayout;
 
 use super::state::{DeviceState, LinuxMachine, LinuxState};
 use super::{hotplug, legacy_devices, BootError, LinuxVcpus, LinuxVm};
 use crate::devices::legacy::{ConsoleOutput, LegacyDevices};
-use crate::vm::restore::RestoredMemory;
+use crate::vm::restore::{restore_memory, MemBackend};
 use crate::vm::vcpu::{Vcpu, VcpuShared};
 use crate::vm::{Vm, VmOptions};
-
-/// Where a restored guest's memory comes from.
-#[derive(Debug)]
-pub enum MemorySource<'a> {
-    /// A snapshot's memory file, loaded as the backend says.
-    File(&'a std::fs::File, crate::vm::restore::MemBackend),
-    /// A migration: `layout`'s regions in fresh memory for the stream to fill, except those
-    /// mapping files another process handed over (by layout index).
-    Received(&'a std::collections::HashMap<usize, vm_memory::FileOffset>),
-}
 
 fn failed<E: std::fmt::Display>(what: &str) -> impl Fn(E) -> BootError + '_ {
     move |e| BootError::Restore(format!("{what}: {e}"))
 }
 
 impl LinuxVm {
-    /// The guest `state` saved, with memory laid out as its layout from `memory`, its console
-    /// writing to `output`, within `limits`. Its vCPUs come from
-    /// [`restored_vcpus`](Self::restored_vcpus).
+    /// The guest `state` saved, with memory laid out as its layout from the snapshot's
+    /// `memory_file` (loaded as `backend` says), its console writing to `output`, within
+    /// `limits`. Its vCPUs come from [`restored_vcpus`](Self::restored_vcpus).
     pub fn restore(
         state: &LinuxState,
-        memory: MemorySource<'_>,
+        (memory_file, backend): (&std::fs::File, MemBackend),
         output: ConsoleOutput,
         limits: Option<MemoryLimits>,
     ) -> Result<Self, BootError> {
@@ -43,7 +32,20 @@ impl LinuxVm {
             limits,
             ..VmOptions::default()
         })?;
-        let loader = fill_memory(&vm, &state.layout, memory)?;
+        let loader = restore_memory(vm.memory(), &state.layout, memory_file, backend)
+            .map_err(failed("the guest's memory"))?
+            .loader;
+        Self::restore_on(vm, state, output, loader)
+    }
+
+    /// The guest `state` saved, on `vm`, which has the irqchip and holds the guest's memory
+    /// as the state's layout lays it out (`loader`: its lazy loader, if any).
+    pub fn restore_on(
+        vm: Vm,
+        state: &LinuxState,
+        output: ConsoleOutput,
+        loader: Option<kvm_memslots_persist::LazyLoader>,
+    ) -> Result<Self, BootError> {
         state
             .vm
             .restore(vm.fd())
@@ -109,24 +111,4 @@ impl LinuxVm {
         }
         Ok(LinuxVcpus::new(vcpus, Arc::clone(&self.machine.msrs)))
     }
-}
-
-/// Gives `vm` the regions of `layout`, filled from `memory`; the lazy loader of a uffd restore.
-fn fill_memory(
-    vm: &Vm,
-    layout: &MemoryLayout,
-    memory: MemorySource<'_>,
-) -> Result<Option<kvm_memslots_persist::LazyLoader>, BootError> {
-    let restored = match memory {
-        MemorySource::File(file, backend) => {
-            crate::vm::restore::restore_memory(vm.memory(), layout, file, backend)
-        }
-        MemorySource::Received(handed) => layout
-            .build_handed_over(vm.memory(), handed)
-            .map(|ids| RestoredMemory { ids, loader: None })
-            .map_err(kvm_memslots_persist::SnapshotError::from),
-    };
-    restored
-        .map(|r| r.loader)
-        .map_err(failed("the guest's memory"))
 }

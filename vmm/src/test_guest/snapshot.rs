@@ -29,7 +29,8 @@ pub const STATE_VERSION: u32 = 2;
 
 const MAGIC: &[u8; 8] = TEST_GUEST_MAGIC;
 
-const STATE_MAGIC: &[u8; 8] = b"TVMMIGR\0";
+/// The magic of a test guest's migration State record.
+pub const MIGRATION_MAGIC: &[u8; 8] = b"TVMMIGR\0";
 /// The migration state record's format version.
 pub const MIGRATION_STATE_VERSION: u32 = 2;
 
@@ -213,12 +214,12 @@ impl MigrationState {
     /// The record's bytes (framed: magic, version, length, JSON, CRC-32).
     pub fn to_bytes(&self) -> Vec<u8> {
         let json = serde_json::to_vec(self).expect("a migration state serialises");
-        frame(STATE_MAGIC, MIGRATION_STATE_VERSION, &json)
+        frame(MIGRATION_MAGIC, MIGRATION_STATE_VERSION, &json)
     }
 
     /// Reads a State record, naming what is wrong with a bad one.
     pub fn from_bytes(bytes: &[u8]) -> Result<Self, String> {
-        let json = unframe(STATE_MAGIC, MIGRATION_STATE_VERSION, bytes)?;
+        let json = unframe(MIGRATION_MAGIC, MIGRATION_STATE_VERSION, bytes)?;
         let record: Value =
             serde_json::from_slice(json).map_err(|e| format!("the migration state: {e}"))?;
         check_register_blocks(&record["snapshot"]["vcpus"])

@@ -70,18 +70,10 @@ impl TestVm {
         })
     }
 
-    /// A VM with `layout`'s regions (the system region among them) in fresh, empty memory for
-    /// a migration to fill, except the regions in `handed` (by layout index), which map the
-    /// files another process handed over. Start its vCPUs with
-    /// [`start_restored_vcpus`](Self::start_restored_vcpus).
-    pub fn from_layout(
-        layout: &MemoryLayout,
-        handed: &std::collections::HashMap<usize, vm_memory::FileOffset>,
-        options: VmOptions,
-    ) -> Result<Self, GuestError> {
-        let vm = Vm::new(options)?;
-        let ids = layout.build_handed_over(vm.memory(), handed)?;
-        let system = system_region(layout, &ids)?;
+    /// The test guest's VM on `vm`, which holds `layout`'s regions (`ids`, in its order; the
+    /// system region among them).
+    pub fn from_vm(vm: Vm, layout: &MemoryLayout, ids: &[RegionId]) -> Result<Self, GuestError> {
+        let system = system_region(layout, ids)?;
         Ok(TestVm {
             vm,
             system,

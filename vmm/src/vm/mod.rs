@@ -64,6 +64,20 @@ impl VmError {
     }
 }
 
+/// The real-mode TSS, the in-kernel irqchip and the PIT, on a VM without vCPUs.
+fn add_irqchip(fd: &VmFd) -> Result<(), VmError> {
+    fd.set_tss_address(TSS_ADDRESS)
+        .map_err(VmError::setup("KVM_SET_TSS_ADDR"))?;
+    fd.create_irq_chip()
+        .map_err(VmError::setup("KVM_CREATE_IRQCHIP"))?;
+    let pit = kvm_pit_config {
+        flags: KVM_PIT_SPEAKER_DUMMY,
+        ..Default::default()
+    };
+    fd.create_pit2(pit)
+        .map_err(VmError::setup("KVM_CREATE_PIT2"))
+}
+
 /// KVM's number of memory slots (`KVM_CAP_NR_MEMSLOTS`), without creating a VM.
 pub fn max_slots() -> Result<usize, VmError> {
     Ok(Kvm::new().map_err(VmError::Kvm)?.get_nr_memslots())
@@ -88,16 +102,7 @@ impl Vm {
         let kvm = Kvm::new().map_err(VmError::Kvm)?;
         let fd = Arc::new(kvm.create_vm().map_err(VmError::setup("KVM_CREATE_VM"))?);
         if options.irqchip {
-            fd.set_tss_address(TSS_ADDRESS)
-                .map_err(VmError::setup("KVM_SET_TSS_ADDR"))?;
-            fd.create_irq_chip()
-                .map_err(VmError::setup("KVM_CREATE_IRQCHIP"))?;
-            let pit = kvm_pit_config {
-                flags: KVM_PIT_SPEAKER_DUMMY,
-                ..Default::default()
-            };
-            fd.create_pit2(pit)
-                .map_err(VmError::setup("KVM_CREATE_PIT2"))?;
+            add_irqchip(&fd)?;
         }
         let kvm_vm = match options.dirty_ring {
             Some(entries) => KvmVm::with_dirty_ring(&kvm, Arc::clone(&fd), entries)?,
@@ -112,6 +117,13 @@ impl Vm {
         vcpu::install_kick_handler();
         memory_gone::install();
         Ok(Vm { kvm, fd, memory })
+    }
+
+    /// Gives a VM made without them the real-mode TSS, the in-kernel irqchip and the PIT (a
+    /// migration's destination learns that its guest needs them once its memory came); before
+    /// any vCPU exists, as KVM requires.
+    pub fn add_irqchip(&self) -> Result<(), VmError> {
+        add_irqchip(&self.fd)
     }
 
     /// `/dev/kvm`.
