@@ -87,7 +87,7 @@ pub enum ReceiveEnding {
 /// The VM received, ready to run.
 enum ReceivedVm {
     /// A test guest, its vCPUs running (or paused as the source had them).
-    TestGuest(Controller),
+    TestGuest(Box<Controller>),
     /// A Linux guest, its vCPUs made paused; `paused`: a client had paused it on the source.
     Linux {
         linux: LinuxVm,
@@ -158,7 +158,7 @@ pub fn receive(
         ReceivedVm::TestGuest(controller) => Ok(ReceiveEnding::TestGuest(serve_controller(
             run,
             api,
-            controller,
+            *controller,
             config.idle_timeout,
             || {},
         )?)),
@@ -304,7 +304,7 @@ fn receive_vm(
         controller = controller.paused();
     }
     controller.resume_unfinished();
-    Ok((ReceivedVm::TestGuest(controller), stats))
+    Ok((ReceivedVm::TestGuest(Box::new(controller)), stats))
 }
 
 /// Checks the file handed over for region `index` (`region`) at `offset`: a regular file (a
