@@ -720,9 +720,13 @@ struct BootArgs {
     /// The virtio-mem block size in MiB (a power of two, at least 2; default 2).
     #[arg(long)]
     hotplug_block_mib: Option<u64>,
-    /// An API socket while the guest runs: /memory, /hotplug/memory, /actions.
+    /// An API socket while the guest runs: /vm (pause, resume), /snapshot/create, /migrate,
+    /// /dirty-log, /memory, /hotplug/memory, /actions.
     #[arg(long)]
     api_sock: Option<std::path::PathBuf>,
+    /// Put RAM in memfds (shared memory): a local migration hands it over instead of copying.
+    #[arg(long)]
+    memfd: bool,
     /// No ACPI tables: the guest gets the MP table alone and finds the virtio-mem device on its
     /// command line (`virtio_mmio.device=`, for kernels with CONFIG_VIRTIO_MMIO_CMDLINE_DEVICES).
     #[arg(long)]
@@ -761,6 +765,7 @@ fn boot(args: BootArgs) -> ExitCode {
     config.hotplug_block_mib = args.hotplug_block_mib.unwrap_or(config.hotplug_block_mib);
     config.api_sock = args.api_sock.or(config.api_sock);
     config.acpi &= !args.no_acpi;
+    config.memfd |= args.memfd;
     config.limits = Some(args.limits.resolve());
     let console = Console {
         output: Box::new(std::io::stdout()),

@@ -12,7 +12,7 @@
 //! boots the bzImage to a busybox shell.
 
 use std::io::Write;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 
@@ -22,9 +22,11 @@ use tinyvmm::linux::{
     BootConfig, BootEnding, BootProtocol, BootReport, Console, E820Entry, GuestStop, KernelFormat,
 };
 
-/// The command line: the serial console from the first line, no xsave (issue 6: XRSTOR is not
-/// in the emulator), no KASLR (reproducible addresses), reset through the i8042 on panic.
-const CMDLINE: &str = "console=ttyS0 earlyprintk=ttyS0 noxsave nokaslr panic=-1 reboot=k";
+mod support;
+use support::{
+    cache, cpio, debian_kernel, hardware_virtualisation, last_mem_total, ready, virtio_initramfs,
+    CMDLINE,
+};
 
 /// Printed right after the kernel's e820 maps (from `dmi_setup`: `DMI: …` or `DMI not present`).
 const AFTER_E820: &str = "] DMI";
@@ -32,54 +34,6 @@ const AFTER_E820: &str = "] DMI";
 /// The most any boot may take before the test stops it (the guest is stopped long before on
 /// this host, and reboots on its own on others).
 const TIMEOUT_SECS: f64 = 120.0;
-
-fn cache() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../resources/cache/kernel")
-}
-
-/// Debian's kernel: the bzImage and the ELF vmlinux unpacked from it.
-fn debian_kernel(test: &str) -> Option<(PathBuf, PathBuf)> {
-    let listed = cache().join("vmlinuz.path");
-    let Ok(path) = std::fs::read_to_string(&listed) else {
-        eprintln!(
-            "SKIPPED {test}: no kernel ({} is missing): resources/fetch-kernel.sh could not fetch \
-             Debian's linux-image-cloud-amd64; this boot test did not run",
-            listed.display()
-        );
-        return None;
-    };
-    let vmlinuz = PathBuf::from(path.trim());
-    let name = vmlinuz
-        .file_name()?
-        .to_str()?
-        .replace("vmlinuz-", "vmlinux-");
-    let vmlinux = vmlinuz.with_file_name(name);
-    if !vmlinuz.is_file() || !vmlinux.is_file() {
-        eprintln!(
-            "SKIPPED {test}: {} or {} is missing (rerun resources/fetch-kernel.sh; the vmlinux \
-             needs lz4); this boot test did not run",
-            vmlinuz.display(),
-            vmlinux.display()
-        );
-        return None;
-    }
-    Some((vmlinuz, vmlinux))
-}
-
-/// Whether test `test` can run: the kernel is there (checked first, so that a test skipped for
-/// the lack of it is not counted as a KVM test that ran) and so is `/dev/kvm`.
-fn ready(test: &str) -> bool {
-    debian_kernel(test).is_some() && kvm_test_support::require_kvm(test)
-}
-
-/// Whether the host has hardware virtualisation (VT-x or AMD-V flags in /proc/cpuinfo).
-fn hardware_virtualisation() -> bool {
-    std::fs::read_to_string("/proc/cpuinfo").is_ok_and(|info| {
-        info.lines()
-            .filter(|l| l.starts_with("flags"))
-            .any(|l| l.split_whitespace().any(|f| f == "vmx" || f == "svm"))
-    })
-}
 
 /// The serial console's output, kept; raises `stop` once a line holds `until`.
 #[derive(Clone)]
@@ -508,52 +462,6 @@ fn the_kernel_stopping_in_the_hosts_emulator_is_reported_as_the_hosts_limitation
     }
 }
 
-/// A file for [`cpio`]: path, mode (with its type bits), contents, and (major, minor) for a
-/// device node.
-type CpioFile<'a> = (&'a str, u32, &'a [u8], (u32, u32));
-
-/// A newc cpio archive of `files`.
-fn cpio(files: &[CpioFile<'_>]) -> Vec<u8> {
-    let mut out = Vec::new();
-    let mut entry = |(name, mode, data, (major, minor)): CpioFile<'_>, ino: usize| {
-        // ino, mode, uid, gid, nlink, mtime, filesize, devmajor, devminor, rdevmajor,
-        // rdevminor, namesize, check.
-        let fields = [
-            ino,
-            mode as usize,
-            0,
-            0,
-            1,
-            0,
-            data.len(),
-            0,
-            0,
-            major as usize,
-            minor as usize,
-            name.len() + 1,
-            0,
-        ];
-        out.extend_from_slice(b"070701");
-        for field in fields {
-            out.extend_from_slice(format!("{field:08x}").as_bytes());
-        }
-        out.extend_from_slice(name.as_bytes());
-        out.push(0);
-        while out.len() % 4 != 0 {
-            out.push(0);
-        }
-        out.extend_from_slice(data);
-        while out.len() % 4 != 0 {
-            out.push(0);
-        }
-    };
-    for (ino, file) in files.iter().enumerate() {
-        entry(*file, ino + 1);
-    }
-    entry(("TRAILER!!!", 0, &[], (0, 0)), 0);
-    out
-}
-
 #[test]
 fn cpio_archives_are_newc() {
     let archive = cpio(&[("init", 0o100755, b"#!/bin/sh\n", (0, 0))]);
@@ -630,26 +538,6 @@ fn boot_bzimage_to_a_busybox_shell_with_hardware_virtualisation() {
     );
 }
 
-/// The kernel package's directory and version, from its vmlinuz's path
-/// (`<package>/boot/vmlinuz-<version>`).
-fn kernel_package(vmlinuz: &Path) -> Option<(PathBuf, String)> {
-    let version = vmlinuz
-        .file_name()?
-        .to_str()?
-        .strip_prefix("vmlinuz-")?
-        .to_owned();
-    Some((vmlinuz.parent()?.parent()?.to_owned(), version))
-}
-
-/// The last `guest MemTotal: N kB` the init script printed, in KiB.
-fn last_mem_total(log: &str) -> Option<u64> {
-    log.lines()
-        .rev()
-        .find_map(|l| l.strip_prefix("guest MemTotal: "))
-        .and_then(|rest| rest.trim_end().strip_suffix(" kB"))
-        .and_then(|n| n.parse().ok())
-}
-
 /// Polls `check` on the console log every 100 ms for up to `secs` seconds.
 fn wait_for<T>(
     capture: &Capture,
@@ -695,16 +583,6 @@ fn linux_plugs_and_unplugs_virtio_mem_through_the_api_with_hardware_virtualisati
         return;
     };
     // Debian builds virtio, virtio_mmio and virtio_mem as modules: the initramfs loads them.
-    let (package, version) = kernel_package(&vmlinuz).expect("the kernel package's layout");
-    let modules = package.join(format!("lib/modules/{version}/kernel/drivers/virtio"));
-    let names = ["virtio_ring", "virtio", "virtio_mmio", "virtio_mem"];
-    let module_bytes: Vec<Vec<u8>> = names
-        .iter()
-        .map(|m| {
-            let path = modules.join(format!("{m}.ko"));
-            std::fs::read(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
-        })
-        .collect();
     let init = b"#!/bin/busybox sh\n\
         B=/bin/busybox\n\
         $B mkdir -p /proc /sys\n\
@@ -718,22 +596,10 @@ fn linux_plugs_and_unplugs_virtio_mem_through_the_api_with_hardware_virtualisati
         \x20   echo \"guest MemTotal: $($B awk '/MemTotal/ {print $2}' /proc/meminfo) kB\"\n\
         \x20   $B sleep 1\n\
         done\n";
-    let module_paths: Vec<String> = names.iter().map(|m| format!("lib/{m}.ko")).collect();
-    let mut files: Vec<CpioFile<'_>> = vec![
-        ("bin", 0o040755, b"", (0, 0)),
-        ("bin/busybox", 0o100755, &busybox, (0, 0)),
-        ("dev", 0o040755, b"", (0, 0)),
-        ("dev/console", 0o020600, b"", (5, 1)),
-        ("lib", 0o040755, b"", (0, 0)),
-        ("init", 0o100755, init, (0, 0)),
-    ];
-    for (path, bytes) in module_paths.iter().zip(&module_bytes) {
-        files.push((path, 0o100644, bytes, (0, 0)));
-    }
     let dir = std::env::temp_dir().join(format!("tinyvmm-virtio-mem-boot-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let initramfs = dir.join("initramfs.cpio");
-    std::fs::write(&initramfs, cpio(&files)).unwrap();
+    std::fs::write(&initramfs, virtio_initramfs(&vmlinuz, &busybox, init)).unwrap();
     let socket = dir.join("api.sock");
     let config = BootConfig {
         kernel: vmlinuz,

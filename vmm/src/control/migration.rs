@@ -95,3 +95,17 @@ pub struct MigrationInfo {
     /// Why it failed or was cancelled.
     pub error: Option<String>,
 }
+
+impl MigrationInfo {
+    /// One line for a source's log once the VM runs on the destination.
+    pub fn completed_line(&self) -> String {
+        format!(
+            "the VM runs on the migration's destination now: {} rounds, {} bytes sent in {:.0} \
+             ms, paused {:.1} ms",
+            self.round,
+            self.bytes_sent,
+            self.elapsed_ms,
+            self.downtime_ms.unwrap_or(f64::NAN)
+        )
+    }
+}

@@ -157,7 +157,15 @@ pub fn run_linux(
             .is_some_and(|d| Instant::now() >= d)
             .then_some(BootEnding::Timeout)
     });
-    run.with_controller(LinuxController::shut_down);
+    run.with_controller(|controller| {
+        if let Some(info) = controller
+            .migration_info()
+            .filter(|_| controller.migrated())
+        {
+            eprintln!("tinyvmm: {}", info.completed_line());
+        }
+        controller.shut_down();
+    });
     running.stop();
     linux.flush_console();
     drop(terminal);

@@ -11,6 +11,8 @@ use std::path::{Path, PathBuf};
 
 use kvm_memslots_persist::{merge_snapshots, MemoryLayout};
 
+use crate::linux::state::LinuxState;
+use crate::snapshot::GuestKind;
 use crate::test_guest::snapshot::{open_input, read_state_file, SnapshotInfo, SnapshotKind};
 
 /// What a merge did.
@@ -66,10 +68,7 @@ fn link(state: &Path, mem: &Path) -> Result<Link, MergeError> {
         path: path.to_path_buf(),
         reason,
     };
-    let read = read_state_file(state).map_err(|e| input(state, e.to_string()))?;
-    let info = read
-        .snapshot
-        .ok_or_else(|| input(state, "it does not say what snapshot it is".into()))?;
+    let (info, layout) = snapshot_of(state).map_err(|e| input(state, e))?;
     let file = open_input(mem).map_err(|e| input(mem, e))?;
     // A Diff's own file has only its pages: its size is all there is to check.
     let checked = match info.kind {
@@ -85,13 +84,25 @@ fn link(state: &Path, mem: &Path) -> Result<Link, MergeError> {
     Ok(Link {
         state: state.to_path_buf(),
         info,
-        layout: read.layout,
+        layout,
         mem: file,
     })
 }
 
 /// Checks that `links` are a chain: a Full first, then each the child of the one before, of
 /// one VM, none twice; names the first file that breaks it.
+/// What snapshot the state file at `path` is, and its layout, whatever its guest kind (its
+/// magic says).
+fn snapshot_of(path: &Path) -> Result<(SnapshotInfo, MemoryLayout), String> {
+    let unnamed = || "it does not say what snapshot it is".to_owned();
+    if matches!(GuestKind::of_file(path), Ok(GuestKind::Linux)) {
+        let state = LinuxState::read_file(path).map_err(|e| e.to_string())?;
+        return Ok((state.snapshot.ok_or_else(unnamed)?, state.layout));
+    }
+    let state = read_state_file(path).map_err(|e| e.to_string())?;
+    Ok((state.snapshot.ok_or_else(unnamed)?, state.layout))
+}
+
 fn check_chain(links: &[Link]) -> Result<(), MergeError> {
     let Some(first) = links.first() else {
         return Err(MergeError::Pairs);

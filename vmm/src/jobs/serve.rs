@@ -177,15 +177,11 @@ pub(crate) fn serve_controller(
         .with_controller(|controller| controller.failure().is_some())
         .unwrap_or(false);
     let shut_down = run.with_controller(|controller| {
-        if let Some(info) = controller.migration_info().filter(|_| controller.migrated()) {
-            eprintln!(
-                "tinyvmm: the VM runs on the migration's destination now: {} rounds, {} bytes sent in \
-                 {:.0} ms, paused {:.1} ms",
-                info.round,
-                info.bytes_sent,
-                info.elapsed_ms,
-                info.downtime_ms.unwrap_or(f64::NAN)
-            );
+        if let Some(info) = controller
+            .migration_info()
+            .filter(|_| controller.migrated())
+        {
+            eprintln!("tinyvmm: {}", info.completed_line());
         }
         controller.shut_down()
     });

@@ -66,6 +66,9 @@ pub struct BootConfig {
     /// Give the guest ACPI tables (how a stock kernel finds the virtio-mem device). Without,
     /// it has the MP table alone and finds the device on its command line.
     pub acpi: bool,
+    /// Put RAM in memfds (shared memory): a local migration then hands it over to the
+    /// destination instead of copying it.
+    pub memfd: bool,
     /// What guest memory is admitted against; `None`: this host's defaults
     /// ([`MemoryLimits::for_this_host`]). From the command line only (`--max-*`), never from
     /// a configuration file.
@@ -89,6 +92,7 @@ impl Default for BootConfig {
             hotplug_block_mib: 2,
             api_sock: None,
             acpi: true,
+            memfd: false,
             limits: None,
         }
     }

@@ -74,6 +74,11 @@ impl LinuxController {
         self.migration.completed()
     }
 
+    /// The last migration's progress, if one was started.
+    pub fn migration_info(&self) -> Option<crate::control::migration::MigrationInfo> {
+        self.migration.info()
+    }
+
     /// Cancels a migration under way and waits for it (the VMM is stopping).
     pub fn shut_down(&mut self) {
         self.migration.shut_down();

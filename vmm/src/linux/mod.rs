@@ -265,9 +265,12 @@ impl LinuxVm {
         })?;
         let memory = vm.memory();
         for region in layout::ram_regions(config) {
-            memory.add_region(
-                RegionSpec::new(region.gpa, region.size).with_slot_size(region.slot_size),
-            )?;
+            let spec = RegionSpec::new(region.gpa, region.size).with_slot_size(region.slot_size);
+            memory.add_region(if config.memfd {
+                spec.with_backing(kvm_memslots::Backing::Memfd)
+            } else {
+                spec
+            })?;
         }
         let regions = memory.regions();
         let e820 = e820::build(&regions);

@@ -354,3 +354,161 @@ impl StateRecord for LinuxRecord {
             .map_err(|e| e.to_string())
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::devices::legacy::SerialSnapshot;
+    use kvm_memslots::testing::FakeKvm;
+    use kvm_memslots::{MemoryManager, RegionSpec};
+    use vm_memory::GuestAddress;
+
+    fn serial() -> SerialSnapshot {
+        SerialSnapshot {
+            baud_divisor_low: 12,
+            baud_divisor_high: 0,
+            interrupt_enable: 0,
+            interrupt_identification: 1,
+            line_control: 3,
+            line_status: 0x60,
+            modem_control: 8,
+            modem_status: 0xb0,
+            scratch: 0,
+            in_buffer: Vec::new(),
+        }
+    }
+
+    fn vcpu() -> VcpuState {
+        VcpuState {
+            regs: Default::default(),
+            sregs: Default::default(),
+            xsave: Default::default(),
+            xcrs: Default::default(),
+            events: Default::default(),
+            msrs: vec![(0x10, 1)],
+            lapic: Some(Default::default()),
+            debugregs: Some(Default::default()),
+            mp_state: Some(Default::default()),
+            cpuid: Vec::new(),
+        }
+    }
+
+    /// A one-vCPU machine without virtio-mem, its state as JSON to tamper with.
+    fn state() -> Value {
+        let memory = MemoryManager::new(FakeKvm::new(16, false));
+        memory
+            .add_region(RegionSpec::new(GuestAddress(0), 2 << 20))
+            .expect("RAM");
+        let state = LinuxState {
+            version: LINUX_STATE_VERSION,
+            snapshot: None,
+            layout: MemoryLayout::of(&memory),
+            vcpus: vec![vcpu()],
+            vm: VmState {
+                pic_master: Default::default(),
+                pic_slave: kvm_bindings::kvm_irqchip {
+                    chip_id: 1,
+                    ..Default::default()
+                },
+                ioapic: kvm_bindings::kvm_irqchip {
+                    chip_id: 2,
+                    ..Default::default()
+                },
+                pit: Default::default(),
+                clock: Default::default(),
+            },
+            devices: vec![DeviceState::Serial { state: serial() }, DeviceState::I8042],
+            machine: Machine {
+                vcpus: 1,
+                acpi: true,
+                hotplug_mib: 0,
+                hotplug_block_mib: 2,
+                kernel: KernelRecord {
+                    path: "vmlinux".into(),
+                    size: 1,
+                    crc32: 2,
+                },
+                cmdline: "console=ttyS0".into(),
+            },
+            paused: false,
+        };
+        serde_json::to_value(&state).expect("JSON")
+    }
+
+    fn framed(json: &Value, version: u32) -> Vec<u8> {
+        frame(
+            LINUX_MAGIC,
+            version,
+            &serde_json::to_vec(json).expect("bytes"),
+        )
+    }
+
+    fn refused(json: &Value) -> String {
+        LinuxState::from_bytes(&framed(json, LINUX_STATE_VERSION))
+            .expect_err("refused")
+            .to_string()
+    }
+
+    #[test]
+    fn a_linux_state_round_trips_and_is_checked_against_its_machine() {
+        let json = state();
+        let back = LinuxState::from_bytes(&framed(&json, LINUX_STATE_VERSION)).expect("valid");
+        assert_eq!(back.devices[0], DeviceState::Serial { state: serial() });
+        assert_eq!(back.vm.ioapic.chip_id, 2);
+
+        // A device list that is not the machine's: one missing, one extra, out of order.
+        let mut missing = json.clone();
+        missing["devices"].as_array_mut().expect("a list").pop();
+        let why = refused(&missing);
+        assert!(
+            why.contains(
+                "its devices (serial (ports 0x3f8-0x3ff)) do not match its machine's \
+                          (serial (ports 0x3f8-0x3ff), i8042 (ports 0x60-0x64))"
+            ),
+            "{why}"
+        );
+        let mut with_hotplug = json.clone();
+        with_hotplug["machine"]["hotplug_mib"] = 1024.into();
+        let why = refused(&with_hotplug);
+        assert!(
+            why.contains("virtio-mem (virtio-mmio at 0xd0000000)"),
+            "{why}"
+        );
+        let mut swapped = json.clone();
+        swapped["devices"].as_array_mut().expect("a list").reverse();
+        assert!(refused(&swapped).contains("do not match"));
+        let mut unknown = json.clone();
+        unknown["devices"][1] = serde_json::json!({"kind": "rtc"});
+        assert!(refused(&unknown).contains("unknown variant `rtc`"));
+
+        // vCPUs that are not the machine's.
+        let mut two = json.clone();
+        two["machine"]["vcpus"] = 2.into();
+        assert!(refused(&two).contains("1 vCPUs saved for a machine of 2"));
+
+        // A register block of another size, with a valid checksum.
+        let mut short = json.clone();
+        short["vcpus"][0]["debugregs"]
+            .as_array_mut()
+            .expect("bytes")
+            .pop();
+        assert!(refused(&short).contains("vCPU 0's debugregs has"));
+
+        // A state from a newer build (its header says version 2).
+        let newer = LinuxState::from_bytes(&framed(&json, LINUX_STATE_VERSION + 1))
+            .expect_err("refused")
+            .to_string();
+        assert!(newer.contains("version"), "{newer}");
+        // Or one whose header and body disagree.
+        let mut body = json.clone();
+        body["version"] = (LINUX_STATE_VERSION + 1).into();
+        assert!(refused(&body).contains("the header's version is 1, the state's 2"));
+        // A test guest's state file is not a Linux one.
+        let test_guest = frame(
+            crate::snapshot::file::TEST_GUEST_MAGIC,
+            LINUX_STATE_VERSION,
+            &serde_json::to_vec(&json).expect("bytes"),
+        );
+        assert!(LinuxState::from_bytes(&test_guest).is_err());
+    }
+}

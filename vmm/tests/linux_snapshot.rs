@@ -1,0 +1,648 @@
+//! A Linux guest paused, snapshotted, ended, and restored or migrated in new processes goes on
+//! exactly as an uninterrupted boot of it: the same console lines (timestamps aside) and the
+//! same end.
+//!
+//! On this host (kvm_pvm, no VT-x/AMD-V) Debian's kernel stops at its `int3` self-test, the same
+//! lines and the same stop every time (docs/BOOT.md): that end is what every run is held to.
+//! One boot (4096 slots, 2 vCPUs, a virtio-mem device, RAM in memfds) is paused twice: a Full
+//! snapshot well into the boot, a Diff later. Beside it an uninterrupted boot gives the
+//! reference. Then, each in a new process: the Full restored with each memory backend, the
+//! chain merged and restored, and the Full restored and migrated live (bitmap, and local with
+//! the memfds handed over) to a `tinyvmm receive`.
+
+use std::fs::File;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+use serde_json::{json, Value};
+use tinyvmm::api::client::Client;
+
+mod support;
+use support::{debian_kernel, hardware_virtualisation, ready, CMDLINE};
+
+/// Where the Full snapshot is taken: after the line the kernel prints before some 27 s of
+/// emulated work (the restored VMs then do real work), well into the boot.
+const FULL_AT: &str = "rcu: Adjusting geometry";
+/// Where the Diff is taken: half a second of guest time before the end, past which the
+/// kernel's own 8250 driver takes the console, the IOAPIC and x2APIC are set up.
+const DIFF_AT: &str = "NR_IRQS:";
+/// The longest any one run may take.
+const RUN_LIMIT: Duration = Duration::from_secs(400);
+
+/// A scratch folder, removed at the end.
+struct Scratch(PathBuf);
+
+impl Scratch {
+    fn new() -> Self {
+        let dir = std::env::temp_dir().join(format!("tinyvmm-linux-snap-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).expect("a scratch folder");
+        Scratch(dir)
+    }
+
+    fn path(&self, name: &str) -> PathBuf {
+        self.0.join(name)
+    }
+}
+
+impl Drop for Scratch {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// A tinyvmm process, its console in a file; killed if the test ends before it does.
+struct Vmm {
+    child: Option<Child>,
+    console: PathBuf,
+    api: Option<PathBuf>,
+}
+
+impl Vmm {
+    fn spawn(args: &[&str], console: PathBuf, api: Option<PathBuf>) -> Self {
+        let out = File::create(&console).expect("a console file");
+        let mut command = Command::new(env!("CARGO_BIN_EXE_tinyvmm"));
+        command.args(args);
+        if let Some(api) = &api {
+            command.arg("--api-sock").arg(api);
+        }
+        let child = command
+            .stdin(Stdio::null())
+            .stdout(out)
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("tinyvmm starts");
+        Vmm {
+            child: Some(child),
+            console,
+            api,
+        }
+    }
+
+    fn console(&self) -> String {
+        String::from_utf8_lossy(&std::fs::read(&self.console).unwrap_or_default()).into_owned()
+    }
+
+    fn running(&self) -> bool {
+        let pid = self.child.as_ref().expect("spawned").id();
+        std::fs::read_to_string(format!("/proc/{pid}/stat"))
+            .is_ok_and(|s| s.split(' ').nth(2).is_none_or(|state| state != "Z"))
+    }
+
+    fn wait_for_api(&self) {
+        let api = self.api.as_ref().expect("an API socket");
+        let deadline = Instant::now() + Duration::from_secs(120);
+        while Client::connect(api).is_err() {
+            assert!(Instant::now() < deadline, "the API socket never came up");
+            assert!(self.running(), "tinyvmm exited before its API came up");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    fn ok(&self, method: &str, path: &str, body: Option<Value>) -> Value {
+        let api = self.api.as_ref().expect("an API socket");
+        let (status, answer) = Client::connect(api)
+            .expect("connect")
+            .call(method, path, body.as_ref())
+            .expect("an answer");
+        assert!(
+            (200..300).contains(&status),
+            "{method} {path}: {status} {answer}"
+        );
+        answer
+    }
+
+    /// Waits until the console shows `marker`; fails if the VMM exits first.
+    fn wait_for_line(&self, marker: &str) {
+        let deadline = Instant::now() + RUN_LIMIT;
+        while !self.console().contains(marker) {
+            assert!(
+                self.running(),
+                "tinyvmm ended before its console showed {marker:?}:\n{}",
+                self.console()
+            );
+            assert!(Instant::now() < deadline, "no {marker:?} in {RUN_LIMIT:?}");
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    }
+
+    /// Pauses the VM; returns the console up to the pause (the pause flushes it).
+    fn pause(&self) -> String {
+        self.ok("PATCH", "/vm", Some(json!({"state": "Paused"})));
+        assert_eq!(self.ok("GET", "/vm", None)["state"], "Paused");
+        self.console()
+    }
+
+    fn resume(&self) {
+        self.ok("PATCH", "/vm", Some(json!({"state": "Resumed"})));
+    }
+
+    fn wait(&mut self) -> (Output, String) {
+        let deadline = Instant::now() + RUN_LIMIT;
+        while self.running() {
+            assert!(Instant::now() < deadline, "tinyvmm ran past {RUN_LIMIT:?}");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let output = self
+            .child
+            .take()
+            .expect("spawned")
+            .wait_with_output()
+            .expect("wait");
+        (output, self.console())
+    }
+}
+
+impl Drop for Vmm {
+    fn drop(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+}
+
+/// Lines whose figures are timings that differ between any two boots (the TSC cycles the
+/// boot took before kvmclock's sched offset was taken, the TSC frequency measured): their
+/// digits are not compared.
+const TIMING_LINES: [&str; 2] = ["kvm-clock: using sched offset of", "tsc: Detected"];
+
+/// Waits up to a minute for `done`, naming `what` if it does not come.
+fn wait_until(what: &str, mut done: impl FnMut() -> bool) {
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while !done() {
+        assert!(Instant::now() < deadline, "no {what} within a minute");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// The console's lines without printk's timestamps, and with the digits of timing figures
+/// masked.
+fn lines(console: &str) -> Vec<String> {
+    console
+        .lines()
+        .map(|line| {
+            let line = line.trim_end_matches('\r');
+            let line = match (line.starts_with('['), line.find("] ")) {
+                (true, Some(end)) => &line[end + 2..],
+                _ => line,
+            };
+            if TIMING_LINES.iter().any(|t| line.contains(t)) {
+                line.replace(|c: char| c.is_ascii_digit(), "#")
+            } else {
+                line.to_owned()
+            }
+        })
+        .collect()
+}
+
+/// How a run ended: its exit status and the vCPU's stop as the VMM named it (the vCPU and rip).
+fn ending(output: &Output) -> (Option<i32>, String) {
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    let stop = stderr
+        .lines()
+        .find(|l| l.contains(" at rip "))
+        .and_then(|l| l.split(" (KVM suberror").next())
+        .unwrap_or("no vCPU stop")
+        .trim_start_matches("tinyvmm: ")
+        .to_owned();
+    (output.status.code(), stop)
+}
+
+/// The arguments every boot of the test shares.
+fn boot_args(kernel: &Path) -> Vec<String> {
+    [
+        "boot",
+        "--kernel",
+        kernel.to_str().expect("a UTF-8 path"),
+        "--mem-mib",
+        "512",
+        "--mem-slots",
+        "4096",
+        "--vcpus",
+        "2",
+        "--hotplug-mib",
+        "1024",
+        "--memfd",
+        "--quiet",
+        "--timeout",
+        "400",
+        "--cmdline",
+        CMDLINE,
+    ]
+    .map(String::from)
+    .to_vec()
+}
+
+/// What every continuation is held to: the uninterrupted boot's console and ending.
+struct Reference {
+    console: String,
+    ending: (Option<i32>, String),
+}
+
+impl Reference {
+    /// Checks that `before` (the console up to a snapshot's point) and `after` (a restored
+    /// run's) read as the reference does, and that the run ended as it did.
+    fn check(&self, what: &str, before: &str, after: &str, ended: &(Option<i32>, String)) {
+        let expected = lines(&self.console);
+        let got = lines(&format!("{before}{after}"));
+        if got != expected {
+            let at = got
+                .iter()
+                .zip(&expected)
+                .position(|(a, b)| a != b)
+                .unwrap_or(got.len().min(expected.len()));
+            panic!(
+                "{what}: the console differs from an uninterrupted boot's at line {at}:\n  got: \
+                 {:?}\n  expected: {:?}\n--- got ---\n{after}",
+                got.get(at),
+                expected.get(at)
+            );
+        }
+        assert_eq!(ended, &self.ending, "{what}: the run ended otherwise");
+    }
+}
+
+/// Restores `state` with `mem` through `backend` in a new process, resumes it, and checks it
+/// against the reference from `before`.
+fn restore_and_check(
+    scratch: &Scratch,
+    name: &str,
+    (state, mem, backend): (&Path, &Path, &str),
+    before: &str,
+    reference: &Reference,
+) {
+    let mut vmm = Vmm::spawn(
+        &[
+            "restore",
+            "--snapshot",
+            state.to_str().expect("UTF-8"),
+            "--mem-file",
+            mem.to_str().expect("UTF-8"),
+            "--mem-backend",
+            backend,
+        ],
+        scratch.path(&format!("{name}.console")),
+        Some(scratch.path(&format!("{name}.sock"))),
+    );
+    vmm.wait_for_api();
+    let vm = vmm.ok("GET", "/vm", None);
+    assert_eq!(
+        (&vm["state"], &vm["vcpus"]),
+        (&json!("Paused"), &json!(2)),
+        "{name}: a restored VM waits, paused"
+    );
+    let hotplug = vmm.ok("GET", "/hotplug/memory", None);
+    assert_eq!(hotplug["total_size_mib"], 1024, "{name}: {hotplug}");
+    vmm.resume();
+    let (output, console) = vmm.wait();
+    reference.check(name, before, &console, &ending(&output));
+}
+
+/// Restores the Full snapshot, lets it run, migrates it live to a `tinyvmm receive` (`local`:
+/// handing the memfds over), and checks the source's console and the destination's together.
+fn migrate_and_check(
+    scratch: &Scratch,
+    name: &str,
+    (state, mem): (&Path, &Path),
+    local: bool,
+    before: &str,
+    reference: &Reference,
+) {
+    let listen = scratch.path(&format!("{name}.mig"));
+    let mut destination = Vmm::spawn(
+        &["receive", "--listen", &format!("unix:{}", listen.display())],
+        scratch.path(&format!("{name}-dst.console")),
+        Some(scratch.path(&format!("{name}-dst.sock"))),
+    );
+    wait_until("receive to listen", || listen.exists());
+    let mut source = Vmm::spawn(
+        &[
+            "restore",
+            "--snapshot",
+            state.to_str().expect("UTF-8"),
+            "--mem-file",
+            mem.to_str().expect("UTF-8"),
+            "--mem-backend",
+            "copy",
+        ],
+        scratch.path(&format!("{name}-src.console")),
+        Some(scratch.path(&format!("{name}-src.sock"))),
+    );
+    source.wait_for_api();
+    source.resume();
+    // The guest runs a while before it moves.
+    std::thread::sleep(Duration::from_secs(2));
+    source.ok(
+        "PUT",
+        "/migrate",
+        Some(json!({
+            "destination": format!("unix:{}", listen.display()),
+            "local": local,
+            "timeout_s": 120,
+        })),
+    );
+    let (src_output, src_console) = source.wait();
+    assert_eq!(
+        src_output.status.code(),
+        Some(0),
+        "{name}: the source ends once the VM runs on the destination: {}",
+        String::from_utf8_lossy(&src_output.stderr)
+    );
+    let (dst_output, dst_console) = destination.wait();
+    reference.check(
+        name,
+        before,
+        &format!("{src_console}{dst_console}"),
+        &ending(&dst_output),
+    );
+}
+
+#[test]
+fn kvm_a_linux_guest_restored_or_migrated_goes_on_as_an_uninterrupted_boot() {
+    let test = "tinyvmm::kvm_a_linux_guest_restored_or_migrated_goes_on_as_an_uninterrupted_boot";
+    if hardware_virtualisation() {
+        eprintln!(
+            "SKIPPED {test}: this host has hardware virtualisation, where the kernel does not stop \
+             at its int3 self-test: the end this test compares against (the gated tests cover it)"
+        );
+        return;
+    }
+    if !ready(test) {
+        return;
+    }
+    let (_, vmlinux) = debian_kernel(test).expect("checked by ready");
+    let scratch = Scratch::new();
+    let args = boot_args(&vmlinux);
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+
+    // The uninterrupted reference and the boot to snapshot, side by side.
+    let mut reference = Vmm::spawn(&args, scratch.path("reference.console"), None);
+    let mut booted = Vmm::spawn(
+        &args,
+        scratch.path("booted.console"),
+        Some(scratch.path("booted.sock")),
+    );
+    booted.wait_for_api();
+    let (full, full_mem) = (scratch.path("full.state"), scratch.path("full.mem"));
+    let (diff, diff_mem) = (scratch.path("diff.state"), scratch.path("diff.mem"));
+    booted.wait_for_line(FULL_AT);
+    let at_full = booted.pause();
+    booted.ok(
+        "PUT",
+        "/snapshot/create",
+        Some(json!({"snapshot_type": "Full", "snapshot_path": full, "mem_file_path": full_mem})),
+    );
+    // A running VM is refused a snapshot, as the test guest is.
+    booted.resume();
+    let (status, refused) = Client::connect(booted.api.as_ref().expect("an API"))
+        .expect("connect")
+        .call(
+            "PUT",
+            "/snapshot/create",
+            Some(
+                &json!({"snapshot_type": "Full", "snapshot_path": scratch.path("no.state"),
+                         "mem_file_path": scratch.path("no.mem")}),
+            ),
+        )
+        .expect("an answer");
+    assert_eq!(status, 400, "{refused}");
+    assert!(!scratch.path("no.state").exists());
+    booted.wait_for_line(DIFF_AT);
+    let at_diff = booted.pause();
+    booted.ok(
+        "PUT",
+        "/snapshot/create",
+        Some(json!({"snapshot_type": "Diff", "snapshot_path": diff, "mem_file_path": diff_mem})),
+    );
+    booted.ok("PUT", "/actions", Some(json!({"action_type": "Stop"})));
+    let (stopped, _) = booted.wait();
+    assert_eq!(stopped.status.code(), Some(0), "a stopped boot exits 0");
+    let (output, console) = reference.wait();
+    let reference = Reference {
+        ending: ending(&output),
+        console,
+    };
+    assert_eq!(
+        reference.ending.0,
+        Some(3),
+        "the reference boot stops at the host's limitation: {}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+
+    let merged = scratch.path("merged.mem");
+    let merge = Command::new(env!("CARGO_BIN_EXE_tinyvmm"))
+        .arg("snapshot-merge")
+        .arg("--out")
+        .arg(&merged)
+        .args([&full, &full_mem, &diff, &diff_mem])
+        .output()
+        .expect("snapshot-merge runs");
+    assert!(
+        merge.status.success(),
+        "{}",
+        String::from_utf8_lossy(&merge.stderr)
+    );
+
+    // Two at a time: the host has two cores.
+    std::thread::scope(|s| {
+        s.spawn(|| {
+            restore_and_check(
+                &scratch,
+                "file",
+                (&full, &full_mem, "file"),
+                &at_full,
+                &reference,
+            );
+            restore_and_check(
+                &scratch,
+                "uffd",
+                (&full, &full_mem, "uffd"),
+                &at_full,
+                &reference,
+            );
+            migrate_and_check(
+                &scratch,
+                "bitmap",
+                (&full, &full_mem),
+                false,
+                &at_full,
+                &reference,
+            );
+        });
+        s.spawn(|| {
+            restore_and_check(
+                &scratch,
+                "copy",
+                (&full, &full_mem, "copy"),
+                &at_full,
+                &reference,
+            );
+            restore_and_check(
+                &scratch,
+                "chain",
+                (&diff, &merged, "file"),
+                &at_diff,
+                &reference,
+            );
+            migrate_and_check(
+                &scratch,
+                "local",
+                (&full, &full_mem),
+                true,
+                &at_full,
+                &reference,
+            );
+        });
+    });
+}
+
+/// With VT-x or AMD-V (skipped here): a busybox initramfs prints a marker and then, every
+/// second, the time and its MemTotal; the guest is snapshotted, restored in a new process
+/// (its console goes on: commands run after the restore), plugs virtio-mem memory there
+/// (MemTotal grows), migrates on, and plugs more on the destination. Its clock goes on from the
+/// saved point: after the restore it reads the host's time less the time the VM was away,
+/// within a second.
+#[test]
+fn a_restored_and_migrated_linux_guest_runs_and_plugs_memory_with_hardware_virtualisation() {
+    let test = "tinyvmm::a_restored_and_migrated_linux_guest_runs_and_plugs_memory_with_hardware_virtualisation";
+    if !hardware_virtualisation() {
+        eprintln!(
+            "SKIPPED {test}: /proc/cpuinfo has neither vmx nor svm: this host's KVM (kvm_pvm) \
+             emulates guest ring 0 and a stock kernel stops long before userspace (docs/BOOT.md); \
+             kvm_a_linux_guest_restored_or_migrated_goes_on_as_an_uninterrupted_boot covers \
+             restore and migration here"
+        );
+        return;
+    }
+    let Some((vmlinuz, _)) = debian_kernel(test) else {
+        return;
+    };
+    if !kvm_test_support::require_kvm(test) {
+        return;
+    }
+    let Ok(busybox) = std::fs::read(support::cache().join("busybox")) else {
+        eprintln!("SKIPPED {test}: busybox is missing (resources/fetch-kernel.sh fetches it)");
+        return;
+    };
+    let init = b"#!/bin/busybox sh\n\
+        B=/bin/busybox\n\
+        $B mkdir -p /proc /sys\n\
+        $B mount -t proc proc /proc\n\
+        $B mount -t sysfs sysfs /sys\n\
+        for m in virtio_ring virtio virtio_mmio virtio_mem; do $B insmod /lib/$m.ko; done\n\
+        echo 'init ready'\n\
+        while true; do\n\
+        \x20   echo \"tick $($B date +%s) guest MemTotal: $($B awk '/MemTotal/ {print $2}' /proc/meminfo) kB\"\n\
+        \x20   $B sleep 1\n\
+        done\n";
+    let scratch = Scratch::new();
+    let initramfs = scratch.path("initramfs.cpio");
+    std::fs::write(
+        &initramfs,
+        support::virtio_initramfs(&vmlinuz, &busybox, init),
+    )
+    .expect("the initramfs");
+    let mut booted = Vmm::spawn(
+        &[
+            "boot",
+            "--kernel",
+            vmlinuz.to_str().expect("UTF-8"),
+            "--initramfs",
+            initramfs.to_str().expect("UTF-8"),
+            "--mem-mib",
+            "512",
+            "--vcpus",
+            "2",
+            "--hotplug-mib",
+            "512",
+            "--memfd",
+            "--quiet",
+            "--cmdline",
+            "console=ttyS0 reboot=k panic=-1 rdinit=/init",
+        ],
+        scratch.path("booted.console"),
+        Some(scratch.path("booted.sock")),
+    );
+    booted.wait_for_api();
+    booted.wait_for_line("init ready");
+    booted.wait_for_line("tick ");
+    booted.pause();
+    let paused_at = std::time::SystemTime::now();
+    let (state, mem) = (scratch.path("vm.state"), scratch.path("vm.mem"));
+    booted.ok(
+        "PUT",
+        "/snapshot/create",
+        Some(json!({"snapshot_type": "Full", "snapshot_path": state, "mem_file_path": mem})),
+    );
+    booted.ok("PUT", "/actions", Some(json!({"action_type": "Stop"})));
+    booted.wait();
+
+    let restored = Vmm::spawn(
+        &[
+            "restore",
+            "--snapshot",
+            state.to_str().expect("UTF-8"),
+            "--mem-file",
+            mem.to_str().expect("UTF-8"),
+        ],
+        scratch.path("restored.console"),
+        Some(scratch.path("restored.sock")),
+    );
+    restored.wait_for_api();
+    let away = paused_at.elapsed().expect("time goes on").as_secs_f64();
+    restored.resume();
+    restored.wait_for_line("tick ");
+    let now = std::time::SystemTime::UNIX_EPOCH
+        .elapsed()
+        .expect("after 1970")
+        .as_secs_f64();
+    let guest_time: f64 = restored
+        .console()
+        .lines()
+        .find_map(|l| l.strip_prefix("tick "))
+        .and_then(|rest| rest.split_whitespace().next())
+        .and_then(|t| t.parse().ok())
+        .expect("a tick with the guest's time");
+    assert!(
+        (guest_time - (now - away)).abs() <= 1.5,
+        "the guest's clock ({guest_time}) is not the host's ({now}) less the {away:.1} s away"
+    );
+    // Plug 64 MiB after the restore: the guest onlines it.
+    let mem_total = |vmm: &Vmm| support::last_mem_total(&vmm.console()).unwrap_or(0);
+    let base = mem_total(&restored);
+    restored.ok(
+        "PATCH",
+        "/hotplug/memory",
+        Some(json!({"requested_size_mib": 64})),
+    );
+    wait_until("MemTotal to grow after the restore", || {
+        mem_total(&restored) >= base + 64 * 1024
+    });
+    // Migrate on, and plug more on the destination.
+    let listen = scratch.path("vm.mig");
+    let destination = Vmm::spawn(
+        &["receive", "--listen", &format!("unix:{}", listen.display())],
+        scratch.path("destination.console"),
+        Some(scratch.path("destination.sock")),
+    );
+    wait_until("receive to listen", || listen.exists());
+    restored.ok(
+        "PUT",
+        "/migrate",
+        Some(json!({"destination": format!("unix:{}", listen.display()), "local": true})),
+    );
+    destination.wait_for_api();
+    destination.wait_for_line("tick ");
+    let moved = mem_total(&destination);
+    destination.ok(
+        "PATCH",
+        "/hotplug/memory",
+        Some(json!({"requested_size_mib": 128})),
+    );
+    wait_until("MemTotal to grow after the migration", || {
+        mem_total(&destination) >= moved + 64 * 1024
+    });
+    destination.ok("PUT", "/actions", Some(json!({"action_type": "Stop"})));
+}

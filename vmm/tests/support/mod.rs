@@ -1,0 +1,158 @@
+//! What the Linux-guest tests share: Debian's kernel (fetched by `resources/fetch-kernel.sh`),
+//! whether a test can run, and whether the host has hardware virtualisation.
+
+#![allow(dead_code)] // Each test file uses its part.
+
+use std::path::{Path, PathBuf};
+
+/// The command line: the serial console from the first line, no xsave (issue 6: XRSTOR is not
+/// in the emulator), no KASLR (reproducible addresses), reset through the i8042 on panic.
+pub const CMDLINE: &str = "console=ttyS0 earlyprintk=ttyS0 noxsave nokaslr panic=-1 reboot=k";
+
+/// Where `resources/fetch-kernel.sh` puts the kernel (and busybox).
+pub fn cache() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../resources/cache/kernel")
+}
+
+/// Debian's kernel: the bzImage and the ELF vmlinux unpacked from it.
+pub fn debian_kernel(test: &str) -> Option<(PathBuf, PathBuf)> {
+    let listed = cache().join("vmlinuz.path");
+    let Ok(path) = std::fs::read_to_string(&listed) else {
+        eprintln!(
+            "SKIPPED {test}: no kernel ({} is missing): resources/fetch-kernel.sh could not fetch \
+             Debian's linux-image-cloud-amd64; this boot test did not run",
+            listed.display()
+        );
+        return None;
+    };
+    let vmlinuz = PathBuf::from(path.trim());
+    let name = vmlinuz
+        .file_name()?
+        .to_str()?
+        .replace("vmlinuz-", "vmlinux-");
+    let vmlinux = vmlinuz.with_file_name(name);
+    if !vmlinuz.is_file() || !vmlinux.is_file() {
+        eprintln!(
+            "SKIPPED {test}: {} or {} is missing (rerun resources/fetch-kernel.sh; the vmlinux \
+             needs lz4); this boot test did not run",
+            vmlinuz.display(),
+            vmlinux.display()
+        );
+        return None;
+    }
+    Some((vmlinuz, vmlinux))
+}
+
+/// Whether test `test` can run: the kernel is there (checked first, so that a test skipped for
+/// the lack of it is not counted as a KVM test that ran) and so is `/dev/kvm`.
+pub fn ready(test: &str) -> bool {
+    debian_kernel(test).is_some() && kvm_test_support::require_kvm(test)
+}
+
+/// Whether the host has hardware virtualisation (VT-x or AMD-V flags in /proc/cpuinfo).
+pub fn hardware_virtualisation() -> bool {
+    std::fs::read_to_string("/proc/cpuinfo").is_ok_and(|info| {
+        info.lines()
+            .filter(|l| l.starts_with("flags"))
+            .any(|l| l.split_whitespace().any(|f| f == "vmx" || f == "svm"))
+    })
+}
+
+/// A file for [`cpio`]: path, mode (with its type bits), contents, and (major, minor) for a
+/// device node.
+pub type CpioFile<'a> = (&'a str, u32, &'a [u8], (u32, u32));
+
+/// A newc cpio archive of `files`.
+pub fn cpio(files: &[CpioFile<'_>]) -> Vec<u8> {
+    let mut out = Vec::new();
+    let mut entry = |(name, mode, data, (major, minor)): CpioFile<'_>, ino: usize| {
+        // ino, mode, uid, gid, nlink, mtime, filesize, devmajor, devminor, rdevmajor,
+        // rdevminor, namesize, check.
+        let fields = [
+            ino,
+            mode as usize,
+            0,
+            0,
+            1,
+            0,
+            data.len(),
+            0,
+            0,
+            major as usize,
+            minor as usize,
+            name.len() + 1,
+            0,
+        ];
+        out.extend_from_slice(b"070701");
+        for field in fields {
+            out.extend_from_slice(format!("{field:08x}").as_bytes());
+        }
+        out.extend_from_slice(name.as_bytes());
+        out.push(0);
+        while out.len() % 4 != 0 {
+            out.push(0);
+        }
+        out.extend_from_slice(data);
+        while out.len() % 4 != 0 {
+            out.push(0);
+        }
+    };
+    for (ino, file) in files.iter().enumerate() {
+        entry(*file, ino + 1);
+    }
+    entry(("TRAILER!!!", 0, &[], (0, 0)), 0);
+    out
+}
+
+/// The kernel package's directory and version, from its vmlinuz's path
+/// (`<package>/boot/vmlinuz-<version>`).
+pub fn kernel_package(vmlinuz: &Path) -> Option<(PathBuf, String)> {
+    let version = vmlinuz
+        .file_name()?
+        .to_str()?
+        .strip_prefix("vmlinuz-")?
+        .to_owned();
+    Some((vmlinuz.parent()?.parent()?.to_owned(), version))
+}
+
+/// The last `guest MemTotal: N kB` the init script printed, in KiB.
+pub fn last_mem_total(log: &str) -> Option<u64> {
+    log.lines()
+        .rev()
+        .find_map(|l| l.strip_prefix("guest MemTotal: "))
+        .and_then(|rest| rest.trim_end().strip_suffix(" kB"))
+        .and_then(|n| n.parse().ok())
+}
+
+/// The virtio modules Debian builds as modules, in load order.
+pub const VIRTIO_MODULES: [&str; 4] = ["virtio_ring", "virtio", "virtio_mmio", "virtio_mem"];
+
+/// An initramfs of busybox, the kernel's virtio modules (under `/lib`, see
+/// [`VIRTIO_MODULES`]) and `init`, for the kernel `vmlinuz`.
+pub fn virtio_initramfs(vmlinuz: &Path, busybox: &[u8], init: &[u8]) -> Vec<u8> {
+    let (package, version) = kernel_package(vmlinuz).expect("the kernel package's layout");
+    let modules = package.join(format!("lib/modules/{version}/kernel/drivers/virtio"));
+    let module_bytes: Vec<Vec<u8>> = VIRTIO_MODULES
+        .iter()
+        .map(|m| {
+            let path = modules.join(format!("{m}.ko"));
+            std::fs::read(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
+        })
+        .collect();
+    let module_paths: Vec<String> = VIRTIO_MODULES
+        .iter()
+        .map(|m| format!("lib/{m}.ko"))
+        .collect();
+    let mut files: Vec<CpioFile<'_>> = vec![
+        ("bin", 0o040755, b"", (0, 0)),
+        ("bin/busybox", 0o100755, busybox, (0, 0)),
+        ("dev", 0o040755, b"", (0, 0)),
+        ("dev/console", 0o020600, b"", (5, 1)),
+        ("lib", 0o040755, b"", (0, 0)),
+        ("init", 0o100755, init, (0, 0)),
+    ];
+    for (path, bytes) in module_paths.iter().zip(&module_bytes) {
+        files.push((path, 0o100644, bytes, (0, 0)));
+    }
+    cpio(&files)
+}
