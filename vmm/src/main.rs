@@ -727,6 +727,10 @@ struct BootArgs {
     /// Put RAM in memfds (shared memory): a local migration hands it over instead of copying.
     #[arg(long)]
     memfd: bool,
+    /// Harvest dirty pages from per-vCPU rings of this many entries (a power of two) instead
+    /// of per-slot bitmaps; refused where KVM emulates the guest kernel (kvm_pvm).
+    #[arg(long)]
+    dirty_ring: Option<u32>,
     /// No ACPI tables: the guest gets the MP table alone and finds the virtio-mem device on its
     /// command line (`virtio_mmio.device=`, for kernels with CONFIG_VIRTIO_MMIO_CMDLINE_DEVICES).
     #[arg(long)]
@@ -766,6 +770,7 @@ fn boot(args: BootArgs) -> ExitCode {
     config.api_sock = args.api_sock.or(config.api_sock);
     config.acpi &= !args.no_acpi;
     config.memfd |= args.memfd;
+    config.dirty_ring = args.dirty_ring.or(config.dirty_ring);
     config.limits = Some(args.limits.resolve());
     let console = Console {
         output: Box::new(std::io::stdout()),

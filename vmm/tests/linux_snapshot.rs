@@ -332,6 +332,18 @@ fn migrate_and_check(
     );
     source.wait_for_api();
     source.resume();
+    // A migration to a destination that is not there fails, and the guest runs on here
+    // unharmed (its console is checked with the rest).
+    let nobody = scratch.path(&format!("{name}.nobody"));
+    source.ok(
+        "PUT",
+        "/migrate",
+        Some(json!({"destination": format!("unix:{}", nobody.display())})),
+    );
+    wait_until("the failed migration's end", || {
+        source.ok("GET", "/migrate", None)["phase"] == "failed"
+    });
+    assert_eq!(source.ok("GET", "/vm", None)["state"], "Running");
     // The guest runs a while before it moves.
     std::thread::sleep(Duration::from_secs(2));
     source.ok(

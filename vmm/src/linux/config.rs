@@ -69,6 +69,10 @@ pub struct BootConfig {
     /// Put RAM in memfds (shared memory): a local migration then hands it over to the
     /// destination instead of copying it.
     pub memfd: bool,
+    /// Harvest dirty pages from per-vCPU rings of this many entries instead of per-slot
+    /// bitmaps (refused on a host that runs guest ring 0 in KVM's emulator, which can overflow
+    /// a ring: see `docs/DESIGN.md`).
+    pub dirty_ring: Option<u32>,
     /// What guest memory is admitted against; `None`: this host's defaults
     /// ([`MemoryLimits::for_this_host`]). From the command line only (`--max-*`), never from
     /// a configuration file.
@@ -93,6 +97,7 @@ impl Default for BootConfig {
             api_sock: None,
             acpi: true,
             memfd: false,
+            dirty_ring: None,
             limits: None,
         }
     }
@@ -154,6 +159,13 @@ pub enum ConfigError {
     /// A timeout that is no positive number of seconds.
     #[error("timeout {0} is not a positive number of seconds")]
     Timeout(f64),
+    /// Dirty rings on a host whose KVM runs guest ring 0 in its emulator.
+    #[error(
+        "--dirty-ring is refused on this host: its KVM runs the guest kernel in an instruction \
+         emulator that writes dirty entries without stopping at a full ring, so entries would be \
+         lost (dirty logging uses per-slot bitmaps instead)"
+    )]
+    RingOnEmulatedHost,
     /// The hotplug area or its block size is not one virtio-mem can offer.
     #[error("hotplug_mib {mib} must be a multiple of hotplug_block_mib {block}, which must be a power of two of at least 2, and at most {max} MiB", max = MAX_HOTPLUG_MIB)]
     Hotplug {

@@ -258,9 +258,13 @@ impl LinuxVm {
         output: ConsoleOutput,
     ) -> Result<(Self, BootReport), BootError> {
         config.validate()?;
+        if config.dirty_ring.is_some() && cpu::host_emulates_ring0() {
+            return Err(ConfigError::RingOnEmulatedHost.into());
+        }
         let vm = Vm::new(VmOptions {
             irqchip: true,
             limits: config.limits,
+            dirty_ring: config.dirty_ring,
             ..VmOptions::default()
         })?;
         let memory = vm.memory();
