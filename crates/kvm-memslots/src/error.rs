@@ -71,6 +71,20 @@ pub enum Error {
         /// The part of it that is in the way (one of its slots).
         other_range: AddressRange,
     },
+    /// A slot layout asked for ([`RegionSpec::slot_ranges`](crate::RegionSpec::slot_ranges) or a
+    /// [`Reslot`](crate::Reslot)) that is not one; offsets are in the region.
+    #[error("slot layout: the slot at offsets [{start:#x}, {end:#x}) {reason}")]
+    SlotLayout {
+        /// The slot's first byte in the region.
+        start: u64,
+        /// The byte after its last.
+        end: u64,
+        /// What is wrong with it.
+        reason: &'static str,
+    },
+    /// A batch names one region in two changes (re-slots it twice, or re-slots and removes it).
+    #[error("region {0} is named by two changes of one batch")]
+    RegionTwice(RegionId),
     /// Two regions added by one batch ([`MemoryManager::apply`](crate::MemoryManager::apply))
     /// overlap.
     #[error(
@@ -262,6 +276,8 @@ impl Error {
             | Error::Unaligned { .. }
             | Error::WrapAround { .. }
             | Error::SlotSize { .. }
+            | Error::SlotLayout { .. }
+            | Error::RegionTwice(_)
             | Error::DiscardHole { .. } => ErrorKind::Invalid,
             Error::UnknownRegion(_) | Error::UnknownConsumer(_) => ErrorKind::NotFound,
             Error::OverLimit {
@@ -384,6 +400,15 @@ mod tests {
                 },
                 Invalid,
             ),
+            (
+                Error::SlotLayout {
+                    start: 0,
+                    end: 0,
+                    reason: "is empty",
+                },
+                Invalid,
+            ),
+            (Error::RegionTwice(RegionId(2)), Invalid),
             (Error::UnknownRegion(RegionId(3)), NotFound),
             (Error::UnknownConsumer(DirtyConsumer(2)), NotFound),
             (Error::RegionIdInUse(RegionId(3)), Conflict),
