@@ -195,6 +195,16 @@ pub enum Error {
         /// The first address in it that no region holds.
         hole: u64,
     },
+    /// A byte range that is not a range inside the region named.
+    #[error("offsets [{start:#x}, {end:#x}) are not a range inside region {region}")]
+    OutsideRegion {
+        /// The region.
+        region: RegionId,
+        /// The range's first byte.
+        start: u64,
+        /// The byte after its last.
+        end: u64,
+    },
     /// `madvise` failed.
     #[error("discarding guest range {range} failed: {source}")]
     Discard {
@@ -278,6 +288,7 @@ impl Error {
             | Error::SlotSize { .. }
             | Error::SlotLayout { .. }
             | Error::RegionTwice(_)
+            | Error::OutsideRegion { .. }
             | Error::DiscardHole { .. } => ErrorKind::Invalid,
             Error::UnknownRegion(_) | Error::UnknownConsumer(_) => ErrorKind::NotFound,
             Error::OverLimit {
@@ -409,6 +420,14 @@ mod tests {
                 Invalid,
             ),
             (Error::RegionTwice(RegionId(2)), Invalid),
+            (
+                Error::OutsideRegion {
+                    region: RegionId(2),
+                    start: 0,
+                    end: 0,
+                },
+                Invalid,
+            ),
             (Error::UnknownRegion(RegionId(3)), NotFound),
             (Error::UnknownConsumer(DirtyConsumer(2)), NotFound),
             (Error::RegionIdInUse(RegionId(3)), Conflict),

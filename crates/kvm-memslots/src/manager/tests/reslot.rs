@@ -346,3 +346,36 @@ fn ring_entries_of_a_slot_being_created_keep_their_region() {
         .collect::<Vec<_>>();
     assert_eq!(pages, vec![at(0) + PAGE_SIZE, at(4) + PAGE_SIZE]);
 }
+
+#[test]
+fn memory_in_a_hole_can_be_given_back() {
+    let m = MemoryManager::new(Faulty::new(FakeKvm::without_initially_set(16)));
+    let r = m.add_region(logging(region(MIB, 8))).unwrap();
+    m.harvest_dirty(Target::All).unwrap();
+    for unit in [2, 3] {
+        m.current().write_obj(9u64, GuestAddress(at(unit))).unwrap();
+    }
+    m.harvest_dirty(Target::All).unwrap();
+    m.reslot(reslot(r, 0..8, &[0..2, 4..8])).unwrap();
+    m.discard_region(r, 2 * SLOT..3 * SLOT).unwrap();
+    // The discarded pages changed: reported dirty.
+    let pages = harvested(&m, r);
+    assert_eq!(pages.len() as u64, SLOT / PAGE_SIZE);
+    assert_eq!(pages[0], at(2));
+    m.reslot(reslot(r, 0..8, &[0..8])).unwrap();
+    let read = |unit| m.current().read_obj::<u64>(GuestAddress(at(unit))).unwrap();
+    assert_eq!(
+        (read(2), read(3)),
+        (0, 9),
+        "only the range discarded is zero"
+    );
+    let err = m.discard_region(r, 7 * SLOT..9 * SLOT).unwrap_err();
+    assert_eq!(
+        err.to_string(),
+        "offsets [0x1c000, 0x24000) are not a range inside region 0"
+    );
+    assert!(matches!(
+        m.discard_region(RegionId(7), 0..SLOT),
+        Err(Error::UnknownRegion(_))
+    ));
+}
