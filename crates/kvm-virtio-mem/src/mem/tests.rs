@@ -18,7 +18,9 @@ fn device(kvm_slots: u32) -> VirtioMem<Faulty<FakeKvm>> {
     let memory = Arc::new(MemoryManager::new(Faulty::new(FakeKvm::new(
         kvm_slots, true,
     ))));
-    let mut options = VirtioMemOptions::new(GuestAddress(BASE), 64 * MIB, 2 * MIB);
+    // Each block its own region and slot: the scheme these tests were written for.
+    let mut options =
+        VirtioMemOptions::new(GuestAddress(BASE), 64 * MIB, 2 * MIB).with_max_slot_size(2 * MIB);
     options.usable_headroom = 8 * MIB;
     VirtioMem::new(memory, options).expect("valid device")
 }
@@ -31,7 +33,8 @@ fn plug(addr: u64, blocks: u16) -> Request {
 fn options_are_checked() {
     let memory = Arc::new(MemoryManager::new(FakeKvm::new(64, true)));
     let new = |o| VirtioMem::new(Arc::clone(&memory), o).map(drop);
-    let o = VirtioMemOptions::new(GuestAddress(BASE), 64 * MIB, 2 * MIB);
+    let o =
+        VirtioMemOptions::new(GuestAddress(BASE), 64 * MIB, 2 * MIB).with_max_slot_size(2 * MIB);
     assert_eq!(
         new(VirtioMemOptions {
             block_size: 3 * MIB,
