@@ -97,7 +97,10 @@ pub fn setup(vm: &Vm, size_mib: u64, block_mib: u64) -> Result<Hotplug, HotplugE
         .max()
         .unwrap_or(0);
     let base = area_base(ram_end);
-    let options = VirtioMemOptions::new(GuestAddress(base), size_mib * MIB, block_mib * MIB);
+    // A region and a slot per plugged block, as before shared slots: what the boot tests and
+    // `GET /hotplug/memory` expect (an option to share slots is still to come).
+    let options = VirtioMemOptions::new(GuestAddress(base), size_mib * MIB, block_mib * MIB)
+        .with_max_slot_size(block_mib * MIB);
     let device = VirtioMem::new(Arc::clone(memory), options)?;
     let interrupt = EventFd::new(0).map_err(HotplugError::EventFd)?;
     vm.fd()
