@@ -21,6 +21,10 @@ fn over_limit(limit: Limit, size: u64, figure: u64, max: u64) -> String {
             "a region of {size:#x} bytes would bring guest memory to {figure:#x} bytes ({:.1} GiB), over the limit {} = {max:#x} bytes ({:.1} GiB)",
             gib(figure), limit.name(), gib(max)
         ),
+        Limit::Slots => format!(
+            "the change creates {size} KVM slots and would bring the slots in use to {figure}, over the limit {} = {max}",
+            limit.name()
+        ),
         Limit::Metadata => format!(
             "a region of {size:#x} bytes would bring the host memory KVM and the manager spend on guest-memory metadata to an estimated {figure} bytes ({:.1} GiB), over the limit {} = {max} bytes ({:.1} GiB)",
             gib(figure), limit.name(), gib(max)
@@ -213,16 +217,16 @@ pub enum Error {
         /// The system's error.
         source: std::io::Error,
     },
-    /// A new region is over one of the manager's [`MemoryLimits`](crate::MemoryLimits);
-    /// nothing was allocated.
+    /// A new region (or, for [`Limit::Slots`], a change's new slots) is over one of the
+    /// manager's [`MemoryLimits`](crate::MemoryLimits); nothing was allocated or changed.
     #[error("{}", over_limit(*.limit, *.size, *.figure, *.max))]
     OverLimit {
         /// The limit.
         limit: Limit,
-        /// The region's size.
+        /// The region's size (for [`Limit::Slots`], the slots the change creates).
         size: u64,
         /// What the limited quantity would reach with the region (its size, for the per-region
-        /// limit).
+        /// limit; the slots in use, for the slot limit).
         figure: u64,
         /// The limit's value.
         max: u64,

@@ -21,7 +21,7 @@ use super::{
 use crate::dirty::{DirtyConsumer, PendingBits};
 use crate::error::Error;
 use crate::kvm::KvmMemory;
-use crate::limits::MemoryUse;
+use crate::limits::{Limit, MemoryUse};
 use crate::memory::{GuestSlotData, RegionId, RegionMemory, SlotBacking};
 use crate::PAGE_SIZE;
 
@@ -418,6 +418,33 @@ impl<K: KvmMemory> MemoryManager<K> {
             }
             ranges.push(range);
             adds.push((spec, slot_size));
+        }
+        // The slot budget, on what the batch leaves in use (KVM's count never goes past the
+        // larger of before and after: a re-slot deletes the slots a new one replaces first).
+        let created = adds
+            .iter()
+            .map(|(spec, slot_size)| match &spec.slot_ranges {
+                Some(slots) => slots.len() as u64,
+                None => spec.size.div_ceil(*slot_size),
+            })
+            .chain(
+                reslots
+                    .iter()
+                    .map(|p| p.new.iter().filter(|n| n.1.is_none()).count() as u64),
+            )
+            .sum::<u64>();
+        let deleted = removed
+            .iter()
+            .map(|id| state.regions[id].slots.len() as u64)
+            .chain(
+                reslots
+                    .iter()
+                    .map(|p| p.old.iter().filter(|s| !p.keeps(s)).count() as u64),
+            )
+            .sum::<u64>();
+        let after = (state.ids.used() as u64 + created).saturating_sub(deleted);
+        if created > deleted && after > state.limits.max_slots {
+            return Err(over_limit(&state.limits, Limit::Slots, created, after));
         }
         // Slot numbers last, so that a refused batch takes none. Not the number a harvest is
         // reading the log of: it must keep naming that harvest's slot (and its size) until the

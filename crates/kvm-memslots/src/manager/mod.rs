@@ -659,6 +659,7 @@ fn over_limit(limits: &MemoryLimits, limit: Limit, size: u64, figure: u64) -> Er
             Limit::RegionSize => limits.max_region_size,
             Limit::GuestMemory => limits.max_guest_memory,
             Limit::Metadata => limits.max_metadata,
+            Limit::Slots => limits.max_slots,
         },
     }
 }

@@ -838,6 +838,7 @@ fn regions_over_a_limit_are_refused_before_anything_is_allocated() {
         max_guest_memory: 8 * MIB,
         max_region_size: 4 * MIB,
         max_metadata: u64::MAX,
+        max_slots: u64::MAX,
     };
     let m = MemoryManager::with_limits(Faulty::new(FakeKvm::new(64, true)), limits);
     assert_eq!(m.limits(), limits);

@@ -379,3 +379,58 @@ fn memory_in_a_hole_can_be_given_back() {
         Err(Error::UnknownRegion(_))
     ));
 }
+
+#[test]
+fn a_change_over_the_slot_budget_is_refused_and_changes_nothing() {
+    let limits = MemoryLimits {
+        max_slots: 10,
+        ..MemoryLimits::unlimited()
+    };
+    let m = MemoryManager::with_limits(Faulty::new(FakeKvm::new(64, true)), limits);
+    let r = m.add_region(region(MIB, 8)).unwrap();
+    let before = everything(&m);
+    let calls = m.kvm().inner().set_calls();
+    let refusals: Vec<(Vec<RegionChange>, &str)> = vec![
+        (
+            vec![RegionChange::Add(region(4 * MIB, 3))],
+            "the change creates 3 KVM slots and would bring the slots in use to 11, over the limit max_slots = 10",
+        ),
+        (
+            vec![RegionChange::Reslot(Reslot {
+                region: r,
+                range: 0..2 * SLOT,
+                slots: (0..8).map(|p| p * PAGE_SIZE..(p + 1) * PAGE_SIZE).collect(),
+            })],
+            "the change creates 8 KVM slots and would bring the slots in use to 14, over the limit max_slots = 10",
+        ),
+        (
+            vec![
+                RegionChange::Reslot(reslot(r, 0..8, &[0..1, 1..2, 2..4, 4..8])),
+                RegionChange::Add(region(4 * MIB, 8)),
+            ],
+            "the change creates 10 KVM slots and would bring the slots in use to 12, over the limit max_slots = 10",
+        ),
+    ];
+    for (batch, message) in refusals {
+        let err = m.apply(batch).expect_err(message);
+        assert_eq!(err.to_string(), message);
+        assert_eq!(err.kind(), ErrorKind::Conflict);
+        assert_eq!(everything(&m), before, "{message}");
+        assert_eq!(m.kvm().inner().set_calls(), calls, "no KVM call");
+    }
+    // Within the budget: merging frees room for a new region.
+    m.apply(vec![
+        RegionChange::Reslot(reslot(r, 0..8, &[0..8])),
+        RegionChange::Add(region(4 * MIB, 9)),
+    ])
+    .unwrap();
+    assert_eq!(m.slot_usage().used, 10);
+    // Under a budget lowered below the use, changes that do not add slots still go through.
+    m.set_limits(MemoryLimits {
+        max_slots: 4,
+        ..MemoryLimits::unlimited()
+    });
+    m.reslot(reslot(r, 0..8, &[0..4, 4..8])).unwrap_err();
+    m.reslot(reslot(r, 0..8, &[0..4])).unwrap();
+    assert_mirrored(&m);
+}
