@@ -107,10 +107,10 @@ impl<K: KvmMemory> MemoryManager<K> {
     /// before the batch or after it, never in between (one published version). Returns the
     /// ids of the added regions, in the order of their [`RegionChange::Add`]s.
     ///
-    /// Removals come before additions, whatever their order in `changes`: a batch may add a
-    /// region where one it removes was. Each change is checked as
-    /// [`add_region`](Self::add_region) and [`remove_region`](Self::remove_region) check
-    /// theirs, against the regions in place less those the batch removes plus those it added
+    /// Removals come before re-slots, and re-slots before additions, whatever their order in
+    /// `changes`: a batch may add a region where one it removes was. Each change is checked as
+    /// [`add_region`](Self::add_region), [`remove_region`](Self::remove_region) and
+    /// [`reslot`](Self::reslot) check theirs, against the regions in place less those the batch removes plus those it added
     /// before; the limits are checked against what the whole batch leaves in place. A region
     /// named twice, or two additions that overlap, refuse the batch. Region ids are used up
     /// as [`add_region`](Self::add_region) uses them: by every addition of a batch that got
@@ -145,13 +145,16 @@ impl<K: KvmMemory> MemoryManager<K> {
     ///
     /// 1. For each addition, as [`add_region`](Self::add_region)'s steps 1 and 2: the memory
     ///    of every added region is mapped before any KVM request.
-    /// 2. Ring mode, if the batch removes a region: a ring drain (see [`MemoryManager`]).
+    /// 2. Ring mode, if the batch deletes a slot (a removal, a re-slot): a ring drain (see
+    ///    [`MemoryManager`]).
     /// 3. For each removal, in the order given, its slots as in
-    ///    [`remove_region`](Self::remove_region)'s step 2; then for each addition, in the
-    ///    order given, `KVM_SET_USER_MEMORY_REGION` creating each of its slots, lowest guest
-    ///    address first.
-    /// 4. Ring mode, if the batch removes a region: a second ring drain; its failure is
-    ///    ignored.
+    ///    [`remove_region`](Self::remove_region)'s step 2; then for each re-slot, in the order
+    ///    given, its requests as in [`reslot`](Self::reslot)'s step 2; then for each addition,
+    ///    in the order given, `KVM_SET_USER_MEMORY_REGION` creating each of its slots, lowest
+    ///    guest address first.
+    /// 4. Ring mode, if the batch deleted a slot: a second ring drain; its failure is ignored.
+    ///    (Also after an undone re-slot that created a slot: its entries are collected before
+    ///    its number is free again.)
     /// 5. `munmap` of each removed region's mapping as its last reference goes.
     ///
     /// On a refusal in step 3 (of a request or of a `KVM_GET_DIRTY_LOG`): every request already
