@@ -99,8 +99,8 @@ fn next_vcpu_id() -> u64 {
     NEXT_VCPU.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
 }
 
-/// Runs the code loaded at `CODE` on `vcpu` to `hlt`.
-fn run_vcpu(mut vcpu: kvm_ioctls::VcpuFd) -> Run {
+/// Points `vcpu` at the real-mode code loaded at `CODE`.
+fn start_at_code(vcpu: &mut kvm_ioctls::VcpuFd) {
     let mut sregs = vcpu.get_sregs().expect("get sregs");
     sregs.cs.base = 0;
     sregs.cs.selector = 0;
@@ -109,6 +109,11 @@ fn run_vcpu(mut vcpu: kvm_ioctls::VcpuFd) -> Run {
     regs.rip = CODE;
     regs.rflags = 2;
     vcpu.set_regs(&regs).expect("set regs");
+}
+
+/// Runs the code loaded at `CODE` on `vcpu` to `hlt`.
+fn run_vcpu(mut vcpu: kvm_ioctls::VcpuFd) -> Run {
+    start_at_code(&mut vcpu);
     let mut run = Run::default();
     loop {
         match vcpu.run().expect("KVM_RUN") {
@@ -324,17 +329,24 @@ fn kvm_data_survives_moves_and_flag_changes() {
     );
 }
 
-#[test]
-fn kvm_injected_failures_leave_kvm_as_the_map_says() {
-    let Some((kvm, vm)) = kvm_or_skip("kvm_injected_failures_leave_kvm_as_the_map_says") else {
-        return;
-    };
-    let m = MemoryManager::new(Faulty::new(KvmVm::new(&kvm, Arc::clone(&vm)).expect("KVM")));
+/// A manager whose KVM calls can be made to fail, with the guest layout, and its data region
+/// filled with a pattern (returned).
+fn faulty_filled(kvm: &Kvm, vm: &Arc<VmFd>) -> (MemoryManager<Faulty<KvmVm>>, RegionId, Vec<u8>) {
+    let m = MemoryManager::new(Faulty::new(KvmVm::new(kvm, Arc::clone(vm)).expect("KVM")));
     let (_, data) = guest_layout(&m, false);
     let pattern: Vec<u8> = (0..256 * KIB).map(|i| (i % 241) as u8).collect();
     m.current()
         .write_slice(&pattern, GuestAddress(DATA))
         .expect("fill");
+    (m, data, pattern)
+}
+
+#[test]
+fn kvm_injected_failures_leave_kvm_as_the_map_says() {
+    let Some((kvm, vm)) = kvm_or_skip("kvm_injected_failures_leave_kvm_as_the_map_says") else {
+        return;
+    };
+    let (m, data, pattern) = faulty_filled(&kvm, &vm);
     let moved_to = 512 * KIB;
     type Op = fn(&MemoryManager<Faulty<KvmVm>>, RegionId) -> Result<(), Error>;
     let operations: [(&str, Op, usize); 5] = [
@@ -626,14 +638,7 @@ fn run_vcpu_through_changes(
     mut vcpu: kvm_ioctls::VcpuFd,
     m: &MemoryManager<impl kvm_memslots::KvmMemory>,
 ) -> Exits {
-    let mut sregs = vcpu.get_sregs().expect("get sregs");
-    sregs.cs.base = 0;
-    sregs.cs.selector = 0;
-    vcpu.set_sregs(&sregs).expect("set sregs");
-    let mut regs = vcpu.get_regs().expect("get regs");
-    regs.rip = CODE;
-    regs.rflags = 2;
-    vcpu.set_regs(&regs).expect("set regs");
+    start_at_code(&mut vcpu);
     let mut exits = Exits::default();
     loop {
         let entered = m.change_sequence();
@@ -716,12 +721,7 @@ fn kvm_a_refused_reslot_leaves_kvms_slots_as_they_were() {
     let Some((kvm, vm)) = kvm_or_skip("kvm_a_refused_reslot_leaves_kvms_slots_as_they_were") else {
         return;
     };
-    let m = MemoryManager::new(Faulty::new(KvmVm::new(&kvm, Arc::clone(&vm)).expect("KVM")));
-    let (_, data) = guest_layout(&m, false);
-    let pattern: Vec<u8> = (0..256 * KIB).map(|i| (i % 239) as u8).collect();
-    m.current()
-        .write_slice(&pattern, GuestAddress(DATA))
-        .expect("fill");
+    let (m, data, pattern) = faulty_filled(&kvm, &vm);
     let layouts = reslots(data);
     for (i, layout) in layouts.iter().enumerate() {
         // Fail each step in turn until the re-slot goes through.

@@ -38,12 +38,17 @@ const MAX_SLOT_SIZES: [u64; 7] = [
 ];
 
 fn driver<K: KvmMemory>(kvm: K, max_slot_size: u64) -> Driver<K> {
+    driver_of(kvm, REGION, max_slot_size)
+}
+
+/// A driver, initialised, of a device of `region` bytes at `BASE` asked for all of them.
+fn driver_of<K: KvmMemory>(kvm: K, region: u64, max_slot_size: u64) -> Driver<K> {
     let memory = Arc::new(MemoryManager::new(kvm));
     memory
         .add_region(RegionSpec::new(GuestAddress(QUEUE_RAM), 0x10_0000))
         .expect("the driver's RAM");
     let options =
-        VirtioMemOptions::new(GuestAddress(BASE), REGION, BLOCK).with_max_slot_size(max_slot_size);
+        VirtioMemOptions::new(GuestAddress(BASE), region, BLOCK).with_max_slot_size(max_slot_size);
     let device = VirtioMem::new(Arc::clone(&memory), options).expect("a valid device");
     let irq = vmm_sys_util::eventfd::EventFd::new(vmm_sys_util::eventfd::EFD_NONBLOCK)
         .expect("an eventfd");
@@ -55,7 +60,7 @@ fn driver<K: KvmMemory>(kvm: K, max_slot_size: u64) -> Driver<K> {
     driver.init();
     driver
         .device
-        .set_requested_size(REGION)
+        .set_requested_size(region)
         .expect("the whole region");
     driver
 }
@@ -234,26 +239,8 @@ fn plugged_blocks_share_slots_up_to_the_maximum_slot_size() {
 /// slots, whatever the requests' sizes; a hole costs one more.
 #[test]
 fn a_gib_plugged_block_by_block_takes_eight_slots() {
-    let memory = Arc::new(MemoryManager::new(FakeKvm::new(512, true)));
-    memory
-        .add_region(RegionSpec::new(GuestAddress(QUEUE_RAM), 0x10_0000))
-        .expect("RAM");
-    let options = VirtioMemOptions::new(GuestAddress(BASE), 1 << 30, BLOCK);
-    let transport = VirtioMem::new(Arc::clone(&memory), options)
-        .expect("device")
-        .into_mmio(Box::new(
-            vmm_sys_util::eventfd::EventFd::new(0).expect("eventfd"),
-        ));
-    let mut d = Driver::new(
-        transport,
-        Arc::clone(&memory),
-        Layout {
-            base: QUEUE_RAM,
-            size: 16,
-        },
-    );
-    d.init();
-    d.device.set_requested_size(1 << 30).expect("fits");
+    let mut d = driver_of(FakeKvm::new(512, true), 1 << 30, DEFAULT_MAX_SLOT_SIZE);
+    let memory = Arc::clone(&d.memory);
     for i in 0..512 {
         assert_eq!(d.plug(BASE + i * BLOCK, 1), RESP_ACK);
     }
