@@ -1,11 +1,13 @@
 //! Questions that change nothing: host-address lookup, the regions, slot usage, memory use.
 
 use std::ops::Range;
+use std::sync::Arc;
 
 use memslot_map::{HostAddress, SlotId};
 
 use super::{region_slots, HvaMatch, MemoryManager, Region, RegionId, RegionInfo, SlotUsage};
 use crate::kvm::KvmMemory;
+use crate::memory::RegionMemory;
 
 impl<K: KvmMemory> MemoryManager<K> {
     /// Every guest address that host address `hva` backs (several where slots alias one host
@@ -88,6 +90,12 @@ impl<K: KvmMemory> MemoryManager<K> {
                 .map(|s| s.payload().offset()..s.payload().offset() + s.size())
                 .collect(),
         )
+    }
+
+    /// The host memory of region `id` (its whole mapping, holes included), or `None` if there
+    /// is no such region: for a VMM that saves or sends a region's memory whatever its slots.
+    pub fn region_memory(&self, id: RegionId) -> Option<Arc<RegionMemory>> {
+        self.state().regions.get(&id).map(|r| Arc::clone(&r.memory))
     }
 
     /// KVM slot numbers in use and free.
