@@ -99,21 +99,9 @@ fn next_vcpu_id() -> u64 {
     NEXT_VCPU.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
 }
 
-/// Points `vcpu` at the real-mode code loaded at `CODE`.
-fn start_at_code(vcpu: &mut kvm_ioctls::VcpuFd) {
-    let mut sregs = vcpu.get_sregs().expect("get sregs");
-    sregs.cs.base = 0;
-    sregs.cs.selector = 0;
-    vcpu.set_sregs(&sregs).expect("set sregs");
-    let mut regs = vcpu.get_regs().expect("get regs");
-    regs.rip = CODE;
-    regs.rflags = 2;
-    vcpu.set_regs(&regs).expect("set regs");
-}
-
 /// Runs the code loaded at `CODE` on `vcpu` to `hlt`.
 fn run_vcpu(mut vcpu: kvm_ioctls::VcpuFd) -> Run {
-    start_at_code(&mut vcpu);
+    kvm_test_support::start_in_real_mode(&vcpu, CODE);
     let mut run = Run::default();
     loop {
         match vcpu.run().expect("KVM_RUN") {
@@ -594,30 +582,10 @@ fn reslots(data: RegionId) -> Vec<Reslot> {
 /// The guest writes an iteration count into every 16 KiB block of the data region, over and
 /// over, until the host sets the stop byte; then it reports the count and halts.
 fn counting_guest() -> Vec<u8> {
-    let stop = STOP.to_le_bytes();
-    let mut code = vec![
-        0x31, 0xd2, // xor dx, dx
-        0x42, // outer: inc dx
-        0xb8, 0x00, 0x20, // mov ax, 0x2000 (DATA >> 4)
-        0x8e, 0xd8, // inner: mov ds, ax
-        0x89, 0x16, 0x10, 0x00, // mov [0x10], dx
-        0x05, 0x00, 0x04, // add ax, 0x400 (16 KiB >> 4)
-        0x3d, 0x00, 0x60, // cmp ax, 0x6000 (end of the data region >> 4)
-        0x72, 0xf2, // jb inner
-        0x31, 0xc0, // xor ax, ax
-        0x8e, 0xd8, // mov ds, ax
-        0x80, 0x3e, // cmp byte [STOP], 0
-    ];
-    code.extend([stop[0], stop[1], 0x00]);
-    code.extend([
-        0x74, 0xe3, // je outer
-        0x89, 0xd0, // mov ax, dx
-        0xe6, PORT as u8, // out PORT, al
-        0x88, 0xe0, // mov al, ah
-        0xe6, PORT as u8, // out PORT, al
-        0xf4,       // hlt
-    ]);
-    code
+    let blocks: Vec<u16> = (0..16)
+        .map(|i| ((DATA + i * 16 * KIB) >> 4) as u16)
+        .collect();
+    kvm_test_support::counting_guest(&blocks, STOP, PORT as u8)
 }
 
 /// The byte the counting guest polls: not zero tells it to stop.
@@ -638,7 +606,7 @@ fn run_vcpu_through_changes(
     mut vcpu: kvm_ioctls::VcpuFd,
     m: &MemoryManager<impl kvm_memslots::KvmMemory>,
 ) -> Exits {
-    start_at_code(&mut vcpu);
+    kvm_test_support::start_in_real_mode(&vcpu, CODE);
     let mut exits = Exits::default();
     loop {
         let entered = m.change_sequence();

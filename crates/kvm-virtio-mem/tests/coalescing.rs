@@ -320,30 +320,8 @@ const CHURN_STOP: u16 = 0x800;
 /// Real-mode code: writes an iteration count into blocks 0 and 2 of the churn device, over and
 /// over, until the stop byte is set; then reports the count on port 0x10 and halts.
 fn churn_guest() -> Vec<u8> {
-    let stop = CHURN_STOP.to_le_bytes();
-    let mut code = vec![
-        0x31, 0xd2, // xor dx, dx
-        0x42, // loop: inc dx
-        0xb8, 0x00, 0x80, // mov ax, 0x8000 (block 0 >> 4)
-        0x8e, 0xd8, // mov ds, ax
-        0x89, 0x16, 0x10, 0x00, // mov [0x10], dx
-        0xb8, 0x00, 0xa0, // mov ax, 0xa000 (block 2 >> 4)
-        0x8e, 0xd8, // mov ds, ax
-        0x89, 0x16, 0x10, 0x00, // mov [0x10], dx
-        0x31, 0xc0, // xor ax, ax
-        0x8e, 0xd8, // mov ds, ax
-        0x80, 0x3e, // cmp byte [CHURN_STOP], 0
-    ];
-    code.extend([stop[0], stop[1], 0x00]);
-    code.extend([
-        0x74, 0xe2, // je loop
-        0x89, 0xd0, // mov ax, dx
-        0xe6, 0x10, // out 0x10, al
-        0x88, 0xe0, // mov al, ah
-        0xe6, 0x10, // out 0x10, al
-        0xf4, // hlt
-    ]);
-    code
+    let blocks = [CHURN_DEV >> 4, (CHURN_DEV + 2 * CHURN_BLOCK) >> 4].map(|s| s as u16);
+    kvm_test_support::counting_guest(&blocks, CHURN_STOP, 0x10)
 }
 
 /// A vCPU writes two plugged blocks of a piece in a loop while the driver plugs and unplugs
@@ -386,14 +364,7 @@ fn kvm_plug_and_unplug_churn_under_a_writing_vcpu_loses_no_write() {
         .write_slice(&churn_guest(), GuestAddress(0x1000))
         .expect("load the guest");
     let mut vcpu = vm.create_vcpu(0).expect("KVM_CREATE_VCPU");
-    let mut sregs = vcpu.get_sregs().expect("sregs");
-    sregs.cs.base = 0;
-    sregs.cs.selector = 0;
-    vcpu.set_sregs(&sregs).expect("set sregs");
-    let mut regs = vcpu.get_regs().expect("regs");
-    regs.rip = 0x1000;
-    regs.rflags = 2;
-    vcpu.set_regs(&regs).expect("set regs");
+    kvm_test_support::start_in_real_mode(&vcpu, 0x1000);
     let guest_memory = Arc::clone(&memory);
     let guest = std::thread::spawn(move || {
         let (mut reported, mut completed, mut absent) = (Vec::new(), 0u64, Vec::new());

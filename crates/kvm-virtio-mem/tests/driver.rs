@@ -944,14 +944,7 @@ fn guest_uses_plugged_blocks(test: &str, blocks_per_slot: u64) {
         .write_slice(&guest_program(&targets), GuestAddress(CODE))
         .expect("load the code");
     let mut vcpu = vm.create_vcpu(0).expect("KVM_CREATE_VCPU");
-    let mut sregs = vcpu.get_sregs().expect("sregs");
-    sregs.cs.base = 0;
-    sregs.cs.selector = 0;
-    vcpu.set_sregs(&sregs).expect("set sregs");
-    let mut regs = vcpu.get_regs().expect("regs");
-    regs.rip = CODE;
-    regs.rflags = 2;
-    vcpu.set_regs(&regs).expect("set regs");
+    kvm_test_support::start_in_real_mode(&vcpu, CODE);
     let mut reported = Vec::new();
     let mut mmio_writes = Vec::new();
     let mut mmio_reads = Vec::new();
