@@ -166,6 +166,10 @@ struct LimitArgs {
     /// host's RAM).
     #[arg(long)]
     max_metadata_mib: Option<u64>,
+    /// Most KVM slots guest memory may use, below KVM's number (a budget for vhost-user
+    /// backends' memory tables, say): changes past it are refused (default: KVM's number).
+    #[arg(long)]
+    max_slots: Option<u64>,
 }
 
 impl LimitArgs {
@@ -178,6 +182,7 @@ impl LimitArgs {
             max_guest_memory,
             max_region_size: self.max_region_mib.map_or(max_guest_memory, mib),
             max_metadata: self.max_metadata_mib.map_or(host.max_metadata, mib),
+            max_slots: self.max_slots.unwrap_or(u64::MAX),
         }
     }
 }

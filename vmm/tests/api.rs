@@ -624,6 +624,7 @@ fn kvm_requests_over_the_limits_are_refused_and_the_vmm_survives() {
         max_guest_memory: GIB,
         max_region_size: GIB / 2,
         max_metadata: 64 << 20,
+        max_slots: u64::MAX,
     };
     let vmm = Vmm::start_with("limits", |config| ServeConfig {
         area_size: 0,
@@ -1109,4 +1110,43 @@ fn kvm_a_client_logging_stop_between_full_and_diff_hides_no_page() {
         return;
     }
     a_client_between_full_and_diff_hides_no_page("logging-off");
+}
+
+#[test]
+fn kvm_a_slot_budget_refuses_changes_past_it_and_get_memory_shows_it() {
+    if !kvm_test_support::require_kvm(
+        "tinyvmm::kvm_a_slot_budget_refuses_changes_past_it_and_get_memory_shows_it",
+    ) {
+        return;
+    }
+    let limits = kvm_memslots::MemoryLimits {
+        max_slots: 6,
+        ..kvm_memslots::MemoryLimits::for_this_host()
+    };
+    let vmm = Vmm::start_with("slot-budget", |config| ServeConfig {
+        area_size: 0,
+        limits: Some(limits),
+        ..config
+    });
+    let memory = vmm.memory();
+    assert_eq!(memory["slots"]["budget"], json!(6));
+    let used = memory["slots"]["used"].as_u64().expect("used");
+    let add = |slots: u64| {
+        vmm.call(
+            "PUT",
+            "/memory/regions",
+            Some(json!({"size": slots << 20, "slot_size": 1 << 20, "guest_check": false})),
+        )
+    };
+    let room = 6 - used;
+    let response = add(room + 1);
+    assert_eq!(response.0, 409, "{response:?}");
+    assert!(
+        fault(&response).contains("over the limit max_slots = 6"),
+        "{response:?}"
+    );
+    assert_eq!(vmm.memory(), memory, "a refusal changes nothing");
+    assert_eq!(add(room).0, 201);
+    assert_eq!(vmm.memory()["slots"]["used"], json!(6));
+    vmm.stop();
 }

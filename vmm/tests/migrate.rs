@@ -634,6 +634,7 @@ fn region_layout(
         log_dirty: false,
         backing,
         file_offset,
+        slot_ranges: None,
     }
 }
 

@@ -1,4 +1,4 @@
-//! A manager's memory layout: every region (guest range, slot size, flags, backing) in
+//! A manager's memory layout: every region (guest range, slots, flags, backing) in
 //! guest-address order with its offset in the memory file, where the regions lie end to end.
 //! The memory files ([`crate::memory_file`]), the stream ([`crate::stream`]) and the lazy
 //! loader ([`crate::uffd`]) all address memory by it.
@@ -58,6 +58,20 @@ pub struct RegionLayout {
     pub backing: LayoutBacking,
     /// Where its pages are in the memory file.
     pub file_offset: u64,
+    /// Its KVM slots as `[start, end)` byte ranges of it, where they are not the whole region
+    /// cut into `slot_size` pieces: a region with holes (no slot, no guest memory) or
+    /// re-slotted ([`MemoryManager::reslot`]). `None` (and absent from the file) otherwise.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub slot_ranges: Option<Vec<[u64; 2]>>,
+}
+
+impl RegionLayout {
+    /// The region's slots cut by `slot_size`, the layout a region gets by default.
+    fn default_slots(&self) -> impl Iterator<Item = [u64; 2]> + '_ {
+        (0..self.size)
+            .step_by(self.slot_size.max(1) as usize)
+            .map(|start| [start, (start + self.slot_size).min(self.size)])
+    }
 }
 
 /// A manager's memory layout: every region with its slot size, flags and backing, in
@@ -88,7 +102,7 @@ impl MemoryLayout {
         let regions = regions
             .into_iter()
             .map(|r| {
-                let layout = RegionLayout {
+                let mut layout = RegionLayout {
                     id: r.id.0,
                     gpa: r.gpa.0,
                     size: r.size,
@@ -101,7 +115,17 @@ impl MemoryLayout {
                         LayoutBacking::Anonymous
                     },
                     file_offset: offset,
+                    slot_ranges: None,
                 };
+                let slots: Vec<[u64; 2]> = memory
+                    .slot_ranges(r.id)
+                    .unwrap_or_default()
+                    .into_iter()
+                    .map(|s| [s.start, s.end])
+                    .collect();
+                if !slots.iter().copied().eq(layout.default_slots()) {
+                    layout.slot_ranges = Some(slots);
+                }
                 offset += r.size;
                 layout
             })
@@ -174,6 +198,24 @@ impl MemoryLayout {
                      {KVM_MAX_SLOT_SIZE:#x}",
                     r.id, r.slot_size
                 ));
+            }
+            if let Some(slots) = &r.slot_ranges {
+                let mut after = 0;
+                for &[start, slot_end] in slots {
+                    let fits = start >= after
+                        && start < slot_end
+                        && slot_end <= r.size
+                        && slot_end - start <= KVM_MAX_SLOT_SIZE
+                        && start % PAGE_SIZE == 0
+                        && slot_end % PAGE_SIZE == 0;
+                    if !fits {
+                        return bad(format!(
+                            "region {} has a slot at [{start:#x}, {slot_end:#x}) that is empty,                              unaligned, over KVM's limit, out of order or outside its {:#x} bytes",
+                            r.id, r.size
+                        ));
+                    }
+                    after = slot_end;
+                }
             }
             if r.gpa < end {
                 return bad(format!(
@@ -280,6 +322,9 @@ impl MemoryLayout {
                 .with_id(RegionId(r.id));
             spec.read_only = r.read_only;
             spec.log_dirty = r.log_dirty;
+            if let Some(slots) = &r.slot_ranges {
+                spec = spec.with_slot_ranges(slots.iter().map(|&[a, b]| a..b).collect());
+            }
             spec
         });
         memory.add_regions(specs)
@@ -302,14 +347,19 @@ impl MemoryLayout {
         &self,
         memory: &MemoryManager<K>,
     ) -> Result<Vec<Arc<RegionMemory>>, SnapshotError> {
-        let map = memory.load();
+        // By guest base and size, not by slot: a region with a hole at its start has no slot
+        // there, and one with no slot at all still has memory.
+        let regions: HashMap<(u64, u64), RegionId> = memory
+            .regions()
+            .iter()
+            .map(|r| ((r.gpa.0, r.size), r.id))
+            .collect();
         self.regions
             .iter()
             .map(|r| {
-                map.find_by_gpa(GuestAddress(r.gpa))
-                    .filter(|s| s.gpa().0 == r.gpa && s.payload().offset() == 0)
-                    .filter(|s| s.payload().memory().size() == r.size)
-                    .map(|s| Arc::clone(s.payload().memory()))
+                regions
+                    .get(&(r.gpa, r.size))
+                    .and_then(|id| memory.region_memory(*id))
                     .ok_or_else(|| {
                         SnapshotError::Format(format!(
                             "no region of {:#x} bytes at guest {:#x} in this manager",

@@ -610,3 +610,60 @@ fn a_snapshot_of_a_file_backed_restore_holds_the_pages_never_touched() {
         .expect("read");
     assert_eq!(byte, [0x5a], "a page the restored VM never touched");
 }
+
+/// A region with holes (slots over parts of it only, as a virtio-mem piece has) restores with
+/// the same slots, its memory with it; a region cut by its slot size records no slot list.
+#[test]
+fn a_region_with_holes_restores_with_its_holes() {
+    let a = manager();
+    let plain = a
+        .add_region(RegionSpec::new(GuestAddress(MIB), MIB).with_slot_size(256 << 10))
+        .unwrap();
+    let spec = RegionSpec::new(GuestAddress(4 * MIB), 4 * MIB)
+        .with_slot_ranges(vec![MIB..2 * MIB, 3 * MIB..4 * MIB]);
+    let holed = a.add_region(spec).unwrap();
+    write(&a, 5 * MIB + 64, 0x5a, 100);
+    write(&a, 7 * MIB, 0x7b, 100);
+    // Memory behind a hole is the region's too: it is saved and restored with it.
+    let behind = a.region_memory(holed).unwrap();
+    assert_eq!(behind.size(), 4 * MIB);
+
+    let layout = MemoryLayout::of(&a);
+    assert_eq!(layout.regions[0].slot_ranges, None);
+    assert_eq!(
+        layout.regions[1].slot_ranges,
+        Some(vec![[MIB, 2 * MIB], [3 * MIB, 4 * MIB]])
+    );
+    let json = String::from_utf8_lossy(&layout.to_bytes()).into_owned();
+    assert_eq!(json.matches("slot_ranges").count(), 1, "{json}");
+    let (_path, file) = TempFile::new("holes");
+    write_memory_file(&a, &layout, &file).unwrap();
+
+    let b = manager();
+    let read = MemoryLayout::from_bytes(&layout.to_bytes()).unwrap();
+    assert_eq!(read, layout);
+    read.build(&b).unwrap();
+    load_memory_file(&b, &read, &file).unwrap();
+    assert_eq!(b.slot_ranges(holed), a.slot_ranges(holed));
+    assert_eq!(b.slot_ranges(plain), a.slot_ranges(plain));
+    let memory = b.handle().memory();
+    assert_eq!(
+        memory.read_obj::<u8>(GuestAddress(5 * MIB + 64)).unwrap(),
+        0x5a
+    );
+    assert_eq!(memory.read_obj::<u8>(GuestAddress(7 * MIB)).unwrap(), 0x7b);
+    assert!(
+        memory.read_obj::<u8>(GuestAddress(4 * MIB)).is_err(),
+        "a hole"
+    );
+    assert!(
+        memory.read_obj::<u8>(GuestAddress(6 * MIB)).is_err(),
+        "a hole"
+    );
+
+    // A slot list that is not one is refused with the reason.
+    let mut bad = layout.clone();
+    bad.regions[1].slot_ranges = Some(vec![[MIB, 3 * MIB], [2 * MIB, 4 * MIB]]);
+    let err = bad.validate().unwrap_err().to_string();
+    assert!(err.contains("out of order"), "{err}");
+}

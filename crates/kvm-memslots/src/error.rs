@@ -21,6 +21,10 @@ fn over_limit(limit: Limit, size: u64, figure: u64, max: u64) -> String {
             "a region of {size:#x} bytes would bring guest memory to {figure:#x} bytes ({:.1} GiB), over the limit {} = {max:#x} bytes ({:.1} GiB)",
             gib(figure), limit.name(), gib(max)
         ),
+        Limit::Slots => format!(
+            "the change creates {size} KVM slots and would bring the slots in use to {figure}, over the limit {} = {max}",
+            limit.name()
+        ),
         Limit::Metadata => format!(
             "a region of {size:#x} bytes would bring the host memory KVM and the manager spend on guest-memory metadata to an estimated {figure} bytes ({:.1} GiB), over the limit {} = {max} bytes ({:.1} GiB)",
             gib(figure), limit.name(), gib(max)
@@ -71,6 +75,20 @@ pub enum Error {
         /// The part of it that is in the way (one of its slots).
         other_range: AddressRange,
     },
+    /// A slot layout asked for ([`RegionSpec::slot_ranges`](crate::RegionSpec::slot_ranges) or a
+    /// [`Reslot`](crate::Reslot)) that is not one; offsets are in the region.
+    #[error("slot layout: the slot at offsets [{start:#x}, {end:#x}) {reason}")]
+    SlotLayout {
+        /// The slot's first byte in the region.
+        start: u64,
+        /// The byte after its last.
+        end: u64,
+        /// What is wrong with it.
+        reason: &'static str,
+    },
+    /// A batch names one region in two changes (re-slots it twice, or re-slots and removes it).
+    #[error("region {0} is named by two changes of one batch")]
+    RegionTwice(RegionId),
     /// Two regions added by one batch ([`MemoryManager::apply`](crate::MemoryManager::apply))
     /// overlap.
     #[error(
@@ -181,6 +199,16 @@ pub enum Error {
         /// The first address in it that no region holds.
         hole: u64,
     },
+    /// A byte range that is not a range inside the region named.
+    #[error("offsets [{start:#x}, {end:#x}) are not a range inside region {region}")]
+    OutsideRegion {
+        /// The region.
+        region: RegionId,
+        /// The range's first byte.
+        start: u64,
+        /// The byte after its last.
+        end: u64,
+    },
     /// `madvise` failed.
     #[error("discarding guest range {range} failed: {source}")]
     Discard {
@@ -189,16 +217,16 @@ pub enum Error {
         /// The system's error.
         source: std::io::Error,
     },
-    /// A new region is over one of the manager's [`MemoryLimits`](crate::MemoryLimits);
-    /// nothing was allocated.
+    /// A new region (or, for [`Limit::Slots`], a change's new slots) is over one of the
+    /// manager's [`MemoryLimits`](crate::MemoryLimits); nothing was allocated or changed.
     #[error("{}", over_limit(*.limit, *.size, *.figure, *.max))]
     OverLimit {
         /// The limit.
         limit: Limit,
-        /// The region's size.
+        /// The region's size (for [`Limit::Slots`], the slots the change creates).
         size: u64,
         /// What the limited quantity would reach with the region (its size, for the per-region
-        /// limit).
+        /// limit; the slots in use, for the slot limit).
         figure: u64,
         /// The limit's value.
         max: u64,
@@ -262,6 +290,9 @@ impl Error {
             | Error::Unaligned { .. }
             | Error::WrapAround { .. }
             | Error::SlotSize { .. }
+            | Error::SlotLayout { .. }
+            | Error::RegionTwice(_)
+            | Error::OutsideRegion { .. }
             | Error::DiscardHole { .. } => ErrorKind::Invalid,
             Error::UnknownRegion(_) | Error::UnknownConsumer(_) => ErrorKind::NotFound,
             Error::OverLimit {
@@ -381,6 +412,23 @@ mod tests {
                 Error::DiscardHole {
                     range: range(),
                     hole: 0x2000,
+                },
+                Invalid,
+            ),
+            (
+                Error::SlotLayout {
+                    start: 0,
+                    end: 0,
+                    reason: "is empty",
+                },
+                Invalid,
+            ),
+            (Error::RegionTwice(RegionId(2)), Invalid),
+            (
+                Error::OutsideRegion {
+                    region: RegionId(2),
+                    start: 0,
+                    end: 0,
                 },
                 Invalid,
             ),

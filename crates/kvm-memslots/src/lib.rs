@@ -26,7 +26,7 @@ pub use error::{Error, ErrorKind};
 pub use kvm::{KvmMemory, KvmSlot, KvmVm};
 pub use limits::{metadata_bytes, Limit, MemoryLimits, MemoryUse};
 pub use manager::{
-    HvaMatch, MemoryManager, RegionChange, RegionInfo, RegionSpec, SlotUsage, Target,
+    HvaMatch, MemoryManager, RegionChange, RegionInfo, RegionSpec, Reslot, SlotUsage, Target,
     KVM_MAX_SLOT_SIZE,
 };
 pub use memory::{

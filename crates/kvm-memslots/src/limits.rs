@@ -40,6 +40,11 @@ pub struct MemoryLimits {
     pub max_region_size: u64,
     /// Most host memory the regions' metadata may take in all ([`metadata_bytes`]), in bytes.
     pub max_metadata: u64,
+    /// Most KVM slots the manager's regions may use together: a budget below KVM's number for
+    /// a VMM whose memory table also goes to vhost-user backends (rust-vmm's vhost and
+    /// libvhost-user take 509 regions) or the kernel's vhost (64 by default). `u64::MAX` (the
+    /// default): KVM's number is the only bound.
+    pub max_slots: u64,
 }
 
 impl MemoryLimits {
@@ -49,6 +54,7 @@ impl MemoryLimits {
             max_guest_memory: u64::MAX,
             max_region_size: u64::MAX,
             max_metadata: u64::MAX,
+            max_slots: u64::MAX,
         }
     }
 
@@ -61,6 +67,7 @@ impl MemoryLimits {
             max_guest_memory: guest,
             max_region_size: guest,
             max_metadata: host_memory / 8,
+            max_slots: u64::MAX,
         }
     }
 
@@ -73,6 +80,7 @@ impl MemoryLimits {
                 max_guest_memory: 64 * GIB,
                 max_region_size: 64 * GIB,
                 max_metadata: GIB,
+                max_slots: u64::MAX,
             },
         }
     }
@@ -105,6 +113,8 @@ pub enum Limit {
     GuestMemory,
     /// [`MemoryLimits::max_metadata`].
     Metadata,
+    /// [`MemoryLimits::max_slots`].
+    Slots,
 }
 
 impl Limit {
@@ -114,6 +124,7 @@ impl Limit {
             Limit::RegionSize => "max_region_size",
             Limit::GuestMemory => "max_guest_memory",
             Limit::Metadata => "max_metadata",
+            Limit::Slots => "max_slots",
         }
     }
 }
@@ -177,6 +188,7 @@ mod tests {
             max_guest_memory: 10 * GIB,
             max_region_size: 4 * GIB,
             max_metadata: 64 << 20,
+            max_slots: u64::MAX,
         };
         let mut used = MemoryUse::default();
         used = used.admit(4 * GIB, &limits).expect("fits");

@@ -1,5 +1,5 @@
 //! The manager on real `/dev/kvm`: the slot limit, dirty logging seen by a running vCPU,
-//! moves and flag changes under a guest, and KVM's side checked after injected and real
+//! moves, flag changes and re-slots under a guest, and KVM's side checked after injected and real
 //! failures.
 //!
 //! A test that finds no `/dev/kvm` prints a loud SKIPPED line and passes; one that runs appends
@@ -10,7 +10,7 @@ use std::time::Instant;
 
 use kvm_ioctls::{Kvm, VcpuExit, VmFd};
 use kvm_memslots::testing::{Faulty, KvmCall};
-use kvm_memslots::{Error, KvmVm, MemoryManager, RegionId, RegionSpec, Target};
+use kvm_memslots::{Error, KvmVm, MemoryManager, RegionId, RegionSpec, Reslot, Target};
 use vm_memory::{Bytes, GuestAddress, GuestAddressSpace};
 
 /// Opens KVM and a VM, or says loudly why the test is skipped.
@@ -101,14 +101,7 @@ fn next_vcpu_id() -> u64 {
 
 /// Runs the code loaded at `CODE` on `vcpu` to `hlt`.
 fn run_vcpu(mut vcpu: kvm_ioctls::VcpuFd) -> Run {
-    let mut sregs = vcpu.get_sregs().expect("get sregs");
-    sregs.cs.base = 0;
-    sregs.cs.selector = 0;
-    vcpu.set_sregs(&sregs).expect("set sregs");
-    let mut regs = vcpu.get_regs().expect("get regs");
-    regs.rip = CODE;
-    regs.rflags = 2;
-    vcpu.set_regs(&regs).expect("set regs");
+    kvm_test_support::start_in_real_mode(&vcpu, CODE);
     let mut run = Run::default();
     loop {
         match vcpu.run().expect("KVM_RUN") {
@@ -324,17 +317,24 @@ fn kvm_data_survives_moves_and_flag_changes() {
     );
 }
 
-#[test]
-fn kvm_injected_failures_leave_kvm_as_the_map_says() {
-    let Some((kvm, vm)) = kvm_or_skip("kvm_injected_failures_leave_kvm_as_the_map_says") else {
-        return;
-    };
-    let m = MemoryManager::new(Faulty::new(KvmVm::new(&kvm, Arc::clone(&vm)).expect("KVM")));
+/// A manager whose KVM calls can be made to fail, with the guest layout, and its data region
+/// filled with a pattern (returned).
+fn faulty_filled(kvm: &Kvm, vm: &Arc<VmFd>) -> (MemoryManager<Faulty<KvmVm>>, RegionId, Vec<u8>) {
+    let m = MemoryManager::new(Faulty::new(KvmVm::new(kvm, Arc::clone(vm)).expect("KVM")));
     let (_, data) = guest_layout(&m, false);
     let pattern: Vec<u8> = (0..256 * KIB).map(|i| (i % 241) as u8).collect();
     m.current()
         .write_slice(&pattern, GuestAddress(DATA))
         .expect("fill");
+    (m, data, pattern)
+}
+
+#[test]
+fn kvm_injected_failures_leave_kvm_as_the_map_says() {
+    let Some((kvm, vm)) = kvm_or_skip("kvm_injected_failures_leave_kvm_as_the_map_says") else {
+        return;
+    };
+    let (m, data, pattern) = faulty_filled(&kvm, &vm);
     let moved_to = 512 * KIB;
     type Op = fn(&MemoryManager<Faulty<KvmVm>>, RegionId) -> Result<(), Error>;
     let operations: [(&str, Op, usize); 5] = [
@@ -559,4 +559,183 @@ fn kvm_slot_changes_zap_only_that_slot_where_kvm_can() {
         .report_byte(DATA + 512 * KIB + 4 * KIB)
         .halt();
     assert_eq!(run_guest(&vm, &m.handle(), &code).reported, vec![0x77]);
+}
+
+/// Re-slots of the data region under test: merges, splits, a hole made and filled, in 16 KiB
+/// units of its 256 KiB.
+fn reslots(data: RegionId) -> Vec<Reslot> {
+    let unit = 16 * KIB;
+    let layout = |slots: &[(u64, u64)]| Reslot {
+        region: data,
+        range: 0..16 * unit,
+        slots: slots.iter().map(|&(a, b)| a * unit..b * unit).collect(),
+    };
+    vec![
+        layout(&[(0, 16)]),
+        layout(&[(0, 4), (4, 8), (8, 12), (12, 16)]),
+        layout(&[(0, 1), (1, 2), (2, 3), (3, 8), (8, 16)]),
+        layout(&[(0, 8), (8, 9), (9, 10), (10, 16)]),
+        layout(&(0..16).map(|i| (i, i + 1)).collect::<Vec<_>>()),
+    ]
+}
+
+/// The guest writes an iteration count into every 16 KiB block of the data region, over and
+/// over, until the host sets the stop byte; then it reports the count and halts.
+fn counting_guest() -> Vec<u8> {
+    let blocks: Vec<u16> = (0..16)
+        .map(|i| ((DATA + i * 16 * KIB) >> 4) as u16)
+        .collect();
+    kvm_test_support::counting_guest(&blocks, STOP, PORT as u8)
+}
+
+/// The byte the counting guest polls: not zero tells it to stop.
+const STOP: u16 = 0x800;
+
+/// What the vCPU thread saw: writes completed after a re-slot, and accesses to no memory.
+#[derive(Debug, Default)]
+struct Exits {
+    completed: u64,
+    absent: Vec<u64>,
+    reported: Vec<u8>,
+}
+
+/// Runs the guest at `CODE` to `hlt`, handling an MMIO exit as a VMM does: where a change is
+/// in flight (or ran since the vCPU entered), it waits for it and completes the access against
+/// the memory the map has then; only an access no version has memory for is absent.
+fn run_vcpu_through_changes(
+    mut vcpu: kvm_ioctls::VcpuFd,
+    m: &MemoryManager<impl kvm_memslots::KvmMemory>,
+) -> Exits {
+    kvm_test_support::start_in_real_mode(&vcpu, CODE);
+    let mut exits = Exits::default();
+    loop {
+        let entered = m.change_sequence();
+        match vcpu.run().expect("KVM_RUN") {
+            VcpuExit::IoOut(PORT, data) => exits.reported.push(data[0]),
+            VcpuExit::MmioWrite(addr, data) => {
+                let data = data.to_vec();
+                let sequence = m.wait_settled(|| false).expect("never gives up");
+                let memory = m.current();
+                if memory.map().find_by_gpa(GuestAddress(addr)).is_some() {
+                    assert!(sequence != entered, "an exit on memory with no change");
+                    memory
+                        .write_slice(&data, GuestAddress(addr))
+                        .expect("complete the write");
+                    exits.completed += 1;
+                } else {
+                    exits.absent.push(addr);
+                }
+            }
+            VcpuExit::Hlt => return exits,
+            other => panic!("unexpected vCPU exit: {other:?}"),
+        }
+    }
+}
+
+/// A vCPU writes every block of a region over and over while the region's slots are merged and
+/// split under it: no write is lost (every block holds the guest's last count) and none is
+/// taken for absent memory (an exit on a slot away for a moment is completed after the change).
+#[test]
+fn kvm_merges_and_splits_under_a_writing_vcpu_lose_no_write() {
+    let name = "kvm_merges_and_splits_under_a_writing_vcpu_lose_no_write";
+    let Some((kvm, vm)) = kvm_or_skip(name) else {
+        return;
+    };
+    let m = manager(&kvm, &vm);
+    let (_, data) = guest_layout(&m, false);
+    m.current()
+        .write_slice(&counting_guest(), GuestAddress(CODE))
+        .expect("load the guest");
+    let vcpu = vm.create_vcpu(next_vcpu_id()).expect("KVM_CREATE_VCPU");
+    let layouts = reslots(data);
+    let (exits, changes) = std::thread::scope(|scope| {
+        let guest = scope.spawn(|| run_vcpu_through_changes(vcpu, &m));
+        let started = Instant::now();
+        let mut changes = 0;
+        // Until the guest has been through enough changes, and at least a second.
+        while changes < 200 || started.elapsed().as_secs() < 1 {
+            m.reslot(layouts[changes % layouts.len()].clone())
+                .expect("re-slot");
+            changes += 1;
+        }
+        m.current()
+            .write_obj(1u8, GuestAddress(u64::from(STOP)))
+            .expect("stop the guest");
+        (guest.join().expect("the vCPU thread"), changes)
+    });
+    assert!(
+        exits.absent.is_empty(),
+        "reported absent: {:x?}",
+        exits.absent
+    );
+    let count = u16::from_le_bytes([exits.reported[0], exits.reported[1]]);
+    assert!(count > 1, "the guest ran through the changes");
+    for block in 0..16 {
+        let gpa = DATA + block * 16 * KIB + 0x10;
+        let got: u16 = m.current().read_obj(GuestAddress(gpa)).expect("read");
+        assert_eq!(got, count, "block {block}: a write was lost");
+    }
+    eprintln!(
+        "{name}: {changes} re-slots, guest count {count}, {} writes completed after a change",
+        exits.completed
+    );
+    assert_kvm_matches(&vm, &m, &[]);
+}
+
+/// KVM refusing any step of a merge or a split leaves KVM's slots as they were (probed in
+/// KVM, holes included), and the guest reads the data where it was.
+#[test]
+fn kvm_a_refused_reslot_leaves_kvms_slots_as_they_were() {
+    let Some((kvm, vm)) = kvm_or_skip("kvm_a_refused_reslot_leaves_kvms_slots_as_they_were") else {
+        return;
+    };
+    let (m, data, pattern) = faulty_filled(&kvm, &vm);
+    let layouts = reslots(data);
+    for (i, layout) in layouts.iter().enumerate() {
+        // Fail each step in turn until the re-slot goes through.
+        let layout_of = |m: &MemoryManager<Faulty<KvmVm>>| m.slot_ranges(data).expect("region");
+        let before = layout_of(&m);
+        let mut steps = 0;
+        loop {
+            m.kvm().fail(KvmCall::SetRegion, steps, libc::EIO);
+            let Err(err) = m.reslot(layout.clone()) else {
+                m.kvm().heal();
+                break;
+            };
+            assert_eq!(err.errno(), Some(libc::EIO), "{err}");
+            assert_eq!(layout_of(&m), before, "layout {i}, step {steps}");
+            assert_kvm_matches(&vm, &m, &[]);
+            steps += 1;
+        }
+        assert!(steps >= 2, "layout {i}: {steps} steps");
+    }
+    // A hole: no slot in KVM either.
+    let holed = Reslot {
+        region: data,
+        range: 0..256 * KIB,
+        slots: vec![0..64 * KIB, 128 * KIB..256 * KIB],
+    };
+    m.kvm().fail(KvmCall::SetRegion, 1, libc::EIO);
+    assert!(m.reslot(holed.clone()).is_err());
+    assert_kvm_matches(&vm, &m, &[]);
+    m.reslot(holed).expect("the hole");
+    assert_kvm_matches(&vm, &m, &[DATA + 64 * KIB, DATA + 127 * KIB]);
+    let probe = [DATA, DATA + 33 * KIB, DATA + 255 * KIB];
+    let mut program = Program::default();
+    for gpa in probe {
+        program = program.report_byte(gpa);
+    }
+    let run = run_guest(
+        &vm,
+        &m.handle(),
+        &program.report_byte(DATA + 100 * KIB).halt(),
+    );
+    let mut expected: Vec<u8> = probe.iter().map(|a| pattern[(a - DATA) as usize]).collect();
+    expected.push(0xff);
+    assert_eq!(run.reported, expected);
+    assert_eq!(
+        run.mmio_reads,
+        vec![DATA + 100 * KIB],
+        "the hole is no memory"
+    );
 }

@@ -63,3 +63,45 @@ pub fn kvm_has_slot_at(vm: &kvm_ioctls::VmFd, probe_slot: u32, gpa: u64) -> bool
         Err(e) => panic!("probe at {gpa:#x}: {e}"),
     }
 }
+
+/// Real-mode code for a test that changes memory under a running vCPU: from a count of 0, it
+/// adds one and writes the count (a 16-bit word) at offset 0x10 of each segment of
+/// `segments` in turn (segment `s` is guest address `s << 4`), over and over, until the byte
+/// at `stop` (in segment 0) is not zero; then it writes the count's low and high bytes to
+/// `port` and halts. Every segment then holds the count the guest reported, unless a write
+/// was lost.
+pub fn counting_guest(segments: &[u16], stop: u16, port: u8) -> Vec<u8> {
+    let mut code = vec![0x31, 0xd2]; // xor dx, dx
+    let top = code.len();
+    code.push(0x42); // inc dx
+    for segment in segments {
+        code.push(0xb8); // mov ax, segment
+        code.extend(segment.to_le_bytes());
+        code.extend([0x8e, 0xd8]); // mov ds, ax
+        code.extend([0x89, 0x16, 0x10, 0x00]); // mov [0x10], dx
+    }
+    code.extend([0x31, 0xc0, 0x8e, 0xd8]); // xor ax, ax; mov ds, ax
+    code.extend([0x80, 0x3e]); // cmp byte [stop], 0
+    code.extend(stop.to_le_bytes());
+    code.push(0x00);
+    code.extend([0x75, 0x03]); // jne past the jump
+    let back = top as i64 - (code.len() as i64 + 3);
+    code.push(0xe9); // jmp top
+    code.extend((back as i16).to_le_bytes());
+    code.extend([0x89, 0xd0, 0xe6, port]); // mov ax, dx; out port, al
+    code.extend([0x88, 0xe0, 0xe6, port]); // mov al, ah; out port, al
+    code.push(0xf4); // hlt
+    code
+}
+
+/// Points `vcpu` at real-mode code at guest address `rip` (below 64 KiB: code segment 0).
+pub fn start_in_real_mode(vcpu: &kvm_ioctls::VcpuFd, rip: u64) {
+    let mut sregs = vcpu.get_sregs().expect("get sregs");
+    sregs.cs.base = 0;
+    sregs.cs.selector = 0;
+    vcpu.set_sregs(&sregs).expect("set sregs");
+    let mut regs = vcpu.get_regs().expect("get regs");
+    regs.rip = rip;
+    regs.rflags = 2;
+    vcpu.set_regs(&regs).expect("set regs");
+}

@@ -1,12 +1,13 @@
 //! A virtio-mem device for VMMs built on [`kvm_memslots`]: guest memory that grows and shrinks
-//! block by block at the guest driver's request, each plugged block one KVM slot.
+//! block by block at the guest driver's request, neighbouring plugged blocks sharing a KVM
+//! slot.
 //!
 //! - [`mmio`]: the virtio-mmio transport (version 2), generic over [`VirtioDevice`]. A VMM
 //!   forwards vCPU MMIO exits in the device's window to [`MmioTransport::read`] and
 //!   [`MmioTransport::write`].
-//! - [`mem`]: the virtio-mem device, [`VirtioMem`], which plugs a block by adding a region of
-//!   one block (one KVM slot) to a [`kvm_memslots::MemoryManager`] and unplugs it by removing
-//!   that region.
+//! - [`mem`]: the virtio-mem device, [`VirtioMem`], which plugs and unplugs blocks by adding,
+//!   re-slotting and removing regions of a [`kvm_memslots::MemoryManager`] (one region per
+//!   piece of the device's region with a block plugged, one slot per run of plugged blocks).
 
 #![doc = include_str!("../README.md")]
 #![forbid(unsafe_code)]

@@ -64,7 +64,10 @@ fn setup_on<K: KvmMemory>(kvm: K, headroom: u64) -> Setup<K> {
     memory
         .add_region(RegionSpec::new(GuestAddress(QUEUE_RAM), 0x10_0000))
         .expect("the driver's RAM");
-    let mut options = VirtioMemOptions::new(GuestAddress(BASE), REGION, BLOCK);
+    // Each block its own region and slot: the scheme these tests were written for (the
+    // coalescing tests below set other maximum slot sizes).
+    let mut options =
+        VirtioMemOptions::new(GuestAddress(BASE), REGION, BLOCK).with_max_slot_size(BLOCK);
     options.usable_headroom = headroom;
     let device = VirtioMem::new(Arc::clone(&memory), options).expect("a valid device");
     let irq = EventFd::new(EFD_NONBLOCK).expect("an eventfd");
@@ -771,7 +774,7 @@ fn a_device_needing_more_slots_than_free_is_refused() {
         .expect("16 slots");
     let err = VirtioMem::new(
         memory,
-        VirtioMemOptions::new(GuestAddress(BASE), 32 * BLOCK, BLOCK),
+        VirtioMemOptions::new(GuestAddress(BASE), 32 * BLOCK, BLOCK).with_max_slot_size(BLOCK),
     )
     .unwrap_err();
     assert_eq!(
@@ -809,7 +812,8 @@ fn kvm_plugged_blocks_are_kvm_slots_and_unplugged_ones_are_not() {
     memory
         .add_region(RegionSpec::new(GuestAddress(QUEUE_RAM), 0x10_0000))
         .expect("the driver's RAM");
-    let mut options = VirtioMemOptions::new(GuestAddress(BASE), REGION, BLOCK);
+    let mut options =
+        VirtioMemOptions::new(GuestAddress(BASE), REGION, BLOCK).with_max_slot_size(BLOCK);
     options.usable_headroom = 8 * MIB;
     let irq = EventFd::new(EFD_NONBLOCK).expect("eventfd");
     let device = VirtioMem::new(Arc::clone(&memory), options)
@@ -880,7 +884,25 @@ fn guest_program(blocks: &[u64]) -> Vec<u8> {
 
 #[test]
 fn kvm_a_guest_uses_plugged_blocks_and_exits_on_unplugged_ones() {
-    let test = "kvm_a_guest_uses_plugged_blocks_and_exits_on_unplugged_ones";
+    guest_uses_plugged_blocks(
+        "kvm_a_guest_uses_plugged_blocks_and_exits_on_unplugged_ones",
+        1,
+    );
+}
+
+/// The same with the four blocks in one piece: the plugged ones in two slots of one region,
+/// the unplugged ones its holes, mapped on the host but no memory for the guest.
+#[test]
+fn kvm_a_guest_exits_on_unplugged_blocks_between_plugged_ones_of_a_slot_piece() {
+    guest_uses_plugged_blocks(
+        "kvm_a_guest_exits_on_unplugged_blocks_between_plugged_ones_of_a_slot_piece",
+        4,
+    );
+}
+
+/// Plugs two of four blocks (`blocks_per_slot` to a piece) and has a real-mode guest touch
+/// all four.
+fn guest_uses_plugged_blocks(test: &str, blocks_per_slot: u64) {
     let Some((vm, memory)) = kvm_manager(test) else {
         return;
     };
@@ -892,7 +914,8 @@ fn kvm_a_guest_uses_plugged_blocks_and_exits_on_unplugged_ones() {
     memory
         .add_region(RegionSpec::new(GuestAddress(0), DEV))
         .expect("low RAM");
-    let mut options = VirtioMemOptions::new(GuestAddress(DEV), 4 * BLK, BLK);
+    let mut options = VirtioMemOptions::new(GuestAddress(DEV), 4 * BLK, BLK)
+        .with_max_slot_size(blocks_per_slot * BLK);
     options.requested_size = 2 * BLK;
     let device = VirtioMem::new(Arc::clone(&memory), options)
         .expect("device")
@@ -921,14 +944,7 @@ fn kvm_a_guest_uses_plugged_blocks_and_exits_on_unplugged_ones() {
         .write_slice(&guest_program(&targets), GuestAddress(CODE))
         .expect("load the code");
     let mut vcpu = vm.create_vcpu(0).expect("KVM_CREATE_VCPU");
-    let mut sregs = vcpu.get_sregs().expect("sregs");
-    sregs.cs.base = 0;
-    sregs.cs.selector = 0;
-    vcpu.set_sregs(&sregs).expect("set sregs");
-    let mut regs = vcpu.get_regs().expect("regs");
-    regs.rip = CODE;
-    regs.rflags = 2;
-    vcpu.set_regs(&regs).expect("set regs");
+    kvm_test_support::start_in_real_mode(&vcpu, CODE);
     let mut reported = Vec::new();
     let mut mmio_writes = Vec::new();
     let mut mmio_reads = Vec::new();
@@ -960,4 +976,10 @@ fn kvm_a_guest_uses_plugged_blocks_and_exits_on_unplugged_ones() {
         0x5a
     );
     assert!(ram.read_obj::<u8>(GuestAddress(DEV + BLK)).is_err());
+    let regions = driver.device.device().plugged_blocks();
+    assert_eq!(
+        regions[0].region == regions[1].region,
+        blocks_per_slot == 4,
+        "one region for the piece"
+    );
 }

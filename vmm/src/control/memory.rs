@@ -103,6 +103,9 @@ pub struct SlotCounts {
     pub free: usize,
     /// KVM's number of slots.
     pub max: usize,
+    /// The slot budget below KVM's number (`--max-slots`): changes that would take `used`
+    /// past it are refused. None without one.
+    pub budget: Option<u64>,
 }
 
 /// One region in [`MemoryInfo`].
@@ -165,6 +168,7 @@ pub fn memory_info(memory: &MemoryManager<KvmVm>) -> MemoryInfo {
             used: usage.used,
             free: usage.free,
             max: usage.max,
+            budget: (limits.max_slots != u64::MAX).then_some(limits.max_slots),
         },
         limits: Limits {
             max_guest_memory: limits.max_guest_memory,

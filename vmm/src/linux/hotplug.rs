@@ -92,14 +92,12 @@ pub fn area_base(ram_end: u64) -> u64 {
     ram_end.max(MMIO_GAP_END).next_multiple_of(GIB)
 }
 
-/// The device's options for `size_mib` MiB in blocks of `block_mib` MiB, above RAM ending at
-/// `ram_end`.
-fn options(ram_end: u64, size_mib: u64, block_mib: u64) -> VirtioMemOptions {
-    VirtioMemOptions::new(
-        GuestAddress(area_base(ram_end)),
-        size_mib * MIB,
-        block_mib * MIB,
-    )
+/// The device's options for `size_mib` MiB in blocks of `block_mib` MiB at `base`. A region and
+/// a slot per plugged block, as before shared slots: what the boot tests and `GET
+/// /hotplug/memory` expect (an option to share slots is still to come).
+fn options(base: u64, size_mib: u64, block_mib: u64) -> VirtioMemOptions {
+    VirtioMemOptions::new(GuestAddress(base), size_mib * MIB, block_mib * MIB)
+        .with_max_slot_size(block_mib * MIB)
 }
 
 /// Where RAM ends on `vm` (no block is plugged yet).
@@ -114,7 +112,7 @@ fn ram_end(vm: &Vm) -> u64 {
 
 /// Sets the device up on `vm` for `size_mib` MiB in blocks of `block_mib` MiB, above RAM.
 pub fn setup(vm: &Vm, size_mib: u64, block_mib: u64) -> Result<Hotplug, HotplugError> {
-    let options = options(ram_end(vm), size_mib, block_mib);
+    let options = options(area_base(ram_end(vm)), size_mib, block_mib);
     let device = VirtioMem::new(Arc::clone(vm.memory()), options)?;
     connect(vm, options, |interrupt| Ok(device.into_mmio(interrupt)))
 }
@@ -129,7 +127,7 @@ pub fn restore(
     device: &VirtioMemState,
     transport: &TransportState,
 ) -> Result<Hotplug, HotplugError> {
-    let options = VirtioMemOptions::new(GuestAddress(base), size_mib * MIB, block_mib * MIB);
+    let options = options(base, size_mib, block_mib);
     let device = VirtioMem::restore(Arc::clone(vm.memory()), options, device)?;
     connect(vm, options, |interrupt| {
         Ok(MmioTransport::restore(device, interrupt, transport)?)

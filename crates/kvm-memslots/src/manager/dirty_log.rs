@@ -263,13 +263,16 @@ impl<K: KvmMemory> MemoryManager<K> {
         // when the guest wrote, and whose number is not released yet) is in it, but for a
         // slot being added, whose region's pages are all pending already. (A change's drain
         // runs under the writer lock: this is then the version it is replacing.)
+        // The version a change is making is read first: if it is gone by the time the
+        // published one is read, that one holds its slots. A slot a re-slot is creating is in
+        // it alone; no number names two slots across the two (a change's new slots take numbers
+        // no published slot has).
+        let making = self.in_flight().clone();
         let map = self.published();
         for &(number, offset) in &entries {
-            // The high half of the slot field is the address space, always 0 here.
-            match map
-                .get(SlotId(number))
-                .filter(|s| number >> 16 == 0 && offset < s.size() / PAGE_SIZE)
-            {
+            let found = ring_slot(&map, number, offset)
+                .or_else(|| making.as_deref().and_then(|m| ring_slot(m, number, offset)));
+            match found {
                 Some(slot) => {
                     let first = slot.payload().offset() / PAGE_SIZE;
                     slot.payload().pending().mark(first + offset, 1);
@@ -509,7 +512,9 @@ impl<K: KvmMemory> MemoryManager<K> {
     ) -> Result<(), Error> {
         let mut freed = self.ids_freed.load(Ordering::SeqCst);
         let mut map = self.published();
-        for &number in region.slots.iter() {
+        // Numbers a re-slot published since are read by the next harvest; numbers it took
+        // away are skipped below (it read their logs into the pending bits before deleting).
+        for &number in region.slots().iter() {
             if region_slot(&map, number, region).is_none_or(|s| !s.flags().log_dirty) {
                 continue;
             }
@@ -574,6 +579,13 @@ fn region_slot<'a>(
 ) -> Option<&'a Arc<GuestSlotData>> {
     map.get(number)
         .filter(|s| Arc::ptr_eq(s.payload().pending(), &region.pending))
+}
+
+/// The slot a ring entry names in `map`, if the page it names is inside it.
+fn ring_slot(map: &GuestMemoryMap, number: u32, offset: u64) -> Option<&Arc<GuestSlotData>> {
+    // The high half of the slot field is the address space, always 0 here.
+    map.get(SlotId(number))
+        .filter(|s| number >> 16 == 0 && offset < s.size() / PAGE_SIZE)
 }
 
 /// Room for `n` vectors in `v`, fallibly.

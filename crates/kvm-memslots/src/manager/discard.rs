@@ -1,15 +1,16 @@
 //! Discard: giving the host back the memory behind a guest range.
 
+use std::ops::Range;
 use std::sync::Arc;
 
 use memslot_map::AddressRange;
 use vm_memory::GuestAddress;
 
-use super::{check_range, MemoryManager};
+use super::{check_aligned, check_range, MemoryManager};
 use crate::dirty::PendingBits;
 use crate::error::Error;
 use crate::kvm::KvmMemory;
-use crate::memory::RegionMemory;
+use crate::memory::{RegionId, RegionMemory};
 use crate::PAGE_SIZE;
 
 /// A part of a discard that is one run of one region's mapping.
@@ -85,58 +86,14 @@ impl<K: KvmMemory> MemoryManager<K> {
             at = end;
         }
         for piece in pieces {
-            let hva = piece.memory.host_address() + piece.offset;
             let len = piece.end - piece.start;
-            let ret = if piece.memory.is_private_file() {
-                // Dropping a copy-on-write page would bring the file's page back: put fresh
-                // zero pages there instead, in one step (MAP_FIXED replaces the range
-                // atomically, so it is never unmapped; KVM's MMU notifier sees the change).
-                // SAFETY: `[hva, hva + len)` lies inside the region's mapping, which
-                // `piece.memory` keeps alive; it is replaced by a private anonymous mapping of
-                // the same range and protection, so the region's memory stays mapped and
-                // writable. Guest memory is only accessed through volatile accesses and raw
-                // pointers, never Rust references, so replacing its contents breaks no
-                // aliasing rule.
-                let mapped = unsafe {
-                    libc::mmap(
-                        hva as *mut libc::c_void,
-                        len as usize,
-                        libc::PROT_READ | libc::PROT_WRITE,
-                        libc::MAP_PRIVATE
-                            | libc::MAP_ANONYMOUS
-                            | libc::MAP_FIXED
-                            | libc::MAP_NORESERVE,
-                        -1,
-                        0,
-                    )
-                };
-                if mapped == libc::MAP_FAILED {
-                    -1
-                } else {
-                    0
-                }
-            } else {
-                let advice = if piece.memory.is_shared() {
-                    libc::MADV_REMOVE
-                } else {
-                    libc::MADV_DONTNEED
-                };
-                // SAFETY: `[hva, hva + len)` lies inside the region's mapping, which
-                // `piece.memory` keeps mapped during the call. Guest memory is only accessed
-                // through volatile accesses and raw pointers, never Rust references, so
-                // replacing its contents with zeros (or freeing its file pages) breaks no
-                // aliasing rule.
-                unsafe { libc::madvise(hva as *mut libc::c_void, len as usize, advice) }
-            };
-            if ret != 0 {
-                return Err(Error::Discard {
-                    range: AddressRange {
-                        start: piece.start,
-                        end: piece.end,
-                    },
-                    source: std::io::Error::last_os_error(),
-                });
-            }
+            discard_run(&piece.memory, piece.offset, len).map_err(|source| Error::Discard {
+                range: AddressRange {
+                    start: piece.start,
+                    end: piece.end,
+                },
+                source,
+            })?;
             // The guest's memory changed: the next harvest must report these pages.
             piece
                 .pending
@@ -145,4 +102,100 @@ impl<K: KvmMemory> MemoryManager<K> {
         drop(state);
         Ok(())
     }
+}
+
+impl<K: KvmMemory> MemoryManager<K> {
+    /// Gives the host back the memory behind byte range `range` of region `id`, slots or not:
+    /// for memory in a hole (an unplugged block, say), which [`discard`](Self::discard),
+    /// going by guest address, refuses. Otherwise as `discard`: the pages read back as zeros
+    /// (private memory) or are freed from their file (shared), and count as dirty in the next
+    /// harvest. The region's slots stay as they are.
+    ///
+    /// Refused, with nothing discarded, if the region does not exist or the range is not a
+    /// page-aligned range inside it.
+    ///
+    /// # KVM calls
+    ///
+    /// No KVM ioctl. One call for the range, as [`discard`](Self::discard) makes for a run.
+    pub fn discard_region(&self, id: RegionId, range: Range<u64>) -> Result<(), Error> {
+        // The writer lock, as `discard` takes it: no change comes between the look-up and the
+        // call.
+        let state = self.state();
+        let region = state.regions.get(&id).ok_or(Error::UnknownRegion(id))?;
+        if range.start >= range.end || range.end > region.size {
+            return Err(Error::OutsideRegion {
+                region: id,
+                start: range.start,
+                end: range.end,
+            });
+        }
+        check_aligned("offset", range.start)?;
+        check_aligned("length", range.end - range.start)?;
+        let len = range.end - range.start;
+        discard_run(&region.memory, range.start, len).map_err(|source| Error::Discard {
+            range: AddressRange {
+                start: region.gpa.0 + range.start,
+                end: region.gpa.0 + range.end,
+            },
+            source,
+        })?;
+        region
+            .pending()
+            .mark(range.start / PAGE_SIZE, len / PAGE_SIZE);
+        Ok(())
+    }
+}
+
+/// Gives the host back `len` bytes of `memory` from `offset` (see [`MemoryManager::discard`]
+/// for the call each kind of memory gets).
+fn discard_run(memory: &RegionMemory, offset: u64, len: u64) -> std::io::Result<()> {
+    if offset
+        .checked_add(len)
+        .is_none_or(|end| end > memory.size())
+    {
+        return Err(std::io::Error::from(std::io::ErrorKind::InvalidInput));
+    }
+    let hva = memory.host_address() + offset;
+    let ret = if memory.is_private_file() {
+        // Dropping a copy-on-write page would bring the file's page back: put fresh
+        // zero pages there instead, in one step (MAP_FIXED replaces the range
+        // atomically, so it is never unmapped; KVM's MMU notifier sees the change).
+        // SAFETY: `[hva, hva + len)` lies inside the region's mapping (checked above), which
+        // `memory` keeps alive; it is replaced by a private anonymous mapping of
+        // the same range and protection, so the region's memory stays mapped and
+        // writable. Guest memory is only accessed through volatile accesses and raw
+        // pointers, never Rust references, so replacing its contents breaks no
+        // aliasing rule.
+        let mapped = unsafe {
+            libc::mmap(
+                hva as *mut libc::c_void,
+                len as usize,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_FIXED | libc::MAP_NORESERVE,
+                -1,
+                0,
+            )
+        };
+        if mapped == libc::MAP_FAILED {
+            -1
+        } else {
+            0
+        }
+    } else {
+        let advice = if memory.is_shared() {
+            libc::MADV_REMOVE
+        } else {
+            libc::MADV_DONTNEED
+        };
+        // SAFETY: `[hva, hva + len)` lies inside the region's mapping (checked above), which
+        // `memory` keeps mapped during the call. Guest memory is only accessed
+        // through volatile accesses and raw pointers, never Rust references, so
+        // replacing its contents with zeros (or freeing its file pages) breaks no
+        // aliasing rule.
+        unsafe { libc::madvise(hva as *mut libc::c_void, len as usize, advice) }
+    };
+    if ret != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(())
 }

@@ -22,7 +22,7 @@ use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 
 use memslot_map::{
-    Change, MapConfig, MapError, MapWriter, MemslotMap, SharedMap, SlotFlags, SlotId,
+    AddressRange, Change, MapConfig, MapError, MapWriter, MemslotMap, SharedMap, SlotFlags, SlotId,
 };
 use vm_memory::GuestAddress;
 use vmm_sys_util::errno::Error as Errno;
@@ -38,7 +38,7 @@ use crate::{MapGuard, PAGE_SIZE};
 pub use batch::RegionChange;
 use plan::{KvmOp, Step};
 use slot_ids::SlotIds;
-pub use spec::{HvaMatch, RegionInfo, RegionSpec, SlotUsage, Target, KVM_MAX_SLOT_SIZE};
+pub use spec::{HvaMatch, RegionInfo, RegionSpec, Reslot, SlotUsage, Target, KVM_MAX_SLOT_SIZE};
 
 // Names the tests (`use super::*`) need that this module itself no longer uses.
 #[cfg(test)]
@@ -52,6 +52,8 @@ struct Region {
     size: u64,
     /// Slot ids in the order of their offsets in the region.
     slots: Vec<SlotId>,
+    /// Bytes of the region its slots cover (less than `size` where it has holes).
+    covered: u64,
     flags: SlotFlags,
     /// The consumers logging it: `flags.log_dirty` while there is one.
     loggers: BTreeSet<DirtyConsumer>,
@@ -68,12 +70,12 @@ impl Region {
 }
 
 /// A region as a harvest sees it, kept in the manager's directory (not behind the writer
-/// lock): its memory (for the VMM's write bitmap), its pending bits, and its slot numbers,
-/// which stay the region's for its whole life (moves and read-only toggles keep them).
+/// lock): its memory (for the VMM's write bitmap), its pending bits, and its slot numbers
+/// (moves and read-only toggles keep them; a re-slot replaces them after it is published).
 struct Harvestable {
     memory: Arc<RegionMemory>,
     pending: Arc<PendingBits>,
-    slots: Box<[SlotId]>,
+    slots: Mutex<Arc<[SlotId]>>,
     /// The region's guest base, updated by moves.
     gpa: AtomicU64,
     /// Each consumer's bits of the region taken by other consumers' harvests; empty while the
@@ -86,6 +88,15 @@ impl Harvestable {
     /// taken from one place before it is in another.
     fn stash(&self) -> MutexGuard<'_, Vec<consumers::Stash>> {
         self.stash.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// The region's slot numbers as last published (poisoning ignored: only replaced whole).
+    fn slots(&self) -> Arc<[SlotId]> {
+        Arc::clone(&self.slots.lock().unwrap_or_else(|p| p.into_inner()))
+    }
+
+    fn set_slots(&self, slots: &[SlotId]) {
+        *self.slots.lock().unwrap_or_else(|p| p.into_inner()) = slots.into();
     }
 }
 
@@ -108,6 +119,8 @@ fn reserve(buffer: &mut Vec<u64>, words: usize, what: &'static str) -> Result<()
 /// another writer in.
 pub(crate) struct State {
     regions: BTreeMap<RegionId, Region>,
+    /// The regions by guest base: their guest ranges, holes included, never overlap.
+    spans: BTreeMap<u64, RegionId>,
     ids: SlotIds,
     next_region: u64,
     /// Set when an undo failed or a KVM call panicked: KVM and the map may disagree, so
@@ -200,9 +213,13 @@ pub struct MemoryManager<K: KvmMemory> {
     /// A new region is never given it, so that the number names a slot of the same region
     /// (and so of the same size) for the whole `KVM_GET_DIRTY_LOG`/`KVM_CLEAR_DIRTY_LOG`.
     leased: AtomicU32,
-    /// How many times slot numbers of published slots were released (by removes): a harvest
-    /// that sees it move re-reads the map before trusting a slot number.
+    /// How many times slot numbers of published slots were released (by removes and
+    /// re-slots): a harvest that sees it move re-reads the map before trusting a slot number.
     ids_freed: AtomicU64,
+    /// Ring mode: the version a change is making, from before its first KVM request until it
+    /// is published, so that a collection meanwhile attributes the entries of slots created
+    /// for regions in place (a re-slot) rather than counting them as strays.
+    in_flight: Mutex<Option<Arc<MemslotMap<SlotBacking>>>>,
 }
 
 impl<K: KvmMemory> MemoryManager<K> {
@@ -266,6 +283,7 @@ impl<K: KvmMemory> MemoryManager<K> {
                 MemslotMap::new(config),
                 State {
                     regions: BTreeMap::new(),
+                    spans: BTreeMap::new(),
                     ids: SlotIds::new(limit),
                     next_region: 0,
                     broken: None,
@@ -287,6 +305,7 @@ impl<K: KvmMemory> MemoryManager<K> {
             ring_reset_owed: AtomicBool::new(false),
             leased: AtomicU32::new(NO_LEASE),
             ids_freed: AtomicU64::new(0),
+            in_flight: Mutex::new(None),
         }
     }
 
@@ -517,27 +536,50 @@ impl<K: KvmMemory> MemoryManager<K> {
         // are done, for the entries published meanwhile: a deleted slot's id may be reused by
         // another region once the change is done, and an entry left in a ring would then be
         // taken for that region's.
-        let drain = self.kvm.dirty_ring()
+        let ring = self.kvm.dirty_ring();
+        let drain = ring
             && steps
                 .iter()
                 .any(|s| s.read_log || matches!(s.op, KvmOp::Delete(_)));
         if drain {
             self.collect_rings()?;
         }
+        // Ring mode: a slot this change creates under a new number for a region in place (a
+        // re-slot) is a new view of memory whose pages are not all pending: its entries must
+        // find it before it is published, by any collection.
+        let creates = ring
+            && steps.iter().any(|s| match s.op {
+                KvmOp::Create(k) => {
+                    state.regions.contains_key(&s.region) && current.get(SlotId(k.slot)).is_none()
+                }
+                _ => false,
+            });
+        if creates {
+            *self.in_flight() = Some(Arc::new(next.clone()));
+        }
         self.sequence.begin();
         // Even again when this returns, and also if a KVM call panics: a vCPU waiting for an
         // even sequence must not wait forever.
         let _even = EndOfChange(&self.sequence);
+        let _landed = InFlight(self, creates);
         let applied = self.run(state, steps);
+        if (drain && applied.is_ok()) || (creates && applied.is_err()) {
+            // The change is made (or undone): a failure here only leaves entries for the next
+            // harvest (the ids are not reused before the caller releases them, after this).
+            // An undone change drains too: a slot it created and deleted again may have
+            // entries, and its number goes back to the allocator.
+            let _ = self.collect_rings();
+        }
         if applied.is_ok() {
-            if drain {
-                // The change is made: a failure here only leaves entries for the next harvest
-                // (the ids are not reused before the caller releases them, after this).
-                let _ = self.collect_rings();
-            }
             state.publish(next);
         }
         applied
+    }
+
+    /// Ring mode: the version being made, see `in_flight`. Poisoning is ignored: it is only
+    /// replaced whole.
+    fn in_flight(&self) -> MutexGuard<'_, Option<Arc<MemslotMap<SlotBacking>>>> {
+        self.in_flight.lock().unwrap_or_else(|p| p.into_inner())
     }
 
     /// The published version, lock-free: for reads that need no writer lock.
@@ -617,6 +659,7 @@ fn over_limit(limits: &MemoryLimits, limit: Limit, size: u64, figure: u64) -> Er
             Limit::RegionSize => limits.max_region_size,
             Limit::GuestMemory => limits.max_guest_memory,
             Limit::Metadata => limits.max_metadata,
+            Limit::Slots => limits.max_slots,
         },
     }
 }
@@ -638,6 +681,27 @@ fn check_range(gpa: u64, size: u64) -> Result<(), Error> {
         return Err(Error::WrapAround { gpa, size });
     }
     Ok(())
+}
+
+/// The first region in place, other than those `skip` names, whose guest range (holes
+/// included) overlaps `range`, with that range.
+fn region_in_the_way(
+    state: &State,
+    range: AddressRange,
+    skip: impl Fn(RegionId) -> bool,
+) -> Option<(RegionId, AddressRange)> {
+    // Regions do not overlap: going down from the last one starting below `range.end`, their
+    // ends go down too, and the first ending at or below `range.start` ends the search.
+    for (&start, &id) in state.spans.range(..range.end).rev() {
+        let end = start + state.regions[&id].size;
+        if end <= range.start {
+            break;
+        }
+        if !skip(id) {
+            return Some((id, AddressRange { start, end }));
+        }
+    }
+    None
 }
 
 /// The region's slots in offset order. They are contiguous in guest-address order, so this is
@@ -675,6 +739,18 @@ fn map_error(current: &MemslotMap<SlotBacking>, error: MapError) -> Error {
         }
     }
     Error::Map(error)
+}
+
+/// Forgets the version a change was making (`in_flight`) when dropped: after it is published
+/// (or the change undone), so that no moment exists where a created slot is in neither.
+struct InFlight<'a, K: KvmMemory>(&'a MemoryManager<K>, bool);
+
+impl<K: KvmMemory> Drop for InFlight<'_, K> {
+    fn drop(&mut self) {
+        if self.1 {
+            *self.0.in_flight() = None;
+        }
+    }
 }
 
 /// Ends a change in the change sequence (makes it even again) when dropped.

@@ -1,9 +1,13 @@
 //! Questions that change nothing: host-address lookup, the regions, slot usage, memory use.
 
+use std::ops::Range;
+use std::sync::Arc;
+
 use memslot_map::{HostAddress, SlotId};
 
-use super::{HvaMatch, MemoryManager, Region, RegionId, RegionInfo, SlotUsage};
+use super::{region_slots, HvaMatch, MemoryManager, Region, RegionId, RegionInfo, SlotUsage};
 use crate::kvm::KvmMemory;
+use crate::memory::RegionMemory;
 
 impl<K: KvmMemory> MemoryManager<K> {
     /// Every guest address that host address `hva` backs (several where slots alias one host
@@ -49,9 +53,11 @@ impl<K: KvmMemory> MemoryManager<K> {
     }
 
     /// The KVM slot numbers of region `id`, in the order of their offsets in the region (slot
-    /// `i` maps bytes `i * slot_size ..` of it), or `None` if there is no such region. A region
-    /// keeps its slot numbers for its whole life: moves and read-only toggles re-create its KVM
-    /// slots under the same numbers.
+    /// `i` maps bytes `i * slot_size ..` of it, unless the region was given other slots:
+    /// [`slot_ranges`](Self::slot_ranges) says which), or `None` if there is no such region. A region
+    /// keeps its slot numbers while its slots stay as they are: moves and read-only toggles
+    /// re-create its KVM slots under the same numbers; a re-slot
+    /// ([`reslot`](Self::reslot)) gives new slots new numbers and keeps those of slots it keeps.
     ///
     /// ```
     /// use kvm_memslots::testing::FakeKvm;
@@ -69,6 +75,27 @@ impl<K: KvmMemory> MemoryManager<K> {
     /// ```
     pub fn region_slots(&self, id: RegionId) -> Option<Vec<SlotId>> {
         self.state().regions.get(&id).map(|r| r.slots.clone())
+    }
+
+    /// The slots of region `id` as byte ranges of it, in offset order (what lies between them
+    /// is a hole: no slot, no guest memory), or `None` if there is no such region. Slot `i`
+    /// has the `i`-th number of [`region_slots`](Self::region_slots).
+    pub fn slot_ranges(&self, id: RegionId) -> Option<Vec<Range<u64>>> {
+        let state = self.state();
+        let region = state.regions.get(&id)?;
+        let slots = region_slots(state.current(), region);
+        Some(
+            slots
+                .iter()
+                .map(|s| s.payload().offset()..s.payload().offset() + s.size())
+                .collect(),
+        )
+    }
+
+    /// The host memory of region `id` (its whole mapping, holes included), or `None` if there
+    /// is no such region: for a VMM that saves or sends a region's memory whatever its slots.
+    pub fn region_memory(&self, id: RegionId) -> Option<Arc<RegionMemory>> {
+        self.state().regions.get(&id).map(|r| Arc::clone(&r.memory))
     }
 
     /// KVM slot numbers in use and free.

@@ -3,12 +3,12 @@
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
-use memslot_map::{Change, SlotFlags};
+use memslot_map::{AddressRange, Change, SlotFlags};
 use vm_memory::GuestAddress;
 
 use super::batch::RegionChange;
 use super::plan::{KvmOp, Step};
-use super::{check_range, region_slots, MemoryManager, RegionSpec};
+use super::{check_range, region_in_the_way, region_slots, MemoryManager, RegionSpec, Reslot};
 use crate::error::Error;
 use crate::kvm::{KvmMemory, KvmSlot};
 use crate::memory::{GuestSlotData, RegionId};
@@ -55,6 +55,61 @@ impl<K: KvmMemory> MemoryManager<K> {
         self.remove_regions([id])
     }
 
+    /// Gives part of a region new KVM slots, without unmapping, copying or touching its
+    /// memory: neighbouring slots merged into one, one split into several, a hole given a slot
+    /// or a slot taken away (a hole made). A batch of one ([`apply`](Self::apply) with a
+    /// [`RegionChange::Reslot`]): all or nothing.
+    ///
+    /// The guest's view between KVM's requests: KVM cannot resize a slot, so a merged or split
+    /// slot is deleted and its successor created; a vCPU that touches it in between exits to
+    /// the VMM while [`change_sequence`](Self::change_sequence) is odd, and should wait for the
+    /// change ([`wait_settled`](Self::wait_settled)) and complete the access against the map
+    /// afterwards, where the memory is (its contents never moved). Dirty pages stay exact: a
+    /// logging slot's log is read into the region's pending bits before it is deleted (bitmap
+    /// mode), and ring entries of deleted and created slots are attributed to the region.
+    ///
+    /// ```
+    /// use kvm_memslots::testing::FakeKvm;
+    /// use kvm_memslots::{MemoryManager, RegionSpec, Reslot};
+    /// use vm_memory::{Bytes, GuestAddress};
+    ///
+    /// const MIB: u64 = 1 << 20;
+    /// let memory = MemoryManager::new(FakeKvm::new(64, true));
+    /// // 8 MiB, of which only the first 2 MiB and the last 2 MiB have slots.
+    /// let spec = RegionSpec::new(GuestAddress(0), 8 * MIB).with_slot_ranges(vec![0..2 * MIB, 6 * MIB..8 * MIB]);
+    /// let region = memory.add_region(spec)?;
+    /// memory.current().write_obj(7u64, GuestAddress(MIB))?;
+    /// assert!(memory.current().read_obj::<u64>(GuestAddress(4 * MIB)).is_err(), "a hole");
+    /// // Cover the hole and merge everything into one slot.
+    /// memory.reslot(Reslot { region, range: 0..8 * MIB, slots: vec![0..8 * MIB] })?;
+    /// assert_eq!(memory.slot_ranges(region), Some(vec![0..8 * MIB]));
+    /// assert_eq!(memory.current().read_obj::<u64>(GuestAddress(MIB))?, 7);
+    /// // Split it again, with a hole in the middle.
+    /// memory.reslot(Reslot { region, range: 0..8 * MIB, slots: vec![0..MIB, MIB..3 * MIB, 5 * MIB..8 * MIB] })?;
+    /// assert_eq!(memory.kvm().slots().len(), 3);
+    /// assert_eq!(memory.current().read_obj::<u64>(GuestAddress(MIB))?, 7);
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    ///
+    /// # KVM calls
+    ///
+    /// None if the range's slots are those asked for already. Otherwise:
+    ///
+    /// 1. Ring mode, if a slot is deleted: a ring drain (see [`MemoryManager`]).
+    /// 2. Going up the range, for each new slot: for each old slot not kept that starts below
+    ///    its end and was not deleted yet, in bitmap mode if it logs `KVM_GET_DIRTY_LOG` into
+    ///    the region's pending bits, then `KVM_SET_USER_MEMORY_REGION` deleting it; then
+    ///    `KVM_SET_USER_MEMORY_REGION` creating the new slot (the region's flags). Then the
+    ///    old slots left, deleted the same way. Slots kept as they are get no request.
+    /// 3. Ring mode, if a slot is deleted: a second ring drain; its failure is ignored.
+    ///
+    /// On a refusal in step 2: the requests already made are reversed, last first (created
+    /// slots deleted, deleted ones created again, with new logs in bitmap mode; the bits read
+    /// are kept), so every slot ends as it was.
+    pub fn reslot(&self, reslot: Reslot) -> Result<(), Error> {
+        self.apply(vec![RegionChange::Reslot(reslot)]).map(drop)
+    }
+
     /// Moves a region to a new guest-physical base (KVM moves each slot in place).
     ///
     /// ```
@@ -97,6 +152,21 @@ impl<K: KvmMemory> MemoryManager<K> {
         if gpa == region.gpa {
             return Ok(());
         }
+        // The map finds slots in the way; a hole of either region is found here.
+        let range = AddressRange {
+            start: gpa.0,
+            end: gpa.0 + region.size,
+        };
+        if let Some((other, other_range)) = region_in_the_way(&state, range, |o| o == id) {
+            let other_region = &state.regions[&other];
+            if region.covered < region.size || other_region.covered < other_region.size {
+                return Err(Error::Overlap {
+                    range,
+                    other,
+                    other_range,
+                });
+            }
+        }
         // Move the slot at the leading edge first so that no slot lands on one of its own
         // region's slots that has not moved yet.
         let mut slots = region_slots(&current, region);
@@ -124,6 +194,9 @@ impl<K: KvmMemory> MemoryManager<K> {
             gpa: new_gpa(s),
         });
         self.commit(&mut state, changes, &steps)?;
+        let old_gpa = state.regions[&id].gpa;
+        state.spans.remove(&old_gpa.0);
+        state.spans.insert(gpa.0, id);
         let region = state.regions.get_mut(&id).expect("looked up above");
         region.gpa = gpa;
         region.shared.gpa.store(gpa.0, Ordering::Release);

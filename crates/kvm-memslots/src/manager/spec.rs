@@ -1,9 +1,12 @@
 //! What callers pass the manager and what it reports: region specs, targets, region and slot
 //! reports, host-address matches.
 
+use std::ops::Range;
+
 use memslot_map::{HostAddress, SlotFlags, SlotId};
 use vm_memory::GuestAddress;
 
+use crate::error::Error;
 use crate::memory::{Backing, RegionId};
 use crate::PAGE_SIZE;
 
@@ -22,6 +25,11 @@ pub struct RegionSpec {
     /// Split the region into KVM slots of this size (the last one may be smaller); by default
     /// as few slots as KVM's per-slot limit allows.
     pub slot_size: Option<u64>,
+    /// Exactly these slots, as byte ranges of the region (ascending, not overlapping, each at
+    /// most [`KVM_MAX_SLOT_SIZE`]); what lies between them has no slot (a *hole*: the guest
+    /// sees no memory there, but the region keeps the range and its memory). Overrides
+    /// `slot_size`. By default the whole region is slotted.
+    pub slot_ranges: Option<Vec<Range<u64>>>,
     /// The guest can read but not write the region.
     pub read_only: bool,
     /// Log the guest's writes from the start.
@@ -41,6 +49,7 @@ impl RegionSpec {
             size,
             backing: Backing::Anonymous,
             slot_size: None,
+            slot_ranges: None,
             read_only: false,
             log_dirty: false,
             id: None,
@@ -64,6 +73,15 @@ impl RegionSpec {
         }
     }
 
+    /// Gives the region exactly these slots (byte ranges of the region), leaving the rest of
+    /// it without a slot ([`slot_ranges`](Self::slot_ranges)).
+    pub fn with_slot_ranges(self, slots: Vec<Range<u64>>) -> Self {
+        RegionSpec {
+            slot_ranges: Some(slots),
+            ..self
+        }
+    }
+
     /// Uses `backing` for the region's memory.
     pub fn with_backing(self, backing: Backing) -> Self {
         RegionSpec { backing, ..self }
@@ -77,6 +95,55 @@ impl RegionSpec {
             ..self
         }
     }
+}
+
+/// New KVM slots for part of a region ([`RegionChange::Reslot`](crate::RegionChange::Reslot),
+/// [`MemoryManager::reslot`](crate::MemoryManager::reslot)): the region's slots inside `range`
+/// are replaced by `slots`, its memory stays mapped where it is, untouched.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Reslot {
+    /// The region.
+    pub region: RegionId,
+    /// The byte range of the region re-slotted (page-aligned). Every slot of the region that
+    /// reaches into it must lie inside it.
+    pub range: Range<u64>,
+    /// The slots `range` gets, as byte ranges of the region inside `range`: ascending, not
+    /// overlapping, page-aligned, each at most [`KVM_MAX_SLOT_SIZE`]. What they leave of
+    /// `range` has no slot. A slot equal to one the region has keeps its KVM slot untouched.
+    pub slots: Vec<Range<u64>>,
+}
+
+/// Checks a slot layout: `slots` ascending, not overlapping, page-aligned, none empty or over
+/// KVM's per-slot limit, all inside `within`.
+pub(super) fn check_layout(within: &Range<u64>, slots: &[Range<u64>]) -> Result<(), Error> {
+    let bad = |slot: &Range<u64>, reason: &'static str| Error::SlotLayout {
+        start: slot.start,
+        end: slot.end,
+        reason,
+    };
+    let mut after = within.start;
+    for slot in slots {
+        if slot.start >= slot.end {
+            return Err(bad(slot, "is empty"));
+        }
+        if !slot.start.is_multiple_of(PAGE_SIZE) || !slot.end.is_multiple_of(PAGE_SIZE) {
+            return Err(bad(slot, "is not page-aligned"));
+        }
+        if slot.end - slot.start > KVM_MAX_SLOT_SIZE {
+            return Err(bad(slot, "is larger than KVM's per-slot limit"));
+        }
+        if slot.start < after && slot.start >= within.start {
+            return Err(bad(
+                slot,
+                "overlaps or comes before the slot listed before it",
+            ));
+        }
+        if slot.start < within.start || slot.end > within.end {
+            return Err(bad(slot, "lies outside the range being slotted"));
+        }
+        after = slot.end;
+    }
+    Ok(())
 }
 
 /// Which regions an operation is for.

@@ -158,6 +158,8 @@ fn setup() -> (Manager, RegionId) {
 }
 
 /// Each operation under test: its name, what to do first (not failed), and the operation.
+// A slot layout of one slot is a one-element list of ranges, as the lint warns; it is meant.
+#[allow(clippy::single_range_in_vec_init)]
 fn operations() -> Vec<(&'static str, Operation, Operation)> {
     let nothing: Operation = |_, _| Ok(());
     vec![
@@ -200,7 +202,41 @@ fn operations() -> Vec<(&'static str, Operation, Operation)> {
             |m, r| m.start_dirty_log(Target::Region(r)),
             |m, r| m.stop_dirty_log(Target::Region(r)),
         ),
+        ("merge slots", nothing, |m, r| {
+            m.reslot(reslot(r, 0..8, &[0..4, 4..8]))
+        }),
+        (
+            "split a slot and make a hole",
+            |m, r| m.reslot(reslot(r, 0..8, &[0..8])),
+            |m, r| m.reslot(reslot(r, 0..8, &[0..2, 2..3, 5..8])),
+        ),
+        (
+            "merge logging slots, keeping one",
+            |m, r| m.start_dirty_log(Target::Region(r)),
+            |m, r| m.reslot(reslot(r, 2..8, &[2..3, 3..6, 6..8])),
+        ),
+        (
+            "re-slot, remove and add in one batch",
+            |m, r| m.reslot(reslot(r, 0..8, &[0..1, 4..8])),
+            |m, r| {
+                m.apply(vec![
+                    RegionChange::Add(region(32 * MIB, 2)),
+                    RegionChange::Reslot(reslot(r, 0..8, &[0..2, 3..8])),
+                    RegionChange::Remove(RegionId(1)),
+                ])
+                .map(drop)
+            },
+        ),
     ]
+}
+
+/// A re-slot of region `r` (of `SLOT`-sized slots, as `region` makes) in units of `SLOT`.
+fn reslot(r: RegionId, range: std::ops::Range<u64>, slots: &[std::ops::Range<u64>]) -> Reslot {
+    Reslot {
+        region: r,
+        range: range.start * SLOT..range.end * SLOT,
+        slots: slots.iter().map(|s| s.start * SLOT..s.end * SLOT).collect(),
+    }
 }
 
 #[test]
@@ -802,6 +838,7 @@ fn regions_over_a_limit_are_refused_before_anything_is_allocated() {
         max_guest_memory: 8 * MIB,
         max_region_size: 4 * MIB,
         max_metadata: u64::MAX,
+        max_slots: u64::MAX,
     };
     let m = MemoryManager::with_limits(Faulty::new(FakeKvm::new(64, true)), limits);
     assert_eq!(m.limits(), limits);
@@ -1388,7 +1425,7 @@ fn random_changes_writes_and_harvests(kvm: FakeKvm, seed: u64) {
                 let regions = m.regions();
                 let pick = |rng: &mut Rng| regions[rng.below(regions.len() as u64) as usize].id;
                 let gpa = GuestAddress((1 + rng.below(12)) * MIB);
-                let result = match rng.below(7) {
+                let result = match rng.below(8) {
                     _ if regions.is_empty() => m.add_region(region(gpa.0, 2)).map(drop),
                     0 | 1 => {
                         let spec = region(gpa.0, 1 + rng.below(3));
@@ -1409,6 +1446,29 @@ fn random_changes_writes_and_harvests(kvm: FakeKvm, seed: u64) {
                     5 => {
                         let consumer = consumers[rng.below(2) as usize];
                         m.start_dirty_log_for(consumer, Target::Region(pick(&mut rng)))
+                    }
+                    6 => {
+                        // New slots for the whole region: each page a hole, the start of a
+                        // slot, or more of the slot before.
+                        let info = &regions[rng.below(regions.len() as u64) as usize];
+                        let mut slots: Vec<std::ops::Range<u64>> = Vec::new();
+                        let mut open = false;
+                        for page in 0..info.size / PAGE_SIZE {
+                            let (start, end) = (page * PAGE_SIZE, (page + 1) * PAGE_SIZE);
+                            match rng.below(4) {
+                                0 => open = false,
+                                1 if open => slots.last_mut().expect("open").end = end,
+                                _ => {
+                                    slots.push(start..end);
+                                    open = true;
+                                }
+                            }
+                        }
+                        m.reslot(Reslot {
+                            region: info.id,
+                            range: 0..info.size,
+                            slots,
+                        })
                     }
                     _ => {
                         let consumer = consumers[rng.below(2) as usize];
@@ -2110,3 +2170,5 @@ fn an_overflowed_ring_reports_every_logging_page_for_every_consumer() {
     let again = m.harvest_dirty(Target::Region(a)).unwrap();
     assert_eq!(again[0].count(), all);
 }
+
+mod reslot;

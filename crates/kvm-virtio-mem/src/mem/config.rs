@@ -2,7 +2,7 @@
 //! configuration space the driver reads (`struct virtio_mem_config`), with the rules by which
 //! the requested size and the usable region change.
 
-use kvm_memslots::{AddressRange, RegionId, PAGE_SIZE};
+use kvm_memslots::{AddressRange, RegionId, KVM_MAX_SLOT_SIZE, PAGE_SIZE};
 use vm_memory::GuestAddress;
 
 /// Bytes of the configuration space (`struct virtio_mem_config`).
@@ -25,6 +25,9 @@ mod field {
 pub const DEFAULT_USABLE_HEADROOM: u64 = 256 << 20;
 /// Default size of the request queue.
 pub const DEFAULT_QUEUE_SIZE: u16 = 128;
+/// The largest KVM slot plugged blocks share by default: 128 MiB, Linux's x86 memory block,
+/// which its driver plugs whole in the common case (and the slot size Firecracker uses).
+pub const DEFAULT_MAX_SLOT_SIZE: u64 = 128 << 20;
 
 /// What a virtio-mem device manages.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -41,11 +44,17 @@ pub struct VirtioMemOptions {
     pub usable_headroom: u64,
     /// Size of the request queue (a power of two, at most 32768).
     pub queue_size: u16,
+    /// The largest KVM slot neighbouring plugged blocks share (a multiple of the block size):
+    /// the region is cut into pieces of this size, each a manager region while a block of it
+    /// is plugged, and each run of plugged blocks in a piece one KVM slot. The block size gives
+    /// each plugged block a region and a slot of its own.
+    pub max_slot_size: u64,
 }
 
 impl VirtioMemOptions {
     /// A region of `region_size` bytes at `addr` in blocks of `block_size` bytes, nothing
-    /// requested, [`DEFAULT_USABLE_HEADROOM`] and [`DEFAULT_QUEUE_SIZE`].
+    /// requested, [`DEFAULT_USABLE_HEADROOM`], [`DEFAULT_QUEUE_SIZE`] and
+    /// [`DEFAULT_MAX_SLOT_SIZE`] (or the block size, if that is larger).
     pub fn new(addr: GuestAddress, region_size: u64, block_size: u64) -> Self {
         VirtioMemOptions {
             addr,
@@ -54,6 +63,16 @@ impl VirtioMemOptions {
             requested_size: 0,
             usable_headroom: DEFAULT_USABLE_HEADROOM,
             queue_size: DEFAULT_QUEUE_SIZE,
+            max_slot_size: DEFAULT_MAX_SLOT_SIZE.max(block_size),
+        }
+    }
+
+    /// The same options with plugged blocks sharing KVM slots of up to `bytes`
+    /// ([`max_slot_size`](Self::max_slot_size)).
+    pub fn with_max_slot_size(self, bytes: u64) -> Self {
+        VirtioMemOptions {
+            max_slot_size: bytes,
+            ..self
         }
     }
 }
@@ -97,13 +116,33 @@ pub enum Error {
         /// Its size.
         other_size: u64,
     },
-    /// Plugging every block would need more KVM slots than the manager has free.
+    /// Plugging every block would need more KVM slots than the manager has free (each block
+    /// its own slot: the maximum slot size is the block size).
     #[error("the device region needs {needed} KVM slots (one per block) but only {free} are free")]
     NotEnoughSlots {
         /// Blocks in the region.
         needed: u64,
         /// Slots free.
         free: u64,
+    },
+    /// The most KVM slots the plugged blocks could need (every other block plugged) is more
+    /// than the manager has free.
+    #[error("the device region may need {needed} KVM slots (one per run of plugged blocks, runs of at most {max_slot_size:#x} bytes) but only {free} are free")]
+    NotEnoughSlotsForRuns {
+        /// The most slots the region's blocks could need.
+        needed: u64,
+        /// Slots free.
+        free: u64,
+        /// The largest slot.
+        max_slot_size: u64,
+    },
+    /// A maximum slot size that is not a multiple of the block size, or above KVM's limit.
+    #[error("maximum slot size {max_slot_size:#x} is not a non-zero multiple of the block size {block_size:#x} within KVM's per-slot limit")]
+    MaxSlotSize {
+        /// The maximum slot size asked for.
+        max_slot_size: u64,
+        /// The block size.
+        block_size: u64,
     },
     /// A requested size larger than the region.
     #[error("requested size {requested:#x} is larger than the region size {region_size:#x}")]
@@ -141,6 +180,7 @@ pub(super) struct Config {
     headroom: u64,
     usable_region_size: u64,
     requested_size: u64,
+    max_slot_size: u64,
 }
 
 impl Config {
@@ -154,6 +194,7 @@ impl Config {
             requested_size,
             usable_headroom,
             queue_size,
+            max_slot_size,
         } = *options;
         if !block_size.is_power_of_two() || block_size < PAGE_SIZE {
             return Err(Error::BlockSize(block_size));
@@ -179,6 +220,15 @@ impl Config {
         if queue_size == 0 || !queue_size.is_power_of_two() || queue_size > 32768 {
             return Err(Error::QueueSize(queue_size));
         }
+        if max_slot_size == 0
+            || !max_slot_size.is_multiple_of(block_size)
+            || max_slot_size > KVM_MAX_SLOT_SIZE
+        {
+            return Err(Error::MaxSlotSize {
+                max_slot_size,
+                block_size,
+            });
+        }
         let mut config = Config {
             addr: addr.0,
             region_size,
@@ -186,6 +236,7 @@ impl Config {
             headroom: usable_headroom,
             usable_region_size: 0,
             requested_size,
+            max_slot_size,
         };
         config.usable_region_size = config.usable_for(requested_size);
         Ok(config)
@@ -206,6 +257,16 @@ impl Config {
 
     pub(super) fn block_size(&self) -> u64 {
         self.block_size
+    }
+
+    /// Blocks per piece of the region that shares slots (see
+    /// [`VirtioMemOptions::max_slot_size`]).
+    pub(super) fn blocks_per_piece(&self) -> usize {
+        (self.max_slot_size / self.block_size) as usize
+    }
+
+    pub(super) fn max_slot_size(&self) -> u64 {
+        self.max_slot_size
     }
 
     pub(super) fn requested_size(&self) -> u64 {

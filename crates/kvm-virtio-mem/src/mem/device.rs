@@ -1,10 +1,15 @@
-//! The device: which blocks are plugged (each one region, one KVM slot, of the manager), the
-//! requests that change them, and the device's side of the virtio-mmio transport.
+//! The device: which blocks are plugged (runs of them sharing KVM slots in regions of the
+//! manager), the requests that change them, and the device's side of the virtio-mmio
+//! transport.
 
 use std::fmt;
 use std::sync::Arc;
 
-use kvm_memslots::{AddressRange, KvmMemory, MemoryManager, RegionId, RegionSpec};
+use std::collections::BTreeMap;
+
+use kvm_memslots::{
+    AddressRange, KvmMemory, MemoryManager, RegionChange, RegionId, RegionSpec, Reslot,
+};
 use virtio_bindings::virtio_ids::VIRTIO_ID_MEM;
 use virtio_queue::{Queue, QueueOwnedT, QueueT};
 use vm_memory::GuestAddress;
@@ -15,6 +20,7 @@ use super::request::{
     VIRTIO_MEM_RESP_BUSY, VIRTIO_MEM_RESP_NACK, VIRTIO_MEM_STATE_MIXED, VIRTIO_MEM_STATE_PLUGGED,
     VIRTIO_MEM_STATE_UNPLUGGED,
 };
+use super::slots::{most_runs, plugged_runs};
 use crate::mmio::{DriverError, Interrupt, MmioTransport, QueueOutcome, VirtioDevice, F_VERSION_1};
 
 /// Feature bit number: `node_id` is an ACPI proximity domain (not offered).
@@ -22,7 +28,9 @@ pub const VIRTIO_MEM_F_ACPI_PXM: u32 = 0;
 /// Feature bit number: the driver must not touch unplugged memory (offered and required).
 pub const VIRTIO_MEM_F_UNPLUGGED_INACCESSIBLE: u32 = 1;
 
-/// A plugged block: its guest address and the manager region (one KVM slot) behind it.
+/// A plugged block: its guest address and the manager region behind it (the region of its
+/// piece of the device region, shared with the piece's other blocks; one block's own region
+/// where the maximum slot size is the block size).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct PluggedBlock {
     /// Guest-physical base of the block.
@@ -49,8 +57,12 @@ pub struct VirtioMem<K: KvmMemory> {
     memory: Arc<MemoryManager<K>>,
     pub(super) config: Config,
     queue_sizes: [u16; 1],
-    /// One entry per block: the region behind it while plugged.
-    pub(super) blocks: Vec<Option<RegionId>>,
+    /// One entry per block: whether it is plugged.
+    pub(super) blocks: Vec<bool>,
+    /// One entry per piece of the region (`max_slot_size` long, the last one maybe shorter):
+    /// the manager region behind it while a block of it is plugged. Its slots are the runs of
+    /// plugged blocks in it ([`plugged_runs`]); the rest of it is a hole.
+    pieces: Vec<Option<RegionId>>,
     plugged: u64,
     pub(super) counts: RequestCounts,
 }
@@ -83,8 +95,9 @@ impl<K: KvmMemory> VirtioMem<K> {
     /// is plugged.
     ///
     /// Refused if the options are inconsistent, if the region overlaps one of `memory`'s
-    /// regions, or if `memory` has fewer free KVM slots than the region has blocks (each
-    /// plugged block takes one).
+    /// regions, or if `memory` has fewer free KVM slots than the plugged blocks could need at
+    /// most (one per block where the maximum slot size is the block size; one per run of
+    /// plugged blocks otherwise, every other block plugged at worst).
     pub fn new(memory: Arc<MemoryManager<K>>, options: VirtioMemOptions) -> Result<Self, Error> {
         let config = Config::new(&options)?;
         let range = config.region();
@@ -100,16 +113,28 @@ impl<K: KvmMemory> VirtioMem<K> {
                 other_size: other.size,
             });
         }
-        let needed = config.blocks();
+        let blocks = config.blocks();
+        let per_piece = config.blocks_per_piece() as u64;
+        let pieces = blocks.div_ceil(per_piece);
+        let needed = (blocks / per_piece) * most_runs(per_piece) + most_runs(blocks % per_piece);
         let free = memory.slot_usage().free as u64;
         if needed > free {
-            return Err(Error::NotEnoughSlots { needed, free });
+            return Err(if per_piece == 1 {
+                Error::NotEnoughSlots { needed, free }
+            } else {
+                Error::NotEnoughSlotsForRuns {
+                    needed,
+                    free,
+                    max_slot_size: config.max_slot_size(),
+                }
+            });
         }
         Ok(VirtioMem {
             memory,
             config,
             queue_sizes: [options.queue_size],
-            blocks: vec![None; needed as usize],
+            blocks: vec![false; blocks as usize],
+            pieces: vec![None; pieces as usize],
             plugged: 0,
             counts: RequestCounts::default(),
         })
@@ -120,15 +145,17 @@ impl<K: KvmMemory> VirtioMem<K> {
         memory: Arc<MemoryManager<K>>,
         config: Config,
         queue_size: u16,
-        blocks: Vec<Option<RegionId>>,
-        plugged: u64,
+        blocks: Vec<bool>,
+        pieces: Vec<Option<RegionId>>,
         counts: RequestCounts,
     ) -> Self {
+        let plugged = blocks.iter().filter(|b| **b).count() as u64;
         VirtioMem {
             memory,
             config,
             queue_sizes: [queue_size],
             blocks,
+            pieces,
             plugged,
             counts,
         }
@@ -175,19 +202,25 @@ impl<K: KvmMemory> VirtioMem<K> {
         self.config.usable_region_size()
     }
 
-    /// The plugged blocks, lowest address first, each with the manager region (one KVM slot)
-    /// behind it.
+    /// The plugged blocks, lowest address first, each with the manager region behind it.
     pub fn plugged_blocks(&self) -> Vec<PluggedBlock> {
+        let per_piece = self.config.blocks_per_piece();
         self.blocks
             .iter()
             .enumerate()
-            .filter_map(|(i, region)| {
-                region.map(|region| PluggedBlock {
+            .filter(|(_, plugged)| **plugged)
+            .filter_map(|(i, _)| {
+                self.pieces[i / per_piece].map(|region| PluggedBlock {
                     gpa: self.block_gpa(i),
                     region,
                 })
             })
             .collect()
+    }
+
+    /// The largest KVM slot plugged blocks share ([`VirtioMemOptions::max_slot_size`]).
+    pub fn max_slot_size(&self) -> u64 {
+        self.config.max_slot_size()
     }
 
     /// The requests answered so far, by response.
@@ -212,9 +245,7 @@ impl<K: KvmMemory> VirtioMem<K> {
     /// All or nothing: the blocks' regions go in one change of the manager; if it refuses,
     /// every block stays plugged, its memory untouched, and the error is returned.
     pub fn unplug_all(&mut self) -> Result<(), kvm_memslots::Error> {
-        let all: Vec<usize> = (0..self.blocks.len())
-            .filter(|&i| self.blocks[i].is_some())
-            .collect();
+        let all: Vec<usize> = (0..self.blocks.len()).filter(|&i| self.blocks[i]).collect();
         self.unplug_blocks(&all)?;
         self.config.shrink_usable_region();
         Ok(())
@@ -224,33 +255,86 @@ impl<K: KvmMemory> VirtioMem<K> {
         self.config.block_gpa(index)
     }
 
-    /// Adds a region for each block in `indices`, all in one change of the manager: all of
-    /// them or none.
+    /// Plugs the blocks in `indices`, all in one change of the manager: all of them or none.
     fn plug_blocks(&mut self, indices: &[usize]) -> Result<(), kvm_memslots::Error> {
-        let specs = indices
-            .iter()
-            .map(|&i| RegionSpec::new(self.block_gpa(i), self.block_size()));
-        let regions = self.memory.add_regions(specs)?;
-        for (&i, region) in indices.iter().zip(regions) {
-            self.blocks[i] = Some(region);
-            self.plugged += 1;
-        }
-        Ok(())
+        self.set_blocks(indices, true)
     }
 
-    /// Removes the region of each plugged block in `indices`, all in one change of the
-    /// manager: all of them or none.
+    /// Unplugs the plugged blocks in `indices`, all in one change of the manager: all of them
+    /// or none. Their memory goes back to the host.
     fn unplug_blocks(&mut self, indices: &[usize]) -> Result<(), kvm_memslots::Error> {
-        let plugged: Vec<usize> = indices
-            .iter()
-            .copied()
-            .filter(|&i| self.blocks[i].is_some())
-            .collect();
-        self.memory
-            .remove_regions(plugged.iter().filter_map(|&i| self.blocks[i]))?;
-        for i in plugged {
-            self.blocks[i] = None;
-            self.plugged -= 1;
+        self.set_blocks(indices, false)
+    }
+
+    /// Plugs (`plug`) or unplugs the blocks in `indices` as one change of the manager: in each
+    /// piece they touch, the piece's slots become the runs of its plugged blocks afterwards. A
+    /// piece that gets its first plugged block is added as a region (its memory mapped, slots
+    /// over the runs only); one that loses its last is removed (unmapped); the others are
+    /// re-slotted, their memory untouched. Unplugged blocks of a piece that stays are then
+    /// discarded, so that their memory goes back to the host.
+    fn set_blocks(&mut self, indices: &[usize], plug: bool) -> Result<(), kvm_memslots::Error> {
+        let per_piece = self.config.blocks_per_piece();
+        let block = self.block_size();
+        let mut touched: BTreeMap<usize, Vec<usize>> = BTreeMap::new();
+        for &i in indices.iter().filter(|&&i| self.blocks[i] != plug) {
+            touched.entry(i / per_piece).or_default().push(i);
+        }
+        let mut changes = Vec::with_capacity(touched.len());
+        let mut added = Vec::new();
+        for (&piece, changed) in &touched {
+            let first = piece * per_piece;
+            let end = (first + per_piece).min(self.blocks.len());
+            let mut plugged = self.blocks[first..end].to_vec();
+            for &i in changed {
+                plugged[i - first] = plug;
+            }
+            let size = (end - first) as u64 * block;
+            let slots = plugged_runs(plugged, block);
+            match (self.pieces[piece], slots.is_empty()) {
+                (None, _) => {
+                    changes.push(RegionChange::Add(
+                        RegionSpec::new(self.block_gpa(first), size).with_slot_ranges(slots),
+                    ));
+                    added.push(piece);
+                }
+                (Some(region), true) => changes.push(RegionChange::Remove(region)),
+                (Some(region), false) => changes.push(RegionChange::Reslot(Reslot {
+                    region,
+                    range: 0..size,
+                    slots,
+                })),
+            }
+        }
+        if changes.is_empty() {
+            return Ok(());
+        }
+        let regions = self.memory.apply(changes)?;
+        for (piece, region) in added.into_iter().zip(regions) {
+            self.pieces[piece] = Some(region);
+        }
+        for (&piece, changed) in &touched {
+            for &i in changed {
+                self.blocks[i] = plug;
+            }
+            if plug {
+                self.plugged += changed.len() as u64;
+                continue;
+            }
+            self.plugged -= changed.len() as u64;
+            let first = piece * per_piece;
+            let end = (first + per_piece).min(self.blocks.len());
+            if !self.blocks[first..end].contains(&true) {
+                self.pieces[piece] = None;
+                continue;
+            }
+            // The piece stays mapped: give the unplugged blocks' memory back (a later plug
+            // finds zeros, as in a fresh mapping). Best effort: the blocks are unplugged
+            // whatever madvise says, and their memory is the device's to reuse.
+            let region = self.pieces[piece].expect("a piece with a plugged block has a region");
+            let unplugged = (first..end).map(|i| changed.binary_search(&i).is_ok());
+            for run in plugged_runs(unplugged, block) {
+                let _ = self.memory.discard_region(region, run);
+            }
         }
         Ok(())
     }
@@ -262,9 +346,7 @@ impl<K: KvmMemory> VirtioMem<K> {
         let response = match request {
             Request::Plug { addr, blocks } => match self.config.covered(addr, blocks) {
                 None => Response::ERROR,
-                Some(range) if self.blocks[range.clone()].iter().any(Option::is_some) => {
-                    Response::ERROR
-                }
+                Some(range) if self.blocks[range.clone()].contains(&true) => Response::ERROR,
                 Some(range) => {
                     let after = (self.plugged + range.len() as u64) * self.block_size();
                     if after > self.requested_size() {
@@ -280,9 +362,7 @@ impl<K: KvmMemory> VirtioMem<K> {
             },
             Request::Unplug { addr, blocks } => match self.config.covered(addr, blocks) {
                 None => Response::ERROR,
-                Some(range) if self.blocks[range.clone()].iter().any(Option::is_none) => {
-                    Response::ERROR
-                }
+                Some(range) if self.blocks[range.clone()].contains(&false) => Response::ERROR,
                 Some(range) => {
                     let indices: Vec<usize> = range.collect();
                     match self.unplug_blocks(&indices) {
@@ -298,10 +378,7 @@ impl<K: KvmMemory> VirtioMem<K> {
             Request::State { addr, blocks } => match self.config.covered(addr, blocks) {
                 None => Response::ERROR,
                 Some(range) => {
-                    let plugged = self.blocks[range.clone()]
-                        .iter()
-                        .filter(|b| b.is_some())
-                        .count();
+                    let plugged = self.blocks[range.clone()].iter().filter(|b| **b).count();
                     let state = if plugged == range.len() {
                         VIRTIO_MEM_STATE_PLUGGED
                     } else if plugged == 0 {

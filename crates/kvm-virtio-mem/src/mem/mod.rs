@@ -1,21 +1,24 @@
 //! The virtio-mem device (virtio device id 24): a region of guest-physical address space split
-//! into blocks that the guest's driver plugs and unplugs on request, each plugged block one
-//! region (and one KVM slot) of a [`MemoryManager`](kvm_memslots::MemoryManager).
+//! into blocks that the guest's driver plugs and unplugs on request; neighbouring plugged
+//! blocks share a KVM slot (up to a maximum slot size), unplugged ones have none, through
+//! the regions of a [`MemoryManager`](kvm_memslots::MemoryManager).
 //!
 //! See the crate documentation for how blocks map to KVM slots and why. The parts:
 //! `request.rs` has the requests and responses as they travel in the queue, `config.rs` the
-//! options and the configuration space, `device.rs` the device ([`VirtioMem`]) that answers
-//! the requests.
+//! options and the configuration space, `slots.rs` which slots plugged blocks get, `device.rs`
+//! the device ([`VirtioMem`]) that answers the requests.
 
 mod config;
 mod device;
 mod request;
+mod slots;
 mod state;
 #[cfg(test)]
 mod tests;
 
 pub use config::{
-    Error, VirtioMemOptions, CONFIG_SIZE, DEFAULT_QUEUE_SIZE, DEFAULT_USABLE_HEADROOM,
+    Error, VirtioMemOptions, CONFIG_SIZE, DEFAULT_MAX_SLOT_SIZE, DEFAULT_QUEUE_SIZE,
+    DEFAULT_USABLE_HEADROOM,
 };
 pub use device::{
     PluggedBlock, RequestCounts, VirtioMem, VIRTIO_MEM_F_ACPI_PXM,
@@ -27,4 +30,5 @@ pub use request::{
     VIRTIO_MEM_RESP_NACK, VIRTIO_MEM_STATE_MIXED, VIRTIO_MEM_STATE_PLUGGED,
     VIRTIO_MEM_STATE_UNPLUGGED,
 };
+pub use slots::plugged_runs;
 pub use state::VirtioMemState;

@@ -1,8 +1,9 @@
 //! The device's state for snapshots and migration: the sizes the driver reads and which blocks
-//! are plugged. The plugged blocks' memory is the manager's (a restore rebuilds its regions
-//! from the memory layout, with their ids); a restored device adopts those regions instead of
-//! plugging again, and refuses a memory map that does not have exactly the plugged blocks in
-//! its area.
+//! are plugged. The plugged blocks' memory is the manager's (a restore rebuilds its regions,
+//! holes and slots from the memory layout, with their ids); a restored device adopts those
+//! regions instead of plugging again, and refuses a memory map that does not have exactly
+//! what the plugged blocks need in its area: one region per piece with a plugged block, at the
+//! piece's place and size, its slots the runs of plugged blocks.
 
 use std::sync::Arc;
 
@@ -11,6 +12,7 @@ use serde::{Deserialize, Serialize};
 
 use super::config::{Config, Error, VirtioMemOptions};
 use super::device::{RequestCounts, VirtioMem};
+use super::slots::plugged_runs;
 
 /// What a [`VirtioMem`] saves besides the options it was made with.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -30,10 +32,7 @@ impl<K: KvmMemory> VirtioMem<K> {
     /// The device's state.
     pub fn state(&self) -> VirtioMemState {
         let mut plugged: Vec<[u64; 2]> = Vec::new();
-        for (i, block) in self.blocks.iter().enumerate() {
-            if block.is_none() {
-                continue;
-            }
+        for (i, _) in self.blocks.iter().enumerate().filter(|(_, b)| **b) {
             let i = i as u64;
             match plugged.last_mut() {
                 Some(run) if run[1] == i => run[1] = i + 1,
@@ -83,7 +82,7 @@ impl<K: KvmMemory> VirtioMem<K> {
         }
         config.set_usable_region_size(usable);
         let usable_blocks = usable / block;
-        let mut blocks: Vec<Option<RegionId>> = vec![None; config.blocks() as usize];
+        let mut blocks = vec![false; config.blocks() as usize];
         let mut end = 0;
         for &[first, last] in &state.plugged {
             if first < end || first >= last || last > usable_blocks {
@@ -93,43 +92,60 @@ impl<K: KvmMemory> VirtioMem<K> {
                 )));
             }
             end = last;
+            blocks[first as usize..last as usize].fill(true);
         }
-        // Every region of the manager in the area must be one plugged block.
+        // The pieces: a region exactly at each piece with a plugged block, its slots the runs
+        // of plugged blocks; no other region in the area.
+        let per_piece = config.blocks_per_piece();
+        let piece_of = |gpa: u64| ((gpa - region.start) / block) as usize / per_piece;
+        let mut pieces: Vec<Option<RegionId>> = vec![None; blocks.len().div_ceil(per_piece)];
         for r in memory.regions() {
             if r.gpa.0 >= region.end || r.gpa.0 + r.size <= region.start {
                 continue;
             }
-            let index = (r.gpa.0.saturating_sub(region.start)) / block;
-            let plugged = state
-                .plugged
-                .iter()
-                .any(|&[first, last]| (first..last).contains(&index));
-            if r.gpa.0 < region.start || r.size != block || !r.gpa.0.is_multiple_of(block) {
-                return Err(bad(format!(
+            let not_a_piece = || {
+                bad(format!(
                     "region {} at {:#x} ({:#x} bytes) lies in the device's area but is not one \
-                     of its blocks",
-                    r.id, r.gpa.0, r.size
-                )));
+                     of its pieces of {:#x} bytes",
+                    r.id,
+                    r.gpa.0,
+                    r.size,
+                    config.max_slot_size()
+                ))
+            };
+            if r.gpa.0 < region.start {
+                return Err(not_a_piece());
             }
-            if !plugged {
+            let piece = piece_of(r.gpa.0);
+            let first = piece * per_piece;
+            let last = (first + per_piece).min(blocks.len());
+            let piece_gpa = config.block_gpa(first).0;
+            if r.gpa.0 != piece_gpa || r.size != (last - first) as u64 * block {
+                return Err(not_a_piece());
+            }
+            let wanted = plugged_runs(blocks[first..last].iter().copied(), block);
+            if wanted.is_empty() {
                 return Err(bad(format!(
-                    "region {} at {:#x} is block {index}, which the state says is unplugged",
+                    "region {} at {:#x} is a piece whose blocks the state says are all unplugged",
                     r.id, r.gpa.0
                 )));
             }
-            blocks[index as usize] = Some(r.id);
-        }
-        let mut count = 0;
-        for &[first, last] in &state.plugged {
-            for index in first..last {
-                if blocks[index as usize].is_none() {
-                    return Err(bad(format!(
-                        "block {index} at {:#x} is plugged, but the memory has no region there",
-                        config.block_gpa(index as usize).0
-                    )));
-                }
-                count += 1;
+            let slots = memory.slot_ranges(r.id).unwrap_or_default();
+            if slots != wanted {
+                return Err(bad(format!(
+                    "region {} at {:#x} has slots {slots:x?}; its plugged blocks need {wanted:x?}",
+                    r.id, r.gpa.0
+                )));
             }
+            pieces[piece] = Some(r.id);
+        }
+        if let Some(missing) =
+            (0..blocks.len()).find(|&i| blocks[i] && pieces[i / per_piece].is_none())
+        {
+            return Err(bad(format!(
+                "block {missing} at {:#x} is plugged, but the memory has no region there",
+                config.block_gpa(missing).0
+            )));
         }
         let [ack, nack, busy, error] = state.counts;
         Ok(VirtioMem::from_parts(
@@ -137,7 +153,7 @@ impl<K: KvmMemory> VirtioMem<K> {
             config,
             options.queue_size,
             blocks,
-            count,
+            pieces,
             RequestCounts {
                 ack,
                 nack,

@@ -18,7 +18,9 @@ fn device(kvm_slots: u32) -> VirtioMem<Faulty<FakeKvm>> {
     let memory = Arc::new(MemoryManager::new(Faulty::new(FakeKvm::new(
         kvm_slots, true,
     ))));
-    let mut options = VirtioMemOptions::new(GuestAddress(BASE), 64 * MIB, 2 * MIB);
+    // Each block its own region and slot: the scheme these tests were written for.
+    let mut options =
+        VirtioMemOptions::new(GuestAddress(BASE), 64 * MIB, 2 * MIB).with_max_slot_size(2 * MIB);
     options.usable_headroom = 8 * MIB;
     VirtioMem::new(memory, options).expect("valid device")
 }
@@ -31,7 +33,8 @@ fn plug(addr: u64, blocks: u16) -> Request {
 fn options_are_checked() {
     let memory = Arc::new(MemoryManager::new(FakeKvm::new(64, true)));
     let new = |o| VirtioMem::new(Arc::clone(&memory), o).map(drop);
-    let o = VirtioMemOptions::new(GuestAddress(BASE), 64 * MIB, 2 * MIB);
+    let o =
+        VirtioMemOptions::new(GuestAddress(BASE), 64 * MIB, 2 * MIB).with_max_slot_size(2 * MIB);
     assert_eq!(
         new(VirtioMemOptions {
             block_size: 3 * MIB,
@@ -301,71 +304,99 @@ fn config_space_layout() {
     assert_eq!(word, [0; 4]);
 }
 
-/// A device restored from a saved state over memory with the plugged blocks' regions: the
-/// same blocks plugged (in the same regions), the same sizes; a memory map that does not hold
-/// exactly the plugged blocks is refused by name.
+/// A device restored from a saved state over memory with the plugged blocks' regions (as a
+/// restore rebuilds them from the layout: ids, holes and slots): the same blocks plugged in the
+/// same regions, the same sizes; a memory map that does not hold exactly what the plugged
+/// blocks need is refused by name. With shared slots (pieces of 16 MiB) and with one slot per
+/// block.
 #[test]
 fn a_saved_state_restores_over_the_plugged_blocks_regions_and_nothing_else() {
-    let mut dev = device(64);
-    dev.set_requested_size(16 * MIB).expect("requested");
-    assert_eq!(dev.handle(plug(BASE, 2)).0, Response::ACK);
-    assert_eq!(dev.handle(plug(BASE + 8 * MIB, 1)).0, Response::ACK);
-    let state = dev.state();
-    assert_eq!(state.plugged, vec![[0, 2], [4, 5]]);
-    assert_eq!(state.requested_size, 16 * MIB);
-    let options = {
-        let mut o = VirtioMemOptions::new(GuestAddress(BASE), 64 * MIB, 2 * MIB);
-        o.usable_headroom = 8 * MIB;
-        o
-    };
-    let blocks = dev.plugged_blocks();
-    // Memory as a restore rebuilds it: the same regions, with their ids.
-    let rebuilt = |skip: Option<usize>, extra: Option<u64>| {
+    for max_slot in [16 * MIB, 2 * MIB] {
+        let mut options = VirtioMemOptions::new(GuestAddress(BASE), 64 * MIB, 2 * MIB)
+            .with_max_slot_size(max_slot);
+        options.usable_headroom = 8 * MIB;
         let memory = Arc::new(MemoryManager::new(FakeKvm::new(64, true)));
-        let mut specs: Vec<RegionSpec> = blocks
+        let mut dev = VirtioMem::new(Arc::clone(&memory), options).expect("valid device");
+        dev.set_requested_size(16 * MIB).expect("requested");
+        assert_eq!(dev.handle(plug(BASE, 2)).0, Response::ACK);
+        assert_eq!(dev.handle(plug(BASE + 8 * MIB, 1)).0, Response::ACK);
+        let state = dev.state();
+        assert_eq!(state.plugged, vec![[0, 2], [4, 5]]);
+        assert_eq!(state.requested_size, 16 * MIB);
+        let blocks = dev.plugged_blocks();
+        // Memory as a restore rebuilds it: the same regions, ids, holes and slots; `skip`
+        // leaves the last region out, `extra` adds one.
+        let specs: Vec<RegionSpec> = memory
+            .regions()
             .iter()
-            .enumerate()
-            .filter(|(i, _)| Some(*i) != skip)
-            .map(|(_, b)| RegionSpec::new(b.gpa, 2 * MIB).with_id(b.region))
+            .map(|r| {
+                RegionSpec::new(r.gpa, r.size)
+                    .with_id(r.id)
+                    .with_slot_ranges(memory.slot_ranges(r.id).expect("its slots"))
+            })
             .collect();
-        if let Some(gpa) = extra {
-            specs.push(RegionSpec::new(GuestAddress(gpa), 2 * MIB));
+        let rebuilt = |skip: bool, extra: Option<RegionSpec>| {
+            let memory = Arc::new(MemoryManager::new(FakeKvm::new(64, true)));
+            let mut specs = specs.clone();
+            if skip {
+                specs.pop();
+            }
+            specs.extend(extra);
+            memory.add_regions(specs).expect("the regions");
+            memory
+        };
+        let back = VirtioMem::restore(rebuilt(false, None), options, &state).expect("restored");
+        assert_eq!(back.state(), state);
+        assert_eq!(back.plugged_blocks(), blocks);
+        assert_eq!(back.plugged_size(), 3 * 2 * MIB);
+        let refused =
+            |memory, state: &VirtioMemState| match VirtioMem::restore(memory, options, state) {
+                Err(Error::State(why)) => why,
+                other => panic!("expected a refusal, got {other:?}"),
+            };
+        // Without the last region: block 4's (one slot a block), or the one piece's.
+        let missing = refused(rebuilt(true, None), &state);
+        let first_missing = if max_slot == 2 * MIB {
+            "block 4 at 0x100800000 is plugged, but the memory has no region there"
+        } else {
+            "block 0 at 0x100000000 is plugged, but the memory has no region there"
+        };
+        assert!(missing.contains(first_missing), "{missing}");
+        let stray = RegionSpec::new(GuestAddress(BASE + 48 * MIB), max_slot);
+        let unplugged = refused(rebuilt(false, Some(stray)), &state);
+        assert!(
+            unplugged.contains("whose blocks the state says are all unplugged"),
+            "{unplugged}"
+        );
+        let odd = RegionSpec::new(GuestAddress(BASE + 50 * MIB), 2 * MIB);
+        if max_slot != 2 * MIB {
+            let why = refused(rebuilt(false, Some(odd)), &state);
+            assert!(why.contains("is not one of its pieces"), "{why}");
         }
-        memory.add_regions(specs).expect("the regions");
-        memory
-    };
-    let back = VirtioMem::restore(rebuilt(None, None), options, &state).expect("restored");
-    assert_eq!(back.state(), state);
-    assert_eq!(back.plugged_blocks(), blocks);
-    assert_eq!(back.plugged_size(), 3 * 2 * MIB);
-    let refused = |memory, state: &VirtioMemState| match VirtioMem::restore(memory, options, state)
-    {
-        Err(Error::State(why)) => why,
-        other => panic!("expected a refusal, got {other:?}"),
-    };
-    let missing = refused(rebuilt(Some(2), None), &state);
-    assert!(
-        missing.contains("block 4 at 0x100800000 is plugged"),
-        "{missing}"
-    );
-    let unplugged = refused(rebuilt(None, Some(BASE + 12 * MIB)), &state);
-    assert!(
-        unplugged.contains("block 6, which the state says is unplugged"),
-        "{unplugged}"
-    );
-    let overlapping = VirtioMemState {
-        plugged: vec![[0, 2], [1, 5]],
-        ..state.clone()
-    };
-    let why = refused(rebuilt(None, None), &overlapping);
-    assert!(
-        why.contains("plugged blocks 1..5 are not an ascending range"),
-        "{why}"
-    );
-    let beyond = VirtioMemState {
-        usable_region_size: 65 * MIB,
-        ..state.clone()
-    };
-    let why = refused(rebuilt(None, None), &beyond);
-    assert!(why.contains("usable region size 0x4100000"), "{why}");
+        // Slots that are not the plugged runs: one more block plugged than the memory has.
+        let more = VirtioMemState {
+            plugged: vec![[0, 3], [4, 5]],
+            ..state.clone()
+        };
+        let why = refused(rebuilt(false, None), &more);
+        assert!(
+            why.contains("need") || why.contains("is plugged, but"),
+            "{why}"
+        );
+        let overlapping = VirtioMemState {
+            plugged: vec![[0, 2], [1, 5]],
+            ..state.clone()
+        };
+        let why = refused(rebuilt(false, None), &overlapping);
+        assert!(
+            why.contains("plugged blocks 1..5 are not an ascending range"),
+            "{why}"
+        );
+        let beyond = VirtioMemState {
+            usable_region_size: 65 * MIB,
+            ..state.clone()
+        };
+        let why = refused(rebuilt(false, None), &beyond);
+        assert!(why.contains("usable region size 0x4100000"), "{why}");
+    }
 }
