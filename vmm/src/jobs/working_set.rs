@@ -1,0 +1,105 @@
+//! The working-set files of `tinyvmm restore` (`--prefetch`, `--record-working-set`): a list
+//! recorded on one lazy restore of a snapshot, read, checked against the snapshot and fetched
+//! ahead of the guest on the next; or the pages a restore touches first, written when the
+//! recording ends (after `--record-secs`, or when the VMM stops). The recording and the
+//! prefetch are the memory backend's ([`crate::test_guest::vcpus::MemBackend::load`]); this is
+//! their files.
+
+use std::fs::File;
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use kvm_memslots_persist::{LazyOptions, MemoryLayout, Recording, WorkingSet};
+
+/// What a restore does with working sets.
+#[derive(Debug, Clone, Default)]
+pub struct WorkingSetFiles {
+    /// Fetch this list (recorded on a restore of the same snapshot) ahead of the guest.
+    pub prefetch: Option<PathBuf>,
+    /// Record the pages the VM touches first, in that order, into this file (replaced when
+    /// the recording ends).
+    pub record: Option<PathBuf>,
+    /// End the recording this long after the restore; otherwise when the VMM stops.
+    pub record_for: Option<Duration>,
+}
+
+impl WorkingSetFiles {
+    /// The loader's options for a restore of snapshot `snapshot`, whose layout is `layout`:
+    /// the list read and checked (refused with the reason when it is another snapshot's or
+    /// names pages the layout does not have), the recording set to write its file. Errors
+    /// name the file and what is wrong.
+    pub fn lazy_options(
+        &self,
+        snapshot: u128,
+        layout: &MemoryLayout,
+    ) -> Result<LazyOptions, (PathBuf, String)> {
+        let mut options = LazyOptions::default();
+        if let (Some(list), Some(_)) = (&self.prefetch, &self.record) {
+            return Err((
+                list.clone(),
+                "a restore that prefetches a working set cannot record one (it would see only \
+                 the pages the list missed): record on a restore without --prefetch"
+                    .into(),
+            ));
+        }
+        if let Some(path) = &self.prefetch {
+            let refused = |reason: String| (path.clone(), reason);
+            let bytes = std::fs::read(path).map_err(|e| refused(format!("reading it: {e}")))?;
+            let list = WorkingSet::from_bytes(&bytes).map_err(|e| refused(e.to_string()))?;
+            list.check(snapshot, layout)
+                .map_err(|e| refused(e.to_string()))?;
+            options.prefetch = Some(list);
+        }
+        if let Some(path) = &self.record {
+            // The file is made now, so that a path that cannot be written is refused before
+            // anything runs; it takes the list's name when the recording ends.
+            let partial = partial_path(path);
+            let file = File::create(&partial).map_err(|e| {
+                (
+                    path.clone(),
+                    format!("creating {} for the recording: {e}", partial.display()),
+                )
+            })?;
+            let path = path.clone();
+            options.record =
+                Some(Recording::new(
+                    snapshot,
+                    self.record_for,
+                    move |set| match write_list(file, &partial, &path, &set) {
+                        Ok(()) => eprintln!(
+                            "tinyvmm: working set recorded: {} pages in {} runs, into {}",
+                            set.pages(),
+                            set.runs.len(),
+                            path.display()
+                        ),
+                        Err(e) => eprintln!(
+                            "tinyvmm: writing the working set into {} failed: {e}",
+                            path.display()
+                        ),
+                    },
+                ));
+        }
+        Ok(options)
+    }
+}
+
+/// Where a recording is written before it takes `path`'s name.
+fn partial_path(path: &Path) -> PathBuf {
+    let mut name = path.as_os_str().to_owned();
+    name.push(".partial");
+    PathBuf::from(name)
+}
+
+/// Writes `set` into `file` (at `partial`) and renames it to `path`, so that `path` is either
+/// the whole list or absent.
+fn write_list(
+    mut file: File,
+    partial: &Path,
+    path: &Path,
+    set: &WorkingSet,
+) -> std::io::Result<()> {
+    file.write_all(&set.to_bytes())?;
+    file.sync_all()?;
+    std::fs::rename(partial, path)
+}

@@ -1,0 +1,350 @@
+//! Working-set prefetch on real KVM: a lazy (`uffd`) restore records the pages the test guest
+//! touches first, the next restore of the same snapshot fetches them ahead of the guest, and
+//! the guest's memory verifies; a list of another snapshot, one naming pages the snapshot does
+//! not have, or a list given to a restore that is not lazy is refused with the reason before
+//! anything runs.
+
+use std::path::{Path, PathBuf};
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use kvm_memslots_persist::WorkingSet;
+use serde_json::{json, Value};
+use tinyvmm::api::client::Client;
+use tinyvmm::jobs::restore::RestoreFrom;
+use tinyvmm::jobs::serve::{serve, serve_in_background, ServeConfig, ServeError};
+use tinyvmm::jobs::working_set::WorkingSetFiles;
+use tinyvmm::test_guest::snapshot::SnapshotState;
+use tinyvmm::test_guest::vcpus::{MemBackend, TestVm};
+use tinyvmm::test_guest::{Command, Op};
+use tinyvmm::vm::VmOptions;
+use vmm_sys_util::eventfd::EventFd;
+
+/// The test area's guest address and size (`serve` with 8 MiB over one slot).
+const AREA: u64 = 256 << 20;
+const AREA_SIZE: u64 = 8 << 20;
+
+/// A VMM serving its API on a socket of its own, stopped when dropped.
+struct Vmm {
+    socket: PathBuf,
+    thread: Option<JoinHandle<Result<tinyvmm::lifecycle::Ending, ServeError>>>,
+}
+
+impl Vmm {
+    fn start(config: ServeConfig) -> Vmm {
+        let socket = config.api_sock.clone();
+        let thread = serve_in_background(config).expect("the VMM starts");
+        Vmm {
+            socket,
+            thread: Some(thread),
+        }
+    }
+
+    fn call(&self, method: &str, path: &str, body: Option<Value>) -> (u16, Value) {
+        let mut client = Client::connect(&self.socket).expect("connect");
+        client.call(method, path, body.as_ref()).expect("an answer")
+    }
+
+    fn run(&self, op: &str, seed: u64) -> Value {
+        let command =
+            json!({"op": op, "start": AREA, "end": AREA + AREA_SIZE, "stride": 4096, "seed": seed});
+        let (status, body) = self.call("PUT", "/guest/command", Some(command));
+        assert_eq!(status, 200, "{body}");
+        body
+    }
+
+    fn set_state(&self, state: &str) {
+        let (status, body) = self.call("PATCH", "/vm", Some(json!({"state": state})));
+        assert_eq!(status, 204, "{body}");
+    }
+
+    /// Stops the VMM and waits until it has ended (its memory and loader dropped).
+    fn stop(mut self) {
+        let stop = json!({"action_type": "Stop"});
+        assert_eq!(self.call("PUT", "/actions", Some(stop)).0, 204);
+        let thread = self.thread.take().expect("running");
+        thread.join().expect("no panic").expect("clean stop");
+    }
+}
+
+impl Drop for Vmm {
+    fn drop(&mut self) {
+        if let Some(thread) = self.thread.take() {
+            let _ = self.call("PUT", "/actions", Some(json!({"action_type": "Stop"})));
+            let _ = thread.join();
+        }
+    }
+}
+
+/// A new, empty folder for the test `name`.
+fn dir(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("tinyvmm-test-{}-wset-{name}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).expect("a folder");
+    dir
+}
+
+fn socket(name: &str) -> PathBuf {
+    std::env::temp_dir().join(format!(
+        "tinyvmm-test-{}-wset-{name}.sock",
+        std::process::id()
+    ))
+}
+
+/// A restore of `state`/`mem` with `backend` and `working_set`.
+fn restore_config(
+    name: &str,
+    state: &Path,
+    mem: &Path,
+    backend: MemBackend,
+    working_set: WorkingSetFiles,
+) -> ServeConfig {
+    ServeConfig {
+        restore: Some(RestoreFrom {
+            snapshot: state.to_path_buf(),
+            mem_file: mem.to_path_buf(),
+            backend,
+            working_set,
+        }),
+        ..ServeConfig::new(socket(name))
+    }
+}
+
+/// Two Full snapshots of one VM (the test `name`'s) whose test area the guest wrote with seed
+/// 5: `a.state` and `a.mem`, then `b.state` and `b.mem` (another snapshot id, the same layout).
+fn snapshots(name: &str, dir: &Path) {
+    let vmm = Vmm::start(ServeConfig {
+        area_size: AREA_SIZE,
+        ..ServeConfig::new(socket(&format!("{name}-source")))
+    });
+    vmm.run("write", 5);
+    vmm.set_state("Paused");
+    for name in ["a", "b"] {
+        let create = json!({
+            "snapshot_type": "Full",
+            "snapshot_path": dir.join(format!("{name}.state")),
+            "mem_file_path": dir.join(format!("{name}.mem")),
+        });
+        let (status, body) = vmm.call("PUT", "/snapshot/create", Some(create));
+        assert_eq!(status, 204, "{body}");
+    }
+    vmm.stop();
+}
+
+fn snapshot_id(state: &Path) -> u128 {
+    let state = SnapshotState::from_bytes(&std::fs::read(state).expect("state")).expect("valid");
+    state.snapshot.expect("a snapshot's state").id.0
+}
+
+#[test]
+fn kvm_a_recorded_working_set_is_prefetched_and_the_guest_verifies() {
+    if !kvm_test_support::require_kvm(
+        "tinyvmm::kvm_a_recorded_working_set_is_prefetched_and_the_guest_verifies",
+    ) {
+        return;
+    }
+    let dir = dir("prefetch");
+    snapshots("prefetch", &dir);
+    let (state, mem, list) = (dir.join("a.state"), dir.join("a.mem"), dir.join("a.wset"));
+
+    // Recorded until the VMM stops: the guest verifies its area meanwhile.
+    let record = WorkingSetFiles {
+        record: Some(list.clone()),
+        ..WorkingSetFiles::default()
+    };
+    let vmm = Vmm::start(restore_config(
+        "record",
+        &state,
+        &mem,
+        MemBackend::Uffd,
+        record,
+    ));
+    vmm.set_state("Resumed");
+    assert_eq!(vmm.run("verify", 5)["result"], json!("ok"));
+    assert!(!list.exists(), "written when the recording ends");
+    vmm.stop();
+    let set = WorkingSet::from_bytes(&std::fs::read(&list).expect("the list")).expect("valid");
+    assert_eq!(set.snapshot, snapshot_id(&state));
+    let area_pages = AREA_SIZE / 4096;
+    assert!(
+        set.pages() >= area_pages,
+        "every page of the area is in it: {} pages in {} runs",
+        set.pages(),
+        set.runs.len()
+    );
+
+    // The next restore fetches them ahead of the guest; the guest finds its data.
+    let prefetch = WorkingSetFiles {
+        prefetch: Some(list.clone()),
+        ..WorkingSetFiles::default()
+    };
+    let vmm = Vmm::start(restore_config(
+        "prefetch",
+        &state,
+        &mem,
+        MemBackend::Uffd,
+        prefetch,
+    ));
+    vmm.set_state("Resumed");
+    assert_eq!(vmm.run("verify", 5)["result"], json!("ok"));
+    // And it goes on: new writes, verified.
+    vmm.run("write", 6);
+    assert_eq!(vmm.run("verify", 6)["result"], json!("ok"));
+    vmm.stop();
+
+    // The prefetch, seen from the loader: every page of the list filled ahead of the guest,
+    // whose verify then faults on none of them.
+    let saved = SnapshotState::from_bytes(&std::fs::read(&state).expect("state")).expect("valid");
+    let lazy = WorkingSetFiles {
+        prefetch: Some(list.clone()),
+        ..WorkingSetFiles::default()
+    }
+    .lazy_options(snapshot_id(&state), &saved.layout)
+    .expect("the list fits");
+    let memory = std::fs::File::open(&mem).expect("the memory file");
+    let vm = TestVm::restore_with(
+        &saved.layout,
+        &memory,
+        MemBackend::Uffd,
+        lazy,
+        VmOptions::default(),
+    )
+    .expect("restored");
+    let stats = vm.loader().expect("a lazy restore's loader").stats();
+    let start = Instant::now();
+    while !stats.prefetch_done.load(Ordering::Acquire) {
+        assert!(
+            start.elapsed() < Duration::from_secs(20),
+            "the prefetch ends"
+        );
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    assert_eq!(stats.prefetched.load(Ordering::Acquire), set.pages());
+    let stopped = Arc::new(EventFd::new(libc::EFD_NONBLOCK).expect("an eventfd"));
+    let mut vcpus = vm
+        .start_restored_vcpus(&saved.vcpus, &stopped)
+        .expect("vCPUs");
+    let verify = Command {
+        op: Op::Verify,
+        start: AREA,
+        end: AREA + AREA_SIZE,
+        stride: 4096,
+        seed: 5,
+    };
+    let outcome = vcpus.run(0, verify).expect("ran");
+    assert_eq!(outcome.mismatch, None);
+    assert_eq!(
+        stats.copied.load(Ordering::Acquire),
+        0,
+        "no page faulted in"
+    );
+    vcpus.shut_down().expect("stopped");
+
+    // A timed recording writes its list while the VM runs on.
+    let timed_list = dir.join("timed.wset");
+    let timed = WorkingSetFiles {
+        record: Some(timed_list.clone()),
+        record_for: Some(Duration::from_millis(300)),
+        ..WorkingSetFiles::default()
+    };
+    let vmm = Vmm::start(restore_config(
+        "timed",
+        &state,
+        &mem,
+        MemBackend::Uffd,
+        timed,
+    ));
+    vmm.set_state("Resumed");
+    assert_eq!(vmm.run("verify", 5)["result"], json!("ok"));
+    let start = Instant::now();
+    while !timed_list.exists() {
+        assert!(
+            start.elapsed() < Duration::from_secs(20),
+            "the list is written in time"
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let timed_set =
+        WorkingSet::from_bytes(&std::fs::read(&timed_list).expect("the list")).expect("valid");
+    assert_eq!(timed_set.snapshot, snapshot_id(&state));
+    vmm.stop();
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn kvm_a_working_set_that_does_not_fit_is_refused_with_the_reason() {
+    if !kvm_test_support::require_kvm(
+        "tinyvmm::kvm_a_working_set_that_does_not_fit_is_refused_with_the_reason",
+    ) {
+        return;
+    }
+    let dir = dir("refused");
+    snapshots("refused", &dir);
+    let (state, mem) = (dir.join("a.state"), dir.join("a.mem"));
+    let layout = SnapshotState::from_bytes(&std::fs::read(&state).expect("state"))
+        .expect("valid")
+        .layout;
+    let write = |name: &str, set: &WorkingSet| {
+        let path = dir.join(name);
+        std::fs::write(&path, set.to_bytes()).expect("written");
+        path
+    };
+    // Snapshot b's list (same VM, same layout, another snapshot).
+    let mut other = WorkingSet::new(snapshot_id(&dir.join("b.state")), &layout);
+    other.push(0);
+    // Snapshot a's, naming a page past its memory.
+    let mut past = WorkingSet::new(snapshot_id(&state), &layout);
+    let pages = layout.memory_file_size() / 4096;
+    past.push(1);
+    past.push(pages);
+    let mut own = WorkingSet::new(snapshot_id(&state), &layout);
+    own.push(1);
+    let own = write("own.wset", &own);
+    let cases = [
+        (
+            write("other.wset", &other),
+            MemBackend::Uffd,
+            None,
+            "recorded on snapshot",
+        ),
+        (
+            write("past.wset", &past),
+            MemBackend::Uffd,
+            None,
+            "which has",
+        ),
+        (
+            own.clone(),
+            MemBackend::File,
+            None,
+            "needs the uffd memory backend",
+        ),
+        (
+            own.clone(),
+            MemBackend::Uffd,
+            Some(dir.join("new.wset")),
+            "cannot record one",
+        ),
+        (
+            dir.join("absent.wset"),
+            MemBackend::Uffd,
+            None,
+            "reading it",
+        ),
+        (state.clone(), MemBackend::Uffd, None, "no KVMSWST magic"),
+    ];
+    for (i, (list, backend, record, reason)) in cases.into_iter().enumerate() {
+        let files = WorkingSetFiles {
+            prefetch: Some(list),
+            record,
+            ..WorkingSetFiles::default()
+        };
+        let config = restore_config(&format!("refused-{i}"), &state, &mem, backend, files);
+        let err = serve(&config, || panic!("case {i}: served")).expect_err("refused");
+        assert!(err.to_string().contains(reason), "case {i}: {err}");
+    }
+    assert!(!dir.join("new.wset").exists());
+    let _ = std::fs::remove_dir_all(&dir);
+}
