@@ -476,8 +476,12 @@ impl Drop for LazyLoader {
     }
 }
 
-/// Pages a prefetch reads and fills at a time: a fault waits for one window at most.
+/// Pages a prefetch reads and fills at a time, in at most [`WINDOW_COPIES`] copies: a fault
+/// waits for one window at most.
 const WINDOW: u64 = 64;
+
+/// Copies (`UFFDIO_COPY`, one per run of neighbouring pages) a prefetch window makes at most.
+const WINDOW_COPIES: usize = 16;
 
 /// A working set being prefetched: the list, where the next page is in it, and the buffer one
 /// window is read into.
@@ -737,8 +741,7 @@ impl Handler {
             .filter(|l| l.file_pages().contains(&first))
         else {
             // The list was checked against the layout: not reached.
-            self.prefetch = None;
-            self.stats.prefetch_done.store(true, Ordering::Release);
+            self.end_prefetch();
             return;
         };
         let limit = (first + WINDOW).min(lazy.file_pages().end);
@@ -759,12 +762,12 @@ impl Handler {
         let buffer = &mut p.buffer[..(span * PAGE_SIZE) as usize];
         if let Err(e) = self.file.read_exact_at(buffer, first * PAGE_SIZE) {
             eprintln!("kvm-memslots-persist: the prefetch stopped: reading the memory file: {e}");
-            self.prefetch = None;
-            self.stats.prefetch_done.store(true, Ordering::Release);
+            self.end_prefetch();
             return;
         }
         let base = lazy.memory.host_address();
         let region_first = lazy.file_pages().start;
+        let mut copies = 0;
         for (segment_run, segment) in segments {
             let mut next = segment.start;
             while next < segment.end {
@@ -776,6 +779,12 @@ impl Handler {
                 while end < segment.end && !lazy.is_filled(end - region_first) {
                     end += 1;
                 }
+                if copies == WINDOW_COPIES {
+                    // The window's share: faults first, then on from here.
+                    (p.run, p.page) = (segment_run, next);
+                    return;
+                }
+                copies += 1;
                 let src = &p.buffer
                     [((next - first) * PAGE_SIZE) as usize..((end - first) * PAGE_SIZE) as usize];
                 let dst = base + (next - region_first) * PAGE_SIZE;
@@ -797,8 +806,7 @@ impl Handler {
                     }
                     Filled::Failed(e) => {
                         eprintln!("kvm-memslots-persist: the prefetch stopped: {e}");
-                        self.prefetch = None;
-                        self.stats.prefetch_done.store(true, Ordering::Release);
+                        self.end_prefetch();
                         return;
                     }
                 }
@@ -806,8 +814,13 @@ impl Handler {
         }
         (p.run, p.page) = (run, page);
         if run == p.runs.len() {
-            self.prefetch = None;
-            self.stats.prefetch_done.store(true, Ordering::Release);
+            self.end_prefetch();
         }
+    }
+
+    /// The prefetch is over (its list done, or stopped at an error).
+    fn end_prefetch(&mut self) {
+        self.prefetch = None;
+        self.stats.prefetch_done.store(true, Ordering::Release);
     }
 }
