@@ -302,42 +302,54 @@ fn kvm_a_working_set_that_does_not_fit_is_refused_with_the_reason() {
     let mut own = WorkingSet::new(snapshot_id(&state), &layout);
     own.push(1);
     let own = write("own.wset", &own);
+    let new = dir.join("new.wset");
     let cases = [
         (
-            write("other.wset", &other),
+            Some(write("other.wset", &other)),
             MemBackend::Uffd,
             None,
             "recorded on snapshot",
         ),
         (
-            write("past.wset", &past),
+            Some(write("past.wset", &past)),
             MemBackend::Uffd,
             None,
             "which has",
         ),
         (
-            own.clone(),
+            Some(own.clone()),
             MemBackend::File,
             None,
-            "needs the uffd memory backend",
+            "needs the uffd memory backend, not file",
         ),
         (
-            own.clone(),
+            None,
+            MemBackend::Copy,
+            Some(new.clone()),
+            "needs the uffd memory backend, not copy",
+        ),
+        (
+            Some(own.clone()),
             MemBackend::Uffd,
-            Some(dir.join("new.wset")),
+            Some(new.clone()),
             "cannot record one",
         ),
         (
-            dir.join("absent.wset"),
+            Some(dir.join("absent.wset")),
             MemBackend::Uffd,
             None,
             "reading it",
         ),
-        (state.clone(), MemBackend::Uffd, None, "no KVMSWST magic"),
+        (
+            Some(state.clone()),
+            MemBackend::Uffd,
+            None,
+            "no KVMSWST magic",
+        ),
     ];
-    for (i, (list, backend, record, reason)) in cases.into_iter().enumerate() {
+    for (i, (prefetch, backend, record, reason)) in cases.into_iter().enumerate() {
         let files = WorkingSetFiles {
-            prefetch: Some(list),
+            prefetch,
             record,
             ..WorkingSetFiles::default()
         };
@@ -345,6 +357,47 @@ fn kvm_a_working_set_that_does_not_fit_is_refused_with_the_reason() {
         let err = serve(&config, || panic!("case {i}: served")).expect_err("refused");
         assert!(err.to_string().contains(reason), "case {i}: {err}");
     }
-    assert!(!dir.join("new.wset").exists());
+    // A refused restore leaves no recording behind, not even a partial one.
+    let files: Vec<_> = std::fs::read_dir(&dir)
+        .expect("the folder")
+        .map(|e| e.expect("an entry").file_name())
+        .collect();
+    assert!(
+        !files
+            .iter()
+            .any(|f| f.to_string_lossy().starts_with("new.wset")),
+        "{files:?}"
+    );
+
+    // The same from the command line: one line naming the list and the reason, exit 1.
+    let tinyvmm = |extra: &[&std::ffi::OsStr]| {
+        std::process::Command::new(env!("CARGO_BIN_EXE_tinyvmm"))
+            .arg("restore")
+            .arg("--snapshot")
+            .arg(&state)
+            .arg("--mem-file")
+            .arg(&mem)
+            .args(["--mem-backend", "uffd", "--api-sock"])
+            .arg(socket("cli"))
+            .args(extra)
+            .output()
+            .expect("tinyvmm runs")
+    };
+    let other = dir.join("other.wset");
+    let refused = tinyvmm(&["--prefetch".as_ref(), other.as_os_str()]);
+    let stderr = String::from_utf8_lossy(&refused.stderr);
+    assert_eq!(refused.status.code(), Some(1), "{stderr}");
+    assert!(
+        stderr.contains("other.wset") && stderr.contains("recorded on snapshot"),
+        "{stderr}"
+    );
+    let both = tinyvmm(&[
+        "--prefetch".as_ref(),
+        own.as_os_str(),
+        "--record-working-set".as_ref(),
+        dir.join("new.wset").as_os_str(),
+    ]);
+    assert_eq!(both.status.code(), Some(2), "a usage error");
+    assert!(String::from_utf8_lossy(&both.stderr).contains("cannot be used with"));
     let _ = std::fs::remove_dir_all(&dir);
 }

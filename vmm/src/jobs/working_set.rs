@@ -61,24 +61,14 @@ impl WorkingSetFiles {
                     format!("creating {} for the recording: {e}", partial.display()),
                 )
             })?;
-            let path = path.clone();
-            options.record =
-                Some(Recording::new(
-                    snapshot,
-                    self.record_for,
-                    move |set| match write_list(file, &partial, &path, &set) {
-                        Ok(()) => eprintln!(
-                            "tinyvmm: working set recorded: {} pages in {} runs, into {}",
-                            set.pages(),
-                            set.runs.len(),
-                            path.display()
-                        ),
-                        Err(e) => eprintln!(
-                            "tinyvmm: writing the working set into {} failed: {e}",
-                            path.display()
-                        ),
-                    },
-                ));
+            let pending = PendingList {
+                file: Some(file),
+                partial,
+                path: path.clone(),
+            };
+            options.record = Some(Recording::new(snapshot, self.record_for, move |set| {
+                pending.write(&set)
+            }));
         }
         Ok(options)
     }
@@ -91,15 +81,47 @@ fn partial_path(path: &Path) -> PathBuf {
     PathBuf::from(name)
 }
 
-/// Writes `set` into `file` (at `partial`) and renames it to `path`, so that `path` is either
-/// the whole list or absent.
-fn write_list(
-    mut file: File,
-    partial: &Path,
-    path: &Path,
-    set: &WorkingSet,
-) -> std::io::Result<()> {
-    file.write_all(&set.to_bytes())?;
-    file.sync_all()?;
-    std::fs::rename(partial, path)
+/// A recording's file, made before the restore: written and renamed to its name when the
+/// recording ends, removed if the recording never starts (a restore refused later on).
+struct PendingList {
+    file: Option<File>,
+    partial: PathBuf,
+    path: PathBuf,
+}
+
+impl PendingList {
+    /// Writes `set` and gives the file its name, so that `path` is either the whole list or
+    /// absent; says on stderr what was written, or why nothing was.
+    fn write(mut self, set: &WorkingSet) {
+        let Some(mut file) = self.file.take() else {
+            return;
+        };
+        let written = file
+            .write_all(&set.to_bytes())
+            .and_then(|()| file.sync_all())
+            .and_then(|()| std::fs::rename(&self.partial, &self.path));
+        match written {
+            Ok(()) => eprintln!(
+                "tinyvmm: working set recorded: {} pages in {} runs, into {}",
+                set.pages(),
+                set.runs.len(),
+                self.path.display()
+            ),
+            Err(e) => {
+                eprintln!(
+                    "tinyvmm: writing the working set into {} failed: {e}",
+                    self.path.display()
+                );
+                let _ = std::fs::remove_file(&self.partial);
+            }
+        }
+    }
+}
+
+impl Drop for PendingList {
+    fn drop(&mut self) {
+        if self.file.is_some() {
+            let _ = std::fs::remove_file(&self.partial);
+        }
+    }
 }
