@@ -248,3 +248,46 @@ fn a_list_of_another_layout_or_past_the_memory_is_refused_before_anything_runs()
         assert_eq!(read(&b, 3), 0);
     }
 }
+
+/// The prefetch's rate without a guest (docs/BENCHMARKS.md): 512 MiB with every other page
+/// written, its 65536 pages listed one by one (a copy a page), then all 131072 pages
+/// listed as one run (a copy a window). Prints the times; run it alone with
+/// `cargo test --release -p kvm-memslots-persist --test working_set -- --ignored --nocapture`.
+#[test]
+#[ignore = "a measurement, not a check"]
+fn prefetch_rate() {
+    let size = 512 * MIB;
+    let a = MemoryManager::new(FakeKvm::new(64, true));
+    a.add_region(RegionSpec::new(GuestAddress(0), size))
+        .expect("the fake takes it");
+    for page in (0..size / PAGE_SIZE).step_by(2) {
+        a.handle()
+            .memory()
+            .write_obj(page + 1, GuestAddress(page * PAGE_SIZE))
+            .expect("written");
+    }
+    let layout = MemoryLayout::of(&a);
+    let (_path, file) = temp_file("rate");
+    write_memory_file(&a, &layout, &file).expect("written");
+    drop(a);
+    for step in [2, 1] {
+        let mut set = WorkingSet::new(0, &layout);
+        for page in (0..size / PAGE_SIZE).step_by(step) {
+            set.push(page);
+        }
+        let b = manager();
+        layout.build(&b).expect("built");
+        let start = Instant::now();
+        let options = LazyOptions {
+            prefetch: Some(set),
+            ..LazyOptions::default()
+        };
+        let loader = LazyLoader::start_with(&b, &layout, &file, options).expect("userfaultfd");
+        wait_prefetched(&loader);
+        let pages = loader.stats().prefetched.load(Ordering::Acquire);
+        println!(
+            "every {step} page(s): {pages} pages prefetched in {:?}",
+            start.elapsed()
+        );
+    }
+}
