@@ -20,12 +20,11 @@ use std::time::{Duration, Instant};
 
 use kvm_memslots::{MemoryLimits, Target};
 use kvm_memslots_persist::{
-    write_dirty_pages, write_memory_file, LazyOptions, MemoryLayout, Recording,
+    write_dirty_pages, write_memory_file, LazyOptions, MemoryLayout, Recording, WorkingSet,
 };
 use serde::Serialize;
 use vmm_sys_util::eventfd::EventFd;
 
-use crate::jobs::working_set::WorkingSetFiles;
 use crate::test_guest::area::{AreaError, TestArea, AREA_GPA};
 use crate::test_guest::snapshot::{MemoryCheck, SnapshotInfo, SnapshotState, STATE_VERSION};
 use crate::test_guest::vcpus::{check_slot_count, GuestError, MemBackend, TestVm, Vcpus};
@@ -357,10 +356,7 @@ pub fn run_snapshot_bench(
             .map_err(|_| io("the recorded working set")(std::io::ErrorKind::NotFound.into()))?;
         let list = path("full.wset");
         std::fs::write(&list, set.to_bytes()).map_err(io("writing the working set"))?;
-        let files = WorkingSetFiles {
-            prefetch: Some(list),
-            ..WorkingSetFiles::default()
-        };
+        // Read back and checked against the snapshot, as `tinyvmm restore --prefetch` does.
         let (mut prefetch, faults) = timed_restore(
             config,
             stopped,
@@ -368,10 +364,12 @@ pub fn run_snapshot_bench(
             &path,
             MemBackend::Uffd,
             |id, layout| {
-                files.lazy_options(id, layout).map_err(|(path, reason)| {
-                    io(format!("{}: {reason}", path.display()))(
-                        std::io::ErrorKind::InvalidData.into(),
-                    )
+                let bytes = std::fs::read(&list).map_err(io("reading the working set"))?;
+                let set = WorkingSet::from_bytes(&bytes)?;
+                set.check(id, layout)?;
+                Ok(LazyOptions {
+                    prefetch: Some(set),
+                    ..LazyOptions::default()
                 })
             },
         )
