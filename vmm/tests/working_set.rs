@@ -78,14 +78,6 @@ impl Drop for Vmm {
     }
 }
 
-/// A new, empty folder for the test `name`.
-fn dir(name: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("tinyvmm-test-{}-wset-{name}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).expect("a folder");
-    dir
-}
-
 fn socket(name: &str) -> PathBuf {
     std::env::temp_dir().join(format!(
         "tinyvmm-test-{}-wset-{name}.sock",
@@ -112,9 +104,13 @@ fn restore_config(
     }
 }
 
-/// Two Full snapshots of one VM (the test `name`'s) whose test area the guest wrote with seed
-/// 5: `a.state` and `a.mem`, then `b.state` and `b.mem` (another snapshot id, the same layout).
-fn snapshots(name: &str, dir: &Path) {
+/// A new folder for the test `name` with two Full snapshots of one VM whose test area the
+/// guest wrote with seed 5: `a.state` and `a.mem`, then `b.state` and `b.mem` (another
+/// snapshot id, the same layout).
+fn snapshots(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("tinyvmm-test-{}-wset-{name}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).expect("a folder");
     let vmm = Vmm::start(ServeConfig {
         area_size: AREA_SIZE,
         ..ServeConfig::new(socket(&format!("{name}-source")))
@@ -131,11 +127,28 @@ fn snapshots(name: &str, dir: &Path) {
         assert_eq!(status, 204, "{body}");
     }
     vmm.stop();
+    dir
+}
+
+/// The state file at `path`.
+fn saved(path: &Path) -> SnapshotState {
+    SnapshotState::from_bytes(&std::fs::read(path).expect("state")).expect("valid")
+}
+
+/// A uffd restore of `state`/`mem` with `files`, resumed.
+fn resumed(name: &str, state: &Path, mem: &Path, files: WorkingSetFiles) -> Vmm {
+    let vmm = Vmm::start(restore_config(name, state, mem, MemBackend::Uffd, files));
+    vmm.set_state("Resumed");
+    vmm
+}
+
+/// The list file at `path`.
+fn list_at(path: &Path) -> WorkingSet {
+    WorkingSet::from_bytes(&std::fs::read(path).expect("the list")).expect("valid")
 }
 
 fn snapshot_id(state: &Path) -> u128 {
-    let state = SnapshotState::from_bytes(&std::fs::read(state).expect("state")).expect("valid");
-    state.snapshot.expect("a snapshot's state").id.0
+    saved(state).snapshot.expect("a snapshot's state").id.0
 }
 
 #[test]
@@ -145,8 +158,7 @@ fn kvm_a_recorded_working_set_is_prefetched_and_the_guest_verifies() {
     ) {
         return;
     }
-    let dir = dir("prefetch");
-    snapshots("prefetch", &dir);
+    let dir = snapshots("prefetch");
     let (state, mem, list) = (dir.join("a.state"), dir.join("a.mem"), dir.join("a.wset"));
 
     // Recorded until the VMM stops: the guest verifies its area meanwhile.
@@ -154,18 +166,11 @@ fn kvm_a_recorded_working_set_is_prefetched_and_the_guest_verifies() {
         record: Some(list.clone()),
         ..WorkingSetFiles::default()
     };
-    let vmm = Vmm::start(restore_config(
-        "record",
-        &state,
-        &mem,
-        MemBackend::Uffd,
-        record,
-    ));
-    vmm.set_state("Resumed");
+    let vmm = resumed("record", &state, &mem, record);
     assert_eq!(vmm.run("verify", 5)["result"], json!("ok"));
     assert!(!list.exists(), "written when the recording ends");
     vmm.stop();
-    let set = WorkingSet::from_bytes(&std::fs::read(&list).expect("the list")).expect("valid");
+    let set = list_at(&list);
     assert_eq!(set.snapshot, snapshot_id(&state));
     let area_pages = AREA_SIZE / 4096;
     assert!(
@@ -180,14 +185,7 @@ fn kvm_a_recorded_working_set_is_prefetched_and_the_guest_verifies() {
         prefetch: Some(list.clone()),
         ..WorkingSetFiles::default()
     };
-    let vmm = Vmm::start(restore_config(
-        "prefetch",
-        &state,
-        &mem,
-        MemBackend::Uffd,
-        prefetch,
-    ));
-    vmm.set_state("Resumed");
+    let vmm = resumed("prefetch", &state, &mem, prefetch);
     assert_eq!(vmm.run("verify", 5)["result"], json!("ok"));
     // And it goes on: new writes, verified.
     vmm.run("write", 6);
@@ -196,7 +194,7 @@ fn kvm_a_recorded_working_set_is_prefetched_and_the_guest_verifies() {
 
     // The prefetch, seen from the loader: every page of the list filled ahead of the guest,
     // whose verify then faults on none of them.
-    let saved = SnapshotState::from_bytes(&std::fs::read(&state).expect("state")).expect("valid");
+    let saved = saved(&state);
     let lazy = WorkingSetFiles {
         prefetch: Some(list.clone()),
         ..WorkingSetFiles::default()
@@ -249,14 +247,7 @@ fn kvm_a_recorded_working_set_is_prefetched_and_the_guest_verifies() {
         record_for: Some(Duration::from_millis(300)),
         ..WorkingSetFiles::default()
     };
-    let vmm = Vmm::start(restore_config(
-        "timed",
-        &state,
-        &mem,
-        MemBackend::Uffd,
-        timed,
-    ));
-    vmm.set_state("Resumed");
+    let vmm = resumed("timed", &state, &mem, timed);
     assert_eq!(vmm.run("verify", 5)["result"], json!("ok"));
     let start = Instant::now();
     while !timed_list.exists() {
@@ -266,8 +257,7 @@ fn kvm_a_recorded_working_set_is_prefetched_and_the_guest_verifies() {
         );
         std::thread::sleep(Duration::from_millis(10));
     }
-    let timed_set =
-        WorkingSet::from_bytes(&std::fs::read(&timed_list).expect("the list")).expect("valid");
+    let timed_set = list_at(&timed_list);
     assert_eq!(timed_set.snapshot, snapshot_id(&state));
     vmm.stop();
     let _ = std::fs::remove_dir_all(&dir);
@@ -280,12 +270,9 @@ fn kvm_a_working_set_that_does_not_fit_is_refused_with_the_reason() {
     ) {
         return;
     }
-    let dir = dir("refused");
-    snapshots("refused", &dir);
+    let dir = snapshots("refused");
     let (state, mem) = (dir.join("a.state"), dir.join("a.mem"));
-    let layout = SnapshotState::from_bytes(&std::fs::read(&state).expect("state"))
-        .expect("valid")
-        .layout;
+    let layout = saved(&state).layout;
     let write = |name: &str, set: &WorkingSet| {
         let path = dir.join(name);
         std::fs::write(&path, set.to_bytes()).expect("written");

@@ -3,7 +3,7 @@
 //! are still served; a list that does not fit is refused before anything is registered.
 
 use std::fs::File;
-use std::path::PathBuf;
+use std::os::fd::FromRawFd;
 use std::sync::atomic::Ordering;
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
@@ -17,27 +17,15 @@ use vm_memory::{Bytes, GuestAddress, GuestAddressSpace};
 
 const MIB: u64 = 1 << 20;
 
-struct TempFile(PathBuf);
-
-impl Drop for TempFile {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_file(&self.0);
-    }
-}
-
-fn temp_file(name: &str) -> (TempFile, File) {
-    let path = std::env::temp_dir().join(format!(
-        "kvm-memslots-working-set-{}-{name}",
-        std::process::id()
-    ));
-    let _ = std::fs::remove_file(&path);
-    let file = File::options()
-        .read(true)
-        .write(true)
-        .create_new(true)
-        .open(&path)
-        .expect("a new file");
-    (TempFile(path), file)
+/// A new memory file: a memfd (it has holes, as a file system's sparse file does).
+fn memory_file(name: &str) -> File {
+    let name = std::ffi::CString::new(name).expect("a name");
+    // SAFETY: memfd_create takes a NUL-terminated name, valid for the call, and flags; it
+    // returns a new descriptor or -1.
+    let fd = unsafe { libc::memfd_create(name.as_ptr(), libc::MFD_CLOEXEC) };
+    assert!(fd >= 0, "memfd_create: {}", std::io::Error::last_os_error());
+    // SAFETY: `fd` is a new descriptor nothing else owns.
+    unsafe { File::from_raw_fd(fd) }
 }
 
 fn manager() -> MemoryManager<FakeKvm> {
@@ -46,7 +34,7 @@ fn manager() -> MemoryManager<FakeKvm> {
 
 /// A snapshot of two regions (2 MiB anonymous at 1 MiB, 1 MiB memfd at 8 MiB) whose pages
 /// hold their own number (in the memory file) where `written` says, and its memory file.
-fn snapshot(name: &str, written: impl Fn(u64) -> bool) -> (MemoryLayout, TempFile, File) {
+fn snapshot(name: &str, written: impl Fn(u64) -> bool) -> (MemoryLayout, File) {
     let a = manager();
     a.add_region(RegionSpec::new(GuestAddress(MIB), 2 * MIB))
         .expect("the fake takes it");
@@ -59,9 +47,9 @@ fn snapshot(name: &str, written: impl Fn(u64) -> bool) -> (MemoryLayout, TempFil
             .expect("written");
     }
     let layout = MemoryLayout::of(&a);
-    let (path, file) = temp_file(name);
+    let file = memory_file(name);
     write_memory_file(&a, &layout, &file).expect("written");
-    (layout, path, file)
+    (layout, file)
 }
 
 /// The guest address of page `page` of the memory file.
@@ -70,6 +58,22 @@ fn gpa(page: u64) -> GuestAddress {
         GuestAddress(MIB + page * PAGE_SIZE)
     } else {
         GuestAddress(8 * MIB + (page - 512) * PAGE_SIZE)
+    }
+}
+
+/// Loader options that record for `record`.
+fn recording(record: Recording) -> LazyOptions {
+    LazyOptions {
+        record: Some(record),
+        ..LazyOptions::default()
+    }
+}
+
+/// Loader options that prefetch `set`.
+fn prefetching(set: WorkingSet) -> LazyOptions {
+    LazyOptions {
+        prefetch: Some(set),
+        ..LazyOptions::default()
     }
 }
 
@@ -101,18 +105,11 @@ fn wait_prefetched(loader: &LazyLoader) {
 
 #[test]
 fn a_recorded_working_set_is_prefetched_by_the_next_restore() {
-    let (layout, _path, file) = snapshot("record", |p| p % 3 != 0);
+    let (layout, file) = snapshot("record", |p| p % 3 != 0);
     // Recorded in first-touch order, a page touched twice once, a hole too.
     let (tx, rx) = mpsc::channel();
     let record = Recording::new(42, None, move |set| tx.send(set).expect("sent"));
-    let (b, loader) = restored(
-        &layout,
-        &file,
-        LazyOptions {
-            record: Some(record),
-            ..LazyOptions::default()
-        },
-    );
+    let (b, loader) = restored(&layout, &file, recording(record));
     let touched = [5, 1, 2, 600, 601, 3, 5, 700, 4];
     for page in touched {
         let expected = if page % 3 == 0 { 0 } else { page + 1 };
@@ -129,14 +126,7 @@ fn a_recorded_working_set_is_prefetched_by_the_next_restore() {
 
     // The next restore fills them ahead of the guest: no fault for them.
     let set = WorkingSet::from_bytes(&set.to_bytes()).expect("the file reads back");
-    let (b, loader) = restored(
-        &layout,
-        &file,
-        LazyOptions {
-            prefetch: Some(set),
-            ..LazyOptions::default()
-        },
-    );
+    let (b, loader) = restored(&layout, &file, prefetching(set));
     wait_prefetched(&loader);
     let stats = loader.stats();
     assert_eq!(stats.prefetched.load(Ordering::Acquire), 8);
@@ -156,7 +146,7 @@ fn a_recorded_working_set_is_prefetched_by_the_next_restore() {
 
 #[test]
 fn faults_are_served_while_the_prefetch_runs_and_every_page_verifies() {
-    let (layout, _path, file) = snapshot("race", |_| true);
+    let (layout, file) = snapshot("race", |_| true);
     // The whole memory, backwards in runs of 16: the readers below meet it from both ends.
     let mut set = WorkingSet::new(1, &layout);
     for run in (0..768 / 16).rev() {
@@ -165,14 +155,7 @@ fn faults_are_served_while_the_prefetch_runs_and_every_page_verifies() {
         }
     }
     for _ in 0..5 {
-        let (b, loader) = restored(
-            &layout,
-            &file,
-            LazyOptions {
-                prefetch: Some(set.clone()),
-                ..LazyOptions::default()
-            },
-        );
+        let (b, loader) = restored(&layout, &file, prefetching(set.clone()));
         std::thread::scope(|s| {
             for reader in 0..3u64 {
                 let b = &b;
@@ -195,19 +178,12 @@ fn faults_are_served_while_the_prefetch_runs_and_every_page_verifies() {
 
 #[test]
 fn a_timed_recording_ends_by_itself() {
-    let (layout, _path, file) = snapshot("timed", |p| p < 10);
+    let (layout, file) = snapshot("timed", |p| p < 10);
     let (tx, rx) = mpsc::channel();
     let record = Recording::new(3, Some(Duration::from_millis(100)), move |set| {
         tx.send(set).expect("sent")
     });
-    let (b, loader) = restored(
-        &layout,
-        &file,
-        LazyOptions {
-            record: Some(record),
-            ..LazyOptions::default()
-        },
-    );
+    let (b, loader) = restored(&layout, &file, recording(record));
     assert_eq!(read(&b, 7), 8);
     let set = rx
         .recv_timeout(Duration::from_secs(10))
@@ -222,8 +198,8 @@ fn a_timed_recording_ends_by_itself() {
 
 #[test]
 fn a_list_of_another_layout_or_past_the_memory_is_refused_before_anything_runs() {
-    let (layout, _path, file) = snapshot("refused", |p| p < 10);
-    let (other, _other_path, _) = snapshot("refused-other", |_| false);
+    let (layout, file) = snapshot("refused", |p| p < 10);
+    let (other, _) = snapshot("refused-other", |_| false);
     let mut past = WorkingSet::new(1, &layout);
     past.push(3);
     past.push(768);
@@ -238,10 +214,7 @@ fn a_list_of_another_layout_or_past_the_memory_is_refused_before_anything_runs()
     for (list, reason) in [(past, "pages 768..769"), (foreign, "another memory layout")] {
         let b = manager();
         layout.build(&b).expect("built");
-        let options = LazyOptions {
-            prefetch: Some(list),
-            ..LazyOptions::default()
-        };
+        let options = prefetching(list);
         let err = LazyLoader::start_with(&b, &layout, &file, options).expect_err("refused");
         assert!(err.to_string().contains(reason), "{err}");
         // Nothing registered: the memory is ordinary memory, zeros.
@@ -267,7 +240,7 @@ fn prefetch_rate() {
             .expect("written");
     }
     let layout = MemoryLayout::of(&a);
-    let (_path, file) = temp_file("rate");
+    let file = memory_file("rate");
     write_memory_file(&a, &layout, &file).expect("written");
     drop(a);
     for step in [2, 1] {
@@ -275,14 +248,8 @@ fn prefetch_rate() {
         for page in (0..size / PAGE_SIZE).step_by(step) {
             set.push(page);
         }
-        let b = manager();
-        layout.build(&b).expect("built");
         let start = Instant::now();
-        let options = LazyOptions {
-            prefetch: Some(set),
-            ..LazyOptions::default()
-        };
-        let loader = LazyLoader::start_with(&b, &layout, &file, options).expect("userfaultfd");
+        let (_b, loader) = restored(&layout, &file, prefetching(set));
         wait_prefetched(&loader);
         let pages = loader.stats().prefetched.load(Ordering::Acquire);
         println!(
