@@ -177,6 +177,39 @@ fn faults_are_served_while_the_prefetch_runs_and_every_page_verifies() {
 }
 
 #[test]
+fn a_page_discarded_while_the_prefetch_runs_reads_zeros() {
+    let (layout, file) = snapshot("discard", |_| true);
+    let mut set = WorkingSet::new(1, &layout);
+    for page in 0..768 {
+        set.push(page);
+    }
+    for round in 0..20u64 {
+        let (b, loader) = restored(&layout, &file, prefetching(set.clone()));
+        // Discards from the front of the list and from its back, in anonymous memory and in
+        // the memfd, racing the prefetch: a discarded page reads zeros whoever came first.
+        std::thread::scope(|s| {
+            for reader in 0..2u64 {
+                let b = &b;
+                s.spawn(move || {
+                    for i in (0..768).filter(|i| i % 5 == (round + reader) % 5) {
+                        let page = if reader == 0 { i } else { 767 - i };
+                        b.discard(gpa(page), PAGE_SIZE).expect("discarded");
+                        assert_eq!(read(b, page), 0, "page {page}");
+                    }
+                });
+            }
+        });
+        wait_prefetched(&loader);
+        for page in 0..768 {
+            let discarded = page % 5 == round % 5 || (767 - page) % 5 == (round + 1) % 5;
+            let expected = if discarded { 0 } else { page + 1 };
+            assert_eq!(read(&b, page), expected, "page {page}");
+        }
+        assert!(!loader.stats().failed.load(Ordering::Acquire));
+    }
+}
+
+#[test]
 fn a_timed_recording_ends_by_itself() {
     let (layout, file) = snapshot("timed", |p| p < 10);
     let (tx, rx) = mpsc::channel();
