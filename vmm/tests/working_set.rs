@@ -325,7 +325,13 @@ fn kvm_a_working_set_that_does_not_fit_is_refused_with_the_reason() {
             Some(dir.join("absent.wset")),
             MemBackend::Uffd,
             None,
-            "reading it",
+            "No such file",
+        ),
+        (
+            Some(dir.clone()),
+            MemBackend::Uffd,
+            None,
+            "a directory, not a regular file",
         ),
         (
             Some(state.clone()),

@@ -6,11 +6,13 @@
 //! their files.
 
 use std::fs::File;
-use std::io::Write;
+use std::io::{Read, Write};
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use kvm_memslots_persist::{LazyOptions, MemoryLayout, Recording, WorkingSet};
+
+use crate::test_guest::snapshot::open_input;
 
 /// What a restore does with working sets.
 #[derive(Debug, Clone, Default)]
@@ -45,8 +47,7 @@ impl WorkingSetFiles {
         }
         if let Some(path) = &self.prefetch {
             let refused = |reason: String| (path.clone(), reason);
-            let bytes = std::fs::read(path).map_err(|e| refused(format!("reading it: {e}")))?;
-            let list = WorkingSet::from_bytes(&bytes).map_err(|e| refused(e.to_string()))?;
+            let list = read_list(path).map_err(refused)?;
             list.check(snapshot, layout)
                 .map_err(|e| refused(e.to_string()))?;
             options.prefetch = Some(list);
@@ -72,6 +73,30 @@ impl WorkingSetFiles {
         }
         Ok(options)
     }
+}
+
+/// The largest list file read (16 bytes a run: 16 Mi runs).
+const MAX_LIST_FILE: u64 = 256 << 20;
+
+/// Reads the list file at `path`, refusing what is not a regular file (never waiting on a
+/// FIFO), a file over [`MAX_LIST_FILE`], and what [`WorkingSet::from_bytes`] refuses. The
+/// error does not name the path: the caller does.
+fn read_list(path: &Path) -> Result<WorkingSet, String> {
+    let mut file = open_input(path)?;
+    let size = file
+        .metadata()
+        .map_err(|e| format!("reading its size: {e}"))?
+        .len();
+    if size > MAX_LIST_FILE {
+        return Err(format!(
+            "{size} bytes, over the {} MiB a working-set file may have",
+            MAX_LIST_FILE >> 20
+        ));
+    }
+    let mut bytes = Vec::with_capacity(size as usize);
+    file.read_to_end(&mut bytes)
+        .map_err(|e| format!("reading it: {e}"))?;
+    WorkingSet::from_bytes(&bytes).map_err(|e| e.to_string())
 }
 
 /// Where a recording is written before it takes `path`'s name.
