@@ -745,10 +745,12 @@ impl Handler {
             return;
         };
         let limit = (first + WINDOW).min(lazy.file_pages().end);
-        // The list's pages from `first` on while they stay in [first, limit).
+        // The list's pages from `first` on while they stay in [first, limit), as many runs as
+        // the window copies (so that it reads no further than it fills).
         let mut segments = Vec::new();
         let (mut run, mut page) = (p.run, p.page);
-        while run < p.runs.len() && (first..limit).contains(&page) {
+        while run < p.runs.len() && (first..limit).contains(&page) && segments.len() < WINDOW_COPIES
+        {
             let end = p.runs[run].end.min(limit);
             segments.push((run, page..end));
             if end < p.runs[run].end {
