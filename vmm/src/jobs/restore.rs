@@ -1,5 +1,5 @@
 //! `tinyvmm restore`: a VM restored from a snapshot (`PUT /snapshot/create`), paused: a test
-//! guest served as `serve` serves a new one ([`restored_controller`]), a Linux guest run as
+//! guest served as `serve` serves a new one (`restored_controller`), a Linux guest run as
 //! `boot` runs one, its console on stdout ([`restore_linux`]); the state file's magic says
 //! which. The state file is read and checked before anything is
 //! built, and the memory file checked against what the state file recorded of it: a Diff
