@@ -2,7 +2,8 @@
 //! touches first, the next restore of the same snapshot fetches them ahead of the guest, and
 //! the guest's memory verifies; a list of another snapshot, one naming pages the snapshot does
 //! not have, or a list given to a restore that is not lazy is refused with the reason before
-//! anything runs.
+//! anything runs. A Linux guest (Debian's kernel, where `resources/fetch-kernel.sh` fetched it)
+//! records and prefetches the same way, through `tinyvmm boot` and `restore` processes.
 
 use std::path::{Path, PathBuf};
 use std::sync::atomic::Ordering;
@@ -392,5 +393,171 @@ fn kvm_a_working_set_that_does_not_fit_is_refused_with_the_reason() {
     ]);
     assert_eq!(both.status.code(), Some(2), "a usage error");
     assert!(String::from_utf8_lossy(&both.stderr).contains("cannot be used with"));
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// Debian's ELF vmlinux (fetched by `resources/fetch-kernel.sh`), if it is there.
+fn debian_vmlinux(test: &str) -> Option<PathBuf> {
+    let cache = Path::new(env!("CARGO_MANIFEST_DIR")).join("../resources/cache/kernel");
+    let vmlinuz = std::fs::read_to_string(cache.join("vmlinuz.path")).ok();
+    let vmlinux = vmlinuz.map(|p| PathBuf::from(p.trim().replace("vmlinuz-", "vmlinux-")));
+    if !vmlinux.as_ref().is_some_and(|p| p.is_file()) {
+        eprintln!("SKIPPED {test}: no kernel (resources/fetch-kernel.sh); this test did not run");
+        return None;
+    }
+    vmlinux
+}
+
+/// A `tinyvmm` process (its console discarded, its stderr kept), killed when dropped.
+struct Process {
+    child: Option<std::process::Child>,
+    socket: PathBuf,
+}
+
+impl Process {
+    /// Runs `tinyvmm ARGS --api-sock SOCKET` and waits (up to 60 s) until it serves its API.
+    fn start(name: &str, args: &[&std::ffi::OsStr]) -> Process {
+        let socket = socket(name);
+        let _ = std::fs::remove_file(&socket);
+        let child = std::process::Command::new(env!("CARGO_BIN_EXE_tinyvmm"))
+            .args(args)
+            .arg("--api-sock")
+            .arg(&socket)
+            .stdin(std::process::Stdio::null())
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .expect("tinyvmm starts");
+        let process = Process {
+            child: Some(child),
+            socket,
+        };
+        process.wait_for(Duration::from_secs(60), "its API socket", || {
+            Client::connect(&process.socket).is_ok()
+        });
+        process
+    }
+
+    fn call(&self, method: &str, path: &str, body: Option<Value>) -> (u16, Value) {
+        let mut client = Client::connect(&self.socket).expect("connect");
+        client.call(method, path, body.as_ref()).expect("an answer")
+    }
+
+    /// Waits until `done` (polled every 50 ms) or `limit` has passed (a failure, naming
+    /// `what`); the process must not end meanwhile.
+    fn wait_for(&self, limit: Duration, what: &str, mut done: impl FnMut() -> bool) {
+        let start = Instant::now();
+        while !done() {
+            assert!(start.elapsed() < limit, "{what} within {limit:?}");
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    /// Ends it (SIGTERM) and returns what it said on stderr.
+    fn end(mut self) -> String {
+        let child = self.child.take().expect("running");
+        // SAFETY: kill(2) of this test's own child, which has not been waited for yet.
+        unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
+        let output = child.wait_with_output().expect("it ends");
+        String::from_utf8_lossy(&output.stderr).into_owned()
+    }
+}
+
+impl Drop for Process {
+    fn drop(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+}
+
+#[test]
+fn kvm_a_linux_guest_records_and_prefetches_its_working_set() {
+    let test = "tinyvmm::kvm_a_linux_guest_records_and_prefetches_its_working_set";
+    let Some(vmlinux) = debian_vmlinux(test) else {
+        return;
+    };
+    if !kvm_test_support::require_kvm(test) {
+        return;
+    }
+    let dir = std::env::temp_dir().join(format!("tinyvmm-test-{}-wset-linux", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).expect("a folder");
+    let (state, mem, list) = (dir.join("l.state"), dir.join("l.mem"), dir.join("l.wset"));
+    let resume = json!({"state": "Resumed"});
+
+    // A kernel booting, paused a few seconds in and snapshotted.
+    let boot = Process::start(
+        "linux-boot",
+        &[
+            "boot".as_ref(),
+            "--kernel".as_ref(),
+            vmlinux.as_os_str(),
+            "--cmdline".as_ref(),
+            "console=ttyS0 noxsave nokaslr panic=-1 reboot=k".as_ref(),
+            "--mem-mib".as_ref(),
+            "128".as_ref(),
+        ],
+    );
+    std::thread::sleep(Duration::from_secs(3));
+    assert_eq!(
+        boot.call("PATCH", "/vm", Some(json!({"state": "Paused"})))
+            .0,
+        204
+    );
+    let create = json!({"snapshot_type": "Full", "snapshot_path": state, "mem_file_path": mem});
+    let (status, body) = boot.call("PUT", "/snapshot/create", Some(create));
+    assert_eq!(status, 204, "{body}");
+    boot.end();
+
+    // Restored lazily, recording for 3 s of the guest's run.
+    let lazy: [&std::ffi::OsStr; 7] = [
+        "restore".as_ref(),
+        "--snapshot".as_ref(),
+        state.as_os_str(),
+        "--mem-file".as_ref(),
+        mem.as_os_str(),
+        "--mem-backend".as_ref(),
+        "uffd".as_ref(),
+    ];
+    let record = [
+        &lazy[..],
+        &[
+            "--record-working-set".as_ref(),
+            list.as_os_str(),
+            "--record-secs".as_ref(),
+            "3".as_ref(),
+        ],
+    ]
+    .concat();
+    let recording = Process::start("linux-record", &record);
+    assert_eq!(recording.call("PATCH", "/vm", Some(resume.clone())).0, 204);
+    recording.wait_for(Duration::from_secs(60), "the list", || list.exists());
+    let stderr = recording.end();
+    let set = list_at(&list);
+    let id = tinyvmm::linux::state::LinuxState::read_file(&state)
+        .expect("the Linux state file")
+        .snapshot
+        .expect("a snapshot")
+        .id
+        .0;
+    assert_eq!(set.snapshot, id, "{stderr}");
+    assert!(set.pages() > 0, "{stderr}");
+
+    // Restored again with the list: it runs on, nothing failed.
+    let prefetching = Process::start(
+        "linux-prefetch",
+        &[&lazy[..], &["--prefetch".as_ref(), list.as_os_str()]].concat(),
+    );
+    assert_eq!(prefetching.call("PATCH", "/vm", Some(resume)).0, 204);
+    std::thread::sleep(Duration::from_secs(3));
+    let (status, vm) = prefetching.call("GET", "/vm", None);
+    assert_eq!((status, &vm["state"]), (200, &json!("Running")), "{vm}");
+    let stderr = prefetching.end();
+    assert!(
+        !stderr.contains("could not fill") && !stderr.contains("prefetch stopped"),
+        "{stderr}"
+    );
     let _ = std::fs::remove_dir_all(&dir);
 }
