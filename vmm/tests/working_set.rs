@@ -23,6 +23,8 @@ use tinyvmm::test_guest::{Command, Op};
 use tinyvmm::vm::VmOptions;
 use vmm_sys_util::eventfd::EventFd;
 
+mod support;
+
 /// The test area's guest address and size (`serve` with 8 MiB over one slot).
 const AREA: u64 = 256 << 20;
 const AREA_SIZE: u64 = 8 << 20;
@@ -396,18 +398,6 @@ fn kvm_a_working_set_that_does_not_fit_is_refused_with_the_reason() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
-/// Debian's ELF vmlinux (fetched by `resources/fetch-kernel.sh`), if it is there.
-fn debian_vmlinux(test: &str) -> Option<PathBuf> {
-    let cache = Path::new(env!("CARGO_MANIFEST_DIR")).join("../resources/cache/kernel");
-    let vmlinuz = std::fs::read_to_string(cache.join("vmlinuz.path")).ok();
-    let vmlinux = vmlinuz.map(|p| PathBuf::from(p.trim().replace("vmlinuz-", "vmlinux-")));
-    if !vmlinux.as_ref().is_some_and(|p| p.is_file()) {
-        eprintln!("SKIPPED {test}: no kernel (resources/fetch-kernel.sh); this test did not run");
-        return None;
-    }
-    vmlinux
-}
-
 /// A `tinyvmm` process (its console discarded, its stderr kept), killed when dropped.
 struct Process {
     child: Option<std::process::Child>,
@@ -475,12 +465,10 @@ impl Drop for Process {
 #[test]
 fn kvm_a_linux_guest_records_and_prefetches_its_working_set() {
     let test = "tinyvmm::kvm_a_linux_guest_records_and_prefetches_its_working_set";
-    let Some(vmlinux) = debian_vmlinux(test) else {
-        return;
-    };
-    if !kvm_test_support::require_kvm(test) {
+    if !support::ready(test) {
         return;
     }
+    let (_, vmlinux) = support::debian_kernel(test).expect("checked");
     let dir = std::env::temp_dir().join(format!("tinyvmm-test-{}-wset-linux", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).expect("a folder");
@@ -495,7 +483,7 @@ fn kvm_a_linux_guest_records_and_prefetches_its_working_set() {
             "--kernel".as_ref(),
             vmlinux.as_os_str(),
             "--cmdline".as_ref(),
-            "console=ttyS0 noxsave nokaslr panic=-1 reboot=k".as_ref(),
+            support::CMDLINE.as_ref(),
             "--mem-mib".as_ref(),
             "128".as_ref(),
         ],

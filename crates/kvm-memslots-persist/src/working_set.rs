@@ -172,6 +172,7 @@ mod tests {
                 log_dirty: false,
                 backing: LayoutBacking::Anonymous,
                 file_offset: 0,
+                slot_ranges: None,
             }],
         }
     }
