@@ -451,6 +451,17 @@ struct RestoreArgs {
     /// load when first touched; uffd: a userfaultfd handler fills each page on first touch.
     #[arg(long, value_enum, default_value_t)]
     mem_backend: tinyvmm::vm::restore::MemBackend,
+    /// Record the pages the VM touches first, in that order, into this file when the
+    /// recording ends (after --record-secs, or when the VMM stops). Needs --mem-backend uffd.
+    #[arg(long, value_name = "PATH", conflicts_with = "prefetch")]
+    record_working_set: Option<std::path::PathBuf>,
+    /// End the recording this many seconds after the restore.
+    #[arg(long, value_name = "N", requires = "record_working_set")]
+    record_secs: Option<f64>,
+    /// Fetch the pages of this list (recorded on a restore of the same snapshot) ahead of the
+    /// guest while the rest still loads on fault. Needs --mem-backend uffd.
+    #[arg(long, value_name = "PATH")]
+    prefetch: Option<std::path::PathBuf>,
     #[command(flatten)]
     serve: ServeArgs,
 }
@@ -537,6 +548,17 @@ fn restore(args: RestoreArgs) -> ExitCode {
         snapshot: args.snapshot,
         mem_file: args.mem_file,
         backend: args.mem_backend,
+        working_set: tinyvmm::jobs::working_set::WorkingSetFiles {
+            prefetch: args.prefetch,
+            record: args.record_working_set,
+            record_for: match args.record_secs.map(std::time::Duration::try_from_secs_f64) {
+                Some(Err(e)) => {
+                    eprintln!("tinyvmm: --record-secs: {e}");
+                    return ExitCode::FAILURE;
+                }
+                secs => secs.and_then(Result::ok),
+            },
+        },
     };
     // A file that is neither kind's is refused by the test guest's reader, which says why.
     if !matches!(GuestKind::of_file(&from.snapshot), Ok(GuestKind::Linux)) {

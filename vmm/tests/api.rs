@@ -788,6 +788,7 @@ fn kvm_a_snapshot_restores_in_a_new_vm_and_diffs_merge_onto_it() {
                 snapshot: file(state),
                 mem_file: file(mem),
                 backend,
+                working_set: Default::default(),
             }),
             ..config
         })
@@ -907,6 +908,7 @@ fn kvm_a_snapshot_restores_in_a_new_vm_and_diffs_merge_onto_it() {
         snapshot: file("bad.state"),
         mem_file: file("full.mem"),
         backend: MemBackend::File,
+        working_set: Default::default(),
     });
     let err = serve(&config, || {}).expect_err("refused");
     assert!(err.to_string().contains("checksum"), "{err}");
@@ -1082,6 +1084,7 @@ fn a_client_between_full_and_diff_hides_no_page(variant: &str) {
             snapshot: file("k2.state"),
             mem_file: file("km.mem"),
             backend: MemBackend::Copy,
+            working_set: Default::default(),
         }),
         ..config
     });

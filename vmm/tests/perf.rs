@@ -320,6 +320,11 @@ fn kvm_the_snapshot_bench_restores_with_every_backend() {
     for row in &report.rows {
         let backends: Vec<&str> = row.restores.iter().map(|r| r.backend.as_str()).collect();
         assert_eq!(backends, ["copy", "file", "uffd"]);
+        // The uffd restore recorded every page the guest verified (half of 8 MiB), and the
+        // restore that prefetched them verified too.
+        assert!(row.working_set_pages >= 1024, "{report}");
+        assert_eq!(row.prefetch.backend, "uffd+prefetch");
+        assert!(row.prefetch_faults < row.working_set_pages, "{report}");
         // Half of 8 MiB written: the full file holds about 4 MiB, the diff a sixteenth.
         assert!((4 << 20..=5 << 20).contains(&row.full_bytes), "{report}");
         assert!(row.diff_bytes < row.full_bytes / 2, "{report}");

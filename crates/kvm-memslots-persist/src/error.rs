@@ -24,6 +24,9 @@ pub enum SnapshotError {
         /// The layout's.
         expected: u64,
     },
+    /// A working set (list file or recording) is not one this snapshot can use.
+    #[error("working set refused: {0}")]
+    WorkingSet(String),
     /// The manager refused a region.
     #[error(transparent)]
     Memory(#[from] Error),

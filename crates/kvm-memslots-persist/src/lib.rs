@@ -10,7 +10,9 @@
 //!   loading.
 //! - [`stream`]: guest memory between two VMM processes as checksummed records, the reusable
 //!   part of a live migration.
-//! - [`uffd`]: a lazy restore whose pages a userfaultfd handler fills on first touch.
+//! - [`uffd`]: a lazy restore whose pages a userfaultfd handler fills on first touch, which
+//!   can record the pages first touched and fetch a recorded list ahead of the guest.
+//! - [`working_set`]: that list ([`WorkingSet`]), as a checksummed file that names its snapshot.
 //!
 //! The crate uses only `kvm-memslots`' public API; the manager crate does not depend on it.
 
@@ -22,6 +24,7 @@ pub mod layout;
 pub mod memory_file;
 pub mod stream;
 pub mod uffd;
+pub mod working_set;
 
 pub use error::SnapshotError;
 pub use frame::{frame, framed_len, unframe, FRAME_HEADER};
@@ -30,4 +33,5 @@ pub use memory_file::{
     data_runs, load_memory_file, merge_memory_files, merge_snapshots, write_dirty_pages,
     write_memory_file, WriteStats,
 };
-pub use uffd::{LazyLoader, LoaderStats};
+pub use uffd::{LazyLoader, LazyOptions, LoaderStats, Recording};
+pub use working_set::{WorkingSet, WORKING_SET_VERSION};

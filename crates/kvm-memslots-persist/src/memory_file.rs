@@ -30,7 +30,7 @@ use crate::layout::MemoryLayout;
 /// mapping, a memfd another process handed over) also the file's data there: a page this
 /// process never touched reads the file's bytes, yet its page table has nothing. Pages never
 /// touched of anonymous memory are not data; a discarded page of a file mapping reads zeros,
-/// which [`content_runs`] leaves out.
+/// which `content_runs` leaves out.
 pub fn data_runs(memory: &RegionMemory) -> Result<Vec<Range<u64>>, SnapshotError> {
     let present = present_runs(memory)?;
     let Some(backing) = memory.file_offset() else {

@@ -12,6 +12,19 @@
 //! the system call's number, so the ioctl structures are declared here from the kernel's
 //! `include/uapi/linux/userfaultfd.h`.
 //!
+//! **Working sets** ([`LazyOptions`]): the handler sees every first touch, so it can record
+//! the pages in that order ([`Recording`]) until told to stop, for a set time, or until the
+//! loader ends, and hand the list ([`WorkingSet`]) over. Given such a list, it fills those
+//! pages ahead of the guest, in the list's order, a window of up to 64 pages at a time (one
+//! `pread` of the window, one `UFFDIO_COPY` per run of pages in it), and looks for faults
+//! between windows: a fault is served first, so a page the guest needs before the prefetch
+//! reaches it waits for one window at most. Prefetching in the handler's own thread keeps a
+//! discard exact: the handler marks a discarded range as soon as it reads the event, before it
+//! fills anything else, and skips marked pages; a copy the kernel refuses while a discard is
+//! under way (`EAGAIN`) is tried again after the handler has read it. A page filled twice (a
+//! fault on a page the prefetch filled meanwhile, `EEXIST`) keeps its first fill, and the
+//! faulting thread is woken.
+//!
 //! # Example
 //!
 //! A snapshot restored lazily: nothing is read until the first touch (here the VMM's own read;
@@ -42,11 +55,13 @@
 //! ```
 
 use std::fs::File;
+use std::ops::Range;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::os::unix::fs::FileExt;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, PoisonError};
 use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
 
 use vmm_sys_util::eventfd::EventFd;
 use vmm_sys_util::ioctl::ioctl_with_mut_ref;
@@ -56,6 +71,7 @@ use kvm_memslots::{KvmMemory, MemoryManager, RegionMemory, PAGE_SIZE};
 use crate::error::SnapshotError;
 use crate::layout::MemoryLayout;
 use crate::memory_file::regions_with_data;
+use crate::working_set::WorkingSet;
 
 const UFFDIO: u32 = 0xAA;
 const UFFD_API: u64 = 0xAA;
@@ -113,17 +129,20 @@ mod nr {
     ioctl_iowr_nr!(UFFDIO_API, UFFDIO, 0x3F, UffdioApi);
     ioctl_iowr_nr!(UFFDIO_REGISTER, UFFDIO, 0x00, UffdioRegister);
     ioctl_ior_nr!(UFFDIO_UNREGISTER, UFFDIO, 0x01, UffdioRange);
+    ioctl_ior_nr!(UFFDIO_WAKE, UFFDIO, 0x02, UffdioRange);
     ioctl_iowr_nr!(UFFDIO_COPY, UFFDIO, 0x03, UffdioCopy);
     ioctl_iowr_nr!(UFFDIO_ZEROPAGE, UFFDIO, 0x04, UffdioZeropage);
 }
-use nr::{UFFDIO_API, UFFDIO_COPY, UFFDIO_REGISTER, UFFDIO_UNREGISTER, UFFDIO_ZEROPAGE};
+use nr::{
+    UFFDIO_API, UFFDIO_COPY, UFFDIO_REGISTER, UFFDIO_UNREGISTER, UFFDIO_WAKE, UFFDIO_ZEROPAGE,
+};
 
 /// One registered region: its mapping, its place in the file, the file's data runs in it, and
 /// the pages filled so far (a later fault there follows a discard: zeros).
 struct Lazy {
     memory: Arc<RegionMemory>,
     file_offset: u64,
-    data: Vec<std::ops::Range<u64>>,
+    data: Vec<Range<u64>>,
     filled: Vec<AtomicU64>,
 }
 
@@ -137,6 +156,16 @@ impl Lazy {
     fn fill(&self, page: u64) -> bool {
         let bit = 1 << (page % 64);
         self.filled[(page / 64) as usize].fetch_or(bit, Ordering::AcqRel) & bit != 0
+    }
+
+    /// Marks page `page` not filled again (its fill is to be tried again).
+    fn unfill(&self, page: u64) {
+        let bit = 1u64 << (page % 64);
+        self.filled[(page / 64) as usize].fetch_and(!bit, Ordering::AcqRel);
+    }
+
+    fn is_filled(&self, page: u64) -> bool {
+        self.filled[(page / 64) as usize].load(Ordering::Acquire) & (1 << (page % 64)) != 0
     }
 
     /// Marks the pages of host range `[start, end)` (clipped to the region) filled: they were
@@ -154,6 +183,88 @@ impl Lazy {
         let at = self.data.partition_point(|r| r.end <= offset);
         self.data.get(at).is_some_and(|r| r.start <= offset)
     }
+
+    /// The pages of the memory file the region holds.
+    fn file_pages(&self) -> Range<u64> {
+        self.file_offset / PAGE_SIZE..(self.file_offset + self.memory.size()) / PAGE_SIZE
+    }
+}
+
+/// What a lazy restore does besides filling pages on fault ([`LazyLoader::start_with`]).
+#[derive(Debug, Default)]
+pub struct LazyOptions {
+    /// Pages to fill ahead of the guest, in the list's order, while faults are still served
+    /// first: a list recorded on a restore of the same snapshot ([`WorkingSet::check`] it
+    /// against the snapshot; the loader refuses one that does not fit the layout).
+    pub prefetch: Option<WorkingSet>,
+    /// Record the pages first touched.
+    pub record: Option<Recording>,
+}
+
+/// A recording of the pages a lazily restored VM touches first, in that order: the first
+/// fills of faults (a vCPU's through KVM, or the VMM's own accesses), not the pages a prefetch
+/// filled.
+pub struct Recording {
+    snapshot: u128,
+    until: Option<Duration>,
+    done: Box<dyn FnOnce(WorkingSet) + Send>,
+}
+
+impl std::fmt::Debug for Recording {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Recording")
+            .field("snapshot", &self.snapshot)
+            .field("until", &self.until)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Recording {
+    /// Records until [`LazyLoader::stop_recording`], until the loader is dropped, or (given
+    /// `until`) for that long after the loader starts, whichever comes first; then hands the
+    /// list, of snapshot `snapshot` ([`WorkingSet::snapshot`]), to `done`, once. `done` runs
+    /// on the thread that ends the recording (the handler's, for a set time): keep it short.
+    pub fn new(
+        snapshot: u128,
+        until: Option<Duration>,
+        done: impl FnOnce(WorkingSet) + Send + 'static,
+    ) -> Self {
+        Recording {
+            snapshot,
+            until,
+            done: Box::new(done),
+        }
+    }
+}
+
+/// A recording under way: the list so far and where it goes.
+struct Recorder {
+    set: WorkingSet,
+    done: Box<dyn FnOnce(WorkingSet) + Send>,
+}
+
+impl std::fmt::Debug for Recorder {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Recorder")
+            .field("pages", &self.set.pages())
+            .finish_non_exhaustive()
+    }
+}
+
+/// Where a loader's recording is kept, shared by the handler and the loader.
+type RecorderSlot = Arc<Mutex<Option<Recorder>>>;
+
+/// Ends the recording in `slot`, if one is under way: hands its list over (outside the lock).
+/// Whether there was one.
+fn finish_recording(slot: &Mutex<Option<Recorder>>) -> bool {
+    let recorder = slot.lock().unwrap_or_else(PoisonError::into_inner).take();
+    match recorder {
+        Some(recorder) => {
+            (recorder.done)(recorder.set);
+            true
+        }
+        None => false,
+    }
 }
 
 /// The handler of a lazily restored manager's page faults; stops (and unregisters the
@@ -165,6 +276,7 @@ pub struct LazyLoader {
     thread: Option<JoinHandle<()>>,
     stats: Arc<LoaderStats>,
     ranges: Vec<UffdioRangeDebug>,
+    recording: RecorderSlot,
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -176,10 +288,14 @@ struct UffdioRangeDebug {
 /// What the handler did.
 #[derive(Debug, Default)]
 pub struct LoaderStats {
-    /// Pages filled from the file (counted before the faulting thread is woken).
+    /// Pages filled from the file on fault (counted before the faulting thread is woken).
     pub copied: AtomicU64,
     /// Pages filled with zeros (holes, or pages discarded after their first fill).
     pub zeroed: AtomicU64,
+    /// Pages of a working set filled ahead of the guest.
+    pub prefetched: AtomicU64,
+    /// Set once the prefetch has gone through its whole list (or stopped at an error).
+    pub prefetch_done: AtomicBool,
     /// Set when the handler met an error it could not serve a fault past (it stops; the
     /// faulting thread then waits for ever, so this is also printed).
     pub failed: AtomicBool,
@@ -201,6 +317,21 @@ impl LazyLoader {
         layout: &MemoryLayout,
         memory_file: &File,
     ) -> Result<Self, SnapshotError> {
+        Self::start_with(memory, layout, memory_file, LazyOptions::default())
+    }
+
+    /// As [`start`](Self::start), and the handler also prefetches `options.prefetch` and
+    /// records the pages first touched for `options.record`. A list that does not fit `layout`
+    /// ([`WorkingSet::check_layout`]) is refused before anything is registered.
+    pub fn start_with<K: KvmMemory>(
+        memory: &MemoryManager<K>,
+        layout: &MemoryLayout,
+        memory_file: &File,
+        options: LazyOptions,
+    ) -> Result<Self, SnapshotError> {
+        if let Some(list) = &options.prefetch {
+            list.check_layout(layout)?;
+        }
         let regions = regions_with_data(memory, layout, memory_file)?;
         // SAFETY: userfaultfd(2) takes flags only and returns a new descriptor or -1.
         let fd =
@@ -256,17 +387,49 @@ impl LazyLoader {
                 })?,
             );
         let stats = Arc::new(LoaderStats::default());
+        stats
+            .prefetch_done
+            .store(options.prefetch.is_none(), Ordering::Release);
         let file = memory_file
             .try_clone()
             .map_err(|source| SnapshotError::Io {
                 what: "duplicating the memory file".into(),
                 source,
             })?;
+        let deadline = options
+            .record
+            .as_ref()
+            .and_then(|r| r.until)
+            .map(|until| Instant::now() + until);
+        let recording: RecorderSlot = Arc::new(Mutex::new(options.record.map(|r| Recorder {
+            set: WorkingSet::new(r.snapshot, layout),
+            done: r.done,
+        })));
+        let prefetch = options
+            .prefetch
+            .filter(|list| !list.runs.is_empty())
+            .map(|list| Prefetch {
+                page: list.runs[0].start,
+                runs: list.runs,
+                run: 0,
+                buffer: vec![0u8; (WINDOW * PAGE_SIZE) as usize],
+            });
         let thread = {
-            let (uffd, stop, stats) = (Arc::clone(&uffd), Arc::clone(&stop), Arc::clone(&stats));
+            let handler = Handler {
+                uffd: Arc::clone(&uffd),
+                stats: Arc::clone(&stats),
+                lazies,
+                file,
+                page: vec![0u8; PAGE_SIZE as usize],
+                deferred: Vec::new(),
+                recording: Arc::clone(&recording),
+                deadline,
+                prefetch,
+            };
+            let stop = Arc::clone(&stop);
             std::thread::Builder::new()
                 .name("uffd".into())
-                .spawn(move || serve(&uffd, &stop, &stats, &lazies, &file))
+                .spawn(move || handler.serve(&stop))
                 .map_err(|source| SnapshotError::Io {
                     what: "starting the fault handler".into(),
                     source,
@@ -278,12 +441,19 @@ impl LazyLoader {
             thread: Some(thread),
             stats,
             ranges,
+            recording,
         })
     }
 
     /// What the handler did so far.
     pub fn stats(&self) -> &LoaderStats {
         &self.stats
+    }
+
+    /// Ends the recording now, if one is under way: its list goes to its `done` (on this
+    /// thread). Whether one was.
+    pub fn stop_recording(&self) -> bool {
+        finish_recording(&self.recording)
     }
 }
 
@@ -293,6 +463,7 @@ impl Drop for LazyLoader {
         if let Some(thread) = self.thread.take() {
             let _ = thread.join();
         }
+        finish_recording(&self.recording);
         for r in &self.ranges {
             let mut range = UffdioRange {
                 start: r.start,
@@ -305,102 +476,353 @@ impl Drop for LazyLoader {
     }
 }
 
-/// The handler: waits for faults (or the stop eventfd) and fills each faulting page once.
-fn serve(uffd: &OwnedFd, stop: &EventFd, stats: &LoaderStats, lazies: &[Lazy], file: &File) {
-    let mut page = vec![0u8; PAGE_SIZE as usize];
-    loop {
-        let mut fds = [
-            libc::pollfd {
-                fd: uffd.as_raw_fd(),
-                events: libc::POLLIN,
-                revents: 0,
-            },
-            libc::pollfd {
-                fd: stop.as_raw_fd(),
-                events: libc::POLLIN,
-                revents: 0,
-            },
-        ];
-        // SAFETY: poll(2) on two valid pollfds in a local array.
-        let ready = unsafe { libc::poll(fds.as_mut_ptr(), 2, -1) };
-        if ready < 0 {
-            if std::io::Error::last_os_error().kind() == std::io::ErrorKind::Interrupted {
-                continue;
+/// Pages a prefetch reads and fills at a time, in at most [`WINDOW_COPIES`] copies: a fault
+/// waits for one window at most.
+const WINDOW: u64 = 64;
+
+/// Copies (`UFFDIO_COPY`, one per run of neighbouring pages) a prefetch window makes at most.
+const WINDOW_COPIES: usize = 16;
+
+/// A working set being prefetched: the list, where the next page is in it, and the buffer one
+/// window is read into.
+struct Prefetch {
+    runs: Vec<Range<u64>>,
+    run: usize,
+    page: u64,
+    buffer: Vec<u8>,
+}
+
+/// The result of one fill ioctl.
+enum Filled {
+    /// This many bytes from the start (all, or fewer where the next page could not be filled).
+    Bytes(u64),
+    /// The first page was filled already (`EEXIST`).
+    Exists,
+    /// The kernel asks to try again (`EAGAIN`: a discard is under way).
+    Later,
+    /// Another error.
+    Failed(std::io::Error),
+}
+
+/// What an ioctl that returned `r` and reported `done` bytes (or a negative errno) did.
+fn filled(r: i32, done: i64, len: u64) -> Filled {
+    if r >= 0 {
+        return Filled::Bytes(len);
+    }
+    let e = std::io::Error::last_os_error();
+    match e.raw_os_error() {
+        _ if done > 0 => Filled::Bytes(done as u64),
+        Some(libc::EEXIST) => Filled::Exists,
+        Some(libc::EAGAIN) => Filled::Later,
+        _ => Filled::Failed(e),
+    }
+}
+
+/// `UFFDIO_COPY` of `src` to the registered range at `dst`.
+fn uffd_copy(uffd: &OwnedFd, dst: u64, src: &[u8]) -> Filled {
+    let mut copy = UffdioCopy {
+        dst,
+        src: src.as_ptr() as u64,
+        len: src.len() as u64,
+        ..Default::default()
+    };
+    // SAFETY: UFFDIO_COPY from a buffer of this thread (valid for `len` bytes for the call) to
+    // pages of a registered region, which the loader keeps mapped; the kernel copies and wakes
+    // the threads that fault there.
+    let r = unsafe { ioctl_with_mut_ref(uffd, UFFDIO_COPY(), &mut copy) };
+    filled(r, copy.copy, copy.len)
+}
+
+/// `UFFDIO_ZEROPAGE` of the registered page at `dst`.
+fn uffd_zeropage(uffd: &OwnedFd, dst: u64) -> Filled {
+    let mut zero = UffdioZeropage {
+        range: UffdioRange {
+            start: dst,
+            len: PAGE_SIZE,
+        },
+        ..Default::default()
+    };
+    // SAFETY: UFFDIO_ZEROPAGE of one page of a registered region, which the loader keeps
+    // mapped.
+    let r = unsafe { ioctl_with_mut_ref(uffd, UFFDIO_ZEROPAGE(), &mut zero) };
+    filled(r, zero.zeropage, PAGE_SIZE)
+}
+
+/// Wakes the threads waiting on the page at `hva` (filled by someone else meanwhile).
+fn uffd_wake(uffd: &OwnedFd, hva: u64) {
+    let mut range = UffdioRange {
+        start: hva,
+        len: PAGE_SIZE,
+    };
+    // SAFETY: UFFDIO_WAKE of one page of a registered region; it only wakes waiters.
+    unsafe { ioctl_with_mut_ref(uffd, UFFDIO_WAKE(), &mut range) };
+}
+
+/// The handler thread's state.
+struct Handler {
+    uffd: Arc<OwnedFd>,
+    stats: Arc<LoaderStats>,
+    lazies: Vec<Lazy>,
+    file: File,
+    /// One page read for a fault.
+    page: Vec<u8>,
+    /// Faulting addresses whose fill the kernel asked to try again (`EAGAIN`; recorded
+    /// already).
+    deferred: Vec<u64>,
+    recording: RecorderSlot,
+    /// When a timed recording ends (`None` once it has, or without one).
+    deadline: Option<Instant>,
+    prefetch: Option<Prefetch>,
+}
+
+impl Handler {
+    /// Waits for faults (or the stop eventfd) and fills each faulting page once; in between,
+    /// prefetches.
+    fn serve(mut self, stop: &EventFd) {
+        loop {
+            let timeout = if !self.deferred.is_empty() {
+                1
+            } else if self.prefetch.is_some() {
+                0
+            } else if let Some(deadline) = self.deadline {
+                let left = deadline.saturating_duration_since(Instant::now());
+                left.as_millis().min(i32::MAX as u128) as i32 + 1
+            } else {
+                -1
+            };
+            let mut fds = [
+                libc::pollfd {
+                    fd: self.uffd.as_raw_fd(),
+                    events: libc::POLLIN,
+                    revents: 0,
+                },
+                libc::pollfd {
+                    fd: stop.as_raw_fd(),
+                    events: libc::POLLIN,
+                    revents: 0,
+                },
+            ];
+            // SAFETY: poll(2) on two valid pollfds in a local array.
+            let ready = unsafe { libc::poll(fds.as_mut_ptr(), 2, timeout) };
+            if ready < 0 {
+                if std::io::Error::last_os_error().kind() == std::io::ErrorKind::Interrupted {
+                    continue;
+                }
+                break;
             }
-            break;
+            if fds[1].revents != 0 {
+                return;
+            }
+            let served = if fds[0].revents != 0 {
+                self.message()
+            } else {
+                self.prefetch_window();
+                true
+            };
+            // A fill the kernel deferred goes again once the handler has read on.
+            let ok = served
+                && std::mem::take(&mut self.deferred)
+                    .into_iter()
+                    .all(|hva| self.fault(hva, false));
+            if !ok {
+                self.stats.failed.store(true, Ordering::Release);
+                return;
+            }
+            if self.deadline.is_some_and(|d| Instant::now() >= d) {
+                self.deadline = None;
+                finish_recording(&self.recording);
+            }
         }
-        if fds[1].revents != 0 {
-            return;
-        }
+    }
+
+    /// Reads and serves one message; false if a fault could not be served.
+    fn message(&mut self) -> bool {
         let mut msg = [0u8; 32];
         // SAFETY: reading one 32-byte `uffd_msg` into a local buffer of that size.
-        let n = unsafe { libc::read(uffd.as_raw_fd(), msg.as_mut_ptr().cast(), msg.len()) };
+        let n = unsafe { libc::read(self.uffd.as_raw_fd(), msg.as_mut_ptr().cast(), msg.len()) };
         if n != 32 {
-            continue; // EAGAIN: another wake-up took it.
+            return true; // EAGAIN: another wake-up took it.
         }
-        if msg[0] == UFFD_EVENT_REMOVE {
-            // struct uffd_msg { u8 event; u8 r1; u16 r2; u32 r3; { u64 start; u64 end; } }
-            let start = u64::from_le_bytes(msg[8..16].try_into().expect("8 bytes"));
-            let end = u64::from_le_bytes(msg[16..24].try_into().expect("8 bytes"));
-            for lazy in lazies {
-                lazy.discarded(start, end);
+        let word = |at: usize| u64::from_le_bytes(msg[at..at + 8].try_into().expect("8 bytes"));
+        match msg[0] {
+            UFFD_EVENT_REMOVE => {
+                // struct uffd_msg { u8 event; u8 r1; u16 r2; u32 r3; { u64 start; u64 end; } }
+                let (start, end) = (word(8), word(16));
+                for lazy in &self.lazies {
+                    lazy.discarded(start, end);
+                }
+                true
             }
-            continue;
+            // struct uffd_msg { u8 event; u8 r1; u16 r2; u32 r3; { u64 flags; u64 address; } }
+            UFFD_EVENT_PAGEFAULT => self.fault(word(16) & !(PAGE_SIZE - 1), true),
+            _ => true,
         }
-        if msg[0] != UFFD_EVENT_PAGEFAULT {
-            continue;
-        }
-        // struct uffd_msg { u8 event; u8 r1; u16 r2; u32 r3; { u64 flags; u64 address; } }
-        let address = u64::from_le_bytes(msg[16..24].try_into().expect("8 bytes"));
-        let hva = address & !(PAGE_SIZE - 1);
-        let Some(lazy) = lazies.iter().find(|l| l.holds(hva)) else {
-            continue;
+    }
+
+    /// Fills the faulting page at `hva`: from the file on its first fill, with zeros for a
+    /// hole or after a discard; records a first fill if `record`. False if it could not.
+    fn fault(&mut self, hva: u64, record: bool) -> bool {
+        let Some(lazy) = self.lazies.iter().find(|l| l.holds(hva)) else {
+            return true;
         };
         let offset = hva - lazy.memory.host_address();
         let again = lazy.fill(offset / PAGE_SIZE);
-        // EEXIST: another fault on the page was served first; that one was counted.
-        let filled_or_raced = |r: i32, count: &AtomicU64| {
-            if r >= 0 {
-                return true;
-            }
-            let raced = std::io::Error::last_os_error().raw_os_error() == Some(libc::EEXIST);
-            count.fetch_sub(1, Ordering::AcqRel);
-            raced
-        };
-        let ok = if !again && lazy.has_data(offset) {
-            let read = file.read_exact_at(&mut page, lazy.file_offset + offset);
-            let mut copy = UffdioCopy {
-                dst: hva,
-                src: page.as_ptr() as u64,
-                len: PAGE_SIZE,
-                ..Default::default()
+        // Recorded before the ioctl wakes the faulting thread, so that what it does next
+        // (end the recording, say) comes after.
+        if !again && record {
+            self.record(lazy.file_offset / PAGE_SIZE + offset / PAGE_SIZE);
+        }
+        // Counted before the ioctl wakes the faulting thread, so that it sees the count.
+        let (result, count) = if !again && lazy.has_data(offset) {
+            self.stats.copied.fetch_add(1, Ordering::AcqRel);
+            let result = match self
+                .file
+                .read_exact_at(&mut self.page, lazy.file_offset + offset)
+            {
+                Ok(()) => uffd_copy(&self.uffd, hva, &self.page),
+                Err(e) => Filled::Failed(e),
             };
-            // Counted before the ioctl wakes the faulting thread, so that it sees the count.
-            stats.copied.fetch_add(1, Ordering::AcqRel);
-            read.is_ok() && {
-                // SAFETY: UFFDIO_COPY of one page from a local buffer to the faulting page of
-                // a registered region; the kernel copies and wakes the faulting thread.
-                let r = unsafe { ioctl_with_mut_ref(uffd, UFFDIO_COPY(), &mut copy) };
-                filled_or_raced(r, &stats.copied)
-            }
+            (result, &self.stats.copied)
         } else {
-            let mut zero = UffdioZeropage {
-                range: UffdioRange {
-                    start: hva,
-                    len: PAGE_SIZE,
-                },
-                ..Default::default()
-            };
-            // Counted before the ioctl wakes the faulting thread, so that it sees the count.
-            stats.zeroed.fetch_add(1, Ordering::AcqRel);
-            // SAFETY: UFFDIO_ZEROPAGE of the faulting page of a registered region.
-            let r = unsafe { ioctl_with_mut_ref(uffd, UFFDIO_ZEROPAGE(), &mut zero) };
-            filled_or_raced(r, &stats.zeroed)
+            self.stats.zeroed.fetch_add(1, Ordering::AcqRel);
+            (uffd_zeropage(&self.uffd, hva), &self.stats.zeroed)
         };
-        if !ok {
-            stats.failed.store(true, Ordering::Release);
-            eprintln!("kvm-memslots-persist: the userfaultfd handler could not fill {hva:#x}");
+        if !matches!(result, Filled::Bytes(_)) {
+            count.fetch_sub(1, Ordering::AcqRel);
+        }
+        match result {
+            Filled::Bytes(_) => true,
+            // Filled meanwhile (another fault, or the prefetch): the waiters are woken.
+            Filled::Exists => {
+                uffd_wake(&self.uffd, hva);
+                true
+            }
+            Filled::Later => {
+                // Tried again after the handler has read the discard under way; a discard of
+                // this page by then makes the fill zeros.
+                if !again {
+                    lazy.unfill(offset / PAGE_SIZE);
+                }
+                self.deferred.push(hva);
+                true
+            }
+            Filled::Failed(e) => {
+                eprintln!(
+                    "kvm-memslots-persist: the userfaultfd handler could not fill {hva:#x}: {e}"
+                );
+                false
+            }
+        }
+    }
+
+    /// Notes page `page` of the memory file in the recording, if one is under way.
+    fn record(&self, page: u64) {
+        let mut recording = self
+            .recording
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        if let Some(recorder) = recording.as_mut() {
+            recorder.set.push(page);
+        }
+    }
+
+    /// Fills the next window of the working set (up to [`WINDOW`] pages of one region from the
+    /// next page of the list on, as far as the list stays inside it): one read, one copy per
+    /// run of pages not filled yet.
+    fn prefetch_window(&mut self) {
+        let Some(p) = self.prefetch.as_mut() else {
+            return;
+        };
+        let first = p.page;
+        let at = self.lazies.partition_point(|l| l.file_pages().end <= first);
+        let Some(lazy) = self
+            .lazies
+            .get(at)
+            .filter(|l| l.file_pages().contains(&first))
+        else {
+            // The list was checked against the layout: not reached.
+            self.end_prefetch();
+            return;
+        };
+        let limit = (first + WINDOW).min(lazy.file_pages().end);
+        // The list's pages from `first` on while they stay in [first, limit), as many runs as
+        // the window copies (so that it reads no further than it fills).
+        let mut segments = Vec::new();
+        let (mut run, mut page) = (p.run, p.page);
+        while run < p.runs.len() && (first..limit).contains(&page) && segments.len() < WINDOW_COPIES
+        {
+            let end = p.runs[run].end.min(limit);
+            segments.push((run, page..end));
+            if end < p.runs[run].end {
+                page = end;
+                break;
+            }
+            run += 1;
+            page = p.runs.get(run).map_or(0, |r| r.start);
+        }
+        let span = segments.iter().map(|(_, s)| s.end).max().unwrap_or(first) - first;
+        let buffer = &mut p.buffer[..(span * PAGE_SIZE) as usize];
+        if let Err(e) = self.file.read_exact_at(buffer, first * PAGE_SIZE) {
+            eprintln!("kvm-memslots-persist: the prefetch stopped: reading the memory file: {e}");
+            self.end_prefetch();
             return;
         }
+        let base = lazy.memory.host_address();
+        let region_first = lazy.file_pages().start;
+        let mut copies = 0;
+        for (segment_run, segment) in segments {
+            let mut next = segment.start;
+            while next < segment.end {
+                if lazy.is_filled(next - region_first) {
+                    next += 1;
+                    continue;
+                }
+                let mut end = next + 1;
+                while end < segment.end && !lazy.is_filled(end - region_first) {
+                    end += 1;
+                }
+                if copies == WINDOW_COPIES {
+                    // The window's share: faults first, then on from here.
+                    (p.run, p.page) = (segment_run, next);
+                    return;
+                }
+                copies += 1;
+                let src = &p.buffer
+                    [((next - first) * PAGE_SIZE) as usize..((end - first) * PAGE_SIZE) as usize];
+                let dst = base + (next - region_first) * PAGE_SIZE;
+                match uffd_copy(&self.uffd, dst, src) {
+                    Filled::Bytes(bytes) => {
+                        let pages = bytes / PAGE_SIZE;
+                        for page in next..next + pages {
+                            lazy.fill(page - region_first);
+                        }
+                        self.stats.prefetched.fetch_add(pages, Ordering::AcqRel);
+                        next += pages;
+                    }
+                    // Filled some other way: leave it.
+                    Filled::Exists => next += 1,
+                    // A discard is under way: this window again once it has been read.
+                    Filled::Later => {
+                        (p.run, p.page) = (segment_run, next);
+                        return;
+                    }
+                    Filled::Failed(e) => {
+                        eprintln!("kvm-memslots-persist: the prefetch stopped: {e}");
+                        self.end_prefetch();
+                        return;
+                    }
+                }
+            }
+        }
+        (p.run, p.page) = (run, page);
+        if run == p.runs.len() {
+            self.end_prefetch();
+        }
+    }
+
+    /// The prefetch is over (its list done, or stopped at an error).
+    fn end_prefetch(&mut self) {
+        self.prefetch = None;
+        self.stats.prefetch_done.store(true, Ordering::Release);
     }
 }

@@ -5,7 +5,9 @@
 //! pages (every other one); a Full snapshot (timed: logging on, harvest, memory file, vCPU
 //! state, state file) and its size on disk; the guest writes one page in 16; a Diff (timed) and
 //! its size. Then, per restore backend, a new VM from the Full files: time to its first guest
-//! command done (the guest has run) and to the guest having verified every page it wrote.
+//! command done (the guest has run) and to the guest having verified every page it wrote (its
+//! working set); the uffd restore records the pages the guest touches first, and one more uffd
+//! restore prefetches that list, timed the same way.
 //! A cold start (new VM, test area, vCPUs, first command) of the same slot count, and the
 //! bandwidth of writing and reading a file as large as the area in the same folder, for scale.
 
@@ -17,7 +19,9 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use kvm_memslots::{MemoryLimits, Target};
-use kvm_memslots_persist::{write_dirty_pages, write_memory_file, MemoryLayout};
+use kvm_memslots_persist::{
+    write_dirty_pages, write_memory_file, LazyOptions, MemoryLayout, Recording, WorkingSet,
+};
 use serde::Serialize;
 use vmm_sys_util::eventfd::EventFd;
 
@@ -108,8 +112,15 @@ pub struct SnapshotRow {
     pub diff_bytes: u64,
     /// A cold start to the first guest command done, milliseconds.
     pub cold_start_ms: f64,
-    /// Each restore backend.
+    /// Each restore backend (the uffd one records the pages the guest touches first).
     pub restores: Vec<RestoreRow>,
+    /// Pages in the working set the uffd restore recorded.
+    pub working_set_pages: u64,
+    /// A uffd restore that prefetches that working set.
+    pub prefetch: RestoreRow,
+    /// Pages the guest still faulted in during it (the prefetch had not reached them yet, or
+    /// the list did not name them).
+    pub prefetch_faults: u64,
 }
 
 /// The benchmark's result.
@@ -223,6 +234,58 @@ fn bandwidth(path: &Path, size: u64) -> Result<(f64, f64), SnapshotBenchError> {
     Ok((mib / write.as_secs_f64(), mib / read.as_secs_f64()))
 }
 
+/// A restore of the Full snapshot at `path("full.*")` with `backend` and the loader options
+/// `lazy` gives for the snapshot's id and layout, timed to its first guest command done and
+/// to the guest having verified every page it wrote; with the pages the loader filled on
+/// fault. `Err(None)` if the guest's verify failed.
+fn timed_restore(
+    config: &SnapshotBenchConfig,
+    stopped: &Arc<EventFd>,
+    area: &TestArea,
+    path: &dyn Fn(&str) -> PathBuf,
+    backend: MemBackend,
+    lazy: impl FnOnce(u128, &MemoryLayout) -> Result<LazyOptions, SnapshotBenchError>,
+) -> Result<(RestoreRow, u64), Option<SnapshotBenchError>> {
+    let start = Instant::now();
+    let bytes = std::fs::read(path("full.state")).map_err(io("reading the state"))?;
+    let state = SnapshotState::from_bytes(&bytes).map_err(|e| {
+        SnapshotBenchError::Io(e.to_string(), std::io::ErrorKind::InvalidData.into())
+    })?;
+    let mem = File::open(path("full.mem")).map_err(io("the memory file"))?;
+    let id = state.snapshot.map_or(0, |info| info.id.0);
+    let lazy = lazy(id, &state.layout)?;
+    let vm = TestVm::restore_with(&state.layout, &mem, backend, lazy, config.vm_options())
+        .map_err(SnapshotBenchError::from)?;
+    let mut vcpus = vm
+        .start_restored_vcpus(&state.vcpus, stopped)
+        .map_err(SnapshotBenchError::from)?;
+    vcpus.set_timeout(Duration::from_secs(600));
+    let one = Command {
+        end: area.gpa + 8,
+        ..command(Op::Verify, area, 8, 1)
+    };
+    vcpus.run(0, one).map_err(SnapshotBenchError::from)?;
+    let first_command_ms = ms(start.elapsed());
+    let verified = vcpus.run(0, command(Op::Verify, area, 2 * 4096, 1));
+    let verified_ms = ms(start.elapsed());
+    vcpus.shut_down().map_err(SnapshotBenchError::from)?;
+    if verified.is_err() {
+        return Err(None);
+    }
+    let faults = vm.loader().map_or(0, |loader| {
+        let stats = loader.stats();
+        stats.copied.load(Ordering::Acquire) + stats.zeroed.load(Ordering::Acquire)
+    });
+    Ok((
+        RestoreRow {
+            backend: format!("{backend:?}").to_lowercase(),
+            first_command_ms,
+            verified_ms,
+        },
+        faults,
+    ))
+}
+
 /// Runs the benchmark; `stop` ends it between steps.
 pub fn run_snapshot_bench(
     config: &SnapshotBenchConfig,
@@ -269,35 +332,54 @@ pub fn run_snapshot_bench(
         drop(vm);
 
         let mut restores = Vec::new();
+        let (tx, recorded) = std::sync::mpsc::channel();
         for backend in [MemBackend::Copy, MemBackend::File, MemBackend::Uffd] {
             check()?;
-            let start = Instant::now();
-            let bytes = std::fs::read(path("full.state")).map_err(io("reading the state"))?;
-            let state = SnapshotState::from_bytes(&bytes).map_err(|e| {
-                SnapshotBenchError::Io(e.to_string(), std::io::ErrorKind::InvalidData.into())
-            })?;
-            let mem = File::open(path("full.mem")).map_err(io("the memory file"))?;
-            let vm = TestVm::restore(&state.layout, &mem, backend, config.vm_options())?;
-            let mut vcpus = vm.start_restored_vcpus(&state.vcpus, stopped)?;
-            vcpus.set_timeout(Duration::from_secs(600));
-            let one = Command {
-                end: area.gpa + 8,
-                ..command(Op::Verify, &area, 8, 1)
-            };
-            vcpus.run(0, one)?;
-            let first_command_ms = ms(start.elapsed());
-            let verified = vcpus.run(0, command(Op::Verify, &area, 2 * 4096, 1));
-            let verified_ms = ms(start.elapsed());
-            vcpus.shut_down()?;
-            if verified.is_err() {
-                return Err(SnapshotBenchError::Verify { backend, slots });
-            }
-            restores.push(RestoreRow {
-                backend: format!("{backend:?}").to_lowercase(),
-                first_command_ms,
-                verified_ms,
-            });
+            // The lazy restore records the pages the guest touches first, for the next.
+            let (row, _) = timed_restore(config, stopped, &area, &path, backend, |id, _| {
+                let tx = tx.clone();
+                Ok(LazyOptions {
+                    record: (backend == MemBackend::Uffd).then(|| {
+                        Recording::new(id, None, move |set| {
+                            let _ = tx.send(set);
+                        })
+                    }),
+                    ..LazyOptions::default()
+                })
+            })
+            .map_err(|e| e.unwrap_or(SnapshotBenchError::Verify { backend, slots }))?;
+            restores.push(row);
         }
+        check()?;
+        let set = recorded
+            .try_recv()
+            .map_err(|_| io("the recorded working set")(std::io::ErrorKind::NotFound.into()))?;
+        let list = path("full.wset");
+        std::fs::write(&list, set.to_bytes()).map_err(io("writing the working set"))?;
+        // Read back and checked against the snapshot, as `tinyvmm restore --prefetch` does.
+        let (mut prefetch, faults) = timed_restore(
+            config,
+            stopped,
+            &area,
+            &path,
+            MemBackend::Uffd,
+            |id, layout| {
+                let bytes = std::fs::read(&list).map_err(io("reading the working set"))?;
+                let set = WorkingSet::from_bytes(&bytes)?;
+                set.check(id, layout)?;
+                Ok(LazyOptions {
+                    prefetch: Some(set),
+                    ..LazyOptions::default()
+                })
+            },
+        )
+        .map_err(|e| {
+            e.unwrap_or(SnapshotBenchError::Verify {
+                backend: MemBackend::Uffd,
+                slots,
+            })
+        })?;
+        prefetch.backend = "uffd+prefetch".into();
         check()?;
         let start = Instant::now();
         let (_vm, area, mut vcpus) = new_vm(slots, config, stopped)?;
@@ -318,8 +400,17 @@ pub fn run_snapshot_bench(
             diff_bytes: disk_bytes(&diff),
             cold_start_ms,
             restores,
+            working_set_pages: set.pages(),
+            prefetch,
+            prefetch_faults: faults,
         });
-        for name in ["full.mem", "full.state", "diff.mem", "diff.state"] {
+        for name in [
+            "full.mem",
+            "full.state",
+            "diff.mem",
+            "diff.state",
+            "full.wset",
+        ] {
             let _ = std::fs::remove_file(path(name));
         }
     }
@@ -342,21 +433,24 @@ impl std::fmt::Display for SnapshotBenchReport {
         )?;
         writeln!(
             f,
-            "| slots | Full | Full on disk | Diff (1/16) | Diff on disk | cold start | restore copy: first / verified | file | uffd |"
+            "| slots | Full | Full on disk | Diff (1/16) | Diff on disk | cold start | restore copy: first / verified | file | uffd | uffd+prefetch | prefetch / file (verified) |"
         )?;
-        writeln!(f, "|---:|---:|---:|---:|---:|---:|---:|---:|---:|")?;
+        writeln!(
+            f,
+            "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
+        )?;
+        let times = |x: &RestoreRow| format!("{:.0} / {:.0} ms", x.first_command_ms, x.verified_ms);
         for r in &self.rows {
             let restore = |b: &str| {
                 r.restores
                     .iter()
                     .find(|x| x.backend == b)
-                    .map_or(String::new(), |x| {
-                        format!("{:.0} / {:.0} ms", x.first_command_ms, x.verified_ms)
-                    })
+                    .map_or(String::new(), times)
             };
+            let file = r.restores.iter().find(|x| x.backend == "file");
             writeln!(
                 f,
-                "| {} | {:.0} ms | {} MiB | {:.0} ms | {} MiB | {:.0} ms | {} | {} | {} |",
+                "| {} | {:.0} ms | {} MiB | {:.0} ms | {} MiB | {:.0} ms | {} | {} | {} | {} | {} |",
                 r.slots,
                 r.full_ms,
                 r.full_bytes >> 20,
@@ -365,7 +459,20 @@ impl std::fmt::Display for SnapshotBenchReport {
                 r.cold_start_ms,
                 restore("copy"),
                 restore("file"),
-                restore("uffd")
+                restore("uffd"),
+                times(&r.prefetch),
+                file.map_or(String::new(), |file| format!(
+                    "{:.2}×",
+                    r.prefetch.verified_ms / file.verified_ms
+                ))
+            )?;
+        }
+        for r in &self.rows {
+            writeln!(
+                f,
+                "{} slots: working set of {} pages recorded by the uffd restore; {} pages still \
+                 faulted in with it prefetched",
+                r.slots, r.working_set_pages, r.prefetch_faults
             )?;
         }
         Ok(())

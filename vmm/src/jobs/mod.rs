@@ -10,3 +10,4 @@ pub mod receive;
 pub mod restore;
 pub mod run_loop;
 pub mod serve;
+pub mod working_set;

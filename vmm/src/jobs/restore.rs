@@ -1,5 +1,5 @@
 //! `tinyvmm restore`: a VM restored from a snapshot (`PUT /snapshot/create`), paused: a test
-//! guest served as `serve` serves a new one ([`restored_controller`]), a Linux guest run as
+//! guest served as `serve` serves a new one (`restored_controller`), a Linux guest run as
 //! `boot` runs one, its console on stdout ([`restore_linux`]); the state file's magic says
 //! which. The state file is read and checked before anything is
 //! built, and the memory file checked against what the state file recorded of it: a Diff
@@ -14,6 +14,7 @@ use vmm_sys_util::eventfd::EventFd;
 
 use super::boot::{run_linux, BootJobError, LinuxRun};
 use super::serve::ServeError;
+use super::working_set::WorkingSetFiles;
 use crate::api::server::ApiSocket;
 use crate::linux::state::LinuxState;
 use crate::linux::{BootEnding, LinuxVm};
@@ -33,6 +34,8 @@ pub struct RestoreFrom {
     pub mem_file: PathBuf,
     /// How memory comes from the memory file.
     pub backend: MemBackend,
+    /// A working set to prefetch, or to record (the uffd backend's).
+    pub working_set: WorkingSetFiles,
 }
 
 /// The controller of a VM restored from `from` in a VM made with `options`, paused, its vCPUs
@@ -55,7 +58,10 @@ pub(crate) fn restored_controller(
             .check(&mem_file)
             .map_err(|e| refused(&from.snapshot, wrong_memory(from, info, &e)))?;
     }
-    let vm = TestVm::restore(&state.layout, &mem_file, from.backend, options)?;
+    let snapshot = state.snapshot.map_or(0, |info| info.id.0);
+    let lazy = (from.working_set.lazy_options(snapshot, &state.layout))
+        .map_err(|(path, reason)| refused(&path, reason))?;
+    let vm = TestVm::restore_with(&state.layout, &mem_file, from.backend, lazy, options)?;
     let vcpus = vm.start_restored_vcpus(&state.vcpus, stopped)?;
     Controller::new(vm, vcpus)
         .paused()
@@ -88,8 +94,11 @@ pub fn restore_linux(
             .check(&mem_file)
             .map_err(|e| refused(&from.snapshot, wrong_memory(from, info, &e)))?;
     }
+    let snapshot = state.snapshot.map_or(0, |info| info.id.0);
+    let lazy = (from.working_set.lazy_options(snapshot, &state.layout))
+        .map_err(|(path, reason)| refused(&path, reason))?;
     let api = ApiSocket::bind(&api_sock)?;
-    let linux = LinuxVm::restore(&state, (&mem_file, from.backend), output, limits)?;
+    let linux = LinuxVm::restore(&state, (&mem_file, from.backend, lazy), output, limits)?;
     let vcpus = linux.restored_vcpus(&state)?;
     eprintln!(
         "tinyvmm: Linux guest restored from {} ({} vCPUs, {} regions), paused: PATCH /vm          {{\"state\": \"Resumed\"}} on {} runs it",

@@ -5,11 +5,12 @@
 use std::sync::Arc;
 
 use kvm_memslots::MemoryLimits;
+use kvm_memslots_persist::LazyOptions;
 
 use super::state::{DeviceState, LinuxMachine, LinuxState};
 use super::{hotplug, legacy_devices, BootError, LinuxVcpus, LinuxVm};
 use crate::devices::legacy::{ConsoleOutput, LegacyDevices};
-use crate::vm::restore::{restore_memory, MemBackend};
+use crate::vm::restore::{restore_memory_with, MemBackend};
 use crate::vm::vcpu::{Vcpu, VcpuShared};
 use crate::vm::{Vm, VmOptions};
 
@@ -19,11 +20,12 @@ fn failed<E: std::fmt::Display>(what: &str) -> impl Fn(E) -> BootError + '_ {
 
 impl LinuxVm {
     /// The guest `state` saved, with memory laid out as its layout from the snapshot's
-    /// `memory_file` (loaded as `backend` says), its console writing to `output`, within
-    /// `limits`. Its vCPUs come from [`restored_vcpus`](Self::restored_vcpus).
+    /// `memory_file` (loaded as `backend` says, with `lazy`'s working-set prefetch and
+    /// recording), its console writing to `output`, within `limits`. Its vCPUs come from
+    /// [`restored_vcpus`](Self::restored_vcpus).
     pub fn restore(
         state: &LinuxState,
-        (memory_file, backend): (&std::fs::File, MemBackend),
+        (memory_file, backend, lazy): (&std::fs::File, MemBackend, LazyOptions),
         output: ConsoleOutput,
         limits: Option<MemoryLimits>,
     ) -> Result<Self, BootError> {
@@ -32,7 +34,7 @@ impl LinuxVm {
             limits,
             ..VmOptions::default()
         })?;
-        let loader = restore_memory(vm.memory(), &state.layout, memory_file, backend)
+        let loader = restore_memory_with(vm.memory(), &state.layout, memory_file, backend, lazy)
             .map_err(failed("the guest's memory"))?
             .loader;
         Self::restore_on(vm, state, output, loader)

@@ -1,5 +1,5 @@
 //! Snapshots of any guest kind: what a snapshot is ([`info`]), how its state file is read
-//! ([`file`]), and the chain of Full and Diff snapshots a controller takes on a paused VM
+//! ([`file`](mod@file)), and the chain of Full and Diff snapshots a controller takes on a paused VM
 //! ([`chain`]). The guest kind supplies only what its state file holds besides.
 
 pub mod chain;

@@ -4,14 +4,14 @@
 use std::sync::Arc;
 
 use kvm_memslots::{KvmVm, MemoryManager, RegionId, RegionSpec};
-use kvm_memslots_persist::{LazyLoader, MemoryLayout};
+use kvm_memslots_persist::{LazyLoader, LazyOptions, MemoryLayout};
 use vm_memory::GuestAddress;
 
 use super::vcpus::{check_slot_count, system_region, GuestError};
 use crate::test_guest;
 use crate::vm::mmio::MmioBus;
 pub use crate::vm::restore::MemBackend;
-use crate::vm::restore::{restore_memory, RestoredMemory};
+use crate::vm::restore::{restore_memory_with, RestoredMemory};
 use crate::vm::{Vm, VmOptions};
 
 /// The test guest's VM: the generic VM with the system region in place and the guest's code
@@ -22,7 +22,7 @@ pub struct TestVm {
     system: RegionId,
     /// The fault handler of a VM restored with [`MemBackend::Uffd`]: held for as long as the
     /// VM lives (dropping it stops the handler).
-    _loader: Option<LazyLoader>,
+    loader: Option<LazyLoader>,
     /// Absent memory the vCPUs answer without stopping (see [`TestVm::with_mmio`]).
     pub(super) mmio: Option<Arc<MmioBus>>,
 }
@@ -44,7 +44,7 @@ impl TestVm {
         Ok(TestVm {
             vm,
             system,
-            _loader: None,
+            loader: None,
             mmio: None,
         })
     }
@@ -58,14 +58,32 @@ impl TestVm {
         backend: MemBackend,
         options: VmOptions,
     ) -> Result<Self, GuestError> {
+        Self::restore_with(
+            layout,
+            memory_file,
+            backend,
+            LazyOptions::default(),
+            options,
+        )
+    }
+
+    /// As [`restore`](Self::restore), with `lazy`'s working-set prefetch and recording
+    /// ([`restore_memory_with`]).
+    pub fn restore_with(
+        layout: &MemoryLayout,
+        memory_file: &std::fs::File,
+        backend: MemBackend,
+        lazy: LazyOptions,
+        options: VmOptions,
+    ) -> Result<Self, GuestError> {
         let vm = Vm::new(options)?;
         let RestoredMemory { ids, loader } =
-            restore_memory(vm.memory(), layout, memory_file, backend)?;
+            restore_memory_with(vm.memory(), layout, memory_file, backend, lazy)?;
         let system = system_region(layout, &ids)?;
         Ok(TestVm {
             vm,
             system,
-            _loader: loader,
+            loader,
             mmio: None,
         })
     }
@@ -77,7 +95,7 @@ impl TestVm {
         Ok(TestVm {
             vm,
             system,
-            _loader: None,
+            loader: None,
             mmio: None,
         })
     }
@@ -90,6 +108,12 @@ impl TestVm {
             mmio: Some(Arc::new(bus)),
             ..self
         }
+    }
+
+    /// The fault handler of a VM restored with [`MemBackend::Uffd`] (its statistics, its
+    /// recording).
+    pub fn loader(&self) -> Option<&LazyLoader> {
+        self.loader.as_ref()
     }
 
     /// The generic VM.

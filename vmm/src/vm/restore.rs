@@ -5,7 +5,9 @@
 use std::fs::File;
 
 use kvm_memslots::{KvmVm, MemoryManager, RegionId};
-use kvm_memslots_persist::{load_memory_file, LazyLoader, MemoryLayout, SnapshotError};
+use kvm_memslots_persist::{
+    load_memory_file, LazyLoader, LazyOptions, MemoryLayout, SnapshotError,
+};
 
 /// How a restored VM gets its memory from the snapshot's memory file.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, clap::ValueEnum)]
@@ -17,7 +19,8 @@ pub enum MemBackend {
     #[default]
     File,
     /// Fresh memory filled page by page on first touch by a userfaultfd handler, from the file
-    /// or with zeros for its holes.
+    /// or with zeros for its holes; it can record the pages first touched and prefetch a
+    /// recorded list ([`LazyOptions`]).
     Uffd,
 }
 
@@ -39,6 +42,24 @@ pub fn restore_memory(
     file: &File,
     backend: MemBackend,
 ) -> Result<RestoredMemory, SnapshotError> {
+    restore_memory_with(memory, layout, file, backend, LazyOptions::default())
+}
+
+/// As [`restore_memory`], with `lazy`'s working-set prefetch and recording: the userfaultfd
+/// backend's only, the others refuse them.
+pub fn restore_memory_with(
+    memory: &std::sync::Arc<MemoryManager<KvmVm>>,
+    layout: &MemoryLayout,
+    file: &File,
+    backend: MemBackend,
+    lazy: LazyOptions,
+) -> Result<RestoredMemory, SnapshotError> {
+    if backend != MemBackend::Uffd && (lazy.prefetch.is_some() || lazy.record.is_some()) {
+        return Err(SnapshotError::WorkingSet(format!(
+            "prefetching or recording a working set needs the uffd memory backend, not {}",
+            format!("{backend:?}").to_lowercase()
+        )));
+    }
     let mut loader = None;
     let ids = match backend {
         MemBackend::Copy => {
@@ -49,7 +70,7 @@ pub fn restore_memory(
         MemBackend::File => layout.build_from_file(memory, file)?,
         MemBackend::Uffd => {
             let ids = layout.build(memory)?;
-            loader = Some(LazyLoader::start(memory, layout, file)?);
+            loader = Some(LazyLoader::start_with(memory, layout, file, lazy)?);
             ids
         }
     };

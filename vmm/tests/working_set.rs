@@ -1,0 +1,551 @@
+//! Working-set prefetch on real KVM: a lazy (`uffd`) restore records the pages the test guest
+//! touches first, the next restore of the same snapshot fetches them ahead of the guest, and
+//! the guest's memory verifies; a list of another snapshot, one naming pages the snapshot does
+//! not have, or a list given to a restore that is not lazy is refused with the reason before
+//! anything runs. A Linux guest (Debian's kernel, where `resources/fetch-kernel.sh` fetched it)
+//! records and prefetches the same way, through `tinyvmm boot` and `restore` processes.
+
+use std::path::{Path, PathBuf};
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use kvm_memslots_persist::WorkingSet;
+use serde_json::{json, Value};
+use tinyvmm::api::client::Client;
+use tinyvmm::jobs::restore::RestoreFrom;
+use tinyvmm::jobs::serve::{serve, serve_in_background, ServeConfig, ServeError};
+use tinyvmm::jobs::working_set::WorkingSetFiles;
+use tinyvmm::test_guest::snapshot::SnapshotState;
+use tinyvmm::test_guest::vcpus::{MemBackend, TestVm};
+use tinyvmm::test_guest::{Command, Op};
+use tinyvmm::vm::VmOptions;
+use vmm_sys_util::eventfd::EventFd;
+
+mod support;
+
+/// The test area's guest address and size (`serve` with 8 MiB over one slot).
+const AREA: u64 = 256 << 20;
+const AREA_SIZE: u64 = 8 << 20;
+
+/// A VMM serving its API on a socket of its own, stopped when dropped.
+struct Vmm {
+    socket: PathBuf,
+    thread: Option<JoinHandle<Result<tinyvmm::lifecycle::Ending, ServeError>>>,
+}
+
+impl Vmm {
+    fn start(config: ServeConfig) -> Vmm {
+        let socket = config.api_sock.clone();
+        let thread = serve_in_background(config).expect("the VMM starts");
+        Vmm {
+            socket,
+            thread: Some(thread),
+        }
+    }
+
+    fn call(&self, method: &str, path: &str, body: Option<Value>) -> (u16, Value) {
+        let mut client = Client::connect(&self.socket).expect("connect");
+        client.call(method, path, body.as_ref()).expect("an answer")
+    }
+
+    fn run(&self, op: &str, seed: u64) -> Value {
+        let command =
+            json!({"op": op, "start": AREA, "end": AREA + AREA_SIZE, "stride": 4096, "seed": seed});
+        let (status, body) = self.call("PUT", "/guest/command", Some(command));
+        assert_eq!(status, 200, "{body}");
+        body
+    }
+
+    fn set_state(&self, state: &str) {
+        let (status, body) = self.call("PATCH", "/vm", Some(json!({"state": state})));
+        assert_eq!(status, 204, "{body}");
+    }
+
+    /// Stops the VMM and waits until it has ended (its memory and loader dropped).
+    fn stop(mut self) {
+        let stop = json!({"action_type": "Stop"});
+        assert_eq!(self.call("PUT", "/actions", Some(stop)).0, 204);
+        let thread = self.thread.take().expect("running");
+        thread.join().expect("no panic").expect("clean stop");
+    }
+}
+
+impl Drop for Vmm {
+    fn drop(&mut self) {
+        if let Some(thread) = self.thread.take() {
+            let _ = self.call("PUT", "/actions", Some(json!({"action_type": "Stop"})));
+            let _ = thread.join();
+        }
+    }
+}
+
+fn socket(name: &str) -> PathBuf {
+    std::env::temp_dir().join(format!(
+        "tinyvmm-test-{}-wset-{name}.sock",
+        std::process::id()
+    ))
+}
+
+/// A restore of `state`/`mem` with `backend` and `working_set`.
+fn restore_config(
+    name: &str,
+    state: &Path,
+    mem: &Path,
+    backend: MemBackend,
+    working_set: WorkingSetFiles,
+) -> ServeConfig {
+    ServeConfig {
+        restore: Some(RestoreFrom {
+            snapshot: state.to_path_buf(),
+            mem_file: mem.to_path_buf(),
+            backend,
+            working_set,
+        }),
+        ..ServeConfig::new(socket(name))
+    }
+}
+
+/// A new folder for the test `name` with two Full snapshots of one VM whose test area the
+/// guest wrote with seed 5: `a.state` and `a.mem`, then `b.state` and `b.mem` (another
+/// snapshot id, the same layout).
+fn snapshots(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("tinyvmm-test-{}-wset-{name}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).expect("a folder");
+    let vmm = Vmm::start(ServeConfig {
+        area_size: AREA_SIZE,
+        ..ServeConfig::new(socket(&format!("{name}-source")))
+    });
+    vmm.run("write", 5);
+    vmm.set_state("Paused");
+    for name in ["a", "b"] {
+        let create = json!({
+            "snapshot_type": "Full",
+            "snapshot_path": dir.join(format!("{name}.state")),
+            "mem_file_path": dir.join(format!("{name}.mem")),
+        });
+        let (status, body) = vmm.call("PUT", "/snapshot/create", Some(create));
+        assert_eq!(status, 204, "{body}");
+    }
+    vmm.stop();
+    dir
+}
+
+/// The state file at `path`.
+fn saved(path: &Path) -> SnapshotState {
+    SnapshotState::from_bytes(&std::fs::read(path).expect("state")).expect("valid")
+}
+
+/// A uffd restore of `state`/`mem` with `files`, resumed.
+fn resumed(name: &str, state: &Path, mem: &Path, files: WorkingSetFiles) -> Vmm {
+    let vmm = Vmm::start(restore_config(name, state, mem, MemBackend::Uffd, files));
+    vmm.set_state("Resumed");
+    vmm
+}
+
+/// The list file at `path`.
+fn list_at(path: &Path) -> WorkingSet {
+    WorkingSet::from_bytes(&std::fs::read(path).expect("the list")).expect("valid")
+}
+
+fn snapshot_id(state: &Path) -> u128 {
+    saved(state).snapshot.expect("a snapshot's state").id.0
+}
+
+#[test]
+fn kvm_a_recorded_working_set_is_prefetched_and_the_guest_verifies() {
+    if !kvm_test_support::require_kvm(
+        "tinyvmm::kvm_a_recorded_working_set_is_prefetched_and_the_guest_verifies",
+    ) {
+        return;
+    }
+    let dir = snapshots("prefetch");
+    let (state, mem, list) = (dir.join("a.state"), dir.join("a.mem"), dir.join("a.wset"));
+
+    // Recorded until the VMM stops: the guest verifies its area meanwhile.
+    let record = WorkingSetFiles {
+        record: Some(list.clone()),
+        ..WorkingSetFiles::default()
+    };
+    let vmm = resumed("record", &state, &mem, record);
+    assert_eq!(vmm.run("verify", 5)["result"], json!("ok"));
+    assert!(!list.exists(), "written when the recording ends");
+    vmm.stop();
+    let set = list_at(&list);
+    assert_eq!(set.snapshot, snapshot_id(&state));
+    let area_pages = AREA_SIZE / 4096;
+    assert!(
+        set.pages() >= area_pages,
+        "every page of the area is in it: {} pages in {} runs",
+        set.pages(),
+        set.runs.len()
+    );
+
+    // The next restore fetches them ahead of the guest; the guest finds its data.
+    let prefetch = WorkingSetFiles {
+        prefetch: Some(list.clone()),
+        ..WorkingSetFiles::default()
+    };
+    let vmm = resumed("prefetch", &state, &mem, prefetch);
+    assert_eq!(vmm.run("verify", 5)["result"], json!("ok"));
+    // And it goes on: new writes, verified.
+    vmm.run("write", 6);
+    assert_eq!(vmm.run("verify", 6)["result"], json!("ok"));
+    vmm.stop();
+
+    // The prefetch, seen from the loader: every page of the list filled ahead of the guest,
+    // whose verify then faults on none of them.
+    let saved = saved(&state);
+    let lazy = WorkingSetFiles {
+        prefetch: Some(list.clone()),
+        ..WorkingSetFiles::default()
+    }
+    .lazy_options(snapshot_id(&state), &saved.layout)
+    .expect("the list fits");
+    let memory = std::fs::File::open(&mem).expect("the memory file");
+    let vm = TestVm::restore_with(
+        &saved.layout,
+        &memory,
+        MemBackend::Uffd,
+        lazy,
+        VmOptions::default(),
+    )
+    .expect("restored");
+    let stats = vm.loader().expect("a lazy restore's loader").stats();
+    let start = Instant::now();
+    while !stats.prefetch_done.load(Ordering::Acquire) {
+        assert!(
+            start.elapsed() < Duration::from_secs(20),
+            "the prefetch ends"
+        );
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    assert_eq!(stats.prefetched.load(Ordering::Acquire), set.pages());
+    let stopped = Arc::new(EventFd::new(libc::EFD_NONBLOCK).expect("an eventfd"));
+    let mut vcpus = vm
+        .start_restored_vcpus(&saved.vcpus, &stopped)
+        .expect("vCPUs");
+    let verify = Command {
+        op: Op::Verify,
+        start: AREA,
+        end: AREA + AREA_SIZE,
+        stride: 4096,
+        seed: 5,
+    };
+    let outcome = vcpus.run(0, verify).expect("ran");
+    assert_eq!(outcome.mismatch, None);
+    assert_eq!(
+        stats.copied.load(Ordering::Acquire),
+        0,
+        "no page faulted in"
+    );
+    vcpus.shut_down().expect("stopped");
+
+    // A timed recording writes its list while the VM runs on.
+    let timed_list = dir.join("timed.wset");
+    let timed = WorkingSetFiles {
+        record: Some(timed_list.clone()),
+        record_for: Some(Duration::from_millis(300)),
+        ..WorkingSetFiles::default()
+    };
+    let vmm = resumed("timed", &state, &mem, timed);
+    assert_eq!(vmm.run("verify", 5)["result"], json!("ok"));
+    let start = Instant::now();
+    while !timed_list.exists() {
+        assert!(
+            start.elapsed() < Duration::from_secs(20),
+            "the list is written in time"
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let timed_set = list_at(&timed_list);
+    assert_eq!(timed_set.snapshot, snapshot_id(&state));
+    vmm.stop();
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn kvm_a_working_set_that_does_not_fit_is_refused_with_the_reason() {
+    if !kvm_test_support::require_kvm(
+        "tinyvmm::kvm_a_working_set_that_does_not_fit_is_refused_with_the_reason",
+    ) {
+        return;
+    }
+    let dir = snapshots("refused");
+    let (state, mem) = (dir.join("a.state"), dir.join("a.mem"));
+    let layout = saved(&state).layout;
+    let write = |name: &str, set: &WorkingSet| {
+        let path = dir.join(name);
+        std::fs::write(&path, set.to_bytes()).expect("written");
+        path
+    };
+    // Snapshot b's list (same VM, same layout, another snapshot).
+    let mut other = WorkingSet::new(snapshot_id(&dir.join("b.state")), &layout);
+    other.push(0);
+    // Snapshot a's, naming a page past its memory.
+    let mut past = WorkingSet::new(snapshot_id(&state), &layout);
+    let pages = layout.memory_file_size() / 4096;
+    past.push(1);
+    past.push(pages);
+    let mut own = WorkingSet::new(snapshot_id(&state), &layout);
+    own.push(1);
+    let own = write("own.wset", &own);
+    let new = dir.join("new.wset");
+    let cases = [
+        (
+            Some(write("other.wset", &other)),
+            MemBackend::Uffd,
+            None,
+            "recorded on snapshot",
+        ),
+        (
+            Some(write("past.wset", &past)),
+            MemBackend::Uffd,
+            None,
+            "which has",
+        ),
+        (
+            Some(own.clone()),
+            MemBackend::File,
+            None,
+            "needs the uffd memory backend, not file",
+        ),
+        (
+            None,
+            MemBackend::Copy,
+            Some(new.clone()),
+            "needs the uffd memory backend, not copy",
+        ),
+        (
+            Some(own.clone()),
+            MemBackend::Uffd,
+            Some(new.clone()),
+            "cannot record one",
+        ),
+        (
+            Some(dir.join("absent.wset")),
+            MemBackend::Uffd,
+            None,
+            "No such file",
+        ),
+        (
+            Some(dir.clone()),
+            MemBackend::Uffd,
+            None,
+            "a directory, not a regular file",
+        ),
+        (
+            Some(state.clone()),
+            MemBackend::Uffd,
+            None,
+            "no KVMSWST magic",
+        ),
+    ];
+    for (i, (prefetch, backend, record, reason)) in cases.into_iter().enumerate() {
+        let files = WorkingSetFiles {
+            prefetch,
+            record,
+            ..WorkingSetFiles::default()
+        };
+        let config = restore_config(&format!("refused-{i}"), &state, &mem, backend, files);
+        let err = serve(&config, || panic!("case {i}: served")).expect_err("refused");
+        assert!(err.to_string().contains(reason), "case {i}: {err}");
+    }
+    // A refused restore leaves no recording behind, not even a partial one.
+    let files: Vec<_> = std::fs::read_dir(&dir)
+        .expect("the folder")
+        .map(|e| e.expect("an entry").file_name())
+        .collect();
+    assert!(
+        !files
+            .iter()
+            .any(|f| f.to_string_lossy().starts_with("new.wset")),
+        "{files:?}"
+    );
+
+    // The same from the command line: one line naming the list and the reason, exit 1.
+    let tinyvmm = |extra: &[&std::ffi::OsStr]| {
+        std::process::Command::new(env!("CARGO_BIN_EXE_tinyvmm"))
+            .arg("restore")
+            .arg("--snapshot")
+            .arg(&state)
+            .arg("--mem-file")
+            .arg(&mem)
+            .args(["--mem-backend", "uffd", "--api-sock"])
+            .arg(socket("cli"))
+            .args(extra)
+            .output()
+            .expect("tinyvmm runs")
+    };
+    let other = dir.join("other.wset");
+    let refused = tinyvmm(&["--prefetch".as_ref(), other.as_os_str()]);
+    let stderr = String::from_utf8_lossy(&refused.stderr);
+    assert_eq!(refused.status.code(), Some(1), "{stderr}");
+    assert!(
+        stderr.contains("other.wset") && stderr.contains("recorded on snapshot"),
+        "{stderr}"
+    );
+    let both = tinyvmm(&[
+        "--prefetch".as_ref(),
+        own.as_os_str(),
+        "--record-working-set".as_ref(),
+        dir.join("new.wset").as_os_str(),
+    ]);
+    assert_eq!(both.status.code(), Some(2), "a usage error");
+    assert!(String::from_utf8_lossy(&both.stderr).contains("cannot be used with"));
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// A `tinyvmm` process (its console discarded, its stderr kept), killed when dropped.
+struct Process {
+    child: Option<std::process::Child>,
+    socket: PathBuf,
+}
+
+impl Process {
+    /// Runs `tinyvmm ARGS --api-sock SOCKET` and waits (up to 60 s) until it serves its API.
+    fn start(name: &str, args: &[&std::ffi::OsStr]) -> Process {
+        let socket = socket(name);
+        let _ = std::fs::remove_file(&socket);
+        let child = std::process::Command::new(env!("CARGO_BIN_EXE_tinyvmm"))
+            .args(args)
+            .arg("--api-sock")
+            .arg(&socket)
+            .stdin(std::process::Stdio::null())
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .expect("tinyvmm starts");
+        let process = Process {
+            child: Some(child),
+            socket,
+        };
+        process.wait_for(Duration::from_secs(60), "its API socket", || {
+            Client::connect(&process.socket).is_ok()
+        });
+        process
+    }
+
+    fn call(&self, method: &str, path: &str, body: Option<Value>) -> (u16, Value) {
+        let mut client = Client::connect(&self.socket).expect("connect");
+        client.call(method, path, body.as_ref()).expect("an answer")
+    }
+
+    /// Waits until `done` (polled every 50 ms) or `limit` has passed (a failure, naming
+    /// `what`); the process must not end meanwhile.
+    fn wait_for(&self, limit: Duration, what: &str, mut done: impl FnMut() -> bool) {
+        let start = Instant::now();
+        while !done() {
+            assert!(start.elapsed() < limit, "{what} within {limit:?}");
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    /// Ends it (SIGTERM) and returns what it said on stderr.
+    fn end(mut self) -> String {
+        let child = self.child.take().expect("running");
+        // SAFETY: kill(2) of this test's own child, which has not been waited for yet.
+        unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
+        let output = child.wait_with_output().expect("it ends");
+        String::from_utf8_lossy(&output.stderr).into_owned()
+    }
+}
+
+impl Drop for Process {
+    fn drop(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+}
+
+#[test]
+fn kvm_a_linux_guest_records_and_prefetches_its_working_set() {
+    let test = "tinyvmm::kvm_a_linux_guest_records_and_prefetches_its_working_set";
+    if !support::ready(test) {
+        return;
+    }
+    let (_, vmlinux) = support::debian_kernel(test).expect("checked");
+    let dir = std::env::temp_dir().join(format!("tinyvmm-test-{}-wset-linux", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).expect("a folder");
+    let (state, mem, list) = (dir.join("l.state"), dir.join("l.mem"), dir.join("l.wset"));
+    let resume = json!({"state": "Resumed"});
+
+    // A kernel booting, paused a few seconds in and snapshotted.
+    let boot = Process::start(
+        "linux-boot",
+        &[
+            "boot".as_ref(),
+            "--kernel".as_ref(),
+            vmlinux.as_os_str(),
+            "--cmdline".as_ref(),
+            support::CMDLINE.as_ref(),
+            "--mem-mib".as_ref(),
+            "128".as_ref(),
+        ],
+    );
+    std::thread::sleep(Duration::from_secs(3));
+    assert_eq!(
+        boot.call("PATCH", "/vm", Some(json!({"state": "Paused"})))
+            .0,
+        204
+    );
+    let create = json!({"snapshot_type": "Full", "snapshot_path": state, "mem_file_path": mem});
+    let (status, body) = boot.call("PUT", "/snapshot/create", Some(create));
+    assert_eq!(status, 204, "{body}");
+    boot.end();
+
+    // Restored lazily, recording for 3 s of the guest's run.
+    let lazy: [&std::ffi::OsStr; 7] = [
+        "restore".as_ref(),
+        "--snapshot".as_ref(),
+        state.as_os_str(),
+        "--mem-file".as_ref(),
+        mem.as_os_str(),
+        "--mem-backend".as_ref(),
+        "uffd".as_ref(),
+    ];
+    let record = [
+        &lazy[..],
+        &[
+            "--record-working-set".as_ref(),
+            list.as_os_str(),
+            "--record-secs".as_ref(),
+            "3".as_ref(),
+        ],
+    ]
+    .concat();
+    let recording = Process::start("linux-record", &record);
+    assert_eq!(recording.call("PATCH", "/vm", Some(resume.clone())).0, 204);
+    recording.wait_for(Duration::from_secs(60), "the list", || list.exists());
+    let stderr = recording.end();
+    let set = list_at(&list);
+    let id = tinyvmm::linux::state::LinuxState::read_file(&state)
+        .expect("the Linux state file")
+        .snapshot
+        .expect("a snapshot")
+        .id
+        .0;
+    assert_eq!(set.snapshot, id, "{stderr}");
+    assert!(set.pages() > 0, "{stderr}");
+
+    // Restored again with the list: it runs on, nothing failed.
+    let prefetching = Process::start(
+        "linux-prefetch",
+        &[&lazy[..], &["--prefetch".as_ref(), list.as_os_str()]].concat(),
+    );
+    assert_eq!(prefetching.call("PATCH", "/vm", Some(resume)).0, 204);
+    std::thread::sleep(Duration::from_secs(3));
+    let (status, vm) = prefetching.call("GET", "/vm", None);
+    assert_eq!((status, &vm["state"]), (200, &json!("Running")), "{vm}");
+    let stderr = prefetching.end();
+    assert!(
+        !stderr.contains("could not fill") && !stderr.contains("prefetch stopped"),
+        "{stderr}"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
