@@ -135,7 +135,7 @@ pub enum ConfigError {
     #[error("{0} MiB of RAM is more than the {max} MiB this VMM lays out", max = MAX_MEM_MIB)]
     TooMuchMemory(u64),
     /// The RAM cannot be split into equal slots of whole pages.
-    #[error("{mem_mib} MiB of RAM cannot be split into {slots} KVM slots of equal size in whole 4 KiB pages")]
+    #[error("{mem_mib} MiB of RAM cannot be split into {slots} KVM slots of whole 4 KiB pages (of equal size with holes or past 3 GiB)")]
     Slots {
         /// RAM.
         mem_mib: u64,
@@ -214,7 +214,13 @@ impl BootConfig {
             return Err(ConfigError::TooMuchMemory(self.mem_mib));
         }
         let pages = self.mem_mib << 8;
-        if self.mem_slots == 0 || !pages.is_multiple_of(self.mem_slots) {
+        // Slots of whole pages; uneven ones (a larger last slot) only for one region: below
+        // the MMIO gap and without holes.
+        let uneven_allowed = !self.mem_holes && self.mem_mib << 20 <= layout::MMIO_GAP_START;
+        if self.mem_slots == 0
+            || self.mem_slots > pages
+            || (!uneven_allowed && !pages.is_multiple_of(self.mem_slots))
+        {
             return Err(ConfigError::Slots {
                 mem_mib: self.mem_mib,
                 slots: self.mem_slots,
@@ -298,9 +304,22 @@ mod tests {
         .contains("too little"));
         assert!(check(BootConfig {
             mem_slots: 3,
+            mem_holes: true,
             ..valid()
         })
         .contains("cannot be split into 3 KVM slots"));
+        // Without holes, below the gap: a larger last slot.
+        assert!(BootConfig {
+            mem_slots: 3,
+            ..valid()
+        }
+        .validate()
+        .is_ok());
+        assert!(check(BootConfig {
+            mem_slots: (valid().mem_mib << 8) + 1,
+            ..valid()
+        })
+        .contains("KVM slots of whole 4 KiB pages"));
         for (mib, block) in [(100, 3), (100, 64), (3, 1), (MAX_HOTPLUG_MIB * 2, 2)] {
             assert!(check(BootConfig {
                 hotplug_mib: mib,

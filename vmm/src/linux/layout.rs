@@ -10,6 +10,8 @@ use vm_memory::GuestAddress;
 
 use crate::linux::config::BootConfig;
 
+const PAGE_SIZE: u64 = 4096;
+
 /// The GDT for the boot (five 8-byte entries).
 pub const GDT: GuestAddress = GuestAddress(0x500);
 /// The PVH `hvm_start_info`.
@@ -68,12 +70,30 @@ pub struct RamRegion {
     pub size: u64,
     /// Size of its KVM slots (the last one may be smaller).
     pub slot_size: u64,
+    /// Size of its last slot when that one is larger (the rest of RAM that `slot_size` does
+    /// not divide); `None` when all are `slot_size` but maybe a smaller last one.
+    pub larger_last: Option<u64>,
 }
 
 impl RamRegion {
     /// How many KVM slots it takes.
     pub fn slots(&self) -> u64 {
-        self.size.div_ceil(self.slot_size)
+        match self.larger_last {
+            Some(last) => (self.size - last) / self.slot_size + 1,
+            None => self.size.div_ceil(self.slot_size),
+        }
+    }
+
+    /// Its slots as byte ranges, where the last one is larger (for
+    /// `RegionSpec::with_slot_ranges`); `None` where `slot_size` says it all.
+    pub fn slot_ranges(&self) -> Option<Vec<std::ops::Range<u64>>> {
+        let last = self.larger_last?;
+        let even = self.size - last;
+        let mut ranges: Vec<_> = (0..even / self.slot_size)
+            .map(|i| i * self.slot_size..(i + 1) * self.slot_size)
+            .collect();
+        ranges.push(even..self.size);
+        Some(ranges)
     }
 }
 
@@ -81,9 +101,21 @@ impl RamRegion {
 /// holes the RAM is one region from 0 (two when it reaches the MMIO gap); with holes the
 /// first [`BOOT_AREA`] bytes are one region and every further slot is a region of its own
 /// followed by a hole as large as a slot, so that the e820 map gets one RAM range per slot.
-/// `config` must have passed [`BootConfig::validate`].
+/// RAM below the gap and without holes that `mem_slots` does not divide into whole pages gets
+/// slots of equal whole pages and a larger last one (KVM's 32764 divides no RAM size in whole
+/// pages). `config` must have passed [`BootConfig::validate`].
 pub fn ram_regions(config: &BootConfig) -> Vec<RamRegion> {
     let mem = config.mem_mib << 20;
+    let pages = mem / PAGE_SIZE;
+    if !config.mem_holes && !pages.is_multiple_of(config.mem_slots) {
+        let slot_size = pages / config.mem_slots * PAGE_SIZE;
+        return vec![RamRegion {
+            gpa: GuestAddress(0),
+            size: mem,
+            slot_size,
+            larger_last: Some(mem - (config.mem_slots - 1) * slot_size),
+        }];
+    }
     let slot_size = mem / config.mem_slots;
     let mut regions = Vec::new();
     let place = |gpa: u64, size: u64, regions: &mut Vec<RamRegion>| -> u64 {
@@ -99,6 +131,7 @@ pub fn ram_regions(config: &BootConfig) -> Vec<RamRegion> {
                 gpa: GuestAddress(gpa),
                 size: below,
                 slot_size,
+                larger_last: None,
             });
             gpa = MMIO_GAP_END;
             size -= below;
@@ -107,6 +140,7 @@ pub fn ram_regions(config: &BootConfig) -> Vec<RamRegion> {
             gpa: GuestAddress(gpa),
             size,
             slot_size,
+            larger_last: None,
         });
         gpa + size
     };
@@ -142,10 +176,27 @@ mod tests {
             vec![RamRegion {
                 gpa: GuestAddress(0),
                 size: 512 << 20,
-                slot_size: 128 << 10
+                slot_size: 128 << 10,
+                larger_last: None,
             }]
         );
         assert_eq!(regions[0].slots(), 4096);
+        assert_eq!(regions[0].slot_ranges(), None);
+    }
+
+    #[test]
+    fn ram_that_the_slots_do_not_divide_gets_a_larger_last_slot() {
+        // 131072 pages in 32764 slots: 32763 of 4 pages and one of 20.
+        let regions = ram_regions(&config(512, 32764, false));
+        assert_eq!(regions.len(), 1);
+        let ram = &regions[0];
+        assert_eq!((ram.slot_size, ram.larger_last), (16 << 10, Some(80 << 10)));
+        assert_eq!(ram.slots(), 32764);
+        let ranges = ram.slot_ranges().expect("ranges");
+        assert_eq!(ranges.len(), 32764);
+        assert_eq!(ranges[0], 0..16 << 10);
+        assert_eq!(ranges[32763], (512 << 20) - (80 << 10)..512 << 20);
+        assert!(ranges.windows(2).all(|w| w[0].end == w[1].start));
     }
 
     #[test]

@@ -269,7 +269,10 @@ impl LinuxVm {
         })?;
         let memory = vm.memory();
         for region in layout::ram_regions(config) {
-            let spec = RegionSpec::new(region.gpa, region.size).with_slot_size(region.slot_size);
+            let spec = match region.slot_ranges() {
+                Some(ranges) => RegionSpec::new(region.gpa, region.size).with_slot_ranges(ranges),
+                None => RegionSpec::new(region.gpa, region.size).with_slot_size(region.slot_size),
+            };
             memory.add_region(if config.memfd {
                 spec.with_backing(kvm_memslots::Backing::Memfd)
             } else {
