@@ -30,3 +30,10 @@ pub mod migration;
 pub mod snapshot;
 pub mod test_guest;
 pub mod vm;
+
+/// This build's version (the crate's).
+pub const VERSION: &str = env!("CARGO_PKG_VERSION");
+
+/// The commit this binary was built from (`git rev-parse --short=12 HEAD` at build time), or
+/// `unknown` when it was not built from a git checkout.
+pub const COMMIT: &str = env!("TINYVMM_COMMIT");

@@ -73,9 +73,16 @@ impl HttpError {
 pub enum Parsed {
     /// Not a whole request yet.
     Incomplete,
+    /// The headers of a request that asked for `Expect: 100-continue` are here, its body is
+    /// not yet: the client waits for [`CONTINUE`] before it sends the body.
+    ExpectsContinue,
     /// A request, and how many bytes of the buffer it took.
     Complete(Request, usize),
 }
+
+/// The interim answer to a request with `Expect: 100-continue` whose headers were accepted
+/// (RFC 9110 §10.1.1): the client may send its body.
+pub const CONTINUE: &[u8] = b"HTTP/1.1 100 Continue\r\n\r\n";
 
 /// Parses the first request in `buf`.
 pub fn parse(buf: &[u8]) -> Result<Parsed, HttpError> {
@@ -95,6 +102,7 @@ pub fn parse(buf: &[u8]) -> Result<Parsed, HttpError> {
     }
     let mut content_length: Option<usize> = None;
     let mut connection = None;
+    let mut expects_continue = false;
     for header in request.headers.iter() {
         if header.name.eq_ignore_ascii_case("content-length") {
             let length = content_length_value(header.value)?;
@@ -106,6 +114,8 @@ pub fn parse(buf: &[u8]) -> Result<Parsed, HttpError> {
             }
         } else if header.name.eq_ignore_ascii_case("transfer-encoding") {
             return Err(HttpError::TransferEncoding);
+        } else if header.name.eq_ignore_ascii_case("expect") {
+            expects_continue = header.value.eq_ignore_ascii_case(b"100-continue");
         } else if header.name.eq_ignore_ascii_case("connection") {
             connection = std::str::from_utf8(header.value)
                 .ok()
@@ -118,7 +128,12 @@ pub fn parse(buf: &[u8]) -> Result<Parsed, HttpError> {
     }
     let total = header_len + content_length;
     if buf.len() < total {
-        return Ok(Parsed::Incomplete);
+        // A framing error above is the final answer instead (RFC 9110 §10.1.1).
+        return Ok(if expects_continue && buf.len() == header_len {
+            Parsed::ExpectsContinue
+        } else {
+            Parsed::Incomplete
+        });
     }
     let http_1_1 = request.version == Some(1);
     let keep_alive = match connection.as_deref() {
@@ -272,7 +287,7 @@ mod tests {
     fn complete(bytes: &[u8]) -> (Request, usize) {
         match parse(bytes).unwrap() {
             Parsed::Complete(r, n) => (r, n),
-            Parsed::Incomplete => panic!("incomplete"),
+            other => panic!("not complete: {other:?}"),
         }
     }
 
@@ -295,6 +310,26 @@ mod tests {
                 "cut at {cut}"
             );
         }
+    }
+
+    #[test]
+    fn expect_100_continue_is_told_apart_until_the_body_comes() {
+        let head = b"PUT /vm HTTP/1.1\r\nExpect: 100-Continue\r\nContent-Length: 2\r\n\r\n";
+        assert_eq!(parse(head), Ok(Parsed::ExpectsContinue));
+        assert_eq!(parse(&head[..head.len() - 1]), Ok(Parsed::Incomplete));
+        let whole = [&head[..], b"{}"].concat();
+        assert!(matches!(parse(&whole), Ok(Parsed::Complete(_, 63))));
+        // Without the header, or with a body too large, no interim answer.
+        let plain = b"PUT /vm HTTP/1.1\r\nContent-Length: 2\r\n\r\n";
+        assert_eq!(parse(plain), Ok(Parsed::Incomplete));
+        let big = format!(
+            "PUT / HTTP/1.1\r\nExpect: 100-continue\r\nContent-Length: {}\r\n\r\n",
+            MAX_BODY_BYTES + 1
+        );
+        assert_eq!(
+            parse(big.as_bytes()),
+            Err(HttpError::BodyTooLarge(MAX_BODY_BYTES + 1))
+        );
     }
 
     #[test]

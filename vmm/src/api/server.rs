@@ -108,6 +108,8 @@ struct Connection {
     /// open after it. Until it comes, the connection is not watched and nothing more of it is
     /// served (answers keep the requests' order).
     waiting: Option<(Ticket, bool)>,
+    /// Whether the request being received was sent `100 Continue` already.
+    continued: bool,
 }
 
 /// What serving a connection's requests left it as.
@@ -313,6 +315,7 @@ impl<C: Apply> ApiServer<C> {
                                 buffer: Vec::new(),
                                 last_active: Instant::now(),
                                 waiting: None,
+                                continued: false,
                             },
                         );
                     }
@@ -377,11 +380,15 @@ impl<C: Apply> ApiServer<C> {
     }
 
     fn send(stream: &mut UnixStream, response: &Response, keep_alive: bool) -> bool {
+        Self::send_bytes(stream, &response.to_bytes(keep_alive))
+    }
+
+    fn send_bytes(stream: &mut UnixStream, bytes: &[u8]) -> bool {
         // Answers are small: write them whole, but never wait long for a client that does not
         // read.
         let _ = stream.set_nonblocking(false);
         let _ = stream.set_write_timeout(Some(Duration::from_secs(5)));
-        let sent = stream.write_all(&response.to_bytes(keep_alive)).is_ok();
+        let sent = stream.write_all(bytes).is_ok();
         let _ = stream.set_nonblocking(true);
         sent
     }
@@ -399,8 +406,18 @@ impl<C: Apply> ApiServer<C> {
             let connection = self.connections.get_mut(&fd).expect("present above");
             match http::parse(&connection.buffer) {
                 Ok(Parsed::Incomplete) => break,
+                Ok(Parsed::ExpectsContinue) => {
+                    if !connection.continued {
+                        connection.continued = true;
+                        if !Self::send_bytes(&mut connection.stream, http::CONTINUE) {
+                            return Served::Close;
+                        }
+                    }
+                    break;
+                }
                 Ok(Parsed::Complete(request, used)) => {
                     connection.buffer.drain(..used);
+                    connection.continued = false;
                     let outcome = route(&request).map(|r| self.controller.apply(r));
                     let connection = self.connections.get_mut(&fd).expect("present above");
                     connection.last_active = Instant::now();
