@@ -265,7 +265,9 @@ fn kvm_the_api_sizes_virtio_mem_and_the_guest_plugs_through_mmio_exits() {
     );
     let test_guest_only = api.apply(Request::RemoveRegion(1)).expect_err("not here");
     assert!(
-        test_guest_only.message.contains("DELETE /memory/regions/{id}"),
+        test_guest_only
+            .message
+            .contains("DELETE /memory/regions/{id}"),
         "{}",
         test_guest_only.message
     );

@@ -57,14 +57,19 @@ pub struct CheckReport {
     /// Addresses checked in each direction (both ends of every slot).
     pub addresses_checked: u64,
     /// Adding the test area (every KVM slot created).
+    #[serde(rename = "slot_setup_ms", serialize_with = "super::millis")]
     pub slot_setup: Duration,
     /// The guest writing both ends of every slot.
+    #[serde(rename = "guest_write_ms", serialize_with = "super::millis")]
     pub guest_write: Duration,
     /// The host checking them.
+    #[serde(rename = "host_check_ms", serialize_with = "super::millis")]
     pub host_check: Duration,
     /// The host writing a new pattern.
+    #[serde(rename = "host_write_ms", serialize_with = "super::millis")]
     pub host_write: Duration,
     /// The guest checking it.
+    #[serde(rename = "guest_check_ms", serialize_with = "super::millis")]
     pub guest_check: Duration,
     /// The manager's memory per slot.
     pub manager_bytes_per_slot: f64,

@@ -11,3 +11,12 @@ pub mod restore;
 pub mod run_loop;
 pub mod serve;
 pub mod working_set;
+
+/// Serializes a duration as milliseconds (a JSON number with fractions), as every report's
+/// JSON gives durations: `#[serde(rename = "..._ms", serialize_with = "millis")]`.
+pub fn millis<S: serde::Serializer>(
+    duration: &std::time::Duration,
+    serializer: S,
+) -> Result<S::Ok, S::Error> {
+    serializer.serialize_f64(duration.as_secs_f64() * 1e3)
+}

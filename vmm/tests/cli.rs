@@ -1,0 +1,216 @@
+//! The command line's one vocabulary: the same option names for the same things in every
+//! subcommand, defaults in every `--help`, no option a subcommand ignores, usage errors with
+//! their own exit status, `--version` with the commit, and `--json` printing JSON alone on
+//! stdout.
+
+use std::process::{Command, Output, Stdio};
+
+fn tinyvmm(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_tinyvmm"))
+        .args(args)
+        .stdin(Stdio::null())
+        .output()
+        .expect("tinyvmm runs")
+}
+
+fn text(bytes: &[u8]) -> String {
+    String::from_utf8_lossy(bytes).into_owned()
+}
+
+/// Every subcommand, as `tinyvmm help` lists them.
+const SUBCOMMANDS: [&str; 10] = [
+    "check",
+    "bench",
+    "stress",
+    "harvest-bench",
+    "serve",
+    "restore",
+    "snapshot-merge",
+    "snapshot-bench",
+    "receive",
+    "boot",
+];
+
+/// Options that name an input of the run, which has no default.
+const INPUTS: [&str; 7] = [
+    "--config",
+    "--kernel",
+    "--initramfs",
+    "--snapshot",
+    "--mem-file",
+    "--listen",
+    "--api-sock",
+];
+
+/// The options of `--help`'s text, each with its help (the lines up to the next option).
+fn options(help: &str) -> Vec<(String, String)> {
+    let mut options: Vec<(String, String)> = Vec::new();
+    for line in help.lines() {
+        let trimmed = line.trim_start();
+        if let Some(rest) = trimmed.strip_prefix("--") {
+            let name = rest.split([' ', '<']).next().unwrap_or_default();
+            options.push((format!("--{name}"), trimmed.to_owned()));
+        } else if trimmed.starts_with("-h, --help") || trimmed.starts_with("-V, --version") {
+            options.push(("--help".into(), String::new()));
+        } else if let Some((_, help)) = options.last_mut() {
+            help.push(' ');
+            help.push_str(trimmed);
+        }
+    }
+    options
+}
+
+#[test]
+fn every_help_shows_its_defaults_and_one_name_per_concept() {
+    let mut vcpus_help = Vec::new();
+    for subcommand in SUBCOMMANDS {
+        let output = tinyvmm(&[subcommand, "--help"]);
+        assert!(output.status.success(), "{subcommand} --help");
+        let help = text(&output.stdout);
+        let usage = help
+            .lines()
+            .find(|l| l.starts_with("Usage:"))
+            .expect("a usage line");
+        for (option, option_help) in options(&help) {
+            // Old names stay as hidden aliases only.
+            for old in ["--area-mib", "--mem-slots", "--ring-entries"] {
+                assert_ne!(option, old, "{subcommand} lists {old}");
+            }
+            let takes_value = option_help
+                .split_whitespace()
+                .nth(1)
+                .is_some_and(|w| w.starts_with('<'));
+            let required = usage.contains(&format!("{option} <"));
+            if takes_value && !required && !INPUTS.contains(&option.as_str()) {
+                assert!(
+                    option_help.contains("[default: "),
+                    "{subcommand} {option} shows no default: {option_help}"
+                );
+            }
+            if option == "--vcpus" {
+                vcpus_help.push((subcommand, option_help));
+            }
+        }
+    }
+    for (subcommand, help) in vcpus_help {
+        assert!(
+            help.contains("(1 to 15)") || (subcommand == "boot" && help.contains("(1 to 32)")),
+            "{subcommand}: {help}"
+        );
+    }
+}
+
+#[test]
+fn restore_lists_no_option_it_ignores() {
+    let help = text(&tinyvmm(&["restore", "--help"]).stdout);
+    let names: Vec<String> = options(&help).into_iter().map(|(n, _)| n).collect();
+    for ignored in ["--slots", "--mem-mib", "--vcpus", "--memfd"] {
+        assert!(
+            !names.contains(&ignored.to_owned()),
+            "restore lists {ignored}"
+        );
+        let refused = tinyvmm(&["restore", ignored, "2"]);
+        assert_eq!(refused.status.code(), Some(64), "restore {ignored}");
+    }
+    for kept in [
+        "--api-sock",
+        "--idle-timeout",
+        "--dirty-ring",
+        "--mem-backend",
+    ] {
+        assert!(names.contains(&kept.to_owned()), "restore lacks {kept}");
+    }
+}
+
+#[test]
+fn usage_errors_have_their_own_exit_status_and_help_and_version_succeed() {
+    for args in [
+        &["--bogus"][..],
+        &["check", "--vcpus", "16"],
+        &["check", "--vcpus", "0"],
+        &["check", "--slots", "1"],
+        &["stress", "--seconds", "-1"],
+        &["serve", "--api-sock", "/nonexistent/x.sock", "--slots", "1"],
+        &[
+            "serve",
+            "--api-sock",
+            "/nonexistent/x.sock",
+            "--idle-timeout",
+            "0",
+        ],
+        &["boot", "--kernel", "/nonexistent", "--vcpus", "33"],
+        &["receive", "--api-sock", "/nonexistent/x.sock"],
+    ] {
+        let output = tinyvmm(args);
+        assert_eq!(
+            output.status.code(),
+            Some(64),
+            "{args:?}: {}",
+            text(&output.stderr)
+        );
+        assert!(output.stdout.is_empty(), "{args:?}");
+        assert!(text(&output.stderr).starts_with("error: "), "{args:?}");
+    }
+    // The old names are still understood.
+    let help = tinyvmm(&["check", "--area-mib", "8", "--help"]);
+    assert!(help.status.success());
+    let version = tinyvmm(&["--version"]);
+    assert!(version.status.success());
+    let version = text(&version.stdout);
+    assert!(
+        version.starts_with(&format!("tinyvmm {} (commit ", env!("CARGO_PKG_VERSION"))),
+        "{version}"
+    );
+    let help = text(&tinyvmm(&["--help"]).stdout);
+    assert!(help.contains("64 a usage error"), "{help}");
+}
+
+#[test]
+fn kvm_check_json_is_json_alone_on_stdout() {
+    if !kvm_test_support::require_kvm("tinyvmm::kvm_check_json_is_json_alone_on_stdout") {
+        return;
+    }
+    let output = tinyvmm(&["check", "--slots", "64", "--mem-mib", "8", "--json"]);
+    assert!(output.status.success(), "{}", text(&output.stderr));
+    let report: serde_json::Value = serde_json::from_slice(&output.stdout)
+        .unwrap_or_else(|e| panic!("stdout is not JSON ({e}): {}", text(&output.stdout)));
+    assert_eq!(report["passed"], serde_json::json!(true), "{report}");
+    assert_eq!(report["slots"], serde_json::json!(64), "{report}");
+    for duration in [
+        "slot_setup_ms",
+        "guest_write_ms",
+        "host_check_ms",
+        "guest_check_ms",
+    ] {
+        assert!(report[duration].is_f64(), "{duration} in ms: {report}");
+    }
+    assert!(text(&output.stderr).contains("all checks passed"));
+
+    // What the issue asked for, as a shell user would do it.
+    let python = std::env::var("TINYVMM_PYTHON").unwrap_or_else(|_| "python3".into());
+    let piped = Command::new("sh")
+        .arg("-c")
+        .arg(format!(
+            "'{}' check --slots 64 --mem-mib 8 --json | '{python}' -m json.tool",
+            env!("CARGO_BIN_EXE_tinyvmm")
+        ))
+        .output()
+        .expect("sh runs");
+    assert!(piped.status.success(), "{}", text(&piped.stderr));
+
+    // A failure is JSON too, and says so.
+    let failed = tinyvmm(&[
+        "check",
+        "--slots",
+        "64",
+        "--mem-mib",
+        "8",
+        "--max-guest-mib",
+        "1",
+        "--json",
+    ]);
+    assert_eq!(failed.status.code(), Some(1));
+    let report: serde_json::Value = serde_json::from_slice(&failed.stdout).expect("JSON");
+    assert_eq!(report["passed"], serde_json::json!(false), "{report}");
+    assert!(report["error"].is_string(), "{report}");
+}
