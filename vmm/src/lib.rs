@@ -13,7 +13,7 @@
 //! | [`test_guest`] | the built-in ring-3 test guest: its layout, command protocol, ports and controller |
 //! | [`linux`] | booting a Linux kernel: configuration, e820, loading, CPU set-up, its controller |
 //! | [`api`] | the API socket: HTTP/1.1 + JSON on a Unix socket, onto a controller |
-//! | [`jobs`] | the product's subcommands: check, serve, restore, receive, boot, on one run loop |
+//! | [`jobs`] | the product's subcommands: check, serve, restore, receive, boot, on one run loop, and client |
 //! | [`bench`](mod@bench) | the measurement harnesses: perf suite, stress, harvest and snapshot benches |
 //!
 //! Each module uses only modules listed before it (`vmm/tests/layers.rs` checks this against the

@@ -63,6 +63,10 @@ enum Commands {
     /// Boot a Linux kernel (bzImage or ELF vmlinux) with its RAM split into KVM slots; the
     /// serial console is stdout (and stdin on a terminal). See docs/BOOT.md.
     Boot(BootArgs),
+    /// Send one request to a running VMM's API socket (every endpoint of docs/api.yaml): the
+    /// answer as a table, or with --json its JSON body alone; exit status 0 for 2xx, 4 for
+    /// 4xx, 5 for 5xx, 1 when the socket cannot be reached.
+    Client(tinyvmm::jobs::client::ClientArgs),
 }
 
 /// The test guest `serve` starts, and its API socket.
@@ -283,6 +287,7 @@ fn main() -> ExitCode {
         Commands::Serve(args) => serve(args),
         Commands::Receive(args) => receive(args),
         Commands::Boot(args) => boot(args),
+        Commands::Client(args) => client(args),
     }
 }
 
@@ -932,6 +937,35 @@ fn boot(args: BootArgs) -> ExitCode {
         }
         Err(e) => {
             eprintln!("tinyvmm: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn client(args: tinyvmm::jobs::client::ClientArgs) -> ExitCode {
+    use tinyvmm::jobs::client::{exit_status, render, send};
+    match send(&args.api_sock, &args.request) {
+        Ok((status, body)) => {
+            let code = exit_status(status);
+            if args.json {
+                let body = if body.is_null() {
+                    serde_json::json!({})
+                } else {
+                    body
+                };
+                println!(
+                    "{}",
+                    serde_json::to_string_pretty(&body).expect("a JSON value prints")
+                );
+            } else if code == 0 {
+                print!("{}", render(status, &body));
+            } else {
+                eprint!("tinyvmm: {}", render(status, &body));
+            }
+            ExitCode::from(code)
+        }
+        Err(e) => {
+            eprintln!("tinyvmm: {}: {e}", args.api_sock.display());
             ExitCode::FAILURE
         }
     }

@@ -18,7 +18,7 @@ fn text(bytes: &[u8]) -> String {
 }
 
 /// Every subcommand, as `tinyvmm help` lists them.
-const SUBCOMMANDS: [&str; 10] = [
+const SUBCOMMANDS: [&str; 11] = [
     "check",
     "bench",
     "stress",
@@ -29,10 +29,12 @@ const SUBCOMMANDS: [&str; 10] = [
     "snapshot-bench",
     "receive",
     "boot",
+    "client",
 ];
 
-/// Options that name an input of the run, which has no default.
-const INPUTS: [&str; 7] = [
+/// Options that name an input of the run, which has no default (`--start` and `--end`: a
+/// guest command's range, which `client guest` needs for a range's commands).
+const INPUTS: [&str; 9] = [
     "--config",
     "--kernel",
     "--initramfs",
@@ -40,6 +42,8 @@ const INPUTS: [&str; 7] = [
     "--mem-file",
     "--listen",
     "--api-sock",
+    "--start",
+    "--end",
 ];
 
 /// The options of `--help`'s text, each with its help (the lines up to the next option).
@@ -63,8 +67,24 @@ fn options(help: &str) -> Vec<(String, String)> {
 #[test]
 fn every_help_shows_its_defaults_and_one_name_per_concept() {
     let mut vcpus_help = Vec::new();
-    for subcommand in SUBCOMMANDS {
-        let output = tinyvmm(&[subcommand, "--help"]);
+    let client_help = text(&tinyvmm(&["client", "--help"]).stdout);
+    let client_commands = client_help
+        .lines()
+        .skip_while(|l| !l.starts_with("Commands:"))
+        .skip(1)
+        .take_while(|l| l.starts_with("  "))
+        .filter_map(|l| l.split_whitespace().next())
+        .filter(|c| *c != "help")
+        .map(|c| vec!["client", c]);
+    let commands: Vec<Vec<&str>> = SUBCOMMANDS
+        .iter()
+        .map(|s| vec![*s])
+        .chain(client_commands)
+        .collect();
+    assert!(commands.len() > SUBCOMMANDS.len() + 20, "{client_help}");
+    for command in &commands {
+        let subcommand = command.join(" ");
+        let output = tinyvmm(&[&command[..], &["--help"]].concat());
         assert!(output.status.success(), "{subcommand} --help");
         let help = text(&output.stdout);
         let usage = help
@@ -88,7 +108,7 @@ fn every_help_shows_its_defaults_and_one_name_per_concept() {
                 );
             }
             if option == "--vcpus" {
-                vcpus_help.push((subcommand, option_help));
+                vcpus_help.push((subcommand.clone(), option_help));
             }
         }
     }
@@ -213,4 +233,70 @@ fn kvm_check_json_is_json_alone_on_stdout() {
     let report: serde_json::Value = serde_json::from_slice(&failed.stdout).expect("JSON");
     assert_eq!(report["passed"], serde_json::json!(false), "{report}");
     assert!(report["error"].is_string(), "{report}");
+}
+
+#[test]
+fn kvm_the_client_command_speaks_for_every_status_class() {
+    if !kvm_test_support::require_kvm(
+        "tinyvmm::kvm_the_client_command_speaks_for_every_status_class",
+    ) {
+        return;
+    }
+    let socket =
+        std::env::temp_dir().join(format!("tinyvmm-cli-client-{}.sock", std::process::id()));
+    let config = tinyvmm::jobs::serve::ServeConfig::new(socket.clone());
+    let vmm = tinyvmm::jobs::serve::serve_in_background(config).expect("the VMM starts");
+    let sock = socket.to_str().expect("a UTF-8 path");
+    let client = |args: &[&str]| tinyvmm(&[&["client", "--api-sock", sock][..], args].concat());
+
+    let memory = client(&["memory"]);
+    assert_eq!(memory.status.code(), Some(0), "{}", text(&memory.stderr));
+    let table = text(&memory.stdout);
+    assert!(table.contains("regions:\n  id  backing"), "{table}");
+    assert!(
+        table.contains("0x10000000") && table.contains("256 MiB"),
+        "{table}"
+    );
+
+    let added = client(&["add-region", "--size", "2M", "--slot-size", "64K", "--json"]);
+    assert_eq!(added.status.code(), Some(0), "{}", text(&added.stderr));
+    let added: serde_json::Value = serde_json::from_slice(&added.stdout).expect("JSON alone");
+    assert_eq!(added["slots"], serde_json::json!(32), "{added}");
+
+    let write = client(&[
+        "guest", "write", "--start", "256M", "--end", "257M", "--seed", "3",
+    ]);
+    assert_eq!(text(&write.stdout), "result  ok\n");
+    let paused = client(&["pause"]);
+    assert_eq!(
+        (paused.status.code(), text(&paused.stdout)),
+        (Some(0), "done (204)\n".into())
+    );
+    assert_eq!(client(&["resume", "--json"]).stdout, b"{}\n");
+
+    // A refusal: its message on stderr, exit status 4; a 5xx would be 5.
+    let refused = client(&["remove-region", "0"]);
+    assert_eq!(refused.status.code(), Some(4));
+    assert!(
+        text(&refused.stderr).starts_with("tinyvmm: 409: region 0"),
+        "{}",
+        text(&refused.stderr)
+    );
+    let refused = client(&["--json", "migration"]);
+    assert_eq!(refused.status.code(), Some(4));
+    let fault: serde_json::Value = serde_json::from_slice(&refused.stdout).expect("JSON alone");
+    assert!(fault["fault_message"].is_string(), "{fault}");
+
+    // Usage errors are the CLI's; a socket that is not there is 1.
+    assert_eq!(
+        client(&["guest", "write", "--end", "1M"]).status.code(),
+        Some(64)
+    );
+    assert_eq!(client(&["add-region"]).status.code(), Some(64));
+    let nowhere = tinyvmm(&["client", "--api-sock", "/nonexistent/x.sock", "info"]);
+    assert_eq!(nowhere.status.code(), Some(1));
+
+    assert_eq!(client(&["stop"]).status.code(), Some(0));
+    let ending = vmm.join().expect("no panic").expect("a clean stop");
+    assert_eq!(ending, tinyvmm::lifecycle::Ending::Finished);
 }

@@ -752,3 +752,98 @@ fn expect_100_continue(vmm: &Vmm) {
     assert!(answer.starts_with("HTTP/1.1 204 "), "{answer}");
     vmm.expect(204, "PATCH", "/vm", Some(json!({"state": "Resumed"})));
 }
+
+#[test]
+fn the_client_command_has_every_operation_and_sends_what_the_spec_takes() {
+    use tinyvmm::jobs::client::{Backing, ClientRequest, GuestOp, OnTimeout, SnapshotKind, Switch};
+    let spec = Spec::load();
+    let requests = [
+        ClientRequest::Info,
+        ClientRequest::Memory,
+        ClientRequest::AddRegion {
+            size: 2 * MIB,
+            guest_address: Some(1 << 30),
+            backing: Backing::Memfd,
+            slot_size: Some(64 << 10),
+            read_only: true,
+            dirty_log: true,
+            no_guest_check: true,
+        },
+        ClientRequest::RemoveRegion { id: 3 },
+        ClientRequest::PatchRegion {
+            id: 3,
+            guest_address: Some(2 << 30),
+            read_only: Some(false),
+        },
+        ClientRequest::DirtyLog,
+        ClientRequest::SetDirtyLog {
+            state: Switch::Off,
+            region: Some(3),
+        },
+        ClientRequest::Harvest { region: Some(1) },
+        ClientRequest::Harvest { region: None },
+        ClientRequest::Hotplug,
+        ClientRequest::ConfigureHotplug {
+            total_mib: 64,
+            block_mib: 2,
+            slot_mib: Some(4),
+        },
+        ClientRequest::ResizeHotplug { mib: 8 },
+        ClientRequest::Guest {
+            op: GuestOp::WriteLoop,
+            start: Some(RAM),
+            end: Some(RAM + MIB),
+            stride: 8,
+            seed: 1,
+            vcpu: 0,
+        },
+        ClientRequest::Guest {
+            op: GuestOp::StopLoop,
+            start: None,
+            end: None,
+            stride: 8,
+            seed: 0,
+            vcpu: 0,
+        },
+        ClientRequest::Snapshot {
+            kind: SnapshotKind::Diff,
+            snapshot: "s".into(),
+            mem_file: "m".into(),
+        },
+        ClientRequest::Vm,
+        ClientRequest::Pause,
+        ClientRequest::Resume,
+        ClientRequest::Migrate {
+            destination: "tcp:host:4444".into(),
+            downtime_ms: 100,
+            timeout_s: 10,
+            on_timeout: OnTimeout::Force,
+            local: false,
+        },
+        ClientRequest::Migration,
+        ClientRequest::CancelMigration,
+        ClientRequest::Stop,
+    ];
+    for request in &requests {
+        let (method, path, body) = request.http().expect("a request");
+        if let Some(body) = body {
+            spec.check_request(&method, &path, &body)
+                .unwrap_or_else(|e| panic!("client {request:?}: {e}"));
+        }
+        let (template, _) = spec.operation(&method, &path).expect("documented");
+        spec.called
+            .lock()
+            .expect("not poisoned")
+            .insert((method, template));
+    }
+    // POST /memory/regions is PUT's operation under another method.
+    spec.called
+        .lock()
+        .expect("not poisoned")
+        .insert(("POST".into(), "/memory/regions".into()));
+    assert_eq!(
+        spec.uncalled(),
+        Vec::<String>::new(),
+        "endpoints the client has no command for"
+    );
+}

@@ -1,10 +1,12 @@
 //! The product's subcommands: `check` (on the job thread of [`crate::lifecycle::run_job`]),
 //! the VMs that run until they are stopped (`serve`, `restore`, `receive`, `boot`), under the
-//! event loop and API socket of [`run_loop`], and `snapshot-merge` ([`merge`]). The
+//! event loop and API socket of [`run_loop`], `snapshot-merge` ([`merge`]) and `client`
+//! ([`client`], one request to a VMM's API socket). The
 //! measurement harnesses are in `bench`.
 
 pub mod boot;
 pub mod check;
+pub mod client;
 pub mod merge;
 pub mod receive;
 pub mod restore;
