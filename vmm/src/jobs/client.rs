@@ -481,12 +481,15 @@ fn cell(key: &str, value: &Value) -> String {
         Value::Number(n) if key.contains("address") || HEX_FIELDS.contains(&key) => n
             .as_u64()
             .map_or_else(|| n.to_string(), |a| format!("{a:#x}")),
-        Value::Number(n) if BYTE_FIELDS.contains(&key) => match n.as_u64() {
-            Some(b) => human_bytes(b),
-            None => n
-                .as_f64()
-                .map_or_else(|| n.to_string(), |b| human_bytes(b as u64)),
-        },
+        Value::Number(n) if BYTE_FIELDS.contains(&key) => {
+            let bytes = n.as_u64().or_else(|| n.as_f64().map(|b| b as u64));
+            let per = if key.ends_with("_per_second") {
+                "/s"
+            } else {
+                ""
+            };
+            bytes.map_or_else(|| n.to_string(), |b| human_bytes(b) + per)
+        }
         Value::Number(n) => match n.as_f64() {
             Some(f) if n.is_f64() => format!("{f:.1}"),
             _ => n.to_string(),
