@@ -179,7 +179,15 @@ fn job_report<R, E: std::fmt::Display>(
 ) -> Result<R, ExitCode> {
     let (message, code) = match outcome {
         Ok((Ok(report), _)) => return Ok(report),
-        Ok((Err(e), Ending::Interrupted)) => (format!("interrupted: {e}"), 130),
+        Ok((Err(e), Ending::Interrupted)) => {
+            let e = e.to_string();
+            let message = if e.starts_with("interrupted") {
+                e
+            } else {
+                format!("interrupted: {e}")
+            };
+            (message, 130)
+        }
         Ok((Err(e), Ending::Finished | Ending::GuestFailed)) => (format!("{failed}{e}"), 1),
         Err(e) => (e.to_string(), 1),
     };

@@ -118,15 +118,22 @@ pub fn run_check(
 impl std::fmt::Display for CheckReport {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         let ms = |d: Duration| d.as_secs_f64() * 1e3;
+        let plural = |n: u64| if n == 1 { "" } else { "s" };
+        let area_mib = self.area_size as f64 / f64::from(1 << 20);
         writeln!(
             f,
-            "{} KVM slots: 1 system slot + {} test slots of {} KiB ({} MiB at {:#x}), {} vCPU(s)",
+            "{} KVM slots: 1 system slot + {} test slot{} of {} KiB ({} MiB at {:#x}), {} vCPU{}",
             self.slots,
             self.area_slots,
+            plural(self.area_slots),
             self.slot_size / 1024,
-            self.area_size >> 20,
+            // Whole MiB as such; a part of one to two places.
+            format!("{area_mib:.2}")
+                .trim_end_matches('0')
+                .trim_end_matches('.'),
             AREA_GPA,
-            self.vcpus
+            self.vcpus,
+            plural(self.vcpus as u64)
         )?;
         writeln!(
             f,
