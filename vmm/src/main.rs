@@ -67,6 +67,20 @@ enum Commands {
     /// answer as a table, or with --json its JSON body alone; exit status 0 for 2xx, 4 for
     /// 4xx, 5 for 5xx, 1 when the socket cannot be reached.
     Client(tinyvmm::jobs::client::ClientArgs),
+    /// Print a completion script for a shell, e.g. `tinyvmm completions bash >
+    /// /etc/bash_completion.d/tinyvmm`.
+    Completions {
+        /// The shell.
+        #[arg(value_enum)]
+        shell: clap_complete::Shell,
+    },
+    /// Write man pages generated from this command line: tinyvmm.1 and one per subcommand
+    /// (tinyvmm-serve.1, ...); `man -l DIR/tinyvmm.1` reads one.
+    Man {
+        /// The folder to write them into (created if missing).
+        #[arg(long, default_value = "target/man")]
+        dir: std::path::PathBuf,
+    },
 }
 
 /// The test guest `serve` starts, and its API socket.
@@ -296,6 +310,16 @@ fn main() -> ExitCode {
         Commands::Receive(args) => receive(args),
         Commands::Boot(args) => boot(args),
         Commands::Client(args) => client(args),
+        Commands::Completions { shell } => {
+            clap_complete::generate(
+                shell,
+                &mut Cli::command(),
+                "tinyvmm",
+                &mut std::io::stdout(),
+            );
+            ExitCode::SUCCESS
+        }
+        Commands::Man { dir } => man(&dir),
     }
 }
 
@@ -974,6 +998,22 @@ fn client(args: tinyvmm::jobs::client::ClientArgs) -> ExitCode {
         }
         Err(e) => {
             eprintln!("tinyvmm: {}: {e}", args.api_sock.display());
+            ExitCode::FAILURE
+        }
+    }
+}
+
+/// Writes the man pages into `dir`.
+fn man(dir: &std::path::Path) -> ExitCode {
+    let written =
+        std::fs::create_dir_all(dir).and_then(|()| clap_mangen::generate_to(Cli::command(), dir));
+    match written {
+        Ok(()) => {
+            eprintln!("tinyvmm: man pages written to {}", dir.display());
+            ExitCode::SUCCESS
+        }
+        Err(e) => {
+            eprintln!("tinyvmm: cannot write man pages to {}: {e}", dir.display());
             ExitCode::FAILURE
         }
     }

@@ -18,7 +18,7 @@ fn text(bytes: &[u8]) -> String {
 }
 
 /// Every subcommand, as `tinyvmm help` lists them.
-const SUBCOMMANDS: [&str; 11] = [
+const SUBCOMMANDS: [&str; 13] = [
     "check",
     "bench",
     "stress",
@@ -30,6 +30,8 @@ const SUBCOMMANDS: [&str; 11] = [
     "receive",
     "boot",
     "client",
+    "completions",
+    "man",
 ];
 
 /// Options that name an input of the run, which has no default (`--start` and `--end`: a
@@ -299,4 +301,23 @@ fn kvm_the_client_command_speaks_for_every_status_class() {
     assert_eq!(client(&["stop"]).status.code(), Some(0));
     let ending = vmm.join().expect("no panic").expect("a clean stop");
     assert_eq!(ending, tinyvmm::lifecycle::Ending::Finished);
+}
+
+#[test]
+fn completions_and_man_pages_come_from_the_command_line() {
+    let bash = tinyvmm(&["completions", "bash"]);
+    assert!(bash.status.success());
+    let script = text(&bash.stdout);
+    assert!(script.contains("complete -F _tinyvmm"), "{script}");
+    assert!(script.contains("--api-sock") && script.contains("add-region"));
+    let dir = std::env::temp_dir().join(format!("tinyvmm-man-{}", std::process::id()));
+    let written = tinyvmm(&["man", "--dir", dir.to_str().expect("UTF-8")]);
+    assert!(written.status.success(), "{}", text(&written.stderr));
+    let page = std::fs::read_to_string(dir.join("tinyvmm-serve.1")).expect("serve's page");
+    assert!(
+        page.contains(".TH tinyvmm-serve 1") && page.contains("idle\\-timeout"),
+        "{page}"
+    );
+    assert!(dir.join("tinyvmm.1").exists() && dir.join("tinyvmm-client-add-region.1").exists());
+    std::fs::remove_dir_all(&dir).expect("cleaned up");
 }
