@@ -202,13 +202,15 @@ pub fn at_close(buf: &[u8]) -> Result<(), HttpError> {
     })
 }
 
-/// A response: a status and an optional JSON body.
+/// A response: a status and an optional JSON body (or, for `GET /metrics`, plain text).
 #[derive(Debug, Clone, PartialEq)]
 pub struct Response {
     /// The status code.
     pub status: u16,
     /// The body.
     pub body: Option<serde_json::Value>,
+    /// A plain-text body instead (`text/plain`), when set.
+    pub text: Option<String>,
 }
 
 impl Response {
@@ -217,6 +219,16 @@ impl Response {
         Response {
             status: 204,
             body: None,
+            text: None,
+        }
+    }
+
+    /// `200 OK` with a plain-text body in Prometheus' exposition format.
+    pub fn text(body: String) -> Self {
+        Response {
+            status: 200,
+            body: None,
+            text: Some(body),
         }
     }
 
@@ -225,6 +237,7 @@ impl Response {
         Response {
             status,
             body: Some(body),
+            text: None,
         }
     }
 
@@ -238,11 +251,17 @@ impl Response {
 
     /// The bytes on the wire.
     pub fn to_bytes(&self, keep_alive: bool) -> Vec<u8> {
-        let body = self
-            .body
-            .as_ref()
-            .map(|b| serde_json::to_vec(b).expect("a JSON value serialises"))
-            .unwrap_or_default();
+        let (body, content_type) = match (&self.text, &self.body) {
+            (Some(text), _) => (
+                text.clone().into_bytes(),
+                "text/plain; version=0.0.4; charset=utf-8",
+            ),
+            (None, Some(json)) => (
+                serde_json::to_vec(json).expect("a JSON value serialises"),
+                "application/json",
+            ),
+            (None, None) => (Vec::new(), ""),
+        };
         let mut out = format!(
             "HTTP/1.1 {} {}\r\nServer: tinyvmm\r\nContent-Length: {}\r\nConnection: {}\r\n",
             self.status,
@@ -251,7 +270,7 @@ impl Response {
             if keep_alive { "keep-alive" } else { "close" }
         );
         if !body.is_empty() {
-            out.push_str("Content-Type: application/json\r\n");
+            out.push_str(&format!("Content-Type: {content_type}\r\n"));
         }
         out.push_str("\r\n");
         let mut bytes = out.into_bytes();

@@ -104,6 +104,8 @@ pub fn route(request: &Request) -> Result<ControllerRequest, Response> {
             "GET" => Err(about()),
             _ => Err(method_not_allowed(method, "/", "GET")),
         },
+        // The server answers GET /metrics itself, from several requests' replies.
+        ["metrics"] => Err(method_not_allowed(method, path, "GET")),
         ["memory"] => match method {
             "GET" => Ok(ControllerRequest::GetMemory),
             _ => Err(method_not_allowed(method, path, "GET")),

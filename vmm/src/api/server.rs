@@ -1,7 +1,7 @@
 //! The API socket on the VMM's event loop: accepts clients, frames their requests, hands them
 //! to the controller and writes the answers. Transport only: the `serve` job builds the VM.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::fs::File;
 use std::io::{ErrorKind, Read, Write};
 use std::os::fd::{AsRawFd, RawFd};
@@ -153,6 +153,8 @@ pub struct ApiServer<C> {
     notifier: Option<RawFd>,
     /// Connections waiting for a deferred answer, by its ticket.
     waiting: HashMap<Ticket, RawFd>,
+    /// Answers given, by status (`GET /metrics`).
+    answered: BTreeMap<u16, u64>,
 }
 
 impl<C: Apply> ApiServer<C> {
@@ -168,6 +170,7 @@ impl<C: Apply> ApiServer<C> {
             sweep: None,
             notifier: None,
             waiting: HashMap::new(),
+            answered: BTreeMap::new(),
         }
     }
 
@@ -197,6 +200,7 @@ impl<C: Apply> ApiServer<C> {
                 timeout.as_secs_f64()
             );
             Self::send(
+                &mut self.answered,
                 &mut connection.stream,
                 &Response::fault(408, message),
                 false,
@@ -232,7 +236,12 @@ impl<C: Apply> ApiServer<C> {
     pub fn abandon_waiting(&mut self, why: &str) {
         for (_, fd) in self.waiting.drain() {
             if let Some(mut connection) = self.connections.remove(&fd) {
-                Self::send(&mut connection.stream, &Response::fault(503, why), false);
+                Self::send(
+                    &mut self.answered,
+                    &mut connection.stream,
+                    &Response::fault(503, why),
+                    false,
+                );
             }
         }
     }
@@ -254,8 +263,12 @@ impl<C: Apply> ApiServer<C> {
         };
         let keep_alive = connection.waiting.take().is_some_and(|(_, keep)| keep);
         connection.last_active = Instant::now();
-        if !Self::send(&mut connection.stream, &respond(outcome), keep_alive)
-            || !keep_alive
+        if !Self::send(
+            &mut self.answered,
+            &mut connection.stream,
+            &respond(outcome),
+            keep_alive,
+        ) || !keep_alive
             || ops
                 .add(Events::new(&connection.stream, EventSet::IN))
                 .is_err()
@@ -300,7 +313,7 @@ impl<C: Apply> ApiServer<C> {
                             503,
                             format!("too many clients: at most {MAX_CONNECTIONS} at once"),
                         );
-                        Self::send(&mut stream, &busy, false);
+                        Self::send(&mut self.answered, &mut stream, &busy, false);
                         continue;
                     }
                     if stream.set_nonblocking(true).is_err() {
@@ -352,7 +365,7 @@ impl<C: Apply> ApiServer<C> {
                     503,
                     "the VMM is out of file descriptors: try again when other clients have left",
                 );
-                Self::send(&mut stream, &busy, false);
+                Self::send(&mut self.answered, &mut stream, &busy, false);
                 true
             }
             Err(_) => false,
@@ -379,7 +392,14 @@ impl<C: Apply> ApiServer<C> {
         false
     }
 
-    fn send(stream: &mut UnixStream, response: &Response, keep_alive: bool) -> bool {
+    /// Sends `response`, counting it in `answered` by status.
+    fn send(
+        answered: &mut BTreeMap<u16, u64>,
+        stream: &mut UnixStream,
+        response: &Response,
+        keep_alive: bool,
+    ) -> bool {
+        *answered.entry(response.status).or_default() += 1;
         Self::send_bytes(stream, &response.to_bytes(keep_alive))
     }
 
@@ -391,6 +411,22 @@ impl<C: Apply> ApiServer<C> {
         let sent = stream.write_all(bytes).is_ok();
         let _ = stream.set_nonblocking(true);
         sent
+    }
+
+    /// `GET /metrics`' answer, from the controller's replies to the metrics' sources.
+    fn metrics(&mut self) -> Response {
+        let replies: Vec<Option<serde_json::Value>> = crate::api::metrics::sources()
+            .into_iter()
+            .map(|request| {
+                let response = respond(self.controller.apply(request));
+                response.body.filter(|_| response.status == 200)
+            })
+            .collect();
+        Response::text(crate::api::metrics::render(
+            &replies,
+            &self.answered,
+            self.connections.len(),
+        ))
     }
 
     /// Serves the requests buffered on connection `fd`, up to one whose answer is deferred.
@@ -418,7 +454,13 @@ impl<C: Apply> ApiServer<C> {
                 Ok(Parsed::Complete(request, used)) => {
                     connection.buffer.drain(..used);
                     connection.continued = false;
-                    let outcome = route(&request).map(|r| self.controller.apply(r));
+                    let outcome = if request.method == "GET"
+                        && request.path.trim_end_matches('/') == "/metrics"
+                    {
+                        Err(self.metrics())
+                    } else {
+                        route(&request).map(|r| self.controller.apply(r))
+                    };
                     let connection = self.connections.get_mut(&fd).expect("present above");
                     connection.last_active = Instant::now();
                     let response = match outcome {
@@ -432,14 +474,19 @@ impl<C: Apply> ApiServer<C> {
                         Ok(outcome) => respond(outcome),
                         Err(refusal) => refusal,
                     };
-                    if !Self::send(&mut connection.stream, &response, request.keep_alive)
-                        || !request.keep_alive
+                    if !Self::send(
+                        &mut self.answered,
+                        &mut connection.stream,
+                        &response,
+                        request.keep_alive,
+                    ) || !request.keep_alive
                     {
                         return Served::Close;
                     }
                 }
                 Err(e) => {
                     Self::send(
+                        &mut self.answered,
                         &mut connection.stream,
                         &Response::fault(e.status(), &e),
                         false,
@@ -453,6 +500,7 @@ impl<C: Apply> ApiServer<C> {
             if let Err(e) = http::at_close(&connection.buffer) {
                 // The client may have closed only its sending side: tell it what went wrong.
                 Self::send(
+                    &mut self.answered,
                     &mut connection.stream,
                     &Response::fault(e.status(), &e),
                     false,

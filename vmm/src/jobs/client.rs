@@ -84,6 +84,8 @@ const RANGE_OPS: [(&str, &str); 3] = [("op", "write"), ("op", "verify"), ("op", 
 pub enum ClientRequest {
     /// GET /: the VMM's name, version and commit (a ping).
     Info,
+    /// GET /metrics: counters and gauges in Prometheus' text format.
+    Metrics,
     /// GET /memory: KVM slots, limits and every region.
     Memory,
     /// PUT /memory/regions: add (hotplug) a region, checked by the test guest.
@@ -268,6 +270,7 @@ impl ClientRequest {
     pub fn http(&self) -> Result<(String, String, Option<Value>), String> {
         let (method, path, body) = match self {
             ClientRequest::Info => ("GET", "/".to_owned(), None),
+            ClientRequest::Metrics => ("GET", "/metrics".to_owned(), None),
             ClientRequest::Memory => ("GET", "/memory".to_owned(), None),
             ClientRequest::AddRegion {
                 size,
@@ -605,6 +608,7 @@ pub fn render(status: u16, body: &Value) -> String {
             }
             None => fields(&mut out, "", object),
         },
+        Value::String(text) => out.push_str(text),
         other => {
             let _ = writeln!(out, "{other}");
         }
