@@ -121,6 +121,11 @@ const GAUGES: [&[Gauge]; 5] = [
             "/bytes_sent",
         ),
         gauge(
+            "tinyvmm_migration_guest_memory_bytes",
+            "The guest memory the last migration moves.",
+            "/guest_memory_bytes",
+        ),
+        gauge(
             "tinyvmm_migration_pages_left",
             "Dirty pages the last migration's last harvest found.",
             "/pages_left",

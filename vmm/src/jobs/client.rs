@@ -441,7 +441,7 @@ pub fn exit_status(status: u16) -> u8 {
 const HEX_FIELDS: [&str; 3] = ["rip", "found", "expected"];
 
 /// Fields whose numbers are bytes, shown with a binary unit.
-const BYTE_FIELDS: [&str; 11] = [
+const BYTE_FIELDS: [&str; 12] = [
     "size",
     "slot_size",
     "max_guest_memory",
@@ -450,6 +450,7 @@ const BYTE_FIELDS: [&str; 11] = [
     "guest_memory",
     "metadata",
     "bytes_sent",
+    "guest_memory_bytes",
     "done_bytes",
     "page_size",
     "throughput_bytes_per_second",
