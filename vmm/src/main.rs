@@ -107,7 +107,8 @@ struct ServeArgs {
 /// The options of every subcommand that serves a test guest on an API socket.
 #[derive(clap::Args)]
 struct ApiArgs {
-    /// Path of the API socket (created 0600; a stale socket there is replaced).
+    /// Path of the API socket (created 0600; a stale socket there is replaced); `receive`
+    /// binds it at start and answers once the VM runs there.
     #[arg(long)]
     api_sock: std::path::PathBuf,
     /// Seconds a client connection may send nothing before it is answered 408 and closed
@@ -730,28 +731,18 @@ struct ReceiveArgs {
     /// Where to wait for the source: unix:PATH or tcp:HOST:PORT.
     #[arg(long)]
     listen: tinyvmm::migration::Endpoint,
-    /// Path of the API socket: bound at start, it answers once the VM runs here.
-    #[arg(long)]
-    api_sock: std::path::PathBuf,
-    /// Seconds a client connection may send nothing before it is answered 408 and closed
-    /// (fractions allowed).
-    #[arg(long, default_value = "30", value_parser = positive_seconds)]
-    idle_timeout: std::time::Duration,
-    /// Harvest dirty pages from per-vCPU rings of this many entries (for migrating onwards; a
-    /// power of two from 256 to KVM's maximum) [default: bitmaps]
-    #[arg(long)]
-    dirty_ring: Option<u32>,
+    /// The API socket, and the VM's limits and dirty-log mode (for migrating onwards).
     #[command(flatten)]
-    limits: LimitArgs,
+    api: ApiArgs,
 }
 
 fn receive(args: ReceiveArgs) -> ExitCode {
     let config = tinyvmm::jobs::receive::ReceiveConfig {
         listen: args.listen,
-        api_sock: args.api_sock,
-        idle_timeout: args.idle_timeout,
-        limits: Some(args.limits.resolve()),
-        dirty_ring: args.dirty_ring,
+        api_sock: args.api.api_sock,
+        idle_timeout: args.api.idle_timeout,
+        limits: Some(args.api.limits.resolve()),
+        dirty_ring: args.api.dirty_ring,
     };
     let listen = config.listen.to_string();
     let api = config.api_sock.display().to_string();

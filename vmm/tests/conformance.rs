@@ -301,6 +301,13 @@ impl<'a> Vmm<'a> {
         answer
     }
 
+    /// Sends each request the spec's request schema takes and expects its status.
+    fn steps(&self, steps: Vec<(u16, &str, &str, Option<Value>)>) {
+        for (status, method, path, body) in steps {
+            self.expect(status, method, path, body);
+        }
+    }
+
     /// Sends a body the spec's request schema refuses: the server must refuse it with a 400.
     fn malformed(&self, method: &str, path: &str, body: Value) {
         assert!(
@@ -490,45 +497,24 @@ fn kvm_every_documented_operation_answers_as_the_spec_says() {
     vmm.malformed("POST", "/dirty-log/harvest", json!({"vcpu": 0}));
 
     // The hotplug area: absent, configured, plugged.
-    vmm.expect(404, "GET", "/hotplug/memory", None);
-    vmm.expect(
-        404,
-        "PATCH",
-        "/hotplug/memory",
-        Some(json!({"requested_size_mib": 2})),
-    );
+    let area = json!({"total_size_mib": 64, "block_size_mib": 2});
+    let plug = |mib: i64| Some(json!({ "requested_size_mib": mib }));
+    vmm.steps(vec![
+        (404, "GET", "/hotplug/memory", None),
+        (404, "PATCH", "/hotplug/memory", plug(2)),
+        (
+            400,
+            "PUT",
+            "/hotplug/memory",
+            Some(json!({"total_size_mib": 64, "block_size_mib": 3})),
+        ),
+        (204, "PUT", "/hotplug/memory", Some(area.clone())),
+        (204, "PATCH", "/hotplug/memory", plug(4)),
+        // Plugged memory cannot be reconfigured.
+        (409, "PUT", "/hotplug/memory", Some(area)),
+        (400, "PATCH", "/hotplug/memory", plug(1024)),
+    ]);
     vmm.malformed("PUT", "/hotplug/memory", json!({"total_size_mib": 64}));
-    vmm.expect(
-        400,
-        "PUT",
-        "/hotplug/memory",
-        Some(json!({"total_size_mib": 64, "block_size_mib": 3})),
-    );
-    vmm.expect(
-        204,
-        "PUT",
-        "/hotplug/memory",
-        Some(json!({"total_size_mib": 64, "block_size_mib": 2})),
-    );
-    vmm.expect(
-        204,
-        "PATCH",
-        "/hotplug/memory",
-        Some(json!({"requested_size_mib": 4})),
-    );
-    // Plugged memory cannot be reconfigured.
-    vmm.expect(
-        409,
-        "PUT",
-        "/hotplug/memory",
-        Some(json!({"total_size_mib": 64, "block_size_mib": 2})),
-    );
-    vmm.expect(
-        400,
-        "PATCH",
-        "/hotplug/memory",
-        Some(json!({"requested_size_mib": 1024})),
-    );
     vmm.malformed(
         "PATCH",
         "/hotplug/memory",
@@ -669,26 +655,19 @@ fn kvm_every_documented_operation_answers_as_the_spec_says() {
         Some(json!({"destination": format!("unix:{}", held.display()), "timeout_s": 30})),
     );
     let (_destination, _) = listener.accept().expect("the source connects");
-    vmm.expect(
-        409,
-        "PUT",
-        "/migrate",
-        Some(json!({"destination": format!("unix:{}", held.display())})),
-    );
-    vmm.expect(409, "PUT", "/memory/regions", Some(json!({"size": 4096})));
-    vmm.expect(409, "PATCH", &region, Some(json!({"read_only": true})));
-    vmm.expect(409, "DELETE", &region, None);
-    vmm.expect(409, "PATCH", "/dirty-log", Some(json!({"enabled": true})));
-    vmm.expect(409, "POST", "/dirty-log/harvest", None);
-    vmm.expect(
-        409,
-        "PATCH",
-        "/hotplug/memory",
-        Some(json!({"requested_size_mib": 2})),
-    );
-    vmm.expect(409, "PUT", "/guest/command", Some(range("verify", 5)));
-    vmm.expect(409, "PATCH", "/vm", Some(json!({"state": "Paused"})));
-    vmm.expect(409, "PUT", "/snapshot/create", Some(snapshot("Full")));
+    let again = json!({"destination": format!("unix:{}", held.display())});
+    vmm.steps(vec![
+        (409, "PUT", "/migrate", Some(again)),
+        (409, "PUT", "/memory/regions", Some(json!({"size": 4096}))),
+        (409, "PATCH", &region, Some(json!({"read_only": true}))),
+        (409, "DELETE", &region, None),
+        (409, "PATCH", "/dirty-log", Some(json!({"enabled": true}))),
+        (409, "POST", "/dirty-log/harvest", None),
+        (409, "PATCH", "/hotplug/memory", plug(2)),
+        (409, "PUT", "/guest/command", Some(range("verify", 5))),
+        (409, "PATCH", "/vm", Some(json!({"state": "Paused"}))),
+        (409, "PUT", "/snapshot/create", Some(snapshot("Full"))),
+    ]);
     vmm.expect(200, "GET", "/migrate", None);
     vmm.expect(204, "PUT", "/migrate/cancel", None);
     wait_for_phase(&vmm, &["cancelled"]);

@@ -3,7 +3,7 @@
 use serde::{Deserialize, Serialize};
 
 /// What a migration does when its timeout comes before it converged.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Serialize, clap::ValueEnum)]
 #[serde(rename_all = "snake_case")]
 pub enum OnTimeout {
     /// Give up: the VM keeps running here.

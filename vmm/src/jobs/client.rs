@@ -9,6 +9,10 @@ use std::path::{Path, PathBuf};
 use serde_json::{json, Map, Value};
 
 use crate::api::client::{Client, ClientError};
+pub use crate::control::guest::GuestOp;
+pub use crate::control::memory::RegionBacking as Backing;
+pub use crate::control::migration::OnTimeout;
+pub use crate::control::snapshot::SnapshotType as SnapshotKind;
 
 /// `tinyvmm client`'s options: the socket, the output, and the request.
 #[derive(Debug, clap::Args)]
@@ -25,15 +29,6 @@ pub struct ClientArgs {
     pub request: ClientRequest,
 }
 
-/// A backing of a new region (`backing` of `PUT /memory/regions`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
-pub enum Backing {
-    /// Anonymous private memory.
-    Anonymous,
-    /// A memfd (shared; a local migration hands it over).
-    Memfd,
-}
-
 /// On or off.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
 pub enum Switch {
@@ -41,39 +36,6 @@ pub enum Switch {
     On,
     /// Stop.
     Off,
-}
-
-/// A test-guest command (`op` of `PUT /guest/command`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
-pub enum GuestOp {
-    /// Write `a ^ seed` at every stride-th address `a` of the range.
-    Write,
-    /// Check that every stride-th address holds `a ^ seed`.
-    Verify,
-    /// Keep writing passes over the range until `stop-loop` or `cancel`.
-    WriteLoop,
-    /// End the vCPU's write loop after its pass.
-    StopLoop,
-    /// End the vCPU's command where it is.
-    Cancel,
-}
-
-/// A snapshot's kind (`snapshot_type` of `PUT /snapshot/create`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
-pub enum SnapshotKind {
-    /// Every page that holds data; starts a chain.
-    Full,
-    /// The pages dirtied since the chain's last snapshot.
-    Diff,
-}
-
-/// What a migration does at its timeout (`on_timeout` of `PUT /migrate`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
-pub enum OnTimeout {
-    /// Give up: the VM runs on here.
-    Cancel,
-    /// Pause the VM and send the rest.
-    Force,
 }
 
 /// The guest commands over a range, which need `--start` and `--end`.
@@ -283,10 +245,7 @@ impl ClientRequest {
             } => {
                 let mut body = json!({
                     "size": size,
-                    "backing": match backing {
-                        Backing::Anonymous => "anonymous",
-                        Backing::Memfd => "memfd",
-                    },
+                    "backing": backing,
                     "read_only": read_only,
                     "dirty_log": dirty_log,
                     "guest_check": !no_guest_check,
@@ -340,14 +299,9 @@ impl ClientRequest {
                 vcpu,
             } => {
                 let body = match op {
-                    GuestOp::StopLoop => json!({"op": "stop_loop", "vcpu": vcpu}),
-                    GuestOp::Cancel => json!({"op": "cancel", "vcpu": vcpu}),
+                    GuestOp::StopLoop | GuestOp::Cancel => json!({"op": op, "vcpu": vcpu}),
                     GuestOp::Write | GuestOp::Verify | GuestOp::WriteLoop => json!({
-                        "op": match op {
-                            GuestOp::Write => "write",
-                            GuestOp::Verify => "verify",
-                            _ => "write_loop",
-                        },
+                        "op": op,
                         "start": start.unwrap_or(0), "end": end.unwrap_or(0),
                         "stride": stride, "seed": seed, "vcpu": vcpu,
                     }),
@@ -362,10 +316,7 @@ impl ClientRequest {
                 "PUT",
                 "/snapshot/create".to_owned(),
                 Some(json!({
-                    "snapshot_type": match kind {
-                        SnapshotKind::Full => "Full",
-                        SnapshotKind::Diff => "Diff",
-                    },
+                    "snapshot_type": kind,
                     "snapshot_path": snapshot,
                     "mem_file_path": mem_file,
                 })),
@@ -386,10 +337,7 @@ impl ClientRequest {
                     "destination": destination,
                     "downtime_ms": downtime_ms,
                     "timeout_s": timeout_s,
-                    "on_timeout": match on_timeout {
-                        OnTimeout::Cancel => "cancel",
-                        OnTimeout::Force => "force",
-                    },
+                    "on_timeout": on_timeout,
                     "local": local,
                 })),
             ),
