@@ -120,6 +120,10 @@ struct ApiArgs {
     /// what was dirtied [default: bitmaps]
     #[arg(long)]
     dirty_ring: Option<u32>,
+    /// Log every API request on stderr: method, path, status, time and a refusal's message
+    /// (state changes are logged either way).
+    #[arg(long)]
+    log_requests: bool,
     #[command(flatten)]
     limits: LimitArgs,
 }
@@ -737,6 +741,7 @@ struct ReceiveArgs {
 }
 
 fn receive(args: ReceiveArgs) -> ExitCode {
+    tinyvmm::api::server::log_requests(args.api.log_requests);
     let config = tinyvmm::jobs::receive::ReceiveConfig {
         listen: args.listen,
         api_sock: args.api.api_sock,
@@ -827,6 +832,7 @@ fn usage_error(subcommand: &str, message: &str) -> ExitCode {
 }
 
 fn serve_config(args: ServeArgs, restore: Option<tinyvmm::jobs::restore::RestoreFrom>) -> ExitCode {
+    tinyvmm::api::server::log_requests(args.api.log_requests);
     let config = tinyvmm::jobs::serve::ServeConfig {
         api_sock: args.api.api_sock,
         slots: args.slots,

@@ -321,3 +321,58 @@ fn completions_and_man_pages_come_from_the_command_line() {
     assert!(dir.join("tinyvmm.1").exists() && dir.join("tinyvmm-client-add-region.1").exists());
     std::fs::remove_dir_all(&dir).expect("cleaned up");
 }
+
+#[test]
+fn kvm_log_requests_logs_each_request_with_its_status() {
+    if !kvm_test_support::require_kvm("tinyvmm::kvm_log_requests_logs_each_request_with_its_status")
+    {
+        return;
+    }
+    let socket = std::env::temp_dir().join(format!("tinyvmm-cli-log-{}.sock", std::process::id()));
+    let sock = socket.to_str().expect("a UTF-8 path");
+    let vmm = Command::new(env!("CARGO_BIN_EXE_tinyvmm"))
+        .args([
+            "serve",
+            "--api-sock",
+            sock,
+            "--mem-mib",
+            "0",
+            "--slots",
+            "1",
+            "--log-requests",
+        ])
+        .stdin(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("tinyvmm serve starts");
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    while !socket.exists() {
+        assert!(std::time::Instant::now() < deadline, "no socket");
+        std::thread::sleep(std::time::Duration::from_millis(10));
+    }
+    for (args, status) in [
+        (&["vm"][..], 0),
+        (&["remove-region", "0"], 4),
+        (&["stop"], 0),
+    ] {
+        let client = tinyvmm(&[&["client", "--api-sock", sock][..], args].concat());
+        assert_eq!(client.status.code(), Some(status), "{args:?}");
+    }
+    let output = vmm.wait_with_output().expect("tinyvmm serve ends");
+    assert!(output.status.success());
+    let log = text(&output.stderr);
+    for line in [
+        "tinyvmm: api: GET /vm -> 200 in ",
+        "tinyvmm: api: DELETE /memory/regions/0 -> 409 in ",
+        "tinyvmm: api: PUT /actions -> 204 in ",
+    ] {
+        assert!(
+            log.lines().any(|l| l.starts_with(line)),
+            "{line} in:\n{log}"
+        );
+    }
+    assert!(
+        log.contains(" ms: region 0 holds the guest's code"),
+        "{log}"
+    );
+}

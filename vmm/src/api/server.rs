@@ -8,6 +8,7 @@ use std::os::fd::{AsRawFd, RawFd};
 use std::os::unix::fs::{FileTypeExt, PermissionsExt};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use event_manager::{EventOps, EventSet, Events, MutEventSubscriber};
@@ -110,6 +111,35 @@ struct Connection {
     waiting: Option<(Ticket, bool)>,
     /// Whether the request being received was sent `100 Continue` already.
     continued: bool,
+    /// The deferred request's method and path and when it came, for the request log.
+    deferred: Option<(String, Instant)>,
+}
+
+/// Whether every request is logged on stderr ([`log_requests`]).
+static LOG_REQUESTS: AtomicBool = AtomicBool::new(false);
+
+/// Logs every request of every API socket of the process on stderr from now on (`on`), with
+/// its status, time and, for a refusal, its message; or stops.
+pub fn log_requests(on: bool) {
+    LOG_REQUESTS.store(on, Ordering::Relaxed);
+}
+
+/// Logs `request` (method and path) answered with `response` after `since`, if asked to.
+fn log_request(request: &str, response: &Response, since: Instant) {
+    if !LOG_REQUESTS.load(Ordering::Relaxed) {
+        return;
+    }
+    let fault = response
+        .body
+        .as_ref()
+        .and_then(|b| b["fault_message"].as_str())
+        .map(|m| format!(": {m}"))
+        .unwrap_or_default();
+    eprintln!(
+        "tinyvmm: api: {request} -> {} in {:.1} ms{fault}",
+        response.status,
+        since.elapsed().as_secs_f64() * 1e3
+    );
 }
 
 /// What serving a connection's requests left it as.
@@ -263,10 +293,14 @@ impl<C: Apply> ApiServer<C> {
         };
         let keep_alive = connection.waiting.take().is_some_and(|(_, keep)| keep);
         connection.last_active = Instant::now();
+        let response = respond(outcome);
+        if let Some((request, since)) = connection.deferred.take() {
+            log_request(&request, &response, since);
+        }
         if !Self::send(
             &mut self.answered,
             &mut connection.stream,
-            &respond(outcome),
+            &response,
             keep_alive,
         ) || !keep_alive
             || ops
@@ -329,6 +363,7 @@ impl<C: Apply> ApiServer<C> {
                                 last_active: Instant::now(),
                                 waiting: None,
                                 continued: false,
+                                deferred: None,
                             },
                         );
                     }
@@ -454,6 +489,7 @@ impl<C: Apply> ApiServer<C> {
                 Ok(Parsed::Complete(request, used)) => {
                     connection.buffer.drain(..used);
                     connection.continued = false;
+                    let since = Instant::now();
                     let outcome = if request.method == "GET"
                         && request.path.trim_end_matches('/') == "/metrics"
                     {
@@ -468,12 +504,19 @@ impl<C: Apply> ApiServer<C> {
                             // The answer comes later (`deliver`); nothing more of this
                             // connection is served until then.
                             connection.waiting = Some((ticket, request.keep_alive));
+                            connection.deferred =
+                                Some((format!("{} {}", request.method, request.path), since));
                             self.waiting.insert(ticket, fd);
                             return Served::Waiting;
                         }
                         Ok(outcome) => respond(outcome),
                         Err(refusal) => refusal,
                     };
+                    log_request(
+                        &format!("{} {}", request.method, request.path),
+                        &response,
+                        since,
+                    );
                     if !Self::send(
                         &mut self.answered,
                         &mut connection.stream,
@@ -485,12 +528,13 @@ impl<C: Apply> ApiServer<C> {
                     }
                 }
                 Err(e) => {
-                    Self::send(
-                        &mut self.answered,
-                        &mut connection.stream,
-                        &Response::fault(e.status(), &e),
-                        false,
+                    let refusal = Response::fault(e.status(), &e);
+                    log_request(
+                        "(a request that cannot be framed)",
+                        &refusal,
+                        Instant::now(),
                     );
+                    Self::send(&mut self.answered, &mut connection.stream, &refusal, false);
                     return Served::Close;
                 }
             }
