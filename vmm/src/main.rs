@@ -4,7 +4,7 @@ use std::process::ExitCode;
 
 use clap::{CommandFactory, Parser, Subcommand};
 use kvm_memslots::MemoryLimits;
-use tinyvmm::jobs::check::{run_check, CheckConfig};
+use tinyvmm::jobs::check::{run_check_with_progress, CheckConfig};
 use tinyvmm::lifecycle::{run_job, Ending};
 
 /// The exit status of a usage error (an unknown option, a value out of its range), distinct
@@ -368,7 +368,15 @@ fn check(args: CheckArgs) -> ExitCode {
         vcpus: args.vcpus,
         limits: Some(args.limits.resolve()),
     };
-    let outcome = run_job(move |ctx| run_check(config, &ctx.stop, &ctx.vcpu_stopped));
+    // Progress lines on a terminal only: a log or a pipe gets the report alone.
+    let terminal = std::io::IsTerminal::is_terminal(&std::io::stderr());
+    let outcome = run_job(move |ctx| {
+        run_check_with_progress(config, &ctx.stop, &ctx.vcpu_stopped, &mut |step| {
+            if terminal {
+                eprintln!("tinyvmm: {step}...");
+            }
+        })
+    });
     match job_report(outcome, "", args.json) {
         Ok(report) => {
             print_report(&report, args.json, true, "all checks passed");

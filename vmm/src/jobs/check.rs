@@ -81,11 +81,26 @@ pub fn run_check(
     stop: &AtomicBool,
     stopped: &Arc<EventFd>,
 ) -> Result<CheckReport, CheckError> {
+    run_check_with_progress(config, stop, stopped, &mut |_| {})
+}
+
+/// [`run_check`], telling `progress` what each step is about to do (the slot set-up alone
+/// takes seconds at KVM's maximum slot count).
+pub fn run_check_with_progress(
+    config: CheckConfig,
+    stop: &AtomicBool,
+    stopped: &Arc<EventFd>,
+    progress: &mut dyn FnMut(&str),
+) -> Result<CheckReport, CheckError> {
     let vm = TestVm::with_options(VmOptions {
         limits: config.limits,
         ..VmOptions::default()
     })?;
     vm.check_slot_count(config.slots)?;
+    progress(&format!(
+        "creating {} test slots in KVM",
+        config.slots.saturating_sub(1)
+    ));
     let start = Instant::now();
     let area = TestArea::add(
         vm.memory(),
@@ -95,6 +110,10 @@ pub fn run_check(
     )?;
     let slot_setup = start.elapsed();
     let mut vcpus = vm.start_vcpus(config.vcpus, stopped)?;
+    progress(&format!(
+        "checking both ends of every slot, guest then host ({} addresses each way)",
+        2 * area.slots
+    ));
     let result = check_area(&vm, &mut vcpus, &area, stop);
     let shutdown = vcpus.shut_down();
     let (guest_write, host_check, host_write, guest_check) = result?;
