@@ -9,6 +9,11 @@ cd "$(dirname "$0")/.."
 
 bash resources/setup-host.sh
 
+# The API's contract: docs/api.yaml must be valid OpenAPI 3 (the conformance test,
+# vmm/tests/conformance.rs, then holds the server to it, reading it with this Python).
+export TINYVMM_PYTHON="$PWD/target/spec-venv/bin/python"
+"$TINYVMM_PYTHON" -m openapi_spec_validator docs/api.yaml
+
 # Debian's stock kernel for the boot tests (vmm/tests/boot.rs); they skip loudly without it.
 if ! kernel=$(bash resources/fetch-kernel.sh); then
     echo "warning: Debian's kernel could not be fetched: the boot tests will be SKIPPED" >&2

@@ -32,7 +32,7 @@ def kernel_paths():
 
 def one_run(binary, kernel, slots, mem_mib, timeout):
     args = [binary, "boot", "--kernel", kernel, "--mem-mib", str(mem_mib),
-            "--mem-slots", str(slots), "--cmdline", CMDLINE, "--quiet",
+            "--slots", str(slots), "--cmdline", CMDLINE, "--quiet",
             "--timeout", str(timeout)]
     start = time.monotonic()
     proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,

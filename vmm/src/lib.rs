@@ -13,7 +13,7 @@
 //! | [`test_guest`] | the built-in ring-3 test guest: its layout, command protocol, ports and controller |
 //! | [`linux`] | booting a Linux kernel: configuration, e820, loading, CPU set-up, its controller |
 //! | [`api`] | the API socket: HTTP/1.1 + JSON on a Unix socket, onto a controller |
-//! | [`jobs`] | the product's subcommands: check, serve, restore, receive, boot, on one run loop |
+//! | [`jobs`] | the product's subcommands: check, serve, restore, receive, boot, on one run loop, and client |
 //! | [`bench`](mod@bench) | the measurement harnesses: perf suite, stress, harvest and snapshot benches |
 //!
 //! Each module uses only modules listed before it (`vmm/tests/layers.rs` checks this against the
@@ -30,3 +30,10 @@ pub mod migration;
 pub mod snapshot;
 pub mod test_guest;
 pub mod vm;
+
+/// This build's version (the crate's).
+pub const VERSION: &str = env!("CARGO_PKG_VERSION");
+
+/// The commit this binary was built from (`git rev-parse --short=12 HEAD` at build time), or
+/// `unknown` when it was not built from a git checkout.
+pub const COMMIT: &str = env!("TINYVMM_COMMIT");

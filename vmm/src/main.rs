@@ -2,16 +2,28 @@
 
 use std::process::ExitCode;
 
-use clap::{Parser, Subcommand};
+use clap::{CommandFactory, Parser, Subcommand};
 use kvm_memslots::MemoryLimits;
-use tinyvmm::jobs::check::{run_check, CheckConfig};
+use tinyvmm::jobs::check::{run_check_with_progress, CheckConfig};
 use tinyvmm::lifecycle::{run_job, Ending};
+
+/// The exit status of a usage error (an unknown option, a value out of its range), distinct
+/// from every outcome of a run (sysexits' `EX_USAGE`).
+const USAGE_EXIT_STATUS: u8 = 64;
+
+/// Most vCPUs of the test guest.
+const TEST_GUEST_VCPUS: usize = tinyvmm::test_guest::layout::MAX_VCPUS;
 
 #[derive(Parser)]
 #[command(
     name = "tinyvmm",
-    version,
-    about = "A tiny VMM that runs a test guest across tens of thousands of KVM memory slots"
+    version = concat!(env!("CARGO_PKG_VERSION"), " (commit ", env!("TINYVMM_COMMIT"), ")"),
+    about = "A tiny VMM that runs a test guest across tens of thousands of KVM memory slots",
+    after_help = "Exit status: 0 done, 1 a failure (named on stderr), 64 a usage error, 130 a \
+                  signal; serve, restore and receive also 4 (stopped after the guest failed); \
+                  boot also 2 (the guest stopped on an error), 3 (KVM_EXIT_INTERNAL_ERROR) and \
+                  124 (--timeout). `--json` prints JSON alone on stdout (durations in ms, \
+                  \"passed\": true or false) and the human report on stderr."
 )]
 struct Cli {
     #[command(subcommand)]
@@ -51,49 +63,83 @@ enum Commands {
     /// Boot a Linux kernel (bzImage or ELF vmlinux) with its RAM split into KVM slots; the
     /// serial console is stdout (and stdin on a terminal). See docs/BOOT.md.
     Boot(BootArgs),
+    /// Send one request to a running VMM's API socket (every endpoint of docs/api.yaml): the
+    /// answer as a table, or with --json its JSON body alone; exit status 0 for 2xx, 4 for
+    /// 4xx, 5 for 5xx, 1 when the socket cannot be reached.
+    Client(tinyvmm::jobs::client::ClientArgs),
+    /// Print a completion script for a shell, e.g. `tinyvmm completions bash >
+    /// /etc/bash_completion.d/tinyvmm`.
+    Completions {
+        /// The shell.
+        #[arg(value_enum)]
+        shell: clap_complete::Shell,
+    },
+    /// Write man pages generated from this command line: tinyvmm.1 and one per subcommand
+    /// (tinyvmm-serve.1, ...); `man -l DIR/tinyvmm.1` reads one.
+    Man {
+        /// The folder to write them into (created if missing).
+        #[arg(long, default_value = "target/man")]
+        dir: std::path::PathBuf,
+    },
 }
 
+/// The test guest `serve` starts, and its API socket.
 #[derive(clap::Args)]
 struct ServeArgs {
-    /// Path of the API socket (created 0600; a stale socket there is replaced).
-    #[arg(long)]
-    api_sock: std::path::PathBuf,
-    /// KVM slots at start: the system region's plus the initial memory's.
-    #[arg(long, default_value_t = 2)]
+    /// KVM slots at start: the system region's plus the initial memory's (at least 2 with
+    /// initial memory; 1 with --mem-mib 0).
+    #[arg(long, default_value_t = 2, value_parser = slot_count(1))]
     slots: usize,
     /// MiB of initial memory at 256 MiB, split over the other slots (0: none).
-    #[arg(long, default_value_t = 256)]
+    #[arg(long, alias = "area-mib", default_value_t = 256)]
     mem_mib: u64,
     /// vCPUs of the test guest (1 to 15).
-    #[arg(long, default_value_t = 1)]
+    #[arg(long, default_value_t = 1, value_parser = test_guest_vcpus)]
     vcpus: usize,
-    /// Seconds a client connection may send nothing before it is answered 408 and closed.
-    #[arg(long, default_value_t = 30.0)]
-    idle_timeout: f64,
-    /// Harvest dirty pages from per-vCPU rings of this many entries (a power of two, 16 bytes
-    /// each) instead of per-slot bitmaps: a harvest then costs what was dirtied.
-    #[arg(long)]
-    dirty_ring: Option<u32>,
     /// Put the initial memory in a memfd (shared; a local migration hands it over instead of
     /// copying it) rather than in anonymous memory.
     #[arg(long)]
     memfd: bool,
+    #[command(flatten)]
+    api: ApiArgs,
+}
+
+/// The options of every subcommand that serves a test guest on an API socket.
+#[derive(clap::Args)]
+struct ApiArgs {
+    /// Path of the API socket (created 0600; a stale socket there is replaced); `receive`
+    /// binds it at start and answers once the VM runs there.
+    #[arg(long)]
+    api_sock: std::path::PathBuf,
+    /// Seconds a client connection may send nothing before it is answered 408 and closed
+    /// (fractions allowed).
+    #[arg(long, default_value = "30", value_parser = positive_seconds)]
+    idle_timeout: std::time::Duration,
+    /// Harvest dirty pages from per-vCPU rings of this many entries (a power of two from 256
+    /// to KVM's maximum, 16 bytes each) instead of per-slot bitmaps: a harvest then costs
+    /// what was dirtied [default: bitmaps]
+    #[arg(long)]
+    dirty_ring: Option<u32>,
+    /// Log every API request on stderr: method, path, status, time and a refusal's message
+    /// (state changes are logged either way).
+    #[arg(long)]
+    log_requests: bool,
     #[command(flatten)]
     limits: LimitArgs,
 }
 
 #[derive(clap::Args)]
 struct CheckArgs {
-    /// KVM slots in all (one holds the guest's code and tables).
-    #[arg(long, default_value_t = 4096)]
+    /// KVM slots in all (2 to KVM's maximum; one holds the guest's code and tables).
+    #[arg(long, default_value_t = 4096, value_parser = slot_count(2))]
     slots: usize,
-    /// MiB of test area split over the other slots.
-    #[arg(long, default_value_t = 512)]
-    area_mib: u64,
+    /// MiB of test memory split over the other slots.
+    #[arg(long, alias = "area-mib", default_value_t = 512)]
+    mem_mib: u64,
     /// vCPUs sharing the work (1 to 15).
-    #[arg(long, default_value_t = 1)]
+    #[arg(long, default_value_t = 1, value_parser = test_guest_vcpus)]
     vcpus: usize,
-    /// Also print the report as JSON.
+    /// Print the report as JSON alone on stdout (the human report goes to stderr).
     #[arg(long)]
     json: bool,
     #[command(flatten)]
@@ -104,7 +150,7 @@ impl Default for CheckArgs {
     fn default() -> Self {
         CheckArgs {
             slots: 4096,
-            area_mib: 512,
+            mem_mib: 512,
             vcpus: 1,
             json: false,
             limits: LimitArgs::default(),
@@ -112,62 +158,118 @@ impl Default for CheckArgs {
     }
 }
 
-/// The job's report, or the exit status for how it failed, with the failure named on stderr:
-/// 130 when a signal interrupted it, 1 otherwise.
-fn job_report<R, E: std::fmt::Display>(
-    outcome: Result<(Result<R, E>, Ending), tinyvmm::lifecycle::LoopError>,
-    failed: &str,
-) -> Result<R, ExitCode> {
-    match outcome {
-        Ok((Ok(report), _)) => Ok(report),
-        Ok((Err(e), Ending::Interrupted)) => {
-            eprintln!("tinyvmm: interrupted: {e}");
-            Err(ExitCode::from(130))
-        }
-        Ok((Err(e), Ending::Finished | Ending::GuestFailed)) => {
-            eprintln!("tinyvmm: {failed}{e}");
-            Err(ExitCode::FAILURE)
-        }
-        Err(e) => {
-            eprintln!("tinyvmm: {e}");
-            Err(ExitCode::FAILURE)
-        }
+/// `--vcpus` of the test guest: 1 to its maximum.
+fn test_guest_vcpus(value: &str) -> Result<usize, String> {
+    match value.parse() {
+        Ok(n) if (1..=TEST_GUEST_VCPUS).contains(&n) => Ok(n),
+        _ => Err(format!(
+            "{value} is not a vCPU count of the test guest: 1 to {TEST_GUEST_VCPUS}"
+        )),
     }
 }
 
-/// Prints `report` (also as JSON with `json`) and the closing line of a successful run.
+/// `--slots`: a KVM slot count, at least `min` (KVM's maximum is checked when the VM exists).
+fn slot_count(min: usize) -> impl Fn(&str) -> Result<usize, String> + Clone {
+    move |value| match value.parse() {
+        Ok(n) if n >= min => Ok(n),
+        _ => Err(format!(
+            "{value} is not a KVM slot count: {min} to KVM's maximum"
+        )),
+    }
+}
+
+/// A positive number of seconds, fractions allowed.
+fn positive_seconds(value: &str) -> Result<std::time::Duration, String> {
+    value
+        .parse::<f64>()
+        .ok()
+        .and_then(|s| std::time::Duration::try_from_secs_f64(s).ok())
+        .filter(|d| !d.is_zero())
+        .ok_or_else(|| format!("{value} is not a positive number of seconds"))
+}
+
+/// The job's report, or the exit status for how it failed, with the failure named on stderr
+/// (and with `json`, on stdout as `{"passed": false, "error": ...}`): 130 when a signal
+/// interrupted it, 1 otherwise.
+fn job_report<R, E: std::fmt::Display>(
+    outcome: Result<(Result<R, E>, Ending), tinyvmm::lifecycle::LoopError>,
+    failed: &str,
+    json: bool,
+) -> Result<R, ExitCode> {
+    let (message, code) = match outcome {
+        Ok((Ok(report), _)) => return Ok(report),
+        Ok((Err(e), Ending::Interrupted)) => {
+            let e = e.to_string();
+            let message = if e.starts_with("interrupted") {
+                e
+            } else {
+                format!("interrupted: {e}")
+            };
+            (message, 130)
+        }
+        Ok((Err(e), Ending::Finished | Ending::GuestFailed)) => (format!("{failed}{e}"), 1),
+        Err(e) => (e.to_string(), 1),
+    };
+    eprintln!("tinyvmm: {message}");
+    if json {
+        print_json(false, serde_json::json!({ "error": message }));
+    }
+    Err(ExitCode::from(code))
+}
+
+/// Prints `fields` (a JSON object) with `"passed"` added, alone on stdout: what `--json`
+/// prints on every subcommand.
+fn print_json(passed: bool, mut fields: serde_json::Value) {
+    if let Some(object) = fields.as_object_mut() {
+        object.insert("passed".into(), passed.into());
+    }
+    println!(
+        "{}",
+        serde_json::to_string_pretty(&fields).expect("a JSON value prints")
+    );
+}
+
+/// Prints `report`: the human report on stdout, or with `json` the JSON on stdout and the
+/// human report on stderr; then `closing`, the line that says the run passed.
 fn print_report<R: std::fmt::Display + serde::Serialize>(
     report: &R,
     json: bool,
+    passed: bool,
     closing: &str,
-) -> ExitCode {
-    println!("{report}");
+) {
     if json {
-        println!(
-            "{}",
-            serde_json::to_string_pretty(report).expect("the report is JSON")
+        eprintln!("{report}");
+        print_json(
+            passed,
+            serde_json::to_value(report).expect("the report is JSON"),
         );
+        if !closing.is_empty() {
+            eprintln!("{closing}");
+        }
+    } else {
+        println!("{report}");
+        if !closing.is_empty() {
+            println!("{closing}");
+        }
     }
-    println!("{closing}");
-    ExitCode::SUCCESS
 }
 
 /// The admission limits of guest memory (`kvm_memslots::MemoryLimits`), for every subcommand.
 #[derive(clap::Args, Default)]
 struct LimitArgs {
-    /// Most guest memory in all regions, in MiB (default: 4 × the host's RAM, at least 64 GiB).
+    /// Most guest memory in all regions, in MiB [default: 4 × the host's RAM, at least 64 GiB]
     #[arg(long)]
     max_guest_mib: Option<u64>,
-    /// Largest single region, in MiB (default: the guest-memory limit).
+    /// Largest single region, in MiB [default: the guest-memory limit]
     #[arg(long)]
     max_region_mib: Option<u64>,
     /// Most host memory KVM and the manager may spend on guest-memory metadata (bitmaps,
-    /// KVM's per-page arrays: about 1/490 of the guest memory), in MiB (default: 1/8 of the
-    /// host's RAM).
+    /// KVM's per-page arrays: about 1/490 of the guest memory), in MiB [default: 1/8 of the
+    /// host's RAM]
     #[arg(long)]
     max_metadata_mib: Option<u64>,
     /// Most KVM slots guest memory may use, below KVM's number (a budget for vhost-user
-    /// backends' memory tables, say): changes past it are refused (default: KVM's number).
+    /// backends' memory tables, say): changes past it are refused [default: KVM's number]
     #[arg(long)]
     max_slots: Option<u64>,
 }
@@ -188,7 +290,18 @@ impl LimitArgs {
 }
 
 fn main() -> ExitCode {
-    let cli = Cli::parse();
+    let cli = match Cli::try_parse() {
+        Ok(cli) => cli,
+        Err(e) => {
+            // --help and --version are answers, on stdout; anything else is a usage error.
+            let _ = e.print();
+            return if e.use_stderr() {
+                ExitCode::from(USAGE_EXIT_STATUS)
+            } else {
+                ExitCode::SUCCESS
+            };
+        }
+    };
     raise_open_file_limit();
     match cli.command.unwrap_or(Commands::Check(CheckArgs::default())) {
         Commands::Check(args) => check(args),
@@ -201,6 +314,17 @@ fn main() -> ExitCode {
         Commands::Serve(args) => serve(args),
         Commands::Receive(args) => receive(args),
         Commands::Boot(args) => boot(args),
+        Commands::Client(args) => client(args),
+        Commands::Completions { shell } => {
+            clap_complete::generate(
+                shell,
+                &mut Cli::command(),
+                "tinyvmm",
+                &mut std::io::stdout(),
+            );
+            ExitCode::SUCCESS
+        }
+        Commands::Man { dir } => man(&dir),
     }
 }
 
@@ -240,38 +364,52 @@ fn raise_open_file_limit() {
 fn check(args: CheckArgs) -> ExitCode {
     let config = CheckConfig {
         slots: args.slots,
-        area_size: args.area_mib << 20,
+        area_size: args.mem_mib.saturating_mul(1 << 20),
         vcpus: args.vcpus,
         limits: Some(args.limits.resolve()),
     };
-    let outcome = run_job(move |ctx| run_check(config, &ctx.stop, &ctx.vcpu_stopped));
-    match job_report(outcome, "") {
-        Ok(report) => print_report(&report, args.json, "all checks passed"),
+    // Progress lines on a terminal only: a log or a pipe gets the report alone.
+    let terminal = std::io::IsTerminal::is_terminal(&std::io::stderr());
+    let outcome = run_job(move |ctx| {
+        run_check_with_progress(config, &ctx.stop, &ctx.vcpu_stopped, &mut |step| {
+            if terminal {
+                eprintln!("tinyvmm: {step}...");
+            }
+        })
+    });
+    match job_report(outcome, "", args.json) {
+        Ok(report) => {
+            print_report(&report, args.json, true, "all checks passed");
+            ExitCode::SUCCESS
+        }
         Err(code) => code,
     }
 }
 
 #[derive(clap::Args)]
 struct BenchArgs {
-    /// KVM slot counts, comma-separated (each 2 to KVM's maximum; default: KVM's maximum).
-    #[arg(long, value_delimiter = ',')]
+    /// KVM slot counts, comma-separated (each 2 to KVM's maximum) [default: KVM's maximum]
+    #[arg(long, value_delimiter = ',', value_parser = slot_count(2))]
     slots: Vec<usize>,
-    /// MiB of test area for the move and RW tests (map uses 32 MiB, unmap 128 MiB).
-    #[arg(long, default_value_t = 512)]
-    area_mib: u64,
+    /// MiB of test memory for the move and RW tests (map uses 32 MiB, unmap 128 MiB).
+    #[arg(long, alias = "area-mib", default_value_t = 512)]
+    mem_mib: u64,
     /// Seconds each test repeats its iteration (fractions allowed).
-    #[arg(long, default_value_t = 5.0)]
-    seconds: f64,
+    #[arg(long, default_value = "5", value_parser = positive_seconds)]
+    seconds: std::time::Duration,
     /// Runs of each test at each slot count.
     #[arg(long, default_value_t = 1)]
     runs: usize,
-    /// Tests, comma-separated (default: all): map, unmap, unmap-chunked, move-active,
-    /// move-inactive, rw.
+    /// Tests, comma-separated: map, unmap, unmap-chunked, move-active, move-inactive, rw
+    /// [default: all]
     #[arg(long, value_delimiter = ',')]
     tests: Vec<tinyvmm::bench::perf::Scenario>,
     /// Where to write the results as JSON.
     #[arg(long, default_value = "target/bench/tinyvmm-perf.json")]
-    json: std::path::PathBuf,
+    out: std::path::PathBuf,
+    /// Print the results as JSON alone on stdout (the table goes to stderr).
+    #[arg(long)]
+    json: bool,
     /// Keep KVM's KVM_X86_QUIRK_SLOT_ZAP_ALL (every guest mapping dropped when any slot is
     /// deleted or moved) instead of turning it off where KVM allows: to compare the two.
     #[arg(long)]
@@ -283,8 +421,8 @@ struct BenchArgs {
 fn bench(args: BenchArgs) -> ExitCode {
     let config = tinyvmm::bench::perf::PerfConfig {
         slots: args.slots,
-        area_size: args.area_mib.saturating_mul(1 << 20),
-        seconds: args.seconds,
+        area_size: args.mem_mib.saturating_mul(1 << 20),
+        seconds: args.seconds.as_secs_f64(),
         runs: args.runs,
         scenarios: args.tests,
         limits: Some(args.limits.resolve()),
@@ -295,12 +433,12 @@ fn bench(args: BenchArgs) -> ExitCode {
             eprintln!("{p}")
         })
     });
-    let report = match job_report(outcome, "") {
+    let report = match job_report(outcome, "", args.json) {
         Ok(report) => report,
         Err(code) => return code,
     };
-    println!("{report}");
-    if write_json(&args.json, &report) != ExitCode::SUCCESS {
+    print_report(&report, args.json, !report.interrupted, "");
+    if write_json(&args.out, &report) != ExitCode::SUCCESS {
         return ExitCode::FAILURE;
     }
     if report.interrupted {
@@ -312,21 +450,24 @@ fn bench(args: BenchArgs) -> ExitCode {
 
 #[derive(clap::Args)]
 struct HarvestArgs {
-    /// KVM slots in all (default: KVM's maximum).
-    #[arg(long)]
+    /// KVM slots in all (2 to KVM's maximum) [default: KVM's maximum]
+    #[arg(long, value_parser = slot_count(2))]
     slots: Option<usize>,
     /// MiB of logged guest memory split over the slots.
-    #[arg(long, default_value_t = 1024)]
-    area_mib: u64,
-    /// Entries per vCPU ring in ring mode (a power of two).
-    #[arg(long, default_value_t = 65536)]
-    ring_entries: u32,
+    #[arg(long, alias = "area-mib", default_value_t = 1024)]
+    mem_mib: u64,
+    /// Entries per vCPU ring in ring mode (a power of two from 256 to KVM's maximum).
+    #[arg(long, alias = "ring-entries", default_value_t = 65536)]
+    dirty_ring: u32,
     /// Repetitions per share of dirtied pages.
     #[arg(long, default_value_t = 5)]
     runs: usize,
     /// Where to write the results as JSON.
     #[arg(long, default_value = "target/bench/tinyvmm-harvest.json")]
-    json: std::path::PathBuf,
+    out: std::path::PathBuf,
+    /// Print the results as JSON alone on stdout (the table goes to stderr).
+    #[arg(long)]
+    json: bool,
     #[command(flatten)]
     limits: LimitArgs,
 }
@@ -345,18 +486,18 @@ fn harvest_bench(args: HarvestArgs) -> ExitCode {
     };
     let config = HarvestConfig {
         slots,
-        area_size: args.area_mib.saturating_mul(1 << 20),
-        ring_entries: args.ring_entries,
+        area_size: args.mem_mib.saturating_mul(1 << 20),
+        ring_entries: args.dirty_ring,
         runs: args.runs,
         limits: Some(args.limits.resolve()),
     };
     let outcome = run_job(move |ctx| run_harvest_bench(&config, &ctx.stop, &ctx.vcpu_stopped));
-    let report = match job_report(outcome, "") {
+    let report = match job_report(outcome, "", args.json) {
         Ok(report) => report,
         Err(code) => return code,
     };
-    println!("{report}");
-    write_json(&args.json, &report)
+    print_report(&report, args.json, true, "");
+    write_json(&args.out, &report)
 }
 
 /// Writes `report` as JSON to `path` (creating its folder).
@@ -382,7 +523,7 @@ fn write_json<R: serde::Serialize>(path: &std::path::Path, report: &R) -> ExitCo
 #[derive(clap::Args)]
 struct StressArgs {
     /// Writer vCPUs (1 to 15); with fewer than 15, one more vCPU verifies alongside them.
-    #[arg(long, default_value_t = 2)]
+    #[arg(long, default_value_t = 2, value_parser = test_guest_vcpus)]
     vcpus: usize,
     /// KiB of memory each writer writes.
     #[arg(long, default_value_t = 4096)]
@@ -397,13 +538,13 @@ struct StressArgs {
     #[arg(long, default_value_t = 1000)]
     iterations: u64,
     /// Stop after this many seconds even if iterations are left (fractions allowed).
-    #[arg(long, default_value_t = 10.0)]
-    seconds: f64,
-    /// Harvest dirty pages from per-vCPU rings of this many entries (a power of two) instead
-    /// of per-slot bitmaps.
+    #[arg(long, default_value = "10", value_parser = positive_seconds)]
+    seconds: std::time::Duration,
+    /// Harvest dirty pages from per-vCPU rings of this many entries (a power of two from 256
+    /// to KVM's maximum) instead of per-slot bitmaps [default: bitmaps]
     #[arg(long)]
     dirty_ring: Option<u32>,
-    /// Also print the report as JSON.
+    /// Print the report as JSON alone on stdout (the human report goes to stderr).
     #[arg(long)]
     json: bool,
     #[command(flatten)]
@@ -412,10 +553,7 @@ struct StressArgs {
 
 fn stress(args: StressArgs) -> ExitCode {
     use tinyvmm::bench::stress::{run_stress, StressConfig};
-    let Ok(duration) = std::time::Duration::try_from_secs_f64(args.seconds) else {
-        eprintln!("tinyvmm: --seconds {} is not a duration", args.seconds);
-        return ExitCode::FAILURE;
-    };
+    let duration = args.seconds;
     let config = StressConfig {
         vcpus: args.vcpus,
         part_size: args.kib_per_vcpu.saturating_mul(1024),
@@ -428,12 +566,16 @@ fn stress(args: StressArgs) -> ExitCode {
         limits: Some(args.limits.resolve()),
     };
     let outcome = run_job(move |ctx| run_stress(config, &ctx.stop, &ctx.vcpu_stopped));
-    match job_report(outcome, "stress failed: ") {
-        Ok(report) => print_report(
-            &report,
-            args.json,
-            "stress passed: no write lost, no dirty page missed, no wrong data",
-        ),
+    match job_report(outcome, "stress failed: ", args.json) {
+        Ok(report) => {
+            print_report(
+                &report,
+                args.json,
+                true,
+                "stress passed: no write lost, no dirty page missed, no wrong data",
+            );
+            ExitCode::SUCCESS
+        }
         Err(code) => code,
     }
 }
@@ -452,34 +594,40 @@ struct RestoreArgs {
     #[arg(long, value_enum, default_value_t)]
     mem_backend: tinyvmm::vm::restore::MemBackend,
     /// Record the pages the VM touches first, in that order, into this file when the
-    /// recording ends (after --record-secs, or when the VMM stops). Needs --mem-backend uffd.
+    /// recording ends (after --record-secs, or when the VMM stops). Needs --mem-backend uffd
+    /// [default: no recording]
     #[arg(long, value_name = "PATH", conflicts_with = "prefetch")]
     record_working_set: Option<std::path::PathBuf>,
-    /// End the recording this many seconds after the restore.
+    /// End the recording this many seconds after the restore [default: when the VMM stops]
     #[arg(long, value_name = "N", requires = "record_working_set")]
     record_secs: Option<f64>,
     /// Fetch the pages of this list (recorded on a restore of the same snapshot) ahead of the
-    /// guest while the rest still loads on fault. Needs --mem-backend uffd.
+    /// guest while the rest still loads on fault. Needs --mem-backend uffd [default: none]
     #[arg(long, value_name = "PATH")]
     prefetch: Option<std::path::PathBuf>,
+    /// The API socket and the VM's limits (its memory and vCPUs are the snapshot's).
     #[command(flatten)]
-    serve: ServeArgs,
+    api: ApiArgs,
 }
 
 #[derive(clap::Args)]
 struct SnapshotBenchArgs {
-    /// KVM slot counts, comma-separated (default: 2, 4096 and KVM's maximum).
-    #[arg(long, value_delimiter = ',')]
+    /// KVM slot counts, comma-separated (each 2 to KVM's maximum) [default: 2, 4096 and
+    /// KVM's maximum]
+    #[arg(long, value_delimiter = ',', value_parser = slot_count(2))]
     slots: Vec<usize>,
-    /// MiB of test area.
-    #[arg(long, default_value_t = 512)]
-    area_mib: u64,
+    /// MiB of test memory.
+    #[arg(long, alias = "area-mib", default_value_t = 512)]
+    mem_mib: u64,
     /// The folder for the snapshot files (on the file system to measure).
     #[arg(long, default_value = "target/bench/snapshots")]
     dir: std::path::PathBuf,
     /// Where to write the results as JSON.
     #[arg(long, default_value = "target/bench/tinyvmm-snapshot.json")]
-    json: std::path::PathBuf,
+    out: std::path::PathBuf,
+    /// Print the results as JSON alone on stdout (the table goes to stderr).
+    #[arg(long)]
+    json: bool,
     #[command(flatten)]
     limits: LimitArgs,
 }
@@ -499,17 +647,17 @@ fn snapshot_bench(args: SnapshotBenchArgs) -> ExitCode {
     };
     let config = SnapshotBenchConfig {
         slots,
-        area_size: args.area_mib.saturating_mul(1 << 20),
+        area_size: args.mem_mib.saturating_mul(1 << 20),
         dir: args.dir,
         limits: Some(args.limits.resolve()),
     };
     let outcome = run_job(move |ctx| run_snapshot_bench(&config, &ctx.stop, &ctx.vcpu_stopped));
-    let report = match job_report(outcome, "") {
+    let report = match job_report(outcome, "", args.json) {
         Ok(report) => report,
         Err(code) => return code,
     };
-    println!("{report}");
-    write_json(&args.json, &report)
+    print_report(&report, args.json, true, "");
+    write_json(&args.out, &report)
 }
 
 #[derive(clap::Args)]
@@ -562,12 +710,20 @@ fn restore(args: RestoreArgs) -> ExitCode {
     };
     // A file that is neither kind's is refused by the test guest's reader, which says why.
     if !matches!(GuestKind::of_file(&from.snapshot), Ok(GuestKind::Linux)) {
-        return serve_config(args.serve, Some(from));
+        // The restored VM's memory and vCPUs are the snapshot's: serve's own shape is unused.
+        let serve = ServeArgs {
+            api: args.api,
+            slots: 2,
+            mem_mib: 0,
+            vcpus: 1,
+            memfd: false,
+        };
+        return serve_config(serve, Some(from));
     }
-    let limits = Some(args.serve.limits.resolve());
+    let limits = Some(args.api.limits.resolve());
     match tinyvmm::jobs::restore::restore_linux(
         &from,
-        args.serve.api_sock,
+        args.api.api_sock,
         Box::new(std::io::stdout()),
         limits,
     ) {
@@ -587,29 +743,19 @@ struct ReceiveArgs {
     /// Where to wait for the source: unix:PATH or tcp:HOST:PORT.
     #[arg(long)]
     listen: tinyvmm::migration::Endpoint,
-    /// Path of the API socket: bound at start, it answers once the VM runs here.
-    #[arg(long)]
-    api_sock: std::path::PathBuf,
-    /// Seconds a client connection may send nothing before it is answered 408 and closed.
-    #[arg(long, default_value_t = 30.0)]
-    idle_timeout: f64,
-    /// Harvest dirty pages from per-vCPU rings of this many entries (for migrating onwards).
-    #[arg(long)]
-    dirty_ring: Option<u32>,
+    /// The API socket, and the VM's limits and dirty-log mode (for migrating onwards).
     #[command(flatten)]
-    limits: LimitArgs,
+    api: ApiArgs,
 }
 
 fn receive(args: ReceiveArgs) -> ExitCode {
-    let Some(idle_timeout) = idle_timeout(args.idle_timeout) else {
-        return ExitCode::FAILURE;
-    };
+    tinyvmm::api::server::log_requests(args.api.log_requests);
     let config = tinyvmm::jobs::receive::ReceiveConfig {
         listen: args.listen,
-        api_sock: args.api_sock,
-        idle_timeout,
-        limits: Some(args.limits.resolve()),
-        dirty_ring: args.dirty_ring,
+        api_sock: args.api.api_sock,
+        idle_timeout: args.api.idle_timeout,
+        limits: Some(args.api.limits.resolve()),
+        dirty_ring: args.api.dirty_ring,
     };
     let listen = config.listen.to_string();
     let api = config.api_sock.display().to_string();
@@ -668,33 +814,41 @@ fn served(outcome: Result<Ending, impl std::fmt::Display>) -> ExitCode {
     }
 }
 
-/// `--idle-timeout` as a duration, or `None` (said on stderr) if it is not a positive number.
-fn idle_timeout(seconds: f64) -> Option<std::time::Duration> {
-    let timeout = std::time::Duration::try_from_secs_f64(seconds)
-        .ok()
-        .filter(|d| !d.is_zero());
-    if timeout.is_none() {
-        eprintln!("tinyvmm: --idle-timeout {seconds} is not a positive number of seconds");
-    }
-    timeout
-}
-
 fn serve(args: ServeArgs) -> ExitCode {
+    if args.slots < 2 && args.mem_mib > 0 {
+        return usage_error(
+            "serve",
+            &format!(
+                "--slots {} leaves no slot for --mem-mib {}: give 2 slots or more, or --mem-mib 0",
+                args.slots, args.mem_mib
+            ),
+        );
+    }
     serve_config(args, None)
 }
 
+/// Says `message` as clap says a usage error of `subcommand`, and gives the usage error's exit
+/// status.
+fn usage_error(subcommand: &str, message: &str) -> ExitCode {
+    let mut cli = Cli::command();
+    cli.build();
+    let mut command = cli.find_subcommand(subcommand).cloned().unwrap_or(cli);
+    let _ = command
+        .error(clap::error::ErrorKind::ValueValidation, message)
+        .print();
+    ExitCode::from(USAGE_EXIT_STATUS)
+}
+
 fn serve_config(args: ServeArgs, restore: Option<tinyvmm::jobs::restore::RestoreFrom>) -> ExitCode {
-    let Some(idle_timeout) = idle_timeout(args.idle_timeout) else {
-        return ExitCode::FAILURE;
-    };
+    tinyvmm::api::server::log_requests(args.api.log_requests);
     let config = tinyvmm::jobs::serve::ServeConfig {
-        api_sock: args.api_sock,
+        api_sock: args.api.api_sock,
         slots: args.slots,
-        area_size: args.mem_mib << 20,
+        area_size: args.mem_mib.saturating_mul(1 << 20),
         vcpus: args.vcpus,
-        idle_timeout,
-        limits: Some(args.limits.resolve()),
-        dirty_ring: args.dirty_ring,
+        idle_timeout: args.api.idle_timeout,
+        limits: Some(args.api.limits.resolve()),
+        dirty_ring: args.api.dirty_ring,
         memfd: args.memfd,
         restore,
     };
@@ -706,8 +860,9 @@ fn serve_config(args: ServeArgs, restore: Option<tinyvmm::jobs::restore::Restore
 
 #[derive(clap::Args)]
 struct BootArgs {
-    /// A JSON boot configuration (fields as the options below; unknown fields are refused).
-    /// Options given with it override the file's fields.
+    /// A JSON boot configuration (fields as the options below, `_` for `-`, except
+    /// `mem_slots` for --slots, `timeout_secs` for --timeout and `acpi: false` for --no-acpi;
+    /// unknown fields are refused). Options given with it override the file's fields.
     #[arg(long)]
     config: Option<std::path::PathBuf>,
     /// The kernel: a bzImage, or an ELF vmlinux (PVH entry when it has the note).
@@ -716,46 +871,49 @@ struct BootArgs {
     /// An initramfs.
     #[arg(long)]
     initramfs: Option<std::path::PathBuf>,
-    /// The kernel command line.
+    /// The kernel command line [default: "console=ttyS0 reboot=k panic=-1"]
     #[arg(long)]
     cmdline: Option<String>,
-    /// vCPUs (1 to 32).
-    #[arg(long)]
+    /// vCPUs (1 to 32) [default: 1]
+    #[arg(long, value_parser = clap::value_parser!(u8).range(1..=32))]
     vcpus: Option<u8>,
-    /// MiB of RAM.
+    /// MiB of RAM [default: 512]
     #[arg(long)]
     mem_mib: Option<u64>,
-    /// KVM slots the RAM is split into (equal sizes, whole pages).
-    #[arg(long)]
+    /// KVM slots the RAM is split into (equal sizes, whole pages) [default: 1]
+    #[arg(long = "slots", alias = "mem-slots", value_name = "SLOTS", value_parser = clap::value_parser!(u64).range(1..))]
     mem_slots: Option<u64>,
     /// Leave a hole after every slot above the first 128 MiB (one e820 RAM range per slot).
     #[arg(long)]
     mem_holes: bool,
-    /// Stop the VM after this many seconds (fractions allowed; exit code 124).
+    /// Stop the VM after this many seconds (fractions allowed; exit status 124) [default:
+    /// none]
     #[arg(long)]
     timeout: Option<f64>,
-    /// How to enter the kernel: auto (PVH when the kernel and map allow), linux or pvh.
+    /// How to enter the kernel: auto (PVH when the kernel and map allow), linux or pvh
+    /// [default: auto]
     #[arg(long, value_enum)]
     protocol: Option<tinyvmm::linux::BootProtocol>,
     /// Do not print the e820 map and the command line the VMM built (on stderr).
     #[arg(long)]
     quiet: bool,
     /// MiB of hotpluggable memory behind a virtio-mem device above RAM (none plugged at boot;
-    /// `PATCH /hotplug/memory` on --api-sock asks the guest to plug).
+    /// `PATCH /hotplug/memory` on --api-sock asks the guest to plug) [default: 0, no device]
     #[arg(long)]
     hotplug_mib: Option<u64>,
-    /// The virtio-mem block size in MiB (a power of two, at least 2; default 2).
+    /// The virtio-mem block size in MiB (a power of two, at least 2) [default: 2]
     #[arg(long)]
     hotplug_block_mib: Option<u64>,
     /// An API socket while the guest runs: /vm (pause, resume), /snapshot/create, /migrate,
-    /// /dirty-log, /memory, /hotplug/memory, /actions.
+    /// /dirty-log, /memory, /hotplug/memory, /actions [default: none]
     #[arg(long)]
     api_sock: Option<std::path::PathBuf>,
     /// Put RAM in memfds (shared memory): a local migration hands it over instead of copying.
     #[arg(long)]
     memfd: bool,
-    /// Harvest dirty pages from per-vCPU rings of this many entries (a power of two) instead
-    /// of per-slot bitmaps; refused where KVM emulates the guest kernel (kvm_pvm).
+    /// Harvest dirty pages from per-vCPU rings of this many entries (a power of two from 256
+    /// to KVM's maximum) instead of per-slot bitmaps; refused where KVM emulates the guest
+    /// kernel (kvm_pvm) [default: bitmaps]
     #[arg(long)]
     dirty_ring: Option<u32>,
     /// No ACPI tables: the guest gets the MP table alone and finds the virtio-mem device on its
@@ -816,6 +974,51 @@ fn boot(args: BootArgs) -> ExitCode {
         }
         Err(e) => {
             eprintln!("tinyvmm: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn client(args: tinyvmm::jobs::client::ClientArgs) -> ExitCode {
+    use tinyvmm::jobs::client::{exit_status, render, send};
+    match send(&args.api_sock, &args.request) {
+        Ok((status, body)) => {
+            let code = exit_status(status);
+            if args.json {
+                let body = if body.is_null() {
+                    serde_json::json!({})
+                } else {
+                    body
+                };
+                println!(
+                    "{}",
+                    serde_json::to_string_pretty(&body).expect("a JSON value prints")
+                );
+            } else if code == 0 {
+                print!("{}", render(status, &body));
+            } else {
+                eprint!("tinyvmm: {}", render(status, &body));
+            }
+            ExitCode::from(code)
+        }
+        Err(e) => {
+            eprintln!("tinyvmm: {}: {e}", args.api_sock.display());
+            ExitCode::FAILURE
+        }
+    }
+}
+
+/// Writes the man pages into `dir`.
+fn man(dir: &std::path::Path) -> ExitCode {
+    let written =
+        std::fs::create_dir_all(dir).and_then(|()| clap_mangen::generate_to(Cli::command(), dir));
+    match written {
+        Ok(()) => {
+            eprintln!("tinyvmm: man pages written to {}", dir.display());
+            ExitCode::SUCCESS
+        }
+        Err(e) => {
+            eprintln!("tinyvmm: cannot write man pages to {}: {e}", dir.display());
             ExitCode::FAILURE
         }
     }

@@ -393,7 +393,7 @@ fn kvm_a_working_set_that_does_not_fit_is_refused_with_the_reason() {
         "--record-working-set".as_ref(),
         dir.join("new.wset").as_os_str(),
     ]);
-    assert_eq!(both.status.code(), Some(2), "a usage error");
+    assert_eq!(both.status.code(), Some(64), "a usage error");
     assert!(String::from_utf8_lossy(&both.stderr).contains("cannot be used with"));
     let _ = std::fs::remove_dir_all(&dir);
 }

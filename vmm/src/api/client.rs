@@ -97,7 +97,8 @@ impl Client {
         Ok(self.stream.shutdown(std::net::Shutdown::Write)?)
     }
 
-    /// Reads one answer.
+    /// Reads one answer: the status and the JSON body (`Null` if none; a `String` for a
+    /// plain-text body, `GET /metrics`').
     pub fn read_response(&mut self) -> Result<(u16, Value), ClientError> {
         let mut data = std::mem::take(&mut self.unread);
         let mut chunk = [0u8; 64 * 1024];
@@ -116,8 +117,13 @@ impl Client {
                         .ok_or_else(|| ClientError::Answer(head.clone()))?;
                     self.unread = data.split_off(end + 4 + length);
                     let body = &data[end + 4..end + 4 + length];
+                    let text = head
+                        .lines()
+                        .any(|l| l.to_ascii_lowercase().starts_with("content-type: text/"));
                     let json = if body.is_empty() {
                         Value::Null
+                    } else if text {
+                        Value::String(String::from_utf8_lossy(body).into_owned())
                     } else {
                         serde_json::from_slice(body)
                             .map_err(|e| ClientError::Answer(e.to_string()))?

@@ -73,9 +73,16 @@ impl HttpError {
 pub enum Parsed {
     /// Not a whole request yet.
     Incomplete,
+    /// The headers of a request that asked for `Expect: 100-continue` are here, its body is
+    /// not yet: the client waits for [`CONTINUE`] before it sends the body.
+    ExpectsContinue,
     /// A request, and how many bytes of the buffer it took.
     Complete(Request, usize),
 }
+
+/// The interim answer to a request with `Expect: 100-continue` whose headers were accepted
+/// (RFC 9110 §10.1.1): the client may send its body.
+pub const CONTINUE: &[u8] = b"HTTP/1.1 100 Continue\r\n\r\n";
 
 /// Parses the first request in `buf`.
 pub fn parse(buf: &[u8]) -> Result<Parsed, HttpError> {
@@ -95,6 +102,7 @@ pub fn parse(buf: &[u8]) -> Result<Parsed, HttpError> {
     }
     let mut content_length: Option<usize> = None;
     let mut connection = None;
+    let mut expects_continue = false;
     for header in request.headers.iter() {
         if header.name.eq_ignore_ascii_case("content-length") {
             let length = content_length_value(header.value)?;
@@ -106,6 +114,8 @@ pub fn parse(buf: &[u8]) -> Result<Parsed, HttpError> {
             }
         } else if header.name.eq_ignore_ascii_case("transfer-encoding") {
             return Err(HttpError::TransferEncoding);
+        } else if header.name.eq_ignore_ascii_case("expect") {
+            expects_continue = header.value.eq_ignore_ascii_case(b"100-continue");
         } else if header.name.eq_ignore_ascii_case("connection") {
             connection = std::str::from_utf8(header.value)
                 .ok()
@@ -118,7 +128,12 @@ pub fn parse(buf: &[u8]) -> Result<Parsed, HttpError> {
     }
     let total = header_len + content_length;
     if buf.len() < total {
-        return Ok(Parsed::Incomplete);
+        // A framing error above is the final answer instead (RFC 9110 §10.1.1).
+        return Ok(if expects_continue && buf.len() == header_len {
+            Parsed::ExpectsContinue
+        } else {
+            Parsed::Incomplete
+        });
     }
     let http_1_1 = request.version == Some(1);
     let keep_alive = match connection.as_deref() {
@@ -187,13 +202,15 @@ pub fn at_close(buf: &[u8]) -> Result<(), HttpError> {
     })
 }
 
-/// A response: a status and an optional JSON body.
+/// A response: a status and an optional JSON body (or, for `GET /metrics`, plain text).
 #[derive(Debug, Clone, PartialEq)]
 pub struct Response {
     /// The status code.
     pub status: u16,
     /// The body.
     pub body: Option<serde_json::Value>,
+    /// A plain-text body instead (`text/plain`), when set.
+    pub text: Option<String>,
 }
 
 impl Response {
@@ -202,6 +219,16 @@ impl Response {
         Response {
             status: 204,
             body: None,
+            text: None,
+        }
+    }
+
+    /// `200 OK` with a plain-text body in Prometheus' exposition format.
+    pub fn text(body: String) -> Self {
+        Response {
+            status: 200,
+            body: None,
+            text: Some(body),
         }
     }
 
@@ -210,6 +237,7 @@ impl Response {
         Response {
             status,
             body: Some(body),
+            text: None,
         }
     }
 
@@ -223,11 +251,17 @@ impl Response {
 
     /// The bytes on the wire.
     pub fn to_bytes(&self, keep_alive: bool) -> Vec<u8> {
-        let body = self
-            .body
-            .as_ref()
-            .map(|b| serde_json::to_vec(b).expect("a JSON value serialises"))
-            .unwrap_or_default();
+        let (body, content_type) = match (&self.text, &self.body) {
+            (Some(text), _) => (
+                text.clone().into_bytes(),
+                "text/plain; version=0.0.4; charset=utf-8",
+            ),
+            (None, Some(json)) => (
+                serde_json::to_vec(json).expect("a JSON value serialises"),
+                "application/json",
+            ),
+            (None, None) => (Vec::new(), ""),
+        };
         let mut out = format!(
             "HTTP/1.1 {} {}\r\nServer: tinyvmm\r\nContent-Length: {}\r\nConnection: {}\r\n",
             self.status,
@@ -236,7 +270,7 @@ impl Response {
             if keep_alive { "keep-alive" } else { "close" }
         );
         if !body.is_empty() {
-            out.push_str("Content-Type: application/json\r\n");
+            out.push_str(&format!("Content-Type: {content_type}\r\n"));
         }
         out.push_str("\r\n");
         let mut bytes = out.into_bytes();
@@ -272,7 +306,7 @@ mod tests {
     fn complete(bytes: &[u8]) -> (Request, usize) {
         match parse(bytes).unwrap() {
             Parsed::Complete(r, n) => (r, n),
-            Parsed::Incomplete => panic!("incomplete"),
+            other => panic!("not complete: {other:?}"),
         }
     }
 
@@ -295,6 +329,26 @@ mod tests {
                 "cut at {cut}"
             );
         }
+    }
+
+    #[test]
+    fn expect_100_continue_is_told_apart_until_the_body_comes() {
+        let head = b"PUT /vm HTTP/1.1\r\nExpect: 100-Continue\r\nContent-Length: 2\r\n\r\n";
+        assert_eq!(parse(head), Ok(Parsed::ExpectsContinue));
+        assert_eq!(parse(&head[..head.len() - 1]), Ok(Parsed::Incomplete));
+        let whole = [&head[..], b"{}"].concat();
+        assert!(matches!(parse(&whole), Ok(Parsed::Complete(_, 63))));
+        // Without the header, or with a body too large, no interim answer.
+        let plain = b"PUT /vm HTTP/1.1\r\nContent-Length: 2\r\n\r\n";
+        assert_eq!(parse(plain), Ok(Parsed::Incomplete));
+        let big = format!(
+            "PUT / HTTP/1.1\r\nExpect: 100-continue\r\nContent-Length: {}\r\n\r\n",
+            MAX_BODY_BYTES + 1
+        );
+        assert_eq!(
+            parse(big.as_bytes()),
+            Err(HttpError::BodyTooLarge(MAX_BODY_BYTES + 1))
+        );
     }
 
     #[test]

@@ -81,12 +81,31 @@ pub fn respond(outcome: Outcome) -> Response {
     }
 }
 
-/// The controller request an HTTP request asks for, or the response that refuses it.
+/// `GET /`'s answer: what answers on the socket, with no VM involved (a ping).
+pub fn about() -> Response {
+    Response::json(
+        200,
+        serde_json::json!({
+            "name": "tinyvmm",
+            "version": crate::VERSION,
+            "commit": crate::COMMIT,
+        }),
+    )
+}
+
+/// The controller request an HTTP request asks for, or the response the router gives itself:
+/// a refusal, or `GET /`'s (which needs no VM).
 pub fn route(request: &Request) -> Result<ControllerRequest, Response> {
     let method = request.method.as_str();
     let path = request.path.trim_end_matches('/');
     let segments: Vec<&str> = path.split('/').skip(1).collect();
     match segments.as_slice() {
+        [] => match method {
+            "GET" => Err(about()),
+            _ => Err(method_not_allowed(method, "/", "GET")),
+        },
+        // The server answers GET /metrics itself, from several requests' replies.
+        ["metrics"] => Err(method_not_allowed(method, path, "GET")),
         ["memory"] => match method {
             "GET" => Ok(ControllerRequest::GetMemory),
             _ => Err(method_not_allowed(method, path, "GET")),
@@ -106,7 +125,7 @@ pub fn route(request: &Request) -> Result<ControllerRequest, Response> {
             _ => Err(method_not_allowed(method, path, "GET, PATCH")),
         },
         ["dirty-log", "harvest"] => match method {
-            "POST" | "PUT" => Ok(ControllerRequest::Harvest(if request.body.is_empty() {
+            "POST" => Ok(ControllerRequest::Harvest(if request.body.is_empty() {
                 Harvest::default()
             } else {
                 body(request)?
@@ -282,6 +301,22 @@ mod tests {
             (404, "no resource at /nowhere".into())
         );
         assert_eq!(refusal("POST", "/memory", "").0, 405);
+        assert_eq!(refusal("PUT", "/dirty-log/harvest", "").0, 405);
+        let (status, body) = match route(&request("GET", "/", "")) {
+            Err(response) => (response.status, response.body),
+            Ok(other) => panic!("GET / went to the controller: {other:?}"),
+        };
+        assert_eq!(status, 200);
+        let body = body.expect("a body");
+        assert_eq!(
+            (&body["name"], &body["version"]),
+            (
+                &serde_json::json!("tinyvmm"),
+                &serde_json::json!(crate::VERSION)
+            )
+        );
+        assert!(body["commit"].is_string(), "{body}");
+        assert_eq!(refusal("DELETE", "/", "").0, 405);
     }
 
     #[test]

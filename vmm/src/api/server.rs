@@ -1,13 +1,14 @@
 //! The API socket on the VMM's event loop: accepts clients, frames their requests, hands them
 //! to the controller and writes the answers. Transport only: the `serve` job builds the VM.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::fs::File;
 use std::io::{ErrorKind, Read, Write};
 use std::os::fd::{AsRawFd, RawFd};
 use std::os::unix::fs::{FileTypeExt, PermissionsExt};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use event_manager::{EventOps, EventSet, Events, MutEventSubscriber};
@@ -108,6 +109,37 @@ struct Connection {
     /// open after it. Until it comes, the connection is not watched and nothing more of it is
     /// served (answers keep the requests' order).
     waiting: Option<(Ticket, bool)>,
+    /// Whether the request being received was sent `100 Continue` already.
+    continued: bool,
+    /// The deferred request's method and path and when it came, for the request log.
+    deferred: Option<(String, Instant)>,
+}
+
+/// Whether every request is logged on stderr ([`log_requests`]).
+static LOG_REQUESTS: AtomicBool = AtomicBool::new(false);
+
+/// Logs every request of every API socket of the process on stderr from now on (`on`), with
+/// its status, time and, for a refusal, its message; or stops.
+pub fn log_requests(on: bool) {
+    LOG_REQUESTS.store(on, Ordering::Relaxed);
+}
+
+/// Logs `request` (method and path) answered with `response` after `since`, if asked to.
+fn log_request(request: &str, response: &Response, since: Instant) {
+    if !LOG_REQUESTS.load(Ordering::Relaxed) {
+        return;
+    }
+    let fault = response
+        .body
+        .as_ref()
+        .and_then(|b| b["fault_message"].as_str())
+        .map(|m| format!(": {m}"))
+        .unwrap_or_default();
+    eprintln!(
+        "tinyvmm: api: {request} -> {} in {:.1} ms{fault}",
+        response.status,
+        since.elapsed().as_secs_f64() * 1e3
+    );
 }
 
 /// What serving a connection's requests left it as.
@@ -151,6 +183,8 @@ pub struct ApiServer<C> {
     notifier: Option<RawFd>,
     /// Connections waiting for a deferred answer, by its ticket.
     waiting: HashMap<Ticket, RawFd>,
+    /// Answers given, by status (`GET /metrics`).
+    answered: BTreeMap<u16, u64>,
 }
 
 impl<C: Apply> ApiServer<C> {
@@ -166,6 +200,7 @@ impl<C: Apply> ApiServer<C> {
             sweep: None,
             notifier: None,
             waiting: HashMap::new(),
+            answered: BTreeMap::new(),
         }
     }
 
@@ -195,6 +230,7 @@ impl<C: Apply> ApiServer<C> {
                 timeout.as_secs_f64()
             );
             Self::send(
+                &mut self.answered,
                 &mut connection.stream,
                 &Response::fault(408, message),
                 false,
@@ -230,7 +266,12 @@ impl<C: Apply> ApiServer<C> {
     pub fn abandon_waiting(&mut self, why: &str) {
         for (_, fd) in self.waiting.drain() {
             if let Some(mut connection) = self.connections.remove(&fd) {
-                Self::send(&mut connection.stream, &Response::fault(503, why), false);
+                Self::send(
+                    &mut self.answered,
+                    &mut connection.stream,
+                    &Response::fault(503, why),
+                    false,
+                );
             }
         }
     }
@@ -252,8 +293,16 @@ impl<C: Apply> ApiServer<C> {
         };
         let keep_alive = connection.waiting.take().is_some_and(|(_, keep)| keep);
         connection.last_active = Instant::now();
-        if !Self::send(&mut connection.stream, &respond(outcome), keep_alive)
-            || !keep_alive
+        let response = respond(outcome);
+        if let Some((request, since)) = connection.deferred.take() {
+            log_request(&request, &response, since);
+        }
+        if !Self::send(
+            &mut self.answered,
+            &mut connection.stream,
+            &response,
+            keep_alive,
+        ) || !keep_alive
             || ops
                 .add(Events::new(&connection.stream, EventSet::IN))
                 .is_err()
@@ -298,7 +347,7 @@ impl<C: Apply> ApiServer<C> {
                             503,
                             format!("too many clients: at most {MAX_CONNECTIONS} at once"),
                         );
-                        Self::send(&mut stream, &busy, false);
+                        Self::send(&mut self.answered, &mut stream, &busy, false);
                         continue;
                     }
                     if stream.set_nonblocking(true).is_err() {
@@ -313,6 +362,8 @@ impl<C: Apply> ApiServer<C> {
                                 buffer: Vec::new(),
                                 last_active: Instant::now(),
                                 waiting: None,
+                                continued: false,
+                                deferred: None,
                             },
                         );
                     }
@@ -349,7 +400,7 @@ impl<C: Apply> ApiServer<C> {
                     503,
                     "the VMM is out of file descriptors: try again when other clients have left",
                 );
-                Self::send(&mut stream, &busy, false);
+                Self::send(&mut self.answered, &mut stream, &busy, false);
                 true
             }
             Err(_) => false,
@@ -376,14 +427,41 @@ impl<C: Apply> ApiServer<C> {
         false
     }
 
-    fn send(stream: &mut UnixStream, response: &Response, keep_alive: bool) -> bool {
+    /// Sends `response`, counting it in `answered` by status.
+    fn send(
+        answered: &mut BTreeMap<u16, u64>,
+        stream: &mut UnixStream,
+        response: &Response,
+        keep_alive: bool,
+    ) -> bool {
+        *answered.entry(response.status).or_default() += 1;
+        Self::send_bytes(stream, &response.to_bytes(keep_alive))
+    }
+
+    fn send_bytes(stream: &mut UnixStream, bytes: &[u8]) -> bool {
         // Answers are small: write them whole, but never wait long for a client that does not
         // read.
         let _ = stream.set_nonblocking(false);
         let _ = stream.set_write_timeout(Some(Duration::from_secs(5)));
-        let sent = stream.write_all(&response.to_bytes(keep_alive)).is_ok();
+        let sent = stream.write_all(bytes).is_ok();
         let _ = stream.set_nonblocking(true);
         sent
+    }
+
+    /// `GET /metrics`' answer, from the controller's replies to the metrics' sources.
+    fn metrics(&mut self) -> Response {
+        let replies: Vec<Option<serde_json::Value>> = crate::api::metrics::sources()
+            .into_iter()
+            .map(|request| {
+                let response = respond(self.controller.apply(request));
+                response.body.filter(|_| response.status == 200)
+            })
+            .collect();
+        Response::text(crate::api::metrics::render(
+            &replies,
+            &self.answered,
+            self.connections.len(),
+        ))
     }
 
     /// Serves the requests buffered on connection `fd`, up to one whose answer is deferred.
@@ -399,9 +477,26 @@ impl<C: Apply> ApiServer<C> {
             let connection = self.connections.get_mut(&fd).expect("present above");
             match http::parse(&connection.buffer) {
                 Ok(Parsed::Incomplete) => break,
+                Ok(Parsed::ExpectsContinue) => {
+                    if !connection.continued {
+                        connection.continued = true;
+                        if !Self::send_bytes(&mut connection.stream, http::CONTINUE) {
+                            return Served::Close;
+                        }
+                    }
+                    break;
+                }
                 Ok(Parsed::Complete(request, used)) => {
                     connection.buffer.drain(..used);
-                    let outcome = route(&request).map(|r| self.controller.apply(r));
+                    connection.continued = false;
+                    let since = Instant::now();
+                    let outcome = if request.method == "GET"
+                        && request.path.trim_end_matches('/') == "/metrics"
+                    {
+                        Err(self.metrics())
+                    } else {
+                        route(&request).map(|r| self.controller.apply(r))
+                    };
                     let connection = self.connections.get_mut(&fd).expect("present above");
                     connection.last_active = Instant::now();
                     let response = match outcome {
@@ -409,24 +504,37 @@ impl<C: Apply> ApiServer<C> {
                             // The answer comes later (`deliver`); nothing more of this
                             // connection is served until then.
                             connection.waiting = Some((ticket, request.keep_alive));
+                            connection.deferred =
+                                Some((format!("{} {}", request.method, request.path), since));
                             self.waiting.insert(ticket, fd);
                             return Served::Waiting;
                         }
                         Ok(outcome) => respond(outcome),
                         Err(refusal) => refusal,
                     };
-                    if !Self::send(&mut connection.stream, &response, request.keep_alive)
-                        || !request.keep_alive
+                    log_request(
+                        &format!("{} {}", request.method, request.path),
+                        &response,
+                        since,
+                    );
+                    if !Self::send(
+                        &mut self.answered,
+                        &mut connection.stream,
+                        &response,
+                        request.keep_alive,
+                    ) || !request.keep_alive
                     {
                         return Served::Close;
                     }
                 }
                 Err(e) => {
-                    Self::send(
-                        &mut connection.stream,
-                        &Response::fault(e.status(), &e),
-                        false,
+                    let refusal = Response::fault(e.status(), &e);
+                    log_request(
+                        "(a request that cannot be framed)",
+                        &refusal,
+                        Instant::now(),
                     );
+                    Self::send(&mut self.answered, &mut connection.stream, &refusal, false);
                     return Served::Close;
                 }
             }
@@ -436,6 +544,7 @@ impl<C: Apply> ApiServer<C> {
             if let Err(e) = http::at_close(&connection.buffer) {
                 // The client may have closed only its sending side: tell it what went wrong.
                 Self::send(
+                    &mut self.answered,
                     &mut connection.stream,
                     &Response::fault(e.status(), &e),
                     false,

@@ -2,8 +2,8 @@
 
 use serde::{Deserialize, Serialize};
 
-/// The test guest's operations, as the API names them.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+/// The test guest's operations, as the API names them (and `tinyvmm client guest`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Serialize, clap::ValueEnum)]
 #[serde(rename_all = "snake_case")]
 pub enum GuestOp {
     /// Write the pattern.

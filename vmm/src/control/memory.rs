@@ -6,7 +6,7 @@ use kvm_memslots::{KvmVm, MemoryManager};
 use serde::{Deserialize, Serialize};
 
 /// How a new region is backed.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Serialize, clap::ValueEnum)]
 #[serde(rename_all = "snake_case")]
 pub enum RegionBacking {
     /// Private anonymous memory.

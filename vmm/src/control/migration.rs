@@ -3,7 +3,7 @@
 use serde::{Deserialize, Serialize};
 
 /// What a migration does when its timeout comes before it converged.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Serialize, clap::ValueEnum)]
 #[serde(rename_all = "snake_case")]
 pub enum OnTimeout {
     /// Give up: the VM keeps running here.
@@ -76,11 +76,14 @@ pub struct MigrationInfo {
     pub round: u32,
     /// Bytes of pages sent so far.
     pub bytes_sent: u64,
-    /// Pages the last harvest found dirty: what the next round sends.
+    /// The guest memory being moved when the migration started (round 1 sends the pages of
+    /// it that hold data): what `bytes_sent` goes towards.
+    pub guest_memory_bytes: u64,
+    /// Pages the last harvest found dirty: what the next round sends (0 until round 1 ends).
     pub pages_left: u64,
     /// Pages the guest dirtied per second over the last round.
     pub dirty_rate_pages_per_second: f64,
-    /// Bytes per second the last round sent at.
+    /// Bytes per second the last round sent at; during round 1, the average since the start.
     pub throughput_bytes_per_second: f64,
     /// The pause `pages_left` would take at that throughput.
     pub estimated_downtime_ms: f64,
@@ -100,12 +103,18 @@ impl MigrationInfo {
     /// One line for a source's log once the VM runs on the destination.
     pub fn completed_line(&self) -> String {
         format!(
-            "the VM runs on the migration's destination now: {} rounds, {} bytes sent in {:.0} \
-             ms, paused {:.1} ms",
+            "the VM runs on the migration's destination now: {} rounds, {:.1} MiB sent of {:.1} \
+             MiB of guest memory in {:.0} ms, paused {:.1} ms{}",
             self.round,
-            self.bytes_sent,
+            self.bytes_sent as f64 / f64::from(1 << 20),
+            self.guest_memory_bytes as f64 / f64::from(1 << 20),
             self.elapsed_ms,
-            self.downtime_ms.unwrap_or(f64::NAN)
+            self.downtime_ms.unwrap_or(f64::NAN),
+            if self.forced {
+                " (forced: the estimated pause had not fit downtime_ms)"
+            } else {
+                ""
+            }
         )
     }
 }

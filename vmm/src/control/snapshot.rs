@@ -1,6 +1,6 @@
 //! Snapshots: `PUT /snapshot/create`.
 
-use serde::Deserialize;
+use serde::{Deserialize, Serialize};
 
 /// `PUT /snapshot/create` (Firecracker's shape).
 #[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
@@ -15,7 +15,7 @@ pub struct SnapshotCreate {
 }
 
 /// What a snapshot holds of memory.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Serialize, clap::ValueEnum)]
 pub enum SnapshotType {
     /// Every page that holds data.
     Full,

@@ -57,14 +57,19 @@ pub struct CheckReport {
     /// Addresses checked in each direction (both ends of every slot).
     pub addresses_checked: u64,
     /// Adding the test area (every KVM slot created).
+    #[serde(rename = "slot_setup_ms", serialize_with = "super::millis")]
     pub slot_setup: Duration,
     /// The guest writing both ends of every slot.
+    #[serde(rename = "guest_write_ms", serialize_with = "super::millis")]
     pub guest_write: Duration,
     /// The host checking them.
+    #[serde(rename = "host_check_ms", serialize_with = "super::millis")]
     pub host_check: Duration,
     /// The host writing a new pattern.
+    #[serde(rename = "host_write_ms", serialize_with = "super::millis")]
     pub host_write: Duration,
     /// The guest checking it.
+    #[serde(rename = "guest_check_ms", serialize_with = "super::millis")]
     pub guest_check: Duration,
     /// The manager's memory per slot.
     pub manager_bytes_per_slot: f64,
@@ -76,11 +81,26 @@ pub fn run_check(
     stop: &AtomicBool,
     stopped: &Arc<EventFd>,
 ) -> Result<CheckReport, CheckError> {
+    run_check_with_progress(config, stop, stopped, &mut |_| {})
+}
+
+/// [`run_check`], telling `progress` what each step is about to do (the slot set-up alone
+/// takes seconds at KVM's maximum slot count).
+pub fn run_check_with_progress(
+    config: CheckConfig,
+    stop: &AtomicBool,
+    stopped: &Arc<EventFd>,
+    progress: &mut dyn FnMut(&str),
+) -> Result<CheckReport, CheckError> {
     let vm = TestVm::with_options(VmOptions {
         limits: config.limits,
         ..VmOptions::default()
     })?;
     vm.check_slot_count(config.slots)?;
+    progress(&format!(
+        "creating {} test slots in KVM",
+        config.slots.saturating_sub(1)
+    ));
     let start = Instant::now();
     let area = TestArea::add(
         vm.memory(),
@@ -90,6 +110,10 @@ pub fn run_check(
     )?;
     let slot_setup = start.elapsed();
     let mut vcpus = vm.start_vcpus(config.vcpus, stopped)?;
+    progress(&format!(
+        "checking both ends of every slot, guest then host ({} addresses each way)",
+        2 * area.slots
+    ));
     let result = check_area(&vm, &mut vcpus, &area, stop);
     let shutdown = vcpus.shut_down();
     let (guest_write, host_check, host_write, guest_check) = result?;
@@ -113,15 +137,22 @@ pub fn run_check(
 impl std::fmt::Display for CheckReport {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         let ms = |d: Duration| d.as_secs_f64() * 1e3;
+        let plural = |n: u64| if n == 1 { "" } else { "s" };
+        let area_mib = self.area_size as f64 / f64::from(1 << 20);
         writeln!(
             f,
-            "{} KVM slots: 1 system slot + {} test slots of {} KiB ({} MiB at {:#x}), {} vCPU(s)",
+            "{} KVM slots: 1 system slot + {} test slot{} of {} KiB ({} MiB at {:#x}), {} vCPU{}",
             self.slots,
             self.area_slots,
+            plural(self.area_slots),
             self.slot_size / 1024,
-            self.area_size >> 20,
+            // Whole MiB as such; a part of one to two places.
+            format!("{area_mib:.2}")
+                .trim_end_matches('0')
+                .trim_end_matches('.'),
             AREA_GPA,
-            self.vcpus
+            self.vcpus,
+            plural(self.vcpus as u64)
         )?;
         writeln!(
             f,

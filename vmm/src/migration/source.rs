@@ -181,6 +181,7 @@ impl<V: MigratingVcpu> Migration<V> {
             destination: endpoint.to_string(),
             round: 0,
             bytes_sent: 0,
+            guest_memory_bytes: vm.memory.memory_use().guest_memory,
             pages_left: 0,
             dirty_rate_pages_per_second: 0.0,
             throughput_bytes_per_second: 0.0,
@@ -237,6 +238,10 @@ impl<V: MigratingVcpu> Migration<V> {
         info.bytes_sent = self.bytes_sent.load(Ordering::Relaxed);
         if info.elapsed_ms == 0.0 || self.is_running() {
             info.elapsed_ms = self.started.elapsed().as_secs_f64() * 1e3;
+        }
+        // Round 1 has no figure of its own until it ends: its live rate so far.
+        if info.phase == MigrationPhase::PreCopy && info.round == 1 && info.elapsed_ms > 0.0 {
+            info.throughput_bytes_per_second = info.bytes_sent as f64 / (info.elapsed_ms / 1e3);
         }
         info
     }

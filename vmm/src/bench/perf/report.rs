@@ -37,10 +37,6 @@ impl MoveExits {
     }
 }
 
-fn millis<S: Serializer>(d: &Duration, s: S) -> Result<S::Ok, S::Error> {
-    s.serialize_f64(d.as_secs_f64() * 1e3)
-}
-
 /// What one run of one test measured.
 #[derive(Debug, Clone, Serialize)]
 pub struct TestResult {
@@ -57,18 +53,18 @@ pub struct TestResult {
     /// Bytes in the last test slot (the remainder included).
     pub last_slot_size: u64,
     /// Adding the test area: every KVM slot of it created.
-    #[serde(rename = "slot_setup_ms", serialize_with = "millis")]
+    #[serde(rename = "slot_setup_ms", serialize_with = "crate::jobs::millis")]
     pub slot_setup: Duration,
     /// Iterations completed.
     pub iterations: u64,
     /// Time of all iterations.
-    #[serde(rename = "elapsed_ms", serialize_with = "millis")]
+    #[serde(rename = "elapsed_ms", serialize_with = "crate::jobs::millis")]
     pub elapsed: Duration,
     /// Average time of one iteration.
-    #[serde(rename = "per_iteration_ms", serialize_with = "millis")]
+    #[serde(rename = "per_iteration_ms", serialize_with = "crate::jobs::millis")]
     pub per_iteration: Duration,
     /// Time of the first iteration alone (for map and RW it includes faulting the memory in).
-    #[serde(rename = "first_iteration_ms", serialize_with = "millis")]
+    #[serde(rename = "first_iteration_ms", serialize_with = "crate::jobs::millis")]
     pub first_iteration: Duration,
     /// For the move tests: the vCPU's exits.
     pub exits: Option<MoveExits>,

@@ -1,0 +1,659 @@
+//! `tinyvmm client`: one request to a running VMM's API socket per call, for every endpoint of
+//! `docs/api.yaml` (what `ch-remote` is to Cloud Hypervisor). The answer is printed as a human
+//! table, or with `--json` as its JSON body alone; the exit status is the HTTP class's
+//! ([`exit_status`]).
+
+use std::fmt::Write as _;
+use std::path::{Path, PathBuf};
+
+use serde_json::{json, Map, Value};
+
+use crate::api::client::{Client, ClientError};
+pub use crate::control::guest::GuestOp;
+pub use crate::control::memory::RegionBacking as Backing;
+pub use crate::control::migration::OnTimeout;
+pub use crate::control::snapshot::SnapshotType as SnapshotKind;
+
+/// `tinyvmm client`'s options: the socket, the output, and the request.
+#[derive(Debug, clap::Args)]
+pub struct ClientArgs {
+    /// The VMM's API socket (`--api-sock` of serve, restore, receive or boot).
+    #[arg(long)]
+    pub api_sock: PathBuf,
+    /// Print the answer's JSON body alone on stdout (`{}` when it has none) instead of a
+    /// table; a refusal's `{"fault_message": ...}` too.
+    #[arg(long, global = true)]
+    pub json: bool,
+    /// The request.
+    #[command(subcommand)]
+    pub request: ClientRequest,
+}
+
+/// On or off.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum Switch {
+    /// Start.
+    On,
+    /// Stop.
+    Off,
+}
+
+/// The guest commands over a range, which need `--start` and `--end`.
+const RANGE_OPS: [(&str, &str); 3] = [("op", "write"), ("op", "verify"), ("op", "write-loop")];
+
+/// One request, named after what it does; `docs/api.yaml` has the endpoint of each.
+#[derive(Debug, Clone, PartialEq, clap::Subcommand)]
+pub enum ClientRequest {
+    /// GET /: the VMM's name, version and commit (a ping).
+    Info,
+    /// GET /metrics: counters and gauges in Prometheus' text format.
+    Metrics,
+    /// GET /memory: KVM slots, limits and every region.
+    Memory,
+    /// PUT /memory/regions: add (hotplug) a region, checked by the test guest.
+    AddRegion {
+        /// Bytes (a multiple of 4096; K, M, G and T suffixes are KiB, MiB, GiB and TiB).
+        #[arg(long, value_parser = bytes)]
+        size: u64,
+        /// Its guest address (0x hex, or with a suffix) [default: the first free place from
+        /// 1 GiB up]
+        #[arg(long, value_parser = bytes)]
+        guest_address: Option<u64>,
+        /// Its memory.
+        #[arg(long, value_enum, default_value = "anonymous")]
+        backing: Backing,
+        /// Split it into KVM slots of this many bytes (must divide --size) [default: one slot]
+        #[arg(long, value_parser = bytes)]
+        slot_size: Option<u64>,
+        /// Map it read-only.
+        #[arg(long)]
+        read_only: bool,
+        /// Log the guest's writes to it from the start.
+        #[arg(long)]
+        dirty_log: bool,
+        /// Skip the test guest's check of the new slots.
+        #[arg(long)]
+        no_guest_check: bool,
+    },
+    /// DELETE /memory/regions/{id}: remove a region.
+    RemoveRegion {
+        /// The region's id (GET /memory).
+        id: u64,
+    },
+    /// PATCH /memory/regions/{id}: move a region, make it read-only or writable.
+    PatchRegion {
+        /// The region's id (GET /memory).
+        id: u64,
+        /// Move it to this guest address [default: where it is]
+        #[arg(long, value_parser = bytes)]
+        guest_address: Option<u64>,
+        /// Read-only (true) or writable (false) [default: as it is]
+        #[arg(long)]
+        read_only: Option<bool>,
+    },
+    /// GET /dirty-log: the mode, the logging regions and the dirty rate.
+    DirtyLog,
+    /// PATCH /dirty-log: start or stop logging the guest's writes.
+    SetDirtyLog {
+        /// on or off.
+        #[arg(value_enum)]
+        state: Switch,
+        /// One region [default: all]
+        #[arg(long)]
+        region: Option<u64>,
+    },
+    /// POST /dirty-log/harvest: fetch and clear the dirty pages.
+    Harvest {
+        /// One region [default: all]
+        #[arg(long)]
+        region: Option<u64>,
+    },
+    /// GET /hotplug/memory: the hotplug area (or a Linux guest's virtio-mem device).
+    Hotplug,
+    /// PUT /hotplug/memory: set the test guest's hotplug area up.
+    ConfigureHotplug {
+        /// MiB of the whole area (a multiple of --slot-mib).
+        #[arg(long)]
+        total_mib: u64,
+        /// MiB of a block (a power of two, at least 2).
+        #[arg(long)]
+        block_mib: u64,
+        /// MiB of a KVM slot (a multiple of --block-mib) [default: --block-mib]
+        #[arg(long)]
+        slot_mib: Option<u64>,
+    },
+    /// PATCH /hotplug/memory: plug or unplug to this many MiB.
+    ResizeHotplug {
+        /// MiB the guest should have plugged.
+        mib: u64,
+    },
+    /// PUT /guest/command: run a test-guest command.
+    Guest {
+        /// The command.
+        #[arg(value_enum)]
+        op: GuestOp,
+        /// The range's start (a multiple of 8, from 2 MiB up; 0x hex or a suffix); for write,
+        /// verify and write-loop
+        #[arg(long, value_parser = bytes, required_if_eq_any = RANGE_OPS)]
+        start: Option<u64>,
+        /// The range's end; for write, verify and write-loop
+        #[arg(long, value_parser = bytes, required_if_eq_any = RANGE_OPS)]
+        end: Option<u64>,
+        /// Bytes between the addresses (a non-zero multiple of 8)
+        #[arg(long, value_parser = bytes, default_value = "8")]
+        stride: u64,
+        /// The pattern's seed.
+        #[arg(long, default_value_t = 0)]
+        seed: u64,
+        /// The vCPU.
+        #[arg(long, default_value_t = 0)]
+        vcpu: u64,
+    },
+    /// PUT /snapshot/create: save the paused VM.
+    Snapshot {
+        /// Full or Diff.
+        #[arg(long = "type", value_enum, default_value = "full")]
+        kind: SnapshotKind,
+        /// Where the state file goes (it must not exist).
+        #[arg(long)]
+        snapshot: PathBuf,
+        /// Where the memory file goes (it must not exist).
+        #[arg(long)]
+        mem_file: PathBuf,
+    },
+    /// GET /vm: the VM's state.
+    Vm,
+    /// PATCH /vm: pause the VM.
+    Pause,
+    /// PATCH /vm: resume the VM.
+    Resume,
+    /// PUT /migrate: move the VM to a `tinyvmm receive`.
+    Migrate {
+        /// unix:PATH or tcp:HOST:PORT.
+        destination: String,
+        /// The pause the last round may take, in ms.
+        #[arg(long, default_value_t = 300)]
+        downtime_ms: u64,
+        /// Seconds before --on-timeout applies.
+        #[arg(long, default_value_t = 60)]
+        timeout_s: u64,
+        /// What to do then.
+        #[arg(long, value_enum, default_value = "cancel")]
+        on_timeout: OnTimeout,
+        /// Hand memfd-backed memory over instead of copying it (Unix socket only).
+        #[arg(long)]
+        local: bool,
+    },
+    /// GET /migrate: how the last migration goes.
+    Migration,
+    /// PUT /migrate/cancel: cancel the migration under way.
+    CancelMigration,
+    /// PUT /actions: stop the VMM.
+    Stop,
+    /// Any request: METHOD PATH [JSON body].
+    Raw {
+        /// GET, PUT, PATCH, POST or DELETE.
+        method: String,
+        /// The path, e.g. /memory.
+        path: String,
+        /// A JSON body.
+        body: Option<String>,
+    },
+}
+
+/// A number of bytes or an address: decimal, `0x` hex, or a number with a binary suffix
+/// (`K`, `M`, `G`, `T`, optionally followed by `iB` or `B`).
+pub fn bytes(value: &str) -> Result<u64, String> {
+    let text = value.trim();
+    let invalid = || format!("{value} is not a number of bytes (4096, 0x1000, 2M, 1GiB)");
+    if let Some(hex) = text.strip_prefix("0x").or_else(|| text.strip_prefix("0X")) {
+        return u64::from_str_radix(hex, 16).map_err(|_| invalid());
+    }
+    let number_end = text
+        .find(|c: char| !c.is_ascii_digit())
+        .unwrap_or(text.len());
+    let (digits, unit) = text.split_at(number_end);
+    let shift = match unit.trim_end_matches("iB").trim_end_matches('B') {
+        "" => 0,
+        "K" | "k" => 10,
+        "M" | "m" => 20,
+        "G" | "g" => 30,
+        "T" | "t" => 40,
+        _ => return Err(invalid()),
+    };
+    let number: u64 = digits.parse().map_err(|_| invalid())?;
+    number
+        .checked_mul(1 << shift)
+        .ok_or_else(|| format!("{value} is more than 2^64 - 1 bytes"))
+}
+
+impl ClientRequest {
+    /// The request's method, path and JSON body.
+    pub fn http(&self) -> Result<(String, String, Option<Value>), String> {
+        let (method, path, body) = match self {
+            ClientRequest::Info => ("GET", "/".to_owned(), None),
+            ClientRequest::Metrics => ("GET", "/metrics".to_owned(), None),
+            ClientRequest::Memory => ("GET", "/memory".to_owned(), None),
+            ClientRequest::AddRegion {
+                size,
+                guest_address,
+                backing,
+                slot_size,
+                read_only,
+                dirty_log,
+                no_guest_check,
+            } => {
+                let mut body = json!({
+                    "size": size,
+                    "backing": backing,
+                    "read_only": read_only,
+                    "dirty_log": dirty_log,
+                    "guest_check": !no_guest_check,
+                });
+                insert(&mut body, "guest_address", *guest_address);
+                insert(&mut body, "slot_size", *slot_size);
+                ("PUT", "/memory/regions".to_owned(), Some(body))
+            }
+            ClientRequest::RemoveRegion { id } => ("DELETE", format!("/memory/regions/{id}"), None),
+            ClientRequest::PatchRegion {
+                id,
+                guest_address,
+                read_only,
+            } => {
+                let mut body = json!({});
+                insert(&mut body, "guest_address", *guest_address);
+                insert(&mut body, "read_only", *read_only);
+                ("PATCH", format!("/memory/regions/{id}"), Some(body))
+            }
+            ClientRequest::DirtyLog => ("GET", "/dirty-log".to_owned(), None),
+            ClientRequest::SetDirtyLog { state, region } => {
+                let mut body = json!({ "enabled": *state == Switch::On });
+                insert(&mut body, "region", *region);
+                ("PATCH", "/dirty-log".to_owned(), Some(body))
+            }
+            ClientRequest::Harvest { region } => {
+                let body = region.map(|r| json!({ "region": r }));
+                ("POST", "/dirty-log/harvest".to_owned(), body)
+            }
+            ClientRequest::Hotplug => ("GET", "/hotplug/memory".to_owned(), None),
+            ClientRequest::ConfigureHotplug {
+                total_mib,
+                block_mib,
+                slot_mib,
+            } => {
+                let mut body = json!({ "total_size_mib": total_mib, "block_size_mib": block_mib });
+                insert(&mut body, "slot_size_mib", *slot_mib);
+                ("PUT", "/hotplug/memory".to_owned(), Some(body))
+            }
+            ClientRequest::ResizeHotplug { mib } => (
+                "PATCH",
+                "/hotplug/memory".to_owned(),
+                Some(json!({ "requested_size_mib": mib })),
+            ),
+            ClientRequest::Guest {
+                op,
+                start,
+                end,
+                stride,
+                seed,
+                vcpu,
+            } => {
+                let body = match op {
+                    GuestOp::StopLoop | GuestOp::Cancel => json!({"op": op, "vcpu": vcpu}),
+                    GuestOp::Write | GuestOp::Verify | GuestOp::WriteLoop => json!({
+                        "op": op,
+                        "start": start.unwrap_or(0), "end": end.unwrap_or(0),
+                        "stride": stride, "seed": seed, "vcpu": vcpu,
+                    }),
+                };
+                ("PUT", "/guest/command".to_owned(), Some(body))
+            }
+            ClientRequest::Snapshot {
+                kind,
+                snapshot,
+                mem_file,
+            } => (
+                "PUT",
+                "/snapshot/create".to_owned(),
+                Some(json!({
+                    "snapshot_type": kind,
+                    "snapshot_path": snapshot,
+                    "mem_file_path": mem_file,
+                })),
+            ),
+            ClientRequest::Vm => ("GET", "/vm".to_owned(), None),
+            ClientRequest::Pause => ("PATCH", "/vm".to_owned(), Some(json!({"state": "Paused"}))),
+            ClientRequest::Resume => ("PATCH", "/vm".to_owned(), Some(json!({"state": "Resumed"}))),
+            ClientRequest::Migrate {
+                destination,
+                downtime_ms,
+                timeout_s,
+                on_timeout,
+                local,
+            } => (
+                "PUT",
+                "/migrate".to_owned(),
+                Some(json!({
+                    "destination": destination,
+                    "downtime_ms": downtime_ms,
+                    "timeout_s": timeout_s,
+                    "on_timeout": on_timeout,
+                    "local": local,
+                })),
+            ),
+            ClientRequest::Migration => ("GET", "/migrate".to_owned(), None),
+            ClientRequest::CancelMigration => ("PUT", "/migrate/cancel".to_owned(), None),
+            ClientRequest::Stop => (
+                "PUT",
+                "/actions".to_owned(),
+                Some(json!({"action_type": "Stop"})),
+            ),
+            ClientRequest::Raw { method, path, body } => {
+                let body = body
+                    .as_deref()
+                    .map(serde_json::from_str)
+                    .transpose()
+                    .map_err(|e| format!("the body is not JSON: {e}"))?;
+                return Ok((method.to_ascii_uppercase(), path.clone(), body));
+            }
+        };
+        Ok((method.to_owned(), path, body))
+    }
+}
+
+/// Sets `body[key]` when there is a value.
+fn insert<T: Into<Value>>(body: &mut Value, key: &str, value: Option<T>) {
+    if let (Some(object), Some(value)) = (body.as_object_mut(), value) {
+        object.insert(key.to_owned(), value.into());
+    }
+}
+
+/// Sends `request` on the socket at `path`: the status and the JSON body (`Null` if none).
+pub fn send(path: &Path, request: &ClientRequest) -> Result<(u16, Value), ClientError> {
+    let (method, path_and_query, body) = request.http().map_err(ClientError::Answer)?;
+    Client::connect(path)?.call(&method, &path_and_query, body.as_ref())
+}
+
+/// The exit status for an answer's status: 0 for 2xx, 4 for 4xx, 5 for 5xx, 1 otherwise.
+pub fn exit_status(status: u16) -> u8 {
+    match status {
+        200..=299 => 0,
+        400..=499 => 4,
+        500..=599 => 5,
+        _ => 1,
+    }
+}
+
+/// Fields besides addresses whose numbers read best in hex: an instruction pointer, the
+/// patterns a verify found and expected.
+const HEX_FIELDS: [&str; 3] = ["rip", "found", "expected"];
+
+/// Fields whose numbers are bytes, shown with a binary unit.
+const BYTE_FIELDS: [&str; 12] = [
+    "size",
+    "slot_size",
+    "max_guest_memory",
+    "max_region_size",
+    "max_metadata",
+    "guest_memory",
+    "metadata",
+    "bytes_sent",
+    "guest_memory_bytes",
+    "done_bytes",
+    "page_size",
+    "throughput_bytes_per_second",
+];
+
+/// `bytes` in the largest binary unit that divides it, else with two decimals.
+fn human_bytes(bytes: u64) -> String {
+    const UNITS: [(u64, &str); 4] = [
+        (1 << 40, "TiB"),
+        (1 << 30, "GiB"),
+        (1 << 20, "MiB"),
+        (1 << 10, "KiB"),
+    ];
+    for (size, unit) in UNITS {
+        if bytes >= size {
+            return if bytes.is_multiple_of(size) {
+                format!("{} {unit}", bytes / size)
+            } else {
+                format!("{:.2} {unit}", bytes as f64 / size as f64)
+            };
+        }
+    }
+    format!("{bytes} B")
+}
+
+/// One value as a table cell: addresses in hex, byte counts with their unit, ranges as
+/// `[start, end)`.
+fn cell(key: &str, value: &Value) -> String {
+    match value {
+        Value::Null => "-".to_owned(),
+        Value::String(text) => text.clone(),
+        Value::Number(n) if key.contains("address") || HEX_FIELDS.contains(&key) => n
+            .as_u64()
+            .map_or_else(|| n.to_string(), |a| format!("{a:#x}")),
+        Value::Number(n) if BYTE_FIELDS.contains(&key) => {
+            let bytes = n.as_u64().or_else(|| n.as_f64().map(|b| b as u64));
+            let per = if key.ends_with("_per_second") {
+                "/s"
+            } else {
+                ""
+            };
+            bytes.map_or_else(|| n.to_string(), |b| human_bytes(b) + per)
+        }
+        Value::Number(n) => match n.as_f64() {
+            Some(f) if n.is_f64() => format!("{f:.1}"),
+            _ => n.to_string(),
+        },
+        Value::Array(items)
+            if items
+                .iter()
+                .all(|i| i.as_array().is_some_and(|r| r.len() == 2)) =>
+        {
+            let ranges: Vec<String> = items
+                .iter()
+                .filter_map(Value::as_array)
+                .map(|r| format!("[{}, {})", cell("address", &r[0]), cell("address", &r[1])))
+                .collect();
+            if ranges.is_empty() {
+                "-".to_owned()
+            } else {
+                ranges.join(" ")
+            }
+        }
+        Value::Array(items) => {
+            let cells: Vec<String> = items.iter().map(|i| cell(key, i)).collect();
+            if cells.is_empty() {
+                "-".to_owned()
+            } else {
+                cells.join(", ")
+            }
+        }
+        other => other.to_string(),
+    }
+}
+
+/// A list of objects as a table with a header row, columns aligned, `id` first.
+fn table(out: &mut String, indent: &str, rows: &[Map<String, Value>]) {
+    let mut columns: Vec<&str> = Vec::new();
+    for row in rows {
+        for key in row.keys() {
+            if !columns.contains(&key.as_str()) {
+                columns.push(key);
+            }
+        }
+    }
+    columns.sort_by_key(|c| *c != "id");
+    let cells: Vec<Vec<String>> = rows
+        .iter()
+        .map(|row| {
+            columns
+                .iter()
+                .map(|c| row.get(*c).map_or_else(|| "-".to_owned(), |v| cell(c, v)))
+                .collect()
+        })
+        .collect();
+    let widths: Vec<usize> = columns
+        .iter()
+        .enumerate()
+        .map(|(i, c)| {
+            cells
+                .iter()
+                .map(|r| r[i].len())
+                .chain([c.len()])
+                .max()
+                .unwrap_or(0)
+        })
+        .collect();
+    let line = |out: &mut String, values: Vec<&str>| {
+        let padded: Vec<String> = values
+            .iter()
+            .zip(&widths)
+            .map(|(v, w)| format!("{v:<w$}"))
+            .collect();
+        let _ = writeln!(out, "{indent}{}", padded.join("  ").trim_end());
+    };
+    line(out, columns.clone());
+    for row in &cells {
+        line(out, row.iter().map(String::as_str).collect());
+    }
+}
+
+/// An object's fields as `name  value` lines, nested objects indented under their name and
+/// lists of objects as tables.
+fn fields(out: &mut String, indent: &str, object: &Map<String, Value>) {
+    let width = object.keys().map(String::len).max().unwrap_or(0);
+    for (key, value) in object {
+        match value {
+            Value::Object(inner) if !inner.is_empty() => {
+                let _ = writeln!(out, "{indent}{key}:");
+                fields(out, &format!("{indent}  "), inner);
+            }
+            Value::Array(items) if !items.is_empty() && items.iter().all(Value::is_object) => {
+                let _ = writeln!(out, "{indent}{key}:");
+                let rows: Vec<Map<String, Value>> =
+                    items.iter().filter_map(Value::as_object).cloned().collect();
+                table(out, &format!("{indent}  "), &rows);
+            }
+            _ => {
+                let _ = writeln!(out, "{indent}{key:<width$}  {}", cell(key, value));
+            }
+        }
+    }
+}
+
+/// An answer as a person reads it: `done` for an answer without a body, a refusal's message,
+/// or the body's fields and tables.
+pub fn render(status: u16, body: &Value) -> String {
+    let mut out = String::new();
+    match body {
+        Value::Null => {
+            let _ = writeln!(out, "done ({status})");
+        }
+        Value::Object(object) => match object.get("fault_message").and_then(Value::as_str) {
+            Some(message) => {
+                let _ = writeln!(out, "{status}: {message}");
+            }
+            None => fields(&mut out, "", object),
+        },
+        Value::String(text) => out.push_str(text),
+        other => {
+            let _ = writeln!(out, "{other}");
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sizes_and_addresses_take_units_and_hex() {
+        assert_eq!(bytes("4096"), Ok(4096));
+        assert_eq!(bytes("0x1000"), Ok(4096));
+        assert_eq!(bytes("2M"), Ok(2 << 20));
+        assert_eq!(bytes("2MiB"), Ok(2 << 20));
+        assert_eq!(bytes("1G"), Ok(1 << 30));
+        assert_eq!(bytes("64k"), Ok(64 << 10));
+        assert!(bytes("2X").is_err());
+        assert!(bytes("-1").is_err());
+        assert!(bytes("99999999999T").is_err());
+    }
+
+    #[test]
+    fn requests_become_their_endpoints() {
+        let add = ClientRequest::AddRegion {
+            size: 2 << 20,
+            guest_address: None,
+            backing: Backing::Memfd,
+            slot_size: Some(64 << 10),
+            read_only: false,
+            dirty_log: true,
+            no_guest_check: false,
+        };
+        assert_eq!(
+            add.http(),
+            Ok((
+                "PUT".into(),
+                "/memory/regions".into(),
+                Some(
+                    json!({"size": 2 << 20, "backing": "memfd", "slot_size": 65536,
+                    "read_only": false, "dirty_log": true, "guest_check": true})
+                )
+            ))
+        );
+        let cancel = ClientRequest::Guest {
+            op: GuestOp::Cancel,
+            start: None,
+            end: None,
+            stride: 8,
+            seed: 0,
+            vcpu: 1,
+        };
+        assert_eq!(
+            cancel.http().map(|r| r.2),
+            Ok(Some(json!({"op": "cancel", "vcpu": 1})))
+        );
+        assert_eq!(
+            ClientRequest::Harvest { region: None }.http(),
+            Ok(("POST".into(), "/dirty-log/harvest".into(), None))
+        );
+        let raw = ClientRequest::Raw {
+            method: "get".into(),
+            path: "/vm".into(),
+            body: Some("{nope".into()),
+        };
+        assert!(raw.http().is_err());
+    }
+
+    #[test]
+    fn answers_read_as_tables_with_units() {
+        let memory = json!({
+            "slots": {"used": 2, "free": 32762, "max": 32764},
+            "regions": [
+                {"id": 0, "guest_address": 0, "size": 2097152, "read_only": false},
+                {"id": 1, "guest_address": 268435456, "size": 268435456, "read_only": true},
+            ],
+        });
+        let text = render(200, &memory);
+        assert!(text.contains("slots:\n  free  32762\n"), "{text}");
+        assert!(
+            text.contains("  id  guest_address  read_only  size\n"),
+            "{text}"
+        );
+        assert!(
+            text.contains("  1   0x10000000     true       256 MiB\n"),
+            "{text}"
+        );
+        assert_eq!(render(204, &Value::Null), "done (204)\n");
+        assert_eq!(
+            render(404, &json!({"fault_message": "region 7 does not exist"})),
+            "404: region 7 does not exist\n"
+        );
+        assert_eq!(exit_status(201), 0);
+        assert_eq!(exit_status(409), 4);
+        assert_eq!(exit_status(503), 5);
+    }
+}

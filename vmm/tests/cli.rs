@@ -1,0 +1,378 @@
+//! The command line's one vocabulary: the same option names for the same things in every
+//! subcommand, defaults in every `--help`, no option a subcommand ignores, usage errors with
+//! their own exit status, `--version` with the commit, and `--json` printing JSON alone on
+//! stdout.
+
+use std::process::{Command, Output, Stdio};
+
+fn tinyvmm(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_tinyvmm"))
+        .args(args)
+        .stdin(Stdio::null())
+        .output()
+        .expect("tinyvmm runs")
+}
+
+fn text(bytes: &[u8]) -> String {
+    String::from_utf8_lossy(bytes).into_owned()
+}
+
+/// Every subcommand, as `tinyvmm help` lists them.
+const SUBCOMMANDS: [&str; 13] = [
+    "check",
+    "bench",
+    "stress",
+    "harvest-bench",
+    "serve",
+    "restore",
+    "snapshot-merge",
+    "snapshot-bench",
+    "receive",
+    "boot",
+    "client",
+    "completions",
+    "man",
+];
+
+/// Options that name an input of the run, which has no default (`--start` and `--end`: a
+/// guest command's range, which `client guest` needs for a range's commands).
+const INPUTS: [&str; 9] = [
+    "--config",
+    "--kernel",
+    "--initramfs",
+    "--snapshot",
+    "--mem-file",
+    "--listen",
+    "--api-sock",
+    "--start",
+    "--end",
+];
+
+/// The options of `--help`'s text, each with its help (the lines up to the next option).
+fn options(help: &str) -> Vec<(String, String)> {
+    let mut options: Vec<(String, String)> = Vec::new();
+    for line in help.lines() {
+        let trimmed = line.trim_start();
+        if let Some(rest) = trimmed.strip_prefix("--") {
+            let name = rest.split([' ', '<']).next().unwrap_or_default();
+            options.push((format!("--{name}"), trimmed.to_owned()));
+        } else if trimmed.starts_with("-h, --help") || trimmed.starts_with("-V, --version") {
+            options.push(("--help".into(), String::new()));
+        } else if let Some((_, help)) = options.last_mut() {
+            help.push(' ');
+            help.push_str(trimmed);
+        }
+    }
+    options
+}
+
+#[test]
+fn every_help_shows_its_defaults_and_one_name_per_concept() {
+    let mut vcpus_help = Vec::new();
+    let client_help = text(&tinyvmm(&["client", "--help"]).stdout);
+    let client_commands = client_help
+        .lines()
+        .skip_while(|l| !l.starts_with("Commands:"))
+        .skip(1)
+        .take_while(|l| l.starts_with("  "))
+        .filter_map(|l| l.split_whitespace().next())
+        .filter(|c| *c != "help")
+        .map(|c| vec!["client", c]);
+    let commands: Vec<Vec<&str>> = SUBCOMMANDS
+        .iter()
+        .map(|s| vec![*s])
+        .chain(client_commands)
+        .collect();
+    assert!(commands.len() > SUBCOMMANDS.len() + 20, "{client_help}");
+    for command in &commands {
+        let subcommand = command.join(" ");
+        let output = tinyvmm(&[&command[..], &["--help"]].concat());
+        assert!(output.status.success(), "{subcommand} --help");
+        let help = text(&output.stdout);
+        let usage = help
+            .lines()
+            .find(|l| l.starts_with("Usage:"))
+            .expect("a usage line");
+        for (option, option_help) in options(&help) {
+            // Old names stay as hidden aliases only.
+            for old in ["--area-mib", "--mem-slots", "--ring-entries"] {
+                assert_ne!(option, old, "{subcommand} lists {old}");
+            }
+            let takes_value = option_help
+                .split_whitespace()
+                .nth(1)
+                .is_some_and(|w| w.starts_with('<'));
+            let required = usage.contains(&format!("{option} <"));
+            if takes_value && !required && !INPUTS.contains(&option.as_str()) {
+                assert!(
+                    option_help.contains("[default: "),
+                    "{subcommand} {option} shows no default: {option_help}"
+                );
+            }
+            if option == "--vcpus" {
+                vcpus_help.push((subcommand.clone(), option_help));
+            }
+        }
+    }
+    for (subcommand, help) in vcpus_help {
+        assert!(
+            help.contains("(1 to 15)") || (subcommand == "boot" && help.contains("(1 to 32)")),
+            "{subcommand}: {help}"
+        );
+    }
+}
+
+#[test]
+fn restore_lists_no_option_it_ignores() {
+    let help = text(&tinyvmm(&["restore", "--help"]).stdout);
+    let names: Vec<String> = options(&help).into_iter().map(|(n, _)| n).collect();
+    for ignored in ["--slots", "--mem-mib", "--vcpus", "--memfd"] {
+        assert!(
+            !names.contains(&ignored.to_owned()),
+            "restore lists {ignored}"
+        );
+        let refused = tinyvmm(&["restore", ignored, "2"]);
+        assert_eq!(refused.status.code(), Some(64), "restore {ignored}");
+    }
+    for kept in [
+        "--api-sock",
+        "--idle-timeout",
+        "--dirty-ring",
+        "--mem-backend",
+    ] {
+        assert!(names.contains(&kept.to_owned()), "restore lacks {kept}");
+    }
+}
+
+#[test]
+fn usage_errors_have_their_own_exit_status_and_help_and_version_succeed() {
+    for args in [
+        &["--bogus"][..],
+        &["check", "--vcpus", "16"],
+        &["check", "--vcpus", "0"],
+        &["check", "--slots", "1"],
+        &["stress", "--seconds", "-1"],
+        &["serve", "--api-sock", "/nonexistent/x.sock", "--slots", "1"],
+        &[
+            "serve",
+            "--api-sock",
+            "/nonexistent/x.sock",
+            "--idle-timeout",
+            "0",
+        ],
+        &["boot", "--kernel", "/nonexistent", "--vcpus", "33"],
+        &["receive", "--api-sock", "/nonexistent/x.sock"],
+    ] {
+        let output = tinyvmm(args);
+        assert_eq!(
+            output.status.code(),
+            Some(64),
+            "{args:?}: {}",
+            text(&output.stderr)
+        );
+        assert!(output.stdout.is_empty(), "{args:?}");
+        assert!(text(&output.stderr).starts_with("error: "), "{args:?}");
+    }
+    // The old names are still understood.
+    let help = tinyvmm(&["check", "--area-mib", "8", "--help"]);
+    assert!(help.status.success());
+    let version = tinyvmm(&["--version"]);
+    assert!(version.status.success());
+    let version = text(&version.stdout);
+    assert!(
+        version.starts_with(&format!("tinyvmm {} (commit ", env!("CARGO_PKG_VERSION"))),
+        "{version}"
+    );
+    let help = text(&tinyvmm(&["--help"]).stdout);
+    assert!(help.contains("64 a usage error"), "{help}");
+}
+
+#[test]
+fn kvm_check_json_is_json_alone_on_stdout() {
+    if !kvm_test_support::require_kvm("tinyvmm::kvm_check_json_is_json_alone_on_stdout") {
+        return;
+    }
+    let output = tinyvmm(&["check", "--slots", "64", "--mem-mib", "8", "--json"]);
+    assert!(output.status.success(), "{}", text(&output.stderr));
+    let report: serde_json::Value = serde_json::from_slice(&output.stdout)
+        .unwrap_or_else(|e| panic!("stdout is not JSON ({e}): {}", text(&output.stdout)));
+    assert_eq!(report["passed"], serde_json::json!(true), "{report}");
+    assert_eq!(report["slots"], serde_json::json!(64), "{report}");
+    for duration in [
+        "slot_setup_ms",
+        "guest_write_ms",
+        "host_check_ms",
+        "guest_check_ms",
+    ] {
+        assert!(report[duration].is_f64(), "{duration} in ms: {report}");
+    }
+    assert!(text(&output.stderr).contains("all checks passed"));
+
+    // What the issue asked for, as a shell user would do it.
+    let python = std::env::var("TINYVMM_PYTHON").unwrap_or_else(|_| "python3".into());
+    let piped = Command::new("sh")
+        .arg("-c")
+        .arg(format!(
+            "'{}' check --slots 64 --mem-mib 8 --json | '{python}' -m json.tool",
+            env!("CARGO_BIN_EXE_tinyvmm")
+        ))
+        .output()
+        .expect("sh runs");
+    assert!(piped.status.success(), "{}", text(&piped.stderr));
+
+    // A failure is JSON too, and says so.
+    let failed = tinyvmm(&[
+        "check",
+        "--slots",
+        "64",
+        "--mem-mib",
+        "8",
+        "--max-guest-mib",
+        "1",
+        "--json",
+    ]);
+    assert_eq!(failed.status.code(), Some(1));
+    let report: serde_json::Value = serde_json::from_slice(&failed.stdout).expect("JSON");
+    assert_eq!(report["passed"], serde_json::json!(false), "{report}");
+    assert!(report["error"].is_string(), "{report}");
+}
+
+#[test]
+fn kvm_the_client_command_speaks_for_every_status_class() {
+    if !kvm_test_support::require_kvm(
+        "tinyvmm::kvm_the_client_command_speaks_for_every_status_class",
+    ) {
+        return;
+    }
+    let socket =
+        std::env::temp_dir().join(format!("tinyvmm-cli-client-{}.sock", std::process::id()));
+    let config = tinyvmm::jobs::serve::ServeConfig::new(socket.clone());
+    let vmm = tinyvmm::jobs::serve::serve_in_background(config).expect("the VMM starts");
+    let sock = socket.to_str().expect("a UTF-8 path");
+    let client = |args: &[&str]| tinyvmm(&[&["client", "--api-sock", sock][..], args].concat());
+
+    let memory = client(&["memory"]);
+    assert_eq!(memory.status.code(), Some(0), "{}", text(&memory.stderr));
+    let table = text(&memory.stdout);
+    assert!(table.contains("regions:\n  id  backing"), "{table}");
+    assert!(
+        table.contains("0x10000000") && table.contains("256 MiB"),
+        "{table}"
+    );
+
+    let added = client(&["add-region", "--size", "2M", "--slot-size", "64K", "--json"]);
+    assert_eq!(added.status.code(), Some(0), "{}", text(&added.stderr));
+    let added: serde_json::Value = serde_json::from_slice(&added.stdout).expect("JSON alone");
+    assert_eq!(added["slots"], serde_json::json!(32), "{added}");
+
+    let write = client(&[
+        "guest", "write", "--start", "256M", "--end", "257M", "--seed", "3",
+    ]);
+    assert_eq!(text(&write.stdout), "result  ok\n");
+    let paused = client(&["pause"]);
+    assert_eq!(
+        (paused.status.code(), text(&paused.stdout)),
+        (Some(0), "done (204)\n".into())
+    );
+    assert_eq!(client(&["resume", "--json"]).stdout, b"{}\n");
+
+    // A refusal: its message on stderr, exit status 4; a 5xx would be 5.
+    let refused = client(&["remove-region", "0"]);
+    assert_eq!(refused.status.code(), Some(4));
+    assert!(
+        text(&refused.stderr).starts_with("tinyvmm: 409: region 0"),
+        "{}",
+        text(&refused.stderr)
+    );
+    let refused = client(&["--json", "migration"]);
+    assert_eq!(refused.status.code(), Some(4));
+    let fault: serde_json::Value = serde_json::from_slice(&refused.stdout).expect("JSON alone");
+    assert!(fault["fault_message"].is_string(), "{fault}");
+
+    // Usage errors are the CLI's; a socket that is not there is 1.
+    assert_eq!(
+        client(&["guest", "write", "--end", "1M"]).status.code(),
+        Some(64)
+    );
+    assert_eq!(client(&["add-region"]).status.code(), Some(64));
+    let nowhere = tinyvmm(&["client", "--api-sock", "/nonexistent/x.sock", "info"]);
+    assert_eq!(nowhere.status.code(), Some(1));
+
+    assert_eq!(client(&["stop"]).status.code(), Some(0));
+    let ending = vmm.join().expect("no panic").expect("a clean stop");
+    assert_eq!(ending, tinyvmm::lifecycle::Ending::Finished);
+}
+
+#[test]
+fn completions_and_man_pages_come_from_the_command_line() {
+    let bash = tinyvmm(&["completions", "bash"]);
+    assert!(bash.status.success());
+    let script = text(&bash.stdout);
+    assert!(script.contains("complete -F _tinyvmm"), "{script}");
+    assert!(script.contains("--api-sock") && script.contains("add-region"));
+    let dir = std::env::temp_dir().join(format!("tinyvmm-man-{}", std::process::id()));
+    let written = tinyvmm(&["man", "--dir", dir.to_str().expect("UTF-8")]);
+    assert!(written.status.success(), "{}", text(&written.stderr));
+    let page = std::fs::read_to_string(dir.join("tinyvmm-serve.1")).expect("serve's page");
+    assert!(
+        page.contains(".TH tinyvmm-serve 1") && page.contains("idle\\-timeout"),
+        "{page}"
+    );
+    assert!(dir.join("tinyvmm.1").exists() && dir.join("tinyvmm-client-add-region.1").exists());
+    std::fs::remove_dir_all(&dir).expect("cleaned up");
+}
+
+#[test]
+fn kvm_log_requests_logs_each_request_with_its_status() {
+    if !kvm_test_support::require_kvm("tinyvmm::kvm_log_requests_logs_each_request_with_its_status")
+    {
+        return;
+    }
+    let socket = std::env::temp_dir().join(format!("tinyvmm-cli-log-{}.sock", std::process::id()));
+    let sock = socket.to_str().expect("a UTF-8 path");
+    let vmm = Command::new(env!("CARGO_BIN_EXE_tinyvmm"))
+        .args([
+            "serve",
+            "--api-sock",
+            sock,
+            "--mem-mib",
+            "0",
+            "--slots",
+            "1",
+            "--log-requests",
+        ])
+        .stdin(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("tinyvmm serve starts");
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    while !socket.exists() {
+        assert!(std::time::Instant::now() < deadline, "no socket");
+        std::thread::sleep(std::time::Duration::from_millis(10));
+    }
+    for (args, status) in [
+        (&["vm"][..], 0),
+        (&["remove-region", "0"], 4),
+        (&["stop"], 0),
+    ] {
+        let client = tinyvmm(&[&["client", "--api-sock", sock][..], args].concat());
+        assert_eq!(client.status.code(), Some(status), "{args:?}");
+    }
+    let output = vmm.wait_with_output().expect("tinyvmm serve ends");
+    assert!(output.status.success());
+    let log = text(&output.stderr);
+    for line in [
+        "tinyvmm: api: GET /vm -> 200 in ",
+        "tinyvmm: api: DELETE /memory/regions/0 -> 409 in ",
+        "tinyvmm: api: PUT /actions -> 204 in ",
+    ] {
+        assert!(
+            log.lines().any(|l| l.starts_with(line)),
+            "{line} in:\n{log}"
+        );
+    }
+    assert!(
+        log.contains(" ms: region 0 holds the guest's code"),
+        "{log}"
+    );
+}
