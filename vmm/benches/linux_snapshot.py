@@ -88,7 +88,7 @@ def stop(proc, api=None):
 
 
 def row(tinyvmm, vmlinux, slots, work):
-    boot = [tinyvmm, "boot", "--kernel", vmlinux, "--mem-mib", "512", "--mem-slots", str(slots),
+    boot = [tinyvmm, "boot", "--kernel", vmlinux, "--mem-mib", "512", "--slots", str(slots),
             "--vcpus", "2", "--quiet", "--timeout", "600", "--cmdline", CMDLINE]
     cold_console = os.path.join(work, f"cold-{slots}.out")
     snap_console = os.path.join(work, f"snap-{slots}.out")

@@ -46,8 +46,10 @@ enum Commands {
     /// Run the test guest with an API socket (HTTP/1.1 + JSON) to add, remove and move memory,
     /// plug the hotplug area and switch dirty logging while it runs; see docs/api.yaml.
     Serve(ServeArgs),
-    /// Restore a test-guest VM from a snapshot (PUT /snapshot/create) and serve it, paused, on
-    /// an API socket: PATCH /vm {"state": "Resumed"} continues it where it was.
+    /// Restore a VM from a snapshot (PUT /snapshot/create) and serve it, paused, on an API
+    /// socket: PATCH /vm {"state": "Resumed"} continues it where it was. A test guest is served
+    /// as `serve` serves one; a Linux guest runs as `boot` runs one (its console on stdout);
+    /// the state file says which.
     Restore(RestoreArgs),
     /// Merge a chain of snapshots (a Full, then its Diffs in order, even across hotplug,
     /// removals and moves) into the memory file of the last one's point, to restore with its
@@ -58,7 +60,8 @@ enum Commands {
     /// the file system's bandwidth and a cold start: print a table and write JSON.
     SnapshotBench(SnapshotBenchArgs),
     /// Receive a VM that `PUT /migrate` on another tinyvmm sends, run it, and serve it on an
-    /// API socket as `serve` does.
+    /// API socket: a test guest as `serve` does, a Linux guest as `boot` does (its console on
+    /// stdout).
     Receive(ReceiveArgs),
     /// Boot a Linux kernel (bzImage or ELF vmlinux) with its RAM split into KVM slots; the
     /// serial console is stdout (and stdin on a terminal). See docs/BOOT.md.

@@ -218,7 +218,7 @@ fn boot_args(kernel: &Path) -> Vec<String> {
         kernel.to_str().expect("a UTF-8 path"),
         "--mem-mib",
         "512",
-        "--mem-slots",
+        "--slots",
         "4096",
         "--vcpus",
         "2",
