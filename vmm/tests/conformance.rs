@@ -347,6 +347,7 @@ fn the_spec_is_valid_json_once_read_and_names_every_route_the_server_has() {
         ("GET", "/memory"),
         ("PUT", "/memory/regions"),
         ("POST", "/memory/regions"),
+        ("GET", "/memory/regions/1"),
         ("DELETE", "/memory/regions/1"),
         ("PATCH", "/memory/regions/1"),
         ("GET", "/dirty-log"),
@@ -426,6 +427,14 @@ fn kvm_every_documented_operation_answers_as_the_spec_says() {
     );
     let small = small["id"].as_u64().expect("an id");
     let region = format!("/memory/regions/{id}");
+    let described = vmm.expect(200, "GET", &region, None);
+    assert_eq!(
+        (described["id"].as_u64(), described["size"].as_u64()),
+        (Some(id), Some(2 * MIB)),
+        "{described}"
+    );
+    vmm.expect(404, "GET", "/memory/regions/999", None);
+    vmm.expect(400, "GET", "/memory/regions/abc", None);
     vmm.expect(204, "PATCH", &region, Some(json!({"read_only": true})));
     vmm.expect(
         204,
@@ -770,6 +779,7 @@ fn the_client_command_has_every_operation_and_sends_what_the_spec_takes() {
             dirty_log: true,
             no_guest_check: true,
         },
+        ClientRequest::Region { id: 3 },
         ClientRequest::RemoveRegion { id: 3 },
         ClientRequest::PatchRegion {
             id: 3,

@@ -64,6 +64,7 @@ pub fn respond(outcome: Outcome) -> Response {
     match outcome {
         Ok(Reply::Done) => Response::no_content(),
         Ok(Reply::Memory(info)) => json(200, &info),
+        Ok(Reply::Region(region)) => json(200, &region),
         Ok(Reply::RegionAdded(added)) => json(201, &added),
         Ok(Reply::Harvest(dirty)) => json(200, &dirty),
         Ok(Reply::DirtyLog(info)) => json(200, &info),
@@ -115,9 +116,10 @@ pub fn route(request: &Request) -> Result<ControllerRequest, Response> {
             _ => Err(method_not_allowed(method, path, "PUT, POST")),
         },
         ["memory", "regions", region] => match method {
+            "GET" => Ok(ControllerRequest::GetRegion(id(region)?)),
             "DELETE" => Ok(ControllerRequest::RemoveRegion(id(region)?)),
             "PATCH" => Ok(ControllerRequest::PatchRegion(id(region)?, body(request)?)),
-            _ => Err(method_not_allowed(method, path, "DELETE, PATCH")),
+            _ => Err(method_not_allowed(method, path, "GET, DELETE, PATCH")),
         },
         ["dirty-log"] => match method {
             "GET" => Ok(ControllerRequest::GetDirtyLog),

@@ -147,20 +147,7 @@ pub struct RegionAdded {
 /// `GET /memory` for any VM's memory.
 pub fn memory_info(memory: &MemoryManager<KvmVm>) -> MemoryInfo {
     let usage = memory.slot_usage();
-    let regions = memory
-        .regions()
-        .iter()
-        .map(|r| RegionInfo {
-            id: r.id.0,
-            guest_address: r.gpa.0,
-            size: r.size,
-            host_address: r.hva.0,
-            slots: r.slots,
-            read_only: r.flags.read_only,
-            dirty_log: r.flags.log_dirty,
-            backing: if r.shared { "memfd" } else { "anonymous" },
-        })
-        .collect();
+    let regions = memory.regions().iter().map(region_of).collect();
     let limits = memory.limits();
     let used = memory.memory_use();
     MemoryInfo {
@@ -182,4 +169,32 @@ pub fn memory_info(memory: &MemoryManager<KvmVm>) -> MemoryInfo {
         regions,
         slot_zap_all: memory.kvm().zaps_all_on_slot_change(),
     }
+}
+
+fn region_of(r: &kvm_memslots::RegionInfo) -> RegionInfo {
+    RegionInfo {
+        id: r.id.0,
+        guest_address: r.gpa.0,
+        size: r.size,
+        host_address: r.hva.0,
+        slots: r.slots,
+        read_only: r.flags.read_only,
+        dirty_log: r.flags.log_dirty,
+        backing: if r.shared { "memfd" } else { "anonymous" },
+    }
+}
+
+/// `GET /memory/regions/{id}`: region `id` as `GET /memory` lists it, or 404.
+pub fn region_info(
+    memory: &MemoryManager<KvmVm>,
+    id: u64,
+) -> Result<RegionInfo, super::ControllerError> {
+    memory
+        .regions()
+        .iter()
+        .find(|r| r.id.0 == id)
+        .map(region_of)
+        .ok_or_else(|| {
+            super::ControllerError::not_found(format!("no region {id} (GET /memory lists them)"))
+        })
 }

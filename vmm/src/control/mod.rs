@@ -24,7 +24,7 @@ use std::os::fd::RawFd;
 use dirty_log::{DirtyLogInfo, DirtyLogSwitch, Harvest, HarvestInfo};
 use guest::{GuestCommand, GuestCommandResult};
 use hotplug::{HotplugConfig, HotplugInfo, HotplugRequest};
-use memory::{AddRegion, MemoryInfo, PatchRegion, RegionAdded};
+use memory::{AddRegion, MemoryInfo, PatchRegion, RegionAdded, RegionInfo};
 use migration::{MigrateRequest, MigrationInfo};
 use snapshot::SnapshotCreate;
 use vm::{VmAction, VmInfo, VmStatePatch};
@@ -36,6 +36,8 @@ pub enum Request {
     GetMemory,
     /// Add a region.
     AddRegion(AddRegion),
+    /// Describe one region.
+    GetRegion(u64),
     /// Remove a region.
     RemoveRegion(u64),
     /// Move a region or change whether it is read-only.
@@ -76,6 +78,7 @@ impl Request {
         match self {
             Request::GetMemory => "GET /memory",
             Request::AddRegion(_) => "PUT /memory/regions",
+            Request::GetRegion(_) => "GET /memory/regions/{id}",
             Request::RemoveRegion(_) => "DELETE /memory/regions/{id}",
             Request::PatchRegion(..) => "PATCH /memory/regions/{id}",
             Request::SwitchDirtyLog(_) => "PATCH /dirty-log",
@@ -103,6 +106,8 @@ pub enum Reply {
     Done,
     /// The regions and slots.
     Memory(MemoryInfo),
+    /// One region.
+    Region(RegionInfo),
     /// The new region.
     RegionAdded(RegionAdded),
     /// The dirty pages.

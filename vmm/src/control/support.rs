@@ -17,6 +17,8 @@ use super::{ControllerError, Request};
 pub enum LinuxRequest {
     /// [`Request::GetMemory`].
     GetMemory,
+    /// [`Request::GetRegion`].
+    GetRegion(u64),
     /// [`Request::GetHotplug`].
     GetHotplug,
     /// [`Request::ConfigureHotplug`] (refused: the device is configured at boot).
@@ -52,6 +54,7 @@ impl TryFrom<Request> for LinuxRequest {
     fn try_from(request: Request) -> Result<Self, ControllerError> {
         Ok(match request {
             Request::GetMemory => LinuxRequest::GetMemory,
+            Request::GetRegion(id) => LinuxRequest::GetRegion(id),
             Request::GetHotplug => LinuxRequest::GetHotplug,
             Request::ConfigureHotplug(config) => LinuxRequest::ConfigureHotplug(config),
             Request::RequestHotplug(request) => LinuxRequest::RequestHotplug(request),

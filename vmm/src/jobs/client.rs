@@ -50,6 +50,11 @@ pub enum ClientRequest {
     Metrics,
     /// GET /memory: KVM slots, limits and every region.
     Memory,
+    /// GET /memory/regions/{id}: one region.
+    Region {
+        /// The region's id (GET /memory).
+        id: u64,
+    },
     /// PUT /memory/regions: add (hotplug) a region, checked by the test guest.
     AddRegion {
         /// Bytes (a multiple of 4096; K, M, G and T suffixes are KiB, MiB, GiB and TiB).
@@ -234,6 +239,7 @@ impl ClientRequest {
             ClientRequest::Info => ("GET", "/".to_owned(), None),
             ClientRequest::Metrics => ("GET", "/metrics".to_owned(), None),
             ClientRequest::Memory => ("GET", "/memory".to_owned(), None),
+            ClientRequest::Region { id } => ("GET", format!("/memory/regions/{id}"), None),
             ClientRequest::AddRegion {
                 size,
                 guest_address,

@@ -16,7 +16,7 @@ use super::hotplug::{hotplug_info, lock, VirtioMemDevice};
 use super::state::{LinuxMachine, LinuxRecord};
 use super::vcpus::LinuxVcpu;
 use crate::control::dirty_log::DirtyLogClient;
-use crate::control::memory::memory_info;
+use crate::control::memory::{memory_info, region_info};
 use crate::control::support::LinuxRequest;
 use crate::control::vm::{RunState, VmInfo, VmStateRequest};
 use crate::control::{Apply, ControllerError, Outcome, Reply, Request};
@@ -199,6 +199,7 @@ impl Apply for LinuxController {
         }
         match LinuxRequest::try_from(request)? {
             LinuxRequest::GetMemory => Ok(Reply::Memory(memory_info(&self.memory))),
+            LinuxRequest::GetRegion(id) => Ok(Reply::Region(region_info(&self.memory, id)?)),
             LinuxRequest::GetHotplug => Ok(Reply::Hotplug(hotplug_info(self.device()?))),
             LinuxRequest::RequestHotplug(request) => {
                 let device = self.device()?;

@@ -101,6 +101,7 @@ impl<V: MigratingVcpu> MigrationSlot<V> {
         let reads = matches!(
             request,
             Request::GetMemory
+                | Request::GetRegion(_)
                 | Request::GetDirtyLog
                 | Request::GetHotplug
                 | Request::GetVm

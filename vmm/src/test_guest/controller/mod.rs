@@ -15,7 +15,7 @@ mod snapshot;
 use std::sync::atomic::{AtomicBool, Ordering};
 
 use crate::control::dirty_log::DirtyLogClient;
-use crate::control::memory::{memory_info, MemoryInfo};
+use crate::control::memory::{memory_info, region_info, MemoryInfo};
 use crate::control::migration::MigrationInfo;
 use crate::control::vm::{
     RunState, VmAction, VmActionType, VmFailure, VmInfo, VmStateRequest, FAILED_EXIT_STATUS,
@@ -246,6 +246,7 @@ impl Controller {
         }
         match request {
             Request::GetMemory => Ok(Reply::Memory(self.memory_info())),
+            Request::GetRegion(id) => Ok(Reply::Region(region_info(self.vm.memory(), id)?)),
             Request::AddRegion(add) => self.add_region(add).map(Reply::RegionAdded),
             Request::RemoveRegion(id) => self.remove_region(id).map(|()| Reply::Done),
             Request::PatchRegion(id, patch) => self.patch_region(id, patch).map(|()| Reply::Done),
