@@ -80,6 +80,24 @@ impl Vmm {
         }
     }
 
+    /// `tinyvmm restore` of `state` and `mem` through `backend`, its console and API socket
+    /// named after `name` in `scratch`.
+    fn restore(scratch: &Scratch, name: &str, (state, mem): (&Path, &Path), backend: &str) -> Self {
+        Vmm::spawn(
+            &[
+                "restore",
+                "--snapshot",
+                state.to_str().expect("UTF-8"),
+                "--mem-file",
+                mem.to_str().expect("UTF-8"),
+                "--mem-backend",
+                backend,
+            ],
+            scratch.path(&format!("{name}.console")),
+            Some(scratch.path(&format!("{name}.sock"))),
+        )
+    }
+
     fn console(&self) -> String {
         String::from_utf8_lossy(&std::fs::read(&self.console).unwrap_or_default()).into_owned()
     }
@@ -273,19 +291,7 @@ fn restore_and_check(
     before: &str,
     reference: &Reference,
 ) {
-    let mut vmm = Vmm::spawn(
-        &[
-            "restore",
-            "--snapshot",
-            state.to_str().expect("UTF-8"),
-            "--mem-file",
-            mem.to_str().expect("UTF-8"),
-            "--mem-backend",
-            backend,
-        ],
-        scratch.path(&format!("{name}.console")),
-        Some(scratch.path(&format!("{name}.sock"))),
-    );
+    let mut vmm = Vmm::restore(scratch, name, (state, mem), backend);
     vmm.wait_for_api();
     let vm = vmm.ok("GET", "/vm", None);
     assert_eq!(
@@ -317,19 +323,7 @@ fn migrate_and_check(
         Some(scratch.path(&format!("{name}-dst.sock"))),
     );
     wait_until("receive to listen", || listen.exists());
-    let mut source = Vmm::spawn(
-        &[
-            "restore",
-            "--snapshot",
-            state.to_str().expect("UTF-8"),
-            "--mem-file",
-            mem.to_str().expect("UTF-8"),
-            "--mem-backend",
-            "copy",
-        ],
-        scratch.path(&format!("{name}-src.console")),
-        Some(scratch.path(&format!("{name}-src.sock"))),
-    );
+    let mut source = Vmm::restore(scratch, &format!("{name}-src"), (state, mem), "copy");
     source.wait_for_api();
     source.resume();
     // A migration to a destination that is not there fails, and the guest runs on here
@@ -591,17 +585,7 @@ fn a_restored_and_migrated_linux_guest_runs_and_plugs_memory_with_hardware_virtu
     booted.ok("PUT", "/actions", Some(json!({"action_type": "Stop"})));
     booted.wait();
 
-    let restored = Vmm::spawn(
-        &[
-            "restore",
-            "--snapshot",
-            state.to_str().expect("UTF-8"),
-            "--mem-file",
-            mem.to_str().expect("UTF-8"),
-        ],
-        scratch.path("restored.console"),
-        Some(scratch.path("restored.sock")),
-    );
+    let restored = Vmm::restore(&scratch, "restored", (&state, &mem), "file");
     restored.wait_for_api();
     let away = paused_at.elapsed().expect("time goes on").as_secs_f64();
     restored.resume();

@@ -52,14 +52,7 @@ pub(crate) fn restored_controller(
     };
     let state =
         read_state_file(&from.snapshot).map_err(|e| refused(&from.snapshot, e.to_string()))?;
-    let mem_file = open_input(&from.mem_file).map_err(|e| refused(&from.mem_file, e))?;
-    if let Some(info) = &state.snapshot {
-        info.memory
-            .check(&mem_file)
-            .map_err(|e| refused(&from.snapshot, wrong_memory(from, info, &e)))?;
-    }
-    let snapshot = state.snapshot.map_or(0, |info| info.id.0);
-    let lazy = (from.working_set.lazy_options(snapshot, &state.layout))
+    let (mem_file, lazy) = memory_of(from, state.snapshot.as_ref(), &state.layout)
         .map_err(|(path, reason)| refused(&path, reason))?;
     let vm = TestVm::restore_with(&state.layout, &mem_file, from.backend, lazy, options)?;
     let vcpus = vm.start_restored_vcpus(&state.vcpus, stopped)?;
@@ -88,20 +81,14 @@ pub fn restore_linux(
     };
     let state = LinuxState::read_file(&from.snapshot)
         .map_err(|e| refused(&from.snapshot, e.to_string()))?;
-    let mem_file = open_input(&from.mem_file).map_err(|e| refused(&from.mem_file, e))?;
-    if let Some(info) = &state.snapshot {
-        info.memory
-            .check(&mem_file)
-            .map_err(|e| refused(&from.snapshot, wrong_memory(from, info, &e)))?;
-    }
-    let snapshot = state.snapshot.map_or(0, |info| info.id.0);
-    let lazy = (from.working_set.lazy_options(snapshot, &state.layout))
+    let (mem_file, lazy) = memory_of(from, state.snapshot.as_ref(), &state.layout)
         .map_err(|(path, reason)| refused(&path, reason))?;
     let api = ApiSocket::bind(&api_sock)?;
     let linux = LinuxVm::restore(&state, (&mem_file, from.backend, lazy), output, limits)?;
     let vcpus = linux.restored_vcpus(&state)?;
     eprintln!(
-        "tinyvmm: Linux guest restored from {} ({} vCPUs, {} regions), paused: PATCH /vm          {{\"state\": \"Resumed\"}} on {} runs it",
+        "tinyvmm: Linux guest restored from {} ({} vCPUs, {} regions), paused: PATCH /vm \
+         {{\"state\": \"Resumed\"}} on {} runs it",
         from.snapshot.display(),
         state.vcpus.len(),
         state.layout.regions.len(),
@@ -116,6 +103,26 @@ pub fn restore_linux(
             ..LinuxRun::default()
         },
     )
+}
+
+/// `from`'s memory file, checked against what the state file recorded of it (`info`), and the
+/// lazy loader's options for its working-set files, checked against the snapshot and
+/// `layout`; or the file at fault and why.
+fn memory_of(
+    from: &RestoreFrom,
+    info: Option<&SnapshotInfo>,
+    layout: &kvm_memslots_persist::MemoryLayout,
+) -> Result<(std::fs::File, kvm_memslots_persist::LazyOptions), (PathBuf, String)> {
+    let mem_file = open_input(&from.mem_file).map_err(|e| (from.mem_file.clone(), e))?;
+    if let Some(info) = info {
+        info.memory
+            .check(&mem_file)
+            .map_err(|e| (from.snapshot.clone(), wrong_memory(from, info, &e)))?;
+    }
+    let lazy = from
+        .working_set
+        .lazy_options(info.map_or(0, |i| i.id.0), layout)?;
+    Ok((mem_file, lazy))
 }
 
 /// Why `from`'s memory file is not the memory of the snapshot `info` (`mismatch`), and for a
