@@ -43,9 +43,10 @@ pub fn data_runs(memory: &RegionMemory) -> Result<Vec<Range<u64>>, SnapshotError
         .metadata()
         .map_err(io("reading the size of guest memory's file"))?
         .len();
-    let in_file = file_data_runs(backing.file(), size.min(end))?
+    // Only the file's part under this region: a file-backed restore maps one memory file for
+    // every region, so a scan from the file's start per region would cost regions × runs.
+    let in_file = file_data_runs(backing.file(), start.min(size)..size.min(end))?
         .into_iter()
-        .filter(|run| run.end > start && run.start < end)
         .map(|run| {
             // Whole pages of the region.
             let from = (run.start.max(start) - start) / PAGE_SIZE * PAGE_SIZE;
@@ -261,12 +262,14 @@ pub fn write_dirty_pages<K: KvmMemory>(
     Ok(out.stats)
 }
 
-/// The data runs of `file` (`SEEK_DATA` / `SEEK_HOLE`), as byte ranges.
-fn file_data_runs(file: &File, size: u64) -> Result<Vec<Range<u64>>, SnapshotError> {
+/// The data runs of `file` (`SEEK_DATA` / `SEEK_HOLE`) inside `within`, as byte ranges (the
+/// first and last may reach past it).
+fn file_data_runs(file: &File, within: Range<u64>) -> Result<Vec<Range<u64>>, SnapshotError> {
     let fd = file.as_raw_fd();
     let mut runs = Vec::new();
-    let mut at = 0i64;
-    let size = i64::try_from(size).map_err(|_| SnapshotError::Format("file too large".into()))?;
+    let too_large = |_| SnapshotError::Format("file too large".into());
+    let mut at = i64::try_from(within.start).map_err(too_large)?;
+    let size = i64::try_from(within.end).map_err(too_large)?;
     while at < size {
         // SAFETY: lseek only moves the file's offset; no memory is involved.
         let data = unsafe { libc::lseek(fd, at, libc::SEEK_DATA) };
@@ -276,6 +279,9 @@ fn file_data_runs(file: &File, size: u64) -> Result<Vec<Range<u64>>, SnapshotErr
                 break; // No data past `at`.
             }
             return Err(io("finding the memory file's data (SEEK_DATA)")(e));
+        }
+        if data >= size {
+            break; // The next data is past `within`.
         }
         // SAFETY: as above.
         let hole = unsafe { libc::lseek(fd, data, libc::SEEK_HOLE) };
@@ -312,7 +318,7 @@ pub(crate) fn regions_with_data<K: KvmMemory>(
 ) -> Result<Vec<RegionData>, SnapshotError> {
     let size = layout.check_file_size(file)?;
     let regions = layout.mappings(memory)?;
-    let runs = file_data_runs(file, size)?;
+    let runs = file_data_runs(file, 0..size)?;
     Ok(layout
         .regions
         .iter()
@@ -373,7 +379,7 @@ pub fn merge_snapshots(chain: &[(&MemoryLayout, &File)], out: &File) -> Result<u
     let mut buffer = vec![0u8; 1 << 20];
     for (layout, file) in chain {
         let size = layout.check_file_size(file)?;
-        let runs = file_data_runs(file, size)?;
+        let runs = file_data_runs(file, 0..size)?;
         for target in &last.regions {
             let Some(source) = layout
                 .regions
@@ -414,7 +420,7 @@ pub fn merge_memory_files(
     let mut buffer = vec![0u8; 1 << 20];
     for diff in diffs {
         let size = layout.check_file_size(diff)?;
-        for run in file_data_runs(diff, size)? {
+        for run in file_data_runs(diff, 0..size)? {
             let mut at = run.start;
             while at < run.end {
                 let n = ((run.end - at) as usize).min(buffer.len());
