@@ -44,7 +44,6 @@ pub use ports::GuestStop;
 use crate::devices::legacy::SERIAL_IRQ;
 use crate::devices::{self, legacy::ConsoleOutput, legacy::DeviceError, legacy::LegacyDevices};
 use console::ConsoleSubscriber;
-use hotplug::VirtioMemDevice;
 use loader::Entry;
 use ports::LinuxPorts;
 use state::LinuxMachine;
@@ -358,11 +357,6 @@ impl LinuxVm {
     /// What the guest's state is saved from.
     pub fn machine(&self) -> &Arc<LinuxMachine> {
         &self.machine
-    }
-
-    /// The virtio-mem device, if the guest has one.
-    pub fn hotplug_device(&self) -> Option<VirtioMemDevice> {
-        self.machine.hotplug.clone()
     }
 
     /// The event loop's part of the guest: console input from `input` (a terminal) into the

@@ -34,41 +34,28 @@ pub enum GuestKind {
 }
 
 impl GuestKind {
-    /// The kind whose framed bytes start with `bytes` (a frame's magic), if any.
-    pub fn of_bytes(bytes: &[u8], magics: [&[u8; 8]; 2]) -> Option<GuestKind> {
-        let [test_guest, linux] = magics;
-        if bytes.starts_with(test_guest) {
-            Some(GuestKind::TestGuest)
-        } else if bytes.starts_with(linux) {
-            Some(GuestKind::Linux)
-        } else {
-            None
-        }
-    }
-
     /// The kind of the state file at `path`, from its magic; an error says what the file is
     /// instead (the caller names the path).
     pub fn of_file(path: &Path) -> Result<GuestKind, StateFileError> {
-        let mut file = open_input(path).map_err(StateFileError)?;
-        let mut magic = [0u8; 8];
-        let mut got = 0;
-        while got < magic.len() {
-            match file.read(&mut magic[got..]) {
-                Ok(0) => break,
-                Ok(n) => got += n,
-                Err(e) => return Err(StateFileError(format!("reading its header: {e}"))),
-            }
-        }
-        if got == 0 {
+        let file = open_input(path).map_err(StateFileError)?;
+        let mut magic = Vec::with_capacity(8);
+        file.take(8)
+            .read_to_end(&mut magic)
+            .map_err(|e| StateFileError(format!("reading its header: {e}")))?;
+        if magic.is_empty() {
             return Err(StateFileError("the file is empty".into()));
         }
-        Self::of_bytes(&magic[..got], [TEST_GUEST_MAGIC, LINUX_MAGIC]).ok_or_else(|| {
-            StateFileError(
+        if magic == TEST_GUEST_MAGIC {
+            Ok(GuestKind::TestGuest)
+        } else if magic == LINUX_MAGIC {
+            Ok(GuestKind::Linux)
+        } else {
+            Err(StateFileError(
                 "not a tinyvmm state file: it starts with neither a test guest's nor a Linux \
                  guest's magic"
                     .into(),
-            )
-        })
+            ))
+        }
     }
 }
 
