@@ -295,22 +295,23 @@ impl LinuxMachine {
                 transport: transport.state(),
             });
         }
-        states.sort_by_key(|s| {
-            self.machine
-                .devices()
+        // In the machine's order (the bus lists devices by port); a device the machine does not
+        // have, or one of its own that did not save, refuses the save by name.
+        let mut ordered = Vec::with_capacity(states.len());
+        for name in self.machine.devices() {
+            let at = states
                 .iter()
-                .position(|&n| n == s.name())
-                .unwrap_or(usize::MAX)
-        });
-        let saved: Vec<DeviceName> = states.iter().map(DeviceState::name).collect();
-        if let Some(missing) = self
-            .machine
-            .devices()
-            .into_iter()
-            .find(|n| !saved.contains(n))
-        {
-            return Err(LinuxStateError::NotSaveable(missing.to_string()));
+                .position(|s| s.name() == name)
+                .ok_or_else(|| LinuxStateError::NotSaveable(name.to_string()))?;
+            ordered.push(states.swap_remove(at));
         }
+        if let Some(extra) = states.first() {
+            return Err(LinuxStateError::NotSaveable(format!(
+                "{} (not in the machine booted)",
+                extra.name()
+            )));
+        }
+        let states = ordered;
         Ok(states)
     }
 
