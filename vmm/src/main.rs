@@ -597,8 +597,8 @@ struct RestoreArgs {
     #[arg(long, value_enum, default_value_t)]
     mem_backend: tinyvmm::vm::restore::MemBackend,
     /// Record the pages the VM touches first, in that order, into this file when the
-    /// recording ends (after --record-secs, or when the VMM stops). Needs --mem-backend uffd
-    /// [default: no recording]
+    /// recording ends (after --record-secs, on PUT /working-set/stop, or when the VMM stops).
+    /// Needs --mem-backend uffd [default: no recording]
     #[arg(long, value_name = "PATH", conflicts_with = "prefetch")]
     record_working_set: Option<std::path::PathBuf>,
     /// End the recording this many seconds after the restore [default: when the VMM stops]

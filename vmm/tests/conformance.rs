@@ -360,6 +360,7 @@ fn the_spec_is_valid_json_once_read_and_names_every_route_the_server_has() {
         ("PUT", "/snapshot/create"),
         ("GET", "/snapshot"),
         ("PUT", "/snapshot/cancel"),
+        ("PUT", "/working-set/stop"),
         ("GET", "/vm"),
         ("PATCH", "/vm"),
         ("GET", "/migrate"),
@@ -634,6 +635,8 @@ fn kvm_every_documented_operation_answers_as_the_spec_says() {
 
     // A live snapshot of the running VM: none yet, one that completes, and bad requests.
     vmm.expect(404, "GET", "/snapshot", None);
+    // A VM that was not restored lazily records no working set.
+    vmm.expect(409, "PUT", "/working-set/stop", None);
     vmm.expect(409, "PUT", "/snapshot/cancel", None);
     let mut live = snapshot("Full");
     live["live"] = json!(true);
@@ -872,6 +875,7 @@ fn the_client_command_has_every_operation_and_sends_what_the_spec_takes() {
         },
         ClientRequest::SnapshotStatus,
         ClientRequest::CancelSnapshot,
+        ClientRequest::StopRecording,
         ClientRequest::Vm,
         ClientRequest::Pause,
         ClientRequest::Resume,

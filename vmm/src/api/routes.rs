@@ -157,6 +157,10 @@ pub fn route(request: &Request) -> Result<ControllerRequest, Response> {
             "PUT" => Ok(ControllerRequest::CancelSnapshot),
             _ => Err(method_not_allowed(method, path, "PUT")),
         },
+        ["working-set", "stop"] => match method {
+            "PUT" => Ok(ControllerRequest::StopRecording),
+            _ => Err(method_not_allowed(method, path, "PUT")),
+        },
         ["vm"] => match method {
             "GET" => Ok(ControllerRequest::GetVm),
             "PATCH" => Ok(ControllerRequest::PatchVm(body(request)?)),

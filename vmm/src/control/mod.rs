@@ -66,6 +66,8 @@ pub enum Request {
     GetSnapshot,
     /// Cancel the live snapshot under way.
     CancelSnapshot,
+    /// End a lazy restore's working-set recording now (its list is written).
+    StopRecording,
     /// Stop the VMM.
     Act(VmAction),
     /// Start migrating the VM to a `tinyvmm receive`.
@@ -97,6 +99,7 @@ impl Request {
             Request::CreateSnapshot(_) => "PUT /snapshot/create",
             Request::GetSnapshot => "GET /snapshot",
             Request::CancelSnapshot => "PUT /snapshot/cancel",
+            Request::StopRecording => "PUT /working-set/stop",
             Request::Act(_) => "PUT /actions",
             Request::Migrate(_) => "PUT /migrate",
             Request::GetMigration => "GET /migrate",

@@ -111,3 +111,12 @@ pub struct LiveSnapshotInfo {
     /// Why it failed or was cancelled.
     pub error: Option<String>,
 }
+
+/// `PUT /working-set/stop` where no recording is under way.
+pub fn no_recording() -> super::ControllerError {
+    super::ControllerError::conflict(
+        "no working-set recording is under way: restore with --mem-backend uffd \
+         --record-working-set FILE (a recording also ends after --record-secs, or when the VMM \
+         stops)",
+    )
+}

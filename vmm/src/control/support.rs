@@ -37,6 +37,8 @@ pub enum LinuxRequest {
     GetSnapshot,
     /// [`Request::CancelSnapshot`].
     CancelSnapshot,
+    /// [`Request::StopRecording`].
+    StopRecording,
     /// [`Request::SwitchDirtyLog`].
     SwitchDirtyLog(DirtyLogSwitch),
     /// [`Request::Harvest`].
@@ -68,6 +70,7 @@ impl TryFrom<Request> for LinuxRequest {
             Request::CreateSnapshot(create) => LinuxRequest::CreateSnapshot(create),
             Request::GetSnapshot => LinuxRequest::GetSnapshot,
             Request::CancelSnapshot => LinuxRequest::CancelSnapshot,
+            Request::StopRecording => LinuxRequest::StopRecording,
             Request::SwitchDirtyLog(switch) => LinuxRequest::SwitchDirtyLog(switch),
             Request::Harvest(harvest) => LinuxRequest::Harvest(harvest),
             Request::GetDirtyLog => LinuxRequest::GetDirtyLog,

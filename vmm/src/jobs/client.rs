@@ -182,6 +182,8 @@ pub enum ClientRequest {
     SnapshotStatus,
     /// PUT /snapshot/cancel: cancel the live snapshot under way.
     CancelSnapshot,
+    /// PUT /working-set/stop: end a uffd restore's working-set recording now.
+    StopRecording,
     /// GET /vm: the VM's state.
     Vm,
     /// PATCH /vm: pause the VM.
@@ -360,6 +362,7 @@ impl ClientRequest {
             }
             ClientRequest::SnapshotStatus => ("GET", "/snapshot".to_owned(), None),
             ClientRequest::CancelSnapshot => ("PUT", "/snapshot/cancel".to_owned(), None),
+            ClientRequest::StopRecording => ("PUT", "/working-set/stop".to_owned(), None),
             ClientRequest::Vm => ("GET", "/vm".to_owned(), None),
             ClientRequest::Pause => ("PATCH", "/vm".to_owned(), Some(json!({"state": "Paused"}))),
             ClientRequest::Resume => ("PATCH", "/vm".to_owned(), Some(json!({"state": "Resumed"}))),

@@ -17,6 +17,7 @@ use super::state::{LinuxMachine, LinuxRecord};
 use super::vcpus::LinuxVcpu;
 use crate::control::dirty_log::DirtyLogClient;
 use crate::control::memory::{memory_info, region_info};
+use crate::control::snapshot::no_recording;
 use crate::control::support::LinuxRequest;
 use crate::control::vm::{RunState, VmInfo, VmStateRequest};
 use crate::control::{Apply, ControllerError, Outcome, Reply, Request};
@@ -39,6 +40,8 @@ pub struct LinuxController {
     chain: SnapshotChain,
     dirty_log: DirtyLogClient,
     migration: MigrationSlot<LinuxVcpu>,
+    /// The fault handler of a guest restored with userfaultfd (its working-set recording).
+    loader: Option<Arc<kvm_memslots_persist::LazyLoader>>,
     /// The process's stop flag (SIGINT/SIGTERM), for a migration's waits.
     interrupt: &'static AtomicBool,
 }
@@ -66,8 +69,15 @@ impl LinuxController {
             chain: SnapshotChain::new(),
             dirty_log: DirtyLogClient::default(),
             migration: MigrationSlot::default(),
+            loader: None,
             interrupt: crate::lifecycle::termination_signal(),
         }
+    }
+
+    /// The controller of a guest restored with userfaultfd by `loader`, whose working-set
+    /// recording `PUT /working-set/stop` ends.
+    pub fn with_loader(self, loader: Option<Arc<kvm_memslots_persist::LazyLoader>>) -> Self {
+        LinuxController { loader, ..self }
     }
 
     /// Whether the VM runs on a migration's destination now (the VMM should stop).
@@ -286,6 +296,10 @@ impl Apply for LinuxController {
             }
             LinuxRequest::GetSnapshot => self.chain.live_info().map(Reply::Snapshot),
             LinuxRequest::CancelSnapshot => self.chain.cancel_live().map(|()| Reply::Done),
+            LinuxRequest::StopRecording => match &self.loader {
+                Some(loader) if loader.stop_recording() => Ok(Reply::Done),
+                _ => Err(no_recording()),
+            },
             LinuxRequest::SwitchDirtyLog(switch) => {
                 self.dirty_log.switch(&self.memory, switch)?;
                 Ok(Reply::Done)

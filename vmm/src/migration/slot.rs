@@ -109,6 +109,7 @@ impl<V: MigratingVcpu> MigrationSlot<V> {
                 | Request::GetMigration
                 | Request::CancelMigration
                 | Request::GetSnapshot
+                | Request::StopRecording
                 | Request::Act(_)
         );
         if reads {

@@ -374,6 +374,7 @@ impl SnapshotChain {
                 | Request::GetMigration
                 | Request::GetSnapshot
                 | Request::CancelSnapshot
+                | Request::StopRecording
                 | Request::Act(_)
         );
         (!goes_on).then(|| {

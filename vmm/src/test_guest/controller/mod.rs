@@ -308,6 +308,10 @@ impl Controller {
             Request::CreateSnapshot(create) => self.create_snapshot(create).map(|()| Reply::Done),
             Request::GetSnapshot => self.chain.live_info().map(Reply::Snapshot),
             Request::CancelSnapshot => self.chain.cancel_live().map(|()| Reply::Done),
+            Request::StopRecording => match self.vm.loader() {
+                Some(loader) if loader.stop_recording() => Ok(Reply::Done),
+                _ => Err(crate::control::snapshot::no_recording()),
+            },
             Request::Act(VmAction {
                 action_type: VmActionType::Stop,
             }) => {
