@@ -400,3 +400,50 @@ fn a_saved_state_restores_over_the_plugged_blocks_regions_and_nothing_else() {
         assert!(why.contains("usable region size 0x4100000"), "{why}");
     }
 }
+
+/// A state records the maximum slot size its pieces were cut by, and a restore takes it over
+/// the options' (a VMM whose default changed since the save still restores); a state without
+/// it (saved before it was recorded) takes the options'.
+#[test]
+fn a_state_restores_with_the_max_slot_size_it_was_saved_with() {
+    let options = |max_slot: u64| {
+        VirtioMemOptions::new(GuestAddress(BASE), 64 * MIB, 2 * MIB).with_max_slot_size(max_slot)
+    };
+    let memory = Arc::new(MemoryManager::new(FakeKvm::new(64, true)));
+    let mut dev = VirtioMem::new(Arc::clone(&memory), options(16 * MIB)).expect("valid device");
+    dev.set_requested_size(16 * MIB).expect("requested");
+    assert_eq!(dev.slots(), 0);
+    assert_eq!(dev.handle(plug(BASE, 3)).0, Response::ACK);
+    assert_eq!(dev.handle(plug(BASE + 8 * MIB, 1)).0, Response::ACK);
+    assert_eq!(dev.slots(), 2, "two runs in one 16 MiB piece");
+    let state = dev.state();
+    assert_eq!(state.max_slot_size, Some(16 * MIB));
+    let rebuilt = || {
+        let again = Arc::new(MemoryManager::new(FakeKvm::new(64, true)));
+        let specs: Vec<RegionSpec> = memory
+            .regions()
+            .iter()
+            .map(|r| {
+                RegionSpec::new(r.gpa, r.size)
+                    .with_id(r.id)
+                    .with_slot_ranges(memory.slot_ranges(r.id).expect("its slots"))
+            })
+            .collect();
+        again.add_regions(specs).expect("the regions");
+        again
+    };
+    let back = VirtioMem::restore(rebuilt(), options(2 * MIB), &state).expect("restored");
+    assert_eq!(back.max_slot_size(), 16 * MIB);
+    assert_eq!(back.state(), state);
+    assert_eq!(back.slots(), 2);
+    let older = VirtioMemState {
+        max_slot_size: None,
+        ..state.clone()
+    };
+    assert!(
+        VirtioMem::restore(rebuilt(), options(2 * MIB), &older).is_err(),
+        "one slot per block does not fit 16 MiB pieces"
+    );
+    let back = VirtioMem::restore(rebuilt(), options(16 * MIB), &older).expect("restored");
+    assert_eq!(back.max_slot_size(), 16 * MIB);
+}
