@@ -447,3 +447,40 @@ fn a_state_restores_with_the_max_slot_size_it_was_saved_with() {
     let back = VirtioMem::restore(rebuilt(), options(16 * MIB), &older).expect("restored");
     assert_eq!(back.max_slot_size(), 16 * MIB);
 }
+
+/// Under a slot budget (`MemoryLimits::max_slots`), a plug that would need a slot more than
+/// the budget leaves is refused (BUSY, nothing changed; the manager's error names the budget),
+/// while one that joins plugged blocks' runs goes through: each run of plugged blocks in a
+/// piece is one slot already, so joining runs is the coalescing that fits, and anything more
+/// would put a slot over unplugged memory or across two pieces' mappings.
+#[test]
+fn a_plug_over_the_slot_budget_is_refused_unless_it_joins_runs() {
+    let limits = kvm_memslots::MemoryLimits {
+        max_slots: 2,
+        ..kvm_memslots::MemoryLimits::unlimited()
+    };
+    let memory = Arc::new(MemoryManager::with_limits(FakeKvm::new(64, true), limits));
+    let options =
+        VirtioMemOptions::new(GuestAddress(BASE), 64 * MIB, 2 * MIB).with_max_slot_size(16 * MIB);
+    let mut dev = VirtioMem::new(Arc::clone(&memory), options).expect("valid device");
+    dev.set_requested_size(64 * MIB).expect("requested");
+    assert_eq!(dev.handle(plug(BASE, 1)).0, Response::ACK);
+    assert_eq!(dev.handle(plug(BASE + 4 * MIB, 1)).0, Response::ACK);
+    assert_eq!((dev.slots(), memory.slot_usage().used), (2, 2));
+    let before = (dev.plugged_blocks(), memory.regions());
+    // A third run in the piece, or a run in another piece: a slot over the budget.
+    for at in [8 * MIB, 32 * MIB] {
+        assert_eq!(dev.handle(plug(BASE + at, 1)).0, Response::BUSY, "{at:#x}");
+        assert_eq!((dev.plugged_blocks(), memory.regions()), before);
+    }
+    // Filling the hole joins the two runs (one slot fewer); growing the run needs none more.
+    assert_eq!(dev.handle(plug(BASE + 2 * MIB, 1)).0, Response::ACK);
+    assert_eq!(dev.handle(plug(BASE + 6 * MIB, 2)).0, Response::ACK);
+    assert_eq!((dev.slots(), memory.slot_usage().used), (1, 1));
+    assert_eq!(
+        dev.handle(plug(BASE + 32 * MIB, 1)).0,
+        Response::ACK,
+        "room again"
+    );
+    assert_eq!(dev.request_counts().busy, 2);
+}
