@@ -880,7 +880,8 @@ fn dirty_log_rounds(path: Path, seconds: u64) -> Option<(u64, u64, u64)> {
         let guest = scope.spawn(move || run_halting_vcpu(vcpu, manager, &halted_tx, &resume_rx));
         let started = Instant::now();
         let (mut rounds, mut lost) = (0u64, 0u64);
-        while started.elapsed().as_secs() < seconds {
+        // At least `seconds`, and at least 100 rounds on a loaded host.
+        while rounds < 100 || started.elapsed().as_secs() < seconds {
             match path {
                 Path::Reslot => m
                     .reslot(layouts[rounds as usize % layouts.len()].clone())
@@ -939,8 +940,7 @@ fn kvm_writes_during_changes_are_all_harvested() {
         };
         outcomes.push((path, rounds, lost));
     }
-    for (path, rounds, lost) in outcomes {
-        assert!(rounds > 10, "{path:?}: {rounds} rounds");
+    for (path, _, lost) in outcomes {
         assert_eq!(lost, 0, "{path:?}: writes no harvest reported");
     }
 }

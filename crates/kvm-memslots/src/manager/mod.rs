@@ -177,8 +177,9 @@ type Writer<'a> = MapWriter<'a, SlotBacking, State>;
 ///   earlier reset failed). A failed drain before a change's
 ///   first request refuses the change.
 /// - *Deleting a logging slot* (bitmap mode): `KVM_SET_USER_MEMORY_REGION` *parking* it (a
-///   move, which keeps its log, to the first GiB boundary above 4 GiB and every region, where
-///   the guest has no memory), `KVM_GET_DIRTY_LOG` into the region's pending bits, and
+///   move, which keeps its log, to the top of the host's physical address width, or where KVM
+///   refuses that to the first GiB boundary above 4 GiB and every region: where the guest has
+///   no memory), `KVM_GET_DIRTY_LOG` into the region's pending bits, and
 ///   `KVM_SET_USER_MEMORY_REGION` deleting the parked slot; if the read or that delete fails,
 ///   the slot is moved back. A guest write can no longer land in the log between the read and
 ///   the delete. Where KVM refuses the parking place (`EEXIST`, `EINVAL`), the log is read and
