@@ -304,6 +304,19 @@ fn config_space_layout() {
     assert_eq!(word, [0; 4]);
 }
 
+/// `memory`'s regions as a restore rebuilds them from a layout: the same ids, holes and slots.
+fn as_rebuilt(memory: &MemoryManager<FakeKvm>) -> Vec<RegionSpec> {
+    memory
+        .regions()
+        .iter()
+        .map(|r| {
+            RegionSpec::new(r.gpa, r.size)
+                .with_id(r.id)
+                .with_slot_ranges(memory.slot_ranges(r.id).expect("its slots"))
+        })
+        .collect()
+}
+
 /// A device restored from a saved state over memory with the plugged blocks' regions (as a
 /// restore rebuilds them from the layout: ids, holes and slots): the same blocks plugged in the
 /// same regions, the same sizes; a memory map that does not hold exactly what the plugged
@@ -326,15 +339,7 @@ fn a_saved_state_restores_over_the_plugged_blocks_regions_and_nothing_else() {
         let blocks = dev.plugged_blocks();
         // Memory as a restore rebuilds it: the same regions, ids, holes and slots; `skip`
         // leaves the last region out, `extra` adds one.
-        let specs: Vec<RegionSpec> = memory
-            .regions()
-            .iter()
-            .map(|r| {
-                RegionSpec::new(r.gpa, r.size)
-                    .with_id(r.id)
-                    .with_slot_ranges(memory.slot_ranges(r.id).expect("its slots"))
-            })
-            .collect();
+        let specs = as_rebuilt(&memory);
         let rebuilt = |skip: bool, extra: Option<RegionSpec>| {
             let memory = Arc::new(MemoryManager::new(FakeKvm::new(64, true)));
             let mut specs = specs.clone();
@@ -420,16 +425,7 @@ fn a_state_restores_with_the_max_slot_size_it_was_saved_with() {
     assert_eq!(state.max_slot_size, Some(16 * MIB));
     let rebuilt = || {
         let again = Arc::new(MemoryManager::new(FakeKvm::new(64, true)));
-        let specs: Vec<RegionSpec> = memory
-            .regions()
-            .iter()
-            .map(|r| {
-                RegionSpec::new(r.gpa, r.size)
-                    .with_id(r.id)
-                    .with_slot_ranges(memory.slot_ranges(r.id).expect("its slots"))
-            })
-            .collect();
-        again.add_regions(specs).expect("the regions");
+        again.add_regions(as_rebuilt(&memory)).expect("the regions");
         again
     };
     let back = VirtioMem::restore(rebuilt(), options(2 * MIB), &state).expect("restored");
