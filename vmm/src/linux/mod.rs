@@ -289,7 +289,12 @@ impl LinuxVm {
         // The hotplug area has no region until the guest plugs: it stays out of the e820 map.
         let hotplug = match config.hotplug_mib {
             0 => None,
-            mib => Some(hotplug::setup(&vm, mib, config.hotplug_block_mib)?),
+            mib => Some(hotplug::setup(
+                &vm,
+                mib,
+                config.hotplug_block_mib,
+                config.hotplug_max_slot_mib,
+            )?),
         };
         let mut cmdline = config.cmdline.clone();
         if let Some(hotplug) = &hotplug {
