@@ -67,7 +67,9 @@ def run_once(binary, work, mem_mib, slots, ring, downtime_ms):
     try:
         wait_for(api_path, proc)
         api = Api(api_path)
-        end = AREA + mem_mib * MIB
+        # The test area's end (its slots' sizes round it down).
+        end = max(r["guest_address"] + r["size"] for r in api.ok("GET", "/memory")["regions"]
+                  if AREA <= r["guest_address"] < 4096 * MIB)
         api.ok("PUT", "/guest/command", command("write", AREA, end, SEED - 1))
         answer = api.ok("PUT", "/guest/command", command("write_loop", AREA, end, SEED))
         if answer.get("result") != "started":
@@ -134,8 +136,9 @@ def main():
                        "live_over_full": ratio, "runs": runs}
                 rows.append(row)
                 forced = sum(1 for r in runs if r["forced"])
+                pauses = ", ".join(f"{r['live_pause_ms']:.1f}" for r in runs)
                 print(f"| {mem_mib} MiB | {args.slots} | {row['harvest']} | "
-                      f"{med['live_pause_ms']:.1f} ms (runs {', '.join(f'{r['live_pause_ms']:.1f}' for r in runs)}) | "
+                      f"{med['live_pause_ms']:.1f} ms (runs {pauses}) | "
                       f"{med['rounds']:.0f}{f' ({forced} forced)' if forced else ''} | "
                       f"{med['written_mib']:.0f} MiB | {med['live_total_ms']:.0f} ms | "
                       f"{med['full_pause_ms']:.0f} ms | {ratio:.4f} |", flush=True)

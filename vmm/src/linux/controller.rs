@@ -167,11 +167,14 @@ impl LinuxController {
     /// Makes a snapshot's state file (the vCPUs paused).
     fn state_writer(&self) -> StateWriter {
         let machine = Arc::clone(&self.machine);
-        Box::new(move |info, layout, states| {
-            machine
-                .save(Some(info), layout, states, true)
-                .map(|state| state.to_bytes())
-                .map_err(|e| e.to_string())
+        Box::new(move |layout, states| {
+            let mut state = machine
+                .save(None, layout, states, true)
+                .map_err(|e| e.to_string())?;
+            Ok(Box::new(move |info| {
+                state.snapshot = Some(info);
+                state.to_bytes()
+            }))
         })
     }
 
@@ -214,8 +217,10 @@ impl LinuxController {
                         })
                     })
                     .collect::<Result<Vec<_>, _>>()?;
-                let state = write_state(info, layout, states)
-                    .map_err(|e| ControllerError::conflict(format!("the snapshot failed: {e}")))?;
+                let state = write_state(layout, states)
+                    .map_err(|e| ControllerError::conflict(format!("the snapshot failed: {e}")))?(
+                    info,
+                );
                 file.write_all_at(&state, 0)
                     .map_err(|e| ControllerError::internal(format!("the snapshot failed: {e}")))
             })

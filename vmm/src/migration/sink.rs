@@ -118,7 +118,6 @@ pub trait Sink: Send + 'static {
     /// the VM.
     fn finish(
         &mut self,
-        memory: &Memory,
         layout: &MemoryLayout,
         states: Vec<VcpuState>,
     ) -> Result<(), MigrationError>;
@@ -352,7 +351,6 @@ impl Sink for StreamSink {
     /// the VM: without it, the VM may run there ([`MigrationError::Unconfirmed`]).
     fn finish(
         &mut self,
-        _memory: &Memory,
         layout: &MemoryLayout,
         states: Vec<VcpuState>,
     ) -> Result<(), MigrationError> {

@@ -568,7 +568,7 @@ impl<V: MigratingVcpu> Run<V> {
                     .map_err(|error| MigrationError::Vcpu { vcpu: index, error })?,
             );
         }
-        self.sink.finish(memory, layout, vcpus)
+        self.sink.finish(layout, vcpus)
     }
 }
 

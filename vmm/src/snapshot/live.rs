@@ -28,11 +28,15 @@ use crate::vm::state::VcpuState;
 
 type Memory = MemoryManager<KvmVm>;
 
-/// Makes a state file's bytes for a snapshot `info` of memory laid out as `layout`, with the
-/// vCPUs' `states`, by index: the guest kind's own format. Called with the vCPUs paused (it
-/// may read the devices' state too).
+/// Takes the VM's state for a snapshot of memory laid out as `layout`, with the vCPUs'
+/// `states`, by index, in the guest kind's own format: called with the vCPUs paused (it reads
+/// the devices' state too); what it returns makes the state file's bytes once the snapshot's
+/// info is known ([`StateBytes`]), which need not wait in the pause.
 pub type StateWriter =
-    Box<dyn FnOnce(SnapshotInfo, &MemoryLayout, Vec<VcpuState>) -> Result<Vec<u8>, String> + Send>;
+    Box<dyn FnOnce(&MemoryLayout, Vec<VcpuState>) -> Result<StateBytes, String> + Send>;
+
+/// A state taken: the state file's bytes for the snapshot it is.
+pub type StateBytes = Box<dyn FnOnce(SnapshotInfo) -> Vec<u8> + Send>;
 
 /// A live snapshot's two files, as the rounds write them. Dropped before it finished, it
 /// removes both: a failed snapshot leaves no file behind.
@@ -41,8 +45,8 @@ pub struct FileSink {
     state_file: File,
     mem_file: File,
     write_state: Option<StateWriter>,
-    /// The state file's bytes and the snapshot, made in the pause, written after it.
-    made: Option<(Vec<u8>, SnapshotInfo)>,
+    /// The state, taken in the pause, written after it.
+    taken: Option<StateBytes>,
     /// Where the snapshot goes once written whole.
     written: Arc<Mutex<Option<SnapshotInfo>>>,
     bytes: Option<Arc<std::sync::atomic::AtomicU64>>,
@@ -75,7 +79,7 @@ impl FileSink {
             state_file,
             mem_file,
             write_state: Some(write_state),
-            made: None,
+            taken: None,
             written,
             bytes: None,
             layout: None,
@@ -151,24 +155,18 @@ impl Sink for FileSink {
         Ok(())
     }
 
-    /// Makes the snapshot (its memory check from guest memory, paused at the point) and the
-    /// state file's bytes; [`settle`](Sink::settle) writes them once the vCPUs run again.
+    /// Takes the VM's state (the vCPUs paused at the point); [`settle`](Sink::settle) makes
+    /// and writes the state file once they run again.
     fn finish(
         &mut self,
-        memory: &Memory,
         layout: &MemoryLayout,
         states: Vec<VcpuState>,
     ) -> Result<(), MigrationError> {
-        let check = MemoryCheck::of_memory(&*memory.current(), layout)
-            .map_err(|e| write_failed(format!("reading guest memory: {e}")))?;
-        let info =
-            SnapshotInfo::full(check).map_err(|e| write_failed(format!("a snapshot id: {e}")))?;
         let write_state = self
             .write_state
             .take()
             .expect("the rounds finish a sink once");
-        let bytes = write_state(info, layout, states).map_err(MigrationError::State)?;
-        self.made = Some((bytes, info));
+        self.taken = Some(write_state(layout, states).map_err(MigrationError::State)?);
         Ok(())
     }
 
@@ -176,8 +174,19 @@ impl Sink for FileSink {
         true
     }
 
+    /// Makes the snapshot, its memory check read from the memory file (which holds the
+    /// point's memory now), and writes the state file.
     fn settle(&mut self) -> Result<(), MigrationError> {
-        let (bytes, info) = self.made.take().expect("settled after finishing");
+        let taken = self.taken.take().expect("settled after finishing");
+        let layout = self
+            .layout
+            .as_ref()
+            .expect("the rounds open the sink first");
+        let check = MemoryCheck::of_file(&self.mem_file, layout)
+            .map_err(|e| write_failed(format!("reading the memory file back: {e}")))?;
+        let info =
+            SnapshotInfo::full(check).map_err(|e| write_failed(format!("a snapshot id: {e}")))?;
+        let bytes = taken(info);
         self.state_file
             .write_all_at(&bytes, 0)
             .map_err(|e| write_failed(format!("the state file: {e}")))?;

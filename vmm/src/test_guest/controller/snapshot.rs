@@ -47,7 +47,7 @@ impl Controller {
                 let states = vcpus
                     .save_states()
                     .map_err(|e| ControllerError::internal(e.to_string()))?;
-                let state = write_state(info, layout, states).map_err(ControllerError::internal)?;
+                let state = write_state(layout, states).map_err(ControllerError::internal)?(info);
                 state_file
                     .write_all_at(&state, 0)
                     .map_err(|e| ControllerError::internal(format!("the snapshot failed: {e}")))
@@ -59,15 +59,18 @@ impl Controller {
     /// and the hotplug area (as it is now: nothing changes it while a live snapshot runs).
     fn state_writer(&self) -> StateWriter {
         let hotplug = self.hotplug.as_ref().map(HotplugArea::state);
-        Box::new(move |info, layout, vcpus| {
-            Ok(SnapshotState {
+        Box::new(move |layout, vcpus| {
+            let mut state = SnapshotState {
                 version: STATE_VERSION,
-                snapshot: Some(info),
+                snapshot: None,
                 layout: layout.clone(),
                 vcpus,
                 hotplug,
-            }
-            .to_bytes())
+            };
+            Ok(Box::new(move |info| {
+                state.snapshot = Some(info);
+                state.to_bytes()
+            }))
         })
     }
 }
