@@ -522,4 +522,41 @@ fn kvm_a_cancelled_live_snapshot_leaves_nothing_and_bad_requests_are_refused() {
     for path in [&state, &mem] {
         let _ = std::fs::remove_file(path);
     }
+
+    // SIGTERM in the middle of one: the VMM ends within its usual time, leaving no file.
+    let mut vmm = Vmm::serve("sigterm", 512, &[]);
+    let end = vmm.area_end();
+    assert_eq!(vmm.guest("write", AREA, end, SEED - 1)["result"], "ok");
+    assert_eq!(
+        vmm.guest("write_loop", AREA, end, SEED)["result"],
+        "started"
+    );
+    let body = json!({"snapshot_type": "Full", "snapshot_path": state, "mem_file_path": mem,
+                      "live": true, "downtime_ms": 0, "timeout_s": 600});
+    vmm.ok("PUT", "/snapshot/create", Some(body));
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while vmm.ok("GET", "/snapshot", None)["phase"] != "pre_copy" {
+        assert!(Instant::now() < deadline, "the rounds never started");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let child = vmm.child.take().expect("running");
+    // SAFETY: kill(2) only sends a signal to the child's pid, which has not been reaped.
+    let sent = unsafe { libc::kill(child.id() as libc::pid_t, libc::SIGTERM) };
+    assert_eq!(sent, 0, "kill");
+    let started = Instant::now();
+    let output = child.wait_with_output().expect("wait");
+    assert!(
+        started.elapsed() < Duration::from_secs(60),
+        "the VMM took {:?} to stop",
+        started.elapsed()
+    );
+    assert!(
+        output.status.code().is_some(),
+        "it exits, not killed: {:?}",
+        output.status
+    );
+    assert!(
+        !state.exists() && !mem.exists(),
+        "a live snapshot cut short by a signal leaves no file"
+    );
 }
