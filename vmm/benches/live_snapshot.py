@@ -67,6 +67,16 @@ def run_once(binary, work, mem_mib, slots, ring, downtime_ms):
     try:
         wait_for(api_path, proc)
         api = Api(api_path)
+        # The socket's path exists from its bind, a moment before it listens.
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                api.ok("GET", "/")
+                break
+            except ConnectionRefusedError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.01)
         # The test area's end (its slots' sizes round it down).
         end = max(r["guest_address"] + r["size"] for r in api.ok("GET", "/memory")["regions"]
                   if AREA <= r["guest_address"] < 4096 * MIB)
