@@ -20,7 +20,7 @@ use serde_json::{json, Value};
 use tinyvmm::api::client::Client;
 
 mod support;
-use support::{debian_kernel, hardware_virtualisation, ready, CMDLINE};
+use support::{debian_kernel, hardware_virtualisation, merge_chain, ready, CMDLINE};
 
 /// Where the Full snapshot is taken: after the line the kernel prints before some 27 s of
 /// emulated work (the restored VMs then do real work), well into the boot.
@@ -474,18 +474,7 @@ fn kvm_a_linux_guest_restored_or_migrated_goes_on_as_an_uninterrupted_boot() {
     );
 
     let merged = scratch.path("merged.mem");
-    let merge = Command::new(env!("CARGO_BIN_EXE_tinyvmm"))
-        .arg("snapshot-merge")
-        .arg("--out")
-        .arg(&merged)
-        .args([&live, &live_mem, &diff, &diff_mem])
-        .output()
-        .expect("snapshot-merge runs");
-    assert!(
-        merge.status.success(),
-        "{}",
-        String::from_utf8_lossy(&merge.stderr)
-    );
+    merge_chain(&merged, &[&live, &live_mem, &diff, &diff_mem]);
 
     // Two at a time: the host has two cores.
     std::thread::scope(|s| {

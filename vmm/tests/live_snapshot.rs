@@ -14,6 +14,9 @@ use std::time::{Duration, Instant};
 use serde_json::{json, Value};
 use tinyvmm::api::client::Client;
 
+mod support;
+use support::merge_chain;
+
 const MIB: u64 = 1 << 20;
 /// Where `serve` puts its initial memory.
 const AREA: u64 = 256 * MIB;
@@ -66,6 +69,22 @@ impl Vmm {
         let mut args = vec!["serve", "--slots", &slots, "--mem-mib", "256"];
         args.extend_from_slice(extra);
         Vmm::spawn(name, &args)
+    }
+
+    /// `tinyvmm restore` of `state` and `mem`, resumed.
+    fn restore(name: &str, state: &Path, mem: &Path) -> Self {
+        let vmm = Vmm::spawn(
+            name,
+            &[
+                "restore",
+                "--snapshot",
+                state.to_str().expect("utf-8"),
+                "--mem-file",
+                mem.to_str().expect("utf-8"),
+            ],
+        );
+        vmm.ok("PATCH", "/vm", Some(json!({"state": "Resumed"})));
+        vmm
     }
 
     fn call(&self, method: &str, path: &str, body: Option<Value>) -> (u16, Value) {
@@ -337,46 +356,15 @@ fn live_snapshot_of_a_writing_guest(name: &str, slots: usize, extra: &[&str], cr
         String::from_utf8_lossy(&output.stderr)
     );
     let merged = file(&format!("{name}-merged.mem"));
-    let merge = Command::new(env!("CARGO_BIN_EXE_tinyvmm"))
-        .arg("snapshot-merge")
-        .arg("--out")
-        .arg(&merged)
-        .args([&state, &mem, &diff_state, &diff_mem])
-        .output()
-        .expect("snapshot-merge runs");
-    assert!(
-        merge.status.success(),
-        "{}",
-        String::from_utf8_lossy(&merge.stderr)
-    );
+    merge_chain(&merged, &[&state, &mem, &diff_state, &diff_mem]);
 
     // The live snapshot restores, and its loop goes on from the point.
-    let restored = Vmm::spawn(
-        &format!("{name}-restored"),
-        &[
-            "restore",
-            "--snapshot",
-            state.to_str().expect("utf-8"),
-            "--mem-file",
-            mem.to_str().expect("utf-8"),
-        ],
-    );
-    restored.ok("PATCH", "/vm", Some(json!({"state": "Resumed"})));
+    let restored = Vmm::restore(&format!("{name}-restored"), &state, &mem);
     let (passes, _) = restored.stop_and_verify(end);
     assert!(passes > 0, "the restored loop ran");
     drop(restored);
     // The merged chain is the memory the source stopped with.
-    let merged_vm = Vmm::spawn(
-        &format!("{name}-merged"),
-        &[
-            "restore",
-            "--snapshot",
-            diff_state.to_str().expect("utf-8"),
-            "--mem-file",
-            merged.to_str().expect("utf-8"),
-        ],
-    );
-    merged_vm.ok("PATCH", "/vm", Some(json!({"state": "Resumed"})));
+    let merged_vm = Vmm::restore(&format!("{name}-merged"), &diff_state, &merged);
     let verified = merged_vm.guest("verify", AREA, end, last);
     assert_eq!(verified["result"], "ok", "{verified}");
     for path in [&state, &mem, &diff_state, &diff_mem, &merged] {

@@ -1,5 +1,6 @@
-//! What the Linux-guest tests share: Debian's kernel (fetched by `resources/fetch-kernel.sh`),
-//! whether a test can run, and whether the host has hardware virtualisation.
+//! What the Linux-guest and snapshot tests share: Debian's kernel (fetched by
+//! `resources/fetch-kernel.sh`), whether a test can run, whether the host has hardware
+//! virtualisation, and merging a snapshot chain.
 
 #![allow(dead_code)] // Each test file uses its part.
 
@@ -155,4 +156,21 @@ pub fn virtio_initramfs(vmlinuz: &Path, busybox: &[u8], init: &[u8]) -> Vec<u8> 
         files.push((path, 0o100644, bytes, (0, 0)));
     }
     cpio(&files)
+}
+
+/// Merges the chain `files` (state, memory, state, memory...) into `out` with `tinyvmm
+/// snapshot-merge`; fails the test, with its stderr, if it does not.
+pub fn merge_chain(out: &Path, files: &[&Path]) {
+    let merge = std::process::Command::new(env!("CARGO_BIN_EXE_tinyvmm"))
+        .arg("snapshot-merge")
+        .arg("--out")
+        .arg(out)
+        .args(files)
+        .output()
+        .expect("snapshot-merge runs");
+    assert!(
+        merge.status.success(),
+        "{}",
+        String::from_utf8_lossy(&merge.stderr)
+    );
 }
