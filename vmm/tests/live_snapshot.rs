@@ -467,6 +467,26 @@ fn kvm_a_cancelled_live_snapshot_leaves_nothing_and_bad_requests_are_refused() {
     assert_eq!(status, 204, "{body}");
     let (status, body) = create(json!({"live": true}));
     assert_eq!(status, 409, "a second snapshot waits: {body}");
+    // So does a migration, and any change to the memory map.
+    let (status, body) = vmm.call(
+        "PUT",
+        "/migrate",
+        Some(json!({"destination": format!("unix:{}", file("nobody.sock").display())})),
+    );
+    assert_eq!(status, 409, "{body}");
+    assert!(
+        body["fault_message"]
+            .as_str()
+            .expect("a message")
+            .contains("a live snapshot is under way"),
+        "{body}"
+    );
+    let (status, body) = vmm.call(
+        "PUT",
+        "/memory/regions",
+        Some(json!({"size": 2 * MIB, "guest_address": 8u64 << 30})),
+    );
+    assert_eq!(status, 409, "{body}");
     let (status, body) = vmm.call(
         "PUT",
         "/guest/command",
