@@ -436,6 +436,12 @@ fn kvm_every_documented_operation_answers_as_the_spec_says() {
     vmm.expect(404, "GET", "/memory/regions/999", None);
     vmm.expect(400, "GET", "/memory/regions/abc", None);
     vmm.expect(204, "PATCH", &region, Some(json!({"read_only": true})));
+    // The guest writes nothing into a read-only region (its writes would be dropped); it
+    // reads it.
+    let at = described["guest_address"].as_u64().expect("an address");
+    let over = |op: &str| json!({"op": op, "start": at, "end": at + MIB, "stride": 4096});
+    vmm.expect(409, "PUT", "/guest/command", Some(over("write")));
+    vmm.expect(200, "PUT", "/guest/command", Some(over("verify")));
     vmm.expect(
         204,
         "PATCH",
