@@ -769,6 +769,107 @@ fn expect_100_continue(vmm: &Vmm) {
 }
 
 #[test]
+fn a_destination_before_its_vm_answers_as_the_spec_says() {
+    use tinyvmm::jobs::receive::{receive, ReceiveConfig, ReceiveError};
+    let spec = Spec::load();
+    let name = |what: &str| temp(&format!("conformance-{}-dst.{what}", std::process::id()));
+    let (listen, socket) = (name("mig"), name("sock"));
+    let _ = std::fs::remove_file(&listen);
+    let config = ReceiveConfig {
+        listen: tinyvmm::migration::Endpoint::Unix(listen.clone()),
+        api_sock: socket.clone(),
+        idle_timeout: Duration::from_secs(30),
+        limits: None,
+        dirty_ring: None,
+    };
+    let (ready, is_ready) = std::sync::mpsc::channel();
+    let receiving = std::thread::spawn(move || {
+        receive(
+            &config,
+            move || {
+                let _ = ready.send(());
+            },
+            |_| {},
+        )
+        .map(|_| ())
+    });
+    is_ready.recv().expect("receive listens");
+    let destination = Vmm {
+        spec: &spec,
+        socket: socket.clone(),
+        thread: None,
+    };
+
+    // No source yet: the socket says so, and refuses the rest naming where it listens.
+    assert_eq!(
+        destination.expect(200, "GET", "/vm", None),
+        json!({"state": "Waiting", "vcpus": 0})
+    );
+    destination.expect(200, "GET", "/", None);
+    let metrics = destination.expect(200, "GET", "/metrics", None);
+    let metrics = metrics.as_str().expect("text");
+    assert!(
+        metrics
+            .lines()
+            .any(|l| l == "tinyvmm_vm_state{state=\"Waiting\"} 1"),
+        "{metrics}"
+    );
+    let waits_for = format!(
+        "no VM here yet: this VMM waits for a migration on unix:{}",
+        listen.display()
+    );
+    let refused = [
+        ("GET", "/memory", None),
+        ("GET", "/memory/regions/1", None),
+        ("DELETE", "/memory/regions/1", None),
+        ("GET", "/dirty-log", None),
+        ("POST", "/dirty-log/harvest", None),
+        ("GET", "/hotplug/memory", None),
+        ("GET", "/migrate", None),
+        ("PUT", "/migrate/cancel", None),
+        ("PATCH", "/vm", Some(json!({"state": "Paused"}))),
+        ("PUT", "/actions", Some(json!({"action_type": "Stop"}))),
+        (
+            "PUT",
+            "/guest/command",
+            Some(json!({"op": "verify", "start": RAM, "end": RAM + MIB, "stride": 8})),
+        ),
+    ];
+    for (method, path, body) in refused.clone() {
+        let answer = destination.expect(409, method, path, body);
+        let message = answer["fault_message"].as_str().unwrap_or_default();
+        assert!(message.starts_with(&waits_for), "{method} {path}: {answer}");
+    }
+
+    // A source connected: receiving, and the same refusals say so.
+    let source = UnixStream::connect(&listen).expect("the destination listens");
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while destination.expect(200, "GET", "/vm", None)["state"] != json!("Receiving") {
+        assert!(Instant::now() < deadline, "GET /vm never said Receiving");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    for (method, path, body) in refused {
+        let answer = destination.expect(409, method, path, body);
+        let message = answer["fault_message"].as_str().unwrap_or_default();
+        assert!(
+            message.contains("a migration is arriving from its source"),
+            "{method} {path}: {answer}"
+        );
+    }
+    // What it sends is no migration: nothing runs, and the socket goes.
+    (&source)
+        .write_all(b"not a migration stream")
+        .expect("send");
+    drop(source);
+    let ended = receiving.join().expect("no panic");
+    assert!(
+        matches!(&ended, Err(ReceiveError::Migration(_))),
+        "{ended:?}"
+    );
+    assert!(!socket.exists(), "the API socket is removed at the end");
+}
+
+#[test]
 fn the_client_command_has_every_operation_and_sends_what_the_spec_takes() {
     use tinyvmm::jobs::client::{Backing, ClientRequest, GuestOp, OnTimeout, SnapshotKind, Switch};
     let spec = Spec::load();

@@ -76,9 +76,19 @@ impl Vmm {
         (vmm, listen)
     }
 
+    /// Waits for the API socket, and on a destination for the VM: its socket answers `GET
+    /// /vm` with `Waiting` or `Receiving` until the VM runs there (or closes a connection
+    /// unanswered while the VM's server takes over).
     fn wait_for_api(&self) {
         let deadline = Instant::now() + Duration::from_secs(120);
-        while Client::connect(&self.api).is_err() {
+        loop {
+            let vm = Client::connect(&self.api).and_then(|mut c| c.call("GET", "/vm", None));
+            match vm {
+                Ok((_, vm)) if !matches!(vm["state"].as_str(), Some("Waiting" | "Receiving")) => {
+                    return
+                }
+                _ => {}
+            }
             assert!(Instant::now() < deadline, "the API socket never came up");
             assert!(self.running(), "tinyvmm exited before its API came up");
             std::thread::sleep(Duration::from_millis(20));
