@@ -111,7 +111,8 @@ struct ServeArgs {
 #[derive(clap::Args)]
 struct ApiArgs {
     /// Path of the API socket (created 0600; a stale socket there is replaced); `receive`
-    /// binds it at start and answers once the VM runs there.
+    /// answers it at once (GET /vm: Waiting, then Receiving) and serves the VM there once it
+    /// runs.
     #[arg(long)]
     api_sock: std::path::PathBuf,
     /// Seconds a client connection may send nothing before it is answered 408 and closed

@@ -3,7 +3,7 @@
 //! applies every round of pages, restores the vCPUs from the state record, lets the guest run
 //! on where it was paused, tells the source, and then serves the VM on its API socket (the
 //! API socket is bound first, so nothing can fail between the source's hand-over and serving;
-//! it answers once the VM runs). The State record's magic says the guest kind: a test guest is
+//! until the VM runs, it answers for a destination with no VM). The State record's magic says the guest kind: a test guest is
 //! served as `serve` serves one, a Linux guest runs as `boot` runs one (the in-kernel irqchip
 //! is added once that is known: no vCPU exists before), its console on stdout. If anything
 //! fails before the guest runs here, nothing runs here: what came is dropped, the source is
