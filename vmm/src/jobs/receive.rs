@@ -39,7 +39,7 @@ use super::serve::{serve_controller, ServeError};
 use crate::api::server::{ApiServer, ApiSocket, SocketError};
 use crate::control::vm::{RunState, VmInfo};
 use crate::control::{Apply, ControllerError, Outcome, Reply, Request};
-use crate::lifecycle::{termination_signal, Ending};
+use crate::lifecycle::{log, termination_signal, Ending, LogLevel};
 use crate::linux::state::LinuxState;
 use crate::linux::{BootEnding, LinuxVcpus, LinuxVm};
 use crate::migration::transport::{file_kind, Limits, Watch};
@@ -167,9 +167,9 @@ pub fn receive(
     };
     drop(listener);
     waiting.receiving.store(true, Ordering::Release);
-    eprintln!(
-        "tinyvmm: a source connected on {}: receiving the VM",
-        config.listen
+    log(
+        LogLevel::Info,
+        format_args!("a source connected on {}: receiving the VM", config.listen),
     );
     let stopped = &run.context().vcpu_stopped;
     let (vm, stats) = match receive_vm(config, &mut connection, stopped) {
@@ -186,7 +186,10 @@ pub fn receive(
     // The guest runs here now: the source may stop. If it cannot hear that (it died after
     // sending everything), the VM still runs here, once.
     if let Err(e) = send_answer(&mut connection, Ok(())) {
-        eprintln!("tinyvmm: the VM runs here, but the source could not be told: {e}");
+        log(
+            LogLevel::Warn,
+            format_args!("the VM runs here, but the source could not be told: {e}"),
+        );
     }
     received(stats);
     match vm {

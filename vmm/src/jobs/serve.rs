@@ -9,7 +9,7 @@ use std::time::Duration;
 use super::restore::{restored_controller, RestoreFrom};
 use super::run_loop::RunLoop;
 use crate::api::server::{ApiSocket, SocketError, DEFAULT_IDLE_TIMEOUT};
-use crate::lifecycle::{Ending, LoopError};
+use crate::lifecycle::{log, Ending, LogLevel, LoopError};
 use crate::test_guest::area::{AreaError, TestArea, AREA_GPA};
 use crate::test_guest::controller::Controller;
 use crate::test_guest::vcpus::{GuestError, TestVm};
@@ -181,7 +181,7 @@ pub(crate) fn serve_controller(
             .migration_info()
             .filter(|_| controller.migrated())
         {
-            eprintln!("tinyvmm: {}", info.completed_line());
+            log(LogLevel::Info, info.completed_line());
         }
         controller.shut_down()
     });
