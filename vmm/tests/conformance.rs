@@ -402,9 +402,18 @@ fn kvm_every_documented_operation_answers_as_the_spec_says() {
         "tinyvmm_slots_used 2",
         "tinyvmm_vcpus 1",
         "tinyvmm_vm_state{state=\"Running\"} 1",
+        "tinyvmm_dirty_log_harvest_requests_total 0",
+        "tinyvmm_dirty_log_harvest_seconds_total 0",
     ] {
         assert!(
             metrics.lines().any(|l| l == series),
+            "{series} in:\n{metrics}"
+        );
+    }
+    for kind in tinyvmm::vm::exit::EXIT_KINDS {
+        let series = format!("tinyvmm_vcpu_exits_total{{kind=\"{kind}\"}} ");
+        assert!(
+            metrics.lines().any(|l| l.starts_with(&series)),
             "{series} in:\n{metrics}"
         );
     }
@@ -510,6 +519,17 @@ fn kvm_every_documented_operation_answers_as_the_spec_says() {
     );
     vmm.malformed("POST", "/dirty-log/harvest", json!({"region": -1}));
     vmm.malformed("POST", "/dirty-log/harvest", json!({"vcpu": 0}));
+    // Both harvests that were answered are counted and timed; the refused one is not.
+    let log = vmm.expect(200, "GET", "/dirty-log", None);
+    assert_eq!(
+        (&log["harvests"], &log["harvest_requests"]),
+        (&json!(1), &json!(2)),
+        "{log}"
+    );
+    assert!(
+        log["harvest_ms_total"].as_f64().is_some_and(|ms| ms > 0.0),
+        "{log}"
+    );
 
     // The hotplug area: absent, configured, plugged.
     let area = json!({"total_size_mib": 64, "block_size_mib": 2});

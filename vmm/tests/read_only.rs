@@ -78,6 +78,13 @@ fn kvm_a_write_into_a_read_only_region_is_refused_naming_it() {
     assert_eq!(call(s, "PATCH", region, json!({"read_only": true})).0, 204);
     let verified = call(s, "PUT", "/guest/command", command("verify", last_seed));
     assert_eq!(verified, (200, json!({"result": "ok"})));
+    // No guest write ever went to the read-only region (the exit loop would have dropped and
+    // counted it).
+    let metrics = call(s, "GET", "/metrics", Value::Null).1;
+    let metrics = metrics.as_str().expect("text");
+    let dropped = "tinyvmm_vcpu_exits_handled_total{how=\"read_only_write\"} 0";
+    assert!(metrics.lines().any(|l| l == dropped), "{metrics}");
+
     assert_eq!(
         call(s, "PUT", "/actions", json!({"action_type": "Stop"})).0,
         204

@@ -15,6 +15,7 @@ use event_manager::{EventOps, EventSet, Events, MutEventSubscriber};
 use vmm_sys_util::timerfd::TimerFd;
 
 use crate::api::http::{self, Parsed, Response, MAX_BODY_BYTES, MAX_HEADER_BYTES};
+use crate::api::metrics::Labelled;
 use crate::api::routes::{respond, route};
 use crate::control::{Apply, Outcome, Reply, Ticket};
 use crate::lifecycle::{log, logs, LogLevel};
@@ -187,6 +188,8 @@ pub struct ApiServer<C> {
     waiting: HashMap<Ticket, RawFd>,
     /// Answers given, by status (`GET /metrics`).
     answered: BTreeMap<u16, u64>,
+    /// The process's own counters for `GET /metrics`, read when it is asked.
+    counters: Option<fn() -> Vec<Labelled>>,
 }
 
 impl<C: Apply> ApiServer<C> {
@@ -203,6 +206,15 @@ impl<C: Apply> ApiServer<C> {
             notifier: None,
             waiting: HashMap::new(),
             answered: BTreeMap::new(),
+            counters: None,
+        }
+    }
+
+    /// Adds the counters `counters` gives to `GET /metrics`' answer.
+    pub fn with_counters(self, counters: fn() -> Vec<Labelled>) -> Self {
+        ApiServer {
+            counters: Some(counters),
+            ..self
         }
     }
 
@@ -462,10 +474,12 @@ impl<C: Apply> ApiServer<C> {
                 response.body.filter(|_| response.status == 200)
             })
             .collect();
+        let counters = self.counters.map(|counters| counters()).unwrap_or_default();
         Response::text(crate::api::metrics::render(
             &replies,
             &self.answered,
             self.connections.len(),
+            &counters,
         ))
     }
 
