@@ -9,7 +9,7 @@
 //! fails before the guest runs here, nothing runs here: what came is dropped, the source is
 //! told why where it still listens, and the process exits with 1.
 //!
-//! Until the VM runs here the API socket is answered by a thread of its own ([`WaitingApi`]):
+//! Until the VM runs here the API socket is answered by a thread of its own (`WaitingApi`):
 //! `GET /`, `GET /metrics` and `GET /vm` (state `Waiting`, then `Receiving` once a source
 //! connected) are answered, anything else is a 409 saying why. It stops when the VM runs here,
 //! before the source is told so, and the VM's own server takes the socket over: connections
