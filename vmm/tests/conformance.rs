@@ -790,30 +790,16 @@ fn expect_100_continue(vmm: &Vmm) {
 
 #[test]
 fn a_destination_before_its_vm_answers_as_the_spec_says() {
-    use tinyvmm::jobs::receive::{receive, ReceiveConfig, ReceiveError};
+    use tinyvmm::jobs::receive::{receive_in_background, ReceiveConfig, ReceiveError};
     let spec = Spec::load();
     let name = |what: &str| temp(&format!("conformance-{}-dst.{what}", std::process::id()));
     let (listen, socket) = (name("mig"), name("sock"));
     let _ = std::fs::remove_file(&listen);
-    let config = ReceiveConfig {
-        listen: tinyvmm::migration::Endpoint::Unix(listen.clone()),
-        api_sock: socket.clone(),
-        idle_timeout: Duration::from_secs(30),
-        limits: None,
-        dirty_ring: None,
-    };
-    let (ready, is_ready) = std::sync::mpsc::channel();
-    let receiving = std::thread::spawn(move || {
-        receive(
-            &config,
-            move || {
-                let _ = ready.send(());
-            },
-            |_| {},
-        )
-        .map(|_| ())
-    });
-    is_ready.recv().expect("receive listens");
+    let config = ReceiveConfig::new(
+        tinyvmm::migration::Endpoint::Unix(listen.clone()),
+        socket.clone(),
+    );
+    let receiving = receive_in_background(config).expect("receive listens");
     let destination = Vmm {
         spec: &spec,
         socket: socket.clone(),

@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
 use tinyvmm::api::client::Client;
-use tinyvmm::jobs::receive::{receive, ReceiveConfig, ReceiveEnding};
+use tinyvmm::jobs::receive::{receive_in_background, ReceiveConfig, ReceiveEnding};
 use tinyvmm::jobs::serve::{serve_in_background, ServeConfig};
 use tinyvmm::lifecycle::Ending;
 
@@ -45,24 +45,11 @@ fn kvm_a_destination_answers_while_it_waits_then_serves_the_vm_it_received() {
     }
     let (listen, dst) = (temp("mig"), temp("dst.sock"));
     let _ = std::fs::remove_file(&listen);
-    let config = ReceiveConfig {
-        listen: tinyvmm::migration::Endpoint::Unix(listen.clone()),
-        api_sock: dst.clone(),
-        idle_timeout: Duration::from_secs(30),
-        limits: None,
-        dirty_ring: None,
-    };
-    let (ready, is_ready) = std::sync::mpsc::channel();
-    let destination = std::thread::spawn(move || {
-        receive(
-            &config,
-            move || {
-                let _ = ready.send(());
-            },
-            |_| {},
-        )
-    });
-    is_ready.recv().expect("receive listens");
+    let config = ReceiveConfig::new(
+        tinyvmm::migration::Endpoint::Unix(listen.clone()),
+        dst.clone(),
+    );
+    let destination = receive_in_background(config).expect("receive listens");
 
     // Waiting: the socket answers at once.
     assert_eq!(

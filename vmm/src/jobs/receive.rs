@@ -35,7 +35,7 @@ use vm_memory::FileOffset;
 
 use super::boot::{run_linux, BootJobError, LinuxRun};
 use super::run_loop::RunLoop;
-use super::serve::{serve_controller, ServeError};
+use super::serve::{in_background, serve_controller, ServeError};
 use crate::api::server::{ApiServer, ApiSocket, SocketError};
 use crate::control::vm::{RunState, VmInfo};
 use crate::control::{Apply, ControllerError, Outcome, Reply, Request};
@@ -67,6 +67,20 @@ pub struct ReceiveConfig {
     pub limits: Option<MemoryLimits>,
     /// Harvest from dirty rings of this many entries (for a later migration onwards).
     pub dirty_ring: Option<u32>,
+}
+
+impl ReceiveConfig {
+    /// Listens on `listen` and answers on `api_sock` with the defaults of `tinyvmm receive`:
+    /// the default idle timeout, this host's limits, dirty bitmaps.
+    pub fn new(listen: Endpoint, api_sock: PathBuf) -> Self {
+        ReceiveConfig {
+            listen,
+            api_sock,
+            idle_timeout: crate::api::server::DEFAULT_IDLE_TIMEOUT,
+            limits: None,
+            dirty_ring: None,
+        }
+    }
 }
 
 /// Why receiving failed.
@@ -215,6 +229,14 @@ pub fn receive(
             Ok(ReceiveEnding::Linux(run_linux(&linux, vcpus, options)?))
         }
     }
+}
+
+/// Runs [`receive`] on a thread of its own and returns that thread once it listens (its API
+/// socket answering), or the error that kept it from listening.
+pub fn receive_in_background(
+    config: ReceiveConfig,
+) -> Result<JoinHandle<Result<ReceiveEnding, ReceiveError>>, ReceiveError> {
+    in_background(move |ready| receive(&config, ready, |_| {}))
 }
 
 /// Reads the stream into a new VM and starts it; the reason if anything is wrong.
