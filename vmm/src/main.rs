@@ -610,8 +610,8 @@ struct RestoreArgs {
     #[arg(long, value_enum, default_value_t)]
     mem_backend: tinyvmm::vm::restore::MemBackend,
     /// Record the pages the VM touches first, in that order, into this file when the
-    /// recording ends (after --record-secs, or when the VMM stops). Needs --mem-backend uffd
-    /// [default: no recording]
+    /// recording ends (after --record-secs, on PUT /working-set/stop, or when the VMM stops).
+    /// Needs --mem-backend uffd [default: no recording]
     #[arg(long, value_name = "PATH", conflicts_with = "prefetch")]
     record_working_set: Option<std::path::PathBuf>,
     /// End the recording this many seconds after the restore [default: when the VMM stops]
@@ -938,6 +938,10 @@ struct BootArgs {
     /// The virtio-mem block size in MiB (a power of two, at least 2) [default: 2]
     #[arg(long)]
     hotplug_block_mib: Option<u64>,
+    /// The largest KVM slot neighbouring plugged blocks share, in MiB (a multiple of the block
+    /// size; 0: a slot per block) [default: 128]
+    #[arg(long)]
+    hotplug_max_slot_mib: Option<u64>,
     /// An API socket while the guest runs: /vm (pause, resume), /snapshot/create, /migrate,
     /// /dirty-log, /memory, /hotplug/memory, /actions [default: none]
     #[arg(long)]
@@ -994,6 +998,9 @@ fn boot(args: BootArgs) -> ExitCode {
     config.protocol = args.protocol.unwrap_or(config.protocol);
     config.hotplug_mib = args.hotplug_mib.unwrap_or(config.hotplug_mib);
     config.hotplug_block_mib = args.hotplug_block_mib.unwrap_or(config.hotplug_block_mib);
+    config.hotplug_max_slot_mib = args
+        .hotplug_max_slot_mib
+        .unwrap_or(config.hotplug_max_slot_mib);
     config.api_sock = args.api_sock.or(config.api_sock);
     config.acpi &= !args.no_acpi;
     config.memfd |= args.memfd;

@@ -609,6 +609,8 @@ fn linux_plugs_and_unplugs_virtio_mem_through_the_api_with_hardware_virtualisati
         // 256 slots at most: fits even a host with KVM's old 509 user slots.
         hotplug_mib: 512,
         hotplug_block_mib: 2,
+        // A slot per plugged block, as this test counts them (shared slots are the default).
+        hotplug_max_slot_mib: 0,
         api_sock: Some(socket.clone()),
         timeout_secs: Some(300.0),
         ..BootConfig::default()

@@ -358,6 +358,9 @@ fn the_spec_is_valid_json_once_read_and_names_every_route_the_server_has() {
         ("PATCH", "/hotplug/memory"),
         ("PUT", "/guest/command"),
         ("PUT", "/snapshot/create"),
+        ("GET", "/snapshot"),
+        ("PUT", "/snapshot/cancel"),
+        ("PUT", "/working-set/stop"),
         ("GET", "/vm"),
         ("PATCH", "/vm"),
         ("GET", "/migrate"),
@@ -656,6 +659,42 @@ fn kvm_every_documented_operation_answers_as_the_spec_says() {
     vmm.malformed("PATCH", "/vm", json!({"state": "Frozen"}));
     let _ = (std::fs::remove_file(&state), std::fs::remove_file(&mem));
 
+    // A live snapshot of the running VM: none yet, one that completes, and bad requests.
+    vmm.expect(404, "GET", "/snapshot", None);
+    // A VM that was not restored lazily records no working set.
+    vmm.expect(409, "PUT", "/working-set/stop", None);
+    vmm.expect(409, "PUT", "/snapshot/cancel", None);
+    let mut live = snapshot("Full");
+    live["live"] = json!(true);
+    vmm.expect(204, "PUT", "/snapshot/create", Some(live));
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let info = vmm.expect(200, "GET", "/snapshot", None);
+        if info["phase"] == json!("completed") {
+            assert!(info["snapshot_id"].is_string(), "{info}");
+            break;
+        }
+        assert!(
+            ["setup", "pre_copy", "stop_and_copy"].contains(&info["phase"].as_str().unwrap_or("")),
+            "{info}"
+        );
+        assert!(Instant::now() < deadline, "{info}");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    vmm.expect(409, "PUT", "/snapshot/cancel", None);
+    let _ = (std::fs::remove_file(&state), std::fs::remove_file(&mem));
+    let mut not_live = snapshot("Full");
+    not_live["downtime_ms"] = json!(5);
+    vmm.expect(400, "PUT", "/snapshot/create", Some(not_live));
+    let mut live_diff = snapshot("Diff");
+    live_diff["live"] = json!(true);
+    vmm.expect(400, "PUT", "/snapshot/create", Some(live_diff));
+    vmm.malformed(
+        "PUT",
+        "/snapshot/create",
+        json!({"snapshot_type": "Full", "snapshot_path": "a", "mem_file_path": "b", "live": "yes"}),
+    );
+
     // Migrations: none yet, one that fails, and one held by a destination that never answers,
     // during which what would change the VM is a 409.
     vmm.expect(404, "GET", "/migrate", None);
@@ -933,7 +972,23 @@ fn the_client_command_has_every_operation_and_sends_what_the_spec_takes() {
             kind: SnapshotKind::Diff,
             snapshot: "s".into(),
             mem_file: "m".into(),
+            live: false,
+            downtime_ms: None,
+            timeout_s: None,
+            on_timeout: None,
         },
+        ClientRequest::Snapshot {
+            kind: SnapshotKind::Full,
+            snapshot: "s".into(),
+            mem_file: "m".into(),
+            live: true,
+            downtime_ms: Some(5),
+            timeout_s: Some(30),
+            on_timeout: Some(OnTimeout::Cancel),
+        },
+        ClientRequest::SnapshotStatus,
+        ClientRequest::CancelSnapshot,
+        ClientRequest::StopRecording,
         ClientRequest::Vm,
         ClientRequest::Pause,
         ClientRequest::Resume,

@@ -6,9 +6,10 @@
 //! lines and the same stop every time (docs/BOOT.md): that end is what every run is held to.
 //! One boot (4096 slots, 2 vCPUs, a virtio-mem device, RAM in memfds) is paused twice: a Full
 //! snapshot well into the boot, a Diff later. Beside it an uninterrupted boot gives the
-//! reference. Then, each in a new process: the Full restored with each memory backend, the
-//! chain merged and restored, and the Full restored and migrated live (bitmap, and local with
-//! the memfds handed over) to a `tinyvmm receive`.
+//! reference. Between the two, a live Full of the running guest, which the Diff follows. Then,
+//! each in a new process: the Full restored with each memory backend, the live Full and the
+//! Diff merged and restored, the live Full restored, and the Full restored and migrated live
+//! (bitmap, and local with the memfds handed over) to a `tinyvmm receive`.
 
 use std::fs::File;
 use std::path::{Path, PathBuf};
@@ -280,6 +281,23 @@ impl Reference {
         }
         assert_eq!(ended, &self.ending, "{what}: the run ended otherwise");
     }
+
+    /// Checks that `after` (a run restored from a point the test did not see: a live
+    /// snapshot's) goes on as the reference does: past its first line, which may begin
+    /// mid-line, its lines are the reference's last ones, and it ended as the reference did.
+    fn check_continuation(&self, what: &str, after: &str, ended: &(Option<i32>, String)) {
+        let expected = lines(&self.console);
+        let got = lines(after);
+        assert!(
+            got.len() > 3,
+            "{what}: the restored run printed too little to compare:\n{after}"
+        );
+        assert!(
+            expected.ends_with(&got[1..]),
+            "{what}: the console does not go on as an uninterrupted boot's:\n--- got ---\n{after}"
+        );
+        assert_eq!(ended, &self.ending, "{what}: the run ended otherwise");
+    }
 }
 
 /// Restores `state` with `mem` through `backend` in a new process, resumes it, and checks it
@@ -415,6 +433,24 @@ fn kvm_a_linux_guest_restored_or_migrated_goes_on_as_an_uninterrupted_boot() {
         .expect("an answer");
     assert_eq!(status, 400, "{refused}");
     assert!(!scratch.path("no.state").exists());
+    // A live Full of the running guest (the guest's kernel code runs in this host's emulator:
+    // bitmap harvests); the Diff below follows it.
+    let (live, live_mem) = (scratch.path("live.state"), scratch.path("live.mem"));
+    booted.ok(
+        "PUT",
+        "/snapshot/create",
+        Some(
+            json!({"snapshot_type": "Full", "snapshot_path": live, "mem_file_path": live_mem,
+                     "live": true}),
+        ),
+    );
+    let mut taken = Value::Null;
+    wait_until("the live snapshot's end", || {
+        taken = booted.ok("GET", "/snapshot", None);
+        !["setup", "pre_copy", "stop_and_copy"].contains(&taken["phase"].as_str().unwrap_or(""))
+    });
+    assert_eq!(taken["phase"], "completed", "{taken}");
+    assert_eq!(booted.ok("GET", "/vm", None)["state"], "Running");
     booted.wait_for_line(DIFF_AT);
     let at_diff = booted.pause();
     booted.ok(
@@ -442,7 +478,7 @@ fn kvm_a_linux_guest_restored_or_migrated_goes_on_as_an_uninterrupted_boot() {
         .arg("snapshot-merge")
         .arg("--out")
         .arg(&merged)
-        .args([&full, &full_mem, &diff, &diff_mem])
+        .args([&live, &live_mem, &diff, &diff_mem])
         .output()
         .expect("snapshot-merge runs");
     assert!(
@@ -500,6 +536,11 @@ fn kvm_a_linux_guest_restored_or_migrated_goes_on_as_an_uninterrupted_boot() {
                 &at_full,
                 &reference,
             );
+            let mut vmm = Vmm::restore(&scratch, "live", (&live, &live_mem), "file");
+            vmm.wait_for_api();
+            vmm.resume();
+            let (output, console) = vmm.wait();
+            reference.check_continuation("live", &console, &ending(&output));
         });
     });
 }

@@ -128,8 +128,8 @@ fn kvm_the_api_sizes_virtio_mem_and_the_guest_plugs_through_mmio_exits() {
     memory
         .add_region(RegionSpec::new(GuestAddress(0), 256 * MIB))
         .expect("RAM");
-    // 1 GiB in 2 MiB blocks, above RAM at 4 GiB.
-    let hotplug = hotplug::setup(&vm, 1024, 2).expect("the device");
+    // 1 GiB in 2 MiB blocks, above RAM at 4 GiB, a slot per block.
+    let hotplug = hotplug::setup(&vm, 1024, 2, 0).expect("the device");
     assert!(
         hotplug
             .cmdline(false)
@@ -298,8 +298,8 @@ fn kvm_a_hotplug_area_needing_more_slots_than_are_free_is_refused() {
     vm.memory()
         .add_region(RegionSpec::new(GuestAddress(0), 256 * MIB))
         .expect("RAM");
-    // 64 GiB in 2 MiB blocks: 32768 slots, more than KVM has.
-    let error = hotplug::setup(&vm, 65536, 2).expect_err("refused");
+    // 64 GiB in 2 MiB blocks, a slot per block: 32768 slots, more than KVM has.
+    let error = hotplug::setup(&vm, 65536, 2, 0).expect_err("refused");
     let message = error.to_string();
     assert!(message.contains("32768"), "{message}");
     assert_eq!(vm.memory().regions().len(), 1, "nothing was added");
@@ -357,4 +357,105 @@ fn kvm_a_guest_touching_unplugged_memory_is_counted_and_goes_on() {
         .run(0, command(Op::Verify, (4 << 30) + 2 * MIB, 2))
         .expect("verify");
     vcpus.shut_down().expect("clean stop");
+}
+
+/// A Linux guest's plugged blocks share KVM slots by default (pieces of 128 MiB, a slot per run
+/// of plugged blocks in each), through the same exit path, and the device's saved state
+/// restores over the memory a restore rebuilds, with the maximum slot size it was saved with.
+#[test]
+fn kvm_a_linux_guests_plugged_blocks_share_slots_and_restore() {
+    use tinyvmm::linux::config::DEFAULT_HOTPLUG_MAX_SLOT_MIB;
+    if !kvm_test_support::require_kvm(
+        "tinyvmm::kvm_a_linux_guests_plugged_blocks_share_slots_and_restore",
+    ) {
+        return;
+    }
+    let new_vm = || {
+        let vm = Vm::new(VmOptions {
+            irqchip: true,
+            ..VmOptions::default()
+        })
+        .expect("a VM");
+        vm.memory()
+            .add_region(RegionSpec::new(GuestAddress(0), 256 * MIB))
+            .expect("RAM");
+        vm
+    };
+    let vm = new_vm();
+    let memory = Arc::clone(vm.memory());
+    let hotplug = hotplug::setup(&vm, 1024, 2, DEFAULT_HOTPLUG_MAX_SLOT_MIB).expect("the device");
+    let ports = LinuxPorts {
+        devices: Arc::new(LegacyDevices::new(
+            Box::new(std::io::sink()),
+            EventFd::new(0).expect("eventfd"),
+            EventFd::new(0).expect("eventfd"),
+        )),
+        bus: Arc::new(LegacyDevices::bus()),
+        hotplug: Some((Arc::clone(&hotplug.device), Arc::clone(&hotplug.mmio))),
+    };
+    let path = ExitPath {
+        ports,
+        memory: Arc::clone(&memory),
+    };
+    let layout = Layout {
+        base: 16 * MIB,
+        size: 128,
+    };
+    let mut guest = Driver::new(path, Arc::clone(&memory), layout);
+    guest.init();
+    let base = guest.config64(CFG_ADDR);
+    hotplug
+        .device
+        .lock()
+        .expect("the device")
+        .set_requested_size(512 * MIB)
+        .expect("512 MiB");
+    // Two whole 128 MiB memory blocks as Linux's driver plugs them (64 blocks a request), then
+    // 16 MiB past a 16 MiB hole, then one block unplugged inside the first memory block.
+    for at in (0..256).step_by(128) {
+        assert_eq!(guest.plug(base + at * MIB, 64), RESP_ACK);
+    }
+    assert_eq!(guest.plug(base + 272 * MIB, 8), RESP_ACK);
+    assert_eq!(guest.unplug(base + 64 * MIB, 1), RESP_ACK);
+    let info = hotplug::hotplug_info(&hotplug.device);
+    assert_eq!(
+        (info.slot_size_mib, info.plugged_size_mib, info.mapped_slots),
+        (128, 270, 4),
+        "{info:?}"
+    );
+    assert_eq!(memory.slot_usage().used, 1 + 4, "RAM's slot and the runs'");
+    let pieces: Vec<(u64, u64, usize)> = memory
+        .regions()
+        .iter()
+        .filter(|r| r.gpa.0 >= base)
+        .map(|r| ((r.gpa.0 - base) / MIB, r.size / MIB, r.slots))
+        .collect();
+    assert_eq!(pieces, vec![(0, 128, 2), (128, 128, 1), (256, 128, 1)]);
+    assert_eq!(
+        guest.device.decide(base + 64 * MIB, Some(8), &[]),
+        ExitAction::AbsentMemory,
+        "the unplugged block has no slot"
+    );
+
+    // Saved and restored over the memory a restore rebuilds: the same pieces, runs and sizes.
+    let (state, transport) = {
+        let device = hotplug.device.lock().expect("the device");
+        (device.device().state(), device.state())
+    };
+    assert_eq!(state.max_slot_size, Some(128 * MIB));
+    let again = new_vm();
+    let specs: Vec<RegionSpec> = memory
+        .regions()
+        .iter()
+        .filter(|r| r.gpa.0 >= base)
+        .map(|r| {
+            RegionSpec::new(r.gpa, r.size)
+                .with_id(r.id)
+                .with_slot_ranges(memory.slot_ranges(r.id).expect("its slots"))
+        })
+        .collect();
+    again.memory().add_regions(specs).expect("the pieces");
+    let restored = hotplug::restore(&again, base, (1024, 2), &state, &transport).expect("restored");
+    assert_eq!(hotplug::hotplug_info(&restored.device), info);
+    assert_eq!(again.memory().slot_usage().used, 1 + 4);
 }

@@ -172,7 +172,27 @@ fn kvm_a_recorded_working_set_is_prefetched_and_the_guest_verifies() {
     let vmm = resumed("record", &state, &mem, record);
     assert_eq!(vmm.run("verify", 5)["result"], json!("ok"));
     assert!(!list.exists(), "written when the recording ends");
+    // A client ends it: the list is written before the answer, and nothing records after.
+    let (status, body) = vmm.call("PUT", "/working-set/stop", None);
+    assert_eq!(status, 204, "{body}");
+    assert!(list.exists(), "written when the recording ended");
+    let (status, body) = vmm.call("PUT", "/working-set/stop", None);
+    assert_eq!(status, 409, "{body}");
+    assert!(
+        body["fault_message"]
+            .as_str()
+            .expect("a message")
+            .contains("no working-set recording is under way"),
+        "{body}"
+    );
+    vmm.run("write", 7);
+    let stopped_at = std::fs::read(&list).expect("the list");
     vmm.stop();
+    assert_eq!(
+        std::fs::read(&list).expect("the list"),
+        stopped_at,
+        "the VMM's stop writes nothing more"
+    );
     let set = list_at(&list);
     assert_eq!(set.snapshot, snapshot_id(&state));
     let area_pages = AREA_SIZE / 4096;
@@ -499,7 +519,8 @@ fn kvm_a_linux_guest_records_and_prefetches_its_working_set() {
     assert_eq!(status, 204, "{body}");
     boot.end();
 
-    // Restored lazily, recording for 3 s of the guest's run.
+    // Restored lazily, recording 3 s of the guest's run until a client ends it (long before
+    // its --record-secs).
     let lazy: [&std::ffi::OsStr; 7] = [
         "restore".as_ref(),
         "--snapshot".as_ref(),
@@ -515,13 +536,17 @@ fn kvm_a_linux_guest_records_and_prefetches_its_working_set() {
             "--record-working-set".as_ref(),
             list.as_os_str(),
             "--record-secs".as_ref(),
-            "3".as_ref(),
+            "600".as_ref(),
         ],
     ]
     .concat();
     let recording = Process::start("linux-record", &record);
     assert_eq!(recording.call("PATCH", "/vm", Some(resume.clone())).0, 204);
-    recording.wait_for(Duration::from_secs(60), "the list", || list.exists());
+    std::thread::sleep(Duration::from_secs(3));
+    let (status, body) = recording.call("PUT", "/working-set/stop", None);
+    assert_eq!(status, 204, "{body}");
+    assert!(list.exists(), "the list is written before the answer");
+    assert_eq!(recording.call("PUT", "/working-set/stop", None).0, 409);
     let stderr = recording.end();
     let set = list_at(&list);
     let id = tinyvmm::linux::state::LinuxState::read_file(&state)

@@ -125,7 +125,8 @@ pub enum Error {
     Kvm {
         /// The region being changed.
         region: RegionId,
-        /// What was asked of KVM: "create", "delete", "update".
+        /// What was asked of KVM: "create", "delete", "update", or "park" (a logging slot
+        /// moved out of the guest's way before its delete, see `MemoryManager::reslot`).
         op: &'static str,
         /// KVM's slot number.
         slot: u32,

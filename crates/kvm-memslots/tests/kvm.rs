@@ -739,3 +739,208 @@ fn kvm_a_refused_reslot_leaves_kvms_slots_as_they_were() {
         "the hole is no memory"
     );
 }
+
+/// The pages of the data region the checking guest writes, one 16-bit count at offset 0x10
+/// of each.
+const PAGES: u64 = 64;
+
+/// The guest writes an iteration count into each page of the data region in turn, over and
+/// over; after each write it halts if the stop byte is set (and goes on with the next page when
+/// resumed). So the host stops it within one write of asking.
+fn halting_guest() -> Vec<u8> {
+    let mut code = vec![0x31, 0xd2]; // xor dx, dx
+    let top = code.len();
+    code.push(0x42); // inc dx
+    for page in 0..PAGES {
+        let segment = ((DATA + page * 4 * KIB) >> 4) as u16;
+        code.push(0xb8); // mov ax, segment
+        code.extend(segment.to_le_bytes());
+        code.extend([0x8e, 0xd8]); // mov ds, ax
+        code.extend([0x89, 0x16, 0x10, 0x00]); // mov [0x10], dx
+        code.extend([0x31, 0xc0, 0x8e, 0xd8]); // xor ax, ax; mov ds, ax
+        code.extend([0x80, 0x3e]); // cmp byte [STOP], 0
+        code.extend(STOP.to_le_bytes());
+        code.push(0x00);
+        code.extend([0x74, 0x01]); // je past the hlt
+        code.push(0xf4); // hlt
+    }
+    let back = top as i64 - (code.len() as i64 + 3);
+    code.push(0xe9); // jmp top
+    code.extend((back as i16).to_le_bytes());
+    code
+}
+
+/// What a round of the dirty-log check changes under the writing guest.
+#[derive(Clone, Copy, Debug)]
+enum Path {
+    /// Re-slots through the layouts of `reslots`.
+    Reslot,
+    /// Read-only and back.
+    ReadOnly,
+    /// Logging stopped and started again.
+    StopLogging,
+}
+
+/// Runs the halting guest on `vcpu` until `done`: at each `hlt` it says so on `halted` and
+/// waits for a word on `resume`. A write that exits because its slot was away (or read-only)
+/// for a moment is completed through vm-memory once the region is writable again, as a VMM
+/// completes it.
+fn run_halting_vcpu(
+    mut vcpu: kvm_ioctls::VcpuFd,
+    m: &MemoryManager<impl kvm_memslots::KvmMemory>,
+    halted: &std::sync::mpsc::Sender<()>,
+    resume: &std::sync::mpsc::Receiver<bool>,
+) -> Exits {
+    kvm_test_support::start_in_real_mode(&vcpu, CODE);
+    let mut exits = Exits::default();
+    loop {
+        match vcpu.run().expect("KVM_RUN") {
+            VcpuExit::MmioWrite(addr, data) => {
+                let data = data.to_vec();
+                loop {
+                    m.wait_settled(|| false).expect("never gives up");
+                    let memory = m.current();
+                    match memory.map().find_by_gpa(GuestAddress(addr)) {
+                        Some(slot) if slot.flags().read_only => std::thread::yield_now(),
+                        Some(_) => {
+                            memory
+                                .write_slice(&data, GuestAddress(addr))
+                                .expect("complete the write");
+                            exits.completed += 1;
+                            break;
+                        }
+                        None => {
+                            exits.absent.push(addr);
+                            break;
+                        }
+                    }
+                }
+            }
+            VcpuExit::Hlt => {
+                halted.send(()).expect("the host waits");
+                if !resume.recv().expect("the host's word") {
+                    return exits;
+                }
+            }
+            other => panic!("unexpected vCPU exit: {other:?}"),
+        }
+    }
+}
+
+/// Runs rounds of `path` under the halting guest for `seconds` with the data region logging
+/// dirty pages: each round makes one change (or a pair) while the guest writes, stops the
+/// guest, harvests, and copies the reported pages into a shadow as a migration would; every
+/// page whose memory then differs from the shadow had a write no harvest reported. Returns
+/// (rounds, pages found unreported, writes completed after a change).
+fn dirty_log_rounds(path: Path, seconds: u64) -> Option<(u64, u64, u64)> {
+    let name = format!("kvm_writes_during_changes_are_all_harvested ({path:?})");
+    let (kvm, vm) = kvm_or_skip(&name)?;
+    let m = manager(&kvm, &vm);
+    let (_, data) = guest_layout(&m, true);
+    m.current()
+        .write_slice(&halting_guest(), GuestAddress(CODE))
+        .expect("load the guest");
+    let value = |page: u64| -> u16 {
+        m.current()
+            .read_obj(GuestAddress(DATA + page * 4 * KIB + 0x10))
+            .expect("read")
+    };
+    let mut shadow = vec![0u16; PAGES as usize];
+    let take = |shadow: &mut Vec<u16>| {
+        let dirty = m.harvest_dirty(Target::Region(data)).expect("harvest");
+        for page in 0..PAGES {
+            if dirty[0].is_dirty(page) {
+                shadow[page as usize] = value(page);
+            }
+        }
+    };
+    take(&mut shadow);
+    let layouts = reslots(data);
+    // With no guest running, a re-slot or a toggle reports nothing: the logs of the slots it
+    // deletes are read exactly (parked out of the guest's way first), not marked wholesale.
+    for (i, layout) in layouts.iter().enumerate() {
+        m.reslot(layout.clone()).expect("re-slot");
+        let dirty = m.harvest_dirty(Target::Region(data)).expect("harvest");
+        assert_eq!(dirty[0].count(), 0, "{path:?}: re-slot {i} reported pages");
+    }
+    m.set_read_only(data, true).expect("read-only");
+    m.set_read_only(data, false).expect("writable");
+    let dirty = m.harvest_dirty(Target::Region(data)).expect("harvest");
+    assert_eq!(dirty[0].count(), 0, "{path:?}: a toggle reported pages");
+    let vcpu = vm.create_vcpu(next_vcpu_id()).expect("KVM_CREATE_VCPU");
+    let (halted_tx, halted) = std::sync::mpsc::channel();
+    let (resume, resume_rx) = std::sync::mpsc::channel();
+    let stop = |on: u8| {
+        m.current()
+            .write_obj(on, GuestAddress(u64::from(STOP)))
+            .expect("the stop byte");
+    };
+    let (exits, rounds, lost) = std::thread::scope(|scope| {
+        let manager = &m;
+        let guest = scope.spawn(move || run_halting_vcpu(vcpu, manager, &halted_tx, &resume_rx));
+        let started = Instant::now();
+        let (mut rounds, mut lost) = (0u64, 0u64);
+        // At least `seconds`, and at least 100 rounds on a loaded host.
+        while rounds < 100 || started.elapsed().as_secs() < seconds {
+            match path {
+                Path::Reslot => m
+                    .reslot(layouts[rounds as usize % layouts.len()].clone())
+                    .expect("re-slot"),
+                Path::ReadOnly => {
+                    m.set_read_only(data, true).expect("read-only");
+                    m.set_read_only(data, false).expect("writable");
+                }
+                Path::StopLogging => {
+                    m.stop_dirty_log(Target::Region(data)).expect("stop");
+                    m.start_dirty_log(Target::Region(data)).expect("start");
+                }
+            }
+            stop(1);
+            halted.recv().expect("the guest halts");
+            take(&mut shadow);
+            for page in 0..PAGES {
+                let now = value(page);
+                if shadow[page as usize] != now {
+                    lost += 1;
+                    shadow[page as usize] = now;
+                }
+            }
+            stop(0);
+            resume.send(true).expect("the guest waits");
+            rounds += 1;
+        }
+        stop(1);
+        halted.recv().expect("the guest halts");
+        resume.send(false).expect("the guest waits");
+        (guest.join().expect("the vCPU thread"), rounds, lost)
+    });
+    assert!(exits.absent.is_empty(), "absent: {:x?}", exits.absent);
+    assert!(value(PAGES - 1) > 1, "the guest went round more than once");
+    eprintln!(
+        "{name}: {rounds} rounds, {lost} pages written and not harvested, {} writes completed \
+         after a change",
+        exits.completed
+    );
+    Some((rounds, lost, exits.completed))
+}
+
+/// Bitmap mode: a vCPU writes page after page of a logging region while its slots are
+/// re-slotted, made read-only and back, or its logging stopped and started again; after each
+/// change the guest is stopped and a harvest taken, and every page the guest wrote must have
+/// been reported (a write between the change's read of a slot's log and KVM freeing that log
+/// would be lost).
+#[test]
+fn kvm_writes_during_changes_are_all_harvested() {
+    let mut outcomes = Vec::new();
+    for path in [Path::Reslot, Path::ReadOnly, Path::StopLogging] {
+        let Some((rounds, lost, _)) =
+            dirty_log_rounds(path, if matches!(path, Path::ReadOnly) { 6 } else { 2 })
+        else {
+            return;
+        };
+        outcomes.push((path, rounds, lost));
+    }
+    for (path, _, lost) in outcomes {
+        assert_eq!(lost, 0, "{path:?}: writes no harvest reported");
+    }
+}

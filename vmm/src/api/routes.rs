@@ -72,6 +72,7 @@ pub fn respond(outcome: Outcome) -> Response {
         Ok(Reply::Vm(info)) => json(200, &info),
         Ok(Reply::Guest(result)) => json(200, &result),
         Ok(Reply::Migration(info)) => json(200, &info),
+        Ok(Reply::Snapshot(info)) => json(200, &info),
         // The server holds a deferred request's connection until its outcome comes (see
         // `ApiServer`); an outcome is never deferred twice.
         Ok(Reply::Deferred(_)) => Response::fault(
@@ -146,6 +147,18 @@ pub fn route(request: &Request) -> Result<ControllerRequest, Response> {
         },
         ["snapshot", "create"] => match method {
             "PUT" => Ok(ControllerRequest::CreateSnapshot(body(request)?)),
+            _ => Err(method_not_allowed(method, path, "PUT")),
+        },
+        ["snapshot"] => match method {
+            "GET" => Ok(ControllerRequest::GetSnapshot),
+            _ => Err(method_not_allowed(method, path, "GET")),
+        },
+        ["snapshot", "cancel"] => match method {
+            "PUT" => Ok(ControllerRequest::CancelSnapshot),
+            _ => Err(method_not_allowed(method, path, "PUT")),
+        },
+        ["working-set", "stop"] => match method {
+            "PUT" => Ok(ControllerRequest::StopRecording),
             _ => Err(method_not_allowed(method, path, "PUT")),
         },
         ["vm"] => match method {

@@ -26,7 +26,7 @@ use guest::{GuestCommand, GuestCommandResult};
 use hotplug::{HotplugConfig, HotplugInfo, HotplugRequest};
 use memory::{AddRegion, MemoryInfo, PatchRegion, RegionAdded, RegionInfo};
 use migration::{MigrateRequest, MigrationInfo};
-use snapshot::SnapshotCreate;
+use snapshot::{LiveSnapshotInfo, SnapshotCreate};
 use vm::{VmAction, VmInfo, VmStatePatch};
 
 /// Everything a client can ask of the VM.
@@ -60,8 +60,14 @@ pub enum Request {
     GetVm,
     /// Pause or resume.
     PatchVm(VmStatePatch),
-    /// Save the (paused) VM's state and memory.
+    /// Save the VM's state and memory: of the paused VM, or (live) of the running one.
     CreateSnapshot(SnapshotCreate),
+    /// Describe the last live snapshot.
+    GetSnapshot,
+    /// Cancel the live snapshot under way.
+    CancelSnapshot,
+    /// End a lazy restore's working-set recording now (its list is written).
+    StopRecording,
     /// Stop the VMM.
     Act(VmAction),
     /// Start migrating the VM to a `tinyvmm receive`.
@@ -91,6 +97,9 @@ impl Request {
             Request::GetVm => "GET /vm",
             Request::PatchVm(_) => "PATCH /vm",
             Request::CreateSnapshot(_) => "PUT /snapshot/create",
+            Request::GetSnapshot => "GET /snapshot",
+            Request::CancelSnapshot => "PUT /snapshot/cancel",
+            Request::StopRecording => "PUT /working-set/stop",
             Request::Act(_) => "PUT /actions",
             Request::Migrate(_) => "PUT /migrate",
             Request::GetMigration => "GET /migrate",
@@ -122,6 +131,8 @@ pub enum Reply {
     Guest(GuestCommandResult),
     /// The migration.
     Migration(MigrationInfo),
+    /// The last live snapshot.
+    Snapshot(LiveSnapshotInfo),
     /// The answer comes later (a guest command runs on its vCPU meanwhile): the controller
     /// hands it over with this ticket from [`Apply::settle`].
     Deferred(Ticket),

@@ -12,6 +12,59 @@ pub struct SnapshotCreate {
     pub snapshot_path: std::path::PathBuf,
     /// Where the memory file goes (it must not exist).
     pub mem_file_path: std::path::PathBuf,
+    /// Take a Full snapshot of the running VM: memory is copied in rounds while it runs,
+    /// and it pauses only for the last pages and its state (`GET /snapshot` follows it).
+    #[serde(default)]
+    pub live: bool,
+    /// A live snapshot's longest pause (default [`LIVE_DOWNTIME_MS`]).
+    #[serde(default)]
+    pub downtime_ms: Option<u64>,
+    /// Seconds a live snapshot's rounds may take before `on_timeout` applies (default
+    /// [`LIVE_TIMEOUT_S`]).
+    #[serde(default)]
+    pub timeout_s: Option<u64>,
+    /// What a live snapshot does at its timeout, or once the pause cannot fit `downtime_ms`
+    /// (default `force`: pause anyway; `cancel`: give up).
+    #[serde(default)]
+    pub on_timeout: Option<super::migration::OnTimeout>,
+}
+
+/// A live snapshot's pause budget unless the request says.
+pub const LIVE_DOWNTIME_MS: u64 = 10;
+/// How long a live snapshot's rounds may take unless the request says.
+pub const LIVE_TIMEOUT_S: u64 = 60;
+
+impl SnapshotCreate {
+    /// A snapshot of the paused VM (`PUT /snapshot/create` without `live`).
+    pub fn paused(
+        snapshot_type: SnapshotType,
+        snapshot_path: impl Into<std::path::PathBuf>,
+        mem_file_path: impl Into<std::path::PathBuf>,
+    ) -> Self {
+        SnapshotCreate {
+            snapshot_type,
+            snapshot_path: snapshot_path.into(),
+            mem_file_path: mem_file_path.into(),
+            live: false,
+            downtime_ms: None,
+            timeout_s: None,
+            on_timeout: None,
+        }
+    }
+
+    /// The live fields set on a snapshot that is not live, named, if any is.
+    pub fn live_fields_set(&self) -> Option<&'static str> {
+        if self.live {
+            return None;
+        }
+        [
+            ("downtime_ms", self.downtime_ms.is_some()),
+            ("timeout_s", self.timeout_s.is_some()),
+            ("on_timeout", self.on_timeout.is_some()),
+        ]
+        .into_iter()
+        .find_map(|(name, set)| set.then_some(name))
+    }
 }
 
 /// What a snapshot holds of memory.
@@ -21,4 +74,49 @@ pub enum SnapshotType {
     Full,
     /// The pages dirtied since the previous snapshot.
     Diff,
+}
+
+/// `GET /snapshot`: the last live snapshot, under way or ended.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct LiveSnapshotInfo {
+    /// Where it is (`setup`, `pre_copy`, `stop_and_copy`, then `completed`, `failed` or
+    /// `cancelled`).
+    pub phase: super::migration::MigrationPhase,
+    /// Its state file.
+    pub snapshot_path: std::path::PathBuf,
+    /// Its memory file.
+    pub mem_file_path: std::path::PathBuf,
+    /// The round of pages under way (1: every page that holds data).
+    pub round: u32,
+    /// Bytes of pages written so far (a page the guest dirtied again is written again).
+    pub bytes_written: u64,
+    /// The guest memory when it started.
+    pub guest_memory_bytes: u64,
+    /// Pages the last harvest found dirty: what the next round writes.
+    pub pages_left: u64,
+    /// Pages the guest dirtied per second over the last round.
+    pub dirty_rate_pages_per_second: f64,
+    /// Bytes per second the last round wrote at.
+    pub throughput_bytes_per_second: f64,
+    /// The pause `pages_left` would take.
+    pub estimated_pause_ms: f64,
+    /// The pause began although the estimate did not fit `downtime_ms` (`on_timeout: force`).
+    pub forced: bool,
+    /// The pause the VM saw, from its vCPUs pausing to their going on, once completed.
+    pub pause_ms: Option<f64>,
+    /// Milliseconds since it started.
+    pub elapsed_ms: f64,
+    /// The snapshot's id once completed (its state file says it too).
+    pub snapshot_id: Option<String>,
+    /// Why it failed or was cancelled.
+    pub error: Option<String>,
+}
+
+/// `PUT /working-set/stop` where no recording is under way.
+pub fn no_recording() -> super::ControllerError {
+    super::ControllerError::conflict(
+        "no working-set recording is under way: restore with --mem-backend uffd \
+         --record-working-set FILE (a recording also ends after --record-secs, or when the VMM \
+         stops)",
+    )
 }

@@ -33,6 +33,12 @@ pub enum LinuxRequest {
     PatchVm(VmStatePatch),
     /// [`Request::CreateSnapshot`].
     CreateSnapshot(SnapshotCreate),
+    /// [`Request::GetSnapshot`].
+    GetSnapshot,
+    /// [`Request::CancelSnapshot`].
+    CancelSnapshot,
+    /// [`Request::StopRecording`].
+    StopRecording,
     /// [`Request::SwitchDirtyLog`].
     SwitchDirtyLog(DirtyLogSwitch),
     /// [`Request::Harvest`].
@@ -62,6 +68,9 @@ impl TryFrom<Request> for LinuxRequest {
             Request::GetVm => LinuxRequest::GetVm,
             Request::PatchVm(patch) => LinuxRequest::PatchVm(patch),
             Request::CreateSnapshot(create) => LinuxRequest::CreateSnapshot(create),
+            Request::GetSnapshot => LinuxRequest::GetSnapshot,
+            Request::CancelSnapshot => LinuxRequest::CancelSnapshot,
+            Request::StopRecording => LinuxRequest::StopRecording,
             Request::SwitchDirtyLog(switch) => LinuxRequest::SwitchDirtyLog(switch),
             Request::Harvest(harvest) => LinuxRequest::Harvest(harvest),
             Request::GetDirtyLog => LinuxRequest::GetDirtyLog,

@@ -115,7 +115,8 @@ pub fn run_linux(
             running.handles(),
             options.paused,
             Arc::clone(&api_stop),
-        );
+        )
+        .with_loader(linux.loader().cloned());
         run.serve(socket, controller, DEFAULT_IDLE_TIMEOUT);
     }
 

@@ -154,7 +154,7 @@ pub enum ClientRequest {
         #[arg(long, default_value_t = 0)]
         vcpu: u64,
     },
-    /// PUT /snapshot/create: save the paused VM.
+    /// PUT /snapshot/create: save the paused VM, or (--live) the running one.
     Snapshot {
         /// Full or Diff.
         #[arg(long = "type", value_enum, default_value = "full")]
@@ -165,7 +165,25 @@ pub enum ClientRequest {
         /// Where the memory file goes (it must not exist).
         #[arg(long)]
         mem_file: PathBuf,
+        /// A live Full snapshot of the running VM (GET /snapshot follows it).
+        #[arg(long)]
+        live: bool,
+        /// A live snapshot's longest pause, in ms [default: 10].
+        #[arg(long, requires = "live")]
+        downtime_ms: Option<u64>,
+        /// Seconds a live snapshot's rounds may take [default: 60].
+        #[arg(long, requires = "live")]
+        timeout_s: Option<u64>,
+        /// What a live snapshot does then [default: force].
+        #[arg(long, value_enum, requires = "live")]
+        on_timeout: Option<OnTimeout>,
     },
+    /// GET /snapshot: how the last live snapshot goes.
+    SnapshotStatus,
+    /// PUT /snapshot/cancel: cancel the live snapshot under way.
+    CancelSnapshot,
+    /// PUT /working-set/stop: end a uffd restore's working-set recording now.
+    StopRecording,
     /// GET /vm: the VM's state.
     Vm,
     /// PATCH /vm: pause the VM.
@@ -318,15 +336,33 @@ impl ClientRequest {
                 kind,
                 snapshot,
                 mem_file,
-            } => (
-                "PUT",
-                "/snapshot/create".to_owned(),
-                Some(json!({
+                live,
+                downtime_ms,
+                timeout_s,
+                on_timeout,
+            } => {
+                let mut body = json!({
                     "snapshot_type": kind,
                     "snapshot_path": snapshot,
                     "mem_file_path": mem_file,
-                })),
-            ),
+                });
+                if *live {
+                    body["live"] = json!(true);
+                    for (name, value) in [
+                        ("downtime_ms", downtime_ms.map(|v| json!(v))),
+                        ("timeout_s", timeout_s.map(|v| json!(v))),
+                        ("on_timeout", on_timeout.map(|v| json!(v))),
+                    ] {
+                        if let Some(value) = value {
+                            body[name] = value;
+                        }
+                    }
+                }
+                ("PUT", "/snapshot/create".to_owned(), Some(body))
+            }
+            ClientRequest::SnapshotStatus => ("GET", "/snapshot".to_owned(), None),
+            ClientRequest::CancelSnapshot => ("PUT", "/snapshot/cancel".to_owned(), None),
+            ClientRequest::StopRecording => ("PUT", "/working-set/stop".to_owned(), None),
             ClientRequest::Vm => ("GET", "/vm".to_owned(), None),
             ClientRequest::Pause => ("PATCH", "/vm".to_owned(), Some(json!({"state": "Paused"}))),
             ClientRequest::Resume => ("PATCH", "/vm".to_owned(), Some(json!({"state": "Resumed"}))),

@@ -31,8 +31,8 @@ pub enum BootProtocol {
 /// ```json
 /// { "kernel": "vmlinuz", "initramfs": "initrd.cpio.gz", "cmdline": "console=ttyS0",
 ///   "vcpus": 1, "mem_mib": 512, "mem_slots": 4096, "mem_holes": false, "timeout_secs": 30,
-///   "protocol": "auto", "hotplug_mib": 1024, "hotplug_block_mib": 2, "api_sock": "api.sock",
-///   "acpi": true }
+///   "protocol": "auto", "hotplug_mib": 1024, "hotplug_block_mib": 2,
+///   "hotplug_max_slot_mib": 128, "api_sock": "api.sock", "acpi": true }
 /// ```
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
@@ -61,6 +61,9 @@ pub struct BootConfig {
     pub hotplug_mib: u64,
     /// The virtio-mem device's block size in MiB (a power of two, at least 2).
     pub hotplug_block_mib: u64,
+    /// The largest KVM slot neighbouring plugged blocks share, in MiB: a multiple of the block
+    /// size (a smaller one counts as the block size), or 0 for a slot per plugged block.
+    pub hotplug_max_slot_mib: u64,
     /// An API socket (`/hotplug/memory`, `/memory`, `/vm`, `/actions`) while the guest runs.
     pub api_sock: Option<PathBuf>,
     /// Give the guest ACPI tables (how a stock kernel finds the virtio-mem device). Without,
@@ -94,6 +97,7 @@ impl Default for BootConfig {
             protocol: BootProtocol::Auto,
             hotplug_mib: 0,
             hotplug_block_mib: 2,
+            hotplug_max_slot_mib: DEFAULT_HOTPLUG_MAX_SLOT_MIB,
             api_sock: None,
             acpi: true,
             memfd: false,
@@ -174,6 +178,14 @@ pub enum ConfigError {
         /// The block size.
         block: u64,
     },
+    /// The hotplug area's maximum slot size is not one its blocks can share.
+    #[error("hotplug_max_slot_mib {max_slot} must be 0 (a KVM slot per block) or a multiple of hotplug_block_mib {block}, at most {max} MiB", max = MAX_HOTPLUG_MIB)]
+    HotplugMaxSlot {
+        /// The maximum slot size asked for.
+        max_slot: u64,
+        /// The block size.
+        block: u64,
+    },
 }
 
 /// The least RAM: a bzImage decompresses itself at 16 MiB into some 50 MiB.
@@ -182,6 +194,9 @@ pub const MIN_MEM_MIB: u64 = 128;
 pub const MAX_MEM_MIB: u64 = 1 << 20;
 /// The largest hotplug area (1 TiB).
 pub const MAX_HOTPLUG_MIB: u64 = 1 << 20;
+/// The hotplug area's maximum slot size by default: 128 MiB, a Linux memory block (what its
+/// `virtio_mem` driver plugs when it can), so 1 GiB plugged is 8 KVM slots.
+pub const DEFAULT_HOTPLUG_MAX_SLOT_MIB: u64 = 128;
 
 impl BootConfig {
     /// Reads a configuration from a JSON file (unknown fields are refused) and validates it.
@@ -257,6 +272,12 @@ impl BootConfig {
                 mib: self.hotplug_mib,
                 block,
             });
+        }
+        let max_slot = self.hotplug_max_slot_mib;
+        if self.hotplug_mib > 0
+            && (!max_slot.max(block).is_multiple_of(block) || max_slot > MAX_HOTPLUG_MIB)
+        {
+            return Err(ConfigError::HotplugMaxSlot { max_slot, block });
         }
         Ok(())
     }
@@ -335,6 +356,31 @@ mod tests {
         }
         .validate()
         .expect("1 GiB in 2 MiB blocks");
+        // Shared slots: 0 (a slot per block), a multiple of the block, or less than one block
+        // (the block size); not a size between multiples.
+        for (max_slot, block, ok) in [
+            (0, 2, true),
+            (128, 2, true),
+            (128, 256, true),
+            (6, 4, false),
+            (MAX_HOTPLUG_MIB * 2, 2, false),
+        ] {
+            let config = BootConfig {
+                hotplug_mib: 1024,
+                hotplug_block_mib: block,
+                hotplug_max_slot_mib: max_slot,
+                ..valid()
+            };
+            if ok {
+                config
+                    .validate()
+                    .expect("a maximum slot size blocks can share");
+            } else {
+                assert!(
+                    check(config).contains(&format!("hotplug_max_slot_mib {max_slot} must be 0"))
+                );
+            }
+        }
         assert!(check(BootConfig {
             mem_mib: 128,
             mem_holes: true,

@@ -1,6 +1,6 @@
 //! A Linux guest's controller: what its API socket (`tinyvmm boot --api-sock`, `restore` and
 //! `receive` of a Linux guest) answers. Pausing and resuming, Full and Diff snapshots of a
-//! paused VM (the snapshot chain every guest kind shares), dirty logging, live migration (the
+//! paused VM and live Full ones of a running VM (the snapshot chain every guest kind shares), dirty logging, live migration (the
 //! generic migration with this guest's vCPUs and State record), its memory, its virtio-mem
 //! device's requested size, and a stop; the table in `control::support` refuses the test
 //! guest's own requests before they get here.
@@ -17,12 +17,14 @@ use super::state::{LinuxMachine, LinuxRecord};
 use super::vcpus::LinuxVcpu;
 use crate::control::dirty_log::DirtyLogClient;
 use crate::control::memory::{memory_info, region_info};
+use crate::control::snapshot::no_recording;
 use crate::control::support::LinuxRequest;
 use crate::control::vm::{RunState, VmInfo, VmStateRequest};
 use crate::control::{Apply, ControllerError, Outcome, Reply, Request};
 use crate::migration::slot::MigrationSlot;
 use crate::migration::source::SourceVm;
 use crate::migration::MigratingVcpu;
+use crate::snapshot::live::StateWriter;
 use crate::snapshot::SnapshotChain;
 
 const MIB: u64 = 1 << 20;
@@ -38,6 +40,8 @@ pub struct LinuxController {
     chain: SnapshotChain,
     dirty_log: DirtyLogClient,
     migration: MigrationSlot<LinuxVcpu>,
+    /// The fault handler of a guest restored with userfaultfd (its working-set recording).
+    loader: Option<Arc<kvm_memslots_persist::LazyLoader>>,
     /// The process's stop flag (SIGINT/SIGTERM), for a migration's waits.
     interrupt: &'static AtomicBool,
 }
@@ -65,8 +69,15 @@ impl LinuxController {
             chain: SnapshotChain::new(),
             dirty_log: DirtyLogClient::default(),
             migration: MigrationSlot::default(),
+            loader: None,
             interrupt: crate::lifecycle::termination_signal(),
         }
+    }
+
+    /// The controller of a guest restored with userfaultfd by `loader`, whose working-set
+    /// recording `PUT /working-set/stop` ends.
+    pub fn with_loader(self, loader: Option<Arc<kvm_memslots_persist::LazyLoader>>) -> Self {
+        LinuxController { loader, ..self }
     }
 
     /// Whether the VM runs on a migration's destination now (the VMM should stop).
@@ -79,9 +90,11 @@ impl LinuxController {
         self.migration.info()
     }
 
-    /// Cancels a migration under way and waits for it (the VMM is stopping).
+    /// Cancels a migration or a live snapshot under way and waits for it (the VMM is
+    /// stopping).
     pub fn shut_down(&mut self) {
         self.migration.shut_down();
+        self.chain.shut_down(&self.memory);
     }
 
     fn device(&self) -> Result<&VirtioMemDevice, ControllerError> {
@@ -118,16 +131,79 @@ impl LinuxController {
         self.state = RunState::Running;
     }
 
+    /// The guest's virtio-mem device is still plugging or unplugging (which changes the
+    /// memory layout a migration or a live snapshot copies), said as the refusal.
+    fn plugging(&self, what: &str) -> Result<(), ControllerError> {
+        let Some(device) = &self.machine.hotplug else {
+            return Ok(());
+        };
+        let transport = lock(device);
+        let mem = transport.device();
+        if mem.plugged_size() == mem.requested_size() {
+            return Ok(());
+        }
+        Err(ControllerError::conflict(format!(
+            "the guest is still plugging or unplugging memory ({} MiB plugged of {} MiB \
+             requested), which changes the memory layout: {what} once GET /hotplug/memory \
+             shows them equal",
+            mem.plugged_size() / MIB,
+            mem.requested_size() / MIB
+        )))
+    }
+
+    /// The vCPUs as a migration or a live snapshot pauses and resumes them: those of a VM a
+    /// client paused stay paused.
+    fn moving_vcpus(&self) -> Vec<LinuxVcpu> {
+        let paused = self.state == RunState::Paused;
+        self.vcpus
+            .iter()
+            .map(|v| LinuxVcpu {
+                keep_paused: paused,
+                ..v.clone()
+            })
+            .collect()
+    }
+
+    /// Makes a snapshot's state file (the vCPUs paused).
+    fn state_writer(&self) -> StateWriter {
+        let machine = Arc::clone(&self.machine);
+        Box::new(move |layout, states| {
+            let mut state = machine
+                .save(None, layout, states, true)
+                .map_err(|e| e.to_string())?;
+            Ok(Box::new(move |info| {
+                state.snapshot = Some(info);
+                state.to_bytes()
+            }))
+        })
+    }
+
     fn create_snapshot(
         &mut self,
         create: crate::control::snapshot::SnapshotCreate,
     ) -> Result<(), ControllerError> {
+        if create.live {
+            self.plugging("take a live snapshot")?;
+            return self.chain.start_live(
+                &self.memory,
+                &create,
+                self.moving_vcpus(),
+                self.state_writer(),
+                self.interrupt,
+            );
+        }
+        if let Some(field) = create.live_fields_set() {
+            return Err(ControllerError::bad(format!(
+                "{field} applies to live snapshots only (\"live\": true)"
+            )));
+        }
         if self.state != RunState::Paused {
             return Err(ControllerError::bad(
-                "the VM is running: pause it first with PATCH /vm {\"state\": \"Paused\"}",
+                "the VM is running: pause it first with PATCH /vm {\"state\": \"Paused\"}, \
+                 or take a live snapshot (\"live\": true)",
             ));
         }
-        let (memory, machine, vcpus) = (&self.memory, &self.machine, &self.vcpus);
+        let (memory, vcpus, write_state) = (&self.memory, &self.vcpus, self.state_writer());
         self.chain
             .create(memory, &create, |info, layout, file: &File| {
                 let states = vcpus
@@ -141,10 +217,11 @@ impl LinuxController {
                         })
                     })
                     .collect::<Result<Vec<_>, _>>()?;
-                let state = machine
-                    .save(Some(info), layout, states, true)
-                    .map_err(|e| ControllerError::conflict(format!("the snapshot failed: {e}")))?;
-                file.write_all_at(&state.to_bytes(), 0)
+                let state = write_state(layout, states)
+                    .map_err(|e| ControllerError::conflict(format!("the snapshot failed: {e}")))?(
+                    info,
+                );
+                file.write_all_at(&state, 0)
                     .map_err(|e| ControllerError::internal(format!("the snapshot failed: {e}")))
             })
             .map(|_| ())
@@ -154,37 +231,16 @@ impl LinuxController {
         &mut self,
         request: crate::control::migration::MigrateRequest,
     ) -> Result<(), ControllerError> {
-        if let Some(device) = &self.machine.hotplug {
-            let transport = lock(device);
-            let mem = transport.device();
-            if mem.plugged_size() != mem.requested_size() {
-                return Err(ControllerError::conflict(format!(
-                    "the guest is still plugging or unplugging memory ({} MiB plugged of {} MiB \
-                     requested), which changes the memory layout: migrate once GET \
-                     /hotplug/memory shows them equal",
-                    mem.plugged_size() / MIB,
-                    mem.requested_size() / MIB
-                )));
-            }
-        }
-        let paused = self.state == RunState::Paused;
-        let vcpus = self
-            .vcpus
-            .iter()
-            .map(|v| LinuxVcpu {
-                keep_paused: paused,
-                ..v.clone()
-            })
-            .collect();
+        self.plugging("migrate")?;
         let vm = SourceVm {
             memory: Arc::clone(&self.memory),
-            vcpus,
-            state: Box::new(LinuxRecord {
-                machine: Arc::clone(&self.machine),
-                paused,
-            }),
+            vcpus: self.moving_vcpus(),
         };
-        self.migration.start(&request, vm, self.interrupt)
+        let state = Box::new(LinuxRecord {
+            machine: Arc::clone(&self.machine),
+            paused: self.state == RunState::Paused,
+        });
+        self.migration.start(&request, vm, state, self.interrupt)
     }
 }
 
@@ -194,7 +250,12 @@ impl Apply for LinuxController {
             // The destination may run the VM: it stays paused here until a client says.
             self.state = RunState::Paused;
         }
-        if let Some(refused) = self.migration.refusal(&request) {
+        self.chain.settle(&self.memory);
+        if let Some(refused) = self
+            .migration
+            .refusal(&request)
+            .or_else(|| self.chain.refusal(&request))
+        {
             return Err(refused);
         }
         match LinuxRequest::try_from(request)? {
@@ -238,6 +299,12 @@ impl Apply for LinuxController {
             LinuxRequest::CreateSnapshot(create) => {
                 self.create_snapshot(create).map(|()| Reply::Done)
             }
+            LinuxRequest::GetSnapshot => self.chain.live_info().map(Reply::Snapshot),
+            LinuxRequest::CancelSnapshot => self.chain.cancel_live().map(|()| Reply::Done),
+            LinuxRequest::StopRecording => match &self.loader {
+                Some(loader) if loader.stop_recording() => Ok(Reply::Done),
+                _ => Err(no_recording()),
+            },
             LinuxRequest::SwitchDirtyLog(switch) => {
                 self.dirty_log.switch(&self.memory, switch)?;
                 Ok(Reply::Done)

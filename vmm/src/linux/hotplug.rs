@@ -3,8 +3,10 @@
 //! the guest should plug (`PATCH /hotplug/memory`, through [`super::controller`]).
 //!
 //! The hotplug area starts at the first GiB boundary above RAM (and above 4 GiB); it has no
-//! slot and is not in the e820 map. Each block the guest plugs becomes a region of one KVM
-//! slot; unplugged blocks have none and their memory goes back to the host. The device's
+//! slot and is not in the e820 map. Neighbouring blocks the guest plugs share a KVM slot up to
+//! a maximum slot size (128 MiB by default, `--hotplug-max-slot-mib`; the block size gives each
+//! block a slot of its own); unplugged blocks have none and their memory goes back to the
+//! host. The device's
 //! window sits in the MMIO gap below 4 GiB, its interrupt is an irqfd on an IOAPIC pin, and
 //! the kernel learns both from the DSDT (an `LNRO0005` device, [`super::acpi`]) or, booted
 //! without ACPI, from `virtio_mmio.device=` on its command line (which needs a kernel with
@@ -92,12 +94,11 @@ pub fn area_base(ram_end: u64) -> u64 {
     ram_end.max(MMIO_GAP_END).next_multiple_of(GIB)
 }
 
-/// The device's options for `size_mib` MiB in blocks of `block_mib` MiB at `base`. A region and
-/// a slot per plugged block, as before shared slots: what the boot tests and `GET
-/// /hotplug/memory` expect (an option to share slots is still to come).
-fn options(base: u64, size_mib: u64, block_mib: u64) -> VirtioMemOptions {
+/// The device's options for `size_mib` MiB in blocks of `block_mib` MiB at `base`, plugged
+/// blocks sharing slots of up to `max_slot_mib` MiB (at least a block; 0: a slot per block).
+fn options(base: u64, size_mib: u64, block_mib: u64, max_slot_mib: u64) -> VirtioMemOptions {
     VirtioMemOptions::new(GuestAddress(base), size_mib * MIB, block_mib * MIB)
-        .with_max_slot_size(block_mib * MIB)
+        .with_max_slot_size(max_slot_mib.max(block_mib) * MIB)
 }
 
 /// Where RAM ends on `vm` (no block is plugged yet).
@@ -110,16 +111,23 @@ fn ram_end(vm: &Vm) -> u64 {
         .unwrap_or(0)
 }
 
-/// Sets the device up on `vm` for `size_mib` MiB in blocks of `block_mib` MiB, above RAM.
-pub fn setup(vm: &Vm, size_mib: u64, block_mib: u64) -> Result<Hotplug, HotplugError> {
-    let options = options(area_base(ram_end(vm)), size_mib, block_mib);
+/// Sets the device up on `vm` for `size_mib` MiB in blocks of `block_mib` MiB, above RAM, its
+/// plugged blocks sharing KVM slots of up to `max_slot_mib` MiB (0: a slot per block).
+pub fn setup(
+    vm: &Vm,
+    size_mib: u64,
+    block_mib: u64,
+    max_slot_mib: u64,
+) -> Result<Hotplug, HotplugError> {
+    let options = options(area_base(ram_end(vm)), size_mib, block_mib, max_slot_mib);
     let device = VirtioMem::new(Arc::clone(vm.memory()), options)?;
     connect(vm, options, |interrupt| Ok(device.into_mmio(interrupt)))
 }
 
 /// The device of a restored VM (`vm` holds its plugged blocks' regions, rebuilt from the
 /// layout) at `base`, as `device` and `transport` saved it, for `size_mib` MiB in blocks of
-/// `block_mib` MiB.
+/// `block_mib` MiB. Its maximum slot size is the one `device` records; a state saved before
+/// it was recorded gets a slot per block, as Linux guests had then.
 pub fn restore(
     vm: &Vm,
     base: u64,
@@ -127,7 +135,7 @@ pub fn restore(
     device: &VirtioMemState,
     transport: &TransportState,
 ) -> Result<Hotplug, HotplugError> {
-    let options = options(base, size_mib, block_mib);
+    let options = options(base, size_mib, block_mib, 0);
     let device = VirtioMem::restore(Arc::clone(vm.memory()), options, device)?;
     connect(vm, options, |interrupt| {
         Ok(MmioTransport::restore(device, interrupt, transport)?)
@@ -174,12 +182,11 @@ pub fn hotplug_info(device: &VirtioMemDevice) -> HotplugInfo {
     HotplugInfo {
         total_size_mib: (region.end - region.start) / MIB,
         block_size_mib: mem.block_size() / MIB,
-        slot_size_mib: mem.block_size() / MIB,
+        slot_size_mib: mem.max_slot_size() / MIB,
         plugged_size_mib: mem.plugged_size() / MIB,
         requested_size_mib: mem.requested_size() / MIB,
         guest_address: region.start,
-        // One slot per plugged block.
-        mapped_slots: (mem.plugged_size() / mem.block_size()) as usize,
+        mapped_slots: mem.slots(),
     }
 }
 

@@ -219,8 +219,9 @@ pub struct LinuxVm {
     hotplug_mmio: Option<Arc<vm::mmio::MmioBus>>,
     /// Where the boot vCPU enters the kernel (none for a restored guest).
     entry: Option<Entry>,
-    /// The fault handler of a guest restored with userfaultfd, held for the VM's life.
-    _loader: Option<kvm_memslots_persist::LazyLoader>,
+    /// The fault handler of a guest restored with userfaultfd, held for the VM's life (and by
+    /// its controller, which can end its working-set recording).
+    loader: Option<Arc<kvm_memslots_persist::LazyLoader>>,
 }
 
 /// The serial console and the i8042 on `vm`, with their interrupt and reset lines: new, or as
@@ -248,6 +249,11 @@ fn legacy_devices(
 }
 
 impl LinuxVm {
+    /// The fault handler of a guest restored with userfaultfd.
+    pub fn loader(&self) -> Option<&Arc<kvm_memslots_persist::LazyLoader>> {
+        self.loader.as_ref()
+    }
+
     /// Validates `config`, creates the VM, gives it RAM, builds the e820 map, sets the hotplug
     /// device up, writes the ACPI tables, loads the kernel, writes the page tables and the MP
     /// table, and creates the serial console (writing to `output`) and the i8042. Returns it
@@ -283,7 +289,12 @@ impl LinuxVm {
         // The hotplug area has no region until the guest plugs: it stays out of the e820 map.
         let hotplug = match config.hotplug_mib {
             0 => None,
-            mib => Some(hotplug::setup(&vm, mib, config.hotplug_block_mib)?),
+            mib => Some(hotplug::setup(
+                &vm,
+                mib,
+                config.hotplug_block_mib,
+                config.hotplug_max_slot_mib,
+            )?),
         };
         let mut cmdline = config.cmdline.clone();
         if let Some(hotplug) = &hotplug {
@@ -344,7 +355,7 @@ impl LinuxVm {
             reset,
             hotplug_mmio: hotplug.map(|h| h.mmio),
             entry: Some(loaded.entry),
-            _loader: None,
+            loader: None,
         };
         Ok((linux, report))
     }

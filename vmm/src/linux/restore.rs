@@ -89,7 +89,7 @@ impl LinuxVm {
             reset,
             hotplug_mmio: hotplug.map(|h| h.mmio),
             entry: None,
-            _loader: loader,
+            loader: loader.map(Arc::new),
         })
     }
 

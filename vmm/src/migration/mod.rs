@@ -4,8 +4,10 @@
 //! and the guest kind's State record (its vCPUs' and devices' state), and stops only once the
 //! destination (`tinyvmm receive`) says the VM runs there. The rounds know no guest kind: the
 //! guest kind's controller hands over its vCPUs ([`MigratingVcpu`]) and its State record
-//! ([`StateRecord`]).
+//! ([`StateRecord`]). The rounds know no destination either ([`sink::Sink`]): the same rounds
+//! write a live snapshot's files (`snapshot::live`), where the VM goes on once they end.
 
+pub mod sink;
 pub mod slot;
 pub mod source;
 pub mod transport;

@@ -4,8 +4,9 @@
 
 use std::sync::atomic::AtomicBool;
 
-use super::source::SourceVm;
-use super::{Endpoint, MigratingVcpu, Migration};
+use super::sink::StreamSink;
+use super::source::{Reader, Rounds, SourceVm};
+use super::{Endpoint, MigratingVcpu, Migration, StateRecord};
 use crate::control::migration::{MigrateRequest, MigrationInfo};
 use crate::control::{ControllerError, Request};
 
@@ -107,6 +108,8 @@ impl<V: MigratingVcpu> MigrationSlot<V> {
                 | Request::GetVm
                 | Request::GetMigration
                 | Request::CancelMigration
+                | Request::GetSnapshot
+                | Request::StopRecording
                 | Request::Act(_)
         );
         if reads {
@@ -128,17 +131,25 @@ impl<V: MigratingVcpu> MigrationSlot<V> {
         })
     }
 
-    /// Checks `request` and starts migrating `vm` as it says; `interrupt` is the process's
-    /// stop flag.
+    /// Checks `request` and starts migrating `vm` as it says, its State record made by
+    /// `state`; `interrupt` is the process's stop flag.
     pub fn start(
         &mut self,
         request: &MigrateRequest,
         vm: SourceVm<V>,
+        state: Box<dyn StateRecord>,
         interrupt: &'static AtomicBool,
     ) -> Result<(), ControllerError> {
         let endpoint = checked_endpoint(request)?;
-        let migration = Migration::start(request, endpoint, vm, interrupt)
-            .map_err(|e| ControllerError::internal(format!("starting the migration: {e}")))?;
+        let sink = StreamSink::new(endpoint, request.local, state);
+        let migration = Migration::start(
+            Rounds::from(request),
+            Box::new(sink),
+            vm,
+            Reader::Own,
+            interrupt,
+        )
+        .map_err(|e| ControllerError::internal(format!("starting the migration: {e}")))?;
         self.migration = Some(migration);
         Ok(())
     }

@@ -12,8 +12,8 @@
 //! `force` goes on to the pause anyway and `cancel` gives up. Anything else leaves the VM
 //! running here as before: vCPUs resumed, logging as it was (the migration reads the dirty log
 //! as a consumer of its own, so it takes no page from a client or a snapshot chain, and its end
-//! stops only the logging it alone held) — with one exception. Once the Done record went out whole, the destination may run the VM (it starts
-//! it before it answers), so a missing answer leaves the vCPUs paused here: resuming them could
+//! stops only the logging it alone held) — with one exception. Once the Done record went out
+//! whole, the destination may run the VM (it starts it before it answers), so a missing answer leaves the vCPUs paused here: resuming them could
 //! run the guest twice. The migration ends [`MigrationPhase::Unconfirmed`] and hands the paused
 //! vCPUs to the controller, where a client who knows the destination does not run the VM
 //! resumes it.
@@ -25,40 +25,64 @@
 //! writes: the pause follows them). The error names what was waited for.
 //!
 //! The rounds know no guest kind: a guest kind hands over its vCPUs as [`MigratingVcpu`]s
-//! (paused, saved and resumed its own way) and the [`StateRecord`] it sends last.
+//! (paused, saved and resumed its own way) and the [`StateRecord`] it sends last. Nor do they
+//! know where the pages go ([`Sink`]): a migration's destination, or a live snapshot's files,
+//! where the vCPUs go on once the state is taken and the snapshot chain lends its reader of
+//! the dirty log ([`Reader::Lent`]) so that a Diff can follow from the snapshot's point.
 
-use std::io::{self, Write};
-use std::os::fd::OwnedFd;
+use std::io;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use kvm_memslots::{DirtyConsumer, DirtyPages, KvmVm, MemoryManager, RegionId, Target, PAGE_SIZE};
-use kvm_memslots_persist::stream::{
-    read_answer, shared_files, StreamError, StreamWriter, MAX_HANDOVER,
-};
-use kvm_memslots_persist::{LayoutBacking, MemoryLayout};
+use kvm_memslots::{DirtyConsumer, DirtyPages, KvmVm, MemoryManager, Target, PAGE_SIZE};
+use kvm_memslots_persist::stream::StreamError;
+use kvm_memslots_persist::MemoryLayout;
 
-use super::transport::{Connection, Endpoint, Limits, WaitEnd, WaitError, Watch};
-use crate::control::migration::{MigrateRequest, MigrationInfo, MigrationPhase, OnTimeout};
+use super::sink::{Sink, Waits};
+use super::transport::WaitError;
+use crate::control::migration::{MigrationInfo, MigrationPhase, OnTimeout};
 use crate::vm::state::VcpuState;
 use crate::vm::vcpu::PauseError;
 
-/// How long connecting may wait (within the timeout).
-const CONNECT_STALL: Duration = Duration::from_secs(10);
-/// The shortest and the longest a wait may see nothing move on the connection: `timeout_s`
-/// between the two. (From the pause on, the destination also restores the VM before it
-/// answers: a short timeout must not make a healthy destination look dead.)
-const MIN_STALL: Duration = Duration::from_secs(10);
-const MAX_STALL: Duration = Duration::from_secs(60);
-/// How long a destination that broke the connection may take to say why.
-const REASON_STALL: Duration = Duration::from_millis(500);
 /// The fewest bytes a round must send for its throughput to count.
 const MIN_MEASURED: u64 = 1 << 20;
 /// Rounds in a row in which the harvest alone took longer than the (non-zero) budget while the
 /// pages left would have fit it: then waiting cannot help, and `on_timeout` applies at once.
 const HARVEST_BOUND_ROUNDS: u32 = 3;
+
+/// How the rounds go: the longest pause the VM may see, how long they may take, and what
+/// happens at the timeout.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Rounds {
+    /// The longest pause (its pages left over the measured throughput, plus the harvest).
+    pub downtime: Duration,
+    /// How long before `on_timeout` applies.
+    pub timeout: Duration,
+    /// What happens at the timeout.
+    pub on_timeout: OnTimeout,
+}
+
+impl From<&crate::control::migration::MigrateRequest> for Rounds {
+    fn from(request: &crate::control::migration::MigrateRequest) -> Self {
+        Rounds {
+            downtime: Duration::from_millis(request.downtime_ms),
+            timeout: Duration::from_secs(request.timeout_s),
+            on_timeout: request.on_timeout,
+        }
+    }
+}
+
+/// Whose reader of the dirty log the rounds harvest with.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Reader {
+    /// One of their own, made at the start and removed at the end (a migration).
+    Own,
+    /// One its owner lent, left logging at the end (a live snapshot's chain, whose next Diff
+    /// follows from the snapshot's point).
+    Lent(DirtyConsumer),
+}
 
 /// Why a migration failed.
 #[derive(Debug, thiserror::Error)]
@@ -104,6 +128,9 @@ pub enum MigrationError {
          {{\"state\": \"Resumed\"}} runs it here again"
     )]
     Unconfirmed(StreamError),
+    /// A live snapshot's files could not be written.
+    #[error("writing the snapshot failed: {0}")]
+    Write(String),
 }
 
 /// A vCPU as a migration pauses, saves and resumes it: each guest kind has its own handle.
@@ -125,22 +152,20 @@ pub trait StateRecord: std::fmt::Debug + Send + 'static {
     fn to_bytes(&self, layout: &MemoryLayout, states: Vec<VcpuState>) -> Result<Vec<u8>, String>;
 }
 
-/// The VM as a migration sees it: taken from the controller when it starts, unchanged while
-/// it runs (the controller refuses changes meanwhile).
+/// The VM as a run sees it: taken from the controller when it starts, unchanged while it runs
+/// (the controller refuses changes meanwhile).
 #[derive(Debug)]
 pub struct SourceVm<V> {
     /// Its memory.
     pub memory: Arc<MemoryManager<KvmVm>>,
     /// Its vCPUs.
     pub vcpus: Vec<V>,
-    /// What the State record holds besides the layout and the vCPUs' states.
-    pub state: Box<dyn StateRecord>,
 }
 
-/// How a migration ended, for the controller.
+/// How a run ended, for the controller.
 #[derive(Debug)]
 pub struct Ending<V> {
-    /// The destination runs the VM.
+    /// The sink has the whole VM: the destination runs it, or the snapshot is written.
     pub completed: bool,
     /// The vCPUs, left paused because the outcome is unknown
     /// ([`MigrationPhase::Unconfirmed`]): resume them only if the destination does not run the
@@ -157,7 +182,8 @@ impl<V> Default for Ending<V> {
     }
 }
 
-/// A migration under way or ended: its progress, and the thread that runs it.
+/// A run under way or ended (a migration, or a live snapshot): its progress, and the thread
+/// that runs it.
 #[derive(Debug)]
 pub struct Migration<V> {
     status: Arc<Mutex<MigrationInfo>>,
@@ -169,16 +195,18 @@ pub struct Migration<V> {
 }
 
 impl<V: MigratingVcpu> Migration<V> {
-    /// Starts migrating `vm` as `request` says; `interrupt` is the process's stop flag.
+    /// Starts copying `vm` into `sink` in `rounds`, harvesting with `reader`; `interrupt` is
+    /// the process's stop flag.
     pub fn start(
-        request: &MigrateRequest,
-        endpoint: Endpoint,
+        rounds: Rounds,
+        sink: Box<dyn Sink>,
         vm: SourceVm<V>,
+        reader: Reader,
         interrupt: &'static AtomicBool,
     ) -> io::Result<Self> {
         let status = Arc::new(Mutex::new(MigrationInfo {
             phase: MigrationPhase::Setup,
-            destination: endpoint.to_string(),
+            destination: sink.destination(),
             round: 0,
             bytes_sent: 0,
             guest_memory_bytes: vm.memory.memory_use().guest_memory,
@@ -191,33 +219,50 @@ impl<V: MigratingVcpu> Migration<V> {
             elapsed_ms: 0.0,
             error: None,
         }));
-        let bytes_sent = Arc::new(AtomicU64::new(0));
-        let cancel = Arc::new(AtomicBool::new(false));
-        // The rounds read the dirty log as a reader of their own, logging every region (and
-        // any added meanwhile) for themselves.
-        let consumer = vm.memory.add_dirty_consumer().map_err(io::Error::other)?;
-        if let Err(e) = vm.memory.log_new_regions_for(consumer, true) {
-            let _ = vm.memory.remove_dirty_consumer(consumer);
-            return Err(io::Error::other(e));
-        }
-        let run = Run {
-            endpoint,
-            budget: Duration::from_millis(request.downtime_ms),
-            timeout: Duration::from_secs(request.timeout_s),
-            on_timeout: request.on_timeout,
-            vm,
-            status: Arc::clone(&status),
-            bytes_sent: Arc::clone(&bytes_sent),
-            cancel: Arc::clone(&cancel),
+        let waits = Waits {
+            cancel: Arc::new(AtomicBool::new(false)),
             interrupt,
             started: Instant::now(),
+            timeout: rounds.timeout,
+            bytes: Arc::new(AtomicU64::new(0)),
+        };
+        // The rounds read the dirty log as a reader of their own, logging every region (and
+        // any added meanwhile) for themselves; or with the reader they were lent.
+        let consumer = match reader {
+            Reader::Lent(consumer) => consumer,
+            Reader::Own => {
+                let consumer = vm.memory.add_dirty_consumer().map_err(io::Error::other)?;
+                if let Err(e) = vm.memory.log_new_regions_for(consumer, true) {
+                    let _ = vm.memory.remove_dirty_consumer(consumer);
+                    return Err(io::Error::other(e));
+                }
+                consumer
+            }
+        };
+        let (bytes_sent, cancel) = (Arc::clone(&waits.bytes), Arc::clone(&waits.cancel));
+        let run = Run {
+            rounds,
+            vm,
+            sink,
+            status: Arc::clone(&status),
+            waits,
             consumer,
-            local: request.local,
+            owns_consumer: reader == Reader::Own,
             targets: vec![Target::All],
         };
-        let thread = std::thread::Builder::new()
+        let memory = Arc::clone(&run.vm.memory);
+        let thread = match std::thread::Builder::new()
             .name("migration".into())
-            .spawn(move || run.run())?;
+            .spawn(move || run.run())
+        {
+            Ok(thread) => thread,
+            Err(e) => {
+                if reader == Reader::Own {
+                    let _ = memory.remove_dirty_consumer(consumer);
+                }
+                return Err(e);
+            }
+        };
         Ok(Migration {
             status,
             bytes_sent,
@@ -270,46 +315,23 @@ impl<V: MigratingVcpu> Migration<V> {
         self.ending.take().unwrap_or_default()
     }
 
-    /// Whether it completed: the destination runs the VM.
+    /// Whether it completed: the sink has the whole VM.
     pub fn completed(&self) -> bool {
         self.status.lock().unwrap_or_else(|p| p.into_inner()).phase == MigrationPhase::Completed
     }
 }
 
-/// Counts the bytes written (the connection watches the waits).
-struct Counted {
-    inner: Connection,
-    bytes: Arc<AtomicU64>,
-}
-
-impl Write for Counted {
-    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
-        let n = self.inner.write(buf)?;
-        self.bytes.fetch_add(n as u64, Ordering::Relaxed);
-        Ok(n)
-    }
-
-    fn flush(&mut self) -> io::Result<()> {
-        self.inner.flush()
-    }
-}
-
-/// The migration thread's state.
+/// The run's thread's state.
 struct Run<V> {
-    endpoint: Endpoint,
-    budget: Duration,
-    timeout: Duration,
-    on_timeout: OnTimeout,
+    rounds: Rounds,
     vm: SourceVm<V>,
+    sink: Box<dyn Sink>,
     status: Arc<Mutex<MigrationInfo>>,
-    bytes_sent: Arc<AtomicU64>,
-    cancel: Arc<AtomicBool>,
-    interrupt: &'static AtomicBool,
-    started: Instant,
-    /// The migration's reader of the dirty log.
+    waits: Waits,
+    /// The rounds' reader of the dirty log.
     consumer: DirtyConsumer,
-    /// Hand shared memory over instead of copying it.
-    local: bool,
+    /// Whether the run made its reader (and removes it at the end).
+    owns_consumer: bool,
     /// What to log and harvest: every region, or (local mode) those not handed over.
     targets: Vec<Target>,
 }
@@ -333,7 +355,9 @@ impl<V: MigratingVcpu> Run<V> {
         let outcome = self.migrate(&memory);
         // Its logging ends where no other consumer logs (a failed stop leaves it logging:
         // harmless, a later harvest reports the pages).
-        let _ = memory.remove_dirty_consumer(self.consumer);
+        if self.owns_consumer {
+            let _ = memory.remove_dirty_consumer(self.consumer);
+        }
         let completed = outcome.is_ok();
         let mut held = Vec::new();
         match outcome {
@@ -355,77 +379,9 @@ impl<V: MigratingVcpu> Run<V> {
                 }
             }
         }
-        let elapsed = self.started.elapsed().as_secs_f64() * 1e3;
+        let elapsed = self.waits.started.elapsed().as_secs_f64() * 1e3;
         self.update(|s| s.elapsed_ms = elapsed);
         Ending { completed, held }
-    }
-
-    fn check_cancel(&self) -> Result<(), MigrationError> {
-        if self.cancel.load(Ordering::Acquire) {
-            return Err(MigrationError::Cancelled("a client cancelled it".into()));
-        }
-        if self.interrupt.load(Ordering::Acquire) {
-            return Err(MigrationError::Cancelled("the VMM is stopping".into()));
-        }
-        Ok(())
-    }
-
-    /// What a wait that `watch` ended means for the migration: a client's cancel or a signal
-    /// cancels it; the timeout (before the pause) cancels it as "not converged"; a stall
-    /// fails it.
-    fn wait_ended(&self, ended: &WaitError) -> MigrationError {
-        match ended.end {
-            WaitEnd::Cancelled => MigrationError::Cancelled("a client cancelled it".into()),
-            WaitEnd::Interrupted => MigrationError::Cancelled("the VMM is stopping".into()),
-            WaitEnd::Deadline(_) => MigrationError::Cancelled(format!(
-                "not converged within {:?} (timeout_s): still waiting for {}",
-                self.timeout, ended.what
-            )),
-            WaitEnd::Stalled(_) => MigrationError::Stalled(ended.clone()),
-        }
-    }
-
-    /// A step on the connection failed: a watched wait that ended, or the connection broke,
-    /// in which case the destination may have said why before it closed; prefer that.
-    fn explain(&self, error: StreamError, answers: &mut Connection) -> MigrationError {
-        if let Some(ended) = ended_wait(&error) {
-            return self.wait_ended(ended);
-        }
-        answers.watch().expect(
-            "the destination's reason for closing",
-            Limits {
-                deadline: None,
-                stall: REASON_STALL,
-            },
-        );
-        match read_answer(answers) {
-            Ok(Err(reason)) => MigrationError::Refused(reason),
-            _ => MigrationError::Stream(error),
-        }
-    }
-
-    /// The destination's answer: yes, its refusal, or why none came.
-    fn answer(&self, answers: &mut Connection) -> Result<(), MigrationError> {
-        match read_answer(answers) {
-            Ok(Ok(())) => Ok(()),
-            Ok(Err(reason)) => Err(MigrationError::Refused(reason)),
-            Err(e) => Err(match ended_wait(&e) {
-                Some(ended) => self.wait_ended(ended),
-                None => e.into(),
-            }),
-        }
-    }
-
-    /// From now on the connection's waits are for `what`: until the timeout if `by_timeout`,
-    /// and as long as something moves.
-    fn expect(&self, watch: &Watch, what: impl Into<String>, by_timeout: bool) {
-        watch.expect(
-            what,
-            Limits {
-                deadline: by_timeout.then(|| self.started + self.timeout),
-                stall: self.timeout.clamp(MIN_STALL, MAX_STALL),
-            },
-        );
     }
 
     fn harvest(
@@ -439,56 +395,11 @@ impl<V: MigratingVcpu> Run<V> {
         Ok(dirty)
     }
 
-    /// Runs the migration to the destination's word; returns the downtime.
+    /// Runs the rounds to the sink's last word; returns the pause.
     fn migrate(&mut self, memory: &MemoryManager<KvmVm>) -> Result<Duration, MigrationError> {
-        // Every wait from here on ends on a cancel or a signal, and until the pause at the
-        // timeout: the connection watches it.
-        let watch = Watch::new(
-            self.interrupt,
-            Some(Arc::clone(&self.cancel)),
-            format!("a connection to {}", self.endpoint),
-            Limits {
-                deadline: Some(self.started + self.timeout),
-                stall: CONNECT_STALL,
-            },
-        );
-        let connect_failed = |source: io::Error| match WaitError::of(&source) {
-            Some(ended) => self.wait_ended(ended),
-            None => MigrationError::Connect {
-                endpoint: self.endpoint.to_string(),
-                source,
-            },
-        };
-        let connection = self
-            .endpoint
-            .connect(watch.clone())
-            .map_err(connect_failed)?;
-        let mut answers = connection.try_clone().map_err(connect_failed)?;
-        self.expect(&watch, "the destination to take the memory layout", true);
-        let mut writer = StreamWriter::new(Counted {
-            inner: connection,
-            bytes: Arc::clone(&self.bytes_sent),
-        });
         // The layout as the VM has it (the destination logs nothing it was not asked to).
         let layout = MemoryLayout::of(memory);
-        if self.local {
-            // Memory the destination maps too needs no copy and no log: only the rest does.
-            self.targets = layout
-                .regions
-                .iter()
-                .filter(|r| r.backing != LayoutBacking::Shared)
-                .map(|r| Target::Region(RegionId(r.id)))
-                .collect();
-            writer
-                .hello_handing_over(&layout)
-                .map_err(|e| self.explain(e, &mut answers))?;
-            self.hand_over(memory, &layout, &mut writer)
-                .map_err(|e| self.explain(e, &mut answers))?;
-        } else {
-            writer
-                .hello(&layout)
-                .map_err(|e| self.explain(e, &mut answers))?;
-        }
+        self.targets = self.sink.open(&self.waits, memory, &layout)?;
         for &target in &self.targets {
             memory.start_dirty_log_for(self.consumer, target)?;
         }
@@ -497,40 +408,33 @@ impl<V: MigratingVcpu> Run<V> {
         let cleared = self.harvest(memory)?;
         let mut last_harvest = Instant::now();
         drop(cleared);
-        self.expect(
-            &watch,
-            "the destination's answer to the memory layout",
-            true,
-        );
-        self.answer(&mut answers)?;
-        self.check_cancel()?;
+        self.sink.accepted()?;
+        self.waits.check_cancel()?;
+        let Rounds {
+            downtime: budget,
+            timeout,
+            on_timeout,
+        } = self.rounds;
         // With `force`, the timeout ends the rounds, not a round under way: the pause follows.
-        let rounds_by_timeout = self.on_timeout == OnTimeout::Cancel;
+        let rounds_by_timeout = on_timeout == OnTimeout::Cancel;
 
         self.update(|s| {
             s.phase = MigrationPhase::PreCopy;
             s.round = 1;
         });
-        self.expect(
-            &watch,
-            "the destination to take round 1's pages",
-            rounds_by_timeout,
-        );
+        self.sink
+            .expect("the destination to take round 1's pages", rounds_by_timeout);
         let round_start = Instant::now();
-        let sent = writer
-            .send_all(memory)
-            .map_err(|e| self.explain(e, &mut answers))?;
-        writer
-            .end_round()
-            .map_err(|e| self.explain(e, &mut answers))?;
+        let sent = self.sink.send_all(memory)?;
+        self.sink.end_round()?;
         let mut progress = Progress {
-            throughput: throughput(sent.bytes, round_start.elapsed()),
+            throughput: throughput(sent, round_start.elapsed()),
             harvest_time: Duration::ZERO,
         };
         let mut round = 1;
         let mut harvest_bound = 0;
         let dirty = loop {
-            self.check_cancel()?;
+            self.waits.check_cancel()?;
             let harvest_start = Instant::now();
             let dirty = self.harvest(memory)?;
             progress.harvest_time = harvest_start.elapsed();
@@ -546,23 +450,21 @@ impl<V: MigratingVcpu> Run<V> {
                 s.throughput_bytes_per_second = progress.throughput;
                 s.estimated_downtime_ms = estimate.as_secs_f64() * 1e3;
             });
-            if estimate <= self.budget {
+            if estimate <= budget {
                 break dirty;
             }
             // The guest's writes are not what is in the way, the harvest is (a bitmap harvest
             // reads every slot's log, dirty or not): more rounds cannot make it fit. (A budget
             // of 0, which nothing fits, asks for rounds until the timeout.)
-            harvest_bound = if !self.budget.is_zero()
-                && progress.harvest_time > self.budget
-                && copy <= self.budget
+            harvest_bound = if !budget.is_zero() && progress.harvest_time > budget && copy <= budget
             {
                 harvest_bound + 1
             } else {
                 0
             };
             let stuck = harvest_bound >= HARVEST_BOUND_ROUNDS;
-            if stuck || self.started.elapsed() >= self.timeout {
-                match self.on_timeout {
+            if stuck || self.waits.started.elapsed() >= timeout {
+                match on_timeout {
                     OnTimeout::Force => {
                         self.update(|s| s.forced = true);
                         break dirty;
@@ -574,42 +476,36 @@ impl<V: MigratingVcpu> Run<V> {
                              {:.0} ms) with little else left to send; raise downtime_ms, use \
                              on_timeout force, or the dirty ring (--dirty-ring), whose harvest \
                              costs what was dirtied",
-                            self.budget.as_millis(),
+                            budget.as_millis(),
                             progress.harvest_time.as_secs_f64() * 1e3,
                         )))
                     }
                     OnTimeout::Cancel => {
                         return Err(MigrationError::Cancelled(format!(
-                            "not converged within {:?}: {pages} pages left would take about \
-                             {:.0} ms, over the {} ms budget",
-                            self.timeout,
+                            "not converged within {timeout:?}: {pages} pages left would take \
+                             about {:.0} ms, over the {} ms budget",
                             estimate.as_secs_f64() * 1e3,
-                            self.budget.as_millis()
+                            budget.as_millis()
                         )))
                     }
                 }
             }
             round += 1;
             self.update(|s| s.round = round);
-            self.expect(
-                &watch,
-                format!("the destination to take round {round}'s pages"),
+            self.sink.expect(
+                &format!("the destination to take round {round}'s pages"),
                 rounds_by_timeout,
             );
             let round_start = Instant::now();
-            let sent = writer
-                .send_dirty(memory, &dirty)
-                .map_err(|e| self.explain(e, &mut answers))?;
-            writer
-                .end_round()
-                .map_err(|e| self.explain(e, &mut answers))?;
+            let sent = self.sink.send_dirty(memory, &dirty)?;
+            self.sink.end_round()?;
             // A round of a few pages times the syscalls more than the link: keep the last
             // real figure.
-            if sent.bytes >= MIN_MEASURED {
-                progress.throughput = throughput(sent.bytes, round_start.elapsed());
+            if sent >= MIN_MEASURED {
+                progress.throughput = throughput(sent, round_start.elapsed());
             }
         };
-        self.check_cancel()?;
+        self.waits.check_cancel()?;
         let paused_at = Instant::now();
         self.update(|s| {
             s.phase = MigrationPhase::StopAndCopy;
@@ -617,65 +513,41 @@ impl<V: MigratingVcpu> Run<V> {
         });
         // From the pause on, only a stall, a cancel or a signal ends a wait: the timeout (past
         // with `force`) would leave a destination that is restoring the VM in doubt.
-        self.expect(
-            &watch,
+        self.sink.expect(
             "the destination to take the last pages and the VM's state",
             false,
         );
-        let outcome = self.stop_and_copy(memory, &layout, &mut writer, &mut answers, dirty);
-        match outcome {
+        match self.stop_and_copy(memory, &layout, dirty) {
+            Ok(()) if self.sink.stays() => {
+                // The VM goes on here: what is left is done off its pause.
+                self.resume();
+                let pause = paused_at.elapsed();
+                self.sink.settle()?;
+                Ok(pause)
+            }
             Ok(()) => Ok(paused_at.elapsed()),
             // The destination may run the VM: it must not run here too.
             Err(e @ MigrationError::Unconfirmed(_)) => Err(e),
             Err(e) => {
-                for vcpu in &self.vm.vcpus {
-                    vcpu.resume();
-                }
+                self.resume();
                 Err(e)
             }
         }
     }
 
-    /// Hands every shared region's file over beside Handover records.
-    fn hand_over(
-        &self,
-        memory: &MemoryManager<KvmVm>,
-        layout: &MemoryLayout,
-        writer: &mut StreamWriter<Counted>,
-    ) -> Result<(), StreamError> {
-        let files = shared_files(memory, layout)?;
-        for chunk in files.chunks(MAX_HANDOVER) {
-            let fds = chunk
-                .iter()
-                .map(|(_, file)| file.file().try_clone().map(OwnedFd::from))
-                .collect::<io::Result<Vec<_>>>()
-                .map_err(|source| StreamError::Io {
-                    what: "duplicating a region's file descriptor".into(),
-                    source,
-                })?;
-            writer
-                .get_mut()
-                .inner
-                .attach_fds(fds)
-                .map_err(|source| StreamError::Io {
-                    what: "handing memory over".into(),
-                    source,
-                })?;
-            let regions: Vec<(u32, u64)> = chunk.iter().map(|(i, f)| (*i, f.start())).collect();
-            writer.handover(&regions)?;
+    fn resume(&self) {
+        for vcpu in &self.vm.vcpus {
+            vcpu.resume();
         }
-        Ok(())
     }
 
-    /// Pauses the vCPUs, sends the pages left and the state, and waits for the destination to
-    /// run the VM. The caller resumes the vCPUs if this fails, unless it fails
-    /// [`MigrationError::Unconfirmed`].
+    /// Pauses the vCPUs, carries the pages left and the state, and (a migration) waits for
+    /// the destination to run the VM. The caller resumes the vCPUs if this fails, unless it
+    /// fails [`MigrationError::Unconfirmed`].
     fn stop_and_copy(
         &mut self,
         memory: &MemoryManager<KvmVm>,
         layout: &MemoryLayout,
-        writer: &mut StreamWriter<Counted>,
-        answers: &mut Connection,
         dirty: Vec<DirtyPages>,
     ) -> Result<(), MigrationError> {
         for (index, vcpu) in self.vm.vcpus.iter().enumerate() {
@@ -686,11 +558,9 @@ impl<V: MigratingVcpu> Run<V> {
         // last word.
         let last = self.harvest(memory)?;
         for pages in [&dirty, &last] {
-            writer
-                .send_dirty(memory, pages)
-                .map_err(|e| self.explain(e, answers))?;
+            self.sink.send_dirty(memory, pages)?;
         }
-        writer.end_round().map_err(|e| self.explain(e, answers))?;
+        self.sink.end_round()?;
         let mut vcpus = Vec::with_capacity(self.vm.vcpus.len());
         for (index, vcpu) in self.vm.vcpus.iter().enumerate() {
             vcpus.push(
@@ -698,33 +568,7 @@ impl<V: MigratingVcpu> Run<V> {
                     .map_err(|error| MigrationError::Vcpu { vcpu: index, error })?,
             );
         }
-        let state = self
-            .vm
-            .state
-            .to_bytes(layout, vcpus)
-            .map_err(MigrationError::State)?;
-        writer.state(&state).map_err(|e| self.explain(e, answers))?;
-        // A failed write leaves Done incomplete, and a destination runs nothing without it.
-        writer.done().map_err(|e| self.explain(e, answers))?;
-        self.expect(
-            answers.watch(),
-            "the destination's word that the VM runs there",
-            false,
-        );
-        match read_answer(answers) {
-            Ok(Ok(())) => Ok(()),
-            // It says it does not run the VM: the VM goes on here.
-            Ok(Err(reason)) => Err(MigrationError::Refused(reason)),
-            Err(e) => Err(MigrationError::Unconfirmed(e)),
-        }
-    }
-}
-
-/// The watched wait behind a stream error, if one ended it.
-fn ended_wait(error: &StreamError) -> Option<&WaitError> {
-    match error {
-        StreamError::Io { source, .. } => WaitError::of(source),
-        _ => None,
+        self.sink.finish(layout, vcpus)
     }
 }
 

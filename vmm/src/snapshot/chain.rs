@@ -3,16 +3,30 @@
 //! consumer of its own (a client's harvests and logging switches take nothing from it), and
 //! each state file says what snapshot it is ([`SnapshotInfo`]). The guest kind writes only its
 //! state file's contents, given the snapshot's info and layout.
+//!
+//! A live Full ([`super::live`]) runs on a thread of its own with the chain's reader lent to
+//! its rounds; the chain learns how it ended at its controller's next request
+//! ([`SnapshotChain::settle`]), and refuses meanwhile what would change what it copies
+//! ([`SnapshotChain::refusal`]).
 
 use std::fs::File;
 use std::path::{Path, PathBuf};
+use std::sync::atomic::AtomicBool;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
 use kvm_memslots::{DirtyConsumer, DirtyPages, KvmVm, MemoryManager, Target};
 use kvm_memslots_persist::{write_dirty_pages, write_memory_file, MemoryLayout};
 
 use super::info::{MemoryCheck, SnapshotInfo};
-use crate::control::snapshot::{SnapshotCreate, SnapshotType};
-use crate::control::ControllerError;
+use super::live::{progress, FileSink, StateWriter};
+use crate::control::migration::{MigrationInfo, MigrationPhase, OnTimeout};
+use crate::control::snapshot::{
+    LiveSnapshotInfo, SnapshotCreate, SnapshotType, LIVE_DOWNTIME_MS, LIVE_TIMEOUT_S,
+};
+use crate::control::{ControllerError, Request};
+use crate::migration::source::{Reader, Rounds, SourceVm};
+use crate::migration::{MigratingVcpu, Migration};
 
 /// The last snapshot of the chain: what the next Diff follows.
 #[derive(Debug)]
@@ -23,12 +37,60 @@ struct SnapshotBase {
     carried: Vec<DirtyPages>,
 }
 
-/// A VM's chain of snapshots: its dirty-log consumer (from the first Full on) and its last
-/// snapshot.
+/// A VM's chain of snapshots: its dirty-log consumer (from the first Full on), its last
+/// snapshot, and its last live snapshot.
 #[derive(Debug, Default)]
 pub struct SnapshotChain {
     base: Option<SnapshotBase>,
     consumer: Option<DirtyConsumer>,
+    live: Option<LiveRun>,
+}
+
+/// A live snapshot's run, whatever the guest kind's vCPUs.
+trait Run: std::fmt::Debug + Send {
+    fn info(&self) -> MigrationInfo;
+    fn cancel(&self);
+    /// Waits for its thread to end.
+    fn join(&mut self);
+}
+
+impl<V: MigratingVcpu> Run for Migration<V> {
+    fn info(&self) -> MigrationInfo {
+        Migration::info(self)
+    }
+
+    fn cancel(&self) {
+        Migration::cancel(self);
+    }
+
+    fn join(&mut self) {
+        // A live snapshot's vCPUs are never held: it always resumes them.
+        Migration::join(self);
+    }
+}
+
+/// The last live snapshot: its run, its files, the snapshot once written, and whether the
+/// chain has taken its outcome.
+#[derive(Debug)]
+struct LiveRun {
+    run: Box<dyn Run>,
+    paths: [PathBuf; 2],
+    written: Arc<Mutex<Option<SnapshotInfo>>>,
+    settled: bool,
+}
+
+impl LiveRun {
+    fn written(&self) -> Option<SnapshotInfo> {
+        *self.written.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Whether it still copies: its phase, which ends a moment before its thread does.
+    fn under_way(&self) -> bool {
+        matches!(
+            self.run.info().phase,
+            MigrationPhase::Setup | MigrationPhase::PreCopy | MigrationPhase::StopAndCopy
+        )
+    }
 }
 
 type Memory = MemoryManager<KvmVm>;
@@ -164,6 +226,164 @@ impl SnapshotChain {
             carried: Vec::new(),
         });
         Ok(info)
+    }
+
+    /// Starts a live Full snapshot of `memory` as `create` asks, on `vcpus` (paused and resumed
+    /// for its last pages and state; those of a paused VM stay paused), with the state file
+    /// made by `write_state`; `interrupt` is the process's stop flag. Both files are created
+    /// now (neither may exist); a snapshot that fails or is cancelled leaves neither and no
+    /// base to diff against. Its progress is [`live_info`](Self::live_info).
+    pub fn start_live<V: MigratingVcpu>(
+        &mut self,
+        memory: &Arc<Memory>,
+        create: &SnapshotCreate,
+        vcpus: Vec<V>,
+        write_state: StateWriter,
+        interrupt: &'static AtomicBool,
+    ) -> Result<(), ControllerError> {
+        if create.snapshot_type == SnapshotType::Diff {
+            return Err(ControllerError::bad(
+                "a live snapshot is a Full one: take a Diff of the paused VM",
+            ));
+        }
+        let rounds = Rounds {
+            downtime: Duration::from_millis(create.downtime_ms.unwrap_or(LIVE_DOWNTIME_MS)),
+            timeout: Duration::from_secs(match create.timeout_s.unwrap_or(LIVE_TIMEOUT_S) {
+                0 => return Err(ControllerError::bad("timeout_s must be at least 1")),
+                s => s,
+            }),
+            on_timeout: create.on_timeout.unwrap_or(OnTimeout::Force),
+        };
+        self.settle(memory);
+        let [state, mem]: [(PathBuf, File); 2] =
+            new_files(&[&create.snapshot_path, &create.mem_file_path])?
+                .try_into()
+                .map_err(|_| ControllerError::internal("two paths made other than two files"))?;
+        let paths = [state.0.clone(), mem.0.clone()];
+        let written = Arc::new(Mutex::new(None));
+        // Until this Full is written whole there is no base; the chain's reader logs every
+        // region from now on and is lent to the rounds.
+        self.base = None;
+        let sink = FileSink::new(state, mem, write_state, Arc::clone(&written));
+        let chain = self.chain_consumer(memory).and_then(|chain| {
+            memory
+                .start_dirty_log_for(chain, Target::All)
+                .map(|()| chain)
+                .map_err(ControllerError::from)
+        });
+        let started = chain.and_then(|chain| {
+            let vm = SourceVm {
+                memory: Arc::clone(memory),
+                vcpus,
+            };
+            Migration::start(rounds, Box::new(sink), vm, Reader::Lent(chain), interrupt)
+                .map_err(|e| ControllerError::internal(format!("starting the snapshot: {e}")))
+        });
+        match started {
+            Ok(run) => {
+                self.live = Some(LiveRun {
+                    run: Box::new(run),
+                    paths,
+                    written,
+                    settled: false,
+                });
+                Ok(())
+            }
+            Err(e) => {
+                self.end(memory);
+                Err(e)
+            }
+        }
+    }
+
+    /// Takes the outcome of a live snapshot that ended: its snapshot becomes the base the next
+    /// Diff follows, or (failed, cancelled) the chain ends.
+    pub fn settle(&mut self, memory: &Memory) {
+        let Some(live) = self.live.as_mut() else {
+            return;
+        };
+        if live.settled || live.under_way() {
+            return;
+        }
+        // Its phase is final: its thread ends at once.
+        live.run.join();
+        live.settled = true;
+        match live.written() {
+            Some(info) => {
+                self.base = Some(SnapshotBase {
+                    info,
+                    carried: Vec::new(),
+                })
+            }
+            None => self.end(memory),
+        }
+    }
+
+    /// `GET /snapshot`: the last live snapshot's progress.
+    pub fn live_info(&self) -> Result<LiveSnapshotInfo, ControllerError> {
+        let live = self.live.as_ref().ok_or_else(|| {
+            ControllerError::not_found(
+                "no live snapshot has been started (PUT /snapshot/create with \"live\": true)",
+            )
+        })?;
+        Ok(progress(live.run.info(), &live.paths, live.written()))
+    }
+
+    /// `PUT /snapshot/cancel`.
+    pub fn cancel_live(&self) -> Result<(), ControllerError> {
+        match &self.live {
+            Some(live) if live.under_way() => {
+                live.run.cancel();
+                Ok(())
+            }
+            _ => Err(ControllerError::conflict("no live snapshot is under way")),
+        }
+    }
+
+    /// Whether a live snapshot is under way.
+    pub fn live_running(&self) -> bool {
+        self.live.as_ref().is_some_and(LiveRun::under_way)
+    }
+
+    /// Cancels a live snapshot under way and waits for it (the VMM is stopping).
+    pub fn shut_down(&mut self, memory: &Memory) {
+        if let Some(live) = &mut self.live {
+            live.run.cancel();
+            live.run.join();
+        }
+        self.settle(memory);
+    }
+
+    /// Why `request` cannot run now: a live snapshot is under way, and the request would
+    /// change what it copies (the layout, the guest, the run state) or start another
+    /// snapshot or a migration. Reads, the client's dirty log (a reader of its own) and a
+    /// stop go on.
+    pub fn refusal(&self, request: &Request) -> Option<ControllerError> {
+        if !self.live_running() {
+            return None;
+        }
+        let goes_on = matches!(
+            request,
+            Request::GetMemory
+                | Request::GetRegion(_)
+                | Request::GetDirtyLog
+                | Request::SwitchDirtyLog(_)
+                | Request::Harvest(_)
+                | Request::GetHotplug
+                | Request::GetVm
+                | Request::GetMigration
+                | Request::GetSnapshot
+                | Request::CancelSnapshot
+                | Request::StopRecording
+                | Request::Act(_)
+        );
+        (!goes_on).then(|| {
+            ControllerError::conflict(format!(
+                "{} is refused: a live snapshot is under way: GET /snapshot for its progress, \
+                 PUT /snapshot/cancel to stop it",
+                request.name()
+            ))
+        })
     }
 
     /// The chain's dirty-log consumer, made (logging every new region) if there is none.

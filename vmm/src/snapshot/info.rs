@@ -256,6 +256,18 @@ impl MemoryCheck {
         })
     }
 
+    /// The check of `file`, a whole memory file of `layout` (a live snapshot's, written).
+    pub fn of_file(file: &File, layout: &MemoryLayout) -> std::io::Result<Self> {
+        let head = Self::expected_head(layout);
+        let mut bytes = vec![0u8; head as usize];
+        file.read_exact_at(&mut bytes, 0)?;
+        Ok(MemoryCheck {
+            size: layout.memory_file_size(),
+            head,
+            head_crc32: crc32fast::hash(&bytes),
+        })
+    }
+
     /// Whether `file` has this memory file's size (a Diff's own file has it too).
     pub fn check_size(&self, file: &File) -> Result<(), MemoryMismatch> {
         let found = file

@@ -460,10 +460,11 @@ impl Vcpus {
             .collect()
     }
 
-    /// Takes up the commands restored vCPUs were on when they were saved (a migrated guest in
-    /// a write loop) and lets those vCPUs run on; the others wait for their next command.
+    /// Takes up the commands restored vCPUs were on when they were saved (a migrated or
+    /// snapshotted guest in a write loop) and lets those vCPUs run on; the others wait for
+    /// their next command. A vCPU that runs a command already is left as it is.
     pub fn resume_unfinished(&mut self) {
-        for vcpu in &mut self.threads {
+        for vcpu in self.threads.iter_mut().filter(|v| v.running.is_none()) {
             let Some((command, seq)) = vcpu.block.unfinished(&*self.memory.current()) else {
                 continue;
             };

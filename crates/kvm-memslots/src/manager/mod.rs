@@ -176,6 +176,14 @@ type Writer<'a> = MapWriter<'a, SlotBacking, State>;
 ///   back (no syscall), then one `KVM_RESET_DIRTY_RINGS` if anything was collected (or an
 ///   earlier reset failed). A failed drain before a change's
 ///   first request refuses the change.
+/// - *Deleting a logging slot* (bitmap mode): `KVM_SET_USER_MEMORY_REGION` *parking* it (a
+///   move, which keeps its log, to the top of the host's physical address width, or where KVM
+///   refuses that to the first GiB boundary above 4 GiB and every region: where the guest has
+///   no memory), `KVM_GET_DIRTY_LOG` into the region's pending bits, and
+///   `KVM_SET_USER_MEMORY_REGION` deleting the parked slot; if the read or that delete fails,
+///   the slot is moved back. A guest write can no longer land in the log between the read and
+///   the delete. Where KVM refuses the parking place (`EEXIST`, `EINVAL`), the log is read and
+///   the slot deleted where it is, and every page of it is marked dirty.
 /// - *The undo* of a change: when KVM refuses a request, or a `KVM_GET_DIRTY_LOG` before one
 ///   fails, the requests already made are reversed, last first. If KVM refuses a reversal,
 ///   the rest are not attempted: [`Error::UndoFailed`] is returned, and every later change is
@@ -461,29 +469,21 @@ impl<K: KvmMemory> MemoryManager<K> {
             // map may disagree from here on, so the manager is marked broken and the memory of
             // regions being added stays mapped for good before the panic goes on.
             let attempt = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-                let read = if step.read_log && !self.kvm.dirty_ring() {
-                    self.read_freed_log(state, step, &mut log)
-                } else {
-                    Ok(())
-                };
-                read.and_then(|()| {
-                    // SAFETY: every request that creates or updates a slot describes memory of
-                    // a `RegionMemory` that the manager keeps mapped for as long as KVM has the
-                    // slot: the region's entry in `state.regions` holds it (for a region being
-                    // added, `state.adding` holds it until it moves into `state.regions` on
-                    // success, or into `state.orphans` if an undo fails or a call panics), and
-                    // it is dropped only after KVM's slots in it were deleted.
-                    unsafe { self.kvm.set_user_memory_region(&request) }.map_err(|source| {
-                        Error::Kvm {
-                            region: step.region,
-                            op: step.op.verb(),
-                            slot: request.slot,
-                            gpa: request.gpa,
-                            size: request.size,
-                            source,
-                        }
-                    })
-                })
+                match step.op {
+                    // Bitmap mode: a logging slot is parked before its log is read (see
+                    // `delete_logging_slot`).
+                    KvmOp::Delete(old) if step.read_log && !self.kvm.dirty_ring() => {
+                        self.delete_logging_slot(state, step.region, old, &mut log)
+                    }
+                    _ => {
+                        let read = if step.read_log && !self.kvm.dirty_ring() {
+                            self.read_freed_log(state, step, &mut log)
+                        } else {
+                            Ok(())
+                        };
+                        read.and_then(|()| self.request(step.region, step.op.verb(), &request))
+                    }
+                }
             }));
             let applied = match attempt {
                 Ok(applied) => applied,
@@ -495,6 +495,11 @@ impl<K: KvmMemory> MemoryManager<K> {
                 }
             };
             if let Err(failed) = applied {
+                if state.broken.is_some() {
+                    // The step's own undo failed (a parked slot that could not be moved
+                    // back): KVM and the map disagree already.
+                    return Err(failed);
+                }
                 for done in steps[..i].iter().rev() {
                     let undo = done.op.inverse();
                     // SAFETY: as above; an undo restores a slot KVM had before this operation.
@@ -517,6 +522,26 @@ impl<K: KvmMemory> MemoryManager<K> {
             }
         }
         Ok(())
+    }
+
+    /// Makes one KVM request for a step of a change of `region`'s slots (`op` names it in an
+    /// error).
+    fn request(&self, region: RegionId, op: &'static str, request: &KvmSlot) -> Result<(), Error> {
+        // SAFETY: every request that creates or updates a slot describes memory of a
+        // `RegionMemory` that the manager keeps mapped for as long as KVM has the slot: the
+        // region's entry in `state.regions` holds it (for a region being added, `state.adding`
+        // holds it until it moves into `state.regions` on success, or into `state.orphans` if
+        // an undo fails or a call panics), and it is dropped only after KVM's slots in it were
+        // deleted. A parked slot (`delete_logging_slot`) is the same memory at another guest
+        // address.
+        unsafe { self.kvm.set_user_memory_region(request) }.map_err(|source| Error::Kvm {
+            region,
+            op,
+            slot: request.slot,
+            gpa: request.gpa,
+            size: request.size,
+            source,
+        })
     }
 
     /// Validates `changes` against the current version, applies `steps` to KVM, and publishes

@@ -40,9 +40,9 @@ impl<K: KvmMemory> MemoryManager<K> {
     /// # KVM calls
     ///
     /// 1. Ring mode: a ring drain (see [`MemoryManager`]).
-    /// 2. For each slot, lowest guest address first: in bitmap mode, if the slot logs,
-    ///    `KVM_GET_DIRTY_LOG` into the region's pending bits (they matter if the remove is
-    ///    undone); then `KVM_SET_USER_MEMORY_REGION` deleting it (size 0).
+    /// 2. For each slot, lowest guest address first: `KVM_SET_USER_MEMORY_REGION` deleting it
+    ///    (size 0); in bitmap mode, if the slot logs, *deleting a logging slot* instead (see
+    ///    [`MemoryManager`]: its bits matter if the remove is undone).
     /// 3. Ring mode: a second ring drain; its failure is ignored.
     /// 4. `munmap` of the mapping (closing a memfd the manager made) as its last reference
     ///    goes: at the end of this call, unless a snapshot, a map guard or a running harvest
@@ -97,8 +97,8 @@ impl<K: KvmMemory> MemoryManager<K> {
     ///
     /// 1. Ring mode, if a slot is deleted: a ring drain (see [`MemoryManager`]).
     /// 2. Going up the range, for each new slot: for each old slot not kept that starts below
-    ///    its end and was not deleted yet, in bitmap mode if it logs `KVM_GET_DIRTY_LOG` into
-    ///    the region's pending bits, then `KVM_SET_USER_MEMORY_REGION` deleting it; then
+    ///    its end and was not deleted yet, `KVM_SET_USER_MEMORY_REGION` deleting it (in bitmap
+    ///    mode, if it logs, *deleting a logging slot*: see [`MemoryManager`]); then
     ///    `KVM_SET_USER_MEMORY_REGION` creating the new slot (the region's flags). Then the
     ///    old slots left, deleted the same way. Slots kept as they are get no request.
     /// 3. Ring mode, if a slot is deleted: a second ring drain; its failure is ignored.
@@ -214,9 +214,9 @@ impl<K: KvmMemory> MemoryManager<K> {
     /// None if the region has that setting already. Otherwise:
     ///
     /// 1. Ring mode: a ring drain (see [`MemoryManager`]).
-    /// 2. For each slot, lowest guest address first: in bitmap mode, if the slot logs,
-    ///    `KVM_GET_DIRTY_LOG` into the region's pending bits; `KVM_SET_USER_MEMORY_REGION`
-    ///    deleting it (size 0); `KVM_SET_USER_MEMORY_REGION` creating it again with
+    /// 2. For each slot, lowest guest address first: `KVM_SET_USER_MEMORY_REGION` deleting it
+    ///    (size 0; in bitmap mode, if the slot logs, *deleting a logging slot*: see
+    ///    [`MemoryManager`]); `KVM_SET_USER_MEMORY_REGION` creating it again with
     ///    `KVM_MEM_READONLY` set or cleared (same number, ranges and logging flag).
     /// 3. Ring mode: a second ring drain; its failure is ignored.
     ///

@@ -194,6 +194,11 @@ fn operations() -> Vec<(&'static str, Operation, Operation)> {
             m.move_region(r, GuestAddress(MIB - 5 * SLOT))
         }),
         ("set read-only", nothing, |m, r| m.set_read_only(r, true)),
+        (
+            "set a logging region read-only",
+            |m, r| m.start_dirty_log(Target::Region(r)),
+            |m, r| m.set_read_only(r, true),
+        ),
         ("start logging all", nothing, |m, _| {
             m.start_dirty_log(Target::All)
         }),
@@ -2171,4 +2176,5 @@ fn an_overflowed_ring_reports_every_logging_page_for_every_consumer() {
     assert_eq!(again[0].count(), all);
 }
 
+mod parking;
 mod reslot;

@@ -223,6 +223,15 @@ impl<K: KvmMemory> VirtioMem<K> {
         self.config.max_slot_size()
     }
 
+    /// The KVM slots the plugged blocks use: one per run of plugged blocks in each piece.
+    pub fn slots(&self) -> usize {
+        let per_piece = self.config.blocks_per_piece();
+        self.blocks
+            .chunks(per_piece)
+            .map(|piece| plugged_runs(piece.iter().copied(), 1).len())
+            .sum()
+    }
+
     /// The requests answered so far, by response.
     pub fn request_counts(&self) -> RequestCounts {
         self.counts

@@ -26,6 +26,12 @@ pub struct VirtioMemState {
     pub plugged: Vec<[u64; 2]>,
     /// Requests answered, by response: ACK, NACK, BUSY, ERROR.
     pub counts: [u64; 4],
+    /// The maximum slot size the device ran with ([`VirtioMemOptions::max_slot_size`]): it
+    /// cut the region into the pieces the saved memory holds, so a restore takes it over the
+    /// options' (absent from states saved before it was recorded, which the options then
+    /// give).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_slot_size: Option<u64>,
 }
 
 impl<K: KvmMemory> VirtioMem<K> {
@@ -50,20 +56,26 @@ impl<K: KvmMemory> VirtioMem<K> {
             usable_region_size: self.config.usable_region_size(),
             plugged,
             counts: [ack, nack, busy, error],
+            max_slot_size: Some(self.config.max_slot_size()),
         }
     }
 
     /// The device `options` describe, in `state`, over `memory` that already holds the
     /// plugged blocks' regions (restored from a snapshot's layout or received in a
-    /// migration). Refused, naming what is wrong, if the options are inconsistent, the state
-    /// does not fit them (sizes, block ranges), or `memory`'s regions in the device's area are
-    /// not exactly one region per plugged block.
+    /// migration), with the state's maximum slot size where it has one. Refused, naming what
+    /// is wrong, if the options are inconsistent, the state does not fit them (sizes, block
+    /// ranges), or `memory`'s regions in the device's area are not exactly one region per
+    /// piece with a plugged block, its slots the piece's runs of plugged blocks.
     pub fn restore(
         memory: Arc<MemoryManager<K>>,
         options: VirtioMemOptions,
         state: &VirtioMemState,
     ) -> Result<Self, Error> {
         let bad = |why: String| Error::State(why);
+        let options = VirtioMemOptions {
+            max_slot_size: state.max_slot_size.unwrap_or(options.max_slot_size),
+            ..options
+        };
         let mut config = Config::new(&options)?;
         config.set_requested_size(state.requested_size)?;
         let block = config.block_size();

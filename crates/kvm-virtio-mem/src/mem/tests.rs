@@ -304,6 +304,19 @@ fn config_space_layout() {
     assert_eq!(word, [0; 4]);
 }
 
+/// `memory`'s regions as a restore rebuilds them from a layout: the same ids, holes and slots.
+fn as_rebuilt(memory: &MemoryManager<FakeKvm>) -> Vec<RegionSpec> {
+    memory
+        .regions()
+        .iter()
+        .map(|r| {
+            RegionSpec::new(r.gpa, r.size)
+                .with_id(r.id)
+                .with_slot_ranges(memory.slot_ranges(r.id).expect("its slots"))
+        })
+        .collect()
+}
+
 /// A device restored from a saved state over memory with the plugged blocks' regions (as a
 /// restore rebuilds them from the layout: ids, holes and slots): the same blocks plugged in the
 /// same regions, the same sizes; a memory map that does not hold exactly what the plugged
@@ -326,15 +339,7 @@ fn a_saved_state_restores_over_the_plugged_blocks_regions_and_nothing_else() {
         let blocks = dev.plugged_blocks();
         // Memory as a restore rebuilds it: the same regions, ids, holes and slots; `skip`
         // leaves the last region out, `extra` adds one.
-        let specs: Vec<RegionSpec> = memory
-            .regions()
-            .iter()
-            .map(|r| {
-                RegionSpec::new(r.gpa, r.size)
-                    .with_id(r.id)
-                    .with_slot_ranges(memory.slot_ranges(r.id).expect("its slots"))
-            })
-            .collect();
+        let specs = as_rebuilt(&memory);
         let rebuilt = |skip: bool, extra: Option<RegionSpec>| {
             let memory = Arc::new(MemoryManager::new(FakeKvm::new(64, true)));
             let mut specs = specs.clone();
@@ -399,4 +404,79 @@ fn a_saved_state_restores_over_the_plugged_blocks_regions_and_nothing_else() {
         let why = refused(rebuilt(false, None), &beyond);
         assert!(why.contains("usable region size 0x4100000"), "{why}");
     }
+}
+
+/// A state records the maximum slot size its pieces were cut by, and a restore takes it over
+/// the options' (a VMM whose default changed since the save still restores); a state without
+/// it (saved before it was recorded) takes the options'.
+#[test]
+fn a_state_restores_with_the_max_slot_size_it_was_saved_with() {
+    let options = |max_slot: u64| {
+        VirtioMemOptions::new(GuestAddress(BASE), 64 * MIB, 2 * MIB).with_max_slot_size(max_slot)
+    };
+    let memory = Arc::new(MemoryManager::new(FakeKvm::new(64, true)));
+    let mut dev = VirtioMem::new(Arc::clone(&memory), options(16 * MIB)).expect("valid device");
+    dev.set_requested_size(16 * MIB).expect("requested");
+    assert_eq!(dev.slots(), 0);
+    assert_eq!(dev.handle(plug(BASE, 3)).0, Response::ACK);
+    assert_eq!(dev.handle(plug(BASE + 8 * MIB, 1)).0, Response::ACK);
+    assert_eq!(dev.slots(), 2, "two runs in one 16 MiB piece");
+    let state = dev.state();
+    assert_eq!(state.max_slot_size, Some(16 * MIB));
+    let rebuilt = || {
+        let again = Arc::new(MemoryManager::new(FakeKvm::new(64, true)));
+        again.add_regions(as_rebuilt(&memory)).expect("the regions");
+        again
+    };
+    let back = VirtioMem::restore(rebuilt(), options(2 * MIB), &state).expect("restored");
+    assert_eq!(back.max_slot_size(), 16 * MIB);
+    assert_eq!(back.state(), state);
+    assert_eq!(back.slots(), 2);
+    let older = VirtioMemState {
+        max_slot_size: None,
+        ..state.clone()
+    };
+    assert!(
+        VirtioMem::restore(rebuilt(), options(2 * MIB), &older).is_err(),
+        "one slot per block does not fit 16 MiB pieces"
+    );
+    let back = VirtioMem::restore(rebuilt(), options(16 * MIB), &older).expect("restored");
+    assert_eq!(back.max_slot_size(), 16 * MIB);
+}
+
+/// Under a slot budget (`MemoryLimits::max_slots`), a plug that would need a slot more than
+/// the budget leaves is refused (BUSY, nothing changed; the manager's error names the budget),
+/// while one that joins plugged blocks' runs goes through: each run of plugged blocks in a
+/// piece is one slot already, so joining runs is the coalescing that fits, and anything more
+/// would put a slot over unplugged memory or across two pieces' mappings.
+#[test]
+fn a_plug_over_the_slot_budget_is_refused_unless_it_joins_runs() {
+    let limits = kvm_memslots::MemoryLimits {
+        max_slots: 2,
+        ..kvm_memslots::MemoryLimits::unlimited()
+    };
+    let memory = Arc::new(MemoryManager::with_limits(FakeKvm::new(64, true), limits));
+    let options =
+        VirtioMemOptions::new(GuestAddress(BASE), 64 * MIB, 2 * MIB).with_max_slot_size(16 * MIB);
+    let mut dev = VirtioMem::new(Arc::clone(&memory), options).expect("valid device");
+    dev.set_requested_size(64 * MIB).expect("requested");
+    assert_eq!(dev.handle(plug(BASE, 1)).0, Response::ACK);
+    assert_eq!(dev.handle(plug(BASE + 4 * MIB, 1)).0, Response::ACK);
+    assert_eq!((dev.slots(), memory.slot_usage().used), (2, 2));
+    let before = (dev.plugged_blocks(), memory.regions());
+    // A third run in the piece, or a run in another piece: a slot over the budget.
+    for at in [8 * MIB, 32 * MIB] {
+        assert_eq!(dev.handle(plug(BASE + at, 1)).0, Response::BUSY, "{at:#x}");
+        assert_eq!((dev.plugged_blocks(), memory.regions()), before);
+    }
+    // Filling the hole joins the two runs (one slot fewer); growing the run needs none more.
+    assert_eq!(dev.handle(plug(BASE + 2 * MIB, 1)).0, Response::ACK);
+    assert_eq!(dev.handle(plug(BASE + 6 * MIB, 2)).0, Response::ACK);
+    assert_eq!((dev.slots(), memory.slot_usage().used), (1, 1));
+    assert_eq!(
+        dev.handle(plug(BASE + 32 * MIB, 1)).0,
+        Response::ACK,
+        "room again"
+    );
+    assert_eq!(dev.request_counts().busy, 2);
 }

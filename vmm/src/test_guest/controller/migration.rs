@@ -32,11 +32,11 @@ impl Controller {
         let vm = SourceVm {
             memory: Arc::clone(self.vm.memory()),
             vcpus: handles,
-            state: Box::new(MigrationRecord {
-                hotplug: self.hotplug.as_ref().map(HotplugArea::state),
-                paused: self.state == RunState::Paused,
-            }),
         };
-        self.migration.start(&request, vm, self.interrupt)
+        let state = Box::new(MigrationRecord {
+            hotplug: self.hotplug.as_ref().map(HotplugArea::state),
+            paused: self.state == RunState::Paused,
+        });
+        self.migration.start(&request, vm, state, self.interrupt)
     }
 }

@@ -186,10 +186,11 @@ impl Controller {
         }
     }
 
-    /// Stops the vCPUs (a migration under way is cancelled first); returns the first error one
-    /// of them stopped with.
+    /// Stops the vCPUs (a migration or a live snapshot under way is cancelled first); returns
+    /// the first error one of them stopped with.
     pub fn shut_down(&mut self) -> Result<(), GuestError> {
         self.migration.shut_down();
+        self.chain.shut_down(self.vm.memory());
         match self.vcpus.take() {
             Some(vcpus) => vcpus.shut_down(),
             None => Ok(()),
@@ -241,7 +242,12 @@ impl Controller {
 
     fn apply_now(&mut self, request: Request) -> Outcome {
         self.settle_migration();
-        if let Some(refused) = self.migration.refusal(&request) {
+        self.chain.settle(self.vm.memory());
+        if let Some(refused) = self
+            .migration
+            .refusal(&request)
+            .or_else(|| self.chain.refusal(&request))
+        {
             return Err(refused);
         }
         match request {
@@ -292,12 +298,20 @@ impl Controller {
                     }
                     VmStateRequest::Resumed => {
                         self.migration.resume_held();
+                        // A restored VM's vCPUs take up the commands they were saved on.
+                        self.resume_unfinished();
                         self.state = RunState::Running;
                     }
                 }
                 Ok(Reply::Done)
             }
             Request::CreateSnapshot(create) => self.create_snapshot(create).map(|()| Reply::Done),
+            Request::GetSnapshot => self.chain.live_info().map(Reply::Snapshot),
+            Request::CancelSnapshot => self.chain.cancel_live().map(|()| Reply::Done),
+            Request::StopRecording => match self.vm.loader() {
+                Some(loader) if loader.stop_recording() => Ok(Reply::Done),
+                _ => Err(crate::control::snapshot::no_recording()),
+            },
             Request::Act(VmAction {
                 action_type: VmActionType::Stop,
             }) => {

@@ -1,17 +1,15 @@
 //! The test guest's snapshots: the chain of Full and Diff snapshots (`snapshot::chain`) on a
-//! paused VM, with the test guest's state file.
+//! paused VM, and live Full ones of a running VM, with the test guest's state file.
 
 use std::fs::File;
 use std::os::unix::fs::FileExt;
 use std::sync::Arc;
 
-use kvm_memslots_persist::MemoryLayout;
-
 use super::Controller;
 use crate::control::snapshot::SnapshotCreate;
 use crate::control::vm::RunState;
 use crate::control::{ControllerError, ErrorKind};
-use crate::snapshot::SnapshotInfo;
+use crate::snapshot::live::StateWriter;
 use crate::test_guest::hotplug::HotplugArea;
 use crate::test_guest::snapshot::{SnapshotState, STATE_VERSION};
 
@@ -20,43 +18,63 @@ impl Controller {
         &mut self,
         create: SnapshotCreate,
     ) -> Result<(), ControllerError> {
+        let memory = Arc::clone(self.vm.memory());
+        if create.live {
+            let vcpus = self.vcpus.as_ref().ok_or_else(shutting_down)?;
+            let handles = vcpus.migration_handles().map_err(|e| {
+                ControllerError::conflict(format!("the VM cannot be snapshotted live now: {e}"))
+            })?;
+            let write_state = self.state_writer();
+            return self
+                .chain
+                .start_live(&memory, &create, handles, write_state, self.interrupt);
+        }
+        if let Some(field) = create.live_fields_set() {
+            return Err(ControllerError::bad(format!(
+                "{field} applies to live snapshots only (\"live\": true)"
+            )));
+        }
         if self.state != RunState::Paused {
             return Err(ControllerError::bad(
-                "the VM is running: pause it first with PATCH /vm {\"state\": \"Paused\"}",
+                "the VM is running: pause it first with PATCH /vm {\"state\": \"Paused\"}, or \
+                 take a live snapshot (\"live\": true)",
             ));
         }
-        let memory = Arc::clone(self.vm.memory());
-        let mut chain = std::mem::take(&mut self.chain);
-        let taken = chain.create(&memory, &create, |info, layout, file| {
-            self.write_state(info, layout, file)
-        });
-        self.chain = chain;
-        taken.map(|_| ())
+        let write_state = self.state_writer();
+        let vcpus = self.vcpus.as_mut().ok_or_else(shutting_down)?;
+        self.chain
+            .create(&memory, &create, |info, layout, state_file: &File| {
+                let states = vcpus
+                    .save_states()
+                    .map_err(|e| ControllerError::internal(e.to_string()))?;
+                let state = write_state(layout, states).map_err(ControllerError::internal)?(info);
+                state_file
+                    .write_all_at(&state, 0)
+                    .map_err(|e| ControllerError::internal(format!("the snapshot failed: {e}")))
+            })
+            .map(|_| ())
     }
 
-    /// Writes what the snapshot is, every vCPU's state, the layout and the hotplug area into
-    /// the state file.
-    fn write_state(
-        &mut self,
-        info: SnapshotInfo,
-        layout: &MemoryLayout,
-        state_file: &File,
-    ) -> Result<(), ControllerError> {
-        let vcpus = self.vcpus.as_mut().ok_or_else(|| {
-            ControllerError::new(ErrorKind::Unavailable, "the VM is shutting down")
-        })?;
-        let states = vcpus
-            .save_states()
-            .map_err(|e| ControllerError::internal(e.to_string()))?;
-        let state = SnapshotState {
-            version: STATE_VERSION,
-            snapshot: Some(info),
-            layout: layout.clone(),
-            vcpus: states,
-            hotplug: self.hotplug.as_ref().map(HotplugArea::state),
-        };
-        state_file
-            .write_all_at(&state.to_bytes(), 0)
-            .map_err(|e| ControllerError::internal(format!("the snapshot failed: {e}")))
+    /// Makes a snapshot's state file: what the snapshot is, every vCPU's state, the layout
+    /// and the hotplug area (as it is now: nothing changes it while a live snapshot runs).
+    fn state_writer(&self) -> StateWriter {
+        let hotplug = self.hotplug.as_ref().map(HotplugArea::state);
+        Box::new(move |layout, vcpus| {
+            let mut state = SnapshotState {
+                version: STATE_VERSION,
+                snapshot: None,
+                layout: layout.clone(),
+                vcpus,
+                hotplug,
+            };
+            Ok(Box::new(move |info| {
+                state.snapshot = Some(info);
+                state.to_bytes()
+            }))
+        })
     }
+}
+
+fn shutting_down() -> ControllerError {
+    ControllerError::new(ErrorKind::Unavailable, "the VM is shutting down")
 }

@@ -1,0 +1,223 @@
+//! A live Full snapshot: the VM goes on running while its memory is copied into the memory
+//! file in rounds, as a migration copies it to another VMM (`migration::source`, into a
+//! [`FileSink`] instead of a stream): round 1 writes every page that holds data, each next
+//! round the pages the guest dirtied meanwhile, and once what is left fits the pause budget
+//! the vCPUs pause for the last pages and their state, and go on. The snapshot's point is that
+//! pause: the memory file holds memory as it was then, and the state file the vCPUs and
+//! devices as they were then. The pause does not grow with guest memory, only with what the
+//! guest dirtied in the last round (and, with bitmap harvests, with the slots harvested).
+//!
+//! The rounds read the dirty log with the snapshot chain's own reader: what the guest writes
+//! after the pause stays logged for the chain's next Diff.
+
+use std::fs::File;
+use std::os::unix::fs::FileExt;
+use std::path::PathBuf;
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, Mutex};
+
+use kvm_memslots::{DirtyPages, KvmVm, MemoryManager, Target};
+use kvm_memslots_persist::{write_dirty_pages, write_memory_file, MemoryLayout};
+
+use super::info::{MemoryCheck, SnapshotInfo};
+use crate::control::migration::MigrationInfo;
+use crate::control::snapshot::LiveSnapshotInfo;
+use crate::migration::sink::{Sink, Waits};
+use crate::migration::source::MigrationError;
+use crate::vm::state::VcpuState;
+
+type Memory = MemoryManager<KvmVm>;
+
+/// Takes the VM's state for a snapshot of memory laid out as `layout`, with the vCPUs'
+/// `states`, by index, in the guest kind's own format: called with the vCPUs paused (it reads
+/// the devices' state too); what it returns makes the state file's bytes once the snapshot's
+/// info is known ([`StateBytes`]), which need not wait in the pause.
+pub type StateWriter =
+    Box<dyn FnOnce(&MemoryLayout, Vec<VcpuState>) -> Result<StateBytes, String> + Send>;
+
+/// A state taken: the state file's bytes for the snapshot it is.
+pub type StateBytes = Box<dyn FnOnce(SnapshotInfo) -> Vec<u8> + Send>;
+
+/// A live snapshot's two files, as the rounds write them. Dropped before it finished, it
+/// removes both: a failed snapshot leaves no file behind.
+pub struct FileSink {
+    paths: [PathBuf; 2],
+    state_file: File,
+    mem_file: File,
+    write_state: Option<StateWriter>,
+    /// The state, taken in the pause, written after it.
+    taken: Option<StateBytes>,
+    /// Where the snapshot goes once written whole.
+    written: Arc<Mutex<Option<SnapshotInfo>>>,
+    bytes: Option<Arc<std::sync::atomic::AtomicU64>>,
+    /// The layout the rounds copy (it does not change while they run).
+    layout: Option<MemoryLayout>,
+    finished: bool,
+}
+
+impl std::fmt::Debug for FileSink {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("FileSink")
+            .field("paths", &self.paths)
+            .field("finished", &self.finished)
+            .finish()
+    }
+}
+
+impl FileSink {
+    /// A sink into `state_file` (at `state_path`) and `mem_file` (at `mem_path`), both new and
+    /// empty; `write_state` makes the state file's bytes, and `written` gets the snapshot once
+    /// both files are whole.
+    pub fn new(
+        (state_path, state_file): (PathBuf, File),
+        (mem_path, mem_file): (PathBuf, File),
+        write_state: StateWriter,
+        written: Arc<Mutex<Option<SnapshotInfo>>>,
+    ) -> Self {
+        FileSink {
+            paths: [state_path, mem_path],
+            state_file,
+            mem_file,
+            write_state: Some(write_state),
+            taken: None,
+            written,
+            bytes: None,
+            layout: None,
+            finished: false,
+        }
+    }
+
+    fn count(&self, bytes: u64) -> u64 {
+        if let Some(counter) = &self.bytes {
+            counter.fetch_add(bytes, Ordering::Relaxed);
+        }
+        bytes
+    }
+}
+
+impl Drop for FileSink {
+    fn drop(&mut self) {
+        if !self.finished {
+            for path in &self.paths {
+                let _ = std::fs::remove_file(path);
+            }
+        }
+    }
+}
+
+fn write_failed(e: impl std::fmt::Display) -> MigrationError {
+    MigrationError::Write(e.to_string())
+}
+
+impl Sink for FileSink {
+    fn destination(&self) -> String {
+        self.paths[1].display().to_string()
+    }
+
+    fn open(
+        &mut self,
+        waits: &Waits,
+        _memory: &Memory,
+        layout: &MemoryLayout,
+    ) -> Result<Vec<Target>, MigrationError> {
+        self.bytes = Some(Arc::clone(&waits.bytes));
+        self.layout = Some(layout.clone());
+        Ok(vec![Target::All])
+    }
+
+    fn accepted(&mut self) -> Result<(), MigrationError> {
+        Ok(())
+    }
+
+    /// Writing a file has no other side to wait for.
+    fn expect(&self, _what: &str, _by_timeout: bool) {}
+
+    fn send_all(&mut self, memory: &Memory) -> Result<u64, MigrationError> {
+        let layout = self
+            .layout
+            .as_ref()
+            .expect("the rounds open the sink first");
+        let stats = write_memory_file(memory, layout, &self.mem_file).map_err(write_failed)?;
+        Ok(self.count(stats.bytes))
+    }
+
+    fn send_dirty(&mut self, memory: &Memory, dirty: &[DirtyPages]) -> Result<u64, MigrationError> {
+        let layout = self
+            .layout
+            .as_ref()
+            .expect("the rounds open the sink first");
+        let stats =
+            write_dirty_pages(memory, layout, dirty, &self.mem_file).map_err(write_failed)?;
+        Ok(self.count(stats.bytes))
+    }
+
+    fn end_round(&mut self) -> Result<(), MigrationError> {
+        Ok(())
+    }
+
+    /// Takes the VM's state (the vCPUs paused at the point); [`settle`](Sink::settle) makes
+    /// and writes the state file once they run again.
+    fn finish(
+        &mut self,
+        layout: &MemoryLayout,
+        states: Vec<VcpuState>,
+    ) -> Result<(), MigrationError> {
+        let write_state = self
+            .write_state
+            .take()
+            .expect("the rounds finish a sink once");
+        self.taken = Some(write_state(layout, states).map_err(MigrationError::State)?);
+        Ok(())
+    }
+
+    fn stays(&self) -> bool {
+        true
+    }
+
+    /// Makes the snapshot, its memory check read from the memory file (which holds the
+    /// point's memory now), and writes the state file.
+    fn settle(&mut self) -> Result<(), MigrationError> {
+        let taken = self.taken.take().expect("settled after finishing");
+        let layout = self
+            .layout
+            .as_ref()
+            .expect("the rounds open the sink first");
+        let check = MemoryCheck::of_file(&self.mem_file, layout)
+            .map_err(|e| write_failed(format!("reading the memory file back: {e}")))?;
+        let info =
+            SnapshotInfo::full(check).map_err(|e| write_failed(format!("a snapshot id: {e}")))?;
+        let bytes = taken(info);
+        self.state_file
+            .write_all_at(&bytes, 0)
+            .map_err(|e| write_failed(format!("the state file: {e}")))?;
+        self.finished = true;
+        *self.written.lock().unwrap_or_else(|p| p.into_inner()) = Some(info);
+        Ok(())
+    }
+}
+
+/// The progress `run` reports of a live snapshot into `paths` (state, memory), `written` once
+/// completed.
+pub fn progress(
+    run: MigrationInfo,
+    paths: &[PathBuf; 2],
+    written: Option<SnapshotInfo>,
+) -> LiveSnapshotInfo {
+    LiveSnapshotInfo {
+        phase: run.phase,
+        snapshot_path: paths[0].clone(),
+        mem_file_path: paths[1].clone(),
+        round: run.round,
+        bytes_written: run.bytes_sent,
+        guest_memory_bytes: run.guest_memory_bytes,
+        pages_left: run.pages_left,
+        dirty_rate_pages_per_second: run.dirty_rate_pages_per_second,
+        throughput_bytes_per_second: run.throughput_bytes_per_second,
+        estimated_pause_ms: run.estimated_downtime_ms,
+        forced: run.forced,
+        pause_ms: run.downtime_ms,
+        elapsed_ms: run.elapsed_ms,
+        snapshot_id: written.map(|info| info.id.to_string()),
+        error: run.error,
+    }
+}
