@@ -872,6 +872,9 @@ fn a_destination_before_its_vm_answers_as_the_spec_says() {
         ("GET", "/hotplug/memory", None),
         ("GET", "/migrate", None),
         ("PUT", "/migrate/cancel", None),
+        ("GET", "/snapshot", None),
+        ("PUT", "/snapshot/cancel", None),
+        ("PUT", "/working-set/stop", None),
         ("PATCH", "/vm", Some(json!({"state": "Paused"}))),
         ("PUT", "/actions", Some(json!({"action_type": "Stop"}))),
         (
