@@ -1,13 +1,50 @@
 //! The VMM's event loop (event-manager) for everything that is not a vCPU: the job's end, vCPUs
-//! stopping, and SIGINT/SIGTERM, which end the job cleanly.
+//! stopping, and SIGINT/SIGTERM, which end the job cleanly; and how much the VMM says on
+//! stderr ([`LogLevel`]).
 
 use std::os::fd::AsRawFd;
-use std::sync::atomic::{AtomicBool, AtomicI32, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicI32, AtomicU8, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 
 use event_manager::{EventManager, EventOps, EventSet, Events, MutEventSubscriber, SubscriberOps};
 use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 use vmm_sys_util::signal::register_signal_handler;
+
+/// How much the VMM says on stderr (`--log-level`): each level says what the ones before it
+/// say, and more.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Default, clap::ValueEnum)]
+pub enum LogLevel {
+    /// Only why the VMM or its guest failed.
+    Error,
+    /// And what went wrong without stopping the run (a refusal the VMM could not tell its
+    /// peer, connections it cannot close).
+    Warn,
+    /// And each state change: serving, waiting, receiving, migrated, stopped, files written.
+    #[default]
+    Info,
+    /// And every API request with its status and time (as `--log-requests`).
+    Debug,
+}
+
+/// The level in force, as its discriminant.
+static LOG_LEVEL: AtomicU8 = AtomicU8::new(LogLevel::Info as u8);
+
+/// Says on stderr from now on what `level` says (for the whole process).
+pub fn set_log_level(level: LogLevel) {
+    LOG_LEVEL.store(level as u8, Ordering::Relaxed);
+}
+
+/// Whether the level in force says what `level` says.
+pub fn logs(level: LogLevel) -> bool {
+    level as u8 <= LOG_LEVEL.load(Ordering::Relaxed)
+}
+
+/// Says `message` on stderr as `tinyvmm: MESSAGE`, if the level in force says `level`.
+pub fn log(level: LogLevel, message: impl std::fmt::Display) {
+    if logs(level) {
+        eprintln!("tinyvmm: {message}");
+    }
+}
 
 /// What a job gets to see of the loop.
 #[derive(Debug, Clone)]
@@ -92,7 +129,7 @@ impl MutEventSubscriber for Lifecycle {
             self.job_done_seen = true;
         } else if fd == self.signal.as_raw_fd() {
             let _ = self.signal.read();
-            eprintln!("tinyvmm: stopping on a signal");
+            log(LogLevel::Info, "stopping on a signal");
             self.context.stop.store(true, Ordering::Release);
             self.interrupted = true;
         } else if fd == self.context.vcpu_stopped.as_raw_fd() {
@@ -236,4 +273,20 @@ pub fn run_job<T: Send + 'static>(
         .join()
         .unwrap_or_else(|panic| std::panic::resume_unwind(panic));
     Ok((result, ending))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn each_level_says_what_the_ones_before_it_say() {
+        set_log_level(LogLevel::Warn);
+        assert!(logs(LogLevel::Error) && logs(LogLevel::Warn));
+        assert!(!logs(LogLevel::Info) && !logs(LogLevel::Debug));
+        set_log_level(LogLevel::Debug);
+        assert!(logs(LogLevel::Info) && logs(LogLevel::Debug));
+        set_log_level(LogLevel::default());
+        assert!(logs(LogLevel::Info) && !logs(LogLevel::Debug));
+    }
 }

@@ -5,7 +5,7 @@ use std::process::ExitCode;
 use clap::{CommandFactory, Parser, Subcommand};
 use kvm_memslots::MemoryLimits;
 use tinyvmm::jobs::check::{run_check_with_progress, CheckConfig};
-use tinyvmm::lifecycle::{run_job, Ending};
+use tinyvmm::lifecycle::{log, run_job, Ending, LogLevel};
 
 /// The exit status of a usage error (an unknown option, a value out of its range), distinct
 /// from every outcome of a run (sysexits' `EX_USAGE`).
@@ -26,6 +26,11 @@ const TEST_GUEST_VCPUS: usize = tinyvmm::test_guest::layout::MAX_VCPUS;
                   \"passed\": true or false) and the human report on stderr."
 )]
 struct Cli {
+    /// How much the VMM says on stderr, on every subcommand: error (only failures), warn (and
+    /// problems it went on from), info (and each state change: serving, waiting, receiving,
+    /// migrated, stopped, files written) or debug (and every API request, as --log-requests).
+    #[arg(long, global = true, value_enum, default_value_t)]
+    log_level: LogLevel,
     #[command(subcommand)]
     command: Option<Commands>,
 }
@@ -111,7 +116,8 @@ struct ServeArgs {
 #[derive(clap::Args)]
 struct ApiArgs {
     /// Path of the API socket (created 0600; a stale socket there is replaced); `receive`
-    /// binds it at start and answers once the VM runs there.
+    /// answers it at once (GET /vm: Waiting, then Receiving) and serves the VM there once it
+    /// runs.
     #[arg(long)]
     api_sock: std::path::PathBuf,
     /// Seconds a client connection may send nothing before it is answered 408 and closed
@@ -124,7 +130,7 @@ struct ApiArgs {
     #[arg(long)]
     dirty_ring: Option<u32>,
     /// Log every API request on stderr: method, path, status, time and a refusal's message
-    /// (state changes are logged either way).
+    /// (as --log-level debug does).
     #[arg(long)]
     log_requests: bool,
     #[command(flatten)]
@@ -305,6 +311,7 @@ fn main() -> ExitCode {
             };
         }
     };
+    tinyvmm::lifecycle::set_log_level(cli.log_level);
     raise_open_file_limit();
     match cli.command.unwrap_or(Commands::Check(CheckArgs::default())) {
         Commands::Check(args) => check(args),
@@ -357,9 +364,12 @@ fn raise_open_file_limit() {
     }
     // SAFETY: setrlimit reads one valid `rlimit`.
     if unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &limit) } == 0 {
-        eprintln!(
-            "tinyvmm: note: open-file limit (RLIMIT_NOFILE) raised from {soft} to {} (hard limit {})",
-            limit.rlim_cur, limit.rlim_max
+        log(
+            LogLevel::Info,
+            format_args!(
+                "note: open-file limit (RLIMIT_NOFILE) raised from {soft} to {} (hard limit {})",
+                limit.rlim_cur, limit.rlim_max
+            ),
         );
     }
 }
@@ -376,7 +386,7 @@ fn check(args: CheckArgs) -> ExitCode {
     let outcome = run_job(move |ctx| {
         run_check_with_progress(config, &ctx.stop, &ctx.vcpu_stopped, &mut |step| {
             if terminal {
-                eprintln!("tinyvmm: {step}...");
+                log(LogLevel::Info, format_args!("{step}..."));
             }
         })
     });
@@ -513,7 +523,10 @@ fn write_json<R: serde::Serialize>(path: &std::path::Path, report: &R) -> ExitCo
     .and_then(|()| std::fs::write(path, json + "\n"));
     match written {
         Ok(()) => {
-            eprintln!("tinyvmm: results written to {}", path.display());
+            log(
+                LogLevel::Info,
+                format_args!("results written to {}", path.display()),
+            );
             ExitCode::SUCCESS
         }
         Err(e) => {
@@ -678,11 +691,14 @@ struct MergeArgs {
 fn snapshot_merge(args: MergeArgs) -> ExitCode {
     match tinyvmm::jobs::merge::merge_chain(&args.files, &args.out) {
         Ok(report) => {
-            eprintln!(
-                "tinyvmm: {} snapshot(s), {} bytes, merged into {}",
-                report.snapshots,
-                report.bytes,
-                args.out.display()
+            log(
+                LogLevel::Info,
+                format_args!(
+                    "{} snapshot(s), {} bytes, merged into {}",
+                    report.snapshots,
+                    report.bytes,
+                    args.out.display()
+                ),
             );
             ExitCode::SUCCESS
         }
@@ -730,15 +746,25 @@ fn restore(args: RestoreArgs) -> ExitCode {
         Box::new(std::io::stdout()),
         limits,
     ) {
-        Ok(ending) => {
-            eprintln!("tinyvmm: {ending}");
-            ExitCode::from(ending.exit_code())
-        }
+        Ok(ending) => linux_ended(&ending),
         Err(e) => {
             eprintln!("tinyvmm: {e}");
             ExitCode::FAILURE
         }
     }
+}
+
+/// Says how a Linux guest's run ended (a failure at every log level, a clean end at info)
+/// and gives its exit status.
+fn linux_ended(ending: &tinyvmm::linux::BootEnding) -> ExitCode {
+    let code = ending.exit_code();
+    let level = if code == 0 {
+        LogLevel::Info
+    } else {
+        LogLevel::Error
+    };
+    log(level, ending);
+    ExitCode::from(code)
 }
 
 #[derive(clap::Args)]
@@ -764,21 +790,26 @@ fn receive(args: ReceiveArgs) -> ExitCode {
     let api = config.api_sock.display().to_string();
     let outcome = tinyvmm::jobs::receive::receive(
         &config,
-        || eprintln!("tinyvmm: waiting for a migration on {listen}"),
+        || {
+            log(
+                LogLevel::Info,
+                format_args!("waiting for a migration on {listen}; the API answers on {api}"),
+            )
+        },
         |r| {
-            eprintln!(
-                "tinyvmm: the VM runs here after {} rounds, {} MiB, {:.0} ms; serving the API on {api}",
-                r.rounds,
-                r.bytes >> 20,
-                r.elapsed.as_secs_f64() * 1e3
+            log(
+                LogLevel::Info,
+                format_args!(
+                    "the VM runs here after {} rounds, {} MiB, {:.0} ms; serving the API on {api}",
+                    r.rounds,
+                    r.bytes >> 20,
+                    r.elapsed.as_secs_f64() * 1e3
+                ),
             )
         },
     );
     match outcome {
-        Ok(tinyvmm::jobs::receive::ReceiveEnding::Linux(ending)) => {
-            eprintln!("tinyvmm: {ending}");
-            ExitCode::from(ending.exit_code())
-        }
+        Ok(tinyvmm::jobs::receive::ReceiveEnding::Linux(ending)) => linux_ended(&ending),
         Ok(tinyvmm::jobs::receive::ReceiveEnding::TestGuest(ending)) => {
             served(Ok::<_, String>(ending))
         }
@@ -797,11 +828,11 @@ fn served(outcome: Result<Ending, impl std::fmt::Display>) -> ExitCode {
             ExitCode::from(FAILED_EXIT_STATUS)
         }
         Ok(Ending::Finished) => {
-            eprintln!("tinyvmm: stopped");
+            log(LogLevel::Info, "stopped");
             ExitCode::SUCCESS
         }
         Ok(Ending::Interrupted) => {
-            eprintln!("tinyvmm: stopped by a signal");
+            log(LogLevel::Info, "stopped by a signal");
             ExitCode::from(130)
         }
         Err(e) => {
@@ -857,7 +888,7 @@ fn serve_config(args: ServeArgs, restore: Option<tinyvmm::jobs::restore::Restore
     };
     let path = config.api_sock.display().to_string();
     served(tinyvmm::jobs::serve::serve(&config, || {
-        eprintln!("tinyvmm: serving the API on {path}")
+        log(LogLevel::Info, format_args!("serving the API on {path}"))
     }))
 }
 
@@ -923,6 +954,14 @@ struct BootArgs {
     /// kernel (kvm_pvm) [default: bitmaps]
     #[arg(long)]
     dirty_ring: Option<u32>,
+    /// Log every API request on stderr: method, path, status, time and a refusal's message
+    /// (as --log-level debug does).
+    #[arg(long)]
+    log_requests: bool,
+    /// Print how the run ended as JSON alone on stdout (durations in ms, "passed": true for
+    /// exit status 0); the guest's console then goes to stderr.
+    #[arg(long)]
+    json: bool,
     /// No ACPI tables: the guest gets the MP table alone and finds the virtio-mem device on its
     /// command line (`virtio_mmio.device=`, for kernels with CONFIG_VIRTIO_MMIO_CMDLINE_DEVICES).
     #[arg(long)]
@@ -967,23 +1006,53 @@ fn boot(args: BootArgs) -> ExitCode {
     config.memfd |= args.memfd;
     config.dirty_ring = args.dirty_ring.or(config.dirty_ring);
     config.limits = Some(args.limits.resolve());
+    tinyvmm::api::server::log_requests(args.log_requests);
+    let json = args.json;
     let console = Console {
-        output: Box::new(std::io::stdout()),
+        // With --json, stdout holds the JSON alone.
+        output: if json {
+            Box::new(std::io::stderr())
+        } else {
+            Box::new(std::io::stdout())
+        },
         stdin: true,
         stop: None,
     };
     let quiet = args.quiet;
+    let started = std::time::Instant::now();
     match boot(&config, console, |report| {
-        if !quiet {
+        if !quiet && tinyvmm::lifecycle::logs(LogLevel::Info) {
             eprint!("{}", describe(report));
         }
     }) {
         Ok(report) => {
-            eprintln!("tinyvmm: {}", report.ending);
-            ExitCode::from(report.ending.exit_code())
+            let code = linux_ended(&report.ending);
+            if json {
+                let ms = |d: std::time::Duration| d.as_secs_f64() * 1e3;
+                print_json(
+                    report.ending.exit_code() == 0,
+                    serde_json::json!({
+                        "ending": report.ending.to_string(),
+                        "exit_status": report.ending.exit_code(),
+                        "kernel_format": match report.format {
+                            tinyvmm::linux::KernelFormat::BzImage => "bzimage",
+                            tinyvmm::linux::KernelFormat::Elf => "elf",
+                        },
+                        "regions": report.regions,
+                        "slots": report.slots,
+                        "cmdline": report.cmdline,
+                        "setup_ms": ms(report.setup_time),
+                        "run_ms": ms(started.elapsed().saturating_sub(report.setup_time)),
+                    }),
+                );
+            }
+            code
         }
         Err(e) => {
             eprintln!("tinyvmm: {e}");
+            if json {
+                print_json(false, serde_json::json!({ "error": e.to_string() }));
+            }
             ExitCode::FAILURE
         }
     }
@@ -1024,7 +1093,10 @@ fn man(dir: &std::path::Path) -> ExitCode {
         std::fs::create_dir_all(dir).and_then(|()| clap_mangen::generate_to(Cli::command(), dir));
     match written {
         Ok(()) => {
-            eprintln!("tinyvmm: man pages written to {}", dir.display());
+            log(
+                LogLevel::Info,
+                format_args!("man pages written to {}", dir.display()),
+            );
             ExitCode::SUCCESS
         }
         Err(e) => {

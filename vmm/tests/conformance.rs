@@ -405,9 +405,18 @@ fn kvm_every_documented_operation_answers_as_the_spec_says() {
         "tinyvmm_slots_used 2",
         "tinyvmm_vcpus 1",
         "tinyvmm_vm_state{state=\"Running\"} 1",
+        "tinyvmm_dirty_log_harvest_requests_total 0",
+        "tinyvmm_dirty_log_harvest_seconds_total 0",
     ] {
         assert!(
             metrics.lines().any(|l| l == series),
+            "{series} in:\n{metrics}"
+        );
+    }
+    for kind in tinyvmm::vm::exit::EXIT_KINDS {
+        let series = format!("tinyvmm_vcpu_exits_total{{kind=\"{kind}\"}} ");
+        assert!(
+            metrics.lines().any(|l| l.starts_with(&series)),
             "{series} in:\n{metrics}"
         );
     }
@@ -439,6 +448,12 @@ fn kvm_every_documented_operation_answers_as_the_spec_says() {
     vmm.expect(404, "GET", "/memory/regions/999", None);
     vmm.expect(400, "GET", "/memory/regions/abc", None);
     vmm.expect(204, "PATCH", &region, Some(json!({"read_only": true})));
+    // The guest writes nothing into a read-only region (its writes would be dropped); it
+    // reads it.
+    let at = described["guest_address"].as_u64().expect("an address");
+    let over = |op: &str| json!({"op": op, "start": at, "end": at + MIB, "stride": 4096});
+    vmm.expect(409, "PUT", "/guest/command", Some(over("write")));
+    vmm.expect(200, "PUT", "/guest/command", Some(over("verify")));
     vmm.expect(
         204,
         "PATCH",
@@ -507,6 +522,17 @@ fn kvm_every_documented_operation_answers_as_the_spec_says() {
     );
     vmm.malformed("POST", "/dirty-log/harvest", json!({"region": -1}));
     vmm.malformed("POST", "/dirty-log/harvest", json!({"vcpu": 0}));
+    // Both harvests that were answered are counted and timed; the refused one is not.
+    let log = vmm.expect(200, "GET", "/dirty-log", None);
+    assert_eq!(
+        (&log["harvests"], &log["harvest_requests"]),
+        (&json!(1), &json!(2)),
+        "{log}"
+    );
+    assert!(
+        log["harvest_ms_total"].as_f64().is_some_and(|ms| ms > 0.0),
+        "{log}"
+    );
 
     // The hotplug area: absent, configured, plugged.
     let area = json!({"total_size_mib": 64, "block_size_mib": 2});
@@ -799,6 +825,96 @@ fn expect_100_continue(vmm: &Vmm) {
     stream.read_to_string(&mut answer).expect("the answer");
     assert!(answer.starts_with("HTTP/1.1 204 "), "{answer}");
     vmm.expect(204, "PATCH", "/vm", Some(json!({"state": "Resumed"})));
+}
+
+#[test]
+fn a_destination_before_its_vm_answers_as_the_spec_says() {
+    use tinyvmm::jobs::receive::{receive_in_background, ReceiveConfig, ReceiveError};
+    let spec = Spec::load();
+    let name = |what: &str| temp(&format!("conformance-{}-dst.{what}", std::process::id()));
+    let (listen, socket) = (name("mig"), name("sock"));
+    let _ = std::fs::remove_file(&listen);
+    let config = ReceiveConfig::new(
+        tinyvmm::migration::Endpoint::Unix(listen.clone()),
+        socket.clone(),
+    );
+    let receiving = receive_in_background(config).expect("receive listens");
+    let destination = Vmm {
+        spec: &spec,
+        socket: socket.clone(),
+        thread: None,
+    };
+
+    // No source yet: the socket says so, and refuses the rest naming where it listens.
+    assert_eq!(
+        destination.expect(200, "GET", "/vm", None),
+        json!({"state": "Waiting", "vcpus": 0})
+    );
+    destination.expect(200, "GET", "/", None);
+    let metrics = destination.expect(200, "GET", "/metrics", None);
+    let metrics = metrics.as_str().expect("text");
+    assert!(
+        metrics
+            .lines()
+            .any(|l| l == "tinyvmm_vm_state{state=\"Waiting\"} 1"),
+        "{metrics}"
+    );
+    let waits_for = format!(
+        "no VM here yet: this VMM waits for a migration on unix:{}",
+        listen.display()
+    );
+    let refused = [
+        ("GET", "/memory", None),
+        ("GET", "/memory/regions/1", None),
+        ("DELETE", "/memory/regions/1", None),
+        ("GET", "/dirty-log", None),
+        ("POST", "/dirty-log/harvest", None),
+        ("GET", "/hotplug/memory", None),
+        ("GET", "/migrate", None),
+        ("PUT", "/migrate/cancel", None),
+        ("GET", "/snapshot", None),
+        ("PUT", "/snapshot/cancel", None),
+        ("PUT", "/working-set/stop", None),
+        ("PATCH", "/vm", Some(json!({"state": "Paused"}))),
+        ("PUT", "/actions", Some(json!({"action_type": "Stop"}))),
+        (
+            "PUT",
+            "/guest/command",
+            Some(json!({"op": "verify", "start": RAM, "end": RAM + MIB, "stride": 8})),
+        ),
+    ];
+    for (method, path, body) in refused.clone() {
+        let answer = destination.expect(409, method, path, body);
+        let message = answer["fault_message"].as_str().unwrap_or_default();
+        assert!(message.starts_with(&waits_for), "{method} {path}: {answer}");
+    }
+
+    // A source connected: receiving, and the same refusals say so.
+    let source = UnixStream::connect(&listen).expect("the destination listens");
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while destination.expect(200, "GET", "/vm", None)["state"] != json!("Receiving") {
+        assert!(Instant::now() < deadline, "GET /vm never said Receiving");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    for (method, path, body) in refused {
+        let answer = destination.expect(409, method, path, body);
+        let message = answer["fault_message"].as_str().unwrap_or_default();
+        assert!(
+            message.contains("a migration is arriving from its source"),
+            "{method} {path}: {answer}"
+        );
+    }
+    // What it sends is no migration: nothing runs, and the socket goes.
+    (&source)
+        .write_all(b"not a migration stream")
+        .expect("send");
+    drop(source);
+    let ended = receiving.join().expect("no panic");
+    assert!(
+        matches!(&ended, Err(ReceiveError::Migration(_))),
+        "{ended:?}"
+    );
+    assert!(!socket.exists(), "the API socket is removed at the end");
 }
 
 #[test]

@@ -67,18 +67,39 @@ impl Vmm {
         let mut args = vec!["receive", "--listen", &endpoint];
         args.extend_from_slice(extra);
         let vmm = Vmm::spawn(&args, path(name, "dst-api"));
-        // The socket file appears when it is bound and listening.
-        let deadline = Instant::now() + Duration::from_secs(60);
-        while !listen.exists() {
-            assert!(Instant::now() < deadline, "receive never listened");
-            std::thread::sleep(Duration::from_millis(10));
-        }
+        vmm.wait_listening();
         (vmm, listen)
     }
 
+    /// Waits for a `tinyvmm receive` to listen for its source: its API socket answers from
+    /// then on (`GET /vm`: `Waiting`). The listening socket's file alone does not say so: it
+    /// appears when bound, a moment before it listens.
+    fn wait_listening(&self) {
+        let deadline = Instant::now() + Duration::from_secs(60);
+        loop {
+            let vm = Client::connect(&self.api).and_then(|mut c| c.call("GET", "/vm", None));
+            if vm.is_ok_and(|(_, vm)| vm["state"] == "Waiting") {
+                return;
+            }
+            assert!(Instant::now() < deadline, "receive never listened");
+            assert!(self.running(), "receive exited");
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+
+    /// Waits for the API socket, and on a destination for the VM: its socket answers `GET
+    /// /vm` with `Waiting` or `Receiving` until the VM runs there (or closes a connection
+    /// unanswered while the VM's server takes over).
     fn wait_for_api(&self) {
         let deadline = Instant::now() + Duration::from_secs(120);
-        while Client::connect(&self.api).is_err() {
+        loop {
+            let vm = Client::connect(&self.api).and_then(|mut c| c.call("GET", "/vm", None));
+            match vm {
+                Ok((_, vm)) if !matches!(vm["state"].as_str(), Some("Waiting" | "Receiving")) => {
+                    return
+                }
+                _ => {}
+            }
             assert!(Instant::now() < deadline, "the API socket never came up");
             assert!(self.running(), "tinyvmm exited before its API came up");
             std::thread::sleep(Duration::from_millis(20));
@@ -996,7 +1017,7 @@ fn kvm_a_writing_guest_migrates_over_tcp() {
     let probed = destination.wait(Duration::from_secs(30));
     assert_eq!(probed.status.code(), Some(1));
     let destination = Vmm::spawn(&["receive", "--listen", &endpoint], path("tcp", "dst-api"));
-    std::thread::sleep(Duration::from_millis(200));
+    destination.wait_listening();
     let (status, answer) = source.call(
         "PUT",
         "/migrate",
@@ -1566,12 +1587,7 @@ fn receive_under_nofile(name: &str, soft: u64, hard: u64) -> (Vmm, PathBuf) {
         child: Some(command.spawn().expect("tinyvmm starts")),
         api,
     };
-    let deadline = Instant::now() + Duration::from_secs(60);
-    while !listen.exists() {
-        assert!(Instant::now() < deadline, "receive never listened");
-        assert!(vmm.running(), "receive exited");
-        std::thread::sleep(Duration::from_millis(10));
-    }
+    vmm.wait_listening();
     (vmm, listen)
 }
 

@@ -1,8 +1,9 @@
 //! `GET /metrics`: the VMM's counters and gauges in Prometheus' text format (version 0.0.4),
 //! read from the same replies `GET /memory`, `/dirty-log`, `/vm`, `/hotplug/memory` and
-//! `/migrate` give, plus the API's own answers by status. A resource the guest kind does not
-//! answer (a Linux guest has no `/dirty-log`), or that is not there (no hotplug area, no
-//! migration yet), gives no metrics.
+//! `/migrate` give, plus the API's own answers by status and the counters of the process its
+//! job hands the server ([`Labelled`]: the vCPUs' exits by kind). A resource the guest kind
+//! does not answer (a Linux guest has no `/dirty-log`), or that is not there (no hotplug area,
+//! no migration yet), gives no metrics.
 
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
@@ -82,9 +83,23 @@ const GAUGES: [&[Gauge]; 5] = [
         Gauge {
             name: "tinyvmm_dirty_log_harvests_total",
             kind: "counter",
-            help: "Harvests of the dirty log through the API.",
+            help: "Harvests of every region of the dirty log through the API.",
             pointer: "/harvests",
             scale: 1.0,
+        },
+        Gauge {
+            name: "tinyvmm_dirty_log_harvest_requests_total",
+            kind: "counter",
+            help: "Harvests of the dirty log through the API, of one region or every one.",
+            pointer: "/harvest_requests",
+            scale: 1.0,
+        },
+        Gauge {
+            name: "tinyvmm_dirty_log_harvest_seconds_total",
+            kind: "counter",
+            help: "Time the harvests through the API took, all together.",
+            pointer: "/harvest_ms_total",
+            scale: 1e-3,
         },
         gauge(
             "tinyvmm_dirty_pages_per_second",
@@ -156,19 +171,43 @@ const STATES: [(usize, &str, &str, &str); 2] = [
     ),
 ];
 
+/// Counters of the process that are no controller's reply, one series per label value.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Labelled {
+    /// The metric's name.
+    pub name: &'static str,
+    /// Its help line.
+    pub help: &'static str,
+    /// The label that tells the series apart.
+    pub label: &'static str,
+    /// Each label value and its count.
+    pub values: Vec<(&'static str, u64)>,
+}
+
 fn header(out: &mut String, name: &str, kind: &str, help: &str) {
     let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} {kind}");
 }
 
 /// The metrics text: `replies` holds each source's reply body (`None` where it was refused),
 /// in [`sources`]'s order; `answered` the API's answers by status; `connections` the clients
-/// connected.
+/// connected; `counters` the process's own counters.
 pub fn render(
     replies: &[Option<Value>],
     answered: &BTreeMap<u16, u64>,
     connections: usize,
+    counters: &[Labelled],
 ) -> String {
     let mut out = String::new();
+    for counter in counters {
+        header(&mut out, counter.name, "counter", counter.help);
+        for (value, count) in &counter.values {
+            let _ = writeln!(
+                out,
+                "{}{{{}=\"{value}\"}} {count}",
+                counter.name, counter.label
+            );
+        }
+    }
     header(
         &mut out,
         "tinyvmm_api_responses_total",
@@ -238,10 +277,17 @@ mod tests {
         let vm = json!({"state": "Paused", "vcpus": 2});
         let hotplug = json!({"plugged_size_mib": 4, "requested_size_mib": 8});
         let answered = BTreeMap::from([(200, 7), (404, 1)]);
+        let exits = Labelled {
+            name: "tinyvmm_vcpu_exits_total",
+            help: "vCPU exits by kind.",
+            label: "kind",
+            values: vec![("io_out", 12), ("mmio_write", 3)],
+        };
         let text = render(
             &[Some(memory), None, Some(vm), Some(hotplug), None],
             &answered,
             3,
+            &[exits],
         );
         for line in [
             "# TYPE tinyvmm_api_responses_total counter",
@@ -254,6 +300,9 @@ mod tests {
             "tinyvmm_vcpus 2",
             "tinyvmm_vm_state{state=\"Paused\"} 1",
             "tinyvmm_hotplug_plugged_bytes 4194304",
+            "# TYPE tinyvmm_vcpu_exits_total counter",
+            "tinyvmm_vcpu_exits_total{kind=\"io_out\"} 12",
+            "tinyvmm_vcpu_exits_total{kind=\"mmio_write\"} 3",
         ] {
             assert!(
                 text.lines().any(|l| l == line),

@@ -15,8 +15,10 @@ use event_manager::{EventOps, EventSet, Events, MutEventSubscriber};
 use vmm_sys_util::timerfd::TimerFd;
 
 use crate::api::http::{self, Parsed, Response, MAX_BODY_BYTES, MAX_HEADER_BYTES};
+use crate::api::metrics::Labelled;
 use crate::api::routes::{respond, route};
 use crate::control::{Apply, Outcome, Reply, Ticket};
+use crate::lifecycle::{log, logs, LogLevel};
 
 /// Why the API socket could not be created.
 #[derive(Debug, thiserror::Error)]
@@ -119,14 +121,15 @@ struct Connection {
 static LOG_REQUESTS: AtomicBool = AtomicBool::new(false);
 
 /// Logs every request of every API socket of the process on stderr from now on (`on`), with
-/// its status, time and, for a refusal, its message; or stops.
+/// its status, time and, for a refusal, its message; or stops. The log level `debug`
+/// ([`LogLevel::Debug`]) logs them too.
 pub fn log_requests(on: bool) {
     LOG_REQUESTS.store(on, Ordering::Relaxed);
 }
 
 /// Logs `request` (method and path) answered with `response` after `since`, if asked to.
 fn log_request(request: &str, response: &Response, since: Instant) {
-    if !LOG_REQUESTS.load(Ordering::Relaxed) {
+    if !LOG_REQUESTS.load(Ordering::Relaxed) && !logs(LogLevel::Debug) {
         return;
     }
     let fault = response
@@ -185,6 +188,8 @@ pub struct ApiServer<C> {
     waiting: HashMap<Ticket, RawFd>,
     /// Answers given, by status (`GET /metrics`).
     answered: BTreeMap<u16, u64>,
+    /// The process's own counters for `GET /metrics`, read when it is asked.
+    counters: Option<fn() -> Vec<Labelled>>,
 }
 
 impl<C: Apply> ApiServer<C> {
@@ -201,6 +206,15 @@ impl<C: Apply> ApiServer<C> {
             notifier: None,
             waiting: HashMap::new(),
             answered: BTreeMap::new(),
+            counters: None,
+        }
+    }
+
+    /// Adds the counters `counters` gives to `GET /metrics`' answer.
+    pub fn with_counters(self, counters: fn() -> Vec<Labelled>) -> Self {
+        ApiServer {
+            counters: Some(counters),
+            ..self
         }
     }
 
@@ -376,8 +390,11 @@ impl<C: Apply> ApiServer<C> {
                         Some(true) => {}
                         Some(false) => return,
                         None => {
-                            eprintln!(
-                                "tinyvmm: the API socket stops accepting until a client leaves: {e}"
+                            log(
+                                LogLevel::Warn,
+                                format_args!(
+                                    "the API socket stops accepting until a client leaves: {e}"
+                                ),
                             );
                             let _ = ops.remove(Events::new(&self.listener, EventSet::IN));
                             self.paused = true;
@@ -457,10 +474,12 @@ impl<C: Apply> ApiServer<C> {
                 response.body.filter(|_| response.status == 200)
             })
             .collect();
+        let counters = self.counters.map(|counters| counters()).unwrap_or_default();
         Response::text(crate::api::metrics::render(
             &replies,
             &self.answered,
             self.connections.len(),
+            &counters,
         ))
     }
 
@@ -592,7 +611,10 @@ impl<C: Apply> MutEventSubscriber for ApiServer<C> {
                     .expect("watching the idle sweep's timer");
                 self.sweep = Some(timer);
             }
-            Err(e) => eprintln!("tinyvmm: idle API connections will not be closed: {e}"),
+            Err(e) => log(
+                LogLevel::Warn,
+                format_args!("idle API connections will not be closed: {e}"),
+            ),
         }
     }
 }

@@ -61,6 +61,10 @@ pub struct DirtyLogInfo {
     pub logging_for: std::collections::BTreeMap<&'static str, Vec<u64>>,
     /// Harvests of every region so far.
     pub harvests: u64,
+    /// Harvests through the API so far, of one region or every one.
+    pub harvest_requests: u64,
+    /// Milliseconds those harvests took, all together.
+    pub harvest_ms_total: f64,
     /// The dirty rate between the last two harvests of every region, if there were two.
     pub dirty_rate: Option<DirtyRate>,
 }
@@ -85,6 +89,10 @@ pub struct DirtyRate {
 pub struct DirtyLogClient {
     /// Harvests of every region so far.
     harvests: u64,
+    /// Harvests so far, of one region or every one.
+    harvest_requests: u64,
+    /// The time they took, all together.
+    harvest_time: std::time::Duration,
     /// The last one's time.
     last_harvest: Option<std::time::Instant>,
     /// The dirty rate between the last two harvests of every region.
@@ -120,7 +128,10 @@ impl DirtyLogClient {
         memory: &Memory,
         harvest: Harvest,
     ) -> Result<HarvestInfo, kvm_memslots::Error> {
+        let started = std::time::Instant::now();
         let dirty = memory.harvest_dirty(target(harvest.region))?;
+        self.harvest_requests += 1;
+        self.harvest_time += started.elapsed();
         if harvest.region.is_none() {
             // Every region: a window for the dirty rate since the last such harvest.
             let now = std::time::Instant::now();
@@ -193,6 +204,8 @@ impl DirtyLogClient {
                 .collect(),
             logging_for,
             harvests: self.harvests,
+            harvest_requests: self.harvest_requests,
+            harvest_ms_total: self.harvest_time.as_secs_f64() * 1e3,
             dirty_rate: self.dirty_rate,
         }
     }

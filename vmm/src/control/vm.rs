@@ -13,6 +13,11 @@ pub enum RunState {
     /// handle): the guest runs nothing again; [`VmInfo::failure`] says why, and stopping the
     /// VMM now ends it with exit status [`FAILED_EXIT_STATUS`].
     Failed,
+    /// No VM yet: a migration's destination (`tinyvmm receive`) waits for its source.
+    Waiting,
+    /// No VM yet: a migration's destination receives the VM's memory and state; it serves the
+    /// VM once that runs here.
+    Receiving,
 }
 
 /// The exit status of a VMM stopped (by `PUT /actions` Stop or SIGINT/SIGTERM) after its guest
@@ -97,7 +102,7 @@ pub enum VmActionType {
 /// `GET /vm`.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub struct VmInfo {
-    /// Running, paused or failed.
+    /// Running, paused or failed; waiting or receiving on a destination with no VM yet.
     pub state: RunState,
     /// vCPUs (0 once shutting down).
     pub vcpus: usize,

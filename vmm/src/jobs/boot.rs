@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 
 use super::run_loop::RunLoop;
 use crate::api::server::{ApiSocket, SocketError, DEFAULT_IDLE_TIMEOUT};
-use crate::lifecycle::LoopError;
+use crate::lifecycle::{log, LogLevel, LoopError};
 use crate::linux::console::RawTerminal;
 use crate::linux::controller::LinuxController;
 use crate::linux::{BootConfig, BootEnding, BootError, BootReport, Console, LinuxVcpus, LinuxVm};
@@ -163,7 +163,7 @@ pub fn run_linux(
             .migration_info()
             .filter(|_| controller.migrated())
         {
-            eprintln!("tinyvmm: {}", info.completed_line());
+            log(LogLevel::Info, info.completed_line());
         }
         controller.shut_down();
     });

@@ -3,16 +3,30 @@
 //! applies every round of pages, restores the vCPUs from the state record, lets the guest run
 //! on where it was paused, tells the source, and then serves the VM on its API socket (the
 //! API socket is bound first, so nothing can fail between the source's hand-over and serving;
-//! it answers once the VM runs). The State record's magic says the guest kind: a test guest is
+//! until the VM runs, it answers for a destination with no VM). The State record's magic says the guest kind: a test guest is
 //! served as `serve` serves one, a Linux guest runs as `boot` runs one (the in-kernel irqchip
 //! is added once that is known: no vCPU exists before), its console on stdout. If anything
 //! fails before the guest runs here, nothing runs here: what came is dropped, the source is
 //! told why where it still listens, and the process exits with 1.
+//!
+//! Until the VM runs here the API socket is answered by a thread of its own (`WaitingApi`):
+//! `GET /`, `GET /metrics` and `GET /vm` (state `Waiting`, then `Receiving` once a source
+//! connected) are answered, anything else is a 409 saying why. It stops when the VM runs here,
+//! before the source is told so, and the VM's own server takes the socket over: connections
+//! open to the waiting server are closed then (a client connects again), requests waiting in the
+//! socket's backlog are served by the VM's.
 
 use std::collections::HashMap;
 use std::io::BufReader;
+use std::os::unix::net::UnixListener;
 use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
+
+use event_manager::{EventManager, EventOps, EventSet, Events, MutEventSubscriber, SubscriberOps};
+use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 
 use kvm_memslots::MemoryLimits;
 use kvm_memslots_persist::stream::{apply_pages, check_layout, send_answer, Record, StreamReader};
@@ -21,9 +35,11 @@ use vm_memory::FileOffset;
 
 use super::boot::{run_linux, BootJobError, LinuxRun};
 use super::run_loop::RunLoop;
-use super::serve::{serve_controller, ServeError};
-use crate::api::server::ApiSocket;
-use crate::lifecycle::{termination_signal, Ending};
+use super::serve::{in_background, serve_controller, ServeError};
+use crate::api::server::{ApiServer, ApiSocket, SocketError};
+use crate::control::vm::{RunState, VmInfo};
+use crate::control::{Apply, ControllerError, Outcome, Reply, Request};
+use crate::lifecycle::{log, termination_signal, Ending, LogLevel};
 use crate::linux::state::LinuxState;
 use crate::linux::{BootEnding, LinuxVcpus, LinuxVm};
 use crate::migration::transport::{file_kind, Limits, Watch};
@@ -51,6 +67,20 @@ pub struct ReceiveConfig {
     pub limits: Option<MemoryLimits>,
     /// Harvest from dirty rings of this many entries (for a later migration onwards).
     pub dirty_ring: Option<u32>,
+}
+
+impl ReceiveConfig {
+    /// Listens on `listen` and answers on `api_sock` with the defaults of `tinyvmm receive`:
+    /// the default idle timeout, this host's limits, dirty bitmaps.
+    pub fn new(listen: Endpoint, api_sock: PathBuf) -> Self {
+        ReceiveConfig {
+            listen,
+            api_sock,
+            idle_timeout: crate::api::server::DEFAULT_IDLE_TIMEOUT,
+            limits: None,
+            dirty_ring: None,
+        }
+    }
 }
 
 /// Why receiving failed.
@@ -115,7 +145,7 @@ pub fn receive(
     received: impl FnOnce(Received),
 ) -> Result<ReceiveEnding, ReceiveError> {
     // The API socket first: once the source has handed the VM over, nothing may fail before it
-    // is served. It answers nobody until the VM runs here.
+    // is served. Until the VM runs here, a thread answers it for the destination.
     let api = ApiSocket::bind(&config.api_sock).map_err(ServeError::from)?;
     let run = RunLoop::new().map_err(ServeError::from)?;
     let listen_failed = |source| ReceiveError::Listen {
@@ -123,6 +153,17 @@ pub fn receive(
         source,
     };
     let listener = config.listen.listen().map_err(listen_failed)?;
+    let waiting = WaitingApi::start(
+        &api.listener,
+        Waiting::new(config.listen.to_string()),
+        config.idle_timeout,
+    )
+    .map_err(|source| {
+        ServeError::from(SocketError::Socket {
+            path: config.api_sock.clone(),
+            source,
+        })
+    })?;
     ready();
     // A source may come whenever it likes; once it is here, every wait on it ends after
     // `STALL` of silence, or on a signal.
@@ -139,6 +180,11 @@ pub fn receive(
         return Ok(ReceiveEnding::TestGuest(Ending::Interrupted));
     };
     drop(listener);
+    waiting.receiving.store(true, Ordering::Release);
+    log(
+        LogLevel::Info,
+        format_args!("a source connected on {}: receiving the VM", config.listen),
+    );
     let stopped = &run.context().vcpu_stopped;
     let (vm, stats) = match receive_vm(config, &mut connection, stopped) {
         Ok(vm) => vm,
@@ -148,10 +194,16 @@ pub fn receive(
             return Err(ReceiveError::Migration(reason));
         }
     };
+    // The VM's own server takes the API socket over from here: a client that learns from the
+    // source that the VM moved finds it served (or its request in the backlog until it is).
+    drop(waiting);
     // The guest runs here now: the source may stop. If it cannot hear that (it died after
     // sending everything), the VM still runs here, once.
     if let Err(e) = send_answer(&mut connection, Ok(())) {
-        eprintln!("tinyvmm: the VM runs here, but the source could not be told: {e}");
+        log(
+            LogLevel::Warn,
+            format_args!("the VM runs here, but the source could not be told: {e}"),
+        );
     }
     received(stats);
     match vm {
@@ -179,11 +231,19 @@ pub fn receive(
     }
 }
 
+/// Runs [`receive`] on a thread of its own and returns that thread once it listens (its API
+/// socket answering), or the error that kept it from listening.
+pub fn receive_in_background(
+    config: ReceiveConfig,
+) -> Result<JoinHandle<Result<ReceiveEnding, ReceiveError>>, ReceiveError> {
+    in_background(move |ready| receive(&config, ready, |_| {}))
+}
+
 /// Reads the stream into a new VM and starts it; the reason if anything is wrong.
 fn receive_vm(
     config: &ReceiveConfig,
     connection: &mut Connection,
-    stopped: &std::sync::Arc<vmm_sys_util::eventfd::EventFd>,
+    stopped: &Arc<EventFd>,
 ) -> Result<(ReceivedVm, Received), String> {
     let started = Instant::now();
     let reading = connection.try_clone().map_err(|e| e.to_string())?;
@@ -340,5 +400,128 @@ fn no_stray_fds(connection: &Connection) -> Result<(), String> {
         stray => Err(format!(
             "{stray} file descriptors came beside the stream that no Handover record names"
         )),
+    }
+}
+
+/// The destination's controller while no VM is here: `GET /vm` says `Waiting` or `Receiving`,
+/// and every other request is refused (409), saying why.
+#[derive(Debug)]
+struct Waiting {
+    /// Where the destination listens for its source.
+    listen: String,
+    /// Set once a source connected.
+    receiving: Arc<AtomicBool>,
+}
+
+impl Waiting {
+    fn new(listen: String) -> Self {
+        Waiting {
+            listen,
+            receiving: Arc::default(),
+        }
+    }
+
+    fn state(&self) -> RunState {
+        if self.receiving.load(Ordering::Acquire) {
+            RunState::Receiving
+        } else {
+            RunState::Waiting
+        }
+    }
+}
+
+impl Apply for Waiting {
+    fn apply(&mut self, request: Request) -> Outcome {
+        let state = self.state();
+        if request == Request::GetVm {
+            return Ok(Reply::Vm(VmInfo {
+                state,
+                vcpus: 0,
+                failure: None,
+            }));
+        }
+        let why = match state {
+            RunState::Receiving => {
+                format!("a migration is arriving from its source on {}", self.listen)
+            }
+            _ => format!(
+                "this VMM waits for a migration on {} (PUT /migrate on the source, with that \
+                 destination)",
+                self.listen
+            ),
+        };
+        Err(ControllerError::conflict(format!(
+            "no VM here yet: {why}; this socket serves the VM once it runs here (GET /vm says \
+             when: its state leaves {state:?})"
+        )))
+    }
+}
+
+/// Wakes the waiting API's loop so that it sees it should stop.
+struct Wake(Arc<EventFd>);
+
+impl MutEventSubscriber for Wake {
+    fn process(&mut self, _: Events, _: &mut EventOps) {
+        let _ = self.0.read();
+    }
+
+    fn init(&mut self, ops: &mut EventOps) {
+        ops.add(Events::new(&*self.0, EventSet::IN))
+            .expect("watching the waiting API's wake-up");
+    }
+}
+
+/// The destination's API socket while no VM is here: a thread serves [`Waiting`] on a second
+/// descriptor of the socket's listener, until this is dropped (which stops and joins it, and
+/// closes its connections).
+struct WaitingApi {
+    /// The state `GET /vm` reports: set once a source connected.
+    receiving: Arc<AtomicBool>,
+    stop: Arc<AtomicBool>,
+    wake: Arc<EventFd>,
+    thread: Option<JoinHandle<()>>,
+}
+
+impl WaitingApi {
+    /// Serves `waiting` on `listener` (a copy of it) from a thread of its own.
+    fn start(
+        listener: &UnixListener,
+        waiting: Waiting,
+        idle_timeout: Duration,
+    ) -> std::io::Result<Self> {
+        let receiving = Arc::clone(&waiting.receiving);
+        let server = ApiServer::new(listener.try_clone()?, waiting).with_idle_timeout(idle_timeout);
+        let wake = Arc::new(EventFd::new(EFD_NONBLOCK)?);
+        let mut manager: EventManager<Arc<Mutex<dyn MutEventSubscriber + Send>>> =
+            EventManager::new()
+                .map_err(|e| std::io::Error::other(format!("creating an event loop: {e:?}")))?;
+        manager.add_subscriber(Arc::new(Mutex::new(server)));
+        manager.add_subscriber(Arc::new(Mutex::new(Wake(Arc::clone(&wake)))));
+        let stop = Arc::new(AtomicBool::new(false));
+        let stopping = Arc::clone(&stop);
+        let thread = std::thread::Builder::new()
+            .name("waiting-api".into())
+            .spawn(move || {
+                while !stopping.load(Ordering::Acquire) {
+                    // A signal interrupts the wait; that is not an error.
+                    let _ = manager.run();
+                }
+            })?;
+        Ok(WaitingApi {
+            receiving,
+            stop,
+            wake,
+            thread: Some(thread),
+        })
+    }
+}
+
+impl Drop for WaitingApi {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Release);
+        let _ = self.wake.write(1);
+        if let Some(thread) = self.thread.take() {
+            let _ = thread.join();
+        }
     }
 }

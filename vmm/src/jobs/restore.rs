@@ -86,13 +86,16 @@ pub fn restore_linux(
     let api = ApiSocket::bind(&api_sock)?;
     let linux = LinuxVm::restore(&state, (&mem_file, from.backend, lazy), output, limits)?;
     let vcpus = linux.restored_vcpus(&state)?;
-    eprintln!(
-        "tinyvmm: Linux guest restored from {} ({} vCPUs, {} regions), paused: PATCH /vm \
-         {{\"state\": \"Resumed\"}} on {} runs it",
-        from.snapshot.display(),
-        state.vcpus.len(),
-        state.layout.regions.len(),
-        api_sock.display()
+    crate::lifecycle::log(
+        crate::lifecycle::LogLevel::Info,
+        format_args!(
+            "Linux guest restored from {} ({} vCPUs, {} regions), paused: PATCH /vm \
+             {{\"state\": \"Resumed\"}} on {} runs it",
+            from.snapshot.display(),
+            state.vcpus.len(),
+            state.layout.regions.len(),
+            api_sock.display()
+        ),
     );
     run_linux(
         &linux,

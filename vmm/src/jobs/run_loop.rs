@@ -10,6 +10,7 @@ use std::time::{Duration, Instant};
 
 use event_manager::MutEventSubscriber;
 
+use crate::api::metrics::Labelled;
 use crate::api::server::{ApiServer, ApiSocket, SocketFile};
 use crate::control::Apply;
 use crate::lifecycle::{Ending, EventLoop, JobContext, LoopError};
@@ -54,7 +55,9 @@ impl<C: Apply + Send + 'static> RunLoop<C> {
     pub fn serve(&mut self, socket: ApiSocket, controller: C, idle_timeout: Duration) {
         let ApiSocket { listener, file } = socket;
         let server = Arc::new(Mutex::new(
-            ApiServer::new(listener, controller).with_idle_timeout(idle_timeout),
+            ApiServer::new(listener, controller)
+                .with_idle_timeout(idle_timeout)
+                .with_counters(exit_counters),
         ));
         self.event_loop.add(server.clone());
         self.api = Some((server, file));
@@ -119,4 +122,24 @@ impl<C: Apply + Send + 'static> RunLoop<C> {
         let mut server = server.lock().unwrap_or_else(|p| p.into_inner());
         Some(f(server.controller_mut()))
     }
+}
+
+/// The vCPUs' exits for `GET /metrics` ([`crate::vm::vcpu::exit_totals`]).
+fn exit_counters() -> Vec<Labelled> {
+    let totals = crate::vm::vcpu::exit_totals();
+    vec![
+        Labelled {
+            name: "tinyvmm_vcpu_exits_total",
+            help: "vCPU exits (KVM_RUN returns) by kind, of every vCPU the VMM started.",
+            label: "kind",
+            values: totals.by_kind,
+        },
+        Labelled {
+            name: "tinyvmm_vcpu_exits_handled_total",
+            help: "vCPU exits the exit loop handled its own way: writes to read-only memory \
+                   dropped, accesses to absent memory, accesses completed after a slot change.",
+            label: "how",
+            values: totals.handled,
+        },
+    ]
 }

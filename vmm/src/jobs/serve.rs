@@ -9,7 +9,7 @@ use std::time::Duration;
 use super::restore::{restored_controller, RestoreFrom};
 use super::run_loop::RunLoop;
 use crate::api::server::{ApiSocket, SocketError, DEFAULT_IDLE_TIMEOUT};
-use crate::lifecycle::{Ending, LoopError};
+use crate::lifecycle::{log, Ending, LogLevel, LoopError};
 use crate::test_guest::area::{AreaError, TestArea, AREA_GPA};
 use crate::test_guest::controller::Controller;
 use crate::test_guest::vcpus::{GuestError, TestVm};
@@ -126,21 +126,30 @@ pub fn serve(config: &ServeConfig, ready: impl FnOnce()) -> Result<Ending, Serve
 pub fn serve_in_background(
     config: ServeConfig,
 ) -> Result<std::thread::JoinHandle<Result<Ending, ServeError>>, ServeError> {
+    in_background(move |ready| serve(&config, ready))
+}
+
+/// Runs `job` on a thread of its own and returns that thread once the job calls the `ready` it
+/// is given, or the error it ended with before (a job that says it is ready before it can
+/// end cleanly: `serve`, `receive`).
+pub(crate) fn in_background<T: Send + 'static, E: Send + 'static>(
+    job: impl FnOnce(Box<dyn FnOnce() + Send>) -> Result<T, E> + Send + 'static,
+) -> Result<std::thread::JoinHandle<Result<T, E>>, E> {
     let (ready, is_ready) = std::sync::mpsc::channel();
     let thread = std::thread::spawn(move || {
-        serve(&config, move || {
-            // The caller may have stopped waiting; serving goes on regardless.
+        job(Box::new(move || {
+            // The caller may have stopped waiting; the job goes on regardless.
             let _ = ready.send(());
-        })
+        }))
     });
     if is_ready.recv().is_ok() {
         return Ok(thread);
     }
-    // `serve` ended before the socket was ready: it failed (it ends cleanly only on a Stop,
-    // which needs a client), or panicked.
+    // The job ended before it was ready: it failed (it ends cleanly only later, on a client's
+    // request), or panicked.
     match thread.join() {
         Ok(Err(e)) => Err(e),
-        Ok(Ok(_)) => unreachable!("serve says it is ready before it can stop cleanly"),
+        Ok(Ok(_)) => unreachable!("the job says it is ready before it can end cleanly"),
         Err(panic) => std::panic::resume_unwind(panic),
     }
 }
@@ -181,7 +190,7 @@ pub(crate) fn serve_controller(
             .migration_info()
             .filter(|_| controller.migrated())
         {
-            eprintln!("tinyvmm: {}", info.completed_line());
+            log(LogLevel::Info, info.completed_line());
         }
         controller.shut_down()
     });

@@ -126,11 +126,14 @@ impl PendingList {
             .and_then(|()| file.sync_all())
             .and_then(|()| std::fs::rename(&self.partial, &self.path));
         match written {
-            Ok(()) => eprintln!(
-                "tinyvmm: working set recorded: {} pages in {} runs, into {}",
-                set.pages(),
-                set.runs.len(),
-                self.path.display()
+            Ok(()) => crate::lifecycle::log(
+                crate::lifecycle::LogLevel::Info,
+                format_args!(
+                    "working set recorded: {} pages in {} runs, into {}",
+                    set.pages(),
+                    set.runs.len(),
+                    self.path.display()
+                ),
             ),
             Err(e) => {
                 eprintln!(

@@ -63,6 +63,27 @@ impl Command {
             seed: 0,
         }
     }
+
+    /// Whether the guest writes memory for this command (a write or a write loop).
+    pub fn writes(&self) -> bool {
+        matches!(self.op, Op::Write | Op::WriteLoop)
+    }
+
+    /// Whether one of the addresses the command touches (every `stride`-th from `start`, below
+    /// `end`) lies in `range`.
+    pub fn touches(&self, range: std::ops::Range<u64>) -> bool {
+        let from = range.start.max(self.start);
+        let to = range.end.min(self.end);
+        if from >= to || self.stride == 0 {
+            return false;
+        }
+        // The command's first address at or above `from`.
+        (from - self.start)
+            .div_ceil(self.stride)
+            .checked_mul(self.stride)
+            .and_then(|offset| self.start.checked_add(offset))
+            .is_some_and(|first| first < to)
+    }
 }
 
 /// The value the guest writes at `addr` with `seed`.
@@ -244,6 +265,36 @@ impl std::fmt::Display for Fault {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_command_touches_a_range_only_where_its_stride_lands() {
+        let write = Command {
+            op: Op::Write,
+            start: 0x1000,
+            end: 0x5000,
+            stride: 0x1000,
+            seed: 0,
+        };
+        assert!(write.writes());
+        // It touches 0x1000, 0x2000, 0x3000 and 0x4000.
+        assert!(write.touches(0x4000..0x4008));
+        assert!(write.touches(0..0x1008));
+        assert!(!write.touches(0x2008..0x3000), "between two addresses");
+        assert!(!write.touches(0x5000..0x6000), "past the end");
+        assert!(!write.touches(0..0x1000), "below the start");
+        assert!(!write.touches(0x3000..0x3000), "an empty range");
+        let verify = Command {
+            op: Op::Verify,
+            ..write
+        };
+        assert!(!verify.writes());
+        let near_top = Command {
+            start: u64::MAX - 0xfff,
+            end: u64::MAX,
+            ..write
+        };
+        assert!(!near_top.touches(u64::MAX - 8..u64::MAX));
+    }
 
     #[test]
     fn a_fault_with_an_error_code_finds_its_rip_behind_it() {

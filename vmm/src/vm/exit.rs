@@ -71,7 +71,39 @@ pub enum Exit<'a> {
     Other(&'static str),
 }
 
+/// The names of the exit kinds, by [`Exit::kind`] (the metrics' `kind` label).
+pub const EXIT_KINDS: [&str; 11] = [
+    "io_out",
+    "io_in",
+    "mmio_read",
+    "mmio_write",
+    "hlt",
+    "shutdown",
+    "internal_error",
+    "fail_entry",
+    "interrupted",
+    "dirty_ring_full",
+    "other",
+];
+
 impl<'a> Exit<'a> {
+    /// Its kind, as an index into [`EXIT_KINDS`].
+    pub fn kind(&self) -> usize {
+        match self {
+            Exit::IoOut { .. } => 0,
+            Exit::IoIn { .. } => 1,
+            Exit::MmioRead { .. } => 2,
+            Exit::MmioWrite { .. } => 3,
+            Exit::Hlt => 4,
+            Exit::Shutdown => 5,
+            Exit::InternalError => 6,
+            Exit::FailEntry { .. } => 7,
+            Exit::Interrupted => 8,
+            Exit::DirtyRingFull => 9,
+            Exit::Other(_) => 10,
+        }
+    }
+
     /// Whether the guest touched an address that is no (writable) memory slot in KVM.
     pub fn is_mmio(&self) -> bool {
         matches!(self, Exit::MmioRead { .. } | Exit::MmioWrite { .. })

@@ -16,7 +16,7 @@ use kvm_memslots::{GuestMemorySlots, KvmVm, MemoryManager};
 use vm_memory::Bytes;
 use vmm_sys_util::eventfd::EventFd;
 
-use super::exit::{handle_exit, Exit, ExitAction, ExitContext, ExitError};
+use super::exit::{handle_exit, Exit, ExitAction, ExitContext, ExitError, EXIT_KINDS};
 use super::mmio::MmioBus;
 use super::ports::PortBus;
 use super::state::{StateError, VcpuState};
@@ -66,6 +66,50 @@ pub struct ExitCounters {
     pub dirty_ring_full: AtomicU64,
     /// Accesses to memory that is absent on purpose (unplugged virtio-mem blocks).
     pub absent_memory: AtomicU64,
+    /// Every exit by its kind ([`Exit::kind`], named by [`EXIT_KINDS`]).
+    pub by_kind: [AtomicU64; EXIT_KINDS.len()],
+}
+
+/// Every vCPU this process started, for [`exit_totals`]: kept for the process's life (a few
+/// hundred bytes each), so that totals never go down when a VM's vCPUs end.
+static STARTED: Mutex<Vec<Arc<VcpuShared>>> = Mutex::new(Vec::new());
+
+/// The exits of every vCPU this process started ([`exit_totals`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ExitTotals {
+    /// Every exit, by its kind ([`EXIT_KINDS`]): they add up to all exits.
+    pub by_kind: Vec<(&'static str, u64)>,
+    /// Exits the loop handled its own way (some of the MMIO ones): writes to read-only
+    /// memory dropped (`read_only_write`), accesses to absent memory (`absent_memory`), and
+    /// accesses completed against the map after a slot change (`completed_after_change`).
+    pub handled: Vec<(&'static str, u64)>,
+}
+
+/// The exits of every vCPU this process started, for `GET /metrics`. Read from each vCPU's
+/// own counters, so counting costs the exit loop no cache line shared with another vCPU.
+pub fn exit_totals() -> ExitTotals {
+    let started = STARTED.lock().unwrap_or_else(|p| p.into_inner());
+    let sum = |count: &dyn Fn(&ExitCounters) -> &AtomicU64| -> u64 {
+        started
+            .iter()
+            .map(|v| count(&v.counters).load(Ordering::Relaxed))
+            .sum()
+    };
+    ExitTotals {
+        by_kind: EXIT_KINDS
+            .iter()
+            .enumerate()
+            .map(|(i, &name)| (name, sum(&|c| &c.by_kind[i])))
+            .collect(),
+        handled: vec![
+            ("read_only_write", sum(&|c| &c.read_only_writes)),
+            ("absent_memory", sum(&|c| &c.absent_memory)),
+            (
+                "completed_after_change",
+                sum(&|c| &c.completed_after_change),
+            ),
+        ],
+    }
 }
 
 /// What the host and a vCPU thread share.
@@ -459,6 +503,10 @@ impl<P: VcpuPorts + 'static> Vcpu<P> {
                 let me = unsafe { libc::pthread_self() };
                 let _ = self.shared.thread.set(me);
                 let shared = Arc::clone(&self.shared);
+                STARTED
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .push(Arc::clone(&shared));
                 let outcome = self.run();
                 shared.finished.store(true, Ordering::Release);
                 shared.pause.changed.notify_all();
@@ -570,6 +618,7 @@ impl<P: VcpuPorts> Vcpu<P> {
                 Exit::from_kvm(fd.run()).map_err(|source| VcpuError::Run { vcpu, source })?;
             let counters = &shared.counters;
             counters.exits.fetch_add(1, Ordering::Relaxed);
+            counters.by_kind[exit.kind()].fetch_add(1, Ordering::Relaxed);
             interrupted = matches!(exit, Exit::Interrupted);
             let mmio = exit.is_mmio();
             let memory_error = |gpa: u64| move |source| VcpuError::Memory { vcpu, gpa, source };

@@ -52,6 +52,14 @@ impl Controller {
             return Err(ControllerError::bad("end must be above start"));
         }
         self.reachable(command.start, command.end)?;
+        let posted = Command {
+            op,
+            start: command.start,
+            end: command.end,
+            stride: command.stride,
+            seed: command.seed,
+        };
+        self.refuse_read_only_writes(&posted)?;
         let vcpus = self.vcpus()?;
         check_vcpu(vcpus, command.vcpu)?;
         if let Some(running) = vcpus.running(command.vcpu) {
@@ -61,20 +69,63 @@ impl Controller {
                 command.vcpu, running.op
             )));
         }
-        vcpus.start(
-            command.vcpu,
-            Command {
-                op,
-                start: command.start,
-                end: command.end,
-                stride: command.stride,
-                seed: command.seed,
-            },
-        );
+        vcpus.start(command.vcpu, posted);
         if op == Op::WriteLoop {
             return Ok(Reply::Guest(GuestCommandResult::Started));
         }
         Ok(self.defer(vec![command.vcpu], Answer::Command))
+    }
+
+    /// Refuses a command that would write into a read-only region: KVM makes each such write
+    /// an MMIO exit, which the exit loop drops as ROM does, so the command would answer `ok`
+    /// and leave nothing written.
+    fn refuse_read_only_writes(&self, command: &Command) -> Result<(), ControllerError> {
+        if !command.writes() {
+            return Ok(());
+        }
+        let read_only = self.vm.memory().regions().into_iter().find(|r| {
+            r.flags.read_only && command.touches(r.gpa.0..r.gpa.0.saturating_add(r.size))
+        });
+        match read_only {
+            Some(region) => Err(ControllerError::conflict(format!(
+                "region {id} [{:#x}, {:#x}) is read-only: the guest's writes there would be \
+                 dropped. Make it writable first (PATCH /memory/regions/{id} \
+                 {{\"read_only\": false}}), or only verify it",
+                region.gpa.0,
+                region.gpa.0.saturating_add(region.size),
+                id = region.id,
+            ))),
+            None => Ok(()),
+        }
+    }
+
+    /// Refuses to make region `id` read-only while a vCPU's write or write loop writes into
+    /// one of `ranges` (where the region is, and where it goes): its writes would be dropped
+    /// from then on, unseen.
+    pub(super) fn refuse_read_only_under_writes(
+        &self,
+        id: u64,
+        ranges: &[std::ops::Range<u64>],
+    ) -> Result<(), ControllerError> {
+        let Some(vcpus) = &self.vcpus else {
+            return Ok(());
+        };
+        let writing = (0..vcpus.count()).find_map(|v| {
+            vcpus
+                .running(v)
+                .filter(|c| c.writes() && ranges.iter().any(|r| c.touches(r.clone())))
+                .map(|c| (v, c))
+        });
+        match writing {
+            Some((vcpu, command)) => Err(ControllerError::conflict(format!(
+                "vCPU {vcpu} runs a {:?} command that writes into region {id}, whose writes \
+                 would be dropped once it is read-only: wait for its answer or end it first \
+                 (PUT /guest/command op cancel, or op stop_loop for a loop, with \"vcpu\": \
+                 {vcpu})",
+                command.op
+            ))),
+            None => Ok(()),
+        }
     }
 
     /// Ends vCPU `vcpu`'s command: its write loop after the current pass (`after_pass`), or

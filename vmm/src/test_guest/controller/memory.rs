@@ -233,6 +233,15 @@ impl Controller {
     ) -> Result<(), ControllerError> {
         let id = self.protect_system(id)?;
         let memory = Arc::clone(self.vm.memory());
+        if patch.read_only == Some(true) {
+            if let Some(region) = memory.regions().into_iter().find(|r| r.id == id) {
+                let size = region.size;
+                let at = |gpa: u64| gpa..gpa.saturating_add(size);
+                let mut ranges = vec![at(region.gpa.0)];
+                ranges.extend(patch.guest_address.map(at));
+                self.refuse_read_only_under_writes(id.0, &ranges)?;
+            }
+        }
         let Some(gpa) = patch.guest_address else {
             let read_only = patch.read_only.ok_or_else(|| {
                 ControllerError::bad("nothing to change: give guest_address and/or read_only")

@@ -1,0 +1,106 @@
+//! `--log-level` on every subcommand: `error` leaves a clean run's stderr empty, `debug` logs
+//! every API request as `--log-requests` does; and `boot --json` prints JSON alone on stdout.
+
+use std::path::Path;
+use std::process::{Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+fn tinyvmm(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_tinyvmm"))
+        .args(args)
+        .stdin(Stdio::null())
+        .output()
+        .expect("tinyvmm runs")
+}
+
+/// `tinyvmm serve` with no guest memory at `--log-level level`, asked for its VM and stopped
+/// through the client; its stderr.
+fn serve_at(level: &str) -> String {
+    let socket = std::env::temp_dir().join(format!(
+        "tinyvmm-log-level-{}-{level}.sock",
+        std::process::id()
+    ));
+    let sock = socket.to_str().expect("a UTF-8 path");
+    let vmm = Command::new(env!("CARGO_BIN_EXE_tinyvmm"))
+        .args(["--log-level", level, "serve", "--api-sock", sock])
+        .args(["--mem-mib", "0", "--slots", "1"])
+        .stdin(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("tinyvmm serve starts");
+    wait_for(&socket);
+    for (command, status) in [("vm", 0), ("stop", 0)] {
+        // The option is global: it goes after the subcommand too.
+        let client = tinyvmm(&["client", "--api-sock", sock, command, "--log-level", level]);
+        assert_eq!(client.status.code(), Some(status), "{command}");
+    }
+    let output = vmm.wait_with_output().expect("tinyvmm serve ends");
+    assert!(output.status.success());
+    String::from_utf8_lossy(&output.stderr).into_owned()
+}
+
+fn wait_for(socket: &Path) {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while !socket.exists() {
+        assert!(Instant::now() < deadline, "no socket");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+#[test]
+fn kvm_the_log_level_says_as_much_as_it_is_asked() {
+    if !kvm_test_support::require_kvm("tinyvmm::kvm_the_log_level_says_as_much_as_it_is_asked") {
+        return;
+    }
+    let quiet = serve_at("error");
+    assert_eq!(quiet, "", "a clean run at error says nothing");
+    let info = serve_at("info");
+    assert!(
+        info.contains("tinyvmm: serving the API on ") && info.ends_with("tinyvmm: stopped\n"),
+        "{info}"
+    );
+    assert!(!info.contains("tinyvmm: api: "), "{info}");
+    let debug = serve_at("debug");
+    for line in [
+        "tinyvmm: serving the API on ",
+        "tinyvmm: api: GET /vm -> 200 in ",
+        "tinyvmm: api: PUT /actions -> 204 in ",
+    ] {
+        assert!(
+            debug.lines().any(|l| l.starts_with(line)),
+            "{line} in:\n{debug}"
+        );
+    }
+}
+
+#[test]
+fn an_unknown_log_level_is_a_usage_error() {
+    let output = tinyvmm(&["check", "--log-level", "loud"]);
+    assert_eq!(output.status.code(), Some(64));
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(
+        stderr.contains("possible values: error, warn, info, debug"),
+        "{stderr}"
+    );
+}
+
+#[test]
+fn boot_json_is_json_alone_on_stdout_even_when_it_fails() {
+    let output = tinyvmm(&["boot", "--kernel", "/nonexistent/vmlinux", "--json"]);
+    assert_eq!(output.status.code(), Some(1));
+    let report: serde_json::Value = serde_json::from_slice(&output.stdout).unwrap_or_else(|e| {
+        panic!(
+            "not JSON alone ({e}): {}",
+            String::from_utf8_lossy(&output.stdout)
+        )
+    });
+    assert_eq!(report["passed"], false, "{report}");
+    assert!(
+        report["error"]
+            .as_str()
+            .is_some_and(|e| e.contains("/nonexistent/vmlinux")),
+        "{report}"
+    );
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(stderr.starts_with("tinyvmm: "), "{stderr}");
+}

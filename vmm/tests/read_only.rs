@@ -1,0 +1,94 @@
+//! Guest writes and read-only regions on real `/dev/kvm`: a write into a read-only region is
+//! refused with a 409 naming the region (KVM would make each write an MMIO exit, which the VMM
+//! drops as ROM does, so it used to answer `ok` with nothing written), and a region a vCPU
+//! writes into cannot be made read-only under it. See `docs/decisions/read-only-writes.md`.
+
+use serde_json::{json, Value};
+use tinyvmm::api::client::Client;
+use tinyvmm::jobs::serve::{serve_in_background, ServeConfig};
+use tinyvmm::lifecycle::Ending;
+
+/// The initial memory: one region at 256 MiB.
+const AREA: u64 = 256 << 20;
+
+fn call(socket: &std::path::Path, method: &str, path: &str, body: Value) -> (u16, Value) {
+    let body = (!body.is_null()).then_some(body);
+    Client::connect(socket)
+        .expect("connect")
+        .call(method, path, body.as_ref())
+        .expect("an answer")
+}
+
+fn command(op: &str, seed: u64) -> Value {
+    json!({"op": op, "start": AREA, "end": AREA + (1 << 20), "stride": 4096, "seed": seed})
+}
+
+fn fault(answer: &(u16, Value)) -> String {
+    answer.1["fault_message"]
+        .as_str()
+        .unwrap_or_else(|| panic!("no fault message in {answer:?}"))
+        .to_owned()
+}
+
+#[test]
+fn kvm_a_write_into_a_read_only_region_is_refused_naming_it() {
+    if !kvm_test_support::require_kvm(
+        "tinyvmm::kvm_a_write_into_a_read_only_region_is_refused_naming_it",
+    ) {
+        return;
+    }
+    let socket = std::env::temp_dir().join(format!("tinyvmm-ro-{}.sock", std::process::id()));
+    let vmm = serve_in_background(ServeConfig::new(socket.clone())).expect("the VMM starts");
+    let s = socket.as_path();
+    let region = "/memory/regions/1";
+    assert_eq!(call(s, "GET", region, Value::Null).1["guest_address"], AREA);
+    assert_eq!(call(s, "PUT", "/guest/command", command("write", 7)).0, 200);
+    assert_eq!(call(s, "PATCH", region, json!({"read_only": true})).0, 204);
+
+    // A write and a write loop into it are refused, naming the region and the way out; the
+    // memory keeps what was written before.
+    for op in ["write", "write_loop"] {
+        let refused = call(s, "PUT", "/guest/command", command(op, 9));
+        assert_eq!(refused.0, 409, "{op}: {refused:?}");
+        let message = fault(&refused);
+        assert!(
+            message.starts_with("region 1 [0x10000000, 0x20000000) is read-only")
+                && message.contains(r#"PATCH /memory/regions/1 {"read_only": false}"#),
+            "{message}"
+        );
+    }
+    let verified = call(s, "PUT", "/guest/command", command("verify", 7));
+    assert_eq!(verified, (200, json!({"result": "ok"})));
+
+    // A write loop into a writable region keeps it writable until the loop ends.
+    assert_eq!(call(s, "PATCH", region, json!({"read_only": false})).0, 204);
+    let started = call(s, "PUT", "/guest/command", command("write_loop", 20));
+    assert_eq!(started, (200, json!({"result": "started"})));
+    let refused = call(s, "PATCH", region, json!({"read_only": true}));
+    assert_eq!(refused.0, 409, "{refused:?}");
+    assert!(
+        fault(&refused).starts_with("vCPU 0 runs a WriteLoop command that writes into region 1"),
+        "{refused:?}"
+    );
+    let info = call(s, "GET", region, Value::Null);
+    assert_eq!(info.1["read_only"], false, "the refusal changed nothing");
+    let stopped = call(s, "PUT", "/guest/command", json!({"op": "stop_loop"}));
+    assert_eq!(stopped.1["result"], "stopped", "{stopped:?}");
+    let last_seed = stopped.1["last_seed"].as_u64().expect("at least one pass");
+    assert_eq!(call(s, "PATCH", region, json!({"read_only": true})).0, 204);
+    let verified = call(s, "PUT", "/guest/command", command("verify", last_seed));
+    assert_eq!(verified, (200, json!({"result": "ok"})));
+    // No guest write ever went to the read-only region (the exit loop would have dropped and
+    // counted it).
+    let metrics = call(s, "GET", "/metrics", Value::Null).1;
+    let metrics = metrics.as_str().expect("text");
+    let dropped = "tinyvmm_vcpu_exits_handled_total{how=\"read_only_write\"} 0";
+    assert!(metrics.lines().any(|l| l == dropped), "{metrics}");
+
+    assert_eq!(
+        call(s, "PUT", "/actions", json!({"action_type": "Stop"})).0,
+        204
+    );
+    let ending = vmm.join().expect("no panic").expect("a clean stop");
+    assert_eq!(ending, Ending::Finished);
+}
