@@ -317,6 +317,20 @@ fn live_snapshot_of_a_writing_guest(name: &str, slots: usize, extra: &[&str], cr
         info["bytes_written"].as_u64().expect("bytes") >= end - AREA,
         "{info}"
     );
+    let metrics = vmm.ok("GET", "/metrics", None);
+    let metrics = metrics.as_str().expect("text");
+    assert!(
+        metrics
+            .lines()
+            .any(|l| l == "tinyvmm_live_snapshot_phase{state=\"completed\"} 1"),
+        "{metrics}"
+    );
+    assert!(
+        metrics
+            .lines()
+            .any(|l| l.starts_with("tinyvmm_live_snapshot_pause_seconds ")),
+        "{metrics}"
+    );
     eprintln!(
         "{name}: live snapshot in {} rounds, paused {pause:.1} ms, {} refusals and {} client \
          pages meanwhile",

@@ -1,9 +1,9 @@
 //! `GET /metrics`: the VMM's counters and gauges in Prometheus' text format (version 0.0.4),
-//! read from the same replies `GET /memory`, `/dirty-log`, `/vm`, `/hotplug/memory` and
-//! `/migrate` give, plus the API's own answers by status and the counters of the process its
+//! read from the same replies `GET /memory`, `/dirty-log`, `/vm`, `/hotplug/memory`,
+//! `/migrate` and `/snapshot` give, plus the API's own answers by status and the counters of the process its
 //! job hands the server ([`Labelled`]: the vCPUs' exits by kind). A resource the guest kind
 //! does not answer (a Linux guest has no `/dirty-log`), or that is not there (no hotplug area,
-//! no migration yet), gives no metrics.
+//! no migration or live snapshot yet), gives no metrics.
 
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
@@ -13,13 +13,14 @@ use serde_json::Value;
 use crate::control::Request as ControllerRequest;
 
 /// The requests whose replies the metrics are read from.
-pub fn sources() -> [ControllerRequest; 5] {
+pub fn sources() -> [ControllerRequest; 6] {
     [
         ControllerRequest::GetMemory,
         ControllerRequest::GetDirtyLog,
         ControllerRequest::GetVm,
         ControllerRequest::GetHotplug,
         ControllerRequest::GetMigration,
+        ControllerRequest::GetSnapshot,
     ]
 }
 
@@ -46,7 +47,7 @@ const fn gauge(name: &'static str, help: &'static str, pointer: &'static str) ->
 const MIB: f64 = 1048576.0;
 
 /// The metrics of each source's reply, in [`sources`]'s order.
-const GAUGES: [&[Gauge]; 5] = [
+const GAUGES: [&[Gauge]; 6] = [
     &[
         gauge(
             "tinyvmm_slots_used",
@@ -158,15 +159,45 @@ const GAUGES: [&[Gauge]; 5] = [
             scale: 1e-3,
         },
     ],
+    &[
+        gauge(
+            "tinyvmm_live_snapshot_round",
+            "The last live snapshot's round.",
+            "/round",
+        ),
+        gauge(
+            "tinyvmm_live_snapshot_written_bytes",
+            "Bytes of pages the last live snapshot wrote.",
+            "/bytes_written",
+        ),
+        gauge(
+            "tinyvmm_live_snapshot_pages_left",
+            "Dirty pages the last live snapshot's last harvest found.",
+            "/pages_left",
+        ),
+        Gauge {
+            name: "tinyvmm_live_snapshot_pause_seconds",
+            kind: "gauge",
+            help: "The pause the last live snapshot took, once completed.",
+            pointer: "/pause_ms",
+            scale: 1e-3,
+        },
+    ],
 ];
 
 /// State-like fields given as one series per value, 1 for the current one.
-const STATES: [(usize, &str, &str, &str); 2] = [
+const STATES: [(usize, &str, &str, &str); 3] = [
     (2, "tinyvmm_vm_state", "The VM's state.", "/state"),
     (
         4,
         "tinyvmm_migration_phase",
         "The last migration's phase.",
+        "/phase",
+    ),
+    (
+        5,
+        "tinyvmm_live_snapshot_phase",
+        "The last live snapshot's phase.",
         "/phase",
     ),
 ];
