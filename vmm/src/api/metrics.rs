@@ -1,7 +1,7 @@
 //! `GET /metrics`: the VMM's counters and gauges in Prometheus' text format (version 0.0.4),
 //! read from the same replies `GET /memory`, `/dirty-log`, `/vm`, `/hotplug/memory`,
-//! `/migrate` and `/snapshot` give, plus the API's own answers by status and the counters of the process its
-//! job hands the server ([`Labelled`]: the vCPUs' exits by kind). A resource the guest kind
+//! `/migrate` and `/snapshot` give, plus the API's own answers by status and the counters of
+//! the process its job hands the server ([`Labelled`]: the vCPUs' exits by kind). A resource the guest kind
 //! does not answer (a Linux guest has no `/dirty-log`), or that is not there (no hotplug area,
 //! no migration or live snapshot yet), gives no metrics.
 

@@ -13,10 +13,10 @@
 //! running here as before: vCPUs resumed, logging as it was (the migration reads the dirty log
 //! as a consumer of its own, so it takes no page from a client or a snapshot chain, and its end
 //! stops only the logging it alone held) — with one exception. Once the Done record went out
-//! whole, the destination may run the VM (it starts it before it answers), so a missing answer leaves the vCPUs paused here: resuming them could
-//! run the guest twice. The migration ends [`MigrationPhase::Unconfirmed`] and hands the paused
-//! vCPUs to the controller, where a client who knows the destination does not run the VM
-//! resumes it.
+//! whole, the destination may run the VM (it starts it before it answers), so a missing answer
+//! leaves the vCPUs paused here: resuming them could run the guest twice. The migration ends
+//! [`MigrationPhase::Unconfirmed`] and hands the paused vCPUs to the controller, where a client
+//! who knows the destination does not run the VM resumes it.
 //!
 //! Every wait on the destination (connecting, its answer to the layout, each write, its final
 //! word) is watched by the connection ([`super::transport::Watch`]): a cancel or a signal ends
