@@ -42,4 +42,9 @@ pub struct HotplugInfo {
     pub guest_address: u64,
     /// KVM slots mapped in it.
     pub mapped_slots: usize,
+    /// Why a Linux guest's virtio-mem device last answered the guest BUSY (the memory
+    /// manager's refusal: a slot budget, a limit), if it did; the test guest's area refuses
+    /// the request itself instead.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub last_busy: Option<String>,
 }

@@ -187,6 +187,7 @@ pub fn hotplug_info(device: &VirtioMemDevice) -> HotplugInfo {
         requested_size_mib: mem.requested_size() / MIB,
         guest_address: region.start,
         mapped_slots: mem.slots(),
+        last_busy: mem.last_busy().map(str::to_owned),
     }
 }
 

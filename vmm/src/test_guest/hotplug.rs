@@ -177,6 +177,7 @@ impl HotplugArea {
             requested_size_mib: self.plugged_blocks * block,
             guest_address: self.gpa,
             mapped_slots: self.mapped_slots(),
+            last_busy: None,
         }
     }
 }

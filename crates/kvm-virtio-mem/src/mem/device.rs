@@ -65,6 +65,9 @@ pub struct VirtioMem<K: KvmMemory> {
     pieces: Vec<Option<RegionId>>,
     plugged: u64,
     pub(super) counts: RequestCounts,
+    /// Why the device last answered BUSY: the manager's refusal (a slot budget, a memory
+    /// limit, KVM's error), for whoever watches the device; the guest learns only BUSY.
+    last_busy: Option<String>,
 }
 
 impl<K: KvmMemory> fmt::Debug for VirtioMem<K> {
@@ -137,6 +140,7 @@ impl<K: KvmMemory> VirtioMem<K> {
             pieces: vec![None; pieces as usize],
             plugged: 0,
             counts: RequestCounts::default(),
+            last_busy: None,
         })
     }
 
@@ -158,6 +162,7 @@ impl<K: KvmMemory> VirtioMem<K> {
             pieces,
             plugged,
             counts,
+            last_busy: None,
         }
     }
 
@@ -235,6 +240,24 @@ impl<K: KvmMemory> VirtioMem<K> {
     /// The requests answered so far, by response.
     pub fn request_counts(&self) -> RequestCounts {
         self.counts
+    }
+
+    /// Why the device last answered BUSY (the memory manager's refusal, which names a slot
+    /// budget or a limit), if it ever did since it was made or restored.
+    pub fn last_busy(&self) -> Option<&str> {
+        self.last_busy.as_deref()
+    }
+
+    /// ACK if the change `done` went through; otherwise BUSY, its reason kept for
+    /// [`last_busy`](Self::last_busy).
+    fn busy_unless(&mut self, done: Result<(), kvm_memslots::Error>) -> Response {
+        match done {
+            Ok(()) => Response::ACK,
+            Err(e) => {
+                self.last_busy = Some(e.to_string());
+                Response::BUSY
+            }
+        }
     }
 
     /// Asks the driver for `bytes` of plugged memory: sets `requested_size` and grows the
@@ -362,10 +385,8 @@ impl<K: KvmMemory> VirtioMem<K> {
                         Response::NACK
                     } else {
                         let indices: Vec<usize> = range.collect();
-                        match self.plug_blocks(&indices) {
-                            Ok(()) => Response::ACK,
-                            Err(_) => Response::BUSY,
-                        }
+                        let plugged = self.plug_blocks(&indices);
+                        self.busy_unless(plugged)
                     }
                 }
             },
@@ -374,16 +395,14 @@ impl<K: KvmMemory> VirtioMem<K> {
                 Some(range) if self.blocks[range.clone()].contains(&false) => Response::ERROR,
                 Some(range) => {
                     let indices: Vec<usize> = range.collect();
-                    match self.unplug_blocks(&indices) {
-                        Ok(()) => Response::ACK,
-                        Err(_) => Response::BUSY,
-                    }
+                    let unplugged = self.unplug_blocks(&indices);
+                    self.busy_unless(unplugged)
                 }
             },
-            Request::UnplugAll => match self.unplug_all() {
-                Ok(()) => Response::ACK,
-                Err(_) => Response::BUSY,
-            },
+            Request::UnplugAll => {
+                let unplugged = self.unplug_all();
+                self.busy_unless(unplugged)
+            }
             Request::State { addr, blocks } => match self.config.covered(addr, blocks) {
                 None => Response::ERROR,
                 Some(range) => {

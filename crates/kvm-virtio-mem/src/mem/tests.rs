@@ -465,9 +465,13 @@ fn a_plug_over_the_slot_budget_is_refused_unless_it_joins_runs() {
     assert_eq!((dev.slots(), memory.slot_usage().used), (2, 2));
     let before = (dev.plugged_blocks(), memory.regions());
     // A third run in the piece, or a run in another piece: a slot over the budget.
+    assert_eq!(dev.last_busy(), None);
     for at in [8 * MIB, 32 * MIB] {
         assert_eq!(dev.handle(plug(BASE + at, 1)).0, Response::BUSY, "{at:#x}");
         assert_eq!((dev.plugged_blocks(), memory.regions()), before);
+        // The guest learns BUSY; whoever watches the device learns why.
+        let why = dev.last_busy().expect("a reason");
+        assert!(why.contains("over the limit max_slots = 2"), "{why}");
     }
     // Filling the hole joins the two runs (one slot fewer); growing the run needs none more.
     assert_eq!(dev.handle(plug(BASE + 2 * MIB, 1)).0, Response::ACK);
