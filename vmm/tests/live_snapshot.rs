@@ -88,55 +88,27 @@ impl Vmm {
     }
 
     fn call(&self, method: &str, path: &str, body: Option<Value>) -> (u16, Value) {
-        Client::connect(&self.api)
-            .expect("connect")
-            .call(method, path, body.as_ref())
-            .expect("an answer")
+        support::call(&self.api, method, path, body)
     }
 
     fn ok(&self, method: &str, path: &str, body: Option<Value>) -> Value {
-        let (status, answer) = self.call(method, path, body);
-        assert!(
-            (200..300).contains(&status),
-            "{method} {path}: {status} {answer}"
-        );
-        answer
+        support::ok(&self.api, method, path, body)
     }
 
     fn guest(&self, op: &str, start: u64, end: u64, seed: u64) -> Value {
-        let command = json!({"op": op, "start": start, "end": end, "stride": PAGE, "seed": seed});
+        let command = support::guest_command(op, start, end, seed);
         self.ok("PUT", "/guest/command", Some(command))
     }
 
-    /// Stops vCPU 0's write loop and checks `[AREA, end)` holds its last pass; the passes.
+    /// Stops vCPU 0's write loop and checks `[AREA, end)` holds its last pass; the passes
+    /// and the last pass's seed.
     fn stop_and_verify(&self, end: u64) -> (u64, u64) {
-        let stopped = self.ok(
-            "PUT",
-            "/guest/command",
-            Some(json!({"op": "stop_loop", "vcpu": 0})),
-        );
-        assert_eq!(stopped["result"], "stopped", "{stopped}");
-        let last = stopped["last_seed"].as_u64().expect("at least one pass");
-        let verified = self.guest("verify", AREA, end, last);
-        assert_eq!(verified["result"], "ok", "{verified}");
-        (stopped["passes"].as_u64().expect("passes"), last)
+        support::stop_and_verify(&self.api, AREA, end)
     }
 
     /// The end of the test area.
     fn area_end(&self) -> u64 {
-        let memory = self.ok("GET", "/memory", None);
-        memory["regions"]
-            .as_array()
-            .expect("regions")
-            .iter()
-            .filter_map(|r| {
-                let start = r["guest_address"].as_u64()?;
-                (AREA..4096 * MIB)
-                    .contains(&start)
-                    .then(|| start + r["size"].as_u64().expect("a size"))
-            })
-            .max()
-            .expect("serve has initial memory")
+        support::area_end(&self.api, AREA)
     }
 
     fn stop(mut self) -> Output {

@@ -14,6 +14,8 @@ use kvm_memslots_persist::{LayoutBacking, MemoryLayout, RegionLayout, LAYOUT_VER
 use serde_json::{json, Value};
 use tinyvmm::api::client::Client;
 
+mod support;
+
 const MIB: u64 = 1 << 20;
 /// Where `serve` puts its initial memory.
 const AREA: u64 = 256 * MIB;
@@ -114,19 +116,11 @@ impl Vmm {
     }
 
     fn call(&self, method: &str, path: &str, body: Option<Value>) -> (u16, Value) {
-        Client::connect(&self.api)
-            .expect("connect")
-            .call(method, path, body.as_ref())
-            .expect("an answer")
+        support::call(&self.api, method, path, body)
     }
 
     fn ok(&self, method: &str, path: &str, body: Option<Value>) -> Value {
-        let (status, answer) = self.call(method, path, body);
-        assert!(
-            (200..300).contains(&status),
-            "{method} {path}: {status} {answer}"
-        );
-        answer
+        support::ok(&self.api, method, path, body)
     }
 
     fn kill(&mut self) -> Output {
@@ -161,26 +155,12 @@ impl Drop for Vmm {
     }
 }
 
-/// Where `serve`'s initial memory ends (split over its slots, it may fall short of the size
-/// asked for by less than a page per slot).
 fn area_end(vmm: &Vmm) -> u64 {
-    let memory = vmm.ok("GET", "/memory", None);
-    memory["regions"]
-        .as_array()
-        .expect("regions")
-        .iter()
-        .filter_map(|r| {
-            let start = r["guest_address"].as_u64()?;
-            (AREA..4096 * MIB)
-                .contains(&start)
-                .then(|| start + r["size"].as_u64().expect("a size"))
-        })
-        .max()
-        .expect("serve has initial memory")
+    support::area_end(&vmm.api, AREA)
 }
 
 fn guest(op: &str, start: u64, end: u64, seed: u64) -> Value {
-    json!({"op": op, "start": start, "end": end, "stride": 4096, "seed": seed})
+    support::guest_command(op, start, end, seed)
 }
 
 fn migrate(source: &Vmm, listen: &std::path::Path, extra: Value) -> (u16, Value) {
@@ -214,20 +194,7 @@ fn phase(info: &Value) -> &str {
 
 /// Stops vCPU 0's write loop on `vmm` and checks that `[start, end)` holds its last pass.
 fn stop_and_verify(vmm: &Vmm, start: u64, end: u64) -> u64 {
-    let stopped = vmm.ok(
-        "PUT",
-        "/guest/command",
-        Some(json!({"op": "stop_loop", "vcpu": 0})),
-    );
-    assert_eq!(stopped["result"], "stopped", "{stopped}");
-    let last = stopped["last_seed"].as_u64().expect("at least one pass");
-    let verified = vmm.ok(
-        "PUT",
-        "/guest/command",
-        Some(guest("verify", start, end, last)),
-    );
-    assert_eq!(verified["result"], "ok", "{verified}");
-    stopped["passes"].as_u64().expect("passes")
+    support::stop_and_verify(&vmm.api, start, end).0
 }
 
 /// A guest writing across `slots` slots migrates while it writes; every slot, a hotplugged

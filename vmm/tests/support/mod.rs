@@ -1,6 +1,6 @@
-//! What the Linux-guest and snapshot tests share: Debian's kernel (fetched by
+//! What the Linux-guest, snapshot and migration tests share: Debian's kernel (fetched by
 //! `resources/fetch-kernel.sh`), whether a test can run, whether the host has hardware
-//! virtualisation, and merging a snapshot chain.
+//! virtualisation, merging a snapshot chain, and requests to a VMM's API socket.
 
 #![allow(dead_code)] // Each test file uses its part.
 
@@ -173,4 +173,68 @@ pub fn merge_chain(out: &Path, files: &[&Path]) {
         "{}",
         String::from_utf8_lossy(&merge.stderr)
     );
+}
+
+/// One request to the API socket at `api`: its status and body.
+pub fn call(
+    api: &Path,
+    method: &str,
+    path: &str,
+    body: Option<serde_json::Value>,
+) -> (u16, serde_json::Value) {
+    tinyvmm::api::client::Client::connect(api)
+        .expect("connect")
+        .call(method, path, body.as_ref())
+        .expect("an answer")
+}
+
+/// A request that must succeed (2xx): its body.
+pub fn ok(
+    api: &Path,
+    method: &str,
+    path: &str,
+    body: Option<serde_json::Value>,
+) -> serde_json::Value {
+    let (status, answer) = call(api, method, path, body);
+    assert!(
+        (200..300).contains(&status),
+        "{method} {path}: {status} {answer}"
+    );
+    answer
+}
+
+/// A test-guest command over `[start, end)`, one u64 a page.
+pub fn guest_command(op: &str, start: u64, end: u64, seed: u64) -> serde_json::Value {
+    serde_json::json!({"op": op, "start": start, "end": end, "stride": 4096, "seed": seed})
+}
+
+/// Stops vCPU 0's write loop on the VMM at `api` and checks that `[start, end)` holds its
+/// last pass; the passes and the last pass's seed.
+pub fn stop_and_verify(api: &Path, start: u64, end: u64) -> (u64, u64) {
+    let stop = serde_json::json!({"op": "stop_loop", "vcpu": 0});
+    let stopped = ok(api, "PUT", "/guest/command", Some(stop));
+    assert_eq!(stopped["result"], "stopped", "{stopped}");
+    let last = stopped["last_seed"].as_u64().expect("at least one pass");
+    let command = guest_command("verify", start, end, last);
+    let verified = ok(api, "PUT", "/guest/command", Some(command));
+    assert_eq!(verified["result"], "ok", "{verified}");
+    (stopped["passes"].as_u64().expect("passes"), last)
+}
+
+/// Where `serve`'s initial memory, from `area`, ends (split over its slots, it may fall short
+/// of the size asked for by less than a page per slot).
+pub fn area_end(api: &Path, area: u64) -> u64 {
+    let memory = ok(api, "GET", "/memory", None);
+    memory["regions"]
+        .as_array()
+        .expect("regions")
+        .iter()
+        .filter_map(|r| {
+            let start = r["guest_address"].as_u64()?;
+            (area..4 << 30)
+                .contains(&start)
+                .then(|| start + r["size"].as_u64().expect("a size"))
+        })
+        .max()
+        .expect("serve has initial memory")
 }
