@@ -264,12 +264,7 @@ pub fn run_harvest_bench(
             ring_write_us: ring_write,
         });
     }
-    let ring_full_exits = sides[1]
-        .vcpus
-        .shared(0)
-        .counters
-        .dirty_ring_full
-        .load(Ordering::Relaxed);
+    let ring_full_exits = sides[1].vcpus.shared(0).counters.dirty_ring_full();
     for side in sides {
         side.vcpus.shut_down()?;
     }

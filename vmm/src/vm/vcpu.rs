@@ -54,20 +54,28 @@ pub fn kick_until_finished<T>(thread: &JoinHandle<T>, timeout: Duration) -> bool
 /// Counts of the exits a vCPU handled, readable while it runs.
 #[derive(Debug, Default)]
 pub struct ExitCounters {
-    /// Every exit.
-    pub exits: AtomicU64,
     /// Accesses to memory that was away during a slot change, finished against the map.
     pub completed_after_change: AtomicU64,
     /// Exits inside the expected window.
     pub expected: AtomicU64,
     /// Writes to read-only slots, dropped.
     pub read_only_writes: AtomicU64,
-    /// Exits on a full dirty ring.
-    pub dirty_ring_full: AtomicU64,
     /// Accesses to memory that is absent on purpose (unplugged virtio-mem blocks).
     pub absent_memory: AtomicU64,
     /// Every exit by its kind ([`Exit::kind`], named by [`EXIT_KINDS`]).
     pub by_kind: [AtomicU64; EXIT_KINDS.len()],
+}
+
+impl ExitCounters {
+    /// Every exit: the kinds' counts added up.
+    pub fn exits(&self) -> u64 {
+        self.by_kind.iter().map(|c| c.load(Ordering::Relaxed)).sum()
+    }
+
+    /// Exits on a full dirty ring.
+    pub fn dirty_ring_full(&self) -> u64 {
+        self.by_kind[Exit::DirtyRingFull.kind()].load(Ordering::Relaxed)
+    }
 }
 
 /// Every vCPU this process started, for [`exit_totals`]: kept for the process's life (a few
@@ -617,7 +625,6 @@ impl<P: VcpuPorts> Vcpu<P> {
             let (exit, mut buffer) =
                 Exit::from_kvm(fd.run()).map_err(|source| VcpuError::Run { vcpu, source })?;
             let counters = &shared.counters;
-            counters.exits.fetch_add(1, Ordering::Relaxed);
             counters.by_kind[exit.kind()].fetch_add(1, Ordering::Relaxed);
             interrupted = matches!(exit, Exit::Interrupted);
             let mmio = exit.is_mmio();
@@ -693,7 +700,6 @@ impl<P: VcpuPorts> Vcpu<P> {
                     memory
                         .collect_dirty_rings()
                         .map_err(|source| VcpuError::DirtyRing { vcpu, source })?;
-                    counters.dirty_ring_full.fetch_add(1, Ordering::Relaxed);
                     Flow::Continue
                 }
                 ExitAction::ReadAllOnes => {

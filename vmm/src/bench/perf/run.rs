@@ -287,11 +287,10 @@ impl Bench<'_> {
         let counters = &shared.counters;
         let read = || {
             [
-                &counters.expected,
-                &counters.completed_after_change,
-                &counters.exits,
+                counters.expected.load(Ordering::Relaxed),
+                counters.completed_after_change.load(Ordering::Relaxed),
+                counters.exits(),
             ]
-            .map(|c| c.load(Ordering::Relaxed))
         };
         if test == Scenario::MoveActive {
             set_window(Some(home_range));

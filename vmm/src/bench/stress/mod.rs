@@ -182,11 +182,11 @@ pub fn run_stress(
         changes: changer.counts,
         passes,
         verifies,
-        exits: count_of(|c| &c.exits).iter().sum(),
+        exits: shared.iter().map(|s| s.counters.exits()).sum(),
         completed_after_change: count_of(|c| &c.completed_after_change),
         read_only_writes: count_of(|c| &c.read_only_writes).iter().sum(),
         dirty_ring: config.dirty_ring,
-        dirty_ring_full: count_of(|c| &c.dirty_ring_full).iter().sum(),
+        dirty_ring_full: shared.iter().map(|s| s.counters.dirty_ring_full()).sum(),
         duration,
     })
 }
