@@ -52,18 +52,28 @@ impl SnapshotCreate {
         }
     }
 
-    /// The live fields set on a snapshot that is not live, named, if any is.
-    pub fn live_fields_set(&self) -> Option<&'static str> {
-        if self.live {
-            return None;
-        }
-        [
+    /// Why this request (not live) cannot snapshot a VM that is `paused` or not: a live field
+    /// set on it, or a VM that runs.
+    pub fn check_paused(&self, paused: bool) -> Result<(), super::ControllerError> {
+        let live_field = [
             ("downtime_ms", self.downtime_ms.is_some()),
             ("timeout_s", self.timeout_s.is_some()),
             ("on_timeout", self.on_timeout.is_some()),
         ]
         .into_iter()
-        .find_map(|(name, set)| set.then_some(name))
+        .find_map(|(name, set)| set.then_some(name));
+        if let Some(field) = live_field {
+            return Err(super::ControllerError::bad(format!(
+                "{field} applies to live snapshots only (\"live\": true)"
+            )));
+        }
+        if !paused {
+            return Err(super::ControllerError::bad(
+                "the VM is running: pause it first with PATCH /vm {\"state\": \"Paused\"}, or \
+                 take a live snapshot (\"live\": true)",
+            ));
+        }
+        Ok(())
     }
 }
 

@@ -193,17 +193,7 @@ impl LinuxController {
                 self.interrupt,
             );
         }
-        if let Some(field) = create.live_fields_set() {
-            return Err(ControllerError::bad(format!(
-                "{field} applies to live snapshots only (\"live\": true)"
-            )));
-        }
-        if self.state != RunState::Paused {
-            return Err(ControllerError::bad(
-                "the VM is running: pause it first with PATCH /vm {\"state\": \"Paused\"}, \
-                 or take a live snapshot (\"live\": true)",
-            ));
-        }
+        create.check_paused(self.state == RunState::Paused)?;
         let (memory, vcpus, write_state) = (&self.memory, &self.vcpus, self.state_writer());
         self.chain
             .create(memory, &create, |info, layout, file: &File| {

@@ -556,10 +556,9 @@ impl<V: MigratingVcpu> Run<V> {
         }
         // Out of the guest, every vCPU has published what it dirtied: this harvest is the
         // last word.
-        let last = self.harvest(memory)?;
-        for pages in [&dirty, &last] {
-            self.sink.send_dirty(memory, pages)?;
-        }
+        let mut pages = dirty;
+        pages.extend(self.harvest(memory)?);
+        self.sink.send_dirty(memory, &pages)?;
         self.sink.end_round()?;
         let mut vcpus = Vec::with_capacity(self.vm.vcpus.len());
         for (index, vcpu) in self.vm.vcpus.iter().enumerate() {

@@ -29,17 +29,7 @@ impl Controller {
                 .chain
                 .start_live(&memory, &create, handles, write_state, self.interrupt);
         }
-        if let Some(field) = create.live_fields_set() {
-            return Err(ControllerError::bad(format!(
-                "{field} applies to live snapshots only (\"live\": true)"
-            )));
-        }
-        if self.state != RunState::Paused {
-            return Err(ControllerError::bad(
-                "the VM is running: pause it first with PATCH /vm {\"state\": \"Paused\"}, or \
-                 take a live snapshot (\"live\": true)",
-            ));
-        }
+        create.check_paused(self.state == RunState::Paused)?;
         let write_state = self.state_writer();
         let vcpus = self.vcpus.as_mut().ok_or_else(shutting_down)?;
         self.chain
