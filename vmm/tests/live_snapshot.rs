@@ -443,7 +443,10 @@ fn kvm_a_cancelled_live_snapshot_leaves_nothing_and_bad_requests_are_refused() {
         "unknown variant `later`",
     );
 
-    // A budget nothing fits keeps the rounds going until the cancel.
+    // A budget nothing fits keeps the rounds going until the cancel. Nothing logs before it;
+    // the chain logs every region while it runs.
+    let logging = |vmm: &Vmm| vmm.ok("GET", "/dirty-log", None)["logging_for"].clone();
+    assert_eq!(logging(&vmm), json!({}));
     assert_eq!(
         vmm.guest("write_loop", AREA, end, SEED)["result"],
         "started"
@@ -451,6 +454,11 @@ fn kvm_a_cancelled_live_snapshot_leaves_nothing_and_bad_requests_are_refused() {
     let (status, body) =
         create(json!({"live": true, "downtime_ms": 0, "timeout_s": 600, "on_timeout": "cancel"}));
     assert_eq!(status, 204, "{body}");
+    assert!(
+        logging(&vmm)["snapshot_chain"].is_array(),
+        "{}",
+        logging(&vmm)
+    );
     let (status, body) = create(json!({"live": true}));
     assert_eq!(status, 409, "a second snapshot waits: {body}");
     // So does a migration, and any change to the memory map.
@@ -493,6 +501,8 @@ fn kvm_a_cancelled_live_snapshot_leaves_nothing_and_bad_requests_are_refused() {
         !state.exists() && !mem.exists(),
         "a cancelled snapshot leaves no file"
     );
+    // Nor any logging: KVM's slots log no more than before it.
+    assert_eq!(logging(&vmm), json!({}));
     let (status, body) = vmm.call("PUT", "/snapshot/cancel", None);
     assert_eq!(status, 409, "{body}");
     // No base: a Diff is refused until a Full is written.
