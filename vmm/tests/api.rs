@@ -342,6 +342,34 @@ fn kvm_the_hotplug_area_plugs_and_unplugs_slots() {
         vmm.call("PUT", "/guest/command", Some(touch)).1["result"],
         json!("ok")
     );
+    // The third piece holds 4 of its 8 MiB: its slot ends there, and so does the memory.
+    let no_memory = |from: u64| {
+        let write = json!({"op": "write", "start": base + from, "end": base + from + (1 << 20), "stride": 4096, "seed": 1});
+        vmm.call("PUT", "/guest/command", Some(write))
+    };
+    let past = no_memory(20 << 20);
+    assert_eq!(past.0, 400, "unplugged blocks have no slot: {past:?}");
+    // Plugging into that piece grows its slot, and the guest checks the new memory.
+    assert_eq!(
+        vmm.call(
+            "PATCH",
+            "/hotplug/memory",
+            Some(json!({"requested_size_mib": 22}))
+        )
+        .0,
+        204
+    );
+    assert_eq!(
+        used(&vmm),
+        2 + 3,
+        "the piece's slot grew in place of a new one"
+    );
+    let grown = json!({"op": "write", "start": base + (20 << 20), "end": base + (22 << 20), "stride": 4096, "seed": 2});
+    assert_eq!(
+        vmm.call("PUT", "/guest/command", Some(grown)).1["result"],
+        json!("ok")
+    );
+    assert_eq!(no_memory(22 << 20).0, 400);
     let odd = vmm.call(
         "PATCH",
         "/hotplug/memory",
@@ -358,11 +386,18 @@ fn kvm_the_hotplug_area_plugs_and_unplugs_slots() {
         204
     );
     assert_eq!(used(&vmm), 2 + 1);
-    let beyond = json!({"op": "write", "start": base + (8 << 20), "end": base + (9 << 20), "stride": 4096, "seed": 1});
-    let refused = vmm.call("PUT", "/guest/command", Some(beyond));
+    for from in [6 << 20, 8 << 20] {
+        let refused = no_memory(from);
+        assert_eq!(
+            refused.0, 400,
+            "the unplugged range at +{from:#x}, in the first piece or past it, is no memory: {refused:?}"
+        );
+    }
+    let kept = json!({"op": "verify", "start": base, "end": base + (6 << 20), "stride": 1 << 20, "seed": 1});
     assert_eq!(
-        refused.0, 400,
-        "the unplugged range is no memory: {refused:?}"
+        vmm.call("PUT", "/guest/command", Some(kept)).1["result"],
+        json!("ok"),
+        "the blocks that stay keep what the guest wrote"
     );
     let first_slot = vmm.memory()["regions"]
         .as_array()

@@ -1269,11 +1269,17 @@ fn kvm_a_plug_that_maps_slots_waits_for_the_guest_like_a_checked_add() {
     );
     let hotplug = vmm.ok("GET", "/hotplug/memory", None);
     assert_eq!(hotplug["plugged_size_mib"], 4, "nothing changed: {hotplug}");
-    // Within the slot already mapped, or an unplug: the guest checks nothing.
-    vmm.ok(
+    // Within the piece already mapped, its slot grows over new memory: checked, so refused
+    // too. An unplug: the guest checks nothing.
+    let (status, answer) = vmm.call(
         "PATCH",
         "/hotplug/memory",
         Some(json!({"requested_size_mib": 8})),
+    );
+    assert_eq!(status, 409, "{answer}");
+    assert!(
+        fault(&answer).contains("plugging 8 MiB maps new memory"),
+        "{answer}"
     );
     vmm.ok(
         "PATCH",
@@ -1313,6 +1319,52 @@ fn kvm_a_plug_that_maps_slots_waits_for_the_guest_like_a_checked_add() {
     );
     let hotplug = vmm.ok("GET", "/hotplug/memory", None);
     assert_eq!(hotplug["plugged_size_mib"], 20, "{hotplug}");
+}
+
+/// Unplugs that cut the slot of a hotplug piece a vCPU keeps writing into (each a re-slot:
+/// the piece's slot is deleted and made again, smaller): no write is lost, and none meets
+/// absent memory.
+#[test]
+fn kvm_a_write_loop_goes_on_through_unplugs_that_cut_its_slot() {
+    if !kvm_test_support::require_kvm(
+        "tinyvmm::kvm_a_write_loop_goes_on_through_unplugs_that_cut_its_slot",
+    ) {
+        return;
+    }
+    let vmm = Vmm::serve("reslot-loop", 4, 16, &[]);
+    let area = json!({"total_size_mib": 64, "block_size_mib": 2, "slot_size_mib": 8});
+    vmm.ok("PUT", "/hotplug/memory", Some(area));
+    let base = vmm.ok("GET", "/hotplug/memory", None)["guest_address"]
+        .as_u64()
+        .expect("the area's address");
+    let size = |mib: u64| Some(json!({ "requested_size_mib": mib }));
+    for round in 0..3 {
+        vmm.ok("PATCH", "/hotplug/memory", size(16));
+        vmm.ok(
+            "PUT",
+            "/guest/command",
+            Some(guest("write_loop", base, base + 2 * MIB, 10 * round + 1)),
+        );
+        // Piece 1 shrinks, goes; then piece 0, under the loop, shrinks to its first block.
+        for mib in [14, 12, 10, 8, 6, 4, 2] {
+            vmm.ok("PATCH", "/hotplug/memory", size(mib));
+        }
+        let (passes, _) = support::stop_and_verify(&vmm.api, base, base + 2 * MIB);
+        assert!(passes > 0, "round {round}: the loop ran");
+        let memory = vmm.ok("GET", "/memory", None);
+        let piece = memory["regions"]
+            .as_array()
+            .expect("regions")
+            .iter()
+            .find(|r| r["guest_address"] == json!(base))
+            .cloned()
+            .expect("piece 0");
+        assert_eq!(piece["slots"], json!(1), "{piece}");
+    }
+    let metrics = vmm.ok("GET", "/metrics", None);
+    let metrics = metrics.as_str().expect("text");
+    let absent = "tinyvmm_vcpu_exits_handled_total{how=\"absent_memory\"} 0";
+    assert!(metrics.lines().any(|l| l == absent), "{metrics}");
 }
 
 /// The State record of a one-vCPU VM of [`one_region_layout`], as JSON to tamper with.

@@ -33,7 +33,7 @@ fn file(name: &str) -> PathBuf {
 }
 
 /// The tests of this file, which share [`dir`]: the last one to end removes it.
-const TESTS: usize = 6;
+const TESTS: usize = 7;
 
 /// Counts a test as ended when dropped (even by a panic).
 struct Ended;
@@ -545,6 +545,71 @@ fn tampered(name: &str, change: impl FnOnce(&mut Value)) -> PathBuf {
     path
 }
 
+/// The layout's region of chain A's second hotplug piece (8 MiB at `plugged` + 8 MiB, 2 MiB of
+/// it plugged).
+fn partly_plugged_piece(state: &mut Value, plugged: u64) -> &mut Value {
+    state["layout"]["regions"]
+        .as_array_mut()
+        .expect("regions")
+        .iter_mut()
+        .find(|r| r["gpa"] == json!(plugged + 8 * MIB))
+        .expect("the piece is a region")
+}
+
+/// A state written before hotplug pieces had holes (a partly plugged piece slotted whole)
+/// restores with the piece's slot cut to its plugged blocks: the rest is no memory, what the
+/// guest wrote stays, and the area plugs on from there.
+#[test]
+fn kvm_a_hotplug_piece_saved_whole_slotted_restores_cut_to_its_blocks() {
+    let _ended = Ended;
+    if !kvm_test_support::require_kvm(
+        "tinyvmm::kvm_a_hotplug_piece_saved_whole_slotted_restores_cut_to_its_blocks",
+    ) {
+        return;
+    }
+    let c = chains();
+    let mut saved = None;
+    let legacy = tampered("whole-slotted", |s| {
+        let piece = partly_plugged_piece(s, c.plugged);
+        // As the old code added it: one slot of the piece's size.
+        piece["slot_size"] = json!(8 * MIB);
+        saved = piece
+            .as_object_mut()
+            .expect("a region")
+            .remove("slot_ranges");
+    });
+    assert_eq!(saved, Some(json!([[0, 2 * MIB]])), "the piece had a hole");
+    let vmm = match start("whole-slotted", &restore_args(&legacy, &c.a[0].mem)) {
+        Started::Served(vmm) => vmm,
+        Started::Exited { code, stderr } => {
+            panic!("the whole-slotted state did not restore: exit {code:?}: {stderr}")
+        }
+        Started::Hung => panic!("the whole-slotted state's restore hung"),
+    };
+    vmm.vm("Resumed");
+    let piece = vmm.call("GET", "/memory", None).1["regions"]
+        .as_array()
+        .expect("regions")
+        .iter()
+        .find(|r| r["guest_address"] == json!(c.plugged + 8 * MIB))
+        .cloned()
+        .expect("the piece");
+    assert_eq!(piece["slots"], json!(1), "{piece}");
+    let hole = json!({"op": "write", "start": c.plugged + 10 * MIB, "end": c.plugged + 11 * MIB, "stride": 4096, "seed": 9});
+    let (status, body) = vmm.call("PUT", "/guest/command", Some(hole));
+    assert_eq!(status, 400, "the unplugged blocks have no slot: {body}");
+    let verified = vmm.command("verify", c.plugged, c.plugged + 10 * MIB, 1 + 3);
+    assert_eq!(verified["result"], json!("ok"), "{verified}");
+    let (status, body) = vmm.call(
+        "PATCH",
+        "/hotplug/memory",
+        Some(json!({"requested_size_mib": 16})),
+    );
+    assert_eq!(status, 204, "{body}");
+    vmm.write(c.plugged + 10 * MIB, c.plugged + 16 * MIB, 5);
+    assert_eq!(vmm.stop(), Some(0));
+}
+
 #[test]
 fn kvm_a_state_file_that_contradicts_itself_is_refused_before_anything_runs() {
     let _ended = Ended;
@@ -589,6 +654,14 @@ fn kvm_a_state_file_that_contradicts_itself_is_refused_before_anything_runs() {
                 s["hotplug"]["config"]["block_size_mib"] = json!(3);
             }),
             "block_size_mib",
+        ),
+        (
+            "slot-over-unplugged",
+            tampered("slot-over-unplugged", |s| {
+                let piece = partly_plugged_piece(s, c.plugged);
+                piece["slot_ranges"] = json!([[0, 4 * MIB]]);
+            }),
+            "need [0..200000]",
         ),
         (
             "short-regs",

@@ -72,6 +72,17 @@ impl RegionLayout {
             .step_by(self.slot_size.max(1) as usize)
             .map(|start| [start, (start + self.slot_size).min(self.size)])
     }
+
+    /// The region's slots as byte ranges of it: its `slot_ranges`, else cut by `slot_size`.
+    pub fn slots(&self) -> Vec<std::ops::Range<u64>> {
+        match &self.slot_ranges {
+            Some(slots) => slots.iter().map(|&[start, end]| start..end).collect(),
+            None => self
+                .default_slots()
+                .map(|[start, end]| start..end)
+                .collect(),
+        }
+    }
 }
 
 /// A manager's memory layout: every region with its slot size, flags and backing, in

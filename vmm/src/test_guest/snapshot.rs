@@ -68,13 +68,15 @@ pub struct HotplugState {
 
 impl HotplugState {
     /// Checks the area against itself and `layout`: a configuration the API would accept,
-    /// one `mapped` entry per slot, no more plugged blocks than the area has, exactly the
-    /// slots those blocks need mapped, and each mapped slot (and nothing else) a region of
-    /// the layout there.
+    /// one `mapped` entry per piece (slot size) of the area, no more plugged blocks than the
+    /// area has, exactly the pieces those blocks need mapped, and each mapped piece (and
+    /// nothing else) a region of the layout there whose one slot covers its plugged blocks.
+    /// (A piece slotted whole, as states were before pieces had holes, is accepted too: the
+    /// restore cuts its slot to its plugged blocks.)
     fn validate(&self, layout: &MemoryLayout) -> Result<(), String> {
         let area = HotplugArea::new(self.config, HOTPLUG_GPA, IDENTITY_MAPPED, usize::MAX)
             .map_err(|e| format!("the hotplug area: {e}"))?;
-        let slots = area.slots.len();
+        let slots = area.pieces.len();
         if self.mapped.len() != slots {
             return Err(format!(
                 "the hotplug area has {slots} slots, but `mapped` lists {}",
@@ -98,7 +100,7 @@ impl HotplugState {
                 self.plugged_blocks
             ));
         }
-        let end = area.gpa + slots as u64 * area.slot_size;
+        let end = area.range().end;
         for region in layout
             .regions
             .iter()
@@ -113,6 +115,18 @@ impl HotplugState {
                     "the layout's region at {:#x} ({} bytes) is inside the hotplug area but not \
                      one of its mapped slots",
                     region.gpa, region.size
+                ));
+            }
+            let (slots, wanted) = (
+                region.slots(),
+                area.piece_slots(slot as usize, self.plugged_blocks),
+            );
+            let whole = 0..area.slot_size;
+            if slots != wanted && slots != std::slice::from_ref(&whole) {
+                return Err(format!(
+                    "the layout's region at {:#x} has slots {slots:x?}; the hotplug area's \
+                     plugged blocks there need {wanted:x?}",
+                    region.gpa
                 ));
             }
         }
@@ -259,6 +273,8 @@ impl StateRecord for MigrationRecord {
 }
 
 #[cfg(test)]
+// Slot layouts are lists of ranges, one range long as often as not.
+#[allow(clippy::single_range_in_vec_init)]
 mod tests {
     use super::*;
     use crate::vm::state::{VcpuState, SAVED_MSRS};
@@ -325,6 +341,28 @@ mod tests {
         let (_memory, three) = layout(&[0, 1, 3]);
         let extra = hotplug().validate(&three).expect_err("refused");
         assert!(extra.contains("inside the hotplug area"), "{extra}");
+        // A partly plugged piece's slot covers its plugged block (or, written before pieces
+        // had holes, the whole piece); any other slotting is refused, naming both.
+        let with_slots = |piece_1: Vec<std::ops::Range<u64>>| {
+            let (memory, _) = layout(&[0]);
+            let gpa = GuestAddress(HOTPLUG_GPA + 8 * MIB);
+            memory
+                .add_region(RegionSpec::new(gpa, 8 * MIB).with_slot_ranges(piece_1))
+                .expect("a piece with a hole");
+            MemoryLayout::of(&memory)
+        };
+        assert_eq!(hotplug().validate(&with_slots(vec![0..2 * MIB])), Ok(()));
+        let wrong = hotplug()
+            .validate(&with_slots(vec![0..4 * MIB]))
+            .expect_err("refused");
+        assert!(
+            wrong.contains("has slots [0..400000]") && wrong.contains("need [0..200000]"),
+            "{wrong}"
+        );
+        let behind = hotplug()
+            .validate(&with_slots(vec![0..2 * MIB, 6 * MIB..8 * MIB]))
+            .expect_err("a slot behind unplugged blocks");
+        assert!(behind.contains("need [0..200000]"), "{behind}");
     }
 
     #[test]

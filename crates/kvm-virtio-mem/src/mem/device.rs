@@ -7,9 +7,7 @@ use std::sync::Arc;
 
 use std::collections::BTreeMap;
 
-use kvm_memslots::{
-    AddressRange, KvmMemory, MemoryManager, RegionChange, RegionId, RegionSpec, Reslot,
-};
+use kvm_memslots::{AddressRange, KvmMemory, MemoryManager, RegionId};
 use virtio_bindings::virtio_ids::VIRTIO_ID_MEM;
 use virtio_queue::{Queue, QueueOwnedT, QueueT};
 use vm_memory::GuestAddress;
@@ -20,7 +18,7 @@ use super::request::{
     VIRTIO_MEM_RESP_BUSY, VIRTIO_MEM_RESP_NACK, VIRTIO_MEM_STATE_MIXED, VIRTIO_MEM_STATE_PLUGGED,
     VIRTIO_MEM_STATE_UNPLUGGED,
 };
-use super::slots::{most_runs, plugged_runs};
+use super::slots::{most_runs, piece_change, plugged_runs};
 use crate::mmio::{DriverError, Interrupt, MmioTransport, QueueOutcome, VirtioDevice, F_VERSION_1};
 
 /// Feature bit number: `node_id` is an ACPI proximity domain (not offered).
@@ -322,20 +320,15 @@ impl<K: KvmMemory> VirtioMem<K> {
             }
             let size = (end - first) as u64 * block;
             let slots = plugged_runs(plugged, block);
-            match (self.pieces[piece], slots.is_empty()) {
-                (None, _) => {
-                    changes.push(RegionChange::Add(
-                        RegionSpec::new(self.block_gpa(first), size).with_slot_ranges(slots),
-                    ));
-                    added.push(piece);
-                }
-                (Some(region), true) => changes.push(RegionChange::Remove(region)),
-                (Some(region), false) => changes.push(RegionChange::Reslot(Reslot {
-                    region,
-                    range: 0..size,
-                    slots,
-                })),
+            if self.pieces[piece].is_none() {
+                added.push(piece);
             }
+            changes.push(piece_change(
+                self.pieces[piece],
+                self.block_gpa(first),
+                size,
+                slots,
+            ));
         }
         if changes.is_empty() {
             return Ok(());

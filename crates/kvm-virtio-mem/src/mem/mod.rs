@@ -30,5 +30,5 @@ pub use request::{
     VIRTIO_MEM_RESP_NACK, VIRTIO_MEM_STATE_MIXED, VIRTIO_MEM_STATE_PLUGGED,
     VIRTIO_MEM_STATE_UNPLUGGED,
 };
-pub use slots::plugged_runs;
+pub use slots::{piece_change, plugged_runs};
 pub use state::VirtioMemState;

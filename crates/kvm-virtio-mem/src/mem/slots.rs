@@ -2,6 +2,9 @@
 
 use std::ops::Range;
 
+use kvm_memslots::{RegionChange, RegionId, RegionSpec, Reslot};
+use vm_memory::GuestAddress;
+
 /// The slots of one piece of a hotplug region (a run of blocks no slot crosses, at most the
 /// maximum slot size long) whose blocks are plugged as `plugged` says, block by block: one
 /// slot per maximal run of plugged blocks, as byte ranges of the piece, lowest first.
@@ -26,6 +29,37 @@ pub fn plugged_runs(plugged: impl IntoIterator<Item = bool>, block_size: u64) ->
         open = plugged;
     }
     runs
+}
+
+/// The one change of the manager that gives the piece of `size` bytes at `gpa` the slots
+/// `slots` ([`plugged_runs`] of its blocks after a plug or an unplug), given `region`, the
+/// region behind it now: a piece with no region is added (its memory mapped, slots over the
+/// runs only), one left with no slot is removed (its memory unmapped), and any other is
+/// re-slotted over its whole range, its memory untouched.
+///
+/// ```
+/// use kvm_memslots::{RegionChange, RegionId};
+/// use kvm_virtio_mem::mem::piece_change;
+/// use vm_memory::GuestAddress;
+///
+/// let change = piece_change(Some(RegionId(7)), GuestAddress(1 << 30), 0x8000, vec![]);
+/// assert!(matches!(change, RegionChange::Remove(RegionId(7))));
+/// ```
+pub fn piece_change(
+    region: Option<RegionId>,
+    gpa: GuestAddress,
+    size: u64,
+    slots: Vec<Range<u64>>,
+) -> RegionChange {
+    match (region, slots.is_empty()) {
+        (None, _) => RegionChange::Add(RegionSpec::new(gpa, size).with_slot_ranges(slots)),
+        (Some(region), true) => RegionChange::Remove(region),
+        (Some(region), false) => RegionChange::Reslot(Reslot {
+            region,
+            range: 0..size,
+            slots,
+        }),
+    }
 }
 
 /// The most slots a piece of `blocks` blocks can need: every other block plugged.

@@ -1,53 +1,68 @@
 //! The test guest's hotplug requests: configuring the area, and carrying a plan
-//! ([`HotplugArea::plan`]) out through the memory manager with the guest checking each slot it
-//! maps.
+//! ([`HotplugArea::plan`]) out through the memory manager, as one change, with the guest
+//! checking the memory it plugs.
 
-use kvm_memslots::{RegionId, RegionSpec};
+use std::sync::Arc;
+
+use kvm_memslots::RegionChange;
 
 use super::{Controller, HOTPLUG_GPA, MIB};
 use crate::control::hotplug::{HotplugConfig, HotplugRequest};
 use crate::control::{ControllerError, ErrorKind};
+use crate::lifecycle::{log, LogLevel};
 use crate::test_guest;
-use crate::test_guest::hotplug::HotplugArea;
+use crate::test_guest::hotplug::{HotplugArea, HotplugPlan};
 use crate::test_guest::snapshot::HotplugState;
 
 impl Controller {
-    /// Takes back a restored VM's hotplug area: its mapped slots are the regions at their guest
-    /// addresses in the restored memory.
+    /// Takes back a restored VM's hotplug area: its pieces are the regions at their guest
+    /// addresses in the restored memory (the state was checked against the layout). A piece
+    /// saved whole-slotted with unplugged blocks in it (as states were before pieces had
+    /// holes) is re-slotted over its plugged blocks, all such pieces in one change.
     pub fn with_hotplug(mut self, saved: Option<&HotplugState>) -> Result<Self, ControllerError> {
         let Some(saved) = saved else {
             return Ok(self);
         };
         let block = saved.config.block_size_mib;
         let slot_size = saved.config.slot_size_mib.unwrap_or(block) * MIB;
-        let regions = self.vm.memory().regions();
-        let slots = saved
-            .mapped
-            .iter()
-            .enumerate()
-            .map(|(i, mapped)| {
-                let gpa = HOTPLUG_GPA + i as u64 * slot_size;
-                if !mapped {
-                    return Ok(None);
-                }
-                regions
-                    .iter()
-                    .find(|r| r.gpa.0 == gpa && r.size == slot_size)
-                    .map(|r| Some(r.id))
-                    .ok_or_else(|| {
-                        ControllerError::bad(format!(
-                            "the snapshot's hotplug slot {i} at {gpa:#x} is not in its memory layout"
-                        ))
-                    })
-            })
-            .collect::<Result<Vec<_>, _>>()?;
-        self.hotplug = Some(HotplugArea {
+        let memory = Arc::clone(self.vm.memory());
+        let regions = memory.regions();
+        let mut area = HotplugArea {
             config: saved.config,
             gpa: HOTPLUG_GPA,
             slot_size,
             plugged_blocks: saved.plugged_blocks,
-            slots,
-        });
+            pieces: vec![None; saved.mapped.len()],
+        };
+        let mut reslots = Vec::new();
+        for (i, _) in saved.mapped.iter().enumerate().filter(|(_, m)| **m) {
+            let gpa = area.slot_gpa(i).0;
+            let region = regions
+                .iter()
+                .find(|r| r.gpa.0 == gpa && r.size == slot_size)
+                .map(|r| r.id)
+                .ok_or_else(|| {
+                    ControllerError::bad(format!(
+                        "the snapshot's hotplug slot {i} at {gpa:#x} is not in its memory layout"
+                    ))
+                })?;
+            let wanted = area.piece_slots(i, saved.plugged_blocks);
+            if memory.slot_ranges(region).as_ref() != Some(&wanted) {
+                reslots.push(RegionChange::Reslot(kvm_memslots::Reslot {
+                    region,
+                    range: 0..slot_size,
+                    slots: wanted,
+                }));
+            }
+            area.pieces[i] = Some(region);
+        }
+        if !reslots.is_empty() {
+            memory.apply(reslots).map_err(|e| {
+                ControllerError::from(e)
+                    .and("the hotplug area's partly plugged slots were not cut to their blocks")
+            })?;
+        }
+        self.hotplug = Some(area);
         Ok(self)
     }
 
@@ -69,7 +84,7 @@ impl Controller {
         )?;
         // All of it plugged must be admissible now: refuse an area that could only ever be
         // plugged in part.
-        let total = area.slots.len() as u64 * area.slot_size;
+        let total = area.range().end - area.gpa;
         // Its range is reserved from now on: nothing else may be there.
         if let Some(other) = memory
             .current()
@@ -97,108 +112,114 @@ impl Controller {
     ) -> Result<(), ControllerError> {
         let area = self.hotplug.as_ref().ok_or_else(no_hotplug_area)?;
         let plan = area.plan(request.requested_size_mib)?;
-        let slot_size = area.slot_size;
-        // Plug: map every slot that gets a first block in one batch (all or none of them),
-        // then let the guest check each, as it checks an added region (an unplug, or a plug
-        // into slots already mapped, runs nothing in the guest). If a check fails, they all go
-        // again in one batch: the area stays as it was.
-        if !plan.map.is_empty() {
+        let before = area.plugged_blocks;
+        // What the plug maps (pieces that get their first block, or a slot that grows over
+        // more of its piece), each piece's part checked by the guest as an added region is.
+        let checks: Vec<_> = plan
+            .pieces
+            .iter()
+            .filter_map(|p| p.plugged().map(|range| (p.index, range)))
+            .collect();
+        if !checks.is_empty() {
             self.guest_can_check(&format!(
-                "plugging {} MiB maps {} new slots, which the guest checks",
-                request.requested_size_mib,
-                plan.map.len()
+                "plugging {} MiB maps new memory, which the guest checks",
+                request.requested_size_mib
             ))?;
-            if self.interrupted() {
-                return Err(self.stop_hotplug_early(plan.blocks, 0, plan.map.len()));
-            }
-            let specs: Vec<RegionSpec> = plan
-                .map
-                .iter()
-                .map(|&(_, gpa)| RegionSpec::new(gpa, slot_size))
-                .collect();
-            let ids = self.vm.memory().add_regions(specs)?;
-            let added: Vec<(usize, RegionId)> = plan.map.iter().map(|&(i, _)| i).zip(ids).collect();
-            for &(i, id) in &added {
-                self.area_mut().slots[i] = Some(id);
-            }
-            // A signal stops the checks at a slot boundary (or during one's check, with why).
-            let mut cut = None;
-            for (done, (&(_, gpa), &(_, id))) in plan.map.iter().zip(&added).enumerate() {
-                if self.interrupted() {
-                    cut = Some((done, None));
-                    break;
-                }
-                if let Err(e) = self.check_new(id, gpa.0, slot_size, slot_size) {
-                    if self.interrupted() {
-                        cut = Some((done, Some(e)));
-                        break;
-                    }
-                    let failed = ControllerError::internal(format!(
-                        "the guest's check of the new memory at {:#x} failed: {e}; the memory was removed again",
-                        gpa.0
-                    ));
-                    let dropped = self.drop_slots(&added);
-                    return Err(with_drop_failure(failed, dropped));
-                }
-            }
-            if let Some((done, why)) = cut {
-                // The slots checked so far stay, the others go.
-                let dropped = self.drop_slots(&added[done..]);
-                let stopped = self.stop_hotplug_early(plan.blocks, done, plan.map.len());
+        }
+        if self.interrupted() {
+            return Err(self.stopped_early(0, plan.pieces.len()));
+        }
+        // The whole request in one change of the manager: all of it or none.
+        self.carry_out(&plan)?;
+        for (done, (piece, range)) in checks.iter().enumerate() {
+            let region = self.area_mut().pieces[*piece].expect("a plugged piece has a region");
+            let checked = if self.interrupted() {
+                Err(None)
+            } else {
+                let size = range.end - range.start;
+                self.check_new(region, range.start, size, size)
+                    .map_err(Some)
+            };
+            let Err(why) = checked else { continue };
+            if why.is_none() || self.interrupted() {
+                // A signal: what the guest checked stays, the rest goes.
+                let area = self.area_mut();
+                let kept = if done == 0 {
+                    before
+                } else {
+                    (checks[done - 1].1.end - area.gpa) / area.block_size()
+                };
+                let undone = self.put_back(kept);
+                let stopped = self.stopped_early(done, checks.len());
                 let stopped = match why {
                     Some(e) => stopped.and(e),
                     None => stopped,
                 };
-                return Err(with_drop_failure(stopped, dropped));
+                return Err(with_undo_failure(stopped, undone));
             }
+            let failed = ControllerError::internal(format!(
+                "the guest's check of the new memory at {:#x} failed: {}; the memory was removed again",
+                range.start,
+                why.unwrap_or_default()
+            ));
+            let undone = self.put_back(before);
+            return Err(with_undo_failure(failed, undone));
         }
-        // Unplug: unmap the slots left with no plugged block, in one batch; give back unplugged
-        // blocks inside a slot that stays.
-        if !plan.unmap.is_empty() {
-            if self.interrupted() {
-                return Err(self.stop_hotplug_early(plan.blocks, 0, plan.unmap.len()));
-            }
-            self.vm
-                .memory()
-                .remove_regions(plan.unmap.iter().map(|&(_, id)| id))?;
-            for &(i, _) in &plan.unmap {
-                self.area_mut().slots[i] = None;
-            }
-        }
-        if let Some((gpa, len)) = plan.discard {
-            self.vm.memory().discard(gpa, len)?;
-        }
-        self.area_mut().plugged_blocks = plan.blocks;
         Ok(())
     }
 
-    /// A signal stopped a plug or unplug after `done` of `of` slots: the area counts as
-    /// plugged what its mapped slots hold (never past the request on a plug, never more than
-    /// before on an unplug), which `GET /hotplug/memory` reports.
-    fn stop_hotplug_early(&mut self, requested: u64, done: usize, of: usize) -> ControllerError {
+    /// Carries `plan` out as one change of the manager (nothing changes if it fails), then
+    /// gives back to the host the memory of blocks it unplugged in pieces that stay.
+    fn carry_out(&mut self, plan: &HotplugPlan) -> Result<(), ControllerError> {
+        let memory = Arc::clone(self.vm.memory());
         let area = self.area_mut();
-        let mib = area.settle(requested.max(area.plugged_blocks)) * area.config.block_size_mib;
+        let changes = area.changes(plan);
+        let added = if changes.is_empty() {
+            Vec::new()
+        } else {
+            memory.apply(changes)?
+        };
+        area.commit(plan, added);
+        for piece in &plan.pieces {
+            if let (Some(range), Some(region)) = (piece.given_back(), area.pieces[piece.index]) {
+                // Best effort: the blocks are unplugged (no slot, no guest access) whatever
+                // madvise says, and a later plug of them is the area's to reuse.
+                if let Err(e) = memory.discard_region(region, range) {
+                    log(
+                        LogLevel::Warn,
+                        format!("giving back unplugged hotplug memory: {e}"),
+                    );
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Puts the area back to `blocks` plugged (after a check failed, or a signal), in one
+    /// change; the error says what stays if even that fails.
+    fn put_back(&mut self, blocks: u64) -> Result<(), String> {
+        let plan = self.area_mut().plan_blocks(blocks);
+        self.carry_out(&plan).map_err(|e| {
+            let area = self.area_mut();
+            format!(
+                "putting the hotplug area back to {} MiB failed too ({e}): {} MiB stay plugged",
+                blocks * area.config.block_size_mib,
+                area.plugged_blocks * area.config.block_size_mib
+            )
+        })
+    }
+
+    /// A signal stopped a plug or unplug after `done` of `of` slots: `GET /hotplug/memory`
+    /// reports what the area holds now.
+    fn stopped_early(&mut self, done: usize, of: usize) -> ControllerError {
+        let area = self.area_mut();
+        let mib = area.plugged_blocks * area.config.block_size_mib;
         ControllerError::new(
             ErrorKind::Unavailable,
             format!(
                 "the VMM is stopping (a signal came): the request stopped after {done} of {of} slots; {mib} MiB are plugged"
             ),
         )
-    }
-
-    /// Removes the slots `added` in one batch (those of a plug that failed or stopped).
-    fn drop_slots(&mut self, added: &[(usize, RegionId)]) -> Result<(), String> {
-        self.vm
-            .memory()
-            .remove_regions(added.iter().map(|&(_, id)| id))
-            .map_err(|e| {
-                let ids: Vec<u64> = added.iter().map(|&(_, id)| id.0).collect();
-                format!("removing the slots mapped for it failed too ({e}): regions {ids:?} stay")
-            })?;
-        for &(i, _) in added {
-            self.area_mut().slots[i] = None;
-        }
-        Ok(())
     }
 
     fn area_mut(&mut self) -> &mut HotplugArea {
@@ -208,9 +229,9 @@ impl Controller {
     }
 }
 
-/// `error`, made internal and told that the slots mapped for it stay, if `dropped` failed.
-fn with_drop_failure(error: ControllerError, dropped: Result<(), String>) -> ControllerError {
-    match dropped {
+/// `error`, made internal and told what stays plugged, if `undone` failed.
+fn with_undo_failure(error: ControllerError, undone: Result<(), String>) -> ControllerError {
+    match undone {
         Ok(()) => error,
         Err(stuck) => ControllerError::internal(error.message).and(stuck),
     }

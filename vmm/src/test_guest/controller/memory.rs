@@ -12,6 +12,7 @@ use crate::control::vm::RunState;
 use crate::control::ControllerError;
 use crate::test_guest;
 use crate::test_guest::area::{check_area, TestArea};
+use crate::test_guest::hotplug::HotplugArea;
 
 impl Controller {
     /// The first free place for `size` bytes at or above [`AUTO_PLACE_BASE`], aligned to the
@@ -43,9 +44,7 @@ impl Controller {
 
     /// The hotplug area's guest range, once configured: reserved for its slots.
     fn reserved(&self) -> Option<std::ops::Range<u64>> {
-        self.hotplug
-            .as_ref()
-            .map(|h| h.gpa..h.gpa + h.slots.len() as u64 * h.slot_size)
+        self.hotplug.as_ref().map(HotplugArea::range)
     }
 
     /// Refuses `[gpa, gpa + size)` if it reaches into the hotplug area.
@@ -212,7 +211,7 @@ impl Controller {
         if self
             .hotplug
             .as_ref()
-            .is_some_and(|h| h.slots.contains(&Some(id)))
+            .is_some_and(|h| h.pieces.contains(&Some(id)))
         {
             return Err(ControllerError::conflict(format!(
                 "region {id} belongs to the hotplug area: change it with PATCH /hotplug/memory"
