@@ -296,6 +296,32 @@ fn file_data_runs(file: &File, within: Range<u64>) -> Result<Vec<Range<u64>>, Sn
     Ok(runs)
 }
 
+/// Whether the memory file has data (not a hole) in the page at `at`: one `SEEK_DATA`, for a
+/// loader that looks page by page rather than mapping every run up front. A page past the
+/// file's end is an error (the file was cut since it was checked), not a hole.
+pub(crate) fn page_has_data(file: &File, at: u64) -> std::io::Result<bool> {
+    let offset = i64::try_from(at).map_err(|_| std::io::ErrorKind::InvalidInput)?;
+    // SAFETY: lseek only moves the file's offset (which nothing here reads from: every read
+    // is a pread); no memory is involved.
+    let data = unsafe { libc::lseek(file.as_raw_fd(), offset, libc::SEEK_DATA) };
+    if data >= 0 {
+        return Ok(data == offset);
+    }
+    let e = std::io::Error::last_os_error();
+    if e.raw_os_error() != Some(libc::ENXIO) {
+        return Err(e);
+    }
+    // No data from `at` on: a hole, unless the file ends before the page does.
+    let len = file.metadata()?.len();
+    if at + PAGE_SIZE > len {
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::UnexpectedEof,
+            format!("the memory file ends at {len:#x}, before the page at {at:#x}: it was cut"),
+        ));
+    }
+    Ok(false)
+}
+
 /// One layout region of a memory file being loaded: its mapping in the manager, its place in
 /// the file, and the file's data runs inside it (byte offsets in the region; the rest are
 /// holes).

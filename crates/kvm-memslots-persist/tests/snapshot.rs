@@ -429,6 +429,41 @@ fn a_lazy_restore_fills_exactly_the_pages_touched() {
     assert_eq!(read(MIB + 20 * PAGE_SIZE), [0; 64]);
 }
 
+/// The loader asks the file, page by page, whether a page is a hole; a file cut under it
+/// (`cp new.mem old.mem` would) is a failure it reports, not a hole to fill with zeros.
+#[test]
+fn a_lazy_restore_of_a_memory_file_cut_under_it_fails_rather_than_fill_zeros() {
+    use kvm_memslots_persist::LazyLoader;
+    use std::sync::atomic::Ordering;
+    use std::time::{Duration, Instant};
+    let a = source();
+    write(&a, MIB + 5 * PAGE_SIZE, 0x3c, 64);
+    let layout = MemoryLayout::of(&a);
+    let (_path, file) = TempFile::new("lazy-cut");
+    write_memory_file(&a, &layout, &file).expect("written");
+    let b = manager();
+    layout.build(&b).expect("built");
+    let loader = LazyLoader::start(&b, &layout, &file).expect("userfaultfd");
+    file.set_len(0).expect("cut");
+    // The toucher waits on the fault the handler cannot fill, until the loader goes.
+    let memory = b.handle();
+    let toucher = std::thread::spawn(move || {
+        memory
+            .memory()
+            .read_obj::<u64>(GuestAddress(MIB + 5 * PAGE_SIZE))
+            .expect("read")
+    });
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !loader.stats().failed.load(Ordering::Acquire) {
+        assert!(Instant::now() < deadline, "the loader never failed");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    assert_eq!(loader.stats().zeroed.load(Ordering::Acquire), 0);
+    drop(loader);
+    // Unregistered: the fault goes on as ordinary memory's.
+    assert_eq!(toucher.join().expect("the toucher"), 0);
+}
+
 #[test]
 fn a_chain_across_hotplug_removal_and_moves_merges_into_the_last_point() {
     use kvm_memslots_persist::merge_snapshots;
