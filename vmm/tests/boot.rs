@@ -558,11 +558,29 @@ fn wait_for<T>(
 
 #[test]
 fn linux_plugs_and_unplugs_virtio_mem_through_the_api_with_hardware_virtualisation() {
+    linux_plugs_and_unplugs(
+        "tinyvmm::linux_plugs_and_unplugs_virtio_mem_through_the_api_with_hardware_virtualisation",
+        0,
+    );
+}
+
+/// As above with the default shared slots (128 MiB pieces, Linux's memory block): the guest's
+/// plugs share slots, at least one per plugged piece and never more than a slot per block.
+#[test]
+fn linux_plugs_into_shared_slots_with_hardware_virtualisation() {
+    linux_plugs_and_unplugs(
+        "tinyvmm::linux_plugs_into_shared_slots_with_hardware_virtualisation",
+        128,
+    );
+}
+
+/// Boots Debian's kernel with a 512 MiB virtio-mem area of 2 MiB blocks in slots of at most
+/// `max_slot_mib` (0: a slot per block), plugs 256 MiB through the API and unplugs it all,
+/// checking the guest's MemTotal and the KVM slots at each step.
+fn linux_plugs_and_unplugs(test: &str, max_slot_mib: u64) {
     use serde_json::{json, Value};
     use tinyvmm::api::client::Client;
 
-    let test =
-        "tinyvmm::linux_plugs_and_unplugs_virtio_mem_through_the_api_with_hardware_virtualisation";
     if !hardware_virtualisation() {
         eprintln!(
             "SKIPPED {test}: /proc/cpuinfo has neither vmx nor svm: this host's KVM (kvm_pvm) \
@@ -596,10 +614,13 @@ fn linux_plugs_and_unplugs_virtio_mem_through_the_api_with_hardware_virtualisati
         \x20   echo \"guest MemTotal: $($B awk '/MemTotal/ {print $2}' /proc/meminfo) kB\"\n\
         \x20   $B sleep 1\n\
         done\n";
-    let dir = std::env::temp_dir().join(format!("tinyvmm-virtio-mem-boot-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
+    let dir = std::env::temp_dir().join(format!(
+        "tinyvmm-virtio-mem-boot-{}-{max_slot_mib}",
+        std::process::id()
+    ));
+    std::fs::create_dir_all(&dir).expect("a folder");
     let initramfs = dir.join("initramfs.cpio");
-    std::fs::write(&initramfs, virtio_initramfs(&vmlinuz, &busybox, init)).unwrap();
+    std::fs::write(&initramfs, virtio_initramfs(&vmlinuz, &busybox, init)).expect("written");
     let socket = dir.join("api.sock");
     let config = BootConfig {
         kernel: vmlinuz,
@@ -609,8 +630,7 @@ fn linux_plugs_and_unplugs_virtio_mem_through_the_api_with_hardware_virtualisati
         // 256 slots at most: fits even a host with KVM's old 509 user slots.
         hotplug_mib: 512,
         hotplug_block_mib: 2,
-        // A slot per plugged block, as this test counts them (shared slots are the default).
-        hotplug_max_slot_mib: 0,
+        hotplug_max_slot_mib: max_slot_mib,
         api_sock: Some(socket.clone()),
         timeout_secs: Some(300.0),
         ..BootConfig::default()
@@ -654,8 +674,10 @@ fn linux_plugs_and_unplugs_virtio_mem_through_the_api_with_hardware_virtualisati
     let base = wait_for(&capture, 30, last_mem_total).expect("a MemTotal line");
     assert_eq!(slots_used(), json!(1), "RAM's one slot, nothing plugged");
 
-    // Asks for `mib` MiB and waits (at most `secs` s) for the guest to get there: one KVM slot
-    // per plugged 2 MiB block beside RAM's, and the guest's MemTotal as much above `base`.
+    // Asks for `mib` MiB and waits (at most `secs` s) for the guest to get there: beside RAM's
+    // slot, one KVM slot per plugged 2 MiB block, or with shared slots one per run of plugged
+    // blocks in each piece (at least one per piece plugged); and the guest's MemTotal as much
+    // above `base`.
     let resize = |mib: u64, secs: u64| {
         let (status, answer) = call(
             "PATCH",
@@ -667,7 +689,19 @@ fn linux_plugs_and_unplugs_virtio_mem_through_the_api_with_hardware_virtualisati
             (hotplug()["plugged_size_mib"] == json!(mib)).then_some(())
         });
         assert!(there.is_some(), "{}\n{}", hotplug(), capture.text());
-        assert_eq!(slots_used(), json!(1 + mib / 2));
+        let used = slots_used().as_u64().expect("slots used");
+        let plugged = hotplug()["mapped_slots"]
+            .as_u64()
+            .expect("the device's slots");
+        assert_eq!(used, 1 + plugged, "RAM's slot and the device's");
+        if max_slot_mib == 0 {
+            assert_eq!(plugged, mib / 2, "a slot per block");
+        } else {
+            assert!(
+                (mib.div_ceil(max_slot_mib)..=mib / 2).contains(&plugged),
+                "{plugged} slots for {mib} MiB in pieces of {max_slot_mib} MiB"
+            );
+        }
         let total = wait_for(&capture, 30, |log| {
             last_mem_total(log).filter(|&kib| kib.abs_diff(base + mib * 1024) <= 8 * 1024)
         });
