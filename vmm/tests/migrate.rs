@@ -1468,7 +1468,7 @@ fn kvm_a_stream_with_valid_checksums_but_inconsistent_contents_is_refused() {
         &stream_with_state(&layout, &state_json(), newer),
     );
     let expected = format!(
-        "State record): format version {newer}; this build reads version {MIGRATION_STATE_VERSION}"
+        "State record): format version {newer}; this build reads versions 2 to {MIGRATION_STATE_VERSION}"
     );
     assert!(stderr.contains(&expected), "{stderr}");
     let newer_layout = MemoryLayout {

@@ -499,7 +499,7 @@ fn kvm_bad_input_files_are_refused_in_one_line() {
         (
             "old-version",
             &old,
-            "format version 1; this build reads version 2",
+            "format version 1; this build reads versions 2 to 3",
         ),
     ] {
         let name = state.file_name().and_then(|n| n.to_str()).expect("a name");
@@ -530,10 +530,16 @@ fn kvm_bad_input_files_are_refused_in_one_line() {
 
 /// `a1.state` with its JSON changed by `change`, framed again with a valid checksum.
 fn tampered(name: &str, change: impl FnOnce(&mut Value)) -> PathBuf {
-    let version = tinyvmm::test_guest::snapshot::STATE_VERSION;
+    tampered_as(name, tinyvmm::test_guest::snapshot::STATE_VERSION, change)
+}
+
+/// As [`tampered`], written as a state file of format `version` (in its header and its JSON).
+fn tampered_as(name: &str, version: u32, change: impl FnOnce(&mut Value)) -> PathBuf {
+    let current = tinyvmm::test_guest::snapshot::STATE_VERSION;
     let bytes = std::fs::read(&chains().a[0].state).expect("the state");
-    let json = kvm_memslots_persist::unframe(b"TVMSNAP\0", version, &bytes).expect("valid");
+    let json = kvm_memslots_persist::unframe(b"TVMSNAP\0", current, &bytes).expect("valid");
     let mut state: Value = serde_json::from_slice(json).expect("JSON");
+    state["version"] = json!(version);
     change(&mut state);
     let path = file(&format!("{name}.state"));
     let json = serde_json::to_vec(&state).expect("JSON");
@@ -556,9 +562,9 @@ fn partly_plugged_piece(state: &mut Value, plugged: u64) -> &mut Value {
         .expect("the piece is a region")
 }
 
-/// A state written before hotplug pieces had holes (a partly plugged piece slotted whole)
-/// restores with the piece's slot cut to its plugged blocks: the rest is no memory, what the
-/// guest wrote stays, and the area plugs on from there.
+/// A state written before hotplug pieces had holes (format version 2, a partly plugged piece
+/// slotted whole) restores with the piece's slot cut to its plugged blocks: the rest is no
+/// memory, what the guest wrote stays, and the area plugs on from there.
 #[test]
 fn kvm_a_hotplug_piece_saved_whole_slotted_restores_cut_to_its_blocks() {
     let _ended = Ended;
@@ -569,7 +575,7 @@ fn kvm_a_hotplug_piece_saved_whole_slotted_restores_cut_to_its_blocks() {
     }
     let c = chains();
     let mut saved = None;
-    let legacy = tampered("whole-slotted", |s| {
+    let legacy = tampered_as("whole-slotted", 2, |s| {
         let piece = partly_plugged_piece(s, c.plugged);
         // As the old code added it: one slot of the piece's size.
         piece["slot_size"] = json!(8 * MIB);
@@ -662,6 +668,23 @@ fn kvm_a_state_file_that_contradicts_itself_is_refused_before_anything_runs() {
                 piece["slot_ranges"] = json!([[0, 4 * MIB]]);
             }),
             "need [0..200000]",
+        ),
+        (
+            "whole-slotted-v3",
+            tampered("whole-slotted-v3", |s| {
+                let piece = partly_plugged_piece(s, c.plugged);
+                piece["slot_size"] = json!(8 * MIB);
+                piece
+                    .as_object_mut()
+                    .expect("a region")
+                    .remove("slot_ranges");
+            }),
+            "need [0..200000]",
+        ),
+        (
+            "header-against-json",
+            tampered("header-against-json", |s| s["version"] = json!(2)),
+            "the header's version is 3, the state's 2",
         ),
         (
             "short-regs",

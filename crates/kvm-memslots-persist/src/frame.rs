@@ -7,6 +7,8 @@
 //! but framed differently: a record's header comes before its payload (a reader must know the
 //! length before it reads), and its checksum covers the header's kind and length too.
 
+use std::ops::RangeInclusive;
+
 /// The bytes a frame adds to its payload: magic (8), version (4), length (8), CRC-32 (4).
 const OVERHEAD: usize = 24;
 
@@ -54,27 +56,51 @@ pub const FRAME_HEADER: usize = 20;
 /// another version. A reader checks a file's header this way before it reads the file whole
 /// (and compares the length with the file's size).
 pub fn framed_len(magic: &[u8; 8], version: u32, header: &[u8]) -> Result<u64, String> {
+    framed_len_versions(magic, version..=version, header).map(|(_, len)| len)
+}
+
+/// As [`framed_len`], for a reader of every version in `versions` (a format that changed and
+/// whose reader still takes the older files): the version found and the frame's length.
+pub fn framed_len_versions(
+    magic: &[u8; 8],
+    versions: RangeInclusive<u32>,
+    header: &[u8],
+) -> Result<(u32, u64), String> {
     let name = String::from_utf8_lossy(magic.split(|b| *b == 0).next().unwrap_or(magic));
     if header.len() < FRAME_HEADER || &header[..8] != magic {
         return Err(format!("not a file of this kind (no {name} magic)"));
     }
     let found = le_u32(header, 8);
-    if found != version {
-        return Err(format!(
-            "format version {found}; this build reads version {version}"
-        ));
+    if !versions.contains(&found) {
+        let (oldest, newest) = (versions.start(), versions.end());
+        return Err(if oldest == newest {
+            format!("format version {found}; this build reads version {newest}")
+        } else {
+            format!("format version {found}; this build reads versions {oldest} to {newest}")
+        });
     }
     let len = le_u64(header, 12);
-    len.checked_add(OVERHEAD as u64).ok_or_else(|| {
+    let len = len.checked_add(OVERHEAD as u64).ok_or_else(|| {
         format!("its header announces {len} bytes of content, more than a file holds")
-    })
+    })?;
+    Ok((found, len))
 }
 
 /// The payload of a file [`frame`] made with `magic` and `version`, or why it is not one: no
 /// such magic, another version, a length that does not match the file's (truncated or
 /// padded), or a checksum that does not match (corrupted).
 pub fn unframe<'a>(magic: &[u8; 8], version: u32, bytes: &'a [u8]) -> Result<&'a [u8], String> {
-    let total = framed_len(magic, version, bytes)?;
+    unframe_versions(magic, version..=version, bytes).map(|(_, payload)| payload)
+}
+
+/// As [`unframe`], for a reader of every version in `versions`: the version found and the
+/// payload.
+pub fn unframe_versions<'a>(
+    magic: &[u8; 8],
+    versions: RangeInclusive<u32>,
+    bytes: &'a [u8],
+) -> Result<(u32, &'a [u8]), String> {
+    let (version, total) = framed_len_versions(magic, versions, bytes)?;
     let end = usize::try_from(total)
         .ok()
         .filter(|total| *total == bytes.len())
@@ -93,7 +119,7 @@ pub fn unframe<'a>(magic: &[u8; 8], version: u32, bytes: &'a [u8]) -> Result<&'a
             "checksum {computed:#010x} does not match the stored {stored:#010x} (corrupted)"
         ));
     }
-    Ok(payload)
+    Ok((version, payload))
 }
 
 #[cfg(test)]
@@ -125,6 +151,18 @@ mod tests {
         assert!(framed_len(b"TESTMAG\0", 4, &framed[..FRAME_HEADER])
             .unwrap_err()
             .contains("format version 3; this build reads version 4"));
+        // A reader of several versions takes each and says which it found.
+        assert_eq!(
+            unframe_versions(b"TESTMAG\0", 2..=3, &framed),
+            Ok((3, &b"payload"[..]))
+        );
+        assert_eq!(
+            framed_len_versions(b"TESTMAG\0", 3..=5, &framed[..FRAME_HEADER]),
+            Ok((3, framed.len() as u64))
+        );
+        assert!(unframe_versions(b"TESTMAG\0", 4..=5, &framed)
+            .unwrap_err()
+            .contains("format version 3; this build reads versions 4 to 5"));
         assert!(framed_len(b"TESTMAG\0", 3, &framed[..FRAME_HEADER - 1])
             .unwrap_err()
             .contains("no TESTMAG magic"));

@@ -27,7 +27,7 @@ pub mod uffd;
 pub mod working_set;
 
 pub use error::SnapshotError;
-pub use frame::{frame, framed_len, unframe, FRAME_HEADER};
+pub use frame::{frame, framed_len, framed_len_versions, unframe, unframe_versions, FRAME_HEADER};
 pub use layout::{LayoutBacking, MemoryLayout, RegionLayout, LAYOUT_VERSION};
 pub use memory_file::{
     data_runs, load_memory_file, merge_memory_files, merge_snapshots, write_dirty_pages,

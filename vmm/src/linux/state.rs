@@ -207,7 +207,11 @@ impl LinuxState {
     /// Reads and checks the Linux state file at `path` (header first, as every state file;
     /// the error does not name the path).
     pub fn read_file(path: &Path) -> Result<Self, StateFileError> {
-        let state = Self::from_bytes(&read_framed(path, LINUX_MAGIC, LINUX_STATE_VERSION)?)?;
+        let state = Self::from_bytes(&read_framed(
+            path,
+            LINUX_MAGIC,
+            LINUX_STATE_VERSION..=LINUX_STATE_VERSION,
+        )?)?;
         if state.snapshot.is_none() {
             return Err(StateFileError("it does not say what snapshot it is".into()));
         }

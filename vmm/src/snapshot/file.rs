@@ -12,7 +12,7 @@ use kvm_bindings::{
     kvm_debugregs, kvm_lapic_state, kvm_mp_state, kvm_regs, kvm_sregs, kvm_vcpu_events, kvm_xcrs,
     kvm_xsave,
 };
-use kvm_memslots_persist::{framed_len, FRAME_HEADER};
+use kvm_memslots_persist::{framed_len_versions, FRAME_HEADER};
 use serde_json::Value;
 
 /// The largest state file read: a layout of every KVM slot as its own region and the most
@@ -94,10 +94,14 @@ pub fn open_input(path: &Path) -> Result<File, String> {
 }
 
 /// Reads the framed state file at `path` whole, its header first: a file that is not a regular
-/// file, is empty, has another magic or version than `magic` and `version`, is over
+/// file, is empty, has another magic than `magic` or a version outside `versions`, is over
 /// [`MAX_STATE_FILE`] or another size than its header says is refused before it is read whole.
 /// The error does not name the path: the caller does.
-pub fn read_framed(path: &Path, magic: &[u8; 8], version: u32) -> Result<Vec<u8>, StateFileError> {
+pub fn read_framed(
+    path: &Path,
+    magic: &[u8; 8],
+    versions: std::ops::RangeInclusive<u32>,
+) -> Result<Vec<u8>, StateFileError> {
     let bad = StateFileError;
     let mut file = open_input(path).map_err(bad)?;
     let size = file
@@ -111,7 +115,7 @@ pub fn read_framed(path: &Path, magic: &[u8; 8], version: u32) -> Result<Vec<u8>
     let got = size.min(FRAME_HEADER as u64) as usize;
     file.read_exact(&mut header[..got])
         .map_err(|e| bad(format!("reading its header: {e}")))?;
-    let total = framed_len(magic, version, &header[..got]).map_err(bad)?;
+    let (_, total) = framed_len_versions(magic, versions, &header[..got]).map_err(bad)?;
     if total > MAX_STATE_FILE {
         return Err(bad(format!(
             "its header announces {total} bytes, over the {} MiB a state file may have",

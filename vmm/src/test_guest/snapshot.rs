@@ -8,7 +8,7 @@
 
 use std::path::Path;
 
-use kvm_memslots_persist::{frame, unframe, MemoryLayout};
+use kvm_memslots_persist::{frame, unframe_versions, MemoryLayout};
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
@@ -24,15 +24,24 @@ use crate::test_guest::hotplug::HotplugArea;
 use crate::test_guest::{IDENTITY_MAPPED, MAX_VCPUS};
 use crate::vm::state::{VcpuState, SAVED_MSRS};
 
-/// The state file's format version (2: each file knows what snapshot it is).
-pub const STATE_VERSION: u32 = 2;
+/// The state file's format version (2: each file knows what snapshot it is; 3: a hotplug
+/// piece's slot covers only its plugged blocks). Written by this build.
+pub const STATE_VERSION: u32 = 3;
+
+/// The oldest state file version this build reads: a version 2 file's partly plugged hotplug
+/// piece may be slotted whole, and the restore cuts its slot to its plugged blocks. (Version 3
+/// keeps an older build, which would take such a slot for the whole piece, from reading it.)
+pub const OLDEST_STATE_VERSION: u32 = 2;
 
 const MAGIC: &[u8; 8] = TEST_GUEST_MAGIC;
 
 /// The magic of a test guest's migration State record.
 pub const MIGRATION_MAGIC: &[u8; 8] = b"TVMMIGR\0";
-/// The migration state record's format version.
-pub const MIGRATION_STATE_VERSION: u32 = 2;
+/// The migration state record's format version (3 with [`STATE_VERSION`] 3).
+pub const MIGRATION_STATE_VERSION: u32 = 3;
+
+/// The oldest migration state record version this build reads (from an older source).
+pub const OLDEST_MIGRATION_STATE_VERSION: u32 = 2;
 
 /// What a snapshot saves besides memory.
 #[derive(Debug, Serialize, Deserialize)]
@@ -71,9 +80,9 @@ impl HotplugState {
     /// one `mapped` entry per piece (slot size) of the area, no more plugged blocks than the
     /// area has, exactly the pieces those blocks need mapped, and each mapped piece (and
     /// nothing else) a region of the layout there whose one slot covers its plugged blocks.
-    /// (A piece slotted whole, as states were before pieces had holes, is accepted too: the
-    /// restore cuts its slot to its plugged blocks.)
-    fn validate(&self, layout: &MemoryLayout) -> Result<(), String> {
+    /// With `whole_slots` (a version 2 state, written before pieces had holes) a piece slotted
+    /// whole is accepted too: the restore cuts its slot to its plugged blocks.
+    fn validate(&self, layout: &MemoryLayout, whole_slots: bool) -> Result<(), String> {
         let area = HotplugArea::new(self.config, HOTPLUG_GPA, IDENTITY_MAPPED, usize::MAX)
             .map_err(|e| format!("the hotplug area: {e}"))?;
         let slots = area.pieces.len();
@@ -122,7 +131,7 @@ impl HotplugState {
                 area.piece_slots(slot as usize, self.plugged_blocks),
             );
             let whole = 0..area.slot_size;
-            if slots != wanted && slots != std::slice::from_ref(&whole) {
+            if slots != wanted && !(whole_slots && slots == std::slice::from_ref(&whole)) {
                 return Err(format!(
                     "the layout's region at {:#x} has slots {slots:x?}; the hotplug area's \
                      plugged blocks there need {wanted:x?}",
@@ -149,7 +158,11 @@ impl HotplugState {
 /// Reads and checks the state file at `path` (see [`SnapshotState::from_bytes`]), its header
 /// first ([`read_framed`]). The error does not name the path: the caller does.
 pub fn read_state_file(path: &Path) -> Result<SnapshotState, StateFileError> {
-    SnapshotState::from_bytes(&read_framed(path, MAGIC, STATE_VERSION)?)
+    SnapshotState::from_bytes(&read_framed(
+        path,
+        MAGIC,
+        OLDEST_STATE_VERSION..=STATE_VERSION,
+    )?)
 }
 
 impl SnapshotState {
@@ -164,10 +177,17 @@ impl SnapshotState {
     /// what snapshot it is.
     pub fn from_bytes(bytes: &[u8]) -> Result<Self, StateFileError> {
         let bad = |why: String| StateFileError(why);
-        let json = unframe(MAGIC, STATE_VERSION, bytes).map_err(bad)?;
+        let (version, json) =
+            unframe_versions(MAGIC, OLDEST_STATE_VERSION..=STATE_VERSION, bytes).map_err(bad)?;
         let json: Value = serde_json::from_slice(json).map_err(|e| bad(e.to_string()))?;
         check_register_blocks(&json["vcpus"]).map_err(bad)?;
         let state: SnapshotState = serde_json::from_value(json).map_err(|e| bad(e.to_string()))?;
+        if state.version != version {
+            return Err(bad(format!(
+                "the header's version is {version}, the state's {}",
+                state.version
+            )));
+        }
         state.validate()?;
         if state.snapshot.is_none() {
             return Err(bad("it does not say what snapshot it is".into()));
@@ -176,14 +196,16 @@ impl SnapshotState {
     }
 
     /// The checks [`from_bytes`](Self::from_bytes) makes after parsing, against the state
-    /// itself before anything is built: this version, 1 to [`MAX_VCPUS`] vCPUs each with the
+    /// itself before anything is built: a version this build reads, 1 to [`MAX_VCPUS`] vCPUs
+    /// each with the
     /// [`SAVED_MSRS`], a layout that passes [`MemoryLayout::validate`], a hotplug area that
     /// agrees with itself and the layout, and a snapshot identity that does.
     pub fn validate(&self) -> Result<(), StateFileError> {
         let bad = |why: String| StateFileError(why);
-        if self.version != STATE_VERSION {
+        if !(OLDEST_STATE_VERSION..=STATE_VERSION).contains(&self.version) {
             return Err(bad(format!(
-                "the header's version is {STATE_VERSION}, the state's {}",
+                "state version {}; this build reads versions {OLDEST_STATE_VERSION} to \
+                 {STATE_VERSION}",
                 self.version
             )));
         }
@@ -204,7 +226,8 @@ impl SnapshotState {
         // The layout's own checks (version, alignment, order, overlaps, file offsets).
         self.layout.validate().map_err(|e| bad(e.to_string()))?;
         if let Some(hotplug) = &self.hotplug {
-            hotplug.validate(&self.layout).map_err(bad)?;
+            let whole_slots = self.version < 3;
+            hotplug.validate(&self.layout, whole_slots).map_err(bad)?;
         }
         if let Some(info) = &self.snapshot {
             info.validate(&self.layout).map_err(bad)?;
@@ -233,7 +256,11 @@ impl MigrationState {
 
     /// Reads a State record, naming what is wrong with a bad one.
     pub fn from_bytes(bytes: &[u8]) -> Result<Self, String> {
-        let json = unframe(MIGRATION_MAGIC, MIGRATION_STATE_VERSION, bytes)?;
+        let (_, json) = unframe_versions(
+            MIGRATION_MAGIC,
+            OLDEST_MIGRATION_STATE_VERSION..=MIGRATION_STATE_VERSION,
+            bytes,
+        )?;
         let record: Value =
             serde_json::from_slice(json).map_err(|e| format!("the migration state: {e}"))?;
         check_register_blocks(&record["snapshot"]["vcpus"])
@@ -318,11 +345,14 @@ mod tests {
     #[test]
     fn a_hotplug_area_is_checked_against_itself_and_the_layout() {
         let (_memory, two) = layout(&[0, 1]);
-        assert_eq!(hotplug().validate(&two), Ok(()));
+        // Slots of the whole piece (the layout helper's): a version 2 state's form only.
+        assert_eq!(hotplug().validate(&two, true), Ok(()));
+        let whole = hotplug().validate(&two, false).expect_err("refused");
+        assert!(whole.contains("need [0..200000]"), "{whole}");
         let refused = |change: fn(&mut HotplugState), layout: &MemoryLayout| {
             let mut state = hotplug();
             change(&mut state);
-            state.validate(layout).expect_err("refused")
+            state.validate(layout, true).expect_err("refused")
         };
         let short = refused(|s| s.mapped.truncate(2), &two);
         assert!(short.contains("8 slots, but `mapped` lists 2"), "{short}");
@@ -336,10 +366,10 @@ mod tests {
         assert!(block.contains("block_size_mib 3"), "{block}");
         // The layout lacks a mapped slot's region, or has one the map does not list.
         let (_memory, one) = layout(&[0]);
-        let missing = hotplug().validate(&one).expect_err("refused");
+        let missing = hotplug().validate(&one, true).expect_err("refused");
         assert!(missing.contains("mapped slot 1"), "{missing}");
         let (_memory, three) = layout(&[0, 1, 3]);
-        let extra = hotplug().validate(&three).expect_err("refused");
+        let extra = hotplug().validate(&three, true).expect_err("refused");
         assert!(extra.contains("inside the hotplug area"), "{extra}");
         // A partly plugged piece's slot covers its plugged block (or, written before pieces
         // had holes, the whole piece); any other slotting is refused, naming both.
@@ -351,16 +381,19 @@ mod tests {
                 .expect("a piece with a hole");
             MemoryLayout::of(&memory)
         };
-        assert_eq!(hotplug().validate(&with_slots(vec![0..2 * MIB])), Ok(()));
+        for whole_slots in [false, true] {
+            let cut = with_slots(vec![0..2 * MIB]);
+            assert_eq!(hotplug().validate(&cut, whole_slots), Ok(()));
+        }
         let wrong = hotplug()
-            .validate(&with_slots(vec![0..4 * MIB]))
+            .validate(&with_slots(vec![0..4 * MIB]), true)
             .expect_err("refused");
         assert!(
             wrong.contains("has slots [0..400000]") && wrong.contains("need [0..200000]"),
             "{wrong}"
         );
         let behind = hotplug()
-            .validate(&with_slots(vec![0..2 * MIB, 6 * MIB..8 * MIB]))
+            .validate(&with_slots(vec![0..2 * MIB, 6 * MIB..8 * MIB]), true)
             .expect_err("a slot behind unplugged blocks");
         assert!(behind.contains("need [0..200000]"), "{behind}");
     }
