@@ -7,7 +7,7 @@ use std::sync::atomic::AtomicBool;
 use super::sink::StreamSink;
 use super::source::{Reader, Rounds, SourceVm};
 use super::{Endpoint, MigratingVcpu, Migration, StateRecord};
-use crate::control::migration::{MigrateRequest, MigrationInfo};
+use crate::control::migration::{MigrateRequest, MigrationInfo, MigrationPhase};
 use crate::control::{ControllerError, Request};
 
 /// The last migration of a VM, and what it left behind.
@@ -31,12 +31,15 @@ impl<V> Default for MigrationSlot<V> {
 
 impl<V: MigratingVcpu> MigrationSlot<V> {
     /// Once the migration thread has ended without completing, takes back the vCPUs it held;
-    /// true if it held some (the VM is then paused until a client resumes it).
+    /// true if it held some (the VM is then paused until a client resumes it). A migration
+    /// whose phase already says unconfirmed is waited for (its thread only hands the vCPUs
+    /// over from there), so that no request sees that phase and a VM not yet paused.
     pub fn settle(&mut self) -> bool {
         let Some(migration) = &mut self.migration else {
             return false;
         };
-        if migration.is_running() || migration.completed() {
+        let unconfirmed = migration.phase() == MigrationPhase::Unconfirmed;
+        if (migration.is_running() && !unconfirmed) || migration.completed() {
             return false;
         }
         let ending = migration.join();

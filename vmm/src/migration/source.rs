@@ -317,7 +317,12 @@ impl<V: MigratingVcpu> Migration<V> {
 
     /// Whether it completed: the sink has the whole VM.
     pub fn completed(&self) -> bool {
-        self.status.lock().unwrap_or_else(|p| p.into_inner()).phase == MigrationPhase::Completed
+        self.phase() == MigrationPhase::Completed
+    }
+
+    /// Where it is now (as `GET /migrate` says).
+    pub fn phase(&self) -> MigrationPhase {
+        self.status.lock().unwrap_or_else(|p| p.into_inner()).phase
     }
 }
 
