@@ -12,8 +12,9 @@ pub struct HotplugConfig {
     pub total_size_mib: u64,
     /// Plugging granularity in MiB (a power of two, at least 2).
     pub block_size_mib: u64,
-    /// KVM slot size in MiB (a multiple of the block size); a slot is mapped while any of its
-    /// blocks is plugged. Defaults to the block size.
+    /// The largest KVM slot in MiB (a multiple of the block size): the area is cut into pieces
+    /// of this size, and a piece is mapped while any of its blocks is plugged, with one slot
+    /// over exactly its plugged blocks. Defaults to the block size.
     pub slot_size_mib: Option<u64>,
 }
 

@@ -123,7 +123,8 @@ pub enum ClientRequest {
         /// MiB of a block (a power of two, at least 2).
         #[arg(long)]
         block_mib: u64,
-        /// MiB of a KVM slot (a multiple of --block-mib) [default: --block-mib]
+        /// MiB of the largest KVM slot, a piece of the area (a multiple of --block-mib)
+        /// [default: --block-mib]
         #[arg(long)]
         slot_mib: Option<u64>,
     },

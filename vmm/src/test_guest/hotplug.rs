@@ -460,9 +460,10 @@ mod tests {
         }
     }
 
-    /// Every size to every size, with every piece size: the slots are exactly the plugged
-    /// memory (none behind an unplugged block), one per piece with a plugged block, and a plan
-    /// back undoes a plan (what a failed check or a signal does).
+    /// A sequence of sizes up and down, with every piece size from the block to the area: the
+    /// slots are exactly the plugged memory (none behind an unplugged block), one per piece
+    /// with a plugged block, and a plan back undoes a plan (what a failed check or a signal
+    /// does).
     #[test]
     fn every_sequence_keeps_slots_exactly_over_the_plugged_blocks() {
         let block = 2;

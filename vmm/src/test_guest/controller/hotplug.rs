@@ -157,13 +157,17 @@ impl Controller {
                 };
                 return Err(with_undo_failure(stopped, undone));
             }
-            let failed = ControllerError::internal(format!(
-                "the guest's check of the new memory at {:#x} failed: {}; the memory was removed again",
+            let failed = format!(
+                "the guest's check of the new memory at {:#x} failed: {}",
                 range.start,
                 why.unwrap_or_default()
-            ));
-            let undone = self.put_back(before);
-            return Err(with_undo_failure(failed, undone));
+            );
+            return Err(match self.put_back(before) {
+                Ok(()) => {
+                    ControllerError::internal(format!("{failed}; the memory was removed again"))
+                }
+                Err(stuck) => ControllerError::internal(failed).and(stuck),
+            });
         }
         Ok(())
     }
