@@ -172,11 +172,9 @@ fn register(vcpu: &Value, index: usize) -> u64 {
     u64::from_le_bytes(bytes[index * 8..index * 8 + 8].try_into().expect("8 bytes"))
 }
 
-/// Reads the seed of every page of `[AREA, end)` from the memory file `mem` of the state
-/// `state`, and checks they are the memory of one point of the write loop: pages below one
-/// boundary hold the pass under way (seed `s`), the rest the pass before (`s - 1`), and the
-/// vCPU's registers (`r11` the pass's seed, `rcx` the next address) agree. Returns `s`.
-fn check_point(state: &Value, mem: &Path, end: u64) -> u64 {
+/// The seed of every page of `[AREA, end)` in the memory file `mem` of the state `state`, by
+/// guest address (the guest writes `seed ^ address` into each page's first u64).
+fn page_seeds(state: &Value, mem: &Path, end: u64) -> Vec<(u64, u64)> {
     let regions = state["layout"]["regions"].as_array().expect("regions");
     let file = File::open(mem).expect("the memory file");
     let mut seeds = Vec::new();
@@ -202,6 +200,15 @@ fn check_point(state: &Value, mem: &Path, end: u64) -> u64 {
         (end - AREA) / PAGE,
         "every page is in the file"
     );
+    seeds
+}
+
+/// Reads the seed of every page of `[AREA, end)` from the memory file `mem` of the state
+/// `state`, and checks they are the memory of one point of the write loop: pages below one
+/// boundary hold the pass under way (seed `s`), the rest the pass before (`s - 1`), and the
+/// vCPU's registers (`r11` the pass's seed, `rcx` the next address) agree. Returns `s`.
+fn check_point(state: &Value, mem: &Path, end: u64) -> u64 {
+    let seeds = page_seeds(state, mem, end);
     let newest = seeds.iter().map(|(_, s)| *s).max().expect("pages");
     let boundary = seeds.iter().position(|(_, s)| *s != newest);
     if let Some(at) = boundary {
@@ -261,7 +268,7 @@ fn live_snapshot_of_a_writing_guest(name: &str, slots: usize, extra: &[&str], cr
     for (k, v) in create.as_object().expect("an object") {
         body[k] = v.clone();
     }
-    vmm.ok("PUT", "/snapshot/create", Some(body));
+    vmm.ok("PUT", "/snapshot/create", Some(body.clone()));
     let client_pages = std::cell::Cell::new(0u64);
     let refusals = std::cell::Cell::new(0u32);
     let info = wait_for_snapshot(&vmm, |_| {
@@ -317,11 +324,43 @@ fn live_snapshot_of_a_writing_guest(name: &str, slots: usize, extra: &[&str], cr
     let saved = state_json(&state);
     assert_eq!(saved["snapshot"]["id"], json!(id));
     let point = check_point(&saved, &mem, end);
-    // The VM went on: the loop has passed the point's pass, and the area holds its last one.
-    let (_, last) = vmm.stop_and_verify(end);
-    assert!(last >= point, "last pass {last}, the point's {point}");
 
-    // The chain's Diff follows the live Full and carries what the guest wrote after the
+    // A live Diff of the guest still writing: merged onto the Full, it is one point too.
+    let (live_state, live_mem) = (
+        file(&format!("{name}-live-diff.state")),
+        file(&format!("{name}-live-diff.mem")),
+    );
+    body["snapshot_type"] = json!("Diff");
+    body["snapshot_path"] = json!(live_state);
+    body["mem_file_path"] = json!(live_mem);
+    vmm.ok("PUT", "/snapshot/create", Some(body));
+    let info = wait_for_snapshot(&vmm, |_| {});
+    assert_eq!(info["phase"], "completed", "{info}");
+    let live_diff = state_json(&live_state);
+    assert_eq!(live_diff["snapshot"]["parent"], json!(id));
+    assert_eq!(live_diff["snapshot"]["kind"], json!("Diff"), "{live_diff}");
+    let live_id = live_diff["snapshot"]["id"].clone();
+    let live_merged = file(&format!("{name}-live-merged.mem"));
+    merge_chain(&live_merged, &[&state, &mem, &live_state, &live_mem]);
+    let diff_point = check_point(&live_diff, &live_merged, end);
+    assert!(
+        diff_point >= point,
+        "the Diff's pass {diff_point}, the Full's {point}"
+    );
+    eprintln!(
+        "{name}: live Diff in {} rounds, paused {:.1} ms",
+        info["round"],
+        info["pause_ms"].as_f64().unwrap_or(f64::NAN)
+    );
+
+    // The VM went on: the loop has passed the points' passes, and the area holds its last one.
+    let (_, last) = vmm.stop_and_verify(end);
+    assert!(
+        last >= diff_point,
+        "last pass {last}, the Diff's {diff_point}"
+    );
+
+    // The chain's next Diff follows the live one and carries what the guest wrote after its
     // point: the merged chain is memory as it is now.
     vmm.ok("PATCH", "/vm", Some(json!({"state": "Paused"})));
     let (diff_state, diff_mem) = (
@@ -333,7 +372,7 @@ fn live_snapshot_of_a_writing_guest(name: &str, slots: usize, extra: &[&str], cr
         "/snapshot/create",
         Some(json!({"snapshot_type": "Diff", "snapshot_path": diff_state, "mem_file_path": diff_mem})),
     );
-    assert_eq!(state_json(&diff_state)["snapshot"]["parent"], json!(id));
+    assert_eq!(state_json(&diff_state)["snapshot"]["parent"], live_id);
     let output = vmm.stop();
     assert_eq!(
         output.status.code(),
@@ -342,7 +381,10 @@ fn live_snapshot_of_a_writing_guest(name: &str, slots: usize, extra: &[&str], cr
         String::from_utf8_lossy(&output.stderr)
     );
     let merged = file(&format!("{name}-merged.mem"));
-    merge_chain(&merged, &[&state, &mem, &diff_state, &diff_mem]);
+    merge_chain(
+        &merged,
+        &[&state, &mem, &live_state, &live_mem, &diff_state, &diff_mem],
+    );
 
     // The live snapshot restores, and its loop goes on from the point.
     let restored = Vmm::restore(&format!("{name}-restored"), &state, &mem);
@@ -353,7 +395,16 @@ fn live_snapshot_of_a_writing_guest(name: &str, slots: usize, extra: &[&str], cr
     let merged_vm = Vmm::restore(&format!("{name}-merged"), &diff_state, &merged);
     let verified = merged_vm.guest("verify", AREA, end, last);
     assert_eq!(verified["result"], "ok", "{verified}");
-    for path in [&state, &mem, &diff_state, &diff_mem, &merged] {
+    for path in [
+        &state,
+        &mem,
+        &live_state,
+        &live_mem,
+        &live_merged,
+        &diff_state,
+        &diff_mem,
+        &merged,
+    ] {
         let _ = std::fs::remove_file(path);
     }
 }
@@ -397,6 +448,93 @@ fn kvm_a_writing_guest_snapshots_live_at_kvms_slot_count() {
     );
 }
 
+/// A live Diff writes what the chain's reader logged before it began (round 1), not only
+/// what the guest dirties during its rounds; and a live Diff that is cancelled leaves its base,
+/// and the next Diff carries every page it had taken.
+#[test]
+fn kvm_a_live_diff_carries_what_it_took_whether_it_ends_or_not() {
+    if !kvm_test_support::require_kvm(
+        "tinyvmm::kvm_a_live_diff_carries_what_it_took_whether_it_ends_or_not",
+    ) {
+        return;
+    }
+    let name = "live-diff";
+    let vmm = Vmm::serve(name, 64, &[]);
+    let end = vmm.area_end();
+    let mid = AREA + (end - AREA) / 2 / PAGE * PAGE;
+    let snap = |tag: &str| {
+        (
+            file(&format!("{name}-{tag}.state")),
+            file(&format!("{name}-{tag}.mem")),
+        )
+    };
+    let create = |kind: &str, (state, mem): &(PathBuf, PathBuf), extra: Value| {
+        let mut body = json!({"snapshot_type": kind, "snapshot_path": state, "mem_file_path": mem});
+        for (k, v) in extra.as_object().expect("an object") {
+            body[k] = v.clone();
+        }
+        vmm.ok("PUT", "/snapshot/create", Some(body));
+    };
+    assert_eq!(vmm.guest("write", AREA, end, 1)["result"], "ok");
+    let full = snap("full");
+    vmm.ok("PATCH", "/vm", Some(json!({"state": "Paused"})));
+    create("Full", &full, json!({}));
+    vmm.ok("PATCH", "/vm", Some(json!({"state": "Resumed"})));
+
+    // Written before the live Diff starts, by a guest idle during it: only round 1 has it.
+    assert_eq!(vmm.guest("write", AREA, mid, 7)["result"], "ok");
+    let first = snap("first");
+    create("Diff", &first, json!({"live": true}));
+    let info = wait_for_snapshot(&vmm, |_| {});
+    assert_eq!(info["phase"], "completed", "{info}");
+    let merged = file(&format!("{name}-merged-1.mem"));
+    merge_chain(&merged, &[&full.0, &full.1, &first.0, &first.1]);
+    let seeds = page_seeds(&state_json(&first.0), &merged, end);
+    let wrong = seeds
+        .iter()
+        .find(|&&(gpa, seed)| seed != if gpa < mid { 7 } else { 1 });
+    assert_eq!(wrong, None, "the Full and the live Diff merged");
+
+    // Written before a live Diff that is then cancelled (its pause budget fits nothing and
+    // its timeout cancels), while a loop writes the other half.
+    assert_eq!(vmm.guest("write", mid, end, 8)["result"], "ok");
+    assert_eq!(vmm.guest("write_loop", AREA, mid, 100)["result"], "started");
+    let cancelled = snap("cancelled");
+    create(
+        "Diff",
+        &cancelled,
+        json!({"live": true, "downtime_ms": 0, "timeout_s": 1, "on_timeout": "cancel"}),
+    );
+    let info = wait_for_snapshot(&vmm, |_| {});
+    assert_eq!(info["phase"], "cancelled", "{info}");
+    assert!(
+        !cancelled.0.exists() && !cancelled.1.exists(),
+        "no file is left"
+    );
+    let (_, last) = support::stop_and_verify(&vmm.api, AREA, mid);
+    // The next Diff follows the first and has what the cancelled one took.
+    vmm.ok("PATCH", "/vm", Some(json!({"state": "Paused"})));
+    let next = snap("next");
+    create("Diff", &next, json!({}));
+    let next_state = state_json(&next.0);
+    assert_eq!(
+        next_state["snapshot"]["parent"],
+        state_json(&first.0)["snapshot"]["id"]
+    );
+    let merged = file(&format!("{name}-merged-2.mem"));
+    merge_chain(
+        &merged,
+        &[&full.0, &full.1, &first.0, &first.1, &next.0, &next.1],
+    );
+    let seeds = page_seeds(&next_state, &merged, end);
+    let wrong = seeds
+        .iter()
+        .find(|&&(gpa, seed)| seed != if gpa < mid { last } else { 8 });
+    assert_eq!(wrong, None, "the chain merged, the loop's last pass {last}");
+    let output = vmm.stop();
+    assert_eq!(output.status.code(), Some(0));
+}
+
 #[test]
 fn kvm_a_cancelled_live_snapshot_leaves_nothing_and_bad_requests_are_refused() {
     if !kvm_test_support::require_kvm(
@@ -431,7 +569,7 @@ fn kvm_a_cancelled_live_snapshot_leaves_nothing_and_bad_requests_are_refused() {
     );
     refused(
         json!({"live": true, "snapshot_type": "Diff"}),
-        "a live snapshot is a Full one",
+        "no snapshot to diff against: take a Full snapshot first",
     );
     refused(
         json!({"live": true, "timeout_s": 0}),

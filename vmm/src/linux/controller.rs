@@ -1,6 +1,6 @@
 //! A Linux guest's controller: what its API socket (`tinyvmm boot --api-sock`, `restore` and
 //! `receive` of a Linux guest) answers. Pausing and resuming, Full and Diff snapshots of a
-//! paused VM and live Full ones of a running VM (the snapshot chain every guest kind shares),
+//! paused VM and live ones of a running VM (the snapshot chain every guest kind shares),
 //! dirty logging, live migration (the generic migration with this guest's vCPUs and State
 //! record), its memory, its virtio-mem device's requested size, ending a lazy restore's
 //! working-set recording, and a stop; the table in `control::support` refuses the test

@@ -107,17 +107,21 @@ pub trait Sink: Send + 'static {
     /// From now on its waits are for `what`: until the run's timeout if `by_timeout`, and as
     /// long as something moves.
     fn expect(&self, what: &str, by_timeout: bool);
-    /// Carries every page of `memory` that holds data (round 1); returns its bytes.
-    fn send_all(&mut self, memory: &Memory) -> Result<u64, MigrationError>;
+    /// Carries round 1: every page of `memory` that holds data, or, for a sink that carries
+    /// only what changed since a point before (a live Diff), the pages `logged` (what the
+    /// rounds' reader had logged when they began); returns its bytes.
+    fn send_all(&mut self, memory: &Memory, logged: Vec<DirtyPages>)
+        -> Result<u64, MigrationError>;
     /// Carries the pages of `dirty`; returns their bytes.
     fn send_dirty(&mut self, memory: &Memory, dirty: &[DirtyPages]) -> Result<u64, MigrationError>;
     /// Ends a round.
     fn end_round(&mut self) -> Result<(), MigrationError>;
     /// With the vCPUs paused and every page carried: carries the VM's state (`layout`, the
-    /// vCPUs' `states`) and, for a migration, waits for the destination's word that it runs
-    /// the VM.
+    /// vCPUs' `states`; `memory` as it is at the point) and, for a migration, waits for the
+    /// destination's word that it runs the VM.
     fn finish(
         &mut self,
+        memory: &Memory,
         layout: &MemoryLayout,
         states: Vec<VcpuState>,
     ) -> Result<(), MigrationError>;
@@ -327,7 +331,12 @@ impl Sink for StreamSink {
         }
     }
 
-    fn send_all(&mut self, memory: &Memory) -> Result<u64, MigrationError> {
+    /// Every page: the destination has no memory before.
+    fn send_all(
+        &mut self,
+        memory: &Memory,
+        _logged: Vec<DirtyPages>,
+    ) -> Result<u64, MigrationError> {
         let open = self.open();
         let sent = open.writer.send_all(memory).map_err(|e| open.explain(e))?;
         Ok(sent.bytes)
@@ -351,6 +360,7 @@ impl Sink for StreamSink {
     /// the VM: without it, the VM may run there ([`MigrationError::Unconfirmed`]).
     fn finish(
         &mut self,
+        _memory: &Memory,
         layout: &MemoryLayout,
         states: Vec<VcpuState>,
     ) -> Result<(), MigrationError> {

@@ -408,11 +408,10 @@ impl<V: MigratingVcpu> Run<V> {
         for &target in &self.targets {
             memory.start_dirty_log_for(self.consumer, target)?;
         }
-        // From here every write is logged: what the first harvest reports went out in round 1
-        // or is dirty again.
-        let cleared = self.harvest(memory)?;
+        // From here every write is logged: what the first harvest reports goes out in round 1
+        // (all of memory, or for a live Diff these pages) or is dirty again.
+        let logged = self.harvest(memory)?;
         let mut last_harvest = Instant::now();
-        drop(cleared);
         self.sink.accepted()?;
         self.waits.check_cancel()?;
         let Rounds {
@@ -430,7 +429,7 @@ impl<V: MigratingVcpu> Run<V> {
         self.sink
             .expect("the destination to take round 1's pages", rounds_by_timeout);
         let round_start = Instant::now();
-        let sent = self.sink.send_all(memory)?;
+        let sent = self.sink.send_all(memory, logged)?;
         self.sink.end_round()?;
         let mut progress = Progress {
             throughput: throughput(sent, round_start.elapsed()),
@@ -572,7 +571,7 @@ impl<V: MigratingVcpu> Run<V> {
                     .map_err(|error| MigrationError::Vcpu { vcpu: index, error })?,
             );
         }
-        self.sink.finish(layout, vcpus)
+        self.sink.finish(memory, layout, vcpus)
     }
 }
 

@@ -19,7 +19,7 @@ use kvm_memslots::{DirtyConsumer, DirtyPages, KvmVm, MemoryManager, Target};
 use kvm_memslots_persist::{write_dirty_pages, write_memory_file, MemoryLayout};
 
 use super::info::{MemoryCheck, SnapshotInfo};
-use super::live::{progress, FileSink, StateWriter};
+use super::live::{progress, FileSink, LiveOutcome, StateWriter};
 use crate::control::migration::{MigrationInfo, MigrationPhase, OnTimeout};
 use crate::control::snapshot::{
     LiveSnapshotInfo, SnapshotCreate, SnapshotType, LIVE_DOWNTIME_MS, LIVE_TIMEOUT_S,
@@ -75,13 +75,18 @@ impl<V: MigratingVcpu> Run for Migration<V> {
 struct LiveRun {
     run: Box<dyn Run>,
     paths: [PathBuf; 2],
-    written: Arc<Mutex<Option<SnapshotInfo>>>,
+    outcome: Arc<Mutex<LiveOutcome>>,
+    /// A Diff (its base stays the chain's while it runs).
+    diff: bool,
     settled: bool,
 }
 
 impl LiveRun {
     fn written(&self) -> Option<SnapshotInfo> {
-        *self.written.lock().unwrap_or_else(|p| p.into_inner())
+        self.outcome
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .written
     }
 
     /// Whether it still copies: its phase, which ends a moment before its thread does.
@@ -118,9 +123,7 @@ impl SnapshotChain {
         write_state: impl FnOnce(SnapshotInfo, &MemoryLayout, &File) -> Result<(), ControllerError>,
     ) -> Result<SnapshotInfo, ControllerError> {
         if create.snapshot_type == SnapshotType::Diff && self.base.is_none() {
-            return Err(ControllerError::bad(
-                "no snapshot to diff against: take a Full snapshot first",
-            ));
+            return Err(no_base());
         }
         let files = new_files(&[&create.snapshot_path, &create.mem_file_path])?;
         let (state_file, mem_file) = (&files[0].1, &files[1].1);
@@ -241,10 +244,9 @@ impl SnapshotChain {
         write_state: StateWriter,
         interrupt: &'static AtomicBool,
     ) -> Result<(), ControllerError> {
-        if create.snapshot_type == SnapshotType::Diff {
-            return Err(ControllerError::bad(
-                "a live snapshot is a Full one: take a Diff of the paused VM",
-            ));
+        let diff = create.snapshot_type == SnapshotType::Diff;
+        if diff && self.base.is_none() {
+            return Err(no_base());
         }
         let rounds = Rounds {
             downtime: Duration::from_millis(create.downtime_ms.unwrap_or(LIVE_DOWNTIME_MS)),
@@ -260,11 +262,18 @@ impl SnapshotChain {
                 .try_into()
                 .map_err(|_| ControllerError::internal("two paths made other than two files"))?;
         let paths = [state.0.clone(), mem.0.clone()];
-        let written = Arc::new(Mutex::new(None));
-        // Until this Full is written whole there is no base; the chain's reader logs every
-        // region from now on and is lent to the rounds.
-        self.base = None;
-        let sink = FileSink::new(state, mem, write_state, Arc::clone(&written));
+        let outcome = Arc::new(Mutex::new(LiveOutcome::default()));
+        let sink = FileSink::new(state, mem, write_state, Arc::clone(&outcome));
+        // A Full: until it is written whole there is no base; the chain's reader logs every
+        // region from now on and is lent to the rounds. A Diff: the base stays, the reader
+        // (logging since the base) is lent, and the pages a failed Diff left go in first.
+        let sink = match self.base.as_mut() {
+            Some(base) if diff => sink.diff_of(base.info, std::mem::take(&mut base.carried)),
+            _ => {
+                self.base = None;
+                sink
+            }
+        };
         let chain = self.chain_consumer(memory).and_then(|chain| {
             memory
                 .start_dirty_log_for(chain, Target::All)
@@ -284,20 +293,28 @@ impl SnapshotChain {
                 self.live = Some(LiveRun {
                     run: Box::new(run),
                     paths,
-                    written,
+                    outcome,
+                    diff,
                     settled: false,
                 });
                 Ok(())
             }
             Err(e) => {
-                self.end(memory);
+                // The sink is gone: a Diff's carried pages are back in the outcome.
+                let unsaved =
+                    std::mem::take(&mut outcome.lock().unwrap_or_else(|p| p.into_inner()).unsaved);
+                match self.base.as_mut() {
+                    Some(base) if diff => base.carried = unsaved,
+                    _ => self.end(memory),
+                }
                 Err(e)
             }
         }
     }
 
     /// Takes the outcome of a live snapshot that ended: its snapshot becomes the base the next
-    /// Diff follows, or (failed, cancelled) the chain ends.
+    /// Diff follows; a Full that failed or was cancelled ends the chain, a Diff leaves its
+    /// base and hands every page it took to the next Diff.
     pub fn settle(&mut self, memory: &Memory) {
         let Some(live) = self.live.as_mut() else {
             return;
@@ -308,14 +325,23 @@ impl SnapshotChain {
         // Its phase is final: its thread ends at once.
         live.run.join();
         live.settled = true;
-        match live.written() {
-            Some(info) => {
+        let diff = live.diff;
+        let unsaved = std::mem::take(
+            &mut live
+                .outcome
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .unsaved,
+        );
+        match (live.written(), self.base.as_mut()) {
+            (Some(info), _) => {
                 self.base = Some(SnapshotBase {
                     info,
                     carried: Vec::new(),
                 })
             }
-            None => self.end(memory),
+            (None, Some(base)) if diff => base.carried = unsaved,
+            (None, _) => self.end(memory),
         }
     }
 
@@ -416,6 +442,11 @@ impl SnapshotChain {
             base.carried = pages;
         }
     }
+}
+
+/// Why a Diff cannot be taken yet.
+fn no_base() -> ControllerError {
+    ControllerError::bad("no snapshot to diff against: take a Full snapshot first")
 }
 
 /// Creates each of `paths` (which must not exist), or none of them.

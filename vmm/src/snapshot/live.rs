@@ -1,7 +1,8 @@
-//! A live Full snapshot: the VM goes on running while its memory is copied into the memory
-//! file in rounds, as a migration copies it to another VMM (`migration::source`, into a
-//! [`FileSink`] instead of a stream): round 1 writes every page that holds data, each next
-//! round the pages the guest dirtied meanwhile, and once what is left fits the pause budget
+//! A live snapshot: the VM goes on running while its memory is copied into the memory file in
+//! rounds, as a migration copies it to another VMM (`migration::source`, into a [`FileSink`]
+//! instead of a stream): round 1 writes every page that holds data (a Full) or the pages
+//! dirtied since the chain's last snapshot (a Diff), each next round the pages the guest
+//! dirtied meanwhile, and once what is left fits the pause budget
 //! the vCPUs pause for the last pages and their state, and go on. The snapshot's point is that
 //! pause: the memory file holds memory as it was then, and the state file the vCPUs and
 //! devices as they were then. The pause does not grow with guest memory, only with what the
@@ -38,6 +39,24 @@ pub type StateWriter =
 /// A state taken: the state file's bytes for the snapshot it is.
 pub type StateBytes = Box<dyn FnOnce(SnapshotInfo) -> Vec<u8> + Send>;
 
+/// What a live snapshot left behind once its rounds ended.
+#[derive(Debug, Default)]
+pub struct LiveOutcome {
+    /// The snapshot, once both files are whole.
+    pub written: Option<SnapshotInfo>,
+    /// A Diff that did not complete: every page it took from the chain's reader (those
+    /// carried into it too), for the chain's next Diff.
+    pub unsaved: Vec<DirtyPages>,
+}
+
+/// A live Diff's own part: the snapshot it follows, the pages it has written (all it took
+/// from the chain's reader), and its point's memory check, read in the pause.
+struct DiffOf {
+    base: SnapshotInfo,
+    pages: Vec<DirtyPages>,
+    check: Option<MemoryCheck>,
+}
+
 /// A live snapshot's two files, as the rounds write them. Dropped before it finished, it
 /// removes both: a failed snapshot leaves no file behind.
 pub struct FileSink {
@@ -47,8 +66,10 @@ pub struct FileSink {
     write_state: Option<StateWriter>,
     /// The state, taken in the pause, written after it.
     taken: Option<StateBytes>,
-    /// Where the snapshot goes once written whole.
-    written: Arc<Mutex<Option<SnapshotInfo>>>,
+    /// Where the snapshot goes once written whole (or a Diff's pages, if it is not).
+    written: Arc<Mutex<LiveOutcome>>,
+    /// Set for a Diff.
+    diff: Option<DiffOf>,
     bytes: Option<Arc<std::sync::atomic::AtomicU64>>,
     /// The layout the rounds copy (it does not change while they run).
     layout: Option<MemoryLayout>,
@@ -65,14 +86,14 @@ impl std::fmt::Debug for FileSink {
 }
 
 impl FileSink {
-    /// A sink into `state_file` (at `state_path`) and `mem_file` (at `mem_path`), both new and
-    /// empty; `write_state` makes the state file's bytes, and `written` gets the snapshot once
-    /// both files are whole.
+    /// A sink of a Full into `state_file` (at `state_path`) and `mem_file` (at `mem_path`),
+    /// both new and empty; `write_state` makes the state file's bytes, and `written` gets the
+    /// snapshot once both files are whole.
     pub fn new(
         (state_path, state_file): (PathBuf, File),
         (mem_path, mem_file): (PathBuf, File),
         write_state: StateWriter,
-        written: Arc<Mutex<Option<SnapshotInfo>>>,
+        written: Arc<Mutex<LiveOutcome>>,
     ) -> Self {
         FileSink {
             paths: [state_path, mem_path],
@@ -84,7 +105,19 @@ impl FileSink {
             bytes: None,
             layout: None,
             finished: false,
+            diff: None,
         }
+    }
+
+    /// Makes it a Diff following `base`: round 1 writes the pages `carried` (a failed Diff's,
+    /// not yet saved) and those the chain's reader logged since `base`.
+    pub fn diff_of(mut self, base: SnapshotInfo, carried: Vec<DirtyPages>) -> Self {
+        self.diff = Some(DiffOf {
+            base,
+            pages: carried,
+            check: None,
+        });
+        self
     }
 
     fn count(&self, bytes: u64) -> u64 {
@@ -100,6 +133,13 @@ impl Drop for FileSink {
         if !self.finished {
             for path in &self.paths {
                 let _ = std::fs::remove_file(path);
+            }
+            // A Diff's pages go back to the chain: the next Diff writes them.
+            if let Some(diff) = self.diff.take() {
+                self.written
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .unsaved = diff.pages;
             }
         }
     }
@@ -132,12 +172,24 @@ impl Sink for FileSink {
     /// Writing a file has no other side to wait for.
     fn expect(&self, _what: &str, _by_timeout: bool) {}
 
-    fn send_all(&mut self, memory: &Memory) -> Result<u64, MigrationError> {
+    /// A Full's every page, or a Diff's pages: those carried into it and those `logged`.
+    fn send_all(
+        &mut self,
+        memory: &Memory,
+        logged: Vec<DirtyPages>,
+    ) -> Result<u64, MigrationError> {
         let layout = self
             .layout
             .as_ref()
             .expect("the rounds open the sink first");
-        let stats = write_memory_file(memory, layout, &self.mem_file).map_err(write_failed)?;
+        let stats = match self.diff.as_mut() {
+            None => write_memory_file(memory, layout, &self.mem_file),
+            Some(diff) => {
+                diff.pages.extend(logged);
+                write_dirty_pages(memory, layout, &diff.pages, &self.mem_file)
+            }
+        }
+        .map_err(write_failed)?;
         Ok(self.count(stats.bytes))
     }
 
@@ -146,6 +198,10 @@ impl Sink for FileSink {
             .layout
             .as_ref()
             .expect("the rounds open the sink first");
+        // Kept before the write: a Diff that fails from here hands them to the next Diff.
+        if let Some(diff) = self.diff.as_mut() {
+            diff.pages.extend_from_slice(dirty);
+        }
         let stats =
             write_dirty_pages(memory, layout, dirty, &self.mem_file).map_err(write_failed)?;
         Ok(self.count(stats.bytes))
@@ -157,11 +213,19 @@ impl Sink for FileSink {
 
     /// Takes the VM's state (the vCPUs paused at the point); [`settle`](Sink::settle) makes
     /// and writes the state file once they run again.
+    /// A Diff's memory check is read here, from memory at the point (its own file has holes
+    /// where the check looks: `MemoryCheck`).
     fn finish(
         &mut self,
+        memory: &Memory,
         layout: &MemoryLayout,
         states: Vec<VcpuState>,
     ) -> Result<(), MigrationError> {
+        if let Some(diff) = self.diff.as_mut() {
+            let check = MemoryCheck::of_memory(&*memory.current(), layout)
+                .map_err(|e| write_failed(format!("reading guest memory: {e}")))?;
+            diff.check = Some(check);
+        }
         let write_state = self
             .write_state
             .take()
@@ -174,7 +238,7 @@ impl Sink for FileSink {
         true
     }
 
-    /// Makes the snapshot, its memory check read from the memory file (which holds the
+    /// Makes the snapshot, a Full's memory check read from the memory file (which holds the
     /// point's memory now), and writes the state file.
     fn settle(&mut self) -> Result<(), MigrationError> {
         let taken = self.taken.take().expect("settled after finishing");
@@ -182,16 +246,27 @@ impl Sink for FileSink {
             .layout
             .as_ref()
             .expect("the rounds open the sink first");
-        let check = MemoryCheck::of_file(&self.mem_file, layout)
-            .map_err(|e| write_failed(format!("reading the memory file back: {e}")))?;
-        let info =
-            SnapshotInfo::full(check).map_err(|e| write_failed(format!("a snapshot id: {e}")))?;
+        let info = match &self.diff {
+            None => MemoryCheck::of_file(&self.mem_file, layout)
+                .map_err(|e| write_failed(format!("reading the memory file back: {e}")))
+                .and_then(|check| {
+                    SnapshotInfo::full(check)
+                        .map_err(|e| write_failed(format!("a snapshot id: {e}")))
+                }),
+            Some(diff) => diff
+                .base
+                .next_diff(diff.check.expect("a Diff's check is read when it finishes"))
+                .map_err(|e| write_failed(format!("a snapshot id: {e}"))),
+        }?;
         let bytes = taken(info);
         self.state_file
             .write_all_at(&bytes, 0)
             .map_err(|e| write_failed(format!("the state file: {e}")))?;
         self.finished = true;
-        *self.written.lock().unwrap_or_else(|p| p.into_inner()) = Some(info);
+        self.written
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .written = Some(info);
         Ok(())
     }
 }

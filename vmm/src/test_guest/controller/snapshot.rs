@@ -1,5 +1,5 @@
 //! The test guest's snapshots: the chain of Full and Diff snapshots (`snapshot::chain`) on a
-//! paused VM, and live Full ones of a running VM, with the test guest's state file.
+//! paused VM, and live ones of a running VM, with the test guest's state file.
 
 use std::fs::File;
 use std::os::unix::fs::FileExt;
