@@ -166,7 +166,7 @@ pub enum ClientRequest {
         /// Where the memory file goes (it must not exist).
         #[arg(long)]
         mem_file: PathBuf,
-        /// A live Full snapshot of the running VM (GET /snapshot follows it).
+        /// A live snapshot (Full or Diff) of the running VM (GET /snapshot follows it).
         #[arg(long)]
         live: bool,
         /// A live snapshot's longest pause, in ms [default: 10].
