@@ -1,14 +1,17 @@
 #!/usr/bin/env python3
-"""A live Full snapshot's pause against a stop-and-copy Full's, with the guest writing.
+"""A live snapshot's pause against a stop-and-copy one's, with the guest writing: Full and Diff.
 
 For each guest memory size and harvest mode, one `tinyvmm serve` (4096 slots by default) in one
 run: the test guest writes every page, then loops writing one u64 per page over all of its
 memory (ring 3, native speed here) while `PUT /snapshot/create {"live": true}` copies memory in
 rounds; `GET /snapshot` gives the pause (`pause_ms`: from the vCPUs pausing to their going on),
 the rounds and the bytes written. The loop is then stopped and the whole memory verified (the VM
-went on). The baseline, in the same process: the same VM paused and a stop-and-copy Full taken
-(the time `PUT /snapshot/create` takes while the VM is paused is that snapshot's pause). Each
-figure is the median of --runs runs; compare within a run (this host's timings swing).
+went on). A live Diff follows the live Full the same way, the loop still writing (round 1: the
+pages dirtied since the Full's point). The baselines, in the same process: the same VM paused,
+a stop-and-copy Diff after one more pass over all of memory (every page dirty since the live
+Diff, as for the live Diff's rounds) and then a stop-and-copy Full (the time `PUT /snapshot/create` takes while the
+VM is paused is that snapshot's pause). Each figure is the median of --runs runs; compare
+within a run (this host's timings swing).
 
 Python 3 standard library only.
 
@@ -84,21 +87,30 @@ def run_once(binary, work, mem_mib, slots, ring, downtime_ms):
         answer = api.ok("PUT", "/guest/command", command("write_loop", AREA, end, SEED))
         if answer.get("result") != "started":
             raise RuntimeError(f"write_loop: {answer}")
-        started = time.monotonic()
-        _, body = snapshot(api, work, "live", True, {"downtime_ms": downtime_ms})
-        while True:
-            info = api.ok("GET", "/snapshot")
-            if info["phase"] not in ("setup", "pre_copy", "stop_and_copy"):
-                break
-            time.sleep(0.005)
-        total = time.monotonic() - started
-        if info["phase"] != "completed":
-            raise RuntimeError(f"live snapshot: {info}")
-        remove(body)
+        def live(name, kind):
+            started = time.monotonic()
+            _, body = snapshot(api, work, name, True,
+                               {"downtime_ms": downtime_ms, "snapshot_type": kind})
+            while True:
+                info = api.ok("GET", "/snapshot")
+                if info["phase"] not in ("setup", "pre_copy", "stop_and_copy"):
+                    break
+                time.sleep(0.005)
+            if info["phase"] != "completed":
+                raise RuntimeError(f"live {kind}: {info}")
+            remove(body)
+            return info, time.monotonic() - started
+
+        info, total = live("live", "Full")
+        diff_info, _ = live("live-diff", "Diff")
         stopped = api.ok("PUT", "/guest/command", {"op": "stop_loop", "vcpu": 0})
-        verify(api, AREA, end, stopped["last_seed"], "after the live snapshot")
-        # The baseline: the same VM paused, a stop-and-copy Full.
+        verify(api, AREA, end, stopped["last_seed"], "after the live snapshots")
+        # The baselines: every page dirtied once more, the same VM paused, a stop-and-copy
+        # Diff, then a Full.
+        api.ok("PUT", "/guest/command", command("write", AREA, end, SEED - 2))
         api.ok("PATCH", "/vm", {"state": "Paused"})
+        diff_s, body = snapshot(api, work, "diff", False, {"snapshot_type": "Diff"})
+        remove(body)
         full_s, body = snapshot(api, work, "full", False)
         remove(body)
         api.ok("PUT", "/actions", {"action_type": "Stop"})
@@ -110,6 +122,9 @@ def run_once(binary, work, mem_mib, slots, ring, downtime_ms):
             "forced": info["forced"],
             "written_mib": info["bytes_written"] / MIB,
             "full_pause_ms": full_s * 1e3,
+            "live_diff_pause_ms": diff_info["pause_ms"],
+            "live_diff_rounds": diff_info["round"],
+            "diff_pause_ms": diff_s * 1e3,
         }
     finally:
         if proc.poll() is None:
@@ -130,8 +145,9 @@ def main():
     work = tempfile.mkdtemp(prefix="tinyvmm-live-bench-")
     rows = []
     print("| guest | slots | harvest | live pause | rounds | written | live total | "
-          "stop-and-copy pause | live / stop-and-copy |")
-    print("|---|---|---|---|---|---|---|---|---|")
+          "stop-and-copy pause | live / stop-and-copy | live Diff pause | rounds | "
+          "stop-and-copy Diff pause | live / stop-and-copy Diff |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     try:
         for mem_mib in sizes:
             for ring in (False, True):
@@ -139,11 +155,14 @@ def main():
                         for _ in range(args.runs)]
                 med = {k: statistics.median(r[k] for r in runs)
                        for k in ("live_pause_ms", "live_total_ms", "rounds", "written_mib",
-                                 "full_pause_ms")}
+                                 "full_pause_ms", "live_diff_pause_ms", "live_diff_rounds",
+                                 "diff_pause_ms")}
                 ratio = statistics.median(r["live_pause_ms"] / r["full_pause_ms"] for r in runs)
+                diff_ratio = statistics.median(r["live_diff_pause_ms"] / r["diff_pause_ms"]
+                                               for r in runs)
                 row = {"mem_mib": mem_mib, "slots": args.slots,
                        "harvest": "ring" if ring else "bitmap", "median": med,
-                       "live_over_full": ratio, "runs": runs}
+                       "live_over_full": ratio, "live_diff_over_diff": diff_ratio, "runs": runs}
                 rows.append(row)
                 forced = sum(1 for r in runs if r["forced"])
                 pauses = ", ".join(f"{r['live_pause_ms']:.1f}" for r in runs)
@@ -151,7 +170,9 @@ def main():
                       f"{med['live_pause_ms']:.1f} ms (runs {pauses}) | "
                       f"{med['rounds']:.0f}{f' ({forced} forced)' if forced else ''} | "
                       f"{med['written_mib']:.0f} MiB | {med['live_total_ms']:.0f} ms | "
-                      f"{med['full_pause_ms']:.0f} ms | {ratio:.4f} |", flush=True)
+                      f"{med['full_pause_ms']:.0f} ms | {ratio:.4f} | "
+                      f"{med['live_diff_pause_ms']:.1f} ms | {med['live_diff_rounds']:.0f} | "
+                      f"{med['diff_pause_ms']:.0f} ms | {diff_ratio:.4f} |", flush=True)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
