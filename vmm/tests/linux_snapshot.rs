@@ -6,9 +6,9 @@
 //! lines and the same stop every time (docs/BOOT.md): that end is what every run is held to.
 //! One boot (4096 slots, 2 vCPUs, a virtio-mem device, RAM in memfds) is paused twice: a Full
 //! snapshot well into the boot, a Diff later. Beside it an uninterrupted boot gives the
-//! reference. Between the two, a live Full of the running guest, which the Diff follows. Then,
-//! each in a new process: the Full restored with each memory backend, the live Full and the
-//! Diff merged and restored, the live Full restored, and the Full restored and migrated live
+//! reference. Between the two, a live Full of the running guest and a live Diff, which the Diff
+//! follows. Then, each in a new process: the Full restored with each memory backend, the live
+//! Full, the live Diff and the Diff merged and restored, the live Full restored, and the Full restored and migrated live
 //! (bitmap, and local with the memfds handed over) to a `tinyvmm receive`.
 
 use std::fs::File;
@@ -451,6 +451,24 @@ fn kvm_a_linux_guest_restored_or_migrated_goes_on_as_an_uninterrupted_boot() {
     });
     assert_eq!(taken["phase"], "completed", "{taken}");
     assert_eq!(booted.ok("GET", "/vm", None)["state"], "Running");
+    // A live Diff of the guest still booting: it holds what the guest wrote since the live
+    // Full's point, and only it does (the Diff below starts at its point): the merged chain
+    // restores only if it is right.
+    let (live_diff, live_diff_mem) = (
+        scratch.path("live-diff.state"),
+        scratch.path("live-diff.mem"),
+    );
+    booted.ok(
+        "PUT",
+        "/snapshot/create",
+        Some(json!({"snapshot_type": "Diff", "snapshot_path": live_diff,
+                     "mem_file_path": live_diff_mem, "live": true})),
+    );
+    wait_until("the live Diff's end", || {
+        taken = booted.ok("GET", "/snapshot", None);
+        !["setup", "pre_copy", "stop_and_copy"].contains(&taken["phase"].as_str().unwrap_or(""))
+    });
+    assert_eq!(taken["phase"], "completed", "{taken}");
     booted.wait_for_line(DIFF_AT);
     let at_diff = booted.pause();
     booted.ok(
@@ -474,7 +492,17 @@ fn kvm_a_linux_guest_restored_or_migrated_goes_on_as_an_uninterrupted_boot() {
     );
 
     let merged = scratch.path("merged.mem");
-    merge_chain(&merged, &[&live, &live_mem, &diff, &diff_mem]);
+    merge_chain(
+        &merged,
+        &[
+            &live,
+            &live_mem,
+            &live_diff,
+            &live_diff_mem,
+            &diff,
+            &diff_mem,
+        ],
+    );
 
     // Two at a time: the host has two cores.
     std::thread::scope(|s| {
