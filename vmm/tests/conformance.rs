@@ -664,31 +664,36 @@ fn kvm_every_documented_operation_answers_as_the_spec_says() {
     // A VM that was not restored lazily records no working set.
     vmm.expect(409, "PUT", "/working-set/stop", None);
     vmm.expect(409, "PUT", "/snapshot/cancel", None);
-    let mut live = snapshot("Full");
-    live["live"] = json!(true);
-    vmm.expect(204, "PUT", "/snapshot/create", Some(live));
-    let deadline = Instant::now() + Duration::from_secs(60);
-    loop {
-        let info = vmm.expect(200, "GET", "/snapshot", None);
-        if info["phase"] == json!("completed") {
-            assert!(info["snapshot_id"].is_string(), "{info}");
-            break;
+    // A live Full, then a live Diff following it.
+    for kind in ["Full", "Diff"] {
+        let mut live = snapshot(kind);
+        live["live"] = json!(true);
+        vmm.expect(204, "PUT", "/snapshot/create", Some(live));
+        let deadline = Instant::now() + Duration::from_secs(60);
+        loop {
+            let info = vmm.expect(200, "GET", "/snapshot", None);
+            if info["phase"] == json!("completed") {
+                assert!(info["snapshot_id"].is_string(), "{info}");
+                break;
+            }
+            assert!(
+                ["setup", "pre_copy", "stop_and_copy"]
+                    .contains(&info["phase"].as_str().unwrap_or("")),
+                "{info}"
+            );
+            assert!(Instant::now() < deadline, "{info}");
+            std::thread::sleep(Duration::from_millis(10));
         }
-        assert!(
-            ["setup", "pre_copy", "stop_and_copy"].contains(&info["phase"].as_str().unwrap_or("")),
-            "{info}"
-        );
-        assert!(Instant::now() < deadline, "{info}");
-        std::thread::sleep(Duration::from_millis(10));
+        vmm.expect(409, "PUT", "/snapshot/cancel", None);
+        let _ = (std::fs::remove_file(&state), std::fs::remove_file(&mem));
     }
-    vmm.expect(409, "PUT", "/snapshot/cancel", None);
-    let _ = (std::fs::remove_file(&state), std::fs::remove_file(&mem));
     let mut not_live = snapshot("Full");
     not_live["downtime_ms"] = json!(5);
     vmm.expect(400, "PUT", "/snapshot/create", Some(not_live));
-    let mut live_diff = snapshot("Diff");
-    live_diff["live"] = json!(true);
-    vmm.expect(400, "PUT", "/snapshot/create", Some(live_diff));
+    let mut no_time = snapshot("Diff");
+    no_time["live"] = json!(true);
+    no_time["timeout_s"] = json!(0);
+    vmm.malformed("PUT", "/snapshot/create", no_time);
     vmm.malformed(
         "PUT",
         "/snapshot/create",
