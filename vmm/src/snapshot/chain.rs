@@ -4,8 +4,8 @@
 //! each state file says what snapshot it is ([`SnapshotInfo`]). The guest kind writes only its
 //! state file's contents, given the snapshot's info and layout.
 //!
-//! A live Full ([`super::live`]) runs on a thread of its own with the chain's reader lent to
-//! its rounds; the chain learns how it ended at its controller's next request
+//! A live snapshot, Full or Diff ([`super::live`]), runs on a thread of its own with the
+//! chain's reader lent to its rounds; the chain learns how it ended at its controller's next request
 //! ([`SnapshotChain::settle`]), and refuses meanwhile what would change what it copies
 //! ([`SnapshotChain::refusal`]).
 
@@ -231,11 +231,13 @@ impl SnapshotChain {
         Ok(info)
     }
 
-    /// Starts a live Full snapshot of `memory` as `create` asks, on `vcpus` (paused and resumed
-    /// for its last pages and state; those of a paused VM stay paused), with the state file
-    /// made by `write_state`; `interrupt` is the process's stop flag. Both files are created
-    /// now (neither may exist); a snapshot that fails or is cancelled leaves neither and no
-    /// base to diff against. Its progress is [`live_info`](Self::live_info).
+    /// Starts a live snapshot of `memory` as `create` asks (a Full, or a Diff of the chain's
+    /// last snapshot), on `vcpus` (paused and resumed for its last pages and state; those of a
+    /// paused VM stay paused), with the state file made by `write_state`; `interrupt` is the
+    /// process's stop flag. Both files are created now (neither may exist); a snapshot that
+    /// fails or is cancelled leaves neither, and a Full no base to diff against (a Diff leaves
+    /// its base and its pages to the next Diff). Its progress is
+    /// [`live_info`](Self::live_info).
     pub fn start_live<V: MigratingVcpu>(
         &mut self,
         memory: &Arc<Memory>,
