@@ -65,6 +65,17 @@ pub enum MigrationPhase {
     Unconfirmed,
 }
 
+impl MigrationPhase {
+    /// Whether the rounds still run: setup, pre-copy or stop-and-copy. Any other phase is
+    /// final; the thread behind it ends a moment after it is set.
+    pub fn under_way(self) -> bool {
+        matches!(
+            self,
+            MigrationPhase::Setup | MigrationPhase::PreCopy | MigrationPhase::StopAndCopy
+        )
+    }
+}
+
 /// `GET /migrate`.
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct MigrationInfo {

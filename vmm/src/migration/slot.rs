@@ -30,16 +30,16 @@ impl<V> Default for MigrationSlot<V> {
 }
 
 impl<V: MigratingVcpu> MigrationSlot<V> {
-    /// Once the migration thread has ended without completing, takes back the vCPUs it held;
-    /// true if it held some (the VM is then paused until a client resumes it). A migration
-    /// whose phase already says unconfirmed is waited for (its thread only hands the vCPUs
-    /// over from there), so that no request sees that phase and a VM not yet paused.
+    /// Once the migration has ended without completing, takes back the vCPUs it held; true
+    /// if it held some (the VM is then paused until a client resumes it). It has ended when
+    /// its phase is final, and its thread is waited for from there (it only hands the vCPUs
+    /// over after that), so that no request sees a final phase beside a VM not yet settled.
     pub fn settle(&mut self) -> bool {
         let Some(migration) = &mut self.migration else {
             return false;
         };
-        let unconfirmed = migration.phase() == MigrationPhase::Unconfirmed;
-        if (migration.is_running() && !unconfirmed) || migration.completed() {
+        let phase = migration.phase();
+        if phase.under_way() || phase == MigrationPhase::Completed {
             return false;
         }
         let ending = migration.join();

@@ -20,7 +20,7 @@ use kvm_memslots_persist::{write_dirty_pages, write_memory_file, MemoryLayout};
 
 use super::info::{MemoryCheck, SnapshotInfo};
 use super::live::{progress, FileSink, LiveOutcome, StateWriter};
-use crate::control::migration::{MigrationInfo, MigrationPhase, OnTimeout};
+use crate::control::migration::{MigrationInfo, OnTimeout};
 use crate::control::snapshot::{
     LiveSnapshotInfo, SnapshotCreate, SnapshotType, LIVE_DOWNTIME_MS, LIVE_TIMEOUT_S,
 };
@@ -91,10 +91,7 @@ impl LiveRun {
 
     /// Whether it still copies: its phase, which ends a moment before its thread does.
     fn under_way(&self) -> bool {
-        matches!(
-            self.run.info().phase,
-            MigrationPhase::Setup | MigrationPhase::PreCopy | MigrationPhase::StopAndCopy
-        )
+        self.run.info().phase.under_way()
     }
 }
 
