@@ -6,8 +6,6 @@
 //! working-set recording, and a stop; the table in `control::support` refuses the test
 //! guest's own requests before they get here.
 
-use std::fs::File;
-use std::os::unix::fs::FileExt;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
@@ -194,27 +192,21 @@ impl LinuxController {
             );
         }
         create.check_paused(self.state == RunState::Paused)?;
-        let (memory, vcpus, write_state) = (&self.memory, &self.vcpus, self.state_writer());
-        self.chain
-            .create(memory, &create, |info, layout, file: &File| {
-                let states = vcpus
-                    .iter()
-                    .enumerate()
-                    .map(|(index, vcpu)| {
-                        vcpu.save().map_err(|e| {
-                            ControllerError::internal(format!(
-                                "the snapshot failed: vCPU {index}: {e}"
-                            ))
-                        })
+        let vcpus = &self.vcpus;
+        let save_states = || {
+            vcpus
+                .iter()
+                .enumerate()
+                .map(|(index, vcpu)| {
+                    vcpu.save().map_err(|e| {
+                        ControllerError::internal(format!("the snapshot failed: vCPU {index}: {e}"))
                     })
-                    .collect::<Result<Vec<_>, _>>()?;
-                let state = write_state(layout, states)
-                    .map_err(|e| ControllerError::conflict(format!("the snapshot failed: {e}")))?(
-                    info,
-                );
-                file.write_all_at(&state, 0)
-                    .map_err(|e| ControllerError::internal(format!("the snapshot failed: {e}")))
-            })
+                })
+                .collect()
+        };
+        let write_state = self.state_writer();
+        self.chain
+            .create(&self.memory, &create, save_states, write_state)
             .map(|_| ())
     }
 

@@ -10,6 +10,7 @@
 //! ([`SnapshotChain::refusal`]).
 
 use std::fs::File;
+use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::AtomicBool;
 use std::sync::{Arc, Mutex};
@@ -27,6 +28,7 @@ use crate::control::snapshot::{
 use crate::control::{ControllerError, Request};
 use crate::migration::source::{Reader, Rounds, SourceVm};
 use crate::migration::{MigratingVcpu, Migration};
+use crate::vm::state::VcpuState;
 
 /// The last snapshot of the chain: what the next Diff follows.
 #[derive(Debug)]
@@ -109,15 +111,17 @@ impl SnapshotChain {
     }
 
     /// Takes the snapshot `create` asks for of `memory` (its VM paused by the caller): creates
-    /// both files (neither may exist), writes the memory file, then has `write_state` write
-    /// the state file with the snapshot's info and layout. A failed snapshot leaves no file
+    /// both files (neither may exist), writes the memory file, then the state file
+    /// `write_state` makes of the layout, the vCPUs' states (`save_states`) and the snapshot's
+    /// info (a state the guest kind cannot make is a 409). A failed snapshot leaves no file
     /// behind and the chain as it was (a Diff's harvested pages go into the next Diff; a Full
     /// that failed leaves no base to diff against).
     pub fn create(
         &mut self,
         memory: &Memory,
         create: &SnapshotCreate,
-        write_state: impl FnOnce(SnapshotInfo, &MemoryLayout, &File) -> Result<(), ControllerError>,
+        save_states: impl FnOnce() -> Result<Vec<VcpuState>, ControllerError>,
+        write_state: StateWriter,
     ) -> Result<SnapshotInfo, ControllerError> {
         if create.snapshot_type == SnapshotType::Diff && self.base.is_none() {
             return Err(no_base());
@@ -129,7 +133,7 @@ impl SnapshotChain {
             create.snapshot_type,
             state_file,
             mem_file,
-            write_state,
+            (save_states, write_state),
         );
         if written.is_err() {
             // A failed snapshot leaves no file behind.
@@ -146,7 +150,10 @@ impl SnapshotChain {
         kind: SnapshotType,
         state_file: &File,
         mem_file: &File,
-        write_state: impl FnOnce(SnapshotInfo, &MemoryLayout, &File) -> Result<(), ControllerError>,
+        (save_states, write_state): (
+            impl FnOnce() -> Result<Vec<VcpuState>, ControllerError>,
+            StateWriter,
+        ),
     ) -> Result<SnapshotInfo, ControllerError> {
         let failed = |e: &dyn std::fmt::Display| {
             ControllerError::internal(format!("the snapshot failed: {e}"))
@@ -210,7 +217,14 @@ impl SnapshotChain {
                 }
                 .map_err(|e| failed(&format!("a snapshot id: {e}")))
             });
-        let saved = info.and_then(|info| write_state(info, &layout, state_file).map(|()| info));
+        let saved = info.and_then(|info| {
+            let state = write_state(&layout, save_states()?)
+                .map_err(|e| ControllerError::conflict(format!("the snapshot failed: {e}")))?;
+            state_file
+                .write_all_at(&state(info), 0)
+                .map_err(|e| failed(&e))
+                .map(|()| info)
+        });
         let info = match saved {
             Ok(info) => info,
             Err(e) => {

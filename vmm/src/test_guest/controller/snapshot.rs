@@ -1,8 +1,6 @@
 //! The test guest's snapshots: the chain of Full and Diff snapshots (`snapshot::chain`) on a
 //! paused VM, and live ones of a running VM, with the test guest's state file.
 
-use std::fs::File;
-use std::os::unix::fs::FileExt;
 use std::sync::Arc;
 
 use super::Controller;
@@ -32,16 +30,13 @@ impl Controller {
         create.check_paused(self.state == RunState::Paused)?;
         let write_state = self.state_writer();
         let vcpus = self.vcpus.as_mut().ok_or_else(shutting_down)?;
+        let save_states = || {
+            vcpus
+                .save_states()
+                .map_err(|e| ControllerError::internal(e.to_string()))
+        };
         self.chain
-            .create(&memory, &create, |info, layout, state_file: &File| {
-                let states = vcpus
-                    .save_states()
-                    .map_err(|e| ControllerError::internal(e.to_string()))?;
-                let state = write_state(layout, states).map_err(ControllerError::internal)?(info);
-                state_file
-                    .write_all_at(&state, 0)
-                    .map_err(|e| ControllerError::internal(format!("the snapshot failed: {e}")))
-            })
+            .create(&memory, &create, save_states, write_state)
             .map(|_| ())
     }
 
