@@ -105,3 +105,93 @@ pub fn start_in_real_mode(vcpu: &kvm_ioctls::VcpuFd, rip: u64) {
     regs.rflags = 2;
     vcpu.set_regs(&regs).expect("set regs");
 }
+
+/// How fast this host runs guest ring-0 code, in instructions per second, or `None` without a
+/// usable `/dev/kvm`.
+///
+/// Measured with a real-mode guest (real mode is ring 0) that counts a register down and halts:
+/// two instructions an iteration. A first short run sizes a second one of about a quarter of a
+/// second, which gives the figure. With hardware virtualisation the loop runs natively (some
+/// G instructions/s); on kvm_pvm it runs in KVM's instruction emulator, whose speed differs
+/// 5–7× between machines of the same kind (0.3–2 M instructions/s), and halves again when the
+/// core is shared. Tests scale their patience for a Linux guest's silent stretches with it
+/// ([`patience_for`]).
+pub fn ring0_speed() -> Option<f64> {
+    let kvm = kvm_ioctls::Kvm::new().ok()?;
+    let vm = kvm.create_vm().ok()?;
+    const SIZE: usize = 0x10000;
+    const CODE: u64 = 0x1000;
+    // SAFETY: a fresh anonymous private mapping; nothing else refers to it.
+    let memory = unsafe {
+        libc::mmap(
+            std::ptr::null_mut(),
+            SIZE,
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+            -1,
+            0,
+        )
+    };
+    if memory == libc::MAP_FAILED {
+        return None;
+    }
+    let region = kvm_bindings::kvm_userspace_memory_region {
+        slot: 0,
+        flags: 0,
+        guest_phys_addr: 0,
+        memory_size: SIZE as u64,
+        userspace_addr: memory as u64,
+    };
+    // SAFETY: the slot maps `memory`, which stays mapped until after the VM is dropped below.
+    let speed = if unsafe { vm.set_user_memory_region(region) }.is_ok() {
+        // SAFETY: `memory` is a readable and writable mapping of SIZE bytes that nothing else
+        // in this process refers to, and it outlives the slice (unmapped below, after it).
+        let guest = unsafe { std::slice::from_raw_parts_mut(memory.cast::<u8>(), SIZE) };
+        count_down(&vm, guest, CODE)
+    } else {
+        None
+    };
+    drop(vm);
+    // SAFETY: `memory` is the mapping made above; the VM that mapped it is gone.
+    unsafe { libc::munmap(memory, SIZE) };
+    speed
+}
+
+/// Runs the count-down loop at guest address `code` of `memory` (guest address 0) twice; the
+/// instructions per second of the second run.
+fn count_down(vm: &kvm_ioctls::VmFd, memory: &mut [u8], code: u64) -> Option<f64> {
+    let mut vcpu = vm.create_vcpu(0).ok()?;
+    let mut run = |iterations: u32| -> Option<f64> {
+        let mut loop_code = vec![0x66, 0xb9]; // mov ecx, iterations
+        loop_code.extend(iterations.to_le_bytes());
+        loop_code.extend([0x66, 0x49]); // dec ecx
+        loop_code.extend([0x75, 0xfc]); // jnz back to the dec
+        loop_code.push(0xf4); // hlt
+        let at = code as usize;
+        memory[at..at + loop_code.len()].copy_from_slice(&loop_code);
+        start_in_real_mode(&vcpu, code);
+        let started = std::time::Instant::now();
+        loop {
+            match vcpu.run().ok()? {
+                kvm_ioctls::VcpuExit::Hlt => break,
+                kvm_ioctls::VcpuExit::IoOut(..) | kvm_ioctls::VcpuExit::IoIn(..) => {}
+                _ => return None,
+            }
+        }
+        let took = started.elapsed().as_secs_f64().max(1e-6);
+        Some(2.0 * f64::from(iterations) / took)
+    };
+    let first = run(20_000)?;
+    // A quarter of a second at the first run's speed; at least as long as the first run.
+    let iterations = (first * 0.25 / 2.0).clamp(20_000.0, f64::from(u32::MAX)) as u32;
+    run(iterations)
+}
+
+/// How long a test may wait for a sign of progress (a console line, an exit) from a guest whose
+/// ring 0 does `instructions` instructions between two such signs, at `speed` instructions per
+/// second ([`ring0_speed`]): four times the time it should take, and never under a minute. A
+/// hang guard that follows the machine's speed, not a timing check.
+pub fn patience_for(instructions: f64, speed: Option<f64>) -> std::time::Duration {
+    let speed = speed.unwrap_or(2e6).max(1.0);
+    std::time::Duration::from_secs_f64((4.0 * instructions / speed).max(60.0))
+}
