@@ -6,10 +6,15 @@
 //! lines and the same stop every time (docs/BOOT.md): that end is what every run is held to.
 //! One boot (4096 slots, 2 vCPUs, a virtio-mem device, RAM in memfds) is paused twice: a Full
 //! snapshot well into the boot, a Diff later. Beside it an uninterrupted boot gives the
-//! reference. Between the two, a live Full of the running guest and a live Diff, which the Diff
-//! follows. Then, each in a new process: the Full restored with each memory backend, the live
-//! Full, the live Diff and the Diff merged and restored, the live Full restored, and the Full restored and migrated live
+//! reference (and is itself checked: it ends on the `int3` named as the host's limitation).
+//! Between the two, a live Full of the running guest and a live Diff, which the Diff follows.
+//! Then, each in a new process: the live Full, the live Diff and the Diff merged and restored
+//! with each memory backend, the live Full restored, and the Full restored and migrated live
 //! (bitmap, and local with the memfds handed over) to a `tinyvmm receive`.
+//!
+//! No run has a deadline: the guest's ring 0 runs in this host's emulator, 5-7x faster on some
+//! machines than on others; a run whose guest prints nothing for [`support::linux_patience`]
+//! (scaled to the measured speed) fails with its last lines.
 
 use std::fs::File;
 use std::path::{Path, PathBuf};
@@ -28,8 +33,6 @@ const FULL_AT: &str = "rcu: Adjusting geometry";
 /// Where the Diff is taken: half a second of guest time before the end, past which the
 /// kernel's own 8250 driver takes the console, the IOAPIC and x2APIC are set up.
 const DIFF_AT: &str = "NR_IRQS:";
-/// The longest any one run may take.
-const RUN_LIMIT: Duration = Duration::from_secs(400);
 
 /// A scratch folder, removed at the end.
 struct Scratch(PathBuf);
@@ -132,16 +135,25 @@ impl Vmm {
         answer
     }
 
-    /// Waits until the console shows `marker`; fails if the VMM exits first.
+    /// Waits until the console shows `marker`; fails if the VMM exits first, or if the guest
+    /// prints nothing for the host's patience (however long the whole wait takes).
     fn wait_for_line(&self, marker: &str) {
-        let deadline = Instant::now() + RUN_LIMIT;
-        while !self.console().contains(marker) {
+        let mut progress = support::Progress::default();
+        loop {
+            let console = self.console();
+            if console.contains(marker) {
+                return;
+            }
             assert!(
                 self.running(),
-                "tinyvmm ended before its console showed {marker:?}:\n{}",
-                self.console()
+                "tinyvmm ended before its console showed {marker:?}:\n{console}"
             );
-            assert!(Instant::now() < deadline, "no {marker:?} in {RUN_LIMIT:?}");
+            assert!(
+                !progress.stalled(console.len()),
+                "no {marker:?}: the guest printed nothing for {:?}; its last lines:\n{}",
+                progress.patience(),
+                support::tail(&console, 20)
+            );
             std::thread::sleep(Duration::from_millis(5));
         }
     }
@@ -157,10 +169,18 @@ impl Vmm {
         self.ok("PATCH", "/vm", Some(json!({"state": "Resumed"})));
     }
 
+    /// Waits for the process to end, while its guest makes progress (see
+    /// [`Vmm::wait_for_line`]).
     fn wait(&mut self) -> (Output, String) {
-        let deadline = Instant::now() + RUN_LIMIT;
+        let mut progress = support::Progress::default();
         while self.running() {
-            assert!(Instant::now() < deadline, "tinyvmm ran past {RUN_LIMIT:?}");
+            let console = self.console();
+            assert!(
+                !progress.stalled(console.len()),
+                "tinyvmm runs on, but its guest printed nothing for {:?}; its last lines:\n{}",
+                progress.patience(),
+                support::tail(&console, 20)
+            );
             std::thread::sleep(Duration::from_millis(20));
         }
         let output = self
@@ -187,11 +207,12 @@ impl Drop for Vmm {
 /// digits are not compared.
 const TIMING_LINES: [&str; 2] = ["kvm-clock: using sched offset of", "tsc: Detected"];
 
-/// Waits up to a minute for `done`, naming `what` if it does not come.
+/// Waits up to two minutes for `done` (host-side work: a live snapshot, a migration's end, a
+/// socket; a hang guard), naming `what` if it does not come.
 fn wait_until(what: &str, mut done: impl FnMut() -> bool) {
-    let deadline = Instant::now() + Duration::from_secs(60);
+    let deadline = Instant::now() + Duration::from_secs(120);
     while !done() {
-        assert!(Instant::now() < deadline, "no {what} within a minute");
+        assert!(Instant::now() < deadline, "no {what} within two minutes");
         std::thread::sleep(Duration::from_millis(20));
     }
 }
@@ -245,8 +266,6 @@ fn boot_args(kernel: &Path) -> Vec<String> {
         "1024",
         "--memfd",
         "--quiet",
-        "--timeout",
-        "400",
         "--cmdline",
         CMDLINE,
     ]
@@ -298,6 +317,35 @@ impl Reference {
         );
         assert_eq!(ended, &self.ending, "{what}: the run ended otherwise");
     }
+}
+
+/// Checks that the kernel printed exactly the e820 map and the command line that `tinyvmm
+/// boot` said on `stderr` it built (`e820: [mem …] TYPE` lines and `command line: …`), and
+/// that RAM was in 4096 KVM slots: the map follows regions, not slots.
+fn check_map_and_command_line(stderr: &str, console: &str) {
+    let built: Vec<&str> = stderr
+        .lines()
+        .filter_map(|l| l.strip_prefix("tinyvmm: e820: "))
+        .collect();
+    let printed: Vec<&str> = console
+        .lines()
+        .filter_map(|l| l.split_once("] BIOS-e820: ").map(|(_, m)| m.trim_end()))
+        .collect();
+    assert!(!built.is_empty(), "tinyvmm said no map: {stderr}");
+    assert_eq!(printed, built, "the kernel's BIOS-e820 map\n{console}");
+    let summary = stderr
+        .lines()
+        .find(|l| l.contains(" KVM slots; e820 map of "))
+        .unwrap_or_else(|| panic!("no summary in: {stderr}"));
+    assert!(summary.contains("in 4096 KVM slots"), "{summary}");
+    let (_, command_line) = summary
+        .split_once("; command line: ")
+        .unwrap_or_else(|| panic!("no command line in: {summary}"));
+    let kernel: Vec<&str> = console
+        .lines()
+        .filter_map(|l| l.split_once("] Command line: ").map(|(_, c)| c.trim_end()))
+        .collect();
+    assert_eq!(kernel, [command_line], "the kernel's command line");
 }
 
 /// Restores `state` with `mem` through `backend` in a new process, resumes it, and checks it
@@ -401,8 +449,10 @@ fn kvm_a_linux_guest_restored_or_migrated_goes_on_as_an_uninterrupted_boot() {
     let args = boot_args(&vmlinux);
     let args: Vec<&str> = args.iter().map(String::as_str).collect();
 
-    // The uninterrupted reference and the boot to snapshot, side by side.
-    let mut reference = Vmm::spawn(&args, scratch.path("reference.console"), None);
+    // The uninterrupted reference and the boot to snapshot, side by side. The reference says
+    // what it built (not --quiet), for the check of the kernel's map below.
+    let loud: Vec<&str> = args.iter().copied().filter(|a| *a != "--quiet").collect();
+    let mut reference = Vmm::spawn(&loud, scratch.path("reference.console"), None);
     let mut booted = Vmm::spawn(
         &args,
         scratch.path("booted.console"),
@@ -484,12 +534,37 @@ fn kvm_a_linux_guest_restored_or_migrated_goes_on_as_an_uninterrupted_boot() {
         ending: ending(&output),
         console,
     };
+    // The uninterrupted boot ran to the int3 of the kernel's self-test, which the host's
+    // emulator lacks: status 3, named as the host's limitation (not a VMM crash); by then the
+    // kernel got past `Memory: …` and SLUB (whose cmpxchg16b tinyvmm hides on kvm_pvm), and its
+    // own 8250 driver took the console over.
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    check_map_and_command_line(&stderr, &reference.console);
     assert_eq!(
         reference.ending.0,
         Some(3),
-        "the reference boot stops at the host's limitation: {}",
-        String::from_utf8_lossy(&output.stderr)
+        "the reference boot stops at the host's limitation: {stderr}"
     );
+    for said in [
+        "KVM_EXIT_INTERNAL_ERROR",
+        "a limitation of the host, not a VMM crash",
+    ] {
+        assert!(stderr.contains(said), "{said:?} not in: {stderr}");
+    }
+    assert!(
+        reference.console.contains("Memory: "),
+        "the kernel got that far first\n{}",
+        reference.console
+    );
+    if tinyvmm::linux::cpu::host_emulates_ring0() {
+        assert!(
+            reference
+                .console
+                .contains("printk: console [ttyS0] enabled"),
+            "past SLUB, the kernel's serial driver drove the console\n{}",
+            reference.console
+        );
+    }
 
     let merged = scratch.path("merged.mem");
     merge_chain(
@@ -504,23 +579,22 @@ fn kvm_a_linux_guest_restored_or_migrated_goes_on_as_an_uninterrupted_boot() {
         ],
     );
 
-    // Two at a time: the host has two cores.
+    // Two at a time: the host has two cores. The memory backends restore the merged chain,
+    // taken half a second of guest time before the end: cheap runs, each to the same end as
+    // the uninterrupted boot. The migrations start from the Full, and the live Full from its
+    // own point, well before the end: a guest that runs (and dirties memory) as it moves.
+    let chain = (diff.as_path(), merged.as_path());
     std::thread::scope(|s| {
         s.spawn(|| {
-            restore_and_check(
-                &scratch,
-                "file",
-                (&full, &full_mem, "file"),
-                &at_full,
-                &reference,
-            );
-            restore_and_check(
-                &scratch,
-                "uffd",
-                (&full, &full_mem, "uffd"),
-                &at_full,
-                &reference,
-            );
+            for backend in ["file", "uffd"] {
+                restore_and_check(
+                    &scratch,
+                    backend,
+                    (chain.0, chain.1, backend),
+                    &at_diff,
+                    &reference,
+                );
+            }
             migrate_and_check(
                 &scratch,
                 "bitmap",
@@ -534,14 +608,7 @@ fn kvm_a_linux_guest_restored_or_migrated_goes_on_as_an_uninterrupted_boot() {
             restore_and_check(
                 &scratch,
                 "copy",
-                (&full, &full_mem, "copy"),
-                &at_full,
-                &reference,
-            );
-            restore_and_check(
-                &scratch,
-                "chain",
-                (&diff, &merged, "file"),
+                (chain.0, chain.1, "copy"),
                 &at_diff,
                 &reference,
             );

@@ -5,10 +5,87 @@
 #![allow(dead_code)] // Each test file uses its part.
 
 use std::path::{Path, PathBuf};
+use std::sync::OnceLock;
+use std::time::{Duration, Instant};
 
 /// The command line: the serial console from the first line, no xsave (issue 6: XRSTOR is not
 /// in the emulator), no KASLR (reproducible addresses), reset through the i8042 on panic.
 pub const CMDLINE: &str = "console=ttyS0 earlyprintk=ttyS0 noxsave nokaslr panic=-1 reboot=k";
+
+/// The longest stretch of Debian's 6.1 kernel without a console line on this project's hosts
+/// (from `rcu: Adjusting geometry` to `NR_IRQS:`), in instructions of the ring-0 speed probe
+/// ([`kvm_test_support::ring0_speed`]): 9.3 s on a host whose probe ran 3.9-5.3 M/s, rounded up.
+const LONGEST_SILENCE: f64 = 50e6;
+
+/// How long a Linux test waits for the guest's next sign of progress (a console line, an exit)
+/// before it calls the guest stuck: four times the kernel's longest silence at this host's
+/// measured ring-0 speed, at least a minute. A boot that makes progress is never cut, however
+/// slow the host's emulator; measured once per test binary, and printed.
+/// `TINYVMM_LINUX_PATIENCE_SECS` overrides it (to see the watchdog act, or for a host known to
+/// be slower still).
+pub fn linux_patience() -> Duration {
+    static PATIENCE: OnceLock<Duration> = OnceLock::new();
+    *PATIENCE.get_or_init(|| {
+        if let Some(secs) = std::env::var("TINYVMM_LINUX_PATIENCE_SECS")
+            .ok()
+            .and_then(|s| s.parse::<f64>().ok())
+        {
+            return Duration::from_secs_f64(secs);
+        }
+        let speed = kvm_test_support::ring0_speed();
+        let patience = kvm_test_support::patience_for(LONGEST_SILENCE, speed);
+        eprintln!(
+            "guest ring-0 speed here: {}; a Linux guest silent for {:.0} s is called stuck",
+            speed.map_or("not measured".to_owned(), |s| format!(
+                "{:.2} M instructions/s",
+                s / 1e6
+            )),
+            patience.as_secs_f64()
+        );
+        patience
+    })
+}
+
+/// Watches a growing output (a guest's console) for progress: [`Progress::stalled`] says
+/// whether it has not grown for [`linux_patience`].
+#[derive(Debug)]
+pub struct Progress {
+    seen: usize,
+    since: Instant,
+    patience: Duration,
+}
+
+impl Default for Progress {
+    fn default() -> Self {
+        Progress {
+            seen: 0,
+            since: Instant::now(),
+            patience: linux_patience(),
+        }
+    }
+}
+
+impl Progress {
+    /// Notes the output's length now; true once it has not grown for the whole patience.
+    pub fn stalled(&mut self, len: usize) -> bool {
+        if len != self.seen {
+            self.seen = len;
+            self.since = Instant::now();
+        }
+        self.since.elapsed() > self.patience
+    }
+
+    /// The patience, for messages.
+    pub fn patience(&self) -> Duration {
+        self.patience
+    }
+}
+
+/// The last `n` lines of `log`, for a failure's message.
+pub fn tail(log: &str, n: usize) -> String {
+    let lines: Vec<&str> = log.lines().collect();
+    lines[lines.len().saturating_sub(n)..].join("\n")
+}
 
 /// Where `resources/fetch-kernel.sh` puts the kernel (and busybox).
 pub fn cache() -> PathBuf {
