@@ -687,8 +687,9 @@ fn kvm_a_cancelled_live_snapshot_leaves_nothing_and_bad_requests_are_refused() {
     assert_eq!(sent, 0, "kill");
     let started = Instant::now();
     let output = child.wait_with_output().expect("wait");
+    // Well before the 600 s timeout the live snapshot would otherwise run to.
     assert!(
-        started.elapsed() < Duration::from_secs(60),
+        started.elapsed() < Duration::from_secs(300),
         "the VMM took {:?} to stop",
         started.elapsed()
     );
