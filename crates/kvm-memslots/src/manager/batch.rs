@@ -159,7 +159,9 @@ impl<K: KvmMemory> MemoryManager<K> {
     ///
     /// On a refusal in step 3 (of a request or of a `KVM_GET_DIRTY_LOG`): every request already
     /// made is reversed, last first (a created slot deleted, a deleted one created again with
-    /// its ranges and flags); then the added regions' mappings are unmapped. If KVM refuses a
+    /// its ranges and flags; in bitmap mode a re-slot's new logging slot is deleted as
+    /// *deleting a logging slot*, its log read first: see [`MemoryManager`]); then the added
+    /// regions' mappings are unmapped. If KVM refuses a
     /// reversal, [`Error::UndoFailed`] is returned, the mappings are kept for the process's
     /// lifetime, and later changes are refused. A failure in step 1 unmaps what step 1 mapped
     /// and makes no KVM call.

@@ -185,9 +185,13 @@ type Writer<'a> = MapWriter<'a, SlotBacking, State>;
 ///   the delete. Where KVM refuses the parking place (`EEXIST`, `EINVAL`), the log is read and
 ///   the slot deleted where it is, and every page of it is marked dirty.
 /// - *The undo* of a change: when KVM refuses a request, or a `KVM_GET_DIRTY_LOG` before one
-///   fails, the requests already made are reversed, last first. If KVM refuses a reversal,
-///   the rest are not attempted: [`Error::UndoFailed`] is returned, and every later change is
-///   refused ([`Error::Broken`]) before any call.
+///   fails, the requests already made are reversed, last first. In bitmap mode, a logging slot
+///   the change created for a region in place (a read-only toggle's re-created slot, a
+///   re-slot's new one) is deleted as *deleting a logging slot* says, so that the guest's
+///   writes into it since it was created stay pending (where that fails, it is deleted in place
+///   and all its pages are marked dirty). If KVM refuses a reversal, the rest are not
+///   attempted: [`Error::UndoFailed`] is returned, and every later change is refused
+///   ([`Error::Broken`]) before any call.
 ///
 /// A change refused before its first request (a bad argument, an unknown region, a map change
 /// the map refuses) makes no call.
@@ -500,25 +504,75 @@ impl<K: KvmMemory> MemoryManager<K> {
                     // back): KVM and the map disagree already.
                     return Err(failed);
                 }
-                for done in steps[..i].iter().rev() {
-                    let undo = done.op.inverse();
-                    // SAFETY: as above; an undo restores a slot KVM had before this operation.
-                    let undone = unsafe { self.kvm.set_user_memory_region(&undo.request()) };
-                    if let Err(undo_errno) = undone {
-                        let slot = undo.request().slot;
-                        state.broken = Some(Broken::UndoFailed {
-                            slot,
-                            errno: undo_errno,
-                        });
-                        return Err(Error::UndoFailed {
-                            failed: Box::new(failed),
-                            undo_op: undo.verb(),
-                            slot,
-                            undo_errno,
-                        });
+                return Err(match self.undo(state, &steps[..i], &mut log) {
+                    Ok(()) => failed,
+                    Err((undo_op, slot, undo_errno)) => Error::UndoFailed {
+                        failed: Box::new(failed),
+                        undo_op,
+                        slot,
+                        undo_errno,
+                    },
+                });
+            }
+        }
+        Ok(())
+    }
+
+    /// Reverses the steps `done` (all applied), last first. A slot the change created that
+    /// logs, for a region in place (a read-only toggle's re-created slot, a re-slot's new
+    /// one), is deleted as the change itself deletes one in bitmap mode
+    /// ([`delete_logging_slot`](Self::delete_logging_slot)): its log, which holds the guest's
+    /// writes since it was created, goes into the region's pending bits first. If that fails
+    /// (and the slot is still where it was), the slot is deleted in place and all its pages are
+    /// marked dirty. On a refused reversal the rest are not attempted, the manager is marked
+    /// broken, and the reversal, its slot and KVM's error are returned.
+    fn undo(
+        &self,
+        state: &mut State,
+        done: &[Step],
+        log: &mut Vec<u64>,
+    ) -> Result<(), (&'static str, u32, Errno)> {
+        for step in done.iter().rev() {
+            let undo = step.op.inverse();
+            let request = undo.request();
+            let kept = match undo {
+                KvmOp::Delete(created)
+                    if created.flags.log_dirty
+                        && !self.kvm.dirty_ring()
+                        && state.regions.contains_key(&step.region) =>
+                {
+                    match self.delete_logging_slot(state, step.region, created, log) {
+                        Ok(()) => continue,
+                        Err(_) if state.broken.is_some() => {
+                            // The parked slot could not be moved back.
+                            let errno = match state.broken {
+                                Some(Broken::UndoFailed { errno, .. }) => errno,
+                                _ => Errno::new(libc::EIO),
+                            };
+                            return Err(("move back", created.slot, errno));
+                        }
+                        // Still in place, its log unread (or read in part): delete it there
+                        // and report every page it covers.
+                        Err(_) => Some(created),
                     }
                 }
-                return Err(failed);
+                _ => None,
+            };
+            // SAFETY: an undo restores a slot KVM had before this change (over memory the
+            // manager keeps mapped while KVM has it: see `request`), or deletes one, which
+            // needs no memory.
+            let undone = unsafe { self.kvm.set_user_memory_region(&request) };
+            if let Err(errno) = undone {
+                state.broken = Some(Broken::UndoFailed {
+                    slot: request.slot,
+                    errno,
+                });
+                return Err((undo.verb(), request.slot, errno));
+            }
+            if let Some(slot) = kept {
+                let owner = &state.regions[&step.region];
+                let first = (slot.gpa - owner.gpa.0) / PAGE_SIZE;
+                owner.pending().mark(first, slot.size / PAGE_SIZE);
             }
         }
         Ok(())

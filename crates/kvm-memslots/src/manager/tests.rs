@@ -2178,3 +2178,4 @@ fn an_overflowed_ring_reports_every_logging_page_for_every_consumer() {
 
 mod parking;
 mod reslot;
+mod undo;
