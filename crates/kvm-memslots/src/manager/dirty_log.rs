@@ -319,12 +319,14 @@ impl<K: KvmMemory> MemoryManager<K> {
     }
 
     /// Ring mode: how many collections found a dirty ring overflowed. KVM keeps a ring from
-    /// filling by stopping the vCPU (`KVM_EXIT_DIRTY_RING_FULL`) at a soft limit below its
-    /// size; a host whose instruction emulator pushes a batch of guest writes without stopping
-    /// (this project's kvm_pvm host, for guest kernel code) can push past it and write over
-    /// entries. The manager notices it (more entries since the last reset than the ring's room,
-    /// or entries out of step with its fetch index, which it then follows again so that the
-    /// vCPU does not livelock on ring-full exits), and from the first overflow on reports
+    /// filling by asking for a ring-full exit (`KVM_EXIT_DIRTY_RING_FULL`) at a soft limit
+    /// below its size, and the vCPU pushes on until that exit; a host whose instruction
+    /// emulator pushes a batch of guest writes without exiting (this project's kvm_pvm host,
+    /// for guest kernel code) can push past the ring's end and write over entries. Entries past
+    /// the soft limit that still fit are no overflow. The manager notices a wrap (as many
+    /// entries since the last reset as the ring holds, or entries out of step with its fetch
+    /// index, which it then follows again so that the vCPU does not livelock on ring-full
+    /// exits), and from the first overflow on reports
     /// every page of every logging slot in every harvest, for every consumer: pages whose
     /// entries were lost stay unprotected in KVM and would never be reported again. Never a
     /// lost page; a VMM seeing this count grow should stop using ring mode for that guest.
