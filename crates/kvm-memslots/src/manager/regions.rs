@@ -93,7 +93,8 @@ impl<K: KvmMemory> MemoryManager<K> {
     ///
     /// # KVM calls
     ///
-    /// None if the range's slots are those asked for already. Otherwise:
+    /// None if the range's slots are those asked for already (nor a new map version or a
+    /// change counted). Otherwise:
     ///
     /// 1. Ring mode, if a slot is deleted: a ring drain (see [`MemoryManager`]).
     /// 2. Going up the range, for each new slot: for each old slot not kept that starts below
