@@ -177,13 +177,15 @@ type Writer<'a> = MapWriter<'a, SlotBacking, State>;
 ///   earlier reset failed). A failed drain before a change's
 ///   first request refuses the change.
 /// - *Deleting a logging slot* (bitmap mode): `KVM_SET_USER_MEMORY_REGION` *parking* it (a
-///   move, which keeps its log, to the top of the host's physical address width, or where KVM
-///   refuses that to the first GiB boundary above 4 GiB and every region: where the guest has
-///   no memory), `KVM_GET_DIRTY_LOG` into the region's pending bits, and
-///   `KVM_SET_USER_MEMORY_REGION` deleting the parked slot; if the read or that delete fails,
-///   the slot is moved back. A guest write can no longer land in the log between the read and
-///   the delete. Where KVM refuses the parking place (`EEXIST`, `EINVAL`), the log is read and
-///   the slot deleted where it is, and every page of it is marked dirty.
+///   move, which keeps its log, to a guest address no region covers: the highest free one in
+///   the host's physical address width, the top itself unless a region lies there; where KVM
+///   refuses that, the first GiB boundary above 4 GiB and every region, or if that is past the
+///   width, the lowest free place above 4 GiB), `KVM_GET_DIRTY_LOG` into the region's pending
+///   bits, and `KVM_SET_USER_MEMORY_REGION` deleting the parked slot; if the read or that
+///   delete fails, the slot is moved back. A guest write can no longer land in the log
+///   between the read and the delete. Where KVM refuses every parking place (`EEXIST`,
+///   `EINVAL`; one `KVM_SET_USER_MEMORY_REGION` each, at most three), the log is read and the
+///   slot deleted where it is, and every page of it is marked dirty.
 /// - *The undo* of a change: when KVM refuses a request, or a `KVM_GET_DIRTY_LOG` before one
 ///   fails, the requests already made are reversed, last first. In bitmap mode, a logging slot
 ///   the change created for a region in place (a read-only toggle's re-created slot, a
