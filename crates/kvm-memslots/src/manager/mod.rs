@@ -412,7 +412,8 @@ impl<K: KvmMemory> MemoryManager<K> {
 
     /// Takes the writer lock. A panic while it was held left the map as the last completed
     /// operation made it (publication is the last step); a panic inside a KVM call also marked
-    /// the manager broken (KVM may differ from the map), so reads go on and changes are refused.
+    /// the manager broken (KVM was put back as the map says as far as it could be, but the
+    /// call's effect is unknown), so reads and harvests go on and changes are refused.
     fn state(&self) -> Writer<'_> {
         self.map.write()
     }
@@ -471,9 +472,10 @@ impl<K: KvmMemory> MemoryManager<K> {
         let mut log = Vec::new();
         for (i, step) in steps.iter().enumerate() {
             let request = step.op.request();
-            // A panicking KVM wrapper (a bug) leaves this step's effect unknown: KVM and the
-            // map may disagree from here on, so the manager is marked broken and the memory of
-            // regions being added stays mapped for good before the panic goes on.
+            // A panicking KVM wrapper (a bug) leaves this step's effect unknown: the manager is
+            // marked broken, the memory of regions being added stays mapped for good, and the
+            // step and those before it are put back as well as can be before the panic goes
+            // on (see `recover_from_panic`).
             let attempt = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
                 match step.op {
                     // Bitmap mode: a logging slot is parked before its log is read (see
@@ -497,6 +499,7 @@ impl<K: KvmMemory> MemoryManager<K> {
                     state.broken = Some(Broken::Panicked { slot: request.slot });
                     let adding = std::mem::take(&mut state.adding);
                     state.orphans.extend(adding);
+                    self.recover_from_panic(state, step, &steps[..i], &mut log);
                     std::panic::resume_unwind(panic);
                 }
             };
@@ -518,6 +521,48 @@ impl<K: KvmMemory> MemoryManager<K> {
             }
         }
         Ok(())
+    }
+
+    /// After a KVM call of `step` panicked (the steps `done` applied before it): puts KVM's
+    /// slots back as the published map has them, as far as KVM lets it, so that harvests go
+    /// on working (a slot whose logging was switched off while the map says it logs would fail
+    /// every later harvest with `ENOENT`). The step's own effect is unknown, so it is put back
+    /// with requests that are right whatever it did: an update or a delete by setting the slot
+    /// as it was (a no-op if it is so already, a move back if it was parked, a create if it was
+    /// deleted), a create by its undo (whose failure, where the slot was never made, is
+    /// ignored). Then `done` is undone as after a refusal. Pages of a slot whose logging may
+    /// have been off meanwhile are marked dirty. The manager stays broken (changes refused:
+    /// [`Error::BrokenByPanic`], or [`Error::Broken`] if an undo was refused); a panic while
+    /// recovering is swallowed, the first one goes on.
+    fn recover_from_panic(
+        &self,
+        state: &mut State,
+        step: &Step,
+        done: &[Step],
+        log: &mut Vec<u64>,
+    ) {
+        let slot = step.op.request().slot;
+        // `undo` reads a set `broken` as its own move back having failed.
+        state.broken = None;
+        let undone = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            match step.op {
+                KvmOp::Update { old, .. } | KvmOp::Delete(old) => {
+                    if self.request(step.region, "restore", &old).is_ok() {
+                        mark_if_logging_paused(state, step);
+                    }
+                }
+                KvmOp::Create(_) => {
+                    // Refused where the call made no slot: nothing to put back then.
+                    let _ = self.undo(state, std::slice::from_ref(step), log);
+                    state.broken = None;
+                }
+            }
+            self.undo(state, done, log)
+        }));
+        state.broken = Some(match undone {
+            Ok(Err((_, slot, errno))) => Broken::UndoFailed { slot, errno },
+            Ok(Ok(())) | Err(_) => Broken::Panicked { slot },
+        });
     }
 
     /// Reverses the steps `done` (all applied), last first. A slot the change created that
@@ -576,6 +621,7 @@ impl<K: KvmMemory> MemoryManager<K> {
                 let first = (slot.gpa - owner.gpa.0) / PAGE_SIZE;
                 owner.pending().mark(first, slot.size / PAGE_SIZE);
             }
+            mark_if_logging_paused(state, step);
         }
         Ok(())
     }
@@ -719,6 +765,20 @@ impl<K: KvmMemory> Drop for MemoryManager<K> {
         }
         for memory in state.orphans.drain(..) {
             std::mem::forget(memory);
+        }
+    }
+}
+
+/// After `step` was reversed (or put back): if it had switched a slot's logging off, the guest
+/// could write the slot unlogged until logging came back with a new log, so every page of the
+/// slot is marked dirty in its region's pending bits.
+fn mark_if_logging_paused(state: &State, step: &Step) {
+    if let KvmOp::Update { old, new } = step.op {
+        if old.flags.log_dirty && !new.flags.log_dirty {
+            if let Some(owner) = state.regions.get(&step.region) {
+                let first = (old.gpa - owner.gpa.0) / PAGE_SIZE;
+                owner.pending().mark(first, old.size / PAGE_SIZE);
+            }
         }
     }
 }

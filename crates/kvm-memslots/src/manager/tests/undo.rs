@@ -127,3 +127,66 @@ fn a_write_into_a_slot_an_undo_deletes_is_harvested() {
         assert_eq!(reported, vec![gpa], "{name}: the write is harvested, alone");
     }
 }
+
+/// A KVM call that panics in the middle of a stop of logging (the second slot's update):
+/// the slots updated before it get logging back before the panic goes on, so KVM logs every
+/// slot the map says logs, and harvests go on working (before, every one failed with
+/// `ENOENT` for the first slot, for good). A write in the window where a slot did not log is
+/// not lost: its pages count as dirty. Changes stay refused.
+#[test]
+fn a_panic_in_a_stop_of_logging_leaves_harvests_working() {
+    let m = MemoryManager::new(Faulty::new(FakeKvm::without_initially_set(64)));
+    let r = m.add_region(logging(region(MIB, 4))).unwrap();
+    m.harvest_dirty(Target::All).unwrap();
+    m.kvm().panic_at(KvmCall::SetRegion, 1);
+    let panicked = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        m.stop_dirty_log(Target::Region(r))
+    }));
+    assert!(panicked.is_err());
+    assert!(!m.kvm().failure_pending(), "the planned panic came");
+    let logging: Vec<bool> = m
+        .kvm()
+        .inner()
+        .slots()
+        .iter()
+        .map(|s| s.flags.log_dirty)
+        .collect();
+    assert_eq!(logging, vec![true; 4], "KVM logs as the map says");
+    // The first slot did not log for a moment, and what the second's call did is unknown:
+    // all their pages count as dirty.
+    let first = m.harvest_dirty(Target::All).unwrap();
+    let pages: Vec<u64> = first[0].addresses().map(|a| a.0).collect();
+    assert_eq!(
+        pages,
+        (0..8).map(|p| MIB + p * PAGE_SIZE).collect::<Vec<_>>()
+    );
+    // KVM logs the guest's writes again, and harvests report them.
+    assert!(m.kvm().inner().guest_write(MIB + PAGE_SIZE));
+    assert!(m.kvm().inner().guest_write(MIB + 3 * SLOT));
+    let next = m.harvest_dirty(Target::All).unwrap();
+    let pages: Vec<u64> = next[0].addresses().map(|a| a.0).collect();
+    assert_eq!(pages, vec![MIB + PAGE_SIZE, MIB + 3 * SLOT]);
+    let refused = m.stop_dirty_log(Target::All).unwrap_err();
+    assert!(matches!(refused, Error::BrokenByPanic { .. }), "{refused}");
+}
+
+/// A read of a parked slot's log that panics (mid re-slot, bitmap mode): the slot is moved
+/// back from its parking place before the panic goes on, KVM's slots are the map's, and
+/// harvests report what the guest writes there.
+#[test]
+fn a_panic_while_a_slot_is_parked_moves_it_back() {
+    let m = MemoryManager::new(Faulty::new(FakeKvm::without_initially_set(64)));
+    let r = m.add_region(logging(region(MIB, 4))).unwrap();
+    m.harvest_dirty(Target::All).unwrap();
+    m.kvm().panic_at(KvmCall::GetDirtyLog, 0);
+    let panicked = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        m.reslot(reslot(r, 0..4, &[0..4]))
+    }));
+    assert!(panicked.is_err());
+    assert!(!m.kvm().failure_pending(), "the planned panic came");
+    assert_mirrored(&m);
+    assert!(m.kvm().inner().guest_write(MIB + 2 * SLOT));
+    let dirty = m.harvest_dirty(Target::All).unwrap();
+    let pages: Vec<u64> = dirty[0].addresses().map(|a| a.0).collect();
+    assert_eq!(pages, vec![MIB + 2 * SLOT]);
+}
