@@ -161,8 +161,10 @@ pub enum Error {
     /// No such dirty-log consumer (never added, or removed; the default one cannot be removed).
     #[error("{0} does not exist")]
     UnknownConsumer(DirtyConsumer),
-    /// A KVM call panicked during an earlier change (a bug in the [`KvmMemory`] in use): KVM
-    /// and the map may disagree, so changes are refused. Memory KVM may still map stays mapped.
+    /// A KVM call panicked during an earlier change (a bug in the [`KvmMemory`] in use): the
+    /// change was undone as far as KVM let it, but what the call did is unknown and KVM and the
+    /// map may disagree, so changes are refused (harvests go on). Memory KVM may still map
+    /// stays mapped.
     ///
     /// [`KvmMemory`]: crate::KvmMemory
     #[error("changes are refused since a KVM call on slot {slot} panicked during a change")]

@@ -26,13 +26,6 @@ const RESET: u32 = 2;
 /// at least a page.
 pub const MIN_RING_ENTRIES: u32 = 4096 / 16;
 
-/// Entries KVM keeps free below a ring's size (`KVM_DIRTY_RING_RSVD_ENTRIES`): it stops a vCPU
-/// (`KVM_EXIT_DIRTY_RING_FULL`) before a ring holds more than `size - RSVD_ENTRIES` entries
-/// between two resets. More than that since the last reset means KVM pushed past its soft
-/// limit (an instruction emulator that pushes a batch of writes without stopping does), and
-/// may have written over entries: pages may be lost.
-const RSVD_ENTRIES: u32 = 64;
-
 /// What a collection of the dirty rings found ([`KvmMemory::collect_dirty_rings`]).
 ///
 /// [`KvmMemory::collect_dirty_rings`]: crate::KvmMemory::collect_dirty_rings
@@ -40,10 +33,13 @@ const RSVD_ENTRIES: u32 = 64;
 pub struct RingCollection {
     /// Entries collected.
     pub entries: u64,
-    /// A ring overflowed (more entries since the last reset than KVM lets a ring hold, or the
-    /// entries were found out of step with the collector): entries may have been written over
-    /// before they were collected, so the pages they named are lost to the rings. The caller
-    /// must treat every page of every logging slot as dirty.
+    /// A ring overflowed: it wrapped (as many entries since the last reset as it holds: a ring
+    /// found full cannot be told from one KVM pushed past its end, writing over the oldest), or
+    /// its entries were found out of step with the collector. Entries may have been written
+    /// over before they were collected, so the pages they named are lost to the rings. The
+    /// caller must treat every page of every logging slot as dirty. Entries past KVM's soft
+    /// limit (`size - 64`, where it asks for a ring-full exit) are not an overflow while the
+    /// ring has room for them.
     pub lost: bool,
 }
 
@@ -67,8 +63,10 @@ pub(crate) struct DirtyRing {
     next: u32,
     /// Entries collected since the last successful `KVM_RESET_DIRTY_RINGS`.
     since_reset: u32,
-    /// An overflow was seen and no collection since found the ring in step: each collection
-    /// that finds nothing at `next` looks for published entries elsewhere.
+    /// An overflow was seen and no collection since found entries at `next` (the ring in step):
+    /// each collection that finds nothing at `next` looks for published entries elsewhere. A
+    /// collection that finds the ring empty does not end it: KVM's next entries may still come
+    /// at another index.
     suspect: bool,
 }
 
@@ -151,16 +149,22 @@ impl DirtyRing {
                         self.flags(self.next.wrapping_add(skipped))
                             .store(RESET, Ordering::Release);
                     }
+                    // KVM counts them as used until the next reset, as collected ones.
+                    self.since_reset = self.since_reset.saturating_add(step);
                     self.next = self.next.wrapping_add(step);
                     found = self.collect_in_order(sink);
                     found.lost = true;
                 }
                 Some(_) => found = self.collect_in_order(sink),
-                None => self.suspect = false,
+                // An empty ring proves nothing: stay suspicious.
+                None => {}
             }
         }
         if found.lost {
             self.suspect = true;
+        } else if found.entries > 0 {
+            // Entries published at `next`, in order: the ring is in step again.
+            self.suspect = false;
         }
         found
     }
@@ -184,7 +188,11 @@ impl DirtyRing {
             self.next = self.next.wrapping_add(1);
             found.entries += 1;
             self.since_reset = self.since_reset.saturating_add(1);
-            if self.since_reset > self.count - RSVD_ENTRIES {
+            // The ring held as many entries as it has since the last reset: KVM may have
+            // pushed past its end (writing over the oldest, which a collection that finds
+            // them all published cannot tell from the newest). Entries past KVM's soft limit
+            // but short of this are not lost.
+            if self.since_reset >= self.count {
                 found.lost = true;
             }
         }
@@ -261,6 +269,13 @@ pub enum RingError {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Entries KVM keeps free below a ring's size (`KVM_DIRTY_RING_RSVD_ENTRIES`): once a ring
+    /// holds `size - RSVD_ENTRIES` entries (its soft limit), KVM asks for a ring-full exit
+    /// (`KVM_EXIT_DIRTY_RING_FULL`), but the vCPU goes on pushing until that exit (an instruction
+    /// emulator pushing a batch of writes, say): a ring past its soft limit is not an overflow.
+    /// Only a ring that wraps (fills and is pushed to again before a reset) loses entries.
+    const RSVD_ENTRIES: u32 = 64;
 
     #[test]
     fn ring_sizes_are_powers_of_two_within_kvm_s_bounds() {
@@ -397,6 +412,99 @@ mod tests {
         fn full(&self) -> bool {
             self.dirty_index.wrapping_sub(self.reset_index) >= self.count - RSVD_ENTRIES
         }
+    }
+
+    /// A ring and KVM's side of it, both at index 0.
+    fn ring_and_kernel(count: u32) -> (DirtyRing, Kernel) {
+        let ring = anonymous_ring(count, 0);
+        let kernel = Kernel {
+            entries: ring.entries,
+            count,
+            dirty_index: 0,
+            reset_index: 0,
+        };
+        (ring, kernel)
+    }
+
+    /// KVM asks for a ring-full exit at its soft limit (`count - 64` entries) but the vCPU
+    /// goes on pushing until its next exit: past the soft limit (as seen on this host at 193
+    /// to 231 of 256 entries), but short of the ring's size, nothing was written over and
+    /// nothing is lost; the ring stays in step and unsuspected.
+    #[test]
+    fn entries_past_the_soft_limit_but_within_the_ring_are_not_an_overflow() {
+        let count = 256u32;
+        for pushed in [count - RSVD_ENTRIES + 1, 231, count - 1] {
+            let (mut ring, mut kernel) = ring_and_kernel(count);
+            for page in 0..u64::from(pushed) {
+                kernel.push(page);
+            }
+            assert!(kernel.full(), "{pushed}: past the soft limit");
+            let mut seen = Vec::new();
+            let found = ring.collect(&mut |_, o| seen.push(o));
+            assert_eq!(
+                found,
+                RingCollection {
+                    entries: u64::from(pushed),
+                    lost: false
+                },
+                "{pushed} entries"
+            );
+            assert_eq!(seen, (0..u64::from(pushed)).collect::<Vec<_>>());
+            kernel.reset();
+            ring.reset_done();
+            assert!(!kernel.full(), "{pushed}: the reset freed them all");
+            // In step: the next entries are collected as usual, and no overflow is reported.
+            seen.clear();
+            for page in 0..10 {
+                kernel.push(1000 + page);
+            }
+            let found = ring.collect(&mut |_, o| seen.push(o));
+            assert_eq!(
+                found,
+                RingCollection {
+                    entries: 10,
+                    lost: false
+                },
+                "{pushed}"
+            );
+            assert_eq!(seen, (1000..1010).collect::<Vec<_>>());
+            assert!(!ring.suspect, "{pushed}");
+            drop(ring);
+        }
+    }
+
+    /// A ring that wrapped (more entries pushed than it holds, since the last reset) is an
+    /// overflow, and stays suspect through collections that find it empty: the vCPU's next
+    /// entries, pushed out of step with the collector's index, are still found (and the vCPU
+    /// does not exit ring-full for ever).
+    #[test]
+    fn a_wrapped_ring_stays_suspect_until_its_entries_are_found_again() {
+        let count = 256u32;
+        let (mut ring, mut kernel) = ring_and_kernel(count);
+        for page in 0..300 {
+            kernel.push(page);
+        }
+        let found = ring.collect(&mut |_, _| {});
+        assert!(found.lost, "{found:?}");
+        kernel.reset();
+        ring.reset_done();
+        // Nothing pushed yet: nothing found, and nothing proves the ring back in step.
+        assert_eq!(ring.collect(&mut |_, _| {}), RingCollection::default());
+        kernel.reset();
+        let mut seen = Vec::new();
+        for page in 0..10 {
+            kernel.push(5000 + page);
+        }
+        let found = ring.collect(&mut |_, o| seen.push(o));
+        assert_eq!(seen, (5000..5010).collect::<Vec<_>>());
+        assert!(found.lost, "found out of step: {found:?}");
+        ring.reset_done();
+        kernel.reset();
+        assert_eq!(
+            kernel.dirty_index, kernel.reset_index,
+            "the reset freed every entry"
+        );
+        drop(ring);
     }
 
     #[test]

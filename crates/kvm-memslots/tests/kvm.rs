@@ -740,6 +740,142 @@ fn kvm_a_refused_reslot_leaves_kvms_slots_as_they_were() {
     );
 }
 
+/// A hook on real KVM that, once armed, lets `at` calls of `KVM_SET_USER_MEMORY_REGION`
+/// through, then runs the guest loaded at `CODE` to `hlt` (a vCPU running in the middle of a
+/// change) and refuses the next call with `EIO`, as KVM refusing a later step would.
+struct GuestRunsThenRefused {
+    vm: Arc<VmFd>,
+    armed: std::sync::atomic::AtomicBool,
+    at: u64,
+    calls: std::sync::atomic::AtomicU64,
+    run: std::sync::Mutex<Option<Run>>,
+}
+
+impl kvm_memslots::testing::Hook for GuestRunsThenRefused {
+    fn around<T>(
+        &self,
+        request: kvm_memslots::testing::KvmRequest<'_>,
+        proceed: impl FnOnce() -> Result<T, vmm_sys_util::errno::Error>,
+    ) -> Result<T, vmm_sys_util::errno::Error> {
+        use std::sync::atomic::Ordering::SeqCst;
+        if matches!(request, kvm_memslots::testing::KvmRequest::SetRegion(_))
+            && self.armed.load(SeqCst)
+            && self.calls.fetch_add(1, SeqCst) == self.at
+        {
+            self.armed.store(false, SeqCst);
+            let vcpu = self
+                .vm
+                .create_vcpu(next_vcpu_id())
+                .expect("KVM_CREATE_VCPU");
+            *self.run.lock().expect("not poisoned") = Some(run_vcpu(vcpu));
+            return Err(vmm_sys_util::errno::Error::new(libc::EIO));
+        }
+        proceed()
+    }
+}
+
+/// The guest writes into a slot a change created (a read-only toggle's re-created slot, a
+/// re-slot's new one), then KVM refuses a later step of that change and the undo deletes the
+/// slot again: the write landed in the slot's log, and the next harvest reports it (the undo
+/// reads a logging slot's log before deleting it, as the change itself does).
+#[test]
+fn kvm_a_write_into_a_slot_an_undo_deletes_is_harvested() {
+    let name = "kvm_a_write_into_a_slot_an_undo_deletes_is_harvested";
+    let Some((kvm, _)) = kvm_or_skip(name) else {
+        return;
+    };
+    type Change = fn(
+        &MemoryManager<kvm_memslots::testing::Hooked<KvmVm, GuestRunsThenRefused>>,
+        RegionId,
+    ) -> Result<(), Error>;
+    // Each change, the calls it makes before the refused one, and whether the data region
+    // starts read-only. The data region has two slots of 32 KiB.
+    let changes: [(&str, Change, u64, bool); 2] = [
+        // Slot 0: park, delete, create writable; slot 1: park (refused).
+        (
+            "read-only toggle",
+            |m, r| m.set_read_only(r, false),
+            3,
+            true,
+        ),
+        // Slot 0: park, delete; create its first half; create its second half (refused).
+        (
+            "re-slot",
+            |m, r| {
+                m.reslot(Reslot {
+                    region: r,
+                    range: 0..32 * KIB,
+                    slots: vec![0..16 * KIB, 16 * KIB..32 * KIB],
+                })
+            },
+            3,
+            false,
+        ),
+    ];
+    let written = DATA + 4 * KIB;
+    for (change_name, change, at, read_only) in changes {
+        // A VM of its own for each: the vCPUs one makes stay until its VM goes.
+        let vm = Arc::new(kvm.create_vm().expect("KVM_CREATE_VM"));
+        let hook = GuestRunsThenRefused {
+            vm: Arc::clone(&vm),
+            armed: Default::default(),
+            at,
+            calls: Default::default(),
+            run: Default::default(),
+        };
+        let m = MemoryManager::new(kvm_memslots::testing::Hooked::with_hook(
+            KvmVm::new(&kvm, Arc::clone(&vm)).expect("KVM"),
+            hook,
+        ));
+        let hook = m.kvm().hook();
+        m.add_region(RegionSpec::new(GuestAddress(0), 64 * KIB))
+            .expect("code region");
+        let spec = RegionSpec::new(GuestAddress(DATA), 64 * KIB)
+            .with_slot_ranges(vec![0..32 * KIB, 32 * KIB..64 * KIB])
+            .with_flags(kvm_memslots::SlotFlags {
+                log_dirty: true,
+                read_only,
+            });
+        let data = m.add_region(spec).expect("data region");
+        m.current()
+            .write_slice(
+                &Program::default().write_byte(written, 0x5a).halt(),
+                GuestAddress(CODE),
+            )
+            .expect("load the guest code");
+        // Logging starts with every page counted dirty: take that first.
+        assert_eq!(
+            m.harvest_dirty(Target::Region(data)).expect("harvest")[0].count(),
+            16
+        );
+        let before = m.regions();
+        hook.armed.store(true, std::sync::atomic::Ordering::SeqCst);
+        let err = change(&m, data).expect_err(change_name);
+        assert_eq!(err.errno(), Some(libc::EIO), "{change_name}: {err}");
+        let run = hook.run.lock().expect("not poisoned").take();
+        assert_eq!(
+            run,
+            Some(Run::default()),
+            "{change_name}: the write landed in a slot"
+        );
+        assert_eq!(m.regions(), before, "{change_name}: undone");
+        assert_kvm_matches(&vm, &m, &[]);
+        assert_eq!(
+            m.current()
+                .read_obj::<u8>(GuestAddress(written))
+                .expect("read"),
+            0x5a
+        );
+        let dirty = m.harvest_dirty(Target::Region(data)).expect("harvest");
+        let pages: Vec<u64> = dirty[0].addresses().map(|a| a.0).collect();
+        assert_eq!(
+            pages,
+            vec![written],
+            "{change_name}: the guest's write is harvested"
+        );
+    }
+}
+
 /// The pages of the data region the checking guest writes, one 16-bit count at offset 0x10
 /// of each.
 const PAGES: u64 = 64;

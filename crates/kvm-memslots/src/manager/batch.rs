@@ -59,6 +59,11 @@ impl PlannedReslot {
     fn keeps(&self, slot: &GuestSlotData) -> bool {
         self.new.iter().any(|(_, kept)| *kept == Some(slot.id()))
     }
+
+    /// Whether it changes nothing: every slot of the range kept, and none new.
+    fn is_none(&self) -> bool {
+        self.fresh.is_empty() && self.old.iter().all(|s| self.keeps(s))
+    }
 }
 
 /// A region a batch adds, once its arguments were checked and its slot numbers taken.
@@ -114,7 +119,9 @@ impl<K: KvmMemory> MemoryManager<K> {
     /// before; the limits are checked against what the whole batch leaves in place. A region
     /// named twice, or two additions that overlap, refuse the batch. Region ids are used up
     /// as [`add_region`](Self::add_region) uses them: by every addition of a batch that got
-    /// past its checks, even if KVM then refused it.
+    /// past its checks, even if KVM then refused it. A batch that changes nothing (empty, or
+    /// only re-slots to the slots in place) is checked and then makes no call, publishes no
+    /// version and leaves [`change_sequence`](Self::change_sequence) as it was.
     ///
     /// ```
     /// use kvm_memslots::testing::{FakeKvm, Faulty, KvmCall};
@@ -143,6 +150,8 @@ impl<K: KvmMemory> MemoryManager<K> {
     ///
     /// # KVM calls
     ///
+    /// None if the batch changes nothing. Otherwise:
+    ///
     /// 1. For each addition, as [`add_region`](Self::add_region)'s steps 1 and 2: the memory
     ///    of every added region is mapped before any KVM request.
     /// 2. Ring mode, if the batch deletes a slot (a removal, a re-slot): a ring drain (see
@@ -159,7 +168,9 @@ impl<K: KvmMemory> MemoryManager<K> {
     ///
     /// On a refusal in step 3 (of a request or of a `KVM_GET_DIRTY_LOG`): every request already
     /// made is reversed, last first (a created slot deleted, a deleted one created again with
-    /// its ranges and flags); then the added regions' mappings are unmapped. If KVM refuses a
+    /// its ranges and flags; in bitmap mode a re-slot's new logging slot is deleted as
+    /// *deleting a logging slot*, its log read first: see [`MemoryManager`]); then the added
+    /// regions' mappings are unmapped. If KVM refuses a
     /// reversal, [`Error::UndoFailed`] is returned, the mappings are kept for the process's
     /// lifetime, and later changes are refused. A failure in step 1 unmaps what step 1 mapped
     /// and makes no KVM call.
@@ -172,6 +183,11 @@ impl<K: KvmMemory> MemoryManager<K> {
             added,
             used,
         } = self.check_batch(&mut state, &current, changes)?;
+        if removed.is_empty() && added.is_empty() && reslots.iter().all(PlannedReslot::is_none) {
+            // Nothing changes (no change at all, or re-slots to the slots in place): no call,
+            // no new map version, and no change counted.
+            return Ok(Vec::new());
+        }
         // Past every check: the new regions' ids are used up from here on, even if mapping
         // their memory or KVM fails (their errors name them).
         let mut mapped = Vec::with_capacity(added.len());

@@ -319,12 +319,14 @@ impl<K: KvmMemory> MemoryManager<K> {
     }
 
     /// Ring mode: how many collections found a dirty ring overflowed. KVM keeps a ring from
-    /// filling by stopping the vCPU (`KVM_EXIT_DIRTY_RING_FULL`) at a soft limit below its
-    /// size; a host whose instruction emulator pushes a batch of guest writes without stopping
-    /// (this project's kvm_pvm host, for guest kernel code) can push past it and write over
-    /// entries. The manager notices it (more entries since the last reset than the ring's room,
-    /// or entries out of step with its fetch index, which it then follows again so that the
-    /// vCPU does not livelock on ring-full exits), and from the first overflow on reports
+    /// filling by asking for a ring-full exit (`KVM_EXIT_DIRTY_RING_FULL`) at a soft limit
+    /// below its size, and the vCPU pushes on until that exit; a host whose instruction
+    /// emulator pushes a batch of guest writes without exiting (this project's kvm_pvm host,
+    /// for guest kernel code) can push past the ring's end and write over entries. Entries past
+    /// the soft limit that still fit are no overflow. The manager notices a wrap (as many
+    /// entries since the last reset as the ring holds, or entries out of step with its fetch
+    /// index, which it then follows again so that the vCPU does not livelock on ring-full
+    /// exits), and from the first overflow on reports
     /// every page of every logging slot in every harvest, for every consumer: pages whose
     /// entries were lost stay unprotected in KVM and would never be reported again. Never a
     /// lost page; a VMM seeing this count grow should stop using ring mode for that guest.
@@ -651,32 +653,93 @@ impl<K: KvmMemory> MemoryManager<K> {
 
 /// The slot `number` of `map` if it belongs to `region` (the same pending bits: regions are
 /// never re-created, so this is the region's slot and no other region's).
-/// Where `delete_logging_slot` may park a slot of `size` bytes, best first: at the top of the
-/// host's physical address width (on a GiB boundary), far above anything a VMM gives a guest,
-/// so that not even a guest touching unplugged or unassigned addresses meets it; then, where
-/// KVM refuses that (a guest address width narrower than the host's), the first GiB boundary
-/// above 4 GiB (x86 KVM's own slots lie below) and the end of the highest region.
+/// Where `delete_logging_slot` may park a slot of `size` bytes, best first, each a place no
+/// region covers (holes included: a region's range is its own), at or above 4 GiB (x86 KVM's
+/// own slots lie below) and, where the host reports its physical address width, inside it
+/// (KVM refuses a slot past it):
+///
+/// 1. the highest such place, on a GiB boundary where one has room (else page-aligned): at
+///    the top of the width if it is free, far above anything a VMM gives a guest, so that not
+///    even a guest touching unplugged or unassigned addresses meets it; just below the
+///    regions that lie there if not;
+/// 2. where KVM refuses that (a guest address width narrower than the host's), the first GiB
+///    boundary above 4 GiB and every region;
+/// 3. where that is past the width (a region lies at its top), the lowest place above 4 GiB.
+///
+/// At most three places, none twice; none only if no room is free at all.
 pub(super) fn parking_places(state: &State, size: u64) -> Vec<u64> {
     const GIB: u64 = 1 << 30;
-    let above = state
-        .spans
-        .last_key_value()
-        .map_or(0, |(_, id)| {
-            let region = &state.regions[id];
-            region.gpa.0 + region.size
-        })
-        .max(4 * GIB)
-        .next_multiple_of(GIB);
-    let top = host_address_bits()
-        .and_then(|bits| 1u64.checked_shl(bits))
-        .and_then(|end| end.checked_sub(size))
-        .map(|start| start & !(GIB - 1))
-        .filter(|&start| start >= above.saturating_add(size));
-    top.into_iter().chain([above]).collect()
+    const FLOOR: u64 = 4 * GIB;
+    let width = host_address_bits().and_then(|bits| 1u64.checked_shl(bits));
+    // The end of guest address space a place must stay below.
+    let end = width.unwrap_or(!(PAGE_SIZE - 1));
+    let regions = || {
+        state
+            .spans
+            .iter()
+            .map(|(&start, id)| (start, start.saturating_add(state.regions[id].size)))
+    };
+    // The highest place in the free range `lo..hi`, on a GiB boundary if one has room.
+    let highest = |lo: u64, hi: u64| {
+        let lo = lo.max(FLOOR);
+        let last = hi.min(end).checked_sub(size).filter(|&last| last >= lo)?;
+        let aligned = last & !(GIB - 1);
+        Some(if aligned >= lo { aligned } else { last })
+    };
+    // The lowest place in the free range `lo..hi`, on a GiB boundary if one has room.
+    let lowest = |lo: u64, hi: u64| {
+        let lo = lo.max(FLOOR);
+        let hi = hi.min(end);
+        let fits = |place: u64| place.checked_add(size).is_some_and(|e| e <= hi);
+        let aligned = lo.checked_next_multiple_of(GIB).filter(|&a| fits(a));
+        aligned.or(Some(lo).filter(|&l| fits(l)))
+    };
+    let mut places: Vec<u64> = Vec::with_capacity(3);
+    if width.is_some() {
+        // Down from the top, gap by gap, to the first with room.
+        let mut hi = end;
+        let mut top = None;
+        for (start, region_end) in regions().rev() {
+            if region_end < hi {
+                top = highest(region_end, hi);
+                if top.is_some() {
+                    break;
+                }
+            }
+            hi = hi.min(start);
+            if hi <= FLOOR {
+                break;
+            }
+        }
+        places.extend(top.or_else(|| highest(0, hi)));
+    }
+    let above_all = regions()
+        .next_back()
+        .map_or(0, |(_, region_end)| region_end);
+    let above = lowest(above_all, end);
+    let low = above.is_none().then(|| {
+        let mut lo = FLOOR;
+        for (start, region_end) in regions() {
+            if region_end <= lo {
+                continue;
+            }
+            if let Some(place) = lowest(lo, start) {
+                return Some(place);
+            }
+            lo = lo.max(region_end);
+        }
+        lowest(lo, end)
+    });
+    for place in above.into_iter().chain(low.flatten()) {
+        if !places.contains(&place) {
+            places.push(place);
+        }
+    }
+    places
 }
 
 /// The host's physical address width (CPUID leaf 0x8000_0008), if the CPU reports it.
-fn host_address_bits() -> Option<u32> {
+pub(super) fn host_address_bits() -> Option<u32> {
     #[cfg(target_arch = "x86_64")]
     {
         use std::arch::x86_64::__cpuid;

@@ -177,17 +177,23 @@ type Writer<'a> = MapWriter<'a, SlotBacking, State>;
 ///   earlier reset failed). A failed drain before a change's
 ///   first request refuses the change.
 /// - *Deleting a logging slot* (bitmap mode): `KVM_SET_USER_MEMORY_REGION` *parking* it (a
-///   move, which keeps its log, to the top of the host's physical address width, or where KVM
-///   refuses that to the first GiB boundary above 4 GiB and every region: where the guest has
-///   no memory), `KVM_GET_DIRTY_LOG` into the region's pending bits, and
-///   `KVM_SET_USER_MEMORY_REGION` deleting the parked slot; if the read or that delete fails,
-///   the slot is moved back. A guest write can no longer land in the log between the read and
-///   the delete. Where KVM refuses the parking place (`EEXIST`, `EINVAL`), the log is read and
-///   the slot deleted where it is, and every page of it is marked dirty.
+///   move, which keeps its log, to a guest address no region covers: the highest free one in
+///   the host's physical address width, the top itself unless a region lies there; where KVM
+///   refuses that, the first GiB boundary above 4 GiB and every region, or if that is past the
+///   width, the lowest free place above 4 GiB), `KVM_GET_DIRTY_LOG` into the region's pending
+///   bits, and `KVM_SET_USER_MEMORY_REGION` deleting the parked slot; if the read or that
+///   delete fails, the slot is moved back. A guest write can no longer land in the log
+///   between the read and the delete. Where KVM refuses every parking place (`EEXIST`,
+///   `EINVAL`; one `KVM_SET_USER_MEMORY_REGION` each, at most three), the log is read and the
+///   slot deleted where it is, and every page of it is marked dirty.
 /// - *The undo* of a change: when KVM refuses a request, or a `KVM_GET_DIRTY_LOG` before one
-///   fails, the requests already made are reversed, last first. If KVM refuses a reversal,
-///   the rest are not attempted: [`Error::UndoFailed`] is returned, and every later change is
-///   refused ([`Error::Broken`]) before any call.
+///   fails, the requests already made are reversed, last first. In bitmap mode, a logging slot
+///   the change created for a region in place (a read-only toggle's re-created slot, a
+///   re-slot's new one) is deleted as *deleting a logging slot* says, so that the guest's
+///   writes into it since it was created stay pending (where that fails, it is deleted in place
+///   and all its pages are marked dirty). If KVM refuses a reversal, the rest are not
+///   attempted: [`Error::UndoFailed`] is returned, and every later change is refused
+///   ([`Error::Broken`]) before any call.
 ///
 /// A change refused before its first request (a bad argument, an unknown region, a map change
 /// the map refuses) makes no call.
@@ -406,7 +412,8 @@ impl<K: KvmMemory> MemoryManager<K> {
 
     /// Takes the writer lock. A panic while it was held left the map as the last completed
     /// operation made it (publication is the last step); a panic inside a KVM call also marked
-    /// the manager broken (KVM may differ from the map), so reads go on and changes are refused.
+    /// the manager broken (KVM was put back as the map says as far as it could be, but the
+    /// call's effect is unknown), so reads and harvests go on and changes are refused.
     fn state(&self) -> Writer<'_> {
         self.map.write()
     }
@@ -465,9 +472,10 @@ impl<K: KvmMemory> MemoryManager<K> {
         let mut log = Vec::new();
         for (i, step) in steps.iter().enumerate() {
             let request = step.op.request();
-            // A panicking KVM wrapper (a bug) leaves this step's effect unknown: KVM and the
-            // map may disagree from here on, so the manager is marked broken and the memory of
-            // regions being added stays mapped for good before the panic goes on.
+            // A panicking KVM wrapper (a bug) leaves this step's effect unknown: the manager is
+            // marked broken, the memory of regions being added stays mapped for good, and the
+            // step and those before it are put back as well as can be before the panic goes
+            // on (see `recover_from_panic`).
             let attempt = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
                 match step.op {
                     // Bitmap mode: a logging slot is parked before its log is read (see
@@ -491,6 +499,7 @@ impl<K: KvmMemory> MemoryManager<K> {
                     state.broken = Some(Broken::Panicked { slot: request.slot });
                     let adding = std::mem::take(&mut state.adding);
                     state.orphans.extend(adding);
+                    self.recover_from_panic(state, step, &steps[..i], &mut log);
                     std::panic::resume_unwind(panic);
                 }
             };
@@ -500,26 +509,119 @@ impl<K: KvmMemory> MemoryManager<K> {
                     // back): KVM and the map disagree already.
                     return Err(failed);
                 }
-                for done in steps[..i].iter().rev() {
-                    let undo = done.op.inverse();
-                    // SAFETY: as above; an undo restores a slot KVM had before this operation.
-                    let undone = unsafe { self.kvm.set_user_memory_region(&undo.request()) };
-                    if let Err(undo_errno) = undone {
-                        let slot = undo.request().slot;
-                        state.broken = Some(Broken::UndoFailed {
-                            slot,
-                            errno: undo_errno,
-                        });
-                        return Err(Error::UndoFailed {
-                            failed: Box::new(failed),
-                            undo_op: undo.verb(),
-                            slot,
-                            undo_errno,
-                        });
+                return Err(match self.undo(state, &steps[..i], &mut log) {
+                    Ok(()) => failed,
+                    Err((undo_op, slot, undo_errno)) => Error::UndoFailed {
+                        failed: Box::new(failed),
+                        undo_op,
+                        slot,
+                        undo_errno,
+                    },
+                });
+            }
+        }
+        Ok(())
+    }
+
+    /// After a KVM call of `step` panicked (the steps `done` applied before it): puts KVM's
+    /// slots back as the published map has them, as far as KVM lets it, so that harvests go
+    /// on working (a slot whose logging was switched off while the map says it logs would fail
+    /// every later harvest with `ENOENT`). The step's own effect is unknown, so it is put back
+    /// with requests that are right whatever it did: an update or a delete by setting the slot
+    /// as it was (a no-op if it is so already, a move back if it was parked, a create if it was
+    /// deleted), a create by its undo (whose failure, where the slot was never made, is
+    /// ignored). Then `done` is undone as after a refusal. Pages of a slot whose logging may
+    /// have been off meanwhile are marked dirty. The manager stays broken (changes refused:
+    /// [`Error::BrokenByPanic`], or [`Error::Broken`] if an undo was refused); a panic while
+    /// recovering is swallowed, the first one goes on.
+    fn recover_from_panic(
+        &self,
+        state: &mut State,
+        step: &Step,
+        done: &[Step],
+        log: &mut Vec<u64>,
+    ) {
+        let slot = step.op.request().slot;
+        // `undo` reads a set `broken` as its own move back having failed.
+        state.broken = None;
+        let undone = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            match step.op {
+                KvmOp::Update { old, .. } | KvmOp::Delete(old) => {
+                    if self.request(step.region, "restore", &old).is_ok() {
+                        mark_if_logging_paused(state, step);
                     }
                 }
-                return Err(failed);
+                KvmOp::Create(_) => {
+                    // Refused where the call made no slot: nothing to put back then.
+                    let _ = self.undo(state, std::slice::from_ref(step), log);
+                    state.broken = None;
+                }
             }
+            self.undo(state, done, log)
+        }));
+        state.broken = Some(match undone {
+            Ok(Err((_, slot, errno))) => Broken::UndoFailed { slot, errno },
+            Ok(Ok(())) | Err(_) => Broken::Panicked { slot },
+        });
+    }
+
+    /// Reverses the steps `done` (all applied), last first. A slot the change created that
+    /// logs, for a region in place (a read-only toggle's re-created slot, a re-slot's new
+    /// one), is deleted as the change itself deletes one in bitmap mode
+    /// ([`delete_logging_slot`](Self::delete_logging_slot)): its log, which holds the guest's
+    /// writes since it was created, goes into the region's pending bits first. If that fails
+    /// (and the slot is still where it was), the slot is deleted in place and all its pages are
+    /// marked dirty. On a refused reversal the rest are not attempted, the manager is marked
+    /// broken, and the reversal, its slot and KVM's error are returned.
+    fn undo(
+        &self,
+        state: &mut State,
+        done: &[Step],
+        log: &mut Vec<u64>,
+    ) -> Result<(), (&'static str, u32, Errno)> {
+        for step in done.iter().rev() {
+            let undo = step.op.inverse();
+            let request = undo.request();
+            let kept = match undo {
+                KvmOp::Delete(created)
+                    if created.flags.log_dirty
+                        && !self.kvm.dirty_ring()
+                        && state.regions.contains_key(&step.region) =>
+                {
+                    match self.delete_logging_slot(state, step.region, created, log) {
+                        Ok(()) => continue,
+                        Err(_) if state.broken.is_some() => {
+                            // The parked slot could not be moved back.
+                            let errno = match state.broken {
+                                Some(Broken::UndoFailed { errno, .. }) => errno,
+                                _ => Errno::new(libc::EIO),
+                            };
+                            return Err(("move back", created.slot, errno));
+                        }
+                        // Still in place, its log unread (or read in part): delete it there
+                        // and report every page it covers.
+                        Err(_) => Some(created),
+                    }
+                }
+                _ => None,
+            };
+            // SAFETY: an undo restores a slot KVM had before this change (over memory the
+            // manager keeps mapped while KVM has it: see `request`), or deletes one, which
+            // needs no memory.
+            let undone = unsafe { self.kvm.set_user_memory_region(&request) };
+            if let Err(errno) = undone {
+                state.broken = Some(Broken::UndoFailed {
+                    slot: request.slot,
+                    errno,
+                });
+                return Err((undo.verb(), request.slot, errno));
+            }
+            if let Some(slot) = kept {
+                let owner = &state.regions[&step.region];
+                let first = (slot.gpa - owner.gpa.0) / PAGE_SIZE;
+                owner.pending().mark(first, slot.size / PAGE_SIZE);
+            }
+            mark_if_logging_paused(state, step);
         }
         Ok(())
     }
@@ -663,6 +765,20 @@ impl<K: KvmMemory> Drop for MemoryManager<K> {
         }
         for memory in state.orphans.drain(..) {
             std::mem::forget(memory);
+        }
+    }
+}
+
+/// After `step` was reversed (or put back): if it had switched a slot's logging off, the guest
+/// could write the slot unlogged until logging came back with a new log, so every page of the
+/// slot is marked dirty in its region's pending bits.
+fn mark_if_logging_paused(state: &State, step: &Step) {
+    if let KvmOp::Update { old, new } = step.op {
+        if old.flags.log_dirty && !new.flags.log_dirty {
+            if let Some(owner) = state.regions.get(&step.region) {
+                let first = (old.gpa - owner.gpa.0) / PAGE_SIZE;
+                owner.pending().mark(first, old.size / PAGE_SIZE);
+            }
         }
     }
 }

@@ -93,7 +93,8 @@ impl<K: KvmMemory> MemoryManager<K> {
     ///
     /// # KVM calls
     ///
-    /// None if the range's slots are those asked for already. Otherwise:
+    /// None if the range's slots are those asked for already (nor a new map version or a
+    /// change counted). Otherwise:
     ///
     /// 1. Ring mode, if a slot is deleted: a ring drain (see [`MemoryManager`]).
     /// 2. Going up the range, for each new slot: for each old slot not kept that starts below
@@ -105,7 +106,8 @@ impl<K: KvmMemory> MemoryManager<K> {
     ///
     /// On a refusal in step 2: the requests already made are reversed, last first (created
     /// slots deleted, deleted ones created again, with new logs in bitmap mode; the bits read
-    /// are kept), so every slot ends as it was.
+    /// are kept, and a created slot that logs is deleted as *deleting a logging slot*, its log
+    /// read first), so every slot ends as it was.
     pub fn reslot(&self, reslot: Reslot) -> Result<(), Error> {
         self.apply(vec![RegionChange::Reslot(reslot)]).map(drop)
     }
@@ -223,7 +225,8 @@ impl<K: KvmMemory> MemoryManager<K> {
     /// The mapping is untouched. On a refusal in step 2: the requests already made are
     /// reversed, last first (a re-created slot deleted, a deleted slot created again with its
     /// old flags), so every slot ends as it was (a new log where it logs, in bitmap mode);
-    /// the bits read are kept.
+    /// the bits read are kept. In bitmap mode a re-created slot that logs is deleted as
+    /// *deleting a logging slot* (see [`MemoryManager`]): the guest's writes into it are kept.
     pub fn set_read_only(&self, id: RegionId, read_only: bool) -> Result<(), Error> {
         let mut state = self.state_for_change()?;
         let current = Arc::clone(state.current());

@@ -179,3 +179,108 @@ fn a_parked_slot_goes_back_if_its_read_fails() {
         Error::Broken { .. }
     ));
 }
+
+/// Refuses, as KVM does (`EINVAL`), a slot that reaches past the host's physical address
+/// width; every other call goes through.
+struct AddressWidth(u64);
+
+impl Hook for AddressWidth {
+    fn around<T>(
+        &self,
+        request: KvmRequest<'_>,
+        proceed: impl FnOnce() -> Result<T, Errno>,
+    ) -> Result<T, Errno> {
+        if let KvmRequest::SetRegion(slot) = request {
+            if slot.size > 0 && slot.gpa + slot.size > self.0 {
+                return Err(Errno::new(libc::EINVAL));
+            }
+        }
+        proceed()
+    }
+}
+
+/// The host's physical address width, as the end of guest address space.
+fn width() -> u64 {
+    1 << dirty_log::host_address_bits().expect("an x86-64 host reports it")
+}
+
+/// Wherever regions lie, up to the very top of the host's address width, there are parking
+/// places: inside the width, clear of every region (holes included), the highest first.
+#[test]
+fn parking_places_are_free_and_inside_the_width_wherever_regions_lie() {
+    let top = width();
+    // Regions as (guest address, size).
+    let layouts: [&[(u64, u64)]; 5] = [
+        &[(MIB, 8 * SLOT)],
+        // Ending at the top of the width.
+        &[(MIB, 8 * SLOT), (top - 8 * SLOT, 8 * SLOT)],
+        // Across the top GiB boundary, and just under the top.
+        &[(top - GIB - 4 * SLOT, 8 * SLOT), (top - 2 * SLOT, 2 * SLOT)],
+        // The GiB below the top full, and the one below that in part.
+        &[(top - 2 * GIB + 4 * SLOT, 4 * SLOT), (top - GIB, GIB)],
+        // At 4 GiB too.
+        &[(4 * GIB, 8 * SLOT), (top - 8 * SLOT, 8 * SLOT)],
+    ];
+    for layout in layouts {
+        let m = MemoryManager::new(FakeKvm::without_initially_set(64));
+        let mut spans = Vec::new();
+        for &(gpa, size) in layout {
+            m.add_region(RegionSpec::new(GuestAddress(gpa), size).with_slot_size(size))
+                .unwrap();
+            spans.push(gpa..gpa + size);
+        }
+        for size in [SLOT, 8 * SLOT, GIB] {
+            let places = dirty_log::parking_places(&m.state(), size);
+            assert!(!places.is_empty(), "{layout:x?}, {size:#x}");
+            for &place in &places {
+                assert!(place.is_multiple_of(PAGE_SIZE), "{place:#x}");
+                assert!(place >= 4 * GIB, "{layout:x?}: {place:#x} below 4 GiB");
+                assert!(
+                    place + size <= top,
+                    "{layout:x?}: {place:#x} past the width"
+                );
+                assert!(
+                    spans
+                        .iter()
+                        .all(|s| place + size <= s.start || s.end <= place),
+                    "{layout:x?}: {place:#x}+{size:#x} on a region"
+                );
+            }
+            // The first is the highest free place on a GiB boundary (or only page-aligned
+            // where no GiB boundary has room): no GiB boundary above it has room.
+            let first = places[0];
+            let mut above = (first / GIB + 1) * GIB;
+            while above + size <= top {
+                assert!(
+                    spans
+                        .iter()
+                        .any(|s| above < s.end && s.start < above + size),
+                    "{layout:x?}: {above:#x} is free above {first:#x}"
+                );
+                above += GIB;
+            }
+        }
+    }
+}
+
+/// A logging region that ends at the top of the host's address width (where KVM refuses to
+/// park above it) still has its slots parked, not deleted in place: a merge of its slots
+/// reports exactly the page the guest wrote, not every page.
+#[test]
+fn a_region_at_the_top_of_the_width_is_parked_too() {
+    let top = width();
+    let m = MemoryManager::new(Hooked::with_hook(
+        FakeKvm::without_initially_set(64),
+        AddressWidth(top),
+    ));
+    let gpa = top - 8 * SLOT;
+    let r = m.add_region(logging(region(gpa, 8))).unwrap();
+    m.harvest_dirty(Target::All).unwrap();
+    assert!(m.kvm().inner().guest_write(gpa + 3 * SLOT + PAGE_SIZE));
+    m.reslot(reslot(r, 0..8, &[0..8])).unwrap();
+    let dirty = m.harvest_dirty(Target::Region(r)).unwrap();
+    assert_eq!(
+        dirty[0].addresses().map(|a| a.0).collect::<Vec<_>>(),
+        vec![gpa + 3 * SLOT + PAGE_SIZE]
+    );
+}

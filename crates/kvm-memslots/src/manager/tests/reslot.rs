@@ -8,6 +8,7 @@
 use std::ops::Range;
 
 use super::*;
+use crate::testing::Stopwatch;
 
 /// The guest address of unit `unit` (of `SLOT` bytes) of the region at `MIB`.
 fn at(unit: u64) -> u64 {
@@ -433,4 +434,39 @@ fn a_change_over_the_slot_budget_is_refused_and_changes_nothing() {
     m.reslot(reslot(r, 0..8, &[0..4, 4..8])).unwrap_err();
     m.reslot(reslot(r, 0..8, &[0..4])).unwrap();
     assert_mirrored(&m);
+}
+
+/// A re-slot that asks for the slots the range has already, and a batch of nothing (or of
+/// such re-slots), change nothing: no KVM call, no new map version, no change counted.
+#[test]
+fn a_reslot_or_batch_that_changes_nothing_is_no_change() {
+    for ring in [false, true] {
+        let kvm = if ring {
+            FakeKvm::with_dirty_ring(64, 4096)
+        } else {
+            FakeKvm::new(64, true)
+        };
+        let m = MemoryManager::new(Hooked::<_, Stopwatch>::new(kvm));
+        let r = m.add_region(logging(region(MIB, 8))).unwrap();
+        m.reslot(reslot(r, 0..8, &[0..2, 2..3, 5..8])).unwrap();
+        let calls = |m: &MemoryManager<Hooked<FakeKvm, Stopwatch>>| {
+            [
+                KvmCall::SetRegion,
+                KvmCall::GetDirtyLog,
+                KvmCall::CollectDirtyRings,
+                KvmCall::ResetDirtyRings,
+            ]
+            .map(|kind| m.kvm().hook().calls(kind))
+        };
+        let (before, version, sequence) = (calls(&m), m.published(), m.change_sequence());
+        m.reslot(reslot(r, 0..8, &[0..2, 2..3, 5..8])).unwrap();
+        m.reslot(reslot(r, 2..5, &[2..3])).unwrap();
+        assert_eq!(m.apply(Vec::new()).unwrap(), Vec::new());
+        m.apply(vec![RegionChange::Reslot(reslot(r, 5..8, &[5..8]))])
+            .unwrap();
+        assert_eq!(calls(&m), before, "ring mode: {ring}");
+        assert!(Arc::ptr_eq(&m.published(), &version), "no new version");
+        assert_eq!(m.change_sequence(), sequence, "no change counted");
+        assert_eq!(units(m.slot_ranges(r)), vec![0..2, 2..3, 5..8]);
+    }
 }
