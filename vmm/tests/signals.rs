@@ -595,3 +595,39 @@ fn kvm_a_memory_file_truncated_under_a_restore_stops_the_vm_with_a_reason() {
     assert!(stderr.contains("truncated or replaced"), "{stderr}");
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// A `SIGBUS` that another process sends (kill(2): no fault, no address in guest memory) is not
+/// taken for a memory file cut under the VM: the guard patches nothing and the signal ends the
+/// process as it would without one. (The guard used to map a zero page at an address made of
+/// the sender's pid and call the VM's file truncated.)
+#[test]
+fn kvm_a_sigbus_sent_from_outside_ends_the_vmm_as_before() {
+    use std::os::unix::process::ExitStatusExt;
+    if !kvm_test_support::require_kvm(
+        "tinyvmm::kvm_a_sigbus_sent_from_outside_ends_the_vmm_as_before",
+    ) {
+        return;
+    }
+    let (mut vmm, socket) = serve_mib("outside-bus", 8);
+    let child = vmm.0.as_mut().expect("running");
+    // SAFETY: kill(2) only sends a signal to the child's pid, which we have not reaped yet.
+    assert_eq!(
+        unsafe { libc::kill(child.id() as libc::pid_t, libc::SIGBUS) },
+        0
+    );
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let status = loop {
+        if let Some(status) = child.try_wait().expect("try_wait") {
+            break status;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the VMM runs on after a SIGBUS from outside: {:?}",
+            ask(&socket, "GET", "/vm", Json::Null)
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    };
+    assert_eq!(status.signal(), Some(libc::SIGBUS), "{status:?}");
+    vmm.0 = None;
+    let _ = std::fs::remove_file(&socket);
+}

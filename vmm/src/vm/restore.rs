@@ -67,7 +67,12 @@ pub fn restore_memory_with(
             load_memory_file(memory, layout, file)?;
             ids
         }
-        MemBackend::File => layout.build_from_file(memory, file)?,
+        MemBackend::File => {
+            let ids = layout.build_from_file(memory, file)?;
+            // Its memory is the file's: a bus error there is the file cut under the VM.
+            super::memory_gone::guard(memory.regions().iter().map(|r| (r.hva.0, r.size)));
+            ids
+        }
         MemBackend::Uffd => {
             let ids = layout.build(memory)?;
             loader = Some(LazyLoader::start_with(memory, layout, file, lazy)?);
