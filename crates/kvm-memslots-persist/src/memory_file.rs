@@ -3,7 +3,8 @@
 //!
 //! Only pages that hold data are written, so pages the guest never touched and pages that were
 //! discarded stay holes: a full snapshot ([`write_memory_file`]) writes the pages the host has
-//! (present or swapped, from `/proc/self/pagemap`: [`data_runs`]) that are not all zeros (a
+//! (present or swapped, from `/proc/self/pagemap`, and those a lazy restore's loader still
+//! owes: [`data_runs`]) that are not all zeros (a
 //! transparent huge page makes 511 untouched neighbours present), a diff snapshot
 //! ([`write_dirty_pages`]) writes the pages a harvest reported into a new file at the same
 //! offsets, and [`merge_memory_files`] applies diffs onto a base ([`merge_snapshots`] when the
