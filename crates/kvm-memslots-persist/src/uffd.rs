@@ -66,6 +66,7 @@
 //! # Ok::<(), Box<dyn std::error::Error>>(())
 //! ```
 
+use std::collections::BTreeMap;
 use std::fs::File;
 use std::ops::Range;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
@@ -197,8 +198,10 @@ impl Lazy {
 /// `/proc/self/pagemap` says nothing of it, yet it holds the file's data: a snapshot or a
 /// migration of the memory asks here ([`owed_runs`]) which pages those are. Kept here rather
 /// than passed by the caller so that every writer of memory files and streams (and any VMM's)
-/// is right without knowing the memory was restored lazily, as it is for swapped pages.
-static OWED: Mutex<Vec<Owed>> = Mutex::new(Vec::new());
+/// is right without knowing the memory was restored lazily, as it is for swapped pages. By
+/// host address (the regions' mappings never overlap), so that a layout of thousands of
+/// regions asks in O(log n) a region.
+static OWED: Mutex<BTreeMap<u64, Owed>> = Mutex::new(BTreeMap::new());
 
 /// A region under a loader, as [`OWED`] holds it.
 struct Owed {
@@ -212,16 +215,15 @@ struct Owed {
 /// it (the loader serves the fault), so reading guest memory there reads the file's data.
 pub(crate) fn owed_runs(memory: &RegionMemory) -> Result<Vec<Range<u64>>, SnapshotError> {
     let (base, size) = (memory.host_address(), memory.size());
-    // Cloned out of the lock: the scan below seeks in the files.
+    // The loaders' regions that overlap `memory`: those starting before its end, back to the
+    // first that ends before its start. Cloned out of the lock: the scan below seeks in files.
     let owed: Vec<(Arc<Lazy>, Arc<File>)> = OWED
         .lock()
         .unwrap_or_else(PoisonError::into_inner)
-        .iter()
-        .filter(|o| {
-            let (start, len) = (o.lazy.memory.host_address(), o.lazy.memory.size());
-            start < base + size && base < start + len
-        })
-        .map(|o| (Arc::clone(&o.lazy), Arc::clone(&o.file)))
+        .range(..base + size)
+        .rev()
+        .take_while(|(start, o)| *start + o.lazy.memory.size() > base)
+        .map(|(_, o)| (Arc::clone(&o.lazy), Arc::clone(&o.file)))
         .collect();
     let mut runs: Vec<Range<u64>> = Vec::new();
     for (lazy, file) in owed {
@@ -542,9 +544,12 @@ impl LazyLoader {
         // From here on a snapshot of these regions asks this loader for the pages it owes.
         OWED.lock()
             .unwrap_or_else(PoisonError::into_inner)
-            .extend(lazies.iter().map(|lazy| Owed {
-                lazy: Arc::clone(lazy),
-                file: Arc::clone(&file),
+            .extend(lazies.iter().map(|lazy| {
+                let owed = Owed {
+                    lazy: Arc::clone(lazy),
+                    file: Arc::clone(&file),
+                };
+                (lazy.memory.host_address(), owed)
             }));
         Ok(LazyLoader {
             uffd,
@@ -577,9 +582,14 @@ impl Drop for LazyLoader {
         }
         finish_recording(&self.recording);
         // Nothing fills the pages not filled yet any more: they read zeros once unregistered.
-        OWED.lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .retain(|o| !self.lazies.iter().any(|l| Arc::ptr_eq(l, &o.lazy)));
+        let mut owed = OWED.lock().unwrap_or_else(PoisonError::into_inner);
+        for lazy in &self.lazies {
+            let at = lazy.memory.host_address();
+            if owed.get(&at).is_some_and(|o| Arc::ptr_eq(&o.lazy, lazy)) {
+                owed.remove(&at);
+            }
+        }
+        drop(owed);
         for r in &self.ranges {
             let mut range = UffdioRange {
                 start: r.start,
