@@ -207,6 +207,8 @@ static OWED: Mutex<BTreeMap<u64, Owed>> = Mutex::new(BTreeMap::new());
 struct Owed {
     lazy: Arc<Lazy>,
     file: Arc<File>,
+    /// Its loader's: whether the handler stopped at an error.
+    stats: Arc<LoaderStats>,
 }
 
 /// The byte ranges of `memory` (offsets in it, whole pages) that a live [`LazyLoader`] of this
@@ -217,20 +219,34 @@ pub(crate) fn owed_runs(memory: &RegionMemory) -> Result<Vec<Range<u64>>, Snapsh
     let (base, size) = (memory.host_address(), memory.size());
     // The loaders' regions that overlap `memory`: those starting before its end, back to the
     // first that ends before its start. Cloned out of the lock: the scan below seeks in files.
-    let owed: Vec<(Arc<Lazy>, Arc<File>)> = OWED
+    let owed: Vec<(Arc<Lazy>, Arc<File>, bool)> = OWED
         .lock()
         .unwrap_or_else(PoisonError::into_inner)
         .range(..base + size)
         .rev()
         .take_while(|(start, o)| *start + o.lazy.memory.size() > base)
-        .map(|(_, o)| (Arc::clone(&o.lazy), Arc::clone(&o.file)))
+        .map(|(_, o)| {
+            let failed = o.stats.failed.load(Ordering::Acquire);
+            (Arc::clone(&o.lazy), Arc::clone(&o.file), failed)
+        })
         .collect();
     let mut runs: Vec<Range<u64>> = Vec::new();
-    for (lazy, file) in owed {
+    for (lazy, file, failed) in owed {
         let lazy_base = lazy.memory.host_address();
         // The part of the loader's region that `memory` covers, as offsets in the region.
         let from = base.max(lazy_base) - lazy_base;
         let to = (base + size).min(lazy_base + lazy.memory.size()) - lazy_base;
+        // Nothing fills its pages any more: a read of one not filled would wait for ever, and
+        // which of them hold data the file (cut, say) may no longer tell.
+        let unfilled = (from / PAGE_SIZE..to.div_ceil(PAGE_SIZE))
+            .filter(|p| !lazy.is_filled(*p))
+            .count();
+        if failed && unfilled > 0 {
+            return Err(SnapshotError::Format(format!(
+                "the lazy restore's fault handler stopped at an error: {unfilled} pages at host \
+                 {lazy_base:#x} it had not filled cannot be read"
+            )));
+        }
         let len = file
             .metadata()
             .map_err(crate::error::io(
@@ -548,6 +564,7 @@ impl LazyLoader {
                 let owed = Owed {
                     lazy: Arc::clone(lazy),
                     file: Arc::clone(&file),
+                    stats: Arc::clone(&stats),
                 };
                 (lazy.memory.host_address(), owed)
             }));

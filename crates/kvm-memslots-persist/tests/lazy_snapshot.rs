@@ -270,3 +270,36 @@ fn a_memfd_handed_over_from_a_lazy_restore_holds_the_pages_not_filled_yet() {
     }
     drop(loader);
 }
+
+/// A loader that stopped at an error (its file cut under it) fills nothing more: a snapshot
+/// fails with the reason rather than wait for ever on a page, or write one without it.
+#[test]
+fn a_snapshot_of_a_lazy_restore_whose_loader_failed_is_refused() {
+    use std::sync::atomic::Ordering;
+    use std::time::{Duration, Instant};
+    let (layout, _path, file) = first_snapshot("failed-1");
+    let (b, loader) = lazy_restore(&layout, &file);
+    file.set_len(0).expect("cut");
+    // A toucher of a page not filled yet: the handler fails on it.
+    let memory = b.handle();
+    let toucher = std::thread::spawn(move || {
+        memory
+            .memory()
+            .read_obj::<u64>(GuestAddress(PAGES[2]))
+            .expect("read")
+    });
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !loader.stats().failed.load(Ordering::Acquire) {
+        assert!(Instant::now() < deadline, "the loader never failed");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    let (_again_path, again) = TempFile::new("failed-2");
+    let err = write_memory_file(&b, &layout, &again).expect_err("refused");
+    assert!(
+        err.to_string()
+            .contains("fault handler stopped at an error"),
+        "{err}"
+    );
+    drop(loader);
+    toucher.join().expect("the toucher");
+}
