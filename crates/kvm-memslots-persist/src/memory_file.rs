@@ -3,7 +3,8 @@
 //!
 //! Only pages that hold data are written, so pages the guest never touched and pages that were
 //! discarded stay holes: a full snapshot ([`write_memory_file`]) writes the pages the host has
-//! (present or swapped, from `/proc/self/pagemap`: [`data_runs`]) that are not all zeros (a
+//! (present or swapped, from `/proc/self/pagemap`, and those a lazy restore's loader still
+//! owes: [`data_runs`]) that are not all zeros (a
 //! transparent huge page makes 511 untouched neighbours present), a diff snapshot
 //! ([`write_dirty_pages`]) writes the pages a harvest reported into a new file at the same
 //! offsets, and [`merge_memory_files`] applies diffs onto a base ([`merge_snapshots`] when the
@@ -26,15 +27,26 @@ use crate::error::{io, SnapshotError};
 use crate::layout::MemoryLayout;
 
 /// The byte ranges of `memory` that may hold data: pages present in memory or swapped out,
-/// from `/proc/self/pagemap`, and for memory mapped from a file (a file-backed restore's private
+/// from `/proc/self/pagemap`; for memory under a lazy restore ([`LazyLoader`]), also the pages
+/// its loader has not filled yet that are data in the restore's memory file (they have no page
+/// table entry until first touched, and touching one fills it: reading guest memory there
+/// reads the file's data); and for memory mapped from a file (a file-backed restore's private
 /// mapping, a memfd another process handed over) also the file's data there: a page this
 /// process never touched reads the file's bytes, yet its page table has nothing. Pages never
 /// touched of anonymous memory are not data; a discarded page of a file mapping reads zeros,
 /// which `content_runs` leaves out.
+///
+/// [`LazyLoader`]: crate::LazyLoader
 pub fn data_runs(memory: &RegionMemory) -> Result<Vec<Range<u64>>, SnapshotError> {
     let present = present_runs(memory)?;
+    // A lazy restore's pages not filled yet: the loader knows them, the page table does not.
+    let owed = crate::uffd::owed_runs(memory)?;
     let Some(backing) = memory.file_offset() else {
-        return Ok(present);
+        return Ok(if owed.is_empty() {
+            present
+        } else {
+            union(present.into_iter().chain(owed))
+        });
     };
     let start = backing.start();
     let end = start.saturating_add(memory.size());
@@ -53,7 +65,7 @@ pub fn data_runs(memory: &RegionMemory) -> Result<Vec<Range<u64>>, SnapshotError
             let to = (run.end.min(end) - start).div_ceil(PAGE_SIZE) * PAGE_SIZE;
             from..to.min(memory.size())
         });
-    Ok(union(present.into_iter().chain(in_file)))
+    Ok(union(present.into_iter().chain(owed).chain(in_file)))
 }
 
 /// The union of `runs`, as ordered, disjoint ranges.
@@ -264,7 +276,10 @@ pub fn write_dirty_pages<K: KvmMemory>(
 
 /// The data runs of `file` (`SEEK_DATA` / `SEEK_HOLE`) inside `within`, as byte ranges (the
 /// first and last may reach past it).
-fn file_data_runs(file: &File, within: Range<u64>) -> Result<Vec<Range<u64>>, SnapshotError> {
+pub(crate) fn file_data_runs(
+    file: &File,
+    within: Range<u64>,
+) -> Result<Vec<Range<u64>>, SnapshotError> {
     let fd = file.as_raw_fd();
     let mut runs = Vec::new();
     let too_large = |_| SnapshotError::Format("file too large".into());

@@ -15,6 +15,15 @@
 //! the system call's number, so the ioctl structures are declared here from the kernel's
 //! `include/uapi/linux/userfaultfd.h`.
 //!
+//! **Snapshots of a lazy restore.** A page the handler has not filled yet has no page table
+//! entry, so `/proc/self/pagemap` says nothing of it, yet the VM reads the file's data there.
+//! While a loader lives, its regions and what it has filled are listed for this process's
+//! snapshots and migrations: [`data_runs`](crate::data_runs) (and so a full memory file and a
+//! stream's first round) adds the pages the loader still owes that are data in the file, and
+//! reading them through the mapping fills them; a memfd handed over
+//! ([`shared_files`](crate::stream::shared_files)) is filled first. A page is marked filled
+//! only once its fill is done, so one being filled counts as owed.
+//!
 //! **Working sets** ([`LazyOptions`]): the handler sees every first touch, so it can record
 //! the pages in that order ([`Recording`]) until told to stop, for a set time, or until the
 //! loader ends, and hand the list ([`WorkingSet`]) over. Given such a list, it fills those
@@ -57,6 +66,7 @@
 //! # Ok::<(), Box<dyn std::error::Error>>(())
 //! ```
 
+use std::collections::BTreeMap;
 use std::fs::File;
 use std::ops::Range;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
@@ -73,7 +83,7 @@ use kvm_memslots::{KvmMemory, MemoryManager, RegionMemory, PAGE_SIZE};
 
 use crate::error::SnapshotError;
 use crate::layout::MemoryLayout;
-use crate::memory_file::page_has_data;
+use crate::memory_file::{file_data_runs, page_has_data};
 use crate::working_set::WorkingSet;
 
 const UFFDIO: u32 = 0xAA;
@@ -140,8 +150,10 @@ use nr::{
     UFFDIO_API, UFFDIO_COPY, UFFDIO_REGISTER, UFFDIO_UNREGISTER, UFFDIO_WAKE, UFFDIO_ZEROPAGE,
 };
 
-/// One registered region: its mapping, its place in the file, the file's data runs in it, and
-/// the pages filled so far (a later fault there follows a discard: zeros).
+/// One registered region: its mapping, its place in the file, and the pages filled so far (a
+/// later fault there follows a discard: zeros). A page is marked filled once its fill is done
+/// (or once it was discarded), never before: a page not marked holds the file's data or is
+/// being filled with it, which is what a snapshot asks ([`owed_runs`]).
 struct Lazy {
     memory: Arc<RegionMemory>,
     file_offset: u64,
@@ -158,12 +170,6 @@ impl Lazy {
     fn fill(&self, page: u64) -> bool {
         let bit = 1 << (page % 64);
         self.filled[(page / 64) as usize].fetch_or(bit, Ordering::AcqRel) & bit != 0
-    }
-
-    /// Marks page `page` not filled again (its fill is to be tried again).
-    fn unfill(&self, page: u64) {
-        let bit = 1u64 << (page % 64);
-        self.filled[(page / 64) as usize].fetch_and(!bit, Ordering::AcqRel);
     }
 
     fn is_filled(&self, page: u64) -> bool {
@@ -185,6 +191,98 @@ impl Lazy {
     fn file_pages(&self) -> Range<u64> {
         self.file_offset / PAGE_SIZE..(self.file_offset + self.memory.size()) / PAGE_SIZE
     }
+}
+
+/// The regions the live loaders of this process registered, each with the memory file it fills
+/// them from. A page a loader has not filled yet has no page table entry, so
+/// `/proc/self/pagemap` says nothing of it, yet it holds the file's data: a snapshot or a
+/// migration of the memory asks here ([`owed_runs`]) which pages those are. Kept here rather
+/// than passed by the caller so that every writer of memory files and streams (and any VMM's)
+/// is right without knowing the memory was restored lazily, as it is for swapped pages. By
+/// host address (the regions' mappings never overlap), so that a layout of thousands of
+/// regions asks in O(log n) a region.
+static OWED: Mutex<BTreeMap<u64, Owed>> = Mutex::new(BTreeMap::new());
+
+/// A region under a loader, as [`OWED`] holds it.
+struct Owed {
+    lazy: Arc<Lazy>,
+    file: Arc<File>,
+    /// Its loader's: whether the handler stopped at an error.
+    stats: Arc<LoaderStats>,
+}
+
+/// The byte ranges of `memory` (offsets in it, whole pages) that a live [`LazyLoader`] of this
+/// process still owes: pages it has not filled yet (nor seen discarded) that are data in the
+/// memory file it restores from. Empty for memory no loader serves. Touching such a page fills
+/// it (the loader serves the fault), so reading guest memory there reads the file's data.
+pub(crate) fn owed_runs(memory: &RegionMemory) -> Result<Vec<Range<u64>>, SnapshotError> {
+    let (base, size) = (memory.host_address(), memory.size());
+    // The loaders' regions that overlap `memory`: those starting before its end, back to the
+    // first that ends before its start. Cloned out of the lock: the scan below seeks in files.
+    let owed: Vec<(Arc<Lazy>, Arc<File>, bool)> = OWED
+        .lock()
+        .unwrap_or_else(PoisonError::into_inner)
+        .range(..base + size)
+        .rev()
+        .take_while(|(start, o)| *start + o.lazy.memory.size() > base)
+        .map(|(_, o)| {
+            let failed = o.stats.failed.load(Ordering::Acquire);
+            (Arc::clone(&o.lazy), Arc::clone(&o.file), failed)
+        })
+        .collect();
+    let mut runs: Vec<Range<u64>> = Vec::new();
+    for (lazy, file, failed) in owed {
+        let lazy_base = lazy.memory.host_address();
+        // The part of the loader's region that `memory` covers, as offsets in the region.
+        let from = base.max(lazy_base) - lazy_base;
+        let to = (base + size).min(lazy_base + lazy.memory.size()) - lazy_base;
+        // Nothing fills its pages any more: a read of one not filled would wait for ever, and
+        // which of them hold data the file (cut, say) may no longer tell.
+        let unfilled = (from / PAGE_SIZE..to.div_ceil(PAGE_SIZE))
+            .filter(|p| !lazy.is_filled(*p))
+            .count();
+        if failed && unfilled > 0 {
+            return Err(SnapshotError::Format(format!(
+                "the lazy restore's fault handler stopped at an error: {unfilled} pages at host \
+                 {lazy_base:#x} it had not filled cannot be read"
+            )));
+        }
+        let len = file
+            .metadata()
+            .map_err(crate::error::io(
+                "reading the size of a lazy restore's memory file",
+            ))?
+            .len();
+        let within = (lazy.file_offset + from).min(len)..(lazy.file_offset + to).min(len);
+        for data in file_data_runs(&file, within)? {
+            let first = (data.start.max(lazy.file_offset + from) - lazy.file_offset) / PAGE_SIZE;
+            let last = (data.end.min(lazy.file_offset + to) - lazy.file_offset).div_ceil(PAGE_SIZE);
+            for page in (first..last).filter(|p| !lazy.is_filled(*p)) {
+                // As an offset in `memory`.
+                let at = lazy_base + page * PAGE_SIZE - base;
+                match runs.last_mut() {
+                    Some(run) if run.end == at => run.end += PAGE_SIZE,
+                    _ => runs.push(at..at + PAGE_SIZE),
+                }
+            }
+        }
+    }
+    Ok(runs)
+}
+
+/// Fills every page of `memory` a live loader still owes ([`owed_runs`]) by touching it, so
+/// that the memory itself holds them: for memory handed to another process (a memfd), whose
+/// pages the loader could not fill there.
+pub(crate) fn fill_owed(memory: &RegionMemory) -> Result<(), SnapshotError> {
+    let mut byte = [0u8; 1];
+    for run in owed_runs(memory)? {
+        for at in run.step_by(PAGE_SIZE as usize) {
+            memory
+                .read_volatile(at, &mut byte)
+                .map_err(|e| SnapshotError::Format(format!("filling a lazy page: {e}")))?;
+        }
+    }
+    Ok(())
 }
 
 /// What a lazy restore does besides filling pages on fault ([`LazyLoader::start_with`]).
@@ -274,6 +372,18 @@ pub struct LazyLoader {
     stats: Arc<LoaderStats>,
     ranges: Vec<UffdioRangeDebug>,
     recording: RecorderSlot,
+    /// Its regions, as [`OWED`] lists them until it is dropped.
+    lazies: Vec<Arc<Lazy>>,
+}
+
+impl std::fmt::Debug for Lazy {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Lazy")
+            .field("host_address", &self.memory.host_address())
+            .field("size", &self.memory.size())
+            .field("file_offset", &self.file_offset)
+            .finish_non_exhaustive()
+    }
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -382,11 +492,11 @@ impl LazyLoader {
                 len: register.range.len,
             });
             let pages = region.size() / PAGE_SIZE;
-            lazies.push(Lazy {
+            lazies.push(Arc::new(Lazy {
                 memory: region,
                 file_offset,
                 filled: (0..pages.div_ceil(64)).map(|_| AtomicU64::new(0)).collect(),
-            });
+            }));
         }
         let uffd = Arc::new(uffd);
         let stop =
@@ -400,12 +510,14 @@ impl LazyLoader {
         stats
             .prefetch_done
             .store(options.prefetch.is_none(), Ordering::Release);
-        let file = memory_file
-            .try_clone()
-            .map_err(|source| SnapshotError::Io {
-                what: "duplicating the memory file".into(),
-                source,
-            })?;
+        let file = Arc::new(
+            memory_file
+                .try_clone()
+                .map_err(|source| SnapshotError::Io {
+                    what: "duplicating the memory file".into(),
+                    source,
+                })?,
+        );
         let deadline = options
             .record
             .as_ref()
@@ -428,8 +540,8 @@ impl LazyLoader {
             let handler = Handler {
                 uffd: Arc::clone(&uffd),
                 stats: Arc::clone(&stats),
-                lazies,
-                file,
+                lazies: lazies.clone(),
+                file: Arc::clone(&file),
                 page: vec![0u8; PAGE_SIZE as usize],
                 deferred: Vec::new(),
                 recording: Arc::clone(&recording),
@@ -445,6 +557,17 @@ impl LazyLoader {
                     source,
                 })?
         };
+        // From here on a snapshot of these regions asks this loader for the pages it owes.
+        OWED.lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .extend(lazies.iter().map(|lazy| {
+                let owed = Owed {
+                    lazy: Arc::clone(lazy),
+                    file: Arc::clone(&file),
+                    stats: Arc::clone(&stats),
+                };
+                (lazy.memory.host_address(), owed)
+            }));
         Ok(LazyLoader {
             uffd,
             stop,
@@ -452,6 +575,7 @@ impl LazyLoader {
             stats,
             ranges,
             recording,
+            lazies,
         })
     }
 
@@ -474,6 +598,15 @@ impl Drop for LazyLoader {
             let _ = thread.join();
         }
         finish_recording(&self.recording);
+        // Nothing fills the pages not filled yet any more: they read zeros once unregistered.
+        let mut owed = OWED.lock().unwrap_or_else(PoisonError::into_inner);
+        for lazy in &self.lazies {
+            let at = lazy.memory.host_address();
+            if owed.get(&at).is_some_and(|o| Arc::ptr_eq(&o.lazy, lazy)) {
+                owed.remove(&at);
+            }
+        }
+        drop(owed);
         for r in &self.ranges {
             let mut range = UffdioRange {
                 start: r.start,
@@ -572,8 +705,8 @@ fn uffd_wake(uffd: &OwnedFd, hva: u64) {
 struct Handler {
     uffd: Arc<OwnedFd>,
     stats: Arc<LoaderStats>,
-    lazies: Vec<Lazy>,
-    file: File,
+    lazies: Vec<Arc<Lazy>>,
+    file: Arc<File>,
     /// One page read for a fault.
     page: Vec<u8>,
     /// Faulting addresses whose fill the kernel asked to try again (`EAGAIN`; recorded
@@ -676,7 +809,9 @@ impl Handler {
             return true;
         };
         let offset = hva - lazy.memory.host_address();
-        let again = lazy.fill(offset / PAGE_SIZE);
+        // Marked filled once the fill is done (below), so that a snapshot reading the marks
+        // meanwhile takes the page for one that still holds the file's data.
+        let again = lazy.is_filled(offset / PAGE_SIZE);
         // Recorded before the ioctl wakes the faulting thread, so that what it does next
         // (end the recording, say) comes after.
         if !again && record {
@@ -711,18 +846,19 @@ impl Handler {
             count.fetch_sub(1, Ordering::AcqRel);
         }
         match result {
-            Filled::Bytes(_) => true,
+            Filled::Bytes(_) => {
+                lazy.fill(offset / PAGE_SIZE);
+                true
+            }
             // Filled meanwhile (another fault, or the prefetch): the waiters are woken.
             Filled::Exists => {
+                lazy.fill(offset / PAGE_SIZE);
                 uffd_wake(&self.uffd, hva);
                 true
             }
             Filled::Later => {
                 // Tried again after the handler has read the discard under way; a discard of
                 // this page by then makes the fill zeros.
-                if !again {
-                    lazy.unfill(offset / PAGE_SIZE);
-                }
                 self.deferred.push(hva);
                 true
             }

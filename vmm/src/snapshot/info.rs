@@ -237,9 +237,18 @@ impl MemoryCheck {
         memory: &impl vm_memory::GuestMemory,
         layout: &MemoryLayout,
     ) -> Result<Self, vm_memory::GuestMemoryError> {
+        Ok(Self::of_head(&Self::read_head(memory, layout)?, layout))
+    }
+
+    /// The bytes a check of `layout`'s memory file covers, read from guest memory (paused):
+    /// the start of the file, which is the layout's first regions. For a caller that copies
+    /// them in a pause and hashes them later ([`of_head`](Self::of_head)).
+    pub fn read_head(
+        memory: &impl vm_memory::GuestMemory,
+        layout: &MemoryLayout,
+    ) -> Result<Vec<u8>, vm_memory::GuestMemoryError> {
         use vm_memory::{Bytes, GuestAddress};
-        let head = Self::expected_head(layout);
-        let mut bytes = vec![0u8; head as usize];
+        let mut bytes = vec![0u8; Self::expected_head(layout) as usize];
         let mut at = 0usize;
         for region in &layout.regions {
             if at == bytes.len() {
@@ -249,23 +258,17 @@ impl MemoryCheck {
             memory.read_slice(&mut bytes[at..at + n], GuestAddress(region.gpa))?;
             at += n;
         }
-        Ok(MemoryCheck {
-            size: layout.memory_file_size(),
-            head,
-            head_crc32: crc32fast::hash(&bytes),
-        })
+        Ok(bytes)
     }
 
-    /// The check of `file`, a whole memory file of `layout` (a live snapshot's, written).
-    pub fn of_file(file: &File, layout: &MemoryLayout) -> std::io::Result<Self> {
-        let head = Self::expected_head(layout);
-        let mut bytes = vec![0u8; head as usize];
-        file.read_exact_at(&mut bytes, 0)?;
-        Ok(MemoryCheck {
+    /// The check of `layout`'s memory file whose first bytes are `head`, as
+    /// [`read_head`](Self::read_head) read them from guest memory.
+    pub fn of_head(head: &[u8], layout: &MemoryLayout) -> Self {
+        MemoryCheck {
             size: layout.memory_file_size(),
-            head,
-            head_crc32: crc32fast::hash(&bytes),
-        })
+            head: head.len() as u64,
+            head_crc32: crc32fast::hash(head),
+        }
     }
 
     /// Whether `file` has this memory file's size (a Diff's own file has it too).

@@ -341,7 +341,9 @@ pub fn apply_pages<K: KvmMemory>(
 }
 
 /// The file (memfd or the caller's) and offset behind each shared region of `layout` in
-/// `memory`, by layout index: what a sender hands over ([`StreamWriter::handover`]).
+/// `memory`, by layout index: what a sender hands over ([`StreamWriter::handover`]). A shared
+/// region under a lazy restore ([`LazyLoader`](crate::LazyLoader)) is filled first: the pages
+/// its loader has not filled yet are not in the file, and the receiver has no loader.
 pub fn shared_files<K: KvmMemory>(
     memory: &MemoryManager<K>,
     layout: &MemoryLayout,
@@ -358,6 +360,7 @@ pub fn shared_files<K: KvmMemory>(
                 r.gpa
             ))
         })?;
+        crate::uffd::fill_owed(region)?;
         files.push((index as u32, file.clone()));
     }
     Ok(files)

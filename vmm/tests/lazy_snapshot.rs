@@ -1,0 +1,352 @@
+//! Snapshots and migrations of a VM restored lazily (`restore --mem-backend uffd`), on
+//! /dev/kvm, through `tinyvmm` processes: the pages the guest has not touched since the restore
+//! are still the snapshot's, though no page table has them yet, and a paused Full, a live
+//! Full and the Diff after it, and a migration must carry them. The guest wrote its whole test
+//! area with seed 7 before the first snapshot; after the lazy restore it rewrites only the
+//! first MiB (seed 9), so the rest is untouched, and it is that rest that must verify with
+//! seed 7 wherever the VM goes.
+
+use std::path::PathBuf;
+use std::process::{Child, Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+use serde_json::{json, Value};
+use tinyvmm::api::client::Client;
+
+mod support;
+use support::merge_chain;
+
+const MIB: u64 = 1 << 20;
+/// Where `serve` puts its initial memory.
+const AREA: u64 = 256 * MIB;
+/// The guest memory `serve` starts with.
+const MEM_MIB: &str = "16";
+
+fn dir() -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("tinyvmm-lazy-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("a scratch directory");
+    dir
+}
+
+fn file(name: &str) -> PathBuf {
+    dir().join(name)
+}
+
+/// A tinyvmm process, killed if the test fails before it exits.
+struct Vmm {
+    child: Option<Child>,
+    api: PathBuf,
+}
+
+impl Vmm {
+    fn spawn(name: &str, args: &[&str]) -> Self {
+        let api = file(&format!("{name}.sock"));
+        let _ = std::fs::remove_file(&api);
+        let child = Command::new(env!("CARGO_BIN_EXE_tinyvmm"))
+            .args(args)
+            .arg("--api-sock")
+            .arg(&api)
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("tinyvmm starts");
+        Vmm {
+            child: Some(child),
+            api,
+        }
+    }
+
+    /// Waits until the API answers with the VM past `Waiting`/`Receiving` (a destination's
+    /// API answers before its VM runs).
+    fn wait_for_vm(mut self, name: &str) -> Self {
+        let deadline = Instant::now() + Duration::from_secs(120);
+        loop {
+            let vm = Client::connect(&self.api).and_then(|mut c| c.call("GET", "/vm", None));
+            match vm {
+                Ok((_, vm)) if !matches!(vm["state"].as_str(), Some("Waiting" | "Receiving")) => {
+                    return self;
+                }
+                _ => {}
+            }
+            assert!(Instant::now() < deadline, "{name}: the VM never came up");
+            if !self.running() {
+                let output = self.child.take().expect("spawned").wait_with_output();
+                let stderr = output.map(|o| String::from_utf8_lossy(&o.stderr).into_owned());
+                panic!("{name}: tinyvmm exited: {stderr:?}");
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    /// Waits until a `receive`'s API says it waits for its source.
+    fn wait_listening(self, name: &str) -> Self {
+        let deadline = Instant::now() + Duration::from_secs(60);
+        loop {
+            let vm = Client::connect(&self.api).and_then(|mut c| c.call("GET", "/vm", None));
+            if vm.is_ok_and(|(_, vm)| vm["state"] == "Waiting") {
+                return self;
+            }
+            assert!(Instant::now() < deadline, "{name}: receive never listened");
+            assert!(self.running(), "{name}: receive exited");
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+
+    /// `tinyvmm serve` with `extra` arguments.
+    fn serve(name: &str, extra: &[&str]) -> Self {
+        let mut args = vec!["serve", "--slots", "4", "--mem-mib", MEM_MIB];
+        args.extend_from_slice(extra);
+        Vmm::spawn(name, &args).wait_for_vm(name)
+    }
+
+    /// `tinyvmm restore` of `(state, mem)` with `backend`, paused as restored.
+    fn restore(name: &str, (state, mem): &(PathBuf, PathBuf), backend: &str) -> Self {
+        let args = [
+            "restore",
+            "--snapshot",
+            state.to_str().expect("utf-8"),
+            "--mem-file",
+            mem.to_str().expect("utf-8"),
+            "--mem-backend",
+            backend,
+        ];
+        Vmm::spawn(name, &args).wait_for_vm(name)
+    }
+
+    /// `tinyvmm receive` listening on the returned Unix socket path.
+    fn receive(name: &str) -> (Self, PathBuf) {
+        let listen = file(&format!("{name}.mig"));
+        let _ = std::fs::remove_file(&listen);
+        let endpoint = format!("unix:{}", listen.display());
+        let vmm = Vmm::spawn(name, &["receive", "--listen", &endpoint]).wait_listening(name);
+        (vmm, listen)
+    }
+
+    fn running(&self) -> bool {
+        let pid = self.child.as_ref().expect("spawned").id();
+        // A zombie still has a /proc entry: look at its state.
+        std::fs::read_to_string(format!("/proc/{pid}/stat"))
+            .is_ok_and(|s| s.split(' ').nth(2).is_none_or(|state| state != "Z"))
+    }
+
+    fn ok(&self, method: &str, path: &str, body: Option<Value>) -> Value {
+        support::ok(&self.api, method, path, body)
+    }
+
+    fn guest(&self, op: &str, start: u64, end: u64, seed: u64) -> Value {
+        let command = support::guest_command(op, start, end, seed);
+        self.ok("PUT", "/guest/command", Some(command))
+    }
+
+    fn set_state(&self, state: &str) {
+        self.ok("PATCH", "/vm", Some(json!({"state": state})));
+    }
+
+    fn area_end(&self) -> u64 {
+        support::area_end(&self.api, AREA)
+    }
+
+    /// Takes a snapshot of `kind` into `files`, with `extra` fields (`live`); a live one is
+    /// waited for and must complete.
+    fn snapshot(&self, kind: &str, (state, mem): &(PathBuf, PathBuf), extra: Value) {
+        let _ = std::fs::remove_file(state);
+        let _ = std::fs::remove_file(mem);
+        let mut body = json!({"snapshot_type": kind, "snapshot_path": state, "mem_file_path": mem});
+        for (k, v) in extra.as_object().expect("an object") {
+            body[k] = v.clone();
+        }
+        self.ok("PUT", "/snapshot/create", Some(body.clone()));
+        if body["live"] != json!(true) {
+            return;
+        }
+        let deadline = Instant::now() + Duration::from_secs(120);
+        loop {
+            let info = self.ok("GET", "/snapshot", None);
+            let phase = info["phase"].as_str().expect("a phase");
+            if !["setup", "pre_copy", "stop_and_copy"].contains(&phase) {
+                assert_eq!(phase, "completed", "{info}");
+                return;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "the snapshot never ended: {info}"
+            );
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+
+    /// Stops it and waits for it to exit.
+    fn stop(mut self) -> Output {
+        let _ = support::call(
+            &self.api,
+            "PUT",
+            "/actions",
+            Some(json!({"action_type": "Stop"})),
+        );
+        self.wait_exit(Duration::from_secs(60))
+    }
+
+    fn wait_exit(&mut self, timeout: Duration) -> Output {
+        let deadline = Instant::now() + timeout;
+        while self.running() {
+            assert!(
+                Instant::now() < deadline,
+                "tinyvmm did not exit in {timeout:?}"
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        self.child
+            .take()
+            .expect("spawned")
+            .wait_with_output()
+            .expect("wait")
+    }
+}
+
+impl Drop for Vmm {
+    fn drop(&mut self) {
+        if let Some(child) = self.child.as_mut() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+}
+
+fn snap(name: &str) -> (PathBuf, PathBuf) {
+    (file(&format!("{name}.state")), file(&format!("{name}.mem")))
+}
+
+/// The first VM (of test `tag`, `serve` with `extra` arguments): its test area written with
+/// seed 7, then a paused Full snapshot `s1`; the snapshot's files and where the area ends.
+fn first_snapshot(tag: &str, extra: &[&str]) -> ((PathBuf, PathBuf), u64) {
+    let vmm = Vmm::serve(&format!("{tag}-first"), extra);
+    let end = vmm.area_end();
+    assert_eq!(vmm.guest("write", AREA, end, 7)["result"], "ok");
+    vmm.set_state("Paused");
+    let s1 = snap(&format!("{tag}-s1"));
+    vmm.snapshot("Full", &s1, json!({}));
+    let output = vmm.stop();
+    assert_eq!(output.status.code(), Some(0), "{output:?}");
+    (s1, end)
+}
+
+/// Checks that `vmm`'s area holds seed 7 past its first MiB (the pages the lazy restore
+/// never touched) and, in its first MiB, the seed it was `rewritten` with (7 if it was not).
+fn verify(vmm: &Vmm, end: u64, rewritten: Option<u64>, what: &str) {
+    let seven = vmm.guest("verify", AREA + MIB, end, 7);
+    assert_eq!(
+        seven["result"], "ok",
+        "{what}: the pages the lazy restore never touched: {seven}"
+    );
+    let first = vmm.guest("verify", AREA, AREA + MIB, rewritten.unwrap_or(7));
+    assert_eq!(first["result"], "ok", "{what}: the first MiB: {first}");
+}
+
+/// The snapshot `files` restored by copying, resumed, and verified.
+fn verify_copy_restore(name: &str, files: &(PathBuf, PathBuf), end: u64, rewritten: Option<u64>) {
+    let copy = Vmm::restore(name, files, "copy");
+    copy.set_state("Resumed");
+    verify(&copy, end, rewritten, name);
+    copy.stop();
+}
+
+/// `s1` restored lazily and resumed, its guest rewriting the first MiB with seed 9.
+fn lazy_restore(name: &str, s1: &(PathBuf, PathBuf), end: u64) -> Vmm {
+    let lazy = Vmm::restore(name, s1, "uffd");
+    lazy.set_state("Resumed");
+    assert!(end > AREA + MIB);
+    assert_eq!(lazy.guest("write", AREA, AREA + MIB, 9)["result"], "ok");
+    lazy
+}
+
+#[test]
+fn kvm_a_lazily_restored_vm_keeps_its_untouched_pages_in_snapshots() {
+    if !kvm_test_support::require_kvm(
+        "tinyvmm::kvm_a_lazily_restored_vm_keeps_its_untouched_pages_in_snapshots",
+    ) {
+        return;
+    }
+    let (s1, end) = first_snapshot("snapshots", &[]);
+
+    // A paused Full of the fresh lazy restore, before the guest ran at all.
+    let fresh = Vmm::restore("snapshots-fresh", &s1, "uffd");
+    let s2 = snap("snapshots-s2");
+    fresh.snapshot("Full", &s2, json!({}));
+    fresh.stop();
+    verify_copy_restore("snapshots-s2-copy", &s2, end, None);
+
+    // A paused Full of a lazy restore whose guest ran and rewrote its first MiB.
+    let paused = lazy_restore("snapshots-paused", &s1, end);
+    paused.set_state("Paused");
+    let p2 = snap("snapshots-p2");
+    paused.snapshot("Full", &p2, json!({}));
+    paused.stop();
+    verify_copy_restore("snapshots-p2-copy", &p2, end, Some(9));
+
+    // A live Full while the restored guest runs, then a live Diff of a later write.
+    let lazy = lazy_restore("snapshots-live", &s1, end);
+    let s3 = snap("snapshots-s3");
+    lazy.snapshot("Full", &s3, json!({"live": true}));
+    verify_copy_restore("snapshots-s3-copy", &s3, end, Some(9));
+    assert_eq!(lazy.guest("write", AREA, AREA + MIB, 10)["result"], "ok");
+    let d4 = snap("snapshots-d4");
+    lazy.snapshot("Diff", &d4, json!({"live": true}));
+    lazy.stop();
+    let merged = (d4.0.clone(), file("snapshots-d4-merged.mem"));
+    merge_chain(&merged.1, &[&s3.0, &s3.1, &d4.0, &d4.1]);
+    verify_copy_restore("snapshots-d4-copy", &merged, end, Some(10));
+    clean("snapshots");
+}
+
+/// Removes the files of test `tag` from the scratch directory.
+fn clean(tag: &str) {
+    for entry in std::fs::read_dir(dir()).into_iter().flatten().flatten() {
+        if entry.file_name().to_string_lossy().starts_with(tag) {
+            let _ = std::fs::remove_file(entry.path());
+        }
+    }
+}
+
+#[test]
+fn kvm_a_lazily_restored_vm_migrates_with_its_untouched_pages() {
+    if !kvm_test_support::require_kvm(
+        "tinyvmm::kvm_a_lazily_restored_vm_migrates_with_its_untouched_pages",
+    ) {
+        return;
+    }
+    migrate_a_lazy_restore("migrate", &[], false);
+}
+
+/// A local migration hands the memfd over instead of copying its pages: the pages the loader
+/// has not filled are not in the memfd until something fills them.
+#[test]
+fn kvm_a_lazily_restored_vm_hands_its_untouched_pages_over_in_its_memfd() {
+    if !kvm_test_support::require_kvm(
+        "tinyvmm::kvm_a_lazily_restored_vm_hands_its_untouched_pages_over_in_its_memfd",
+    ) {
+        return;
+    }
+    migrate_a_lazy_restore("local", &["--memfd"], true);
+}
+
+/// A lazy restore of the first VM (`serve` with `extra`) migrates (`local`ly: handing its
+/// memfd over) to a `receive`, where its whole area verifies.
+fn migrate_a_lazy_restore(tag: &str, extra: &[&str], local: bool) {
+    let (s1, end) = first_snapshot(tag, extra);
+    let mut source = lazy_restore(&format!("{tag}-source"), &s1, end);
+    let (destination, listen) = Vmm::receive(&format!("{tag}-destination"));
+    let body = json!({"destination": format!("unix:{}", listen.display()), "local": local});
+    source.ok("PUT", "/migrate", Some(body));
+    let output = source.wait_exit(Duration::from_secs(120));
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert_eq!(output.status.code(), Some(0), "{stderr}");
+    assert!(
+        stderr.contains("runs on the migration's destination"),
+        "{stderr}"
+    );
+    let destination = destination.wait_for_vm(&format!("{tag}-destination"));
+    verify(&destination, end, Some(9), "the received VM");
+    destination.stop();
+    clean(tag);
+}
