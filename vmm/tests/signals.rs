@@ -611,10 +611,8 @@ fn kvm_a_sigbus_sent_from_outside_ends_the_vmm_as_before() {
     let (mut vmm, socket) = serve_mib("outside-bus", 8);
     let child = vmm.0.as_mut().expect("running");
     // SAFETY: kill(2) only sends a signal to the child's pid, which we have not reaped yet.
-    assert_eq!(
-        unsafe { libc::kill(child.id() as libc::pid_t, libc::SIGBUS) },
-        0
-    );
+    let sent = unsafe { libc::kill(child.id() as libc::pid_t, libc::SIGBUS) };
+    assert_eq!(sent, 0, "kill");
     let deadline = Instant::now() + Duration::from_secs(60);
     let status = loop {
         if let Some(status) = child.try_wait().expect("try_wait") {
