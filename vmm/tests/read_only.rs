@@ -92,3 +92,75 @@ fn kvm_a_write_into_a_read_only_region_is_refused_naming_it() {
     let ending = vmm.join().expect("no panic").expect("a clean stop");
     assert_eq!(ending, Ending::Finished);
 }
+
+/// A region a vCPU's command reaches into cannot be removed or moved under it: a 409 naming
+/// the vCPU, and nothing changes; the command goes on and the guest lives. (Both were answered
+/// 204 and the command's next access found no memory: the guest failed for good.)
+#[test]
+fn kvm_a_region_a_command_reaches_cannot_be_removed_or_moved_under_it() {
+    if !kvm_test_support::require_kvm(
+        "tinyvmm::kvm_a_region_a_command_reaches_cannot_be_removed_or_moved_under_it",
+    ) {
+        return;
+    }
+    let socket = std::env::temp_dir().join(format!("tinyvmm-rm-{}.sock", std::process::id()));
+    let vmm = serve_in_background(ServeConfig::new(socket.clone())).expect("the VMM starts");
+    let s = socket.as_path();
+    // A 2 MiB region of its own at 1 GiB, written, then a write loop over it.
+    let added = call(
+        s,
+        "PUT",
+        "/memory/regions",
+        json!({"size": 2 << 20, "guest_address": 1u64 << 30}),
+    );
+    assert_eq!(added.0, 201, "{added:?}");
+    let id = added.1["id"].as_u64().expect("an id");
+    let region = format!("/memory/regions/{id}");
+    let over = |op: &str, seed: u64| {
+        json!({"op": op, "start": 1u64 << 30, "end": (1u64 << 30) + (2 << 20), "stride": 4096,
+               "seed": seed})
+    };
+    let started = call(s, "PUT", "/guest/command", over("write_loop", 30));
+    assert_eq!(started, (200, json!({"result": "started"})));
+    for (method, body, what) in [
+        ("DELETE", Value::Null, "whose memory would be gone under it"),
+        (
+            "PATCH",
+            json!({"guest_address": 2u64 << 30}),
+            "whose memory would move under it",
+        ),
+    ] {
+        let refused = call(s, method, &region, body);
+        assert_eq!(refused.0, 409, "{method}: {refused:?}");
+        let message = fault(&refused);
+        assert!(
+            message.starts_with(&format!(
+                "vCPU 0 runs a WriteLoop command that reaches into region {id}"
+            )) && message.contains(what)
+                && message.contains("op stop_loop"),
+            "{message}"
+        );
+        let info = call(s, "GET", &region, Value::Null);
+        assert_eq!(info.1["guest_address"], 1u64 << 30, "nothing changed");
+    }
+    let stopped = call(s, "PUT", "/guest/command", json!({"op": "stop_loop"}));
+    assert_eq!(stopped.1["result"], "stopped", "{stopped:?}");
+    let last_seed = stopped.1["last_seed"].as_u64().expect("at least one pass");
+    assert_eq!(call(s, "GET", "/vm", Value::Null).1["state"], "Running");
+    // Once the loop ended both go through, and the moved memory went with it.
+    let moved = call(s, "PATCH", &region, json!({"guest_address": 2u64 << 30}));
+    assert_eq!(moved.0, 204, "{moved:?}");
+    let verify = json!({"op": "verify", "start": 2u64 << 30, "end": (2u64 << 30) + (2 << 20),
+                        "stride": 4096, "seed": last_seed ^ (1u64 << 30) ^ (2u64 << 30)});
+    assert_eq!(
+        call(s, "PUT", "/guest/command", verify),
+        (200, json!({"result": "ok"}))
+    );
+    assert_eq!(call(s, "DELETE", &region, Value::Null).0, 204);
+    assert_eq!(
+        call(s, "PUT", "/actions", json!({"action_type": "Stop"})).0,
+        204
+    );
+    let ending = vmm.join().expect("no panic").expect("a clean stop");
+    assert_eq!(ending, Ending::Finished);
+}

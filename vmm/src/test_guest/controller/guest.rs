@@ -99,33 +99,48 @@ impl Controller {
         }
     }
 
-    /// Refuses to make region `id` read-only while a vCPU's write or write loop writes into
-    /// one of `ranges` (where the region is, and where it goes): its writes would be dropped
-    /// from then on, unseen.
-    pub(super) fn refuse_read_only_under_writes(
+    /// Refuses `change` of region `id` while a vCPU's command touches one of `ranges` (where
+    /// the region is, and for a move where it goes): a region made read-only would drop a
+    /// write command's writes from then on, unseen; a region removed or moved would leave any
+    /// command's next access with no memory, which kills the guest. Read-only changes refuse
+    /// writing commands only (a `verify` reads a read-only region as any other).
+    pub(super) fn refuse_under_commands(
         &self,
         id: u64,
         ranges: &[std::ops::Range<u64>],
+        change: RegionChange,
     ) -> Result<(), ControllerError> {
         let Some(vcpus) = &self.vcpus else {
             return Ok(());
         };
-        let writing = (0..vcpus.count()).find_map(|v| {
+        let busy = (0..vcpus.count()).find_map(|v| {
             vcpus
                 .running(v)
-                .filter(|c| c.writes() && ranges.iter().any(|r| c.touches(r.clone())))
+                .filter(|c| change != RegionChange::ReadOnly || c.writes())
+                .filter(|c| ranges.iter().any(|r| c.touches(r.clone())))
                 .map(|c| (v, c))
         });
-        match writing {
-            Some((vcpu, command)) => Err(ControllerError::conflict(format!(
-                "vCPU {vcpu} runs a {:?} command that writes into region {id}, whose writes \
-                 would be dropped once it is read-only: wait for its answer or end it first \
-                 (PUT /guest/command op cancel, or op stop_loop for a loop, with \"vcpu\": \
-                 {vcpu})",
-                command.op
-            ))),
-            None => Ok(()),
-        }
+        let Some((vcpu, command)) = busy else {
+            return Ok(());
+        };
+        let what = match change {
+            RegionChange::ReadOnly => format!(
+                "writes into region {id}, whose writes would be dropped once it is read-only"
+            ),
+            RegionChange::Remove => format!(
+                "reaches into region {id}, whose memory would be gone under it (the guest would \
+                 fail)"
+            ),
+            RegionChange::Move => format!(
+                "reaches into region {id} or where it would go, whose memory would move under \
+                 it (the guest would fail)"
+            ),
+        };
+        Err(ControllerError::conflict(format!(
+            "vCPU {vcpu} runs a {:?} command that {what}: wait for its answer or end it first \
+             (PUT /guest/command op cancel, or op stop_loop for a loop, with \"vcpu\": {vcpu})",
+            command.op
+        )))
     }
 
     /// Ends vCPU `vcpu`'s command: its write loop after the current pass (`after_pass`), or
@@ -320,4 +335,16 @@ mod tests {
         let failed = command_result(write, Err(GuestError::Stopped(0))).expect_err("failed");
         assert_eq!(failed.kind, crate::control::ErrorKind::Internal);
     }
+}
+
+/// A change of a region that a running guest command can be in the way of
+/// ([`Controller::refuse_under_commands`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum RegionChange {
+    /// Made read-only.
+    ReadOnly,
+    /// Removed.
+    Remove,
+    /// Moved.
+    Move,
 }

@@ -6,6 +6,7 @@ use std::sync::Arc;
 use kvm_memslots::{Backing, RegionId, RegionSpec, PAGE_SIZE};
 use vm_memory::GuestAddress;
 
+use super::guest::RegionChange;
 use super::{Controller, AUTO_PLACE_BASE, MIB};
 use crate::control::memory::{AddRegion, PatchRegion, RegionAdded, RegionBacking};
 use crate::control::vm::RunState;
@@ -222,6 +223,10 @@ impl Controller {
 
     pub(super) fn remove_region(&mut self, id: u64) -> Result<(), ControllerError> {
         let id = self.protect_system(id)?;
+        if let Some(region) = self.vm.memory().regions().into_iter().find(|r| r.id == id) {
+            let range = region.gpa.0..region.gpa.0.saturating_add(region.size);
+            self.refuse_under_commands(id.0, &[range], RegionChange::Remove)?;
+        }
         Ok(self.vm.memory().remove_region(id)?)
     }
 
@@ -232,13 +237,16 @@ impl Controller {
     ) -> Result<(), ControllerError> {
         let id = self.protect_system(id)?;
         let memory = Arc::clone(self.vm.memory());
-        if patch.read_only == Some(true) {
-            if let Some(region) = memory.regions().into_iter().find(|r| r.id == id) {
-                let size = region.size;
-                let at = |gpa: u64| gpa..gpa.saturating_add(size);
-                let mut ranges = vec![at(region.gpa.0)];
-                ranges.extend(patch.guest_address.map(at));
-                self.refuse_read_only_under_writes(id.0, &ranges)?;
+        if let Some(region) = memory.regions().into_iter().find(|r| r.id == id) {
+            let size = region.size;
+            let at = |gpa: u64| gpa..gpa.saturating_add(size);
+            let mut ranges = vec![at(region.gpa.0)];
+            ranges.extend(patch.guest_address.map(at));
+            if patch.guest_address.is_some_and(|gpa| gpa != region.gpa.0) {
+                self.refuse_under_commands(id.0, &ranges, RegionChange::Move)?;
+            }
+            if patch.read_only == Some(true) {
+                self.refuse_under_commands(id.0, &ranges, RegionChange::ReadOnly)?;
             }
         }
         let Some(gpa) = patch.guest_address else {
