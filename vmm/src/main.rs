@@ -612,11 +612,11 @@ struct RestoreArgs {
     /// Record the pages the VM touches first, in that order, into this file when the
     /// recording ends (after --record-secs, on PUT /working-set/stop, or when the VMM stops).
     /// Needs --mem-backend uffd [default: no recording]
-    #[arg(long, value_name = "PATH", conflicts_with = "prefetch")]
+    #[arg(long, value_name = "PATH", conflicts_with = "prefetch", value_parser = file_to_write)]
     record_working_set: Option<std::path::PathBuf>,
     /// End the recording this many seconds after the restore [default: when the VMM stops]
-    #[arg(long, value_name = "N", requires = "record_working_set")]
-    record_secs: Option<f64>,
+    #[arg(long, value_name = "N", requires = "record_working_set", value_parser = seconds)]
+    record_secs: Option<std::time::Duration>,
     /// Fetch the pages of this list (recorded on a restore of the same snapshot) ahead of the
     /// guest while the rest still loads on fault. Needs --mem-backend uffd [default: none]
     #[arg(long, value_name = "PATH")]
@@ -709,6 +709,29 @@ fn snapshot_merge(args: MergeArgs) -> ExitCode {
     }
 }
 
+/// A number of seconds, above 0 and finite (a usage error otherwise).
+fn seconds(value: &str) -> Result<std::time::Duration, String> {
+    let secs: f64 = value
+        .parse()
+        .map_err(|e| format!("{value:?} is not a number of seconds: {e}"))?;
+    if secs.is_nan() || secs <= 0.0 {
+        return Err(format!("{value} is not above 0 seconds"));
+    }
+    std::time::Duration::try_from_secs_f64(secs).map_err(|e| format!("{value}: {e}"))
+}
+
+/// A path for a file to write: not a directory that exists (a usage error otherwise, before
+/// anything starts, not a recording lost when the VMM stops).
+fn file_to_write(value: &str) -> Result<std::path::PathBuf, String> {
+    let path = std::path::PathBuf::from(value);
+    if path.is_dir() {
+        return Err(format!(
+            "{value} is a directory: give the path of a file to write"
+        ));
+    }
+    Ok(path)
+}
+
 fn restore(args: RestoreArgs) -> ExitCode {
     use tinyvmm::snapshot::GuestKind;
     let from = tinyvmm::jobs::restore::RestoreFrom {
@@ -718,13 +741,7 @@ fn restore(args: RestoreArgs) -> ExitCode {
         working_set: tinyvmm::jobs::working_set::WorkingSetFiles {
             prefetch: args.prefetch,
             record: args.record_working_set,
-            record_for: match args.record_secs.map(std::time::Duration::try_from_secs_f64) {
-                Some(Err(e)) => {
-                    eprintln!("tinyvmm: --record-secs: {e}");
-                    return ExitCode::FAILURE;
-                }
-                secs => secs.and_then(Result::ok),
-            },
+            record_for: args.record_secs,
         },
     };
     // A file that is neither kind's is refused by the test guest's reader, which says why.

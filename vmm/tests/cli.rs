@@ -162,6 +162,33 @@ fn usage_errors_have_their_own_exit_status_and_help_and_version_succeed() {
         ],
         &["boot", "--kernel", "/nonexistent", "--vcpus", "33"],
         &["receive", "--api-sock", "/nonexistent/x.sock"],
+        // A recording's length must be a number of seconds above 0, its list a file, and a
+        // raw request's body JSON: each a usage error before anything starts.
+        &restore_recording("--record-secs=-1"),
+        &restore_recording("--record-secs=nan"),
+        &restore_recording("--record-secs=0"),
+        &[
+            "restore",
+            "--snapshot",
+            "/nonexistent/s",
+            "--mem-file",
+            "/nonexistent/m",
+            "--api-sock",
+            "/nonexistent/x.sock",
+            "--mem-backend",
+            "uffd",
+            "--record-working-set",
+            "/tmp",
+        ],
+        &[
+            "client",
+            "--api-sock",
+            "/nonexistent/x.sock",
+            "raw",
+            "PUT",
+            "/vm",
+            "{not json",
+        ],
     ] {
         let output = tinyvmm(args);
         assert_eq!(
@@ -375,4 +402,22 @@ fn kvm_log_requests_logs_each_request_with_its_status() {
         log.contains(" ms: region 0 holds the guest's code"),
         "{log}"
     );
+}
+
+/// `tinyvmm restore` with a working-set recording and `secs`.
+fn restore_recording(secs: &str) -> [&str; 12] {
+    [
+        "restore",
+        "--snapshot",
+        "/nonexistent/s",
+        "--mem-file",
+        "/nonexistent/m",
+        "--api-sock",
+        "/nonexistent/x.sock",
+        "--mem-backend",
+        "uffd",
+        "--record-working-set",
+        "/nonexistent/w.wset",
+        secs,
+    ]
 }

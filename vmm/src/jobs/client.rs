@@ -221,8 +221,15 @@ pub enum ClientRequest {
         /// The path, e.g. /memory.
         path: String,
         /// A JSON body.
-        body: Option<String>,
+        #[arg(value_parser = json_body)]
+        body: Option<Value>,
     },
+}
+
+/// A request body given on the command line: JSON (a usage error otherwise, before any
+/// connection).
+fn json_body(value: &str) -> Result<Value, String> {
+    serde_json::from_str(value).map_err(|e| format!("the body is not JSON: {e}"))
 }
 
 /// A number of bytes or an address: decimal, `0x` hex, or a number with a binary suffix
@@ -392,12 +399,7 @@ impl ClientRequest {
                 Some(json!({"action_type": "Stop"})),
             ),
             ClientRequest::Raw { method, path, body } => {
-                let body = body
-                    .as_deref()
-                    .map(serde_json::from_str)
-                    .transpose()
-                    .map_err(|e| format!("the body is not JSON: {e}"))?;
-                return Ok((method.to_ascii_uppercase(), path.clone(), body));
+                return Ok((method.to_ascii_uppercase(), path.clone(), body.clone()));
             }
         };
         Ok((method.to_owned(), path, body))
@@ -663,12 +665,20 @@ mod tests {
             ClientRequest::Harvest { region: None }.http(),
             Ok(("POST".into(), "/dirty-log/harvest".into(), None))
         );
+        assert!(json_body("{nope").is_err_and(|e| e.starts_with("the body is not JSON")));
         let raw = ClientRequest::Raw {
-            method: "get".into(),
+            method: "patch".into(),
             path: "/vm".into(),
-            body: Some("{nope".into()),
+            body: Some(json_body(r#"{"state": "Paused"}"#).expect("JSON")),
         };
-        assert!(raw.http().is_err());
+        assert_eq!(
+            raw.http(),
+            Ok((
+                "PATCH".into(),
+                "/vm".into(),
+                Some(json!({"state": "Paused"}))
+            ))
+        );
     }
 
     #[test]
