@@ -122,6 +122,10 @@ impl VcpuState {
         let cpuid = vcpu
             .get_cpuid2(KVM_MAX_CPUID_ENTRIES)
             .map_err(failed("KVM_GET_CPUID2"))?;
+        // The multiprocessing state first: reading it makes KVM act on a pending INIT or SIPI
+        // (kvm_apic_accept_events), which can change the registers read below. QEMU reads it
+        // first for the same reason.
+        let mp_state = vcpu.get_mp_state().map_err(failed("KVM_GET_MP_STATE"))?;
         Ok(VcpuState {
             regs: vcpu.get_regs().map_err(failed("KVM_GET_REGS"))?,
             sregs: vcpu.get_sregs().map_err(failed("KVM_GET_SREGS"))?,
@@ -134,7 +138,7 @@ impl VcpuState {
             // Without an in-kernel irqchip there is no local APIC to read (KVM says ENXIO).
             lapic: vcpu.get_lapic().ok(),
             debugregs: Some(vcpu.get_debug_regs().map_err(failed("KVM_GET_DEBUGREGS"))?),
-            mp_state: Some(vcpu.get_mp_state().map_err(failed("KVM_GET_MP_STATE"))?),
+            mp_state: Some(mp_state),
             cpuid: cpuid.as_slice().to_vec(),
         })
     }
