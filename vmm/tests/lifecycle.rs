@@ -8,8 +8,10 @@
 //! Full and Diff snapshots (completed, or cancelled at once or after a moment), restores of any
 //! snapshot taken so far (the Fulls, and every Diff's merged chain) with every memory backend
 //! (copy, file, uffd, uffd with a recorded working set prefetched), migrations to a `tinyvmm
-//! receive` (bitmap, ring, local handover; completed or cancelled), and client harvests of the
-//! dirty log. After every step the current VM's whole area is verified against the model, and
+//! receive` (over a Unix socket or TCP, to a destination logging with a bitmap or a ring,
+//! local handover; completed or cancelled), region changes (add, remove, move, read-only and
+//! back, writes refused where read-only), the hotplug area (configured, plugged and unplugged
+//! to random sizes) and client harvests of the dirty log. After every step the current VM's whole area is verified against the model, and
 //! every answer is held to what the model says must happen (a Diff with no Full before it in
 //! this VM's chain is refused, and so on).
 //!
@@ -76,7 +78,16 @@ impl Rng {
 struct Model {
     area: Vec<u64>,
     extra: Vec<Extra>,
+    /// The hotplug area's plugged blocks (from its start), each written whole with one seed;
+    /// empty until the sequence configures the area (`None` then: no area).
+    plugged: Option<Vec<u64>>,
 }
+
+/// The hotplug area the sequence configures: blocks of [`BLOCK_MIB`], pieces (slots) of
+/// [`PIECE_MIB`], [`HOTPLUG_MIB`] in all.
+const HOTPLUG_MIB: u64 = 32;
+const BLOCK_MIB: u64 = 2;
+const PIECE_MIB: u64 = 8;
 
 /// A region the sequence added.
 #[derive(Debug, Clone)]
@@ -270,6 +281,7 @@ impl Sequence {
                 model: Model {
                     area: vec![0; CHUNKS],
                     extra: Vec::new(),
+                    plugged: None,
                 },
                 paused: false,
                 ring,
@@ -446,8 +458,35 @@ impl Sequence {
                 ));
             }
         }
+        if let Some(plugged) = self.vm.model.plugged.clone() {
+            let area = self.ok("GET", "/hotplug/memory", None);
+            if area["plugged_size_mib"] != plugged.len() as u64 * BLOCK_MIB {
+                self.fail(&format!(
+                    "the hotplug area has {} where the model says {} blocks of {BLOCK_MIB} MiB",
+                    area,
+                    plugged.len()
+                ));
+            }
+            let base = area["guest_address"].as_u64().expect("the area's address");
+            for (block, seed) in plugged.iter().enumerate() {
+                let start = base + block as u64 * BLOCK_MIB * MIB;
+                let command =
+                    support::guest_command("verify", start, start + BLOCK_MIB * MIB, *seed);
+                let answer = self.ok("PUT", "/guest/command", Some(command));
+                if answer["result"] != "ok" {
+                    self.fail(&format!(
+                        "the VM ({}) does not hold what the model says: plugged block {block} \
+                         should hold seed {seed}: {answer}",
+                        self.vm.origin.0
+                    ));
+                }
+            }
+        }
         let regions = self.regions();
-        let expected = 2 + self.vm.model.extra.len();
+        let pieces = self.vm.model.plugged.as_ref().map_or(0, |p| {
+            (p.len() as u64 * BLOCK_MIB).div_ceil(PIECE_MIB) as usize
+        });
+        let expected = 2 + self.vm.model.extra.len() + pieces;
         if regions.len() != expected {
             self.fail(&format!(
                 "{} regions where the model says {expected}: {regions:?}",
@@ -569,6 +608,53 @@ impl Sequence {
             }
             _ => self.write_extra(which),
         }
+    }
+
+    /// The hotplug area: configured the first time, then plugged or unplugged to a size
+    /// picked at random (each newly plugged block written whole with a new seed; unplugged
+    /// blocks forgotten: a replug gives fresh memory).
+    fn hotplug_step(&mut self) {
+        self.resume();
+        let Some(plugged) = self.vm.model.plugged.clone() else {
+            let body = json!({"total_size_mib": HOTPLUG_MIB, "block_size_mib": BLOCK_MIB,
+                              "slot_size_mib": PIECE_MIB});
+            let (status, answer) = self.call("PUT", "/hotplug/memory", Some(body));
+            self.note(format!(
+                "configure a hotplug area of {HOTPLUG_MIB} MiB: {status}"
+            ));
+            if status != 204 {
+                self.fail(&format!("configuring the hotplug area: {status} {answer}"));
+            }
+            self.vm.model.plugged = Some(Vec::new());
+            return;
+        };
+        let blocks = self.rng.below((HOTPLUG_MIB / BLOCK_MIB) as usize + 1);
+        let body = json!({"requested_size_mib": blocks as u64 * BLOCK_MIB});
+        let (status, answer) = self.call("PATCH", "/hotplug/memory", Some(body));
+        self.note(format!(
+            "hotplug to {} MiB from {} MiB: {status}",
+            blocks as u64 * BLOCK_MIB,
+            plugged.len() as u64 * BLOCK_MIB
+        ));
+        if status != 204 {
+            self.fail(&format!("plugging: {status} {answer}"));
+        }
+        let mut model: Vec<u64> = plugged.into_iter().take(blocks).collect();
+        let base = self.ok("GET", "/hotplug/memory", None)["guest_address"]
+            .as_u64()
+            .expect("the area's address");
+        while model.len() < blocks {
+            self.next_seed += 1;
+            let seed = self.next_seed;
+            let start = base + model.len() as u64 * BLOCK_MIB * MIB;
+            let command = support::guest_command("write", start, start + BLOCK_MIB * MIB, seed);
+            let answer = self.ok("PUT", "/guest/command", Some(command));
+            if answer["result"] != "ok" {
+                self.fail(&format!("writing a plugged block: {answer}"));
+            }
+            model.push(seed);
+        }
+        self.vm.model.plugged = Some(model);
     }
 
     /// The guest writes added region `which` whole with a new seed; refused (409) if the model
@@ -796,10 +882,26 @@ impl Sequence {
         self.resume();
         let name = self.name("received");
         let listen = self.path(&format!("{name}.mig"));
-        let endpoint = format!("unix:{}", listen.display());
-        let mut destination = Process::spawn(&self.dir, &name, &["receive", "--listen", &endpoint]);
+        let tcp = self.rng.chance(25);
+        let endpoint = if tcp {
+            // A port nothing listens on now (the kernel's pick, freed again).
+            let port = std::net::TcpListener::bind("127.0.0.1:0")
+                .and_then(|l| l.local_addr())
+                .expect("a free port")
+                .port();
+            format!("tcp:127.0.0.1:{port}")
+        } else {
+            format!("unix:{}", listen.display())
+        };
+        // The destination logs with a ring or a bitmap, whichever the source does not always.
+        let ring = self.rng.chance(40);
+        let mut args = vec!["receive", "--listen", &endpoint];
+        if ring {
+            args.extend(["--dirty-ring", "4096"]);
+        }
+        let mut destination = Process::spawn(&self.dir, &name, &args);
         destination.wait_listening();
-        let local = self.rng.chance(40);
+        let local = !tcp && self.rng.chance(40);
         let cancel = self.rng.chance(30);
         let body = json!({"destination": endpoint, "local": local, "timeout_s": 60});
         let (status, answer) = self.call("PUT", "/migrate", Some(body));
@@ -835,7 +937,8 @@ impl Sequence {
             std::thread::sleep(Duration::from_millis(5));
         };
         self.note(format!(
-            "migrate to {name} (local {local}, cancel {cancel}): {phase}"
+            "migrate to {name} over {endpoint} (local {local}, cancel {cancel}, destination \
+             ring {ring}): {phase}"
         ));
         if phase == "completed" {
             let status = self.vm.process.exited();
@@ -850,7 +953,7 @@ impl Sequence {
                 process: destination,
                 model,
                 paused: false,
-                ring: self.vm.ring,
+                ring,
                 origin: Origin(format!("{name}: received from {}", self.vm.origin.0)),
                 chain: None,
             };
@@ -896,7 +999,8 @@ impl Sequence {
             62..=71 => self.live_snapshot("Diff"),
             72..=81 => self.restore(),
             82..=89 => self.migrate(),
-            90..=96 => self.region_step(),
+            90..=93 => self.region_step(),
+            94..=98 => self.hotplug_step(),
             _ => self.harvest(),
         }
         self.check();
