@@ -634,7 +634,7 @@ fn kvm_a_linux_guest_restored_or_migrated_goes_on_as_an_uninterrupted_boot() {
 /// (its console goes on: commands run after the restore), plugs virtio-mem memory there
 /// (MemTotal grows), migrates on, and plugs more on the destination. Its clock goes on from the
 /// saved point: after the restore it reads the host's time less the time the VM was away,
-/// within a second.
+/// within a second; a pause holds it too (3 s paused, it lags the host 3 s more).
 #[test]
 fn a_restored_and_migrated_linux_guest_runs_and_plugs_memory_with_hardware_virtualisation() {
     let test = "tinyvmm::a_restored_and_migrated_linux_guest_runs_and_plugs_memory_with_hardware_virtualisation";
@@ -765,5 +765,35 @@ fn a_restored_and_migrated_linux_guest_runs_and_plugs_memory_with_hardware_virtu
     wait_until("MemTotal to grow after the migration", || {
         mem_total(&destination) >= moved + 64 * 1024
     });
+    // A pause holds the guest's clock: 3 s paused later, its time is the host's less the time
+    // away and the pause, within a second and a half.
+    let ticks = |vmm: &Vmm| -> Vec<f64> {
+        vmm.console()
+            .lines()
+            .filter_map(|l| l.strip_prefix("tick "))
+            .filter_map(|rest| rest.split_whitespace().next()?.parse().ok())
+            .collect()
+    };
+    // How far the guest's time lags the host's, read as a new tick comes (a tick's time is
+    // whole seconds: within a second).
+    let lag = |vmm: &Vmm| {
+        let seen = ticks(vmm).len();
+        wait_until("a new tick", || ticks(vmm).len() > seen);
+        let now = std::time::SystemTime::UNIX_EPOCH
+            .elapsed()
+            .expect("after 1970")
+            .as_secs_f64();
+        now - ticks(vmm).last().copied().expect("a tick")
+    };
+    let lag_before = lag(&destination);
+    destination.pause();
+    std::thread::sleep(Duration::from_secs(3));
+    destination.resume();
+    let lag_after = lag(&destination);
+    assert!(
+        (lag_after - lag_before - 3.0).abs() <= 1.5,
+        "the guest's clock ran on while paused: it lagged the host by {lag_before:.1} s before a \
+         3 s pause and {lag_after:.1} s after it"
+    );
     destination.ok("PUT", "/actions", Some(json!({"action_type": "Stop"})));
 }

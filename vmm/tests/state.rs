@@ -99,7 +99,7 @@ fn kvm_a_vm_state_moves_to_another_vm_and_its_clock_does_not_jump() {
     // SAFETY: chip_id 2 is the IOAPIC, whose member of the union KVM filled.
     ioapic.chip.ioapic.id = 3;
     source.fd().set_irqchip(&ioapic).expect("an IOAPIC id");
-    let saved = VmState::save(source.fd()).expect("saved");
+    let saved = VmState::save(source.fd(), &Default::default()).expect("saved");
     let json = serde_json::to_string(&saved).expect("JSON");
     std::thread::sleep(std::time::Duration::from_millis(1500));
     let back: VmState = serde_json::from_str(&json).expect("from JSON");

@@ -160,6 +160,7 @@ fn kvm_the_api_sizes_virtio_mem_and_the_guest_plugs_through_mmio_exits() {
             cmdline: String::new(),
         },
         msrs: Arc::from(Vec::new()),
+        clock: Default::default(),
     });
     let ports = LinuxPorts {
         devices,

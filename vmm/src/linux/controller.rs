@@ -55,6 +55,16 @@ impl LinuxController {
         paused: bool,
         stop: Arc<AtomicBool>,
     ) -> Self {
+        if paused {
+            // A restored or received guest waits for a client: its clock (set to the saved
+            // point) is held until then.
+            if let Err(e) = machine.clock.freeze(&machine.vm_fd) {
+                crate::lifecycle::log(
+                    crate::lifecycle::LogLevel::Warn,
+                    format_args!("the guest's clock runs on while it waits: {e}"),
+                );
+            }
+        }
         LinuxController {
             memory,
             machine,
@@ -118,11 +128,24 @@ impl LinuxController {
         }
         // What the guest wrote to the console before the pause is out.
         self.machine.devices.flush();
+        // The guest sees no time pass while it is paused.
+        if let Err(e) = self.machine.clock.freeze(&self.machine.vm_fd) {
+            crate::lifecycle::log(
+                crate::lifecycle::LogLevel::Warn,
+                format_args!("the guest's clock runs on while it is paused: {e}"),
+            );
+        }
         self.state = RunState::Paused;
         Ok(())
     }
 
     fn resume(&mut self) {
+        if let Err(e) = self.machine.clock.thaw(&self.machine.vm_fd) {
+            crate::lifecycle::log(
+                crate::lifecycle::LogLevel::Warn,
+                format_args!("the guest's clock jumps by the time it was paused: {e}"),
+            );
+        }
         for vcpu in &self.vcpus {
             vcpu.shared.resume();
         }

@@ -348,6 +348,7 @@ impl LinuxVm {
             hotplug: hotplug.as_ref().map(|h| Arc::clone(&h.device)),
             machine: state::Machine::of(config, kernel),
             msrs: Arc::from(Vec::new()),
+            clock: Default::default(),
         };
         let linux = LinuxVm {
             vm,

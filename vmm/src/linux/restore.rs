@@ -82,6 +82,7 @@ impl LinuxVm {
             hotplug: hotplug.as_ref().map(|h| Arc::clone(&h.device)),
             machine: state.machine.clone(),
             msrs: Arc::from(msrs),
+            clock: Default::default(),
         };
         Ok(LinuxVm {
             vm,

@@ -276,6 +276,8 @@ pub struct LinuxMachine {
     pub machine: Machine,
     /// The MSRs each vCPU saves.
     pub msrs: Arc<[u32]>,
+    /// The VM clock, held while a client has the VM paused.
+    pub clock: crate::vm::state::FrozenClock,
 }
 
 impl LinuxMachine {
@@ -333,7 +335,7 @@ impl LinuxMachine {
             snapshot,
             layout: layout.clone(),
             vcpus,
-            vm: VmState::save(&self.vm_fd)?,
+            vm: VmState::save(&self.vm_fd, &self.clock)?,
             devices: self.save_devices()?,
             machine: self.machine.clone(),
             paused,

@@ -241,15 +241,20 @@ fn irqchip(vm: &VmFd, chip_id: u32) -> Result<kvm_irqchip, StateError> {
 }
 
 impl VmState {
-    /// Reads `vm`'s state; its vCPUs must be paused (the clock is read as of now).
-    pub fn save(vm: &VmFd) -> Result<Self, StateError> {
-        Ok(VmState {
+    /// Reads `vm`'s state; its vCPUs must be paused. The clock is `clock`'s, held since a
+    /// client paused the VM, or else read as of now.
+    pub fn save(vm: &VmFd, clock: &FrozenClock) -> Result<Self, StateError> {
+        let mut state = VmState {
             pic_master: irqchip(vm, PIC_MASTER)?,
             pic_slave: irqchip(vm, PIC_SLAVE)?,
             ioapic: irqchip(vm, IOAPIC)?,
             pit: vm.get_pit2().map_err(failed("KVM_GET_PIT2"))?,
             clock: vm.get_clock().map_err(failed("KVM_GET_CLOCK"))?,
-        })
+        };
+        if let Some(at) = clock.frozen() {
+            state.clock.clock = at;
+        }
+        Ok(state)
     }
 
     /// Gives `vm` (made with the irqchip and PIT, no vCPU running) this state. The clock is
@@ -276,6 +281,48 @@ impl VmState {
         };
         vm.set_clock(&clock).map_err(failed("KVM_SET_CLOCK"))?;
         Ok(())
+    }
+}
+
+/// The VM clock (kvmclock) held still while a client has the VM paused, as QEMU holds it
+/// between a stop and a cont: the guest sees no time pass while it is paused, or while a
+/// restored VM waits to be resumed, and its clock goes on from the pause (or the saved point)
+/// when it resumes. A live snapshot's or a migration's short pause is not held.
+#[derive(Debug, Default)]
+pub struct FrozenClock(std::sync::Mutex<Option<u64>>);
+
+impl FrozenClock {
+    fn held(&self) -> std::sync::MutexGuard<'_, Option<u64>> {
+        self.0.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Holds `vm`'s clock where it is now (once: a second freeze keeps the first point).
+    pub fn freeze(&self, vm: &VmFd) -> Result<(), StateError> {
+        let mut held = self.held();
+        if held.is_none() {
+            *held = Some(vm.get_clock().map_err(failed("KVM_GET_CLOCK"))?.clock);
+        }
+        Ok(())
+    }
+
+    /// Sets `vm`'s clock back to where it was held, and holds it no more; the vCPUs must not
+    /// run yet.
+    pub fn thaw(&self, vm: &VmFd) -> Result<(), StateError> {
+        let mut held = self.held();
+        if let Some(clock) = *held {
+            let data = kvm_clock_data {
+                clock,
+                ..Default::default()
+            };
+            vm.set_clock(&data).map_err(failed("KVM_SET_CLOCK"))?;
+            *held = None;
+        }
+        Ok(())
+    }
+
+    /// Where the clock is held, if it is.
+    pub fn frozen(&self) -> Option<u64> {
+        *self.held()
     }
 }
 
@@ -322,6 +369,39 @@ fn write_msrs(vcpu: &VcpuFd, saved: &[(u32, u64)]) -> Result<(), StateError> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A clock held across a pause goes on from where it was held: after a second away it is
+    /// less than a second past that point (unheld, it would be more).
+    #[test]
+    fn kvm_a_held_clock_goes_on_from_the_pause() {
+        if !kvm_test_support::require_kvm(
+            "tinyvmm::vm::state::kvm_a_held_clock_goes_on_from_the_pause",
+        ) {
+            return;
+        }
+        let kvm = Kvm::new().expect("/dev/kvm");
+        let vm = kvm.create_vm().expect("a VM");
+        let clock = FrozenClock::default();
+        clock.freeze(&vm).expect("frozen");
+        let at = clock.frozen().expect("held");
+        std::thread::sleep(std::time::Duration::from_secs(1));
+        clock
+            .freeze(&vm)
+            .expect("a second freeze keeps the first point");
+        assert_eq!(clock.frozen(), Some(at));
+        let saved = VmState::save(&vm, &clock);
+        // Without an irqchip there is nothing to save; the clock alone is what is checked.
+        assert!(saved.is_err() || saved.is_ok_and(|s| s.clock.clock == at));
+        clock.thaw(&vm).expect("thawed");
+        assert_eq!(clock.frozen(), None);
+        let now = vm.get_clock().expect("the clock").clock;
+        assert!(now >= at, "{now} < {at}");
+        assert!(
+            now - at < 1_000_000_000,
+            "the clock ran on while held: {} ns past the pause after a second away",
+            now - at
+        );
+    }
 
     fn saved() -> serde_json::Value {
         let state = VcpuState {
