@@ -191,6 +191,10 @@ pub fn host_emulates_ring0() -> bool {
 
 /// CPUID.1:ECX bit 13: `cmpxchg16b`.
 const CPUID_1_ECX_CX16: u32 = 1 << 13;
+/// CPUID.1:ECX bit 5: VMX (Intel's virtualisation).
+const CPUID_1_ECX_VMX: u32 = 1 << 5;
+/// CPUID.80000001h:ECX bit 2: SVM (AMD's virtualisation).
+const CPUID_8000_0001_ECX_SVM: u32 = 1 << 2;
 
 /// KVM's supported CPUID, completed for vCPU `index` of `count` (see [`complete_cpuid`]).
 pub fn cpuid(
@@ -222,6 +226,11 @@ pub fn cpuid(
 /// and Linux's slab allocator uses it as soon as the CPU says it has it (the kernel then stops
 /// right after printing `Memory: …`; without it, it runs on through the console, IRQ and clock
 /// set-up to its `int3` self-test, another instruction the emulator lacks).
+///
+/// VMX and SVM are always hidden: a guest that ran its own guests would hold nested state
+/// (VMCS or VMCB, the L2 guest's registers) that tinyvmm neither saves nor migrates
+/// (`KVM_GET_NESTED_STATE`), so a snapshot or a migration of it would lose them. A guest
+/// hypervisor needs nested state saved first (DESIGN section 4).
 pub fn complete_cpuid(
     entries: &mut [kvm_bindings::kvm_cpuid_entry2],
     index: u8,
@@ -235,6 +244,7 @@ pub fn complete_cpuid(
                 // EBX: APIC ID (31-24), logical processors (23-16), CLFLUSH size in 8 bytes (15-8).
                 entry.ebx = (u32::from(index) << 24) | (u32::from(count) << 16) | (8 << 8);
                 entry.ecx |= 1 << 31; // running on a hypervisor
+                entry.ecx &= !CPUID_1_ECX_VMX;
                 if emulated_ring0 {
                     entry.ecx &= !CPUID_1_ECX_CX16;
                 }
@@ -243,6 +253,7 @@ pub fn complete_cpuid(
                 }
             }
             0xb | 0x1f => entry.edx = u32::from(index), // x2APIC ID
+            0x8000_0001 => entry.ecx &= !CPUID_8000_0001_ECX_SVM,
             0x4000_0000 => {
                 has_signature = true;
                 set_signature(entry);
@@ -381,7 +392,12 @@ mod tests {
             ecx,
             ..Default::default()
         };
-        let supported = [leaf(0, 0), leaf(1, CPUID_1_ECX_CX16 | 1), leaf(0xb, 0)];
+        let supported = [
+            leaf(0, 0),
+            leaf(1, CPUID_1_ECX_CX16 | CPUID_1_ECX_VMX | 1),
+            leaf(0xb, 0),
+            leaf(0x8000_0001, CPUID_8000_0001_ECX_SVM | 1),
+        ];
         for emulated in [false, true] {
             let mut entries = supported;
             let has_signature = complete_cpuid(&mut entries, 2, 4, emulated);
@@ -394,6 +410,12 @@ mod tests {
             assert_eq!(one.ecx & CPUID_1_ECX_CX16 == 0, emulated, "cmpxchg16b");
             assert_ne!(one.edx & (1 << 28), 0, "HTT");
             assert_eq!(entries[2].edx, 2, "x2APIC ID");
+            assert_eq!(
+                one.ecx & CPUID_1_ECX_VMX,
+                0,
+                "VMX hidden: nested state is not saved"
+            );
+            assert_eq!(entries[3].ecx, 1, "SVM hidden, the rest kept");
         }
         let mut with_signature = [leaf(0x4000_0000, 0)];
         assert!(complete_cpuid(&mut with_signature, 0, 1, false));
