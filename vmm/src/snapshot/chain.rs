@@ -158,30 +158,34 @@ impl SnapshotChain {
         let failed = |e: &dyn std::fmt::Display| {
             ControllerError::internal(format!("the snapshot failed: {e}"))
         };
-        // What a Diff harvested, until the whole snapshot is written: if any step fails, every
-        // page of it goes into the next Diff.
+        // What the snapshot harvested, until the whole snapshot is written: if any step
+        // fails, every page of it goes into the next Diff (of the base before, for a Full).
         let mut harvested = None;
+        // A Full's base before it: the base again if the Full fails.
+        let mut previous = None;
         let mut layout = MemoryLayout::of(memory);
         match kind {
             SnapshotType::Full => {
-                // The harvest below takes the dirty bits a Diff against an earlier base would
-                // need: until this Full is written whole, there is no base.
-                self.base = None;
+                // The harvest below takes the dirty bits a Diff against the earlier base needs:
+                // they are kept (`harvested`) until this Full is written whole, and go back to
+                // that base if it is not.
+                previous = self.base.take();
                 // The chain logs every region, those added later too, so that a Diff can
                 // follow; what was dirty before is in the full image.
-                let chain = self.chain_consumer(memory)?;
-                let full = memory
-                    .start_dirty_log_for(chain, Target::All)
-                    .and_then(|()| memory.harvest_dirty_for(chain, Target::All))
-                    .map_err(ControllerError::from)
-                    .and_then(|_| {
-                        // The regions log now: the layout says so.
-                        layout = MemoryLayout::of(memory);
-                        write_memory_file(memory, &layout, mem_file).map_err(|e| failed(&e))
-                    });
+                let full = self.chain_consumer(memory).and_then(|chain| {
+                    memory
+                        .start_dirty_log_for(chain, Target::All)
+                        .and_then(|()| memory.harvest_dirty_for(chain, Target::All))
+                        .map_err(ControllerError::from)
+                });
+                let full = full.and_then(|pages| {
+                    harvested = Some(pages);
+                    // The regions log now: the layout says so.
+                    layout = MemoryLayout::of(memory);
+                    write_memory_file(memory, &layout, mem_file).map_err(|e| failed(&e))
+                });
                 if let Err(e) = full {
-                    // No chain: its logging ends where nobody else logs.
-                    self.end(memory);
+                    self.full_failed(memory, previous, harvested);
                     return Err(e);
                 }
             }
@@ -229,9 +233,10 @@ impl SnapshotChain {
             Ok(info) => info,
             Err(e) => {
                 if kind == SnapshotType::Full {
-                    self.end(memory);
+                    self.full_failed(memory, previous, harvested);
+                } else {
+                    self.keep_for_next_diff(harvested);
                 }
-                self.keep_for_next_diff(harvested);
                 return Err(e);
             }
         };
@@ -439,6 +444,24 @@ impl SnapshotChain {
         Ok(chain)
     }
 
+    /// A paused Full failed: the chain's base before it (if any) is the base again, with the
+    /// pages the Full harvested for its next Diff, as if the Full had never been asked for; with
+    /// none, the chain ends.
+    fn full_failed(
+        &mut self,
+        memory: &Memory,
+        previous: Option<SnapshotBase>,
+        harvested: Option<Vec<DirtyPages>>,
+    ) {
+        match previous {
+            Some(mut base) => {
+                base.carried.extend(harvested.unwrap_or_default());
+                self.base = Some(base);
+            }
+            None => self.end(memory),
+        }
+    }
+
     /// Ends the chain's consumer (a Full failed: there is no base to diff against).
     fn end(&mut self, memory: &Memory) {
         if let Some(chain) = self.consumer.take() {
@@ -485,4 +508,100 @@ fn new_files(paths: &[&Path]) -> Result<Vec<(PathBuf, File)>, ControllerError> {
         }
     }
     Ok(files)
+}
+
+#[cfg(test)]
+mod tests {
+    use std::os::unix::fs::FileExt;
+
+    use kvm_memslots::RegionSpec;
+    use vm_memory::{Bytes, GuestAddress, GuestAddressSpace};
+
+    use super::*;
+    use crate::vm::{Vm, VmOptions};
+
+    fn create(kind: SnapshotType, name: &str) -> SnapshotCreate {
+        let path = |what: &str| {
+            let path = std::env::temp_dir().join(format!(
+                "tinyvmm-chain-unit-{}-{name}.{what}",
+                std::process::id()
+            ));
+            let _ = std::fs::remove_file(&path);
+            path
+        };
+        SnapshotCreate {
+            snapshot_type: kind,
+            snapshot_path: path("state"),
+            mem_file_path: path("mem"),
+            live: false,
+            downtime_ms: None,
+            timeout_s: None,
+            on_timeout: None,
+        }
+    }
+
+    fn writer(refuse: bool) -> StateWriter {
+        Box::new(move |_, _| {
+            if refuse {
+                return Err("a device cannot save its state now".to_owned());
+            }
+            Ok(Box::new(|_| b"state".to_vec()))
+        })
+    }
+
+    /// A paused Full refused late (its state file cannot be made: a 409) leaves the chain as
+    /// it was: the base before it stays, and the next Diff holds every page written since that
+    /// base, those the refused Full harvested too. (It used to drop the base: the Diff was
+    /// refused, "no Full before it".)
+    #[test]
+    fn kvm_a_full_refused_late_keeps_the_chain() {
+        if !kvm_test_support::require_kvm(
+            "tinyvmm::snapshot::chain::kvm_a_full_refused_late_keeps_the_chain",
+        ) {
+            return;
+        }
+        let vm = Vm::new(VmOptions::default()).expect("a VM");
+        let memory = vm.memory();
+        memory
+            .add_region(RegionSpec::new(GuestAddress(0), 4 << 20))
+            .expect("a region");
+        let ram = memory.handle().memory();
+        ram.write_obj(0x5au64, GuestAddress(0x1000))
+            .expect("guest memory");
+        let mut chain = SnapshotChain::new();
+        let first = create(SnapshotType::Full, "first");
+        chain
+            .create(memory, &first, || Ok(Vec::new()), writer(false))
+            .expect("the first Full");
+        ram.write_obj(0xa5u64, GuestAddress(0x2000))
+            .expect("guest memory");
+        let refused = create(SnapshotType::Full, "refused");
+        let e = chain
+            .create(memory, &refused, || Ok(Vec::new()), writer(true))
+            .expect_err("the state cannot be made");
+        assert!(e.to_string().contains("cannot save"), "{e}");
+        assert!(!refused.snapshot_path.exists() && !refused.mem_file_path.exists());
+        let diff = create(SnapshotType::Diff, "diff");
+        chain
+            .create(memory, &diff, || Ok(Vec::new()), writer(false))
+            .expect("a Diff of the first Full");
+        let file = File::open(&diff.mem_file_path).expect("the Diff's memory");
+        let mut word = [0u8; 8];
+        file.read_exact_at(&mut word, 0x2000).expect("read");
+        assert_eq!(
+            u64::from_le_bytes(word),
+            0xa5,
+            "the page written after the first Full"
+        );
+        file.read_exact_at(&mut word, 0x1000).expect("read");
+        assert_eq!(
+            u64::from_le_bytes(word),
+            0,
+            "not written since: not in the Diff"
+        );
+        for c in [&first, &diff] {
+            let _ = std::fs::remove_file(&c.snapshot_path);
+            let _ = std::fs::remove_file(&c.mem_file_path);
+        }
+    }
 }
