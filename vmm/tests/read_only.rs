@@ -93,9 +93,10 @@ fn kvm_a_write_into_a_read_only_region_is_refused_naming_it() {
     assert_eq!(ending, Ending::Finished);
 }
 
-/// A region a vCPU's command reaches into cannot be removed or moved under it: a 409 naming
-/// the vCPU, and nothing changes; the command goes on and the guest lives. (Both were answered
-/// 204 and the command's next access found no memory: the guest failed for good.)
+/// A region a vCPU's command reaches into cannot be removed or moved under it, nor hotplug
+/// blocks unplugged: a 409 naming the vCPU, and nothing changes; the command goes on and the
+/// guest lives. (All three were answered 204 and the command's next access found no memory:
+/// the guest failed for good.)
 #[test]
 fn kvm_a_region_a_command_reaches_cannot_be_removed_or_moved_under_it() {
     if !kvm_test_support::require_kvm(
@@ -157,6 +158,43 @@ fn kvm_a_region_a_command_reaches_cannot_be_removed_or_moved_under_it() {
         (200, json!({"result": "ok"}))
     );
     assert_eq!(call(s, "DELETE", &region, Value::Null).0, 204);
+
+    // Nor can the hotplug area's blocks under a command be unplugged.
+    let area = json!({"total_size_mib": 8, "block_size_mib": 2, "slot_size_mib": 8});
+    assert_eq!(call(s, "PUT", "/hotplug/memory", area).0, 204);
+    let plug = |mib: u64| {
+        call(
+            s,
+            "PATCH",
+            "/hotplug/memory",
+            json!({"requested_size_mib": mib}),
+        )
+    };
+    assert_eq!(plug(4).0, 204);
+    let base = call(s, "GET", "/hotplug/memory", Value::Null).1["guest_address"]
+        .as_u64()
+        .expect("the area's address");
+    let second = json!({"op": "write_loop", "start": base + (2 << 20), "end": base + (4 << 20),
+                        "stride": 4096, "seed": 40});
+    assert_eq!(
+        call(s, "PUT", "/guest/command", second).1["result"],
+        "started"
+    );
+    let refused = plug(2);
+    assert_eq!(refused.0, 409, "{refused:?}");
+    assert!(
+        fault(&refused).starts_with(
+            "vCPU 0 runs a WriteLoop command that reaches into the hotplug area's blocks this \
+             would unplug"
+        ),
+        "{refused:?}"
+    );
+    let area = call(s, "GET", "/hotplug/memory", Value::Null).1;
+    assert_eq!(area["plugged_size_mib"], 4, "nothing unplugged: {area}");
+    let stopped = call(s, "PUT", "/guest/command", json!({"op": "stop_loop"}));
+    assert_eq!(stopped.1["result"], "stopped", "{stopped:?}");
+    assert_eq!(plug(2).0, 204, "once the loop ended");
+    assert_eq!(call(s, "GET", "/vm", Value::Null).1["state"], "Running");
     assert_eq!(
         call(s, "PUT", "/actions", json!({"action_type": "Stop"})).0,
         204

@@ -269,25 +269,55 @@ fn kvm_a_dead_guest_is_failed_refuses_commands_and_exits_4() {
     ) {
         return;
     }
-    let (vmm, socket) = serve_mib("dead", 64);
-    let gpa = 1024 * MIB;
-    let region = json!({"size": 2 * MIB, "guest_address": gpa});
-    let (status, added) = ask(&socket, "PUT", "/memory/regions", region);
-    assert_eq!(status, 201, "{added}");
+    // The guest dies of its memory going under it: a file-backed restore whose memory file
+    // is cut while the guest writes (removing, moving or unplugging memory under a guest
+    // command is refused, so no client can do this to a guest).
+    let dir = std::env::temp_dir().join(format!("tinyvmm-test-{}-dead", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).expect("a folder");
+    let (state, mem) = (dir.join("d.state"), dir.join("d.mem"));
+    let (template, socket) = serve_mib("dead-template", 8);
+    let written = ask(
+        &socket,
+        "PUT",
+        "/guest/command",
+        write(AREA, AREA + 8 * MIB, 5),
+    );
+    assert_eq!(written.0, 200, "{written:?}");
+    assert_eq!(
+        ask(&socket, "PATCH", "/vm", json!({"state": "Paused"})).0,
+        204
+    );
+    let snapshot = json!({"snapshot_type": "Full", "snapshot_path": state, "mem_file_path": mem});
+    let saved = ask(&socket, "PUT", "/snapshot/create", snapshot);
+    assert_eq!(saved.0, 204, "{saved:?}");
+    stop(&socket);
+    exits_with(template, &socket, 0);
+    let (child, socket) = start(
+        "dead",
+        &[
+            "restore",
+            "--snapshot",
+            state.to_str().expect("utf-8"),
+            "--mem-file",
+            mem.to_str().expect("utf-8"),
+        ],
+    );
+    let vmm = Reap(Some(child));
+    assert_eq!(
+        ask(&socket, "PATCH", "/vm", json!({"state": "Resumed"})).0,
+        204
+    );
     let write_loop =
-        json!({"op": "write_loop", "start": gpa, "end": gpa + 2 * MIB, "stride": PAGE});
+        json!({"op": "write_loop", "start": AREA, "end": AREA + 8 * MIB, "stride": PAGE});
     let started = ask(&socket, "PUT", "/guest/command", write_loop);
     assert_eq!(started.1["result"], "started", "{started:?}");
-    // The guest writes the region over and over: once it is gone, its next write reaches no
-    // memory and no device, and its vCPU stops on that error.
-    let id = added["id"].as_u64().expect("an id");
-    let removed = ask(
-        &socket,
-        "DELETE",
-        &format!("/memory/regions/{id}"),
-        Json::Null,
-    );
-    assert_eq!(removed.0, 204, "{removed:?}");
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(&mem)
+        .expect("the memory file")
+        .set_len(0)
+        .expect("truncated");
     let deadline = Instant::now() + Duration::from_secs(60);
     let state = loop {
         let (status, state) = ask(&socket, "GET", "/vm", Json::Null);
@@ -299,12 +329,14 @@ fn kvm_a_dead_guest_is_failed_refuses_commands_and_exits_4() {
         assert!(Instant::now() < deadline, "the guest never failed: {state}");
         std::thread::sleep(Duration::from_millis(10));
     };
+    let _ = std::fs::remove_dir_all(&dir);
     let failure = &state["failure"];
     assert_eq!(failure["vcpu"], 0, "{state}");
-    assert_eq!(failure["reason"], "error", "{state}");
-    assert!(failure["rip"].as_u64().is_some(), "{state}");
+    // How it fails depends on the host (a triple fault on kvm_pvm, where the guest's write
+    // finds no page; KVM_RUN's EFAULT elsewhere): what matters here is the state it leaves.
+    assert!(failure["reason"].as_str().is_some(), "{state}");
     let message = failure["message"].as_str().expect("a message");
-    assert!(message.contains("neither memory nor a device"), "{message}");
+    assert!(!message.is_empty(), "{state}");
     // What needs a running guest is refused, naming the failure; reads go on.
     for (method, path, body) in [
         ("PUT", "/guest/command", write(AREA, AREA + PAGE, 1)),

@@ -135,6 +135,9 @@ impl Controller {
                 "reaches into region {id} or where it would go, whose memory would move under \
                  it (the guest would fail)"
             ),
+            RegionChange::Unplug => "reaches into the hotplug area's blocks this would unplug, \
+                                     whose memory would be gone under it (the guest would fail)"
+                .to_owned(),
         };
         Err(ControllerError::conflict(format!(
             "vCPU {vcpu} runs a {:?} command that {what}: wait for its answer or end it first \
@@ -347,4 +350,6 @@ pub(super) enum RegionChange {
     Remove,
     /// Moved.
     Move,
+    /// Unplugged (blocks of the hotplug area; the id is not used).
+    Unplug,
 }

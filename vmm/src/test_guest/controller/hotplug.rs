@@ -113,6 +113,13 @@ impl Controller {
         let area = self.hotplug.as_ref().ok_or_else(no_hotplug_area)?;
         let plan = area.plan(request.requested_size_mib)?;
         let before = area.plugged_blocks;
+        // Blocks it unplugs must not be under a guest command, as a region removed must not.
+        let block = area.block_size();
+        let after = request.requested_size_mib.saturating_mul(MIB) / block;
+        if after < before {
+            let gone = area.gpa + after * block..area.gpa + before * block;
+            self.refuse_under_commands(0, &[gone], super::guest::RegionChange::Unplug)?;
+        }
         // What the plug maps (pieces that get their first block, or a slot that grows over
         // more of its piece), each piece's part checked by the guest as an added region is.
         let checks: Vec<_> = plan
