@@ -60,7 +60,7 @@ awk '
 
 # The crate's example VMM, as a reader would run it from the README: a guest on real KVM.
 if [ -e /dev/kvm ]; then
-    cargo run --locked --release -p kvm-memslots --example minimal_vmm || status=$?
+    cargo run --locked --profile test-release -p kvm-memslots --example minimal_vmm || status=$?
 else
     echo "SKIPPED the minimal_vmm example: /dev/kvm is missing"
 fi
