@@ -34,22 +34,16 @@ impl<K: KvmMemory> MemoryManager<K> {
         state
             .regions
             .iter()
-            .map(|(id, r)| RegionInfo {
-                id: *id,
-                gpa: r.gpa,
-                size: r.size,
-                hva: HostAddress(r.memory.host_address()),
-                slots: r.slots.len(),
-                // A region's first slot has the full slot size.
-                slot_size: r
-                    .slots
-                    .first()
-                    .and_then(|s| map.get(*s))
-                    .map_or(r.size, |s| s.size()),
-                flags: r.flags,
-                shared: r.memory.is_shared(),
-            })
+            .map(|(id, r)| region_info(*id, r, &map))
             .collect()
+    }
+
+    /// Region `id`, if there is one: [`regions`](Self::regions)' entry for it, found without
+    /// listing the others.
+    pub fn region(&self, id: RegionId) -> Option<RegionInfo> {
+        let state = self.state();
+        let map = state.current();
+        state.regions.get(&id).map(|r| region_info(id, r, &map))
     }
 
     /// The KVM slot numbers of region `id`, in the order of their offsets in the region (slot
@@ -125,5 +119,28 @@ impl<K: KvmMemory> MemoryManager<K> {
             return 0.0;
         }
         usage.bytes_per_slot() + own as f64 / usage.slots as f64
+    }
+}
+
+/// Region `r` (id `id`) as [`MemoryManager::regions`] reports it, its slot size read from `map`.
+fn region_info(
+    id: RegionId,
+    r: &Region,
+    map: &memslot_map::MemslotMap<super::SlotBacking>,
+) -> RegionInfo {
+    RegionInfo {
+        id,
+        gpa: r.gpa,
+        size: r.size,
+        hva: HostAddress(r.memory.host_address()),
+        slots: r.slots.len(),
+        // A region's first slot has the full slot size.
+        slot_size: r
+            .slots
+            .first()
+            .and_then(|s| map.get(*s))
+            .map_or(r.size, |s| s.size()),
+        flags: r.flags,
+        shared: r.memory.is_shared(),
     }
 }

@@ -76,6 +76,9 @@ fn regions_are_split_into_slots_and_mirrored() {
     assert_eq!(regions.len(), 2);
     assert_eq!((regions[0].id, regions[0].slots), (a, 8));
     assert_eq!((regions[1].id, regions[1].slots), (b, 4));
+    // One region alone reads as the list has it.
+    assert_eq!(m.region(a).as_ref(), Some(&regions[0]));
+    assert_eq!(m.region(b).as_ref(), Some(&regions[1]));
     let last = m
         .current()
         .find_region(GuestAddress(4 * MIB + 3 * SLOT))
@@ -93,6 +96,7 @@ fn regions_are_split_into_slots_and_mirrored() {
         }
     );
     m.remove_region(a).unwrap();
+    assert_eq!(m.region(a), None, "a removed region is no region");
     assert_mirrored(&m);
     // Freed slot numbers are reused, lowest first.
     m.add_region(region(8 * MIB, 2)).unwrap();

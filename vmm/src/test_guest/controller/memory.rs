@@ -223,7 +223,7 @@ impl Controller {
 
     pub(super) fn remove_region(&mut self, id: u64) -> Result<(), ControllerError> {
         let id = self.protect_system(id)?;
-        if let Some(region) = self.vm.memory().regions().into_iter().find(|r| r.id == id) {
+        if let Some(region) = self.vm.memory().region(id) {
             let range = region.gpa.0..region.gpa.0.saturating_add(region.size);
             self.refuse_under_commands(id.0, &[range], RegionChange::Remove)?;
         }
@@ -237,7 +237,7 @@ impl Controller {
     ) -> Result<(), ControllerError> {
         let id = self.protect_system(id)?;
         let memory = Arc::clone(self.vm.memory());
-        if let Some(region) = memory.regions().into_iter().find(|r| r.id == id) {
+        if let Some(region) = memory.region(id) {
             let size = region.size;
             let at = |gpa: u64| gpa..gpa.saturating_add(size);
             let mut ranges = vec![at(region.gpa.0)];
@@ -255,17 +255,10 @@ impl Controller {
             })?;
             return Ok(memory.set_read_only(id, read_only)?);
         };
-        let old_gpa = memory
-            .regions()
-            .iter()
-            .find(|r| r.id == id)
-            .map(|r| r.gpa)
+        let region = memory
+            .region(id)
             .ok_or(kvm_memslots::Error::UnknownRegion(id))?;
-        let size = memory
-            .regions()
-            .iter()
-            .find(|r| r.id == id)
-            .map_or(0, |r| r.size);
+        let (old_gpa, size) = (region.gpa, region.size);
         self.outside_hotplug_area(gpa, size)?;
         memory.move_region(id, GuestAddress(gpa))?;
         if let Some(read_only) = patch.read_only {
