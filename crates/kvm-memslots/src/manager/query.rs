@@ -34,7 +34,7 @@ impl<K: KvmMemory> MemoryManager<K> {
         state
             .regions
             .iter()
-            .map(|(id, r)| region_info(*id, r, &map))
+            .map(|(id, r)| region_info(*id, r, map))
             .collect()
     }
 
@@ -43,7 +43,7 @@ impl<K: KvmMemory> MemoryManager<K> {
     pub fn region(&self, id: RegionId) -> Option<RegionInfo> {
         let state = self.state();
         let map = state.current();
-        state.regions.get(&id).map(|r| region_info(id, r, &map))
+        state.regions.get(&id).map(|r| region_info(id, r, map))
     }
 
     /// The KVM slot numbers of region `id`, in the order of their offsets in the region (slot
