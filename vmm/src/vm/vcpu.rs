@@ -462,7 +462,7 @@ pub enum VcpuError<E: std::error::Error + 'static> {
     /// file) was truncated or replaced, and an access got `SIGBUS`.
     #[error(
         "vCPU {vcpu}: guest memory at {place} is gone: its backing file was truncated or \
-         replaced under the VM (SIGBUS); the VM stopped, and nothing of it can be saved"
+         replaced under the VM; the VM stopped, and nothing of it can be saved"
     )]
     MemoryGone {
         /// The vCPU.
@@ -554,6 +554,35 @@ fn gone_place(memory: &MemoryManager<KvmVm>, hva: u64) -> String {
     )
 }
 
+/// Guest memory whose file is shorter than the VM maps it (a file-backed restore's memory
+/// file truncated or replaced under the VM): where, for the first such region. Asked when the
+/// guest stops on an error a missing page would cause (KVM_RUN's `EFAULT`, a triple fault:
+/// KVM found no page to map, and the guest, not the VMM, touched it).
+fn cut_memory(memory: &MemoryManager<KvmVm>) -> Option<String> {
+    memory.regions().into_iter().find_map(|region| {
+        let mapping = memory.region_memory(region.id)?;
+        let file = mapping.file_offset()?;
+        let len = file.file().metadata().ok()?.len();
+        let needed = file.start().saturating_add(region.size);
+        (len < needed).then(|| {
+            let path = std::fs::read_link(format!(
+                "/proc/self/fd/{}",
+                std::os::fd::AsRawFd::as_raw_fd(file.file())
+            ))
+            .map_or_else(|_| "its file".to_owned(), |p| format!("file {}", p.display()));
+            // The first guest address past the file's end.
+            let first = region.gpa.0 + len.saturating_sub(file.start()).min(region.size);
+            format!(
+                "guest address {first:#x} and on (region {} [{:#x}, {:#x}), {path}, now {len} \
+                 bytes where the VM maps {needed})",
+                region.id,
+                region.gpa.0,
+                region.gpa.0 + region.size
+            )
+        })
+    })
+}
+
 fn rip(fd: &VcpuFd) -> u64 {
     fd.get_regs().map(|r| r.rip).unwrap_or(u64::MAX)
 }
@@ -622,8 +651,12 @@ impl<P: VcpuPorts> Vcpu<P> {
                 immediate_exit = true;
             }
             let sequence_at_entry = memory.change_sequence();
-            let (exit, mut buffer) =
-                Exit::from_kvm(fd.run()).map_err(|source| VcpuError::Run { vcpu, source })?;
+            let (exit, mut buffer) = Exit::from_kvm(fd.run()).map_err(|source| {
+                match (source.errno() == libc::EFAULT).then(|| cut_memory(memory)) {
+                    Some(Some(place)) => VcpuError::MemoryGone { vcpu, place },
+                    _ => VcpuError::Run { vcpu, source },
+                }
+            })?;
             let counters = &shared.counters;
             counters.by_kind[exit.kind()].fetch_add(1, Ordering::Relaxed);
             interrupted = matches!(exit, Exit::Interrupted);
@@ -772,6 +805,9 @@ impl<P: VcpuPorts> Vcpu<P> {
                     });
                 }
                 ExitAction::Fatal(ExitError::Shutdown) => {
+                    if let Some(place) = cut_memory(memory) {
+                        return Err(VcpuError::MemoryGone { vcpu, place });
+                    }
                     let rip = rip(fd);
                     return Err(VcpuError::TripleFault { vcpu, rip });
                 }
