@@ -131,8 +131,10 @@ pub struct VcpuShared {
     pub stop: AtomicBool,
     /// Where the host pauses the vCPU inside a guest's run (see [`VcpuShared::pause`]).
     pause: PauseGate,
-    /// The vCPU thread, for kicks from any host thread; set when the thread starts.
-    thread: OnceLock<libc::pthread_t>,
+    /// The vCPU thread, for kicks from any host thread: set when the thread starts, taken
+    /// back by the thread itself before it returns (so before anyone can join it). A kick
+    /// signals it while holding the lock, so it never signals a thread that was joined.
+    thread: Mutex<Option<libc::pthread_t>>,
     /// Set when the vCPU's loop has ended (its thread may still be finishing).
     finished: AtomicBool,
     /// The guest's instruction pointer when the loop ended on an error.
@@ -210,13 +212,12 @@ impl VcpuShared {
         if self.finished.load(Ordering::Acquire) {
             return;
         }
-        if let Some(&thread) = self.thread.get() {
-            // SAFETY: `thread` is the vCPU's own pthread id, taken by the thread itself, and
-            // stays valid until the thread is joined. Its loop has not finished (checked
-            // above), and the owner of its JoinHandle joins it only after every thread that
-            // kicks or pauses it is done (`Controller::shut_down` ends a migration before it
-            // stops the vCPUs), so the id names that thread. The kick signal's handler is a
-            // no-op installed before any vCPU runs.
+        let thread = self.thread.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(thread) = *thread {
+            // SAFETY: `thread` is the vCPU's own pthread id, put here by the thread itself,
+            // which takes it back (under this lock, held until the signal is sent) before it
+            // returns: the thread has not returned, so it cannot have been joined, and the id
+            // names it. The kick signal's handler is a no-op installed before any vCPU runs.
             unsafe { libc::pthread_kill(thread, kick_signal()) };
         }
     }
@@ -509,13 +510,19 @@ impl<P: VcpuPorts + 'static> Vcpu<P> {
             .spawn(move || {
                 // SAFETY: pthread_self has no preconditions.
                 let me = unsafe { libc::pthread_self() };
-                let _ = self.shared.thread.set(me);
+                *self
+                    .shared
+                    .thread
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner()) = Some(me);
                 let shared = Arc::clone(&self.shared);
                 STARTED
                     .lock()
                     .unwrap_or_else(|p| p.into_inner())
                     .push(Arc::clone(&shared));
                 let outcome = self.run();
+                // No kick after this: whoever joins the thread may do so once it returns.
+                *shared.thread.lock().unwrap_or_else(|p| p.into_inner()) = None;
                 shared.finished.store(true, Ordering::Release);
                 shared.pause.changed.notify_all();
                 let outcome = finish(outcome);
