@@ -49,8 +49,9 @@ pub struct LiveOutcome {
     pub unsaved: Vec<DirtyPages>,
 }
 
-/// A live Diff's own part: the snapshot it follows, the pages it has written (all it took
-/// from the chain's reader), and its point's memory check, read in the pause.
+/// A live Diff's own part: the snapshot it follows, every page it took from the chain's
+/// reader and those carried into it (the chain's again if it does not complete), and its
+/// point's memory check, read in the pause.
 struct DiffOf {
     base: SnapshotInfo,
     pages: Vec<DirtyPages>,
@@ -169,25 +170,27 @@ impl Sink for FileSink {
         Ok(())
     }
 
+    /// A Diff keeps every page the rounds take: if it does not complete, dropping it hands
+    /// them back (with those carried into it).
+    fn took(&mut self, harvest: &[DirtyPages]) {
+        if let Some(diff) = self.diff.as_mut() {
+            diff.pages.extend_from_slice(harvest);
+        }
+    }
+
     /// Writing a file has no other side to wait for.
     fn expect(&self, _what: &str, _by_timeout: bool) {}
 
-    /// A Full's every page, or a Diff's pages: those carried into it and those `logged`.
-    fn send_all(
-        &mut self,
-        memory: &Memory,
-        logged: Vec<DirtyPages>,
-    ) -> Result<u64, MigrationError> {
+    /// A Full's every page, or a Diff's pages: those carried into it and those the chain's
+    /// reader had logged since its base (the rounds' first harvest, which it took).
+    fn send_all(&mut self, memory: &Memory) -> Result<u64, MigrationError> {
         let layout = self
             .layout
             .as_ref()
             .expect("the rounds open the sink first");
-        let stats = match self.diff.as_mut() {
+        let stats = match &self.diff {
             None => write_memory_file(memory, layout, &self.mem_file),
-            Some(diff) => {
-                diff.pages.extend(logged);
-                write_dirty_pages(memory, layout, &diff.pages, &self.mem_file)
-            }
+            Some(diff) => write_dirty_pages(memory, layout, &diff.pages, &self.mem_file),
         }
         .map_err(write_failed)?;
         Ok(self.count(stats.bytes))
@@ -198,10 +201,7 @@ impl Sink for FileSink {
             .layout
             .as_ref()
             .expect("the rounds open the sink first");
-        // Kept before the write: a Diff that fails from here hands them to the next Diff.
-        if let Some(diff) = self.diff.as_mut() {
-            diff.pages.extend_from_slice(dirty);
-        }
+        // A Diff has them already (`took`).
         let stats =
             write_dirty_pages(memory, layout, dirty, &self.mem_file).map_err(write_failed)?;
         Ok(self.count(stats.bytes))
@@ -294,5 +294,429 @@ pub fn progress(
         elapsed_ms: run.elapsed_ms,
         snapshot_id: written.map(|info| info.id.to_string()),
         error: run.error,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    //! The live-snapshot engine (`migration::source` into a [`FileSink`]) on a real KVM VM with
+    //! no vCPU: the "guest" is the VMM writing pages (its write bitmap reports them to every
+    //! reader of the dirty log) from inside the sink's own steps, so that every harvest has
+    //! pages, and a fault is injected at an exact step. What a live Diff took from the chain's
+    //! reader must reach the chain again however it ends.
+
+    use std::collections::BTreeSet;
+    use std::sync::atomic::{AtomicBool, AtomicUsize};
+    use std::time::Duration;
+
+    use kvm_memslots::{DirtyConsumer, RegionSpec, PAGE_SIZE};
+    use vm_memory::{Bytes, GuestAddress, GuestAddressSpace};
+
+    use super::*;
+    use crate::control::migration::{MigrationPhase, OnTimeout};
+    use crate::migration::source::{Migration, Reader, Rounds, SourceVm};
+    use crate::migration::MigratingVcpu;
+    use crate::vm::vcpu::PauseError;
+
+    const MIB: u64 = 1 << 20;
+    /// Two regions of this size, at 0 and at 1 GiB.
+    const REGION: u64 = 4 * MIB;
+    const REGIONS: [u64; 2] = [0, 1 << 30];
+
+    /// A vCPU that pauses, or fails to (the run then never saves it).
+    #[derive(Debug)]
+    struct Vcpu {
+        pause_fails: bool,
+    }
+
+    impl MigratingVcpu for Vcpu {
+        fn pause(&self) -> Result<(), PauseError> {
+            if self.pause_fails {
+                Err(PauseError::Stopped)
+            } else {
+                Ok(())
+            }
+        }
+
+        fn save(&self) -> Result<VcpuState, PauseError> {
+            Err(PauseError::Stopped)
+        }
+
+        fn resume(&self) {}
+    }
+
+    /// What the sink does at its fault step.
+    #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+    enum Fault {
+        /// A client's cancel (`PUT /snapshot/cancel`) comes.
+        Cancel,
+        /// The process is told to stop (SIGTERM).
+        Interrupt,
+        /// The step fails.
+        Fail,
+    }
+
+    /// The guest: writes one new page at each step of the sink and remembers it.
+    struct Guest {
+        memory: Arc<Memory>,
+        written: Mutex<BTreeSet<u64>>,
+        next: AtomicUsize,
+    }
+
+    impl Guest {
+        fn write(&self) {
+            let n = self.next.fetch_add(1, Ordering::Relaxed) as u64;
+            let pages = REGION / PAGE_SIZE;
+            let gpa = REGIONS[(n % 2) as usize] + (n / 2 * 7 % pages) * PAGE_SIZE;
+            self.memory
+                .handle()
+                .memory()
+                .write_obj(n + 1, GuestAddress(gpa))
+                .expect("guest memory");
+            self.written.lock().expect("not poisoned").insert(gpa);
+        }
+    }
+
+    /// A [`FileSink`] whose every step first lets the guest write a page, and whose step
+    /// number `at` (counted from 0 over every call) brings `fault`.
+    struct Hooked {
+        inner: FileSink,
+        guest: Arc<Guest>,
+        steps: AtomicUsize,
+        at: usize,
+        fault: Fault,
+        cancel: Option<Arc<AtomicBool>>,
+        interrupt: &'static AtomicBool,
+    }
+
+    impl Hooked {
+        fn step(&self) -> Result<(), MigrationError> {
+            self.guest.write();
+            if self.steps.fetch_add(1, Ordering::Relaxed) != self.at {
+                return Ok(());
+            }
+            match self.fault {
+                Fault::Cancel => {
+                    if let Some(cancel) = &self.cancel {
+                        cancel.store(true, Ordering::Release);
+                    }
+                    Ok(())
+                }
+                Fault::Interrupt => {
+                    self.interrupt.store(true, Ordering::Release);
+                    Ok(())
+                }
+                Fault::Fail => Err(MigrationError::Write("injected".into())),
+            }
+        }
+    }
+
+    impl Sink for Hooked {
+        fn destination(&self) -> String {
+            self.inner.destination()
+        }
+
+        fn open(
+            &mut self,
+            waits: &Waits,
+            memory: &Memory,
+            layout: &MemoryLayout,
+        ) -> Result<Vec<Target>, MigrationError> {
+            self.cancel = Some(Arc::clone(&waits.cancel));
+            self.step()?;
+            self.inner.open(waits, memory, layout)
+        }
+
+        fn accepted(&mut self) -> Result<(), MigrationError> {
+            self.step()?;
+            self.inner.accepted()
+        }
+
+        fn expect(&self, what: &str, by_timeout: bool) {
+            // An expectation cannot fail: a failure there is a cancel.
+            if self.step().is_err() {
+                if let Some(cancel) = &self.cancel {
+                    cancel.store(true, Ordering::Release);
+                }
+            }
+            self.inner.expect(what, by_timeout);
+        }
+
+        fn took(&mut self, harvest: &[DirtyPages]) {
+            self.inner.took(harvest);
+        }
+
+        fn send_all(&mut self, memory: &Memory) -> Result<u64, MigrationError> {
+            self.step()?;
+            self.inner.send_all(memory)
+        }
+
+        fn send_dirty(
+            &mut self,
+            memory: &Memory,
+            dirty: &[DirtyPages],
+        ) -> Result<u64, MigrationError> {
+            self.step()?;
+            self.inner.send_dirty(memory, dirty)
+        }
+
+        fn end_round(&mut self) -> Result<(), MigrationError> {
+            self.step()?;
+            self.inner.end_round()
+        }
+
+        fn finish(
+            &mut self,
+            memory: &Memory,
+            layout: &MemoryLayout,
+            states: Vec<VcpuState>,
+        ) -> Result<(), MigrationError> {
+            self.step()?;
+            self.inner.finish(memory, layout, states)
+        }
+
+        fn stays(&self) -> bool {
+            self.inner.stays()
+        }
+
+        fn settle(&mut self) -> Result<(), MigrationError> {
+            self.step()?;
+            self.inner.settle()
+        }
+    }
+
+    /// A VM with two regions, the chain's reader logging since a base snapshot of it.
+    struct Chain {
+        memory: Arc<Memory>,
+        reader: DirtyConsumer,
+        base: SnapshotInfo,
+        dir: PathBuf,
+    }
+
+    impl Chain {
+        fn new(name: &str) -> Self {
+            let kvm = kvm_ioctls::Kvm::new().expect("/dev/kvm");
+            let fd = Arc::new(kvm.create_vm().expect("a VM"));
+            let memory = Arc::new(MemoryManager::new(
+                KvmVm::new(&kvm, fd).expect("a KVM VM for the manager"),
+            ));
+            for gpa in REGIONS {
+                memory
+                    .add_region(RegionSpec::new(GuestAddress(gpa), REGION).with_slot_size(MIB))
+                    .expect("a region");
+            }
+            let reader = memory.add_dirty_consumer().expect("a reader");
+            memory
+                .start_dirty_log_for(reader, Target::All)
+                .expect("logging");
+            memory
+                .harvest_dirty_for(reader, Target::All)
+                .expect("the base's harvest");
+            let layout = MemoryLayout::of(&memory);
+            let check = MemoryCheck::of_memory(&*memory.current(), &layout).expect("guest memory");
+            let dir = std::env::temp_dir()
+                .join(format!("tinyvmm-live-engine-{}-{name}", std::process::id()));
+            let _ = std::fs::remove_dir_all(&dir);
+            std::fs::create_dir_all(&dir).expect("a scratch folder");
+            Chain {
+                memory,
+                reader,
+                base: SnapshotInfo::full(check).expect("an id"),
+                dir,
+            }
+        }
+
+        /// Every page of `pages` (by guest address at harvest).
+        fn addresses(pages: &[DirtyPages]) -> BTreeSet<u64> {
+            pages
+                .iter()
+                .flat_map(|d| d.addresses().map(|a| a.0))
+                .collect()
+        }
+    }
+
+    /// How one live Diff ended, and what the chain has for its next Diff.
+    struct Ended {
+        phase: MigrationPhase,
+        error: Option<String>,
+        /// What the Diff gave back, and what the chain's reader logged since.
+        next_diff: BTreeSet<u64>,
+        /// Every page the guest wrote since the base, and those carried into the Diff.
+        wanted: BTreeSet<u64>,
+    }
+
+    /// Runs a live Diff of `chain` in `rounds`, carrying `carried` in, with `fault` at step
+    /// `at` and the vCPU `vcpu`; waits for it to end.
+    fn live_diff(
+        chain: &Chain,
+        rounds: Rounds,
+        (at, fault): (usize, Fault),
+        vcpu: Option<Vcpu>,
+    ) -> Ended {
+        let guest = Arc::new(Guest {
+            memory: Arc::clone(&chain.memory),
+            written: Mutex::new(BTreeSet::new()),
+            next: AtomicUsize::new(0),
+        });
+        // Written before it starts: only its round 1 (the reader's log) has them.
+        guest.write();
+        guest.write();
+        // A failed Diff's pages, carried into this one.
+        let carried = vec![DirtyPages {
+            region: kvm_memslots::RegionId(1),
+            gpa: GuestAddress(REGIONS[1]),
+            pages: REGION / PAGE_SIZE,
+            bitmap: {
+                let mut bitmap = vec![0u64; (REGION / PAGE_SIZE / 64) as usize];
+                bitmap[3] = 1 << 5;
+                bitmap
+            },
+        }];
+        let carried_pages = Chain::addresses(&carried);
+        let files = ["state", "mem"].map(|what| {
+            let path = chain.dir.join(format!("{at}-{fault:?}.{what}"));
+            let _ = std::fs::remove_file(&path);
+            let file = File::options()
+                .read(true)
+                .write(true)
+                .create_new(true)
+                .open(&path)
+                .expect("a new file");
+            (path, file)
+        });
+        let [state, mem] = files;
+        let outcome = Arc::new(Mutex::new(LiveOutcome::default()));
+        let write_state: StateWriter = Box::new(|_, _| Ok(Box::new(|_| Vec::new())));
+        let inner = FileSink::new(state, mem, write_state, Arc::clone(&outcome))
+            .diff_of(chain.base, carried);
+        let interrupt: &'static AtomicBool = Box::leak(Box::new(AtomicBool::new(false)));
+        let sink = Hooked {
+            inner,
+            guest: Arc::clone(&guest),
+            steps: AtomicUsize::new(0),
+            at,
+            fault,
+            cancel: None,
+            interrupt,
+        };
+        let vm = SourceVm {
+            memory: Arc::clone(&chain.memory),
+            vcpus: vcpu.into_iter().collect(),
+        };
+        let mut run = Migration::start(
+            rounds,
+            Box::new(sink),
+            vm,
+            Reader::Lent(chain.reader),
+            interrupt,
+        )
+        .expect("the run starts");
+        run.join();
+        let info = run.info();
+        let unsaved = std::mem::take(&mut outcome.lock().expect("not poisoned").unsaved);
+        let mut next_diff = Chain::addresses(&unsaved);
+        next_diff.extend(Chain::addresses(
+            &chain
+                .memory
+                .harvest_dirty_for(chain.reader, Target::All)
+                .expect("the chain's harvest"),
+        ));
+        let mut wanted = guest.written.lock().expect("not poisoned").clone();
+        wanted.extend(carried_pages);
+        Ended {
+            phase: info.phase,
+            error: info.error,
+            next_diff,
+            wanted,
+        }
+    }
+
+    /// Rounds that never converge (a budget of 0) until the timeout cancels them.
+    fn endless(timeout: Duration) -> Rounds {
+        Rounds {
+            downtime: Duration::ZERO,
+            timeout,
+            on_timeout: OnTimeout::Cancel,
+        }
+    }
+
+    /// What the chain's next Diff lacks of what the live Diff took, if anything.
+    fn lost(ended: &Ended, case: &str) -> Option<String> {
+        let lost: Vec<String> = ended
+            .wanted
+            .difference(&ended.next_diff)
+            .map(|gpa| format!("{gpa:#x}"))
+            .collect();
+        (!lost.is_empty()).then(|| {
+            format!(
+                "{case}: the live Diff ended {:?} ({:?}) and the chain's next Diff lacks {lost:?}",
+                ended.phase, ended.error
+            )
+        })
+    }
+
+    fn assert_carried(ended: &Ended, case: &str) {
+        if let Some(lost) = lost(ended, case) {
+            panic!("{lost}");
+        }
+    }
+
+    /// A cancel, a signal or a failure at every step of a live Diff's first rounds: the next
+    /// Diff has every page it took (and those it was carrying), whatever step it ended at.
+    #[test]
+    fn kvm_a_live_diff_ended_at_any_step_gives_back_every_page_it_took() {
+        if !kvm_test_support::require_kvm(
+            "tinyvmm::snapshot::live::kvm_a_live_diff_ended_at_any_step_gives_back_every_page_it_took",
+        ) {
+            return;
+        }
+        let chain = Chain::new("any-step");
+        let mut failures = Vec::new();
+        // open, accepted, expect, send_all, end_round, then three steps a round.
+        for at in 0..14 {
+            for fault in [Fault::Cancel, Fault::Interrupt, Fault::Fail] {
+                let ended = live_diff(&chain, endless(Duration::from_secs(600)), (at, fault), None);
+                assert_ne!(ended.phase, MigrationPhase::Completed);
+                failures.extend(lost(&ended, &format!("{fault:?} at step {at}")));
+            }
+        }
+        assert!(failures.is_empty(), "{}", failures.join("\n"));
+    }
+
+    /// The timeout with `on_timeout: cancel` ends the rounds right after a harvest; a vCPU
+    /// that cannot pause ends them right after the last one: neither loses those pages.
+    #[test]
+    fn kvm_a_live_diff_that_times_out_or_cannot_pause_gives_back_every_page_it_took() {
+        if !kvm_test_support::require_kvm(
+            "tinyvmm::snapshot::live::kvm_a_live_diff_that_times_out_or_cannot_pause_gives_back_every_page_it_took",
+        ) {
+            return;
+        }
+        let chain = Chain::new("timeout");
+        let never = (usize::MAX, Fault::Fail);
+        let ended = live_diff(&chain, endless(Duration::ZERO), never, None);
+        assert_eq!(ended.phase, MigrationPhase::Cancelled, "{:?}", ended.error);
+        assert_carried(&ended, "the timeout");
+        for on_timeout in [OnTimeout::Force, OnTimeout::Cancel] {
+            // A budget the first round fits: the pause comes at once, and fails.
+            let rounds = Rounds {
+                downtime: Duration::from_secs(600),
+                timeout: Duration::from_secs(600),
+                on_timeout,
+            };
+            let vcpu = Vcpu { pause_fails: true };
+            let ended = live_diff(&chain, rounds, never, Some(vcpu));
+            assert_eq!(ended.phase, MigrationPhase::Failed, "{:?}", ended.error);
+            assert_carried(&ended, "a vCPU that cannot pause");
+        }
+        // With `force`, the timeout pauses instead: that fails too.
+        let rounds = Rounds {
+            downtime: Duration::ZERO,
+            timeout: Duration::ZERO,
+            on_timeout: OnTimeout::Force,
+        };
+        let ended = live_diff(&chain, rounds, never, Some(Vcpu { pause_fails: true }));
+        assert_eq!(ended.phase, MigrationPhase::Failed, "{:?}", ended.error);
+        assert_carried(&ended, "a forced pause that fails");
     }
 }
