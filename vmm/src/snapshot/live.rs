@@ -21,6 +21,7 @@ use kvm_memslots::{DirtyPages, KvmVm, MemoryManager, Target};
 use kvm_memslots_persist::{write_dirty_pages, write_memory_file, MemoryLayout};
 
 use super::info::{MemoryCheck, SnapshotInfo};
+use super::pages::PageSet;
 use crate::control::migration::MigrationInfo;
 use crate::control::snapshot::LiveSnapshotInfo;
 use crate::migration::sink::{Sink, Waits};
@@ -46,15 +47,16 @@ pub struct LiveOutcome {
     pub written: Option<SnapshotInfo>,
     /// A Diff that did not complete: every page it took from the chain's reader (those
     /// carried into it too), for the chain's next Diff.
-    pub unsaved: Vec<DirtyPages>,
+    pub unsaved: PageSet,
 }
 
 /// A live Diff's own part: the snapshot it follows, every page it took from the chain's
-/// reader and those carried into it (the chain's again if it does not complete), and its
-/// point's memory check, read in the pause.
+/// reader and those carried into it (one bitmap per region, each round merged in: they are
+/// the chain's again if it does not complete), and its point's memory check, read in the
+/// pause.
 struct DiffOf {
     base: SnapshotInfo,
-    pages: Vec<DirtyPages>,
+    pages: PageSet,
     check: Option<MemoryCheck>,
 }
 
@@ -112,7 +114,7 @@ impl FileSink {
 
     /// Makes it a Diff following `base`: round 1 writes the pages `carried` (a failed Diff's,
     /// not yet saved) and those the chain's reader logged since `base`.
-    pub fn diff_of(mut self, base: SnapshotInfo, carried: Vec<DirtyPages>) -> Self {
+    pub fn diff_of(mut self, base: SnapshotInfo, carried: PageSet) -> Self {
         self.diff = Some(DiffOf {
             base,
             pages: carried,
@@ -170,11 +172,11 @@ impl Sink for FileSink {
         Ok(())
     }
 
-    /// A Diff keeps every page the rounds take: if it does not complete, dropping it hands
-    /// them back (with those carried into it).
+    /// A Diff keeps every page the rounds take, merged into one bitmap per region: if it
+    /// does not complete, dropping it hands them back (with those carried into it).
     fn took(&mut self, harvest: &[DirtyPages]) {
         if let Some(diff) = self.diff.as_mut() {
-            diff.pages.extend_from_slice(harvest);
+            diff.pages.merge(harvest);
         }
     }
 
@@ -190,7 +192,7 @@ impl Sink for FileSink {
             .expect("the rounds open the sink first");
         let stats = match &self.diff {
             None => write_memory_file(memory, layout, &self.mem_file),
-            Some(diff) => write_dirty_pages(memory, layout, &diff.pages, &self.mem_file),
+            Some(diff) => write_dirty_pages(memory, layout, diff.pages.pages(), &self.mem_file),
         }
         .map_err(write_failed)?;
         Ok(self.count(stats.bytes))
@@ -387,11 +389,15 @@ mod tests {
         fault: Fault,
         cancel: Option<Arc<AtomicBool>>,
         interrupt: &'static AtomicBool,
+        /// The most bitmaps the sink held at any step.
+        most_held: Arc<AtomicUsize>,
     }
 
     impl Hooked {
         fn step(&self) -> Result<(), MigrationError> {
             self.guest.write();
+            let held = self.inner.diff.as_ref().map_or(0, |d| d.pages.bitmaps());
+            self.most_held.fetch_max(held, Ordering::Relaxed);
             if self.steps.fetch_add(1, Ordering::Relaxed) != self.at {
                 return Ok(());
             }
@@ -541,6 +547,9 @@ mod tests {
         error: Option<String>,
         /// What the Diff gave back, and what the chain's reader logged since.
         next_diff: BTreeSet<u64>,
+        /// The bitmaps the Diff gave back.
+        unsaved: usize,
+        most_held: usize,
         /// Every page the guest wrote since the base, and those carried into the Diff.
         wanted: BTreeSet<u64>,
     }
@@ -562,7 +571,7 @@ mod tests {
         guest.write();
         guest.write();
         // A failed Diff's pages, carried into this one.
-        let carried = vec![DirtyPages {
+        let carried = PageSet::from(vec![DirtyPages {
             region: kvm_memslots::RegionId(1),
             gpa: GuestAddress(REGIONS[1]),
             pages: REGION / PAGE_SIZE,
@@ -571,8 +580,8 @@ mod tests {
                 bitmap[3] = 1 << 5;
                 bitmap
             },
-        }];
-        let carried_pages = Chain::addresses(&carried);
+        }]);
+        let carried_pages = Chain::addresses(carried.pages());
         let files = ["state", "mem"].map(|what| {
             let path = chain.dir.join(format!("{at}-{fault:?}.{what}"));
             let _ = std::fs::remove_file(&path);
@@ -590,6 +599,7 @@ mod tests {
         let inner = FileSink::new(state, mem, write_state, Arc::clone(&outcome))
             .diff_of(chain.base, carried);
         let interrupt: &'static AtomicBool = Box::leak(Box::new(AtomicBool::new(false)));
+        let most_held = Arc::new(AtomicUsize::new(0));
         let sink = Hooked {
             inner,
             guest: Arc::clone(&guest),
@@ -598,6 +608,7 @@ mod tests {
             fault,
             cancel: None,
             interrupt,
+            most_held: Arc::clone(&most_held),
         };
         let vm = SourceVm {
             memory: Arc::clone(&chain.memory),
@@ -614,7 +625,7 @@ mod tests {
         run.join();
         let info = run.info();
         let unsaved = std::mem::take(&mut outcome.lock().expect("not poisoned").unsaved);
-        let mut next_diff = Chain::addresses(&unsaved);
+        let mut next_diff = Chain::addresses(unsaved.pages());
         next_diff.extend(Chain::addresses(
             &chain
                 .memory
@@ -627,6 +638,8 @@ mod tests {
             phase: info.phase,
             error: info.error,
             next_diff,
+            unsaved: unsaved.bitmaps(),
+            most_held: most_held.load(Ordering::Relaxed),
             wanted,
         }
     }
@@ -718,5 +731,38 @@ mod tests {
         let ended = live_diff(&chain, rounds, never, Some(Vcpu { pause_fails: true }));
         assert_eq!(ended.phase, MigrationPhase::Failed, "{:?}", ended.error);
         assert_carried(&ended, "a forced pause that fails");
+    }
+
+    /// Rounds that go on and on hold one bitmap per region, not one per round, and what a
+    /// cancel gives back is one per region too.
+    #[test]
+    fn kvm_a_live_diff_holds_one_bitmap_per_region_however_many_rounds() {
+        if !kvm_test_support::require_kvm(
+            "tinyvmm::snapshot::live::kvm_a_live_diff_holds_one_bitmap_per_region_however_many_rounds",
+        ) {
+            return;
+        }
+        let chain = Chain::new("rounds");
+        // 5 steps before round 2, then 3 a round: cancelled in round 40.
+        let ended = live_diff(
+            &chain,
+            endless(Duration::from_secs(600)),
+            (5 + 3 * 40, Fault::Cancel),
+            None,
+        );
+        assert_eq!(ended.phase, MigrationPhase::Cancelled, "{:?}", ended.error);
+        assert_carried(&ended, "a cancel in round 40");
+        assert!(
+            ended.most_held <= REGIONS.len(),
+            "the Diff held {} bitmaps for {} regions",
+            ended.most_held,
+            REGIONS.len()
+        );
+        assert!(
+            ended.unsaved <= REGIONS.len(),
+            "the cancelled Diff gave back {} bitmaps for {} regions",
+            ended.unsaved,
+            REGIONS.len()
+        );
     }
 }
