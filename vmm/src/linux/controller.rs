@@ -122,11 +122,13 @@ impl LinuxController {
         Ok(())
     }
 
+    /// Resumes every vCPU, those an unconfirmed migration held too (their hold ends only
+    /// here).
     fn resume(&mut self) {
+        self.migration.resume_held();
         for vcpu in &self.vcpus {
             vcpu.shared.resume();
         }
-        self.migration.resume_held();
         self.state = RunState::Running;
     }
 

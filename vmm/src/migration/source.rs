@@ -143,8 +143,14 @@ pub trait MigratingVcpu: std::fmt::Debug + Send + 'static {
     fn pause(&self) -> Result<(), PauseError>;
     /// Its state, read while it is paused.
     fn save(&self) -> Result<VcpuState, PauseError>;
-    /// Lifts the pause.
+    /// Lifts the pause (not a hold: a held vCPU stays paused).
     fn resume(&self);
+    /// Keeps the pause until [`release`](Self::release): the migration ended
+    /// [`MigrationPhase::Unconfirmed`] with the vCPU paused, and nothing but a client's
+    /// resume may run it here again (a later live snapshot's own resume does not).
+    fn hold(&self);
+    /// Lifts the hold and the pause (a client resumed the VM).
+    fn release(&self);
 }
 
 /// The State record a migration sends last: the guest kind's own bytes (the destination of
@@ -384,6 +390,9 @@ impl<V: MigratingVcpu> Run<V> {
                 });
                 if matches!(e, MigrationError::Unconfirmed(_)) {
                     held = std::mem::take(&mut self.vm.vcpus);
+                    for vcpu in &held {
+                        vcpu.hold();
+                    }
                 }
             }
         }

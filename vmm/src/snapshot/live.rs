@@ -345,6 +345,10 @@ mod tests {
         }
 
         fn resume(&self) {}
+
+        fn hold(&self) {}
+
+        fn release(&self) {}
     }
 
     /// What the sink does at its fault step.
