@@ -761,8 +761,14 @@ impl Sequence {
         self.record(kind, state, mem, &name);
     }
 
-    /// A live Full or Diff, left to complete or cancelled (at once, or after a moment).
+    /// A live Full or Diff, left to complete or cancelled (at once, or after a moment); a
+    /// Diff now and then with the guest writing meanwhile ([`live_diff_of_a_writing_guest`]).
+    ///
+    /// [`live_diff_of_a_writing_guest`]: Self::live_diff_of_a_writing_guest
     fn live_snapshot(&mut self, kind: &str) {
+        if kind == "Diff" && self.rng.chance(30) {
+            return self.live_diff_of_a_writing_guest();
+        }
         self.resume();
         let name = self.name(if kind == "Full" {
             "livefull"
@@ -819,6 +825,82 @@ impl Sequence {
             }
             _ => self.fail(&format!("live {kind}: {info}")),
         }
+    }
+
+    /// A live Diff while a write loop runs over some chunks, which never converges (a budget
+    /// of 0) and ends `cancelled`: by a client's cancel at once or after a moment, or by its
+    /// 1 s timeout. The rounds harvest the chain's reader while the loop dirties pages, and
+    /// every page the Diff took must come back to the chain (the next Diff's merged chain is
+    /// checked against the model when it is restored). The loop is then stopped, and its
+    /// chunks hold its last pass.
+    fn live_diff_of_a_writing_guest(&mut self) {
+        self.resume();
+        let from = self.rng.below(CHUNKS);
+        let to = from + 1 + self.rng.below(CHUNKS - from);
+        let (start, end) = self.range(from, to);
+        let seed = self.next_seed + 1;
+        let started = self.ok(
+            "PUT",
+            "/guest/command",
+            Some(support::guest_command("write_loop", start, end, seed)),
+        );
+        if started["result"] != "started" {
+            self.fail(&format!("write_loop {from}..{to}: {started}"));
+        }
+        let name = self.name("livediff");
+        let (state, mem) = (
+            self.path(&format!("{name}.state")),
+            self.path(&format!("{name}.mem")),
+        );
+        let cancel = match self.rng.below(3) {
+            0 => Some(Duration::ZERO),
+            1 => Some(Duration::from_millis(self.rng.below(200) as u64)),
+            _ => None,
+        };
+        let body = json!({"snapshot_type": "Diff", "snapshot_path": state, "mem_file_path": mem,
+                          "live": true, "downtime_ms": 0, "timeout_s": 1,
+                          "on_timeout": "cancel"});
+        let (status, answer) = self.call("PUT", "/snapshot/create", Some(body));
+        let outcome = if self.vm.chain.is_none() {
+            if status != 400 {
+                self.fail(&format!("a live Diff without a base: {status} {answer}"));
+            }
+            format!("{status} (no Full before it)")
+        } else {
+            if status != 204 {
+                self.fail(&format!("live Diff of a writing guest: {status} {answer}"));
+            }
+            if let Some(after) = cancel {
+                std::thread::sleep(after);
+                let (status, answer) = self.call("PUT", "/snapshot/cancel", None);
+                if !matches!(status, 204 | 409) {
+                    self.fail(&format!("cancel: {status} {answer}"));
+                }
+            }
+            let info = self.live_outcome();
+            if info["phase"] != "cancelled" {
+                self.fail(&format!(
+                    "a live Diff with a budget of 0 did not cancel: {info}"
+                ));
+            }
+            if state.exists() || mem.exists() {
+                self.fail("a cancelled live snapshot left a file");
+            }
+            format!("cancelled in round {}", info["round"])
+        };
+        let stop = json!({"op": "stop_loop", "vcpu": 0});
+        let stopped = self.ok("PUT", "/guest/command", Some(stop));
+        let Some(last) = stopped["last_seed"].as_u64() else {
+            self.fail(&format!("stop_loop: {stopped}"))
+        };
+        for chunk in &mut self.vm.model.area[from..to] {
+            *chunk = last;
+        }
+        self.next_seed = self.next_seed.max(last);
+        self.note(format!(
+            "live Diff {name} with a write loop over chunks {from}..{to} (cancel {cancel:?}): \
+             {outcome}, loop's last pass {last}"
+        ));
     }
 
     /// Restores a snapshot taken so far in a new process with a backend picked at random; it

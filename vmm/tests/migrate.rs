@@ -889,6 +889,91 @@ fn kvm_a_destination_silent_after_the_whole_vm_leaves_it_paused_here() {
     stop_and_verify(&source, AREA, end);
 }
 
+/// Waits for the live snapshot under way to end; its last `GET /snapshot`.
+fn live_snapshot_ended(vmm: &Vmm) -> Value {
+    let deadline = Instant::now() + Duration::from_secs(240);
+    loop {
+        let info = vmm.ok("GET", "/snapshot", None);
+        if !matches!(
+            info["phase"].as_str(),
+            Some("setup" | "pre_copy" | "stop_and_copy")
+        ) {
+            return info;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the snapshot never ended: {info}"
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+/// vCPU 0's general registers in the state file at `path` (the frame: magic 8, version 4,
+/// length 8, JSON, CRC-32 4).
+fn saved_registers(path: &std::path::Path) -> Value {
+    let bytes = std::fs::read(path).expect("a state file");
+    let state: Value =
+        serde_json::from_slice(&bytes[20..bytes.len() - 4]).expect("the state's JSON");
+    state["vcpus"][0]["regs"].clone()
+}
+
+#[test]
+fn kvm_a_live_snapshot_leaves_the_vcpus_an_unconfirmed_migration_holds_paused() {
+    if !kvm_test_support::require_kvm(
+        "tinyvmm::kvm_a_live_snapshot_leaves_the_vcpus_an_unconfirmed_migration_holds_paused",
+    ) {
+        return;
+    }
+    let (source, end) = never_converging("held-live");
+    migrate_source_to_a_fake_destination(
+        &source,
+        "held-live",
+        None,
+        "unconfirmed",
+        "it may be running the VM",
+    );
+    // The destination may run the VM: a live Full and then a live Diff of it are taken, and
+    // neither lets the write loop the migration paused run on here.
+    // Snapshot files (`path` names sockets).
+    let files = |tag: &str| {
+        let socket = path("held-live", tag);
+        (socket.with_extension("state"), socket.with_extension("mem"))
+    };
+    let mut registers = Vec::new();
+    for (kind, tag) in [("Full", "full"), ("Diff", "diff")] {
+        let (state, mem) = files(tag);
+        source.ok(
+            "PUT",
+            "/snapshot/create",
+            Some(
+                json!({"snapshot_type": kind, "snapshot_path": state, "mem_file_path": mem,
+                        "live": true}),
+            ),
+        );
+        let info = live_snapshot_ended(&source);
+        assert_eq!(info["phase"], "completed", "live {kind}: {info}");
+        assert_eq!(source.ok("GET", "/vm", None)["state"], "Paused");
+        registers.push(saved_registers(&state));
+        if kind == "Diff" {
+            // Nothing was written after the Full's point.
+            assert_eq!(info["bytes_written"], 0, "the live Diff: {info}");
+        }
+    }
+    // The loop is exactly where the Full found it.
+    assert_eq!(
+        registers[0], registers[1],
+        "the vCPU ran between the two points"
+    );
+    // Resuming is still the way out: the loop goes on.
+    source.ok("PATCH", "/vm", Some(json!({"state": "Resumed"})));
+    stop_and_verify(&source, AREA, end);
+    for tag in ["full", "diff"] {
+        let (state, mem) = files(tag);
+        let _ = std::fs::remove_file(state);
+        let _ = std::fs::remove_file(mem);
+    }
+}
+
 #[test]
 fn kvm_a_destination_refusing_after_the_whole_vm_leaves_it_running_here() {
     if !kvm_test_support::require_kvm(

@@ -139,6 +139,8 @@ impl LinuxController {
         Ok(())
     }
 
+    /// Resumes every vCPU, those an unconfirmed migration held too (their hold ends only
+    /// here).
     fn resume(&mut self) {
         if let Err(e) = self.machine.clock.thaw(&self.machine.vm_fd) {
             crate::lifecycle::log(
@@ -146,10 +148,10 @@ impl LinuxController {
                 format_args!("the guest's clock jumps by the time it was paused: {e}"),
             );
         }
+        self.migration.resume_held();
         for vcpu in &self.vcpus {
             vcpu.shared.resume();
         }
-        self.migration.resume_held();
         self.state = RunState::Running;
     }
 

@@ -48,11 +48,21 @@ impl MigratingVcpu for LinuxVcpu {
         self.shared.save_paused_with(&self.msrs)
     }
 
-    /// Lifts the pause, unless a client had paused the VM.
+    /// Lifts the pause, unless a client had paused the VM (or a migration holds it).
     fn resume(&self) {
         if !self.keep_paused {
             self.shared.resume();
         }
+    }
+
+    fn hold(&self) {
+        self.shared.hold();
+    }
+
+    /// Lifts the hold and the pause: only a client's resume releases a VM, and it resumes
+    /// every vCPU.
+    fn release(&self) {
+        self.shared.release();
     }
 }
 

@@ -80,9 +80,10 @@ impl Waits {
 /// (once logging is on) [`accepted`]; for each round [`expect`], a [`send_all`] or
 /// [`send_dirty`]s, and [`end_round`]; with the vCPUs paused, the last pages, an
 /// [`end_round`] and [`finish`]; and, for a sink that [`stays`], [`settle`] once the vCPUs run
-/// again.
+/// again. Every harvest's pages go to [`took`] first, the moment the rounds have them.
 ///
 /// [`open`]: Sink::open
+/// [`took`]: Sink::took
 /// [`accepted`]: Sink::accepted
 /// [`expect`]: Sink::expect
 /// [`send_all`]: Sink::send_all
@@ -104,14 +105,19 @@ pub trait Sink: Send + 'static {
     ) -> Result<Vec<Target>, MigrationError>;
     /// Waits until the other side took the layout (logging is on by now).
     fn accepted(&mut self) -> Result<(), MigrationError>;
+    /// The rounds took `harvest` from their reader of the dirty log, and nothing can fail
+    /// between that harvest and this call: a sink that owes those pages to the reader's owner
+    /// unless it saves them (a live Diff, whose chain's next Diff needs them) keeps them from
+    /// here on, whatever step ends the rounds. A migration's sink needs nothing of them.
+    fn took(&mut self, _harvest: &[DirtyPages]) {}
     /// From now on its waits are for `what`: until the run's timeout if `by_timeout`, and as
     /// long as something moves.
     fn expect(&self, what: &str, by_timeout: bool);
     /// Carries round 1: every page of `memory` that holds data, or, for a sink that carries
-    /// only what changed since a point before (a live Diff), the pages `logged` (what the
-    /// rounds' reader had logged when they began); returns its bytes.
-    fn send_all(&mut self, memory: &Memory, logged: Vec<DirtyPages>)
-        -> Result<u64, MigrationError>;
+    /// only what changed since a point before (a live Diff), the pages it [`took`](Sink::took)
+    /// so far (what the rounds' reader had logged when they began, and those it carried in);
+    /// returns its bytes.
+    fn send_all(&mut self, memory: &Memory) -> Result<u64, MigrationError>;
     /// Carries the pages of `dirty`; returns their bytes.
     fn send_dirty(&mut self, memory: &Memory, dirty: &[DirtyPages]) -> Result<u64, MigrationError>;
     /// Ends a round.
@@ -332,11 +338,7 @@ impl Sink for StreamSink {
     }
 
     /// Every page: the destination has no memory before.
-    fn send_all(
-        &mut self,
-        memory: &Memory,
-        _logged: Vec<DirtyPages>,
-    ) -> Result<u64, MigrationError> {
+    fn send_all(&mut self, memory: &Memory) -> Result<u64, MigrationError> {
         let open = self.open();
         let sent = open.writer.send_all(memory).map_err(|e| open.explain(e))?;
         Ok(sent.bytes)

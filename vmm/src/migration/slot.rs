@@ -50,10 +50,11 @@ impl<V: MigratingVcpu> MigrationSlot<V> {
         true
     }
 
-    /// Lets the vCPUs an unconfirmed migration held go on (a client resumed the VM).
+    /// Lets the vCPUs an unconfirmed migration held go on (a client resumed the VM): the only
+    /// way their hold ends.
     pub fn resume_held(&mut self) {
         for vcpu in self.held.drain(..) {
-            vcpu.resume();
+            vcpu.release();
         }
     }
 

@@ -28,7 +28,10 @@
 //! (paused, saved and resumed its own way) and the [`StateRecord`] it sends last. Nor do they
 //! know where the pages go ([`Sink`]): a migration's destination, or a live snapshot's files,
 //! where the vCPUs go on once the state is taken and the snapshot chain lends its reader of
-//! the dirty log ([`Reader::Lent`]) so that a Diff can follow from the snapshot's point.
+//! the dirty log ([`Reader::Lent`]) so that a Diff can follow from the snapshot's point. Every
+//! harvest goes to the sink the moment the rounds have it ([`Sink::took`]), before any step
+//! that can end them: a live Diff that does not complete gives the chain back every page it
+//! took from the lent reader, whichever step ended it.
 
 use std::io;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -140,8 +143,14 @@ pub trait MigratingVcpu: std::fmt::Debug + Send + 'static {
     fn pause(&self) -> Result<(), PauseError>;
     /// Its state, read while it is paused.
     fn save(&self) -> Result<VcpuState, PauseError>;
-    /// Lifts the pause.
+    /// Lifts the pause (not a hold: a held vCPU stays paused).
     fn resume(&self);
+    /// Keeps the pause until [`release`](Self::release): the migration ended
+    /// [`MigrationPhase::Unconfirmed`] with the vCPU paused, and nothing but a client's
+    /// resume may run it here again (a later live snapshot's own resume does not).
+    fn hold(&self);
+    /// Lifts the hold and the pause (a client resumed the VM).
+    fn release(&self);
 }
 
 /// The State record a migration sends last: the guest kind's own bytes (the destination of
@@ -381,6 +390,9 @@ impl<V: MigratingVcpu> Run<V> {
                 });
                 if matches!(e, MigrationError::Unconfirmed(_)) {
                     held = std::mem::take(&mut self.vm.vcpus);
+                    for vcpu in &held {
+                        vcpu.hold();
+                    }
                 }
             }
         }
@@ -389,13 +401,18 @@ impl<V: MigratingVcpu> Run<V> {
         Ending { completed, held }
     }
 
+    /// Harvests every target, handing each harvest to the sink at once ([`Sink::took`]): a
+    /// lent reader's pages are then the sink's to give back, whatever ends the rounds before
+    /// they are carried (a cancel, the timeout, a vCPU that cannot pause, a failed step).
     fn harvest(
         &mut self,
         memory: &MemoryManager<KvmVm>,
     ) -> Result<Vec<DirtyPages>, MigrationError> {
         let mut dirty = Vec::new();
         for &target in &self.targets {
-            dirty.extend(memory.harvest_dirty_for(self.consumer, target)?);
+            let harvest = memory.harvest_dirty_for(self.consumer, target)?;
+            self.sink.took(&harvest);
+            dirty.extend(harvest);
         }
         Ok(dirty)
     }
@@ -409,8 +426,9 @@ impl<V: MigratingVcpu> Run<V> {
             memory.start_dirty_log_for(self.consumer, target)?;
         }
         // From here every write is logged: what the first harvest reports goes out in round 1
-        // (all of memory, or for a live Diff these pages) or is dirty again.
-        let logged = self.harvest(memory)?;
+        // (all of memory, or for a live Diff these pages, which its sink took) or is dirty
+        // again.
+        self.harvest(memory)?;
         let mut last_harvest = Instant::now();
         self.sink.accepted()?;
         self.waits.check_cancel()?;
@@ -429,7 +447,7 @@ impl<V: MigratingVcpu> Run<V> {
         self.sink
             .expect("the destination to take round 1's pages", rounds_by_timeout);
         let round_start = Instant::now();
-        let sent = self.sink.send_all(memory, logged)?;
+        let sent = self.sink.send_all(memory)?;
         self.sink.end_round()?;
         let mut progress = Progress {
             throughput: throughput(sent, round_start.elapsed()),

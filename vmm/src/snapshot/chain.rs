@@ -16,11 +16,12 @@ use std::sync::atomic::AtomicBool;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use kvm_memslots::{DirtyConsumer, DirtyPages, KvmVm, MemoryManager, Target};
+use kvm_memslots::{DirtyConsumer, KvmVm, MemoryManager, Target};
 use kvm_memslots_persist::{write_dirty_pages, write_memory_file, MemoryLayout};
 
 use super::info::{MemoryCheck, SnapshotInfo};
 use super::live::{progress, FileSink, LiveOutcome, StateWriter};
+use super::pages::PageSet;
 use crate::control::migration::{MigrationInfo, OnTimeout};
 use crate::control::snapshot::{
     LiveSnapshotInfo, SnapshotCreate, SnapshotType, LIVE_DOWNTIME_MS, LIVE_TIMEOUT_S,
@@ -35,8 +36,9 @@ use crate::vm::state::VcpuState;
 struct SnapshotBase {
     /// What it was.
     info: SnapshotInfo,
-    /// The pages a Diff that failed since harvested (kept for the next one).
-    carried: Vec<DirtyPages>,
+    /// The pages Diffs that failed since harvested (kept for the next one), one bitmap per
+    /// region.
+    carried: PageSet,
 }
 
 /// A VM's chain of snapshots: its dirty-log consumer (from the first Full on), its last
@@ -179,7 +181,7 @@ impl SnapshotChain {
                         .map_err(ControllerError::from)
                 });
                 let full = full.and_then(|pages| {
-                    harvested = Some(pages);
+                    harvested = Some(PageSet::from(pages));
                     // The regions log now: the layout says so.
                     layout = MemoryLayout::of(memory);
                     write_memory_file(memory, &layout, mem_file).map_err(|e| failed(&e))
@@ -197,13 +199,13 @@ impl SnapshotChain {
                 let carried = &mut self.base.as_mut().expect("checked by create").carried;
                 let mut dirty = std::mem::take(carried);
                 match memory.harvest_dirty_for(chain, Target::All) {
-                    Ok(now) => dirty.extend(now),
+                    Ok(now) => dirty.merge_owned(now),
                     Err(e) => {
                         *carried = dirty;
                         return Err(e.into());
                     }
                 }
-                let written = write_dirty_pages(memory, &layout, &dirty, mem_file);
+                let written = write_dirty_pages(memory, &layout, dirty.pages(), mem_file);
                 harvested = Some(dirty);
                 if let Err(e) = written {
                     self.keep_for_next_diff(harvested);
@@ -242,7 +244,7 @@ impl SnapshotChain {
         };
         self.base = Some(SnapshotBase {
             info,
-            carried: Vec::new(),
+            carried: PageSet::new(),
         });
         Ok(info)
     }
@@ -355,7 +357,7 @@ impl SnapshotChain {
             (Some(info), _) => {
                 self.base = Some(SnapshotBase {
                     info,
-                    carried: Vec::new(),
+                    carried: PageSet::new(),
                 })
             }
             (None, Some(base)) if diff => base.carried = unsaved,
@@ -451,11 +453,13 @@ impl SnapshotChain {
         &mut self,
         memory: &Memory,
         previous: Option<SnapshotBase>,
-        harvested: Option<Vec<DirtyPages>>,
+        harvested: Option<PageSet>,
     ) {
         match previous {
             Some(mut base) => {
-                base.carried.extend(harvested.unwrap_or_default());
+                if let Some(pages) = harvested {
+                    base.carried.merge(pages.pages());
+                }
                 self.base = Some(base);
             }
             None => self.end(memory),
@@ -473,7 +477,7 @@ impl SnapshotChain {
     }
 
     /// Puts the pages a failed Diff harvested back for the next one.
-    fn keep_for_next_diff(&mut self, harvested: Option<Vec<DirtyPages>>) {
+    fn keep_for_next_diff(&mut self, harvested: Option<PageSet>) {
         if let (Some(pages), Some(base)) = (harvested, self.base.as_mut()) {
             base.carried = pages;
         }

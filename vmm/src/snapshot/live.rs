@@ -21,6 +21,7 @@ use kvm_memslots::{DirtyPages, KvmVm, MemoryManager, Target};
 use kvm_memslots_persist::{write_dirty_pages, write_memory_file, MemoryLayout};
 
 use super::info::{MemoryCheck, SnapshotInfo};
+use super::pages::PageSet;
 use crate::control::migration::MigrationInfo;
 use crate::control::snapshot::LiveSnapshotInfo;
 use crate::migration::sink::{Sink, Waits};
@@ -46,14 +47,15 @@ pub struct LiveOutcome {
     pub written: Option<SnapshotInfo>,
     /// A Diff that did not complete: every page it took from the chain's reader (those
     /// carried into it too), for the chain's next Diff.
-    pub unsaved: Vec<DirtyPages>,
+    pub unsaved: PageSet,
 }
 
-/// A live Diff's own part: the snapshot it follows, and the pages it has written (all it took
-/// from the chain's reader).
+/// A live Diff's own part: the snapshot it follows, every page it took from the chain's
+/// reader and those carried into it (one bitmap per region, each round merged in: they are
+/// the chain's again if it does not complete).
 struct DiffOf {
     base: SnapshotInfo,
-    pages: Vec<DirtyPages>,
+    pages: PageSet,
 }
 
 /// A live snapshot's two files, as the rounds write them. Dropped before it finished, it
@@ -114,7 +116,7 @@ impl FileSink {
 
     /// Makes it a Diff following `base`: round 1 writes the pages `carried` (a failed Diff's,
     /// not yet saved) and those the chain's reader logged since `base`.
-    pub fn diff_of(mut self, base: SnapshotInfo, carried: Vec<DirtyPages>) -> Self {
+    pub fn diff_of(mut self, base: SnapshotInfo, carried: PageSet) -> Self {
         self.diff = Some(DiffOf {
             base,
             pages: carried,
@@ -171,25 +173,27 @@ impl Sink for FileSink {
         Ok(())
     }
 
+    /// A Diff keeps every page the rounds take, merged into one bitmap per region: if it
+    /// does not complete, dropping it hands them back (with those carried into it).
+    fn took(&mut self, harvest: &[DirtyPages]) {
+        if let Some(diff) = self.diff.as_mut() {
+            diff.pages.merge(harvest);
+        }
+    }
+
     /// Writing a file has no other side to wait for.
     fn expect(&self, _what: &str, _by_timeout: bool) {}
 
-    /// A Full's every page, or a Diff's pages: those carried into it and those `logged`.
-    fn send_all(
-        &mut self,
-        memory: &Memory,
-        logged: Vec<DirtyPages>,
-    ) -> Result<u64, MigrationError> {
+    /// A Full's every page, or a Diff's pages: those carried into it and those the chain's
+    /// reader had logged since its base (the rounds' first harvest, which it took).
+    fn send_all(&mut self, memory: &Memory) -> Result<u64, MigrationError> {
         let layout = self
             .layout
             .as_ref()
             .expect("the rounds open the sink first");
-        let stats = match self.diff.as_mut() {
+        let stats = match &self.diff {
             None => write_memory_file(memory, layout, &self.mem_file),
-            Some(diff) => {
-                diff.pages.extend(logged);
-                write_dirty_pages(memory, layout, &diff.pages, &self.mem_file)
-            }
+            Some(diff) => write_dirty_pages(memory, layout, diff.pages.pages(), &self.mem_file),
         }
         .map_err(write_failed)?;
         Ok(self.count(stats.bytes))
@@ -200,10 +204,7 @@ impl Sink for FileSink {
             .layout
             .as_ref()
             .expect("the rounds open the sink first");
-        // Kept before the write: a Diff that fails from here hands them to the next Diff.
-        if let Some(diff) = self.diff.as_mut() {
-            diff.pages.extend_from_slice(dirty);
-        }
+        // A Diff has them already (`took`).
         let stats =
             write_dirty_pages(memory, layout, dirty, &self.mem_file).map_err(write_failed)?;
         Ok(self.count(stats.bytes))
@@ -300,93 +301,565 @@ pub fn progress(
 
 #[cfg(test)]
 mod tests {
-    use std::sync::atomic::{AtomicBool, AtomicU64};
-    use std::time::{Duration, Instant};
+    //! The live-snapshot engine (`migration::source` into a [`FileSink`]) on a real KVM VM with
+    //! no vCPU: the "guest" is the VMM writing pages (its write bitmap reports them to every
+    //! reader of the dirty log) from inside the sink's own steps, so that every harvest has
+    //! pages, and a fault is injected at an exact step. What a live Diff took from the chain's
+    //! reader must reach the chain again however it ends.
 
-    use kvm_memslots::RegionSpec;
+    use std::collections::BTreeSet;
+    use std::sync::atomic::{AtomicBool, AtomicUsize};
+    use std::time::Duration;
+
+    use kvm_memslots::{DirtyConsumer, RegionSpec, PAGE_SIZE};
     use vm_memory::{Bytes, GuestAddress, GuestAddressSpace};
 
     use super::*;
-    use crate::migration::sink::Waits;
-    use crate::vm::{Vm, VmOptions};
+    use crate::control::migration::{MigrationPhase, OnTimeout};
+    use crate::migration::source::{Migration, Reader, Rounds, SourceVm};
+    use crate::migration::MigratingVcpu;
+    use crate::vm::vcpu::PauseError;
 
-    static NOT_STOPPING: AtomicBool = AtomicBool::new(false);
+    const MIB: u64 = 1 << 20;
+    /// Two regions of this size, at 0 and at 1 GiB.
+    const REGION: u64 = 4 * MIB;
+    const REGIONS: [u64; 2] = [0, 1 << 30];
 
-    /// A new, empty file in the temporary directory, removed first if a run left it.
-    fn new_file(name: &str) -> (PathBuf, File) {
-        let path =
-            std::env::temp_dir().join(format!("tinyvmm-live-unit-{}-{name}", std::process::id()));
-        let _ = std::fs::remove_file(&path);
-        let file = File::options()
-            .read(true)
-            .write(true)
-            .create_new(true)
-            .open(&path)
-            .expect("a new file");
-        (path, file)
+    /// A vCPU that pauses, or fails to (the run then never saves it).
+    #[derive(Debug)]
+    struct Vcpu {
+        pause_fails: bool,
     }
 
-    /// A live Full's memory check is the memory of its point, read in the pause: a page the
-    /// rounds left out of the memory file (as a lazy restore's unfilled pages once were) makes
-    /// the file fail its own snapshot's check. Computed from the file it checks, the check
-    /// would pass whatever the file missed.
+    impl MigratingVcpu for Vcpu {
+        fn pause(&self) -> Result<(), PauseError> {
+            if self.pause_fails {
+                Err(PauseError::Stopped)
+            } else {
+                Ok(())
+            }
+        }
+
+        fn save(&self) -> Result<VcpuState, PauseError> {
+            Err(PauseError::Stopped)
+        }
+
+        fn resume(&self) {}
+
+        fn hold(&self) {}
+
+        fn release(&self) {}
+    }
+
+    /// What the sink does at its fault step.
+    #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+    enum Fault {
+        /// A client's cancel (`PUT /snapshot/cancel`) comes.
+        Cancel,
+        /// The process is told to stop (SIGTERM).
+        Interrupt,
+        /// The step fails.
+        Fail,
+    }
+
+    /// The guest: writes one new page at each step of the sink and remembers it.
+    struct Guest {
+        memory: Arc<Memory>,
+        written: Mutex<BTreeSet<u64>>,
+        next: AtomicUsize,
+    }
+
+    impl Guest {
+        fn write(&self) {
+            let n = self.next.fetch_add(1, Ordering::Relaxed) as u64;
+            let pages = REGION / PAGE_SIZE;
+            let gpa = REGIONS[(n % 2) as usize] + (n / 2 * 7 % pages) * PAGE_SIZE;
+            self.memory
+                .handle()
+                .memory()
+                .write_obj(n + 1, GuestAddress(gpa))
+                .expect("guest memory");
+            self.written.lock().expect("not poisoned").insert(gpa);
+        }
+    }
+
+    /// A [`FileSink`] whose every step first lets the guest write a page, and whose step
+    /// number `at` (counted from 0 over every call) brings `fault`.
+    struct Hooked {
+        inner: FileSink,
+        guest: Arc<Guest>,
+        steps: AtomicUsize,
+        at: usize,
+        fault: Fault,
+        cancel: Option<Arc<AtomicBool>>,
+        interrupt: &'static AtomicBool,
+        /// The most bitmaps the sink held at any step.
+        most_held: Arc<AtomicUsize>,
+    }
+
+    impl Hooked {
+        fn step(&self) -> Result<(), MigrationError> {
+            self.guest.write();
+            let held = self.inner.diff.as_ref().map_or(0, |d| d.pages.bitmaps());
+            self.most_held.fetch_max(held, Ordering::Relaxed);
+            if self.steps.fetch_add(1, Ordering::Relaxed) != self.at {
+                return Ok(());
+            }
+            match self.fault {
+                Fault::Cancel => {
+                    if let Some(cancel) = &self.cancel {
+                        cancel.store(true, Ordering::Release);
+                    }
+                    Ok(())
+                }
+                Fault::Interrupt => {
+                    self.interrupt.store(true, Ordering::Release);
+                    Ok(())
+                }
+                Fault::Fail => Err(MigrationError::Write("injected".into())),
+            }
+        }
+    }
+
+    impl Sink for Hooked {
+        fn destination(&self) -> String {
+            self.inner.destination()
+        }
+
+        fn open(
+            &mut self,
+            waits: &Waits,
+            memory: &Memory,
+            layout: &MemoryLayout,
+        ) -> Result<Vec<Target>, MigrationError> {
+            self.cancel = Some(Arc::clone(&waits.cancel));
+            self.step()?;
+            self.inner.open(waits, memory, layout)
+        }
+
+        fn accepted(&mut self) -> Result<(), MigrationError> {
+            self.step()?;
+            self.inner.accepted()
+        }
+
+        fn expect(&self, what: &str, by_timeout: bool) {
+            // An expectation cannot fail: a failure there is a cancel.
+            if self.step().is_err() {
+                if let Some(cancel) = &self.cancel {
+                    cancel.store(true, Ordering::Release);
+                }
+            }
+            self.inner.expect(what, by_timeout);
+        }
+
+        fn took(&mut self, harvest: &[DirtyPages]) {
+            self.inner.took(harvest);
+        }
+
+        fn send_all(&mut self, memory: &Memory) -> Result<u64, MigrationError> {
+            self.step()?;
+            self.inner.send_all(memory)
+        }
+
+        fn send_dirty(
+            &mut self,
+            memory: &Memory,
+            dirty: &[DirtyPages],
+        ) -> Result<u64, MigrationError> {
+            self.step()?;
+            self.inner.send_dirty(memory, dirty)
+        }
+
+        fn end_round(&mut self) -> Result<(), MigrationError> {
+            self.step()?;
+            self.inner.end_round()
+        }
+
+        fn finish(
+            &mut self,
+            memory: &Memory,
+            layout: &MemoryLayout,
+            states: Vec<VcpuState>,
+        ) -> Result<(), MigrationError> {
+            self.step()?;
+            self.inner.finish(memory, layout, states)
+        }
+
+        fn stays(&self) -> bool {
+            self.inner.stays()
+        }
+
+        fn settle(&mut self) -> Result<(), MigrationError> {
+            self.step()?;
+            self.inner.settle()
+        }
+    }
+
+    /// A VM with two regions, the chain's reader logging since a base snapshot of it.
+    struct Chain {
+        memory: Arc<Memory>,
+        reader: DirtyConsumer,
+        base: SnapshotInfo,
+        dir: PathBuf,
+    }
+
+    impl Chain {
+        fn new(name: &str) -> Self {
+            let kvm = kvm_ioctls::Kvm::new().expect("/dev/kvm");
+            let fd = Arc::new(kvm.create_vm().expect("a VM"));
+            let memory = Arc::new(MemoryManager::new(
+                KvmVm::new(&kvm, fd).expect("a KVM VM for the manager"),
+            ));
+            for gpa in REGIONS {
+                memory
+                    .add_region(RegionSpec::new(GuestAddress(gpa), REGION).with_slot_size(MIB))
+                    .expect("a region");
+            }
+            let reader = memory.add_dirty_consumer().expect("a reader");
+            memory
+                .start_dirty_log_for(reader, Target::All)
+                .expect("logging");
+            memory
+                .harvest_dirty_for(reader, Target::All)
+                .expect("the base's harvest");
+            let layout = MemoryLayout::of(&memory);
+            let check = MemoryCheck::of_memory(&*memory.current(), &layout).expect("guest memory");
+            let dir = std::env::temp_dir()
+                .join(format!("tinyvmm-live-engine-{}-{name}", std::process::id()));
+            let _ = std::fs::remove_dir_all(&dir);
+            std::fs::create_dir_all(&dir).expect("a scratch folder");
+            Chain {
+                memory,
+                reader,
+                base: SnapshotInfo::full(check).expect("an id"),
+                dir,
+            }
+        }
+
+        /// Every page of `pages` (by guest address at harvest).
+        fn addresses(pages: &[DirtyPages]) -> BTreeSet<u64> {
+            pages
+                .iter()
+                .flat_map(|d| d.addresses().map(|a| a.0))
+                .collect()
+        }
+    }
+
+    /// How one live Diff ended, and what the chain has for its next Diff.
+    struct Ended {
+        phase: MigrationPhase,
+        error: Option<String>,
+        /// What the Diff gave back, and what the chain's reader logged since.
+        next_diff: BTreeSet<u64>,
+        /// The bitmaps the Diff gave back.
+        unsaved: usize,
+        most_held: usize,
+        /// Every page the guest wrote since the base, and those carried into the Diff.
+        wanted: BTreeSet<u64>,
+    }
+
+    /// Runs a live Diff of `chain` in `rounds`, carrying `carried` in, with `fault` at step
+    /// `at` and the vCPU `vcpu`; waits for it to end.
+    fn live_diff(
+        chain: &Chain,
+        rounds: Rounds,
+        (at, fault): (usize, Fault),
+        vcpu: Option<Vcpu>,
+    ) -> Ended {
+        let guest = Arc::new(Guest {
+            memory: Arc::clone(&chain.memory),
+            written: Mutex::new(BTreeSet::new()),
+            next: AtomicUsize::new(0),
+        });
+        // Written before it starts: only its round 1 (the reader's log) has them.
+        guest.write();
+        guest.write();
+        // A failed Diff's pages, carried into this one.
+        let carried = PageSet::from(vec![DirtyPages {
+            region: kvm_memslots::RegionId(1),
+            gpa: GuestAddress(REGIONS[1]),
+            pages: REGION / PAGE_SIZE,
+            bitmap: {
+                let mut bitmap = vec![0u64; (REGION / PAGE_SIZE / 64) as usize];
+                bitmap[3] = 1 << 5;
+                bitmap
+            },
+        }]);
+        let carried_pages = Chain::addresses(carried.pages());
+        let files = ["state", "mem"].map(|what| {
+            let path = chain.dir.join(format!("{at}-{fault:?}.{what}"));
+            let _ = std::fs::remove_file(&path);
+            let file = File::options()
+                .read(true)
+                .write(true)
+                .create_new(true)
+                .open(&path)
+                .expect("a new file");
+            (path, file)
+        });
+        let [state, mem] = files;
+        let outcome = Arc::new(Mutex::new(LiveOutcome::default()));
+        let write_state: StateWriter = Box::new(|_, _| Ok(Box::new(|_| Vec::new())));
+        let inner = FileSink::new(state, mem, write_state, Arc::clone(&outcome))
+            .diff_of(chain.base, carried);
+        let interrupt: &'static AtomicBool = Box::leak(Box::new(AtomicBool::new(false)));
+        let most_held = Arc::new(AtomicUsize::new(0));
+        let sink = Hooked {
+            inner,
+            guest: Arc::clone(&guest),
+            steps: AtomicUsize::new(0),
+            at,
+            fault,
+            cancel: None,
+            interrupt,
+            most_held: Arc::clone(&most_held),
+        };
+        let vm = SourceVm {
+            memory: Arc::clone(&chain.memory),
+            vcpus: vcpu.into_iter().collect(),
+        };
+        let mut run = Migration::start(
+            rounds,
+            Box::new(sink),
+            vm,
+            Reader::Lent(chain.reader),
+            interrupt,
+        )
+        .expect("the run starts");
+        run.join();
+        let info = run.info();
+        let unsaved = std::mem::take(&mut outcome.lock().expect("not poisoned").unsaved);
+        let mut next_diff = Chain::addresses(unsaved.pages());
+        next_diff.extend(Chain::addresses(
+            &chain
+                .memory
+                .harvest_dirty_for(chain.reader, Target::All)
+                .expect("the chain's harvest"),
+        ));
+        let mut wanted = guest.written.lock().expect("not poisoned").clone();
+        wanted.extend(carried_pages);
+        Ended {
+            phase: info.phase,
+            error: info.error,
+            next_diff,
+            unsaved: unsaved.bitmaps(),
+            most_held: most_held.load(Ordering::Relaxed),
+            wanted,
+        }
+    }
+
+    /// Rounds that never converge (a budget of 0) until the timeout cancels them.
+    fn endless(timeout: Duration) -> Rounds {
+        Rounds {
+            downtime: Duration::ZERO,
+            timeout,
+            on_timeout: OnTimeout::Cancel,
+        }
+    }
+
+    /// What the chain's next Diff lacks of what the live Diff took, if anything.
+    fn lost(ended: &Ended, case: &str) -> Option<String> {
+        let lost: Vec<String> = ended
+            .wanted
+            .difference(&ended.next_diff)
+            .map(|gpa| format!("{gpa:#x}"))
+            .collect();
+        (!lost.is_empty()).then(|| {
+            format!(
+                "{case}: the live Diff ended {:?} ({:?}) and the chain's next Diff lacks {lost:?}",
+                ended.phase, ended.error
+            )
+        })
+    }
+
+    fn assert_carried(ended: &Ended, case: &str) {
+        if let Some(lost) = lost(ended, case) {
+            panic!("{lost}");
+        }
+    }
+
+    /// A cancel, a signal or a failure at every step of a live Diff's first rounds: the next
+    /// Diff has every page it took (and those it was carrying), whatever step it ended at.
     #[test]
-    fn kvm_a_live_fulls_memory_check_is_read_from_memory_in_the_pause() {
+    fn kvm_a_live_diff_ended_at_any_step_gives_back_every_page_it_took() {
         if !kvm_test_support::require_kvm(
-            "tinyvmm::snapshot::live::kvm_a_live_fulls_memory_check_is_read_from_memory_in_the_pause",
+            "tinyvmm::snapshot::live::kvm_a_live_diff_ended_at_any_step_gives_back_every_page_it_took",
         ) {
             return;
         }
-        let vm = Vm::new(VmOptions::default()).expect("a VM");
-        let memory = vm.memory();
-        memory
-            .add_region(RegionSpec::new(GuestAddress(0), 4 << 20))
-            .expect("a region");
-        let ram = memory.handle().memory();
-        ram.write_obj(0x5au64, GuestAddress(0x1000))
-            .expect("guest memory");
-        let (state_path, state_file) = new_file("state");
-        let (mem_path, mem_file) = new_file("mem");
-        let mem_check = mem_file.try_clone().expect("a second handle");
-        let outcome = Arc::new(Mutex::new(LiveOutcome::default()));
-        let write_state: StateWriter = Box::new(|_, _| Ok(Box::new(|_| b"state".to_vec())));
-        let mut sink = FileSink::new(
-            (state_path.clone(), state_file),
-            (mem_path.clone(), mem_file),
-            write_state,
-            Arc::clone(&outcome),
-        );
-        let waits = Waits {
-            cancel: Arc::new(AtomicBool::new(false)),
-            interrupt: &NOT_STOPPING,
-            started: Instant::now(),
-            timeout: Duration::from_secs(60),
-            bytes: Arc::new(AtomicU64::new(0)),
+        let chain = Chain::new("any-step");
+        let mut failures = Vec::new();
+        // open, accepted, expect, send_all, end_round, then three steps a round.
+        for at in 0..14 {
+            for fault in [Fault::Cancel, Fault::Interrupt, Fault::Fail] {
+                let ended = live_diff(&chain, endless(Duration::from_secs(600)), (at, fault), None);
+                assert_ne!(ended.phase, MigrationPhase::Completed);
+                failures.extend(lost(&ended, &format!("{fault:?} at step {at}")));
+            }
+        }
+        assert!(failures.is_empty(), "{}", failures.join("\n"));
+    }
+
+    /// The timeout with `on_timeout: cancel` ends the rounds right after a harvest; a vCPU
+    /// that cannot pause ends them right after the last one: neither loses those pages.
+    #[test]
+    fn kvm_a_live_diff_that_times_out_or_cannot_pause_gives_back_every_page_it_took() {
+        if !kvm_test_support::require_kvm(
+            "tinyvmm::snapshot::live::kvm_a_live_diff_that_times_out_or_cannot_pause_gives_back_every_page_it_took",
+        ) {
+            return;
+        }
+        let chain = Chain::new("timeout");
+        let never = (usize::MAX, Fault::Fail);
+        let ended = live_diff(&chain, endless(Duration::ZERO), never, None);
+        assert_eq!(ended.phase, MigrationPhase::Cancelled, "{:?}", ended.error);
+        assert_carried(&ended, "the timeout");
+        for on_timeout in [OnTimeout::Force, OnTimeout::Cancel] {
+            // A budget the first round fits: the pause comes at once, and fails.
+            let rounds = Rounds {
+                downtime: Duration::from_secs(600),
+                timeout: Duration::from_secs(600),
+                on_timeout,
+            };
+            let vcpu = Vcpu { pause_fails: true };
+            let ended = live_diff(&chain, rounds, never, Some(vcpu));
+            assert_eq!(ended.phase, MigrationPhase::Failed, "{:?}", ended.error);
+            assert_carried(&ended, "a vCPU that cannot pause");
+        }
+        // With `force`, the timeout pauses instead: that fails too.
+        let rounds = Rounds {
+            downtime: Duration::ZERO,
+            timeout: Duration::ZERO,
+            on_timeout: OnTimeout::Force,
         };
-        let layout = MemoryLayout::of(memory);
-        sink.open(&waits, memory, &layout).expect("opened");
-        sink.send_all(memory, Vec::new()).expect("round 1");
-        // Changed after round 1 and never reported: the rounds leave it out of the file.
-        ram.write_obj(0xa5u64, GuestAddress(0x1000))
-            .expect("guest memory");
-        sink.finish(memory, &layout, Vec::new()).expect("the pause");
-        sink.settle().expect("settled");
-        let info = outcome
-            .lock()
-            .expect("not poisoned")
-            .written
-            .expect("the snapshot");
-        let at_the_pause = MemoryCheck::of_memory(&*memory.current(), &layout).expect("read");
-        let file_check = info.memory.check(&mem_check);
-        let _ = std::fs::remove_file(&state_path);
-        let _ = std::fs::remove_file(&mem_path);
-        assert_eq!(
-            info.memory, at_the_pause,
-            "the check is the memory's at the pause"
+        let ended = live_diff(&chain, rounds, never, Some(Vcpu { pause_fails: true }));
+        assert_eq!(ended.phase, MigrationPhase::Failed, "{:?}", ended.error);
+        assert_carried(&ended, "a forced pause that fails");
+    }
+
+    /// Rounds that go on and on hold one bitmap per region, not one per round, and what a
+    /// cancel gives back is one per region too.
+    #[test]
+    fn kvm_a_live_diff_holds_one_bitmap_per_region_however_many_rounds() {
+        if !kvm_test_support::require_kvm(
+            "tinyvmm::snapshot::live::kvm_a_live_diff_holds_one_bitmap_per_region_however_many_rounds",
+        ) {
+            return;
+        }
+        let chain = Chain::new("rounds");
+        // 5 steps before round 2, then 3 a round: cancelled in round 40.
+        let ended = live_diff(
+            &chain,
+            endless(Duration::from_secs(600)),
+            (5 + 3 * 40, Fault::Cancel),
+            None,
+        );
+        assert_eq!(ended.phase, MigrationPhase::Cancelled, "{:?}", ended.error);
+        assert_carried(&ended, "a cancel in round 40");
+        assert!(
+            ended.most_held <= REGIONS.len(),
+            "the Diff held {} bitmaps for {} regions",
+            ended.most_held,
+            REGIONS.len()
         );
         assert!(
-            file_check.is_err(),
-            "a memory file without the point's page fails the check"
+            ended.unsaved <= REGIONS.len(),
+            "the cancelled Diff gave back {} bitmaps for {} regions",
+            ended.unsaved,
+            REGIONS.len()
         );
+    }
+
+    /// The live Full's memory check (read in the pause, never from the file it checks).
+    mod memory_check {
+        use std::sync::atomic::{AtomicBool, AtomicU64};
+        use std::time::{Duration, Instant};
+
+        use kvm_memslots::RegionSpec;
+        use vm_memory::{Bytes, GuestAddress, GuestAddressSpace};
+
+        use super::super::*;
+        use crate::migration::sink::Waits;
+        use crate::vm::{Vm, VmOptions};
+
+        static NOT_STOPPING: AtomicBool = AtomicBool::new(false);
+
+        /// A new, empty file in the temporary directory, removed first if a run left it.
+        fn new_file(name: &str) -> (PathBuf, File) {
+            let path = std::env::temp_dir()
+                .join(format!("tinyvmm-live-unit-{}-{name}", std::process::id()));
+            let _ = std::fs::remove_file(&path);
+            let file = File::options()
+                .read(true)
+                .write(true)
+                .create_new(true)
+                .open(&path)
+                .expect("a new file");
+            (path, file)
+        }
+
+        /// A live Full's memory check is the memory of its point, read in the pause: a page the
+        /// rounds left out of the memory file (as a lazy restore's unfilled pages once were) makes
+        /// the file fail its own snapshot's check. Computed from the file it checks, the check
+        /// would pass whatever the file missed.
+        #[test]
+        fn kvm_a_live_fulls_memory_check_is_read_from_memory_in_the_pause() {
+            if !kvm_test_support::require_kvm(
+                "tinyvmm::snapshot::live::kvm_a_live_fulls_memory_check_is_read_from_memory_in_the_pause",
+            ) {
+                return;
+            }
+            let vm = Vm::new(VmOptions::default()).expect("a VM");
+            let memory = vm.memory();
+            memory
+                .add_region(RegionSpec::new(GuestAddress(0), 4 << 20))
+                .expect("a region");
+            let ram = memory.handle().memory();
+            ram.write_obj(0x5au64, GuestAddress(0x1000))
+                .expect("guest memory");
+            let (state_path, state_file) = new_file("state");
+            let (mem_path, mem_file) = new_file("mem");
+            let mem_check = mem_file.try_clone().expect("a second handle");
+            let outcome = Arc::new(Mutex::new(LiveOutcome::default()));
+            let write_state: StateWriter = Box::new(|_, _| Ok(Box::new(|_| b"state".to_vec())));
+            let mut sink = FileSink::new(
+                (state_path.clone(), state_file),
+                (mem_path.clone(), mem_file),
+                write_state,
+                Arc::clone(&outcome),
+            );
+            let waits = Waits {
+                cancel: Arc::new(AtomicBool::new(false)),
+                interrupt: &NOT_STOPPING,
+                started: Instant::now(),
+                timeout: Duration::from_secs(60),
+                bytes: Arc::new(AtomicU64::new(0)),
+            };
+            let layout = MemoryLayout::of(memory);
+            sink.open(&waits, memory, &layout).expect("opened");
+            sink.send_all(memory).expect("round 1");
+            // Changed after round 1 and never reported: the rounds leave it out of the file.
+            ram.write_obj(0xa5u64, GuestAddress(0x1000))
+                .expect("guest memory");
+            sink.finish(memory, &layout, Vec::new()).expect("the pause");
+            sink.settle().expect("settled");
+            let info = outcome
+                .lock()
+                .expect("not poisoned")
+                .written
+                .expect("the snapshot");
+            let at_the_pause = MemoryCheck::of_memory(&*memory.current(), &layout).expect("read");
+            let file_check = info.memory.check(&mem_check);
+            let _ = std::fs::remove_file(&state_path);
+            let _ = std::fs::remove_file(&mem_path);
+            assert_eq!(
+                info.memory, at_the_pause,
+                "the check is the memory's at the pause"
+            );
+            assert!(
+                file_check.is_err(),
+                "a memory file without the point's page fails the check"
+            );
+        }
     }
 }

@@ -306,10 +306,24 @@ impl MigratingVcpu for VcpuHandle {
         }
     }
 
-    /// Lifts a pause.
+    /// Lifts a pause (not a hold).
     fn resume(&self) {
         if self.running {
             self.shared.resume();
+        }
+    }
+
+    /// Holds the pause of a vCPU that runs a command (one between commands runs none: the
+    /// controller refuses guest commands while a migration holds the VM).
+    fn hold(&self) {
+        if self.running {
+            self.shared.hold();
+        }
+    }
+
+    fn release(&self) {
+        if self.running {
+            self.shared.release();
         }
     }
 }

@@ -172,6 +172,8 @@ struct PauseGate {
 #[derive(Debug, Default)]
 struct Gate {
     requested: bool,
+    /// An unconfirmed migration holds the pause: only [`VcpuShared::release`] lifts it.
+    held: bool,
     parked: bool,
     /// A save asked for.
     save: Option<SaveRequest>,
@@ -287,13 +289,37 @@ impl VcpuShared {
         }
     }
 
-    /// Lifts a pause: the vCPU enters the guest again where it was.
+    /// Lifts a pause: the vCPU enters the guest again where it was; unless a migration holds
+    /// it ([`hold`](Self::hold)): then the pause stays until [`release`](Self::release).
     pub fn resume(&self) {
         let mut gate = self.pause.lock();
+        if gate.held {
+            return;
+        }
         gate.requested = false;
         self.pause.wanted.store(false, Ordering::Release);
         drop(gate);
         self.pause.changed.notify_all();
+    }
+
+    /// Keeps the vCPU paused (it is, or parks at its next exit) until [`release`]: a
+    /// migration that ended unconfirmed may have left the VM running on its destination, and
+    /// no other pause's [`resume`](Self::resume) (a live snapshot's, a failed migration's)
+    /// may run the guest here too.
+    ///
+    /// [`release`]: Self::release
+    pub fn hold(&self) {
+        let mut gate = self.pause.lock();
+        gate.held = true;
+        gate.requested = true;
+        self.pause.wanted.store(true, Ordering::Release);
+    }
+
+    /// Lifts a [`hold`](Self::hold) and the pause with it (a client says the destination
+    /// does not run the VM: `PATCH /vm {"state": "Resumed"}`).
+    pub fn release(&self) {
+        self.pause.lock().held = false;
+        self.resume();
     }
 
     /// Whether a pause is asked for; no lock, as it is read on every exit.
@@ -510,11 +536,7 @@ impl<P: VcpuPorts + 'static> Vcpu<P> {
             .spawn(move || {
                 // SAFETY: pthread_self has no preconditions.
                 let me = unsafe { libc::pthread_self() };
-                *self
-                    .shared
-                    .thread
-                    .lock()
-                    .unwrap_or_else(|p| p.into_inner()) = Some(me);
+                *self.shared.thread.lock().unwrap_or_else(|p| p.into_inner()) = Some(me);
                 let shared = Arc::clone(&self.shared);
                 STARTED
                     .lock()
@@ -576,7 +598,10 @@ fn cut_memory(memory: &MemoryManager<KvmVm>) -> Option<String> {
                 "/proc/self/fd/{}",
                 std::os::fd::AsRawFd::as_raw_fd(file.file())
             ))
-            .map_or_else(|_| "its file".to_owned(), |p| format!("file {}", p.display()));
+            .map_or_else(
+                |_| "its file".to_owned(),
+                |p| format!("file {}", p.display()),
+            );
             // The first guest address past the file's end.
             let first = region.gpa.0 + len.saturating_sub(file.start()).min(region.size);
             format!(
@@ -827,5 +852,30 @@ impl<P: VcpuPorts> Vcpu<P> {
                 return Ok(());
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_a_release_lifts_a_hold() {
+        let shared = VcpuShared::default();
+        shared.hold();
+        assert!(
+            shared.pause_requested(),
+            "a held vCPU parks at its next exit"
+        );
+        // A live snapshot's or a failed migration's resume leaves it paused.
+        shared.resume();
+        assert!(shared.pause_requested());
+        shared.release();
+        assert!(!shared.pause_requested());
+        // Without a hold, a resume lifts a pause as before.
+        shared.pause.lock().requested = true;
+        shared.pause.wanted.store(true, Ordering::Release);
+        shared.resume();
+        assert!(!shared.pause_requested());
     }
 }
