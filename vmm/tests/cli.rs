@@ -164,22 +164,10 @@ fn usage_errors_have_their_own_exit_status_and_help_and_version_succeed() {
         &["receive", "--api-sock", "/nonexistent/x.sock"],
         // A recording's length must be a number of seconds above 0, its list a file, and a
         // raw request's body JSON: each a usage error before anything starts.
-        &restore_recording("--record-secs=-1"),
-        &restore_recording("--record-secs=nan"),
-        &restore_recording("--record-secs=0"),
-        &[
-            "restore",
-            "--snapshot",
-            "/nonexistent/s",
-            "--mem-file",
-            "/nonexistent/m",
-            "--api-sock",
-            "/nonexistent/x.sock",
-            "--mem-backend",
-            "uffd",
-            "--record-working-set",
-            "/tmp",
-        ],
+        &recording_into("/nonexistent/w.wset", "--record-secs=-1"),
+        &recording_into("/nonexistent/w.wset", "--record-secs=nan"),
+        &recording_into("/nonexistent/w.wset", "--record-secs=0"),
+        &recording_into("/tmp", "--record-secs=5"),
         &[
             "client",
             "--api-sock",
@@ -404,8 +392,8 @@ fn kvm_log_requests_logs_each_request_with_its_status() {
     );
 }
 
-/// `tinyvmm restore` with a working-set recording and `secs`.
-fn restore_recording(secs: &str) -> [&str; 12] {
+/// `tinyvmm restore` with a working-set recording into `list` and `secs`.
+fn recording_into<'a>(list: &'a str, secs: &'a str) -> [&'a str; 12] {
     [
         "restore",
         "--snapshot",
@@ -417,7 +405,7 @@ fn restore_recording(secs: &str) -> [&str; 12] {
         "--mem-backend",
         "uffd",
         "--record-working-set",
-        "/nonexistent/w.wset",
+        list,
         secs,
     ]
 }

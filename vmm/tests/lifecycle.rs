@@ -676,6 +676,17 @@ impl Sequence {
         }
     }
 
+    /// Cancels the live snapshot under way `after` its start, if given (a 409 means it had
+    /// ended by itself).
+    fn cancel_live(&mut self, after: Option<Duration>) {
+        let Some(after) = after else { return };
+        std::thread::sleep(after);
+        let (status, answer) = self.call("PUT", "/snapshot/cancel", None);
+        if !matches!(status, 204 | 409) {
+            self.fail(&format!("cancel: {status} {answer}"));
+        }
+    }
+
     /// Waits for the live snapshot under way to end; its last `GET /snapshot`.
     fn live_outcome(&mut self) -> Value {
         let deadline = Instant::now() + Duration::from_secs(120);
@@ -797,14 +808,7 @@ impl Sequence {
         if status != 204 {
             self.fail(&format!("live {kind}: {status} {answer}"));
         }
-        if let Some(after) = cancel {
-            std::thread::sleep(after);
-            // 409 once it has ended by itself.
-            let (status, answer) = self.call("PUT", "/snapshot/cancel", None);
-            if !matches!(status, 204 | 409) {
-                self.fail(&format!("cancel: {status} {answer}"));
-            }
-        }
+        self.cancel_live(cancel);
         let info = self.live_outcome();
         let phase = info["phase"].as_str().unwrap_or("").to_owned();
         self.note(format!(
@@ -870,13 +874,7 @@ impl Sequence {
             if status != 204 {
                 self.fail(&format!("live Diff of a writing guest: {status} {answer}"));
             }
-            if let Some(after) = cancel {
-                std::thread::sleep(after);
-                let (status, answer) = self.call("PUT", "/snapshot/cancel", None);
-                if !matches!(status, 204 | 409) {
-                    self.fail(&format!("cancel: {status} {answer}"));
-                }
-            }
+            self.cancel_live(cancel);
             let info = self.live_outcome();
             if info["phase"] != "cancelled" {
                 self.fail(&format!(
