@@ -273,41 +273,7 @@ fn kvm_a_dead_guest_is_failed_refuses_commands_and_exits_4() {
     // is cut while the guest writes (removing, moving or unplugging memory under a guest
     // command is refused, so no client can do this to a guest).
     let dir = std::env::temp_dir().join(format!("tinyvmm-test-{}-dead", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).expect("a folder");
-    let (state, mem) = (dir.join("d.state"), dir.join("d.mem"));
-    let (template, socket) = serve_mib("dead-template", 8);
-    let written = ask(
-        &socket,
-        "PUT",
-        "/guest/command",
-        write(AREA, AREA + 8 * MIB, 5),
-    );
-    assert_eq!(written.0, 200, "{written:?}");
-    assert_eq!(
-        ask(&socket, "PATCH", "/vm", json!({"state": "Paused"})).0,
-        204
-    );
-    let snapshot = json!({"snapshot_type": "Full", "snapshot_path": state, "mem_file_path": mem});
-    let saved = ask(&socket, "PUT", "/snapshot/create", snapshot);
-    assert_eq!(saved.0, 204, "{saved:?}");
-    stop(&socket);
-    exits_with(template, &socket, 0);
-    let (child, socket) = start(
-        "dead",
-        &[
-            "restore",
-            "--snapshot",
-            state.to_str().expect("utf-8"),
-            "--mem-file",
-            mem.to_str().expect("utf-8"),
-        ],
-    );
-    let vmm = Reap(Some(child));
-    assert_eq!(
-        ask(&socket, "PATCH", "/vm", json!({"state": "Resumed"})).0,
-        204
-    );
+    let (vmm, socket, mem) = restored_from_a_file(&dir, "dead");
     let write_loop =
         json!({"op": "write_loop", "start": AREA, "end": AREA + 8 * MIB, "stride": PAGE});
     let started = ask(&socket, "PUT", "/guest/command", write_loop);
@@ -571,41 +537,7 @@ fn kvm_a_memory_file_truncated_under_a_restore_stops_the_vm_with_a_reason() {
         return;
     }
     let dir = std::env::temp_dir().join(format!("tinyvmm-test-{}-gone", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).expect("a folder");
-    let (state, mem) = (dir.join("t.state"), dir.join("t.mem"));
-    let (template, socket) = serve_mib("gone-template", 8);
-    assert_eq!(
-        ask(
-            &socket,
-            "PUT",
-            "/guest/command",
-            write(AREA, AREA + 8 * MIB, 5)
-        )
-        .0,
-        200
-    );
-    let paused = ask(&socket, "PATCH", "/vm", json!({"state": "Paused"}));
-    assert_eq!(paused.0, 204, "{paused:?}");
-    let snapshot = json!({"snapshot_type": "Full", "snapshot_path": state, "mem_file_path": mem});
-    let saved = ask(&socket, "PUT", "/snapshot/create", snapshot);
-    assert_eq!(saved.0, 204, "{saved:?}");
-    stop(&socket);
-    exits_with(template, &socket, 0);
-
-    let (child, socket) = start(
-        "gone-restored",
-        &[
-            "restore",
-            "--snapshot",
-            state.to_str().expect("utf-8"),
-            "--mem-file",
-            mem.to_str().expect("utf-8"),
-        ],
-    );
-    let restored = Reap(Some(child));
-    let resumed = ask(&socket, "PATCH", "/vm", json!({"state": "Resumed"}));
-    assert_eq!(resumed.0, 204, "{resumed:?}");
+    let (restored, socket, mem) = restored_from_a_file(&dir, "gone");
     // As `cp new.mem old.mem` would: the file is cut to nothing under the mapping.
     std::fs::OpenOptions::new()
         .write(true)
@@ -666,4 +598,42 @@ fn kvm_a_sigbus_sent_from_outside_ends_the_vmm_as_before() {
     assert_eq!(status.signal(), Some(libc::SIGBUS), "{status:?}");
     vmm.0 = None;
     let _ = std::fs::remove_file(&socket);
+}
+
+/// A `serve` VM whose 8 MiB at `AREA` were written (seed 5), paused, snapshotted (Full) into
+/// `dir` and stopped, then restored file-backed (the memory file mapped) in a new process
+/// `name`, resumed: the process, its API socket and the memory file it maps.
+fn restored_from_a_file(dir: &Path, name: &str) -> (Reap, std::path::PathBuf, std::path::PathBuf) {
+    let _ = std::fs::remove_dir_all(dir);
+    std::fs::create_dir_all(dir).expect("a folder");
+    let (state, mem) = (dir.join("t.state"), dir.join("t.mem"));
+    let (template, socket) = serve_mib(&format!("{name}-template"), 8);
+    let written = ask(
+        &socket,
+        "PUT",
+        "/guest/command",
+        write(AREA, AREA + 8 * MIB, 5),
+    );
+    assert_eq!(written.0, 200, "{written:?}");
+    let paused = ask(&socket, "PATCH", "/vm", json!({"state": "Paused"}));
+    assert_eq!(paused.0, 204, "{paused:?}");
+    let snapshot = json!({"snapshot_type": "Full", "snapshot_path": state, "mem_file_path": mem});
+    let saved = ask(&socket, "PUT", "/snapshot/create", snapshot);
+    assert_eq!(saved.0, 204, "{saved:?}");
+    stop(&socket);
+    exits_with(template, &socket, 0);
+    let (child, socket) = start(
+        &format!("{name}-restored"),
+        &[
+            "restore",
+            "--snapshot",
+            state.to_str().expect("utf-8"),
+            "--mem-file",
+            mem.to_str().expect("utf-8"),
+        ],
+    );
+    let restored = Reap(Some(child));
+    let resumed = ask(&socket, "PATCH", "/vm", json!({"state": "Resumed"}));
+    assert_eq!(resumed.0, 204, "{resumed:?}");
+    (restored, socket, mem)
 }
