@@ -8,6 +8,7 @@
 use std::fs::File;
 use std::io::{Read, Write};
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use kvm_memslots_persist::{LazyOptions, MemoryLayout, Recording, WorkingSet};
@@ -55,18 +56,7 @@ impl WorkingSetFiles {
         if let Some(path) = &self.record {
             // The file is made now, so that a path that cannot be written is refused before
             // anything runs; it takes the list's name when the recording ends.
-            let partial = partial_path(path);
-            let file = File::create(&partial).map_err(|e| {
-                (
-                    path.clone(),
-                    format!("creating {} for the recording: {e}", partial.display()),
-                )
-            })?;
-            let pending = PendingList {
-                file: Some(file),
-                partial,
-                path: path.clone(),
-            };
+            let pending = PendingList::create(path).map_err(|e| (path.clone(), e))?;
             options.record = Some(Recording::new(snapshot, self.record_for, move |set| {
                 pending.write(&set)
             }));
@@ -99,10 +89,19 @@ fn read_list(path: &Path) -> Result<WorkingSet, String> {
     WorkingSet::from_bytes(&bytes).map_err(|e| e.to_string())
 }
 
-/// Where a recording is written before it takes `path`'s name.
+/// Where a recording is written before it takes `path`'s name: a file of its own (the
+/// process's id and a count), so that two restores recording into one path at once (two clones
+/// of a snapshot) each write a whole list, and the last to end gives `path` its list. (A shared
+/// name let the second restore truncate the first one's file under it: each then wrote over
+/// the other's bytes, and `path` got a list that its own header refuses.)
 fn partial_path(path: &Path) -> PathBuf {
+    static RECORDINGS: AtomicU64 = AtomicU64::new(0);
     let mut name = path.as_os_str().to_owned();
-    name.push(".partial");
+    name.push(format!(
+        ".{}-{}.partial",
+        std::process::id(),
+        RECORDINGS.fetch_add(1, Ordering::Relaxed)
+    ));
     PathBuf::from(name)
 }
 
@@ -115,6 +114,18 @@ struct PendingList {
 }
 
 impl PendingList {
+    /// Makes the recording's file for `path`; the error says why it cannot be made.
+    fn create(path: &Path) -> Result<Self, String> {
+        let partial = partial_path(path);
+        let file = File::create(&partial)
+            .map_err(|e| format!("creating {} for the recording: {e}", partial.display()))?;
+        Ok(PendingList {
+            file: Some(file),
+            partial,
+            path: path.to_owned(),
+        })
+    }
+
     /// Writes `set` and gives the file its name, so that `path` is either the whole list or
     /// absent; says on stderr what was written, or why nothing was.
     fn write(mut self, set: &WorkingSet) {
@@ -151,5 +162,42 @@ impl Drop for PendingList {
         if self.file.is_some() {
             let _ = std::fs::remove_file(&self.partial);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn set(snapshot: u128, runs: &[std::ops::Range<u64>]) -> WorkingSet {
+        WorkingSet {
+            snapshot,
+            layout_crc32: 7,
+            runs: runs.to_vec(),
+        }
+    }
+
+    /// Two restores of one snapshot recording into one path at once (the second made its file
+    /// before the first wrote): each list is written whole, and the path holds the last one
+    /// written, which reads back. (With one shared partial file the second truncated the
+    /// first's under it, and the path got a list its own header refuses.)
+    #[test]
+    fn two_recordings_into_one_path_each_write_a_whole_list() {
+        let dir = std::env::temp_dir().join(format!("tinyvmm-wset-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).expect("a scratch folder");
+        let path = dir.join("snap.wset");
+        let (long, short) = (set(1, &[0..4, 9..12, 20..21]), set(1, &[5..6]));
+        let first = PendingList::create(&path).expect("the first recording's file");
+        let second = PendingList::create(&path).expect("the second recording's file");
+        first.write(&long);
+        assert_eq!(read_list(&path), Ok(long), "the first list, whole");
+        second.write(&short);
+        assert_eq!(read_list(&path), Ok(short), "the last list, whole");
+        let left: Vec<_> = std::fs::read_dir(&dir)
+            .expect("the folder")
+            .map(|e| e.expect("an entry").file_name())
+            .collect();
+        assert_eq!(left, ["snap.wset"], "no partial file is left");
+        std::fs::remove_dir_all(&dir).ok();
     }
 }
