@@ -442,13 +442,18 @@ fn live_restore_and_migrate_twice(
         "/migrate",
         Some(json!({"destination": format!("unix:{}", first_listen.display()), "timeout_s": 120})),
     );
-    let (src_output, src_console) = source.wait();
-    assert_eq!(
-        src_output.status.code(),
-        Some(0),
-        "the restored source ends once the VM runs on the first destination: {}",
-        String::from_utf8_lossy(&src_output.stderr)
-    );
+    // A VMM whose VM moved on ends, exit status 0, once the VM runs on the destination.
+    let moved_away = |vmm: &mut Vmm, what: &str| {
+        let (output, console) = vmm.wait();
+        assert_eq!(
+            output.status.code(),
+            Some(0),
+            "{what} ends once the VM runs on its destination: {}",
+            String::from_utf8_lossy(&output.stderr)
+        );
+        console
+    };
+    let src_console = moved_away(&mut source, "the restored source");
     // The received VM runs, and moves on at once, its memory handed over.
     first.wait_for_api();
     assert_eq!(first.ok("GET", "/vm", None)["state"], "Running");
@@ -461,13 +466,7 @@ fn live_restore_and_migrate_twice(
             "timeout_s": 120,
         })),
     );
-    let (first_output, first_console) = first.wait();
-    assert_eq!(
-        first_output.status.code(),
-        Some(0),
-        "the first destination ends once the VM runs on the second: {}",
-        String::from_utf8_lossy(&first_output.stderr)
-    );
+    let first_console = moved_away(&mut first, "the first destination");
     let (second_output, second_console) = second.wait();
     (
         format!("{src_console}{first_console}{second_console}"),

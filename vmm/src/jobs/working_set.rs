@@ -186,7 +186,7 @@ mod tests {
         let dir = std::env::temp_dir().join(format!("tinyvmm-wset-{}", std::process::id()));
         std::fs::create_dir_all(&dir).expect("a scratch folder");
         let path = dir.join("snap.wset");
-        let (long, short) = (set(1, &[0..4, 9..12, 20..21]), set(1, &[5..6]));
+        let (long, short) = (set(1, &[0..4, 9..12, 20..21]), set(1, &[5..6, 30..31]));
         let first = PendingList::create(&path).expect("the first recording's file");
         let second = PendingList::create(&path).expect("the second recording's file");
         first.write(&long);
