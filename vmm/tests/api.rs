@@ -1184,7 +1184,31 @@ fn kvm_a_slot_budget_refuses_changes_past_it_and_get_memory_shows_it() {
         "{response:?}"
     );
     assert_eq!(vmm.memory(), memory, "a refusal changes nothing");
-    assert_eq!(add(room).0, 201);
+    // A hotplug area is held to the budget too, when it is configured (not half-way through a
+    // later plug): 2 pieces cannot fit in 1 slot left, 1 can.
+    let area = |mib: u64| {
+        vmm.call(
+            "PUT",
+            "/hotplug/memory",
+            Some(json!({"total_size_mib": mib, "block_size_mib": 2, "slot_size_mib": 8})),
+        )
+    };
+    assert_eq!(add(room - 1).0, 201);
+    let refused = area(16);
+    assert_eq!(refused.0, 409, "{refused:?}");
+    assert!(
+        fault(&refused)
+            .contains("needs 2 KVM slots; 1 are free (in KVM and within the slot budget"),
+        "{refused:?}"
+    );
+    assert_eq!(vmm.call("GET", "/hotplug/memory", None).0, 404);
+    assert_eq!(area(8).0, 204);
+    let plugged = vmm.call(
+        "PATCH",
+        "/hotplug/memory",
+        Some(json!({"requested_size_mib": 8})),
+    );
+    assert_eq!(plugged.0, 204, "{plugged:?}");
     assert_eq!(vmm.memory()["slots"]["used"], json!(6));
     vmm.stop();
 }

@@ -75,7 +75,8 @@ impl PieceChange {
 
 impl HotplugArea {
     /// Checks `config` for an area at `gpa` that must end at or below `limit` (where the guest
-    /// reaches) and fit in `free_slots` KVM slots; returns the area, nothing plugged.
+    /// reaches) and fit in `free_slots` KVM slots (KVM's free ones within the slot budget);
+    /// returns the area, nothing plugged.
     pub fn new(
         config: HotplugConfig,
         gpa: u64,
@@ -113,7 +114,8 @@ impl HotplugArea {
         let pieces = total / (slot * MIB);
         if pieces > free_slots as u64 {
             return Err(ControllerError::conflict(format!(
-                "the hotplug area needs {pieces} KVM slots; {free_slots} are free"
+                "the hotplug area needs {pieces} KVM slots; {free_slots} are free (in KVM and \
+                 within the slot budget, --max-slots)"
             )));
         }
         Ok(HotplugArea {
@@ -339,7 +341,8 @@ mod tests {
         assert_eq!(e.kind, ErrorKind::Conflict);
         assert_eq!(
             e.message,
-            "the hotplug area needs 32 KVM slots; 31 are free"
+            "the hotplug area needs 32 KVM slots; 31 are free (in KVM and within the slot \
+             budget, --max-slots)"
         );
         let a = HotplugArea::new(config(64, 2, Some(8)), GPA, LIMIT, 8).unwrap();
         assert_eq!(

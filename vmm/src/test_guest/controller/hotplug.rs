@@ -76,11 +76,17 @@ impl Controller {
             ));
         }
         let memory = self.vm.memory();
+        // The slots it may take: KVM's free ones, within the slot budget (`--max-slots`), so
+        // that no plug is refused half-way later for want of slots.
+        let usage = memory.slot_usage();
+        let within_budget = memory.limits().max_slots.saturating_sub(usage.used as u64);
         let area = HotplugArea::new(
             config,
             HOTPLUG_GPA,
             test_guest::IDENTITY_MAPPED,
-            memory.slot_usage().free,
+            usage
+                .free
+                .min(usize::try_from(within_budget).unwrap_or(usize::MAX)),
         )?;
         // All of it plugged must be admissible now: refuse an area that could only ever be
         // plugged in part.
