@@ -211,10 +211,25 @@ impl Process {
     }
 
     fn stop(mut self) {
+        if self.child.is_none() {
+            return;
+        }
         let stop = json!({"action_type": "Stop"});
         // A VMM that does not answer any more is ended all the same.
         let _ = Client::connect(&self.api).and_then(|mut c| c.call("PUT", "/actions", Some(&stop)));
         self.exited();
+    }
+}
+
+impl Process {
+    /// Sends SIGTERM and waits for the process to exit; its status.
+    fn terminate(&mut self) -> Option<i32> {
+        let pid = self.child.as_ref().expect("running").id();
+        // SAFETY: kill() only sends a signal; `pid` is our own child, not yet reaped (the
+        // `Child` still holds it), so the number names no other process.
+        let sent = unsafe { libc::kill(pid as libc::pid_t, libc::SIGTERM) };
+        assert_eq!(sent, 0, "kill {pid}");
+        self.exited()
     }
 }
 
@@ -886,15 +901,8 @@ impl Sequence {
             }
             format!("cancelled in round {}", info["round"])
         };
-        let stop = json!({"op": "stop_loop", "vcpu": 0});
-        let stopped = self.ok("PUT", "/guest/command", Some(stop));
-        let Some(last) = stopped["last_seed"].as_u64() else {
-            self.fail(&format!("stop_loop: {stopped}"))
-        };
-        for chunk in &mut self.vm.model.area[from..to] {
-            *chunk = last;
-        }
-        self.next_seed = self.next_seed.max(last);
+        self.stop_loop(from, to);
+        let last = self.vm.model.area[from];
         self.note(format!(
             "live Diff {name} with a write loop over chunks {from}..{to} (cancel {cancel:?}): \
              {outcome}, loop's last pass {last}"
@@ -908,6 +916,14 @@ impl Sequence {
             return self.paused_snapshot("Full");
         }
         let saved = self.saved[self.rng.below(self.saved.len())].clone();
+        let vm = self.restored(&saved);
+        let old = std::mem::replace(&mut self.vm, vm);
+        old.process.stop();
+    }
+
+    /// `saved` restored in a new process with a backend picked at random, waiting paused as a
+    /// restored VM does.
+    fn restored(&mut self, saved: &Saved) -> Vm {
         let backend = ["copy", "file", "uffd", "uffd-prefetch"][self.rng.below(4)];
         let name = self.name("restored");
         let mut args: Vec<String> = [
@@ -938,22 +954,105 @@ impl Sequence {
         if let Err(e) = process.wait_for_vm(&self.dir) {
             self.fail(&e);
         }
-        let old = std::mem::replace(
-            &mut self.vm,
-            Vm {
-                process,
-                model: saved.model.clone(),
-                paused: true,
-                ring: saved.ring,
-                origin: Origin(format!("{name}: {} restored with {backend}", saved.name)),
-                chain: None,
-            },
-        );
-        old.process.stop();
-        let (_, vm) = self.call("GET", "/vm", None);
-        if vm["state"] != "Paused" {
-            self.fail(&format!("a restored VM waits, paused: {vm}"));
+        let mut client = Client::connect(&process.api).expect("the restored VM's API");
+        match client.call("GET", "/vm", None) {
+            Ok((200, vm)) if vm["state"] == "Paused" => {}
+            answer => self.fail(&format!("a restored VM waits, paused: {answer:?}")),
         }
+        Vm {
+            process,
+            model: saved.model.clone(),
+            paused: true,
+            ring: saved.ring,
+            origin: Origin(format!("{name}: {} restored with {backend}", saved.name)),
+            chain: None,
+        }
+    }
+
+    /// Two clones of one snapshot side by side: each written with seeds of its own over the
+    /// same chunks, and each then holding its own writes and the snapshot's pages alone (a
+    /// private file mapping, a userfaultfd loader or a copy shares nothing a clone wrote). One
+    /// clone goes on as the sequence's VM.
+    fn clones(&mut self) {
+        if self.saved.is_empty() {
+            return self.paused_snapshot("Full");
+        }
+        let saved = self.saved[self.rng.below(self.saved.len())].clone();
+        let from = self.rng.below(CHUNKS);
+        let to = from + 1 + self.rng.below(CHUNKS - from);
+        let first = self.restored(&saved);
+        let old = std::mem::replace(&mut self.vm, first);
+        old.process.stop();
+        let mut second = self.restored(&saved);
+        self.note(format!(
+            "two clones of {}: each writes chunks {from}..{to}",
+            saved.name
+        ));
+        for _ in 0..2 {
+            self.write(from, to);
+            std::mem::swap(&mut self.vm, &mut second);
+        }
+        for _ in 0..2 {
+            self.check();
+            std::mem::swap(&mut self.vm, &mut second);
+        }
+        if self.rng.chance(50) {
+            std::mem::swap(&mut self.vm, &mut second);
+        }
+        second.process.stop();
+    }
+
+    /// Ends the VM with `PUT /actions` Stop (exit 0) or SIGTERM (exit 130), now and then in
+    /// the middle of a live snapshot that SIGTERM must cancel leaving no file; the sequence
+    /// goes on from a restore of a snapshot taken so far.
+    fn end_vm(&mut self) {
+        if self.saved.is_empty() {
+            return self.paused_snapshot("Full");
+        }
+        let how = self.rng.below(3);
+        let mut left = Vec::new();
+        let status = match how {
+            0 => {
+                let stop = json!({"action_type": "Stop"});
+                self.ok("PUT", "/actions", Some(stop));
+                self.vm.process.exited()
+            }
+            1 => self.vm.process.terminate(),
+            _ => {
+                // A live Full that cannot converge (no downtime allowed) runs its rounds
+                // until the signal ends it.
+                self.resume();
+                let name = self.name("sigterm");
+                left = vec![
+                    self.path(&format!("{name}.state")),
+                    self.path(&format!("{name}.mem")),
+                ];
+                let body = json!({"snapshot_type": "Full", "snapshot_path": left[0],
+                                  "mem_file_path": left[1], "live": true, "downtime_ms": 0,
+                                  "timeout_s": 60});
+                let (status, answer) = self.call("PUT", "/snapshot/create", Some(body));
+                if status != 204 {
+                    self.fail(&format!("a live Full: {status} {answer}"));
+                }
+                std::thread::sleep(Duration::from_millis(self.rng.below(50) as u64));
+                self.vm.process.terminate()
+            }
+        };
+        let what = ["Stop", "SIGTERM", "SIGTERM in a live Full"][how];
+        self.note(format!("end the VM: {what}: exit {status:?}"));
+        let expected = if how == 0 { 0 } else { 130 };
+        if status != Some(expected) {
+            self.fail(&format!(
+                "{what} ended the VMM with {status:?}, not {expected}"
+            ));
+        }
+        if let Some(file) = left.iter().find(|f| f.exists()) {
+            self.fail(&format!(
+                "a live snapshot ended by SIGTERM left {}",
+                file.display()
+            ));
+        }
+        self.restore();
     }
 
     /// Migrates the VM to a new `tinyvmm receive`: completed (it becomes the sequence's VM) or
@@ -983,7 +1082,28 @@ impl Sequence {
         destination.wait_listening();
         let local = !tcp && self.rng.chance(40);
         let cancel = self.rng.chance(30);
-        let body = json!({"destination": endpoint, "local": local, "timeout_s": 60});
+        // Now and then the guest writes in a loop all along: the rounds never converge (no
+        // downtime is allowed), and at the 1 s timeout the migration either forces the pause
+        // or gives up, as asked. The loop goes on wherever the VM then runs.
+        let looping = self.rng.chance(30).then(|| {
+            let from = self.rng.below(CHUNKS);
+            (from, from + 1 + self.rng.below(CHUNKS - from))
+        });
+        let force = self.rng.chance(50);
+        let body = match looping {
+            Some((from, to)) => {
+                let (start, end) = self.range(from, to);
+                let command = support::guest_command("write_loop", start, end, self.next_seed + 1);
+                let started = self.ok("PUT", "/guest/command", Some(command));
+                if started["result"] != "started" {
+                    self.fail(&format!("write_loop {from}..{to}: {started}"));
+                }
+                let on_timeout = if force { "force" } else { "cancel" };
+                json!({"destination": endpoint, "local": local, "timeout_s": 1,
+                       "downtime_ms": 0, "on_timeout": on_timeout})
+            }
+            None => json!({"destination": endpoint, "local": local, "timeout_s": 60}),
+        };
         let (status, answer) = self.call("PUT", "/migrate", Some(body));
         if status != 204 {
             self.fail(&format!("PUT /migrate: {status} {answer}"));
@@ -1018,8 +1138,13 @@ impl Sequence {
         };
         self.note(format!(
             "migrate to {name} over {endpoint} (local {local}, cancel {cancel}, destination \
-             ring {ring}): {phase}"
+             ring {ring}, write loop over {looping:?}, force at the timeout {force}): {phase}"
         ));
+        if looping.is_some() && !cancel && phase != if force { "completed" } else { "cancelled" } {
+            self.fail(&format!(
+                "a migration that cannot converge ended {phase} with on_timeout force {force}"
+            ));
+        }
         if phase == "completed" {
             let status = self.vm.process.exited();
             if status != Some(0) {
@@ -1040,6 +1165,22 @@ impl Sequence {
         } else {
             destination.stop();
         }
+        if let Some((from, to)) = looping {
+            self.stop_loop(from, to);
+        }
+    }
+
+    /// Stops vCPU 0's write loop over chunks `[from, to)`: they hold its last pass.
+    fn stop_loop(&mut self, from: usize, to: usize) {
+        let stop = json!({"op": "stop_loop", "vcpu": 0});
+        let stopped = self.ok("PUT", "/guest/command", Some(stop));
+        let Some(last) = stopped["last_seed"].as_u64() else {
+            self.fail(&format!("stop_loop: {stopped}"))
+        };
+        for chunk in &mut self.vm.model.area[from..to] {
+            *chunk = last;
+        }
+        self.next_seed = self.next_seed.max(last);
     }
 
     /// A client's harvest of the dirty log (turning logging on first): it takes no page from a
@@ -1057,7 +1198,7 @@ impl Sequence {
 
     /// One step, picked at random.
     fn step(&mut self) {
-        match self.rng.below(100) {
+        match self.rng.below(108) {
             0..=19 => {
                 let from = self.rng.below(CHUNKS);
                 let to = from + 1 + self.rng.below(CHUNKS - from);
@@ -1081,7 +1222,9 @@ impl Sequence {
             82..=89 => self.migrate(),
             90..=93 => self.region_step(),
             94..=98 => self.hotplug_step(),
-            _ => self.harvest(),
+            99 => self.harvest(),
+            100..=103 => self.end_vm(),
+            _ => self.clones(),
         }
         self.check();
     }
