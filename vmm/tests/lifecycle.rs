@@ -11,7 +11,10 @@
 //! receive` (over a Unix socket or TCP, to a destination logging with a bitmap or a ring,
 //! local handover; completed or cancelled), region changes (add, remove, move, read-only and
 //! back, writes refused where read-only), the hotplug area (configured, plugged and unplugged
-//! to random sizes) and client harvests of the dirty log. After every step the current VM's whole area is verified against the model, and
+//! to random sizes), client harvests of the dirty log, two clones of one snapshot side by side
+//! (each written and checked on its own), the VM's end (Stop, SIGTERM, SIGTERM in a live Full)
+//! followed by a restore, and migrations of a guest writing in a loop all along (no downtime
+//! allowed: the timeout forces the pause or cancels, as `on_timeout` says). After every step the current VM's whole area is verified against the model, and
 //! every answer is held to what the model says must happen (a Diff with no Full before it in
 //! this VM's chain is refused, and so on).
 //!
