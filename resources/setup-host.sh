@@ -34,6 +34,19 @@ if ! "$venv/bin/python" -c 'import openapi_spec_validator, yaml' 2>/dev/null; th
         'openapi-spec-validator>=0.7,<1' 'PyYAML>=6'
 fi
 
+# A small pool of 2 MiB hugetlb pages (1 GiB) for the tests of regions of huge pages, which
+# skip loudly without one. Only raised, never lowered; the kernel may give fewer pages than
+# asked where memory is fragmented.
+want_huge=512
+pool=/proc/sys/vm/nr_hugepages
+if [ -r "$pool" ] && [ "$(cat "$pool")" -lt "$want_huge" ]; then
+    echo "$want_huge" >"$pool" 2>/dev/null || true
+    if [ "$(cat "$pool")" -lt "$want_huge" ]; then
+        echo "warning: the hugetlb pool has $(cat "$pool") of the $want_huge 2 MiB pages the" \
+            "huge-page tests want: some will be SKIPPED" >&2
+    fi
+fi
+
 if [ ! -e /dev/kvm ]; then
     echo "warning: /dev/kvm is missing: KVM integration tests will be SKIPPED" >&2
 fi

@@ -209,8 +209,12 @@ impl Raw {
         if let Phase::Create = phase {
             let pages = u64::from(range.end - range.start);
             self.memory[b] = Some(
-                RegionMemory::new(pages * PAGE_SIZE, &kvm_memslots::Backing::Anonymous)
-                    .expect("map"),
+                RegionMemory::new(
+                    pages * PAGE_SIZE,
+                    &kvm_memslots::Backing::Anonymous,
+                    kvm_memslots::PageSize::Base,
+                )
+                .expect("map"),
             );
         }
         let mut log = [0u64; 1];

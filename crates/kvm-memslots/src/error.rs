@@ -41,13 +41,32 @@ pub enum Error {
     /// A region must hold memory.
     #[error("region size is zero")]
     ZeroSize,
-    /// An address or size is not a multiple of the 4 KiB page size.
-    #[error("{what} {value:#x} is not a multiple of the page size (0x1000)")]
+    /// An address or size is not a multiple of the page size: 4 KiB, or 2 MiB in a region
+    /// of hugetlb pages.
+    #[error("{what} {value:#x} is not a multiple of the page size ({page_size:#x})")]
     Unaligned {
         /// Which value: "guest address", "size", "slot size", "length".
         what: &'static str,
         /// The value.
         value: u64,
+        /// The page size it must be a multiple of.
+        page_size: u64,
+    },
+    /// The page size cannot back that kind of memory.
+    #[error("{page_size} pages cannot back {backing} memory (transparent huge pages are for anonymous memory and memfds)")]
+    PageSizeBacking {
+        /// The page size asked for.
+        page_size: &'static str,
+        /// The kind of backing.
+        backing: &'static str,
+    },
+    /// The host's hugetlb pool has too few free 2 MiB pages for the regions asked for.
+    #[error("the hugetlb pool has {available} free 2 MiB pages; the regions need {needed} (raise /proc/sys/vm/nr_hugepages)")]
+    HugetlbPool {
+        /// Pages the batch's regions need.
+        needed: u64,
+        /// Pages free and not reserved in the pool when it was asked.
+        available: u64,
     },
     /// The guest range does not fit below 2^64.
     #[error("guest range at {gpa:#x} of size {size:#x} wraps around the address space")]
@@ -291,6 +310,7 @@ impl Error {
         match self {
             Error::ZeroSize
             | Error::Unaligned { .. }
+            | Error::PageSizeBacking { .. }
             | Error::WrapAround { .. }
             | Error::SlotSize { .. }
             | Error::SlotLayout { .. }
@@ -306,6 +326,7 @@ impl Error {
             | Error::BatchOverlap { .. }
             | Error::RegionIdInUse(_)
             | Error::OutOfSlots { .. }
+            | Error::HugetlbPool { .. }
             | Error::OverLimit { .. } => ErrorKind::Conflict,
             Error::UndoFailed { .. }
             | Error::Broken { .. }
@@ -400,8 +421,23 @@ mod tests {
                 Error::Unaligned {
                     what: "size",
                     value: 0x800,
+                    page_size: 0x1000,
                 },
                 Invalid,
+            ),
+            (
+                Error::PageSizeBacking {
+                    page_size: "thp",
+                    backing: "file",
+                },
+                Invalid,
+            ),
+            (
+                Error::HugetlbPool {
+                    needed: 2,
+                    available: 1,
+                },
+                Conflict,
             ),
             (Error::WrapAround { gpa: 1, size: 2 }, Invalid),
             (

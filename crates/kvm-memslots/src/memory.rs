@@ -61,6 +61,59 @@ impl Backing {
     }
 }
 
+/// The size of the host pages behind a region, chosen per region
+/// ([`RegionSpec::with_page_size`](crate::RegionSpec::with_page_size)).
+///
+/// Whatever the page size, dirty logs, harvests and the VMM's write bitmap count 4 KiB pages
+/// (KVM logs a huge mapping's writes at 4 KiB); what changes is how the host backs the memory
+/// and which addresses and sizes are accepted.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum PageSize {
+    /// The host's base pages (4 KiB).
+    #[default]
+    Base,
+    /// 2 MiB pages from the host's hugetlb pool: anonymous memory is mapped `MAP_HUGETLB`, a
+    /// memfd is made `MFD_HUGETLB`, and a file (shared or private) must be on a hugetlbfs
+    /// mount of 2 MiB pages. The guest address, the size, the slot size and every slot and
+    /// discard boundary must be multiples of 2 MiB; the pool must hold the region's pages
+    /// when it is added (the mapping reserves them: no page fault can find the pool empty).
+    Huge2M,
+    /// Transparent huge pages: base-page anonymous memory or memfd that the kernel may back
+    /// with 2 MiB pages (`madvise(MADV_HUGEPAGE)`; for a memfd only where the host's
+    /// `shmem_enabled` allows it). Accepts what [`PageSize::Base`] accepts.
+    Transparent,
+}
+
+/// 2 MiB: the size of a huge page.
+pub const HUGE_PAGE_SIZE: u64 = 2 << 20;
+
+impl PageSize {
+    /// The unit addresses and sizes of the region must be multiples of: 2 MiB for hugetlb
+    /// pages, 4 KiB otherwise.
+    pub fn alignment(self) -> u64 {
+        match self {
+            PageSize::Huge2M => HUGE_PAGE_SIZE,
+            PageSize::Base | PageSize::Transparent => PAGE_SIZE,
+        }
+    }
+
+    /// A word for the page size, for messages and reports.
+    pub fn name(self) -> &'static str {
+        match self {
+            PageSize::Base => "4K",
+            PageSize::Huge2M => "2M",
+            PageSize::Transparent => "thp",
+        }
+    }
+
+    /// Whether memory of `backing` can have this page size: transparent huge pages are for
+    /// anonymous memory and memfds, not a caller's file.
+    pub fn fits(self, backing: &Backing) -> bool {
+        !(self == PageSize::Transparent
+            && matches!(backing, Backing::File(_) | Backing::PrivateFile(_)))
+    }
+}
+
 /// Why a region's memory could not be mapped.
 #[derive(Debug, thiserror::Error)]
 pub enum MappingError {
@@ -77,6 +130,19 @@ pub enum MappingError {
     Bitmap {
         /// The bitmap's size.
         bytes: u64,
+    },
+    /// A file given for 2 MiB pages is not on a hugetlbfs mount of 2 MiB pages.
+    #[error("the file for 2 MiB pages is not on a hugetlbfs mount of 2 MiB pages ({found})")]
+    NotHugetlbfs {
+        /// What the file's file system is: another file system, or hugetlbfs of another
+        /// page size.
+        found: String,
+    },
+    /// `madvise(MADV_HUGEPAGE)` failed.
+    #[error("asking for transparent huge pages (MADV_HUGEPAGE) failed: {source}")]
+    Transparent {
+        /// The system's error.
+        source: std::io::Error,
     },
     /// `mmap` failed.
     #[error("mapping {size:#x} bytes of {backing} memory failed: {source}")]
@@ -97,6 +163,7 @@ pub enum MappingError {
 /// KVM has a slot in it.
 pub struct RegionMemory {
     mapping: MmapRegion<AtomicBitmap>,
+    page_size: PageSize,
     shared: bool,
     /// A private mapping of a file: discarding a page must replace it with a zero page, since
     /// dropping it would bring the file's page back.
@@ -109,22 +176,30 @@ impl fmt::Debug for RegionMemory {
             .field("host_address", &format_args!("{:#x}", self.host_address()))
             .field("size", &format_args!("{:#x}", self.size()))
             .field("shared", &self.shared)
+            .field("page_size", &self.page_size)
             .finish()
     }
 }
 
 impl RegionMemory {
-    /// Maps `size` bytes (a multiple of the page size) of `backing`.
-    pub fn new(size: u64, backing: &Backing) -> Result<Self, MappingError> {
+    /// Maps `size` bytes (a multiple of `page_size`'s [alignment](PageSize::alignment)) of
+    /// `backing` in pages of `page_size`.
+    pub fn new(size: u64, backing: &Backing, page_size: PageSize) -> Result<Self, MappingError> {
         let len = usize::try_from(size).map_err(|_| MappingError::Mmap {
             size,
             backing: backing.kind(),
             source: MmapRegionError::InvalidOffsetLength,
         })?;
+        let hugetlb = page_size == PageSize::Huge2M;
         let file = match backing {
             Backing::Anonymous => None,
-            Backing::Memfd => Some(FileOffset::new(new_memfd(size)?, 0)),
-            Backing::File(fo) | Backing::PrivateFile(fo) => Some(fo.clone()),
+            Backing::Memfd => Some(FileOffset::new(new_memfd(size, hugetlb)?, 0)),
+            Backing::File(fo) | Backing::PrivateFile(fo) => {
+                if hugetlb {
+                    check_hugetlbfs(fo.file())?;
+                }
+                Some(fo.clone())
+            }
         };
         let private_file = matches!(backing, Backing::PrivateFile(_));
         let shared = file.is_some() && !private_file;
@@ -141,11 +216,19 @@ impl RegionMemory {
             .map_err(|_| MappingError::Bitmap {
                 bytes: words as u64 * 8,
             })?;
-        let page_size = std::num::NonZeroUsize::new(PAGE_SIZE as usize).expect("not zero");
+        let bitmap_page = std::num::NonZeroUsize::new(PAGE_SIZE as usize).expect("not zero");
+        // Base pages are reserved lazily. Hugetlb pages are not: the mapping reserves them in
+        // the pool now (or fails), so that no fault of the guest's can find the pool empty.
+        let flags = match (hugetlb, &file) {
+            (true, None) => sharing | libc::MAP_HUGETLB | libc::MAP_HUGE_2MB,
+            (true, Some(_)) => sharing,
+            (false, _) => sharing | libc::MAP_NORESERVE,
+        };
         let mut builder =
-            MmapRegionBuilder::new_with_bitmap(len, AtomicBitmap::new(len, page_size))
+            MmapRegionBuilder::new_with_bitmap(len, AtomicBitmap::new(len, bitmap_page))
                 .with_mmap_prot(libc::PROT_READ | libc::PROT_WRITE)
-                .with_mmap_flags(sharing | libc::MAP_NORESERVE);
+                .with_mmap_flags(flags)
+                .with_hugetlbfs(hugetlb);
         if let Some(fo) = file {
             builder = builder.with_file_offset(fo);
         }
@@ -154,11 +237,33 @@ impl RegionMemory {
             backing: backing.kind(),
             source,
         })?;
+        if page_size == PageSize::Transparent {
+            // SAFETY: the range is exactly the mapping just made, which `mapping` owns; the
+            // advice changes how the kernel backs it, never its contents.
+            let advised = unsafe {
+                libc::madvise(
+                    mapping.as_ptr().cast::<libc::c_void>(),
+                    len,
+                    libc::MADV_HUGEPAGE,
+                )
+            };
+            if advised != 0 {
+                return Err(MappingError::Transparent {
+                    source: std::io::Error::last_os_error(),
+                });
+            }
+        }
         Ok(RegionMemory {
             mapping,
+            page_size,
             shared,
             private_file,
         })
+    }
+
+    /// The size of the host pages behind the memory.
+    pub fn page_size(&self) -> PageSize {
+        self.page_size
     }
 
     /// Host address of the first byte.
@@ -203,10 +308,15 @@ impl RegionMemory {
     }
 }
 
-fn new_memfd(size: u64) -> Result<File, MappingError> {
+fn new_memfd(size: u64, hugetlb: bool) -> Result<File, MappingError> {
     let fail = |source| MappingError::Memfd { size, source };
+    let flags = if hugetlb {
+        libc::MFD_CLOEXEC | libc::MFD_HUGETLB | libc::MFD_HUGE_2MB
+    } else {
+        libc::MFD_CLOEXEC
+    };
     // SAFETY: the name is a valid NUL-terminated string; the call has no other input.
-    let fd = unsafe { libc::memfd_create(c"kvm-memslots-guest".as_ptr(), libc::MFD_CLOEXEC) };
+    let fd = unsafe { libc::memfd_create(c"kvm-memslots-guest".as_ptr(), flags) };
     if fd < 0 {
         return Err(fail(std::io::Error::last_os_error()));
     }
@@ -214,6 +324,48 @@ fn new_memfd(size: u64) -> Result<File, MappingError> {
     let file = unsafe { File::from_raw_fd(fd) };
     file.set_len(size).map_err(fail)?;
     Ok(file)
+}
+
+/// Checks that `file` is on hugetlbfs with 2 MiB pages.
+fn check_hugetlbfs(file: &File) -> Result<(), MappingError> {
+    use std::os::fd::AsRawFd;
+    /// hugetlbfs's `f_type` (linux/magic.h).
+    const HUGETLBFS_MAGIC: i64 = 0x9584_58f6;
+    // SAFETY: an all-zero `statfs` is a valid value of the plain C struct.
+    let mut fs: libc::statfs = unsafe { std::mem::zeroed() };
+    // SAFETY: `file` owns an open descriptor for the call; `fs` is a valid, writable statfs.
+    if unsafe { libc::fstatfs(file.as_raw_fd(), &mut fs) } != 0 {
+        return Err(MappingError::NotHugetlbfs {
+            found: format!("fstatfs failed: {}", std::io::Error::last_os_error()),
+        });
+    }
+    #[allow(clippy::unnecessary_cast)] // f_type's type differs between C libraries.
+    let magic = fs.f_type as i64;
+    if magic != HUGETLBFS_MAGIC {
+        return Err(MappingError::NotHugetlbfs {
+            found: format!("file system type {magic:#x}"),
+        });
+    }
+    #[allow(clippy::unnecessary_cast)]
+    let block = fs.f_bsize as u64;
+    if block != HUGE_PAGE_SIZE {
+        return Err(MappingError::NotHugetlbfs {
+            found: format!("hugetlbfs of {} KiB pages", block / 1024),
+        });
+    }
+    Ok(())
+}
+
+/// The hugetlb pool's 2 MiB pages that are neither in use nor promised to a mapping
+/// (`free_hugepages - resv_hugepages`); 0 where the host has no such pool.
+pub fn hugetlb_pages_available() -> u64 {
+    let read = |name: &str| -> u64 {
+        std::fs::read_to_string(format!("/sys/kernel/mm/hugepages/hugepages-2048kB/{name}"))
+            .ok()
+            .and_then(|s| s.trim().parse().ok())
+            .unwrap_or(0)
+    };
+    read("free_hugepages").saturating_sub(read("resv_hugepages"))
 }
 
 /// What each slot of the map carries: the region it belongs to, and where in the region's

@@ -10,7 +10,7 @@ use std::time::Instant;
 
 use kvm_ioctls::{Kvm, VcpuExit, VmFd};
 use kvm_memslots::testing::{Faulty, KvmCall};
-use kvm_memslots::{Error, KvmVm, MemoryManager, RegionId, RegionSpec, Reslot, Target};
+use kvm_memslots::{Error, KvmVm, MemoryManager, PageSize, RegionId, RegionSpec, Reslot, Target};
 use vm_memory::{Bytes, GuestAddress, GuestAddressSpace};
 
 /// Opens KVM and a VM, or says loudly why the test is skipped.
@@ -28,6 +28,7 @@ fn manager(kvm: &Kvm, vm: &Arc<VmFd>) -> MemoryManager<KvmVm> {
 }
 
 const KIB: u64 = 1024;
+const MIB: u64 = 1024 * KIB;
 /// Where the test guest's code lives.
 const CODE: u64 = 0x1000;
 /// The port the guest reports bytes on.
@@ -251,6 +252,76 @@ fn kvm_harvest_reports_exactly_the_pages_written() {
         .harvest_dirty(Target::Region(data))
         .expect("second harvest");
     assert_eq!(again[0].count(), 0, "a second harvest reports nothing new");
+}
+
+#[test]
+fn kvm_a_region_of_2m_pages_logs_and_discards_at_its_page_size() {
+    let test = "kvm_a_region_of_2m_pages_logs_and_discards_at_its_page_size";
+    let available = kvm_memslots::hugetlb_pages_available();
+    if available < 2 {
+        eprintln!(
+            "SKIPPED kvm-memslots::{test}: the hugetlb pool has {available} free 2 MiB pages, \
+             the test needs 2 (resources/setup-host.sh reserves a pool)"
+        );
+        return;
+    }
+    let Some((kvm, vm)) = kvm_or_skip(test) else {
+        return;
+    };
+    let m = manager(&kvm, &vm);
+    // The guest's code and data in two 2 MiB pages, logged from the start.
+    let id = m
+        .add_region(
+            RegionSpec::new(GuestAddress(0), 4 * MIB)
+                .with_page_size(PageSize::Huge2M)
+                .with_flags(kvm_memslots::SlotFlags {
+                    log_dirty: true,
+                    read_only: false,
+                }),
+        )
+        .expect("a region of 2 MiB pages");
+    let first = m.harvest_dirty(Target::Region(id)).expect("first harvest");
+    assert_eq!(
+        first[0].count(),
+        1024,
+        "every 4 KiB page of a newly logging region"
+    );
+    let guest_pages = [0x2_0000, 0x5_0123, 0x9_ffff];
+    let mut program = Program::default();
+    for (i, gpa) in guest_pages.iter().enumerate() {
+        program = program.write_byte(*gpa, i as u8 + 1);
+    }
+    let run = run_guest(&vm, &m.handle(), &program.halt());
+    assert_eq!(run, Run::default(), "the guest only writes memory");
+    // KVM logs a huge page's writes at 4 KiB: exactly the pages written (and the code page
+    // the VMM loaded), not their 2 MiB pages.
+    let dirty = m.harvest_dirty(Target::Region(id)).expect("harvest");
+    let got: Vec<u64> = dirty[0].addresses().map(|a| a.0).collect();
+    let mut expected: Vec<u64> = guest_pages.iter().map(|a| a & !0xfff).collect();
+    expected.push(CODE);
+    expected.sort();
+    assert_eq!(got, expected);
+    // A partial page is refused and frees nothing; the second page whole reads back as zeros
+    // and its neighbour, where the guest runs, keeps its data.
+    let mem = m.handle();
+    mem.memory()
+        .write_obj(0x5au8, GuestAddress(3 * MIB))
+        .expect("the VMM writes the second page");
+    let err = m
+        .discard(GuestAddress(2 * MIB), MIB)
+        .expect_err("half a 2 MiB page");
+    assert!(matches!(err, Error::Unaligned { .. }), "{err:?}");
+    let byte: u8 = mem.memory().read_obj(GuestAddress(3 * MIB)).expect("read");
+    assert_eq!(byte, 0x5a, "a refused discard frees nothing");
+    m.discard(GuestAddress(2 * MIB), 2 * MIB)
+        .expect("a whole page");
+    let byte: u8 = mem.memory().read_obj(GuestAddress(3 * MIB)).expect("read");
+    assert_eq!(byte, 0, "a discarded page reads back as zeros");
+    let code = Program::default()
+        .report_byte(0x5_0123)
+        .report_byte(0x9_ffff)
+        .halt();
+    assert_eq!(run_guest(&vm, &mem, &code).reported, vec![2, 3]);
 }
 
 #[test]

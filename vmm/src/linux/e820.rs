@@ -138,6 +138,7 @@ mod tests {
             slot_size: size,
             flags: SlotFlags::default(),
             shared: false,
+            page_size: kvm_memslots::PageSize::Base,
         }
     }
 

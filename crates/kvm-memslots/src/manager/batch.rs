@@ -15,14 +15,17 @@ use super::consumers::{new_stashes, Stash};
 use super::plan::{KvmOp, Step};
 use super::spec::check_layout;
 use super::{
-    check_aligned, check_range, over_limit, region_in_the_way, region_slots, Harvestable,
-    MemoryManager, Region, RegionSpec, Reslot, Writer, KVM_MAX_SLOT_SIZE,
+    check_aligned, check_aligned_to, check_range, over_limit, region_in_the_way, region_slots,
+    Harvestable, MemoryManager, Region, RegionSpec, Reslot, Writer, KVM_MAX_SLOT_SIZE,
 };
 use crate::dirty::{DirtyConsumer, PendingBits};
 use crate::error::Error;
 use crate::kvm::KvmMemory;
 use crate::limits::{Limit, MemoryUse};
-use crate::memory::{GuestSlotData, RegionId, RegionMemory, SlotBacking};
+use crate::memory::{
+    hugetlb_pages_available, Backing, GuestSlotData, PageSize, RegionId, RegionMemory, SlotBacking,
+    HUGE_PAGE_SIZE,
+};
 use crate::PAGE_SIZE;
 
 /// One change of a batch ([`MemoryManager::apply`]).
@@ -372,6 +375,7 @@ impl<K: KvmMemory> MemoryManager<K> {
         }
         let mut ranges: Vec<AddressRange> = Vec::new();
         let mut asked: BTreeSet<RegionId> = BTreeSet::new();
+        let mut hugetlb_pages = 0;
         for change in changes {
             let RegionChange::Add(spec) = change else {
                 continue;
@@ -382,9 +386,8 @@ impl<K: KvmMemory> MemoryManager<K> {
                     return Err(Error::RegionIdInUse(id));
                 }
             }
-            let slot_size = spec
-                .slot_size
-                .unwrap_or(KVM_MAX_SLOT_SIZE & !(PAGE_SIZE - 1));
+            let page = spec.page_size.alignment();
+            let slot_size = spec.slot_size.unwrap_or(KVM_MAX_SLOT_SIZE & !(page - 1));
             check_range(spec.gpa.0, spec.size)?;
             if slot_size == 0 || slot_size > KVM_MAX_SLOT_SIZE {
                 return Err(Error::SlotSize {
@@ -393,8 +396,23 @@ impl<K: KvmMemory> MemoryManager<K> {
                 });
             }
             check_aligned("slot size", slot_size)?;
+            check_aligned_to("guest address", spec.gpa.0, page)?;
+            check_aligned_to("size", spec.size, page)?;
+            check_aligned_to("slot size", slot_size, page)?;
             if let Some(slots) = &spec.slot_ranges {
-                check_layout(&(0..spec.size), slots)?;
+                check_layout(&(0..spec.size), slots, page)?;
+            }
+            if !spec.page_size.fits(&spec.backing) {
+                return Err(Error::PageSizeBacking {
+                    page_size: spec.page_size.name(),
+                    backing: spec.backing.kind(),
+                });
+            }
+            // A shared file on hugetlbfs brings its own pages; anything else of 2 MiB pages
+            // reserves the whole region in the pool when it is mapped (a private mapping too:
+            // the kernel reserves for its copies).
+            if spec.page_size == PageSize::Huge2M && !matches!(spec.backing, Backing::File(_)) {
+                hugetlb_pages += spec.size / HUGE_PAGE_SIZE;
             }
             // Before anything is allocated: a region the host cannot carry is refused here.
             used = used
@@ -437,6 +455,16 @@ impl<K: KvmMemory> MemoryManager<K> {
             }
             ranges.push(range);
             adds.push((spec, slot_size));
+        }
+        // The pool last among the checks: it is the host's state, read once for the batch.
+        if hugetlb_pages > 0 {
+            let available = hugetlb_pages_available();
+            if hugetlb_pages > available {
+                return Err(Error::HugetlbPool {
+                    needed: hugetlb_pages,
+                    available,
+                });
+            }
         }
         // The slot budget, on what the batch leaves in use (KVM's count never goes past the
         // larger of before and after: a re-slot deletes the slots a new one replaces first).
@@ -531,7 +559,7 @@ impl<K: KvmMemory> MemoryManager<K> {
         spec: &RegionSpec,
         consumers: &BTreeSet<DirtyConsumer>,
     ) -> Result<Mapped, Error> {
-        let memory = Arc::new(RegionMemory::new(spec.size, &spec.backing)?);
+        let memory = Arc::new(RegionMemory::new(spec.size, &spec.backing, spec.page_size)?);
         // Allocated with the region (fallibly), so that nothing that marks a page dirty can
         // fail for want of room later.
         let pages = spec.size / PAGE_SIZE;
@@ -601,10 +629,19 @@ fn check_reslot(
             "is not a range inside the region",
         ));
     }
-    if !range.start.is_multiple_of(PAGE_SIZE) || !range.end.is_multiple_of(PAGE_SIZE) {
-        return Err(bad(range.start, range.end, "is not page-aligned"));
+    let page = region.memory.page_size().alignment();
+    if !range.start.is_multiple_of(page) || !range.end.is_multiple_of(page) {
+        return Err(bad(
+            range.start,
+            range.end,
+            if page == PAGE_SIZE {
+                "is not page-aligned"
+            } else {
+                "is not aligned to the region's 2 MiB pages"
+            },
+        ));
     }
-    check_layout(range, &reslot.slots)?;
+    check_layout(range, &reslot.slots, page)?;
     let all = region_slots(current, region);
     let offsets = |s: &GuestSlotData| s.payload().offset()..s.payload().offset() + s.size();
     let mut old = Vec::new();

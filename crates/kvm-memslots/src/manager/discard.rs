@@ -6,11 +6,11 @@ use std::sync::Arc;
 use memslot_map::AddressRange;
 use vm_memory::GuestAddress;
 
-use super::{check_aligned, check_range, MemoryManager};
+use super::{check_aligned_to, check_range, MemoryManager};
 use crate::dirty::PendingBits;
 use crate::error::Error;
 use crate::kvm::KvmMemory;
-use crate::memory::{RegionId, RegionMemory};
+use crate::memory::{PageSize, RegionId, RegionMemory};
 use crate::PAGE_SIZE;
 
 /// A part of a discard that is one run of one region's mapping.
@@ -37,10 +37,15 @@ impl<K: KvmMemory> MemoryManager<K> {
     /// address first (neighbouring slots of a region make one run), one call:
     ///
     /// - [`Backing::PrivateFile`](crate::Backing::PrivateFile): `mmap` with `MAP_FIXED` of
-    ///   private anonymous read-write memory (`MAP_NORESERVE`) over the run;
+    ///   private anonymous read-write memory over the run (`MAP_NORESERVE`; of hugetlb pages,
+    ///   reserved, in a region of 2 MiB pages);
     /// - a shared mapping (memfd or [`Backing::File`](crate::Backing::File)):
     ///   `madvise(MADV_REMOVE)`;
     /// - private anonymous memory: `madvise(MADV_DONTNEED)`.
+    ///
+    /// In a region of 2 MiB hugetlb pages ([`PageSize::Huge2M`]) only whole pages can be
+    /// given back: a range that starts or ends inside one is refused
+    /// ([`Error::Unaligned`], naming the page size) before any call.
     ///
     /// Nothing to undo: on a failure the discard stops and returns the error; runs before it
     /// stay discarded (and count as dirty), the rest is untouched.
@@ -84,6 +89,13 @@ impl<K: KvmMemory> MemoryManager<K> {
                 }),
             }
             at = end;
+        }
+        // A region of hugetlb pages gives back whole pages only: the range's edges inside one
+        // must be on its 2 MiB boundaries, checked for every run before any is discarded.
+        for piece in &pieces {
+            let page = piece.memory.page_size().alignment();
+            check_aligned_to("discard start", piece.offset, page)?;
+            check_aligned_to("discard length", piece.end - piece.start, page)?;
         }
         for piece in pieces {
             let len = piece.end - piece.start;
@@ -129,8 +141,9 @@ impl<K: KvmMemory> MemoryManager<K> {
                 end: range.end,
             });
         }
-        check_aligned("offset", range.start)?;
-        check_aligned("length", range.end - range.start)?;
+        let page = region.memory.page_size().alignment();
+        check_aligned_to("offset", range.start, page)?;
+        check_aligned_to("length", range.end - range.start, page)?;
         let len = range.end - range.start;
         discard_run(&region.memory, range.start, len).map_err(|source| Error::Discard {
             range: AddressRange {
@@ -143,6 +156,16 @@ impl<K: KvmMemory> MemoryManager<K> {
             .pending()
             .mark(range.start / PAGE_SIZE, len / PAGE_SIZE);
         Ok(())
+    }
+}
+
+/// The `mmap` flags of the zero pages a discard puts over a private file mapping: private
+/// anonymous memory of the region's page size (hugetlb pages reserved, as the region's were).
+fn zero_pages_flags(page_size: PageSize) -> libc::c_int {
+    let base = libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_FIXED;
+    match page_size {
+        PageSize::Huge2M => base | libc::MAP_HUGETLB | libc::MAP_HUGE_2MB,
+        PageSize::Base | PageSize::Transparent => base | libc::MAP_NORESERVE,
     }
 }
 
@@ -171,7 +194,7 @@ fn discard_run(memory: &RegionMemory, offset: u64, len: u64) -> std::io::Result<
                 hva as *mut libc::c_void,
                 len as usize,
                 libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_FIXED | libc::MAP_NORESERVE,
+                zero_pages_flags(memory.page_size()),
                 -1,
                 0,
             )

@@ -806,8 +806,18 @@ fn over_limit(limits: &MemoryLimits, limit: Limit, size: u64, figure: u64) -> Er
 }
 
 fn check_aligned(what: &'static str, value: u64) -> Result<(), Error> {
-    if !value.is_multiple_of(PAGE_SIZE) {
-        return Err(Error::Unaligned { what, value });
+    check_aligned_to(what, value, PAGE_SIZE)
+}
+
+/// Checks that `value` is a multiple of `page_size` (a region's
+/// [page alignment](crate::PageSize::alignment)).
+fn check_aligned_to(what: &'static str, value: u64, page_size: u64) -> Result<(), Error> {
+    if !value.is_multiple_of(page_size) {
+        return Err(Error::Unaligned {
+            what,
+            value,
+            page_size,
+        });
     }
     Ok(())
 }
@@ -953,3 +963,5 @@ const GIVE_UP_CHECK: std::time::Duration = std::time::Duration::from_millis(1);
 
 #[cfg(test)]
 mod tests;
+#[cfg(test)]
+mod tests_huge;

@@ -142,5 +142,6 @@ fn region_info(
             .map_or(r.size, |s| s.size()),
         flags: r.flags,
         shared: r.memory.is_shared(),
+        page_size: r.memory.page_size(),
     }
 }

@@ -8,7 +8,10 @@ use vm_memory::GuestAddress;
 
 use super::batch::RegionChange;
 use super::plan::{KvmOp, Step};
-use super::{check_range, region_in_the_way, region_slots, MemoryManager, RegionSpec, Reslot};
+use super::{
+    check_aligned_to, check_range, region_in_the_way, region_slots, MemoryManager, RegionSpec,
+    Reslot,
+};
 use crate::error::Error;
 use crate::kvm::{KvmMemory, KvmSlot};
 use crate::memory::{GuestSlotData, RegionId};
@@ -151,6 +154,11 @@ impl<K: KvmMemory> MemoryManager<K> {
         let current = Arc::clone(state.current());
         let region = state.regions.get(&id).ok_or(Error::UnknownRegion(id))?;
         check_range(gpa.0, region.size)?;
+        check_aligned_to(
+            "guest address",
+            gpa.0,
+            region.memory.page_size().alignment(),
+        )?;
         if gpa == region.gpa {
             return Ok(());
         }

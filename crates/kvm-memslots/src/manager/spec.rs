@@ -7,7 +7,7 @@ use memslot_map::{HostAddress, SlotFlags, SlotId};
 use vm_memory::GuestAddress;
 
 use crate::error::Error;
-use crate::memory::{Backing, RegionId};
+use crate::memory::{Backing, PageSize, RegionId};
 use crate::PAGE_SIZE;
 
 /// The largest slot KVM accepts: 2^31 - 1 pages.
@@ -22,6 +22,8 @@ pub struct RegionSpec {
     pub size: u64,
     /// Host memory behind it.
     pub backing: Backing,
+    /// The size of the host pages behind it ([`PageSize::Base`] by default).
+    pub page_size: PageSize,
     /// Split the region into KVM slots of this size (the last one may be smaller); by default
     /// as few slots as KVM's per-slot limit allows.
     pub slot_size: Option<u64>,
@@ -48,6 +50,7 @@ impl RegionSpec {
             gpa,
             size,
             backing: Backing::Anonymous,
+            page_size: PageSize::Base,
             slot_size: None,
             slot_ranges: None,
             read_only: false,
@@ -87,6 +90,11 @@ impl RegionSpec {
         RegionSpec { backing, ..self }
     }
 
+    /// Backs the region with pages of `page_size`.
+    pub fn with_page_size(self, page_size: PageSize) -> Self {
+        RegionSpec { page_size, ..self }
+    }
+
     /// Sets the initial flags.
     pub fn with_flags(self, flags: SlotFlags) -> Self {
         RegionSpec {
@@ -113,9 +121,14 @@ pub struct Reslot {
     pub slots: Vec<Range<u64>>,
 }
 
-/// Checks a slot layout: `slots` ascending, not overlapping, page-aligned, none empty or over
-/// KVM's per-slot limit, all inside `within`.
-pub(super) fn check_layout(within: &Range<u64>, slots: &[Range<u64>]) -> Result<(), Error> {
+/// Checks a slot layout: `slots` ascending, not overlapping, aligned to `page` (the region's
+/// [page alignment](PageSize::alignment)), none empty or over KVM's per-slot limit, all inside
+/// `within`.
+pub(super) fn check_layout(
+    within: &Range<u64>,
+    slots: &[Range<u64>],
+    page: u64,
+) -> Result<(), Error> {
     let bad = |slot: &Range<u64>, reason: &'static str| Error::SlotLayout {
         start: slot.start,
         end: slot.end,
@@ -126,8 +139,15 @@ pub(super) fn check_layout(within: &Range<u64>, slots: &[Range<u64>]) -> Result<
         if slot.start >= slot.end {
             return Err(bad(slot, "is empty"));
         }
-        if !slot.start.is_multiple_of(PAGE_SIZE) || !slot.end.is_multiple_of(PAGE_SIZE) {
-            return Err(bad(slot, "is not page-aligned"));
+        if !slot.start.is_multiple_of(page) || !slot.end.is_multiple_of(page) {
+            return Err(bad(
+                slot,
+                if page == PAGE_SIZE {
+                    "is not page-aligned"
+                } else {
+                    "is not aligned to the region's 2 MiB pages"
+                },
+            ));
         }
         if slot.end - slot.start > KVM_MAX_SLOT_SIZE {
             return Err(bad(slot, "is larger than KVM's per-slot limit"));
@@ -174,6 +194,8 @@ pub struct RegionInfo {
     pub flags: SlotFlags,
     /// Whether its memory is a shared (file or memfd) mapping.
     pub shared: bool,
+    /// The size of the host pages behind it.
+    pub page_size: PageSize,
 }
 
 /// How many KVM slot numbers are in use: `used + free + reserved == max`.
