@@ -280,7 +280,8 @@ pub const TIMEOUT: Duration = Duration::from_secs(60);
 
 /// What a request whose answer comes once a lot of guest memory was copied or gone over (a
 /// paused snapshot, a guest write or verify) waits by default: 600 s, a paused Full of about
-/// 500 GiB here (the memory file is written at about 1 GB/s).
+/// 500 GiB here (a paused Full of 4 GiB took 3–5 s in `docs/BENCHMARKS.md`'s live-snapshot
+/// runs: about 1 GB/s).
 pub const LONG_TIMEOUT: Duration = Duration::from_secs(600);
 
 /// The exit status of a request that got no answer in time (as `timeout(1)`'s).
