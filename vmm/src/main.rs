@@ -1076,8 +1076,10 @@ fn boot(args: BootArgs) -> ExitCode {
 }
 
 fn client(args: tinyvmm::jobs::client::ClientArgs) -> ExitCode {
-    use tinyvmm::jobs::client::{exit_status, render, send};
-    match send(&args.api_sock, &args.request) {
+    use tinyvmm::api::client::ClientError;
+    use tinyvmm::jobs::client::{exit_status, render, send, timeout, TIMED_OUT};
+    let wait = timeout(&args.request, args.timeout);
+    match send(&args.api_sock, &args.request, wait) {
         Ok((status, body)) => {
             let code = exit_status(status);
             if args.json {
@@ -1096,6 +1098,13 @@ fn client(args: tinyvmm::jobs::client::ClientArgs) -> ExitCode {
                 eprint!("tinyvmm: {}", render(status, &body));
             }
             ExitCode::from(code)
+        }
+        Err(e @ ClientError::TimedOut(_)) => {
+            eprintln!(
+                "tinyvmm: {}: {e}; --timeout SECS waits longer (0: for ever)",
+                args.api_sock.display()
+            );
+            ExitCode::from(TIMED_OUT)
         }
         Err(e) => {
             eprintln!("tinyvmm: {}: {e}", args.api_sock.display());

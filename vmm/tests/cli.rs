@@ -409,3 +409,69 @@ fn recording_into<'a>(list: &'a str, secs: &'a str) -> [&'a str; 12] {
         secs,
     ]
 }
+
+/// A server that accepts and never answers: `tinyvmm client` gives up after `--timeout`, with
+/// exit status 124 and a message naming the socket and the wait, instead of hanging (it once
+/// waited 300 s a read). The test's own deadline only guards a hang.
+#[test]
+fn the_client_gives_up_on_a_server_that_never_answers() {
+    use std::os::unix::net::UnixListener;
+    use std::time::{Duration, Instant};
+    let path = std::env::temp_dir().join(format!("tinyvmm-mute-{}.sock", std::process::id()));
+    let _ = std::fs::remove_file(&path);
+    let listener = UnixListener::bind(&path).expect("a socket");
+    // Accepts every connection and keeps it open, reading nothing and answering nothing.
+    std::thread::spawn(move || {
+        let mut held = Vec::new();
+        for stream in listener.incoming().flatten() {
+            held.push(stream);
+        }
+    });
+    let socket = path.to_str().expect("UTF-8");
+    for (args, waited) in [
+        (vec!["--timeout", "1", "info"], "1 s"),
+        (
+            vec![
+                "snapshot",
+                "--snapshot",
+                "s",
+                "--mem-file",
+                "m",
+                "--timeout",
+                "2",
+            ],
+            "2 s",
+        ),
+    ] {
+        let mut child = Command::new(env!("CARGO_BIN_EXE_tinyvmm"))
+            .args(["client", "--api-sock", socket])
+            .args(&args)
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("tinyvmm runs");
+        let guard = Instant::now() + Duration::from_secs(120);
+        while child.try_wait().expect("waitpid").is_none() {
+            if Instant::now() > guard {
+                let _ = child.kill();
+                panic!("{args:?}: the client still waits for an answer");
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let output = child.wait_with_output().expect("its output");
+        let stderr = text(&output.stderr);
+        assert_eq!(output.status.code(), Some(124), "{args:?}: {stderr}");
+        assert!(
+            stderr.starts_with(&format!("tinyvmm: {socket}: no answer within {waited}")),
+            "{args:?}: {stderr}"
+        );
+        assert!(output.stdout.is_empty(), "{args:?}");
+    }
+    // A wait that is not a number of seconds is a usage error, before any connection.
+    for bad in ["-1", "abc", "1.5x"] {
+        let refused = tinyvmm(&["client", "--api-sock", socket, "--timeout", bad, "info"]);
+        assert_eq!(refused.status.code(), Some(64), "--timeout {bad}");
+    }
+    let _ = std::fs::remove_file(&path);
+}

@@ -350,3 +350,77 @@ fn migrate_a_lazy_restore(tag: &str, extra: &[&str], local: bool) {
     destination.stop();
     clean(tag);
 }
+
+/// The memfd (device and inode, as `/proc/<pid>/maps` names it) mapped at host address `hva`
+/// in process `pid`, if a memfd is mapped there.
+fn memfd_at(pid: u32, hva: u64) -> Option<String> {
+    let maps = std::fs::read_to_string(format!("/proc/{pid}/maps")).expect("the VMM's maps");
+    maps.lines().find_map(|line| {
+        let fields: Vec<&str> = line.split_whitespace().collect();
+        let (from, to) = fields[0].split_once('-').expect("from-to");
+        let from = u64::from_str_radix(from, 16).expect("hex");
+        let to = u64::from_str_radix(to, 16).expect("hex");
+        let memfd = fields
+            .get(5)
+            .is_some_and(|name| name.starts_with("/memfd:"));
+        (memfd && from <= hva && hva < to).then(|| format!("{} {}", fields[3], fields[4]))
+    })
+}
+
+/// Whether process `pid` maps the memfd `memfd` (as [`memfd_at`] names it) anywhere.
+fn maps_memfd(pid: u32, memfd: &str) -> bool {
+    let maps = std::fs::read_to_string(format!("/proc/{pid}/maps")).expect("the VMM's maps");
+    maps.lines().any(|line| {
+        let fields: Vec<&str> = line.split_whitespace().collect();
+        fields.len() > 5 && format!("{} {}", fields[3], fields[4]) == memfd
+    })
+}
+
+/// A region removed from a lazily restored VM gives its memory back, as it does on a VM that
+/// was not restored: its mapping goes (the loader does not hold it), and the rest of the
+/// guest's memory still verifies, touched or not. The region is a memfd, so that its mapping
+/// is told from any other the VMM may make where it was.
+#[test]
+fn kvm_a_region_removed_from_a_lazily_restored_vm_gives_its_memory_back() {
+    if !kvm_test_support::require_kvm(
+        "tinyvmm::kvm_a_region_removed_from_a_lazily_restored_vm_gives_its_memory_back",
+    ) {
+        return;
+    }
+    const GIB: u64 = 1 << 30;
+    let size = 64 * MIB;
+    let first = Vmm::serve("removed-first", &[]);
+    let end = first.area_end();
+    let added = first.ok(
+        "PUT",
+        "/memory/regions",
+        Some(json!({"size": size, "guest_address": GIB, "backing": "memfd"})),
+    );
+    let id = added["id"].as_u64().expect("an id");
+    assert_eq!(first.guest("write", AREA, end, 7)["result"], "ok");
+    assert_eq!(first.guest("write", GIB, GIB + size, 5)["result"], "ok");
+    first.set_state("Paused");
+    let s1 = snap("removed-s1");
+    first.snapshot("Full", &s1, json!({}));
+    assert_eq!(first.stop().status.code(), Some(0));
+
+    let lazy = Vmm::restore("removed-lazy", &s1, "uffd");
+    lazy.set_state("Resumed");
+    // Every page of the region filled by the loader.
+    assert_eq!(lazy.guest("verify", GIB, GIB + size, 5)["result"], "ok");
+    let region = lazy.ok("GET", &format!("/memory/regions/{id}"), None);
+    assert_eq!(region["guest_address"], json!(GIB), "{region}");
+    let hva = region["host_address"].as_u64().expect("a host address");
+    let pid = lazy.child.as_ref().expect("spawned").id();
+    let memfd = memfd_at(pid, hva).expect("the region's memfd is mapped");
+    lazy.ok("DELETE", &format!("/memory/regions/{id}"), None);
+    assert!(
+        !maps_memfd(pid, &memfd),
+        "the removed region's memory ({memfd}, at {hva:#x}) is still mapped in the VMM"
+    );
+    // The rest is intact: the area (the loader has not filled most of it yet) verifies.
+    verify(&lazy, end, None, "the lazy restore after the remove");
+    let output = lazy.stop();
+    assert_eq!(output.status.code(), Some(0), "{output:?}");
+    clean("removed");
+}

@@ -30,6 +30,12 @@ pub enum SnapshotError {
     /// The manager refused a region.
     #[error(transparent)]
     Memory(#[from] Error),
+    /// A write in slices was stopped between two slices by its caller ([`Slices`]), with
+    /// the caller's reason; the file holds part of what it was to hold.
+    ///
+    /// [`Slices`]: crate::memory_file::Slices
+    #[error("stopped: {0}")]
+    Stopped(String),
 }
 
 /// A map from an I/O error to [`SnapshotError::Io`] saying `what` was being done.

@@ -167,20 +167,46 @@ fn transfer(
     Ok(())
 }
 
+/// A memory file written in slices ([`write_memory_file_sliced`], [`write_dirty_pages_sliced`]):
+/// no write system call carries more than `bytes`, and `between` is asked each time another
+/// `bytes` have been written, with the bytes written so far, before the next one. An error it
+/// returns stops the write there ([`SnapshotError::Stopped`], with that reason): a caller
+/// that must be able to give up (a cancel, a stop) waits for one slice at most, however slow
+/// the file system is, rather than for the whole file.
+pub struct Slices<'a> {
+    /// The most a write system call carries (at least one page; a smaller figure is taken as
+    /// one page).
+    pub bytes: u64,
+    /// Asked between slices with the bytes written so far; an error stops the write.
+    pub between: &'a mut dyn FnMut(u64) -> Result<(), String>,
+}
+
+impl std::fmt::Debug for Slices<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Slices")
+            .field("bytes", &self.bytes)
+            .finish_non_exhaustive()
+    }
+}
+
 /// A memory file being written: the layout's regions as mapped in the manager, and the file,
-/// sized to the layout.
-struct Writer<'a> {
+/// sized to the layout; in slices, if asked.
+struct Writer<'a, 's> {
     file: &'a File,
     layout: &'a MemoryLayout,
     regions: Vec<Arc<RegionMemory>>,
     stats: WriteStats,
+    slices: Option<Slices<'s>>,
+    /// Bytes written since `between` was last asked (or since the start).
+    since: u64,
 }
 
-impl<'a> Writer<'a> {
+impl<'a, 's> Writer<'a, 's> {
     fn new<K: KvmMemory>(
         memory: &MemoryManager<K>,
         layout: &'a MemoryLayout,
         file: &'a File,
+        slices: Option<Slices<'s>>,
     ) -> Result<Self, SnapshotError> {
         let regions = layout.mappings(memory)?;
         file.set_len(layout.memory_file_size())
@@ -190,19 +216,49 @@ impl<'a> Writer<'a> {
             layout,
             regions,
             stats: WriteStats::default(),
+            slices: slices.map(|s| Slices {
+                bytes: s.bytes.max(PAGE_SIZE),
+                between: s.between,
+            }),
+            since: 0,
         })
     }
 
-    /// Writes `run` (byte offsets in the layout's region `index`) at its place in the file.
+    /// Writes `run` (byte offsets in the layout's region `index`) at its place in the file, in
+    /// slices if asked.
     fn write(&mut self, index: usize, run: Range<u64>) -> Result<(), SnapshotError> {
         let (len, at) = (
             run.end - run.start,
             self.layout.regions[index].file_offset + run.start,
         );
-        transfer(self.file, &self.regions[index], run.start, len, at, true).map_err(io(
-            format!("writing {len} bytes at offset {at:#x} of the memory file"),
-        ))?;
-        self.stats.bytes += len;
+        let mut done = 0;
+        while done < len {
+            let part = match self.slices.as_mut() {
+                None => len,
+                Some(slices) => {
+                    if self.since >= slices.bytes {
+                        (slices.between)(self.stats.bytes).map_err(SnapshotError::Stopped)?;
+                        self.since = 0;
+                    }
+                    (len - done).min(slices.bytes - self.since)
+                }
+            };
+            transfer(
+                self.file,
+                &self.regions[index],
+                run.start + done,
+                part,
+                at + done,
+                true,
+            )
+            .map_err(io(format!(
+                "writing {part} bytes at offset {:#x} of the memory file",
+                at + done
+            )))?;
+            done += part;
+            self.since += part;
+            self.stats.bytes += part;
+        }
         self.stats.runs += 1;
         Ok(())
     }
@@ -216,7 +272,23 @@ pub fn write_memory_file<K: KvmMemory>(
     layout: &MemoryLayout,
     file: &File,
 ) -> Result<WriteStats, SnapshotError> {
-    let mut out = Writer::new(memory, layout, file)?;
+    full(Writer::new(memory, layout, file, None)?)
+}
+
+/// As [`write_memory_file`], in [`Slices`]: `slices.between` may stop it between two, and the
+/// file then holds part of the snapshot (the caller removes it).
+pub fn write_memory_file_sliced<K: KvmMemory>(
+    memory: &MemoryManager<K>,
+    layout: &MemoryLayout,
+    file: &File,
+    slices: Slices<'_>,
+) -> Result<WriteStats, SnapshotError> {
+    full(Writer::new(memory, layout, file, Some(slices))?)
+}
+
+/// Every page of the writer's regions that holds data.
+fn full(mut out: Writer<'_, '_>) -> Result<WriteStats, SnapshotError> {
+    let layout = out.layout;
     for index in 0..layout.regions.len() {
         for run in content_runs(&out.regions[index])? {
             out.write(index, run)?;
@@ -261,7 +333,24 @@ pub fn write_dirty_pages<K: KvmMemory>(
     dirty: &[DirtyPages],
     file: &File,
 ) -> Result<WriteStats, SnapshotError> {
-    let mut out = Writer::new(memory, layout, file)?;
+    dirty_pages(Writer::new(memory, layout, file, None)?, dirty)
+}
+
+/// As [`write_dirty_pages`], in [`Slices`]: `slices.between` may stop it between two, and the
+/// file then holds part of the Diff (the caller removes it).
+pub fn write_dirty_pages_sliced<K: KvmMemory>(
+    memory: &MemoryManager<K>,
+    layout: &MemoryLayout,
+    dirty: &[DirtyPages],
+    file: &File,
+    slices: Slices<'_>,
+) -> Result<WriteStats, SnapshotError> {
+    dirty_pages(Writer::new(memory, layout, file, Some(slices))?, dirty)
+}
+
+/// The pages of `dirty`, through the writer.
+fn dirty_pages(mut out: Writer<'_, '_>, dirty: &[DirtyPages]) -> Result<WriteStats, SnapshotError> {
+    let layout = out.layout;
     for d in dirty {
         let Some(index) = layout.harvested_region(d) else {
             continue;

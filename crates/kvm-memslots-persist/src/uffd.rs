@@ -24,6 +24,11 @@
 //! ([`shared_files`](crate::stream::shared_files)) is filled first. A page is marked filled
 //! only once its fill is done, so one being filled counts as owed.
 //!
+//! **Regions removed** from the manager while the loader lives are unmapped as without it: the
+//! loader does not hold their mappings, the kernel ends a registration with its mapping, and
+//! the loader forgets a region whose mapping is gone (its pages are owed no more, and are not
+//! prefetched).
+//!
 //! **Working sets** ([`LazyOptions`]): the handler sees every first touch, so it can record
 //! the pages in that order ([`Recording`]) until told to stop, for a set time, or until the
 //! loader ends, and hand the list ([`WorkingSet`]) over. Given such a list, it fills those
@@ -72,7 +77,7 @@ use std::ops::Range;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::os::unix::fs::FileExt;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::{Arc, Mutex, PoisonError, Weak};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
@@ -150,20 +155,41 @@ use nr::{
     UFFDIO_API, UFFDIO_COPY, UFFDIO_REGISTER, UFFDIO_UNREGISTER, UFFDIO_WAKE, UFFDIO_ZEROPAGE,
 };
 
-/// One registered region: its mapping, its place in the file, and the pages filled so far (a
-/// later fault there follows a discard: zeros). A page is marked filled once its fill is done
-/// (or once it was discarded), never before: a page not marked holds the file's data or is
-/// being filled with it, which is what a snapshot asks ([`owed_runs`]).
+/// One registered region: where its mapping was, its place in the file, and the pages filled
+/// so far (a later fault there follows a discard: zeros). A page is marked filled once its fill
+/// is done (or once it was discarded), never before: a page not marked holds the file's data or
+/// is being filled with it, which is what a snapshot asks ([`owed_runs`]).
+///
+/// The mapping is not held: the manager owns it, and a region it removes is unmapped as its
+/// last reference goes, as without a loader. The kernel ends the registration with the mapping
+/// (a userfaultfd registration belongs to the mapping), so nothing faults there any more; the
+/// loader sees the region gone when [`mapping`](Self::mapping) finds nothing, and never takes
+/// another mapping later made at the same address for it. A snapshot's scan and the loader's
+/// unregistering hold the mapping meanwhile; the handler does not (it would keep the memory
+/// mapped after a fill woke the thread that then removes the region): a fill of a region gone
+/// fails in the kernel, which only fills what is registered with this loader.
 struct Lazy {
-    memory: Arc<RegionMemory>,
+    memory: Weak<RegionMemory>,
+    base: u64,
+    size: u64,
     file_offset: u64,
     filled: Vec<AtomicU64>,
 }
 
 impl Lazy {
     fn holds(&self, hva: u64) -> bool {
-        let base = self.memory.host_address();
-        hva >= base && hva - base < self.memory.size()
+        hva >= self.base && hva - self.base < self.size
+    }
+
+    /// The region's mapping, held; `None` once the manager removed the region (unmapped, or
+    /// being unmapped).
+    fn mapping(&self) -> Option<Arc<RegionMemory>> {
+        self.memory.upgrade()
+    }
+
+    /// Whether the manager removed the region.
+    fn gone(&self) -> bool {
+        self.memory.strong_count() == 0
     }
 
     /// Marks page `page` filled; whether it was filled before.
@@ -179,9 +205,9 @@ impl Lazy {
     /// Marks the pages of host range `[start, end)` (clipped to the region) filled: they were
     /// discarded, so they read zeros from now on.
     fn discarded(&self, start: u64, end: u64) {
-        let base = self.memory.host_address();
+        let base = self.base;
         let first = start.max(base) - base;
-        let last = end.min(base + self.memory.size()).saturating_sub(base);
+        let last = end.min(base + self.size).saturating_sub(base);
         for page in first / PAGE_SIZE..last.div_ceil(PAGE_SIZE) {
             self.fill(page);
         }
@@ -189,7 +215,7 @@ impl Lazy {
 
     /// The pages of the memory file the region holds.
     fn file_pages(&self) -> Range<u64> {
-        self.file_offset / PAGE_SIZE..(self.file_offset + self.memory.size()) / PAGE_SIZE
+        self.file_offset / PAGE_SIZE..(self.file_offset + self.size) / PAGE_SIZE
     }
 }
 
@@ -219,23 +245,35 @@ pub(crate) fn owed_runs(memory: &RegionMemory) -> Result<Vec<Range<u64>>, Snapsh
     let (base, size) = (memory.host_address(), memory.size());
     // The loaders' regions that overlap `memory`: those starting before its end, back to the
     // first that ends before its start. Cloned out of the lock: the scan below seeks in files.
-    let owed: Vec<(Arc<Lazy>, Arc<File>, bool)> = OWED
-        .lock()
-        .unwrap_or_else(PoisonError::into_inner)
+    // A region its manager removed is no longer the loader's (another mapping may lie there
+    // now): its entry goes. One still mapped is held until the scan is done.
+    let mut table = OWED.lock().unwrap_or_else(PoisonError::into_inner);
+    let mut gone = Vec::new();
+    // (region, its mapping held, its file, whether its loader failed)
+    type Scan = (Arc<Lazy>, Arc<RegionMemory>, Arc<File>, bool);
+    let mut owed: Vec<Scan> = Vec::new();
+    for (start, o) in table
         .range(..base + size)
         .rev()
-        .take_while(|(start, o)| *start + o.lazy.memory.size() > base)
-        .map(|(_, o)| {
-            let failed = o.stats.failed.load(Ordering::Acquire);
-            (Arc::clone(&o.lazy), Arc::clone(&o.file), failed)
-        })
-        .collect();
+        .take_while(|(start, o)| *start + o.lazy.size > base)
+    {
+        let Some(mapping) = o.lazy.mapping() else {
+            gone.push(*start);
+            continue;
+        };
+        let failed = o.stats.failed.load(Ordering::Acquire);
+        owed.push((Arc::clone(&o.lazy), mapping, Arc::clone(&o.file), failed));
+    }
+    for start in gone {
+        table.remove(&start);
+    }
+    drop(table);
     let mut runs: Vec<Range<u64>> = Vec::new();
-    for (lazy, file, failed) in owed {
-        let lazy_base = lazy.memory.host_address();
+    for (lazy, _mapping, file, failed) in owed {
+        let lazy_base = lazy.base;
         // The part of the loader's region that `memory` covers, as offsets in the region.
         let from = base.max(lazy_base) - lazy_base;
-        let to = (base + size).min(lazy_base + lazy.memory.size()) - lazy_base;
+        let to = (base + size).min(lazy_base + lazy.size) - lazy_base;
         // Nothing fills its pages any more: a read of one not filled would wait for ever, and
         // which of them hold data the file (cut, say) may no longer tell.
         let unfilled = (from / PAGE_SIZE..to.div_ceil(PAGE_SIZE))
@@ -370,26 +408,20 @@ pub struct LazyLoader {
     stop: Arc<EventFd>,
     thread: Option<JoinHandle<()>>,
     stats: Arc<LoaderStats>,
-    ranges: Vec<UffdioRangeDebug>,
     recording: RecorderSlot,
-    /// Its regions, as [`OWED`] lists them until it is dropped.
+    /// Its regions (registered), as [`OWED`] lists them until it is dropped.
     lazies: Vec<Arc<Lazy>>,
 }
 
 impl std::fmt::Debug for Lazy {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Lazy")
-            .field("host_address", &self.memory.host_address())
-            .field("size", &self.memory.size())
+            .field("host_address", &format_args!("{:#x}", self.base))
+            .field("size", &format_args!("{:#x}", self.size))
             .field("file_offset", &self.file_offset)
+            .field("mapped", &(self.memory.strong_count() > 0))
             .finish_non_exhaustive()
     }
-}
-
-#[derive(Debug, Clone, Copy)]
-struct UffdioRangeDebug {
-    start: u64,
-    len: u64,
 }
 
 /// What the handler did.
@@ -472,7 +504,6 @@ impl LazyLoader {
             return Err(os_error("UFFDIO_API"));
         }
         let mut lazies = Vec::with_capacity(regions.len());
-        let mut ranges = Vec::with_capacity(regions.len());
         for (region, file_offset) in regions {
             let mut register = UffdioRegister {
                 range: UffdioRange {
@@ -487,13 +518,11 @@ impl LazyLoader {
             if unsafe { ioctl_with_mut_ref(&uffd, UFFDIO_REGISTER(), &mut register) } < 0 {
                 return Err(os_error("UFFDIO_REGISTER"));
             }
-            ranges.push(UffdioRangeDebug {
-                start: register.range.start,
-                len: register.range.len,
-            });
             let pages = region.size() / PAGE_SIZE;
             lazies.push(Arc::new(Lazy {
-                memory: region,
+                memory: Arc::downgrade(&region),
+                base: region.host_address(),
+                size: region.size(),
                 file_offset,
                 filled: (0..pages.div_ceil(64)).map(|_| AtomicU64::new(0)).collect(),
             }));
@@ -566,14 +595,13 @@ impl LazyLoader {
                     file: Arc::clone(&file),
                     stats: Arc::clone(&stats),
                 };
-                (lazy.memory.host_address(), owed)
+                (lazy.base, owed)
             }));
         Ok(LazyLoader {
             uffd,
             stop,
             thread: Some(thread),
             stats,
-            ranges,
             recording,
             lazies,
         })
@@ -601,19 +629,25 @@ impl Drop for LazyLoader {
         // Nothing fills the pages not filled yet any more: they read zeros once unregistered.
         let mut owed = OWED.lock().unwrap_or_else(PoisonError::into_inner);
         for lazy in &self.lazies {
-            let at = lazy.memory.host_address();
+            let at = lazy.base;
             if owed.get(&at).is_some_and(|o| Arc::ptr_eq(&o.lazy, lazy)) {
                 owed.remove(&at);
             }
         }
         drop(owed);
-        for r in &self.ranges {
-            let mut range = UffdioRange {
-                start: r.start,
-                len: r.len,
+        // A region the manager removed was unregistered with its mapping (and another mapping
+        // may lie there now): only the regions still mapped, each held meanwhile.
+        for lazy in &self.lazies {
+            let Some(_mapping) = lazy.mapping() else {
+                continue;
             };
-            // SAFETY: UFFDIO_UNREGISTER with a valid range this loader registered; the memory
-            // behaves as ordinary anonymous memory afterwards.
+            let mut range = UffdioRange {
+                start: lazy.base,
+                len: lazy.size,
+            };
+            // SAFETY: UFFDIO_UNREGISTER of the range this loader registered, whose mapping
+            // `_mapping` keeps mapped for the call; the memory behaves as ordinary anonymous
+            // memory afterwards.
             unsafe { ioctl_with_mut_ref(self.uffd.as_ref(), UFFDIO_UNREGISTER(), &mut range) };
         }
     }
@@ -808,7 +842,7 @@ impl Handler {
         let Some(lazy) = self.lazies.iter().find(|l| l.holds(hva)) else {
             return true;
         };
-        let offset = hva - lazy.memory.host_address();
+        let offset = hva - lazy.base;
         // Marked filled once the fill is done (below), so that a snapshot reading the marks
         // meanwhile takes the page for one that still holds the file's data.
         let again = lazy.is_filled(offset / PAGE_SIZE);
@@ -862,6 +896,12 @@ impl Handler {
                 self.deferred.push(hva);
                 true
             }
+            // The region was removed (and so unregistered) after the fault was queued: there
+            // is nothing to fill; a thread still waiting there retries its access.
+            Filled::Failed(_) if lazy.gone() => {
+                uffd_wake(&self.uffd, hva);
+                true
+            }
             Filled::Failed(e) => fill_failed(hva, e),
         }
     }
@@ -895,6 +935,19 @@ impl Handler {
             self.end_prefetch();
             return;
         };
+        if lazy.gone() {
+            // The region was removed: the list goes on past its pages.
+            let end = lazy.file_pages().end;
+            while p.runs.get(p.run).is_some_and(|r| r.end <= end) {
+                p.run += 1;
+            }
+            let next = p.runs.get(p.run).map(|r| r.start.max(end));
+            match next {
+                Some(page) => p.page = page,
+                None => self.end_prefetch(),
+            }
+            return;
+        }
         let limit = (first + WINDOW).min(lazy.file_pages().end);
         // The list's pages from `first` on while they stay in [first, limit), as many runs as
         // the window copies (so that it reads no further than it fills).
@@ -918,7 +971,7 @@ impl Handler {
             self.end_prefetch();
             return;
         }
-        let base = lazy.memory.host_address();
+        let base = lazy.base;
         let region_first = lazy.file_pages().start;
         let mut copies = 0;
         for (segment_run, segment) in segments {
@@ -954,6 +1007,11 @@ impl Handler {
                     Filled::Exists => next += 1,
                     // A discard is under way: this window again once it has been read.
                     Filled::Later => {
+                        (p.run, p.page) = (segment_run, next);
+                        return;
+                    }
+                    // Removed meanwhile: the next window skips it.
+                    Filled::Failed(_) if lazy.gone() => {
                         (p.run, p.page) = (segment_run, next);
                         return;
                     }

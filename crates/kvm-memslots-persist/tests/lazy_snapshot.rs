@@ -303,3 +303,74 @@ fn a_snapshot_of_a_lazy_restore_whose_loader_failed_is_refused() {
     drop(loader);
     toucher.join().expect("the toucher");
 }
+
+/// The memfd mapped at host address `hva` in this process (the device and inode
+/// `/proc/self/maps` names it by), if a memfd is mapped there.
+fn memfd_at(hva: u64) -> Option<String> {
+    let maps = std::fs::read_to_string("/proc/self/maps").expect("/proc/self/maps");
+    maps.lines().find_map(|line| {
+        let fields: Vec<&str> = line.split_whitespace().collect();
+        let (from, to) = fields[0].split_once('-').expect("from-to");
+        let from = u64::from_str_radix(from, 16).expect("hex");
+        let to = u64::from_str_radix(to, 16).expect("hex");
+        let memfd = fields
+            .get(5)
+            .is_some_and(|name| name.starts_with("/memfd:"));
+        (memfd && from <= hva && hva < to).then(|| format!("{} {}", fields[3], fields[4]))
+    })
+}
+
+/// Whether this process maps the memfd `memfd` (as [`memfd_at`] names it) anywhere.
+fn maps_memfd(memfd: &str) -> bool {
+    let maps = std::fs::read_to_string("/proc/self/maps").expect("/proc/self/maps");
+    maps.lines().any(|line| {
+        let fields: Vec<&str> = line.split_whitespace().collect();
+        fields.len() > 5 && format!("{} {}", fields[3], fields[4]) == memfd
+    })
+}
+
+/// A region removed from a lazily restored manager is unmapped as it would be without the
+/// loader (which must not hold it), and the loader no longer owes anything there: what is left
+/// snapshots whole, and a region later mapped at the same address is not taken for the old.
+/// (Its memfd is what tells its mapping from another made where it was: the tests of this
+/// binary map memory concurrently.)
+#[test]
+fn a_region_removed_under_a_lazy_restore_is_unmapped_and_forgotten() {
+    let (layout, _path, file) = first_snapshot("removed-1");
+    let (b, loader) = lazy_restore(&layout, &file);
+    let region = b
+        .regions()
+        .into_iter()
+        .find(|r| r.gpa == GuestAddress(8 * MIB))
+        .expect("the memfd region");
+    let memfd = memfd_at(region.hva.0).expect("a memfd mapped before the remove");
+    b.remove_region(region.id).expect("removed");
+    assert!(
+        !maps_memfd(&memfd),
+        "the removed region's memory ({memfd}, at {:#x}) is still mapped under the loader",
+        region.hva.0
+    );
+    // The anonymous region left still holds its five pages, filled or not.
+    for (i, gpa) in PAGES.iter().enumerate().filter(|(_, gpa)| **gpa < 8 * MIB) {
+        assert_eq!(page(&b, *gpa), expected(i), "page {i} at {gpa:#x}");
+    }
+    let left = MemoryLayout::of(&b);
+    let (_again_path, again) = TempFile::new("removed-2");
+    let stats = write_memory_file(&b, &left, &again).expect("written");
+    assert_eq!(stats.bytes, 5 * PAGE_SIZE, "the region left's pages, once");
+    // A new region, maybe where the removed one was mapped: nothing there is owed.
+    let new = b
+        .add_region(RegionSpec::new(GuestAddress(8 * MIB), MIB).with_backing(Backing::Memfd))
+        .expect("added");
+    let runs = data_runs(&b.region_memory(new).expect("mapped")).expect("data runs");
+    assert!(runs.is_empty(), "a fresh region has data at {runs:?}");
+    assert_eq!(page(&b, 8 * MIB), vec![0; PAGE_SIZE as usize]);
+    drop(loader);
+    for (i, gpa) in PAGES.iter().enumerate().filter(|(_, gpa)| **gpa < 8 * MIB) {
+        assert_eq!(
+            page(&b, *gpa),
+            expected(i),
+            "page {i} at {gpa:#x} after the loader"
+        );
+    }
+}

@@ -702,3 +702,84 @@ fn a_region_with_holes_restores_with_its_holes() {
     let err = bad.validate().unwrap_err().to_string();
     assert!(err.contains("out of order"), "{err}");
 }
+
+/// A memory file written in slices: the caller is asked between every two, with the bytes
+/// written so far, and can stop it there; unstopped, the file is the one written at once.
+#[test]
+fn a_memory_file_written_in_slices_asks_between_them_and_stops_when_told() {
+    use kvm_memslots_persist::{write_dirty_pages_sliced, write_memory_file_sliced, Slices};
+    let m = manager();
+    m.add_region(RegionSpec::new(GuestAddress(0), 4 * MIB))
+        .expect("the fake takes it");
+    m.start_dirty_log(Target::All).expect("logging");
+    m.harvest_dirty(Target::All).expect("harvested");
+    let ram = m.handle().memory();
+    ram.write_slice(&vec![0x5a; (2 * MIB) as usize], GuestAddress(MIB))
+        .expect("guest memory");
+    for page in (MIB..3 * MIB).step_by(PAGE_SIZE as usize) {
+        m.kvm().guest_write(page);
+    }
+    let layout = MemoryLayout::of(&m);
+    let (whole_path, whole) = TempFile::new("sliced-whole");
+    let at_once = write_memory_file(&m, &layout, &whole).expect("written");
+
+    // Unstopped: asked after every 256 KiB (not before the first, nor after the last).
+    let (sliced_path, sliced) = TempFile::new("sliced");
+    let mut asked = Vec::new();
+    let mut between = |written: u64| {
+        asked.push(written);
+        Ok(())
+    };
+    let slices = Slices {
+        bytes: 256 << 10,
+        between: &mut between,
+    };
+    let stats = write_memory_file_sliced(&m, &layout, &sliced, slices).expect("written");
+    assert_eq!(stats.bytes, at_once.bytes);
+    let expected: Vec<u64> = (1..8).map(|n| n * (256 << 10)).collect();
+    assert_eq!(
+        asked, expected,
+        "asked between slices, with the bytes so far"
+    );
+    let read = |path: &TempFile| std::fs::read(&path.0).expect("read back");
+    assert_eq!(read(&sliced_path), read(&whole_path), "the same file");
+
+    // Stopped at the third ask: three slices written, nothing after.
+    let (stopped_path, stopped) = TempFile::new("sliced-stopped");
+    let mut asks = 0;
+    let mut stop = |_| {
+        asks += 1;
+        if asks == 3 {
+            Err("a client cancelled it".to_string())
+        } else {
+            Ok(())
+        }
+    };
+    let slices = Slices {
+        bytes: 256 << 10,
+        between: &mut stop,
+    };
+    let err = write_memory_file_sliced(&m, &layout, &stopped, slices).expect_err("stopped");
+    assert!(
+        matches!(&err, SnapshotError::Stopped(why) if why == "a client cancelled it"),
+        "{err}"
+    );
+    let written = read(&stopped_path);
+    let data = written.iter().filter(|b| **b == 0x5a).count() as u64;
+    assert_eq!(data, 3 * (256 << 10), "three slices, no more");
+
+    // A Diff's pages the same way.
+    let dirty = m.harvest_dirty(Target::All).expect("harvested");
+    let (_diff_path, diff) = TempFile::new("sliced-diff");
+    let mut asked = 0;
+    let mut between = |_| {
+        asked += 1;
+        Ok(())
+    };
+    let slices = Slices {
+        bytes: MIB,
+        between: &mut between,
+    };
+    let stats = write_dirty_pages_sliced(&m, &layout, &dirty, &diff, slices).expect("written");
+    assert_eq!((stats.bytes, asked), (2 * MIB, 1));
+}

@@ -3,7 +3,7 @@
 use std::io::{Read, Write};
 use std::os::unix::net::UnixStream;
 use std::path::Path;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use serde_json::Value;
 
@@ -16,6 +16,15 @@ pub enum ClientError {
     /// The answer was not HTTP with a JSON body.
     #[error("the API answered something unexpected: {0}")]
     Answer(String),
+    /// No whole answer came within the wait set ([`Client::set_timeout`]): the server may
+    /// still carry the request out.
+    #[error("no answer within {} (the request may still be carried out)", seconds(.0))]
+    TimedOut(Duration),
+}
+
+/// A wait as a person reads it: `60 s`, `0.5 s`.
+fn seconds(wait: &Duration) -> String {
+    format!("{} s", wait.as_secs_f64())
 }
 
 /// One connection to the API socket.
@@ -24,31 +33,81 @@ pub struct Client {
     stream: UnixStream,
     /// Bytes read past the last answer (the start of the next, when requests were pipelined).
     unread: Vec<u8>,
+    /// The longest a request waits for its whole answer (`None`: for ever).
+    timeout: Option<Duration>,
 }
 
+/// What [`Client::connect`] waits for an answer: long, for tests and benchmarks whose requests
+/// may copy a lot of memory (`tinyvmm client` sets its own, `--timeout`).
+pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(300);
+
 impl Client {
-    /// Connects to the socket at `path`.
+    /// Connects to the socket at `path`; each request waits [`DEFAULT_TIMEOUT`] at most for its
+    /// answer.
     pub fn connect(path: &Path) -> Result<Self, ClientError> {
         let stream = UnixStream::connect(path)?;
-        stream.set_read_timeout(Some(Duration::from_secs(300)))?;
         Ok(Client {
             stream,
             unread: Vec::new(),
+            timeout: Some(DEFAULT_TIMEOUT),
         })
+    }
+
+    /// Sets the longest each request (its sending and its whole answer, however it trickles
+    /// in) may take from now on; `None` waits for ever. A request that takes longer fails with
+    /// [`ClientError::TimedOut`].
+    pub fn set_timeout(&mut self, timeout: Option<Duration>) {
+        self.timeout = timeout;
+    }
+
+    /// Sets the socket's timeouts to what is left until `deadline` (none without one); the
+    /// error once it has passed.
+    fn until(&self, deadline: Option<Instant>) -> Result<(), ClientError> {
+        let left = match deadline {
+            None => None,
+            Some(deadline) => {
+                let left = deadline.saturating_duration_since(Instant::now());
+                if left.is_zero() {
+                    return Err(self.timed_out());
+                }
+                Some(left)
+            }
+        };
+        self.stream.set_read_timeout(left)?;
+        self.stream.set_write_timeout(left)?;
+        Ok(())
+    }
+
+    fn timed_out(&self) -> ClientError {
+        ClientError::TimedOut(self.timeout.unwrap_or_default())
+    }
+
+    /// An I/O error as the client's: a socket timeout is the request's.
+    fn io(&self, e: std::io::Error) -> ClientError {
+        match e.kind() {
+            std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut => self.timed_out(),
+            _ => ClientError::Io(e),
+        }
+    }
+
+    fn deadline(&self) -> Option<Instant> {
+        self.timeout.map(|t| Instant::now() + t)
     }
 
     /// Sends raw bytes and reads one answer: the status and the JSON body (`Null` if none).
     pub fn raw(&mut self, request: &[u8]) -> Result<(u16, Value), ClientError> {
+        let deadline = self.deadline();
+        self.until(deadline)?;
         if let Err(e) = self.stream.write_all(request) {
             // A server that refuses a client (503: too many, or out of descriptors) answers and
             // closes at once, possibly before the request is written: its answer is still there
             // to read.
             if e.kind() == std::io::ErrorKind::BrokenPipe {
-                return self.read_response().map_err(|_| ClientError::Io(e));
+                return self.read_until(deadline).map_err(|_| ClientError::Io(e));
             }
-            return Err(e.into());
+            return Err(self.io(e));
         }
-        self.read_response()
+        self.read_until(deadline)
     }
 
     /// Sends `method path` with an optional JSON body on this (kept-alive) connection.
@@ -68,7 +127,8 @@ impl Client {
 
     /// Sends raw bytes without waiting for an answer.
     pub fn send(&mut self, bytes: &[u8]) -> Result<(), ClientError> {
-        Ok(self.stream.write_all(bytes)?)
+        self.until(self.deadline())?;
+        self.stream.write_all(bytes).map_err(|e| self.io(e))
     }
 
     /// Whether an answer (or the end of the connection) is there to read now, without
@@ -100,6 +160,11 @@ impl Client {
     /// Reads one answer: the status and the JSON body (`Null` if none; a `String` for a
     /// plain-text body, `GET /metrics`').
     pub fn read_response(&mut self) -> Result<(u16, Value), ClientError> {
+        self.read_until(self.deadline())
+    }
+
+    /// Reads one answer, all of it by `deadline`.
+    fn read_until(&mut self, deadline: Option<Instant>) -> Result<(u16, Value), ClientError> {
         let mut data = std::mem::take(&mut self.unread);
         let mut chunk = [0u8; 64 * 1024];
         loop {
@@ -131,7 +196,8 @@ impl Client {
                     return Ok((status, json));
                 }
             }
-            let n = self.stream.read(&mut chunk)?;
+            self.until(deadline)?;
+            let n = self.stream.read(&mut chunk).map_err(|e| self.io(e))?;
             if n == 0 {
                 return Err(ClientError::Answer(format!(
                     "connection closed after {} bytes of an answer",

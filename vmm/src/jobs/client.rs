@@ -2,9 +2,19 @@
 //! `docs/api.yaml` (what `ch-remote` is to Cloud Hypervisor). The answer is printed as a human
 //! table, or with `--json` as its JSON body alone; the exit status is the HTTP class's
 //! ([`exit_status`]).
+//!
+//! **How long it waits** ([`ClientRequest::default_timeout`], `--timeout`): a request waits
+//! for its answer [`TIMEOUT`] (60 s) at most, then fails with exit status [`TIMED_OUT`]
+//! naming the socket and the wait. Every request is answered at once or within seconds, but
+//! two: a paused snapshot answers once all guest memory is in the memory file, and a guest
+//! `write` or `verify` once the guest has gone over its range, both as long as guest memory
+//! is large: they wait [`LONG_TIMEOUT`] (600 s). A live snapshot and a migration answer as
+//! they start (`snapshot-status` and `migration` follow them), so the default fits them
+//! whatever their size. `--timeout 0` waits for ever.
 
 use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
+use std::time::Duration;
 
 use serde_json::{json, Map, Value};
 
@@ -20,6 +30,13 @@ pub struct ClientArgs {
     /// The VMM's API socket (`--api-sock` of serve, restore, receive or boot).
     #[arg(long)]
     pub api_sock: PathBuf,
+    /// Seconds to wait for the answer before giving up (exit status 124; the VMM may still
+    /// carry the request out); 0 waits for ever. A paused snapshot and a guest write or
+    /// verify answer once done, as long as guest memory is large; a live snapshot and a
+    /// migration answer as they start [default: 60; 600 for a paused snapshot and a guest
+    /// write or verify]
+    #[arg(long, global = true, value_name = "SECS")]
+    pub timeout: Option<u64>,
     /// Print the answer's JSON body alone on stdout (`{}` when it has none) instead of a
     /// table; a refusal's `{"fault_message": ...}` too.
     #[arg(long, global = true)]
@@ -258,7 +275,45 @@ pub fn bytes(value: &str) -> Result<u64, String> {
         .ok_or_else(|| format!("{value} is more than 2^64 - 1 bytes"))
 }
 
+/// What a request waits for its answer by default.
+pub const TIMEOUT: Duration = Duration::from_secs(60);
+
+/// What a request whose answer comes once a lot of guest memory was copied or gone over (a
+/// paused snapshot, a guest write or verify) waits by default: 600 s, a paused Full of about
+/// 500 GiB here (a paused Full of 4 GiB took 3–5 s in `docs/BENCHMARKS.md`'s live-snapshot
+/// runs: about 1 GB/s).
+pub const LONG_TIMEOUT: Duration = Duration::from_secs(600);
+
+/// The exit status of a request that got no answer in time (as `timeout(1)`'s).
+pub const TIMED_OUT: u8 = 124;
+
+/// Whether the request `method path body` is answered only once it has copied or gone over
+/// guest memory (as much as the VM has): a paused snapshot, a guest write or verify.
+fn answered_when_done(method: &str, path: &str, body: Option<&Value>) -> bool {
+    let field = |name: &str| body.and_then(|b| b.get(name));
+    match (method, path.split('?').next().unwrap_or(path)) {
+        ("PUT", "/snapshot/create") => field("live") != Some(&Value::Bool(true)),
+        ("PUT", "/guest/command") => matches!(
+            field("op").and_then(Value::as_str),
+            Some("write" | "verify")
+        ),
+        _ => false,
+    }
+}
+
 impl ClientRequest {
+    /// How long the request waits for its answer unless `--timeout` says: [`LONG_TIMEOUT`]
+    /// for a paused snapshot and a guest write or verify (`raw` ones too), [`TIMEOUT`] for
+    /// every other.
+    pub fn default_timeout(&self) -> Duration {
+        match self.http() {
+            Ok((method, path, body)) if answered_when_done(&method, &path, body.as_ref()) => {
+                LONG_TIMEOUT
+            }
+            _ => TIMEOUT,
+        }
+    }
+
     /// The request's method, path and JSON body.
     pub fn http(&self) -> Result<(String, String, Option<Value>), String> {
         let (method, path, body) = match self {
@@ -413,10 +468,27 @@ fn insert<T: Into<Value>>(body: &mut Value, key: &str, value: Option<T>) {
     }
 }
 
-/// Sends `request` on the socket at `path`: the status and the JSON body (`Null` if none).
-pub fn send(path: &Path, request: &ClientRequest) -> Result<(u16, Value), ClientError> {
+/// Sends `request` on the socket at `path`, waiting `timeout` at most for the answer (`None`:
+/// for ever): the status and the JSON body (`Null` if none).
+pub fn send(
+    path: &Path,
+    request: &ClientRequest,
+    timeout: Option<Duration>,
+) -> Result<(u16, Value), ClientError> {
     let (method, path_and_query, body) = request.http().map_err(ClientError::Answer)?;
-    Client::connect(path)?.call(&method, &path_and_query, body.as_ref())
+    let mut client = Client::connect(path)?;
+    client.set_timeout(timeout);
+    client.call(&method, &path_and_query, body.as_ref())
+}
+
+/// The wait `--timeout` asks for `request` (its [default](ClientRequest::default_timeout)
+/// without it; `None`, for ever, for 0).
+pub fn timeout(request: &ClientRequest, secs: Option<u64>) -> Option<Duration> {
+    match secs {
+        None => Some(request.default_timeout()),
+        Some(0) => None,
+        Some(secs) => Some(Duration::from_secs(secs)),
+    }
 }
 
 /// The exit status for an answer's status: 0 for 2xx, 4 for 4xx, 5 for 5xx, 1 otherwise.
@@ -625,6 +697,67 @@ mod tests {
         assert!(bytes("2X").is_err());
         assert!(bytes("-1").is_err());
         assert!(bytes("99999999999T").is_err());
+    }
+
+    /// Only the requests answered once they have copied or gone over guest memory wait long
+    /// by default; a live snapshot and a migration answer as they start.
+    #[test]
+    fn requests_that_copy_memory_before_answering_wait_longer() {
+        let snapshot = |live| ClientRequest::Snapshot {
+            kind: SnapshotKind::Full,
+            snapshot: "s".into(),
+            mem_file: "m".into(),
+            live,
+            downtime_ms: None,
+            timeout_s: None,
+            on_timeout: None,
+        };
+        let guest = |op| ClientRequest::Guest {
+            op,
+            start: Some(2 << 20),
+            end: Some(4 << 20),
+            stride: 8,
+            seed: 0,
+            vcpu: 0,
+        };
+        let raw = |method: &str, path: &str, body: Value| ClientRequest::Raw {
+            method: method.into(),
+            path: path.into(),
+            body: Some(body),
+        };
+        for long in [
+            snapshot(false),
+            guest(GuestOp::Write),
+            guest(GuestOp::Verify),
+            raw("put", "/snapshot/create", json!({"snapshot_type": "Full"})),
+            raw("PUT", "/guest/command", json!({"op": "verify"})),
+        ] {
+            assert_eq!(long.default_timeout(), LONG_TIMEOUT, "{long:?}");
+        }
+        let migrate = ClientRequest::Migrate {
+            destination: "unix:/x".into(),
+            downtime_ms: 300,
+            timeout_s: 60,
+            on_timeout: OnTimeout::Cancel,
+            local: false,
+        };
+        for short in [
+            snapshot(true),
+            migrate,
+            guest(GuestOp::WriteLoop),
+            guest(GuestOp::Cancel),
+            ClientRequest::Info,
+            ClientRequest::Stop,
+            raw("PUT", "/snapshot/create", json!({"live": true})),
+        ] {
+            assert_eq!(short.default_timeout(), TIMEOUT, "{short:?}");
+        }
+        assert_eq!(timeout(&ClientRequest::Info, None), Some(TIMEOUT));
+        assert_eq!(timeout(&ClientRequest::Info, Some(0)), None);
+        assert_eq!(
+            timeout(&snapshot(false), Some(5)),
+            Some(Duration::from_secs(5))
+        );
     }
 
     #[test]

@@ -67,12 +67,23 @@ pub enum Exit<'a> {
     /// The vCPU's dirty ring is full (`KVM_EXIT_DIRTY_RING_FULL`): it must be collected and
     /// reset before the guest can go on.
     DirtyRingFull,
+    /// KVM could not map guest memory the guest touched (`KVM_EXIT_MEMORY_FAULT`: `KVM_RUN`
+    /// failed with `EFAULT` or `EHWPOISON` and said where, on a kernel with
+    /// `KVM_CAP_MEMORY_FAULT_INFO` that reports that fault): the guest range and KVM's flags.
+    MemoryFault {
+        /// The guest-physical address.
+        gpa: u64,
+        /// Bytes from it.
+        size: u64,
+        /// KVM's flags (`KVM_MEMORY_EXIT_FLAG_*`).
+        flags: u64,
+    },
     /// Anything else.
     Other(&'static str),
 }
 
 /// The names of the exit kinds, by [`Exit::kind`] (the metrics' `kind` label).
-pub const EXIT_KINDS: [&str; 11] = [
+pub const EXIT_KINDS: [&str; 12] = [
     "io_out",
     "io_in",
     "mmio_read",
@@ -84,6 +95,7 @@ pub const EXIT_KINDS: [&str; 11] = [
     "interrupted",
     "dirty_ring_full",
     "other",
+    "memory_fault",
 ];
 
 impl<'a> Exit<'a> {
@@ -101,6 +113,7 @@ impl<'a> Exit<'a> {
             Exit::Interrupted => 8,
             Exit::DirtyRingFull => 9,
             Exit::Other(_) => 10,
+            Exit::MemoryFault { .. } => 11,
         }
     }
 
@@ -134,6 +147,9 @@ impl<'a> Exit<'a> {
             Ok(VcpuExit::Intr) => (Exit::Interrupted, None),
             Ok(VcpuExit::Unsupported(kvm_bindings::KVM_EXIT_DIRTY_RING_FULL)) => {
                 (Exit::DirtyRingFull, None)
+            }
+            Ok(VcpuExit::MemoryFault { flags, gpa, size }) => {
+                (Exit::MemoryFault { gpa, size, flags }, None)
             }
             Ok(_) => (Exit::Other("an exit kind tinyvmm does not handle"), None),
             Err(e) if e.errno() == libc::EINTR || e.errno() == libc::EAGAIN => {
@@ -271,6 +287,17 @@ pub enum ExitError {
     /// Any other exit.
     #[error("unexpected vCPU exit: {0}")]
     Other(&'static str),
+    /// `KVM_EXIT_MEMORY_FAULT` on memory that is not a file cut under the VM (the vCPU loop
+    /// names that case itself).
+    #[error("KVM could not map the guest's memory at guest address {gpa:#x} ({size} bytes; KVM_EXIT_MEMORY_FAULT, flags {flags:#x})")]
+    MemoryFault {
+        /// The guest-physical address.
+        gpa: u64,
+        /// Bytes from it.
+        size: u64,
+        /// KVM's flags.
+        flags: u64,
+    },
 }
 
 /// Decides what to do about `exit`.
@@ -299,6 +326,9 @@ pub fn handle_exit<D: Copy>(exit: &Exit<'_>, ctx: &ExitContext<'_, D>) -> ExitAc
         Exit::InternalError => ExitAction::Fatal(ExitError::InternalError),
         Exit::FailEntry { reason } => ExitAction::Fatal(ExitError::FailEntry(reason)),
         Exit::Other(what) => ExitAction::Fatal(ExitError::Other(what)),
+        Exit::MemoryFault { gpa, size, flags } => {
+            ExitAction::Fatal(ExitError::MemoryFault { gpa, size, flags })
+        }
     }
 }
 
@@ -473,6 +503,37 @@ mod tests {
         now: u64,
     ) -> ExitAction<char> {
         decide_on(m, &bus(Unmapped::Fatal), exit, at_entry, now)
+    }
+
+    /// `KVM_EXIT_MEMORY_FAULT` (KVM could not map a page the guest touched, and says which) is
+    /// decoded with its address, counted as its own kind, and fatal naming that address: it
+    /// was once "an exit kind tinyvmm does not handle".
+    #[test]
+    fn a_memory_fault_exit_names_the_guest_address() {
+        let fault = kvm_ioctls::VcpuExit::MemoryFault {
+            flags: 0,
+            gpa: RAM + 0x2000,
+            size: 0x1000,
+        };
+        let (exit, buffer) = Exit::from_kvm(Ok(fault)).expect("an exit");
+        assert!(buffer.is_none());
+        assert_eq!(
+            exit,
+            Exit::MemoryFault {
+                gpa: RAM + 0x2000,
+                size: 0x1000,
+                flags: 0
+            }
+        );
+        assert_eq!(EXIT_KINDS[exit.kind()], "memory_fault");
+        let ExitAction::Fatal(e) = decide(&memory(), exit, 0, 0) else {
+            panic!("a memory fault is fatal here");
+        };
+        assert_eq!(
+            e.to_string(),
+            "KVM could not map the guest's memory at guest address 0x102000 (4096 bytes; \
+             KVM_EXIT_MEMORY_FAULT, flags 0x0)"
+        );
     }
 
     #[test]

@@ -12,7 +12,7 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use kvm_ioctls::VcpuFd;
-use kvm_memslots::{GuestMemorySlots, KvmVm, MemoryManager};
+use kvm_memslots::{GuestMemorySlots, KvmMemory, KvmVm, MemoryManager, RegionInfo};
 use vm_memory::Bytes;
 use vmm_sys_util::eventfd::EventFd;
 
@@ -587,32 +587,72 @@ fn gone_place(memory: &MemoryManager<KvmVm>, hva: u64) -> String {
 /// file truncated or replaced under the VM): where, for the first such region. Asked when the
 /// guest stops on an error a missing page would cause (KVM_RUN's `EFAULT`, a triple fault:
 /// KVM found no page to map, and the guest, not the VMM, touched it).
-fn cut_memory(memory: &MemoryManager<KvmVm>) -> Option<String> {
+fn cut_memory<K: KvmMemory>(memory: &MemoryManager<K>) -> Option<String> {
     memory.regions().into_iter().find_map(|region| {
+        let cut = Cut::of(memory, &region)?;
+        // The first guest address past the file's end.
+        let first = region.gpa.0 + cut.len.saturating_sub(cut.start).min(region.size);
+        Some(format!(
+            "guest address {first:#x} and on ({})",
+            cut.describe(&region)
+        ))
+    })
+}
+
+/// Where the guest touched memory KVM could not map (`KVM_EXIT_MEMORY_FAULT` at `gpa`), if it
+/// is a file-backed region's page past its file's end: the exact guest address, the region and
+/// the file.
+fn cut_at<K: KvmMemory>(memory: &MemoryManager<K>, gpa: u64) -> Option<String> {
+    let region = memory
+        .regions()
+        .into_iter()
+        .find(|r| (r.gpa.0..r.gpa.0 + r.size).contains(&gpa))?;
+    let cut = Cut::of(memory, &region)?;
+    (cut.start + (gpa - region.gpa.0) >= cut.len)
+        .then(|| format!("guest address {gpa:#x} ({})", cut.describe(&region)))
+}
+
+/// A file-backed region whose file is shorter than the VM maps it.
+struct Cut {
+    /// The file, as `/proc/self/fd` names it.
+    path: String,
+    /// Where the region starts in it.
+    start: u64,
+    /// The file's size now.
+    len: u64,
+}
+
+impl Cut {
+    fn of<K: KvmMemory>(memory: &MemoryManager<K>, region: &RegionInfo) -> Option<Cut> {
         let mapping = memory.region_memory(region.id)?;
         let file = mapping.file_offset()?;
         let len = file.file().metadata().ok()?.len();
-        let needed = file.start().saturating_add(region.size);
-        (len < needed).then(|| {
-            let path = std::fs::read_link(format!(
+        (len < file.start().saturating_add(region.size)).then(|| Cut {
+            path: std::fs::read_link(format!(
                 "/proc/self/fd/{}",
                 std::os::fd::AsRawFd::as_raw_fd(file.file())
             ))
             .map_or_else(
                 |_| "its file".to_owned(),
                 |p| format!("file {}", p.display()),
-            );
-            // The first guest address past the file's end.
-            let first = region.gpa.0 + len.saturating_sub(file.start()).min(region.size);
-            format!(
-                "guest address {first:#x} and on (region {} [{:#x}, {:#x}), {path}, now {len} \
-                 bytes where the VM maps {needed})",
-                region.id,
-                region.gpa.0,
-                region.gpa.0 + region.size
-            )
+            ),
+            start: file.start(),
+            len,
         })
-    })
+    }
+
+    /// The region, the file and how much of it is left.
+    fn describe(&self, region: &RegionInfo) -> String {
+        format!(
+            "region {} [{:#x}, {:#x}), {}, now {} bytes where the VM maps {}",
+            region.id,
+            region.gpa.0,
+            region.gpa.0 + region.size,
+            self.path,
+            self.len,
+            self.start.saturating_add(region.size)
+        )
+    }
 }
 
 fn rip(fd: &VcpuFd) -> u64 {
@@ -691,6 +731,13 @@ impl<P: VcpuPorts> Vcpu<P> {
             })?;
             let counters = &shared.counters;
             counters.by_kind[exit.kind()].fetch_add(1, Ordering::Relaxed);
+            // KVM said where: a page of a file cut under the VM is named exactly (other
+            // memory faults are the handler's fatal error, with the address).
+            if let Exit::MemoryFault { gpa, .. } = exit {
+                if let Some(place) = cut_at(memory, gpa) {
+                    return Err(VcpuError::MemoryGone { vcpu, place });
+                }
+            }
             interrupted = matches!(exit, Exit::Interrupted);
             let mmio = exit.is_mmio();
             let memory_error = |gpa: u64| move |source| VcpuError::Memory { vcpu, gpa, source };
@@ -858,6 +905,56 @@ impl<P: VcpuPorts> Vcpu<P> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A memory fault on a page of a file cut under the VM names that guest address, the
+    /// region and the file; a page the file still has, or memory with no file, is not taken
+    /// for cut memory.
+    #[test]
+    fn a_memory_fault_past_a_cut_files_end_names_the_guest_address_and_the_file() {
+        use kvm_memslots::testing::FakeKvm;
+        use kvm_memslots::{Backing, RegionSpec};
+        use vm_memory::{FileOffset, GuestAddress};
+        const BASE: u64 = 0x10_0000;
+        let path = std::env::temp_dir().join(format!("tinyvmm-cut-at-{}", std::process::id()));
+        let file = std::fs::File::options()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(true)
+            .open(&path)
+            .expect("a file");
+        file.set_len(0x8000).expect("sized");
+        let memory = MemoryManager::new(FakeKvm::new(8, false));
+        let backing = Backing::PrivateFile(FileOffset::new(file.try_clone().expect("dup"), 0));
+        memory
+            .add_region(RegionSpec::new(GuestAddress(BASE), 0x8000).with_backing(backing))
+            .expect("a file region");
+        memory
+            .add_region(RegionSpec::new(GuestAddress(0x20_0000), 0x1000))
+            .expect("an anonymous region");
+        assert_eq!(cut_at(&memory, BASE + 0x6000), None, "the file is whole");
+        file.set_len(0x3000).expect("cut");
+        let place = cut_at(&memory, BASE + 0x6010).expect("a page past the end");
+        let _ = std::fs::remove_file(&path);
+        assert!(
+            place.starts_with("guest address 0x106010 (region 0 [0x100000, 0x108000), file "),
+            "{place}"
+        );
+        assert!(
+            place.contains(&path.display().to_string())
+                && place.ends_with("now 12288 bytes where the VM maps 32768)"),
+            "{place}"
+        );
+        assert_eq!(cut_at(&memory, BASE + 0x2fff), None, "a page the file has");
+        assert_eq!(cut_at(&memory, 0x20_0000), None, "memory with no file");
+        assert_eq!(cut_at(&memory, 0x30_0000), None, "no memory");
+        // Without KVM's address, the first address past the end, as before.
+        let first = cut_memory(&memory).expect("cut memory");
+        assert!(
+            first.starts_with("guest address 0x103000 and on (region 0 "),
+            "{first}"
+        );
+    }
 
     #[test]
     fn only_a_release_lifts_a_hold() {
