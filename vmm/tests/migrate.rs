@@ -623,6 +623,7 @@ fn region_layout(
         backing,
         file_offset,
         slot_ranges: None,
+        page_size: Default::default(),
     }
 }
 

@@ -36,6 +36,10 @@ pub enum SnapshotError {
     /// [`Slices`]: crate::memory_file::Slices
     #[error("stopped: {0}")]
     Stopped(String),
+    /// What was asked is valid but not something this version does, with why and what to do
+    /// instead.
+    #[error("not supported: {0}")]
+    Unsupported(String),
 }
 
 /// A map from an I/O error to [`SnapshotError::Io`] saying `what` was being done.

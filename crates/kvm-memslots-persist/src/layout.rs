@@ -14,8 +14,8 @@ use std::fs::File;
 use std::sync::Arc;
 
 use kvm_memslots::{
-    Backing, DirtyPages, Error, KvmMemory, MemoryManager, RegionId, RegionMemory, RegionSpec,
-    KVM_MAX_SLOT_SIZE, PAGE_SIZE,
+    Backing, DirtyPages, Error, KvmMemory, MemoryManager, PageSize, RegionId, RegionMemory,
+    RegionSpec, KVM_MAX_SLOT_SIZE, PAGE_SIZE,
 };
 use serde::{Deserialize, Serialize};
 use vm_memory::{FileOffset, GuestAddress};
@@ -36,6 +36,49 @@ pub enum LayoutBacking {
     Anonymous,
     /// A shared mapping (a memfd, or a file of the VMM's); restored as a new memfd.
     Shared,
+}
+
+/// The size of the host pages behind a region, as a layout records it (kvm-memslots'
+/// [`PageSize`]). Absent from the file for 4 KiB pages, so a layout of base pages reads as it
+/// always did; a build that does not know the field refuses a layout that has it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+pub enum LayoutPageSize {
+    /// 4 KiB pages.
+    #[default]
+    #[serde(rename = "4k")]
+    Base,
+    /// 2 MiB hugetlb pages.
+    #[serde(rename = "2m")]
+    Huge2M,
+    /// Transparent huge pages.
+    #[serde(rename = "thp")]
+    Transparent,
+}
+
+impl LayoutPageSize {
+    fn is_base(&self) -> bool {
+        *self == LayoutPageSize::Base
+    }
+}
+
+impl From<PageSize> for LayoutPageSize {
+    fn from(page_size: PageSize) -> Self {
+        match page_size {
+            PageSize::Base => LayoutPageSize::Base,
+            PageSize::Huge2M => LayoutPageSize::Huge2M,
+            PageSize::Transparent => LayoutPageSize::Transparent,
+        }
+    }
+}
+
+impl From<LayoutPageSize> for PageSize {
+    fn from(page_size: LayoutPageSize) -> Self {
+        match page_size {
+            LayoutPageSize::Base => PageSize::Base,
+            LayoutPageSize::Huge2M => PageSize::Huge2M,
+            LayoutPageSize::Transparent => PageSize::Transparent,
+        }
+    }
 }
 
 /// One region of a [`MemoryLayout`].
@@ -63,6 +106,9 @@ pub struct RegionLayout {
     /// re-slotted ([`MemoryManager::reslot`]). `None` (and absent from the file) otherwise.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub slot_ranges: Option<Vec<[u64; 2]>>,
+    /// The size of the host pages behind it (absent: 4 KiB).
+    #[serde(default, skip_serializing_if = "LayoutPageSize::is_base")]
+    pub page_size: LayoutPageSize,
 }
 
 impl RegionLayout {
@@ -127,6 +173,7 @@ impl MemoryLayout {
                     },
                     file_offset: offset,
                     slot_ranges: None,
+                    page_size: r.page_size.into(),
                 };
                 let slots: Vec<[u64; 2]> = memory
                     .slot_ranges(r.id)
@@ -145,6 +192,19 @@ impl MemoryLayout {
             version: LAYOUT_VERSION,
             regions,
         }
+    }
+
+    /// This layout with every region in pages of `page_size`: a restore that overrides the
+    /// page size the snapshot was taken with (4 KiB pages for a memory file that is not on
+    /// hugetlbfs, say, or 2 MiB pages for one taken with 4 KiB). Refused, naming the region, where
+    /// a region does not fit the new page size's alignment.
+    pub fn with_page_size(&self, page_size: PageSize) -> Result<MemoryLayout, SnapshotError> {
+        let mut layout = self.clone();
+        for r in &mut layout.regions {
+            r.page_size = page_size.into();
+        }
+        layout.validate()?;
+        Ok(layout)
     }
 
     /// The memory file's size: every region's pages.
@@ -194,12 +254,12 @@ impl MemoryLayout {
             if !ids.insert(r.id) {
                 return bad(format!("two regions have id {}", r.id));
             }
-            let aligned = [r.gpa, r.size, r.slot_size]
-                .iter()
-                .all(|v| v % PAGE_SIZE == 0);
+            let page = PageSize::from(r.page_size).alignment();
+            let aligned = [r.gpa, r.size, r.slot_size].iter().all(|v| v % page == 0);
             if !aligned || r.size == 0 || r.slot_size == 0 {
                 return bad(format!(
-                    "region {} (guest {:#x}, size {:#x}, slot size {:#x}) is empty or not page-aligned",
+                    "region {} (guest {:#x}, size {:#x}, slot size {:#x}) is empty or not \
+                     page-aligned (pages of {page:#x} bytes)",
                     r.id, r.gpa, r.size, r.slot_size
                 ));
             }
@@ -217,11 +277,12 @@ impl MemoryLayout {
                         && start < slot_end
                         && slot_end <= r.size
                         && slot_end - start <= KVM_MAX_SLOT_SIZE
-                        && start % PAGE_SIZE == 0
-                        && slot_end % PAGE_SIZE == 0;
+                        && start % page == 0
+                        && slot_end % page == 0;
                     if !fits {
                         return bad(format!(
-                            "region {} has a slot at [{start:#x}, {slot_end:#x}) that is empty,                              unaligned, over KVM's limit, out of order or outside its {:#x} bytes",
+                            "region {} has a slot at [{start:#x}, {slot_end:#x}) that is empty, \
+                             unaligned, over KVM's limit, out of order or outside its {:#x} bytes",
                             r.id, r.size
                         ));
                     }
@@ -286,6 +347,17 @@ impl MemoryLayout {
         memory_file: &File,
     ) -> Result<Vec<RegionId>, SnapshotError> {
         self.check_file_size(memory_file)?;
+        // A hugetlbfs file maps only at offsets on its 2 MiB pages.
+        for r in &self.regions {
+            let page = PageSize::from(r.page_size).alignment();
+            if r.file_offset % page != 0 {
+                return Err(SnapshotError::Format(format!(
+                    "region {} of {page:#x}-byte pages starts at file offset {:#x}, which is \
+                     not on its pages: restore it with another page size",
+                    r.id, r.file_offset
+                )));
+            }
+        }
         // One duplicate shared by every region's mapping: the open-file count does not grow
         // with the region count (a layout of 1,100 regions restores under a limit of 1,024).
         let file = Arc::new(
@@ -330,6 +402,7 @@ impl MemoryLayout {
             let mut spec = RegionSpec::new(GuestAddress(r.gpa), r.size)
                 .with_slot_size(r.slot_size)
                 .with_backing(backing(r))
+                .with_page_size(r.page_size.into())
                 .with_id(RegionId(r.id));
             spec.read_only = r.read_only;
             spec.log_dirty = r.log_dirty;

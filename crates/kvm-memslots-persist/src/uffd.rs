@@ -87,7 +87,7 @@ use vmm_sys_util::ioctl::ioctl_with_mut_ref;
 use kvm_memslots::{KvmMemory, MemoryManager, RegionMemory, PAGE_SIZE};
 
 use crate::error::SnapshotError;
-use crate::layout::MemoryLayout;
+use crate::layout::{LayoutPageSize, MemoryLayout};
 use crate::memory_file::{file_data_runs, page_has_data};
 use crate::working_set::WorkingSet;
 
@@ -475,6 +475,19 @@ impl LazyLoader {
         memory_file: &File,
         options: LazyOptions,
     ) -> Result<Self, SnapshotError> {
+        // The handler fills 4 KiB pages; a hugetlb mapping takes only whole 2 MiB ones.
+        if let Some(r) = layout
+            .regions
+            .iter()
+            .find(|r| r.page_size == LayoutPageSize::Huge2M)
+        {
+            return Err(SnapshotError::Unsupported(format!(
+                "a lazy restore fills 4 KiB pages, and region {} has 2 MiB hugetlb pages: \
+                 restore it by copy or from the file, or with another page size \
+                 (MemoryLayout::with_page_size)",
+                r.id
+            )));
+        }
         if let Some(list) = &options.prefetch {
             list.check_layout(layout)?;
         }

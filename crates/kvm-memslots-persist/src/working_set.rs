@@ -173,6 +173,7 @@ mod tests {
                 backing: LayoutBacking::Anonymous,
                 file_offset: 0,
                 slot_ranges: None,
+                page_size: Default::default(),
             }],
         }
     }

@@ -6,10 +6,10 @@ use std::os::unix::fs::MetadataExt;
 use std::path::PathBuf;
 
 use kvm_memslots::testing::FakeKvm;
-use kvm_memslots::{Backing, MemoryManager, RegionSpec, SlotFlags, Target, PAGE_SIZE};
+use kvm_memslots::{Backing, MemoryManager, PageSize, RegionSpec, SlotFlags, Target, PAGE_SIZE};
 use kvm_memslots_persist::{
     data_runs, load_memory_file, merge_memory_files, write_dirty_pages, write_memory_file,
-    MemoryLayout, SnapshotError,
+    LayoutPageSize, MemoryLayout, SnapshotError,
 };
 use vm_memory::{Bytes, GuestAddress, GuestAddressSpace};
 
@@ -782,4 +782,126 @@ fn a_memory_file_written_in_slices_asks_between_them_and_stops_when_told() {
     };
     let stats = write_dirty_pages_sliced(&m, &layout, &dirty, &diff, slices).expect("written");
     assert_eq!((stats.bytes, asked), (2 * MIB, 1));
+}
+
+/// Whether the host's hugetlb pool has `pages` free pages; if not, a loud line saying the test
+/// did not run.
+fn pool_has(test: &str, pages: u64) -> bool {
+    let available = kvm_memslots::hugetlb_pages_available();
+    if available < pages {
+        eprintln!(
+            "SKIPPED kvm-memslots-persist::{test}: the hugetlb pool has {available} free 2 MiB \
+             pages, the test needs {pages} (resources/setup-host.sh reserves a pool)"
+        );
+        return false;
+    }
+    true
+}
+
+#[test]
+fn a_snapshot_records_the_page_size_and_a_restore_keeps_or_overrides_it() {
+    let test = "a_snapshot_records_the_page_size_and_a_restore_keeps_or_overrides_it";
+    // The source's region and the copy restore's.
+    if !pool_has(test, 4) {
+        return;
+    }
+    let a = manager();
+    a.add_region(RegionSpec::new(GuestAddress(0), 2 * MIB))
+        .expect("a region of 4 KiB pages");
+    a.add_region(
+        RegionSpec::new(GuestAddress(4 * MIB), 4 * MIB)
+            .with_page_size(PageSize::Huge2M)
+            .with_slot_size(2 * MIB),
+    )
+    .expect("a region of 2 MiB pages");
+    a.add_region(RegionSpec::new(GuestAddress(16 * MIB), MIB))
+        .expect("a region of 4 KiB pages off the 2 MiB grid");
+    write(&a, 100, 0x11, 10);
+    write(&a, 4 * MIB + 5 * PAGE_SIZE, 0x22, 10);
+    write(&a, 7 * MIB, 0x33, PAGE_SIZE as usize);
+    let layout = MemoryLayout::of(&a);
+    assert_eq!(
+        layout
+            .regions
+            .iter()
+            .map(|r| r.page_size)
+            .collect::<Vec<_>>(),
+        [
+            LayoutPageSize::Base,
+            LayoutPageSize::Huge2M,
+            LayoutPageSize::Base
+        ]
+    );
+    let bytes = layout.to_bytes();
+    let json = String::from_utf8_lossy(&bytes);
+    assert_eq!(
+        json.matches("\"page_size\"").count(),
+        1,
+        "only a region of other pages than 4 KiB names them: {json}"
+    );
+    let read = MemoryLayout::from_bytes(&bytes).expect("read back");
+    assert_eq!(read, layout);
+    let (_path, file) = TempFile::new("huge-full");
+    let stats = write_memory_file(&a, &layout, &file).expect("written");
+    // Sparse at 4 KiB whatever the page size: a touched 2 MiB page writes the 4 KiB pages that
+    // hold data, not the whole page.
+    assert_eq!(stats.bytes, 3 * PAGE_SIZE, "{stats:?}");
+
+    // A copy restore maps 2 MiB pages again and holds every byte.
+    let b = manager();
+    read.build(&b).expect("built");
+    load_memory_file(&b, &read, &file).expect("loaded");
+    assert_eq!(contents(&b), contents(&a));
+    let page_sizes: Vec<PageSize> = {
+        let mut r = b.regions();
+        r.sort_by_key(|r| r.gpa);
+        r.into_iter().map(|r| r.page_size).collect()
+    };
+    assert_eq!(
+        page_sizes,
+        [PageSize::Base, PageSize::Huge2M, PageSize::Base]
+    );
+
+    // The memory file is on no hugetlbfs: mapping it as 2 MiB pages is refused before
+    // anything is mapped, and a restore that overrides the page size maps it.
+    let c = manager();
+    let err = read.build_from_file(&c, &file).expect_err("not hugetlbfs");
+    assert!(err.to_string().contains("hugetlbfs"), "{err}");
+    assert!(c.regions().is_empty(), "nothing mapped");
+    let base = read
+        .with_page_size(PageSize::Base)
+        .expect("4 KiB fits anything");
+    base.build_from_file(&c, &file)
+        .expect("mapped in 4 KiB pages");
+    assert_eq!(contents(&c), contents(&a));
+    // A lazy restore fills 4 KiB pages: refused, naming the region, before it registers
+    // anything.
+    let err = kvm_memslots_persist::LazyLoader::start(&b, &read, &file).expect_err("2 MiB pages");
+    assert!(
+        matches!(&err, SnapshotError::Unsupported(why) if why.contains("region 1 has 2 MiB")),
+        "{err}"
+    );
+    // And the other way: 2 MiB pages for a layout of 4 KiB, where it fits the grid.
+    let misfit = base
+        .with_page_size(PageSize::Huge2M)
+        .expect_err("1 MiB at 0");
+    assert!(
+        misfit.to_string().contains("pages of 0x200000 bytes"),
+        "{misfit}"
+    );
+}
+
+#[test]
+fn a_layout_of_2m_pages_off_their_grid_is_refused() {
+    let a = manager();
+    a.add_region(RegionSpec::new(GuestAddress(2 * MIB), 2 * MIB))
+        .expect("a region");
+    let mut layout = MemoryLayout::of(&a);
+    layout.regions[0].page_size = LayoutPageSize::Huge2M;
+    layout.validate().expect("on the 2 MiB grid");
+    layout.regions[0].gpa = 3 * MIB;
+    let err = layout.validate().expect_err("off the grid");
+    assert!(err.to_string().contains("pages of 0x200000 bytes"), "{err}");
+    let err = MemoryLayout::from_bytes(&layout.to_bytes()).expect_err("read and refused");
+    assert!(err.to_string().contains("pages of 0x200000 bytes"), "{err}");
 }
