@@ -934,6 +934,7 @@ fn the_client_command_has_every_operation_and_sends_what_the_spec_takes() {
             size: 2 * MIB,
             guest_address: Some(1 << 30),
             backing: Backing::Memfd,
+            page_size: tinyvmm::jobs::client::PageSize::Huge2M,
             slot_size: Some(64 << 10),
             read_only: true,
             dirty_log: true,

@@ -98,6 +98,8 @@ struct Extra {
     gpa: u64,
     seed: u64,
     read_only: bool,
+    /// In 2 MiB hugetlb pages (`"page_size": "2m"`), not 4 KiB.
+    huge: bool,
 }
 
 /// Where added regions go: places of [`EXTRA_SIZE`] from 1 GiB up, [`EXTRA_PLACES`] of them.
@@ -511,13 +513,26 @@ impl Sequence {
                 regions.len()
             ));
         }
+        // Every snapshot, restore and migration keeps each region's page size.
+        for extra in &self.vm.model.extra {
+            if !regions
+                .iter()
+                .any(|r| r.1 == extra.gpa && r.3 == extra.huge)
+            {
+                self.fail(&format!(
+                    "the region at {:#x} should be in {} pages: {regions:?}",
+                    extra.gpa,
+                    if extra.huge { "2 MiB" } else { "4 KiB" }
+                ));
+            }
+        }
         if was_paused {
             self.pause();
         }
     }
 
-    /// `GET /memory`'s regions: (id, guest address, read-only).
-    fn regions(&mut self) -> Vec<(u64, u64, bool)> {
+    /// `GET /memory`'s regions: (id, guest address, read-only, 2 MiB pages).
+    fn regions(&mut self) -> Vec<(u64, u64, bool, bool)> {
         let memory = self.ok("GET", "/memory", None);
         memory["regions"]
             .as_array()
@@ -528,6 +543,7 @@ impl Sequence {
                     r["id"].as_u64().expect("an id"),
                     r["guest_address"].as_u64().expect("an address"),
                     r["read_only"].as_bool().expect("read_only"),
+                    r["page_size"] == "2m",
                 )
             })
             .collect()
@@ -536,7 +552,7 @@ impl Sequence {
     /// The id of the region at `gpa`.
     fn region_at(&mut self, gpa: u64) -> u64 {
         match self.regions().into_iter().find(|r| r.1 == gpa) {
-            Some((id, _, _)) => id,
+            Some((id, ..)) => id,
             None => self.fail(&format!("no region at {gpa:#x}, which the model has")),
         }
     }
@@ -564,12 +580,36 @@ impl Sequence {
                 };
                 let slot_size = [EXTRA_SIZE, EXTRA_SIZE / 8][self.rng.below(2)];
                 let backing = ["anonymous", "memfd"][self.rng.below(2)];
+                let huge = self.rng.chance(40);
+                let page_size = if huge { "2m" } else { "4k" };
                 let body = json!({"size": EXTRA_SIZE, "guest_address": gpa,
-                                  "slot_size": slot_size, "backing": backing});
+                                  "slot_size": slot_size, "backing": backing,
+                                  "page_size": page_size});
+                // Read before the request: no other process of this test takes pool pages
+                // meanwhile (the sequences run one at a time).
+                let pool = kvm_memslots::hugetlb_pages_available();
                 let (status, answer) = self.call("PUT", "/memory/regions", Some(body));
                 self.note(format!(
-                    "add a {backing} region at {gpa:#x} in slots of {slot_size}: {status}"
+                    "add a {backing} region of {page_size} pages at {gpa:#x} in slots of \
+                     {slot_size}: {status}"
                 ));
+                // 2 MiB pages take whole pages only, and the pool must hold them: each
+                // refusal named, and nothing added.
+                let refusal = match (huge, slot_size < EXTRA_SIZE, pool) {
+                    (true, true, _) => Some((400, "is not a multiple of the page size (0x200000)")),
+                    (true, false, 0) => Some((409, "free 2 MiB pages")),
+                    _ => None,
+                };
+                if let Some((expected, why)) = refusal {
+                    let message = answer["fault_message"].as_str().unwrap_or_default();
+                    if status != expected || !message.contains(why) {
+                        self.fail(&format!(
+                            "a region of 2 MiB pages should be refused ({expected}, {why}): \
+                             {status} {answer}"
+                        ));
+                    }
+                    return;
+                }
                 if status != 201 {
                     self.fail(&format!("adding a region: {status} {answer}"));
                 }
@@ -577,6 +617,7 @@ impl Sequence {
                     gpa,
                     seed: 0,
                     read_only: false,
+                    huge,
                 });
                 self.write_extra(count);
             }
@@ -928,6 +969,39 @@ impl Sequence {
     /// restored VM does.
     fn restored(&mut self, saved: &Saved) -> Vm {
         let backend = ["copy", "file", "uffd", "uffd-prefetch"][self.rng.below(4)];
+        if backend != "copy" && saved.model.extra.iter().any(|e| e.huge) {
+            // Only a copy restore maps 2 MiB pages yet: the file is on no hugetlbfs, and the
+            // userfaultfd handler fills 4 KiB pages. Each refuses, naming why, before the
+            // guest runs; the sequence then restores by copy.
+            let why = if backend == "file" {
+                "hugetlbfs"
+            } else {
+                "2 MiB hugetlb pages"
+            };
+            let refused = self.restore_with(saved, backend);
+            match refused {
+                Err(e) if e.contains(why) => {}
+                Err(e) => self.fail(&format!("a {backend} restore of 2 MiB pages: {e}")),
+                Ok(_) => self.fail(&format!(
+                    "a {backend} restore of 2 MiB pages was not refused ({why})"
+                )),
+            }
+            return self.restored_with(saved, "copy");
+        }
+        self.restored_with(saved, backend)
+    }
+
+    /// `saved` restored with `backend`, waiting paused.
+    fn restored_with(&mut self, saved: &Saved, backend: &str) -> Vm {
+        match self.restore_with(saved, backend) {
+            Ok(vm) => vm,
+            Err(e) => self.fail(&e),
+        }
+    }
+
+    /// `saved` restored with `backend`; why not, with the end of its stderr, if it exits
+    /// first.
+    fn restore_with(&mut self, saved: &Saved, backend: &str) -> Result<Vm, String> {
         let name = self.name("restored");
         let mut args: Vec<String> = [
             "restore",
@@ -954,22 +1028,20 @@ impl Sequence {
         self.note(format!("{name}: restore {} with {backend}", saved.name));
         let args: Vec<&str> = args.iter().map(String::as_str).collect();
         let mut process = Process::spawn(&self.dir, &name, &args);
-        if let Err(e) = process.wait_for_vm(&self.dir) {
-            self.fail(&e);
-        }
+        process.wait_for_vm(&self.dir)?;
         let mut client = Client::connect(&process.api).expect("the restored VM's API");
         match client.call("GET", "/vm", None) {
             Ok((200, vm)) if vm["state"] == "Paused" => {}
             answer => self.fail(&format!("a restored VM waits, paused: {answer:?}")),
         }
-        Vm {
+        Ok(Vm {
             process,
             model: saved.model.clone(),
             paused: true,
             ring: saved.ring,
             origin: Origin(format!("{name}: {} restored with {backend}", saved.name)),
             chain: None,
-        }
+        })
     }
 
     /// Two clones of one snapshot side by side: each written with seeds of its own over the

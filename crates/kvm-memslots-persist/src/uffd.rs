@@ -466,6 +466,26 @@ impl LazyLoader {
         Self::start_with(memory, layout, memory_file, LazyOptions::default())
     }
 
+    /// Refuses a layout the loader cannot fill: one with a region of 2 MiB hugetlb pages (the
+    /// handler fills 4 KiB pages, and a hugetlb mapping takes only whole ones). [`start`]
+    /// checks it first; a caller checks it before it builds the layout's regions.
+    ///
+    /// [`start`]: Self::start
+    pub fn check_layout(layout: &MemoryLayout) -> Result<(), SnapshotError> {
+        match layout
+            .regions
+            .iter()
+            .find(|r| r.page_size == LayoutPageSize::Huge2M)
+        {
+            Some(r) => Err(SnapshotError::Unsupported(format!(
+                "a lazy restore fills 4 KiB pages, and region {} has 2 MiB hugetlb pages: \
+                 restore it by copy, or with another page size (MemoryLayout::with_page_size)",
+                r.id
+            ))),
+            None => Ok(()),
+        }
+    }
+
     /// As [`start`](Self::start), and the handler also prefetches `options.prefetch` and
     /// records the pages first touched for `options.record`. A list that does not fit `layout`
     /// ([`WorkingSet::check_layout`]) is refused before anything is registered.
@@ -475,19 +495,7 @@ impl LazyLoader {
         memory_file: &File,
         options: LazyOptions,
     ) -> Result<Self, SnapshotError> {
-        // The handler fills 4 KiB pages; a hugetlb mapping takes only whole 2 MiB ones.
-        if let Some(r) = layout
-            .regions
-            .iter()
-            .find(|r| r.page_size == LayoutPageSize::Huge2M)
-        {
-            return Err(SnapshotError::Unsupported(format!(
-                "a lazy restore fills 4 KiB pages, and region {} has 2 MiB hugetlb pages: \
-                 restore it by copy or from the file, or with another page size \
-                 (MemoryLayout::with_page_size)",
-                r.id
-            )));
-        }
+        Self::check_layout(layout)?;
         if let Some(list) = &options.prefetch {
             list.check_layout(layout)?;
         }

@@ -100,8 +100,8 @@ impl PageSize {
     /// A word for the page size, for messages and reports.
     pub fn name(self) -> &'static str {
         match self {
-            PageSize::Base => "4K",
-            PageSize::Huge2M => "2M",
+            PageSize::Base => "4k",
+            PageSize::Huge2M => "2m",
             PageSize::Transparent => "thp",
         }
     }

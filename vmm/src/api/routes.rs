@@ -225,6 +225,7 @@ mod tests {
                 size: 4096,
                 guest_address: Some(1 << 30),
                 backing: RegionBacking::Memfd,
+                page_size: Default::default(),
                 slot_size: None,
                 read_only: false,
                 dirty_log: false,

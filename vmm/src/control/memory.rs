@@ -15,6 +15,35 @@ pub enum RegionBacking {
     Memfd,
 }
 
+/// The size of the host pages behind a new region.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize, Serialize, clap::ValueEnum)]
+pub enum RegionPageSize {
+    /// 4 KiB pages.
+    #[default]
+    #[serde(rename = "4k")]
+    #[value(name = "4k")]
+    Base,
+    /// 2 MiB pages from the host's hugetlb pool: the guest address and size (and slot size)
+    /// must be multiples of 2 MiB, and the pool must hold the region.
+    #[serde(rename = "2m")]
+    #[value(name = "2m")]
+    Huge2M,
+    /// Transparent huge pages (`madvise(MADV_HUGEPAGE)`).
+    #[serde(rename = "thp")]
+    #[value(name = "thp")]
+    Transparent,
+}
+
+impl From<RegionPageSize> for kvm_memslots::PageSize {
+    fn from(page_size: RegionPageSize) -> Self {
+        match page_size {
+            RegionPageSize::Base => kvm_memslots::PageSize::Base,
+            RegionPageSize::Huge2M => kvm_memslots::PageSize::Huge2M,
+            RegionPageSize::Transparent => kvm_memslots::PageSize::Transparent,
+        }
+    }
+}
+
 /// `PUT /memory/regions`.
 #[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -26,6 +55,9 @@ pub struct AddRegion {
     /// Backing; anonymous by default.
     #[serde(default = "default_backing")]
     pub backing: RegionBacking,
+    /// Host page size; 4 KiB by default.
+    #[serde(default)]
+    pub page_size: RegionPageSize,
     /// KVM slot size the region is split into (must divide `size`); one slot by default.
     pub slot_size: Option<u64>,
     /// Read-only for the guest.
@@ -127,6 +159,8 @@ pub struct RegionInfo {
     pub dirty_log: bool,
     /// `anonymous` or `memfd`.
     pub backing: &'static str,
+    /// The host page size behind it: `4k`, `2m` (hugetlb) or `thp`.
+    pub page_size: &'static str,
 }
 
 /// `PUT /memory/regions` (201).
@@ -181,6 +215,7 @@ fn region_of(r: &kvm_memslots::RegionInfo) -> RegionInfo {
         read_only: r.flags.read_only,
         dirty_log: r.flags.log_dirty,
         backing: if r.shared { "memfd" } else { "anonymous" },
+        page_size: r.page_size.name(),
     }
 }
 

@@ -21,6 +21,7 @@ use serde_json::{json, Map, Value};
 use crate::api::client::{Client, ClientError};
 pub use crate::control::guest::GuestOp;
 pub use crate::control::memory::RegionBacking as Backing;
+pub use crate::control::memory::RegionPageSize as PageSize;
 pub use crate::control::migration::OnTimeout;
 pub use crate::control::snapshot::SnapshotType as SnapshotKind;
 
@@ -84,6 +85,9 @@ pub enum ClientRequest {
         /// Its memory.
         #[arg(long, value_enum, default_value = "anonymous")]
         backing: Backing,
+        /// Its host pages: 4k, 2m (hugetlb: guest address and size multiples of 2 MiB) or thp.
+        #[arg(long, value_enum, default_value = "4k")]
+        page_size: PageSize,
         /// Split it into KVM slots of this many bytes (must divide --size) [default: one slot]
         #[arg(long, value_parser = bytes)]
         slot_size: Option<u64>,
@@ -325,6 +329,7 @@ impl ClientRequest {
                 size,
                 guest_address,
                 backing,
+                page_size,
                 slot_size,
                 read_only,
                 dirty_log,
@@ -333,6 +338,7 @@ impl ClientRequest {
                 let mut body = json!({
                     "size": size,
                     "backing": backing,
+                    "page_size": page_size,
                     "read_only": read_only,
                     "dirty_log": dirty_log,
                     "guest_check": !no_guest_check,
@@ -766,6 +772,7 @@ mod tests {
             size: 2 << 20,
             guest_address: None,
             backing: Backing::Memfd,
+            page_size: PageSize::Huge2M,
             slot_size: Some(64 << 10),
             read_only: false,
             dirty_log: true,
@@ -777,7 +784,7 @@ mod tests {
                 "PUT".into(),
                 "/memory/regions".into(),
                 Some(
-                    json!({"size": 2 << 20, "backing": "memfd", "slot_size": 65536,
+                    json!({"size": 2 << 20, "backing": "memfd", "page_size": "2m", "slot_size": 65536,
                     "read_only": false, "dirty_log": true, "guest_check": true})
                 )
             ))

@@ -74,6 +74,8 @@ pub fn restore_memory_with(
             ids
         }
         MemBackend::Uffd => {
+            // Before anything is mapped: a layout the loader cannot fill is refused whole.
+            LazyLoader::check_layout(layout)?;
             let ids = layout.build(memory)?;
             loader = Some(LazyLoader::start_with(memory, layout, file, lazy)?);
             ids

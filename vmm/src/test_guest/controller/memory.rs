@@ -103,7 +103,9 @@ impl Controller {
             RegionBacking::Anonymous => Backing::Anonymous,
             RegionBacking::Memfd => Backing::Memfd,
         };
-        let mut spec = RegionSpec::new(GuestAddress(gpa), add.size).with_backing(backing);
+        let mut spec = RegionSpec::new(GuestAddress(gpa), add.size)
+            .with_backing(backing)
+            .with_page_size(add.page_size.into());
         spec.slot_size = add.slot_size;
         spec.read_only = add.read_only;
         spec.log_dirty = add.dirty_log;
