@@ -20,7 +20,7 @@ pub enum Op {
     Exit,
     /// As [`Op::Write`], 32 bytes at each address (a multiple of 32) with one VEX store
     /// (`vmovdqu ymm`): the u64 at `a + 8i` holds `(a + 8i) ^ seed`. Needs AVX
-    /// ([`super::layout::avx_enabled`]).
+    /// ([`super::layout::avx_available`]).
     VexWrite,
     /// As [`Op::Verify`], reading 32 bytes at each address with one VEX load.
     VexVerify,
