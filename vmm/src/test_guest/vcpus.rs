@@ -522,7 +522,8 @@ impl Vcpus {
             Some(e) => {
                 let (reason, rip) = match e {
                     VcpuError::TripleFault { rip, .. } => (FailureReason::TripleFault, Some(*rip)),
-                    VcpuError::HostLimitation { rip, .. } => {
+                    VcpuError::HostLimitation { rip, .. }
+                    | VcpuError::EmulationFailure { rip, .. } => {
                         (FailureReason::InternalError, Some(*rip))
                     }
                     VcpuError::Device {
