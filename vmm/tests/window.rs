@@ -23,6 +23,8 @@ use vmm_sys_util::eventfd::EventFd;
 const MIB: u64 = 1 << 20;
 /// Round trips (a change and its reverse) per kind of change.
 const ROUNDS: u64 = 500;
+/// How long the guest may go without finishing a command before the test calls it a hang.
+const HANG: Duration = Duration::from_secs(120);
 /// Changes between two waits for the guest to finish commands.
 const PACE: u64 = 50;
 /// Distance between two addresses a vCPU touches: every other page, so that the two vCPUs
@@ -152,7 +154,16 @@ fn under_changes(
         // A vCPU that finished a command and waits for the changes to catch up, with the op
         // of its last command.
         let mut waiting: [Option<Op>; 2] = [None, None];
+        let mut progress = std::time::Instant::now();
         while running.iter().any(|r| *r) {
+            // Only a guard against a hang: a command takes milliseconds on any host.
+            if progress.elapsed() > HANG {
+                finish.store(true, Ordering::Release);
+                panic!(
+                    "no guest command finished for {HANG:?} after {} changes",
+                    made.load(Ordering::Relaxed)
+                );
+            }
             let mut idle = true;
             for vcpu in 0..2 {
                 if !running[vcpu] {
@@ -177,6 +188,7 @@ fn under_changes(
                     continue;
                 };
                 idle = false;
+                progress = std::time::Instant::now();
                 if let Err(e) = outcome {
                     failure.get_or_insert(format!(
                         "vCPU {vcpu}, {:?} over [{:#x}, {:#x}) after {} changes: {e}",
