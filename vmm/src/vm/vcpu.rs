@@ -458,8 +458,8 @@ pub enum VcpuError<E: std::error::Error + 'static> {
     },
     /// `KVM_EXIT_INTERNAL_ERROR`, emulation failure, with no slot change under way, where the
     /// host runs the guest's instructions itself (hardware virtualisation, or guest ring 3):
-    /// the guest ran an instruction KVM's emulator lacks where it has no memory.
-    #[error("vCPU {vcpu} at rip {rip:#x} (ring {cpl}): KVM could not emulate a guest instruction (KVM_EXIT_INTERNAL_ERROR, emulation failure) and no slot change was under way: the guest ran an instruction KVM's emulator lacks (a VEX/AVX load or store, an instruction fetch) at a guest address with no memory slot (a device window, or memory that is not there)")]
+    /// most likely the guest ran an instruction KVM's emulator lacks where it has no memory.
+    #[error("vCPU {vcpu} at rip {rip:#x} (ring {cpl}): KVM could not emulate a guest instruction (KVM_EXIT_INTERNAL_ERROR, emulation failure) and no slot change was under way: most likely the guest ran an instruction KVM's emulator lacks (a VEX/AVX load or store, an instruction fetch) at a guest address with no memory slot (a device window, or memory that is not there), not a limitation of the host")]
     EmulationFailure {
         /// The vCPU.
         vcpu: usize,
@@ -868,7 +868,7 @@ impl<P: VcpuPorts> Vcpu<P> {
                     let rip = rip(fd);
                     let cpl = fd.get_sregs().map_or(0, |s| s.cs.dpl);
                     // Guest ring 0 in KVM's emulator (kvm_pvm) meets instructions it lacks
-                    // anywhere; elsewhere the emulator only runs accesses with no slot.
+                    // anywhere; elsewhere the emulator mostly runs accesses with no slot.
                     if cpl == 0 && crate::linux::cpu::host_emulates_ring0() {
                         return Err(VcpuError::HostLimitation {
                             vcpu,
