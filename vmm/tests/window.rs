@@ -128,10 +128,13 @@ fn under_changes(
                         return i;
                     }
                     if i % PACE == 0 {
-                        // Let the guest finish a command first, so that it does some work
-                        // through every stretch of changes however fast they go.
-                        let seen = commands.load(Ordering::Acquire);
-                        while commands.load(Ordering::Acquire) < seen + 2 {
+                        // Let the guest finish two commands per stretch of changes first, so
+                        // that it does some work through them however fast they go. (A
+                        // target counted from the start: one counted from what the guest had
+                        // done when this thread looked could lie past what the guest is let
+                        // do, and both would wait.)
+                        let target = 2 * (i / PACE + 1);
+                        while commands.load(Ordering::Acquire) < target {
                             if finish.load(Ordering::Acquire) {
                                 return i;
                             }
@@ -159,9 +162,29 @@ fn under_changes(
             // Only a guard against a hang: a command takes milliseconds on any host.
             if progress.elapsed() > HANG {
                 finish.store(true, Ordering::Release);
+                // Where each vCPU is, for whoever looks into it.
+                let at: Vec<String> = (0..2)
+                    .map(|v| {
+                        let shared = vcpus.shared(v);
+                        let exits = shared.counters.exits();
+                        let state = shared
+                            .pause(Duration::from_secs(5))
+                            .map_err(|e| e.to_string())
+                            .and_then(|()| shared.save_paused().map_err(|e| e.to_string()));
+                        shared.resume();
+                        match state {
+                            Ok(s) => format!(
+                                "vCPU {v}: rip {:#x} rcx {:#x}, {exits} exits",
+                                s.regs.rip, s.regs.rcx
+                            ),
+                            Err(e) => format!("vCPU {v}: {e}, {exits} exits"),
+                        }
+                    })
+                    .collect();
                 panic!(
-                    "no guest command finished for {HANG:?} after {} changes",
-                    made.load(Ordering::Relaxed)
+                    "no guest command finished for {HANG:?} after {} changes: {}",
+                    made.load(Ordering::Relaxed),
+                    at.join("; ")
                 );
             }
             let mut idle = true;
@@ -174,7 +197,7 @@ fn under_changes(
                     // the guest back while it is more than a few commands ahead of the
                     // changes: its vCPUs would otherwise take every core from them.
                     let done = finish.load(Ordering::Acquire);
-                    // (Twice what the changes wait for: neither waits for the other forever.)
+                    // (Twice what the changes wait for: neither waits for the other.)
                     let allowed = 4 * (made.load(Ordering::Acquire) / PACE + 1);
                     if done && (vcpu == 1 || last == Op::VexVerify) {
                         running[vcpu] = false;
