@@ -1,11 +1,13 @@
 # tinyvmm's built-in test guest: 64-bit code that runs in ring 3 (user mode runs natively even
 # under software-only virtualisation, where ring 0 is emulated) and executes commands the host
-# posts in a per-vCPU command block. Plain instructions only: no SSE, XSAVE or syscall.
+# posts in a per-vCPU command block. Plain instructions only (no SSE, XSAVE or syscall), but
+# for the VEX commands (5, 6), which need AVX enabled by the VMM (CR4.OSXSAVE, XCR0 = 7).
 #
 # The VMM loads this code at CODE_GPA and enters it in ring 3 with IOPL 3, identity page tables,
 # rsi = the vCPU's command block and rsp = its stack. Layout of a command block (u64 fields):
 #   0x00 cmd_seq   host: bumped to post a command     0x08 done_seq  guest: = cmd_seq when done
-#   0x10 op        1 write, 2 verify, 3 write loop, 4 exit
+#   0x10 op        1 write, 2 verify, 3 write loop, 4 exit, 5 vex write, 6 vex verify,
+#                  7 exec (write a stub and call it), 8 call (call the stub already there)
 #   0x18 start     0x20 end      0x28 stride    0x30 seed     (the range [start, end))
 #   0x38 stop      host: 1 ends a write loop after the current pass; 2 (cancel) ends any
 #                  command where it is, within CHECK_EVERY addresses
@@ -13,7 +15,12 @@
 #   0x48 found     guest: the value found there      0x50 passes  guest: write-loop passes done
 #   0x58 cut_at    guest: 0 if the command ran to its end; else, cancelled, the first address
 #                  of the range it did not reach (every stride-th address below it is done)
-# The value of a page at address a written with seed s is a ^ s (a u64 at a).
+# The value of a page at address a written with seed s is a ^ s (a u64 at a). The VEX commands
+# store and load 32 bytes at each address a (a multiple of 32) with one `vmovdqu ymm`: the four
+# u64 at a, a+8, a+16, a+24, each holding its own address ^ s. Exec and call run an 8-byte stub
+# at each address a (`lea rax, [rip - 7]; ret`, which returns its own address): exec first
+# stores it there with a plain `mov`; both report the address as bad (result) if the stub did
+# not return it (found).
 #
 # Ring 0 is used only for exceptions: each vector's stub stores the vector and the top of the
 # exception stack in the fault block (FAULT_GPA) and reports it on PORT_FAULT.
@@ -52,6 +59,13 @@
 .set OP_VERIFY, 2
 .set OP_WRITE_LOOP, 3
 .set OP_EXIT, 4
+.set OP_VEX_WRITE, 5
+.set OP_VEX_VERIFY, 6
+.set OP_EXEC, 7
+.set OP_CALL, 8
+
+# lea rax, [rip - 7]; ret: 48 8d 05 f9 ff ff ff c3, as one little-endian u64.
+.set STUB, 0xc3fffffff9058d48
 
 .set PORT_DONE, 0x510
 .set PORT_EXIT, 0x511
@@ -121,6 +135,14 @@ have_command:
     je op_write_loop
     cmp rax, OP_EXIT
     je op_exit
+    cmp rax, OP_VEX_WRITE
+    je op_vex_write
+    cmp rax, OP_VEX_VERIFY
+    je op_vex_verify
+    cmp rax, OP_EXEC
+    je op_exec
+    cmp rax, OP_CALL
+    je op_exec
     mov qword ptr [rbx + RESULT], -1
     jmp done
 
@@ -166,6 +188,84 @@ op_exit:
     mov dx, PORT_EXIT
     out dx, al
     jmp op_exit
+
+# 32 bytes at each address with one VEX store: built on the stack (always memory), then stored.
+op_vex_write:
+    sub rsp, 32
+    mov rcx, r8
+    mov r13, CHECK_EVERY
+1:  cmp rcx, r9
+    jae 3f
+    cancel_point 4f
+    xor rsi, rsi                        # rsi: the u64 of the 32 bytes
+2:  lea rax, [rcx + rsi * 8]
+    xor rax, r11
+    mov qword ptr [rsp + rsi * 8], rax
+    inc rsi
+    cmp rsi, 4
+    jb 2b
+    vmovdqu ymm0, ymmword ptr [rsp]
+    vmovdqu ymmword ptr [rcx], ymm0
+    add rcx, r10
+    jmp 1b
+4:  mov qword ptr [rbx + CUT_AT], rcx
+3:  add rsp, 32
+    jmp done
+
+# 32 bytes at each address with one VEX load, copied to the stack and checked there.
+op_vex_verify:
+    mov qword ptr [rbx + RESULT], 0
+    sub rsp, 32
+    mov rcx, r8
+    mov r13, CHECK_EVERY
+1:  cmp rcx, r9
+    jae 3f
+    cancel_point 4f
+    vmovdqu ymm0, ymmword ptr [rcx]
+    vmovdqu ymmword ptr [rsp], ymm0
+    xor rsi, rsi
+2:  lea rax, [rcx + rsi * 8]
+    xor rax, r11
+    mov rdx, qword ptr [rsp + rsi * 8]
+    cmp rdx, rax
+    jne 5f
+    inc rsi
+    cmp rsi, 4
+    jb 2b
+    add rcx, r10
+    jmp 1b
+5:  lea rax, [rcx + rsi * 8]
+    mov qword ptr [rbx + FOUND], rdx
+    mov qword ptr [rbx + RESULT], rax
+    jmp 3f
+4:  mov qword ptr [rbx + CUT_AT], rcx
+3:  add rsp, 32
+    jmp done
+
+# Exec (rax = OP_EXEC) stores the stub at each address, then calls it; call only calls it.
+op_exec:
+    mov r14, rax                        # r14: which of the two
+    mov qword ptr [rbx + RESULT], 0
+    mov rcx, r8
+    mov r13, CHECK_EVERY
+1:  cmp rcx, r9
+    jae done
+    cancel_point 4f
+    cmp r14, OP_EXEC
+    jne 2f
+    mov rax, STUB
+    mov qword ptr [rcx], rax
+2:  xor rax, rax
+    call rcx                            # the stub leaves every register but rax alone
+    cmp rax, rcx
+    jne 5f
+    add rcx, r10
+    jmp 1b
+5:  mov qword ptr [rbx + FOUND], rax
+    mov qword ptr [rbx + RESULT], rcx
+    jmp done
+4:  mov qword ptr [rbx + CUT_AT], rcx
+    jmp done
 
 # Writes a ^ r11 at a = r8, r8 + r10, ... below r9; on a cancel, stops early and stores the
 # first address it did not write in cut_at.

@@ -15,6 +15,17 @@ pub enum GuestOp {
     WriteLoop,
     /// End the vCPU's write loop after its current pass; answers the passes completed.
     StopLoop,
+    /// As `write`, 32 bytes at each address with one AVX store (`vmovdqu ymm`): the u64 at
+    /// `a + 8i` holds `(a + 8i) ^ seed`. `start`, `end` and `stride` multiples of 32; only
+    /// where the host's KVM offers AVX.
+    VexWrite,
+    /// As `verify`, reading 32 bytes at each address with one AVX load.
+    VexVerify,
+    /// Store an 8-byte stub at each address and call it, so that the guest runs code from
+    /// every address; a stub that does not return its own address is a mismatch.
+    Exec,
+    /// As `exec` without the store: call the stubs an `exec` left.
+    Call,
     /// End the vCPU's command where it is (within 64 addresses): a write or verify answers
     /// [`GuestCommandResult::Cancelled`], and so does this request; a write loop ends in the
     /// middle of its pass.

@@ -393,7 +393,13 @@ impl ClientRequest {
             } => {
                 let body = match op {
                     GuestOp::StopLoop | GuestOp::Cancel => json!({"op": op, "vcpu": vcpu}),
-                    GuestOp::Write | GuestOp::Verify | GuestOp::WriteLoop => json!({
+                    GuestOp::Write
+                    | GuestOp::Verify
+                    | GuestOp::WriteLoop
+                    | GuestOp::VexWrite
+                    | GuestOp::VexVerify
+                    | GuestOp::Exec
+                    | GuestOp::Call => json!({
                         "op": op,
                         "start": start.unwrap_or(0), "end": end.unwrap_or(0),
                         "stride": stride, "seed": seed, "vcpu": vcpu,

@@ -18,13 +18,34 @@ pub enum Op {
     WriteLoop,
     /// Leave: report on the exit port and stop.
     Exit,
+    /// As [`Op::Write`], 32 bytes at each address (a multiple of 32) with one VEX store
+    /// (`vmovdqu ymm`): the u64 at `a + 8i` holds `(a + 8i) ^ seed`. Needs AVX
+    /// ([`super::layout::avx_available`]).
+    VexWrite,
+    /// As [`Op::Verify`], reading 32 bytes at each address with one VEX load.
+    VexVerify,
+    /// Store an 8-byte stub at each address (a plain `mov`) and call it: the guest runs code
+    /// from every address. The stub returns its own address; one that returns another is a
+    /// mismatch ([`Outcome::mismatch`]).
+    Exec,
+    /// As [`Op::Exec`] without the store: call the stubs already there.
+    Call,
 }
 
 impl Op {
     fn from_code(code: u64) -> Option<Op> {
-        [Op::Write, Op::Verify, Op::WriteLoop, Op::Exit]
-            .into_iter()
-            .find(|op| op.code() == code)
+        [
+            Op::Write,
+            Op::Verify,
+            Op::WriteLoop,
+            Op::Exit,
+            Op::VexWrite,
+            Op::VexVerify,
+            Op::Exec,
+            Op::Call,
+        ]
+        .into_iter()
+        .find(|op| op.code() == code)
     }
 
     fn code(self) -> u64 {
@@ -33,9 +54,22 @@ impl Op {
             Op::Verify => 2,
             Op::WriteLoop => 3,
             Op::Exit => 4,
+            Op::VexWrite => 5,
+            Op::VexVerify => 6,
+            Op::Exec => 7,
+            Op::Call => 8,
         }
     }
+
+    /// Whether the guest checks what it finds and reports a mismatch.
+    pub fn checks(self) -> bool {
+        matches!(self, Op::Verify | Op::VexVerify | Op::Exec | Op::Call)
+    }
 }
+
+/// The stub [`Op::Exec`] stores at each address, as the u64 it writes: `lea rax, [rip - 7];
+/// ret`, which returns its own address.
+pub const STUB: u64 = 0xc3ff_ffff_f905_8d48;
 
 /// One command for the guest.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -64,9 +98,10 @@ impl Command {
         }
     }
 
-    /// Whether the guest writes memory for this command (a write or a write loop).
+    /// Whether the guest writes memory for this command (a write, a write loop, a VEX write,
+    /// an exec).
     pub fn writes(&self) -> bool {
-        matches!(self.op, Op::Write | Op::WriteLoop)
+        matches!(self.op, Op::Write | Op::WriteLoop | Op::VexWrite | Op::Exec)
     }
 
     /// Whether one of the addresses the command touches (every `stride`-th from `start`, below
@@ -208,8 +243,7 @@ impl CommandBlock {
     pub fn outcome(&self, mem: &impl GuestMemory, op: Op) -> Outcome {
         let result = self.load(mem, field::RESULT);
         Outcome {
-            mismatch: (op == Op::Verify && result != 0)
-                .then(|| (result, self.load(mem, field::FOUND))),
+            mismatch: (op.checks() && result != 0).then(|| (result, self.load(mem, field::FOUND))),
             passes: self.load(mem, field::PASSES),
             // Ranges start above the system region, so 0 is never an address reached.
             cut_at: Some(self.load(mem, field::CUT_AT)).filter(|&at| at != 0),

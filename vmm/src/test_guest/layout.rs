@@ -1,7 +1,10 @@
 //! The test guest's memory layout, the code and tables in its system region, and the state its
 //! vCPUs start in (see `resources/guest/test_guest.S`).
 
-use kvm_bindings::{kvm_regs, kvm_segment, kvm_sregs};
+use kvm_bindings::{
+    kvm_cpuid_entry2, kvm_regs, kvm_segment, kvm_sregs, kvm_xcrs, KVM_MAX_CPUID_ENTRIES,
+};
+use kvm_ioctls::{Kvm, VcpuFd};
 use vm_memory::{Bytes, GuestAddress, GuestMemory};
 
 /// The guest's code, assembled from `resources/guest/test_guest.S` by the build.
@@ -164,6 +167,78 @@ pub fn boot_sregs(mut sregs: kvm_sregs) -> kvm_sregs {
         ..Default::default()
     };
     sregs
+}
+
+/// CR4's bits that let the guest use SSE and AVX: OSFXSR, OSXMMEXCPT and OSXSAVE.
+const CR4_AVX: u64 = (1 << 9) | (1 << 10) | (1 << 18);
+/// XCR0 with the x87, SSE and AVX state.
+const XCR0_AVX: u64 = 0b111;
+
+/// Leaf 1's ECX bits for XSAVE and AVX.
+const CPUID1_XSAVE_AVX: u32 = (1 << 26) | (1 << 28);
+
+/// Whether the guest can have AVX: the host's CPU has AVX and XSAVE, and `cpuid` (KVM's
+/// supported CPUID) lets XCR0 hold the x87, SSE and AVX state (leaf 0xd). KVM's leaf 1 may
+/// still hide XSAVE and AVX (kvm_pvm does), so [`set_up_vcpu`] sets them in the guest's.
+pub fn cpuid_has_avx(cpuid: &[kvm_cpuid_entry2]) -> bool {
+    let host =
+        std::arch::is_x86_feature_detected!("avx") && std::arch::is_x86_feature_detected!("xsave");
+    let xstate = cpuid
+        .iter()
+        .find(|e| e.function == 0xd && e.index == 0)
+        .is_some_and(|e| u64::from(e.eax) & XCR0_AVX == XCR0_AVX);
+    host && xstate
+}
+
+/// Whether the test guest's vCPUs get AVX on this host (KVM offers it): the VEX commands
+/// ([`super::Op::VexWrite`], [`super::Op::VexVerify`]) need it. False without `/dev/kvm`.
+pub fn avx_available() -> bool {
+    static AVX: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *AVX.get_or_init(|| {
+        Kvm::new()
+            .and_then(|kvm| kvm.get_supported_cpuid(KVM_MAX_CPUID_ENTRIES))
+            .is_ok_and(|cpuid| cpuid_has_avx(cpuid.as_slice()))
+    })
+}
+
+/// Sets up vCPU `index` to enter the guest: KVM's supported CPUID, the boot registers, and
+/// where KVM offers AVX, CR4.OSFXSR|OSXMMEXCPT|OSXSAVE and XCR0 = x87|SSE|AVX (nothing in the
+/// guest sets them up: its ring 0, emulated on some hosts, stays minimal). Returns whether AVX
+/// is on.
+pub fn set_up_vcpu(
+    kvm: &Kvm,
+    fd: &VcpuFd,
+    index: usize,
+) -> Result<bool, (&'static str, kvm_ioctls::Error)> {
+    let mut cpuid = kvm
+        .get_supported_cpuid(KVM_MAX_CPUID_ENTRIES)
+        .map_err(|e| ("KVM_GET_SUPPORTED_CPUID", e))?;
+    let avx = cpuid_has_avx(cpuid.as_slice());
+    if avx {
+        for entry in cpuid.as_mut_slice() {
+            if entry.function == 1 {
+                entry.ecx |= CPUID1_XSAVE_AVX;
+            }
+        }
+    }
+    fd.set_cpuid2(&cpuid).map_err(|e| ("KVM_SET_CPUID2", e))?;
+    let mut sregs = boot_sregs(fd.get_sregs().map_err(|e| ("KVM_GET_SREGS", e))?);
+    if avx {
+        sregs.cr4 |= CR4_AVX;
+    }
+    fd.set_sregs(&sregs).map_err(|e| ("KVM_SET_SREGS", e))?;
+    if avx {
+        let mut xcrs = kvm_xcrs {
+            nr_xcrs: 1,
+            ..Default::default()
+        };
+        xcrs.xcrs[0].xcr = 0;
+        xcrs.xcrs[0].value = XCR0_AVX;
+        fd.set_xcrs(&xcrs).map_err(|e| ("KVM_SET_XCRS", e))?;
+    }
+    fd.set_regs(&boot_regs(index))
+        .map_err(|e| ("KVM_SET_REGS", e))?;
+    Ok(avx)
 }
 
 /// The general registers of vCPU `index` entering the guest.

@@ -11,7 +11,7 @@ pub mod snapshot;
 mod test_vm;
 pub mod vcpus;
 
-pub use command::{pattern, Command, CommandBlock, Fault, Op, Outcome};
+pub use command::{pattern, Command, CommandBlock, Fault, Op, Outcome, STUB};
 pub use layout::{
     boot_regs, boot_sregs, command_block, write_system_memory, CODE, CODE_GPA, COMMANDS_GPA,
     COMMAND_BLOCK_SIZE, FAULT_GPA, IDENTITY_MAPPED, MAX_VCPUS, SYSTEM_SIZE,

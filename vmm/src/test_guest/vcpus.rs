@@ -171,12 +171,10 @@ impl TestVm {
     /// Creates `count` vCPUs in the guest's boot state and starts their threads; returns once
     /// each guest reported ready.
     pub fn start_vcpus(&self, count: usize, stopped: &Arc<EventFd>) -> Result<Vcpus, GuestError> {
+        let kvm = self.vm.kvm();
         let mut vcpus = self.spawn_vcpus(count, stopped, false, |index, fd| {
-            let sregs = fd.get_sregs().map_err(VmError::setup("KVM_GET_SREGS"))?;
-            fd.set_sregs(&test_guest::boot_sregs(sregs))
-                .map_err(VmError::setup("KVM_SET_SREGS"))?;
-            fd.set_regs(&test_guest::boot_regs(index))
-                .map_err(VmError::setup("KVM_SET_REGS"))?;
+            test_guest::layout::set_up_vcpu(kvm, fd, index)
+                .map_err(|(what, source)| VmError::Setup { what, source })?;
             Ok(())
         })?;
         for index in 0..count {
@@ -524,7 +522,8 @@ impl Vcpus {
             Some(e) => {
                 let (reason, rip) = match e {
                     VcpuError::TripleFault { rip, .. } => (FailureReason::TripleFault, Some(*rip)),
-                    VcpuError::HostLimitation { rip, .. } => {
+                    VcpuError::HostLimitation { rip, .. }
+                    | VcpuError::EmulationFailure { rip, .. } => {
                         (FailureReason::InternalError, Some(*rip))
                     }
                     VcpuError::Device {
@@ -602,10 +601,15 @@ impl Vcpus {
             .block
             .outcome(&*self.memory.current(), command.op);
         if let Some((gpa, found)) = outcome.mismatch {
+            // A stub returns its own address; data holds its address ^ seed.
+            let expected = match command.op {
+                Op::Exec | Op::Call => gpa,
+                _ => test_guest::pattern(gpa, command.seed),
+            };
             return Err(GuestError::GuestSawWrongData {
                 gpa,
                 found,
-                expected: test_guest::pattern(gpa, command.seed),
+                expected,
             });
         }
         Ok(outcome)

@@ -7,6 +7,15 @@
 //! finish the access against the memory map as it is afterwards, never reporting MMIO. Outside
 //! such a window the same exit means KVM and the map disagree: a fatal error, never papered over.
 //!
+//! An access KVM cannot emulate as MMIO (a VEX-encoded load or store, an instruction fetch)
+//! fails in its emulator instead, and with `KVM_CAP_EXIT_ON_EMULATION_FAILURE` (which [`Vm`]
+//! enables) exits as an emulation failure, the instruction not run. In a change's window the
+//! handler treats it as the MMIO exit it would have been: wait for the change, then enter the
+//! guest again to run the instruction against the slots as they are afterwards. Outside one (no
+//! change during the run) it is fatal, as a failure that repeats with no change in between.
+//!
+//! [`Vm`]: super::Vm
+//!
 //! Port I/O goes through the guest kind's [`PortBus`]: the handler only says which device (of
 //! the guest kind's own type) gets the access, or that nothing is there; the vCPU loop hands the
 //! access to the guest kind. No guest's port or device is named here.
@@ -55,8 +64,12 @@ pub enum Exit<'a> {
     Hlt,
     /// The guest triple-faulted (or asked for a shutdown).
     Shutdown,
-    /// KVM could not handle the guest's instruction (`KVM_EXIT_INTERNAL_ERROR`).
-    InternalError,
+    /// KVM could not handle the guest's instruction (`KVM_EXIT_INTERNAL_ERROR`), with KVM's
+    /// suberror ([`KVM_INTERNAL_ERROR_EMULATION`]: its instruction emulator failed).
+    InternalError {
+        /// KVM's `internal.suberror`.
+        suberror: u32,
+    },
     /// Entering the guest failed (`KVM_EXIT_FAIL_ENTRY`).
     FailEntry {
         /// The hardware's reason.
@@ -108,7 +121,7 @@ impl<'a> Exit<'a> {
             Exit::MmioWrite { .. } => 3,
             Exit::Hlt => 4,
             Exit::Shutdown => 5,
-            Exit::InternalError => 6,
+            Exit::InternalError { .. } => 6,
             Exit::FailEntry { .. } => 7,
             Exit::Interrupted => 8,
             Exit::DirtyRingFull => 9,
@@ -124,7 +137,9 @@ impl<'a> Exit<'a> {
 
     /// Turns what `KVM_RUN` returned into an exit, with the buffer a read's answer goes into
     /// (port and MMIO reads). `EINTR` and `EAGAIN` (a signal, `immediate_exit`) are
-    /// [`Exit::Interrupted`]; other errors are returned.
+    /// [`Exit::Interrupted`]; other errors are returned. An internal error's suberror is not
+    /// in kvm-ioctls' exit: it comes as 0, for the caller to fill in from the run area
+    /// ([`Exit::with_suberror`]).
     pub fn from_kvm(
         run: Result<kvm_ioctls::VcpuExit<'a>, kvm_ioctls::Error>,
     ) -> Result<(Exit<'a>, Option<&'a mut [u8]>), kvm_ioctls::Error> {
@@ -142,7 +157,7 @@ impl<'a> Exit<'a> {
             Ok(VcpuExit::MmioWrite(gpa, data)) => (Exit::MmioWrite { gpa, data }, None),
             Ok(VcpuExit::Hlt) => (Exit::Hlt, None),
             Ok(VcpuExit::Shutdown) => (Exit::Shutdown, None),
-            Ok(VcpuExit::InternalError) => (Exit::InternalError, None),
+            Ok(VcpuExit::InternalError) => (Exit::InternalError { suberror: 0 }, None),
             Ok(VcpuExit::FailEntry(reason, _)) => (Exit::FailEntry { reason }, None),
             Ok(VcpuExit::Intr) => (Exit::Interrupted, None),
             Ok(VcpuExit::Unsupported(kvm_bindings::KVM_EXIT_DIRTY_RING_FULL)) => {
@@ -157,6 +172,16 @@ impl<'a> Exit<'a> {
             }
             Err(e) => return Err(e),
         })
+    }
+}
+
+/// `internal.suberror` of an emulation failure (`KVM_INTERNAL_ERROR_EMULATION`).
+pub const KVM_INTERNAL_ERROR_EMULATION: u32 = kvm_bindings::KVM_INTERNAL_ERROR_EMULATION;
+
+impl Exit<'static> {
+    /// An internal error with KVM's suberror.
+    pub fn with_suberror(suberror: u32) -> Self {
+        Exit::InternalError { suberror }
     }
 }
 
@@ -193,6 +218,11 @@ pub enum ExitAction<D> {
         /// What.
         data: Vec<u8>,
     },
+    /// KVM could not emulate the guest's instruction (a VEX access, an instruction fetch)
+    /// where a slot was away during a change that is now done: the instruction did not run
+    /// (KVM leaves RIP on it), so enter the guest again to run it against the slots as they
+    /// are now.
+    RetryAfterChange,
     /// As [`ExitAction::WriteMemory`], for a read: give the guest `len` bytes read at `gpa`.
     ReadMemory {
         /// Where.
@@ -272,9 +302,15 @@ pub enum ExitError {
         /// Whether it was a write.
         write: bool,
     },
-    /// `KVM_EXIT_INTERNAL_ERROR`.
-    #[error("KVM could not emulate a guest instruction (KVM_EXIT_INTERNAL_ERROR); on a host without hardware virtualisation (kvm_pvm) guest ring 0 runs in KVM's instruction emulator, which lacks some instructions: a limitation of the host, not a VMM crash")]
-    InternalError,
+    /// `KVM_EXIT_INTERNAL_ERROR`, emulation failure, with no slot change during the run.
+    #[error("KVM could not emulate a guest instruction (KVM_EXIT_INTERNAL_ERROR, emulation failure) and no slot change was under way")]
+    EmulationFailure,
+    /// `KVM_EXIT_INTERNAL_ERROR` of another kind.
+    #[error("KVM_EXIT_INTERNAL_ERROR (suberror {suberror})")]
+    InternalError {
+        /// KVM's `internal.suberror`.
+        suberror: u32,
+    },
     /// The guest halted; the test guest never does outside its fault handler.
     #[error("the guest halted")]
     Halted,
@@ -323,13 +359,33 @@ pub fn handle_exit<D: Copy>(exit: &Exit<'_>, ctx: &ExitContext<'_, D>) -> ExitAc
         Exit::DirtyRingFull => ExitAction::CollectDirtyRings,
         Exit::Hlt => ExitAction::Fatal(ExitError::Halted),
         Exit::Shutdown => ExitAction::Fatal(ExitError::Shutdown),
-        Exit::InternalError => ExitAction::Fatal(ExitError::InternalError),
+        Exit::InternalError { suberror } if suberror == KVM_INTERNAL_ERROR_EMULATION => {
+            handle_emulation_failure(ctx)
+        }
+        Exit::InternalError { suberror } => {
+            ExitAction::Fatal(ExitError::InternalError { suberror })
+        }
         Exit::FailEntry { reason } => ExitAction::Fatal(ExitError::FailEntry(reason)),
         Exit::Other(what) => ExitAction::Fatal(ExitError::Other(what)),
         Exit::MemoryFault { gpa, size, flags } => {
             ExitAction::Fatal(ExitError::MemoryFault { gpa, size, flags })
         }
     }
+}
+
+/// An instruction KVM's emulator could not run. The exit names no address, but a change under
+/// way or done during the run may have taken the slot it touched away for a moment: as for an
+/// MMIO exit, wait for the change, then run the instruction again (it did not retire). With no
+/// change during the run it is fatal: nothing would be different the next time, so a failure
+/// that repeats with no change in between never loops.
+fn handle_emulation_failure<D>(ctx: &ExitContext<'_, D>) -> ExitAction<D> {
+    if ctx.sequence_now % 2 == 1 {
+        return ExitAction::WaitForChange;
+    }
+    if ctx.sequence_now != ctx.sequence_at_entry {
+        return ExitAction::RetryAfterChange;
+    }
+    ExitAction::Fatal(ExitError::EmulationFailure)
 }
 
 fn handle_mmio<D>(
@@ -666,13 +722,58 @@ mod tests {
             decide(&m, Exit::DirtyRingFull, 0, 0),
             ExitAction::CollectDirtyRings
         );
-        let ExitAction::Fatal(e) = decide(&m, Exit::InternalError, 0, 0) else {
+        let ExitAction::Fatal(e) = decide(&m, Exit::with_suberror(3), 0, 0) else {
             panic!()
         };
-        assert!(e.to_string().contains("limitation of the host"), "{e}");
+        assert_eq!(e.to_string(), "KVM_EXIT_INTERNAL_ERROR (suberror 3)");
         assert_eq!(
             decide(&m, Exit::Hlt, 0, 0),
             ExitAction::Fatal(ExitError::Halted)
+        );
+    }
+
+    #[test]
+    fn an_emulation_failure_in_a_change_waits_and_runs_again_else_is_fatal() {
+        let m = memory();
+        let failed = Exit::with_suberror(KVM_INTERNAL_ERROR_EMULATION);
+        assert_eq!(failed.kind(), 6, "counted as an internal error");
+        // A change is under way (the sequence is odd): wait for it, whether it began before
+        // the entry or during the run.
+        assert_eq!(decide(&m, failed, 4, 5), ExitAction::WaitForChange);
+        assert_eq!(decide(&m, failed, 5, 5), ExitAction::WaitForChange);
+        // A change ended during the run (or the wait): enter again, never MMIO, never fatal.
+        assert_eq!(decide(&m, failed, 4, 6), ExitAction::RetryAfterChange);
+        assert_eq!(decide(&m, failed, 5, 6), ExitAction::RetryAfterChange);
+        assert_eq!(decide(&m, failed, 4, 10), ExitAction::RetryAfterChange);
+        // No change during the run: the same failure again is fatal, and says no change was
+        // under way rather than blaming the host.
+        let ExitAction::Fatal(error) = decide(&m, failed, 6, 6) else {
+            panic!("a failure with no change is fatal")
+        };
+        assert_eq!(error, ExitError::EmulationFailure);
+        assert!(error.to_string().contains("no slot change"), "{error}");
+        // A sequence of retries: each one needs a change between its entry and its exit.
+        let mut entry = 4;
+        let mut retries = 0;
+        for now in [5, 6, 8, 8] {
+            match decide(&m, failed, entry, now) {
+                ExitAction::WaitForChange => {}
+                ExitAction::RetryAfterChange => {
+                    retries += 1;
+                    entry = now;
+                }
+                ExitAction::Fatal(ExitError::EmulationFailure) => {
+                    assert_eq!((entry, now), (8, 8));
+                    break;
+                }
+                other => panic!("{other:?}"),
+            }
+        }
+        assert_eq!(retries, 2);
+        // Other internal errors stay fatal, changes or not.
+        assert_eq!(
+            decide(&m, Exit::with_suberror(2), 4, 5),
+            ExitAction::Fatal(ExitError::InternalError { suberror: 2 })
         );
     }
 }

@@ -12,7 +12,9 @@ pub mod vcpu;
 
 use std::sync::Arc;
 
-use kvm_bindings::{kvm_pit_config, KVM_PIT_SPEAKER_DUMMY};
+use kvm_bindings::{
+    kvm_enable_cap, kvm_pit_config, KVM_CAP_EXIT_ON_EMULATION_FAILURE, KVM_PIT_SPEAKER_DUMMY,
+};
 use kvm_ioctls::{Kvm, VcpuFd, VmFd};
 use kvm_memslots::{KvmVm, MemoryLimits, MemoryManager, RingError};
 
@@ -78,6 +80,26 @@ fn add_irqchip(fd: &VmFd) -> Result<(), VmError> {
         .map_err(VmError::setup("KVM_CREATE_PIT2"))
 }
 
+/// Has KVM exit to the VMM on every emulation failure (`KVM_CAP_EXIT_ON_EMULATION_FAILURE`),
+/// where it offers that: without it, a failure at guest CPL > 0 injects `#UD` into the guest,
+/// which the VMM never sees. An access KVM cannot emulate (a VEX load or store, an instruction
+/// fetch) that meets a slot away during a change then exits, and the vCPU loop runs it again
+/// once the change is done ([`exit`]). Returns whether KVM offers it.
+fn exit_on_emulation_failure(fd: &VmFd) -> Result<bool, VmError> {
+    let cap = KVM_CAP_EXIT_ON_EMULATION_FAILURE;
+    if fd.check_extension_raw(cap.into()) <= 0 {
+        return Ok(false);
+    }
+    let mut enable = kvm_enable_cap {
+        cap,
+        ..Default::default()
+    };
+    enable.args[0] = 1;
+    fd.enable_cap(&enable)
+        .map_err(VmError::setup("enabling KVM_CAP_EXIT_ON_EMULATION_FAILURE"))?;
+    Ok(true)
+}
+
 /// KVM's number of memory slots (`KVM_CAP_NR_MEMSLOTS`), without creating a VM.
 pub fn max_slots() -> Result<usize, VmError> {
     Ok(Kvm::new().map_err(VmError::Kvm)?.get_nr_memslots())
@@ -89,18 +111,21 @@ pub struct Vm {
     kvm: Kvm,
     fd: Arc<VmFd>,
     memory: Arc<MemoryManager<KvmVm>>,
+    exit_on_emulation_failure: bool,
 }
 
 impl Vm {
     /// Opens `/dev/kvm` and creates the VM: with `options.irqchip`, the real-mode TSS, the
     /// in-kernel irqchip (before any vCPU, as KVM requires) and the PIT; then the memory
     /// manager (admitting memory within `options.limits`), with manual dirty-log protection
-    /// where KVM offers it. Also installs the
+    /// where KVM offers it; and exits on every emulation failure where KVM offers that
+    /// ([`Vm::exits_on_emulation_failure`]). Also installs the
     /// signal handler that kicks vCPUs out of the guest, and the one that keeps the process alive
     /// when guest memory's file is cut under it ([`memory_gone`]).
     pub fn new(options: VmOptions) -> Result<Self, VmError> {
         let kvm = Kvm::new().map_err(VmError::Kvm)?;
         let fd = Arc::new(kvm.create_vm().map_err(VmError::setup("KVM_CREATE_VM"))?);
+        let exit_on_emulation_failure = exit_on_emulation_failure(&fd)?;
         if options.irqchip {
             add_irqchip(&fd)?;
         }
@@ -116,7 +141,12 @@ impl Vm {
         let memory = Arc::new(MemoryManager::with_limits(kvm_vm, limits));
         vcpu::install_kick_handler();
         memory_gone::install();
-        Ok(Vm { kvm, fd, memory })
+        Ok(Vm {
+            kvm,
+            fd,
+            memory,
+            exit_on_emulation_failure,
+        })
     }
 
     /// Gives a VM made without them the real-mode TSS, the in-kernel irqchip and the PIT (a
@@ -124,6 +154,14 @@ impl Vm {
     /// any vCPU exists, as KVM requires.
     pub fn add_irqchip(&self) -> Result<(), VmError> {
         add_irqchip(&self.fd)
+    }
+
+    /// Whether KVM exits to the VMM on every emulation failure
+    /// (`KVM_CAP_EXIT_ON_EMULATION_FAILURE`, enabled where KVM offers it). Without it, an
+    /// instruction KVM cannot emulate at guest CPL > 0 (a VEX access or an instruction fetch
+    /// that meets a slot away during a change) gets `#UD` in the guest instead of a retry.
+    pub fn exits_on_emulation_failure(&self) -> bool {
+        self.exit_on_emulation_failure
     }
 
     /// `/dev/kvm`.

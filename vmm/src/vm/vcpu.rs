@@ -62,6 +62,9 @@ pub struct ExitCounters {
     pub read_only_writes: AtomicU64,
     /// Accesses to memory that is absent on purpose (unplugged virtio-mem blocks).
     pub absent_memory: AtomicU64,
+    /// Instructions KVM could not emulate (VEX accesses, instruction fetches) that met a slot
+    /// away during a change, run again once it was done.
+    pub retried_after_change: AtomicU64,
     /// Every exit by its kind ([`Exit::kind`], named by [`EXIT_KINDS`]).
     pub by_kind: [AtomicU64; EXIT_KINDS.len()],
 }
@@ -88,8 +91,10 @@ pub struct ExitTotals {
     /// Every exit, by its kind ([`EXIT_KINDS`]): they add up to all exits.
     pub by_kind: Vec<(&'static str, u64)>,
     /// Exits the loop handled its own way (some of the MMIO ones): writes to read-only
-    /// memory dropped (`read_only_write`), accesses to absent memory (`absent_memory`), and
-    /// accesses completed against the map after a slot change (`completed_after_change`).
+    /// memory dropped (`read_only_write`), accesses to absent memory (`absent_memory`),
+    /// accesses completed against the map after a slot change (`completed_after_change`), and
+    /// instructions KVM could not emulate, run again after a slot change
+    /// (`retried_after_change`).
     pub handled: Vec<(&'static str, u64)>,
 }
 
@@ -116,6 +121,7 @@ pub fn exit_totals() -> ExitTotals {
                 "completed_after_change",
                 sum(&|c| &c.completed_after_change),
             ),
+            ("retried_after_change", sum(&|c| &c.retried_after_change)),
         ],
     }
 }
@@ -439,9 +445,9 @@ pub enum VcpuError<E: std::error::Error + 'static> {
         /// The kernel's error.
         source: kvm_ioctls::Error,
     },
-    /// `KVM_EXIT_INTERNAL_ERROR`: on this host's kvm_pvm, the emulator met an instruction it
-    /// does not have.
-    #[error("vCPU {vcpu} at rip {rip:#x} (KVM suberror {suberror}): {error}", error = ExitError::InternalError)]
+    /// `KVM_EXIT_INTERNAL_ERROR` in guest ring 0 on a host that emulates it (kvm_pvm), with no
+    /// slot change under way: the emulator met an instruction it does not have.
+    #[error("vCPU {vcpu} at rip {rip:#x} (KVM suberror {suberror}): KVM could not emulate a guest instruction (KVM_EXIT_INTERNAL_ERROR) and no slot change was under way; on a host without hardware virtualisation (kvm_pvm) guest ring 0 runs in KVM's instruction emulator, which lacks some instructions: a limitation of the host, not a VMM crash")]
     HostLimitation {
         /// The vCPU.
         vcpu: usize,
@@ -449,6 +455,18 @@ pub enum VcpuError<E: std::error::Error + 'static> {
         rip: u64,
         /// KVM's `internal.suberror` (1: emulation failure).
         suberror: u32,
+    },
+    /// `KVM_EXIT_INTERNAL_ERROR`, emulation failure, with no slot change under way, where the
+    /// host runs the guest's instructions itself (hardware virtualisation, or guest ring 3):
+    /// most likely the guest ran an instruction KVM's emulator lacks where it has no memory.
+    #[error("vCPU {vcpu} at rip {rip:#x} (ring {cpl}): KVM could not emulate a guest instruction (KVM_EXIT_INTERNAL_ERROR, emulation failure) and no slot change was under way: most likely the guest ran an instruction KVM's emulator lacks (a VEX/AVX load or store, an instruction fetch) at a guest address with no memory slot (a device window, or memory that is not there), not a limitation of the host")]
+    EmulationFailure {
+        /// The vCPU.
+        vcpu: usize,
+        /// The guest's instruction pointer.
+        rip: u64,
+        /// The guest's privilege level (CS.DPL).
+        cpl: u8,
     },
     /// The guest triple-faulted (or a reset by triple fault, `reboot=t`).
     #[error("vCPU {vcpu}: the guest shut down (triple fault) at rip {rip:#x}")]
@@ -659,6 +677,15 @@ fn rip(fd: &VcpuFd) -> u64 {
     fd.get_regs().map(|r| r.rip).unwrap_or(u64::MAX)
 }
 
+/// `internal.suberror` of the run area, after a run that ended in `KVM_EXIT_INTERNAL_ERROR`.
+fn internal_suberror(fd: &mut VcpuFd) -> u32 {
+    let kvm_run = fd.get_kvm_run();
+    // SAFETY: the last KVM_RUN ended in KVM_EXIT_INTERNAL_ERROR (the only caller's exit), for
+    // which KVM fills the `internal` member of the union (`emulation_failure` shares its
+    // first fields); reading a u32 of it is always defined.
+    unsafe { kvm_run.__bindgen_anon_1.internal.suberror }
+}
+
 /// Waits while a slot change is being applied; false if the vCPU was asked to stop meanwhile.
 fn wait_for_change(memory: &MemoryManager<KvmVm>, shared: &VcpuShared) -> bool {
     memory.wait_settled(|| shared.stop_requested()).is_some()
@@ -723,12 +750,17 @@ impl<P: VcpuPorts> Vcpu<P> {
                 immediate_exit = true;
             }
             let sequence_at_entry = memory.change_sequence();
-            let (exit, mut buffer) = Exit::from_kvm(fd.run()).map_err(|source| {
+            let (exit, buffer) = Exit::from_kvm(fd.run()).map_err(|source| {
                 match (source.errno() == libc::EFAULT).then(|| cut_memory(memory)) {
                     Some(Some(place)) => VcpuError::MemoryGone { vcpu, place },
                     _ => VcpuError::Run { vcpu, source },
                 }
             })?;
+            // kvm-ioctls leaves an internal error's suberror in the run area.
+            let (exit, mut buffer) = match exit {
+                Exit::InternalError { .. } => (Exit::with_suberror(internal_suberror(fd)), None),
+                exit => (exit, buffer),
+            };
             let counters = &shared.counters;
             counters.by_kind[exit.kind()].fetch_add(1, Ordering::Relaxed);
             // KVM said where: a page of a file cut under the VM is named exactly (other
@@ -795,6 +827,14 @@ impl<P: VcpuPorts> Vcpu<P> {
             let device_error = |error| VcpuError::Device { vcpu, error };
             let flow = match action {
                 ExitAction::Resume => Flow::Continue,
+                ExitAction::RetryAfterChange => {
+                    // KVM left RIP on the instruction: the next entry runs it, against the
+                    // slots as they are now.
+                    counters
+                        .retried_after_change
+                        .fetch_add(1, Ordering::Relaxed);
+                    Flow::Continue
+                }
                 ExitAction::CountExpected => {
                     if let Some(buffer) = buffer {
                         buffer.fill(0xff);
@@ -871,17 +911,19 @@ impl<P: VcpuPorts> Vcpu<P> {
                         .write(fd, device, offset, &bytes[..len])
                         .map_err(device_error)?
                 }
-                ExitAction::Fatal(ExitError::InternalError) => {
-                    let kvm_run = fd.get_kvm_run();
-                    // SAFETY: the exit reason is KVM_EXIT_INTERNAL_ERROR, for which KVM fills
-                    // the `internal` member of the union; reading a u32 of it is always defined.
-                    let suberror = unsafe { kvm_run.__bindgen_anon_1.internal.suberror };
+                ExitAction::Fatal(ExitError::EmulationFailure) => {
                     let rip = rip(fd);
-                    return Err(VcpuError::HostLimitation {
-                        vcpu,
-                        rip,
-                        suberror,
-                    });
+                    let cpl = fd.get_sregs().map_or(0, |s| s.cs.dpl);
+                    // Guest ring 0 in KVM's emulator (kvm_pvm) meets instructions it lacks
+                    // anywhere; elsewhere the emulator mostly runs accesses with no slot.
+                    if cpl == 0 && crate::linux::cpu::host_emulates_ring0() {
+                        return Err(VcpuError::HostLimitation {
+                            vcpu,
+                            rip,
+                            suberror: super::exit::KVM_INTERNAL_ERROR_EMULATION,
+                        });
+                    }
+                    return Err(VcpuError::EmulationFailure { vcpu, rip, cpl });
                 }
                 ExitAction::Fatal(ExitError::Shutdown) => {
                     if let Some(place) = cut_memory(memory) {

@@ -37,6 +37,10 @@ impl Controller {
             GuestOp::Write => Op::Write,
             GuestOp::Verify => Op::Verify,
             GuestOp::WriteLoop => Op::WriteLoop,
+            GuestOp::VexWrite => Op::VexWrite,
+            GuestOp::VexVerify => Op::VexVerify,
+            GuestOp::Exec => Op::Exec,
+            GuestOp::Call => Op::Call,
             GuestOp::StopLoop => return self.end_command(command.vcpu, true),
             GuestOp::Cancel => return self.end_command(command.vcpu, false),
         };
@@ -50,6 +54,22 @@ impl Controller {
         }
         if command.end <= command.start {
             return Err(ControllerError::bad("end must be above start"));
+        }
+        if matches!(op, Op::VexWrite | Op::VexVerify) {
+            if [command.start, command.end, command.stride]
+                .iter()
+                .any(|v| !v.is_multiple_of(32))
+            {
+                return Err(ControllerError::bad(
+                    "vex_write and vex_verify touch 32 bytes at each address: start, end and \
+                     stride must be multiples of 32",
+                ));
+            }
+            if !test_guest::layout::avx_available() {
+                return Err(ControllerError::conflict(
+                    "this host's KVM offers no AVX: the guest cannot run vex_write or vex_verify",
+                ));
+            }
         }
         self.reachable(command.start, command.end)?;
         let posted = Command {
