@@ -150,6 +150,17 @@ impl Drop for Vmm {
     fn drop(&mut self) {
         if let Some(mut child) = self.child.take() {
             let _ = child.kill();
+            // A failed test shows what the VMM said.
+            if std::thread::panicking() {
+                if let Ok(output) = child.wait_with_output() {
+                    eprintln!(
+                        "tinyvmm ({}) said: {}",
+                        output.status,
+                        String::from_utf8_lossy(&output.stderr)
+                    );
+                }
+                return;
+            }
             let _ = child.wait();
         }
     }
