@@ -809,3 +809,31 @@ fn a_handed_over_region_counted_in_the_digest_is_refused() {
         "{err}"
     );
 }
+
+#[test]
+fn a_check_cut_into_pieces_across_threads_adds_up_to_the_senders_digest() {
+    // 160 MiB: three pieces of the receiver's check, pages of data in each and across the
+    // boundaries between them.
+    let m = MemoryManager::new(FakeKvm::new(64, true));
+    m.add_region(RegionSpec::new(GuestAddress(0), 160 * MIB))
+        .expect("the fake takes it");
+    for gpa in [
+        0,
+        64 * MIB - PAGE_SIZE,
+        64 * MIB,
+        100 * MIB,
+        128 * MIB,
+        160 * MIB - 8,
+    ] {
+        guest_write(&m, gpa, gpa + 1);
+    }
+    let layout = MemoryLayout::of(&m);
+    let mut writer = StreamWriter::new(std::io::sink());
+    writer.hello(&layout).unwrap();
+    writer.send_all(&m).unwrap();
+    let sent = writer.digest();
+    assert_eq!(sent.regions[0].pages, 6);
+    let here = MemoryDigest::of_memory(&m, &layout, &[]).unwrap();
+    assert_eq!(here, sent);
+    here.check(&sent, &layout).unwrap();
+}

@@ -10,6 +10,8 @@
 //! that of the memory the receiver should hold, computed from the very bytes it sent, while it
 //! sent them. The receiver computes its own from its guest memory, never from the stream.
 
+use std::sync::atomic::{AtomicUsize, Ordering};
+
 use kvm_memslots::{KvmMemory, MemoryManager, RegionMemory, PAGE_SIZE};
 use xxhash_rust::xxh3::xxh3_64_with_seed;
 
@@ -19,6 +21,10 @@ use crate::memory_file::data_runs;
 
 /// Bytes hashed per read of guest memory.
 const CHUNK: u64 = 1 << 20;
+/// The most bytes of guest memory one piece of the receiver's check holds.
+const PIECE: u64 = 64 << 20;
+/// The most threads the receiver's check runs on.
+const MAX_THREADS: usize = 8;
 
 static ZERO_PAGE: [u8; PAGE_SIZE as usize] = [0; PAGE_SIZE as usize];
 
@@ -92,24 +98,68 @@ impl MemoryDigest {
     /// The digest of `memory` (laid out as `layout`) as it is now, read from guest memory:
     /// every page that holds data ([`data_runs`]: the rest reads zeros and contributes
     /// nothing), except the regions `skip` marks (by layout index: handed over). Guest memory
-    /// must not change meanwhile (no vCPU runs).
+    /// must not change meanwhile (no vCPU runs). The work is cut into pieces of at most 64 MiB
+    /// that as many threads as the host has CPUs (at most 8) take in turn: the sums add up in
+    /// any order.
     pub fn of_memory<K: KvmMemory>(
         memory: &MemoryManager<K>,
         layout: &MemoryLayout,
         skip: &[bool],
     ) -> Result<Self, StreamError> {
         let regions = layout.mappings(memory)?;
-        let mut digest = MemoryDigest {
-            regions: vec![RegionDigest::default(); layout.regions.len()],
-        };
-        let mut buf = vec![0u8; CHUNK as usize];
-        for (index, (r, region)) in layout.regions.iter().zip(&regions).enumerate() {
+        let mut pieces = Vec::new();
+        for (index, region) in regions.iter().enumerate() {
             if skip.get(index).copied().unwrap_or(false) {
                 continue;
             }
-            let d = &mut digest.regions[index];
             for run in data_runs(region)? {
-                hash_run(region, r.gpa, run, &mut buf, d)?;
+                let mut at = run.start;
+                while at < run.end {
+                    let end = run.end.min(at + PIECE);
+                    pieces.push((index, at..end));
+                    at = end;
+                }
+            }
+        }
+        let threads = std::thread::available_parallelism()
+            .map_or(1, usize::from)
+            .clamp(1, MAX_THREADS)
+            .min(pieces.len().max(1));
+        let next = AtomicUsize::new(0);
+        let work = || -> Result<Vec<RegionDigest>, StreamError> {
+            let mut digests = vec![RegionDigest::default(); layout.regions.len()];
+            let mut buf = vec![0u8; CHUNK as usize];
+            while let Some((index, run)) = pieces.get(next.fetch_add(1, Ordering::Relaxed)) {
+                let gpa = layout.regions[*index].gpa;
+                hash_run(
+                    &regions[*index],
+                    gpa,
+                    run.clone(),
+                    &mut buf,
+                    &mut digests[*index],
+                )?;
+            }
+            Ok(digests)
+        };
+        let parts: Vec<Result<Vec<RegionDigest>, StreamError>> = std::thread::scope(|scope| {
+            let helpers: Vec<_> = (1..threads).map(|_| scope.spawn(work)).collect();
+            let mut parts = vec![work()];
+            parts.extend(helpers.into_iter().map(|h| {
+                h.join().unwrap_or_else(|_| {
+                    Err(StreamError::Format(
+                        "a thread hashing guest memory panicked".into(),
+                    ))
+                })
+            }));
+            parts
+        });
+        let mut digest = MemoryDigest {
+            regions: vec![RegionDigest::default(); layout.regions.len()],
+        };
+        for part in parts {
+            for (total, d) in digest.regions.iter_mut().zip(part?) {
+                total.pages += d.pages;
+                total.sum = total.sum.wrapping_add(d.sum);
             }
         }
         Ok(digest)
