@@ -65,8 +65,9 @@ impl<R: Read> StreamReader<R> {
     /// The next record, checked: its checksum, its kind, and its place in the stream (Hello
     /// first and once, Handovers of page-aligned file offsets right after a Hello that
     /// announced them, pages inside the layout and page-aligned, round numbers and page counts
-    /// as sent, State once and between rounds, nothing but Done after it and nothing after
-    /// Done). `Ok(None)` after Done.
+    /// as sent, State once and between rounds, then the Digest of the layout's size between
+    /// rounds, Done only right after the Digest, and nothing after Done). `Ok(None)` after
+    /// Done; then [`verify`](Self::verify) the memory.
     pub fn next_record(&mut self) -> Result<Option<Record>, StreamError> {
         if self.done {
             return Ok(None);
