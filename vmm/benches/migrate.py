@@ -337,11 +337,14 @@ def migrate_tinyvmm(opts, tmp, logs, size_mib, slots, mode, workload, transfer="
             raise RuntimeError(f"the destination did not say the VM runs: "
                                f"{destination.stderr()}")
         t_runs, line = runs
-        # "the VM runs here after N rounds, X MiB, Y ms; serving the API on ..."
+        # "the VM runs here after N rounds, X MiB, Y ms (its memory checked against the source's
+        # digest in Z ms); serving the API on ..."
         words = line.split("after", 1)[1].split(";")[0].split(",")
         result["dest_rounds"] = int(words[0].split()[0])
         result["dest_mib"] = int(words[1].split()[0])
         result["dest_ms"] = float(words[2].split()[0])
+        checked = line.split("digest in ", 1)
+        result["dest_check_ms"] = float(checked[1].split()[0]) if len(checked) == 2 else None
         result["dest_line"] = line
 
         result["total_ms"] = (t_runs - t_put) * 1e3
@@ -693,7 +696,7 @@ def print_table(results, baseline, qemu_results, qemu_skipped):
     head = ("| workload | guest | slots | harvest | memory | total | to pre-copy | round 1 | after round 1"
             " | downtime | rounds | sent | sent / guest | throughput | / socket | / socket into"
             " fresh memory | round 1 rate"
-            " | / socket | destination's line | verify |")
+            " | / socket | destination's line | its digest check | verify |")
     print(head)
     print("|" + "---|" * (head.count("|") - 1))
     for r in results:
@@ -727,6 +730,7 @@ def print_table(results, baseline, qemu_results, qemu_skipped):
               f"| {'-' if not r1 else f'{r1 / MIB:.0f} MiB/s'} "
               f"| {'-' if not r1 else f'{100 * r1 / rate:.0f} %'} "
               f"| {r['dest_rounds']} rounds, {r['dest_mib']} MiB, {r['dest_ms']:.0f} ms "
+              f"| {fmt_ms(r.get('dest_check_ms'))} ms "
               f"| ok, {r['verify_s']:.1f} s |")
     print()
     if qemu_skipped:

@@ -802,6 +802,7 @@ fn receive(args: ReceiveArgs) -> ExitCode {
         idle_timeout: args.api.idle_timeout,
         limits: Some(args.api.limits.resolve()),
         dirty_ring: args.api.dirty_ring,
+        after_landing: None,
     };
     let listen = config.listen.to_string();
     let api = config.api_sock.display().to_string();
@@ -817,10 +818,12 @@ fn receive(args: ReceiveArgs) -> ExitCode {
             log(
                 LogLevel::Info,
                 format_args!(
-                    "the VM runs here after {} rounds, {} MiB, {:.0} ms; serving the API on {api}",
+                    "the VM runs here after {} rounds, {} MiB, {:.0} ms (its memory checked \
+                     against the source's digest in {:.0} ms); serving the API on {api}",
                     r.rounds,
                     r.bytes >> 20,
-                    r.elapsed.as_secs_f64() * 1e3
+                    r.elapsed.as_secs_f64() * 1e3,
+                    r.check.as_secs_f64() * 1e3
                 ),
             )
         },

@@ -445,15 +445,18 @@ fn live_restore_and_migrate_twice(
     // A VMM whose VM moved on ends, exit status 0, once the VM runs on the destination.
     let moved_away = |vmm: &mut Vmm, what: &str| {
         let (output, console) = vmm.wait();
+        let stderr = String::from_utf8_lossy(&output.stderr).into_owned();
         assert_eq!(
             output.status.code(),
             Some(0),
-            "{what} ends once the VM runs on its destination: {}",
-            String::from_utf8_lossy(&output.stderr)
+            "{what} ends once the VM runs on its destination: {stderr}"
         );
-        console
+        (console, stderr)
     };
-    let src_console = moved_away(&mut source, "the restored source");
+    // A destination runs the Linux guest only once its memory matched the source's digest
+    // (the pages the uffd restore had not filled yet included).
+    let checked = "its memory checked against the source's digest";
+    let (src_console, _) = moved_away(&mut source, "the restored source");
     // The received VM runs, and moves on at once, its memory handed over.
     first.wait_for_api();
     assert_eq!(first.ok("GET", "/vm", None)["state"], "Running");
@@ -466,8 +469,11 @@ fn live_restore_and_migrate_twice(
             "timeout_s": 120,
         })),
     );
-    let first_console = moved_away(&mut first, "the first destination");
+    let (first_console, first_said) = moved_away(&mut first, "the first destination");
+    assert!(first_said.contains(checked), "{first_said}");
     let (second_output, second_console) = second.wait();
+    let second_said = String::from_utf8_lossy(&second_output.stderr);
+    assert!(second_said.contains(checked), "{second_said}");
     (
         format!("{src_console}{first_console}{second_console}"),
         ending(&second_output),

@@ -150,6 +150,17 @@ impl Drop for Vmm {
     fn drop(&mut self) {
         if let Some(mut child) = self.child.take() {
             let _ = child.kill();
+            // A failed test shows what the VMM said.
+            if std::thread::panicking() {
+                if let Ok(output) = child.wait_with_output() {
+                    eprintln!(
+                        "tinyvmm ({}) said: {}",
+                        output.status,
+                        String::from_utf8_lossy(&output.stderr)
+                    );
+                }
+                return;
+            }
             let _ = child.wait();
         }
     }
@@ -1791,6 +1802,165 @@ fn kvm_sigterm_ends_a_destination_whose_source_sends_nothing_at_once() {
     assert!(signalled.elapsed() < CUT_SHORT, "{stderr}");
     assert!(
         stderr.contains("waiting for the source's next record: stopped by a signal"),
+        "{stderr}"
+    );
+}
+
+/// Flips a bit of guest memory at `AREA + 1 MiB` (a page the guest wrote), as a destination
+/// whose memory went wrong after the last page landed would have it.
+fn flip_a_bit(memory: &kvm_memslots::MemoryManager<kvm_memslots::KvmVm>) {
+    use vm_memory::{Bytes, GuestAddress, GuestAddressSpace};
+    let ram = memory.handle().memory();
+    let at = GuestAddress(AREA + MIB);
+    let word: u64 = ram.read_obj(at).expect("received memory");
+    ram.write_obj(word ^ 1, at).expect("received memory");
+}
+
+/// Zeros the page at `AREA + 3 MiB` (one the guest wrote), as if it never arrived.
+fn drop_a_page(memory: &kvm_memslots::MemoryManager<kvm_memslots::KvmVm>) {
+    use vm_memory::{Bytes, GuestAddress, GuestAddressSpace};
+    memory
+        .handle()
+        .memory()
+        .write_slice(&[0; 4096], GuestAddress(AREA + 3 * MIB))
+        .expect("received memory");
+}
+
+#[test]
+fn kvm_a_destination_whose_memory_is_not_what_was_sent_refuses_and_the_source_runs_on() {
+    if !kvm_test_support::require_kvm(
+        "tinyvmm::kvm_a_destination_whose_memory_is_not_what_was_sent_refuses_and_the_source_runs_on",
+    ) {
+        return;
+    }
+    use tinyvmm::jobs::receive::{receive_in_background, ReceiveConfig, ReceiveError};
+    // A guest that wrote every page of its area (so that the page dropped below held data
+    // whatever the loop's first pass reached) and keeps writing.
+    let source = Vmm::serve("damaged-dst", 64, 64, &[]);
+    let end = area_end(&source);
+    let wrote = source.ok("PUT", "/guest/command", Some(guest("write", AREA, end, 2)));
+    assert_eq!(wrote["result"], "ok");
+    source.ok(
+        "PUT",
+        "/guest/command",
+        Some(guest("write_loop", AREA, end, 1)),
+    );
+    for (name, damage) in [
+        ("flipped", flip_a_bit as fn(&_)),
+        ("dropped", drop_a_page as fn(&_)),
+    ] {
+        let listen = path(name, "dmg-mig");
+        let _ = std::fs::remove_file(&listen);
+        let config = ReceiveConfig {
+            after_landing: Some(damage),
+            ..ReceiveConfig::new(
+                tinyvmm::migration::Endpoint::Unix(listen.clone()),
+                path(name, "dmg-api"),
+            )
+        };
+        let destination = receive_in_background(config).expect("receive listens");
+        // A budget the first round fits: stop-and-copy comes at once.
+        let (status, answer) = migrate(&source, &listen, json!({"downtime_ms": 600000}));
+        assert_eq!(status, 204, "{answer}");
+        let info = watch(&source, |i| {
+            !matches!(phase(i), "setup" | "pre_copy" | "stop_and_copy")
+        });
+        let refused = match destination.join().expect("no panic") {
+            Err(ReceiveError::Migration(reason)) => reason,
+            other => panic!("{name}: the destination ran the VM: {other:?}"),
+        };
+        // The region the area starts: the first one that differs, named on both sides.
+        let named =
+            format!("the memory here is not what the source sent: the region at guest {AREA:#x}");
+        assert!(refused.starts_with(&named), "{name}: {refused}");
+        assert_eq!(phase(&info), "failed", "{name}: {info}");
+        let error = info["error"].as_str().expect("an error");
+        assert!(
+            error.starts_with(&format!("the destination refused: {named}")),
+            "{name}: {error}"
+        );
+        // As on any refusal after the whole VM went out, the VM went on here.
+        assert_eq!(source.ok("GET", "/vm", None)["state"], "Running");
+        let _ = std::fs::remove_file(&listen);
+    }
+    // The write loop went on through both, and every page holds its last pass.
+    stop_and_verify(&source, AREA, end);
+}
+
+#[test]
+fn kvm_a_stream_with_valid_checksums_but_a_wrong_page_is_refused_by_its_digest() {
+    if !kvm_test_support::require_kvm(
+        "tinyvmm::kvm_a_stream_with_valid_checksums_but_a_wrong_page_is_refused_by_its_digest",
+    ) {
+        return;
+    }
+    use kvm_memslots::testing::FakeKvm;
+    use kvm_memslots::{MemoryManager, RegionSpec};
+    use tinyvmm::test_guest::snapshot::MIGRATION_STATE_VERSION;
+    use vm_memory::{Bytes, GuestAddress, GuestAddressSpace};
+    // The stream of a paused one-vCPU VM whose memory holds one page of data at 1 MiB.
+    let layout = one_region_layout();
+    let memory = MemoryManager::new(FakeKvm::new(8, true));
+    memory
+        .add_region(RegionSpec::new(GuestAddress(0), 2 * MIB).with_slot_size(2 * MIB))
+        .expect("the fake takes it");
+    memory
+        .handle()
+        .memory()
+        .write_slice(&[0x5a; 4096], GuestAddress(MIB))
+        .expect("memory");
+    let json = serde_json::to_vec(&state_json()).expect("JSON");
+    let mut writer = StreamWriter::new(Vec::new());
+    writer.hello(&layout).expect("hello");
+    writer.send_all(&memory).expect("round 1");
+    writer.end_round().expect("a round");
+    writer
+        .state(&kvm_memslots_persist::frame(
+            b"TVMMIGR\0",
+            MIGRATION_STATE_VERSION,
+            &json,
+        ))
+        .expect("state");
+    writer.done().expect("done");
+    let stream = writer.get_ref().clone();
+
+    // As sent, it is taken: the VM is there (paused) and holds the page.
+    let (mut destination, listen) = Vmm::receive("wrong-page-ok", &[]);
+    let mut connection = UnixStream::connect(&listen).expect("connect");
+    connection.write_all(&stream).expect("send");
+    destination.wait_for_api();
+    assert_eq!(destination.ok("GET", "/vm", None)["state"], "Paused");
+    destination.ok("PUT", "/actions", Some(json!({"action_type": "Stop"})));
+    let output = destination.wait(Duration::from_secs(30));
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(
+        stderr.contains("its memory checked against the source's digest"),
+        "{stderr}"
+    );
+
+    // The same with one byte of the page changed and the record's checksum made valid again:
+    // every record reads as valid, only the memory that arrived is wrong.
+    let mut wrong = stream.clone();
+    let hello_len = 12 + u32::from_le_bytes(wrong[4..8].try_into().expect("4 bytes")) as usize;
+    assert_eq!(wrong[hello_len], 2, "the Pages record follows the Hello");
+    let len = u32::from_le_bytes(
+        wrong[hello_len + 4..hello_len + 8]
+            .try_into()
+            .expect("4 bytes"),
+    );
+    let payload = hello_len + 12;
+    wrong[payload + 8 + 100] ^= 0x01;
+    let mut crc = crc32fast::Hasher::new();
+    crc.update(&[2]);
+    crc.update(&len.to_le_bytes());
+    crc.update(&wrong[payload..payload + len as usize]);
+    wrong[hello_len + 8..hello_len + 12].copy_from_slice(&crc.finalize().to_le_bytes());
+    let stderr = receive_bytes("wrong-page", &wrong);
+    assert!(
+        stderr.contains(
+            "the memory here is not what the source sent: the region at guest 0x0 (0x200000 \
+             bytes) holds 1 pages of data here"
+        ),
         "{stderr}"
     );
 }

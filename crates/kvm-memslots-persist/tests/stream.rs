@@ -9,8 +9,8 @@ use std::thread;
 use kvm_memslots::testing::FakeKvm;
 use kvm_memslots::{Backing, MemoryManager, RegionSpec, SlotFlags, Target, PAGE_SIZE};
 use kvm_memslots_persist::stream::{
-    apply_pages, check_layout, read_answer, send_answer, shared_files, Record, StreamError,
-    StreamReader, StreamWriter, MAX_HANDOVER, MAX_RUN,
+    apply_pages, check_layout, page_hash, read_answer, send_answer, shared_files, MemoryDigest,
+    Record, RegionDigest, StreamError, StreamReader, StreamWriter, MAX_HANDOVER, MAX_RUN,
 };
 use kvm_memslots_persist::MemoryLayout;
 use vm_memory::{Bytes, GuestAddress, GuestAddressSpace};
@@ -61,8 +61,17 @@ fn read(m: &MemoryManager<FakeKvm>, gpa: u64) -> u64 {
 /// What a receiver ends with: the new VM's memory, the state, and each round's page count.
 type Received = (MemoryManager<FakeKvm>, Vec<u8>, Vec<u64>);
 
-/// Receives a whole stream into a manager built from its layout.
+/// Receives a whole stream into a manager built from its layout, and checks its memory
+/// against the sender's digest.
 fn receive(input: impl Read) -> Result<Received, StreamError> {
+    receive_with(input, |_| {})
+}
+
+/// [`receive`], with `landed` run on the memory once the last page landed, before the check.
+fn receive_with(
+    input: impl Read,
+    landed: impl FnOnce(&MemoryManager<FakeKvm>),
+) -> Result<Received, StreamError> {
     let mut reader = StreamReader::new(input);
     let Some(Record::Hello { layout, .. }) = reader.next_record()? else {
         panic!("Hello comes first");
@@ -76,10 +85,12 @@ fn receive(input: impl Read) -> Result<Received, StreamError> {
             Record::Pages { offset, data } => apply_pages(&m, &layout, offset, &data)?,
             Record::State(s) => state = s,
             Record::RoundEnd { pages, .. } => rounds.push(pages),
-            Record::Done => {}
+            Record::Done | Record::Digest(_) => {}
             Record::Hello { .. } | Record::Handover(_) => unreachable!("refused by the reader"),
         }
     }
+    landed(&m);
+    reader.verify(&m)?;
     Ok((m, state, rounds))
 }
 
@@ -209,7 +220,7 @@ fn another_version_or_kind_of_stream_is_refused_with_the_reason() {
     let err = read_all(&stream).unwrap_err().to_string();
     assert_eq!(
         err,
-        "invalid stream: stream version 9; this build reads version 2"
+        "invalid stream: stream version 9; this build reads version 3"
     );
     let err = read_all(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n").unwrap_err();
     assert!(
@@ -378,6 +389,11 @@ fn a_handover_shares_the_memfd_and_only_the_rest_is_copied() {
     assert_eq!(read(&dst, MIB), 1);
     assert_eq!(read(&dst, 8 * MIB), 3);
     assert_eq!(read(&dst, 4 * MIB + 0x3000), 2, "shared, not copied");
+    // The shared region is not in the digest (it is the same memory); the rest is checked.
+    let digest = reader.digest().expect("the Digest came").clone();
+    assert_eq!(digest.regions[1], RegionDigest::default());
+    assert_eq!((digest.regions[0].pages, digest.regions[2].pages), (1, 1));
+    assert_eq!(reader.verify(&dst).unwrap(), digest);
     // One memory: a write on one side is there on the other.
     guest_write(&src, 4 * MIB + 0x5000, 9);
     assert_eq!(read(&dst, 4 * MIB + 0x5000), 9);
@@ -486,7 +502,7 @@ fn records_with_valid_checksums_that_do_not_fit_the_layout_are_refused() {
     }
     // A Hello too short for its flags, with a valid checksum.
     let mut short = b"KVMSMIG\0".to_vec();
-    short.extend_from_slice(&2u32.to_le_bytes());
+    short.extend_from_slice(&3u32.to_le_bytes());
     let err = read_all(&raw_record(1, &short)).unwrap_err().to_string();
     assert!(err.contains("Hello record is too short"), "{err}");
 }
@@ -514,7 +530,8 @@ fn state_comes_once_between_rounds_and_only_done_follows_it() {
         w.done().unwrap();
     })
     .unwrap_err();
-    assert!(err.contains("Done record inside round 1"), "{err}");
+    // (Done sends the Digest record first.)
+    assert!(err.contains("Digest record inside round 1"), "{err}");
     // A second State, or pages after it.
     let err = stream(&|w| {
         w.end_round().unwrap();
@@ -551,4 +568,272 @@ fn a_handover_at_an_offset_no_file_can_hold_is_refused() {
         let err = read_all(writer.get_ref()).unwrap_err().to_string();
         assert!(err.contains("not page-aligned or leaves no room"), "{err}");
     }
+}
+
+/// Two rounds from [`source`]: a page written in round 1 and again in round 2, a page that
+/// holds data in round 1 and zeros in round 2, data in every region; the stream's bytes and
+/// the source's memory as the destination should hold it.
+fn two_round_stream() -> (Vec<u8>, MemoryManager<FakeKvm>) {
+    let src = source();
+    for gpa in [MIB, MIB + 0x7000, 2 * MIB + 0x5000, 8 * MIB + 0xf_f000] {
+        guest_write(&src, gpa, gpa ^ 0x5a5a);
+    }
+    src.handle()
+        .memory()
+        .write_obj(0xabcdu64, GuestAddress(16 * MIB + 0x1000))
+        .expect("the fake and a Vec take it");
+    src.harvest_dirty(Target::All)
+        .expect("the fake and a Vec take it");
+    let mut writer = StreamWriter::new(Vec::new());
+    writer
+        .hello(&MemoryLayout::of(&src))
+        .expect("the fake and a Vec take it");
+    writer.send_all(&src).expect("the fake and a Vec take it");
+    writer.end_round().expect("the fake and a Vec take it");
+    guest_write(&src, MIB, 0x2222);
+    guest_write(&src, MIB + 0x7000, 0);
+    let dirty = src
+        .harvest_dirty(Target::All)
+        .expect("the fake and a Vec take it");
+    writer
+        .send_dirty(&src, &dirty)
+        .expect("the fake and a Vec take it");
+    writer.end_round().expect("the fake and a Vec take it");
+    // What was sent, last copies only, is the source's memory now.
+    let sent = writer.digest();
+    let here = MemoryDigest::of_memory(&src, &MemoryLayout::of(&src), &[])
+        .expect("the fake and a Vec take it");
+    assert_eq!(sent, here, "a page sent again replaces what it contributed");
+    assert_eq!(
+        sent.regions[0].pages, 2,
+        "the page now zeros contributes nothing"
+    );
+    writer.state(b"state").expect("the fake and a Vec take it");
+    writer.done().expect("the fake and a Vec take it");
+    (writer.get_ref().clone(), src)
+}
+
+#[test]
+fn the_memory_that_arrived_is_checked_against_the_senders_digest() {
+    let (stream, src) = two_round_stream();
+    let (dst, ..) = receive(stream.as_slice()).expect("the memory is what was sent");
+    assert_eq!(read(&dst, MIB), 0x2222);
+    assert_eq!(
+        MemoryDigest::of_memory(&dst, &MemoryLayout::of(&dst), &[]).unwrap(),
+        MemoryDigest::of_memory(&src, &MemoryLayout::of(&src), &[]).unwrap()
+    );
+    // A page's contribution: its address and its bytes; zeros contribute nothing.
+    let page = [7u8; PAGE_SIZE as usize];
+    assert_ne!(page_hash(0, &page), page_hash(PAGE_SIZE, &page));
+    assert_eq!(page_hash(PAGE_SIZE, &[0; PAGE_SIZE as usize]), 0);
+}
+
+#[test]
+fn a_page_changed_or_dropped_after_it_landed_is_refused_naming_its_region() {
+    // One byte changed in a page of the second region.
+    let (stream, _) = two_round_stream();
+    let err = receive_with(stream.as_slice(), |m| {
+        m.handle()
+            .memory()
+            .write_obj(1u8, GuestAddress(8 * MIB + 0xf_f010))
+            .unwrap();
+    })
+    .unwrap_err();
+    assert!(matches!(err, StreamError::Mismatch(_)), "{err}");
+    let err = err.to_string();
+    assert!(
+        err.starts_with(
+            "the memory here is not what the source sent: the region at guest 0x800000 \
+             (0x100000 bytes) holds 1 pages of data here"
+        ),
+        "{err}"
+    );
+    assert!(
+        err.contains("the sender sent 1") && err.contains("1 of 3 regions differ"),
+        "{err}"
+    );
+    // A page dropped (zeros where data was sent), in the first region.
+    let err = receive_with(stream.as_slice(), |m| {
+        m.handle()
+            .memory()
+            .write_slice(&[0; PAGE_SIZE as usize], GuestAddress(2 * MIB + 0x5000))
+            .unwrap();
+    })
+    .unwrap_err()
+    .to_string();
+    assert!(
+        err.contains("the region at guest 0x100000 (0x300000 bytes) holds 1 pages of data here")
+            && err.contains("the sender sent 2"),
+        "{err}"
+    );
+    // A page of data where the sender sent none, in the read-only region.
+    let err = receive_with(stream.as_slice(), |m| {
+        m.handle()
+            .memory()
+            .write_obj(3u8, GuestAddress(16 * MIB + 0x3_0000))
+            .unwrap();
+    })
+    .unwrap_err()
+    .to_string();
+    assert!(err.contains("region at guest 0x1000000"), "{err}");
+}
+
+/// `stream` with the first data byte of its `from_end`th Pages record from the end changed
+/// and the checksum made valid again: a sender (or a transport) that got a page wrong before
+/// it framed it.
+fn with_wrong_page(stream: &[u8], from_end: usize) -> Vec<u8> {
+    let mut out = stream.to_vec();
+    let (mut at, mut pages) = (0, Vec::new());
+    while at < out.len() {
+        let len =
+            u32::from_le_bytes(out[at + 4..at + 8].try_into().expect("a record header")) as usize;
+        if out[at] == 2 {
+            pages.push((at, len));
+        }
+        at += 12 + len;
+    }
+    let (at, len) = pages[pages.len() - 1 - from_end];
+    out[at + 12 + 8] ^= 0x01;
+    let mut crc = crc32fast::Hasher::new();
+    crc.update(&[2]);
+    crc.update(&(len as u32).to_le_bytes());
+    crc.update(&out[at + 12..at + 12 + len]);
+    out[at + 8..at + 12].copy_from_slice(&crc.finalize().to_le_bytes());
+    out
+}
+
+#[test]
+fn a_stream_with_valid_checksums_but_a_wrong_page_is_refused() {
+    let (stream, _) = two_round_stream();
+    // Round 2's last page (zeros sent as a byte of data), and round 1's page of the second
+    // region (not sent again).
+    for (from_end, region) in [
+        (0, "region at guest 0x100000"),
+        (3, "region at guest 0x800000"),
+    ] {
+        let bad = with_wrong_page(&stream, from_end);
+        // Every record reads as valid: only the check of the memory finds it.
+        read_all(&bad).expect("every checksum is valid");
+        let err = receive(bad.as_slice()).unwrap_err();
+        assert!(matches!(err, StreamError::Mismatch(_)), "{err}");
+        assert!(err.to_string().contains(region), "{region}: {err}");
+    }
+    // A wrong page that a later round sent again is right where it lands: nothing to refuse.
+    receive(with_wrong_page(&stream, 6).as_slice()).expect("round 2 sent that page again");
+}
+
+#[test]
+fn the_digest_is_the_last_record_and_done_needs_it() {
+    let src = source();
+    guest_write(&src, MIB, 7);
+    let layout = MemoryLayout::of(&src);
+    let mut writer = StreamWriter::new(Vec::new());
+    writer.hello(&layout).unwrap();
+    writer.send_all(&src).unwrap();
+    writer.end_round().unwrap();
+    let body = writer.get_ref().clone();
+    let digest = |d: &[u8]| raw_record(8, d);
+    let good = writer.digest();
+    let mut good_bytes = Vec::new();
+    for r in &good.regions {
+        good_bytes.extend_from_slice(&r.pages.to_le_bytes());
+        good_bytes.extend_from_slice(&r.sum.to_le_bytes());
+    }
+    let with = |records: &[Vec<u8>]| {
+        let mut stream = body.clone();
+        records.iter().for_each(|r| stream.extend_from_slice(r));
+        read_all(&stream).map_err(|e| e.to_string())
+    };
+    with(&[digest(&good_bytes), raw_record(5, &[])]).expect("in order");
+    for (records, expected) in [
+        (vec![raw_record(5, &[])], "Done without the Digest record"),
+        (
+            vec![digest(&good_bytes[..16])],
+            "a Digest record of 16 bytes for a layout of 3 regions",
+        ),
+        (
+            vec![digest(&good_bytes), raw_record(3, b"state")],
+            "after the Digest record (only Done may follow it)",
+        ),
+        (
+            vec![digest(&good_bytes), digest(&good_bytes)],
+            "after the Digest record",
+        ),
+        (
+            vec![raw_pages(0, 4096), digest(&good_bytes)],
+            "a Digest record inside round 2",
+        ),
+    ] {
+        let err = with(&records).unwrap_err();
+        assert!(err.contains(expected), "{expected}: {err}");
+    }
+    // Not before Done.
+    let mut reader = StreamReader::new(Cursor::new(body.clone()));
+    while let Ok(Some(_)) = reader.next_record() {}
+    let err = reader.verify(&src).unwrap_err().to_string();
+    assert!(err.contains("only once the whole stream"), "{err}");
+}
+
+#[test]
+fn a_version_2_stream_without_a_digest_is_refused_naming_why() {
+    let src = source();
+    let mut writer = StreamWriter::new(Vec::new());
+    writer.hello(&MemoryLayout::of(&src)).unwrap();
+    let mut stream = writer.get_ref().clone();
+    let len = u32::from_le_bytes(stream[4..8].try_into().unwrap()) as usize;
+    let mut payload = stream[12..12 + len].to_vec();
+    payload[8..12].copy_from_slice(&2u32.to_le_bytes());
+    stream = raw_record(1, &payload);
+    let err = read_all(&stream).unwrap_err().to_string();
+    assert!(
+        err.contains("stream version 2, from an older sender whose streams carry no memory digest"),
+        "{err}"
+    );
+}
+
+#[test]
+fn a_handed_over_region_counted_in_the_digest_is_refused() {
+    let src = shared_source();
+    let layout = MemoryLayout::of(&src);
+    let mut writer = StreamWriter::new(Vec::new());
+    writer.hello_handing_over(&layout).unwrap();
+    writer.handover(&[(1, 0)]).unwrap();
+    writer.end_round().unwrap();
+    let mut stream = writer.get_ref().clone();
+    let mut payload = vec![0u8; 48];
+    payload[16] = 1; // region 1's page count
+    stream.extend(raw_record(8, &payload));
+    let err = read_all(&stream).unwrap_err().to_string();
+    assert!(
+        err.contains("counts pages in region 1, which was handed over"),
+        "{err}"
+    );
+}
+
+#[test]
+fn a_check_cut_into_pieces_across_threads_adds_up_to_the_senders_digest() {
+    // 160 MiB: three pieces of the receiver's check, pages of data in each and across the
+    // boundaries between them.
+    let m = MemoryManager::new(FakeKvm::new(64, true));
+    m.add_region(RegionSpec::new(GuestAddress(0), 160 * MIB))
+        .expect("the fake takes it");
+    for gpa in [
+        0,
+        64 * MIB - PAGE_SIZE,
+        64 * MIB,
+        100 * MIB,
+        128 * MIB,
+        160 * MIB - 8,
+    ] {
+        guest_write(&m, gpa, gpa + 1);
+    }
+    let layout = MemoryLayout::of(&m);
+    let mut writer = StreamWriter::new(std::io::sink());
+    writer.hello(&layout).unwrap();
+    writer.send_all(&m).unwrap();
+    let sent = writer.digest();
+    assert_eq!(sent.regions[0].pages, 6);
+    let here = MemoryDigest::of_memory(&m, &layout, &[]).unwrap();
+    assert_eq!(here, sent);
+    here.check(&sent, &layout).unwrap();
 }

@@ -5,7 +5,10 @@
 //! API socket is bound first, so nothing can fail between the source's hand-over and serving;
 //! until the VM runs, it answers for a destination with no VM). The State record's magic says the guest kind: a test guest is
 //! served as `serve` serves one, a Linux guest runs as `boot` runs one (the in-kernel irqchip
-//! is added once that is known: no vCPU exists before), its console on stdout. If anything
+//! is added once that is known: no vCPU exists before), its console on stdout. Before either,
+//! once the last page landed, the memory is checked against the source's digest of what it sent
+//! (`StreamReader::verify`, from guest memory): a difference is refused, naming the first region
+//! that differs. If anything
 //! fails before the guest runs here, nothing runs here: what came is dropped, the source is
 //! told why where it still listens, and the process exits with 1.
 //!
@@ -28,7 +31,7 @@ use std::time::{Duration, Instant};
 use event_manager::{EventManager, EventOps, EventSet, Events, MutEventSubscriber, SubscriberOps};
 use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 
-use kvm_memslots::MemoryLimits;
+use kvm_memslots::{KvmVm, MemoryLimits, MemoryManager};
 use kvm_memslots_persist::stream::{apply_pages, check_layout, send_answer, Record, StreamReader};
 use kvm_memslots_persist::{LayoutBacking, RegionLayout};
 use vm_memory::FileOffset;
@@ -67,6 +70,10 @@ pub struct ReceiveConfig {
     pub limits: Option<MemoryLimits>,
     /// Harvest from dirty rings of this many entries (for a later migration onwards).
     pub dirty_ring: Option<u32>,
+    /// For tests: runs on the received memory once the last page landed, before it is
+    /// checked against the source's digest (to change or drop a page there). `None` in the
+    /// CLI.
+    pub after_landing: Option<fn(&MemoryManager<KvmVm>)>,
 }
 
 impl ReceiveConfig {
@@ -79,6 +86,7 @@ impl ReceiveConfig {
             idle_timeout: crate::api::server::DEFAULT_IDLE_TIMEOUT,
             limits: None,
             dirty_ring: None,
+            after_landing: None,
         }
     }
 }
@@ -133,6 +141,8 @@ pub struct Received {
     pub rounds: u32,
     /// Bytes of pages applied.
     pub bytes: u64,
+    /// How long checking the memory against the source's digest took.
+    pub check: Duration,
     /// From the first byte to the guest running here.
     pub elapsed: Duration,
 }
@@ -305,6 +315,8 @@ fn receive_vm(
             }
             Some(Record::RoundEnd { round, .. }) => rounds = round,
             Some(Record::State(bytes)) => state = Some(bytes),
+            // Kept by the reader, for its check below.
+            Some(Record::Digest(_)) => {}
             Some(Record::Done) | None => break,
             Some(Record::Hello { .. } | Record::Handover(_)) => {
                 unreachable!("the reader refuses a second Hello, and a Handover past the first")
@@ -312,10 +324,19 @@ fn receive_vm(
         }
     }
     no_stray_fds(connection)?;
+    // Every page landed, and no vCPU exists yet: the memory here must be what the source
+    // sent, read from guest memory (not from the stream), or nothing runs.
+    if let Some(hook) = config.after_landing {
+        hook(vm.memory());
+    }
+    let checking = Instant::now();
+    reader.verify(vm.memory()).map_err(|e| e.to_string())?;
+    let check = checking.elapsed();
     let state = state.ok_or("the stream ended without the VM's state")?;
     let stats = Received {
         rounds,
         bytes,
+        check,
         elapsed: started.elapsed(),
     };
     let bad_state = |e: &dyn std::fmt::Display| format!("the VM's state (its State record): {e}");

@@ -20,6 +20,10 @@
 //!   only Done may follow it.
 //! - **RoundEnd**: the end of a round of pages, with the round's number and page count; the
 //!   receiver checks the count.
+//! - **Digest**: each region's [`MemoryDigest`] of the pages sent (the last copy of each), made
+//!   while they were sent; the last record before Done, which needs it. Once Done came the
+//!   receiver checks its guest memory against it ([`StreamReader::verify`]), before it runs
+//!   anything on that memory.
 //! - **Done**: the end of the stream (between rounds: every page was counted).
 //!
 //! The receiver answers on the same connection ([`send_answer`], [`read_answer`]): once after
@@ -67,6 +71,7 @@
 //!         _ => {}
 //!     }
 //! }
+//! reader.verify(&destination)?; // the memory here is what was sent
 //! let there = destination.handle().memory();
 //! assert_eq!(there.read_obj::<u64>(GuestAddress(0x1000))?, 1);
 //! assert_eq!(there.read_obj::<u64>(GuestAddress(0x8000))?, 2);
@@ -88,14 +93,18 @@ use crate::frame::{crc32, le_u32, le_u64};
 use crate::layout::{LayoutBacking, MemoryLayout, RegionLayout};
 use crate::memory_file::content_runs;
 
+mod digest;
 mod reader;
 mod writer;
 
+pub use digest::{page_hash, MemoryDigest, RegionDigest};
 pub use reader::StreamReader;
 pub use writer::StreamWriter;
 
-/// The stream format's version; a stream of another version is refused.
-pub const STREAM_VERSION: u32 = 2;
+/// The stream format's version; a stream of another version is refused. Version 3 added the
+/// Digest record; a version 2 stream (which has none) is refused too, naming why: its
+/// memory could not be checked end-to-end.
+pub const STREAM_VERSION: u32 = 3;
 
 /// The largest run of pages one record carries (bytes).
 pub const MAX_RUN: u64 = 1 << 20;
@@ -120,6 +129,7 @@ const ROUND_END: u8 = 4;
 const DONE: u8 = 5;
 const ANSWER: u8 = 6;
 const HANDOVER: u8 = 7;
+const DIGEST: u8 = 8;
 
 /// Why a stream could not be written or read.
 #[derive(Debug, thiserror::Error)]
@@ -141,6 +151,9 @@ pub enum StreamError {
     /// The sender's memory layout is not the receiver's.
     #[error("the memory layouts differ: {0}")]
     LayoutMismatch(String),
+    /// The receiver's memory is not what the sender sent (the end-to-end check).
+    #[error("the memory here is not what the source sent: {0}")]
+    Mismatch(String),
     /// Reading guest memory or the layout's regions failed.
     #[error(transparent)]
     Snapshot(#[from] SnapshotError),
@@ -187,6 +200,8 @@ pub enum Record {
         /// The pages sent in it.
         pages: u64,
     },
+    /// The sender's digest of every page it sent: the last record before Done.
+    Digest(MemoryDigest),
     /// The end of the stream.
     Done,
 }

@@ -14,8 +14,10 @@ pub struct StreamReader<R: Read> {
     unhanded: Vec<bool>,
     /// Which were handed over: no page may come for them.
     handed: Vec<bool>,
-    /// The State record came: only Done may follow.
+    /// The State record came: only Digest and Done may follow.
     state: bool,
+    /// The sender's digest: only Done may follow.
+    digest: Option<MemoryDigest>,
 }
 
 impl<R: Read> StreamReader<R> {
@@ -30,14 +32,42 @@ impl<R: Read> StreamReader<R> {
             unhanded: Vec::new(),
             handed: Vec::new(),
             state: false,
+            digest: None,
         }
+    }
+
+    /// The sender's digest, once its record came.
+    pub fn digest(&self) -> Option<&MemoryDigest> {
+        self.digest.as_ref()
+    }
+
+    /// Once Done came: checks that `memory` (built from the Hello's layout, every page of the
+    /// stream applied to it) holds what the sender sent, by computing the digest of its guest
+    /// memory ([`MemoryDigest::of_memory`]: never from the stream's bytes) and comparing it
+    /// with the sender's; regions handed over are not compared (their memory is the sender's
+    /// own). Nothing may change `memory` meanwhile: call it before any vCPU runs. The error
+    /// ([`StreamError::Mismatch`]) names the first region that differs. Returns the digest
+    /// computed here.
+    pub fn verify<K: KvmMemory>(
+        &self,
+        memory: &MemoryManager<K>,
+    ) -> Result<MemoryDigest, StreamError> {
+        let (Some(layout), Some(sent), true) = (&self.layout, &self.digest, self.done) else {
+            return Err(StreamError::Format(
+                "the memory can be checked only once the whole stream, Done included, came".into(),
+            ));
+        };
+        let here = MemoryDigest::of_memory(memory, layout, &self.handed)?;
+        here.check(sent, layout)?;
+        Ok(here)
     }
 
     /// The next record, checked: its checksum, its kind, and its place in the stream (Hello
     /// first and once, Handovers of page-aligned file offsets right after a Hello that
     /// announced them, pages inside the layout and page-aligned, round numbers and page counts
-    /// as sent, State once and between rounds, nothing but Done after it and nothing after
-    /// Done). `Ok(None)` after Done.
+    /// as sent, State once and between rounds, then the Digest of the layout's size between
+    /// rounds, Done only right after the Digest, and nothing after Done). `Ok(None)` after
+    /// Done; then [`verify`](Self::verify) the memory.
     pub fn next_record(&mut self) -> Result<Option<Record>, StreamError> {
         if self.done {
             return Ok(None);
@@ -62,15 +92,25 @@ impl<R: Read> StreamReader<R> {
                 "a record of kind {kind} before every shared region was handed over"
             )));
         }
-        if self.state && kind != DONE {
+        if self.digest.is_some() && kind != DONE {
             return Err(StreamError::Format(format!(
-                "a record of kind {kind} after the State record (only Done may follow it)"
+                "a record of kind {kind} after the Digest record (only Done may follow it)"
             )));
         }
-        if matches!(kind, STATE | DONE) && self.round_pages != 0 {
+        if self.state && !matches!(kind, DIGEST | DONE) {
+            return Err(StreamError::Format(format!(
+                "a record of kind {kind} after the State record (only the Digest and Done may \
+                 follow it)"
+            )));
+        }
+        if matches!(kind, STATE | DIGEST | DONE) && self.round_pages != 0 {
             return Err(StreamError::Format(format!(
                 "a {} record inside round {}: {} pages came after the last RoundEnd",
-                if kind == STATE { "State" } else { "Done" },
+                match kind {
+                    STATE => "State",
+                    DIGEST => "Digest",
+                    _ => "Done",
+                },
                 self.round,
                 self.round_pages
             )));
@@ -86,6 +126,14 @@ impl<R: Read> StreamReader<R> {
                     ));
                 }
                 let version = le_u32(&payload, 8);
+                if version == 2 {
+                    return Err(StreamError::Format(format!(
+                        "stream version 2, from an older sender whose streams carry no memory \
+                         digest; this build reads version {STREAM_VERSION} only, so that the \
+                         memory that arrives is checked end-to-end: send from a build of this \
+                         version"
+                    )));
+                }
                 if version != STREAM_VERSION {
                     return Err(StreamError::Format(format!(
                         "stream version {version}; this build reads version {STREAM_VERSION}"
@@ -214,7 +262,35 @@ impl<R: Read> StreamReader<R> {
                 self.round_pages = 0;
                 Ok(Record::RoundEnd { round, pages })
             }
+            DIGEST => {
+                let layout = self.layout.as_ref().expect("checked above");
+                if payload.len() != 16 * layout.regions.len() {
+                    return Err(StreamError::Format(format!(
+                        "a Digest record of {} bytes for a layout of {} regions (16 bytes each)",
+                        payload.len(),
+                        layout.regions.len()
+                    )));
+                }
+                let digest = MemoryDigest::from_bytes(&payload);
+                if let Some(index) = (0..digest.regions.len()).find(|&i| {
+                    self.handed.get(i).copied().unwrap_or(false)
+                        && digest.regions[i] != RegionDigest::default()
+                }) {
+                    return Err(StreamError::Format(format!(
+                        "the Digest record counts pages in region {index}, which was handed over"
+                    )));
+                }
+                self.digest = Some(digest.clone());
+                Ok(Record::Digest(digest))
+            }
             DONE => {
+                if self.digest.is_none() {
+                    return Err(StreamError::Format(
+                        "Done without the Digest record before it: the memory that arrived \
+                         cannot be checked"
+                            .into(),
+                    ));
+                }
                 self.done = true;
                 Ok(Record::Done)
             }

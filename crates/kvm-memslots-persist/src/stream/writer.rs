@@ -13,6 +13,8 @@ pub struct StreamWriter<W: Write> {
     buf: Vec<u8>,
     /// Regions handed over (by layout index): their pages are never sent.
     handed: Vec<bool>,
+    /// What each page sent contributed to the digest.
+    sent: digest::SentPages,
 }
 
 impl<W: Write> StreamWriter<W> {
@@ -25,6 +27,7 @@ impl<W: Write> StreamWriter<W> {
             round_pages: 0,
             buf: Vec::new(),
             handed: Vec::new(),
+            sent: digest::SentPages::default(),
         }
     }
 
@@ -62,6 +65,7 @@ impl<W: Write> StreamWriter<W> {
                 &layout.to_bytes(),
             ],
         )?;
+        self.sent = digest::SentPages::new(layout);
         self.layout = Some(layout.clone());
         Ok(())
     }
@@ -116,12 +120,13 @@ impl<W: Write> StreamWriter<W> {
             .ok_or_else(|| StreamError::Format("pages or state before Hello".into()))
     }
 
-    /// Sends `len` bytes of `region` from `offset` (page-aligned) as records of at most
-    /// [`MAX_RUN`] bytes, at `file_offset + offset` of the memory file.
+    /// Sends `len` bytes of `region` (layout region `index`) from `offset` (page-aligned) as
+    /// records of at most [`MAX_RUN`] bytes, at the region's memory-file offset + `offset`,
+    /// adding each page to the digest as sent.
     fn send_run(
         &mut self,
         region: &RegionMemory,
-        file_offset: u64,
+        index: usize,
         offset: u64,
         len: u64,
         stats: &mut SendStats,
@@ -134,8 +139,13 @@ impl<W: Write> StreamWriter<W> {
             region
                 .read_volatile(offset + done, &mut buf)
                 .map_err(|e| StreamError::Format(format!("reading guest memory: {e}")))?;
-            let at = (file_offset + offset + done).to_le_bytes();
+            let r = &self.layout()?.regions[index];
+            let (gpa, size) = (r.gpa, r.size);
+            let at = (r.file_offset + offset + done).to_le_bytes();
             let sent = self.record(PAGES, &[&at, &buf]);
+            if sent.is_ok() {
+                self.sent.sent(index, gpa, size, offset + done, &buf);
+            }
             self.buf = buf;
             sent?;
             done += n;
@@ -156,18 +166,12 @@ impl<W: Write> StreamWriter<W> {
         let layout = self.layout()?.clone();
         let regions = layout.mappings(memory)?;
         let mut stats = SendStats::default();
-        for (index, (r, region)) in layout.regions.iter().zip(&regions).enumerate() {
+        for (index, region) in regions.iter().enumerate() {
             if self.is_handed(index) {
                 continue;
             }
             for run in content_runs(region)? {
-                self.send_run(
-                    region,
-                    r.file_offset,
-                    run.start,
-                    run.end - run.start,
-                    &mut stats,
-                )?;
+                self.send_run(region, index, run.start, run.end - run.start, &mut stats)?;
             }
         }
         Ok(stats)
@@ -193,12 +197,11 @@ impl<W: Write> StreamWriter<W> {
             if self.is_handed(index) {
                 continue;
             }
-            let file_offset = layout.regions[index].file_offset;
             for run in d.ranges() {
                 let offset = run.start - d.gpa.0;
                 self.send_run(
                     &regions[index],
-                    file_offset,
+                    index,
                     offset,
                     run.end - run.start,
                     &mut stats,
@@ -224,9 +227,18 @@ impl<W: Write> StreamWriter<W> {
         self.record(STATE, &[state])
     }
 
-    /// Ends the stream and flushes the connection.
+    /// The digest of every page sent so far (the last copy of each): what the Digest record
+    /// carries.
+    pub fn digest(&self) -> MemoryDigest {
+        self.sent.digest()
+    }
+
+    /// Ends the stream: the Digest record (every page's last copy), then Done; flushes the
+    /// connection.
     pub fn done(&mut self) -> Result<(), StreamError> {
         self.layout()?;
+        let digest = self.sent.digest().to_bytes();
+        self.record(DIGEST, &[&digest])?;
         self.record(DONE, &[])?;
         self.out.flush().map_err(io_error("flushing the stream"))
     }
