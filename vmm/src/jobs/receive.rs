@@ -341,7 +341,7 @@ fn receive_vm(
     };
     let bad_state = |e: &dyn std::fmt::Display| format!("the VM's state (its State record): {e}");
     if state.starts_with(LINUX_MAGIC) {
-        if config.dirty_ring.is_some() && crate::linux::cpu::host_emulates_ring0() {
+        if config.dirty_ring.is_some() && crate::vm::host_emulates_ring0() {
             return Err(crate::linux::ConfigError::RingOnEmulatedHost.to_string());
         }
         let state = LinuxState::from_bytes(&state).map_err(|e| bad_state(&e))?;

@@ -183,11 +183,7 @@ pub fn regs(entry: Entry) -> kvm_regs {
     regs
 }
 
-/// Whether this host's KVM runs a guest's ring 0 in its instruction emulator: kvm_pvm (KVM
-/// without VT-x or AMD-V), whose module shows in sysfs.
-pub fn host_emulates_ring0() -> bool {
-    std::path::Path::new("/sys/module/kvm_pvm").exists()
-}
+pub use crate::vm::host_emulates_ring0;
 
 /// CPUID.1:ECX bit 13: `cmpxchg16b`.
 const CPUID_1_ECX_CX16: u32 = 1 << 13;

@@ -100,6 +100,13 @@ fn exit_on_emulation_failure(fd: &VmFd) -> Result<bool, VmError> {
     Ok(true)
 }
 
+/// Whether this host's KVM runs a guest's ring 0 in its instruction emulator: kvm_pvm (KVM
+/// without VT-x or AMD-V), whose module shows in sysfs. A fact of the host, for every guest
+/// kind: what its emulator lacks stops ring-0 code, and the vCPU loop says so.
+pub fn host_emulates_ring0() -> bool {
+    std::path::Path::new("/sys/module/kvm_pvm").exists()
+}
+
 /// KVM's number of memory slots (`KVM_CAP_NR_MEMSLOTS`), without creating a VM.
 pub fn max_slots() -> Result<usize, VmError> {
     Ok(Kvm::new().map_err(VmError::Kvm)?.get_nr_memslots())

@@ -916,7 +916,7 @@ impl<P: VcpuPorts> Vcpu<P> {
                     let cpl = fd.get_sregs().map_or(0, |s| s.cs.dpl);
                     // Guest ring 0 in KVM's emulator (kvm_pvm) meets instructions it lacks
                     // anywhere; elsewhere the emulator mostly runs accesses with no slot.
-                    if cpl == 0 && crate::linux::cpu::host_emulates_ring0() {
+                    if cpl == 0 && super::host_emulates_ring0() {
                         return Err(VcpuError::HostLimitation {
                             vcpu,
                             rip,
