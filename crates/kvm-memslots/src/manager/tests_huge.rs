@@ -37,6 +37,20 @@ fn pool_has(test: &str, pages: u64) -> bool {
     true
 }
 
+/// Asserts that `err` refuses a value off the 2 MiB grid.
+fn assert_off_the_grid(err: &Error) {
+    assert!(
+        matches!(
+            err,
+            Error::Unaligned {
+                page_size: HUGE,
+                ..
+            }
+        ),
+        "{err:?}"
+    );
+}
+
 /// The page size the kernel backs the mapping at `hva` with (`KernelPageSize` in smaps), in KiB.
 fn kernel_page_kib(hva: u64) -> u64 {
     let smaps = std::fs::read_to_string("/proc/self/smaps").expect("read /proc/self/smaps");
@@ -239,29 +253,11 @@ fn huge_pages_back_the_region_and_discards_take_whole_pages_only() {
             let err = m
                 .discard(GuestAddress(gpa), len)
                 .expect_err("a partial page");
-            assert!(
-                matches!(
-                    err,
-                    Error::Unaligned {
-                        page_size: HUGE,
-                        ..
-                    }
-                ),
-                "{err:?}"
-            );
+            assert_off_the_grid(&err);
             let err = m
                 .discard_region(id, gpa - 4 * MIB..gpa - 4 * MIB + len)
                 .expect_err("a partial page");
-            assert!(
-                matches!(
-                    err,
-                    Error::Unaligned {
-                        page_size: HUGE,
-                        ..
-                    }
-                ),
-                "{err:?}"
-            );
+            assert_off_the_grid(&err);
         }
         for page in 0..2 {
             let byte: u8 = mem
@@ -281,16 +277,7 @@ fn huge_pages_back_the_region_and_discards_take_whole_pages_only() {
         let err = m
             .move_region(id, GuestAddress(64 * MIB + MIB))
             .expect_err("a move off the 2 MiB grid");
-        assert!(
-            matches!(
-                err,
-                Error::Unaligned {
-                    page_size: HUGE,
-                    ..
-                }
-            ),
-            "{err:?}"
-        );
+        assert_off_the_grid(&err);
         let err = m
             .reslot(Reslot {
                 region: id,
