@@ -385,6 +385,21 @@ mod tests {
     const REGION: u64 = 4 * MIB;
     const REGIONS: [u64; 2] = [0, 1 << 30];
 
+    /// A snapshot's two files, new, in `dir`: `STEM.state` and `STEM.mem`.
+    fn new_files(dir: &std::path::Path, stem: &str) -> [(PathBuf, File); 2] {
+        ["state", "mem"].map(|what| {
+            let path = dir.join(format!("{stem}.{what}"));
+            let _ = std::fs::remove_file(&path);
+            let file = File::options()
+                .read(true)
+                .write(true)
+                .create_new(true)
+                .open(&path)
+                .expect("a new file");
+            (path, file)
+        })
+    }
+
     /// A vCPU that pauses, or fails to (the run then never saves it).
     #[derive(Debug)]
     struct Vcpu {
@@ -646,17 +661,7 @@ mod tests {
             },
         }]);
         let carried_pages = Chain::addresses(carried.pages());
-        let files = ["state", "mem"].map(|what| {
-            let path = chain.dir.join(format!("{at}-{fault:?}.{what}"));
-            let _ = std::fs::remove_file(&path);
-            let file = File::options()
-                .read(true)
-                .write(true)
-                .create_new(true)
-                .open(&path)
-                .expect("a new file");
-            (path, file)
-        });
+        let files = new_files(&chain.dir, &format!("{at}-{fault:?}"));
         let [state, mem] = files;
         let outcome = Arc::new(Mutex::new(LiveOutcome::default()));
         let write_state: StateWriter = Box::new(|_, _| Ok(Box::new(|_| Vec::new())));
@@ -878,17 +883,7 @@ mod tests {
                     .expect("guest memory");
                 wanted.extend((gpa..gpa + REGION).step_by(PAGE_SIZE as usize));
             }
-            let files = ["state", "mem"].map(|what| {
-                let path = chain.dir.join(format!("stalled-{fault:?}.{what}"));
-                let _ = std::fs::remove_file(&path);
-                let file = File::options()
-                    .read(true)
-                    .write(true)
-                    .create_new(true)
-                    .open(&path)
-                    .expect("a new file");
-                (path, file)
-            });
+            let files = new_files(&chain.dir, &format!("stalled-{fault:?}"));
             let paths = [files[0].0.clone(), files[1].0.clone()];
             let [state, mem] = files;
             let (writing, writing_rx) = std::sync::mpsc::sync_channel(1);
