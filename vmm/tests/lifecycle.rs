@@ -972,18 +972,20 @@ impl Sequence {
         if backend != "copy" && saved.model.extra.iter().any(|e| e.huge) {
             // Only a copy restore maps 2 MiB pages yet: the file is on no hugetlbfs, and the
             // userfaultfd handler fills 4 KiB pages. Each refuses, naming why, before the
-            // guest runs; the sequence then restores by copy.
-            let why = if backend == "file" {
-                "hugetlbfs"
+            // guest runs; the sequence then restores by copy. (A file restore finds the region's
+            // file offset off the 2 MiB grid first where a region before it is not a multiple
+            // of 2 MiB: the test guest's area is not.)
+            let why: &[&str] = if backend == "file" {
+                &["hugetlbfs", "which is not on its pages"]
             } else {
-                "2 MiB hugetlb pages"
+                &["2 MiB hugetlb pages"]
             };
             let refused = self.restore_with(saved, backend);
             match refused {
-                Err(e) if e.contains(why) => {}
+                Err(e) if why.iter().any(|w| e.contains(w)) => {}
                 Err(e) => self.fail(&format!("a {backend} restore of 2 MiB pages: {e}")),
                 Ok(_) => self.fail(&format!(
-                    "a {backend} restore of 2 MiB pages was not refused ({why})"
+                    "a {backend} restore of 2 MiB pages was not refused ({why:?})"
                 )),
             }
             return self.restored_with(saved, "copy");
