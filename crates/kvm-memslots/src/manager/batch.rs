@@ -15,8 +15,8 @@ use super::consumers::{new_stashes, Stash};
 use super::plan::{KvmOp, Step};
 use super::spec::check_layout;
 use super::{
-    check_aligned, check_aligned_to, check_range, over_limit, region_in_the_way, region_slots,
-    Harvestable, MemoryManager, Region, RegionSpec, Reslot, Writer, KVM_MAX_SLOT_SIZE,
+    check_aligned_to, check_range, over_limit, region_in_the_way, region_slots, Harvestable,
+    MemoryManager, Region, RegionSpec, Reslot, Writer, KVM_MAX_SLOT_SIZE,
 };
 use crate::dirty::{DirtyConsumer, PendingBits};
 use crate::error::Error;
@@ -395,7 +395,6 @@ impl<K: KvmMemory> MemoryManager<K> {
                     limit: KVM_MAX_SLOT_SIZE,
                 });
             }
-            check_aligned("slot size", slot_size)?;
             check_aligned_to("guest address", spec.gpa.0, page)?;
             check_aligned_to("size", spec.size, page)?;
             check_aligned_to("slot size", slot_size, page)?;
