@@ -387,17 +387,19 @@ mod tests {
 
     /// A snapshot's two files, new, in `dir`: `STEM.state` and `STEM.mem`.
     fn new_files(dir: &std::path::Path, stem: &str) -> [(PathBuf, File); 2] {
-        ["state", "mem"].map(|what| {
-            let path = dir.join(format!("{stem}.{what}"));
-            let _ = std::fs::remove_file(&path);
-            let file = File::options()
-                .read(true)
-                .write(true)
-                .create_new(true)
-                .open(&path)
-                .expect("a new file");
-            (path, file)
-        })
+        ["state", "mem"].map(|what| new_file_at(dir.join(format!("{stem}.{what}"))))
+    }
+
+    /// A new, empty file at `path`, removed first if a run left it.
+    fn new_file_at(path: PathBuf) -> (PathBuf, File) {
+        let _ = std::fs::remove_file(&path);
+        let file = File::options()
+            .read(true)
+            .write(true)
+            .create_new(true)
+            .open(&path)
+            .expect("a new file");
+        (path, file)
     }
 
     /// A vCPU that pauses, or fails to (the run then never saves it).
@@ -988,16 +990,10 @@ mod tests {
 
         /// A new, empty file in the temporary directory, removed first if a run left it.
         fn new_file(name: &str) -> (PathBuf, File) {
-            let path = std::env::temp_dir()
-                .join(format!("tinyvmm-live-unit-{}-{name}", std::process::id()));
-            let _ = std::fs::remove_file(&path);
-            let file = File::options()
-                .read(true)
-                .write(true)
-                .create_new(true)
-                .open(&path)
-                .expect("a new file");
-            (path, file)
+            super::new_file_at(
+                std::env::temp_dir()
+                    .join(format!("tinyvmm-live-unit-{}-{name}", std::process::id())),
+            )
         }
 
         /// A live Full's memory check is the memory of its point, read in the pause: a page the
