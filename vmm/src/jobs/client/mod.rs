@@ -9,8 +9,12 @@
 //! two: a paused snapshot answers once all guest memory is in the memory file, and a guest
 //! `write` or `verify` once the guest has gone over its range, both as long as guest memory
 //! is large: they wait [`LONG_TIMEOUT`] (600 s). A live snapshot and a migration answer as
-//! they start (`snapshot-status` and `migration` follow them), so the default fits them
-//! whatever their size. `--timeout 0` waits for ever.
+//! they start (the status requests that follow them answer at once too), so the default fits
+//! them whatever their size. `--timeout 0` waits for ever.
+//!
+//! **Runs that go on after their answer**: a migration and a live snapshot are then followed
+//! to their end ([`follow`]): their status is asked until its phase is final, with a progress
+//! line on a terminal, and the exit status says how they ended; `--no-wait` returns at once.
 
 use std::path::{Path, PathBuf};
 use std::time::Duration;
@@ -23,27 +27,37 @@ pub use crate::control::memory::RegionBacking as Backing;
 pub use crate::control::memory::RegionPageSize as PageSize;
 pub use crate::control::migration::OnTimeout;
 pub use crate::control::snapshot::SnapshotType as SnapshotKind;
+pub use follow::{follow, Followed, Outcome};
 pub use render::render;
 
+pub mod follow;
 mod render;
+
+/// The environment variable the API socket comes from when `--api-sock` is not given.
+pub const API_SOCK_ENV: &str = "TINYVMM_API_SOCK";
 
 /// `tinyvmm client`'s options: the socket, the output, and the request.
 #[derive(Debug, clap::Args)]
 pub struct ClientArgs {
-    /// The VMM's API socket (`--api-sock` of serve, restore, receive or boot).
-    #[arg(long)]
-    pub api_sock: PathBuf,
+    /// The VMM's API socket (`--api-sock` of serve, restore, receive or boot), before or after
+    /// the request's name (`--api-socket` too).
+    #[arg(long, alias = "api-socket", global = true, env = API_SOCK_ENV)]
+    pub api_sock: Option<PathBuf>,
     /// Seconds to wait for the answer before giving up (exit status 124; the VMM may still
     /// carry the request out); 0 waits for ever. A paused snapshot and a guest write or
     /// verify answer once done, as long as guest memory is large; a live snapshot and a
-    /// migration answer as they start [default: 60; 600 for a paused snapshot and a guest
-    /// write or verify]
+    /// migration answer as they start, and each status request that follows them waits as
+    /// long [default: 60; 600 for a paused snapshot and a guest write or verify]
     #[arg(long, global = true, value_name = "SECS")]
     pub timeout: Option<u64>,
     /// Print the answer's JSON body alone on stdout (`{}` when it has none) instead of a
     /// table; a refusal's `{"fault_message": ...}` too.
     #[arg(long, global = true)]
     pub json: bool,
+    /// The log level: accepted here as on every subcommand, but the client says only its
+    /// failures whatever the level, so its help does not list it.
+    #[arg(long, global = true, value_enum, hide = true)]
+    pub log_level: Option<crate::lifecycle::LogLevel>,
     /// The request.
     #[command(subcommand)]
     pub request: ClientRequest,
@@ -201,6 +215,10 @@ pub enum ClientRequest {
         /// What a live snapshot does then [default: force].
         #[arg(long, value_enum, requires = "live")]
         on_timeout: Option<OnTimeout>,
+        /// Return once a live snapshot has started, instead of waiting for its outcome
+        /// (`snapshot-status` follows it then).
+        #[arg(long, requires = "live")]
+        no_wait: bool,
     },
     /// GET /snapshot: how the last live snapshot goes.
     SnapshotStatus,
@@ -230,6 +248,10 @@ pub enum ClientRequest {
         /// Hand memfd-backed memory over instead of copying it (Unix socket only).
         #[arg(long)]
         local: bool,
+        /// Return once the migration has started, instead of waiting for its outcome
+        /// (`migration` follows it then).
+        #[arg(long)]
+        no_wait: bool,
     },
     /// GET /migrate: how the last migration goes.
     Migration,
@@ -318,6 +340,36 @@ impl ClientRequest {
             }
             _ => TIMEOUT,
         }
+    }
+
+    /// The run this request starts and the client follows to its end: a migration, a live
+    /// snapshot (unless `--no-wait`).
+    pub fn followed(&self) -> Option<Followed> {
+        match self {
+            ClientRequest::Migrate { no_wait: false, .. } => Some(Followed::Migration),
+            ClientRequest::Snapshot {
+                live: true,
+                no_wait: false,
+                ..
+            } => Some(Followed::LiveSnapshot),
+            _ => None,
+        }
+    }
+
+    /// Why a 2xx answer `body` to this request is a failure even so: a guest command whose
+    /// verify found an address without its pattern (`raw` ones too).
+    pub fn failed(&self, body: &Value) -> Option<String> {
+        let (method, path, _) = self.http().ok()?;
+        if method != "PUT" || path != "/guest/command" || body["result"] != "mismatch" {
+            return None;
+        }
+        let hex = |key: &str| body[key].as_u64().map_or("?".into(), |v| format!("{v:#x}"));
+        Some(format!(
+            "the guest's verify failed: {} holds {}, not {}",
+            hex("address"),
+            hex("found"),
+            hex("expected")
+        ))
     }
 
     /// The request's method, path and JSON body.
@@ -417,6 +469,7 @@ impl ClientRequest {
                 downtime_ms,
                 timeout_s,
                 on_timeout,
+                no_wait: _,
             } => {
                 let mut body = json!({
                     "snapshot_type": kind,
@@ -449,6 +502,7 @@ impl ClientRequest {
                 timeout_s,
                 on_timeout,
                 local,
+                no_wait: _,
             } => (
                 "PUT",
                 "/migrate".to_owned(),
@@ -544,6 +598,7 @@ mod tests {
             downtime_ms: None,
             timeout_s: None,
             on_timeout: None,
+            no_wait: false,
         };
         let guest = |op| ClientRequest::Guest {
             op,
@@ -573,6 +628,7 @@ mod tests {
             timeout_s: 60,
             on_timeout: OnTimeout::Cancel,
             local: false,
+            no_wait: false,
         };
         for short in [
             snapshot(true),
