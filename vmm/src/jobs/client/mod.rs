@@ -13,7 +13,7 @@
 //! them whatever their size. `--timeout 0` waits for ever.
 //!
 //! **Runs that go on after their answer**: a migration and a live snapshot are then followed
-//! to their end ([`follow`]): their status is asked until its phase is final, with a progress
+//! to their end ([`follow()`]): their status is asked until its phase is final, with a progress
 //! line on a terminal, and the exit status says how they ended; `--no-wait` returns at once.
 
 use std::path::{Path, PathBuf};
