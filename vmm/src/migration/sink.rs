@@ -15,7 +15,7 @@ use kvm_memslots_persist::stream::{
 use kvm_memslots_persist::{LayoutBacking, MemoryLayout};
 
 use super::transport::{Connection, Endpoint, Limits, WaitEnd, WaitError, Watch};
-use crate::precopy::{PreCopyError, Sink, Waits};
+use crate::precopy::{Next, PreCopyError, Sink, Waits};
 use crate::vm::state::VcpuState;
 
 /// How long connecting may wait (within the timeout).
@@ -150,6 +150,16 @@ impl StreamSink {
     fn open(&mut self) -> &mut Open {
         self.open.as_mut().expect("the rounds open the sink first")
     }
+
+    /// From now on the connection's waits are for `what`: until the run's timeout if
+    /// `by_timeout`, and as long as something moves.
+    fn wait_for(&self, what: &str, by_timeout: bool) {
+        if let Some(open) = &self.open {
+            open.answers
+                .watch()
+                .expect(what, limits(&open.waits, by_timeout));
+        }
+    }
 }
 
 impl Open {
@@ -265,7 +275,7 @@ impl Sink for StreamSink {
     }
 
     fn accepted(&mut self) -> Result<(), PreCopyError> {
-        self.expect("the destination's answer to the memory layout", true);
+        self.wait_for("the destination's answer to the memory layout", true);
         let open = self.open();
         match read_answer(&mut open.answers) {
             Ok(Ok(())) => Ok(()),
@@ -277,12 +287,12 @@ impl Sink for StreamSink {
         }
     }
 
-    fn expect(&self, what: &str, by_timeout: bool) {
-        if let Some(open) = &self.open {
-            open.answers
-                .watch()
-                .expect(what, limits(&open.waits, by_timeout));
-        }
+    fn expect(&self, next: Next, by_timeout: bool) {
+        let what = match next {
+            Next::Round(round) => format!("the destination to take round {round}'s pages"),
+            Next::LastPages => "the destination to take the last pages and the VM's state".into(),
+        };
+        self.wait_for(&what, by_timeout);
     }
 
     /// Every page: the destination has no memory before.
@@ -323,7 +333,7 @@ impl Sink for StreamSink {
         open.writer.state(&state).map_err(|e| open.explain(e))?;
         // A failed write leaves Done incomplete, and a destination runs nothing without it.
         open.writer.done().map_err(|e| open.explain(e))?;
-        self.expect("the destination's word that the VM runs there", false);
+        self.wait_for("the destination's word that the VM runs there", false);
         match read_answer(&mut self.open().answers) {
             Ok(Ok(())) => Ok(()),
             // It says it does not run the VM: the VM goes on here.

@@ -22,4 +22,4 @@ pub mod sink;
 pub use error::PreCopyError;
 pub use progress::{Phase, Progress};
 pub use rounds::{Ending, OnTimeout, PreCopy, PreCopyVcpu, Reader, Rounds, SourceVm};
-pub use sink::{Sink, Waits};
+pub use sink::{Next, Sink, Waits};

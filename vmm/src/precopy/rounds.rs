@@ -45,7 +45,7 @@ use kvm_memslots_persist::MemoryLayout;
 
 use super::error::PreCopyError;
 use super::progress::{Phase, Progress};
-use super::sink::{Sink, Waits};
+use super::sink::{Next, Sink, Waits};
 use crate::vm::state::VcpuState;
 use crate::vm::vcpu::PauseError;
 
@@ -387,8 +387,7 @@ impl<V: PreCopyVcpu> Run<V> {
             s.phase = Phase::PreCopy;
             s.round = 1;
         });
-        self.sink
-            .expect("the destination to take round 1's pages", rounds_by_timeout);
+        self.sink.expect(Next::Round(1), rounds_by_timeout);
         let round_start = Instant::now();
         let sent = self.sink.send_all(memory)?;
         self.sink.end_round()?;
@@ -456,10 +455,7 @@ impl<V: PreCopyVcpu> Run<V> {
             }
             round += 1;
             self.update(|s| s.round = round);
-            self.sink.expect(
-                &format!("the destination to take round {round}'s pages"),
-                rounds_by_timeout,
-            );
+            self.sink.expect(Next::Round(round), rounds_by_timeout);
             let round_start = Instant::now();
             let sent = self.sink.send_dirty(memory, &dirty)?;
             self.sink.end_round()?;
@@ -477,10 +473,7 @@ impl<V: PreCopyVcpu> Run<V> {
         });
         // From the pause on, only a stall, a cancel or a signal ends a wait: the timeout (past
         // with `force`) would leave a destination that is restoring the VM in doubt.
-        self.sink.expect(
-            "the destination to take the last pages and the VM's state",
-            false,
-        );
+        self.sink.expect(Next::LastPages, false);
         match self.stop_and_copy(memory, &layout, dirty) {
             Ok(()) if self.sink.stays() => {
                 // The VM goes on here: what is left is done off its pause.

@@ -46,6 +46,15 @@ impl Waits {
     }
 }
 
+/// What the rounds have the sink carry next, for what its waits say they wait for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Next {
+    /// A round's pages (round 1: every page that holds data).
+    Round(u32),
+    /// With the vCPUs paused: the last pages and the VM's state.
+    LastPages,
+}
+
 /// Where the rounds' pages and the VM's state go. The rounds call, in order: [`open`], then
 /// (once logging is on) [`accepted`]; for each round [`expect`], a [`send_all`] or
 /// [`send_dirty`]s, and [`end_round`]; with the vCPUs paused, the last pages, an
@@ -78,9 +87,9 @@ pub trait Sink: Send + 'static {
     /// unless it saves them (a live Diff, whose chain's next Diff needs them) keeps them from
     /// here on, whatever step ends the rounds. A migration's sink needs nothing of them.
     fn took(&mut self, _harvest: &[DirtyPages]) {}
-    /// From now on its waits are for `what`: until the run's timeout if `by_timeout`, and as
+    /// From now on its waits are for `next`: until the run's timeout if `by_timeout`, and as
     /// long as something moves.
-    fn expect(&self, what: &str, by_timeout: bool);
+    fn expect(&self, next: Next, by_timeout: bool);
     /// Carries round 1: every page of `memory` that holds data, or, for a sink that carries
     /// only what changed since a point before (a live Diff), the pages it [`took`](Sink::took)
     /// so far (what the rounds' reader had logged when they began, and those it carried in);

@@ -30,7 +30,7 @@ use kvm_memslots_persist::{
 
 use super::info::{MemoryCheck, SnapshotInfo};
 use super::pages::PageSet;
-use crate::precopy::{PreCopyError, Sink, Waits};
+use crate::precopy::{Next, PreCopyError, Sink, Waits};
 use crate::vm::state::VcpuState;
 
 type Memory = MemoryManager<KvmVm>;
@@ -256,7 +256,7 @@ impl Sink for FileSink {
     }
 
     /// Writing a file has no other side to wait for.
-    fn expect(&self, _what: &str, _by_timeout: bool) {}
+    fn expect(&self, _next: Next, _by_timeout: bool) {}
 
     /// A Full's every page, or a Diff's pages: those carried into it and those the chain's
     /// reader had logged since its base (the rounds' first harvest, which it took).
@@ -499,14 +499,14 @@ mod tests {
             self.inner.accepted()
         }
 
-        fn expect(&self, what: &str, by_timeout: bool) {
+        fn expect(&self, next: Next, by_timeout: bool) {
             // An expectation cannot fail: a failure there is a cancel.
             if self.step().is_err() {
                 if let Some(cancel) = &self.cancel {
                     cancel.store(true, Ordering::Release);
                 }
             }
-            self.inner.expect(what, by_timeout);
+            self.inner.expect(next, by_timeout);
         }
 
         fn took(&mut self, harvest: &[DirtyPages]) {
