@@ -362,3 +362,57 @@ fn ended_wait(error: &StreamError) -> Option<&WaitError> {
         _ => None,
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The rounds see a migration's failures as the engine's, with the stream's words: only
+    /// an unconfirmed ending leaves the vCPUs held, and a wait a cancel or the timeout ended
+    /// is a cancel, which keeps the VM running here.
+    #[test]
+    fn a_migrations_failures_keep_their_words_and_their_kind() {
+        let refused = PreCopyError::from(MigrationError::Refused("no room".into()));
+        assert!(matches!(refused, PreCopyError::Sink(_)));
+        assert_eq!(refused.to_string(), "the destination refused: no room");
+        let closed = || StreamError::Io {
+            what: "reading the answer".into(),
+            source: io::Error::from(io::ErrorKind::UnexpectedEof),
+        };
+        let unconfirmed = PreCopyError::from(MigrationError::Unconfirmed(closed()));
+        assert!(matches!(unconfirmed, PreCopyError::Unconfirmed(_)));
+        assert!(
+            unconfirmed
+                .to_string()
+                .starts_with("the destination got the whole VM but did not answer"),
+            "{unconfirmed}"
+        );
+        static NEVER: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+        let waits = Waits {
+            cancel: Arc::default(),
+            interrupt: &NEVER,
+            started: std::time::Instant::now(),
+            timeout: Duration::from_secs(5),
+            bytes: Arc::default(),
+        };
+        let wait = |end| WaitError {
+            what: "the destination's answer".into(),
+            end,
+        };
+        let deadline = ended(&waits, &wait(WaitEnd::Deadline(Duration::from_secs(5))));
+        assert!(matches!(deadline, PreCopyError::Cancelled(_)), "{deadline}");
+        assert_eq!(
+            deadline.to_string(),
+            "cancelled: not converged within 5s (timeout_s): still waiting for the \
+             destination's answer"
+        );
+        let stalled = ended(&waits, &wait(WaitEnd::Stalled(Duration::from_secs(10))));
+        assert!(matches!(stalled, PreCopyError::Sink(_)), "{stalled}");
+        assert!(
+            stalled
+                .to_string()
+                .starts_with("the destination stopped responding: waiting for"),
+            "{stalled}"
+        );
+    }
+}

@@ -703,4 +703,62 @@ mod tests {
             ))
         );
     }
+
+    #[test]
+    fn migrations_and_live_snapshots_are_followed_and_a_mismatch_is_a_failure() {
+        let migrate = |no_wait| ClientRequest::Migrate {
+            destination: "unix:/d".into(),
+            downtime_ms: 300,
+            timeout_s: 60,
+            on_timeout: OnTimeout::Cancel,
+            local: false,
+            no_wait,
+        };
+        let snapshot = |live, no_wait| ClientRequest::Snapshot {
+            kind: SnapshotKind::Full,
+            snapshot: "s".into(),
+            mem_file: "m".into(),
+            live,
+            downtime_ms: None,
+            timeout_s: None,
+            on_timeout: None,
+            no_wait,
+        };
+        assert_eq!(migrate(false).followed(), Some(Followed::Migration));
+        assert_eq!(migrate(true).followed(), None);
+        assert_eq!(
+            snapshot(true, false).followed(),
+            Some(Followed::LiveSnapshot)
+        );
+        assert_eq!(snapshot(true, true).followed(), None);
+        assert_eq!(
+            snapshot(false, false).followed(),
+            None,
+            "answered once done"
+        );
+        assert_eq!(ClientRequest::Migration.followed(), None);
+
+        let verify = ClientRequest::Guest {
+            op: GuestOp::Verify,
+            start: Some(256 << 20),
+            end: Some(257 << 20),
+            stride: 8,
+            seed: 4,
+            vcpu: 0,
+        };
+        let mismatch =
+            json!({"result": "mismatch", "address": 0x1000_0000u64, "found": 3, "expected": 4});
+        assert_eq!(
+            verify.failed(&mismatch).as_deref(),
+            Some("the guest's verify failed: 0x10000000 holds 0x3, not 0x4")
+        );
+        assert_eq!(verify.failed(&json!({"result": "ok"})), None);
+        let raw = ClientRequest::Raw {
+            method: "put".into(),
+            path: "/guest/command".into(),
+            body: None,
+        };
+        assert!(raw.failed(&mismatch).is_some(), "a raw request too");
+        assert_eq!(ClientRequest::Vm.failed(&mismatch), None);
+    }
 }
