@@ -1081,12 +1081,11 @@ fn boot(args: BootArgs) -> ExitCode {
 }
 
 fn client(args: tinyvmm::jobs::client::ClientArgs) -> ExitCode {
-    use tinyvmm::jobs::client::follow::{clear_progress, progress_line, show_progress};
-    use tinyvmm::jobs::client::{follow, send, timeout, Outcome, API_SOCK_ENV};
+    use tinyvmm::jobs::client::{run, API_SOCK_ENV};
     if let Some(level) = args.log_level {
         tinyvmm::lifecycle::set_log_level(level);
     }
-    let Some(socket) = args.api_sock.as_deref() else {
+    let Some(socket) = args.api_sock.clone() else {
         let _ = Cli::command()
             .error(
                 clap::error::ErrorKind::MissingRequiredArgument,
@@ -1097,111 +1096,7 @@ fn client(args: tinyvmm::jobs::client::ClientArgs) -> ExitCode {
             .print();
         return ExitCode::from(USAGE_EXIT_STATUS);
     };
-    let wait = timeout(&args.request, args.timeout);
-    let (status, body) = match send(socket, &args.request, wait) {
-        Ok(answer) => answer,
-        Err(e) => return client_error(socket, &e),
-    };
-    let Some(followed) = args
-        .request
-        .followed()
-        .filter(|_| (200..300).contains(&status))
-    else {
-        let failed = args.request.failed(&body);
-        let code = print_answer(args.json, status, body, failed.is_some());
-        if let Some(failed) = failed {
-            eprintln!("tinyvmm: {failed}");
-            return ExitCode::FAILURE;
-        }
-        return ExitCode::from(code);
-    };
-    // The run goes on after its answer: its status until it ends, a line on a terminal.
-    let terminal = !args.json && std::io::IsTerminal::is_terminal(&std::io::stderr());
-    let outcome = follow(socket, followed, wait, |status| {
-        if terminal {
-            show_progress(&progress_line(followed, status));
-        }
-    });
-    if terminal {
-        clear_progress();
-    }
-    let outcome = match outcome {
-        Ok(outcome) => outcome,
-        Err(e) => return client_error(socket, &e),
-    };
-    let completed = outcome.completed();
-    match outcome {
-        Outcome::Ended { status, body } if status != 200 => {
-            ExitCode::from(print_answer(args.json, status, body, false))
-        }
-        Outcome::Ended { status, body } => {
-            let phase = body["phase"].as_str().unwrap_or("?").to_owned();
-            let error = body["error"]
-                .as_str()
-                .unwrap_or("no reason given")
-                .to_owned();
-            print_answer(args.json, status, body, !completed);
-            if completed {
-                return ExitCode::SUCCESS;
-            }
-            eprintln!("tinyvmm: {} ended {phase}: {error}", followed.name());
-            ExitCode::FAILURE
-        }
-        Outcome::SourceEnded { last } => {
-            eprintln!(
-                "tinyvmm: {}: the source VMM ended during the migration (last seen: {}), as it \
-                 does once the destination runs the VM; the destination's API socket confirms it",
-                socket.display(),
-                last["phase"].as_str().unwrap_or("no status yet")
-            );
-            if args.json {
-                print_answer(true, 200, last, false);
-            }
-            ExitCode::SUCCESS
-        }
-    }
-}
-
-/// Prints an answer: its JSON body alone on stdout with `json`, else as a table, on stdout
-/// unless it is a refusal or `failed`; returns its exit status.
-fn print_answer(json: bool, status: u16, body: serde_json::Value, failed: bool) -> u8 {
-    use tinyvmm::jobs::client::{exit_status, render};
-    let code = exit_status(status);
-    if json {
-        let body = if body.is_null() {
-            serde_json::json!({})
-        } else {
-            body
-        };
-        println!(
-            "{}",
-            serde_json::to_string_pretty(&body).expect("a JSON value prints")
-        );
-    } else if code == 0 && !failed {
-        print!("{}", render(status, &body));
-    } else {
-        eprint!("tinyvmm: {}", render(status, &body));
-    }
-    code
-}
-
-/// The exit status of a request the VMM at `socket` did not answer, said on stderr.
-fn client_error(socket: &std::path::Path, e: &tinyvmm::api::client::ClientError) -> ExitCode {
-    use tinyvmm::api::client::ClientError;
-    use tinyvmm::jobs::client::TIMED_OUT;
-    match e {
-        ClientError::TimedOut(_) => {
-            eprintln!(
-                "tinyvmm: {}: {e}; --timeout SECS waits longer (0: for ever)",
-                socket.display()
-            );
-            ExitCode::from(TIMED_OUT)
-        }
-        _ => {
-            eprintln!("tinyvmm: {}: {e}", socket.display());
-            ExitCode::FAILURE
-        }
-    }
+    ExitCode::from(run(&args, &socket))
 }
 
 /// Writes the man pages into `dir`.

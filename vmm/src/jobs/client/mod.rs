@@ -29,9 +29,11 @@ pub use crate::control::migration::OnTimeout;
 pub use crate::control::snapshot::SnapshotType as SnapshotKind;
 pub use follow::{follow, Followed, Outcome};
 pub use render::render;
+pub use run::{run, FAILED};
 
 pub mod follow;
 mod render;
+mod run;
 
 /// The environment variable the API socket comes from when `--api-sock` is not given.
 pub const API_SOCK_ENV: &str = "TINYVMM_API_SOCK";
@@ -573,6 +575,32 @@ pub fn exit_status(status: u16) -> u8 {
 mod tests {
     use super::*;
 
+    /// `client snapshot` (a Full), `--live` or not, waiting or not.
+    fn snapshot(live: bool, no_wait: bool) -> ClientRequest {
+        ClientRequest::Snapshot {
+            kind: SnapshotKind::Full,
+            snapshot: "s".into(),
+            mem_file: "m".into(),
+            live,
+            downtime_ms: None,
+            timeout_s: None,
+            on_timeout: None,
+            no_wait,
+        }
+    }
+
+    /// `client migrate unix:/x`, waiting or not.
+    fn migrate(no_wait: bool) -> ClientRequest {
+        ClientRequest::Migrate {
+            destination: "unix:/x".into(),
+            downtime_ms: 300,
+            timeout_s: 60,
+            on_timeout: OnTimeout::Cancel,
+            local: false,
+            no_wait,
+        }
+    }
+
     #[test]
     fn sizes_and_addresses_take_units_and_hex() {
         assert_eq!(bytes("4096"), Ok(4096));
@@ -590,16 +618,7 @@ mod tests {
     /// by default; a live snapshot and a migration answer as they start.
     #[test]
     fn requests_that_copy_memory_before_answering_wait_longer() {
-        let snapshot = |live| ClientRequest::Snapshot {
-            kind: SnapshotKind::Full,
-            snapshot: "s".into(),
-            mem_file: "m".into(),
-            live,
-            downtime_ms: None,
-            timeout_s: None,
-            on_timeout: None,
-            no_wait: false,
-        };
+        let snapshot = |live| snapshot(live, false);
         let guest = |op| ClientRequest::Guest {
             op,
             start: Some(2 << 20),
@@ -622,14 +641,7 @@ mod tests {
         ] {
             assert_eq!(long.default_timeout(), LONG_TIMEOUT, "{long:?}");
         }
-        let migrate = ClientRequest::Migrate {
-            destination: "unix:/x".into(),
-            downtime_ms: 300,
-            timeout_s: 60,
-            on_timeout: OnTimeout::Cancel,
-            local: false,
-            no_wait: false,
-        };
+        let migrate = migrate(false);
         for short in [
             snapshot(true),
             migrate,
@@ -706,24 +718,6 @@ mod tests {
 
     #[test]
     fn migrations_and_live_snapshots_are_followed_and_a_mismatch_is_a_failure() {
-        let migrate = |no_wait| ClientRequest::Migrate {
-            destination: "unix:/d".into(),
-            downtime_ms: 300,
-            timeout_s: 60,
-            on_timeout: OnTimeout::Cancel,
-            local: false,
-            no_wait,
-        };
-        let snapshot = |live, no_wait| ClientRequest::Snapshot {
-            kind: SnapshotKind::Full,
-            snapshot: "s".into(),
-            mem_file: "m".into(),
-            live,
-            downtime_ms: None,
-            timeout_s: None,
-            on_timeout: None,
-            no_wait,
-        };
         assert_eq!(migrate(false).followed(), Some(Followed::Migration));
         assert_eq!(migrate(true).followed(), None);
         assert_eq!(
