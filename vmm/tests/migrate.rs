@@ -1964,3 +1964,50 @@ fn kvm_a_stream_with_valid_checksums_but_a_wrong_page_is_refused_by_its_digest()
         "{stderr}"
     );
 }
+
+/// `tinyvmm client migrate` waits for the migration's outcome: it exits 0 once the VM runs on
+/// the destination (its last status `completed`, or its source gone, as a source goes once the
+/// destination runs the VM), not with `done (204)` as the migration starts; the destination
+/// then serves the VM, with what the guest wrote.
+#[test]
+fn kvm_the_client_command_waits_until_the_vm_runs_on_the_destination() {
+    if !kvm_test_support::require_kvm(
+        "tinyvmm::kvm_the_client_command_waits_until_the_vm_runs_on_the_destination",
+    ) {
+        return;
+    }
+    let mut source = Vmm::serve("client-waits", 8, 64, &[]);
+    let end = area_end(&source);
+    let wrote = source.ok("PUT", "/guest/command", Some(guest("write", AREA, end, 5)));
+    assert_eq!(wrote["result"], "ok", "{wrote}");
+    let (mut destination, listen) = Vmm::receive("client-waits", &[]);
+    let output = Command::new(env!("CARGO_BIN_EXE_tinyvmm"))
+        .args(["client", "migrate"])
+        .arg(format!("unix:{}", listen.display()))
+        .arg("--api-sock")
+        .arg(&source.api)
+        .env_remove(tinyvmm::jobs::client::API_SOCK_ENV)
+        .stdin(Stdio::null())
+        .output()
+        .expect("tinyvmm client runs");
+    let (stdout, stderr) = (
+        String::from_utf8_lossy(&output.stdout),
+        String::from_utf8_lossy(&output.stderr),
+    );
+    assert_eq!(output.status.code(), Some(0), "{stdout}{stderr}");
+    assert_ne!(
+        stdout, "done (204)\n",
+        "it returned as the migration started"
+    );
+    assert!(
+        stdout.contains("completed") || stderr.contains("ended during the migration"),
+        "{stdout}{stderr}"
+    );
+    // The source goes; the destination runs the VM and its memory.
+    assert!(source.wait(Duration::from_secs(60)).status.success());
+    destination.wait_for_api();
+    let verified = destination.ok("PUT", "/guest/command", Some(guest("verify", AREA, end, 5)));
+    assert_eq!(verified["result"], "ok", "{verified}");
+    destination.ok("PUT", "/actions", Some(json!({"action_type": "Stop"})));
+    assert!(destination.wait(Duration::from_secs(60)).status.success());
+}

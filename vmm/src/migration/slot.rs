@@ -4,11 +4,27 @@
 
 use std::sync::atomic::AtomicBool;
 
-use super::sink::StreamSink;
-use super::source::{Reader, Rounds, SourceVm};
-use super::{Endpoint, MigratingVcpu, Migration, StateRecord};
-use crate::control::migration::{MigrateRequest, MigrationInfo, MigrationPhase};
+use std::time::Duration;
+
+use super::sink::{StateRecord, StreamSink};
+use super::Endpoint;
+use crate::control::migration::{MigrateRequest, MigrationInfo};
 use crate::control::{ControllerError, Request};
+use crate::precopy::{Phase, PreCopy, PreCopyVcpu, Reader, Rounds, SourceVm};
+
+/// A migration: its pre-copy run, and where it goes.
+#[derive(Debug)]
+struct Migration<V> {
+    run: PreCopy<V>,
+    /// `unix:PATH` or `tcp:HOST:PORT`.
+    destination: String,
+}
+
+impl<V: PreCopyVcpu> Migration<V> {
+    fn info(&self) -> MigrationInfo {
+        MigrationInfo::of(self.run.progress(), self.destination.clone())
+    }
+}
 
 /// The last migration of a VM, and what it left behind.
 #[derive(Debug)]
@@ -29,7 +45,7 @@ impl<V> Default for MigrationSlot<V> {
     }
 }
 
-impl<V: MigratingVcpu> MigrationSlot<V> {
+impl<V: PreCopyVcpu> MigrationSlot<V> {
     /// Once the migration has ended without completing, takes back the vCPUs it held; true
     /// if it held some (the VM is then paused until a client resumes it). It has ended when
     /// its phase is final, and its thread is waited for from there (it only hands the vCPUs
@@ -38,11 +54,11 @@ impl<V: MigratingVcpu> MigrationSlot<V> {
         let Some(migration) = &mut self.migration else {
             return false;
         };
-        let phase = migration.phase();
-        if phase.under_way() || phase == MigrationPhase::Completed {
+        let phase = migration.run.phase();
+        if phase.under_way() || phase == Phase::Completed {
             return false;
         }
-        let ending = migration.join();
+        let ending = migration.run.join();
         if ending.held.is_empty() {
             return false;
         }
@@ -60,12 +76,12 @@ impl<V: MigratingVcpu> MigrationSlot<V> {
 
     /// Whether the VM runs on a migration's destination now.
     pub fn completed(&self) -> bool {
-        self.migration.as_ref().is_some_and(Migration::completed)
+        self.migration.as_ref().is_some_and(|m| m.run.completed())
     }
 
     /// Whether a migration is under way.
     pub fn is_running(&self) -> bool {
-        self.migration.as_ref().is_some_and(Migration::is_running)
+        self.migration.as_ref().is_some_and(|m| m.run.is_running())
     }
 
     /// The last migration's progress, if one was started.
@@ -82,8 +98,8 @@ impl<V: MigratingVcpu> MigrationSlot<V> {
     /// `PUT /migrate/cancel`.
     pub fn cancel(&self) -> Result<(), ControllerError> {
         match &self.migration {
-            Some(m) if m.is_running() => {
-                m.cancel();
+            Some(m) if m.run.is_running() => {
+                m.run.cancel();
                 Ok(())
             }
             _ => Err(ControllerError::conflict("no migration is under way")),
@@ -93,8 +109,8 @@ impl<V: MigratingVcpu> MigrationSlot<V> {
     /// Cancels a migration under way and waits for its thread (the VMM is stopping).
     pub fn shut_down(&mut self) {
         if let Some(migration) = &mut self.migration {
-            migration.cancel();
-            migration.join();
+            migration.run.cancel();
+            migration.run.join();
         }
     }
 
@@ -122,13 +138,13 @@ impl<V: MigratingVcpu> MigrationSlot<V> {
         if !self.held.is_empty() {
             return refused_while_held(request);
         }
-        if migration.completed() {
+        if migration.run.completed() {
             return Some(ControllerError::conflict(format!(
                 "the VM has migrated to {}; this VMM is exiting",
                 migration.info().destination
             )));
         }
-        migration.is_running().then(|| {
+        migration.run.is_running().then(|| {
             ControllerError::conflict(
                 "a migration is under way: GET /migrate for its progress, PUT /migrate/cancel to stop it",
             )
@@ -145,17 +161,21 @@ impl<V: MigratingVcpu> MigrationSlot<V> {
         interrupt: &'static AtomicBool,
     ) -> Result<(), ControllerError> {
         let endpoint = checked_endpoint(request)?;
+        let destination = endpoint.to_string();
         let sink = StreamSink::new(endpoint, request.local, state);
-        let migration = Migration::start(
-            Rounds::from(request),
-            Box::new(sink),
-            vm,
-            Reader::Own,
-            interrupt,
-        )
-        .map_err(|e| ControllerError::internal(format!("starting the migration: {e}")))?;
-        self.migration = Some(migration);
+        let run = PreCopy::start(rounds(request), Box::new(sink), vm, Reader::Own, interrupt)
+            .map_err(|e| ControllerError::internal(format!("starting the migration: {e}")))?;
+        self.migration = Some(Migration { run, destination });
         Ok(())
+    }
+}
+
+/// The rounds `request` asks for.
+fn rounds(request: &MigrateRequest) -> Rounds {
+    Rounds {
+        downtime: Duration::from_millis(request.downtime_ms),
+        timeout: Duration::from_secs(request.timeout_s),
+        on_timeout: request.on_timeout,
     }
 }
 

@@ -1,6 +1,6 @@
 //! A live snapshot: the VM goes on running while its memory is copied into the memory file in
-//! rounds, as a migration copies it to another VMM (`migration::source`, into a [`FileSink`]
-//! instead of a stream): round 1 writes every page that holds data (a Full) or the pages
+//! rounds by the pre-copy engine (`precopy`), as a migration copies it to another VMM, into a
+//! [`FileSink`] instead of a stream: round 1 writes every page that holds data (a Full) or the pages
 //! dirtied since the chain's last snapshot (a Diff), each next round the pages the guest
 //! dirtied meanwhile, and once what is left fits the pause budget
 //! the vCPUs pause for the last pages and their state, and go on. The snapshot's point is that
@@ -30,10 +30,7 @@ use kvm_memslots_persist::{
 
 use super::info::{MemoryCheck, SnapshotInfo};
 use super::pages::PageSet;
-use crate::control::migration::MigrationInfo;
-use crate::control::snapshot::LiveSnapshotInfo;
-use crate::migration::sink::{Sink, Waits};
-use crate::migration::source::MigrationError;
+use crate::precopy::{Next, PreCopyError, Sink, Waits};
 use crate::vm::state::VcpuState;
 
 type Memory = MemoryManager<KvmVm>;
@@ -42,6 +39,29 @@ type Memory = MemoryManager<KvmVm>;
 /// at most (4 MiB: under 10 ms at 500 MB/s; a round of 16 GiB is 4096 of them, each one
 /// system call, so the slicing costs nothing measurable).
 pub const SLICE: u64 = 4 << 20;
+
+/// How writing a live snapshot's files fails.
+#[derive(Debug, thiserror::Error)]
+pub enum LiveSnapshotError {
+    /// Writing guest memory into the memory file failed.
+    #[error("writing the snapshot failed: {0}")]
+    MemoryFile(SnapshotError),
+    /// Guest memory could not be read for the snapshot's memory check.
+    #[error("writing the snapshot failed: reading guest memory: {0}")]
+    ReadMemory(vm_memory::GuestMemoryError),
+    /// The snapshot could not get an id.
+    #[error("writing the snapshot failed: a snapshot id: {0}")]
+    Id(std::io::Error),
+    /// The state file could not be written.
+    #[error("writing the snapshot failed: the state file: {0}")]
+    StateFile(std::io::Error),
+}
+
+impl From<LiveSnapshotError> for PreCopyError {
+    fn from(error: LiveSnapshotError) -> Self {
+        PreCopyError::Sink(Box::new(error))
+    }
+}
 
 /// Called between two slices with the bytes written so far in that write (a test's slow file
 /// system).
@@ -157,7 +177,7 @@ impl FileSink {
     fn sliced(
         &self,
         write: impl FnOnce(&File, Slices<'_>) -> Result<WriteStats, SnapshotError>,
-    ) -> Result<u64, MigrationError> {
+    ) -> Result<u64, PreCopyError> {
         let waits = self.waits.as_ref().expect("the rounds open the sink first");
         let mut counted = 0;
         let mut stopped = None;
@@ -187,9 +207,9 @@ impl FileSink {
                 Ok(stats.bytes)
             }
             Err(SnapshotError::Stopped(why)) => {
-                Err(stopped.unwrap_or(MigrationError::Cancelled(why)))
+                Err(stopped.unwrap_or(PreCopyError::Cancelled(why)))
             }
-            Err(e) => Err(write_failed(e)),
+            Err(e) => Err(LiveSnapshotError::MemoryFile(e).into()),
         }
     }
 }
@@ -211,27 +231,19 @@ impl Drop for FileSink {
     }
 }
 
-fn write_failed(e: impl std::fmt::Display) -> MigrationError {
-    MigrationError::Write(e.to_string())
-}
-
 impl Sink for FileSink {
-    fn destination(&self) -> String {
-        self.paths[1].display().to_string()
-    }
-
     fn open(
         &mut self,
         waits: &Waits,
         _memory: &Memory,
         layout: &MemoryLayout,
-    ) -> Result<Vec<Target>, MigrationError> {
+    ) -> Result<Vec<Target>, PreCopyError> {
         self.waits = Some(waits.clone());
         self.layout = Some(layout.clone());
         Ok(vec![Target::All])
     }
 
-    fn accepted(&mut self) -> Result<(), MigrationError> {
+    fn accepted(&mut self) -> Result<(), PreCopyError> {
         Ok(())
     }
 
@@ -244,11 +256,11 @@ impl Sink for FileSink {
     }
 
     /// Writing a file has no other side to wait for.
-    fn expect(&self, _what: &str, _by_timeout: bool) {}
+    fn expect(&self, _next: Next, _by_timeout: bool) {}
 
     /// A Full's every page, or a Diff's pages: those carried into it and those the chain's
     /// reader had logged since its base (the rounds' first harvest, which it took).
-    fn send_all(&mut self, memory: &Memory) -> Result<u64, MigrationError> {
+    fn send_all(&mut self, memory: &Memory) -> Result<u64, PreCopyError> {
         let layout = self
             .layout
             .as_ref()
@@ -261,7 +273,7 @@ impl Sink for FileSink {
         })
     }
 
-    fn send_dirty(&mut self, memory: &Memory, dirty: &[DirtyPages]) -> Result<u64, MigrationError> {
+    fn send_dirty(&mut self, memory: &Memory, dirty: &[DirtyPages]) -> Result<u64, PreCopyError> {
         let layout = self
             .layout
             .as_ref()
@@ -270,7 +282,7 @@ impl Sink for FileSink {
         self.sliced(|file, slices| write_dirty_pages_sliced(memory, layout, dirty, file, slices))
     }
 
-    fn end_round(&mut self) -> Result<(), MigrationError> {
+    fn end_round(&mut self) -> Result<(), PreCopyError> {
         Ok(())
     }
 
@@ -286,15 +298,15 @@ impl Sink for FileSink {
         memory: &Memory,
         layout: &MemoryLayout,
         states: Vec<VcpuState>,
-    ) -> Result<(), MigrationError> {
+    ) -> Result<(), PreCopyError> {
         let head = MemoryCheck::read_head(&*memory.current(), layout)
-            .map_err(|e| write_failed(format!("reading guest memory: {e}")))?;
+            .map_err(LiveSnapshotError::ReadMemory)?;
         self.head = Some(head);
         let write_state = self
             .write_state
             .take()
             .expect("the rounds finish a sink once");
-        self.taken = Some(write_state(layout, states).map_err(MigrationError::State)?);
+        self.taken = Some(write_state(layout, states).map_err(PreCopyError::State)?);
         Ok(())
     }
 
@@ -304,7 +316,7 @@ impl Sink for FileSink {
 
     /// Makes the snapshot, its memory check of the bytes copied in the pause, and writes the
     /// state file.
-    fn settle(&mut self) -> Result<(), MigrationError> {
+    fn settle(&mut self) -> Result<(), PreCopyError> {
         let taken = self.taken.take().expect("settled after finishing");
         let head = self
             .head
@@ -319,11 +331,11 @@ impl Sink for FileSink {
             None => SnapshotInfo::full(check),
             Some(diff) => diff.base.next_diff(check),
         }
-        .map_err(|e| write_failed(format!("a snapshot id: {e}")))?;
+        .map_err(LiveSnapshotError::Id)?;
         let bytes = taken(info);
         self.state_file
             .write_all_at(&bytes, 0)
-            .map_err(|e| write_failed(format!("the state file: {e}")))?;
+            .map_err(LiveSnapshotError::StateFile)?;
         self.finished = true;
         self.written
             .lock()
@@ -333,35 +345,9 @@ impl Sink for FileSink {
     }
 }
 
-/// The progress `run` reports of a live snapshot into `paths` (state, memory), `written` once
-/// completed.
-pub fn progress(
-    run: MigrationInfo,
-    paths: &[PathBuf; 2],
-    written: Option<SnapshotInfo>,
-) -> LiveSnapshotInfo {
-    LiveSnapshotInfo {
-        phase: run.phase,
-        snapshot_path: paths[0].clone(),
-        mem_file_path: paths[1].clone(),
-        round: run.round,
-        bytes_written: run.bytes_sent,
-        guest_memory_bytes: run.guest_memory_bytes,
-        pages_left: run.pages_left,
-        dirty_rate_pages_per_second: run.dirty_rate_pages_per_second,
-        throughput_bytes_per_second: run.throughput_bytes_per_second,
-        estimated_pause_ms: run.estimated_downtime_ms,
-        forced: run.forced,
-        pause_ms: run.downtime_ms,
-        elapsed_ms: run.elapsed_ms,
-        snapshot_id: written.map(|info| info.id.to_string()),
-        error: run.error,
-    }
-}
-
 #[cfg(test)]
 mod tests {
-    //! The live-snapshot engine (`migration::source` into a [`FileSink`]) on a real KVM VM with
+    //! The pre-copy engine (`precopy`) into a [`FileSink`] on a real KVM VM with
     //! no vCPU: the "guest" is the VMM writing pages (its write bitmap reports them to every
     //! reader of the dirty log) from inside the sink's own steps, so that every harvest has
     //! pages, and a fault is injected at an exact step. What a live Diff took from the chain's
@@ -375,9 +361,7 @@ mod tests {
     use vm_memory::{Bytes, GuestAddress, GuestAddressSpace};
 
     use super::*;
-    use crate::control::migration::{MigrationPhase, OnTimeout};
-    use crate::migration::source::{Migration, Reader, Rounds, SourceVm};
-    use crate::migration::MigratingVcpu;
+    use crate::precopy::{OnTimeout, Phase, PreCopy, PreCopyVcpu, Reader, Rounds, SourceVm};
     use crate::vm::vcpu::PauseError;
 
     const MIB: u64 = 1 << 20;
@@ -408,7 +392,7 @@ mod tests {
         pause_fails: bool,
     }
 
-    impl MigratingVcpu for Vcpu {
+    impl PreCopyVcpu for Vcpu {
         fn pause(&self) -> Result<(), PauseError> {
             if self.pause_fails {
                 Err(PauseError::Stopped)
@@ -475,7 +459,7 @@ mod tests {
     }
 
     impl Hooked {
-        fn step(&self) -> Result<(), MigrationError> {
+        fn step(&self) -> Result<(), PreCopyError> {
             self.guest.write();
             let held = self.inner.diff.as_ref().map_or(0, |d| d.pages.bitmaps());
             self.most_held.fetch_max(held, Ordering::Relaxed);
@@ -493,47 +477,43 @@ mod tests {
                     self.interrupt.store(true, Ordering::Release);
                     Ok(())
                 }
-                Fault::Fail => Err(MigrationError::Write("injected".into())),
+                Fault::Fail => Err(PreCopyError::Sink("injected".into())),
             }
         }
     }
 
     impl Sink for Hooked {
-        fn destination(&self) -> String {
-            self.inner.destination()
-        }
-
         fn open(
             &mut self,
             waits: &Waits,
             memory: &Memory,
             layout: &MemoryLayout,
-        ) -> Result<Vec<Target>, MigrationError> {
+        ) -> Result<Vec<Target>, PreCopyError> {
             self.cancel = Some(Arc::clone(&waits.cancel));
             self.step()?;
             self.inner.open(waits, memory, layout)
         }
 
-        fn accepted(&mut self) -> Result<(), MigrationError> {
+        fn accepted(&mut self) -> Result<(), PreCopyError> {
             self.step()?;
             self.inner.accepted()
         }
 
-        fn expect(&self, what: &str, by_timeout: bool) {
+        fn expect(&self, next: Next, by_timeout: bool) {
             // An expectation cannot fail: a failure there is a cancel.
             if self.step().is_err() {
                 if let Some(cancel) = &self.cancel {
                     cancel.store(true, Ordering::Release);
                 }
             }
-            self.inner.expect(what, by_timeout);
+            self.inner.expect(next, by_timeout);
         }
 
         fn took(&mut self, harvest: &[DirtyPages]) {
             self.inner.took(harvest);
         }
 
-        fn send_all(&mut self, memory: &Memory) -> Result<u64, MigrationError> {
+        fn send_all(&mut self, memory: &Memory) -> Result<u64, PreCopyError> {
             self.step()?;
             self.inner.send_all(memory)
         }
@@ -542,12 +522,12 @@ mod tests {
             &mut self,
             memory: &Memory,
             dirty: &[DirtyPages],
-        ) -> Result<u64, MigrationError> {
+        ) -> Result<u64, PreCopyError> {
             self.step()?;
             self.inner.send_dirty(memory, dirty)
         }
 
-        fn end_round(&mut self) -> Result<(), MigrationError> {
+        fn end_round(&mut self) -> Result<(), PreCopyError> {
             self.step()?;
             self.inner.end_round()
         }
@@ -557,7 +537,7 @@ mod tests {
             memory: &Memory,
             layout: &MemoryLayout,
             states: Vec<VcpuState>,
-        ) -> Result<(), MigrationError> {
+        ) -> Result<(), PreCopyError> {
             self.step()?;
             self.inner.finish(memory, layout, states)
         }
@@ -566,7 +546,7 @@ mod tests {
             self.inner.stays()
         }
 
-        fn settle(&mut self) -> Result<(), MigrationError> {
+        fn settle(&mut self) -> Result<(), PreCopyError> {
             self.step()?;
             self.inner.settle()
         }
@@ -624,7 +604,7 @@ mod tests {
 
     /// How one live Diff ended, and what the chain has for its next Diff.
     struct Ended {
-        phase: MigrationPhase,
+        phase: Phase,
         error: Option<String>,
         /// What the Diff gave back, and what the chain's reader logged since.
         next_diff: BTreeSet<u64>,
@@ -685,7 +665,7 @@ mod tests {
             memory: Arc::clone(&chain.memory),
             vcpus: vcpu.into_iter().collect(),
         };
-        let mut run = Migration::start(
+        let mut run = PreCopy::start(
             rounds,
             Box::new(sink),
             vm,
@@ -694,7 +674,7 @@ mod tests {
         )
         .expect("the run starts");
         run.join();
-        let info = run.info();
+        let info = run.progress();
         let unsaved = std::mem::take(&mut outcome.lock().expect("not poisoned").unsaved);
         let mut next_diff = Chain::addresses(unsaved.pages());
         next_diff.extend(Chain::addresses(
@@ -760,7 +740,7 @@ mod tests {
         for at in 0..14 {
             for fault in [Fault::Cancel, Fault::Interrupt, Fault::Fail] {
                 let ended = live_diff(&chain, endless(Duration::from_secs(600)), (at, fault), None);
-                assert_ne!(ended.phase, MigrationPhase::Completed);
+                assert_ne!(ended.phase, Phase::Completed);
                 failures.extend(lost(&ended, &format!("{fault:?} at step {at}")));
             }
         }
@@ -779,7 +759,7 @@ mod tests {
         let chain = Chain::new("timeout");
         let never = (usize::MAX, Fault::Fail);
         let ended = live_diff(&chain, endless(Duration::ZERO), never, None);
-        assert_eq!(ended.phase, MigrationPhase::Cancelled, "{:?}", ended.error);
+        assert_eq!(ended.phase, Phase::Cancelled, "{:?}", ended.error);
         assert_carried(&ended, "the timeout");
         for on_timeout in [OnTimeout::Force, OnTimeout::Cancel] {
             // A budget the first round fits: the pause comes at once, and fails.
@@ -790,7 +770,7 @@ mod tests {
             };
             let vcpu = Vcpu { pause_fails: true };
             let ended = live_diff(&chain, rounds, never, Some(vcpu));
-            assert_eq!(ended.phase, MigrationPhase::Failed, "{:?}", ended.error);
+            assert_eq!(ended.phase, Phase::Failed, "{:?}", ended.error);
             assert_carried(&ended, "a vCPU that cannot pause");
         }
         // With `force`, the timeout pauses instead: that fails too.
@@ -800,7 +780,7 @@ mod tests {
             on_timeout: OnTimeout::Force,
         };
         let ended = live_diff(&chain, rounds, never, Some(Vcpu { pause_fails: true }));
-        assert_eq!(ended.phase, MigrationPhase::Failed, "{:?}", ended.error);
+        assert_eq!(ended.phase, Phase::Failed, "{:?}", ended.error);
         assert_carried(&ended, "a forced pause that fails");
     }
 
@@ -821,7 +801,7 @@ mod tests {
             (5 + 3 * 40, Fault::Cancel),
             None,
         );
-        assert_eq!(ended.phase, MigrationPhase::Cancelled, "{:?}", ended.error);
+        assert_eq!(ended.phase, Phase::Cancelled, "{:?}", ended.error);
         assert_carried(&ended, "a cancel in round 40");
         assert!(
             ended.most_held <= REGIONS.len(),
@@ -909,7 +889,7 @@ mod tests {
                 memory: Arc::clone(&chain.memory),
                 vcpus: Vec::new(),
             };
-            let mut run = Migration::start(
+            let mut run = PreCopy::start(
                 endless(Duration::from_secs(600)),
                 Box::new(sink),
                 vm,
@@ -935,7 +915,7 @@ mod tests {
             let (ended_tx, ended) = std::sync::mpsc::channel();
             let waiter = std::thread::spawn(move || {
                 run.join();
-                let _ = ended_tx.send(run.info());
+                let _ = ended_tx.send(run.progress());
             });
             let info = ended.recv_timeout(guard);
             open_gate();
@@ -943,12 +923,7 @@ mod tests {
             let info = info.unwrap_or_else(|_| {
                 panic!("{fault:?}: the run waited for the rest of the round's writes at the gate")
             });
-            assert_eq!(
-                info.phase,
-                MigrationPhase::Cancelled,
-                "{fault:?}: {:?}",
-                info.error
-            );
+            assert_eq!(info.phase, Phase::Cancelled, "{fault:?}: {:?}", info.error);
             assert!(
                 stalling.calls.load(Ordering::Acquire) == 1,
                 "{fault:?}: the write went on past the slice under way"
@@ -983,7 +958,7 @@ mod tests {
         use vm_memory::{Bytes, GuestAddress, GuestAddressSpace};
 
         use super::super::*;
-        use crate::migration::sink::Waits;
+        use crate::precopy::Waits;
         use crate::vm::{Vm, VmOptions};
 
         static NOT_STOPPING: AtomicBool = AtomicBool::new(false);
