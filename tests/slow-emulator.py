@@ -6,9 +6,9 @@
 On kvm_pvm a guest's ring 0 runs in the host's instruction emulator, whose speed differs
 5-7x between machines of this project's kind (0.3-2 M instructions/s). To try the suite as a
 slow machine would run it on a fast one, this caps vCPU threads (threads named `vcpuN`, as
-tinyvmm names them, and the ring-0 speed probe) at PERCENT of one CPU, each in its own
-cgroup-v1 `cpu` group, while the command runs. Everything else (the build, the VMM's other
-threads, the test harnesses) keeps its full speed, as on the slow machine.
+tinyvmm names them, and the ring-0 speed probe's, `ring0-speed`) at PERCENT of one CPU, each
+in its own cgroup-v1 `cpu` group, while the command runs. Everything else (the build, the
+VMM's other threads, the test harnesses) keeps its full speed, as on the slow machine.
 
 - `--under PREFIX,...`: cap only the vCPUs of processes with an ancestor whose name starts
   with one of the prefixes (the Linux test binaries: `boot-`, `linux_snapshot`). The test
@@ -18,8 +18,9 @@ threads, the test harnesses) keeps its full speed, as on the slow machine.
   capped vCPU takes a whole core as an emulating one does (a slow emulator is slow, not idle:
   without this, the rest of the suite would get the cores the emulator leaves).
 
-The probe `tests/run.sh` prints reads the speed the cap gives (it is always capped). Needs
-root and a cgroup-v1 `cpu` hierarchy at /sys/fs/cgroup/cpu.
+The probe (`tests/run.sh` prints it; the Linux tests scale their patience with it) reads the
+speed the cap gives: it is capped wherever it runs. Needs root and a cgroup-v1 `cpu`
+hierarchy at /sys/fs/cgroup/cpu.
 """
 
 import os
