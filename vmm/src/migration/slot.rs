@@ -2,9 +2,9 @@
 //! vCPUs an unconfirmed one left paused, what a request may do while one runs, and starting,
 //! watching and cancelling one. The guest kind hands over its vCPUs and State record.
 
-use std::sync::atomic::AtomicBool;
-
-use std::time::Duration;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::OnceLock;
+use std::time::{Duration, Instant};
 
 use super::sink::{StateRecord, StreamSink};
 use super::Endpoint;
@@ -12,12 +12,24 @@ use crate::control::migration::{MigrateRequest, MigrationInfo};
 use crate::control::{ControllerError, Request};
 use crate::precopy::{Phase, PreCopy, PreCopyVcpu, Reader, Rounds, SourceVm};
 
+/// How long a source VMM whose VM moved on stays to answer `GET /migrate` for a client that
+/// followed the migration (asked its status while it ran) and has not read its outcome yet:
+/// `tinyvmm client migrate` asks every 50 ms, so it reads `completed` at once, and tells a
+/// source that ended without it (killed, crashed) from one whose VM moved on.
+pub const LINGER_FOR_FOLLOWER: Duration = Duration::from_secs(5);
+
 /// A migration: its pre-copy run, and where it goes.
 #[derive(Debug)]
 struct Migration<V> {
     run: PreCopy<V>,
     /// `unix:PATH` or `tcp:HOST:PORT`.
     destination: String,
+    /// A client asked the status while the migration was under way.
+    followed: AtomicBool,
+    /// A client was told it completed.
+    outcome_read: AtomicBool,
+    /// When the VMM first saw it completed.
+    completed_at: OnceLock<Instant>,
 }
 
 impl<V: PreCopyVcpu> Migration<V> {
@@ -74,9 +86,16 @@ impl<V: PreCopyVcpu> MigrationSlot<V> {
         }
     }
 
-    /// Whether the VM runs on a migration's destination now.
+    /// Whether the VM runs on a migration's destination now and this VMM may end: at once
+    /// unless a client followed the migration without reading its outcome yet, then once it
+    /// has or after [`LINGER_FOR_FOLLOWER`].
     pub fn completed(&self) -> bool {
-        self.migration.as_ref().is_some_and(|m| m.run.completed())
+        self.migration.as_ref().is_some_and(|m| {
+            m.run.completed()
+                && (!m.followed.load(Ordering::Acquire)
+                    || m.outcome_read.load(Ordering::Acquire)
+                    || m.completed_at.get_or_init(Instant::now).elapsed() >= LINGER_FOR_FOLLOWER)
+        })
     }
 
     /// Whether a migration is under way.
@@ -89,10 +108,20 @@ impl<V: PreCopyVcpu> MigrationSlot<V> {
         self.migration.as_ref().map(Migration::info)
     }
 
-    /// `GET /migrate`.
+    /// `GET /migrate`; notes whether the client follows a migration under way or has read
+    /// that it completed (see [`MigrationSlot::completed`]).
     pub fn get(&self) -> Result<MigrationInfo, ControllerError> {
-        self.info()
-            .ok_or_else(|| ControllerError::not_found("no migration has been started"))
+        let migration = self
+            .migration
+            .as_ref()
+            .ok_or_else(|| ControllerError::not_found("no migration has been started"))?;
+        let info = migration.info();
+        if info.phase.under_way() {
+            migration.followed.store(true, Ordering::Release);
+        } else if info.phase == Phase::Completed {
+            migration.outcome_read.store(true, Ordering::Release);
+        }
+        Ok(info)
     }
 
     /// `PUT /migrate/cancel`.
@@ -165,7 +194,13 @@ impl<V: PreCopyVcpu> MigrationSlot<V> {
         let sink = StreamSink::new(endpoint, request.local, state);
         let run = PreCopy::start(rounds(request), Box::new(sink), vm, Reader::Own, interrupt)
             .map_err(|e| ControllerError::internal(format!("starting the migration: {e}")))?;
-        self.migration = Some(Migration { run, destination });
+        self.migration = Some(Migration {
+            run,
+            destination,
+            followed: AtomicBool::new(false),
+            outcome_read: AtomicBool::new(false),
+            completed_at: OnceLock::new(),
+        });
         Ok(())
     }
 }

@@ -3,10 +3,11 @@
 //! client` then asks their status (`GET /migrate`, `GET /snapshot`) until its phase is final,
 //! so that its exit status is the run's outcome (unless `--no-wait`).
 //!
-//! A migration that completes ends its source VMM a moment later (its API socket goes with
-//! it), often before the next status request: a source that can no longer be reached while
-//! its migration was under way is taken as the migration's end ([`Outcome::SourceEnded`]),
-//! and said so.
+//! A migration that completes ends its source VMM (its API socket goes with it), but not
+//! before a client that followed it has read `completed` (or a few seconds have passed:
+//! `migration::slot::LINGER_FOR_FOLLOWER`): a source that can no longer be reached while its
+//! migration was under way ended without it, stopped or crashed ([`Outcome::SourceEnded`]),
+//! and the migration's outcome is unknown.
 
 use std::io::Write as _;
 use std::path::Path;
@@ -59,8 +60,8 @@ pub enum Outcome {
         /// Its body.
         body: Value,
     },
-    /// The VMM could no longer be reached while a migration was under way: a source ends
-    /// once the destination runs the VM. The last status it answered.
+    /// The VMM could no longer be reached while a migration was under way: it ended without
+    /// telling the client how the migration ended. The last status it answered.
     SourceEnded {
         /// The last status body (`Null` if none came).
         last: Value,
@@ -68,13 +69,13 @@ pub enum Outcome {
 }
 
 impl Outcome {
-    /// Whether the run completed: its last status said so, or its source ended under way.
+    /// Whether the run completed: its last status said so.
     pub fn completed(&self) -> bool {
         match self {
             Outcome::Ended { status, body } => {
                 *status == 200 && body["phase"].as_str() == Some("completed")
             }
-            Outcome::SourceEnded { .. } => true,
+            Outcome::SourceEnded { .. } => false,
         }
     }
 }
@@ -104,7 +105,7 @@ pub fn follow(
                 last = body;
             }
             Ok((status, body)) => return Ok(Outcome::Ended { status, body }),
-            // Gone while a migration ran: it completed (or the VMM was stopped meanwhile).
+            // Gone while a migration ran, without saying how it ended.
             Err(_) if followed == Followed::Migration && !reachable(socket) => {
                 return Ok(Outcome::SourceEnded { last });
             }
@@ -158,7 +159,7 @@ mod tests {
     use super::*;
 
     #[test]
-    fn only_a_completed_phase_or_a_source_gone_under_way_is_a_completed_run() {
+    fn only_a_completed_phase_is_a_completed_run() {
         let ended = |status, phase: &str| Outcome::Ended {
             status,
             body: json!({ "phase": phase }),
@@ -168,7 +169,7 @@ mod tests {
             assert!(!ended(200, phase).completed(), "{phase}");
         }
         assert!(!ended(404, "completed").completed());
-        assert!(Outcome::SourceEnded { last: Value::Null }.completed());
+        assert!(!Outcome::SourceEnded { last: Value::Null }.completed());
         for phase in ["setup", "pre_copy", "stop_and_copy"] {
             assert!(under_way(&json!({ "phase": phase })), "{phase}");
         }

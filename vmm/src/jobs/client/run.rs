@@ -69,15 +69,16 @@ pub fn run(args: &ClientArgs, socket: &Path) -> u8 {
         }
         Outcome::SourceEnded { last } => {
             eprintln!(
-                "tinyvmm: {}: the source VMM ended during the migration (last seen: {}), as it \
-                 does once the destination runs the VM; the destination's API socket confirms it",
+                "tinyvmm: {}: the source VMM ended during the migration (last seen: {}) without \
+                 saying how it ended (it was stopped, or it crashed): the destination's API \
+                 socket says whether the VM runs there",
                 socket.display(),
                 last["phase"].as_str().unwrap_or("no status yet")
             );
             if args.json {
-                print_answer(true, 200, last, false);
+                print_answer(true, 200, last, true);
             }
-            0
+            FAILED
         }
     }
 }
