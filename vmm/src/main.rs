@@ -182,7 +182,13 @@ fn test_guest_vcpus(value: &str) -> Result<usize, String> {
 /// `--slots`: a KVM slot count, at least `min` (KVM's maximum is checked when the VM exists).
 fn slot_count(min: usize) -> impl Fn(&str) -> Result<usize, String> + Clone {
     move |value| match value.parse() {
-        Ok(n) if n >= min => Ok(n),
+        // KVM's maximum where /dev/kvm answers (else the run says it cannot open KVM).
+        Ok(n) if n >= min => match tinyvmm::vm::max_slots() {
+            Ok(max) if n > max => Err(format!(
+                "{value} is more than KVM's {max} slots on this host (2 to {max})"
+            )),
+            _ => Ok(n),
+        },
         _ => Err(format!(
             "{value} is not a KVM slot count: {min} to KVM's maximum"
         )),

@@ -146,6 +146,29 @@ fn restore_lists_no_option_it_ignores() {
     }
 }
 
+/// A slot count over what KVM offers here is a usage error (64), named before anything
+/// starts, as a count under 2 is; not a failure of the run (1).
+#[test]
+fn kvm_a_slot_count_over_kvms_is_a_usage_error() {
+    if !kvm_test_support::require_kvm("tinyvmm::kvm_a_slot_count_over_kvms_is_a_usage_error") {
+        return;
+    }
+    let max = kvm_ioctls::Kvm::new().expect("KVM").get_nr_memslots();
+    let over = (max + 1).to_string();
+    for args in [
+        &["check", "--slots", over.as_str()][..],
+        &["bench", "--slots", &format!("10,{over}")],
+    ] {
+        let output = tinyvmm(args);
+        let stderr = text(&output.stderr);
+        assert_eq!(output.status.code(), Some(64), "{args:?}: {stderr}");
+        assert!(
+            stderr.contains(&format!("more than KVM's {max} slots")),
+            "{args:?}: {stderr}"
+        );
+    }
+}
+
 #[test]
 fn usage_errors_have_their_own_exit_status_and_help_and_version_succeed() {
     for args in [
