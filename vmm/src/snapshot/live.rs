@@ -560,6 +560,15 @@ mod tests {
         dir: PathBuf,
     }
 
+    impl Drop for Chain {
+        /// A passing test leaves no scratch folder (a failing one leaves it to look at).
+        fn drop(&mut self) {
+            if !std::thread::panicking() {
+                let _ = std::fs::remove_dir_all(&self.dir);
+            }
+        }
+    }
+
     impl Chain {
         fn new(name: &str) -> Self {
             let kvm = kvm_ioctls::Kvm::new().expect("/dev/kvm");
