@@ -30,7 +30,7 @@ pub use manager::{
     KVM_MAX_SLOT_SIZE,
 };
 pub use memory::{
-    hugetlb_pages_available, Backing, GuestMemoryHandle, GuestMemorySlots, GuestMemoryView,
+    hugetlb_pages_available, split_by, Access, Backing, GuestMemoryHandle, GuestMemorySlots, GuestMemoryView,
     GuestSlot, GuestSlotData, MappingError, PageSize, RegionId, RegionMemory, SlotBacking,
     HUGE_PAGE_SIZE,
 };
