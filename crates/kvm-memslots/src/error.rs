@@ -378,9 +378,7 @@ impl Error {
             Error::UndoFailed { failed, .. } => failed.errno(),
             Error::Discard { source, .. }
             | Error::Protect { source, .. }
-            | Error::Mapping(MappingError::Memfd { source, .. }) => {
-                source.raw_os_error()
-            }
+            | Error::Mapping(MappingError::Memfd { source, .. }) => source.raw_os_error(),
             Error::Mapping(MappingError::Mmap {
                 source: MmapRegionError::Mmap(source),
                 ..

@@ -336,7 +336,11 @@ impl RegionMemory {
     /// or accessible again, `mprotect(PROT_READ | PROT_WRITE)`, under the write lock of
     /// [`access`](Self::access): no reader copies from the range meanwhile. The pages keep
     /// their contents: the manager discards them after protecting them.
-    pub(crate) fn set_accessible(&self, range: Range<u64>, accessible: bool) -> std::io::Result<()> {
+    pub(crate) fn set_accessible(
+        &self,
+        range: Range<u64>,
+        accessible: bool,
+    ) -> std::io::Result<()> {
         let mut inaccessible = self.inaccessible.write().unwrap_or_else(|e| e.into_inner());
         if range.end > self.size() || range.start >= range.end {
             return Err(std::io::Error::from(std::io::ErrorKind::InvalidInput));
@@ -656,7 +660,11 @@ impl GuestMemoryRegion for GuestSlot {
         // copies while the range turns inaccessible can still fault (see
         // `MemoryManager::set_accessible`).
         let first = backing.offset + offset.0;
-        if !backing.memory.access().is_accessible(first..first + count as u64) {
+        if !backing
+            .memory
+            .access()
+            .is_accessible(first..first + count as u64)
+        {
             return Err(GuestMemoryError::InvalidGuestAddress(GuestAddress(
                 self.0.gpa().0 + offset.0,
             )));

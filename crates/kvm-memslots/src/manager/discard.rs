@@ -164,21 +164,24 @@ impl<K: KvmMemory> MemoryManager<K> {
     /// accesses fault in KVM (its `KVM_RUN` fails with `EFAULT`, or a `KVM_EXIT_MEMORY_FAULT`
     /// naming the guest address), the host's readers of the region
     /// ([`RegionMemory::read_volatile`], [`RegionMemory::access`]) see zeros, and vm-memory
-    /// refuses them (a device's access gets an error); the pages are given back to the host.
-    /// Or reachable again (`accessible` true), the pages reading as zeros. The slots stay as
-    /// they are: this is how a slot can stay over memory the guest must not use (an unplugged
-    /// block inside a plugged piece), with no KVM call. Pages made unreachable count as dirty in
-    /// the next harvest (their contents became zeros).
+    /// refuses them (a device's access gets an error). Or reachable again (`accessible` true),
+    /// with what they held. The slots stay as they are: this is how a slot can stay over memory
+    /// the guest must not use (an unplugged block inside a plugged piece), with no KVM call.
+    /// The pages count as dirty in the next harvest either way (what readers see of them
+    /// changed). To give the memory back too, [`discard_region`](Self::discard_region) the
+    /// ranges once they are unreachable (nothing can fault them in again then).
     ///
     /// Refused, nothing changed, if the region does not exist or a range is empty, outside it
     /// or not aligned to its page size.
     ///
+    /// A device that copies to or from a range through vm-memory while it turns unreachable
+    /// can fault: the check `get_slice` makes is not held across the copy. Devices that DMA
+    /// into memory a guest may unplug must hold [`RegionMemory::access`] across the copy.
+    ///
     /// # KVM calls
     ///
-    /// None. One `mprotect` per range; then, making ranges unreachable, one discard per range
-    /// (the call [`discard`](Self::discard) makes). If an `mprotect` fails, the ranges done
-    /// before it get their protection back and the error is returned, contents untouched; a
-    /// discard that fails leaves its range unreachable and returns the error.
+    /// None. One `mprotect` per range. If one fails, the ranges done before it get their
+    /// protection back and the error is returned.
     pub fn set_accessible(
         &self,
         id: RegionId,
@@ -219,19 +222,11 @@ impl<K: KvmMemory> MemoryManager<K> {
                 });
             }
         }
-        if !accessible {
-            for range in ranges {
-                let len = range.end - range.start;
-                discard_run(&region.memory, range.start, len, libc::PROT_NONE).map_err(
-                    |source| Error::Discard {
-                        range: guest(range),
-                        source,
-                    },
-                )?;
-                region
-                    .pending()
-                    .mark(range.start / PAGE_SIZE, len / PAGE_SIZE);
-            }
+        for range in ranges {
+            region.pending().mark(
+                range.start / PAGE_SIZE,
+                (range.end - range.start) / PAGE_SIZE,
+            );
         }
         drop(state);
         Ok(())

@@ -2228,6 +2228,8 @@ fn an_inaccessible_range_keeps_its_slot_reads_as_zeros_and_is_refused_to_devices
         let hole = SLOT - 0x1000..SLOT + 0x1000;
         m.set_accessible(r, std::slice::from_ref(&hole), false)
             .unwrap();
+        // Given back too (a discard under PROT_NONE keeps it PROT_NONE).
+        m.discard_region(r, hole.clone()).unwrap();
         assert_eq!(m.slot_ranges(r), slots);
         assert_eq!(m.kvm().inner().slots(), kvm);
         assert_mirrored(&m);
@@ -2309,4 +2311,28 @@ fn inaccessible_ranges_merge_and_split() {
     assert_eq!(memory.inaccessible(), vec![0x1000..0x2000, 0x3000..0x6000]);
     assert!(host_readable(memory.host_address() + 0x2000, 0x1000));
     assert!(!host_readable(memory.host_address() + 0x3000, 0x1000));
+}
+
+#[test]
+fn a_region_can_start_with_unreachable_ranges_and_they_keep_their_contents() {
+    let m = manager(16);
+    let r = m
+        .add_region(region(MIB, 4).with_inaccessible(vec![SLOT..2 * SLOT]))
+        .unwrap();
+    let memory = m.region_memory(r).unwrap();
+    assert_eq!(memory.inaccessible(), vec![SLOT..2 * SLOT]);
+    assert!(!host_readable(memory.host_address() + SLOT, 0x1000));
+    assert!(host_readable(memory.host_address(), 0x1000));
+    // Made unreachable and back without a discard: the contents come back.
+    m.current().write_obj(9u8, GuestAddress(MIB)).unwrap();
+    m.set_accessible(r, &[0..SLOT], false).unwrap();
+    assert!(m.current().read_obj::<u8>(GuestAddress(MIB)).is_err());
+    m.set_accessible(r, &[0..2 * SLOT], true).unwrap();
+    assert_eq!(m.current().read_obj::<u8>(GuestAddress(MIB)).unwrap(), 9);
+    // A layout of unreachable ranges that overlap is refused; nothing was mapped.
+    assert!(matches!(
+        m.add_region(region(2 * MIB, 4).with_inaccessible(vec![0..SLOT, 0..SLOT])),
+        Err(Error::SlotLayout { .. })
+    ));
+    assert_eq!(m.regions().len(), 1);
 }
