@@ -908,13 +908,16 @@ fn a_layout_of_2m_pages_off_their_grid_is_refused() {
 
 /// Every byte of `m`'s region `id` as the host's readers see it (inaccessible ranges as zeros).
 fn region_bytes(m: &MemoryManager<FakeKvm>, id: kvm_memslots::RegionId) -> Vec<u8> {
-    let memory = m.region_memory(id).unwrap();
+    let memory = m.region_memory(id).expect("the region");
     let mut bytes = vec![0u8; memory.size() as usize];
-    memory.read_volatile(0, &mut bytes).unwrap();
+    memory
+        .read_volatile(0, &mut bytes)
+        .expect("inside the region");
     bytes
 }
 
 #[test]
+#[allow(clippy::single_range_in_vec_init)]
 fn a_region_with_unreachable_ranges_under_its_slot_snapshots_them_as_zeros() {
     // An unplugged block inside a plugged piece: one slot over the region, a range of it
     // PROT_NONE. Full and diff snapshots must not fault on it nor fail, and write zeros.

@@ -2212,6 +2212,7 @@ fn host_readable(hva: u64, len: usize) -> bool {
 }
 
 #[test]
+#[allow(clippy::single_range_in_vec_init)]
 fn an_inaccessible_range_keeps_its_slot_reads_as_zeros_and_is_refused_to_devices() {
     for backing in [Backing::Anonymous, Backing::Memfd] {
         let m = manager(16);
@@ -2276,6 +2277,7 @@ fn an_inaccessible_range_keeps_its_slot_reads_as_zeros_and_is_refused_to_devices
 }
 
 #[test]
+#[allow(clippy::single_range_in_vec_init)]
 fn a_bad_protection_change_is_refused_and_changes_nothing() {
     let m = manager(16);
     let r = m.add_region(region(MIB, 4)).unwrap();
@@ -2299,6 +2301,7 @@ fn a_bad_protection_change_is_refused_and_changes_nothing() {
 }
 
 #[test]
+#[allow(clippy::single_range_in_vec_init)]
 fn inaccessible_ranges_merge_and_split() {
     let m = manager(16);
     let r = m.add_region(region(MIB, 4)).unwrap();
@@ -2314,6 +2317,7 @@ fn inaccessible_ranges_merge_and_split() {
 }
 
 #[test]
+#[allow(clippy::single_range_in_vec_init)]
 fn a_region_can_start_with_unreachable_ranges_and_they_keep_their_contents() {
     let m = manager(16);
     let r = m
