@@ -1,8 +1,9 @@
 //! Plugging and unplugging 1 GiB in 2 MiB blocks on real KVM with ~32k slots already in use:
-//! this crate's scheme with plugged blocks sharing slots up to 128 MiB (the default), the same
-//! with one KVM slot per plugged block (`max_slot_size` = the block size), and Firecracker's
-//! (128 MiB slots, unplugged blocks inside a mapped slot protected `PROT_NONE`), side by side
-//! in one run.
+//! this crate's scheme with 128 MiB pieces (the default: one slot over a piece while a block of
+//! it is plugged, its unplugged blocks protected `PROT_NONE` through the manager), the same
+//! with one KVM slot per plugged block (`max_slot_size` = the block size), and a model of
+//! Firecracker's (128 MiB slots, unplugged blocks inside a mapped slot protected `PROT_NONE`),
+//! side by side in one run.
 //!
 //! `cargo bench -p kvm-virtio-mem --bench plug -- [--rounds R]` (default 10 rounds)
 //!
@@ -114,7 +115,8 @@ fn device_slots(m: &Manager, base: u64) -> usize {
 
 /// This crate's scheme through the device at `base`: plug everything, then unplug it, in
 /// requests of `per` blocks. With `max_slot_size` = the block size each request adds (removes)
-/// one region per block; otherwise it adds, re-slots or removes the 128 MiB pieces it touches.
+/// one region per block; otherwise it adds or removes the 128 MiB pieces it empties or starts
+/// and flips the protection of its blocks inside a live piece (no KVM call).
 fn ours(driver: &mut Driver<Counting<KvmVm>>, base: u64, per: u64) -> (Phase, Phase) {
     let m = Arc::clone(&driver.memory);
     let piece = driver.device.device().max_slot_size() / BLOCK;
@@ -128,8 +130,26 @@ fn ours(driver: &mut Driver<Counting<KvmVm>>, base: u64, per: u64) -> (Phase, Ph
         plug.peak_slots = plug.peak_slots.max(device_slots(&m, base));
     }
     finish(&mut plug, &m, before);
-    // One mmap per piece (anonymous, MAP_NORESERVE), made by the manager's add_region.
-    plug.other_syscalls = BLOCKS / piece;
+    // Per-block: an mmap per block. Shared: the first plug in a piece maps it (one mmap) and
+    // protects the rest of it (one mprotect, none for a whole piece); a plug inside a live
+    // piece is one mprotect.
+    plug.other_syscalls = if piece == 1 {
+        BLOCKS
+    } else {
+        (0..BLOCKS)
+            .step_by(per as usize)
+            .map(|first| match (first % piece == 0, per == piece) {
+                (true, true) => 1,
+                _ => {
+                    if first % piece == 0 {
+                        2
+                    } else {
+                        1
+                    }
+                }
+            })
+            .sum()
+    };
     assert_eq!(driver.device.device().plugged_size(), REGION);
 
     let mut unplug = Phase::default();
@@ -139,9 +159,13 @@ fn ours(driver: &mut Driver<Counting<KvmVm>>, base: u64, per: u64) -> (Phase, Ph
         let answer = driver.unplug(base + first * BLOCK, per as u16);
         unplug.latencies.push(start.elapsed());
         assert_eq!(answer, RESP_ACK, "unplug at block {first}");
-        // Per-block: a munmap per block. Shared: a munmap where the piece empties, else one
-        // madvise of the blocks (one run in one piece).
-        unplug.other_syscalls += if piece == 1 { per } else { 1 };
+        // Per-block: a munmap per block. Shared: a munmap where the piece empties, else an
+        // mprotect and a madvise of the blocks (one run in one piece).
+        unplug.other_syscalls += match (piece == 1, first % piece == 0) {
+            (true, _) => per,
+            (false, true) => 1,
+            (false, false) => 2,
+        };
     }
     finish(&mut unplug, &m, before);
     unplug.peak_slots = plug.peak_slots;
@@ -346,7 +370,7 @@ fn main() {
     let bench_time = bench_start.elapsed();
 
     let names = [
-        "shared slots up to 128 MiB (this crate)",
+        "128 MiB pieces, PROT_NONE (this crate)",
         "per-block slots (this crate, max = block)",
         "128 MiB slots (Firecracker)",
     ];

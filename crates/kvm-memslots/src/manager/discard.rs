@@ -206,7 +206,11 @@ impl<K: KvmMemory> MemoryManager<K> {
             start: region.gpa.0 + range.start,
             end: region.gpa.0 + range.end,
         };
-        let before = region.memory.inaccessible();
+        // What to put back if a range after the first fails (one range needs no undo).
+        let before = match ranges.len() {
+            0 | 1 => Vec::new(),
+            _ => region.memory.inaccessible(),
+        };
         for (done, range) in ranges.iter().enumerate() {
             if let Err(source) = region.memory.set_accessible(range.clone(), accessible) {
                 // Put back what the ranges before had, range by range (each was all one way:
