@@ -501,6 +501,7 @@ impl Registers for Locked {
 /// reads all ones, the guest goes on, the plugged blocks beside it keep their data. The next
 /// plug in the piece gives it its one slot back.
 #[test]
+#[allow(clippy::single_range_in_vec_init)]
 fn kvm_a_guest_touching_an_unplugged_block_under_its_pieces_slot_goes_on() {
     if !kvm_test_support::require_kvm(
         "tinyvmm::kvm_a_guest_touching_an_unplugged_block_under_its_pieces_slot_goes_on",

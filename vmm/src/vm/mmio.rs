@@ -180,6 +180,37 @@ mod tests {
         assert_eq!(bus.find(0), None);
     }
 
+    /// Counts the isolations it is asked for, and says whether it changed anything.
+    #[derive(Debug)]
+    struct Counting(std::sync::atomic::AtomicU64, bool);
+
+    impl Unreachable for Counting {
+        fn isolate(&self, _: Option<u64>) -> bool {
+            self.0.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            self.1
+        }
+    }
+
+    #[test]
+    fn only_absent_memory_is_isolated_and_only_with_a_handler() {
+        let mut bus = MmioBus::new();
+        bus.insert_absent(0x1_0000_0000, 0x4000_0000).expect("free");
+        bus.insert_device(0xd000_0000, 0x200, 3).expect("free");
+        assert!(!bus.isolate(Some(0x1_0000_0000)), "no handler");
+        let handler = Arc::new(Counting(Default::default(), true));
+        bus.set_unreachable(Arc::clone(&handler) as Arc<dyn Unreachable>);
+        assert!(bus.isolate(Some(0x1_0000_1000)));
+        assert!(bus.isolate(None), "a fault that names no address");
+        assert!(!bus.isolate(Some(0xd000_0000)), "a device window");
+        assert!(!bus.isolate(Some(0x2000)), "outside the bus");
+        assert_eq!(handler.0.load(std::sync::atomic::Ordering::Relaxed), 2);
+        // A handler that changed nothing: the fault is not its memory's.
+        let mut other = bus.clone();
+        other.set_unreachable(Arc::new(Counting(Default::default(), false)));
+        assert!(!other.isolate(Some(0x1_0000_1000)));
+        assert_ne!(bus, other, "different handlers");
+    }
+
     #[test]
     fn overlapping_empty_or_wrapping_ranges_are_refused() {
         let mut bus = MmioBus::new();
