@@ -479,6 +479,37 @@ fn kvm_a_linux_guests_plugged_blocks_share_slots_and_restore() {
     let restored = hotplug::restore(&again, base, (1024, 2), &state, &transport).expect("restored");
     assert_eq!(hotplug::hotplug_info(&restored.device), info);
     assert_eq!(again.memory().slot_usage().used, 1 + 4);
+    // The layout carries no protection: the restore put it back on every unplugged block (the
+    // isolated first piece's block 32, the third piece around its 8 plugged blocks).
+    let unreachable = |gpa: u64| {
+        let region = again
+            .memory()
+            .regions()
+            .into_iter()
+            .find(|r| r.gpa.0 == gpa)
+            .expect("the piece");
+        again
+            .memory()
+            .region_memory(region.id)
+            .expect("mapped")
+            .inaccessible()
+    };
+    assert_eq!(unreachable(base), vec![64 * MIB..66 * MIB]);
+    assert_eq!(unreachable(base + 128 * MIB), vec![]);
+    assert_eq!(
+        unreachable(base + 256 * MIB),
+        vec![0..16 * MIB, 32 * MIB..128 * MIB]
+    );
+    // Restored isolated, the first piece gets its one slot back with its next plug.
+    let restored_bus = Arc::clone(&restored.mmio);
+    assert!(
+        !restored_bus.isolate(Some(base + 64 * MIB)),
+        "isolated already"
+    );
+    assert!(
+        restored_bus.isolate(Some(base + 300 * MIB)),
+        "the third piece"
+    );
 }
 
 /// The device as the test below reaches it: its registers through its lock.
