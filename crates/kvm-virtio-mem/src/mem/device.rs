@@ -9,9 +9,7 @@ use std::collections::BTreeMap;
 
 use std::ops::Range;
 
-use kvm_memslots::{
-    AddressRange, KvmMemory, MemoryManager, RegionChange, RegionId, RegionSpec, Reslot,
-};
+use kvm_memslots::{AddressRange, KvmMemory, MemoryManager, RegionChange, RegionId, RegionSpec};
 use virtio_bindings::virtio_ids::VIRTIO_ID_MEM;
 use virtio_queue::{Queue, QueueOwnedT, QueueT};
 use vm_memory::GuestAddress;
@@ -22,7 +20,7 @@ use super::request::{
     VIRTIO_MEM_RESP_BUSY, VIRTIO_MEM_RESP_NACK, VIRTIO_MEM_STATE_MIXED, VIRTIO_MEM_STATE_PLUGGED,
     VIRTIO_MEM_STATE_UNPLUGGED,
 };
-use super::slots::{most_runs, plugged_runs};
+use super::slots::{most_runs, piece_change, plugged_runs};
 use crate::mmio::{DriverError, Interrupt, MmioTransport, QueueOutcome, VirtioDevice, F_VERSION_1};
 
 /// Feature bit number: `node_id` is an ACPI proximity domain (not offered).
@@ -299,11 +297,14 @@ impl<K: KvmMemory> VirtioMem<K> {
             .iter()
             .map(|&p| {
                 let blocks = self.piece_blocks(p);
-                RegionChange::Reslot(Reslot {
-                    region: self.pieces[p].expect("a live piece"),
-                    range: 0..blocks.len() as u64 * block,
-                    slots: plugged_runs(blocks.iter().copied(), block),
-                })
+                let first = p * per_piece;
+                // A live piece has a plugged block: a re-slot over its runs.
+                piece_change(
+                    self.pieces[p],
+                    self.block_gpa(first),
+                    blocks.len() as u64 * block,
+                    plugged_runs(blocks.iter().copied(), block),
+                )
             })
             .collect();
         if changes.is_empty() {
@@ -425,11 +426,12 @@ impl<K: KvmMemory> VirtioMem<K> {
                 }
                 Some(region) => {
                     if self.isolated[piece] {
-                        changes.push(RegionChange::Reslot(Reslot {
-                            region,
-                            range: 0..size,
-                            slots: std::iter::once(0..size).collect(),
-                        }));
+                        changes.push(piece_change(
+                            Some(region),
+                            self.block_gpa(first),
+                            size,
+                            std::iter::once(0..size).collect(),
+                        ));
                     }
                     flips.push((region, changing));
                 }
