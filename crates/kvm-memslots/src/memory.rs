@@ -633,6 +633,19 @@ impl GuestMemoryRegion for GuestSlot {
         let addr = self
             .check_address(addr)
             .ok_or(GuestMemoryError::InvalidBackendAddress)?;
+        // An unreachable byte is no memory for a device either (see `get_slice`).
+        let offset = self.0.payload().offset + addr.0;
+        if !self
+            .0
+            .payload()
+            .memory
+            .access()
+            .is_accessible(offset..offset + 1)
+        {
+            return Err(GuestMemoryError::InvalidGuestAddress(GuestAddress(
+                self.0.gpa().0 + addr.0,
+            )));
+        }
         Ok((self.0.hva().0 + addr.0) as *mut u8)
     }
 

@@ -761,9 +761,11 @@ impl<P: VcpuPorts> Vcpu<P> {
                 // An access to unreachable memory under a slot (an unplugged virtio-mem block
                 // in a plugged piece) that KVM did not say where: its slot goes, and the
                 // access, run again, exits as absent memory. Bounded: once nothing is left to
-                // isolate, the same fault is fatal.
+                // isolate, the same fault is fatal. A file cut under the VM is named below
+                // instead.
                 Err(source)
                     if source.errno() == libc::EFAULT
+                        && cut_memory(memory).is_none()
                         && ports.mmio().is_some_and(|bus| bus.isolate(None)) =>
                 {
                     shared

@@ -2254,6 +2254,10 @@ fn an_inaccessible_range_keeps_its_slot_reads_as_zeros_and_is_refused_to_devices
         assert!(mem
             .write_obj(1u8, GuestAddress(MIB + hole.end - 1))
             .is_err());
+        assert!(mem
+            .get_host_address(GuestAddress(MIB + hole.start))
+            .is_err());
+        assert!(mem.get_host_address(GuestAddress(MIB + hole.end)).is_ok());
         assert_eq!(
             mem.read_obj::<u8>(GuestAddress(MIB + hole.end)).unwrap(),
             0xaa
