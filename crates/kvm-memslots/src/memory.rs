@@ -5,6 +5,7 @@ use std::fmt;
 use std::fs::File;
 use std::ops::{Deref, Range};
 use std::os::fd::FromRawFd;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, RwLock, RwLockReadGuard};
 
 use memslot_map::{MemslotMap, SharedMap, Slot};
@@ -174,6 +175,9 @@ pub struct RegionMemory {
     /// while they copy, and copy zeros for these ranges instead of touching them; the manager
     /// changes the protection under the write lock only.
     inaccessible: RwLock<Vec<Range<u64>>>,
+    /// Whether `inaccessible` lists any range (set under its write lock): what lets
+    /// vm-memory's accesses to a region that never had one skip the lock.
+    any_inaccessible: AtomicBool,
 }
 
 impl fmt::Debug for RegionMemory {
@@ -265,6 +269,7 @@ impl RegionMemory {
             shared,
             private_file,
             inaccessible: RwLock::new(Vec::new()),
+            any_inaccessible: AtomicBool::new(false),
         })
     }
 
@@ -366,7 +371,16 @@ impl RegionMemory {
             return Err(std::io::Error::last_os_error());
         }
         *inaccessible = with_range(&inaccessible, range, !accessible);
+        self.any_inaccessible
+            .store(!inaccessible.is_empty(), Ordering::Release);
         Ok(())
+    }
+
+    /// Whether `range` holds no inaccessible byte now: a check for vm-memory's accesses, not
+    /// held across them (a region that never had an inaccessible range answers without the
+    /// lock).
+    fn is_accessible_now(&self, range: Range<u64>) -> bool {
+        !self.any_inaccessible.load(Ordering::Acquire) || self.access().is_accessible(range)
     }
 
     /// The bitmap of the pages the VMM itself wrote through vm-memory.
@@ -639,8 +653,7 @@ impl GuestMemoryRegion for GuestSlot {
             .0
             .payload()
             .memory
-            .access()
-            .is_accessible(offset..offset + 1)
+            .is_accessible_now(offset..offset + 1)
         {
             return Err(GuestMemoryError::InvalidGuestAddress(GuestAddress(
                 self.0.gpa().0 + addr.0,
@@ -675,8 +688,7 @@ impl GuestMemoryRegion for GuestSlot {
         let first = backing.offset + offset.0;
         if !backing
             .memory
-            .access()
-            .is_accessible(first..first + count as u64)
+            .is_accessible_now(first..first + count as u64)
         {
             return Err(GuestMemoryError::InvalidGuestAddress(GuestAddress(
                 self.0.gpa().0 + offset.0,

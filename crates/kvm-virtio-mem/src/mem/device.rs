@@ -410,7 +410,11 @@ impl<K: KvmMemory> VirtioMem<K> {
                 plugged[i - first] = plug;
             }
             let size = (end - first) as u64 * block;
-            let changing = plugged_runs((first..end).map(|i| changed.contains(&i)), block);
+            let mut changing = vec![false; end - first];
+            for &i in changed {
+                changing[i - first] = true;
+            }
+            let changing = plugged_runs(changing, block);
             match self.pieces[piece] {
                 None => {
                     added.push(piece);
