@@ -171,9 +171,10 @@ pub struct RegionMemory {
     private_file: bool,
     /// The byte ranges of the mapping that are protected `PROT_NONE` (ascending, disjoint,
     /// page-aligned): memory the guest must not reach (an unplugged block under a live slot).
-    /// Their pages are discarded: they read as zeros. Readers of the mapping hold the read lock
-    /// while they copy, and copy zeros for these ranges instead of touching them; the manager
-    /// changes the protection under the write lock only.
+    /// The host's readers see zeros there (whoever made them unreachable gives the pages back
+    /// too). Readers of the mapping hold the read lock while they copy, and copy zeros for
+    /// these ranges instead of touching them; the manager changes the protection under the
+    /// write lock only.
     inaccessible: RwLock<Vec<Range<u64>>>,
     /// Whether `inaccessible` lists any range (set under its write lock): what lets
     /// vm-memory's accesses to a region that never had one skip the lock.
@@ -300,8 +301,8 @@ impl RegionMemory {
 
     /// Copies `buf.len()` bytes from `offset` with volatile reads (the guest may be writing),
     /// without marking anything dirty. Inaccessible ranges ([`inaccessible`](Self::inaccessible))
-    /// read as zeros (their pages are discarded) and are never touched, so that a protection
-    /// change cannot fault the reader.
+    /// read as zeros and are never touched, so that a protection change cannot fault the
+    /// reader.
     pub fn read_volatile(&self, offset: u64, buf: &mut [u8]) -> Result<(), GuestMemoryError> {
         let end = offset
             .checked_add(buf.len() as u64)
@@ -340,7 +341,7 @@ impl RegionMemory {
     /// Makes `range` (page-aligned, inside the mapping) inaccessible, `mprotect(PROT_NONE)`,
     /// or accessible again, `mprotect(PROT_READ | PROT_WRITE)`, under the write lock of
     /// [`access`](Self::access): no reader copies from the range meanwhile. The pages keep
-    /// their contents: the manager discards them after protecting them.
+    /// their contents: a caller that gives them back discards them once they are protected.
     pub(crate) fn set_accessible(
         &self,
         range: Range<u64>,
