@@ -1432,13 +1432,13 @@ fn kvm_a_plug_that_maps_slots_waits_for_the_guest_like_a_checked_add() {
     assert_eq!(hotplug["plugged_size_mib"], 20, "{hotplug}");
 }
 
-/// Unplugs that cut the slot of a hotplug piece a vCPU keeps writing into (each a re-slot:
-/// the piece's slot is deleted and made again, smaller): no write is lost, and none meets
-/// absent memory.
+/// Unplugs inside a hotplug piece a vCPU keeps writing into (each makes blocks unreachable
+/// under the piece's one slot, which stays; a piece emptied goes): no write is lost, and none
+/// meets absent memory.
 #[test]
-fn kvm_a_write_loop_goes_on_through_unplugs_that_cut_its_slot() {
+fn kvm_a_write_loop_goes_on_through_unplugs_inside_its_piece() {
     if !kvm_test_support::require_kvm(
-        "tinyvmm::kvm_a_write_loop_goes_on_through_unplugs_that_cut_its_slot",
+        "tinyvmm::kvm_a_write_loop_goes_on_through_unplugs_inside_its_piece",
     ) {
         return;
     }
