@@ -14,9 +14,11 @@ VMM's other threads, the test harnesses) keeps its full speed, as on the slow ma
   with one of the prefixes (the Linux test binaries: `boot-`, `linux_snapshot`). The test
   guest runs in ring 3, natively on every machine of this kind: capping it too would slow
   what a slow machine does not.
-- `--burn`: beside each capped vCPU, a busy loop capped at the rest of the CPU, so that a
-  capped vCPU takes a whole core as an emulating one does (a slow emulator is slow, not idle:
-  without this, the rest of the suite would get the cores the emulator leaves).
+- `--burn`: instead of a cap, each vCPU is paired with a busy loop in a group that weighs as
+  one thread; inside it the vCPU gets PERCENT of what the pair gets, the loop the rest. An
+  emulating vCPU thus takes a whole core's share as on a slow machine (a slow emulator is
+  slow, not idle: without the loop the rest of the suite would get the cores it leaves), and
+  vCPUs that share a core slow each other down as they would there.
 
 The probe (`tests/run.sh` prints it; the Linux tests scale their patience with it) reads the
 speed the cap gives: it is capped wherever it runs. Needs root and a cgroup-v1 `cpu`
@@ -78,49 +80,73 @@ def vcpu_threads(prefixes):
                 yield int(tid)
 
 
-def group_of(name, quota_us):
-    group = os.path.join(GROUP, name)
-    os.makedirs(group, exist_ok=True)
-    write(os.path.join(group, "cpu.cfs_period_us"), PERIOD_US)
-    write(os.path.join(group, "cpu.cfs_quota_us"), quota_us)
-    return group
+def group_of(path, **settings):
+    os.makedirs(path, exist_ok=True)
+    for name, value in settings.items():
+        write(os.path.join(path, name.replace("__", ".")), value)
+    return path
 
 
-def cap(tid, quota_us, burn):
-    """Caps `tid`; with `burn`, starts its busy loop, capped at the rest of a CPU."""
-    write(os.path.join(group_of(f"t{tid}", quota_us), "tasks"), tid)
+def cap(tid, percent, burn):
+    """Caps `tid`, or with `burn` pairs it with a busy loop; returns the loop, if any."""
     if not burn:
+        quota_us = max(1000, int(PERIOD_US * percent / 100))
+        group = group_of(
+            os.path.join(GROUP, f"t{tid}"),
+            cpu__cfs_period_us=PERIOD_US,
+            cpu__cfs_quota_us=quota_us,
+        )
+        write(os.path.join(group, "tasks"), tid)
         return None
+    # The pair competes as one thread would; inside it the vCPU gets `percent` of what the
+    # pair gets whenever both can run, the busy loop the rest.
+    pair = group_of(os.path.join(GROUP, f"p{tid}"), cpu__shares=1024)
+    vcpu_shares = max(2, round(1024 * percent / 100))
+    vcpu = group_of(os.path.join(pair, "vcpu"), cpu__shares=vcpu_shares)
+    loop = group_of(os.path.join(pair, "loop"), cpu__shares=max(2, 1024 - vcpu_shares))
+    write(os.path.join(vcpu, "tasks"), tid)
     burner = subprocess.Popen(
         ["sh", "-c", "while :; do :; done"],
         stdin=subprocess.DEVNULL,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
-    rest = max(1000, PERIOD_US - quota_us)
-    write(os.path.join(group_of(f"b{tid}", rest), "tasks"), burner.pid)
+    write(os.path.join(loop, "tasks"), burner.pid)
     return burner
+
+
+def weigh(capped):
+    """Gives the parent group one thread's weight per pair, as the pairs' threads would have."""
+    try:
+        write(os.path.join(GROUP, "cpu.shares"), max(2, 1024 * len(capped)))
+    except OSError:
+        pass
 
 
 def sweep(capped):
     """Removes the groups (and stops the busy loops) of threads that have ended."""
     for tid, burner in list(capped.items()):
-        group = os.path.join(GROUP, f"t{tid}")
+        if burner is None:
+            groups = [os.path.join(GROUP, f"t{tid}")]
+        else:
+            pair = os.path.join(GROUP, f"p{tid}")
+            groups = [os.path.join(pair, "vcpu"), os.path.join(pair, "loop"), pair]
         try:
-            with open(os.path.join(group, "tasks")) as file:
+            with open(os.path.join(groups[0], "tasks")) as file:
                 if file.read().strip():
                     continue
-            os.rmdir(group)
         except OSError:
             pass
         if burner is not None:
             burner.kill()
             burner.wait()
+        for group in groups:
             try:
-                os.rmdir(os.path.join(GROUP, f"b{tid}"))
+                os.rmdir(group)
             except OSError:
                 pass
         del capped[tid]
+    weigh(capped)
 
 
 def main():
@@ -142,13 +168,12 @@ def main():
             sys.exit(f"unknown option {option!r}\n{__doc__}")
     if not 0 < percent <= 100:
         sys.exit(f"PERCENT must be in (0, 100], not {sys.argv[1]}")
-    quota_us = max(1000, int(PERIOD_US * percent / 100))
     if not os.path.isdir(ROOT):
         sys.exit(f"no cgroup-v1 cpu hierarchy at {ROOT}: cannot cap the vCPU threads")
     os.makedirs(GROUP, exist_ok=True)
     print(
         f"slow-emulator: vCPU threads{' under ' + ','.join(prefixes) if prefixes else ''} "
-        f"capped at {quota_us / PERIOD_US * 100:.1f}% of a CPU"
+        f"capped at {percent:g}% of a CPU"
         f"{', each beside a busy loop for the rest' if burn else ''}",
         file=sys.stderr,
     )
@@ -163,8 +188,9 @@ def main():
         for tid in vcpu_threads(prefixes):
             if tid not in capped:
                 try:
-                    capped[tid] = cap(tid, quota_us, burn)
+                    capped[tid] = cap(tid, percent, burn)
                     total += 1
+                    weigh(capped)
                 except OSError:
                     pass  # the thread ended in between
         rounds += 1
