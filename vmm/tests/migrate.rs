@@ -1965,6 +1965,19 @@ fn kvm_a_stream_with_valid_checksums_but_a_wrong_page_is_refused_by_its_digest()
     );
 }
 
+/// `tinyvmm client migrate` of `source`'s VM to the Unix socket `listen`.
+fn client_migrate(source: &Vmm, listen: &std::path::Path) -> Command {
+    let mut client = Command::new(env!("CARGO_BIN_EXE_tinyvmm"));
+    client
+        .args(["client", "migrate"])
+        .arg(format!("unix:{}", listen.display()))
+        .arg("--api-sock")
+        .arg(&source.api)
+        .env_remove(tinyvmm::jobs::client::API_SOCK_ENV)
+        .stdin(Stdio::null());
+    client
+}
+
 /// `tinyvmm client migrate` waits for the migration's outcome: it exits 0 once the VM runs on
 /// the destination, with the last status `completed` (the source, which ends once the
 /// destination runs the VM, stays until the client that followed the migration has read it),
@@ -1982,13 +1995,7 @@ fn kvm_the_client_command_waits_until_the_vm_runs_on_the_destination() {
     let wrote = source.ok("PUT", "/guest/command", Some(guest("write", AREA, end, 5)));
     assert_eq!(wrote["result"], "ok", "{wrote}");
     let (mut destination, listen) = Vmm::receive("client-waits", &[]);
-    let output = Command::new(env!("CARGO_BIN_EXE_tinyvmm"))
-        .args(["client", "migrate"])
-        .arg(format!("unix:{}", listen.display()))
-        .arg("--api-sock")
-        .arg(&source.api)
-        .env_remove(tinyvmm::jobs::client::API_SOCK_ENV)
-        .stdin(Stdio::null())
+    let output = client_migrate(&source, &listen)
         .output()
         .expect("tinyvmm client runs");
     let (stdout, stderr) = (
@@ -2026,13 +2033,7 @@ fn kvm_the_client_command_fails_when_the_source_ends_under_way() {
     let listen = path("client-source-ends", "silent.mig");
     let _ = std::fs::remove_file(&listen);
     let _silent = std::os::unix::net::UnixListener::bind(&listen).expect("bind");
-    let client = Command::new(env!("CARGO_BIN_EXE_tinyvmm"))
-        .args(["client", "migrate"])
-        .arg(format!("unix:{}", listen.display()))
-        .arg("--api-sock")
-        .arg(&source.api)
-        .env_remove(tinyvmm::jobs::client::API_SOCK_ENV)
-        .stdin(Stdio::null())
+    let client = client_migrate(&source, &listen)
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()
