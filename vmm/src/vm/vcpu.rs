@@ -98,13 +98,14 @@ static STARTED: Mutex<Vec<Arc<VcpuShared>>> = Mutex::new(Vec::new());
 pub struct ExitTotals {
     /// Every exit, by its kind ([`EXIT_KINDS`]): they add up to all exits.
     pub by_kind: Vec<(&'static str, u64)>,
-    /// Exits the loop handled its own way (some of the MMIO ones): writes to read-only
-    /// memory dropped (`read_only_write`), accesses to absent memory (`absent_memory`),
-    /// accesses completed against the map after a slot change (`completed_after_change`), and
-    /// instructions KVM could not emulate, run again after a slot change
-    /// (`retried_after_change`) or, in guest user mode with no change, answered with `#UD` in
-    /// the guest (`invalid_opcode_injected`), and faults on unreachable memory under a slot
-    /// after which the slot went and the access ran again (`unreachable_isolated`).
+    /// Exits the loop handled its own way (some of the MMIO, memory-fault and
+    /// emulation-failure ones): writes to read-only memory dropped (`read_only_write`),
+    /// accesses to absent memory (`absent_memory`), accesses completed against the map after a
+    /// slot change (`completed_after_change`), instructions KVM could not emulate, run again
+    /// after a slot change (`retried_after_change`) or, in guest user mode with no change,
+    /// answered with `#UD` in the guest (`invalid_opcode_injected`), and faults on unreachable
+    /// memory under a slot after which the slot went and the access ran again
+    /// (`unreachable_isolated`).
     pub handled: Vec<(&'static str, u64)>,
 }
 
