@@ -7,6 +7,10 @@
 //! split; a hole made and covered), the same re-slot parked (dirty logging on), and the test
 //! guest's hotplug pieces (whose plugs and unplugs now change no slot, only which blocks are
 //! reachable). No command may fault, no vCPU stop, no write be lost.
+//!
+//! Outside any window the same instructions where the guest has no memory are the guest's own
+//! mistake: in guest user mode (the test guest's ring 3) they get `#UD`, as KVM gives them
+//! without `KVM_CAP_EXIT_ON_EMULATION_FAILURE`, rather than stopping the VM.
 
 use std::ops::Range;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -468,4 +472,68 @@ fn kvm_vex_accesses_and_code_in_changing_slots_never_fault() {
     // The window was met: the instructions KVM could not emulate in it were run again.
     assert!(tally.retried > 0, "{tally:?}");
     vcpus.shut_down().expect("clean shutdown");
+}
+
+/// Runs `command` on a fresh test guest's only vCPU, where the guest has no memory; returns
+/// the exception the guest took.
+fn fault_of(command: Command) -> tinyvmm::test_guest::Fault {
+    use tinyvmm::test_guest::ports::GuestPortError;
+    use tinyvmm::test_guest::vcpus::GuestError;
+    use tinyvmm::vm::vcpu::VcpuError;
+    let vm = TestVm::new().expect("the test guest's VM");
+    let stopped = Arc::new(EventFd::new(0).expect("eventfd"));
+    let mut vcpus = vm.start_vcpus(1, &stopped).expect("a vCPU");
+    let outcome = vcpus.run(0, command);
+    match outcome {
+        Err(GuestError::Vcpu(VcpuError::Device {
+            error: GuestPortError::Fault(fault),
+            ..
+        })) => fault,
+        other => panic!(
+            "{:?} over [{:#x}, {:#x}): {other:?}",
+            command.op, command.start, command.end
+        ),
+    }
+}
+
+/// A 32-byte VEX store and a call where the guest has no memory, with no slot change: KVM's
+/// emulator cannot run either, and the guest (in ring 3) gets `#UD` at the instruction, as
+/// KVM gives it by default, where the VM used to stop on an emulation failure.
+#[test]
+fn kvm_an_instruction_kvm_cannot_emulate_outside_a_window_is_ud_in_user_mode() {
+    const TEST: &str =
+        "tinyvmm::kvm_an_instruction_kvm_cannot_emulate_outside_a_window_is_ud_in_user_mode";
+    if !kvm_test_support::require_kvm(TEST) {
+        return;
+    }
+    // No region there: no slot, no device.
+    let nowhere = BASE..BASE + 2 * MIB;
+    let code = layout::CODE_GPA..layout::CODE_GPA + 0x1_0000;
+    let call = fault_of(command(Op::Call, &nowhere, 0, 0));
+    assert_eq!(call.vector, 6, "{call}");
+    assert_eq!(
+        call.rip(),
+        nowhere.start,
+        "the fetch faults at the stub's address: {call}"
+    );
+    if !layout::avx_available() {
+        eprintln!(
+            "SKIPPED {TEST} (VEX part): this host's KVM offers no AVX, so the guest has no \
+             VEX instructions to run"
+        );
+        return;
+    }
+    let store = fault_of(command(Op::VexWrite, &nowhere, 0, 1));
+    assert_eq!(store.vector, 6, "{store}");
+    assert!(
+        code.contains(&store.rip()),
+        "the store faults in the guest's code: {store}"
+    );
+    let load = fault_of(command(Op::VexVerify, &nowhere, 0, 1));
+    assert_eq!(load.vector, 6, "{load}");
+    assert!(
+        code.contains(&load.rip()),
+        "the load faults in the guest's code: {load}"
+    );
+    assert_ne!(store.rip(), load.rip(), "two instructions");
 }

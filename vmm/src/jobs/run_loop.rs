@@ -137,7 +137,10 @@ fn exit_counters() -> Vec<Labelled> {
         Labelled {
             name: "tinyvmm_vcpu_exits_handled_total",
             help: "vCPU exits the exit loop handled its own way: writes to read-only memory \
-                   dropped, accesses to absent memory, accesses completed after a slot change.",
+                   dropped, accesses to absent memory, accesses completed after a slot change, \
+                   instructions KVM could not emulate run again after one or, with none, \
+                   answered with #UD in guest user mode, faults on unreachable memory after \
+                   which its slot went.",
             label: "how",
             values: totals.handled,
         },

@@ -12,7 +12,10 @@
 //! enables) exits as an emulation failure, the instruction not run. In a change's window the
 //! handler treats it as the MMIO exit it would have been: wait for the change, then enter the
 //! guest again to run the instruction against the slots as they are afterwards. Outside one (no
-//! change during the run) it is fatal, as a failure that repeats with no change in between.
+//! change during the run) the handler does what KVM does without the capability: in guest
+//! user mode (CPL > 0) the guest gets `#UD` (its kernel handles it, as for any instruction it
+//! cannot run), at CPL 0 the VM stops. Either way a failure that repeats with no change in
+//! between never loops.
 //!
 //! [`Vm`]: super::Vm
 //!
@@ -65,10 +68,14 @@ pub enum Exit<'a> {
     /// The guest triple-faulted (or asked for a shutdown).
     Shutdown,
     /// KVM could not handle the guest's instruction (`KVM_EXIT_INTERNAL_ERROR`), with KVM's
-    /// suberror ([`KVM_INTERNAL_ERROR_EMULATION`]: its instruction emulator failed).
+    /// suberror ([`KVM_INTERNAL_ERROR_EMULATION`]: its instruction emulator failed) and the
+    /// vCPU's privilege level.
     InternalError {
         /// KVM's `internal.suberror`.
         suberror: u32,
+        /// The vCPU's privilege level at the exit (CS.DPL: 0 kernel, 3 user), which decides
+        /// what an emulation failure outside a change's window does.
+        cpl: u8,
     },
     /// Entering the guest failed (`KVM_EXIT_FAIL_ENTRY`).
     FailEntry {
@@ -137,9 +144,9 @@ impl<'a> Exit<'a> {
 
     /// Turns what `KVM_RUN` returned into an exit, with the buffer a read's answer goes into
     /// (port and MMIO reads). `EINTR` and `EAGAIN` (a signal, `immediate_exit`) are
-    /// [`Exit::Interrupted`]; other errors are returned. An internal error's suberror is not
-    /// in kvm-ioctls' exit: it comes as 0, for the caller to fill in from the run area
-    /// ([`Exit::with_suberror`]).
+    /// [`Exit::Interrupted`]; other errors are returned. An internal error's suberror and the
+    /// vCPU's privilege level are not in kvm-ioctls' exit: they come as 0, for the caller to
+    /// fill in from the run area and the vCPU's registers ([`Exit::internal_error`]).
     pub fn from_kvm(
         run: Result<kvm_ioctls::VcpuExit<'a>, kvm_ioctls::Error>,
     ) -> Result<(Exit<'a>, Option<&'a mut [u8]>), kvm_ioctls::Error> {
@@ -157,7 +164,7 @@ impl<'a> Exit<'a> {
             Ok(VcpuExit::MmioWrite(gpa, data)) => (Exit::MmioWrite { gpa, data }, None),
             Ok(VcpuExit::Hlt) => (Exit::Hlt, None),
             Ok(VcpuExit::Shutdown) => (Exit::Shutdown, None),
-            Ok(VcpuExit::InternalError) => (Exit::InternalError { suberror: 0 }, None),
+            Ok(VcpuExit::InternalError) => (Exit::internal_error(0, 0), None),
             Ok(VcpuExit::FailEntry(reason, _)) => (Exit::FailEntry { reason }, None),
             Ok(VcpuExit::Intr) => (Exit::Interrupted, None),
             Ok(VcpuExit::Unsupported(kvm_bindings::KVM_EXIT_DIRTY_RING_FULL)) => {
@@ -179,9 +186,9 @@ impl<'a> Exit<'a> {
 pub const KVM_INTERNAL_ERROR_EMULATION: u32 = kvm_bindings::KVM_INTERNAL_ERROR_EMULATION;
 
 impl Exit<'static> {
-    /// An internal error with KVM's suberror.
-    pub fn with_suberror(suberror: u32) -> Self {
-        Exit::InternalError { suberror }
+    /// An internal error with KVM's suberror, at privilege level `cpl`.
+    pub fn internal_error(suberror: u32, cpl: u8) -> Self {
+        Exit::InternalError { suberror, cpl }
     }
 }
 
@@ -223,6 +230,12 @@ pub enum ExitAction<D> {
     /// (KVM leaves RIP on it), so enter the guest again to run it against the slots as they
     /// are now.
     RetryAfterChange,
+    /// KVM could not emulate the guest's instruction at guest CPL > 0 with no slot change
+    /// during the run: inject `#UD` (vector 6, `KVM_SET_VCPU_EVENTS`) and enter the guest
+    /// again, as KVM itself does without `KVM_CAP_EXIT_ON_EMULATION_FAILURE`. The guest's
+    /// kernel handles it as any instruction it cannot run (Linux: `SIGILL` for the process);
+    /// RIP is on the instruction, as for a fault.
+    InjectInvalidOpcode,
     /// As [`ExitAction::WriteMemory`], for a read: give the guest `len` bytes read at `gpa`.
     ReadMemory {
         /// Where.
@@ -302,8 +315,9 @@ pub enum ExitError {
         /// Whether it was a write.
         write: bool,
     },
-    /// `KVM_EXIT_INTERNAL_ERROR`, emulation failure, with no slot change during the run.
-    #[error("KVM could not emulate a guest instruction (KVM_EXIT_INTERNAL_ERROR, emulation failure) and no slot change was under way")]
+    /// `KVM_EXIT_INTERNAL_ERROR`, emulation failure, in guest ring 0 with no slot change
+    /// during the run (at CPL > 0 the guest gets `#UD` instead).
+    #[error("KVM could not emulate a guest instruction in guest ring 0 (KVM_EXIT_INTERNAL_ERROR, emulation failure) and no slot change was under way")]
     EmulationFailure,
     /// `KVM_EXIT_INTERNAL_ERROR` of another kind.
     #[error("KVM_EXIT_INTERNAL_ERROR (suberror {suberror})")]
@@ -359,10 +373,10 @@ pub fn handle_exit<D: Copy>(exit: &Exit<'_>, ctx: &ExitContext<'_, D>) -> ExitAc
         Exit::DirtyRingFull => ExitAction::CollectDirtyRings,
         Exit::Hlt => ExitAction::Fatal(ExitError::Halted),
         Exit::Shutdown => ExitAction::Fatal(ExitError::Shutdown),
-        Exit::InternalError { suberror } if suberror == KVM_INTERNAL_ERROR_EMULATION => {
-            handle_emulation_failure(ctx)
+        Exit::InternalError { suberror, cpl } if suberror == KVM_INTERNAL_ERROR_EMULATION => {
+            handle_emulation_failure(cpl, ctx)
         }
-        Exit::InternalError { suberror } => {
+        Exit::InternalError { suberror, .. } => {
             ExitAction::Fatal(ExitError::InternalError { suberror })
         }
         Exit::FailEntry { reason } => ExitAction::Fatal(ExitError::FailEntry(reason)),
@@ -376,14 +390,20 @@ pub fn handle_exit<D: Copy>(exit: &Exit<'_>, ctx: &ExitContext<'_, D>) -> ExitAc
 /// An instruction KVM's emulator could not run. The exit names no address, but a change under
 /// way or done during the run may have taken the slot it touched away for a moment: as for an
 /// MMIO exit, wait for the change, then run the instruction again (it did not retire). With no
-/// change during the run it is fatal: nothing would be different the next time, so a failure
-/// that repeats with no change in between never loops.
-fn handle_emulation_failure<D>(ctx: &ExitContext<'_, D>) -> ExitAction<D> {
+/// change during the run nothing would be different the next time, so it is never run again
+/// as it is: at guest CPL > 0 the guest gets `#UD`, what KVM gives it without
+/// `KVM_CAP_EXIT_ON_EMULATION_FAILURE` (on a kvm_pvm host too, where guest ring 3 runs on the
+/// CPU as under VT-x or AMD-V: see `docs/decisions/reslot.md`); at CPL 0 it is fatal, as KVM
+/// makes it.
+fn handle_emulation_failure<D>(cpl: u8, ctx: &ExitContext<'_, D>) -> ExitAction<D> {
     if ctx.sequence_now % 2 == 1 {
         return ExitAction::WaitForChange;
     }
     if ctx.sequence_now != ctx.sequence_at_entry {
         return ExitAction::RetryAfterChange;
+    }
+    if cpl > 0 {
+        return ExitAction::InjectInvalidOpcode;
     }
     ExitAction::Fatal(ExitError::EmulationFailure)
 }
@@ -722,7 +742,7 @@ mod tests {
             decide(&m, Exit::DirtyRingFull, 0, 0),
             ExitAction::CollectDirtyRings
         );
-        let ExitAction::Fatal(e) = decide(&m, Exit::with_suberror(3), 0, 0) else {
+        let ExitAction::Fatal(e) = decide(&m, Exit::internal_error(3, 0), 0, 0) else {
             panic!()
         };
         assert_eq!(e.to_string(), "KVM_EXIT_INTERNAL_ERROR (suberror 3)");
@@ -733,47 +753,78 @@ mod tests {
     }
 
     #[test]
-    fn an_emulation_failure_in_a_change_waits_and_runs_again_else_is_fatal() {
+    fn an_emulation_failure_in_a_change_waits_and_runs_again() {
         let m = memory();
-        let failed = Exit::with_suberror(KVM_INTERNAL_ERROR_EMULATION);
-        assert_eq!(failed.kind(), 6, "counted as an internal error");
-        // A change is under way (the sequence is odd): wait for it, whether it began before
-        // the entry or during the run.
-        assert_eq!(decide(&m, failed, 4, 5), ExitAction::WaitForChange);
-        assert_eq!(decide(&m, failed, 5, 5), ExitAction::WaitForChange);
-        // A change ended during the run (or the wait): enter again, never MMIO, never fatal.
-        assert_eq!(decide(&m, failed, 4, 6), ExitAction::RetryAfterChange);
-        assert_eq!(decide(&m, failed, 5, 6), ExitAction::RetryAfterChange);
-        assert_eq!(decide(&m, failed, 4, 10), ExitAction::RetryAfterChange);
-        // No change during the run: the same failure again is fatal, and says no change was
-        // under way rather than blaming the host.
-        let ExitAction::Fatal(error) = decide(&m, failed, 6, 6) else {
-            panic!("a failure with no change is fatal")
+        for cpl in [0, 3] {
+            let failed = Exit::internal_error(KVM_INTERNAL_ERROR_EMULATION, cpl);
+            assert_eq!(failed.kind(), 6, "counted as an internal error");
+            // A change is under way (the sequence is odd): wait for it, whether it began
+            // before the entry or during the run, at any CPL.
+            assert_eq!(decide(&m, failed, 4, 5), ExitAction::WaitForChange);
+            assert_eq!(decide(&m, failed, 5, 5), ExitAction::WaitForChange);
+            // A change ended during the run (or the wait): enter again, never MMIO, never
+            // fatal, never #UD.
+            assert_eq!(decide(&m, failed, 4, 6), ExitAction::RetryAfterChange);
+            assert_eq!(decide(&m, failed, 5, 6), ExitAction::RetryAfterChange);
+            assert_eq!(decide(&m, failed, 4, 10), ExitAction::RetryAfterChange);
+        }
+        // Other internal errors stay fatal, changes or not, at any CPL.
+        for cpl in [0, 3] {
+            assert_eq!(
+                decide(&m, Exit::internal_error(2, cpl), 4, 5),
+                ExitAction::Fatal(ExitError::InternalError { suberror: 2 })
+            );
+        }
+    }
+
+    /// Outside a change's window, KVM's behaviour without `KVM_CAP_EXIT_ON_EMULATION_FAILURE`:
+    /// the guest gets `#UD` at CPL > 0 (its kernel handles it), the VM stops at CPL 0.
+    #[test]
+    fn an_emulation_failure_with_no_change_is_ud_in_user_mode_and_fatal_in_ring_0() {
+        let m = memory();
+        for cpl in [1, 2, 3] {
+            let failed = Exit::internal_error(KVM_INTERNAL_ERROR_EMULATION, cpl);
+            assert_eq!(
+                decide(&m, failed, 6, 6),
+                ExitAction::InjectInvalidOpcode,
+                "ring {cpl}"
+            );
+        }
+        let kernel = Exit::internal_error(KVM_INTERNAL_ERROR_EMULATION, 0);
+        let ExitAction::Fatal(error) = decide(&m, kernel, 6, 6) else {
+            panic!("a failure in ring 0 with no change is fatal")
         };
         assert_eq!(error, ExitError::EmulationFailure);
-        assert!(error.to_string().contains("no slot change"), "{error}");
-        // A sequence of retries: each one needs a change between its entry and its exit.
-        let mut entry = 4;
-        let mut retries = 0;
-        for now in [5, 6, 8, 8] {
-            match decide(&m, failed, entry, now) {
-                ExitAction::WaitForChange => {}
-                ExitAction::RetryAfterChange => {
-                    retries += 1;
-                    entry = now;
-                }
-                ExitAction::Fatal(ExitError::EmulationFailure) => {
-                    assert_eq!((entry, now), (8, 8));
-                    break;
-                }
-                other => panic!("{other:?}"),
-            }
-        }
-        assert_eq!(retries, 2);
-        // Other internal errors stay fatal, changes or not.
-        assert_eq!(
-            decide(&m, Exit::with_suberror(2), 4, 5),
-            ExitAction::Fatal(ExitError::InternalError { suberror: 2 })
+        assert!(
+            error.to_string().contains("ring 0") && error.to_string().contains("no slot change"),
+            "{error}"
         );
+        // A sequence of retries: each one needs a change between its entry and its exit; the
+        // first run with none ends them (#UD in user mode, fatal in ring 0), so a failure
+        // that repeats never loops.
+        for (cpl, last) in [
+            (3, ExitAction::InjectInvalidOpcode),
+            (0, ExitAction::Fatal(ExitError::EmulationFailure)),
+        ] {
+            let failed = Exit::internal_error(KVM_INTERNAL_ERROR_EMULATION, cpl);
+            let mut entry = 4;
+            let mut retries = 0;
+            let mut ended = None;
+            for now in [5, 6, 8, 8, 10] {
+                match decide(&m, failed, entry, now) {
+                    ExitAction::WaitForChange => {}
+                    ExitAction::RetryAfterChange => {
+                        retries += 1;
+                        entry = now;
+                    }
+                    other => {
+                        ended = Some((other, entry, now));
+                        break;
+                    }
+                }
+            }
+            assert_eq!(retries, 2, "ring {cpl}");
+            assert_eq!(ended, Some((last, 8, 8)), "ring {cpl}");
+        }
     }
 }

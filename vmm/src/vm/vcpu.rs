@@ -69,6 +69,10 @@ pub struct ExitCounters {
     /// virtio-mem block in a plugged piece), after which its slot was taken away and the
     /// access run again (it then exits as absent memory).
     pub unreachable_isolated: AtomicU64,
+    /// Instructions KVM could not emulate at guest CPL > 0 with no slot change during the run,
+    /// answered with `#UD` in the guest (as KVM answers them without
+    /// `KVM_CAP_EXIT_ON_EMULATION_FAILURE`).
+    pub invalid_opcodes_injected: AtomicU64,
     /// Every exit by its kind ([`Exit::kind`], named by [`EXIT_KINDS`]).
     pub by_kind: [AtomicU64; EXIT_KINDS.len()],
 }
@@ -94,12 +98,14 @@ static STARTED: Mutex<Vec<Arc<VcpuShared>>> = Mutex::new(Vec::new());
 pub struct ExitTotals {
     /// Every exit, by its kind ([`EXIT_KINDS`]): they add up to all exits.
     pub by_kind: Vec<(&'static str, u64)>,
-    /// Exits the loop handled its own way (some of the MMIO ones): writes to read-only
-    /// memory dropped (`read_only_write`), accesses to absent memory (`absent_memory`),
-    /// accesses completed against the map after a slot change (`completed_after_change`), and
-    /// instructions KVM could not emulate, run again after a slot change
-    /// (`retried_after_change`), and faults on unreachable memory under a slot after which the
-    /// slot went and the access ran again (`unreachable_isolated`).
+    /// Exits the loop handled its own way (some of the MMIO, memory-fault and
+    /// emulation-failure ones): writes to read-only memory dropped (`read_only_write`),
+    /// accesses to absent memory (`absent_memory`), accesses completed against the map after a
+    /// slot change (`completed_after_change`), instructions KVM could not emulate, run again
+    /// after a slot change (`retried_after_change`) or, in guest user mode with no change,
+    /// answered with `#UD` in the guest (`invalid_opcode_injected`), and faults on unreachable
+    /// memory under a slot after which the slot went and the access ran again
+    /// (`unreachable_isolated`).
     pub handled: Vec<(&'static str, u64)>,
 }
 
@@ -128,6 +134,10 @@ pub fn exit_totals() -> ExitTotals {
             ),
             ("retried_after_change", sum(&|c| &c.retried_after_change)),
             ("unreachable_isolated", sum(&|c| &c.unreachable_isolated)),
+            (
+                "invalid_opcode_injected",
+                sum(&|c| &c.invalid_opcodes_injected),
+            ),
         ],
     }
 }
@@ -462,9 +472,10 @@ pub enum VcpuError<E: std::error::Error + 'static> {
         /// KVM's `internal.suberror` (1: emulation failure).
         suberror: u32,
     },
-    /// `KVM_EXIT_INTERNAL_ERROR`, emulation failure, with no slot change under way, where the
-    /// host runs the guest's instructions itself (hardware virtualisation, or guest ring 3):
-    /// most likely the guest ran an instruction KVM's emulator lacks where it has no memory.
+    /// `KVM_EXIT_INTERNAL_ERROR`, emulation failure, in guest ring 0 with no slot change under
+    /// way, where the host runs the guest's ring 0 on the CPU (hardware virtualisation): most
+    /// likely the guest ran an instruction KVM's emulator lacks where it has no memory. (At
+    /// CPL > 0 the guest gets `#UD` instead.)
     #[error("vCPU {vcpu} at rip {rip:#x} (ring {cpl}): KVM could not emulate a guest instruction (KVM_EXIT_INTERNAL_ERROR, emulation failure) and no slot change was under way: most likely the guest ran an instruction KVM's emulator lacks (a VEX/AVX load or store, an instruction fetch) at a guest address with no memory slot (a device window, or memory that is not there), not a limitation of the host")]
     EmulationFailure {
         /// The vCPU.
@@ -473,6 +484,17 @@ pub enum VcpuError<E: std::error::Error + 'static> {
         rip: u64,
         /// The guest's privilege level (CS.DPL).
         cpl: u8,
+    },
+    /// Injecting `#UD` into the guest (an instruction KVM could not emulate in guest user
+    /// mode) failed.
+    #[error("vCPU {vcpu} at rip {rip:#x}: KVM could not emulate a guest instruction in user mode, and injecting #UD into the guest failed: {source}")]
+    InjectInvalidOpcode {
+        /// The vCPU.
+        vcpu: usize,
+        /// The guest's instruction pointer.
+        rip: u64,
+        /// The kernel's error.
+        source: kvm_ioctls::Error,
     },
     /// The guest triple-faulted (or a reset by triple fault, `reboot=t`).
     #[error("vCPU {vcpu}: the guest shut down (triple fault) at rip {rip:#x}")]
@@ -692,6 +714,22 @@ fn internal_suberror(fd: &mut VcpuFd) -> u32 {
     unsafe { kvm_run.__bindgen_anon_1.internal.suberror }
 }
 
+/// Queues `#UD` (vector 6, no error code) for the guest's next entry: KVM left RIP on the
+/// instruction it could not emulate, so the guest sees a fault there, as it would for an
+/// instruction the CPU lacks. The vCPU's other events (a pending interrupt, NMI, interrupt
+/// shadow) are read first and set back as they were.
+fn inject_invalid_opcode(fd: &VcpuFd) -> Result<(), kvm_ioctls::Error> {
+    const UD_VECTOR: u8 = 6;
+    let mut events = fd.get_vcpu_events()?;
+    events.exception.injected = 1;
+    events.exception.pending = 0;
+    events.exception.nr = UD_VECTOR;
+    events.exception.has_error_code = 0;
+    events.exception.error_code = 0;
+    events.exception_has_payload = 0;
+    fd.set_vcpu_events(&events)
+}
+
 /// Waits while a slot change is being applied; false if the vCPU was asked to stop meanwhile.
 fn wait_for_change(memory: &MemoryManager<KvmVm>, shared: &VcpuShared) -> bool {
     memory.wait_settled(|| shared.stop_requested()).is_some()
@@ -783,9 +821,14 @@ impl<P: VcpuPorts> Vcpu<P> {
                     )
                 }
             };
-            // kvm-ioctls leaves an internal error's suberror in the run area.
+            // kvm-ioctls leaves an internal error's suberror in the run area; what an emulation
+            // failure does depends on the privilege level (an unreadable one counts as ring 0,
+            // the fatal side).
             let (exit, mut buffer) = match exit {
-                Exit::InternalError { .. } => (Exit::with_suberror(internal_suberror(fd)), None),
+                Exit::InternalError { .. } => {
+                    let cpl = fd.get_sregs().map_or(0, |s| s.cs.dpl);
+                    (Exit::internal_error(internal_suberror(fd), cpl), None)
+                }
                 exit => (exit, buffer),
             };
             let counters = &shared.counters;
@@ -869,6 +912,28 @@ impl<P: VcpuPorts> Vcpu<P> {
                         .fetch_add(1, Ordering::Relaxed);
                     Flow::Continue
                 }
+                ExitAction::InjectInvalidOpcode => {
+                    inject_invalid_opcode(fd).map_err(|source| VcpuError::InjectInvalidOpcode {
+                        vcpu,
+                        rip: rip(fd),
+                        source,
+                    })?;
+                    if counters
+                        .invalid_opcodes_injected
+                        .fetch_add(1, Ordering::Relaxed)
+                        == 0
+                    {
+                        eprintln!(
+                            "tinyvmm: vCPU {vcpu} at rip {:#x}: KVM could not emulate a guest \
+                             user-mode instruction (a VEX/AVX access or an instruction fetch \
+                             where the guest has no memory) and no slot change was under way; \
+                             the guest gets #UD, as KVM gives it without \
+                             KVM_CAP_EXIT_ON_EMULATION_FAILURE (reported once per vCPU)",
+                            rip(fd)
+                        );
+                    }
+                    Flow::Continue
+                }
                 ExitAction::CountExpected => {
                     if let Some(buffer) = buffer {
                         buffer.fill(0xff);
@@ -946,8 +1011,10 @@ impl<P: VcpuPorts> Vcpu<P> {
                         .map_err(device_error)?
                 }
                 ExitAction::Fatal(ExitError::EmulationFailure) => {
+                    let Exit::InternalError { cpl, .. } = exit else {
+                        unreachable!("an emulation failure comes from an InternalError exit")
+                    };
                     let rip = rip(fd);
-                    let cpl = fd.get_sregs().map_or(0, |s| s.cs.dpl);
                     // Guest ring 0 in KVM's emulator (kvm_pvm) meets instructions it lacks
                     // anywhere; elsewhere the emulator mostly runs accesses with no slot.
                     if cpl == 0 && super::host_emulates_ring0() {
