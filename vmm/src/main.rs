@@ -644,8 +644,24 @@ struct SnapshotBenchArgs {
     /// Print the results as JSON alone on stdout (the table goes to stderr).
     #[arg(long)]
     json: bool,
+    /// Page sizes of the test memory, comma-separated: a row each per slot count.
+    #[arg(long, value_delimiter = ',', value_enum, default_value = "4k")]
+    page_sizes: Vec<tinyvmm::control::memory::RegionPageSize>,
+    /// Which pages the guest writes (and verifies after each restore): every other one, or
+    /// all.
+    #[arg(long, value_enum, default_value_t = Touch::Half)]
+    touch: Touch,
     #[command(flatten)]
     limits: LimitArgs,
+}
+
+/// Which pages `snapshot-bench`'s guest writes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+enum Touch {
+    /// Every other page.
+    Half,
+    /// Every page.
+    All,
 }
 
 fn snapshot_bench(args: SnapshotBenchArgs) -> ExitCode {
@@ -666,6 +682,8 @@ fn snapshot_bench(args: SnapshotBenchArgs) -> ExitCode {
         area_size: args.mem_mib.saturating_mul(1 << 20),
         dir: args.dir,
         limits: Some(args.limits.resolve()),
+        page_sizes: args.page_sizes.into_iter().map(Into::into).collect(),
+        touch_all: args.touch == Touch::All,
     };
     let outcome = run_job(move |ctx| run_snapshot_bench(&config, &ctx.stop, &ctx.vcpu_stopped));
     let report = match job_report(outcome, "", args.json) {
