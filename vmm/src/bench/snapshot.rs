@@ -14,9 +14,10 @@
 //! Each slot count runs once per page size asked for (`--page-sizes 4k,2m,thp`), the rows of
 //! one slot count side by side, with the `UFFDIO_COPY` calls of each lazy restore; with
 //! `--touch all` the guest writes (and verifies) every page rather than every other one. A
-//! row of 2 MiB hugetlb pages has no `file` restore (the memory file is on no hugetlbfs), and
-//! is skipped, saying why, where the area cannot be split into that many slots of whole 2 MiB
-//! pages or the hugetlb pool cannot hold it.
+//! row of huge pages has no `file` restore (the memory file is on no hugetlbfs, and transparent
+//! huge pages do not back a private file mapping), and a row is skipped, saying why, where the
+//! area cannot be split into that many slots of whole 2 MiB pages or the hugetlb pool cannot
+//! hold it.
 
 use std::fs::File;
 use std::io::{Read, Write};
@@ -479,8 +480,9 @@ fn bench_row(
         let mut restores = Vec::new();
         let (tx, recorded) = std::sync::mpsc::channel();
         for backend in [MemBackend::Copy, MemBackend::File, MemBackend::Uffd] {
-            if backend == MemBackend::File && page_size == PageSize::Huge2M {
-                // The memory file is on no hugetlbfs: a file restore of it is refused.
+            if backend == MemBackend::File && page_size != PageSize::Base {
+                // A file restore of huge pages is refused: the memory file is on no hugetlbfs,
+                // and transparent huge pages are for anonymous memory and memfds.
                 continue;
             }
             check()?;
