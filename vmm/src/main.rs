@@ -621,6 +621,12 @@ struct RestoreArgs {
     /// guest while the rest still loads on fault. Needs --mem-backend uffd [default: none]
     #[arg(long, value_name = "PATH")]
     prefetch: Option<std::path::PathBuf>,
+    /// Every region in pages of this size rather than the ones the snapshot was taken with
+    /// (2m: each region's guest address, size and slots on the 2 MiB grid, and the hugetlb pool
+    /// must hold them; a working set recorded with one page size serves restores with that
+    /// size) [default: the snapshot's]
+    #[arg(long, value_enum)]
+    page_size: Option<tinyvmm::control::memory::RegionPageSize>,
     /// The API socket and the VM's limits (its memory and vCPUs are the snapshot's).
     #[command(flatten)]
     api: ApiArgs,
@@ -761,6 +767,7 @@ fn restore(args: RestoreArgs) -> ExitCode {
             record: args.record_working_set,
             record_for: args.record_secs,
         },
+        page_size: args.page_size.map(Into::into),
     };
     // A file that is neither kind's is refused by the test guest's reader, which says why.
     if !matches!(GuestKind::of_file(&from.snapshot), Ok(GuestKind::Linux)) {

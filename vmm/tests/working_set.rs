@@ -102,6 +102,7 @@ fn restore_config(
             mem_file: mem.to_path_buf(),
             backend,
             working_set,
+            page_size: None,
         }),
         ..ServeConfig::new(socket(name))
     }
