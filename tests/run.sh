@@ -41,12 +41,12 @@ cargo run --locked --profile test-release -q -p kvm-test-support --bin ring0-spe
 started=$SECONDS
 status=0
 profile=(--locked --profile test-release)
-cargo test --workspace "${profile[@]}" --no-run
 
 # The Linux boot tests (vmm/tests/boot.rs, linux_snapshot.rs) are the long pole: minutes of
-# guest ring 0 in this host's emulator, on one core each, 5-7x longer on a slow machine of this
-# kind than on a fast one. They start first and the rest of the suite runs beside them; they
-# are not among `cargo test`'s default targets (vmm/Cargo.toml), so nothing runs twice.
+# guest ring 0 in this host's emulator, 5-7x longer on a slow machine of this kind than on a
+# fast one. They are built first and start at once; the rest of the suite is built and run
+# beside them, filling the cores they leave (a build has stretches on one core). They are not
+# among `cargo test`'s default targets (vmm/Cargo.toml), so nothing runs twice.
 linux_targets=(boot linux_snapshot)
 mapfile -t linux_bins < <(
     cargo test -p tinyvmm "${profile[@]}" --no-run --message-format=json-render-diagnostics \
@@ -62,7 +62,8 @@ if [ "${#linux_bins[@]}" -ne "${#linux_targets[@]}" ]; then
     echo "error: the Linux test binaries were not all built: ${linux_bins[*]}" >&2
     exit 1
 fi
-echo "the Linux tests (${linux_targets[*]}) run beside the rest; their output follows at the end"
+echo "the Linux tests (${linux_targets[*]}) run beside the rest's build and run; their output" \
+    "follows at the end"
 for i in "${!linux_bins[@]}"; do
     src=${linux_bins[$i]%%$'\t'*}
     bin=${linux_bins[$i]#*$'\t'}

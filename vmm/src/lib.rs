@@ -7,9 +7,11 @@
 //! |---|---|
 //! | [`vm`] | a KVM VM with its memory manager, vCPUs, and the one vCPU exit loop every guest uses |
 //! | [`lifecycle`] | the event loop for everything that is not a vCPU, and the signal flag |
+//! | [`precopy`] | the pre-copy engine: a running VM's memory copied in rounds, then a short pause, into a sink |
 //! | [`control`] | the control vocabulary every guest kind shares: typed requests, replies, errors, and which guest kind answers which request |
 //! | [`devices`] | device models (the legacy serial console and i8042) |
-//! | [`migration`] | live migration between two tinyvmm processes: the source's rounds, the transport |
+//! | [`migration`] | live migration between two tinyvmm processes: the stream the pre-copy rounds fill, the transport |
+//! | [`snapshot`] | snapshots of any guest kind: state files, the chain of Full and Diff snapshots, live snapshots |
 //! | [`test_guest`] | the built-in ring-3 test guest: its layout, command protocol, ports and controller |
 //! | [`linux`] | booting a Linux kernel: configuration, e820, loading, CPU set-up, its controller |
 //! | [`api`] | the API socket: HTTP/1.1 + JSON on a Unix socket, onto a controller |
@@ -27,6 +29,7 @@ pub mod jobs;
 pub mod lifecycle;
 pub mod linux;
 pub mod migration;
+pub mod precopy;
 pub mod snapshot;
 pub mod test_guest;
 pub mod vm;

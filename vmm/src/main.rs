@@ -72,8 +72,10 @@ enum Commands {
     /// serial console is stdout (and stdin on a terminal). See docs/BOOT.md.
     Boot(BootArgs),
     /// Send one request to a running VMM's API socket (every endpoint of docs/api.yaml): the
-    /// answer as a table, or with --json its JSON body alone; exit status 0 for 2xx, 4 for
-    /// 4xx, 5 for 5xx, 1 when the socket cannot be reached.
+    /// answer as a table, or with --json its JSON body alone; a migration and a live snapshot
+    /// are followed to their end (--no-wait: not). Exit status 0 for 2xx, 4 for 4xx, 5 for
+    /// 5xx, 1 when the socket cannot be reached, a followed run does not complete, or a guest
+    /// verify finds a mismatch.
     Client(tinyvmm::jobs::client::ClientArgs),
     /// Print a completion script for a shell, e.g. `tinyvmm completions bash >
     /// /etc/bash_completion.d/tinyvmm`.
@@ -118,7 +120,7 @@ struct ApiArgs {
     /// Path of the API socket (created 0600; a stale socket there is replaced); `receive`
     /// answers it at once (GET /vm: Waiting, then Receiving) and serves the VM there once it
     /// runs.
-    #[arg(long)]
+    #[arg(long, alias = "api-socket")]
     api_sock: std::path::PathBuf,
     /// Seconds a client connection may send nothing before it is answered 408 and closed
     /// (fractions allowed).
@@ -180,7 +182,13 @@ fn test_guest_vcpus(value: &str) -> Result<usize, String> {
 /// `--slots`: a KVM slot count, at least `min` (KVM's maximum is checked when the VM exists).
 fn slot_count(min: usize) -> impl Fn(&str) -> Result<usize, String> + Clone {
     move |value| match value.parse() {
-        Ok(n) if n >= min => Ok(n),
+        // KVM's maximum where /dev/kvm answers (else the run says it cannot open KVM).
+        Ok(n) if n >= min => match tinyvmm::vm::max_slots() {
+            Ok(max) if n > max => Err(format!(
+                "{value} is more than KVM's {max} slots on this host (2 to {max})"
+            )),
+            _ => Ok(n),
+        },
         _ => Err(format!(
             "{value} is not a KVM slot count: {min} to KVM's maximum"
         )),
@@ -989,7 +997,7 @@ struct BootArgs {
     hotplug_max_slot_mib: Option<u64>,
     /// An API socket while the guest runs: /vm (pause, resume), /snapshot/create, /migrate,
     /// /dirty-log, /memory, /hotplug/memory, /actions [default: none]
-    #[arg(long)]
+    #[arg(long, alias = "api-socket")]
     api_sock: Option<std::path::PathBuf>,
     /// Put RAM in memfds (shared memory): a local migration hands it over instead of copying.
     #[arg(long)]
@@ -1104,41 +1112,22 @@ fn boot(args: BootArgs) -> ExitCode {
 }
 
 fn client(args: tinyvmm::jobs::client::ClientArgs) -> ExitCode {
-    use tinyvmm::api::client::ClientError;
-    use tinyvmm::jobs::client::{exit_status, render, send, timeout, TIMED_OUT};
-    let wait = timeout(&args.request, args.timeout);
-    match send(&args.api_sock, &args.request, wait) {
-        Ok((status, body)) => {
-            let code = exit_status(status);
-            if args.json {
-                let body = if body.is_null() {
-                    serde_json::json!({})
-                } else {
-                    body
-                };
-                println!(
-                    "{}",
-                    serde_json::to_string_pretty(&body).expect("a JSON value prints")
-                );
-            } else if code == 0 {
-                print!("{}", render(status, &body));
-            } else {
-                eprint!("tinyvmm: {}", render(status, &body));
-            }
-            ExitCode::from(code)
-        }
-        Err(e @ ClientError::TimedOut(_)) => {
-            eprintln!(
-                "tinyvmm: {}: {e}; --timeout SECS waits longer (0: for ever)",
-                args.api_sock.display()
-            );
-            ExitCode::from(TIMED_OUT)
-        }
-        Err(e) => {
-            eprintln!("tinyvmm: {}: {e}", args.api_sock.display());
-            ExitCode::FAILURE
-        }
+    use tinyvmm::jobs::client::{run, API_SOCK_ENV};
+    if let Some(level) = args.log_level {
+        tinyvmm::lifecycle::set_log_level(level);
     }
+    let Some(socket) = args.api_sock.clone() else {
+        let _ = Cli::command()
+            .error(
+                clap::error::ErrorKind::MissingRequiredArgument,
+                format!(
+                    "tinyvmm client needs the VMM's API socket: --api-sock PATH, or {API_SOCK_ENV}"
+                ),
+            )
+            .print();
+        return ExitCode::from(USAGE_EXIT_STATUS);
+    };
+    ExitCode::from(run(&args, &socket))
 }
 
 /// Writes the man pages into `dir`.

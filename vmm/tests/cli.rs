@@ -8,6 +8,8 @@ use std::process::{Command, Output, Stdio};
 fn tinyvmm(args: &[&str]) -> Output {
     Command::new(env!("CARGO_BIN_EXE_tinyvmm"))
         .args(args)
+        // The socket comes from the arguments alone unless a test says otherwise.
+        .env_remove(tinyvmm::jobs::client::API_SOCK_ENV)
         .stdin(Stdio::null())
         .output()
         .expect("tinyvmm runs")
@@ -141,6 +143,29 @@ fn restore_lists_no_option_it_ignores() {
         "--mem-backend",
     ] {
         assert!(names.contains(&kept.to_owned()), "restore lacks {kept}");
+    }
+}
+
+/// A slot count over what KVM offers here is a usage error (64), named before anything
+/// starts, as a count under 2 is; not a failure of the run (1).
+#[test]
+fn kvm_a_slot_count_over_kvms_is_a_usage_error() {
+    if !kvm_test_support::require_kvm("tinyvmm::kvm_a_slot_count_over_kvms_is_a_usage_error") {
+        return;
+    }
+    let max = kvm_ioctls::Kvm::new().expect("KVM").get_nr_memslots();
+    let over = (max + 1).to_string();
+    for args in [
+        &["check", "--slots", over.as_str()][..],
+        &["bench", "--slots", &format!("10,{over}")],
+    ] {
+        let output = tinyvmm(args);
+        let stderr = text(&output.stderr);
+        assert_eq!(output.status.code(), Some(64), "{args:?}: {stderr}");
+        assert!(
+            stderr.contains(&format!("more than KVM's {max} slots")),
+            "{args:?}: {stderr}"
+        );
     }
 }
 
@@ -474,4 +499,274 @@ fn the_client_gives_up_on_a_server_that_never_answers() {
         assert_eq!(refused.status.code(), Some(64), "--timeout {bad}");
     }
     let _ = std::fs::remove_file(&path);
+}
+
+/// A typo gets clap's "did you mean", for a subcommand as for a client request.
+#[test]
+fn a_typo_gets_a_suggestion() {
+    for (args, suggested) in [
+        (&["serv"][..], "'serve'"),
+        (
+            &["client", "--api-sock", "/nonexistent/x.sock", "memroy"],
+            "'memory'",
+        ),
+        (
+            &["serve", "--api-sok", "/nonexistent/x.sock"],
+            "'--api-sock'",
+        ),
+    ] {
+        let output = tinyvmm(args);
+        assert_eq!(output.status.code(), Some(64), "{args:?}");
+        let stderr = text(&output.stderr);
+        assert!(
+            stderr.contains("tip: a similar") && stderr.contains(suggested),
+            "{args:?}: {stderr}"
+        );
+    }
+}
+
+/// The client's API socket: `--api-sock` or `--api-socket` (Cloud Hypervisor's name), before
+/// or after the request's name, or `TINYVMM_API_SOCK`; without any, a usage error naming both.
+/// A socket that is not there fails with exit status 1 naming the path it was given.
+#[test]
+fn the_clients_socket_comes_from_either_name_anywhere_or_the_environment() {
+    let nowhere = |name: &str| format!("/nonexistent/{name}.sock");
+    let sockets = [nowhere("before"), nowhere("after"), nowhere("alias")];
+    for (args, socket) in [
+        (
+            vec!["client", "--api-sock", &sockets[0], "info"],
+            &sockets[0],
+        ),
+        (
+            vec!["client", "info", "--api-sock", &sockets[1]],
+            &sockets[1],
+        ),
+        (
+            vec!["client", "vm", "--api-socket", &sockets[2]],
+            &sockets[2],
+        ),
+    ] {
+        let output = tinyvmm(&args);
+        let stderr = text(&output.stderr);
+        assert_eq!(output.status.code(), Some(1), "{args:?}: {stderr}");
+        assert!(
+            stderr.starts_with(&format!("tinyvmm: {socket}: ")),
+            "{args:?}: {stderr}"
+        );
+    }
+    let from_env = Command::new(env!("CARGO_BIN_EXE_tinyvmm"))
+        .args(["client", "info"])
+        .env(tinyvmm::jobs::client::API_SOCK_ENV, nowhere("env"))
+        .stdin(Stdio::null())
+        .output()
+        .expect("tinyvmm runs");
+    assert_eq!(from_env.status.code(), Some(1));
+    assert!(
+        text(&from_env.stderr).starts_with(&format!("tinyvmm: {}: ", nowhere("env"))),
+        "{}",
+        text(&from_env.stderr)
+    );
+    // The argument wins over the environment.
+    let both = Command::new(env!("CARGO_BIN_EXE_tinyvmm"))
+        .args(["client", "info", "--api-sock", &nowhere("argument")])
+        .env(tinyvmm::jobs::client::API_SOCK_ENV, nowhere("env"))
+        .stdin(Stdio::null())
+        .output()
+        .expect("tinyvmm runs");
+    assert!(
+        text(&both.stderr).starts_with(&format!("tinyvmm: {}: ", nowhere("argument"))),
+        "{}",
+        text(&both.stderr)
+    );
+    // The VMM's own `--api-sock` takes the same second name.
+    let served = tinyvmm(&[
+        "serve",
+        "--api-socket",
+        &nowhere("served"),
+        "--mem-mib",
+        "0",
+        "--slots",
+        "1",
+    ]);
+    assert_eq!(served.status.code(), Some(1), "{}", text(&served.stderr));
+    assert!(
+        text(&served.stderr).contains(&nowhere("served")),
+        "{}",
+        text(&served.stderr)
+    );
+    let missing = tinyvmm(&["client", "info"]);
+    assert_eq!(missing.status.code(), Some(64));
+    let stderr = text(&missing.stderr);
+    assert!(
+        stderr.starts_with("error: ")
+            && stderr.contains("--api-sock")
+            && stderr.contains(tinyvmm::jobs::client::API_SOCK_ENV),
+        "{stderr}"
+    );
+}
+
+/// The log level is the VMM's: every subcommand that runs one lists it, and the client's
+/// requests, which say only their failures, do not repeat it in each help (it is still
+/// accepted there).
+#[test]
+fn the_clients_helps_do_not_repeat_the_log_level() {
+    for command in [
+        &["client"][..],
+        &["client", "memory"],
+        &["client", "migrate"],
+    ] {
+        let help = text(&tinyvmm(&[command, &["--help"]].concat()).stdout);
+        assert!(
+            help.contains("Usage: tinyvmm client"),
+            "{command:?}: {help}"
+        );
+        assert!(!help.contains("--log-level"), "{command:?}: {help}");
+    }
+    for command in ["serve", "boot", "receive", "check"] {
+        let help = text(&tinyvmm(&[command, "--help"]).stdout);
+        assert!(help.contains("--log-level"), "{command}: {help}");
+    }
+    let accepted = tinyvmm(&[
+        "client",
+        "--log-level",
+        "debug",
+        "--api-sock",
+        "/nonexistent/x.sock",
+        "info",
+    ]);
+    assert_eq!(
+        accepted.status.code(),
+        Some(1),
+        "{}",
+        text(&accepted.stderr)
+    );
+}
+
+/// `client migrate` and `client snapshot --live` wait for their run's outcome and exit with
+/// it: a migration to a destination that is not there exits 1 naming why, a live snapshot
+/// that completes exits 0 with its final status, one its timeout cancels exits 1;
+/// `--no-wait` returns once they started. A guest verify that finds a mismatch exits 1.
+#[test]
+fn kvm_the_client_waits_for_a_runs_outcome_and_a_failed_verify_fails() {
+    if !kvm_test_support::require_kvm(
+        "tinyvmm::kvm_the_client_waits_for_a_runs_outcome_and_a_failed_verify_fails",
+    ) {
+        return;
+    }
+    let dir = std::env::temp_dir().join(format!("tinyvmm-cli-wait-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).expect("a folder");
+    let socket = dir.join("api.sock");
+    let mut config = tinyvmm::jobs::serve::ServeConfig::new(socket.clone());
+    config.area_size = 8 << 20;
+    let vmm = tinyvmm::jobs::serve::serve_in_background(config).expect("the VMM starts");
+    let sock = socket.to_str().expect("a UTF-8 path");
+    let client = |args: &[&str]| tinyvmm(&[&["client", "--api-sock", sock][..], args].concat());
+    let file = |name: &str| dir.join(name).to_str().expect("UTF-8").to_owned();
+
+    // A destination that is not there: the migration fails once it tries to connect.
+    let nowhere = format!("unix:{}", file("nobody-listens.sock"));
+    let migrated = client(&["migrate", &nowhere]);
+    let stderr = text(&migrated.stderr);
+    assert_eq!(migrated.status.code(), Some(1), "{stderr}");
+    assert!(
+        stderr.contains("the migration ended failed: cannot connect to"),
+        "{stderr}"
+    );
+    let started = client(&["migrate", &nowhere, "--no-wait"]);
+    assert_eq!(
+        (started.status.code(), text(&started.stdout)),
+        (Some(0), "done (204)\n".to_owned())
+    );
+    // It fails on its own meanwhile; the VM runs on.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+    loop {
+        let status = client(&["--json", "migration"]);
+        let status: serde_json::Value = serde_json::from_slice(&status.stdout).expect("JSON");
+        if status["phase"] == "failed" {
+            break;
+        }
+        assert!(std::time::Instant::now() < deadline, "{status}");
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+
+    // A live snapshot that completes: its final status, and both files.
+    let live = client(&[
+        "snapshot",
+        "--live",
+        "--snapshot",
+        &file("live.state"),
+        "--mem-file",
+        &file("live.mem"),
+    ]);
+    let stdout = text(&live.stdout);
+    assert_eq!(live.status.code(), Some(0), "{}", text(&live.stderr));
+    assert!(
+        stdout.contains("phase ") && stdout.contains("completed"),
+        "{stdout}"
+    );
+    assert!(stdout.contains("snapshot_id"), "{stdout}");
+    assert!(dir.join("live.state").exists() && dir.join("live.mem").exists());
+    // One that cannot converge (a budget of 0) and gives up at its timeout.
+    let cancelled = client(&[
+        "--json",
+        "snapshot",
+        "--live",
+        "--type",
+        "diff",
+        "--snapshot",
+        &file("cancelled.state"),
+        "--mem-file",
+        &file("cancelled.mem"),
+        "--downtime-ms",
+        "0",
+        "--timeout-s",
+        "1",
+        "--on-timeout",
+        "cancel",
+    ]);
+    let stderr = text(&cancelled.stderr);
+    assert_eq!(cancelled.status.code(), Some(1), "{stderr}");
+    let status: serde_json::Value = serde_json::from_slice(&cancelled.stdout).expect("JSON alone");
+    assert_eq!(status["phase"], "cancelled", "{status}");
+    assert!(
+        stderr.contains("the live snapshot ended cancelled: cancelled: not converged"),
+        "{stderr}"
+    );
+    assert!(!dir.join("cancelled.state").exists());
+    // A verify that finds what was written passes; one with another seed fails.
+    let range = ["--start", "256M", "--end", "257M"];
+    let write = client(&[&["guest", "write"][..], &range, &["--seed", "3"]].concat());
+    assert_eq!(write.status.code(), Some(0), "{}", text(&write.stderr));
+    let verify = client(&[&["guest", "verify"][..], &range, &["--seed", "3"]].concat());
+    assert_eq!(verify.status.code(), Some(0), "{}", text(&verify.stderr));
+    let mismatch = client(&[&["guest", "verify"][..], &range, &["--seed", "4"]].concat());
+    let stderr = text(&mismatch.stderr);
+    assert_eq!(mismatch.status.code(), Some(1), "{stderr}");
+    assert!(
+        stderr.contains("the guest's verify failed: 0x10000000 holds"),
+        "{stderr}"
+    );
+    assert!(stderr.contains("mismatch"), "{stderr}");
+
+    let started = client(&[
+        "snapshot",
+        "--live",
+        "--type",
+        "diff",
+        "--snapshot",
+        &file("diff.state"),
+        "--mem-file",
+        &file("diff.mem"),
+        "--no-wait",
+    ]);
+    assert_eq!(
+        (started.status.code(), text(&started.stdout)),
+        (Some(0), "done (204)\n".to_owned())
+    );
+
+    // Stop cancels it, as it would any run under way.
+    assert_eq!(client(&["stop"]).status.code(), Some(0));
+    vmm.join().expect("no panic").expect("a clean stop");
+    let _ = std::fs::remove_dir_all(&dir);
 }

@@ -985,6 +985,7 @@ fn the_client_command_has_every_operation_and_sends_what_the_spec_takes() {
             downtime_ms: None,
             timeout_s: None,
             on_timeout: None,
+            no_wait: false,
         },
         ClientRequest::Snapshot {
             kind: SnapshotKind::Full,
@@ -994,6 +995,7 @@ fn the_client_command_has_every_operation_and_sends_what_the_spec_takes() {
             downtime_ms: Some(5),
             timeout_s: Some(30),
             on_timeout: Some(OnTimeout::Cancel),
+            no_wait: false,
         },
         ClientRequest::SnapshotStatus,
         ClientRequest::CancelSnapshot,
@@ -1007,6 +1009,7 @@ fn the_client_command_has_every_operation_and_sends_what_the_spec_takes() {
             timeout_s: 10,
             on_timeout: OnTimeout::Force,
             local: false,
+            no_wait: false,
         },
         ClientRequest::Migration,
         ClientRequest::CancelMigration,

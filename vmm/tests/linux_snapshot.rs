@@ -212,6 +212,16 @@ impl Drop for Vmm {
 /// figures are not compared, nor their lengths.
 const TIMING_LINES: [&str; 2] = ["kvm-clock: using sched offset of", "tsc: Detected"];
 
+/// When the test began, for [`phase`].
+static STARTED: std::sync::OnceLock<Instant> = std::sync::OnceLock::new();
+
+/// Says on stderr how far into the test `what` happened: the test's output (shown when it
+/// fails, or with `--nocapture`) then says where a slow run spent its time.
+fn phase(what: &str) {
+    let started = STARTED.get_or_init(Instant::now);
+    eprintln!("[{:7.1} s] {what}", started.elapsed().as_secs_f64());
+}
+
 /// Waits up to two minutes for `done` (host-side work: a live snapshot, a migration's end, a
 /// socket; a hang guard), naming `what` if it does not come.
 fn wait_until(what: &str, mut done: impl FnMut() -> bool) {
@@ -420,6 +430,7 @@ fn live_restore_and_migrate_twice(
         wait_until("receive to listen", || listen.exists());
         (vmm, listen)
     };
+    phase("continuation: restoring the live Full through uffd");
     let (mut first, first_listen) = receiver("first-dst");
     let (mut second, second_listen) = receiver("second-dst");
     let mut source = Vmm::restore(scratch, "live", (state, mem), "uffd");
@@ -437,6 +448,7 @@ fn live_restore_and_migrate_twice(
         source.ok("GET", "/migrate", None)["phase"] == "failed"
     });
     assert_eq!(source.ok("GET", "/vm", None)["state"], "Running");
+    phase("continuation: the migration to nobody failed; migrating (bitmap)");
     source.ok(
         "PUT",
         "/migrate",
@@ -457,6 +469,7 @@ fn live_restore_and_migrate_twice(
     // (the pages the uffd restore had not filled yet included).
     let checked = "its memory checked against the source's digest";
     let (src_console, _) = moved_away(&mut source, "the restored source");
+    phase("continuation: migrated; migrating again (local)");
     // The received VM runs, and moves on at once, its memory handed over.
     first.wait_for_api();
     assert_eq!(first.ok("GET", "/vm", None)["state"], "Running");
@@ -470,8 +483,10 @@ fn live_restore_and_migrate_twice(
         })),
     );
     let (first_console, first_said) = moved_away(&mut first, "the first destination");
+    phase("continuation: migrated again; running to the end");
     assert!(first_said.contains(checked), "{first_said}");
     let (second_output, second_console) = second.wait();
+    phase("continuation: ended");
     let second_said = String::from_utf8_lossy(&second_output.stderr);
     assert!(second_said.contains(checked), "{second_said}");
     (
@@ -495,6 +510,7 @@ fn kvm_a_linux_guest_restored_or_migrated_goes_on_as_an_uninterrupted_boot() {
     }
     let (_, vmlinux) = debian_kernel(test).expect("checked by ready");
     let scratch = Scratch::new();
+    phase("booting the reference and the boot to snapshot");
     let args = boot_args(&vmlinux);
     let args: Vec<&str> = args.iter().map(String::as_str).collect();
 
@@ -515,6 +531,7 @@ fn kvm_a_linux_guest_restored_or_migrated_goes_on_as_an_uninterrupted_boot() {
     );
     let (diff, diff_mem) = (scratch.path("diff.state"), scratch.path("diff.mem"));
     booted.wait_for_line(LIVE_AT);
+    phase("the boot to snapshot reached the live Full's point");
     // A running VM is refused a paused snapshot, as the test guest is.
     let (status, refused) = Client::connect(booted.api.as_ref().expect("an API"))
         .expect("connect")
@@ -546,6 +563,7 @@ fn kvm_a_linux_guest_restored_or_migrated_goes_on_as_an_uninterrupted_boot() {
     });
     assert_eq!(taken["phase"], "completed", "{taken}");
     assert_eq!(booted.ok("GET", "/vm", None)["state"], "Running");
+    phase("live Full taken");
 
     std::thread::scope(|s| {
         // The live Full's own continuation, from its point (which the test did not see) to
@@ -565,8 +583,10 @@ fn kvm_a_linux_guest_restored_or_migrated_goes_on_as_an_uninterrupted_boot() {
             !["setup", "pre_copy", "stop_and_copy"].contains(&taken["phase"].as_str().unwrap_or(""))
         });
         assert_eq!(taken["phase"], "completed", "{taken}");
+        phase("live Diff taken");
         booted.wait_for_line(DIFF_AT);
         let at_diff = booted.pause();
+        phase("the boot to snapshot reached the Diff's point");
         booted.ok(
             "PUT",
             "/snapshot/create",
@@ -577,7 +597,9 @@ fn kvm_a_linux_guest_restored_or_migrated_goes_on_as_an_uninterrupted_boot() {
         booted.ok("PUT", "/actions", Some(json!({"action_type": "Stop"})));
         let (stopped, _) = booted.wait();
         assert_eq!(stopped.status.code(), Some(0), "a stopped boot exits 0");
+        phase("Diff taken, the boot to snapshot stopped");
         let (output, console) = reference.wait();
+        phase("the reference ended");
         let reference = Reference {
             ending: ending(&output),
             console,
@@ -608,6 +630,9 @@ fn kvm_a_linux_guest_restored_or_migrated_goes_on_as_an_uninterrupted_boot() {
                 &at_diff,
                 &reference,
             );
+            phase(&format!(
+                "the chain restored through {backend} ran to the end"
+            ));
         }
         // `restore --page-size` reaches a Linux guest's restore as a test guest's: its RAM
         // slots here (512 MiB in 4096) are off the 2 MiB grid, so 2 MiB pages are refused,

@@ -533,6 +533,13 @@ fn kvm_a_live_diff_carries_what_it_took_whether_it_ends_or_not() {
     assert_eq!(wrong, None, "the chain merged, the loop's last pass {last}");
     let output = vmm.stop();
     assert_eq!(output.status.code(), Some(0));
+    // Some 1.2 GB of files: a passing run leaves none (a failing one leaves them to look at).
+    for path in [&full.0, &full.1, &first.0, &first.1, &next.0, &next.1] {
+        let _ = std::fs::remove_file(path);
+    }
+    for merged in ["merged-1", "merged-2"] {
+        let _ = std::fs::remove_file(file(&format!("{name}-{merged}.mem")));
+    }
 }
 
 #[test]

@@ -1432,13 +1432,13 @@ fn kvm_a_plug_that_maps_slots_waits_for_the_guest_like_a_checked_add() {
     assert_eq!(hotplug["plugged_size_mib"], 20, "{hotplug}");
 }
 
-/// Unplugs that cut the slot of a hotplug piece a vCPU keeps writing into (each a re-slot:
-/// the piece's slot is deleted and made again, smaller): no write is lost, and none meets
-/// absent memory.
+/// Unplugs inside a hotplug piece a vCPU keeps writing into (each makes blocks unreachable
+/// under the piece's one slot, which stays; a piece emptied goes): no write is lost, and none
+/// meets absent memory.
 #[test]
-fn kvm_a_write_loop_goes_on_through_unplugs_that_cut_its_slot() {
+fn kvm_a_write_loop_goes_on_through_unplugs_inside_its_piece() {
     if !kvm_test_support::require_kvm(
-        "tinyvmm::kvm_a_write_loop_goes_on_through_unplugs_that_cut_its_slot",
+        "tinyvmm::kvm_a_write_loop_goes_on_through_unplugs_inside_its_piece",
     ) {
         return;
     }
@@ -1963,4 +1963,90 @@ fn kvm_a_stream_with_valid_checksums_but_a_wrong_page_is_refused_by_its_digest()
         ),
         "{stderr}"
     );
+}
+
+/// `tinyvmm client migrate` of `source`'s VM to the Unix socket `listen`.
+fn client_migrate(source: &Vmm, listen: &std::path::Path) -> Command {
+    let mut client = Command::new(env!("CARGO_BIN_EXE_tinyvmm"));
+    client
+        .args(["client", "migrate"])
+        .arg(format!("unix:{}", listen.display()))
+        .arg("--api-sock")
+        .arg(&source.api)
+        .env_remove(tinyvmm::jobs::client::API_SOCK_ENV)
+        .stdin(Stdio::null());
+    client
+}
+
+/// `tinyvmm client migrate` waits for the migration's outcome: it exits 0 once the VM runs on
+/// the destination, with the last status `completed` (the source, which ends once the
+/// destination runs the VM, stays until the client that followed the migration has read it),
+/// not with `done (204)` as the migration starts; the destination then serves the VM, with
+/// what the guest wrote.
+#[test]
+fn kvm_the_client_command_waits_until_the_vm_runs_on_the_destination() {
+    if !kvm_test_support::require_kvm(
+        "tinyvmm::kvm_the_client_command_waits_until_the_vm_runs_on_the_destination",
+    ) {
+        return;
+    }
+    let mut source = Vmm::serve("client-waits", 8, 64, &[]);
+    let end = area_end(&source);
+    let wrote = source.ok("PUT", "/guest/command", Some(guest("write", AREA, end, 5)));
+    assert_eq!(wrote["result"], "ok", "{wrote}");
+    let (mut destination, listen) = Vmm::receive("client-waits", &[]);
+    let output = client_migrate(&source, &listen)
+        .output()
+        .expect("tinyvmm client runs");
+    let (stdout, stderr) = (
+        String::from_utf8_lossy(&output.stdout),
+        String::from_utf8_lossy(&output.stderr),
+    );
+    assert_eq!(output.status.code(), Some(0), "{stdout}{stderr}");
+    assert_ne!(
+        stdout, "done (204)\n",
+        "it returned as the migration started"
+    );
+    assert!(stdout.contains("completed"), "{stdout}{stderr}");
+    // The source goes; the destination runs the VM and its memory.
+    assert!(source.wait(Duration::from_secs(60)).status.success());
+    destination.wait_for_api();
+    let verified = destination.ok("PUT", "/guest/command", Some(guest("verify", AREA, end, 5)));
+    assert_eq!(verified["result"], "ok", "{verified}");
+    destination.ok("PUT", "/actions", Some(json!({"action_type": "Stop"})));
+    assert!(destination.wait(Duration::from_secs(60)).status.success());
+}
+
+/// A source VMM that ends during a migration the client follows (killed here, as a crash
+/// would end it) leaves the outcome unknown: `tinyvmm client migrate` exits 1 and says so,
+/// where a source that ends because its VM moved on waits for the client to read `completed`.
+#[test]
+fn kvm_the_client_command_fails_when_the_source_ends_under_way() {
+    if !kvm_test_support::require_kvm(
+        "tinyvmm::kvm_the_client_command_fails_when_the_source_ends_under_way",
+    ) {
+        return;
+    }
+    let mut source = Vmm::serve("client-source-ends", 8, 64, &[]);
+    // A destination that takes the connection and never answers: the migration stays in
+    // its setup until the source ends.
+    let listen = path("client-source-ends", "silent.mig");
+    let _ = std::fs::remove_file(&listen);
+    let _silent = std::os::unix::net::UnixListener::bind(&listen).expect("bind");
+    let client = client_migrate(&source, &listen)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("tinyvmm client runs");
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while source.call("GET", "/migrate", None).0 != 200 {
+        assert!(Instant::now() < deadline, "the migration never started");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    source.kill();
+    let output = client.wait_with_output().expect("the client ends");
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert_eq!(output.status.code(), Some(1), "{stderr}");
+    assert!(stderr.contains("ended during the migration"), "{stderr}");
+    let _ = std::fs::remove_file(&listen);
 }

@@ -124,7 +124,10 @@ pub struct WriteStats {
 
 /// Moves `len` bytes between guest memory at `offset` in `memory` and `file` at `at`, with
 /// `pwrite` (`to_file`) or `pread`: the kernel copies, so no Rust reference to guest memory is
-/// ever made.
+/// ever made. Ranges of `memory` that are inaccessible ([`RegionMemory::access`]: unplugged
+/// blocks under a live slot) are never touched: they are written to the file as zeros (what
+/// their discarded pages hold) and not loaded from it; the protection is held steady for the
+/// call.
 fn transfer(
     file: &File,
     memory: &RegionMemory,
@@ -139,14 +142,51 @@ fn transfer(
             .is_some_and(|end| end <= memory.size()),
         "a run inside its region"
     );
+    let access = memory.access();
+    for (part, accessible) in kvm_memslots::split_by(offset..offset + len, access.inaccessible()) {
+        let file_at = at + (part.start - offset);
+        let part_len = part.end - part.start;
+        match (accessible, to_file) {
+            (true, _) => transfer_run(file, memory, part.start, part_len, file_at, to_file)?,
+            (false, true) => write_zeros(file, part_len, file_at)?,
+            (false, false) => {}
+        }
+    }
+    drop(access);
+    Ok(())
+}
+
+/// Writes `len` zero bytes to `file` at `at`.
+fn write_zeros(file: &File, len: u64, at: u64) -> std::io::Result<()> {
+    use std::os::unix::fs::FileExt;
+    let zeros = vec![0u8; len.min(1 << 20) as usize];
+    let mut done = 0;
+    while done < len {
+        let n = (len - done).min(zeros.len() as u64) as usize;
+        file.write_all_at(&zeros[..n], at + done)?;
+        done += n as u64;
+    }
+    Ok(())
+}
+
+/// [`transfer`] of a run that is all accessible (the caller holds the protection steady).
+fn transfer_run(
+    file: &File,
+    memory: &RegionMemory,
+    offset: u64,
+    len: u64,
+    at: u64,
+    to_file: bool,
+) -> std::io::Result<()> {
     let mut done = 0u64;
     while done < len {
         let ptr = (memory.host_address() + offset + done) as *mut libc::c_void;
         let count = (len - done).min(1 << 30) as usize;
         let pos = (at + done) as libc::off_t;
         let n = if to_file {
-            // SAFETY: `[ptr, ptr + count)` lies inside the region's mapping (asserted above),
-            // which `memory` keeps mapped for the call; the kernel only reads it.
+            // SAFETY: `[ptr, ptr + count)` lies inside the region's mapping (asserted by
+            // `transfer`), which `memory` keeps mapped for the call, and is accessible (the
+            // caller holds the protection steady); the kernel only reads it.
             unsafe { libc::pwrite(file.as_raw_fd(), ptr, count, pos) }
         } else {
             // SAFETY: as above, and the mapping is writable; the kernel writes it. The guest

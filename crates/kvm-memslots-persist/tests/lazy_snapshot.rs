@@ -374,3 +374,35 @@ fn a_region_removed_under_a_lazy_restore_is_unmapped_and_forgotten() {
         );
     }
 }
+
+/// A lazily restored region whose range holding a page not filled yet is made unreachable and
+/// discarded (a virtio-mem restore puts back its unplugged blocks' protection this way): a Full
+/// and a migration of it neither fault nor hang on that range, carry zeros for it, and carry
+/// every other page.
+#[test]
+fn an_unreachable_range_under_a_lazy_restore_is_zeros_in_its_snapshots_and_migrations() {
+    let (layout, _path, file) = first_snapshot("unreachable-1");
+    let (b, loader) = lazy_restore(&layout, &file);
+    let region = b.regions()[0].id;
+    // Page 1 and 2 (at 5 and 6 pages into the anonymous region), not filled yet.
+    let gone = 4 * PAGE_SIZE..8 * PAGE_SIZE;
+    b.set_accessible(region, std::slice::from_ref(&gone), false)
+        .expect("protected");
+    b.discard_region(region, gone.clone()).expect("discarded");
+    let (_again_path, again) = TempFile::new("unreachable-2");
+    let stats = write_memory_file(&b, &layout, &again).expect("written");
+    assert_eq!(stats.bytes, 6 * PAGE_SIZE, "{stats:?}");
+    let mut writer = StreamWriter::new(Vec::new());
+    writer.hello(&layout).expect("Hello");
+    let sent = writer.send_all(&b).expect("round 1");
+    writer.end_round().expect("round end");
+    writer.done().expect("Done");
+    assert_eq!(sent.bytes, 6 * PAGE_SIZE, "{sent:?}");
+    drop(loader);
+    let c = copy_restore(&layout, &again);
+    for i in [1, 2] {
+        assert_eq!(page(&c, PAGES[i]), vec![0; PAGE_SIZE as usize], "page {i}");
+        guest_write_page(&c, PAGES[i], first_byte(i)); // Back to what `check_all` expects.
+    }
+    check_all(&c, "a copy restore of the Full");
+}

@@ -239,6 +239,15 @@ pub enum Error {
         /// The system's error.
         source: std::io::Error,
     },
+    /// Changing whether a range of a region is reachable (`mprotect`) failed; the ranges of the
+    /// same call before it got their protection back.
+    #[error("changing the protection of guest range {range} failed: {source}")]
+    Protect {
+        /// The range.
+        range: AddressRange,
+        /// The system's error.
+        source: std::io::Error,
+    },
     /// A new region (or, for [`Limit::Slots`], a change's new slots) is over one of the
     /// manager's [`MemoryLimits`](crate::MemoryLimits); nothing was allocated or changed.
     #[error("{}", over_limit(*.limit, *.size, *.figure, *.max))]
@@ -337,6 +346,7 @@ impl Error {
             | Error::GetDirtyLog { .. }
             | Error::ClearDirtyLog { .. }
             | Error::Discard { .. }
+            | Error::Protect { .. }
             | Error::DirtyRing { .. }
             | Error::OutOfMemory { .. } => ErrorKind::Host,
         }
@@ -366,9 +376,9 @@ impl Error {
             | Error::DirtyRing { source, .. } => Some(source.errno()),
             Error::Broken { errno, .. } => Some(errno.errno()),
             Error::UndoFailed { failed, .. } => failed.errno(),
-            Error::Discard { source, .. } | Error::Mapping(MappingError::Memfd { source, .. }) => {
-                source.raw_os_error()
-            }
+            Error::Discard { source, .. }
+            | Error::Protect { source, .. }
+            | Error::Mapping(MappingError::Memfd { source, .. }) => source.raw_os_error(),
             Error::Mapping(MappingError::Mmap {
                 source: MmapRegionError::Mmap(source),
                 ..

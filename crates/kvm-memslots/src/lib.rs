@@ -30,9 +30,9 @@ pub use manager::{
     KVM_MAX_SLOT_SIZE,
 };
 pub use memory::{
-    hugetlb_pages_available, Backing, GuestMemoryHandle, GuestMemorySlots, GuestMemoryView,
-    GuestSlot, GuestSlotData, MappingError, PageSize, RegionId, RegionMemory, SlotBacking,
-    HUGE_PAGE_SIZE,
+    hugetlb_pages_available, split_by, Access, Backing, GuestMemoryHandle, GuestMemorySlots,
+    GuestMemoryView, GuestSlot, GuestSlotData, MappingError, PageSize, RegionId, RegionMemory,
+    SlotBacking, HUGE_PAGE_SIZE,
 };
 pub use ring::{RingCollection, RingError, MIN_RING_ENTRIES};
 

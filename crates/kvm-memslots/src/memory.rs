@@ -3,9 +3,10 @@
 
 use std::fmt;
 use std::fs::File;
-use std::ops::Deref;
+use std::ops::{Deref, Range};
 use std::os::fd::FromRawFd;
-use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, RwLock, RwLockReadGuard};
 
 use memslot_map::{MemslotMap, SharedMap, Slot};
 use ref_cast::RefCast;
@@ -168,6 +169,16 @@ pub struct RegionMemory {
     /// A private mapping of a file: discarding a page must replace it with a zero page, since
     /// dropping it would bring the file's page back.
     private_file: bool,
+    /// The byte ranges of the mapping that are protected `PROT_NONE` (ascending, disjoint,
+    /// page-aligned): memory the guest must not reach (an unplugged block under a live slot).
+    /// The host's readers see zeros there (whoever made them unreachable gives the pages back
+    /// too). Readers of the mapping hold the read lock while they copy, and copy zeros for
+    /// these ranges instead of touching them; the manager changes the protection under the
+    /// write lock only.
+    inaccessible: RwLock<Vec<Range<u64>>>,
+    /// Whether `inaccessible` lists any range (set under its write lock): what lets
+    /// vm-memory's accesses to a region that never had one skip the lock.
+    any_inaccessible: AtomicBool,
 }
 
 impl fmt::Debug for RegionMemory {
@@ -258,6 +269,8 @@ impl RegionMemory {
             page_size,
             shared,
             private_file,
+            inaccessible: RwLock::new(Vec::new()),
+            any_inaccessible: AtomicBool::new(false),
         })
     }
 
@@ -287,14 +300,88 @@ impl RegionMemory {
     }
 
     /// Copies `buf.len()` bytes from `offset` with volatile reads (the guest may be writing),
-    /// without marking anything dirty.
+    /// without marking anything dirty. Inaccessible ranges ([`inaccessible`](Self::inaccessible))
+    /// read as zeros and are never touched, so that a protection change cannot fault the
+    /// reader.
     pub fn read_volatile(&self, offset: u64, buf: &mut [u8]) -> Result<(), GuestMemoryError> {
-        let slice = self
-            .mapping
-            .get_slice(offset as usize, buf.len())
-            .map_err(|_| GuestMemoryError::InvalidBackendAddress)?;
-        slice.copy_to(buf);
+        let end = offset
+            .checked_add(buf.len() as u64)
+            .filter(|end| *end <= self.size())
+            .ok_or(GuestMemoryError::InvalidBackendAddress)?;
+        let access = self.access();
+        for (part, accessible) in split_by(offset..end, access.inaccessible()) {
+            let into = &mut buf[(part.start - offset) as usize..(part.end - offset) as usize];
+            if !accessible {
+                into.fill(0);
+                continue;
+            }
+            let slice = self
+                .mapping
+                .get_slice(part.start as usize, into.len())
+                .map_err(|_| GuestMemoryError::InvalidBackendAddress)?;
+            slice.copy_to(into);
+        }
         Ok(())
+    }
+
+    /// The byte ranges protected `PROT_NONE` now (see [`access`](Self::access)).
+    pub fn inaccessible(&self) -> Vec<Range<u64>> {
+        self.access().inaccessible().to_vec()
+    }
+
+    /// A hold on the mapping's protection: while it is held, no range changes between
+    /// accessible and inaccessible, so a reader that touches the mapping through a raw pointer
+    /// (`pwrite` from it, `pread` into it, a `UFFDIO_COPY`) can skip the inaccessible ranges
+    /// it names and touch the rest safely. Hold it only for the copy: a plug or an unplug
+    /// waits for it.
+    pub fn access(&self) -> Access<'_> {
+        Access(self.inaccessible.read().unwrap_or_else(|e| e.into_inner()))
+    }
+
+    /// Makes `range` (page-aligned, inside the mapping) inaccessible, `mprotect(PROT_NONE)`,
+    /// or accessible again, `mprotect(PROT_READ | PROT_WRITE)`, under the write lock of
+    /// [`access`](Self::access): no reader copies from the range meanwhile. The pages keep
+    /// their contents: a caller that gives them back discards them once they are protected.
+    pub(crate) fn set_accessible(
+        &self,
+        range: Range<u64>,
+        accessible: bool,
+    ) -> std::io::Result<()> {
+        let mut inaccessible = self.inaccessible.write().unwrap_or_else(|e| e.into_inner());
+        if range.end > self.size() || range.start >= range.end {
+            return Err(std::io::Error::from(std::io::ErrorKind::InvalidInput));
+        }
+        let prot = if accessible {
+            libc::PROT_READ | libc::PROT_WRITE
+        } else {
+            libc::PROT_NONE
+        };
+        let hva = self.host_address() + range.start;
+        // SAFETY: `[hva, hva + len)` lies inside the mapping (checked above), which `self` owns
+        // and keeps mapped. Guest memory is only reached through volatile accesses and raw
+        // pointers, never Rust references; the host's own readers go through `access`, whose
+        // lock this function holds for writing, and skip inaccessible ranges.
+        let ret = unsafe {
+            libc::mprotect(
+                hva as *mut libc::c_void,
+                (range.end - range.start) as usize,
+                prot,
+            )
+        };
+        if ret != 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        *inaccessible = with_range(&inaccessible, range, !accessible);
+        self.any_inaccessible
+            .store(!inaccessible.is_empty(), Ordering::Release);
+        Ok(())
+    }
+
+    /// Whether `range` holds no inaccessible byte now: a check for vm-memory's accesses, not
+    /// held across them (a region that never had an inaccessible range answers without the
+    /// lock).
+    fn is_accessible_now(&self, range: Range<u64>) -> bool {
+        !self.any_inaccessible.load(Ordering::Acquire) || self.access().is_accessible(range)
     }
 
     /// The bitmap of the pages the VMM itself wrote through vm-memory.
@@ -306,6 +393,90 @@ impl RegionMemory {
     pub fn file_offset(&self) -> Option<&FileOffset> {
         self.mapping.file_offset()
     }
+}
+
+/// A read hold on a mapping's protection ([`RegionMemory::access`]).
+#[derive(Debug)]
+pub struct Access<'a>(RwLockReadGuard<'a, Vec<Range<u64>>>);
+
+impl Access<'_> {
+    /// The inaccessible byte ranges (ascending, disjoint, page-aligned).
+    pub fn inaccessible(&self) -> &[Range<u64>] {
+        &self.0
+    }
+
+    /// Whether `range` holds no inaccessible byte.
+    pub fn is_accessible(&self, range: Range<u64>) -> bool {
+        !self
+            .0
+            .iter()
+            .any(|r| r.start < range.end && range.start < r.end)
+    }
+}
+
+/// `range` cut at the edges of `inaccessible` (ascending, disjoint): its parts in order, each
+/// with whether it is accessible.
+///
+/// ```
+/// use kvm_memslots::split_by;
+///
+/// assert_eq!(
+///     split_by(0..10, &[2..4, 8..12]),
+///     vec![(0..2, true), (2..4, false), (4..8, true), (8..10, false)]
+/// );
+/// ```
+pub fn split_by(range: Range<u64>, inaccessible: &[Range<u64>]) -> Vec<(Range<u64>, bool)> {
+    let mut parts = Vec::new();
+    let mut at = range.start;
+    for r in inaccessible {
+        if r.end <= at || at >= range.end {
+            continue;
+        }
+        if r.start >= range.end {
+            break;
+        }
+        if r.start > at {
+            parts.push((at..r.start, true));
+        }
+        let end = r.end.min(range.end);
+        parts.push((at.max(r.start)..end, false));
+        at = end;
+    }
+    if at < range.end {
+        parts.push((at..range.end, true));
+    }
+    parts
+}
+
+/// `ranges` (ascending, disjoint) with `range` added (`set`) or taken out, merged.
+pub(crate) fn with_range(ranges: &[Range<u64>], range: Range<u64>, set: bool) -> Vec<Range<u64>> {
+    let mut out: Vec<Range<u64>> = Vec::with_capacity(ranges.len() + 1);
+    let mut push = |r: Range<u64>| {
+        if r.start >= r.end {
+            return;
+        }
+        match out.last_mut() {
+            Some(last) if last.end >= r.start => last.end = last.end.max(r.end),
+            _ => out.push(r),
+        }
+    };
+    let mut placed = !set;
+    for r in ranges {
+        if set && !placed && range.start <= r.start {
+            push(range.clone());
+            placed = true;
+        }
+        if set {
+            push(r.clone());
+        } else {
+            push(r.start..r.end.min(range.start));
+            push(r.start.max(range.end)..r.end);
+        }
+    }
+    if !placed {
+        push(range);
+    }
+    out
 }
 
 fn new_memfd(size: u64, hugetlb: bool) -> Result<File, MappingError> {
@@ -477,6 +648,18 @@ impl GuestMemoryRegion for GuestSlot {
         let addr = self
             .check_address(addr)
             .ok_or(GuestMemoryError::InvalidBackendAddress)?;
+        // An unreachable byte is no memory for a device either (see `get_slice`).
+        let offset = self.0.payload().offset + addr.0;
+        if !self
+            .0
+            .payload()
+            .memory
+            .is_accessible_now(offset..offset + 1)
+        {
+            return Err(GuestMemoryError::InvalidGuestAddress(GuestAddress(
+                self.0.gpa().0 + addr.0,
+            )));
+        }
         Ok((self.0.hva().0 + addr.0) as *mut u8)
     }
 
@@ -499,6 +682,19 @@ impl GuestMemoryRegion for GuestSlot {
         let backing = self.0.payload();
         let start = usize::try_from(backing.offset + offset.0)
             .map_err(|_| GuestMemoryError::InvalidBackendAddress)?;
+        // An inaccessible range (an unplugged block under a live slot) is refused as memory
+        // that is not there. The check is not held across the slice's use: a device that
+        // copies while the range turns inaccessible can still fault (see
+        // `MemoryManager::set_accessible`).
+        let first = backing.offset + offset.0;
+        if !backing
+            .memory
+            .is_accessible_now(first..first + count as u64)
+        {
+            return Err(GuestMemoryError::InvalidGuestAddress(GuestAddress(
+                self.0.gpa().0 + offset.0,
+            )));
+        }
         Ok(backing.memory.mapping.get_slice(start, count)?)
     }
 }

@@ -1,8 +1,9 @@
 //! Plugging and unplugging 1 GiB in 2 MiB blocks on real KVM with ~32k slots already in use:
-//! this crate's scheme with plugged blocks sharing slots up to 128 MiB (the default), the same
-//! with one KVM slot per plugged block (`max_slot_size` = the block size), and Firecracker's
-//! (128 MiB slots, unplugged blocks inside a mapped slot protected `PROT_NONE`), side by side
-//! in one run.
+//! this crate's scheme with 128 MiB pieces (the default: one slot over a piece while a block of
+//! it is plugged, its unplugged blocks protected `PROT_NONE` through the manager), the same
+//! with one KVM slot per plugged block (`max_slot_size` = the block size), and a model of
+//! Firecracker's (128 MiB slots, unplugged blocks inside a mapped slot protected `PROT_NONE`),
+//! side by side in one run.
 //!
 //! `cargo bench -p kvm-virtio-mem --bench plug -- [--rounds R]` (default 10 rounds)
 //!
@@ -27,6 +28,11 @@
 //!   (`MADV_DONTNEED`) and `mprotect`s its blocks `PROT_NONE`; the last unplug in a chunk
 //!   removes its region. Its latency is the time of those calls. A STATE request's latency is
 //!   printed as the cost of the queue and MMIO path, which the model leaves out.
+//! - The same model with that path in: each request's time also covers one STATE request of
+//!   the same blocks through the shared-slot device's driver, virtqueue and MMIO registers
+//!   (changing nothing), the round trip a request to Firecracker's device makes too. The
+//!   table's last two columns are each scheme's total against the model and against the
+//!   model with the queue.
 //!
 //! KVM ioctl timings on a nested host swing by 10x between runs: compare the schemes only
 //! within a run (the ratios), never across runs. Prints a table and writes JSON to
@@ -114,7 +120,8 @@ fn device_slots(m: &Manager, base: u64) -> usize {
 
 /// This crate's scheme through the device at `base`: plug everything, then unplug it, in
 /// requests of `per` blocks. With `max_slot_size` = the block size each request adds (removes)
-/// one region per block; otherwise it adds, re-slots or removes the 128 MiB pieces it touches.
+/// one region per block; otherwise it adds or removes the 128 MiB pieces it empties or starts
+/// and flips the protection of its blocks inside a live piece (no KVM call).
 fn ours(driver: &mut Driver<Counting<KvmVm>>, base: u64, per: u64) -> (Phase, Phase) {
     let m = Arc::clone(&driver.memory);
     let piece = driver.device.device().max_slot_size() / BLOCK;
@@ -128,8 +135,26 @@ fn ours(driver: &mut Driver<Counting<KvmVm>>, base: u64, per: u64) -> (Phase, Ph
         plug.peak_slots = plug.peak_slots.max(device_slots(&m, base));
     }
     finish(&mut plug, &m, before);
-    // One mmap per piece (anonymous, MAP_NORESERVE), made by the manager's add_region.
-    plug.other_syscalls = BLOCKS / piece;
+    // Per-block: an mmap per block. Shared: the first plug in a piece maps it (one mmap) and
+    // protects the rest of it (one mprotect, none for a whole piece); a plug inside a live
+    // piece is one mprotect.
+    plug.other_syscalls = if piece == 1 {
+        BLOCKS
+    } else {
+        (0..BLOCKS)
+            .step_by(per as usize)
+            .map(|first| match (first % piece == 0, per == piece) {
+                (true, true) => 1,
+                _ => {
+                    if first % piece == 0 {
+                        2
+                    } else {
+                        1
+                    }
+                }
+            })
+            .sum()
+    };
     assert_eq!(driver.device.device().plugged_size(), REGION);
 
     let mut unplug = Phase::default();
@@ -139,9 +164,13 @@ fn ours(driver: &mut Driver<Counting<KvmVm>>, base: u64, per: u64) -> (Phase, Ph
         let answer = driver.unplug(base + first * BLOCK, per as u16);
         unplug.latencies.push(start.elapsed());
         assert_eq!(answer, RESP_ACK, "unplug at block {first}");
-        // Per-block: a munmap per block. Shared: a munmap where the piece empties, else one
-        // madvise of the blocks (one run in one piece).
-        unplug.other_syscalls += if piece == 1 { per } else { 1 };
+        // Per-block: a munmap per block. Shared: a munmap where the piece empties, else an
+        // mprotect and a madvise of the blocks (one run in one piece).
+        unplug.other_syscalls += match (piece == 1, first % piece == 0) {
+            (true, _) => per,
+            (false, true) => 1,
+            (false, false) => 2,
+        };
     }
     finish(&mut unplug, &m, before);
     unplug.peak_slots = plug.peak_slots;
@@ -218,12 +247,26 @@ impl Chunked {
     }
 }
 
-fn firecracker(m: &Manager, per: u64) -> (Phase, Phase) {
+/// Firecracker's scheme, with (`queue`) one STATE request of the same blocks through a
+/// device's virtqueue and MMIO registers inside each request's time: the round trip a real
+/// device's request makes, which the model alone leaves out.
+fn firecracker(
+    m: &Manager,
+    per: u64,
+    mut queue: Option<&mut Driver<Counting<KvmVm>>>,
+) -> (Phase, Phase) {
     let mut model = Chunked::new();
     let mut plug = Phase::default();
+    let mut round_trip = |first: u64| {
+        if let Some(d) = queue.as_deref_mut() {
+            let answer = d.request(REQ_STATE, SHARED_DEVICE + first * BLOCK, per as u16);
+            assert_eq!(answer.map(|a| a.0), Some(RESP_ACK));
+        }
+    };
     let before = kvm_counters(m);
     for first in (0..BLOCKS).step_by(per as usize) {
         let start = Instant::now();
+        round_trip(first);
         plug.other_syscalls += model.plug(m, first, per);
         plug.latencies.push(start.elapsed());
         plug.peak_slots = plug.peak_slots.max(device_slots(m, DEVICE));
@@ -233,6 +276,7 @@ fn firecracker(m: &Manager, per: u64) -> (Phase, Phase) {
     let before = kvm_counters(m);
     for first in (0..BLOCKS / per).rev().map(|i| i * per) {
         let start = Instant::now();
+        round_trip(first);
         unplug.other_syscalls += model.unplug(m, first, per);
         unplug.latencies.push(start.elapsed());
     }
@@ -327,18 +371,20 @@ fn main() {
     state.sort();
     let state_median = state[state.len() / 2];
 
-    // results[per][scheme] = phases (plug, unplug) for every round; Firecracker's is last.
+    // results[per][scheme] = phases (plug, unplug) for every round; Firecracker's model is
+    // third, the model with a queue round trip per request fourth.
     // 64 blocks (128 MiB, Linux's x86 memory block) is what Linux's driver asks for whole.
     let sizes = [1u64, 16, 64];
-    let mut results: Vec<[Vec<(Phase, Phase)>; 3]> = vec![Default::default(); sizes.len()];
+    let mut results: Vec<[Vec<(Phase, Phase)>; 4]> = vec![Default::default(); sizes.len()];
     let bench_start = Instant::now();
     for round in 0..rounds {
         for (k, &per) in sizes.iter().enumerate() {
-            for turn in 0..3 {
-                match (round + turn) % 3 {
+            for turn in 0..4 {
+                match (round + turn) % 4 {
                     0 => results[k][0].push(ours(&mut shared, SHARED_DEVICE, per)),
                     1 => results[k][1].push(ours(&mut driver, DEVICE, per)),
-                    _ => results[k][2].push(firecracker(&memory, per)),
+                    2 => results[k][2].push(firecracker(&memory, per, None)),
+                    _ => results[k][3].push(firecracker(&memory, per, Some(&mut shared))),
                 }
             }
         }
@@ -346,11 +392,17 @@ fn main() {
     let bench_time = bench_start.elapsed();
 
     let names = [
-        "shared slots up to 128 MiB (this crate)",
+        "128 MiB pieces, PROT_NONE (this crate)",
         "per-block slots (this crate, max = block)",
         "128 MiB slots (Firecracker)",
+        "128 MiB slots (Firecracker) + queue round trip",
     ];
-    let keys = ["shared-128MiB", "per-block", "firecracker-128MiB"];
+    let keys = [
+        "shared-128MiB",
+        "per-block",
+        "firecracker-128MiB",
+        "firecracker-128MiB-queue",
+    ];
     let mut table = String::new();
     let _ = writeln!(
         table,
@@ -365,9 +417,12 @@ fn main() {
     );
     let _ = writeln!(
         table,
-        "| blocks/request | phase | scheme | requests | median us | p99 us | total ms | KVM calls | KVM ms | other syscalls | peak slots | total vs Firecracker |"
+        "| blocks/request | phase | scheme | requests | median us | p99 us | total ms | KVM calls | KVM ms | other syscalls | peak slots | total vs Firecracker | total vs Firecracker + queue |"
     );
-    let _ = writeln!(table, "|---|---|---|---|---|---|---|---|---|---|---|---|");
+    let _ = writeln!(
+        table,
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|"
+    );
     let mut json = String::from("{\n  \"rounds\": ");
     let _ = write!(
         json,
@@ -380,18 +435,33 @@ fn main() {
     for (k, &per) in sizes.iter().enumerate() {
         for (p, phase_name) in ["plug", "unplug"].iter().enumerate() {
             for (s, name) in names.iter().enumerate() {
-                // Ratio of this scheme's total to Firecracker's, per round, then the median.
-                let mut ratios: Vec<f64> = (0..rounds)
-                    .map(|r| {
-                        let pick = |s: usize| {
-                            let (a, b) = &results[k][s][r];
-                            if p == 0 { a } else { b }.total().as_secs_f64()
-                        };
-                        pick(s) / pick(2)
-                    })
-                    .collect();
-                ratios.sort_by(f64::total_cmp);
-                let ratio = ratios[ratios.len() / 2];
+                // Ratio of this scheme's total to a baseline's, per round, then the median,
+                // with the range over rounds.
+                let ratio_to = |base: usize| {
+                    let mut ratios: Vec<f64> = (0..rounds)
+                        .map(|r| {
+                            let pick = |s: usize| {
+                                let (a, b) = &results[k][s][r];
+                                if p == 0 { a } else { b }.total().as_secs_f64()
+                            };
+                            pick(s) / pick(base)
+                        })
+                        .collect();
+                    ratios.sort_by(f64::total_cmp);
+                    let median = ratios[ratios.len() / 2];
+                    let cell = if s == base {
+                        "1".to_owned()
+                    } else {
+                        format!(
+                            "{median:.2}x (rounds {:.2}–{:.2})",
+                            ratios[0],
+                            ratios[rounds - 1]
+                        )
+                    };
+                    (median, cell)
+                };
+                let (ratio, ratio_cell) = ratio_to(2);
+                let (ratio_queue, queue_cell) = ratio_to(3);
                 // Every round's requests together.
                 let mut all = Phase::default();
                 for (a, b) in &results[k][s] {
@@ -403,18 +473,9 @@ fn main() {
                     all.peak_slots = all.peak_slots.max(ph.peak_slots);
                 }
                 let n = rounds as u64;
-                let ratio_cell = if s < 2 {
-                    format!(
-                        "{ratio:.2}x (rounds {:.2}–{:.2})",
-                        ratios[0],
-                        ratios[rounds - 1]
-                    )
-                } else {
-                    "1".into()
-                };
                 let _ = writeln!(
                     table,
-                    "| {per} | {phase_name} | {name} | {} | {:.1} | {:.1} | {:.1} | {} | {:.1} | {} | {} | {ratio_cell} |",
+                    "| {per} | {phase_name} | {name} | {} | {:.1} | {:.1} | {:.1} | {} | {:.1} | {} | {} | {ratio_cell} | {queue_cell} |",
                     all.latencies.len() as u64 / n,
                     us(all.percentile(0.5)),
                     us(all.percentile(0.99)),
@@ -437,7 +498,7 @@ fn main() {
                     .collect();
                 let _ = write!(
                     json,
-                    "    {{\"blocks_per_request\": {per}, \"phase\": \"{phase_name}\", \"scheme\": \"{}\", \"requests_per_round\": {}, \"median_us\": {:.2}, \"p99_us\": {:.2}, \"total_ms_per_round\": [{}], \"kvm_calls_per_round\": {}, \"kvm_ms_per_round\": {:.3}, \"other_syscalls_per_round\": {}, \"peak_slots\": {}, \"median_ratio_to_firecracker\": {:.4}}}",
+                    "    {{\"blocks_per_request\": {per}, \"phase\": \"{phase_name}\", \"scheme\": \"{}\", \"requests_per_round\": {}, \"median_us\": {:.2}, \"p99_us\": {:.2}, \"total_ms_per_round\": [{}], \"kvm_calls_per_round\": {}, \"kvm_ms_per_round\": {:.3}, \"other_syscalls_per_round\": {}, \"peak_slots\": {}, \"median_ratio_to_firecracker\": {:.4}, \"median_ratio_to_firecracker_with_queue\": {:.4}}}",
                     keys[s],
                     all.latencies.len() as u64 / n,
                     us(all.percentile(0.5)),
@@ -448,6 +509,7 @@ fn main() {
                     all.other_syscalls / n,
                     all.peak_slots,
                     ratio,
+                    ratio_queue,
                 );
             }
         }

@@ -2,15 +2,11 @@
 
 use serde::{Deserialize, Serialize};
 
-/// What a migration does when its timeout comes before it converged.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Serialize, clap::ValueEnum)]
-#[serde(rename_all = "snake_case")]
-pub enum OnTimeout {
-    /// Give up: the VM keeps running here.
-    Cancel,
-    /// Stop and copy what is left, however long the pause.
-    Force,
-}
+use crate::precopy::{Phase, Progress};
+
+/// What the rounds do at their timeout: the pre-copy engine's, which `PUT /migrate` and a live
+/// `PUT /snapshot/create` both name.
+pub use crate::precopy::OnTimeout;
 
 /// `PUT /migrate`: move the running VM to a `tinyvmm receive` process.
 #[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
@@ -44,43 +40,12 @@ fn default_on_timeout() -> OnTimeout {
     OnTimeout::Cancel
 }
 
-/// Where a migration is.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
-#[serde(rename_all = "snake_case")]
-pub enum MigrationPhase {
-    /// Connecting and exchanging the memory layout.
-    Setup,
-    /// Copying memory while the guest runs.
-    PreCopy,
-    /// The guest is paused: the last pages and the state go over.
-    StopAndCopy,
-    /// The destination runs the VM; this VMM exits.
-    Completed,
-    /// It failed; the VM runs here as before.
-    Failed,
-    /// A client or the timeout cancelled it; the VM runs here as before.
-    Cancelled,
-    /// The destination got the whole VM but its answer did not come: it may run the VM, so
-    /// the VM stays paused here (`PATCH /vm {"state": "Resumed"}` runs it here again).
-    Unconfirmed,
-}
-
-impl MigrationPhase {
-    /// Whether the rounds still run: setup, pre-copy or stop-and-copy. Any other phase is
-    /// final; the thread behind it ends a moment after it is set.
-    pub fn under_way(self) -> bool {
-        matches!(
-            self,
-            MigrationPhase::Setup | MigrationPhase::PreCopy | MigrationPhase::StopAndCopy
-        )
-    }
-}
-
 /// `GET /migrate`.
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct MigrationInfo {
-    /// Where it is.
-    pub phase: MigrationPhase,
+    /// Where it is (`setup`, `pre_copy`, `stop_and_copy`, then `completed`, `failed`,
+    /// `cancelled` or `unconfirmed`).
+    pub phase: Phase,
     /// Where it goes.
     pub destination: String,
     /// The round of pages under way (1: every page that holds data).
@@ -111,6 +76,25 @@ pub struct MigrationInfo {
 }
 
 impl MigrationInfo {
+    /// A migration's progress: its pre-copy run's, to `destination`.
+    pub fn of(run: Progress, destination: String) -> Self {
+        MigrationInfo {
+            phase: run.phase,
+            destination,
+            round: run.round,
+            bytes_sent: run.bytes_copied,
+            guest_memory_bytes: run.guest_memory_bytes,
+            pages_left: run.pages_left,
+            dirty_rate_pages_per_second: run.dirty_rate_pages_per_second,
+            throughput_bytes_per_second: run.throughput_bytes_per_second,
+            estimated_downtime_ms: run.estimated_pause_ms,
+            forced: run.forced,
+            downtime_ms: run.pause_ms,
+            elapsed_ms: run.elapsed_ms,
+            error: run.error,
+        }
+    }
+
     /// One line for a source's log once the VM runs on the destination.
     pub fn completed_line(&self) -> String {
         format!(

@@ -2,6 +2,8 @@
 
 use serde::{Deserialize, Serialize};
 
+use crate::precopy::{OnTimeout, Phase, Progress};
+
 /// `PUT /snapshot/create` (Firecracker's shape).
 #[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -26,7 +28,7 @@ pub struct SnapshotCreate {
     /// What a live snapshot does at its timeout, or once the pause cannot fit `downtime_ms`
     /// (default `force`: pause anyway; `cancel`: give up).
     #[serde(default)]
-    pub on_timeout: Option<super::migration::OnTimeout>,
+    pub on_timeout: Option<OnTimeout>,
 }
 
 /// A live snapshot's pause budget unless the request says.
@@ -91,7 +93,7 @@ pub enum SnapshotType {
 pub struct LiveSnapshotInfo {
     /// Where it is (`setup`, `pre_copy`, `stop_and_copy`, then `completed`, `failed` or
     /// `cancelled`).
-    pub phase: super::migration::MigrationPhase,
+    pub phase: Phase,
     /// Its state file.
     pub snapshot_path: std::path::PathBuf,
     /// Its memory file.
@@ -120,6 +122,30 @@ pub struct LiveSnapshotInfo {
     pub snapshot_id: Option<String>,
     /// Why it failed or was cancelled.
     pub error: Option<String>,
+}
+
+impl LiveSnapshotInfo {
+    /// A live snapshot's progress: its pre-copy run's, into `paths` (state, memory), with
+    /// its `snapshot_id` once written.
+    pub fn of(run: Progress, paths: &[std::path::PathBuf; 2], snapshot_id: Option<String>) -> Self {
+        LiveSnapshotInfo {
+            phase: run.phase,
+            snapshot_path: paths[0].clone(),
+            mem_file_path: paths[1].clone(),
+            round: run.round,
+            bytes_written: run.bytes_copied,
+            guest_memory_bytes: run.guest_memory_bytes,
+            pages_left: run.pages_left,
+            dirty_rate_pages_per_second: run.dirty_rate_pages_per_second,
+            throughput_bytes_per_second: run.throughput_bytes_per_second,
+            estimated_pause_ms: run.estimated_pause_ms,
+            forced: run.forced,
+            pause_ms: run.pause_ms,
+            elapsed_ms: run.elapsed_ms,
+            snapshot_id,
+            error: run.error,
+        }
+    }
 }
 
 /// `PUT /working-set/stop` where no recording is under way.

@@ -21,8 +21,7 @@ use crate::control::support::LinuxRequest;
 use crate::control::vm::{RunState, VmInfo, VmStateRequest};
 use crate::control::{Apply, ControllerError, Outcome, Reply, Request};
 use crate::migration::slot::MigrationSlot;
-use crate::migration::source::SourceVm;
-use crate::migration::MigratingVcpu;
+use crate::precopy::{PreCopyVcpu, SourceVm};
 use crate::snapshot::live::StateWriter;
 use crate::snapshot::SnapshotChain;
 

@@ -25,7 +25,7 @@ use vmm_sys_util::eventfd::EventFd;
 use super::acpi::MmioDevice;
 use super::layout::MMIO_GAP_END;
 use crate::control::hotplug::HotplugInfo;
-use crate::vm::mmio::MmioBus;
+use crate::vm::mmio::{MmioBus, Unreachable};
 use crate::vm::{Vm, VmError};
 
 const MIB: u64 = 1 << 20;
@@ -153,14 +153,15 @@ fn connect(
     vm.fd()
         .register_irqfd(&interrupt, VIRTIO_MEM_IRQ)
         .map_err(VmError::setup("KVM_IRQFD for virtio-mem"))?;
-    let transport = transport(Box::new(interrupt))?;
+    let device = Arc::new(Mutex::new(transport(Box::new(interrupt))?));
     let mut mmio = MmioBus::new();
     mmio.insert_device(VIRTIO_MEM_MMIO, MMIO_WINDOW_SIZE, VIRTIO_MEM_DEVICE)
         .expect("the device window is in the free MMIO gap");
     mmio.insert_absent(options.addr.0, options.region_size)
         .expect("the area lies above RAM and the window");
+    mmio.set_unreachable(Arc::new(Isolator(Arc::clone(&device))));
     Ok(Hotplug {
-        device: Arc::new(Mutex::new(transport)),
+        device,
         mmio: Arc::new(mmio),
         window: MmioDevice {
             base: VIRTIO_MEM_MMIO as u32,
@@ -168,6 +169,24 @@ fn connect(
             gsi: VIRTIO_MEM_IRQ,
         },
     })
+}
+
+/// The device's unplugged blocks under their pieces' slots, for the vCPUs' MMIO bus
+/// ([`MmioBus::set_unreachable`]): a guest access to one faults inside KVM, and the piece is
+/// isolated (its slots become the runs of its plugged blocks) so that the access, run again,
+/// exits as absent memory. Either guest kind's bus can take it.
+#[derive(Debug)]
+pub struct Isolator(pub VirtioMemDevice);
+
+impl Unreachable for Isolator {
+    fn isolate(&self, gpa: Option<u64>) -> bool {
+        let mut transport = lock(&self.0);
+        // A refused re-slot leaves the fault unexplained: the vCPU then stops on it.
+        transport
+            .device_mut()
+            .isolate_unplugged(gpa.map(GuestAddress))
+            .is_ok_and(|pieces| pieces > 0)
+    }
 }
 
 pub(crate) fn lock(device: &VirtioMemDevice) -> MutexGuard<'_, MmioTransport<VirtioMem<KvmVm>>> {

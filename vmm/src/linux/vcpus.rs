@@ -10,7 +10,7 @@ use vmm_sys_util::eventfd::EventFd;
 
 use super::ports::{GuestStop, LinuxPorts};
 use super::{BootEnding, BootError};
-use crate::migration::MigratingVcpu;
+use crate::precopy::PreCopyVcpu;
 use crate::vm::state::VcpuState;
 use crate::vm::vcpu::{kick_until_finished, PauseError, Vcpu, VcpuShared};
 
@@ -33,11 +33,11 @@ pub struct LinuxVcpu {
     /// The MSRs it saves.
     pub msrs: Arc<[u32]>,
     /// A client paused the VM: a migration that ends without moving it leaves it paused
-    /// (its [`resume`](MigratingVcpu::resume) does nothing).
+    /// (its [`resume`](PreCopyVcpu::resume) does nothing).
     pub keep_paused: bool,
 }
 
-impl MigratingVcpu for LinuxVcpu {
+impl PreCopyVcpu for LinuxVcpu {
     /// Pauses it at its next exit (a halted vCPU is kicked out of `KVM_RUN`).
     fn pause(&self) -> Result<(), PauseError> {
         self.shared.pause(PAUSE_TIMEOUT)

@@ -1,13 +1,12 @@
-//! Where a run's rounds go ([`Sink`]): a migration's destination, another VMM on a stream
-//! ([`StreamSink`]), or a live snapshot's files (`snapshot::live`). The rounds
-//! ([`super::source`]) decide what to copy and when to pause; the sink carries the pages and the
-//! state, and says whether the VM moves away or goes on here once it has them all.
+//! A migration's destination as the pre-copy rounds see it: another VMM on the memory stream
+//! ([`StreamSink`], a `precopy::Sink`), the State record it receives last ([`StateRecord`]),
+//! and how a migration fails on the way ([`MigrationError`]).
 
 use std::io::{self, Write};
 use std::os::fd::OwnedFd;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use kvm_memslots::{DirtyPages, KvmVm, MemoryManager, RegionId, Target};
 use kvm_memslots_persist::stream::{
@@ -15,8 +14,8 @@ use kvm_memslots_persist::stream::{
 };
 use kvm_memslots_persist::{LayoutBacking, MemoryLayout};
 
-use super::source::{MigrationError, StateRecord};
 use super::transport::{Connection, Endpoint, Limits, WaitEnd, WaitError, Watch};
+use crate::precopy::{Next, PreCopyError, Sink, Waits};
 use crate::vm::state::VcpuState;
 
 /// How long connecting may wait (within the timeout).
@@ -31,112 +30,63 @@ const REASON_STALL: Duration = Duration::from_millis(500);
 
 type Memory = MemoryManager<KvmVm>;
 
-/// What a run's waits answer to, shared by the rounds and their sink: a client's cancel, the
-/// process's stop flag, the run's start and timeout, and the bytes carried so far (for
-/// progress).
-#[derive(Debug, Clone)]
-pub struct Waits {
-    /// A client's cancel.
-    pub cancel: Arc<AtomicBool>,
-    /// The process's stop flag (SIGINT/SIGTERM).
-    pub interrupt: &'static AtomicBool,
-    /// When the run started.
-    pub started: Instant,
-    /// How long its rounds may take.
-    pub timeout: Duration,
-    /// Bytes of pages carried so far.
-    pub bytes: Arc<AtomicU64>,
+/// How a migration fails on its way to the destination.
+#[derive(Debug, thiserror::Error)]
+pub enum MigrationError {
+    /// The destination could not be reached.
+    #[error("cannot connect to {endpoint}: {source}")]
+    Connect {
+        /// Where.
+        endpoint: String,
+        /// The system's error.
+        source: io::Error,
+    },
+    /// The destination refused the VM.
+    #[error("the destination refused: {0}")]
+    Refused(String),
+    /// Sending or the destination's answer failed.
+    #[error(transparent)]
+    Stream(#[from] StreamError),
+    /// Nothing moved on the connection for too long while waiting for the destination.
+    #[error("the destination stopped responding: {0}")]
+    Stalled(WaitError),
+    /// Everything went out, but the destination's answer did not come: it may run the VM.
+    #[error(
+        "the destination got the whole VM but did not answer ({0}): it may be running the VM, \
+         so the VM stays paused here; if the destination does not run it, PATCH /vm \
+         {{\"state\": \"Resumed\"}} runs it here again"
+    )]
+    Unconfirmed(StreamError),
 }
 
-impl Waits {
-    /// Why the run must stop now, if a client cancelled it or the VMM is stopping.
-    pub fn check_cancel(&self) -> Result<(), MigrationError> {
-        if self.cancel.load(Ordering::Acquire) {
-            return Err(MigrationError::Cancelled("a client cancelled it".into()));
-        }
-        if self.interrupt.load(Ordering::Acquire) {
-            return Err(MigrationError::Cancelled("the VMM is stopping".into()));
-        }
-        Ok(())
-    }
-
-    /// What a wait that a watch ended means for the run: a client's cancel or a signal
-    /// cancels it; the timeout (before the pause) cancels it as "not converged"; a stall
-    /// fails it.
-    pub fn ended(&self, ended: &WaitError) -> MigrationError {
-        match ended.end {
-            WaitEnd::Cancelled => MigrationError::Cancelled("a client cancelled it".into()),
-            WaitEnd::Interrupted => MigrationError::Cancelled("the VMM is stopping".into()),
-            WaitEnd::Deadline(_) => MigrationError::Cancelled(format!(
-                "not converged within {:?} (timeout_s): still waiting for {}",
-                self.timeout, ended.what
-            )),
-            WaitEnd::Stalled(_) => MigrationError::Stalled(ended.clone()),
+impl From<MigrationError> for PreCopyError {
+    fn from(error: MigrationError) -> Self {
+        match error {
+            MigrationError::Unconfirmed(_) => PreCopyError::Unconfirmed(Box::new(error)),
+            _ => PreCopyError::Sink(Box::new(error)),
         }
     }
 }
 
-/// Where the rounds' pages and the VM's state go. The rounds call, in order: [`open`], then
-/// (once logging is on) [`accepted`]; for each round [`expect`], a [`send_all`] or
-/// [`send_dirty`]s, and [`end_round`]; with the vCPUs paused, the last pages, an
-/// [`end_round`] and [`finish`]; and, for a sink that [`stays`], [`settle`] once the vCPUs run
-/// again. Every harvest's pages go to [`took`] first, the moment the rounds have them.
-///
-/// [`open`]: Sink::open
-/// [`took`]: Sink::took
-/// [`accepted`]: Sink::accepted
-/// [`expect`]: Sink::expect
-/// [`send_all`]: Sink::send_all
-/// [`send_dirty`]: Sink::send_dirty
-/// [`end_round`]: Sink::end_round
-/// [`finish`]: Sink::finish
-/// [`stays`]: Sink::stays
-/// [`settle`]: Sink::settle
-pub trait Sink: Send + 'static {
-    /// Where the VM goes, for its progress (`unix:PATH`, a memory file's path).
-    fn destination(&self) -> String;
-    /// Gets ready for memory laid out as `layout`; returns what the rounds must log and
-    /// copy (every region, or those a local migration does not hand over).
-    fn open(
-        &mut self,
-        waits: &Waits,
-        memory: &Memory,
-        layout: &MemoryLayout,
-    ) -> Result<Vec<Target>, MigrationError>;
-    /// Waits until the other side took the layout (logging is on by now).
-    fn accepted(&mut self) -> Result<(), MigrationError>;
-    /// The rounds took `harvest` from their reader of the dirty log, and nothing can fail
-    /// between that harvest and this call: a sink that owes those pages to the reader's owner
-    /// unless it saves them (a live Diff, whose chain's next Diff needs them) keeps them from
-    /// here on, whatever step ends the rounds. A migration's sink needs nothing of them.
-    fn took(&mut self, _harvest: &[DirtyPages]) {}
-    /// From now on its waits are for `what`: until the run's timeout if `by_timeout`, and as
-    /// long as something moves.
-    fn expect(&self, what: &str, by_timeout: bool);
-    /// Carries round 1: every page of `memory` that holds data, or, for a sink that carries
-    /// only what changed since a point before (a live Diff), the pages it [`took`](Sink::took)
-    /// so far (what the rounds' reader had logged when they began, and those it carried in);
-    /// returns its bytes.
-    fn send_all(&mut self, memory: &Memory) -> Result<u64, MigrationError>;
-    /// Carries the pages of `dirty`; returns their bytes.
-    fn send_dirty(&mut self, memory: &Memory, dirty: &[DirtyPages]) -> Result<u64, MigrationError>;
-    /// Ends a round.
-    fn end_round(&mut self) -> Result<(), MigrationError>;
-    /// With the vCPUs paused and every page carried: carries the VM's state (`layout`, the
-    /// vCPUs' `states`; `memory` as it is at the point) and, for a migration, waits for the
-    /// destination's word that it runs the VM.
-    fn finish(
-        &mut self,
-        memory: &Memory,
-        layout: &MemoryLayout,
-        states: Vec<VcpuState>,
-    ) -> Result<(), MigrationError>;
-    /// Whether the VM goes on here once finished (a live snapshot) rather than on the
-    /// destination (a migration).
-    fn stays(&self) -> bool;
-    /// For a sink that stays, once the vCPUs run again: what is left to do off the pause.
-    fn settle(&mut self) -> Result<(), MigrationError> {
-        Ok(())
+/// The State record a migration sends last: the guest kind's own bytes (the destination of
+/// the same guest kind reads them), made once the vCPUs are paused.
+pub trait StateRecord: std::fmt::Debug + Send + 'static {
+    /// The record for memory laid out as `layout` and the vCPUs' `states`, by index; an error
+    /// says what of the VM could not be saved (the migration then fails and the VM goes on).
+    fn to_bytes(&self, layout: &MemoryLayout, states: Vec<VcpuState>) -> Result<Vec<u8>, String>;
+}
+
+/// What a wait that a watch ended means for the run: a client's cancel or a signal cancels
+/// it; the timeout (before the pause) cancels it as "not converged"; a stall fails it.
+fn ended(waits: &Waits, wait: &WaitError) -> PreCopyError {
+    match wait.end {
+        WaitEnd::Cancelled => PreCopyError::Cancelled("a client cancelled it".into()),
+        WaitEnd::Interrupted => PreCopyError::Cancelled("the VMM is stopping".into()),
+        WaitEnd::Deadline(_) => PreCopyError::Cancelled(format!(
+            "not converged within {:?} (timeout_s): still waiting for {}",
+            waits.timeout, wait.what
+        )),
+        WaitEnd::Stalled(_) => MigrationError::Stalled(wait.clone()).into(),
     }
 }
 
@@ -200,14 +150,24 @@ impl StreamSink {
     fn open(&mut self) -> &mut Open {
         self.open.as_mut().expect("the rounds open the sink first")
     }
+
+    /// From now on the connection's waits are for `what`: until the run's timeout if
+    /// `by_timeout`, and as long as something moves.
+    fn wait_for(&self, what: &str, by_timeout: bool) {
+        if let Some(open) = &self.open {
+            open.answers
+                .watch()
+                .expect(what, limits(&open.waits, by_timeout));
+        }
+    }
 }
 
 impl Open {
     /// A step on the connection failed: a watched wait that ended, or the connection broke,
     /// in which case the destination may have said why before it closed; prefer that.
-    fn explain(&mut self, error: StreamError) -> MigrationError {
-        if let Some(ended) = ended_wait(&error) {
-            return self.waits.ended(ended);
+    fn explain(&mut self, error: StreamError) -> PreCopyError {
+        if let Some(wait) = ended_wait(&error) {
+            return ended(&self.waits, wait);
         }
         self.answers.watch().expect(
             "the destination's reason for closing",
@@ -220,6 +180,7 @@ impl Open {
             Ok(Err(reason)) => MigrationError::Refused(reason),
             _ => MigrationError::Stream(error),
         }
+        .into()
     }
 
     /// Hands every shared region's file over beside Handover records.
@@ -250,10 +211,6 @@ impl Open {
 }
 
 impl Sink for StreamSink {
-    fn destination(&self) -> String {
-        self.endpoint.to_string()
-    }
-
     /// Connects, sends the layout, and (local mode) hands shared memory over: only the rest
     /// is logged and copied.
     fn open(
@@ -261,7 +218,7 @@ impl Sink for StreamSink {
         waits: &Waits,
         memory: &Memory,
         layout: &MemoryLayout,
-    ) -> Result<Vec<Target>, MigrationError> {
+    ) -> Result<Vec<Target>, PreCopyError> {
         // Every wait from here on ends on a cancel or a signal, and until the pause at the
         // timeout: the connection watches it.
         let watch = Watch::new(
@@ -274,11 +231,12 @@ impl Sink for StreamSink {
             },
         );
         let connect_failed = |source: io::Error| match WaitError::of(&source) {
-            Some(ended) => waits.ended(ended),
+            Some(wait) => ended(waits, wait),
             None => MigrationError::Connect {
                 endpoint: self.endpoint.to_string(),
                 source,
-            },
+            }
+            .into(),
         };
         let connection = self
             .endpoint
@@ -316,35 +274,35 @@ impl Sink for StreamSink {
             .collect())
     }
 
-    fn accepted(&mut self) -> Result<(), MigrationError> {
-        self.expect("the destination's answer to the memory layout", true);
+    fn accepted(&mut self) -> Result<(), PreCopyError> {
+        self.wait_for("the destination's answer to the memory layout", true);
         let open = self.open();
         match read_answer(&mut open.answers) {
             Ok(Ok(())) => Ok(()),
-            Ok(Err(reason)) => Err(MigrationError::Refused(reason)),
+            Ok(Err(reason)) => Err(MigrationError::Refused(reason).into()),
             Err(e) => Err(match ended_wait(&e) {
-                Some(ended) => open.waits.ended(ended),
-                None => e.into(),
+                Some(wait) => ended(&open.waits, wait),
+                None => MigrationError::Stream(e).into(),
             }),
         }
     }
 
-    fn expect(&self, what: &str, by_timeout: bool) {
-        if let Some(open) = &self.open {
-            open.answers
-                .watch()
-                .expect(what, limits(&open.waits, by_timeout));
-        }
+    fn expect(&self, next: Next, by_timeout: bool) {
+        let what = match next {
+            Next::Round(round) => format!("the destination to take round {round}'s pages"),
+            Next::LastPages => "the destination to take the last pages and the VM's state".into(),
+        };
+        self.wait_for(&what, by_timeout);
     }
 
     /// Every page: the destination has no memory before.
-    fn send_all(&mut self, memory: &Memory) -> Result<u64, MigrationError> {
+    fn send_all(&mut self, memory: &Memory) -> Result<u64, PreCopyError> {
         let open = self.open();
         let sent = open.writer.send_all(memory).map_err(|e| open.explain(e))?;
         Ok(sent.bytes)
     }
 
-    fn send_dirty(&mut self, memory: &Memory, dirty: &[DirtyPages]) -> Result<u64, MigrationError> {
+    fn send_dirty(&mut self, memory: &Memory, dirty: &[DirtyPages]) -> Result<u64, PreCopyError> {
         let open = self.open();
         let sent = open
             .writer
@@ -353,33 +311,34 @@ impl Sink for StreamSink {
         Ok(sent.bytes)
     }
 
-    fn end_round(&mut self) -> Result<(), MigrationError> {
+    fn end_round(&mut self) -> Result<(), PreCopyError> {
         let open = self.open();
         open.writer.end_round().map_err(|e| open.explain(e))
     }
 
     /// Sends the State record and Done, and waits for the destination's word that it runs
-    /// the VM: without it, the VM may run there ([`MigrationError::Unconfirmed`]).
+    /// the VM: without it, the VM may run there ([`MigrationError::Unconfirmed`], which the
+    /// rounds see as [`PreCopyError::Unconfirmed`]).
     fn finish(
         &mut self,
         _memory: &Memory,
         layout: &MemoryLayout,
         states: Vec<VcpuState>,
-    ) -> Result<(), MigrationError> {
+    ) -> Result<(), PreCopyError> {
         let state = self
             .state
             .to_bytes(layout, states)
-            .map_err(MigrationError::State)?;
+            .map_err(PreCopyError::State)?;
         let open = self.open();
         open.writer.state(&state).map_err(|e| open.explain(e))?;
         // A failed write leaves Done incomplete, and a destination runs nothing without it.
         open.writer.done().map_err(|e| open.explain(e))?;
-        self.expect("the destination's word that the VM runs there", false);
+        self.wait_for("the destination's word that the VM runs there", false);
         match read_answer(&mut self.open().answers) {
             Ok(Ok(())) => Ok(()),
             // It says it does not run the VM: the VM goes on here.
-            Ok(Err(reason)) => Err(MigrationError::Refused(reason)),
-            Err(e) => Err(MigrationError::Unconfirmed(e)),
+            Ok(Err(reason)) => Err(MigrationError::Refused(reason).into()),
+            Err(e) => Err(MigrationError::Unconfirmed(e).into()),
         }
     }
 
@@ -401,5 +360,59 @@ fn ended_wait(error: &StreamError) -> Option<&WaitError> {
     match error {
         StreamError::Io { source, .. } => WaitError::of(source),
         _ => None,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The rounds see a migration's failures as the engine's, with the stream's words: only
+    /// an unconfirmed ending leaves the vCPUs held, and a wait a cancel or the timeout ended
+    /// is a cancel, which keeps the VM running here.
+    #[test]
+    fn a_migrations_failures_keep_their_words_and_their_kind() {
+        let refused = PreCopyError::from(MigrationError::Refused("no room".into()));
+        assert!(matches!(refused, PreCopyError::Sink(_)));
+        assert_eq!(refused.to_string(), "the destination refused: no room");
+        let closed = || StreamError::Io {
+            what: "reading the answer".into(),
+            source: io::Error::from(io::ErrorKind::UnexpectedEof),
+        };
+        let unconfirmed = PreCopyError::from(MigrationError::Unconfirmed(closed()));
+        assert!(matches!(unconfirmed, PreCopyError::Unconfirmed(_)));
+        assert!(
+            unconfirmed
+                .to_string()
+                .starts_with("the destination got the whole VM but did not answer"),
+            "{unconfirmed}"
+        );
+        static NEVER: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+        let waits = Waits {
+            cancel: Arc::default(),
+            interrupt: &NEVER,
+            started: std::time::Instant::now(),
+            timeout: Duration::from_secs(5),
+            bytes: Arc::default(),
+        };
+        let wait = |end| WaitError {
+            what: "the destination's answer".into(),
+            end,
+        };
+        let deadline = ended(&waits, &wait(WaitEnd::Deadline(Duration::from_secs(5))));
+        assert!(matches!(deadline, PreCopyError::Cancelled(_)), "{deadline}");
+        assert_eq!(
+            deadline.to_string(),
+            "cancelled: not converged within 5s (timeout_s): still waiting for the \
+             destination's answer"
+        );
+        let stalled = ended(&waits, &wait(WaitEnd::Stalled(Duration::from_secs(10))));
+        assert!(matches!(stalled, PreCopyError::Sink(_)), "{stalled}");
+        assert!(
+            stalled
+                .to_string()
+                .starts_with("the destination stopped responding: waiting for"),
+            "{stalled}"
+        );
     }
 }

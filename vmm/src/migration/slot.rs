@@ -2,13 +2,41 @@
 //! vCPUs an unconfirmed one left paused, what a request may do while one runs, and starting,
 //! watching and cancelling one. The guest kind hands over its vCPUs and State record.
 
-use std::sync::atomic::AtomicBool;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::OnceLock;
+use std::time::{Duration, Instant};
 
-use super::sink::StreamSink;
-use super::source::{Reader, Rounds, SourceVm};
-use super::{Endpoint, MigratingVcpu, Migration, StateRecord};
-use crate::control::migration::{MigrateRequest, MigrationInfo, MigrationPhase};
+use super::sink::{StateRecord, StreamSink};
+use super::Endpoint;
+use crate::control::migration::{MigrateRequest, MigrationInfo};
 use crate::control::{ControllerError, Request};
+use crate::precopy::{Phase, PreCopy, PreCopyVcpu, Reader, Rounds, SourceVm};
+
+/// How long a source VMM whose VM moved on stays to answer `GET /migrate` for a client that
+/// followed the migration (asked its status while it ran) and has not read its outcome yet:
+/// `tinyvmm client migrate` asks every 50 ms, so it reads `completed` at once, and tells a
+/// source that ended without it (killed, crashed) from one whose VM moved on.
+pub const LINGER_FOR_FOLLOWER: Duration = Duration::from_secs(5);
+
+/// A migration: its pre-copy run, and where it goes.
+#[derive(Debug)]
+struct Migration<V> {
+    run: PreCopy<V>,
+    /// `unix:PATH` or `tcp:HOST:PORT`.
+    destination: String,
+    /// A client asked the status while the migration was under way.
+    followed: AtomicBool,
+    /// A client was told it completed.
+    outcome_read: AtomicBool,
+    /// When the VMM first saw it completed.
+    completed_at: OnceLock<Instant>,
+}
+
+impl<V: PreCopyVcpu> Migration<V> {
+    fn info(&self) -> MigrationInfo {
+        MigrationInfo::of(self.run.progress(), self.destination.clone())
+    }
+}
 
 /// The last migration of a VM, and what it left behind.
 #[derive(Debug)]
@@ -29,7 +57,7 @@ impl<V> Default for MigrationSlot<V> {
     }
 }
 
-impl<V: MigratingVcpu> MigrationSlot<V> {
+impl<V: PreCopyVcpu> MigrationSlot<V> {
     /// Once the migration has ended without completing, takes back the vCPUs it held; true
     /// if it held some (the VM is then paused until a client resumes it). It has ended when
     /// its phase is final, and its thread is waited for from there (it only hands the vCPUs
@@ -38,11 +66,11 @@ impl<V: MigratingVcpu> MigrationSlot<V> {
         let Some(migration) = &mut self.migration else {
             return false;
         };
-        let phase = migration.phase();
-        if phase.under_way() || phase == MigrationPhase::Completed {
+        let phase = migration.run.phase();
+        if phase.under_way() || phase == Phase::Completed {
             return false;
         }
-        let ending = migration.join();
+        let ending = migration.run.join();
         if ending.held.is_empty() {
             return false;
         }
@@ -58,14 +86,21 @@ impl<V: MigratingVcpu> MigrationSlot<V> {
         }
     }
 
-    /// Whether the VM runs on a migration's destination now.
+    /// Whether the VM runs on a migration's destination now and this VMM may end: at once
+    /// unless a client followed the migration without reading its outcome yet, then once it
+    /// has or after [`LINGER_FOR_FOLLOWER`].
     pub fn completed(&self) -> bool {
-        self.migration.as_ref().is_some_and(Migration::completed)
+        self.migration.as_ref().is_some_and(|m| {
+            m.run.completed()
+                && (!m.followed.load(Ordering::Acquire)
+                    || m.outcome_read.load(Ordering::Acquire)
+                    || m.completed_at.get_or_init(Instant::now).elapsed() >= LINGER_FOR_FOLLOWER)
+        })
     }
 
     /// Whether a migration is under way.
     pub fn is_running(&self) -> bool {
-        self.migration.as_ref().is_some_and(Migration::is_running)
+        self.migration.as_ref().is_some_and(|m| m.run.is_running())
     }
 
     /// The last migration's progress, if one was started.
@@ -73,17 +108,27 @@ impl<V: MigratingVcpu> MigrationSlot<V> {
         self.migration.as_ref().map(Migration::info)
     }
 
-    /// `GET /migrate`.
+    /// `GET /migrate`; notes whether the client follows a migration under way or has read
+    /// that it completed (see [`MigrationSlot::completed`]).
     pub fn get(&self) -> Result<MigrationInfo, ControllerError> {
-        self.info()
-            .ok_or_else(|| ControllerError::not_found("no migration has been started"))
+        let migration = self
+            .migration
+            .as_ref()
+            .ok_or_else(|| ControllerError::not_found("no migration has been started"))?;
+        let info = migration.info();
+        if info.phase.under_way() {
+            migration.followed.store(true, Ordering::Release);
+        } else if info.phase == Phase::Completed {
+            migration.outcome_read.store(true, Ordering::Release);
+        }
+        Ok(info)
     }
 
     /// `PUT /migrate/cancel`.
     pub fn cancel(&self) -> Result<(), ControllerError> {
         match &self.migration {
-            Some(m) if m.is_running() => {
-                m.cancel();
+            Some(m) if m.run.is_running() => {
+                m.run.cancel();
                 Ok(())
             }
             _ => Err(ControllerError::conflict("no migration is under way")),
@@ -93,8 +138,8 @@ impl<V: MigratingVcpu> MigrationSlot<V> {
     /// Cancels a migration under way and waits for its thread (the VMM is stopping).
     pub fn shut_down(&mut self) {
         if let Some(migration) = &mut self.migration {
-            migration.cancel();
-            migration.join();
+            migration.run.cancel();
+            migration.run.join();
         }
     }
 
@@ -122,13 +167,13 @@ impl<V: MigratingVcpu> MigrationSlot<V> {
         if !self.held.is_empty() {
             return refused_while_held(request);
         }
-        if migration.completed() {
+        if migration.run.completed() {
             return Some(ControllerError::conflict(format!(
                 "the VM has migrated to {}; this VMM is exiting",
                 migration.info().destination
             )));
         }
-        migration.is_running().then(|| {
+        migration.run.is_running().then(|| {
             ControllerError::conflict(
                 "a migration is under way: GET /migrate for its progress, PUT /migrate/cancel to stop it",
             )
@@ -145,17 +190,27 @@ impl<V: MigratingVcpu> MigrationSlot<V> {
         interrupt: &'static AtomicBool,
     ) -> Result<(), ControllerError> {
         let endpoint = checked_endpoint(request)?;
+        let destination = endpoint.to_string();
         let sink = StreamSink::new(endpoint, request.local, state);
-        let migration = Migration::start(
-            Rounds::from(request),
-            Box::new(sink),
-            vm,
-            Reader::Own,
-            interrupt,
-        )
-        .map_err(|e| ControllerError::internal(format!("starting the migration: {e}")))?;
-        self.migration = Some(migration);
+        let run = PreCopy::start(rounds(request), Box::new(sink), vm, Reader::Own, interrupt)
+            .map_err(|e| ControllerError::internal(format!("starting the migration: {e}")))?;
+        self.migration = Some(Migration {
+            run,
+            destination,
+            followed: AtomicBool::new(false),
+            outcome_read: AtomicBool::new(false),
+            completed_at: OnceLock::new(),
+        });
         Ok(())
+    }
+}
+
+/// The rounds `request` asks for.
+fn rounds(request: &MigrateRequest) -> Rounds {
+    Rounds {
+        downtime: Duration::from_millis(request.downtime_ms),
+        timeout: Duration::from_secs(request.timeout_s),
+        on_timeout: request.on_timeout,
     }
 }
 

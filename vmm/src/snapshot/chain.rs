@@ -20,15 +20,13 @@ use kvm_memslots::{DirtyConsumer, KvmVm, MemoryManager, Target};
 use kvm_memslots_persist::{write_dirty_pages, write_memory_file, MemoryLayout};
 
 use super::info::{MemoryCheck, SnapshotInfo};
-use super::live::{progress, FileSink, LiveOutcome, StateWriter};
+use super::live::{FileSink, LiveOutcome, StateWriter};
 use super::pages::PageSet;
-use crate::control::migration::{MigrationInfo, OnTimeout};
 use crate::control::snapshot::{
     LiveSnapshotInfo, SnapshotCreate, SnapshotType, LIVE_DOWNTIME_MS, LIVE_TIMEOUT_S,
 };
 use crate::control::{ControllerError, Request};
-use crate::migration::source::{Reader, Rounds, SourceVm};
-use crate::migration::{MigratingVcpu, Migration};
+use crate::precopy::{OnTimeout, PreCopy, PreCopyVcpu, Progress, Reader, Rounds, SourceVm};
 use crate::vm::state::VcpuState;
 
 /// The last snapshot of the chain: what the next Diff follows.
@@ -52,24 +50,24 @@ pub struct SnapshotChain {
 
 /// A live snapshot's run, whatever the guest kind's vCPUs.
 trait Run: std::fmt::Debug + Send {
-    fn info(&self) -> MigrationInfo;
+    fn progress(&self) -> Progress;
     fn cancel(&self);
     /// Waits for its thread to end.
     fn join(&mut self);
 }
 
-impl<V: MigratingVcpu> Run for Migration<V> {
-    fn info(&self) -> MigrationInfo {
-        Migration::info(self)
+impl<V: PreCopyVcpu> Run for PreCopy<V> {
+    fn progress(&self) -> Progress {
+        PreCopy::progress(self)
     }
 
     fn cancel(&self) {
-        Migration::cancel(self);
+        PreCopy::cancel(self);
     }
 
     fn join(&mut self) {
         // A live snapshot's vCPUs are never held: it always resumes them.
-        Migration::join(self);
+        PreCopy::join(self);
     }
 }
 
@@ -95,7 +93,7 @@ impl LiveRun {
 
     /// Whether it still copies: its phase, which ends a moment before its thread does.
     fn under_way(&self) -> bool {
-        self.run.info().phase.under_way()
+        self.run.progress().phase.under_way()
     }
 }
 
@@ -256,7 +254,7 @@ impl SnapshotChain {
     /// fails or is cancelled leaves neither, and a Full no base to diff against (a Diff leaves
     /// its base and its pages to the next Diff). Its progress is
     /// [`live_info`](Self::live_info).
-    pub fn start_live<V: MigratingVcpu>(
+    pub fn start_live<V: PreCopyVcpu>(
         &mut self,
         memory: &Arc<Memory>,
         create: &SnapshotCreate,
@@ -305,7 +303,7 @@ impl SnapshotChain {
                 memory: Arc::clone(memory),
                 vcpus,
             };
-            Migration::start(rounds, Box::new(sink), vm, Reader::Lent(chain), interrupt)
+            PreCopy::start(rounds, Box::new(sink), vm, Reader::Lent(chain), interrupt)
                 .map_err(|e| ControllerError::internal(format!("starting the snapshot: {e}")))
         });
         match started {
@@ -372,7 +370,11 @@ impl SnapshotChain {
                 "no live snapshot has been started (PUT /snapshot/create with \"live\": true)",
             )
         })?;
-        Ok(progress(live.run.info(), &live.paths, live.written()))
+        Ok(LiveSnapshotInfo::of(
+            live.run.progress(),
+            &live.paths,
+            live.written().map(|info| info.id.to_string()),
+        ))
     }
 
     /// `PUT /snapshot/cancel`.

@@ -1,15 +1,16 @@
 //! The test guest's hotplug area (Firecracker's resource: total, block and slot sizes) and its
-//! plan: which pieces of it to add, re-slot and remove to reach a requested size. A piece is
-//! one slot size of the area; while it has a plugged block it is a region of the manager whose
-//! one KVM slot covers exactly its plugged blocks (`kvm_virtio_mem::mem::plugged_runs`, the
-//! planner virtio-mem uses), so no slot is ever behind unplugged memory. Pure: the controller
-//! (`controller/hotplug.rs`) carries the plan out through the memory manager, as one change,
-//! and has the guest check the memory it plugs.
+//! plan: which pieces of it to add and remove, and which blocks to make reachable or
+//! unreachable, to reach a requested size. A piece is one slot size of the area; while it has a
+//! plugged block it is a region of the manager with one KVM slot over the whole piece, its
+//! unplugged blocks unreachable under it (`MemoryManager::set_accessible`, as the virtio-mem
+//! device keeps its pieces), so that a plug or unplug inside it changes no slot. The plan is
+//! pure; [`HotplugArea::carry_out`] applies it through the memory manager, all or nothing, and
+//! the controller (`controller/hotplug.rs`) has the guest check the memory it plugs.
 
 use std::ops::Range;
 
-use kvm_memslots::{RegionChange, RegionId};
-use kvm_virtio_mem::mem::{piece_change, plugged_runs};
+use kvm_memslots::{KvmMemory, MemoryManager, RegionChange, RegionId, RegionSpec};
+use kvm_virtio_mem::mem::plugged_runs;
 use vm_memory::GuestAddress;
 
 use crate::control::hotplug::{HotplugConfig, HotplugInfo};
@@ -42,8 +43,8 @@ pub struct HotplugPlan {
     pub pieces: Vec<PieceChange>,
 }
 
-/// One piece of a plan: how many of its bytes are plugged before and after, and its slots
-/// after (none where nothing stays plugged).
+/// One piece of a plan: how many of its bytes are plugged before and after, its slots after
+/// (one over the piece, none where nothing stays plugged) and what of it is unreachable then.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct PieceChange {
     /// The piece's index in the area.
@@ -56,8 +57,11 @@ pub struct PieceChange {
     pub before: u64,
     /// Bytes plugged from its start once the plan is carried out.
     pub after: u64,
-    /// Its slots then, as byte ranges of the piece: the runs of its plugged blocks.
+    /// Its slots then, as byte ranges of the piece: the whole piece while a block of it is
+    /// plugged.
     pub slots: Vec<Range<u64>>,
+    /// Its unplugged blocks then, as byte ranges of the piece, unreachable under its slot.
+    pub unreachable: Vec<Range<u64>>,
 }
 
 impl PieceChange {
@@ -148,12 +152,33 @@ impl HotplugArea {
     }
 
     /// The slots of piece `i` with `blocks` plugged in the area (from its start): one over the
-    /// piece's plugged blocks, none if it has none.
+    /// whole piece, none if it has no plugged block.
     pub fn piece_slots(&self, i: usize, blocks: u64) -> Vec<Range<u64>> {
+        if self.piece_runs(i, blocks).is_empty() {
+            return Vec::new();
+        }
+        std::iter::once(0..self.slot_size).collect()
+    }
+
+    /// The runs of piece `i`'s plugged blocks with `blocks` plugged in the area: its slots in
+    /// states saved before pieces kept one slot (none if it has no plugged block).
+    pub fn piece_runs(&self, i: usize, blocks: u64) -> Vec<Range<u64>> {
         let per_piece = self.blocks_per_slot();
         let first = i as u64 * per_piece;
         let plugged = (first..first + per_piece).map(|b| b < blocks);
         plugged_runs(plugged, self.block_size())
+    }
+
+    /// The byte ranges of piece `i` unreachable under its slot with `blocks` plugged in the
+    /// area: its unplugged blocks, if it has a plugged one (none otherwise: no slot at all).
+    pub fn piece_unreachable(&self, i: usize, blocks: u64) -> Vec<Range<u64>> {
+        let per_piece = self.blocks_per_slot();
+        let first = i as u64 * per_piece;
+        if blocks <= first {
+            return Vec::new();
+        }
+        let unplugged = (first..first + per_piece).map(|b| b >= blocks);
+        plugged_runs(unplugged, self.block_size())
     }
 
     /// The area's bookkeeping as a snapshot or a migration saves it.
@@ -203,18 +228,85 @@ impl HotplugArea {
                     before,
                     after,
                     slots: self.piece_slots(i, blocks),
+                    unreachable: self.piece_unreachable(i, blocks),
                 })
             })
             .collect();
         HotplugPlan { blocks, pieces }
     }
 
-    /// The manager's changes that carry `plan` out, in one batch.
+    /// The manager's changes that carry `plan` out, in one batch: a piece's first plugged
+    /// block adds it (one slot over it, the rest of it unreachable from the start), its last
+    /// unplugged block removes it. A piece that stays changes no slot: see
+    /// [`flips`](Self::flips).
     pub fn changes(&self, plan: &HotplugPlan) -> Vec<RegionChange> {
         plan.pieces
             .iter()
-            .map(|p| piece_change(p.region, p.gpa, self.slot_size, p.slots.clone()))
+            .filter_map(|p| match (p.region, p.after) {
+                (None, _) => Some(RegionChange::Add(
+                    RegionSpec::new(p.gpa, self.slot_size)
+                        .with_slot_ranges(p.slots.clone())
+                        .with_inaccessible(p.unreachable.clone()),
+                )),
+                (Some(region), 0) => Some(RegionChange::Remove(region)),
+                (Some(_), _) => None,
+            })
             .collect()
+    }
+
+    /// The reachability changes that carry `plan` out in pieces that stay: each as the region,
+    /// the byte range of it, and whether it becomes reachable (a plug) or not (an unplug).
+    pub fn flips(&self, plan: &HotplugPlan) -> Vec<(RegionId, Range<u64>, bool)> {
+        plan.pieces
+            .iter()
+            .filter_map(|p| match (p.region, p.after) {
+                (Some(region), after) if after > p.before => Some((region, p.before..after, true)),
+                (Some(region), after) if after > 0 => Some((region, after..p.before, false)),
+                _ => None,
+            })
+            .collect()
+    }
+
+    /// Carries `plan` out through `memory`, all or nothing: the pieces that stay get their
+    /// blocks' reachability changed (no KVM call), then the pieces added or removed are one
+    /// change of the manager; if either is refused, the reachability changes are put back and
+    /// the error returned. Then the blocks it unplugged in pieces that stay are given back to
+    /// the host: best effort, whose failures are returned (the blocks are unplugged and
+    /// unreachable whatever madvise says).
+    pub fn carry_out<K: KvmMemory>(
+        &mut self,
+        memory: &MemoryManager<K>,
+        plan: &HotplugPlan,
+    ) -> Result<Vec<kvm_memslots::Error>, kvm_memslots::Error> {
+        let flips = self.flips(plan);
+        let undo = |done: &[(RegionId, Range<u64>, bool)]| {
+            for (region, range, reachable) in done {
+                let _ = memory.set_accessible(*region, std::slice::from_ref(range), !reachable);
+            }
+        };
+        for (done, (region, range, reachable)) in flips.iter().enumerate() {
+            if let Err(e) = memory.set_accessible(*region, std::slice::from_ref(range), *reachable)
+            {
+                undo(&flips[..done]);
+                return Err(e);
+            }
+        }
+        let changes = self.changes(plan);
+        let added = if changes.is_empty() {
+            Vec::new()
+        } else {
+            memory.apply(changes).inspect_err(|_| undo(&flips))?
+        };
+        self.commit(plan, added);
+        let mut failures = Vec::new();
+        for piece in &plan.pieces {
+            if let (Some(range), Some(region)) = (piece.given_back(), self.pieces[piece.index]) {
+                if let Err(e) = memory.discard_region(region, range) {
+                    failures.push(e);
+                }
+            }
+        }
+        Ok(failures)
     }
 
     /// Records `plan` as carried out: `added` are the regions the manager gave the pieces
@@ -268,16 +360,29 @@ mod tests {
         HotplugArea::new(config, GPA, LIMIT, 1000).unwrap()
     }
 
-    /// The manager as the plans see it: each region's guest address and slots (guest ranges).
+    /// A region as the plans see it: its guest address, its slots and its unreachable byte
+    /// ranges.
+    type Piece = (u64, Vec<Range<u64>>, Vec<Range<u64>>);
+
+    /// The manager as the plans see it.
     #[derive(Default)]
     struct Model {
-        regions: BTreeMap<RegionId, (u64, Vec<Range<u64>>)>,
+        regions: BTreeMap<RegionId, Piece>,
         next: u64,
     }
 
     impl Model {
-        /// Carries `plan` out as the manager would its changes, then commits it on `area`.
+        /// Carries `plan` out as the manager would its reachability changes and its changes,
+        /// then commits it on `area`.
         fn carry_out(&mut self, area: &mut HotplugArea, plan: &HotplugPlan) {
+            for (region, range, reachable) in area.flips(plan) {
+                let piece = self.regions.get_mut(&region).expect("known");
+                let mut bytes: Vec<bool> = (0..area.slot_size / MIB)
+                    .map(|mib| piece.2.iter().any(|r| r.contains(&(mib * MIB))))
+                    .collect();
+                bytes[(range.start / MIB) as usize..(range.end / MIB) as usize].fill(!reachable);
+                piece.2 = plugged_runs(bytes, MIB);
+            }
             let mut added = Vec::new();
             for change in area.changes(plan) {
                 match change {
@@ -286,14 +391,11 @@ mod tests {
                         let id = RegionId(100 + self.next);
                         self.next += 1;
                         let slots = spec.slot_ranges.expect("a piece names its slots");
-                        self.regions.insert(id, (spec.gpa.0, slots));
+                        self.regions
+                            .insert(id, (spec.gpa.0, slots, spec.inaccessible));
                         added.push(id);
                     }
-                    RegionChange::Reslot(reslot) => {
-                        assert_eq!(reslot.range, 0..area.slot_size, "the whole piece");
-                        let region = self.regions.get_mut(&reslot.region).expect("known");
-                        region.1 = reslot.slots;
-                    }
+                    RegionChange::Reslot(_) => panic!("a plug or unplug re-slots nothing"),
                     RegionChange::Remove(id) => {
                         self.regions.remove(&id).expect("known");
                     }
@@ -302,15 +404,30 @@ mod tests {
             area.commit(plan, added);
         }
 
-        /// Guest ranges with a KVM slot, lowest first.
-        fn slotted(&self) -> Vec<Range<u64>> {
-            let mut all: Vec<Range<u64>> = self
-                .regions
-                .values()
-                .flat_map(|(gpa, slots)| slots.iter().map(move |s| gpa + s.start..gpa + s.end))
-                .collect();
+        /// Guest ranges the guest reaches (under a slot and not unreachable), lowest first.
+        fn reachable(&self) -> Vec<Range<u64>> {
+            let mut all: Vec<Range<u64>> = Vec::new();
+            for (gpa, slots, unreachable) in self.regions.values() {
+                for slot in slots {
+                    let mut at = slot.start;
+                    for gone in unreachable.iter().filter(|g| g.start < slot.end) {
+                        if gone.start > at {
+                            all.push(gpa + at..gpa + gone.start.min(slot.end));
+                        }
+                        at = at.max(gone.end);
+                    }
+                    if at < slot.end {
+                        all.push(gpa + at..gpa + slot.end);
+                    }
+                }
+            }
             all.sort_by_key(|r| r.start);
             all
+        }
+
+        /// KVM slots in all.
+        fn slots(&self) -> usize {
+            self.regions.values().map(|(_, slots, _)| slots.len()).sum()
         }
     }
 
@@ -357,7 +474,7 @@ mod tests {
     }
 
     #[test]
-    fn a_plug_adds_pieces_with_slots_over_their_plugged_blocks_only() {
+    fn a_plug_adds_pieces_with_one_slot_and_their_unplugged_blocks_unreachable() {
         let mut a = area(64, 2, Some(8));
         let mut model = Model::default();
         let plan = a.plan(10).unwrap();
@@ -372,6 +489,7 @@ mod tests {
                     before: 0,
                     after: 8 << 20,
                     slots: vec![0..8 << 20],
+                    unreachable: vec![],
                 },
                 PieceChange {
                     index: 1,
@@ -379,24 +497,29 @@ mod tests {
                     region: None,
                     before: 0,
                     after: 2 << 20,
-                    slots: vec![0..2 << 20],
+                    slots: vec![0..8 << 20],
+                    unreachable: vec![2 << 20..8 << 20],
                 },
             ]
         );
         model.carry_out(&mut a, &plan);
         assert_eq!(
-            model.slotted(),
+            model.reachable(),
             vec![GPA..GPA + (8 << 20), GPA + (8 << 20)..GPA + (10 << 20)]
         );
-        // More blocks inside piece 1: its slot grows, over the new blocks, which the guest
-        // checks.
+        // More blocks inside piece 1: they become reachable under its slot, which stays; the
+        // guest checks them.
         let plan = a.plan(16).unwrap();
         assert_eq!(plan.pieces.len(), 1);
         let grow = &plan.pieces[0];
         assert_eq!((grow.index, grow.region), (1, Some(RegionId(101))));
         assert_eq!(grow.plugged(), Some(GPA + (10 << 20)..GPA + (16 << 20)));
         assert_eq!(grow.given_back(), None);
-        assert!(matches!(a.changes(&plan)[..], [RegionChange::Reslot(_)]));
+        assert!(a.changes(&plan).is_empty(), "no slot changes");
+        assert_eq!(
+            a.flips(&plan),
+            vec![(RegionId(101), 2 << 20..8 << 20, true)]
+        );
         model.carry_out(&mut a, &plan);
         assert_eq!(a.info().plugged_size_mib, 16);
         assert_eq!(a.info().mapped_slots, 2);
@@ -414,14 +537,17 @@ mod tests {
         let plan = a.plan(10).unwrap();
         let indices: Vec<usize> = plan.pieces.iter().map(|p| p.index).collect();
         assert_eq!(indices, vec![1, 2, 3, 4, 5, 6, 7]);
-        // Blocks 5..8 of piece 1 lose their slot and go back to the host; the piece stays.
+        // Blocks 5..8 of piece 1 become unreachable and go back to the host; the piece and its
+        // slot stay.
         assert_eq!(plan.pieces[0].given_back(), Some(2 << 20..8 << 20));
         assert_eq!(plan.pieces[0].plugged(), None);
+        assert_eq!(
+            a.flips(&plan),
+            vec![(RegionId(101), 2 << 20..8 << 20, false)]
+        );
         let changes = a.changes(&plan);
-        assert!(matches!(changes[0], RegionChange::Reslot(ref r) if r.slots == vec![0..2 << 20]));
-        assert!(changes[1..]
-            .iter()
-            .all(|c| matches!(c, RegionChange::Remove(_))));
+        assert_eq!(changes.len(), 6);
+        assert!(changes.iter().all(|c| matches!(c, RegionChange::Remove(_))));
         assert_eq!(
             plan.pieces[1].given_back(),
             None,
@@ -429,9 +555,10 @@ mod tests {
         );
         model.carry_out(&mut a, &plan);
         assert_eq!(
-            model.slotted(),
+            model.reachable(),
             vec![GPA..GPA + (8 << 20), GPA + (8 << 20)..GPA + (10 << 20)]
         );
+        assert_eq!(model.slots(), 2);
         // Down to a piece boundary: piece 1 goes.
         let plan = a.plan(8).unwrap();
         assert!(matches!(
@@ -463,12 +590,12 @@ mod tests {
         }
     }
 
-    /// A sequence of sizes up and down, with every piece size from the block to the area: the
-    /// slots are exactly the plugged memory (none behind an unplugged block), one per piece
-    /// with a plugged block, and a plan back undoes a plan (what a failed check or a signal
-    /// does).
+    /// A sequence of sizes up and down, with every piece size from the block to the area: what
+    /// the guest reaches is exactly the plugged memory (every unplugged block under a slot is
+    /// unreachable), one slot per piece with a plugged block, and a plan back undoes a plan
+    /// (what a failed check or a signal does).
     #[test]
-    fn every_sequence_keeps_slots_exactly_over_the_plugged_blocks() {
+    fn every_sequence_keeps_the_reachable_memory_exactly_the_plugged_blocks() {
         let block = 2;
         for slot in [2, 4, 8, 16, 32] {
             let mut a = area(32, block, Some(slot));
@@ -484,7 +611,8 @@ mod tests {
                     .map(|start| GPA + start..GPA + (start + (slot << 20)).min(plugged))
                     .collect();
                 let context = format!("slot {slot} MiB, step {step}: {size} MiB");
-                assert_eq!(model.slotted(), wanted, "{context}");
+                assert_eq!(model.reachable(), wanted, "{context}");
+                assert_eq!(model.slots(), wanted.len(), "{context}");
                 assert_eq!(a.mapped_slots(), wanted.len(), "{context}");
                 assert_eq!(model.regions.len(), wanted.len(), "{context}");
                 // Going back and forth again leaves the same slots.
@@ -493,7 +621,7 @@ mod tests {
                 let again = a.plan(size).unwrap();
                 model.carry_out(&mut a, &again);
                 assert_eq!(
-                    model.slotted(),
+                    model.reachable(),
                     wanted,
                     "{context}, after an undo and a redo"
                 );

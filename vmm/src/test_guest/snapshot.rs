@@ -79,10 +79,10 @@ impl HotplugState {
     /// Checks the area against itself and `layout`: a configuration the API would accept,
     /// one `mapped` entry per piece (slot size) of the area, no more plugged blocks than the
     /// area has, exactly the pieces those blocks need mapped, and each mapped piece (and
-    /// nothing else) a region of the layout there whose one slot covers its plugged blocks.
-    /// With `whole_slots` (a version 2 state, written before pieces had holes) a piece slotted
-    /// whole is accepted too: the restore cuts its slot to its plugged blocks.
-    fn validate(&self, layout: &MemoryLayout, whole_slots: bool) -> Result<(), String> {
+    /// nothing else) a region of the layout there with one slot over the whole piece, or (a
+    /// version 3 state, written when pieces had holes) slots over its plugged blocks only: the
+    /// restore gives it its one slot back and makes its unplugged blocks unreachable.
+    fn validate(&self, layout: &MemoryLayout) -> Result<(), String> {
         let area = HotplugArea::new(self.config, HOTPLUG_GPA, IDENTITY_MAPPED, usize::MAX)
             .map_err(|e| format!("the hotplug area: {e}"))?;
         let slots = area.pieces.len();
@@ -126,12 +126,12 @@ impl HotplugState {
                     region.gpa, region.size
                 ));
             }
-            let (slots, wanted) = (
+            let (slots, wanted, runs) = (
                 region.slots(),
                 area.piece_slots(slot as usize, self.plugged_blocks),
+                area.piece_runs(slot as usize, self.plugged_blocks),
             );
-            let whole = 0..area.slot_size;
-            if slots != wanted && !(whole_slots && slots == std::slice::from_ref(&whole)) {
+            if slots != wanted && slots != runs {
                 return Err(format!(
                     "the layout's region at {:#x} has slots {slots:x?}; the hotplug area's \
                      plugged blocks there need {wanted:x?}",
@@ -226,8 +226,7 @@ impl SnapshotState {
         // The layout's own checks (version, alignment, order, overlaps, file offsets).
         self.layout.validate().map_err(|e| bad(e.to_string()))?;
         if let Some(hotplug) = &self.hotplug {
-            let whole_slots = self.version < 3;
-            hotplug.validate(&self.layout, whole_slots).map_err(bad)?;
+            hotplug.validate(&self.layout).map_err(bad)?;
         }
         if let Some(info) = &self.snapshot {
             info.validate(&self.layout).map_err(bad)?;
@@ -345,14 +344,12 @@ mod tests {
     #[test]
     fn a_hotplug_area_is_checked_against_itself_and_the_layout() {
         let (_memory, two) = layout(&[0, 1]);
-        // Slots of the whole piece (the layout helper's): a version 2 state's form only.
-        assert_eq!(hotplug().validate(&two, true), Ok(()));
-        let whole = hotplug().validate(&two, false).expect_err("refused");
-        assert!(whole.contains("need [0..200000]"), "{whole}");
+        // Slots of the whole piece (the layout helper's): a piece's one slot.
+        assert_eq!(hotplug().validate(&two), Ok(()));
         let refused = |change: fn(&mut HotplugState), layout: &MemoryLayout| {
             let mut state = hotplug();
             change(&mut state);
-            state.validate(layout, true).expect_err("refused")
+            state.validate(layout).expect_err("refused")
         };
         let short = refused(|s| s.mapped.truncate(2), &two);
         assert!(short.contains("8 slots, but `mapped` lists 2"), "{short}");
@@ -366,13 +363,13 @@ mod tests {
         assert!(block.contains("block_size_mib 3"), "{block}");
         // The layout lacks a mapped slot's region, or has one the map does not list.
         let (_memory, one) = layout(&[0]);
-        let missing = hotplug().validate(&one, true).expect_err("refused");
+        let missing = hotplug().validate(&one).expect_err("refused");
         assert!(missing.contains("mapped slot 1"), "{missing}");
         let (_memory, three) = layout(&[0, 1, 3]);
-        let extra = hotplug().validate(&three, true).expect_err("refused");
+        let extra = hotplug().validate(&three).expect_err("refused");
         assert!(extra.contains("inside the hotplug area"), "{extra}");
-        // A partly plugged piece's slot covers its plugged block (or, written before pieces
-        // had holes, the whole piece); any other slotting is refused, naming both.
+        // A partly plugged piece's slot covers it whole (or, written when pieces had holes,
+        // its plugged block); any other slotting is refused, naming both.
         let with_slots = |piece_1: Vec<std::ops::Range<u64>>| {
             let (memory, _) = layout(&[0]);
             let gpa = GuestAddress(HOTPLUG_GPA + 8 * MIB);
@@ -381,21 +378,19 @@ mod tests {
                 .expect("a piece with a hole");
             MemoryLayout::of(&memory)
         };
-        for whole_slots in [false, true] {
-            let cut = with_slots(vec![0..2 * MIB]);
-            assert_eq!(hotplug().validate(&cut, whole_slots), Ok(()));
-        }
+        let cut = with_slots(vec![0..2 * MIB]);
+        assert_eq!(hotplug().validate(&cut), Ok(()));
         let wrong = hotplug()
-            .validate(&with_slots(vec![0..4 * MIB]), true)
+            .validate(&with_slots(vec![0..4 * MIB]))
             .expect_err("refused");
         assert!(
-            wrong.contains("has slots [0..400000]") && wrong.contains("need [0..200000]"),
+            wrong.contains("has slots [0..400000]") && wrong.contains("need [0..800000]"),
             "{wrong}"
         );
-        let behind = hotplug()
-            .validate(&with_slots(vec![0..2 * MIB, 6 * MIB..8 * MIB]), true)
-            .expect_err("a slot behind unplugged blocks");
-        assert!(behind.contains("need [0..200000]"), "{behind}");
+        let odd = hotplug()
+            .validate(&with_slots(vec![0..2 * MIB, 6 * MIB..8 * MIB]))
+            .expect_err("neither the piece nor its plugged blocks");
+        assert!(odd.contains("need [0..800000]"), "{odd}");
     }
 
     #[test]

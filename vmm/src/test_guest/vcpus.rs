@@ -15,7 +15,7 @@ use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 use super::ports::{GoAhead, GuestPortError, TestGuestPorts, VcpuError, VcpuEvent};
 pub use super::test_vm::{MemBackend, TestVm};
 use crate::control::vm::{FailureReason, VmFailure};
-use crate::migration::MigratingVcpu;
+use crate::precopy::PreCopyVcpu;
 use crate::test_guest::{self, Command, CommandBlock, Op, Outcome};
 use crate::vm::state::{StateError, VcpuState};
 use crate::vm::vcpu::{kick_until_finished, PauseError, Vcpu, VcpuShared};
@@ -281,7 +281,7 @@ pub struct VcpuHandle {
     pub running: bool,
 }
 
-impl MigratingVcpu for VcpuHandle {
+impl PreCopyVcpu for VcpuHandle {
     /// Pauses it if it runs a command (one between commands is out of the guest already).
     fn pause(&self) -> Result<(), PauseError> {
         if self.running {

@@ -1,9 +1,14 @@
 //! Guest-physical ranges with no memory slot that something other than memory answers: a
 //! device's MMIO window (a virtio-mmio transport, say), or memory that is deliberately absent
-//! (the unplugged blocks of a virtio-mem device, which have no KVM slot at all). The exit handler
-//! looks an MMIO exit up here after the memory map.
+//! (the unplugged blocks of a virtio-mem device). The exit handler looks an MMIO exit up here
+//! after the memory map. Absent memory may also lie under a slot, unreachable (an unplugged
+//! block inside a plugged virtio-mem piece, protected `PROT_NONE`): a guest access there faults
+//! inside KVM instead of exiting, and the bus's [`Unreachable`] handler takes its slot away so
+//! that the access, run again, exits as absent memory.
 
+use std::fmt;
 use std::ops::Range;
+use std::sync::Arc;
 
 /// What answers an address of an [`MmioBus`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -28,9 +33,34 @@ enum Kind {
 }
 
 /// Non-overlapping guest-physical ranges, each a device window or absent memory.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Default)]
 pub struct MmioBus {
     ranges: Vec<(Range<u64>, Kind)>,
+    unreachable: Option<Arc<dyn Unreachable>>,
+}
+
+impl PartialEq for MmioBus {
+    fn eq(&self, other: &Self) -> bool {
+        self.ranges == other.ranges
+            && match (&self.unreachable, &other.unreachable) {
+                (None, None) => true,
+                (Some(a), Some(b)) => Arc::ptr_eq(a, b),
+                _ => false,
+            }
+    }
+}
+
+impl Eq for MmioBus {}
+
+/// Memory of the bus's absent ranges that a slot covers but the guest cannot reach (an
+/// unplugged virtio-mem block under its piece's slot): a guest access faults inside KVM
+/// (`KVM_RUN` fails with `EFAULT`, or a `KVM_EXIT_MEMORY_FAULT` naming the address).
+pub trait Unreachable: Send + Sync + fmt::Debug {
+    /// Takes the slot away from the unreachable memory at `gpa` (all of it, if `None`: the
+    /// fault did not say where), so that an access there, run again, exits as absent memory.
+    /// Whether it changed anything: if not, the fault is not this memory's, and running the
+    /// vCPU again would fault again.
+    fn isolate(&self, gpa: Option<u64>) -> bool;
 }
 
 /// Why a range cannot join a bus.
@@ -83,6 +113,25 @@ impl MmioBus {
         self.insert(start, len, Kind::Absent)
     }
 
+    /// Gives the bus the handler of its unreachable memory ([`Unreachable`]).
+    pub fn set_unreachable(&mut self, handler: Arc<dyn Unreachable>) {
+        self.unreachable = Some(handler);
+    }
+
+    /// After a guest access faulted inside KVM (at `gpa`, if KVM said): whether the bus's
+    /// [`Unreachable`] handler took a slot away from unreachable absent memory there, so that
+    /// the vCPU may run the access again (it then exits as absent memory). False without a
+    /// handler, for an address outside the bus's absent ranges, or if nothing changed.
+    pub fn isolate(&self, gpa: Option<u64>) -> bool {
+        let Some(handler) = &self.unreachable else {
+            return false;
+        };
+        if gpa.is_some_and(|gpa| self.find(gpa) != Some(MmioTarget::Absent)) {
+            return false;
+        }
+        handler.isolate(gpa)
+    }
+
     /// What answers `gpa`, if anything.
     pub fn find(&self, gpa: u64) -> Option<MmioTarget> {
         let at = self.ranges.partition_point(|(r, _)| r.start <= gpa);
@@ -129,6 +178,37 @@ mod tests {
         assert_eq!(bus.find(0x1_3fff_ffff), Some(MmioTarget::Absent));
         assert_eq!(bus.find(0x1_4000_0000), None);
         assert_eq!(bus.find(0), None);
+    }
+
+    /// Counts the isolations it is asked for, and says whether it changed anything.
+    #[derive(Debug)]
+    struct Counting(std::sync::atomic::AtomicU64, bool);
+
+    impl Unreachable for Counting {
+        fn isolate(&self, _: Option<u64>) -> bool {
+            self.0.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            self.1
+        }
+    }
+
+    #[test]
+    fn only_absent_memory_is_isolated_and_only_with_a_handler() {
+        let mut bus = MmioBus::new();
+        bus.insert_absent(0x1_0000_0000, 0x4000_0000).expect("free");
+        bus.insert_device(0xd000_0000, 0x200, 3).expect("free");
+        assert!(!bus.isolate(Some(0x1_0000_0000)), "no handler");
+        let handler = Arc::new(Counting(Default::default(), true));
+        bus.set_unreachable(Arc::clone(&handler) as Arc<dyn Unreachable>);
+        assert!(bus.isolate(Some(0x1_0000_1000)));
+        assert!(bus.isolate(None), "a fault that names no address");
+        assert!(!bus.isolate(Some(0xd000_0000)), "a device window");
+        assert!(!bus.isolate(Some(0x2000)), "outside the bus");
+        assert_eq!(handler.0.load(std::sync::atomic::Ordering::Relaxed), 2);
+        // A handler that changed nothing: the fault is not its memory's.
+        let mut other = bus.clone();
+        other.set_unreachable(Arc::new(Counting(Default::default(), false)));
+        assert!(!other.isolate(Some(0x1_0000_1000)));
+        assert_ne!(bus, other, "different handlers");
     }
 
     #[test]

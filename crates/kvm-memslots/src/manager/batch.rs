@@ -401,6 +401,7 @@ impl<K: KvmMemory> MemoryManager<K> {
             if let Some(slots) = &spec.slot_ranges {
                 check_layout(&(0..spec.size), slots, page)?;
             }
+            check_layout(&(0..spec.size), &spec.inaccessible, page)?;
             if !spec.page_size.fits(&spec.backing) {
                 return Err(Error::PageSizeBacking {
                     page_size: spec.page_size.name(),
@@ -559,6 +560,18 @@ impl<K: KvmMemory> MemoryManager<K> {
         consumers: &BTreeSet<DirtyConsumer>,
     ) -> Result<Mapped, Error> {
         let memory = Arc::new(RegionMemory::new(spec.size, &spec.backing, spec.page_size)?);
+        // Unreachable before any slot over it exists; fresh memory has nothing to discard.
+        for range in &spec.inaccessible {
+            memory
+                .set_accessible(range.clone(), false)
+                .map_err(|source| Error::Protect {
+                    range: AddressRange {
+                        start: spec.gpa.0 + range.start,
+                        end: spec.gpa.0 + range.end,
+                    },
+                    source,
+                })?;
+        }
         // Allocated with the region (fallibly), so that nothing that marks a page dirty can
         // fail for want of room later.
         let pages = spec.size / PAGE_SIZE;

@@ -99,7 +99,7 @@ impl<K: KvmMemory> MemoryManager<K> {
         }
         for piece in pieces {
             let len = piece.end - piece.start;
-            discard_run(&piece.memory, piece.offset, len).map_err(|source| Error::Discard {
+            discard_guarded(&piece.memory, piece.offset, len).map_err(|source| Error::Discard {
                 range: AddressRange {
                     start: piece.start,
                     end: piece.end,
@@ -145,7 +145,7 @@ impl<K: KvmMemory> MemoryManager<K> {
         check_aligned_to("offset", range.start, page)?;
         check_aligned_to("length", range.end - range.start, page)?;
         let len = range.end - range.start;
-        discard_run(&region.memory, range.start, len).map_err(|source| Error::Discard {
+        discard_guarded(&region.memory, range.start, len).map_err(|source| Error::Discard {
             range: AddressRange {
                 start: region.gpa.0 + range.start,
                 end: region.gpa.0 + range.end,
@@ -155,6 +155,84 @@ impl<K: KvmMemory> MemoryManager<K> {
         region
             .pending()
             .mark(range.start / PAGE_SIZE, len / PAGE_SIZE);
+        Ok(())
+    }
+}
+
+impl<K: KvmMemory> MemoryManager<K> {
+    /// Makes byte ranges `ranges` of region `id` unreachable (`accessible` false): the guest's
+    /// accesses fault in KVM (its `KVM_RUN` fails with `EFAULT`, or a `KVM_EXIT_MEMORY_FAULT`
+    /// naming the guest address), the host's readers of the region
+    /// ([`RegionMemory::read_volatile`], [`RegionMemory::access`]) see zeros, and vm-memory
+    /// refuses them (a device's access gets an error). Or reachable again (`accessible` true),
+    /// with what they held. The slots stay as they are: this is how a slot can stay over memory
+    /// the guest must not use (an unplugged block inside a plugged piece), with no KVM call.
+    /// The pages count as dirty in the next harvest either way (what readers see of them
+    /// changed). To give the memory back too, [`discard_region`](Self::discard_region) the
+    /// ranges once they are unreachable (nothing can fault them in again then).
+    ///
+    /// Refused, nothing changed, if the region does not exist or a range is empty, outside it
+    /// or not aligned to its page size.
+    ///
+    /// A device that copies to or from a range through vm-memory while it turns unreachable
+    /// can fault: the check `get_slice` makes is not held across the copy. Devices that DMA
+    /// into memory a guest may unplug must hold [`RegionMemory::access`] across the copy.
+    ///
+    /// # KVM calls
+    ///
+    /// None. One `mprotect` per range. If one fails, the ranges done before it get their
+    /// protection back and the error is returned.
+    pub fn set_accessible(
+        &self,
+        id: RegionId,
+        ranges: &[Range<u64>],
+        accessible: bool,
+    ) -> Result<(), Error> {
+        let state = self.state();
+        let region = state.regions.get(&id).ok_or(Error::UnknownRegion(id))?;
+        let page = region.memory.page_size().alignment();
+        for range in ranges {
+            if range.start >= range.end || range.end > region.size {
+                return Err(Error::OutsideRegion {
+                    region: id,
+                    start: range.start,
+                    end: range.end,
+                });
+            }
+            check_aligned_to("offset", range.start, page)?;
+            check_aligned_to("length", range.end - range.start, page)?;
+        }
+        let guest = |range: &Range<u64>| AddressRange {
+            start: region.gpa.0 + range.start,
+            end: region.gpa.0 + range.end,
+        };
+        // What to put back if a range after the first fails (one range needs no undo).
+        let before = match ranges.len() {
+            0 | 1 => Vec::new(),
+            _ => region.memory.inaccessible(),
+        };
+        for (done, range) in ranges.iter().enumerate() {
+            if let Err(source) = region.memory.set_accessible(range.clone(), accessible) {
+                // Put back what the ranges before had, range by range (each was all one way:
+                // either as asked already, or the other way).
+                for undo in &ranges[..done] {
+                    for (part, was_accessible) in crate::memory::split_by(undo.clone(), &before) {
+                        let _ = region.memory.set_accessible(part, was_accessible);
+                    }
+                }
+                return Err(Error::Protect {
+                    range: guest(range),
+                    source,
+                });
+            }
+        }
+        for range in ranges {
+            region.pending().mark(
+                range.start / PAGE_SIZE,
+                (range.end - range.start) / PAGE_SIZE,
+            );
+        }
+        drop(state);
         Ok(())
     }
 }
@@ -169,9 +247,34 @@ fn zero_pages_flags(page_size: PageSize) -> libc::c_int {
     }
 }
 
+/// [`discard_run`] of `len` bytes of `memory` from `offset`, holding its protection steady:
+/// the zero pages a private file mapping gets keep each part's protection (inaccessible
+/// parts stay `PROT_NONE`).
+fn discard_guarded(memory: &RegionMemory, offset: u64, len: u64) -> std::io::Result<()> {
+    if !memory.is_private_file() {
+        return discard_run(memory, offset, len, libc::PROT_READ | libc::PROT_WRITE);
+    }
+    let access = memory.access();
+    for (part, accessible) in crate::memory::split_by(offset..offset + len, access.inaccessible()) {
+        let prot = if accessible {
+            libc::PROT_READ | libc::PROT_WRITE
+        } else {
+            libc::PROT_NONE
+        };
+        discard_run(memory, part.start, part.end - part.start, prot)?;
+    }
+    Ok(())
+}
+
 /// Gives the host back `len` bytes of `memory` from `offset` (see [`MemoryManager::discard`]
-/// for the call each kind of memory gets).
-fn discard_run(memory: &RegionMemory, offset: u64, len: u64) -> std::io::Result<()> {
+/// for the call each kind of memory gets); a private file mapping gets zero pages of
+/// protection `prot`, the protection the range has (the caller holds it steady).
+pub(crate) fn discard_run(
+    memory: &RegionMemory,
+    offset: u64,
+    len: u64,
+    prot: libc::c_int,
+) -> std::io::Result<()> {
     if offset
         .checked_add(len)
         .is_none_or(|end| end > memory.size())
@@ -185,15 +288,15 @@ fn discard_run(memory: &RegionMemory, offset: u64, len: u64) -> std::io::Result<
         // atomically, so it is never unmapped; KVM's MMU notifier sees the change).
         // SAFETY: `[hva, hva + len)` lies inside the region's mapping (checked above), which
         // `memory` keeps alive; it is replaced by a private anonymous mapping of
-        // the same range and protection, so the region's memory stays mapped and
-        // writable. Guest memory is only accessed through volatile accesses and raw
+        // the same range and protection (`prot`, which the caller holds steady), so the
+        // region's memory stays mapped as it was. Guest memory is only accessed through volatile accesses and raw
         // pointers, never Rust references, so replacing its contents breaks no
         // aliasing rule.
         let mapped = unsafe {
             libc::mmap(
                 hva as *mut libc::c_void,
                 len as usize,
-                libc::PROT_READ | libc::PROT_WRITE,
+                prot,
                 zero_pages_flags(memory.page_size()),
                 -1,
                 0,

@@ -9,7 +9,7 @@
 mod batch;
 mod consumers;
 mod dirty_log;
-mod discard;
+pub(crate) mod discard;
 mod plan;
 mod query;
 mod regions;

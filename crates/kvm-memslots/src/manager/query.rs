@@ -27,6 +27,45 @@ impl<K: KvmMemory> MemoryManager<K> {
         out
     }
 
+    /// The first guest address in `[start, end)` the guest cannot use as memory: one with no
+    /// slot (a hole, as `MemslotMap::first_hole` finds) or one a region keeps unreachable under
+    /// its slot ([`set_accessible`](Self::set_accessible)); `None` if it is all memory.
+    ///
+    /// ```
+    /// use kvm_memslots::testing::FakeKvm;
+    /// use kvm_memslots::{MemoryManager, RegionSpec};
+    /// use vm_memory::GuestAddress;
+    ///
+    /// let memory = MemoryManager::new(FakeKvm::new(8, true));
+    /// let id = memory.add_region(RegionSpec::new(GuestAddress(0x10_0000), 0x4000)).unwrap();
+    /// assert_eq!(memory.first_unreachable(0x10_0000, 0x10_4000), None);
+    /// memory.set_accessible(id, &[0x2000..0x3000], false).unwrap();
+    /// assert_eq!(memory.first_unreachable(0x10_0000, 0x10_4000), Some(0x10_2000));
+    /// assert_eq!(memory.first_unreachable(0x10_3000, 0x10_5000), Some(0x10_4000));
+    /// ```
+    pub fn first_unreachable(&self, start: u64, end: u64) -> Option<u64> {
+        let map = self.load();
+        let hole = map.first_hole(start, end);
+        let limit = hole.unwrap_or(end);
+        for slot in map.iter_from_gpa(vm_memory::GuestAddress(start)) {
+            let range = slot.gpa_range();
+            if range.start >= limit {
+                break;
+            }
+            let (from, to) = (range.start.max(start), range.end.min(limit));
+            let offset = slot.payload().offset() + (from - range.start);
+            let access = slot.payload().memory().access();
+            let unreachable =
+                crate::memory::split_by(offset..offset + (to - from), access.inaccessible())
+                    .into_iter()
+                    .find(|(_, accessible)| !accessible);
+            if let Some((part, _)) = unreachable {
+                return Some(from + (part.start - offset));
+            }
+        }
+        hole
+    }
+
     /// The regions, by id.
     pub fn regions(&self) -> Vec<RegionInfo> {
         let state = self.state();

@@ -32,6 +32,10 @@ pub struct RegionSpec {
     /// sees no memory there, but the region keeps the range and its memory). Overrides
     /// `slot_size`. By default the whole region is slotted.
     pub slot_ranges: Option<Vec<Range<u64>>>,
+    /// Byte ranges of the region (ascending, not overlapping, aligned to its pages) that are
+    /// unreachable from the start, as [`MemoryManager::set_accessible`](crate::MemoryManager::set_accessible)
+    /// makes them, protected before any slot over them exists. None by default.
+    pub inaccessible: Vec<Range<u64>>,
     /// The guest can read but not write the region.
     pub read_only: bool,
     /// Log the guest's writes from the start.
@@ -53,6 +57,7 @@ impl RegionSpec {
             page_size: PageSize::Base,
             slot_size: None,
             slot_ranges: None,
+            inaccessible: Vec::new(),
             read_only: false,
             log_dirty: false,
             id: None,
@@ -81,6 +86,15 @@ impl RegionSpec {
     pub fn with_slot_ranges(self, slots: Vec<Range<u64>>) -> Self {
         RegionSpec {
             slot_ranges: Some(slots),
+            ..self
+        }
+    }
+
+    /// Makes byte ranges `ranges` of the region unreachable from the start
+    /// ([`inaccessible`](Self::inaccessible)).
+    pub fn with_inaccessible(self, ranges: Vec<Range<u64>>) -> Self {
+        RegionSpec {
+            inaccessible: ranges,
             ..self
         }
     }

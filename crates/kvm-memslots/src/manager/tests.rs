@@ -2187,3 +2187,160 @@ fn an_overflowed_ring_reports_every_logging_page_for_every_consumer() {
 mod parking;
 mod reslot;
 mod undo;
+
+/// Whether the host's page tables let the process read `len` bytes at `hva`: a `write` from
+/// them into a pipe fails with `EFAULT` where they do not (a load would fault the test).
+fn host_readable(hva: u64, len: usize) -> bool {
+    let mut fds = [0; 2];
+    // SAFETY: `fds` is a valid array of two descriptors for pipe to fill.
+    assert_eq!(unsafe { libc::pipe(fds.as_mut_ptr()) }, 0);
+    // SAFETY: the kernel only reads `[hva, hva + len)` and reports EFAULT where it cannot;
+    // `fds[1]` is the pipe's write end just made (the pipe holds 64 KiB, more than `len`).
+    let n = unsafe { libc::write(fds[1], hva as *const libc::c_void, len) };
+    let err = std::io::Error::last_os_error();
+    for fd in fds {
+        // SAFETY: closing the descriptors made above, owned by nothing else.
+        unsafe { libc::close(fd) };
+    }
+    match n {
+        n if n == len as isize => true,
+        _ => {
+            assert_eq!(err.raw_os_error(), Some(libc::EFAULT), "{err}");
+            false
+        }
+    }
+}
+
+#[test]
+#[allow(clippy::single_range_in_vec_init)]
+fn an_inaccessible_range_keeps_its_slot_reads_as_zeros_and_is_refused_to_devices() {
+    for backing in [Backing::Anonymous, Backing::Memfd] {
+        let m = manager(16);
+        let r = m
+            .add_region(region(MIB, 4).with_backing(backing.clone()))
+            .unwrap();
+        let mem = m.current();
+        mem.write_slice(&[0xaa; 4 * SLOT as usize], GuestAddress(MIB))
+            .unwrap();
+        let slots = m.slot_ranges(r);
+        let kvm = m.kvm().inner().slots();
+        m.harvest_dirty(Target::All).unwrap();
+        // Two pages across the slot boundary; no KVM call, the slots unchanged.
+        let hole = SLOT - 0x1000..SLOT + 0x1000;
+        m.set_accessible(r, std::slice::from_ref(&hole), false)
+            .unwrap();
+        // Given back too (a discard under PROT_NONE keeps it PROT_NONE).
+        m.discard_region(r, hole.clone()).unwrap();
+        assert_eq!(m.slot_ranges(r), slots);
+        assert_eq!(m.kvm().inner().slots(), kvm);
+        assert_mirrored(&m);
+        let memory = m.region_memory(r).unwrap();
+        assert_eq!(memory.inaccessible(), vec![hole.clone()]);
+        let hva = memory.host_address();
+        assert!(!host_readable(hva + hole.start, 0x1000));
+        assert!(host_readable(hva + hole.start - 0x1000, 0x1000));
+        // The host's readers see zeros there and the data around it.
+        let mut buf = vec![0u8; 4 * SLOT as usize];
+        memory.read_volatile(0, &mut buf).unwrap();
+        assert!(buf[..hole.start as usize].iter().all(|b| *b == 0xaa));
+        assert!(buf[hole.start as usize..hole.end as usize]
+            .iter()
+            .all(|b| *b == 0));
+        assert!(buf[hole.end as usize..].iter().all(|b| *b == 0xaa));
+        // A device (vm-memory) is refused it, and reaches the rest.
+        assert!(mem
+            .read_obj::<u8>(GuestAddress(MIB + hole.start + 8))
+            .is_err());
+        assert!(mem
+            .write_obj(1u8, GuestAddress(MIB + hole.end - 1))
+            .is_err());
+        assert!(mem
+            .get_host_address(GuestAddress(MIB + hole.start))
+            .is_err());
+        assert!(mem.get_host_address(GuestAddress(MIB + hole.end)).is_ok());
+        assert_eq!(
+            mem.read_obj::<u8>(GuestAddress(MIB + hole.end)).unwrap(),
+            0xaa
+        );
+        // Its pages changed (to zeros): the next harvest reports them.
+        let dirty = m.harvest_dirty(Target::Region(r)).unwrap();
+        let got: Vec<u64> = dirty[0].addresses().map(|a| a.0).collect();
+        assert_eq!(got, vec![MIB + hole.start, MIB + hole.start + 0x1000]);
+        // Accessible again: zeros (the old contents were given back), writable.
+        m.set_accessible(r, std::slice::from_ref(&hole), true)
+            .unwrap();
+        assert!(memory.inaccessible().is_empty());
+        assert!(host_readable(hva + hole.start, 0x2000));
+        assert_eq!(
+            mem.read_obj::<u64>(GuestAddress(MIB + hole.start)).unwrap(),
+            0
+        );
+        mem.write_obj(7u8, GuestAddress(MIB + hole.start)).unwrap();
+        assert_eq!(m.slot_ranges(r), slots);
+    }
+}
+
+#[test]
+#[allow(clippy::single_range_in_vec_init)]
+fn a_bad_protection_change_is_refused_and_changes_nothing() {
+    let m = manager(16);
+    let r = m.add_region(region(MIB, 4)).unwrap();
+    let memory = m.region_memory(r).unwrap();
+    let size = 4 * SLOT;
+    assert!(matches!(
+        m.set_accessible(r, &[0..0x1000, size - 0x1000..size + 0x1000], false),
+        Err(Error::OutsideRegion { .. })
+    ));
+    assert!(matches!(
+        m.set_accessible(r, &[0x800..0x1000], false),
+        Err(Error::Unaligned { .. })
+    ));
+    assert!(matches!(
+        m.set_accessible(RegionId(99), &[0..0x1000], false),
+        Err(Error::UnknownRegion(RegionId(99)))
+    ));
+    // The first range was not protected either.
+    assert!(memory.inaccessible().is_empty());
+    assert!(host_readable(memory.host_address(), 0x1000));
+}
+
+#[test]
+#[allow(clippy::single_range_in_vec_init)]
+fn inaccessible_ranges_merge_and_split() {
+    let m = manager(16);
+    let r = m.add_region(region(MIB, 4)).unwrap();
+    let memory = m.region_memory(r).unwrap();
+    m.set_accessible(r, &[0x1000..0x3000, 0x5000..0x6000], false)
+        .unwrap();
+    m.set_accessible(r, &[0x3000..0x5000], false).unwrap();
+    assert_eq!(memory.inaccessible(), vec![0x1000..0x6000]);
+    m.set_accessible(r, &[0x2000..0x3000], true).unwrap();
+    assert_eq!(memory.inaccessible(), vec![0x1000..0x2000, 0x3000..0x6000]);
+    assert!(host_readable(memory.host_address() + 0x2000, 0x1000));
+    assert!(!host_readable(memory.host_address() + 0x3000, 0x1000));
+}
+
+#[test]
+#[allow(clippy::single_range_in_vec_init)]
+fn a_region_can_start_with_unreachable_ranges_and_they_keep_their_contents() {
+    let m = manager(16);
+    let r = m
+        .add_region(region(MIB, 4).with_inaccessible(vec![SLOT..2 * SLOT]))
+        .unwrap();
+    let memory = m.region_memory(r).unwrap();
+    assert_eq!(memory.inaccessible(), vec![SLOT..2 * SLOT]);
+    assert!(!host_readable(memory.host_address() + SLOT, 0x1000));
+    assert!(host_readable(memory.host_address(), 0x1000));
+    // Made unreachable and back without a discard: the contents come back.
+    m.current().write_obj(9u8, GuestAddress(MIB)).unwrap();
+    m.set_accessible(r, &[0..SLOT], false).unwrap();
+    assert!(m.current().read_obj::<u8>(GuestAddress(MIB)).is_err());
+    m.set_accessible(r, &[0..2 * SLOT], true).unwrap();
+    assert_eq!(m.current().read_obj::<u8>(GuestAddress(MIB)).unwrap(), 9);
+    // A layout of unreachable ranges that overlap is refused; nothing was mapped.
+    assert!(matches!(
+        m.add_region(region(2 * MIB, 4).with_inaccessible(vec![0..SLOT, 0..SLOT])),
+        Err(Error::SlotLayout { .. })
+    ));
+    assert_eq!(m.regions().len(), 1);
+}

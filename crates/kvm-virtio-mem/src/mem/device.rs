@@ -7,7 +7,9 @@ use std::sync::Arc;
 
 use std::collections::BTreeMap;
 
-use kvm_memslots::{AddressRange, KvmMemory, MemoryManager, RegionId};
+use std::ops::Range;
+
+use kvm_memslots::{AddressRange, KvmMemory, MemoryManager, RegionChange, RegionId, RegionSpec};
 use virtio_bindings::virtio_ids::VIRTIO_ID_MEM;
 use virtio_queue::{Queue, QueueOwnedT, QueueT};
 use vm_memory::GuestAddress;
@@ -58,9 +60,16 @@ pub struct VirtioMem<K: KvmMemory> {
     /// One entry per block: whether it is plugged.
     pub(super) blocks: Vec<bool>,
     /// One entry per piece of the region (`max_slot_size` long, the last one maybe shorter):
-    /// the manager region behind it while a block of it is plugged. Its slots are the runs of
-    /// plugged blocks in it ([`plugged_runs`]); the rest of it is a hole.
+    /// the manager region behind it while a block of it is plugged. It has one KVM slot over
+    /// the whole piece; its unplugged blocks are unreachable (protected `PROT_NONE`, their
+    /// memory given back), unless the piece is isolated.
     pieces: Vec<Option<RegionId>>,
+    /// One entry per piece: whether it is *isolated*, its slots the runs of its plugged blocks
+    /// ([`plugged_runs`]) instead of one slot over it all, so that a guest access to one of
+    /// its unplugged blocks finds no slot and exits as absent memory
+    /// ([`isolate_unplugged`](VirtioMem::isolate_unplugged)). Its next plug or unplug gives it
+    /// its one slot back.
+    pub(super) isolated: Vec<bool>,
     plugged: u64,
     pub(super) counts: RequestCounts,
     /// Why the device last answered BUSY: the manager's refusal (a slot budget, a memory
@@ -136,6 +145,7 @@ impl<K: KvmMemory> VirtioMem<K> {
             queue_sizes: [options.queue_size],
             blocks: vec![false; blocks as usize],
             pieces: vec![None; pieces as usize],
+            isolated: vec![false; pieces as usize],
             plugged: 0,
             counts: RequestCounts::default(),
             last_busy: None,
@@ -149,6 +159,7 @@ impl<K: KvmMemory> VirtioMem<K> {
         queue_size: u16,
         blocks: Vec<bool>,
         pieces: Vec<Option<RegionId>>,
+        isolated: Vec<bool>,
         counts: RequestCounts,
     ) -> Self {
         let plugged = blocks.iter().filter(|b| **b).count() as u64;
@@ -158,6 +169,7 @@ impl<K: KvmMemory> VirtioMem<K> {
             queue_sizes: [queue_size],
             blocks,
             pieces,
+            isolated,
             plugged,
             counts,
             last_busy: None,
@@ -226,13 +238,90 @@ impl<K: KvmMemory> VirtioMem<K> {
         self.config.max_slot_size()
     }
 
-    /// The KVM slots the plugged blocks use: one per run of plugged blocks in each piece.
+    /// The KVM slots the plugged blocks use: one per piece with a plugged block (one per run
+    /// of plugged blocks in an isolated piece: [`isolate_unplugged`](Self::isolate_unplugged)).
     pub fn slots(&self) -> usize {
         let per_piece = self.config.blocks_per_piece();
         self.blocks
             .chunks(per_piece)
-            .map(|piece| plugged_runs(piece.iter().copied(), 1).len())
+            .zip(&self.isolated)
+            .map(
+                |(piece, isolated)| match (isolated, piece.contains(&true)) {
+                    (_, false) => 0,
+                    (false, true) => 1,
+                    (true, true) => plugged_runs(piece.iter().copied(), 1).len(),
+                },
+            )
             .sum()
+    }
+
+    /// The unplugged block at `gpa`, if one is there, in a piece that has a slot over it:
+    /// where a guest access faults inside KVM (the block is unreachable) instead of exiting.
+    pub fn unplugged_under_slot(&self, gpa: GuestAddress) -> Option<GuestAddress> {
+        let region = self.region();
+        if !(region.start..region.end).contains(&gpa.0) {
+            return None;
+        }
+        let index = ((gpa.0 - region.start) / self.block_size()) as usize;
+        let piece = index / self.config.blocks_per_piece();
+        (!self.blocks[index] && self.pieces[piece].is_some() && !self.isolated[piece])
+            .then(|| self.block_gpa(index))
+    }
+
+    /// Isolates the pieces that hold `gpa` (all pieces with an unplugged block under their
+    /// slot, if `None`: a fault that did not say where): each gets the runs of its plugged
+    /// blocks as its slots, so that a guest access to one of its unplugged blocks finds no slot
+    /// and exits to the VMM as absent memory, as it does outside any piece. For a VMM whose
+    /// vCPU faulted on an unplugged block (`KVM_RUN` failed with `EFAULT`, or a
+    /// `KVM_EXIT_MEMORY_FAULT`): isolate, then run the vCPU again. Returns how many pieces it
+    /// isolated (0: nothing at `gpa` to isolate, the fault is not the device's). The next plug
+    /// or unplug in a piece gives it back its one slot. Plugged memory stays where it is
+    /// (the manager's re-slot: an access to it during the change waits or is retried).
+    pub fn isolate_unplugged(
+        &mut self,
+        gpa: Option<GuestAddress>,
+    ) -> Result<usize, kvm_memslots::Error> {
+        let per_piece = self.config.blocks_per_piece();
+        let block = self.block_size();
+        let wanted: Vec<usize> = match gpa {
+            Some(gpa) => self
+                .unplugged_under_slot(gpa)
+                .map(|b| vec![((b.0 - self.region().start) / block) as usize / per_piece])
+                .unwrap_or_default(),
+            None => (0..self.pieces.len())
+                .filter(|&p| self.pieces[p].is_some() && !self.isolated[p])
+                .filter(|&p| self.piece_blocks(p).contains(&false))
+                .collect(),
+        };
+        let changes: Vec<RegionChange> = wanted
+            .iter()
+            .map(|&p| {
+                let blocks = self.piece_blocks(p);
+                let first = p * per_piece;
+                // A live piece has a plugged block: a re-slot over its runs.
+                piece_change(
+                    self.pieces[p],
+                    self.block_gpa(first),
+                    blocks.len() as u64 * block,
+                    plugged_runs(blocks.iter().copied(), block),
+                )
+            })
+            .collect();
+        if changes.is_empty() {
+            return Ok(0);
+        }
+        self.memory.apply(changes)?;
+        for &p in &wanted {
+            self.isolated[p] = true;
+        }
+        Ok(wanted.len())
+    }
+
+    /// The blocks of piece `piece`: whether each is plugged.
+    fn piece_blocks(&self, piece: usize) -> &[bool] {
+        let per_piece = self.config.blocks_per_piece();
+        let first = piece * per_piece;
+        &self.blocks[first..(first + per_piece).min(self.blocks.len())]
     }
 
     /// The requests answered so far, by response.
@@ -296,12 +385,12 @@ impl<K: KvmMemory> VirtioMem<K> {
         self.set_blocks(indices, false)
     }
 
-    /// Plugs (`plug`) or unplugs the blocks in `indices` as one change of the manager: in each
-    /// piece they touch, the piece's slots become the runs of its plugged blocks afterwards. A
-    /// piece that gets its first plugged block is added as a region (its memory mapped, slots
-    /// over the runs only); one that loses its last is removed (unmapped); the others are
-    /// re-slotted, their memory untouched. Unplugged blocks of a piece that stays are then
-    /// discarded, so that their memory goes back to the host.
+    /// Plugs (`plug`) or unplugs the blocks in `indices` as one change: all of them or none.
+    /// A piece that gets its first plugged block is added as a region with one slot over the
+    /// whole piece, its other blocks unreachable from the start; one that loses its last is
+    /// removed (unmapped). Inside a piece that stays, a plug makes its blocks reachable and an
+    /// unplug makes them unreachable (`mprotect`, no KVM call), then gives their memory back;
+    /// an isolated piece also gets its one slot back (a re-slot).
     fn set_blocks(&mut self, indices: &[usize], plug: bool) -> Result<(), kvm_memslots::Error> {
         let per_piece = self.config.blocks_per_piece();
         let block = self.block_size();
@@ -311,6 +400,8 @@ impl<K: KvmMemory> VirtioMem<K> {
         }
         let mut changes = Vec::with_capacity(touched.len());
         let mut added = Vec::new();
+        // The pieces that stay, with the byte ranges (of the piece) whose blocks change.
+        let mut flips: Vec<(RegionId, Vec<Range<u64>>)> = Vec::new();
         for (&piece, changed) in &touched {
             let first = piece * per_piece;
             let end = (first + per_piece).min(self.blocks.len());
@@ -319,21 +410,59 @@ impl<K: KvmMemory> VirtioMem<K> {
                 plugged[i - first] = plug;
             }
             let size = (end - first) as u64 * block;
-            let slots = plugged_runs(plugged, block);
-            if self.pieces[piece].is_none() {
-                added.push(piece);
+            let mut changing = vec![false; end - first];
+            for &i in changed {
+                changing[i - first] = true;
             }
-            changes.push(piece_change(
-                self.pieces[piece],
-                self.block_gpa(first),
-                size,
-                slots,
-            ));
+            let changing = plugged_runs(changing, block);
+            match self.pieces[piece] {
+                None => {
+                    added.push(piece);
+                    let unplugged = plugged_runs(plugged.iter().map(|p| !p), block);
+                    changes.push(RegionChange::Add(
+                        RegionSpec::new(self.block_gpa(first), size)
+                            .with_slot_ranges(std::iter::once(0..size).collect())
+                            .with_inaccessible(unplugged),
+                    ));
+                }
+                Some(region) if !plugged.contains(&true) => {
+                    changes.push(RegionChange::Remove(region));
+                }
+                Some(region) => {
+                    if self.isolated[piece] {
+                        changes.push(piece_change(
+                            Some(region),
+                            self.block_gpa(first),
+                            size,
+                            std::iter::once(0..size).collect(),
+                        ));
+                    }
+                    flips.push((region, changing));
+                }
+            }
         }
-        if changes.is_empty() {
+        if changes.is_empty() && flips.is_empty() {
             return Ok(());
         }
-        let regions = self.memory.apply(changes)?;
+        // Protection first, so that a piece's one slot never covers an unplugged block that
+        // is reachable; undone (the contents kept: nothing is discarded yet) if the manager
+        // then refuses its change.
+        for (done, (region, ranges)) in flips.iter().enumerate() {
+            if let Err(e) = self.memory.set_accessible(*region, ranges, plug) {
+                self.undo_flips(&flips[..done], plug);
+                return Err(e);
+            }
+        }
+        let regions = match changes.is_empty() {
+            true => Vec::new(),
+            false => match self.memory.apply(changes) {
+                Ok(regions) => regions,
+                Err(e) => {
+                    self.undo_flips(&flips, plug);
+                    return Err(e);
+                }
+            },
+        };
         for (piece, region) in added.into_iter().zip(regions) {
             self.pieces[piece] = Some(region);
         }
@@ -341,27 +470,34 @@ impl<K: KvmMemory> VirtioMem<K> {
             for &i in changed {
                 self.blocks[i] = plug;
             }
+            self.isolated[piece] = false;
             if plug {
                 self.plugged += changed.len() as u64;
-                continue;
+            } else {
+                self.plugged -= changed.len() as u64;
+                if !self.piece_blocks(piece).contains(&true) {
+                    self.pieces[piece] = None;
+                }
             }
-            self.plugged -= changed.len() as u64;
-            let first = piece * per_piece;
-            let end = (first + per_piece).min(self.blocks.len());
-            if !self.blocks[first..end].contains(&true) {
-                self.pieces[piece] = None;
-                continue;
-            }
-            // The piece stays mapped: give the unplugged blocks' memory back (a later plug
-            // finds zeros, as in a fresh mapping). Best effort: the blocks are unplugged
-            // whatever madvise says, and their memory is the device's to reuse.
-            let region = self.pieces[piece].expect("a piece with a plugged block has a region");
-            let unplugged = (first..end).map(|i| changed.binary_search(&i).is_ok());
-            for run in plugged_runs(unplugged, block) {
-                let _ = self.memory.discard_region(region, run);
+        }
+        if !plug {
+            // Give the unplugged blocks' memory back (a later plug finds zeros, as in a fresh
+            // mapping). Best effort: the blocks are unplugged and unreachable whatever madvise
+            // says, and their memory is the device's to reuse.
+            for (region, ranges) in &flips {
+                for range in ranges {
+                    let _ = self.memory.discard_region(*region, range.clone());
+                }
             }
         }
         Ok(())
+    }
+
+    /// Puts back the protection `flips` changed to `plug`.
+    fn undo_flips(&self, flips: &[(RegionId, Vec<Range<u64>>)], plug: bool) {
+        for (region, ranges) in flips {
+            let _ = self.memory.set_accessible(*region, ranges, !plug);
+        }
     }
 
     /// Answers one request. Returns the response and whether the configuration changed.
@@ -436,9 +572,10 @@ impl<K: KvmMemory> VirtioDevice for VirtioMem<K> {
         F_VERSION_1 | (1 << VIRTIO_MEM_F_UNPLUGGED_INACCESSIBLE)
     }
 
-    /// Unplugged blocks have no KVM slot, so the device cannot let a driver read them, as it
-    /// would have to without VIRTIO_MEM_F_UNPLUGGED_INACCESSIBLE: a driver that does not
-    /// accept the feature is refused (the specification allows a device to stop there).
+    /// Unplugged blocks are unreachable (no KVM slot, or protected under their piece's slot),
+    /// so the device cannot let a driver read them, as it would have to without
+    /// VIRTIO_MEM_F_UNPLUGGED_INACCESSIBLE: a driver that does not accept the feature is
+    /// refused (the specification allows a device to stop there).
     fn accept_features(&self, acked: u64) -> bool {
         acked & (1 << VIRTIO_MEM_F_UNPLUGGED_INACCESSIBLE) != 0
     }

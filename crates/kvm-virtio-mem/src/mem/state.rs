@@ -3,7 +3,9 @@
 //! holes and slots from the memory layout, with their ids); a restored device adopts those
 //! regions instead of plugging again, and refuses a memory map that does not have exactly
 //! what the plugged blocks need in its area: one region per piece with a plugged block, at the
-//! piece's place and size, its slots the runs of plugged blocks.
+//! piece's place and size, with one slot over the whole piece (or, for an isolated piece or
+//! a state saved before pieces kept one slot, the runs of plugged blocks). The unplugged
+//! blocks' protection is not in the memory layout: the restore makes them unreachable again.
 
 use std::sync::Arc;
 
@@ -111,6 +113,7 @@ impl<K: KvmMemory> VirtioMem<K> {
         let per_piece = config.blocks_per_piece();
         let piece_of = |gpa: u64| ((gpa - region.start) / block) as usize / per_piece;
         let mut pieces: Vec<Option<RegionId>> = vec![None; blocks.len().div_ceil(per_piece)];
+        let mut isolated = vec![false; pieces.len()];
         for r in memory.regions() {
             if r.gpa.0 >= region.end || r.gpa.0 + r.size <= region.start {
                 continue;
@@ -143,12 +146,15 @@ impl<K: KvmMemory> VirtioMem<K> {
                 )));
             }
             let slots = memory.slot_ranges(r.id).unwrap_or_default();
-            if slots != wanted {
+            let whole: Vec<_> = std::iter::once(0..r.size).collect();
+            if slots != whole && slots != wanted {
                 return Err(bad(format!(
-                    "region {} at {:#x} has slots {slots:x?}; its plugged blocks need {wanted:x?}",
+                    "region {} at {:#x} has slots {slots:x?}; its plugged blocks need \
+                     {whole:x?} (or {wanted:x?}, isolated)",
                     r.id, r.gpa.0
                 )));
             }
+            isolated[piece] = slots != whole;
             pieces[piece] = Some(r.id);
         }
         if let Some(missing) =
@@ -159,6 +165,26 @@ impl<K: KvmMemory> VirtioMem<K> {
                 config.block_gpa(missing).0
             )));
         }
+        // Everything checked: the unplugged blocks of each piece become unreachable again.
+        for (piece, region) in pieces.iter().enumerate() {
+            let Some(region) = region else { continue };
+            let first = piece * per_piece;
+            let last = (first + per_piece).min(blocks.len());
+            let unplugged = plugged_runs(blocks[first..last].iter().map(|b| !b), block);
+            if unplugged.is_empty() {
+                continue;
+            }
+            memory
+                .set_accessible(*region, &unplugged, false)
+                .map_err(|e| {
+                    bad(format!(
+                        "making the unplugged blocks of region {region} unreachable: {e}"
+                    ))
+                })?;
+            for range in unplugged {
+                let _ = memory.discard_region(*region, range);
+            }
+        }
         let [ack, nack, busy, error] = state.counts;
         Ok(VirtioMem::from_parts(
             memory,
@@ -166,6 +192,7 @@ impl<K: KvmMemory> VirtioMem<K> {
             options.queue_size,
             blocks,
             pieces,
+            isolated,
             RequestCounts {
                 ack,
                 nack,

@@ -16,9 +16,11 @@ use crate::test_guest::snapshot::HotplugState;
 
 impl Controller {
     /// Takes back a restored VM's hotplug area: its pieces are the regions at their guest
-    /// addresses in the restored memory (the state was checked against the layout). A piece
-    /// saved whole-slotted with unplugged blocks in it (as states were before pieces had
-    /// holes) is re-slotted over its plugged blocks, all such pieces in one change.
+    /// addresses in the restored memory (the state was checked against the layout). The
+    /// layout carries no reachability: each piece's unplugged blocks are made unreachable
+    /// again and given back; a piece saved with slots over its plugged blocks only (as states
+    /// were before pieces kept one slot) then gets its one slot, all such pieces in one
+    /// change.
     pub fn with_hotplug(mut self, saved: Option<&HotplugState>) -> Result<Self, ControllerError> {
         let Some(saved) = saved else {
             return Ok(self);
@@ -46,6 +48,18 @@ impl Controller {
                         "the snapshot's hotplug slot {i} at {gpa:#x} is not in its memory layout"
                     ))
                 })?;
+            let unreachable = area.piece_unreachable(i, saved.plugged_blocks);
+            if !unreachable.is_empty() {
+                memory
+                    .set_accessible(region, &unreachable, false)
+                    .map_err(|e| {
+                        ControllerError::from(e)
+                            .and("the hotplug area's unplugged blocks were not made unreachable")
+                    })?;
+                for range in unreachable {
+                    let _ = memory.discard_region(region, range);
+                }
+            }
             let wanted = area.piece_slots(i, saved.plugged_blocks);
             if memory.slot_ranges(region).as_ref() != Some(&wanted) {
                 reslots.push(RegionChange::Reslot(kvm_memslots::Reslot {
@@ -59,7 +73,7 @@ impl Controller {
         if !reslots.is_empty() {
             memory.apply(reslots).map_err(|e| {
                 ControllerError::from(e)
-                    .and("the hotplug area's partly plugged slots were not cut to their blocks")
+                    .and("the hotplug area's partly plugged pieces did not get their one slot")
             })?;
         }
         self.hotplug = Some(area);
@@ -185,29 +199,17 @@ impl Controller {
         Ok(())
     }
 
-    /// Carries `plan` out as one change of the manager (nothing changes if it fails), then
+    /// Carries `plan` out ([`HotplugArea::carry_out`]: nothing changes if it fails), which
     /// gives back to the host the memory of blocks it unplugged in pieces that stay.
     fn carry_out(&mut self, plan: &HotplugPlan) -> Result<(), ControllerError> {
         let memory = Arc::clone(self.vm.memory());
-        let area = self.area_mut();
-        let changes = area.changes(plan);
-        let added = if changes.is_empty() {
-            Vec::new()
-        } else {
-            memory.apply(changes)?
-        };
-        area.commit(plan, added);
-        for piece in &plan.pieces {
-            if let (Some(range), Some(region)) = (piece.given_back(), area.pieces[piece.index]) {
-                // Best effort: the blocks are unplugged (no slot, no guest access) whatever
-                // madvise says, and a later plug of them is the area's to reuse.
-                if let Err(e) = memory.discard_region(region, range) {
-                    log(
-                        LogLevel::Warn,
-                        format!("giving back unplugged hotplug memory: {e}"),
-                    );
-                }
-            }
+        // Best effort: the blocks are unplugged (unreachable) whatever madvise says, and a
+        // later plug of them is the area's to reuse.
+        for e in self.area_mut().carry_out(&memory, plan)? {
+            log(
+                LogLevel::Warn,
+                format!("giving back unplugged hotplug memory: {e}"),
+            );
         }
         Ok(())
     }

@@ -76,7 +76,9 @@ impl Controller {
                 test_guest::IDENTITY_MAPPED
             )));
         }
-        if let Some(hole) = self.vm.memory().current().map().first_hole(start, end) {
+        // No slot, or unreachable under one (an unplugged hotplug block): the guest's access
+        // would not be memory.
+        if let Some(hole) = self.vm.memory().first_unreachable(start, end) {
             return Err(ControllerError::bad(format!(
                 "guest range [{start:#x}, {end:#x}) is not all memory: nothing at {hole:#x}"
             )));

@@ -8,7 +8,7 @@ use crate::control::migration::MigrateRequest;
 use crate::control::vm::RunState;
 use crate::control::{ControllerError, ErrorKind};
 use crate::migration::slot::checked_endpoint;
-use crate::migration::source::SourceVm;
+use crate::precopy::SourceVm;
 use crate::test_guest::hotplug::HotplugArea;
 use crate::test_guest::snapshot::MigrationRecord;
 

@@ -1,31 +1,32 @@
-//! The source side of a migration, on a thread of its own so that the API keeps answering
-//! (`GET /migrate`, `PUT /migrate/cancel`) while it runs.
+//! The pre-copy rounds, on a thread of its own so that the API keeps answering (`GET /migrate`
+//! and `PUT /migrate/cancel` for a migration, `GET /snapshot` and `PUT /snapshot/cancel` for a
+//! live snapshot) while they run.
 //!
-//! Rounds: turn dirty logging on, send the layout and wait for the destination to accept it;
-//! round 1 sends every page that holds data; each next round harvests (bitmap or ring, never
-//! behind the writers' lock) and sends what the guest dirtied meanwhile. Before each round the
-//! pause it would take to send what is left — the last harvest's duration plus its pages at the
-//! last round's throughput — is compared with the budget; once it fits the vCPUs pause, the
-//! last pages and the state go, and the destination's word that the VM runs there completes
-//! it. At the timeout, or earlier once the harvest alone took longer than the budget three
-//! rounds running while the pages left would have fit it (more rounds cannot help then),
-//! `force` goes on to the pause anyway and `cancel` gives up. Anything else leaves the VM
-//! running here as before: vCPUs resumed, logging as it was (the migration reads the dirty log
-//! as a consumer of its own, so it takes no page from a client or a snapshot chain, and its end
-//! stops only the logging it alone held) — with one exception. Once the Done record went out
-//! whole, the destination may run the VM (it starts it before it answers), so a missing answer
-//! leaves the vCPUs paused here: resuming them could run the guest twice. The migration ends
-//! [`MigrationPhase::Unconfirmed`] and hands the paused vCPUs to the controller, where a client
-//! who knows the destination does not run the VM resumes it.
+//! Rounds: turn dirty logging on, open the sink (a migration sends the layout) and wait for it
+//! to accept; round 1 carries every page that holds data (a live Diff: the pages its chain
+//! logged since its base); each next round harvests (bitmap or ring, never behind the writers'
+//! lock) and carries what the guest dirtied meanwhile. Before each round the pause it would
+//! take to carry what is left — the last harvest's duration plus its pages at the last round's
+//! throughput — is compared with the budget; once it fits the vCPUs pause, the last pages and
+//! the state go, and the sink's last word completes it (a migration's destination says the VM
+//! runs there; a live snapshot's vCPUs go on). At the timeout, or earlier once the harvest
+//! alone took longer than the budget three rounds running while the pages left would have fit
+//! it (more rounds cannot help then), `force` goes on to the pause anyway and `cancel` gives
+//! up. Anything else leaves the VM running here as before: vCPUs resumed, logging as it was
+//! (a run with a reader of its own takes no page from a client or a snapshot chain, and its
+//! end stops only the logging it alone held) — with one exception. Once a migration's Done
+//! record went out whole, the destination may run the VM (it starts it before it answers), so
+//! a missing answer leaves the vCPUs paused here: resuming them could run the guest twice.
+//! The run ends [`Phase::Unconfirmed`] and hands the paused vCPUs to the controller, where a
+//! client who knows the destination does not run the VM resumes it.
 //!
-//! Every wait on the destination (connecting, its answer to the layout, each write, its final
-//! word) is watched by the connection ([`super::transport::Watch`]): a cancel or a signal ends
-//! it within a slice; nothing moving for `timeout_s` (10 s at least, 60 s at most) fails the
-//! migration; and before the pause the timeout ends it too (with `force`, not the rounds'
-//! writes: the pause follows them). The error names what was waited for.
+//! Every wait of the sink (a migration's on its destination: connecting, its answer to the
+//! layout, each write, its final word) answers to the run's [`Waits`]: a cancel or a signal
+//! ends it, and before the pause the timeout ends it too (with `force`, not the rounds'
+//! writes: the pause follows them).
 //!
-//! The rounds know no guest kind: a guest kind hands over its vCPUs as [`MigratingVcpu`]s
-//! (paused, saved and resumed its own way) and the [`StateRecord`] it sends last. Nor do they
+//! The rounds know no guest kind: a guest kind hands over its vCPUs as [`PreCopyVcpu`]s
+//! (paused, saved and resumed its own way), and its state goes with the sink. Nor do they
 //! know where the pages go ([`Sink`]): a migration's destination, or a live snapshot's files,
 //! where the vCPUs go on once the state is taken and the snapshot chain lends its reader of
 //! the dirty log ([`Reader::Lent`]) so that a Diff can follow from the snapshot's point. Every
@@ -40,12 +41,11 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use kvm_memslots::{DirtyConsumer, DirtyPages, KvmVm, MemoryManager, Target, PAGE_SIZE};
-use kvm_memslots_persist::stream::StreamError;
 use kvm_memslots_persist::MemoryLayout;
 
-use super::sink::{Sink, Waits};
-use super::transport::WaitError;
-use crate::control::migration::{MigrationInfo, MigrationPhase, OnTimeout};
+use super::error::PreCopyError;
+use super::progress::{Phase, Progress};
+use super::sink::{Next, Sink, Waits};
 use crate::vm::state::VcpuState;
 use crate::vm::vcpu::PauseError;
 
@@ -54,6 +54,19 @@ const MIN_MEASURED: u64 = 1 << 20;
 /// Rounds in a row in which the harvest alone took longer than the (non-zero) budget while the
 /// pages left would have fit it: then waiting cannot help, and `on_timeout` applies at once.
 const HARVEST_BOUND_ROUNDS: u32 = 3;
+
+/// What the rounds do when their timeout comes before they converged (or once the pause
+/// cannot fit the budget).
+#[derive(
+    Debug, Clone, Copy, PartialEq, Eq, serde::Deserialize, serde::Serialize, clap::ValueEnum,
+)]
+#[serde(rename_all = "snake_case")]
+pub enum OnTimeout {
+    /// Give up: the VM keeps running here.
+    Cancel,
+    /// Stop and copy what is left, however long the pause.
+    Force,
+}
 
 /// How the rounds go: the longest pause the VM may see, how long they may take, and what
 /// happens at the timeout.
@@ -67,16 +80,6 @@ pub struct Rounds {
     pub on_timeout: OnTimeout,
 }
 
-impl From<&crate::control::migration::MigrateRequest> for Rounds {
-    fn from(request: &crate::control::migration::MigrateRequest) -> Self {
-        Rounds {
-            downtime: Duration::from_millis(request.downtime_ms),
-            timeout: Duration::from_secs(request.timeout_s),
-            on_timeout: request.on_timeout,
-        }
-    }
-}
-
 /// Whose reader of the dirty log the rounds harvest with.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Reader {
@@ -87,57 +90,8 @@ pub enum Reader {
     Lent(DirtyConsumer),
 }
 
-/// Why a migration failed.
-#[derive(Debug, thiserror::Error)]
-pub enum MigrationError {
-    /// The destination could not be reached.
-    #[error("cannot connect to {endpoint}: {source}")]
-    Connect {
-        /// Where.
-        endpoint: String,
-        /// The system's error.
-        source: io::Error,
-    },
-    /// The destination refused the VM.
-    #[error("the destination refused: {0}")]
-    Refused(String),
-    /// Sending or the destination's answer failed.
-    #[error(transparent)]
-    Stream(#[from] StreamError),
-    /// Harvesting or switching dirty logging failed.
-    #[error(transparent)]
-    Memory(#[from] kvm_memslots::Error),
-    /// A vCPU could not be paused or its state read.
-    #[error("vCPU {vcpu}: {error}")]
-    Vcpu {
-        /// The vCPU.
-        vcpu: usize,
-        /// Why.
-        error: PauseError,
-    },
-    /// The VM's state (its devices', say) could not be saved.
-    #[error("saving the VM's state failed: {0}")]
-    State(String),
-    /// A client cancelled it, the timeout came, or the VMM is stopping.
-    #[error("cancelled: {0}")]
-    Cancelled(String),
-    /// Nothing moved on the connection for too long while waiting for the destination.
-    #[error("the destination stopped responding: {0}")]
-    Stalled(WaitError),
-    /// Everything went out, but the destination's answer did not come: it may run the VM.
-    #[error(
-        "the destination got the whole VM but did not answer ({0}): it may be running the VM, \
-         so the VM stays paused here; if the destination does not run it, PATCH /vm \
-         {{\"state\": \"Resumed\"}} runs it here again"
-    )]
-    Unconfirmed(StreamError),
-    /// A live snapshot's files could not be written.
-    #[error("writing the snapshot failed: {0}")]
-    Write(String),
-}
-
-/// A vCPU as a migration pauses, saves and resumes it: each guest kind has its own handle.
-pub trait MigratingVcpu: std::fmt::Debug + Send + 'static {
+/// A vCPU as the rounds pause, save and resume it: each guest kind has its own handle.
+pub trait PreCopyVcpu: std::fmt::Debug + Send + 'static {
     /// Pauses it: once this returns, it is out of the guest and has published what it
     /// dirtied.
     fn pause(&self) -> Result<(), PauseError>;
@@ -145,20 +99,12 @@ pub trait MigratingVcpu: std::fmt::Debug + Send + 'static {
     fn save(&self) -> Result<VcpuState, PauseError>;
     /// Lifts the pause (not a hold: a held vCPU stays paused).
     fn resume(&self);
-    /// Keeps the pause until [`release`](Self::release): the migration ended
-    /// [`MigrationPhase::Unconfirmed`] with the vCPU paused, and nothing but a client's
+    /// Keeps the pause until [`release`](Self::release): a migration ended
+    /// [`Phase::Unconfirmed`] with the vCPU paused, and nothing but a client's
     /// resume may run it here again (a later live snapshot's own resume does not).
     fn hold(&self);
     /// Lifts the hold and the pause (a client resumed the VM).
     fn release(&self);
-}
-
-/// The State record a migration sends last: the guest kind's own bytes (the destination of
-/// the same guest kind reads them), made once the vCPUs are paused.
-pub trait StateRecord: std::fmt::Debug + Send + 'static {
-    /// The record for memory laid out as `layout` and the vCPUs' `states`, by index; an error
-    /// says what of the VM could not be saved (the migration then fails and the VM goes on).
-    fn to_bytes(&self, layout: &MemoryLayout, states: Vec<VcpuState>) -> Result<Vec<u8>, String>;
 }
 
 /// The VM as a run sees it: taken from the controller when it starts, unchanged while it runs
@@ -177,7 +123,7 @@ pub struct Ending<V> {
     /// The sink has the whole VM: the destination runs it, or the snapshot is written.
     pub completed: bool,
     /// The vCPUs, left paused because the outcome is unknown
-    /// ([`MigrationPhase::Unconfirmed`]): resume them only if the destination does not run the
+    /// ([`Phase::Unconfirmed`]): resume them only if the destination does not run the
     /// VM.
     pub held: Vec<V>,
 }
@@ -194,16 +140,16 @@ impl<V> Default for Ending<V> {
 /// A run under way or ended (a migration, or a live snapshot): its progress, and the thread
 /// that runs it.
 #[derive(Debug)]
-pub struct Migration<V> {
-    status: Arc<Mutex<MigrationInfo>>,
-    bytes_sent: Arc<AtomicU64>,
+pub struct PreCopy<V> {
+    status: Arc<Mutex<Progress>>,
+    bytes_copied: Arc<AtomicU64>,
     cancel: Arc<AtomicBool>,
     started: Instant,
     thread: Option<JoinHandle<Ending<V>>>,
     ending: Option<Ending<V>>,
 }
 
-impl<V: MigratingVcpu> Migration<V> {
+impl<V: PreCopyVcpu> PreCopy<V> {
     /// Starts copying `vm` into `sink` in `rounds`, harvesting with `reader`; `interrupt` is
     /// the process's stop flag.
     pub fn start(
@@ -213,18 +159,17 @@ impl<V: MigratingVcpu> Migration<V> {
         reader: Reader,
         interrupt: &'static AtomicBool,
     ) -> io::Result<Self> {
-        let status = Arc::new(Mutex::new(MigrationInfo {
-            phase: MigrationPhase::Setup,
-            destination: sink.destination(),
+        let status = Arc::new(Mutex::new(Progress {
+            phase: Phase::Setup,
             round: 0,
-            bytes_sent: 0,
+            bytes_copied: 0,
             guest_memory_bytes: vm.memory.memory_use().guest_memory,
             pages_left: 0,
             dirty_rate_pages_per_second: 0.0,
             throughput_bytes_per_second: 0.0,
-            estimated_downtime_ms: 0.0,
+            estimated_pause_ms: 0.0,
             forced: false,
-            downtime_ms: None,
+            pause_ms: None,
             elapsed_ms: 0.0,
             error: None,
         }));
@@ -248,7 +193,7 @@ impl<V: MigratingVcpu> Migration<V> {
                 consumer
             }
         };
-        let (bytes_sent, cancel) = (Arc::clone(&waits.bytes), Arc::clone(&waits.cancel));
+        let (bytes_copied, cancel) = (Arc::clone(&waits.bytes), Arc::clone(&waits.cancel));
         let run = Run {
             rounds,
             vm,
@@ -261,7 +206,7 @@ impl<V: MigratingVcpu> Migration<V> {
         };
         let memory = Arc::clone(&run.vm.memory);
         let thread = match std::thread::Builder::new()
-            .name("migration".into())
+            .name("precopy".into())
             .spawn(move || run.run())
         {
             Ok(thread) => thread,
@@ -272,9 +217,9 @@ impl<V: MigratingVcpu> Migration<V> {
                 return Err(e);
             }
         };
-        Ok(Migration {
+        Ok(PreCopy {
             status,
-            bytes_sent,
+            bytes_copied,
             cancel,
             started: Instant::now(),
             thread: Some(thread),
@@ -283,21 +228,22 @@ impl<V: MigratingVcpu> Migration<V> {
     }
 
     /// Its progress now.
-    pub fn info(&self) -> MigrationInfo {
-        let mut info = self
+    pub fn progress(&self) -> Progress {
+        let mut progress = self
             .status
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .clone();
-        info.bytes_sent = self.bytes_sent.load(Ordering::Relaxed);
-        if info.elapsed_ms == 0.0 || self.is_running() {
-            info.elapsed_ms = self.started.elapsed().as_secs_f64() * 1e3;
+        progress.bytes_copied = self.bytes_copied.load(Ordering::Relaxed);
+        if progress.elapsed_ms == 0.0 || self.is_running() {
+            progress.elapsed_ms = self.started.elapsed().as_secs_f64() * 1e3;
         }
         // Round 1 has no figure of its own until it ends: its live rate so far.
-        if info.phase == MigrationPhase::PreCopy && info.round == 1 && info.elapsed_ms > 0.0 {
-            info.throughput_bytes_per_second = info.bytes_sent as f64 / (info.elapsed_ms / 1e3);
+        if progress.phase == Phase::PreCopy && progress.round == 1 && progress.elapsed_ms > 0.0 {
+            progress.throughput_bytes_per_second =
+                progress.bytes_copied as f64 / (progress.elapsed_ms / 1e3);
         }
-        info
+        progress
     }
 
     /// Whether its thread still runs.
@@ -315,8 +261,8 @@ impl<V: MigratingVcpu> Migration<V> {
         if let Some(thread) = self.thread.take() {
             let ending = thread.join().unwrap_or_else(|_| {
                 let mut status = self.status.lock().unwrap_or_else(|p| p.into_inner());
-                status.phase = MigrationPhase::Failed;
-                status.error = Some("the migration thread panicked".into());
+                status.phase = Phase::Failed;
+                status.error = Some("the pre-copy thread panicked".into());
                 Ending::default()
             });
             self.ending = Some(ending);
@@ -326,11 +272,11 @@ impl<V: MigratingVcpu> Migration<V> {
 
     /// Whether it completed: the sink has the whole VM.
     pub fn completed(&self) -> bool {
-        self.phase() == MigrationPhase::Completed
+        self.phase() == Phase::Completed
     }
 
-    /// Where it is now (as `GET /migrate` says).
-    pub fn phase(&self) -> MigrationPhase {
+    /// Where it is now.
+    pub fn phase(&self) -> Phase {
         self.status.lock().unwrap_or_else(|p| p.into_inner()).phase
     }
 }
@@ -340,7 +286,7 @@ struct Run<V> {
     rounds: Rounds,
     vm: SourceVm<V>,
     sink: Box<dyn Sink>,
-    status: Arc<Mutex<MigrationInfo>>,
+    status: Arc<Mutex<Progress>>,
     waits: Waits,
     /// The rounds' reader of the dirty log.
     consumer: DirtyConsumer,
@@ -350,23 +296,23 @@ struct Run<V> {
     targets: Vec<Target>,
 }
 
-/// Where the rounds stand.
+/// How fast the rounds go.
 #[derive(Debug, Clone, Copy)]
-struct Progress {
+struct Pace {
     /// Bytes per second the last round was sent at.
     throughput: f64,
     /// How long the last harvest took.
     harvest_time: Duration,
 }
 
-impl<V: MigratingVcpu> Run<V> {
-    fn update(&self, f: impl FnOnce(&mut MigrationInfo)) {
+impl<V: PreCopyVcpu> Run<V> {
+    fn update(&self, f: impl FnOnce(&mut Progress)) {
         f(&mut self.status.lock().unwrap_or_else(|p| p.into_inner()));
     }
 
     fn run(mut self) -> Ending<V> {
         let memory = Arc::clone(&self.vm.memory);
-        let outcome = self.migrate(&memory);
+        let outcome = self.copy(&memory);
         // Its logging ends where no other consumer logs (a failed stop leaves it logging:
         // harmless, a later harvest reports the pages).
         if self.owns_consumer {
@@ -375,20 +321,20 @@ impl<V: MigratingVcpu> Run<V> {
         let completed = outcome.is_ok();
         let mut held = Vec::new();
         match outcome {
-            Ok(downtime) => self.update(|s| {
-                s.phase = MigrationPhase::Completed;
-                s.downtime_ms = Some(downtime.as_secs_f64() * 1e3);
+            Ok(pause) => self.update(|s| {
+                s.phase = Phase::Completed;
+                s.pause_ms = Some(pause.as_secs_f64() * 1e3);
             }),
             Err(e) => {
                 self.update(|s| {
                     s.phase = match e {
-                        MigrationError::Cancelled(_) => MigrationPhase::Cancelled,
-                        MigrationError::Unconfirmed(_) => MigrationPhase::Unconfirmed,
-                        _ => MigrationPhase::Failed,
+                        PreCopyError::Cancelled(_) => Phase::Cancelled,
+                        PreCopyError::Unconfirmed(_) => Phase::Unconfirmed,
+                        _ => Phase::Failed,
                     };
                     s.error = Some(e.to_string());
                 });
-                if matches!(e, MigrationError::Unconfirmed(_)) {
+                if matches!(e, PreCopyError::Unconfirmed(_)) {
                     held = std::mem::take(&mut self.vm.vcpus);
                     for vcpu in &held {
                         vcpu.hold();
@@ -404,10 +350,7 @@ impl<V: MigratingVcpu> Run<V> {
     /// Harvests every target, handing each harvest to the sink at once ([`Sink::took`]): a
     /// lent reader's pages are then the sink's to give back, whatever ends the rounds before
     /// they are carried (a cancel, the timeout, a vCPU that cannot pause, a failed step).
-    fn harvest(
-        &mut self,
-        memory: &MemoryManager<KvmVm>,
-    ) -> Result<Vec<DirtyPages>, MigrationError> {
+    fn harvest(&mut self, memory: &MemoryManager<KvmVm>) -> Result<Vec<DirtyPages>, PreCopyError> {
         let mut dirty = Vec::new();
         for &target in &self.targets {
             let harvest = memory.harvest_dirty_for(self.consumer, target)?;
@@ -418,7 +361,7 @@ impl<V: MigratingVcpu> Run<V> {
     }
 
     /// Runs the rounds to the sink's last word; returns the pause.
-    fn migrate(&mut self, memory: &MemoryManager<KvmVm>) -> Result<Duration, MigrationError> {
+    fn copy(&mut self, memory: &MemoryManager<KvmVm>) -> Result<Duration, PreCopyError> {
         // The layout as the VM has it (the destination logs nothing it was not asked to).
         let layout = MemoryLayout::of(memory);
         self.targets = self.sink.open(&self.waits, memory, &layout)?;
@@ -441,15 +384,14 @@ impl<V: MigratingVcpu> Run<V> {
         let rounds_by_timeout = on_timeout == OnTimeout::Cancel;
 
         self.update(|s| {
-            s.phase = MigrationPhase::PreCopy;
+            s.phase = Phase::PreCopy;
             s.round = 1;
         });
-        self.sink
-            .expect("the destination to take round 1's pages", rounds_by_timeout);
+        self.sink.expect(Next::Round(1), rounds_by_timeout);
         let round_start = Instant::now();
         let sent = self.sink.send_all(memory)?;
         self.sink.end_round()?;
-        let mut progress = Progress {
+        let mut pace = Pace {
             throughput: throughput(sent, round_start.elapsed()),
             harvest_time: Duration::ZERO,
         };
@@ -459,18 +401,18 @@ impl<V: MigratingVcpu> Run<V> {
             self.waits.check_cancel()?;
             let harvest_start = Instant::now();
             let dirty = self.harvest(memory)?;
-            progress.harvest_time = harvest_start.elapsed();
+            pace.harvest_time = harvest_start.elapsed();
             let pages: u64 = dirty.iter().map(|d| d.count()).sum();
             let window = last_harvest.elapsed().as_secs_f64();
             last_harvest = harvest_start;
             let copy =
-                Duration::from_secs_f64((pages * PAGE_SIZE) as f64 / progress.throughput.max(1.0));
-            let estimate = progress.harvest_time + copy;
+                Duration::from_secs_f64((pages * PAGE_SIZE) as f64 / pace.throughput.max(1.0));
+            let estimate = pace.harvest_time + copy;
             self.update(|s| {
                 s.pages_left = pages;
                 s.dirty_rate_pages_per_second = pages as f64 / window.max(1e-9);
-                s.throughput_bytes_per_second = progress.throughput;
-                s.estimated_downtime_ms = estimate.as_secs_f64() * 1e3;
+                s.throughput_bytes_per_second = pace.throughput;
+                s.estimated_pause_ms = estimate.as_secs_f64() * 1e3;
             });
             if estimate <= budget {
                 break dirty;
@@ -478,8 +420,7 @@ impl<V: MigratingVcpu> Run<V> {
             // The guest's writes are not what is in the way, the harvest is (a bitmap harvest
             // reads every slot's log, dirty or not): more rounds cannot make it fit. (A budget
             // of 0, which nothing fits, asks for rounds until the timeout.)
-            harvest_bound = if !budget.is_zero() && progress.harvest_time > budget && copy <= budget
-            {
+            harvest_bound = if !budget.is_zero() && pace.harvest_time > budget && copy <= budget {
                 harvest_bound + 1
             } else {
                 0
@@ -492,18 +433,18 @@ impl<V: MigratingVcpu> Run<V> {
                         break dirty;
                     }
                     OnTimeout::Cancel if stuck => {
-                        return Err(MigrationError::Cancelled(format!(
+                        return Err(PreCopyError::Cancelled(format!(
                             "the {} ms budget cannot be met: harvesting the dirty log alone took \
                              over it in each of the last {HARVEST_BOUND_ROUNDS} rounds (last \
                              {:.0} ms) with little else left to send; raise downtime_ms, use \
                              on_timeout force, or the dirty ring (--dirty-ring), whose harvest \
                              costs what was dirtied",
                             budget.as_millis(),
-                            progress.harvest_time.as_secs_f64() * 1e3,
+                            pace.harvest_time.as_secs_f64() * 1e3,
                         )))
                     }
                     OnTimeout::Cancel => {
-                        return Err(MigrationError::Cancelled(format!(
+                        return Err(PreCopyError::Cancelled(format!(
                             "not converged within {timeout:?}: {pages} pages left would take \
                              about {:.0} ms, over the {} ms budget",
                             estimate.as_secs_f64() * 1e3,
@@ -514,31 +455,25 @@ impl<V: MigratingVcpu> Run<V> {
             }
             round += 1;
             self.update(|s| s.round = round);
-            self.sink.expect(
-                &format!("the destination to take round {round}'s pages"),
-                rounds_by_timeout,
-            );
+            self.sink.expect(Next::Round(round), rounds_by_timeout);
             let round_start = Instant::now();
             let sent = self.sink.send_dirty(memory, &dirty)?;
             self.sink.end_round()?;
             // A round of a few pages times the syscalls more than the link: keep the last
             // real figure.
             if sent >= MIN_MEASURED {
-                progress.throughput = throughput(sent, round_start.elapsed());
+                pace.throughput = throughput(sent, round_start.elapsed());
             }
         };
         self.waits.check_cancel()?;
         let paused_at = Instant::now();
         self.update(|s| {
-            s.phase = MigrationPhase::StopAndCopy;
+            s.phase = Phase::StopAndCopy;
             s.round = round + 1;
         });
         // From the pause on, only a stall, a cancel or a signal ends a wait: the timeout (past
         // with `force`) would leave a destination that is restoring the VM in doubt.
-        self.sink.expect(
-            "the destination to take the last pages and the VM's state",
-            false,
-        );
+        self.sink.expect(Next::LastPages, false);
         match self.stop_and_copy(memory, &layout, dirty) {
             Ok(()) if self.sink.stays() => {
                 // The VM goes on here: what is left is done off its pause.
@@ -549,7 +484,7 @@ impl<V: MigratingVcpu> Run<V> {
             }
             Ok(()) => Ok(paused_at.elapsed()),
             // The destination may run the VM: it must not run here too.
-            Err(e @ MigrationError::Unconfirmed(_)) => Err(e),
+            Err(e @ PreCopyError::Unconfirmed(_)) => Err(e),
             Err(e) => {
                 self.resume();
                 Err(e)
@@ -565,16 +500,16 @@ impl<V: MigratingVcpu> Run<V> {
 
     /// Pauses the vCPUs, carries the pages left and the state, and (a migration) waits for
     /// the destination to run the VM. The caller resumes the vCPUs if this fails, unless it
-    /// fails [`MigrationError::Unconfirmed`].
+    /// fails [`PreCopyError::Unconfirmed`].
     fn stop_and_copy(
         &mut self,
         memory: &MemoryManager<KvmVm>,
         layout: &MemoryLayout,
         dirty: Vec<DirtyPages>,
-    ) -> Result<(), MigrationError> {
+    ) -> Result<(), PreCopyError> {
         for (index, vcpu) in self.vm.vcpus.iter().enumerate() {
             vcpu.pause()
-                .map_err(|error| MigrationError::Vcpu { vcpu: index, error })?;
+                .map_err(|error| PreCopyError::Vcpu { vcpu: index, error })?;
         }
         // Out of the guest, every vCPU has published what it dirtied: this harvest is the
         // last word.
@@ -586,7 +521,7 @@ impl<V: MigratingVcpu> Run<V> {
         for (index, vcpu) in self.vm.vcpus.iter().enumerate() {
             vcpus.push(
                 vcpu.save()
-                    .map_err(|error| MigrationError::Vcpu { vcpu: index, error })?,
+                    .map_err(|error| PreCopyError::Vcpu { vcpu: index, error })?,
             );
         }
         self.sink.finish(memory, layout, vcpus)

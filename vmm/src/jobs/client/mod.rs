@@ -9,14 +9,17 @@
 //! two: a paused snapshot answers once all guest memory is in the memory file, and a guest
 //! `write` or `verify` once the guest has gone over its range, both as long as guest memory
 //! is large: they wait [`LONG_TIMEOUT`] (600 s). A live snapshot and a migration answer as
-//! they start (`snapshot-status` and `migration` follow them), so the default fits them
-//! whatever their size. `--timeout 0` waits for ever.
+//! they start (the status requests that follow them answer at once too), so the default fits
+//! them whatever their size. `--timeout 0` waits for ever.
+//!
+//! **Runs that go on after their answer**: a migration and a live snapshot are then followed
+//! to their end ([`follow()`]): their status is asked until its phase is final, with a progress
+//! line on a terminal, and the exit status says how they ended; `--no-wait` returns at once.
 
-use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use serde_json::{json, Map, Value};
+use serde_json::{json, Value};
 
 use crate::api::client::{Client, ClientError};
 pub use crate::control::guest::GuestOp;
@@ -24,24 +27,39 @@ pub use crate::control::memory::RegionBacking as Backing;
 pub use crate::control::memory::RegionPageSize as PageSize;
 pub use crate::control::migration::OnTimeout;
 pub use crate::control::snapshot::SnapshotType as SnapshotKind;
+pub use follow::{follow, Followed, Outcome};
+pub use render::render;
+pub use run::{run, FAILED};
+
+pub mod follow;
+mod render;
+mod run;
+
+/// The environment variable the API socket comes from when `--api-sock` is not given.
+pub const API_SOCK_ENV: &str = "TINYVMM_API_SOCK";
 
 /// `tinyvmm client`'s options: the socket, the output, and the request.
 #[derive(Debug, clap::Args)]
 pub struct ClientArgs {
-    /// The VMM's API socket (`--api-sock` of serve, restore, receive or boot).
-    #[arg(long)]
-    pub api_sock: PathBuf,
+    /// The VMM's API socket (`--api-sock` of serve, restore, receive or boot), before or after
+    /// the request's name (`--api-socket` too).
+    #[arg(long, alias = "api-socket", global = true, env = API_SOCK_ENV)]
+    pub api_sock: Option<PathBuf>,
     /// Seconds to wait for the answer before giving up (exit status 124; the VMM may still
     /// carry the request out); 0 waits for ever. A paused snapshot and a guest write or
     /// verify answer once done, as long as guest memory is large; a live snapshot and a
-    /// migration answer as they start [default: 60; 600 for a paused snapshot and a guest
-    /// write or verify]
+    /// migration answer as they start, and each status request that follows them waits as
+    /// long [default: 60; 600 for a paused snapshot and a guest write or verify]
     #[arg(long, global = true, value_name = "SECS")]
     pub timeout: Option<u64>,
     /// Print the answer's JSON body alone on stdout (`{}` when it has none) instead of a
     /// table; a refusal's `{"fault_message": ...}` too.
     #[arg(long, global = true)]
     pub json: bool,
+    /// The log level: accepted here as on every subcommand, but the client says only its
+    /// failures whatever the level, so its help does not list it.
+    #[arg(long, global = true, value_enum, hide = true)]
+    pub log_level: Option<crate::lifecycle::LogLevel>,
     /// The request.
     #[command(subcommand)]
     pub request: ClientRequest,
@@ -199,6 +217,10 @@ pub enum ClientRequest {
         /// What a live snapshot does then [default: force].
         #[arg(long, value_enum, requires = "live")]
         on_timeout: Option<OnTimeout>,
+        /// Return once a live snapshot has started, instead of waiting for its outcome
+        /// (`snapshot-status` follows it then).
+        #[arg(long, requires = "live")]
+        no_wait: bool,
     },
     /// GET /snapshot: how the last live snapshot goes.
     SnapshotStatus,
@@ -228,6 +250,10 @@ pub enum ClientRequest {
         /// Hand memfd-backed memory over instead of copying it (Unix socket only).
         #[arg(long)]
         local: bool,
+        /// Return once the migration has started, instead of waiting for its outcome
+        /// (`migration` follows it then).
+        #[arg(long)]
+        no_wait: bool,
     },
     /// GET /migrate: how the last migration goes.
     Migration,
@@ -316,6 +342,36 @@ impl ClientRequest {
             }
             _ => TIMEOUT,
         }
+    }
+
+    /// The run this request starts and the client follows to its end: a migration, a live
+    /// snapshot (unless `--no-wait`).
+    pub fn followed(&self) -> Option<Followed> {
+        match self {
+            ClientRequest::Migrate { no_wait: false, .. } => Some(Followed::Migration),
+            ClientRequest::Snapshot {
+                live: true,
+                no_wait: false,
+                ..
+            } => Some(Followed::LiveSnapshot),
+            _ => None,
+        }
+    }
+
+    /// Why a 2xx answer `body` to this request is a failure even so: a guest command whose
+    /// verify found an address without its pattern (`raw` ones too).
+    pub fn failed(&self, body: &Value) -> Option<String> {
+        let (method, path, _) = self.http().ok()?;
+        if method != "PUT" || path != "/guest/command" || body["result"] != "mismatch" {
+            return None;
+        }
+        let hex = |key: &str| body[key].as_u64().map_or("?".into(), |v| format!("{v:#x}"));
+        Some(format!(
+            "the guest's verify failed: {} holds {}, not {}",
+            hex("address"),
+            hex("found"),
+            hex("expected")
+        ))
     }
 
     /// The request's method, path and JSON body.
@@ -415,6 +471,7 @@ impl ClientRequest {
                 downtime_ms,
                 timeout_s,
                 on_timeout,
+                no_wait: _,
             } => {
                 let mut body = json!({
                     "snapshot_type": kind,
@@ -447,6 +504,7 @@ impl ClientRequest {
                 timeout_s,
                 on_timeout,
                 local,
+                no_wait: _,
             } => (
                 "PUT",
                 "/migrate".to_owned(),
@@ -513,190 +571,35 @@ pub fn exit_status(status: u16) -> u8 {
     }
 }
 
-/// Fields besides addresses whose numbers read best in hex: an instruction pointer, the
-/// patterns a verify found and expected.
-const HEX_FIELDS: [&str; 3] = ["rip", "found", "expected"];
-
-/// Fields whose numbers are bytes, shown with a binary unit.
-const BYTE_FIELDS: [&str; 12] = [
-    "size",
-    "slot_size",
-    "max_guest_memory",
-    "max_region_size",
-    "max_metadata",
-    "guest_memory",
-    "metadata",
-    "bytes_sent",
-    "guest_memory_bytes",
-    "done_bytes",
-    "page_size",
-    "throughput_bytes_per_second",
-];
-
-/// `bytes` in the largest binary unit that divides it, else with two decimals.
-fn human_bytes(bytes: u64) -> String {
-    const UNITS: [(u64, &str); 4] = [
-        (1 << 40, "TiB"),
-        (1 << 30, "GiB"),
-        (1 << 20, "MiB"),
-        (1 << 10, "KiB"),
-    ];
-    for (size, unit) in UNITS {
-        if bytes >= size {
-            return if bytes.is_multiple_of(size) {
-                format!("{} {unit}", bytes / size)
-            } else {
-                format!("{:.2} {unit}", bytes as f64 / size as f64)
-            };
-        }
-    }
-    format!("{bytes} B")
-}
-
-/// One value as a table cell: addresses in hex, byte counts with their unit, ranges as
-/// `[start, end)`.
-fn cell(key: &str, value: &Value) -> String {
-    match value {
-        Value::Null => "-".to_owned(),
-        Value::String(text) => text.clone(),
-        Value::Number(n) if key.contains("address") || HEX_FIELDS.contains(&key) => n
-            .as_u64()
-            .map_or_else(|| n.to_string(), |a| format!("{a:#x}")),
-        Value::Number(n) if BYTE_FIELDS.contains(&key) => {
-            let bytes = n.as_u64().or_else(|| n.as_f64().map(|b| b as u64));
-            let per = if key.ends_with("_per_second") {
-                "/s"
-            } else {
-                ""
-            };
-            bytes.map_or_else(|| n.to_string(), |b| human_bytes(b) + per)
-        }
-        Value::Number(n) => match n.as_f64() {
-            Some(f) if n.is_f64() => format!("{f:.1}"),
-            _ => n.to_string(),
-        },
-        Value::Array(items)
-            if items
-                .iter()
-                .all(|i| i.as_array().is_some_and(|r| r.len() == 2)) =>
-        {
-            let ranges: Vec<String> = items
-                .iter()
-                .filter_map(Value::as_array)
-                .map(|r| format!("[{}, {})", cell("address", &r[0]), cell("address", &r[1])))
-                .collect();
-            if ranges.is_empty() {
-                "-".to_owned()
-            } else {
-                ranges.join(" ")
-            }
-        }
-        Value::Array(items) => {
-            let cells: Vec<String> = items.iter().map(|i| cell(key, i)).collect();
-            if cells.is_empty() {
-                "-".to_owned()
-            } else {
-                cells.join(", ")
-            }
-        }
-        other => other.to_string(),
-    }
-}
-
-/// A list of objects as a table with a header row, columns aligned, `id` first.
-fn table(out: &mut String, indent: &str, rows: &[Map<String, Value>]) {
-    let mut columns: Vec<&str> = Vec::new();
-    for row in rows {
-        for key in row.keys() {
-            if !columns.contains(&key.as_str()) {
-                columns.push(key);
-            }
-        }
-    }
-    columns.sort_by_key(|c| *c != "id");
-    let cells: Vec<Vec<String>> = rows
-        .iter()
-        .map(|row| {
-            columns
-                .iter()
-                .map(|c| row.get(*c).map_or_else(|| "-".to_owned(), |v| cell(c, v)))
-                .collect()
-        })
-        .collect();
-    let widths: Vec<usize> = columns
-        .iter()
-        .enumerate()
-        .map(|(i, c)| {
-            cells
-                .iter()
-                .map(|r| r[i].len())
-                .chain([c.len()])
-                .max()
-                .unwrap_or(0)
-        })
-        .collect();
-    let line = |out: &mut String, values: Vec<&str>| {
-        let padded: Vec<String> = values
-            .iter()
-            .zip(&widths)
-            .map(|(v, w)| format!("{v:<w$}"))
-            .collect();
-        let _ = writeln!(out, "{indent}{}", padded.join("  ").trim_end());
-    };
-    line(out, columns.clone());
-    for row in &cells {
-        line(out, row.iter().map(String::as_str).collect());
-    }
-}
-
-/// An object's fields as `name  value` lines, nested objects indented under their name and
-/// lists of objects as tables.
-fn fields(out: &mut String, indent: &str, object: &Map<String, Value>) {
-    let width = object.keys().map(String::len).max().unwrap_or(0);
-    for (key, value) in object {
-        match value {
-            Value::Object(inner) if !inner.is_empty() => {
-                let _ = writeln!(out, "{indent}{key}:");
-                fields(out, &format!("{indent}  "), inner);
-            }
-            Value::Array(items) if !items.is_empty() && items.iter().all(Value::is_object) => {
-                let _ = writeln!(out, "{indent}{key}:");
-                let rows: Vec<Map<String, Value>> =
-                    items.iter().filter_map(Value::as_object).cloned().collect();
-                table(out, &format!("{indent}  "), &rows);
-            }
-            _ => {
-                let _ = writeln!(out, "{indent}{key:<width$}  {}", cell(key, value));
-            }
-        }
-    }
-}
-
-/// An answer as a person reads it: `done` for an answer without a body, a refusal's message,
-/// or the body's fields and tables.
-pub fn render(status: u16, body: &Value) -> String {
-    let mut out = String::new();
-    match body {
-        Value::Null => {
-            let _ = writeln!(out, "done ({status})");
-        }
-        Value::Object(object) => match object.get("fault_message").and_then(Value::as_str) {
-            Some(message) => {
-                let _ = writeln!(out, "{status}: {message}");
-            }
-            None => fields(&mut out, "", object),
-        },
-        Value::String(text) => out.push_str(text),
-        other => {
-            let _ = writeln!(out, "{other}");
-        }
-    }
-    out
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// `client snapshot` (a Full), `--live` or not, waiting or not.
+    fn snapshot(live: bool, no_wait: bool) -> ClientRequest {
+        ClientRequest::Snapshot {
+            kind: SnapshotKind::Full,
+            snapshot: "s".into(),
+            mem_file: "m".into(),
+            live,
+            downtime_ms: None,
+            timeout_s: None,
+            on_timeout: None,
+            no_wait,
+        }
+    }
+
+    /// `client migrate unix:/x`, waiting or not.
+    fn migrate(no_wait: bool) -> ClientRequest {
+        ClientRequest::Migrate {
+            destination: "unix:/x".into(),
+            downtime_ms: 300,
+            timeout_s: 60,
+            on_timeout: OnTimeout::Cancel,
+            local: false,
+            no_wait,
+        }
+    }
 
     #[test]
     fn sizes_and_addresses_take_units_and_hex() {
@@ -715,15 +618,7 @@ mod tests {
     /// by default; a live snapshot and a migration answer as they start.
     #[test]
     fn requests_that_copy_memory_before_answering_wait_longer() {
-        let snapshot = |live| ClientRequest::Snapshot {
-            kind: SnapshotKind::Full,
-            snapshot: "s".into(),
-            mem_file: "m".into(),
-            live,
-            downtime_ms: None,
-            timeout_s: None,
-            on_timeout: None,
-        };
+        let snapshot = |live| snapshot(live, false);
         let guest = |op| ClientRequest::Guest {
             op,
             start: Some(2 << 20),
@@ -746,13 +641,7 @@ mod tests {
         ] {
             assert_eq!(long.default_timeout(), LONG_TIMEOUT, "{long:?}");
         }
-        let migrate = ClientRequest::Migrate {
-            destination: "unix:/x".into(),
-            downtime_ms: 300,
-            timeout_s: 60,
-            on_timeout: OnTimeout::Cancel,
-            local: false,
-        };
+        let migrate = migrate(false);
         for short in [
             snapshot(true),
             migrate,
@@ -828,31 +717,42 @@ mod tests {
     }
 
     #[test]
-    fn answers_read_as_tables_with_units() {
-        let memory = json!({
-            "slots": {"used": 2, "free": 32762, "max": 32764},
-            "regions": [
-                {"id": 0, "guest_address": 0, "size": 2097152, "read_only": false},
-                {"id": 1, "guest_address": 268435456, "size": 268435456, "read_only": true},
-            ],
-        });
-        let text = render(200, &memory);
-        assert!(text.contains("slots:\n  free  32762\n"), "{text}");
-        assert!(
-            text.contains("  id  guest_address  read_only  size\n"),
-            "{text}"
-        );
-        assert!(
-            text.contains("  1   0x10000000     true       256 MiB\n"),
-            "{text}"
-        );
-        assert_eq!(render(204, &Value::Null), "done (204)\n");
+    fn migrations_and_live_snapshots_are_followed_and_a_mismatch_is_a_failure() {
+        assert_eq!(migrate(false).followed(), Some(Followed::Migration));
+        assert_eq!(migrate(true).followed(), None);
         assert_eq!(
-            render(404, &json!({"fault_message": "region 7 does not exist"})),
-            "404: region 7 does not exist\n"
+            snapshot(true, false).followed(),
+            Some(Followed::LiveSnapshot)
         );
-        assert_eq!(exit_status(201), 0);
-        assert_eq!(exit_status(409), 4);
-        assert_eq!(exit_status(503), 5);
+        assert_eq!(snapshot(true, true).followed(), None);
+        assert_eq!(
+            snapshot(false, false).followed(),
+            None,
+            "answered once done"
+        );
+        assert_eq!(ClientRequest::Migration.followed(), None);
+
+        let verify = ClientRequest::Guest {
+            op: GuestOp::Verify,
+            start: Some(256 << 20),
+            end: Some(257 << 20),
+            stride: 8,
+            seed: 4,
+            vcpu: 0,
+        };
+        let mismatch =
+            json!({"result": "mismatch", "address": 0x1000_0000u64, "found": 3, "expected": 4});
+        assert_eq!(
+            verify.failed(&mismatch).as_deref(),
+            Some("the guest's verify failed: 0x10000000 holds 0x3, not 0x4")
+        );
+        assert_eq!(verify.failed(&json!({"result": "ok"})), None);
+        let raw = ClientRequest::Raw {
+            method: "put".into(),
+            path: "/guest/command".into(),
+            body: None,
+        };
+        assert!(raw.failed(&mismatch).is_some(), "a raw request too");
+        assert_eq!(ClientRequest::Vm.failed(&mismatch), None);
     }
 }
