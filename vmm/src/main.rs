@@ -629,6 +629,12 @@ struct RestoreArgs {
     /// guest while the rest still loads on fault. Needs --mem-backend uffd [default: none]
     #[arg(long, value_name = "PATH")]
     prefetch: Option<std::path::PathBuf>,
+    /// Every region in pages of this size rather than the ones the snapshot was taken with
+    /// (2m: each region's guest address, size and slots on the 2 MiB grid, and the hugetlb pool
+    /// must hold them; a working set recorded with one page size serves restores with that
+    /// size) [default: the snapshot's]
+    #[arg(long, value_enum)]
+    page_size: Option<tinyvmm::control::memory::RegionPageSize>,
     /// The API socket and the VM's limits (its memory and vCPUs are the snapshot's).
     #[command(flatten)]
     api: ApiArgs,
@@ -652,8 +658,24 @@ struct SnapshotBenchArgs {
     /// Print the results as JSON alone on stdout (the table goes to stderr).
     #[arg(long)]
     json: bool,
+    /// Page sizes of the test memory, comma-separated: a row each per slot count.
+    #[arg(long, value_delimiter = ',', value_enum, default_value = "4k")]
+    page_sizes: Vec<tinyvmm::control::memory::RegionPageSize>,
+    /// Which pages the guest writes (and verifies after each restore): every other one, or
+    /// all.
+    #[arg(long, value_enum, default_value_t = Touch::Half)]
+    touch: Touch,
     #[command(flatten)]
     limits: LimitArgs,
+}
+
+/// Which pages `snapshot-bench`'s guest writes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+enum Touch {
+    /// Every other page.
+    Half,
+    /// Every page.
+    All,
 }
 
 fn snapshot_bench(args: SnapshotBenchArgs) -> ExitCode {
@@ -674,6 +696,8 @@ fn snapshot_bench(args: SnapshotBenchArgs) -> ExitCode {
         area_size: args.mem_mib.saturating_mul(1 << 20),
         dir: args.dir,
         limits: Some(args.limits.resolve()),
+        page_sizes: args.page_sizes.into_iter().map(Into::into).collect(),
+        touch_all: args.touch == Touch::All,
     };
     let outcome = run_job(move |ctx| run_snapshot_bench(&config, &ctx.stop, &ctx.vcpu_stopped));
     let report = match job_report(outcome, "", args.json) {
@@ -751,6 +775,7 @@ fn restore(args: RestoreArgs) -> ExitCode {
             record: args.record_working_set,
             record_for: args.record_secs,
         },
+        page_size: args.page_size.map(Into::into),
     };
     // A file that is neither kind's is refused by the test guest's reader, which says why.
     if !matches!(GuestKind::of_file(&from.snapshot), Ok(GuestKind::Linux)) {

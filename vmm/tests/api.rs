@@ -824,6 +824,7 @@ fn kvm_a_snapshot_restores_in_a_new_vm_and_diffs_merge_onto_it() {
                 mem_file: file(mem),
                 backend,
                 working_set: Default::default(),
+                page_size: None,
             }),
             ..config
         })
@@ -944,6 +945,7 @@ fn kvm_a_snapshot_restores_in_a_new_vm_and_diffs_merge_onto_it() {
         mem_file: file("full.mem"),
         backend: MemBackend::File,
         working_set: Default::default(),
+        page_size: None,
     });
     let err = serve(&config, || {}).expect_err("refused");
     assert!(err.to_string().contains("checksum"), "{err}");
@@ -1120,6 +1122,7 @@ fn a_client_between_full_and_diff_hides_no_page(variant: &str) {
             mem_file: file("km.mem"),
             backend: MemBackend::Copy,
             working_set: Default::default(),
+            page_size: None,
         }),
         ..config
     });

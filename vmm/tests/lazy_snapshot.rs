@@ -424,3 +424,131 @@ fn kvm_a_region_removed_from_a_lazily_restored_vm_gives_its_memory_back() {
     assert_eq!(output.status.code(), Some(0), "{output:?}");
     clean("removed");
 }
+
+/// The page sizes `GET /memory` reports, region by region.
+fn page_sizes(vmm: &Vmm) -> Vec<String> {
+    let memory = vmm.ok("GET", "/memory", None);
+    memory["regions"]
+        .as_array()
+        .expect("regions")
+        .iter()
+        .map(|r| r["page_size"].as_str().expect("a page size").to_owned())
+        .collect()
+}
+
+/// `restore --page-size` rebuilds every region in pages of another size than the snapshot's,
+/// both ways, with each backend that can map it; a layout off the new grid is refused, naming
+/// the region, before the guest runs.
+#[test]
+fn kvm_a_restore_overrides_the_page_size_both_ways() {
+    let test = "tinyvmm::kvm_a_restore_overrides_the_page_size_both_ways";
+    if !kvm_test_support::require_kvm(test) {
+        return;
+    }
+    // The first VM's 2 MiB region (2 pages), then a restore of everything in 2 MiB pages
+    // (system region, area and that region: 11 pages), one VM at a time.
+    let available = kvm_memslots::hugetlb_pages_available();
+    if available < 11 {
+        eprintln!(
+            "SKIPPED {test}: the hugetlb pool has {available} free 2 MiB pages, the test needs \
+             11 (resources/setup-host.sh reserves a pool)"
+        );
+        return;
+    }
+    const GIB: u64 = 1 << 30;
+    let huge = 4 * MIB;
+    // One area slot of 16 MiB: on the 2 MiB grid.
+    let first = Vmm::spawn(
+        "pagesize-first",
+        &["serve", "--slots", "2", "--mem-mib", MEM_MIB],
+    )
+    .wait_for_vm("pagesize-first");
+    let end = first.area_end();
+    first.ok(
+        "PUT",
+        "/memory/regions",
+        Some(json!({"size": huge, "guest_address": GIB, "page_size": "2m"})),
+    );
+    assert_eq!(first.guest("write", AREA, end, 7)["result"], "ok");
+    assert_eq!(first.guest("write", GIB, GIB + huge, 8)["result"], "ok");
+    first.set_state("Paused");
+    assert_eq!(page_sizes(&first), ["4k", "4k", "2m"]);
+    let s1 = snap("pagesize-s1");
+    first.snapshot("Full", &s1, json!({}));
+    // A region off the 2 MiB grid, in a second snapshot.
+    first.set_state("Resumed");
+    first.ok(
+        "PUT",
+        "/memory/regions",
+        Some(json!({"size": MIB, "guest_address": 2 * GIB})),
+    );
+    first.set_state("Paused");
+    let off_grid = snap("pagesize-off-grid");
+    first.snapshot("Full", &off_grid, json!({}));
+    assert_eq!(first.stop().status.code(), Some(0));
+
+    let restore = |name: &str, files: &(PathBuf, PathBuf), backend: &str, size: &str| {
+        let args = [
+            "restore",
+            "--snapshot",
+            files.0.to_str().expect("utf-8"),
+            "--mem-file",
+            files.1.to_str().expect("utf-8"),
+            "--mem-backend",
+            backend,
+            "--page-size",
+            size,
+        ];
+        Vmm::spawn(name, &args)
+    };
+    let verified = |vmm: &Vmm, what: &str| {
+        vmm.set_state("Resumed");
+        let area = vmm.guest("verify", AREA, end, 7);
+        assert_eq!(area["result"], "ok", "{what}: the area: {area}");
+        let region = vmm.guest("verify", GIB, GIB + huge, 8);
+        assert_eq!(region["result"], "ok", "{what}: the 2 MiB region: {region}");
+    };
+
+    // 4 KiB → 2 MiB, lazily and by copy: every region in 2 MiB pages, every page verified,
+    // and a snapshot of it records 2 MiB pages.
+    for backend in ["uffd", "copy"] {
+        let name = format!("pagesize-2m-{backend}");
+        let vmm = restore(&name, &s1, backend, "2m").wait_for_vm(&name);
+        assert_eq!(page_sizes(&vmm), ["2m", "2m", "2m"], "{backend}");
+        verified(&vmm, &name);
+        vmm.set_state("Paused");
+        let s2 = snap(&format!("{name}-s2"));
+        vmm.snapshot("Full", &s2, json!({}));
+        assert_eq!(vmm.stop().status.code(), Some(0));
+        let bytes = std::fs::read(&s2.0).expect("the state file");
+        let state =
+            tinyvmm::test_guest::snapshot::SnapshotState::from_bytes(&bytes).expect("a state file");
+        assert!(
+            state
+                .layout
+                .regions
+                .iter()
+                .all(|r| r.page_size == kvm_memslots_persist::LayoutPageSize::Huge2M),
+            "{:?}",
+            state.layout
+        );
+    }
+
+    // 2 MiB → 4 KiB: the file restore, which maps no 2 MiB pages off hugetlbfs, maps the
+    // snapshot's 2 MiB region in 4 KiB pages.
+    let vmm = restore("pagesize-4k-file", &s1, "file", "4k").wait_for_vm("pagesize-4k-file");
+    assert_eq!(page_sizes(&vmm), ["4k", "4k", "4k"]);
+    verified(&vmm, "4k file");
+    assert_eq!(vmm.stop().status.code(), Some(0));
+
+    // Off the grid: refused, naming the region, and nothing runs.
+    let mut refused = restore("pagesize-refused", &off_grid, "copy", "2m");
+    let output = refused.wait_exit(Duration::from_secs(60));
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert_ne!(output.status.code(), Some(0));
+    assert!(
+        stderr.contains("--page-size 2m") && stderr.contains("pages of 0x200000 bytes"),
+        "{stderr}"
+    );
+    clean("pagesize");
+}

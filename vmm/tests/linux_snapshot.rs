@@ -634,6 +634,31 @@ fn kvm_a_linux_guest_restored_or_migrated_goes_on_as_an_uninterrupted_boot() {
                 "the chain restored through {backend} ran to the end"
             ));
         }
+        // `restore --page-size` reaches a Linux guest's restore as a test guest's: its RAM
+        // slots here (512 MiB in 4096) are off the 2 MiB grid, so 2 MiB pages are refused,
+        // naming the override and the grid, before anything runs.
+        let mut refused = Vmm::spawn(
+            &[
+                "restore",
+                "--snapshot",
+                chain.0.to_str().expect("UTF-8"),
+                "--mem-file",
+                chain.1.to_str().expect("UTF-8"),
+                "--mem-backend",
+                "uffd",
+                "--page-size",
+                "2m",
+            ],
+            scratch.path("page-size.console"),
+            Some(scratch.path("page-size.sock")),
+        );
+        let (output, _) = refused.wait();
+        let stderr = String::from_utf8_lossy(&output.stderr);
+        assert_ne!(output.status.code(), Some(0), "{stderr}");
+        assert!(
+            stderr.contains("--page-size 2m") && stderr.contains("pages of 0x200000 bytes"),
+            "{stderr}"
+        );
         let (console, ended) = moved
             .join()
             .unwrap_or_else(|panic| std::panic::resume_unwind(panic));

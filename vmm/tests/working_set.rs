@@ -102,6 +102,7 @@ fn restore_config(
             mem_file: mem.to_path_buf(),
             backend,
             working_set,
+            page_size: None,
         }),
         ..ServeConfig::new(socket(name))
     }
@@ -283,6 +284,185 @@ fn kvm_a_recorded_working_set_is_prefetched_and_the_guest_verifies() {
     let timed_set = list_at(&timed_list);
     assert_eq!(timed_set.snapshot, snapshot_id(&state));
     vmm.stop();
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// Where the 2 MiB hugetlb region of [`kvm_a_2m_region_restores_lazily_and_the_guest_verifies`]
+/// lies, its size, and how much of it the guest writes (the rest of its last page stays a hole
+/// of the memory file).
+const HUGE: u64 = 1 << 30;
+const HUGE_SIZE: u64 = 8 << 20;
+const HUGE_WRITTEN: u64 = 7 << 20;
+
+/// Runs `op` with `seed` over the written part of the 2 MiB region.
+fn run_huge(vmm: &Vmm, op: &str, seed: u64) -> Value {
+    let command = support::guest_command(op, HUGE, HUGE + HUGE_WRITTEN, seed);
+    let (status, body) = vmm.call("PUT", "/guest/command", Some(command));
+    assert_eq!(status, 200, "{body}");
+    body
+}
+
+#[test]
+fn kvm_a_2m_region_restores_lazily_and_the_guest_verifies() {
+    let test = "tinyvmm::kvm_a_2m_region_restores_lazily_and_the_guest_verifies";
+    if !kvm_test_support::require_kvm(test) {
+        return;
+    }
+    // The source's 4 pages, then one restore at a time.
+    let available = kvm_memslots::hugetlb_pages_available();
+    if available < 8 {
+        eprintln!(
+            "SKIPPED {test}: the hugetlb pool has {available} free 2 MiB pages, the test needs 8 \
+             (resources/setup-host.sh reserves a pool)"
+        );
+        return;
+    }
+    let dir = std::env::temp_dir().join(format!("tinyvmm-test-{}-wset-huge", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).expect("a folder");
+    let (state, mem, list) = (dir.join("a.state"), dir.join("a.mem"), dir.join("a.wset"));
+
+    // The source: its area and 7 of the 8 MiB of a region of 2 MiB pages written.
+    let vmm = Vmm::start(ServeConfig {
+        area_size: AREA_SIZE,
+        ..ServeConfig::new(socket("huge-source"))
+    });
+    let add = json!({"size": HUGE_SIZE, "guest_address": HUGE, "page_size": "2m"});
+    let (status, body) = vmm.call("PUT", "/memory/regions", Some(add));
+    assert_eq!(status, 201, "{body}");
+    vmm.run("write", 5);
+    assert_eq!(run_huge(&vmm, "write", 11)["result"], json!("ok"));
+    vmm.set_state("Paused");
+    let create = json!({"snapshot_type": "Full", "snapshot_path": state, "mem_file_path": mem});
+    let (status, body) = vmm.call("PUT", "/snapshot/create", Some(create));
+    assert_eq!(status, 204, "{body}");
+    vmm.stop();
+    let layout = saved(&state).layout;
+    let region = layout
+        .regions
+        .iter()
+        .find(|r| r.gpa == HUGE)
+        .expect("the 2 MiB region");
+    assert_eq!(
+        region.page_size,
+        kvm_memslots_persist::LayoutPageSize::Huge2M
+    );
+    let region_pages = region.file_offset / 4096..(region.file_offset + HUGE_SIZE) / 4096;
+
+    // Restored lazily, recording: the guest verifies every page it wrote.
+    let record = WorkingSetFiles {
+        record: Some(list.clone()),
+        ..WorkingSetFiles::default()
+    };
+    let vmm = resumed("huge-record", &state, &mem, record);
+    assert_eq!(run_huge(&vmm, "verify", 11)["result"], json!("ok"));
+    assert_eq!(vmm.run("verify", 5)["result"], json!("ok"));
+    vmm.stop();
+    // The region's entries are whole 2 MiB pages: the four it has (the guest touched each).
+    let set = list_at(&list);
+    let mut huge: Vec<_> = set
+        .runs
+        .iter()
+        .filter(|r| region_pages.contains(&r.start))
+        .cloned()
+        .collect();
+    assert!(
+        huge.iter()
+            .all(|r| (r.start - region_pages.start) % 512 == 0 && (r.end - r.start) % 512 == 0),
+        "whole 2 MiB pages: {huge:?}"
+    );
+    huge.sort_by_key(|r| r.start);
+    assert_eq!(huge.iter().map(|r| r.end - r.start).sum::<u64>(), 4 * 512);
+
+    // Restored lazily with the list prefetched: the guest verifies, and faults on nothing.
+    let saved = saved(&state);
+    let lazy = WorkingSetFiles {
+        prefetch: Some(list.clone()),
+        ..WorkingSetFiles::default()
+    }
+    .lazy_options(snapshot_id(&state), &saved.layout)
+    .expect("the list fits");
+    let memory = std::fs::File::open(&mem).expect("the memory file");
+    let vm = TestVm::restore_with(
+        &saved.layout,
+        &memory,
+        MemBackend::Uffd,
+        lazy,
+        VmOptions::default(),
+    )
+    .expect("restored");
+    let stats = vm.loader().expect("a lazy restore's loader").stats();
+    let start = Instant::now();
+    while !stats.prefetch_done.load(Ordering::Acquire) {
+        assert!(
+            start.elapsed() < Duration::from_secs(20),
+            "the prefetch ends"
+        );
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    assert_eq!(stats.prefetched.load(Ordering::Acquire), set.pages());
+    let stopped = Arc::new(EventFd::new(libc::EFD_NONBLOCK).expect("an eventfd"));
+    let mut vcpus = vm
+        .start_restored_vcpus(&saved.vcpus, &stopped)
+        .expect("vCPUs");
+    for (start, end, seed) in [(HUGE, HUGE + HUGE_WRITTEN, 11), (AREA, AREA + AREA_SIZE, 5)] {
+        let verify = Command {
+            op: Op::Verify,
+            start,
+            end,
+            stride: 4096,
+            seed,
+        };
+        let outcome = vcpus.run(0, verify).expect("ran");
+        assert_eq!(outcome.mismatch, None);
+    }
+    assert_eq!(
+        stats.copied.load(Ordering::Acquire),
+        0,
+        "no page faulted in"
+    );
+    vcpus.shut_down().expect("stopped");
+    // Its hugetlb pages go back to the pool before the next restore takes theirs.
+    drop(vm);
+
+    // Restored lazily without a list: each 2 MiB page is one copy on the guest's first touch.
+    let vm = TestVm::restore_with(
+        &saved.layout,
+        &memory,
+        MemBackend::Uffd,
+        Default::default(),
+        VmOptions::default(),
+    )
+    .expect("restored");
+    let stats = vm.loader().expect("a lazy restore's loader").stats();
+    let mut vcpus = vm
+        .start_restored_vcpus(&saved.vcpus, &stopped)
+        .expect("vCPUs");
+    // The area first: the guest's own pages (code, stack, mailbox) fault in meanwhile.
+    let area = Command {
+        op: Op::Verify,
+        start: AREA,
+        end: AREA + AREA_SIZE,
+        stride: 4096,
+        seed: 5,
+    };
+    assert_eq!(vcpus.run(0, area).expect("ran").mismatch, None);
+    let before = stats.copy_calls.load(Ordering::Acquire);
+    let verify = Command {
+        op: Op::Verify,
+        start: HUGE,
+        end: HUGE + HUGE_WRITTEN,
+        stride: 4096,
+        seed: 11,
+    };
+    let outcome = vcpus.run(0, verify).expect("ran");
+    assert_eq!(outcome.mismatch, None);
+    // One copy a 2 MiB page (the guest's page tables for the range may take a 4 KiB page or
+    // two besides); in 4 KiB pages that would be 1,792 copies.
+    let copies = stats.copy_calls.load(Ordering::Acquire) - before;
+    assert!((4..8).contains(&copies), "{copies} copies");
+    assert!(stats.copied.load(Ordering::Acquire) >= 4 * 512);
+    vcpus.shut_down().expect("stopped");
     let _ = std::fs::remove_dir_all(&dir);
 }
 

@@ -440,27 +440,31 @@ pub(crate) fn file_data_runs(
     Ok(runs)
 }
 
-/// Whether the memory file has data (not a hole) in the page at `at`: one `SEEK_DATA`, for a
-/// loader that looks page by page rather than mapping every run up front. A page past the
-/// file's end is an error (the file was cut since it was checked), not a hole.
-pub(crate) fn page_has_data(file: &File, at: u64) -> std::io::Result<bool> {
+/// Whether the memory file has data (not a hole) in the `len` bytes at `at` (a page, or a
+/// block of pages): one `SEEK_DATA`, for a loader that looks block by block rather than mapping
+/// every run up front. A block past the file's end is an error (the file was cut since it was
+/// checked), not a hole.
+pub(crate) fn range_has_data(file: &File, at: u64, len: u64) -> std::io::Result<bool> {
     let offset = i64::try_from(at).map_err(|_| std::io::ErrorKind::InvalidInput)?;
     // SAFETY: lseek only moves the file's offset (which nothing here reads from: every read
     // is a pread); no memory is involved.
     let data = unsafe { libc::lseek(file.as_raw_fd(), offset, libc::SEEK_DATA) };
     if data >= 0 {
-        return Ok(data == offset);
+        return Ok((data as u64) < at + len);
     }
     let e = std::io::Error::last_os_error();
     if e.raw_os_error() != Some(libc::ENXIO) {
         return Err(e);
     }
-    // No data from `at` on: a hole, unless the file ends before the page does.
-    let len = file.metadata()?.len();
-    if at + PAGE_SIZE > len {
+    // No data from `at` on: a hole, unless the file ends before the block does.
+    let size = file.metadata()?.len();
+    if at + len > size {
         return Err(std::io::Error::new(
             std::io::ErrorKind::UnexpectedEof,
-            format!("the memory file ends at {len:#x}, before the page at {at:#x}: it was cut"),
+            format!(
+                "the memory file ends at {size:#x}, before the end of the {len:#x} bytes at \
+                 {at:#x}: it was cut"
+            ),
         ));
     }
     Ok(false)

@@ -24,6 +24,31 @@
 //! ([`shared_files`](crate::stream::shared_files)) is filled first. A page is marked filled
 //! only once its fill is done, so one being filled counts as owed.
 //!
+//! **Page sizes.** A fault fills a *block* around the faulting address, and the loader marks
+//! what it filled in *units*:
+//! - 4 KiB pages: one page, one `UFFDIO_COPY` (or `UFFDIO_ZEROPAGE` for a hole) a fault.
+//! - 2 MiB hugetlb pages: the whole huge page. The kernel fills and discards a hugetlb mapping
+//!   only in whole pages (`UFFDIO_COPY` of a huge-page-aligned, huge-page-sized range; no
+//!   `UFFDIO_ZEROPAGE`), so the block and the unit are the 2 MiB page: one `pread` of its 2 MiB
+//!   of the memory file (holes read as zeros; the region's place in the file need not be on
+//!   the 2 MiB grid), one copy. A page that is all hole, or discarded since its fill, is a
+//!   copy from a buffer of zeros. A 512 MiB guest touched whole costs 256 copies instead of
+//!   131,072.
+//! - Transparent huge pages: the 2 MiB block of host addresses around the fault (clipped to
+//!   the region), in runs of its 4 KiB pages not filled yet, marked at 4 KiB. Filled at 2 MiB
+//!   rather than 4 KiB because a guest that touches one page of a block will touch others (a
+//!   THP region is asked for to be backed 2 MiB at a time), so 512 faults become one; and
+//!   because khugepaged does not collapse a range of a userfaultfd-registered mapping that has
+//!   a page missing or mapping the zero page, so filled 4 KiB at a time the region would stay
+//!   in 4 KiB pages. A block with any data is read whole and copied (its holes as real zero
+//!   pages); a block all hole maps the zero page. Marks stay at 4 KiB because a THP region
+//!   may discard single 4 KiB pages.
+//!
+//! Whatever the page size, the working set and the stats ([`LoaderStats`]) count 4 KiB pages
+//! of the memory file: a recorded first touch in a 2 MiB hugetlb page (or a THP block) is the
+//! block's pages not filled before, and a prefetch of a list that names any 4 KiB page of a
+//! hugetlb page fills the whole page.
+//!
 //! **Regions removed** from the manager while the loader lives are unmapped as without it: the
 //! loader does not hold their mappings, the kernel ends a registration with its mapping, and
 //! the loader forgets a region whose mapping is gone (its pages are owed no more, and are not
@@ -33,9 +58,10 @@
 //! the pages in that order ([`Recording`]) until told to stop, for a set time, or until the
 //! loader ends, and hand the list ([`WorkingSet`]) over. Given such a list, it fills those
 //! pages ahead of the guest, in the list's order, a window of up to 256 pages at a time (one
-//! `pread` of the window, one `UFFDIO_COPY` per run of pages in it, 64 copies at most), and
-//! looks for faults between windows: a fault is served first, so a page the guest needs before
-//! the prefetch reaches it waits for one window at most (64 copies). Prefetching in the handler's own thread keeps a
+//! block where that is larger: a 2 MiB page) (one `pread` of the window, one `UFFDIO_COPY` per
+//! run of units in it, 64 copies at most), and looks for faults between windows: a fault is
+//! served first, so a page the guest needs before the prefetch reaches it waits for one window
+//! at most (64 copies, or one 2 MiB copy). Prefetching in the handler's own thread keeps a
 //! discard exact: the handler marks a discarded range as soon as it reads the event, before it
 //! fills anything else, and skips marked pages; a copy the kernel refuses while a discard is
 //! under way (`EAGAIN`) is tried again after the handler has read it. A page filled twice (a
@@ -84,11 +110,11 @@ use std::time::{Duration, Instant};
 use vmm_sys_util::eventfd::EventFd;
 use vmm_sys_util::ioctl::ioctl_with_mut_ref;
 
-use kvm_memslots::{KvmMemory, MemoryManager, RegionMemory, PAGE_SIZE};
+use kvm_memslots::{KvmMemory, MemoryManager, PageSize, RegionMemory, HUGE_PAGE_SIZE, PAGE_SIZE};
 
 use crate::error::SnapshotError;
-use crate::layout::{LayoutPageSize, MemoryLayout};
-use crate::memory_file::{file_data_runs, page_has_data};
+use crate::layout::{LayoutBacking, LayoutPageSize, MemoryLayout};
+use crate::memory_file::{file_data_runs, range_has_data};
 use crate::working_set::WorkingSet;
 
 const UFFDIO: u32 = 0xAA;
@@ -96,6 +122,8 @@ const UFFD_API: u64 = 0xAA;
 const UFFD_EVENT_PAGEFAULT: u8 = 0x12;
 const UFFD_EVENT_REMOVE: u8 = 0x15;
 const UFFD_FEATURE_EVENT_REMOVE: u64 = 1 << 3;
+const UFFD_FEATURE_MISSING_HUGETLBFS: u64 = 1 << 4;
+const UFFD_FEATURE_MISSING_SHMEM: u64 = 1 << 5;
 const UFFDIO_REGISTER_MODE_MISSING: u64 = 1;
 
 #[repr(C)]
@@ -173,6 +201,16 @@ struct Lazy {
     base: u64,
     size: u64,
     file_offset: u64,
+    /// Bytes a mark in `filled` stands for: the region's pages where the kernel fills and
+    /// discards only whole ones (2 MiB for hugetlb), 4 KiB otherwise.
+    unit: u64,
+    /// Bytes a fault fills at most: the block of this size (on its alignment in the host's
+    /// address space, clipped to the region) around the faulting address. 2 MiB for huge
+    /// pages (hugetlb or transparent), 4 KiB otherwise.
+    block: u64,
+    /// Its pages are hugetlb pages, which `UFFDIO_ZEROPAGE` does not fill: zeros are copied.
+    hugetlb: bool,
+    /// One bit a unit.
     filled: Vec<AtomicU64>,
 }
 
@@ -192,25 +230,62 @@ impl Lazy {
         self.memory.strong_count() == 0
     }
 
-    /// Marks page `page` filled; whether it was filled before.
-    fn fill(&self, page: u64) -> bool {
-        let bit = 1 << (page % 64);
-        self.filled[(page / 64) as usize].fetch_or(bit, Ordering::AcqRel) & bit != 0
+    /// Marks unit `unit` (of [`unit`](Self::unit) bytes) filled; whether it was filled
+    /// before.
+    fn fill(&self, unit: u64) -> bool {
+        let bit = 1 << (unit % 64);
+        self.filled[(unit / 64) as usize].fetch_or(bit, Ordering::AcqRel) & bit != 0
     }
 
-    fn is_filled(&self, page: u64) -> bool {
-        self.filled[(page / 64) as usize].load(Ordering::Acquire) & (1 << (page % 64)) != 0
+    /// Whether unit `unit` is filled.
+    fn is_filled(&self, unit: u64) -> bool {
+        self.filled[(unit / 64) as usize].load(Ordering::Acquire) & (1 << (unit % 64)) != 0
     }
 
-    /// Marks the pages of host range `[start, end)` (clipped to the region) filled: they were
+    /// Whether the 4 KiB page `page` of the region is filled (its unit is).
+    fn page_filled(&self, page: u64) -> bool {
+        self.is_filled(page * PAGE_SIZE / self.unit)
+    }
+
+    /// Marks the units of host range `[start, end)` (clipped to the region) filled: they were
     /// discarded, so they read zeros from now on.
     fn discarded(&self, start: u64, end: u64) {
         let base = self.base;
         let first = start.max(base) - base;
         let last = end.min(base + self.size).saturating_sub(base);
-        for page in first / PAGE_SIZE..last.div_ceil(PAGE_SIZE) {
-            self.fill(page);
+        for unit in first / self.unit..last.div_ceil(self.unit) {
+            self.fill(unit);
         }
+    }
+
+    /// The block a fault at `hva` fills, as offsets in the region.
+    fn block_of(&self, hva: u64) -> Range<u64> {
+        let start = (hva & !(self.block - 1)).max(self.base);
+        let end = ((hva & !(self.block - 1)) + self.block).min(self.base + self.size);
+        start - self.base..end - self.base
+    }
+
+    /// The runs of units of `range` (offsets in the region, whole units) not filled yet, as
+    /// offsets in the region.
+    fn unfilled_runs(&self, range: Range<u64>) -> Vec<Range<u64>> {
+        let mut runs: Vec<Range<u64>> = Vec::new();
+        for unit in range.start / self.unit..range.end / self.unit {
+            if self.is_filled(unit) {
+                continue;
+            }
+            let at = unit * self.unit;
+            match runs.last_mut() {
+                Some(run) if run.end == at => run.end += self.unit,
+                _ => runs.push(at..at + self.unit),
+            }
+        }
+        runs
+    }
+
+    /// The bytes a prefetch window reads and fills at most in this region: [`WINDOW`] pages,
+    /// or one block where that is larger.
+    fn window(&self) -> u64 {
+        (WINDOW * PAGE_SIZE).max(self.block)
     }
 
     /// The pages of the memory file the region holds.
@@ -277,7 +352,7 @@ pub(crate) fn owed_runs(memory: &RegionMemory) -> Result<Vec<Range<u64>>, Snapsh
         // Nothing fills its pages any more: a read of one not filled would wait for ever, and
         // which of them hold data the file (cut, say) may no longer tell.
         let unfilled = (from / PAGE_SIZE..to.div_ceil(PAGE_SIZE))
-            .filter(|p| !lazy.is_filled(*p))
+            .filter(|p| !lazy.page_filled(*p))
             .count();
         if failed && unfilled > 0 {
             return Err(SnapshotError::Format(format!(
@@ -295,7 +370,7 @@ pub(crate) fn owed_runs(memory: &RegionMemory) -> Result<Vec<Range<u64>>, Snapsh
         for data in file_data_runs(&file, within)? {
             let first = (data.start.max(lazy.file_offset + from) - lazy.file_offset) / PAGE_SIZE;
             let last = (data.end.min(lazy.file_offset + to) - lazy.file_offset).div_ceil(PAGE_SIZE);
-            for page in (first..last).filter(|p| !lazy.is_filled(*p)) {
+            for page in (first..last).filter(|p| !lazy.page_filled(*p)) {
                 // As an offset in `memory`.
                 let at = lazy_base + page * PAGE_SIZE - base;
                 match runs.last_mut() {
@@ -424,15 +499,20 @@ impl std::fmt::Debug for Lazy {
     }
 }
 
-/// What the handler did.
+/// What the handler did. Pages are counted in 4 KiB pages whatever the regions' page size (a
+/// 2 MiB page filled counts 512).
 #[derive(Debug, Default)]
 pub struct LoaderStats {
-    /// Pages filled from the file on fault (counted before the faulting thread is woken).
+    /// Pages filled from the file on fault (counted before the faulting thread is woken; a
+    /// fault fills its whole block, see the module's docs).
     pub copied: AtomicU64,
     /// Pages filled with zeros (holes, or pages discarded after their first fill).
     pub zeroed: AtomicU64,
     /// Pages of a working set filled ahead of the guest.
     pub prefetched: AtomicU64,
+    /// `UFFDIO_COPY` calls made, for faults and prefetch (zeros copied into hugetlb pages
+    /// included): what a restore pays per call, beside what it pays per byte.
+    pub copy_calls: AtomicU64,
     /// Set once the prefetch has gone through its whole list (or stopped at an error).
     pub prefetch_done: AtomicBool,
     /// Set when the handler met an error it could not serve a fault past (it stops; the
@@ -445,6 +525,29 @@ pub struct LoaderStats {
 fn fill_failed(hva: u64, e: std::io::Error) -> bool {
     eprintln!("kvm-memslots-persist: the userfaultfd handler could not fill {hva:#x}: {e}");
     false
+}
+
+/// A new userfaultfd (close-on-exec, non-blocking) that has agreed to the API with `features`,
+/// and the features the kernel offers.
+fn new_uffd(features: u64) -> Result<(OwnedFd, u64), SnapshotError> {
+    // SAFETY: userfaultfd(2) takes flags only and returns a new descriptor or -1.
+    let fd = unsafe { libc::syscall(libc::SYS_userfaultfd, libc::O_CLOEXEC | libc::O_NONBLOCK) };
+    if fd < 0 {
+        return Err(os_error("userfaultfd"));
+    }
+    // SAFETY: `fd` is a new descriptor this function owns from here on.
+    let uffd = unsafe { OwnedFd::from_raw_fd(fd as RawFd) };
+    let mut api = UffdioApi {
+        api: UFFD_API,
+        features,
+        ..Default::default()
+    };
+    // SAFETY: UFFDIO_API on a userfaultfd with a valid `uffdio_api`, which outlives the call;
+    // the kernel writes the features it offers back into it.
+    if unsafe { ioctl_with_mut_ref(&uffd, UFFDIO_API(), &mut api) } < 0 {
+        return Err(os_error("UFFDIO_API"));
+    }
+    Ok((uffd, api.features))
 }
 
 fn os_error(what: &str) -> SnapshotError {
@@ -466,20 +569,39 @@ impl LazyLoader {
         Self::start_with(memory, layout, memory_file, LazyOptions::default())
     }
 
-    /// Refuses a layout the loader cannot fill: one with a region of 2 MiB hugetlb pages (the
-    /// handler fills 4 KiB pages, and a hugetlb mapping takes only whole ones). [`start`]
-    /// checks it first; a caller checks it before it builds the layout's regions.
+    /// Refuses, naming the region, a layout this host's userfaultfd cannot fill: a region of
+    /// 2 MiB hugetlb pages where the kernel takes no missing-page faults on hugetlbfs
+    /// (`UFFD_FEATURE_MISSING_HUGETLBFS`), or a shared region (a memfd) where it takes none on
+    /// shared memory (`UFFD_FEATURE_MISSING_SHMEM`). Every page size is filled otherwise
+    /// (hugetlb pages whole, see the module's docs). [`start`] checks it first; a caller checks
+    /// it before it builds the layout's regions, so that nothing is mapped for a restore that
+    /// cannot go on.
     ///
     /// [`start`]: Self::start
     pub fn check_layout(layout: &MemoryLayout) -> Result<(), SnapshotError> {
-        match layout
-            .regions
-            .iter()
-            .find(|r| r.page_size == LayoutPageSize::Huge2M)
-        {
-            Some(r) => Err(SnapshotError::Unsupported(format!(
-                "a lazy restore fills 4 KiB pages, and region {} has 2 MiB hugetlb pages: \
-                 restore it by copy, or with another page size (MemoryLayout::with_page_size)",
+        let needs = |r: &crate::layout::RegionLayout| match (r.page_size, r.backing) {
+            (LayoutPageSize::Huge2M, _) => Some((
+                UFFD_FEATURE_MISSING_HUGETLBFS,
+                "2 MiB hugetlb pages, which this kernel's userfaultfd does not fill",
+            )),
+            (_, LayoutBacking::Shared) => Some((
+                UFFD_FEATURE_MISSING_SHMEM,
+                "shared memory (a memfd), which this kernel's userfaultfd does not fill",
+            )),
+            _ => None,
+        };
+        if layout.regions.iter().all(|r| needs(r).is_none()) {
+            return Ok(());
+        }
+        let (_uffd, features) = new_uffd(0)?;
+        match layout.regions.iter().find_map(|r| {
+            needs(r)
+                .filter(|(bit, _)| features & bit == 0)
+                .map(|n| (r, n))
+        }) {
+            Some((r, (_, why))) => Err(SnapshotError::Unsupported(format!(
+                "a lazy restore of region {} is not possible: it has {why}; restore it by copy, \
+                 or with another page size (MemoryLayout::with_page_size)",
                 r.id
             ))),
             None => Ok(()),
@@ -507,23 +629,7 @@ impl LazyLoader {
             .into_iter()
             .zip(layout.regions.iter().map(|r| r.file_offset))
             .collect();
-        // SAFETY: userfaultfd(2) takes flags only and returns a new descriptor or -1.
-        let fd =
-            unsafe { libc::syscall(libc::SYS_userfaultfd, libc::O_CLOEXEC | libc::O_NONBLOCK) };
-        if fd < 0 {
-            return Err(os_error("userfaultfd"));
-        }
-        // SAFETY: `fd` is a new descriptor this function owns from here on.
-        let uffd = unsafe { OwnedFd::from_raw_fd(fd as RawFd) };
-        let mut api = UffdioApi {
-            api: UFFD_API,
-            features: UFFD_FEATURE_EVENT_REMOVE,
-            ..Default::default()
-        };
-        // SAFETY: UFFDIO_API on a userfaultfd with a valid `uffdio_api`, which outlives the call.
-        if unsafe { ioctl_with_mut_ref(&uffd, UFFDIO_API(), &mut api) } < 0 {
-            return Err(os_error("UFFDIO_API"));
-        }
+        let (uffd, _) = new_uffd(UFFD_FEATURE_EVENT_REMOVE)?;
         let mut lazies = Vec::with_capacity(regions.len());
         for (region, file_offset) in regions {
             let mut register = UffdioRegister {
@@ -539,13 +645,22 @@ impl LazyLoader {
             if unsafe { ioctl_with_mut_ref(&uffd, UFFDIO_REGISTER(), &mut register) } < 0 {
                 return Err(os_error("UFFDIO_REGISTER"));
             }
-            let pages = region.size() / PAGE_SIZE;
+            let page_size = region.page_size();
+            let unit = page_size.alignment();
+            let block = match page_size {
+                PageSize::Base => PAGE_SIZE,
+                PageSize::Huge2M | PageSize::Transparent => HUGE_PAGE_SIZE,
+            };
+            let units = region.size() / unit;
             lazies.push(Arc::new(Lazy {
                 memory: Arc::downgrade(&region),
                 base: region.host_address(),
                 size: region.size(),
                 file_offset,
-                filled: (0..pages.div_ceil(64)).map(|_| AtomicU64::new(0)).collect(),
+                unit,
+                block,
+                hugetlb: page_size == PageSize::Huge2M,
+                filled: (0..units.div_ceil(64)).map(|_| AtomicU64::new(0)).collect(),
             }));
         }
         let uffd = Arc::new(uffd);
@@ -577,6 +692,7 @@ impl LazyLoader {
             set: WorkingSet::new(r.snapshot, layout),
             done: r.done,
         })));
+        let window = lazies.iter().map(|l| l.window()).max().unwrap_or(0);
         let prefetch = options
             .prefetch
             .filter(|list| !list.runs.is_empty())
@@ -584,15 +700,23 @@ impl LazyLoader {
                 page: list.runs[0].start,
                 runs: list.runs,
                 run: 0,
-                buffer: vec![0u8; (WINDOW * PAGE_SIZE) as usize],
+                buffer: vec![0u8; window as usize],
             });
+        let block = lazies.iter().map(|l| l.block).max().unwrap_or(PAGE_SIZE);
+        // Zeros to copy into hugetlb pages (calloc'd: untouched until copied from).
+        let zeros = if lazies.iter().any(|l| l.hugetlb) {
+            vec![0u8; HUGE_PAGE_SIZE as usize]
+        } else {
+            Vec::new()
+        };
         let thread = {
             let handler = Handler {
                 uffd: Arc::clone(&uffd),
                 stats: Arc::clone(&stats),
                 lazies: lazies.clone(),
                 file: Arc::clone(&file),
-                page: vec![0u8; PAGE_SIZE as usize],
+                buffer: vec![0u8; block as usize],
+                zeros,
                 deferred: Vec::new(),
                 recording: Arc::clone(&recording),
                 deadline,
@@ -731,29 +855,36 @@ fn uffd_copy(uffd: &OwnedFd, dst: u64, src: &[u8]) -> Filled {
     filled(r, copy.copy, copy.len)
 }
 
-/// `UFFDIO_ZEROPAGE` of the registered page at `dst`.
-fn uffd_zeropage(uffd: &OwnedFd, dst: u64) -> Filled {
+/// `UFFDIO_ZEROPAGE` of the `len` bytes (whole base pages) of a registered region at `dst`.
+fn uffd_zeropage(uffd: &OwnedFd, dst: u64, len: u64) -> Filled {
     let mut zero = UffdioZeropage {
-        range: UffdioRange {
-            start: dst,
-            len: PAGE_SIZE,
-        },
+        range: UffdioRange { start: dst, len },
         ..Default::default()
     };
-    // SAFETY: UFFDIO_ZEROPAGE of one page of a registered region, which the loader keeps
-    // mapped.
+    // SAFETY: UFFDIO_ZEROPAGE of pages of a registered region; the kernel checks the range
+    // against the registration and maps the zero page there, nothing else is written.
     let r = unsafe { ioctl_with_mut_ref(uffd, UFFDIO_ZEROPAGE(), &mut zero) };
-    filled(r, zero.zeropage, PAGE_SIZE)
+    filled(r, zero.zeropage, len)
 }
 
-/// Wakes the threads waiting on the page at `hva` (filled by someone else meanwhile).
-fn uffd_wake(uffd: &OwnedFd, hva: u64) {
-    let mut range = UffdioRange {
-        start: hva,
-        len: PAGE_SIZE,
-    };
-    // SAFETY: UFFDIO_WAKE of one page of a registered region; it only wakes waiters.
+/// Wakes the threads waiting on the `len` bytes at `hva` (filled by someone else meanwhile).
+fn uffd_wake(uffd: &OwnedFd, hva: u64, len: u64) {
+    let mut range = UffdioRange { start: hva, len };
+    // SAFETY: UFFDIO_WAKE of a range of a registered region; it only wakes waiters.
     unsafe { ioctl_with_mut_ref(uffd, UFFDIO_WAKE(), &mut range) };
+}
+
+/// How [`Handler::fill_run`] ended.
+enum RunEnd {
+    /// Every unit of the run is filled (by it, or by someone else before).
+    Done,
+    /// The kernel asked to try again (`EAGAIN`: a discard is under way); the units from there
+    /// on are not filled.
+    Later,
+    /// The region was removed meanwhile: nothing more to fill.
+    Gone,
+    /// It could not fill (said on stderr): the handler stops.
+    Failed,
 }
 
 /// The handler thread's state.
@@ -762,8 +893,10 @@ struct Handler {
     stats: Arc<LoaderStats>,
     lazies: Vec<Arc<Lazy>>,
     file: Arc<File>,
-    /// One page read for a fault.
-    page: Vec<u8>,
+    /// One block read for a fault (the largest a region's fault fills).
+    buffer: Vec<u8>,
+    /// Zeros for hugetlb pages (empty without hugetlb regions).
+    zeros: Vec<u8>,
     /// Faulting addresses whose fill the kernel asked to try again (`EAGAIN`; recorded
     /// already).
     deferred: Vec<u64>,
@@ -857,90 +990,171 @@ impl Handler {
         }
     }
 
-    /// Fills the faulting page at `hva`: from the file on its first fill, with zeros for a
-    /// hole or after a discard; records a first fill if `record`. False if it could not.
+    /// Fills the faulting page at `hva`: on its first fill, the units of its block not filled
+    /// yet, from the file (zeros for a block that is a hole there); after a discard, its unit
+    /// with zeros. Records a first fill if `record`. False if it could not.
     fn fault(&mut self, hva: u64, record: bool) -> bool {
-        let Some(lazy) = self.lazies.iter().find(|l| l.holds(hva)) else {
+        let Some(lazy) = self.lazies.iter().find(|l| l.holds(hva)).map(Arc::clone) else {
             return true;
         };
-        let offset = hva - lazy.base;
+        let unit = (hva - lazy.base) / lazy.unit;
         // Marked filled once the fill is done (below), so that a snapshot reading the marks
         // meanwhile takes the page for one that still holds the file's data.
-        let again = lazy.is_filled(offset / PAGE_SIZE);
+        if lazy.is_filled(unit) {
+            // Filled before, then discarded: zeros.
+            let at = unit * lazy.unit;
+            return match self.fill_run(&lazy, at..at + lazy.unit, None) {
+                RunEnd::Done | RunEnd::Gone => true,
+                RunEnd::Later => {
+                    self.deferred.push(hva);
+                    true
+                }
+                RunEnd::Failed => false,
+            };
+        }
+        let block = lazy.block_of(hva);
+        let runs = lazy.unfilled_runs(block.start / lazy.unit * lazy.unit..block.end);
         // Recorded before the ioctl wakes the faulting thread, so that what it does next
         // (end the recording, say) comes after.
-        if !again && record {
-            self.record(lazy.file_offset / PAGE_SIZE + offset / PAGE_SIZE);
-        }
-        // A page filled before (then discarded) reads zeros; a first fill reads the file,
-        // unless the page is a hole there.
-        let data = if again {
-            false
-        } else {
-            match page_has_data(&self.file, lazy.file_offset + offset) {
-                Ok(data) => data,
-                Err(e) => return fill_failed(hva, e),
+        if record {
+            let first = lazy.file_offset / PAGE_SIZE;
+            for run in &runs {
+                self.record(first + run.start / PAGE_SIZE..first + run.end / PAGE_SIZE);
             }
+        }
+        let at = lazy.file_offset + block.start;
+        let len = block.end - block.start;
+        let data = match range_has_data(&self.file, at, len) {
+            Ok(data) => data,
+            Err(e) => return fill_failed(hva, e),
         };
-        // Counted before the ioctl wakes the faulting thread, so that it sees the count.
-        let (result, count) = if data {
-            self.stats.copied.fetch_add(1, Ordering::AcqRel);
-            let result = match self
-                .file
-                .read_exact_at(&mut self.page, lazy.file_offset + offset)
-            {
-                Ok(()) => uffd_copy(&self.uffd, hva, &self.page),
-                Err(e) => Filled::Failed(e),
-            };
-            (result, &self.stats.copied)
+        let mut buffer = std::mem::take(&mut self.buffer);
+        let read = if data {
+            // Holes inside the block read zeros.
+            self.file.read_exact_at(&mut buffer[..len as usize], at)
         } else {
-            self.stats.zeroed.fetch_add(1, Ordering::AcqRel);
-            (uffd_zeropage(&self.uffd, hva), &self.stats.zeroed)
+            Ok(())
         };
-        if !matches!(result, Filled::Bytes(_)) {
-            count.fetch_sub(1, Ordering::AcqRel);
+        if let Err(e) = read {
+            self.buffer = buffer;
+            return fill_failed(hva, e);
         }
-        match result {
-            Filled::Bytes(_) => {
-                lazy.fill(offset / PAGE_SIZE);
-                true
+        let mut ok = true;
+        for run in runs {
+            let src = data.then(|| {
+                &buffer[(run.start - block.start) as usize..(run.end - block.start) as usize]
+            });
+            match self.fill_run(&lazy, run, src) {
+                RunEnd::Done => continue,
+                // The faulting thread retries its access (its page may lie in another run).
+                RunEnd::Gone => uffd_wake(&self.uffd, lazy.base + unit * lazy.unit, lazy.unit),
+                RunEnd::Later => {
+                    // Tried again after the handler has read the discard under way (a discard
+                    // of the page by then makes the fill zeros), unless this fill reached the
+                    // faulting page (the rest of its block then faults on its own).
+                    if !lazy.is_filled(unit) {
+                        self.deferred.push(hva);
+                    }
+                }
+                RunEnd::Failed => ok = false,
             }
-            // Filled meanwhile (another fault, or the prefetch): the waiters are woken.
-            Filled::Exists => {
-                lazy.fill(offset / PAGE_SIZE);
-                uffd_wake(&self.uffd, hva);
-                true
-            }
-            Filled::Later => {
-                // Tried again after the handler has read the discard under way; a discard of
-                // this page by then makes the fill zeros.
-                self.deferred.push(hva);
-                true
-            }
-            // The region was removed (and so unregistered) after the fault was queued: there
-            // is nothing to fill; a thread still waiting there retries its access.
-            Filled::Failed(_) if lazy.gone() => {
-                uffd_wake(&self.uffd, hva);
-                true
-            }
-            Filled::Failed(e) => fill_failed(hva, e),
+            break;
         }
+        self.buffer = buffer;
+        ok
     }
 
-    /// Notes page `page` of the memory file in the recording, if one is under way.
-    fn record(&self, page: u64) {
+    /// Fills `run` (offsets in `lazy`'s region, whole units) with `src` (as long), or zeros,
+    /// and marks what it filled; a unit filled meanwhile is left as it is, and its waiters
+    /// woken.
+    fn fill_run(&self, lazy: &Lazy, run: Range<u64>, src: Option<&[u8]>) -> RunEnd {
+        let mut at = run.start;
+        while at < run.end {
+            let dst = lazy.base + at;
+            let left = run.end - at;
+            let (result, count) = match src {
+                Some(src) => {
+                    let from = &src[(at - run.start) as usize..];
+                    self.stats
+                        .copied
+                        .fetch_add(left / PAGE_SIZE, Ordering::AcqRel);
+                    self.stats.copy_calls.fetch_add(1, Ordering::AcqRel);
+                    (uffd_copy(&self.uffd, dst, from), &self.stats.copied)
+                }
+                None if lazy.hugetlb => {
+                    // hugetlb pages take no UFFDIO_ZEROPAGE: zeros are copied, a page at a time.
+                    let len = left.min(self.zeros.len() as u64);
+                    self.stats
+                        .zeroed
+                        .fetch_add(len / PAGE_SIZE, Ordering::AcqRel);
+                    self.stats.copy_calls.fetch_add(1, Ordering::AcqRel);
+                    let zeros = &self.zeros[..len as usize];
+                    (uffd_copy(&self.uffd, dst, zeros), &self.stats.zeroed)
+                }
+                None => {
+                    self.stats
+                        .zeroed
+                        .fetch_add(left / PAGE_SIZE, Ordering::AcqRel);
+                    (uffd_zeropage(&self.uffd, dst, left), &self.stats.zeroed)
+                }
+            };
+            // Counted before the ioctl wakes the faulting thread, so that it sees the count;
+            // what was not filled is taken back.
+            let asked = match src {
+                None if lazy.hugetlb => left.min(self.zeros.len() as u64),
+                _ => left,
+            };
+            let done = match result {
+                Filled::Bytes(bytes) => bytes,
+                _ => 0,
+            };
+            count.fetch_sub((asked - done) / PAGE_SIZE, Ordering::AcqRel);
+            match result {
+                Filled::Bytes(bytes) => {
+                    for unit in at / lazy.unit..(at + bytes) / lazy.unit {
+                        lazy.fill(unit);
+                    }
+                    at += bytes;
+                }
+                // Filled meanwhile (another fault, or the prefetch): the waiters are woken.
+                Filled::Exists => {
+                    lazy.fill(at / lazy.unit);
+                    uffd_wake(&self.uffd, dst, lazy.unit);
+                    at += lazy.unit;
+                }
+                Filled::Later => return RunEnd::Later,
+                // The region was removed (and so unregistered) after the fault was queued:
+                // there is nothing to fill; a thread still waiting there retries its access.
+                Filled::Failed(_) if lazy.gone() => {
+                    uffd_wake(&self.uffd, dst, left);
+                    return RunEnd::Gone;
+                }
+                Filled::Failed(e) => {
+                    fill_failed(dst, e);
+                    return RunEnd::Failed;
+                }
+            }
+        }
+        RunEnd::Done
+    }
+
+    /// Notes pages `pages` of the memory file in the recording, if one is under way.
+    fn record(&self, pages: Range<u64>) {
         let mut recording = self
             .recording
             .lock()
             .unwrap_or_else(PoisonError::into_inner);
         if let Some(recorder) = recording.as_mut() {
-            recorder.set.push(page);
+            for page in pages {
+                recorder.set.push(page);
+            }
         }
     }
 
-    /// Fills the next window of the working set (up to [`WINDOW`] pages of one region from the
-    /// next page of the list on, as far as the list stays inside it): one read, one copy per
-    /// run of pages not filled yet.
+    /// Fills the next window of the working set (up to [`Lazy::window`] bytes of one region
+    /// from the unit of the next page of the list on, as far as the list stays inside it): one
+    /// read, one copy per run of units not filled yet. A list's page of a region of 2 MiB
+    /// hugetlb pages fills its whole page.
     fn prefetch_window(&mut self) {
         let Some(p) = self.prefetch.as_mut() else {
             return;
@@ -969,15 +1183,24 @@ impl Handler {
             }
             return;
         }
-        let limit = (first + WINDOW).min(lazy.file_pages().end);
-        // The list's pages from `first` on while they stay in [first, limit), as many runs as
-        // the window copies (so that it reads no further than it fills).
+        // In units of the region (`ratio` pages of the list each), from the one `first` is in.
+        let ratio = lazy.unit / PAGE_SIZE;
+        let region_first = lazy.file_pages().start;
+        let first_unit = (first - region_first) / ratio;
+        let limit_unit = (first_unit + lazy.window() / lazy.unit).min(lazy.size / lazy.unit);
+        let (low, limit) = (
+            region_first + first_unit * ratio,
+            region_first + limit_unit * ratio,
+        );
+        // The list's pages from `first` on while they stay in the window's units, as many runs
+        // as the window copies (so that it reads no further than it fills): (the list's run,
+        // its first page here, the units it covers).
         let mut segments = Vec::new();
         let (mut run, mut page) = (p.run, p.page);
-        while run < p.runs.len() && (first..limit).contains(&page) && segments.len() < WINDOW_COPIES
-        {
+        while run < p.runs.len() && (low..limit).contains(&page) && segments.len() < WINDOW_COPIES {
             let end = p.runs[run].end.min(limit);
-            segments.push((run, page..end));
+            let units = (page - region_first) / ratio..(end - region_first).div_ceil(ratio);
+            segments.push((run, page, units));
             if end < p.runs[run].end {
                 page = end;
                 break;
@@ -985,55 +1208,63 @@ impl Handler {
             run += 1;
             page = p.runs.get(run).map_or(0, |r| r.start);
         }
-        let span = segments.iter().map(|(_, s)| s.end).max().unwrap_or(first) - first;
-        let buffer = &mut p.buffer[..(span * PAGE_SIZE) as usize];
-        if let Err(e) = self.file.read_exact_at(buffer, first * PAGE_SIZE) {
+        let span = segments
+            .iter()
+            .map(|(_, _, units)| units.end)
+            .max()
+            .unwrap_or(first_unit)
+            - first_unit;
+        let buffer = &mut p.buffer[..(span * lazy.unit) as usize];
+        if let Err(e) = self.file.read_exact_at(buffer, low * PAGE_SIZE) {
             eprintln!("kvm-memslots-persist: the prefetch stopped: reading the memory file: {e}");
             self.end_prefetch();
             return;
         }
-        let base = lazy.base;
-        let region_first = lazy.file_pages().start;
+        let (base, unit) = (lazy.base, lazy.unit);
+        // Where the list goes on from unit `next` of a segment that starts at page `from`.
+        let resume = |from: u64, next: u64| from.max(region_first + next * ratio);
         let mut copies = 0;
-        for (segment_run, segment) in segments {
-            let mut next = segment.start;
-            while next < segment.end {
-                if lazy.is_filled(next - region_first) {
+        for (segment_run, segment_page, units) in segments {
+            let mut next = units.start;
+            while next < units.end {
+                if lazy.is_filled(next) {
                     next += 1;
                     continue;
                 }
                 let mut end = next + 1;
-                while end < segment.end && !lazy.is_filled(end - region_first) {
+                while end < units.end && !lazy.is_filled(end) {
                     end += 1;
                 }
                 if copies == WINDOW_COPIES {
                     // The window's share: faults first, then on from here.
-                    (p.run, p.page) = (segment_run, next);
+                    (p.run, p.page) = (segment_run, resume(segment_page, next));
                     return;
                 }
                 copies += 1;
                 let src = &p.buffer
-                    [((next - first) * PAGE_SIZE) as usize..((end - first) * PAGE_SIZE) as usize];
-                let dst = base + (next - region_first) * PAGE_SIZE;
-                match uffd_copy(&self.uffd, dst, src) {
+                    [((next - first_unit) * unit) as usize..((end - first_unit) * unit) as usize];
+                self.stats.copy_calls.fetch_add(1, Ordering::AcqRel);
+                match uffd_copy(&self.uffd, base + next * unit, src) {
                     Filled::Bytes(bytes) => {
-                        let pages = bytes / PAGE_SIZE;
-                        for page in next..next + pages {
-                            lazy.fill(page - region_first);
+                        let units = bytes / unit;
+                        for filled in next..next + units {
+                            lazy.fill(filled);
                         }
-                        self.stats.prefetched.fetch_add(pages, Ordering::AcqRel);
-                        next += pages;
+                        self.stats
+                            .prefetched
+                            .fetch_add(bytes / PAGE_SIZE, Ordering::AcqRel);
+                        next += units;
                     }
                     // Filled some other way: leave it.
                     Filled::Exists => next += 1,
                     // A discard is under way: this window again once it has been read.
                     Filled::Later => {
-                        (p.run, p.page) = (segment_run, next);
+                        (p.run, p.page) = (segment_run, resume(segment_page, next));
                         return;
                     }
                     // Removed meanwhile: the next window skips it.
                     Filled::Failed(_) if lazy.gone() => {
-                        (p.run, p.page) = (segment_run, next);
+                        (p.run, p.page) = (segment_run, resume(segment_page, next));
                         return;
                     }
                     Filled::Failed(e) => {

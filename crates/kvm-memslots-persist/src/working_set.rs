@@ -2,8 +2,10 @@
 //! them, recorded by the lazy loader ([`crate::uffd`]) and given back to a later lazy restore
 //! of the same snapshot, which fetches those pages ahead of the guest.
 //!
-//! Pages are named by their place in the snapshot's memory file (byte offset / page size), the
-//! addressing every layout shares, and kept as runs of neighbouring pages. The list file is a
+//! Pages are named by their place in the snapshot's memory file (byte offset / 4 KiB), the
+//! addressing every layout shares, and kept as runs of neighbouring pages, whatever the regions'
+//! page size: a first touch in a 2 MiB hugetlb page is recorded as its 512 pages, and a list
+//! naming any page of one prefetches the whole page. The list file is a
 //! [`frame`] (magic, version, length, payload, CRC-32); its payload names the snapshot the list
 //! belongs to twice: by an id the VMM gives (tinyvmm: the state file's snapshot id) and by the
 //! checksum of the snapshot's layout file. [`WorkingSet::check`] refuses, with the reason, a list

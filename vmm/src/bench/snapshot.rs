@@ -10,6 +10,14 @@
 //! restore prefetches that list, timed the same way.
 //! A cold start (new VM, test area, vCPUs, first command) of the same slot count, and the
 //! bandwidth of writing and reading a file as large as the area in the same folder, for scale.
+//!
+//! Each slot count runs once per page size asked for (`--page-sizes 4k,2m,thp`), the rows of
+//! one slot count side by side, with the `UFFDIO_COPY` calls of each lazy restore; with
+//! `--touch all` the guest writes (and verifies) every page rather than every other one. A
+//! row of huge pages has no `file` restore (the memory file is on no hugetlbfs, and transparent
+//! huge pages do not back a private file mapping), and a row is skipped, saying why, where the
+//! area cannot be split into that many slots of whole 2 MiB pages or the hugetlb pool cannot
+//! hold it.
 
 use std::fs::File;
 use std::io::{Read, Write};
@@ -18,7 +26,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use kvm_memslots::{MemoryLimits, Target};
+use kvm_memslots::{hugetlb_pages_available, Backing, MemoryLimits, PageSize, Target};
 use kvm_memslots_persist::{
     write_dirty_pages, write_memory_file, LazyOptions, MemoryLayout, Recording, WorkingSet,
 };
@@ -43,6 +51,10 @@ pub struct SnapshotBenchConfig {
     /// What guest memory is admitted against; `None`: this host's defaults
     /// ([`MemoryLimits::for_this_host`]).
     pub limits: Option<MemoryLimits>,
+    /// The page sizes of the test area, a row each per slot count.
+    pub page_sizes: Vec<PageSize>,
+    /// The guest writes every page, not every other one.
+    pub touch_all: bool,
 }
 
 impl SnapshotBenchConfig {
@@ -95,13 +107,18 @@ pub struct RestoreRow {
     pub first_command_ms: f64,
     /// To the guest having verified every page it wrote, milliseconds.
     pub verified_ms: f64,
+    /// `UFFDIO_COPY` calls the lazy loader made (faults and prefetch); `None` for a restore
+    /// without one.
+    pub copy_calls: Option<u64>,
 }
 
-/// One slot count.
+/// One slot count and page size.
 #[derive(Debug, Clone, Serialize)]
 pub struct SnapshotRow {
     /// KVM slots in all.
     pub slots: usize,
+    /// The test area's page size: `4k`, `2m` or `thp`.
+    pub page_size: &'static str,
     /// Full snapshot, milliseconds.
     pub full_ms: f64,
     /// Its memory file on disk, bytes.
@@ -121,6 +138,10 @@ pub struct SnapshotRow {
     /// Pages the guest still faulted in during it (the prefetch had not reached them yet, or
     /// the list did not name them).
     pub prefetch_faults: u64,
+    /// A uffd restore whose pages the VMM itself reads, one byte a written page, with no guest
+    /// running: the loader's own cost, without the guest's first touches (which, under
+    /// shadow paging, cost as much whatever the restore).
+    pub host_touch: RestoreRow,
 }
 
 /// The benchmark's result.
@@ -133,8 +154,12 @@ pub struct SnapshotBenchReport {
     /// Sequential read of it back (from the page cache, as a restore right after a snapshot
     /// reads), MiB/s.
     pub read_mib_s: f64,
-    /// One row per slot count.
+    /// Whether the guest wrote every page (else every other one).
+    pub touch_all: bool,
+    /// One row per slot count and page size.
     pub rows: Vec<SnapshotRow>,
+    /// Rows not measured, with why.
+    pub skipped: Vec<String>,
 }
 
 fn ms(d: Duration) -> f64 {
@@ -144,6 +169,15 @@ fn ms(d: Duration) -> f64 {
 fn io(what: impl Into<String>) -> impl FnOnce(std::io::Error) -> SnapshotBenchError {
     let what = what.into();
     move |e| SnapshotBenchError::Io(what, e)
+}
+
+/// The stride of the guest's writes and verifies: every page, or every other one.
+fn stride(config: &SnapshotBenchConfig) -> u64 {
+    if config.touch_all {
+        4096
+    } else {
+        2 * 4096
+    }
 }
 
 fn command(op: Op, area: &TestArea, stride: u64, seed: u64) -> Command {
@@ -156,16 +190,24 @@ fn command(op: Op, area: &TestArea, stride: u64, seed: u64) -> Command {
     }
 }
 
-/// A VM with the test area over `slots - 1` slots and one vCPU.
+/// A VM with the test area over `slots - 1` slots in pages of `page_size`, and one vCPU.
 fn new_vm(
     slots: usize,
+    page_size: PageSize,
     config: &SnapshotBenchConfig,
     stopped: &Arc<EventFd>,
 ) -> Result<(TestVm, TestArea, Vcpus), SnapshotBenchError> {
     let area_size = config.area_size;
     let vm = TestVm::with_options(config.vm_options())?;
     vm.check_slot_count(slots)?;
-    let area = TestArea::add(vm.memory(), AREA_GPA, area_size, slots as u64 - 1)?;
+    let area = TestArea::add_paged(
+        vm.memory(),
+        AREA_GPA,
+        area_size,
+        slots as u64 - 1,
+        Backing::Anonymous,
+        page_size,
+    )?;
     let mut vcpus = vm.start_vcpus(1, stopped)?;
     vcpus.set_timeout(Duration::from_secs(600));
     Ok((vm, area, vcpus))
@@ -266,7 +308,7 @@ fn timed_restore(
     };
     vcpus.run(0, one).map_err(SnapshotBenchError::from)?;
     let first_command_ms = ms(start.elapsed());
-    let verified = vcpus.run(0, command(Op::Verify, area, 2 * 4096, 1));
+    let verified = vcpus.run(0, command(Op::Verify, area, stride(config), 1));
     let verified_ms = ms(start.elapsed());
     vcpus.shut_down().map_err(SnapshotBenchError::from)?;
     if verified.is_err() {
@@ -276,14 +318,59 @@ fn timed_restore(
         let stats = loader.stats();
         stats.copied.load(Ordering::Acquire) + stats.zeroed.load(Ordering::Acquire)
     });
+    let copy_calls = vm
+        .loader()
+        .map(|loader| loader.stats().copy_calls.load(Ordering::Acquire));
     Ok((
         RestoreRow {
             backend: format!("{backend:?}").to_lowercase(),
             first_command_ms,
             verified_ms,
+            copy_calls,
         },
         faults,
     ))
+}
+
+/// A uffd restore of the Full snapshot at `path("full.*")` whose written pages the VMM reads
+/// (one byte each, through the manager's memory), timed from the start of the restore to the
+/// last read; no vCPU runs.
+fn host_touch_restore(
+    config: &SnapshotBenchConfig,
+    area: &TestArea,
+    path: &dyn Fn(&str) -> PathBuf,
+) -> Result<RestoreRow, SnapshotBenchError> {
+    use vm_memory::{Bytes, GuestAddress, GuestAddressSpace};
+    let start = Instant::now();
+    let bytes = std::fs::read(path("full.state")).map_err(io("reading the state"))?;
+    let state = SnapshotState::from_bytes(&bytes).map_err(|e| {
+        SnapshotBenchError::Io(e.to_string(), std::io::ErrorKind::InvalidData.into())
+    })?;
+    let mem = File::open(path("full.mem")).map_err(io("the memory file"))?;
+    let vm = TestVm::restore_with(
+        &state.layout,
+        &mem,
+        MemBackend::Uffd,
+        LazyOptions::default(),
+        config.vm_options(),
+    )?;
+    let first_command_ms = ms(start.elapsed());
+    let memory = vm.memory().handle().memory();
+    for gpa in (area.gpa..area.end()).step_by(stride(config) as usize) {
+        memory
+            .read_obj::<u8>(GuestAddress(gpa))
+            .map_err(|e| io("reading guest memory")(std::io::Error::other(e)))?;
+    }
+    let verified_ms = ms(start.elapsed());
+    let copy_calls = vm
+        .loader()
+        .map(|loader| loader.stats().copy_calls.load(Ordering::Acquire));
+    Ok(RestoreRow {
+        backend: "uffd, VMM reads".into(),
+        first_command_ms,
+        verified_ms,
+        copy_calls,
+    })
 }
 
 /// Runs the benchmark; `stop` ends it between steps.
@@ -306,12 +393,71 @@ pub fn run_snapshot_bench(
         }
     };
     let mut rows = Vec::new();
+    let mut skipped = Vec::new();
     for &slots in &config.slots {
-        check()?;
-        let path = |name: &str| config.dir.join(format!("{slots}-{name}"));
-        let (vm, area, mut vcpus) = new_vm(slots, config, stopped)?;
-        // Half the pages hold data.
-        vcpus.run(0, command(Op::Write, &area, 2 * 4096, 1))?;
+        for &page_size in &config.page_sizes {
+            check()?;
+            match bench_row(config, stopped, slots, page_size, &check)? {
+                Ok(row) => rows.push(row),
+                Err(why) => {
+                    eprintln!("SKIPPED {slots} slots, {} pages: {why}", page_size.name());
+                    skipped.push(format!("{slots} slots, {} pages: {why}", page_size.name()));
+                }
+            }
+        }
+    }
+    Ok(SnapshotBenchReport {
+        area_size: config.area_size,
+        write_mib_s,
+        read_mib_s,
+        touch_all: config.touch_all,
+        rows,
+        skipped,
+    })
+}
+
+/// Why a row cannot be measured on this host, if it cannot.
+fn cannot(config: &SnapshotBenchConfig, slots: usize, page_size: PageSize) -> Option<String> {
+    let page = page_size.alignment();
+    if config.area_size / (slots as u64 - 1) < page {
+        return Some(format!(
+            "{} MiB cannot be split into {} slots of whole {} KiB pages",
+            config.area_size >> 20,
+            slots - 1,
+            page >> 10
+        ));
+    }
+    let needed = config.area_size / page;
+    let available = hugetlb_pages_available();
+    if page_size == PageSize::Huge2M && available < needed {
+        return Some(format!(
+            "the hugetlb pool has {available} free 2 MiB pages, the area needs {needed}"
+        ));
+    }
+    None
+}
+
+/// One row: the snapshots and restores of a VM of `slots` slots in pages of `page_size`;
+/// `Ok(Err(why))` if this host cannot have it.
+fn bench_row(
+    config: &SnapshotBenchConfig,
+    stopped: &Arc<EventFd>,
+    slots: usize,
+    page_size: PageSize,
+    check: &dyn Fn() -> Result<(), SnapshotBenchError>,
+) -> Result<Result<SnapshotRow, String>, SnapshotBenchError> {
+    if let Some(why) = cannot(config, slots, page_size) {
+        return Ok(Err(why));
+    }
+    {
+        let path = |name: &str| {
+            config
+                .dir
+                .join(format!("{slots}-{}-{name}", page_size.name()))
+        };
+        let (vm, area, mut vcpus) = new_vm(slots, page_size, config, stopped)?;
+        // Half the pages hold data (or all).
+        vcpus.run(0, command(Op::Write, &area, stride(config), 1))?;
         let start = Instant::now();
         let memory = vm.memory();
         memory.start_dirty_log(Target::All)?;
@@ -334,6 +480,11 @@ pub fn run_snapshot_bench(
         let mut restores = Vec::new();
         let (tx, recorded) = std::sync::mpsc::channel();
         for backend in [MemBackend::Copy, MemBackend::File, MemBackend::Uffd] {
+            if backend == MemBackend::File && page_size != PageSize::Base {
+                // A file restore of huge pages is refused: the memory file is on no hugetlbfs,
+                // and transparent huge pages are for anonymous memory and memfds.
+                continue;
+            }
             check()?;
             // The lazy restore records the pages the guest touches first, for the next.
             let (row, _) = timed_restore(config, stopped, &area, &path, backend, |id, _| {
@@ -381,8 +532,10 @@ pub fn run_snapshot_bench(
         })?;
         prefetch.backend = "uffd+prefetch".into();
         check()?;
+        let host_touch = host_touch_restore(config, &area, &path)?;
+        check()?;
         let start = Instant::now();
-        let (_vm, area, mut vcpus) = new_vm(slots, config, stopped)?;
+        let (_vm, area, mut vcpus) = new_vm(slots, page_size, config, stopped)?;
         vcpus.run(
             0,
             Command {
@@ -392,8 +545,9 @@ pub fn run_snapshot_bench(
         )?;
         let cold_start_ms = ms(start.elapsed());
         vcpus.shut_down()?;
-        rows.push(SnapshotRow {
+        let row = SnapshotRow {
             slots,
+            page_size: page_size.name(),
             full_ms,
             full_bytes: disk_bytes(&full),
             diff_ms,
@@ -403,7 +557,8 @@ pub fn run_snapshot_bench(
             working_set_pages: set.pages(),
             prefetch,
             prefetch_faults: faults,
-        });
+            host_touch,
+        };
         for name in [
             "full.mem",
             "full.state",
@@ -413,31 +568,27 @@ pub fn run_snapshot_bench(
         ] {
             let _ = std::fs::remove_file(path(name));
         }
+        Ok(Ok(row))
     }
-    Ok(SnapshotBenchReport {
-        area_size: config.area_size,
-        write_mib_s,
-        read_mib_s,
-        rows,
-    })
 }
 
 impl std::fmt::Display for SnapshotBenchReport {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         writeln!(
             f,
-            "snapshots of {} MiB (half the pages written), file system: write {:.0} MiB/s (fsync), read {:.0} MiB/s",
+            "snapshots of {} MiB ({} the pages written), file system: write {:.0} MiB/s (fsync), read {:.0} MiB/s",
             self.area_size >> 20,
+            if self.touch_all { "all" } else { "half" },
             self.write_mib_s,
             self.read_mib_s
         )?;
         writeln!(
             f,
-            "| slots | Full | Full on disk | Diff (1/16) | Diff on disk | cold start | restore copy: first / verified | file | uffd | uffd+prefetch | prefetch / file (verified) |"
+            "| slots | pages | Full | Full on disk | Diff (1/16) | Diff on disk | cold start | restore copy: first / verified | file | uffd | uffd copies | uffd+prefetch | prefetch copies | prefetch / file (verified) |"
         )?;
         writeln!(
             f,
-            "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
+            "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
         )?;
         let times = |x: &RestoreRow| format!("{:.0} / {:.0} ms", x.first_command_ms, x.verified_ms);
         for r in &self.rows {
@@ -448,10 +599,15 @@ impl std::fmt::Display for SnapshotBenchReport {
                     .map_or(String::new(), times)
             };
             let file = r.restores.iter().find(|x| x.backend == "file");
+            let copies = |x: Option<&RestoreRow>| {
+                x.and_then(|x| x.copy_calls)
+                    .map_or(String::new(), |c| c.to_string())
+            };
             writeln!(
                 f,
-                "| {} | {:.0} ms | {} MiB | {:.0} ms | {} MiB | {:.0} ms | {} | {} | {} | {} | {} |",
+                "| {} | {} | {:.0} ms | {} MiB | {:.0} ms | {} MiB | {:.0} ms | {} | {} | {} | {} | {} | {} | {} |",
                 r.slots,
+                r.page_size,
                 r.full_ms,
                 r.full_bytes >> 20,
                 r.diff_ms,
@@ -460,7 +616,9 @@ impl std::fmt::Display for SnapshotBenchReport {
                 restore("copy"),
                 restore("file"),
                 restore("uffd"),
+                copies(r.restores.iter().find(|x| x.backend == "uffd")),
                 times(&r.prefetch),
+                copies(Some(&r.prefetch)),
                 file.map_or(String::new(), |file| format!(
                     "{:.2}×",
                     r.prefetch.verified_ms / file.verified_ms
@@ -470,10 +628,55 @@ impl std::fmt::Display for SnapshotBenchReport {
         for r in &self.rows {
             writeln!(
                 f,
-                "{} slots: working set of {} pages recorded by the uffd restore; {} pages still \
-                 faulted in with it prefetched",
-                r.slots, r.working_set_pages, r.prefetch_faults
+                "{} slots, {} pages: working set of {} pages recorded by the uffd restore; {} \
+                 pages still faulted in with it prefetched; a uffd restore whose written pages \
+                 the VMM reads (no guest): {:.0} ms, {} copies",
+                r.slots,
+                r.page_size,
+                r.working_set_pages,
+                r.prefetch_faults,
+                r.host_touch.verified_ms,
+                r.host_touch.copy_calls.unwrap_or(0)
             )?;
+        }
+        // Each page size's lazy restore against the 4 KiB one of the same slot count.
+        let uffd = |r: &SnapshotRow| r.restores.iter().find(|x| x.backend == "uffd").cloned();
+        for base in self.rows.iter().filter(|r| r.page_size == "4k") {
+            for other in self
+                .rows
+                .iter()
+                .filter(|r| r.slots == base.slots && r.page_size != "4k")
+            {
+                if let (Some(b), Some(o)) = (uffd(base), uffd(other)) {
+                    writeln!(
+                        f,
+                        "{} slots: uffd to verified {:.1}× faster in {} pages than in 4k \
+                         ({:.0} / {:.0} ms; {} / {} copies); with the working set prefetched \
+                         {:.1}×",
+                        base.slots,
+                        b.verified_ms / o.verified_ms,
+                        other.page_size,
+                        b.verified_ms,
+                        o.verified_ms,
+                        b.copy_calls.unwrap_or(0),
+                        o.copy_calls.unwrap_or(0),
+                        base.prefetch.verified_ms / other.prefetch.verified_ms
+                    )?;
+                    writeln!(
+                        f,
+                        "{} slots: the VMM reading every written page of a uffd restore (no \
+                         guest) {:.1}× faster in {} pages than in 4k ({:.0} / {:.0} ms)",
+                        base.slots,
+                        base.host_touch.verified_ms / other.host_touch.verified_ms,
+                        other.page_size,
+                        base.host_touch.verified_ms,
+                        other.host_touch.verified_ms
+                    )?;
+                }
+            }
+        }
+        for why in &self.skipped {
+            writeln!(f, "skipped: {why}")?;
         }
         Ok(())
     }

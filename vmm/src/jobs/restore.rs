@@ -36,6 +36,27 @@ pub struct RestoreFrom {
     pub backend: MemBackend,
     /// A working set to prefetch, or to record (the uffd backend's).
     pub working_set: WorkingSetFiles,
+    /// Every region in pages of this size rather than the ones the snapshot was taken with
+    /// (`restore --page-size`); `None`: the snapshot's.
+    pub page_size: Option<kvm_memslots::PageSize>,
+}
+
+impl RestoreFrom {
+    /// The layout to rebuild: the state file's `layout`, or with every region in pages of
+    /// [`page_size`](Self::page_size) (refused, naming the region, where one does not fit
+    /// the new page size's grid). The restored VM's memory is built from it, its working-set
+    /// files are checked against it, and its later snapshots record it.
+    fn layout(
+        &self,
+        layout: kvm_memslots_persist::MemoryLayout,
+    ) -> Result<kvm_memslots_persist::MemoryLayout, String> {
+        match self.page_size {
+            None => Ok(layout),
+            Some(page_size) => layout
+                .with_page_size(page_size)
+                .map_err(|e| format!("--page-size {}: {e}", page_size.name())),
+        }
+    }
 }
 
 /// The controller of a VM restored from `from` in a VM made with `options`, paused, its vCPUs
@@ -50,8 +71,11 @@ pub(crate) fn restored_controller(
         path: path.clone(),
         reason,
     };
-    let state =
+    let mut state =
         read_state_file(&from.snapshot).map_err(|e| refused(&from.snapshot, e.to_string()))?;
+    state.layout = from
+        .layout(state.layout)
+        .map_err(|e| refused(&from.snapshot, e))?;
     let (mem_file, lazy) = memory_of(from, state.snapshot.as_ref(), &state.layout)
         .map_err(|(path, reason)| refused(&path, reason))?;
     let vm = TestVm::restore_with(&state.layout, &mem_file, from.backend, lazy, options)?;
@@ -79,8 +103,11 @@ pub fn restore_linux(
         path: path.clone(),
         reason,
     };
-    let state = LinuxState::read_file(&from.snapshot)
+    let mut state = LinuxState::read_file(&from.snapshot)
         .map_err(|e| refused(&from.snapshot, e.to_string()))?;
+    state.layout = from
+        .layout(state.layout)
+        .map_err(|e| refused(&from.snapshot, e))?;
     let (mem_file, lazy) = memory_of(from, state.snapshot.as_ref(), &state.layout)
         .map_err(|(path, reason)| refused(&path, reason))?;
     let api = ApiSocket::bind(&api_sock)?;

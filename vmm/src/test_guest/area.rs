@@ -5,7 +5,7 @@
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
-use kvm_memslots::{Backing, KvmMemory, MemoryManager, RegionId, RegionSpec, PAGE_SIZE};
+use kvm_memslots::{Backing, KvmMemory, MemoryManager, PageSize, RegionId, RegionSpec};
 use vm_memory::{Bytes, GuestAddress};
 
 use super::vcpus::{expect_pattern, GuestError, TestVm, Vcpus};
@@ -31,12 +31,17 @@ pub struct TestArea {
 #[derive(Debug, thiserror::Error)]
 pub enum AreaError {
     /// Fewer bytes than pages for the slots.
-    #[error("a test area of {size:#x} bytes cannot be split into {slots} slots of at least one 4 KiB page")]
+    #[error(
+        "a test area of {size:#x} bytes cannot be split into {slots} slots of at least one \
+         page of {page:#x} bytes"
+    )]
     TooSmall {
         /// The area's size.
         size: u64,
         /// Slots asked for.
         slots: u64,
+        /// The area's page size, in bytes.
+        page: u64,
     },
     /// The manager refused the region.
     #[error(transparent)]
@@ -64,13 +69,28 @@ impl TestArea {
         slots: u64,
         backing: Backing,
     ) -> Result<Self, AreaError> {
-        let slot_size = size.checked_div(slots).unwrap_or(0) / PAGE_SIZE * PAGE_SIZE;
+        Self::add_paged(memory, gpa, size, slots, backing, PageSize::Base)
+    }
+
+    /// As [`add_backed`](Self::add_backed), in pages of `page_size` (each slot a whole number
+    /// of them: 2 MiB hugetlb pages take a `size` of at least 2 MiB a slot).
+    pub fn add_paged<K: KvmMemory>(
+        memory: &MemoryManager<K>,
+        gpa: u64,
+        size: u64,
+        slots: u64,
+        backing: Backing,
+        page_size: PageSize,
+    ) -> Result<Self, AreaError> {
+        let page = page_size.alignment();
+        let slot_size = size.checked_div(slots).unwrap_or(0) / page * page;
         if slot_size == 0 {
-            return Err(AreaError::TooSmall { size, slots });
+            return Err(AreaError::TooSmall { size, slots, page });
         }
         let spec = RegionSpec::new(GuestAddress(gpa), slot_size * slots)
             .with_slot_size(slot_size)
-            .with_backing(backing);
+            .with_backing(backing)
+            .with_page_size(page_size);
         let region = memory.add_region(spec)?;
         Ok(TestArea {
             region,
