@@ -331,7 +331,9 @@ impl MemoryLayout {
     /// As [`build`](Self::build), each region mapped privately from `memory_file` at its
     /// offset instead: pages load from the file when first touched, with nothing copied up
     /// front, and the guest's writes never reach the file. Every region is private then, shared
-    /// ones included.
+    /// ones included. A region of transparent huge pages maps in 4 KiB pages (a private
+    /// mapping of a file has no transparent huge pages; its `RegionInfo` then says so); 2 MiB
+    /// hugetlb regions need the file on hugetlbfs.
     ///
     /// # KVM calls
     ///
@@ -365,7 +367,13 @@ impl MemoryLayout {
                 .try_clone()
                 .map_err(io("duplicating the memory file"))?,
         );
-        Ok(self.build_with(memory, |r| {
+        let mut layout = self.clone();
+        for r in &mut layout.regions {
+            if r.page_size == LayoutPageSize::Transparent {
+                r.page_size = LayoutPageSize::Base;
+            }
+        }
+        Ok(layout.build_with(memory, |r| {
             Backing::PrivateFile(FileOffset::from_arc(Arc::clone(&file), r.file_offset))
         })?)
     }

@@ -890,6 +890,30 @@ fn a_snapshot_records_the_page_size_and_a_restore_keeps_or_overrides_it() {
     );
 }
 
+/// A file-backed restore of a region of transparent huge pages maps it in 4 KiB pages (a
+/// private mapping of a file has no transparent huge pages), with every byte, and says so in
+/// the region's page size; a copy restore keeps THP.
+#[test]
+fn a_file_backed_restore_maps_a_thp_region_in_4k_pages() {
+    let a = manager();
+    a.add_region(RegionSpec::new(GuestAddress(0), 4 * MIB).with_page_size(PageSize::Transparent))
+        .expect("a THP region");
+    write(&a, 3 * PAGE_SIZE, 0x5a, 100);
+    let layout = MemoryLayout::of(&a);
+    assert_eq!(layout.regions[0].page_size, LayoutPageSize::Transparent);
+    let (_path, file) = TempFile::new("thp-full");
+    write_memory_file(&a, &layout, &file).expect("written");
+    let b = manager();
+    layout.build_from_file(&b, &file).expect("mapped");
+    assert_eq!(contents(&b), contents(&a));
+    assert_eq!(b.regions()[0].page_size, PageSize::Base);
+    let c = manager();
+    layout.build(&c).expect("built");
+    load_memory_file(&c, &layout, &file).expect("loaded");
+    assert_eq!(contents(&c), contents(&a));
+    assert_eq!(c.regions()[0].page_size, PageSize::Transparent);
+}
+
 #[test]
 fn a_layout_of_2m_pages_off_their_grid_is_refused() {
     let a = manager();
