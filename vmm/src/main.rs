@@ -110,6 +110,12 @@ struct ServeArgs {
     /// copying it) rather than in anonymous memory.
     #[arg(long)]
     memfd: bool,
+    /// The host pages behind the initial memory: 4k, 2m (hugetlb; with --memfd an
+    /// MFD_HUGETLB memfd: --mem-mib and each slot's share of it must be multiples of 2 MiB, and
+    /// the pool must hold it) or thp (transparent huge pages). The hotplug area takes its own
+    /// (`page_size` of PUT /hotplug/memory).
+    #[arg(long, value_enum, default_value = "4k")]
+    page_size: tinyvmm::control::memory::RegionPageSize,
     #[command(flatten)]
     api: ApiArgs,
 }
@@ -786,6 +792,7 @@ fn restore(args: RestoreArgs) -> ExitCode {
             mem_mib: 0,
             vcpus: 1,
             memfd: false,
+            page_size: Default::default(),
         };
         return serve_config(serve, Some(from));
     }
@@ -911,6 +918,22 @@ fn serve(args: ServeArgs) -> ExitCode {
             ),
         );
     }
+    if args.mem_mib > 0 {
+        use tinyvmm::test_guest::area::TestArea;
+        let size = args.mem_mib.saturating_mul(1 << 20);
+        let page_size = kvm_memslots::PageSize::from(args.page_size);
+        if let Err(e) = TestArea::check_layout(size, args.slots as u64 - 1, page_size) {
+            return usage_error(
+                "serve",
+                &format!(
+                    "--page-size {} with --mem-mib {} over {} slots: {e}",
+                    page_size.name(),
+                    args.mem_mib,
+                    args.slots - 1
+                ),
+            );
+        }
+    }
     serve_config(args, None)
 }
 
@@ -937,6 +960,7 @@ fn serve_config(args: ServeArgs, restore: Option<tinyvmm::jobs::restore::Restore
         limits: Some(args.api.limits.resolve()),
         dirty_ring: args.api.dirty_ring,
         memfd: args.memfd,
+        page_size: args.page_size.into(),
         restore,
     };
     let path = config.api_sock.display().to_string();
@@ -1002,6 +1026,14 @@ struct BootArgs {
     /// Put RAM in memfds (shared memory): a local migration hands it over instead of copying.
     #[arg(long)]
     memfd: bool,
+    /// The host pages behind RAM: 4k, 2m (hugetlb; with --memfd an MFD_HUGETLB memfd: RAM and
+    /// each slot a multiple of 2 MiB, the pool holding all of RAM) or thp [default: 4k]
+    #[arg(long, value_enum)]
+    page_size: Option<tinyvmm::control::memory::RegionPageSize>,
+    /// The host pages behind the virtio-mem device's plugged blocks: 4k, 2m (the pool must
+    /// hold a piece when the guest plugs into it) or thp [default: 4k]
+    #[arg(long, value_enum)]
+    hotplug_page_size: Option<tinyvmm::control::memory::RegionPageSize>,
     /// Harvest dirty pages from per-vCPU rings of this many entries (a power of two from 256
     /// to KVM's maximum) instead of per-slot bitmaps; refused where KVM emulates the guest
     /// kernel (kvm_pvm) [default: bitmaps]
@@ -1057,6 +1089,8 @@ fn boot(args: BootArgs) -> ExitCode {
     config.api_sock = args.api_sock.or(config.api_sock);
     config.acpi &= !args.no_acpi;
     config.memfd |= args.memfd;
+    config.page_size = args.page_size.unwrap_or(config.page_size);
+    config.hotplug_page_size = args.hotplug_page_size.unwrap_or(config.hotplug_page_size);
     config.dirty_ring = args.dirty_ring.or(config.dirty_ring);
     config.limits = Some(args.limits.resolve());
     tinyvmm::api::server::log_requests(args.log_requests);

@@ -129,7 +129,7 @@ fn kvm_the_api_sizes_virtio_mem_and_the_guest_plugs_through_mmio_exits() {
         .add_region(RegionSpec::new(GuestAddress(0), 256 * MIB))
         .expect("RAM");
     // 1 GiB in 2 MiB blocks, above RAM at 4 GiB, a slot per block.
-    let hotplug = hotplug::setup(&vm, 1024, 2, 0).expect("the device");
+    let hotplug = hotplug::setup(&vm, 1024, 2, 0, Default::default()).expect("the device");
     assert!(
         hotplug
             .cmdline(false)
@@ -152,6 +152,7 @@ fn kvm_the_api_sizes_virtio_mem_and_the_guest_plugs_through_mmio_exits() {
             acpi: false,
             hotplug_mib: 1024,
             hotplug_block_mib: 2,
+            hotplug_page_size: Default::default(),
             kernel: KernelRecord {
                 path: "none".into(),
                 size: 0,
@@ -259,6 +260,7 @@ fn kvm_the_api_sizes_virtio_mem_and_the_guest_plugs_through_mmio_exits() {
         total_size_mib: 128,
         block_size_mib: 2,
         slot_size_mib: None,
+        page_size: Default::default(),
     }));
     assert_eq!(
         configure.expect_err("configured at boot").kind,
@@ -300,7 +302,7 @@ fn kvm_a_hotplug_area_needing_more_slots_than_are_free_is_refused() {
         .add_region(RegionSpec::new(GuestAddress(0), 256 * MIB))
         .expect("RAM");
     // 64 GiB in 2 MiB blocks, a slot per block: 32768 slots, more than KVM has.
-    let error = hotplug::setup(&vm, 65536, 2, 0).expect_err("refused");
+    let error = hotplug::setup(&vm, 65536, 2, 0, Default::default()).expect_err("refused");
     let message = error.to_string();
     assert!(message.contains("32768"), "{message}");
     assert_eq!(vm.memory().regions().len(), 1, "nothing was added");
@@ -384,7 +386,14 @@ fn kvm_a_linux_guests_plugged_blocks_share_slots_and_restore() {
     };
     let vm = new_vm();
     let memory = Arc::clone(vm.memory());
-    let hotplug = hotplug::setup(&vm, 1024, 2, DEFAULT_HOTPLUG_MAX_SLOT_MIB).expect("the device");
+    let hotplug = hotplug::setup(
+        &vm,
+        1024,
+        2,
+        DEFAULT_HOTPLUG_MAX_SLOT_MIB,
+        Default::default(),
+    )
+    .expect("the device");
     let ports = LinuxPorts {
         devices: Arc::new(LegacyDevices::new(
             Box::new(std::io::sink()),
@@ -476,7 +485,15 @@ fn kvm_a_linux_guests_plugged_blocks_share_slots_and_restore() {
         })
         .collect();
     again.memory().add_regions(specs).expect("the pieces");
-    let restored = hotplug::restore(&again, base, (1024, 2), &state, &transport).expect("restored");
+    let restored = hotplug::restore(
+        &again,
+        base,
+        (1024, 2),
+        Default::default(),
+        &state,
+        &transport,
+    )
+    .expect("restored");
     assert_eq!(hotplug::hotplug_info(&restored.device), info);
     assert_eq!(again.memory().slot_usage().used, 1 + 4);
     // The layout carries no protection: the restore put it back on every unplugged block (the

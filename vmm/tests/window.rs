@@ -445,6 +445,7 @@ fn kvm_vex_accesses_and_code_in_changing_slots_never_fault() {
         total_size_mib: 8,
         block_size_mib: 2,
         slot_size_mib: Some(8),
+        page_size: Default::default(),
     };
     let gpa = BASE + 64 * MIB;
     let mut area = HotplugArea::new(config, gpa, layout::IDENTITY_MAPPED, 16).expect("area");

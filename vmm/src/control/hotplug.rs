@@ -3,6 +3,8 @@
 
 use serde::{Deserialize, Serialize};
 
+use super::memory::RegionPageSize;
+
 /// `PUT /hotplug/memory`: the hotplug area, as Firecracker describes it. A snapshot saves it
 /// with the area's bookkeeping.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Serialize)]
@@ -16,6 +18,11 @@ pub struct HotplugConfig {
     /// of this size, and a piece is mapped while any of its blocks is plugged, with one slot
     /// over exactly its plugged blocks. Defaults to the block size.
     pub slot_size_mib: Option<u64>,
+    /// The host pages behind plugged blocks: `4k` (the default), `2m` (hugetlb: every block
+    /// is whole huge pages, a plug needs the pool to hold its piece, and an unplug gives the
+    /// huge pages back to the pool) or `thp`.
+    #[serde(default)]
+    pub page_size: RegionPageSize,
 }
 
 /// `PATCH /hotplug/memory`.
@@ -41,6 +48,8 @@ pub struct HotplugInfo {
     pub requested_size_mib: u64,
     /// Where the area starts.
     pub guest_address: u64,
+    /// The host pages behind plugged blocks.
+    pub page_size: RegionPageSize,
     /// KVM slots mapped in it.
     pub mapped_slots: usize,
     /// Why a Linux guest's virtio-mem device last answered the guest BUSY (the memory

@@ -44,6 +44,16 @@ impl From<RegionPageSize> for kvm_memslots::PageSize {
     }
 }
 
+impl From<kvm_memslots::PageSize> for RegionPageSize {
+    fn from(page_size: kvm_memslots::PageSize) -> Self {
+        match page_size {
+            kvm_memslots::PageSize::Base => RegionPageSize::Base,
+            kvm_memslots::PageSize::Huge2M => RegionPageSize::Huge2M,
+            kvm_memslots::PageSize::Transparent => RegionPageSize::Transparent,
+        }
+    }
+}
+
 /// `PUT /memory/regions`.
 #[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
 #[serde(deny_unknown_fields)]

@@ -14,7 +14,7 @@ use crate::test_guest::area::{AreaError, TestArea, AREA_GPA};
 use crate::test_guest::controller::Controller;
 use crate::test_guest::vcpus::{GuestError, TestVm};
 use crate::vm::VmOptions;
-use kvm_memslots::MemoryLimits;
+use kvm_memslots::{MemoryLimits, PageSize};
 
 /// Why serving could not start or ended badly.
 #[derive(Debug, thiserror::Error)]
@@ -62,6 +62,10 @@ pub struct ServeConfig {
     /// The initial memory in a memfd (shared, so a local migration can hand it over) rather
     /// than anonymous memory.
     pub memfd: bool,
+    /// The host pages behind the initial memory: with 2 MiB pages its size and slot size must
+    /// be multiples of 2 MiB and the hugetlb pool must hold it (a memfd is then
+    /// `MFD_HUGETLB`).
+    pub page_size: PageSize,
     /// Serve a VM restored from this snapshot (paused) instead of a new one.
     pub restore: Option<RestoreFrom>,
 }
@@ -79,6 +83,7 @@ impl ServeConfig {
             limits: None,
             dirty_ring: None,
             memfd: false,
+            page_size: PageSize::Base,
             restore: None,
         }
     }
@@ -105,12 +110,19 @@ pub fn serve(config: &ServeConfig, ready: impl FnOnce()) -> Result<Ending, Serve
                 } else {
                     kvm_memslots::Backing::Anonymous
                 };
-                TestArea::add_backed(
+                // The layout asked for, exactly with 2 MiB pages (not trimmed to fit).
+                TestArea::check_layout(
+                    config.area_size,
+                    config.slots as u64 - 1,
+                    config.page_size,
+                )?;
+                TestArea::add_paged(
                     vm.memory(),
                     AREA_GPA,
                     config.area_size,
                     config.slots as u64 - 1,
                     backing,
+                    config.page_size,
                 )?;
             }
             let vcpus = vm.start_vcpus(config.vcpus, stopped)?;

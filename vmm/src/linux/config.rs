@@ -5,6 +5,7 @@ use std::path::{Path, PathBuf};
 use kvm_memslots::MemoryLimits;
 use serde::{Deserialize, Serialize};
 
+use crate::control::memory::RegionPageSize;
 use crate::linux::layout;
 
 /// The most vCPUs: the MP table in the EBDA has room for 32 processor entries.
@@ -32,7 +33,8 @@ pub enum BootProtocol {
 /// { "kernel": "vmlinuz", "initramfs": "initrd.cpio.gz", "cmdline": "console=ttyS0",
 ///   "vcpus": 1, "mem_mib": 512, "mem_slots": 4096, "mem_holes": false, "timeout_secs": 30,
 ///   "protocol": "auto", "hotplug_mib": 1024, "hotplug_block_mib": 2,
-///   "hotplug_max_slot_mib": 128, "api_sock": "api.sock", "acpi": true }
+///   "hotplug_max_slot_mib": 128, "api_sock": "api.sock", "acpi": true, "page_size": "2m",
+///   "hotplug_page_size": "4k" }
 /// ```
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
@@ -72,6 +74,13 @@ pub struct BootConfig {
     /// Put RAM in memfds (shared memory): a local migration then hands it over to the
     /// destination instead of copying it.
     pub memfd: bool,
+    /// The host pages behind RAM: `4k`, `2m` (hugetlb, `MFD_HUGETLB` with `memfd`: RAM and
+    /// each slot a multiple of 2 MiB, the pool holding all of RAM) or `thp`.
+    pub page_size: RegionPageSize,
+    /// The host pages behind the virtio-mem device's plugged blocks, `4k` by default whatever
+    /// RAM's are (with `2m` the pool must hold a piece when the guest plugs into it: a plug
+    /// it cannot hold is answered BUSY). The block size, at least 2 MiB, is whole huge pages.
+    pub hotplug_page_size: RegionPageSize,
     /// Harvest dirty pages from per-vCPU rings of this many entries instead of per-slot
     /// bitmaps (refused on a host that runs guest ring 0 in KVM's emulator, which can overflow
     /// a ring: see `docs/DESIGN.md`).
@@ -101,6 +110,8 @@ impl Default for BootConfig {
             api_sock: None,
             acpi: true,
             memfd: false,
+            page_size: RegionPageSize::Base,
+            hotplug_page_size: RegionPageSize::Base,
             dirty_ring: None,
             limits: None,
         }
@@ -145,6 +156,18 @@ pub enum ConfigError {
         mem_mib: u64,
         /// Slots asked for.
         slots: u64,
+    },
+    /// With 2 MiB pages, RAM or its slot size is off the 2 MiB grid.
+    #[error("with page_size 2m, {what} must be a multiple of 2 MiB: {mem_mib} MiB of RAM in {slots} KVM slots of equal size (of {slot_size:#x} bytes)")]
+    HugePageGrid {
+        /// Which value: "mem_mib" or "the slot size".
+        what: &'static str,
+        /// RAM.
+        mem_mib: u64,
+        /// Slots asked for.
+        slots: u64,
+        /// The slot size they make (rounded down to bytes).
+        slot_size: u64,
     },
     /// With holes, the boot area must itself be whole slots, and RAM must reach past it.
     #[error("with holes, RAM ({mem_mib} MiB) must exceed the {boot} MiB boot area, which must be whole slots of {slot_size} bytes", boot = layout::BOOT_AREA >> 20)]
@@ -242,6 +265,21 @@ impl BootConfig {
             });
         }
         let slot_size = (self.mem_mib << 20) / self.mem_slots;
+        if self.page_size == RegionPageSize::Huge2M {
+            let grid = kvm_memslots::HUGE_PAGE_SIZE;
+            let off = |what| ConfigError::HugePageGrid {
+                what,
+                mem_mib: self.mem_mib,
+                slots: self.mem_slots,
+                slot_size,
+            };
+            if !(self.mem_mib << 20).is_multiple_of(grid) {
+                return Err(off("mem_mib"));
+            }
+            if slot_size * self.mem_slots != self.mem_mib << 20 || !slot_size.is_multiple_of(grid) {
+                return Err(off("the slot size"));
+            }
+        }
         if self.mem_holes
             && (self.mem_mib << 20 <= layout::BOOT_AREA
                 || !layout::BOOT_AREA.is_multiple_of(slot_size))

@@ -112,30 +112,35 @@ fn ram_end(vm: &Vm) -> u64 {
 }
 
 /// Sets the device up on `vm` for `size_mib` MiB in blocks of `block_mib` MiB, above RAM, its
-/// plugged blocks sharing KVM slots of up to `max_slot_mib` MiB (0: a slot per block).
+/// plugged blocks sharing KVM slots of up to `max_slot_mib` MiB (0: a slot per block), in
+/// host pages of `page_size`.
 pub fn setup(
     vm: &Vm,
     size_mib: u64,
     block_mib: u64,
     max_slot_mib: u64,
+    page_size: kvm_memslots::PageSize,
 ) -> Result<Hotplug, HotplugError> {
-    let options = options(area_base(ram_end(vm)), size_mib, block_mib, max_slot_mib);
+    let options = options(area_base(ram_end(vm)), size_mib, block_mib, max_slot_mib)
+        .with_page_size(page_size);
     let device = VirtioMem::new(Arc::clone(vm.memory()), options)?;
     connect(vm, options, |interrupt| Ok(device.into_mmio(interrupt)))
 }
 
 /// The device of a restored VM (`vm` holds its plugged blocks' regions, rebuilt from the
 /// layout) at `base`, as `device` and `transport` saved it, for `size_mib` MiB in blocks of
-/// `block_mib` MiB. Its maximum slot size is the one `device` records; a state saved before
-/// it was recorded gets a slot per block, as Linux guests had then.
+/// `block_mib` MiB, the pieces it plugs in host pages of `page_size`. Its maximum slot size is
+/// the one `device` records; a state saved before it was recorded gets a slot per block, as
+/// Linux guests had then.
 pub fn restore(
     vm: &Vm,
     base: u64,
     (size_mib, block_mib): (u64, u64),
+    page_size: kvm_memslots::PageSize,
     device: &VirtioMemState,
     transport: &TransportState,
 ) -> Result<Hotplug, HotplugError> {
-    let options = options(base, size_mib, block_mib, 0);
+    let options = options(base, size_mib, block_mib, 0).with_page_size(page_size);
     let device = VirtioMem::restore(Arc::clone(vm.memory()), options, device)?;
     connect(vm, options, |interrupt| {
         Ok(MmioTransport::restore(device, interrupt, transport)?)
@@ -205,6 +210,7 @@ pub fn hotplug_info(device: &VirtioMemDevice) -> HotplugInfo {
         plugged_size_mib: mem.plugged_size() / MIB,
         requested_size_mib: mem.requested_size() / MIB,
         guest_address: region.start,
+        page_size: mem.page_size().into(),
         mapped_slots: mem.slots(),
         last_busy: mem.last_busy().map(str::to_owned),
     }

@@ -278,6 +278,7 @@ impl LinuxVm {
                 Some(ranges) => RegionSpec::new(region.gpa, region.size).with_slot_ranges(ranges),
                 None => RegionSpec::new(region.gpa, region.size).with_slot_size(region.slot_size),
             };
+            let spec = spec.with_page_size(config.page_size.into());
             memory.add_region(if config.memfd {
                 spec.with_backing(kvm_memslots::Backing::Memfd)
             } else {
@@ -294,6 +295,7 @@ impl LinuxVm {
                 mib,
                 config.hotplug_block_mib,
                 config.hotplug_max_slot_mib,
+                config.hotplug_page_size.into(),
             )?),
         };
         let mut cmdline = config.cmdline.clone();

@@ -64,7 +64,10 @@ impl LinuxVm {
                     transport,
                 } => {
                     let sizes = (state.machine.hotplug_mib, state.machine.hotplug_block_mib);
-                    hotplug = Some(hotplug::restore(&vm, *addr, sizes, device, transport)?);
+                    let page_size = state.machine.hotplug_page_size.into();
+                    hotplug = Some(hotplug::restore(
+                        &vm, *addr, sizes, page_size, device, transport,
+                    )?);
                 }
             }
         }

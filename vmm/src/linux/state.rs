@@ -19,6 +19,7 @@ use serde_json::Value;
 
 use super::config::{BootConfig, MAX_VCPUS};
 use super::hotplug::{self, VirtioMemDevice};
+use crate::control::memory::RegionPageSize;
 use crate::devices::legacy::{LegacyDevice, LegacyDevices, SerialSnapshot};
 use crate::migration::StateRecord;
 use crate::snapshot::file::{check_register_blocks, read_framed, LINUX_MAGIC};
@@ -28,6 +29,12 @@ use crate::vm::state::{StateError, VcpuState, VmState};
 
 /// The Linux state file's format version.
 pub const LINUX_STATE_VERSION: u32 = 1;
+
+/// Whether `page_size` is the default (left out of a state file, as states saved before it
+/// was recorded have it).
+fn is_base(page_size: &RegionPageSize) -> bool {
+    *page_size == RegionPageSize::Base
+}
 
 /// The machine a Linux guest was booted as: what a restore rebuilds besides memory.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -41,6 +48,10 @@ pub struct Machine {
     pub hotplug_mib: u64,
     /// The device's block size in MiB.
     pub hotplug_block_mib: u64,
+    /// The host pages behind its plugged blocks (4 KiB in states saved before it was
+    /// recorded), which the pieces a restored device plugs get.
+    #[serde(default, skip_serializing_if = "is_base")]
+    pub hotplug_page_size: RegionPageSize,
     /// The kernel it was booted from, for the record (a restore does not load it).
     pub kernel: KernelRecord,
     /// The command line it was booted with.
@@ -79,6 +90,7 @@ impl Machine {
             acpi: config.acpi,
             hotplug_mib: config.hotplug_mib,
             hotplug_block_mib: config.hotplug_block_mib,
+            hotplug_page_size: config.hotplug_page_size,
             kernel,
             cmdline: config.cmdline.clone(),
         }
@@ -430,6 +442,7 @@ mod tests {
                 acpi: true,
                 hotplug_mib: 0,
                 hotplug_block_mib: 2,
+                hotplug_page_size: Default::default(),
                 kernel: KernelRecord {
                     path: "vmlinux".into(),
                     size: 1,

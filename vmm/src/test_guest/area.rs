@@ -43,6 +43,19 @@ pub enum AreaError {
         /// The area's page size, in bytes.
         page: u64,
     },
+    /// With huge pages, a size or slot size off the 2 MiB grid (the area is not trimmed to
+    /// fit: the caller asked for an exact layout).
+    #[error("with {page_size} pages, the test area's {what} {value:#x} must be a multiple of {alignment:#x}")]
+    OffGrid {
+        /// Which value: "size" or "slot size".
+        what: &'static str,
+        /// The value.
+        value: u64,
+        /// The page size's name.
+        page_size: &'static str,
+        /// What it must be a multiple of.
+        alignment: u64,
+    },
     /// The manager refused the region.
     #[error(transparent)]
     Memory(#[from] kvm_memslots::Error),
@@ -98,6 +111,40 @@ impl TestArea {
             slot_size,
             slots,
         })
+    }
+
+    /// The slot size of an area of about `size` bytes split into `slots` slots of pages of
+    /// `page_size`, for a caller that wants the layout asked for (`serve --page-size`): with
+    /// 4 KiB pages (and transparent huge pages), whole pages, the area trimmed to a multiple
+    /// of the slot size, as [`add_paged`](Self::add_paged) does; with 2 MiB pages, the size
+    /// and the slot size exactly, each a multiple of 2 MiB (refused, named, otherwise), where
+    /// `add_paged` would trim the area to whole huge pages a slot.
+    pub fn check_layout(size: u64, slots: u64, page_size: PageSize) -> Result<u64, AreaError> {
+        let alignment = page_size.alignment();
+        let off_grid = |what, value| AreaError::OffGrid {
+            what,
+            value,
+            page_size: page_size.name(),
+            alignment,
+        };
+        if page_size == PageSize::Huge2M {
+            if !size.is_multiple_of(alignment) {
+                return Err(off_grid("size", size));
+            }
+            let exact = size.checked_div(slots).unwrap_or(0);
+            if exact > 0 && (exact * slots != size || !exact.is_multiple_of(alignment)) {
+                return Err(off_grid("slot size", exact));
+            }
+        }
+        let slot_size = size.checked_div(slots).unwrap_or(0) / alignment * alignment;
+        if slot_size == 0 {
+            return Err(AreaError::TooSmall {
+                size,
+                slots,
+                page: alignment,
+            });
+        }
+        Ok(slot_size)
     }
 
     /// Size in bytes.

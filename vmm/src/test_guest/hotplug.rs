@@ -246,7 +246,8 @@ impl HotplugArea {
                 (None, _) => Some(RegionChange::Add(
                     RegionSpec::new(p.gpa, self.slot_size)
                         .with_slot_ranges(p.slots.clone())
-                        .with_inaccessible(p.unreachable.clone()),
+                        .with_inaccessible(p.unreachable.clone())
+                        .with_page_size(self.config.page_size.into()),
                 )),
                 (Some(region), 0) => Some(RegionChange::Remove(region)),
                 (Some(_), _) => None,
@@ -333,6 +334,7 @@ impl HotplugArea {
             plugged_size_mib: self.plugged_blocks * block,
             requested_size_mib: self.plugged_blocks * block,
             guest_address: self.gpa,
+            page_size: self.config.page_size,
             mapped_slots: self.mapped_slots(),
             last_busy: None,
         }
@@ -356,6 +358,7 @@ mod tests {
             total_size_mib: total,
             block_size_mib: block,
             slot_size_mib: slot,
+            page_size: Default::default(),
         };
         HotplugArea::new(config, GPA, LIMIT, 1000).unwrap()
     }
@@ -437,6 +440,7 @@ mod tests {
             total_size_mib: total,
             block_size_mib: block,
             slot_size_mib: slot,
+            page_size: Default::default(),
         };
         let refuse = |c, free| HotplugArea::new(c, GPA, LIMIT, free).unwrap_err();
         let e = refuse(config(64, 3, None), 100);

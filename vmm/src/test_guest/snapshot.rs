@@ -335,6 +335,7 @@ mod tests {
                 total_size_mib: 64,
                 block_size_mib: 2,
                 slot_size_mib: Some(8),
+                page_size: Default::default(),
             },
             plugged_blocks: 5,
             mapped: [[true; 2].as_slice(), &[false; 6]].concat(),

@@ -2,7 +2,7 @@
 //! configuration space the driver reads (`struct virtio_mem_config`), with the rules by which
 //! the requested size and the usable region change.
 
-use kvm_memslots::{AddressRange, RegionId, KVM_MAX_SLOT_SIZE, PAGE_SIZE};
+use kvm_memslots::{AddressRange, PageSize, RegionId, KVM_MAX_SLOT_SIZE, PAGE_SIZE};
 use vm_memory::GuestAddress;
 
 /// Bytes of the configuration space (`struct virtio_mem_config`).
@@ -49,6 +49,10 @@ pub struct VirtioMemOptions {
     /// is plugged, and each run of plugged blocks in a piece one KVM slot. The block size gives
     /// each plugged block a region and a slot of its own.
     pub max_slot_size: u64,
+    /// The host pages behind plugged blocks: with 2 MiB hugetlb pages the block size must be
+    /// a multiple of 2 MiB (so that plugging and unplugging a block maps and frees whole huge
+    /// pages), and the host's pool must hold a piece when its first block is plugged.
+    pub page_size: PageSize,
 }
 
 impl VirtioMemOptions {
@@ -64,7 +68,14 @@ impl VirtioMemOptions {
             usable_headroom: DEFAULT_USABLE_HEADROOM,
             queue_size: DEFAULT_QUEUE_SIZE,
             max_slot_size: DEFAULT_MAX_SLOT_SIZE.max(block_size),
+            page_size: PageSize::Base,
         }
+    }
+
+    /// The same options with plugged blocks in host pages of `page_size`
+    /// ([`page_size`](Self::page_size)).
+    pub fn with_page_size(self, page_size: PageSize) -> Self {
+        VirtioMemOptions { page_size, ..self }
     }
 
     /// The same options with plugged blocks sharing KVM slots of up to `bytes`
@@ -83,6 +94,16 @@ pub enum Error {
     /// The block size is not a power of two of at least a page.
     #[error("block size {0:#x} is not a power of two of at least 4 KiB")]
     BlockSize(u64),
+    /// The block size is not a multiple of the host page size behind the blocks.
+    #[error("block size {block_size:#x} is not a multiple of the {page_size} host pages behind the blocks ({alignment:#x})")]
+    BlockPageSize {
+        /// The block size.
+        block_size: u64,
+        /// The page size's name.
+        page_size: &'static str,
+        /// The page size in bytes.
+        alignment: u64,
+    },
     /// A value is not a multiple of the block size.
     #[error("{what} {value:#x} is not a multiple of the block size {block_size:#x}")]
     Unaligned {
@@ -181,6 +202,7 @@ pub(super) struct Config {
     usable_region_size: u64,
     requested_size: u64,
     max_slot_size: u64,
+    page_size: PageSize,
 }
 
 impl Config {
@@ -195,9 +217,17 @@ impl Config {
             usable_headroom,
             queue_size,
             max_slot_size,
+            page_size,
         } = *options;
         if !block_size.is_power_of_two() || block_size < PAGE_SIZE {
             return Err(Error::BlockSize(block_size));
+        }
+        if !block_size.is_multiple_of(page_size.alignment()) {
+            return Err(Error::BlockPageSize {
+                block_size,
+                page_size: page_size.name(),
+                alignment: page_size.alignment(),
+            });
         }
         check_aligned("region base", addr.0, block_size)?;
         check_aligned("region size", region_size, block_size)?;
@@ -237,6 +267,7 @@ impl Config {
             usable_region_size: 0,
             requested_size,
             max_slot_size,
+            page_size,
         };
         config.usable_region_size = config.usable_for(requested_size);
         Ok(config)
@@ -257,6 +288,11 @@ impl Config {
 
     pub(super) fn block_size(&self) -> u64 {
         self.block_size
+    }
+
+    /// The host pages behind plugged blocks.
+    pub(super) fn page_size(&self) -> PageSize {
+        self.page_size
     }
 
     /// Blocks per piece of the region that shares slots (see

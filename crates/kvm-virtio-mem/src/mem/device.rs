@@ -238,6 +238,11 @@ impl<K: KvmMemory> VirtioMem<K> {
         self.config.max_slot_size()
     }
 
+    /// The host pages behind plugged blocks.
+    pub fn page_size(&self) -> kvm_memslots::PageSize {
+        self.config.page_size()
+    }
+
     /// The KVM slots the plugged blocks use: one per piece with a plugged block (one per run
     /// of plugged blocks in an isolated piece: [`isolate_unplugged`](Self::isolate_unplugged)).
     pub fn slots(&self) -> usize {
@@ -422,7 +427,8 @@ impl<K: KvmMemory> VirtioMem<K> {
                     changes.push(RegionChange::Add(
                         RegionSpec::new(self.block_gpa(first), size)
                             .with_slot_ranges(std::iter::once(0..size).collect())
-                            .with_inaccessible(unplugged),
+                            .with_inaccessible(unplugged)
+                            .with_page_size(self.config.page_size()),
                     ));
                 }
                 Some(region) if !plugged.contains(&true) => {
