@@ -146,6 +146,53 @@ fn restore_lists_no_option_it_ignores() {
     }
 }
 
+/// `serve --page-size 2m` with initial memory or a slot size off the 2 MiB grid is a usage
+/// error (64) naming the value, before anything starts; 4 KiB pages take the same layout.
+#[test]
+fn serve_with_2m_pages_off_the_grid_is_a_usage_error() {
+    let socket =
+        std::env::temp_dir().join(format!("tinyvmm-test-{}-grid.sock", std::process::id()));
+    let socket = socket.to_str().expect("a UTF-8 path");
+    for (mem, slots, says) in [
+        (
+            "3",
+            "2",
+            "the test area's size 0x300000 must be a multiple of 0x200000",
+        ),
+        (
+            "8",
+            "9",
+            "the test area's slot size 0x100000 must be a multiple of 0x200000",
+        ),
+        (
+            "8",
+            "4",
+            "the test area's slot size 0x2aaaaa must be a multiple of 0x200000",
+        ),
+    ] {
+        let args = [
+            "serve",
+            "--page-size",
+            "2m",
+            "--mem-mib",
+            mem,
+            "--slots",
+            slots,
+            "--api-sock",
+            socket,
+        ];
+        let output = tinyvmm(&args);
+        let stderr = text(&output.stderr);
+        assert_eq!(output.status.code(), Some(64), "{args:?}: {stderr}");
+        assert!(
+            stderr.contains(&format!("--page-size 2m with --mem-mib {mem} over"))
+                && stderr.contains(says),
+            "{args:?}: {stderr}"
+        );
+        assert!(!std::path::Path::new(socket).exists(), "nothing started");
+    }
+}
+
 /// A slot count over what KVM offers here is a usage error (64), named before anything
 /// starts, as a count under 2 is; not a failure of the run (1).
 #[test]

@@ -58,3 +58,28 @@ pub struct HotplugInfo {
     #[serde(skip_serializing_if = "Option::is_none")]
     pub last_busy: Option<String>,
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_page_size_is_4k_unless_named() {
+        let old: HotplugConfig = serde_json::from_str(
+            r#"{"total_size_mib": 8, "block_size_mib": 2, "slot_size_mib": null}"#,
+        )
+        .expect("a body without a page size (and a state saved before it)");
+        assert_eq!(old.page_size, RegionPageSize::Base);
+        let huge: HotplugConfig = serde_json::from_str(
+            r#"{"total_size_mib": 8, "block_size_mib": 2, "slot_size_mib": 4, "page_size": "2m"}"#,
+        )
+        .expect("2 MiB pages");
+        assert_eq!(huge.page_size, RegionPageSize::Huge2M);
+        let e = serde_json::from_str::<HotplugConfig>(
+            r#"{"total_size_mib": 8, "block_size_mib": 2, "slot_size_mib": 4, "page_size": "1g"}"#,
+        )
+        .expect_err("no 1 GiB pages")
+        .to_string();
+        assert!(e.contains("unknown variant `1g`"), "{e}");
+    }
+}

@@ -348,6 +348,63 @@ mod tests {
     }
 
     #[test]
+    fn ram_in_2m_pages_must_be_on_the_2m_grid_slots_and_all() {
+        let check = |mem_mib, mem_slots| {
+            BootConfig {
+                mem_mib,
+                mem_slots,
+                page_size: RegionPageSize::Huge2M,
+                ..valid()
+            }
+            .validate()
+        };
+        check(512, 1).expect("512 MiB in one slot");
+        check(512, 256).expect("512 MiB in 2 MiB slots");
+        check(4098, 2049).expect("past the MMIO gap, 2 MiB slots");
+        let refused = |mem_mib, mem_slots| check(mem_mib, mem_slots).unwrap_err().to_string();
+        let odd = refused(129, 1);
+        assert!(
+            odd.starts_with("with page_size 2m, mem_mib must be a multiple of 2 MiB: 129 MiB"),
+            "{odd}"
+        );
+        // Slots of 1 MiB, and the larger last slot 4 KiB pages would allow (512 / 3).
+        for (mem_mib, slots) in [(512, 512), (512, 3)] {
+            let why = refused(mem_mib, slots);
+            assert!(
+                why.starts_with(&format!(
+                    "with page_size 2m, the slot size must be a multiple of 2 MiB: {mem_mib} MiB \
+                     of RAM in {slots} KVM slots"
+                )),
+                "{why}"
+            );
+        }
+        // The same with 4 KiB pages or transparent huge pages: accepted.
+        for page_size in [RegionPageSize::Base, RegionPageSize::Transparent] {
+            for (mem_mib, slots) in [(129, 1), (512, 512), (512, 3)] {
+                BootConfig {
+                    mem_mib,
+                    mem_slots: slots,
+                    page_size,
+                    ..valid()
+                }
+                .validate()
+                .expect("4 KiB slots");
+            }
+        }
+        // From a file: both page sizes by name.
+        let config: BootConfig = serde_json::from_str(
+            r#"{"kernel": "k", "page_size": "2m", "hotplug_page_size": "thp", "hotplug_mib": 64}"#,
+        )
+        .expect("parsed");
+        assert_eq!(
+            (config.page_size, config.hotplug_page_size),
+            (RegionPageSize::Huge2M, RegionPageSize::Transparent)
+        );
+        config.validate().expect("valid");
+        assert!(serde_json::from_str::<BootConfig>(r#"{"page_size": "1g"}"#).is_err());
+    }
+
+    #[test]
     fn validate_names_the_problem() {
         let check = |c: BootConfig| c.validate().unwrap_err().to_string();
         assert_eq!(check(BootConfig::default()), "no kernel given");

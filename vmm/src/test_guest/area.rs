@@ -241,3 +241,41 @@ pub fn check_area(
     let guest_check = guest_pass(vcpus, area, Op::Verify, host_seed)?;
     Ok((guest_write, host_check, host_write, guest_check))
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const MIB: u64 = 1 << 20;
+
+    #[test]
+    fn huge_pages_take_the_exact_layout_on_the_2m_grid() {
+        let huge = |size, slots| TestArea::check_layout(size, slots, PageSize::Huge2M);
+        assert_eq!(huge(8 * MIB, 2).expect("two 4 MiB slots"), 4 * MIB);
+        assert_eq!(huge(8 * MIB, 4).expect("four 2 MiB slots"), 2 * MIB);
+        for (size, slots, what, value) in [
+            (3 * MIB, 1, "size", 3 * MIB),
+            (8 * MIB, 8, "slot size", MIB),
+            (8 * MIB, 3, "slot size", 8 * MIB / 3),
+        ] {
+            let why = huge(size, slots).expect_err("off the grid").to_string();
+            assert_eq!(
+                why,
+                format!(
+                    "with 2m pages, the test area's {what} {value:#x} must be a multiple of 0x200000"
+                )
+            );
+        }
+        // 4 KiB pages (and THP): whole pages, the area trimmed.
+        for page_size in [PageSize::Base, PageSize::Transparent] {
+            assert_eq!(
+                TestArea::check_layout(8 * MIB, 3, page_size).expect("trimmed"),
+                8 * MIB / 3 / 4096 * 4096
+            );
+            assert!(matches!(
+                TestArea::check_layout(4096, 2, page_size),
+                Err(AreaError::TooSmall { .. })
+            ));
+        }
+    }
+}

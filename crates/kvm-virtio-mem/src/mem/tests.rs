@@ -83,6 +83,19 @@ fn options_are_checked() {
         }),
         Err(Error::QueueSize(100))
     );
+    // Blocks of 2 MiB pages are whole huge pages.
+    let huge = o.with_page_size(kvm_memslots::PageSize::Huge2M);
+    let err = new(VirtioMemOptions {
+        block_size: MIB,
+        max_slot_size: MIB,
+        ..huge
+    })
+    .unwrap_err();
+    assert_eq!(
+        err.to_string(),
+        "block size 0x100000 is not a multiple of the 2m host pages behind the blocks (0x200000)"
+    );
+    new(huge).expect("2 MiB blocks of 2 MiB pages");
     let err = new(VirtioMemOptions {
         region_size: 130 * MIB,
         ..o

@@ -1,0 +1,338 @@
+//! A VM's own memory in 2 MiB hugetlb pages, on real `/dev/kvm`: the test guest served with
+//! them (`serve --page-size 2m`, anonymous and memfd) writes and verifies its memory, and a
+//! Full snapshot restored by copy brings the pages and their size back; the hotplug area with
+//! 2 MiB pages plugs, holds what is written, gives a huge page back on each unplugged block and
+//! plugs zeros again.
+//!
+//! They need free pages in the host's hugetlb pool (`resources/setup-host.sh` reserves some);
+//! without them they say so loudly (`SKIPPED <test>: <why>`) and return.
+
+use std::path::PathBuf;
+use std::thread::JoinHandle;
+
+use kvm_memslots::{hugetlb_pages_available, PageSize};
+use serde_json::{json, Value};
+use tinyvmm::control::hotplug::HotplugConfig;
+use tinyvmm::control::memory::RegionPageSize;
+use tinyvmm::jobs::restore::RestoreFrom;
+use tinyvmm::jobs::serve::{serve_in_background, ServeConfig, ServeError};
+use tinyvmm::lifecycle::Ending;
+use tinyvmm::test_guest::area::AREA_GPA;
+use tinyvmm::test_guest::hotplug::HotplugArea;
+use tinyvmm::test_guest::layout;
+use tinyvmm::test_guest::vcpus::{MemBackend, TestVm};
+use vm_memory::{Bytes, GuestAddress};
+
+const MIB: u64 = 1 << 20;
+
+/// Whether the test can run: KVM, and `pages` free 2 MiB pages in the pool; if not, a loud
+/// line saying why it did not.
+fn can_run(test: &str, pages: u64) -> bool {
+    let name = format!("tinyvmm::{test}");
+    if !kvm_test_support::require_kvm(&name) {
+        return false;
+    }
+    let available = hugetlb_pages_available();
+    if available < pages {
+        eprintln!(
+            "SKIPPED {name}: the hugetlb pool has {available} free 2 MiB pages, the test needs \
+             {pages} (resources/setup-host.sh reserves a pool)"
+        );
+        return false;
+    }
+    true
+}
+
+/// A VMM serving its API on a socket of its own.
+struct Vmm {
+    socket: PathBuf,
+    thread: Option<JoinHandle<Result<Ending, ServeError>>>,
+}
+
+impl Vmm {
+    fn start(name: &str, configure: impl FnOnce(ServeConfig) -> ServeConfig) -> Vmm {
+        let socket =
+            std::env::temp_dir().join(format!("tinyvmm-test-{}-{name}.sock", std::process::id()));
+        let thread = serve_in_background(configure(ServeConfig::new(socket.clone())))
+            .expect("the VMM starts");
+        Vmm {
+            socket,
+            thread: Some(thread),
+        }
+    }
+
+    fn ok(&self, method: &str, path: &str, body: Option<Value>) -> Value {
+        let (status, answer) = tinyvmm::api::client::Client::connect(&self.socket)
+            .expect("connect")
+            .call(method, path, body.as_ref())
+            .expect("an answer");
+        assert!(
+            (200..300).contains(&status),
+            "{method} {path}: {status} {answer}"
+        );
+        answer
+    }
+
+    /// The regions of `GET /memory` in the initial memory (from [`AREA_GPA`]).
+    fn area_regions(&self) -> Vec<Value> {
+        let memory = self.ok("GET", "/memory", None);
+        memory["regions"]
+            .as_array()
+            .expect("regions")
+            .iter()
+            .filter(|r| r["guest_address"].as_u64() >= Some(AREA_GPA))
+            .cloned()
+            .collect()
+    }
+
+    /// Has the guest `op` ("write" or "verify") one u64 a page over `[start, end)`.
+    fn guest(&self, op: &str, start: u64, end: u64, seed: u64) {
+        let command = json!({"op": op, "start": start, "end": end, "stride": 4096, "seed": seed});
+        let done = self.ok("PUT", "/guest/command", Some(command));
+        assert_eq!(done["result"], "ok", "{op}: {done}");
+    }
+
+    fn stop(mut self) {
+        self.ok("PUT", "/actions", Some(json!({"action_type": "Stop"})));
+        let thread = self.thread.take().expect("running");
+        let ending = thread.join().expect("no panic").expect("clean stop");
+        assert_eq!(ending, Ending::Finished);
+    }
+}
+
+impl Drop for Vmm {
+    fn drop(&mut self) {
+        if let Some(thread) = self.thread.take() {
+            let _ = tinyvmm::api::client::Client::connect(&self.socket)
+                .and_then(|mut c| c.call("PUT", "/actions", Some(&json!({"action_type": "Stop"}))));
+            let _ = thread.join();
+        }
+    }
+}
+
+/// Bytes of hugetlb pages the process has mapped in `[hva, hva + len)` (smaps'
+/// `Private_Hugetlb` and `Shared_Hugetlb` of the mappings there): what the region holds of
+/// the pool, whatever other tests take from it meanwhile.
+fn hugetlb_bytes(hva: u64, len: u64) -> u64 {
+    let smaps = std::fs::read_to_string("/proc/self/smaps").expect("read /proc/self/smaps");
+    let mut inside = false;
+    let mut kib = 0;
+    for line in smaps.lines() {
+        let first = line.split_whitespace().next().unwrap_or_default();
+        if let Some((start, end)) = first.split_once('-') {
+            if let (Ok(start), Ok(end)) =
+                (u64::from_str_radix(start, 16), u64::from_str_radix(end, 16))
+            {
+                inside = start < hva + len && hva < end;
+                continue;
+            }
+        }
+        if !inside {
+            continue;
+        }
+        for field in ["Private_Hugetlb:", "Shared_Hugetlb:"] {
+            if let Some(value) = line.strip_prefix(field) {
+                kib += value
+                    .trim()
+                    .trim_end_matches("kB")
+                    .trim()
+                    .parse::<u64>()
+                    .expect("a size");
+            }
+        }
+    }
+    kib * 1024
+}
+
+/// Serves the test guest with 8 MiB of initial memory in 2 MiB pages over two slots (in a
+/// memfd if `memfd`): the guest writes and verifies it, the region is hugetlb-backed, a Full
+/// snapshot restored by copy reports 2 MiB pages and the guest verifies what it wrote.
+fn served_with_huge_pages(test: &str, memfd: bool) {
+    let short = if memfd { "huge-memfd" } else { "huge-anon" };
+    // The source's four pages, then the restored VM's four once the source is gone.
+    if !can_run(test, 4) {
+        return;
+    }
+    let dir = std::env::temp_dir().join(format!("tinyvmm-test-{}-{short}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("a scratch folder");
+    let file = |name: &str| dir.join(name);
+    let (start, end) = (AREA_GPA, AREA_GPA + 8 * MIB);
+    let vmm = Vmm::start(short, |config| ServeConfig {
+        slots: 3,
+        area_size: 8 * MIB,
+        memfd,
+        page_size: PageSize::Huge2M,
+        ..config
+    });
+    let regions = vmm.area_regions();
+    assert_eq!(regions.len(), 1, "{regions:?}");
+    assert_eq!(regions[0]["page_size"], "2m", "{regions:?}");
+    assert_eq!(regions[0]["slots"], 2, "{regions:?}");
+    assert_eq!(
+        regions[0]["backing"],
+        if memfd { "memfd" } else { "anonymous" }
+    );
+    vmm.guest("write", start, end, 38);
+    vmm.guest("verify", start, end, 38);
+    let hva = regions[0]["host_address"].as_u64().expect("an address");
+    assert_eq!(
+        hugetlb_bytes(hva, 8 * MIB),
+        8 * MIB,
+        "the guest's writes landed in huge pages"
+    );
+    vmm.ok("PATCH", "/vm", Some(json!({"state": "Paused"})));
+    let create = json!({"snapshot_type": "Full", "snapshot_path": file("full.state"),
+                        "mem_file_path": file("full.mem")});
+    vmm.ok("PUT", "/snapshot/create", Some(create));
+    vmm.stop();
+
+    let restored = Vmm::start(&format!("{short}-restored"), |config| ServeConfig {
+        restore: Some(RestoreFrom {
+            snapshot: file("full.state"),
+            mem_file: file("full.mem"),
+            backend: MemBackend::Copy,
+            working_set: Default::default(),
+            page_size: None,
+        }),
+        ..config
+    });
+    let regions = restored.area_regions();
+    assert_eq!(regions.len(), 1, "{regions:?}");
+    assert_eq!(
+        regions[0]["page_size"], "2m",
+        "the restore keeps the page size: {regions:?}"
+    );
+    let hva = regions[0]["host_address"].as_u64().expect("an address");
+    assert_eq!(
+        hugetlb_bytes(hva, 8 * MIB),
+        8 * MIB,
+        "copied into huge pages"
+    );
+    restored.ok("PATCH", "/vm", Some(json!({"state": "Resumed"})));
+    restored.guest("verify", start, end, 38);
+    restored.stop();
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn kvm_served_with_2m_pages_the_guest_verifies_and_a_copy_restore_keeps_them() {
+    served_with_huge_pages(
+        "kvm_served_with_2m_pages_the_guest_verifies_and_a_copy_restore_keeps_them",
+        false,
+    );
+}
+
+#[test]
+fn kvm_served_with_2m_pages_in_a_memfd_the_guest_verifies_and_a_copy_restore_keeps_them() {
+    served_with_huge_pages(
+        "kvm_served_with_2m_pages_in_a_memfd_the_guest_verifies_and_a_copy_restore_keeps_them",
+        true,
+    );
+}
+
+/// A serve whose initial memory the pool cannot hold is refused before anything runs, naming
+/// the pool's free pages.
+#[test]
+fn kvm_initial_memory_the_pool_cannot_hold_is_refused_naming_the_free_pages() {
+    let test = "kvm_initial_memory_the_pool_cannot_hold_is_refused_naming_the_free_pages";
+    if !kvm_test_support::require_kvm(&format!("tinyvmm::{test}")) {
+        return;
+    }
+    // More than the pool has, whatever its size (a pool of 1 TiB is not reserved here).
+    let pages = hugetlb_pages_available() + 512;
+    let socket =
+        std::env::temp_dir().join(format!("tinyvmm-test-{}-pool.sock", std::process::id()));
+    let config = ServeConfig {
+        slots: 2,
+        area_size: pages * 2 * MIB,
+        page_size: PageSize::Huge2M,
+        ..ServeConfig::new(socket.clone())
+    };
+    let error = serve_in_background(config)
+        .map(drop)
+        .expect_err("refused")
+        .to_string();
+    assert!(
+        error.contains("hugetlb pool has") && error.contains(&format!("need {pages}")),
+        "{error}"
+    );
+}
+
+/// The test guest's hotplug area in 2 MiB pages, one 4 MiB piece of two blocks: plugged
+/// memory holds what is written in huge pages; an unplugged block of a piece that stays gives
+/// its huge page back, and the piece's removal the rest; plugged again, it reads zeros.
+#[test]
+fn kvm_the_hotplug_area_with_2m_pages_gives_huge_pages_back_on_unplug() {
+    let test = "kvm_the_hotplug_area_with_2m_pages_gives_huge_pages_back_on_unplug";
+    if !can_run(test, 2) {
+        return;
+    }
+    let vm = TestVm::new().expect("the test guest's VM");
+    let memory = vm.memory();
+    let config = HotplugConfig {
+        total_size_mib: 8,
+        block_size_mib: 2,
+        slot_size_mib: Some(4),
+        page_size: RegionPageSize::Huge2M,
+    };
+    let gpa = 1 << 30;
+    let mut area = HotplugArea::new(config, gpa, layout::IDENTITY_MAPPED, 16).expect("area");
+    let mut plug = |blocks: u64| {
+        let plan = area.plan_blocks(blocks);
+        let failures = area.carry_out(memory, &plan).expect("plugged");
+        assert!(failures.is_empty(), "{failures:?}");
+    };
+    let piece = || {
+        let regions = memory.regions();
+        let r = regions.iter().find(|r| r.gpa.0 == gpa)?;
+        assert_eq!(r.page_size, PageSize::Huge2M, "{r:?}");
+        Some(r.hva.0)
+    };
+    let write = |at: u64, value: u64| {
+        memory
+            .current()
+            .write_obj(value, GuestAddress(at))
+            .expect("plugged memory is writable");
+    };
+    let read = |at: u64| -> u64 {
+        memory
+            .current()
+            .read_obj(GuestAddress(at))
+            .expect("plugged memory is readable")
+    };
+    let pool_before = hugetlb_pages_available();
+
+    plug(2);
+    let hva = piece().expect("the piece is mapped");
+    write(gpa + 8, 0x38_0001);
+    write(gpa + 3 * MIB, 0x38_0002);
+    assert_eq!((read(gpa + 8), read(gpa + 3 * MIB)), (0x38_0001, 0x38_0002));
+    assert_eq!(hugetlb_bytes(hva, 4 * MIB), 4 * MIB, "two huge pages");
+
+    // One block unplugged, the piece stays: its huge page goes back to the pool.
+    plug(1);
+    assert_eq!(piece(), Some(hva), "the piece stays");
+    assert_eq!(
+        hugetlb_bytes(hva, 4 * MIB),
+        2 * MIB,
+        "the unplugged block's huge page is freed"
+    );
+    assert_eq!(read(gpa + 8), 0x38_0001, "the plugged block keeps its data");
+
+    // All unplugged: the piece goes, and its pages with it.
+    plug(0);
+    assert_eq!(piece(), None);
+    eprintln!(
+        "{test}: the pool had {pool_before} free pages before the plug, {} after the unplug",
+        hugetlb_pages_available()
+    );
+
+    // Plugged again: zeros.
+    plug(2);
+    assert_eq!(
+        (read(gpa + 8), read(gpa + 3 * MIB)),
+        (0, 0),
+        "re-plugged memory is new"
+    );
+    plug(0);
+}
