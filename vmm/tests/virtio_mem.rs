@@ -658,3 +658,125 @@ fn kvm_a_guest_touching_an_unplugged_block_under_its_pieces_slot_goes_on() {
     assert_eq!(counters(&vcpus).0, 2);
     vcpus.shut_down().expect("clean stop");
 }
+
+/// Bytes of hugetlb pages this process maps in `[hva, hva + len)` (smaps' `Private_Hugetlb`
+/// and `Shared_Hugetlb`): what a region holds of the pool, whatever other tests take meanwhile.
+fn hugetlb_bytes(hva: u64, len: u64) -> u64 {
+    let smaps = std::fs::read_to_string("/proc/self/smaps").expect("read /proc/self/smaps");
+    let mut inside = false;
+    let mut kib = 0;
+    for line in smaps.lines() {
+        let first = line.split_whitespace().next().unwrap_or_default();
+        if let Some((start, end)) = first.split_once('-') {
+            if let (Ok(start), Ok(end)) =
+                (u64::from_str_radix(start, 16), u64::from_str_radix(end, 16))
+            {
+                inside = start < hva + len && hva < end;
+                continue;
+            }
+        }
+        for field in ["Private_Hugetlb:", "Shared_Hugetlb:"] {
+            if let Some(value) = line.strip_prefix(field).filter(|_| inside) {
+                kib += value
+                    .trim()
+                    .trim_end_matches("kB")
+                    .trim()
+                    .parse::<u64>()
+                    .expect("a size");
+            }
+        }
+    }
+    kib * 1024
+}
+
+/// A Linux guest's virtio-mem device with 2 MiB pages (`--hotplug-page-size 2m`): the pieces
+/// the guest plugs are hugetlb regions, `GET /hotplug/memory` says so, and each block the guest
+/// unplugs gives its huge page back.
+#[test]
+fn kvm_virtio_mem_with_2m_pages_plugs_huge_pages_and_gives_them_back() {
+    let test = "tinyvmm::kvm_virtio_mem_with_2m_pages_plugs_huge_pages_and_gives_them_back";
+    if !kvm_test_support::require_kvm(test) {
+        return;
+    }
+    let available = kvm_memslots::hugetlb_pages_available();
+    if available < 2 {
+        eprintln!(
+            "SKIPPED {test}: the hugetlb pool has {available} free 2 MiB pages, the test needs 2 \
+             (resources/setup-host.sh reserves a pool)"
+        );
+        return;
+    }
+    let vm = Vm::new(VmOptions {
+        irqchip: true,
+        ..VmOptions::default()
+    })
+    .expect("a VM");
+    let memory = Arc::clone(vm.memory());
+    memory
+        .add_region(RegionSpec::new(GuestAddress(0), 256 * MIB))
+        .expect("RAM");
+    // 64 MiB in 2 MiB blocks, pieces of two blocks.
+    let hotplug =
+        hotplug::setup(&vm, 64, 2, 4, kvm_memslots::PageSize::Huge2M).expect("the device");
+    let ports = LinuxPorts {
+        devices: Arc::new(LegacyDevices::new(
+            Box::new(std::io::sink()),
+            EventFd::new(0).expect("eventfd"),
+            EventFd::new(0).expect("eventfd"),
+        )),
+        bus: Arc::new(LegacyDevices::bus()),
+        hotplug: Some((Arc::clone(&hotplug.device), Arc::clone(&hotplug.mmio))),
+    };
+    let path = ExitPath {
+        ports,
+        memory: Arc::clone(&memory),
+    };
+    let layout = Layout {
+        base: 16 * MIB,
+        size: 128,
+    };
+    let mut guest = Driver::new(path, Arc::clone(&memory), layout);
+    guest.init();
+    let base = guest.config64(CFG_ADDR);
+    hotplug
+        .device
+        .lock()
+        .expect("the device")
+        .set_requested_size(4 * MIB)
+        .expect("4 MiB");
+    assert_eq!(guest.plug(base, 2), RESP_ACK);
+    let info = hotplug::hotplug_info(&hotplug.device);
+    assert_eq!(
+        (info.page_size, info.plugged_size_mib),
+        (tinyvmm::control::memory::RegionPageSize::Huge2M, 4),
+        "{info:?}"
+    );
+    let piece = || {
+        let regions = memory.regions();
+        let r = regions.iter().find(|r| r.gpa.0 == base)?;
+        assert_eq!(r.page_size, kvm_memslots::PageSize::Huge2M, "{r:?}");
+        Some(r.hva.0)
+    };
+    let hva = piece().expect("the piece");
+    let snapshot = memory.handle().memory();
+    for at in [base + 8, base + 3 * MIB] {
+        snapshot
+            .write_obj(0x38u64, GuestAddress(at))
+            .expect("plugged memory is writable");
+    }
+    drop(snapshot);
+    assert_eq!(hugetlb_bytes(hva, 4 * MIB), 4 * MIB, "two huge pages");
+    // The second block unplugged, the piece stays: its huge page goes back.
+    assert_eq!(guest.unplug(base + 2 * MIB, 1), RESP_ACK);
+    assert_eq!(piece(), Some(hva));
+    assert_eq!(hugetlb_bytes(hva, 4 * MIB), 2 * MIB, "one huge page left");
+    // The first too: the piece goes.
+    assert_eq!(guest.unplug(base, 1), RESP_ACK);
+    assert_eq!(piece(), None);
+    // Plugged again: zeros.
+    assert_eq!(guest.plug(base, 2), RESP_ACK);
+    let snapshot = memory.handle().memory();
+    for at in [base + 8, base + 3 * MIB] {
+        assert_eq!(snapshot.read_obj::<u64>(GuestAddress(at)).expect("read"), 0);
+    }
+}
