@@ -84,6 +84,9 @@ struct Model {
     /// The hotplug area's plugged blocks (from its start), each written whole with one seed;
     /// empty until the sequence configures the area (`None` then: no area).
     plugged: Option<Vec<u64>>,
+    /// The initial memory and the hotplug area are in 2 MiB hugetlb pages (`serve --page-size
+    /// 2m`, `"page_size": "2m"`).
+    huge: bool,
 }
 
 /// The hotplug area the sequence configures: blocks of [`BLOCK_MIB`], pieces (slots) of
@@ -281,7 +284,14 @@ impl Sequence {
         let ring = rng.chance(30);
         let memfd = rng.chance(50);
         let mem = MEM_MIB.to_string();
-        let mut args = vec!["serve", "--slots", SLOTS, "--mem-mib", &mem];
+        // From a generator of its own, so that the sequence's draws stay what they were.
+        let huge = Rng::new(!seed).chance(30) && kvm_memslots::hugetlb_pages_available() >= 64;
+        // 2 MiB pages take slots of whole pages: 8 of 2 MiB.
+        let slots = if huge { "9" } else { SLOTS };
+        let mut args = vec!["serve", "--slots", slots, "--mem-mib", &mem];
+        if huge {
+            args.extend(["--page-size", "2m"]);
+        }
         if ring {
             args.extend(["--dirty-ring", "4096"]);
         }
@@ -302,6 +312,7 @@ impl Sequence {
                     area: vec![0; CHUNKS],
                     extra: Vec::new(),
                     plugged: None,
+                    huge,
                 },
                 paused: false,
                 ring,
@@ -675,8 +686,9 @@ impl Sequence {
     fn hotplug_step(&mut self) {
         self.resume();
         let Some(plugged) = self.vm.model.plugged.clone() else {
+            let page_size = if self.vm.model.huge { "2m" } else { "4k" };
             let body = json!({"total_size_mib": HOTPLUG_MIB, "block_size_mib": BLOCK_MIB,
-                              "slot_size_mib": PIECE_MIB});
+                              "slot_size_mib": PIECE_MIB, "page_size": page_size});
             let (status, answer) = self.call("PUT", "/hotplug/memory", Some(body));
             self.note(format!(
                 "configure a hotplug area of {HOTPLUG_MIB} MiB: {status}"
@@ -969,7 +981,7 @@ impl Sequence {
     /// restored VM does.
     fn restored(&mut self, saved: &Saved) -> Vm {
         let backend = ["copy", "file", "uffd", "uffd-prefetch"][self.rng.below(4)];
-        if backend == "file" && saved.model.extra.iter().any(|e| e.huge) {
+        if backend == "file" && (saved.model.huge || saved.model.extra.iter().any(|e| e.huge)) {
             // A file restore of 2 MiB pages is refused: the file is on no hugetlbfs (or the
             // region's file offset is off the 2 MiB grid, found first where a region before it
             // is not a multiple of 2 MiB: the test guest's area is not). It refuses, naming
