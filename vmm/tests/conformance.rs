@@ -959,6 +959,7 @@ fn the_client_command_has_every_operation_and_sends_what_the_spec_takes() {
             total_mib: 64,
             block_mib: 2,
             slot_mib: Some(4),
+            page_size: tinyvmm::jobs::client::PageSize::Huge2M,
         },
         ClientRequest::ResizeHotplug { mib: 8 },
         ClientRequest::Guest {

@@ -336,3 +336,84 @@ fn kvm_the_hotplug_area_with_2m_pages_gives_huge_pages_back_on_unplug() {
     );
     plug(0);
 }
+
+/// The test guest's hotplug area with `"page_size": "2m"` through the API: the guest checks
+/// what is plugged, `GET /hotplug/memory` and `GET /memory` report 2 MiB pages, and a snapshot
+/// restored by copy keeps them for the plugged piece and for the pieces it plugs next.
+#[test]
+fn kvm_the_api_hotplug_area_in_2m_pages_survives_a_copy_restore() {
+    let test = "kvm_the_api_hotplug_area_in_2m_pages_survives_a_copy_restore";
+    // A 4 MiB piece in the source, then two in the restored VM.
+    if !can_run(test, 4) {
+        return;
+    }
+    let dir = std::env::temp_dir().join(format!("tinyvmm-test-{}-huge-plug", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("a scratch folder");
+    let file = |name: &str| dir.join(name);
+    let vmm = Vmm::start("huge-plug", |config| ServeConfig {
+        area_size: 8 * MIB,
+        ..config
+    });
+    let area = json!({"total_size_mib": 8, "block_size_mib": 2, "slot_size_mib": 4,
+                      "page_size": "2m"});
+    vmm.ok("PUT", "/hotplug/memory", Some(area));
+    vmm.ok(
+        "PATCH",
+        "/hotplug/memory",
+        Some(json!({"requested_size_mib": 4})),
+    );
+    let info = vmm.ok("GET", "/hotplug/memory", None);
+    assert_eq!(info["page_size"], "2m", "{info}");
+    let base = info["guest_address"].as_u64().expect("an address");
+    let pieces = |vmm: &Vmm| -> Vec<Value> {
+        let memory = vmm.ok("GET", "/memory", None);
+        memory["regions"]
+            .as_array()
+            .expect("regions")
+            .iter()
+            .filter(|r| r["guest_address"].as_u64() >= Some(base))
+            .cloned()
+            .collect()
+    };
+    let plugged = pieces(&vmm);
+    assert_eq!(plugged.len(), 1, "{plugged:?}");
+    assert_eq!(plugged[0]["page_size"], "2m", "{plugged:?}");
+    vmm.guest("write", base, base + 4 * MIB, 7);
+    vmm.ok("PATCH", "/vm", Some(json!({"state": "Paused"})));
+    let create = json!({"snapshot_type": "Full", "snapshot_path": file("s.state"),
+                        "mem_file_path": file("s.mem")});
+    vmm.ok("PUT", "/snapshot/create", Some(create));
+    vmm.stop();
+
+    let restored = Vmm::start("huge-plug-restored", |config| ServeConfig {
+        restore: Some(RestoreFrom {
+            snapshot: file("s.state"),
+            mem_file: file("s.mem"),
+            backend: MemBackend::Copy,
+            working_set: Default::default(),
+            page_size: None,
+        }),
+        ..config
+    });
+    let info = restored.ok("GET", "/hotplug/memory", None);
+    assert_eq!(
+        (info["page_size"].clone(), info["plugged_size_mib"].clone()),
+        (json!("2m"), json!(4)),
+        "{info}"
+    );
+    restored.ok("PATCH", "/vm", Some(json!({"state": "Resumed"})));
+    restored.guest("verify", base, base + 4 * MIB, 7);
+    restored.ok(
+        "PATCH",
+        "/hotplug/memory",
+        Some(json!({"requested_size_mib": 8})),
+    );
+    let plugged = pieces(&restored);
+    assert_eq!(plugged.len(), 2, "{plugged:?}");
+    assert!(
+        plugged.iter().all(|r| r["page_size"] == "2m"),
+        "the restored area plugs 2 MiB pages: {plugged:?}"
+    );
+    restored.stop();
+    let _ = std::fs::remove_dir_all(&dir);
+}

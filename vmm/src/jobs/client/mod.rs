@@ -166,6 +166,10 @@ pub enum ClientRequest {
         /// [default: --block-mib]
         #[arg(long)]
         slot_mib: Option<u64>,
+        /// The host pages behind plugged blocks: 4k, 2m (hugetlb: a plug needs the pool to
+        /// hold its piece) or thp.
+        #[arg(long, value_enum, default_value = "4k")]
+        page_size: PageSize,
     },
     /// PATCH /hotplug/memory: plug or unplug to this many MiB.
     ResizeHotplug {
@@ -429,8 +433,10 @@ impl ClientRequest {
                 total_mib,
                 block_mib,
                 slot_mib,
+                page_size,
             } => {
-                let mut body = json!({ "total_size_mib": total_mib, "block_size_mib": block_mib });
+                let mut body = json!({ "total_size_mib": total_mib, "block_size_mib": block_mib,
+                                       "page_size": page_size });
                 insert(&mut body, "slot_size_mib", *slot_mib);
                 ("PUT", "/hotplug/memory".to_owned(), Some(body))
             }
