@@ -2,7 +2,9 @@
 //! them (`serve --page-size 2m`, anonymous and memfd) writes and verifies its memory, and a
 //! Full snapshot restored by copy brings the pages and their size back; the hotplug area with
 //! 2 MiB pages plugs, holds what is written, gives a huge page back on each unplugged block and
-//! plugs zeros again.
+//! plugs zeros again, through the API too, across a copy restore. A pool too small for the
+//! initial memory refuses the start, and for a piece the plug (409), each naming its free
+//! pages.
 //!
 //! They need free pages in the host's hugetlb pool (`resources/setup-host.sh` reserves some);
 //! without them they say so loudly (`SKIPPED <test>: <why>`) and return.
@@ -416,4 +418,41 @@ fn kvm_the_api_hotplug_area_in_2m_pages_survives_a_copy_restore() {
     );
     restored.stop();
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// A plug into a 2 MiB hotplug area whose piece the pool cannot hold is a 409 naming the
+/// pool's free pages, and plugs nothing.
+#[test]
+fn kvm_a_2m_plug_the_pool_cannot_hold_is_refused_naming_the_free_pages() {
+    let test = "kvm_a_2m_plug_the_pool_cannot_hold_is_refused_naming_the_free_pages";
+    if !kvm_test_support::require_kvm(&format!("tinyvmm::{test}")) {
+        return;
+    }
+    let vmm = Vmm::start("huge-short", |config| config);
+    // One piece of more pages than the pool has, whatever its size.
+    let piece_mib = (hugetlb_pages_available() + 64) * 2;
+    let area = json!({"total_size_mib": piece_mib, "block_size_mib": 2,
+                      "slot_size_mib": piece_mib, "page_size": "2m"});
+    vmm.ok("PUT", "/hotplug/memory", Some(area));
+    let (status, answer) = tinyvmm::api::client::Client::connect(&vmm.socket)
+        .expect("connect")
+        .call(
+            "PATCH",
+            "/hotplug/memory",
+            Some(&json!({"requested_size_mib": 2})),
+        )
+        .expect("an answer");
+    assert_eq!(status, 409, "{answer}");
+    let message = answer["fault_message"].as_str().unwrap_or_default();
+    assert!(message.contains("free 2 MiB pages"), "{answer}");
+    let info = vmm.ok("GET", "/hotplug/memory", None);
+    assert_eq!(
+        (
+            info["plugged_size_mib"].clone(),
+            info["mapped_slots"].clone()
+        ),
+        (json!(0), json!(0)),
+        "{info}"
+    );
+    vmm.stop();
 }
