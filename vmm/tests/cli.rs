@@ -193,6 +193,59 @@ fn serve_with_2m_pages_off_the_grid_is_a_usage_error() {
     }
 }
 
+/// `boot --page-size 2m` checks RAM on the 2 MiB grid with its configuration, and RAM the
+/// hugetlb pool cannot hold is refused before the kernel is read, naming the pool's free
+/// pages: both exit 1 (a run that failed), the kernel file never opened.
+#[test]
+fn kvm_boot_with_2m_pages_refuses_ram_off_the_grid_or_past_the_pool() {
+    if !kvm_test_support::require_kvm(
+        "tinyvmm::kvm_boot_with_2m_pages_refuses_ram_off_the_grid_or_past_the_pool",
+    ) {
+        return;
+    }
+    let kernel = "/nonexistent/vmlinux";
+    let boot = |mem_mib: &str, slots: &str| {
+        let args = [
+            "boot",
+            "--kernel",
+            kernel,
+            "--page-size",
+            "2m",
+            "--mem-mib",
+            mem_mib,
+            "--slots",
+            slots,
+            "--quiet",
+        ];
+        let output = tinyvmm(&args);
+        (output.status.code(), text(&output.stderr))
+    };
+    let (code, stderr) = boot("129", "1");
+    assert_eq!(code, Some(1), "{stderr}");
+    assert!(
+        stderr.contains("with page_size 2m, mem_mib must be a multiple of 2 MiB: 129 MiB"),
+        "{stderr}"
+    );
+    let (code, stderr) = boot("512", "3");
+    assert_eq!(code, Some(1), "{stderr}");
+    assert!(
+        stderr.contains("with page_size 2m, the slot size must be a multiple of 2 MiB"),
+        "{stderr}"
+    );
+    // More than the pool has, whatever its size.
+    let pages = kvm_memslots::hugetlb_pages_available() + 64;
+    let (code, stderr) = boot(&(pages * 2).to_string(), "1");
+    assert_eq!(code, Some(1), "{stderr}");
+    assert!(
+        stderr.contains("free 2 MiB pages") && stderr.contains(&format!("need {pages}")),
+        "{stderr}"
+    );
+    assert!(
+        !stderr.contains(kernel),
+        "the kernel is never read: {stderr}"
+    );
+}
+
 /// A slot count over what KVM offers here is a usage error (64), named before anything
 /// starts, as a count under 2 is; not a failure of the run (1).
 #[test]
