@@ -780,3 +780,64 @@ fn kvm_virtio_mem_with_2m_pages_plugs_huge_pages_and_gives_them_back() {
         assert_eq!(snapshot.read_obj::<u64>(GuestAddress(at)).expect("read"), 0);
     }
 }
+
+/// A plug into a 2 MiB virtio-mem piece the hugetlb pool cannot hold is the manager's refusal:
+/// the guest hears BUSY, `GET /hotplug/memory` says why (naming the pool's free pages), and
+/// nothing is plugged.
+#[test]
+fn kvm_virtio_mem_with_2m_pages_answers_busy_when_the_pool_cannot_hold_a_piece() {
+    if !kvm_test_support::require_kvm(
+        "tinyvmm::kvm_virtio_mem_with_2m_pages_answers_busy_when_the_pool_cannot_hold_a_piece",
+    ) {
+        return;
+    }
+    let vm = Vm::new(VmOptions {
+        irqchip: true,
+        ..VmOptions::default()
+    })
+    .expect("a VM");
+    let memory = Arc::clone(vm.memory());
+    memory
+        .add_region(RegionSpec::new(GuestAddress(0), 256 * MIB))
+        .expect("RAM");
+    // One piece of more pages than the pool has, whatever its size.
+    let piece_mib = (kvm_memslots::hugetlb_pages_available() + 64) * 2;
+    let hotplug = hotplug::setup(&vm, piece_mib, 2, piece_mib, kvm_memslots::PageSize::Huge2M)
+        .expect("the device");
+    let ports = LinuxPorts {
+        devices: Arc::new(LegacyDevices::new(
+            Box::new(std::io::sink()),
+            EventFd::new(0).expect("eventfd"),
+            EventFd::new(0).expect("eventfd"),
+        )),
+        bus: Arc::new(LegacyDevices::bus()),
+        hotplug: Some((Arc::clone(&hotplug.device), Arc::clone(&hotplug.mmio))),
+    };
+    let path = ExitPath {
+        ports,
+        memory: Arc::clone(&memory),
+    };
+    let layout = Layout {
+        base: 16 * MIB,
+        size: 128,
+    };
+    let mut guest = Driver::new(path, Arc::clone(&memory), layout);
+    guest.init();
+    let base = guest.config64(CFG_ADDR);
+    hotplug
+        .device
+        .lock()
+        .expect("the device")
+        .set_requested_size(2 * MIB)
+        .expect("2 MiB");
+    assert_eq!(guest.plug(base, 1), driver::RESP_BUSY);
+    let info = hotplug::hotplug_info(&hotplug.device);
+    assert_eq!(
+        (info.plugged_size_mib, info.mapped_slots),
+        (0, 0),
+        "{info:?}"
+    );
+    let why = info.last_busy.unwrap_or_default();
+    assert!(why.contains("free 2 MiB pages"), "{why}");
+    assert_eq!(memory.regions().len(), 1, "only RAM");
+}
