@@ -20,8 +20,8 @@ pub struct HotplugConfig {
     pub slot_size_mib: Option<u64>,
     /// The host pages behind plugged blocks: `4k` (the default), `2m` (hugetlb: every block
     /// is whole huge pages, a plug needs the pool to hold its piece, and an unplug gives the
-    /// huge pages back to the pool) or `thp`.
-    #[serde(default)]
+    /// huge pages back to the pool) or `thp`. Left out of a saved state when `4k`.
+    #[serde(default, skip_serializing_if = "RegionPageSize::is_base")]
     pub page_size: RegionPageSize,
 }
 
@@ -81,5 +81,11 @@ mod tests {
         .expect_err("no 1 GiB pages")
         .to_string();
         assert!(e.contains("unknown variant `1g`"), "{e}");
+        // A state saves the page size only when it is not 4 KiB, so that a 4 KiB area's state
+        // reads in a build that predates page sizes (its fields are `deny_unknown_fields`).
+        let saved = serde_json::to_string(&old).expect("serialises");
+        assert!(!saved.contains("page_size"), "{saved}");
+        let saved = serde_json::to_string(&huge).expect("serialises");
+        assert!(saved.contains(r#""page_size":"2m""#), "{saved}");
     }
 }

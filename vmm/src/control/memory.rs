@@ -34,6 +34,14 @@ pub enum RegionPageSize {
     Transparent,
 }
 
+impl RegionPageSize {
+    /// Whether these are 4 KiB pages (what a saved state leaves unsaid, so that it reads in
+    /// a build that predates page sizes).
+    pub fn is_base(&self) -> bool {
+        *self == RegionPageSize::Base
+    }
+}
+
 impl From<RegionPageSize> for kvm_memslots::PageSize {
     fn from(page_size: RegionPageSize) -> Self {
         match page_size {

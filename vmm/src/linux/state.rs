@@ -30,12 +30,6 @@ use crate::vm::state::{StateError, VcpuState, VmState};
 /// The Linux state file's format version.
 pub const LINUX_STATE_VERSION: u32 = 1;
 
-/// Whether `page_size` is the default (left out of a state file, as states saved before it
-/// was recorded have it).
-fn is_base(page_size: &RegionPageSize) -> bool {
-    *page_size == RegionPageSize::Base
-}
-
 /// The machine a Linux guest was booted as: what a restore rebuilds besides memory.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -50,7 +44,7 @@ pub struct Machine {
     pub hotplug_block_mib: u64,
     /// The host pages behind its plugged blocks (4 KiB in states saved before it was
     /// recorded), which the pieces a restored device plugs get.
-    #[serde(default, skip_serializing_if = "is_base")]
+    #[serde(default, skip_serializing_if = "RegionPageSize::is_base")]
     pub hotplug_page_size: RegionPageSize,
     /// The kernel it was booted from, for the record (a restore does not load it).
     pub kernel: KernelRecord,
