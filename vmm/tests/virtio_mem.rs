@@ -92,6 +92,35 @@ impl Registers for ExitPath {
     }
 }
 
+/// The guest's driver of `hotplug`'s device, through a Linux guest's exit path over `memory`
+/// with legacy devices that go nowhere, initialised; and the device's area's guest address.
+fn driver_of(
+    hotplug: &hotplug::Hotplug,
+    memory: &Arc<MemoryManager<KvmVm>>,
+) -> (Driver<KvmVm, ExitPath>, u64) {
+    let ports = LinuxPorts {
+        devices: Arc::new(LegacyDevices::new(
+            Box::new(std::io::sink()),
+            EventFd::new(0).expect("eventfd"),
+            EventFd::new(0).expect("eventfd"),
+        )),
+        bus: Arc::new(LegacyDevices::bus()),
+        hotplug: Some((Arc::clone(&hotplug.device), Arc::clone(&hotplug.mmio))),
+    };
+    let path = ExitPath {
+        ports,
+        memory: Arc::clone(memory),
+    };
+    let layout = Layout {
+        base: 16 * MIB,
+        size: 128,
+    };
+    let mut guest = Driver::new(path, Arc::clone(memory), layout);
+    guest.init();
+    let base = guest.config64(CFG_ADDR);
+    (guest, base)
+}
+
 fn patch(controller: &mut LinuxController, mib: u64) -> Result<Reply, ControllerError> {
     controller.apply(Request::RequestHotplug(HotplugRequest {
         requested_size_mib: mib,
@@ -394,26 +423,7 @@ fn kvm_a_linux_guests_plugged_blocks_share_slots_and_restore() {
         Default::default(),
     )
     .expect("the device");
-    let ports = LinuxPorts {
-        devices: Arc::new(LegacyDevices::new(
-            Box::new(std::io::sink()),
-            EventFd::new(0).expect("eventfd"),
-            EventFd::new(0).expect("eventfd"),
-        )),
-        bus: Arc::new(LegacyDevices::bus()),
-        hotplug: Some((Arc::clone(&hotplug.device), Arc::clone(&hotplug.mmio))),
-    };
-    let path = ExitPath {
-        ports,
-        memory: Arc::clone(&memory),
-    };
-    let layout = Layout {
-        base: 16 * MIB,
-        size: 128,
-    };
-    let mut guest = Driver::new(path, Arc::clone(&memory), layout);
-    guest.init();
-    let base = guest.config64(CFG_ADDR);
+    let (mut guest, base) = driver_of(&hotplug, &memory);
     hotplug
         .device
         .lock()
@@ -718,26 +728,7 @@ fn kvm_virtio_mem_with_2m_pages_plugs_huge_pages_and_gives_them_back() {
     // 64 MiB in 2 MiB blocks, pieces of two blocks.
     let hotplug =
         hotplug::setup(&vm, 64, 2, 4, kvm_memslots::PageSize::Huge2M).expect("the device");
-    let ports = LinuxPorts {
-        devices: Arc::new(LegacyDevices::new(
-            Box::new(std::io::sink()),
-            EventFd::new(0).expect("eventfd"),
-            EventFd::new(0).expect("eventfd"),
-        )),
-        bus: Arc::new(LegacyDevices::bus()),
-        hotplug: Some((Arc::clone(&hotplug.device), Arc::clone(&hotplug.mmio))),
-    };
-    let path = ExitPath {
-        ports,
-        memory: Arc::clone(&memory),
-    };
-    let layout = Layout {
-        base: 16 * MIB,
-        size: 128,
-    };
-    let mut guest = Driver::new(path, Arc::clone(&memory), layout);
-    guest.init();
-    let base = guest.config64(CFG_ADDR);
+    let (mut guest, base) = driver_of(&hotplug, &memory);
     hotplug
         .device
         .lock()
@@ -804,26 +795,7 @@ fn kvm_virtio_mem_with_2m_pages_answers_busy_when_the_pool_cannot_hold_a_piece()
     let piece_mib = (kvm_memslots::hugetlb_pages_available() + 64) * 2;
     let hotplug = hotplug::setup(&vm, piece_mib, 2, piece_mib, kvm_memslots::PageSize::Huge2M)
         .expect("the device");
-    let ports = LinuxPorts {
-        devices: Arc::new(LegacyDevices::new(
-            Box::new(std::io::sink()),
-            EventFd::new(0).expect("eventfd"),
-            EventFd::new(0).expect("eventfd"),
-        )),
-        bus: Arc::new(LegacyDevices::bus()),
-        hotplug: Some((Arc::clone(&hotplug.device), Arc::clone(&hotplug.mmio))),
-    };
-    let path = ExitPath {
-        ports,
-        memory: Arc::clone(&memory),
-    };
-    let layout = Layout {
-        base: 16 * MIB,
-        size: 128,
-    };
-    let mut guest = Driver::new(path, Arc::clone(&memory), layout);
-    guest.init();
-    let base = guest.config64(CFG_ADDR);
+    let (mut guest, base) = driver_of(&hotplug, &memory);
     hotplug
         .device
         .lock()

@@ -147,6 +147,41 @@ fn resumed(name: &str, state: &Path, mem: &Path, files: WorkingSetFiles) -> Vmm 
 }
 
 /// The list file at `path`.
+/// `state` and `mem` restored lazily in this process with `list` prefetched, once the
+/// prefetch has ended; and the memory file it restored from.
+fn prefetched(
+    state: &Path,
+    mem: &Path,
+    list: &Path,
+    saved: &SnapshotState,
+) -> (TestVm, std::fs::File) {
+    let lazy = WorkingSetFiles {
+        prefetch: Some(list.to_path_buf()),
+        ..WorkingSetFiles::default()
+    }
+    .lazy_options(snapshot_id(state), &saved.layout)
+    .expect("the list fits");
+    let memory = std::fs::File::open(mem).expect("the memory file");
+    let vm = TestVm::restore_with(
+        &saved.layout,
+        &memory,
+        MemBackend::Uffd,
+        lazy,
+        VmOptions::default(),
+    )
+    .expect("restored");
+    let stats = vm.loader().expect("a lazy restore's loader").stats();
+    let start = Instant::now();
+    while !stats.prefetch_done.load(Ordering::Acquire) {
+        assert!(
+            start.elapsed() < Duration::from_secs(20),
+            "the prefetch ends"
+        );
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    (vm, memory)
+}
+
 fn list_at(path: &Path) -> WorkingSet {
     WorkingSet::from_bytes(&std::fs::read(path).expect("the list")).expect("valid")
 }
@@ -219,30 +254,8 @@ fn kvm_a_recorded_working_set_is_prefetched_and_the_guest_verifies() {
     // The prefetch, seen from the loader: every page of the list filled ahead of the guest,
     // whose verify then faults on none of them.
     let saved = saved(&state);
-    let lazy = WorkingSetFiles {
-        prefetch: Some(list.clone()),
-        ..WorkingSetFiles::default()
-    }
-    .lazy_options(snapshot_id(&state), &saved.layout)
-    .expect("the list fits");
-    let memory = std::fs::File::open(&mem).expect("the memory file");
-    let vm = TestVm::restore_with(
-        &saved.layout,
-        &memory,
-        MemBackend::Uffd,
-        lazy,
-        VmOptions::default(),
-    )
-    .expect("restored");
+    let (vm, _memory) = prefetched(&state, &mem, &list, &saved);
     let stats = vm.loader().expect("a lazy restore's loader").stats();
-    let start = Instant::now();
-    while !stats.prefetch_done.load(Ordering::Acquire) {
-        assert!(
-            start.elapsed() < Duration::from_secs(20),
-            "the prefetch ends"
-        );
-        std::thread::sleep(Duration::from_millis(1));
-    }
     assert_eq!(stats.prefetched.load(Ordering::Acquire), set.pages());
     let stopped = Arc::new(EventFd::new(libc::EFD_NONBLOCK).expect("an eventfd"));
     let mut vcpus = vm
@@ -376,30 +389,8 @@ fn kvm_a_2m_region_restores_lazily_and_the_guest_verifies() {
 
     // Restored lazily with the list prefetched: the guest verifies, and faults on nothing.
     let saved = saved(&state);
-    let lazy = WorkingSetFiles {
-        prefetch: Some(list.clone()),
-        ..WorkingSetFiles::default()
-    }
-    .lazy_options(snapshot_id(&state), &saved.layout)
-    .expect("the list fits");
-    let memory = std::fs::File::open(&mem).expect("the memory file");
-    let vm = TestVm::restore_with(
-        &saved.layout,
-        &memory,
-        MemBackend::Uffd,
-        lazy,
-        VmOptions::default(),
-    )
-    .expect("restored");
+    let (vm, memory) = prefetched(&state, &mem, &list, &saved);
     let stats = vm.loader().expect("a lazy restore's loader").stats();
-    let start = Instant::now();
-    while !stats.prefetch_done.load(Ordering::Acquire) {
-        assert!(
-            start.elapsed() < Duration::from_secs(20),
-            "the prefetch ends"
-        );
-        std::thread::sleep(Duration::from_millis(1));
-    }
     assert_eq!(stats.prefetched.load(Ordering::Acquire), set.pages());
     let stopped = Arc::new(EventFd::new(libc::EFD_NONBLOCK).expect("an eventfd"));
     let mut vcpus = vm

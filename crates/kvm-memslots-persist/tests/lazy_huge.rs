@@ -3,8 +3,10 @@
 //! prefetches whole 2 MiB pages, and a transparent-huge-page region is filled a 2 MiB block a
 //! fault. Tests that need the hugetlb pool skip loudly where it is too small.
 
+mod support;
+use support::TempFile;
+
 use std::fs::File;
-use std::path::PathBuf;
 use std::sync::atomic::Ordering;
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
@@ -17,31 +19,6 @@ use kvm_memslots_persist::{
 use vm_memory::{Bytes, GuestAddress, GuestAddressSpace};
 
 const MIB: u64 = 1 << 20;
-
-struct TempFile(PathBuf);
-
-impl TempFile {
-    fn new(name: &str) -> (Self, File) {
-        let path = std::env::temp_dir().join(format!(
-            "kvm-memslots-lazy-huge-{}-{name}",
-            std::process::id()
-        ));
-        let _ = std::fs::remove_file(&path);
-        let file = File::options()
-            .read(true)
-            .write(true)
-            .create_new(true)
-            .open(&path)
-            .expect("a new file");
-        (TempFile(path), file)
-    }
-}
-
-impl Drop for TempFile {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_file(&self.0);
-    }
-}
 
 /// Whether the host's hugetlb pool has `pages` free pages; if not, a loud line saying the test
 /// did not run.

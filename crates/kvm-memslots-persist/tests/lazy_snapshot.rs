@@ -2,8 +2,10 @@
 //! has not filled yet have no page table entry, yet they hold the restored snapshot's data, so
 //! a Full, a chain of Full and Diff, and a migration's first round must carry them.
 
+mod support;
+use support::TempFile;
+
 use std::fs::File;
-use std::path::PathBuf;
 
 use kvm_memslots::testing::FakeKvm;
 use kvm_memslots::{Backing, MemoryManager, RegionSpec, SlotFlags, Target, PAGE_SIZE};
@@ -15,31 +17,6 @@ use kvm_memslots_persist::{
 use vm_memory::{Bytes, GuestAddress, GuestAddressSpace};
 
 const MIB: u64 = 1 << 20;
-
-struct TempFile(PathBuf);
-
-impl TempFile {
-    fn new(name: &str) -> (Self, File) {
-        let path = std::env::temp_dir().join(format!(
-            "kvm-memslots-lazy-snapshot-{}-{name}",
-            std::process::id()
-        ));
-        let _ = std::fs::remove_file(&path);
-        let file = File::options()
-            .read(true)
-            .write(true)
-            .create_new(true)
-            .open(&path)
-            .expect("a new file");
-        (TempFile(path), file)
-    }
-}
-
-impl Drop for TempFile {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_file(&self.0);
-    }
-}
 
 fn manager() -> MemoryManager<FakeKvm> {
     MemoryManager::new(FakeKvm::new(512, true))

@@ -1,9 +1,11 @@
 //! Snapshot and restore with the crate alone, as another VMM would: the layout file, a sparse
 //! full memory file, diffs merged onto it, and a new manager built and loaded from them.
 
+mod support;
+use support::TempFile;
+
 use std::fs::File;
 use std::os::unix::fs::MetadataExt;
-use std::path::PathBuf;
 
 use kvm_memslots::testing::FakeKvm;
 use kvm_memslots::{Backing, MemoryManager, PageSize, RegionSpec, SlotFlags, Target, PAGE_SIZE};
@@ -14,31 +16,6 @@ use kvm_memslots_persist::{
 use vm_memory::{Bytes, GuestAddress, GuestAddressSpace};
 
 const MIB: u64 = 1 << 20;
-
-struct TempFile(PathBuf);
-
-impl TempFile {
-    fn new(name: &str) -> (Self, File) {
-        let path = std::env::temp_dir().join(format!(
-            "kvm-memslots-snapshot-{}-{name}",
-            std::process::id()
-        ));
-        let _ = std::fs::remove_file(&path);
-        let file = File::options()
-            .read(true)
-            .write(true)
-            .create_new(true)
-            .open(&path)
-            .expect("a new file");
-        (TempFile(path), file)
-    }
-}
-
-impl Drop for TempFile {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_file(&self.0);
-    }
-}
 
 fn manager() -> MemoryManager<FakeKvm> {
     MemoryManager::new(FakeKvm::new(512, true))

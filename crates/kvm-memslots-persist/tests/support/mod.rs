@@ -1,0 +1,36 @@
+//! What the crate's integration tests share.
+
+use std::fs::File;
+use std::path::PathBuf;
+
+/// A new file in the temporary directory, removed when this is dropped.
+pub struct TempFile(pub PathBuf);
+
+impl TempFile {
+    /// A new, empty file named after `name`, the test binary and the process (a file a run
+    /// left is removed first), and the file open for reading and writing.
+    pub fn new(name: &str) -> (Self, File) {
+        let binary = std::env::current_exe()
+            .ok()
+            .and_then(|exe| exe.file_stem().map(|s| s.to_string_lossy().into_owned()))
+            .unwrap_or_default();
+        let path = std::env::temp_dir().join(format!(
+            "kvm-memslots-persist-{binary}-{}-{name}",
+            std::process::id()
+        ));
+        let _ = std::fs::remove_file(&path);
+        let file = File::options()
+            .read(true)
+            .write(true)
+            .create_new(true)
+            .open(&path)
+            .expect("a new file");
+        (TempFile(path), file)
+    }
+}
+
+impl Drop for TempFile {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.0);
+    }
+}
