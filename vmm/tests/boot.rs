@@ -22,6 +22,8 @@ use std::io::Write;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 
+use serde_json::Value;
+use tinyvmm::api::client::Client;
 use tinyvmm::jobs::boot::boot;
 use tinyvmm::linux::e820::{kernel_lines, lines_in_log};
 use tinyvmm::linux::{
@@ -380,6 +382,32 @@ fn boot_bzimage_to_a_busybox_shell_with_hardware_virtualisation() {
     );
 }
 
+/// Boots `config` on a thread of its own, its console captured (raise the capture's `stop` to
+/// stop the VM); the thread gives the boot's report.
+fn boot_in_background(config: BootConfig) -> (Capture, std::thread::JoinHandle<BootReport>) {
+    let capture = Capture::new(None);
+    let console = Console {
+        output: Box::new(capture.clone()),
+        stdin: false,
+        stop: Some(Arc::clone(&capture.stop)),
+    };
+    let vm = std::thread::spawn(move || boot(&config, console, |_| {}).expect("the boot"));
+    (capture, vm)
+}
+
+/// One API request to the VMM at `socket`, and its answer.
+fn api_call(
+    socket: &std::path::Path,
+    method: &str,
+    path: &str,
+    body: Option<Value>,
+) -> (u16, Value) {
+    Client::connect(socket)
+        .expect("the API socket")
+        .call(method, path, body.as_ref())
+        .expect("an answer")
+}
+
 /// Polls `check` on the console log every 100 ms for up to `secs` seconds.
 fn wait_for<T>(
     capture: &Capture,
@@ -420,8 +448,7 @@ fn linux_plugs_into_shared_slots_with_hardware_virtualisation() {
 /// `max_slot_mib` (0: a slot per block), plugs 256 MiB through the API and unplugs it all,
 /// checking the guest's MemTotal and the KVM slots at each step.
 fn linux_plugs_and_unplugs(test: &str, max_slot_mib: u64) {
-    use serde_json::{json, Value};
-    use tinyvmm::api::client::Client;
+    use serde_json::json;
 
     if !hardware_virtualisation() {
         eprintln!(
@@ -478,19 +505,9 @@ fn linux_plugs_and_unplugs(test: &str, max_slot_mib: u64) {
         ..BootConfig::default()
     };
 
-    let capture = Capture::new(None);
-    let console = Console {
-        output: Box::new(capture.clone()),
-        stdin: false,
-        stop: Some(Arc::clone(&capture.stop)),
-    };
-    let vm = std::thread::spawn(move || boot(&config, console, |_| {}).expect("the boot"));
-    let call = |method: &str, path: &str, body: Option<Value>| -> (u16, Value) {
-        Client::connect(&socket)
-            .expect("the API socket")
-            .call(method, path, body.as_ref())
-            .expect("an answer")
-    };
+    let (capture, vm) = boot_in_background(config);
+    let call =
+        |method: &str, path: &str, body: Option<Value>| api_call(&socket, method, path, body);
     let hotplug = || call("GET", "/hotplug/memory", None).1;
     let slots_used = || call("GET", "/memory", None).1["slots"]["used"].clone();
     let finish = |capture: &Capture, vm: std::thread::JoinHandle<BootReport>| {
@@ -757,8 +774,7 @@ fn last_count(log: &str, prefix: &str) -> Option<u64> {
 #[test]
 fn linux_runs_avx_copies_and_code_in_memory_plugged_and_unplugged_under_it_with_hardware_virtualisation(
 ) {
-    use serde_json::{json, Value};
-    use tinyvmm::api::client::Client;
+    use serde_json::json;
 
     let test = "tinyvmm::linux_runs_avx_copies_and_code_in_memory_plugged_and_unplugged_under_it_with_hardware_virtualisation";
     if !hardware_virtualisation() {
@@ -865,19 +881,9 @@ fn linux_runs_avx_copies_and_code_in_memory_plugged_and_unplugged_under_it_with_
         ..BootConfig::default()
     };
 
-    let capture = Capture::new(None);
-    let console = Console {
-        output: Box::new(capture.clone()),
-        stdin: false,
-        stop: Some(Arc::clone(&capture.stop)),
-    };
-    let vm = std::thread::spawn(move || boot(&config, console, |_| {}).expect("the boot"));
-    let call = |method: &str, path: &str, body: Option<Value>| -> (u16, Value) {
-        Client::connect(&socket)
-            .expect("the API socket")
-            .call(method, path, body.as_ref())
-            .expect("an answer")
-    };
+    let (capture, vm) = boot_in_background(config);
+    let call =
+        |method: &str, path: &str, body: Option<Value>| api_call(&socket, method, path, body);
     let hotplug = || call("GET", "/hotplug/memory", None).1;
     let finish = |capture: &Capture, vm: std::thread::JoinHandle<BootReport>| {
         capture.stop.store(true, Ordering::Release);
