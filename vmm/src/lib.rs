@@ -8,12 +8,13 @@
 //! | [`vm`] | a KVM VM with its memory manager, vCPUs, and the one vCPU exit loop every guest uses |
 //! | [`lifecycle`] | the event loop for everything that is not a vCPU, and the signal flag |
 //! | [`precopy`] | the pre-copy engine: a running VM's memory copied in rounds, then a short pause, into a sink |
-//! | [`control`] | the control vocabulary every guest kind shares: typed requests, replies, errors, and which guest kind answers which request |
+//! | [`control`] | the control vocabulary every guest kind shares: typed requests, replies and errors |
 //! | [`devices`] | device models (the legacy serial console and i8042) |
 //! | [`migration`] | live migration between two tinyvmm processes: the stream the pre-copy rounds fill, the transport |
 //! | [`snapshot`] | snapshots of any guest kind: state files, the chain of Full and Diff snapshots, live snapshots |
-//! | [`test_guest`] | the built-in ring-3 test guest: its layout, command protocol, ports and controller |
-//! | [`linux`] | booting a Linux kernel: configuration, e820, loading, CPU set-up, its controller |
+//! | [`controller`] | the one controller: the services every guest kind shares, answered once, and the `Guest` trait for what differs |
+//! | [`test_guest`] | the built-in ring-3 test guest: its layout, command protocol, ports and its side of the controller |
+//! | [`linux`] | booting a Linux kernel: configuration, e820, loading, CPU set-up, its side of the controller |
 //! | [`api`] | the API socket: HTTP/1.1 + JSON on a Unix socket, onto a controller |
 //! | [`jobs`] | the product's subcommands: check, serve, restore, receive, boot, on one run loop, and client |
 //! | [`bench`](mod@bench) | the measurement harnesses: perf suite, stress, harvest and snapshot benches |
@@ -24,6 +25,7 @@
 pub mod api;
 pub mod bench;
 pub mod control;
+pub mod controller;
 pub mod devices;
 pub mod jobs;
 pub mod lifecycle;

@@ -2,10 +2,9 @@
 //! [`Reply`] or [`ControllerError`] each gets, and the [`Apply`] trait a guest kind's controller
 //! implements. The request and reply bodies are in one file per resource (as Firecracker's
 //! `vmm_config/`): [`memory`], [`dirty_log`], [`hotplug`], [`guest`] (the test guest's
-//! commands), [`vm`], [`snapshot`] and [`migration`]. Which guest kind answers which request
-//! is one table, [`support`]. The API socket (`api`) turns HTTP into requests and replies into
-//! HTTP; the guest kinds' controllers (`test_guest::controller`, `linux::controller`) carry
-//! requests out.
+//! commands), [`vm`], [`snapshot`] and [`migration`]. The API socket (`api`) turns HTTP into
+//! requests and replies into HTTP; the one controller (`controller::Controller`) carries them
+//! out, asking the guest kind (`test_guest::controller`, `linux::controller`) what differs.
 
 pub mod dirty_log;
 pub mod error;
@@ -14,7 +13,6 @@ pub mod hotplug;
 pub mod memory;
 pub mod migration;
 pub mod snapshot;
-pub mod support;
 pub mod vm;
 
 pub use error::{ControllerError, ErrorKind};
@@ -145,7 +143,7 @@ pub struct Ticket(pub u64);
 /// What a request gets back.
 pub type Outcome = Result<Reply, ControllerError>;
 
-/// What applies requests: a guest kind's controller. The API server serves any. A request
+/// What applies requests: the controller. The API server serves any. A request
 /// that runs long (a guest command) need not hold the controller: it may answer
 /// [`Reply::Deferred`] and hand the outcome over later from [`settle`](Apply::settle), when
 /// its [`notifier`](Apply::notifier) says so; other requests are applied meanwhile.

@@ -1,54 +1,48 @@
-//! A Linux guest's controller: what its API socket (`tinyvmm boot --api-sock`, `restore` and
-//! `receive` of a Linux guest) answers. Pausing and resuming, Full and Diff snapshots of a
-//! paused VM and live ones of a running VM (the snapshot chain every guest kind shares),
-//! dirty logging, live migration (the generic migration with this guest's vCPUs and State
-//! record), its memory, its virtio-mem device's requested size, ending a lazy restore's
-//! working-set recording, and a stop; the table in `control::support` refuses the test
-//! guest's own requests before they get here.
+//! A Linux guest as a guest kind of the one controller (`controller::Controller`): what its
+//! API socket (`tinyvmm boot --api-sock`, `restore` and `receive` of a Linux guest) answers
+//! of its own. Its virtio-mem device's requested size, how its vCPUs pause (with the clock and
+//! the console) and move, and its state file and State record; the controller answers the
+//! rest (memory, dirty log, snapshots, migration, the working-set recording, a stop) and
+//! refuses the test guest's own requests.
 
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
 
-use kvm_memslots::{KvmVm, MemoryManager};
+use kvm_memslots_persist::LazyLoader;
 
 use super::hotplug::{hotplug_info, lock, VirtioMemDevice};
 use super::state::{LinuxMachine, LinuxRecord};
 use super::vcpus::LinuxVcpu;
-use crate::control::dirty_log::DirtyLogClient;
-use crate::control::memory::{memory_info, region_info};
-use crate::control::snapshot::no_recording;
-use crate::control::support::LinuxRequest;
-use crate::control::vm::{RunState, VmInfo, VmStateRequest};
-use crate::control::{Apply, ControllerError, Outcome, Reply, Request};
+use crate::control::vm::RunState;
+use crate::control::{ControllerError, Outcome, Reply};
+use crate::controller::guest::Memory;
+use crate::controller::{Controller, Guest, GuestRequest, Moving};
+use crate::migration::sink::StateRecord;
 use crate::migration::slot::MigrationSlot;
-use crate::precopy::{PreCopyVcpu, SourceVm};
+use crate::precopy::PreCopyVcpu;
 use crate::snapshot::live::StateWriter;
-use crate::snapshot::SnapshotChain;
+use crate::vm::state::VcpuState;
 
 const MIB: u64 = 1 << 20;
 
-/// What a Linux guest's API socket offers.
+/// What a Linux guest's API socket offers: the one controller over a [`LinuxGuest`].
+pub type LinuxController = Controller<LinuxGuest>;
+
+/// A Linux guest, as the controller asks it.
 #[derive(Debug)]
-pub struct LinuxController {
-    memory: Arc<MemoryManager<KvmVm>>,
+pub struct LinuxGuest {
+    memory: Arc<Memory>,
     machine: Arc<LinuxMachine>,
     vcpus: Vec<LinuxVcpu>,
-    state: RunState,
-    stop: Arc<AtomicBool>,
-    chain: SnapshotChain,
-    dirty_log: DirtyLogClient,
-    migration: MigrationSlot<LinuxVcpu>,
     /// The fault handler of a guest restored with userfaultfd (its working-set recording).
-    loader: Option<Arc<kvm_memslots_persist::LazyLoader>>,
-    /// The process's stop flag (SIGINT/SIGTERM), for a migration's waits.
-    interrupt: &'static AtomicBool,
+    loader: Option<Arc<LazyLoader>>,
 }
 
 impl LinuxController {
     /// A controller over the guest `machine` with `memory`, running on `vcpus` (paused if
     /// `paused`: a restored or received guest); a client's stop sets `stop`.
     pub fn new(
-        memory: Arc<MemoryManager<KvmVm>>,
+        memory: Arc<Memory>,
         machine: Arc<LinuxMachine>,
         vcpus: Vec<LinuxVcpu>,
         paused: bool,
@@ -64,94 +58,36 @@ impl LinuxController {
                 );
             }
         }
-        LinuxController {
+        let guest = LinuxGuest {
             memory,
             machine,
             vcpus,
-            state: if paused {
-                RunState::Paused
-            } else {
-                RunState::Running
-            },
-            stop,
-            chain: SnapshotChain::new(),
-            dirty_log: DirtyLogClient::default(),
-            migration: MigrationSlot::default(),
             loader: None,
-            interrupt: crate::lifecycle::termination_signal(),
-        }
+        };
+        Controller::over(guest, paused, stop)
     }
 
     /// The controller of a guest restored with userfaultfd by `loader`, whose working-set
     /// recording `PUT /working-set/stop` ends.
-    pub fn with_loader(self, loader: Option<Arc<kvm_memslots_persist::LazyLoader>>) -> Self {
-        LinuxController { loader, ..self }
-    }
-
-    /// Whether the VM runs on a migration's destination now (the VMM should stop).
-    pub fn migrated(&self) -> bool {
-        self.migration.completed()
-    }
-
-    /// The last migration's progress, if one was started.
-    pub fn migration_info(&self) -> Option<crate::control::migration::MigrationInfo> {
-        self.migration.info()
+    pub fn with_loader(mut self, loader: Option<Arc<LazyLoader>>) -> Self {
+        self.guest_mut().loader = loader;
+        self
     }
 
     /// Cancels a migration or a live snapshot under way and waits for it (the VMM is
     /// stopping).
     pub fn shut_down(&mut self) {
-        self.migration.shut_down();
-        self.chain.shut_down(&self.memory);
+        self.end_copies();
     }
+}
 
+impl LinuxGuest {
     fn device(&self) -> Result<&VirtioMemDevice, ControllerError> {
         self.machine.hotplug.as_ref().ok_or_else(|| {
             ControllerError::not_found(
                 "no hotplug device: boot with --hotplug-mib to give the guest a virtio-mem device",
             )
         })
-    }
-
-    /// Pauses every vCPU; if one cannot pause, those paused go on again.
-    fn pause(&mut self) -> Result<(), ControllerError> {
-        for (index, vcpu) in self.vcpus.iter().enumerate() {
-            if let Err(e) = vcpu.shared.pause(super::vcpus::PAUSE_TIMEOUT) {
-                for paused in &self.vcpus[..=index] {
-                    paused.shared.resume();
-                }
-                return Err(ControllerError::conflict(format!(
-                    "vCPU {index} could not be paused: {e}"
-                )));
-            }
-        }
-        // What the guest wrote to the console before the pause is out.
-        self.machine.devices.flush();
-        // The guest sees no time pass while it is paused.
-        if let Err(e) = self.machine.clock.freeze(&self.machine.vm_fd) {
-            crate::lifecycle::log(
-                crate::lifecycle::LogLevel::Warn,
-                format_args!("the guest's clock runs on while it is paused: {e}"),
-            );
-        }
-        self.state = RunState::Paused;
-        Ok(())
-    }
-
-    /// Resumes every vCPU, those an unconfirmed migration held too (their hold ends only
-    /// here).
-    fn resume(&mut self) {
-        if let Err(e) = self.machine.clock.thaw(&self.machine.vm_fd) {
-            crate::lifecycle::log(
-                crate::lifecycle::LogLevel::Warn,
-                format_args!("the guest's clock jumps by the time it was paused: {e}"),
-            );
-        }
-        self.migration.resume_held();
-        for vcpu in &self.vcpus {
-            vcpu.shared.resume();
-        }
-        self.state = RunState::Running;
     }
 
     /// The guest's virtio-mem device is still plugging or unplugging (which changes the
@@ -176,13 +112,124 @@ impl LinuxController {
 
     /// The vCPUs as a migration or a live snapshot pauses and resumes them: those of a VM a
     /// client paused stay paused.
-    fn moving_vcpus(&self) -> Vec<LinuxVcpu> {
-        let paused = self.state == RunState::Paused;
+    fn moving(&self, paused: bool) -> Vec<LinuxVcpu> {
         self.vcpus
             .iter()
             .map(|v| LinuxVcpu {
                 keep_paused: paused,
                 ..v.clone()
+            })
+            .collect()
+    }
+}
+
+impl Guest for LinuxGuest {
+    type Vcpu = LinuxVcpu;
+
+    const LACKS: &'static str = "is for the test guest (tinyvmm serve); a Linux guest's memory \
+                                 changes through /hotplug/memory, and it runs no guest commands";
+
+    fn memory(&self) -> &Arc<Memory> {
+        &self.memory
+    }
+
+    fn loader(&self) -> Option<&LazyLoader> {
+        self.loader.as_deref()
+    }
+
+    fn vcpu_count(&self) -> usize {
+        self.vcpus.len()
+    }
+
+    fn answer(&mut self, request: GuestRequest, _state: RunState) -> Option<Outcome> {
+        Some(match request {
+            GuestRequest::GetHotplug => self.device().map(|d| Reply::Hotplug(hotplug_info(d))),
+            GuestRequest::RequestHotplug(request) => self
+                .device()
+                .and_then(|device| {
+                    let bytes = request.requested_size_mib.checked_mul(MIB).ok_or_else(|| {
+                        ControllerError::bad(format!(
+                            "requested_size_mib {} is too large",
+                            request.requested_size_mib
+                        ))
+                    })?;
+                    // The guest plugs or unplugs on its own time; GET shows how far it got.
+                    lock(device)
+                        .set_requested_size(bytes)
+                        .map_err(ControllerError::bad)
+                })
+                .map(|()| Reply::Done),
+            GuestRequest::ConfigureHotplug(_) => Err(ControllerError::conflict(
+                "a Linux guest's hotplug device is configured at boot (--hotplug-mib, --hotplug-block-mib)",
+            )),
+            GuestRequest::AddRegion(_)
+            | GuestRequest::RemoveRegion(_)
+            | GuestRequest::PatchRegion(..)
+            | GuestRequest::Command(_) => return None,
+        })
+    }
+
+    /// Pauses every vCPU (unless paused already); if one cannot pause, those paused go on
+    /// again.
+    fn pause(&mut self, state: RunState) -> Result<Reply, ControllerError> {
+        if state == RunState::Paused {
+            return Ok(Reply::Done);
+        }
+        for (index, vcpu) in self.vcpus.iter().enumerate() {
+            if let Err(e) = vcpu.shared.pause(super::vcpus::PAUSE_TIMEOUT) {
+                for paused in &self.vcpus[..=index] {
+                    paused.shared.resume();
+                }
+                return Err(ControllerError::conflict(format!(
+                    "vCPU {index} could not be paused: {e}"
+                )));
+            }
+        }
+        // What the guest wrote to the console before the pause is out.
+        self.machine.devices.flush();
+        // The guest sees no time pass while it is paused.
+        if let Err(e) = self.machine.clock.freeze(&self.machine.vm_fd) {
+            crate::lifecycle::log(
+                crate::lifecycle::LogLevel::Warn,
+                format_args!("the guest's clock runs on while it is paused: {e}"),
+            );
+        }
+        Ok(Reply::Done)
+    }
+
+    /// Resumes every vCPU, those an unconfirmed migration held too (their hold ends only
+    /// here).
+    fn resume(&mut self, held: &mut MigrationSlot<LinuxVcpu>) {
+        if let Err(e) = self.machine.clock.thaw(&self.machine.vm_fd) {
+            crate::lifecycle::log(
+                crate::lifecycle::LogLevel::Warn,
+                format_args!("the guest's clock jumps by the time it was paused: {e}"),
+            );
+        }
+        held.resume_held();
+        for vcpu in &self.vcpus {
+            vcpu.shared.resume();
+        }
+    }
+    fn refuse_moving(&self, what: Moving) -> Result<(), ControllerError> {
+        self.plugging(match what {
+            Moving::Migration => "migrate",
+            Moving::LiveSnapshot => "take a live snapshot",
+        })
+    }
+
+    fn moving_vcpus(&self, _what: Moving, paused: bool) -> Result<Vec<LinuxVcpu>, ControllerError> {
+        Ok(self.moving(paused))
+    }
+
+    fn save_vcpus(&mut self) -> Result<Vec<VcpuState>, ControllerError> {
+        self.vcpus
+            .iter()
+            .enumerate()
+            .map(|(index, vcpu)| {
+                vcpu.save().map_err(|e| {
+                    ControllerError::internal(format!("the snapshot failed: vCPU {index}: {e}"))
+                })
             })
             .collect()
     }
@@ -200,131 +247,26 @@ impl LinuxController {
             }))
         })
     }
-
-    fn create_snapshot(
-        &mut self,
-        create: crate::control::snapshot::SnapshotCreate,
-    ) -> Result<(), ControllerError> {
-        if create.live {
-            self.plugging("take a live snapshot")?;
-            return self.chain.start_live(
-                &self.memory,
-                &create,
-                self.moving_vcpus(),
-                self.state_writer(),
-                self.interrupt,
-            );
-        }
-        create.check_paused(self.state == RunState::Paused)?;
-        let vcpus = &self.vcpus;
-        let save_states = || {
-            vcpus
-                .iter()
-                .enumerate()
-                .map(|(index, vcpu)| {
-                    vcpu.save().map_err(|e| {
-                        ControllerError::internal(format!("the snapshot failed: vCPU {index}: {e}"))
-                    })
-                })
-                .collect()
-        };
-        let write_state = self.state_writer();
-        self.chain
-            .create(&self.memory, &create, save_states, write_state)
-            .map(|_| ())
-    }
-
-    fn migrate(
-        &mut self,
-        request: crate::control::migration::MigrateRequest,
-    ) -> Result<(), ControllerError> {
-        self.plugging("migrate")?;
-        let vm = SourceVm {
-            memory: Arc::clone(&self.memory),
-            vcpus: self.moving_vcpus(),
-        };
-        let state = Box::new(LinuxRecord {
+    fn migration_record(&self, paused: bool) -> Box<dyn StateRecord> {
+        Box::new(LinuxRecord {
             machine: Arc::clone(&self.machine),
-            paused: self.state == RunState::Paused,
-        });
-        self.migration.start(&request, vm, state, self.interrupt)
+            paused,
+        })
     }
 }
 
-impl Apply for LinuxController {
-    fn apply(&mut self, request: Request) -> Outcome {
-        if self.migration.settle() {
-            // The destination may run the VM: it stays paused here until a client says.
-            self.state = RunState::Paused;
-        }
-        self.chain.settle(&self.memory);
-        if let Some(refused) = self
-            .migration
-            .refusal(&request)
-            .or_else(|| self.chain.refusal(&request))
-        {
-            return Err(refused);
-        }
-        match LinuxRequest::try_from(request)? {
-            LinuxRequest::GetMemory => Ok(Reply::Memory(memory_info(&self.memory))),
-            LinuxRequest::GetRegion(id) => Ok(Reply::Region(region_info(&self.memory, id)?)),
-            LinuxRequest::GetHotplug => Ok(Reply::Hotplug(hotplug_info(self.device()?))),
-            LinuxRequest::RequestHotplug(request) => {
-                let device = self.device()?;
-                let bytes = request.requested_size_mib.checked_mul(MIB).ok_or_else(|| {
-                    ControllerError::bad(format!(
-                        "requested_size_mib {} is too large",
-                        request.requested_size_mib
-                    ))
-                })?;
-                // The guest plugs or unplugs on its own time; GET shows how far it got.
-                lock(device)
-                    .set_requested_size(bytes)
-                    .map_err(ControllerError::bad)?;
-                Ok(Reply::Done)
-            }
-            LinuxRequest::ConfigureHotplug(_) => Err(ControllerError::conflict(
-                "a Linux guest's hotplug device is configured at boot (--hotplug-mib, --hotplug-block-mib)",
-            )),
-            LinuxRequest::Act(_) => {
-                self.stop.store(true, Ordering::Release);
-                Ok(Reply::Done)
-            }
-            LinuxRequest::GetVm => Ok(Reply::Vm(VmInfo {
-                state: self.state,
-                vcpus: self.vcpus.len(),
-                failure: None,
-            })),
-            LinuxRequest::PatchVm(patch) => {
-                match patch.state {
-                    VmStateRequest::Paused if self.state == RunState::Paused => {}
-                    VmStateRequest::Paused => self.pause()?,
-                    VmStateRequest::Resumed => self.resume(),
-                }
-                Ok(Reply::Done)
-            }
-            LinuxRequest::CreateSnapshot(create) => {
-                self.create_snapshot(create).map(|()| Reply::Done)
-            }
-            LinuxRequest::GetSnapshot => self.chain.live_info().map(Reply::Snapshot),
-            LinuxRequest::CancelSnapshot => self.chain.cancel_live().map(|()| Reply::Done),
-            LinuxRequest::StopRecording => match &self.loader {
-                Some(loader) if loader.stop_recording() => Ok(Reply::Done),
-                _ => Err(no_recording()),
-            },
-            LinuxRequest::SwitchDirtyLog(switch) => {
-                self.dirty_log.switch(&self.memory, switch)?;
-                Ok(Reply::Done)
-            }
-            LinuxRequest::Harvest(harvest) => Ok(Reply::Harvest(
-                self.dirty_log.harvest(&self.memory, harvest)?,
-            )),
-            LinuxRequest::GetDirtyLog => Ok(Reply::DirtyLog(
-                self.dirty_log.info(&self.memory, self.chain.consumer()),
-            )),
-            LinuxRequest::Migrate(request) => self.migrate(request).map(|()| Reply::Done),
-            LinuxRequest::GetMigration => self.migration.get().map(Reply::Migration),
-            LinuxRequest::CancelMigration => self.migration.cancel().map(|()| Reply::Done),
-        }
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// What the controller says when a Linux guest is asked what only the test guest answers
+    /// (it was `LinuxRequest::try_from`'s refusal, word for word).
+    #[test]
+    fn a_linux_guest_names_hotplug_memory_for_the_test_guests_requests() {
+        assert_eq!(
+            format!("PUT /guest/command {}", LinuxGuest::LACKS),
+            "PUT /guest/command is for the test guest (tinyvmm serve); a Linux guest's memory \
+             changes through /hotplug/memory, and it runs no guest commands"
+        );
     }
 }

@@ -1,6 +1,7 @@
 //! A Linux guest's saved state: what snapshot it is (a migration's State record is none), the
 //! memory layout, every vCPU, the VM's irqchip, PIT and clock, every device, and the machine it
-//! was booted as, framed as the test guest's state file is (its own magic and version). The
+//! was booted as, framed, versioned and checked as every kind's saved state is
+//! (`snapshot::saved`, with its own magic and version). The
 //! device list is checked against the machine: a state file whose devices are not the ones its
 //! configuration has is refused, and a VM with a device that cannot be saved refuses to
 //! snapshot, naming it ([`LinuxMachine::save`]).
@@ -8,21 +9,22 @@
 //! A restore needs no kernel: the kernel is in guest memory. The state names the kernel it
 //! was booted from (path, size and CRC-32) for the record only.
 
+use std::ops::RangeInclusive;
 use std::path::Path;
 use std::sync::Arc;
 
 use kvm_ioctls::VmFd;
-use kvm_memslots_persist::{frame, unframe, MemoryLayout};
+use kvm_memslots_persist::MemoryLayout;
 use kvm_virtio_mem::{TransportState, VirtioMemState};
 use serde::{Deserialize, Serialize};
-use serde_json::Value;
 
 use super::config::{BootConfig, MAX_VCPUS};
 use super::hotplug::{self, VirtioMemDevice};
 use crate::control::memory::RegionPageSize;
 use crate::devices::legacy::{LegacyDevice, LegacyDevices, SerialSnapshot};
 use crate::migration::StateRecord;
-use crate::snapshot::file::{check_register_blocks, read_framed, LINUX_MAGIC};
+use crate::snapshot::file::LINUX_MAGIC;
+use crate::snapshot::saved::{self, SavedState};
 use crate::snapshot::{SnapshotInfo, StateFileError};
 use crate::vm::ports::PortBus;
 use crate::vm::state::{StateError, VcpuState, VmState};
@@ -192,36 +194,39 @@ pub enum LinuxStateError {
     NotSaveable(String),
 }
 
+impl SavedState for LinuxState {
+    const MAGIC: &'static [u8; 8] = LINUX_MAGIC;
+    const VERSIONS: RangeInclusive<u32> = LINUX_STATE_VERSION..=LINUX_STATE_VERSION;
+
+    fn version(&self) -> u32 {
+        self.version
+    }
+
+    fn snapshot(&self) -> Option<&SnapshotInfo> {
+        self.snapshot.as_ref()
+    }
+
+    fn validate(&self) -> Result<(), StateFileError> {
+        LinuxState::validate(self)
+    }
+}
+
 impl LinuxState {
     /// Framed bytes.
     pub fn to_bytes(&self) -> Vec<u8> {
-        let json = serde_json::to_vec(self).expect("a Linux state serialises");
-        frame(LINUX_MAGIC, self.version, &json)
+        saved::to_bytes(self)
     }
 
-    /// Reads framed bytes, and checks them ([`validate`](Self::validate)).
+    /// Reads framed bytes, and checks them ([`validate`](Self::validate),
+    /// [`saved::from_bytes`]).
     pub fn from_bytes(bytes: &[u8]) -> Result<Self, StateFileError> {
-        let bad = StateFileError;
-        let json = unframe(LINUX_MAGIC, LINUX_STATE_VERSION, bytes).map_err(bad)?;
-        let json: Value = serde_json::from_slice(json).map_err(|e| bad(e.to_string()))?;
-        check_register_blocks(&json["vcpus"]).map_err(bad)?;
-        let state: LinuxState = serde_json::from_value(json).map_err(|e| bad(e.to_string()))?;
-        state.validate()?;
-        Ok(state)
+        saved::from_bytes(bytes)
     }
 
     /// Reads and checks the Linux state file at `path` (header first, as every state file;
     /// the error does not name the path).
     pub fn read_file(path: &Path) -> Result<Self, StateFileError> {
-        let state = Self::from_bytes(&read_framed(
-            path,
-            LINUX_MAGIC,
-            LINUX_STATE_VERSION..=LINUX_STATE_VERSION,
-        )?)?;
-        if state.snapshot.is_none() {
-            return Err(StateFileError("it does not say what snapshot it is".into()));
-        }
-        Ok(state)
+        saved::read_file(path)
     }
 
     /// Checks the state against itself: its version, its vCPUs against its machine's, its
@@ -374,6 +379,8 @@ mod tests {
     use crate::devices::legacy::SerialSnapshot;
     use kvm_memslots::testing::FakeKvm;
     use kvm_memslots::{MemoryManager, RegionSpec};
+    use kvm_memslots_persist::frame;
+    use serde_json::Value;
     use vm_memory::GuestAddress;
 
     fn serial() -> SerialSnapshot {

@@ -9,6 +9,7 @@ pub mod file;
 pub mod info;
 pub mod live;
 pub mod pages;
+pub mod saved;
 
 pub use chain::SnapshotChain;
 pub use file::{open_input, GuestKind, StateFileError};

@@ -6,6 +6,7 @@
 //! against themselves ([`SnapshotState::validate`]) before anything is built. The guest's
 //! memory (its command blocks included) is in the memory file beside it.
 
+use std::ops::RangeInclusive;
 use std::path::Path;
 
 use kvm_memslots_persist::{frame, unframe_versions, MemoryLayout};
@@ -14,11 +15,12 @@ use serde_json::Value;
 
 use crate::control::hotplug::HotplugConfig;
 use crate::migration::StateRecord;
-use crate::snapshot::file::{check_register_blocks, read_framed, TEST_GUEST_MAGIC};
+use crate::snapshot::file::{check_register_blocks, TEST_GUEST_MAGIC};
 pub use crate::snapshot::file::{open_input, StateFileError, MAX_STATE_FILE};
 pub use crate::snapshot::info::{
     MemoryCheck, MemoryMismatch, SnapshotId, SnapshotInfo, SnapshotKind, MEMORY_HEAD,
 };
+use crate::snapshot::saved::{self, SavedState};
 use crate::test_guest::controller::HOTPLUG_GPA;
 use crate::test_guest::hotplug::HotplugArea;
 use crate::test_guest::{IDENTITY_MAPPED, MAX_VCPUS};
@@ -156,43 +158,39 @@ impl HotplugState {
 }
 
 /// Reads and checks the state file at `path` (see [`SnapshotState::from_bytes`]), its header
-/// first ([`read_framed`]). The error does not name the path: the caller does.
+/// first (`snapshot::file::read_framed`). The error does not name the path: the caller does.
 pub fn read_state_file(path: &Path) -> Result<SnapshotState, StateFileError> {
-    SnapshotState::from_bytes(&read_framed(
-        path,
-        MAGIC,
-        OLDEST_STATE_VERSION..=STATE_VERSION,
-    )?)
+    saved::read_file(path)
+}
+
+impl SavedState for SnapshotState {
+    const MAGIC: &'static [u8; 8] = MAGIC;
+    const VERSIONS: RangeInclusive<u32> = OLDEST_STATE_VERSION..=STATE_VERSION;
+
+    fn version(&self) -> u32 {
+        self.version
+    }
+
+    fn snapshot(&self) -> Option<&SnapshotInfo> {
+        self.snapshot.as_ref()
+    }
+
+    fn validate(&self) -> Result<(), StateFileError> {
+        SnapshotState::validate(self)
+    }
 }
 
 impl SnapshotState {
-    /// The file's bytes (kvm-memslots-persist's [`frame`]: magic, version, length, JSON, CRC-32).
+    /// The file's bytes (kvm-memslots-persist's `frame`: magic, version, length, JSON, CRC-32).
     pub fn to_bytes(&self) -> Vec<u8> {
-        let json = serde_json::to_vec(self).expect("a snapshot state serialises");
-        frame(MAGIC, self.version, &json)
+        saved::to_bytes(self)
     }
 
     /// Reads a state file's bytes, naming what is wrong with a bad one: the frame's checks,
     /// register blocks of their exact sizes, [`validate`](Self::validate), and it must say
-    /// what snapshot it is.
+    /// what snapshot it is ([`saved::from_bytes`]).
     pub fn from_bytes(bytes: &[u8]) -> Result<Self, StateFileError> {
-        let bad = |why: String| StateFileError(why);
-        let (version, json) =
-            unframe_versions(MAGIC, OLDEST_STATE_VERSION..=STATE_VERSION, bytes).map_err(bad)?;
-        let json: Value = serde_json::from_slice(json).map_err(|e| bad(e.to_string()))?;
-        check_register_blocks(&json["vcpus"]).map_err(bad)?;
-        let state: SnapshotState = serde_json::from_value(json).map_err(|e| bad(e.to_string()))?;
-        if state.version != version {
-            return Err(bad(format!(
-                "the header's version is {version}, the state's {}",
-                state.version
-            )));
-        }
-        state.validate()?;
-        if state.snapshot.is_none() {
-            return Err(bad("it does not say what snapshot it is".into()));
-        }
-        Ok(state)
+        saved::from_bytes(bytes).and_then(saved::of_a_snapshot)
     }
 
     /// The checks [`from_bytes`](Self::from_bytes) makes after parsing, against the state

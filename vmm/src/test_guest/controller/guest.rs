@@ -1,14 +1,17 @@
 //! The test guest's commands: write, verify and write loops on a vCPU, and ending them.
 //!
 //! A command runs on its vCPU while the controller goes on applying other requests: it answers
-//! [`Reply::Deferred`], and the answer comes from [`Controller::settle`] once the guest
-//! reported (the vCPUs' notifier wakes the event loop). What ends a command early (`cancel`,
+//! [`Reply::Deferred`], and the answer comes from the controller's `settle` (the [`Guest`]
+//! trait's, [`TestGuest::collect_commands`]) once the guest reported (the vCPUs' notifier wakes
+//! the event loop). What ends a command early (`cancel`,
 //! a pause, the VMM stopping) sets the command block's `stop` to "now": the guest looks every
 //! 64 addresses and reports how far it got.
 
-use super::Controller;
+use super::TestGuest;
 use crate::control::guest::{GuestCommand, GuestCommandResult, GuestOp};
 use crate::control::{ControllerError, Outcome, Reply, Ticket};
+#[cfg(doc)]
+use crate::controller::Guest;
 use crate::test_guest::vcpus::{GuestError, Vcpus};
 use crate::test_guest::{self, Command, Op};
 
@@ -31,7 +34,7 @@ pub(super) enum Answer {
     Done,
 }
 
-impl Controller {
+impl TestGuest {
     pub(super) fn guest_command(&mut self, command: GuestCommand) -> Outcome {
         let op = match command.op {
             GuestOp::Write => Op::Write,
@@ -361,7 +364,7 @@ mod tests {
 }
 
 /// A change of a region that a running guest command can be in the way of
-/// ([`Controller::refuse_under_commands`]).
+/// ([`TestGuest::refuse_under_commands`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(super) enum RegionChange {
     /// Made read-only.

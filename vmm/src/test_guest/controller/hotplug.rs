@@ -6,7 +6,7 @@ use std::sync::Arc;
 
 use kvm_memslots::RegionChange;
 
-use super::{Controller, HOTPLUG_GPA, MIB};
+use super::{Controller, TestGuest, HOTPLUG_GPA, MIB};
 use crate::control::hotplug::{HotplugConfig, HotplugRequest};
 use crate::control::{ControllerError, ErrorKind};
 use crate::lifecycle::{log, LogLevel};
@@ -22,8 +22,16 @@ impl Controller {
     /// were before pieces kept one slot) then gets its one slot, all such pieces in one
     /// change.
     pub fn with_hotplug(mut self, saved: Option<&HotplugState>) -> Result<Self, ControllerError> {
+        self.guest_mut().restore_hotplug(saved)?;
+        Ok(self)
+    }
+}
+
+impl TestGuest {
+    /// [`Controller::with_hotplug`]'s work.
+    fn restore_hotplug(&mut self, saved: Option<&HotplugState>) -> Result<(), ControllerError> {
         let Some(saved) = saved else {
-            return Ok(self);
+            return Ok(());
         };
         let block = saved.config.block_size_mib;
         let slot_size = saved.config.slot_size_mib.unwrap_or(block) * MIB;
@@ -77,7 +85,7 @@ impl Controller {
             })?;
         }
         self.hotplug = Some(area);
-        Ok(self)
+        Ok(())
     }
 
     pub(super) fn configure_hotplug(

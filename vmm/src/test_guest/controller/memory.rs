@@ -7,7 +7,7 @@ use kvm_memslots::{Backing, RegionId, RegionSpec, PAGE_SIZE};
 use vm_memory::GuestAddress;
 
 use super::guest::RegionChange;
-use super::{Controller, AUTO_PLACE_BASE, MIB};
+use super::{TestGuest, AUTO_PLACE_BASE, MIB};
 use crate::control::memory::{AddRegion, PatchRegion, RegionAdded, RegionBacking};
 use crate::control::vm::RunState;
 use crate::control::ControllerError;
@@ -15,7 +15,7 @@ use crate::test_guest;
 use crate::test_guest::area::{check_area, TestArea};
 use crate::test_guest::hotplug::HotplugArea;
 
-impl Controller {
+impl TestGuest {
     /// The first free place for `size` bytes at or above [`AUTO_PLACE_BASE`], aligned to the
     /// size's largest power-of-two factor up to 2 MiB.
     /// Never inside the hotplug area.
