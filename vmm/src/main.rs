@@ -87,8 +87,9 @@ enum Commands {
     /// Write man pages generated from this command line: tinyvmm.1 and one per subcommand
     /// (tinyvmm-serve.1, ...); `man -l DIR/tinyvmm.1` reads one.
     Man {
-        /// The folder to write them into (created if missing).
-        #[arg(long, default_value = "target/man")]
+        /// The folder to write them into (created if missing); no default, so that they never
+        /// land in whatever folder the command runs from.
+        #[arg(long)]
         dir: std::path::PathBuf,
     },
 }

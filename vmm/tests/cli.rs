@@ -460,6 +460,22 @@ fn completions_and_man_pages_come_from_the_command_line() {
     );
     assert!(dir.join("tinyvmm.1").exists() && dir.join("tinyvmm-client-add-region.1").exists());
     std::fs::remove_dir_all(&dir).expect("cleaned up");
+    // Without a folder, a usage error: the pages never land in whatever folder it runs from.
+    let scratch = std::env::temp_dir().join(format!("tinyvmm-man-cwd-{}", std::process::id()));
+    std::fs::create_dir_all(&scratch).expect("a folder");
+    let refused = Command::new(env!("CARGO_BIN_EXE_tinyvmm"))
+        .arg("man")
+        .current_dir(&scratch)
+        .output()
+        .expect("tinyvmm runs");
+    assert_eq!(refused.status.code(), Some(64), "{}", text(&refused.stderr));
+    assert!(
+        text(&refused.stderr).contains("--dir"),
+        "{}",
+        text(&refused.stderr)
+    );
+    assert_eq!(std::fs::read_dir(&scratch).expect("the folder").count(), 0);
+    std::fs::remove_dir_all(&scratch).expect("cleaned up");
 }
 
 #[test]
