@@ -3,8 +3,15 @@
 # Idempotent; run as root (it installs Debian packages with apt-get when they are missing).
 set -euo pipefail
 
+# The Rust the workspace asks for (`rust-version` in Cargo.toml), and the one installed.
+rust_needed=$(sed -n 's/^rust-version = "\(.*\)"/\1/p' "$(dirname "$0")/../Cargo.toml")
 if ! command -v cargo >/dev/null 2>&1; then
-    echo "error: cargo not found: install Rust 1.85 or newer (rustup) first" >&2
+    echo "error: cargo not found: install Rust $rust_needed or newer (rustup) first" >&2
+    exit 1
+fi
+rust_have=$(rustc --version | awk '{print $2}')
+if [ "$(printf '%s\n' "$rust_needed" "$rust_have" | sort -V | head -n 1)" != "$rust_needed" ]; then
+    echo "error: Rust $rust_have is older than the $rust_needed this project needs (rustup update)" >&2
     exit 1
 fi
 
