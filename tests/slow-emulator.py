@@ -14,11 +14,11 @@ VMM's other threads, the test harnesses) keeps its full speed, as on the slow ma
   with one of the prefixes (the Linux test binaries: `boot-`, `linux_snapshot`). The test
   guest runs in ring 3, natively on every machine of this kind: capping it too would slow
   what a slow machine does not.
-- `--burn`: instead of a cap, each vCPU is paired with a busy loop in a group that weighs as
-  one thread; inside it the vCPU gets PERCENT of what the pair gets, the loop the rest. An
-  emulating vCPU thus takes a whole core's share as on a slow machine (a slow emulator is
-  slow, not idle: without the loop the rest of the suite would get the cores it leaves), and
-  vCPUs that share a core slow each other down as they would there.
+- `--burn`: beside each capped vCPU, a busy loop that follows it: every 100 ms the loop may run
+  what the vCPU ran, times (100 - PERCENT) / PERCENT (capped at a CPU), and it is stopped while
+  the vCPU is halted. An emulating vCPU thus takes a whole core as on a slow machine (a slow
+  emulator is slow, not idle: without the loop the rest of the suite would get the cores it
+  leaves), and an idle one takes nothing.
 
 The probe (`tests/run.sh` prints it; the Linux tests scale their patience with it) reads the
 speed the cap gives: it is capped wherever it runs. Needs root and a cgroup-v1 `cpu`
@@ -87,9 +87,21 @@ def group_of(path, **settings):
     return path
 
 
-def cap(tid, percent, burn):
-    """Caps `tid`, or with `burn` pairs it with a busy loop; returns the loop, if any."""
-    if not burn:
+def cpu_ns(tid):
+    """The time `tid` has run on a CPU, in nanoseconds (None once it ended)."""
+    try:
+        with open(f"/proc/{tid}/schedstat") as file:
+            return int(file.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+class Capped:
+    """A capped vCPU thread, and with `--burn` its busy loop and what the loop last got."""
+
+    def __init__(self, tid, percent, burn):
+        self.tid = tid
+        self.percent = percent
         quota_us = max(1000, int(PERIOD_US * percent / 100))
         group = group_of(
             os.path.join(GROUP, f"t{tid}"),
@@ -97,56 +109,77 @@ def cap(tid, percent, burn):
             cpu__cfs_quota_us=quota_us,
         )
         write(os.path.join(group, "tasks"), tid)
-        return None
-    # The pair competes as one thread would; inside it the vCPU gets `percent` of what the
-    # pair gets whenever both can run, the busy loop the rest.
-    pair = group_of(os.path.join(GROUP, f"p{tid}"), cpu__shares=1024)
-    vcpu_shares = max(2, round(1024 * percent / 100))
-    vcpu = group_of(os.path.join(pair, "vcpu"), cpu__shares=vcpu_shares)
-    loop = group_of(os.path.join(pair, "loop"), cpu__shares=max(2, 1024 - vcpu_shares))
-    write(os.path.join(vcpu, "tasks"), tid)
-    burner = subprocess.Popen(
-        ["sh", "-c", "while :; do :; done"],
-        stdin=subprocess.DEVNULL,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    write(os.path.join(loop, "tasks"), burner.pid)
-    return burner
+        self.burner = None
+        if burn:
+            self.burner = subprocess.Popen(
+                ["sh", "-c", "while :; do :; done"],
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+            )
+            os.kill(self.burner.pid, signal.SIGSTOP)
+            self.stopped = True
+            loop = group_of(
+                os.path.join(GROUP, f"b{tid}"),
+                cpu__cfs_period_us=PERIOD_US,
+                cpu__cfs_quota_us=1000,
+            )
+            write(os.path.join(loop, "tasks"), self.burner.pid)
+            self.last = (time.monotonic(), cpu_ns(tid) or 0)
 
+    def follow(self):
+        """Gives the busy loop what the vCPU ran since the last call, scaled: an emulating
+        vCPU that ran PERCENT of a CPU takes a whole one, a halted one takes nothing."""
+        if self.burner is None:
+            return
+        now, ran = time.monotonic(), cpu_ns(self.tid)
+        if ran is None:
+            return
+        then, before = self.last
+        self.last = (now, ran)
+        share = (ran - before) / 1e9 / max(now - then, 1e-3)
+        loop_share = min(1.0, share * (100 - self.percent) / self.percent)
+        if loop_share < 0.05:
+            if not self.stopped:
+                os.kill(self.burner.pid, signal.SIGSTOP)
+                self.stopped = True
+            return
+        try:
+            write(
+                os.path.join(GROUP, f"b{self.tid}", "cpu.cfs_quota_us"),
+                max(1000, int(PERIOD_US * loop_share)),
+            )
+        except OSError:
+            pass
+        if self.stopped:
+            os.kill(self.burner.pid, signal.SIGCONT)
+            self.stopped = False
 
-def weigh(capped):
-    """Gives the parent group one thread's weight per pair, as the pairs' threads would have."""
-    try:
-        write(os.path.join(GROUP, "cpu.shares"), max(2, 1024 * len(capped)))
-    except OSError:
-        pass
+    def ended(self):
+        """Whether the thread has ended; then removes its groups and stops its loop."""
+        group = os.path.join(GROUP, f"t{self.tid}")
+        try:
+            with open(os.path.join(group, "tasks")) as file:
+                if file.read().strip():
+                    return False
+        except OSError:
+            pass
+        if self.burner is not None:
+            self.burner.kill()
+            self.burner.wait()
+        for path in [group, os.path.join(GROUP, f"b{self.tid}")]:
+            try:
+                os.rmdir(path)
+            except OSError:
+                pass
+        return True
 
 
 def sweep(capped):
-    """Removes the groups (and stops the busy loops) of threads that have ended."""
-    for tid, burner in list(capped.items()):
-        if burner is None:
-            groups = [os.path.join(GROUP, f"t{tid}")]
-        else:
-            pair = os.path.join(GROUP, f"p{tid}")
-            groups = [os.path.join(pair, "vcpu"), os.path.join(pair, "loop"), pair]
-        try:
-            with open(os.path.join(groups[0], "tasks")) as file:
-                if file.read().strip():
-                    continue
-        except OSError:
-            pass
-        if burner is not None:
-            burner.kill()
-            burner.wait()
-        for group in groups:
-            try:
-                os.rmdir(group)
-            except OSError:
-                pass
-        del capped[tid]
-    weigh(capped)
+    """Forgets the threads that have ended."""
+    for tid, entry in list(capped.items()):
+        if entry.ended():
+            del capped[tid]
 
 
 def main():
@@ -174,7 +207,7 @@ def main():
     print(
         f"slow-emulator: vCPU threads{' under ' + ','.join(prefixes) if prefixes else ''} "
         f"capped at {percent:g}% of a CPU"
-        f"{', each beside a busy loop for the rest' if burn else ''}",
+        f"{', each followed by a busy loop for the rest' if burn else ''}",
         file=sys.stderr,
     )
 
@@ -188,12 +221,14 @@ def main():
         for tid in vcpu_threads(prefixes):
             if tid not in capped:
                 try:
-                    capped[tid] = cap(tid, percent, burn)
+                    capped[tid] = Capped(tid, percent, burn)
                     total += 1
-                    weigh(capped)
                 except OSError:
                     pass  # the thread ended in between
         rounds += 1
+        if rounds % 5 == 0:
+            for entry in capped.values():
+                entry.follow()
         if rounds % 25 == 0:
             sweep(capped)
         time.sleep(0.02)
@@ -203,9 +238,9 @@ def main():
         if not capped:
             break
         time.sleep(0.02)
-    for burner in capped.values():
-        if burner is not None:
-            burner.kill()
+    for entry in capped.values():
+        if entry.burner is not None:
+            entry.burner.kill()
     try:
         os.rmdir(GROUP)
     except OSError:
