@@ -10,8 +10,9 @@ tinyvmm names them, and the ring-0 speed probe's, `ring0-speed`) at PERCENT of o
 in its own cgroup-v1 `cpu` group, while the command runs. Everything else (the build, the
 VMM's other threads, the test harnesses) keeps its full speed, as on the slow machine.
 
-- `--under PREFIX,...`: cap only the vCPUs of processes with an ancestor whose name starts
-  with one of the prefixes (the Linux test binaries: `boot-`, `linux_snapshot`). The test
+- `--under PREFIX,...`: cap only the vCPUs of processes that are, or descend from, one whose
+  name starts with one of the prefixes (the Linux test binaries: `boot-`, whose VMs run in its
+  own process, and `linux_snapshot`, whose VMs are `tinyvmm` processes it starts). The test
   guest runs in ring 3, natively on every machine of this kind: capping it too would slow
   what a slow machine does not.
 - `--burn`: beside each capped vCPU, a busy loop that follows it: every 100 ms the loop may run
@@ -44,7 +45,7 @@ def write(path, value):
 
 
 def ancestors(pid):
-    """The names of `pid`'s ancestors, nearest first."""
+    """The names of `pid` and its ancestors, itself first."""
     names = []
     while pid > 1:
         try:
@@ -75,7 +76,7 @@ def vcpu_threads(prefixes):
             if not NAMES.match(name):
                 continue
             if name == "ring0-speed" or not prefixes or any(
-                a.startswith(prefixes) for a in ancestors(int(pid))[1:]
+                a.startswith(prefixes) for a in ancestors(int(pid))
             ):
                 yield int(tid)
 
