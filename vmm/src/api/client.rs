@@ -197,7 +197,12 @@ impl Client {
                 }
             }
             self.until(deadline)?;
-            let n = self.stream.read(&mut chunk).map_err(|e| self.io(e))?;
+            // A signal that comes to this process during the read (one the test harness or a
+            // caller handles without SA_RESTART) is no answer: read again, within the deadline.
+            let n = match self.stream.read(&mut chunk) {
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+                read => read.map_err(|e| self.io(e))?,
+            };
             if n == 0 {
                 return Err(ClientError::Answer(format!(
                     "connection closed after {} bytes of an answer",
