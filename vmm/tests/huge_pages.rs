@@ -9,6 +9,7 @@
 //! They need free pages in the host's hugetlb pool (`resources/setup-host.sh` reserves some);
 //! without them they say so loudly (`SKIPPED <test>: <why>`) and return.
 
+mod support;
 use std::path::PathBuf;
 use std::thread::JoinHandle;
 
@@ -112,40 +113,6 @@ impl Drop for Vmm {
     }
 }
 
-/// Bytes of hugetlb pages the process has mapped in `[hva, hva + len)` (smaps'
-/// `Private_Hugetlb` and `Shared_Hugetlb` of the mappings there): what the region holds of
-/// the pool, whatever other tests take from it meanwhile.
-fn hugetlb_bytes(hva: u64, len: u64) -> u64 {
-    let smaps = std::fs::read_to_string("/proc/self/smaps").expect("read /proc/self/smaps");
-    let mut inside = false;
-    let mut kib = 0;
-    for line in smaps.lines() {
-        let first = line.split_whitespace().next().unwrap_or_default();
-        if let Some((start, end)) = first.split_once('-') {
-            if let (Ok(start), Ok(end)) =
-                (u64::from_str_radix(start, 16), u64::from_str_radix(end, 16))
-            {
-                inside = start < hva + len && hva < end;
-                continue;
-            }
-        }
-        if !inside {
-            continue;
-        }
-        for field in ["Private_Hugetlb:", "Shared_Hugetlb:"] {
-            if let Some(value) = line.strip_prefix(field) {
-                kib += value
-                    .trim()
-                    .trim_end_matches("kB")
-                    .trim()
-                    .parse::<u64>()
-                    .expect("a size");
-            }
-        }
-    }
-    kib * 1024
-}
-
 /// Serves the test guest with 8 MiB of initial memory in 2 MiB pages over two slots (in a
 /// memfd if `memfd`): the guest writes and verifies it, the region is hugetlb-backed, a Full
 /// snapshot restored by copy reports 2 MiB pages and the guest verifies what it wrote.
@@ -178,7 +145,7 @@ fn served_with_huge_pages(test: &str, memfd: bool) {
     vmm.guest("verify", start, end, 38);
     let hva = regions[0]["host_address"].as_u64().expect("an address");
     assert_eq!(
-        hugetlb_bytes(hva, 8 * MIB),
+        support::hugetlb_bytes(hva, 8 * MIB),
         8 * MIB,
         "the guest's writes landed in huge pages"
     );
@@ -206,7 +173,7 @@ fn served_with_huge_pages(test: &str, memfd: bool) {
     );
     let hva = regions[0]["host_address"].as_u64().expect("an address");
     assert_eq!(
-        hugetlb_bytes(hva, 8 * MIB),
+        support::hugetlb_bytes(hva, 8 * MIB),
         8 * MIB,
         "copied into huge pages"
     );
@@ -309,13 +276,17 @@ fn kvm_the_hotplug_area_with_2m_pages_gives_huge_pages_back_on_unplug() {
     write(gpa + 8, 0x38_0001);
     write(gpa + 3 * MIB, 0x38_0002);
     assert_eq!((read(gpa + 8), read(gpa + 3 * MIB)), (0x38_0001, 0x38_0002));
-    assert_eq!(hugetlb_bytes(hva, 4 * MIB), 4 * MIB, "two huge pages");
+    assert_eq!(
+        support::hugetlb_bytes(hva, 4 * MIB),
+        4 * MIB,
+        "two huge pages"
+    );
 
     // One block unplugged, the piece stays: its huge page goes back to the pool.
     plug(1);
     assert_eq!(piece(), Some(hva), "the piece stays");
     assert_eq!(
-        hugetlb_bytes(hva, 4 * MIB),
+        support::hugetlb_bytes(hva, 4 * MIB),
         2 * MIB,
         "the unplugged block's huge page is freed"
     );

@@ -14,6 +14,7 @@
 )]
 mod driver;
 
+mod support;
 use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
 
@@ -669,36 +670,6 @@ fn kvm_a_guest_touching_an_unplugged_block_under_its_pieces_slot_goes_on() {
     vcpus.shut_down().expect("clean stop");
 }
 
-/// Bytes of hugetlb pages this process maps in `[hva, hva + len)` (smaps' `Private_Hugetlb`
-/// and `Shared_Hugetlb`): what a region holds of the pool, whatever other tests take meanwhile.
-fn hugetlb_bytes(hva: u64, len: u64) -> u64 {
-    let smaps = std::fs::read_to_string("/proc/self/smaps").expect("read /proc/self/smaps");
-    let mut inside = false;
-    let mut kib = 0;
-    for line in smaps.lines() {
-        let first = line.split_whitespace().next().unwrap_or_default();
-        if let Some((start, end)) = first.split_once('-') {
-            if let (Ok(start), Ok(end)) =
-                (u64::from_str_radix(start, 16), u64::from_str_radix(end, 16))
-            {
-                inside = start < hva + len && hva < end;
-                continue;
-            }
-        }
-        for field in ["Private_Hugetlb:", "Shared_Hugetlb:"] {
-            if let Some(value) = line.strip_prefix(field).filter(|_| inside) {
-                kib += value
-                    .trim()
-                    .trim_end_matches("kB")
-                    .trim()
-                    .parse::<u64>()
-                    .expect("a size");
-            }
-        }
-    }
-    kib * 1024
-}
-
 /// A Linux guest's virtio-mem device with 2 MiB pages (`--hotplug-page-size 2m`): the pieces
 /// the guest plugs are hugetlb regions, `GET /hotplug/memory` says so, and each block the guest
 /// unplugs gives its huge page back.
@@ -756,11 +727,19 @@ fn kvm_virtio_mem_with_2m_pages_plugs_huge_pages_and_gives_them_back() {
             .expect("plugged memory is writable");
     }
     drop(snapshot);
-    assert_eq!(hugetlb_bytes(hva, 4 * MIB), 4 * MIB, "two huge pages");
+    assert_eq!(
+        support::hugetlb_bytes(hva, 4 * MIB),
+        4 * MIB,
+        "two huge pages"
+    );
     // The second block unplugged, the piece stays: its huge page goes back.
     assert_eq!(guest.unplug(base + 2 * MIB, 1), RESP_ACK);
     assert_eq!(piece(), Some(hva));
-    assert_eq!(hugetlb_bytes(hva, 4 * MIB), 2 * MIB, "one huge page left");
+    assert_eq!(
+        support::hugetlb_bytes(hva, 4 * MIB),
+        2 * MIB,
+        "one huge page left"
+    );
     // The first too: the piece goes.
     assert_eq!(guest.unplug(base, 1), RESP_ACK);
     assert_eq!(piece(), None);

@@ -315,3 +315,37 @@ pub fn area_end(api: &Path, area: u64) -> u64 {
         .max()
         .expect("serve has initial memory")
 }
+
+/// Bytes of hugetlb pages the process has mapped in `[hva, hva + len)` (smaps'
+/// `Private_Hugetlb` and `Shared_Hugetlb` of the mappings there): what the region holds of
+/// the pool, whatever other tests take from it meanwhile.
+pub fn hugetlb_bytes(hva: u64, len: u64) -> u64 {
+    let smaps = std::fs::read_to_string("/proc/self/smaps").expect("read /proc/self/smaps");
+    let mut inside = false;
+    let mut kib = 0;
+    for line in smaps.lines() {
+        let first = line.split_whitespace().next().unwrap_or_default();
+        if let Some((start, end)) = first.split_once('-') {
+            if let (Ok(start), Ok(end)) =
+                (u64::from_str_radix(start, 16), u64::from_str_radix(end, 16))
+            {
+                inside = start < hva + len && hva < end;
+                continue;
+            }
+        }
+        if !inside {
+            continue;
+        }
+        for field in ["Private_Hugetlb:", "Shared_Hugetlb:"] {
+            if let Some(value) = line.strip_prefix(field) {
+                kib += value
+                    .trim()
+                    .trim_end_matches("kB")
+                    .trim()
+                    .parse::<u64>()
+                    .expect("a size");
+            }
+        }
+    }
+    kib * 1024
+}
