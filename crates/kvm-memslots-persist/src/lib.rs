@@ -22,6 +22,7 @@ mod error;
 mod frame;
 pub mod layout;
 pub mod memory_file;
+mod sparse;
 pub mod stream;
 pub mod uffd;
 pub mod working_set;

@@ -114,7 +114,7 @@ use kvm_memslots::{KvmMemory, MemoryManager, PageSize, RegionMemory, HUGE_PAGE_S
 
 use crate::error::SnapshotError;
 use crate::layout::{LayoutBacking, LayoutPageSize, MemoryLayout};
-use crate::memory_file::{file_data_runs, range_has_data};
+use crate::sparse::{file_data_runs, range_has_data};
 use crate::working_set::WorkingSet;
 
 const UFFDIO: u32 = 0xAA;
