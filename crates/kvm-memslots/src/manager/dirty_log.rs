@@ -9,10 +9,12 @@ use vm_memory::GuestAddress;
 use super::consumers::share;
 use super::plan::{KvmOp, Step};
 use super::{region_slots, reserve, Broken, Harvestable, MemoryManager, State, Target, NO_LEASE};
-use crate::dirty::{DirtyConsumer, DirtyPages, PendingBits};
+use crate::dirty::{DirtyConsumer, DirtyPages};
 use crate::error::Error;
 use crate::kvm::{KvmMemory, KvmSlot};
-use crate::memory::{GuestSlotData, RegionId};
+use crate::memory::GuestSlotData;
+use crate::pending::PendingBits;
+use crate::region_memory::RegionId;
 use crate::GuestMemoryMap;
 use crate::PAGE_SIZE;
 

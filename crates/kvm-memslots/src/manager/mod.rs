@@ -24,16 +24,16 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use memslot_map::{
     AddressRange, Change, MapConfig, MapError, MapWriter, MemslotMap, SharedMap, SlotFlags, SlotId,
 };
-use vm_memory::GuestAddress;
+use vm_memory::{GuestAddress, GuestAddressSpace};
 use vmm_sys_util::errno::Error as Errno;
 
-use crate::dirty::{DirtyConsumer, PendingBits};
+use crate::dirty::DirtyConsumer;
 use crate::error::Error;
 use crate::kvm::{KvmMemory, KvmSlot};
 use crate::limits::{Limit, MemoryLimits, MemoryUse};
-use crate::memory::{
-    GuestMemoryHandle, GuestMemoryView, GuestSlotData, RegionId, RegionMemory, SlotBacking,
-};
+use crate::memory::{GuestMemorySlots, GuestMemoryView, GuestSlotData, SlotBacking};
+use crate::pending::PendingBits;
+use crate::region_memory::{RegionId, RegionMemory};
 use crate::{MapGuard, PAGE_SIZE};
 pub use batch::RegionChange;
 use plan::{KvmOp, Step};
@@ -42,7 +42,7 @@ pub use spec::{HvaMatch, RegionInfo, RegionSpec, Reslot, SlotUsage, Target, KVM_
 
 // Names the tests (`use super::*`) need that this module itself no longer uses.
 #[cfg(test)]
-use crate::memory::Backing;
+use crate::region_memory::Backing;
 #[cfg(test)]
 use memslot_map::HostAddress;
 
@@ -236,6 +236,20 @@ pub struct MemoryManager<K: KvmMemory> {
     in_flight: Mutex<Option<Arc<MemslotMap<SlotBacking>>>>,
 }
 
+/// The handle devices and vCPU threads use to reach guest memory: a vm-memory
+/// `GuestAddressSpace` whose `memory()` is a lock-free snapshot of the current version.
+#[derive(Debug, Clone)]
+pub struct GuestMemoryHandle(pub(crate) Arc<SharedMap<SlotBacking, State>>);
+
+impl GuestAddressSpace for GuestMemoryHandle {
+    type M = GuestMemorySlots;
+    type T = GuestMemoryView;
+
+    fn memory(&self) -> GuestMemoryView {
+        GuestMemoryView(self.0.load_full())
+    }
+}
+
 impl<K: KvmMemory> MemoryManager<K> {
     /// A manager with no memory, for the VM behind `kvm`, with this host's default limits
     /// ([`MemoryLimits::for_this_host`]).
@@ -358,7 +372,6 @@ impl<K: KvmMemory> MemoryManager<K> {
     /// The current version of guest memory, as a vm-memory view to read and write through
     /// (what `handle().memory()` gives).
     pub fn current(&self) -> GuestMemoryView {
-        use vm_memory::GuestAddressSpace;
         self.handle().memory()
     }
 

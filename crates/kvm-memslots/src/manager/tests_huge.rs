@@ -8,7 +8,9 @@ use vm_memory::Bytes;
 
 use super::*;
 use crate::error::ErrorKind;
-use crate::memory::{hugetlb_pages_available, Backing, PageSize, RegionMemory, HUGE_PAGE_SIZE};
+use crate::region_memory::{
+    hugetlb_pages_available, Backing, PageSize, RegionMemory, HUGE_PAGE_SIZE,
+};
 use crate::testing::{FakeKvm, Faulty};
 
 type Manager = MemoryManager<Faulty<FakeKvm>>;
