@@ -62,19 +62,18 @@
 //! the loader forgets a region whose mapping is gone (its pages are owed no more, and are not
 //! prefetched).
 //!
-//! **Working sets** ([`LazyOptions`]): the handler sees every first touch, so it can record
-//! the pages in that order ([`Recording`]) until told to stop, for a set time, or until the
-//! loader ends, and hand the list ([`WorkingSet`](crate::WorkingSet)) over. Given such a list, it fills those
-//! pages ahead of the guest, in the list's order, a window of up to 256 pages at a time (one
-//! block where that is larger: a 2 MiB page) (one `pread` of the window, one `UFFDIO_COPY` per
-//! run of units in it, 64 copies at most), and looks for faults between windows: a fault is
-//! served first, so a page the guest needs before the prefetch reaches it waits for one window
-//! at most (64 copies, or one 2 MiB copy). Prefetching in the handler's own thread keeps a
-//! discard exact: the handler marks a discarded range as soon as it reads the event, before it
-//! fills anything else, and skips marked pages; a copy the kernel refuses while a discard is
-//! under way (`EAGAIN`) is tried again after the handler has read it. A page filled twice (a
-//! fault on a page the prefetch filled meanwhile, `EEXIST`) keeps its first fill, and the
-//! faulting thread is woken.
+//! **Working sets** ([`LazyOptions`]): the handler sees every first touch, so it can record the
+//! pages in that order ([`Recording`]) until told to stop, for a set time, or until the loader
+//! ends, and hand the list ([`WorkingSet`](crate::WorkingSet)) over. Given such a list, it fills
+//! those pages ahead of the guest, in the list's order, a window of up to 256 pages at a time (one
+//! block where that is larger: a 2 MiB page) (one `pread` of the window, one `UFFDIO_COPY` per run
+//! of units in it, 64 copies at most), and looks for faults between windows: a fault is served
+//! first, so a page the guest needs before the prefetch reaches it waits for one window at most (64
+//! copies, or one 2 MiB copy). Prefetching in the handler's own thread keeps a discard exact: the
+//! handler marks a discarded range as soon as it reads the event, before it fills anything else,
+//! and skips marked pages; a copy the kernel refuses while a discard is under way (`EAGAIN`) is
+//! tried again after the handler has read it. A page filled twice (a fault on a page the prefetch
+//! filled meanwhile, `EEXIST`) keeps its first fill, and the faulting thread is woken.
 //!
 //! # Example
 //!

@@ -33,10 +33,11 @@ struct Owed {
     stats: Arc<LoaderStats>,
 }
 
-/// The byte ranges of `memory` (offsets in it, whole pages) that a live [`LazyLoader`](crate::LazyLoader) of this
-/// process still owes: pages it has not filled yet (nor seen discarded) that are data in the
-/// memory file it restores from. Empty for memory no loader serves. Touching such a page fills
-/// it (the loader serves the fault), so reading guest memory there reads the file's data.
+/// The byte ranges of `memory` (offsets in it, whole pages) that a live
+/// [`LazyLoader`](crate::LazyLoader) of this process still owes: pages it has not filled yet (nor
+/// seen discarded) that are data in the memory file it restores from. Empty for memory no loader
+/// serves. Touching such a page fills it (the loader serves the fault), so reading guest memory
+/// there reads the file's data.
 pub(crate) fn owed_runs(memory: &RegionMemory) -> Result<Vec<Range<u64>>, SnapshotError> {
     let (base, size) = (memory.host_address(), memory.size());
     // The loaders' regions that overlap `memory`: those starting before its end, back to the

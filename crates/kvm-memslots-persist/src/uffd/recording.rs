@@ -25,10 +25,11 @@ impl std::fmt::Debug for Recording {
 }
 
 impl Recording {
-    /// Records until [`LazyLoader::stop_recording`](crate::LazyLoader::stop_recording), until the loader is dropped, or (given
-    /// `until`) for that long after the loader starts, whichever comes first; then hands the
-    /// list, of snapshot `snapshot` ([`WorkingSet::snapshot`]), to `done`, once. `done` runs
-    /// on the thread that ends the recording (the handler's, for a set time): keep it short.
+    /// Records until [`LazyLoader::stop_recording`](crate::LazyLoader::stop_recording), until
+    /// the loader is dropped, or (given `until`) for that long after the loader starts,
+    /// whichever comes first; then hands the list, of snapshot `snapshot`
+    /// ([`WorkingSet::snapshot`]), to `done`, once. `done` runs on the thread that ends the
+    /// recording (the handler's, for a set time): keep it short.
     pub fn new(
         snapshot: u128,
         until: Option<Duration>,

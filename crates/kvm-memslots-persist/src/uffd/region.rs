@@ -9,7 +9,7 @@ use kvm_memslots::{PageSize, RegionMemory, HUGE_PAGE_SIZE, PAGE_SIZE};
 
 /// Pages a prefetch reads and fills at a time (in at most 64 copies, the handler's
 /// `WINDOW_COPIES`): a fault waits for one window at most.
-pub(super) const WINDOW: u64 = 256;
+const WINDOW: u64 = 256;
 
 /// One registered region: where its mapping was, its place in the file, and the pages filled
 /// so far (a later fault there follows a discard: zeros). A page is marked filled once its fill
@@ -25,7 +25,7 @@ pub(super) const WINDOW: u64 = 256;
 /// mapped after a fill woke the thread that then removes the region): a fill of a region gone
 /// fails in the kernel, which only fills what is registered with this loader.
 pub(super) struct Lazy {
-    pub(super) memory: Weak<RegionMemory>,
+    memory: Weak<RegionMemory>,
     pub(super) base: u64,
     pub(super) size: u64,
     pub(super) file_offset: u64,
@@ -39,7 +39,7 @@ pub(super) struct Lazy {
     /// Its pages are hugetlb pages, which `UFFDIO_ZEROPAGE` does not fill: zeros are copied.
     pub(super) hugetlb: bool,
     /// One bit a unit.
-    pub(super) filled: Vec<AtomicU64>,
+    filled: Vec<AtomicU64>,
 }
 
 impl Lazy {
