@@ -34,8 +34,8 @@ pub use manager::{
 };
 pub use memory::{GuestMemorySlots, GuestMemoryView, GuestSlot, GuestSlotData, SlotBacking};
 pub use region_memory::{
-    hugetlb_pages_available, split_by, Access, Backing, MappingError, PageSize, RegionId,
-    RegionMemory, HUGE_PAGE_SIZE,
+    hugetlb_pages_available, on_hugetlbfs, split_by, Access, Backing, MappingError, PageSize,
+    RegionId, RegionMemory, HUGE_PAGE_SIZE,
 };
 pub use ring::{RingCollection, RingError, MIN_RING_ENTRIES};
 

@@ -492,6 +492,39 @@ fn new_memfd(size: u64, hugetlb: bool) -> Result<File, MappingError> {
 
 /// Checks that `file` is on hugetlbfs with 2 MiB pages.
 fn check_hugetlbfs(file: &File) -> Result<(), MappingError> {
+    match file_system(file) {
+        Err(e) => Err(MappingError::NotHugetlbfs {
+            found: format!("fstatfs failed: {e}"),
+        }),
+        Ok(FileSystem::Hugetlbfs2M) => Ok(()),
+        Ok(FileSystem::Hugetlbfs { page_size }) => Err(MappingError::NotHugetlbfs {
+            found: format!("hugetlbfs of {} KiB pages", page_size / 1024),
+        }),
+        Ok(FileSystem::Other { magic }) => Err(MappingError::NotHugetlbfs {
+            found: format!("file system type {magic:#x}"),
+        }),
+    }
+}
+
+/// Whether `file` is on a hugetlbfs mount of 2 MiB pages (a memfd made `MFD_HUGETLB` is too),
+/// which a mapping of it gets whatever it asks for, and which refuses `write`s: its pages are
+/// written through a shared mapping.
+pub fn on_hugetlbfs(file: &File) -> std::io::Result<bool> {
+    Ok(file_system(file)? == FileSystem::Hugetlbfs2M)
+}
+
+/// What `fstatfs` says of a file's file system, as far as page sizes go.
+#[derive(Debug, PartialEq, Eq)]
+enum FileSystem {
+    /// hugetlbfs of 2 MiB pages.
+    Hugetlbfs2M,
+    /// hugetlbfs of pages of another size.
+    Hugetlbfs { page_size: u64 },
+    /// Any other file system, by its `f_type`.
+    Other { magic: i64 },
+}
+
+fn file_system(file: &File) -> std::io::Result<FileSystem> {
     use std::os::fd::AsRawFd;
     /// hugetlbfs's `f_type` (linux/magic.h).
     const HUGETLBFS_MAGIC: i64 = 0x9584_58f6;
@@ -499,25 +532,17 @@ fn check_hugetlbfs(file: &File) -> Result<(), MappingError> {
     let mut fs: libc::statfs = unsafe { std::mem::zeroed() };
     // SAFETY: `file` owns an open descriptor for the call; `fs` is a valid, writable statfs.
     if unsafe { libc::fstatfs(file.as_raw_fd(), &mut fs) } != 0 {
-        return Err(MappingError::NotHugetlbfs {
-            found: format!("fstatfs failed: {}", std::io::Error::last_os_error()),
-        });
+        return Err(std::io::Error::last_os_error());
     }
     #[allow(clippy::unnecessary_cast)] // f_type's type differs between C libraries.
     let magic = fs.f_type as i64;
-    if magic != HUGETLBFS_MAGIC {
-        return Err(MappingError::NotHugetlbfs {
-            found: format!("file system type {magic:#x}"),
-        });
-    }
     #[allow(clippy::unnecessary_cast)]
     let block = fs.f_bsize as u64;
-    if block != HUGE_PAGE_SIZE {
-        return Err(MappingError::NotHugetlbfs {
-            found: format!("hugetlbfs of {} KiB pages", block / 1024),
-        });
-    }
-    Ok(())
+    Ok(match (magic, block) {
+        (HUGETLBFS_MAGIC, HUGE_PAGE_SIZE) => FileSystem::Hugetlbfs2M,
+        (HUGETLBFS_MAGIC, page_size) => FileSystem::Hugetlbfs { page_size },
+        (magic, _) => FileSystem::Other { magic },
+    })
 }
 
 /// The hugetlb pool's 2 MiB pages that are neither in use nor promised to a mapping
