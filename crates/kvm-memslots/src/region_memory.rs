@@ -74,7 +74,9 @@ pub enum PageSize {
     Huge2M,
     /// Transparent huge pages: base-page anonymous memory or memfd that the kernel may back
     /// with 2 MiB pages (`madvise(MADV_HUGEPAGE)`; for a memfd only where the host's
-    /// `shmem_enabled` allows it). Accepts what [`PageSize::Base`] accepts.
+    /// `shmem_enabled` allows it). Accepts what [`PageSize::Base`] accepts. A caller's file
+    /// takes them only shared and on tmpfs (a memfd another process handed over, say): a
+    /// private file mapping has none.
     Transparent,
 }
 
@@ -101,10 +103,10 @@ impl PageSize {
     }
 
     /// Whether memory of `backing` can have this page size: transparent huge pages are for
-    /// anonymous memory and memfds, not a caller's file.
+    /// anonymous memory and memfds, not a private file mapping (a shared one must be of a
+    /// file on tmpfs, which the mapping checks).
     pub fn fits(self, backing: &Backing) -> bool {
-        !(self == PageSize::Transparent
-            && matches!(backing, Backing::File(_) | Backing::PrivateFile(_)))
+        !(self == PageSize::Transparent && matches!(backing, Backing::PrivateFile(_)))
     }
 }
 
@@ -130,6 +132,12 @@ pub enum MappingError {
     NotHugetlbfs {
         /// What the file's file system is: another file system, or hugetlbfs of another
         /// page size.
+        found: String,
+    },
+    /// A file given for transparent huge pages is not on tmpfs (a memfd is).
+    #[error("the file for transparent huge pages is not on tmpfs, as a memfd is ({found})")]
+    NotShmem {
+        /// What the file's file system is.
         found: String,
     },
     /// `madvise(MADV_HUGEPAGE)` failed.
@@ -201,6 +209,9 @@ impl RegionMemory {
             Backing::File(fo) | Backing::PrivateFile(fo) => {
                 if hugetlb {
                     check_hugetlbfs(fo.file())?;
+                }
+                if page_size == PageSize::Transparent {
+                    check_shmem(fo.file())?;
                 }
                 Some(fo.clone())
             }
@@ -500,8 +511,28 @@ fn check_hugetlbfs(file: &File) -> Result<(), MappingError> {
         Ok(FileSystem::Hugetlbfs { page_size }) => Err(MappingError::NotHugetlbfs {
             found: format!("hugetlbfs of {} KiB pages", page_size / 1024),
         }),
+        Ok(FileSystem::Tmpfs) => Err(MappingError::NotHugetlbfs {
+            found: "tmpfs".to_owned(),
+        }),
         Ok(FileSystem::Other { magic }) => Err(MappingError::NotHugetlbfs {
             found: format!("file system type {magic:#x}"),
+        }),
+    }
+}
+
+/// Checks that `file` is on tmpfs (shmem: a memfd, or a file of a tmpfs mount), where a
+/// shared mapping can have transparent huge pages.
+fn check_shmem(file: &File) -> Result<(), MappingError> {
+    match file_system(file) {
+        Ok(FileSystem::Tmpfs) => Ok(()),
+        Ok(FileSystem::Hugetlbfs2M | FileSystem::Hugetlbfs { .. }) => Err(MappingError::NotShmem {
+            found: "hugetlbfs".to_owned(),
+        }),
+        Ok(FileSystem::Other { magic }) => Err(MappingError::NotShmem {
+            found: format!("file system type {magic:#x}"),
+        }),
+        Err(e) => Err(MappingError::NotShmem {
+            found: format!("fstatfs failed: {e}"),
         }),
     }
 }
@@ -520,6 +551,8 @@ enum FileSystem {
     Hugetlbfs2M,
     /// hugetlbfs of pages of another size.
     Hugetlbfs { page_size: u64 },
+    /// tmpfs (shmem), where memfds live.
+    Tmpfs,
     /// Any other file system, by its `f_type`.
     Other { magic: i64 },
 }
@@ -528,6 +561,8 @@ fn file_system(file: &File) -> std::io::Result<FileSystem> {
     use std::os::fd::AsRawFd;
     /// hugetlbfs's `f_type` (linux/magic.h).
     const HUGETLBFS_MAGIC: i64 = 0x9584_58f6;
+    /// tmpfs's `f_type` (linux/magic.h).
+    const TMPFS_MAGIC: i64 = 0x0102_1994;
     // SAFETY: an all-zero `statfs` is a valid value of the plain C struct.
     let mut fs: libc::statfs = unsafe { std::mem::zeroed() };
     // SAFETY: `file` owns an open descriptor for the call; `fs` is a valid, writable statfs.
@@ -541,6 +576,7 @@ fn file_system(file: &File) -> std::io::Result<FileSystem> {
     Ok(match (magic, block) {
         (HUGETLBFS_MAGIC, HUGE_PAGE_SIZE) => FileSystem::Hugetlbfs2M,
         (HUGETLBFS_MAGIC, page_size) => FileSystem::Hugetlbfs { page_size },
+        (TMPFS_MAGIC, _) => FileSystem::Tmpfs,
         (magic, _) => FileSystem::Other { magic },
     })
 }
