@@ -501,13 +501,14 @@ fn file_clone(name: &str, state: &Path, mem: &Path) -> Vmm {
 /// clones restored from it with the file backend map every region in 2 MiB pages, each
 /// guest verifies the template's data, then writes its own and verifies it; neither sees the
 /// other's writes, and a clone started after them still reads the template's. A Diff on the
-/// mount is refused.
+/// mount is refused; a live Full there (its later rounds written over its first) restores
+/// its point.
 #[test]
 fn kvm_clones_of_a_template_on_hugetlbfs_map_2m_pages_and_keep_their_writes_apart() {
     let test = "kvm_clones_of_a_template_on_hugetlbfs_map_2m_pages_and_keep_their_writes_apart";
-    // The source's 4 pages and the template's 5 (the 2 MiB system region's one too), then the
-    // template's 5 and each of two clones' 5 reserved for its private copies.
-    if !can_run(test, 15) {
+    // The source's 4 pages and two templates' 5 each (the 2 MiB system region's one too),
+    // then the templates' 10 and each of two clones' 5 reserved for its private copies.
+    if !can_run(test, 20) {
         return;
     }
     let Some(mount) = HugetlbfsMount::new(test, "clones") else {
@@ -545,6 +546,28 @@ fn kvm_clones_of_a_template_on_hugetlbfs_map_2m_pages_and_keep_their_writes_apar
         "{answer}"
     );
     assert!(!diff_mem.exists(), "a refused Diff leaves no file");
+    // A live Full there too, its later rounds written over its first: half the area
+    // rewritten first.
+    source.ok("PATCH", "/vm", Some(json!({"state": "Resumed"})));
+    source.guest("write", start, start + 4 * MIB, 39);
+    let (live_state, live_mem) = (dir.join("live.state"), mount.path("live.mem"));
+    let live = json!({"snapshot_type": "Full", "snapshot_path": live_state,
+                      "mem_file_path": live_mem, "live": true});
+    source.ok("PUT", "/snapshot/create", Some(live));
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(120);
+    loop {
+        let info = source.ok("GET", "/snapshot", None);
+        let phase = info["phase"].as_str().expect("a phase").to_owned();
+        if !["setup", "pre_copy", "stop_and_copy"].contains(&phase.as_str()) {
+            assert_eq!(phase, "completed", "{info}");
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the live Full never ended: {info}"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(10));
+    }
     source.stop();
     let meta = std::fs::metadata(&mem).expect("the template");
     assert_eq!(
@@ -599,6 +622,12 @@ fn kvm_clones_of_a_template_on_hugetlbfs_map_2m_pages_and_keep_their_writes_apar
     third.ok("PATCH", "/vm", Some(json!({"state": "Resumed"})));
     third.guest("verify", start, end, 38);
     third.stop();
+    // A clone of the live Full reads its point.
+    let fourth = file_clone("clone-d", &live_state, &live_mem);
+    fourth.ok("PATCH", "/vm", Some(json!({"state": "Resumed"})));
+    fourth.guest("verify", start, start + 4 * MIB, 39);
+    fourth.guest("verify", start + 4 * MIB, end, 38);
+    fourth.stop();
     let _ = std::fs::remove_dir_all(&dir);
     drop(mount);
 }

@@ -29,13 +29,34 @@ pub(crate) fn is_hugetlbfs(file: &File) -> Result<bool, SnapshotError> {
 /// for and holes elsewhere, and hugetlbfs reports no holes.
 pub(crate) fn refuse_diff(file: &File, what: &str) -> Result<(), SnapshotError> {
     if is_hugetlbfs(file)? {
-        return Err(SnapshotError::Unsupported(format!(
-            "{what} is on hugetlbfs: a Diff says which pages it holds by the file's holes, and \
-             hugetlbfs reports none (every byte of its files reads as data); write Diffs to \
-             another file system and merge the chain into a file on hugetlbfs"
-        )));
+        return Err(diff_on_hugetlbfs(what));
     }
     Ok(())
+}
+
+/// Refuses to start a Diff in `file` on hugetlbfs: an empty file there. Dirty pages written
+/// into a file that has its size already (a live Full's later rounds, over its first) are a
+/// full file's, which hugetlbfs keeps.
+pub(crate) fn refuse_new_diff(file: &File, what: &str) -> Result<(), SnapshotError> {
+    let empty = || -> Result<bool, SnapshotError> {
+        Ok(file
+            .metadata()
+            .map_err(io("reading the memory file's size"))?
+            .len()
+            == 0)
+    };
+    if is_hugetlbfs(file)? && empty()? {
+        return Err(diff_on_hugetlbfs(what));
+    }
+    Ok(())
+}
+
+fn diff_on_hugetlbfs(what: &str) -> SnapshotError {
+    SnapshotError::Unsupported(format!(
+        "{what} is on hugetlbfs: a Diff says which pages it holds by the file's holes, and \
+         hugetlbfs reports none (every byte of its files reads as data); write Diffs to \
+         another file system and merge the chain into a file on hugetlbfs"
+    ))
 }
 
 /// A memory file on hugetlbfs being written: sized to whole 2 MiB pages and mapped shared,
@@ -44,14 +65,17 @@ pub(crate) struct HugetlbfsFile<'a> {
     file: &'a File,
     /// The whole file, shared and `MAP_NORESERVE`; `None` for an empty file.
     mapping: Option<MmapRegion<()>>,
-    /// Per 2 MiB page of the file: allocated (by this writer, or possibly before it).
+    /// Per 2 MiB page of the file: allocated by this writer.
     allocated: Vec<bool>,
+    /// The file was empty: a page this writer did not allocate is a hole.
+    fresh: bool,
 }
 
 impl<'a> HugetlbfsFile<'a> {
     /// Sizes `file` (on hugetlbfs) to `size` bytes, which must be whole 2 MiB pages, and maps
     /// it. Pages of a file that was empty are known to be holes; those of one that had data
-    /// are taken as allocated (and written over, zeros included).
+    /// may hold some, so they are written over, zeros included (each allocated first all the
+    /// same: `fallocate` of a page the file has already is a no-op).
     pub(crate) fn new(file: &'a File, size: u64) -> Result<Self, SnapshotError> {
         if !size.is_multiple_of(HUGE_PAGE_SIZE) {
             return Err(SnapshotError::Unsupported(format!(
@@ -88,16 +112,17 @@ impl<'a> HugetlbfsFile<'a> {
         Ok(HugetlbfsFile {
             file,
             mapping,
-            allocated: vec![before != 0; (size / HUGE_PAGE_SIZE) as usize],
+            allocated: vec![false; (size / HUGE_PAGE_SIZE) as usize],
+            fresh: before == 0,
         })
     }
 
-    /// Writes `buf` at `at`. A buffer of zeros over pages that are holes is not written: they
-    /// read zeros already, and stay holes.
+    /// Writes `buf` at `at`. A buffer of zeros over pages that are holes (of a file that was
+    /// empty) is not written: they read zeros already, and stay holes.
     pub(crate) fn write(&mut self, buf: &[u8], at: u64) -> Result<(), SnapshotError> {
         let end = at + buf.len() as u64;
         let pages = at / HUGE_PAGE_SIZE..end.div_ceil(HUGE_PAGE_SIZE);
-        let holes = pages.clone().all(|p| !self.allocated[p as usize]);
+        let holes = self.fresh && pages.clone().all(|p| !self.allocated[p as usize]);
         if buf.is_empty() || (holes && buf.iter().all(|b| *b == 0)) {
             return Ok(());
         }

@@ -26,7 +26,7 @@ use std::sync::Arc;
 use kvm_memslots::{DirtyPages, KvmMemory, MemoryManager, RegionMemory, PAGE_SIZE};
 
 use crate::error::{io, SnapshotError};
-use crate::hugetlbfs::{is_hugetlbfs, refuse_diff, HugetlbfsFile};
+use crate::hugetlbfs::{is_hugetlbfs, refuse_diff, refuse_new_diff, HugetlbfsFile};
 use crate::layout::MemoryLayout;
 use crate::sparse::file_data_runs;
 
@@ -377,15 +377,17 @@ fn non_zero_runs(memory: &RegionMemory, run: Range<u64>) -> Vec<Range<u64>> {
 /// A diff snapshot: the pages of `dirty` (harvests of `memory`) into `file` (created empty by
 /// the caller), sized to the layout, at the same offsets as a full snapshot of it. Regions are
 /// matched by id, so a harvest taken before a region moved still lands at its pages; a
-/// harvested region the layout no longer has (removed since) has nothing to keep. Refused on
-/// hugetlbfs ([`SnapshotError::Unsupported`]): its files have no holes to tell a Diff's pages.
+/// harvested region the layout no longer has (removed since) has nothing to keep. Refused into
+/// an empty file on hugetlbfs ([`SnapshotError::Unsupported`]): its files have no holes to
+/// tell a Diff's pages by. Into a full file there (sized already: a live Full's later rounds
+/// over its first), the pages are written as [`write_memory_file`] writes them.
 pub fn write_dirty_pages<K: KvmMemory>(
     memory: &MemoryManager<K>,
     layout: &MemoryLayout,
     dirty: &[DirtyPages],
     file: &File,
 ) -> Result<WriteStats, SnapshotError> {
-    refuse_diff(file, "the Diff's memory file")?;
+    refuse_new_diff(file, "the Diff's memory file")?;
     dirty_pages(Writer::new(memory, layout, file, None)?, dirty)
 }
 
@@ -398,7 +400,7 @@ pub fn write_dirty_pages_sliced<K: KvmMemory>(
     file: &File,
     slices: Slices<'_>,
 ) -> Result<WriteStats, SnapshotError> {
-    refuse_diff(file, "the Diff's memory file")?;
+    refuse_new_diff(file, "the Diff's memory file")?;
     dirty_pages(Writer::new(memory, layout, file, Some(slices))?, dirty)
 }
 

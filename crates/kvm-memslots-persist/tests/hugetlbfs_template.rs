@@ -2,7 +2,8 @@
 //! hugetlbfs mount): a Full written there through its mapping keeps its 2 MiB holes, a chain
 //! merged there reads as the Full of its last point, and clones restored from it
 //! (`build_from_file`) map every region in 2 MiB pages and share its pages until they write.
-//! A Diff there and a layout that is not whole 2 MiB pages are refused, naming why. Tests that
+//! Dirty pages written over a Full there (a live Full's later rounds) update it. A Diff
+//! started there and a layout that is not whole 2 MiB pages are refused, naming why. Tests that
 //! need the hugetlb pool skip loudly where it is too small.
 
 mod support;
@@ -202,6 +203,37 @@ fn a_chain_merged_onto_hugetlbfs_reads_as_the_full_of_its_last_point() {
         merged.metadata().expect("metadata").blocks() * 512,
         3 * HUGE_PAGE_SIZE
     );
+}
+
+/// A live Full's later rounds write dirty pages over its first on hugetlbfs: the file then
+/// holds the last point's memory, zeros written over data included.
+#[test]
+fn dirty_pages_written_over_a_full_on_hugetlbfs_update_it() {
+    let test = "dirty_pages_written_over_a_full_on_hugetlbfs_update_it";
+    // The source's 3 pages and the file's 3 with data.
+    if !pool_has(test, 3 + 3) {
+        return;
+    }
+    let a = source();
+    a.start_dirty_log(Target::All).expect("logging");
+    let layout = MemoryLayout::of(&a);
+    let full = hugetlbfs_file();
+    write_memory_file(&a, &layout, &full).expect("the first round");
+    a.harvest_dirty(Target::All)
+        .expect("the first round's harvest");
+    let mem = a.handle().memory();
+    mem.write_slice(&[0xe6; 16], GuestAddress(HUGE + HUGE_PAGE_SIZE + 4096))
+        .expect("written");
+    mem.write_slice(&[0; PAGE_SIZE as usize], GuestAddress(HUGE + 3 * PAGE_SIZE))
+        .expect("zeroed");
+    drop(mem);
+    let dirty = a
+        .harvest_dirty(Target::All)
+        .expect("the next round's harvest");
+    write_dirty_pages(&a, &layout, &dirty, &full).expect("a later round");
+    let mut bytes = vec![0u8; layout.memory_file_size() as usize];
+    full.read_exact_at(&mut bytes, 0).expect("read");
+    assert_eq!(bytes, contents(&a), "the file is the last round's memory");
 }
 
 #[test]
