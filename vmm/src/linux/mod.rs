@@ -26,7 +26,6 @@ pub mod restore;
 pub mod state;
 pub mod vcpus;
 
-use std::os::fd::RawFd;
 use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
 use std::time::Duration;
@@ -374,12 +373,13 @@ impl LinuxVm {
         &self.machine
     }
 
-    /// The event loop's part of the guest: console input from `input` (a terminal) into the
-    /// serial FIFO, and the i8042's reset line, which sets `reset_seen`.
+    /// The event loop's part of the guest: console input from the host's terminal on stdin
+    /// (with `stdin`) into the serial FIFO, and the i8042's reset line, which sets
+    /// `reset_seen`.
     pub fn console(
         &self,
         reset_seen: Arc<AtomicBool>,
-        input: Option<RawFd>,
+        stdin: bool,
     ) -> Result<ConsoleSubscriber, BootError> {
         Ok(ConsoleSubscriber {
             devices: Arc::clone(&self.machine.devices),
@@ -388,7 +388,7 @@ impl LinuxVm {
                 .try_clone()
                 .map_err(|e| BootError::Device(DeviceError::new("i8042 reset", e)))?,
             reset_seen,
-            input,
+            stdin,
         })
     }
 

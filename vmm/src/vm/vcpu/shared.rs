@@ -12,6 +12,7 @@ use std::time::{Duration, Instant};
 use kvm_ioctls::VcpuFd;
 
 use super::counters::ExitCounters;
+use crate::host::{self, ThreadId};
 use crate::vm::state::{StateError, VcpuState, SAVED_MSRS};
 
 extern "C" fn ignore_signal(_: libc::c_int, _: *mut libc::siginfo_t, _: *mut libc::c_void) {}
@@ -58,7 +59,7 @@ pub struct VcpuShared {
     /// The vCPU thread, for kicks from any host thread: set when the thread starts, taken
     /// back by the thread itself before it returns (so before anyone can join it). A kick
     /// signals it while holding the lock, so it never signals a thread that was joined.
-    thread: Mutex<Option<libc::pthread_t>>,
+    thread: Mutex<Option<ThreadId>>,
     /// Set when the vCPU's loop has ended (its thread may still be finishing).
     finished: AtomicBool,
     /// The guest's instruction pointer when the loop ended on an error.
@@ -140,11 +141,11 @@ impl VcpuShared {
         }
         let thread = self.thread.lock().unwrap_or_else(|p| p.into_inner());
         if let Some(thread) = *thread {
-            // SAFETY: `thread` is the vCPU's own pthread id, put here by the thread itself,
-            // which takes it back (under this lock, held until the signal is sent) before it
+            // SAFETY: `thread` is the vCPU's own thread, put here by the thread itself, which
+            // takes it back (under this lock, held until the signal is sent) before it
             // returns: the thread has not returned, so it cannot have been joined, and the id
             // names it. The kick signal's handler is a no-op installed before any vCPU runs.
-            unsafe { libc::pthread_kill(thread, kick_signal()) };
+            let _ = unsafe { host::signal_thread(thread, kick_signal()) };
         }
     }
 
@@ -283,9 +284,7 @@ impl VcpuShared {
     /// Called on the vCPU's own thread as it starts: kicks reach the thread from now on, and
     /// its exits count in the process's totals ([`exit_totals`](super::exit_totals)).
     pub(super) fn thread_started(&self) {
-        // SAFETY: pthread_self has no preconditions.
-        let me = unsafe { libc::pthread_self() };
-        *self.thread.lock().unwrap_or_else(|p| p.into_inner()) = Some(me);
+        *self.thread.lock().unwrap_or_else(|p| p.into_inner()) = Some(host::current_thread());
         super::counters::register(Arc::clone(&self.counters));
     }
 
