@@ -50,7 +50,9 @@ pub fn kick_until_finished<T>(thread: &JoinHandle<T>, timeout: Duration) -> bool
 pub struct VcpuShared {
     /// Exit counts (also in the process's totals once the vCPU's thread started).
     pub counters: Arc<ExitCounters>,
-    /// Where MMIO exits are expected (see [`ExitContext::expected_mmio`](crate::vm::exit::ExitContext::expected_mmio)).
+    /// Where MMIO exits are expected (see [`ExitContext::expected_mmio`]).
+    ///
+    /// [`ExitContext::expected_mmio`]: crate::vm::exit::ExitContext::expected_mmio
     pub expected_mmio: Mutex<Option<Range<u64>>>,
     /// Set to make the vCPU stop at its next exit (kick it to make that exit come soon).
     pub stop: AtomicBool,
