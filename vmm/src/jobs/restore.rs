@@ -13,7 +13,6 @@ use std::sync::Arc;
 use vmm_sys_util::eventfd::EventFd;
 
 use super::boot::{run_linux, BootJobError, LinuxRun};
-use super::serve::ServeError;
 use super::working_set::WorkingSetFiles;
 use crate::api::server::ApiSocket;
 use crate::linux::state::LinuxState;
@@ -22,8 +21,24 @@ use crate::test_guest::controller::Controller;
 use crate::test_guest::snapshot::{
     open_input, read_state_file, MemoryMismatch, SnapshotInfo, SnapshotKind,
 };
-use crate::test_guest::vcpus::{MemBackend, TestVm};
+use crate::test_guest::vcpus::{GuestError, MemBackend, TestVm};
 use crate::vm::VmOptions;
+
+/// Why a test guest could not be restored (`serve` with a snapshot).
+#[derive(Debug, thiserror::Error)]
+pub enum RestoreError {
+    /// A snapshot file could not be read or is not valid.
+    #[error("cannot restore from {path}: {reason}")]
+    File {
+        /// The file.
+        path: PathBuf,
+        /// What is wrong.
+        reason: String,
+    },
+    /// The VM could not be rebuilt.
+    #[error(transparent)]
+    Vm(#[from] GuestError),
+}
 
 /// The files of a snapshot to restore from.
 #[derive(Debug, Clone)]
@@ -65,9 +80,9 @@ pub(crate) fn restored_controller(
     from: &RestoreFrom,
     options: VmOptions,
     stopped: &Arc<EventFd>,
-) -> Result<Controller, ServeError> {
+) -> Result<Controller, RestoreError> {
     // Nothing runs until every byte is loaded and every vCPU has its state.
-    let refused = |path: &PathBuf, reason: String| ServeError::Restore {
+    let refused = |path: &PathBuf, reason: String| RestoreError::File {
         path: path.clone(),
         reason,
     };
@@ -83,7 +98,7 @@ pub(crate) fn restored_controller(
     Controller::new(vm, vcpus)
         .paused()
         .with_hotplug(state.hotplug.as_ref())
-        .map_err(|e| ServeError::Restore {
+        .map_err(|e| RestoreError::File {
             path: from.snapshot.clone(),
             reason: e.to_string(),
         })

@@ -6,7 +6,7 @@
 use std::path::PathBuf;
 use std::time::Duration;
 
-use super::restore::{restored_controller, RestoreFrom};
+use super::restore::{restored_controller, RestoreError, RestoreFrom};
 use super::run_loop::RunLoop;
 use crate::api::server::{ApiSocket, SocketError, DEFAULT_IDLE_TIMEOUT};
 use crate::lifecycle::{log, Ending, LogLevel, LoopError};
@@ -31,14 +31,9 @@ pub enum ServeError {
     /// The event loop failed.
     #[error(transparent)]
     Loop(#[from] LoopError),
-    /// A snapshot file could not be read or is not valid.
-    #[error("cannot restore from {path}: {reason}")]
-    Restore {
-        /// The file.
-        path: PathBuf,
-        /// What is wrong.
-        reason: String,
-    },
+    /// The VM to serve could not be restored from its snapshot.
+    #[error(transparent)]
+    Restore(#[from] RestoreError),
 }
 
 /// What `tinyvmm serve` starts with.
