@@ -1546,18 +1546,9 @@ fn kvm_a_stream_with_valid_checksums_but_inconsistent_contents_is_refused() {
     }
     use tinyvmm::snapshot::state::STATE_VERSION;
     let layout = one_region_layout();
-    // As sent, the stream is taken: the VM runs (paused) on the destination.
-    let (mut destination, listen) = Vmm::receive("crafted-ok", &[]);
-    let mut stream = UnixStream::connect(&listen).expect("connect");
-    stream
-        .write_all(&stream_with_state(&layout, &state_json(), STATE_VERSION))
-        .expect("send");
-    destination.wait_for_api();
-    assert_eq!(destination.ok("GET", "/vm", None)["state"], "Paused");
-    destination.ok("PUT", "/actions", Some(json!({"action_type": "Stop"})));
-    destination.wait(Duration::from_secs(30));
-    // So is one from an older source: the test guest's own State record (`TVMMIGR`, version
-    // 3: the state under `snapshot`, beside `paused`).
+    // As sent, the stream is taken: the VM runs (paused) on the destination. So is one from
+    // an older source: the test guest's own State record (`TVMMIGR`, version 3: the state
+    // under `snapshot`, beside `paused`).
     let mut older = state_json();
     let fields = older.as_object_mut().expect("an object");
     for envelope_only in ["kind", "vm", "guest"] {
@@ -1567,17 +1558,27 @@ fn kvm_a_stream_with_valid_checksums_but_inconsistent_contents_is_refused() {
     older["version"] = json!(3);
     older["hotplug"] = Value::Null;
     let older = json!({"snapshot": older, "paused": paused});
-    let record =
+    let older =
         kvm_memslots_persist::frame(b"TVMMIGR\0", 3, &serde_json::to_vec(&older).expect("JSON"));
-    let (mut destination, listen) = Vmm::receive("crafted-older-ok", &[]);
-    let mut stream = UnixStream::connect(&listen).expect("connect");
-    stream
-        .write_all(&stream_with_record(&layout, &record))
-        .expect("send");
-    destination.wait_for_api();
-    assert_eq!(destination.ok("GET", "/vm", None)["state"], "Paused");
-    destination.ok("PUT", "/actions", Some(json!({"action_type": "Stop"})));
-    destination.wait(Duration::from_secs(30));
+    for (name, sent) in [
+        (
+            "crafted-ok",
+            stream_with_state(&layout, &state_json(), STATE_VERSION),
+        ),
+        ("crafted-older-ok", stream_with_record(&layout, &older)),
+    ] {
+        let (mut destination, listen) = Vmm::receive(name, &[]);
+        let mut stream = UnixStream::connect(&listen).expect("connect");
+        stream.write_all(&sent).expect("send");
+        destination.wait_for_api();
+        assert_eq!(
+            destination.ok("GET", "/vm", None)["state"],
+            "Paused",
+            "{name}"
+        );
+        destination.ok("PUT", "/actions", Some(json!({"action_type": "Stop"})));
+        destination.wait(Duration::from_secs(30));
+    }
 
     // A register block 8 bytes short.
     let mut short = state_json();

@@ -320,7 +320,7 @@ impl StateRecord for LinuxRecord {
 mod tests {
     use super::*;
     use crate::devices::legacy::SerialSnapshot;
-    use crate::snapshot::state::{STATE_MAGIC, STATE_VERSION};
+    use crate::snapshot::state::{test_data, STATE_MAGIC, STATE_VERSION};
     use kvm_memslots::testing::FakeKvm;
     use kvm_memslots::{MemoryManager, RegionSpec};
     use kvm_memslots_persist::frame;
@@ -494,14 +494,6 @@ mod tests {
         );
     }
 
-    /// The bytes of `name` in `vmm/tests/data`.
-    fn data(name: &str) -> Vec<u8> {
-        let path = Path::new(env!("CARGO_MANIFEST_DIR"))
-            .join("tests/data")
-            .join(name);
-        std::fs::read(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
-    }
-
     /// A state file and a State record as the builds before the one envelope wrote them (a
     /// Linux guest's own format, `TVMLINUX` version 1, made by those builds' code) read as
     /// this format's, every field where it was; written again, they are this format.
@@ -522,7 +514,7 @@ mod tests {
             ("linux-v1.state", true, false),
             ("linux-v1.record", false, true),
         ] {
-            let bytes = data(name);
+            let bytes = test_data(name);
             assert!(bytes.starts_with(b"TVMLINUX"), "{name}");
             assert_eq!(
                 GuestKind::of_bytes(&bytes).expect("a kind"),
@@ -552,7 +544,7 @@ mod tests {
             assert_eq!(back.guest, state.guest);
         }
         // An older state whose header and body disagree.
-        let bytes = data("linux-v1.state");
+        let bytes = test_data("linux-v1.state");
         let json = kvm_memslots_persist::unframe(b"TVMLINUX", 1, &bytes).expect("a frame");
         let mut json: Value = serde_json::from_slice(json).expect("JSON");
         json["version"] = 2.into();

@@ -193,6 +193,7 @@ impl StateRecord for MigrationRecord {
 mod tests {
     use super::*;
     use crate::snapshot::state::file::check_register_blocks;
+    use crate::snapshot::state::test_data;
     use crate::vm::state::{VcpuState, SAVED_MSRS};
     use kvm_memslots::testing::FakeKvm;
     use kvm_memslots::{MemoryManager, RegionSpec};
@@ -403,14 +404,6 @@ mod tests {
         assert!(err.starts_with("vCPU 0's sregs has"), "{err}");
     }
 
-    /// The bytes of `name` in `vmm/tests/data`.
-    fn data(name: &str) -> Vec<u8> {
-        let path = Path::new(env!("CARGO_MANIFEST_DIR"))
-            .join("tests/data")
-            .join(name);
-        std::fs::read(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
-    }
-
     /// State files and State records as the builds before the one envelope wrote them (the
     /// test guest's own formats, `TVMSNAP` and `TVMMIGR` versions 2 and 3, made by those
     /// builds' code: one vCPU, a hotplug area with 5 blocks plugged, a Diff's identity) read
@@ -423,7 +416,7 @@ mod tests {
             ("test-guest-v2.record", b"TVMMIGR\0", false, true),
             ("test-guest-v3.record", b"TVMMIGR\0", false, true),
         ] {
-            let bytes = data(name);
+            let bytes = test_data(name);
             assert!(bytes.starts_with(magic), "{name}");
             assert_eq!(
                 GuestKind::of_bytes(&bytes).expect("a kind"),
@@ -460,7 +453,7 @@ mod tests {
         // record's state of a version never written, and an older record with a field it
         // never had: each refused, naming it.
         let older = |magic: &[u8; 8], version: u32, change: &dyn Fn(&mut serde_json::Value)| {
-            let bytes = data(if magic == b"TVMSNAP\0" {
+            let bytes = test_data(if magic == b"TVMSNAP\0" {
                 "test-guest-v3.state"
             } else {
                 "test-guest-v3.record"
@@ -495,7 +488,7 @@ mod tests {
         let why = older(b"TVMSNAP\0", 3, &|json| json["extra"] = 1.into());
         assert!(why.contains("unknown field `extra`"), "{why}");
         // A Linux guest's older state is not the test guest's.
-        let why = SnapshotState::from_bytes(&data("linux-v1.state"))
+        let why = SnapshotState::from_bytes(&test_data("linux-v1.state"))
             .expect_err("refused")
             .to_string();
         assert!(
@@ -507,7 +500,7 @@ mod tests {
     /// This format's state: checked as the test guest's, and refused naming what is wrong.
     #[test]
     fn a_test_guest_state_is_checked_as_the_test_guest_s() {
-        let state = SnapshotState::from_bytes(&data("test-guest-v3.state")).expect("valid");
+        let state = SnapshotState::from_bytes(&test_data("test-guest-v3.state")).expect("valid");
         let json = serde_json::to_value(&state).expect("JSON");
         assert_eq!(json["kind"], "test_guest");
         assert_eq!(json["guest"]["hotplug"]["plugged_blocks"], 5);

@@ -234,3 +234,13 @@ fn format_of(header: &[u8]) -> (&'static [u8; 8], std::ops::RangeInclusive<u32>)
         None => (STATE_MAGIC, versions()),
     }
 }
+
+/// The bytes of `name` in `vmm/tests/data`: saved states of older formats, which each guest
+/// kind's tests read.
+#[cfg(test)]
+pub(crate) fn test_data(name: &str) -> Vec<u8> {
+    let path = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/data")
+        .join(name);
+    std::fs::read(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
+}
