@@ -1512,7 +1512,7 @@ fn kvm_a_write_loop_goes_on_through_unplugs_inside_its_piece() {
 
 /// The State record of a one-vCPU VM of [`one_region_layout`], as JSON to tamper with.
 fn state_json() -> Value {
-    use tinyvmm::test_guest::snapshot::{MigrationState, SnapshotState, STATE_VERSION};
+    use tinyvmm::test_guest::snapshot::{SnapshotState, TestGuestPart};
     use tinyvmm::vm::state::VcpuState;
     let vcpu = VcpuState {
         regs: kvm_bindings::kvm_regs {
@@ -1534,16 +1534,13 @@ fn state_json() -> Value {
         mp_state: None,
         cpuid: Vec::new(),
     };
-    let state = MigrationState {
-        snapshot: SnapshotState {
-            version: STATE_VERSION,
-            layout: one_region_layout(),
-            vcpus: vec![vcpu],
-            hotplug: None,
-            snapshot: None,
-        },
-        paused: true,
-    };
+    let state = SnapshotState::new(
+        one_region_layout(),
+        vec![vcpu],
+        None,
+        true,
+        TestGuestPart::default(),
+    );
     serde_json::to_value(&state).expect("a state serialises")
 }
 
@@ -1551,12 +1548,18 @@ fn state_json() -> Value {
 /// JSON framed as `version` of the format) and Done; every checksum valid.
 fn stream_with_state(layout: &MemoryLayout, state: &Value, version: u32) -> Vec<u8> {
     let json = serde_json::to_vec(state).expect("JSON");
+    stream_with_record(
+        layout,
+        &kvm_memslots_persist::frame(tinyvmm::snapshot::state::STATE_MAGIC, version, &json),
+    )
+}
+
+/// As [`stream_with_state`], with the State record's bytes `record` as they are.
+fn stream_with_record(layout: &MemoryLayout, record: &[u8]) -> Vec<u8> {
     let mut writer = StreamWriter::new(Vec::new());
     writer.hello(layout).expect("hello");
     writer.end_round().expect("a round");
-    writer
-        .state(&kvm_memslots_persist::frame(b"TVMMIGR\0", version, &json))
-        .expect("state");
+    writer.state(record).expect("state");
     writer.done().expect("done");
     writer.get_ref().clone()
 }
@@ -1568,33 +1571,52 @@ fn kvm_a_stream_with_valid_checksums_but_inconsistent_contents_is_refused() {
     ) {
         return;
     }
-    use tinyvmm::test_guest::snapshot::MIGRATION_STATE_VERSION;
+    use tinyvmm::snapshot::state::STATE_VERSION;
     let layout = one_region_layout();
-    // As sent, the stream is taken: the VM runs (paused) on the destination.
-    let (mut destination, listen) = Vmm::receive("crafted-ok", &[]);
-    let mut stream = UnixStream::connect(&listen).expect("connect");
-    stream
-        .write_all(&stream_with_state(
-            &layout,
-            &state_json(),
-            MIGRATION_STATE_VERSION,
-        ))
-        .expect("send");
-    destination.wait_for_api();
-    assert_eq!(destination.ok("GET", "/vm", None)["state"], "Paused");
-    destination.ok("PUT", "/actions", Some(json!({"action_type": "Stop"})));
-    destination.wait(Duration::from_secs(30));
+    // As sent, the stream is taken: the VM runs (paused) on the destination. So is one from
+    // an older source: the test guest's own State record (`TVMMIGR`, version 3: the state
+    // under `snapshot`, beside `paused`).
+    let mut older = state_json();
+    let fields = older.as_object_mut().expect("an object");
+    for envelope_only in ["kind", "vm", "guest"] {
+        fields.remove(envelope_only);
+    }
+    let paused = fields.remove("paused").expect("paused");
+    older["version"] = json!(3);
+    older["hotplug"] = Value::Null;
+    let older = json!({"snapshot": older, "paused": paused});
+    let older =
+        kvm_memslots_persist::frame(b"TVMMIGR\0", 3, &serde_json::to_vec(&older).expect("JSON"));
+    for (name, sent) in [
+        (
+            "crafted-ok",
+            stream_with_state(&layout, &state_json(), STATE_VERSION),
+        ),
+        ("crafted-older-ok", stream_with_record(&layout, &older)),
+    ] {
+        let (mut destination, listen) = Vmm::receive(name, &[]);
+        let mut stream = UnixStream::connect(&listen).expect("connect");
+        stream.write_all(&sent).expect("send");
+        destination.wait_for_api();
+        assert_eq!(
+            destination.ok("GET", "/vm", None)["state"],
+            "Paused",
+            "{name}"
+        );
+        destination.ok("PUT", "/actions", Some(json!({"action_type": "Stop"})));
+        destination.wait(Duration::from_secs(30));
+    }
 
     // A register block 8 bytes short.
     let mut short = state_json();
-    let regs = short["snapshot"]["vcpus"][0]["regs"]
+    let regs = short["vcpus"][0]["regs"]
         .as_array_mut()
         .expect("the registers' bytes");
     let size = regs.len();
     regs.truncate(size - 8);
     let stderr = receive_bytes(
         "short-regs",
-        &stream_with_state(&layout, &short, MIGRATION_STATE_VERSION),
+        &stream_with_state(&layout, &short, STATE_VERSION),
     );
     // Named with both sizes (the State record's checks catch it before the decoding does).
     assert!(
@@ -1605,14 +1627,13 @@ fn kvm_a_stream_with_valid_checksums_but_inconsistent_contents_is_refused() {
     );
 
     // A State record, or a layout, from a newer version of the format: both versions named.
-    let newer = MIGRATION_STATE_VERSION + 1;
+    let newer = STATE_VERSION + 1;
     let stderr = receive_bytes(
         "newer-state",
         &stream_with_state(&layout, &state_json(), newer),
     );
-    let expected = format!(
-        "State record): format version {newer}; this build reads versions 2 to {MIGRATION_STATE_VERSION}"
-    );
+    let expected =
+        format!("State record): format version {newer}; this build reads version {STATE_VERSION}");
     assert!(stderr.contains(&expected), "{stderr}");
     let newer_layout = MemoryLayout {
         version: LAYOUT_VERSION + 1,
@@ -1620,7 +1641,7 @@ fn kvm_a_stream_with_valid_checksums_but_inconsistent_contents_is_refused() {
     };
     let stderr = receive_bytes(
         "newer-layout",
-        &stream_with_state(&newer_layout, &state_json(), MIGRATION_STATE_VERSION),
+        &stream_with_state(&newer_layout, &state_json(), STATE_VERSION),
     );
     let expected = format!(
         "format version {}; this build reads version {LAYOUT_VERSION}",
@@ -1928,7 +1949,7 @@ fn kvm_a_stream_with_valid_checksums_but_a_wrong_page_is_refused_by_its_digest()
     }
     use kvm_memslots::testing::FakeKvm;
     use kvm_memslots::{MemoryManager, RegionSpec};
-    use tinyvmm::test_guest::snapshot::MIGRATION_STATE_VERSION;
+    use tinyvmm::snapshot::state::{STATE_MAGIC, STATE_VERSION};
     use vm_memory::{Bytes, GuestAddress, GuestAddressSpace};
     // The stream of a paused one-vCPU VM whose memory holds one page of data at 1 MiB.
     let layout = one_region_layout();
@@ -1948,8 +1969,8 @@ fn kvm_a_stream_with_valid_checksums_but_a_wrong_page_is_refused_by_its_digest()
     writer.end_round().expect("a round");
     writer
         .state(&kvm_memslots_persist::frame(
-            b"TVMMIGR\0",
-            MIGRATION_STATE_VERSION,
+            STATE_MAGIC,
+            STATE_VERSION,
             &json,
         ))
         .expect("state");

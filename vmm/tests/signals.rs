@@ -409,7 +409,7 @@ fn snapshot_merge_names_a_bad_state_file_and_changes_nothing() {
         .expect("tinyvmm runs");
     let stderr = String::from_utf8_lossy(&output.stderr);
     assert_eq!(output.status.code(), Some(1), "{stderr}");
-    assert!(stderr.contains("no TVMSNAP magic"), "{stderr}");
+    assert!(stderr.contains("no TVMSTATE magic"), "{stderr}");
     assert!(!merged.exists(), "nothing is written");
     assert_eq!(
         std::fs::read(&base).expect("read"),

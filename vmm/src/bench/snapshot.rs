@@ -34,7 +34,7 @@ use serde::Serialize;
 use vmm_sys_util::eventfd::EventFd;
 
 use crate::test_guest::area::{AreaError, TestArea, AREA_GPA};
-use crate::test_guest::snapshot::{MemoryCheck, SnapshotInfo, SnapshotState, STATE_VERSION};
+use crate::test_guest::snapshot::{MemoryCheck, SnapshotInfo, SnapshotState, TestGuestPart};
 use crate::test_guest::vcpus::{check_slot_count, GuestError, MemBackend, TestVm, Vcpus};
 use crate::test_guest::{Command, Op};
 use crate::vm::VmOptions;
@@ -243,13 +243,14 @@ fn save_state(
         None => SnapshotInfo::full(check),
     }
     .map_err(io("a snapshot id"))?;
-    let state = SnapshotState {
-        version: STATE_VERSION,
-        snapshot: Some(info),
+    let mut state = SnapshotState::new(
         layout,
-        vcpus: vcpus.save_states()?,
-        hotplug: None,
-    };
+        vcpus.save_states()?,
+        None,
+        true,
+        TestGuestPart::default(),
+    );
+    state.snapshot = Some(info);
     new_file(path)?
         .write_all(&state.to_bytes())
         .map_err(io("writing the state file"))?;
