@@ -5,6 +5,8 @@
 
 use std::process::{Command, Output, Stdio};
 
+mod support;
+
 fn tinyvmm(args: &[&str]) -> Output {
     Command::new(env!("CARGO_BIN_EXE_tinyvmm"))
         .args(args)
@@ -484,37 +486,21 @@ fn kvm_log_requests_logs_each_request_with_its_status() {
     {
         return;
     }
-    let socket = std::env::temp_dir().join(format!("tinyvmm-cli-log-{}.sock", std::process::id()));
-    let sock = socket.to_str().expect("a UTF-8 path");
-    let vmm = Command::new(env!("CARGO_BIN_EXE_tinyvmm"))
-        .args([
-            "serve",
-            "--api-sock",
-            sock,
-            "--mem-mib",
-            "0",
-            "--slots",
-            "1",
-            "--log-requests",
-        ])
-        .stdin(Stdio::null())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("tinyvmm serve starts");
-    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
-    while !socket.exists() {
-        assert!(std::time::Instant::now() < deadline, "no socket");
-        std::thread::sleep(std::time::Duration::from_millis(10));
-    }
+    let mut vmm = support::vmm::Vmm::command("cli-log")
+        .args(["serve", "--mem-mib", "0", "--slots", "1", "--log-requests"])
+        .spawn();
+    // No request before the test's own: they are what the log must show.
+    vmm.wait_for_socket_file();
+    let sock = vmm.api().to_str().expect("a UTF-8 path").to_owned();
     for (args, status) in [
         (&["vm"][..], 0),
         (&["remove-region", "0"], 4),
         (&["stop"], 0),
     ] {
-        let client = tinyvmm(&[&["client", "--api-sock", sock][..], args].concat());
+        let client = tinyvmm(&[&["client", "--api-sock", &sock][..], args].concat());
         assert_eq!(client.status.code(), Some(status), "{args:?}");
     }
-    let output = vmm.wait_with_output().expect("tinyvmm serve ends");
+    let output = vmm.wait(std::time::Duration::from_secs(120));
     assert!(output.status.success());
     let log = text(&output.stderr);
     for line in [
