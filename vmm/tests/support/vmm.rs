@@ -1,7 +1,8 @@
-//! A `tinyvmm` process for a test: spawned with its API on a socket of its own, waited for
-//! until it serves (or listens for a migration), its stderr kept all along (read by a thread,
-//! so that a talkative VMM never blocks on a full pipe) and printed when the test fails, and
-//! killed if the test ends before it does.
+//! A VMM for a test. [`Vmm`] is a `tinyvmm` process: spawned with its API on a socket of its
+//! own, waited for until it serves (or listens for a migration), its stderr kept all along
+//! (read by a thread, so that a talkative VMM never blocks on a full pipe) and printed when the
+//! test fails, and killed if the test ends before it does. [`InProcess`] serves from a thread
+//! of the test's own process, stopped when dropped.
 //!
 //! ```ignore
 //! let vmm = Vmm::serve("name", 4, 16, &[]);
@@ -20,6 +21,8 @@ use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
 use tinyvmm::api::client::Client;
+use tinyvmm::jobs::serve::{serve_in_background, ServeConfig, ServeError};
+use tinyvmm::lifecycle::Ending;
 
 /// A path in the temporary folder unique to this test process and `name` (a socket, a file).
 pub fn temp_path(name: &str) -> PathBuf {
@@ -369,6 +372,76 @@ impl Drop for Vmm {
                 self.name,
                 self.stderr_now()
             );
+        }
+    }
+}
+
+/// A VMM serving its API from a thread of this test process (`serve_in_background`), for a
+/// test that needs no process of its own; stopped when dropped.
+pub struct InProcess {
+    socket: PathBuf,
+    thread: Option<JoinHandle<Result<Ending, ServeError>>>,
+}
+
+impl InProcess {
+    /// Starts a VMM with `config`, serving once this returns.
+    pub fn start(config: ServeConfig) -> InProcess {
+        let socket = config.api_sock.clone();
+        let thread = serve_in_background(config).expect("the VMM starts");
+        InProcess {
+            socket,
+            thread: Some(thread),
+        }
+    }
+
+    /// Its API socket.
+    pub fn socket(&self) -> &Path {
+        &self.socket
+    }
+
+    /// One request to its API: the status and the body.
+    pub fn call(&self, method: &str, path: &str, body: Option<Value>) -> (u16, Value) {
+        super::call(&self.socket, method, path, body)
+    }
+
+    /// A request that must succeed (2xx): its body.
+    pub fn ok(&self, method: &str, path: &str, body: Option<Value>) -> Value {
+        super::ok(&self.socket, method, path, body)
+    }
+
+    /// Sends raw bytes on a new connection; returns the status and the JSON body.
+    pub fn raw(&self, bytes: &[u8]) -> (u16, Value) {
+        Client::connect(&self.socket)
+            .expect("connect")
+            .raw(bytes)
+            .expect("an answer")
+    }
+
+    /// Stops it through its API and waits until it has ended (its memory and loader
+    /// dropped): a client's Stop is a clean end, and the socket is removed.
+    pub fn stop(self) {
+        let (status, body) = self.call("PUT", "/actions", Some(json!({"action_type": "Stop"})));
+        assert_eq!(status, 204, "{body}");
+        let socket = self.socket.clone();
+        let ending = self.ended().expect("clean stop");
+        assert_eq!(ending, Ending::Finished, "a client's Stop is a clean end");
+        assert!(!socket.exists(), "the socket is removed at the end");
+    }
+
+    /// Waits until it has ended (asked to elsewhere): how. Its thread must not panic.
+    pub fn ended(mut self) -> Result<Ending, ServeError> {
+        let thread = self.thread.take().expect("running");
+        thread.join().expect("no panic")
+    }
+}
+
+impl Drop for InProcess {
+    fn drop(&mut self) {
+        if let Some(thread) = self.thread.take() {
+            if let Ok(mut client) = Client::connect(&self.socket) {
+                let _ = client.call("PUT", "/actions", Some(&json!({"action_type": "Stop"})));
+            }
+            let _ = thread.join();
         }
     }
 }
