@@ -389,7 +389,7 @@ fn kvm_the_client_command_speaks_for_every_status_class() {
     let socket =
         std::env::temp_dir().join(format!("tinyvmm-cli-client-{}.sock", std::process::id()));
     let config = tinyvmm::jobs::serve::ServeConfig::new(socket.clone());
-    let vmm = tinyvmm::jobs::serve::serve_in_background(config).expect("the VMM starts");
+    let vmm = support::vmm::InProcess::start(config);
     let sock = socket.to_str().expect("a UTF-8 path");
     let client = |args: &[&str]| tinyvmm(&[&["client", "--api-sock", sock][..], args].concat());
 
@@ -441,7 +441,7 @@ fn kvm_the_client_command_speaks_for_every_status_class() {
     assert_eq!(nowhere.status.code(), Some(1));
 
     assert_eq!(client(&["stop"]).status.code(), Some(0));
-    let ending = vmm.join().expect("no panic").expect("a clean stop");
+    let ending = vmm.ended().expect("a clean stop");
     assert_eq!(ending, tinyvmm::lifecycle::Ending::Finished);
 }
 
@@ -761,7 +761,7 @@ fn kvm_the_client_waits_for_a_runs_outcome_and_a_failed_verify_fails() {
     let socket = dir.join("api.sock");
     let mut config = tinyvmm::jobs::serve::ServeConfig::new(socket.clone());
     config.area_size = 8 << 20;
-    let vmm = tinyvmm::jobs::serve::serve_in_background(config).expect("the VMM starts");
+    let vmm = support::vmm::InProcess::start(config);
     let sock = socket.to_str().expect("a UTF-8 path");
     let client = |args: &[&str]| tinyvmm(&[&["client", "--api-sock", sock][..], args].concat());
     let file = |name: &str| dir.join(name).to_str().expect("UTF-8").to_owned();
@@ -869,6 +869,6 @@ fn kvm_the_client_waits_for_a_runs_outcome_and_a_failed_verify_fails() {
 
     // Stop cancels it, as it would any run under way.
     assert_eq!(client(&["stop"]).status.code(), Some(0));
-    vmm.join().expect("no panic").expect("a clean stop");
+    vmm.ended().expect("a clean stop");
     let _ = std::fs::remove_dir_all(&dir);
 }
