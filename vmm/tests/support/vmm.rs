@@ -122,6 +122,7 @@ impl Spawn {
     }
 
     /// Starts it and waits until its API serves a VM ([`Vmm::wait_for_vm`]).
+    #[track_caller]
     pub fn serving(self) -> Vmm {
         let vmm = self.spawn();
         vmm.wait_for_vm();
@@ -129,6 +130,7 @@ impl Spawn {
     }
 
     /// Starts it (a `receive`) and waits until it listens ([`Vmm::wait_listening`]).
+    #[track_caller]
     pub fn listening(self) -> Vmm {
         let vmm = self.spawn();
         vmm.wait_listening();
@@ -160,6 +162,7 @@ impl Vmm {
 
     /// `tinyvmm serve` with `slots` slots over `mem_mib` MiB, and `extra` arguments, serving
     /// on [`temp_path`]`("NAME.sock")`.
+    #[track_caller]
     pub fn serve(name: &str, slots: usize, mem_mib: u64, extra: &[&str]) -> Vmm {
         Vmm::command(name)
             .args(["serve", "--slots", &slots.to_string()])
@@ -170,6 +173,7 @@ impl Vmm {
 
     /// `tinyvmm restore` of `state` and `mem` with `extra` arguments, serving (paused as
     /// restored) on [`temp_path`]`("NAME-restore.sock")`.
+    #[track_caller]
     pub fn restore(name: &str, state: &Path, mem: &Path, extra: &[&str]) -> Vmm {
         Vmm::command(name)
             .api_sock(temp_path(&format!("{name}-restore.sock")))
@@ -184,6 +188,7 @@ impl Vmm {
 
     /// `tinyvmm receive` with `extra` arguments, listening on the returned Unix socket path
     /// ([`temp_path`]`("NAME-receive.mig")`), its API on `NAME-receive.sock`.
+    #[track_caller]
     pub fn receive(name: &str, extra: &[&str]) -> (Vmm, PathBuf) {
         let listen = temp_path(&format!("{name}-receive.mig"));
         let _ = std::fs::remove_file(&listen);
@@ -223,6 +228,7 @@ impl Vmm {
     /// Waits until it serves a VM: its socket answers `GET /vm` with a state past `Waiting`
     /// and `Receiving` (a destination's socket answers before its VM runs, and may close a
     /// connection unanswered while the VM's server takes over). Fails if it exits first.
+    #[track_caller]
     pub fn wait_for_vm(&self) {
         self.wait_until("serve its API", START_LIMIT, |vmm| {
             let vm = Client::connect(&vmm.api).and_then(|mut c| c.call("GET", "/vm", None));
@@ -233,6 +239,7 @@ impl Vmm {
     /// Waits until a `receive` listens for its source: its API answers `GET /vm` with
     /// `Waiting` from then on. (The listening socket's file alone does not say so: it appears
     /// when bound, a moment before it listens.)
+    #[track_caller]
     pub fn wait_listening(&self) {
         self.wait_until("listen for its source", START_LIMIT, |vmm| {
             let vm = Client::connect(&vmm.api).and_then(|mut c| c.call("GET", "/vm", None));
@@ -242,12 +249,14 @@ impl Vmm {
 
     /// Waits until its API socket's file is there, without a request (for a test that
     /// counts the requests the VMM logs).
+    #[track_caller]
     pub fn wait_for_socket_file(&self) {
         self.wait_until("create its API socket", START_LIMIT, |vmm| vmm.api.exists());
     }
 
     /// Polls `done` until it holds; fails after `limit` (a guard against a hang), or if the
     /// process exits first.
+    #[track_caller]
     pub fn wait_until(&self, what: &str, limit: Duration, mut done: impl FnMut(&Vmm) -> bool) {
         let deadline = Instant::now() + limit;
         while !done(self) {
@@ -267,27 +276,32 @@ impl Vmm {
     }
 
     /// One request to its API: the status and the body.
+    #[track_caller]
     pub fn call(&self, method: &str, path: &str, body: Option<Value>) -> (u16, Value) {
         super::call(&self.api, method, path, body)
     }
 
     /// A request that must succeed (2xx): its body.
+    #[track_caller]
     pub fn ok(&self, method: &str, path: &str, body: Option<Value>) -> Value {
         super::ok(&self.api, method, path, body)
     }
 
     /// A test-guest command over `[start, end)` that must be answered 2xx: its answer.
+    #[track_caller]
     pub fn guest(&self, op: &str, start: u64, end: u64, seed: u64) -> Value {
         let command = super::guest_command(op, start, end, seed);
         self.ok("PUT", "/guest/command", Some(command))
     }
 
     /// Pauses (`"Paused"`) or resumes (`"Resumed"`) the VM; it must succeed.
+    #[track_caller]
     pub fn set_state(&self, state: &str) {
         self.ok("PATCH", "/vm", Some(json!({"state": state})));
     }
 
     /// Sends it `signal`.
+    #[track_caller]
     pub fn signal(&self, signal: libc::c_int) {
         // SAFETY: kill(2) only sends a signal to the child's pid, which has not been waited
         // for yet (`pid` says so), so it is still this child's.
@@ -296,6 +310,7 @@ impl Vmm {
     }
 
     /// Kills it (SIGKILL); its status and stderr.
+    #[track_caller]
     pub fn kill(&mut self) -> Output {
         let child = self.child.as_mut().expect("not waited for yet");
         child.kill().expect("kill -9");
@@ -304,6 +319,7 @@ impl Vmm {
 
     /// Waits for it to exit (it was asked to); fails after `timeout` (a guard against a
     /// hang). Its status and stderr.
+    #[track_caller]
     pub fn wait(&mut self, timeout: Duration) -> Output {
         let deadline = Instant::now() + timeout;
         while self.running() {
@@ -318,6 +334,7 @@ impl Vmm {
     }
 
     /// Asks it to stop (`PUT /actions` Stop, whatever the answer) and waits for it to exit.
+    #[track_caller]
     pub fn stop(mut self) -> Output {
         let _ = super::call(
             &self.api,
@@ -329,6 +346,7 @@ impl Vmm {
     }
 
     /// Its status and stderr if it has exited, without waiting.
+    #[track_caller]
     pub fn try_exited(&mut self) -> Option<Output> {
         let child = self.child.as_mut().expect("not waited for yet");
         child.try_wait().expect("waitpid")?;
@@ -385,6 +403,7 @@ pub struct InProcess {
 
 impl InProcess {
     /// Starts a VMM with `config`, serving once this returns.
+    #[track_caller]
     pub fn start(config: ServeConfig) -> InProcess {
         let socket = config.api_sock.clone();
         let thread = serve_in_background(config).expect("the VMM starts");
@@ -400,16 +419,19 @@ impl InProcess {
     }
 
     /// One request to its API: the status and the body.
+    #[track_caller]
     pub fn call(&self, method: &str, path: &str, body: Option<Value>) -> (u16, Value) {
         super::call(&self.socket, method, path, body)
     }
 
     /// A request that must succeed (2xx): its body.
+    #[track_caller]
     pub fn ok(&self, method: &str, path: &str, body: Option<Value>) -> Value {
         super::ok(&self.socket, method, path, body)
     }
 
     /// Sends raw bytes on a new connection; returns the status and the JSON body.
+    #[track_caller]
     pub fn raw(&self, bytes: &[u8]) -> (u16, Value) {
         Client::connect(&self.socket)
             .expect("connect")
@@ -419,6 +441,7 @@ impl InProcess {
 
     /// Stops it through its API and waits until it has ended (its memory and loader
     /// dropped): a client's Stop is a clean end, and the socket is removed.
+    #[track_caller]
     pub fn stop(self) {
         let (status, body) = self.call("PUT", "/actions", Some(json!({"action_type": "Stop"})));
         assert_eq!(status, 204, "{body}");
@@ -429,6 +452,7 @@ impl InProcess {
     }
 
     /// Waits until it has ended (asked to elsewhere): how. Its thread must not panic.
+    #[track_caller]
     pub fn ended(mut self) -> Result<Ending, ServeError> {
         let thread = self.thread.take().expect("running");
         thread.join().expect("no panic")
