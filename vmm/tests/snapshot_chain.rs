@@ -4,15 +4,17 @@
 //! files (a memory file, an empty file, a folder, a FIFO, a flipped byte, an old version, a
 //! state that contradicts itself) get a one-line error naming the file, changing nothing.
 
-use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
-use std::sync::{mpsc, OnceLock};
+use std::process::{Command, Stdio};
+use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
 use tinyvmm::api::client::Client;
 use tinyvmm::snapshot::state::{STATE_MAGIC, STATE_VERSION};
+
+mod support;
+use support::vmm::Vmm;
 
 /// The test area's guest address (`serve --mem-mib 4`).
 const AREA: u64 = 256 << 20;
@@ -48,11 +50,8 @@ impl Drop for Ended {
     }
 }
 
-/// A `tinyvmm` process serving its API, killed if a test fails before it stops.
-struct Served {
-    child: Option<Child>,
-    socket: PathBuf,
-}
+/// A `tinyvmm` process serving its API.
+struct Served(Vmm);
 
 /// How a `tinyvmm serve` or `restore` started.
 enum Started {
@@ -66,56 +65,32 @@ enum Started {
 
 /// Runs `tinyvmm ARGS --api-sock SOCKET` until it says it serves, exits, or 20 s have passed.
 fn start(name: &str, args: &[&std::ffi::OsStr]) -> Started {
-    let socket = file(&format!("{name}.sock"));
-    let mut child = Command::new(env!("CARGO_BIN_EXE_tinyvmm"))
+    let mut vmm = Vmm::command(name)
         .args(args)
-        .arg("--api-sock")
-        .arg(&socket)
-        .stdin(Stdio::null())
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("tinyvmm starts");
-    let (lines, stderr) = mpsc::channel();
-    let pipe = child.stderr.take().expect("piped");
-    std::thread::spawn(move || {
-        for line in BufReader::new(pipe).lines().map_while(Result::ok) {
-            let _ = lines.send(line);
-        }
-    });
+        .api_sock(file(&format!("{name}.sock")))
+        .spawn();
     let deadline = Instant::now() + Duration::from_secs(20);
-    let mut seen = Vec::new();
     loop {
-        if let Ok(line) = stderr.recv_timeout(Duration::from_millis(20)) {
-            if line.contains("serving the API") {
-                return Started::Served(Served {
-                    child: Some(child),
-                    socket,
-                });
-            }
-            seen.push(line);
+        if vmm.stderr_now().contains("serving the API") {
+            return Started::Served(Served(vmm));
         }
-        if let Some(status) = child.try_wait().expect("wait") {
-            seen.extend(stderr.iter());
+        if let Some(output) = vmm.try_exited() {
             return Started::Exited {
-                code: status.code(),
-                stderr: seen.join("\n"),
+                code: output.status.code(),
+                stderr: String::from_utf8_lossy(&output.stderr).into_owned(),
             };
         }
         if Instant::now() > deadline {
-            let _ = child.kill();
-            let _ = child.wait();
+            vmm.kill();
             return Started::Hung;
         }
+        std::thread::sleep(Duration::from_millis(20));
     }
 }
 
 impl Served {
     fn call(&self, method: &str, path: &str, body: Option<Value>) -> (u16, Value) {
-        Client::connect(&self.socket)
-            .expect("connect")
-            .call(method, path, body.as_ref())
-            .expect("an answer")
+        self.0.call(method, path, body)
     }
 
     /// Asks the guest to write (or verify) `seed`'s pattern over `[start, end)`.
@@ -144,19 +119,8 @@ impl Served {
     }
 
     /// Stops the VMM; its exit status.
-    fn stop(mut self) -> Option<i32> {
-        let _ = self.call("PUT", "/actions", Some(json!({"action_type": "Stop"})));
-        let child = self.child.take().expect("running");
-        child.wait_with_output().expect("wait").status.code()
-    }
-}
-
-impl Drop for Served {
-    fn drop(&mut self) {
-        if let Some(child) = self.child.as_mut() {
-            let _ = child.kill();
-            let _ = child.wait();
-        }
+    fn stop(self) -> Option<i32> {
+        self.0.stop().status.code()
     }
 }
 
@@ -668,7 +632,7 @@ fn kvm_a_state_file_that_contradicts_itself_is_refused_before_anything_runs() {
     });
     if let Started::Served(vmm) = start("short-map-served", &restore_args(&short_map, &c.a[0].mem))
     {
-        let plug = Client::connect(&vmm.socket).and_then(|mut client| {
+        let plug = Client::connect(vmm.0.api()).and_then(|mut client| {
             let plug = json!({"requested_size_mib": 64});
             client.call("PATCH", "/hotplug/memory", Some(&plug))
         });
