@@ -2,7 +2,7 @@
 //! runs first) and lets the kernel check the VMM's work: the `BIOS-e820` map it prints, the
 //! `extended` and `reserve setup_data` maps past 128 ranges, its command line and where it
 //! found the initramfs must be exactly what the VMM built from the kvm-memslots map, for RAM in
-//! 512 slots with holes (a map that needs `SETUP_E820_EXT`) entered through the 64-bit Linux
+//! 256 slots with holes (a map that needs `SETUP_E820_EXT`) entered through the 64-bit Linux
 //! boot protocol with an initramfs: one boot checks it all. (RAM in 4096 slots entered through
 //! PVH, the ACPI tables, the MADT and a virtio-mem area are checked on `linux_snapshot.rs`'s
 //! uninterrupted boot, which runs past them anyway: every Linux boot costs minutes on a slow
@@ -218,10 +218,11 @@ fn initramfs_pages((addr, size): (u64, u64)) -> (u64, u64, u64) {
 }
 
 /// One boot checks all of it, through the 64-bit Linux boot protocol (the zero page): a map
-/// too big for the zero page, 256 MiB in 512 slots of 512 KiB, 128 MiB contiguous (256 slots,
-/// one range: the map follows regions, not slots), then 256 slots each followed by a hole (the
-/// first touches the contiguous part): 258 ranges, 130 past the zero page's 128, in a
-/// `SETUP_E820_EXT` setup_data; and an initramfs, which the kernel must find where the zero
+/// too big for the zero page, 256 MiB in 256 slots of 1 MiB, 128 MiB contiguous (128 slots,
+/// one range: the map follows regions, not slots), then 128 slots each followed by a hole (the
+/// first touches the contiguous part): 130 ranges, 2 past the zero page's 128, in a
+/// `SETUP_E820_EXT` setup_data (no more: the kernel prints every range about five times here, and
+/// each line is emulated work); and an initramfs, which the kernel must find where the zero
 /// page says. Linux prints the zero page's 128 ranges as `BIOS-e820`, then the whole map as
 /// `extended` and, once it reserved our setup_data, as `reserve setup_data` with the
 /// setup_data's range split off; all three must match, and so must its command line.
@@ -229,7 +230,7 @@ fn initramfs_pages((addr, size): (u64, u64)) -> (u64, u64, u64) {
 /// The kernel says where it found the initramfs in two places: `RAMDISK: [mem …]` after it
 /// mapped all RAM (`init_mem_mapping`), and, with `memblock=debug`, in the dump of what it
 /// reserved before that (`early_reserve_initrd` reserves the zero page's `ramdisk_image` and
-/// `ramdisk_size` in whole pages). The boot stops at the dump's line: mapping RAM in 257
+/// `ramdisk_size` in whole pages). The boot stops at the dump's line: mapping RAM in 129
 /// ranges cut by holes takes the kernel minutes of emulated ring 0 here, silent, far past the
 /// Linux tests' patience (`x86/PAT` is its last line before), because for every range it maps,
 /// `kernel_physical_mapping_init` walks every page-table entry after the range in each level
@@ -258,7 +259,7 @@ fn boot_debian_kernel_with_holes_setup_e820_ext_and_an_initramfs_through_the_64_
         initramfs: Some(initramfs),
         cmdline: format!("{CMDLINE} memblock=debug"),
         mem_mib: 256,
-        mem_slots: 512,
+        mem_slots: 256,
         mem_holes: true,
         protocol: BootProtocol::Linux,
         ..BootConfig::default()
@@ -274,11 +275,11 @@ fn boot_debian_kernel_with_holes_setup_e820_ext_and_an_initramfs_through_the_64_
     assert_eq!(report.slots as u64, config.mem_slots, "KVM slots of RAM");
     check_command_line(&report, &log);
 
-    // The map: 258 ranges, the first 128 in the zero page (the 64-bit entry's: PVH has none).
-    assert_eq!(report.e820.len(), 258);
+    // The map: 130 ranges, the first 128 in the zero page (the 64-bit entry's: PVH has none).
+    assert_eq!(report.e820.len(), 130);
     assert_eq!(report.zero_page_entries, 128);
-    // The 128 MiB of the boot area (256 slots) and the first slot after it are one range.
-    let slot = (256u64 << 20) / 512;
+    // The 128 MiB of the boot area (128 slots) and the first slot after it are one range.
+    let slot = (256u64 << 20) / 256;
     assert_eq!(
         report.e820[2],
         E820Entry {
