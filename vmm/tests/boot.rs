@@ -21,7 +21,7 @@
 
 use std::io::Write;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::{Arc, Mutex};
 
 use serde_json::Value;
 use tinyvmm::api::client::Client;
@@ -44,13 +44,16 @@ use support::{
 /// [`support::linux_patience`].
 const HW_TIMEOUT_SECS: f64 = 120.0;
 
-/// The serial console's output, kept; raises `stop` once a line holds `until` (set once, when
-/// the VMM has built what the line must show).
+/// Says, line by line, whether the console has shown what a test waits for.
+type Until = Box<dyn FnMut(&str) -> bool + Send>;
+
+/// The serial console's output, kept; raises `stop` once `until` says a line is the last one
+/// needed (set once, when the VMM has built what the lines must show).
 #[derive(Clone)]
 struct Capture {
     log: Arc<Mutex<Vec<u8>>>,
     line_start: Arc<Mutex<usize>>,
-    until: Arc<OnceLock<String>>,
+    until: Arc<Mutex<Option<Until>>>,
     stop: Arc<AtomicBool>,
 }
 
@@ -73,13 +76,17 @@ impl Write for Capture {
     fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
         let mut log = self.log.lock().expect("the console log lock");
         log.extend_from_slice(buf);
-        if buf.contains(&b'\n') {
-            let mut start = self.line_start.lock().expect("the line lock");
-            let line = String::from_utf8_lossy(&log[*start..]);
-            if self.until.get().is_some_and(|u| line.contains(u.as_str())) {
-                self.stop.store(true, Ordering::Release);
+        let mut start = self.line_start.lock().expect("the line lock");
+        if let Some(last) = log[*start..].iter().rposition(|&b| b == b'\n') {
+            let mut until = self.until.lock().expect("the until lock");
+            if let Some(until) = until.as_mut() {
+                for line in log[*start..*start + last].split(|&b| b == b'\n') {
+                    if until(&String::from_utf8_lossy(line)) {
+                        self.stop.store(true, Ordering::Release);
+                    }
+                }
             }
-            *start = log.len();
+            *start += last + 1;
         }
         Ok(buf.len())
     }
@@ -89,11 +96,12 @@ impl Write for Capture {
     }
 }
 
-/// Boots `config` with its console captured, stopping once the console shows what `until`
-/// says from the VMM's report (asked before the guest starts; `None`: run to the end).
+/// Boots `config` with its console captured, stopping once the check `until` makes from the
+/// VMM's report (asked before the guest starts; `None`: run to the end) says a line was the
+/// last one needed.
 fn run(
     config: &BootConfig,
-    until: impl FnOnce(&BootReport) -> Option<String>,
+    until: impl FnOnce(&BootReport) -> Option<Until>,
 ) -> (BootReport, String) {
     let capture = Capture::new();
     let console = Console {
@@ -120,9 +128,7 @@ fn run(
         })
     };
     let report = boot(config, console, |report| {
-        if let Some(line) = until(report) {
-            capture.until.set(line).expect("set once");
-        }
+        *capture.until.lock().expect("the until lock") = until(report);
     })
     .expect("the VMM sets the guest up");
     ended.store(true, Ordering::Release);
@@ -264,10 +270,18 @@ fn boot_debian_kernel_with_holes_setup_e820_ext_and_an_initramfs_through_the_64_
         protocol: BootProtocol::Linux,
         ..BootConfig::default()
     };
-    // Until the kernel lists the initramfs's pages among what it reserved.
+    // Until the kernel lists the initramfs's pages among what it reserved, or ends that list
+    // without them (the check below then says what it reserved).
     let (report, log) = run(&config, |report| {
         let (start, last, size) = initramfs_pages(report.initramfs?);
-        Some(format!("[{start:#018x}-{last:#018x}], {size:#018x} bytes"))
+        let pages = format!("[{start:#018x}-{last:#018x}], {size:#018x} bytes");
+        let mut in_list = false;
+        Some(Box::new(move |line: &str| {
+            let listed = line.contains(" reserved.cnt") || line.contains(" reserved[");
+            let ended = in_list && !listed;
+            in_list |= listed;
+            ended || (listed && line.contains(&pages))
+        }))
     });
     std::fs::remove_dir_all(&dir).ok();
     check_ending(&report, &log);
