@@ -3,8 +3,11 @@
 //! the guest's memory verifies; a list of another snapshot, one naming pages the snapshot does
 //! not have, or a list given to a restore that is not lazy is refused with the reason before
 //! anything runs. A Linux guest (Debian's kernel, where `resources/fetch-kernel.sh` fetched it)
-//! records and prefetches the same way, through `tinyvmm boot` and `restore` processes.
+//! records and prefetches the same way, through `tinyvmm boot` and `restore` processes; booted
+//! in 2 MiB hugetlb pages it restores lazily (whole huge pages), by copy and in 4 KiB pages, and
+//! a 4 KiB snapshot of it restores in 2 MiB pages, each restored guest printing on.
 
+use std::ffi::OsStr;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
@@ -518,7 +521,7 @@ fn kvm_a_working_set_that_does_not_fit_is_refused_with_the_reason() {
     );
 
     // The same from the command line: one line naming the list and the reason, exit 1.
-    let tinyvmm = |extra: &[&std::ffi::OsStr]| {
+    let tinyvmm = |extra: &[&OsStr]| {
         std::process::Command::new(env!("CARGO_BIN_EXE_tinyvmm"))
             .arg("restore")
             .arg("--snapshot")
@@ -550,20 +553,193 @@ fn kvm_a_working_set_that_does_not_fit_is_refused_with_the_reason() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
-/// Runs `tinyvmm ARGS --api-sock SOCKET` (its console discarded, its stderr kept) and waits
-/// until it serves its API.
-fn start(name: &str, args: &[&std::ffi::OsStr]) -> Process {
-    Process::command(name)
-        .args(args)
-        .api_sock(socket(name))
-        .serving()
+/// What a Linux guest's console shows early, a few seconds into the boot and a fraction of a
+/// second of guest time before a stretch of lines: where [`linux_snapshot`] pauses it.
+const EARLY_LINE: &str = "Command line:";
+
+/// The hugetlb pages a 128 MiB Linux guest in 2 MiB pages takes of the pool.
+const LINUX_HUGE_PAGES: u64 = 64;
+
+/// A `tinyvmm` process of a Linux guest, its console in a file.
+struct Linux {
+    vmm: Process,
+    console: PathBuf,
 }
 
-/// Ends it (SIGTERM) and returns what it said on stderr.
-fn end(mut vmm: Process) -> String {
-    vmm.signal(libc::SIGTERM);
-    let output = vmm.wait(Duration::from_secs(120));
-    String::from_utf8_lossy(&output.stderr).into_owned()
+impl Linux {
+    /// Runs `tinyvmm ARGS --api-sock SOCKET`, its console in `dir/NAME.console` (its stderr
+    /// kept), and waits until it serves its API.
+    fn start(dir: &Path, name: &str, args: &[&OsStr]) -> Linux {
+        let console = dir.join(format!("{name}.console"));
+        let vmm = Process::command(name)
+            .args(args)
+            .api_sock(socket(name))
+            .console(&console)
+            .serving();
+        Linux { vmm, console }
+    }
+
+    /// A restore of `state` and `mem` with `extra` arguments, paused.
+    fn restore(dir: &Path, name: &str, (state, mem): (&Path, &Path), extra: &[&OsStr]) -> Linux {
+        let restore: [&OsStr; 5] = [
+            "restore".as_ref(),
+            "--snapshot".as_ref(),
+            state.as_os_str(),
+            "--mem-file".as_ref(),
+            mem.as_os_str(),
+        ];
+        Linux::start(dir, name, &[&restore[..], extra].concat())
+    }
+
+    fn console(&self) -> String {
+        String::from_utf8_lossy(&std::fs::read(&self.console).unwrap_or_default()).into_owned()
+    }
+
+    fn set_state(&self, state: &str) {
+        let (status, body) = self
+            .vmm
+            .call("PATCH", "/vm", Some(json!({ "state": state })));
+        assert_eq!(status, 204, "{body}");
+    }
+
+    /// Waits until the console shows `marker`; fails if the VMM exits first, or if the guest
+    /// prints nothing for the host's patience.
+    fn wait_for(&self, marker: &str) {
+        let mut progress = support::Progress::default();
+        loop {
+            let console = self.console();
+            if console.contains(marker) {
+                return;
+            }
+            assert!(
+                self.vmm.running(),
+                "no {marker:?}: tinyvmm ended\n{console}"
+            );
+            assert!(
+                !progress.stalled(console.len()),
+                "no {marker:?}: the guest printed nothing for {:?}\n{console}",
+                progress.patience()
+            );
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    }
+
+    /// Resumes the VM and waits until its guest prints a whole line that `before` (the console
+    /// of the VM it was restored from, up to its pause) does not have: the guest ran on. Then
+    /// it must still be running.
+    fn runs_on(&self, before: &str) {
+        self.set_state("Resumed");
+        let mut progress = support::Progress::default();
+        loop {
+            let console = self.console();
+            let mut lines = console.split_inclusive('\n');
+            if lines.any(|l| l.ends_with('\n') && !before.contains(l)) {
+                break;
+            }
+            assert!(
+                self.vmm.running(),
+                "tinyvmm ended before its guest printed a new line:\n{console}"
+            );
+            assert!(
+                !progress.stalled(console.len()),
+                "the guest printed no new line for {:?}:\n{console}",
+                progress.patience()
+            );
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        let (status, vm) = self.vmm.call("GET", "/vm", None);
+        assert_eq!((status, &vm["state"]), (200, &json!("Running")), "{vm}");
+    }
+
+    /// The page size `GET /memory` names for the guest's RAM (one region, checked), and the
+    /// bytes of hugetlb pages the process has mapped there (its smaps).
+    fn ram(&self) -> (String, u64) {
+        let (status, memory) = self.vmm.call("GET", "/memory", None);
+        assert_eq!(status, 200, "{memory}");
+        let regions = memory["regions"].as_array().expect("regions");
+        assert_eq!(regions.len(), 1, "{memory}");
+        let ram = &regions[0];
+        let (hva, size) = (
+            ram["host_address"].as_u64().expect("a host address"),
+            ram["size"].as_u64().expect("a size"),
+        );
+        let pid = self.vmm.pid().to_string();
+        let page_size = ram["page_size"].as_str().expect("a page size").to_owned();
+        (page_size, support::hugetlb_bytes_of(&pid, hva, size))
+    }
+
+    /// Ends it (SIGTERM) and returns what it said on stderr, which must name no failure.
+    fn end(mut self) -> String {
+        self.vmm.signal(libc::SIGTERM);
+        let output = self.vmm.wait(Duration::from_secs(120));
+        let stderr = String::from_utf8_lossy(&output.stderr).into_owned();
+        let lower = stderr.to_lowercase();
+        for failure in ["error", "fail", "could not", "panicked", "prefetch stopped"] {
+            assert!(!lower.contains(failure), "{failure:?} on stderr:\n{stderr}");
+        }
+        stderr
+    }
+}
+
+/// Boots Linux with 128 MiB of RAM in `page_size` pages (`4k` or `2m`), pauses it early in
+/// its boot ([`EARLY_LINE`]) and takes a Full into `dir`: the state file, the memory file and
+/// the console up to the pause.
+fn linux_snapshot(dir: &Path, vmlinux: &Path, page_size: &str) -> (PathBuf, PathBuf, String) {
+    let state = dir.join(format!("{page_size}.state"));
+    let mem = dir.join(format!("{page_size}.mem"));
+    let boot = Linux::start(
+        dir,
+        &format!("linux-boot-{page_size}"),
+        &[
+            "boot".as_ref(),
+            "--kernel".as_ref(),
+            vmlinux.as_os_str(),
+            "--cmdline".as_ref(),
+            support::CMDLINE.as_ref(),
+            "--mem-mib".as_ref(),
+            "128".as_ref(),
+            "--page-size".as_ref(),
+            page_size.as_ref(),
+        ],
+    );
+    boot.wait_for(EARLY_LINE);
+    boot.set_state("Paused");
+    let (size, hugetlb) = boot.ram();
+    assert_eq!(size, page_size);
+    if page_size == "2m" {
+        assert!(hugetlb > 0, "hugetlb pages back the booted guest's RAM");
+    } else {
+        assert_eq!(hugetlb, 0);
+    }
+    let console = boot.console();
+    let create = json!({"snapshot_type": "Full", "snapshot_path": state, "mem_file_path": mem});
+    let (status, body) = boot.vmm.call("PUT", "/snapshot/create", Some(create));
+    assert_eq!(status, 204, "{body}");
+    boot.end();
+    (state, mem, console)
+}
+
+/// The snapshot id of the Linux state file `state`.
+fn linux_snapshot_id(state: &Path) -> u128 {
+    tinyvmm::linux::state::LinuxState::read_file(state)
+        .expect("the Linux state file")
+        .snapshot
+        .expect("a snapshot")
+        .id
+        .0
+}
+
+/// Whether the hugetlb pool can hold a 128 MiB Linux guest; says SKIPPED for `what` if not.
+fn pool_holds_linux(test: &str, what: &str) -> bool {
+    let available = kvm_memslots::hugetlb_pages_available();
+    if available < LINUX_HUGE_PAGES {
+        eprintln!(
+            "SKIPPED {test}{what}: the hugetlb pool has {available} free 2 MiB pages, a 128 MiB \
+             Linux guest needs {LINUX_HUGE_PAGES} (resources/setup-host.sh reserves a pool)"
+        );
+        return false;
+    }
+    true
 }
 
 #[test]
@@ -576,46 +752,17 @@ fn kvm_a_linux_guest_records_and_prefetches_its_working_set() {
     let dir = std::env::temp_dir().join(format!("tinyvmm-test-{}-wset-linux", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).expect("a folder");
-    let (state, mem, list) = (dir.join("l.state"), dir.join("l.mem"), dir.join("l.wset"));
-    let resume = json!({"state": "Resumed"});
+    let list = dir.join("l.wset");
 
-    // A kernel booting, paused a few seconds in and snapshotted.
-    let boot = start(
-        "linux-boot",
-        &[
-            "boot".as_ref(),
-            "--kernel".as_ref(),
-            vmlinux.as_os_str(),
-            "--cmdline".as_ref(),
-            support::CMDLINE.as_ref(),
-            "--mem-mib".as_ref(),
-            "128".as_ref(),
-        ],
-    );
-    std::thread::sleep(Duration::from_secs(3));
-    assert_eq!(
-        boot.call("PATCH", "/vm", Some(json!({"state": "Paused"})))
-            .0,
-        204
-    );
-    let create = json!({"snapshot_type": "Full", "snapshot_path": state, "mem_file_path": mem});
-    let (status, body) = boot.call("PUT", "/snapshot/create", Some(create));
-    assert_eq!(status, 204, "{body}");
-    end(boot);
+    // A kernel booting, paused early and snapshotted.
+    let (state, mem, before) = linux_snapshot(&dir, &vmlinux, "4k");
+    let snapshot = (state.as_path(), mem.as_path());
 
     // Restored lazily, recording 3 s of the guest's run until a client ends it (long before
     // its --record-secs).
-    let lazy: [&std::ffi::OsStr; 7] = [
-        "restore".as_ref(),
-        "--snapshot".as_ref(),
-        state.as_os_str(),
-        "--mem-file".as_ref(),
-        mem.as_os_str(),
-        "--mem-backend".as_ref(),
-        "uffd".as_ref(),
-    ];
+    let uffd: [&OsStr; 2] = ["--mem-backend".as_ref(), "uffd".as_ref()];
     let record = [
-        &lazy[..],
+        &uffd[..],
         &[
             "--record-working-set".as_ref(),
             list.as_os_str(),
@@ -624,37 +771,130 @@ fn kvm_a_linux_guest_records_and_prefetches_its_working_set() {
         ],
     ]
     .concat();
-    let recording = start("linux-record", &record);
-    assert_eq!(recording.call("PATCH", "/vm", Some(resume.clone())).0, 204);
+    let recording = Linux::restore(&dir, "linux-record", snapshot, &record);
+    recording.runs_on(&before);
     std::thread::sleep(Duration::from_secs(3));
-    let (status, body) = recording.call("PUT", "/working-set/stop", None);
+    let (status, body) = recording.vmm.call("PUT", "/working-set/stop", None);
     assert_eq!(status, 204, "{body}");
     assert!(list.exists(), "the list is written before the answer");
-    assert_eq!(recording.call("PUT", "/working-set/stop", None).0, 409);
-    let stderr = end(recording);
+    assert_eq!(recording.vmm.call("PUT", "/working-set/stop", None).0, 409);
+    let stderr = recording.end();
     let set = list_at(&list);
-    let id = tinyvmm::linux::state::LinuxState::read_file(&state)
-        .expect("the Linux state file")
-        .snapshot
-        .expect("a snapshot")
-        .id
-        .0;
-    assert_eq!(set.snapshot, id, "{stderr}");
+    assert_eq!(set.snapshot, linux_snapshot_id(&state), "{stderr}");
     assert!(set.pages() > 0, "{stderr}");
 
     // Restored again with the list: it runs on, nothing failed.
-    let prefetching = start(
-        "linux-prefetch",
-        &[&lazy[..], &["--prefetch".as_ref(), list.as_os_str()]].concat(),
+    let prefetch = [&uffd[..], &["--prefetch".as_ref(), list.as_os_str()]].concat();
+    let prefetching = Linux::restore(&dir, "linux-prefetch", snapshot, &prefetch);
+    prefetching.runs_on(&before);
+    prefetching.end();
+
+    // Restored lazily in 2 MiB pages (issue 38): whole huge pages back it, and it runs on.
+    if pool_holds_linux(test, " (its restore in 2 MiB pages)") {
+        let huge = [&uffd[..], &["--page-size".as_ref(), "2m".as_ref()]].concat();
+        let in_2m = Linux::restore(&dir, "linux-4k-in-2m", snapshot, &huge);
+        assert_eq!(
+            in_2m.ram(),
+            ("2m".to_owned(), 0),
+            "nothing filled before it runs"
+        );
+        in_2m.runs_on(&before);
+        let (_, hugetlb) = in_2m.ram();
+        assert!(hugetlb > 0, "hugetlb pages back the RAM");
+        in_2m.end();
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn kvm_a_linux_guest_in_2m_pages_restores_every_way() {
+    let test = "tinyvmm::kvm_a_linux_guest_in_2m_pages_restores_every_way";
+    if !support::ready(test) || !pool_holds_linux(test, "") {
+        return;
+    }
+    let (_, vmlinux) = support::debian_kernel(test).expect("checked");
+    let dir =
+        std::env::temp_dir().join(format!("tinyvmm-test-{}-wset-linux2m", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).expect("a folder");
+    let list = dir.join("l.wset");
+
+    // Booted in 2 MiB pages (checked there), paused early, snapshotted.
+    let (state, mem, before) = linux_snapshot(&dir, &vmlinux, "2m");
+    let snapshot = (state.as_path(), mem.as_path());
+    let layout = tinyvmm::linux::state::LinuxState::read_file(&state)
+        .expect("the Linux state file")
+        .layout;
+    assert_eq!(layout.regions.len(), 1);
+    assert_eq!(
+        layout.regions[0].page_size,
+        kvm_memslots_persist::LayoutPageSize::Huge2M
     );
-    assert_eq!(prefetching.call("PATCH", "/vm", Some(resume)).0, 204);
-    std::thread::sleep(Duration::from_secs(3));
-    let (status, vm) = prefetching.call("GET", "/vm", None);
-    assert_eq!((status, &vm["state"]), (200, &json!("Running")), "{vm}");
-    let stderr = end(prefetching);
+    assert_eq!(layout.regions[0].file_offset, 0);
+
+    // Restored lazily, recording: nothing is filled before the guest runs, then whole 2 MiB
+    // pages, each the guest touched (the list) among them.
+    let uffd: [&OsStr; 2] = ["--mem-backend".as_ref(), "uffd".as_ref()];
+    let record = [
+        &uffd[..],
+        &["--record-working-set".as_ref(), list.as_os_str()],
+    ]
+    .concat();
+    let recording = Linux::restore(&dir, "linux-2m-record", snapshot, &record);
+    assert_eq!(recording.ram(), ("2m".to_owned(), 0));
+    recording.runs_on(&before);
+    let (status, body) = recording.vmm.call("PUT", "/working-set/stop", None);
+    assert_eq!(status, 204, "{body}");
+    let (_, filled) = recording.ram();
+    let stderr = recording.end();
+    let set = list_at(&list);
+    assert_eq!(set.snapshot, linux_snapshot_id(&state), "{stderr}");
     assert!(
-        !stderr.contains("could not fill") && !stderr.contains("prefetch stopped"),
-        "{stderr}"
+        set.runs
+            .iter()
+            .all(|r| r.start % 512 == 0 && (r.end - r.start) % 512 == 0),
+        "whole 2 MiB pages: {:?}",
+        set.runs
     );
+    assert!(set.pages() > 0);
+    assert!(
+        filled >= set.pages() * 4096,
+        "{filled} bytes of hugetlb pages hold the {} listed pages",
+        set.pages()
+    );
+    eprintln!(
+        "{test}: the lazy restore filled {} 2 MiB pages, {} of them listed",
+        filled >> 21,
+        set.pages() / 512
+    );
+
+    // Restored lazily with the list: its pages are fetched into hugetlb pages, the guest runs
+    // on.
+    let prefetch = [&uffd[..], &["--prefetch".as_ref(), list.as_os_str()]].concat();
+    let prefetching = Linux::restore(&dir, "linux-2m-prefetch", snapshot, &prefetch);
+    prefetching.runs_on(&before);
+    prefetching
+        .vmm
+        .wait_until("prefetch the list", Duration::from_secs(120), |_| {
+            prefetching.ram().1 >= set.pages() * 4096
+        });
+    prefetching.end();
+
+    // Restored by copy: in hugetlb pages before the guest runs.
+    let copy: [&OsStr; 2] = ["--mem-backend".as_ref(), "copy".as_ref()];
+    let copied = Linux::restore(&dir, "linux-2m-copy", snapshot, &copy);
+    let (page_size, hugetlb) = copied.ram();
+    assert_eq!(page_size, "2m");
+    assert!(hugetlb > 0, "copied into hugetlb pages");
+    copied.runs_on(&before);
+    copied.end();
+
+    // Restored in 4 KiB pages (the default backend: the memory file mapped privately), no
+    // hugetlb page taken.
+    let small: [&OsStr; 2] = ["--page-size".as_ref(), "4k".as_ref()];
+    let in_4k = Linux::restore(&dir, "linux-2m-in-4k", snapshot, &small);
+    in_4k.runs_on(&before);
+    assert_eq!(in_4k.ram(), ("4k".to_owned(), 0));
+    in_4k.end();
     let _ = std::fs::remove_dir_all(&dir);
 }

@@ -323,7 +323,14 @@ pub fn area_end(api: &Path, area: u64) -> u64 {
 /// `Private_Hugetlb` and `Shared_Hugetlb` of the mappings there): what the region holds of
 /// the pool, whatever other tests take from it meanwhile.
 pub fn hugetlb_bytes(hva: u64, len: u64) -> u64 {
-    let smaps = std::fs::read_to_string("/proc/self/smaps").expect("read /proc/self/smaps");
+    hugetlb_bytes_of("self", hva, len)
+}
+
+/// [`hugetlb_bytes`] of process `pid` (a number, or `self`): what a VMM process's region
+/// holds of the pool.
+pub fn hugetlb_bytes_of(pid: &str, hva: u64, len: u64) -> u64 {
+    let path = format!("/proc/{pid}/smaps");
+    let smaps = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("read {path}: {e}"));
     let mut inside = false;
     let mut kib = 0;
     for line in smaps.lines() {

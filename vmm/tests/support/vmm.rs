@@ -41,6 +41,7 @@ pub struct Spawn {
     args: Vec<OsString>,
     api: PathBuf,
     nofile: Option<libc::rlimit>,
+    console: Option<PathBuf>,
 }
 
 impl Spawn {
@@ -63,6 +64,13 @@ impl Spawn {
         self
     }
 
+    /// Writes its stdout (a Linux guest's console) to a new file at `path` instead of
+    /// discarding it.
+    pub fn console(mut self, path: impl Into<PathBuf>) -> Self {
+        self.console = Some(path.into());
+        self
+    }
+
     /// Starts it under an open-file limit of `soft` (hard limit `hard`).
     pub fn nofile(mut self, soft: u64, hard: u64) -> Self {
         self.nofile = Some(libc::rlimit {
@@ -81,7 +89,10 @@ impl Spawn {
             .arg("--api-sock")
             .arg(&self.api)
             .stdin(Stdio::null())
-            .stdout(Stdio::null())
+            .stdout(match &self.console {
+                Some(path) => Stdio::from(std::fs::File::create(path).expect("a console file")),
+                None => Stdio::null(),
+            })
             .stderr(Stdio::piped());
         if let Some(limit) = self.nofile {
             use std::os::unix::process::CommandExt;
@@ -163,6 +174,7 @@ impl Vmm {
             args: Vec::new(),
             api: temp_path(&format!("{name}.sock")),
             nofile: None,
+            console: None,
         }
     }
 
