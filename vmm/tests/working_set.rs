@@ -560,6 +560,26 @@ const EARLY_LINE: &str = "Command line:";
 /// The hugetlb pages a 128 MiB Linux guest in 2 MiB pages takes of the pool.
 const LINUX_HUGE_PAGES: u64 = 64;
 
+/// A scratch folder of a Linux test (its snapshots are large), removed at the end even if
+/// the test fails.
+struct Scratch(PathBuf);
+
+impl Scratch {
+    fn new(name: &str) -> Self {
+        let dir =
+            std::env::temp_dir().join(format!("tinyvmm-test-{}-wset-{name}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).expect("a folder");
+        Scratch(dir)
+    }
+}
+
+impl Drop for Scratch {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
 /// A `tinyvmm` process of a Linux guest, its console in a file.
 struct Linux {
     vmm: Process,
@@ -749,9 +769,8 @@ fn kvm_a_linux_guest_records_and_prefetches_its_working_set() {
         return;
     }
     let (_, vmlinux) = support::debian_kernel(test).expect("checked");
-    let dir = std::env::temp_dir().join(format!("tinyvmm-test-{}-wset-linux", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).expect("a folder");
+    let scratch = Scratch::new("linux");
+    let dir = scratch.0.clone();
     let list = dir.join("l.wset");
 
     // A kernel booting, paused early and snapshotted.
@@ -803,7 +822,6 @@ fn kvm_a_linux_guest_records_and_prefetches_its_working_set() {
         assert!(hugetlb > 0, "hugetlb pages back the RAM");
         in_2m.end();
     }
-    let _ = std::fs::remove_dir_all(&dir);
 }
 
 #[test]
@@ -813,10 +831,8 @@ fn kvm_a_linux_guest_in_2m_pages_restores_every_way() {
         return;
     }
     let (_, vmlinux) = support::debian_kernel(test).expect("checked");
-    let dir =
-        std::env::temp_dir().join(format!("tinyvmm-test-{}-wset-linux2m", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).expect("a folder");
+    let scratch = Scratch::new("linux2m");
+    let dir = scratch.0.clone();
     let list = dir.join("l.wset");
 
     // Booted in 2 MiB pages (checked there), paused early, snapshotted.
@@ -896,5 +912,4 @@ fn kvm_a_linux_guest_in_2m_pages_restores_every_way() {
     in_4k.runs_on(&before);
     assert_eq!(in_4k.ram(), ("4k".to_owned(), 0));
     in_4k.end();
-    let _ = std::fs::remove_dir_all(&dir);
 }
