@@ -109,4 +109,39 @@ pub struct VmInfo {
     /// Why the VM failed, once it has.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub failure: Option<VmFailure>,
+    /// What the lazy restore's loader has done so far: only for a restore through userfaultfd
+    /// (`--mem-backend uffd`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub lazy_restore: Option<LazyRestoreInfo>,
+}
+
+/// [`VmInfo::lazy_restore`]: the loader's counts. Pages are 4 KiB pages whatever the regions'
+/// page size (a 2 MiB page filled counts 512).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub struct LazyRestoreInfo {
+    /// Pages filled from the memory file on the guest's first touch.
+    pub copied_pages: u64,
+    /// Pages filled with zeros (holes of the memory file).
+    pub zeroed_pages: u64,
+    /// Pages of a working set (`--prefetch`) filled ahead of the guest.
+    pub prefetched_pages: u64,
+    /// `UFFDIO_COPY` calls, for faults and prefetch: one a 4 KiB page of a 4 KiB region, one a
+    /// 2 MiB page of a hugetlb region.
+    pub copy_calls: u64,
+    /// Whether the prefetch has gone through its whole list (true without one).
+    pub prefetch_done: bool,
+}
+
+impl LazyRestoreInfo {
+    /// The counts of `stats` now.
+    pub fn of(stats: &kvm_memslots_persist::LoaderStats) -> Self {
+        use std::sync::atomic::Ordering::Acquire;
+        LazyRestoreInfo {
+            copied_pages: stats.copied.load(Acquire),
+            zeroed_pages: stats.zeroed.load(Acquire),
+            prefetched_pages: stats.prefetched.load(Acquire),
+            copy_calls: stats.copy_calls.load(Acquire),
+            prefetch_done: stats.prefetch_done.load(Acquire),
+        }
+    }
 }

@@ -18,7 +18,9 @@ use crate::control::dirty_log::DirtyLogClient;
 use crate::control::memory::{memory_info, region_info};
 use crate::control::migration::{MigrateRequest, MigrationInfo};
 use crate::control::snapshot::{no_recording, SnapshotCreate};
-use crate::control::vm::{RunState, VmAction, VmActionType, VmInfo, VmStateRequest};
+use crate::control::vm::{
+    LazyRestoreInfo, RunState, VmAction, VmActionType, VmInfo, VmStateRequest,
+};
 use crate::control::{Apply, ControllerError, Outcome, Reply, Request, Ticket};
 use crate::migration::slot::{checked_endpoint, MigrationSlot};
 use crate::precopy::SourceVm;
@@ -186,6 +188,10 @@ impl<G: Guest> Controller<G> {
             },
             vcpus: self.guest.vcpu_count(),
             failure,
+            lazy_restore: self
+                .guest
+                .loader()
+                .map(|loader| LazyRestoreInfo::of(loader.stats())),
         }
     }
 

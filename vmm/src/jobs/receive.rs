@@ -455,6 +455,7 @@ impl Apply for Waiting {
                 state,
                 vcpus: 0,
                 failure: None,
+                lazy_restore: None,
             }));
         }
         let why = match state {
