@@ -125,8 +125,9 @@ pub struct LazyRestoreInfo {
     pub zeroed_pages: u64,
     /// Pages of a working set (`--prefetch`) filled ahead of the guest.
     pub prefetched_pages: u64,
-    /// `UFFDIO_COPY` calls, for faults and prefetch: one a 4 KiB page of a 4 KiB region, one a
-    /// 2 MiB page of a hugetlb region.
+    /// `UFFDIO_COPY` calls, for faults and prefetch: a call fills a run of neighbouring pages
+    /// (a fault in a hugetlb region its whole 2 MiB page); zeros copied into hugetlb pages,
+    /// and a call that found its page filled meanwhile, count too.
     pub copy_calls: u64,
     /// Whether the prefetch has gone through its whole list (true without one).
     pub prefetch_done: bool,
@@ -143,5 +144,43 @@ impl LazyRestoreInfo {
             copy_calls: stats.copy_calls.load(Acquire),
             prefetch_done: stats.prefetch_done.load(Acquire),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use kvm_memslots_persist::LoaderStats;
+    use serde_json::json;
+    use std::sync::atomic::Ordering;
+
+    #[test]
+    fn get_vm_shows_a_loader_s_counts_only_for_a_lazy_restore() {
+        let mut info = VmInfo {
+            state: RunState::Running,
+            vcpus: 1,
+            failure: None,
+            lazy_restore: None,
+        };
+        let value = serde_json::to_value(info.clone()).expect("serialises");
+        assert_eq!(value, json!({"state": "Running", "vcpus": 1}));
+        let stats = LoaderStats::default();
+        stats.copied.store(1024, Ordering::Release);
+        stats.zeroed.store(512, Ordering::Release);
+        stats.prefetched.store(7, Ordering::Release);
+        stats.copy_calls.store(3, Ordering::Release);
+        stats.prefetch_done.store(true, Ordering::Release);
+        info.lazy_restore = Some(LazyRestoreInfo::of(&stats));
+        let value = serde_json::to_value(info).expect("serialises");
+        assert_eq!(
+            value["lazy_restore"],
+            json!({
+                "copied_pages": 1024,
+                "zeroed_pages": 512,
+                "prefetched_pages": 7,
+                "copy_calls": 3,
+                "prefetch_done": true,
+            })
+        );
     }
 }
