@@ -8,12 +8,14 @@
 //! loaded and every vCPU has its state.
 
 use std::path::PathBuf;
+use std::process::ExitCode;
 use std::sync::Arc;
 
 use vmm_sys_util::eventfd::EventFd;
 
-use super::boot::{run_linux, BootJobError, LinuxRun};
-use super::serve::ServeError;
+use super::args::{file_to_write, seconds, ApiArgs};
+use super::boot::{linux_ended, run_linux, BootJobError, LinuxRun};
+use super::serve::{ServeArgs, ServeError};
 use super::working_set::WorkingSetFiles;
 use crate::api::server::ApiSocket;
 use crate::linux::state::LinuxState;
@@ -172,5 +174,89 @@ fn wrong_memory(from: &RestoreFrom, info: &SnapshotInfo, mismatch: &MemoryMismat
              MERGED with this last state file",
             info.id
         ),
+    }
+}
+
+/// `tinyvmm restore`'s arguments: the snapshot's files, how its memory comes back, its
+/// working set, and the API socket it is served on.
+#[derive(Debug, clap::Args)]
+pub struct RestoreArgs {
+    /// The state file a snapshot wrote (`snapshot_path` of PUT /snapshot/create).
+    #[arg(long)]
+    pub snapshot: PathBuf,
+    /// The memory file: a Full's own (`mem_file_path`), or for a Diff its chain merged with
+    /// `tinyvmm snapshot-merge` (a Diff's own memory file is refused).
+    #[arg(long)]
+    pub mem_file: PathBuf,
+    /// copy: read the memory in before the guest runs; file: map the file privately, pages
+    /// load when first touched; uffd: a userfaultfd handler fills each page on first touch.
+    #[arg(long, value_enum, default_value_t)]
+    pub mem_backend: MemBackend,
+    /// Record the pages the VM touches first, in that order, into this file when the
+    /// recording ends (after --record-secs, on PUT /working-set/stop, or when the VMM stops).
+    /// Needs --mem-backend uffd [default: no recording]
+    #[arg(long, value_name = "PATH", conflicts_with = "prefetch", value_parser = file_to_write)]
+    pub record_working_set: Option<PathBuf>,
+    /// End the recording this many seconds after the restore [default: when the VMM stops]
+    #[arg(long, value_name = "N", requires = "record_working_set", value_parser = seconds)]
+    pub record_secs: Option<std::time::Duration>,
+    /// Fetch the pages of this list (recorded on a restore of the same snapshot) ahead of the
+    /// guest while the rest still loads on fault. Needs --mem-backend uffd [default: none]
+    #[arg(long, value_name = "PATH")]
+    pub prefetch: Option<PathBuf>,
+    /// Every region in pages of this size rather than the ones the snapshot was taken with
+    /// (2m: each region's guest address, size and slots on the 2 MiB grid, and the hugetlb pool
+    /// must hold them; a working set recorded with one page size serves restores with that
+    /// size) [default: the snapshot's]
+    #[arg(long, value_enum)]
+    pub page_size: Option<crate::control::memory::RegionPageSize>,
+    /// The API socket and the VM's limits (its memory and vCPUs are the snapshot's).
+    #[command(flatten)]
+    pub api: ApiArgs,
+}
+
+impl RestoreArgs {
+    /// Runs `tinyvmm restore`: a test guest served as `serve` serves one, a Linux guest run as
+    /// `boot` runs one; gives the exit status.
+    pub fn run(self) -> ExitCode {
+        use crate::snapshot::GuestKind;
+        let from = RestoreFrom {
+            snapshot: self.snapshot,
+            mem_file: self.mem_file,
+            backend: self.mem_backend,
+            working_set: WorkingSetFiles {
+                prefetch: self.prefetch,
+                record: self.record_working_set,
+                record_for: self.record_secs,
+            },
+            page_size: self.page_size.map(Into::into),
+        };
+        // A file that is neither kind's is refused by the test guest's reader, which says why.
+        if !matches!(GuestKind::of_file(&from.snapshot), Ok(GuestKind::Linux)) {
+            // The restored VM's memory and vCPUs are the snapshot's: serve's own shape is
+            // unused.
+            let serve = ServeArgs {
+                api: self.api,
+                slots: 2,
+                mem_mib: 0,
+                vcpus: 1,
+                memfd: false,
+                page_size: Default::default(),
+            };
+            return serve.serve(Some(from));
+        }
+        let limits = Some(self.api.limits.resolve());
+        match restore_linux(
+            &from,
+            self.api.api_sock,
+            Box::new(std::io::stdout()),
+            limits,
+        ) {
+            Ok(ending) => linux_ended(&ending),
+            Err(e) => {
+                eprintln!("tinyvmm: {e}");
+                ExitCode::FAILURE
+            }
+        }
     }
 }
