@@ -5,6 +5,7 @@
 //!
 //! | module | what |
 //! |---|---|
+//! | [`host`] | the host OS's calls outside KVM and guest memory, each a small safe wrapper |
 //! | [`vm`] | a KVM VM with its memory manager, vCPUs, and the one vCPU exit loop every guest uses |
 //! | [`lifecycle`] | the event loop for everything that is not a vCPU, and the signal flag |
 //! | [`precopy`] | the pre-copy engine: a running VM's memory copied in rounds, then a short pause, into a sink |
@@ -27,6 +28,7 @@ pub mod api;
 pub mod control;
 pub mod controller;
 pub mod devices;
+pub mod host;
 pub mod jobs;
 pub mod lifecycle;
 pub mod linux;

@@ -88,7 +88,7 @@ fn main() -> ExitCode {
     let outcome = match command {
         Commands::Check(args) => Ok(args.run()),
         Commands::Serve(args) => args.run(),
-        Commands::Restore(args) => Ok(args.run()),
+        Commands::Restore(args) => Ok(serve::restore(args)),
         Commands::SnapshotMerge(args) => Ok(args.run()),
         Commands::Receive(args) => Ok(args.run()),
         Commands::Boot(args) => Ok(args.run()),

@@ -4,13 +4,15 @@
 //! 2 MiB pages plugs, holds what is written, gives a huge page back on each unplugged block and
 //! plugs zeros again, through the API too, across a copy restore. A pool too small for the
 //! initial memory refuses the start, and for a piece the plug (409), each naming its free
-//! pages.
+//! pages. A Full written on a hugetlbfs mount is a template: clones restored from it with the
+//! file backend map it in 2 MiB pages, verify it and do not see each other's writes, and a
+//! clone whose private copies the pool cannot reserve is refused before it runs.
 //!
 //! They need free pages in the host's hugetlb pool (`resources/setup-host.sh` reserves some);
 //! without them they say so loudly (`SKIPPED <test>: <why>`) and return.
 
 mod support;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::thread::JoinHandle;
 
 use kvm_memslots::{hugetlb_pages_available, PageSize};
@@ -426,4 +428,263 @@ fn kvm_a_2m_plug_the_pool_cannot_hold_is_refused_naming_the_free_pages() {
         "{info}"
     );
     vmm.stop();
+}
+
+/// A hugetlbfs mount of 2 MiB pages on a folder of its own: unmounted (its files and their
+/// pages gone with it) and the folder removed when dropped.
+struct HugetlbfsMount {
+    dir: PathBuf,
+}
+
+impl HugetlbfsMount {
+    /// Mounts one for `test`, or says loudly why it cannot (mounting needs root).
+    fn new(test: &str, name: &str) -> Option<HugetlbfsMount> {
+        let dir = std::env::temp_dir().join(format!(
+            "tinyvmm-test-{}-{name}-hugetlbfs",
+            std::process::id()
+        ));
+        std::fs::create_dir_all(&dir).expect("a folder to mount on");
+        let mounted = std::process::Command::new("mount")
+            .args(["-t", "hugetlbfs", "-o", "pagesize=2M", "none"])
+            .arg(&dir)
+            .output();
+        match mounted {
+            Ok(out) if out.status.success() => Some(HugetlbfsMount { dir }),
+            other => {
+                let why = match other {
+                    Ok(out) => String::from_utf8_lossy(&out.stderr).trim().to_owned(),
+                    Err(e) => e.to_string(),
+                };
+                eprintln!(
+                    "SKIPPED tinyvmm::{test}: cannot mount hugetlbfs on {}: {why} (the test \
+                     needs root)",
+                    dir.display()
+                );
+                let _ = std::fs::remove_dir(&dir);
+                None
+            }
+        }
+    }
+
+    fn path(&self, name: &str) -> PathBuf {
+        self.dir.join(name)
+    }
+}
+
+impl Drop for HugetlbfsMount {
+    fn drop(&mut self) {
+        // Lazily, so that a test failing with a clone still mapping the file unmounts too.
+        let _ = std::process::Command::new("umount")
+            .arg("-l")
+            .arg(&self.dir)
+            .status();
+        let _ = std::fs::remove_dir(&self.dir);
+    }
+}
+
+/// A VM restored from `state` and the memory file `mem` with the file backend: the memory
+/// file mapped privately.
+fn file_clone(name: &str, state: &Path, mem: &Path) -> Vmm {
+    Vmm::start(name, |config| ServeConfig {
+        restore: Some(RestoreFrom {
+            snapshot: state.to_path_buf(),
+            mem_file: mem.to_path_buf(),
+            backend: MemBackend::File,
+            working_set: Default::default(),
+            page_size: None,
+        }),
+        ..config
+    })
+}
+
+/// The test guest in 2 MiB pages snapshotted with its memory file on a hugetlbfs mount: two
+/// clones restored from it with the file backend map every region in 2 MiB pages, each
+/// guest verifies the template's data, then writes its own and verifies it; neither sees the
+/// other's writes, and a clone started after them still reads the template's. A Diff on the
+/// mount is refused; a live Full there (its later rounds written over its first) restores
+/// its point.
+#[test]
+fn kvm_clones_of_a_template_on_hugetlbfs_map_2m_pages_and_keep_their_writes_apart() {
+    let test = "kvm_clones_of_a_template_on_hugetlbfs_map_2m_pages_and_keep_their_writes_apart";
+    // The source's 4 pages and two templates' 5 each (the 2 MiB system region's one too),
+    // then the templates' 10 and each of two clones' 5 reserved for its private copies.
+    if !can_run(test, 20) {
+        return;
+    }
+    let Some(mount) = HugetlbfsMount::new(test, "clones") else {
+        return;
+    };
+    let dir = std::env::temp_dir().join(format!("tinyvmm-test-{}-clones", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("a scratch folder");
+    let state = dir.join("template.state");
+    let mem = mount.path("template.mem");
+    let (start, end) = (AREA_GPA, AREA_GPA + 8 * MIB);
+    let source = Vmm::start("clones-source", |config| ServeConfig {
+        slots: 3,
+        area_size: 8 * MIB,
+        page_size: PageSize::Huge2M,
+        ..config
+    });
+    source.guest("write", start, end, 38);
+    source.ok("PATCH", "/vm", Some(json!({"state": "Paused"})));
+    let create = json!({"snapshot_type": "Full", "snapshot_path": state,
+                        "mem_file_path": mem});
+    source.ok("PUT", "/snapshot/create", Some(create));
+    // A Diff cannot live on hugetlbfs (its files have no holes to tell its pages by): a 400
+    // naming why, and no file left.
+    let diff_mem = mount.path("diff.mem");
+    let diff = json!({"snapshot_type": "Diff", "snapshot_path": dir.join("diff.state"),
+                      "mem_file_path": diff_mem});
+    let (status, answer) = tinyvmm::api::client::Client::connect(&source.socket)
+        .expect("connect")
+        .call("PUT", "/snapshot/create", Some(&diff))
+        .expect("an answer");
+    assert_eq!(status, 400, "{answer}");
+    let message = answer["fault_message"].as_str().unwrap_or_default();
+    assert!(
+        message.contains("Diff") && message.contains("hugetlbfs"),
+        "{answer}"
+    );
+    assert!(!diff_mem.exists(), "a refused Diff leaves no file");
+    // A live Full there too, its later rounds written over its first: half the area
+    // rewritten first.
+    source.ok("PATCH", "/vm", Some(json!({"state": "Resumed"})));
+    source.guest("write", start, start + 4 * MIB, 39);
+    let (live_state, live_mem) = (dir.join("live.state"), mount.path("live.mem"));
+    let live = json!({"snapshot_type": "Full", "snapshot_path": live_state,
+                      "mem_file_path": live_mem, "live": true});
+    source.ok("PUT", "/snapshot/create", Some(live));
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(120);
+    loop {
+        let info = source.ok("GET", "/snapshot", None);
+        let phase = info["phase"].as_str().expect("a phase").to_owned();
+        if !["setup", "pre_copy", "stop_and_copy"].contains(&phase.as_str()) {
+            assert_eq!(phase, "completed", "{info}");
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the live Full never ended: {info}"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(10));
+    }
+    source.stop();
+    let meta = std::fs::metadata(&mem).expect("the template");
+    assert_eq!(
+        meta.len(),
+        10 * MIB,
+        "the system region's 2 MiB and the area's 8"
+    );
+    eprintln!(
+        "{test}: the template holds {} MiB of 2 MiB pages on hugetlbfs",
+        std::os::unix::fs::MetadataExt::blocks(&meta) * 512 / MIB
+    );
+
+    let pool_before = hugetlb_pages_available();
+    let clones = [
+        file_clone("clone-a", &state, &mem),
+        file_clone("clone-b", &state, &mem),
+    ];
+    eprintln!(
+        "{test}: the pool had {pool_before} free, unreserved pages before the clones, {} with \
+         both mapped (each reserves its whole memory for its copies on write)",
+        hugetlb_pages_available()
+    );
+    for (clone, name) in clones.iter().zip(["a", "b"]) {
+        let memory = clone.ok("GET", "/memory", None);
+        let regions = memory["regions"].as_array().expect("regions");
+        assert!(
+            regions.iter().all(|r| r["page_size"] == "2m"),
+            "clone {name}: every region maps the hugetlbfs file in 2 MiB pages: {regions:?}"
+        );
+        clone.ok("PATCH", "/vm", Some(json!({"state": "Resumed"})));
+        clone.guest("verify", start, end, 38);
+        let hva = clone.area_regions()[0]["host_address"]
+            .as_u64()
+            .expect("an address");
+        assert_eq!(
+            support::hugetlb_bytes(hva, 8 * MIB),
+            8 * MIB,
+            "clone {name}: the template's pages are mapped as 2 MiB pages"
+        );
+    }
+    // Each writes its own data over the whole area, then verifies it: the other's writes
+    // would show as a mismatch.
+    clones[0].guest("write", start, end, 0xa);
+    clones[1].guest("write", start, end, 0xb);
+    clones[0].guest("verify", start, end, 0xa);
+    clones[1].guest("verify", start, end, 0xb);
+    let [a, b] = clones;
+    a.stop();
+    b.stop();
+    // The template is unchanged: a new clone reads what the source wrote.
+    let third = file_clone("clone-c", &state, &mem);
+    third.ok("PATCH", "/vm", Some(json!({"state": "Resumed"})));
+    third.guest("verify", start, end, 38);
+    third.stop();
+    // A clone of the live Full reads its point.
+    let fourth = file_clone("clone-d", &live_state, &live_mem);
+    fourth.ok("PATCH", "/vm", Some(json!({"state": "Resumed"})));
+    fourth.guest("verify", start, start + 4 * MIB, 39);
+    fourth.guest("verify", start + 4 * MIB, end, 38);
+    fourth.stop();
+    let _ = std::fs::remove_dir_all(&dir);
+    drop(mount);
+}
+
+/// A template on hugetlbfs of more memory than the pool can reserve for a clone's private
+/// copies: the clone is refused before it runs, naming the pool's free pages, rather than
+/// mapped without a reservation (a copy on write the pool could not give would kill the VMM
+/// with `SIGBUS`). The source serves 4 KiB pages, so a template on hugetlbfs needs only its
+/// written pages; the clone maps every region of it in 2 MiB pages.
+#[test]
+fn kvm_a_clone_the_pool_cannot_reserve_is_refused_naming_the_free_pages() {
+    let test = "kvm_a_clone_the_pool_cannot_reserve_is_refused_naming_the_free_pages";
+    // The template's written pages: the system region's and the area's first.
+    if !can_run(test, 2) {
+        return;
+    }
+    let Some(mount) = HugetlbfsMount::new(test, "short") else {
+        return;
+    };
+    let dir = std::env::temp_dir().join(format!("tinyvmm-test-{}-short", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("a scratch folder");
+    let state = dir.join("template.state");
+    let mem = mount.path("template.mem");
+    // More than the pool could reserve, whatever other tests take meanwhile.
+    let pages = hugetlb_pages_available() + 512;
+    let source = Vmm::start("short-source", |config| ServeConfig {
+        slots: 2,
+        area_size: pages * 2 * MIB,
+        ..config
+    });
+    source.guest("write", AREA_GPA, AREA_GPA + 4096, 5);
+    source.ok("PATCH", "/vm", Some(json!({"state": "Paused"})));
+    let create = json!({"snapshot_type": "Full", "snapshot_path": state,
+                        "mem_file_path": mem});
+    source.ok("PUT", "/snapshot/create", Some(create));
+    source.stop();
+
+    let socket =
+        std::env::temp_dir().join(format!("tinyvmm-test-{}-short.sock", std::process::id()));
+    let config = ServeConfig {
+        restore: Some(RestoreFrom {
+            snapshot: state.clone(),
+            mem_file: mem.clone(),
+            backend: MemBackend::File,
+            working_set: Default::default(),
+            page_size: None,
+        }),
+        ..ServeConfig::new(socket)
+    };
+    let error = serve_in_background(config)
+        .map(drop)
+        .expect_err("refused")
+        .to_string();
+    assert!(
+        error.contains("hugetlb pool has") && error.contains(&format!("need {}", pages + 1)),
+        "{error}"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+    drop(mount);
 }

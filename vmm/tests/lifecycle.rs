@@ -14,7 +14,11 @@
 //! to random sizes), client harvests of the dirty log, two clones of one snapshot side by side
 //! (each written and checked on its own), the VM's end (Stop, SIGTERM, SIGTERM in a live Full)
 //! followed by a restore, and migrations of a guest writing in a loop all along (no downtime
-//! allowed: the timeout forces the pause or cancels, as `on_timeout` says). After every step the current VM's whole area is verified against the model, and
+//! allowed: the timeout forces the pause or cancels, as `on_timeout` says). The initial memory
+//! and the hotplug area take 4 KiB, 2 MiB hugetlb or transparent huge pages per sequence, and
+//! each added region its own; `GET /memory` must report each region's page size as the model
+//! says (kept by every path, but a file restore maps transparent huge pages in 4 KiB pages and
+//! refuses 2 MiB ones off hugetlbfs). After every step the current VM's whole area is verified against the model, and
 //! every answer is held to what the model says must happen (a Diff with no Full before it in
 //! this VM's chain is refused, and so on).
 //!
@@ -84,9 +88,55 @@ struct Model {
     /// The hotplug area's plugged blocks (from its start), each written whole with one seed;
     /// empty until the sequence configures the area (`None` then: no area).
     plugged: Option<Vec<u64>>,
-    /// The initial memory and the hotplug area are in 2 MiB hugetlb pages (`serve --page-size
-    /// 2m`, `"page_size": "2m"`).
-    huge: bool,
+    /// The page size of the initial memory (`serve --page-size`) and of the hotplug area
+    /// configured in this VM (`"page_size"`).
+    page: Page,
+}
+
+/// A region's page size, as the model expects `GET /memory` to report it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+enum Page {
+    /// 4 KiB pages.
+    #[default]
+    Base,
+    /// 2 MiB hugetlb pages.
+    Huge,
+    /// Transparent huge pages.
+    Thp,
+}
+
+impl Page {
+    /// The API's word for it.
+    fn name(self) -> &'static str {
+        match self {
+            Page::Base => "4k",
+            Page::Huge => "2m",
+            Page::Thp => "thp",
+        }
+    }
+
+    /// What it becomes in a file restore: a private mapping of a file (not on hugetlbfs) has
+    /// no transparent huge pages, so a THP region maps in 4 KiB pages (and says so).
+    fn in_file_restore(self) -> Page {
+        match self {
+            Page::Thp => Page::Base,
+            page => page,
+        }
+    }
+}
+
+impl Model {
+    /// The model of a VM restored from a snapshot of this one with `backend`.
+    fn restored_with(&self, backend: &str) -> Model {
+        let mut model = self.clone();
+        if backend == "file" {
+            model.page = model.page.in_file_restore();
+            for extra in &mut model.extra {
+                extra.page = extra.page.in_file_restore();
+            }
+        }
+        model
+    }
 }
 
 /// The hotplug area the sequence configures: blocks of [`BLOCK_MIB`], pieces (slots) of
@@ -101,8 +151,8 @@ struct Extra {
     gpa: u64,
     seed: u64,
     read_only: bool,
-    /// In 2 MiB hugetlb pages (`"page_size": "2m"`), not 4 KiB.
-    huge: bool,
+    /// Its page size (`"page_size"`).
+    page: Page,
 }
 
 /// Where added regions go: places of [`EXTRA_SIZE`] from 1 GiB up, [`EXTRA_PLACES`] of them.
@@ -285,12 +335,19 @@ impl Sequence {
         let memfd = rng.chance(50);
         let mem = MEM_MIB.to_string();
         // From a generator of its own, so that the sequence's draws stay what they were.
-        let huge = Rng::new(!seed).chance(30) && kvm_memslots::hugetlb_pages_available() >= 64;
+        let mut sizes = Rng::new(!seed);
+        let page = if sizes.chance(30) && kvm_memslots::hugetlb_pages_available() >= 64 {
+            Page::Huge
+        } else if sizes.chance(30) {
+            Page::Thp
+        } else {
+            Page::Base
+        };
         // 2 MiB pages take slots of whole pages: 8 of 2 MiB.
-        let slots = if huge { "9" } else { SLOTS };
+        let slots = if page == Page::Huge { "9" } else { SLOTS };
         let mut args = vec!["serve", "--slots", slots, "--mem-mib", &mem];
-        if huge {
-            args.extend(["--page-size", "2m"]);
+        if page != Page::Base {
+            args.extend(["--page-size", page.name()]);
         }
         if ring {
             args.extend(["--dirty-ring", "4096"]);
@@ -312,7 +369,7 @@ impl Sequence {
                     area: vec![0; CHUNKS],
                     extra: Vec::new(),
                     plugged: None,
-                    huge,
+                    page,
                 },
                 paused: false,
                 ring,
@@ -524,16 +581,15 @@ impl Sequence {
                 regions.len()
             ));
         }
-        // Every snapshot, restore and migration keeps each region's page size.
-        for extra in &self.vm.model.extra {
-            if !regions
-                .iter()
-                .any(|r| r.1 == extra.gpa && r.3 == extra.huge)
-            {
+        // Every snapshot, restore and migration keeps each region's page size (a file
+        // restore maps transparent huge pages in 4 KiB pages).
+        let initial = (AREA, self.vm.model.page);
+        let extras = self.vm.model.extra.iter().map(|e| (e.gpa, e.page));
+        for (gpa, page) in std::iter::once(initial).chain(extras) {
+            if !regions.iter().any(|r| r.1 == gpa && r.3 == page.name()) {
                 self.fail(&format!(
-                    "the region at {:#x} should be in {} pages: {regions:?}",
-                    extra.gpa,
-                    if extra.huge { "2 MiB" } else { "4 KiB" }
+                    "the region at {gpa:#x} should be in {} pages: {regions:?}",
+                    page.name()
                 ));
             }
         }
@@ -542,8 +598,8 @@ impl Sequence {
         }
     }
 
-    /// `GET /memory`'s regions: (id, guest address, read-only, 2 MiB pages).
-    fn regions(&mut self) -> Vec<(u64, u64, bool, bool)> {
+    /// `GET /memory`'s regions: (id, guest address, read-only, page size).
+    fn regions(&mut self) -> Vec<(u64, u64, bool, String)> {
         let memory = self.ok("GET", "/memory", None);
         memory["regions"]
             .as_array()
@@ -554,7 +610,7 @@ impl Sequence {
                     r["id"].as_u64().expect("an id"),
                     r["guest_address"].as_u64().expect("an address"),
                     r["read_only"].as_bool().expect("read_only"),
-                    r["page_size"] == "2m",
+                    r["page_size"].as_str().expect("a page size").to_owned(),
                 )
             })
             .collect()
@@ -591,8 +647,13 @@ impl Sequence {
                 };
                 let slot_size = [EXTRA_SIZE, EXTRA_SIZE / 8][self.rng.below(2)];
                 let backing = ["anonymous", "memfd"][self.rng.below(2)];
-                let huge = self.rng.chance(40);
-                let page_size = if huge { "2m" } else { "4k" };
+                // One draw: 2 MiB pages as often as before THP joined, THP from 4 KiB's share.
+                let page = match self.rng.next() % 100 {
+                    0..40 => Page::Huge,
+                    40..65 => Page::Thp,
+                    _ => Page::Base,
+                };
+                let (huge, page_size) = (page == Page::Huge, page.name());
                 let body = json!({"size": EXTRA_SIZE, "guest_address": gpa,
                                   "slot_size": slot_size, "backing": backing,
                                   "page_size": page_size});
@@ -628,7 +689,7 @@ impl Sequence {
                     gpa,
                     seed: 0,
                     read_only: false,
-                    huge,
+                    page,
                 });
                 self.write_extra(count);
             }
@@ -686,7 +747,7 @@ impl Sequence {
     fn hotplug_step(&mut self) {
         self.resume();
         let Some(plugged) = self.vm.model.plugged.clone() else {
-            let page_size = if self.vm.model.huge { "2m" } else { "4k" };
+            let page_size = self.vm.model.page.name();
             let body = json!({"total_size_mib": HOTPLUG_MIB, "block_size_mib": BLOCK_MIB,
                               "slot_size_mib": PIECE_MIB, "page_size": page_size});
             let (status, answer) = self.call("PUT", "/hotplug/memory", Some(body));
@@ -981,7 +1042,10 @@ impl Sequence {
     /// restored VM does.
     fn restored(&mut self, saved: &Saved) -> Vm {
         let backend = ["copy", "file", "uffd", "uffd-prefetch"][self.rng.below(4)];
-        if backend == "file" && (saved.model.huge || saved.model.extra.iter().any(|e| e.huge)) {
+        let huge = |page: Page| page == Page::Huge;
+        if backend == "file"
+            && (huge(saved.model.page) || saved.model.extra.iter().any(|e| huge(e.page)))
+        {
             // A file restore of 2 MiB pages is refused: the file is on no hugetlbfs (or the
             // region's file offset is off the 2 MiB grid, found first where a region before it
             // is not a multiple of 2 MiB: the test guest's area is not). It refuses, naming
@@ -1046,7 +1110,7 @@ impl Sequence {
         }
         Ok(Vm {
             process,
-            model: saved.model.clone(),
+            model: saved.model.restored_with(backend),
             paused: true,
             ring: saved.ring,
             origin: Origin(format!("{name}: {} restored with {backend}", saved.name)),

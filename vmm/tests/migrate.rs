@@ -211,12 +211,25 @@ fn stop_and_verify(vmm: &Vmm, start: u64, end: u64) -> u64 {
 /// A guest writing across `slots` slots migrates while it writes; every slot, a hotplugged
 /// region and a read-only region verify on the destination, and the source exits 0.
 /// With `local`, the initial memory is a memfd that the source hands over instead of copying.
+/// Every region arrives with its page size.
 fn migrate_a_writing_guest(
     name: &str,
     slots: usize,
     dirty_ring: Option<&str>,
     downtime_ms: u64,
     local: bool,
+) {
+    migrate_a_writing_guest_serving(name, slots, dirty_ring, downtime_ms, local, &[]);
+}
+
+/// [`migrate_a_writing_guest`], the source served with `serve_args` besides.
+fn migrate_a_writing_guest_serving(
+    name: &str,
+    slots: usize,
+    dirty_ring: Option<&str>,
+    downtime_ms: u64,
+    local: bool,
+    serve_args: &[&str],
 ) {
     let mem_mib = 256;
     let mut args: Vec<&str> = dirty_ring
@@ -225,6 +238,7 @@ fn migrate_a_writing_guest(
     if local {
         args.push("--memfd");
     }
+    args.extend(serve_args);
     let mut source = Vmm::serve(name, slots, mem_mib, &args);
     // Hotplugged memory with a pattern, and a region made read-only after the guest wrote it.
     // The read-only one comes first, so that region ids are not in guest-address order: the
@@ -307,7 +321,7 @@ fn migrate_a_writing_guest(
 
     destination.wait_for_api();
     let after = destination.ok("GET", "/memory", None);
-    let shape = |m: &Value| -> Vec<(Value, Value, Value, Value, Value)> {
+    let shape = |m: &Value| -> Vec<(Value, Value, Value, Value, Value, Value)> {
         m["regions"]
             .as_array()
             .expect("regions")
@@ -319,6 +333,7 @@ fn migrate_a_writing_guest(
                     r["size"].clone(),
                     r["slots"].clone(),
                     r["read_only"].clone(),
+                    r["page_size"].clone(),
                 )
             })
             .collect()
@@ -421,6 +436,18 @@ fn kvm_a_writing_guest_migrates_locally_by_handing_its_memfd_over() {
         return;
     }
     migrate_a_writing_guest("local", 4096, None, 300, true);
+}
+
+/// A memfd of transparent huge pages handed over keeps them on the destination (it once
+/// refused the memfd: a caller's file could not take THP).
+#[test]
+fn kvm_a_thp_memfd_migrates_locally_and_keeps_its_page_size() {
+    if !kvm_test_support::require_kvm(
+        "tinyvmm::kvm_a_thp_memfd_migrates_locally_and_keeps_its_page_size",
+    ) {
+        return;
+    }
+    migrate_a_writing_guest_serving("local-thp", 64, None, 300, true, &["--page-size", "thp"]);
 }
 
 #[test]

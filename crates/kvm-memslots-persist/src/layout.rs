@@ -333,12 +333,18 @@ impl MemoryLayout {
     /// front, and the guest's writes never reach the file. Every region is private then, shared
     /// ones included. A region of transparent huge pages maps in 4 KiB pages (a private
     /// mapping of a file has no transparent huge pages; its `RegionInfo` then says so); 2 MiB
-    /// hugetlb regions need the file on hugetlbfs.
+    /// hugetlb regions need the file on hugetlbfs. A file on hugetlbfs (a template for clones)
+    /// maps in 2 MiB pages only, so there every region is a 2 MiB one whatever the layout says
+    /// (refused, naming the region, where one is off the 2 MiB grid), and each clone's mapping
+    /// reserves its whole size in the hugetlb pool for its copies on write (refused before
+    /// anything is mapped when the pool's free pages cannot hold it): a write never finds the
+    /// pool empty, at the cost of a pool that holds every clone's reservation.
     ///
     /// # KVM calls
     ///
-    /// 1. `statx` (or `fstat`) of `memory_file` for its size, then one `fcntl(F_DUPFD_CLOEXEC)`;
-    ///    a wrong size or a failed duplicate makes no KVM call.
+    /// 1. `statx` (or `fstat`) of `memory_file` for its size, `fstatfs` for its file system,
+    ///    then one `fcntl(F_DUPFD_CLOEXEC)`; a wrong size or a failed duplicate makes no KVM
+    ///    call.
     /// 2. As [`build`](Self::build), with no memfd: each region's one `mmap` is a
     ///    `MAP_PRIVATE` mapping of that one duplicate at the region's file offset (one open file
     ///    whatever the region count). The same undo on a refusal; the duplicate is closed with
@@ -349,8 +355,25 @@ impl MemoryLayout {
         memory_file: &File,
     ) -> Result<Vec<RegionId>, SnapshotError> {
         self.check_file_size(memory_file)?;
+        let hugetlbfs = crate::hugetlbfs::is_hugetlbfs(memory_file)?;
+        let mut layout = self.clone();
+        for r in &mut layout.regions {
+            r.page_size = match r.page_size {
+                _ if hugetlbfs => LayoutPageSize::Huge2M,
+                LayoutPageSize::Transparent => LayoutPageSize::Base,
+                size => size,
+            };
+        }
+        if hugetlbfs {
+            layout.validate().map_err(|e| {
+                SnapshotError::Format(format!(
+                    "the memory file is on hugetlbfs, which maps every region in 2 MiB pages: \
+                     {e}"
+                ))
+            })?;
+        }
         // A hugetlbfs file maps only at offsets on its 2 MiB pages.
-        for r in &self.regions {
+        for r in &layout.regions {
             let page = PageSize::from(r.page_size).alignment();
             if r.file_offset % page != 0 {
                 return Err(SnapshotError::Format(format!(
@@ -367,12 +390,6 @@ impl MemoryLayout {
                 .try_clone()
                 .map_err(io("duplicating the memory file"))?,
         );
-        let mut layout = self.clone();
-        for r in &mut layout.regions {
-            if r.page_size == LayoutPageSize::Transparent {
-                r.page_size = LayoutPageSize::Base;
-            }
-        }
         Ok(layout.build_with(memory, |r| {
             Backing::PrivateFile(FileOffset::from_arc(Arc::clone(&file), r.file_offset))
         })?)

@@ -7,7 +7,8 @@
 //!   the layout file, for a VMM's own state files too; [`framed_len`] checks a header before
 //!   a reader reads a file whole.
 //! - [`memory_file`]: sparse memory files, full or of a harvest's pages; merging diffs;
-//!   loading.
+//!   loading; full and merged files on hugetlbfs too, as templates that file-backed restores
+//!   map in 2 MiB pages.
 //! - [`stream`]: guest memory between two VMM processes as checksummed records, the reusable
 //!   part of a live migration.
 //! - [`uffd`]: a lazy restore whose pages a userfaultfd handler fills on first touch, which
@@ -20,8 +21,10 @@
 
 mod error;
 mod frame;
+mod hugetlbfs;
 pub mod layout;
 pub mod memory_file;
+mod sparse;
 pub mod stream;
 pub mod uffd;
 pub mod working_set;

@@ -11,7 +11,9 @@
 //! layouts changed in between). Loading ([`load_memory_file`]) copies the file's data runs
 //! (`SEEK_DATA`/`SEEK_HOLE`) into the regions; holes read as zeros in fresh memory. Guest memory
 //! moves between file and mapping with `pread`/`pwrite`: the kernel copies, and no Rust
-//! reference to guest memory is made.
+//! reference to guest memory is made. A memory file on hugetlbfs (a template whose clones map
+//! it in 2 MiB pages) is written through a shared mapping instead, a 2 MiB page allocated
+//! before its first byte (the crate's `hugetlbfs` module); a Diff cannot live there.
 //!
 //! [`RegionLayout::file_offset`]: crate::RegionLayout::file_offset
 
@@ -24,7 +26,9 @@ use std::sync::Arc;
 use kvm_memslots::{DirtyPages, KvmMemory, MemoryManager, RegionMemory, PAGE_SIZE};
 
 use crate::error::{io, SnapshotError};
+use crate::hugetlbfs::{is_hugetlbfs, refuse_diff, refuse_new_diff, HugetlbfsFile};
 use crate::layout::MemoryLayout;
+use crate::sparse::file_data_runs;
 
 /// The byte ranges of `memory` that may hold data: pages present in memory or swapped out,
 /// from `/proc/self/pagemap`; for memory under a lazy restore ([`LazyLoader`]), also the pages
@@ -233,6 +237,8 @@ impl std::fmt::Debug for Slices<'_> {
 /// sized to the layout; in slices, if asked.
 struct Writer<'a, 's> {
     file: &'a File,
+    /// The file, if it is on hugetlbfs: written through its mapping.
+    hugetlbfs: Option<HugetlbfsFile<'a>>,
     layout: &'a MemoryLayout,
     regions: Vec<Arc<RegionMemory>>,
     stats: WriteStats,
@@ -249,10 +255,16 @@ impl<'a, 's> Writer<'a, 's> {
         slices: Option<Slices<'s>>,
     ) -> Result<Self, SnapshotError> {
         let regions = layout.mappings(memory)?;
-        file.set_len(layout.memory_file_size())
-            .map_err(io("sizing the memory file"))?;
+        let hugetlbfs = if is_hugetlbfs(file)? {
+            Some(HugetlbfsFile::new(file, layout.memory_file_size())?)
+        } else {
+            file.set_len(layout.memory_file_size())
+                .map_err(io("sizing the memory file"))?;
+            None
+        };
         Ok(Writer {
             file,
+            hugetlbfs,
             layout,
             regions,
             stats: WriteStats::default(),
@@ -283,18 +295,15 @@ impl<'a, 's> Writer<'a, 's> {
                     (len - done).min(slices.bytes - self.since)
                 }
             };
-            transfer(
-                self.file,
-                &self.regions[index],
-                run.start + done,
-                part,
-                at + done,
-                true,
-            )
-            .map_err(io(format!(
-                "writing {part} bytes at offset {:#x} of the memory file",
-                at + done
-            )))?;
+            let memory = &self.regions[index];
+            match self.hugetlbfs.as_mut() {
+                Some(out) => out.write_memory(memory, run.start + done, part, at + done)?,
+                None => transfer(self.file, memory, run.start + done, part, at + done, true)
+                    .map_err(io(format!(
+                        "writing {part} bytes at offset {:#x} of the memory file",
+                        at + done
+                    )))?,
+            }
             done += part;
             self.since += part;
             self.stats.bytes += part;
@@ -306,7 +315,9 @@ impl<'a, 's> Writer<'a, 's> {
 
 /// A full snapshot of `memory`'s pages into `file` (created empty by the caller): the file is
 /// sized to the layout, and every page that holds data is written at its offset; the rest are
-/// holes. Pause the vCPUs first for a consistent image.
+/// holes. Pause the vCPUs first for a consistent image. On hugetlbfs, the layout's size must
+/// be whole 2 MiB pages, every 2 MiB page with data takes a page of the hugetlb pool (refused,
+/// naming the pool's free pages, when it has none) and holes are 2 MiB ones.
 pub fn write_memory_file<K: KvmMemory>(
     memory: &MemoryManager<K>,
     layout: &MemoryLayout,
@@ -366,13 +377,17 @@ fn non_zero_runs(memory: &RegionMemory, run: Range<u64>) -> Vec<Range<u64>> {
 /// A diff snapshot: the pages of `dirty` (harvests of `memory`) into `file` (created empty by
 /// the caller), sized to the layout, at the same offsets as a full snapshot of it. Regions are
 /// matched by id, so a harvest taken before a region moved still lands at its pages; a
-/// harvested region the layout no longer has (removed since) has nothing to keep.
+/// harvested region the layout no longer has (removed since) has nothing to keep. Refused into
+/// an empty file on hugetlbfs ([`SnapshotError::Unsupported`]): its files have no holes to
+/// tell a Diff's pages by. Into a full file there (sized already: a live Full's later rounds
+/// over its first), the pages are written as [`write_memory_file`] writes them.
 pub fn write_dirty_pages<K: KvmMemory>(
     memory: &MemoryManager<K>,
     layout: &MemoryLayout,
     dirty: &[DirtyPages],
     file: &File,
 ) -> Result<WriteStats, SnapshotError> {
+    refuse_new_diff(file, "the Diff's memory file")?;
     dirty_pages(Writer::new(memory, layout, file, None)?, dirty)
 }
 
@@ -385,6 +400,7 @@ pub fn write_dirty_pages_sliced<K: KvmMemory>(
     file: &File,
     slices: Slices<'_>,
 ) -> Result<WriteStats, SnapshotError> {
+    refuse_new_diff(file, "the Diff's memory file")?;
     dirty_pages(Writer::new(memory, layout, file, Some(slices))?, dirty)
 }
 
@@ -401,73 +417,6 @@ fn dirty_pages(mut out: Writer<'_, '_>, dirty: &[DirtyPages]) -> Result<WriteSta
         }
     }
     Ok(out.stats)
-}
-
-/// The data runs of `file` (`SEEK_DATA` / `SEEK_HOLE`) inside `within`, as byte ranges (the
-/// first and last may reach past it).
-pub(crate) fn file_data_runs(
-    file: &File,
-    within: Range<u64>,
-) -> Result<Vec<Range<u64>>, SnapshotError> {
-    let fd = file.as_raw_fd();
-    let mut runs = Vec::new();
-    let too_large = |_| SnapshotError::Format("file too large".into());
-    let mut at = i64::try_from(within.start).map_err(too_large)?;
-    let size = i64::try_from(within.end).map_err(too_large)?;
-    while at < size {
-        // SAFETY: lseek only moves the file's offset; no memory is involved.
-        let data = unsafe { libc::lseek(fd, at, libc::SEEK_DATA) };
-        if data < 0 {
-            let e = std::io::Error::last_os_error();
-            if e.raw_os_error() == Some(libc::ENXIO) {
-                break; // No data past `at`.
-            }
-            return Err(io("finding the memory file's data (SEEK_DATA)")(e));
-        }
-        if data >= size {
-            break; // The next data is past `within`.
-        }
-        // SAFETY: as above.
-        let hole = unsafe { libc::lseek(fd, data, libc::SEEK_HOLE) };
-        if hole < 0 {
-            return Err(io("finding the memory file's holes (SEEK_HOLE)")(
-                std::io::Error::last_os_error(),
-            ));
-        }
-        runs.push(data as u64..hole as u64);
-        at = hole;
-    }
-    Ok(runs)
-}
-
-/// Whether the memory file has data (not a hole) in the `len` bytes at `at` (a page, or a
-/// block of pages): one `SEEK_DATA`, for a loader that looks block by block rather than mapping
-/// every run up front. A block past the file's end is an error (the file was cut since it was
-/// checked), not a hole.
-pub(crate) fn range_has_data(file: &File, at: u64, len: u64) -> std::io::Result<bool> {
-    let offset = i64::try_from(at).map_err(|_| std::io::ErrorKind::InvalidInput)?;
-    // SAFETY: lseek only moves the file's offset (which nothing here reads from: every read
-    // is a pread); no memory is involved.
-    let data = unsafe { libc::lseek(file.as_raw_fd(), offset, libc::SEEK_DATA) };
-    if data >= 0 {
-        return Ok((data as u64) < at + len);
-    }
-    let e = std::io::Error::last_os_error();
-    if e.raw_os_error() != Some(libc::ENXIO) {
-        return Err(e);
-    }
-    // No data from `at` on: a hole, unless the file ends before the block does.
-    let size = file.metadata()?.len();
-    if at + len > size {
-        return Err(std::io::Error::new(
-            std::io::ErrorKind::UnexpectedEof,
-            format!(
-                "the memory file ends at {size:#x}, before the end of the {len:#x} bytes at \
-                 {at:#x}: it was cut"
-            ),
-        ));
-    }
-    Ok(false)
 }
 
 /// One layout region of a memory file being loaded: its mapping in the manager, its place in
@@ -542,13 +491,20 @@ pub fn load_memory_file<K: KvmMemory>(
 /// snapshots): every region of the last layout gets, in order, the data each file has of the
 /// region with the same id, at its own offset in the last layout. A region added after the
 /// full snapshot has all its pages in the first diff that has it (a region added while logging
-/// reports every page first). Returns the bytes copied.
+/// reports every page first). Returns the bytes copied. `out` may be on hugetlbfs (as
+/// [`write_memory_file`] says), the diffs may not ([`write_dirty_pages`]).
 pub fn merge_snapshots(chain: &[(&MemoryLayout, &File)], out: &File) -> Result<u64, SnapshotError> {
     let Some((last, _)) = chain.last() else {
         return Err(SnapshotError::Format("no snapshot to merge".into()));
     };
-    out.set_len(last.memory_file_size())
-        .map_err(io("sizing the merged memory file"))?;
+    for (i, (_, diff)) in chain.iter().enumerate().skip(1) {
+        refuse_diff(diff, &format!("snapshot {i} of the chain (a Diff)"))?;
+    }
+    let mut out = Out::new(
+        out,
+        last.memory_file_size(),
+        "sizing the merged memory file",
+    )?;
     let mut copied = 0;
     let mut buffer = vec![0u8; 1 << 20];
     for (layout, file) in chain {
@@ -570,7 +526,7 @@ pub fn merge_snapshots(chain: &[(&MemoryLayout, &File)], out: &File) -> Result<u
                     let n = ((end - at) as usize).min(buffer.len());
                     file.read_exact_at(&mut buffer[..n], at)
                         .map_err(io("reading a snapshot's memory file"))?;
-                    out.write_all_at(&buffer[..n], target.file_offset + (at - from))
+                    out.write(&buffer[..n], target.file_offset + (at - from))
                         .map_err(io("writing the merged memory file"))?;
                     at += n as u64;
                     copied += n as u64;
@@ -590,6 +546,10 @@ pub fn merge_memory_files(
     diffs: &[File],
 ) -> Result<u64, SnapshotError> {
     layout.check_file_size(base)?;
+    for (i, diff) in diffs.iter().enumerate() {
+        refuse_diff(diff, &format!("diff {i}"))?;
+    }
+    let mut base = Out::new(base, layout.memory_file_size(), "sizing the base")?;
     let mut merged = 0;
     let mut buffer = vec![0u8; 1 << 20];
     for diff in diffs {
@@ -600,7 +560,7 @@ pub fn merge_memory_files(
                 let n = ((run.end - at) as usize).min(buffer.len());
                 diff.read_exact_at(&mut buffer[..n], at)
                     .map_err(io("reading a diff"))?;
-                base.write_all_at(&buffer[..n], at)
+                base.write(&buffer[..n], at)
                     .map_err(io("writing the base"))?;
                 at += n as u64;
                 merged += n as u64;
@@ -608,4 +568,29 @@ pub fn merge_memory_files(
         }
     }
     Ok(merged)
+}
+
+/// A merge's output: a file written with `pwrite`, or one on hugetlbfs through its mapping.
+enum Out<'a> {
+    Plain(&'a File),
+    Hugetlbfs(HugetlbfsFile<'a>),
+}
+
+impl<'a> Out<'a> {
+    /// `file`, sized to `size` bytes (`what` names that step in an error).
+    fn new(file: &'a File, size: u64, what: &str) -> Result<Self, SnapshotError> {
+        if is_hugetlbfs(file)? {
+            return Ok(Out::Hugetlbfs(HugetlbfsFile::new(file, size)?));
+        }
+        file.set_len(size).map_err(io(what))?;
+        Ok(Out::Plain(file))
+    }
+
+    /// Writes `buf` at `at`.
+    fn write(&mut self, buf: &[u8], at: u64) -> std::io::Result<()> {
+        match self {
+            Out::Plain(file) => file.write_all_at(buf, at),
+            Out::Hugetlbfs(file) => file.write(buf, at).map_err(std::io::Error::other),
+        }
+    }
 }

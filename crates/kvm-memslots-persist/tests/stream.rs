@@ -7,7 +7,7 @@ use std::os::unix::net::UnixStream;
 use std::thread;
 
 use kvm_memslots::testing::FakeKvm;
-use kvm_memslots::{Backing, MemoryManager, RegionSpec, SlotFlags, Target, PAGE_SIZE};
+use kvm_memslots::{Backing, MemoryManager, PageSize, RegionSpec, SlotFlags, Target, PAGE_SIZE};
 use kvm_memslots_persist::stream::{
     apply_pages, check_layout, page_hash, read_answer, send_answer, shared_files, MemoryDigest,
     Record, RegionDigest, StreamError, StreamReader, StreamWriter, MAX_HANDOVER, MAX_RUN,
@@ -871,4 +871,25 @@ fn a_region_with_unreachable_ranges_under_its_slot_migrates_and_verifies() {
     assert_eq!(read(&dst, MIB + gone.start), 0);
     assert_eq!(read(&dst, MIB + gone.end - 8), 0);
     assert_eq!(read(&dst, MIB + gone.end), gone.end / PAGE_SIZE + 1);
+}
+
+/// A memfd of transparent huge pages handed over keeps its page size on the receiving side
+/// (a shared mapping of a memfd takes THP as the memfd region did), and is the same memory.
+#[test]
+fn a_handed_over_memfd_of_transparent_huge_pages_keeps_them() {
+    let src = MemoryManager::new(FakeKvm::new(512, true));
+    src.add_region(
+        RegionSpec::new(GuestAddress(4 * MIB), 2 * MIB)
+            .with_backing(Backing::Memfd)
+            .with_page_size(PageSize::Transparent),
+    )
+    .expect("a THP memfd");
+    guest_write(&src, 4 * MIB + 0x3000, 5);
+    let layout = MemoryLayout::of(&src);
+    let files = shared_files(&src, &layout).unwrap();
+    let handed = [(0usize, files[0].1.clone())].into_iter().collect();
+    let dst = MemoryManager::new(FakeKvm::new(512, true));
+    layout.build_handed_over(&dst, &handed).unwrap();
+    assert_eq!(dst.regions()[0].page_size, PageSize::Transparent);
+    assert_eq!(read(&dst, 4 * MIB + 0x3000), 5, "the same memory");
 }

@@ -7,7 +7,7 @@ use vmm_sys_util::errno::Error as Errno;
 
 use crate::dirty::DirtyConsumer;
 use crate::limits::Limit;
-use crate::memory::{MappingError, RegionId};
+use crate::region_memory::{MappingError, RegionId};
 
 /// The message of [`Error::OverLimit`]: which limit, the figure, and the limit's value.
 fn over_limit(limit: Limit, size: u64, figure: u64, max: u64) -> String {

@@ -17,6 +17,8 @@ mod kvm;
 mod limits;
 mod manager;
 mod memory;
+mod pending;
+mod region_memory;
 mod ring;
 #[cfg(any(test, feature = "testing"))]
 pub mod testing;
@@ -25,14 +27,15 @@ pub use dirty::{DirtyConsumer, DirtyPages};
 pub use error::{Error, ErrorKind};
 pub use kvm::{KvmMemory, KvmSlot, KvmVm};
 pub use limits::{metadata_bytes, Limit, MemoryLimits, MemoryUse};
+pub use manager::GuestMemoryHandle;
 pub use manager::{
     HvaMatch, MemoryManager, RegionChange, RegionInfo, RegionSpec, Reslot, SlotUsage, Target,
     KVM_MAX_SLOT_SIZE,
 };
-pub use memory::{
-    hugetlb_pages_available, split_by, Access, Backing, GuestMemoryHandle, GuestMemorySlots,
-    GuestMemoryView, GuestSlot, GuestSlotData, MappingError, PageSize, RegionId, RegionMemory,
-    SlotBacking, HUGE_PAGE_SIZE,
+pub use memory::{GuestMemorySlots, GuestMemoryView, GuestSlot, GuestSlotData, SlotBacking};
+pub use region_memory::{
+    hugetlb_pages_available, on_hugetlbfs, split_by, Access, Backing, MappingError, PageSize,
+    RegionId, RegionMemory, HUGE_PAGE_SIZE,
 };
 pub use ring::{RingCollection, RingError, MIN_RING_ENTRIES};
 

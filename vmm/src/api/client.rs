@@ -7,6 +7,8 @@ use std::time::{Duration, Instant};
 
 use serde_json::Value;
 
+use crate::host::{self, Ready};
+
 /// Why a call failed (not a 4xx or 5xx: those are answers).
 #[derive(Debug, thiserror::Error)]
 pub enum ClientError {
@@ -137,19 +139,12 @@ impl Client {
         if !self.unread.is_empty() {
             return Ok(true);
         }
-        use std::os::fd::AsRawFd;
-        let mut poll = libc::pollfd {
-            fd: self.stream.as_raw_fd(),
-            events: libc::POLLIN,
-            revents: 0,
-        };
-        // SAFETY: `poll` is one valid pollfd for the call's duration, naming this client's open
-        // socket; a timeout of 0 never blocks.
-        let ready = unsafe { libc::poll(&mut poll, 1, 0) };
-        if ready < 0 {
-            return Err(std::io::Error::last_os_error().into());
-        }
-        Ok(ready > 0)
+        use std::os::fd::AsFd;
+        Ok(host::poll_one(
+            self.stream.as_fd(),
+            Ready::Read,
+            Duration::ZERO,
+        )?)
     }
 
     /// Half-closes the connection: the server sees the end of the request stream.

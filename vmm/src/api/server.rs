@@ -18,6 +18,7 @@ use crate::api::http::{self, Parsed, Response, MAX_BODY_BYTES, MAX_HEADER_BYTES}
 use crate::api::metrics::Labelled;
 use crate::api::routes::{respond, route};
 use crate::control::{Apply, Outcome, Reply, Ticket};
+use crate::host;
 use crate::lifecycle::{log, logs, LogLevel};
 
 /// Why the API socket could not be created.
@@ -60,12 +61,8 @@ pub fn bind_api_socket(path: &Path) -> Result<UnixListener, SocketError> {
         Err(e) if e.kind() == ErrorKind::NotFound => {}
         Err(e) => return Err(socket_error(e)),
     }
-    // SAFETY: umask only changes the process's file-creation mask; no memory is involved. The
-    // mask makes the socket 0600 from the moment it exists, and is restored right after.
-    let old = unsafe { libc::umask(0o177) };
-    let bound = UnixListener::bind(path);
-    // SAFETY: as above.
-    unsafe { libc::umask(old) };
+    // The mask makes the socket 0600 from the moment it exists.
+    let bound = host::with_umask(0o177, || UnixListener::bind(path));
     let listener = bound.map_err(socket_error)?;
     std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600)).map_err(socket_error)?;
     listener.set_nonblocking(true).map_err(socket_error)?;

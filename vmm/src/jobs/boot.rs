@@ -2,7 +2,6 @@
 //! console and, with `--api-sock`, its API socket, until it resets, a vCPU stops, a client or
 //! the caller stops it, a signal comes or the timeout.
 
-use std::os::fd::AsRawFd;
 use std::path::PathBuf;
 use std::process::ExitCode;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -14,8 +13,8 @@ use super::process::print_json;
 use super::run_loop::RunLoop;
 use crate::api::server::{ApiSocket, SocketError, DEFAULT_IDLE_TIMEOUT};
 use crate::control::memory::RegionPageSize;
+use crate::host::RawTerminal;
 use crate::lifecycle::{log, LogLevel, LoopError};
-use crate::linux::console::RawTerminal;
 use crate::linux::controller::LinuxController;
 use crate::linux::{
     describe, BootConfig, BootEnding, BootError, BootProtocol, BootReport, ConfigError, Console,
@@ -98,14 +97,13 @@ pub fn run_linux(
 ) -> Result<BootEnding, BootJobError> {
     let mut run = RunLoop::new()?;
     let terminal = if options.stdin {
-        RawTerminal::new(std::io::stdin().as_raw_fd())
+        RawTerminal::on_stdin()
     } else {
         None
     };
     let reset_seen = Arc::new(AtomicBool::new(false));
-    let input = terminal.as_ref().map(|_| std::io::stdin().as_raw_fd());
     run.add(Arc::new(Mutex::new(
-        linux.console(Arc::clone(&reset_seen), input)?,
+        linux.console(Arc::clone(&reset_seen), terminal.is_some())?,
     )));
     let mut running = vcpus.start(&run.context().vcpu_stopped)?;
     if !options.paused {

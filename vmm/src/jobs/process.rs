@@ -102,34 +102,12 @@ pub fn write_json<R: serde::Serialize>(path: &Path, report: &R) -> ExitCode {
 /// file per shared region (a local migration hands one over per memfd region), and the usual
 /// soft limit of 1024 would refuse a VM of more regions than that.
 pub fn raise_open_file_limit() {
-    let mut limit = libc::rlimit {
-        rlim_cur: 0,
-        rlim_max: 0,
-    };
-    // SAFETY: getrlimit writes one `rlimit` into the valid `limit`, a local that outlives the
-    // call.
-    if unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut limit) } != 0
-        || limit.rlim_cur >= limit.rlim_max
-    {
-        return;
-    }
-    let soft = limit.rlim_cur;
-    // An unlimited hard limit still stops at the kernel's per-process cap.
-    let cap = std::fs::read_to_string("/proc/sys/fs/nr_open")
-        .ok()
-        .and_then(|n| n.trim().parse().ok())
-        .unwrap_or(limit.rlim_max);
-    limit.rlim_cur = limit.rlim_max.min(cap);
-    if limit.rlim_cur <= soft {
-        return;
-    }
-    // SAFETY: setrlimit reads one valid, initialised `rlimit` (the local `limit`).
-    if unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &limit) } == 0 {
+    if let Ok(Some((before, after))) = crate::host::raise_open_file_limit() {
         log(
             LogLevel::Info,
             format_args!(
-                "note: open-file limit (RLIMIT_NOFILE) raised from {soft} to {} (hard limit {})",
-                limit.rlim_cur, limit.rlim_max
+                "note: open-file limit (RLIMIT_NOFILE) raised from {} to {} (hard limit {})",
+                before.soft, after.soft, after.hard
             ),
         );
     }

@@ -8,14 +8,12 @@
 //! loaded and every vCPU has its state.
 
 use std::path::PathBuf;
-use std::process::ExitCode;
 use std::sync::Arc;
 
 use vmm_sys_util::eventfd::EventFd;
 
 use super::args::{file_to_write, seconds, ApiArgs};
-use super::boot::{linux_ended, run_linux, BootJobError, LinuxRun};
-use super::serve::{ServeArgs, ServeError};
+use super::boot::{run_linux, BootJobError, LinuxRun};
 use super::working_set::WorkingSetFiles;
 use crate::api::server::ApiSocket;
 use crate::linux::state::LinuxState;
@@ -24,8 +22,24 @@ use crate::test_guest::controller::Controller;
 use crate::test_guest::snapshot::{
     open_input, read_state_file, MemoryMismatch, SnapshotInfo, SnapshotKind,
 };
-use crate::test_guest::vcpus::{MemBackend, TestVm};
+use crate::test_guest::vcpus::{GuestError, MemBackend, TestVm};
 use crate::vm::VmOptions;
+
+/// Why a test guest could not be restored (`serve` with a snapshot).
+#[derive(Debug, thiserror::Error)]
+pub enum RestoreError {
+    /// A snapshot file could not be read or is not valid.
+    #[error("cannot restore from {path}: {reason}")]
+    File {
+        /// The file.
+        path: PathBuf,
+        /// What is wrong.
+        reason: String,
+    },
+    /// The VM could not be rebuilt.
+    #[error(transparent)]
+    Vm(#[from] GuestError),
+}
 
 /// The files of a snapshot to restore from.
 #[derive(Debug, Clone)]
@@ -67,9 +81,9 @@ pub(crate) fn restored_controller(
     from: &RestoreFrom,
     options: VmOptions,
     stopped: &Arc<EventFd>,
-) -> Result<Controller, ServeError> {
+) -> Result<Controller, RestoreError> {
     // Nothing runs until every byte is loaded and every vCPU has its state.
-    let refused = |path: &PathBuf, reason: String| ServeError::Restore {
+    let refused = |path: &PathBuf, reason: String| RestoreError::File {
         path: path.clone(),
         reason,
     };
@@ -85,7 +99,7 @@ pub(crate) fn restored_controller(
     Controller::new(vm, vcpus)
         .paused()
         .with_hotplug(state.hotplug.as_ref())
-        .map_err(|e| ServeError::Restore {
+        .map_err(|e| RestoreError::File {
             path: from.snapshot.clone(),
             reason: e.to_string(),
         })
@@ -178,7 +192,8 @@ fn wrong_memory(from: &RestoreFrom, info: &SnapshotInfo, mismatch: &MemoryMismat
 }
 
 /// `tinyvmm restore`'s arguments: the snapshot's files, how its memory comes back, its
-/// working set, and the API socket it is served on.
+/// working set, and the API socket it is served on. A test guest restored is served as
+/// `serve` serves one, so the subcommand runs there ([`super::serve::restore`]).
 #[derive(Debug, clap::Args)]
 pub struct RestoreArgs {
     /// The state file a snapshot wrote (`snapshot_path` of PUT /snapshot/create).
@@ -213,50 +228,4 @@ pub struct RestoreArgs {
     /// The API socket and the VM's limits (its memory and vCPUs are the snapshot's).
     #[command(flatten)]
     pub api: ApiArgs,
-}
-
-impl RestoreArgs {
-    /// Runs `tinyvmm restore`: a test guest served as `serve` serves one, a Linux guest run as
-    /// `boot` runs one; gives the exit status.
-    pub fn run(self) -> ExitCode {
-        use crate::snapshot::GuestKind;
-        let from = RestoreFrom {
-            snapshot: self.snapshot,
-            mem_file: self.mem_file,
-            backend: self.mem_backend,
-            working_set: WorkingSetFiles {
-                prefetch: self.prefetch,
-                record: self.record_working_set,
-                record_for: self.record_secs,
-            },
-            page_size: self.page_size.map(Into::into),
-        };
-        // A file that is neither kind's is refused by the test guest's reader, which says why.
-        if !matches!(GuestKind::of_file(&from.snapshot), Ok(GuestKind::Linux)) {
-            // The restored VM's memory and vCPUs are the snapshot's: serve's own shape is
-            // unused.
-            let serve = ServeArgs {
-                api: self.api,
-                slots: 2,
-                mem_mib: 0,
-                vcpus: 1,
-                memfd: false,
-                page_size: Default::default(),
-            };
-            return serve.serve(Some(from));
-        }
-        let limits = Some(self.api.limits.resolve());
-        match restore_linux(
-            &from,
-            self.api.api_sock,
-            Box::new(std::io::stdout()),
-            limits,
-        ) {
-            Ok(ending) => linux_ended(&ending),
-            Err(e) => {
-                eprintln!("tinyvmm: {e}");
-                ExitCode::FAILURE
-            }
-        }
-    }
 }

@@ -8,8 +8,10 @@ use std::process::ExitCode;
 use std::time::Duration;
 
 use super::args::{slot_count, test_guest_vcpus, ApiArgs, UsageError};
-use super::restore::{restored_controller, RestoreFrom};
+use super::boot::linux_ended;
+use super::restore::{restore_linux, restored_controller, RestoreArgs, RestoreError, RestoreFrom};
 use super::run_loop::RunLoop;
+use super::working_set::WorkingSetFiles;
 use crate::api::server::{ApiSocket, SocketError, DEFAULT_IDLE_TIMEOUT};
 use crate::control::memory::RegionPageSize;
 use crate::lifecycle::{log, Ending, LogLevel, LoopError};
@@ -34,14 +36,9 @@ pub enum ServeError {
     /// The event loop failed.
     #[error(transparent)]
     Loop(#[from] LoopError),
-    /// A snapshot file could not be read or is not valid.
-    #[error("cannot restore from {path}: {reason}")]
-    Restore {
-        /// The file.
-        path: PathBuf,
-        /// What is wrong.
-        reason: String,
-    },
+    /// The VM to serve could not be restored from its snapshot.
+    #[error(transparent)]
+    Restore(#[from] RestoreError),
 }
 
 /// What `tinyvmm serve` starts with.
@@ -325,6 +322,49 @@ pub fn served(outcome: Result<Ending, impl std::fmt::Display>) -> ExitCode {
             } else {
                 ExitCode::FAILURE
             }
+        }
+    }
+}
+
+/// Runs `tinyvmm restore`: a test guest served as `serve` serves one, a Linux guest run as
+/// `boot` runs one; gives the exit status.
+pub fn restore(args: RestoreArgs) -> ExitCode {
+    use crate::snapshot::GuestKind;
+    let from = RestoreFrom {
+        snapshot: args.snapshot,
+        mem_file: args.mem_file,
+        backend: args.mem_backend,
+        working_set: WorkingSetFiles {
+            prefetch: args.prefetch,
+            record: args.record_working_set,
+            record_for: args.record_secs,
+        },
+        page_size: args.page_size.map(Into::into),
+    };
+    // A file that is neither kind's is refused by the test guest's reader, which says why.
+    if !matches!(GuestKind::of_file(&from.snapshot), Ok(GuestKind::Linux)) {
+        // The restored VM's memory and vCPUs are the snapshot's: serve's own shape is unused.
+        let serve = ServeArgs {
+            api: args.api,
+            slots: 2,
+            mem_mib: 0,
+            vcpus: 1,
+            memfd: false,
+            page_size: Default::default(),
+        };
+        return serve.serve(Some(from));
+    }
+    let limits = Some(args.api.limits.resolve());
+    match restore_linux(
+        &from,
+        args.api.api_sock,
+        Box::new(std::io::stdout()),
+        limits,
+    ) {
+        Ok(ending) => linux_ended(&ending),
+        Err(e) => {
+            eprintln!("tinyvmm: {e}");
+            ExitCode::FAILURE
         }
     }
 }

@@ -1,7 +1,8 @@
 //! The event loop's side of a Linux guest: console input from the host's terminal into the
-//! serial FIFO, the i8042's reset line, and the terminal in raw mode while it is the console.
+//! serial FIFO, and the i8042's reset line. (The terminal in raw mode while it is the console
+//! is `host::RawTerminal`.)
 
-use std::os::fd::{AsRawFd, RawFd};
+use std::os::fd::AsRawFd;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
@@ -9,6 +10,7 @@ use event_manager::{EventOps, EventSet, Events, MutEventSubscriber};
 use vmm_sys_util::eventfd::EventFd;
 
 use crate::devices::legacy::LegacyDevices;
+use crate::host;
 
 /// The event loop's part of a Linux guest: console input from the host's terminal into the
 /// serial FIFO, and the i8042's reset line.
@@ -20,8 +22,8 @@ pub struct ConsoleSubscriber {
     pub reset: EventFd,
     /// Set once the guest asked for a reset.
     pub reset_seen: Arc<AtomicBool>,
-    /// The terminal the console reads from, if any.
-    pub input: Option<RawFd>,
+    /// Whether the console reads the host's terminal on stdin.
+    pub stdin: bool,
 }
 
 impl MutEventSubscriber for ConsoleSubscriber {
@@ -30,19 +32,18 @@ impl MutEventSubscriber for ConsoleSubscriber {
         if fd == self.reset.as_raw_fd() {
             let _ = self.reset.read();
             self.reset_seen.store(true, Ordering::Release);
-        } else if Some(fd) == self.input {
+        } else if self.stdin && fd == std::io::stdin().as_raw_fd() {
             let mut buffer = [0u8; 64];
             // Straight from the descriptor: std's stdin buffers what it reads, and bytes left in
             // its buffer would wait for the next key without epoll saying so.
-            // SAFETY: `buffer` is valid for writes of its length; `fd` is the process's stdin,
-            // open for the life of the process.
-            let read = unsafe { libc::read(fd, buffer.as_mut_ptr().cast(), buffer.len()) };
-            let retry = read < 0
-                && matches!(
-                    std::io::Error::last_os_error().kind(),
+            let read = host::read_stdin_unbuffered(&mut buffer);
+            let retry = read.as_ref().is_err_and(|e| {
+                matches!(
+                    e.kind(),
                     std::io::ErrorKind::Interrupted | std::io::ErrorKind::WouldBlock
-                );
-            match usize::try_from(read) {
+                )
+            });
+            match read {
                 Ok(n) if n > 0 => {
                     // The 16550's FIFO holds 64 bytes; what it cannot take is dropped, as a
                     // UART drops bytes that overrun it.
@@ -52,7 +53,7 @@ impl MutEventSubscriber for ConsoleSubscriber {
                 _ => {
                     // End of input (or an error reading it): stop watching it.
                     let _ = ops.remove(events);
-                    self.input = None;
+                    self.stdin = false;
                 }
             }
         }
@@ -61,58 +62,12 @@ impl MutEventSubscriber for ConsoleSubscriber {
     fn init(&mut self, ops: &mut EventOps) {
         ops.add(Events::new(&self.reset, EventSet::IN))
             .expect("watching the reset eventfd");
-        if let Some(fd) = self.input {
-            if ops.add(Events::new_raw(fd, EventSet::IN)).is_err() {
-                self.input = None;
-            }
+        if self.stdin
+            && ops
+                .add(Events::new_raw(std::io::stdin().as_raw_fd(), EventSet::IN))
+                .is_err()
+        {
+            self.stdin = false;
         }
-    }
-}
-
-/// The host terminal in raw mode (no line editing or echo; Ctrl-C still stops the VMM) while
-/// it is the guest's console; restored on drop.
-pub struct RawTerminal {
-    fd: RawFd,
-    saved: libc::termios,
-}
-
-impl std::fmt::Debug for RawTerminal {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("RawTerminal")
-            .field("fd", &self.fd)
-            .finish_non_exhaustive()
-    }
-}
-
-impl RawTerminal {
-    /// Puts `fd` in raw mode if it is a terminal.
-    pub fn new(fd: RawFd) -> Option<Self> {
-        // SAFETY: isatty only inspects the descriptor.
-        if unsafe { libc::isatty(fd) } != 1 {
-            return None;
-        }
-        // SAFETY: termios is plain data; all zeros is a valid value to be overwritten.
-        let mut saved: libc::termios = unsafe { std::mem::zeroed() };
-        // SAFETY: `saved` is a valid termios for tcgetattr to fill.
-        if unsafe { libc::tcgetattr(fd, &mut saved) } != 0 {
-            return None;
-        }
-        let mut raw = saved;
-        // SAFETY: cfmakeraw only changes the flags of the termios it is given.
-        unsafe { libc::cfmakeraw(&mut raw) };
-        raw.c_lflag |= libc::ISIG;
-        raw.c_oflag |= libc::OPOST | libc::ONLCR;
-        // SAFETY: `raw` is a valid termios.
-        if unsafe { libc::tcsetattr(fd, libc::TCSANOW, &raw) } != 0 {
-            return None;
-        }
-        Some(RawTerminal { fd, saved })
-    }
-}
-
-impl Drop for RawTerminal {
-    fn drop(&mut self) {
-        // SAFETY: `saved` is the termios read from this descriptor.
-        unsafe { libc::tcsetattr(self.fd, libc::TCSANOW, &self.saved) };
     }
 }

@@ -519,7 +519,7 @@ mod tests {
 
     fn guest(config: &BootConfig) -> (MemoryManager<FakeKvm>, Vec<E820Entry>) {
         let memory = MemoryManager::new(FakeKvm::new(4096, false));
-        for r in layout::ram_regions(config) {
+        for r in crate::linux::ram::ram_regions(config) {
             memory
                 .add_region(RegionSpec::new(r.gpa, r.size).with_slot_size(r.slot_size))
                 .unwrap();

@@ -2,7 +2,7 @@
 //! regions.
 //!
 //! [`LinuxVm::new`] creates the VM with the in-kernel irqchip and PIT; gives it RAM as regions
-//! split into KVM slots ([`layout::ram_regions`]); builds the e820 map from the manager's
+//! split into KVM slots ([`ram::ram_regions`]); builds the e820 map from the manager's
 //! regions ([`e820::build`]); loads the kernel, command line and initramfs and writes the boot
 //! parameters ([`loader::load`]), the ACPI tables ([`acpi`]) and the MP table ([`mptable`]), the
 //! GDT and page tables. [`LinuxVm::create_vcpus`] creates the vCPUs (CPUID, MSRs, FPU, LAPIC,
@@ -21,11 +21,11 @@ pub mod layout;
 pub mod loader;
 pub mod mptable;
 pub mod ports;
+pub mod ram;
 pub mod restore;
 pub mod state;
 pub mod vcpus;
 
-use std::os::fd::RawFd;
 use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
 use std::time::Duration;
@@ -273,7 +273,7 @@ impl LinuxVm {
             ..VmOptions::default()
         })?;
         let memory = vm.memory();
-        for region in layout::ram_regions(config) {
+        for region in ram::ram_regions(config) {
             let spec = match region.slot_ranges() {
                 Some(ranges) => RegionSpec::new(region.gpa, region.size).with_slot_ranges(ranges),
                 None => RegionSpec::new(region.gpa, region.size).with_slot_size(region.slot_size),
@@ -373,12 +373,13 @@ impl LinuxVm {
         &self.machine
     }
 
-    /// The event loop's part of the guest: console input from `input` (a terminal) into the
-    /// serial FIFO, and the i8042's reset line, which sets `reset_seen`.
+    /// The event loop's part of the guest: console input from the host's terminal on stdin
+    /// (with `stdin`) into the serial FIFO, and the i8042's reset line, which sets
+    /// `reset_seen`.
     pub fn console(
         &self,
         reset_seen: Arc<AtomicBool>,
-        input: Option<RawFd>,
+        stdin: bool,
     ) -> Result<ConsoleSubscriber, BootError> {
         Ok(ConsoleSubscriber {
             devices: Arc::clone(&self.machine.devices),
@@ -387,7 +388,7 @@ impl LinuxVm {
                 .try_clone()
                 .map_err(|e| BootError::Device(DeviceError::new("i8042 reset", e)))?,
             reset_seen,
-            input,
+            stdin,
         })
     }
 

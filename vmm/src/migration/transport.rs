@@ -10,8 +10,7 @@
 use std::collections::VecDeque;
 use std::io::{self, Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
-use std::os::unix::ffi::OsStrExt;
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd, RawFd};
 use std::os::unix::fs::FileTypeExt;
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
@@ -21,8 +20,10 @@ use std::time::{Duration, Instant};
 
 use vmm_sys_util::sock_ctrl_msg::ScmSocket;
 
+use crate::host::{self, Ready, SocketAddress};
+
 /// The most file descriptors one message carries (the kernel's `SCM_MAX_FD`).
-const MAX_FDS: usize = 253;
+const MAX_FDS: usize = host::SCM_MAX_FD;
 
 /// How often a wait looks at its stop flags and limits.
 pub const SLICE: Duration = Duration::from_millis(20);
@@ -160,63 +161,15 @@ fn not_a_socket(path: &Path, kind: std::fs::FileType) -> io::Error {
     )
 }
 
-/// A new non-blocking socket of `domain`, closed on exec.
-fn socket(domain: libc::c_int) -> io::Result<OwnedFd> {
-    // SAFETY: socket(2) takes no pointers; it returns a new descriptor or -1.
-    let fd = unsafe {
-        libc::socket(
-            domain,
-            libc::SOCK_STREAM | libc::SOCK_NONBLOCK | libc::SOCK_CLOEXEC,
-            0,
-        )
-    };
-    if fd < 0 {
-        return Err(io::Error::last_os_error());
-    }
-    // SAFETY: socket(2) just returned this descriptor; nothing else owns it.
-    Ok(unsafe { OwnedFd::from_raw_fd(fd) })
-}
-
-/// connect(2) on `fd` to the socket address `addr` (a `sockaddr_un`, `sockaddr_in` or
-/// `sockaddr_in6`): the error as is (`EAGAIN`, `EINPROGRESS` included).
-fn connect_raw<A>(fd: &OwnedFd, addr: &A) -> io::Result<()> {
-    let len = size_of::<A>() as libc::socklen_t;
-    // SAFETY: `addr` is a live, initialised socket address of `len` bytes, read only during
-    // the call; `fd` is an open socket.
-    let done = unsafe { libc::connect(fd.as_raw_fd(), (addr as *const A).cast(), len) };
-    if done == 0 {
-        Ok(())
-    } else {
-        Err(io::Error::last_os_error())
-    }
-}
-
 /// Connects a Unix stream socket to `path`: a listener whose backlog is full makes a
 /// non-blocking connect fail with `EAGAIN`, so it is tried again every slice while `watch`
 /// lets it wait.
 fn connect_unix(path: &Path, watch: &Watch) -> io::Result<OwnedFd> {
-    let bytes = path.as_os_str().as_bytes();
-    let mut addr = libc::sockaddr_un {
-        sun_family: libc::AF_UNIX as libc::sa_family_t,
-        sun_path: [0; 108],
-    };
-    if bytes.len() >= addr.sun_path.len() || bytes.contains(&0) {
-        return Err(io::Error::new(
-            io::ErrorKind::InvalidInput,
-            format!(
-                "a Unix socket path has at most {} bytes and no NUL: {}",
-                addr.sun_path.len() - 1,
-                path.display()
-            ),
-        ));
-    }
-    for (to, &from) in addr.sun_path.iter_mut().zip(bytes) {
-        *to = from as libc::c_char;
-    }
-    let fd = socket(libc::AF_UNIX)?;
+    let addr = SocketAddress::unix(path)?;
+    let fd = host::stream_socket(&addr)?;
     let since = Instant::now();
     loop {
-        match connect_raw(&fd, &addr) {
+        match host::connect(fd.as_fd(), &addr) {
             Ok(()) => return Ok(fd),
             Err(e) if matches!(e.raw_os_error(), Some(libc::EAGAIN | libc::EINTR)) => {
                 let slice = watch.check(since)?;
@@ -230,61 +183,20 @@ fn connect_unix(path: &Path, watch: &Watch) -> io::Result<OwnedFd> {
 /// Connects a TCP socket to `addr`: the handshake runs while poll(2) waits in slices for the
 /// socket to be writable, for as long as `watch` lets it.
 fn connect_tcp(addr: SocketAddr, watch: &Watch) -> io::Result<OwnedFd> {
-    let (fd, started) = match addr {
-        SocketAddr::V4(a) => {
-            let raw = libc::sockaddr_in {
-                sin_family: libc::AF_INET as libc::sa_family_t,
-                sin_port: a.port().to_be(),
-                sin_addr: libc::in_addr {
-                    s_addr: u32::from_ne_bytes(a.ip().octets()),
-                },
-                sin_zero: [0; 8],
-            };
-            let fd = socket(libc::AF_INET)?;
-            let started = connect_raw(&fd, &raw);
-            (fd, started)
-        }
-        SocketAddr::V6(a) => {
-            let raw = libc::sockaddr_in6 {
-                sin6_family: libc::AF_INET6 as libc::sa_family_t,
-                sin6_port: a.port().to_be(),
-                sin6_flowinfo: a.flowinfo(),
-                sin6_addr: libc::in6_addr {
-                    s6_addr: a.ip().octets(),
-                },
-                sin6_scope_id: a.scope_id(),
-            };
-            let fd = socket(libc::AF_INET6)?;
-            let started = connect_raw(&fd, &raw);
-            (fd, started)
-        }
-    };
+    let addr = SocketAddress::inet(addr);
+    let fd = host::stream_socket(&addr)?;
+    let started = host::connect(fd.as_fd(), &addr);
     match started {
         Ok(()) => return Ok(fd),
         Err(e) if e.raw_os_error() == Some(libc::EINPROGRESS) => {}
         Err(e) => return Err(e),
     }
     let since = Instant::now();
-    while !watch.poll(fd.as_raw_fd(), libc::POLLOUT, since)? {}
-    let mut error: libc::c_int = 0;
-    let mut len = size_of::<libc::c_int>() as libc::socklen_t;
-    // SAFETY: SO_ERROR writes one c_int into `error`, whose size `len` gives.
-    let got = unsafe {
-        libc::getsockopt(
-            fd.as_raw_fd(),
-            libc::SOL_SOCKET,
-            libc::SO_ERROR,
-            (&mut error as *mut libc::c_int).cast(),
-            &mut len,
-        )
-    };
-    if got != 0 {
-        return Err(io::Error::last_os_error());
+    while !watch.poll(fd.as_fd(), Ready::Write, since)? {}
+    match host::take_socket_error(fd.as_fd())? {
+        Some(error) => Err(error),
+        None => Ok(fd),
     }
-    if error != 0 {
-        return Err(io::Error::from_raw_os_error(error));
-    }
-    Ok(fd)
 }
 
 /// A listening endpoint; a Unix socket's file goes when it is dropped.
@@ -479,24 +391,12 @@ impl Watch {
 
     /// Waits up to a slice for `fd` to be ready for `events` (poll(2)); whether it is. The
     /// error if the wait that began at `since` must end.
-    fn poll(&self, fd: RawFd, events: libc::c_short, since: Instant) -> io::Result<bool> {
+    fn poll(&self, fd: BorrowedFd<'_>, ready: Ready, since: Instant) -> io::Result<bool> {
         let slice = self.check(since)?;
-        let mut pollfd = libc::pollfd {
-            fd,
-            events,
-            revents: 0,
-        };
-        // Rounded up: a slice below a millisecond would poll without waiting.
-        let ms = slice.as_micros().div_ceil(1000) as libc::c_int;
-        // SAFETY: one valid `pollfd`, borrowed mutably for the call.
-        let ready = unsafe { libc::poll(&mut pollfd, 1, ms) };
-        match ready {
-            n if n > 0 => Ok(true),
-            0 => Ok(false),
-            _ => match io::Error::last_os_error() {
-                e if e.kind() == io::ErrorKind::Interrupted => Ok(false),
-                e => Err(e),
-            },
+        // Rounded up to whole milliseconds: a slice below one still waits.
+        match host::poll_one(fd, ready, slice) {
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => Ok(false),
+            ready => ready,
         }
     }
 }
@@ -542,10 +442,10 @@ impl Link {
         }
     }
 
-    fn fd(&self) -> RawFd {
+    fn fd(&self) -> BorrowedFd<'_> {
         match self {
-            Link::Unix(c) => c.stream.as_raw_fd(),
-            Link::Tcp(s) => s.as_raw_fd(),
+            Link::Unix(c) => c.stream.as_fd(),
+            Link::Tcp(s) => s.as_fd(),
         }
     }
 }
@@ -622,29 +522,19 @@ fn errno(e: vmm_sys_util::errno::Error) -> io::Error {
 
 impl Read for UnixConnection {
     fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
-        let mut fds: [RawFd; MAX_FDS] = [-1; MAX_FDS];
-        let mut iovecs = [libc::iovec {
-            iov_base: buf.as_mut_ptr().cast(),
-            iov_len: buf.len(),
-        }];
-        // SAFETY: the one iovec covers `buf`, borrowed mutably for the call, where any bytes
-        // may be written; `fds` has room for the most a message carries.
-        let (n, count) =
-            unsafe { self.stream.recv_with_fds(&mut iovecs, &mut fds) }.map_err(|e| {
-                // The kernel installs what it can and flags the rest cut (MSG_CTRUNC), which
-                // vmm-sys-util reports as ENOBUFS, having closed those that came.
-                if e.errno() == libc::ENOBUFS {
-                    fds_cut_short()
-                } else {
-                    errno(e)
-                }
-            })?;
-        let mut received = self.received.lock().unwrap_or_else(|p| p.into_inner());
-        for &fd in &fds[..count] {
-            // SAFETY: recvmsg installed these descriptors for this process just now; nothing
-            // else owns them.
-            received.push_back(unsafe { OwnedFd::from_raw_fd(fd) });
-        }
+        let (n, fds) = host::recv_with_fds(&self.stream, buf).map_err(|e| {
+            // The kernel installs what it can and flags the rest cut (MSG_CTRUNC), which
+            // vmm-sys-util reports as ENOBUFS, having closed those that came.
+            if e.raw_os_error() == Some(libc::ENOBUFS) {
+                fds_cut_short()
+            } else {
+                e
+            }
+        })?;
+        self.received
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .extend(fds);
         Ok(n)
     }
 }
@@ -652,20 +542,10 @@ impl Read for UnixConnection {
 /// File descriptors sent beside the bytes did not all arrive: what the process's open-file
 /// limit allows, and how many it has open.
 fn fds_cut_short() -> io::Error {
-    let mut limit = libc::rlimit {
-        rlim_cur: 0,
-        rlim_max: 0,
-    };
-    // SAFETY: getrlimit writes one `rlimit` into the valid `limit`.
-    let known = unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut limit) } == 0;
     let open = std::fs::read_dir("/proc/self/fd").map_or(0, |d| d.count());
-    let limits = if known {
-        format!(
-            "soft limit {}, hard limit {}",
-            limit.rlim_cur, limit.rlim_max
-        )
-    } else {
-        "limits unknown".into()
+    let limits = match host::open_file_limit() {
+        Ok(limit) => format!("soft limit {}, hard limit {}", limit.soft, limit.hard),
+        Err(_) => "limits unknown".into(),
     };
     io::Error::other(format!(
         "the file descriptors handed over beside the stream were cut short: this process has \
@@ -705,7 +585,7 @@ impl Read for Connection {
             };
             match read {
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
-                    self.watch.poll(self.link.fd(), libc::POLLIN, since)?;
+                    self.watch.poll(self.link.fd(), Ready::Read, since)?;
                 }
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
                 other => return other,
@@ -726,7 +606,7 @@ impl Write for Connection {
             };
             match written {
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
-                    self.watch.poll(self.link.fd(), libc::POLLOUT, since)?;
+                    self.watch.poll(self.link.fd(), Ready::Write, since)?;
                 }
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
                 other => return other,

@@ -17,7 +17,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use kvm_memslots::{DirtyConsumer, KvmVm, MemoryManager, Target};
-use kvm_memslots_persist::{write_dirty_pages, write_memory_file, MemoryLayout};
+use kvm_memslots_persist::{write_dirty_pages, write_memory_file, MemoryLayout, SnapshotError};
 
 use super::info::{MemoryCheck, SnapshotInfo};
 use super::live::{FileSink, LiveOutcome, StateWriter};
@@ -182,7 +182,7 @@ impl SnapshotChain {
                     harvested = Some(PageSet::from(pages));
                     // The regions log now: the layout says so.
                     layout = MemoryLayout::of(memory);
-                    write_memory_file(memory, &layout, mem_file).map_err(|e| failed(&e))
+                    write_memory_file(memory, &layout, mem_file).map_err(|e| not_written(&e))
                 });
                 if let Err(e) = full {
                     self.full_failed(memory, previous, harvested);
@@ -207,7 +207,7 @@ impl SnapshotChain {
                 harvested = Some(dirty);
                 if let Err(e) = written {
                     self.keep_for_next_diff(harvested);
-                    return Err(failed(&e));
+                    return Err(not_written(&e));
                 }
             }
         }
@@ -492,6 +492,15 @@ fn no_base() -> ControllerError {
 }
 
 /// Creates each of `paths` (which must not exist), or none of them.
+/// A memory file that could not be written: the client's mistake (400) where the file cannot
+/// hold it (a Diff on hugetlbfs, say), else ours.
+fn not_written(e: &SnapshotError) -> ControllerError {
+    match e {
+        SnapshotError::Unsupported(_) => ControllerError::bad(format!("the snapshot failed: {e}")),
+        _ => ControllerError::internal(format!("the snapshot failed: {e}")),
+    }
+}
+
 fn new_files(paths: &[&Path]) -> Result<Vec<(PathBuf, File)>, ControllerError> {
     let mut files = Vec::with_capacity(paths.len());
     for path in paths {

@@ -4,9 +4,15 @@
 //! It acts only on a bus error the kernel raised for an access (`BUS_ADRERR`, `BUS_OBJERR`)
 //! inside guest memory mapped from a file ([`guard`]); any other `SIGBUS` (one another process
 //! sent with kill(2), an access elsewhere) does what the signal does by default.
+//!
+//! It also names where memory went for the vCPU loop: the guest address, the region and the
+//! file of the access the handler patched over, and of a file-backed region whose file is
+//! shorter than the VM maps it, where KVM failed to map a page of it.
 
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::Mutex;
+
+use kvm_memslots::{KvmMemory, KvmVm, MemoryManager, RegionInfo};
 
 /// How many file-backed ranges the table holds one by one; past that, one range spans the
 /// rest.
@@ -120,6 +126,106 @@ extern "C" fn on_bus_error(_: libc::c_int, info: *mut libc::siginfo_t, _: *mut l
     let _ = MEMORY_GONE.compare_exchange(0, addr, Ordering::AcqRel, Ordering::Acquire);
 }
 
+/// Host address `hva` as the guest and the operator know it: the guest address, its region,
+/// and the file behind it.
+pub(crate) fn gone_place(memory: &MemoryManager<KvmVm>, hva: u64) -> String {
+    let Some(found) = memory
+        .find_by_hva(kvm_memslots::HostAddress(hva))
+        .into_iter()
+        .next()
+    else {
+        return format!("host address {hva:#x}");
+    };
+    let file = memory
+        .load()
+        .get(found.slot)
+        .and_then(|slot| slot.payload().memory().file_offset().cloned())
+        .and_then(|fo| {
+            std::fs::read_link(format!(
+                "/proc/self/fd/{}",
+                std::os::fd::AsRawFd::as_raw_fd(fo.file())
+            ))
+            .ok()
+        })
+        .map_or_else(String::new, |path| format!(", file {}", path.display()));
+    format!(
+        "guest address {:#x} (region {}{file})",
+        found.gpa.0, found.region
+    )
+}
+
+/// Guest memory whose file is shorter than the VM maps it (a file-backed restore's memory
+/// file truncated or replaced under the VM): where, for the first such region. Asked when the
+/// guest stops on an error a missing page would cause (KVM_RUN's `EFAULT`, a triple fault:
+/// KVM found no page to map, and the guest, not the VMM, touched it).
+pub(crate) fn cut_memory<K: KvmMemory>(memory: &MemoryManager<K>) -> Option<String> {
+    memory.regions().into_iter().find_map(|region| {
+        let cut = Cut::of(memory, &region)?;
+        // The first guest address past the file's end.
+        let first = region.gpa.0 + cut.len.saturating_sub(cut.start).min(region.size);
+        Some(format!(
+            "guest address {first:#x} and on ({})",
+            cut.describe(&region)
+        ))
+    })
+}
+
+/// Where the guest touched memory KVM could not map (`KVM_EXIT_MEMORY_FAULT` at `gpa`), if it
+/// is a file-backed region's page past its file's end: the exact guest address, the region and
+/// the file.
+pub(crate) fn cut_at<K: KvmMemory>(memory: &MemoryManager<K>, gpa: u64) -> Option<String> {
+    let region = memory
+        .regions()
+        .into_iter()
+        .find(|r| (r.gpa.0..r.gpa.0 + r.size).contains(&gpa))?;
+    let cut = Cut::of(memory, &region)?;
+    (cut.start + (gpa - region.gpa.0) >= cut.len)
+        .then(|| format!("guest address {gpa:#x} ({})", cut.describe(&region)))
+}
+
+/// A file-backed region whose file is shorter than the VM maps it.
+struct Cut {
+    /// The file, as `/proc/self/fd` names it.
+    path: String,
+    /// Where the region starts in it.
+    start: u64,
+    /// The file's size now.
+    len: u64,
+}
+
+impl Cut {
+    fn of<K: KvmMemory>(memory: &MemoryManager<K>, region: &RegionInfo) -> Option<Cut> {
+        let mapping = memory.region_memory(region.id)?;
+        let file = mapping.file_offset()?;
+        let len = file.file().metadata().ok()?.len();
+        (len < file.start().saturating_add(region.size)).then(|| Cut {
+            path: std::fs::read_link(format!(
+                "/proc/self/fd/{}",
+                std::os::fd::AsRawFd::as_raw_fd(file.file())
+            ))
+            .map_or_else(
+                |_| "its file".to_owned(),
+                |p| format!("file {}", p.display()),
+            ),
+            start: file.start(),
+            len,
+        })
+    }
+
+    /// The region, the file and how much of it is left.
+    fn describe(&self, region: &RegionInfo) -> String {
+        format!(
+            "region {} [{:#x}, {:#x}), {}, now {} bytes where the VM maps {}",
+            region.id,
+            region.gpa.0,
+            region.gpa.0 + region.size,
+            self.path,
+            self.len,
+            self.start.saturating_add(region.size)
+        )
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -146,5 +252,55 @@ mod tests {
         let last = base + (RANGES as u64 + 1) * 0x100_0000;
         assert!(ours(2, last), "the last range is still guarded");
         assert!(ours(2, base), "and the first");
+    }
+
+    /// A memory fault on a page of a file cut under the VM names that guest address, the
+    /// region and the file; a page the file still has, or memory with no file, is not taken
+    /// for cut memory.
+    #[test]
+    fn a_memory_fault_past_a_cut_files_end_names_the_guest_address_and_the_file() {
+        use kvm_memslots::testing::FakeKvm;
+        use kvm_memslots::{Backing, RegionSpec};
+        use vm_memory::{FileOffset, GuestAddress};
+        const BASE: u64 = 0x10_0000;
+        let path = std::env::temp_dir().join(format!("tinyvmm-cut-at-{}", std::process::id()));
+        let file = std::fs::File::options()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(true)
+            .open(&path)
+            .expect("a file");
+        file.set_len(0x8000).expect("sized");
+        let memory = MemoryManager::new(FakeKvm::new(8, false));
+        let backing = Backing::PrivateFile(FileOffset::new(file.try_clone().expect("dup"), 0));
+        memory
+            .add_region(RegionSpec::new(GuestAddress(BASE), 0x8000).with_backing(backing))
+            .expect("a file region");
+        memory
+            .add_region(RegionSpec::new(GuestAddress(0x20_0000), 0x1000))
+            .expect("an anonymous region");
+        assert_eq!(cut_at(&memory, BASE + 0x6000), None, "the file is whole");
+        file.set_len(0x3000).expect("cut");
+        let place = cut_at(&memory, BASE + 0x6010).expect("a page past the end");
+        let _ = std::fs::remove_file(&path);
+        assert!(
+            place.starts_with("guest address 0x106010 (region 0 [0x100000, 0x108000), file "),
+            "{place}"
+        );
+        assert!(
+            place.contains(&path.display().to_string())
+                && place.ends_with("now 12288 bytes where the VM maps 32768)"),
+            "{place}"
+        );
+        assert_eq!(cut_at(&memory, BASE + 0x2fff), None, "a page the file has");
+        assert_eq!(cut_at(&memory, 0x20_0000), None, "memory with no file");
+        assert_eq!(cut_at(&memory, 0x30_0000), None, "no memory");
+        // Without KVM's address, the first address past the end, as before.
+        let first = cut_memory(&memory).expect("cut memory");
+        assert!(
+            first.starts_with("guest address 0x103000 and on (region 0 "),
+            "{first}"
+        );
     }
 }

@@ -18,13 +18,14 @@ use super::{
     check_aligned_to, check_range, over_limit, region_in_the_way, region_slots, Harvestable,
     MemoryManager, Region, RegionSpec, Reslot, Writer, KVM_MAX_SLOT_SIZE,
 };
-use crate::dirty::{DirtyConsumer, PendingBits};
+use crate::dirty::DirtyConsumer;
 use crate::error::Error;
 use crate::kvm::KvmMemory;
 use crate::limits::{Limit, MemoryUse};
-use crate::memory::{
-    hugetlb_pages_available, Backing, GuestSlotData, PageSize, RegionId, RegionMemory, SlotBacking,
-    HUGE_PAGE_SIZE,
+use crate::memory::{GuestSlotData, SlotBacking};
+use crate::pending::PendingBits;
+use crate::region_memory::{
+    hugetlb_pages_available, Backing, PageSize, RegionId, RegionMemory, HUGE_PAGE_SIZE,
 };
 use crate::PAGE_SIZE;
 

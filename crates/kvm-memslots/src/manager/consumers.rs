@@ -13,9 +13,10 @@ use std::collections::BTreeSet;
 use std::sync::MutexGuard;
 
 use super::{reserve, MemoryManager, Target};
-use crate::dirty::{DirtyConsumer, PendingBits};
+use crate::dirty::DirtyConsumer;
 use crate::error::Error;
 use crate::kvm::KvmMemory;
+use crate::pending::PendingBits;
 
 /// One consumer's bits of one region: taken from the region's pending bits by another
 /// consumer's harvest and not yet handed to this one.

@@ -8,11 +8,13 @@ use vm_memory::GuestAddress;
 
 use super::consumers::share;
 use super::plan::{KvmOp, Step};
-use super::{region_slots, reserve, Broken, Harvestable, MemoryManager, State, Target, NO_LEASE};
-use crate::dirty::{DirtyConsumer, DirtyPages, PendingBits};
+use super::{region_slots, reserve, Harvestable, MemoryManager, State, Target, NO_LEASE};
+use crate::dirty::{DirtyConsumer, DirtyPages};
 use crate::error::Error;
 use crate::kvm::{KvmMemory, KvmSlot};
-use crate::memory::{GuestSlotData, RegionId};
+use crate::memory::GuestSlotData;
+use crate::pending::PendingBits;
+use crate::region_memory::RegionId;
 use crate::GuestMemoryMap;
 use crate::PAGE_SIZE;
 
@@ -200,7 +202,7 @@ impl<K: KvmMemory> MemoryManager<K> {
     /// page `first` of its region); with `clear` (and manual protection), clears exactly those
     /// bits in KVM so that the pages are logged again. `log` is scratch space, reused from
     /// slot to slot. A bit is cleared in KVM only once it is in `pending`.
-    fn fetch_slot_log(
+    pub(super) fn fetch_slot_log(
         &self,
         id: RegionId,
         pending: &PendingBits,
@@ -245,208 +247,6 @@ impl<K: KvmMemory> MemoryManager<K> {
         // Without manual protection KVM's new log is empty too (it write-protects the slot and
         // logs only later writes).
         self.kvm.dirty_ring() || !self.kvm.initially_set_logs()
-    }
-
-    /// Ring mode: moves every vCPU's published entries into the pending bits of the regions
-    /// they name (slot ids resolved in the latest version), then resets
-    /// the rings so that KVM reports those pages again. The entries are taken and attributed
-    /// under the rings lock, so that no slot number is released (and maybe reused) in between:
-    /// a change releases numbers only after its own drain, which waits for this one. A failed
-    /// collection still attributes what it took; a failed reset keeps every entry (in pending).
-    pub(super) fn collect_rings(&self) -> Result<(), Error> {
-        let rings = self.rings.lock().unwrap_or_else(|p| p.into_inner());
-        let mut entries = Vec::new();
-        let collected = self
-            .kvm
-            .collect_dirty_rings(&mut |slot, offset| entries.push((slot, offset)));
-        // Loaded after the entries were taken: every slot an entry can name (one that existed
-        // when the guest wrote, and whose number is not released yet) is in it, but for a
-        // slot being added, whose region's pages are all pending already. (A change's drain
-        // runs under the writer lock: this is then the version it is replacing.)
-        // The version a change is making is read first: if it is gone by the time the
-        // published one is read, that one holds its slots. A slot a re-slot is creating is in
-        // it alone; no number names two slots across the two (a change's new slots take numbers
-        // no published slot has).
-        let making = self.in_flight().clone();
-        let map = self.published();
-        for &(number, offset) in &entries {
-            let found = ring_slot(&map, number, offset)
-                .or_else(|| making.as_deref().and_then(|m| ring_slot(m, number, offset)));
-            match found {
-                Some(slot) => {
-                    let first = slot.payload().offset() / PAGE_SIZE;
-                    slot.payload().pending().mark(first + offset, 1);
-                }
-                None => {
-                    self.stray_ring_entries.fetch_add(1, Ordering::Relaxed);
-                }
-            }
-        }
-        let lost = collected.as_ref().is_ok_and(|c| c.lost);
-        if lost {
-            self.ring_overflows.fetch_add(1, Ordering::Relaxed);
-        }
-        if lost || self.ring_overflows.load(Ordering::Relaxed) > 0 {
-            // Entries were written over: which pages they named is unknown, and KVM will not
-            // report those pages again (they stay unprotected), so from now on every page of
-            // every logging slot counts as dirty in every collection, for every consumer.
-            for slot in map.iter().filter(|s| s.flags().log_dirty) {
-                let first = slot.payload().offset() / PAGE_SIZE;
-                slot.payload()
-                    .pending()
-                    .mark(first, slot.size() / PAGE_SIZE);
-            }
-        }
-        drop(rings);
-        let collected = collected.map_err(|source| Error::DirtyRing {
-            op: "collecting",
-            source,
-        })?;
-        // With nothing collected there is nothing to reset, unless an earlier reset failed (or
-        // another collector's is still to come, which that collector does itself).
-        if collected.entries == 0 && !self.ring_reset_owed.load(Ordering::SeqCst) {
-            return Ok(());
-        }
-        self.ring_reset_owed.store(true, Ordering::SeqCst);
-        self.kvm
-            .reset_dirty_rings()
-            .map_err(|source| Error::DirtyRing {
-                op: "resetting",
-                source,
-            })?;
-        self.ring_reset_owed.store(false, Ordering::SeqCst);
-        Ok(())
-    }
-
-    /// Ring mode: how many collections found a dirty ring overflowed. KVM keeps a ring from
-    /// filling by asking for a ring-full exit (`KVM_EXIT_DIRTY_RING_FULL`) at a soft limit
-    /// below its size, and the vCPU pushes on until that exit; a host whose instruction
-    /// emulator pushes a batch of guest writes without exiting (this project's kvm_pvm host,
-    /// for guest kernel code) can push past the ring's end and write over entries. Entries past
-    /// the soft limit that still fit are no overflow. The manager notices a wrap (as many
-    /// entries since the last reset as the ring holds, or entries out of step with its fetch
-    /// index, which it then follows again so that the vCPU does not livelock on ring-full
-    /// exits), and from the first overflow on reports
-    /// every page of every logging slot in every harvest, for every consumer: pages whose
-    /// entries were lost stay unprotected in KVM and would never be reported again. Never a
-    /// lost page; a VMM seeing this count grow should stop using ring mode for that guest.
-    pub fn dirty_ring_overflows(&self) -> u64 {
-        self.ring_overflows.load(Ordering::Relaxed)
-    }
-
-    /// Ring mode: collects the vCPUs' dirty rings into the regions' pending bits and resets
-    /// them, as a vCPU's `KVM_EXIT_DIRTY_RING_FULL` asks; the next harvest reports the pages.
-    /// Nothing to do in bitmap mode. Takes neither the writer lock nor the harvests' lock.
-    ///
-    /// # KVM calls
-    ///
-    /// Bitmap mode: none. Ring mode: a ring drain (see [`MemoryManager`]): every vCPU's ring
-    /// read from its mapping and each entry handed back (no syscall), then one
-    /// `KVM_RESET_DIRTY_RINGS`, unless nothing was collected and no earlier reset failed.
-    /// Nothing to undo: what was collected stays in the pending bits; a failed collection
-    /// skips the reset.
-    pub fn collect_dirty_rings(&self) -> Result<(), Error> {
-        if !self.kvm.dirty_ring() {
-            return Ok(());
-        }
-        self.collect_rings()
-    }
-
-    /// Keeps the log of the slot that `step` is about to free (no need to clear it in KVM).
-    pub(super) fn read_freed_log(
-        &self,
-        state: &mut State,
-        step: &Step,
-        log: &mut Vec<u64>,
-    ) -> Result<(), Error> {
-        let slot = match step.op {
-            KvmOp::Delete(old) | KvmOp::Update { old, .. } => old,
-            KvmOp::Create(_) => return Ok(()),
-        };
-        self.read_slot_log(state, step.region, &slot, log)
-    }
-
-    /// Reads the log of `region`'s slot `slot` (as the map has it; KVM may have it parked)
-    /// into the region's pending bits, without clearing it.
-    fn read_slot_log(
-        &self,
-        state: &State,
-        region: RegionId,
-        slot: &KvmSlot,
-        log: &mut Vec<u64>,
-    ) -> Result<(), Error> {
-        let owner = state
-            .regions
-            .get(&region)
-            .expect("a step's region is in the table");
-        let first = (slot.gpa - owner.gpa.0) / PAGE_SIZE;
-        self.fetch_slot_log(region, owner.pending(), slot, first, false, log)
-    }
-
-    /// Bitmap mode: deletes `region`'s logging slot `old` losing none of its dirty bits.
-    ///
-    /// KVM frees a slot's log when it deletes it, and a guest write between a read of the log
-    /// and the delete would set a bit in the freed log (measured on KVM: a re-slot under a
-    /// writing vCPU lost a page in about one round in 50). So the slot is first *parked*: moved
-    /// (`KVM_MR_MOVE`, which keeps its log) to a guest address where the guest has no memory
-    /// and does not write ([`parking_places`]), so that an access at its own address exits as
-    /// for any slot away during a change. Its log is then read, complete, and the parked slot
-    /// deleted. Where KVM refuses every parking place (`EEXIST`: a slot of the VMM's own is
-    /// there; `EINVAL`: past KVM's guest address width) the slot is deleted in place and every
-    /// one of its pages marked dirty after the delete: over-reporting, never losing. If the
-    /// read or the delete of a parked slot fails, the slot is moved back (a failure to do so
-    /// is [`Error::UndoFailed`]), so the step is all or nothing; its undo is a create of
-    /// `old`, as for any delete.
-    pub(super) fn delete_logging_slot(
-        &self,
-        state: &mut State,
-        region: RegionId,
-        old: KvmSlot,
-        log: &mut Vec<u64>,
-    ) -> Result<(), Error> {
-        let mut parked = None;
-        for gpa in parking_places(state, old.size) {
-            let place = KvmSlot { gpa, ..old };
-            match self.request(region, "park", &place) {
-                Ok(()) => {
-                    parked = Some(place);
-                    break;
-                }
-                Err(Error::Kvm { source, .. })
-                    if source.errno() == libc::EEXIST || source.errno() == libc::EINVAL => {}
-                Err(e) => return Err(e),
-            }
-        }
-        let Some(parked) = parked else {
-            self.read_slot_log(state, region, &old, log)?;
-            self.request(region, "delete", &old.deleted())?;
-            let owner = &state.regions[&region];
-            let first = (old.gpa - owner.gpa.0) / PAGE_SIZE;
-            owner.pending().mark(first, old.size / PAGE_SIZE);
-            return Ok(());
-        };
-        let deleted = self
-            .read_slot_log(state, region, &old, log)
-            .and_then(|()| self.request(region, "delete", &parked.deleted()));
-        let Err(failed) = deleted else {
-            return Ok(());
-        };
-        match self.request(region, "move back", &old) {
-            Ok(()) => Err(failed),
-            Err(Error::Kvm { source, .. }) => {
-                state.broken = Some(Broken::UndoFailed {
-                    slot: old.slot,
-                    errno: source,
-                });
-                Err(Error::UndoFailed {
-                    failed: Box::new(failed),
-                    undo_op: "move back",
-                    slot: old.slot,
-                    undo_errno: source,
-                })
-            }
-            Err(other) => Err(other),
-        }
     }
 
     /// The pages of the target regions written since the last harvest, by the guest (KVM's
@@ -653,104 +453,6 @@ impl<K: KvmMemory> MemoryManager<K> {
 
 /// The slot `number` of `map` if it belongs to `region` (the same pending bits: regions are
 /// never re-created, so this is the region's slot and no other region's).
-/// Where `delete_logging_slot` may park a slot of `size` bytes, best first, each a place no
-/// region covers (holes included: a region's range is its own), at or above 4 GiB (x86 KVM's
-/// own slots lie below) and, where the host reports its physical address width, inside it
-/// (KVM refuses a slot past it):
-///
-/// 1. the highest such place, on a GiB boundary where one has room (else page-aligned): at
-///    the top of the width if it is free, far above anything a VMM gives a guest, so that not
-///    even a guest touching unplugged or unassigned addresses meets it; just below the
-///    regions that lie there if not;
-/// 2. where KVM refuses that (a guest address width narrower than the host's), the first GiB
-///    boundary above 4 GiB and every region;
-/// 3. where that is past the width (a region lies at its top), the lowest place above 4 GiB.
-///
-/// At most three places, none twice; none only if no room is free at all.
-pub(super) fn parking_places(state: &State, size: u64) -> Vec<u64> {
-    const GIB: u64 = 1 << 30;
-    const FLOOR: u64 = 4 * GIB;
-    let width = host_address_bits().and_then(|bits| 1u64.checked_shl(bits));
-    // The end of guest address space a place must stay below.
-    let end = width.unwrap_or(!(PAGE_SIZE - 1));
-    let regions = || {
-        state
-            .spans
-            .iter()
-            .map(|(&start, id)| (start, start.saturating_add(state.regions[id].size)))
-    };
-    // The highest place in the free range `lo..hi`, on a GiB boundary if one has room.
-    let highest = |lo: u64, hi: u64| {
-        let lo = lo.max(FLOOR);
-        let last = hi.min(end).checked_sub(size).filter(|&last| last >= lo)?;
-        let aligned = last & !(GIB - 1);
-        Some(if aligned >= lo { aligned } else { last })
-    };
-    // The lowest place in the free range `lo..hi`, on a GiB boundary if one has room.
-    let lowest = |lo: u64, hi: u64| {
-        let lo = lo.max(FLOOR);
-        let hi = hi.min(end);
-        let fits = |place: u64| place.checked_add(size).is_some_and(|e| e <= hi);
-        let aligned = lo.checked_next_multiple_of(GIB).filter(|&a| fits(a));
-        aligned.or(Some(lo).filter(|&l| fits(l)))
-    };
-    let mut places: Vec<u64> = Vec::with_capacity(3);
-    if width.is_some() {
-        // Down from the top, gap by gap, to the first with room.
-        let mut hi = end;
-        let mut top = None;
-        for (start, region_end) in regions().rev() {
-            if region_end < hi {
-                top = highest(region_end, hi);
-                if top.is_some() {
-                    break;
-                }
-            }
-            hi = hi.min(start);
-            if hi <= FLOOR {
-                break;
-            }
-        }
-        places.extend(top.or_else(|| highest(0, hi)));
-    }
-    let above_all = regions()
-        .next_back()
-        .map_or(0, |(_, region_end)| region_end);
-    let above = lowest(above_all, end);
-    let low = above.is_none().then(|| {
-        let mut lo = FLOOR;
-        for (start, region_end) in regions() {
-            if region_end <= lo {
-                continue;
-            }
-            if let Some(place) = lowest(lo, start) {
-                return Some(place);
-            }
-            lo = lo.max(region_end);
-        }
-        lowest(lo, end)
-    });
-    for place in above.into_iter().chain(low.flatten()) {
-        if !places.contains(&place) {
-            places.push(place);
-        }
-    }
-    places
-}
-
-/// The host's physical address width (CPUID leaf 0x8000_0008), if the CPU reports it.
-pub(super) fn host_address_bits() -> Option<u32> {
-    #[cfg(target_arch = "x86_64")]
-    {
-        use std::arch::x86_64::__cpuid;
-        (__cpuid(0x8000_0000).eax >= 0x8000_0008).then(|| __cpuid(0x8000_0008).eax & 0xff)
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    {
-        None
-    }
-}
-
 fn region_slot<'a>(
     map: &'a GuestMemoryMap,
     number: SlotId,
@@ -758,13 +460,6 @@ fn region_slot<'a>(
 ) -> Option<&'a Arc<GuestSlotData>> {
     map.get(number)
         .filter(|s| Arc::ptr_eq(s.payload().pending(), &region.pending))
-}
-
-/// The slot a ring entry names in `map`, if the page it names is inside it.
-fn ring_slot(map: &GuestMemoryMap, number: u32, offset: u64) -> Option<&Arc<GuestSlotData>> {
-    // The high half of the slot field is the address space, always 0 here.
-    map.get(SlotId(number))
-        .filter(|s| number >> 16 == 0 && offset < s.size() / PAGE_SIZE)
 }
 
 /// Room for `n` vectors in `v`, fallibly.

@@ -7,10 +7,10 @@ use memslot_map::AddressRange;
 use vm_memory::GuestAddress;
 
 use super::{check_aligned_to, check_range, MemoryManager};
-use crate::dirty::PendingBits;
 use crate::error::Error;
 use crate::kvm::KvmMemory;
-use crate::memory::{PageSize, RegionId, RegionMemory};
+use crate::pending::PendingBits;
+use crate::region_memory::{split_by, PageSize, RegionId, RegionMemory};
 use crate::PAGE_SIZE;
 
 /// A part of a discard that is one run of one region's mapping.
@@ -216,7 +216,7 @@ impl<K: KvmMemory> MemoryManager<K> {
                 // Put back what the ranges before had, range by range (each was all one way:
                 // either as asked already, or the other way).
                 for undo in &ranges[..done] {
-                    for (part, was_accessible) in crate::memory::split_by(undo.clone(), &before) {
+                    for (part, was_accessible) in split_by(undo.clone(), &before) {
                         let _ = region.memory.set_accessible(part, was_accessible);
                     }
                 }
@@ -255,7 +255,7 @@ fn discard_guarded(memory: &RegionMemory, offset: u64, len: u64) -> std::io::Res
         return discard_run(memory, offset, len, libc::PROT_READ | libc::PROT_WRITE);
     }
     let access = memory.access();
-    for (part, accessible) in crate::memory::split_by(offset..offset + len, access.inaccessible()) {
+    for (part, accessible) in split_by(offset..offset + len, access.inaccessible()) {
         let prot = if accessible {
             libc::PROT_READ | libc::PROT_WRITE
         } else {

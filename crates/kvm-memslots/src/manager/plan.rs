@@ -1,7 +1,8 @@
 //! The KVM requests a change is planned as, each with what undoes it.
 
 use crate::kvm::KvmSlot;
-use crate::memory::{GuestSlotData, RegionId};
+use crate::memory::GuestSlotData;
+use crate::region_memory::RegionId;
 
 /// One KVM request of a planned change, with what undoes it.
 #[derive(Debug, Clone, Copy)]

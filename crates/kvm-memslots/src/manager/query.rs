@@ -7,7 +7,7 @@ use memslot_map::{HostAddress, SlotId};
 
 use super::{region_slots, HvaMatch, MemoryManager, Region, RegionId, RegionInfo, SlotUsage};
 use crate::kvm::KvmMemory;
-use crate::memory::RegionMemory;
+use crate::region_memory::{split_by, RegionMemory};
 
 impl<K: KvmMemory> MemoryManager<K> {
     /// Every guest address that host address `hva` backs (several where slots alias one host
@@ -55,10 +55,9 @@ impl<K: KvmMemory> MemoryManager<K> {
             let (from, to) = (range.start.max(start), range.end.min(limit));
             let offset = slot.payload().offset() + (from - range.start);
             let access = slot.payload().memory().access();
-            let unreachable =
-                crate::memory::split_by(offset..offset + (to - from), access.inaccessible())
-                    .into_iter()
-                    .find(|(_, accessible)| !accessible);
+            let unreachable = split_by(offset..offset + (to - from), access.inaccessible())
+                .into_iter()
+                .find(|(_, accessible)| !accessible);
             if let Some((part, _)) = unreachable {
                 return Some(from + (part.start - offset));
             }

@@ -14,7 +14,8 @@ use super::{
 };
 use crate::error::Error;
 use crate::kvm::{KvmMemory, KvmSlot};
-use crate::memory::{GuestSlotData, RegionId};
+use crate::memory::GuestSlotData;
+use crate::region_memory::RegionId;
 
 impl<K: KvmMemory> MemoryManager<K> {
     /// Maps a new region and gives it to the guest. Returns its id.

@@ -7,7 +7,7 @@ use memslot_map::{HostAddress, SlotFlags, SlotId};
 use vm_memory::GuestAddress;
 
 use crate::error::Error;
-use crate::memory::{Backing, PageSize, RegionId};
+use crate::region_memory::{Backing, PageSize, RegionId};
 use crate::PAGE_SIZE;
 
 /// The largest slot KVM accepts: 2^31 - 1 pages.

@@ -8,7 +8,9 @@ use vm_memory::Bytes;
 
 use super::*;
 use crate::error::ErrorKind;
-use crate::memory::{hugetlb_pages_available, Backing, PageSize, RegionMemory, HUGE_PAGE_SIZE};
+use crate::region_memory::{
+    hugetlb_pages_available, Backing, PageSize, RegionMemory, HUGE_PAGE_SIZE,
+};
 use crate::testing::{FakeKvm, Faulty};
 
 type Manager = MemoryManager<Faulty<FakeKvm>>;
@@ -117,7 +119,7 @@ fn a_huge_page_region_must_be_aligned_to_its_pages_and_a_refusal_changes_nothing
 }
 
 #[test]
-fn transparent_huge_pages_are_refused_for_a_callers_file() {
+fn transparent_huge_pages_are_refused_for_a_private_file_or_a_shared_one_off_tmpfs() {
     let m = manager();
     let file = tempfile_of(4 * MIB);
     let spec = RegionSpec::new(GuestAddress(0), 4 * MIB)
@@ -148,6 +150,23 @@ fn transparent_huge_pages_are_refused_for_a_callers_file() {
         "{err}"
     );
     assert!(m.regions().is_empty());
+    // Shared, a file takes transparent huge pages on tmpfs only (a memfd handed over).
+    let spec = RegionSpec::new(GuestAddress(0), 4 * MIB)
+        .with_backing(Backing::File(vm_memory::FileOffset::new(
+            tempfile_of(4 * MIB),
+            0,
+        )))
+        .with_page_size(PageSize::Transparent);
+    let err = m.add_region(spec).expect_err("refused");
+    assert!(err.to_string().contains("not on tmpfs"), "{err}");
+    assert!(m.regions().is_empty());
+    let memfd = RegionMemory::new(4 * MIB, &Backing::Memfd, PageSize::Base).expect("a memfd");
+    let fo = memfd.file_offset().expect("a memfd").clone();
+    let spec = RegionSpec::new(GuestAddress(0), 4 * MIB)
+        .with_backing(Backing::File(fo))
+        .with_page_size(PageSize::Transparent);
+    m.add_region(spec).expect("a memfd handed over keeps THP");
+    assert_eq!(m.regions()[0].page_size, PageSize::Transparent);
 }
 
 #[test]

@@ -1,4 +1,5 @@
 use super::*;
+use std::os::unix::ffi::OsStrExt;
 
 #[test]
 fn endpoints_parse_and_name_what_is_wrong() {

@@ -114,7 +114,7 @@ fn a_taken_parking_place_marks_the_deleted_slots_pages() {
     .unwrap();
     let r = m.add_region(logging(region(MIB, 8))).unwrap();
     m.harvest_dirty(Target::All).unwrap();
-    let places = dirty_log::parking_places(&m.state(), 2 * SLOT);
+    let places = crate::manager::parking::parking_places(&m.state(), 2 * SLOT);
     assert!(places.contains(&(4 * GIB)), "{places:x?}");
     let theirs: Vec<KvmSlot> = places
         .iter()
@@ -201,7 +201,7 @@ impl Hook for AddressWidth {
 
 /// The host's physical address width, as the end of guest address space.
 fn width() -> u64 {
-    1 << dirty_log::host_address_bits().expect("an x86-64 host reports it")
+    1 << crate::manager::parking::host_address_bits().expect("an x86-64 host reports it")
 }
 
 /// Wherever regions lie, up to the very top of the host's address width, there are parking
@@ -230,7 +230,7 @@ fn parking_places_are_free_and_inside_the_width_wherever_regions_lie() {
             spans.push(gpa..gpa + size);
         }
         for size in [SLOT, 8 * SLOT, GIB] {
-            let places = dirty_log::parking_places(&m.state(), size);
+            let places = crate::manager::parking::parking_places(&m.state(), size);
             assert!(!places.is_empty(), "{layout:x?}, {size:#x}");
             for &place in &places {
                 assert!(place.is_multiple_of(PAGE_SIZE), "{place:#x}");

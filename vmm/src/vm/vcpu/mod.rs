@@ -2,382 +2,30 @@
 //! into an [`ExitAction`] with the pure handler, carries out what concerns memory (finishing an
 //! access that hit a slot while it was away, counting expected exits) and hands port accesses
 //! to the guest kind's [`VcpuPorts`], which is all a guest kind supplies: its port bus and what
-//! its devices do.
+//! its devices do. What the host holds of a running vCPU (kick, stop, pause: [`VcpuShared`])
+//! and its exit counts ([`ExitCounters`]) are in modules of their own.
 
-use std::ops::Range;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::mpsc::Sender;
-use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock};
+mod counters;
+mod shared;
+
+pub use counters::{exit_totals, ExitCounters, ExitTotals};
+pub use shared::{install_kick_handler, kick_signal, kick_until_finished, PauseError, VcpuShared};
+
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
 use std::thread::JoinHandle;
-use std::time::{Duration, Instant};
 
 use kvm_ioctls::VcpuFd;
-use kvm_memslots::{GuestMemorySlots, KvmMemory, KvmVm, MemoryManager, RegionInfo};
+use kvm_memslots::{GuestMemorySlots, KvmVm, MemoryManager};
 use vm_memory::Bytes;
 use vmm_sys_util::eventfd::EventFd;
 
-use super::exit::{handle_exit, Exit, ExitAction, ExitContext, ExitError, EXIT_KINDS};
-use super::mmio::MmioBus;
-use super::ports::PortBus;
-use super::state::{StateError, VcpuState};
-
-extern "C" fn ignore_signal(_: libc::c_int, _: *mut libc::siginfo_t, _: *mut libc::c_void) {}
-
-/// The signal that kicks a vCPU thread out of `KVM_RUN` (its run then fails with `EINTR`).
-pub fn kick_signal() -> libc::c_int {
-    vmm_sys_util::signal::SIGRTMIN()
-}
-
-/// Installs the kick signal's handler (a no-op: the signal only has to interrupt `KVM_RUN`),
-/// once per process.
-pub fn install_kick_handler() {
-    static HANDLER: std::sync::Once = std::sync::Once::new();
-    HANDLER.call_once(|| {
-        vmm_sys_util::signal::register_signal_handler(kick_signal(), ignore_signal)
-            .expect("SIGRTMIN is a valid signal for a handler");
-    });
-}
-
-/// Kicks the vCPU thread `thread` out of the guest until it has finished, for at most
-/// `timeout` (a kick can land just before the thread enters the guest, so one is not enough).
-/// Returns whether the thread finished.
-pub fn kick_until_finished<T>(thread: &JoinHandle<T>, timeout: Duration) -> bool {
-    use vmm_sys_util::signal::Killable;
-    let deadline = Instant::now() + timeout;
-    while !thread.is_finished() && Instant::now() < deadline {
-        let _ = thread.kill(kick_signal());
-        std::thread::sleep(Duration::from_millis(1));
-    }
-    thread.is_finished()
-}
-
-/// Counts of the exits a vCPU handled, readable while it runs.
-#[derive(Debug, Default)]
-pub struct ExitCounters {
-    /// Accesses to memory that was away during a slot change, finished against the map.
-    pub completed_after_change: AtomicU64,
-    /// Exits inside the expected window.
-    pub expected: AtomicU64,
-    /// Writes to read-only slots, dropped.
-    pub read_only_writes: AtomicU64,
-    /// Accesses to memory that is absent on purpose (unplugged virtio-mem blocks).
-    pub absent_memory: AtomicU64,
-    /// Instructions KVM could not emulate (VEX accesses, instruction fetches) that met a slot
-    /// away during a change, run again once it was done.
-    pub retried_after_change: AtomicU64,
-    /// Accesses that faulted inside KVM on unreachable memory under a slot (an unplugged
-    /// virtio-mem block in a plugged piece), after which its slot was taken away and the
-    /// access run again (it then exits as absent memory).
-    pub unreachable_isolated: AtomicU64,
-    /// Instructions KVM could not emulate at guest CPL > 0 with no slot change during the run,
-    /// answered with `#UD` in the guest (as KVM answers them without
-    /// `KVM_CAP_EXIT_ON_EMULATION_FAILURE`).
-    pub invalid_opcodes_injected: AtomicU64,
-    /// Every exit by its kind ([`Exit::kind`], named by [`EXIT_KINDS`]).
-    pub by_kind: [AtomicU64; EXIT_KINDS.len()],
-}
-
-impl ExitCounters {
-    /// Every exit: the kinds' counts added up.
-    pub fn exits(&self) -> u64 {
-        self.by_kind.iter().map(|c| c.load(Ordering::Relaxed)).sum()
-    }
-
-    /// Exits on a full dirty ring.
-    pub fn dirty_ring_full(&self) -> u64 {
-        self.by_kind[Exit::DirtyRingFull.kind()].load(Ordering::Relaxed)
-    }
-}
-
-/// Every vCPU this process started, for [`exit_totals`]: kept for the process's life (a few
-/// hundred bytes each), so that totals never go down when a VM's vCPUs end.
-static STARTED: Mutex<Vec<Arc<VcpuShared>>> = Mutex::new(Vec::new());
-
-/// The exits of every vCPU this process started ([`exit_totals`]).
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct ExitTotals {
-    /// Every exit, by its kind ([`EXIT_KINDS`]): they add up to all exits.
-    pub by_kind: Vec<(&'static str, u64)>,
-    /// Exits the loop handled its own way (some of the MMIO, memory-fault and
-    /// emulation-failure ones): writes to read-only memory dropped (`read_only_write`),
-    /// accesses to absent memory (`absent_memory`), accesses completed against the map after a
-    /// slot change (`completed_after_change`), instructions KVM could not emulate, run again
-    /// after a slot change (`retried_after_change`) or, in guest user mode with no change,
-    /// answered with `#UD` in the guest (`invalid_opcode_injected`), and faults on unreachable
-    /// memory under a slot after which the slot went and the access ran again
-    /// (`unreachable_isolated`).
-    pub handled: Vec<(&'static str, u64)>,
-}
-
-/// The exits of every vCPU this process started, for `GET /metrics`. Read from each vCPU's
-/// own counters, so counting costs the exit loop no cache line shared with another vCPU.
-pub fn exit_totals() -> ExitTotals {
-    let started = STARTED.lock().unwrap_or_else(|p| p.into_inner());
-    let sum = |count: &dyn Fn(&ExitCounters) -> &AtomicU64| -> u64 {
-        started
-            .iter()
-            .map(|v| count(&v.counters).load(Ordering::Relaxed))
-            .sum()
-    };
-    ExitTotals {
-        by_kind: EXIT_KINDS
-            .iter()
-            .enumerate()
-            .map(|(i, &name)| (name, sum(&|c| &c.by_kind[i])))
-            .collect(),
-        handled: vec![
-            ("read_only_write", sum(&|c| &c.read_only_writes)),
-            ("absent_memory", sum(&|c| &c.absent_memory)),
-            (
-                "completed_after_change",
-                sum(&|c| &c.completed_after_change),
-            ),
-            ("retried_after_change", sum(&|c| &c.retried_after_change)),
-            ("unreachable_isolated", sum(&|c| &c.unreachable_isolated)),
-            (
-                "invalid_opcode_injected",
-                sum(&|c| &c.invalid_opcodes_injected),
-            ),
-        ],
-    }
-}
-
-/// What the host and a vCPU thread share.
-#[derive(Debug, Default)]
-pub struct VcpuShared {
-    /// Exit counts.
-    pub counters: ExitCounters,
-    /// Where MMIO exits are expected (see [`ExitContext::expected_mmio`]).
-    pub expected_mmio: Mutex<Option<Range<u64>>>,
-    /// Set to make the vCPU stop at its next exit (kick it to make that exit come soon).
-    pub stop: AtomicBool,
-    /// Where the host pauses the vCPU inside a guest's run (see [`VcpuShared::pause`]).
-    pause: PauseGate,
-    /// The vCPU thread, for kicks from any host thread: set when the thread starts, taken
-    /// back by the thread itself before it returns (so before anyone can join it). A kick
-    /// signals it while holding the lock, so it never signals a thread that was joined.
-    thread: Mutex<Option<libc::pthread_t>>,
-    /// Set when the vCPU's loop has ended (its thread may still be finishing).
-    finished: AtomicBool,
-    /// The guest's instruction pointer when the loop ended on an error.
-    failed_rip: OnceLock<u64>,
-}
-
-/// Why a vCPU could not be paused or its state saved while paused.
-#[derive(Debug, thiserror::Error)]
-pub enum PauseError {
-    /// The vCPU did not reach a stop within the time allowed.
-    #[error("the vCPU did not pause within {0:?}")]
-    Timeout(Duration),
-    /// The vCPU's loop has ended: there is nothing to pause.
-    #[error("the vCPU has stopped")]
-    Stopped,
-    /// The vCPU is not paused.
-    #[error("the vCPU is not paused")]
-    NotPaused,
-    /// Reading the state failed.
-    #[error(transparent)]
-    State(#[from] StateError),
-}
-
-/// The host's side of pausing a vCPU mid-run: it asks, the vCPU parks at its next exit with
-/// every pending I/O completed (so its registers are a consistent point of the guest), saves
-/// its state whenever asked, and enters the guest again once the pause is lifted.
-#[derive(Debug, Default)]
-struct PauseGate {
-    state: Mutex<Gate>,
-    changed: Condvar,
-    /// `Gate::requested`, readable without the lock: the exit loop checks it on every exit.
-    wanted: AtomicBool,
-}
-
-#[derive(Debug, Default)]
-struct Gate {
-    requested: bool,
-    /// An unconfirmed migration holds the pause: only [`VcpuShared::release`] lifts it.
-    held: bool,
-    parked: bool,
-    /// A save asked for.
-    save: Option<SaveRequest>,
-}
-
-/// A save a host thread asks of a parked vCPU: where the state goes, and the MSRs to read.
-type SaveRequest = (Sender<Result<VcpuState, StateError>>, Arc<[u32]>);
-
-impl PauseGate {
-    fn lock(&self) -> MutexGuard<'_, Gate> {
-        self.state.lock().unwrap_or_else(|p| p.into_inner())
-    }
-}
-
-impl VcpuShared {
-    /// Shared state of a vCPU that starts paused: its thread parks before it first enters
-    /// the guest (a restored vCPU, until the VM is resumed).
-    pub fn starting_paused() -> Self {
-        let shared = VcpuShared::default();
-        shared.pause.lock().requested = true;
-        shared.pause.wanted.store(true, Ordering::Release);
-        shared
-    }
-
-    /// Asks the vCPU to stop at its next exit.
-    pub fn request_stop(&self) {
-        self.stop.store(true, Ordering::Release);
-        // A parked vCPU sees it at once.
-        self.pause.changed.notify_all();
-    }
-
-    fn stop_requested(&self) -> bool {
-        self.stop.load(Ordering::Acquire)
-    }
-
-    /// Kicks the vCPU's thread out of `KVM_RUN` (no-op before it started or once it ended).
-    pub fn kick(&self) {
-        if self.finished.load(Ordering::Acquire) {
-            return;
-        }
-        let thread = self.thread.lock().unwrap_or_else(|p| p.into_inner());
-        if let Some(thread) = *thread {
-            // SAFETY: `thread` is the vCPU's own pthread id, put here by the thread itself,
-            // which takes it back (under this lock, held until the signal is sent) before it
-            // returns: the thread has not returned, so it cannot have been joined, and the id
-            // names it. The kick signal's handler is a no-op installed before any vCPU runs.
-            unsafe { libc::pthread_kill(thread, kick_signal()) };
-        }
-    }
-
-    /// Pauses the vCPU: asks it to park and kicks it until it has, for at most `timeout`. A
-    /// vCPU waiting outside the guest (the test guest between commands) parks only when it
-    /// would next enter it, so `pause` times out on it. On a timeout the request stays:
-    /// [`resume`](Self::resume) withdraws it.
-    pub fn pause(&self, timeout: Duration) -> Result<(), PauseError> {
-        let deadline = Instant::now() + timeout;
-        let mut gate = self.pause.lock();
-        gate.requested = true;
-        self.pause.wanted.store(true, Ordering::Release);
-        while !gate.parked {
-            if self.finished.load(Ordering::Acquire) {
-                return Err(PauseError::Stopped);
-            }
-            if Instant::now() >= deadline {
-                return Err(PauseError::Timeout(timeout));
-            }
-            drop(gate);
-            self.kick();
-            gate = self.pause.lock();
-            gate = self
-                .pause
-                .changed
-                .wait_timeout(gate, Duration::from_millis(1))
-                .unwrap_or_else(|p| p.into_inner())
-                .0;
-        }
-        Ok(())
-    }
-
-    /// Whether the vCPU's loop has ended.
-    pub fn has_finished(&self) -> bool {
-        self.finished.load(Ordering::Acquire)
-    }
-
-    /// The guest's instruction pointer where the vCPU's loop ended on an error, once it has
-    /// (`None` while it runs, after a clean stop, or if the registers could not be read).
-    pub fn failed_rip(&self) -> Option<u64> {
-        self.failed_rip
-            .get()
-            .copied()
-            .filter(|&rip| rip != u64::MAX)
-    }
-
-    /// The state of a paused vCPU, read by its own thread, with the test guest's MSRs.
-    pub fn save_paused(&self) -> Result<VcpuState, PauseError> {
-        self.save_paused_with(&Arc::from(&super::state::SAVED_MSRS[..]))
-    }
-
-    /// The state of a paused vCPU, read by its own thread, with the MSRs `msrs`.
-    pub fn save_paused_with(&self, msrs: &Arc<[u32]>) -> Result<VcpuState, PauseError> {
-        let (reply, state) = std::sync::mpsc::channel();
-        {
-            let mut gate = self.pause.lock();
-            if !gate.parked {
-                return Err(PauseError::NotPaused);
-            }
-            gate.save = Some((reply, Arc::clone(msrs)));
-        }
-        self.pause.changed.notify_all();
-        match state.recv_timeout(Duration::from_secs(10)) {
-            Ok(state) => Ok(state?),
-            Err(_) => Err(PauseError::Stopped),
-        }
-    }
-
-    /// Lifts a pause: the vCPU enters the guest again where it was; unless a migration holds
-    /// it ([`hold`](Self::hold)): then the pause stays until [`release`](Self::release).
-    pub fn resume(&self) {
-        let mut gate = self.pause.lock();
-        if gate.held {
-            return;
-        }
-        gate.requested = false;
-        self.pause.wanted.store(false, Ordering::Release);
-        drop(gate);
-        self.pause.changed.notify_all();
-    }
-
-    /// Keeps the vCPU paused (it is, or parks at its next exit) until [`release`]: a
-    /// migration that ended unconfirmed may have left the VM running on its destination, and
-    /// no other pause's [`resume`](Self::resume) (a live snapshot's, a failed migration's)
-    /// may run the guest here too.
-    ///
-    /// [`release`]: Self::release
-    pub fn hold(&self) {
-        let mut gate = self.pause.lock();
-        gate.held = true;
-        gate.requested = true;
-        self.pause.wanted.store(true, Ordering::Release);
-    }
-
-    /// Lifts a [`hold`](Self::hold) and the pause with it (a client says the destination
-    /// does not run the VM: `PATCH /vm {"state": "Resumed"}`).
-    pub fn release(&self) {
-        self.pause.lock().held = false;
-        self.resume();
-    }
-
-    /// Whether a pause is asked for; no lock, as it is read on every exit.
-    fn pause_requested(&self) -> bool {
-        self.pause.wanted.load(Ordering::Acquire)
-    }
-
-    /// Parks the calling vCPU thread while a pause is requested, saving its state when asked;
-    /// false if the vCPU was asked to stop meanwhile.
-    fn park(&self, vcpu: &VcpuFd) -> bool {
-        let mut gate = self.pause.lock();
-        gate.parked = true;
-        self.pause.changed.notify_all();
-        let go_on = loop {
-            if self.stop_requested() {
-                break false;
-            }
-            if !gate.requested {
-                break true;
-            }
-            if let Some((reply, msrs)) = gate.save.take() {
-                let _ = reply.send(VcpuState::save_with(vcpu, &msrs));
-                continue;
-            }
-            gate = self
-                .pause
-                .changed
-                .wait_timeout(gate, Duration::from_millis(20))
-                .unwrap_or_else(|p| p.into_inner())
-                .0;
-        };
-        gate.parked = false;
-        self.pause.changed.notify_all();
-        go_on
-    }
-}
+use crate::vm::exit::{
+    handle_exit, Exit, ExitAction, ExitContext, ExitError, KVM_INTERNAL_ERROR_EMULATION,
+};
+use crate::vm::memory_gone;
+use crate::vm::mmio::MmioBus;
+use crate::vm::ports::PortBus;
 
 /// Whether the vCPU goes on after a port access.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -580,124 +228,15 @@ impl<P: VcpuPorts + 'static> Vcpu<P> {
         std::thread::Builder::new()
             .name(format!("vcpu{}", self.index))
             .spawn(move || {
-                // SAFETY: pthread_self has no preconditions.
-                let me = unsafe { libc::pthread_self() };
-                *self.shared.thread.lock().unwrap_or_else(|p| p.into_inner()) = Some(me);
+                self.shared.thread_started();
                 let shared = Arc::clone(&self.shared);
-                STARTED
-                    .lock()
-                    .unwrap_or_else(|p| p.into_inner())
-                    .push(Arc::clone(&shared));
                 let outcome = self.run();
-                // No kick after this: whoever joins the thread may do so once it returns.
-                *shared.thread.lock().unwrap_or_else(|p| p.into_inner()) = None;
-                shared.finished.store(true, Ordering::Release);
-                shared.pause.changed.notify_all();
+                shared.thread_ending();
                 let outcome = finish(outcome);
                 // The loop may have gone already; nothing is left to tell then.
                 let _ = stopped.write(1);
                 outcome
             })
-    }
-}
-
-/// Host address `hva` as the guest and the operator know it: the guest address, its region,
-/// and the file behind it.
-fn gone_place(memory: &MemoryManager<KvmVm>, hva: u64) -> String {
-    let Some(found) = memory
-        .find_by_hva(kvm_memslots::HostAddress(hva))
-        .into_iter()
-        .next()
-    else {
-        return format!("host address {hva:#x}");
-    };
-    let file = memory
-        .load()
-        .get(found.slot)
-        .and_then(|slot| slot.payload().memory().file_offset().cloned())
-        .and_then(|fo| {
-            std::fs::read_link(format!(
-                "/proc/self/fd/{}",
-                std::os::fd::AsRawFd::as_raw_fd(fo.file())
-            ))
-            .ok()
-        })
-        .map_or_else(String::new, |path| format!(", file {}", path.display()));
-    format!(
-        "guest address {:#x} (region {}{file})",
-        found.gpa.0, found.region
-    )
-}
-
-/// Guest memory whose file is shorter than the VM maps it (a file-backed restore's memory
-/// file truncated or replaced under the VM): where, for the first such region. Asked when the
-/// guest stops on an error a missing page would cause (KVM_RUN's `EFAULT`, a triple fault:
-/// KVM found no page to map, and the guest, not the VMM, touched it).
-fn cut_memory<K: KvmMemory>(memory: &MemoryManager<K>) -> Option<String> {
-    memory.regions().into_iter().find_map(|region| {
-        let cut = Cut::of(memory, &region)?;
-        // The first guest address past the file's end.
-        let first = region.gpa.0 + cut.len.saturating_sub(cut.start).min(region.size);
-        Some(format!(
-            "guest address {first:#x} and on ({})",
-            cut.describe(&region)
-        ))
-    })
-}
-
-/// Where the guest touched memory KVM could not map (`KVM_EXIT_MEMORY_FAULT` at `gpa`), if it
-/// is a file-backed region's page past its file's end: the exact guest address, the region and
-/// the file.
-fn cut_at<K: KvmMemory>(memory: &MemoryManager<K>, gpa: u64) -> Option<String> {
-    let region = memory
-        .regions()
-        .into_iter()
-        .find(|r| (r.gpa.0..r.gpa.0 + r.size).contains(&gpa))?;
-    let cut = Cut::of(memory, &region)?;
-    (cut.start + (gpa - region.gpa.0) >= cut.len)
-        .then(|| format!("guest address {gpa:#x} ({})", cut.describe(&region)))
-}
-
-/// A file-backed region whose file is shorter than the VM maps it.
-struct Cut {
-    /// The file, as `/proc/self/fd` names it.
-    path: String,
-    /// Where the region starts in it.
-    start: u64,
-    /// The file's size now.
-    len: u64,
-}
-
-impl Cut {
-    fn of<K: KvmMemory>(memory: &MemoryManager<K>, region: &RegionInfo) -> Option<Cut> {
-        let mapping = memory.region_memory(region.id)?;
-        let file = mapping.file_offset()?;
-        let len = file.file().metadata().ok()?.len();
-        (len < file.start().saturating_add(region.size)).then(|| Cut {
-            path: std::fs::read_link(format!(
-                "/proc/self/fd/{}",
-                std::os::fd::AsRawFd::as_raw_fd(file.file())
-            ))
-            .map_or_else(
-                |_| "its file".to_owned(),
-                |p| format!("file {}", p.display()),
-            ),
-            start: file.start(),
-            len,
-        })
-    }
-
-    /// The region, the file and how much of it is left.
-    fn describe(&self, region: &RegionInfo) -> String {
-        format!(
-            "region {} [{:#x}, {:#x}), {}, now {} bytes where the VM maps {}",
-            region.id,
-            region.gpa.0,
-            region.gpa.0 + region.size,
-            self.path,
-            self.len,
-            self.start.saturating_add(region.size)
-        )
     }
 }
 
@@ -752,7 +291,7 @@ impl<P: VcpuPorts> Vcpu<P> {
         let ended = Self::exit_loop(vcpu, &mut fd, &memory, &shared, &mut ports);
         if ended.is_err() {
             // Where the guest was, for whoever reports the failure.
-            let _ = shared.failed_rip.set(rip(&fd));
+            shared.set_failed_rip(rip(&fd));
         }
         ended
     }
@@ -771,10 +310,10 @@ impl<P: VcpuPorts> Vcpu<P> {
             if shared.stop_requested() {
                 return Ok(());
             }
-            if let Some(hva) = super::memory_gone::memory_gone() {
+            if let Some(hva) = memory_gone::memory_gone() {
                 return Err(VcpuError::MemoryGone {
                     vcpu,
-                    place: gone_place(memory, hva),
+                    place: memory_gone::gone_place(memory, hva),
                 });
             }
             // A pause parks the vCPU at a whole instruction: KVM finishes what the last exit
@@ -803,7 +342,7 @@ impl<P: VcpuPorts> Vcpu<P> {
                 // instead.
                 Err(source)
                     if source.errno() == libc::EFAULT
-                        && cut_memory(memory).is_none()
+                        && memory_gone::cut_memory(memory).is_none()
                         && ports.mmio().is_some_and(|bus| bus.isolate(None)) =>
                 {
                     shared
@@ -814,7 +353,9 @@ impl<P: VcpuPorts> Vcpu<P> {
                 }
                 Err(source) => {
                     return Err(
-                        match (source.errno() == libc::EFAULT).then(|| cut_memory(memory)) {
+                        match (source.errno() == libc::EFAULT)
+                            .then(|| memory_gone::cut_memory(memory))
+                        {
                             Some(Some(place)) => VcpuError::MemoryGone { vcpu, place },
                             _ => VcpuError::Run { vcpu, source },
                         },
@@ -836,7 +377,7 @@ impl<P: VcpuPorts> Vcpu<P> {
             // KVM said where: a page of a file cut under the VM is named exactly (other
             // memory faults are the handler's fatal error, with the address).
             if let Exit::MemoryFault { gpa, .. } = exit {
-                if let Some(place) = cut_at(memory, gpa) {
+                if let Some(place) = memory_gone::cut_at(memory, gpa) {
                     return Err(VcpuError::MemoryGone { vcpu, place });
                 }
                 // Unreachable memory under a slot, as above, where KVM said where.
@@ -1017,17 +558,17 @@ impl<P: VcpuPorts> Vcpu<P> {
                     let rip = rip(fd);
                     // Guest ring 0 in KVM's emulator (kvm_pvm) meets instructions it lacks
                     // anywhere; elsewhere the emulator mostly runs accesses with no slot.
-                    if cpl == 0 && super::host_emulates_ring0() {
+                    if cpl == 0 && crate::vm::host_emulates_ring0() {
                         return Err(VcpuError::HostLimitation {
                             vcpu,
                             rip,
-                            suberror: super::exit::KVM_INTERNAL_ERROR_EMULATION,
+                            suberror: KVM_INTERNAL_ERROR_EMULATION,
                         });
                     }
                     return Err(VcpuError::EmulationFailure { vcpu, rip, cpl });
                 }
                 ExitAction::Fatal(ExitError::Shutdown) => {
-                    if let Some(place) = cut_memory(memory) {
+                    if let Some(place) = memory_gone::cut_memory(memory) {
                         return Err(VcpuError::MemoryGone { vcpu, place });
                     }
                     let rip = rip(fd);
@@ -1042,80 +583,5 @@ impl<P: VcpuPorts> Vcpu<P> {
                 return Ok(());
             }
         }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    /// A memory fault on a page of a file cut under the VM names that guest address, the
-    /// region and the file; a page the file still has, or memory with no file, is not taken
-    /// for cut memory.
-    #[test]
-    fn a_memory_fault_past_a_cut_files_end_names_the_guest_address_and_the_file() {
-        use kvm_memslots::testing::FakeKvm;
-        use kvm_memslots::{Backing, RegionSpec};
-        use vm_memory::{FileOffset, GuestAddress};
-        const BASE: u64 = 0x10_0000;
-        let path = std::env::temp_dir().join(format!("tinyvmm-cut-at-{}", std::process::id()));
-        let file = std::fs::File::options()
-            .read(true)
-            .write(true)
-            .create(true)
-            .truncate(true)
-            .open(&path)
-            .expect("a file");
-        file.set_len(0x8000).expect("sized");
-        let memory = MemoryManager::new(FakeKvm::new(8, false));
-        let backing = Backing::PrivateFile(FileOffset::new(file.try_clone().expect("dup"), 0));
-        memory
-            .add_region(RegionSpec::new(GuestAddress(BASE), 0x8000).with_backing(backing))
-            .expect("a file region");
-        memory
-            .add_region(RegionSpec::new(GuestAddress(0x20_0000), 0x1000))
-            .expect("an anonymous region");
-        assert_eq!(cut_at(&memory, BASE + 0x6000), None, "the file is whole");
-        file.set_len(0x3000).expect("cut");
-        let place = cut_at(&memory, BASE + 0x6010).expect("a page past the end");
-        let _ = std::fs::remove_file(&path);
-        assert!(
-            place.starts_with("guest address 0x106010 (region 0 [0x100000, 0x108000), file "),
-            "{place}"
-        );
-        assert!(
-            place.contains(&path.display().to_string())
-                && place.ends_with("now 12288 bytes where the VM maps 32768)"),
-            "{place}"
-        );
-        assert_eq!(cut_at(&memory, BASE + 0x2fff), None, "a page the file has");
-        assert_eq!(cut_at(&memory, 0x20_0000), None, "memory with no file");
-        assert_eq!(cut_at(&memory, 0x30_0000), None, "no memory");
-        // Without KVM's address, the first address past the end, as before.
-        let first = cut_memory(&memory).expect("cut memory");
-        assert!(
-            first.starts_with("guest address 0x103000 and on (region 0 "),
-            "{first}"
-        );
-    }
-
-    #[test]
-    fn only_a_release_lifts_a_hold() {
-        let shared = VcpuShared::default();
-        shared.hold();
-        assert!(
-            shared.pause_requested(),
-            "a held vCPU parks at its next exit"
-        );
-        // A live snapshot's or a failed migration's resume leaves it paused.
-        shared.resume();
-        assert!(shared.pause_requested());
-        shared.release();
-        assert!(!shared.pause_requested());
-        // Without a hold, a resume lifts a pause as before.
-        shared.pause.lock().requested = true;
-        shared.pause.wanted.store(true, Ordering::Release);
-        shared.resume();
-        assert!(!shared.pause_requested());
     }
 }
