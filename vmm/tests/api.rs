@@ -4,79 +4,34 @@
 
 use std::os::unix::fs::{MetadataExt, PermissionsExt};
 use std::path::PathBuf;
-use std::thread::JoinHandle;
 
 use serde_json::{json, Value};
 use tinyvmm::api::client::Client;
-use tinyvmm::jobs::serve::{serve, serve_in_background, ServeConfig, ServeError};
-use tinyvmm::lifecycle::Ending;
+use tinyvmm::jobs::serve::{serve, ServeConfig};
 
-/// A VMM serving its API on a socket of its own, stopped when dropped.
-struct Vmm {
-    socket: PathBuf,
-    thread: Option<JoinHandle<Result<Ending, ServeError>>>,
+mod support;
+use support::vmm::InProcess as Vmm;
+
+/// A VMM with `slots` slots over `mem_mib` MiB, on a socket named after `name`.
+fn start(name: &str, slots: usize, mem_mib: u64) -> Vmm {
+    start_with(name, |config| ServeConfig {
+        slots,
+        area_size: mem_mib << 20,
+        ..config
+    })
 }
 
-impl Vmm {
-    fn start(name: &str, slots: usize, mem_mib: u64) -> Vmm {
-        Self::start_with(name, |config| ServeConfig {
-            slots,
-            area_size: mem_mib << 20,
-            ..config
-        })
-    }
-
-    /// Starts a VMM on a socket named after `name`, with the defaults changed by `configure`.
-    fn start_with(name: &str, configure: impl FnOnce(ServeConfig) -> ServeConfig) -> Vmm {
-        let socket =
-            std::env::temp_dir().join(format!("tinyvmm-test-{}-{name}.sock", std::process::id()));
-        let config = configure(ServeConfig::new(socket.clone()));
-        let thread = serve_in_background(config).expect("the VMM starts");
-        Vmm {
-            socket,
-            thread: Some(thread),
-        }
-    }
-
-    /// Sends raw bytes on a new connection; returns the status and the JSON body.
-    fn raw(&self, bytes: &[u8]) -> (u16, Value) {
-        Client::connect(&self.socket)
-            .expect("connect")
-            .raw(bytes)
-            .expect("an answer")
-    }
-
-    fn call(&self, method: &str, path: &str, body: Option<Value>) -> (u16, Value) {
-        let mut client = Client::connect(&self.socket).expect("connect");
-        client.call(method, path, body.as_ref()).expect("an answer")
-    }
-
-    fn memory(&self) -> Value {
-        let (status, body) = self.call("GET", "/memory", None);
-        assert_eq!(status, 200);
-        body
-    }
-
-    fn stop(mut self) {
-        assert_eq!(
-            self.call("PUT", "/actions", Some(json!({"action_type": "Stop"})))
-                .0,
-            204
-        );
-        let thread = self.thread.take().expect("running");
-        let ending = thread.join().expect("no panic").expect("clean stop");
-        assert_eq!(ending, Ending::Finished, "a client's Stop is a clean end");
-        assert!(!self.socket.exists(), "the socket is removed at the end");
-    }
+/// Starts a VMM on a socket named after `name`, with the defaults changed by `configure`.
+fn start_with(name: &str, configure: impl FnOnce(ServeConfig) -> ServeConfig) -> Vmm {
+    let socket =
+        std::env::temp_dir().join(format!("tinyvmm-test-{}-{name}.sock", std::process::id()));
+    Vmm::start(configure(ServeConfig::new(socket)))
 }
 
-impl Drop for Vmm {
-    fn drop(&mut self) {
-        if let Some(thread) = self.thread.take() {
-            let _ = self.call("PUT", "/actions", Some(json!({"action_type": "Stop"})));
-            let _ = thread.join();
-        }
-    }
+fn memory_of(vmm: &Vmm) -> Value {
+    let (status, body) = vmm.call("GET", "/memory", None);
+    assert_eq!(status, 200);
+    body
 }
 
 fn fault(response: &(u16, Value)) -> &str {
@@ -98,8 +53,10 @@ fn kvm_hotplug_up_to_the_slot_limit_with_the_guest_checking_each_region() {
     ) {
         return;
     }
-    let vmm = Vmm::start("fill", 2, 4);
-    let free = vmm.memory()["slots"]["free"].as_u64().expect("free slots");
+    let vmm = start("fill", 2, 4);
+    let free = memory_of(&vmm)["slots"]["free"]
+        .as_u64()
+        .expect("free slots");
     let mut ids = Vec::new();
     for i in 0..free {
         let (status, body) = vmm.call(
@@ -111,7 +68,7 @@ fn kvm_hotplug_up_to_the_slot_limit_with_the_guest_checking_each_region() {
         assert_eq!(body["guest_checked"], json!(true));
         ids.push(body["id"].as_u64().expect("an id"));
     }
-    let memory = vmm.memory();
+    let memory = memory_of(&vmm);
     assert_eq!(memory["slots"]["free"], json!(0));
     let refused = vmm.call("PUT", "/memory/regions", Some(region(GIB - 8192, 4096)));
     assert_eq!(refused.0, 409);
@@ -119,7 +76,7 @@ fn kvm_hotplug_up_to_the_slot_limit_with_the_guest_checking_each_region() {
         fault(&refused).starts_with("out of KVM memory slots: 1 needed, 0 of"),
         "{refused:?}"
     );
-    assert_eq!(vmm.memory(), memory, "a refused add changed the memory");
+    assert_eq!(memory_of(&vmm), memory, "a refused add changed the memory");
     // The guest can still check any of them (here: the first and the last page it wrote).
     for gpa in [GIB, GIB + (free - 1) * 8192] {
         let (status, body) = vmm.call(
@@ -141,7 +98,7 @@ fn kvm_hotplug_up_to_the_slot_limit_with_the_guest_checking_each_region() {
             204
         );
     }
-    assert_eq!(vmm.memory()["slots"]["used"], json!(2));
+    assert_eq!(memory_of(&vmm)["slots"]["used"], json!(2));
     vmm.stop();
 }
 
@@ -173,7 +130,7 @@ fn dirty_logging_reports_exactly_the_pages_written(dirty_ring: Option<u32>) {
     } else {
         "dirty"
     };
-    let vmm = Vmm::start_with(name, |config| ServeConfig {
+    let vmm = start_with(name, |config| ServeConfig {
         area_size: 4 << 20,
         dirty_ring,
         ..config
@@ -259,7 +216,7 @@ fn kvm_the_hotplug_area_plugs_and_unplugs_slots() {
     if !kvm_test_support::require_kvm("tinyvmm::kvm_the_hotplug_area_plugs_and_unplugs_slots") {
         return;
     }
-    let vmm = Vmm::start("hotplug", 2, 4);
+    let vmm = start("hotplug", 2, 4);
     assert_eq!(vmm.call("GET", "/hotplug/memory", None).0, 404);
     let bad = vmm.call(
         "PUT",
@@ -293,7 +250,7 @@ fn kvm_the_hotplug_area_plugs_and_unplugs_slots() {
     );
     assert_eq!(vmm.call("PUT", "/hotplug/memory", Some(config)).0, 204);
     // ...and once configured, nothing else may go there, by adding or by moving.
-    let before = vmm.memory();
+    let before = memory_of(&vmm);
     for gpa in [
         hotplug_gpa,
         hotplug_gpa + 64 * (1 << 20) - 4096,
@@ -316,8 +273,8 @@ fn kvm_the_hotplug_area_plugs_and_unplugs_slots() {
         Some(json!({"guest_address": hotplug_gpa + 8 * (1 << 20)})),
     );
     assert_eq!(mover.0, 409, "{mover:?}");
-    assert_eq!(vmm.memory(), before);
-    let used = |vmm: &Vmm| vmm.memory()["slots"]["used"].as_u64().expect("used");
+    assert_eq!(memory_of(&vmm), before);
+    let used = |vmm: &Vmm| memory_of(vmm)["slots"]["used"].as_u64().expect("used");
     assert_eq!(
         vmm.call(
             "PATCH",
@@ -399,7 +356,7 @@ fn kvm_the_hotplug_area_plugs_and_unplugs_slots() {
         json!("ok"),
         "the blocks that stay keep what the guest wrote"
     );
-    let first_slot = vmm.memory()["regions"]
+    let first_slot = memory_of(&vmm)["regions"]
         .as_array()
         .expect("regions")
         .iter()
@@ -431,7 +388,7 @@ fn kvm_bad_input_gets_the_right_4xx_and_changes_nothing() {
     ) {
         return;
     }
-    let vmm = Vmm::start("bad", 8, 4);
+    let vmm = start("bad", 8, 4);
     let (status, body) = vmm.call(
         "PUT",
         "/memory/regions",
@@ -440,7 +397,7 @@ fn kvm_bad_input_gets_the_right_4xx_and_changes_nothing() {
     assert_eq!(status, 201, "{body}");
     let pattern = json!({"op": "write", "start": GIB, "end": GIB + 65536, "stride": 8, "seed": 77});
     assert_eq!(vmm.call("PUT", "/guest/command", Some(pattern)).0, 200);
-    let before = vmm.memory();
+    let before = memory_of(&vmm);
     let with = |method: &str, path: &str, body: &str| {
         format!(
             "{method} {path} HTTP/1.1\r\nContent-Length: {}\r\n\r\n{body}",
@@ -504,14 +461,14 @@ fn kvm_bad_input_gets_the_right_4xx_and_changes_nothing() {
             String::from_utf8_lossy(request)
         );
         assert_eq!(
-            vmm.memory(),
+            memory_of(&vmm),
             before,
             "{} changed the memory",
             String::from_utf8_lossy(request)
         );
     }
     // A truncated request: the client stops sending half-way and closes its side.
-    let mut client = Client::connect(&vmm.socket).expect("connect");
+    let mut client = Client::connect(vmm.socket()).expect("connect");
     client
         .send(b"PUT /memory/regions HTTP/1.1\r\nContent-Length: 40\r\n\r\n{\"size\":")
         .expect("send");
@@ -525,7 +482,7 @@ fn kvm_bad_input_gets_the_right_4xx_and_changes_nothing() {
     // Many clients at once, each with a bad and a good request on one connection.
     let clients: Vec<_> = (0..32)
         .map(|_| {
-            let socket = vmm.socket.clone();
+            let socket = vmm.socket().to_owned();
             std::thread::spawn(move || {
                 let mut client = Client::connect(&socket).expect("connect");
                 let bad = client
@@ -547,7 +504,7 @@ fn kvm_bad_input_gets_the_right_4xx_and_changes_nothing() {
             (400, 200, Some("Running"))
         );
     }
-    assert_eq!(vmm.memory(), before);
+    assert_eq!(memory_of(&vmm), before);
     // Pausing stops the guest taking commands; the data it wrote is still there after.
     assert_eq!(
         vmm.call("PATCH", "/vm", Some(json!({"state": "Paused"}))).0,
@@ -596,8 +553,8 @@ fn kvm_the_socket_is_private_and_never_replaces_a_file() {
     // A stale socket (nobody listening) is replaced; a live one is refused.
     let path = std::env::temp_dir().join(format!("tinyvmm-test-{}-perm.sock", std::process::id()));
     drop(std::os::unix::net::UnixListener::bind(&path).expect("stale socket"));
-    let vmm = Vmm::start("perm", 2, 0);
-    let mode = std::fs::metadata(&vmm.socket)
+    let vmm = start("perm", 2, 0);
+    let mode = std::fs::metadata(vmm.socket())
         .expect("socket")
         .permissions()
         .mode()
@@ -605,7 +562,7 @@ fn kvm_the_socket_is_private_and_never_replaces_a_file() {
     assert_eq!(mode, 0o600);
     let again = ServeConfig {
         area_size: 0,
-        ..ServeConfig::new(vmm.socket.clone())
+        ..ServeConfig::new(vmm.socket().to_owned())
     };
     let err = serve(&again, || {}).expect_err("in use");
     assert!(
@@ -623,17 +580,17 @@ fn kvm_idle_connections_are_closed_so_they_cannot_lock_clients_out() {
     ) {
         return;
     }
-    let vmm = Vmm::start_with("idle", |config| ServeConfig {
+    let vmm = start_with("idle", |config| ServeConfig {
         area_size: 0,
         idle_timeout: std::time::Duration::from_millis(300),
         ..config
     });
     // Every connection slot taken by a client that sends nothing...
     let idle: Vec<Client> = (1..tinyvmm::api::server::MAX_CONNECTIONS)
-        .map(|_| Client::connect(&vmm.socket).expect("connect"))
+        .map(|_| Client::connect(vmm.socket()).expect("connect"))
         .collect();
     // ...and one that sent half a request: idle too once it stops sending.
-    let mut slow = Client::connect(&vmm.socket).expect("connect");
+    let mut slow = Client::connect(vmm.socket()).expect("connect");
     slow.send(b"GET /memory HTTP/1.1\r\n").expect("send");
     // Each is told why and closed, and a new client is served again.
     for mut client in idle.into_iter().chain([slow]) {
@@ -661,12 +618,12 @@ fn kvm_requests_over_the_limits_are_refused_and_the_vmm_survives() {
         max_metadata: 64 << 20,
         max_slots: u64::MAX,
     };
-    let vmm = Vmm::start_with("limits", |config| ServeConfig {
+    let vmm = start_with("limits", |config| ServeConfig {
         area_size: 0,
         limits: Some(limits),
         ..config
     });
-    let memory = vmm.memory();
+    let memory = memory_of(&vmm);
     assert_eq!(
         memory["limits"],
         json!({"max_guest_memory": GIB, "max_region_size": GIB / 2, "max_metadata": 64 << 20})
@@ -683,7 +640,7 @@ fn kvm_requests_over_the_limits_are_refused_and_the_vmm_survives() {
             Some(json!({"size": size, "guest_check": false})),
         )
     };
-    let before = vmm.memory();
+    let before = memory_of(&vmm);
     for shift in [40, 44, 52, 56, 63] {
         let response = add(1 << shift);
         assert_eq!(response.0, 400, "2^{shift}: {response:?}");
@@ -696,7 +653,7 @@ fn kvm_requests_over_the_limits_are_refused_and_the_vmm_survives() {
         let response = add(size);
         assert_eq!(response.0, 400, "{size:#x}: {response:?}");
     }
-    assert_eq!(vmm.memory(), before, "refusals change nothing");
+    assert_eq!(memory_of(&vmm), before, "refusals change nothing");
     assert_eq!(add(GIB / 2).0, 201);
     let response = add(GIB / 2);
     assert_eq!(response.0, 409, "{response:?}");
@@ -713,7 +670,7 @@ fn kvm_requests_over_the_limits_are_refused_and_the_vmm_survives() {
         "{response:?}"
     );
     assert_eq!(vmm.call("GET", "/hotplug/memory", None).0, 404);
-    let used = vmm.memory()["used"]["guest_memory"].clone();
+    let used = memory_of(&vmm)["used"]["guest_memory"].clone();
     assert_eq!(used, json!((2 << 20) + GIB / 2));
     vmm.stop();
 }
@@ -734,7 +691,7 @@ fn kvm_a_snapshot_restores_in_a_new_vm_and_diffs_merge_onto_it() {
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).expect("a temporary folder");
     let file = |name: &str| dir.join(name);
-    let vmm = Vmm::start("snap", 2, 4);
+    let vmm = start("snap", 2, 4);
     let (status, body) = vmm.call(
         "PUT",
         "/memory/regions",
@@ -818,7 +775,7 @@ fn kvm_a_snapshot_restores_in_a_new_vm_and_diffs_merge_onto_it() {
 
     // Restore the Full snapshot: the guest continues where it was and finds its data.
     let restored = |name: &str, state: &str, mem: &str, backend| {
-        Vmm::start_with(name, |config| ServeConfig {
+        start_with(name, |config| ServeConfig {
             restore: Some(RestoreFrom {
                 snapshot: file(state),
                 mem_file: file(mem),
@@ -881,7 +838,7 @@ fn kvm_a_snapshot_restores_in_a_new_vm_and_diffs_merge_onto_it() {
         "merged.mem",
         MemBackend::File,
     );
-    let regions = merged.memory()["regions"].clone();
+    let regions = memory_of(&merged)["regions"].clone();
     let at = |gpa: u64| {
         regions
             .as_array()
@@ -990,7 +947,7 @@ fn kvm_a_diff_that_fails_keeps_every_page_for_the_next() {
     let dir = std::env::temp_dir().join(format!("tinyvmm-test-{}-keep", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).expect("a folder");
-    let vmm = Vmm::start("keep", 2, 4);
+    let vmm = start("keep", 2, 4);
     let (status, _) = vmm.call(
         "PUT",
         "/memory/regions",
@@ -1048,7 +1005,7 @@ fn a_client_between_full_and_diff_hides_no_page(variant: &str) {
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).expect("a temporary folder");
     let file = |name: &str| dir.join(name);
-    let vmm = Vmm::start(&format!("chain-{variant}"), 2, 4);
+    let vmm = start(&format!("chain-{variant}"), 2, 4);
     let (status, body) = vmm.call(
         "PUT",
         "/memory/regions",
@@ -1116,7 +1073,7 @@ fn a_client_between_full_and_diff_hides_no_page(variant: &str) {
     let k2_mem = std::fs::File::open(file("k2.mem")).expect("k2");
     let merged = std::fs::File::create_new(file("km.mem")).expect("a new file");
     merge_snapshots(&[(&k1, &k1_mem), (&k2, &k2_mem)], &merged).expect("merged");
-    let restored = Vmm::start_with(&format!("chain-{variant}-restored"), |config| ServeConfig {
+    let restored = start_with(&format!("chain-{variant}-restored"), |config| ServeConfig {
         restore: Some(RestoreFrom {
             snapshot: file("k2.state"),
             mem_file: file("km.mem"),
@@ -1164,12 +1121,12 @@ fn kvm_a_slot_budget_refuses_changes_past_it_and_get_memory_shows_it() {
         max_slots: 6,
         ..kvm_memslots::MemoryLimits::for_this_host()
     };
-    let vmm = Vmm::start_with("slot-budget", |config| ServeConfig {
+    let vmm = start_with("slot-budget", |config| ServeConfig {
         area_size: 0,
         limits: Some(limits),
         ..config
     });
-    let memory = vmm.memory();
+    let memory = memory_of(&vmm);
     assert_eq!(memory["slots"]["budget"], json!(6));
     let used = memory["slots"]["used"].as_u64().expect("used");
     let add = |slots: u64| {
@@ -1186,7 +1143,7 @@ fn kvm_a_slot_budget_refuses_changes_past_it_and_get_memory_shows_it() {
         fault(&response).contains("over the limit max_slots = 6"),
         "{response:?}"
     );
-    assert_eq!(vmm.memory(), memory, "a refusal changes nothing");
+    assert_eq!(memory_of(&vmm), memory, "a refusal changes nothing");
     // A hotplug area is held to the budget too, when it is configured (not half-way through a
     // later plug): 2 pieces cannot fit in 1 slot left, 1 can.
     let area = |mib: u64| {
@@ -1212,6 +1169,6 @@ fn kvm_a_slot_budget_refuses_changes_past_it_and_get_memory_shows_it() {
         Some(json!({"requested_size_mib": 8})),
     );
     assert_eq!(plugged.0, 204, "{plugged:?}");
-    assert_eq!(vmm.memory()["slots"]["used"], json!(6));
+    assert_eq!(memory_of(&vmm)["slots"]["used"], json!(6));
     vmm.stop();
 }

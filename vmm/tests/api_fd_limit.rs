@@ -7,9 +7,11 @@
 use std::fs::File;
 use std::time::Duration;
 
-use serde_json::json;
 use tinyvmm::api::client::Client;
-use tinyvmm::jobs::serve::{serve_in_background, ServeConfig};
+use tinyvmm::jobs::serve::ServeConfig;
+
+mod support;
+use support::vmm::InProcess;
 
 /// The process's soft and hard limits on open descriptors.
 fn nofile() -> libc::rlimit {
@@ -44,7 +46,7 @@ fn a_client_beyond_the_descriptor_limit_gets_503_and_the_socket_recovers() {
         vcpus: 1,
         ..ServeConfig::new(std::path::PathBuf::new())
     };
-    let thread = serve_in_background(config).expect("the VMM starts");
+    let vmm = InProcess::start(config);
     let get_memory = || {
         Client::connect(&socket)
             .expect("connect")
@@ -95,10 +97,5 @@ fn a_client_beyond_the_descriptor_limit_gets_503_and_the_socket_recovers() {
 
     // The server took its spare descriptor back and serves as before.
     assert_eq!(get_memory().0, 200);
-    let (status, _) = Client::connect(&socket)
-        .expect("connect")
-        .call("PUT", "/actions", Some(&json!({"action_type": "Stop"})))
-        .expect("an answer");
-    assert_eq!(status, 204);
-    thread.join().expect("no panic").expect("clean stop");
+    vmm.stop();
 }

@@ -9,6 +9,8 @@ use kvm_test_support::cli::{
     assert_usage_error, assert_version_and_help, help_commands, help_options, help_problems,
 };
 
+mod support;
+
 fn tinyvmm(args: &[&str]) -> Output {
     Command::new(env!("CARGO_BIN_EXE_tinyvmm"))
         .args(args)
@@ -348,7 +350,7 @@ fn kvm_the_client_command_speaks_for_every_status_class() {
     let socket =
         std::env::temp_dir().join(format!("tinyvmm-cli-client-{}.sock", std::process::id()));
     let config = tinyvmm::jobs::serve::ServeConfig::new(socket.clone());
-    let vmm = tinyvmm::jobs::serve::serve_in_background(config).expect("the VMM starts");
+    let vmm = support::vmm::InProcess::start(config);
     let sock = socket.to_str().expect("a UTF-8 path");
     let client = |args: &[&str]| tinyvmm(&[&["client", "--api-sock", sock][..], args].concat());
 
@@ -400,7 +402,7 @@ fn kvm_the_client_command_speaks_for_every_status_class() {
     assert_eq!(nowhere.status.code(), Some(1));
 
     assert_eq!(client(&["stop"]).status.code(), Some(0));
-    let ending = vmm.join().expect("no panic").expect("a clean stop");
+    let ending = vmm.ended().expect("a clean stop");
     assert_eq!(ending, tinyvmm::lifecycle::Ending::Finished);
 }
 
@@ -445,37 +447,21 @@ fn kvm_log_requests_logs_each_request_with_its_status() {
     {
         return;
     }
-    let socket = std::env::temp_dir().join(format!("tinyvmm-cli-log-{}.sock", std::process::id()));
-    let sock = socket.to_str().expect("a UTF-8 path");
-    let vmm = Command::new(env!("CARGO_BIN_EXE_tinyvmm"))
-        .args([
-            "serve",
-            "--api-sock",
-            sock,
-            "--mem-mib",
-            "0",
-            "--slots",
-            "1",
-            "--log-requests",
-        ])
-        .stdin(Stdio::null())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("tinyvmm serve starts");
-    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
-    while !socket.exists() {
-        assert!(std::time::Instant::now() < deadline, "no socket");
-        std::thread::sleep(std::time::Duration::from_millis(10));
-    }
+    let mut vmm = support::vmm::Vmm::command("cli-log")
+        .args(["serve", "--mem-mib", "0", "--slots", "1", "--log-requests"])
+        .spawn();
+    // No request before the test's own: they are what the log must show.
+    vmm.wait_for_socket_file();
+    let sock = vmm.api().to_str().expect("a UTF-8 path").to_owned();
     for (args, status) in [
         (&["vm"][..], 0),
         (&["remove-region", "0"], 4),
         (&["stop"], 0),
     ] {
-        let client = tinyvmm(&[&["client", "--api-sock", sock][..], args].concat());
+        let client = tinyvmm(&[&["client", "--api-sock", &sock][..], args].concat());
         assert_eq!(client.status.code(), Some(status), "{args:?}");
     }
-    let output = vmm.wait_with_output().expect("tinyvmm serve ends");
+    let output = vmm.wait(std::time::Duration::from_secs(120));
     assert!(output.status.success());
     let log = text(&output.stderr);
     for line in [
@@ -736,7 +722,7 @@ fn kvm_the_client_waits_for_a_runs_outcome_and_a_failed_verify_fails() {
     let socket = dir.join("api.sock");
     let mut config = tinyvmm::jobs::serve::ServeConfig::new(socket.clone());
     config.area_size = 8 << 20;
-    let vmm = tinyvmm::jobs::serve::serve_in_background(config).expect("the VMM starts");
+    let vmm = support::vmm::InProcess::start(config);
     let sock = socket.to_str().expect("a UTF-8 path");
     let client = |args: &[&str]| tinyvmm(&[&["client", "--api-sock", sock][..], args].concat());
     let file = |name: &str| dir.join(name).to_str().expect("UTF-8").to_owned();
@@ -844,6 +830,6 @@ fn kvm_the_client_waits_for_a_runs_outcome_and_a_failed_verify_fails() {
 
     // Stop cancels it, as it would any run under way.
     assert_eq!(client(&["stop"]).status.code(), Some(0));
-    vmm.join().expect("no panic").expect("a clean stop");
+    vmm.ended().expect("a clean stop");
     let _ = std::fs::remove_dir_all(&dir);
 }

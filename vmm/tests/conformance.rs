@@ -13,13 +13,15 @@ use std::io::{Read, Write};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
 use std::sync::Mutex;
-use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
 use tinyvmm::api::client::Client;
-use tinyvmm::jobs::serve::{serve_in_background, ServeConfig, ServeError};
+use tinyvmm::jobs::serve::ServeConfig;
 use tinyvmm::lifecycle::Ending;
+
+mod support;
+use support::vmm::InProcess;
 
 /// The spec as JSON, with the operations the test has called.
 struct Spec {
@@ -258,17 +260,18 @@ impl Spec {
 struct Vmm<'a> {
     spec: &'a Spec,
     socket: PathBuf,
-    thread: Option<JoinHandle<Result<Ending, ServeError>>>,
+    /// The VMM, when the test started one here (not for a destination's socket).
+    served: Option<InProcess>,
 }
 
 impl<'a> Vmm<'a> {
     fn start(spec: &'a Spec) -> Vmm<'a> {
         let socket = temp(&format!("conformance-{}.sock", std::process::id()));
-        let thread = serve_in_background(ServeConfig::new(socket.clone())).expect("the VMM starts");
+        let served = InProcess::start(ServeConfig::new(socket.clone()));
         Vmm {
             spec,
             socket,
-            thread: Some(thread),
+            served: Some(served),
         }
     }
 
@@ -316,17 +319,6 @@ impl<'a> Vmm<'a> {
         );
         let (status, answer) = self.send(method, path, &body.to_string());
         assert_eq!(status, 400, "{method} {path} {body}: {answer}");
-    }
-}
-
-impl Drop for Vmm<'_> {
-    fn drop(&mut self) {
-        if let Some(thread) = self.thread.take() {
-            if let Ok(mut client) = Client::connect(&self.socket) {
-                let _ = client.call("PUT", "/actions", Some(&json!({"action_type": "Stop"})));
-            }
-            let _ = thread.join();
-        }
     }
 }
 
@@ -782,12 +774,7 @@ fn kvm_every_documented_operation_answers_as_the_spec_says() {
     );
     let mut vmm = vmm;
     vmm.expect(204, "PUT", "/actions", Some(json!({"action_type": "Stop"})));
-    let ending = vmm
-        .thread
-        .take()
-        .expect("running")
-        .join()
-        .expect("no panic");
+    let ending = vmm.served.take().expect("running").ended();
     assert_eq!(ending.expect("a clean stop"), Ending::Finished);
 }
 
@@ -847,7 +834,7 @@ fn a_destination_before_its_vm_answers_as_the_spec_says() {
     let destination = Vmm {
         spec: &spec,
         socket: socket.clone(),
-        thread: None,
+        served: None,
     };
 
     // No source yet: the socket says so, and refuses the rest naming where it listens.

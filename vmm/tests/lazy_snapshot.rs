@@ -7,20 +7,19 @@
 //! seed 7 wherever the VM goes.
 
 use std::path::PathBuf;
-use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
-use tinyvmm::api::client::Client;
 
 mod support;
 use support::merge_chain;
+use support::vmm::Vmm;
 
 const MIB: u64 = 1 << 20;
 /// Where `serve` puts its initial memory.
 const AREA: u64 = 256 * MIB;
 /// The guest memory `serve` starts with.
-const MEM_MIB: &str = "16";
+const MEM_MIB: u64 = 16;
 
 fn dir() -> PathBuf {
     let dir = std::env::temp_dir().join(format!("tinyvmm-lazy-{}", std::process::id()));
@@ -32,184 +31,46 @@ fn file(name: &str) -> PathBuf {
     dir().join(name)
 }
 
-/// A tinyvmm process, killed if the test fails before it exits.
-struct Vmm {
-    child: Option<Child>,
-    api: PathBuf,
+/// `tinyvmm serve` with `extra` arguments.
+fn serve(name: &str, extra: &[&str]) -> Vmm {
+    Vmm::serve(name, 4, MEM_MIB, extra)
 }
 
-impl Vmm {
-    fn spawn(name: &str, args: &[&str]) -> Self {
-        let api = file(&format!("{name}.sock"));
-        let _ = std::fs::remove_file(&api);
-        let child = Command::new(env!("CARGO_BIN_EXE_tinyvmm"))
-            .args(args)
-            .arg("--api-sock")
-            .arg(&api)
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(Stdio::piped())
-            .spawn()
-            .expect("tinyvmm starts");
-        Vmm {
-            child: Some(child),
-            api,
-        }
-    }
+/// `tinyvmm restore` of `(state, mem)` with `backend`, paused as restored.
+fn restore(name: &str, (state, mem): &(PathBuf, PathBuf), backend: &str) -> Vmm {
+    Vmm::restore(name, state, mem, &["--mem-backend", backend])
+}
 
-    /// Waits until the API answers with the VM past `Waiting`/`Receiving` (a destination's
-    /// API answers before its VM runs).
-    fn wait_for_vm(mut self, name: &str) -> Self {
-        let deadline = Instant::now() + Duration::from_secs(120);
-        loop {
-            let vm = Client::connect(&self.api).and_then(|mut c| c.call("GET", "/vm", None));
-            match vm {
-                Ok((_, vm)) if !matches!(vm["state"].as_str(), Some("Waiting" | "Receiving")) => {
-                    return self;
-                }
-                _ => {}
-            }
-            assert!(Instant::now() < deadline, "{name}: the VM never came up");
-            if !self.running() {
-                let output = self.child.take().expect("spawned").wait_with_output();
-                let stderr = output.map(|o| String::from_utf8_lossy(&o.stderr).into_owned());
-                panic!("{name}: tinyvmm exited: {stderr:?}");
-            }
-            std::thread::sleep(Duration::from_millis(20));
-        }
-    }
+fn area_end(vmm: &Vmm) -> u64 {
+    support::area_end(vmm.api(), AREA)
+}
 
-    /// Waits until a `receive`'s API says it waits for its source.
-    fn wait_listening(self, name: &str) -> Self {
-        let deadline = Instant::now() + Duration::from_secs(60);
-        loop {
-            let vm = Client::connect(&self.api).and_then(|mut c| c.call("GET", "/vm", None));
-            if vm.is_ok_and(|(_, vm)| vm["state"] == "Waiting") {
-                return self;
-            }
-            assert!(Instant::now() < deadline, "{name}: receive never listened");
-            assert!(self.running(), "{name}: receive exited");
-            std::thread::sleep(Duration::from_millis(10));
-        }
+/// Takes a snapshot of `kind` into `files`, with `extra` fields (`live`); a live one is waited
+/// for and must complete.
+fn snapshot(vmm: &Vmm, kind: &str, (state, mem): &(PathBuf, PathBuf), extra: Value) {
+    let _ = std::fs::remove_file(state);
+    let _ = std::fs::remove_file(mem);
+    let mut body = json!({"snapshot_type": kind, "snapshot_path": state, "mem_file_path": mem});
+    for (k, v) in extra.as_object().expect("an object") {
+        body[k] = v.clone();
     }
-
-    /// `tinyvmm serve` with `extra` arguments.
-    fn serve(name: &str, extra: &[&str]) -> Self {
-        let mut args = vec!["serve", "--slots", "4", "--mem-mib", MEM_MIB];
-        args.extend_from_slice(extra);
-        Vmm::spawn(name, &args).wait_for_vm(name)
+    vmm.ok("PUT", "/snapshot/create", Some(body.clone()));
+    if body["live"] != json!(true) {
+        return;
     }
-
-    /// `tinyvmm restore` of `(state, mem)` with `backend`, paused as restored.
-    fn restore(name: &str, (state, mem): &(PathBuf, PathBuf), backend: &str) -> Self {
-        let args = [
-            "restore",
-            "--snapshot",
-            state.to_str().expect("utf-8"),
-            "--mem-file",
-            mem.to_str().expect("utf-8"),
-            "--mem-backend",
-            backend,
-        ];
-        Vmm::spawn(name, &args).wait_for_vm(name)
-    }
-
-    /// `tinyvmm receive` listening on the returned Unix socket path.
-    fn receive(name: &str) -> (Self, PathBuf) {
-        let listen = file(&format!("{name}.mig"));
-        let _ = std::fs::remove_file(&listen);
-        let endpoint = format!("unix:{}", listen.display());
-        let vmm = Vmm::spawn(name, &["receive", "--listen", &endpoint]).wait_listening(name);
-        (vmm, listen)
-    }
-
-    fn running(&self) -> bool {
-        let pid = self.child.as_ref().expect("spawned").id();
-        // A zombie still has a /proc entry: look at its state.
-        std::fs::read_to_string(format!("/proc/{pid}/stat"))
-            .is_ok_and(|s| s.split(' ').nth(2).is_none_or(|state| state != "Z"))
-    }
-
-    fn ok(&self, method: &str, path: &str, body: Option<Value>) -> Value {
-        support::ok(&self.api, method, path, body)
-    }
-
-    fn guest(&self, op: &str, start: u64, end: u64, seed: u64) -> Value {
-        let command = support::guest_command(op, start, end, seed);
-        self.ok("PUT", "/guest/command", Some(command))
-    }
-
-    fn set_state(&self, state: &str) {
-        self.ok("PATCH", "/vm", Some(json!({"state": state})));
-    }
-
-    fn area_end(&self) -> u64 {
-        support::area_end(&self.api, AREA)
-    }
-
-    /// Takes a snapshot of `kind` into `files`, with `extra` fields (`live`); a live one is
-    /// waited for and must complete.
-    fn snapshot(&self, kind: &str, (state, mem): &(PathBuf, PathBuf), extra: Value) {
-        let _ = std::fs::remove_file(state);
-        let _ = std::fs::remove_file(mem);
-        let mut body = json!({"snapshot_type": kind, "snapshot_path": state, "mem_file_path": mem});
-        for (k, v) in extra.as_object().expect("an object") {
-            body[k] = v.clone();
-        }
-        self.ok("PUT", "/snapshot/create", Some(body.clone()));
-        if body["live"] != json!(true) {
+    let deadline = Instant::now() + Duration::from_secs(120);
+    loop {
+        let info = vmm.ok("GET", "/snapshot", None);
+        let phase = info["phase"].as_str().expect("a phase");
+        if !["setup", "pre_copy", "stop_and_copy"].contains(&phase) {
+            assert_eq!(phase, "completed", "{info}");
             return;
         }
-        let deadline = Instant::now() + Duration::from_secs(120);
-        loop {
-            let info = self.ok("GET", "/snapshot", None);
-            let phase = info["phase"].as_str().expect("a phase");
-            if !["setup", "pre_copy", "stop_and_copy"].contains(&phase) {
-                assert_eq!(phase, "completed", "{info}");
-                return;
-            }
-            assert!(
-                Instant::now() < deadline,
-                "the snapshot never ended: {info}"
-            );
-            std::thread::sleep(Duration::from_millis(10));
-        }
-    }
-
-    /// Stops it and waits for it to exit.
-    fn stop(mut self) -> Output {
-        let _ = support::call(
-            &self.api,
-            "PUT",
-            "/actions",
-            Some(json!({"action_type": "Stop"})),
+        assert!(
+            Instant::now() < deadline,
+            "the snapshot never ended: {info}"
         );
-        self.wait_exit(Duration::from_secs(60))
-    }
-
-    fn wait_exit(&mut self, timeout: Duration) -> Output {
-        let deadline = Instant::now() + timeout;
-        while self.running() {
-            assert!(
-                Instant::now() < deadline,
-                "tinyvmm did not exit in {timeout:?}"
-            );
-            std::thread::sleep(Duration::from_millis(20));
-        }
-        self.child
-            .take()
-            .expect("spawned")
-            .wait_with_output()
-            .expect("wait")
-    }
-}
-
-impl Drop for Vmm {
-    fn drop(&mut self) {
-        if let Some(child) = self.child.as_mut() {
-            let _ = child.kill();
-            let _ = child.wait();
-        }
+        std::thread::sleep(Duration::from_millis(10));
     }
 }
 
@@ -220,12 +81,12 @@ fn snap(name: &str) -> (PathBuf, PathBuf) {
 /// The first VM (of test `tag`, `serve` with `extra` arguments): its test area written with
 /// seed 7, then a paused Full snapshot `s1`; the snapshot's files and where the area ends.
 fn first_snapshot(tag: &str, extra: &[&str]) -> ((PathBuf, PathBuf), u64) {
-    let vmm = Vmm::serve(&format!("{tag}-first"), extra);
-    let end = vmm.area_end();
+    let vmm = serve(&format!("{tag}-first"), extra);
+    let end = area_end(&vmm);
     assert_eq!(vmm.guest("write", AREA, end, 7)["result"], "ok");
     vmm.set_state("Paused");
     let s1 = snap(&format!("{tag}-s1"));
-    vmm.snapshot("Full", &s1, json!({}));
+    snapshot(&vmm, "Full", &s1, json!({}));
     let output = vmm.stop();
     assert_eq!(output.status.code(), Some(0), "{output:?}");
     (s1, end)
@@ -245,7 +106,7 @@ fn verify(vmm: &Vmm, end: u64, rewritten: Option<u64>, what: &str) {
 
 /// The snapshot `files` restored by copying, resumed, and verified.
 fn verify_copy_restore(name: &str, files: &(PathBuf, PathBuf), end: u64, rewritten: Option<u64>) {
-    let copy = Vmm::restore(name, files, "copy");
+    let copy = restore(name, files, "copy");
     copy.set_state("Resumed");
     verify(&copy, end, rewritten, name);
     copy.stop();
@@ -253,7 +114,7 @@ fn verify_copy_restore(name: &str, files: &(PathBuf, PathBuf), end: u64, rewritt
 
 /// `s1` restored lazily and resumed, its guest rewriting the first MiB with seed 9.
 fn lazy_restore(name: &str, s1: &(PathBuf, PathBuf), end: u64) -> Vmm {
-    let lazy = Vmm::restore(name, s1, "uffd");
+    let lazy = restore(name, s1, "uffd");
     lazy.set_state("Resumed");
     assert!(end > AREA + MIB);
     assert_eq!(lazy.guest("write", AREA, AREA + MIB, 9)["result"], "ok");
@@ -270,9 +131,9 @@ fn kvm_a_lazily_restored_vm_keeps_its_untouched_pages_in_snapshots() {
     let (s1, end) = first_snapshot("snapshots", &[]);
 
     // A paused Full of the fresh lazy restore, before the guest ran at all.
-    let fresh = Vmm::restore("snapshots-fresh", &s1, "uffd");
+    let fresh = restore("snapshots-fresh", &s1, "uffd");
     let s2 = snap("snapshots-s2");
-    fresh.snapshot("Full", &s2, json!({}));
+    snapshot(&fresh, "Full", &s2, json!({}));
     fresh.stop();
     verify_copy_restore("snapshots-s2-copy", &s2, end, None);
 
@@ -280,18 +141,18 @@ fn kvm_a_lazily_restored_vm_keeps_its_untouched_pages_in_snapshots() {
     let paused = lazy_restore("snapshots-paused", &s1, end);
     paused.set_state("Paused");
     let p2 = snap("snapshots-p2");
-    paused.snapshot("Full", &p2, json!({}));
+    snapshot(&paused, "Full", &p2, json!({}));
     paused.stop();
     verify_copy_restore("snapshots-p2-copy", &p2, end, Some(9));
 
     // A live Full while the restored guest runs, then a live Diff of a later write.
     let lazy = lazy_restore("snapshots-live", &s1, end);
     let s3 = snap("snapshots-s3");
-    lazy.snapshot("Full", &s3, json!({"live": true}));
+    snapshot(&lazy, "Full", &s3, json!({"live": true}));
     verify_copy_restore("snapshots-s3-copy", &s3, end, Some(9));
     assert_eq!(lazy.guest("write", AREA, AREA + MIB, 10)["result"], "ok");
     let d4 = snap("snapshots-d4");
-    lazy.snapshot("Diff", &d4, json!({"live": true}));
+    snapshot(&lazy, "Diff", &d4, json!({"live": true}));
     lazy.stop();
     let merged = (d4.0.clone(), file("snapshots-d4-merged.mem"));
     merge_chain(&merged.1, &[&s3.0, &s3.1, &d4.0, &d4.1]);
@@ -335,17 +196,17 @@ fn kvm_a_lazily_restored_vm_hands_its_untouched_pages_over_in_its_memfd() {
 fn migrate_a_lazy_restore(tag: &str, extra: &[&str], local: bool) {
     let (s1, end) = first_snapshot(tag, extra);
     let mut source = lazy_restore(&format!("{tag}-source"), &s1, end);
-    let (destination, listen) = Vmm::receive(&format!("{tag}-destination"));
+    let (destination, listen) = Vmm::receive(&format!("{tag}-destination"), &[]);
     let body = json!({"destination": format!("unix:{}", listen.display()), "local": local});
     source.ok("PUT", "/migrate", Some(body));
-    let output = source.wait_exit(Duration::from_secs(120));
+    let output = source.wait(Duration::from_secs(120));
     let stderr = String::from_utf8_lossy(&output.stderr);
     assert_eq!(output.status.code(), Some(0), "{stderr}");
     assert!(
         stderr.contains("runs on the migration's destination"),
         "{stderr}"
     );
-    let destination = destination.wait_for_vm(&format!("{tag}-destination"));
+    destination.wait_for_vm();
     verify(&destination, end, Some(9), "the received VM");
     destination.stop();
     clean(tag);
@@ -389,8 +250,8 @@ fn kvm_a_region_removed_from_a_lazily_restored_vm_gives_its_memory_back() {
     }
     const GIB: u64 = 1 << 30;
     let size = 64 * MIB;
-    let first = Vmm::serve("removed-first", &[]);
-    let end = first.area_end();
+    let first = serve("removed-first", &[]);
+    let end = area_end(&first);
     let added = first.ok(
         "PUT",
         "/memory/regions",
@@ -401,17 +262,17 @@ fn kvm_a_region_removed_from_a_lazily_restored_vm_gives_its_memory_back() {
     assert_eq!(first.guest("write", GIB, GIB + size, 5)["result"], "ok");
     first.set_state("Paused");
     let s1 = snap("removed-s1");
-    first.snapshot("Full", &s1, json!({}));
+    snapshot(&first, "Full", &s1, json!({}));
     assert_eq!(first.stop().status.code(), Some(0));
 
-    let lazy = Vmm::restore("removed-lazy", &s1, "uffd");
+    let lazy = restore("removed-lazy", &s1, "uffd");
     lazy.set_state("Resumed");
     // Every page of the region filled by the loader.
     assert_eq!(lazy.guest("verify", GIB, GIB + size, 5)["result"], "ok");
     let region = lazy.ok("GET", &format!("/memory/regions/{id}"), None);
     assert_eq!(region["guest_address"], json!(GIB), "{region}");
     let hva = region["host_address"].as_u64().expect("a host address");
-    let pid = lazy.child.as_ref().expect("spawned").id();
+    let pid = lazy.pid();
     let memfd = memfd_at(pid, hva).expect("the region's memfd is mapped");
     lazy.ok("DELETE", &format!("/memory/regions/{id}"), None);
     assert!(
@@ -458,12 +319,8 @@ fn kvm_a_restore_overrides_the_page_size_both_ways() {
     const GIB: u64 = 1 << 30;
     let huge = 4 * MIB;
     // One area slot of 16 MiB: on the 2 MiB grid.
-    let first = Vmm::spawn(
-        "pagesize-first",
-        &["serve", "--slots", "2", "--mem-mib", MEM_MIB],
-    )
-    .wait_for_vm("pagesize-first");
-    let end = first.area_end();
+    let first = Vmm::serve("pagesize-first", 2, MEM_MIB, &[]);
+    let end = area_end(&first);
     first.ok(
         "PUT",
         "/memory/regions",
@@ -474,7 +331,7 @@ fn kvm_a_restore_overrides_the_page_size_both_ways() {
     first.set_state("Paused");
     assert_eq!(page_sizes(&first), ["4k", "4k", "2m"]);
     let s1 = snap("pagesize-s1");
-    first.snapshot("Full", &s1, json!({}));
+    snapshot(&first, "Full", &s1, json!({}));
     // A region off the 2 MiB grid, in a second snapshot.
     first.set_state("Resumed");
     first.ok(
@@ -484,22 +341,16 @@ fn kvm_a_restore_overrides_the_page_size_both_ways() {
     );
     first.set_state("Paused");
     let off_grid = snap("pagesize-off-grid");
-    first.snapshot("Full", &off_grid, json!({}));
+    snapshot(&first, "Full", &off_grid, json!({}));
     assert_eq!(first.stop().status.code(), Some(0));
 
     let restore = |name: &str, files: &(PathBuf, PathBuf), backend: &str, size: &str| {
-        let args = [
-            "restore",
-            "--snapshot",
-            files.0.to_str().expect("utf-8"),
-            "--mem-file",
-            files.1.to_str().expect("utf-8"),
-            "--mem-backend",
-            backend,
-            "--page-size",
-            size,
-        ];
-        Vmm::spawn(name, &args)
+        Vmm::command(name)
+            .args(["restore", "--snapshot"])
+            .arg(&files.0)
+            .arg("--mem-file")
+            .arg(&files.1)
+            .args(["--mem-backend", backend, "--page-size", size])
     };
     let verified = |vmm: &Vmm, what: &str| {
         vmm.set_state("Resumed");
@@ -513,12 +364,12 @@ fn kvm_a_restore_overrides_the_page_size_both_ways() {
     // and a snapshot of it records 2 MiB pages.
     for backend in ["uffd", "copy"] {
         let name = format!("pagesize-2m-{backend}");
-        let vmm = restore(&name, &s1, backend, "2m").wait_for_vm(&name);
+        let vmm = restore(&name, &s1, backend, "2m").serving();
         assert_eq!(page_sizes(&vmm), ["2m", "2m", "2m"], "{backend}");
         verified(&vmm, &name);
         vmm.set_state("Paused");
         let s2 = snap(&format!("{name}-s2"));
-        vmm.snapshot("Full", &s2, json!({}));
+        snapshot(&vmm, "Full", &s2, json!({}));
         assert_eq!(vmm.stop().status.code(), Some(0));
         let bytes = std::fs::read(&s2.0).expect("the state file");
         let state =
@@ -536,14 +387,14 @@ fn kvm_a_restore_overrides_the_page_size_both_ways() {
 
     // 2 MiB → 4 KiB: the file restore, which maps no 2 MiB pages off hugetlbfs, maps the
     // snapshot's 2 MiB region in 4 KiB pages.
-    let vmm = restore("pagesize-4k-file", &s1, "file", "4k").wait_for_vm("pagesize-4k-file");
+    let vmm = restore("pagesize-4k-file", &s1, "file", "4k").serving();
     assert_eq!(page_sizes(&vmm), ["4k", "4k", "4k"]);
     verified(&vmm, "4k file");
     assert_eq!(vmm.stop().status.code(), Some(0));
 
     // Off the grid: refused, naming the region, and nothing runs.
-    let mut refused = restore("pagesize-refused", &off_grid, "copy", "2m");
-    let output = refused.wait_exit(Duration::from_secs(60));
+    let mut refused = restore("pagesize-refused", &off_grid, "copy", "2m").spawn();
+    let output = refused.wait(Duration::from_secs(60));
     let stderr = String::from_utf8_lossy(&output.stderr);
     assert_ne!(output.status.code(), Some(0));
     assert!(

@@ -11,7 +11,8 @@
 //! the `int3` named as the host's limitation). Each in a new process: the live Full restored
 //! through userfaultfd and migrated live twice (bitmap rounds to one `tinyvmm receive`, then
 //! with its memfds handed over to another), which runs beside the two boots; and the chain
-//! merged and restored with each memory backend, short runs to the end. Only the live Full's
+//! merged and restored with each memory backend, and from its last state file rewritten in the
+//! format before the one saved-state envelope, short runs to the end. Only the live Full's
 //! continuation does much of the boot again: the whole test costs about one and a half boots
 //! of emulated ring-0 work on each core.
 //!
@@ -386,6 +387,25 @@ fn check_map_and_command_line(stderr: &str, console: &str) {
     assert_eq!(kernel, [command_line], "the kernel's command line");
 }
 
+/// The state file at `path` as the builds before the one envelope wrote it: a Linux guest's
+/// own format (`TVMLINUX` version 1), its devices and machine beside the layout rather than in
+/// a guest part, and no guest kind.
+fn as_older(path: &Path) -> Vec<u8> {
+    use tinyvmm::snapshot::state::{STATE_MAGIC, STATE_VERSION};
+    let bytes = std::fs::read(path).expect("the state");
+    let json = kvm_memslots_persist::unframe(STATE_MAGIC, STATE_VERSION, &bytes).expect("valid");
+    let mut state: Value = serde_json::from_slice(json).expect("JSON");
+    let fields = state.as_object_mut().expect("an object");
+    fields.remove("kind");
+    let guest = fields.remove("guest").expect("the guest part");
+    for (name, value) in guest.as_object().expect("an object") {
+        fields.insert(name.clone(), value.clone());
+    }
+    fields.insert("version".into(), json!(1));
+    let json = serde_json::to_vec(&state).expect("JSON");
+    kvm_memslots_persist::frame(b"TVMLINUX", 1, &json)
+}
+
 /// Restores `state` with `mem` through `backend` in a new process, resumes it, and checks it
 /// against the reference from `before`.
 fn restore_and_check(
@@ -634,6 +654,18 @@ fn kvm_a_linux_guest_restored_or_migrated_goes_on_as_an_uninterrupted_boot() {
                 "the chain restored through {backend} ran to the end"
             ));
         }
+        // A state file of the format before the one envelope (a Linux guest's own, `TVMLINUX`
+        // version 1) restores alike.
+        let older = scratch.path("older.state");
+        std::fs::write(&older, as_older(&diff)).expect("write");
+        restore_and_check(
+            &scratch,
+            "older-format",
+            (&older, chain.1, "file"),
+            &at_diff,
+            &reference,
+        );
+        phase("the chain restored from the older state format ran to the end");
         // `restore --page-size` reaches a Linux guest's restore as a test guest's: its RAM
         // slots here (512 MiB in 4096) are off the 2 MiB grid, so 2 MiB pages are refused,
         // naming the override and the grid, before anything runs.

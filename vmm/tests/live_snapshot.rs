@@ -8,14 +8,13 @@
 use std::fs::File;
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
-use tinyvmm::api::client::Client;
 
 mod support;
 use support::merge_chain;
+use support::vmm::Vmm;
 
 const MIB: u64 = 1 << 20;
 /// Where `serve` puts its initial memory.
@@ -34,97 +33,27 @@ fn file(name: &str) -> PathBuf {
     dir().join(name)
 }
 
-/// A tinyvmm process, killed if the test fails before it exits.
-struct Vmm {
-    child: Option<Child>,
-    api: PathBuf,
+/// `tinyvmm serve` with `slots` slots over 256 MiB, and `extra` arguments.
+fn serve(name: &str, slots: usize, extra: &[&str]) -> Vmm {
+    Vmm::serve(name, slots, 256, extra)
 }
 
-impl Vmm {
-    fn spawn(name: &str, args: &[&str]) -> Self {
-        let api = file(&format!("{name}.sock"));
-        let child = Command::new(env!("CARGO_BIN_EXE_tinyvmm"))
-            .args(args)
-            .arg("--api-sock")
-            .arg(&api)
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(Stdio::piped())
-            .spawn()
-            .expect("tinyvmm starts");
-        let vmm = Vmm {
-            child: Some(child),
-            api,
-        };
-        let deadline = Instant::now() + Duration::from_secs(120);
-        while Client::connect(&vmm.api).is_err() {
-            assert!(Instant::now() < deadline, "{name}: the API never came up");
-            std::thread::sleep(Duration::from_millis(20));
-        }
-        vmm
-    }
-
-    fn serve(name: &str, slots: usize, extra: &[&str]) -> Self {
-        let slots = slots.to_string();
-        let mut args = vec!["serve", "--slots", &slots, "--mem-mib", "256"];
-        args.extend_from_slice(extra);
-        Vmm::spawn(name, &args)
-    }
-
-    /// `tinyvmm restore` of `state` and `mem`, resumed.
-    fn restore(name: &str, state: &Path, mem: &Path) -> Self {
-        let vmm = Vmm::spawn(
-            name,
-            &[
-                "restore",
-                "--snapshot",
-                state.to_str().expect("utf-8"),
-                "--mem-file",
-                mem.to_str().expect("utf-8"),
-            ],
-        );
-        vmm.ok("PATCH", "/vm", Some(json!({"state": "Resumed"})));
-        vmm
-    }
-
-    fn call(&self, method: &str, path: &str, body: Option<Value>) -> (u16, Value) {
-        support::call(&self.api, method, path, body)
-    }
-
-    fn ok(&self, method: &str, path: &str, body: Option<Value>) -> Value {
-        support::ok(&self.api, method, path, body)
-    }
-
-    fn guest(&self, op: &str, start: u64, end: u64, seed: u64) -> Value {
-        let command = support::guest_command(op, start, end, seed);
-        self.ok("PUT", "/guest/command", Some(command))
-    }
-
-    /// Stops vCPU 0's write loop and checks `[AREA, end)` holds its last pass; the passes
-    /// and the last pass's seed.
-    fn stop_and_verify(&self, end: u64) -> (u64, u64) {
-        support::stop_and_verify(&self.api, AREA, end)
-    }
-
-    /// The end of the test area.
-    fn area_end(&self) -> u64 {
-        support::area_end(&self.api, AREA)
-    }
-
-    fn stop(mut self) -> Output {
-        let _ = self.call("PUT", "/actions", Some(json!({"action_type": "Stop"})));
-        let child = self.child.take().expect("running");
-        child.wait_with_output().expect("wait")
-    }
+/// `tinyvmm restore` of `state` and `mem`, resumed.
+fn restore(name: &str, state: &Path, mem: &Path) -> Vmm {
+    let vmm = Vmm::restore(name, state, mem, &[]);
+    vmm.set_state("Resumed");
+    vmm
 }
 
-impl Drop for Vmm {
-    fn drop(&mut self) {
-        if let Some(child) = self.child.as_mut() {
-            let _ = child.kill();
-            let _ = child.wait();
-        }
-    }
+/// Stops vCPU 0's write loop and checks `[AREA, end)` holds its last pass; the passes and the
+/// last pass's seed.
+fn stop_and_verify(vmm: &Vmm, end: u64) -> (u64, u64) {
+    support::stop_and_verify(vmm.api(), AREA, end)
+}
+
+/// The end of the test area.
+fn area_end(vmm: &Vmm) -> u64 {
+    support::area_end(vmm.api(), AREA)
 }
 
 /// The dirty pages a harvest's answer reports.
@@ -248,8 +177,8 @@ fn check_point(state: &Value, mem: &Path, end: u64) -> u64 {
 /// harvests ran beside the snapshot, that the snapshot restores and runs on, and that the
 /// chain's Diff follows from the point.
 fn live_snapshot_of_a_writing_guest(name: &str, slots: usize, extra: &[&str], create: Value) {
-    let vmm = Vmm::serve(name, slots, extra);
-    let end = vmm.area_end();
+    let vmm = serve(name, slots, extra);
+    let end = area_end(&vmm);
     // A pass before the loop, so every page holds data whatever the rounds catch.
     assert_eq!(vmm.guest("write", AREA, end, SEED - 1)["result"], "ok");
     assert_eq!(
@@ -354,7 +283,7 @@ fn live_snapshot_of_a_writing_guest(name: &str, slots: usize, extra: &[&str], cr
     );
 
     // The VM went on: the loop has passed the points' passes, and the area holds its last one.
-    let (_, last) = vmm.stop_and_verify(end);
+    let (_, last) = stop_and_verify(&vmm, end);
     assert!(
         last >= diff_point,
         "last pass {last}, the Diff's {diff_point}"
@@ -387,12 +316,12 @@ fn live_snapshot_of_a_writing_guest(name: &str, slots: usize, extra: &[&str], cr
     );
 
     // The live snapshot restores, and its loop goes on from the point.
-    let restored = Vmm::restore(&format!("{name}-restored"), &state, &mem);
-    let (passes, _) = restored.stop_and_verify(end);
+    let restored = restore(&format!("{name}-restored"), &state, &mem);
+    let (passes, _) = stop_and_verify(&restored, end);
     assert!(passes > 0, "the restored loop ran");
     drop(restored);
     // The merged chain is the memory the source stopped with.
-    let merged_vm = Vmm::restore(&format!("{name}-merged"), &diff_state, &merged);
+    let merged_vm = restore(&format!("{name}-merged"), &diff_state, &merged);
     let verified = merged_vm.guest("verify", AREA, end, last);
     assert_eq!(verified["result"], "ok", "{verified}");
     for path in [
@@ -459,8 +388,8 @@ fn kvm_a_live_diff_carries_what_it_took_whether_it_ends_or_not() {
         return;
     }
     let name = "live-diff";
-    let vmm = Vmm::serve(name, 64, &[]);
-    let end = vmm.area_end();
+    let vmm = serve(name, 64, &[]);
+    let end = area_end(&vmm);
     let mid = AREA + (end - AREA) / 2 / PAGE * PAGE;
     let snap = |tag: &str| {
         (
@@ -511,7 +440,7 @@ fn kvm_a_live_diff_carries_what_it_took_whether_it_ends_or_not() {
         !cancelled.0.exists() && !cancelled.1.exists(),
         "no file is left"
     );
-    let (_, last) = support::stop_and_verify(&vmm.api, AREA, mid);
+    let (_, last) = support::stop_and_verify(vmm.api(), AREA, mid);
     // The next Diff follows the first and has what the cancelled one took.
     vmm.ok("PATCH", "/vm", Some(json!({"state": "Paused"})));
     let next = snap("next");
@@ -549,8 +478,8 @@ fn kvm_a_cancelled_live_snapshot_leaves_nothing_and_bad_requests_are_refused() {
     ) {
         return;
     }
-    let vmm = Vmm::serve("cancel", 512, &[]);
-    let end = vmm.area_end();
+    let vmm = serve("cancel", 512, &[]);
+    let end = area_end(&vmm);
     assert_eq!(vmm.guest("write", AREA, end, SEED - 1)["result"], "ok");
     let (status, body) = vmm.call("GET", "/snapshot", None);
     assert_eq!(status, 404, "{body}");
@@ -665,7 +594,7 @@ fn kvm_a_cancelled_live_snapshot_leaves_nothing_and_bad_requests_are_refused() {
     let info = wait_for_snapshot(&vmm, |_| {});
     assert_eq!(info["phase"], "completed", "{info}");
     check_point(&state_json(&state), &mem, end);
-    vmm.stop_and_verify(end);
+    stop_and_verify(&vmm, end);
     let output = vmm.stop();
     assert_eq!(output.status.code(), Some(0));
     for path in [&state, &mem] {
@@ -673,8 +602,8 @@ fn kvm_a_cancelled_live_snapshot_leaves_nothing_and_bad_requests_are_refused() {
     }
 
     // SIGTERM in the middle of one: the VMM ends within its usual time, leaving no file.
-    let mut vmm = Vmm::serve("sigterm", 512, &[]);
-    let end = vmm.area_end();
+    let mut vmm = serve("sigterm", 512, &[]);
+    let end = area_end(&vmm);
     assert_eq!(vmm.guest("write", AREA, end, SEED - 1)["result"], "ok");
     assert_eq!(
         vmm.guest("write_loop", AREA, end, SEED)["result"],
@@ -688,18 +617,9 @@ fn kvm_a_cancelled_live_snapshot_leaves_nothing_and_bad_requests_are_refused() {
         assert!(Instant::now() < deadline, "the rounds never started");
         std::thread::sleep(Duration::from_millis(10));
     }
-    let child = vmm.child.take().expect("running");
-    // SAFETY: kill(2) only sends a signal to the child's pid, which has not been reaped.
-    let sent = unsafe { libc::kill(child.id() as libc::pid_t, libc::SIGTERM) };
-    assert_eq!(sent, 0, "kill");
-    let started = Instant::now();
-    let output = child.wait_with_output().expect("wait");
+    vmm.signal(libc::SIGTERM);
     // Well before the 600 s timeout the live snapshot would otherwise run to.
-    assert!(
-        started.elapsed() < Duration::from_secs(300),
-        "the VMM took {:?} to stop",
-        started.elapsed()
-    );
+    let output = vmm.wait(Duration::from_secs(300));
     assert!(
         output.status.code().is_some(),
         "it exits, not killed: {:?}",

@@ -1,9 +1,11 @@
 //! `--log-level` on every subcommand: `error` leaves a clean run's stderr empty, `debug` logs
 //! every API request as `--log-requests` does; and `boot --json` prints JSON alone on stdout.
 
-use std::path::Path;
 use std::process::{Command, Output, Stdio};
-use std::time::{Duration, Instant};
+use std::time::Duration;
+
+mod support;
+use support::vmm::Vmm;
 
 fn tinyvmm(args: &[&str]) -> Output {
     Command::new(env!("CARGO_BIN_EXE_tinyvmm"))
@@ -16,35 +18,21 @@ fn tinyvmm(args: &[&str]) -> Output {
 /// `tinyvmm serve` with no guest memory at `--log-level level`, asked for its VM and stopped
 /// through the client; its stderr.
 fn serve_at(level: &str) -> String {
-    let socket = std::env::temp_dir().join(format!(
-        "tinyvmm-log-level-{}-{level}.sock",
-        std::process::id()
-    ));
-    let sock = socket.to_str().expect("a UTF-8 path");
-    let vmm = Command::new(env!("CARGO_BIN_EXE_tinyvmm"))
-        .args(["--log-level", level, "serve", "--api-sock", sock])
+    let mut vmm = Vmm::command(&format!("log-level-{level}"))
+        .args(["--log-level", level, "serve"])
         .args(["--mem-mib", "0", "--slots", "1"])
-        .stdin(Stdio::null())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("tinyvmm serve starts");
-    wait_for(&socket);
+        .spawn();
+    // No request before the test's own: they are what the log must show.
+    vmm.wait_for_socket_file();
+    let sock = vmm.api().to_str().expect("a UTF-8 path").to_owned();
     for (command, status) in [("vm", 0), ("stop", 0)] {
         // The option is global: it goes after the subcommand too.
-        let client = tinyvmm(&["client", "--api-sock", sock, command, "--log-level", level]);
+        let client = tinyvmm(&["client", "--api-sock", &sock, command, "--log-level", level]);
         assert_eq!(client.status.code(), Some(status), "{command}");
     }
-    let output = vmm.wait_with_output().expect("tinyvmm serve ends");
+    let output = vmm.wait(Duration::from_secs(120));
     assert!(output.status.success());
     String::from_utf8_lossy(&output.stderr).into_owned()
-}
-
-fn wait_for(socket: &Path) {
-    let deadline = Instant::now() + Duration::from_secs(30);
-    while !socket.exists() {
-        assert!(Instant::now() < deadline, "no socket");
-        std::thread::sleep(Duration::from_millis(10));
-    }
 }
 
 #[test]

@@ -6,7 +6,7 @@
 use std::io::Write;
 use std::os::unix::net::UnixStream;
 use std::path::PathBuf;
-use std::process::{Child, Command, Output, Stdio};
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use kvm_memslots_persist::stream::{send_answer, Record, StreamReader, StreamWriter};
@@ -15,6 +15,7 @@ use serde_json::{json, Value};
 use tinyvmm::api::client::Client;
 
 mod support;
+use support::vmm::Vmm;
 
 const MIB: u64 = 1 << 20;
 /// Where `serve` puts its initial memory.
@@ -27,147 +28,8 @@ fn path(name: &str, what: &str) -> PathBuf {
     ))
 }
 
-/// A tinyvmm process, killed if the test fails before it exits.
-struct Vmm {
-    child: Option<Child>,
-    api: PathBuf,
-}
-
-impl Vmm {
-    fn spawn(args: &[&str], api: PathBuf) -> Self {
-        let child = Command::new(env!("CARGO_BIN_EXE_tinyvmm"))
-            .args(args)
-            .arg("--api-sock")
-            .arg(&api)
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(Stdio::piped())
-            .spawn()
-            .expect("tinyvmm starts");
-        Vmm {
-            child: Some(child),
-            api,
-        }
-    }
-
-    /// `tinyvmm serve` with `slots` slots over `mem_mib` MiB, and `extra` arguments.
-    fn serve(name: &str, slots: usize, mem_mib: u64, extra: &[&str]) -> Self {
-        let slots = slots.to_string();
-        let mem = mem_mib.to_string();
-        let mut args = vec!["serve", "--slots", &slots, "--mem-mib", &mem];
-        args.extend_from_slice(extra);
-        let vmm = Vmm::spawn(&args, path(name, "src-api"));
-        vmm.wait_for_api();
-        vmm
-    }
-
-    /// `tinyvmm receive` listening on the returned Unix socket path.
-    fn receive(name: &str, extra: &[&str]) -> (Self, PathBuf) {
-        let listen = path(name, "mig");
-        let _ = std::fs::remove_file(&listen);
-        let endpoint = format!("unix:{}", listen.display());
-        let mut args = vec!["receive", "--listen", &endpoint];
-        args.extend_from_slice(extra);
-        let vmm = Vmm::spawn(&args, path(name, "dst-api"));
-        vmm.wait_listening();
-        (vmm, listen)
-    }
-
-    /// Waits for a `tinyvmm receive` to listen for its source: its API socket answers from
-    /// then on (`GET /vm`: `Waiting`). The listening socket's file alone does not say so: it
-    /// appears when bound, a moment before it listens.
-    fn wait_listening(&self) {
-        let deadline = Instant::now() + Duration::from_secs(60);
-        loop {
-            let vm = Client::connect(&self.api).and_then(|mut c| c.call("GET", "/vm", None));
-            if vm.is_ok_and(|(_, vm)| vm["state"] == "Waiting") {
-                return;
-            }
-            assert!(Instant::now() < deadline, "receive never listened");
-            assert!(self.running(), "receive exited");
-            std::thread::sleep(Duration::from_millis(10));
-        }
-    }
-
-    /// Waits for the API socket, and on a destination for the VM: its socket answers `GET
-    /// /vm` with `Waiting` or `Receiving` until the VM runs there (or closes a connection
-    /// unanswered while the VM's server takes over).
-    fn wait_for_api(&self) {
-        let deadline = Instant::now() + Duration::from_secs(120);
-        loop {
-            let vm = Client::connect(&self.api).and_then(|mut c| c.call("GET", "/vm", None));
-            match vm {
-                Ok((_, vm)) if !matches!(vm["state"].as_str(), Some("Waiting" | "Receiving")) => {
-                    return
-                }
-                _ => {}
-            }
-            assert!(Instant::now() < deadline, "the API socket never came up");
-            assert!(self.running(), "tinyvmm exited before its API came up");
-            std::thread::sleep(Duration::from_millis(20));
-        }
-    }
-
-    fn running(&self) -> bool {
-        let pid = self.child.as_ref().expect("spawned").id();
-        // A zombie still has a /proc entry: look at its state.
-        std::fs::read_to_string(format!("/proc/{pid}/stat"))
-            .is_ok_and(|s| s.split(' ').nth(2).is_none_or(|state| state != "Z"))
-    }
-
-    fn call(&self, method: &str, path: &str, body: Option<Value>) -> (u16, Value) {
-        support::call(&self.api, method, path, body)
-    }
-
-    fn ok(&self, method: &str, path: &str, body: Option<Value>) -> Value {
-        support::ok(&self.api, method, path, body)
-    }
-
-    fn kill(&mut self) -> Output {
-        let mut child = self.child.take().expect("spawned");
-        child.kill().expect("kill -9");
-        child.wait_with_output().expect("wait")
-    }
-
-    fn wait(&mut self, timeout: Duration) -> Output {
-        let deadline = Instant::now() + timeout;
-        while self.running() {
-            assert!(
-                Instant::now() < deadline,
-                "tinyvmm did not exit in {timeout:?}"
-            );
-            std::thread::sleep(Duration::from_millis(20));
-        }
-        self.child
-            .take()
-            .expect("spawned")
-            .wait_with_output()
-            .expect("wait")
-    }
-}
-
-impl Drop for Vmm {
-    fn drop(&mut self) {
-        if let Some(mut child) = self.child.take() {
-            let _ = child.kill();
-            // A failed test shows what the VMM said.
-            if std::thread::panicking() {
-                if let Ok(output) = child.wait_with_output() {
-                    eprintln!(
-                        "tinyvmm ({}) said: {}",
-                        output.status,
-                        String::from_utf8_lossy(&output.stderr)
-                    );
-                }
-                return;
-            }
-            let _ = child.wait();
-        }
-    }
-}
-
 fn area_end(vmm: &Vmm) -> u64 {
-    support::area_end(&vmm.api, AREA)
+    support::area_end(vmm.api(), AREA)
 }
 
 fn guest(op: &str, start: u64, end: u64, seed: u64) -> Value {
@@ -205,7 +67,7 @@ fn phase(info: &Value) -> &str {
 
 /// Stops vCPU 0's write loop on `vmm` and checks that `[start, end)` holds its last pass.
 fn stop_and_verify(vmm: &Vmm, start: u64, end: u64) -> u64 {
-    support::stop_and_verify(&vmm.api, start, end).0
+    support::stop_and_verify(vmm.api(), start, end).0
 }
 
 /// A guest writing across `slots` slots migrates while it writes; every slot, a hotplugged
@@ -302,7 +164,7 @@ fn migrate_a_writing_guest_serving(
     // before a first look); a migration that fails keeps it running.
     let deadline = Instant::now() + Duration::from_secs(240);
     while source.running() {
-        let info = Client::connect(&source.api)
+        let info = Client::connect(source.api())
             .and_then(|mut c| c.call("GET", "/migrate", None))
             .map(|(_, info)| info);
         if let Ok(info) = info {
@@ -319,7 +181,7 @@ fn migrate_a_writing_guest_serving(
         "{stderr}"
     );
 
-    destination.wait_for_api();
+    destination.wait_for_vm();
     let after = destination.ok("GET", "/memory", None);
     let shape = |m: &Value| -> Vec<(Value, Value, Value, Value, Value, Value)> {
         m["regions"]
@@ -531,7 +393,7 @@ fn kvm_the_source_runs_on_when_the_destination_dies() {
     let mut source = source;
     let output = source.wait(Duration::from_secs(120));
     assert_eq!(output.status.code(), Some(0));
-    second.wait_for_api();
+    second.wait_for_vm();
     stop_and_verify(&second, AREA, end);
 }
 
@@ -552,7 +414,7 @@ fn kvm_the_destination_gives_up_when_the_source_dies() {
     assert_eq!(output.status.code(), Some(1), "{stderr}");
     assert!(stderr.contains("nothing runs here"), "{stderr}");
     assert!(stderr.contains("ended early"), "{stderr}");
-    assert!(!destination.api.exists(), "no API: no VM");
+    assert!(!destination.api().exists(), "no API: no VM");
 }
 
 #[test]
@@ -615,7 +477,7 @@ fn kvm_a_timeout_with_force_completes() {
     assert_eq!(status, 204, "{answer}");
     let output = source.wait(Duration::from_secs(120));
     assert_eq!(output.status.code(), Some(0));
-    destination.wait_for_api();
+    destination.wait_for_vm();
     stop_and_verify(&destination, AREA, end);
     destination.ok("PUT", "/actions", Some(json!({"action_type": "Stop"})));
     destination.wait(Duration::from_secs(30));
@@ -1103,7 +965,9 @@ fn kvm_a_writing_guest_migrates_over_tcp() {
         .expect("a free port")
         .port();
     let endpoint = format!("tcp:127.0.0.1:{port}");
-    let mut destination = Vmm::spawn(&["receive", "--listen", &endpoint], path("tcp", "dst-api"));
+    let mut destination = Vmm::command("tcp-dst")
+        .args(["receive", "--listen", &endpoint])
+        .spawn();
     let deadline = Instant::now() + Duration::from_secs(60);
     while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
         assert!(Instant::now() < deadline, "receive never listened");
@@ -1113,8 +977,9 @@ fn kvm_a_writing_guest_migrates_over_tcp() {
     // That probe was the destination's one connection: it dropped it, said why and exited.
     let probed = destination.wait(Duration::from_secs(30));
     assert_eq!(probed.status.code(), Some(1));
-    let destination = Vmm::spawn(&["receive", "--listen", &endpoint], path("tcp", "dst-api"));
-    destination.wait_listening();
+    let destination = Vmm::command("tcp-dst")
+        .args(["receive", "--listen", &endpoint])
+        .listening();
     let (status, answer) = source.call(
         "PUT",
         "/migrate",
@@ -1122,7 +987,7 @@ fn kvm_a_writing_guest_migrates_over_tcp() {
     );
     assert_eq!(status, 204, "{answer}");
     migrated_away(source);
-    destination.wait_for_api();
+    destination.wait_for_vm();
     stop_and_verify(&destination, AREA, end);
 }
 
@@ -1138,9 +1003,7 @@ fn kvm_sigterm_stops_a_receiving_destination_with_130_and_the_source_runs_on() {
     let (status, answer) = migrate(&source, &listen, json!({"downtime_ms": 0}));
     assert_eq!(status, 204, "{answer}");
     watch(&source, |i| i["round"].as_u64() >= Some(2));
-    let pid = destination.child.as_ref().expect("running").id();
-    // SAFETY: kill(2) only sends a signal to the child's pid, which we have not reaped yet.
-    assert_eq!(unsafe { libc::kill(pid as libc::pid_t, libc::SIGTERM) }, 0);
+    destination.signal(libc::SIGTERM);
     let output = destination.wait(Duration::from_secs(60));
     let stderr = String::from_utf8_lossy(&output.stderr);
     assert_eq!(output.status.code(), Some(130), "{stderr}");
@@ -1302,10 +1165,8 @@ fn kvm_sigterm_ends_a_source_waiting_on_a_silent_destination_at_once() {
     let (status, answer) = migrate(&source, &listen, json!({}));
     assert_eq!(status, 204, "{answer}");
     std::thread::sleep(Duration::from_millis(500));
-    let pid = source.child.as_ref().expect("running").id();
     let signalled = Instant::now();
-    // SAFETY: kill(2) only sends a signal to the child's pid, which we have not reaped yet.
-    assert_eq!(unsafe { libc::kill(pid as libc::pid_t, libc::SIGTERM) }, 0);
+    source.signal(libc::SIGTERM);
     let output = source.wait(Duration::from_secs(70));
     let took = signalled.elapsed();
     let stderr = String::from_utf8_lossy(&output.stderr);
@@ -1492,7 +1353,7 @@ fn kvm_a_write_loop_goes_on_through_unplugs_inside_its_piece() {
         for mib in [14, 12, 10, 8, 6, 4, 2] {
             vmm.ok("PATCH", "/hotplug/memory", size(mib));
         }
-        let (passes, _) = support::stop_and_verify(&vmm.api, base, base + 2 * MIB);
+        let (passes, _) = support::stop_and_verify(vmm.api(), base, base + 2 * MIB);
         assert!(passes > 0, "round {round}: the loop ran");
         let memory = vmm.ok("GET", "/memory", None);
         let piece = memory["regions"]
@@ -1512,7 +1373,7 @@ fn kvm_a_write_loop_goes_on_through_unplugs_inside_its_piece() {
 
 /// The State record of a one-vCPU VM of [`one_region_layout`], as JSON to tamper with.
 fn state_json() -> Value {
-    use tinyvmm::test_guest::snapshot::{MigrationState, SnapshotState, STATE_VERSION};
+    use tinyvmm::test_guest::snapshot::{SnapshotState, TestGuestPart};
     use tinyvmm::vm::state::VcpuState;
     let vcpu = VcpuState {
         regs: kvm_bindings::kvm_regs {
@@ -1534,16 +1395,13 @@ fn state_json() -> Value {
         mp_state: None,
         cpuid: Vec::new(),
     };
-    let state = MigrationState {
-        snapshot: SnapshotState {
-            version: STATE_VERSION,
-            layout: one_region_layout(),
-            vcpus: vec![vcpu],
-            hotplug: None,
-            snapshot: None,
-        },
-        paused: true,
-    };
+    let state = SnapshotState::new(
+        one_region_layout(),
+        vec![vcpu],
+        None,
+        true,
+        TestGuestPart::default(),
+    );
     serde_json::to_value(&state).expect("a state serialises")
 }
 
@@ -1551,12 +1409,18 @@ fn state_json() -> Value {
 /// JSON framed as `version` of the format) and Done; every checksum valid.
 fn stream_with_state(layout: &MemoryLayout, state: &Value, version: u32) -> Vec<u8> {
     let json = serde_json::to_vec(state).expect("JSON");
+    stream_with_record(
+        layout,
+        &kvm_memslots_persist::frame(tinyvmm::snapshot::state::STATE_MAGIC, version, &json),
+    )
+}
+
+/// As [`stream_with_state`], with the State record's bytes `record` as they are.
+fn stream_with_record(layout: &MemoryLayout, record: &[u8]) -> Vec<u8> {
     let mut writer = StreamWriter::new(Vec::new());
     writer.hello(layout).expect("hello");
     writer.end_round().expect("a round");
-    writer
-        .state(&kvm_memslots_persist::frame(b"TVMMIGR\0", version, &json))
-        .expect("state");
+    writer.state(record).expect("state");
     writer.done().expect("done");
     writer.get_ref().clone()
 }
@@ -1568,33 +1432,52 @@ fn kvm_a_stream_with_valid_checksums_but_inconsistent_contents_is_refused() {
     ) {
         return;
     }
-    use tinyvmm::test_guest::snapshot::MIGRATION_STATE_VERSION;
+    use tinyvmm::snapshot::state::STATE_VERSION;
     let layout = one_region_layout();
-    // As sent, the stream is taken: the VM runs (paused) on the destination.
-    let (mut destination, listen) = Vmm::receive("crafted-ok", &[]);
-    let mut stream = UnixStream::connect(&listen).expect("connect");
-    stream
-        .write_all(&stream_with_state(
-            &layout,
-            &state_json(),
-            MIGRATION_STATE_VERSION,
-        ))
-        .expect("send");
-    destination.wait_for_api();
-    assert_eq!(destination.ok("GET", "/vm", None)["state"], "Paused");
-    destination.ok("PUT", "/actions", Some(json!({"action_type": "Stop"})));
-    destination.wait(Duration::from_secs(30));
+    // As sent, the stream is taken: the VM runs (paused) on the destination. So is one from
+    // an older source: the test guest's own State record (`TVMMIGR`, version 3: the state
+    // under `snapshot`, beside `paused`).
+    let mut older = state_json();
+    let fields = older.as_object_mut().expect("an object");
+    for envelope_only in ["kind", "vm", "guest"] {
+        fields.remove(envelope_only);
+    }
+    let paused = fields.remove("paused").expect("paused");
+    older["version"] = json!(3);
+    older["hotplug"] = Value::Null;
+    let older = json!({"snapshot": older, "paused": paused});
+    let older =
+        kvm_memslots_persist::frame(b"TVMMIGR\0", 3, &serde_json::to_vec(&older).expect("JSON"));
+    for (name, sent) in [
+        (
+            "crafted-ok",
+            stream_with_state(&layout, &state_json(), STATE_VERSION),
+        ),
+        ("crafted-older-ok", stream_with_record(&layout, &older)),
+    ] {
+        let (mut destination, listen) = Vmm::receive(name, &[]);
+        let mut stream = UnixStream::connect(&listen).expect("connect");
+        stream.write_all(&sent).expect("send");
+        destination.wait_for_vm();
+        assert_eq!(
+            destination.ok("GET", "/vm", None)["state"],
+            "Paused",
+            "{name}"
+        );
+        destination.ok("PUT", "/actions", Some(json!({"action_type": "Stop"})));
+        destination.wait(Duration::from_secs(30));
+    }
 
     // A register block 8 bytes short.
     let mut short = state_json();
-    let regs = short["snapshot"]["vcpus"][0]["regs"]
+    let regs = short["vcpus"][0]["regs"]
         .as_array_mut()
         .expect("the registers' bytes");
     let size = regs.len();
     regs.truncate(size - 8);
     let stderr = receive_bytes(
         "short-regs",
-        &stream_with_state(&layout, &short, MIGRATION_STATE_VERSION),
+        &stream_with_state(&layout, &short, STATE_VERSION),
     );
     // Named with both sizes (the State record's checks catch it before the decoding does).
     assert!(
@@ -1605,14 +1488,13 @@ fn kvm_a_stream_with_valid_checksums_but_inconsistent_contents_is_refused() {
     );
 
     // A State record, or a layout, from a newer version of the format: both versions named.
-    let newer = MIGRATION_STATE_VERSION + 1;
+    let newer = STATE_VERSION + 1;
     let stderr = receive_bytes(
         "newer-state",
         &stream_with_state(&layout, &state_json(), newer),
     );
-    let expected = format!(
-        "State record): format version {newer}; this build reads versions 2 to {MIGRATION_STATE_VERSION}"
-    );
+    let expected =
+        format!("State record): format version {newer}; this build reads version {STATE_VERSION}");
     assert!(stderr.contains(&expected), "{stderr}");
     let newer_layout = MemoryLayout {
         version: LAYOUT_VERSION + 1,
@@ -1620,7 +1502,7 @@ fn kvm_a_stream_with_valid_checksums_but_inconsistent_contents_is_refused() {
     };
     let stderr = receive_bytes(
         "newer-layout",
-        &stream_with_state(&newer_layout, &state_json(), MIGRATION_STATE_VERSION),
+        &stream_with_state(&newer_layout, &state_json(), STATE_VERSION),
     );
     let expected = format!(
         "format version {}; this build reads version {LAYOUT_VERSION}",
@@ -1719,37 +1601,12 @@ fn kvm_files_handed_over_that_cannot_hold_the_region_are_refused() {
 
 /// `tinyvmm receive` started under an open-file limit of `soft` (hard limit `hard`).
 fn receive_under_nofile(name: &str, soft: u64, hard: u64) -> (Vmm, PathBuf) {
-    use std::os::unix::process::CommandExt;
     let listen = path(name, "mig");
     let _ = std::fs::remove_file(&listen);
-    let api = path(name, "dst-api");
-    let limit = libc::rlimit {
-        rlim_cur: soft,
-        rlim_max: hard,
-    };
-    let lower = move || {
-        // SAFETY: setrlimit reads one valid `rlimit`.
-        match unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &limit) } {
-            0 => Ok(()),
-            _ => Err(std::io::Error::last_os_error()),
-        }
-    };
-    let mut command = Command::new(env!("CARGO_BIN_EXE_tinyvmm"));
-    command
+    let vmm = Vmm::command(name)
         .args(["receive", "--listen", &format!("unix:{}", listen.display())])
-        .arg("--api-sock")
-        .arg(&api)
-        .stdin(Stdio::null())
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped());
-    // SAFETY: `lower` runs in the child between fork and exec and calls only setrlimit, which
-    // is async-signal-safe; it allocates nothing and takes no lock.
-    unsafe { command.pre_exec(lower) };
-    let vmm = Vmm {
-        child: Some(command.spawn().expect("tinyvmm starts")),
-        api,
-    };
-    vmm.wait_listening();
+        .nofile(soft, hard)
+        .listening();
     (vmm, listen)
 }
 
@@ -1803,7 +1660,7 @@ fn kvm_a_local_migration_of_more_memfd_regions_than_the_soft_open_file_limit() {
     let (status, answer) = migrate(&source, &listen, json!({"local": true}));
     assert_eq!(status, 204, "{answer}");
     migrated_away(source);
-    destination.wait_for_api();
+    destination.wait_for_vm();
     assert_eq!(regions(&destination), before);
     destination.ok("PUT", "/actions", Some(json!({"action_type": "Stop"})));
     let output = destination.wait(Duration::from_secs(30));
@@ -1824,10 +1681,8 @@ fn kvm_sigterm_ends_a_destination_whose_source_sends_nothing_at_once() {
     let (mut destination, listen) = Vmm::receive("mute-source", &[]);
     let _mute = UnixStream::connect(&listen).expect("connect");
     std::thread::sleep(Duration::from_millis(300));
-    let pid = destination.child.as_ref().expect("running").id();
     let signalled = Instant::now();
-    // SAFETY: kill(2) only sends a signal to the child's pid, which we have not reaped yet.
-    assert_eq!(unsafe { libc::kill(pid as libc::pid_t, libc::SIGTERM) }, 0);
+    destination.signal(libc::SIGTERM);
     let output = destination.wait(Duration::from_secs(70));
     let stderr = String::from_utf8_lossy(&output.stderr);
     assert_eq!(output.status.code(), Some(130), "{stderr}");
@@ -1928,7 +1783,7 @@ fn kvm_a_stream_with_valid_checksums_but_a_wrong_page_is_refused_by_its_digest()
     }
     use kvm_memslots::testing::FakeKvm;
     use kvm_memslots::{MemoryManager, RegionSpec};
-    use tinyvmm::test_guest::snapshot::MIGRATION_STATE_VERSION;
+    use tinyvmm::snapshot::state::{STATE_MAGIC, STATE_VERSION};
     use vm_memory::{Bytes, GuestAddress, GuestAddressSpace};
     // The stream of a paused one-vCPU VM whose memory holds one page of data at 1 MiB.
     let layout = one_region_layout();
@@ -1948,8 +1803,8 @@ fn kvm_a_stream_with_valid_checksums_but_a_wrong_page_is_refused_by_its_digest()
     writer.end_round().expect("a round");
     writer
         .state(&kvm_memslots_persist::frame(
-            b"TVMMIGR\0",
-            MIGRATION_STATE_VERSION,
+            STATE_MAGIC,
+            STATE_VERSION,
             &json,
         ))
         .expect("state");
@@ -1960,7 +1815,7 @@ fn kvm_a_stream_with_valid_checksums_but_a_wrong_page_is_refused_by_its_digest()
     let (mut destination, listen) = Vmm::receive("wrong-page-ok", &[]);
     let mut connection = UnixStream::connect(&listen).expect("connect");
     connection.write_all(&stream).expect("send");
-    destination.wait_for_api();
+    destination.wait_for_vm();
     assert_eq!(destination.ok("GET", "/vm", None)["state"], "Paused");
     destination.ok("PUT", "/actions", Some(json!({"action_type": "Stop"})));
     let output = destination.wait(Duration::from_secs(30));
@@ -2004,7 +1859,7 @@ fn client_migrate(source: &Vmm, listen: &std::path::Path) -> Command {
         .args(["client", "migrate"])
         .arg(format!("unix:{}", listen.display()))
         .arg("--api-sock")
-        .arg(&source.api)
+        .arg(source.api())
         .env_remove(tinyvmm::jobs::client::API_SOCK_ENV)
         .stdin(Stdio::null());
     client
@@ -2042,7 +1897,7 @@ fn kvm_the_client_command_waits_until_the_vm_runs_on_the_destination() {
     assert!(stdout.contains("completed"), "{stdout}{stderr}");
     // The source goes; the destination runs the VM and its memory.
     assert!(source.wait(Duration::from_secs(60)).status.success());
-    destination.wait_for_api();
+    destination.wait_for_vm();
     let verified = destination.ok("PUT", "/guest/command", Some(guest("verify", AREA, end, 5)));
     assert_eq!(verified["result"], "ok", "{verified}");
     destination.ok("PUT", "/actions", Some(json!({"action_type": "Stop"})));

@@ -5,8 +5,10 @@
 
 use serde_json::{json, Value};
 use tinyvmm::api::client::Client;
-use tinyvmm::jobs::serve::{serve_in_background, ServeConfig};
-use tinyvmm::lifecycle::Ending;
+use tinyvmm::jobs::serve::ServeConfig;
+
+mod support;
+use support::vmm::InProcess;
 
 /// The initial memory: one region at 256 MiB.
 const AREA: u64 = 256 << 20;
@@ -38,8 +40,8 @@ fn kvm_a_write_into_a_read_only_region_is_refused_naming_it() {
         return;
     }
     let socket = std::env::temp_dir().join(format!("tinyvmm-ro-{}.sock", std::process::id()));
-    let vmm = serve_in_background(ServeConfig::new(socket.clone())).expect("the VMM starts");
-    let s = socket.as_path();
+    let vmm = InProcess::start(ServeConfig::new(socket));
+    let s = vmm.socket();
     let region = "/memory/regions/1";
     assert_eq!(call(s, "GET", region, Value::Null).1["guest_address"], AREA);
     assert_eq!(call(s, "PUT", "/guest/command", command("write", 7)).0, 200);
@@ -85,12 +87,7 @@ fn kvm_a_write_into_a_read_only_region_is_refused_naming_it() {
     let dropped = "tinyvmm_vcpu_exits_handled_total{how=\"read_only_write\"} 0";
     assert!(metrics.lines().any(|l| l == dropped), "{metrics}");
 
-    assert_eq!(
-        call(s, "PUT", "/actions", json!({"action_type": "Stop"})).0,
-        204
-    );
-    let ending = vmm.join().expect("no panic").expect("a clean stop");
-    assert_eq!(ending, Ending::Finished);
+    vmm.stop();
 }
 
 /// A region a vCPU's command reaches into cannot be removed or moved under it, nor hotplug
@@ -105,8 +102,8 @@ fn kvm_a_region_a_command_reaches_cannot_be_removed_or_moved_under_it() {
         return;
     }
     let socket = std::env::temp_dir().join(format!("tinyvmm-rm-{}.sock", std::process::id()));
-    let vmm = serve_in_background(ServeConfig::new(socket.clone())).expect("the VMM starts");
-    let s = socket.as_path();
+    let vmm = InProcess::start(ServeConfig::new(socket));
+    let s = vmm.socket();
     // A 2 MiB region of its own at 1 GiB, written, then a write loop over it.
     let added = call(
         s,
@@ -195,10 +192,5 @@ fn kvm_a_region_a_command_reaches_cannot_be_removed_or_moved_under_it() {
     assert_eq!(stopped.1["result"], "stopped", "{stopped:?}");
     assert_eq!(plug(2).0, 204, "once the loop ended");
     assert_eq!(call(s, "GET", "/vm", Value::Null).1["state"], "Running");
-    assert_eq!(
-        call(s, "PUT", "/actions", json!({"action_type": "Stop"})).0,
-        204
-    );
-    let ending = vmm.join().expect("no panic").expect("a clean stop");
-    assert_eq!(ending, Ending::Finished);
+    vmm.stop();
 }

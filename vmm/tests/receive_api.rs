@@ -8,8 +8,11 @@ use std::time::{Duration, Instant};
 use serde_json::{json, Value};
 use tinyvmm::api::client::Client;
 use tinyvmm::jobs::receive::{receive_in_background, ReceiveConfig, ReceiveEnding};
-use tinyvmm::jobs::serve::{serve_in_background, ServeConfig};
+use tinyvmm::jobs::serve::ServeConfig;
 use tinyvmm::lifecycle::Ending;
+
+mod support;
+use support::vmm::InProcess;
 
 const MIB: u64 = 1 << 20;
 /// Where `serve` puts its initial memory.
@@ -67,11 +70,10 @@ fn kvm_a_destination_answers_while_it_waits_then_serves_the_vm_it_received() {
 
     // A source with a pattern in its memory.
     let src = temp("src.sock");
-    let source = serve_in_background(ServeConfig {
+    let source = InProcess::start(ServeConfig {
         area_size: 64 * MIB,
         ..ServeConfig::new(src.clone())
-    })
-    .expect("the source starts");
+    });
     let wrote = call(&src, "PUT", "/guest/command", Some(pattern("write", 3)));
     assert_eq!(wrote, (200, json!({"result": "ok"})));
 
@@ -108,10 +110,7 @@ fn kvm_a_destination_answers_while_it_waits_then_serves_the_vm_it_received() {
         Some(json!({"destination": format!("unix:{}", listen.display())})),
     );
     assert_eq!(started.0, 204, "{started:?}");
-    let left = source
-        .join()
-        .expect("no panic")
-        .expect("the source ends cleanly");
+    let left = source.ended().expect("the source ends cleanly");
     assert_eq!(left, Ending::Finished, "the VM migrated away");
     let (states, handovers) = watcher.join().expect("no panic");
     eprintln!("the destination's states: {states:?}; unanswered at the hand-over: {handovers}");

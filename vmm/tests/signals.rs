@@ -4,46 +4,32 @@
 //! handed from one process to another.
 
 use std::path::Path;
-use std::process::{Child, Command, Stdio};
+use std::process::Command;
 use std::time::{Duration, Instant};
 
 use serde_json::json;
 use tinyvmm::api::client::Client;
 
-fn start_serve(name: &str) -> (Child, std::path::PathBuf) {
+mod support;
+use support::vmm::Vmm;
+
+/// How long a VMM asked to exit may take: a guard against a hang only.
+const EXIT_LIMIT: Duration = Duration::from_secs(120);
+
+fn start_serve(name: &str) -> (Vmm, std::path::PathBuf) {
     start(name, &["serve", "--mem-mib", "0"])
 }
 
-/// Runs `tinyvmm ARGS --api-sock SOCKET` and waits for its socket.
-fn start(name: &str, args: &[&str]) -> (Child, std::path::PathBuf) {
-    let socket =
-        std::env::temp_dir().join(format!("tinyvmm-test-{}-{name}.sock", std::process::id()));
-    let child = Command::new(env!("CARGO_BIN_EXE_tinyvmm"))
-        .args(args)
-        .arg("--api-sock")
-        .arg(&socket)
-        .stdin(Stdio::null())
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("tinyvmm starts");
-    let deadline = Instant::now() + Duration::from_secs(60);
-    while Client::connect(&socket).is_err() {
-        assert!(Instant::now() < deadline, "the API socket never came up");
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    (child, socket)
+/// Runs `tinyvmm ARGS --api-sock SOCKET` and waits until it serves.
+fn start(name: &str, args: &[&str]) -> (Vmm, std::path::PathBuf) {
+    let vmm = Vmm::command(name).args(args).serving();
+    let socket = vmm.api().to_owned();
+    (vmm, socket)
 }
 
-fn terminate(child: &Child) {
-    // SAFETY: kill(2) only sends a signal to the child's pid, which we have not reaped yet.
-    let sent = unsafe { libc::kill(child.id() as libc::pid_t, libc::SIGTERM) };
-    assert_eq!(sent, 0, "kill");
-}
-
-/// The child's virtual memory size in KiB: each region it maps adds its size.
-fn mapped_kib(child: &Child) -> u64 {
-    std::fs::read_to_string(format!("/proc/{}/status", child.id()))
+/// The process's virtual memory size in KiB: each region it maps adds its size.
+fn mapped_kib(pid: u32) -> u64 {
+    std::fs::read_to_string(format!("/proc/{pid}/status"))
         .ok()
         .and_then(|status| {
             let line = status.lines().find(|l| l.starts_with("VmSize:"))?;
@@ -52,26 +38,14 @@ fn mapped_kib(child: &Child) -> u64 {
         .unwrap_or(0)
 }
 
-/// Kills the child if a test fails before it exits.
-struct Reap(Option<Child>);
-
-impl Drop for Reap {
-    fn drop(&mut self) {
-        if let Some(child) = self.0.as_mut() {
-            let _ = child.kill();
-            let _ = child.wait();
-        }
-    }
-}
-
 #[test]
 fn kvm_serve_exits_130_on_sigterm() {
     if !kvm_test_support::require_kvm("tinyvmm::kvm_serve_exits_130_on_sigterm") {
         return;
     }
-    let (child, socket) = start_serve("sigterm");
-    terminate(&child);
-    let output = child.wait_with_output().expect("wait");
+    let (mut vmm, socket) = start_serve("sigterm");
+    vmm.signal(libc::SIGTERM);
+    let output = vmm.wait(EXIT_LIMIT);
     let stderr = String::from_utf8_lossy(&output.stderr);
     assert_eq!(output.status.code(), Some(130), "{stderr}");
     assert!(stderr.contains("stopped by a signal"), "{stderr}");
@@ -90,9 +64,8 @@ const LONG: u64 = 4096 * MIB;
 const PAGE: u64 = 4096;
 
 /// `tinyvmm serve` with `mem_mib` MiB of initial memory, killed if the test fails first.
-fn serve_mib(name: &str, mem_mib: u64) -> (Reap, std::path::PathBuf) {
-    let (child, socket) = start(name, &["serve", "--mem-mib", &mem_mib.to_string()]);
-    (Reap(Some(child)), socket)
+fn serve_mib(name: &str, mem_mib: u64) -> (Vmm, std::path::PathBuf) {
+    start(name, &["serve", "--mem-mib", &mem_mib.to_string()])
 }
 
 /// One request on a connection of its own.
@@ -118,13 +91,8 @@ fn start_command(socket: &Path, body: &Json) -> Client {
 }
 
 /// Waits for the VMM to exit (it was asked to) and checks its status; returns its stderr.
-fn exits_with(mut vmm: Reap, socket: &Path, status: i32) -> String {
-    let output = vmm
-        .0
-        .take()
-        .expect("running")
-        .wait_with_output()
-        .expect("wait");
+fn exits_with(mut vmm: Vmm, socket: &Path, status: i32) -> String {
+    let output = vmm.wait(EXIT_LIMIT);
     let stderr = String::from_utf8_lossy(&output.stderr).into_owned();
     assert_eq!(output.status.code(), Some(status), "{stderr}");
     assert!(!socket.exists(), "the socket is removed");
@@ -256,7 +224,7 @@ fn kvm_sigterm_cuts_a_long_write_short_and_exits_130() {
     let (vmm, socket) = serve_mib("sigterm-write", LONG / MIB);
     let mut writer = start_command(&socket, &write(AREA, AREA + LONG, 10));
     assert_eq!(ask(&socket, "GET", "/vm", Json::Null).0, 200);
-    terminate(vmm.0.as_ref().expect("running"));
+    vmm.signal(libc::SIGTERM);
     let answer = writer.read_response().expect("the write's answer");
     assert_eq!(answer.1["result"], "cancelled", "{answer:?}");
     exits_with(vmm, &socket, 130);
@@ -343,9 +311,8 @@ fn kvm_a_signal_stops_a_long_plug_at_a_slot_boundary() {
     {
         return;
     }
-    let (child, socket) = start_serve("sigterm-plug");
-    let mut child = Reap(Some(child));
-    let pid = child.0.as_ref().expect("running");
+    let (mut vmm, socket) = start_serve("sigterm-plug");
+    let pid = vmm.pid();
     let mut client = Client::connect(&socket).expect("connect");
     let area = json!({"total_size_mib": 32768, "block_size_mib": 2});
     assert_eq!(
@@ -371,14 +338,9 @@ fn kvm_a_signal_stops_a_long_plug_at_a_slot_boundary() {
         assert!(Instant::now() < deadline, "the plug never started");
         std::thread::sleep(Duration::from_millis(5));
     }
-    terminate(pid);
+    vmm.signal(libc::SIGTERM);
     let (status, body) = plug.join().expect("client thread");
-    let output = child
-        .0
-        .take()
-        .expect("running")
-        .wait_with_output()
-        .expect("wait");
+    let output = vmm.wait(EXIT_LIMIT);
     let stderr = String::from_utf8_lossy(&output.stderr);
     assert_eq!(status, 503, "{body}");
     let message = body["fault_message"].as_str().unwrap_or_default();
@@ -409,7 +371,7 @@ fn snapshot_merge_names_a_bad_state_file_and_changes_nothing() {
         .expect("tinyvmm runs");
     let stderr = String::from_utf8_lossy(&output.stderr);
     assert_eq!(output.status.code(), Some(1), "{stderr}");
-    assert!(stderr.contains("no TVMSNAP magic"), "{stderr}");
+    assert!(stderr.contains("no TVMSTATE magic"), "{stderr}");
     assert!(!merged.exists(), "nothing is written");
     assert_eq!(
         std::fs::read(&base).expect("read"),
@@ -433,8 +395,7 @@ fn kvm_a_snapshot_of_the_maximum_slots_restores_in_a_new_process() {
     let max = kvm_ioctls::Kvm::new().expect("kvm").get_nr_memslots();
     let slots = max.to_string();
     // 128 MiB at 256 MiB over all but the system slot: 4 KiB a slot at 32764 slots.
-    let (child, socket) = start("xproc", &["serve", "--slots", &slots, "--mem-mib", "128"]);
-    let mut child = Reap(Some(child));
+    let (mut vmm, socket) = start("xproc", &["serve", "--slots", &slots, "--mem-mib", "128"]);
     let mut client = Client::connect(&socket).expect("connect");
     let memory = client.call("GET", "/memory", None).expect("memory").1;
     let area = &memory["regions"][1];
@@ -470,12 +431,7 @@ fn kvm_a_snapshot_of_the_maximum_slots_restores_in_a_new_process() {
         .0,
         204
     );
-    let first = child
-        .0
-        .take()
-        .expect("running")
-        .wait_with_output()
-        .expect("wait");
+    let first = vmm.wait(EXIT_LIMIT);
     assert_eq!(
         first.status.code(),
         Some(0),
@@ -487,7 +443,7 @@ fn kvm_a_snapshot_of_the_maximum_slots_restores_in_a_new_process() {
     // it.
     let (state_arg, mem_arg) = (state.to_str().expect("utf-8"), mem.to_str().expect("utf-8"));
     for backend in ["file", "copy", "uffd"] {
-        let (child, socket) = start(
+        let (mut restored, socket) = start(
             &format!("xproc-restored-{backend}"),
             &[
                 "restore",
@@ -499,7 +455,6 @@ fn kvm_a_snapshot_of_the_maximum_slots_restores_in_a_new_process() {
                 backend,
             ],
         );
-        let mut restored = Reap(Some(child));
         let mut client = Client::connect(&socket).expect("connect");
         let memory = client.call("GET", "/memory", None).expect("memory").1;
         assert_eq!(
@@ -515,12 +470,7 @@ fn kvm_a_snapshot_of_the_maximum_slots_restores_in_a_new_process() {
         assert_eq!(verified.1["result"], json!("ok"), "{backend}: {verified:?}");
         let stop = json!({"action_type": "Stop"});
         assert_eq!(call(&mut client, "PUT", "/actions", stop).0, 204);
-        let ended = restored
-            .0
-            .take()
-            .expect("running")
-            .wait_with_output()
-            .expect("wait");
+        let ended = restored.wait(EXIT_LIMIT);
         assert_eq!(ended.status.code(), Some(0), "{backend}");
     }
     let _ = std::fs::remove_dir_all(&dir);
@@ -579,14 +529,11 @@ fn kvm_a_sigbus_sent_from_outside_ends_the_vmm_as_before() {
         return;
     }
     let (mut vmm, socket) = serve_mib("outside-bus", 8);
-    let child = vmm.0.as_mut().expect("running");
-    // SAFETY: kill(2) only sends a signal to the child's pid, which we have not reaped yet.
-    let sent = unsafe { libc::kill(child.id() as libc::pid_t, libc::SIGBUS) };
-    assert_eq!(sent, 0, "kill");
+    vmm.signal(libc::SIGBUS);
     let deadline = Instant::now() + Duration::from_secs(60);
     let status = loop {
-        if let Some(status) = child.try_wait().expect("try_wait") {
-            break status;
+        if let Some(output) = vmm.try_exited() {
+            break output.status;
         }
         assert!(
             Instant::now() < deadline,
@@ -596,14 +543,13 @@ fn kvm_a_sigbus_sent_from_outside_ends_the_vmm_as_before() {
         std::thread::sleep(Duration::from_millis(10));
     };
     assert_eq!(status.signal(), Some(libc::SIGBUS), "{status:?}");
-    vmm.0 = None;
     let _ = std::fs::remove_file(&socket);
 }
 
 /// A `serve` VM whose 8 MiB at `AREA` were written (seed 5), paused, snapshotted (Full) into
 /// `dir` and stopped, then restored file-backed (the memory file mapped) in a new process
 /// `name`, resumed: the process, its API socket and the memory file it maps.
-fn restored_from_a_file(dir: &Path, name: &str) -> (Reap, std::path::PathBuf, std::path::PathBuf) {
+fn restored_from_a_file(dir: &Path, name: &str) -> (Vmm, std::path::PathBuf, std::path::PathBuf) {
     let _ = std::fs::remove_dir_all(dir);
     std::fs::create_dir_all(dir).expect("a folder");
     let (state, mem) = (dir.join("t.state"), dir.join("t.mem"));
@@ -622,7 +568,7 @@ fn restored_from_a_file(dir: &Path, name: &str) -> (Reap, std::path::PathBuf, st
     assert_eq!(saved.0, 204, "{saved:?}");
     stop(&socket);
     exits_with(template, &socket, 0);
-    let (child, socket) = start(
+    let (restored, socket) = start(
         &format!("{name}-restored"),
         &[
             "restore",
@@ -632,7 +578,6 @@ fn restored_from_a_file(dir: &Path, name: &str) -> (Reap, std::path::PathBuf, st
             mem.to_str().expect("utf-8"),
         ],
     );
-    let restored = Reap(Some(child));
     let resumed = ask(&socket, "PATCH", "/vm", json!({"state": "Resumed"}));
     assert_eq!(resumed.0, 204, "{resumed:?}");
     (restored, socket, mem)

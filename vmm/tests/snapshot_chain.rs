@@ -4,14 +4,17 @@
 //! files (a memory file, an empty file, a folder, a FIFO, a flipped byte, an old version, a
 //! state that contradicts itself) get a one-line error naming the file, changing nothing.
 
-use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
-use std::sync::{mpsc, OnceLock};
+use std::process::{Command, Stdio};
+use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
 use tinyvmm::api::client::Client;
+use tinyvmm::snapshot::state::{STATE_MAGIC, STATE_VERSION};
+
+mod support;
+use support::vmm::Vmm;
 
 /// The test area's guest address (`serve --mem-mib 4`).
 const AREA: u64 = 256 << 20;
@@ -47,11 +50,8 @@ impl Drop for Ended {
     }
 }
 
-/// A `tinyvmm` process serving its API, killed if a test fails before it stops.
-struct Served {
-    child: Option<Child>,
-    socket: PathBuf,
-}
+/// A `tinyvmm` process serving its API.
+struct Served(Vmm);
 
 /// How a `tinyvmm serve` or `restore` started.
 enum Started {
@@ -65,56 +65,32 @@ enum Started {
 
 /// Runs `tinyvmm ARGS --api-sock SOCKET` until it says it serves, exits, or 20 s have passed.
 fn start(name: &str, args: &[&std::ffi::OsStr]) -> Started {
-    let socket = file(&format!("{name}.sock"));
-    let mut child = Command::new(env!("CARGO_BIN_EXE_tinyvmm"))
+    let mut vmm = Vmm::command(name)
         .args(args)
-        .arg("--api-sock")
-        .arg(&socket)
-        .stdin(Stdio::null())
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("tinyvmm starts");
-    let (lines, stderr) = mpsc::channel();
-    let pipe = child.stderr.take().expect("piped");
-    std::thread::spawn(move || {
-        for line in BufReader::new(pipe).lines().map_while(Result::ok) {
-            let _ = lines.send(line);
-        }
-    });
+        .api_sock(file(&format!("{name}.sock")))
+        .spawn();
     let deadline = Instant::now() + Duration::from_secs(20);
-    let mut seen = Vec::new();
     loop {
-        if let Ok(line) = stderr.recv_timeout(Duration::from_millis(20)) {
-            if line.contains("serving the API") {
-                return Started::Served(Served {
-                    child: Some(child),
-                    socket,
-                });
-            }
-            seen.push(line);
+        if vmm.stderr_now().contains("serving the API") {
+            return Started::Served(Served(vmm));
         }
-        if let Some(status) = child.try_wait().expect("wait") {
-            seen.extend(stderr.iter());
+        if let Some(output) = vmm.try_exited() {
             return Started::Exited {
-                code: status.code(),
-                stderr: seen.join("\n"),
+                code: output.status.code(),
+                stderr: String::from_utf8_lossy(&output.stderr).into_owned(),
             };
         }
         if Instant::now() > deadline {
-            let _ = child.kill();
-            let _ = child.wait();
+            vmm.kill();
             return Started::Hung;
         }
+        std::thread::sleep(Duration::from_millis(20));
     }
 }
 
 impl Served {
     fn call(&self, method: &str, path: &str, body: Option<Value>) -> (u16, Value) {
-        Client::connect(&self.socket)
-            .expect("connect")
-            .call(method, path, body.as_ref())
-            .expect("an answer")
+        self.0.call(method, path, body)
     }
 
     /// Asks the guest to write (or verify) `seed`'s pattern over `[start, end)`.
@@ -143,19 +119,8 @@ impl Served {
     }
 
     /// Stops the VMM; its exit status.
-    fn stop(mut self) -> Option<i32> {
-        let _ = self.call("PUT", "/actions", Some(json!({"action_type": "Stop"})));
-        let child = self.child.take().expect("running");
-        child.wait_with_output().expect("wait").status.code()
-    }
-}
-
-impl Drop for Served {
-    fn drop(&mut self) {
-        if let Some(child) = self.child.as_mut() {
-            let _ = child.kill();
-            let _ = child.wait();
-        }
+    fn stop(self) -> Option<i32> {
+        self.0.stop().status.code()
     }
 }
 
@@ -469,8 +434,8 @@ fn kvm_bad_input_files_are_refused_in_one_line() {
     std::fs::write(&flipped, &bytes).expect("write");
     // A header that announces 100 MiB (a sparse file that large).
     let oversized = file("oversized.state");
-    let mut header = b"TVMSNAP\0".to_vec();
-    header.extend_from_slice(&tinyvmm::test_guest::snapshot::STATE_VERSION.to_le_bytes());
+    let mut header = STATE_MAGIC.to_vec();
+    header.extend_from_slice(&STATE_VERSION.to_le_bytes());
     header.extend_from_slice(&(100u64 << 20).to_le_bytes());
     std::fs::write(&oversized, &header).expect("write");
     std::fs::OpenOptions::new()
@@ -478,19 +443,16 @@ fn kvm_bad_input_files_are_refused_in_one_line() {
         .open(&oversized)
         .and_then(|f| f.set_len((100 << 20) + 24))
         .expect("sized");
-    // A state file of the first format version.
+    // A state file of the test guest's first format version.
     let old = file("old.state");
-    let json = kvm_memslots_persist::unframe(
-        b"TVMSNAP\0",
-        tinyvmm::test_guest::snapshot::STATE_VERSION,
-        &std::fs::read(&a1.state).expect("the state"),
-    )
-    .expect("a valid state file")
-    .to_vec();
-    std::fs::write(&old, kvm_memslots_persist::frame(b"TVMSNAP\0", 1, &json)).expect("write");
+    let current = std::fs::read(&a1.state).expect("the state");
+    let json = kvm_memslots_persist::unframe(STATE_MAGIC, STATE_VERSION, &current)
+        .expect("a valid state file");
+    let json = serde_json::from_slice(json).expect("JSON");
+    std::fs::write(&old, as_older(json, 1)).expect("write");
 
     for (case, state, why) in [
-        ("memory-as-state", &huge, "TVMSNAP"),
+        ("memory-as-state", &huge, "no TVMSTATE magic"),
         ("empty", &empty, "empty"),
         ("folder", &folder, "directory"),
         ("fifo", &pipe, "FIFO"),
@@ -530,25 +492,40 @@ fn kvm_bad_input_files_are_refused_in_one_line() {
 
 /// `a1.state` with its JSON changed by `change`, framed again with a valid checksum.
 fn tampered(name: &str, change: impl FnOnce(&mut Value)) -> PathBuf {
-    tampered_as(name, tinyvmm::test_guest::snapshot::STATE_VERSION, change)
+    tampered_as(name, STATE_VERSION, change)
 }
 
-/// As [`tampered`], written as a state file of format `version` (in its header and its JSON).
+/// As [`tampered`], written as a state file of format `version`: this build's, or an older
+/// one of the test guest's own ([`as_older`]).
 fn tampered_as(name: &str, version: u32, change: impl FnOnce(&mut Value)) -> PathBuf {
-    let current = tinyvmm::test_guest::snapshot::STATE_VERSION;
     let bytes = std::fs::read(&chains().a[0].state).expect("the state");
-    let json = kvm_memslots_persist::unframe(b"TVMSNAP\0", current, &bytes).expect("valid");
+    let json = kvm_memslots_persist::unframe(STATE_MAGIC, STATE_VERSION, &bytes).expect("valid");
     let mut state: Value = serde_json::from_slice(json).expect("JSON");
-    state["version"] = json!(version);
     change(&mut state);
     let path = file(&format!("{name}.state"));
-    let json = serde_json::to_vec(&state).expect("JSON");
-    std::fs::write(
-        &path,
-        kvm_memslots_persist::frame(b"TVMSNAP\0", version, &json),
-    )
-    .expect("write");
+    let bytes = if version == STATE_VERSION {
+        let json = serde_json::to_vec(&state).expect("JSON");
+        kvm_memslots_persist::frame(STATE_MAGIC, version, &json)
+    } else {
+        as_older(state, version)
+    };
+    std::fs::write(&path, bytes).expect("write");
     path
+}
+
+/// `state` (this build's JSON of a test guest's state file) as the builds before the one
+/// envelope wrote it, format `version` of the test guest's own (`TVMSNAP`): no guest kind, VM
+/// state or `paused`, and the hotplug area beside the layout rather than in a guest part.
+fn as_older(mut state: Value, version: u32) -> Vec<u8> {
+    let fields = state.as_object_mut().expect("an object");
+    let guest = fields.remove("guest").expect("the guest part");
+    for envelope_only in ["kind", "vm", "paused"] {
+        fields.remove(envelope_only);
+    }
+    fields.insert("hotplug".into(), guest["hotplug"].clone());
+    fields.insert("version".into(), json!(version));
+    let json = serde_json::to_vec(&state).expect("JSON");
+    kvm_memslots_persist::frame(b"TVMSNAP\0", version, &json)
 }
 
 /// The layout's region of chain A's second hotplug piece (8 MiB at `plugged` + 8 MiB, 2 MiB of
@@ -564,8 +541,9 @@ fn partly_plugged_piece(state: &mut Value, plugged: u64) -> &mut Value {
 
 /// A partly plugged hotplug piece keeps one slot, its unplugged blocks unreachable under it:
 /// the layout carries the slot, not the reachability, which the restore puts back. A state as
-/// written now, one written when pieces had holes (slots over the plugged blocks only) and one
-/// written before that (format version 2, the piece slotted whole) restore alike: one slot,
+/// written now, one written when pieces had holes (slots over the plugged blocks only), one
+/// written before that (format version 2, the piece slotted whole) and one of the format before
+/// the one envelope (the test guest's own, version 3) restore alike: one slot,
 /// the unplugged blocks no memory the guest may use, what the guest wrote kept, and the area
 /// plugs on from there.
 #[test]
@@ -577,7 +555,7 @@ fn kvm_a_partly_plugged_hotplug_piece_restores_with_its_unplugged_blocks_unreach
         return;
     }
     let c = chains();
-    let current = tinyvmm::test_guest::snapshot::STATE_VERSION;
+    let current = STATE_VERSION;
     let mut recorded = None;
     let as_written = tampered_as("one-slot", current, |s| {
         let piece = partly_plugged_piece(s, c.plugged);
@@ -597,10 +575,12 @@ fn kvm_a_partly_plugged_hotplug_piece_restores_with_its_unplugged_blocks_unreach
         piece["slot_ranges"] = json!([[0, 2 * MIB]]);
     });
     let legacy = tampered_as("whole-slotted", 2, |_| {});
+    let older = tampered_as("older-format", 3, |_| {});
     for (name, state) in [
         ("one-slot", as_written),
         ("with-holes", with_holes),
         ("whole-slotted", legacy),
+        ("older-format", older),
     ] {
         let vmm = match start(name, &restore_args(&state, &c.a[0].mem)) {
             Started::Served(vmm) => vmm,
@@ -648,11 +628,11 @@ fn kvm_a_state_file_that_contradicts_itself_is_refused_before_anything_runs() {
     let c = chains();
     // Before any check, this one was served and the VMM panicked at the first plug (exit 101).
     let short_map = tampered("short-map", |s| {
-        s["hotplug"]["mapped"] = json!([true, true]);
+        s["guest"]["hotplug"]["mapped"] = json!([true, true]);
     });
     if let Started::Served(vmm) = start("short-map-served", &restore_args(&short_map, &c.a[0].mem))
     {
-        let plug = Client::connect(&vmm.socket).and_then(|mut client| {
+        let plug = Client::connect(vmm.0.api()).and_then(|mut client| {
             let plug = json!({"requested_size_mib": 64});
             client.call("PATCH", "/hotplug/memory", Some(&plug))
         });
@@ -664,21 +644,21 @@ fn kvm_a_state_file_that_contradicts_itself_is_refused_before_anything_runs() {
         (
             "absurd-plugged",
             tampered("absurd-plugged", |s| {
-                s["hotplug"]["plugged_blocks"] = json!(1u64 << 62);
+                s["guest"]["hotplug"]["plugged_blocks"] = json!(1u64 << 62);
             }),
             "plugged_blocks",
         ),
         (
             "map-against-plugged",
             tampered("map-against-plugged", |s| {
-                s["hotplug"]["plugged_blocks"] = json!(0);
+                s["guest"]["hotplug"]["plugged_blocks"] = json!(0);
             }),
             "mapped",
         ),
         (
             "bad-block-size",
             tampered("bad-block-size", |s| {
-                s["hotplug"]["config"]["block_size_mib"] = json!(3);
+                s["guest"]["hotplug"]["config"]["block_size_mib"] = json!(3);
             }),
             "block_size_mib",
         ),
@@ -694,7 +674,7 @@ fn kvm_a_state_file_that_contradicts_itself_is_refused_before_anything_runs() {
         (
             "header-against-json",
             tampered("header-against-json", |s| s["version"] = json!(2)),
-            "the header's version is 3, the state's 2",
+            "the header's version is 4, the state's 2",
         ),
         (
             "short-regs",

@@ -8,14 +8,12 @@
 use std::path::{Path, PathBuf};
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
-use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use kvm_memslots_persist::WorkingSet;
 use serde_json::{json, Value};
-use tinyvmm::api::client::Client;
 use tinyvmm::jobs::restore::RestoreFrom;
-use tinyvmm::jobs::serve::{serve, serve_in_background, ServeConfig, ServeError};
+use tinyvmm::jobs::serve::{serve, ServeConfig};
 use tinyvmm::jobs::working_set::WorkingSetFiles;
 use tinyvmm::test_guest::snapshot::SnapshotState;
 use tinyvmm::test_guest::vcpus::{MemBackend, TestVm};
@@ -24,61 +22,24 @@ use tinyvmm::vm::VmOptions;
 use vmm_sys_util::eventfd::EventFd;
 
 mod support;
+use support::vmm::{InProcess as Vmm, Vmm as Process};
 
 /// The test area's guest address and size (`serve` with 8 MiB over one slot).
 const AREA: u64 = 256 << 20;
 const AREA_SIZE: u64 = 8 << 20;
 
-/// A VMM serving its API on a socket of its own, stopped when dropped.
-struct Vmm {
-    socket: PathBuf,
-    thread: Option<JoinHandle<Result<tinyvmm::lifecycle::Ending, ServeError>>>,
+/// Runs `op` with `seed` over the test area; it must be answered 200.
+fn run_over_area(vmm: &Vmm, op: &str, seed: u64) -> Value {
+    let command =
+        json!({"op": op, "start": AREA, "end": AREA + AREA_SIZE, "stride": 4096, "seed": seed});
+    let (status, body) = vmm.call("PUT", "/guest/command", Some(command));
+    assert_eq!(status, 200, "{body}");
+    body
 }
 
-impl Vmm {
-    fn start(config: ServeConfig) -> Vmm {
-        let socket = config.api_sock.clone();
-        let thread = serve_in_background(config).expect("the VMM starts");
-        Vmm {
-            socket,
-            thread: Some(thread),
-        }
-    }
-
-    fn call(&self, method: &str, path: &str, body: Option<Value>) -> (u16, Value) {
-        let mut client = Client::connect(&self.socket).expect("connect");
-        client.call(method, path, body.as_ref()).expect("an answer")
-    }
-
-    fn run(&self, op: &str, seed: u64) -> Value {
-        let command =
-            json!({"op": op, "start": AREA, "end": AREA + AREA_SIZE, "stride": 4096, "seed": seed});
-        let (status, body) = self.call("PUT", "/guest/command", Some(command));
-        assert_eq!(status, 200, "{body}");
-        body
-    }
-
-    fn set_state(&self, state: &str) {
-        let (status, body) = self.call("PATCH", "/vm", Some(json!({"state": state})));
-        assert_eq!(status, 204, "{body}");
-    }
-
-    /// Stops the VMM and waits until it has ended (its memory and loader dropped).
-    fn stop(mut self) {
-        let stop = json!({"action_type": "Stop"});
-        assert_eq!(self.call("PUT", "/actions", Some(stop)).0, 204);
-        let thread = self.thread.take().expect("running");
-        thread.join().expect("no panic").expect("clean stop");
-    }
-}
-
-impl Drop for Vmm {
-    fn drop(&mut self) {
-        if let Some(thread) = self.thread.take() {
-            let _ = self.call("PUT", "/actions", Some(json!({"action_type": "Stop"})));
-            let _ = thread.join();
-        }
-    }
+fn set_state(vmm: &Vmm, state: &str) {
+    let (status, body) = vmm.call("PATCH", "/vm", Some(json!({"state": state})));
+    assert_eq!(status, 204, "{body}");
 }
 
 fn socket(name: &str) -> PathBuf {
@@ -119,8 +80,8 @@ fn snapshots(name: &str) -> PathBuf {
         area_size: AREA_SIZE,
         ..ServeConfig::new(socket(&format!("{name}-source")))
     });
-    vmm.run("write", 5);
-    vmm.set_state("Paused");
+    run_over_area(&vmm, "write", 5);
+    set_state(&vmm, "Paused");
     for name in ["a", "b"] {
         let create = json!({
             "snapshot_type": "Full",
@@ -142,7 +103,7 @@ fn saved(path: &Path) -> SnapshotState {
 /// A uffd restore of `state`/`mem` with `files`, resumed.
 fn resumed(name: &str, state: &Path, mem: &Path, files: WorkingSetFiles) -> Vmm {
     let vmm = Vmm::start(restore_config(name, state, mem, MemBackend::Uffd, files));
-    vmm.set_state("Resumed");
+    set_state(&vmm, "Resumed");
     vmm
 }
 
@@ -206,7 +167,7 @@ fn kvm_a_recorded_working_set_is_prefetched_and_the_guest_verifies() {
         ..WorkingSetFiles::default()
     };
     let vmm = resumed("record", &state, &mem, record);
-    assert_eq!(vmm.run("verify", 5)["result"], json!("ok"));
+    assert_eq!(run_over_area(&vmm, "verify", 5)["result"], json!("ok"));
     assert!(!list.exists(), "written when the recording ends");
     // A client ends it: the list is written before the answer, and nothing records after.
     let (status, body) = vmm.call("PUT", "/working-set/stop", None);
@@ -221,7 +182,7 @@ fn kvm_a_recorded_working_set_is_prefetched_and_the_guest_verifies() {
             .contains("no working-set recording is under way"),
         "{body}"
     );
-    vmm.run("write", 7);
+    run_over_area(&vmm, "write", 7);
     let stopped_at = std::fs::read(&list).expect("the list");
     vmm.stop();
     assert_eq!(
@@ -245,10 +206,10 @@ fn kvm_a_recorded_working_set_is_prefetched_and_the_guest_verifies() {
         ..WorkingSetFiles::default()
     };
     let vmm = resumed("prefetch", &state, &mem, prefetch);
-    assert_eq!(vmm.run("verify", 5)["result"], json!("ok"));
+    assert_eq!(run_over_area(&vmm, "verify", 5)["result"], json!("ok"));
     // And it goes on: new writes, verified.
-    vmm.run("write", 6);
-    assert_eq!(vmm.run("verify", 6)["result"], json!("ok"));
+    run_over_area(&vmm, "write", 6);
+    assert_eq!(run_over_area(&vmm, "verify", 6)["result"], json!("ok"));
     vmm.stop();
 
     // The prefetch, seen from the loader: every page of the list filled ahead of the guest,
@@ -285,7 +246,7 @@ fn kvm_a_recorded_working_set_is_prefetched_and_the_guest_verifies() {
         ..WorkingSetFiles::default()
     };
     let vmm = resumed("timed", &state, &mem, timed);
-    assert_eq!(vmm.run("verify", 5)["result"], json!("ok"));
+    assert_eq!(run_over_area(&vmm, "verify", 5)["result"], json!("ok"));
     let start = Instant::now();
     while !timed_list.exists() {
         assert!(
@@ -343,9 +304,9 @@ fn kvm_a_2m_region_restores_lazily_and_the_guest_verifies() {
     let add = json!({"size": HUGE_SIZE, "guest_address": HUGE, "page_size": "2m"});
     let (status, body) = vmm.call("PUT", "/memory/regions", Some(add));
     assert_eq!(status, 201, "{body}");
-    vmm.run("write", 5);
+    run_over_area(&vmm, "write", 5);
     assert_eq!(run_huge(&vmm, "write", 11)["result"], json!("ok"));
-    vmm.set_state("Paused");
+    set_state(&vmm, "Paused");
     let create = json!({"snapshot_type": "Full", "snapshot_path": state, "mem_file_path": mem});
     let (status, body) = vmm.call("PUT", "/snapshot/create", Some(create));
     assert_eq!(status, 204, "{body}");
@@ -369,7 +330,7 @@ fn kvm_a_2m_region_restores_lazily_and_the_guest_verifies() {
     };
     let vmm = resumed("huge-record", &state, &mem, record);
     assert_eq!(run_huge(&vmm, "verify", 11)["result"], json!("ok"));
-    assert_eq!(vmm.run("verify", 5)["result"], json!("ok"));
+    assert_eq!(run_over_area(&vmm, "verify", 5)["result"], json!("ok"));
     vmm.stop();
     // The region's entries are whole 2 MiB pages: the four it has (the guest touched each).
     let set = list_at(&list);
@@ -589,68 +550,20 @@ fn kvm_a_working_set_that_does_not_fit_is_refused_with_the_reason() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
-/// A `tinyvmm` process (its console discarded, its stderr kept), killed when dropped.
-struct Process {
-    child: Option<std::process::Child>,
-    socket: PathBuf,
+/// Runs `tinyvmm ARGS --api-sock SOCKET` (its console discarded, its stderr kept) and waits
+/// until it serves its API.
+fn start(name: &str, args: &[&std::ffi::OsStr]) -> Process {
+    Process::command(name)
+        .args(args)
+        .api_sock(socket(name))
+        .serving()
 }
 
-impl Process {
-    /// Runs `tinyvmm ARGS --api-sock SOCKET` and waits (up to 60 s) until it serves its API.
-    fn start(name: &str, args: &[&std::ffi::OsStr]) -> Process {
-        let socket = socket(name);
-        let _ = std::fs::remove_file(&socket);
-        let child = std::process::Command::new(env!("CARGO_BIN_EXE_tinyvmm"))
-            .args(args)
-            .arg("--api-sock")
-            .arg(&socket)
-            .stdin(std::process::Stdio::null())
-            .stdout(std::process::Stdio::null())
-            .stderr(std::process::Stdio::piped())
-            .spawn()
-            .expect("tinyvmm starts");
-        let process = Process {
-            child: Some(child),
-            socket,
-        };
-        process.wait_for(Duration::from_secs(60), "its API socket", || {
-            Client::connect(&process.socket).is_ok()
-        });
-        process
-    }
-
-    fn call(&self, method: &str, path: &str, body: Option<Value>) -> (u16, Value) {
-        let mut client = Client::connect(&self.socket).expect("connect");
-        client.call(method, path, body.as_ref()).expect("an answer")
-    }
-
-    /// Waits until `done` (polled every 50 ms) or `limit` has passed (a failure, naming
-    /// `what`); the process must not end meanwhile.
-    fn wait_for(&self, limit: Duration, what: &str, mut done: impl FnMut() -> bool) {
-        let start = Instant::now();
-        while !done() {
-            assert!(start.elapsed() < limit, "{what} within {limit:?}");
-            std::thread::sleep(Duration::from_millis(50));
-        }
-    }
-
-    /// Ends it (SIGTERM) and returns what it said on stderr.
-    fn end(mut self) -> String {
-        let child = self.child.take().expect("running");
-        // SAFETY: kill(2) of this test's own child, which has not been waited for yet.
-        unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
-        let output = child.wait_with_output().expect("it ends");
-        String::from_utf8_lossy(&output.stderr).into_owned()
-    }
-}
-
-impl Drop for Process {
-    fn drop(&mut self) {
-        if let Some(mut child) = self.child.take() {
-            let _ = child.kill();
-            let _ = child.wait();
-        }
-    }
+/// Ends it (SIGTERM) and returns what it said on stderr.
+fn end(mut vmm: Process) -> String {
+    vmm.signal(libc::SIGTERM);
+    let output = vmm.wait(Duration::from_secs(120));
+    String::from_utf8_lossy(&output.stderr).into_owned()
 }
 
 #[test]
@@ -667,7 +580,7 @@ fn kvm_a_linux_guest_records_and_prefetches_its_working_set() {
     let resume = json!({"state": "Resumed"});
 
     // A kernel booting, paused a few seconds in and snapshotted.
-    let boot = Process::start(
+    let boot = start(
         "linux-boot",
         &[
             "boot".as_ref(),
@@ -688,7 +601,7 @@ fn kvm_a_linux_guest_records_and_prefetches_its_working_set() {
     let create = json!({"snapshot_type": "Full", "snapshot_path": state, "mem_file_path": mem});
     let (status, body) = boot.call("PUT", "/snapshot/create", Some(create));
     assert_eq!(status, 204, "{body}");
-    boot.end();
+    end(boot);
 
     // Restored lazily, recording 3 s of the guest's run until a client ends it (long before
     // its --record-secs).
@@ -711,14 +624,14 @@ fn kvm_a_linux_guest_records_and_prefetches_its_working_set() {
         ],
     ]
     .concat();
-    let recording = Process::start("linux-record", &record);
+    let recording = start("linux-record", &record);
     assert_eq!(recording.call("PATCH", "/vm", Some(resume.clone())).0, 204);
     std::thread::sleep(Duration::from_secs(3));
     let (status, body) = recording.call("PUT", "/working-set/stop", None);
     assert_eq!(status, 204, "{body}");
     assert!(list.exists(), "the list is written before the answer");
     assert_eq!(recording.call("PUT", "/working-set/stop", None).0, 409);
-    let stderr = recording.end();
+    let stderr = end(recording);
     let set = list_at(&list);
     let id = tinyvmm::linux::state::LinuxState::read_file(&state)
         .expect("the Linux state file")
@@ -730,7 +643,7 @@ fn kvm_a_linux_guest_records_and_prefetches_its_working_set() {
     assert!(set.pages() > 0, "{stderr}");
 
     // Restored again with the list: it runs on, nothing failed.
-    let prefetching = Process::start(
+    let prefetching = start(
         "linux-prefetch",
         &[&lazy[..], &["--prefetch".as_ref(), list.as_os_str()]].concat(),
     );
@@ -738,7 +651,7 @@ fn kvm_a_linux_guest_records_and_prefetches_its_working_set() {
     std::thread::sleep(Duration::from_secs(3));
     let (status, vm) = prefetching.call("GET", "/vm", None);
     assert_eq!((status, &vm["state"]), (200, &json!("Running")), "{vm}");
-    let stderr = prefetching.end();
+    let stderr = end(prefetching);
     assert!(
         !stderr.contains("could not fill") && !stderr.contains("prefetch stopped"),
         "{stderr}"

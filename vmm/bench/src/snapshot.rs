@@ -39,7 +39,7 @@ use tinyvmm::jobs::args::{slot_count, LimitArgs};
 use tinyvmm::jobs::process::{job_report, print_report, write_json};
 use tinyvmm::lifecycle::run_job;
 use tinyvmm::test_guest::area::{AreaError, TestArea, AREA_GPA};
-use tinyvmm::test_guest::snapshot::{MemoryCheck, SnapshotInfo, SnapshotState, STATE_VERSION};
+use tinyvmm::test_guest::snapshot::{MemoryCheck, SnapshotInfo, SnapshotState, TestGuestPart};
 use tinyvmm::test_guest::vcpus::{check_slot_count, GuestError, MemBackend, TestVm, Vcpus};
 use tinyvmm::test_guest::{Command, Op};
 use tinyvmm::vm::VmOptions;
@@ -248,13 +248,14 @@ fn save_state(
         None => SnapshotInfo::full(check),
     }
     .map_err(io("a snapshot id"))?;
-    let state = SnapshotState {
-        version: STATE_VERSION,
-        snapshot: Some(info),
+    let mut state = SnapshotState::new(
         layout,
-        vcpus: vcpus.save_states()?,
-        hotplug: None,
-    };
+        vcpus.save_states()?,
+        None,
+        true,
+        TestGuestPart::default(),
+    );
+    state.snapshot = Some(info);
     new_file(path)?
         .write_all(&state.to_bytes())
         .map_err(io("writing the state file"))?;

@@ -82,7 +82,7 @@ impl MigrationInfo {
             phase: run.phase,
             destination,
             round: run.round,
-            bytes_sent: run.bytes_copied,
+            bytes_sent: run.bytes_written,
             guest_memory_bytes: run.guest_memory_bytes,
             pages_left: run.pages_left,
             dirty_rate_pages_per_second: run.dirty_rate_pages_per_second,

@@ -2,7 +2,7 @@
 
 use serde::{Deserialize, Serialize};
 
-use crate::precopy::{OnTimeout, Phase, Progress};
+use crate::precopy::{OnTimeout, Progress};
 
 /// `PUT /snapshot/create` (Firecracker's shape).
 #[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
@@ -88,40 +88,21 @@ pub enum SnapshotType {
     Diff,
 }
 
-/// `GET /snapshot`: the last live snapshot, under way or ended.
+/// `GET /snapshot`: the last live snapshot, under way or ended: its files and id besides its
+/// pre-copy run's [`Progress`], whose fields it shows as they are (`phase`: `setup`,
+/// `pre_copy`, `stop_and_copy`, then `completed`, `failed` or `cancelled`; `bytes_written`
+/// into the memory file; `pause_ms` from its vCPUs pausing to their going on).
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct LiveSnapshotInfo {
-    /// Where it is (`setup`, `pre_copy`, `stop_and_copy`, then `completed`, `failed` or
-    /// `cancelled`).
-    pub phase: Phase,
     /// Its state file.
     pub snapshot_path: std::path::PathBuf,
     /// Its memory file.
     pub mem_file_path: std::path::PathBuf,
-    /// The round of pages under way (1: every page that holds data).
-    pub round: u32,
-    /// Bytes of pages written so far (a page the guest dirtied again is written again).
-    pub bytes_written: u64,
-    /// The guest memory when it started.
-    pub guest_memory_bytes: u64,
-    /// Pages the last harvest found dirty: what the next round writes.
-    pub pages_left: u64,
-    /// Pages the guest dirtied per second over the last round.
-    pub dirty_rate_pages_per_second: f64,
-    /// Bytes per second the last round wrote at.
-    pub throughput_bytes_per_second: f64,
-    /// The pause `pages_left` would take.
-    pub estimated_pause_ms: f64,
-    /// The pause began although the estimate did not fit `downtime_ms` (`on_timeout: force`).
-    pub forced: bool,
-    /// The pause the VM saw, from its vCPUs pausing to their going on, once completed.
-    pub pause_ms: Option<f64>,
-    /// Milliseconds since it started.
-    pub elapsed_ms: f64,
     /// The snapshot's id once completed (its state file says it too).
     pub snapshot_id: Option<String>,
-    /// Why it failed or was cancelled.
-    pub error: Option<String>,
+    /// Its pre-copy run's progress.
+    #[serde(flatten)]
+    pub progress: Progress,
 }
 
 impl LiveSnapshotInfo {
@@ -129,21 +110,10 @@ impl LiveSnapshotInfo {
     /// its `snapshot_id` once written.
     pub fn of(run: Progress, paths: &[std::path::PathBuf; 2], snapshot_id: Option<String>) -> Self {
         LiveSnapshotInfo {
-            phase: run.phase,
             snapshot_path: paths[0].clone(),
             mem_file_path: paths[1].clone(),
-            round: run.round,
-            bytes_written: run.bytes_copied,
-            guest_memory_bytes: run.guest_memory_bytes,
-            pages_left: run.pages_left,
-            dirty_rate_pages_per_second: run.dirty_rate_pages_per_second,
-            throughput_bytes_per_second: run.throughput_bytes_per_second,
-            estimated_pause_ms: run.estimated_pause_ms,
-            forced: run.forced,
-            pause_ms: run.pause_ms,
-            elapsed_ms: run.elapsed_ms,
             snapshot_id,
-            error: run.error,
+            progress: run,
         }
     }
 }

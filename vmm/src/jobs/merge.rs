@@ -93,14 +93,15 @@ fn link(state: &Path, mem: &Path) -> Result<Link, MergeError> {
 
 /// Checks that `links` are a chain: a Full first, then each the child of the one before, of
 /// one VM, none twice; names the first file that breaks it.
-/// What snapshot the state file at `path` is, and its layout, whatever its guest kind (its
-/// magic says).
+/// What snapshot the state file at `path` is, and its layout, whatever its guest kind (the
+/// file says).
 fn snapshot_of(path: &Path) -> Result<(SnapshotInfo, MemoryLayout), String> {
     let unnamed = || "it does not say what snapshot it is".to_owned();
     if matches!(GuestKind::of_file(path), Ok(GuestKind::Linux)) {
         let state = LinuxState::read_file(path).map_err(|e| e.to_string())?;
         return Ok((state.snapshot.ok_or_else(unnamed)?, state.layout));
     }
+    // Any other file: the test guest's reader says why it is none.
     let state = read_state_file(path).map_err(|e| e.to_string())?;
     Ok((state.snapshot.ok_or_else(unnamed)?, state.layout))
 }

@@ -3,7 +3,7 @@
 //! applies every round of pages, restores the vCPUs from the state record, lets the guest run
 //! on where it was paused, tells the source, and then serves the VM on its API socket (the
 //! API socket is bound first, so nothing can fail between the source's hand-over and serving;
-//! until the VM runs, it answers for a destination with no VM). The State record's magic says the guest kind: a test guest is
+//! until the VM runs, it answers for a destination with no VM). The State record says the guest kind: a test guest is
 //! served as `serve` serves one, a Linux guest runs as `boot` runs one (the in-kernel irqchip
 //! is added once that is known: no vCPU exists before), its console on stdout. Before either,
 //! once the last page landed, the memory is checked against the source's digest of what it sent
@@ -49,9 +49,9 @@ use crate::linux::state::LinuxState;
 use crate::linux::{BootEnding, LinuxVcpus, LinuxVm};
 use crate::migration::transport::{file_kind, Limits, Watch};
 use crate::migration::{Connection, Endpoint};
-use crate::snapshot::file::LINUX_MAGIC;
+use crate::snapshot::GuestKind;
 use crate::test_guest::controller::Controller;
-use crate::test_guest::snapshot::{MigrationState, MIGRATION_MAGIC};
+use crate::test_guest::snapshot::SnapshotState;
 use crate::test_guest::vcpus::TestVm;
 use crate::vm::{Vm, VmOptions};
 
@@ -342,11 +342,12 @@ fn receive_vm(
         elapsed: started.elapsed(),
     };
     let bad_state = |e: &dyn std::fmt::Display| format!("the VM's state (its State record): {e}");
-    if state.starts_with(LINUX_MAGIC) {
+    // The record says its guest kind (an older source's, by its magic).
+    if GuestKind::of_bytes(&state).map_err(|e| bad_state(&e.0))? == GuestKind::Linux {
         if config.dirty_ring.is_some() && crate::vm::host_emulates_ring0() {
             return Err(crate::linux::ConfigError::RingOnEmulatedHost.to_string());
         }
-        let state = LinuxState::from_bytes(&state).map_err(|e| bad_state(&e))?;
+        let state = LinuxState::from_bytes(&state).map_err(|e| bad_state(&e.0))?;
         check_layout(&state.layout, &layout).map_err(|e| e.to_string())?;
         vm.add_irqchip()
             .map_err(|e| format!("setting the VM up for Linux: {e}"))?;
@@ -363,20 +364,15 @@ fn receive_vm(
             stats,
         ));
     }
-    if !state.starts_with(MIGRATION_MAGIC) {
-        return Err(bad_state(
-            &"it is neither a test guest's nor a Linux guest's (its magic is unknown)",
-        ));
-    }
-    let state = MigrationState::from_bytes(&state).map_err(|e| bad_state(&e))?;
-    check_layout(&state.snapshot.layout, &layout).map_err(|e| e.to_string())?;
+    let state = SnapshotState::from_bytes(&state).map_err(|e| bad_state(&e.0))?;
+    check_layout(&state.layout, &layout).map_err(|e| e.to_string())?;
     let vm = TestVm::from_vm(vm, &layout, &ids)
         .map_err(|e| format!("this VMM cannot lay the VM's memory out: {e}"))?;
     let vcpus = vm
-        .start_restored_vcpus(&state.snapshot.vcpus, stopped)
+        .start_restored_vcpus(&state.vcpus, stopped)
         .map_err(|e| format!("restoring the vCPUs: {e}"))?;
     let mut controller = Controller::new(vm, vcpus)
-        .with_hotplug(state.snapshot.hotplug.as_ref())
+        .with_hotplug(state.guest.hotplug.as_ref())
         .map_err(|e| e.to_string())?;
     if state.paused {
         controller = controller.paused();

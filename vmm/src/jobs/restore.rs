@@ -1,7 +1,6 @@
 //! `tinyvmm restore`: a VM restored from a snapshot (`PUT /snapshot/create`), paused: a test
 //! guest served as `serve` serves a new one (`restored_controller`), a Linux guest run as
-//! `boot` runs one, its console on stdout ([`restore_linux`]); the state file's magic says
-//! which. The state file is read and checked before anything is
+//! `boot` runs one, its console on stdout ([`restore_linux`]); the state file says which. The state file is read and checked before anything is
 //! built, and the memory file checked against what the state file recorded of it: a Diff
 //! restores from its chain merged (`tinyvmm snapshot-merge`) with its own state file, and its
 //! own memory file, or another snapshot's or VM's, is refused. Nothing runs until every byte is
@@ -98,7 +97,7 @@ pub(crate) fn restored_controller(
     let vcpus = vm.start_restored_vcpus(&state.vcpus, stopped)?;
     Controller::new(vm, vcpus)
         .paused()
-        .with_hotplug(state.hotplug.as_ref())
+        .with_hotplug(state.guest.hotplug.as_ref())
         .map_err(|e| RestoreError::File {
             path: from.snapshot.clone(),
             reason: e.to_string(),

@@ -50,11 +50,13 @@ impl LinuxVm {
     ) -> Result<Self, BootError> {
         state
             .vm
+            .as_ref()
+            .ok_or_else(|| BootError::Restore("no irqchip, PIT and clock saved".into()))?
             .restore(vm.fd())
             .map_err(failed("the irqchip, PIT and clock"))?;
         let mut serial = None;
         let mut hotplug = None;
-        for device in &state.devices {
+        for device in &state.guest.devices {
             match device {
                 DeviceState::Serial { state } => serial = Some(state),
                 DeviceState::I8042 => {}
@@ -63,8 +65,9 @@ impl LinuxVm {
                     device,
                     transport,
                 } => {
-                    let sizes = (state.machine.hotplug_mib, state.machine.hotplug_block_mib);
-                    let page_size = state.machine.hotplug_page_size.into();
+                    let machine = &state.guest.machine;
+                    let sizes = (machine.hotplug_mib, machine.hotplug_block_mib);
+                    let page_size = machine.hotplug_page_size.into();
                     hotplug = Some(hotplug::restore(
                         &vm, *addr, sizes, page_size, device, transport,
                     )?);
@@ -83,7 +86,7 @@ impl LinuxVm {
             devices,
             bus: Arc::new(LegacyDevices::bus()),
             hotplug: hotplug.as_ref().map(|h| Arc::clone(&h.device)),
-            machine: state.machine.clone(),
+            machine: state.guest.machine.clone(),
             msrs: Arc::from(msrs),
             clock: Default::default(),
         };

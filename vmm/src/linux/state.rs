@@ -1,15 +1,14 @@
-//! A Linux guest's saved state: what snapshot it is (a migration's State record is none), the
-//! memory layout, every vCPU, the VM's irqchip, PIT and clock, every device, and the machine it
-//! was booted as, framed, versioned and checked as every kind's saved state is
-//! (`snapshot::saved`, with its own magic and version). The
-//! device list is checked against the machine: a state file whose devices are not the ones its
-//! configuration has is refused, and a VM with a device that cannot be saved refuses to
-//! snapshot, naming it ([`LinuxMachine::save`]).
+//! A Linux guest's part of its saved state ([`LinuxPart`]: every device, each with its own
+//! state type, and the machine it was booted as) and its checks, in the one envelope every
+//! guest kind's state file and State record are (`snapshot::state`, which frames, versions and
+//! checks the rest: what snapshot it is, the memory layout, every vCPU, the VM's irqchip, PIT
+//! and clock). The device list is checked against the machine: a state file whose devices are
+//! not the ones its configuration has is refused, and a VM with a device that cannot be saved
+//! refuses to snapshot, naming it ([`LinuxMachine::save`]).
 //!
 //! A restore needs no kernel: the kernel is in guest memory. The state names the kernel it
 //! was booted from (path, size and CRC-32) for the record only.
 
-use std::ops::RangeInclusive;
 use std::path::Path;
 use std::sync::Arc;
 
@@ -23,14 +22,10 @@ use super::hotplug::{self, VirtioMemDevice};
 use crate::control::memory::RegionPageSize;
 use crate::devices::legacy::{LegacyDevice, LegacyDevices, SerialSnapshot};
 use crate::migration::StateRecord;
-use crate::snapshot::file::LINUX_MAGIC;
-use crate::snapshot::saved::{self, SavedState};
+use crate::snapshot::state::{GuestKind, GuestPart, SavedState};
 use crate::snapshot::{SnapshotInfo, StateFileError};
 use crate::vm::ports::PortBus;
 use crate::vm::state::{StateError, VcpuState, VmState};
-
-/// The Linux state file's format version.
-pub const LINUX_STATE_VERSION: u32 = 1;
 
 /// The machine a Linux guest was booted as: what a restore rebuilds besides memory.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -156,28 +151,17 @@ impl DeviceState {
     }
 }
 
-/// What a Linux guest saves besides memory.
-#[derive(Debug, Serialize, Deserialize)]
+/// A Linux guest's saved state: the one envelope with a Linux guest's part.
+pub type LinuxState = SavedState<LinuxPart>;
+
+/// What a Linux guest saves besides what every kind does: its devices and its machine.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
-pub struct LinuxState {
-    /// [`LINUX_STATE_VERSION`].
-    pub version: u32,
-    /// What snapshot this is (none in a migration's State record).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub snapshot: Option<SnapshotInfo>,
-    /// The memory layout.
-    pub layout: MemoryLayout,
-    /// Every vCPU's state, by index.
-    pub vcpus: Vec<VcpuState>,
-    /// The irqchip, PIT and clock.
-    pub vm: VmState,
+pub struct LinuxPart {
     /// Every device, in the machine's order ([`Machine::devices`]).
     pub devices: Vec<DeviceState>,
     /// The machine booted.
     pub machine: Machine,
-    /// Whether a client had paused the VM (a migration's destination keeps it paused).
-    #[serde(default)]
-    pub paused: bool,
 }
 
 /// Why a Linux state could not be read or taken.
@@ -194,61 +178,26 @@ pub enum LinuxStateError {
     NotSaveable(String),
 }
 
-impl SavedState for LinuxState {
-    const MAGIC: &'static [u8; 8] = LINUX_MAGIC;
-    const VERSIONS: RangeInclusive<u32> = LINUX_STATE_VERSION..=LINUX_STATE_VERSION;
+impl GuestPart for LinuxPart {
+    const KIND: GuestKind = GuestKind::Linux;
 
-    fn version(&self) -> u32 {
-        self.version
-    }
-
-    fn snapshot(&self) -> Option<&SnapshotInfo> {
-        self.snapshot.as_ref()
-    }
-
-    fn validate(&self) -> Result<(), StateFileError> {
-        LinuxState::validate(self)
-    }
-}
-
-impl LinuxState {
-    /// Framed bytes.
-    pub fn to_bytes(&self) -> Vec<u8> {
-        saved::to_bytes(self)
-    }
-
-    /// Reads framed bytes, and checks them ([`validate`](Self::validate),
-    /// [`saved::from_bytes`]).
-    pub fn from_bytes(bytes: &[u8]) -> Result<Self, StateFileError> {
-        saved::from_bytes(bytes)
-    }
-
-    /// Reads and checks the Linux state file at `path` (header first, as every state file;
-    /// the error does not name the path).
-    pub fn read_file(path: &Path) -> Result<Self, StateFileError> {
-        saved::read_file(path)
-    }
-
-    /// Checks the state against itself: its version, its vCPUs against its machine's, its
-    /// devices against its machine's, its layout and its snapshot info.
-    pub fn validate(&self) -> Result<(), StateFileError> {
-        let bad = |why: String| StateFileError(why);
-        if self.version != LINUX_STATE_VERSION {
-            return Err(bad(format!(
-                "the header's version is {LINUX_STATE_VERSION}, the state's {}",
-                self.version
-            )));
-        }
-        let vcpus = usize::from(self.machine.vcpus);
-        if vcpus == 0 || vcpus > usize::from(MAX_VCPUS) || self.vcpus.len() != vcpus {
-            return Err(bad(format!(
+    /// Its vCPUs against its machine's, its VM state there, and its devices against its
+    /// machine's.
+    fn validate(state: &LinuxState) -> Result<(), String> {
+        let machine = &state.guest.machine;
+        let vcpus = usize::from(machine.vcpus);
+        if vcpus == 0 || vcpus > usize::from(MAX_VCPUS) || state.vcpus.len() != vcpus {
+            return Err(format!(
                 "{} vCPUs saved for a machine of {} (1 to {MAX_VCPUS})",
-                self.vcpus.len(),
-                self.machine.vcpus
-            )));
+                state.vcpus.len(),
+                machine.vcpus
+            ));
         }
-        let saved: Vec<DeviceName> = self.devices.iter().map(DeviceState::name).collect();
-        let wanted = self.machine.devices();
+        if state.vm.is_none() {
+            return Err("it has no `vm`: a Linux guest's irqchip, PIT and clock".into());
+        }
+        let saved: Vec<DeviceName> = state.guest.devices.iter().map(DeviceState::name).collect();
+        let wanted = machine.devices();
         if saved != wanted {
             let list = |names: &[DeviceName]| {
                 names
@@ -257,15 +206,11 @@ impl LinuxState {
                     .collect::<Vec<_>>()
                     .join(", ")
             };
-            return Err(bad(format!(
+            return Err(format!(
                 "its devices ({}) do not match its machine's ({})",
                 list(&saved),
                 list(&wanted)
-            )));
-        }
-        self.layout.validate().map_err(|e| bad(e.to_string()))?;
-        if let Some(info) = &self.snapshot {
-            info.validate(&self.layout).map_err(bad)?;
+            ));
         }
         Ok(())
     }
@@ -341,16 +286,14 @@ impl LinuxMachine {
         vcpus: Vec<VcpuState>,
         paused: bool,
     ) -> Result<LinuxState, LinuxStateError> {
-        Ok(LinuxState {
-            version: LINUX_STATE_VERSION,
-            snapshot,
-            layout: layout.clone(),
-            vcpus,
-            vm: VmState::save(&self.vm_fd, &self.clock)?,
+        let part = LinuxPart {
             devices: self.save_devices()?,
             machine: self.machine.clone(),
-            paused,
-        })
+        };
+        let vm = VmState::save(&self.vm_fd, &self.clock)?;
+        let mut state = LinuxState::new(layout.clone(), vcpus, Some(vm), paused, part);
+        state.snapshot = snapshot;
+        Ok(state)
     }
 }
 
@@ -377,6 +320,7 @@ impl StateRecord for LinuxRecord {
 mod tests {
     use super::*;
     use crate::devices::legacy::SerialSnapshot;
+    use crate::snapshot::state::{test_data, STATE_MAGIC, STATE_VERSION};
     use kvm_memslots::testing::FakeKvm;
     use kvm_memslots::{MemoryManager, RegionSpec};
     use kvm_memslots_persist::frame;
@@ -419,24 +363,20 @@ mod tests {
         memory
             .add_region(RegionSpec::new(GuestAddress(0), 2 << 20))
             .expect("RAM");
-        let state = LinuxState {
-            version: LINUX_STATE_VERSION,
-            snapshot: None,
-            layout: MemoryLayout::of(&memory),
-            vcpus: vec![vcpu()],
-            vm: VmState {
-                pic_master: Default::default(),
-                pic_slave: kvm_bindings::kvm_irqchip {
-                    chip_id: 1,
-                    ..Default::default()
-                },
-                ioapic: kvm_bindings::kvm_irqchip {
-                    chip_id: 2,
-                    ..Default::default()
-                },
-                pit: Default::default(),
-                clock: Default::default(),
+        let vm = VmState {
+            pic_master: Default::default(),
+            pic_slave: kvm_bindings::kvm_irqchip {
+                chip_id: 1,
+                ..Default::default()
             },
+            ioapic: kvm_bindings::kvm_irqchip {
+                chip_id: 2,
+                ..Default::default()
+            },
+            pit: Default::default(),
+            clock: Default::default(),
+        };
+        let part = LinuxPart {
             devices: vec![DeviceState::Serial { state: serial() }, DeviceState::I8042],
             machine: Machine {
                 vcpus: 1,
@@ -451,21 +391,27 @@ mod tests {
                 },
                 cmdline: "console=ttyS0".into(),
             },
-            paused: false,
         };
+        let state = LinuxState::new(
+            MemoryLayout::of(&memory),
+            vec![vcpu()],
+            Some(vm),
+            false,
+            part,
+        );
         serde_json::to_value(&state).expect("JSON")
     }
 
     fn framed(json: &Value, version: u32) -> Vec<u8> {
         frame(
-            LINUX_MAGIC,
+            STATE_MAGIC,
             version,
             &serde_json::to_vec(json).expect("bytes"),
         )
     }
 
     fn refused(json: &Value) -> String {
-        LinuxState::from_bytes(&framed(json, LINUX_STATE_VERSION))
+        LinuxState::from_bytes(&framed(json, STATE_VERSION))
             .expect_err("refused")
             .to_string()
     }
@@ -473,13 +419,19 @@ mod tests {
     #[test]
     fn a_linux_state_round_trips_and_is_checked_against_its_machine() {
         let json = state();
-        let back = LinuxState::from_bytes(&framed(&json, LINUX_STATE_VERSION)).expect("valid");
-        assert_eq!(back.devices[0], DeviceState::Serial { state: serial() });
-        assert_eq!(back.vm.ioapic.chip_id, 2);
+        let back = LinuxState::from_bytes(&framed(&json, STATE_VERSION)).expect("valid");
+        assert_eq!(
+            back.guest.devices[0],
+            DeviceState::Serial { state: serial() }
+        );
+        assert_eq!(back.vm.as_ref().map(|vm| vm.ioapic.chip_id), Some(2));
 
         // A device list that is not the machine's: one missing, one extra, out of order.
         let mut missing = json.clone();
-        missing["devices"].as_array_mut().expect("a list").pop();
+        missing["guest"]["devices"]
+            .as_array_mut()
+            .expect("a list")
+            .pop();
         let why = refused(&missing);
         assert!(
             why.contains(
@@ -489,22 +441,25 @@ mod tests {
             "{why}"
         );
         let mut with_hotplug = json.clone();
-        with_hotplug["machine"]["hotplug_mib"] = 1024.into();
+        with_hotplug["guest"]["machine"]["hotplug_mib"] = 1024.into();
         let why = refused(&with_hotplug);
         assert!(
             why.contains("virtio-mem (virtio-mmio at 0xd0000000)"),
             "{why}"
         );
         let mut swapped = json.clone();
-        swapped["devices"].as_array_mut().expect("a list").reverse();
+        swapped["guest"]["devices"]
+            .as_array_mut()
+            .expect("a list")
+            .reverse();
         assert!(refused(&swapped).contains("do not match"));
         let mut unknown = json.clone();
-        unknown["devices"][1] = serde_json::json!({"kind": "rtc"});
+        unknown["guest"]["devices"][1] = serde_json::json!({"kind": "rtc"});
         assert!(refused(&unknown).contains("unknown variant `rtc`"));
 
         // vCPUs that are not the machine's.
         let mut two = json.clone();
-        two["machine"]["vcpus"] = 2.into();
+        two["guest"]["machine"]["vcpus"] = 2.into();
         assert!(refused(&two).contains("1 vCPUs saved for a machine of 2"));
 
         // A register block of another size, with a valid checksum.
@@ -515,21 +470,91 @@ mod tests {
             .pop();
         assert!(refused(&short).contains("vCPU 0's debugregs has"));
 
-        // A state from a newer build (its header says version 2).
-        let newer = LinuxState::from_bytes(&framed(&json, LINUX_STATE_VERSION + 1))
+        // No VM state (irqchip, PIT and clock).
+        let mut no_vm = json.clone();
+        no_vm.as_object_mut().expect("an object").remove("vm");
+        assert!(refused(&no_vm).contains("it has no `vm`"));
+
+        // A state from a newer build (its header says version 5).
+        let newer = LinuxState::from_bytes(&framed(&json, STATE_VERSION + 1))
             .expect_err("refused")
             .to_string();
         assert!(newer.contains("version"), "{newer}");
         // Or one whose header and body disagree.
         let mut body = json.clone();
-        body["version"] = (LINUX_STATE_VERSION + 1).into();
-        assert!(refused(&body).contains("the header's version is 1, the state's 2"));
-        // A test guest's state file is not a Linux one.
-        let test_guest = frame(
-            crate::snapshot::file::TEST_GUEST_MAGIC,
-            LINUX_STATE_VERSION,
-            &serde_json::to_vec(&json).expect("bytes"),
+        body["version"] = (STATE_VERSION + 1).into();
+        assert!(refused(&body).contains("the header's version is 4, the state's 5"));
+        // A test guest's state is not a Linux one.
+        let mut test_guest = json.clone();
+        test_guest["kind"] = "test_guest".into();
+        let why = refused(&test_guest);
+        assert!(
+            why.contains("it is a test guest's state, not a Linux guest's"),
+            "{why}"
         );
-        assert!(LinuxState::from_bytes(&test_guest).is_err());
+    }
+
+    /// A state file and a State record as the builds before the one envelope wrote them (a
+    /// Linux guest's own format, `TVMLINUX` version 1, made by those builds' code) read as
+    /// this format's, every field where it was; written again, they are this format.
+    #[test]
+    fn a_linux_state_of_the_format_before_reads_into_the_envelope() {
+        let made = state();
+        let wanted = |json: Value, snapshot: bool, paused: bool| {
+            let mut json = json;
+            json["paused"] = paused.into();
+            let state: LinuxState = serde_json::from_value(json).expect("the state");
+            (
+                snapshot,
+                serde_json::to_value(&state.guest).expect("JSON"),
+                state.layout.regions.len(),
+            )
+        };
+        for (name, snapshot, paused) in [
+            ("linux-v1.state", true, false),
+            ("linux-v1.record", false, true),
+        ] {
+            let bytes = test_data(name);
+            assert!(bytes.starts_with(b"TVMLINUX"), "{name}");
+            assert_eq!(
+                GuestKind::of_bytes(&bytes).expect("a kind"),
+                GuestKind::Linux
+            );
+            let state = LinuxState::from_bytes(&bytes).unwrap_or_else(|e| panic!("{name}: {e}"));
+            assert_eq!(
+                (state.version, state.kind),
+                (STATE_VERSION, GuestKind::Linux)
+            );
+            assert_eq!(state.paused, paused, "{name}");
+            assert_eq!(
+                (
+                    state.snapshot.is_some(),
+                    serde_json::to_value(&state.guest).expect("JSON"),
+                    state.layout.regions.len()
+                ),
+                wanted(made.clone(), snapshot, paused),
+                "{name}"
+            );
+            assert_eq!(state.vm.as_ref().map(|vm| vm.pic_slave.chip_id), Some(1));
+            assert_eq!(state.vcpus.len(), 1);
+            let again = state.to_bytes();
+            assert!(again.starts_with(STATE_MAGIC));
+            let back = LinuxState::from_bytes(&again).expect("this format");
+            assert_eq!(back.snapshot, state.snapshot);
+            assert_eq!(back.guest, state.guest);
+        }
+        // An older state whose header and body disagree.
+        let bytes = test_data("linux-v1.state");
+        let json = kvm_memslots_persist::unframe(b"TVMLINUX", 1, &bytes).expect("a frame");
+        let mut json: Value = serde_json::from_slice(json).expect("JSON");
+        json["version"] = 2.into();
+        let body = frame(b"TVMLINUX", 1, &serde_json::to_vec(&json).expect("bytes"));
+        let why = LinuxState::from_bytes(&body)
+            .expect_err("refused")
+            .to_string();
+        assert!(
+            why.contains("the header's version is 1, the state's 2"),
+            "{why}"
+        );
     }
 }

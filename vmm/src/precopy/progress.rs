@@ -33,17 +33,20 @@ impl Phase {
     }
 }
 
-/// A run's progress.
-#[derive(Debug, Clone, PartialEq)]
+/// A run's progress. A live snapshot's `GET /snapshot` shows it as it is (flattened into
+/// `LiveSnapshotInfo`); a migration's `GET /migrate` names three of its fields in its own
+/// words (`MigrationInfo`).
+#[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct Progress {
     /// Where it is.
     pub phase: Phase,
     /// The round of pages under way (1: every page that holds data).
     pub round: u32,
-    /// Bytes of pages carried so far (a page the guest dirtied again is carried again).
-    pub bytes_copied: u64,
+    /// Bytes of pages written to the sink so far (a page the guest dirtied again is written
+    /// again).
+    pub bytes_written: u64,
     /// The guest memory when the run started (round 1 carries the pages of it that hold
-    /// data): what `bytes_copied` goes towards.
+    /// data): what `bytes_written` goes towards.
     pub guest_memory_bytes: u64,
     /// Pages the last harvest found dirty: what the next round carries (0 until round 1 ends).
     pub pages_left: u64,

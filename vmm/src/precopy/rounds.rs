@@ -162,7 +162,7 @@ impl<V: PreCopyVcpu> PreCopy<V> {
         let status = Arc::new(Mutex::new(Progress {
             phase: Phase::Setup,
             round: 0,
-            bytes_copied: 0,
+            bytes_written: 0,
             guest_memory_bytes: vm.memory.memory_use().guest_memory,
             pages_left: 0,
             dirty_rate_pages_per_second: 0.0,
@@ -234,14 +234,14 @@ impl<V: PreCopyVcpu> PreCopy<V> {
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .clone();
-        progress.bytes_copied = self.bytes_copied.load(Ordering::Relaxed);
+        progress.bytes_written = self.bytes_copied.load(Ordering::Relaxed);
         if progress.elapsed_ms == 0.0 || self.is_running() {
             progress.elapsed_ms = self.started.elapsed().as_secs_f64() * 1e3;
         }
         // Round 1 has no figure of its own until it ends: its live rate so far.
         if progress.phase == Phase::PreCopy && progress.round == 1 && progress.elapsed_ms > 0.0 {
             progress.throughput_bytes_per_second =
-                progress.bytes_copied as f64 / (progress.elapsed_ms / 1e3);
+                progress.bytes_written as f64 / (progress.elapsed_ms / 1e3);
         }
         progress
     }

@@ -1,67 +1,71 @@
-//! A test-guest VM's snapshot state file: what snapshot it is (kind, id, parent, place in its
-//! chain, the VM, and a check of the memory file it goes with), the memory layout
-//! (kvm-memslots-persist's `MemoryLayout`), every vCPU's state and the hotplug area, framed as
-//! a magic, the format version, the JSON and its CRC-32. A file is opened without blocking and
-//! its header checked before it is read ([`read_state_file`]), and its contents are checked
-//! against themselves ([`SnapshotState::validate`]) before anything is built. The guest's
-//! memory (its command blocks included) is in the memory file beside it.
+//! The test guest's part of its saved state ([`TestGuestPart`]: the hotplug area's
+//! bookkeeping) and its checks, in the one envelope every guest kind's state file and State
+//! record are (`snapshot::state`, which frames, versions and checks the rest: what snapshot it
+//! is, the memory layout, every vCPU's state); and the State record a migration sends
+//! ([`MigrationRecord`]). The guest's memory (its command blocks included) is in the memory
+//! file beside the state file.
 
-use std::ops::RangeInclusive;
 use std::path::Path;
 
-use kvm_memslots_persist::{frame, unframe_versions, MemoryLayout};
+use kvm_memslots_persist::MemoryLayout;
 use serde::{Deserialize, Serialize};
-use serde_json::Value;
 
 use crate::control::hotplug::HotplugConfig;
 use crate::migration::StateRecord;
-use crate::snapshot::file::{check_register_blocks, TEST_GUEST_MAGIC};
-pub use crate::snapshot::file::{open_input, StateFileError, MAX_STATE_FILE};
 pub use crate::snapshot::info::{
     MemoryCheck, MemoryMismatch, SnapshotId, SnapshotInfo, SnapshotKind, MEMORY_HEAD,
 };
-use crate::snapshot::saved::{self, SavedState};
+pub use crate::snapshot::state::file::{open_input, StateFileError, MAX_STATE_FILE};
+pub use crate::snapshot::state::STATE_VERSION;
+use crate::snapshot::state::{GuestKind, GuestPart, SavedState};
 use crate::test_guest::controller::HOTPLUG_GPA;
 use crate::test_guest::hotplug::HotplugArea;
 use crate::test_guest::{IDENTITY_MAPPED, MAX_VCPUS};
 use crate::vm::state::{VcpuState, SAVED_MSRS};
 
-/// The state file's format version (2: each file knows what snapshot it is; 3: a hotplug
-/// piece's slot covers only its plugged blocks). Written by this build.
-pub const STATE_VERSION: u32 = 3;
+/// A test guest's saved state: the one envelope with the test guest's part.
+pub type SnapshotState = SavedState<TestGuestPart>;
 
-/// The oldest state file version this build reads: a version 2 file's partly plugged hotplug
-/// piece may be slotted whole, and the restore cuts its slot to its plugged blocks. (Version 3
-/// keeps an older build, which would take such a slot for the whole piece, from reading it.)
-pub const OLDEST_STATE_VERSION: u32 = 2;
-
-const MAGIC: &[u8; 8] = TEST_GUEST_MAGIC;
-
-/// The magic of a test guest's migration State record.
-pub const MIGRATION_MAGIC: &[u8; 8] = b"TVMMIGR\0";
-/// The migration state record's format version (3 with [`STATE_VERSION`] 3).
-pub const MIGRATION_STATE_VERSION: u32 = 3;
-
-/// The oldest migration state record version this build reads (from an older source).
-pub const OLDEST_MIGRATION_STATE_VERSION: u32 = 2;
-
-/// What a snapshot saves besides memory.
-#[derive(Debug, Serialize, Deserialize)]
+/// What a test guest saves besides what every kind does: its hotplug area.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
-pub struct SnapshotState {
-    /// [`STATE_VERSION`].
-    pub version: u32,
-    /// What snapshot this is: every state file says; a migration's State record, which is not
-    /// a snapshot, has none.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub snapshot: Option<SnapshotInfo>,
-    /// The memory layout.
-    pub layout: MemoryLayout,
-    /// Every vCPU's state, by index.
-    pub vcpus: Vec<VcpuState>,
+pub struct TestGuestPart {
     /// The hotplug area, if one was configured.
     #[serde(default)]
     pub hotplug: Option<HotplugState>,
+}
+
+impl GuestPart for TestGuestPart {
+    const KIND: GuestKind = GuestKind::TestGuest;
+
+    /// 1 to [`MAX_VCPUS`] vCPUs each with the [`SAVED_MSRS`], no VM state (the test guest's
+    /// VM has no irqchip, PIT or clock to restore), and a hotplug area that agrees with itself
+    /// and the layout.
+    fn validate(state: &SnapshotState) -> Result<(), String> {
+        if state.vcpus.is_empty() || state.vcpus.len() > MAX_VCPUS {
+            return Err(format!(
+                "{} vCPUs; the test guest has 1 to {MAX_VCPUS}",
+                state.vcpus.len()
+            ));
+        }
+        for (i, vcpu) in state.vcpus.iter().enumerate() {
+            let indices: Vec<u32> = vcpu.msrs.iter().map(|(index, _)| *index).collect();
+            if indices != SAVED_MSRS {
+                return Err(format!(
+                    "vCPU {i} has the MSRs {indices:x?}; a saved vCPU has exactly {SAVED_MSRS:x?}"
+                ));
+            }
+        }
+        if state.vm.is_some() {
+            return Err(
+                "it has a `vm` (irqchip, PIT and clock), which a test guest's VM has not".into(),
+            );
+        }
+        match &state.guest.hotplug {
+            Some(hotplug) => hotplug.validate(&state.layout),
+            None => Ok(()),
+        }
+    }
 }
 
 /// The hotplug area's bookkeeping: its configuration, the blocks plugged, and which of its
@@ -84,7 +88,7 @@ impl HotplugState {
     /// nothing else) a region of the layout there with one slot over the whole piece, or (a
     /// version 3 state, written when pieces had holes) slots over its plugged blocks only: the
     /// restore gives it its one slot back and makes its unplugged blocks unreachable.
-    fn validate(&self, layout: &MemoryLayout) -> Result<(), String> {
+    pub fn validate(&self, layout: &MemoryLayout) -> Result<(), String> {
         let area = HotplugArea::new(self.config, HOTPLUG_GPA, IDENTITY_MAPPED, usize::MAX)
             .map_err(|e| format!("the hotplug area: {e}"))?;
         let slots = area.pieces.len();
@@ -157,117 +161,11 @@ impl HotplugState {
     }
 }
 
-/// Reads and checks the state file at `path` (see [`SnapshotState::from_bytes`]), its header
-/// first (`snapshot::file::read_framed`). The error does not name the path: the caller does.
+/// Reads and checks the test guest's state file at `path` ([`SavedState::read_file`]: of this
+/// build's format or an older one, its header first). The error does not name the path: the
+/// caller does.
 pub fn read_state_file(path: &Path) -> Result<SnapshotState, StateFileError> {
-    saved::read_file(path)
-}
-
-impl SavedState for SnapshotState {
-    const MAGIC: &'static [u8; 8] = MAGIC;
-    const VERSIONS: RangeInclusive<u32> = OLDEST_STATE_VERSION..=STATE_VERSION;
-
-    fn version(&self) -> u32 {
-        self.version
-    }
-
-    fn snapshot(&self) -> Option<&SnapshotInfo> {
-        self.snapshot.as_ref()
-    }
-
-    fn validate(&self) -> Result<(), StateFileError> {
-        SnapshotState::validate(self)
-    }
-}
-
-impl SnapshotState {
-    /// The file's bytes (kvm-memslots-persist's `frame`: magic, version, length, JSON, CRC-32).
-    pub fn to_bytes(&self) -> Vec<u8> {
-        saved::to_bytes(self)
-    }
-
-    /// Reads a state file's bytes, naming what is wrong with a bad one: the frame's checks,
-    /// register blocks of their exact sizes, [`validate`](Self::validate), and it must say
-    /// what snapshot it is ([`saved::from_bytes`]).
-    pub fn from_bytes(bytes: &[u8]) -> Result<Self, StateFileError> {
-        saved::from_bytes(bytes).and_then(saved::of_a_snapshot)
-    }
-
-    /// The checks [`from_bytes`](Self::from_bytes) makes after parsing, against the state
-    /// itself before anything is built: a version this build reads, 1 to [`MAX_VCPUS`] vCPUs
-    /// each with the
-    /// [`SAVED_MSRS`], a layout that passes [`MemoryLayout::validate`], a hotplug area that
-    /// agrees with itself and the layout, and a snapshot identity that does.
-    pub fn validate(&self) -> Result<(), StateFileError> {
-        let bad = |why: String| StateFileError(why);
-        if !(OLDEST_STATE_VERSION..=STATE_VERSION).contains(&self.version) {
-            return Err(bad(format!(
-                "state version {}; this build reads versions {OLDEST_STATE_VERSION} to \
-                 {STATE_VERSION}",
-                self.version
-            )));
-        }
-        if self.vcpus.is_empty() || self.vcpus.len() > MAX_VCPUS {
-            return Err(bad(format!(
-                "{} vCPUs; the test guest has 1 to {MAX_VCPUS}",
-                self.vcpus.len()
-            )));
-        }
-        for (i, vcpu) in self.vcpus.iter().enumerate() {
-            let indices: Vec<u32> = vcpu.msrs.iter().map(|(index, _)| *index).collect();
-            if indices != SAVED_MSRS {
-                return Err(bad(format!(
-                    "vCPU {i} has the MSRs {indices:x?}; a saved vCPU has exactly {SAVED_MSRS:x?}"
-                )));
-            }
-        }
-        // The layout's own checks (version, alignment, order, overlaps, file offsets).
-        self.layout.validate().map_err(|e| bad(e.to_string()))?;
-        if let Some(hotplug) = &self.hotplug {
-            hotplug.validate(&self.layout).map_err(bad)?;
-        }
-        if let Some(info) = &self.snapshot {
-            info.validate(&self.layout).map_err(bad)?;
-        }
-        Ok(())
-    }
-}
-
-/// What the State record of a migration carries: the snapshot state (layout, vCPUs, hotplug
-/// area) and whether the VM was paused by a client.
-#[derive(Debug, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct MigrationState {
-    /// What a snapshot would save.
-    pub snapshot: SnapshotState,
-    /// The VM was paused (`PATCH /vm`): it stays paused on the destination.
-    pub paused: bool,
-}
-
-impl MigrationState {
-    /// The record's bytes (framed: magic, version, length, JSON, CRC-32).
-    pub fn to_bytes(&self) -> Vec<u8> {
-        let json = serde_json::to_vec(self).expect("a migration state serialises");
-        frame(MIGRATION_MAGIC, MIGRATION_STATE_VERSION, &json)
-    }
-
-    /// Reads a State record, naming what is wrong with a bad one.
-    pub fn from_bytes(bytes: &[u8]) -> Result<Self, String> {
-        let (_, json) = unframe_versions(
-            MIGRATION_MAGIC,
-            OLDEST_MIGRATION_STATE_VERSION..=MIGRATION_STATE_VERSION,
-            bytes,
-        )?;
-        let record: Value =
-            serde_json::from_slice(json).map_err(|e| format!("the migration state: {e}"))?;
-        check_register_blocks(&record["snapshot"]["vcpus"])
-            .map_err(|e| format!("the migration state: {e}"))?;
-        let state: MigrationState =
-            serde_json::from_value(record).map_err(|e| format!("the migration state: {e}"))?;
-        // The snapshot state's own checks.
-        state.snapshot.validate().map_err(|e| e.to_string())?;
-        Ok(state)
-    }
+    SnapshotState::read_file(path)
 }
 
 /// The test guest's [`StateRecord`]: what its migration sends besides the layout and the
@@ -282,17 +180,10 @@ pub struct MigrationRecord {
 
 impl StateRecord for MigrationRecord {
     fn to_bytes(&self, layout: &MemoryLayout, states: Vec<VcpuState>) -> Result<Vec<u8>, String> {
-        Ok(MigrationState {
-            snapshot: SnapshotState {
-                version: STATE_VERSION,
-                snapshot: None,
-                layout: layout.clone(),
-                vcpus: states,
-                hotplug: self.hotplug.clone(),
-            },
-            paused: self.paused,
-        }
-        .to_bytes())
+        let part = TestGuestPart {
+            hotplug: self.hotplug.clone(),
+        };
+        Ok(SnapshotState::new(layout.clone(), states, None, self.paused, part).to_bytes())
     }
 }
 
@@ -301,9 +192,12 @@ impl StateRecord for MigrationRecord {
 #[allow(clippy::single_range_in_vec_init)]
 mod tests {
     use super::*;
+    use crate::snapshot::state::file::check_register_blocks;
+    use crate::snapshot::state::test_data;
     use crate::vm::state::{VcpuState, SAVED_MSRS};
     use kvm_memslots::testing::FakeKvm;
     use kvm_memslots::{MemoryManager, RegionSpec};
+    use kvm_memslots_persist::frame;
     use std::fs::File;
     use std::os::unix::fs::FileExt;
     use vm_memory::{Bytes, GuestAddress};
@@ -508,5 +402,141 @@ mod tests {
         sregs.truncate(sregs.len() - 8);
         let err = check_register_blocks(&vcpus).expect_err("refused");
         assert!(err.starts_with("vCPU 0's sregs has"), "{err}");
+    }
+
+    /// State files and State records as the builds before the one envelope wrote them (the
+    /// test guest's own formats, `TVMSNAP` and `TVMMIGR` versions 2 and 3, made by those
+    /// builds' code: one vCPU, a hotplug area with 5 blocks plugged, a Diff's identity) read
+    /// as this format's, every field where it was; written again, they are this format.
+    #[test]
+    fn test_guest_states_of_the_formats_before_read_into_the_envelope() {
+        for (name, magic, snapshot, paused) in [
+            ("test-guest-v2.state", b"TVMSNAP\0", true, false),
+            ("test-guest-v3.state", b"TVMSNAP\0", true, false),
+            ("test-guest-v2.record", b"TVMMIGR\0", false, true),
+            ("test-guest-v3.record", b"TVMMIGR\0", false, true),
+        ] {
+            let bytes = test_data(name);
+            assert!(bytes.starts_with(magic), "{name}");
+            assert_eq!(
+                GuestKind::of_bytes(&bytes).expect("a kind"),
+                GuestKind::TestGuest
+            );
+            let state = SnapshotState::from_bytes(&bytes).unwrap_or_else(|e| panic!("{name}: {e}"));
+            assert_eq!(
+                (state.version, state.kind, state.paused),
+                (STATE_VERSION, GuestKind::TestGuest, paused),
+                "{name}"
+            );
+            assert_eq!(state.guest.hotplug, Some(hotplug()), "{name}");
+            assert!(state.vm.is_none(), "{name}");
+            assert_eq!(state.vcpus.len(), 1);
+            assert_eq!(state.vcpus[0].regs.rip, 0x10000);
+            assert_eq!(state.vcpus[0].msrs[0], (SAVED_MSRS[0], 7));
+            assert_eq!(state.layout.regions.len(), 3, "{name}");
+            match (&state.snapshot, snapshot) {
+                (Some(info), true) => {
+                    assert_eq!((info.kind, info.position), (SnapshotKind::Diff, 1));
+                }
+                (None, false) => {}
+                (info, _) => panic!("{name}: snapshot {info:?}"),
+            }
+            let again = state.to_bytes();
+            assert!(again.starts_with(crate::snapshot::state::STATE_MAGIC));
+            let back = SnapshotState::from_bytes(&again).expect("this format");
+            assert_eq!(
+                (back.snapshot, back.guest, back.paused),
+                (state.snapshot, state.guest, state.paused)
+            );
+        }
+        // An older file whose header and body disagree, a version before the oldest read, a
+        // record's state of a version never written, and an older record with a field it
+        // never had: each refused, naming it.
+        let older = |magic: &[u8; 8], version: u32, change: &dyn Fn(&mut serde_json::Value)| {
+            let bytes = test_data(if magic == b"TVMSNAP\0" {
+                "test-guest-v3.state"
+            } else {
+                "test-guest-v3.record"
+            });
+            let json = kvm_memslots_persist::unframe(magic, 3, &bytes).expect("a frame");
+            let mut json: serde_json::Value = serde_json::from_slice(json).expect("JSON");
+            change(&mut json);
+            let bytes = frame(magic, version, &serde_json::to_vec(&json).expect("bytes"));
+            SnapshotState::from_bytes(&bytes)
+                .expect_err("refused")
+                .to_string()
+        };
+        let why = older(b"TVMSNAP\0", 3, &|json| json["version"] = 2.into());
+        assert!(
+            why.contains("the header's version is 3, the state's 2"),
+            "{why}"
+        );
+        let why = older(b"TVMSNAP\0", 1, &|json| json["version"] = 1.into());
+        assert!(
+            why.contains("format version 1; this build reads versions 2 to 3"),
+            "{why}"
+        );
+        let why = older(b"TVMMIGR\0", 3, &|json| {
+            json["snapshot"]["version"] = 9.into()
+        });
+        assert!(
+            why.contains("state version 9; this build reads versions 2 to 3"),
+            "{why}"
+        );
+        let why = older(b"TVMMIGR\0", 3, &|json| json["extra"] = 1.into());
+        assert!(why.contains("unknown field `extra`"), "{why}");
+        let why = older(b"TVMSNAP\0", 3, &|json| json["extra"] = 1.into());
+        assert!(why.contains("unknown field `extra`"), "{why}");
+        // A Linux guest's older state is not the test guest's.
+        let why = SnapshotState::from_bytes(&test_data("linux-v1.state"))
+            .expect_err("refused")
+            .to_string();
+        assert!(
+            why.contains("it is a Linux guest's state, not a test guest's"),
+            "{why}"
+        );
+    }
+
+    /// This format's state: checked as the test guest's, and refused naming what is wrong.
+    #[test]
+    fn a_test_guest_state_is_checked_as_the_test_guest_s() {
+        let state = SnapshotState::from_bytes(&test_data("test-guest-v3.state")).expect("valid");
+        let json = serde_json::to_value(&state).expect("JSON");
+        assert_eq!(json["kind"], "test_guest");
+        assert_eq!(json["guest"]["hotplug"]["plugged_blocks"], 5);
+        let refused = |change: &dyn Fn(&mut serde_json::Value)| {
+            let mut json = json.clone();
+            change(&mut json);
+            let bytes = frame(
+                crate::snapshot::state::STATE_MAGIC,
+                STATE_VERSION,
+                &serde_json::to_vec(&json).expect("bytes"),
+            );
+            SnapshotState::from_bytes(&bytes)
+                .expect_err("refused")
+                .to_string()
+        };
+        let why = refused(&|json| json["kind"] = "linux".into());
+        assert!(
+            why.contains("it is a Linux guest's state, not a test guest's"),
+            "{why}"
+        );
+        let why = refused(&|json| json["guest"]["hotplug"]["plugged_blocks"] = 0.into());
+        assert!(why.contains("slot 0 is mapped"), "{why}");
+        let why = refused(&|json| json["vcpus"][0]["msrs"] = serde_json::json!([]));
+        assert!(why.contains("vCPU 0 has the MSRs []"), "{why}");
+        let why = refused(&|json| json["vcpus"] = serde_json::json!([]));
+        assert!(why.contains("0 vCPUs; the test guest has 1 to"), "{why}");
+        let why = refused(&|json| json["guest"]["devices"] = serde_json::json!([]));
+        assert!(why.contains("unknown field `devices`"), "{why}");
+        let why = refused(&|json| json["version"] = 5.into());
+        assert!(
+            why.contains("the header's version is 4, the state's 5"),
+            "{why}"
+        );
+        let why = refused(&|json| {
+            json.as_object_mut().expect("an object").remove("kind");
+        });
+        assert!(why.contains("missing field `kind`"), "{why}");
     }
 }

@@ -1,8 +1,11 @@
 //! What the Linux-guest, snapshot and migration tests share: Debian's kernel (fetched by
 //! `resources/fetch-kernel.sh`), whether a test can run, whether the host has hardware
-//! virtualisation, merging a snapshot chain, and requests to a VMM's API socket.
+//! virtualisation, merging a snapshot chain, requests to a VMM's API socket, and a `tinyvmm`
+//! process to run ([`vmm::Vmm`]).
 
 #![allow(dead_code)] // Each test file uses its part.
+
+pub mod vmm;
 
 use std::path::{Path, PathBuf};
 use std::sync::OnceLock;

@@ -6,7 +6,7 @@ use crate::control::{ControllerError, ErrorKind};
 use crate::controller::Moving;
 use crate::snapshot::live::StateWriter;
 use crate::test_guest::hotplug::HotplugArea;
-use crate::test_guest::snapshot::{SnapshotState, STATE_VERSION};
+use crate::test_guest::snapshot::{SnapshotState, TestGuestPart};
 use crate::test_guest::vcpus::VcpuHandle;
 use crate::vm::state::VcpuState;
 
@@ -36,13 +36,8 @@ impl TestGuest {
     pub(super) fn writer(&self) -> StateWriter {
         let hotplug = self.hotplug.as_ref().map(HotplugArea::state);
         Box::new(move |layout, vcpus| {
-            let mut state = SnapshotState {
-                version: STATE_VERSION,
-                snapshot: None,
-                layout: layout.clone(),
-                vcpus,
-                hotplug,
-            };
+            let mut state =
+                SnapshotState::new(layout.clone(), vcpus, None, true, TestGuestPart { hotplug });
             Ok(Box::new(move |info| {
                 state.snapshot = Some(info);
                 state.to_bytes()

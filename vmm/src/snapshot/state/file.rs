@@ -1,10 +1,10 @@
-//! State files, whatever the guest kind: opened without blocking, refused unless regular,
-//! their frame's header checked before they are read whole ([`read_framed`]), the guest kind
-//! told from the magic ([`GuestKind::of_file`]), and the vCPUs' register blocks checked for
-//! their exact sizes ([`check_register_blocks`]).
+//! State files as files, whatever their format: opened without blocking, refused unless
+//! regular, their frame's header checked before they are read whole ([`read_framed`]), and the
+//! vCPUs' register blocks checked for their exact sizes ([`check_register_blocks`]).
 
 use std::fs::File;
 use std::io::Read;
+use std::ops::RangeInclusive;
 use std::os::unix::fs::{FileTypeExt, OpenOptionsExt};
 use std::path::Path;
 
@@ -18,46 +18,6 @@ use serde_json::Value;
 /// The largest state file read: a layout of every KVM slot as its own region and the most
 /// vCPUs take a few MiB.
 pub const MAX_STATE_FILE: u64 = 64 << 20;
-
-/// The magic of a test guest's state file.
-pub const TEST_GUEST_MAGIC: &[u8; 8] = b"TVMSNAP\0";
-/// The magic of a Linux guest's state file.
-pub const LINUX_MAGIC: &[u8; 8] = b"TVMLINUX";
-
-/// Which guest a state file (or a migration's State record) is of.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum GuestKind {
-    /// The built-in test guest (`tinyvmm serve`).
-    TestGuest,
-    /// A Linux guest (`tinyvmm boot`).
-    Linux,
-}
-
-impl GuestKind {
-    /// The kind of the state file at `path`, from its magic; an error says what the file is
-    /// instead (the caller names the path).
-    pub fn of_file(path: &Path) -> Result<GuestKind, StateFileError> {
-        let file = open_input(path).map_err(StateFileError)?;
-        let mut magic = Vec::with_capacity(8);
-        file.take(8)
-            .read_to_end(&mut magic)
-            .map_err(|e| StateFileError(format!("reading its header: {e}")))?;
-        if magic.is_empty() {
-            return Err(StateFileError("the file is empty".into()));
-        }
-        if magic == TEST_GUEST_MAGIC {
-            Ok(GuestKind::TestGuest)
-        } else if magic == LINUX_MAGIC {
-            Ok(GuestKind::Linux)
-        } else {
-            Err(StateFileError(
-                "not a tinyvmm state file: it starts with neither a test guest's nor a Linux \
-                 guest's magic"
-                    .into(),
-            ))
-        }
-    }
-}
 
 /// Why a state file was refused.
 #[derive(Debug, thiserror::Error)]
@@ -94,13 +54,13 @@ pub fn open_input(path: &Path) -> Result<File, String> {
 }
 
 /// Reads the framed state file at `path` whole, its header first: a file that is not a regular
-/// file, is empty, has another magic than `magic` or a version outside `versions`, is over
-/// [`MAX_STATE_FILE`] or another size than its header says is refused before it is read whole.
-/// The error does not name the path: the caller does.
+/// file, is empty, has another magic than the one `format` picks from its first bytes or a
+/// version outside the versions it gives with it, is over [`MAX_STATE_FILE`] or another size
+/// than its header says is refused before it is read whole. The error does not name the
+/// path: the caller does.
 pub fn read_framed(
     path: &Path,
-    magic: &[u8; 8],
-    versions: std::ops::RangeInclusive<u32>,
+    format: impl Fn(&[u8]) -> (&'static [u8; 8], RangeInclusive<u32>),
 ) -> Result<Vec<u8>, StateFileError> {
     let bad = StateFileError;
     let mut file = open_input(path).map_err(bad)?;
@@ -115,6 +75,7 @@ pub fn read_framed(
     let got = size.min(FRAME_HEADER as u64) as usize;
     file.read_exact(&mut header[..got])
         .map_err(|e| bad(format!("reading its header: {e}")))?;
+    let (magic, versions) = format(&header[..got]);
     let (_, total) = framed_len_versions(magic, versions, &header[..got]).map_err(bad)?;
     if total > MAX_STATE_FILE {
         return Err(bad(format!(
