@@ -5,7 +5,7 @@ Reads, where present:
   - memslot-map's summary (`crates/memslot-map/benches/summarize.py` writes it to
     target/criterion/memslot-map-summary.json): one image per scenario, time per operation
     against slot count, ours and vm-memory's, log-log;
-  - tinyvmm's harvest bench (`tinyvmm harvest-bench` writes target/bench/tinyvmm-harvest.json):
+  - tinyvmm's harvest bench (`tinyvmm-bench harvest-bench` writes target/bench/tinyvmm-harvest.json):
     harvest time against the share of pages dirtied, dirty ring against bitmap, log-log.
 
 Writes the images to docs/plots/ (or --out). Python 3 standard library only: the images are
@@ -191,7 +191,7 @@ def harvest_plots(bench):
             ]),
         ],
         note=[
-            f"tinyvmm harvest-bench; one {bench['ring_entries']}-entry ring. Ring points only where the pages dirtied",
+            f"tinyvmm-bench harvest-bench; one {bench['ring_entries']}-entry ring. Ring points only where the pages dirtied",
             "fit in the ring: past that, a full ring is collected during the writes (KVM_EXIT_DIRTY_RING_FULL).",
         ],
     )

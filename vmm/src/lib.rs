@@ -17,14 +17,14 @@
 //! | [`test_guest`] | the built-in ring-3 test guest: its layout, command protocol, ports and its side of the controller |
 //! | [`linux`] | booting a Linux kernel: configuration, e820, loading, CPU set-up, its side of the controller |
 //! | [`api`] | the API socket: HTTP/1.1 + JSON on a Unix socket, onto a controller |
-//! | [`jobs`] | the product's subcommands: check, serve, restore, receive, boot, on one run loop, and client |
-//! | [`bench`](mod@bench) | the measurement harnesses: perf suite, stress, harvest and snapshot benches |
+//! | [`jobs`] | the product's subcommands: check, serve, restore, receive, boot, on one run loop, and client; each one's command-line arguments |
 //!
 //! Each module uses only modules listed before it (`vmm/tests/layers.rs` checks this against the
-//! table in `docs/DESIGN.md`).
+//! table in `docs/DESIGN.md`). The measurement harnesses (perf suite, stress, harvest and
+//! snapshot benches) are a crate and binary of their own on this library, `tinyvmm-bench`
+//! (`vmm/bench/`), so that neither this library nor the `tinyvmm` binary carries them.
 
 pub mod api;
-pub mod bench;
 pub mod control;
 pub mod controller;
 pub mod devices;
@@ -44,3 +44,12 @@ pub const VERSION: &str = env!("CARGO_PKG_VERSION");
 /// The commit this binary was built from (`git rev-parse --short=12 HEAD` at build time), or
 /// `unknown` when it was not built from a git checkout.
 pub const COMMIT: &str = env!("TINYVMM_COMMIT");
+
+/// What `--version` says after the binary's name: the version and the commit
+/// (`0.1.0 (commit 0123456789ab)`).
+pub const VERSION_AND_COMMIT: &str = concat!(
+    env!("CARGO_PKG_VERSION"),
+    " (commit ",
+    env!("TINYVMM_COMMIT"),
+    ")"
+);

@@ -5,6 +5,10 @@
 
 use std::process::{Command, Output, Stdio};
 
+use kvm_test_support::cli::{
+    assert_usage_error, assert_version_and_help, help_commands, help_options, help_problems,
+};
+
 mod support;
 
 fn tinyvmm(args: &[&str]) -> Output {
@@ -21,16 +25,13 @@ fn text(bytes: &[u8]) -> String {
     String::from_utf8_lossy(bytes).into_owned()
 }
 
-/// Every subcommand, as `tinyvmm help` lists them.
-const SUBCOMMANDS: [&str; 13] = [
+/// Every subcommand, as `tinyvmm help` lists them (the measurement harnesses are
+/// `tinyvmm-bench`'s, `vmm/bench/tests/cli.rs`).
+const SUBCOMMANDS: [&str; 9] = [
     "check",
-    "bench",
-    "stress",
-    "harvest-bench",
     "serve",
     "restore",
     "snapshot-merge",
-    "snapshot-bench",
     "receive",
     "boot",
     "client",
@@ -52,35 +53,23 @@ const INPUTS: [&str; 9] = [
     "--end",
 ];
 
-/// The options of `--help`'s text, each with its help (the lines up to the next option).
-fn options(help: &str) -> Vec<(String, String)> {
-    let mut options: Vec<(String, String)> = Vec::new();
-    for line in help.lines() {
-        let trimmed = line.trim_start();
-        if let Some(rest) = trimmed.strip_prefix("--") {
-            let name = rest.split([' ', '<']).next().unwrap_or_default();
-            options.push((format!("--{name}"), trimmed.to_owned()));
-        } else if trimmed.starts_with("-h, --help") || trimmed.starts_with("-V, --version") {
-            options.push(("--help".into(), String::new()));
-        } else if let Some((_, help)) = options.last_mut() {
-            help.push(' ');
-            help.push_str(trimmed);
-        }
+/// `tinyvmm --help` lists the product's subcommands and no measurement harness (those are
+/// `tinyvmm-bench`'s).
+#[test]
+fn the_help_lists_the_products_subcommands_alone() {
+    let help = text(&tinyvmm(&["--help"]).stdout);
+    assert_eq!(help_commands(&help), SUBCOMMANDS, "{help}");
+    for harness in ["bench", "stress", "harvest-bench", "snapshot-bench"] {
+        assert_usage_error(&[harness], &tinyvmm(&[harness]));
     }
-    options
 }
 
 #[test]
 fn every_help_shows_its_defaults_and_one_name_per_concept() {
     let mut vcpus_help = Vec::new();
     let client_help = text(&tinyvmm(&["client", "--help"]).stdout);
-    let client_commands = client_help
-        .lines()
-        .skip_while(|l| !l.starts_with("Commands:"))
-        .skip(1)
-        .take_while(|l| l.starts_with("  "))
-        .filter_map(|l| l.split_whitespace().next())
-        .filter(|c| *c != "help")
+    let client_commands = help_commands(&client_help)
+        .into_iter()
         .map(|c| vec!["client", c]);
     let commands: Vec<Vec<&str>> = SUBCOMMANDS
         .iter()
@@ -93,26 +82,9 @@ fn every_help_shows_its_defaults_and_one_name_per_concept() {
         let output = tinyvmm(&[&command[..], &["--help"]].concat());
         assert!(output.status.success(), "{subcommand} --help");
         let help = text(&output.stdout);
-        let usage = help
-            .lines()
-            .find(|l| l.starts_with("Usage:"))
-            .expect("a usage line");
-        for (option, option_help) in options(&help) {
-            // Old names stay as hidden aliases only.
-            for old in ["--area-mib", "--mem-slots", "--ring-entries"] {
-                assert_ne!(option, old, "{subcommand} lists {old}");
-            }
-            let takes_value = option_help
-                .split_whitespace()
-                .nth(1)
-                .is_some_and(|w| w.starts_with('<'));
-            let required = usage.contains(&format!("{option} <"));
-            if takes_value && !required && !INPUTS.contains(&option.as_str()) {
-                assert!(
-                    option_help.contains("[default: "),
-                    "{subcommand} {option} shows no default: {option_help}"
-                );
-            }
+        let problems = help_problems(&subcommand, &help, &INPUTS);
+        assert!(problems.is_empty(), "{}", problems.join("\n"));
+        for (option, option_help) in help_options(&help) {
             if option == "--vcpus" {
                 vcpus_help.push((subcommand.clone(), option_help));
             }
@@ -129,7 +101,7 @@ fn every_help_shows_its_defaults_and_one_name_per_concept() {
 #[test]
 fn restore_lists_no_option_it_ignores() {
     let help = text(&tinyvmm(&["restore", "--help"]).stdout);
-    let names: Vec<String> = options(&help).into_iter().map(|(n, _)| n).collect();
+    let names: Vec<String> = help_options(&help).into_iter().map(|(n, _)| n).collect();
     for ignored in ["--slots", "--mem-mib", "--vcpus", "--memfd"] {
         assert!(
             !names.contains(&ignored.to_owned()),
@@ -259,7 +231,13 @@ fn kvm_a_slot_count_over_kvms_is_a_usage_error() {
     let over = (max + 1).to_string();
     for args in [
         &["check", "--slots", over.as_str()][..],
-        &["bench", "--slots", &format!("10,{over}")],
+        &[
+            "serve",
+            "--api-sock",
+            "/nonexistent/x.sock",
+            "--slots",
+            &over,
+        ],
     ] {
         let output = tinyvmm(args);
         let stderr = text(&output.stderr);
@@ -278,7 +256,6 @@ fn usage_errors_have_their_own_exit_status_and_help_and_version_succeed() {
         &["check", "--vcpus", "16"],
         &["check", "--vcpus", "0"],
         &["check", "--slots", "1"],
-        &["stress", "--seconds", "-1"],
         &["serve", "--api-sock", "/nonexistent/x.sock", "--slots", "1"],
         &[
             "serve",
@@ -305,28 +282,12 @@ fn usage_errors_have_their_own_exit_status_and_help_and_version_succeed() {
             "{not json",
         ],
     ] {
-        let output = tinyvmm(args);
-        assert_eq!(
-            output.status.code(),
-            Some(64),
-            "{args:?}: {}",
-            text(&output.stderr)
-        );
-        assert!(output.stdout.is_empty(), "{args:?}");
-        assert!(text(&output.stderr).starts_with("error: "), "{args:?}");
+        assert_usage_error(args, &tinyvmm(args));
     }
     // The old names are still understood.
     let help = tinyvmm(&["check", "--area-mib", "8", "--help"]);
     assert!(help.status.success());
-    let version = tinyvmm(&["--version"]);
-    assert!(version.status.success());
-    let version = text(&version.stdout);
-    assert!(
-        version.starts_with(&format!("tinyvmm {} (commit ", env!("CARGO_PKG_VERSION"))),
-        "{version}"
-    );
-    let help = text(&tinyvmm(&["--help"]).stdout);
-    assert!(help.contains("64 a usage error"), "{help}");
+    assert_version_and_help(tinyvmm, "tinyvmm", env!("CARGO_PKG_VERSION"));
 }
 
 #[test]

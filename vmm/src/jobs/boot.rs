@@ -2,16 +2,24 @@
 //! console and, with `--api-sock`, its API socket, until it resets, a vCPU stops, a client or
 //! the caller stops it, a signal comes or the timeout.
 
+use std::path::PathBuf;
+use std::process::ExitCode;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use super::args::LimitArgs;
+use super::process::print_json;
 use super::run_loop::RunLoop;
 use crate::api::server::{ApiSocket, SocketError, DEFAULT_IDLE_TIMEOUT};
+use crate::control::memory::RegionPageSize;
 use crate::host::RawTerminal;
 use crate::lifecycle::{log, LogLevel, LoopError};
 use crate::linux::controller::LinuxController;
-use crate::linux::{BootConfig, BootEnding, BootError, BootReport, Console, LinuxVcpus, LinuxVm};
+use crate::linux::{
+    describe, BootConfig, BootEnding, BootError, BootProtocol, BootReport, ConfigError, Console,
+    KernelFormat, LinuxVcpus, LinuxVm,
+};
 
 /// Why a boot could not start (or the VMM failed while it ran).
 #[derive(Debug, thiserror::Error)]
@@ -29,7 +37,7 @@ pub enum BootJobError {
     #[error("cannot restore from {}: {reason}", path.display())]
     Restore {
         /// The file.
-        path: std::path::PathBuf,
+        path: PathBuf,
         /// Why.
         reason: String,
     },
@@ -169,4 +177,202 @@ pub fn run_linux(
     linux.flush_console();
     drop(terminal);
     Ok(ending.unwrap_or(BootEnding::Interrupted))
+}
+
+/// `tinyvmm boot`'s arguments: a JSON boot configuration and options over it.
+#[derive(Debug, clap::Args)]
+pub struct BootArgs {
+    /// A JSON boot configuration (fields as the options below, `_` for `-`, except
+    /// `mem_slots` for --slots, `timeout_secs` for --timeout and `acpi: false` for --no-acpi;
+    /// unknown fields are refused). Options given with it override the file's fields.
+    #[arg(long)]
+    pub config: Option<PathBuf>,
+    /// The kernel: a bzImage, or an ELF vmlinux (PVH entry when it has the note).
+    #[arg(long, required_unless_present = "config")]
+    pub kernel: Option<PathBuf>,
+    /// An initramfs.
+    #[arg(long)]
+    pub initramfs: Option<PathBuf>,
+    /// The kernel command line [default: "console=ttyS0 reboot=k panic=-1"]
+    #[arg(long)]
+    pub cmdline: Option<String>,
+    /// vCPUs (1 to 32) [default: 1]
+    #[arg(long, value_parser = clap::value_parser!(u8).range(1..=32))]
+    pub vcpus: Option<u8>,
+    /// MiB of RAM [default: 512]
+    #[arg(long)]
+    pub mem_mib: Option<u64>,
+    /// KVM slots the RAM is split into (equal sizes, whole pages) [default: 1]
+    #[arg(long = "slots", alias = "mem-slots", value_name = "SLOTS", value_parser = clap::value_parser!(u64).range(1..))]
+    pub mem_slots: Option<u64>,
+    /// Leave a hole after every slot above the first 128 MiB (one e820 RAM range per slot).
+    #[arg(long)]
+    pub mem_holes: bool,
+    /// Stop the VM after this many seconds (fractions allowed; exit status 124) [default:
+    /// none]
+    #[arg(long)]
+    pub timeout: Option<f64>,
+    /// How to enter the kernel: auto (PVH when the kernel and map allow), linux or pvh
+    /// [default: auto]
+    #[arg(long, value_enum)]
+    pub protocol: Option<BootProtocol>,
+    /// Do not print the e820 map and the command line the VMM built (on stderr).
+    #[arg(long)]
+    pub quiet: bool,
+    /// MiB of hotpluggable memory behind a virtio-mem device above RAM (none plugged at boot;
+    /// `PATCH /hotplug/memory` on --api-sock asks the guest to plug) [default: 0, no device]
+    #[arg(long)]
+    pub hotplug_mib: Option<u64>,
+    /// The virtio-mem block size in MiB (a power of two, at least 2) [default: 2]
+    #[arg(long)]
+    pub hotplug_block_mib: Option<u64>,
+    /// The largest KVM slot neighbouring plugged blocks share, in MiB (a multiple of the block
+    /// size; 0: a slot per block) [default: 128]
+    #[arg(long)]
+    pub hotplug_max_slot_mib: Option<u64>,
+    /// An API socket while the guest runs: /vm (pause, resume), /snapshot/create, /migrate,
+    /// /dirty-log, /memory, /hotplug/memory, /actions [default: none]
+    #[arg(long, alias = "api-socket")]
+    pub api_sock: Option<PathBuf>,
+    /// Put RAM in memfds (shared memory): a local migration hands it over instead of copying.
+    #[arg(long)]
+    pub memfd: bool,
+    /// The host pages behind RAM: 4k, 2m (hugetlb; with --memfd an MFD_HUGETLB memfd: RAM and
+    /// each slot a multiple of 2 MiB, the pool holding all of RAM) or thp [default: 4k]
+    #[arg(long, value_enum)]
+    pub page_size: Option<RegionPageSize>,
+    /// The host pages behind the virtio-mem device's plugged blocks: 4k, 2m (the pool must
+    /// hold a piece when the guest plugs into it) or thp [default: 4k]
+    #[arg(long, value_enum)]
+    pub hotplug_page_size: Option<RegionPageSize>,
+    /// Harvest dirty pages from per-vCPU rings of this many entries (a power of two from 256
+    /// to KVM's maximum) instead of per-slot bitmaps; refused where KVM emulates the guest
+    /// kernel (kvm_pvm) [default: bitmaps]
+    #[arg(long)]
+    pub dirty_ring: Option<u32>,
+    /// Log every API request on stderr: method, path, status, time and a refusal's message
+    /// (as --log-level debug does).
+    #[arg(long)]
+    pub log_requests: bool,
+    /// Print how the run ended as JSON alone on stdout (durations in ms, "passed": true for
+    /// exit status 0); the guest's console then goes to stderr.
+    #[arg(long)]
+    pub json: bool,
+    /// No ACPI tables: the guest gets the MP table alone and finds the virtio-mem device on its
+    /// command line (`virtio_mmio.device=`, for kernels with CONFIG_VIRTIO_MMIO_CMDLINE_DEVICES).
+    #[arg(long)]
+    pub no_acpi: bool,
+    /// The memory limits of the VM.
+    #[command(flatten)]
+    pub limits: LimitArgs,
+}
+
+impl BootArgs {
+    /// The boot configuration: the file's (or the defaults), with the options given over it.
+    fn config(self) -> Result<BootConfig, ConfigError> {
+        let mut config = match &self.config {
+            Some(path) => BootConfig::from_file(path)?,
+            None => BootConfig::default(),
+        };
+        if let Some(kernel) = self.kernel {
+            config.kernel = kernel;
+        }
+        config.initramfs = self.initramfs.or(config.initramfs);
+        if let Some(cmdline) = self.cmdline {
+            config.cmdline = cmdline;
+        }
+        config.vcpus = self.vcpus.unwrap_or(config.vcpus);
+        config.mem_mib = self.mem_mib.unwrap_or(config.mem_mib);
+        config.mem_slots = self.mem_slots.unwrap_or(config.mem_slots);
+        config.mem_holes |= self.mem_holes;
+        config.timeout_secs = self.timeout.or(config.timeout_secs);
+        config.protocol = self.protocol.unwrap_or(config.protocol);
+        config.hotplug_mib = self.hotplug_mib.unwrap_or(config.hotplug_mib);
+        config.hotplug_block_mib = self.hotplug_block_mib.unwrap_or(config.hotplug_block_mib);
+        config.hotplug_max_slot_mib = self
+            .hotplug_max_slot_mib
+            .unwrap_or(config.hotplug_max_slot_mib);
+        config.api_sock = self.api_sock.or(config.api_sock);
+        config.acpi &= !self.no_acpi;
+        config.memfd |= self.memfd;
+        config.page_size = self.page_size.unwrap_or(config.page_size);
+        config.hotplug_page_size = self.hotplug_page_size.unwrap_or(config.hotplug_page_size);
+        config.dirty_ring = self.dirty_ring.or(config.dirty_ring);
+        config.limits = Some(self.limits.resolve());
+        Ok(config)
+    }
+
+    /// Runs `tinyvmm boot`: the console on stdout (with `--json`, on stderr, and how the run
+    /// ended as JSON on stdout); gives the exit status of how the guest's run ended.
+    pub fn run(self) -> ExitCode {
+        let (json, quiet) = (self.json, self.quiet);
+        crate::api::server::log_requests(self.log_requests);
+        let config = match self.config() {
+            Ok(config) => config,
+            Err(e) => {
+                eprintln!("tinyvmm: {e}");
+                return ExitCode::FAILURE;
+            }
+        };
+        let console = Console {
+            // With --json, stdout holds the JSON alone.
+            output: if json {
+                Box::new(std::io::stderr())
+            } else {
+                Box::new(std::io::stdout())
+            },
+            stdin: true,
+            stop: None,
+        };
+        let started = Instant::now();
+        match boot(&config, console, |report| {
+            if !quiet && crate::lifecycle::logs(LogLevel::Info) {
+                eprint!("{}", describe(report));
+            }
+        }) {
+            Ok(report) => {
+                let code = linux_ended(&report.ending);
+                if json {
+                    let ms = |d: Duration| d.as_secs_f64() * 1e3;
+                    print_json(
+                        report.ending.exit_code() == 0,
+                        serde_json::json!({
+                            "ending": report.ending.to_string(),
+                            "exit_status": report.ending.exit_code(),
+                            "kernel_format": match report.format {
+                                KernelFormat::BzImage => "bzimage",
+                                KernelFormat::Elf => "elf",
+                            },
+                            "regions": report.regions,
+                            "slots": report.slots,
+                            "cmdline": report.cmdline,
+                            "setup_ms": ms(report.setup_time),
+                            "run_ms": ms(started.elapsed().saturating_sub(report.setup_time)),
+                        }),
+                    );
+                }
+                code
+            }
+            Err(e) => {
+                eprintln!("tinyvmm: {e}");
+                if json {
+                    print_json(false, serde_json::json!({ "error": e.to_string() }));
+                }
+                ExitCode::FAILURE
+            }
+        }
+    }
+}
+
+/// Says how a Linux guest's run ended (a failure at every log level, a clean end at info)
+/// and gives its exit status.
+pub fn linux_ended(ending: &BootEnding) -> ExitCode {
+    let code = ending.exit_code();
+    let level = if code == 0 {
+        LogLevel::Info
+    } else {
+        LogLevel::Error
+    };
+    log(level, ending);
+    ExitCode::from(code)
 }

@@ -4,6 +4,7 @@
 //! the memory map; then the host writes a new pattern and the guest checks it. A slot that KVM
 //! maps to the wrong host memory, or the map to the wrong guest address, fails the run.
 
+use std::process::ExitCode;
 use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -11,6 +12,9 @@ use std::time::{Duration, Instant};
 use serde::Serialize;
 use vmm_sys_util::eventfd::EventFd;
 
+use super::args::{slot_count, test_guest_vcpus, LimitArgs};
+use super::process::{job_report, print_report};
+use crate::lifecycle::{log, run_job, LogLevel};
 use crate::test_guest::area::{check_area, AreaError, TestArea, AREA_GPA};
 use crate::test_guest::vcpus::{GuestError, TestVm};
 use crate::vm::VmOptions;
@@ -173,5 +177,66 @@ impl std::fmt::Display for CheckReport {
             "  manager memory {:.0} bytes per slot",
             self.manager_bytes_per_slot
         )
+    }
+}
+
+/// `tinyvmm check`'s arguments.
+#[derive(Debug, clap::Args)]
+pub struct CheckArgs {
+    /// KVM slots in all (2 to KVM's maximum; one holds the guest's code and tables).
+    #[arg(long, default_value_t = 4096, value_parser = slot_count(2))]
+    pub slots: usize,
+    /// MiB of test memory split over the other slots.
+    #[arg(long, alias = "area-mib", default_value_t = 512)]
+    pub mem_mib: u64,
+    /// vCPUs sharing the work (1 to 15).
+    #[arg(long, default_value_t = 1, value_parser = test_guest_vcpus)]
+    pub vcpus: usize,
+    /// Print the report as JSON alone on stdout (the human report goes to stderr).
+    #[arg(long)]
+    pub json: bool,
+    /// The memory limits of the VM it checks.
+    #[command(flatten)]
+    pub limits: LimitArgs,
+}
+
+impl Default for CheckArgs {
+    fn default() -> Self {
+        CheckArgs {
+            slots: 4096,
+            mem_mib: 512,
+            vcpus: 1,
+            json: false,
+            limits: LimitArgs::default(),
+        }
+    }
+}
+
+impl CheckArgs {
+    /// Runs `tinyvmm check` on a job thread (progress lines on a terminal) and prints its
+    /// report; gives its exit status.
+    pub fn run(self) -> ExitCode {
+        let config = CheckConfig {
+            slots: self.slots,
+            area_size: self.mem_mib.saturating_mul(1 << 20),
+            vcpus: self.vcpus,
+            limits: Some(self.limits.resolve()),
+        };
+        // Progress lines on a terminal only: a log or a pipe gets the report alone.
+        let terminal = std::io::IsTerminal::is_terminal(&std::io::stderr());
+        let outcome = run_job(move |ctx| {
+            run_check_with_progress(config, &ctx.stop, &ctx.vcpu_stopped, &mut |step| {
+                if terminal {
+                    log(LogLevel::Info, format_args!("{step}..."));
+                }
+            })
+        });
+        match job_report(outcome, "", self.json) {
+            Ok(report) => {
+                print_report(&report, self.json, true, "all checks passed");
+                ExitCode::SUCCESS
+            }
+            Err(code) => code,
+        }
     }
 }

@@ -8,9 +8,11 @@
 
 use std::fs::File;
 use std::path::{Path, PathBuf};
+use std::process::ExitCode;
 
 use kvm_memslots_persist::{merge_snapshots, MemoryLayout};
 
+use crate::lifecycle::{log, LogLevel};
 use crate::linux::state::LinuxState;
 use crate::snapshot::GuestKind;
 use crate::test_guest::snapshot::{open_input, read_state_file, SnapshotInfo, SnapshotKind};
@@ -176,6 +178,43 @@ pub fn merge_chain(files: &[PathBuf], out: &Path) -> Result<MergeReport, MergeEr
             drop(merged);
             let _ = std::fs::remove_file(out);
             Err(e)
+        }
+    }
+}
+
+/// `tinyvmm snapshot-merge`'s arguments: the chain, and where the merged memory goes.
+#[derive(Debug, clap::Args)]
+pub struct MergeArgs {
+    /// Where the merged memory file goes (it must not exist); restore it with the last state
+    /// file.
+    #[arg(long)]
+    pub out: PathBuf,
+    /// The chain, oldest first: the Full snapshot's state and memory files, then each Diff's,
+    /// as pairs: STATE MEM STATE MEM ...
+    #[arg(required = true, num_args = 2..)]
+    pub files: Vec<PathBuf>,
+}
+
+impl MergeArgs {
+    /// Runs `tinyvmm snapshot-merge`; gives the exit status.
+    pub fn run(self) -> ExitCode {
+        match merge_chain(&self.files, &self.out) {
+            Ok(report) => {
+                log(
+                    LogLevel::Info,
+                    format_args!(
+                        "{} snapshot(s), {} bytes, merged into {}",
+                        report.snapshots,
+                        report.bytes,
+                        self.out.display()
+                    ),
+                );
+                ExitCode::SUCCESS
+            }
+            Err(e) => {
+                eprintln!("tinyvmm: {e}");
+                ExitCode::FAILURE
+            }
         }
     }
 }

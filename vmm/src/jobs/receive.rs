@@ -23,6 +23,7 @@ use std::collections::HashMap;
 use std::io::BufReader;
 use std::os::unix::net::UnixListener;
 use std::path::PathBuf;
+use std::process::ExitCode;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
@@ -36,9 +37,10 @@ use kvm_memslots_persist::stream::{apply_pages, check_layout, send_answer, Recor
 use kvm_memslots_persist::{LayoutBacking, RegionLayout};
 use vm_memory::FileOffset;
 
-use super::boot::{run_linux, BootJobError, LinuxRun};
+use super::args::ApiArgs;
+use super::boot::{linux_ended, run_linux, BootJobError, LinuxRun};
 use super::run_loop::RunLoop;
-use super::serve::{in_background, serve_controller, ServeError};
+use super::serve::{in_background, serve_controller, served, ServeError};
 use crate::api::server::{ApiServer, ApiSocket, SocketError};
 use crate::control::vm::{RunState, VmInfo};
 use crate::control::{Apply, ControllerError, Outcome, Reply, Request};
@@ -540,6 +542,62 @@ impl Drop for WaitingApi {
         let _ = self.wake.write(1);
         if let Some(thread) = self.thread.take() {
             let _ = thread.join();
+        }
+    }
+}
+
+/// `tinyvmm receive`'s arguments: where to wait for the source, and the API socket.
+#[derive(Debug, clap::Args)]
+pub struct ReceiveArgs {
+    /// Where to wait for the source: unix:PATH or tcp:HOST:PORT.
+    #[arg(long)]
+    pub listen: Endpoint,
+    /// The API socket, and the VM's limits and dirty-log mode (for migrating onwards).
+    #[command(flatten)]
+    pub api: ApiArgs,
+}
+
+impl ReceiveArgs {
+    /// Runs `tinyvmm receive`: waits for the source, then runs the VM received and serves it
+    /// until it ends; gives the exit status.
+    pub fn run(self) -> ExitCode {
+        crate::api::server::log_requests(self.api.log_requests);
+        let config = ReceiveConfig {
+            listen: self.listen,
+            api_sock: self.api.api_sock,
+            idle_timeout: self.api.idle_timeout,
+            limits: Some(self.api.limits.resolve()),
+            dirty_ring: self.api.dirty_ring,
+            after_landing: None,
+        };
+        let listen = config.listen.to_string();
+        let api = config.api_sock.display().to_string();
+        let outcome = receive(
+            &config,
+            || {
+                log(
+                    LogLevel::Info,
+                    format_args!("waiting for a migration on {listen}; the API answers on {api}"),
+                )
+            },
+            |r| {
+                log(
+                    LogLevel::Info,
+                    format_args!(
+                        "the VM runs here after {} rounds, {} MiB, {:.0} ms (its memory checked \
+                         against the source's digest in {:.0} ms); serving the API on {api}",
+                        r.rounds,
+                        r.bytes >> 20,
+                        r.elapsed.as_secs_f64() * 1e3,
+                        r.check.as_secs_f64() * 1e3
+                    ),
+                )
+            },
+        );
+        match outcome {
+            Ok(ReceiveEnding::Linux(ending)) => linux_ended(&ending),
+            Ok(ReceiveEnding::TestGuest(ending)) => served(Ok::<_, String>(ending)),
+            Err(e) => served(Err::<Ending, _>(e)),
         }
     }
 }

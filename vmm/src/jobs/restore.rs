@@ -11,6 +11,7 @@ use std::sync::Arc;
 
 use vmm_sys_util::eventfd::EventFd;
 
+use super::args::{file_to_write, seconds, ApiArgs};
 use super::boot::{run_linux, BootJobError, LinuxRun};
 use super::working_set::WorkingSetFiles;
 use crate::api::server::ApiSocket;
@@ -187,4 +188,43 @@ fn wrong_memory(from: &RestoreFrom, info: &SnapshotInfo, mismatch: &MemoryMismat
             info.id
         ),
     }
+}
+
+/// `tinyvmm restore`'s arguments: the snapshot's files, how its memory comes back, its
+/// working set, and the API socket it is served on. A test guest restored is served as
+/// `serve` serves one, so the subcommand runs there ([`super::serve::restore`]).
+#[derive(Debug, clap::Args)]
+pub struct RestoreArgs {
+    /// The state file a snapshot wrote (`snapshot_path` of PUT /snapshot/create).
+    #[arg(long)]
+    pub snapshot: PathBuf,
+    /// The memory file: a Full's own (`mem_file_path`), or for a Diff its chain merged with
+    /// `tinyvmm snapshot-merge` (a Diff's own memory file is refused).
+    #[arg(long)]
+    pub mem_file: PathBuf,
+    /// copy: read the memory in before the guest runs; file: map the file privately, pages
+    /// load when first touched; uffd: a userfaultfd handler fills each page on first touch.
+    #[arg(long, value_enum, default_value_t)]
+    pub mem_backend: MemBackend,
+    /// Record the pages the VM touches first, in that order, into this file when the
+    /// recording ends (after --record-secs, on PUT /working-set/stop, or when the VMM stops).
+    /// Needs --mem-backend uffd [default: no recording]
+    #[arg(long, value_name = "PATH", conflicts_with = "prefetch", value_parser = file_to_write)]
+    pub record_working_set: Option<PathBuf>,
+    /// End the recording this many seconds after the restore [default: when the VMM stops]
+    #[arg(long, value_name = "N", requires = "record_working_set", value_parser = seconds)]
+    pub record_secs: Option<std::time::Duration>,
+    /// Fetch the pages of this list (recorded on a restore of the same snapshot) ahead of the
+    /// guest while the rest still loads on fault. Needs --mem-backend uffd [default: none]
+    #[arg(long, value_name = "PATH")]
+    pub prefetch: Option<PathBuf>,
+    /// Every region in pages of this size rather than the ones the snapshot was taken with
+    /// (2m: each region's guest address, size and slots on the 2 MiB grid, and the hugetlb pool
+    /// must hold them; a working set recorded with one page size serves restores with that
+    /// size) [default: the snapshot's]
+    #[arg(long, value_enum)]
+    pub page_size: Option<crate::control::memory::RegionPageSize>,
+    /// The API socket and the VM's limits (its memory and vCPUs are the snapshot's).
+    #[command(flatten)]
+    pub api: ApiArgs,
 }

@@ -4,11 +4,16 @@
 //! ([`RunLoop`]) until a client stops the VMM, the VM migrates away, or a signal comes.
 
 use std::path::PathBuf;
+use std::process::ExitCode;
 use std::time::Duration;
 
-use super::restore::{restored_controller, RestoreError, RestoreFrom};
+use super::args::{slot_count, test_guest_vcpus, ApiArgs, UsageError};
+use super::boot::linux_ended;
+use super::restore::{restore_linux, restored_controller, RestoreArgs, RestoreError, RestoreFrom};
 use super::run_loop::RunLoop;
+use super::working_set::WorkingSetFiles;
 use crate::api::server::{ApiSocket, SocketError, DEFAULT_IDLE_TIMEOUT};
+use crate::control::memory::RegionPageSize;
 use crate::lifecycle::{log, Ending, LogLevel, LoopError};
 use crate::test_guest::area::{AreaError, TestArea, AREA_GPA};
 use crate::test_guest::controller::Controller;
@@ -207,4 +212,159 @@ pub(crate) fn serve_controller(
     }
     shut_down.unwrap_or(Ok(()))?;
     Ok(ending)
+}
+
+/// `tinyvmm serve`'s arguments: the test guest it starts, and its API socket.
+#[derive(Debug, clap::Args)]
+pub struct ServeArgs {
+    /// KVM slots at start: the system region's plus the initial memory's (at least 2 with
+    /// initial memory; 1 with --mem-mib 0).
+    #[arg(long, default_value_t = 2, value_parser = slot_count(1))]
+    pub slots: usize,
+    /// MiB of initial memory at 256 MiB, split over the other slots (0: none).
+    #[arg(long, alias = "area-mib", default_value_t = 256)]
+    pub mem_mib: u64,
+    /// vCPUs of the test guest (1 to 15).
+    #[arg(long, default_value_t = 1, value_parser = test_guest_vcpus)]
+    pub vcpus: usize,
+    /// Put the initial memory in a memfd (shared; a local migration hands it over instead of
+    /// copying it) rather than in anonymous memory.
+    #[arg(long)]
+    pub memfd: bool,
+    /// The host pages behind the initial memory: 4k, 2m (hugetlb; with --memfd an
+    /// MFD_HUGETLB memfd: --mem-mib and each slot's share of it must be multiples of 2 MiB, and
+    /// the pool must hold it) or thp (transparent huge pages). The hotplug area takes its own
+    /// (`page_size` of PUT /hotplug/memory).
+    #[arg(long, value_enum, default_value = "4k")]
+    pub page_size: RegionPageSize,
+    /// The API socket and the VM's limits and dirty-log mode.
+    #[command(flatten)]
+    pub api: ApiArgs,
+}
+
+impl ServeArgs {
+    /// Runs `tinyvmm serve`: refuses a shape of initial memory that cannot be laid out (a
+    /// usage error, before anything starts), else serves until the VMM is stopped.
+    pub fn run(self) -> Result<ExitCode, UsageError> {
+        let usage = |message: String| UsageError {
+            subcommand: Some("serve"),
+            kind: clap::error::ErrorKind::ValueValidation,
+            message,
+        };
+        if self.slots < 2 && self.mem_mib > 0 {
+            return Err(usage(format!(
+                "--slots {} leaves no slot for --mem-mib {}: give 2 slots or more, or --mem-mib 0",
+                self.slots, self.mem_mib
+            )));
+        }
+        if self.mem_mib > 0 {
+            let size = self.mem_mib.saturating_mul(1 << 20);
+            let page_size = PageSize::from(self.page_size);
+            if let Err(e) = TestArea::check_layout(size, self.slots as u64 - 1, page_size) {
+                return Err(usage(format!(
+                    "--page-size {} with --mem-mib {} over {} slots: {e}",
+                    page_size.name(),
+                    self.mem_mib,
+                    self.slots - 1
+                )));
+            }
+        }
+        Ok(self.serve(None))
+    }
+
+    /// Serves this test guest, or the one restored from `restore`, until the VMM is stopped;
+    /// gives the exit status ([`served`]).
+    pub fn serve(self, restore: Option<RestoreFrom>) -> ExitCode {
+        crate::api::server::log_requests(self.api.log_requests);
+        let config = ServeConfig {
+            api_sock: self.api.api_sock,
+            slots: self.slots,
+            area_size: self.mem_mib.saturating_mul(1 << 20),
+            vcpus: self.vcpus,
+            idle_timeout: self.api.idle_timeout,
+            limits: Some(self.api.limits.resolve()),
+            dirty_ring: self.api.dirty_ring,
+            memfd: self.memfd,
+            page_size: self.page_size.into(),
+            restore,
+        };
+        let path = config.api_sock.display().to_string();
+        served(serve(&config, || {
+            log(LogLevel::Info, format_args!("serving the API on {path}"))
+        }))
+    }
+}
+
+/// The exit status of a VMM that served a VM: 0 when a client stopped it (or it migrated
+/// away), 130 on a signal, 4 when stopped either way after its guest failed, 1 on a failure
+/// (named on stderr).
+pub fn served(outcome: Result<Ending, impl std::fmt::Display>) -> ExitCode {
+    use crate::control::vm::FAILED_EXIT_STATUS;
+    match outcome {
+        Ok(Ending::GuestFailed) => {
+            eprintln!("tinyvmm: stopped, with a failed guest (exit status {FAILED_EXIT_STATUS})");
+            ExitCode::from(FAILED_EXIT_STATUS)
+        }
+        Ok(Ending::Finished) => {
+            log(LogLevel::Info, "stopped");
+            ExitCode::SUCCESS
+        }
+        Ok(Ending::Interrupted) => {
+            log(LogLevel::Info, "stopped by a signal");
+            ExitCode::from(130)
+        }
+        Err(e) => {
+            eprintln!("tinyvmm: {e}");
+            // A signal that cut a step short (a migration being received, say) is still the
+            // signal's ending.
+            if crate::lifecycle::termination_signal().load(std::sync::atomic::Ordering::Acquire) {
+                ExitCode::from(130)
+            } else {
+                ExitCode::FAILURE
+            }
+        }
+    }
+}
+
+/// Runs `tinyvmm restore`: a test guest served as `serve` serves one, a Linux guest run as
+/// `boot` runs one; gives the exit status.
+pub fn restore(args: RestoreArgs) -> ExitCode {
+    use crate::snapshot::GuestKind;
+    let from = RestoreFrom {
+        snapshot: args.snapshot,
+        mem_file: args.mem_file,
+        backend: args.mem_backend,
+        working_set: WorkingSetFiles {
+            prefetch: args.prefetch,
+            record: args.record_working_set,
+            record_for: args.record_secs,
+        },
+        page_size: args.page_size.map(Into::into),
+    };
+    // A file that is neither kind's is refused by the test guest's reader, which says why.
+    if !matches!(GuestKind::of_file(&from.snapshot), Ok(GuestKind::Linux)) {
+        // The restored VM's memory and vCPUs are the snapshot's: serve's own shape is unused.
+        let serve = ServeArgs {
+            api: args.api,
+            slots: 2,
+            mem_mib: 0,
+            vcpus: 1,
+            memfd: false,
+            page_size: Default::default(),
+        };
+        return serve.serve(Some(from));
+    }
+    let limits = Some(args.api.limits.resolve());
+    match restore_linux(
+        &from,
+        args.api.api_sock,
+        Box::new(std::io::stdout()),
+        limits,
+    ) {
+        Ok(ending) => linux_ended(&ending),
+        Err(e) => {
+            eprintln!("tinyvmm: {e}");
+            ExitCode::FAILURE
+        }
+    }
 }

@@ -36,7 +36,7 @@ pub struct VmOptions {
     pub dirty_ring: Option<u32>,
     /// Keep KVM's `KVM_X86_QUIRK_SLOT_ZAP_ALL` (every guest mapping dropped on any slot's
     /// deletion or move) instead of turning it off where KVM allows: for measuring the two
-    /// (`tinyvmm bench --keep-slot-zap-all`). Bitmap mode only: a ring-mode VM turns it off.
+    /// (`tinyvmm-bench bench --keep-slot-zap-all`). Bitmap mode only: a ring-mode VM turns it off.
     pub keep_slot_zap_all: bool,
 }
 

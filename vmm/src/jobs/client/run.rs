@@ -2,16 +2,38 @@
 //! its end ([`follow()`]), and the exit status that says how it went.
 
 use std::path::Path;
+use std::process::ExitCode;
 
 use serde_json::Value;
 
 use super::follow::{clear_progress, follow, progress_line, show_progress, Outcome};
-use super::{exit_status, render, send, timeout, ClientArgs, TIMED_OUT};
+use super::{exit_status, render, send, timeout, ClientArgs, API_SOCK_ENV, TIMED_OUT};
 use crate::api::client::ClientError;
+use crate::jobs::args::UsageError;
 
 /// The exit status of a failure the client names on stderr: a socket it cannot reach, a run
 /// that did not complete, a verify that found a mismatch.
 pub const FAILED: u8 = 1;
+
+impl ClientArgs {
+    /// Runs `tinyvmm client`: its log level, then the request to the socket of `--api-sock`
+    /// or the environment ([`run`]); a usage error when neither names one.
+    pub fn run(self) -> Result<ExitCode, UsageError> {
+        if let Some(level) = self.log_level {
+            crate::lifecycle::set_log_level(level);
+        }
+        let Some(socket) = self.api_sock.clone() else {
+            return Err(UsageError {
+                subcommand: None,
+                kind: clap::error::ErrorKind::MissingRequiredArgument,
+                message: format!(
+                    "tinyvmm client needs the VMM's API socket: --api-sock PATH, or {API_SOCK_ENV}"
+                ),
+            });
+        };
+        Ok(ExitCode::from(run(&self, &socket)))
+    }
+}
 
 /// Sends `args`' request to the VMM at `socket`, prints the answer (and follows a migration or
 /// a live snapshot to its end), and returns the exit status: 0 for a 2xx (a followed run: once

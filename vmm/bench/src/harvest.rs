@@ -1,4 +1,4 @@
-//! `tinyvmm harvest-bench`: what a dirty-page harvest costs in bitmap mode and in ring mode,
+//! `tinyvmm-bench harvest-bench`: what a dirty-page harvest costs in bitmap mode and in ring mode,
 //! side by side in one run, when the guest dirtied 0 %, 0.1 %, 1 %, 10 % and 100 % of its pages.
 //!
 //! Two VMs, one per mode, each with the test area split over the same number of slots and
@@ -10,6 +10,7 @@
 //! as many pages, but neighbours from the area's start (a guest's usual pattern), which KVM
 //! re-protects in fewer, larger steps.
 
+use std::process::ExitCode;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -18,10 +19,13 @@ use kvm_memslots::{MemoryLimits, Target, PAGE_SIZE};
 use serde::Serialize;
 use vmm_sys_util::eventfd::EventFd;
 
-use crate::test_guest::area::{AreaError, TestArea, AREA_GPA};
-use crate::test_guest::vcpus::{check_slot_count, GuestError, TestVm, Vcpus};
-use crate::test_guest::{Command, Op};
-use crate::vm::VmOptions;
+use tinyvmm::jobs::args::{slot_count, LimitArgs};
+use tinyvmm::jobs::process::{job_report, print_report, write_json};
+use tinyvmm::lifecycle::run_job;
+use tinyvmm::test_guest::area::{AreaError, TestArea, AREA_GPA};
+use tinyvmm::test_guest::vcpus::{check_slot_count, GuestError, TestVm, Vcpus};
+use tinyvmm::test_guest::{Command, Op};
+use tinyvmm::vm::VmOptions;
 
 /// The shares of pages dirtied, as one page in `k` (0: none), scattered over the area.
 const EVERY_KTH: [u64; 5] = [0, 1000, 100, 10, 1];
@@ -218,7 +222,7 @@ pub fn run_harvest_bench(
 ) -> Result<HarvestReport, HarvestError> {
     check_slot_count(
         config.slots,
-        crate::vm::max_slots().map_err(GuestError::Vm)?,
+        tinyvmm::vm::max_slots().map_err(GuestError::Vm)?,
     )?;
     let mut sides = [
         Side::new("bitmap", config, None, stopped)?,
@@ -312,5 +316,62 @@ impl std::fmt::Display for HarvestReport {
             "ring-full exits during the ring VM's writes: {}",
             self.ring_full_exits
         )
+    }
+}
+
+/// `tinyvmm-bench harvest-bench`'s arguments.
+#[derive(Debug, clap::Args)]
+pub struct HarvestArgs {
+    /// KVM slots in all (2 to KVM's maximum) [default: KVM's maximum]
+    #[arg(long, value_parser = slot_count(2))]
+    pub slots: Option<usize>,
+    /// MiB of logged guest memory split over the slots.
+    #[arg(long, alias = "area-mib", default_value_t = 1024)]
+    pub mem_mib: u64,
+    /// Entries per vCPU ring in ring mode (a power of two from 256 to KVM's maximum).
+    #[arg(long, alias = "ring-entries", default_value_t = 65536)]
+    pub dirty_ring: u32,
+    /// Repetitions per share of dirtied pages.
+    #[arg(long, default_value_t = 5)]
+    pub runs: usize,
+    /// Where to write the results as JSON.
+    #[arg(long, default_value = "target/bench/tinyvmm-harvest.json")]
+    pub out: std::path::PathBuf,
+    /// Print the results as JSON alone on stdout (the table goes to stderr).
+    #[arg(long)]
+    pub json: bool,
+    /// The memory limits of the VM it measures.
+    #[command(flatten)]
+    pub limits: LimitArgs,
+}
+
+impl HarvestArgs {
+    /// Runs the harvest bench on a job thread, prints its table and writes its JSON; gives the
+    /// exit status.
+    pub fn run(self) -> ExitCode {
+        let slots = match self.slots {
+            Some(slots) => slots,
+            None => match tinyvmm::vm::max_slots() {
+                Ok(max) => max,
+                Err(e) => {
+                    eprintln!("tinyvmm: {e}");
+                    return ExitCode::FAILURE;
+                }
+            },
+        };
+        let config = HarvestConfig {
+            slots,
+            area_size: self.mem_mib.saturating_mul(1 << 20),
+            ring_entries: self.dirty_ring,
+            runs: self.runs,
+            limits: Some(self.limits.resolve()),
+        };
+        let outcome = run_job(move |ctx| run_harvest_bench(&config, &ctx.stop, &ctx.vcpu_stopped));
+        let report = match job_report(outcome, "", self.json) {
+            Ok(report) => report,
+            Err(code) => return code,
+        };
+        print_report(&report, self.json, true, "");
+        write_json(&self.out, &report)
     }
 }

@@ -7,7 +7,7 @@ use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
 use std::time::Duration;
 
-use tinyvmm::bench::perf::{
+use tinyvmm_bench::perf::{
     run_perf, run_test, Outcome, PerfConfig, Scenario, Skipped, TestResult, TestSpec,
 };
 use vmm_sys_util::eventfd::EventFd;
@@ -54,7 +54,7 @@ fn max_slots() -> usize {
 #[test]
 fn kvm_perf_map_faults_in_one_half_while_the_host_discards_the_other() {
     if !kvm_test_support::require_kvm(
-        "tinyvmm::kvm_perf_map_faults_in_one_half_while_the_host_discards_the_other",
+        "tinyvmm-bench::kvm_perf_map_faults_in_one_half_while_the_host_discards_the_other",
     ) {
         return;
     }
@@ -75,7 +75,7 @@ fn kvm_perf_map_faults_in_one_half_while_the_host_discards_the_other() {
 #[test]
 fn kvm_perf_unmap_discards_halves_page_by_page_and_in_chunks() {
     if !kvm_test_support::require_kvm(
-        "tinyvmm::kvm_perf_unmap_discards_halves_page_by_page_and_in_chunks",
+        "tinyvmm-bench::kvm_perf_unmap_discards_halves_page_by_page_and_in_chunks",
     ) {
         return;
     }
@@ -91,7 +91,7 @@ fn kvm_perf_unmap_discards_halves_page_by_page_and_in_chunks() {
 #[test]
 fn kvm_perf_move_active_area_counts_the_guests_exits_on_the_moved_slot() {
     if !kvm_test_support::require_kvm(
-        "tinyvmm::kvm_perf_move_active_area_counts_the_guests_exits_on_the_moved_slot",
+        "tinyvmm-bench::kvm_perf_move_active_area_counts_the_guests_exits_on_the_moved_slot",
     ) {
         return;
     }
@@ -114,7 +114,7 @@ fn kvm_perf_move_active_area_counts_the_guests_exits_on_the_moved_slot() {
 #[test]
 fn kvm_perf_move_inactive_area_sees_no_exit_on_the_moved_slot() {
     if !kvm_test_support::require_kvm(
-        "tinyvmm::kvm_perf_move_inactive_area_sees_no_exit_on_the_moved_slot",
+        "tinyvmm-bench::kvm_perf_move_inactive_area_sees_no_exit_on_the_moved_slot",
     ) {
         return;
     }
@@ -126,7 +126,7 @@ fn kvm_perf_move_inactive_area_sees_no_exit_on_the_moved_slot() {
 
 #[test]
 fn kvm_perf_rw_checks_every_page_both_ways() {
-    if !kvm_test_support::require_kvm("tinyvmm::kvm_perf_rw_checks_every_page_both_ways") {
+    if !kvm_test_support::require_kvm("tinyvmm-bench::kvm_perf_rw_checks_every_page_both_ways") {
         return;
     }
     let r = ran(Scenario::Rw, 64, 8);
@@ -138,7 +138,7 @@ fn kvm_perf_rw_checks_every_page_both_ways() {
 #[test]
 fn kvm_perf_moves_and_unmaps_at_the_maximum_slot_count() {
     if !kvm_test_support::require_kvm(
-        "tinyvmm::kvm_perf_moves_and_unmaps_at_the_maximum_slot_count",
+        "tinyvmm-bench::kvm_perf_moves_and_unmaps_at_the_maximum_slot_count",
     ) {
         return;
     }
@@ -163,7 +163,7 @@ fn kvm_perf_moves_and_unmaps_at_the_maximum_slot_count() {
 #[test]
 fn kvm_perf_suite_prints_a_table_and_json_with_skips_named() {
     if !kvm_test_support::require_kvm(
-        "tinyvmm::kvm_perf_suite_prints_a_table_and_json_with_skips_named",
+        "tinyvmm-bench::kvm_perf_suite_prints_a_table_and_json_with_skips_named",
     ) {
         return;
     }
@@ -208,7 +208,7 @@ fn kvm_perf_suite_prints_a_table_and_json_with_skips_named() {
 
 #[test]
 fn kvm_perf_bad_configurations_are_refused() {
-    if !kvm_test_support::require_kvm("tinyvmm::kvm_perf_bad_configurations_are_refused") {
+    if !kvm_test_support::require_kvm("tinyvmm-bench::kvm_perf_bad_configurations_are_refused") {
         return;
     }
     let max = max_slots();
@@ -267,11 +267,11 @@ fn kvm_perf_bad_configurations_are_refused() {
 #[test]
 fn kvm_the_harvest_bench_checks_every_harvest_in_both_modes() {
     if !kvm_test_support::require_kvm(
-        "tinyvmm::kvm_the_harvest_bench_checks_every_harvest_in_both_modes",
+        "tinyvmm-bench::kvm_the_harvest_bench_checks_every_harvest_in_both_modes",
     ) {
         return;
     }
-    use tinyvmm::bench::harvest::{run_harvest_bench, HarvestConfig};
+    use tinyvmm_bench::harvest::{run_harvest_bench, HarvestConfig};
     let stopped = Arc::new(EventFd::new(0).expect("eventfd"));
     let config = HarvestConfig {
         slots: 65,
@@ -300,11 +300,12 @@ fn kvm_the_harvest_bench_checks_every_harvest_in_both_modes() {
 
 #[test]
 fn kvm_the_snapshot_bench_restores_with_every_backend() {
-    if !kvm_test_support::require_kvm("tinyvmm::kvm_the_snapshot_bench_restores_with_every_backend")
-    {
+    if !kvm_test_support::require_kvm(
+        "tinyvmm-bench::kvm_the_snapshot_bench_restores_with_every_backend",
+    ) {
         return;
     }
-    use tinyvmm::bench::snapshot::{run_snapshot_bench, SnapshotBenchConfig};
+    use tinyvmm_bench::snapshot::{run_snapshot_bench, SnapshotBenchConfig};
     let stopped = Arc::new(EventFd::new(0).expect("eventfd"));
     let dir = std::env::temp_dir().join(format!("tinyvmm-test-{}-snapbench", std::process::id()));
     // 2 MiB pages too where the pool holds the area (4 pages), at 2 slots: 8 MiB cannot be
@@ -312,7 +313,7 @@ fn kvm_the_snapshot_bench_restores_with_every_backend() {
     let huge = kvm_memslots::hugetlb_pages_available() >= 4;
     if !huge {
         eprintln!(
-            "SKIPPED the 2 MiB rows of tinyvmm::kvm_the_snapshot_bench_restores_with_every_backend: \
+            "SKIPPED the 2 MiB rows of tinyvmm-bench::kvm_the_snapshot_bench_restores_with_every_backend: \
              the hugetlb pool has fewer than 4 free 2 MiB pages"
         );
     }
@@ -342,7 +343,7 @@ fn kvm_the_snapshot_bench_restores_with_every_backend() {
             .map(|r| r.backend.as_str())
             .collect();
         assert_eq!(backends, ["copy", "uffd"], "no file restore off hugetlbfs");
-        let copies = |r: &tinyvmm::bench::snapshot::SnapshotRow| {
+        let copies = |r: &tinyvmm_bench::snapshot::SnapshotRow| {
             r.restores
                 .iter()
                 .find(|x| x.backend == "uffd")
@@ -378,11 +379,11 @@ fn kvm_the_snapshot_bench_restores_with_every_backend() {
 }
 
 /// The move and unmap scenarios with KVM's zap-everything quirk kept, as
-/// `tinyvmm bench --keep-slot-zap-all` runs them to compare: the same checks pass.
+/// `tinyvmm-bench bench --keep-slot-zap-all` runs them to compare: the same checks pass.
 #[test]
 fn kvm_perf_moves_and_unmaps_also_run_with_kvms_zap_all_quirk_kept() {
     if !kvm_test_support::require_kvm(
-        "tinyvmm::kvm_perf_moves_and_unmaps_also_run_with_kvms_zap_all_quirk_kept",
+        "tinyvmm-bench::kvm_perf_moves_and_unmaps_also_run_with_kvms_zap_all_quirk_kept",
     ) {
         return;
     }

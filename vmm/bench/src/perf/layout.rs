@@ -4,8 +4,8 @@ use kvm_memslots::{RegionId, RegionSpec, PAGE_SIZE};
 use vm_memory::GuestAddress;
 
 use super::config::{PerfError, Scenario, SkipReason, MOVE_WINDOW};
-use crate::test_guest::area::{TestArea, AREA_GPA};
-use crate::test_guest::vcpus::TestVm;
+use tinyvmm::test_guest::area::{TestArea, AREA_GPA};
+use tinyvmm::test_guest::vcpus::TestVm;
 
 /// The test area as the kernel lays it out (see the [suite's documentation](super)).
 pub(super) struct Layout {
@@ -90,7 +90,7 @@ pub(super) fn move_window(test: Scenario, layout: &Layout) -> Result<u64, SkipRe
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::bench::perf::config::{KIB, MAP_AREA_SIZE, MIB, UNMAP_AREA_SIZE};
+    use crate::perf::config::{KIB, MAP_AREA_SIZE, MIB, UNMAP_AREA_SIZE};
 
     #[test]
     fn the_last_slot_holds_the_remainder_as_in_the_kernel() {

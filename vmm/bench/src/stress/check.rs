@@ -2,14 +2,15 @@
 //! after they stopped (the final check).
 
 use std::ops::Range;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
 
 use kvm_memslots::{KvmVm, MemoryManager};
 use vm_memory::{Bytes, GuestAddress, GuestMemory};
 
-use super::changer::Changer;
-use super::config::StressError;
-use crate::test_guest::area::TestArea;
-use crate::test_guest::{pattern, CommandBlock};
+use super::config::{StressError, STALL_TIMEOUT};
+use tinyvmm::test_guest::area::TestArea;
+use tinyvmm::test_guest::{pattern, CommandBlock};
 
 /// One writer's part of the test area.
 #[derive(Debug, Clone)]
@@ -94,23 +95,25 @@ pub fn check_part(
     Ok(())
 }
 
-impl Changer<'_> {
+impl Writers {
     /// Reads writer `vcpu`'s part, checking that no address holds a pass older than the one
     /// before the last pass completed before the read (a lost write) or newer than the one in
     /// progress after it. Returns the values and the passes completed after the read.
-    fn scan(&mut self, vcpu: usize) -> Result<(Vec<u64>, u64), StressError> {
-        let seed = self.writers.parts[vcpu].seed;
-        let before = self.writers.passes(self.memory, vcpu);
-        let snapshot = self.memory.current();
+    fn scan(
+        &self,
+        memory: &MemoryManager<KvmVm>,
+        vcpu: usize,
+    ) -> Result<(Vec<u64>, u64), StressError> {
+        let seed = self.parts[vcpu].seed;
+        let before = self.passes(memory, vcpu);
+        let snapshot = memory.current();
         let values = self
-            .writers
             .addresses(vcpu)
             .map(|gpa| read(&*snapshot, gpa))
             .collect::<Result<Vec<u64>, _>>()?;
-        let after = self.writers.passes(self.memory, vcpu);
-        self.counts.scans += 1;
+        let after = self.passes(memory, vcpu);
         let oldest = before.saturating_sub(1);
-        for (gpa, &found) in self.writers.addresses(vcpu).zip(&values) {
+        for (gpa, &found) in self.addresses(vcpu).zip(&values) {
             // A value no pass wrote decodes to a huge "pass" (wrapping below 0, or garbage).
             let k = pass_of(gpa, found, seed);
             if k > after {
@@ -134,22 +137,56 @@ impl Changer<'_> {
         Ok((values, after))
     }
 
-    pub(super) fn scan_all(&mut self) -> Result<(Vec<Vec<u64>>, Vec<u64>), StressError> {
+    /// [`scan`](Self::scan)s every writer's part, counting each scan in `scans`: the values,
+    /// writer by writer, and each one's passes completed after its read.
+    pub(super) fn scan_all(
+        &self,
+        memory: &MemoryManager<KvmVm>,
+        scans: &mut u64,
+    ) -> Result<(Vec<Vec<u64>>, Vec<u64>), StressError> {
         let mut values = Vec::new();
         let mut passes = Vec::new();
-        for vcpu in 0..self.writers.parts.len() {
-            let (v, p) = self.scan(vcpu)?;
+        for vcpu in 0..self.parts.len() {
+            let (v, p) = self.scan(memory, vcpu)?;
+            *scans += 1;
             values.push(v);
             passes.push(p);
         }
         Ok((values, passes))
+    }
+
+    /// Waits until every writer completed more passes than `passes` says, or `finish` is set.
+    pub(super) fn wait_for_passes(
+        &self,
+        memory: &MemoryManager<KvmVm>,
+        passes: &[u64],
+        finish: &AtomicBool,
+    ) -> Result<(), StressError> {
+        for (vcpu, &since) in passes.iter().enumerate() {
+            let start = Instant::now();
+            loop {
+                let now = self.passes(memory, vcpu);
+                if now > since || finish.load(Ordering::Acquire) {
+                    break;
+                }
+                if start.elapsed() > STALL_TIMEOUT {
+                    return Err(StressError::Stalled {
+                        vcpu,
+                        passes: now,
+                        waited: STALL_TIMEOUT,
+                    });
+                }
+                std::thread::sleep(Duration::from_micros(100));
+            }
+        }
+        Ok(())
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::bench::stress::config::WRITE_SEED;
+    use crate::stress::config::WRITE_SEED;
     use kvm_memslots::testing::FakeKvm;
     use kvm_memslots::{RegionSpec, PAGE_SIZE};
 

@@ -67,7 +67,7 @@ pub struct StressReport {
     /// Exits on a full dirty ring, all vCPUs together (ring mode).
     pub dirty_ring_full: u64,
     /// From starting the write loops to the end of the last check.
-    #[serde(rename = "duration_ms", serialize_with = "crate::jobs::millis")]
+    #[serde(rename = "duration_ms", serialize_with = "tinyvmm::jobs::millis")]
     pub duration: Duration,
 }
 

@@ -1,4 +1,4 @@
-//! `tinyvmm snapshot-bench`: what snapshots and restores cost, at several slot counts, next to
+//! `tinyvmm-bench snapshot-bench`: what snapshots and restores cost, at several slot counts, next to
 //! the file system's sequential bandwidth and a cold start, in one run.
 //!
 //! Per slot count: a VM with the test area split over the slots; the guest writes half the
@@ -22,6 +22,7 @@
 use std::fs::File;
 use std::io::{Read, Write};
 use std::path::{Path, PathBuf};
+use std::process::ExitCode;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -33,11 +34,15 @@ use kvm_memslots_persist::{
 use serde::Serialize;
 use vmm_sys_util::eventfd::EventFd;
 
-use crate::test_guest::area::{AreaError, TestArea, AREA_GPA};
-use crate::test_guest::snapshot::{MemoryCheck, SnapshotInfo, SnapshotState, TestGuestPart};
-use crate::test_guest::vcpus::{check_slot_count, GuestError, MemBackend, TestVm, Vcpus};
-use crate::test_guest::{Command, Op};
-use crate::vm::VmOptions;
+use tinyvmm::control::memory::RegionPageSize;
+use tinyvmm::jobs::args::{slot_count, LimitArgs};
+use tinyvmm::jobs::process::{job_report, print_report, write_json};
+use tinyvmm::lifecycle::run_job;
+use tinyvmm::test_guest::area::{AreaError, TestArea, AREA_GPA};
+use tinyvmm::test_guest::snapshot::{MemoryCheck, SnapshotInfo, SnapshotState, TestGuestPart};
+use tinyvmm::test_guest::vcpus::{check_slot_count, GuestError, MemBackend, TestVm, Vcpus};
+use tinyvmm::test_guest::{Command, Op};
+use tinyvmm::vm::VmOptions;
 
 /// What to measure.
 #[derive(Debug, Clone)]
@@ -380,7 +385,7 @@ pub fn run_snapshot_bench(
     stop: &AtomicBool,
     stopped: &Arc<EventFd>,
 ) -> Result<SnapshotBenchReport, SnapshotBenchError> {
-    let max = crate::vm::max_slots().map_err(GuestError::Vm)?;
+    let max = tinyvmm::vm::max_slots().map_err(GuestError::Vm)?;
     for &slots in &config.slots {
         check_slot_count(slots, max)?;
     }
@@ -680,5 +685,78 @@ impl std::fmt::Display for SnapshotBenchReport {
             writeln!(f, "skipped: {why}")?;
         }
         Ok(())
+    }
+}
+
+/// `tinyvmm-bench snapshot-bench`'s arguments.
+#[derive(Debug, clap::Args)]
+pub struct SnapshotBenchArgs {
+    /// KVM slot counts, comma-separated (each 2 to KVM's maximum) [default: 2, 4096 and
+    /// KVM's maximum]
+    #[arg(long, value_delimiter = ',', value_parser = slot_count(2))]
+    pub slots: Vec<usize>,
+    /// MiB of test memory.
+    #[arg(long, alias = "area-mib", default_value_t = 512)]
+    pub mem_mib: u64,
+    /// The folder for the snapshot files (on the file system to measure).
+    #[arg(long, default_value = "target/bench/snapshots")]
+    pub dir: PathBuf,
+    /// Where to write the results as JSON.
+    #[arg(long, default_value = "target/bench/tinyvmm-snapshot.json")]
+    pub out: PathBuf,
+    /// Print the results as JSON alone on stdout (the table goes to stderr).
+    #[arg(long)]
+    pub json: bool,
+    /// Page sizes of the test memory, comma-separated: a row each per slot count.
+    #[arg(long, value_delimiter = ',', value_enum, default_value = "4k")]
+    pub page_sizes: Vec<RegionPageSize>,
+    /// Which pages the guest writes (and verifies after each restore): every other one, or
+    /// all.
+    #[arg(long, value_enum, default_value_t = Touch::Half)]
+    pub touch: Touch,
+    /// The memory limits of the VMs it creates.
+    #[command(flatten)]
+    pub limits: LimitArgs,
+}
+
+/// Which pages `snapshot-bench`'s guest writes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum Touch {
+    /// Every other page.
+    Half,
+    /// Every page.
+    All,
+}
+
+impl SnapshotBenchArgs {
+    /// Runs the snapshot bench on a job thread, prints its table and writes its JSON; gives
+    /// the exit status.
+    pub fn run(self) -> ExitCode {
+        let slots = if self.slots.is_empty() {
+            match tinyvmm::vm::max_slots() {
+                Ok(max) => vec![2, 4096, max],
+                Err(e) => {
+                    eprintln!("tinyvmm: {e}");
+                    return ExitCode::FAILURE;
+                }
+            }
+        } else {
+            self.slots
+        };
+        let config = SnapshotBenchConfig {
+            slots,
+            area_size: self.mem_mib.saturating_mul(1 << 20),
+            dir: self.dir,
+            limits: Some(self.limits.resolve()),
+            page_sizes: self.page_sizes.into_iter().map(Into::into).collect(),
+            touch_all: self.touch == Touch::All,
+        };
+        let outcome = run_job(move |ctx| run_snapshot_bench(&config, &ctx.stop, &ctx.vcpu_stopped));
+        let report = match job_report(outcome, "", self.json) {
+            Ok(report) => report,
+            Err(code) => return code,
+        };
+        print_report(&report, self.json, true, "");
+        write_json(&self.out, &report)
     }
 }

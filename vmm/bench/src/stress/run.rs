@@ -14,8 +14,8 @@ use super::check::check_part;
 use super::config::{
     StressConfig, StressError, VERIFY_GPA, VERIFY_SEED, VERIFY_SIZE, VERIFY_STRIDE,
 };
-use crate::test_guest::vcpus::Vcpus;
-use crate::test_guest::{pattern, Command, Op};
+use tinyvmm::test_guest::vcpus::Vcpus;
+use tinyvmm::test_guest::{pattern, Command, Op};
 
 /// What the job watches while the vCPUs run.
 pub(super) struct Watch<'a> {

@@ -8,14 +8,22 @@ use std::time::Duration;
 use kvm_memslots::{MemoryLimits, PAGE_SIZE};
 use serde::Serialize;
 
-use super::report::size;
-use crate::test_guest;
-use crate::test_guest::area::{AreaError, AREA_GPA};
-use crate::test_guest::vcpus::GuestError;
+use tinyvmm::test_guest;
+use tinyvmm::test_guest::area::{AreaError, AREA_GPA};
+use tinyvmm::test_guest::vcpus::GuestError;
 
 pub(super) const KIB: u64 = 1 << 10;
 pub(super) const MIB: u64 = 1 << 20;
 pub(super) const GIB: u64 = 1 << 30;
+
+/// A size in the largest binary unit that divides it.
+pub(super) fn size(bytes: u64) -> String {
+    match bytes {
+        b if b >= MIB && b % MIB == 0 => format!("{} MiB", b / MIB),
+        b if b >= KIB && b % KIB == 0 => format!("{} KiB", b / KIB),
+        b => format!("{b} bytes"),
+    }
+}
 
 /// The map test's area (the kernel's `MEM_TEST_MAP_SIZE`): at most 8192 test slots of one page.
 pub const MAP_AREA_SIZE: u64 = 32 * MIB;

@@ -11,9 +11,9 @@ use vmm_sys_util::eventfd::EventFd;
 use super::config::{PerfError, Scenario, GIB, MOVE_WINDOW, UNMAP_CHUNK};
 use super::layout::{move_window, Layout};
 use super::report::{average, MoveExits, Outcome, Progress, Skipped, TestResult};
-use crate::test_guest::vcpus::{expect_pattern, TestVm, Vcpus};
-use crate::test_guest::{pattern, Command, Op};
-use crate::vm::VmOptions;
+use tinyvmm::test_guest::vcpus::{expect_pattern, TestVm, Vcpus};
+use tinyvmm::test_guest::{pattern, Command, Op};
+use tinyvmm::vm::VmOptions;
 
 /// How long the host waits for a write loop to make progress before it stops it.
 const LOOP_PROGRESS_TIMEOUT: Duration = Duration::from_secs(10);

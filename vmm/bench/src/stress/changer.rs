@@ -2,16 +2,16 @@
 //! writers while they run.
 
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use kvm_memslots::{KvmVm, MemoryManager, RegionId, RegionSpec, PAGE_SIZE};
 use vm_memory::GuestAddress;
 
 use super::check::{read, Writers};
 use super::config::{
-    change, StressError, ABOVE_PAGES, MOVER_PAGES, MOVER_STAMP, MOVE_WINDOW_PAGES, STALL_TIMEOUT,
+    change, StressError, ABOVE_PAGES, MOVER_PAGES, MOVER_STAMP, MOVE_WINDOW_PAGES,
 };
-use super::dirty::Logging;
+use super::dirty::DirtyLog;
 use super::report::ChangeCounts;
 
 /// Which kinds of change an iteration makes.
@@ -32,11 +32,12 @@ pub(super) struct Changer<'a> {
     pub(super) finish: &'a AtomicBool,
     pub(super) counts: ChangeCounts,
     pub(super) rng: u64,
-    pub(super) logging: Option<Logging>,
+    /// Dirty logging on the writers' region, period after period.
+    pub(super) dirty: DirtyLog<'a>,
 }
 
 impl Changer<'_> {
-    pub(super) fn finishing(&self) -> bool {
+    fn finishing(&self) -> bool {
         self.finish.load(Ordering::Acquire)
     }
 
@@ -61,7 +62,9 @@ impl Changer<'_> {
     ) -> Result<(), StressError> {
         if kinds.dirty {
             // The lost-write checks assume every address was written at least once.
-            self.wait_for_passes(&vec![0; self.writers.parts.len()])?;
+            let none = vec![0; self.writers.parts.len()];
+            self.writers
+                .wait_for_passes(self.memory, &none, self.finish)?;
         }
         // At least one iteration, however late it is.
         let mut done = 0;
@@ -73,8 +76,8 @@ impl Changer<'_> {
             done += 1;
             self.counts.iterations += 1;
         }
-        if self.logging.is_some() && !self.finishing() {
-            self.dirty_round(true)?;
+        if self.dirty.logging() && !self.finishing() {
+            self.dirty.round(true, &mut self.counts)?;
         }
         Ok(())
     }
@@ -111,10 +114,10 @@ impl Changer<'_> {
             }
         }
         if kinds.dirty {
-            if self.logging.is_none() {
-                self.start_logging()?;
+            if self.dirty.logging() {
+                self.dirty.round(false, &mut self.counts)?;
             } else {
-                self.dirty_round(false)?;
+                self.dirty.start(&mut self.counts)?;
             }
         }
         Ok(())
@@ -147,28 +150,6 @@ impl Changer<'_> {
                     found,
                     expected,
                 });
-            }
-        }
-        Ok(())
-    }
-
-    /// Waits until every writer completed more passes than `passes` says.
-    pub(super) fn wait_for_passes(&self, passes: &[u64]) -> Result<(), StressError> {
-        for (vcpu, &since) in passes.iter().enumerate() {
-            let start = Instant::now();
-            loop {
-                let now = self.writers.passes(self.memory, vcpu);
-                if now > since || self.finishing() {
-                    break;
-                }
-                if start.elapsed() > STALL_TIMEOUT {
-                    return Err(StressError::Stalled {
-                        vcpu,
-                        passes: now,
-                        waited: STALL_TIMEOUT,
-                    });
-                }
-                std::thread::sleep(Duration::from_micros(100));
             }
         }
         Ok(())

@@ -6,8 +6,8 @@ use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
 use std::time::Duration;
 
-use tinyvmm::bench::stress::{run_stress, StressConfig, StressError, StressReport};
 use tinyvmm::test_guest::area::AREA_GPA;
+use tinyvmm_bench::stress::{run_stress, StressConfig, StressError, StressReport};
 use vmm_sys_util::eventfd::EventFd;
 
 fn stress(config: StressConfig) -> Result<StressReport, StressError> {
@@ -42,7 +42,7 @@ fn assert_every_kind_of_change_happened(report: &StressReport) {
 #[test]
 fn kvm_stress_loses_nothing_while_slots_change_around_running_vcpus() {
     if !kvm_test_support::require_kvm(
-        "tinyvmm::kvm_stress_loses_nothing_while_slots_change_around_running_vcpus",
+        "tinyvmm-bench::kvm_stress_loses_nothing_while_slots_change_around_running_vcpus",
     ) {
         return;
     }
@@ -82,7 +82,7 @@ fn kvm_stress_loses_nothing_while_slots_change_around_running_vcpus() {
 #[test]
 fn kvm_stress_with_fifteen_writers_verifies_in_a_phase_of_its_own() {
     if !kvm_test_support::require_kvm(
-        "tinyvmm::kvm_stress_with_fifteen_writers_verifies_in_a_phase_of_its_own",
+        "tinyvmm-bench::kvm_stress_with_fifteen_writers_verifies_in_a_phase_of_its_own",
     ) {
         return;
     }
@@ -103,7 +103,7 @@ fn kvm_stress_with_fifteen_writers_verifies_in_a_phase_of_its_own() {
 #[test]
 fn kvm_stress_detects_a_lost_write_and_names_its_address() {
     if !kvm_test_support::require_kvm(
-        "tinyvmm::kvm_stress_detects_a_lost_write_and_names_its_address",
+        "tinyvmm-bench::kvm_stress_detects_a_lost_write_and_names_its_address",
     ) {
         return;
     }
@@ -128,7 +128,8 @@ fn kvm_stress_detects_a_lost_write_and_names_its_address() {
 
 #[test]
 fn kvm_stress_refuses_what_the_guest_cannot_run() {
-    if !kvm_test_support::require_kvm("tinyvmm::kvm_stress_refuses_what_the_guest_cannot_run") {
+    if !kvm_test_support::require_kvm("tinyvmm-bench::kvm_stress_refuses_what_the_guest_cannot_run")
+    {
         return;
     }
     for vcpus in [0, 16] {
@@ -165,7 +166,7 @@ fn kvm_stress_refuses_what_the_guest_cannot_run() {
 #[test]
 fn kvm_stress_in_ring_mode_loses_nothing_and_survives_full_rings() {
     if !kvm_test_support::require_kvm(
-        "tinyvmm::kvm_stress_in_ring_mode_loses_nothing_and_survives_full_rings",
+        "tinyvmm-bench::kvm_stress_in_ring_mode_loses_nothing_and_survives_full_rings",
     ) {
         return;
     }

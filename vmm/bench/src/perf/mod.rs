@@ -19,14 +19,15 @@
 //! | move inactive area | `area_size` | the same with the window just below the moved slot |
 //! | RW | `area_size` | the guest writes every page, the host checks and writes every page, the guest checks |
 //!
-//! [`AREA_GPA`]: crate::test_guest::area::AREA_GPA
-//! [`TestArea`]: crate::test_guest::area::TestArea
+//! [`AREA_GPA`]: tinyvmm::test_guest::area::AREA_GPA
+//! [`TestArea`]: tinyvmm::test_guest::area::TestArea
 
 mod config;
 mod layout;
 mod report;
 mod run;
 
+use std::process::ExitCode;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
@@ -39,7 +40,10 @@ pub use config::{
 pub use report::{MoveExits, Outcome, PerfReport, Progress, Skipped, TestResult};
 pub use run::{run_test, TestSpec};
 
-use crate::test_guest::vcpus::{check_slot_count, GuestError};
+use tinyvmm::jobs::args::{positive_seconds, slot_count, LimitArgs};
+use tinyvmm::jobs::process::{job_report, print_report, write_json};
+use tinyvmm::lifecycle::run_job;
+use tinyvmm::test_guest::vcpus::{check_slot_count, GuestError};
 
 /// Runs the suite; `stop` ends it early (the results so far are returned, marked interrupted).
 /// `progress` hears of every step.
@@ -50,7 +54,7 @@ pub fn run_perf(
     progress: &mut dyn FnMut(Progress<'_>),
 ) -> Result<PerfReport, PerfError> {
     let duration = config.duration()?;
-    let max = crate::vm::max_slots().map_err(GuestError::Vm)?;
+    let max = tinyvmm::vm::max_slots().map_err(GuestError::Vm)?;
     let slot_counts = if config.slots.is_empty() {
         vec![max]
     } else {
@@ -125,4 +129,72 @@ pub fn run_perf(
         }
     }
     Ok(report)
+}
+
+/// `tinyvmm-bench bench`'s arguments.
+#[derive(Debug, clap::Args)]
+pub struct PerfArgs {
+    /// KVM slot counts, comma-separated (each 2 to KVM's maximum) [default: KVM's maximum]
+    #[arg(long, value_delimiter = ',', value_parser = slot_count(2))]
+    pub slots: Vec<usize>,
+    /// MiB of test memory for the move and RW tests (map uses 32 MiB, unmap 128 MiB).
+    #[arg(long, alias = "area-mib", default_value_t = 512)]
+    pub mem_mib: u64,
+    /// Seconds each test repeats its iteration (fractions allowed).
+    #[arg(long, default_value = "5", value_parser = positive_seconds)]
+    pub seconds: std::time::Duration,
+    /// Runs of each test at each slot count.
+    #[arg(long, default_value_t = 1)]
+    pub runs: usize,
+    /// Tests, comma-separated: map, unmap, unmap-chunked, move-active, move-inactive, rw
+    /// [default: all]
+    #[arg(long, value_delimiter = ',')]
+    pub tests: Vec<Scenario>,
+    /// Where to write the results as JSON.
+    #[arg(long, default_value = "target/bench/tinyvmm-perf.json")]
+    pub out: std::path::PathBuf,
+    /// Print the results as JSON alone on stdout (the table goes to stderr).
+    #[arg(long)]
+    pub json: bool,
+    /// Keep KVM's KVM_X86_QUIRK_SLOT_ZAP_ALL (every guest mapping dropped when any slot is
+    /// deleted or moved) instead of turning it off where KVM allows: to compare the two.
+    #[arg(long)]
+    pub keep_slot_zap_all: bool,
+    /// The memory limits of the VMs it creates.
+    #[command(flatten)]
+    pub limits: LimitArgs,
+}
+
+impl PerfArgs {
+    /// Runs the suite on a job thread, prints its table and writes its JSON; gives the exit
+    /// status (130 when a signal cut it short, its results so far printed).
+    pub fn run(self) -> ExitCode {
+        let config = PerfConfig {
+            slots: self.slots,
+            area_size: self.mem_mib.saturating_mul(1 << 20),
+            seconds: self.seconds.as_secs_f64(),
+            runs: self.runs,
+            scenarios: self.tests,
+            limits: Some(self.limits.resolve()),
+            keep_slot_zap_all: self.keep_slot_zap_all,
+        };
+        let outcome = run_job(move |ctx| {
+            run_perf(&config, &ctx.stop, &ctx.vcpu_stopped, &mut |p| {
+                eprintln!("{p}")
+            })
+        });
+        let report = match job_report(outcome, "", self.json) {
+            Ok(report) => report,
+            Err(code) => return code,
+        };
+        print_report(&report, self.json, !report.interrupted, "");
+        if write_json(&self.out, &report) != ExitCode::SUCCESS {
+            return ExitCode::FAILURE;
+        }
+        if report.interrupted {
+            ExitCode::from(130)
+        } else {
+            ExitCode::SUCCESS
+        }
+    }
 }

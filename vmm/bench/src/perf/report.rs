@@ -5,17 +5,8 @@ use std::time::Duration;
 
 use serde::{Serialize, Serializer};
 
-use super::config::{Scenario, SkipReason, KIB, MAP_AREA_SIZE, MIB, UNMAP_AREA_SIZE};
-use crate::test_guest::area::AREA_GPA;
-
-/// A size in the largest binary unit that divides it.
-pub(super) fn size(bytes: u64) -> String {
-    match bytes {
-        b if b >= MIB && b % MIB == 0 => format!("{} MiB", b / MIB),
-        b if b >= KIB && b % KIB == 0 => format!("{} KiB", b / KIB),
-        b => format!("{b} bytes"),
-    }
-}
+use super::config::{size, Scenario, SkipReason, MAP_AREA_SIZE, UNMAP_AREA_SIZE};
+use tinyvmm::test_guest::area::AREA_GPA;
 
 /// The exits of a move test's vCPU.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
@@ -53,18 +44,21 @@ pub struct TestResult {
     /// Bytes in the last test slot (the remainder included).
     pub last_slot_size: u64,
     /// Adding the test area: every KVM slot of it created.
-    #[serde(rename = "slot_setup_ms", serialize_with = "crate::jobs::millis")]
+    #[serde(rename = "slot_setup_ms", serialize_with = "tinyvmm::jobs::millis")]
     pub slot_setup: Duration,
     /// Iterations completed.
     pub iterations: u64,
     /// Time of all iterations.
-    #[serde(rename = "elapsed_ms", serialize_with = "crate::jobs::millis")]
+    #[serde(rename = "elapsed_ms", serialize_with = "tinyvmm::jobs::millis")]
     pub elapsed: Duration,
     /// Average time of one iteration.
-    #[serde(rename = "per_iteration_ms", serialize_with = "crate::jobs::millis")]
+    #[serde(rename = "per_iteration_ms", serialize_with = "tinyvmm::jobs::millis")]
     pub per_iteration: Duration,
     /// Time of the first iteration alone (for map and RW it includes faulting the memory in).
-    #[serde(rename = "first_iteration_ms", serialize_with = "crate::jobs::millis")]
+    #[serde(
+        rename = "first_iteration_ms",
+        serialize_with = "tinyvmm::jobs::millis"
+    )]
     pub first_iteration: Duration,
     /// For the move tests: the vCPU's exits.
     pub exits: Option<MoveExits>,

@@ -5,9 +5,9 @@ use std::time::Duration;
 
 use kvm_memslots::{MemoryLimits, PAGE_SIZE};
 
-use crate::test_guest;
-use crate::test_guest::area::AreaError;
-use crate::test_guest::vcpus::GuestError;
+use tinyvmm::test_guest;
+use tinyvmm::test_guest::area::AreaError;
+use tinyvmm::test_guest::vcpus::GuestError;
 
 /// Where the region the verifier reads (and the host toggles read-only) starts.
 pub const VERIFY_GPA: u64 = 128 << 20;

@@ -11,7 +11,7 @@
 //! A verifier vCPU keeps checking the read-only-toggled region, whose pattern the host wrote:
 //! KVM deletes and re-creates each of its slots on a toggle, so a read inside that window exits
 //! to the VMM, which must wait for the change and finish the read against memory (counted in
-//! [`ExitCounters::completed_after_change`](crate::vm::vcpu::ExitCounters)). With 15 writers there is
+//! [`ExitCounters::completed_after_change`](tinyvmm::vm::vcpu::ExitCounters)). With 15 writers there is
 //! no vCPU left for it, and vCPU 0 verifies in a phase after the writers stop.
 //!
 //! The run fails if a vCPU stops on an error, a verify finds wrong data, or a write is lost:
@@ -28,6 +28,7 @@ mod dirty;
 mod report;
 mod run;
 
+use std::process::ExitCode;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 
@@ -45,13 +46,17 @@ use config::{
     change, ABOVE_PAGES, MOVER_PAGES, MOVER_STAMP, MOVE_WINDOW_PAGES, VERIFY_SEED, VERIFY_SLOTS,
     VERIFY_STRIDE, WRITE_SEED,
 };
+use dirty::DirtyLog;
 use run::{stress, Watch};
 
-use crate::test_guest::area::{TestArea, AREA_GPA};
-use crate::test_guest::vcpus::TestVm;
-use crate::test_guest::{self, pattern};
-use crate::vm::vcpu::{ExitCounters, VcpuShared};
-use crate::vm::VmOptions;
+use tinyvmm::jobs::args::{positive_seconds, test_guest_vcpus, LimitArgs};
+use tinyvmm::jobs::process::{job_report, print_report};
+use tinyvmm::lifecycle::run_job;
+use tinyvmm::test_guest::area::{TestArea, AREA_GPA};
+use tinyvmm::test_guest::vcpus::TestVm;
+use tinyvmm::test_guest::{self, pattern};
+use tinyvmm::vm::vcpu::{ExitCounters, VcpuShared};
+use tinyvmm::vm::VmOptions;
 
 /// Runs the stress mode; `stop` ends it early (as interrupted); `stopped` is woken whenever a
 /// vCPU stops.
@@ -154,7 +159,7 @@ pub fn run_stress(
         finish: &finish,
         counts: ChangeCounts::default(),
         rng: 0x9e37_79b9_7f4a_7c15,
-        logging: None,
+        dirty: DirtyLog::new(memory, &writers, &finish),
     };
     let watch = Watch {
         stop,
@@ -189,4 +194,67 @@ pub fn run_stress(
         dirty_ring_full: shared.iter().map(|s| s.counters.dirty_ring_full()).sum(),
         duration,
     })
+}
+
+/// `tinyvmm-bench stress`'s arguments.
+#[derive(Debug, clap::Args)]
+pub struct StressArgs {
+    /// Writer vCPUs (1 to 15); with fewer than 15, one more vCPU verifies alongside them.
+    #[arg(long, default_value_t = 2, value_parser = test_guest_vcpus)]
+    pub vcpus: usize,
+    /// KiB of memory each writer writes.
+    #[arg(long, default_value_t = 4096)]
+    pub kib_per_vcpu: u64,
+    /// KVM slots per writer in the writers' region.
+    #[arg(long, default_value_t = 2)]
+    pub slots_per_vcpu: u64,
+    /// Bytes between the addresses the writers write (a multiple of 8; 4096: every page).
+    #[arg(long, default_value_t = 4096)]
+    pub stride: u64,
+    /// Iterations of changes (each makes every kind of change once).
+    #[arg(long, default_value_t = 1000)]
+    pub iterations: u64,
+    /// Stop after this many seconds even if iterations are left (fractions allowed).
+    #[arg(long, default_value = "10", value_parser = positive_seconds)]
+    pub seconds: std::time::Duration,
+    /// Harvest dirty pages from per-vCPU rings of this many entries (a power of two from 256
+    /// to KVM's maximum) instead of per-slot bitmaps [default: bitmaps]
+    #[arg(long)]
+    pub dirty_ring: Option<u32>,
+    /// Print the report as JSON alone on stdout (the human report goes to stderr).
+    #[arg(long)]
+    pub json: bool,
+    /// The memory limits of the VM it stresses.
+    #[command(flatten)]
+    pub limits: LimitArgs,
+}
+
+impl StressArgs {
+    /// Runs the stress mode on a job thread and prints its report; gives the exit status.
+    pub fn run(self) -> ExitCode {
+        let config = StressConfig {
+            vcpus: self.vcpus,
+            part_size: self.kib_per_vcpu.saturating_mul(1024),
+            slots_per_vcpu: self.slots_per_vcpu,
+            stride: self.stride,
+            iterations: self.iterations,
+            duration: self.seconds,
+            corrupt_page: None,
+            dirty_ring: self.dirty_ring,
+            limits: Some(self.limits.resolve()),
+        };
+        let outcome = run_job(move |ctx| run_stress(config, &ctx.stop, &ctx.vcpu_stopped));
+        match job_report(outcome, "stress failed: ", self.json) {
+            Ok(report) => {
+                print_report(
+                    &report,
+                    self.json,
+                    true,
+                    "stress passed: no write lost, no dirty page missed, no wrong data",
+                );
+                ExitCode::SUCCESS
+            }
+            Err(code) => code,
+        }
+    }
 }
