@@ -2,8 +2,8 @@
 //! safe wrapper that says what it relies on and answers an [`io::Error`] when the call fails.
 //! The open-file limit, the file-creation mask, waiting for one descriptor (poll(2)), the
 //! terminal in raw mode and unbuffered reads of it, non-blocking sockets and their connect,
-//! file descriptors received beside a Unix socket's bytes (`SCM_RIGHTS`), and a signal to one
-//! thread.
+//! file descriptors received beside a Unix socket's bytes (`SCM_RIGHTS`), a signal to one
+//! thread, and random bytes from the kernel (getrandom(2)).
 //!
 //! Where vmm-sys-util has the wrapper it is used, here or by the caller: signal handlers,
 //! `SCM_RIGHTS` messages, eventfds, reads of the terminal. What stays elsewhere: KVM's ioctls
@@ -372,6 +372,27 @@ pub unsafe fn signal_thread(thread: ThreadId, signal: libc::c_int) -> io::Result
     }
 }
 
+/// Fills `buf` with random bytes from the kernel's pool (getrandom(2), blocking only until the
+/// pool is first initialised), retrying a call a signal interrupts or the kernel cut short.
+pub fn fill_random(buf: &mut [u8]) -> io::Result<()> {
+    let mut filled = 0;
+    while filled < buf.len() {
+        let rest = &mut buf[filled..];
+        // SAFETY: the kernel writes at most `rest.len()` bytes into `rest`, which is valid
+        // and exclusively borrowed for the call.
+        let n = unsafe { libc::getrandom(rest.as_mut_ptr().cast(), rest.len(), 0) };
+        if n < 0 {
+            let e = io::Error::last_os_error();
+            if e.kind() != io::ErrorKind::Interrupted {
+                return Err(e);
+            }
+        } else {
+            filled += n as usize;
+        }
+    }
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -414,5 +435,14 @@ mod tests {
     fn the_open_file_limit_reads() {
         let limit = open_file_limit().expect("getrlimit");
         assert!(limit.soft <= limit.hard && limit.soft > 0);
+    }
+
+    #[test]
+    fn random_bytes_fill_the_buffer_and_differ() {
+        let (mut a, mut b) = ([0u8; 32], [0u8; 32]);
+        fill_random(&mut a).expect("getrandom");
+        fill_random(&mut b).expect("getrandom");
+        assert_ne!(a, b);
+        fill_random(&mut []).expect("nothing to fill");
     }
 }

@@ -13,15 +13,14 @@
 
 mod support;
 use std::path::{Path, PathBuf};
-use std::thread::JoinHandle;
 
 use kvm_memslots::{hugetlb_pages_available, PageSize};
 use serde_json::{json, Value};
+use support::vmm::{temp_path, InProcess};
 use tinyvmm::control::hotplug::HotplugConfig;
 use tinyvmm::control::memory::RegionPageSize;
 use tinyvmm::jobs::restore::RestoreFrom;
-use tinyvmm::jobs::serve::{serve_in_background, ServeConfig, ServeError};
-use tinyvmm::lifecycle::Ending;
+use tinyvmm::jobs::serve::{serve_in_background, ServeConfig};
 use tinyvmm::test_guest::area::AREA_GPA;
 use tinyvmm::test_guest::hotplug::HotplugArea;
 use tinyvmm::test_guest::layout;
@@ -48,71 +47,31 @@ fn can_run(test: &str, pages: u64) -> bool {
     true
 }
 
-/// A VMM serving its API on a socket of its own.
-struct Vmm {
-    socket: PathBuf,
-    thread: Option<JoinHandle<Result<Ending, ServeError>>>,
+/// A VMM serving its API from a thread of this process on [`temp_path`]`("NAME.sock")`, with
+/// the configuration `configure` makes of the default.
+fn serve(name: &str, configure: impl FnOnce(ServeConfig) -> ServeConfig) -> InProcess {
+    InProcess::start(configure(ServeConfig::new(temp_path(&format!(
+        "{name}.sock"
+    )))))
 }
 
-impl Vmm {
-    fn start(name: &str, configure: impl FnOnce(ServeConfig) -> ServeConfig) -> Vmm {
-        let socket =
-            std::env::temp_dir().join(format!("tinyvmm-test-{}-{name}.sock", std::process::id()));
-        let thread = serve_in_background(configure(ServeConfig::new(socket.clone())))
-            .expect("the VMM starts");
-        Vmm {
-            socket,
-            thread: Some(thread),
-        }
-    }
-
-    fn ok(&self, method: &str, path: &str, body: Option<Value>) -> Value {
-        let (status, answer) = tinyvmm::api::client::Client::connect(&self.socket)
-            .expect("connect")
-            .call(method, path, body.as_ref())
-            .expect("an answer");
-        assert!(
-            (200..300).contains(&status),
-            "{method} {path}: {status} {answer}"
-        );
-        answer
-    }
-
-    /// The regions of `GET /memory` in the initial memory (from [`AREA_GPA`]).
-    fn area_regions(&self) -> Vec<Value> {
-        let memory = self.ok("GET", "/memory", None);
-        memory["regions"]
-            .as_array()
-            .expect("regions")
-            .iter()
-            .filter(|r| r["guest_address"].as_u64() >= Some(AREA_GPA))
-            .cloned()
-            .collect()
-    }
-
-    /// Has the guest `op` ("write" or "verify") one u64 a page over `[start, end)`.
-    fn guest(&self, op: &str, start: u64, end: u64, seed: u64) {
-        let command = json!({"op": op, "start": start, "end": end, "stride": 4096, "seed": seed});
-        let done = self.ok("PUT", "/guest/command", Some(command));
-        assert_eq!(done["result"], "ok", "{op}: {done}");
-    }
-
-    fn stop(mut self) {
-        self.ok("PUT", "/actions", Some(json!({"action_type": "Stop"})));
-        let thread = self.thread.take().expect("running");
-        let ending = thread.join().expect("no panic").expect("clean stop");
-        assert_eq!(ending, Ending::Finished);
-    }
+/// The regions of `GET /memory` in the initial memory (from [`AREA_GPA`]).
+fn area_regions(vmm: &InProcess) -> Vec<Value> {
+    let memory = vmm.ok("GET", "/memory", None);
+    memory["regions"]
+        .as_array()
+        .expect("regions")
+        .iter()
+        .filter(|r| r["guest_address"].as_u64() >= Some(AREA_GPA))
+        .cloned()
+        .collect()
 }
 
-impl Drop for Vmm {
-    fn drop(&mut self) {
-        if let Some(thread) = self.thread.take() {
-            let _ = tinyvmm::api::client::Client::connect(&self.socket)
-                .and_then(|mut c| c.call("PUT", "/actions", Some(&json!({"action_type": "Stop"}))));
-            let _ = thread.join();
-        }
-    }
+/// Has the guest `op` ("write" or "verify") one u64 a page over `[start, end)`.
+fn guest(vmm: &InProcess, op: &str, start: u64, end: u64, seed: u64) {
+    let command = support::guest_command(op, start, end, seed);
+    let done = vmm.ok("PUT", "/guest/command", Some(command));
+    assert_eq!(done["result"], "ok", "{op}: {done}");
 }
 
 /// Serves the test guest with 8 MiB of initial memory in 2 MiB pages over two slots (in a
@@ -128,14 +87,14 @@ fn served_with_huge_pages(test: &str, memfd: bool) {
     std::fs::create_dir_all(&dir).expect("a scratch folder");
     let file = |name: &str| dir.join(name);
     let (start, end) = (AREA_GPA, AREA_GPA + 8 * MIB);
-    let vmm = Vmm::start(short, |config| ServeConfig {
+    let vmm = serve(short, |config| ServeConfig {
         slots: 3,
         area_size: 8 * MIB,
         memfd,
         page_size: PageSize::Huge2M,
         ..config
     });
-    let regions = vmm.area_regions();
+    let regions = area_regions(&vmm);
     assert_eq!(regions.len(), 1, "{regions:?}");
     assert_eq!(regions[0]["page_size"], "2m", "{regions:?}");
     assert_eq!(regions[0]["slots"], 2, "{regions:?}");
@@ -143,8 +102,8 @@ fn served_with_huge_pages(test: &str, memfd: bool) {
         regions[0]["backing"],
         if memfd { "memfd" } else { "anonymous" }
     );
-    vmm.guest("write", start, end, 38);
-    vmm.guest("verify", start, end, 38);
+    guest(&vmm, "write", start, end, 38);
+    guest(&vmm, "verify", start, end, 38);
     let hva = regions[0]["host_address"].as_u64().expect("an address");
     assert_eq!(
         support::hugetlb_bytes(hva, 8 * MIB),
@@ -157,7 +116,7 @@ fn served_with_huge_pages(test: &str, memfd: bool) {
     vmm.ok("PUT", "/snapshot/create", Some(create));
     vmm.stop();
 
-    let restored = Vmm::start(&format!("{short}-restored"), |config| ServeConfig {
+    let restored = serve(&format!("{short}-restored"), |config| ServeConfig {
         restore: Some(RestoreFrom {
             snapshot: file("full.state"),
             mem_file: file("full.mem"),
@@ -167,7 +126,7 @@ fn served_with_huge_pages(test: &str, memfd: bool) {
         }),
         ..config
     });
-    let regions = restored.area_regions();
+    let regions = area_regions(&restored);
     assert_eq!(regions.len(), 1, "{regions:?}");
     assert_eq!(
         regions[0]["page_size"], "2m",
@@ -180,7 +139,7 @@ fn served_with_huge_pages(test: &str, memfd: bool) {
         "copied into huge pages"
     );
     restored.ok("PATCH", "/vm", Some(json!({"state": "Resumed"})));
-    restored.guest("verify", start, end, 38);
+    guest(&restored, "verify", start, end, 38);
     restored.stop();
     let _ = std::fs::remove_dir_all(&dir);
 }
@@ -211,8 +170,7 @@ fn kvm_initial_memory_the_pool_cannot_hold_is_refused_naming_the_free_pages() {
     }
     // More than the pool has, whatever its size (a pool of 1 TiB is not reserved here).
     let pages = hugetlb_pages_available() + 512;
-    let socket =
-        std::env::temp_dir().join(format!("tinyvmm-test-{}-pool.sock", std::process::id()));
+    let socket = temp_path("pool.sock");
     let config = ServeConfig {
         slots: 2,
         area_size: pages * 2 * MIB,
@@ -325,7 +283,7 @@ fn kvm_the_api_hotplug_area_in_2m_pages_survives_a_copy_restore() {
     let dir = std::env::temp_dir().join(format!("tinyvmm-test-{}-huge-plug", std::process::id()));
     std::fs::create_dir_all(&dir).expect("a scratch folder");
     let file = |name: &str| dir.join(name);
-    let vmm = Vmm::start("huge-plug", |config| ServeConfig {
+    let vmm = serve("huge-plug", |config| ServeConfig {
         area_size: 8 * MIB,
         ..config
     });
@@ -340,7 +298,7 @@ fn kvm_the_api_hotplug_area_in_2m_pages_survives_a_copy_restore() {
     let info = vmm.ok("GET", "/hotplug/memory", None);
     assert_eq!(info["page_size"], "2m", "{info}");
     let base = info["guest_address"].as_u64().expect("an address");
-    let pieces = |vmm: &Vmm| -> Vec<Value> {
+    let pieces = |vmm: &InProcess| -> Vec<Value> {
         let memory = vmm.ok("GET", "/memory", None);
         memory["regions"]
             .as_array()
@@ -353,14 +311,14 @@ fn kvm_the_api_hotplug_area_in_2m_pages_survives_a_copy_restore() {
     let plugged = pieces(&vmm);
     assert_eq!(plugged.len(), 1, "{plugged:?}");
     assert_eq!(plugged[0]["page_size"], "2m", "{plugged:?}");
-    vmm.guest("write", base, base + 4 * MIB, 7);
+    guest(&vmm, "write", base, base + 4 * MIB, 7);
     vmm.ok("PATCH", "/vm", Some(json!({"state": "Paused"})));
     let create = json!({"snapshot_type": "Full", "snapshot_path": file("s.state"),
                         "mem_file_path": file("s.mem")});
     vmm.ok("PUT", "/snapshot/create", Some(create));
     vmm.stop();
 
-    let restored = Vmm::start("huge-plug-restored", |config| ServeConfig {
+    let restored = serve("huge-plug-restored", |config| ServeConfig {
         restore: Some(RestoreFrom {
             snapshot: file("s.state"),
             mem_file: file("s.mem"),
@@ -377,7 +335,7 @@ fn kvm_the_api_hotplug_area_in_2m_pages_survives_a_copy_restore() {
         "{info}"
     );
     restored.ok("PATCH", "/vm", Some(json!({"state": "Resumed"})));
-    restored.guest("verify", base, base + 4 * MIB, 7);
+    guest(&restored, "verify", base, base + 4 * MIB, 7);
     restored.ok(
         "PATCH",
         "/hotplug/memory",
@@ -401,20 +359,17 @@ fn kvm_a_2m_plug_the_pool_cannot_hold_is_refused_naming_the_free_pages() {
     if !kvm_test_support::require_kvm(&format!("tinyvmm::{test}")) {
         return;
     }
-    let vmm = Vmm::start("huge-short", |config| config);
+    let vmm = serve("huge-short", |config| config);
     // One piece of more pages than the pool has, whatever its size.
     let piece_mib = (hugetlb_pages_available() + 64) * 2;
     let area = json!({"total_size_mib": piece_mib, "block_size_mib": 2,
                       "slot_size_mib": piece_mib, "page_size": "2m"});
     vmm.ok("PUT", "/hotplug/memory", Some(area));
-    let (status, answer) = tinyvmm::api::client::Client::connect(&vmm.socket)
-        .expect("connect")
-        .call(
-            "PATCH",
-            "/hotplug/memory",
-            Some(&json!({"requested_size_mib": 2})),
-        )
-        .expect("an answer");
+    let (status, answer) = vmm.call(
+        "PATCH",
+        "/hotplug/memory",
+        Some(json!({"requested_size_mib": 2})),
+    );
     assert_eq!(status, 409, "{answer}");
     let message = answer["fault_message"].as_str().unwrap_or_default();
     assert!(message.contains("free 2 MiB pages"), "{answer}");
@@ -484,8 +439,8 @@ impl Drop for HugetlbfsMount {
 
 /// A VM restored from `state` and the memory file `mem` with the file backend: the memory
 /// file mapped privately.
-fn file_clone(name: &str, state: &Path, mem: &Path) -> Vmm {
-    Vmm::start(name, |config| ServeConfig {
+fn file_clone(name: &str, state: &Path, mem: &Path) -> InProcess {
+    serve(name, |config| ServeConfig {
         restore: Some(RestoreFrom {
             snapshot: state.to_path_buf(),
             mem_file: mem.to_path_buf(),
@@ -519,13 +474,13 @@ fn kvm_clones_of_a_template_on_hugetlbfs_map_2m_pages_and_keep_their_writes_apar
     let state = dir.join("template.state");
     let mem = mount.path("template.mem");
     let (start, end) = (AREA_GPA, AREA_GPA + 8 * MIB);
-    let source = Vmm::start("clones-source", |config| ServeConfig {
+    let source = serve("clones-source", |config| ServeConfig {
         slots: 3,
         area_size: 8 * MIB,
         page_size: PageSize::Huge2M,
         ..config
     });
-    source.guest("write", start, end, 38);
+    guest(&source, "write", start, end, 38);
     source.ok("PATCH", "/vm", Some(json!({"state": "Paused"})));
     let create = json!({"snapshot_type": "Full", "snapshot_path": state,
                         "mem_file_path": mem});
@@ -535,10 +490,7 @@ fn kvm_clones_of_a_template_on_hugetlbfs_map_2m_pages_and_keep_their_writes_apar
     let diff_mem = mount.path("diff.mem");
     let diff = json!({"snapshot_type": "Diff", "snapshot_path": dir.join("diff.state"),
                       "mem_file_path": diff_mem});
-    let (status, answer) = tinyvmm::api::client::Client::connect(&source.socket)
-        .expect("connect")
-        .call("PUT", "/snapshot/create", Some(&diff))
-        .expect("an answer");
+    let (status, answer) = source.call("PUT", "/snapshot/create", Some(diff));
     assert_eq!(status, 400, "{answer}");
     let message = answer["fault_message"].as_str().unwrap_or_default();
     assert!(
@@ -549,7 +501,7 @@ fn kvm_clones_of_a_template_on_hugetlbfs_map_2m_pages_and_keep_their_writes_apar
     // A live Full there too, its later rounds written over its first: half the area
     // rewritten first.
     source.ok("PATCH", "/vm", Some(json!({"state": "Resumed"})));
-    source.guest("write", start, start + 4 * MIB, 39);
+    guest(&source, "write", start, start + 4 * MIB, 39);
     let (live_state, live_mem) = (dir.join("live.state"), mount.path("live.mem"));
     let live = json!({"snapshot_type": "Full", "snapshot_path": live_state,
                       "mem_file_path": live_mem, "live": true});
@@ -598,8 +550,8 @@ fn kvm_clones_of_a_template_on_hugetlbfs_map_2m_pages_and_keep_their_writes_apar
             "clone {name}: every region maps the hugetlbfs file in 2 MiB pages: {regions:?}"
         );
         clone.ok("PATCH", "/vm", Some(json!({"state": "Resumed"})));
-        clone.guest("verify", start, end, 38);
-        let hva = clone.area_regions()[0]["host_address"]
+        guest(clone, "verify", start, end, 38);
+        let hva = area_regions(clone)[0]["host_address"]
             .as_u64()
             .expect("an address");
         assert_eq!(
@@ -610,23 +562,23 @@ fn kvm_clones_of_a_template_on_hugetlbfs_map_2m_pages_and_keep_their_writes_apar
     }
     // Each writes its own data over the whole area, then verifies it: the other's writes
     // would show as a mismatch.
-    clones[0].guest("write", start, end, 0xa);
-    clones[1].guest("write", start, end, 0xb);
-    clones[0].guest("verify", start, end, 0xa);
-    clones[1].guest("verify", start, end, 0xb);
+    guest(&clones[0], "write", start, end, 0xa);
+    guest(&clones[1], "write", start, end, 0xb);
+    guest(&clones[0], "verify", start, end, 0xa);
+    guest(&clones[1], "verify", start, end, 0xb);
     let [a, b] = clones;
     a.stop();
     b.stop();
     // The template is unchanged: a new clone reads what the source wrote.
     let third = file_clone("clone-c", &state, &mem);
     third.ok("PATCH", "/vm", Some(json!({"state": "Resumed"})));
-    third.guest("verify", start, end, 38);
+    guest(&third, "verify", start, end, 38);
     third.stop();
     // A clone of the live Full reads its point.
     let fourth = file_clone("clone-d", &live_state, &live_mem);
     fourth.ok("PATCH", "/vm", Some(json!({"state": "Resumed"})));
-    fourth.guest("verify", start, start + 4 * MIB, 39);
-    fourth.guest("verify", start + 4 * MIB, end, 38);
+    guest(&fourth, "verify", start, start + 4 * MIB, 39);
+    guest(&fourth, "verify", start + 4 * MIB, end, 38);
     fourth.stop();
     let _ = std::fs::remove_dir_all(&dir);
     drop(mount);
@@ -653,20 +605,19 @@ fn kvm_a_clone_the_pool_cannot_reserve_is_refused_naming_the_free_pages() {
     let mem = mount.path("template.mem");
     // More than the pool could reserve, whatever other tests take meanwhile.
     let pages = hugetlb_pages_available() + 512;
-    let source = Vmm::start("short-source", |config| ServeConfig {
+    let source = serve("short-source", |config| ServeConfig {
         slots: 2,
         area_size: pages * 2 * MIB,
         ..config
     });
-    source.guest("write", AREA_GPA, AREA_GPA + 4096, 5);
+    guest(&source, "write", AREA_GPA, AREA_GPA + 4096, 5);
     source.ok("PATCH", "/vm", Some(json!({"state": "Paused"})));
     let create = json!({"snapshot_type": "Full", "snapshot_path": state,
                         "mem_file_path": mem});
     source.ok("PUT", "/snapshot/create", Some(create));
     source.stop();
 
-    let socket =
-        std::env::temp_dir().join(format!("tinyvmm-test-{}-short.sock", std::process::id()));
+    let socket = temp_path("short.sock");
     let config = ServeConfig {
         restore: Some(RestoreFrom {
             snapshot: state.clone(),

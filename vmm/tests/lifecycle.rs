@@ -30,13 +30,14 @@
 //! --ignored --nocapture soak`.
 
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::Command;
 use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
 use tinyvmm::api::client::Client;
 
 mod support;
+use support::vmm::Vmm;
 
 const MIB: u64 = 1 << 20;
 /// Where `serve` puts its initial memory.
@@ -177,132 +178,43 @@ struct Saved {
     ring: bool,
 }
 
-/// A `tinyvmm` process, killed if the test ends before it does.
-struct Process {
-    child: Option<Child>,
-    api: PathBuf,
-    name: String,
+/// `tinyvmm ARGS` named `name`, its API socket and its stderr (`NAME.stderr`) in `dir`.
+fn spawn(dir: &Path, name: &str, args: &[&str]) -> Vmm {
+    Vmm::command(name)
+        .api_sock(dir.join(format!("{name}.sock")))
+        .stderr_file(dir.join(format!("{name}.stderr")))
+        .args(args)
+        .spawn()
 }
 
-impl Process {
-    fn spawn(dir: &Path, name: &str, args: &[&str]) -> Process {
-        let api = dir.join(format!("{name}.sock"));
-        let stderr = std::fs::File::create(dir.join(format!("{name}.stderr"))).expect("a file");
-        let child = Command::new(env!("CARGO_BIN_EXE_tinyvmm"))
-            .args(args)
-            .arg("--api-sock")
-            .arg(&api)
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(stderr)
-            .spawn()
-            .expect("tinyvmm starts");
-        Process {
-            child: Some(child),
-            api,
-            name: name.to_owned(),
-        }
-    }
+/// How long a VMM may take to exit once asked (a hang guard only).
+const EXIT_LIMIT: Duration = Duration::from_secs(120);
 
-    fn running(&mut self) -> bool {
-        self.child
-            .as_mut()
-            .is_some_and(|c| c.try_wait().expect("try_wait").is_none())
-    }
-
-    /// Waits until `GET /vm` answers with a VM (not a destination still waiting for one);
-    /// why not, with the end of the process's stderr, if it exits first.
-    fn wait_for_vm(&mut self, dir: &Path) -> Result<(), String> {
-        let deadline = Instant::now() + Duration::from_secs(120);
-        loop {
-            let vm = Client::connect(&self.api).and_then(|mut c| c.call("GET", "/vm", None));
-            if let Ok((200, vm)) = vm {
-                if !matches!(vm["state"].as_str(), Some("Waiting" | "Receiving")) {
-                    return Ok(());
-                }
-            }
-            if !self.running() {
-                let stderr = std::fs::read_to_string(dir.join(format!("{}.stderr", self.name)))
-                    .unwrap_or_default();
-                return Err(format!(
-                    "{} exited before it served a VM: {}",
-                    self.name,
-                    support::tail(&stderr, 5)
-                ));
-            }
-            if Instant::now() > deadline {
-                return Err(format!("{}: no VM in 2 minutes", self.name));
-            }
-            std::thread::sleep(Duration::from_millis(10));
-        }
-    }
-
-    /// Waits until a `receive` listens (its API answers `Waiting`).
-    fn wait_listening(&mut self) {
-        let deadline = Instant::now() + Duration::from_secs(120);
-        loop {
-            let vm = Client::connect(&self.api).and_then(|mut c| c.call("GET", "/vm", None));
-            if vm.is_ok_and(|(_, vm)| vm["state"] == "Waiting") {
-                return;
-            }
-            assert!(self.running(), "{} exited before it listened", self.name);
-            assert!(Instant::now() < deadline, "{} never listened", self.name);
-            std::thread::sleep(Duration::from_millis(10));
-        }
-    }
-
-    /// Waits (up to two minutes: a hang guard) for the process to exit; its status.
-    fn exited(&mut self) -> Option<i32> {
-        let mut child = self.child.take().expect("running");
-        let deadline = Instant::now() + Duration::from_secs(120);
-        loop {
-            if let Some(status) = child.try_wait().expect("try_wait") {
-                return status.code();
-            }
-            if Instant::now() > deadline {
-                let _ = child.kill();
-                let _ = child.wait();
-                panic!("{} did not exit in 2 minutes", self.name);
-            }
-            std::thread::sleep(Duration::from_millis(10));
-        }
-    }
-
-    fn stop(mut self) {
-        if self.child.is_none() {
-            return;
-        }
-        let stop = json!({"action_type": "Stop"});
-        // A VMM that does not answer any more is ended all the same.
-        let _ = Client::connect(&self.api).and_then(|mut c| c.call("PUT", "/actions", Some(&stop)));
-        self.exited();
-    }
+/// Waits for `vmm` to exit (it was asked to); its status.
+fn exited(vmm: &mut Vmm) -> Option<i32> {
+    vmm.wait(EXIT_LIMIT).status.code()
 }
 
-impl Process {
-    /// Sends SIGTERM and waits for the process to exit; its status.
-    fn terminate(&mut self) -> Option<i32> {
-        let pid = self.child.as_ref().expect("running").id();
-        // SAFETY: kill() only sends a signal; `pid` is our own child, not yet reaped (the
-        // `Child` still holds it), so the number names no other process.
-        let sent = unsafe { libc::kill(pid as libc::pid_t, libc::SIGTERM) };
-        assert_eq!(sent, 0, "kill {pid}");
-        self.exited()
-    }
+/// Sends `vmm` SIGTERM and waits for it to exit; its status.
+fn terminate(vmm: &mut Vmm) -> Option<i32> {
+    vmm.signal(libc::SIGTERM);
+    exited(vmm)
 }
 
-impl Drop for Process {
-    fn drop(&mut self) {
-        if let Some(mut child) = self.child.take() {
-            let _ = child.kill();
-            let _ = child.wait();
-        }
+/// Stops `vmm` (`PUT /actions` Stop, whatever the answer: a VMM that does not answer any more
+/// is ended all the same) unless it has ended already.
+fn stop(mut vmm: Vmm) {
+    if !vmm.running() {
+        return;
     }
+    let stop = json!({"action_type": "Stop"});
+    let _ = Client::connect(vmm.api()).and_then(|mut c| c.call("PUT", "/actions", Some(&stop)));
+    exited(&mut vmm);
 }
 
 /// The VM a sequence drives now, and what the model says of it.
 struct Vm {
-    process: Process,
+    process: Vmm,
     model: Model,
     paused: bool,
     ring: bool,
@@ -355,9 +267,9 @@ impl Sequence {
         if memfd {
             args.push("--memfd");
         }
-        let mut process = Process::spawn(&dir, "vm0", &args);
-        process.wait_for_vm(&dir).expect("serve runs");
-        let end = support::area_end(&process.api, AREA);
+        let process = spawn(&dir, "vm0", &args);
+        process.try_wait_for_vm().expect("serve runs");
+        let end = support::area_end(process.api(), AREA);
         let chunk = (end - AREA) / CHUNKS as u64 / 4096 * 4096;
         let mut sequence = Sequence {
             seed,
@@ -427,15 +339,15 @@ impl Sequence {
     /// A request to the VM; a VMM that does not answer fails the sequence with how its
     /// process ended.
     fn call(&mut self, method: &str, path: &str, body: Option<Value>) -> (u16, Value) {
-        let answer = Client::connect(&self.vm.process.api)
+        let answer = Client::connect(self.vm.process.api())
             .and_then(|mut c| c.call(method, path, body.as_ref()));
         match answer {
             Ok(answer) => answer,
             Err(e) => {
                 std::thread::sleep(Duration::from_millis(200));
-                let ended = match self.vm.process.child.as_mut().map(|c| c.try_wait()) {
-                    Some(Ok(Some(status))) => format!("it ended: {status:?}"),
-                    _ => "it still runs".to_owned(),
+                let ended = match self.vm.process.try_exited() {
+                    Some(output) => format!("it ended: {:?}", output.status),
+                    None => "it still runs".to_owned(),
                 };
                 self.fail(&format!("{method} {path}: no answer ({e}); {ended}"))
             }
@@ -1035,7 +947,7 @@ impl Sequence {
         let saved = self.saved[self.rng.below(self.saved.len())].clone();
         let vm = self.restored(&saved);
         let old = std::mem::replace(&mut self.vm, vm);
-        old.process.stop();
+        stop(old.process);
     }
 
     /// `saved` restored in a new process with a backend picked at random, waiting paused as a
@@ -1101,9 +1013,9 @@ impl Sequence {
         }
         self.note(format!("{name}: restore {} with {backend}", saved.name));
         let args: Vec<&str> = args.iter().map(String::as_str).collect();
-        let mut process = Process::spawn(&self.dir, &name, &args);
-        process.wait_for_vm(&self.dir)?;
-        let mut client = Client::connect(&process.api).expect("the restored VM's API");
+        let process = spawn(&self.dir, &name, &args);
+        process.try_wait_for_vm()?;
+        let mut client = Client::connect(process.api()).expect("the restored VM's API");
         match client.call("GET", "/vm", None) {
             Ok((200, vm)) if vm["state"] == "Paused" => {}
             answer => self.fail(&format!("a restored VM waits, paused: {answer:?}")),
@@ -1131,7 +1043,7 @@ impl Sequence {
         let to = from + 1 + self.rng.below(CHUNKS - from);
         let first = self.restored(&saved);
         let old = std::mem::replace(&mut self.vm, first);
-        old.process.stop();
+        stop(old.process);
         let mut second = self.restored(&saved);
         self.note(format!(
             "two clones of {}: each writes chunks {from}..{to}",
@@ -1148,7 +1060,7 @@ impl Sequence {
         if self.rng.chance(50) {
             std::mem::swap(&mut self.vm, &mut second);
         }
-        second.process.stop();
+        stop(second.process);
     }
 
     /// Ends the VM with `PUT /actions` Stop (exit 0) or SIGTERM (exit 130), now and then in
@@ -1164,9 +1076,9 @@ impl Sequence {
             0 => {
                 let stop = json!({"action_type": "Stop"});
                 self.ok("PUT", "/actions", Some(stop));
-                self.vm.process.exited()
+                exited(&mut self.vm.process)
             }
-            1 => self.vm.process.terminate(),
+            1 => terminate(&mut self.vm.process),
             _ => {
                 // A live Full that cannot converge (no downtime allowed) runs its rounds
                 // until the signal ends it.
@@ -1184,7 +1096,7 @@ impl Sequence {
                     self.fail(&format!("a live Full: {status} {answer}"));
                 }
                 std::thread::sleep(Duration::from_millis(self.rng.below(50) as u64));
-                self.vm.process.terminate()
+                terminate(&mut self.vm.process)
             }
         };
         let what = ["Stop", "SIGTERM", "SIGTERM in a live Full"][how];
@@ -1227,7 +1139,7 @@ impl Sequence {
         if ring {
             args.extend(["--dirty-ring", "4096"]);
         }
-        let mut destination = Process::spawn(&self.dir, &name, &args);
+        let destination = spawn(&self.dir, &name, &args);
         destination.wait_listening();
         let local = !tcp && self.rng.chance(40);
         let cancel = self.rng.chance(30);
@@ -1269,7 +1181,7 @@ impl Sequence {
             if !self.vm.process.running() {
                 break "completed".to_owned();
             }
-            if let Ok((200, info)) = Client::connect(&self.vm.process.api)
+            if let Ok((200, info)) = Client::connect(self.vm.process.api())
                 .and_then(|mut c| c.call("GET", "/migrate", None))
             {
                 let phase = info["phase"].as_str().unwrap_or("").to_owned();
@@ -1295,11 +1207,11 @@ impl Sequence {
             ));
         }
         if phase == "completed" {
-            let status = self.vm.process.exited();
+            let status = exited(&mut self.vm.process);
             if status != Some(0) {
                 self.fail(&format!("the source exited {status:?} after migrating"));
             }
-            if let Err(e) = destination.wait_for_vm(&self.dir) {
+            if let Err(e) = destination.try_wait_for_vm() {
                 self.fail(&e);
             }
             let model = self.vm.model.clone();
@@ -1312,7 +1224,7 @@ impl Sequence {
                 chain: None,
             };
         } else {
-            destination.stop();
+            stop(destination);
         }
         if let Some((from, to)) = looping {
             self.stop_loop(from, to);
@@ -1379,7 +1291,7 @@ impl Sequence {
     }
 
     fn finish(self) {
-        self.vm.process.stop();
+        stop(self.vm.process);
         let _ = std::fs::remove_dir_all(&self.dir);
     }
 }

@@ -20,15 +20,15 @@
 //! machines than on others; a run whose guest prints nothing for [`support::linux_patience`]
 //! (scaled to the measured speed) fails with its last lines.
 
-use std::fs::File;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Output, Stdio};
+use std::process::Output;
 use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
 use tinyvmm::api::client::Client;
 
 mod support;
+use support::vmm::Vmm;
 use support::{debian_kernel, hardware_virtualisation, merge_chain, ready, CMDLINE};
 
 /// Where the live Full starts: after the line the kernel prints before its longest stretch of
@@ -62,87 +62,62 @@ impl Drop for Scratch {
     }
 }
 
-/// A tinyvmm process, its console in a file; killed if the test ends before it does.
-struct Vmm {
-    child: Option<Child>,
-    console: PathBuf,
-    api: Option<PathBuf>,
+/// `tinyvmm ARGS` (support's [`Vmm`]) with its console (stdout) in the file `console` and its
+/// API on the socket `api`, or none; named after the console file.
+fn spawn(args: &[&str], console: PathBuf, api: Option<PathBuf>) -> Vmm {
+    let name = console
+        .file_stem()
+        .expect("a console file")
+        .to_string_lossy()
+        .into_owned();
+    let command = Vmm::command(&name).args(args).stdout_file(console);
+    match api {
+        Some(api) => command.api_sock(api),
+        None => command.no_api(),
+    }
+    .spawn()
 }
 
-impl Vmm {
-    fn spawn(args: &[&str], console: PathBuf, api: Option<PathBuf>) -> Self {
-        let out = File::create(&console).expect("a console file");
-        let mut command = Command::new(env!("CARGO_BIN_EXE_tinyvmm"));
-        command.args(args);
-        if let Some(api) = &api {
-            command.arg("--api-sock").arg(api);
-        }
-        let child = command
-            .stdin(Stdio::null())
-            .stdout(out)
-            .stderr(Stdio::piped())
-            .spawn()
-            .expect("tinyvmm starts");
-        Vmm {
-            child: Some(child),
-            console,
-            api,
-        }
-    }
+/// `tinyvmm restore` of `state` and `mem` through `backend`, its console and API socket
+/// named after `name` in `scratch`.
+fn restore(scratch: &Scratch, name: &str, (state, mem): (&Path, &Path), backend: &str) -> Vmm {
+    spawn(
+        &[
+            "restore",
+            "--snapshot",
+            state.to_str().expect("UTF-8"),
+            "--mem-file",
+            mem.to_str().expect("UTF-8"),
+            "--mem-backend",
+            backend,
+        ],
+        scratch.path(&format!("{name}.console")),
+        Some(scratch.path(&format!("{name}.sock"))),
+    )
+}
 
-    /// `tinyvmm restore` of `state` and `mem` through `backend`, its console and API socket
-    /// named after `name` in `scratch`.
-    fn restore(scratch: &Scratch, name: &str, (state, mem): (&Path, &Path), backend: &str) -> Self {
-        Vmm::spawn(
-            &[
-                "restore",
-                "--snapshot",
-                state.to_str().expect("UTF-8"),
-                "--mem-file",
-                mem.to_str().expect("UTF-8"),
-                "--mem-backend",
-                backend,
-            ],
-            scratch.path(&format!("{name}.console")),
-            Some(scratch.path(&format!("{name}.sock"))),
-        )
-    }
-
-    fn console(&self) -> String {
-        String::from_utf8_lossy(&std::fs::read(&self.console).unwrap_or_default()).into_owned()
-    }
-
-    fn running(&self) -> bool {
-        let pid = self.child.as_ref().expect("spawned").id();
-        std::fs::read_to_string(format!("/proc/{pid}/stat"))
-            .is_ok_and(|s| s.split(' ').nth(2).is_none_or(|state| state != "Z"))
-    }
-
-    fn wait_for_api(&self) {
-        let api = self.api.as_ref().expect("an API socket");
-        let deadline = Instant::now() + Duration::from_secs(120);
-        while Client::connect(api).is_err() {
-            assert!(Instant::now() < deadline, "the API socket never came up");
-            assert!(self.running(), "tinyvmm exited before its API came up");
-            std::thread::sleep(Duration::from_millis(20));
-        }
-    }
-
-    fn ok(&self, method: &str, path: &str, body: Option<Value>) -> Value {
-        let api = self.api.as_ref().expect("an API socket");
-        let (status, answer) = Client::connect(api)
-            .expect("connect")
-            .call(method, path, body.as_ref())
-            .expect("an answer");
-        assert!(
-            (200..300).contains(&status),
-            "{method} {path}: {status} {answer}"
-        );
-        answer
-    }
-
+/// What a Linux guest's VMM is asked here beyond the shared fixture: its console, waited on
+/// while the guest makes progress.
+trait Linux {
+    /// The console so far.
+    fn console(&self) -> String;
     /// Waits until the console shows `marker`; fails if the VMM exits first, or if the guest
     /// prints nothing for the host's patience (however long the whole wait takes).
+    fn wait_for_line(&self, marker: &str);
+    /// Pauses the VM; returns the console up to the pause (the pause flushes it).
+    fn pause(&self) -> String;
+    /// Resumes the VM.
+    fn resume(&self);
+    /// Waits for the process to end, while its guest makes progress (see
+    /// [`Linux::wait_for_line`]): its status and stderr, and its console.
+    fn run_out(&mut self) -> (Output, String);
+}
+
+impl Linux for Vmm {
+    fn console(&self) -> String {
+        self.stdout_now()
+    }
+
     fn wait_for_line(&self, marker: &str) {
         let mut progress = support::Progress::default();
         loop {
@@ -164,20 +139,17 @@ impl Vmm {
         }
     }
 
-    /// Pauses the VM; returns the console up to the pause (the pause flushes it).
     fn pause(&self) -> String {
-        self.ok("PATCH", "/vm", Some(json!({"state": "Paused"})));
+        self.set_state("Paused");
         assert_eq!(self.ok("GET", "/vm", None)["state"], "Paused");
         self.console()
     }
 
     fn resume(&self) {
-        self.ok("PATCH", "/vm", Some(json!({"state": "Resumed"})));
+        self.set_state("Resumed");
     }
 
-    /// Waits for the process to end, while its guest makes progress (see
-    /// [`Vmm::wait_for_line`]).
-    fn wait(&mut self) -> (Output, String) {
+    fn run_out(&mut self) -> (Output, String) {
         let mut progress = support::Progress::default();
         while self.running() {
             let console = self.console();
@@ -189,22 +161,8 @@ impl Vmm {
             );
             std::thread::sleep(Duration::from_millis(20));
         }
-        let output = self
-            .child
-            .take()
-            .expect("spawned")
-            .wait_with_output()
-            .expect("wait");
+        let output = self.try_exited().expect("it has exited");
         (output, self.console())
-    }
-}
-
-impl Drop for Vmm {
-    fn drop(&mut self) {
-        if let Some(mut child) = self.child.take() {
-            let _ = child.kill();
-            let _ = child.wait();
-        }
     }
 }
 
@@ -415,7 +373,7 @@ fn restore_and_check(
     before: &str,
     reference: &Reference,
 ) {
-    let mut vmm = Vmm::restore(scratch, name, (state, mem), backend);
+    let mut vmm = restore(scratch, name, (state, mem), backend);
     vmm.wait_for_api();
     let vm = vmm.ok("GET", "/vm", None);
     assert_eq!(
@@ -426,7 +384,7 @@ fn restore_and_check(
     let hotplug = vmm.ok("GET", "/hotplug/memory", None);
     assert_eq!(hotplug["total_size_mib"], 1024, "{name}: {hotplug}");
     vmm.resume();
-    let (output, console) = vmm.wait();
+    let (output, console) = vmm.run_out();
     reference.check(name, before, &console, &ending(&output));
 }
 
@@ -442,7 +400,7 @@ fn live_restore_and_migrate_twice(
 ) -> (String, (Option<i32>, String)) {
     let receiver = |name: &str| {
         let listen = scratch.path(&format!("{name}.mig"));
-        let vmm = Vmm::spawn(
+        let vmm = spawn(
             &["receive", "--listen", &format!("unix:{}", listen.display())],
             scratch.path(&format!("{name}.console")),
             Some(scratch.path(&format!("{name}.sock"))),
@@ -453,7 +411,7 @@ fn live_restore_and_migrate_twice(
     phase("continuation: restoring the live Full through uffd");
     let (mut first, first_listen) = receiver("first-dst");
     let (mut second, second_listen) = receiver("second-dst");
-    let mut source = Vmm::restore(scratch, "live", (state, mem), "uffd");
+    let mut source = restore(scratch, "live", (state, mem), "uffd");
     source.wait_for_api();
     source.resume();
     // A migration to a destination that is not there fails, and the guest runs on here
@@ -476,7 +434,7 @@ fn live_restore_and_migrate_twice(
     );
     // A VMM whose VM moved on ends, exit status 0, once the VM runs on the destination.
     let moved_away = |vmm: &mut Vmm, what: &str| {
-        let (output, console) = vmm.wait();
+        let (output, console) = vmm.run_out();
         let stderr = String::from_utf8_lossy(&output.stderr).into_owned();
         assert_eq!(
             output.status.code(),
@@ -505,7 +463,7 @@ fn live_restore_and_migrate_twice(
     let (first_console, first_said) = moved_away(&mut first, "the first destination");
     phase("continuation: migrated again; running to the end");
     assert!(first_said.contains(checked), "{first_said}");
-    let (second_output, second_console) = second.wait();
+    let (second_output, second_console) = second.run_out();
     phase("continuation: ended");
     let second_said = String::from_utf8_lossy(&second_output.stderr);
     assert!(second_said.contains(checked), "{second_said}");
@@ -537,8 +495,8 @@ fn kvm_a_linux_guest_restored_or_migrated_goes_on_as_an_uninterrupted_boot() {
     // The uninterrupted reference and the boot to snapshot, side by side. The reference says
     // what it built (not --quiet), for the check of the kernel's map below.
     let loud: Vec<&str> = args.iter().copied().filter(|a| *a != "--quiet").collect();
-    let mut reference = Vmm::spawn(&loud, scratch.path("reference.console"), None);
-    let mut booted = Vmm::spawn(
+    let mut reference = spawn(&loud, scratch.path("reference.console"), None);
+    let mut booted = spawn(
         &args,
         scratch.path("booted.console"),
         Some(scratch.path("booted.sock")),
@@ -553,7 +511,7 @@ fn kvm_a_linux_guest_restored_or_migrated_goes_on_as_an_uninterrupted_boot() {
     booted.wait_for_line(LIVE_AT);
     phase("the boot to snapshot reached the live Full's point");
     // A running VM is refused a paused snapshot, as the test guest is.
-    let (status, refused) = Client::connect(booted.api.as_ref().expect("an API"))
+    let (status, refused) = Client::connect(booted.api())
         .expect("connect")
         .call(
             "PUT",
@@ -615,10 +573,10 @@ fn kvm_a_linux_guest_restored_or_migrated_goes_on_as_an_uninterrupted_boot() {
             ),
         );
         booted.ok("PUT", "/actions", Some(json!({"action_type": "Stop"})));
-        let (stopped, _) = booted.wait();
+        let (stopped, _) = booted.run_out();
         assert_eq!(stopped.status.code(), Some(0), "a stopped boot exits 0");
         phase("Diff taken, the boot to snapshot stopped");
-        let (output, console) = reference.wait();
+        let (output, console) = reference.run_out();
         phase("the reference ended");
         let reference = Reference {
             ending: ending(&output),
@@ -669,7 +627,7 @@ fn kvm_a_linux_guest_restored_or_migrated_goes_on_as_an_uninterrupted_boot() {
         // `restore --page-size` reaches a Linux guest's restore as a test guest's: its RAM
         // slots here (512 MiB in 4096) are off the 2 MiB grid, so 2 MiB pages are refused,
         // naming the override and the grid, before anything runs.
-        let mut refused = Vmm::spawn(
+        let mut refused = spawn(
             &[
                 "restore",
                 "--snapshot",
@@ -684,7 +642,7 @@ fn kvm_a_linux_guest_restored_or_migrated_goes_on_as_an_uninterrupted_boot() {
             scratch.path("page-size.console"),
             Some(scratch.path("page-size.sock")),
         );
-        let (output, _) = refused.wait();
+        let (output, _) = refused.run_out();
         let stderr = String::from_utf8_lossy(&output.stderr);
         assert_ne!(output.status.code(), Some(0), "{stderr}");
         assert!(
@@ -826,7 +784,7 @@ fn a_restored_and_migrated_linux_guest_runs_and_plugs_memory_with_hardware_virtu
         support::virtio_initramfs(&vmlinuz, &busybox, init),
     )
     .expect("the initramfs");
-    let mut booted = Vmm::spawn(
+    let mut booted = spawn(
         &[
             "boot",
             "--kernel",
@@ -859,9 +817,9 @@ fn a_restored_and_migrated_linux_guest_runs_and_plugs_memory_with_hardware_virtu
         Some(json!({"snapshot_type": "Full", "snapshot_path": state, "mem_file_path": mem})),
     );
     booted.ok("PUT", "/actions", Some(json!({"action_type": "Stop"})));
-    booted.wait();
+    booted.run_out();
 
-    let restored = Vmm::restore(&scratch, "restored", (&state, &mem), "file");
+    let restored = restore(&scratch, "restored", (&state, &mem), "file");
     restored.wait_for_api();
     let away = paused_at.elapsed().expect("time goes on").as_secs_f64();
     restored.resume();
@@ -894,7 +852,7 @@ fn a_restored_and_migrated_linux_guest_runs_and_plugs_memory_with_hardware_virtu
     });
     // Migrate on, and plug more on the destination.
     let listen = scratch.path("vm.mig");
-    let destination = Vmm::spawn(
+    let destination = spawn(
         &["receive", "--listen", &format!("unix:{}", listen.display())],
         scratch.path("destination.console"),
         Some(scratch.path("destination.sock")),

@@ -595,7 +595,7 @@ impl Linux {
         let vmm = Process::command(name)
             .args(args)
             .api_sock(socket(name))
-            .console(&console)
+            .stdout_file(&console)
             .serving();
         Linux {
             name: name.to_owned(),

@@ -8,6 +8,8 @@ use std::path::Path;
 use kvm_memslots_persist::MemoryLayout;
 use serde::{Deserialize, Serialize};
 
+use crate::host;
+
 /// How much of the start of the memory file a state file checks ([`MemoryCheck`]): for the test
 /// guest its system region (page tables, code, command blocks), for Linux its low memory.
 pub const MEMORY_HEAD: u64 = 2 << 20;
@@ -31,21 +33,7 @@ impl SnapshotId {
     /// A new random id (from the kernel's `getrandom`).
     pub fn random() -> std::io::Result<Self> {
         let mut bytes = [0u8; 16];
-        let mut filled = 0;
-        while filled < bytes.len() {
-            let rest = &mut bytes[filled..];
-            // SAFETY: the kernel writes at most `rest.len()` bytes into `rest`, which is valid
-            // and exclusively borrowed for the call.
-            let n = unsafe { libc::getrandom(rest.as_mut_ptr().cast(), rest.len(), 0) };
-            if n < 0 {
-                let e = std::io::Error::last_os_error();
-                if e.kind() != std::io::ErrorKind::Interrupted {
-                    return Err(e);
-                }
-            } else {
-                filled += n as usize;
-            }
-        }
+        host::fill_random(&mut bytes)?;
         Ok(SnapshotId(u128::from_le_bytes(bytes)))
     }
 }

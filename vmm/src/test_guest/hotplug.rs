@@ -5,17 +5,21 @@
 //! unplugged blocks unreachable under it (`MemoryManager::set_accessible`, as the virtio-mem
 //! device keeps its pieces), so that a plug or unplug inside it changes no slot. The plan is
 //! pure; [`HotplugArea::carry_out`] applies it through the memory manager, all or nothing, and
-//! the controller (`controller/hotplug.rs`) has the guest check the memory it plugs.
+//! the controller (`controller/hotplug.rs`) has the guest check the memory it plugs. The area
+//! keeps its own saved state ([`HotplugState`], what a snapshot or a migration carries of it)
+//! and checks it against a memory layout.
 
 use std::ops::Range;
 
 use kvm_memslots::{KvmMemory, MemoryManager, RegionChange, RegionId, RegionSpec};
+use kvm_memslots_persist::MemoryLayout;
 use kvm_virtio_mem::mem::plugged_runs;
+use serde::{Deserialize, Serialize};
 use vm_memory::GuestAddress;
 
 use crate::control::hotplug::{HotplugConfig, HotplugInfo};
 use crate::control::ControllerError;
-use crate::test_guest::snapshot::HotplugState;
+use crate::test_guest::{HOTPLUG_GPA, IDENTITY_MAPPED};
 
 const MIB: u64 = 1 << 20;
 
@@ -341,295 +345,100 @@ impl HotplugArea {
     }
 }
 
+/// The hotplug area's bookkeeping: its configuration, the blocks plugged, and which of its
+/// slots are mapped (their regions are in the layout).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct HotplugState {
+    /// As configured.
+    pub config: HotplugConfig,
+    /// Plugged blocks, from the area's start.
+    pub plugged_blocks: u64,
+    /// Whether each slot of the area is mapped.
+    pub mapped: Vec<bool>,
+}
+
+impl HotplugState {
+    /// Checks the area against itself and `layout`: a configuration the API would accept,
+    /// one `mapped` entry per piece (slot size) of the area, no more plugged blocks than the
+    /// area has, exactly the pieces those blocks need mapped, and each mapped piece (and
+    /// nothing else) a region of the layout there with one slot over the whole piece, or (a
+    /// version 3 state, written when pieces had holes) slots over its plugged blocks only: the
+    /// restore gives it its one slot back and makes its unplugged blocks unreachable.
+    pub fn validate(&self, layout: &MemoryLayout) -> Result<(), String> {
+        let area = HotplugArea::new(self.config, HOTPLUG_GPA, IDENTITY_MAPPED, usize::MAX)
+            .map_err(|e| format!("the hotplug area: {e}"))?;
+        let slots = area.pieces.len();
+        if self.mapped.len() != slots {
+            return Err(format!(
+                "the hotplug area has {slots} slots, but `mapped` lists {}",
+                self.mapped.len()
+            ));
+        }
+        let per_slot = area.blocks_per_slot();
+        let blocks = slots as u64 * per_slot;
+        if self.plugged_blocks > blocks {
+            return Err(format!(
+                "the hotplug area's plugged_blocks {} is more than its {blocks} blocks",
+                self.plugged_blocks
+            ));
+        }
+        let wanted = self.plugged_blocks.div_ceil(per_slot) as usize;
+        if let Some(i) = (0..slots).find(|&i| self.mapped[i] != (i < wanted)) {
+            return Err(format!(
+                "the hotplug area's slot {i} is {}mapped in `mapped`, but plugged_blocks {} maps \
+                 slots 0..{wanted}",
+                if self.mapped[i] { "" } else { "not " },
+                self.plugged_blocks
+            ));
+        }
+        let end = area.range().end;
+        for region in layout
+            .regions
+            .iter()
+            .filter(|r| r.gpa < end && area.gpa < r.gpa.saturating_add(r.size))
+        {
+            let slot = (region.gpa - area.gpa.min(region.gpa)) / area.slot_size;
+            let is_slot = region.gpa >= area.gpa
+                && region.gpa == area.slot_gpa(slot as usize).0
+                && region.size == area.slot_size;
+            if !is_slot || !self.mapped[slot as usize] {
+                return Err(format!(
+                    "the layout's region at {:#x} ({} bytes) is inside the hotplug area but not \
+                     one of its mapped slots",
+                    region.gpa, region.size
+                ));
+            }
+            let (slots, wanted, runs) = (
+                region.slots(),
+                area.piece_slots(slot as usize, self.plugged_blocks),
+                area.piece_runs(slot as usize, self.plugged_blocks),
+            );
+            if slots != wanted && slots != runs {
+                return Err(format!(
+                    "the layout's region at {:#x} has slots {slots:x?}; the hotplug area's \
+                     plugged blocks there need {wanted:x?}",
+                    region.gpa
+                ));
+            }
+        }
+        if let Some(i) = (0..wanted).find(|&i| {
+            let gpa = area.slot_gpa(i).0;
+            !layout
+                .regions
+                .iter()
+                .any(|r| r.gpa == gpa && r.size == area.slot_size)
+        }) {
+            return Err(format!(
+                "the hotplug area's mapped slot {i} at {:#x} is not a region of the layout",
+                area.slot_gpa(i).0
+            ));
+        }
+        Ok(())
+    }
+}
+
 #[cfg(test)]
 // Slot layouts are lists of ranges, one range long as often as not.
 #[allow(clippy::single_range_in_vec_init)]
-mod tests {
-    use std::collections::BTreeMap;
-
-    use super::*;
-    use crate::control::ErrorKind;
-
-    const GPA: u64 = 32 << 30;
-    const LIMIT: u64 = 64 << 30;
-
-    fn area(total: u64, block: u64, slot: Option<u64>) -> HotplugArea {
-        let config = HotplugConfig {
-            total_size_mib: total,
-            block_size_mib: block,
-            slot_size_mib: slot,
-            page_size: Default::default(),
-        };
-        HotplugArea::new(config, GPA, LIMIT, 1000).unwrap()
-    }
-
-    /// A region as the plans see it: its guest address, its slots and its unreachable byte
-    /// ranges.
-    type Piece = (u64, Vec<Range<u64>>, Vec<Range<u64>>);
-
-    /// The manager as the plans see it.
-    #[derive(Default)]
-    struct Model {
-        regions: BTreeMap<RegionId, Piece>,
-        next: u64,
-    }
-
-    impl Model {
-        /// Carries `plan` out as the manager would its reachability changes and its changes,
-        /// then commits it on `area`.
-        fn carry_out(&mut self, area: &mut HotplugArea, plan: &HotplugPlan) {
-            for (region, range, reachable) in area.flips(plan) {
-                let piece = self.regions.get_mut(&region).expect("known");
-                let mut bytes: Vec<bool> = (0..area.slot_size / MIB)
-                    .map(|mib| piece.2.iter().any(|r| r.contains(&(mib * MIB))))
-                    .collect();
-                bytes[(range.start / MIB) as usize..(range.end / MIB) as usize].fill(!reachable);
-                piece.2 = plugged_runs(bytes, MIB);
-            }
-            let mut added = Vec::new();
-            for change in area.changes(plan) {
-                match change {
-                    RegionChange::Add(spec) => {
-                        assert_eq!(spec.size, area.slot_size, "a piece is one slot size");
-                        let id = RegionId(100 + self.next);
-                        self.next += 1;
-                        let slots = spec.slot_ranges.expect("a piece names its slots");
-                        self.regions
-                            .insert(id, (spec.gpa.0, slots, spec.inaccessible));
-                        added.push(id);
-                    }
-                    RegionChange::Reslot(_) => panic!("a plug or unplug re-slots nothing"),
-                    RegionChange::Remove(id) => {
-                        self.regions.remove(&id).expect("known");
-                    }
-                }
-            }
-            area.commit(plan, added);
-        }
-
-        /// Guest ranges the guest reaches (under a slot and not unreachable), lowest first.
-        fn reachable(&self) -> Vec<Range<u64>> {
-            let mut all: Vec<Range<u64>> = Vec::new();
-            for (gpa, slots, unreachable) in self.regions.values() {
-                for slot in slots {
-                    let mut at = slot.start;
-                    for gone in unreachable.iter().filter(|g| g.start < slot.end) {
-                        if gone.start > at {
-                            all.push(gpa + at..gpa + gone.start.min(slot.end));
-                        }
-                        at = at.max(gone.end);
-                    }
-                    if at < slot.end {
-                        all.push(gpa + at..gpa + slot.end);
-                    }
-                }
-            }
-            all.sort_by_key(|r| r.start);
-            all
-        }
-
-        /// KVM slots in all.
-        fn slots(&self) -> usize {
-            self.regions.values().map(|(_, slots, _)| slots.len()).sum()
-        }
-    }
-
-    #[test]
-    fn configurations_are_checked_with_the_value_named() {
-        let config = |total, block, slot| HotplugConfig {
-            total_size_mib: total,
-            block_size_mib: block,
-            slot_size_mib: slot,
-            page_size: Default::default(),
-        };
-        let refuse = |c, free| HotplugArea::new(c, GPA, LIMIT, free).unwrap_err();
-        let e = refuse(config(64, 3, None), 100);
-        assert_eq!(e.kind, ErrorKind::BadRequest);
-        assert!(e.message.contains("block_size_mib 3"), "{e}");
-        assert!(refuse(config(64, 1, None), 100)
-            .message
-            .contains("at least 2"));
-        let e = refuse(config(64, 2, Some(5)), 100);
-        assert!(e.message.contains("slot_size_mib 5"), "{e}");
-        let e = refuse(config(30, 2, Some(8)), 100);
-        assert!(e.message.contains("total_size_mib 30"), "{e}");
-        assert!(refuse(config(0, 2, None), 100).message.contains("non-zero"));
-        let e = refuse(config(64 << 10, 2, Some(1 << 10)), 100);
-        assert!(e.message.contains("does not fit below 0x1000000000"), "{e}");
-        let e = refuse(config(u64::MAX / 2 * 2, 2, None), u32::MAX as usize);
-        assert_eq!(e.kind, ErrorKind::BadRequest, "{e}");
-        let e = refuse(config(64, 2, None), 31);
-        assert_eq!(e.kind, ErrorKind::Conflict);
-        assert_eq!(
-            e.message,
-            "the hotplug area needs 32 KVM slots; 31 are free (in KVM and within the slot \
-             budget, --max-slots)"
-        );
-        let a = HotplugArea::new(config(64, 2, Some(8)), GPA, LIMIT, 8).unwrap();
-        assert_eq!(
-            (a.pieces.len(), a.slot_size, a.blocks_per_slot()),
-            (8, 8 << 20, 4)
-        );
-        assert_eq!(
-            area(64, 4, None).slot_size,
-            4 << 20,
-            "slots default to blocks"
-        );
-    }
-
-    #[test]
-    fn a_plug_adds_pieces_with_one_slot_and_their_unplugged_blocks_unreachable() {
-        let mut a = area(64, 2, Some(8));
-        let mut model = Model::default();
-        let plan = a.plan(10).unwrap();
-        assert_eq!(plan.blocks, 5);
-        assert_eq!(
-            plan.pieces,
-            vec![
-                PieceChange {
-                    index: 0,
-                    gpa: GuestAddress(GPA),
-                    region: None,
-                    before: 0,
-                    after: 8 << 20,
-                    slots: vec![0..8 << 20],
-                    unreachable: vec![],
-                },
-                PieceChange {
-                    index: 1,
-                    gpa: GuestAddress(GPA + (8 << 20)),
-                    region: None,
-                    before: 0,
-                    after: 2 << 20,
-                    slots: vec![0..8 << 20],
-                    unreachable: vec![2 << 20..8 << 20],
-                },
-            ]
-        );
-        model.carry_out(&mut a, &plan);
-        assert_eq!(
-            model.reachable(),
-            vec![GPA..GPA + (8 << 20), GPA + (8 << 20)..GPA + (10 << 20)]
-        );
-        // More blocks inside piece 1: they become reachable under its slot, which stays; the
-        // guest checks them.
-        let plan = a.plan(16).unwrap();
-        assert_eq!(plan.pieces.len(), 1);
-        let grow = &plan.pieces[0];
-        assert_eq!((grow.index, grow.region), (1, Some(RegionId(101))));
-        assert_eq!(grow.plugged(), Some(GPA + (10 << 20)..GPA + (16 << 20)));
-        assert_eq!(grow.given_back(), None);
-        assert!(a.changes(&plan).is_empty(), "no slot changes");
-        assert_eq!(
-            a.flips(&plan),
-            vec![(RegionId(101), 2 << 20..8 << 20, true)]
-        );
-        model.carry_out(&mut a, &plan);
-        assert_eq!(a.info().plugged_size_mib, 16);
-        assert_eq!(a.info().mapped_slots, 2);
-        // The same size again: nothing at all.
-        assert!(a.plan(16).unwrap().pieces.is_empty());
-    }
-
-    #[test]
-    fn an_unplug_removes_emptied_pieces_and_shrinks_the_slot_of_a_partial_one() {
-        let mut a = area(64, 2, Some(8));
-        let mut model = Model::default();
-        let all = a.plan(64).unwrap();
-        assert_eq!(all.pieces.len(), 8);
-        model.carry_out(&mut a, &all);
-        let plan = a.plan(10).unwrap();
-        let indices: Vec<usize> = plan.pieces.iter().map(|p| p.index).collect();
-        assert_eq!(indices, vec![1, 2, 3, 4, 5, 6, 7]);
-        // Blocks 5..8 of piece 1 become unreachable and go back to the host; the piece and its
-        // slot stay.
-        assert_eq!(plan.pieces[0].given_back(), Some(2 << 20..8 << 20));
-        assert_eq!(plan.pieces[0].plugged(), None);
-        assert_eq!(
-            a.flips(&plan),
-            vec![(RegionId(101), 2 << 20..8 << 20, false)]
-        );
-        let changes = a.changes(&plan);
-        assert_eq!(changes.len(), 6);
-        assert!(changes.iter().all(|c| matches!(c, RegionChange::Remove(_))));
-        assert_eq!(
-            plan.pieces[1].given_back(),
-            None,
-            "a removed piece goes whole"
-        );
-        model.carry_out(&mut a, &plan);
-        assert_eq!(
-            model.reachable(),
-            vec![GPA..GPA + (8 << 20), GPA + (8 << 20)..GPA + (10 << 20)]
-        );
-        assert_eq!(model.slots(), 2);
-        // Down to a piece boundary: piece 1 goes.
-        let plan = a.plan(8).unwrap();
-        assert!(matches!(
-            a.changes(&plan)[..],
-            [RegionChange::Remove(RegionId(101))]
-        ));
-        model.carry_out(&mut a, &plan);
-        let none = a.plan(0).unwrap();
-        assert!(matches!(
-            a.changes(&none)[..],
-            [RegionChange::Remove(RegionId(100))]
-        ));
-        model.carry_out(&mut a, &none);
-        assert_eq!((a.plugged_blocks, a.mapped_slots()), (0, 0));
-        assert!(model.regions.is_empty());
-    }
-
-    #[test]
-    fn requests_off_the_block_size_or_past_the_area_are_refused() {
-        let a = area(64, 4, Some(8));
-        for bad in [2, 6, 68] {
-            let e = a.plan(bad).unwrap_err();
-            assert_eq!(e.kind, ErrorKind::BadRequest);
-            assert!(
-                e.message
-                    .starts_with(&format!("requested_size_mib {bad} must be")),
-                "{e}"
-            );
-        }
-    }
-
-    /// A sequence of sizes up and down, with every piece size from the block to the area: what
-    /// the guest reaches is exactly the plugged memory (every unplugged block under a slot is
-    /// unreachable), one slot per piece with a plugged block, and a plan back undoes a plan
-    /// (what a failed check or a signal does).
-    #[test]
-    fn every_sequence_keeps_the_reachable_memory_exactly_the_plugged_blocks() {
-        let block = 2;
-        for slot in [2, 4, 8, 16, 32] {
-            let mut a = area(32, block, Some(slot));
-            let mut model = Model::default();
-            let sizes = [6, 32, 0, 2, 30, 14, 16, 18, 4, 32, 10, 0];
-            for (step, &size) in sizes.iter().enumerate() {
-                let before = a.plugged_blocks;
-                let plan = a.plan(size).unwrap();
-                model.carry_out(&mut a, &plan);
-                let plugged = size << 20;
-                let wanted: Vec<Range<u64>> = (0..plugged)
-                    .step_by((slot << 20) as usize)
-                    .map(|start| GPA + start..GPA + (start + (slot << 20)).min(plugged))
-                    .collect();
-                let context = format!("slot {slot} MiB, step {step}: {size} MiB");
-                assert_eq!(model.reachable(), wanted, "{context}");
-                assert_eq!(model.slots(), wanted.len(), "{context}");
-                assert_eq!(a.mapped_slots(), wanted.len(), "{context}");
-                assert_eq!(model.regions.len(), wanted.len(), "{context}");
-                // Going back and forth again leaves the same slots.
-                let back = a.plan_blocks(before);
-                model.carry_out(&mut a, &back);
-                let again = a.plan(size).unwrap();
-                model.carry_out(&mut a, &again);
-                assert_eq!(
-                    model.reachable(),
-                    wanted,
-                    "{context}, after an undo and a redo"
-                );
-            }
-        }
-    }
-}
+pub(crate) mod tests;

@@ -38,6 +38,8 @@ const IO_BITMAP_OFFSET: u64 = 0x68;
 const TSS_LIMIT: u64 = IO_BITMAP_OFFSET + 0x2000;
 /// Guest-physical memory the identity page tables map (2 MiB pages, user-accessible).
 pub const IDENTITY_MAPPED: u64 = 64 * GIB;
+/// Where the hotplug area starts (above the test area and regions placed for it).
+pub const HOTPLUG_GPA: u64 = 32 << 30;
 /// Most vCPUs the layout has command blocks and stacks for.
 pub const MAX_VCPUS: usize = 15;
 /// Offset of exception stub `n` in the code.

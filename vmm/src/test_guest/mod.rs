@@ -14,5 +14,5 @@ pub mod vcpus;
 pub use command::{pattern, Command, CommandBlock, Fault, Op, Outcome, STUB};
 pub use layout::{
     boot_regs, boot_sregs, command_block, write_system_memory, CODE, CODE_GPA, COMMANDS_GPA,
-    COMMAND_BLOCK_SIZE, FAULT_GPA, IDENTITY_MAPPED, MAX_VCPUS, SYSTEM_SIZE,
+    COMMAND_BLOCK_SIZE, FAULT_GPA, HOTPLUG_GPA, IDENTITY_MAPPED, MAX_VCPUS, SYSTEM_SIZE,
 };

@@ -10,7 +10,6 @@ use std::path::Path;
 use kvm_memslots_persist::MemoryLayout;
 use serde::{Deserialize, Serialize};
 
-use crate::control::hotplug::HotplugConfig;
 use crate::migration::StateRecord;
 pub use crate::snapshot::info::{
     MemoryCheck, MemoryMismatch, SnapshotId, SnapshotInfo, SnapshotKind, MEMORY_HEAD,
@@ -18,9 +17,8 @@ pub use crate::snapshot::info::{
 pub use crate::snapshot::state::file::{open_input, StateFileError, MAX_STATE_FILE};
 pub use crate::snapshot::state::STATE_VERSION;
 use crate::snapshot::state::{GuestKind, GuestPart, SavedState};
-use crate::test_guest::controller::HOTPLUG_GPA;
-use crate::test_guest::hotplug::HotplugArea;
-use crate::test_guest::{IDENTITY_MAPPED, MAX_VCPUS};
+use crate::test_guest::hotplug::HotplugState;
+use crate::test_guest::MAX_VCPUS;
 use crate::vm::state::{VcpuState, SAVED_MSRS};
 
 /// A test guest's saved state: the one envelope with the test guest's part.
@@ -68,99 +66,6 @@ impl GuestPart for TestGuestPart {
     }
 }
 
-/// The hotplug area's bookkeeping: its configuration, the blocks plugged, and which of its
-/// slots are mapped (their regions are in the layout).
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct HotplugState {
-    /// As configured.
-    pub config: HotplugConfig,
-    /// Plugged blocks, from the area's start.
-    pub plugged_blocks: u64,
-    /// Whether each slot of the area is mapped.
-    pub mapped: Vec<bool>,
-}
-
-impl HotplugState {
-    /// Checks the area against itself and `layout`: a configuration the API would accept,
-    /// one `mapped` entry per piece (slot size) of the area, no more plugged blocks than the
-    /// area has, exactly the pieces those blocks need mapped, and each mapped piece (and
-    /// nothing else) a region of the layout there with one slot over the whole piece, or (a
-    /// version 3 state, written when pieces had holes) slots over its plugged blocks only: the
-    /// restore gives it its one slot back and makes its unplugged blocks unreachable.
-    pub fn validate(&self, layout: &MemoryLayout) -> Result<(), String> {
-        let area = HotplugArea::new(self.config, HOTPLUG_GPA, IDENTITY_MAPPED, usize::MAX)
-            .map_err(|e| format!("the hotplug area: {e}"))?;
-        let slots = area.pieces.len();
-        if self.mapped.len() != slots {
-            return Err(format!(
-                "the hotplug area has {slots} slots, but `mapped` lists {}",
-                self.mapped.len()
-            ));
-        }
-        let per_slot = area.blocks_per_slot();
-        let blocks = slots as u64 * per_slot;
-        if self.plugged_blocks > blocks {
-            return Err(format!(
-                "the hotplug area's plugged_blocks {} is more than its {blocks} blocks",
-                self.plugged_blocks
-            ));
-        }
-        let wanted = self.plugged_blocks.div_ceil(per_slot) as usize;
-        if let Some(i) = (0..slots).find(|&i| self.mapped[i] != (i < wanted)) {
-            return Err(format!(
-                "the hotplug area's slot {i} is {}mapped in `mapped`, but plugged_blocks {} maps \
-                 slots 0..{wanted}",
-                if self.mapped[i] { "" } else { "not " },
-                self.plugged_blocks
-            ));
-        }
-        let end = area.range().end;
-        for region in layout
-            .regions
-            .iter()
-            .filter(|r| r.gpa < end && area.gpa < r.gpa.saturating_add(r.size))
-        {
-            let slot = (region.gpa - area.gpa.min(region.gpa)) / area.slot_size;
-            let is_slot = region.gpa >= area.gpa
-                && region.gpa == area.slot_gpa(slot as usize).0
-                && region.size == area.slot_size;
-            if !is_slot || !self.mapped[slot as usize] {
-                return Err(format!(
-                    "the layout's region at {:#x} ({} bytes) is inside the hotplug area but not \
-                     one of its mapped slots",
-                    region.gpa, region.size
-                ));
-            }
-            let (slots, wanted, runs) = (
-                region.slots(),
-                area.piece_slots(slot as usize, self.plugged_blocks),
-                area.piece_runs(slot as usize, self.plugged_blocks),
-            );
-            if slots != wanted && slots != runs {
-                return Err(format!(
-                    "the layout's region at {:#x} has slots {slots:x?}; the hotplug area's \
-                     plugged blocks there need {wanted:x?}",
-                    region.gpa
-                ));
-            }
-        }
-        if let Some(i) = (0..wanted).find(|&i| {
-            let gpa = area.slot_gpa(i).0;
-            !layout
-                .regions
-                .iter()
-                .any(|r| r.gpa == gpa && r.size == area.slot_size)
-        }) {
-            return Err(format!(
-                "the hotplug area's mapped slot {i} at {:#x} is not a region of the layout",
-                area.slot_gpa(i).0
-            ));
-        }
-        Ok(())
-    }
-}
-
 /// Reads and checks the test guest's state file at `path` ([`SavedState::read_file`]: of this
 /// build's format or an older one, its header first). The error does not name the path: the
 /// caller does.
@@ -194,97 +99,14 @@ mod tests {
     use super::*;
     use crate::snapshot::state::file::check_register_blocks;
     use crate::snapshot::state::test_data;
+    use crate::test_guest::hotplug::tests::{hotplug, layout};
     use crate::vm::state::{VcpuState, SAVED_MSRS};
-    use kvm_memslots::testing::FakeKvm;
-    use kvm_memslots::{MemoryManager, RegionSpec};
     use kvm_memslots_persist::frame;
     use std::fs::File;
     use std::os::unix::fs::FileExt;
     use vm_memory::{Bytes, GuestAddress};
 
     const MIB: u64 = 1 << 20;
-
-    /// A 2 MiB system region at 0, and at the hotplug area the regions of `slots` 8 MiB slots.
-    fn layout(slots: &[u64]) -> (MemoryManager<FakeKvm>, MemoryLayout) {
-        let memory = MemoryManager::new(FakeKvm::new(64, false));
-        memory
-            .add_region(RegionSpec::new(GuestAddress(0), 2 * MIB))
-            .expect("the system region");
-        for slot in slots {
-            let gpa = GuestAddress(HOTPLUG_GPA + slot * 8 * MIB);
-            memory
-                .add_region(RegionSpec::new(gpa, 8 * MIB))
-                .expect("a slot");
-        }
-        let layout = MemoryLayout::of(&memory);
-        (memory, layout)
-    }
-
-    /// 64 MiB in 2 MiB blocks and 8 MiB slots, 5 blocks plugged: slots 0 and 1 mapped.
-    fn hotplug() -> HotplugState {
-        HotplugState {
-            config: HotplugConfig {
-                total_size_mib: 64,
-                block_size_mib: 2,
-                slot_size_mib: Some(8),
-                page_size: Default::default(),
-            },
-            plugged_blocks: 5,
-            mapped: [[true; 2].as_slice(), &[false; 6]].concat(),
-        }
-    }
-
-    #[test]
-    fn a_hotplug_area_is_checked_against_itself_and_the_layout() {
-        let (_memory, two) = layout(&[0, 1]);
-        // Slots of the whole piece (the layout helper's): a piece's one slot.
-        assert_eq!(hotplug().validate(&two), Ok(()));
-        let refused = |change: fn(&mut HotplugState), layout: &MemoryLayout| {
-            let mut state = hotplug();
-            change(&mut state);
-            state.validate(layout).expect_err("refused")
-        };
-        let short = refused(|s| s.mapped.truncate(2), &two);
-        assert!(short.contains("8 slots, but `mapped` lists 2"), "{short}");
-        let absurd = refused(|s| s.plugged_blocks = 1 << 62, &two);
-        assert!(absurd.contains("more than its 32 blocks"), "{absurd}");
-        let none = refused(|s| s.plugged_blocks = 0, &two);
-        assert!(none.contains("slot 0 is mapped"), "{none}");
-        let more = refused(|s| s.plugged_blocks = 9, &two);
-        assert!(more.contains("slot 2 is not mapped"), "{more}");
-        let block = refused(|s| s.config.block_size_mib = 3, &two);
-        assert!(block.contains("block_size_mib 3"), "{block}");
-        // The layout lacks a mapped slot's region, or has one the map does not list.
-        let (_memory, one) = layout(&[0]);
-        let missing = hotplug().validate(&one).expect_err("refused");
-        assert!(missing.contains("mapped slot 1"), "{missing}");
-        let (_memory, three) = layout(&[0, 1, 3]);
-        let extra = hotplug().validate(&three).expect_err("refused");
-        assert!(extra.contains("inside the hotplug area"), "{extra}");
-        // A partly plugged piece's slot covers it whole (or, written when pieces had holes,
-        // its plugged block); any other slotting is refused, naming both.
-        let with_slots = |piece_1: Vec<std::ops::Range<u64>>| {
-            let (memory, _) = layout(&[0]);
-            let gpa = GuestAddress(HOTPLUG_GPA + 8 * MIB);
-            memory
-                .add_region(RegionSpec::new(gpa, 8 * MIB).with_slot_ranges(piece_1))
-                .expect("a piece with a hole");
-            MemoryLayout::of(&memory)
-        };
-        let cut = with_slots(vec![0..2 * MIB]);
-        assert_eq!(hotplug().validate(&cut), Ok(()));
-        let wrong = hotplug()
-            .validate(&with_slots(vec![0..4 * MIB]))
-            .expect_err("refused");
-        assert!(
-            wrong.contains("has slots [0..400000]") && wrong.contains("need [0..800000]"),
-            "{wrong}"
-        );
-        let odd = hotplug()
-            .validate(&with_slots(vec![0..2 * MIB, 6 * MIB..8 * MIB]))
-            .expect_err("neither the piece nor its plugged blocks");
-        assert!(odd.contains("need [0..800000]"), "{odd}");
-    }
 
     #[test]
     fn a_memory_check_tells_the_memory_of_its_point_from_other_files() {

@@ -1,7 +1,8 @@
 //! A VMM for a test. [`Vmm`] is a `tinyvmm` process: spawned with its API on a socket of its
-//! own, waited for until it serves (or listens for a migration), its stderr kept all along
-//! (read by a thread, so that a talkative VMM never blocks on a full pipe) and printed when the
-//! test fails, and killed if the test ends before it does. [`InProcess`] serves from a thread
+//! own (or none), waited for until it serves (or listens for a migration), its stderr kept all
+//! along (read by a thread, so that a talkative VMM never blocks on a full pipe, or written to
+//! a file the test names) and printed when the test fails, its stdout dropped or written to a
+//! file (a Linux guest's console), and killed if the test ends before it does. [`InProcess`] serves from a thread
 //! of the test's own process, stopped when dropped.
 //!
 //! ```ignore
@@ -34,14 +35,16 @@ const START_LIMIT: Duration = Duration::from_secs(120);
 /// How long a VMM asked to stop may take to exit: a guard against a hang only.
 const STOP_LIMIT: Duration = Duration::from_secs(120);
 
-/// A `tinyvmm` command line to start: its arguments, then `--api-sock` and its socket.
+/// A `tinyvmm` command line to start: its arguments, then `--api-sock` and its socket (unless
+/// [`Spawn::no_api`]).
 #[must_use = "a command does nothing until it is spawned"]
 pub struct Spawn {
     name: String,
     args: Vec<OsString>,
-    api: PathBuf,
+    api: Option<PathBuf>,
     nofile: Option<libc::rlimit>,
-    console: Option<PathBuf>,
+    stdout: Option<PathBuf>,
+    stderr: Option<PathBuf>,
 }
 
 impl Spawn {
@@ -60,14 +63,27 @@ impl Spawn {
 
     /// Puts the API socket at `api` instead of [`temp_path`]`("NAME.sock")`.
     pub fn api_sock(mut self, api: impl Into<PathBuf>) -> Self {
-        self.api = api.into();
+        self.api = Some(api.into());
         self
     }
 
-    /// Writes its stdout (a Linux guest's console) to a new file at `path` instead of
-    /// discarding it.
-    pub fn console(mut self, path: impl Into<PathBuf>) -> Self {
-        self.console = Some(path.into());
+    /// Starts it without `--api-sock`: no API to call or wait for.
+    pub fn no_api(mut self) -> Self {
+        self.api = None;
+        self
+    }
+
+    /// Writes its stdout (a Linux guest's console) to the file `path` (created, or emptied)
+    /// instead of dropping it; [`Vmm::stdout_now`] reads it.
+    pub fn stdout_file(mut self, path: impl Into<PathBuf>) -> Self {
+        self.stdout = Some(path.into());
+        self
+    }
+
+    /// Writes its stderr to the file `path` (created, or emptied) instead of keeping it in
+    /// memory; [`Vmm::stderr_now`] and the [`Output`]s read it from there.
+    pub fn stderr_file(mut self, path: impl Into<PathBuf>) -> Self {
+        self.stderr = Some(path.into());
         self
     }
 
@@ -82,18 +98,21 @@ impl Spawn {
 
     /// Starts it, without waiting for anything.
     pub fn spawn(self) -> Vmm {
-        let _ = std::fs::remove_file(&self.api);
         let mut command = Command::new(env!("CARGO_BIN_EXE_tinyvmm"));
-        command
-            .args(&self.args)
-            .arg("--api-sock")
-            .arg(&self.api)
-            .stdin(Stdio::null())
-            .stdout(match &self.console {
-                Some(path) => Stdio::from(std::fs::File::create(path).expect("a console file")),
-                None => Stdio::null(),
-            })
-            .stderr(Stdio::piped());
+        command.args(&self.args);
+        if let Some(api) = &self.api {
+            let _ = std::fs::remove_file(api);
+            command.arg("--api-sock").arg(api);
+        }
+        let file = |path: &Path| std::fs::File::create(path).expect("a file for its output");
+        command.stdin(Stdio::null()).stdout(match &self.stdout {
+            Some(path) => Stdio::from(file(path)),
+            None => Stdio::null(),
+        });
+        command.stderr(match &self.stderr {
+            Some(path) => Stdio::from(file(path)),
+            None => Stdio::piped(),
+        });
         if let Some(limit) = self.nofile {
             use std::os::unix::process::CommandExt;
             let lower = move || {
@@ -108,29 +127,35 @@ impl Spawn {
             unsafe { command.pre_exec(lower) };
         }
         let mut child = command.spawn().expect("tinyvmm starts");
-        let pipe = child.stderr.take().expect("piped");
-        let stderr = Arc::new(Mutex::new(Vec::new()));
-        let reader = std::thread::spawn({
-            let stderr = Arc::clone(&stderr);
-            move || {
-                let mut pipe = pipe;
-                let mut chunk = [0u8; 4096];
-                while let Ok(n @ 1..) = pipe.read(&mut chunk) {
-                    stderr
-                        .lock()
-                        .expect("not poisoned")
-                        .extend_from_slice(&chunk[..n]);
-                }
+        let (stderr, reader) = match (self.stderr, child.stderr.take()) {
+            (Some(path), _) => (Stderr::File(path), None),
+            (None, pipe) => {
+                let pipe = pipe.expect("piped");
+                let kept = Arc::new(Mutex::new(Vec::new()));
+                let reader = std::thread::spawn({
+                    let kept = Arc::clone(&kept);
+                    move || {
+                        let mut pipe = pipe;
+                        let mut chunk = [0u8; 4096];
+                        while let Ok(n @ 1..) = pipe.read(&mut chunk) {
+                            kept.lock()
+                                .expect("not poisoned")
+                                .extend_from_slice(&chunk[..n]);
+                        }
+                    }
+                });
+                (Stderr::Kept(kept), Some(reader))
             }
-        });
+        };
         Vmm {
             name: self.name,
             child: Some(child),
             api: self.api,
             listen: None,
             killed: false,
+            stdout: self.stdout,
             stderr,
-            reader: Some(reader),
+            reader,
         }
     }
 
@@ -151,17 +176,28 @@ impl Spawn {
     }
 }
 
+/// Where a VMM's stderr goes.
+enum Stderr {
+    /// Read by a thread into memory.
+    Kept(Arc<Mutex<Vec<u8>>>),
+    /// Written to this file.
+    File(PathBuf),
+}
+
 /// A `tinyvmm` process, killed if the test ends before it exits; if the test fails, what it
 /// said on stderr is printed.
 pub struct Vmm {
     name: String,
     child: Option<Child>,
-    api: PathBuf,
+    api: Option<PathBuf>,
     /// The socket a `receive` listens on.
     listen: Option<PathBuf>,
     /// Whether it was killed, so that the files it would have removed are left to [`Drop`].
     killed: bool,
-    stderr: Arc<Mutex<Vec<u8>>>,
+    /// The file its stdout goes to, if any.
+    stdout: Option<PathBuf>,
+    stderr: Stderr,
+    /// The thread that reads a kept stderr.
     reader: Option<JoinHandle<()>>,
 }
 
@@ -172,9 +208,10 @@ impl Vmm {
         Spawn {
             name: name.to_owned(),
             args: Vec::new(),
-            api: temp_path(&format!("{name}.sock")),
+            api: Some(temp_path(&format!("{name}.sock"))),
             nofile: None,
-            console: None,
+            stdout: None,
+            stderr: None,
         }
     }
 
@@ -220,8 +257,11 @@ impl Vmm {
     }
 
     /// Its API socket.
+    #[track_caller]
     pub fn api(&self) -> &Path {
-        &self.api
+        self.api
+            .as_deref()
+            .expect("a VMM spawned with an API socket")
     }
 
     /// Its process id.
@@ -241,7 +281,22 @@ impl Vmm {
 
     /// What it has said on stderr so far.
     pub fn stderr_now(&self) -> String {
-        String::from_utf8_lossy(&self.stderr.lock().expect("not poisoned")).into_owned()
+        match &self.stderr {
+            Stderr::Kept(kept) => {
+                String::from_utf8_lossy(&kept.lock().expect("not poisoned")).into_owned()
+            }
+            Stderr::File(path) => read_lossy(path),
+        }
+    }
+
+    /// What it has written to stdout so far ([`Spawn::stdout_file`]: a Linux guest's console).
+    #[track_caller]
+    pub fn stdout_now(&self) -> String {
+        read_lossy(
+            self.stdout
+                .as_deref()
+                .expect("a VMM spawned with a stdout file"),
+        )
     }
 
     /// Waits until it serves a VM: its socket answers `GET /vm` with a state past `Waiting`
@@ -249,9 +304,44 @@ impl Vmm {
     /// connection unanswered while the VM's server takes over). Fails if it exits first.
     #[track_caller]
     pub fn wait_for_vm(&self) {
+        self.wait_until("serve its API", START_LIMIT, Vmm::serves_vm);
+    }
+
+    /// Waits until it serves a VM, as [`Vmm::wait_for_vm`] does; why not (with the end of
+    /// its stderr if it exited first), for a test that tells the failure on.
+    pub fn try_wait_for_vm(&self) -> Result<(), String> {
+        let deadline = Instant::now() + START_LIMIT;
+        while !self.serves_vm() {
+            if !self.running() {
+                return Err(format!(
+                    "{} exited before it served a VM: {}",
+                    self.name,
+                    super::tail(&self.stderr_now(), 5)
+                ));
+            }
+            if Instant::now() > deadline {
+                return Err(format!("{}: no VM within {START_LIMIT:?}", self.name));
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        Ok(())
+    }
+
+    /// Whether its socket answers `GET /vm` with a VM: 200 and a state past `Waiting` and
+    /// `Receiving`.
+    fn serves_vm(&self) -> bool {
+        let vm = Client::connect(self.api()).and_then(|mut c| c.call("GET", "/vm", None));
+        vm.is_ok_and(|(status, vm)| {
+            status == 200 && !matches!(vm["state"].as_str(), Some("Waiting" | "Receiving"))
+        })
+    }
+
+    /// Waits until its API socket takes a connection (a Linux guest's VMM before the guest
+    /// gets far: any state).
+    #[track_caller]
+    pub fn wait_for_api(&self) {
         self.wait_until("serve its API", START_LIMIT, |vmm| {
-            let vm = Client::connect(&vmm.api).and_then(|mut c| c.call("GET", "/vm", None));
-            vm.is_ok_and(|(_, vm)| !matches!(vm["state"].as_str(), Some("Waiting" | "Receiving")))
+            Client::connect(vmm.api()).is_ok()
         });
     }
 
@@ -261,7 +351,7 @@ impl Vmm {
     #[track_caller]
     pub fn wait_listening(&self) {
         self.wait_until("listen for its source", START_LIMIT, |vmm| {
-            let vm = Client::connect(&vmm.api).and_then(|mut c| c.call("GET", "/vm", None));
+            let vm = Client::connect(vmm.api()).and_then(|mut c| c.call("GET", "/vm", None));
             vm.is_ok_and(|(_, vm)| vm["state"] == "Waiting")
         });
     }
@@ -270,7 +360,9 @@ impl Vmm {
     /// counts the requests the VMM logs).
     #[track_caller]
     pub fn wait_for_socket_file(&self) {
-        self.wait_until("create its API socket", START_LIMIT, |vmm| vmm.api.exists());
+        self.wait_until("create its API socket", START_LIMIT, |vmm| {
+            vmm.api().exists()
+        });
     }
 
     /// Polls `done` until it holds; fails after `limit` (a guard against a hang), or if the
@@ -297,13 +389,13 @@ impl Vmm {
     /// One request to its API: the status and the body.
     #[track_caller]
     pub fn call(&self, method: &str, path: &str, body: Option<Value>) -> (u16, Value) {
-        super::call(&self.api, method, path, body)
+        super::call(self.api(), method, path, body)
     }
 
     /// A request that must succeed (2xx): its body.
     #[track_caller]
     pub fn ok(&self, method: &str, path: &str, body: Option<Value>) -> Value {
-        super::ok(&self.api, method, path, body)
+        super::ok(self.api(), method, path, body)
     }
 
     /// A test-guest command over `[start, end)` that must be answered 2xx: its answer.
@@ -357,7 +449,7 @@ impl Vmm {
     #[track_caller]
     pub fn stop(mut self) -> Output {
         let _ = super::call(
-            &self.api,
+            self.api(),
             "PUT",
             "/actions",
             Some(json!({"action_type": "Stop"})),
@@ -384,7 +476,10 @@ impl Vmm {
         if let Some(reader) = self.reader.take() {
             let _ = reader.join();
         }
-        let stderr = std::mem::take(&mut *self.stderr.lock().expect("not poisoned"));
+        let stderr = match &self.stderr {
+            Stderr::Kept(kept) => std::mem::take(&mut *kept.lock().expect("not poisoned")),
+            Stderr::File(path) => std::fs::read(path).unwrap_or_default(),
+        };
         Output {
             status,
             stdout: Vec::new(),
@@ -414,12 +509,19 @@ impl Drop for Vmm {
         // A killed VMM could not remove its sockets. (One that ended on its own did, or the
         // test checks that it did.)
         if self.killed {
-            let _ = std::fs::remove_file(&self.api);
+            if let Some(api) = &self.api {
+                let _ = std::fs::remove_file(api);
+            }
             if let Some(listen) = &self.listen {
                 let _ = std::fs::remove_file(listen);
             }
         }
     }
+}
+
+/// The file at `path` as text (empty if it cannot be read).
+fn read_lossy(path: &Path) -> String {
+    String::from_utf8_lossy(&std::fs::read(path).unwrap_or_default()).into_owned()
 }
 
 /// A VMM serving its API from a thread of this test process (`serve_in_background`), for a

@@ -6,13 +6,13 @@ use std::sync::Arc;
 
 use kvm_memslots::RegionChange;
 
-use super::{Controller, TestGuest, HOTPLUG_GPA, MIB};
+use super::{Controller, TestGuest, MIB};
 use crate::control::hotplug::{HotplugConfig, HotplugRequest};
 use crate::control::{ControllerError, ErrorKind};
 use crate::lifecycle::{log, LogLevel};
 use crate::test_guest;
-use crate::test_guest::hotplug::{HotplugArea, HotplugPlan};
-use crate::test_guest::snapshot::HotplugState;
+use crate::test_guest::hotplug::{HotplugArea, HotplugPlan, HotplugState};
+use crate::test_guest::HOTPLUG_GPA;
 
 impl Controller {
     /// Takes back a restored VM's hotplug area: its pieces are the regions at their guest

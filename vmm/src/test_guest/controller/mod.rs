@@ -32,8 +32,6 @@ use hotplug::no_hotplug_area;
 const MIB: u64 = 1 << 20;
 /// Where regions added without a guest address go (above the test area).
 pub const AUTO_PLACE_BASE: u64 = 1 << 30;
-/// Where the hotplug area starts.
-pub const HOTPLUG_GPA: u64 = 32 << 30;
 
 /// The test guest's controller: the one controller over a [`TestGuest`].
 pub type Controller = crate::controller::Controller<TestGuest>;
