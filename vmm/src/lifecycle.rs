@@ -83,6 +83,16 @@ pub fn termination_signal() -> &'static AtomicBool {
     &SIGNALLED
 }
 
+/// Routes SIGINT and SIGTERM to the VMM's handler from now on (what [`EventLoop::new`] does
+/// too): their default action would end the process without a word or its exit status 130.
+/// Jobs call it before anything a client can see exists (an API socket): a client may signal
+/// the VMM as soon as it finds it, while it still starts. A signal that comes before the
+/// event loop sets [`termination_signal`] and leaves the loop's eventfd readable, so the loop
+/// ends on it as soon as it runs.
+pub fn catch_termination_signals() -> Result<(), LoopError> {
+    signal_event().map(|_| ())
+}
+
 /// The signal eventfd, with the handlers installed on first use.
 fn signal_event() -> Result<&'static EventFd, LoopError> {
     if let Some(event) = SIGNAL_EVENT.get() {

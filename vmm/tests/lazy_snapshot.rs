@@ -21,10 +21,16 @@ const AREA: u64 = 256 * MIB;
 /// The guest memory `serve` starts with.
 const MEM_MIB: u64 = 16;
 
+/// This binary's scratch folder (every test holds it: [`scratch`]).
 fn dir() -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("tinyvmm-lazy-{}", std::process::id()));
+    let dir = support::scratch::folder("lazy");
     std::fs::create_dir_all(&dir).expect("a scratch directory");
     dir
+}
+
+/// A hold on [`dir`], which its last holder removes: each test's first local.
+fn scratch() -> support::scratch::Scratch {
+    support::scratch::Scratch::hold("lazy")
 }
 
 fn file(name: &str) -> PathBuf {
@@ -128,6 +134,7 @@ fn kvm_a_lazily_restored_vm_keeps_its_untouched_pages_in_snapshots() {
     ) {
         return;
     }
+    let _scratch = scratch();
     let (s1, end) = first_snapshot("snapshots", &[]);
 
     // A paused Full of the fresh lazy restore, before the guest ran at all.
@@ -176,6 +183,7 @@ fn kvm_a_lazily_restored_vm_migrates_with_its_untouched_pages() {
     ) {
         return;
     }
+    let _scratch = scratch();
     migrate_a_lazy_restore("migrate", &[], false);
 }
 
@@ -188,6 +196,7 @@ fn kvm_a_lazily_restored_vm_hands_its_untouched_pages_over_in_its_memfd() {
     ) {
         return;
     }
+    let _scratch = scratch();
     migrate_a_lazy_restore("local", &["--memfd"], true);
 }
 
@@ -248,6 +257,7 @@ fn kvm_a_region_removed_from_a_lazily_restored_vm_gives_its_memory_back() {
     ) {
         return;
     }
+    let _scratch = scratch();
     const GIB: u64 = 1 << 30;
     let size = 64 * MIB;
     let first = serve("removed-first", &[]);
@@ -306,6 +316,7 @@ fn kvm_a_restore_overrides_the_page_size_both_ways() {
     if !kvm_test_support::require_kvm(test) {
         return;
     }
+    let _scratch = scratch();
     // The first VM's 2 MiB region (2 pages), then a restore of everything in 2 MiB pages
     // (system region, area and that region: 11 pages), one VM at a time.
     let available = kvm_memslots::hugetlb_pages_available();

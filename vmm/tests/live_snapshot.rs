@@ -23,10 +23,16 @@ const PAGE: u64 = 4096;
 /// The write loop's first pass's seed; the pass before it (a plain write) has `SEED - 1`.
 const SEED: u64 = 1000;
 
+/// This binary's scratch folder (every test holds it: [`scratch`]).
 fn dir() -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("tinyvmm-live-{}", std::process::id()));
+    let dir = support::scratch::folder("live");
     std::fs::create_dir_all(&dir).expect("a scratch directory");
     dir
+}
+
+/// A hold on [`dir`], which its last holder removes: each test's first local.
+fn scratch() -> support::scratch::Scratch {
+    support::scratch::Scratch::hold("live")
 }
 
 fn file(name: &str) -> PathBuf {
@@ -345,6 +351,7 @@ fn kvm_a_writing_guest_snapshots_live_with_bitmap_harvests() {
     ) {
         return;
     }
+    let _scratch = scratch();
     live_snapshot_of_a_writing_guest("bitmap", 4096, &[], json!({}));
 }
 
@@ -355,6 +362,7 @@ fn kvm_a_writing_guest_snapshots_live_with_ring_harvests() {
     ) {
         return;
     }
+    let _scratch = scratch();
     live_snapshot_of_a_writing_guest("ring", 4096, &["--dirty-ring", "4096"], json!({}));
 }
 
@@ -365,6 +373,7 @@ fn kvm_a_writing_guest_snapshots_live_at_kvms_slot_count() {
     ) {
         return;
     }
+    let _scratch = scratch();
     // The system region takes one slot; the area every other. Collecting and resetting a
     // pass's 65536 ring entries takes this host's KVM longer than a short pause: this test is
     // about every slot holding the point, so the budget fits it.
@@ -387,6 +396,7 @@ fn kvm_a_live_diff_carries_what_it_took_whether_it_ends_or_not() {
     ) {
         return;
     }
+    let _scratch = scratch();
     let name = "live-diff";
     let vmm = serve(name, 64, &[]);
     let end = area_end(&vmm);
@@ -478,6 +488,7 @@ fn kvm_a_cancelled_live_snapshot_leaves_nothing_and_bad_requests_are_refused() {
     ) {
         return;
     }
+    let _scratch = scratch();
     let vmm = serve("cancel", 512, &[]);
     let end = area_end(&vmm);
     assert_eq!(vmm.guest("write", AREA, end, SEED - 1)["result"], "ok");

@@ -44,19 +44,61 @@ fn migrate(source: &Vmm, listen: &std::path::Path, extra: Value) -> (u16, Value)
     source.call("PUT", "/migrate", Some(body))
 }
 
+/// How long a migration may show no progress ([`Progress`]) before a test calls it hung: a
+/// guard against a hang only. A slow or busy machine makes progress slowly, not never.
+const NO_PROGRESS_LIMIT: Duration = Duration::from_secs(240);
+
+/// What a migration's status says it did so far: a change is progress.
+#[derive(Debug, Default, PartialEq)]
+struct Progress(Value, Value, Value, Value);
+
+impl Progress {
+    fn of(info: &Value) -> Progress {
+        Progress(
+            info["phase"].clone(),
+            info["round"].clone(),
+            info["bytes_sent"].clone(),
+            info["pages_left"].clone(),
+        )
+    }
+}
+
+/// A deadline that moves on while a migration makes progress.
+struct HangGuard {
+    last: Progress,
+    deadline: Instant,
+}
+
+impl HangGuard {
+    fn new() -> HangGuard {
+        HangGuard {
+            last: Progress::default(),
+            deadline: Instant::now() + NO_PROGRESS_LIMIT,
+        }
+    }
+
+    /// Takes `info` (a `GET /migrate` answer) in; whether the migration made progress within
+    /// [`NO_PROGRESS_LIMIT`] of the last.
+    fn alive(&mut self, info: &Value) -> bool {
+        let now = Progress::of(info);
+        if now != self.last {
+            self.last = now;
+            self.deadline = Instant::now() + NO_PROGRESS_LIMIT;
+        }
+        Instant::now() < self.deadline
+    }
+}
+
 /// Polls `GET /migrate` until `until` holds; returns that answer.
 fn watch(source: &Vmm, until: impl Fn(&Value) -> bool) -> Value {
-    let deadline = Instant::now() + Duration::from_secs(240);
+    let mut guard = HangGuard::new();
     loop {
         let (status, info) = source.call("GET", "/migrate", None);
         assert_eq!(status, 200, "{info}");
         if until(&info) {
             return info;
         }
-        assert!(
-            Instant::now() < deadline,
-            "the migration never got there: {info}"
-        );
+        assert!(guard.alive(&info), "the migration never got there: {info}");
         std::thread::sleep(Duration::from_millis(20));
     }
 }
@@ -149,31 +191,36 @@ fn migrate_a_writing_guest_serving(
     let before = source.ok("GET", "/memory", None);
 
     let (mut destination, listen) = Vmm::receive(name, &[]);
-    // At KVM's slot count a round's harvest alone takes a large part of a second, and longer
-    // on a busy or slow machine, where a guest rewriting everything may never fit the budget
-    // within the timeout: these runs are about every slot arriving intact, so they stop and
-    // copy at the timeout rather than give up.
-    let on_timeout = if slots > 4096 { "force" } else { "cancel" };
+    // The guest rewrites its memory all the time: whether a round ever fits the budget within
+    // the timeout depends on the machine's speed and load (at KVM's slot count a round's
+    // harvest alone takes a large part of a second). These runs are about every slot arriving
+    // intact, so they converge or stop and copy at the timeout rather than give up; the tests
+    // of convergence itself and of cancelling are below.
     let (status, answer) = migrate(
         &source,
         &listen,
-        json!({"downtime_ms": downtime_ms, "local": local, "on_timeout": on_timeout}),
+        json!({"downtime_ms": downtime_ms, "local": local, "on_timeout": "force"}),
     );
     assert_eq!(status, 204, "{answer}");
     // The source leaves once the destination runs the VM (a local migration may be over
     // before a first look); a migration that fails keeps it running.
-    let deadline = Instant::now() + Duration::from_secs(240);
+    let mut guard = HangGuard::new();
+    let mut alive = true;
     while source.running() {
         let info = Client::connect(source.api())
             .and_then(|mut c| c.call("GET", "/migrate", None))
             .map(|(_, info)| info);
         if let Ok(info) = info {
             assert!(!["failed", "cancelled"].contains(&phase(&info)), "{info}");
+            alive = guard.alive(&info);
         }
-        assert!(Instant::now() < deadline, "the migration never completed");
+        assert!(
+            alive,
+            "the migration made no progress in {NO_PROGRESS_LIMIT:?}"
+        );
         std::thread::sleep(Duration::from_millis(20));
     }
-    let output = source.wait(Duration::from_secs(60));
+    let output = source.wait(Duration::from_secs(180));
     let stderr = String::from_utf8_lossy(&output.stderr);
     assert_eq!(output.status.code(), Some(0), "{stderr}");
     assert!(
@@ -228,7 +275,7 @@ fn migrate_a_writing_guest_serving(
         "{left}"
     );
     destination.ok("PUT", "/actions", Some(json!({"action_type": "Stop"})));
-    let output = destination.wait(Duration::from_secs(30));
+    let output = destination.wait(Duration::from_secs(180));
     assert_eq!(output.status.code(), Some(0));
     // "the VM runs here after N rounds, M MiB, ...": what was copied.
     let stderr = String::from_utf8_lossy(&output.stderr);
@@ -388,7 +435,9 @@ fn kvm_the_source_runs_on_when_the_destination_dies() {
         Some(guest("write_loop", AREA, end, 500)),
     );
     let (second, listen) = Vmm::receive("dst-dies-2", &[]);
-    let (status, answer) = migrate(&source, &listen, json!({}));
+    // It converges or stops and copies at the timeout: whether a guest that writes all the
+    // time converges depends on the machine's speed, and this is about the move succeeding.
+    let (status, answer) = migrate(&source, &listen, json!({"on_timeout": "force"}));
     assert_eq!(status, 204, "{answer}");
     let mut source = source;
     let output = source.wait(Duration::from_secs(120));
@@ -409,7 +458,7 @@ fn kvm_the_destination_gives_up_when_the_source_dies() {
     assert_eq!(status, 204, "{answer}");
     watch(&source, |i| i["round"].as_u64() >= Some(3));
     source.kill();
-    let output = destination.wait(Duration::from_secs(90));
+    let output = destination.wait(Duration::from_secs(180));
     let stderr = String::from_utf8_lossy(&output.stderr);
     assert_eq!(output.status.code(), Some(1), "{stderr}");
     assert!(stderr.contains("nothing runs here"), "{stderr}");
@@ -480,7 +529,7 @@ fn kvm_a_timeout_with_force_completes() {
     destination.wait_for_vm();
     stop_and_verify(&destination, AREA, end);
     destination.ok("PUT", "/actions", Some(json!({"action_type": "Stop"})));
-    destination.wait(Duration::from_secs(30));
+    destination.wait(Duration::from_secs(180));
 }
 
 #[test]
@@ -499,7 +548,7 @@ fn kvm_a_destination_that_cannot_hold_the_vm_refuses_it_before_memory_moves() {
     assert!(error.contains("refused"), "{error}");
     assert!(error.contains("over the limit"), "{error}");
     assert_eq!(info["round"], 0, "no round started: {info}");
-    let output = destination.wait(Duration::from_secs(30));
+    let output = destination.wait(Duration::from_secs(180));
     assert_eq!(output.status.code(), Some(1));
     // The source runs on.
     let ran = source.ok(
@@ -557,7 +606,7 @@ fn receive_bytes(name: &str, bytes: &[u8]) -> String {
 
 /// Waits for a `tinyvmm receive` to refuse what it was sent: exit 1, nothing run; its stderr.
 fn refusal(mut destination: Vmm) -> String {
-    let output = destination.wait(Duration::from_secs(60));
+    let output = destination.wait(Duration::from_secs(180));
     let stderr = String::from_utf8_lossy(&output.stderr).into_owned();
     assert_eq!(output.status.code(), Some(1), "{stderr}");
     assert!(stderr.contains("nothing runs here"), "{stderr}");
@@ -968,14 +1017,14 @@ fn kvm_a_writing_guest_migrates_over_tcp() {
     let mut destination = Vmm::command("tcp-dst")
         .args(["receive", "--listen", &endpoint])
         .spawn();
-    let deadline = Instant::now() + Duration::from_secs(60);
+    let deadline = Instant::now() + Duration::from_secs(180);
     while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
         assert!(Instant::now() < deadline, "receive never listened");
         assert!(destination.running(), "receive exited");
         std::thread::sleep(Duration::from_millis(10));
     }
     // That probe was the destination's one connection: it dropped it, said why and exited.
-    let probed = destination.wait(Duration::from_secs(30));
+    let probed = destination.wait(Duration::from_secs(180));
     assert_eq!(probed.status.code(), Some(1));
     let destination = Vmm::command("tcp-dst")
         .args(["receive", "--listen", &endpoint])
@@ -1004,7 +1053,7 @@ fn kvm_sigterm_stops_a_receiving_destination_with_130_and_the_source_runs_on() {
     assert_eq!(status, 204, "{answer}");
     watch(&source, |i| i["round"].as_u64() >= Some(2));
     destination.signal(libc::SIGTERM);
-    let output = destination.wait(Duration::from_secs(60));
+    let output = destination.wait(Duration::from_secs(180));
     let stderr = String::from_utf8_lossy(&output.stderr);
     assert_eq!(output.status.code(), Some(130), "{stderr}");
     assert!(stderr.contains("nothing runs here"), "{stderr}");
@@ -1031,10 +1080,13 @@ fn stalled_destination(name: &str) -> (PathBuf, std::sync::mpsc::Sender<()>) {
     (listen, release)
 }
 
-/// Half the waits a cancel, a signal or `timeout_s` cut short (a migration's default 60 s
-/// timeout, a destination's 60 s wait for the next record): a wait that ends sooner was cut
-/// short, not waited out. It tells the two apart on a slow or loaded machine; it is not a
-/// timing check.
+/// Half the waits a cancel, a signal or `timeout_s` cut short (a silent peer's 60 s stall: a
+/// migration's wait on its destination, a destination's wait for the next record): a wait
+/// that ends sooner was cut short, not waited out. Nothing but the clock tells the two apart:
+/// a wait that runs out still reports the cancel or the signal set meanwhile, which wins over
+/// the stall. It is not a bound on the machine's speed: acting on a cancel or a signal takes
+/// a poll slice (20 ms) and one status request, and a machine that needs 30 s for that runs
+/// no test of this suite; a wait not cut short ends 60 s after the peer went silent.
 const CUT_SHORT: Duration = Duration::from_secs(30);
 
 /// Migrates `source` (its guest writing `[AREA, end)` in a loop from `seed`) to `listen` with
@@ -1167,7 +1219,7 @@ fn kvm_sigterm_ends_a_source_waiting_on_a_silent_destination_at_once() {
     std::thread::sleep(Duration::from_millis(500));
     let signalled = Instant::now();
     source.signal(libc::SIGTERM);
-    let output = source.wait(Duration::from_secs(70));
+    let output = source.wait(Duration::from_secs(180));
     let took = signalled.elapsed();
     let stderr = String::from_utf8_lossy(&output.stderr);
     assert_eq!(output.status.code(), Some(130), "{stderr}");
@@ -1465,7 +1517,7 @@ fn kvm_a_stream_with_valid_checksums_but_inconsistent_contents_is_refused() {
             "{name}"
         );
         destination.ok("PUT", "/actions", Some(json!({"action_type": "Stop"})));
-        destination.wait(Duration::from_secs(30));
+        destination.wait(Duration::from_secs(180));
     }
 
     // A register block 8 bytes short.
@@ -1640,7 +1692,7 @@ fn kvm_a_local_migration_of_more_memfd_regions_than_the_soft_open_file_limit() {
     let (status, answer) = migrate(&source, &listen, json!({"local": true}));
     assert_eq!(status, 204, "{answer}");
     let info = watch(&source, |i| phase(i) == "failed");
-    let output = destination.wait(Duration::from_secs(60));
+    let output = destination.wait(Duration::from_secs(180));
     let stderr = String::from_utf8_lossy(&output.stderr);
     assert_eq!(output.status.code(), Some(1), "{stderr}");
     assert!(
@@ -1663,7 +1715,7 @@ fn kvm_a_local_migration_of_more_memfd_regions_than_the_soft_open_file_limit() {
     destination.wait_for_vm();
     assert_eq!(regions(&destination), before);
     destination.ok("PUT", "/actions", Some(json!({"action_type": "Stop"})));
-    let output = destination.wait(Duration::from_secs(30));
+    let output = destination.wait(Duration::from_secs(180));
     let stderr = String::from_utf8_lossy(&output.stderr);
     assert!(
         stderr.contains("open-file limit (RLIMIT_NOFILE) raised from 1024 to 4096"),
@@ -1683,7 +1735,7 @@ fn kvm_sigterm_ends_a_destination_whose_source_sends_nothing_at_once() {
     std::thread::sleep(Duration::from_millis(300));
     let signalled = Instant::now();
     destination.signal(libc::SIGTERM);
-    let output = destination.wait(Duration::from_secs(70));
+    let output = destination.wait(Duration::from_secs(180));
     let stderr = String::from_utf8_lossy(&output.stderr);
     assert_eq!(output.status.code(), Some(130), "{stderr}");
     assert!(signalled.elapsed() < CUT_SHORT, "{stderr}");
@@ -1818,7 +1870,7 @@ fn kvm_a_stream_with_valid_checksums_but_a_wrong_page_is_refused_by_its_digest()
     destination.wait_for_vm();
     assert_eq!(destination.ok("GET", "/vm", None)["state"], "Paused");
     destination.ok("PUT", "/actions", Some(json!({"action_type": "Stop"})));
-    let output = destination.wait(Duration::from_secs(30));
+    let output = destination.wait(Duration::from_secs(180));
     let stderr = String::from_utf8_lossy(&output.stderr);
     assert!(
         stderr.contains("its memory checked against the source's digest"),
@@ -1896,12 +1948,12 @@ fn kvm_the_client_command_waits_until_the_vm_runs_on_the_destination() {
     );
     assert!(stdout.contains("completed"), "{stdout}{stderr}");
     // The source goes; the destination runs the VM and its memory.
-    assert!(source.wait(Duration::from_secs(60)).status.success());
+    assert!(source.wait(Duration::from_secs(180)).status.success());
     destination.wait_for_vm();
     let verified = destination.ok("PUT", "/guest/command", Some(guest("verify", AREA, end, 5)));
     assert_eq!(verified["result"], "ok", "{verified}");
     destination.ok("PUT", "/actions", Some(json!({"action_type": "Stop"})));
-    assert!(destination.wait(Duration::from_secs(60)).status.success());
+    assert!(destination.wait(Duration::from_secs(180)).status.success());
 }
 
 /// A source VMM that ends during a migration the client follows (killed here, as a crash
@@ -1925,7 +1977,7 @@ fn kvm_the_client_command_fails_when_the_source_ends_under_way() {
         .stderr(Stdio::piped())
         .spawn()
         .expect("tinyvmm client runs");
-    let deadline = Instant::now() + Duration::from_secs(60);
+    let deadline = Instant::now() + Duration::from_secs(180);
     while source.call("GET", "/migrate", None).0 != 200 {
         assert!(Instant::now() < deadline, "the migration never started");
         std::thread::sleep(Duration::from_millis(20));

@@ -52,6 +52,43 @@ fn kvm_serve_exits_130_on_sigterm() {
     assert!(!socket.exists(), "the socket is removed");
 }
 
+/// A SIGTERM that comes while `serve` still starts (its socket is there, for a client to find,
+/// before its memory and vCPUs are) ends it as one that comes later does: exit status 130,
+/// "stopped by a signal", the socket removed. Never the signal's default action (no exit
+/// status), nor a failure (1). Several rounds, each signalled as soon as the socket's file
+/// appears, and a start made long by many slots over much memory, so that the signal lands
+/// at different points of the start-up.
+#[test]
+fn kvm_serve_exits_130_on_a_sigterm_during_start_up() {
+    if !kvm_test_support::require_kvm("tinyvmm::kvm_serve_exits_130_on_a_sigterm_during_start_up") {
+        return;
+    }
+    for round in 0..4 {
+        let mut vmm = Vmm::command(&format!("sigterm-start-{round}"))
+            .args([
+                "serve",
+                "--slots",
+                "16384",
+                "--mem-mib",
+                "16384",
+                "--vcpus",
+                "15",
+            ])
+            .spawn();
+        let socket = vmm.api().to_owned();
+        vmm.wait_for_socket_file();
+        vmm.signal(libc::SIGTERM);
+        let output = vmm.wait(EXIT_LIMIT);
+        let stderr = String::from_utf8_lossy(&output.stderr);
+        assert_eq!(output.status.code(), Some(130), "round {round}: {stderr}");
+        assert!(
+            stderr.contains("stopped by a signal"),
+            "round {round}: {stderr}"
+        );
+        assert!(!socket.exists(), "round {round}: the socket is removed");
+    }
+}
+
 /// A JSON value (the API's bodies).
 type Json = serde_json::Value;
 

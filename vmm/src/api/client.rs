@@ -18,10 +18,22 @@ pub enum ClientError {
     /// The answer was not HTTP with a JSON body.
     #[error("the API answered something unexpected: {0}")]
     Answer(String),
+    /// The server closed the connection before its whole answer came (after that many
+    /// bytes of it).
+    #[error("the connection closed after {0} bytes of an answer")]
+    Closed(usize),
     /// No whole answer came within the wait set ([`Client::set_timeout`]): the server may
     /// still carry the request out.
     #[error("no answer within {} (the request may still be carried out)", seconds(.0))]
     TimedOut(Duration),
+}
+
+impl ClientError {
+    /// Whether the connection to the server failed or was cut (refused, reset, closed before
+    /// the whole answer): a server that is alive answers, even to refuse a client (503).
+    pub fn connection_lost(&self) -> bool {
+        matches!(self, ClientError::Io(_) | ClientError::Closed(_))
+    }
 }
 
 /// A wait as a person reads it: `60 s`, `0.5 s`.
@@ -199,10 +211,7 @@ impl Client {
                 read => read.map_err(|e| self.io(e))?,
             };
             if n == 0 {
-                return Err(ClientError::Answer(format!(
-                    "connection closed after {} bytes of an answer",
-                    data.len()
-                )));
+                return Err(ClientError::Closed(data.len()));
             }
             data.extend_from_slice(&chunk[..n]);
         }

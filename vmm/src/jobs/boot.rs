@@ -55,6 +55,8 @@ pub fn boot(
     let vcpus = linux.create_vcpus(config)?;
     report.setup_time = started.elapsed();
     on_start(&report);
+    // A client that finds the socket may signal the VMM before its run loop exists.
+    crate::lifecycle::catch_termination_signals()?;
     let api = config
         .api_sock
         .as_deref()

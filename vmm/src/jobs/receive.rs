@@ -156,10 +156,12 @@ pub fn receive(
     ready: impl FnOnce(),
     received: impl FnOnce(Received),
 ) -> Result<ReceiveEnding, ReceiveError> {
-    // The API socket first: once the source has handed the VM over, nothing may fail before it
-    // is served. Until the VM runs here, a thread answers it for the destination.
-    let api = ApiSocket::bind(&config.api_sock).map_err(ServeError::from)?;
+    // The API socket before the VM: once the source has handed the VM over, nothing may fail
+    // before it is served. Until the VM runs here, a thread answers it for the destination.
+    // The loop (and with it the signal handler) before the socket: a client that finds the
+    // socket may signal the VMM at once.
     let run = RunLoop::new().map_err(ServeError::from)?;
+    let api = ApiSocket::bind(&config.api_sock).map_err(ServeError::from)?;
     let listen_failed = |source| ReceiveError::Listen {
         endpoint: config.listen.to_string(),
         source,

@@ -125,6 +125,8 @@ pub fn restore_linux(
         .map_err(|e| refused(&from.snapshot, e))?;
     let (mem_file, lazy) = memory_of(from, state.snapshot.as_ref(), &state.layout)
         .map_err(|(path, reason)| refused(&path, reason))?;
+    // A client that finds the socket may signal the VMM before its run loop exists.
+    crate::lifecycle::catch_termination_signals()?;
     let api = ApiSocket::bind(&api_sock)?;
     let linux = LinuxVm::restore(&state, (&mem_file, from.backend, lazy), output, limits)?;
     let vcpus = linux.restored_vcpus(&state)?;

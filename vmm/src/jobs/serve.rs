@@ -5,6 +5,7 @@
 
 use std::path::PathBuf;
 use std::process::ExitCode;
+use std::sync::Arc;
 use std::time::Duration;
 
 use super::args::{slot_count, test_guest_vcpus, ApiArgs, UsageError};
@@ -20,6 +21,7 @@ use crate::test_guest::controller::Controller;
 use crate::test_guest::vcpus::{GuestError, TestVm};
 use crate::vm::VmOptions;
 use kvm_memslots::{MemoryLimits, PageSize};
+use vmm_sys_util::eventfd::EventFd;
 
 /// Why serving could not start or ended badly.
 #[derive(Debug, thiserror::Error)]
@@ -93,15 +95,33 @@ impl ServeConfig {
 /// SIGINT/SIGTERM comes ([`Ending::Interrupted`]), either after the guest failed
 /// ([`Ending::GuestFailed`]); removes the socket at the end.
 pub fn serve(config: &ServeConfig, ready: impl FnOnce()) -> Result<Ending, ServeError> {
-    let socket = ApiSocket::bind(&config.api_sock)?;
+    // The loop (and with it the signal handler) before the socket: a client that finds the
+    // socket may signal the VMM at once, while it still starts.
     let run = RunLoop::new()?;
+    let socket = ApiSocket::bind(&config.api_sock)?;
     let options = VmOptions {
         limits: config.limits,
         dirty_ring: config.dirty_ring,
         ..VmOptions::default()
     };
     let stopped = &run.context().vcpu_stopped;
-    let controller = match &config.restore {
+    let controller = match start_controller(config, options, stopped) {
+        Ok(controller) => controller,
+        // A signal during start-up (the wait for the vCPUs' first report gives up on it) ends
+        // the VMM as a signal does once it serves.
+        Err(ServeError::Vm(GuestError::Interrupted)) => return Ok(Ending::Interrupted),
+        Err(e) => return Err(e),
+    };
+    serve_controller(run, socket, controller, config.idle_timeout, ready)
+}
+
+/// The test guest `config` asks for, its vCPUs started (or restored): what [`serve`] serves.
+fn start_controller(
+    config: &ServeConfig,
+    options: VmOptions,
+    stopped: &Arc<EventFd>,
+) -> Result<Controller, ServeError> {
+    Ok(match &config.restore {
         None => {
             let vm = TestVm::with_options(options)?;
             if config.area_size > 0 && config.slots > 1 {
@@ -129,8 +149,7 @@ pub fn serve(config: &ServeConfig, ready: impl FnOnce()) -> Result<Ending, Serve
             Controller::new(vm, vcpus)
         }
         Some(from) => restored_controller(from, options, stopped)?,
-    };
-    serve_controller(run, socket, controller, config.idle_timeout, ready)
+    })
 }
 
 /// Runs [`serve`] on a thread of its own and returns that thread once the socket is ready, or

@@ -5,6 +5,7 @@
 
 #![allow(dead_code)] // Each test file uses its part.
 
+pub mod scratch;
 pub mod vmm;
 
 use std::path::{Path, PathBuf};

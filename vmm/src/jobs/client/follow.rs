@@ -6,8 +6,9 @@
 //! A migration that completes ends its source VMM (its API socket goes with it), but not
 //! before a client that followed it has read `completed` (or a few seconds have passed:
 //! `migration::slot::LINGER_FOR_FOLLOWER`): a source that can no longer be reached while its
-//! migration was under way ended without it, stopped or crashed ([`Outcome::SourceEnded`]),
-//! and the migration's outcome is unknown.
+//! migration was under way (it refuses, resets or closes the connection of a status request)
+//! ended without it, stopped or crashed ([`Outcome::SourceEnded`]), and the migration's
+//! outcome is unknown.
 
 use std::io::Write as _;
 use std::path::Path;
@@ -105,8 +106,15 @@ pub fn follow(
                 last = body;
             }
             Ok((status, body)) => return Ok(Outcome::Ended { status, body }),
-            // Gone while a migration ran, without saying how it ended.
-            Err(_) if followed == Followed::Migration && !reachable(socket) => {
+            // Gone while a migration ran, without saying how it ended. A connection the
+            // source refused, reset or closed mid-answer is that source ending (a live VMM
+            // answers, even to refuse a client): its socket file may still take a connection
+            // for a moment while the dying process's files close, so whether it is reachable
+            // afterwards does not tell.
+            Err(e)
+                if followed == Followed::Migration
+                    && (e.connection_lost() || !reachable(socket)) =>
+            {
                 return Ok(Outcome::SourceEnded { last });
             }
             Err(e) => return Err(e),
@@ -174,6 +182,41 @@ mod tests {
             assert!(under_way(&json!({ "phase": phase })), "{phase}");
         }
         assert!(!under_way(&json!({ "phase": "completed" })));
+    }
+
+    /// A source that dies mid-request closes the connection while its listening socket may
+    /// still take connections for a moment (its files close one by one): that is the source
+    /// ending, not a failure to talk to it. Here a listener that stays open and closes every
+    /// connection it accepts, unanswered.
+    #[test]
+    fn a_connection_cut_while_a_migration_is_followed_is_the_source_ending() {
+        let path =
+            std::env::temp_dir().join(format!("tinyvmm-follow-cut-{}.sock", std::process::id()));
+        let _ = std::fs::remove_file(&path);
+        let listener = std::os::unix::net::UnixListener::bind(&path).expect("bind");
+        let server = std::thread::spawn(move || {
+            // Two connections: the status request, then whatever else the client tries.
+            for _ in 0..2 {
+                match listener.accept() {
+                    Ok((stream, _)) => drop(stream),
+                    Err(_) => return,
+                }
+            }
+        });
+        let outcome = follow(
+            &path,
+            Followed::Migration,
+            Some(Duration::from_secs(60)),
+            |_| {},
+        );
+        // Let the server's second accept end, whatever the client did.
+        let _ = std::os::unix::net::UnixStream::connect(&path);
+        server.join().expect("the server thread");
+        let _ = std::fs::remove_file(&path);
+        assert!(
+            matches!(outcome, Ok(Outcome::SourceEnded { ref last }) if last.is_null()),
+            "{outcome:?}"
+        );
     }
 
     #[test]
