@@ -36,15 +36,7 @@ fn can_run(test: &str, pages: u64) -> bool {
     if !kvm_test_support::require_kvm(&name) {
         return false;
     }
-    let available = hugetlb_pages_available();
-    if available < pages {
-        eprintln!(
-            "SKIPPED {name}: the hugetlb pool has {available} free 2 MiB pages, the test needs \
-             {pages} (resources/setup-host.sh reserves a pool)"
-        );
-        return false;
-    }
-    true
+    support::require_hugetlb_pages(&name, pages, &pages.to_string())
 }
 
 /// A VMM serving its API from a thread of this process on [`temp_path`]`("NAME.sock")`, with

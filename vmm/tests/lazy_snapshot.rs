@@ -319,12 +319,7 @@ fn kvm_a_restore_overrides_the_page_size_both_ways() {
     let _scratch = scratch();
     // The first VM's 2 MiB region (2 pages), then a restore of everything in 2 MiB pages
     // (system region, area and that region: 11 pages), one VM at a time.
-    let available = kvm_memslots::hugetlb_pages_available();
-    if available < 11 {
-        eprintln!(
-            "SKIPPED {test}: the hugetlb pool has {available} free 2 MiB pages, the test needs \
-             11 (resources/setup-host.sh reserves a pool)"
-        );
+    if !support::require_hugetlb_pages(test, 11, "11") {
         return;
     }
     const GIB: u64 = 1 << 30;

@@ -679,12 +679,7 @@ fn kvm_virtio_mem_with_2m_pages_plugs_huge_pages_and_gives_them_back() {
     if !kvm_test_support::require_kvm(test) {
         return;
     }
-    let available = kvm_memslots::hugetlb_pages_available();
-    if available < 2 {
-        eprintln!(
-            "SKIPPED {test}: the hugetlb pool has {available} free 2 MiB pages, the test needs 2 \
-             (resources/setup-host.sh reserves a pool)"
-        );
+    if !support::require_hugetlb_pages(test, 2, "2") {
         return;
     }
     let vm = Vm::new(VmOptions {

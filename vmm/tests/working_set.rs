@@ -286,12 +286,7 @@ fn kvm_a_2m_region_restores_lazily_and_the_guest_verifies() {
         return;
     }
     // The source's 4 pages, then one restore at a time.
-    let available = kvm_memslots::hugetlb_pages_available();
-    if available < 8 {
-        eprintln!(
-            "SKIPPED {test}: the hugetlb pool has {available} free 2 MiB pages, the test needs 8 \
-             (resources/setup-host.sh reserves a pool)"
-        );
+    if !support::require_hugetlb_pages(test, 8, "8") {
         return;
     }
     let dir = std::env::temp_dir().join(format!("tinyvmm-test-{}-wset-huge", std::process::id()));
@@ -789,15 +784,11 @@ fn linux_snapshot_id(state: &Path) -> u128 {
 
 /// Whether the hugetlb pool can hold a 128 MiB Linux guest; says SKIPPED for `what` if not.
 fn pool_holds_linux(test: &str, what: &str) -> bool {
-    let available = kvm_memslots::hugetlb_pages_available();
-    if available < LINUX_HUGE_PAGES {
-        eprintln!(
-            "SKIPPED {test}{what}: the hugetlb pool has {available} free 2 MiB pages, a 128 MiB \
-             Linux guest needs {LINUX_HUGE_PAGES} (resources/setup-host.sh reserves a pool)"
-        );
-        return false;
-    }
-    true
+    support::require_hugetlb_pages(
+        &format!("{test}{what}"),
+        LINUX_HUGE_PAGES,
+        &format!("{LINUX_HUGE_PAGES}: a 128 MiB Linux guest"),
+    )
 }
 
 #[test]

@@ -7,7 +7,7 @@
 //! need the hugetlb pool skip loudly where it is too small.
 
 mod support;
-use support::TempFile;
+use support::{pool_has, TempFile};
 
 use std::fs::File;
 use std::os::fd::FromRawFd;
@@ -23,20 +23,6 @@ use vm_memory::{Bytes, GuestAddress, GuestAddressSpace};
 const MIB: u64 = 1 << 20;
 /// Guest base of the three 2 MiB hugetlb pages, after one 2 MiB region of 4 KiB pages at 0.
 const HUGE: u64 = 4 * MIB;
-
-/// Whether the host's hugetlb pool has `pages` free pages; if not, a loud line saying the test
-/// did not run.
-fn pool_has(test: &str, pages: u64) -> bool {
-    let available = kvm_memslots::hugetlb_pages_available();
-    if available < pages {
-        eprintln!(
-            "SKIPPED kvm-memslots-persist::{test}: the hugetlb pool has {available} free 2 MiB \
-             pages, the test needs {pages} (resources/setup-host.sh reserves a pool)"
-        );
-        return false;
-    }
-    true
-}
 
 /// A new, empty file on hugetlbfs.
 fn hugetlbfs_file() -> File {

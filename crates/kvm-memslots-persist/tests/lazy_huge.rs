@@ -4,7 +4,7 @@
 //! fault. Tests that need the hugetlb pool skip loudly where it is too small.
 
 mod support;
-use support::TempFile;
+use support::{pool_has, TempFile};
 
 use std::fs::File;
 use std::sync::atomic::Ordering;
@@ -19,20 +19,6 @@ use kvm_memslots_persist::{
 use vm_memory::{Bytes, GuestAddress, GuestAddressSpace};
 
 const MIB: u64 = 1 << 20;
-
-/// Whether the host's hugetlb pool has `pages` free pages; if not, a loud line saying the test
-/// did not run.
-fn pool_has(test: &str, pages: u64) -> bool {
-    let available = kvm_memslots::hugetlb_pages_available();
-    if available < pages {
-        eprintln!(
-            "SKIPPED kvm-memslots-persist::{test}: the hugetlb pool has {available} free 2 MiB \
-             pages, the test needs {pages} (resources/setup-host.sh reserves a pool)"
-        );
-        return false;
-    }
-    true
-}
 
 fn manager() -> MemoryManager<FakeKvm> {
     MemoryManager::new(FakeKvm::new(64, true))

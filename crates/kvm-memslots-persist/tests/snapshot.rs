@@ -2,7 +2,7 @@
 //! full memory file, diffs merged onto it, and a new manager built and loaded from them.
 
 mod support;
-use support::TempFile;
+use support::{pool_has, TempFile};
 
 use std::fs::File;
 use std::os::unix::fs::MetadataExt;
@@ -759,20 +759,6 @@ fn a_memory_file_written_in_slices_asks_between_them_and_stops_when_told() {
     };
     let stats = write_dirty_pages_sliced(&m, &layout, &dirty, &diff, slices).expect("written");
     assert_eq!((stats.bytes, asked), (2 * MIB, 1));
-}
-
-/// Whether the host's hugetlb pool has `pages` free pages; if not, a loud line saying the test
-/// did not run.
-fn pool_has(test: &str, pages: u64) -> bool {
-    let available = kvm_memslots::hugetlb_pages_available();
-    if available < pages {
-        eprintln!(
-            "SKIPPED kvm-memslots-persist::{test}: the hugetlb pool has {available} free 2 MiB \
-             pages, the test needs {pages} (resources/setup-host.sh reserves a pool)"
-        );
-        return false;
-    }
-    true
 }
 
 #[test]

@@ -360,3 +360,18 @@ pub fn hugetlb_bytes_of(pid: &str, hva: u64, len: u64) -> u64 {
     }
     kib * 1024
 }
+
+/// Whether the host's hugetlb pool has `pages` free 2 MiB pages for the test `name`. When it
+/// has not, prints a loud SKIPPED line with what the test needs (`needs`: "8", or "64: a
+/// 128 MiB Linux guest") and what the pool has, and the test returns early.
+pub fn require_hugetlb_pages(name: &str, pages: u64, needs: &str) -> bool {
+    let available = kvm_memslots::hugetlb_pages_available();
+    if available < pages {
+        eprintln!(
+            "SKIPPED {name}: the hugetlb pool has {available} free 2 MiB pages, the test needs \
+             {needs} (resources/setup-host.sh reserves a pool): this test did not run"
+        );
+        return false;
+    }
+    true
+}

@@ -34,3 +34,18 @@ impl Drop for TempFile {
         let _ = std::fs::remove_file(&self.0);
     }
 }
+
+/// Whether the host's hugetlb pool has `pages` free pages; if not, a loud line saying the test
+/// did not run.
+#[allow(dead_code)] // The huge-page tests use it; the others do not.
+pub fn pool_has(test: &str, pages: u64) -> bool {
+    let available = kvm_memslots::hugetlb_pages_available();
+    if available < pages {
+        eprintln!(
+            "SKIPPED kvm-memslots-persist::{test}: the hugetlb pool has {available} free 2 MiB \
+             pages, the test needs {pages} (resources/setup-host.sh reserves a pool)"
+        );
+        return false;
+    }
+    true
+}
