@@ -119,24 +119,7 @@ impl Linux for Vmm {
     }
 
     fn wait_for_line(&self, marker: &str) {
-        let mut progress = support::Progress::default();
-        loop {
-            let console = self.console();
-            if console.contains(marker) {
-                return;
-            }
-            assert!(
-                self.running(),
-                "tinyvmm ended before its console showed {marker:?}:\n{console}"
-            );
-            assert!(
-                !progress.stalled(console.len()),
-                "no {marker:?}: the guest printed nothing for {:?}; its last lines:\n{}",
-                progress.patience(),
-                support::tail(&console, 20)
-            );
-            std::thread::sleep(Duration::from_millis(5));
-        }
+        self.wait_for_console(marker);
     }
 
     fn pause(&self) -> String {

@@ -579,7 +579,6 @@ impl Drop for Scratch {
 struct Linux {
     name: String,
     vmm: Process,
-    console: PathBuf,
 }
 
 impl Linux {
@@ -590,12 +589,11 @@ impl Linux {
         let vmm = Process::command(name)
             .args(args)
             .api_sock(socket(name))
-            .stdout_file(&console)
+            .stdout_file(console)
             .serving();
         Linux {
             name: name.to_owned(),
             vmm,
-            console,
         }
     }
 
@@ -612,7 +610,7 @@ impl Linux {
     }
 
     fn console(&self) -> String {
-        String::from_utf8_lossy(&std::fs::read(&self.console).unwrap_or_default()).into_owned()
+        self.vmm.stdout_now()
     }
 
     fn set_state(&self, state: &str) {
@@ -625,23 +623,7 @@ impl Linux {
     /// Waits until the console shows `marker`; fails if the VMM exits first, or if the guest
     /// prints nothing for the host's patience.
     fn wait_for(&self, marker: &str) {
-        let mut progress = support::Progress::default();
-        loop {
-            let console = self.console();
-            if console.contains(marker) {
-                return;
-            }
-            assert!(
-                self.vmm.running(),
-                "no {marker:?}: tinyvmm ended\n{console}"
-            );
-            assert!(
-                !progress.stalled(console.len()),
-                "no {marker:?}: the guest printed nothing for {:?}\n{console}",
-                progress.patience()
-            );
-            std::thread::sleep(Duration::from_millis(5));
-        }
+        self.vmm.wait_for_console(marker);
     }
 
     /// Resumes the VM and waits until its guest prints a whole line that `before` (the console

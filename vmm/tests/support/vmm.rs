@@ -299,6 +299,30 @@ impl Vmm {
         )
     }
 
+    /// Waits until its stdout (a Linux guest's console: [`Spawn::stdout_file`]) shows
+    /// `marker`; fails if it exits first, or if the guest prints nothing for the host's
+    /// patience ([`super::Progress`]), however long the whole wait takes.
+    pub fn wait_for_console(&self, marker: &str) {
+        let mut progress = super::Progress::default();
+        loop {
+            let console = self.stdout_now();
+            if console.contains(marker) {
+                return;
+            }
+            assert!(
+                self.running(),
+                "tinyvmm ended before its console showed {marker:?}:\n{console}"
+            );
+            assert!(
+                !progress.stalled(console.len()),
+                "no {marker:?}: the guest printed nothing for {:?}; its last lines:\n{}",
+                progress.patience(),
+                super::tail(&console, 20)
+            );
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    }
+
     /// Waits until it serves a VM: its socket answers `GET /vm` with a state past `Waiting`
     /// and `Receiving` (a destination's socket answers before its VM runs, and may close a
     /// connection unanswered while the VM's server takes over). Fails if it exits first.
