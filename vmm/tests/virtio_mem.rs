@@ -142,6 +142,19 @@ fn regions(controller: &mut LinuxController) -> Vec<RegionInfo> {
     }
 }
 
+/// A VM with an in-kernel irqchip (virtio-mem's interrupt) and 256 MiB of RAM at 0.
+fn vm_with_ram() -> Vm {
+    let vm = Vm::new(VmOptions {
+        irqchip: true,
+        ..VmOptions::default()
+    })
+    .expect("a VM");
+    vm.memory()
+        .add_region(RegionSpec::new(GuestAddress(0), 256 * MIB))
+        .expect("RAM");
+    vm
+}
+
 #[test]
 fn kvm_the_api_sizes_virtio_mem_and_the_guest_plugs_through_mmio_exits() {
     if !kvm_test_support::require_kvm(
@@ -149,15 +162,8 @@ fn kvm_the_api_sizes_virtio_mem_and_the_guest_plugs_through_mmio_exits() {
     ) {
         return;
     }
-    let vm = Vm::new(VmOptions {
-        irqchip: true,
-        ..VmOptions::default()
-    })
-    .expect("a VM");
+    let vm = vm_with_ram();
     let memory = Arc::clone(vm.memory());
-    memory
-        .add_region(RegionSpec::new(GuestAddress(0), 256 * MIB))
-        .expect("RAM");
     // 1 GiB in 2 MiB blocks, above RAM at 4 GiB, a slot per block.
     let hotplug = hotplug::setup(&vm, 1024, 2, 0, Default::default()).expect("the device");
     assert!(
@@ -403,18 +409,7 @@ fn kvm_a_linux_guests_plugged_blocks_share_slots_and_restore() {
     ) {
         return;
     }
-    let new_vm = || {
-        let vm = Vm::new(VmOptions {
-            irqchip: true,
-            ..VmOptions::default()
-        })
-        .expect("a VM");
-        vm.memory()
-            .add_region(RegionSpec::new(GuestAddress(0), 256 * MIB))
-            .expect("RAM");
-        vm
-    };
-    let vm = new_vm();
+    let vm = vm_with_ram();
     let memory = Arc::clone(vm.memory());
     let hotplug = hotplug::setup(
         &vm,
@@ -484,7 +479,7 @@ fn kvm_a_linux_guests_plugged_blocks_share_slots_and_restore() {
         (device.device().state(), device.state())
     };
     assert_eq!(state.max_slot_size, Some(128 * MIB));
-    let again = new_vm();
+    let again = vm_with_ram();
     let specs: Vec<RegionSpec> = memory
         .regions()
         .iter()
@@ -682,15 +677,8 @@ fn kvm_virtio_mem_with_2m_pages_plugs_huge_pages_and_gives_them_back() {
     if !support::require_hugetlb_pages(test, 2, "2") {
         return;
     }
-    let vm = Vm::new(VmOptions {
-        irqchip: true,
-        ..VmOptions::default()
-    })
-    .expect("a VM");
+    let vm = vm_with_ram();
     let memory = Arc::clone(vm.memory());
-    memory
-        .add_region(RegionSpec::new(GuestAddress(0), 256 * MIB))
-        .expect("RAM");
     // 64 MiB in 2 MiB blocks, pieces of two blocks.
     let hotplug =
         hotplug::setup(&vm, 64, 2, 4, kvm_memslots::PageSize::Huge2M).expect("the device");
@@ -756,15 +744,8 @@ fn kvm_virtio_mem_with_2m_pages_answers_busy_when_the_pool_cannot_hold_a_piece()
     ) {
         return;
     }
-    let vm = Vm::new(VmOptions {
-        irqchip: true,
-        ..VmOptions::default()
-    })
-    .expect("a VM");
+    let vm = vm_with_ram();
     let memory = Arc::clone(vm.memory());
-    memory
-        .add_region(RegionSpec::new(GuestAddress(0), 256 * MIB))
-        .expect("RAM");
     // One piece of more pages than the pool has, whatever its size.
     let piece_mib = (kvm_memslots::hugetlb_pages_available() + 64) * 2;
     let hotplug = hotplug::setup(&vm, piece_mib, 2, piece_mib, kvm_memslots::PageSize::Huge2M)
