@@ -59,8 +59,10 @@ pub struct BootConfig {
     pub timeout_secs: Option<f64>,
     /// How to enter the kernel.
     pub protocol: BootProtocol,
-    /// MiB of hotpluggable memory behind a virtio-mem device (0: no device). Nothing of it is
-    /// plugged at boot; `PATCH /hotplug/memory` on the API socket asks the guest to plug.
+    /// MiB of hotpluggable memory behind a virtio-mem device (0: no device): a multiple of the
+    /// block size, at most 1 TiB (the rules of `PUT /hotplug/memory`, [`Self::hotplug`]).
+    /// Nothing of it is plugged at boot; `PATCH /hotplug/memory` on the API socket asks the
+    /// guest to plug.
     pub hotplug_mib: u64,
     /// The virtio-mem device's block size in MiB (a power of two, at least 2).
     pub hotplug_block_mib: u64,
