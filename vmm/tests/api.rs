@@ -378,6 +378,109 @@ fn kvm_the_hotplug_area_plugs_and_unplugs_slots() {
     vmm.stop();
 }
 
+/// An area that is no whole number of slots: its last piece is what is left (as a Linux
+/// guest's virtio-mem device allows, by the same rules), gets a KVM slot of its own size when
+/// plugged, and the guest checks all of it; a refused configuration changes nothing.
+#[test]
+fn kvm_a_hotplug_area_with_a_partial_last_piece_plugs_all_of_it() {
+    if !kvm_test_support::require_kvm(
+        "tinyvmm::kvm_a_hotplug_area_with_a_partial_last_piece_plugs_all_of_it",
+    ) {
+        return;
+    }
+    let vmm = start("partial-piece", 2, 4);
+    let before = memory_of(&vmm);
+    let odd = vmm.call(
+        "PUT",
+        "/hotplug/memory",
+        Some(json!({"total_size_mib": 11, "block_size_mib": 2, "slot_size_mib": 4})),
+    );
+    assert_eq!(
+        (odd.0, fault(&odd)),
+        (
+            400,
+            "total_size_mib 11 must be a multiple of block_size_mib 2, non-zero and at most \
+             1048576 MiB"
+        )
+    );
+    assert_eq!(memory_of(&vmm), before, "a refused area changes nothing");
+    assert_eq!(vmm.call("GET", "/hotplug/memory", None).0, 404);
+    let area = json!({"total_size_mib": 10, "block_size_mib": 2, "slot_size_mib": 4});
+    assert_eq!(vmm.call("PUT", "/hotplug/memory", Some(area)).0, 204);
+    // All of it: pieces of 4, 4 and 2 MiB, each one slot, the guest checking what is plugged.
+    let all = vmm.call(
+        "PATCH",
+        "/hotplug/memory",
+        Some(json!({"requested_size_mib": 10})),
+    );
+    assert_eq!(all.0, 204, "{all:?}");
+    let (_, state) = vmm.call("GET", "/hotplug/memory", None);
+    assert_eq!(
+        (
+            state["total_size_mib"].clone(),
+            state["slot_size_mib"].clone(),
+            state["plugged_size_mib"].clone(),
+            state["mapped_slots"].clone()
+        ),
+        (json!(10), json!(4), json!(10), json!(3)),
+        "{state}"
+    );
+    let base = state["guest_address"].as_u64().expect("base");
+    let memory = memory_of(&vmm);
+    let sizes: Vec<(u64, u64)> = memory["regions"]
+        .as_array()
+        .expect("regions")
+        .iter()
+        .map(|r| {
+            (
+                r["guest_address"].as_u64().expect("gpa"),
+                r["size"].as_u64().expect("size"),
+            )
+        })
+        .filter(|(gpa, _)| *gpa >= base)
+        .collect();
+    assert_eq!(
+        sizes,
+        vec![
+            (base, 4 << 20),
+            (base + (4 << 20), 4 << 20),
+            (base + (8 << 20), 2 << 20)
+        ],
+        "{memory}"
+    );
+    assert_eq!(memory["slots"]["used"], json!(2 + 3), "{memory}");
+    let write =
+        json!({"op": "write", "start": base, "end": base + (10 << 20), "stride": 4096, "seed": 3});
+    assert_eq!(
+        vmm.call("PUT", "/guest/command", Some(write)).1["result"],
+        json!("ok")
+    );
+    let verify =
+        json!({"op": "verify", "start": base, "end": base + (10 << 20), "stride": 4096, "seed": 3});
+    assert_eq!(
+        vmm.call("PUT", "/guest/command", Some(verify)).1["result"],
+        json!("ok")
+    );
+    let past = json!({"op": "write", "start": base + (10 << 20), "end": base + (11 << 20), "stride": 4096, "seed": 3});
+    let past = vmm.call("PUT", "/guest/command", Some(past));
+    assert_eq!(past.0, 400, "the area ends with its last piece: {past:?}");
+    // Back down into the second piece, then to nothing.
+    for (mib, used) in [(6, 2 + 2), (0, 2)] {
+        let down = vmm.call(
+            "PATCH",
+            "/hotplug/memory",
+            Some(json!({"requested_size_mib": mib})),
+        );
+        assert_eq!(down.0, 204, "{down:?}");
+        assert_eq!(
+            memory_of(&vmm)["slots"]["used"],
+            json!(used),
+            "{mib} MiB plugged"
+        );
+    }
+    vmm.stop();
+}
+
 /// A valid region to add, 33 bytes long: what the framing cases would add if they were taken.
 const ADD: &str = r#"{"size":4096,"guest_check":false}"#;
 

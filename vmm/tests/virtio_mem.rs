@@ -24,7 +24,7 @@ use driver::{
 };
 use kvm_memslots::{KvmVm, MemoryManager, RegionSpec};
 use tinyvmm::control::hotplug::{HotplugConfig, HotplugInfo, HotplugRequest};
-use tinyvmm::control::memory::RegionInfo;
+use tinyvmm::control::memory::{RegionInfo, RegionPageSize};
 use tinyvmm::control::{Apply, ControllerError, ErrorKind, Reply, Request};
 use tinyvmm::devices::legacy::LegacyDevices;
 use tinyvmm::linux::controller::LinuxController;
@@ -38,6 +38,22 @@ use vm_memory::{Bytes, GuestAddress, GuestAddressSpace};
 use vmm_sys_util::eventfd::EventFd;
 
 const MIB: u64 = 1 << 20;
+
+/// A hotplug area of `total_size_mib` in blocks of `block_size_mib`, plugged blocks sharing
+/// slots of up to `slot_size_mib` (a slot per block without), in host pages of `page_size`.
+fn area(
+    total_size_mib: u64,
+    block_size_mib: u64,
+    slot_size_mib: Option<u64>,
+    page_size: RegionPageSize,
+) -> HotplugConfig {
+    HotplugConfig {
+        total_size_mib,
+        block_size_mib,
+        slot_size_mib,
+        page_size,
+    }
+}
 
 /// The device as a vCPU reaches it: an MMIO exit at the window's address, decided by the exit
 /// handler against the memory map and the guest kind's MMIO bus, then handed to the guest
@@ -165,7 +181,8 @@ fn kvm_the_api_sizes_virtio_mem_and_the_guest_plugs_through_mmio_exits() {
     let vm = vm_with_ram();
     let memory = Arc::clone(vm.memory());
     // 1 GiB in 2 MiB blocks, above RAM at 4 GiB, a slot per block.
-    let hotplug = hotplug::setup(&vm, 1024, 2, 0, Default::default()).expect("the device");
+    let hotplug =
+        hotplug::setup(&vm, &area(1024, 2, None, Default::default())).expect("the device");
     assert!(
         hotplug
             .cmdline(false)
@@ -338,7 +355,8 @@ fn kvm_a_hotplug_area_needing_more_slots_than_are_free_is_refused() {
         .add_region(RegionSpec::new(GuestAddress(0), 256 * MIB))
         .expect("RAM");
     // 64 GiB in 2 MiB blocks, a slot per block: 32768 slots, more than KVM has.
-    let error = hotplug::setup(&vm, 65536, 2, 0, Default::default()).expect_err("refused");
+    let error =
+        hotplug::setup(&vm, &area(65536, 2, None, Default::default())).expect_err("refused");
     let message = error.to_string();
     assert!(message.contains("32768"), "{message}");
     assert_eq!(vm.memory().regions().len(), 1, "nothing was added");
@@ -413,10 +431,12 @@ fn kvm_a_linux_guests_plugged_blocks_share_slots_and_restore() {
     let memory = Arc::clone(vm.memory());
     let hotplug = hotplug::setup(
         &vm,
-        1024,
-        2,
-        DEFAULT_HOTPLUG_MAX_SLOT_MIB,
-        Default::default(),
+        &area(
+            1024,
+            2,
+            Some(DEFAULT_HOTPLUG_MAX_SLOT_MIB),
+            Default::default(),
+        ),
     )
     .expect("the device");
     let (mut guest, base) = driver_of(&hotplug, &memory);
@@ -494,8 +514,7 @@ fn kvm_a_linux_guests_plugged_blocks_share_slots_and_restore() {
     let restored = hotplug::restore(
         &again,
         base,
-        (1024, 2),
-        Default::default(),
+        &area(1024, 2, None, Default::default()),
         &state,
         &transport,
     )
@@ -681,7 +700,7 @@ fn kvm_virtio_mem_with_2m_pages_plugs_huge_pages_and_gives_them_back() {
     let memory = Arc::clone(vm.memory());
     // 64 MiB in 2 MiB blocks, pieces of two blocks.
     let hotplug =
-        hotplug::setup(&vm, 64, 2, 4, kvm_memslots::PageSize::Huge2M).expect("the device");
+        hotplug::setup(&vm, &area(64, 2, Some(4), RegionPageSize::Huge2M)).expect("the device");
     let (mut guest, base) = driver_of(&hotplug, &memory);
     hotplug
         .device
@@ -693,7 +712,7 @@ fn kvm_virtio_mem_with_2m_pages_plugs_huge_pages_and_gives_them_back() {
     let info = hotplug::hotplug_info(&hotplug.device);
     assert_eq!(
         (info.page_size, info.plugged_size_mib),
-        (tinyvmm::control::memory::RegionPageSize::Huge2M, 4),
+        (RegionPageSize::Huge2M, 4),
         "{info:?}"
     );
     let piece = || {
@@ -748,8 +767,11 @@ fn kvm_virtio_mem_with_2m_pages_answers_busy_when_the_pool_cannot_hold_a_piece()
     let memory = Arc::clone(vm.memory());
     // One piece of more pages than the pool has, whatever its size.
     let piece_mib = (kvm_memslots::hugetlb_pages_available() + 64) * 2;
-    let hotplug = hotplug::setup(&vm, piece_mib, 2, piece_mib, kvm_memslots::PageSize::Huge2M)
-        .expect("the device");
+    let hotplug = hotplug::setup(
+        &vm,
+        &area(piece_mib, 2, Some(piece_mib), RegionPageSize::Huge2M),
+    )
+    .expect("the device");
     let (mut guest, base) = driver_of(&hotplug, &memory);
     hotplug
         .device

@@ -221,8 +221,9 @@ pub struct BootArgs {
     /// Do not print the e820 map and the command line the VMM built (on stderr).
     #[arg(long)]
     pub quiet: bool,
-    /// MiB of hotpluggable memory behind a virtio-mem device above RAM (none plugged at boot;
-    /// `PATCH /hotplug/memory` on --api-sock asks the guest to plug) [default: 0, no device]
+    /// MiB of hotpluggable memory behind a virtio-mem device above RAM, a multiple of the block
+    /// size up to 1 TiB (none plugged at boot; `PATCH /hotplug/memory` on --api-sock asks the
+    /// guest to plug) [default: 0, no device]
     #[arg(long)]
     pub hotplug_mib: Option<u64>,
     /// The virtio-mem block size in MiB (a power of two, at least 2) [default: 2]

@@ -5,6 +5,7 @@ use std::path::{Path, PathBuf};
 use kvm_memslots::MemoryLimits;
 use serde::{Deserialize, Serialize};
 
+use crate::control::hotplug::{HotplugConfig, HotplugConfigError, HotplugNames};
 use crate::control::memory::RegionPageSize;
 use crate::linux::layout;
 
@@ -58,8 +59,10 @@ pub struct BootConfig {
     pub timeout_secs: Option<f64>,
     /// How to enter the kernel.
     pub protocol: BootProtocol,
-    /// MiB of hotpluggable memory behind a virtio-mem device (0: no device). Nothing of it is
-    /// plugged at boot; `PATCH /hotplug/memory` on the API socket asks the guest to plug.
+    /// MiB of hotpluggable memory behind a virtio-mem device (0: no device): a multiple of the
+    /// block size, at most 1 TiB (the rules of `PUT /hotplug/memory`, [`Self::hotplug`]).
+    /// Nothing of it is plugged at boot; `PATCH /hotplug/memory` on the API socket asks the
+    /// guest to plug.
     pub hotplug_mib: u64,
     /// The virtio-mem device's block size in MiB (a power of two, at least 2).
     pub hotplug_block_mib: u64,
@@ -193,30 +196,23 @@ pub enum ConfigError {
          lost (dirty logging uses per-slot bitmaps instead)"
     )]
     RingOnEmulatedHost,
-    /// The hotplug area or its block size is not one virtio-mem can offer.
-    #[error("hotplug_mib {mib} must be a multiple of hotplug_block_mib {block}, which must be a power of two of at least 2, and at most {max} MiB", max = MAX_HOTPLUG_MIB)]
-    Hotplug {
-        /// The area's size.
-        mib: u64,
-        /// The block size.
-        block: u64,
-    },
-    /// The hotplug area's maximum slot size is not one its blocks can share.
-    #[error("hotplug_max_slot_mib {max_slot} must be 0 (a KVM slot per block) or a multiple of hotplug_block_mib {block}, at most {max} MiB", max = MAX_HOTPLUG_MIB)]
-    HotplugMaxSlot {
-        /// The maximum slot size asked for.
-        max_slot: u64,
-        /// The block size.
-        block: u64,
-    },
+    /// The hotplug sizes break the rules every hotplug area obeys
+    /// ([`HotplugConfig::validate_as`]), named as in a boot configuration.
+    #[error(transparent)]
+    Hotplug(#[from] HotplugConfigError),
 }
 
 /// The least RAM: a bzImage decompresses itself at 16 MiB into some 50 MiB.
 pub const MIN_MEM_MIB: u64 = 128;
 /// The most RAM (1 TiB).
 pub const MAX_MEM_MIB: u64 = 1 << 20;
-/// The largest hotplug area (1 TiB).
-pub const MAX_HOTPLUG_MIB: u64 = 1 << 20;
+/// The hotplug fields of a boot configuration, as its errors name them.
+pub const HOTPLUG_NAMES: HotplugNames = HotplugNames {
+    total: "hotplug_mib",
+    block: "hotplug_block_mib",
+    slot: "hotplug_max_slot_mib",
+    slot_default: "0",
+};
 /// The hotplug area's maximum slot size by default: 128 MiB, a Linux memory block (what its
 /// `virtio_mem` driver plugs when it can), so 1 GiB plugged is 8 KVM slots.
 pub const DEFAULT_HOTPLUG_MAX_SLOT_MIB: u64 = 128;
@@ -299,31 +295,30 @@ impl BootConfig {
                 return Err(ConfigError::Timeout(t));
             }
         }
-        let block = self.hotplug_block_mib;
-        if self.hotplug_mib > 0
-            && (block < 2
-                || !block.is_power_of_two()
-                || !self.hotplug_mib.is_multiple_of(block)
-                || self.hotplug_mib > MAX_HOTPLUG_MIB)
-        {
-            return Err(ConfigError::Hotplug {
-                mib: self.hotplug_mib,
-                block,
-            });
-        }
-        let max_slot = self.hotplug_max_slot_mib;
-        if self.hotplug_mib > 0
-            && (!max_slot.max(block).is_multiple_of(block) || max_slot > MAX_HOTPLUG_MIB)
-        {
-            return Err(ConfigError::HotplugMaxSlot { max_slot, block });
+        if let Some(hotplug) = self.hotplug() {
+            hotplug.validate_as(HOTPLUG_NAMES)?;
         }
         Ok(())
+    }
+
+    /// The virtio-mem device's area as the API describes it (`GET /hotplug/memory`'s sizes),
+    /// if the guest has one (`hotplug_mib` not 0): `hotplug_max_slot_mib` 0 is a KVM slot
+    /// per block (no slot size), and one below the block size counts as the block size.
+    pub fn hotplug(&self) -> Option<HotplugConfig> {
+        let (block, max_slot) = (self.hotplug_block_mib, self.hotplug_max_slot_mib);
+        (self.hotplug_mib > 0).then_some(HotplugConfig {
+            total_size_mib: self.hotplug_mib,
+            block_size_mib: block,
+            slot_size_mib: (max_slot > 0).then_some(max_slot.max(block)),
+            page_size: self.hotplug_page_size,
+        })
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::control::hotplug::MAX_HOTPLUG_MIB;
 
     fn valid() -> BootConfig {
         BootConfig {
@@ -405,6 +400,37 @@ mod tests {
     }
 
     #[test]
+    fn the_hotplug_fields_map_onto_the_apis_body() {
+        assert_eq!(valid().hotplug(), None, "no hotplug_mib, no area");
+        let hotplug = |max_slot| {
+            BootConfig {
+                hotplug_mib: 1024,
+                hotplug_block_mib: 4,
+                hotplug_max_slot_mib: max_slot,
+                hotplug_page_size: RegionPageSize::Huge2M,
+                ..valid()
+            }
+            .hotplug()
+            .expect("an area")
+        };
+        assert_eq!(
+            hotplug(128),
+            HotplugConfig {
+                total_size_mib: 1024,
+                block_size_mib: 4,
+                slot_size_mib: Some(128),
+                page_size: RegionPageSize::Huge2M,
+            }
+        );
+        assert_eq!(hotplug(0).slot_size_mib, None, "0: a slot per block");
+        assert_eq!(
+            hotplug(2).slot_size_mib,
+            Some(4),
+            "less than a block: a block"
+        );
+    }
+
+    #[test]
     fn validate_names_the_problem() {
         let check = |c: BootConfig| c.validate().unwrap_err().to_string();
         assert_eq!(check(BootConfig::default()), "no kernel given");
@@ -436,13 +462,28 @@ mod tests {
             ..valid()
         })
         .contains("KVM slots of whole 4 KiB pages"));
-        for (mib, block) in [(100, 3), (100, 64), (3, 1), (MAX_HOTPLUG_MIB * 2, 2)] {
-            assert!(check(BootConfig {
+        // The sizes are named as the boot configuration names them (the rules are the API's:
+        // `HotplugConfig::validate_as`).
+        for (mib, block, named) in [
+            (100, 3, "hotplug_block_mib 3 must be a power of two"),
+            (
+                100,
+                64,
+                "hotplug_mib 100 must be a multiple of hotplug_block_mib 64",
+            ),
+            (3, 1, "hotplug_block_mib 1 must be a power of two"),
+            (
+                MAX_HOTPLUG_MIB * 2,
+                2,
+                "hotplug_mib 2097152 must be a multiple",
+            ),
+        ] {
+            let why = check(BootConfig {
                 hotplug_mib: mib,
                 hotplug_block_mib: block,
                 ..valid()
-            })
-            .contains(&format!("hotplug_mib {mib} must be a multiple")));
+            });
+            assert!(why.contains(named), "{why}");
         }
         BootConfig {
             hotplug_mib: 1024,
@@ -451,6 +492,15 @@ mod tests {
         }
         .validate()
         .expect("1 GiB in 2 MiB blocks");
+        // A total that is no multiple of the slot size: the last piece is shorter.
+        BootConfig {
+            hotplug_mib: 10,
+            hotplug_block_mib: 2,
+            hotplug_max_slot_mib: 4,
+            ..valid()
+        }
+        .validate()
+        .expect("10 MiB in pieces of 4 MiB, the last of 2");
         // Shared slots: 0 (a slot per block), a multiple of the block, or less than one block
         // (the block size); not a size between multiples.
         for (max_slot, block, ok) in [
@@ -471,8 +521,13 @@ mod tests {
                     .validate()
                     .expect("a maximum slot size blocks can share");
             } else {
+                let why = check(config);
                 assert!(
-                    check(config).contains(&format!("hotplug_max_slot_mib {max_slot} must be 0"))
+                    why.contains(&format!(
+                        "hotplug_max_slot_mib {max_slot} must be 0 (a KVM slot per block) or a \
+                         multiple of hotplug_block_mib {block}"
+                    )),
+                    "{why}"
                 );
             }
         }

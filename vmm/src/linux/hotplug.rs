@@ -24,7 +24,7 @@ use vmm_sys_util::eventfd::EventFd;
 
 use super::acpi::MmioDevice;
 use super::layout::MMIO_GAP_END;
-use crate::control::hotplug::HotplugInfo;
+use crate::control::hotplug::{HotplugConfig, HotplugInfo};
 use crate::vm::mmio::{MmioBus, Unreachable};
 use crate::vm::{Vm, VmError};
 
@@ -94,13 +94,6 @@ pub fn area_base(ram_end: u64) -> u64 {
     ram_end.max(MMIO_GAP_END).next_multiple_of(GIB)
 }
 
-/// The device's options for `size_mib` MiB in blocks of `block_mib` MiB at `base`, plugged
-/// blocks sharing slots of up to `max_slot_mib` MiB (at least a block; 0: a slot per block).
-fn options(base: u64, size_mib: u64, block_mib: u64, max_slot_mib: u64) -> VirtioMemOptions {
-    VirtioMemOptions::new(GuestAddress(base), size_mib * MIB, block_mib * MIB)
-        .with_max_slot_size(max_slot_mib.max(block_mib) * MIB)
-}
-
 /// Where RAM ends on `vm` (no block is plugged yet).
 fn ram_end(vm: &Vm) -> u64 {
     vm.memory()
@@ -111,36 +104,31 @@ fn ram_end(vm: &Vm) -> u64 {
         .unwrap_or(0)
 }
 
-/// Sets the device up on `vm` for `size_mib` MiB in blocks of `block_mib` MiB, above RAM, its
-/// plugged blocks sharing KVM slots of up to `max_slot_mib` MiB (0: a slot per block), in
-/// host pages of `page_size`.
-pub fn setup(
-    vm: &Vm,
-    size_mib: u64,
-    block_mib: u64,
-    max_slot_mib: u64,
-    page_size: kvm_memslots::PageSize,
-) -> Result<Hotplug, HotplugError> {
-    let options = options(area_base(ram_end(vm)), size_mib, block_mib, max_slot_mib)
-        .with_page_size(page_size);
+/// Sets the device up on `vm` for the area `config` describes (its sizes checked by
+/// [`HotplugConfig::validate`]'s rules, which the device applies again), above RAM: plugged
+/// blocks share KVM slots of up to its slot size (a slot per block without one).
+pub fn setup(vm: &Vm, config: &HotplugConfig) -> Result<Hotplug, HotplugError> {
+    let options = config.options(GuestAddress(area_base(ram_end(vm))));
     let device = VirtioMem::new(Arc::clone(vm.memory()), options)?;
     connect(vm, options, |interrupt| Ok(device.into_mmio(interrupt)))
 }
 
 /// The device of a restored VM (`vm` holds its plugged blocks' regions, rebuilt from the
-/// layout) at `base`, as `device` and `transport` saved it, for `size_mib` MiB in blocks of
-/// `block_mib` MiB, the pieces it plugs in host pages of `page_size`. Its maximum slot size is
-/// the one `device` records; a state saved before it was recorded gets a slot per block, as
-/// Linux guests had then.
+/// layout) at `base`, as `device` and `transport` saved it, for the area `config` describes.
+/// Its maximum slot size is the one `device` records (`config`'s is not used); a state saved
+/// before it was recorded gets a slot per block, as Linux guests had then.
 pub fn restore(
     vm: &Vm,
     base: u64,
-    (size_mib, block_mib): (u64, u64),
-    page_size: kvm_memslots::PageSize,
+    config: &HotplugConfig,
     device: &VirtioMemState,
     transport: &TransportState,
 ) -> Result<Hotplug, HotplugError> {
-    let options = options(base, size_mib, block_mib, 0).with_page_size(page_size);
+    let options = HotplugConfig {
+        slot_size_mib: None,
+        ..*config
+    }
+    .options(GuestAddress(base));
     let device = VirtioMem::restore(Arc::clone(vm.memory()), options, device)?;
     connect(vm, options, |interrupt| {
         Ok(MmioTransport::restore(device, interrupt, transport)?)

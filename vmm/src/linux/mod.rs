@@ -288,16 +288,10 @@ impl LinuxVm {
         let regions = memory.regions();
         let e820 = e820::build(&regions);
         // The hotplug area has no region until the guest plugs: it stays out of the e820 map.
-        let hotplug = match config.hotplug_mib {
-            0 => None,
-            mib => Some(hotplug::setup(
-                &vm,
-                mib,
-                config.hotplug_block_mib,
-                config.hotplug_max_slot_mib,
-                config.hotplug_page_size.into(),
-            )?),
-        };
+        let hotplug = config
+            .hotplug()
+            .map(|area| hotplug::setup(&vm, &area))
+            .transpose()?;
         let mut cmdline = config.cmdline.clone();
         if let Some(hotplug) = &hotplug {
             cmdline.push_str(&hotplug.cmdline(config.acpi));

@@ -65,12 +65,10 @@ impl LinuxVm {
                     device,
                     transport,
                 } => {
-                    let machine = &state.guest.machine;
-                    let sizes = (machine.hotplug_mib, machine.hotplug_block_mib);
-                    let page_size = machine.hotplug_page_size.into();
-                    hotplug = Some(hotplug::restore(
-                        &vm, *addr, sizes, page_size, device, transport,
-                    )?);
+                    let area = state.guest.machine.hotplug().ok_or_else(|| {
+                        BootError::Restore("a virtio-mem device saved without hotplug_mib".into())
+                    })?;
+                    hotplug = Some(hotplug::restore(&vm, *addr, &area, device, transport)?);
                 }
             }
         }

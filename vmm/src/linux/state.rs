@@ -19,6 +19,7 @@ use serde::{Deserialize, Serialize};
 
 use super::config::{BootConfig, MAX_VCPUS};
 use super::hotplug::{self, VirtioMemDevice};
+use crate::control::hotplug::HotplugConfig;
 use crate::control::memory::RegionPageSize;
 use crate::devices::legacy::{LegacyDevice, LegacyDevices, SerialSnapshot};
 use crate::migration::StateRecord;
@@ -85,6 +86,17 @@ impl Machine {
             kernel,
             cmdline: config.cmdline.clone(),
         }
+    }
+
+    /// The virtio-mem device's area, if the machine has one, without a slot size: the
+    /// device's saved state records its own.
+    pub fn hotplug(&self) -> Option<HotplugConfig> {
+        (self.hotplug_mib > 0).then_some(HotplugConfig {
+            total_size_mib: self.hotplug_mib,
+            block_size_mib: self.hotplug_block_mib,
+            slot_size_mib: None,
+            page_size: self.hotplug_page_size,
+        })
     }
 
     /// The devices this machine has, in the order a state lists them.

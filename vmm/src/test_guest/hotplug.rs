@@ -1,6 +1,7 @@
 //! The test guest's hotplug area (Firecracker's resource: total, block and slot sizes) and its
 //! plan: which pieces of it to add and remove, and which blocks to make reachable or
-//! unreachable, to reach a requested size. A piece is one slot size of the area; while it has a
+//! unreachable, to reach a requested size. A piece is one slot size of the area (the last one
+//! what is left of the total, if that is less); while it has a
 //! plugged block it is a region of the manager with one KVM slot over the whole piece, its
 //! unplugged blocks unreachable under it (`MemoryManager::set_accessible`, as the virtio-mem
 //! device keeps its pieces), so that a plug or unplug inside it changes no slot. The plan is
@@ -30,7 +31,8 @@ pub struct HotplugArea {
     pub config: HotplugConfig,
     /// Where the area starts.
     pub gpa: u64,
-    /// Bytes per piece: the largest KVM slot the area's plugged blocks share.
+    /// Bytes per piece (but the last, which may be shorter): the largest KVM slot the area's
+    /// plugged blocks share.
     pub slot_size: u64,
     /// Plugged blocks, from the area's start.
     pub plugged_blocks: u64,
@@ -82,8 +84,9 @@ impl PieceChange {
 }
 
 impl HotplugArea {
-    /// Checks `config` for an area at `gpa` that must end at or below `limit` (where the guest
-    /// reaches) and fit in `free_slots` KVM slots (KVM's free ones within the slot budget);
+    /// Checks `config` ([`HotplugConfig::validate`], the rules a Linux guest's virtio-mem
+    /// device obeys too), then that the area at `gpa` ends at or below `limit` (where the guest
+    /// reaches) and fits in `free_slots` KVM slots (KVM's free ones within the slot budget);
     /// returns the area, nothing plugged.
     pub fn new(
         config: HotplugConfig,
@@ -91,35 +94,18 @@ impl HotplugArea {
         limit: u64,
         free_slots: usize,
     ) -> Result<Self, ControllerError> {
-        let block = config.block_size_mib;
-        let slot = config.slot_size_mib.unwrap_or(block);
-        if block < 2 || !block.is_power_of_two() {
+        config
+            .validate()
+            .map_err(|e| ControllerError::bad(e.to_string()))?;
+        let total = config.total_size_mib * MIB;
+        if gpa.checked_add(total).is_none_or(|end| end > limit) {
             return Err(ControllerError::bad(format!(
-                "block_size_mib {block} must be a power of two of at least 2"
-            )));
-        }
-        if slot == 0 || !slot.is_multiple_of(block) {
-            return Err(ControllerError::bad(format!(
-                "slot_size_mib {slot} must be a multiple of block_size_mib {block}"
-            )));
-        }
-        if config.total_size_mib == 0 || !config.total_size_mib.is_multiple_of(slot) {
-            return Err(ControllerError::bad(format!(
-                "total_size_mib {} must be a non-zero multiple of slot_size_mib {slot}",
+                "total_size_mib {} does not fit below {limit:#x}, where the test guest reaches",
                 config.total_size_mib
             )));
         }
-        let total = config
-            .total_size_mib
-            .checked_mul(MIB)
-            .filter(|t| gpa.checked_add(*t).is_some_and(|end| end <= limit))
-            .ok_or_else(|| {
-                ControllerError::bad(format!(
-                    "total_size_mib {} does not fit below {limit:#x}, where the test guest reaches",
-                    config.total_size_mib
-                ))
-            })?;
-        let pieces = total / (slot * MIB);
+        let slot_size = config.slot_mib() * MIB;
+        let pieces = total.div_ceil(slot_size);
         if pieces > free_slots as u64 {
             return Err(ControllerError::conflict(format!(
                 "the hotplug area needs {pieces} KVM slots; {free_slots} are free (in KVM and \
@@ -129,7 +115,7 @@ impl HotplugArea {
         Ok(HotplugArea {
             config,
             gpa,
-            slot_size: slot * MIB,
+            slot_size,
             plugged_blocks: 0,
             pieces: vec![None; pieces as usize],
         })
@@ -140,14 +126,30 @@ impl HotplugArea {
         self.config.block_size_mib * MIB
     }
 
-    /// The guest addresses the area takes.
-    pub fn range(&self) -> Range<u64> {
-        self.gpa..self.gpa + self.pieces.len() as u64 * self.slot_size
+    /// Bytes of the whole area.
+    pub fn total_size(&self) -> u64 {
+        self.config.total_size_mib * MIB
     }
 
-    /// Blocks per piece.
+    /// The guest addresses the area takes.
+    pub fn range(&self) -> Range<u64> {
+        self.gpa..self.gpa + self.total_size()
+    }
+
+    /// Blocks per piece (but the last, which may have fewer).
     pub fn blocks_per_slot(&self) -> u64 {
         self.slot_size / self.block_size()
+    }
+
+    /// Bytes of piece `i`: the slot size, or what is left of the area for its last piece.
+    pub fn piece_size(&self, i: usize) -> u64 {
+        let start = i as u64 * self.slot_size;
+        self.total_size().saturating_sub(start).min(self.slot_size)
+    }
+
+    /// Blocks of piece `i`.
+    fn piece_blocks(&self, i: usize) -> u64 {
+        self.piece_size(i) / self.block_size()
     }
 
     /// Guest address of piece `i`.
@@ -161,27 +163,25 @@ impl HotplugArea {
         if self.piece_runs(i, blocks).is_empty() {
             return Vec::new();
         }
-        std::iter::once(0..self.slot_size).collect()
+        std::iter::once(0..self.piece_size(i)).collect()
     }
 
     /// The runs of piece `i`'s plugged blocks with `blocks` plugged in the area: its slots in
     /// states saved before pieces kept one slot (none if it has no plugged block).
     pub fn piece_runs(&self, i: usize, blocks: u64) -> Vec<Range<u64>> {
-        let per_piece = self.blocks_per_slot();
-        let first = i as u64 * per_piece;
-        let plugged = (first..first + per_piece).map(|b| b < blocks);
+        let first = i as u64 * self.blocks_per_slot();
+        let plugged = (first..first + self.piece_blocks(i)).map(|b| b < blocks);
         plugged_runs(plugged, self.block_size())
     }
 
     /// The byte ranges of piece `i` unreachable under its slot with `blocks` plugged in the
     /// area: its unplugged blocks, if it has a plugged one (none otherwise: no slot at all).
     pub fn piece_unreachable(&self, i: usize, blocks: u64) -> Vec<Range<u64>> {
-        let per_piece = self.blocks_per_slot();
-        let first = i as u64 * per_piece;
+        let first = i as u64 * self.blocks_per_slot();
         if blocks <= first {
             return Vec::new();
         }
-        let unplugged = (first..first + per_piece).map(|b| b >= blocks);
+        let unplugged = (first..first + self.piece_blocks(i)).map(|b| b >= blocks);
         plugged_runs(unplugged, self.block_size())
     }
 
@@ -220,7 +220,10 @@ impl HotplugArea {
         let per_piece = self.blocks_per_slot();
         let block = self.block_size();
         let in_piece = |i: usize, blocks: u64| {
-            blocks.saturating_sub(i as u64 * per_piece).min(per_piece) * block
+            blocks
+                .saturating_sub(i as u64 * per_piece)
+                .min(self.piece_blocks(i))
+                * block
         };
         let pieces = (0..self.pieces.len())
             .filter_map(|i| {
@@ -248,7 +251,7 @@ impl HotplugArea {
             .iter()
             .filter_map(|p| match (p.region, p.after) {
                 (None, _) => Some(RegionChange::Add(
-                    RegionSpec::new(p.gpa, self.slot_size)
+                    RegionSpec::new(p.gpa, self.piece_size(p.index))
                         .with_slot_ranges(p.slots.clone())
                         .with_inaccessible(p.unreachable.clone())
                         .with_page_size(self.config.page_size.into()),
@@ -360,7 +363,8 @@ pub struct HotplugState {
 
 impl HotplugState {
     /// Checks the area against itself and `layout`: a configuration the API would accept,
-    /// one `mapped` entry per piece (slot size) of the area, no more plugged blocks than the
+    /// one `mapped` entry per piece (slot size, the last one maybe shorter) of the area, no more
+    /// plugged blocks than the
     /// area has, exactly the pieces those blocks need mapped, and each mapped piece (and
     /// nothing else) a region of the layout there with one slot over the whole piece, or (a
     /// version 3 state, written when pieces had holes) slots over its plugged blocks only: the
@@ -376,7 +380,7 @@ impl HotplugState {
             ));
         }
         let per_slot = area.blocks_per_slot();
-        let blocks = slots as u64 * per_slot;
+        let blocks = area.total_size() / area.block_size();
         if self.plugged_blocks > blocks {
             return Err(format!(
                 "the hotplug area's plugged_blocks {} is more than its {blocks} blocks",
@@ -401,7 +405,7 @@ impl HotplugState {
             let slot = (region.gpa - area.gpa.min(region.gpa)) / area.slot_size;
             let is_slot = region.gpa >= area.gpa
                 && region.gpa == area.slot_gpa(slot as usize).0
-                && region.size == area.slot_size;
+                && region.size == area.piece_size(slot as usize);
             if !is_slot || !self.mapped[slot as usize] {
                 return Err(format!(
                     "the layout's region at {:#x} ({} bytes) is inside the hotplug area but not \
@@ -427,7 +431,7 @@ impl HotplugState {
             !layout
                 .regions
                 .iter()
-                .any(|r| r.gpa == gpa && r.size == area.slot_size)
+                .any(|r| r.gpa == gpa && r.size == area.piece_size(i))
         }) {
             return Err(format!(
                 "the hotplug area's mapped slot {i} at {:#x} is not a region of the layout",

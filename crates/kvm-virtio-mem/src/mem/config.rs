@@ -86,6 +86,66 @@ impl VirtioMemOptions {
             ..self
         }
     }
+
+    /// Checks the options on their own, as [`VirtioMem::new`](super::VirtioMem::new) does
+    /// before anything else: the block size (a power of two of at least 4 KiB, whole host
+    /// pages of [`page_size`](Self::page_size)), the region's base, size and the requested
+    /// size multiples of it, the region neither empty nor wrapping around the address space,
+    /// the requested size within it, the queue size, and the maximum slot size. What depends
+    /// on the memory the device is made over (overlaps, free KVM slots) is checked there.
+    pub fn validate(&self) -> Result<(), Error> {
+        let VirtioMemOptions {
+            addr,
+            region_size,
+            block_size,
+            requested_size,
+            usable_headroom: _,
+            queue_size,
+            max_slot_size,
+            page_size,
+        } = *self;
+        if !block_size.is_power_of_two() || block_size < PAGE_SIZE {
+            return Err(Error::BlockSize(block_size));
+        }
+        if !block_size.is_multiple_of(page_size.alignment()) {
+            return Err(Error::BlockPageSize {
+                block_size,
+                page_size: page_size.name(),
+                alignment: page_size.alignment(),
+            });
+        }
+        check_aligned("region base", addr.0, block_size)?;
+        check_aligned("region size", region_size, block_size)?;
+        check_aligned("requested size", requested_size, block_size)?;
+        if region_size == 0 {
+            return Err(Error::EmptyRegion);
+        }
+        if addr.0.checked_add(region_size).is_none() {
+            return Err(Error::WrapAround {
+                addr: addr.0,
+                size: region_size,
+            });
+        }
+        if requested_size > region_size {
+            return Err(Error::RequestedTooLarge {
+                requested: requested_size,
+                region_size,
+            });
+        }
+        if queue_size == 0 || !queue_size.is_power_of_two() || queue_size > 32768 {
+            return Err(Error::QueueSize(queue_size));
+        }
+        if max_slot_size == 0
+            || !max_slot_size.is_multiple_of(block_size)
+            || max_slot_size > KVM_MAX_SLOT_SIZE
+        {
+            return Err(Error::MaxSlotSize {
+                max_slot_size,
+                block_size,
+            });
+        }
+        Ok(())
+    }
 }
 
 /// Why a device could not be made or changed. Nothing was changed.
@@ -206,59 +266,20 @@ pub(super) struct Config {
 }
 
 impl Config {
-    /// The configuration `options` describe, once every option is checked (the queue size
-    /// too, though it is not in the configuration space).
+    /// The configuration `options` describe, once every option is checked
+    /// ([`VirtioMemOptions::validate`]).
     pub(super) fn new(options: &VirtioMemOptions) -> Result<Self, Error> {
+        options.validate()?;
         let VirtioMemOptions {
             addr,
             region_size,
             block_size,
             requested_size,
             usable_headroom,
-            queue_size,
+            queue_size: _,
             max_slot_size,
             page_size,
         } = *options;
-        if !block_size.is_power_of_two() || block_size < PAGE_SIZE {
-            return Err(Error::BlockSize(block_size));
-        }
-        if !block_size.is_multiple_of(page_size.alignment()) {
-            return Err(Error::BlockPageSize {
-                block_size,
-                page_size: page_size.name(),
-                alignment: page_size.alignment(),
-            });
-        }
-        check_aligned("region base", addr.0, block_size)?;
-        check_aligned("region size", region_size, block_size)?;
-        check_aligned("requested size", requested_size, block_size)?;
-        if region_size == 0 {
-            return Err(Error::EmptyRegion);
-        }
-        if addr.0.checked_add(region_size).is_none() {
-            return Err(Error::WrapAround {
-                addr: addr.0,
-                size: region_size,
-            });
-        }
-        if requested_size > region_size {
-            return Err(Error::RequestedTooLarge {
-                requested: requested_size,
-                region_size,
-            });
-        }
-        if queue_size == 0 || !queue_size.is_power_of_two() || queue_size > 32768 {
-            return Err(Error::QueueSize(queue_size));
-        }
-        if max_slot_size == 0
-            || !max_slot_size.is_multiple_of(block_size)
-            || max_slot_size > KVM_MAX_SLOT_SIZE
-        {
-            return Err(Error::MaxSlotSize {
-                max_slot_size,
-                block_size,
-            });
-        }
         let mut config = Config {
             addr: addr.0,
             region_size,

@@ -34,7 +34,14 @@ fn plug(addr: u64, blocks: u16) -> Request {
 #[test]
 fn options_are_checked() {
     let memory = Arc::new(MemoryManager::new(FakeKvm::new(64, true)));
-    let new = |o| VirtioMem::new(Arc::clone(&memory), o).map(drop);
+    // The options' own rules are `validate`'s: what it refuses, the device refuses alike.
+    let new = |o: VirtioMemOptions| {
+        let made = VirtioMem::new(Arc::clone(&memory), o).map(drop);
+        if let Err(e) = o.validate() {
+            assert_eq!(made, Err(e));
+        }
+        made
+    };
     let o =
         VirtioMemOptions::new(GuestAddress(BASE), 64 * MIB, 2 * MIB).with_max_slot_size(2 * MIB);
     assert_eq!(
@@ -116,6 +123,22 @@ fn options_are_checked() {
         .add_region(RegionSpec::new(GuestAddress(BASE + 62 * MIB), 4 * MIB))
         .expect("add a region");
     assert!(matches!(new(o), Err(Error::Overlap { .. })));
+    // What depends on the memory the device is made over is not the options' own rules.
+    o.validate()
+        .expect("valid options, whatever the memory holds");
+    VirtioMemOptions {
+        region_size: 130 * MIB,
+        ..o
+    }
+    .validate()
+    .expect("valid options, whatever slots are free");
+    assert_eq!(
+        o.with_max_slot_size(3 * MIB).validate(),
+        Err(Error::MaxSlotSize {
+            max_slot_size: 3 * MIB,
+            block_size: 2 * MIB
+        })
+    );
 }
 
 #[test]

@@ -156,7 +156,8 @@ pub enum ClientRequest {
     Hotplug,
     /// PUT /hotplug/memory: set the test guest's hotplug area up.
     ConfigureHotplug {
-        /// MiB of the whole area (a multiple of --slot-mib).
+        /// MiB of the whole area (a multiple of --block-mib, at most 1 TiB; not necessarily of
+        /// --slot-mib: the last piece is then shorter).
         #[arg(long)]
         total_mib: u64,
         /// MiB of a block (a power of two, at least 2).

@@ -33,8 +33,7 @@ impl TestGuest {
         let Some(saved) = saved else {
             return Ok(());
         };
-        let block = saved.config.block_size_mib;
-        let slot_size = saved.config.slot_size_mib.unwrap_or(block) * MIB;
+        let slot_size = saved.config.slot_mib() * MIB;
         let memory = Arc::clone(self.vm.memory());
         let regions = memory.regions();
         let mut area = HotplugArea {
@@ -46,10 +45,10 @@ impl TestGuest {
         };
         let mut reslots = Vec::new();
         for (i, _) in saved.mapped.iter().enumerate().filter(|(_, m)| **m) {
-            let gpa = area.slot_gpa(i).0;
+            let (gpa, size) = (area.slot_gpa(i).0, area.piece_size(i));
             let region = regions
                 .iter()
-                .find(|r| r.gpa.0 == gpa && r.size == slot_size)
+                .find(|r| r.gpa.0 == gpa && r.size == size)
                 .map(|r| r.id)
                 .ok_or_else(|| {
                     ControllerError::bad(format!(
@@ -72,7 +71,7 @@ impl TestGuest {
             if memory.slot_ranges(region).as_ref() != Some(&wanted) {
                 reslots.push(RegionChange::Reslot(kvm_memslots::Reslot {
                     region,
-                    range: 0..slot_size,
+                    range: 0..size,
                     slots: wanted,
                 }));
             }
@@ -128,7 +127,7 @@ impl TestGuest {
             )));
         }
         memory
-            .admit(total, area.slot_size)
+            .admit(total, area.piece_size(0))
             .map_err(|e| ControllerError::from(e).and("the hotplug area was not configured"))?;
         self.hotplug = Some(area);
         Ok(())

@@ -44,7 +44,8 @@ impl Model {
         for change in area.changes(plan) {
             match change {
                 RegionChange::Add(spec) => {
-                    assert_eq!(spec.size, area.slot_size, "a piece is one slot size");
+                    let index = ((spec.gpa.0 - area.gpa) / area.slot_size) as usize;
+                    assert_eq!(spec.size, area.piece_size(index), "a piece is its own size");
                     let id = RegionId(100 + self.next);
                     self.next += 1;
                     let slots = spec.slot_ranges.expect("a piece names its slots");
@@ -105,8 +106,13 @@ fn configurations_are_checked_with_the_value_named() {
         .contains("at least 2"));
     let e = refuse(config(64, 2, Some(5)), 100);
     assert!(e.message.contains("slot_size_mib 5"), "{e}");
-    let e = refuse(config(30, 2, Some(8)), 100);
-    assert!(e.message.contains("total_size_mib 30"), "{e}");
+    let e = refuse(config(31, 2, Some(8)), 100);
+    assert!(e.message.contains("total_size_mib 31"), "{e}");
+    // The rules are the request body's (a Linux guest's device obeys them too).
+    assert_eq!(
+        e.message,
+        config(31, 2, Some(8)).validate().unwrap_err().to_string()
+    );
     assert!(refuse(config(0, 2, None), 100).message.contains("non-zero"));
     let e = refuse(config(64 << 10, 2, Some(1 << 10)), 100);
     assert!(e.message.contains("does not fit below 0x1000000000"), "{e}");
@@ -129,6 +135,95 @@ fn configurations_are_checked_with_the_value_named() {
         4 << 20,
         "slots default to blocks"
     );
+    // A total that is no multiple of the slot size: the last piece is what is left, and
+    // counts as a slot.
+    let a = HotplugArea::new(config(30, 2, Some(8)), GPA, LIMIT, 4).unwrap();
+    assert_eq!((a.pieces.len(), a.piece_size(3)), (4, 6 << 20));
+    assert_eq!(a.range(), GPA..GPA + (30 << 20));
+    let e = refuse(config(30, 2, Some(8)), 3);
+    assert_eq!(e.kind, ErrorKind::Conflict, "{e}");
+    // A slot larger than the area: one piece, the whole area.
+    let a = area(6, 2, Some(64));
+    assert_eq!((a.pieces.len(), a.piece_size(0)), (1, 6 << 20));
+}
+
+/// 10 MiB in 2 MiB blocks and 4 MiB slots: pieces of 4, 4 and 2 MiB. Plans, changes and the
+/// saved state all take the last piece at its own size, through the manager.
+#[test]
+fn a_partial_last_piece_is_planned_added_and_saved_at_its_own_size() {
+    let mut a = area(10, 2, Some(4));
+    assert_eq!(
+        (0..3).map(|i| a.piece_size(i)).collect::<Vec<_>>(),
+        vec![4 << 20, 4 << 20, 2 << 20]
+    );
+    let plan = a.plan(10).unwrap();
+    assert_eq!(plan.blocks, 5);
+    assert_eq!(
+        plan.pieces.last(),
+        Some(&PieceChange {
+            index: 2,
+            gpa: GuestAddress(GPA + (8 << 20)),
+            region: None,
+            before: 0,
+            after: 2 << 20,
+            slots: vec![0..2 << 20],
+            unreachable: vec![],
+        })
+    );
+    let sizes: Vec<u64> = a
+        .changes(&plan)
+        .iter()
+        .map(|c| match c {
+            RegionChange::Add(spec) => spec.size,
+            other => panic!("a plug adds pieces: {other:?}"),
+        })
+        .collect();
+    assert_eq!(sizes, vec![4 << 20, 4 << 20, 2 << 20]);
+    // Carried out through the manager, saved, and checked against the layout.
+    let (memory, _) = layout(&[]);
+    let failures = a.carry_out(&memory, &plan).expect("plugged");
+    assert!(failures.is_empty(), "{failures:?}");
+    let layout = MemoryLayout::of(&memory);
+    assert_eq!(a.state().validate(&layout), Ok(()));
+    // Down to 6 MiB: the second piece keeps its slot, the last goes.
+    let down = a.plan(6).unwrap();
+    assert_eq!(a.piece_unreachable(1, 3), vec![2 << 20..4 << 20]);
+    assert!(matches!(a.changes(&down)[..], [RegionChange::Remove(_)]));
+    a.carry_out(&memory, &down).expect("unplugged");
+    let layout = MemoryLayout::of(&memory);
+    assert_eq!(a.state().validate(&layout), Ok(()));
+    assert_eq!(
+        memory.regions().len(),
+        3,
+        "the system region and two pieces"
+    );
+    // A last piece saved at the slot size is not the area's.
+    let (_memory, whole) = layout_of(&[(0, 4), (4, 4), (8, 4)]);
+    let state = HotplugState {
+        plugged_blocks: 5,
+        mapped: vec![true; 3],
+        ..a.state()
+    };
+    let e = state.validate(&whole).expect_err("refused");
+    assert!(e.contains("not one of its mapped slots"), "{e}");
+    let (_memory, right) = layout_of(&[(0, 4), (4, 4), (8, 2)]);
+    assert_eq!(state.validate(&right), Ok(()));
+}
+
+/// A 2 MiB system region at 0, and at the hotplug area regions at the `(offset, size)` in MiB.
+fn layout_of(pieces: &[(u64, u64)]) -> (MemoryManager<FakeKvm>, MemoryLayout) {
+    let memory = MemoryManager::new(FakeKvm::new(64, false));
+    memory
+        .add_region(RegionSpec::new(GuestAddress(0), 2 * MIB))
+        .expect("the system region");
+    for (offset, size) in pieces {
+        let gpa = GuestAddress(HOTPLUG_GPA + offset * MIB);
+        memory
+            .add_region(RegionSpec::new(gpa, size * MIB))
+            .expect("a piece");
+    }
+    let layout = MemoryLayout::of(&memory);
+    (memory, layout)
 }
 
 #[test]
