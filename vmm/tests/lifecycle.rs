@@ -936,15 +936,19 @@ impl Sequence {
         bytes.div_ceil(2 * MIB)
     }
 
-    /// A Diff whose memory file is on hugetlbfs (`mem`) is refused: a 400 naming why (its
-    /// files have no holes to tell a Diff's pages by; a live one fails so at its start, which
-    /// the caller turns into a 400 with `GET /snapshot`'s error), and no file left. The chain
-    /// is as it was: the next Diff carries what this one would have.
-    fn refused_on_hugetlbfs(&mut self, status: u16, answer: &Value, state: &Path, mem: &Path) {
-        let message = answer["fault_message"].as_str().unwrap_or_default();
-        if status != 400 || !message.contains("Diff") || !message.contains("hugetlbfs") {
+    /// A Diff whose memory file is on hugetlbfs (`mem`) must be refused (`refused`: a paused
+    /// one's 400, a live one's 400 or its failure at its start), naming why in `answer` (its
+    /// `fault_message`, or `GET /snapshot`'s `error`: hugetlbfs files have no holes to tell a
+    /// Diff's pages by), and leave no file. The chain is as it was: the next Diff carries what
+    /// this one would have.
+    fn refused_on_hugetlbfs(&mut self, refused: bool, answer: &Value, state: &Path, mem: &Path) {
+        let message = answer["fault_message"]
+            .as_str()
+            .or(answer["error"].as_str())
+            .unwrap_or_default();
+        if !refused || !message.contains("Diff") || !message.contains("hugetlbfs") {
             self.fail(&format!(
-                "a Diff on hugetlbfs should be refused (400, naming hugetlbfs): {status} {answer}"
+                "a Diff on hugetlbfs should be refused naming hugetlbfs: {answer}"
             ));
         }
         if let Some(file) = [state, mem].into_iter().find(|f| f.exists()) {
@@ -973,7 +977,7 @@ impl Sequence {
         }
         if kind == "Diff" && self.on_hugetlbfs(&mem) {
             self.note(format!("paused Diff {name} on hugetlbfs: {status}"));
-            return self.refused_on_hugetlbfs(status, &answer, &state, &mem);
+            return self.refused_on_hugetlbfs(status == 400, &answer, &state, &mem);
         }
         let place = if self.on_hugetlbfs(&mem) {
             " (a template on hugetlbfs)"
@@ -1021,21 +1025,19 @@ impl Sequence {
             return;
         }
         if kind == "Diff" && self.on_hugetlbfs(&mem) {
-            // Taken up (204), it fails at its start, naming why: `GET /snapshot`'s error.
-            let (status, answer) = match status {
+            // Taken up (204), it fails at its start, naming why in `GET /snapshot`'s error.
+            let (refused, answer) = match status {
                 204 => {
                     let info = self.live_outcome();
-                    let phase = info["phase"].as_str().unwrap_or("").to_owned();
-                    let status = if phase == "failed" { 400 } else { 204 };
-                    (
-                        status,
-                        json!({"fault_message": info["error"], "phase": phase}),
-                    )
+                    (info["phase"] == "failed", info)
                 }
-                _ => (status, answer),
+                _ => (status == 400, answer),
             };
-            self.note(format!("live Diff {name} on hugetlbfs: {answer}"));
-            return self.refused_on_hugetlbfs(status, &answer, &state, &mem);
+            self.note(format!(
+                "live Diff {name} on hugetlbfs: {status}, {}",
+                answer["phase"]
+            ));
+            return self.refused_on_hugetlbfs(refused, &answer, &state, &mem);
         }
         if status != 204 {
             self.fail(&format!("live {kind}: {status} {answer}"));
