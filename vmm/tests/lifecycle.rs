@@ -12,15 +12,21 @@
 //! local handover; completed or cancelled), region changes (add, remove, move, read-only and
 //! back, writes refused where read-only), the hotplug area (configured, plugged and unplugged
 //! to random sizes), client harvests of the dirty log, two clones of one snapshot side by side
-//! (each written and checked on its own), the VM's end (Stop, SIGTERM, SIGTERM in a live Full)
-//! followed by a restore, and migrations of a guest writing in a loop all along (no downtime
-//! allowed: the timeout forces the pause or cancels, as `on_timeout` says). The initial memory
-//! and the hotplug area take 4 KiB, 2 MiB hugetlb or transparent huge pages per sequence, and
-//! each added region its own; `GET /memory` must report each region's page size as the model
-//! says (kept by every path, but a file restore maps transparent huge pages in 4 KiB pages and
-//! refuses 2 MiB ones off hugetlbfs). After every step the current VM's whole area is verified against the model, and
-//! every answer is held to what the model says must happen (a Diff with no Full before it in
-//! this VM's chain is refused, and so on).
+//! (each written and checked on its own, then a third that must hold none of their writes),
+//! snapshots with their memory file on a hugetlbfs mount now and then (a Full of a VM on the
+//! 2 MiB grid there is a template: restored or cloned from, by the file backend half the time,
+//! each file clone mapping it privately in 2 MiB pages and reserving them in the pool, refused
+//! by name where the pool cannot; a Diff there is refused by name; the template variant is
+//! skipped loudly where the pool is short or no mount can be made), the VM's end (Stop,
+//! SIGTERM, SIGTERM in a live Full) followed by a restore, and migrations of a guest writing in
+//! a loop all along (no downtime allowed: the timeout forces the pause or cancels, as
+//! `on_timeout` says). The initial memory and the hotplug area take 4 KiB, 2 MiB hugetlb or
+//! transparent huge pages per sequence, and each added region its own; `GET /memory` must
+//! report each region's page size as the model says (kept by every path, but a file restore
+//! maps transparent huge pages in 4 KiB pages, refuses 2 MiB ones off hugetlbfs, and maps every
+//! region of a template on hugetlbfs in 2 MiB pages). After every step the current VM's whole
+//! area is verified against the model, and every answer is held to what the model says must
+//! happen (a Diff with no Full before it in this VM's chain is refused, and so on).
 //!
 //! A failure names the seed and the step, and prints the command that replays it:
 //! `LIFECYCLE_SEED=S LIFECYCLE_STEPS=N cargo test --profile test-release -p tinyvmm --test
@@ -127,16 +133,33 @@ impl Page {
 }
 
 impl Model {
-    /// The model of a VM restored from a snapshot of this one with `backend`.
-    fn restored_with(&self, backend: &str) -> Model {
+    /// The model of a VM restored from a snapshot of this one with `backend`, its memory file
+    /// a template on hugetlbfs if `template`: mapped privately from there, every region is in
+    /// 2 MiB pages.
+    fn restored_with(&self, backend: &str, template: bool) -> Model {
         let mut model = self.clone();
         if backend == "file" {
-            model.page = model.page.in_file_restore();
+            let page = |page: Page| {
+                if template {
+                    Page::Huge
+                } else {
+                    page.in_file_restore()
+                }
+            };
+            model.page = page(model.page);
             for extra in &mut model.extra {
-                extra.page = extra.page.in_file_restore();
+                extra.page = page(extra.page);
             }
         }
         model
+    }
+
+    /// Whether every region and slot of the VM is on the 2 MiB grid, as a template on
+    /// hugetlbfs must be for its clones to map it in 2 MiB pages: the initial memory of 2 MiB
+    /// pages (served in slots of whole pages), and every added region in slots of its size
+    /// (the hotplug area's pieces and blocks are whole pages).
+    fn on_2m_grid(&self) -> bool {
+        self.page == Page::Huge && self.extra.iter().all(|e| e.slot_size == EXTRA_SIZE)
     }
 }
 
@@ -154,6 +177,8 @@ struct Extra {
     read_only: bool,
     /// Its page size (`"page_size"`).
     page: Page,
+    /// Its slots' size (`"slot_size"`).
+    slot_size: u64,
 }
 
 /// Where added regions go: places of [`EXTRA_SIZE`] from 1 GiB up, [`EXTRA_PLACES`] of them.
@@ -161,6 +186,10 @@ const EXTRA_BASE: u64 = 1 << 30;
 const EXTRA_SIZE: u64 = 2 * MIB;
 const EXTRA_PLACES: u64 = 8;
 const EXTRA_STRIDE: u64 = 8 * MIB;
+
+/// The restore backends (`--mem-backend`; `uffd-prefetch`: uffd with the snapshot's recorded
+/// working set prefetched, recorded on its first restore).
+const BACKENDS: [&str; 4] = ["copy", "file", "uffd", "uffd-prefetch"];
 
 /// How a VM's memory came to it, for the log.
 #[derive(Debug, Clone)]
@@ -176,6 +205,43 @@ struct Saved {
     model: Model,
     /// The VM was started with `--dirty-ring`, which a restore keeps.
     ring: bool,
+    /// The memory file is a Full's on the hugetlbfs mount: a template whose file clones map it
+    /// privately in 2 MiB pages, each reserving its 2 MiB pages ([`pages`](Self::pages)) in
+    /// the pool.
+    template: bool,
+    /// The memory file's size in 2 MiB pages.
+    pages: u64,
+}
+
+/// A hugetlbfs mount of 2 MiB pages in a sequence's folder, where its snapshots put their
+/// memory file now and then: a Full of a VM on the 2 MiB grid becomes a template, a Diff is
+/// refused. Unmounted when dropped (lazily: a VMM still mapping a template cannot keep it),
+/// its files and their pages gone with it.
+struct Hugetlbfs {
+    dir: PathBuf,
+}
+
+impl Hugetlbfs {
+    /// Mounts one on `dir`, or says why not (mounting needs root).
+    fn mount(dir: PathBuf) -> Result<Hugetlbfs, String> {
+        std::fs::create_dir_all(&dir).map_err(|e| e.to_string())?;
+        let mounted = Command::new("mount")
+            .args(["-t", "hugetlbfs", "-o", "pagesize=2M", "none"])
+            .arg(&dir)
+            .output();
+        match mounted {
+            Ok(out) if out.status.success() => Ok(Hugetlbfs { dir }),
+            Ok(out) => Err(String::from_utf8_lossy(&out.stderr).trim().to_owned()),
+            Err(e) => Err(e.to_string()),
+        }
+    }
+}
+
+impl Drop for Hugetlbfs {
+    fn drop(&mut self) {
+        let _ = Command::new("umount").arg("-l").arg(&self.dir).status();
+        let _ = std::fs::remove_dir(&self.dir);
+    }
 }
 
 /// `tinyvmm ARGS` named `name`, its API socket and its stderr (`NAME.stderr`) in `dir`.
@@ -234,6 +300,11 @@ struct Sequence {
     names: usize,
     chunk: u64,
     next_seed: u64,
+    /// Where snapshots put their memory file now and then (`None`: no mount, said once).
+    hugetlbfs: Option<Hugetlbfs>,
+    /// The draws of the hugetlbfs variants, from a generator of their own so that the
+    /// sequence's other draws stay what they were.
+    places: Rng,
 }
 
 impl Sequence {
@@ -267,6 +338,16 @@ impl Sequence {
         if memfd {
             args.push("--memfd");
         }
+        let hugetlbfs = match Hugetlbfs::mount(dir.join("hugetlbfs")) {
+            Ok(mount) => Some(mount),
+            Err(why) => {
+                eprintln!(
+                    "SKIPPED lifecycle seed {seed}: templates on hugetlbfs and Diffs refused \
+                     there: cannot mount hugetlbfs: {why} (the test needs root)"
+                );
+                None
+            }
+        };
         let process = spawn(&dir, "vm0", &args);
         process.try_wait_for_vm().expect("serve runs");
         let end = support::area_end(process.api(), AREA);
@@ -293,6 +374,8 @@ impl Sequence {
             names: 1,
             chunk,
             next_seed: seed << 32,
+            hugetlbfs,
+            places: Rng::new(seed.rotate_left(32)),
         };
         // Every chunk holds a seed from the start, so that every check has one to expect.
         sequence.note(format!(
@@ -602,6 +685,7 @@ impl Sequence {
                     seed: 0,
                     read_only: false,
                     page,
+                    slot_size,
                 });
                 self.write_extra(count);
             }
@@ -781,13 +865,95 @@ impl Sequence {
             }
             (state, merged)
         };
+        let template = self.on_hugetlbfs(&mem);
+        let size = std::fs::metadata(&mem).map_or(0, |m| m.len());
         self.saved.push(Saved {
             name: name.to_owned(),
             state,
             mem,
             model,
             ring: self.vm.ring,
+            template,
+            pages: size.div_ceil(2 * MIB),
         });
+    }
+
+    /// Where the memory file of snapshot `name` goes: the sequence's folder, or now and then
+    /// the hugetlbfs mount. A Full goes there (a template for clones) only where the VM is on
+    /// the 2 MiB grid and the pool holds the template and three clones' reservations (said
+    /// loudly where it does not); a Diff goes there to be refused.
+    fn memory_file(&mut self, kind: &str, name: &str) -> PathBuf {
+        let file = format!("{name}.mem");
+        let here = self.path(&file);
+        let Some(there) = self.hugetlbfs.as_ref().map(|m| m.dir.join(&file)) else {
+            return here;
+        };
+        if !self.places.chance(if kind == "Full" { 50 } else { 15 }) {
+            return here;
+        }
+        if kind != "Full" {
+            return there;
+        }
+        if !self.vm.model.on_2m_grid() {
+            return here;
+        }
+        let pages = self.memory_pages();
+        let free = kvm_memslots::hugetlb_pages_available();
+        // The template's pages, and the reservation of each of the clones step's three, with
+        // room to spare for the VMs' own 2 MiB pages.
+        let needs = 4 * pages + 32;
+        if free < needs {
+            eprintln!(
+                "SKIPPED lifecycle seed {} step {}: a template on hugetlbfs: the hugetlb pool \
+                 has {free} free 2 MiB pages, a template of {pages} and three clones of it need \
+                 {needs} with room to spare (resources/setup-host.sh reserves a pool); {name} \
+                 goes to {}",
+                self.seed,
+                self.steps.len(),
+                here.display()
+            );
+            return here;
+        }
+        there
+    }
+
+    /// Whether `file` is on the hugetlbfs mount.
+    fn on_hugetlbfs(&self, file: &Path) -> bool {
+        self.hugetlbfs
+            .as_ref()
+            .is_some_and(|m| file.starts_with(&m.dir))
+    }
+
+    /// The VM's memory (`GET /memory`'s regions) in 2 MiB pages.
+    fn memory_pages(&mut self) -> u64 {
+        let memory = self.ok("GET", "/memory", None);
+        let bytes: u64 = memory["regions"]
+            .as_array()
+            .expect("regions")
+            .iter()
+            .map(|r| r["size"].as_u64().expect("a size"))
+            .sum();
+        bytes.div_ceil(2 * MIB)
+    }
+
+    /// A Diff whose memory file is on hugetlbfs (`mem`) must be refused (`refused`: a paused
+    /// one's 400, a live one's 400 or its failure at its start), naming why in `answer` (its
+    /// `fault_message`, or `GET /snapshot`'s `error`: hugetlbfs files have no holes to tell a
+    /// Diff's pages by), and leave no file. The chain is as it was: the next Diff carries what
+    /// this one would have.
+    fn refused_on_hugetlbfs(&mut self, refused: bool, answer: &Value, state: &Path, mem: &Path) {
+        let message = answer["fault_message"]
+            .as_str()
+            .or(answer["error"].as_str())
+            .unwrap_or_default();
+        if !refused || !message.contains("Diff") || !message.contains("hugetlbfs") {
+            self.fail(&format!(
+                "a Diff on hugetlbfs should be refused naming hugetlbfs: {answer}"
+            ));
+        }
+        if let Some(file) = [state, mem].into_iter().find(|f| f.exists()) {
+            self.fail(&format!("a refused Diff left {}", file.display()));
+        }
     }
 
     /// A paused Full or Diff. A Diff with no Full in this VM's chain must be refused (400).
@@ -796,7 +962,7 @@ impl Sequence {
         let name = self.name(if kind == "Full" { "full" } else { "diff" });
         let (state, mem) = (
             self.path(&format!("{name}.state")),
-            self.path(&format!("{name}.mem")),
+            self.memory_file(kind, &name),
         );
         let body = json!({"snapshot_type": kind, "snapshot_path": state, "mem_file_path": mem});
         let (status, answer) = self.call("PUT", "/snapshot/create", Some(body));
@@ -809,7 +975,16 @@ impl Sequence {
             }
             return;
         }
-        self.note(format!("paused {kind} {name}: {status}"));
+        if kind == "Diff" && self.on_hugetlbfs(&mem) {
+            self.note(format!("paused Diff {name} on hugetlbfs: {status}"));
+            return self.refused_on_hugetlbfs(status == 400, &answer, &state, &mem);
+        }
+        let place = if self.on_hugetlbfs(&mem) {
+            " (a template on hugetlbfs)"
+        } else {
+            ""
+        };
+        self.note(format!("paused {kind} {name}{place}: {status}"));
         if status != 204 {
             self.fail(&format!("paused {kind}: {status} {answer}"));
         }
@@ -832,7 +1007,7 @@ impl Sequence {
         });
         let (state, mem) = (
             self.path(&format!("{name}.state")),
-            self.path(&format!("{name}.mem")),
+            self.memory_file(kind, &name),
         );
         let cancel = match self.rng.below(3) {
             0 => Some(Duration::ZERO),
@@ -849,14 +1024,34 @@ impl Sequence {
             }
             return;
         }
+        if kind == "Diff" && self.on_hugetlbfs(&mem) {
+            // Taken up (204), it fails at its start, naming why in `GET /snapshot`'s error.
+            let (refused, answer) = match status {
+                204 => {
+                    let info = self.live_outcome();
+                    (info["phase"] == "failed", info)
+                }
+                _ => (status == 400, answer),
+            };
+            self.note(format!(
+                "live Diff {name} on hugetlbfs: {status}, {}",
+                answer["phase"]
+            ));
+            return self.refused_on_hugetlbfs(refused, &answer, &state, &mem);
+        }
         if status != 204 {
             self.fail(&format!("live {kind}: {status} {answer}"));
         }
         self.cancel_live(cancel);
         let info = self.live_outcome();
         let phase = info["phase"].as_str().unwrap_or("").to_owned();
+        let place = if self.on_hugetlbfs(&mem) {
+            ", a template on hugetlbfs"
+        } else {
+            ""
+        };
         self.note(format!(
-            "live {kind} {name} (cancel {cancel:?}): {phase} in round {}",
+            "live {kind} {name} (cancel {cancel:?}{place}): {phase} in round {}",
             info["round"]
         ));
         match phase.as_str() {
@@ -944,16 +1139,59 @@ impl Sequence {
         if self.saved.is_empty() {
             return self.paused_snapshot("Full");
         }
-        let saved = self.saved[self.rng.below(self.saved.len())].clone();
+        let saved = self.pick_saved();
         let vm = self.restored(&saved);
         let old = std::mem::replace(&mut self.vm, vm);
         stop(old.process);
     }
 
+    /// A snapshot taken so far, picked at random; half the time a template on hugetlbfs where
+    /// the sequence has one (picked from the hugetlbfs variants' generator).
+    fn pick_saved(&mut self) -> Saved {
+        let picked = self.rng.below(self.saved.len());
+        let templates: Vec<usize> = (0..self.saved.len())
+            .filter(|&i| self.saved[i].template)
+            .collect();
+        if !templates.is_empty() && self.places.chance(50) {
+            return self.saved[templates[self.places.below(templates.len())]].clone();
+        }
+        self.saved[picked].clone()
+    }
+
     /// `saved` restored in a new process with a backend picked at random, waiting paused as a
     /// restored VM does.
     fn restored(&mut self, saved: &Saved) -> Vm {
-        let backend = ["copy", "file", "uffd", "uffd-prefetch"][self.rng.below(4)];
+        let backend = BACKENDS[self.rng.below(BACKENDS.len())];
+        self.restored_by(saved, backend)
+    }
+
+    /// `saved` restored with `backend` as [`restored`](Self::restored) does; a template on
+    /// hugetlbfs is cloned with the file backend half the time whatever `backend` says, each
+    /// such clone mapping it privately in 2 MiB pages.
+    fn restored_by(&mut self, saved: &Saved, backend: &'static str) -> Vm {
+        let backend = if saved.template && self.places.chance(50) {
+            "file"
+        } else {
+            backend
+        };
+        if backend == "file" && saved.template {
+            // Each file clone reserves the template's pages in the pool as it maps them: one
+            // the pool cannot cover is refused before it runs, naming the pool's free pages;
+            // the sequence then restores by copy.
+            let free = kvm_memslots::hugetlb_pages_available();
+            match self.restore_with(saved, backend) {
+                Ok(vm) => return vm,
+                Err(e) if e.contains("hugetlb pool has") => {
+                    self.note(format!(
+                        "a file clone of template {} ({} pages) refused, the pool having {free} \
+                         free pages: {e}",
+                        saved.name, saved.pages
+                    ));
+                    return self.restored_with(saved, "copy");
+                }
+                Err(e) => self.fail(&format!("a file clone of a template on hugetlbfs: {e}")),
+            }
+        }
         let huge = |page: Page| page == Page::Huge;
         if backend == "file"
             && (huge(saved.model.page) || saved.model.extra.iter().any(|e| huge(e.page)))
@@ -1011,7 +1249,15 @@ impl Sequence {
                 ]);
             }
         }
-        self.note(format!("{name}: restore {} with {backend}", saved.name));
+        let place = if saved.template {
+            " (a template on hugetlbfs)"
+        } else {
+            ""
+        };
+        self.note(format!(
+            "{name}: restore {}{place} with {backend}",
+            saved.name
+        ));
         let args: Vec<&str> = args.iter().map(String::as_str).collect();
         let process = spawn(&self.dir, &name, &args);
         process.try_wait_for_vm()?;
@@ -1022,23 +1268,27 @@ impl Sequence {
         }
         Ok(Vm {
             process,
-            model: saved.model.restored_with(backend),
+            model: saved.model.restored_with(backend, saved.template),
             paused: true,
             ring: saved.ring,
-            origin: Origin(format!("{name}: {} restored with {backend}", saved.name)),
+            origin: Origin(format!(
+                "{name}: {}{place} restored with {backend}",
+                saved.name
+            )),
             chain: None,
         })
     }
 
     /// Two clones of one snapshot side by side: each written with seeds of its own over the
     /// same chunks, and each then holding its own writes and the snapshot's pages alone (a
-    /// private file mapping, a userfaultfd loader or a copy shares nothing a clone wrote). One
-    /// clone goes on as the sequence's VM.
+    /// private file mapping, of a template on hugetlbfs too, a userfaultfd loader or a copy
+    /// shares nothing a clone wrote); a third, restored after they wrote, holds the snapshot's
+    /// pages alone. One of the first two goes on as the sequence's VM.
     fn clones(&mut self) {
         if self.saved.is_empty() {
             return self.paused_snapshot("Full");
         }
-        let saved = self.saved[self.rng.below(self.saved.len())].clone();
+        let saved = self.pick_saved();
         let from = self.rng.below(CHUNKS);
         let to = from + 1 + self.rng.below(CHUNKS - from);
         let first = self.restored(&saved);
@@ -1057,6 +1307,17 @@ impl Sequence {
             self.check();
             std::mem::swap(&mut self.vm, &mut second);
         }
+        // Its backend from the hugetlbfs variants' generator: the sequence's draws stay.
+        let backend = BACKENDS[self.places.below(BACKENDS.len())];
+        let third = self.restored_by(&saved, backend);
+        let first = std::mem::replace(&mut self.vm, third);
+        self.note(format!(
+            "a third clone of {}: none of the two clones' writes",
+            saved.name
+        ));
+        self.check();
+        let third = std::mem::replace(&mut self.vm, first);
+        stop(third.process);
         if self.rng.chance(50) {
             std::mem::swap(&mut self.vm, &mut second);
         }
@@ -1292,6 +1553,8 @@ impl Sequence {
 
     fn finish(self) {
         stop(self.vm.process);
+        // The mount first: its templates' pages go back to the pool.
+        drop(self.hugetlbfs);
         let _ = std::fs::remove_dir_all(&self.dir);
     }
 }

@@ -40,76 +40,121 @@ fn default_on_timeout() -> OnTimeout {
     OnTimeout::Cancel
 }
 
-/// `GET /migrate`.
+/// `GET /migrate`: where the migration goes, and its pre-copy run's progress in a migration's
+/// words (three of [`Progress`]'s fields named as the API names them: `MigrationWords`).
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct MigrationInfo {
-    /// Where it is (`setup`, `pre_copy`, `stop_and_copy`, then `completed`, `failed`,
-    /// `cancelled` or `unconfirmed`).
-    pub phase: Phase,
     /// Where it goes.
     pub destination: String,
+    /// Its pre-copy run's progress.
+    #[serde(flatten, with = "MigrationWords")]
+    pub progress: Progress,
+}
+
+/// [`Progress`] as `GET /migrate` names it (serde's remote derive: its fields, serialised
+/// in place with three of them renamed): `bytes_sent`, `estimated_downtime_ms` and
+/// `downtime_ms`, where a live snapshot's `GET /snapshot` says `bytes_written`,
+/// `estimated_pause_ms` and `pause_ms`.
+#[derive(Serialize)]
+#[serde(remote = "Progress")]
+struct MigrationWords {
+    /// Where it is (`setup`, `pre_copy`, `stop_and_copy`, then `completed`, `failed`,
+    /// `cancelled` or `unconfirmed`).
+    phase: Phase,
     /// The round of pages under way (1: every page that holds data).
-    pub round: u32,
+    round: u32,
     /// Bytes of pages sent so far.
-    pub bytes_sent: u64,
+    #[serde(rename = "bytes_sent")]
+    bytes_written: u64,
     /// The guest memory being moved when the migration started (round 1 sends the pages of
     /// it that hold data): what `bytes_sent` goes towards.
-    pub guest_memory_bytes: u64,
+    guest_memory_bytes: u64,
     /// Pages the last harvest found dirty: what the next round sends (0 until round 1 ends).
-    pub pages_left: u64,
+    pages_left: u64,
     /// Pages the guest dirtied per second over the last round.
-    pub dirty_rate_pages_per_second: f64,
+    dirty_rate_pages_per_second: f64,
     /// Bytes per second the last round sent at; during round 1, the average since the start.
-    pub throughput_bytes_per_second: f64,
+    throughput_bytes_per_second: f64,
     /// The pause `pages_left` would take at that throughput.
-    pub estimated_downtime_ms: f64,
+    #[serde(rename = "estimated_downtime_ms")]
+    estimated_pause_ms: f64,
     /// The pause began although the estimate did not fit the budget (`on_timeout: force`, at
     /// the timeout or once the harvest alone outlasted the budget): expect a longer pause.
-    pub forced: bool,
+    forced: bool,
     /// The pause the VM saw (from pausing here to the destination's word that it runs there),
     /// once completed.
-    pub downtime_ms: Option<f64>,
+    #[serde(rename = "downtime_ms")]
+    pause_ms: Option<f64>,
     /// Milliseconds since the migration started.
-    pub elapsed_ms: f64,
+    elapsed_ms: f64,
     /// Why it failed or was cancelled.
-    pub error: Option<String>,
+    error: Option<String>,
 }
 
 impl MigrationInfo {
     /// A migration's progress: its pre-copy run's, to `destination`.
     pub fn of(run: Progress, destination: String) -> Self {
         MigrationInfo {
-            phase: run.phase,
             destination,
-            round: run.round,
-            bytes_sent: run.bytes_written,
-            guest_memory_bytes: run.guest_memory_bytes,
-            pages_left: run.pages_left,
-            dirty_rate_pages_per_second: run.dirty_rate_pages_per_second,
-            throughput_bytes_per_second: run.throughput_bytes_per_second,
-            estimated_downtime_ms: run.estimated_pause_ms,
-            forced: run.forced,
-            downtime_ms: run.pause_ms,
-            elapsed_ms: run.elapsed_ms,
-            error: run.error,
+            progress: run,
         }
     }
 
     /// One line for a source's log once the VM runs on the destination.
     pub fn completed_line(&self) -> String {
+        let run = &self.progress;
         format!(
             "the VM runs on the migration's destination now: {} rounds, {:.1} MiB sent of {:.1} \
              MiB of guest memory in {:.0} ms, paused {:.1} ms{}",
-            self.round,
-            self.bytes_sent as f64 / f64::from(1 << 20),
-            self.guest_memory_bytes as f64 / f64::from(1 << 20),
-            self.elapsed_ms,
-            self.downtime_ms.unwrap_or(f64::NAN),
-            if self.forced {
+            run.round,
+            run.bytes_written as f64 / f64::from(1 << 20),
+            run.guest_memory_bytes as f64 / f64::from(1 << 20),
+            run.elapsed_ms,
+            run.pause_ms.unwrap_or(f64::NAN),
+            if run.forced {
                 " (forced: the estimated pause had not fit downtime_ms)"
             } else {
                 ""
             }
         )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `GET /migrate`'s JSON: the run's progress with three fields in a migration's words, and
+    /// the destination; every field of `docs/api.yaml`'s `MigrationInfo`, and nothing else.
+    #[test]
+    fn migration_info_names_the_run_s_progress_in_a_migration_s_words() {
+        let run = Progress {
+            phase: Phase::Completed,
+            round: 3,
+            bytes_written: 4096,
+            guest_memory_bytes: 1 << 20,
+            pages_left: 2,
+            dirty_rate_pages_per_second: 5.5,
+            throughput_bytes_per_second: 6.5,
+            estimated_pause_ms: 7.5,
+            forced: true,
+            pause_ms: Some(8.5),
+            elapsed_ms: 9.5,
+            error: None,
+        };
+        let info = MigrationInfo::of(run, "unix:/x".to_owned());
+        let json = serde_json::to_value(&info).expect("JSON");
+        assert_eq!(
+            json,
+            serde_json::json!({
+                "phase": "completed", "destination": "unix:/x", "round": 3, "bytes_sent": 4096,
+                "guest_memory_bytes": 1 << 20, "pages_left": 2,
+                "dirty_rate_pages_per_second": 5.5, "throughput_bytes_per_second": 6.5,
+                "estimated_downtime_ms": 7.5, "forced": true, "downtime_ms": 8.5,
+                "elapsed_ms": 9.5, "error": null
+            })
+        );
+        let line = info.completed_line();
+        assert!(line.contains("3 rounds, 0.0 MiB sent of 1.0 MiB"), "{line}");
     }
 }

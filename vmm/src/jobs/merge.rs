@@ -14,8 +14,8 @@ use kvm_memslots_persist::{merge_snapshots, MemoryLayout};
 
 use crate::lifecycle::{log, LogLevel};
 use crate::linux::state::LinuxState;
-use crate::snapshot::GuestKind;
-use crate::test_guest::snapshot::{open_input, read_state_file, SnapshotInfo, SnapshotKind};
+use crate::snapshot::{GuestKind, StateFile};
+use crate::test_guest::snapshot::{open_input, SnapshotInfo, SnapshotKind, SnapshotState};
 
 /// What a merge did.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -91,21 +91,22 @@ fn link(state: &Path, mem: &Path) -> Result<Link, MergeError> {
     })
 }
 
-/// Checks that `links` are a chain: a Full first, then each the child of the one before, of
-/// one VM, none twice; names the first file that breaks it.
 /// What snapshot the state file at `path` is, and its layout, whatever its guest kind (the
-/// file says).
+/// file, read once, says).
 fn snapshot_of(path: &Path) -> Result<(SnapshotInfo, MemoryLayout), String> {
     let unnamed = || "it does not say what snapshot it is".to_owned();
-    if matches!(GuestKind::of_file(path), Ok(GuestKind::Linux)) {
-        let state = LinuxState::read_file(path).map_err(|e| e.to_string())?;
+    let read = StateFile::read(path).map_err(|e| e.to_string())?;
+    if matches!(read.kind(), Ok(GuestKind::Linux)) {
+        let state: LinuxState = read.state().map_err(|e| e.to_string())?;
         return Ok((state.snapshot.ok_or_else(unnamed)?, state.layout));
     }
     // Any other file: the test guest's reader says why it is none.
-    let state = read_state_file(path).map_err(|e| e.to_string())?;
+    let state: SnapshotState = read.state().map_err(|e| e.to_string())?;
     Ok((state.snapshot.ok_or_else(unnamed)?, state.layout))
 }
 
+/// Checks that `links` are a chain: a Full first, then each the child of the one before, of
+/// one VM, none twice; names the first file that breaks it.
 fn check_chain(links: &[Link]) -> Result<(), MergeError> {
     let Some(first) = links.first() else {
         return Err(MergeError::Pairs);

@@ -1,7 +1,9 @@
 //! `tinyvmm restore`: a VM restored from a snapshot (`PUT /snapshot/create`), paused: a test
 //! guest served as `serve` serves a new one (`restored_controller`), a Linux guest run as
-//! `boot` runs one, its console on stdout ([`restore_linux`]); the state file says which. The state file is read and checked before anything is
-//! built, and the memory file checked against what the state file recorded of it: a Diff
+//! `boot` runs one, its console on stdout ([`restore_linux`]); the state file says which. The
+//! state file is read once ([`StateFile`]: the guest kind told from its bytes, then the
+//! kind's state read from them) and checked before anything is built, and the memory file
+//! checked against what the state file recorded of it: a Diff
 //! restores from its chain merged (`tinyvmm snapshot-merge`) with its own state file, and its
 //! own memory file, or another snapshot's or VM's, is refused. Nothing runs until every byte is
 //! loaded and every vCPU has its state.
@@ -17,9 +19,10 @@ use super::working_set::WorkingSetFiles;
 use crate::api::server::ApiSocket;
 use crate::linux::state::LinuxState;
 use crate::linux::{BootEnding, LinuxVm};
+use crate::snapshot::StateFile;
 use crate::test_guest::controller::Controller;
 use crate::test_guest::snapshot::{
-    open_input, read_state_file, MemoryMismatch, SnapshotInfo, SnapshotKind,
+    open_input, MemoryMismatch, SnapshotInfo, SnapshotKind, SnapshotState,
 };
 use crate::test_guest::vcpus::{GuestError, MemBackend, TestVm};
 use crate::vm::VmOptions;
@@ -75,9 +78,11 @@ impl RestoreFrom {
 }
 
 /// The controller of a VM restored from `from` in a VM made with `options`, paused, its vCPUs
-/// telling `stopped` when they stop.
+/// telling `stopped` when they stop; its state file's bytes are `read` if read already
+/// (`tinyvmm restore` reads them to tell the guest kind), else read here.
 pub(crate) fn restored_controller(
     from: &RestoreFrom,
+    read: Option<&StateFile>,
     options: VmOptions,
     stopped: &Arc<EventFd>,
 ) -> Result<Controller, RestoreError> {
@@ -86,8 +91,11 @@ pub(crate) fn restored_controller(
         path: path.clone(),
         reason,
     };
-    let mut state =
-        read_state_file(&from.snapshot).map_err(|e| refused(&from.snapshot, e.to_string()))?;
+    let state = match read {
+        Some(read) => read.state(),
+        None => SnapshotState::read_file(&from.snapshot),
+    };
+    let mut state = state.map_err(|e| refused(&from.snapshot, e.to_string()))?;
     state.layout = from
         .layout(state.layout)
         .map_err(|e| refused(&from.snapshot, e))?;
@@ -106,10 +114,11 @@ pub(crate) fn restored_controller(
 
 /// Restores the Linux guest of `from` with its console on `output`, paused, serving its API on
 /// `api_sock`, within `limits`, and runs it as `boot` does until it ends (a client resumes
-/// it). The state file is read and checked, and the memory file checked against it, before
-/// anything is built.
+/// it). The state file (`read` from `from`'s, once) is checked, and the memory file checked
+/// against it, before anything is built.
 pub fn restore_linux(
     from: &RestoreFrom,
+    read: &StateFile,
     api_sock: PathBuf,
     output: crate::devices::legacy::ConsoleOutput,
     limits: Option<kvm_memslots::MemoryLimits>,
@@ -118,7 +127,8 @@ pub fn restore_linux(
         path: path.clone(),
         reason,
     };
-    let mut state = LinuxState::read_file(&from.snapshot)
+    let mut state: LinuxState = read
+        .state()
         .map_err(|e| refused(&from.snapshot, e.to_string()))?;
     state.layout = from
         .layout(state.layout)

@@ -16,6 +16,7 @@ use super::working_set::WorkingSetFiles;
 use crate::api::server::{ApiSocket, SocketError, DEFAULT_IDLE_TIMEOUT};
 use crate::control::memory::RegionPageSize;
 use crate::lifecycle::{log, Ending, LogLevel, LoopError};
+use crate::snapshot::StateFile;
 use crate::test_guest::area::{AreaError, TestArea, AREA_GPA};
 use crate::test_guest::controller::Controller;
 use crate::test_guest::vcpus::{GuestError, TestVm};
@@ -95,6 +96,16 @@ impl ServeConfig {
 /// SIGINT/SIGTERM comes ([`Ending::Interrupted`]), either after the guest failed
 /// ([`Ending::GuestFailed`]); removes the socket at the end.
 pub fn serve(config: &ServeConfig, ready: impl FnOnce()) -> Result<Ending, ServeError> {
+    serve_read(config, None, ready)
+}
+
+/// [`serve`], the state file of `config.restore` given as `read` where it was read already
+/// (`tinyvmm restore` reads it to tell the guest kind): the file is read once.
+fn serve_read(
+    config: &ServeConfig,
+    read: Option<&StateFile>,
+    ready: impl FnOnce(),
+) -> Result<Ending, ServeError> {
     // The loop (and with it the signal handler) before the socket: a client that finds the
     // socket may signal the VMM at once, while it still starts.
     let run = RunLoop::new()?;
@@ -105,7 +116,7 @@ pub fn serve(config: &ServeConfig, ready: impl FnOnce()) -> Result<Ending, Serve
         ..VmOptions::default()
     };
     let stopped = &run.context().vcpu_stopped;
-    let controller = match start_controller(config, options, stopped) {
+    let controller = match start_controller(config, read, options, stopped) {
         Ok(controller) => controller,
         // A signal during start-up (the wait for the vCPUs' first report gives up on it) ends
         // the VMM as a signal does once it serves.
@@ -115,9 +126,11 @@ pub fn serve(config: &ServeConfig, ready: impl FnOnce()) -> Result<Ending, Serve
     serve_controller(run, socket, controller, config.idle_timeout, ready)
 }
 
-/// The test guest `config` asks for, its vCPUs started (or restored): what [`serve`] serves.
+/// The test guest `config` asks for, its vCPUs started (or restored, from the state file
+/// `read` if read already): what [`serve`] serves.
 fn start_controller(
     config: &ServeConfig,
+    read: Option<&StateFile>,
     options: VmOptions,
     stopped: &Arc<EventFd>,
 ) -> Result<Controller, ServeError> {
@@ -148,7 +161,7 @@ fn start_controller(
             let vcpus = vm.start_vcpus(config.vcpus, stopped)?;
             Controller::new(vm, vcpus)
         }
-        Some(from) => restored_controller(from, options, stopped)?,
+        Some(from) => restored_controller(from, read, options, stopped)?,
     })
 }
 
@@ -288,12 +301,12 @@ impl ServeArgs {
                 )));
             }
         }
-        Ok(self.serve(None))
+        Ok(self.serve(None, None))
     }
 
-    /// Serves this test guest, or the one restored from `restore`, until the VMM is stopped;
-    /// gives the exit status ([`served`]).
-    pub fn serve(self, restore: Option<RestoreFrom>) -> ExitCode {
+    /// Serves this test guest, or the one restored from `restore` (its state file `read`
+    /// already, if given), until the VMM is stopped; gives the exit status ([`served`]).
+    pub fn serve(self, restore: Option<RestoreFrom>, read: Option<&StateFile>) -> ExitCode {
         crate::api::server::log_requests(self.api.log_requests);
         let config = ServeConfig {
             api_sock: self.api.api_sock,
@@ -308,7 +321,7 @@ impl ServeArgs {
             restore,
         };
         let path = config.api_sock.display().to_string();
-        served(serve(&config, || {
+        served(serve_read(&config, read, || {
             log(LogLevel::Info, format_args!("serving the API on {path}"))
         }))
     }
@@ -360,8 +373,18 @@ pub fn restore(args: RestoreArgs) -> ExitCode {
         },
         page_size: args.page_size.map(Into::into),
     };
+    // Read once: the guest kind told from the bytes, then the kind's state read from them.
+    let read = match StateFile::read(&from.snapshot) {
+        Ok(read) => read,
+        Err(e) => {
+            return served(Err::<Ending, _>(RestoreError::File {
+                path: from.snapshot,
+                reason: e.to_string(),
+            }))
+        }
+    };
     // A file that is neither kind's is refused by the test guest's reader, which says why.
-    if !matches!(GuestKind::of_file(&from.snapshot), Ok(GuestKind::Linux)) {
+    if !matches!(read.kind(), Ok(GuestKind::Linux)) {
         // The restored VM's memory and vCPUs are the snapshot's: serve's own shape is unused.
         let serve = ServeArgs {
             api: args.api,
@@ -371,11 +394,12 @@ pub fn restore(args: RestoreArgs) -> ExitCode {
             memfd: false,
             page_size: Default::default(),
         };
-        return serve.serve(Some(from));
+        return serve.serve(Some(from), Some(&read));
     }
     let limits = Some(args.api.limits.resolve());
     match restore_linux(
         &from,
+        &read,
         args.api.api_sock,
         Box::new(std::io::stdout()),
         limits,

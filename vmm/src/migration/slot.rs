@@ -116,9 +116,9 @@ impl<V: PreCopyVcpu> MigrationSlot<V> {
             .as_ref()
             .ok_or_else(|| ControllerError::not_found("no migration has been started"))?;
         let info = migration.info();
-        if info.phase.under_way() {
+        if info.progress.phase.under_way() {
             migration.followed.store(true, Ordering::Release);
-        } else if info.phase == Phase::Completed {
+        } else if info.progress.phase == Phase::Completed {
             migration.outcome_read.store(true, Ordering::Release);
         }
         Ok(info)

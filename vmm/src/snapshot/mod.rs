@@ -14,4 +14,4 @@ pub mod state;
 pub use chain::SnapshotChain;
 pub use info::{MemoryCheck, MemoryMismatch, SnapshotId, SnapshotInfo, SnapshotKind};
 pub use state::file::{open_input, StateFileError};
-pub use state::{GuestKind, GuestPart, SavedState};
+pub use state::{GuestKind, GuestPart, SavedState, StateFile};

@@ -9,7 +9,8 @@
 //!
 //! The formats older builds wrote, one per kind and use, keep being read: they are turned into
 //! this one as they are read (`older.rs`). A file is opened without blocking and its header
-//! checked before it is read ([`file`](mod@file)).
+//! checked before it is read ([`file`](mod@file)), and read once ([`StateFile`]): its guest
+//! kind is told from the bytes read, which are then read as that kind's state.
 
 pub mod file;
 mod older;
@@ -54,12 +55,6 @@ impl std::fmt::Display for GuestKind {
 }
 
 impl GuestKind {
-    /// The kind of the state file at `path` (read and its frame checked; its contents are
-    /// not); an error says what the file is instead (the caller names the path).
-    pub fn of_file(path: &Path) -> Result<GuestKind, StateFileError> {
-        GuestKind::of_bytes(&read_framed(path, format_of)?)
-    }
-
     /// The kind of a saved state's framed bytes (a State record's, say): an older format's
     /// magic says it, this format's JSON does.
     pub fn of_bytes(bytes: &[u8]) -> Result<GuestKind, StateFileError> {
@@ -76,6 +71,37 @@ impl GuestKind {
         serde_json::from_slice::<Kind>(json)
             .map(|k| k.kind)
             .map_err(|e| StateFileError(format!("its guest kind: {e}")))
+    }
+}
+
+/// A state file read whole, once, its header checked first ([`read_framed`]): its guest kind
+/// is told from these bytes ([`kind`](Self::kind)) and its state read from them as that
+/// kind's ([`state`](Self::state)), so that a restore reads the file once whatever its kind.
+#[derive(Debug, Clone)]
+pub struct StateFile {
+    bytes: Vec<u8>,
+}
+
+impl StateFile {
+    /// Reads the state file at `path` ([`read_framed`], in this format or an older one). The
+    /// error does not name the path: the caller does.
+    pub fn read(path: &Path) -> Result<StateFile, StateFileError> {
+        read_framed(path, format_of).map(|bytes| StateFile { bytes })
+    }
+
+    /// Its guest kind ([`GuestKind::of_bytes`]); an error says what the file is instead.
+    pub fn kind(&self) -> Result<GuestKind, StateFileError> {
+        GuestKind::of_bytes(&self.bytes)
+    }
+
+    /// Its state, read and checked as [`SavedState::from_bytes`] does, and it must say what
+    /// snapshot it is. The error does not name the path: the caller does.
+    pub fn state<G: GuestPart>(&self) -> Result<SavedState<G>, StateFileError> {
+        let state = SavedState::<G>::from_bytes(&self.bytes)?;
+        match state.snapshot {
+            Some(_) => Ok(state),
+            None => Err(StateFileError("it does not say what snapshot it is".into())),
+        }
     }
 }
 
@@ -185,14 +211,10 @@ impl<G: GuestPart> SavedState<G> {
     }
 
     /// Reads and checks the state file at `path`, its header first ([`read_framed`]), as
-    /// [`from_bytes`](Self::from_bytes) does, and it must say what snapshot it is. The error
-    /// does not name the path: the caller does.
+    /// [`from_bytes`](Self::from_bytes) does, and it must say what snapshot it is
+    /// ([`StateFile::state`]). The error does not name the path: the caller does.
     pub fn read_file(path: &Path) -> Result<Self, StateFileError> {
-        let state = Self::from_bytes(&read_framed(path, format_of)?)?;
-        match state.snapshot {
-            Some(_) => Ok(state),
-            None => Err(StateFileError("it does not say what snapshot it is".into())),
-        }
+        StateFile::read(path)?.state()
     }
 
     /// The checks [`from_bytes`](Self::from_bytes) makes after parsing, against the state
@@ -243,4 +265,42 @@ pub(crate) fn test_data(name: &str) -> Vec<u8> {
         .join("tests/data")
         .join(name);
     std::fs::read(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::linux::state::LinuxState;
+    use crate::test_guest::snapshot::SnapshotState;
+
+    /// The file of `name` in `vmm/tests/data`.
+    fn data_file(name: &str) -> std::path::PathBuf {
+        Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("tests/data")
+            .join(name)
+    }
+
+    /// A state file of an older format is read once, from its path: its kind is told from the
+    /// bytes read, and the same bytes read as that kind's state (not as the other kind's); a
+    /// State record read as a state file is refused, saying it is no snapshot.
+    #[test]
+    fn an_older_state_file_is_read_once_for_its_kind_and_its_state() {
+        for name in ["test-guest-v2.state", "test-guest-v3.state"] {
+            let read = StateFile::read(&data_file(name)).unwrap_or_else(|e| panic!("{name}: {e}"));
+            assert_eq!(read.kind().expect("a kind"), GuestKind::TestGuest, "{name}");
+            let state: SnapshotState = read.state().unwrap_or_else(|e| panic!("{name}: {e}"));
+            assert!(state.snapshot.is_some(), "{name}");
+            let why = read.state::<crate::linux::state::LinuxPart>();
+            let why = why.expect_err("not a Linux guest's").to_string();
+            assert!(why.contains("not a Linux guest's"), "{name}: {why}");
+        }
+        let read = StateFile::read(&data_file("linux-v1.state")).expect("read");
+        assert_eq!(read.kind().expect("a kind"), GuestKind::Linux);
+        let state: LinuxState = read.state().expect("a Linux guest's state");
+        assert!(state.snapshot.is_some());
+        let record = StateFile::read(&data_file("test-guest-v3.record")).expect("read");
+        let why = record.state::<crate::test_guest::snapshot::TestGuestPart>();
+        let why = why.expect_err("no snapshot").to_string();
+        assert!(why.contains("does not say what snapshot it is"), "{why}");
+    }
 }
