@@ -37,23 +37,6 @@ pub const LIVE_DOWNTIME_MS: u64 = 10;
 pub const LIVE_TIMEOUT_S: u64 = 60;
 
 impl SnapshotCreate {
-    /// A snapshot of the paused VM (`PUT /snapshot/create` without `live`).
-    pub fn paused(
-        snapshot_type: SnapshotType,
-        snapshot_path: impl Into<std::path::PathBuf>,
-        mem_file_path: impl Into<std::path::PathBuf>,
-    ) -> Self {
-        SnapshotCreate {
-            snapshot_type,
-            snapshot_path: snapshot_path.into(),
-            mem_file_path: mem_file_path.into(),
-            live: false,
-            downtime_ms: None,
-            timeout_s: None,
-            on_timeout: None,
-        }
-    }
-
     /// Why this request (not live) cannot snapshot a VM that is `paused` or not: a live field
     /// set on it, or a VM that runs.
     pub fn check_paused(&self, paused: bool) -> Result<(), super::ControllerError> {

@@ -74,11 +74,6 @@ impl<G: Guest> Controller<G> {
         &mut self.guest
     }
 
-    /// The VM's run state (paused or running).
-    pub fn run_state(&self) -> RunState {
-        self.state
-    }
-
     /// The VM starts paused (a restored VM: `PATCH /vm {"state": "Resumed"}` continues it).
     pub fn paused(self) -> Self {
         Controller {

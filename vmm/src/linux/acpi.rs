@@ -77,6 +77,7 @@ impl Tables {
     }
 
     /// The table with `signature`, if there is one.
+    #[cfg(test)]
     pub fn find(&self, signature: &[u8; 4]) -> Option<&[u8]> {
         self.tables
             .iter()

@@ -111,6 +111,7 @@ pub fn kernel_lines(map: &[E820Entry], prefix: &str) -> Vec<String> {
 
 /// The e820 lines with `prefix` in a kernel log, in order, without what precedes the prefix on
 /// each line (the timestamp).
+#[cfg(test)]
 pub fn lines_in_log(log: &str, prefix: &str) -> Vec<String> {
     let marker = format!("{prefix}: [mem ");
     log.lines()

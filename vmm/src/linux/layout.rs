@@ -27,8 +27,6 @@ pub const PML4: GuestAddress = GuestAddress(0x9000);
 pub const PDPT: GuestAddress = GuestAddress(0xa000);
 /// The page directory (512 × 2 MiB: the first GiB).
 pub const PD: GuestAddress = GuestAddress(0xb000);
-/// How much the boot page tables identity-map.
-pub const IDENTITY_MAPPED: u64 = 1 << 30;
 /// The kernel command line (the kernel takes at most 2047 bytes and a NUL).
 pub const CMDLINE: GuestAddress = GuestAddress(0x2_0000);
 /// The largest command line, NUL included.

@@ -154,9 +154,8 @@ pub struct Loaded {
     /// The command line as written.
     pub cmdline: String,
     /// Where the initramfs went and its size.
+    #[cfg(test)]
     pub initramfs: Option<(GuestAddress, u64)>,
-    /// Where the kernel was loaded, and the end of its area.
-    pub kernel: (GuestAddress, u64),
 }
 
 /// The most e820 ranges a PVH kernel takes: Linux copies PVH's memory map into its zero page
@@ -350,8 +349,8 @@ pub fn load<M: GuestMemoryBackend>(
         zero_page_entries,
         setup_data,
         cmdline: cmdline.to_owned(),
+        #[cfg(test)]
         initramfs,
-        kernel: (result.kernel_load, kernel_end),
     })
 }
 

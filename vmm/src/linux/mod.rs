@@ -37,7 +37,7 @@ use crate::vm::vcpu::{Vcpu, VcpuShared};
 use crate::vm::{self, Vm, VmError, VmOptions};
 
 pub use config::{BootConfig, BootProtocol, ConfigError};
-pub use e820::{E820Entry, E820Kind};
+pub use e820::E820Entry;
 pub use loader::{KernelFormat, LoadError};
 pub use ports::GuestStop;
 
@@ -47,7 +47,7 @@ use console::ConsoleSubscriber;
 use loader::Entry;
 use ports::LinuxPorts;
 use state::LinuxMachine;
-pub use vcpus::{LinuxVcpu, LinuxVcpus, RunningVcpus};
+pub use vcpus::LinuxVcpus;
 
 /// Why a boot could not start (or the VMM failed while it ran).
 #[derive(Debug, thiserror::Error)]
@@ -152,10 +152,6 @@ pub struct BootReport {
     pub setup_data: Option<(u64, u64)>,
     /// The command line.
     pub cmdline: String,
-    /// Where the initramfs went and its size, if there was one.
-    pub initramfs: Option<(u64, u64)>,
-    /// The ACPI RSDP's address, if the guest has ACPI tables.
-    pub rsdp: Option<u64>,
     /// RAM regions and the KVM slots they took.
     pub regions: usize,
     /// KVM slots of RAM.
@@ -337,8 +333,6 @@ impl LinuxVm {
             setup_data: loaded.setup_data.map(|(a, l)| (a.0, l)),
             e820: loaded.e820,
             cmdline: loaded.cmdline,
-            initramfs: loaded.initramfs.map(|(a, l)| (a.0, l)),
-            rsdp: rsdp.map(|a| a.0),
             regions: regions.len(),
             slots: regions.iter().map(|r| r.slots).sum(),
             setup_time: Duration::ZERO,

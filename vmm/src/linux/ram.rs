@@ -24,6 +24,7 @@ pub struct RamRegion {
 
 impl RamRegion {
     /// How many KVM slots it takes.
+    #[cfg(test)]
     pub fn slots(&self) -> u64 {
         match self.larger_last {
             Some(last) => (self.size - last) / self.slot_size + 1,

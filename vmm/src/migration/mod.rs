@@ -10,5 +10,5 @@ pub mod sink;
 pub mod slot;
 pub mod transport;
 
-pub use sink::{MigrationError, StateRecord};
+pub use sink::StateRecord;
 pub use transport::{Connection, Endpoint, Listener};

@@ -98,11 +98,6 @@ impl<V: PreCopyVcpu> MigrationSlot<V> {
         })
     }
 
-    /// Whether a migration is under way.
-    pub fn is_running(&self) -> bool {
-        self.migration.as_ref().is_some_and(|m| m.run.is_running())
-    }
-
     /// The last migration's progress, if one was started.
     pub fn info(&self) -> Option<MigrationInfo> {
         self.migration.as_ref().map(Migration::info)

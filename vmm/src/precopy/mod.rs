@@ -21,5 +21,5 @@ pub mod sink;
 
 pub use error::PreCopyError;
 pub use progress::{Phase, Progress};
-pub use rounds::{Ending, OnTimeout, PreCopy, PreCopyVcpu, Reader, Rounds, SourceVm};
+pub use rounds::{OnTimeout, PreCopy, PreCopyVcpu, Reader, Rounds, SourceVm};
 pub use sink::{Next, Sink, Waits};

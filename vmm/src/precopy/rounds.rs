@@ -120,8 +120,6 @@ pub struct SourceVm<V> {
 /// How a run ended, for the controller.
 #[derive(Debug)]
 pub struct Ending<V> {
-    /// The sink has the whole VM: the destination runs it, or the snapshot is written.
-    pub completed: bool,
     /// The vCPUs, left paused because the outcome is unknown
     /// ([`Phase::Unconfirmed`]): resume them only if the destination does not run the
     /// VM.
@@ -130,10 +128,7 @@ pub struct Ending<V> {
 
 impl<V> Default for Ending<V> {
     fn default() -> Self {
-        Ending {
-            completed: false,
-            held: Vec::new(),
-        }
+        Ending { held: Vec::new() }
     }
 }
 
@@ -318,7 +313,6 @@ impl<V: PreCopyVcpu> Run<V> {
         if self.owns_consumer {
             let _ = memory.remove_dirty_consumer(self.consumer);
         }
-        let completed = outcome.is_ok();
         let mut held = Vec::new();
         match outcome {
             Ok(pause) => self.update(|s| {
@@ -344,7 +338,7 @@ impl<V: PreCopyVcpu> Run<V> {
         }
         let elapsed = self.waits.started.elapsed().as_secs_f64() * 1e3;
         self.update(|s| s.elapsed_ms = elapsed);
-        Ending { completed, held }
+        Ending { held }
     }
 
     /// Harvests every target, handing each harvest to the sink at once ([`Sink::took`]): a

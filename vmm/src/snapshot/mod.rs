@@ -12,6 +12,6 @@ pub mod pages;
 pub mod state;
 
 pub use chain::SnapshotChain;
-pub use info::{MemoryCheck, MemoryMismatch, SnapshotId, SnapshotInfo, SnapshotKind};
-pub use state::file::{open_input, StateFileError};
-pub use state::{GuestKind, GuestPart, SavedState};
+pub use info::SnapshotInfo;
+pub use state::file::StateFileError;
+pub use state::GuestKind;

@@ -54,11 +54,13 @@ impl PageSet {
     }
 
     /// How many bitmaps it holds: one per region it has pages of.
+    #[cfg(test)]
     pub fn bitmaps(&self) -> usize {
         self.regions.len()
     }
 
     /// Whether it holds no bitmap.
+    #[cfg(test)]
     pub fn is_empty(&self) -> bool {
         self.regions.is_empty()
     }

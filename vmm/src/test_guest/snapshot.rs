@@ -14,7 +14,8 @@ use crate::migration::StateRecord;
 pub use crate::snapshot::info::{
     MemoryCheck, MemoryMismatch, SnapshotId, SnapshotInfo, SnapshotKind, MEMORY_HEAD,
 };
-pub use crate::snapshot::state::file::{open_input, StateFileError, MAX_STATE_FILE};
+pub use crate::snapshot::state::file::{open_input, StateFileError};
+#[cfg(test)]
 pub use crate::snapshot::state::STATE_VERSION;
 use crate::snapshot::state::{GuestKind, GuestPart, SavedState};
 use crate::test_guest::hotplug::HotplugState;

@@ -50,25 +50,9 @@ impl TestVm {
     }
 
     /// A VM restored from a snapshot: the saved layout's regions (the system region among
-    /// them) in fresh memory, loaded from `memory_file`. Start its vCPUs with
+    /// them) in fresh memory, loaded from `memory_file`, with `lazy`'s working-set prefetch and
+    /// recording ([`restore_memory_with`]). Start its vCPUs with
     /// [`start_restored_vcpus`](Self::start_restored_vcpus).
-    pub fn restore(
-        layout: &MemoryLayout,
-        memory_file: &std::fs::File,
-        backend: MemBackend,
-        options: VmOptions,
-    ) -> Result<Self, GuestError> {
-        Self::restore_with(
-            layout,
-            memory_file,
-            backend,
-            LazyOptions::default(),
-            options,
-        )
-    }
-
-    /// As [`restore`](Self::restore), with `lazy`'s working-set prefetch and recording
-    /// ([`restore_memory_with`]).
     pub fn restore_with(
         layout: &MemoryLayout,
         memory_file: &std::fs::File,
@@ -114,11 +98,6 @@ impl TestVm {
     /// recording).
     pub fn loader(&self) -> Option<&LazyLoader> {
         self.loader.as_ref()
-    }
-
-    /// The generic VM.
-    pub fn vm(&self) -> &Vm {
-        &self.vm
     }
 
     /// The guest's memory.

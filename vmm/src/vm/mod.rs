@@ -118,7 +118,6 @@ pub struct Vm {
     kvm: Kvm,
     fd: Arc<VmFd>,
     memory: Arc<MemoryManager<KvmVm>>,
-    exit_on_emulation_failure: bool,
 }
 
 impl Vm {
@@ -126,13 +125,13 @@ impl Vm {
     /// in-kernel irqchip (before any vCPU, as KVM requires) and the PIT; then the memory
     /// manager (admitting memory within `options.limits`), with manual dirty-log protection
     /// where KVM offers it; and exits on every emulation failure where KVM offers that
-    /// ([`Vm::exits_on_emulation_failure`]). Also installs the
+    /// (`KVM_CAP_EXIT_ON_EMULATION_FAILURE`). Also installs the
     /// signal handler that kicks vCPUs out of the guest, and the one that keeps the process alive
     /// when guest memory's file is cut under it ([`memory_gone`]).
     pub fn new(options: VmOptions) -> Result<Self, VmError> {
         let kvm = Kvm::new().map_err(VmError::Kvm)?;
         let fd = Arc::new(kvm.create_vm().map_err(VmError::setup("KVM_CREATE_VM"))?);
-        let exit_on_emulation_failure = exit_on_emulation_failure(&fd)?;
+        exit_on_emulation_failure(&fd)?;
         if options.irqchip {
             add_irqchip(&fd)?;
         }
@@ -148,12 +147,7 @@ impl Vm {
         let memory = Arc::new(MemoryManager::with_limits(kvm_vm, limits));
         vcpu::install_kick_handler();
         memory_gone::install();
-        Ok(Vm {
-            kvm,
-            fd,
-            memory,
-            exit_on_emulation_failure,
-        })
+        Ok(Vm { kvm, fd, memory })
     }
 
     /// Gives a VM made without them the real-mode TSS, the in-kernel irqchip and the PIT (a
@@ -161,14 +155,6 @@ impl Vm {
     /// any vCPU exists, as KVM requires.
     pub fn add_irqchip(&self) -> Result<(), VmError> {
         add_irqchip(&self.fd)
-    }
-
-    /// Whether KVM exits to the VMM on every emulation failure
-    /// (`KVM_CAP_EXIT_ON_EMULATION_FAILURE`, enabled where KVM offers it). Without it, an
-    /// instruction KVM cannot emulate at guest CPL > 0 (a VEX access or an instruction fetch
-    /// that meets a slot away during a change) gets `#UD` in the guest instead of a retry.
-    pub fn exits_on_emulation_failure(&self) -> bool {
-        self.exit_on_emulation_failure
     }
 
     /// `/dev/kvm`.

@@ -35,18 +35,9 @@ pub struct RestoredMemory {
     pub loader: Option<LazyLoader>,
 }
 
-/// Gives `memory` (empty) `layout`'s regions, filled from `file` as `backend` says.
-pub fn restore_memory(
-    memory: &std::sync::Arc<MemoryManager<KvmVm>>,
-    layout: &MemoryLayout,
-    file: &File,
-    backend: MemBackend,
-) -> Result<RestoredMemory, SnapshotError> {
-    restore_memory_with(memory, layout, file, backend, LazyOptions::default())
-}
-
-/// As [`restore_memory`], with `lazy`'s working-set prefetch and recording: the userfaultfd
-/// backend's only, the others refuse them.
+/// Gives `memory` (empty) `layout`'s regions, filled from `file` as `backend` says, with
+/// `lazy`'s working-set prefetch and recording: the userfaultfd backend's only, the others refuse
+/// them.
 pub fn restore_memory_with(
     memory: &std::sync::Arc<MemoryManager<KvmVm>>,
     layout: &MemoryLayout,

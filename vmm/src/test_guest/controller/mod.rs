@@ -80,11 +80,6 @@ impl Controller {
         self.guest_mut().resume_unfinished();
     }
 
-    /// The VM.
-    pub fn vm(&self) -> &TestVm {
-        &self.guest().vm
-    }
-
     /// Why the guest failed, if it has: the VMM should exit with [`FAILED_EXIT_STATUS`] once
     /// stopped.
     pub fn failure(&self) -> Option<&VmFailure> {
