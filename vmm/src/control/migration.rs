@@ -13,19 +13,19 @@ pub use crate::precopy::OnTimeout;
 #[serde(deny_unknown_fields)]
 pub struct MigrateRequest {
     /// `unix:PATH` or `tcp:HOST:PORT`, where `tinyvmm receive` listens.
-    pub destination: String,
+    pub(crate) destination: String,
     /// The longest pause the VM may see (its memory left over the measured throughput).
     #[serde(default = "default_downtime_ms")]
-    pub downtime_ms: u64,
+    pub(crate) downtime_ms: u64,
     /// Seconds before `on_timeout` applies.
     #[serde(default = "default_timeout_s")]
-    pub timeout_s: u64,
+    pub(crate) timeout_s: u64,
     /// What to do at the timeout.
     #[serde(default = "default_on_timeout")]
-    pub on_timeout: OnTimeout,
+    pub(crate) on_timeout: OnTimeout,
     /// Hand memfd-backed memory over with `SCM_RIGHTS` instead of copying it (Unix only).
     #[serde(default)]
-    pub local: bool,
+    pub(crate) local: bool,
 }
 
 fn default_downtime_ms() -> u64 {
@@ -45,39 +45,39 @@ fn default_on_timeout() -> OnTimeout {
 pub struct MigrationInfo {
     /// Where it is (`setup`, `pre_copy`, `stop_and_copy`, then `completed`, `failed`,
     /// `cancelled` or `unconfirmed`).
-    pub phase: Phase,
+    pub(crate) phase: Phase,
     /// Where it goes.
-    pub destination: String,
+    pub(crate) destination: String,
     /// The round of pages under way (1: every page that holds data).
-    pub round: u32,
+    pub(crate) round: u32,
     /// Bytes of pages sent so far.
-    pub bytes_sent: u64,
+    pub(crate) bytes_sent: u64,
     /// The guest memory being moved when the migration started (round 1 sends the pages of
     /// it that hold data): what `bytes_sent` goes towards.
-    pub guest_memory_bytes: u64,
+    pub(crate) guest_memory_bytes: u64,
     /// Pages the last harvest found dirty: what the next round sends (0 until round 1 ends).
-    pub pages_left: u64,
+    pub(crate) pages_left: u64,
     /// Pages the guest dirtied per second over the last round.
-    pub dirty_rate_pages_per_second: f64,
+    pub(crate) dirty_rate_pages_per_second: f64,
     /// Bytes per second the last round sent at; during round 1, the average since the start.
-    pub throughput_bytes_per_second: f64,
+    pub(crate) throughput_bytes_per_second: f64,
     /// The pause `pages_left` would take at that throughput.
-    pub estimated_downtime_ms: f64,
+    pub(crate) estimated_downtime_ms: f64,
     /// The pause began although the estimate did not fit the budget (`on_timeout: force`, at
     /// the timeout or once the harvest alone outlasted the budget): expect a longer pause.
-    pub forced: bool,
+    pub(crate) forced: bool,
     /// The pause the VM saw (from pausing here to the destination's word that it runs there),
     /// once completed.
-    pub downtime_ms: Option<f64>,
+    pub(crate) downtime_ms: Option<f64>,
     /// Milliseconds since the migration started.
-    pub elapsed_ms: f64,
+    pub(crate) elapsed_ms: f64,
     /// Why it failed or was cancelled.
-    pub error: Option<String>,
+    pub(crate) error: Option<String>,
 }
 
 impl MigrationInfo {
     /// A migration's progress: its pre-copy run's, to `destination`.
-    pub fn of(run: Progress, destination: String) -> Self {
+    pub(crate) fn of(run: Progress, destination: String) -> Self {
         MigrationInfo {
             phase: run.phase,
             destination,
@@ -96,7 +96,7 @@ impl MigrationInfo {
     }
 
     /// One line for a source's log once the VM runs on the destination.
-    pub fn completed_line(&self) -> String {
+    pub(crate) fn completed_line(&self) -> String {
         format!(
             "the VM runs on the migration's destination now: {} rounds, {:.1} MiB sent of {:.1} \
              MiB of guest memory in {:.0} ms, paused {:.1} ms{}",

@@ -55,13 +55,13 @@ const _: () = {
 };
 
 /// Ports the guest writes to.
-pub mod port {
+pub(crate) mod port {
     /// A command finished (or the guest is ready for its first one).
-    pub const DONE: u16 = 0x510;
+    pub(crate) const DONE: u16 = 0x510;
     /// The guest ran the exit command.
-    pub const EXIT: u16 = 0x511;
+    pub(crate) const EXIT: u16 = 0x511;
     /// An exception reached the guest's ring 0: the fault block says which.
-    pub const FAULT: u16 = 0x512;
+    pub(crate) const FAULT: u16 = 0x512;
 }
 
 const SEL_KERNEL_CODE: u16 = 0x08;
@@ -182,7 +182,7 @@ const CPUID1_XSAVE_AVX: u32 = (1 << 26) | (1 << 28);
 /// Whether the guest can have AVX: the host's CPU has AVX and XSAVE, and `cpuid` (KVM's
 /// supported CPUID) lets XCR0 hold the x87, SSE and AVX state (leaf 0xd). KVM's leaf 1 may
 /// still hide XSAVE and AVX (kvm_pvm does), so [`set_up_vcpu`] sets them in the guest's.
-pub fn cpuid_has_avx(cpuid: &[kvm_cpuid_entry2]) -> bool {
+pub(crate) fn cpuid_has_avx(cpuid: &[kvm_cpuid_entry2]) -> bool {
     let host =
         std::arch::is_x86_feature_detected!("avx") && std::arch::is_x86_feature_detected!("xsave");
     let xstate = cpuid
@@ -207,7 +207,7 @@ pub fn avx_available() -> bool {
 /// where KVM offers AVX, CR4.OSFXSR|OSXMMEXCPT|OSXSAVE and XCR0 = x87|SSE|AVX (nothing in the
 /// guest sets them up: its ring 0, emulated on some hosts, stays minimal). Returns whether AVX
 /// is on.
-pub fn set_up_vcpu(
+pub(crate) fn set_up_vcpu(
     kvm: &Kvm,
     fd: &VcpuFd,
     index: usize,

@@ -2,8 +2,8 @@
 //! and checks memory on the host's command, so that every slot can be verified from both sides.
 
 pub mod area;
-pub mod command;
-pub mod controller;
+pub(crate) mod command;
+pub(crate) mod controller;
 pub mod hotplug;
 pub mod layout;
 pub mod ports;

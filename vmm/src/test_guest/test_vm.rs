@@ -51,7 +51,7 @@ impl TestVm {
 
     /// A VM restored from a snapshot: the saved layout's regions (the system region among
     /// them) in fresh memory, loaded from `memory_file`, with `lazy`'s working-set prefetch and
-    /// recording ([`restore_memory_with`]). Start its vCPUs with
+    /// recording (`restore_memory_with`). Start its vCPUs with
     /// [`start_restored_vcpus`](Self::start_restored_vcpus).
     pub fn restore_with(
         layout: &MemoryLayout,
@@ -74,7 +74,11 @@ impl TestVm {
 
     /// The test guest's VM on `vm`, which holds `layout`'s regions (`ids`, in its order; the
     /// system region among them).
-    pub fn from_vm(vm: Vm, layout: &MemoryLayout, ids: &[RegionId]) -> Result<Self, GuestError> {
+    pub(crate) fn from_vm(
+        vm: Vm,
+        layout: &MemoryLayout,
+        ids: &[RegionId],
+    ) -> Result<Self, GuestError> {
         let system = system_region(layout, ids)?;
         Ok(TestVm {
             vm,
@@ -106,12 +110,12 @@ impl TestVm {
     }
 
     /// The system region.
-    pub fn system_region(&self) -> RegionId {
+    pub(crate) fn system_region(&self) -> RegionId {
         self.system
     }
 
     /// KVM's number of memory slots.
-    pub fn max_slots(&self) -> usize {
+    pub(crate) fn max_slots(&self) -> usize {
         self.vm.max_slots()
     }
 

@@ -3,10 +3,10 @@
 //! ([`ports`]).
 
 pub mod exit;
-pub mod memory_gone;
+pub(crate) mod memory_gone;
 pub mod mmio;
 pub mod ports;
-pub mod restore;
+pub(crate) mod restore;
 pub mod state;
 pub mod vcpu;
 
@@ -20,7 +20,7 @@ use kvm_memslots::{KvmVm, MemoryLimits, MemoryManager, RingError};
 
 /// Where KVM puts the three pages Intel's VMX needs for real mode's TSS: in the 3-4 GiB MMIO
 /// gap, below 4 GiB.
-pub const TSS_ADDRESS: usize = 0xfffb_d000;
+pub(crate) const TSS_ADDRESS: usize = 0xfffb_d000;
 
 /// What a VM is created with besides its memory.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -61,7 +61,7 @@ pub enum VmError {
 
 impl VmError {
     /// A closure that names the set-up step `what` in the error it makes of KVM's.
-    pub fn setup(what: &'static str) -> impl Fn(kvm_ioctls::Error) -> VmError {
+    pub(crate) fn setup(what: &'static str) -> impl Fn(kvm_ioctls::Error) -> VmError {
         move |source| VmError::Setup { what, source }
     }
 }
@@ -103,7 +103,7 @@ fn exit_on_emulation_failure(fd: &VmFd) -> Result<bool, VmError> {
 /// Whether this host's KVM runs a guest's ring 0 in its instruction emulator: kvm_pvm (KVM
 /// without VT-x or AMD-V), whose module shows in sysfs. A fact of the host, for every guest
 /// kind: what its emulator lacks stops ring-0 code, and the vCPU loop says so.
-pub fn host_emulates_ring0() -> bool {
+pub(crate) fn host_emulates_ring0() -> bool {
     std::path::Path::new("/sys/module/kvm_pvm").exists()
 }
 
@@ -127,7 +127,7 @@ impl Vm {
     /// where KVM offers it; and exits on every emulation failure where KVM offers that
     /// (`KVM_CAP_EXIT_ON_EMULATION_FAILURE`). Also installs the
     /// signal handler that kicks vCPUs out of the guest, and the one that keeps the process alive
-    /// when guest memory's file is cut under it ([`memory_gone`]).
+    /// when guest memory's file is cut under it (`memory_gone`).
     pub fn new(options: VmOptions) -> Result<Self, VmError> {
         let kvm = Kvm::new().map_err(VmError::Kvm)?;
         let fd = Arc::new(kvm.create_vm().map_err(VmError::setup("KVM_CREATE_VM"))?);
@@ -153,12 +153,12 @@ impl Vm {
     /// Gives a VM made without them the real-mode TSS, the in-kernel irqchip and the PIT (a
     /// migration's destination learns that its guest needs them once its memory came); before
     /// any vCPU exists, as KVM requires.
-    pub fn add_irqchip(&self) -> Result<(), VmError> {
+    pub(crate) fn add_irqchip(&self) -> Result<(), VmError> {
         add_irqchip(&self.fd)
     }
 
     /// `/dev/kvm`.
-    pub fn kvm(&self) -> &Kvm {
+    pub(crate) fn kvm(&self) -> &Kvm {
         &self.kvm
     }
 
@@ -173,7 +173,7 @@ impl Vm {
     }
 
     /// KVM's number of memory slots.
-    pub fn max_slots(&self) -> usize {
+    pub(crate) fn max_slots(&self) -> usize {
         self.kvm.get_nr_memslots()
     }
 

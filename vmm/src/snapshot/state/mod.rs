@@ -9,9 +9,9 @@
 //!
 //! The formats older builds wrote, one per kind and use, keep being read: they are turned into
 //! this one as they are read (`older.rs`). A file is opened without blocking and its header
-//! checked before it is read ([`file`](mod@file)).
+//! checked before it is read (`file`).
 
-pub mod file;
+pub(crate) mod file;
 mod older;
 
 use std::path::Path;
@@ -56,13 +56,13 @@ impl std::fmt::Display for GuestKind {
 impl GuestKind {
     /// The kind of the state file at `path` (read and its frame checked; its contents are
     /// not); an error says what the file is instead (the caller names the path).
-    pub fn of_file(path: &Path) -> Result<GuestKind, StateFileError> {
+    pub(crate) fn of_file(path: &Path) -> Result<GuestKind, StateFileError> {
         GuestKind::of_bytes(&read_framed(path, format_of)?)
     }
 
     /// The kind of a saved state's framed bytes (a State record's, say): an older format's
     /// magic says it, this format's JSON does.
-    pub fn of_bytes(bytes: &[u8]) -> Result<GuestKind, StateFileError> {
+    pub(crate) fn of_bytes(bytes: &[u8]) -> Result<GuestKind, StateFileError> {
         if let Some(older) = Older::of(bytes) {
             return Ok(older.kind);
         }
@@ -95,9 +95,9 @@ pub trait GuestPart: Serialize + DeserializeOwned {
 #[serde(deny_unknown_fields)]
 pub struct SavedState<G> {
     /// [`STATE_VERSION`] (a state read from an older format is turned into this one).
-    pub version: u32,
+    pub(crate) version: u32,
     /// The guest kind, whose part [`guest`](Self::guest) is.
-    pub kind: GuestKind,
+    pub(crate) kind: GuestKind,
     /// What snapshot this is: every state file says; a migration's State record, which is not
     /// a snapshot, has none.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -108,13 +108,13 @@ pub struct SavedState<G> {
     pub vcpus: Vec<VcpuState>,
     /// The irqchip, PIT and clock, where the VM has them (a Linux guest's).
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub vm: Option<VmState>,
+    pub(crate) vm: Option<VmState>,
     /// Whether a client had paused the VM (a migration's destination keeps it paused; a
     /// restore is paused anyway).
     #[serde(default)]
-    pub paused: bool,
+    pub(crate) paused: bool,
     /// The guest kind's own part.
-    pub guest: G,
+    pub(crate) guest: G,
 }
 
 impl<G: GuestPart> SavedState<G> {
@@ -150,7 +150,7 @@ impl<G: GuestPart> SavedState<G> {
     /// or an older one this build reads), naming what is wrong with bad ones: the frame's
     /// checks, another guest kind's state, register blocks of other than their exact sizes,
     /// the JSON, the header's version against the state's, and
-    /// [`validate`](Self::validate).
+    /// `validate`.
     pub fn from_bytes(bytes: &[u8]) -> Result<Self, StateFileError> {
         let bad = |why: String| StateFileError(why);
         let json = match Older::of(bytes) {
@@ -184,7 +184,7 @@ impl<G: GuestPart> SavedState<G> {
         Ok(state)
     }
 
-    /// Reads and checks the state file at `path`, its header first ([`read_framed`]), as
+    /// Reads and checks the state file at `path`, its header first (`read_framed`), as
     /// [`from_bytes`](Self::from_bytes) does, and it must say what snapshot it is. The error
     /// does not name the path: the caller does.
     pub fn read_file(path: &Path) -> Result<Self, StateFileError> {
@@ -199,7 +199,7 @@ impl<G: GuestPart> SavedState<G> {
     /// itself before anything is built: this format's version, this kind's state, a layout
     /// that passes [`MemoryLayout::validate`], a snapshot identity that agrees with it, and
     /// the kind's own checks ([`GuestPart::validate`]).
-    pub fn validate(&self) -> Result<(), StateFileError> {
+    pub(crate) fn validate(&self) -> Result<(), StateFileError> {
         let bad = |why: String| StateFileError(why);
         if self.version != STATE_VERSION {
             return Err(bad(format!(
