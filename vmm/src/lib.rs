@@ -26,24 +26,24 @@
 
 pub mod api;
 pub mod control;
-pub(crate) mod controller;
+mod controller;
 pub mod devices;
-pub(crate) mod host;
+mod host;
 pub mod jobs;
 pub mod lifecycle;
 pub mod linux;
 pub mod migration;
-pub(crate) mod precopy;
+mod precopy;
 pub mod snapshot;
 pub mod test_guest;
 pub mod vm;
 
 /// This build's version (the crate's).
-pub(crate) const VERSION: &str = env!("CARGO_PKG_VERSION");
+const VERSION: &str = env!("CARGO_PKG_VERSION");
 
 /// The commit this binary was built from (`git rev-parse --short=12 HEAD` at build time), or
 /// `unknown` when it was not built from a git checkout.
-pub(crate) const COMMIT: &str = env!("TINYVMM_COMMIT");
+const COMMIT: &str = env!("TINYVMM_COMMIT");
 
 /// What `--version` says after the binary's name: the version and the commit
 /// (`0.1.0 (commit 0123456789ab)`).

@@ -53,7 +53,7 @@ pub struct Client {
 
 /// What [`Client::connect`] waits for an answer: long, for tests and benchmarks whose requests
 /// may copy a lot of memory (`tinyvmm client` sets its own, `--timeout`).
-pub(crate) const DEFAULT_TIMEOUT: Duration = Duration::from_secs(300);
+const DEFAULT_TIMEOUT: Duration = Duration::from_secs(300);
 
 impl Client {
     /// Connects to the socket at `path`; each request waits `DEFAULT_TIMEOUT` at most for its

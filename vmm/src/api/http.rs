@@ -4,9 +4,9 @@
 use std::fmt;
 
 /// Most bytes of request line and headers.
-pub(crate) const MAX_HEADER_BYTES: usize = 8 * 1024;
+pub(super) const MAX_HEADER_BYTES: usize = 8 * 1024;
 /// Most bytes of a request body.
-pub(crate) const MAX_BODY_BYTES: usize = 64 * 1024;
+pub(super) const MAX_BODY_BYTES: usize = 64 * 1024;
 const MAX_HEADERS: usize = 32;
 
 /// A complete request.
@@ -58,7 +58,7 @@ pub(crate) enum HttpError {
 
 impl HttpError {
     /// The status code for this error.
-    pub(crate) fn status(&self) -> u16 {
+    pub(super) fn status(&self) -> u16 {
         match self {
             HttpError::HeadersTooLarge => 431,
             HttpError::BodyTooLarge(_) => 413,
@@ -82,7 +82,7 @@ pub(crate) enum Parsed {
 
 /// The interim answer to a request with `Expect: 100-continue` whose headers were accepted
 /// (RFC 9110 §10.1.1): the client may send its body.
-pub(crate) const CONTINUE: &[u8] = b"HTTP/1.1 100 Continue\r\n\r\n";
+pub(super) const CONTINUE: &[u8] = b"HTTP/1.1 100 Continue\r\n\r\n";
 
 /// Parses the first request in `buf`.
 pub(crate) fn parse(buf: &[u8]) -> Result<Parsed, HttpError> {
@@ -210,12 +210,12 @@ pub struct Response {
     /// The body.
     pub(crate) body: Option<serde_json::Value>,
     /// A plain-text body instead (`text/plain`), when set.
-    pub(crate) text: Option<String>,
+    text: Option<String>,
 }
 
 impl Response {
     /// `204 No Content`.
-    pub(crate) fn no_content() -> Self {
+    pub(super) fn no_content() -> Self {
         Response {
             status: 204,
             body: None,
@@ -224,7 +224,7 @@ impl Response {
     }
 
     /// `200 OK` with a plain-text body in Prometheus' exposition format.
-    pub(crate) fn text(body: String) -> Self {
+    pub(super) fn text(body: String) -> Self {
         Response {
             status: 200,
             body: None,
@@ -233,7 +233,7 @@ impl Response {
     }
 
     /// A status with a JSON body.
-    pub(crate) fn json(status: u16, body: serde_json::Value) -> Self {
+    pub(super) fn json(status: u16, body: serde_json::Value) -> Self {
         Response {
             status,
             body: Some(body),
@@ -242,7 +242,7 @@ impl Response {
     }
 
     /// An error: `{"fault_message": "..."}`.
-    pub(crate) fn fault(status: u16, message: impl fmt::Display) -> Self {
+    pub(super) fn fault(status: u16, message: impl fmt::Display) -> Self {
         Response::json(
             status,
             serde_json::json!({ "fault_message": message.to_string() }),
@@ -250,7 +250,7 @@ impl Response {
     }
 
     /// The bytes on the wire.
-    pub(crate) fn to_bytes(&self, keep_alive: bool) -> Vec<u8> {
+    pub(super) fn to_bytes(&self, keep_alive: bool) -> Vec<u8> {
         let (body, content_type) = match (&self.text, &self.body) {
             (Some(text), _) => (
                 text.clone().into_bytes(),

@@ -13,7 +13,7 @@ use serde_json::Value;
 use crate::control::Request as ControllerRequest;
 
 /// The requests whose replies the metrics are read from.
-pub(crate) fn sources() -> [ControllerRequest; 6] {
+pub(super) fn sources() -> [ControllerRequest; 6] {
     [
         ControllerRequest::GetMemory,
         ControllerRequest::GetDirtyLog,

@@ -42,7 +42,7 @@ pub enum SocketError {
 
 /// Creates the API socket at `path`, readable and writable by its owner only. A stale socket
 /// (nobody answers) is replaced; anything else at the path is refused.
-pub(crate) fn bind_api_socket(path: &Path) -> Result<UnixListener, SocketError> {
+fn bind_api_socket(path: &Path) -> Result<UnixListener, SocketError> {
     let socket_error = |source| SocketError::Socket {
         path: path.to_owned(),
         source,

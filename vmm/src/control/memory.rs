@@ -111,74 +111,74 @@ pub struct PatchRegion {
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub struct MemoryInfo {
     /// KVM slot numbers in use and free.
-    pub(crate) slots: SlotCounts,
+    slots: SlotCounts,
     /// What new memory is admitted against (`--max-*` on the command line).
-    pub(crate) limits: Limits,
+    limits: Limits,
     /// What the regions in place use of the limits.
-    pub(crate) used: MemoryUse,
+    used: MemoryUse,
     /// The regions, by id.
     pub regions: Vec<RegionInfo>,
     /// Whether KVM drops every vCPU's guest mappings when any slot is deleted or moved
     /// (`KVM_X86_QUIRK_SLOT_ZAP_ALL`, KVM's default), rather than only that slot's: false
     /// where KVM let the VMM turn it off.
-    pub(crate) slot_zap_all: bool,
+    slot_zap_all: bool,
 }
 
 /// The admission limits, in bytes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
-pub(crate) struct Limits {
+struct Limits {
     /// Most guest memory in all regions.
-    pub(crate) max_guest_memory: u64,
+    max_guest_memory: u64,
     /// Largest single region.
-    pub(crate) max_region_size: u64,
+    max_region_size: u64,
     /// Most host memory for guest-memory metadata (KVM's and the VMM's), as estimated.
-    pub(crate) max_metadata: u64,
+    max_metadata: u64,
 }
 
 /// What the regions use of the limits, in bytes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
-pub(crate) struct MemoryUse {
+struct MemoryUse {
     /// Guest memory in all regions.
-    pub(crate) guest_memory: u64,
+    guest_memory: u64,
     /// The estimated host memory for its metadata.
-    pub(crate) metadata: u64,
+    metadata: u64,
 }
 
 /// KVM slot numbers.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
-pub(crate) struct SlotCounts {
+struct SlotCounts {
     /// In use.
-    pub(crate) used: usize,
+    used: usize,
     /// Free.
-    pub(crate) free: usize,
+    free: usize,
     /// KVM's number of slots.
-    pub(crate) max: usize,
+    max: usize,
     /// The slot budget below KVM's number (`--max-slots`): changes that would take `used`
     /// past it are refused. None without one.
-    pub(crate) budget: Option<u64>,
+    budget: Option<u64>,
 }
 
 /// One region in [`MemoryInfo`].
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub struct RegionInfo {
     /// Its id.
-    pub(crate) id: u64,
+    id: u64,
     /// Guest-physical base.
     pub guest_address: u64,
     /// Size in bytes.
     pub size: u64,
     /// Host address of its mapping.
-    pub(crate) host_address: u64,
+    host_address: u64,
     /// KVM slots it takes.
     pub slots: usize,
     /// Read-only for the guest.
-    pub(crate) read_only: bool,
+    read_only: bool,
     /// Its writes are logged.
-    pub(crate) dirty_log: bool,
+    dirty_log: bool,
     /// `anonymous` or `memfd`.
-    pub(crate) backing: &'static str,
+    backing: &'static str,
     /// The host page size behind it: `4k`, `2m` (hugetlb) or `thp`.
-    pub(crate) page_size: &'static str,
+    page_size: &'static str,
 }
 
 /// `PUT /memory/regions` (201).

@@ -49,30 +49,30 @@ pub struct MigrationInfo {
     /// Where it goes.
     pub(crate) destination: String,
     /// The round of pages under way (1: every page that holds data).
-    pub(crate) round: u32,
+    round: u32,
     /// Bytes of pages sent so far.
-    pub(crate) bytes_sent: u64,
+    bytes_sent: u64,
     /// The guest memory being moved when the migration started (round 1 sends the pages of
     /// it that hold data): what `bytes_sent` goes towards.
-    pub(crate) guest_memory_bytes: u64,
+    guest_memory_bytes: u64,
     /// Pages the last harvest found dirty: what the next round sends (0 until round 1 ends).
-    pub(crate) pages_left: u64,
+    pages_left: u64,
     /// Pages the guest dirtied per second over the last round.
-    pub(crate) dirty_rate_pages_per_second: f64,
+    dirty_rate_pages_per_second: f64,
     /// Bytes per second the last round sent at; during round 1, the average since the start.
-    pub(crate) throughput_bytes_per_second: f64,
+    throughput_bytes_per_second: f64,
     /// The pause `pages_left` would take at that throughput.
-    pub(crate) estimated_downtime_ms: f64,
+    estimated_downtime_ms: f64,
     /// The pause began although the estimate did not fit the budget (`on_timeout: force`, at
     /// the timeout or once the harvest alone outlasted the budget): expect a longer pause.
-    pub(crate) forced: bool,
+    forced: bool,
     /// The pause the VM saw (from pausing here to the destination's word that it runs there),
     /// once completed.
-    pub(crate) downtime_ms: Option<f64>,
+    downtime_ms: Option<f64>,
     /// Milliseconds since the migration started.
-    pub(crate) elapsed_ms: f64,
+    elapsed_ms: f64,
     /// Why it failed or was cancelled.
-    pub(crate) error: Option<String>,
+    error: Option<String>,
 }
 
 impl MigrationInfo {

@@ -7,7 +7,7 @@
 //! out, asking the guest kind (`test_guest::controller`, `linux::controller`) what differs.
 
 pub(crate) mod dirty_log;
-pub(crate) mod error;
+mod error;
 pub(crate) mod guest;
 pub mod hotplug;
 pub mod memory;

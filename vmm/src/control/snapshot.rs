@@ -78,14 +78,14 @@ pub enum SnapshotType {
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct LiveSnapshotInfo {
     /// Its state file.
-    pub(crate) snapshot_path: std::path::PathBuf,
+    snapshot_path: std::path::PathBuf,
     /// Its memory file.
-    pub(crate) mem_file_path: std::path::PathBuf,
+    mem_file_path: std::path::PathBuf,
     /// The snapshot's id once completed (its state file says it too).
-    pub(crate) snapshot_id: Option<String>,
+    snapshot_id: Option<String>,
     /// Its pre-copy run's progress.
     #[serde(flatten)]
-    pub(crate) progress: Progress,
+    progress: Progress,
 }
 
 impl LiveSnapshotInfo {

@@ -120,17 +120,17 @@ pub struct VmInfo {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 pub(crate) struct LazyRestoreInfo {
     /// Pages filled from the memory file on the guest's first touch.
-    pub(crate) copied_pages: u64,
+    copied_pages: u64,
     /// Pages filled with zeros (holes of the memory file).
-    pub(crate) zeroed_pages: u64,
+    zeroed_pages: u64,
     /// Pages of a working set (`--prefetch`) filled ahead of the guest.
-    pub(crate) prefetched_pages: u64,
+    prefetched_pages: u64,
     /// `UFFDIO_COPY` calls, for faults and prefetch: a call fills a run of neighbouring pages
     /// (a fault in a hugetlb region its whole 2 MiB page); zeros copied into hugetlb pages,
     /// and a call that found its page filled meanwhile, count too.
-    pub(crate) copy_calls: u64,
+    copy_calls: u64,
     /// Whether the prefetch has gone through its whole list (true without one).
-    pub(crate) prefetch_done: bool,
+    prefetch_done: bool,
 }
 
 impl LazyRestoreInfo {

@@ -18,7 +18,7 @@ pub(crate) const SERIAL_PORT: u16 = 0x3f8;
 /// The serial console's interrupt line (GSI).
 pub(crate) const SERIAL_IRQ: u32 = 4;
 /// The i8042's data port; its command port is 4 above.
-pub(crate) const I8042_PORT: u16 = 0x60;
+const I8042_PORT: u16 = 0x60;
 
 /// A legacy device, as the port bus names it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -31,7 +31,7 @@ pub enum LegacyDevice {
 
 /// An eventfd as a vm-superio interrupt or reset line.
 #[derive(Debug)]
-pub(crate) struct EventFdTrigger(pub EventFd);
+struct EventFdTrigger(pub EventFd);
 
 impl Trigger for EventFdTrigger {
     type E = std::io::Error;

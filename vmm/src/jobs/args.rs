@@ -11,7 +11,7 @@ use kvm_memslots::MemoryLimits;
 
 /// The exit status of a usage error (an unknown option, a value out of its range), distinct
 /// from every outcome of a run (sysexits' `EX_USAGE`).
-pub(crate) const USAGE_EXIT_STATUS: u8 = 64;
+const USAGE_EXIT_STATUS: u8 = 64;
 
 /// Most vCPUs of the test guest.
 const TEST_GUEST_VCPUS: usize = crate::test_guest::layout::MAX_VCPUS;
@@ -98,19 +98,19 @@ pub(crate) struct ApiArgs {
 pub struct LimitArgs {
     /// Most guest memory in all regions, in MiB [default: 4 × the host's RAM, at least 64 GiB]
     #[arg(long)]
-    pub(crate) max_guest_mib: Option<u64>,
+    max_guest_mib: Option<u64>,
     /// Largest single region, in MiB [default: the guest-memory limit]
     #[arg(long)]
-    pub(crate) max_region_mib: Option<u64>,
+    max_region_mib: Option<u64>,
     /// Most host memory KVM and the manager may spend on guest-memory metadata (bitmaps,
     /// KVM's per-page arrays: about 1/490 of the guest memory), in MiB [default: 1/8 of the
     /// host's RAM]
     #[arg(long)]
-    pub(crate) max_metadata_mib: Option<u64>,
+    max_metadata_mib: Option<u64>,
     /// Most KVM slots guest memory may use, below KVM's number (a budget for vhost-user
     /// backends' memory tables, say): changes past it are refused [default: KVM's number]
     #[arg(long)]
-    pub(crate) max_slots: Option<u64>,
+    max_slots: Option<u64>,
 }
 
 impl LimitArgs {
@@ -166,7 +166,7 @@ pub fn positive_seconds(value: &str) -> Result<Duration, String> {
 
 /// A number of seconds, above 0 and finite (a usage error otherwise), naming why a value is
 /// refused.
-pub(crate) fn seconds(value: &str) -> Result<Duration, String> {
+pub(super) fn seconds(value: &str) -> Result<Duration, String> {
     let secs: f64 = value
         .parse()
         .map_err(|e| format!("{value:?} is not a number of seconds: {e}"))?;
@@ -178,7 +178,7 @@ pub(crate) fn seconds(value: &str) -> Result<Duration, String> {
 
 /// A path for a file to write: not a directory that exists (a usage error otherwise, before
 /// anything starts, not a recording lost when the VMM stops).
-pub(crate) fn file_to_write(value: &str) -> Result<PathBuf, String> {
+pub(super) fn file_to_write(value: &str) -> Result<PathBuf, String> {
     let path = PathBuf::from(value);
     if path.is_dir() {
         return Err(format!(

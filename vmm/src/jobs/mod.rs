@@ -15,7 +15,7 @@ pub mod merge;
 pub mod process;
 pub mod receive;
 pub mod restore;
-pub(crate) mod run_loop;
+mod run_loop;
 pub mod serve;
 pub mod working_set;
 

@@ -108,7 +108,7 @@ pub(crate) fn restored_controller(
 /// `api_sock`, within `limits`, and runs it as `boot` does until it ends (a client resumes
 /// it). The state file is read and checked, and the memory file checked against it, before
 /// anything is built.
-pub(crate) fn restore_linux(
+pub(super) fn restore_linux(
     from: &RestoreFrom,
     api_sock: PathBuf,
     output: crate::devices::legacy::ConsoleOutput,

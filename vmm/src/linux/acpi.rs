@@ -67,18 +67,18 @@ pub enum AcpiError {
 #[derive(Debug)]
 pub(crate) struct Tables {
     /// (address, bytes) per table.
-    pub(crate) tables: Vec<(GuestAddress, Vec<u8>)>,
+    tables: Vec<(GuestAddress, Vec<u8>)>,
 }
 
 impl Tables {
     /// The RSDP's address (for the zero page and the PVH start info).
-    pub(crate) fn rsdp(&self) -> GuestAddress {
+    pub(super) fn rsdp(&self) -> GuestAddress {
         self.tables[0].0
     }
 
     /// The table with `signature`, if there is one.
     #[cfg(test)]
-    pub(crate) fn find(&self, signature: &[u8; 4]) -> Option<&[u8]> {
+    fn find(&self, signature: &[u8; 4]) -> Option<&[u8]> {
         self.tables
             .iter()
             .map(|(_, bytes)| bytes.as_slice())
@@ -86,7 +86,7 @@ impl Tables {
     }
 
     /// The end of the last table.
-    pub(crate) fn end(&self) -> u64 {
+    fn end(&self) -> u64 {
         self.tables
             .last()
             .map_or(0, |(at, bytes)| at.0 + bytes.len() as u64)
@@ -110,7 +110,7 @@ fn bytes_of(table: &dyn Aml) -> Vec<u8> {
 }
 
 /// The DSDT's definition block: `\_SB.COM1` and one `\_SB.Vnnn` per virtio-mmio device.
-pub(crate) fn dsdt(devices: &[MmioDevice]) -> Vec<u8> {
+fn dsdt(devices: &[MmioDevice]) -> Vec<u8> {
     // Each device is serialised in one statement: the AML builders borrow their parts.
     let mut body = Vec::new();
     aml::Device::new(
@@ -163,7 +163,7 @@ impl Aml for Raw {
 }
 
 /// Lays the tables out from [`layout::ACPI_TABLES`] for `vcpus` vCPUs and `devices`.
-pub(crate) fn build(vcpus: u8, devices: &[MmioDevice]) -> Tables {
+fn build(vcpus: u8, devices: &[MmioDevice]) -> Tables {
     let align = |at: u64| at.next_multiple_of(16);
     let rsdp_at = layout::ACPI_TABLES.0;
     let xsdt_at = align(rsdp_at + Rsdp::len() as u64);

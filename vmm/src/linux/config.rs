@@ -9,7 +9,7 @@ use crate::control::memory::RegionPageSize;
 use crate::linux::layout;
 
 /// The most vCPUs: the MP table in the EBDA has room for 32 processor entries.
-pub(crate) const MAX_VCPUS: u8 = 32;
+pub(super) const MAX_VCPUS: u8 = 32;
 
 /// How the vCPU enters the kernel.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
@@ -212,11 +212,11 @@ pub enum ConfigError {
 }
 
 /// The least RAM: a bzImage decompresses itself at 16 MiB into some 50 MiB.
-pub(crate) const MIN_MEM_MIB: u64 = 128;
+const MIN_MEM_MIB: u64 = 128;
 /// The most RAM (1 TiB).
-pub(crate) const MAX_MEM_MIB: u64 = 1 << 20;
+const MAX_MEM_MIB: u64 = 1 << 20;
 /// The largest hotplug area (1 TiB).
-pub(crate) const MAX_HOTPLUG_MIB: u64 = 1 << 20;
+const MAX_HOTPLUG_MIB: u64 = 1 << 20;
 /// The hotplug area's maximum slot size by default: 128 MiB, a Linux memory block (what its
 /// `virtio_mem` driver plugs when it can), so 1 GiB plugged is 8 KVM slots.
 pub const DEFAULT_HOTPLUG_MAX_SLOT_MIB: u64 = 128;
@@ -238,7 +238,7 @@ impl BootConfig {
     }
 
     /// Checks everything that can be checked without KVM or the files.
-    pub(crate) fn validate(&self) -> Result<(), ConfigError> {
+    pub(super) fn validate(&self) -> Result<(), ConfigError> {
         if self.kernel.as_os_str().is_empty() {
             return Err(ConfigError::NoKernel);
         }

@@ -14,7 +14,7 @@ use crate::linux::layout;
 
 /// What an e820 range is.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
-pub(crate) enum E820Kind {
+pub(super) enum E820Kind {
     /// RAM the kernel may use (type 1).
     Usable,
     /// Reserved (type 2).
@@ -23,7 +23,7 @@ pub(crate) enum E820Kind {
 
 impl E820Kind {
     /// The type number of the boot protocol.
-    pub(crate) fn type_number(self) -> u32 {
+    pub(super) fn type_number(self) -> u32 {
         match self {
             E820Kind::Usable => 1,
             E820Kind::Reserved => 2,
@@ -31,7 +31,7 @@ impl E820Kind {
     }
 
     /// The word the kernel prints for it.
-    pub(crate) fn kernel_word(self) -> &'static str {
+    fn kernel_word(self) -> &'static str {
         match self {
             E820Kind::Usable => "usable",
             E820Kind::Reserved => "reserved",
@@ -41,7 +41,7 @@ impl E820Kind {
 
 /// One range of the map.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) struct E820Entry {
+pub(super) struct E820Entry {
     /// First address.
     pub(crate) addr: u64,
     /// Size in bytes (never 0).
@@ -52,7 +52,7 @@ pub(crate) struct E820Entry {
 
 impl E820Entry {
     /// The first address after the range.
-    pub(crate) fn end(&self) -> u64 {
+    pub(super) fn end(&self) -> u64 {
         self.addr + self.size
     }
 }
@@ -72,7 +72,7 @@ impl fmt::Display for E820Entry {
 }
 
 /// Builds the map for RAM `regions` (in any order; they never overlap).
-pub(crate) fn build(regions: &[RegionInfo]) -> Vec<E820Entry> {
+pub(super) fn build(regions: &[RegionInfo]) -> Vec<E820Entry> {
     let mut ranges: Vec<(u64, u64)> = regions.iter().map(|r| (r.gpa.0, r.size)).collect();
     ranges.sort_unstable();
     let mut map: Vec<E820Entry> = Vec::new();
@@ -105,14 +105,14 @@ pub(crate) fn build(regions: &[RegionInfo]) -> Vec<E820Entry> {
 }
 
 /// The map's lines as the kernel prints them with `prefix` (`BIOS-e820`, `extended`).
-pub(crate) fn kernel_lines(map: &[E820Entry], prefix: &str) -> Vec<String> {
+pub(super) fn kernel_lines(map: &[E820Entry], prefix: &str) -> Vec<String> {
     map.iter().map(|e| format!("{prefix}: {e}")).collect()
 }
 
 /// The e820 lines with `prefix` in a kernel log, in order, without what precedes the prefix on
 /// each line (the timestamp).
 #[cfg(test)]
-pub(crate) fn lines_in_log(log: &str, prefix: &str) -> Vec<String> {
+fn lines_in_log(log: &str, prefix: &str) -> Vec<String> {
     let marker = format!("{prefix}: [mem ");
     log.lines()
         .filter_map(|line| {

@@ -34,9 +34,9 @@ const GIB: u64 = 1 << 30;
 /// Where the device's MMIO window is (in the gap below 4 GiB, clear of the IOAPIC and LAPIC).
 pub const VIRTIO_MEM_MMIO: u64 = 0xd000_0000;
 /// The IOAPIC pin (GSI) of its interrupt.
-pub(crate) const VIRTIO_MEM_IRQ: u32 = 5;
+const VIRTIO_MEM_IRQ: u32 = 5;
 /// Its number on the Linux guest's MMIO bus.
-pub(crate) const VIRTIO_MEM_DEVICE: usize = 0;
+pub(super) const VIRTIO_MEM_DEVICE: usize = 0;
 
 /// The virtio-mem device as the VMM holds it: shared by the vCPUs (MMIO exits) and the API.
 pub type VirtioMemDevice = Arc<Mutex<MmioTransport<VirtioMem<KvmVm>>>>;
@@ -90,7 +90,7 @@ fn cmdline(window: MmioDevice, acpi: bool) -> String {
 
 /// Where a hotplug area goes for RAM ending at `ram_end`: the first GiB boundary at or above
 /// both it and 4 GiB.
-pub(crate) fn area_base(ram_end: u64) -> u64 {
+fn area_base(ram_end: u64) -> u64 {
     ram_end.max(MMIO_GAP_END).next_multiple_of(GIB)
 }
 

@@ -116,7 +116,7 @@ pub enum LoadError {
 
 /// How the vCPU enters the kernel.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum Entry {
+pub(super) enum Entry {
     /// The 64-bit Linux boot protocol: long mode, identity paging, `rsi` = the zero page.
     Linux64 {
         /// Where to jump.
@@ -155,12 +155,12 @@ pub(crate) struct Loaded {
     pub(crate) cmdline: String,
     /// Where the initramfs went and its size.
     #[cfg(test)]
-    pub(crate) initramfs: Option<(GuestAddress, u64)>,
+    initramfs: Option<(GuestAddress, u64)>,
 }
 
 /// The most e820 ranges a PVH kernel takes: Linux copies PVH's memory map into its zero page
 /// (128 entries) and adds one for the ISA range.
-pub(crate) const PVH_MAX_RANGES: usize = E820_MAX_ENTRIES_ZEROPAGE - 1;
+const PVH_MAX_RANGES: usize = E820_MAX_ENTRIES_ZEROPAGE - 1;
 
 const HDRS_MAGIC: u32 = 0x5372_6448;
 const ELF_MAGIC: [u8; 4] = [0x7f, b'E', b'L', b'F'];

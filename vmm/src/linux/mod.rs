@@ -10,21 +10,21 @@
 //! carries console input (`console`) and the API socket ([`controller`]), and waits for the
 //! guest's reset, a vCPU stopping, a signal or the timeout. See `docs/BOOT.md`.
 
-pub(crate) mod acpi;
+mod acpi;
 pub mod config;
-pub(crate) mod console;
+mod console;
 pub mod controller;
-pub(crate) mod cpu;
-pub(crate) mod e820;
+mod cpu;
+mod e820;
 pub mod hotplug;
-pub(crate) mod layout;
-pub(crate) mod loader;
-pub(crate) mod mptable;
+mod layout;
+mod loader;
+mod mptable;
 pub mod ports;
-pub(crate) mod ram;
-pub(crate) mod restore;
+mod ram;
+mod restore;
 pub mod state;
-pub(crate) mod vcpus;
+mod vcpus;
 
 use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
@@ -37,9 +37,9 @@ use crate::vm::vcpu::{Vcpu, VcpuShared};
 use crate::vm::{self, Vm, VmError, VmOptions};
 
 pub(crate) use config::{BootConfig, BootProtocol, ConfigError};
-pub(crate) use e820::E820Entry;
+use e820::E820Entry;
 pub(crate) use loader::{KernelFormat, LoadError};
-pub(crate) use ports::GuestStop;
+use ports::GuestStop;
 
 use crate::devices::legacy::SERIAL_IRQ;
 use crate::devices::{self, legacy::ConsoleOutput, legacy::DeviceError, legacy::LegacyDevices};
@@ -145,11 +145,11 @@ pub(crate) struct BootReport {
     /// The kernel's format.
     pub(crate) format: KernelFormat,
     /// The e820 map the kernel was given, whole.
-    pub(crate) e820: Vec<E820Entry>,
+    e820: Vec<E820Entry>,
     /// How many of its ranges were in the zero page; the rest were in `SETUP_E820_EXT`.
-    pub(crate) zero_page_entries: usize,
+    zero_page_entries: usize,
     /// The `SETUP_E820_EXT` entry's address and length, if there was one.
-    pub(crate) setup_data: Option<(u64, u64)>,
+    setup_data: Option<(u64, u64)>,
     /// The command line.
     pub(crate) cmdline: String,
     /// RAM regions and the KVM slots they took.

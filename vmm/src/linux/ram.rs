@@ -19,13 +19,13 @@ pub(crate) struct RamRegion {
     pub(crate) slot_size: u64,
     /// Size of its last slot when that one is larger (the rest of RAM that `slot_size` does
     /// not divide); `None` when all are `slot_size` but maybe a smaller last one.
-    pub(crate) larger_last: Option<u64>,
+    larger_last: Option<u64>,
 }
 
 impl RamRegion {
     /// How many KVM slots it takes.
     #[cfg(test)]
-    pub(crate) fn slots(&self) -> u64 {
+    fn slots(&self) -> u64 {
         match self.larger_last {
             Some(last) => (self.size - last) / self.slot_size + 1,
             None => self.size.div_ceil(self.slot_size),
@@ -34,7 +34,7 @@ impl RamRegion {
 
     /// Its slots as byte ranges, where the last one is larger (for
     /// `RegionSpec::with_slot_ranges`); `None` where `slot_size` says it all.
-    pub(crate) fn slot_ranges(&self) -> Option<Vec<std::ops::Range<u64>>> {
+    pub(super) fn slot_ranges(&self) -> Option<Vec<std::ops::Range<u64>>> {
         let last = self.larger_last?;
         let even = self.size - last;
         let mut ranges: Vec<_> = (0..even / self.slot_size)

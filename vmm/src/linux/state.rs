@@ -63,7 +63,7 @@ pub struct KernelRecord {
 
 impl KernelRecord {
     /// The record of the kernel at `path`.
-    pub(crate) fn of(path: &Path) -> std::io::Result<Self> {
+    pub(super) fn of(path: &Path) -> std::io::Result<Self> {
         let bytes = std::fs::read(path)?;
         Ok(KernelRecord {
             path: path.to_path_buf(),
@@ -75,7 +75,7 @@ impl KernelRecord {
 
 impl Machine {
     /// The machine `config` boots, booted from `kernel`.
-    pub(crate) fn of(config: &BootConfig, kernel: KernelRecord) -> Self {
+    pub(super) fn of(config: &BootConfig, kernel: KernelRecord) -> Self {
         Machine {
             vcpus: config.vcpus,
             acpi: config.acpi,
@@ -88,7 +88,7 @@ impl Machine {
     }
 
     /// The devices this machine has, in the order a state lists them.
-    pub(crate) fn devices(&self) -> Vec<DeviceName> {
+    fn devices(&self) -> Vec<DeviceName> {
         let mut names = vec![DeviceName::Serial, DeviceName::I8042];
         if self.hotplug_mib > 0 {
             names.push(DeviceName::VirtioMem);
@@ -99,7 +99,7 @@ impl Machine {
 
 /// A device of a Linux guest, by kind.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum DeviceName {
+enum DeviceName {
     /// The 16550 serial console.
     Serial,
     /// The i8042.
@@ -142,7 +142,7 @@ pub(crate) enum DeviceState {
 
 impl DeviceState {
     /// Its device.
-    pub(crate) fn name(&self) -> DeviceName {
+    fn name(&self) -> DeviceName {
         match self {
             DeviceState::Serial { .. } => DeviceName::Serial,
             DeviceState::I8042 => DeviceName::I8042,
@@ -239,7 +239,7 @@ pub struct LinuxMachine {
 impl LinuxMachine {
     /// The devices' states, in the machine's order, one for each device on the port bus and
     /// each virtio-mmio device; a device that has no saved state refuses the save by name.
-    pub(crate) fn save_devices(&self) -> Result<Vec<DeviceState>, LinuxStateError> {
+    fn save_devices(&self) -> Result<Vec<DeviceState>, LinuxStateError> {
         let mut states = Vec::new();
         for range in self.bus.ranges() {
             states.push(match range.device {
@@ -300,7 +300,7 @@ impl LinuxMachine {
 /// A Linux guest's migration State record: the machine's state, taken once the vCPUs are
 /// paused.
 #[derive(Debug)]
-pub(crate) struct LinuxRecord {
+pub(super) struct LinuxRecord {
     /// What the state is taken from.
     pub(crate) machine: Arc<LinuxMachine>,
     /// Whether a client had paused the VM.

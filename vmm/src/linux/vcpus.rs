@@ -16,7 +16,7 @@ use crate::vm::vcpu::{kick_until_finished, PauseError, Vcpu, VcpuShared};
 
 /// How long a vCPU may take to pause (it leaves the guest at its next exit, which a kick
 /// forces).
-pub(crate) const PAUSE_TIMEOUT: Duration = Duration::from_secs(5);
+pub(super) const PAUSE_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// A Linux guest's vCPUs, created and set up, not yet running.
 #[derive(Debug)]
@@ -68,7 +68,7 @@ impl PreCopyVcpu for LinuxVcpu {
 
 impl LinuxVcpus {
     /// `vcpus`, which save the MSRs `msrs`.
-    pub(crate) fn new(vcpus: Vec<Vcpu<LinuxPorts>>, msrs: Arc<[u32]>) -> Self {
+    pub(super) fn new(vcpus: Vec<Vcpu<LinuxPorts>>, msrs: Arc<[u32]>) -> Self {
         LinuxVcpus { vcpus, msrs }
     }
 

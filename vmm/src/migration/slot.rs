@@ -16,7 +16,7 @@ use crate::precopy::{Phase, PreCopy, PreCopyVcpu, Reader, Rounds, SourceVm};
 /// followed the migration (asked its status while it ran) and has not read its outcome yet:
 /// `tinyvmm client migrate` asks every 50 ms, so it reads `completed` at once, and tells a
 /// source that ended without it (killed, crashed) from one whose VM moved on.
-pub(crate) const LINGER_FOR_FOLLOWER: Duration = Duration::from_secs(5);
+const LINGER_FOR_FOLLOWER: Duration = Duration::from_secs(5);
 
 /// A migration: its pre-copy run, and where it goes.
 #[derive(Debug)]

@@ -26,10 +26,10 @@ use crate::host::{self, Ready, SocketAddress};
 const MAX_FDS: usize = host::SCM_MAX_FD;
 
 /// How often a wait looks at its stop flags and limits.
-pub(crate) const SLICE: Duration = Duration::from_millis(20);
+const SLICE: Duration = Duration::from_millis(20);
 
 /// How long a wait that begins past its deadline may see nothing move.
-pub(crate) const GRACE: Duration = Duration::from_secs(1);
+const GRACE: Duration = Duration::from_secs(1);
 
 /// A migration's endpoint.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -79,7 +79,7 @@ impl std::str::FromStr for Endpoint {
 impl Endpoint {
     /// Connects to a listening `tinyvmm receive`, for as long as `watch` lets it wait; the
     /// connection keeps `watch` for every later wait.
-    pub(crate) fn connect(&self, watch: Watch) -> io::Result<Connection> {
+    pub(super) fn connect(&self, watch: Watch) -> io::Result<Connection> {
         match self {
             Endpoint::Unix(path) => {
                 if let Ok(m) = std::fs::metadata(path) {
@@ -259,7 +259,7 @@ pub(crate) struct Limits {
 
 /// Why a watched wait ended before the other side was ready.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
-pub(crate) enum WaitEnd {
+pub(super) enum WaitEnd {
     /// The owner's cancel flag was set (a client cancelled the migration).
     #[error("a client cancelled it")]
     Cancelled,
@@ -278,7 +278,7 @@ pub(crate) enum WaitEnd {
 /// `io::Error` a read, a write or a connect returns ([`WaitError::of`]).
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[error("waiting for {what}: {end}")]
-pub(crate) struct WaitError {
+pub(super) struct WaitError {
     /// What was waited for (as the watch's owner named it).
     pub(crate) what: String,
     /// Why it ended.
@@ -287,7 +287,7 @@ pub(crate) struct WaitError {
 
 impl WaitError {
     /// The ended wait behind `error`, if a [`Watch`] ended it.
-    pub(crate) fn of(error: &io::Error) -> Option<&WaitError> {
+    pub(super) fn of(error: &io::Error) -> Option<&WaitError> {
         error.get_ref()?.downcast_ref()
     }
 
@@ -329,12 +329,12 @@ impl Watch {
     }
 
     /// From now on, waits are for `what`, within `limits`.
-    pub(crate) fn expect(&self, what: impl Into<String>, limits: Limits) {
+    pub(super) fn expect(&self, what: impl Into<String>, limits: Limits) {
         *self.now.lock().unwrap_or_else(|p| p.into_inner()) = (what.into(), limits);
     }
 
     /// Which stop flag is set, if one is.
-    pub(crate) fn stopped(&self) -> Option<WaitEnd> {
+    fn stopped(&self) -> Option<WaitEnd> {
         if self
             .cancel
             .as_ref()
@@ -360,7 +360,7 @@ impl Watch {
 
     /// For a wait that began at `since`: the error that ends it now, or how long it may
     /// sleep before looking again (a slice at most).
-    pub(crate) fn check(&self, since: Instant) -> io::Result<Duration> {
+    fn check(&self, since: Instant) -> io::Result<Duration> {
         let (what, limits) = self.now.lock().unwrap_or_else(|p| p.into_inner()).clone();
         let now = Instant::now();
         let stalls_at = since.checked_add(limits.stall);
@@ -460,7 +460,7 @@ impl Connection {
     }
 
     /// The watch on its waits (shared by every handle on it).
-    pub(crate) fn watch(&self) -> &Watch {
+    pub(super) fn watch(&self) -> &Watch {
         &self.watch
     }
 
@@ -479,7 +479,7 @@ impl Connection {
     }
 
     /// Sends `fds` beside the next write (at most 253; Unix sockets only).
-    pub(crate) fn attach_fds(&mut self, fds: Vec<OwnedFd>) -> io::Result<()> {
+    pub(super) fn attach_fds(&mut self, fds: Vec<OwnedFd>) -> io::Result<()> {
         match &mut self.link {
             Link::Unix(c) if fds.len() <= MAX_FDS => {
                 c.attach = fds;

@@ -3,7 +3,7 @@
 use crate::vm::vcpu::PauseError;
 
 /// An error a sink returns, in its own type (a migration's stream, a live snapshot's files).
-pub(crate) type SinkError = Box<dyn std::error::Error + Send + Sync>;
+type SinkError = Box<dyn std::error::Error + Send + Sync>;
 
 /// Why a pre-copy run failed, was cancelled, or ended unconfirmed.
 #[derive(Debug, thiserror::Error)]

@@ -14,10 +14,10 @@
 //! The engine knows no guest kind (a guest kind hands over its vCPUs), no destination (the
 //! sink carries the pages) and no request (its caller turns one into [`Rounds`]).
 
-pub(crate) mod error;
-pub(crate) mod progress;
-pub(crate) mod rounds;
-pub(crate) mod sink;
+mod error;
+mod progress;
+mod rounds;
+mod sink;
 
 pub(crate) use error::PreCopyError;
 pub(crate) use progress::{Phase, Progress};

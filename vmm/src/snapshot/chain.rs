@@ -389,7 +389,7 @@ impl SnapshotChain {
     }
 
     /// Whether a live snapshot is under way.
-    pub(crate) fn live_running(&self) -> bool {
+    fn live_running(&self) -> bool {
         self.live.as_ref().is_some_and(LiveRun::under_way)
     }
 

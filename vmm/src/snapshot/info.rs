@@ -231,7 +231,7 @@ impl MemoryCheck {
     /// The bytes a check of `layout`'s memory file covers, read from guest memory (paused):
     /// the start of the file, which is the layout's first regions. For a caller that copies
     /// them in a pause and hashes them later ([`of_head`](Self::of_head)).
-    pub(crate) fn read_head(
+    pub(super) fn read_head(
         memory: &impl vm_memory::GuestMemory,
         layout: &MemoryLayout,
     ) -> Result<Vec<u8>, vm_memory::GuestMemoryError> {
@@ -251,7 +251,7 @@ impl MemoryCheck {
 
     /// The check of `layout`'s memory file whose first bytes are `head`, as
     /// [`read_head`](Self::read_head) read them from guest memory.
-    pub(crate) fn of_head(head: &[u8], layout: &MemoryLayout) -> Self {
+    pub(super) fn of_head(head: &[u8], layout: &MemoryLayout) -> Self {
         MemoryCheck {
             size: layout.memory_file_size(),
             head: head.len() as u64,

@@ -5,10 +5,10 @@
 //! the chain owes its next Diff (`pages`). The guest kind supplies only its own part of the
 //! saved state.
 
-pub(crate) mod chain;
+mod chain;
 pub(crate) mod info;
 pub(crate) mod live;
-pub(crate) mod pages;
+mod pages;
 pub mod state;
 
 pub(crate) use chain::SnapshotChain;

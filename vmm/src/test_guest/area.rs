@@ -75,7 +75,7 @@ impl TestArea {
 
     /// As [`add`](Self::add), in memory of `backing` (a memfd, say, that a local migration
     /// can hand over).
-    pub(crate) fn add_backed<K: KvmMemory>(
+    fn add_backed<K: KvmMemory>(
         memory: &MemoryManager<K>,
         gpa: u64,
         size: u64,
@@ -208,7 +208,7 @@ fn guest_pass(
 }
 
 /// How long each step of [`check_area`] took: guest write, host check, host write, guest check.
-pub(crate) type Times = (Duration, Duration, Duration, Duration);
+type Times = (Duration, Duration, Duration, Duration);
 
 /// Checks every slot of `area` both ways: the guest writes both ends of every slot and the host
 /// reads them through the memory map, then the host writes a new pattern and the guest checks

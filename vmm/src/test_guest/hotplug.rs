@@ -42,7 +42,7 @@ pub struct HotplugArea {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct HotplugPlan {
     /// Plugged blocks once it is done.
-    pub(crate) blocks: u64,
+    blocks: u64,
     /// The pieces that change.
     pub(crate) pieces: Vec<PieceChange>,
 }
@@ -54,29 +54,29 @@ pub(crate) struct PieceChange {
     /// The piece's index in the area.
     pub(crate) index: usize,
     /// Its guest address.
-    pub(crate) gpa: GuestAddress,
+    gpa: GuestAddress,
     /// Its region now, if a block of it is plugged.
-    pub(crate) region: Option<RegionId>,
+    region: Option<RegionId>,
     /// Bytes plugged from its start now.
-    pub(crate) before: u64,
+    before: u64,
     /// Bytes plugged from its start once the plan is carried out.
-    pub(crate) after: u64,
+    after: u64,
     /// Its slots then, as byte ranges of the piece: the whole piece while a block of it is
     /// plugged.
-    pub(crate) slots: Vec<Range<u64>>,
+    slots: Vec<Range<u64>>,
     /// Its unplugged blocks then, as byte ranges of the piece, unreachable under its slot.
-    pub(crate) unreachable: Vec<Range<u64>>,
+    unreachable: Vec<Range<u64>>,
 }
 
 impl PieceChange {
     /// Guest addresses the plan plugs in this piece (on a plug), which the guest checks.
-    pub(crate) fn plugged(&self) -> Option<Range<u64>> {
+    pub(super) fn plugged(&self) -> Option<Range<u64>> {
         (self.after > self.before).then(|| self.gpa.0 + self.before..self.gpa.0 + self.after)
     }
 
     /// Bytes of the piece (offsets) the plan unplugs while the piece stays, to give back to
     /// the host.
-    pub(crate) fn given_back(&self) -> Option<Range<u64>> {
+    fn given_back(&self) -> Option<Range<u64>> {
         (0 < self.after && self.after < self.before).then_some(self.after..self.before)
     }
 }
@@ -136,28 +136,28 @@ impl HotplugArea {
     }
 
     /// Bytes per block.
-    pub(crate) fn block_size(&self) -> u64 {
+    pub(super) fn block_size(&self) -> u64 {
         self.config.block_size_mib * MIB
     }
 
     /// The guest addresses the area takes.
-    pub(crate) fn range(&self) -> Range<u64> {
+    pub(super) fn range(&self) -> Range<u64> {
         self.gpa..self.gpa + self.pieces.len() as u64 * self.slot_size
     }
 
     /// Blocks per piece.
-    pub(crate) fn blocks_per_slot(&self) -> u64 {
+    fn blocks_per_slot(&self) -> u64 {
         self.slot_size / self.block_size()
     }
 
     /// Guest address of piece `i`.
-    pub(crate) fn slot_gpa(&self, i: usize) -> GuestAddress {
+    pub(super) fn slot_gpa(&self, i: usize) -> GuestAddress {
         GuestAddress(self.gpa + i as u64 * self.slot_size)
     }
 
     /// The slots of piece `i` with `blocks` plugged in the area (from its start): one over the
     /// whole piece, none if it has no plugged block.
-    pub(crate) fn piece_slots(&self, i: usize, blocks: u64) -> Vec<Range<u64>> {
+    pub(super) fn piece_slots(&self, i: usize, blocks: u64) -> Vec<Range<u64>> {
         if self.piece_runs(i, blocks).is_empty() {
             return Vec::new();
         }
@@ -166,7 +166,7 @@ impl HotplugArea {
 
     /// The runs of piece `i`'s plugged blocks with `blocks` plugged in the area: its slots in
     /// states saved before pieces kept one slot (none if it has no plugged block).
-    pub(crate) fn piece_runs(&self, i: usize, blocks: u64) -> Vec<Range<u64>> {
+    fn piece_runs(&self, i: usize, blocks: u64) -> Vec<Range<u64>> {
         let per_piece = self.blocks_per_slot();
         let first = i as u64 * per_piece;
         let plugged = (first..first + per_piece).map(|b| b < blocks);
@@ -175,7 +175,7 @@ impl HotplugArea {
 
     /// The byte ranges of piece `i` unreachable under its slot with `blocks` plugged in the
     /// area: its unplugged blocks, if it has a plugged one (none otherwise: no slot at all).
-    pub(crate) fn piece_unreachable(&self, i: usize, blocks: u64) -> Vec<Range<u64>> {
+    pub(super) fn piece_unreachable(&self, i: usize, blocks: u64) -> Vec<Range<u64>> {
         let per_piece = self.blocks_per_slot();
         let first = i as u64 * per_piece;
         if blocks <= first {
@@ -186,7 +186,7 @@ impl HotplugArea {
     }
 
     /// The area's bookkeeping as a snapshot or a migration saves it.
-    pub(crate) fn state(&self) -> HotplugState {
+    pub(super) fn state(&self) -> HotplugState {
         HotplugState {
             config: self.config,
             plugged_blocks: self.plugged_blocks,
@@ -195,13 +195,13 @@ impl HotplugArea {
     }
 
     /// Pieces mapped now: one KVM slot each.
-    pub(crate) fn mapped_slots(&self) -> usize {
+    fn mapped_slots(&self) -> usize {
         self.pieces.iter().filter(|s| s.is_some()).count()
     }
 
     /// What to do to plug `requested_size_mib` of the area (a multiple of the block size, at
     /// most the total).
-    pub(crate) fn plan(&self, requested_size_mib: u64) -> Result<HotplugPlan, ControllerError> {
+    pub(super) fn plan(&self, requested_size_mib: u64) -> Result<HotplugPlan, ControllerError> {
         let block = self.config.block_size_mib;
         if !requested_size_mib.is_multiple_of(block)
             || requested_size_mib > self.config.total_size_mib
@@ -243,7 +243,7 @@ impl HotplugArea {
     /// block adds it (one slot over it, the rest of it unreachable from the start), its last
     /// unplugged block removes it. A piece that stays changes no slot: see
     /// [`flips`](Self::flips).
-    pub(crate) fn changes(&self, plan: &HotplugPlan) -> Vec<RegionChange> {
+    fn changes(&self, plan: &HotplugPlan) -> Vec<RegionChange> {
         plan.pieces
             .iter()
             .filter_map(|p| match (p.region, p.after) {
@@ -261,7 +261,7 @@ impl HotplugArea {
 
     /// The reachability changes that carry `plan` out in pieces that stay: each as the region,
     /// the byte range of it, and whether it becomes reachable (a plug) or not (an unplug).
-    pub(crate) fn flips(&self, plan: &HotplugPlan) -> Vec<(RegionId, Range<u64>, bool)> {
+    fn flips(&self, plan: &HotplugPlan) -> Vec<(RegionId, Range<u64>, bool)> {
         plan.pieces
             .iter()
             .filter_map(|p| match (p.region, p.after) {
@@ -316,7 +316,7 @@ impl HotplugArea {
 
     /// Records `plan` as carried out: `added` are the regions the manager gave the pieces
     /// that had none, in order.
-    pub(crate) fn commit(&mut self, plan: &HotplugPlan, added: Vec<RegionId>) {
+    fn commit(&mut self, plan: &HotplugPlan, added: Vec<RegionId>) {
         let mut added = added.into_iter();
         for piece in &plan.pieces {
             self.pieces[piece.index] = match (piece.region, piece.after) {
@@ -329,7 +329,7 @@ impl HotplugArea {
     }
 
     /// The area as `GET /hotplug/memory` reports it.
-    pub(crate) fn info(&self) -> HotplugInfo {
+    pub(super) fn info(&self) -> HotplugInfo {
         let block = self.config.block_size_mib;
         HotplugInfo {
             total_size_mib: self.config.total_size_mib,
@@ -365,7 +365,7 @@ impl HotplugState {
     /// nothing else) a region of the layout there with one slot over the whole piece, or (a
     /// version 3 state, written when pieces had holes) slots over its plugged blocks only: the
     /// restore gives it its one slot back and makes its unplugged blocks unreachable.
-    pub(crate) fn validate(&self, layout: &MemoryLayout) -> Result<(), String> {
+    pub(super) fn validate(&self, layout: &MemoryLayout) -> Result<(), String> {
         let area = HotplugArea::new(self.config, HOTPLUG_GPA, IDENTITY_MAPPED, usize::MAX)
             .map_err(|e| format!("the hotplug area: {e}"))?;
         let slots = area.pieces.len();

@@ -55,7 +55,7 @@ const _: () = {
 };
 
 /// Ports the guest writes to.
-pub(crate) mod port {
+pub(super) mod port {
     /// A command finished (or the guest is ready for its first one).
     pub(crate) const DONE: u16 = 0x510;
     /// The guest ran the exit command.
@@ -182,7 +182,7 @@ const CPUID1_XSAVE_AVX: u32 = (1 << 26) | (1 << 28);
 /// Whether the guest can have AVX: the host's CPU has AVX and XSAVE, and `cpuid` (KVM's
 /// supported CPUID) lets XCR0 hold the x87, SSE and AVX state (leaf 0xd). KVM's leaf 1 may
 /// still hide XSAVE and AVX (kvm_pvm does), so [`set_up_vcpu`] sets them in the guest's.
-pub(crate) fn cpuid_has_avx(cpuid: &[kvm_cpuid_entry2]) -> bool {
+fn cpuid_has_avx(cpuid: &[kvm_cpuid_entry2]) -> bool {
     let host =
         std::arch::is_x86_feature_detected!("avx") && std::arch::is_x86_feature_detected!("xsave");
     let xstate = cpuid
@@ -207,7 +207,7 @@ pub fn avx_available() -> bool {
 /// where KVM offers AVX, CR4.OSFXSR|OSXMMEXCPT|OSXSAVE and XCR0 = x87|SSE|AVX (nothing in the
 /// guest sets them up: its ring 0, emulated on some hosts, stays minimal). Returns whether AVX
 /// is on.
-pub(crate) fn set_up_vcpu(
+pub(super) fn set_up_vcpu(
     kvm: &Kvm,
     fd: &VcpuFd,
     index: usize,

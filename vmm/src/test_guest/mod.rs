@@ -2,7 +2,7 @@
 //! and checks memory on the host's command, so that every slot can be verified from both sides.
 
 pub mod area;
-pub(crate) mod command;
+mod command;
 pub(crate) mod controller;
 pub mod hotplug;
 pub mod layout;

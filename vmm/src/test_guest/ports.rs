@@ -29,7 +29,7 @@ pub(crate) enum GuestPort {
 
 impl GuestPort {
     /// The port's number.
-    pub(crate) fn number(self) -> u16 {
+    fn number(self) -> u16 {
         match self {
             GuestPort::Done => port::DONE,
             GuestPort::Exit => port::EXIT,
@@ -39,7 +39,7 @@ impl GuestPort {
 }
 
 /// The test guest's bus: its three protocol ports; any other port is fatal.
-pub(crate) fn bus() -> &'static PortBus<GuestPort> {
+fn bus() -> &'static PortBus<GuestPort> {
     static BUS: LazyLock<PortBus<GuestPort>> = LazyLock::new(|| {
         let mut bus = PortBus::new(Unmapped::Fatal);
         for device in [GuestPort::Done, GuestPort::Exit, GuestPort::Fault] {
@@ -63,11 +63,11 @@ pub enum GuestPortError {
 }
 
 /// The vCPU loop's error for a test-guest vCPU.
-pub(crate) type VcpuError = crate::vm::vcpu::VcpuError<GuestPortError>;
+pub(super) type VcpuError = crate::vm::vcpu::VcpuError<GuestPortError>;
 
 /// What a test-guest vCPU thread tells the host.
 #[derive(Debug)]
-pub(crate) enum VcpuEvent {
+pub(super) enum VcpuEvent {
     /// The guest finished a command (or is ready for its first one); the vCPU waits for the
     /// host's go-ahead before it enters the guest again.
     Done,
@@ -79,7 +79,7 @@ pub(crate) enum VcpuEvent {
 
 /// What the host sends a vCPU that waits between commands.
 #[derive(Debug)]
-pub(crate) enum GoAhead {
+pub(super) enum GoAhead {
     /// Enter the guest again (a command was posted, or the VMM is stopping).
     Resume,
     /// Send the vCPU's state, and keep waiting.
@@ -88,7 +88,7 @@ pub(crate) enum GoAhead {
 
 /// A test-guest vCPU's side of the command protocol.
 #[derive(Debug)]
-pub(crate) struct TestGuestPorts {
+pub(super) struct TestGuestPorts {
     /// Where the vCPU reports finished commands.
     pub(crate) events: Sender<VcpuEvent>,
     /// Written after each report, for an event loop that waits for news of the vCPUs.

@@ -16,7 +16,7 @@ pub use crate::snapshot::info::{
 };
 pub(crate) use crate::snapshot::state::file::{open_input, StateFileError};
 #[cfg(test)]
-pub(crate) use crate::snapshot::state::STATE_VERSION;
+use crate::snapshot::state::STATE_VERSION;
 use crate::snapshot::state::{GuestKind, GuestPart, SavedState};
 use crate::test_guest::hotplug::HotplugState;
 use crate::test_guest::MAX_VCPUS;
@@ -77,7 +77,7 @@ pub(crate) fn read_state_file(path: &Path) -> Result<SnapshotState, StateFileErr
 /// The test guest's [`StateRecord`]: what its migration sends besides the layout and the
 /// vCPUs' states, taken when the migration starts.
 #[derive(Debug)]
-pub(crate) struct MigrationRecord {
+pub(super) struct MigrationRecord {
     /// The hotplug area's bookkeeping.
     pub(crate) hotplug: Option<HotplugState>,
     /// Paused by a client.

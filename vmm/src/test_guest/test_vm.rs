@@ -110,12 +110,12 @@ impl TestVm {
     }
 
     /// The system region.
-    pub(crate) fn system_region(&self) -> RegionId {
+    pub(super) fn system_region(&self) -> RegionId {
         self.system
     }
 
     /// KVM's number of memory slots.
-    pub(crate) fn max_slots(&self) -> usize {
+    fn max_slots(&self) -> usize {
         self.vm.max_slots()
     }
 

@@ -12,7 +12,7 @@ use std::sync::Arc;
 
 /// What answers an address of an [`MmioBus`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum MmioTarget {
+pub(super) enum MmioTarget {
     /// The guest kind's device number `device`, at `offset` in its window.
     Device {
         /// The device, as the guest kind numbers them.
@@ -68,9 +68,9 @@ pub trait Unreachable: Send + Sync + fmt::Debug {
 #[error("guest range [{start:#x}, {end:#x}) is empty, wraps, or overlaps another MMIO range")]
 pub struct MmioBusError {
     /// Its start.
-    pub(crate) start: u64,
+    start: u64,
     /// Its end.
-    pub(crate) end: u64,
+    end: u64,
 }
 
 impl MmioBus {
@@ -133,7 +133,7 @@ impl MmioBus {
     }
 
     /// What answers `gpa`, if anything.
-    pub(crate) fn find(&self, gpa: u64) -> Option<MmioTarget> {
+    pub(super) fn find(&self, gpa: u64) -> Option<MmioTarget> {
         let at = self.ranges.partition_point(|(r, _)| r.start <= gpa);
         let (range, kind) = self.ranges.get(at.checked_sub(1)?)?;
         if !range.contains(&gpa) {

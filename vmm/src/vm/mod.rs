@@ -3,7 +3,7 @@
 //! ([`ports`]).
 
 pub mod exit;
-pub(crate) mod memory_gone;
+mod memory_gone;
 pub mod mmio;
 pub mod ports;
 pub(crate) mod restore;
@@ -20,7 +20,7 @@ use kvm_memslots::{KvmVm, MemoryLimits, MemoryManager, RingError};
 
 /// Where KVM puts the three pages Intel's VMX needs for real mode's TSS: in the 3-4 GiB MMIO
 /// gap, below 4 GiB.
-pub(crate) const TSS_ADDRESS: usize = 0xfffb_d000;
+const TSS_ADDRESS: usize = 0xfffb_d000;
 
 /// What a VM is created with besides its memory.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]

@@ -17,9 +17,9 @@ pub enum Unmapped {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct PortRange<D> {
     /// First port.
-    pub(crate) base: u16,
+    base: u16,
     /// Number of ports.
-    pub(crate) len: u16,
+    len: u16,
     /// The device; it sees offsets from `base`.
     pub(crate) device: D,
 }
@@ -53,11 +53,11 @@ pub struct PortBus<D> {
 #[error("ports {base:#x}+{len} are empty, wrap past 0xffff or overlap the range at {other:#x?}")]
 pub(crate) struct PortBusError {
     /// First port.
-    pub(crate) base: u16,
+    base: u16,
     /// Number of ports.
-    pub(crate) len: u16,
+    len: u16,
     /// The base of the range it overlaps, if any.
-    pub(crate) other: Option<u16>,
+    other: Option<u16>,
 }
 
 impl<D: Copy> PortBus<D> {

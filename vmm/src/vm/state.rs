@@ -100,9 +100,9 @@ pub const SAVED_MSRS: [u32; 11] = [
 #[error("{what} failed: {source}")]
 pub struct StateError {
     /// The ioctl.
-    pub(crate) what: &'static str,
+    what: &'static str,
     /// KVM's error.
-    pub(crate) source: kvm_ioctls::Error,
+    source: kvm_ioctls::Error,
 }
 
 fn failed(what: &'static str) -> impl Fn(kvm_ioctls::Error) -> StateError {
@@ -118,7 +118,7 @@ impl VcpuState {
 
     /// Reads `vcpu`'s state, with the MSRs `msrs`. The vCPU must not be running (call from
     /// its own thread between runs, or before it starts).
-    pub(crate) fn save_with(vcpu: &VcpuFd, msrs: &[u32]) -> Result<Self, StateError> {
+    pub(super) fn save_with(vcpu: &VcpuFd, msrs: &[u32]) -> Result<Self, StateError> {
         let cpuid = vcpu
             .get_cpuid2(KVM_MAX_CPUID_ENTRIES)
             .map_err(failed("KVM_GET_CPUID2"))?;
@@ -321,7 +321,7 @@ impl FrozenClock {
     }
 
     /// Where the clock is held, if it is.
-    pub(crate) fn frozen(&self) -> Option<u64> {
+    fn frozen(&self) -> Option<u64> {
         *self.held()
     }
 }

@@ -27,10 +27,10 @@ pub use crate::control::memory::RegionBacking as Backing;
 pub use crate::control::memory::RegionPageSize as PageSize;
 pub use crate::control::migration::OnTimeout;
 pub use crate::control::snapshot::SnapshotType as SnapshotKind;
-pub(crate) use follow::Followed;
-pub(crate) use render::render;
+use follow::Followed;
+use render::render;
 
-pub(crate) mod follow;
+mod follow;
 mod render;
 mod run;
 
@@ -43,25 +43,25 @@ pub struct ClientArgs {
     /// The VMM's API socket (`--api-sock` of serve, restore, receive or boot), before or after
     /// the request's name (`--api-socket` too).
     #[arg(long, alias = "api-socket", global = true, env = API_SOCK_ENV)]
-    pub(crate) api_sock: Option<PathBuf>,
+    api_sock: Option<PathBuf>,
     /// Seconds to wait for the answer before giving up (exit status 124; the VMM may still
     /// carry the request out); 0 waits for ever. A paused snapshot and a guest write or
     /// verify answer once done, as long as guest memory is large; a live snapshot and a
     /// migration answer as they start, and each status request that follows them waits as
     /// long [default: 60; 600 for a paused snapshot and a guest write or verify]
     #[arg(long, global = true, value_name = "SECS")]
-    pub(crate) timeout: Option<u64>,
+    timeout: Option<u64>,
     /// Print the answer's JSON body alone on stdout (`{}` when it has none) instead of a
     /// table; a refusal's `{"fault_message": ...}` too.
     #[arg(long, global = true)]
-    pub(crate) json: bool,
+    json: bool,
     /// The log level: accepted here as on every subcommand, but the client says only its
     /// failures whatever the level, so its help does not list it.
     #[arg(long, global = true, value_enum, hide = true)]
-    pub(crate) log_level: Option<crate::lifecycle::LogLevel>,
+    log_level: Option<crate::lifecycle::LogLevel>,
     /// The request.
     #[command(subcommand)]
-    pub(crate) request: ClientRequest,
+    request: ClientRequest,
 }
 
 /// On or off.
@@ -284,7 +284,7 @@ fn json_body(value: &str) -> Result<Value, String> {
 
 /// A number of bytes or an address: decimal, `0x` hex, or a number with a binary suffix
 /// (`K`, `M`, `G`, `T`, optionally followed by `iB` or `B`).
-pub(crate) fn bytes(value: &str) -> Result<u64, String> {
+fn bytes(value: &str) -> Result<u64, String> {
     let text = value.trim();
     let invalid = || format!("{value} is not a number of bytes (4096, 0x1000, 2M, 1GiB)");
     if let Some(hex) = text.strip_prefix("0x").or_else(|| text.strip_prefix("0X")) {
@@ -309,16 +309,16 @@ pub(crate) fn bytes(value: &str) -> Result<u64, String> {
 }
 
 /// What a request waits for its answer by default.
-pub(crate) const TIMEOUT: Duration = Duration::from_secs(60);
+const TIMEOUT: Duration = Duration::from_secs(60);
 
 /// What a request whose answer comes once a lot of guest memory was copied or gone over (a
 /// paused snapshot, a guest write or verify) waits by default: 600 s, a paused Full of about
 /// 500 GiB here (a paused Full of 4 GiB took 3–5 s in `docs/BENCHMARKS.md`'s live-snapshot
 /// runs: about 1 GB/s).
-pub(crate) const LONG_TIMEOUT: Duration = Duration::from_secs(600);
+const LONG_TIMEOUT: Duration = Duration::from_secs(600);
 
 /// The exit status of a request that got no answer in time (as `timeout(1)`'s).
-pub(crate) const TIMED_OUT: u8 = 124;
+const TIMED_OUT: u8 = 124;
 
 /// Whether the request `method path body` is answered only once it has copied or gone over
 /// guest memory (as much as the VM has): a paused snapshot, a guest write or verify.
@@ -338,7 +338,7 @@ impl ClientRequest {
     /// How long the request waits for its answer unless `--timeout` says: [`LONG_TIMEOUT`]
     /// for a paused snapshot and a guest write or verify (`raw` ones too), [`TIMEOUT`] for
     /// every other.
-    pub(crate) fn default_timeout(&self) -> Duration {
+    fn default_timeout(&self) -> Duration {
         match self.http() {
             Ok((method, path, body)) if answered_when_done(&method, &path, body.as_ref()) => {
                 LONG_TIMEOUT
@@ -349,7 +349,7 @@ impl ClientRequest {
 
     /// The run this request starts and the client follows to its end: a migration, a live
     /// snapshot (unless `--no-wait`).
-    pub(crate) fn followed(&self) -> Option<Followed> {
+    fn followed(&self) -> Option<Followed> {
         match self {
             ClientRequest::Migrate { no_wait: false, .. } => Some(Followed::Migration),
             ClientRequest::Snapshot {
@@ -363,7 +363,7 @@ impl ClientRequest {
 
     /// Why a 2xx answer `body` to this request is a failure even so: a guest command whose
     /// verify found an address without its pattern (`raw` ones too).
-    pub(crate) fn failed(&self, body: &Value) -> Option<String> {
+    fn failed(&self, body: &Value) -> Option<String> {
         let (method, path, _) = self.http().ok()?;
         if method != "PUT" || path != "/guest/command" || body["result"] != "mismatch" {
             return None;
@@ -545,7 +545,7 @@ fn insert<T: Into<Value>>(body: &mut Value, key: &str, value: Option<T>) {
 
 /// Sends `request` on the socket at `path`, waiting `timeout` at most for the answer (`None`:
 /// for ever): the status and the JSON body (`Null` if none).
-pub(crate) fn send(
+fn send(
     path: &Path,
     request: &ClientRequest,
     timeout: Option<Duration>,
@@ -558,7 +558,7 @@ pub(crate) fn send(
 
 /// The wait `--timeout` asks for `request` (its [default](ClientRequest::default_timeout)
 /// without it; `None`, for ever, for 0).
-pub(crate) fn timeout(request: &ClientRequest, secs: Option<u64>) -> Option<Duration> {
+fn timeout(request: &ClientRequest, secs: Option<u64>) -> Option<Duration> {
     match secs {
         None => Some(request.default_timeout()),
         Some(0) => None,
@@ -567,7 +567,7 @@ pub(crate) fn timeout(request: &ClientRequest, secs: Option<u64>) -> Option<Dura
 }
 
 /// The exit status for an answer's status: 0 for 2xx, 4 for 4xx, 5 for 5xx, 1 otherwise.
-pub(crate) fn exit_status(status: u16) -> u8 {
+fn exit_status(status: u16) -> u8 {
     match status {
         200..=299 => 0,
         400..=499 => 4,

@@ -17,7 +17,7 @@ use serde_json::Value;
 
 /// The largest state file read: a layout of every KVM slot as its own region and the most
 /// vCPUs take a few MiB.
-pub(crate) const MAX_STATE_FILE: u64 = 64 << 20;
+const MAX_STATE_FILE: u64 = 64 << 20;
 
 /// Why a state file was refused.
 #[derive(Debug, thiserror::Error)]
@@ -58,7 +58,7 @@ pub(crate) fn open_input(path: &Path) -> Result<File, String> {
 /// version outside the versions it gives with it, is over [`MAX_STATE_FILE`] or another size
 /// than its header says is refused before it is read whole. The error does not name the
 /// path: the caller does.
-pub(crate) fn read_framed(
+pub(super) fn read_framed(
     path: &Path,
     format: impl Fn(&[u8]) -> (&'static [u8; 8], RangeInclusive<u32>),
 ) -> Result<Vec<u8>, StateFileError> {

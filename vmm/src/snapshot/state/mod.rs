@@ -199,7 +199,7 @@ impl<G: GuestPart> SavedState<G> {
     /// itself before anything is built: this format's version, this kind's state, a layout
     /// that passes [`MemoryLayout::validate`], a snapshot identity that agrees with it, and
     /// the kind's own checks ([`GuestPart::validate`]).
-    pub(crate) fn validate(&self) -> Result<(), StateFileError> {
+    fn validate(&self) -> Result<(), StateFileError> {
         let bad = |why: String| StateFileError(why);
         if self.version != STATE_VERSION {
             return Err(bad(format!(

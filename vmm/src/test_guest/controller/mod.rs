@@ -31,7 +31,7 @@ use hotplug::no_hotplug_area;
 
 const MIB: u64 = 1 << 20;
 /// Where regions added without a guest address go (above the test area).
-pub(crate) const AUTO_PLACE_BASE: u64 = 1 << 30;
+const AUTO_PLACE_BASE: u64 = 1 << 30;
 
 /// The test guest's controller: the one controller over a [`TestGuest`].
 pub(crate) type Controller = crate::controller::Controller<TestGuest>;

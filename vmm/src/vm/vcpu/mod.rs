@@ -277,7 +277,7 @@ fn wait_for_change(memory: &MemoryManager<KvmVm>, shared: &VcpuShared) -> bool {
 impl<P: VcpuPorts> Vcpu<P> {
     /// Runs the guest until the host asks the vCPU to stop or a device says so (`Ok`), or an
     /// error stops it.
-    pub(crate) fn run(self) -> Result<(), VcpuError<P::Error>> {
+    fn run(self) -> Result<(), VcpuError<P::Error>> {
         let Vcpu {
             index: vcpu,
             mut fd,

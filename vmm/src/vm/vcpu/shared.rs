@@ -55,7 +55,7 @@ pub struct VcpuShared {
     /// [`ExitContext::expected_mmio`]: crate::vm::exit::ExitContext::expected_mmio
     pub expected_mmio: Mutex<Option<Range<u64>>>,
     /// Set to make the vCPU stop at its next exit (kick it to make that exit come soon).
-    pub(crate) stop: AtomicBool,
+    stop: AtomicBool,
     /// Where the host pauses the vCPU inside a guest's run (see [`VcpuShared::pause`]).
     pause: PauseGate,
     /// The vCPU thread, for kicks from any host thread: set when the thread starts, taken
@@ -137,7 +137,7 @@ impl VcpuShared {
     }
 
     /// Kicks the vCPU's thread out of `KVM_RUN` (no-op before it started or once it ended).
-    pub(crate) fn kick(&self) {
+    fn kick(&self) {
         if self.finished.load(Ordering::Acquire) {
             return;
         }
