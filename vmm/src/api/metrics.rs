@@ -222,7 +222,7 @@ fn header(out: &mut String, name: &str, kind: &str, help: &str) {
 /// The metrics text: `replies` holds each source's reply body (`None` where it was refused),
 /// in [`sources`]'s order; `answered` the API's answers by status; `connections` the clients
 /// connected; `counters` the process's own counters.
-pub(crate) fn render(
+pub(super) fn render(
     replies: &[Option<Value>],
     answered: &BTreeMap<u16, u64>,
     connections: usize,

@@ -11,4 +11,5 @@ pub(crate) mod slot;
 pub(crate) mod transport;
 
 pub(crate) use sink::StateRecord;
-pub use transport::{Connection, Endpoint, Listener};
+pub(crate) use transport::Connection;
+pub use transport::Endpoint;

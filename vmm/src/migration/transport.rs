@@ -201,7 +201,7 @@ fn connect_tcp(addr: SocketAddr, watch: &Watch) -> io::Result<OwnedFd> {
 
 /// A listening endpoint; a Unix socket's file goes when it is dropped.
 #[derive(Debug)]
-pub enum Listener {
+pub(crate) enum Listener {
     /// On a Unix socket.
     Unix(UnixListener, PathBuf),
     /// On TCP.
@@ -403,7 +403,7 @@ impl Watch {
 
 /// A connection between the two VMMs: non-blocking, every wait watched (`Watch`).
 #[derive(Debug)]
-pub struct Connection {
+pub(crate) struct Connection {
     link: Link,
     watch: Watch,
 }

@@ -12,11 +12,11 @@ use crate::host;
 
 /// How much of the start of the memory file a state file checks ([`MemoryCheck`]): for the test
 /// guest its system region (page tables, code, command blocks), for Linux its low memory.
-pub const MEMORY_HEAD: u64 = 2 << 20;
+pub(crate) const MEMORY_HEAD: u64 = 2 << 20;
 
 /// A snapshot's kind.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-pub enum SnapshotKind {
+pub(crate) enum SnapshotKind {
     /// Its memory file has every page that holds data.
     Full,
     /// Its memory file has the pages changed since its parent: it restores merged onto its
@@ -186,7 +186,7 @@ pub struct MemoryCheck {
 
 /// Why a memory file is not the one a state file wants.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-pub enum MemoryMismatch {
+pub(crate) enum MemoryMismatch {
     /// Another size.
     #[error("it has {found} bytes; the snapshot's memory has {expected}")]
     Size {

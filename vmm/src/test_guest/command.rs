@@ -26,7 +26,7 @@ pub enum Op {
     VexVerify,
     /// Store an 8-byte stub at each address (a plain `mov`) and call it: the guest runs code
     /// from every address. The stub returns its own address; one that returns another is a
-    /// mismatch ([`Outcome::mismatch`]).
+    /// mismatch (`Outcome::mismatch`).
     Exec,
     /// As [`Op::Exec`] without the store: call the stubs already there.
     Call,

@@ -11,9 +11,10 @@ use kvm_memslots_persist::MemoryLayout;
 use serde::{Deserialize, Serialize};
 
 use crate::migration::StateRecord;
-pub use crate::snapshot::info::{
-    MemoryCheck, MemoryMismatch, SnapshotId, SnapshotInfo, SnapshotKind, MEMORY_HEAD,
-};
+pub use crate::snapshot::info::{MemoryCheck, SnapshotInfo};
+pub(crate) use crate::snapshot::info::{MemoryMismatch, SnapshotKind};
+#[cfg(test)]
+use crate::snapshot::info::{SnapshotId, MEMORY_HEAD};
 pub(crate) use crate::snapshot::state::file::{open_input, StateFileError};
 #[cfg(test)]
 use crate::snapshot::state::STATE_VERSION;

@@ -59,7 +59,7 @@ pub(super) fn register(counters: Arc<ExitCounters>) {
 
 /// The exits of every vCPU this process started ([`exit_totals`]).
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct ExitTotals {
+pub(crate) struct ExitTotals {
     /// Every exit, by its kind ([`EXIT_KINDS`]): they add up to all exits.
     pub(crate) by_kind: Vec<(&'static str, u64)>,
     /// Exits the loop handled its own way (some of the MMIO, memory-fault and
@@ -75,7 +75,7 @@ pub struct ExitTotals {
 
 /// The exits of every vCPU this process started, for `GET /metrics`. Read from each vCPU's
 /// own counters, so counting costs the exit loop no cache line shared with another vCPU.
-pub fn exit_totals() -> ExitTotals {
+pub(crate) fn exit_totals() -> ExitTotals {
     let started = STARTED.lock().unwrap_or_else(|p| p.into_inner());
     let sum = |count: &dyn Fn(&ExitCounters) -> &AtomicU64| -> u64 {
         started

@@ -8,8 +8,10 @@
 mod counters;
 mod shared;
 
-pub use counters::{exit_totals, ExitCounters, ExitTotals};
-pub use shared::{install_kick_handler, kick_signal, kick_until_finished, PauseError, VcpuShared};
+pub(crate) use counters::exit_totals;
+pub use counters::ExitCounters;
+pub use shared::VcpuShared;
+pub(crate) use shared::{install_kick_handler, kick_until_finished, PauseError};
 
 use std::sync::atomic::Ordering;
 use std::sync::Arc;

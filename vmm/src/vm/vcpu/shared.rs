@@ -18,13 +18,13 @@ use crate::vm::state::{StateError, VcpuState, SAVED_MSRS};
 extern "C" fn ignore_signal(_: libc::c_int, _: *mut libc::siginfo_t, _: *mut libc::c_void) {}
 
 /// The signal that kicks a vCPU thread out of `KVM_RUN` (its run then fails with `EINTR`).
-pub fn kick_signal() -> libc::c_int {
+fn kick_signal() -> libc::c_int {
     vmm_sys_util::signal::SIGRTMIN()
 }
 
 /// Installs the kick signal's handler (a no-op: the signal only has to interrupt `KVM_RUN`),
 /// once per process.
-pub fn install_kick_handler() {
+pub(crate) fn install_kick_handler() {
     static HANDLER: std::sync::Once = std::sync::Once::new();
     HANDLER.call_once(|| {
         vmm_sys_util::signal::register_signal_handler(kick_signal(), ignore_signal)
@@ -35,7 +35,7 @@ pub fn install_kick_handler() {
 /// Kicks the vCPU thread `thread` out of the guest until it has finished, for at most
 /// `timeout` (a kick can land just before the thread enters the guest, so one is not enough).
 /// Returns whether the thread finished.
-pub fn kick_until_finished<T>(thread: &JoinHandle<T>, timeout: Duration) -> bool {
+pub(crate) fn kick_until_finished<T>(thread: &JoinHandle<T>, timeout: Duration) -> bool {
     use vmm_sys_util::signal::Killable;
     let deadline = Instant::now() + timeout;
     while !thread.is_finished() && Instant::now() < deadline {
