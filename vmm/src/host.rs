@@ -24,15 +24,15 @@ use vmm_sys_util::terminal::Terminal;
 
 /// The process's limit on open files (`RLIMIT_NOFILE`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct FileLimit {
+pub(crate) struct FileLimit {
     /// The soft limit: how many files the process may have open now.
-    pub soft: u64,
+    pub(crate) soft: u64,
     /// The hard limit: how far the soft one may be raised.
-    pub hard: u64,
+    pub(crate) hard: u64,
 }
 
 /// The process's open-file limit (getrlimit(2)).
-pub fn open_file_limit() -> io::Result<FileLimit> {
+pub(crate) fn open_file_limit() -> io::Result<FileLimit> {
     let mut limit = libc::rlimit {
         rlim_cur: 0,
         rlim_max: 0,
@@ -51,7 +51,7 @@ pub fn open_file_limit() -> io::Result<FileLimit> {
 /// Raises the soft open-file limit to the hard one (setrlimit(2)); an unlimited hard limit
 /// still stops at the kernel's per-process cap (`/proc/sys/fs/nr_open`). The limit before and
 /// after, or `None` when the soft limit could not go higher.
-pub fn raise_open_file_limit() -> io::Result<Option<(FileLimit, FileLimit)>> {
+pub(crate) fn raise_open_file_limit() -> io::Result<Option<(FileLimit, FileLimit)>> {
     let before = open_file_limit()?;
     if before.soft >= before.hard {
         return Ok(None);
@@ -81,7 +81,7 @@ pub fn raise_open_file_limit() -> io::Result<Option<(FileLimit, FileLimit)>> {
 /// Runs `create` with the process's file-creation mask set to `mask` (umask(2)) and sets the
 /// old mask back after it: what `create` makes lacks the permissions in `mask` from the moment
 /// it exists. The mask is the process's, so a file another thread makes meanwhile gets it too.
-pub fn with_umask<T>(mask: u32, create: impl FnOnce() -> T) -> T {
+pub(crate) fn with_umask<T>(mask: u32, create: impl FnOnce() -> T) -> T {
     // SAFETY: umask(2) only changes the process's file-creation mask: it takes no pointers and
     // cannot fail.
     let old = unsafe { libc::umask(mask) };
@@ -93,7 +93,7 @@ pub fn with_umask<T>(mask: u32, create: impl FnOnce() -> T) -> T {
 
 /// What [`poll_one`] waits for a descriptor to be ready for.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Ready {
+pub(crate) enum Ready {
     /// Reading (`POLLIN`).
     Read,
     /// Writing (`POLLOUT`).
@@ -103,7 +103,7 @@ pub enum Ready {
 /// Waits up to `timeout` (rounded up to whole milliseconds; zero: no wait) for `fd` to be
 /// ready (poll(2)); whether it is. A hang-up or an error on it counts as ready (the next read
 /// or write says which). A signal that interrupts the wait is the error `Interrupted`.
-pub fn poll_one(fd: BorrowedFd<'_>, ready: Ready, timeout: Duration) -> io::Result<bool> {
+pub(crate) fn poll_one(fd: BorrowedFd<'_>, ready: Ready, timeout: Duration) -> io::Result<bool> {
     let mut pollfd = libc::pollfd {
         fd: fd.as_raw_fd(),
         events: match ready {
@@ -125,7 +125,7 @@ pub fn poll_one(fd: BorrowedFd<'_>, ready: Ready, timeout: Duration) -> io::Resu
 /// Reads what the process's stdin has now, without std's buffer (bytes left in it would wait
 /// for the next key without epoll saying so): vmm-sys-util's unbuffered terminal read, under
 /// std's stdin lock for the call (nothing else in the VMM reads stdin).
-pub fn read_stdin_unbuffered(buffer: &mut [u8]) -> io::Result<usize> {
+pub(crate) fn read_stdin_unbuffered(buffer: &mut [u8]) -> io::Result<usize> {
     io::stdin()
         .lock()
         .read_raw(buffer)
@@ -135,7 +135,7 @@ pub fn read_stdin_unbuffered(buffer: &mut [u8]) -> io::Result<usize> {
 /// The host terminal on stdin in raw mode (no line editing or echo; Ctrl-C still signals, and
 /// output still turns `\n` into `\r\n`) while it is the guest's console; its old mode comes
 /// back on drop. (vmm-sys-util's raw mode turns signals off and does not keep the old mode.)
-pub struct RawTerminal {
+pub(crate) struct RawTerminal {
     saved: libc::termios,
 }
 
@@ -148,7 +148,7 @@ impl std::fmt::Debug for RawTerminal {
 impl RawTerminal {
     /// Puts stdin in raw mode if it is a terminal; `None` if it is not, or its mode cannot be
     /// read or set.
-    pub fn on_stdin() -> Option<Self> {
+    pub(crate) fn on_stdin() -> Option<Self> {
         let fd = libc::STDIN_FILENO;
         // SAFETY: isatty only inspects the descriptor.
         if unsafe { libc::isatty(fd) } != 1 {
@@ -184,7 +184,7 @@ impl Drop for RawTerminal {
 
 /// Where a stream socket connects to, as connect(2) takes it: a Unix socket's path or an IP
 /// address.
-pub enum SocketAddress {
+pub(crate) enum SocketAddress {
     /// A Unix socket's path.
     Unix(libc::sockaddr_un),
     /// An IPv4 address and port.
@@ -207,7 +207,7 @@ impl std::fmt::Debug for SocketAddress {
 impl SocketAddress {
     /// The Unix socket at `path`; refused (`InvalidInput`) when the path does not fit a
     /// `sockaddr_un` or holds a NUL.
-    pub fn unix(path: &Path) -> io::Result<Self> {
+    pub(crate) fn unix(path: &Path) -> io::Result<Self> {
         let bytes = path.as_os_str().as_bytes();
         let mut addr = libc::sockaddr_un {
             sun_family: libc::AF_UNIX as libc::sa_family_t,
@@ -230,7 +230,7 @@ impl SocketAddress {
     }
 
     /// The IP address and port `addr`.
-    pub fn inet(addr: SocketAddr) -> Self {
+    pub(crate) fn inet(addr: SocketAddr) -> Self {
         match addr {
             SocketAddr::V4(a) => SocketAddress::V4(libc::sockaddr_in {
                 sin_family: libc::AF_INET as libc::sa_family_t,
@@ -262,7 +262,7 @@ impl SocketAddress {
 }
 
 /// A new non-blocking stream socket of `addr`'s family, closed on exec (socket(2)).
-pub fn stream_socket(addr: &SocketAddress) -> io::Result<OwnedFd> {
+pub(crate) fn stream_socket(addr: &SocketAddress) -> io::Result<OwnedFd> {
     // SAFETY: socket(2) takes no pointers; it returns a new descriptor or -1.
     let fd = unsafe {
         libc::socket(
@@ -279,7 +279,7 @@ pub fn stream_socket(addr: &SocketAddress) -> io::Result<OwnedFd> {
 }
 
 /// connect(2) of `socket` to `addr`: the error as is (`EAGAIN`, `EINPROGRESS` included).
-pub fn connect(socket: BorrowedFd<'_>, addr: &SocketAddress) -> io::Result<()> {
+pub(crate) fn connect(socket: BorrowedFd<'_>, addr: &SocketAddress) -> io::Result<()> {
     /// connect(2) with the socket address `addr`, whose size is `A`'s.
     fn raw<A>(socket: BorrowedFd<'_>, addr: &A) -> libc::c_int {
         let len = size_of::<A>() as libc::socklen_t;
@@ -302,7 +302,7 @@ pub fn connect(socket: BorrowedFd<'_>, addr: &SocketAddress) -> io::Result<()> {
 
 /// The error pending on `socket` (`SO_ERROR`, which reading clears): how a non-blocking
 /// connect ended once the socket is writable. `Ok(None)`: it connected.
-pub fn take_socket_error(socket: BorrowedFd<'_>) -> io::Result<Option<io::Error>> {
+pub(crate) fn take_socket_error(socket: BorrowedFd<'_>) -> io::Result<Option<io::Error>> {
     let mut error: libc::c_int = 0;
     let mut len = size_of::<libc::c_int>() as libc::socklen_t;
     // SAFETY: SO_ERROR writes one c_int into `error`, whose size `len` gives, both borrowed
@@ -323,13 +323,16 @@ pub fn take_socket_error(socket: BorrowedFd<'_>) -> io::Result<Option<io::Error>
 }
 
 /// The most file descriptors one message carries (the kernel's `SCM_MAX_FD`).
-pub const SCM_MAX_FD: usize = 253;
+pub(crate) const SCM_MAX_FD: usize = 253;
 
 /// Reads into `buf` from the Unix stream socket `stream`, with the file descriptors that came
 /// beside the bytes (`SCM_RIGHTS`, at most [`SCM_MAX_FD`]), now this process's own: vmm-sys-util's
 /// `recvmsg`. Where the kernel could install only some of them (the open-file limit) the error
 /// is `ENOBUFS`, those that came closed.
-pub fn recv_with_fds(stream: &UnixStream, buf: &mut [u8]) -> io::Result<(usize, Vec<OwnedFd>)> {
+pub(crate) fn recv_with_fds(
+    stream: &UnixStream,
+    buf: &mut [u8],
+) -> io::Result<(usize, Vec<OwnedFd>)> {
     let mut fds: [RawFd; SCM_MAX_FD] = [-1; SCM_MAX_FD];
     let mut iovecs = [libc::iovec {
         iov_base: buf.as_mut_ptr().cast(),
@@ -350,10 +353,10 @@ pub fn recv_with_fds(stream: &UnixStream, buf: &mut [u8]) -> io::Result<(usize, 
 
 /// A thread of this process, as pthreads names it: where [`signal_thread`] sends a signal.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct ThreadId(libc::pthread_t);
+pub(crate) struct ThreadId(libc::pthread_t);
 
 /// The calling thread.
-pub fn current_thread() -> ThreadId {
+pub(crate) fn current_thread() -> ThreadId {
     // SAFETY: pthread_self has no preconditions and cannot fail.
     ThreadId(unsafe { libc::pthread_self() })
 }
@@ -364,7 +367,7 @@ pub fn current_thread() -> ThreadId {
 ///
 /// `thread` must still name a live thread: one that has not returned (a joined thread's id
 /// may name another thread, or nothing).
-pub unsafe fn signal_thread(thread: ThreadId, signal: libc::c_int) -> io::Result<()> {
+pub(crate) unsafe fn signal_thread(thread: ThreadId, signal: libc::c_int) -> io::Result<()> {
     // SAFETY: the caller guarantees that `thread` names a thread that has not returned.
     match unsafe { libc::pthread_kill(thread.0, signal) } {
         0 => Ok(()),
@@ -374,7 +377,7 @@ pub unsafe fn signal_thread(thread: ThreadId, signal: libc::c_int) -> io::Result
 
 /// Fills `buf` with random bytes from the kernel's pool (getrandom(2), blocking only until the
 /// pool is first initialised), retrying a call a signal interrupts or the kernel cut short.
-pub fn fill_random(buf: &mut [u8]) -> io::Result<()> {
+pub(crate) fn fill_random(buf: &mut [u8]) -> io::Result<()> {
     let mut filled = 0;
     while filled < buf.len() {
         let rest = &mut buf[filled..];

@@ -35,7 +35,7 @@ pub fn set_log_level(level: LogLevel) {
 }
 
 /// Whether the level in force says what `level` says.
-pub fn logs(level: LogLevel) -> bool {
+pub(crate) fn logs(level: LogLevel) -> bool {
     level as u8 <= LOG_LEVEL.load(Ordering::Relaxed)
 }
 
@@ -79,7 +79,7 @@ static SIGNALLED: AtomicBool = AtomicBool::new(false);
 
 /// Set once SIGINT or SIGTERM came (after [`EventLoop::new`] installed the handler); never
 /// cleared, since the process is on its way out. Long operations poll it between steps.
-pub fn termination_signal() -> &'static AtomicBool {
+pub(crate) fn termination_signal() -> &'static AtomicBool {
     &SIGNALLED
 }
 
@@ -89,7 +89,7 @@ pub fn termination_signal() -> &'static AtomicBool {
 /// the VMM as soon as it finds it, while it still starts. A signal that comes before the
 /// event loop sets [`termination_signal`] and leaves the loop's eventfd readable, so the loop
 /// ends on it as soon as it runs.
-pub fn catch_termination_signals() -> Result<(), LoopError> {
+pub(crate) fn catch_termination_signals() -> Result<(), LoopError> {
     signal_event().map(|_| ())
 }
 
@@ -174,7 +174,7 @@ pub enum LoopError {
 }
 
 /// The event loop with the lifecycle subscriber in place; more subscribers can join it.
-pub struct EventLoop {
+pub(crate) struct EventLoop {
     manager: EventManager<Arc<Mutex<dyn MutEventSubscriber + Send>>>,
     lifecycle: Arc<Mutex<Lifecycle>>,
     context: JobContext,
@@ -191,7 +191,7 @@ impl std::fmt::Debug for EventLoop {
 
 impl EventLoop {
     /// Creates the loop and routes SIGINT and SIGTERM to it.
-    pub fn new() -> Result<Self, LoopError> {
+    pub(crate) fn new() -> Result<Self, LoopError> {
         let eventfd = || {
             EventFd::new(EFD_NONBLOCK)
                 .map(Arc::new)
@@ -222,18 +222,18 @@ impl EventLoop {
     }
 
     /// What jobs and vCPUs share with the loop.
-    pub fn context(&self) -> &JobContext {
+    pub(crate) fn context(&self) -> &JobContext {
         &self.context
     }
 
     /// Adds a subscriber (the API server, say).
-    pub fn add(&mut self, subscriber: Arc<Mutex<dyn MutEventSubscriber + Send>>) {
+    pub(crate) fn add(&mut self, subscriber: Arc<Mutex<dyn MutEventSubscriber + Send>>) {
         self.manager.add_subscriber(subscriber);
     }
 
     /// Waits up to `timeout_ms` for events and dispatches them; returns how the loop should end,
     /// if it should: `Interrupted` once a signal came, `Finished` once the job said it is done.
-    pub fn dispatch(&mut self, timeout_ms: i32) -> Option<Ending> {
+    pub(crate) fn dispatch(&mut self, timeout_ms: i32) -> Option<Ending> {
         // A signal interrupts epoll_wait; that is not an error.
         let _ = self.manager.run_with_timeout(timeout_ms);
         let state = self.lifecycle.lock().unwrap_or_else(|p| p.into_inner());

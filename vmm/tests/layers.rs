@@ -49,6 +49,7 @@ fn top_modules(lib: &str) -> BTreeSet<String> {
             let line = line.trim();
             let rest = line
                 .strip_prefix("pub mod ")
+                .or(line.strip_prefix("pub(crate) mod "))
                 .or(line.strip_prefix("mod "))?;
             Some(rest.trim_end_matches(';').trim().to_owned())
         })

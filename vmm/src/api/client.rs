@@ -22,7 +22,7 @@ pub enum ClientError {
     /// bytes of it).
     #[error("the connection closed after {0} bytes of an answer")]
     Closed(usize),
-    /// No whole answer came within the wait set ([`Client::set_timeout`]): the server may
+    /// No whole answer came within the wait set (`Client::set_timeout`): the server may
     /// still carry the request out.
     #[error("no answer within {} (the request may still be carried out)", seconds(.0))]
     TimedOut(Duration),
@@ -31,7 +31,7 @@ pub enum ClientError {
 impl ClientError {
     /// Whether the connection to the server failed or was cut (refused, reset, closed before
     /// the whole answer): a server that is alive answers, even to refuse a client (503).
-    pub fn connection_lost(&self) -> bool {
+    pub(crate) fn connection_lost(&self) -> bool {
         matches!(self, ClientError::Io(_) | ClientError::Closed(_))
     }
 }
@@ -53,10 +53,10 @@ pub struct Client {
 
 /// What [`Client::connect`] waits for an answer: long, for tests and benchmarks whose requests
 /// may copy a lot of memory (`tinyvmm client` sets its own, `--timeout`).
-pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(300);
+const DEFAULT_TIMEOUT: Duration = Duration::from_secs(300);
 
 impl Client {
-    /// Connects to the socket at `path`; each request waits [`DEFAULT_TIMEOUT`] at most for its
+    /// Connects to the socket at `path`; each request waits `DEFAULT_TIMEOUT` at most for its
     /// answer.
     pub fn connect(path: &Path) -> Result<Self, ClientError> {
         let stream = UnixStream::connect(path)?;
@@ -70,7 +70,7 @@ impl Client {
     /// Sets the longest each request (its sending and its whole answer, however it trickles
     /// in) may take from now on; `None` waits for ever. A request that takes longer fails with
     /// [`ClientError::TimedOut`].
-    pub fn set_timeout(&mut self, timeout: Option<Duration>) {
+    pub(crate) fn set_timeout(&mut self, timeout: Option<Duration>) {
         self.timeout = timeout;
     }
 

@@ -4,9 +4,9 @@
 use std::fmt;
 
 /// Most bytes of request line and headers.
-pub const MAX_HEADER_BYTES: usize = 8 * 1024;
+pub(super) const MAX_HEADER_BYTES: usize = 8 * 1024;
 /// Most bytes of a request body.
-pub const MAX_BODY_BYTES: usize = 64 * 1024;
+pub(super) const MAX_BODY_BYTES: usize = 64 * 1024;
 const MAX_HEADERS: usize = 32;
 
 /// A complete request.
@@ -26,7 +26,7 @@ pub struct Request {
 
 /// A request the server cannot frame; each maps to a 4xx status.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-pub enum HttpError {
+pub(crate) enum HttpError {
     /// Not HTTP/1.x.
     #[error("malformed HTTP request: {0}")]
     Malformed(httparse::Error),
@@ -58,7 +58,7 @@ pub enum HttpError {
 
 impl HttpError {
     /// The status code for this error.
-    pub fn status(&self) -> u16 {
+    pub(super) fn status(&self) -> u16 {
         match self {
             HttpError::HeadersTooLarge => 431,
             HttpError::BodyTooLarge(_) => 413,
@@ -70,7 +70,7 @@ impl HttpError {
 
 /// What the bytes received so far hold.
 #[derive(Debug, PartialEq, Eq)]
-pub enum Parsed {
+pub(crate) enum Parsed {
     /// Not a whole request yet.
     Incomplete,
     /// The headers of a request that asked for `Expect: 100-continue` are here, its body is
@@ -82,10 +82,10 @@ pub enum Parsed {
 
 /// The interim answer to a request with `Expect: 100-continue` whose headers were accepted
 /// (RFC 9110 §10.1.1): the client may send its body.
-pub const CONTINUE: &[u8] = b"HTTP/1.1 100 Continue\r\n\r\n";
+pub(super) const CONTINUE: &[u8] = b"HTTP/1.1 100 Continue\r\n\r\n";
 
 /// Parses the first request in `buf`.
-pub fn parse(buf: &[u8]) -> Result<Parsed, HttpError> {
+pub(crate) fn parse(buf: &[u8]) -> Result<Parsed, HttpError> {
     let mut headers = [httparse::EMPTY_HEADER; MAX_HEADERS];
     let mut request = httparse::Request::new(&mut headers);
     let header_len = match request.parse(buf) {
@@ -172,7 +172,7 @@ fn content_length_value(value: &[u8]) -> Result<usize, HttpError> {
 
 /// What is left in a connection's buffer when the client closes it: an error if it is part of
 /// a request.
-pub fn at_close(buf: &[u8]) -> Result<(), HttpError> {
+pub(crate) fn at_close(buf: &[u8]) -> Result<(), HttpError> {
     if buf.iter().all(|b| b.is_ascii_whitespace()) {
         return Ok(());
     }
@@ -208,14 +208,14 @@ pub struct Response {
     /// The status code.
     pub status: u16,
     /// The body.
-    pub body: Option<serde_json::Value>,
+    pub(crate) body: Option<serde_json::Value>,
     /// A plain-text body instead (`text/plain`), when set.
-    pub text: Option<String>,
+    text: Option<String>,
 }
 
 impl Response {
     /// `204 No Content`.
-    pub fn no_content() -> Self {
+    pub(super) fn no_content() -> Self {
         Response {
             status: 204,
             body: None,
@@ -224,7 +224,7 @@ impl Response {
     }
 
     /// `200 OK` with a plain-text body in Prometheus' exposition format.
-    pub fn text(body: String) -> Self {
+    pub(super) fn text(body: String) -> Self {
         Response {
             status: 200,
             body: None,
@@ -233,7 +233,7 @@ impl Response {
     }
 
     /// A status with a JSON body.
-    pub fn json(status: u16, body: serde_json::Value) -> Self {
+    pub(super) fn json(status: u16, body: serde_json::Value) -> Self {
         Response {
             status,
             body: Some(body),
@@ -242,7 +242,7 @@ impl Response {
     }
 
     /// An error: `{"fault_message": "..."}`.
-    pub fn fault(status: u16, message: impl fmt::Display) -> Self {
+    pub(super) fn fault(status: u16, message: impl fmt::Display) -> Self {
         Response::json(
             status,
             serde_json::json!({ "fault_message": message.to_string() }),
@@ -250,7 +250,7 @@ impl Response {
     }
 
     /// The bytes on the wire.
-    pub fn to_bytes(&self, keep_alive: bool) -> Vec<u8> {
+    pub(super) fn to_bytes(&self, keep_alive: bool) -> Vec<u8> {
         let (body, content_type) = match (&self.text, &self.body) {
             (Some(text), _) => (
                 text.clone().into_bytes(),

@@ -13,7 +13,7 @@ use serde_json::Value;
 use crate::control::Request as ControllerRequest;
 
 /// The requests whose replies the metrics are read from.
-pub fn sources() -> [ControllerRequest; 6] {
+pub(super) fn sources() -> [ControllerRequest; 6] {
     [
         ControllerRequest::GetMemory,
         ControllerRequest::GetDirtyLog,
@@ -204,15 +204,15 @@ const STATES: [(usize, &str, &str, &str); 3] = [
 
 /// Counters of the process that are no controller's reply, one series per label value.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Labelled {
+pub(crate) struct Labelled {
     /// The metric's name.
-    pub name: &'static str,
+    pub(crate) name: &'static str,
     /// Its help line.
-    pub help: &'static str,
+    pub(crate) help: &'static str,
     /// The label that tells the series apart.
-    pub label: &'static str,
+    pub(crate) label: &'static str,
     /// Each label value and its count.
-    pub values: Vec<(&'static str, u64)>,
+    pub(crate) values: Vec<(&'static str, u64)>,
 }
 
 fn header(out: &mut String, name: &str, kind: &str, help: &str) {
@@ -222,7 +222,7 @@ fn header(out: &mut String, name: &str, kind: &str, help: &str) {
 /// The metrics text: `replies` holds each source's reply body (`None` where it was refused),
 /// in [`sources`]'s order; `answered` the API's answers by status; `connections` the clients
 /// connected; `counters` the process's own counters.
-pub fn render(
+pub(super) fn render(
     replies: &[Option<Value>],
     answered: &BTreeMap<u16, u64>,
     connections: usize,

@@ -5,6 +5,6 @@
 
 pub mod client;
 pub mod http;
-pub mod metrics;
+pub(crate) mod metrics;
 pub mod routes;
 pub mod server;

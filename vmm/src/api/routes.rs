@@ -42,7 +42,7 @@ fn method_not_allowed(method: &str, path: &str, allowed: &str) -> Response {
 }
 
 /// The status for an error of `kind`.
-pub fn status(kind: ErrorKind) -> u16 {
+fn status(kind: ErrorKind) -> u16 {
     match kind {
         ErrorKind::BadRequest => 400,
         ErrorKind::NotFound => 404,
@@ -60,7 +60,7 @@ fn json(status: u16, body: &impl Serialize) -> Response {
 }
 
 /// The response for what the controller did.
-pub fn respond(outcome: Outcome) -> Response {
+pub(super) fn respond(outcome: Outcome) -> Response {
     match outcome {
         Ok(Reply::Done) => Response::no_content(),
         Ok(Reply::Memory(info)) => json(200, &info),
@@ -84,7 +84,7 @@ pub fn respond(outcome: Outcome) -> Response {
 }
 
 /// `GET /`'s answer: what answers on the socket, with no VM involved (a ping).
-pub fn about() -> Response {
+fn about() -> Response {
     Response::json(
         200,
         serde_json::json!({

@@ -42,7 +42,7 @@ pub enum SocketError {
 
 /// Creates the API socket at `path`, readable and writable by its owner only. A stale socket
 /// (nobody answers) is replaced; anything else at the path is refused.
-pub fn bind_api_socket(path: &Path) -> Result<UnixListener, SocketError> {
+fn bind_api_socket(path: &Path) -> Result<UnixListener, SocketError> {
     let socket_error = |source| SocketError::Socket {
         path: path.to_owned(),
         source,
@@ -71,16 +71,16 @@ pub fn bind_api_socket(path: &Path) -> Result<UnixListener, SocketError> {
 
 /// The API socket, bound: its listener, and its file, which goes when the VMM's run ends.
 #[derive(Debug)]
-pub struct ApiSocket {
+pub(crate) struct ApiSocket {
     /// The listener, for the server.
-    pub listener: UnixListener,
+    pub(crate) listener: UnixListener,
     /// The socket's file.
-    pub file: SocketFile,
+    pub(crate) file: SocketFile,
 }
 
 impl ApiSocket {
     /// Binds the API socket at `path` ([`bind_api_socket`]).
-    pub fn bind(path: &Path) -> Result<Self, SocketError> {
+    pub(crate) fn bind(path: &Path) -> Result<Self, SocketError> {
         Ok(ApiSocket {
             listener: bind_api_socket(path)?,
             file: SocketFile(path.to_owned()),
@@ -90,7 +90,7 @@ impl ApiSocket {
 
 /// A bound API socket's file: removed when this is dropped, however the run ends.
 #[derive(Debug)]
-pub struct SocketFile(PathBuf);
+pub(crate) struct SocketFile(PathBuf);
 
 impl Drop for SocketFile {
     fn drop(&mut self) {
@@ -120,7 +120,7 @@ static LOG_REQUESTS: AtomicBool = AtomicBool::new(false);
 /// Logs every request of every API socket of the process on stderr from now on (`on`), with
 /// its status, time and, for a refusal, its message; or stops. The log level `debug`
 /// ([`LogLevel::Debug`]) logs them too.
-pub fn log_requests(on: bool) {
+pub(crate) fn log_requests(on: bool) {
     LOG_REQUESTS.store(on, Ordering::Relaxed);
 }
 
@@ -154,7 +154,7 @@ enum Served {
 }
 
 /// How long a connection may stay open with nothing from its client, by default.
-pub const DEFAULT_IDLE_TIMEOUT: Duration = Duration::from_secs(30);
+pub(crate) const DEFAULT_IDLE_TIMEOUT: Duration = Duration::from_secs(30);
 
 /// Most clients connected at once; more get a 503 and are closed.
 pub const MAX_CONNECTIONS: usize = 128;
@@ -164,7 +164,7 @@ const READ_LIMIT: usize = 2 * (MAX_HEADER_BYTES + MAX_BODY_BYTES);
 
 /// The API socket's subscriber: the listener and every client connection.
 #[derive(Debug)]
-pub struct ApiServer<C> {
+pub(crate) struct ApiServer<C> {
     listener: UnixListener,
     connections: HashMap<RawFd, Connection>,
     controller: C,
@@ -191,7 +191,7 @@ pub struct ApiServer<C> {
 
 impl<C: Apply> ApiServer<C> {
     /// Serves `listener` with `controller`.
-    pub fn new(listener: UnixListener, controller: C) -> Self {
+    pub(crate) fn new(listener: UnixListener, controller: C) -> Self {
         ApiServer {
             listener,
             connections: HashMap::new(),
@@ -208,7 +208,7 @@ impl<C: Apply> ApiServer<C> {
     }
 
     /// Adds the counters `counters` gives to `GET /metrics`' answer.
-    pub fn with_counters(self, counters: fn() -> Vec<Labelled>) -> Self {
+    pub(crate) fn with_counters(self, counters: fn() -> Vec<Labelled>) -> Self {
         ApiServer {
             counters: Some(counters),
             ..self
@@ -216,7 +216,7 @@ impl<C: Apply> ApiServer<C> {
     }
 
     /// Closes connections whose client sent nothing for `timeout` (after a 408).
-    pub fn with_idle_timeout(self, timeout: Duration) -> Self {
+    pub(crate) fn with_idle_timeout(self, timeout: Duration) -> Self {
         ApiServer {
             idle_timeout: timeout,
             ..self
@@ -263,18 +263,18 @@ impl<C: Apply> ApiServer<C> {
     }
 
     /// The controller.
-    pub fn controller_mut(&mut self) -> &mut C {
+    pub(crate) fn controller_mut(&mut self) -> &mut C {
         &mut self.controller
     }
 
     /// Requests whose answer the controller deferred and has not given yet.
-    pub fn waiting(&self) -> usize {
+    pub(crate) fn waiting(&self) -> usize {
         self.waiting.len()
     }
 
     /// Answers every request still waiting for a deferred answer with a 503 saying `why`,
     /// and closes its connection: the VMM is going.
-    pub fn abandon_waiting(&mut self, why: &str) {
+    pub(crate) fn abandon_waiting(&mut self, why: &str) {
         for (_, fd) in self.waiting.drain() {
             if let Some(mut connection) = self.connections.remove(&fd) {
                 Self::send(

@@ -7,9 +7,9 @@ use serde::{Deserialize, Serialize};
 #[serde(deny_unknown_fields)]
 pub struct DirtyLogSwitch {
     /// Start (true) or stop (false) logging.
-    pub enabled: bool,
+    enabled: bool,
     /// One region; all by default.
-    pub region: Option<u64>,
+    region: Option<u64>,
 }
 
 /// `POST /dirty-log/harvest`.
@@ -17,76 +17,76 @@ pub struct DirtyLogSwitch {
 #[serde(deny_unknown_fields)]
 pub struct Harvest {
     /// One region; all by default.
-    pub region: Option<u64>,
+    pub(crate) region: Option<u64>,
 }
 
 /// `POST /dirty-log/harvest`.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub struct HarvestInfo {
     /// Bytes per page.
-    pub page_size: u64,
+    page_size: u64,
     /// Each region harvested.
-    pub regions: Vec<DirtyRegion>,
+    regions: Vec<DirtyRegion>,
 }
 
 /// One region in [`HarvestInfo`].
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
-pub struct DirtyRegion {
+struct DirtyRegion {
     /// The region.
-    pub id: u64,
+    id: u64,
     /// Its guest base when harvested.
-    pub guest_address: u64,
+    guest_address: u64,
     /// Its pages.
-    pub pages: u64,
+    pages: u64,
     /// How many of them are dirty.
-    pub dirty_pages: u64,
+    dirty_pages: u64,
     /// The dirty pages as `[start, end)` guest-address ranges.
-    pub ranges: Vec<[u64; 2]>,
+    ranges: Vec<[u64; 2]>,
 }
 
 /// `GET /dirty-log`.
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct DirtyLogInfo {
     /// `bitmap` (per-slot logs) or `ring` (per-vCPU dirty rings).
-    pub mode: &'static str,
+    mode: &'static str,
     /// Entries per vCPU ring, in ring mode.
-    pub ring_entries: Option<u32>,
+    ring_entries: Option<u32>,
     /// Regions whose writes are logged (for any reader of the log).
-    pub logging_regions: Vec<u64>,
+    logging_regions: Vec<u64>,
     /// Who keeps each of those logging: `client` (`PATCH /dirty-log`), `snapshot_chain` (every
     /// region from the first Full snapshot on, so that a Diff has every page), `migration`
     /// (while one runs); each with its regions. A client's `PATCH /dirty-log {"enabled":
     /// false}` ends only the client's logging: a region another reader logs goes on logging,
     /// and each reader's harvests get every page dirtied since its own last one.
-    pub logging_for: std::collections::BTreeMap<&'static str, Vec<u64>>,
+    logging_for: std::collections::BTreeMap<&'static str, Vec<u64>>,
     /// Harvests of every region so far.
-    pub harvests: u64,
+    harvests: u64,
     /// Harvests through the API so far, of one region or every one.
-    pub harvest_requests: u64,
+    harvest_requests: u64,
     /// Milliseconds those harvests took, all together.
-    pub harvest_ms_total: f64,
+    harvest_ms_total: f64,
     /// The dirty rate between the last two harvests of every region, if there were two.
-    pub dirty_rate: Option<DirtyRate>,
+    dirty_rate: Option<DirtyRate>,
 }
 
 /// Pages dirtied per second over a window: the pages the later of two harvests of every region
 /// reported, over the time between them (after QEMU's `calc-dirty-rate`, without consuming
 /// dirty bits of its own).
 #[derive(Debug, Clone, Copy, PartialEq, Serialize)]
-pub struct DirtyRate {
+struct DirtyRate {
     /// Pages reported by the later harvest.
-    pub pages: u64,
+    pages: u64,
     /// Milliseconds between the two harvests.
-    pub window_ms: f64,
+    window_ms: f64,
     /// Pages per second.
-    pub pages_per_second: f64,
+    pages_per_second: f64,
 }
 
 /// A client's side of the dirty log, whatever the guest kind: its logging switches and
 /// harvests (the manager's default consumer), and the dirty rate between its harvests of
 /// every region.
 #[derive(Debug, Default)]
-pub struct DirtyLogClient {
+pub(crate) struct DirtyLogClient {
     /// Harvests of every region so far.
     harvests: u64,
     /// Harvests so far, of one region or every one.
@@ -109,7 +109,7 @@ fn target(region: Option<u64>) -> kvm_memslots::Target {
 
 impl DirtyLogClient {
     /// `PATCH /dirty-log`: the client's logging of one region or all.
-    pub fn switch(
+    pub(crate) fn switch(
         &mut self,
         memory: &Memory,
         switch: DirtyLogSwitch,
@@ -123,7 +123,7 @@ impl DirtyLogClient {
     }
 
     /// `POST /dirty-log/harvest`: what the client's regions dirtied since its last harvest.
-    pub fn harvest(
+    pub(crate) fn harvest(
         &mut self,
         memory: &Memory,
         harvest: Harvest,
@@ -169,7 +169,7 @@ impl DirtyLogClient {
 
     /// `GET /dirty-log`; `chain` is the snapshot chain's reader, if there is one (any other
     /// reader but the client's is a migration's).
-    pub fn info(
+    pub(crate) fn info(
         &self,
         memory: &Memory,
         chain: Option<kvm_memslots::DirtyConsumer>,

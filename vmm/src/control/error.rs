@@ -30,7 +30,7 @@ pub struct ControllerError {
 
 impl ControllerError {
     /// An error of `kind` saying `message`.
-    pub fn new(kind: ErrorKind, message: impl fmt::Display) -> Self {
+    pub(crate) fn new(kind: ErrorKind, message: impl fmt::Display) -> Self {
         ControllerError {
             kind,
             message: message.to_string(),
@@ -38,27 +38,27 @@ impl ControllerError {
     }
 
     /// The request is malformed or impossible.
-    pub fn bad(message: impl fmt::Display) -> Self {
+    pub(crate) fn bad(message: impl fmt::Display) -> Self {
         Self::new(ErrorKind::BadRequest, message)
     }
 
     /// The request collides with the current state.
-    pub fn conflict(message: impl fmt::Display) -> Self {
+    pub(crate) fn conflict(message: impl fmt::Display) -> Self {
         Self::new(ErrorKind::Conflict, message)
     }
 
     /// The request names something that is not there.
-    pub fn not_found(message: impl fmt::Display) -> Self {
+    pub(crate) fn not_found(message: impl fmt::Display) -> Self {
         Self::new(ErrorKind::NotFound, message)
     }
 
     /// KVM, the host or the guest failed.
-    pub fn internal(message: impl fmt::Display) -> Self {
+    pub(crate) fn internal(message: impl fmt::Display) -> Self {
         Self::new(ErrorKind::Internal, message)
     }
 
     /// The same kind, with `more` after the message (what undoing the request did).
-    pub fn and(self, more: impl fmt::Display) -> Self {
+    pub(crate) fn and(self, more: impl fmt::Display) -> Self {
         ControllerError {
             kind: self.kind,
             message: format!("{}; {more}", self.message),

@@ -27,7 +27,7 @@ pub enum GuestOp {
     /// As `exec` without the store: call the stubs an `exec` left.
     Call,
     /// End the vCPU's command where it is (within 64 addresses): a write or verify answers
-    /// [`GuestCommandResult::Cancelled`], and so does this request; a write loop ends in the
+    /// `GuestCommandResult::Cancelled`, and so does this request; a write loop ends in the
     /// middle of its pass.
     Cancel,
 }
@@ -37,23 +37,23 @@ pub enum GuestOp {
 #[serde(deny_unknown_fields)]
 pub struct GuestCommand {
     /// What to do.
-    pub op: GuestOp,
+    pub(crate) op: GuestOp,
     /// First guest address (a multiple of 8); not for `stop_loop` and `cancel`.
     #[serde(default)]
-    pub start: u64,
+    pub(crate) start: u64,
     /// First address after the range; not for `stop_loop` and `cancel`.
     #[serde(default)]
-    pub end: u64,
+    pub(crate) end: u64,
     /// Distance between touched addresses (a non-zero multiple of 8); not for `stop_loop` and
     /// `cancel`.
     #[serde(default)]
-    pub stride: u64,
+    pub(crate) stride: u64,
     /// Pattern seed: the value at address `a` is `a ^ seed`.
     #[serde(default)]
-    pub seed: u64,
+    pub(crate) seed: u64,
     /// The vCPU to run it on (0 by default).
     #[serde(default)]
-    pub vcpu: usize,
+    pub(crate) vcpu: usize,
 }
 
 /// `PUT /guest/command`: what the guest found.

@@ -180,9 +180,9 @@ pub struct HotplugRequest {
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub struct HotplugInfo {
     /// Size of the whole area, in MiB.
-    pub total_size_mib: u64,
+    pub(crate) total_size_mib: u64,
     /// Plugging granularity, in MiB.
-    pub block_size_mib: u64,
+    pub(crate) block_size_mib: u64,
     /// KVM slot size, in MiB.
     pub slot_size_mib: u64,
     /// Plugged, in MiB.
@@ -190,7 +190,7 @@ pub struct HotplugInfo {
     /// Requested, in MiB (the same as plugged: the test guest takes every request at once).
     pub requested_size_mib: u64,
     /// Where the area starts.
-    pub guest_address: u64,
+    pub(crate) guest_address: u64,
     /// The host pages behind plugged blocks.
     pub page_size: RegionPageSize,
     /// KVM slots mapped in it.

@@ -1,5 +1,5 @@
 //! Guest memory: `GET /memory`, `PUT /memory/regions`, `DELETE` and `PATCH
-//! /memory/regions/{id}`. The request and reply bodies, and [`memory_info`], which every guest
+//! /memory/regions/{id}`. The request and reply bodies, and `memory_info`, which every guest
 //! kind answers `GET /memory` with.
 
 use kvm_memslots::{KvmVm, MemoryManager};
@@ -37,7 +37,7 @@ pub enum RegionPageSize {
 impl RegionPageSize {
     /// Whether these are 4 KiB pages (what a saved state leaves unsaid, so that it reads in
     /// a build that predates page sizes).
-    pub fn is_base(&self) -> bool {
+    pub(crate) fn is_base(&self) -> bool {
         *self == RegionPageSize::Base
     }
 }
@@ -67,26 +67,26 @@ impl From<kvm_memslots::PageSize> for RegionPageSize {
 #[serde(deny_unknown_fields)]
 pub struct AddRegion {
     /// Size in bytes (a multiple of 4 KiB).
-    pub size: u64,
+    pub(crate) size: u64,
     /// Guest-physical base; by default the first free place from 1 GiB up.
-    pub guest_address: Option<u64>,
+    pub(crate) guest_address: Option<u64>,
     /// Backing; anonymous by default.
     #[serde(default = "default_backing")]
-    pub backing: RegionBacking,
+    pub(crate) backing: RegionBacking,
     /// Host page size; 4 KiB by default.
     #[serde(default)]
-    pub page_size: RegionPageSize,
+    pub(crate) page_size: RegionPageSize,
     /// KVM slot size the region is split into (must divide `size`); one slot by default.
-    pub slot_size: Option<u64>,
+    pub(crate) slot_size: Option<u64>,
     /// Read-only for the guest.
     #[serde(default)]
-    pub read_only: bool,
+    pub(crate) read_only: bool,
     /// Log the guest's writes from the start.
     #[serde(default)]
-    pub dirty_log: bool,
+    pub(crate) dirty_log: bool,
     /// Have the test guest write and check both ends of every new slot (default true).
     #[serde(default = "yes")]
-    pub guest_check: bool,
+    pub(crate) guest_check: bool,
 }
 
 fn default_backing() -> RegionBacking {
@@ -102,102 +102,102 @@ fn yes() -> bool {
 #[serde(deny_unknown_fields)]
 pub struct PatchRegion {
     /// Move the region here.
-    pub guest_address: Option<u64>,
+    pub(crate) guest_address: Option<u64>,
     /// Make it read-only, or writable again.
-    pub read_only: Option<bool>,
+    pub(crate) read_only: Option<bool>,
 }
 
 /// `GET /memory`.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub struct MemoryInfo {
     /// KVM slot numbers in use and free.
-    pub slots: SlotCounts,
+    slots: SlotCounts,
     /// What new memory is admitted against (`--max-*` on the command line).
-    pub limits: Limits,
+    limits: Limits,
     /// What the regions in place use of the limits.
-    pub used: MemoryUse,
+    used: MemoryUse,
     /// The regions, by id.
     pub regions: Vec<RegionInfo>,
     /// Whether KVM drops every vCPU's guest mappings when any slot is deleted or moved
     /// (`KVM_X86_QUIRK_SLOT_ZAP_ALL`, KVM's default), rather than only that slot's: false
     /// where KVM let the VMM turn it off.
-    pub slot_zap_all: bool,
+    slot_zap_all: bool,
 }
 
 /// The admission limits, in bytes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
-pub struct Limits {
+struct Limits {
     /// Most guest memory in all regions.
-    pub max_guest_memory: u64,
+    max_guest_memory: u64,
     /// Largest single region.
-    pub max_region_size: u64,
+    max_region_size: u64,
     /// Most host memory for guest-memory metadata (KVM's and the VMM's), as estimated.
-    pub max_metadata: u64,
+    max_metadata: u64,
 }
 
 /// What the regions use of the limits, in bytes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
-pub struct MemoryUse {
+struct MemoryUse {
     /// Guest memory in all regions.
-    pub guest_memory: u64,
+    guest_memory: u64,
     /// The estimated host memory for its metadata.
-    pub metadata: u64,
+    metadata: u64,
 }
 
 /// KVM slot numbers.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
-pub struct SlotCounts {
+struct SlotCounts {
     /// In use.
-    pub used: usize,
+    used: usize,
     /// Free.
-    pub free: usize,
+    free: usize,
     /// KVM's number of slots.
-    pub max: usize,
+    max: usize,
     /// The slot budget below KVM's number (`--max-slots`): changes that would take `used`
     /// past it are refused. None without one.
-    pub budget: Option<u64>,
+    budget: Option<u64>,
 }
 
 /// One region in [`MemoryInfo`].
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub struct RegionInfo {
     /// Its id.
-    pub id: u64,
+    id: u64,
     /// Guest-physical base.
     pub guest_address: u64,
     /// Size in bytes.
     pub size: u64,
     /// Host address of its mapping.
-    pub host_address: u64,
+    host_address: u64,
     /// KVM slots it takes.
     pub slots: usize,
     /// Read-only for the guest.
-    pub read_only: bool,
+    read_only: bool,
     /// Its writes are logged.
-    pub dirty_log: bool,
+    dirty_log: bool,
     /// `anonymous` or `memfd`.
-    pub backing: &'static str,
+    backing: &'static str,
     /// The host page size behind it: `4k`, `2m` (hugetlb) or `thp`.
-    pub page_size: &'static str,
+    page_size: &'static str,
 }
 
 /// `PUT /memory/regions` (201).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub struct RegionAdded {
     /// The new region's id.
-    pub id: u64,
+    pub(crate) id: u64,
     /// Where it is.
-    pub guest_address: u64,
+    pub(crate) guest_address: u64,
     /// Its size.
-    pub size: u64,
+    pub(crate) size: u64,
     /// KVM slots it takes.
-    pub slots: u64,
+    pub(crate) slots: u64,
     /// Whether the test guest checked every slot.
-    pub guest_checked: bool,
+    pub(crate) guest_checked: bool,
 }
 
 /// `GET /memory` for any VM's memory.
-pub fn memory_info(memory: &MemoryManager<KvmVm>) -> MemoryInfo {
+pub(crate) fn memory_info(memory: &MemoryManager<KvmVm>) -> MemoryInfo {
     let usage = memory.slot_usage();
     let regions = memory.regions().iter().map(region_of).collect();
     let limits = memory.limits();
@@ -238,7 +238,7 @@ fn region_of(r: &kvm_memslots::RegionInfo) -> RegionInfo {
 }
 
 /// `GET /memory/regions/{id}`: region `id` as `GET /memory` lists it, or 404.
-pub fn region_info(
+pub(crate) fn region_info(
     memory: &MemoryManager<KvmVm>,
     id: u64,
 ) -> Result<RegionInfo, super::ControllerError> {

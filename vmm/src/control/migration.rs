@@ -13,19 +13,19 @@ pub use crate::precopy::OnTimeout;
 #[serde(deny_unknown_fields)]
 pub struct MigrateRequest {
     /// `unix:PATH` or `tcp:HOST:PORT`, where `tinyvmm receive` listens.
-    pub destination: String,
+    pub(crate) destination: String,
     /// The longest pause the VM may see (its memory left over the measured throughput).
     #[serde(default = "default_downtime_ms")]
-    pub downtime_ms: u64,
+    pub(crate) downtime_ms: u64,
     /// Seconds before `on_timeout` applies.
     #[serde(default = "default_timeout_s")]
-    pub timeout_s: u64,
+    pub(crate) timeout_s: u64,
     /// What to do at the timeout.
     #[serde(default = "default_on_timeout")]
-    pub on_timeout: OnTimeout,
+    pub(crate) on_timeout: OnTimeout,
     /// Hand memfd-backed memory over with `SCM_RIGHTS` instead of copying it (Unix only).
     #[serde(default)]
-    pub local: bool,
+    pub(crate) local: bool,
 }
 
 fn default_downtime_ms() -> u64 {
@@ -45,10 +45,10 @@ fn default_on_timeout() -> OnTimeout {
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct MigrationInfo {
     /// Where it goes.
-    pub destination: String,
+    pub(crate) destination: String,
     /// Its pre-copy run's progress.
     #[serde(flatten, with = "MigrationWords")]
-    pub progress: Progress,
+    pub(crate) progress: Progress,
 }
 
 /// [`Progress`] as `GET /migrate` names it (serde's remote derive: its fields, serialised
@@ -93,7 +93,7 @@ struct MigrationWords {
 
 impl MigrationInfo {
     /// A migration's progress: its pre-copy run's, to `destination`.
-    pub fn of(run: Progress, destination: String) -> Self {
+    pub(crate) fn of(run: Progress, destination: String) -> Self {
         MigrationInfo {
             destination,
             progress: run,
@@ -101,7 +101,7 @@ impl MigrationInfo {
     }
 
     /// One line for a source's log once the VM runs on the destination.
-    pub fn completed_line(&self) -> String {
+    pub(crate) fn completed_line(&self) -> String {
         let run = &self.progress;
         format!(
             "the VM runs on the migration's destination now: {} rounds, {:.1} MiB sent of {:.1} \

@@ -1,19 +1,19 @@
 //! The control vocabulary every guest kind shares, and no transport: typed [`Request`]s, the
 //! [`Reply`] or [`ControllerError`] each gets, and the [`Apply`] trait a guest kind's controller
 //! implements. The request and reply bodies are in one file per resource (as Firecracker's
-//! `vmm_config/`): [`memory`], [`dirty_log`], [`hotplug`], [`guest`] (the test guest's
-//! commands), [`vm`], [`snapshot`] and [`migration`]. The API socket (`api`) turns HTTP into
+//! `vmm_config/`): [`memory`], `dirty_log`, [`hotplug`], `guest` (the test guest's
+//! commands), `vm`, `snapshot` and `migration`. The API socket (`api`) turns HTTP into
 //! requests and replies into HTTP; the one controller (`controller::Controller`) carries them
 //! out, asking the guest kind (`test_guest::controller`, `linux::controller`) what differs.
 
-pub mod dirty_log;
-pub mod error;
-pub mod guest;
+pub(crate) mod dirty_log;
+mod error;
+pub(crate) mod guest;
 pub mod hotplug;
 pub mod memory;
-pub mod migration;
-pub mod snapshot;
-pub mod vm;
+pub(crate) mod migration;
+pub(crate) mod snapshot;
+pub(crate) mod vm;
 
 pub use error::{ControllerError, ErrorKind};
 
@@ -78,7 +78,7 @@ pub enum Request {
 
 impl Request {
     /// The request's route, for messages.
-    pub fn name(&self) -> &'static str {
+    pub(crate) fn name(&self) -> &'static str {
         match self {
             Request::GetMemory => "GET /memory",
             Request::AddRegion(_) => "PUT /memory/regions",
@@ -141,7 +141,7 @@ pub enum Reply {
 pub struct Ticket(pub u64);
 
 /// What a request gets back.
-pub type Outcome = Result<Reply, ControllerError>;
+pub(crate) type Outcome = Result<Reply, ControllerError>;
 
 /// What applies requests: the controller. The API server serves any. A request
 /// that runs long (a guest command) need not hold the controller: it may answer

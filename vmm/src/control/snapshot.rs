@@ -9,54 +9,37 @@ use crate::precopy::{OnTimeout, Progress};
 #[serde(deny_unknown_fields)]
 pub struct SnapshotCreate {
     /// `Full` or `Diff`.
-    pub snapshot_type: SnapshotType,
+    pub(crate) snapshot_type: SnapshotType,
     /// Where the state file goes (it must not exist).
-    pub snapshot_path: std::path::PathBuf,
+    pub(crate) snapshot_path: std::path::PathBuf,
     /// Where the memory file goes (it must not exist).
-    pub mem_file_path: std::path::PathBuf,
+    pub(crate) mem_file_path: std::path::PathBuf,
     /// Take a Full snapshot of the running VM: memory is copied in rounds while it runs,
     /// and it pauses only for the last pages and its state (`GET /snapshot` follows it).
     #[serde(default)]
-    pub live: bool,
+    pub(crate) live: bool,
     /// A live snapshot's longest pause (default [`LIVE_DOWNTIME_MS`]).
     #[serde(default)]
-    pub downtime_ms: Option<u64>,
+    pub(crate) downtime_ms: Option<u64>,
     /// Seconds a live snapshot's rounds may take before `on_timeout` applies (default
     /// [`LIVE_TIMEOUT_S`]).
     #[serde(default)]
-    pub timeout_s: Option<u64>,
+    pub(crate) timeout_s: Option<u64>,
     /// What a live snapshot does at its timeout, or once the pause cannot fit `downtime_ms`
     /// (default `force`: pause anyway; `cancel`: give up).
     #[serde(default)]
-    pub on_timeout: Option<OnTimeout>,
+    pub(crate) on_timeout: Option<OnTimeout>,
 }
 
 /// A live snapshot's pause budget unless the request says.
-pub const LIVE_DOWNTIME_MS: u64 = 10;
+pub(crate) const LIVE_DOWNTIME_MS: u64 = 10;
 /// How long a live snapshot's rounds may take unless the request says.
-pub const LIVE_TIMEOUT_S: u64 = 60;
+pub(crate) const LIVE_TIMEOUT_S: u64 = 60;
 
 impl SnapshotCreate {
-    /// A snapshot of the paused VM (`PUT /snapshot/create` without `live`).
-    pub fn paused(
-        snapshot_type: SnapshotType,
-        snapshot_path: impl Into<std::path::PathBuf>,
-        mem_file_path: impl Into<std::path::PathBuf>,
-    ) -> Self {
-        SnapshotCreate {
-            snapshot_type,
-            snapshot_path: snapshot_path.into(),
-            mem_file_path: mem_file_path.into(),
-            live: false,
-            downtime_ms: None,
-            timeout_s: None,
-            on_timeout: None,
-        }
-    }
-
     /// Why this request (not live) cannot snapshot a VM that is `paused` or not: a live field
     /// set on it, or a VM that runs.
-    pub fn check_paused(&self, paused: bool) -> Result<(), super::ControllerError> {
+    pub(crate) fn check_paused(&self, paused: bool) -> Result<(), super::ControllerError> {
         let live_field = [
             ("downtime_ms", self.downtime_ms.is_some()),
             ("timeout_s", self.timeout_s.is_some()),
@@ -95,20 +78,24 @@ pub enum SnapshotType {
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct LiveSnapshotInfo {
     /// Its state file.
-    pub snapshot_path: std::path::PathBuf,
+    snapshot_path: std::path::PathBuf,
     /// Its memory file.
-    pub mem_file_path: std::path::PathBuf,
+    mem_file_path: std::path::PathBuf,
     /// The snapshot's id once completed (its state file says it too).
-    pub snapshot_id: Option<String>,
+    snapshot_id: Option<String>,
     /// Its pre-copy run's progress.
     #[serde(flatten)]
-    pub progress: Progress,
+    progress: Progress,
 }
 
 impl LiveSnapshotInfo {
     /// A live snapshot's progress: its pre-copy run's, into `paths` (state, memory), with
     /// its `snapshot_id` once written.
-    pub fn of(run: Progress, paths: &[std::path::PathBuf; 2], snapshot_id: Option<String>) -> Self {
+    pub(crate) fn of(
+        run: Progress,
+        paths: &[std::path::PathBuf; 2],
+        snapshot_id: Option<String>,
+    ) -> Self {
         LiveSnapshotInfo {
             snapshot_path: paths[0].clone(),
             mem_file_path: paths[1].clone(),
@@ -119,7 +106,7 @@ impl LiveSnapshotInfo {
 }
 
 /// `PUT /working-set/stop` where no recording is under way.
-pub fn no_recording() -> super::ControllerError {
+pub(crate) fn no_recording() -> super::ControllerError {
     super::ControllerError::conflict(
         "no working-set recording is under way: restore with --mem-backend uffd \
          --record-working-set FILE (a recording also ends after --record-secs, or when the VMM \

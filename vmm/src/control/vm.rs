@@ -23,12 +23,12 @@ pub enum RunState {
 /// The exit status of a VMM stopped (by `PUT /actions` Stop or SIGINT/SIGTERM) after its guest
 /// failed: distinct from 1 (a VMM error), 2 (usage), 3 and 124 (`boot`) and 130 (a signal
 /// with a healthy guest).
-pub const FAILED_EXIT_STATUS: u8 = 4;
+pub(crate) const FAILED_EXIT_STATUS: u8 = 4;
 
 /// What stopped a vCPU for good.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "snake_case")]
-pub enum FailureReason {
+pub(crate) enum FailureReason {
     /// The guest shut down: a triple fault (`KVM_EXIT_SHUTDOWN`).
     TripleFault,
     /// KVM could not handle the guest's instruction (`KVM_EXIT_INTERNAL_ERROR`).
@@ -46,13 +46,13 @@ pub enum FailureReason {
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub struct VmFailure {
     /// The vCPU.
-    pub vcpu: usize,
+    pub(crate) vcpu: usize,
     /// What kind of failure.
-    pub reason: FailureReason,
+    pub(crate) reason: FailureReason,
     /// The guest's instruction pointer where it stopped, when known.
-    pub rip: Option<u64>,
+    pub(crate) rip: Option<u64>,
     /// The whole story, as the vCPU told it.
-    pub message: String,
+    pub(crate) message: String,
 }
 
 impl std::fmt::Display for VmFailure {
@@ -72,12 +72,12 @@ impl std::fmt::Display for VmFailure {
 #[serde(deny_unknown_fields)]
 pub struct VmStatePatch {
     /// `Paused` or `Resumed`.
-    pub state: VmStateRequest,
+    pub(crate) state: VmStateRequest,
 }
 
 /// The states a client may ask for.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
-pub enum VmStateRequest {
+pub(crate) enum VmStateRequest {
     /// Pause.
     Paused,
     /// Resume.
@@ -89,12 +89,12 @@ pub enum VmStateRequest {
 #[serde(deny_unknown_fields)]
 pub struct VmAction {
     /// Only `Stop`: shut the VMM down.
-    pub action_type: VmActionType,
+    pub(crate) action_type: VmActionType,
 }
 
 /// Actions on the whole VM.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
-pub enum VmActionType {
+pub(crate) enum VmActionType {
     /// Stop the guest and the VMM.
     Stop,
 }
@@ -103,39 +103,39 @@ pub enum VmActionType {
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub struct VmInfo {
     /// Running, paused or failed; waiting or receiving on a destination with no VM yet.
-    pub state: RunState,
+    pub(crate) state: RunState,
     /// vCPUs (0 once shutting down).
-    pub vcpus: usize,
+    pub(crate) vcpus: usize,
     /// Why the VM failed, once it has.
     #[serde(skip_serializing_if = "Option::is_none")]
-    pub failure: Option<VmFailure>,
+    pub(crate) failure: Option<VmFailure>,
     /// What the lazy restore's loader has done so far: only for a restore through userfaultfd
     /// (`--mem-backend uffd`).
     #[serde(skip_serializing_if = "Option::is_none")]
-    pub lazy_restore: Option<LazyRestoreInfo>,
+    pub(crate) lazy_restore: Option<LazyRestoreInfo>,
 }
 
 /// [`VmInfo::lazy_restore`]: the loader's counts. Pages are 4 KiB pages whatever the regions'
 /// page size (a 2 MiB page filled counts 512).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
-pub struct LazyRestoreInfo {
+pub(crate) struct LazyRestoreInfo {
     /// Pages filled from the memory file on the guest's first touch.
-    pub copied_pages: u64,
+    copied_pages: u64,
     /// Pages filled with zeros (holes of the memory file).
-    pub zeroed_pages: u64,
+    zeroed_pages: u64,
     /// Pages of a working set (`--prefetch`) filled ahead of the guest.
-    pub prefetched_pages: u64,
+    prefetched_pages: u64,
     /// `UFFDIO_COPY` calls, for faults and prefetch: a call fills a run of neighbouring pages
     /// (a fault in a hugetlb region its whole 2 MiB page); zeros copied into hugetlb pages,
     /// and a call that found its page filled meanwhile, count too.
-    pub copy_calls: u64,
+    copy_calls: u64,
     /// Whether the prefetch has gone through its whole list (true without one).
-    pub prefetch_done: bool,
+    prefetch_done: bool,
 }
 
 impl LazyRestoreInfo {
     /// The counts of `stats` now.
-    pub fn of(stats: &kvm_memslots_persist::LoaderStats) -> Self {
+    pub(crate) fn of(stats: &kvm_memslots_persist::LoaderStats) -> Self {
         use std::sync::atomic::Ordering::Acquire;
         LazyRestoreInfo {
             copied_pages: stats.copied.load(Acquire),

@@ -48,7 +48,7 @@ pub enum Moving {
 }
 
 /// The guest's memory, as every kind has it.
-pub type Memory = MemoryManager<KvmVm>;
+pub(crate) type Memory = MemoryManager<KvmVm>;
 
 /// A guest kind, as the one controller (`controller::Controller`) asks it what differs: its
 /// memory, vCPUs, devices, its own requests and its saved state.

@@ -7,9 +7,9 @@
 //! hotplug memory, commands, vCPUs, devices and saved state) a [`Guest`] answers
 //! (`test_guest::controller`, `linux::controller`); a request a kind lacks is refused here.
 
-pub mod guest;
+pub(crate) mod guest;
 
-pub use guest::{Guest, GuestRequest, Moving};
+pub(crate) use guest::{Guest, GuestRequest, Moving};
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -48,7 +48,7 @@ pub struct Controller<G: Guest> {
 impl<G: Guest> Controller<G> {
     /// A controller over `guest` (paused if `paused`: a restored or received guest); a
     /// client's stop sets `stop`.
-    pub fn over(guest: G, paused: bool, stop: Arc<AtomicBool>) -> Self {
+    pub(crate) fn over(guest: G, paused: bool, stop: Arc<AtomicBool>) -> Self {
         Controller {
             guest,
             state: if paused {
@@ -65,22 +65,17 @@ impl<G: Guest> Controller<G> {
     }
 
     /// The guest.
-    pub fn guest(&self) -> &G {
+    pub(crate) fn guest(&self) -> &G {
         &self.guest
     }
 
     /// The guest, to change.
-    pub fn guest_mut(&mut self) -> &mut G {
+    pub(crate) fn guest_mut(&mut self) -> &mut G {
         &mut self.guest
     }
 
-    /// The VM's run state (paused or running).
-    pub fn run_state(&self) -> RunState {
-        self.state
-    }
-
     /// The VM starts paused (a restored VM: `PATCH /vm {"state": "Resumed"}` continues it).
-    pub fn paused(self) -> Self {
+    pub(crate) fn paused(self) -> Self {
         Controller {
             state: RunState::Paused,
             ..self
@@ -88,23 +83,23 @@ impl<G: Guest> Controller<G> {
     }
 
     /// Whether the VMM should stop: a client asked, or the VM migrated away.
-    pub fn stop_requested(&self) -> bool {
+    pub(crate) fn stop_requested(&self) -> bool {
         self.stop.load(Ordering::Acquire) || self.migrated()
     }
 
     /// Whether the VM runs on a migration's destination now.
-    pub fn migrated(&self) -> bool {
+    pub(crate) fn migrated(&self) -> bool {
         self.migration.completed()
     }
 
     /// The last migration's progress, if one was started.
-    pub fn migration_info(&self) -> Option<MigrationInfo> {
+    pub(crate) fn migration_info(&self) -> Option<MigrationInfo> {
         self.migration.info()
     }
 
     /// Cancels a migration or a live snapshot under way and waits for it (the VMM is
     /// stopping); the guest's vCPUs are the kind's to stop.
-    pub fn end_copies(&mut self) {
+    pub(crate) fn end_copies(&mut self) {
         self.migration.shut_down();
         self.chain.shut_down(self.guest.memory());
     }

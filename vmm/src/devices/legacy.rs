@@ -14,11 +14,11 @@ use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 use crate::vm::ports::{PortBus, Unmapped};
 
 /// The serial console's ports.
-pub const SERIAL_PORT: u16 = 0x3f8;
+pub(crate) const SERIAL_PORT: u16 = 0x3f8;
 /// The serial console's interrupt line (GSI).
-pub const SERIAL_IRQ: u32 = 4;
+pub(crate) const SERIAL_IRQ: u32 = 4;
 /// The i8042's data port; its command port is 4 above.
-pub const I8042_PORT: u16 = 0x60;
+const I8042_PORT: u16 = 0x60;
 
 /// A legacy device, as the port bus names it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -31,7 +31,7 @@ pub enum LegacyDevice {
 
 /// An eventfd as a vm-superio interrupt or reset line.
 #[derive(Debug)]
-pub struct EventFdTrigger(pub EventFd);
+struct EventFdTrigger(pub EventFd);
 
 impl Trigger for EventFdTrigger {
     type E = std::io::Error;
@@ -42,33 +42,33 @@ impl Trigger for EventFdTrigger {
 }
 
 /// The serial console's output.
-pub type ConsoleOutput = Box<dyn Write + Send>;
+pub(crate) type ConsoleOutput = Box<dyn Write + Send>;
 
 /// The serial console's registers and its receive FIFO (vm-superio's `SerialState`),
 /// serialisable.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
-pub struct SerialSnapshot {
+pub(crate) struct SerialSnapshot {
     /// Divisor latch, low byte.
-    pub baud_divisor_low: u8,
+    pub(crate) baud_divisor_low: u8,
     /// Divisor latch, high byte.
-    pub baud_divisor_high: u8,
+    pub(crate) baud_divisor_high: u8,
     /// Interrupt enable register.
-    pub interrupt_enable: u8,
+    pub(crate) interrupt_enable: u8,
     /// Interrupt identification register.
-    pub interrupt_identification: u8,
+    pub(crate) interrupt_identification: u8,
     /// Line control register.
-    pub line_control: u8,
+    pub(crate) line_control: u8,
     /// Line status register.
-    pub line_status: u8,
+    pub(crate) line_status: u8,
     /// Modem control register.
-    pub modem_control: u8,
+    pub(crate) modem_control: u8,
     /// Modem status register.
-    pub modem_status: u8,
+    pub(crate) modem_status: u8,
     /// Scratch register.
-    pub scratch: u8,
+    pub(crate) scratch: u8,
     /// Input not yet read by the guest.
-    pub in_buffer: Vec<u8>,
+    pub(crate) in_buffer: Vec<u8>,
 }
 
 impl From<SerialState> for SerialSnapshot {
@@ -134,7 +134,7 @@ pub enum DeviceIoError {
 
 impl DeviceError {
     /// The eventfd for `what` could not be made: `source`.
-    pub fn new(what: &'static str, source: std::io::Error) -> Self {
+    pub(crate) fn new(what: &'static str, source: std::io::Error) -> Self {
         DeviceError { what, source }
     }
 }
@@ -164,7 +164,7 @@ impl LegacyDevices {
     /// `serial_irq`, and the i8042 (which has no state of its own: it answers reads with 0 and
     /// acts only on the reset command) signalling `reset`. Refused if the saved FIFO holds
     /// more than the device's.
-    pub fn restore(
+    pub(crate) fn restore(
         output: ConsoleOutput,
         serial_irq: EventFd,
         reset: EventFd,
@@ -184,12 +184,12 @@ impl LegacyDevices {
     }
 
     /// The serial console's state (the i8042 has none).
-    pub fn serial_state(&self) -> SerialSnapshot {
+    pub(crate) fn serial_state(&self) -> SerialSnapshot {
         lock(&self.serial).state().into()
     }
 
     /// Creates an eventfd for a device line.
-    pub fn eventfd(what: &'static str) -> Result<EventFd, DeviceError> {
+    pub(crate) fn eventfd(what: &'static str) -> Result<EventFd, DeviceError> {
         EventFd::new(EFD_NONBLOCK).map_err(|e| DeviceError { what, source: e })
     }
 
@@ -205,7 +205,7 @@ impl LegacyDevices {
     }
 
     /// The guest reads `data.len()` bytes from `device` at `offset`.
-    pub fn read(&self, device: LegacyDevice, offset: u16, data: &mut [u8]) {
+    pub(crate) fn read(&self, device: LegacyDevice, offset: u16, data: &mut [u8]) {
         data.fill(0xff);
         let Some(first) = data.first_mut() else {
             return;
@@ -219,7 +219,7 @@ impl LegacyDevices {
 
     /// The guest writes `data` to `device` at `offset`; a failure to write the console's output
     /// or to signal a line is reported.
-    pub fn write(
+    pub(crate) fn write(
         &self,
         device: LegacyDevice,
         offset: u16,
@@ -240,7 +240,7 @@ impl LegacyDevices {
     }
 
     /// Queues console input for the guest; returns how many bytes the FIFO took.
-    pub fn console_input(&self, bytes: &[u8]) -> usize {
+    pub(crate) fn console_input(&self, bytes: &[u8]) -> usize {
         let mut serial = lock(&self.serial);
         let room = serial.fifo_capacity();
         if room == 0 {
@@ -252,7 +252,7 @@ impl LegacyDevices {
     }
 
     /// Flushes the console's output.
-    pub fn flush(&self) {
+    pub(crate) fn flush(&self) {
         let _ = lock(&self.serial).writer_mut().flush();
     }
 }

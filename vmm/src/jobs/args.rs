@@ -1,7 +1,7 @@
 //! The command-line arguments several subcommands share (of `tinyvmm` and of `tinyvmm-bench`):
-//! the memory limits ([`LimitArgs`]), the API socket's options ([`ApiArgs`]), the value
+//! the memory limits ([`LimitArgs`]), the API socket's options (`ApiArgs`), the value
 //! parsers that check a number before anything starts, and the usage error a subcommand finds
-//! after parsing ([`UsageError`], exit status [`USAGE_EXIT_STATUS`]). Each subcommand's own
+//! after parsing ([`UsageError`], exit status `USAGE_EXIT_STATUS`). Each subcommand's own
 //! arguments are beside its job.
 
 use std::path::PathBuf;
@@ -11,13 +11,13 @@ use kvm_memslots::MemoryLimits;
 
 /// The exit status of a usage error (an unknown option, a value out of its range), distinct
 /// from every outcome of a run (sysexits' `EX_USAGE`).
-pub const USAGE_EXIT_STATUS: u8 = 64;
+const USAGE_EXIT_STATUS: u8 = 64;
 
 /// Most vCPUs of the test guest.
 const TEST_GUEST_VCPUS: usize = crate::test_guest::layout::MAX_VCPUS;
 
 /// The command line `P` parsed, or the exit status the binary ends with at once: 0 after
-/// printing `--help` or `--version` (answers, on stdout), [`USAGE_EXIT_STATUS`] after naming
+/// printing `--help` or `--version` (answers, on stdout), `USAGE_EXIT_STATUS` after naming
 /// a usage error on stderr.
 pub fn parse_command_line<P: clap::Parser>() -> Result<P, std::process::ExitCode> {
     P::try_parse().map_err(|e| {
@@ -32,15 +32,15 @@ pub fn parse_command_line<P: clap::Parser>() -> Result<P, std::process::ExitCode
 
 /// A usage error a subcommand finds in its arguments after they parsed (options that do not
 /// fit together): the binary says it as clap says one, with the subcommand's usage, and exits
-/// with [`USAGE_EXIT_STATUS`].
+/// with `USAGE_EXIT_STATUS`.
 #[derive(Debug)]
 pub struct UsageError {
     /// The subcommand whose usage it shows (`serve`), or `None` for the binary's own.
-    pub subcommand: Option<&'static str>,
+    pub(crate) subcommand: Option<&'static str>,
     /// What kind of usage error clap calls it.
-    pub kind: clap::error::ErrorKind,
+    pub(crate) kind: clap::error::ErrorKind,
     /// What is wrong.
-    pub message: String,
+    pub(crate) message: String,
 }
 
 impl UsageError {
@@ -69,28 +69,28 @@ pub struct LogArgs {
 
 /// The options of every subcommand that serves a test guest on an API socket.
 #[derive(Debug, clap::Args)]
-pub struct ApiArgs {
+pub(crate) struct ApiArgs {
     /// Path of the API socket (created 0600; a stale socket there is replaced); `receive`
     /// answers it at once (GET /vm: Waiting, then Receiving) and serves the VM there once it
     /// runs.
     #[arg(long, alias = "api-socket")]
-    pub api_sock: PathBuf,
+    pub(crate) api_sock: PathBuf,
     /// Seconds a client connection may send nothing before it is answered 408 and closed
     /// (fractions allowed).
     #[arg(long, default_value = "30", value_parser = positive_seconds)]
-    pub idle_timeout: Duration,
+    pub(crate) idle_timeout: Duration,
     /// Harvest dirty pages from per-vCPU rings of this many entries (a power of two from 256
     /// to KVM's maximum, 16 bytes each) instead of per-slot bitmaps: a harvest then costs
     /// what was dirtied [default: bitmaps]
     #[arg(long)]
-    pub dirty_ring: Option<u32>,
+    pub(crate) dirty_ring: Option<u32>,
     /// Log every API request on stderr: method, path, status, time and a refusal's message
     /// (as --log-level debug does).
     #[arg(long)]
-    pub log_requests: bool,
+    pub(crate) log_requests: bool,
     /// The memory limits of the VM it serves.
     #[command(flatten)]
-    pub limits: LimitArgs,
+    pub(crate) limits: LimitArgs,
 }
 
 /// The admission limits of guest memory (`kvm_memslots::MemoryLimits`), for every subcommand.
@@ -98,19 +98,19 @@ pub struct ApiArgs {
 pub struct LimitArgs {
     /// Most guest memory in all regions, in MiB [default: 4 × the host's RAM, at least 64 GiB]
     #[arg(long)]
-    pub max_guest_mib: Option<u64>,
+    max_guest_mib: Option<u64>,
     /// Largest single region, in MiB [default: the guest-memory limit]
     #[arg(long)]
-    pub max_region_mib: Option<u64>,
+    max_region_mib: Option<u64>,
     /// Most host memory KVM and the manager may spend on guest-memory metadata (bitmaps,
     /// KVM's per-page arrays: about 1/490 of the guest memory), in MiB [default: 1/8 of the
     /// host's RAM]
     #[arg(long)]
-    pub max_metadata_mib: Option<u64>,
+    max_metadata_mib: Option<u64>,
     /// Most KVM slots guest memory may use, below KVM's number (a budget for vhost-user
     /// backends' memory tables, say): changes past it are refused [default: KVM's number]
     #[arg(long)]
-    pub max_slots: Option<u64>,
+    max_slots: Option<u64>,
 }
 
 impl LimitArgs {
@@ -166,7 +166,7 @@ pub fn positive_seconds(value: &str) -> Result<Duration, String> {
 
 /// A number of seconds, above 0 and finite (a usage error otherwise), naming why a value is
 /// refused.
-pub fn seconds(value: &str) -> Result<Duration, String> {
+pub(super) fn seconds(value: &str) -> Result<Duration, String> {
     let secs: f64 = value
         .parse()
         .map_err(|e| format!("{value:?} is not a number of seconds: {e}"))?;
@@ -178,7 +178,7 @@ pub fn seconds(value: &str) -> Result<Duration, String> {
 
 /// A path for a file to write: not a directory that exists (a usage error otherwise, before
 /// anything starts, not a recording lost when the VMM stops).
-pub fn file_to_write(value: &str) -> Result<PathBuf, String> {
+pub(super) fn file_to_write(value: &str) -> Result<PathBuf, String> {
     let path = PathBuf::from(value);
     if path.is_dir() {
         return Err(format!(

@@ -1,4 +1,4 @@
-//! `tinyvmm boot`: a Linux guest ([`LinuxVm`]) run under the run loop ([`RunLoop`]) with its
+//! `tinyvmm boot`: a Linux guest (`LinuxVm`) run under the run loop (`RunLoop`) with its
 //! console and, with `--api-sock`, its API socket, until it resets, a vCPU stops, a client or
 //! the caller stops it, a signal comes or the timeout.
 
@@ -45,7 +45,7 @@ pub enum BootJobError {
 
 /// Boots `config`'s kernel and runs it until it resets, a vCPU stops, a signal or the timeout.
 /// `on_start` sees the report (ending aside) just before the vCPUs start.
-pub fn boot(
+fn boot(
     config: &BootConfig,
     console: Console,
     on_start: impl FnOnce(&BootReport),
@@ -76,23 +76,23 @@ pub fn boot(
 /// How a Linux guest runs: its API socket, its timeout, its console input, a caller's stop
 /// flag, and whether it starts paused (a restored or received guest).
 #[derive(Debug, Default)]
-pub struct LinuxRun {
+pub(super) struct LinuxRun {
     /// The API socket to serve, bound.
-    pub api: Option<ApiSocket>,
+    pub(crate) api: Option<ApiSocket>,
     /// Stop the VM after this many seconds.
-    pub timeout_secs: Option<f64>,
+    pub(crate) timeout_secs: Option<f64>,
     /// Read console input from stdin (a terminal).
-    pub stdin: bool,
+    pub(crate) stdin: bool,
     /// Set by the caller to stop the VM.
-    pub stop: Option<Arc<AtomicBool>>,
+    pub(crate) stop: Option<Arc<AtomicBool>>,
     /// The vCPUs start paused: a client resumes them (`PATCH /vm`).
-    pub paused: bool,
+    pub(crate) paused: bool,
 }
 
 /// Runs `linux` on `vcpus` under the run loop, with its console and API socket, until it
 /// resets, a vCPU stops, a client or the caller stops it, it migrates away, a signal comes or
 /// the timeout; returns how it ended.
-pub fn run_linux(
+pub(super) fn run_linux(
     linux: &LinuxVm,
     vcpus: LinuxVcpus,
     options: LinuxRun,
@@ -188,86 +188,86 @@ pub struct BootArgs {
     /// `mem_slots` for --slots, `timeout_secs` for --timeout and `acpi: false` for --no-acpi;
     /// unknown fields are refused). Options given with it override the file's fields.
     #[arg(long)]
-    pub config: Option<PathBuf>,
+    config: Option<PathBuf>,
     /// The kernel: a bzImage, or an ELF vmlinux (PVH entry when it has the note).
     #[arg(long, required_unless_present = "config")]
-    pub kernel: Option<PathBuf>,
+    kernel: Option<PathBuf>,
     /// An initramfs.
     #[arg(long)]
-    pub initramfs: Option<PathBuf>,
+    initramfs: Option<PathBuf>,
     /// The kernel command line [default: "console=ttyS0 reboot=k panic=-1"]
     #[arg(long)]
-    pub cmdline: Option<String>,
+    cmdline: Option<String>,
     /// vCPUs (1 to 32) [default: 1]
     #[arg(long, value_parser = clap::value_parser!(u8).range(1..=32))]
-    pub vcpus: Option<u8>,
+    vcpus: Option<u8>,
     /// MiB of RAM [default: 512]
     #[arg(long)]
-    pub mem_mib: Option<u64>,
+    mem_mib: Option<u64>,
     /// KVM slots the RAM is split into (equal sizes, whole pages) [default: 1]
     #[arg(long = "slots", alias = "mem-slots", value_name = "SLOTS", value_parser = clap::value_parser!(u64).range(1..))]
-    pub mem_slots: Option<u64>,
+    mem_slots: Option<u64>,
     /// Leave a hole after every slot above the first 128 MiB (one e820 RAM range per slot).
     #[arg(long)]
-    pub mem_holes: bool,
+    mem_holes: bool,
     /// Stop the VM after this many seconds (fractions allowed; exit status 124) [default:
     /// none]
     #[arg(long)]
-    pub timeout: Option<f64>,
+    timeout: Option<f64>,
     /// How to enter the kernel: auto (PVH when the kernel and map allow), linux or pvh
     /// [default: auto]
     #[arg(long, value_enum)]
-    pub protocol: Option<BootProtocol>,
+    protocol: Option<BootProtocol>,
     /// Do not print the e820 map and the command line the VMM built (on stderr).
     #[arg(long)]
-    pub quiet: bool,
+    quiet: bool,
     /// MiB of hotpluggable memory behind a virtio-mem device above RAM, a multiple of the block
     /// size up to 1 TiB (none plugged at boot; `PATCH /hotplug/memory` on --api-sock asks the
     /// guest to plug) [default: 0, no device]
     #[arg(long)]
-    pub hotplug_mib: Option<u64>,
+    hotplug_mib: Option<u64>,
     /// The virtio-mem block size in MiB (a power of two, at least 2) [default: 2]
     #[arg(long)]
-    pub hotplug_block_mib: Option<u64>,
+    hotplug_block_mib: Option<u64>,
     /// The largest KVM slot neighbouring plugged blocks share, in MiB (a multiple of the block
     /// size; 0: a slot per block) [default: 128]
     #[arg(long)]
-    pub hotplug_max_slot_mib: Option<u64>,
+    hotplug_max_slot_mib: Option<u64>,
     /// An API socket while the guest runs: /vm (pause, resume), /snapshot/create, /migrate,
     /// /dirty-log, /memory, /hotplug/memory, /actions [default: none]
     #[arg(long, alias = "api-socket")]
-    pub api_sock: Option<PathBuf>,
+    api_sock: Option<PathBuf>,
     /// Put RAM in memfds (shared memory): a local migration hands it over instead of copying.
     #[arg(long)]
-    pub memfd: bool,
+    memfd: bool,
     /// The host pages behind RAM: 4k, 2m (hugetlb; with --memfd an MFD_HUGETLB memfd: RAM and
     /// each slot a multiple of 2 MiB, the pool holding all of RAM) or thp [default: 4k]
     #[arg(long, value_enum)]
-    pub page_size: Option<RegionPageSize>,
+    page_size: Option<RegionPageSize>,
     /// The host pages behind the virtio-mem device's plugged blocks: 4k, 2m (the pool must
     /// hold a piece when the guest plugs into it) or thp [default: 4k]
     #[arg(long, value_enum)]
-    pub hotplug_page_size: Option<RegionPageSize>,
+    hotplug_page_size: Option<RegionPageSize>,
     /// Harvest dirty pages from per-vCPU rings of this many entries (a power of two from 256
     /// to KVM's maximum) instead of per-slot bitmaps; refused where KVM emulates the guest
     /// kernel (kvm_pvm) [default: bitmaps]
     #[arg(long)]
-    pub dirty_ring: Option<u32>,
+    dirty_ring: Option<u32>,
     /// Log every API request on stderr: method, path, status, time and a refusal's message
     /// (as --log-level debug does).
     #[arg(long)]
-    pub log_requests: bool,
+    log_requests: bool,
     /// Print how the run ended as JSON alone on stdout (durations in ms, "passed": true for
     /// exit status 0); the guest's console then goes to stderr.
     #[arg(long)]
-    pub json: bool,
+    json: bool,
     /// No ACPI tables: the guest gets the MP table alone and finds the virtio-mem device on its
     /// command line (`virtio_mmio.device=`, for kernels with CONFIG_VIRTIO_MMIO_CMDLINE_DEVICES).
     #[arg(long)]
-    pub no_acpi: bool,
+    no_acpi: bool,
     /// The memory limits of the VM.
     #[command(flatten)]
-    pub limits: LimitArgs,
+    limits: LimitArgs,
 }
 
 impl BootArgs {
@@ -369,7 +369,7 @@ impl BootArgs {
 
 /// Says how a Linux guest's run ended (a failure at every log level, a clean end at info)
 /// and gives its exit status.
-pub fn linux_ended(ending: &BootEnding) -> ExitCode {
+pub(super) fn linux_ended(ending: &BootEnding) -> ExitCode {
     let code = ending.exit_code();
     let level = if code == 0 {
         LogLevel::Info

@@ -53,30 +53,30 @@ pub struct CheckReport {
     /// Slots in the test area.
     pub area_slots: u64,
     /// Bytes per test slot.
-    pub slot_size: u64,
+    slot_size: u64,
     /// Bytes of test area.
-    pub area_size: u64,
+    area_size: u64,
     /// vCPUs.
     pub vcpus: usize,
     /// Addresses checked in each direction (both ends of every slot).
     pub addresses_checked: u64,
     /// Adding the test area (every KVM slot created).
     #[serde(rename = "slot_setup_ms", serialize_with = "super::millis")]
-    pub slot_setup: Duration,
+    slot_setup: Duration,
     /// The guest writing both ends of every slot.
     #[serde(rename = "guest_write_ms", serialize_with = "super::millis")]
-    pub guest_write: Duration,
+    guest_write: Duration,
     /// The host checking them.
     #[serde(rename = "host_check_ms", serialize_with = "super::millis")]
-    pub host_check: Duration,
+    host_check: Duration,
     /// The host writing a new pattern.
     #[serde(rename = "host_write_ms", serialize_with = "super::millis")]
-    pub host_write: Duration,
+    host_write: Duration,
     /// The guest checking it.
     #[serde(rename = "guest_check_ms", serialize_with = "super::millis")]
-    pub guest_check: Duration,
+    guest_check: Duration,
     /// The manager's memory per slot.
-    pub manager_bytes_per_slot: f64,
+    manager_bytes_per_slot: f64,
 }
 
 /// Runs the check; `stop` interrupts it between steps.
@@ -90,7 +90,7 @@ pub fn run_check(
 
 /// [`run_check`], telling `progress` what each step is about to do (the slot set-up alone
 /// takes seconds at KVM's maximum slot count).
-pub fn run_check_with_progress(
+fn run_check_with_progress(
     config: CheckConfig,
     stop: &AtomicBool,
     stopped: &Arc<EventFd>,
@@ -185,19 +185,19 @@ impl std::fmt::Display for CheckReport {
 pub struct CheckArgs {
     /// KVM slots in all (2 to KVM's maximum; one holds the guest's code and tables).
     #[arg(long, default_value_t = 4096, value_parser = slot_count(2))]
-    pub slots: usize,
+    slots: usize,
     /// MiB of test memory split over the other slots.
     #[arg(long, alias = "area-mib", default_value_t = 512)]
-    pub mem_mib: u64,
+    mem_mib: u64,
     /// vCPUs sharing the work (1 to 15).
     #[arg(long, default_value_t = 1, value_parser = test_guest_vcpus)]
-    pub vcpus: usize,
+    vcpus: usize,
     /// Print the report as JSON alone on stdout (the human report goes to stderr).
     #[arg(long)]
-    pub json: bool,
+    json: bool,
     /// The memory limits of the VM it checks.
     #[command(flatten)]
-    pub limits: LimitArgs,
+    limits: LimitArgs,
 }
 
 impl Default for CheckArgs {

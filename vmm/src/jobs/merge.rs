@@ -19,16 +19,16 @@ use crate::test_guest::snapshot::{open_input, SnapshotInfo, SnapshotKind, Snapsh
 
 /// What a merge did.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct MergeReport {
+struct MergeReport {
     /// Snapshots merged.
-    pub snapshots: usize,
+    snapshots: usize,
     /// Bytes copied into the merged file.
-    pub bytes: u64,
+    bytes: u64,
 }
 
 /// Why a chain was not merged (nothing is left behind).
 #[derive(Debug, thiserror::Error)]
-pub enum MergeError {
+enum MergeError {
     /// The files are not pairs.
     #[error("the chain is pairs of a state file and a memory file")]
     Pairs,
@@ -138,7 +138,7 @@ fn check_chain(links: &[Link]) -> Result<(), MergeError> {
 
 /// Merges the chain `files` (state, memory, state, memory..., oldest first) into a new file
 /// at `out`, after checking every input; checks the result against the last state file.
-pub fn merge_chain(files: &[PathBuf], out: &Path) -> Result<MergeReport, MergeError> {
+fn merge_chain(files: &[PathBuf], out: &Path) -> Result<MergeReport, MergeError> {
     if files.is_empty() || !files.len().is_multiple_of(2) {
         return Err(MergeError::Pairs);
     }
@@ -189,11 +189,11 @@ pub struct MergeArgs {
     /// Where the merged memory file goes (it must not exist); restore it with the last state
     /// file.
     #[arg(long)]
-    pub out: PathBuf,
+    out: PathBuf,
     /// The chain, oldest first: the Full snapshot's state and memory files, then each Diff's,
     /// as pairs: STATE MEM STATE MEM ...
     #[arg(required = true, num_args = 2..)]
-    pub files: Vec<PathBuf>,
+    files: Vec<PathBuf>,
 }
 
 impl MergeArgs {

@@ -1,6 +1,6 @@
 //! The product's subcommands: `check` (on the job thread of [`crate::lifecycle::run_job`]),
 //! the VMs that run until they are stopped (`serve`, `restore`, `receive`, `boot`), under the
-//! event loop and API socket of [`run_loop`], `snapshot-merge` ([`merge`]) and `client`
+//! event loop and API socket of `run_loop`, `snapshot-merge` ([`merge`]) and `client`
 //! ([`client`], one request to a VMM's API socket). Each job's command-line arguments are
 //! beside it (`CheckArgs` in [`check`], ...), with what several share in [`args`]; the
 //! process around a job (its open-file limit, what it prints, its exit status) is in
@@ -15,7 +15,7 @@ pub mod merge;
 pub mod process;
 pub mod receive;
 pub mod restore;
-pub mod run_loop;
+mod run_loop;
 pub mod serve;
 pub mod working_set;
 

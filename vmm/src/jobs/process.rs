@@ -40,7 +40,7 @@ pub fn job_report<R, E: std::fmt::Display>(
 
 /// Prints `fields` (a JSON object) with `"passed"` added, alone on stdout: what `--json`
 /// prints on every subcommand.
-pub fn print_json(passed: bool, mut fields: serde_json::Value) {
+pub(super) fn print_json(passed: bool, mut fields: serde_json::Value) {
     if let Some(object) = fields.as_object_mut() {
         object.insert("passed".into(), passed.into());
     }

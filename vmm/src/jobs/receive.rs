@@ -138,20 +138,20 @@ enum ReceivedVm {
 
 /// What a completed receive did.
 #[derive(Debug, Clone, Copy, PartialEq)]
-pub struct Received {
+struct Received {
     /// Rounds of pages.
-    pub rounds: u32,
+    rounds: u32,
     /// Bytes of pages applied.
-    pub bytes: u64,
+    bytes: u64,
     /// How long checking the memory against the source's digest took.
-    pub check: Duration,
+    check: Duration,
     /// From the first byte to the guest running here.
-    pub elapsed: Duration,
+    elapsed: Duration,
 }
 
 /// Receives one VM and serves it until a client stops it or a signal comes. `ready` is
 /// called once listening; `received` once the VM runs here.
-pub fn receive(
+fn receive(
     config: &ReceiveConfig,
     ready: impl FnOnce(),
     received: impl FnOnce(Received),
@@ -245,7 +245,7 @@ pub fn receive(
     }
 }
 
-/// Runs [`receive`] on a thread of its own and returns that thread once it listens (its API
+/// Runs `receive` on a thread of its own and returns that thread once it listens (its API
 /// socket answering), or the error that kept it from listening.
 pub fn receive_in_background(
     config: ReceiveConfig,
@@ -553,10 +553,10 @@ impl Drop for WaitingApi {
 pub struct ReceiveArgs {
     /// Where to wait for the source: unix:PATH or tcp:HOST:PORT.
     #[arg(long)]
-    pub listen: Endpoint,
+    listen: Endpoint,
     /// The API socket, and the VM's limits and dirty-log mode (for migrating onwards).
     #[command(flatten)]
-    pub api: ApiArgs,
+    api: ApiArgs,
 }
 
 impl ReceiveArgs {

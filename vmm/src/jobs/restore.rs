@@ -1,7 +1,7 @@
 //! `tinyvmm restore`: a VM restored from a snapshot (`PUT /snapshot/create`), paused: a test
 //! guest served as `serve` serves a new one (`restored_controller`), a Linux guest run as
-//! `boot` runs one, its console on stdout ([`restore_linux`]); the state file says which. The
-//! state file is read once ([`StateFile`]: the guest kind told from its bytes, then the
+//! `boot` runs one, its console on stdout (`restore_linux`); the state file says which. The
+//! state file is read once (`StateFile`: the guest kind told from its bytes, then the
 //! kind's state read from them) and checked before anything is built, and the memory file
 //! checked against what the state file recorded of it: a Diff
 //! restores from its chain merged (`tinyvmm snapshot-merge`) with its own state file, and its
@@ -116,7 +116,7 @@ pub(crate) fn restored_controller(
 /// `api_sock`, within `limits`, and runs it as `boot` does until it ends (a client resumes
 /// it). The state file (`read` from `from`'s, once) is checked, and the memory file checked
 /// against it, before anything is built.
-pub fn restore_linux(
+pub(super) fn restore_linux(
     from: &RestoreFrom,
     read: &StateFile,
     api_sock: PathBuf,
@@ -209,34 +209,34 @@ fn wrong_memory(from: &RestoreFrom, info: &SnapshotInfo, mismatch: &MemoryMismat
 pub struct RestoreArgs {
     /// The state file a snapshot wrote (`snapshot_path` of PUT /snapshot/create).
     #[arg(long)]
-    pub snapshot: PathBuf,
+    pub(crate) snapshot: PathBuf,
     /// The memory file: a Full's own (`mem_file_path`), or for a Diff its chain merged with
     /// `tinyvmm snapshot-merge` (a Diff's own memory file is refused).
     #[arg(long)]
-    pub mem_file: PathBuf,
+    pub(crate) mem_file: PathBuf,
     /// copy: read the memory in before the guest runs; file: map the file privately, pages
     /// load when first touched; uffd: a userfaultfd handler fills each page on first touch.
     #[arg(long, value_enum, default_value_t)]
-    pub mem_backend: MemBackend,
+    pub(crate) mem_backend: MemBackend,
     /// Record the pages the VM touches first, in that order, into this file when the
     /// recording ends (after --record-secs, on PUT /working-set/stop, or when the VMM stops).
     /// Needs --mem-backend uffd [default: no recording]
     #[arg(long, value_name = "PATH", conflicts_with = "prefetch", value_parser = file_to_write)]
-    pub record_working_set: Option<PathBuf>,
+    pub(crate) record_working_set: Option<PathBuf>,
     /// End the recording this many seconds after the restore [default: when the VMM stops]
     #[arg(long, value_name = "N", requires = "record_working_set", value_parser = seconds)]
-    pub record_secs: Option<std::time::Duration>,
+    pub(crate) record_secs: Option<std::time::Duration>,
     /// Fetch the pages of this list (recorded on a restore of the same snapshot) ahead of the
     /// guest while the rest still loads on fault. Needs --mem-backend uffd [default: none]
     #[arg(long, value_name = "PATH")]
-    pub prefetch: Option<PathBuf>,
+    pub(crate) prefetch: Option<PathBuf>,
     /// Every region in pages of this size rather than the ones the snapshot was taken with
     /// (2m: each region's guest address, size and slots on the 2 MiB grid, and the hugetlb pool
     /// must hold them; a working set recorded with one page size serves restores with that
     /// size) [default: the snapshot's]
     #[arg(long, value_enum)]
-    pub page_size: Option<crate::control::memory::RegionPageSize>,
+    pub(crate) page_size: Option<crate::control::memory::RegionPageSize>,
     /// The API socket and the VM's limits (its memory and vCPUs are the snapshot's).
     #[command(flatten)]
-    pub api: ApiArgs,
+    pub(crate) api: ApiArgs,
 }

@@ -17,7 +17,7 @@ use crate::lifecycle::{Ending, EventLoop, JobContext, LoopError};
 
 /// A VM's event loop and, once [`RunLoop::serve`] was called, its API socket, served by a
 /// controller of type `C`. The socket's file goes when the loop is dropped.
-pub struct RunLoop<C> {
+pub(crate) struct RunLoop<C> {
     event_loop: EventLoop,
     api: Option<(Arc<Mutex<ApiServer<C>>>, SocketFile)>,
 }
@@ -33,7 +33,7 @@ impl<C> std::fmt::Debug for RunLoop<C> {
 
 impl<C: Apply + Send + 'static> RunLoop<C> {
     /// Creates the event loop (and routes SIGINT and SIGTERM to it); no API socket yet.
-    pub fn new() -> Result<Self, LoopError> {
+    pub(super) fn new() -> Result<Self, LoopError> {
         Ok(RunLoop {
             event_loop: EventLoop::new()?,
             api: None,
@@ -41,18 +41,18 @@ impl<C: Apply + Send + 'static> RunLoop<C> {
     }
 
     /// What vCPUs and jobs share with the loop.
-    pub fn context(&self) -> &JobContext {
+    pub(super) fn context(&self) -> &JobContext {
         self.event_loop.context()
     }
 
     /// Adds a guest kind's own subscriber.
-    pub fn add(&mut self, subscriber: Arc<Mutex<dyn MutEventSubscriber + Send>>) {
+    pub(super) fn add(&mut self, subscriber: Arc<Mutex<dyn MutEventSubscriber + Send>>) {
         self.event_loop.add(subscriber);
     }
 
     /// Serves `controller` on `socket` from now on; a client silent for `idle_timeout` is
     /// answered 408 and closed.
-    pub fn serve(&mut self, socket: ApiSocket, controller: C, idle_timeout: Duration) {
+    pub(super) fn serve(&mut self, socket: ApiSocket, controller: C, idle_timeout: Duration) {
         let ApiSocket { listener, file } = socket;
         let server = Arc::new(Mutex::new(
             ApiServer::new(listener, controller)
@@ -66,7 +66,7 @@ impl<C: Apply + Send + 'static> RunLoop<C> {
     /// Dispatches events, waiting at most `wait_ms()` milliseconds a round, until a signal comes
     /// (`None`) or `ended`, asked after every round with the controller (if one serves the
     /// socket), says how the run ended.
-    pub fn run<E>(
+    pub(super) fn run<E>(
         &mut self,
         mut wait_ms: impl FnMut() -> i32,
         mut ended: impl FnMut(Option<&mut C>) -> Option<E>,
@@ -94,7 +94,7 @@ impl<C: Apply + Send + 'static> RunLoop<C> {
     /// The run is ending: has the controller cut short every request still waiting for the
     /// guest (a command under way) and keeps the loop going until their answers are out, for
     /// at most `within`; those still without an answer then get a 503.
-    pub fn finish_deferred(&mut self, within: Duration) {
+    pub(super) fn finish_deferred(&mut self, within: Duration) {
         let Some((server, _)) = &self.api else {
             return;
         };
@@ -117,7 +117,7 @@ impl<C: Apply + Send + 'static> RunLoop<C> {
     }
 
     /// Calls `f` with the controller serving the socket, if one does.
-    pub fn with_controller<R>(&self, f: impl FnOnce(&mut C) -> R) -> Option<R> {
+    pub(super) fn with_controller<R>(&self, f: impl FnOnce(&mut C) -> R) -> Option<R> {
         let (server, _) = self.api.as_ref()?;
         let mut server = server.lock().unwrap_or_else(|p| p.into_inner());
         Some(f(server.controller_mut()))

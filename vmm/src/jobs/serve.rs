@@ -1,7 +1,7 @@
 //! `tinyvmm serve`: the test guest with an API socket. The job builds the VM (the system
 //! region, the initial memory, the vCPUs) as the other jobs do, or restores one
 //! ([`super::restore`]), hands it to the controller, and serves the socket on the run loop
-//! ([`RunLoop`]) until a client stops the VMM, the VM migrates away, or a signal comes.
+//! (`RunLoop`) until a client stops the VMM, the VM migrates away, or a signal comes.
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -252,26 +252,26 @@ pub struct ServeArgs {
     /// KVM slots at start: the system region's plus the initial memory's (at least 2 with
     /// initial memory; 1 with --mem-mib 0).
     #[arg(long, default_value_t = 2, value_parser = slot_count(1))]
-    pub slots: usize,
+    slots: usize,
     /// MiB of initial memory at 256 MiB, split over the other slots (0: none).
     #[arg(long, alias = "area-mib", default_value_t = 256)]
-    pub mem_mib: u64,
+    mem_mib: u64,
     /// vCPUs of the test guest (1 to 15).
     #[arg(long, default_value_t = 1, value_parser = test_guest_vcpus)]
-    pub vcpus: usize,
+    vcpus: usize,
     /// Put the initial memory in a memfd (shared; a local migration hands it over instead of
     /// copying it) rather than in anonymous memory.
     #[arg(long)]
-    pub memfd: bool,
+    memfd: bool,
     /// The host pages behind the initial memory: 4k, 2m (hugetlb; with --memfd an
     /// MFD_HUGETLB memfd: --mem-mib and each slot's share of it must be multiples of 2 MiB, and
     /// the pool must hold it) or thp (transparent huge pages). The hotplug area takes its own
     /// (`page_size` of PUT /hotplug/memory).
     #[arg(long, value_enum, default_value = "4k")]
-    pub page_size: RegionPageSize,
+    page_size: RegionPageSize,
     /// The API socket and the VM's limits and dirty-log mode.
     #[command(flatten)]
-    pub api: ApiArgs,
+    api: ApiArgs,
 }
 
 impl ServeArgs {
@@ -306,7 +306,7 @@ impl ServeArgs {
 
     /// Serves this test guest, or the one restored from `restore` (its state file `read`
     /// already, if given), until the VMM is stopped; gives the exit status ([`served`]).
-    pub fn serve(self, restore: Option<RestoreFrom>, read: Option<&StateFile>) -> ExitCode {
+    pub(super) fn serve(self, restore: Option<RestoreFrom>, read: Option<&StateFile>) -> ExitCode {
         crate::api::server::log_requests(self.api.log_requests);
         let config = ServeConfig {
             api_sock: self.api.api_sock,
@@ -330,7 +330,7 @@ impl ServeArgs {
 /// The exit status of a VMM that served a VM: 0 when a client stopped it (or it migrated
 /// away), 130 on a signal, 4 when stopped either way after its guest failed, 1 on a failure
 /// (named on stderr).
-pub fn served(outcome: Result<Ending, impl std::fmt::Display>) -> ExitCode {
+pub(super) fn served(outcome: Result<Ending, impl std::fmt::Display>) -> ExitCode {
     use crate::control::vm::FAILED_EXIT_STATUS;
     match outcome {
         Ok(Ending::GuestFailed) => {

@@ -2,7 +2,7 @@
 //! recorded on one lazy restore of a snapshot, read, checked against the snapshot and fetched
 //! ahead of the guest on the next; or the pages a restore touches first, written when the
 //! recording ends (after `--record-secs`, or when the VMM stops). The recording and the
-//! prefetch are the memory backend's ([`crate::vm::restore::restore_memory_with`], for the
+//! prefetch are the memory backend's (`crate::vm::restore::restore_memory_with`, for the
 //! test guest and a Linux guest alike); this is their files.
 
 use std::fs::File;

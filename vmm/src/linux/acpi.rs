@@ -38,13 +38,13 @@ const IAPC_BOOT_ARCH: u16 = (1 << 2) | (1 << 3) | (1 << 4) | (1 << 5);
 
 /// A virtio-mmio device as the guest finds it in the DSDT.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct MmioDevice {
+pub(crate) struct MmioDevice {
     /// The window's guest-physical address (below 4 GiB).
-    pub base: u32,
+    pub(crate) base: u32,
     /// The window's size.
-    pub size: u32,
+    pub(crate) size: u32,
     /// Its interrupt: an I/O APIC pin.
-    pub gsi: u32,
+    pub(crate) gsi: u32,
 }
 
 /// Why the tables could not be written.
@@ -65,19 +65,20 @@ pub enum AcpiError {
 
 /// The tables, each with its guest-physical address, the RSDP first.
 #[derive(Debug)]
-pub struct Tables {
+pub(crate) struct Tables {
     /// (address, bytes) per table.
-    pub tables: Vec<(GuestAddress, Vec<u8>)>,
+    tables: Vec<(GuestAddress, Vec<u8>)>,
 }
 
 impl Tables {
     /// The RSDP's address (for the zero page and the PVH start info).
-    pub fn rsdp(&self) -> GuestAddress {
+    pub(super) fn rsdp(&self) -> GuestAddress {
         self.tables[0].0
     }
 
     /// The table with `signature`, if there is one.
-    pub fn find(&self, signature: &[u8; 4]) -> Option<&[u8]> {
+    #[cfg(test)]
+    fn find(&self, signature: &[u8; 4]) -> Option<&[u8]> {
         self.tables
             .iter()
             .map(|(_, bytes)| bytes.as_slice())
@@ -85,7 +86,7 @@ impl Tables {
     }
 
     /// The end of the last table.
-    pub fn end(&self) -> u64 {
+    fn end(&self) -> u64 {
         self.tables
             .last()
             .map_or(0, |(at, bytes)| at.0 + bytes.len() as u64)
@@ -109,7 +110,7 @@ fn bytes_of(table: &dyn Aml) -> Vec<u8> {
 }
 
 /// The DSDT's definition block: `\_SB.COM1` and one `\_SB.Vnnn` per virtio-mmio device.
-pub fn dsdt(devices: &[MmioDevice]) -> Vec<u8> {
+fn dsdt(devices: &[MmioDevice]) -> Vec<u8> {
     // Each device is serialised in one statement: the AML builders borrow their parts.
     let mut body = Vec::new();
     aml::Device::new(
@@ -162,7 +163,7 @@ impl Aml for Raw {
 }
 
 /// Lays the tables out from [`layout::ACPI_TABLES`] for `vcpus` vCPUs and `devices`.
-pub fn build(vcpus: u8, devices: &[MmioDevice]) -> Tables {
+fn build(vcpus: u8, devices: &[MmioDevice]) -> Tables {
     let align = |at: u64| at.next_multiple_of(16);
     let rsdp_at = layout::ACPI_TABLES.0;
     let xsdt_at = align(rsdp_at + Rsdp::len() as u64);
@@ -211,7 +212,7 @@ pub fn build(vcpus: u8, devices: &[MmioDevice]) -> Tables {
 
 /// Writes the tables for `vcpus` vCPUs and `devices` into `memory`; returns them (the RSDP's
 /// address is what the boot parameters carry).
-pub fn write<M: GuestMemoryBackend>(
+pub(crate) fn write<M: GuestMemoryBackend>(
     memory: &M,
     vcpus: u8,
     devices: &[MmioDevice],

@@ -10,12 +10,12 @@ use crate::control::memory::RegionPageSize;
 use crate::linux::layout;
 
 /// The most vCPUs: the MP table in the EBDA has room for 32 processor entries.
-pub const MAX_VCPUS: u8 = 32;
+pub(super) const MAX_VCPUS: u8 = 32;
 
 /// How the vCPU enters the kernel.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
 #[serde(rename_all = "lowercase")]
-pub enum BootProtocol {
+pub(crate) enum BootProtocol {
     /// PVH for an ELF with the PVH note whose e820 map fits PVH's 127 ranges; the 64-bit Linux
     /// boot protocol otherwise.
     #[default]
@@ -39,60 +39,60 @@ pub enum BootProtocol {
 /// ```
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
-pub struct BootConfig {
+pub(crate) struct BootConfig {
     /// The kernel: a bzImage, or an ELF vmlinux (PVH entry when it has the note).
-    pub kernel: PathBuf,
+    pub(crate) kernel: PathBuf,
     /// An initramfs to load with it.
-    pub initramfs: Option<PathBuf>,
+    pub(crate) initramfs: Option<PathBuf>,
     /// The kernel command line.
-    pub cmdline: String,
+    pub(crate) cmdline: String,
     /// vCPUs (1 to [`MAX_VCPUS`]).
-    pub vcpus: u8,
+    pub(crate) vcpus: u8,
     /// MiB of RAM.
-    pub mem_mib: u64,
+    pub(crate) mem_mib: u64,
     /// KVM slots the RAM is split into, all of one size (which must be whole pages).
-    pub mem_slots: u64,
+    pub(crate) mem_slots: u64,
     /// Leave a hole after every slot above the first 128 MiB, so that the e820 map has one RAM
     /// range per such slot (more than the zero page's 128 with enough slots).
-    pub mem_holes: bool,
+    pub(crate) mem_holes: bool,
     /// Stop the VM after this many seconds (none: run until the guest resets or stops).
-    pub timeout_secs: Option<f64>,
+    pub(crate) timeout_secs: Option<f64>,
     /// How to enter the kernel.
-    pub protocol: BootProtocol,
+    pub(crate) protocol: BootProtocol,
     /// MiB of hotpluggable memory behind a virtio-mem device (0: no device): a multiple of the
     /// block size, at most 1 TiB (the rules of `PUT /hotplug/memory`, [`Self::hotplug`]).
     /// Nothing of it is plugged at boot; `PATCH /hotplug/memory` on the API socket asks the
     /// guest to plug.
-    pub hotplug_mib: u64,
+    pub(crate) hotplug_mib: u64,
     /// The virtio-mem device's block size in MiB (a power of two, at least 2).
-    pub hotplug_block_mib: u64,
+    pub(crate) hotplug_block_mib: u64,
     /// The largest KVM slot neighbouring plugged blocks share, in MiB: a multiple of the block
     /// size (a smaller one counts as the block size), or 0 for a slot per plugged block.
-    pub hotplug_max_slot_mib: u64,
+    pub(crate) hotplug_max_slot_mib: u64,
     /// An API socket (`/hotplug/memory`, `/memory`, `/vm`, `/actions`) while the guest runs.
-    pub api_sock: Option<PathBuf>,
+    pub(crate) api_sock: Option<PathBuf>,
     /// Give the guest ACPI tables (how a stock kernel finds the virtio-mem device). Without,
     /// it has the MP table alone and finds the device on its command line.
-    pub acpi: bool,
+    pub(crate) acpi: bool,
     /// Put RAM in memfds (shared memory): a local migration then hands it over to the
     /// destination instead of copying it.
-    pub memfd: bool,
+    pub(crate) memfd: bool,
     /// The host pages behind RAM: `4k`, `2m` (hugetlb, `MFD_HUGETLB` with `memfd`: RAM and
     /// each slot a multiple of 2 MiB, the pool holding all of RAM) or `thp`.
-    pub page_size: RegionPageSize,
+    pub(crate) page_size: RegionPageSize,
     /// The host pages behind the virtio-mem device's plugged blocks, `4k` by default whatever
     /// RAM's are (with `2m` the pool must hold a piece when the guest plugs into it: a plug
     /// it cannot hold is answered BUSY). The block size, at least 2 MiB, is whole huge pages.
-    pub hotplug_page_size: RegionPageSize,
+    pub(crate) hotplug_page_size: RegionPageSize,
     /// Harvest dirty pages from per-vCPU rings of this many entries instead of per-slot
     /// bitmaps (refused on a host that runs guest ring 0 in KVM's emulator, which can overflow
     /// a ring: see `docs/DESIGN.md`).
-    pub dirty_ring: Option<u32>,
+    pub(crate) dirty_ring: Option<u32>,
     /// What guest memory is admitted against; `None`: this host's defaults
     /// ([`MemoryLimits::for_this_host`]). From the command line only (`--max-*`), never from
     /// a configuration file.
     #[serde(skip)]
-    pub limits: Option<MemoryLimits>,
+    pub(crate) limits: Option<MemoryLimits>,
 }
 
 impl Default for BootConfig {
@@ -203,11 +203,11 @@ pub enum ConfigError {
 }
 
 /// The least RAM: a bzImage decompresses itself at 16 MiB into some 50 MiB.
-pub const MIN_MEM_MIB: u64 = 128;
+const MIN_MEM_MIB: u64 = 128;
 /// The most RAM (1 TiB).
-pub const MAX_MEM_MIB: u64 = 1 << 20;
+const MAX_MEM_MIB: u64 = 1 << 20;
 /// The hotplug fields of a boot configuration, as its errors name them.
-pub const HOTPLUG_NAMES: HotplugNames = HotplugNames {
+pub(crate) const HOTPLUG_NAMES: HotplugNames = HotplugNames {
     total: "hotplug_mib",
     block: "hotplug_block_mib",
     slot: "hotplug_max_slot_mib",
@@ -219,7 +219,7 @@ pub const DEFAULT_HOTPLUG_MAX_SLOT_MIB: u64 = 128;
 
 impl BootConfig {
     /// Reads a configuration from a JSON file (unknown fields are refused) and validates it.
-    pub fn from_file(path: &Path) -> Result<Self, ConfigError> {
+    pub(crate) fn from_file(path: &Path) -> Result<Self, ConfigError> {
         let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
             path: path.to_owned(),
             source,
@@ -234,7 +234,7 @@ impl BootConfig {
     }
 
     /// Checks everything that can be checked without KVM or the files.
-    pub fn validate(&self) -> Result<(), ConfigError> {
+    pub(super) fn validate(&self) -> Result<(), ConfigError> {
         if self.kernel.as_os_str().is_empty() {
             return Err(ConfigError::NoKernel);
         }

@@ -15,15 +15,15 @@ use crate::host;
 /// The event loop's part of a Linux guest: console input from the host's terminal into the
 /// serial FIFO, and the i8042's reset line.
 #[derive(Debug)]
-pub struct ConsoleSubscriber {
+pub(crate) struct ConsoleSubscriber {
     /// The devices.
-    pub devices: Arc<LegacyDevices>,
+    pub(crate) devices: Arc<LegacyDevices>,
     /// The i8042's reset line.
-    pub reset: EventFd,
+    pub(crate) reset: EventFd,
     /// Set once the guest asked for a reset.
-    pub reset_seen: Arc<AtomicBool>,
+    pub(crate) reset_seen: Arc<AtomicBool>,
     /// Whether the console reads the host's terminal on stdin.
-    pub stdin: bool,
+    pub(crate) stdin: bool,
 }
 
 impl MutEventSubscriber for ConsoleSubscriber {

@@ -69,14 +69,14 @@ impl LinuxController {
 
     /// The controller of a guest restored with userfaultfd by `loader`, whose working-set
     /// recording `PUT /working-set/stop` ends.
-    pub fn with_loader(mut self, loader: Option<Arc<LazyLoader>>) -> Self {
+    pub(crate) fn with_loader(mut self, loader: Option<Arc<LazyLoader>>) -> Self {
         self.guest_mut().loader = loader;
         self
     }
 
     /// Cancels a migration or a live snapshot under way and waits for it (the VMM is
     /// stopping).
-    pub fn shut_down(&mut self) {
+    pub(crate) fn shut_down(&mut self) {
         self.end_copies();
     }
 }

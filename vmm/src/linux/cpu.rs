@@ -106,7 +106,10 @@ fn gdt(entry: Entry) -> [u64; 5] {
 }
 
 /// Writes the GDT and, for the 64-bit entry, identity page tables for the first GiB.
-pub fn write_tables<M: GuestMemoryBackend>(memory: &M, entry: Entry) -> Result<(), CpuError> {
+pub(super) fn write_tables<M: GuestMemoryBackend>(
+    memory: &M,
+    entry: Entry,
+) -> Result<(), CpuError> {
     let write = |what| move |source| CpuError::Write { what, source };
     let table: Vec<u8> = gdt(entry).iter().flat_map(|e| e.to_le_bytes()).collect();
     memory
@@ -131,7 +134,7 @@ pub fn write_tables<M: GuestMemoryBackend>(memory: &M, entry: Entry) -> Result<(
 }
 
 /// The special registers for `entry`.
-pub fn sregs(mut sregs: kvm_sregs, entry: Entry) -> kvm_sregs {
+fn sregs(mut sregs: kvm_sregs, entry: Entry) -> kvm_sregs {
     let table = gdt(entry);
     sregs.gdt.base = layout::GDT.0;
     sregs.gdt.limit = (table.len() * 8 - 1) as u16;
@@ -163,7 +166,7 @@ pub fn sregs(mut sregs: kvm_sregs, entry: Entry) -> kvm_sregs {
 }
 
 /// The general registers for `entry` (the boot vCPU).
-pub fn regs(entry: Entry) -> kvm_regs {
+fn regs(entry: Entry) -> kvm_regs {
     let mut regs = kvm_regs {
         rflags: 0x2,
         rsp: layout::BOOT_STACK_TOP,
@@ -183,7 +186,7 @@ pub fn regs(entry: Entry) -> kvm_regs {
     regs
 }
 
-pub use crate::vm::host_emulates_ring0;
+pub(super) use crate::vm::host_emulates_ring0;
 
 /// CPUID.1:ECX bit 13: `cmpxchg16b`.
 const CPUID_1_ECX_CX16: u32 = 1 << 13;
@@ -193,7 +196,7 @@ const CPUID_1_ECX_VMX: u32 = 1 << 5;
 const CPUID_8000_0001_ECX_SVM: u32 = 1 << 2;
 
 /// KVM's supported CPUID, completed for vCPU `index` of `count` (see [`complete_cpuid`]).
-pub fn cpuid(
+fn cpuid(
     kvm: &Kvm,
     index: u8,
     count: u8,
@@ -227,7 +230,7 @@ pub fn cpuid(
 /// (VMCS or VMCB, the L2 guest's registers) that tinyvmm neither saves nor migrates
 /// (`KVM_GET_NESTED_STATE`), so a snapshot or a migration of it would lose them. A guest
 /// hypervisor needs nested state saved first (DESIGN section 4).
-pub fn complete_cpuid(
+fn complete_cpuid(
     entries: &mut [kvm_bindings::kvm_cpuid_entry2],
     index: u8,
     count: u8,
@@ -295,7 +298,7 @@ fn boot_msrs() -> Vec<kvm_msr_entry> {
 
 /// Sets up vCPU `index` of `count`; the boot vCPU (index 0) also gets the entry registers (the
 /// others wait for the kernel's INIT/SIPI in the in-kernel local APIC).
-pub fn setup_vcpu(
+pub(super) fn setup_vcpu(
     kvm: &Kvm,
     fd: &VcpuFd,
     index: u8,

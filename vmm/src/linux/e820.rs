@@ -14,7 +14,7 @@ use crate::linux::layout;
 
 /// What an e820 range is.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
-pub enum E820Kind {
+pub(super) enum E820Kind {
     /// RAM the kernel may use (type 1).
     Usable,
     /// Reserved (type 2).
@@ -23,7 +23,7 @@ pub enum E820Kind {
 
 impl E820Kind {
     /// The type number of the boot protocol.
-    pub fn type_number(self) -> u32 {
+    pub(super) fn type_number(self) -> u32 {
         match self {
             E820Kind::Usable => 1,
             E820Kind::Reserved => 2,
@@ -31,7 +31,7 @@ impl E820Kind {
     }
 
     /// The word the kernel prints for it.
-    pub fn kernel_word(self) -> &'static str {
+    fn kernel_word(self) -> &'static str {
         match self {
             E820Kind::Usable => "usable",
             E820Kind::Reserved => "reserved",
@@ -41,18 +41,18 @@ impl E820Kind {
 
 /// One range of the map.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct E820Entry {
+pub(super) struct E820Entry {
     /// First address.
-    pub addr: u64,
+    pub(crate) addr: u64,
     /// Size in bytes (never 0).
-    pub size: u64,
+    pub(crate) size: u64,
     /// What it is.
-    pub kind: E820Kind,
+    pub(crate) kind: E820Kind,
 }
 
 impl E820Entry {
     /// The first address after the range.
-    pub fn end(&self) -> u64 {
+    pub(super) fn end(&self) -> u64 {
         self.addr + self.size
     }
 }
@@ -72,7 +72,7 @@ impl fmt::Display for E820Entry {
 }
 
 /// Builds the map for RAM `regions` (in any order; they never overlap).
-pub fn build(regions: &[RegionInfo]) -> Vec<E820Entry> {
+pub(super) fn build(regions: &[RegionInfo]) -> Vec<E820Entry> {
     let mut ranges: Vec<(u64, u64)> = regions.iter().map(|r| (r.gpa.0, r.size)).collect();
     ranges.sort_unstable();
     let mut map: Vec<E820Entry> = Vec::new();
@@ -105,13 +105,14 @@ pub fn build(regions: &[RegionInfo]) -> Vec<E820Entry> {
 }
 
 /// The map's lines as the kernel prints them with `prefix` (`BIOS-e820`, `extended`).
-pub fn kernel_lines(map: &[E820Entry], prefix: &str) -> Vec<String> {
+pub(super) fn kernel_lines(map: &[E820Entry], prefix: &str) -> Vec<String> {
     map.iter().map(|e| format!("{prefix}: {e}")).collect()
 }
 
 /// The e820 lines with `prefix` in a kernel log, in order, without what precedes the prefix on
 /// each line (the timestamp).
-pub fn lines_in_log(log: &str, prefix: &str) -> Vec<String> {
+#[cfg(test)]
+fn lines_in_log(log: &str, prefix: &str) -> Vec<String> {
     let marker = format!("{prefix}: [mem ");
     log.lines()
         .filter_map(|line| {

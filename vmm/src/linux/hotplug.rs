@@ -8,7 +8,7 @@
 //! block a slot of its own); unplugged blocks have none and their memory goes back to the
 //! host. The device's
 //! window sits in the MMIO gap below 4 GiB, its interrupt is an irqfd on an IOAPIC pin, and
-//! the kernel learns both from the DSDT (an `LNRO0005` device, [`super::acpi`]) or, booted
+//! the kernel learns both from the DSDT (an `LNRO0005` device, `super::acpi`) or, booted
 //! without ACPI, from `virtio_mmio.device=` on its command line (which needs a kernel with
 //! `CONFIG_VIRTIO_MMIO_CMDLINE_DEVICES`). An access to an unplugged block is counted and
 //! answered as absent memory; the guest goes on.
@@ -34,9 +34,9 @@ const GIB: u64 = 1 << 30;
 /// Where the device's MMIO window is (in the gap below 4 GiB, clear of the IOAPIC and LAPIC).
 pub const VIRTIO_MEM_MMIO: u64 = 0xd000_0000;
 /// The IOAPIC pin (GSI) of its interrupt.
-pub const VIRTIO_MEM_IRQ: u32 = 5;
+const VIRTIO_MEM_IRQ: u32 = 5;
 /// Its number on the Linux guest's MMIO bus.
-pub const VIRTIO_MEM_DEVICE: usize = 0;
+pub(super) const VIRTIO_MEM_DEVICE: usize = 0;
 
 /// The virtio-mem device as the VMM holds it: shared by the vCPUs (MMIO exits) and the API.
 pub type VirtioMemDevice = Arc<Mutex<MmioTransport<VirtioMem<KvmVm>>>>;
@@ -67,7 +67,7 @@ pub struct Hotplug {
     /// Its MMIO window and its area (absent memory where unplugged).
     pub mmio: Arc<MmioBus>,
     /// Its window and interrupt as the guest finds them.
-    pub window: MmioDevice,
+    pub(crate) window: MmioDevice,
 }
 
 impl Hotplug {
@@ -90,7 +90,7 @@ fn cmdline(window: MmioDevice, acpi: bool) -> String {
 
 /// Where a hotplug area goes for RAM ending at `ram_end`: the first GiB boundary at or above
 /// both it and 4 GiB.
-pub fn area_base(ram_end: u64) -> u64 {
+fn area_base(ram_end: u64) -> u64 {
     ram_end.max(MMIO_GAP_END).next_multiple_of(GIB)
 }
 

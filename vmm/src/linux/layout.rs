@@ -10,50 +10,48 @@
 use vm_memory::GuestAddress;
 
 /// The GDT for the boot (five 8-byte entries).
-pub const GDT: GuestAddress = GuestAddress(0x500);
+pub(super) const GDT: GuestAddress = GuestAddress(0x500);
 /// The PVH `hvm_start_info`.
-pub const PVH_START_INFO: GuestAddress = GuestAddress(0x6000);
+pub(super) const PVH_START_INFO: GuestAddress = GuestAddress(0x6000);
 /// The PVH module list (the initramfs).
-pub const PVH_MODLIST: GuestAddress = GuestAddress(0x6040);
+pub(super) const PVH_MODLIST: GuestAddress = GuestAddress(0x6040);
 /// The PVH memory map.
-pub const PVH_MEMMAP: GuestAddress = GuestAddress(0x6080);
+pub(super) const PVH_MEMMAP: GuestAddress = GuestAddress(0x6080);
 /// The zero page (`boot_params`).
-pub const ZERO_PAGE: GuestAddress = GuestAddress(0x7000);
+pub(super) const ZERO_PAGE: GuestAddress = GuestAddress(0x7000);
 /// The top of the boot stack.
-pub const BOOT_STACK_TOP: u64 = 0x8ff0;
+pub(super) const BOOT_STACK_TOP: u64 = 0x8ff0;
 /// The identity page tables: PML4, then one PDPT, then one page directory of 2 MiB pages.
-pub const PML4: GuestAddress = GuestAddress(0x9000);
+pub(super) const PML4: GuestAddress = GuestAddress(0x9000);
 /// The page-directory-pointer table.
-pub const PDPT: GuestAddress = GuestAddress(0xa000);
+pub(super) const PDPT: GuestAddress = GuestAddress(0xa000);
 /// The page directory (512 × 2 MiB: the first GiB).
-pub const PD: GuestAddress = GuestAddress(0xb000);
-/// How much the boot page tables identity-map.
-pub const IDENTITY_MAPPED: u64 = 1 << 30;
+pub(super) const PD: GuestAddress = GuestAddress(0xb000);
 /// The kernel command line (the kernel takes at most 2047 bytes and a NUL).
-pub const CMDLINE: GuestAddress = GuestAddress(0x2_0000);
+pub(super) const CMDLINE: GuestAddress = GuestAddress(0x2_0000);
 /// The largest command line, NUL included.
-pub const CMDLINE_MAX: usize = 0x800;
+pub(super) const CMDLINE_MAX: usize = 0x800;
 /// The `SETUP_E820_EXT` setup_data entry (its header, then the entries past the zero page's
 /// 128).
-pub const SETUP_DATA: GuestAddress = GuestAddress(0x2_1000);
+pub(super) const SETUP_DATA: GuestAddress = GuestAddress(0x2_1000);
 /// The end of the setup_data room.
-pub const SETUP_DATA_END: u64 = 0x9_f000;
+pub(super) const SETUP_DATA_END: u64 = 0x9_f000;
 /// The extended BIOS data area, which holds the MP table: the last KiB below 640 KiB.
-pub const EBDA: GuestAddress = GuestAddress(0x9_fc00);
+pub(super) const EBDA: GuestAddress = GuestAddress(0x9_fc00);
 /// The ACPI tables, RSDP first (in the BIOS area, where Linux scans for the RSDP).
-pub const ACPI_TABLES: GuestAddress = GuestAddress(0xe_0000);
+pub(super) const ACPI_TABLES: GuestAddress = GuestAddress(0xe_0000);
 /// The end of the low area the e820 map calls reserved (EBDA, VGA hole, BIOS).
-pub const LOW_RESERVED_END: u64 = 0x10_0000;
+pub(super) const LOW_RESERVED_END: u64 = 0x10_0000;
 /// Where high memory starts: kernels and initramfs go above.
-pub const HIGH_MEMORY: GuestAddress = GuestAddress(0x10_0000);
+pub(super) const HIGH_MEMORY: GuestAddress = GuestAddress(0x10_0000);
 /// The start of the 32-bit MMIO gap (no RAM from here to 4 GiB).
-pub const MMIO_GAP_START: u64 = 3 << 30;
+pub(super) const MMIO_GAP_START: u64 = 3 << 30;
 /// The end of the 32-bit MMIO gap.
-pub const MMIO_GAP_END: u64 = 4 << 30;
+pub(super) const MMIO_GAP_END: u64 = 4 << 30;
 /// The I/O APIC's registers.
-pub const IOAPIC: u64 = 0xfec0_0000;
+pub(super) const IOAPIC: u64 = 0xfec0_0000;
 /// The local APICs' registers.
-pub const LAPIC: u64 = 0xfee0_0000;
+pub(super) const LAPIC: u64 = 0xfee0_0000;
 /// With holes, the RAM at the bottom that stays contiguous, for the kernel (a bzImage
 /// decompresses itself at 16 MiB into about 52 MiB for Debian's) and the initramfs.
-pub const BOOT_AREA: u64 = 128 << 20;
+pub(super) const BOOT_AREA: u64 = 128 << 20;

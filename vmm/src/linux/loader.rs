@@ -116,7 +116,7 @@ pub enum LoadError {
 
 /// How the vCPU enters the kernel.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Entry {
+pub(super) enum Entry {
     /// The 64-bit Linux boot protocol: long mode, identity paging, `rsi` = the zero page.
     Linux64 {
         /// Where to jump.
@@ -131,7 +131,7 @@ pub enum Entry {
 
 /// What the kernel's format is.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum KernelFormat {
+pub(crate) enum KernelFormat {
     /// A bzImage.
     BzImage,
     /// An ELF vmlinux.
@@ -140,28 +140,27 @@ pub enum KernelFormat {
 
 /// What loading produced.
 #[derive(Debug, Clone)]
-pub struct Loaded {
+pub(crate) struct Loaded {
     /// The kernel's format.
-    pub format: KernelFormat,
+    pub(crate) format: KernelFormat,
     /// How to enter it.
-    pub entry: Entry,
+    pub(crate) entry: Entry,
     /// The e820 map the kernel gets, whole.
-    pub e820: Vec<E820Entry>,
+    pub(crate) e820: Vec<E820Entry>,
     /// How many of its ranges are in the zero page (the rest are in `SETUP_E820_EXT`).
-    pub zero_page_entries: usize,
+    pub(crate) zero_page_entries: usize,
     /// Where the `SETUP_E820_EXT` entry is and how long it is (header included), if any.
-    pub setup_data: Option<(GuestAddress, u64)>,
+    pub(crate) setup_data: Option<(GuestAddress, u64)>,
     /// The command line as written.
-    pub cmdline: String,
+    pub(crate) cmdline: String,
     /// Where the initramfs went and its size.
-    pub initramfs: Option<(GuestAddress, u64)>,
-    /// Where the kernel was loaded, and the end of its area.
-    pub kernel: (GuestAddress, u64),
+    #[cfg(test)]
+    initramfs: Option<(GuestAddress, u64)>,
 }
 
 /// The most e820 ranges a PVH kernel takes: Linux copies PVH's memory map into its zero page
 /// (128 entries) and adds one for the ISA range.
-pub const PVH_MAX_RANGES: usize = E820_MAX_ENTRIES_ZEROPAGE - 1;
+const PVH_MAX_RANGES: usize = E820_MAX_ENTRIES_ZEROPAGE - 1;
 
 const HDRS_MAGIC: u32 = 0x5372_6448;
 const ELF_MAGIC: [u8; 4] = [0x7f, b'E', b'L', b'F'];
@@ -197,7 +196,7 @@ fn kernel_format(file: &mut File, path: &Path) -> Result<KernelFormat, LoadError
 /// Loads `kernel` (and `initramfs`) into `memory` with `cmdline`, and writes the boot
 /// parameters for the e820 map `e820` for `protocol`, with the ACPI RSDP's address `rsdp`
 /// when the guest has ACPI tables.
-pub fn load<M: GuestMemoryBackend>(
+pub(crate) fn load<M: GuestMemoryBackend>(
     memory: &M,
     kernel: &Path,
     initramfs: Option<&Path>,
@@ -350,8 +349,8 @@ pub fn load<M: GuestMemoryBackend>(
         zero_page_entries,
         setup_data,
         cmdline: cmdline.to_owned(),
+        #[cfg(test)]
         initramfs,
-        kernel: (result.kernel_load, kernel_end),
     })
 }
 

@@ -1,30 +1,30 @@
 //! Booting a Linux kernel on kvm-memslots, with the e820 map built from the memory manager's
 //! regions.
 //!
-//! [`LinuxVm::new`] creates the VM with the in-kernel irqchip and PIT; gives it RAM as regions
-//! split into KVM slots ([`ram::ram_regions`]); builds the e820 map from the manager's
-//! regions ([`e820::build`]); loads the kernel, command line and initramfs and writes the boot
-//! parameters ([`loader::load`]), the ACPI tables ([`acpi`]) and the MP table ([`mptable`]), the
-//! GDT and page tables. [`LinuxVm::create_vcpus`] creates the vCPUs (CPUID, MSRs, FPU, LAPIC,
-//! entry registers: [`cpu`]). The boot job (`jobs::boot`) then runs them while the event loop
-//! carries console input ([`console`]) and the API socket ([`controller`]), and waits for the
+//! `LinuxVm::new` creates the VM with the in-kernel irqchip and PIT; gives it RAM as regions
+//! split into KVM slots (`ram::ram_regions`); builds the e820 map from the manager's
+//! regions (`e820::build`); loads the kernel, command line and initramfs and writes the boot
+//! parameters (`loader::load`), the ACPI tables (`acpi`) and the MP table (`mptable`), the
+//! GDT and page tables. `LinuxVm::create_vcpus` creates the vCPUs (CPUID, MSRs, FPU, LAPIC,
+//! entry registers: `cpu`). The boot job (`jobs::boot`) then runs them while the event loop
+//! carries console input (`console`) and the API socket ([`controller`]), and waits for the
 //! guest's reset, a vCPU stopping, a signal or the timeout. See `docs/BOOT.md`.
 
-pub mod acpi;
+mod acpi;
 pub mod config;
-pub mod console;
+mod console;
 pub mod controller;
-pub mod cpu;
-pub mod e820;
+mod cpu;
+mod e820;
 pub mod hotplug;
-pub mod layout;
-pub mod loader;
-pub mod mptable;
+mod layout;
+mod loader;
+mod mptable;
 pub mod ports;
-pub mod ram;
-pub mod restore;
+mod ram;
+mod restore;
 pub mod state;
-pub mod vcpus;
+mod vcpus;
 
 use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
@@ -36,10 +36,10 @@ use vmm_sys_util::eventfd::EventFd;
 use crate::vm::vcpu::{Vcpu, VcpuShared};
 use crate::vm::{self, Vm, VmError, VmOptions};
 
-pub use config::{BootConfig, BootProtocol, ConfigError};
-pub use e820::{E820Entry, E820Kind};
-pub use loader::{KernelFormat, LoadError};
-pub use ports::GuestStop;
+pub(crate) use config::{BootConfig, BootProtocol, ConfigError};
+use e820::E820Entry;
+pub(crate) use loader::{KernelFormat, LoadError};
+use ports::GuestStop;
 
 use crate::devices::legacy::SERIAL_IRQ;
 use crate::devices::{self, legacy::ConsoleOutput, legacy::DeviceError, legacy::LegacyDevices};
@@ -47,7 +47,7 @@ use console::ConsoleSubscriber;
 use loader::Entry;
 use ports::LinuxPorts;
 use state::LinuxMachine;
-pub use vcpus::{LinuxVcpu, LinuxVcpus, RunningVcpus};
+pub(crate) use vcpus::LinuxVcpus;
 
 /// Why a boot could not start (or the VMM failed while it ran).
 #[derive(Debug, thiserror::Error)]
@@ -103,7 +103,7 @@ pub enum BootEnding {
     Timeout,
     /// SIGINT or SIGTERM.
     Interrupted,
-    /// The caller asked for a stop ([`Console::stop`]), or a client did (`PUT /actions`).
+    /// The caller asked for a stop (`Console::stop`), or a client did (`PUT /actions`).
     Stopped,
     /// The VM migrated away: it runs on the destination now.
     Migrated,
@@ -113,7 +113,7 @@ impl BootEnding {
     /// The process exit code for it: 0 reset, 2 the guest stopped on an error, 3 the host's
     /// limitation (`KVM_EXIT_INTERNAL_ERROR` on kvm_pvm), 124 timeout (as timeout(1)), 130
     /// interrupted. (1 is a VMM error before or outside the run.)
-    pub fn exit_code(&self) -> u8 {
+    pub(crate) fn exit_code(&self) -> u8 {
         match self {
             BootEnding::Reset | BootEnding::Stopped | BootEnding::Migrated => 0,
             BootEnding::GuestStopped(GuestStop::HostLimitation { .. }) => 3,
@@ -139,33 +139,29 @@ impl std::fmt::Display for BootEnding {
 
 /// What the VMM built and how the run ended.
 #[derive(Debug)]
-pub struct BootReport {
+pub(crate) struct BootReport {
     /// How it ended.
-    pub ending: BootEnding,
+    pub(crate) ending: BootEnding,
     /// The kernel's format.
-    pub format: KernelFormat,
+    pub(crate) format: KernelFormat,
     /// The e820 map the kernel was given, whole.
-    pub e820: Vec<E820Entry>,
+    e820: Vec<E820Entry>,
     /// How many of its ranges were in the zero page; the rest were in `SETUP_E820_EXT`.
-    pub zero_page_entries: usize,
+    zero_page_entries: usize,
     /// The `SETUP_E820_EXT` entry's address and length, if there was one.
-    pub setup_data: Option<(u64, u64)>,
+    setup_data: Option<(u64, u64)>,
     /// The command line.
-    pub cmdline: String,
-    /// Where the initramfs went and its size, if there was one.
-    pub initramfs: Option<(u64, u64)>,
-    /// The ACPI RSDP's address, if the guest has ACPI tables.
-    pub rsdp: Option<u64>,
+    pub(crate) cmdline: String,
     /// RAM regions and the KVM slots they took.
-    pub regions: usize,
+    pub(crate) regions: usize,
     /// KVM slots of RAM.
-    pub slots: usize,
+    pub(crate) slots: usize,
     /// Time from the start of the boot (`jobs::boot::boot`) to entering the guest.
-    pub setup_time: Duration,
+    pub(crate) setup_time: Duration,
 }
 
 /// What the VMM prints about the boot before it starts the guest.
-pub fn describe(report: &BootReport) -> String {
+pub(crate) fn describe(report: &BootReport) -> String {
     let mut text = format!(
         "tinyvmm: {} RAM regions in {} KVM slots; e820 map of {} ranges ({} in the zero page{}); command line: {}\n",
         report.regions,
@@ -187,14 +183,14 @@ pub fn describe(report: &BootReport) -> String {
 }
 
 /// Where the console goes and comes from.
-pub struct Console {
+pub(crate) struct Console {
     /// The serial console's output.
-    pub output: ConsoleOutput,
+    pub(crate) output: ConsoleOutput,
     /// Read console input from the process's stdin (only when it is a terminal).
-    pub stdin: bool,
+    pub(crate) stdin: bool,
     /// Set by the caller to stop the VM (for example once the console showed what it waited
     /// for); the boot then ends as [`BootEnding::Stopped`].
-    pub stop: Option<Arc<AtomicBool>>,
+    pub(crate) stop: Option<Arc<AtomicBool>>,
 }
 
 impl std::fmt::Debug for Console {
@@ -210,7 +206,7 @@ impl std::fmt::Debug for Console {
 /// kernel, its devices and, once [`LinuxVm::create_vcpus`] ran, its vCPUs; nothing runs yet.
 /// The boot job (`jobs::boot`) runs it under the event loop.
 #[derive(Debug)]
-pub struct LinuxVm {
+pub(crate) struct LinuxVm {
     vm: Vm,
     /// What its state is saved from: the VM, its devices, the machine booted.
     machine: Arc<LinuxMachine>,
@@ -250,7 +246,7 @@ fn legacy_devices(
 
 impl LinuxVm {
     /// The fault handler of a guest restored with userfaultfd.
-    pub fn loader(&self) -> Option<&Arc<kvm_memslots_persist::LazyLoader>> {
+    pub(crate) fn loader(&self) -> Option<&Arc<kvm_memslots_persist::LazyLoader>> {
         self.loader.as_ref()
     }
 
@@ -258,7 +254,7 @@ impl LinuxVm {
     /// device up, writes the ACPI tables, loads the kernel, writes the page tables and the MP
     /// table, and creates the serial console (writing to `output`) and the i8042. Returns it
     /// with the report of what was built (its ending and set-up time still to fill in).
-    pub fn new(
+    pub(crate) fn new(
         config: &BootConfig,
         output: ConsoleOutput,
     ) -> Result<(Self, BootReport), BootError> {
@@ -331,8 +327,6 @@ impl LinuxVm {
             setup_data: loaded.setup_data.map(|(a, l)| (a.0, l)),
             e820: loaded.e820,
             cmdline: loaded.cmdline,
-            initramfs: loaded.initramfs.map(|(a, l)| (a.0, l)),
-            rsdp: rsdp.map(|a| a.0),
             regions: regions.len(),
             slots: regions.iter().map(|r| r.slots).sum(),
             setup_time: Duration::ZERO,
@@ -358,19 +352,19 @@ impl LinuxVm {
     }
 
     /// The guest's memory.
-    pub fn memory(&self) -> &Arc<MemoryManager<KvmVm>> {
+    pub(crate) fn memory(&self) -> &Arc<MemoryManager<KvmVm>> {
         self.vm.memory()
     }
 
     /// What the guest's state is saved from.
-    pub fn machine(&self) -> &Arc<LinuxMachine> {
+    pub(crate) fn machine(&self) -> &Arc<LinuxMachine> {
         &self.machine
     }
 
     /// The event loop's part of the guest: console input from the host's terminal on stdin
     /// (with `stdin`) into the serial FIFO, and the i8042's reset line, which sets
     /// `reset_seen`.
-    pub fn console(
+    pub(crate) fn console(
         &self,
         reset_seen: Arc<AtomicBool>,
         stdin: bool,
@@ -401,7 +395,7 @@ impl LinuxVm {
 
     /// Creates and sets up `config`'s vCPUs; returns them, not yet running. The MSRs the
     /// first one lets the VMM read are those every vCPU saves.
-    pub fn create_vcpus(&mut self, config: &BootConfig) -> Result<LinuxVcpus, BootError> {
+    pub(crate) fn create_vcpus(&mut self, config: &BootConfig) -> Result<LinuxVcpus, BootError> {
         let entry = self.entry.ok_or(BootError::Restore(
             "a restored guest's vCPUs come from its state".into(),
         ))?;
@@ -429,7 +423,7 @@ impl LinuxVm {
     }
 
     /// Writes out what the serial console holds.
-    pub fn flush_console(&self) {
+    pub(crate) fn flush_console(&self) {
         self.machine.devices.flush();
     }
 }

@@ -41,7 +41,7 @@ fn checksum(bytes: &[u8]) -> u8 {
 }
 
 /// The table's bytes for `vcpus` vCPUs, to be placed at the EBDA.
-pub fn build(vcpus: u8) -> Vec<u8> {
+fn build(vcpus: u8) -> Vec<u8> {
     let base = layout::EBDA.0 as u32;
     let ioapic_id = vcpus;
     let mut entries: Vec<u8> = Vec::new();
@@ -102,7 +102,7 @@ pub fn build(vcpus: u8) -> Vec<u8> {
 }
 
 /// Writes the table for `vcpus` vCPUs at the EBDA.
-pub fn write<M: GuestMemoryBackend>(memory: &M, vcpus: u8) -> Result<(), MpTableError> {
+pub(super) fn write<M: GuestMemoryBackend>(memory: &M, vcpus: u8) -> Result<(), MpTableError> {
     let table = build(vcpus);
     if table.len() > ROOM {
         return Err(MpTableError::TooLarge {

@@ -10,21 +10,22 @@ const PAGE_SIZE: u64 = 4096;
 
 /// One region of guest RAM as the VMM asks the manager for it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct RamRegion {
+pub(crate) struct RamRegion {
     /// Guest-physical base.
-    pub gpa: GuestAddress,
+    pub(crate) gpa: GuestAddress,
     /// Size in bytes.
-    pub size: u64,
+    pub(crate) size: u64,
     /// Size of its KVM slots (the last one may be smaller).
-    pub slot_size: u64,
+    pub(crate) slot_size: u64,
     /// Size of its last slot when that one is larger (the rest of RAM that `slot_size` does
     /// not divide); `None` when all are `slot_size` but maybe a smaller last one.
-    pub larger_last: Option<u64>,
+    larger_last: Option<u64>,
 }
 
 impl RamRegion {
     /// How many KVM slots it takes.
-    pub fn slots(&self) -> u64 {
+    #[cfg(test)]
+    fn slots(&self) -> u64 {
         match self.larger_last {
             Some(last) => (self.size - last) / self.slot_size + 1,
             None => self.size.div_ceil(self.slot_size),
@@ -33,7 +34,7 @@ impl RamRegion {
 
     /// Its slots as byte ranges, where the last one is larger (for
     /// `RegionSpec::with_slot_ranges`); `None` where `slot_size` says it all.
-    pub fn slot_ranges(&self) -> Option<Vec<std::ops::Range<u64>>> {
+    pub(super) fn slot_ranges(&self) -> Option<Vec<std::ops::Range<u64>>> {
         let last = self.larger_last?;
         let even = self.size - last;
         let mut ranges: Vec<_> = (0..even / self.slot_size)
@@ -51,7 +52,7 @@ impl RamRegion {
 /// RAM below the gap and without holes that `mem_slots` does not divide into whole pages gets
 /// slots of equal whole pages and a larger last one (KVM's 32764 divides no RAM size in whole
 /// pages). `config` must have passed [`BootConfig::validate`].
-pub fn ram_regions(config: &BootConfig) -> Vec<RamRegion> {
+pub(crate) fn ram_regions(config: &BootConfig) -> Vec<RamRegion> {
     let mem = config.mem_mib << 20;
     let pages = mem / PAGE_SIZE;
     if !config.mem_holes && !pages.is_multiple_of(config.mem_slots) {

@@ -23,7 +23,7 @@ impl LinuxVm {
     /// `memory_file` (loaded as `backend` says, with `lazy`'s working-set prefetch and
     /// recording), its console writing to `output`, within `limits`. Its vCPUs come from
     /// [`restored_vcpus`](Self::restored_vcpus).
-    pub fn restore(
+    pub(crate) fn restore(
         state: &LinuxState,
         (memory_file, backend, lazy): (&std::fs::File, MemBackend, LazyOptions),
         output: ConsoleOutput,
@@ -42,7 +42,7 @@ impl LinuxVm {
 
     /// The guest `state` saved, on `vm`, which has the irqchip and holds the guest's memory
     /// as the state's layout lays it out (`loader`: its lazy loader, if any).
-    pub fn restore_on(
+    pub(crate) fn restore_on(
         vm: Vm,
         state: &LinuxState,
         output: ConsoleOutput,
@@ -100,7 +100,7 @@ impl LinuxVm {
 
     /// The vCPUs of `state`, each given its saved state and made paused: they park before
     /// they first enter the guest, until a client resumes the VM.
-    pub fn restored_vcpus(&self, state: &LinuxState) -> Result<LinuxVcpus, BootError> {
+    pub(crate) fn restored_vcpus(&self, state: &LinuxState) -> Result<LinuxVcpus, BootError> {
         let ports = self.ports();
         let mut vcpus = Vec::new();
         for (index, saved) in state.vcpus.iter().enumerate() {

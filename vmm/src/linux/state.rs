@@ -4,7 +4,7 @@
 //! checks the rest: what snapshot it is, the memory layout, every vCPU, the VM's irqchip, PIT
 //! and clock). The device list is checked against the machine: a state file whose devices are
 //! not the ones its configuration has is refused, and a VM with a device that cannot be saved
-//! refuses to snapshot, naming it ([`LinuxMachine::save`]).
+//! refuses to snapshot, naming it (`LinuxMachine::save`).
 //!
 //! A restore needs no kernel: the kernel is in guest memory. The state names the kernel it
 //! was booted from (path, size and CRC-32) for the record only.
@@ -64,7 +64,7 @@ pub struct KernelRecord {
 
 impl KernelRecord {
     /// The record of the kernel at `path`.
-    pub fn of(path: &Path) -> std::io::Result<Self> {
+    pub(super) fn of(path: &Path) -> std::io::Result<Self> {
         let bytes = std::fs::read(path)?;
         Ok(KernelRecord {
             path: path.to_path_buf(),
@@ -76,7 +76,7 @@ impl KernelRecord {
 
 impl Machine {
     /// The machine `config` boots, booted from `kernel`.
-    pub fn of(config: &BootConfig, kernel: KernelRecord) -> Self {
+    pub(super) fn of(config: &BootConfig, kernel: KernelRecord) -> Self {
         Machine {
             vcpus: config.vcpus,
             acpi: config.acpi,
@@ -100,7 +100,7 @@ impl Machine {
     }
 
     /// The devices this machine has, in the order a state lists them.
-    pub fn devices(&self) -> Vec<DeviceName> {
+    fn devices(&self) -> Vec<DeviceName> {
         let mut names = vec![DeviceName::Serial, DeviceName::I8042];
         if self.hotplug_mib > 0 {
             names.push(DeviceName::VirtioMem);
@@ -111,7 +111,7 @@ impl Machine {
 
 /// A device of a Linux guest, by kind.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum DeviceName {
+enum DeviceName {
     /// The 16550 serial console.
     Serial,
     /// The i8042.
@@ -133,7 +133,7 @@ impl std::fmt::Display for DeviceName {
 /// One device's saved state.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(tag = "kind", rename_all = "snake_case", deny_unknown_fields)]
-pub enum DeviceState {
+pub(crate) enum DeviceState {
     /// The serial console's registers and input FIFO.
     Serial {
         /// vm-superio's state.
@@ -154,7 +154,7 @@ pub enum DeviceState {
 
 impl DeviceState {
     /// Its device.
-    pub fn name(&self) -> DeviceName {
+    fn name(&self) -> DeviceName {
         match self {
             DeviceState::Serial { .. } => DeviceName::Serial,
             DeviceState::I8042 => DeviceName::I8042,
@@ -171,14 +171,14 @@ pub type LinuxState = SavedState<LinuxPart>;
 #[serde(deny_unknown_fields)]
 pub struct LinuxPart {
     /// Every device, in the machine's order ([`Machine::devices`]).
-    pub devices: Vec<DeviceState>,
+    pub(crate) devices: Vec<DeviceState>,
     /// The machine booted.
-    pub machine: Machine,
+    pub(crate) machine: Machine,
 }
 
 /// Why a Linux state could not be read or taken.
 #[derive(Debug, thiserror::Error)]
-pub enum LinuxStateError {
+pub(crate) enum LinuxStateError {
     /// The file or record is not a valid Linux state.
     #[error(transparent)]
     File(#[from] StateFileError),
@@ -251,7 +251,7 @@ pub struct LinuxMachine {
 impl LinuxMachine {
     /// The devices' states, in the machine's order, one for each device on the port bus and
     /// each virtio-mmio device; a device that has no saved state refuses the save by name.
-    pub fn save_devices(&self) -> Result<Vec<DeviceState>, LinuxStateError> {
+    fn save_devices(&self) -> Result<Vec<DeviceState>, LinuxStateError> {
         let mut states = Vec::new();
         for range in self.bus.ranges() {
             states.push(match range.device {
@@ -291,7 +291,7 @@ impl LinuxMachine {
 
     /// The state of the paused VM: `vcpus` (read by their threads), `layout`, the VM's and the
     /// devices' state now.
-    pub fn save(
+    pub(crate) fn save(
         &self,
         snapshot: Option<SnapshotInfo>,
         layout: &MemoryLayout,
@@ -312,11 +312,11 @@ impl LinuxMachine {
 /// A Linux guest's migration State record: the machine's state, taken once the vCPUs are
 /// paused.
 #[derive(Debug)]
-pub struct LinuxRecord {
+pub(super) struct LinuxRecord {
     /// What the state is taken from.
-    pub machine: Arc<LinuxMachine>,
+    pub(crate) machine: Arc<LinuxMachine>,
     /// Whether a client had paused the VM.
-    pub paused: bool,
+    pub(crate) paused: bool,
 }
 
 impl StateRecord for LinuxRecord {

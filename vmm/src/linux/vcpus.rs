@@ -16,11 +16,11 @@ use crate::vm::vcpu::{kick_until_finished, PauseError, Vcpu, VcpuShared};
 
 /// How long a vCPU may take to pause (it leaves the guest at its next exit, which a kick
 /// forces).
-pub const PAUSE_TIMEOUT: Duration = Duration::from_secs(5);
+pub(super) const PAUSE_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// A Linux guest's vCPUs, created and set up, not yet running.
 #[derive(Debug)]
-pub struct LinuxVcpus {
+pub(crate) struct LinuxVcpus {
     vcpus: Vec<Vcpu<LinuxPorts>>,
     msrs: Arc<[u32]>,
 }
@@ -29,12 +29,12 @@ pub struct LinuxVcpus {
 #[derive(Debug, Clone)]
 pub struct LinuxVcpu {
     /// What the host shares with its thread.
-    pub shared: Arc<VcpuShared>,
+    pub(crate) shared: Arc<VcpuShared>,
     /// The MSRs it saves.
-    pub msrs: Arc<[u32]>,
+    pub(crate) msrs: Arc<[u32]>,
     /// A client paused the VM: a migration that ends without moving it leaves it paused
     /// (its [`resume`](PreCopyVcpu::resume) does nothing).
-    pub keep_paused: bool,
+    pub(crate) keep_paused: bool,
 }
 
 impl PreCopyVcpu for LinuxVcpu {
@@ -68,14 +68,14 @@ impl PreCopyVcpu for LinuxVcpu {
 
 impl LinuxVcpus {
     /// `vcpus`, which save the MSRs `msrs`.
-    pub fn new(vcpus: Vec<Vcpu<LinuxPorts>>, msrs: Arc<[u32]>) -> Self {
+    pub(super) fn new(vcpus: Vec<Vcpu<LinuxPorts>>, msrs: Arc<[u32]>) -> Self {
         LinuxVcpus { vcpus, msrs }
     }
 
     /// Starts a thread for each vCPU on the shared exit loop; each tells `stopped` when it
     /// stops. If one cannot start, those started are stopped again. vCPUs made paused
     /// (restored ones) park before they first enter the guest.
-    pub fn start(self, stopped: &Arc<EventFd>) -> Result<RunningVcpus, BootError> {
+    pub(crate) fn start(self, stopped: &Arc<EventFd>) -> Result<RunningVcpus, BootError> {
         let mut running = RunningVcpus {
             threads: Vec::new(),
             msrs: self.msrs,
@@ -103,14 +103,14 @@ type VcpuThread = (JoinHandle<Result<(), GuestStop>>, Arc<VcpuShared>);
 
 /// A Linux guest's running vCPU threads.
 #[derive(Debug)]
-pub struct RunningVcpus {
+pub(crate) struct RunningVcpus {
     threads: Vec<VcpuThread>,
     msrs: Arc<[u32]>,
 }
 
 impl RunningVcpus {
     /// Each vCPU, to pause, save and resume.
-    pub fn handles(&self) -> Vec<LinuxVcpu> {
+    pub(crate) fn handles(&self) -> Vec<LinuxVcpu> {
         self.threads
             .iter()
             .map(|(_, shared)| LinuxVcpu {
@@ -124,7 +124,7 @@ impl RunningVcpus {
     /// How the run ended, if a vCPU's end decides it: a vCPU that stopped on its own
     /// ([`BootEnding::GuestStopped`]), or every vCPU gone ([`BootEnding::Timeout`]). Joins at
     /// most one finished thread a call; a vCPU that stopped without an error was asked to.
-    pub fn ended(&mut self) -> Option<BootEnding> {
+    pub(crate) fn ended(&mut self) -> Option<BootEnding> {
         let at = self.threads.iter().position(|(t, _)| t.is_finished())?;
         let (thread, _) = self.threads.swap_remove(at);
         match thread.join() {
@@ -138,7 +138,7 @@ impl RunningVcpus {
 
     /// Stops every vCPU thread (a flag, then kicks out of `KVM_RUN`; a paused one leaves its
     /// park) and joins them.
-    pub fn stop(self) {
+    pub(crate) fn stop(self) {
         for (_, shared) in &self.threads {
             shared.request_stop();
         }

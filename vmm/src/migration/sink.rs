@@ -32,7 +32,7 @@ type Memory = MemoryManager<KvmVm>;
 
 /// How a migration fails on its way to the destination.
 #[derive(Debug, thiserror::Error)]
-pub enum MigrationError {
+enum MigrationError {
     /// The destination could not be reached.
     #[error("cannot connect to {endpoint}: {source}")]
     Connect {
@@ -116,7 +116,7 @@ struct Open {
 }
 
 /// A migration's destination: a `tinyvmm receive` process at `endpoint`, on the memory stream.
-pub struct StreamSink {
+pub(super) struct StreamSink {
     endpoint: Endpoint,
     /// Hand shared memory over instead of copying it.
     local: bool,
@@ -138,7 +138,7 @@ impl std::fmt::Debug for StreamSink {
 impl StreamSink {
     /// A migration to `endpoint` (handing memfd-backed memory over if `local`), ending with
     /// `state`'s record.
-    pub fn new(endpoint: Endpoint, local: bool, state: Box<dyn StateRecord>) -> Self {
+    pub(super) fn new(endpoint: Endpoint, local: bool, state: Box<dyn StateRecord>) -> Self {
         StreamSink {
             endpoint,
             local,

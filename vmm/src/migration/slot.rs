@@ -16,7 +16,7 @@ use crate::precopy::{Phase, PreCopy, PreCopyVcpu, Reader, Rounds, SourceVm};
 /// followed the migration (asked its status while it ran) and has not read its outcome yet:
 /// `tinyvmm client migrate` asks every 50 ms, so it reads `completed` at once, and tells a
 /// source that ended without it (killed, crashed) from one whose VM moved on.
-pub const LINGER_FOR_FOLLOWER: Duration = Duration::from_secs(5);
+const LINGER_FOR_FOLLOWER: Duration = Duration::from_secs(5);
 
 /// A migration: its pre-copy run, and where it goes.
 #[derive(Debug)]
@@ -62,7 +62,7 @@ impl<V: PreCopyVcpu> MigrationSlot<V> {
     /// if it held some (the VM is then paused until a client resumes it). It has ended when
     /// its phase is final, and its thread is waited for from there (it only hands the vCPUs
     /// over after that), so that no request sees a final phase beside a VM not yet settled.
-    pub fn settle(&mut self) -> bool {
+    pub(crate) fn settle(&mut self) -> bool {
         let Some(migration) = &mut self.migration else {
             return false;
         };
@@ -80,7 +80,7 @@ impl<V: PreCopyVcpu> MigrationSlot<V> {
 
     /// Lets the vCPUs an unconfirmed migration held go on (a client resumed the VM): the only
     /// way their hold ends.
-    pub fn resume_held(&mut self) {
+    pub(crate) fn resume_held(&mut self) {
         for vcpu in self.held.drain(..) {
             vcpu.release();
         }
@@ -89,7 +89,7 @@ impl<V: PreCopyVcpu> MigrationSlot<V> {
     /// Whether the VM runs on a migration's destination now and this VMM may end: at once
     /// unless a client followed the migration without reading its outcome yet, then once it
     /// has or after [`LINGER_FOR_FOLLOWER`].
-    pub fn completed(&self) -> bool {
+    pub(crate) fn completed(&self) -> bool {
         self.migration.as_ref().is_some_and(|m| {
             m.run.completed()
                 && (!m.followed.load(Ordering::Acquire)
@@ -98,19 +98,14 @@ impl<V: PreCopyVcpu> MigrationSlot<V> {
         })
     }
 
-    /// Whether a migration is under way.
-    pub fn is_running(&self) -> bool {
-        self.migration.as_ref().is_some_and(|m| m.run.is_running())
-    }
-
     /// The last migration's progress, if one was started.
-    pub fn info(&self) -> Option<MigrationInfo> {
+    pub(crate) fn info(&self) -> Option<MigrationInfo> {
         self.migration.as_ref().map(Migration::info)
     }
 
     /// `GET /migrate`; notes whether the client follows a migration under way or has read
     /// that it completed (see [`MigrationSlot::completed`]).
-    pub fn get(&self) -> Result<MigrationInfo, ControllerError> {
+    pub(crate) fn get(&self) -> Result<MigrationInfo, ControllerError> {
         let migration = self
             .migration
             .as_ref()
@@ -125,7 +120,7 @@ impl<V: PreCopyVcpu> MigrationSlot<V> {
     }
 
     /// `PUT /migrate/cancel`.
-    pub fn cancel(&self) -> Result<(), ControllerError> {
+    pub(crate) fn cancel(&self) -> Result<(), ControllerError> {
         match &self.migration {
             Some(m) if m.run.is_running() => {
                 m.run.cancel();
@@ -136,7 +131,7 @@ impl<V: PreCopyVcpu> MigrationSlot<V> {
     }
 
     /// Cancels a migration under way and waits for its thread (the VMM is stopping).
-    pub fn shut_down(&mut self) {
+    pub(crate) fn shut_down(&mut self) {
         if let Some(migration) = &mut self.migration {
             migration.run.cancel();
             migration.run.join();
@@ -146,7 +141,7 @@ impl<V: PreCopyVcpu> MigrationSlot<V> {
     /// Why `request` cannot run now: the VM is moving (its layout, run state and guest must
     /// stay as the migration found them), has moved, or may run on the destination of a
     /// migration that ended unconfirmed (then nothing may run or change the guest here).
-    pub fn refusal(&self, request: &Request) -> Option<ControllerError> {
+    pub(crate) fn refusal(&self, request: &Request) -> Option<ControllerError> {
         let migration = self.migration.as_ref()?;
         let reads = matches!(
             request,
@@ -182,7 +177,7 @@ impl<V: PreCopyVcpu> MigrationSlot<V> {
 
     /// Checks `request` and starts migrating `vm` as it says, its State record made by
     /// `state`; `interrupt` is the process's stop flag.
-    pub fn start(
+    pub(crate) fn start(
         &mut self,
         request: &MigrateRequest,
         vm: SourceVm<V>,
@@ -215,7 +210,7 @@ fn rounds(request: &MigrateRequest) -> Rounds {
 }
 
 /// The destination `request` names, if the request is one a migration can start with.
-pub fn checked_endpoint(request: &MigrateRequest) -> Result<Endpoint, ControllerError> {
+pub(crate) fn checked_endpoint(request: &MigrateRequest) -> Result<Endpoint, ControllerError> {
     let endpoint: Endpoint = request.destination.parse().map_err(ControllerError::bad)?;
     if request.local && !matches!(endpoint, Endpoint::Unix(_)) {
         return Err(ControllerError::bad(format!(

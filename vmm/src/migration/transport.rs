@@ -26,10 +26,10 @@ use crate::host::{self, Ready, SocketAddress};
 const MAX_FDS: usize = host::SCM_MAX_FD;
 
 /// How often a wait looks at its stop flags and limits.
-pub const SLICE: Duration = Duration::from_millis(20);
+const SLICE: Duration = Duration::from_millis(20);
 
 /// How long a wait that begins past its deadline may see nothing move.
-pub const GRACE: Duration = Duration::from_secs(1);
+const GRACE: Duration = Duration::from_secs(1);
 
 /// A migration's endpoint.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -79,7 +79,7 @@ impl std::str::FromStr for Endpoint {
 impl Endpoint {
     /// Connects to a listening `tinyvmm receive`, for as long as `watch` lets it wait; the
     /// connection keeps `watch` for every later wait.
-    pub fn connect(&self, watch: Watch) -> io::Result<Connection> {
+    pub(super) fn connect(&self, watch: Watch) -> io::Result<Connection> {
         match self {
             Endpoint::Unix(path) => {
                 if let Ok(m) = std::fs::metadata(path) {
@@ -110,7 +110,7 @@ impl Endpoint {
     }
 
     /// Listens here (a stale Unix socket at the path is replaced).
-    pub fn listen(&self) -> io::Result<Listener> {
+    pub(crate) fn listen(&self) -> io::Result<Listener> {
         match self {
             Endpoint::Unix(path) => {
                 match std::fs::symlink_metadata(path) {
@@ -132,7 +132,7 @@ impl Endpoint {
 }
 
 /// What a file of type `kind` is, for messages: "a FIFO", "a device", and so on.
-pub fn file_kind(kind: std::fs::FileType) -> &'static str {
+pub(crate) fn file_kind(kind: std::fs::FileType) -> &'static str {
     if kind.is_file() {
         "a regular file"
     } else if kind.is_fifo() {
@@ -201,7 +201,7 @@ fn connect_tcp(addr: SocketAddr, watch: &Watch) -> io::Result<OwnedFd> {
 
 /// A listening endpoint; a Unix socket's file goes when it is dropped.
 #[derive(Debug)]
-pub enum Listener {
+pub(crate) enum Listener {
     /// On a Unix socket.
     Unix(UnixListener, PathBuf),
     /// On TCP.
@@ -211,7 +211,7 @@ pub enum Listener {
 impl Listener {
     /// Waits for one connection, however long it takes; `None` once one of `watch`'s stop
     /// flags is set. The connection keeps `watch` for its waits.
-    pub fn accept(&self, watch: Watch) -> io::Result<Option<Connection>> {
+    pub(crate) fn accept(&self, watch: Watch) -> io::Result<Option<Connection>> {
         loop {
             let accepted = match self {
                 Listener::Unix(l, _) => l.accept().map(|(s, _)| Link::unix(s)),
@@ -250,16 +250,16 @@ impl Drop for Listener {
 /// `stall`, and until `deadline` (a wait that begins past it gets [`GRACE`]). What is ready is
 /// taken whatever the limits: they end only waits.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Limits {
+pub(crate) struct Limits {
     /// When every wait ends, whatever moves.
-    pub deadline: Option<Instant>,
+    pub(crate) deadline: Option<Instant>,
     /// How long one wait may see nothing move (no byte come, no byte taken).
-    pub stall: Duration,
+    pub(crate) stall: Duration,
 }
 
 /// Why a watched wait ended before the other side was ready.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
-pub enum WaitEnd {
+pub(super) enum WaitEnd {
     /// The owner's cancel flag was set (a client cancelled the migration).
     #[error("a client cancelled it")]
     Cancelled,
@@ -278,16 +278,16 @@ pub enum WaitEnd {
 /// `io::Error` a read, a write or a connect returns ([`WaitError::of`]).
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[error("waiting for {what}: {end}")]
-pub struct WaitError {
+pub(super) struct WaitError {
     /// What was waited for (as the watch's owner named it).
-    pub what: String,
+    pub(crate) what: String,
     /// Why it ended.
-    pub end: WaitEnd,
+    pub(crate) end: WaitEnd,
 }
 
 impl WaitError {
     /// The ended wait behind `error`, if a [`Watch`] ended it.
-    pub fn of(error: &io::Error) -> Option<&WaitError> {
+    pub(super) fn of(error: &io::Error) -> Option<&WaitError> {
         error.get_ref()?.downcast_ref()
     }
 
@@ -306,7 +306,7 @@ impl WaitError {
 /// for now with its [`Limits`], which the connection's owner changes as it goes
 /// ([`expect`](Self::expect)).
 #[derive(Debug, Clone)]
-pub struct Watch {
+pub(crate) struct Watch {
     cancel: Option<Arc<AtomicBool>>,
     interrupt: &'static AtomicBool,
     now: Arc<Mutex<(String, Limits)>>,
@@ -315,7 +315,7 @@ pub struct Watch {
 impl Watch {
     /// A watch that ends waits on `interrupt` (the process's signal flag) and, if given, on
     /// `cancel`; it waits for `what` within `limits` until told otherwise.
-    pub fn new(
+    pub(crate) fn new(
         interrupt: &'static AtomicBool,
         cancel: Option<Arc<AtomicBool>>,
         what: impl Into<String>,
@@ -329,12 +329,12 @@ impl Watch {
     }
 
     /// From now on, waits are for `what`, within `limits`.
-    pub fn expect(&self, what: impl Into<String>, limits: Limits) {
+    pub(super) fn expect(&self, what: impl Into<String>, limits: Limits) {
         *self.now.lock().unwrap_or_else(|p| p.into_inner()) = (what.into(), limits);
     }
 
     /// Which stop flag is set, if one is.
-    pub fn stopped(&self) -> Option<WaitEnd> {
+    fn stopped(&self) -> Option<WaitEnd> {
         if self
             .cancel
             .as_ref()
@@ -360,7 +360,7 @@ impl Watch {
 
     /// For a wait that began at `since`: the error that ends it now, or how long it may
     /// sleep before looking again (a slice at most).
-    pub fn check(&self, since: Instant) -> io::Result<Duration> {
+    fn check(&self, since: Instant) -> io::Result<Duration> {
         let (what, limits) = self.now.lock().unwrap_or_else(|p| p.into_inner()).clone();
         let now = Instant::now();
         let stalls_at = since.checked_add(limits.stall);
@@ -401,9 +401,9 @@ impl Watch {
     }
 }
 
-/// A connection between the two VMMs: non-blocking, every wait watched ([`Watch`]).
+/// A connection between the two VMMs: non-blocking, every wait watched (`Watch`).
 #[derive(Debug)]
-pub struct Connection {
+pub(crate) struct Connection {
     link: Link,
     watch: Watch,
 }
@@ -460,13 +460,13 @@ impl Connection {
     }
 
     /// The watch on its waits (shared by every handle on it).
-    pub fn watch(&self) -> &Watch {
+    pub(super) fn watch(&self) -> &Watch {
         &self.watch
     }
 
     /// A second handle on the same connection (one reads while the other writes), with the
     /// same watch; file descriptors either receives land in the same queue.
-    pub fn try_clone(&self) -> io::Result<Connection> {
+    pub(crate) fn try_clone(&self) -> io::Result<Connection> {
         let link = match &self.link {
             Link::Unix(c) => Link::Unix(UnixConnection {
                 stream: c.stream.try_clone()?,
@@ -479,7 +479,7 @@ impl Connection {
     }
 
     /// Sends `fds` beside the next write (at most 253; Unix sockets only).
-    pub fn attach_fds(&mut self, fds: Vec<OwnedFd>) -> io::Result<()> {
+    pub(super) fn attach_fds(&mut self, fds: Vec<OwnedFd>) -> io::Result<()> {
         match &mut self.link {
             Link::Unix(c) if fds.len() <= MAX_FDS => {
                 c.attach = fds;
@@ -496,7 +496,7 @@ impl Connection {
     }
 
     /// The next `count` file descriptors that arrived, in order, or `None` if fewer did.
-    pub fn take_fds(&self, count: usize) -> Option<Vec<OwnedFd>> {
+    pub(crate) fn take_fds(&self, count: usize) -> Option<Vec<OwnedFd>> {
         let Link::Unix(c) = &self.link else {
             return (count == 0).then(Vec::new);
         };
@@ -508,7 +508,7 @@ impl Connection {
     }
 
     /// How many file descriptors arrived that nobody took yet.
-    pub fn fds_waiting(&self) -> usize {
+    pub(crate) fn fds_waiting(&self) -> usize {
         match &self.link {
             Link::Unix(c) => c.received.lock().unwrap_or_else(|p| p.into_inner()).len(),
             Link::Tcp(_) => 0,

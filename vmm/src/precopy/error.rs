@@ -3,11 +3,11 @@
 use crate::vm::vcpu::PauseError;
 
 /// An error a sink returns, in its own type (a migration's stream, a live snapshot's files).
-pub type SinkError = Box<dyn std::error::Error + Send + Sync>;
+type SinkError = Box<dyn std::error::Error + Send + Sync>;
 
 /// Why a pre-copy run failed, was cancelled, or ended unconfirmed.
 #[derive(Debug, thiserror::Error)]
-pub enum PreCopyError {
+pub(crate) enum PreCopyError {
     /// A client cancelled it, the timeout came, or the VMM is stopping: the VM goes on here.
     #[error("cancelled: {0}")]
     Cancelled(String),

@@ -14,12 +14,13 @@
 //! The engine knows no guest kind (a guest kind hands over its vCPUs), no destination (the
 //! sink carries the pages) and no request (its caller turns one into [`Rounds`]).
 
-pub mod error;
-pub mod progress;
-pub mod rounds;
-pub mod sink;
+mod error;
+mod progress;
+mod rounds;
+mod sink;
 
-pub use error::PreCopyError;
-pub use progress::{Phase, Progress};
-pub use rounds::{Ending, OnTimeout, PreCopy, PreCopyVcpu, Reader, Rounds, SourceVm};
-pub use sink::{Next, Sink, Waits};
+pub(crate) use error::PreCopyError;
+pub(crate) use progress::{Phase, Progress};
+pub use rounds::OnTimeout;
+pub(crate) use rounds::{PreCopy, PreCopyVcpu, Reader, Rounds, SourceVm};
+pub(crate) use sink::{Next, Sink, Waits};

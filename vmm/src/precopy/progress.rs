@@ -6,7 +6,7 @@ use serde::Serialize;
 /// Where a run is.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "snake_case")]
-pub enum Phase {
+pub(crate) enum Phase {
     /// Getting the sink ready (a migration connects and exchanges the memory layout).
     Setup,
     /// Copying memory while the guest runs.
@@ -28,7 +28,7 @@ pub enum Phase {
 impl Phase {
     /// Whether the rounds still run: setup, pre-copy or stop-and-copy. Any other phase is
     /// final; the thread behind it ends a moment after it is set.
-    pub fn under_way(self) -> bool {
+    pub(crate) fn under_way(self) -> bool {
         matches!(self, Phase::Setup | Phase::PreCopy | Phase::StopAndCopy)
     }
 }
@@ -37,33 +37,33 @@ impl Phase {
 /// `LiveSnapshotInfo`); a migration's `GET /migrate` names three of its fields in its own
 /// words (`MigrationInfo`).
 #[derive(Debug, Clone, PartialEq, Serialize)]
-pub struct Progress {
+pub(crate) struct Progress {
     /// Where it is.
-    pub phase: Phase,
+    pub(crate) phase: Phase,
     /// The round of pages under way (1: every page that holds data).
-    pub round: u32,
+    pub(crate) round: u32,
     /// Bytes of pages written to the sink so far (a page the guest dirtied again is written
     /// again).
-    pub bytes_written: u64,
+    pub(crate) bytes_written: u64,
     /// The guest memory when the run started (round 1 carries the pages of it that hold
     /// data): what `bytes_written` goes towards.
-    pub guest_memory_bytes: u64,
+    pub(crate) guest_memory_bytes: u64,
     /// Pages the last harvest found dirty: what the next round carries (0 until round 1 ends).
-    pub pages_left: u64,
+    pub(crate) pages_left: u64,
     /// Pages the guest dirtied per second over the last round.
-    pub dirty_rate_pages_per_second: f64,
+    pub(crate) dirty_rate_pages_per_second: f64,
     /// Bytes per second the last round carried; during round 1, the average since the start.
-    pub throughput_bytes_per_second: f64,
+    pub(crate) throughput_bytes_per_second: f64,
     /// The pause `pages_left` would take at that throughput (plus the last harvest).
-    pub estimated_pause_ms: f64,
+    pub(crate) estimated_pause_ms: f64,
     /// The pause began although the estimate did not fit the budget (`on_timeout: force`, at
     /// the timeout or once the harvest alone outlasted the budget): expect a longer pause.
-    pub forced: bool,
+    pub(crate) forced: bool,
     /// The pause the VM saw, once completed: from pausing to the sink's last word (a
     /// migration's destination runs the VM) or to the vCPUs going on (a live snapshot).
-    pub pause_ms: Option<f64>,
+    pub(crate) pause_ms: Option<f64>,
     /// Milliseconds since the run started.
-    pub elapsed_ms: f64,
+    pub(crate) elapsed_ms: f64,
     /// Why it failed or was cancelled.
-    pub error: Option<String>,
+    pub(crate) error: Option<String>,
 }

@@ -71,18 +71,18 @@ pub enum OnTimeout {
 /// How the rounds go: the longest pause the VM may see, how long they may take, and what
 /// happens at the timeout.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Rounds {
+pub(crate) struct Rounds {
     /// The longest pause (its pages left over the measured throughput, plus the harvest).
-    pub downtime: Duration,
+    pub(crate) downtime: Duration,
     /// How long before `on_timeout` applies.
-    pub timeout: Duration,
+    pub(crate) timeout: Duration,
     /// What happens at the timeout.
-    pub on_timeout: OnTimeout,
+    pub(crate) on_timeout: OnTimeout,
 }
 
 /// Whose reader of the dirty log the rounds harvest with.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Reader {
+pub(crate) enum Reader {
     /// One of their own, made at the start and removed at the end (a migration).
     Own,
     /// One its owner lent, left logging at the end (a live snapshot's chain, whose next Diff
@@ -110,37 +110,32 @@ pub trait PreCopyVcpu: std::fmt::Debug + Send + 'static {
 /// The VM as a run sees it: taken from the controller when it starts, unchanged while it runs
 /// (the controller refuses changes meanwhile).
 #[derive(Debug)]
-pub struct SourceVm<V> {
+pub(crate) struct SourceVm<V> {
     /// Its memory.
-    pub memory: Arc<MemoryManager<KvmVm>>,
+    pub(crate) memory: Arc<MemoryManager<KvmVm>>,
     /// Its vCPUs.
-    pub vcpus: Vec<V>,
+    pub(crate) vcpus: Vec<V>,
 }
 
 /// How a run ended, for the controller.
 #[derive(Debug)]
-pub struct Ending<V> {
-    /// The sink has the whole VM: the destination runs it, or the snapshot is written.
-    pub completed: bool,
+pub(crate) struct Ending<V> {
     /// The vCPUs, left paused because the outcome is unknown
     /// ([`Phase::Unconfirmed`]): resume them only if the destination does not run the
     /// VM.
-    pub held: Vec<V>,
+    pub(crate) held: Vec<V>,
 }
 
 impl<V> Default for Ending<V> {
     fn default() -> Self {
-        Ending {
-            completed: false,
-            held: Vec::new(),
-        }
+        Ending { held: Vec::new() }
     }
 }
 
 /// A run under way or ended (a migration, or a live snapshot): its progress, and the thread
 /// that runs it.
 #[derive(Debug)]
-pub struct PreCopy<V> {
+pub(crate) struct PreCopy<V> {
     status: Arc<Mutex<Progress>>,
     bytes_copied: Arc<AtomicU64>,
     cancel: Arc<AtomicBool>,
@@ -152,7 +147,7 @@ pub struct PreCopy<V> {
 impl<V: PreCopyVcpu> PreCopy<V> {
     /// Starts copying `vm` into `sink` in `rounds`, harvesting with `reader`; `interrupt` is
     /// the process's stop flag.
-    pub fn start(
+    pub(crate) fn start(
         rounds: Rounds,
         sink: Box<dyn Sink>,
         vm: SourceVm<V>,
@@ -228,7 +223,7 @@ impl<V: PreCopyVcpu> PreCopy<V> {
     }
 
     /// Its progress now.
-    pub fn progress(&self) -> Progress {
+    pub(crate) fn progress(&self) -> Progress {
         let mut progress = self
             .status
             .lock()
@@ -247,17 +242,17 @@ impl<V: PreCopyVcpu> PreCopy<V> {
     }
 
     /// Whether its thread still runs.
-    pub fn is_running(&self) -> bool {
+    pub(crate) fn is_running(&self) -> bool {
         self.thread.as_ref().is_some_and(|t| !t.is_finished())
     }
 
     /// Asks it to stop at its next step; the VM keeps running here.
-    pub fn cancel(&self) {
+    pub(crate) fn cancel(&self) {
         self.cancel.store(true, Ordering::Release);
     }
 
     /// Waits for its thread; returns how it ended (once: later calls get the default).
-    pub fn join(&mut self) -> Ending<V> {
+    pub(crate) fn join(&mut self) -> Ending<V> {
         if let Some(thread) = self.thread.take() {
             let ending = thread.join().unwrap_or_else(|_| {
                 let mut status = self.status.lock().unwrap_or_else(|p| p.into_inner());
@@ -271,12 +266,12 @@ impl<V: PreCopyVcpu> PreCopy<V> {
     }
 
     /// Whether it completed: the sink has the whole VM.
-    pub fn completed(&self) -> bool {
+    pub(crate) fn completed(&self) -> bool {
         self.phase() == Phase::Completed
     }
 
     /// Where it is now.
-    pub fn phase(&self) -> Phase {
+    pub(crate) fn phase(&self) -> Phase {
         self.status.lock().unwrap_or_else(|p| p.into_inner()).phase
     }
 }
@@ -318,7 +313,6 @@ impl<V: PreCopyVcpu> Run<V> {
         if self.owns_consumer {
             let _ = memory.remove_dirty_consumer(self.consumer);
         }
-        let completed = outcome.is_ok();
         let mut held = Vec::new();
         match outcome {
             Ok(pause) => self.update(|s| {
@@ -344,7 +338,7 @@ impl<V: PreCopyVcpu> Run<V> {
         }
         let elapsed = self.waits.started.elapsed().as_secs_f64() * 1e3;
         self.update(|s| s.elapsed_ms = elapsed);
-        Ending { completed, held }
+        Ending { held }
     }
 
     /// Harvests every target, handing each harvest to the sink at once ([`Sink::took`]): a

@@ -20,22 +20,22 @@ type Memory = MemoryManager<KvmVm>;
 /// process's stop flag, the run's start and timeout, and the bytes carried so far (for
 /// progress).
 #[derive(Debug, Clone)]
-pub struct Waits {
+pub(crate) struct Waits {
     /// A client's cancel.
-    pub cancel: Arc<AtomicBool>,
+    pub(crate) cancel: Arc<AtomicBool>,
     /// The process's stop flag (SIGINT/SIGTERM).
-    pub interrupt: &'static AtomicBool,
+    pub(crate) interrupt: &'static AtomicBool,
     /// When the run started.
-    pub started: Instant,
+    pub(crate) started: Instant,
     /// How long its rounds may take.
-    pub timeout: Duration,
+    pub(crate) timeout: Duration,
     /// Bytes of pages carried so far.
-    pub bytes: Arc<AtomicU64>,
+    pub(crate) bytes: Arc<AtomicU64>,
 }
 
 impl Waits {
     /// Why the run must stop now, if a client cancelled it or the VMM is stopping.
-    pub fn check_cancel(&self) -> Result<(), PreCopyError> {
+    pub(crate) fn check_cancel(&self) -> Result<(), PreCopyError> {
         if self.cancel.load(Ordering::Acquire) {
             return Err(PreCopyError::Cancelled("a client cancelled it".into()));
         }
@@ -48,7 +48,7 @@ impl Waits {
 
 /// What the rounds have the sink carry next, for what its waits say they wait for.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Next {
+pub(crate) enum Next {
     /// A round's pages (round 1: every page that holds data).
     Round(u32),
     /// With the vCPUs paused: the last pages and the VM's state.
@@ -71,7 +71,7 @@ pub enum Next {
 /// [`finish`]: Sink::finish
 /// [`stays`]: Sink::stays
 /// [`settle`]: Sink::settle
-pub trait Sink: Send + 'static {
+pub(crate) trait Sink: Send + 'static {
     /// Gets ready for memory laid out as `layout`; returns what the rounds must log and
     /// copy (every region, or those a local migration does not hand over).
     fn open(

@@ -42,7 +42,7 @@ struct SnapshotBase {
 /// A VM's chain of snapshots: its dirty-log consumer (from the first Full on), its last
 /// snapshot, and its last live snapshot.
 #[derive(Debug, Default)]
-pub struct SnapshotChain {
+pub(crate) struct SnapshotChain {
     base: Option<SnapshotBase>,
     consumer: Option<DirtyConsumer>,
     live: Option<LiveRun>,
@@ -101,12 +101,12 @@ type Memory = MemoryManager<KvmVm>;
 
 impl SnapshotChain {
     /// A VM without snapshots.
-    pub fn new() -> Self {
+    pub(crate) fn new() -> Self {
         Self::default()
     }
 
     /// The chain's reader of the dirty log, once a Full snapshot made one.
-    pub fn consumer(&self) -> Option<DirtyConsumer> {
+    pub(crate) fn consumer(&self) -> Option<DirtyConsumer> {
         self.consumer
     }
 
@@ -116,7 +116,7 @@ impl SnapshotChain {
     /// info (a state the guest kind cannot make is a 409). A failed snapshot leaves no file
     /// behind and the chain as it was (a Diff's harvested pages go into the next Diff; a Full
     /// that failed leaves no base to diff against).
-    pub fn create(
+    pub(crate) fn create(
         &mut self,
         memory: &Memory,
         create: &SnapshotCreate,
@@ -254,7 +254,7 @@ impl SnapshotChain {
     /// fails or is cancelled leaves neither, and a Full no base to diff against (a Diff leaves
     /// its base and its pages to the next Diff). Its progress is
     /// [`live_info`](Self::live_info).
-    pub fn start_live<V: PreCopyVcpu>(
+    pub(crate) fn start_live<V: PreCopyVcpu>(
         &mut self,
         memory: &Arc<Memory>,
         create: &SnapshotCreate,
@@ -333,7 +333,7 @@ impl SnapshotChain {
     /// Takes the outcome of a live snapshot that ended: its snapshot becomes the base the next
     /// Diff follows; a Full that failed or was cancelled ends the chain, a Diff leaves its
     /// base and hands every page it took to the next Diff.
-    pub fn settle(&mut self, memory: &Memory) {
+    pub(crate) fn settle(&mut self, memory: &Memory) {
         let Some(live) = self.live.as_mut() else {
             return;
         };
@@ -364,7 +364,7 @@ impl SnapshotChain {
     }
 
     /// `GET /snapshot`: the last live snapshot's progress.
-    pub fn live_info(&self) -> Result<LiveSnapshotInfo, ControllerError> {
+    pub(crate) fn live_info(&self) -> Result<LiveSnapshotInfo, ControllerError> {
         let live = self.live.as_ref().ok_or_else(|| {
             ControllerError::not_found(
                 "no live snapshot has been started (PUT /snapshot/create with \"live\": true)",
@@ -378,7 +378,7 @@ impl SnapshotChain {
     }
 
     /// `PUT /snapshot/cancel`.
-    pub fn cancel_live(&self) -> Result<(), ControllerError> {
+    pub(crate) fn cancel_live(&self) -> Result<(), ControllerError> {
         match &self.live {
             Some(live) if live.under_way() => {
                 live.run.cancel();
@@ -389,12 +389,12 @@ impl SnapshotChain {
     }
 
     /// Whether a live snapshot is under way.
-    pub fn live_running(&self) -> bool {
+    fn live_running(&self) -> bool {
         self.live.as_ref().is_some_and(LiveRun::under_way)
     }
 
     /// Cancels a live snapshot under way and waits for it (the VMM is stopping).
-    pub fn shut_down(&mut self, memory: &Memory) {
+    pub(crate) fn shut_down(&mut self, memory: &Memory) {
         if let Some(live) = &mut self.live {
             live.run.cancel();
             live.run.join();
@@ -406,7 +406,7 @@ impl SnapshotChain {
     /// change what it copies (the layout, the guest, the run state) or start another
     /// snapshot or a migration. Reads, the client's dirty log (a reader of its own) and a
     /// stop go on.
-    pub fn refusal(&self, request: &Request) -> Option<ControllerError> {
+    pub(crate) fn refusal(&self, request: &Request) -> Option<ControllerError> {
         if !self.live_running() {
             return None;
         }

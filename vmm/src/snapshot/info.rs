@@ -12,11 +12,11 @@ use crate::host;
 
 /// How much of the start of the memory file a state file checks ([`MemoryCheck`]): for the test
 /// guest its system region (page tables, code, command blocks), for Linux its low memory.
-pub const MEMORY_HEAD: u64 = 2 << 20;
+pub(crate) const MEMORY_HEAD: u64 = 2 << 20;
 
 /// A snapshot's kind.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-pub enum SnapshotKind {
+pub(crate) enum SnapshotKind {
     /// Its memory file has every page that holds data.
     Full,
     /// Its memory file has the pages changed since its parent: it restores merged onto its
@@ -31,7 +31,7 @@ pub struct SnapshotId(pub u128);
 
 impl SnapshotId {
     /// A new random id (from the kernel's `getrandom`).
-    pub fn random() -> std::io::Result<Self> {
+    pub(crate) fn random() -> std::io::Result<Self> {
         let mut bytes = [0u8; 16];
         host::fill_random(&mut bytes)?;
         Ok(SnapshotId(u128::from_le_bytes(bytes)))
@@ -68,17 +68,17 @@ impl TryFrom<String> for SnapshotId {
 #[serde(deny_unknown_fields)]
 pub struct SnapshotInfo {
     /// Full or Diff.
-    pub kind: SnapshotKind,
+    pub(crate) kind: SnapshotKind,
     /// This snapshot's id.
     pub id: SnapshotId,
     /// The snapshot before it in its chain (none for a Full).
-    pub parent: Option<SnapshotId>,
+    pub(crate) parent: Option<SnapshotId>,
     /// Its place in its chain: 0 for the Full, then 1, 2... for each Diff.
-    pub position: u32,
+    pub(crate) position: u32,
     /// The VM's identity: its chain's Full snapshot's id.
-    pub vm: SnapshotId,
+    pub(crate) vm: SnapshotId,
     /// The memory at this snapshot's point (a Diff's: its chain merged up to it).
-    pub memory: MemoryCheck,
+    pub(crate) memory: MemoryCheck,
 }
 
 impl SnapshotInfo {
@@ -109,7 +109,7 @@ impl SnapshotInfo {
 
     /// Checks that the fields agree: a Full is its own chain's first, without a parent; a
     /// Diff comes later, after another snapshot of its VM; the memory is the layout's.
-    pub fn validate(&self, layout: &MemoryLayout) -> Result<(), String> {
+    pub(crate) fn validate(&self, layout: &MemoryLayout) -> Result<(), String> {
         let consistent = match self.kind {
             SnapshotKind::Full => self.parent.is_none() && self.position == 0 && self.vm == self.id,
             SnapshotKind::Diff => {
@@ -141,7 +141,7 @@ impl SnapshotInfo {
     /// Why `self` (from `path`) cannot follow `before` (from `before_path`) in a chain, if it
     /// cannot: it is of another VM, or it is not `before`'s child (a link missing between them,
     /// or out of order).
-    pub fn check_follows(
+    pub(crate) fn check_follows(
         &self,
         path: &Path,
         before: &SnapshotInfo,
@@ -177,16 +177,16 @@ impl SnapshotInfo {
 #[serde(deny_unknown_fields)]
 pub struct MemoryCheck {
     /// The memory file's size (the layout's).
-    pub size: u64,
+    pub(crate) size: u64,
     /// How many of its first bytes are checked: [`MEMORY_HEAD`], or all of a smaller file.
-    pub head: u64,
+    pub(crate) head: u64,
     /// Their CRC-32.
-    pub head_crc32: u32,
+    pub(crate) head_crc32: u32,
 }
 
 /// Why a memory file is not the one a state file wants.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-pub enum MemoryMismatch {
+pub(crate) enum MemoryMismatch {
     /// Another size.
     #[error("it has {found} bytes; the snapshot's memory has {expected}")]
     Size {
@@ -231,7 +231,7 @@ impl MemoryCheck {
     /// The bytes a check of `layout`'s memory file covers, read from guest memory (paused):
     /// the start of the file, which is the layout's first regions. For a caller that copies
     /// them in a pause and hashes them later ([`of_head`](Self::of_head)).
-    pub fn read_head(
+    pub(super) fn read_head(
         memory: &impl vm_memory::GuestMemory,
         layout: &MemoryLayout,
     ) -> Result<Vec<u8>, vm_memory::GuestMemoryError> {
@@ -251,7 +251,7 @@ impl MemoryCheck {
 
     /// The check of `layout`'s memory file whose first bytes are `head`, as
     /// [`read_head`](Self::read_head) read them from guest memory.
-    pub fn of_head(head: &[u8], layout: &MemoryLayout) -> Self {
+    pub(super) fn of_head(head: &[u8], layout: &MemoryLayout) -> Self {
         MemoryCheck {
             size: layout.memory_file_size(),
             head: head.len() as u64,
@@ -260,7 +260,7 @@ impl MemoryCheck {
     }
 
     /// Whether `file` has this memory file's size (a Diff's own file has it too).
-    pub fn check_size(&self, file: &File) -> Result<(), MemoryMismatch> {
+    pub(crate) fn check_size(&self, file: &File) -> Result<(), MemoryMismatch> {
         let found = file
             .metadata()
             .map_err(|e| MemoryMismatch::Io(e.to_string()))?
@@ -275,7 +275,7 @@ impl MemoryCheck {
     }
 
     /// Whether `file` is this memory file: its size, and its first bytes' CRC-32.
-    pub fn check(&self, file: &File) -> Result<(), MemoryMismatch> {
+    pub(crate) fn check(&self, file: &File) -> Result<(), MemoryMismatch> {
         let io = |e: std::io::Error| MemoryMismatch::Io(e.to_string());
         self.check_size(file)?;
         let mut bytes = vec![0u8; self.head.min(MEMORY_HEAD) as usize];

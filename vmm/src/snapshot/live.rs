@@ -38,11 +38,11 @@ type Memory = MemoryManager<KvmVm>;
 /// The most one write of the memory file carries: a cancel or a stop waits for one such write
 /// at most (4 MiB: under 10 ms at 500 MB/s; a round of 16 GiB is 4096 of them, each one
 /// system call, so the slicing costs nothing measurable).
-pub const SLICE: u64 = 4 << 20;
+const SLICE: u64 = 4 << 20;
 
 /// How writing a live snapshot's files fails.
 #[derive(Debug, thiserror::Error)]
-pub enum LiveSnapshotError {
+enum LiveSnapshotError {
     /// Writing guest memory into the memory file failed.
     #[error("writing the snapshot failed: {0}")]
     MemoryFile(SnapshotError),
@@ -72,20 +72,20 @@ type SliceHook = Arc<dyn Fn(u64) + Send + Sync>;
 /// `states`, by index, in the guest kind's own format: called with the vCPUs paused (it reads
 /// the devices' state too); what it returns makes the state file's bytes once the snapshot's
 /// info is known ([`StateBytes`]), which need not wait in the pause.
-pub type StateWriter =
+pub(crate) type StateWriter =
     Box<dyn FnOnce(&MemoryLayout, Vec<VcpuState>) -> Result<StateBytes, String> + Send>;
 
 /// A state taken: the state file's bytes for the snapshot it is.
-pub type StateBytes = Box<dyn FnOnce(SnapshotInfo) -> Vec<u8> + Send>;
+type StateBytes = Box<dyn FnOnce(SnapshotInfo) -> Vec<u8> + Send>;
 
 /// What a live snapshot left behind once its rounds ended.
 #[derive(Debug, Default)]
-pub struct LiveOutcome {
+pub(super) struct LiveOutcome {
     /// The snapshot, once both files are whole.
-    pub written: Option<SnapshotInfo>,
+    pub(crate) written: Option<SnapshotInfo>,
     /// A Diff that did not complete: every page it took from the chain's reader (those
     /// carried into it too), for the chain's next Diff.
-    pub unsaved: PageSet,
+    pub(crate) unsaved: PageSet,
 }
 
 /// A live Diff's own part: the snapshot it follows, every page it took from the chain's
@@ -98,7 +98,7 @@ struct DiffOf {
 
 /// A live snapshot's two files, as the rounds write them. Dropped before it finished, it
 /// removes both: a failed snapshot leaves no file behind.
-pub struct FileSink {
+pub(super) struct FileSink {
     paths: [PathBuf; 2],
     state_file: File,
     mem_file: File,
@@ -137,7 +137,7 @@ impl FileSink {
     /// A sink of a Full into `state_file` (at `state_path`) and `mem_file` (at `mem_path`),
     /// both new and empty; `write_state` makes the state file's bytes, and `written` gets the
     /// snapshot once both files are whole.
-    pub fn new(
+    pub(super) fn new(
         (state_path, state_file): (PathBuf, File),
         (mem_path, mem_file): (PathBuf, File),
         write_state: StateWriter,
@@ -163,7 +163,7 @@ impl FileSink {
 
     /// Makes it a Diff following `base`: round 1 writes the pages `carried` (a failed Diff's,
     /// not yet saved) and those the chain's reader logged since `base`.
-    pub fn diff_of(mut self, base: SnapshotInfo, carried: PageSet) -> Self {
+    pub(super) fn diff_of(mut self, base: SnapshotInfo, carried: PageSet) -> Self {
         self.diff = Some(DiffOf {
             base,
             pages: carried,

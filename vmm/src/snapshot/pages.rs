@@ -9,7 +9,7 @@ use kvm_memslots::{DirtyPages, RegionId};
 
 /// Pages by region, one bitmap each ([`DirtyPages`], as a harvest reports them).
 #[derive(Debug, Default, Clone, PartialEq, Eq)]
-pub struct PageSet {
+pub(super) struct PageSet {
     /// One per region, in the order they first came.
     regions: Vec<DirtyPages>,
     /// Where each region's bitmap is in `regions`.
@@ -18,13 +18,13 @@ pub struct PageSet {
 
 impl PageSet {
     /// No page.
-    pub fn new() -> Self {
+    pub(super) fn new() -> Self {
         Self::default()
     }
 
     /// Adds the pages of `harvest` (each region's bits OR-ed into its bitmap; a region seen
     /// for the first time is copied in).
-    pub fn merge(&mut self, harvest: &[DirtyPages]) {
+    pub(super) fn merge(&mut self, harvest: &[DirtyPages]) {
         for pages in harvest {
             match self.index.get(&pages.region) {
                 Some(&at) => or_into(&mut self.regions[at], pages),
@@ -34,7 +34,7 @@ impl PageSet {
     }
 
     /// [`merge`](Self::merge), moving in the bitmaps of regions seen for the first time.
-    pub fn merge_owned(&mut self, harvest: Vec<DirtyPages>) {
+    pub(super) fn merge_owned(&mut self, harvest: Vec<DirtyPages>) {
         for pages in harvest {
             match self.index.get(&pages.region) {
                 Some(&at) => or_into(&mut self.regions[at], &pages),
@@ -49,17 +49,19 @@ impl PageSet {
     }
 
     /// Every region's pages, as a harvest would report them (what `write_dirty_pages` takes).
-    pub fn pages(&self) -> &[DirtyPages] {
+    pub(super) fn pages(&self) -> &[DirtyPages] {
         &self.regions
     }
 
     /// How many bitmaps it holds: one per region it has pages of.
-    pub fn bitmaps(&self) -> usize {
+    #[cfg(test)]
+    pub(super) fn bitmaps(&self) -> usize {
         self.regions.len()
     }
 
     /// Whether it holds no bitmap.
-    pub fn is_empty(&self) -> bool {
+    #[cfg(test)]
+    fn is_empty(&self) -> bool {
         self.regions.is_empty()
     }
 }

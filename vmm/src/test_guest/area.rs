@@ -22,7 +22,7 @@ pub struct TestArea {
     /// First guest address.
     pub gpa: u64,
     /// Bytes per slot.
-    pub slot_size: u64,
+    pub(crate) slot_size: u64,
     /// Number of slots.
     pub slots: u64,
 }
@@ -75,7 +75,7 @@ impl TestArea {
 
     /// As [`add`](Self::add), in memory of `backing` (a memfd, say, that a local migration
     /// can hand over).
-    pub fn add_backed<K: KvmMemory>(
+    fn add_backed<K: KvmMemory>(
         memory: &MemoryManager<K>,
         gpa: u64,
         size: u64,
@@ -85,7 +85,7 @@ impl TestArea {
         Self::add_paged(memory, gpa, size, slots, backing, PageSize::Base)
     }
 
-    /// As [`add_backed`](Self::add_backed), in pages of `page_size` (each slot a whole number
+    /// As `add_backed`, in pages of `page_size` (each slot a whole number
     /// of them: 2 MiB hugetlb pages take a `size` of at least 2 MiB a slot).
     pub fn add_paged<K: KvmMemory>(
         memory: &MemoryManager<K>,
@@ -119,7 +119,11 @@ impl TestArea {
     /// of the slot size, as [`add_paged`](Self::add_paged) does; with 2 MiB pages, the size
     /// and the slot size exactly, each a multiple of 2 MiB (refused, named, otherwise), where
     /// `add_paged` would trim the area to whole huge pages a slot.
-    pub fn check_layout(size: u64, slots: u64, page_size: PageSize) -> Result<u64, AreaError> {
+    pub(crate) fn check_layout(
+        size: u64,
+        slots: u64,
+        page_size: PageSize,
+    ) -> Result<u64, AreaError> {
         let alignment = page_size.alignment();
         let off_grid = |what, value| AreaError::OffGrid {
             what,
@@ -204,12 +208,12 @@ fn guest_pass(
 }
 
 /// How long each step of [`check_area`] took: guest write, host check, host write, guest check.
-pub type Times = (Duration, Duration, Duration, Duration);
+type Times = (Duration, Duration, Duration, Duration);
 
 /// Checks every slot of `area` both ways: the guest writes both ends of every slot and the host
 /// reads them through the memory map, then the host writes a new pattern and the guest checks
 /// it. `stop` interrupts between steps.
-pub fn check_area(
+pub(crate) fn check_area(
     vm: &TestVm,
     vcpus: &mut Vcpus,
     area: &TestArea,

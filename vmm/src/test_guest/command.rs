@@ -26,7 +26,7 @@ pub enum Op {
     VexVerify,
     /// Store an 8-byte stub at each address (a plain `mov`) and call it: the guest runs code
     /// from every address. The stub returns its own address; one that returns another is a
-    /// mismatch ([`Outcome::mismatch`]).
+    /// mismatch (`Outcome::mismatch`).
     Exec,
     /// As [`Op::Exec`] without the store: call the stubs already there.
     Call,
@@ -62,7 +62,7 @@ impl Op {
     }
 
     /// Whether the guest checks what it finds and reports a mismatch.
-    pub fn checks(self) -> bool {
+    fn checks(self) -> bool {
         matches!(self, Op::Verify | Op::VexVerify | Op::Exec | Op::Call)
     }
 }
@@ -100,13 +100,13 @@ impl Command {
 
     /// Whether the guest writes memory for this command (a write, a write loop, a VEX write,
     /// an exec).
-    pub fn writes(&self) -> bool {
+    pub(super) fn writes(&self) -> bool {
         matches!(self.op, Op::Write | Op::WriteLoop | Op::VexWrite | Op::Exec)
     }
 
     /// Whether one of the addresses the command touches (every `stride`-th from `start`, below
     /// `end`) lies in `range`.
-    pub fn touches(&self, range: std::ops::Range<u64>) -> bool {
+    pub(super) fn touches(&self, range: std::ops::Range<u64>) -> bool {
         let from = range.start.max(self.start);
         let to = range.end.min(self.end);
         if from >= to || self.stride == 0 {
@@ -127,24 +127,24 @@ pub fn pattern(addr: u64, seed: u64) -> u64 {
 }
 
 mod field {
-    pub const CMD_SEQ: u64 = 0x00;
-    pub const DONE_SEQ: u64 = 0x08;
-    pub const OP: u64 = 0x10;
-    pub const START: u64 = 0x18;
-    pub const END: u64 = 0x20;
-    pub const STRIDE: u64 = 0x28;
-    pub const SEED: u64 = 0x30;
-    pub const STOP: u64 = 0x38;
-    pub const RESULT: u64 = 0x40;
-    pub const FOUND: u64 = 0x48;
-    pub const PASSES: u64 = 0x50;
-    pub const CUT_AT: u64 = 0x58;
+    pub(crate) const CMD_SEQ: u64 = 0x00;
+    pub(crate) const DONE_SEQ: u64 = 0x08;
+    pub(crate) const OP: u64 = 0x10;
+    pub(crate) const START: u64 = 0x18;
+    pub(crate) const END: u64 = 0x20;
+    pub(crate) const STRIDE: u64 = 0x28;
+    pub(crate) const SEED: u64 = 0x30;
+    pub(crate) const STOP: u64 = 0x38;
+    pub(crate) const RESULT: u64 = 0x40;
+    pub(crate) const FOUND: u64 = 0x48;
+    pub(crate) const PASSES: u64 = 0x50;
+    pub(crate) const CUT_AT: u64 = 0x58;
 }
 
 /// `stop` values: end a write loop after its pass, or end any command where it is.
 mod stop {
-    pub const AFTER_PASS: u64 = 1;
-    pub const NOW: u64 = 2;
+    pub(crate) const AFTER_PASS: u64 = 1;
+    pub(crate) const NOW: u64 = 2;
 }
 
 /// The host's side of one vCPU's command block.
@@ -162,7 +162,7 @@ pub struct Outcome {
     pub passes: u64,
     /// For a command cancelled before its end: the first address of the range it did not
     /// reach (every stride-th address below it was done).
-    pub cut_at: Option<u64>,
+    pub(crate) cut_at: Option<u64>,
 }
 
 impl CommandBlock {
@@ -188,7 +188,7 @@ impl CommandBlock {
     }
 
     /// Posts `command`; returns its sequence number. The vCPU must be between commands.
-    pub fn post(&self, mem: &impl GuestMemory, command: &Command) -> u64 {
+    pub(super) fn post(&self, mem: &impl GuestMemory, command: &Command) -> u64 {
         self.store(mem, field::OP, command.op.code());
         self.store(mem, field::START, command.start);
         self.store(mem, field::END, command.end);
@@ -202,7 +202,7 @@ impl CommandBlock {
 
     /// The command the guest is on, with its sequence number, if it has not finished it (a
     /// VM that arrived by migration or snapshot mid-command); `None` between commands.
-    pub fn unfinished(&self, mem: &impl GuestMemory) -> Option<(Command, u64)> {
+    pub(super) fn unfinished(&self, mem: &impl GuestMemory) -> Option<(Command, u64)> {
         let seq = self.load(mem, field::CMD_SEQ);
         if seq == self.load(mem, field::DONE_SEQ) {
             return None;
@@ -218,14 +218,14 @@ impl CommandBlock {
     }
 
     /// Asks a write loop to end after its current pass.
-    pub fn stop(&self, mem: &impl GuestMemory) {
+    pub(super) fn stop(&self, mem: &impl GuestMemory) {
         self.store(mem, field::STOP, stop::AFTER_PASS);
     }
 
     /// Asks the command under way to end where it is: the guest looks every 64 addresses, and
     /// reports how far it got ([`Outcome::cut_at`]). A write loop ends in the middle of its
     /// pass, which does not count.
-    pub fn cancel(&self, mem: &impl GuestMemory) {
+    pub(super) fn cancel(&self, mem: &impl GuestMemory) {
         self.store(mem, field::STOP, stop::NOW);
     }
 
@@ -235,12 +235,12 @@ impl CommandBlock {
     }
 
     /// The sequence number of the last command the guest finished.
-    pub fn done_seq(&self, mem: &impl GuestMemory) -> u64 {
+    pub(super) fn done_seq(&self, mem: &impl GuestMemory) -> u64 {
         self.load(mem, field::DONE_SEQ)
     }
 
     /// What the guest reported for its last finished command.
-    pub fn outcome(&self, mem: &impl GuestMemory, op: Op) -> Outcome {
+    pub(super) fn outcome(&self, mem: &impl GuestMemory, op: Op) -> Outcome {
         let result = self.load(mem, field::RESULT);
         Outcome {
             mismatch: (op.checks() && result != 0).then(|| (result, self.load(mem, field::FOUND))),
@@ -257,12 +257,12 @@ pub struct Fault {
     /// The exception vector.
     pub vector: u64,
     /// The top of the exception stack: [error code,] rip, cs, rflags, rsp, ss.
-    pub frame: [u64; 5],
+    frame: [u64; 5],
 }
 
 impl Fault {
     /// Reads the fault block.
-    pub fn read(mem: &impl GuestMemory) -> Self {
+    pub(super) fn read(mem: &impl GuestMemory) -> Self {
         let word = |i: u64| {
             mem.read_obj::<u64>(GuestAddress(FAULT_GPA + 8 * i))
                 .unwrap_or(0)

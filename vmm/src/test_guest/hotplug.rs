@@ -7,7 +7,7 @@
 //! device keeps its pieces), so that a plug or unplug inside it changes no slot. The plan is
 //! pure; [`HotplugArea::carry_out`] applies it through the memory manager, all or nothing, and
 //! the controller (`controller/hotplug.rs`) has the guest check the memory it plugs. The area
-//! keeps its own saved state ([`HotplugState`], what a snapshot or a migration carries of it)
+//! keeps its own saved state (`HotplugState`, what a snapshot or a migration carries of it)
 //! and checks it against a memory layout.
 
 use std::ops::Range;
@@ -28,57 +28,57 @@ const MIB: u64 = 1 << 20;
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct HotplugArea {
     /// As configured.
-    pub config: HotplugConfig,
+    pub(crate) config: HotplugConfig,
     /// Where the area starts.
-    pub gpa: u64,
+    pub(crate) gpa: u64,
     /// Bytes per piece (but the last, which may be shorter): the largest KVM slot the area's
     /// plugged blocks share.
-    pub slot_size: u64,
+    pub(crate) slot_size: u64,
     /// Plugged blocks, from the area's start.
-    pub plugged_blocks: u64,
+    pub(crate) plugged_blocks: u64,
     /// The region of each piece that has a plugged block, by piece index.
-    pub pieces: Vec<Option<RegionId>>,
+    pub(crate) pieces: Vec<Option<RegionId>>,
 }
 
 /// What a hotplug request takes: the pieces whose plugged blocks change, lowest first.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct HotplugPlan {
     /// Plugged blocks once it is done.
-    pub blocks: u64,
+    blocks: u64,
     /// The pieces that change.
-    pub pieces: Vec<PieceChange>,
+    pub(crate) pieces: Vec<PieceChange>,
 }
 
 /// One piece of a plan: how many of its bytes are plugged before and after, its slots after
 /// (one over the piece, none where nothing stays plugged) and what of it is unreachable then.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct PieceChange {
+pub(crate) struct PieceChange {
     /// The piece's index in the area.
-    pub index: usize,
+    pub(crate) index: usize,
     /// Its guest address.
-    pub gpa: GuestAddress,
+    gpa: GuestAddress,
     /// Its region now, if a block of it is plugged.
-    pub region: Option<RegionId>,
+    region: Option<RegionId>,
     /// Bytes plugged from its start now.
-    pub before: u64,
+    before: u64,
     /// Bytes plugged from its start once the plan is carried out.
-    pub after: u64,
+    after: u64,
     /// Its slots then, as byte ranges of the piece: the whole piece while a block of it is
     /// plugged.
-    pub slots: Vec<Range<u64>>,
+    slots: Vec<Range<u64>>,
     /// Its unplugged blocks then, as byte ranges of the piece, unreachable under its slot.
-    pub unreachable: Vec<Range<u64>>,
+    unreachable: Vec<Range<u64>>,
 }
 
 impl PieceChange {
     /// Guest addresses the plan plugs in this piece (on a plug), which the guest checks.
-    pub fn plugged(&self) -> Option<Range<u64>> {
+    pub(super) fn plugged(&self) -> Option<Range<u64>> {
         (self.after > self.before).then(|| self.gpa.0 + self.before..self.gpa.0 + self.after)
     }
 
     /// Bytes of the piece (offsets) the plan unplugs while the piece stays, to give back to
     /// the host.
-    pub fn given_back(&self) -> Option<Range<u64>> {
+    fn given_back(&self) -> Option<Range<u64>> {
         (0 < self.after && self.after < self.before).then_some(self.after..self.before)
     }
 }
@@ -122,27 +122,27 @@ impl HotplugArea {
     }
 
     /// Bytes per block.
-    pub fn block_size(&self) -> u64 {
+    pub(super) fn block_size(&self) -> u64 {
         self.config.block_size_mib * MIB
     }
 
     /// Bytes of the whole area.
-    pub fn total_size(&self) -> u64 {
+    pub(super) fn total_size(&self) -> u64 {
         self.config.total_size_mib * MIB
     }
 
     /// The guest addresses the area takes.
-    pub fn range(&self) -> Range<u64> {
+    pub(super) fn range(&self) -> Range<u64> {
         self.gpa..self.gpa + self.total_size()
     }
 
     /// Blocks per piece (but the last, which may have fewer).
-    pub fn blocks_per_slot(&self) -> u64 {
+    fn blocks_per_slot(&self) -> u64 {
         self.slot_size / self.block_size()
     }
 
     /// Bytes of piece `i`: the slot size, or what is left of the area for its last piece.
-    pub fn piece_size(&self, i: usize) -> u64 {
+    pub(super) fn piece_size(&self, i: usize) -> u64 {
         let start = i as u64 * self.slot_size;
         self.total_size().saturating_sub(start).min(self.slot_size)
     }
@@ -153,13 +153,13 @@ impl HotplugArea {
     }
 
     /// Guest address of piece `i`.
-    pub fn slot_gpa(&self, i: usize) -> GuestAddress {
+    pub(super) fn slot_gpa(&self, i: usize) -> GuestAddress {
         GuestAddress(self.gpa + i as u64 * self.slot_size)
     }
 
     /// The slots of piece `i` with `blocks` plugged in the area (from its start): one over the
     /// whole piece, none if it has no plugged block.
-    pub fn piece_slots(&self, i: usize, blocks: u64) -> Vec<Range<u64>> {
+    pub(super) fn piece_slots(&self, i: usize, blocks: u64) -> Vec<Range<u64>> {
         if self.piece_runs(i, blocks).is_empty() {
             return Vec::new();
         }
@@ -168,7 +168,7 @@ impl HotplugArea {
 
     /// The runs of piece `i`'s plugged blocks with `blocks` plugged in the area: its slots in
     /// states saved before pieces kept one slot (none if it has no plugged block).
-    pub fn piece_runs(&self, i: usize, blocks: u64) -> Vec<Range<u64>> {
+    fn piece_runs(&self, i: usize, blocks: u64) -> Vec<Range<u64>> {
         let first = i as u64 * self.blocks_per_slot();
         let plugged = (first..first + self.piece_blocks(i)).map(|b| b < blocks);
         plugged_runs(plugged, self.block_size())
@@ -176,7 +176,7 @@ impl HotplugArea {
 
     /// The byte ranges of piece `i` unreachable under its slot with `blocks` plugged in the
     /// area: its unplugged blocks, if it has a plugged one (none otherwise: no slot at all).
-    pub fn piece_unreachable(&self, i: usize, blocks: u64) -> Vec<Range<u64>> {
+    pub(super) fn piece_unreachable(&self, i: usize, blocks: u64) -> Vec<Range<u64>> {
         let first = i as u64 * self.blocks_per_slot();
         if blocks <= first {
             return Vec::new();
@@ -186,7 +186,7 @@ impl HotplugArea {
     }
 
     /// The area's bookkeeping as a snapshot or a migration saves it.
-    pub fn state(&self) -> HotplugState {
+    pub(super) fn state(&self) -> HotplugState {
         HotplugState {
             config: self.config,
             plugged_blocks: self.plugged_blocks,
@@ -195,13 +195,13 @@ impl HotplugArea {
     }
 
     /// Pieces mapped now: one KVM slot each.
-    pub fn mapped_slots(&self) -> usize {
+    fn mapped_slots(&self) -> usize {
         self.pieces.iter().filter(|s| s.is_some()).count()
     }
 
     /// What to do to plug `requested_size_mib` of the area (a multiple of the block size, at
     /// most the total).
-    pub fn plan(&self, requested_size_mib: u64) -> Result<HotplugPlan, ControllerError> {
+    pub(super) fn plan(&self, requested_size_mib: u64) -> Result<HotplugPlan, ControllerError> {
         let block = self.config.block_size_mib;
         if !requested_size_mib.is_multiple_of(block)
             || requested_size_mib > self.config.total_size_mib
@@ -246,7 +246,7 @@ impl HotplugArea {
     /// block adds it (one slot over it, the rest of it unreachable from the start), its last
     /// unplugged block removes it. A piece that stays changes no slot: see
     /// [`flips`](Self::flips).
-    pub fn changes(&self, plan: &HotplugPlan) -> Vec<RegionChange> {
+    fn changes(&self, plan: &HotplugPlan) -> Vec<RegionChange> {
         plan.pieces
             .iter()
             .filter_map(|p| match (p.region, p.after) {
@@ -264,7 +264,7 @@ impl HotplugArea {
 
     /// The reachability changes that carry `plan` out in pieces that stay: each as the region,
     /// the byte range of it, and whether it becomes reachable (a plug) or not (an unplug).
-    pub fn flips(&self, plan: &HotplugPlan) -> Vec<(RegionId, Range<u64>, bool)> {
+    fn flips(&self, plan: &HotplugPlan) -> Vec<(RegionId, Range<u64>, bool)> {
         plan.pieces
             .iter()
             .filter_map(|p| match (p.region, p.after) {
@@ -319,7 +319,7 @@ impl HotplugArea {
 
     /// Records `plan` as carried out: `added` are the regions the manager gave the pieces
     /// that had none, in order.
-    pub fn commit(&mut self, plan: &HotplugPlan, added: Vec<RegionId>) {
+    fn commit(&mut self, plan: &HotplugPlan, added: Vec<RegionId>) {
         let mut added = added.into_iter();
         for piece in &plan.pieces {
             self.pieces[piece.index] = match (piece.region, piece.after) {
@@ -332,7 +332,7 @@ impl HotplugArea {
     }
 
     /// The area as `GET /hotplug/memory` reports it.
-    pub fn info(&self) -> HotplugInfo {
+    pub(super) fn info(&self) -> HotplugInfo {
         let block = self.config.block_size_mib;
         HotplugInfo {
             total_size_mib: self.config.total_size_mib,
@@ -352,13 +352,13 @@ impl HotplugArea {
 /// slots are mapped (their regions are in the layout).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
-pub struct HotplugState {
+pub(crate) struct HotplugState {
     /// As configured.
-    pub config: HotplugConfig,
+    pub(crate) config: HotplugConfig,
     /// Plugged blocks, from the area's start.
-    pub plugged_blocks: u64,
+    pub(crate) plugged_blocks: u64,
     /// Whether each slot of the area is mapped.
-    pub mapped: Vec<bool>,
+    pub(crate) mapped: Vec<bool>,
 }
 
 impl HotplugState {
@@ -369,7 +369,7 @@ impl HotplugState {
     /// nothing else) a region of the layout there with one slot over the whole piece, or (a
     /// version 3 state, written when pieces had holes) slots over its plugged blocks only: the
     /// restore gives it its one slot back and makes its unplugged blocks unreachable.
-    pub fn validate(&self, layout: &MemoryLayout) -> Result<(), String> {
+    pub(super) fn validate(&self, layout: &MemoryLayout) -> Result<(), String> {
         let area = HotplugArea::new(self.config, HOTPLUG_GPA, IDENTITY_MAPPED, usize::MAX)
             .map_err(|e| format!("the hotplug area: {e}"))?;
         let slots = area.pieces.len();

@@ -8,19 +8,19 @@ use kvm_ioctls::{Kvm, VcpuFd};
 use vm_memory::{Bytes, GuestAddress, GuestMemory};
 
 /// The guest's code, assembled from `resources/guest/test_guest.S` by the build.
-pub const CODE: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/test_guest.bin"));
+const CODE: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/test_guest.bin"));
 
 const MIB: u64 = 1 << 20;
 const GIB: u64 = 1 << 30;
 
 /// Size of the system region at guest address 0 (one slot): tables, code, stacks, commands.
-pub const SYSTEM_SIZE: u64 = 2 * MIB;
+pub(super) const SYSTEM_SIZE: u64 = 2 * MIB;
 /// The command blocks, one of `COMMAND_BLOCK_SIZE` bytes per vCPU.
-pub const COMMANDS_GPA: u64 = 0x1000;
+const COMMANDS_GPA: u64 = 0x1000;
 /// Bytes per command block.
-pub const COMMAND_BLOCK_SIZE: u64 = 0x100;
+const COMMAND_BLOCK_SIZE: u64 = 0x100;
 /// Where the exception stubs store the vector and the top of the exception stack.
-pub const FAULT_GPA: u64 = 0x1f00;
+pub(super) const FAULT_GPA: u64 = 0x1f00;
 const GDT_GPA: u64 = 0x2000;
 const IDT_GPA: u64 = 0x3000;
 const EXCEPTION_STACK_TOP: u64 = 0x8000;
@@ -39,7 +39,7 @@ const TSS_LIMIT: u64 = IO_BITMAP_OFFSET + 0x2000;
 /// Guest-physical memory the identity page tables map (2 MiB pages, user-accessible).
 pub const IDENTITY_MAPPED: u64 = 64 * GIB;
 /// Where the hotplug area starts (above the test area and regions placed for it).
-pub const HOTPLUG_GPA: u64 = 32 << 30;
+pub(super) const HOTPLUG_GPA: u64 = 32 << 30;
 /// Most vCPUs the layout has command blocks and stacks for.
 pub const MAX_VCPUS: usize = 15;
 /// Offset of exception stub `n` in the code.
@@ -55,13 +55,13 @@ const _: () = {
 };
 
 /// Ports the guest writes to.
-pub mod port {
+pub(super) mod port {
     /// A command finished (or the guest is ready for its first one).
-    pub const DONE: u16 = 0x510;
+    pub(crate) const DONE: u16 = 0x510;
     /// The guest ran the exit command.
-    pub const EXIT: u16 = 0x511;
+    pub(crate) const EXIT: u16 = 0x511;
     /// An exception reached the guest's ring 0: the fault block says which.
-    pub const FAULT: u16 = 0x512;
+    pub(crate) const FAULT: u16 = 0x512;
 }
 
 const SEL_KERNEL_CODE: u16 = 0x08;
@@ -70,7 +70,9 @@ const SEL_USER_CODE: u16 = 0x20 | 3;
 const SEL_TSS: u16 = 0x28;
 
 /// Writes the page tables, descriptor tables, TSS and code into the system region.
-pub fn write_system_memory(mem: &impl GuestMemory) -> Result<(), vm_memory::GuestMemoryError> {
+pub(super) fn write_system_memory(
+    mem: &impl GuestMemory,
+) -> Result<(), vm_memory::GuestMemoryError> {
     assert!(
         CODE.len() as u64 <= PML4_GPA - CODE_GPA,
         "the test guest outgrew its space"
@@ -144,7 +146,7 @@ fn segment(selector: u16, code: bool) -> kvm_segment {
 }
 
 /// The special registers of a vCPU entering the guest: long mode, paging on, ring 3.
-pub fn boot_sregs(mut sregs: kvm_sregs) -> kvm_sregs {
+fn boot_sregs(mut sregs: kvm_sregs) -> kvm_sregs {
     sregs.cr0 = 0x8005_0033; // PE MP ET NE WP AM PG
     sregs.cr3 = PML4_GPA;
     sregs.cr4 = 0x20; // PAE
@@ -182,7 +184,7 @@ const CPUID1_XSAVE_AVX: u32 = (1 << 26) | (1 << 28);
 /// Whether the guest can have AVX: the host's CPU has AVX and XSAVE, and `cpuid` (KVM's
 /// supported CPUID) lets XCR0 hold the x87, SSE and AVX state (leaf 0xd). KVM's leaf 1 may
 /// still hide XSAVE and AVX (kvm_pvm does), so [`set_up_vcpu`] sets them in the guest's.
-pub fn cpuid_has_avx(cpuid: &[kvm_cpuid_entry2]) -> bool {
+fn cpuid_has_avx(cpuid: &[kvm_cpuid_entry2]) -> bool {
     let host =
         std::arch::is_x86_feature_detected!("avx") && std::arch::is_x86_feature_detected!("xsave");
     let xstate = cpuid
@@ -207,7 +209,7 @@ pub fn avx_available() -> bool {
 /// where KVM offers AVX, CR4.OSFXSR|OSXMMEXCPT|OSXSAVE and XCR0 = x87|SSE|AVX (nothing in the
 /// guest sets them up: its ring 0, emulated on some hosts, stays minimal). Returns whether AVX
 /// is on.
-pub fn set_up_vcpu(
+pub(super) fn set_up_vcpu(
     kvm: &Kvm,
     fd: &VcpuFd,
     index: usize,
@@ -244,7 +246,7 @@ pub fn set_up_vcpu(
 }
 
 /// The general registers of vCPU `index` entering the guest.
-pub fn boot_regs(index: usize) -> kvm_regs {
+fn boot_regs(index: usize) -> kvm_regs {
     assert!(index < MAX_VCPUS);
     kvm_regs {
         rip: CODE_GPA,
@@ -257,7 +259,7 @@ pub fn boot_regs(index: usize) -> kvm_regs {
 }
 
 /// The command block of vCPU `index`.
-pub fn command_block(index: usize) -> GuestAddress {
+pub(super) fn command_block(index: usize) -> GuestAddress {
     GuestAddress(COMMANDS_GPA + index as u64 * COMMAND_BLOCK_SIZE)
 }
 

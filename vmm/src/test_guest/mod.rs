@@ -2,8 +2,8 @@
 //! and checks memory on the host's command, so that every slot can be verified from both sides.
 
 pub mod area;
-pub mod command;
-pub mod controller;
+mod command;
+pub(crate) mod controller;
 pub mod hotplug;
 pub mod layout;
 pub mod ports;
@@ -11,8 +11,7 @@ pub mod snapshot;
 mod test_vm;
 pub mod vcpus;
 
-pub use command::{pattern, Command, CommandBlock, Fault, Op, Outcome, STUB};
-pub use layout::{
-    boot_regs, boot_sregs, command_block, write_system_memory, CODE, CODE_GPA, COMMANDS_GPA,
-    COMMAND_BLOCK_SIZE, FAULT_GPA, HOTPLUG_GPA, IDENTITY_MAPPED, MAX_VCPUS, SYSTEM_SIZE,
-};
+use command::Outcome;
+pub use command::{pattern, Command, CommandBlock, Fault, Op, STUB};
+use layout::{write_system_memory, HOTPLUG_GPA, SYSTEM_SIZE};
+pub use layout::{IDENTITY_MAPPED, MAX_VCPUS};

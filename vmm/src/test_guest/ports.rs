@@ -18,7 +18,7 @@ use kvm_ioctls::VcpuFd;
 
 /// A protocol port of the test guest.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum GuestPort {
+pub(crate) enum GuestPort {
     /// The guest finished a command (or is ready for its first one).
     Done,
     /// The guest ran its exit command.
@@ -29,7 +29,7 @@ pub enum GuestPort {
 
 impl GuestPort {
     /// The port's number.
-    pub fn number(self) -> u16 {
+    fn number(self) -> u16 {
         match self {
             GuestPort::Done => port::DONE,
             GuestPort::Exit => port::EXIT,
@@ -39,7 +39,7 @@ impl GuestPort {
 }
 
 /// The test guest's bus: its three protocol ports; any other port is fatal.
-pub fn bus() -> &'static PortBus<GuestPort> {
+fn bus() -> &'static PortBus<GuestPort> {
     static BUS: LazyLock<PortBus<GuestPort>> = LazyLock::new(|| {
         let mut bus = PortBus::new(Unmapped::Fatal);
         for device in [GuestPort::Done, GuestPort::Exit, GuestPort::Fault] {
@@ -63,11 +63,11 @@ pub enum GuestPortError {
 }
 
 /// The vCPU loop's error for a test-guest vCPU.
-pub type VcpuError = crate::vm::vcpu::VcpuError<GuestPortError>;
+pub(super) type VcpuError = crate::vm::vcpu::VcpuError<GuestPortError>;
 
 /// What a test-guest vCPU thread tells the host.
 #[derive(Debug)]
-pub enum VcpuEvent {
+pub(super) enum VcpuEvent {
     /// The guest finished a command (or is ready for its first one); the vCPU waits for the
     /// host's go-ahead before it enters the guest again.
     Done,
@@ -79,7 +79,7 @@ pub enum VcpuEvent {
 
 /// What the host sends a vCPU that waits between commands.
 #[derive(Debug)]
-pub enum GoAhead {
+pub(super) enum GoAhead {
     /// Enter the guest again (a command was posted, or the VMM is stopping).
     Resume,
     /// Send the vCPU's state, and keep waiting.
@@ -88,20 +88,20 @@ pub enum GoAhead {
 
 /// A test-guest vCPU's side of the command protocol.
 #[derive(Debug)]
-pub struct TestGuestPorts {
+pub(super) struct TestGuestPorts {
     /// Where the vCPU reports finished commands.
-    pub events: Sender<VcpuEvent>,
+    pub(crate) events: Sender<VcpuEvent>,
     /// Written after each report, for an event loop that waits for news of the vCPUs.
-    pub notify: Arc<EventFd>,
+    pub(crate) notify: Arc<EventFd>,
     /// The host's go-ahead after [`VcpuEvent::Done`].
-    pub resume: Receiver<GoAhead>,
+    pub(crate) resume: Receiver<GoAhead>,
     /// The guest's memory, to read the fault block.
-    pub memory: Arc<MemoryManager<KvmVm>>,
+    pub(crate) memory: Arc<MemoryManager<KvmVm>>,
     /// Wait for a go-ahead before first entering the guest (a restored guest, saved between
     /// commands).
-    pub parked: bool,
+    pub(crate) parked: bool,
     /// Absent memory (and device windows) where the guest has no slot, if any.
-    pub mmio: Option<Arc<MmioBus>>,
+    pub(crate) mmio: Option<Arc<MmioBus>>,
 }
 
 impl TestGuestPorts {

@@ -2,20 +2,20 @@
 //! bookkeeping) and its checks, in the one envelope every guest kind's state file and State
 //! record are (`snapshot::state`, which frames, versions and checks the rest: what snapshot it
 //! is, the memory layout, every vCPU's state); and the State record a migration sends
-//! ([`MigrationRecord`]). The guest's memory (its command blocks included) is in the memory
+//! (`MigrationRecord`). The guest's memory (its command blocks included) is in the memory
 //! file beside the state file.
-
-use std::path::Path;
 
 use kvm_memslots_persist::MemoryLayout;
 use serde::{Deserialize, Serialize};
 
 use crate::migration::StateRecord;
-pub use crate::snapshot::info::{
-    MemoryCheck, MemoryMismatch, SnapshotId, SnapshotInfo, SnapshotKind, MEMORY_HEAD,
-};
-pub use crate::snapshot::state::file::{open_input, StateFileError, MAX_STATE_FILE};
-pub use crate::snapshot::state::STATE_VERSION;
+pub use crate::snapshot::info::{MemoryCheck, SnapshotInfo};
+pub(crate) use crate::snapshot::info::{MemoryMismatch, SnapshotKind};
+#[cfg(test)]
+use crate::snapshot::info::{SnapshotId, MEMORY_HEAD};
+pub(crate) use crate::snapshot::state::file::open_input;
+#[cfg(test)]
+use crate::snapshot::state::STATE_VERSION;
 use crate::snapshot::state::{GuestKind, GuestPart, SavedState};
 use crate::test_guest::hotplug::HotplugState;
 use crate::test_guest::MAX_VCPUS;
@@ -30,7 +30,7 @@ pub type SnapshotState = SavedState<TestGuestPart>;
 pub struct TestGuestPart {
     /// The hotplug area, if one was configured.
     #[serde(default)]
-    pub hotplug: Option<HotplugState>,
+    pub(crate) hotplug: Option<HotplugState>,
 }
 
 impl GuestPart for TestGuestPart {
@@ -66,21 +66,14 @@ impl GuestPart for TestGuestPart {
     }
 }
 
-/// Reads and checks the test guest's state file at `path` ([`SavedState::read_file`]: of this
-/// build's format or an older one, its header first). The error does not name the path: the
-/// caller does.
-pub fn read_state_file(path: &Path) -> Result<SnapshotState, StateFileError> {
-    SnapshotState::read_file(path)
-}
-
 /// The test guest's [`StateRecord`]: what its migration sends besides the layout and the
 /// vCPUs' states, taken when the migration starts.
 #[derive(Debug)]
-pub struct MigrationRecord {
+pub(super) struct MigrationRecord {
     /// The hotplug area's bookkeeping.
-    pub hotplug: Option<HotplugState>,
+    pub(crate) hotplug: Option<HotplugState>,
     /// Paused by a client.
-    pub paused: bool,
+    pub(crate) paused: bool,
 }
 
 impl StateRecord for MigrationRecord {
@@ -104,6 +97,7 @@ mod tests {
     use kvm_memslots_persist::frame;
     use std::fs::File;
     use std::os::unix::fs::FileExt;
+    use std::path::Path;
     use vm_memory::{Bytes, GuestAddress};
 
     const MIB: u64 = 1 << 20;

@@ -50,25 +50,9 @@ impl TestVm {
     }
 
     /// A VM restored from a snapshot: the saved layout's regions (the system region among
-    /// them) in fresh memory, loaded from `memory_file`. Start its vCPUs with
+    /// them) in fresh memory, loaded from `memory_file`, with `lazy`'s working-set prefetch and
+    /// recording (`restore_memory_with`). Start its vCPUs with
     /// [`start_restored_vcpus`](Self::start_restored_vcpus).
-    pub fn restore(
-        layout: &MemoryLayout,
-        memory_file: &std::fs::File,
-        backend: MemBackend,
-        options: VmOptions,
-    ) -> Result<Self, GuestError> {
-        Self::restore_with(
-            layout,
-            memory_file,
-            backend,
-            LazyOptions::default(),
-            options,
-        )
-    }
-
-    /// As [`restore`](Self::restore), with `lazy`'s working-set prefetch and recording
-    /// ([`restore_memory_with`]).
     pub fn restore_with(
         layout: &MemoryLayout,
         memory_file: &std::fs::File,
@@ -90,7 +74,11 @@ impl TestVm {
 
     /// The test guest's VM on `vm`, which holds `layout`'s regions (`ids`, in its order; the
     /// system region among them).
-    pub fn from_vm(vm: Vm, layout: &MemoryLayout, ids: &[RegionId]) -> Result<Self, GuestError> {
+    pub(crate) fn from_vm(
+        vm: Vm,
+        layout: &MemoryLayout,
+        ids: &[RegionId],
+    ) -> Result<Self, GuestError> {
         let system = system_region(layout, ids)?;
         Ok(TestVm {
             vm,
@@ -116,23 +104,18 @@ impl TestVm {
         self.loader.as_ref()
     }
 
-    /// The generic VM.
-    pub fn vm(&self) -> &Vm {
-        &self.vm
-    }
-
     /// The guest's memory.
     pub fn memory(&self) -> &Arc<MemoryManager<KvmVm>> {
         self.vm.memory()
     }
 
     /// The system region.
-    pub fn system_region(&self) -> RegionId {
+    pub(super) fn system_region(&self) -> RegionId {
         self.system
     }
 
     /// KVM's number of memory slots.
-    pub fn max_slots(&self) -> usize {
+    fn max_slots(&self) -> usize {
         self.vm.max_slots()
     }
 

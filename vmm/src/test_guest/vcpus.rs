@@ -272,13 +272,13 @@ const PAUSE_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// What a migration needs of one test-guest vCPU: its pause, and its go-ahead channel.
 #[derive(Debug)]
-pub struct VcpuHandle {
+pub(crate) struct VcpuHandle {
     /// What the host shares with the vCPU thread (its pause).
-    pub shared: Arc<VcpuShared>,
+    shared: Arc<VcpuShared>,
     /// Its go-ahead channel, for a vCPU waiting between commands (its state is read there).
-    pub resume: Sender<GoAhead>,
+    resume: Sender<GoAhead>,
     /// It runs a command (a write loop): it is paused inside the guest to read its state.
-    pub running: bool,
+    running: bool,
 }
 
 impl PreCopyVcpu for VcpuHandle {
@@ -445,13 +445,13 @@ impl Vcpus {
     }
 
     /// The command vCPU `index` is running, if any (a write loop runs until stopped).
-    pub fn running(&self, index: usize) -> Option<Command> {
+    pub(super) fn running(&self, index: usize) -> Option<Command> {
         self.threads[index].running
     }
 
     /// What a migration needs of each vCPU; refused while one is wedged or stopped, or runs a
     /// command other than a write loop (a client waits for its answer, here).
-    pub fn migration_handles(&self) -> Result<Vec<VcpuHandle>, GuestError> {
+    pub(super) fn migration_handles(&self) -> Result<Vec<VcpuHandle>, GuestError> {
         self.threads
             .iter()
             .enumerate()
@@ -475,7 +475,7 @@ impl Vcpus {
     /// Takes up the commands restored vCPUs were on when they were saved (a migrated or
     /// snapshotted guest in a write loop) and lets those vCPUs run on; the others wait for
     /// their next command. A vCPU that runs a command already is left as it is.
-    pub fn resume_unfinished(&mut self) {
+    pub(super) fn resume_unfinished(&mut self) {
         for vcpu in self.threads.iter_mut().filter(|v| v.running.is_none()) {
             let Some((command, seq)) = vcpu.block.unfinished(&*self.memory.current()) else {
                 continue;
@@ -495,19 +495,19 @@ impl Vcpus {
 
     /// Asks vCPU `index`'s command to end where it is (see [`CommandBlock::cancel`]); its
     /// answer says how far it got ([`Outcome::cut_at`]).
-    pub fn cancel(&self, index: usize) {
+    pub(super) fn cancel(&self, index: usize) {
         self.threads[index].block.cancel(&*self.memory.current());
     }
 
     /// Readable once a vCPU has reported something since the last [`poll`](Self::poll)s:
     /// for an event loop to wait on (edge of news, not a count: read it to re-arm).
-    pub fn notifier(&self) -> &EventFd {
+    pub(super) fn notifier(&self) -> &EventFd {
         &self.notify
     }
 
     /// The first vCPU that stopped on an error or without being asked, once one has: the
     /// guest cannot run again.
-    pub fn failure(&self) -> Option<&VmFailure> {
+    pub(super) fn failure(&self) -> Option<&VmFailure> {
         self.failure.as_ref()
     }
 

@@ -68,7 +68,7 @@ pub enum Exit<'a> {
     /// The guest triple-faulted (or asked for a shutdown).
     Shutdown,
     /// KVM could not handle the guest's instruction (`KVM_EXIT_INTERNAL_ERROR`), with KVM's
-    /// suberror ([`KVM_INTERNAL_ERROR_EMULATION`]: its instruction emulator failed) and the
+    /// suberror (`KVM_INTERNAL_ERROR_EMULATION`: its instruction emulator failed) and the
     /// vCPU's privilege level.
     InternalError {
         /// KVM's `internal.suberror`.
@@ -102,7 +102,7 @@ pub enum Exit<'a> {
     Other(&'static str),
 }
 
-/// The names of the exit kinds, by [`Exit::kind`] (the metrics' `kind` label).
+/// The names of the exit kinds, by `Exit::kind` (the metrics' `kind` label).
 pub const EXIT_KINDS: [&str; 12] = [
     "io_out",
     "io_in",
@@ -120,7 +120,7 @@ pub const EXIT_KINDS: [&str; 12] = [
 
 impl<'a> Exit<'a> {
     /// Its kind, as an index into [`EXIT_KINDS`].
-    pub fn kind(&self) -> usize {
+    pub(super) fn kind(&self) -> usize {
         match self {
             Exit::IoOut { .. } => 0,
             Exit::IoIn { .. } => 1,
@@ -138,7 +138,7 @@ impl<'a> Exit<'a> {
     }
 
     /// Whether the guest touched an address that is no (writable) memory slot in KVM.
-    pub fn is_mmio(&self) -> bool {
+    pub(super) fn is_mmio(&self) -> bool {
         matches!(self, Exit::MmioRead { .. } | Exit::MmioWrite { .. })
     }
 
@@ -147,7 +147,7 @@ impl<'a> Exit<'a> {
     /// [`Exit::Interrupted`]; other errors are returned. An internal error's suberror and the
     /// vCPU's privilege level are not in kvm-ioctls' exit: they come as 0, for the caller to
     /// fill in from the run area and the vCPU's registers ([`Exit::internal_error`]).
-    pub fn from_kvm(
+    pub(super) fn from_kvm(
         run: Result<kvm_ioctls::VcpuExit<'a>, kvm_ioctls::Error>,
     ) -> Result<(Exit<'a>, Option<&'a mut [u8]>), kvm_ioctls::Error> {
         use kvm_ioctls::VcpuExit;
@@ -183,11 +183,11 @@ impl<'a> Exit<'a> {
 }
 
 /// `internal.suberror` of an emulation failure (`KVM_INTERNAL_ERROR_EMULATION`).
-pub const KVM_INTERNAL_ERROR_EMULATION: u32 = kvm_bindings::KVM_INTERNAL_ERROR_EMULATION;
+pub(super) const KVM_INTERNAL_ERROR_EMULATION: u32 = kvm_bindings::KVM_INTERNAL_ERROR_EMULATION;
 
 impl Exit<'static> {
     /// An internal error with KVM's suberror, at privilege level `cpl`.
-    pub fn internal_error(suberror: u32, cpl: u8) -> Self {
+    pub(super) fn internal_error(suberror: u32, cpl: u8) -> Self {
         Exit::InternalError { suberror, cpl }
     }
 }

@@ -28,7 +28,7 @@ static WRITER: Mutex<()> = Mutex::new(());
 
 /// Registers `[start, start + len)` host ranges as guest memory mapped from a file, which the
 /// handler may patch with a zero page when the file is cut under it.
-pub fn guard(ranges: impl IntoIterator<Item = (u64, u64)>) {
+pub(super) fn guard(ranges: impl IntoIterator<Item = (u64, u64)>) {
     let _writer = WRITER.lock().unwrap_or_else(|e| e.into_inner());
     for (start, len) in ranges {
         let end = start.saturating_add(len);
@@ -63,7 +63,7 @@ fn ours(code: libc::c_int, addr: u64) -> bool {
 }
 
 /// Installs the `SIGBUS` handler (once per process; [`Vm::new`](super::Vm::new) does).
-pub fn install() {
+pub(super) fn install() {
     static HANDLER: std::sync::Once = std::sync::Once::new();
     HANDLER.call_once(|| {
         vmm_sys_util::signal::register_signal_handler(libc::SIGBUS, on_bus_error)
@@ -78,7 +78,7 @@ static MEMORY_GONE: AtomicU64 = AtomicU64::new(0);
 /// (the memory file of a file-backed restore truncated or replaced under the VM: `SIGBUS`),
 /// once one happened. The access went on against a zero page put in its place; the VM must
 /// stop (its vCPUs do, at their next exit) and nothing may be saved from it.
-pub fn memory_gone() -> Option<u64> {
+pub(super) fn memory_gone() -> Option<u64> {
     match MEMORY_GONE.load(Ordering::Acquire) {
         0 => None,
         hva => Some(hva),

@@ -12,7 +12,7 @@ use std::sync::Arc;
 
 /// What answers an address of an [`MmioBus`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum MmioTarget {
+pub(super) enum MmioTarget {
     /// The guest kind's device number `device`, at `offset` in its window.
     Device {
         /// The device, as the guest kind numbers them.
@@ -68,9 +68,9 @@ pub trait Unreachable: Send + Sync + fmt::Debug {
 #[error("guest range [{start:#x}, {end:#x}) is empty, wraps, or overlaps another MMIO range")]
 pub struct MmioBusError {
     /// Its start.
-    pub start: u64,
+    start: u64,
     /// Its end.
-    pub end: u64,
+    end: u64,
 }
 
 impl MmioBus {
@@ -99,7 +99,7 @@ impl MmioBus {
     }
 
     /// Maps `len` bytes from `start` to device number `device`.
-    pub fn insert_device(
+    pub(crate) fn insert_device(
         &mut self,
         start: u64,
         len: u64,
@@ -133,7 +133,7 @@ impl MmioBus {
     }
 
     /// What answers `gpa`, if anything.
-    pub fn find(&self, gpa: u64) -> Option<MmioTarget> {
+    pub(super) fn find(&self, gpa: u64) -> Option<MmioTarget> {
         let at = self.ranges.partition_point(|(r, _)| r.start <= gpa);
         let (range, kind) = self.ranges.get(at.checked_sub(1)?)?;
         if !range.contains(&gpa) {

@@ -3,10 +3,10 @@
 //! ([`ports`]).
 
 pub mod exit;
-pub mod memory_gone;
+mod memory_gone;
 pub mod mmio;
 pub mod ports;
-pub mod restore;
+pub(crate) mod restore;
 pub mod state;
 pub mod vcpu;
 
@@ -20,7 +20,7 @@ use kvm_memslots::{KvmVm, MemoryLimits, MemoryManager, RingError};
 
 /// Where KVM puts the three pages Intel's VMX needs for real mode's TSS: in the 3-4 GiB MMIO
 /// gap, below 4 GiB.
-pub const TSS_ADDRESS: usize = 0xfffb_d000;
+const TSS_ADDRESS: usize = 0xfffb_d000;
 
 /// What a VM is created with besides its memory.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -61,7 +61,7 @@ pub enum VmError {
 
 impl VmError {
     /// A closure that names the set-up step `what` in the error it makes of KVM's.
-    pub fn setup(what: &'static str) -> impl Fn(kvm_ioctls::Error) -> VmError {
+    pub(crate) fn setup(what: &'static str) -> impl Fn(kvm_ioctls::Error) -> VmError {
         move |source| VmError::Setup { what, source }
     }
 }
@@ -103,7 +103,7 @@ fn exit_on_emulation_failure(fd: &VmFd) -> Result<bool, VmError> {
 /// Whether this host's KVM runs a guest's ring 0 in its instruction emulator: kvm_pvm (KVM
 /// without VT-x or AMD-V), whose module shows in sysfs. A fact of the host, for every guest
 /// kind: what its emulator lacks stops ring-0 code, and the vCPU loop says so.
-pub fn host_emulates_ring0() -> bool {
+pub(crate) fn host_emulates_ring0() -> bool {
     std::path::Path::new("/sys/module/kvm_pvm").exists()
 }
 
@@ -118,7 +118,6 @@ pub struct Vm {
     kvm: Kvm,
     fd: Arc<VmFd>,
     memory: Arc<MemoryManager<KvmVm>>,
-    exit_on_emulation_failure: bool,
 }
 
 impl Vm {
@@ -126,13 +125,13 @@ impl Vm {
     /// in-kernel irqchip (before any vCPU, as KVM requires) and the PIT; then the memory
     /// manager (admitting memory within `options.limits`), with manual dirty-log protection
     /// where KVM offers it; and exits on every emulation failure where KVM offers that
-    /// ([`Vm::exits_on_emulation_failure`]). Also installs the
+    /// (`KVM_CAP_EXIT_ON_EMULATION_FAILURE`). Also installs the
     /// signal handler that kicks vCPUs out of the guest, and the one that keeps the process alive
-    /// when guest memory's file is cut under it ([`memory_gone`]).
+    /// when guest memory's file is cut under it (`memory_gone`).
     pub fn new(options: VmOptions) -> Result<Self, VmError> {
         let kvm = Kvm::new().map_err(VmError::Kvm)?;
         let fd = Arc::new(kvm.create_vm().map_err(VmError::setup("KVM_CREATE_VM"))?);
-        let exit_on_emulation_failure = exit_on_emulation_failure(&fd)?;
+        exit_on_emulation_failure(&fd)?;
         if options.irqchip {
             add_irqchip(&fd)?;
         }
@@ -148,31 +147,18 @@ impl Vm {
         let memory = Arc::new(MemoryManager::with_limits(kvm_vm, limits));
         vcpu::install_kick_handler();
         memory_gone::install();
-        Ok(Vm {
-            kvm,
-            fd,
-            memory,
-            exit_on_emulation_failure,
-        })
+        Ok(Vm { kvm, fd, memory })
     }
 
     /// Gives a VM made without them the real-mode TSS, the in-kernel irqchip and the PIT (a
     /// migration's destination learns that its guest needs them once its memory came); before
     /// any vCPU exists, as KVM requires.
-    pub fn add_irqchip(&self) -> Result<(), VmError> {
+    pub(crate) fn add_irqchip(&self) -> Result<(), VmError> {
         add_irqchip(&self.fd)
     }
 
-    /// Whether KVM exits to the VMM on every emulation failure
-    /// (`KVM_CAP_EXIT_ON_EMULATION_FAILURE`, enabled where KVM offers it). Without it, an
-    /// instruction KVM cannot emulate at guest CPL > 0 (a VEX access or an instruction fetch
-    /// that meets a slot away during a change) gets `#UD` in the guest instead of a retry.
-    pub fn exits_on_emulation_failure(&self) -> bool {
-        self.exit_on_emulation_failure
-    }
-
     /// `/dev/kvm`.
-    pub fn kvm(&self) -> &Kvm {
+    pub(crate) fn kvm(&self) -> &Kvm {
         &self.kvm
     }
 
@@ -187,7 +173,7 @@ impl Vm {
     }
 
     /// KVM's number of memory slots.
-    pub fn max_slots(&self) -> usize {
+    pub(crate) fn max_slots(&self) -> usize {
         self.kvm.get_nr_memslots()
     }
 

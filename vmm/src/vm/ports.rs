@@ -15,13 +15,13 @@ pub enum Unmapped {
 
 /// A port range and the device behind it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct PortRange<D> {
+pub(crate) struct PortRange<D> {
     /// First port.
-    pub base: u16,
+    base: u16,
     /// Number of ports.
-    pub len: u16,
+    len: u16,
     /// The device; it sees offsets from `base`.
-    pub device: D,
+    pub(crate) device: D,
 }
 
 impl<D> PortRange<D> {
@@ -32,7 +32,7 @@ impl<D> PortRange<D> {
 
 /// Where a port access goes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum PortTarget<D> {
+pub(crate) enum PortTarget<D> {
     /// A device, at this offset in its range.
     Device(D, u16),
     /// No device, on a bus whose unmapped ports are [`Unmapped::Absent`].
@@ -51,13 +51,13 @@ pub struct PortBus<D> {
 /// Why a port range cannot join a bus.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[error("ports {base:#x}+{len} are empty, wrap past 0xffff or overlap the range at {other:#x?}")]
-pub struct PortBusError {
+pub(crate) struct PortBusError {
     /// First port.
-    pub base: u16,
+    base: u16,
     /// Number of ports.
-    pub len: u16,
+    len: u16,
     /// The base of the range it overlaps, if any.
-    pub other: Option<u16>,
+    other: Option<u16>,
 }
 
 impl<D: Copy> PortBus<D> {
@@ -70,7 +70,7 @@ impl<D: Copy> PortBus<D> {
     }
 
     /// Maps `len` ports from `base` to `device`.
-    pub fn insert(&mut self, base: u16, len: u16, device: D) -> Result<(), PortBusError> {
+    pub(crate) fn insert(&mut self, base: u16, len: u16, device: D) -> Result<(), PortBusError> {
         let range = PortRange { base, len, device };
         let error = |other| PortBusError { base, len, other };
         if len == 0 || range.end() > 0x1_0000 {
@@ -89,7 +89,7 @@ impl<D: Copy> PortBus<D> {
     }
 
     /// Where an access to `port` goes.
-    pub fn find(&self, port: u16) -> PortTarget<D> {
+    pub(crate) fn find(&self, port: u16) -> PortTarget<D> {
         let at = self.ranges.partition_point(|r| r.base <= port);
         match at.checked_sub(1).map(|i| &self.ranges[i]) {
             Some(r) if u32::from(port) < r.end() => PortTarget::Device(r.device, port - r.base),
@@ -101,7 +101,7 @@ impl<D: Copy> PortBus<D> {
     }
 
     /// The ranges, by base.
-    pub fn ranges(&self) -> &[PortRange<D>] {
+    pub(crate) fn ranges(&self) -> &[PortRange<D>] {
         &self.ranges
     }
 }

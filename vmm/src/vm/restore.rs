@@ -28,26 +28,17 @@ pub enum MemBackend {
 /// [`MemBackend::Uffd`], the fault handler, to hold for as long as the VM lives (dropping it
 /// stops the handler).
 #[derive(Debug)]
-pub struct RestoredMemory {
+pub(crate) struct RestoredMemory {
     /// The regions, in the layout's order.
-    pub ids: Vec<RegionId>,
+    pub(crate) ids: Vec<RegionId>,
     /// The lazy loader, for a uffd restore.
-    pub loader: Option<LazyLoader>,
+    pub(crate) loader: Option<LazyLoader>,
 }
 
-/// Gives `memory` (empty) `layout`'s regions, filled from `file` as `backend` says.
-pub fn restore_memory(
-    memory: &std::sync::Arc<MemoryManager<KvmVm>>,
-    layout: &MemoryLayout,
-    file: &File,
-    backend: MemBackend,
-) -> Result<RestoredMemory, SnapshotError> {
-    restore_memory_with(memory, layout, file, backend, LazyOptions::default())
-}
-
-/// As [`restore_memory`], with `lazy`'s working-set prefetch and recording: the userfaultfd
-/// backend's only, the others refuse them.
-pub fn restore_memory_with(
+/// Gives `memory` (empty) `layout`'s regions, filled from `file` as `backend` says, with
+/// `lazy`'s working-set prefetch and recording: the userfaultfd backend's only, the others refuse
+/// them.
+pub(crate) fn restore_memory_with(
     memory: &std::sync::Arc<MemoryManager<KvmVm>>,
     layout: &MemoryLayout,
     file: &File,

@@ -2,7 +2,7 @@
 //! registers, the XSAVE area (x87, SSE, AVX), XCR0, pending events (exceptions, interrupts,
 //! NMIs), debug registers, the multiprocessing state, CPUID, a list of MSRs (the test guest's
 //! fixed `SAVED_MSRS`; for a Linux guest every MSR KVM lists and the vCPU can read,
-//! [`readable_msrs`], kvmclock's among them), and the local APIC where the VM has an in-kernel
+//! `readable_msrs`, kvmclock's among them), and the local APIC where the VM has an in-kernel
 //! irqchip (the test guest runs without one). Beside it, the VM's own state ([`VmState`]): the
 //! in-kernel PIC and IOAPIC, the PIT and the VM clock. Serialisable with serde (kvm-bindings'
 //! `serde` feature), for snapshots and migration.
@@ -100,9 +100,9 @@ pub const SAVED_MSRS: [u32; 11] = [
 #[error("{what} failed: {source}")]
 pub struct StateError {
     /// The ioctl.
-    pub what: &'static str,
+    what: &'static str,
     /// KVM's error.
-    pub source: kvm_ioctls::Error,
+    source: kvm_ioctls::Error,
 }
 
 fn failed(what: &'static str) -> impl Fn(kvm_ioctls::Error) -> StateError {
@@ -111,14 +111,14 @@ fn failed(what: &'static str) -> impl Fn(kvm_ioctls::Error) -> StateError {
 
 impl VcpuState {
     /// Reads `vcpu`'s state with the test guest's MSRs ([`SAVED_MSRS`]); see
-    /// [`save_with`](Self::save_with).
+    /// `save_with`.
     pub fn save(vcpu: &VcpuFd) -> Result<Self, StateError> {
         Self::save_with(vcpu, &SAVED_MSRS)
     }
 
     /// Reads `vcpu`'s state, with the MSRs `msrs`. The vCPU must not be running (call from
     /// its own thread between runs, or before it starts).
-    pub fn save_with(vcpu: &VcpuFd, msrs: &[u32]) -> Result<Self, StateError> {
+    pub(super) fn save_with(vcpu: &VcpuFd, msrs: &[u32]) -> Result<Self, StateError> {
         let cpuid = vcpu
             .get_cpuid2(KVM_MAX_CPUID_ENTRIES)
             .map_err(failed("KVM_GET_CPUID2"))?;
@@ -186,7 +186,7 @@ impl VcpuState {
 /// Linux guest's vCPU saves (kvmclock's, the TSC and its deadline, SYSCALL's, PAT, MTRRs, …).
 /// KVM lists MSRs the host's CPU or this vCPU's CPUID lacks, and stops a read at the first it
 /// refuses, so each is tried.
-pub fn readable_msrs(kvm: &Kvm, vcpu: &VcpuFd) -> Result<Vec<u32>, StateError> {
+pub(crate) fn readable_msrs(kvm: &Kvm, vcpu: &VcpuFd) -> Result<Vec<u32>, StateError> {
     let listed = kvm
         .get_msr_index_list()
         .map_err(failed("KVM_GET_MSR_INDEX_LIST"))?;
@@ -210,16 +210,16 @@ pub fn readable_msrs(kvm: &Kvm, vcpu: &VcpuFd) -> Result<Vec<u32>, StateError> {
 pub struct VmState {
     /// The master PIC.
     #[serde(deserialize_with = "exact")]
-    pub pic_master: kvm_irqchip,
+    pub(crate) pic_master: kvm_irqchip,
     /// The slave PIC.
     #[serde(deserialize_with = "exact")]
-    pub pic_slave: kvm_irqchip,
+    pub(crate) pic_slave: kvm_irqchip,
     /// The IOAPIC.
     #[serde(deserialize_with = "exact")]
-    pub ioapic: kvm_irqchip,
+    pub(crate) ioapic: kvm_irqchip,
     /// The PIT.
     #[serde(deserialize_with = "exact")]
-    pub pit: kvm_pit_state2,
+    pub(crate) pit: kvm_pit_state2,
     /// The VM clock.
     #[serde(deserialize_with = "exact")]
     pub clock: kvm_clock_data,
@@ -297,7 +297,7 @@ impl FrozenClock {
     }
 
     /// Holds `vm`'s clock where it is now (once: a second freeze keeps the first point).
-    pub fn freeze(&self, vm: &VmFd) -> Result<(), StateError> {
+    pub(crate) fn freeze(&self, vm: &VmFd) -> Result<(), StateError> {
         let mut held = self.held();
         if held.is_none() {
             *held = Some(vm.get_clock().map_err(failed("KVM_GET_CLOCK"))?.clock);
@@ -307,7 +307,7 @@ impl FrozenClock {
 
     /// Sets `vm`'s clock back to where it was held, and holds it no more; the vCPUs must not
     /// run yet.
-    pub fn thaw(&self, vm: &VmFd) -> Result<(), StateError> {
+    pub(crate) fn thaw(&self, vm: &VmFd) -> Result<(), StateError> {
         let mut held = self.held();
         if let Some(clock) = *held {
             let data = kvm_clock_data {
@@ -321,7 +321,7 @@ impl FrozenClock {
     }
 
     /// Where the clock is held, if it is.
-    pub fn frozen(&self) -> Option<u64> {
+    fn frozen(&self) -> Option<u64> {
         *self.held()
     }
 }

@@ -21,11 +21,11 @@ use crate::api::client::ClientError;
 
 /// How long the client waits between two status requests: a few per second are cheap for the
 /// VMM (each is a lock and a copy of the progress) and make the progress line move.
-pub const POLL: Duration = Duration::from_millis(50);
+const POLL: Duration = Duration::from_millis(50);
 
 /// A run the client follows to its end.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Followed {
+pub(super) enum Followed {
     /// `PUT /migrate`, followed with `GET /migrate`.
     Migration,
     /// A live `PUT /snapshot/create`, followed with `GET /snapshot`.
@@ -34,7 +34,7 @@ pub enum Followed {
 
 impl Followed {
     /// The request that reads its status.
-    pub fn status_request(self) -> ClientRequest {
+    fn status_request(self) -> ClientRequest {
         match self {
             Followed::Migration => ClientRequest::Migration,
             Followed::LiveSnapshot => ClientRequest::SnapshotStatus,
@@ -42,7 +42,7 @@ impl Followed {
     }
 
     /// Its name in messages.
-    pub fn name(self) -> &'static str {
+    pub(super) fn name(self) -> &'static str {
         match self {
             Followed::Migration => "the migration",
             Followed::LiveSnapshot => "the live snapshot",
@@ -52,7 +52,7 @@ impl Followed {
 
 /// How a followed run ended, as the client saw it.
 #[derive(Debug, Clone, PartialEq)]
-pub enum Outcome {
+pub(super) enum Outcome {
     /// Its status said a final phase (`completed`, `failed`, `cancelled`, `unconfirmed`), or
     /// the status request was not answered 200: the answer's status and body.
     Ended {
@@ -71,7 +71,7 @@ pub enum Outcome {
 
 impl Outcome {
     /// Whether the run completed: its last status said so.
-    pub fn completed(&self) -> bool {
+    pub(super) fn completed(&self) -> bool {
         match self {
             Outcome::Ended { status, body } => {
                 *status == 200 && body["phase"].as_str() == Some("completed")
@@ -91,7 +91,7 @@ fn under_way(body: &Value) -> bool {
 
 /// Asks the VMM at `socket` for `followed`'s status, each request waiting `timeout` at most,
 /// until its phase is final; `progress` gets each status under way.
-pub fn follow(
+pub(super) fn follow(
     socket: &Path,
     followed: Followed,
     timeout: Option<Duration>,
@@ -130,7 +130,7 @@ fn reachable(path: &Path) -> bool {
 
 /// One line of a status under way, for a terminal: the phase, the round, the bytes so far of
 /// guest memory, and the pages left.
-pub fn progress_line(followed: Followed, body: &Value) -> String {
+pub(super) fn progress_line(followed: Followed, body: &Value) -> String {
     let number = |key: &str| body[key].as_u64().unwrap_or(0);
     let copied = match followed {
         Followed::Migration => number("bytes_sent"),
@@ -149,14 +149,14 @@ pub fn progress_line(followed: Followed, body: &Value) -> String {
 }
 
 /// Writes `line` over the terminal's current line on stderr.
-pub fn show_progress(line: &str) {
+pub(super) fn show_progress(line: &str) {
     let mut stderr = std::io::stderr().lock();
     let _ = write!(stderr, "\r\x1b[K{line}");
     let _ = stderr.flush();
 }
 
 /// Clears the progress line on stderr.
-pub fn clear_progress() {
+pub(super) fn clear_progress() {
     show_progress("");
 }
 

@@ -1,19 +1,19 @@
 //! `tinyvmm client`: one request to a running VMM's API socket per call, for every endpoint of
 //! `docs/api.yaml` (what `ch-remote` is to Cloud Hypervisor). The answer is printed as a human
 //! table, or with `--json` as its JSON body alone; the exit status is the HTTP class's
-//! ([`exit_status`]).
+//! (`exit_status`).
 //!
-//! **How long it waits** ([`ClientRequest::default_timeout`], `--timeout`): a request waits
-//! for its answer [`TIMEOUT`] (60 s) at most, then fails with exit status [`TIMED_OUT`]
+//! **How long it waits** (`ClientRequest::default_timeout`, `--timeout`): a request waits
+//! for its answer `TIMEOUT` (60 s) at most, then fails with exit status `TIMED_OUT`
 //! naming the socket and the wait. Every request is answered at once or within seconds, but
 //! two: a paused snapshot answers once all guest memory is in the memory file, and a guest
 //! `write` or `verify` once the guest has gone over its range, both as long as guest memory
-//! is large: they wait [`LONG_TIMEOUT`] (600 s). A live snapshot and a migration answer as
+//! is large: they wait `LONG_TIMEOUT` (600 s). A live snapshot and a migration answer as
 //! they start (the status requests that follow them answer at once too), so the default fits
 //! them whatever their size. `--timeout 0` waits for ever.
 //!
 //! **Runs that go on after their answer**: a migration and a live snapshot are then followed
-//! to their end ([`follow()`]): their status is asked until its phase is final, with a progress
+//! to their end (`follow()`): their status is asked until its phase is final, with a progress
 //! line on a terminal, and the exit status says how they ended; `--no-wait` returns at once.
 
 use std::path::{Path, PathBuf};
@@ -27,11 +27,10 @@ pub use crate::control::memory::RegionBacking as Backing;
 pub use crate::control::memory::RegionPageSize as PageSize;
 pub use crate::control::migration::OnTimeout;
 pub use crate::control::snapshot::SnapshotType as SnapshotKind;
-pub use follow::{follow, Followed, Outcome};
-pub use render::render;
-pub use run::{run, FAILED};
+use follow::Followed;
+use render::render;
 
-pub mod follow;
+mod follow;
 mod render;
 mod run;
 
@@ -44,25 +43,25 @@ pub struct ClientArgs {
     /// The VMM's API socket (`--api-sock` of serve, restore, receive or boot), before or after
     /// the request's name (`--api-socket` too).
     #[arg(long, alias = "api-socket", global = true, env = API_SOCK_ENV)]
-    pub api_sock: Option<PathBuf>,
+    api_sock: Option<PathBuf>,
     /// Seconds to wait for the answer before giving up (exit status 124; the VMM may still
     /// carry the request out); 0 waits for ever. A paused snapshot and a guest write or
     /// verify answer once done, as long as guest memory is large; a live snapshot and a
     /// migration answer as they start, and each status request that follows them waits as
     /// long [default: 60; 600 for a paused snapshot and a guest write or verify]
     #[arg(long, global = true, value_name = "SECS")]
-    pub timeout: Option<u64>,
+    timeout: Option<u64>,
     /// Print the answer's JSON body alone on stdout (`{}` when it has none) instead of a
     /// table; a refusal's `{"fault_message": ...}` too.
     #[arg(long, global = true)]
-    pub json: bool,
+    json: bool,
     /// The log level: accepted here as on every subcommand, but the client says only its
     /// failures whatever the level, so its help does not list it.
     #[arg(long, global = true, value_enum, hide = true)]
-    pub log_level: Option<crate::lifecycle::LogLevel>,
+    log_level: Option<crate::lifecycle::LogLevel>,
     /// The request.
     #[command(subcommand)]
-    pub request: ClientRequest,
+    request: ClientRequest,
 }
 
 /// On or off.
@@ -286,7 +285,7 @@ fn json_body(value: &str) -> Result<Value, String> {
 
 /// A number of bytes or an address: decimal, `0x` hex, or a number with a binary suffix
 /// (`K`, `M`, `G`, `T`, optionally followed by `iB` or `B`).
-pub fn bytes(value: &str) -> Result<u64, String> {
+fn bytes(value: &str) -> Result<u64, String> {
     let text = value.trim();
     let invalid = || format!("{value} is not a number of bytes (4096, 0x1000, 2M, 1GiB)");
     if let Some(hex) = text.strip_prefix("0x").or_else(|| text.strip_prefix("0X")) {
@@ -311,16 +310,16 @@ pub fn bytes(value: &str) -> Result<u64, String> {
 }
 
 /// What a request waits for its answer by default.
-pub const TIMEOUT: Duration = Duration::from_secs(60);
+const TIMEOUT: Duration = Duration::from_secs(60);
 
 /// What a request whose answer comes once a lot of guest memory was copied or gone over (a
 /// paused snapshot, a guest write or verify) waits by default: 600 s, a paused Full of about
 /// 500 GiB here (a paused Full of 4 GiB took 3–5 s in `docs/BENCHMARKS.md`'s live-snapshot
 /// runs: about 1 GB/s).
-pub const LONG_TIMEOUT: Duration = Duration::from_secs(600);
+const LONG_TIMEOUT: Duration = Duration::from_secs(600);
 
 /// The exit status of a request that got no answer in time (as `timeout(1)`'s).
-pub const TIMED_OUT: u8 = 124;
+const TIMED_OUT: u8 = 124;
 
 /// Whether the request `method path body` is answered only once it has copied or gone over
 /// guest memory (as much as the VM has): a paused snapshot, a guest write or verify.
@@ -340,7 +339,7 @@ impl ClientRequest {
     /// How long the request waits for its answer unless `--timeout` says: [`LONG_TIMEOUT`]
     /// for a paused snapshot and a guest write or verify (`raw` ones too), [`TIMEOUT`] for
     /// every other.
-    pub fn default_timeout(&self) -> Duration {
+    fn default_timeout(&self) -> Duration {
         match self.http() {
             Ok((method, path, body)) if answered_when_done(&method, &path, body.as_ref()) => {
                 LONG_TIMEOUT
@@ -351,7 +350,7 @@ impl ClientRequest {
 
     /// The run this request starts and the client follows to its end: a migration, a live
     /// snapshot (unless `--no-wait`).
-    pub fn followed(&self) -> Option<Followed> {
+    fn followed(&self) -> Option<Followed> {
         match self {
             ClientRequest::Migrate { no_wait: false, .. } => Some(Followed::Migration),
             ClientRequest::Snapshot {
@@ -365,7 +364,7 @@ impl ClientRequest {
 
     /// Why a 2xx answer `body` to this request is a failure even so: a guest command whose
     /// verify found an address without its pattern (`raw` ones too).
-    pub fn failed(&self, body: &Value) -> Option<String> {
+    fn failed(&self, body: &Value) -> Option<String> {
         let (method, path, _) = self.http().ok()?;
         if method != "PUT" || path != "/guest/command" || body["result"] != "mismatch" {
             return None;
@@ -547,7 +546,7 @@ fn insert<T: Into<Value>>(body: &mut Value, key: &str, value: Option<T>) {
 
 /// Sends `request` on the socket at `path`, waiting `timeout` at most for the answer (`None`:
 /// for ever): the status and the JSON body (`Null` if none).
-pub fn send(
+fn send(
     path: &Path,
     request: &ClientRequest,
     timeout: Option<Duration>,
@@ -560,7 +559,7 @@ pub fn send(
 
 /// The wait `--timeout` asks for `request` (its [default](ClientRequest::default_timeout)
 /// without it; `None`, for ever, for 0).
-pub fn timeout(request: &ClientRequest, secs: Option<u64>) -> Option<Duration> {
+fn timeout(request: &ClientRequest, secs: Option<u64>) -> Option<Duration> {
     match secs {
         None => Some(request.default_timeout()),
         Some(0) => None,
@@ -569,7 +568,7 @@ pub fn timeout(request: &ClientRequest, secs: Option<u64>) -> Option<Duration> {
 }
 
 /// The exit status for an answer's status: 0 for 2xx, 4 for 4xx, 5 for 5xx, 1 otherwise.
-pub fn exit_status(status: u16) -> u8 {
+fn exit_status(status: u16) -> u8 {
     match status {
         200..=299 => 0,
         400..=499 => 4,

@@ -166,7 +166,7 @@ fn fields(out: &mut String, indent: &str, object: &Map<String, Value>) {
 
 /// An answer as a person reads it: `done` for an answer without a body, a refusal's message,
 /// or the body's fields and tables.
-pub fn render(status: u16, body: &Value) -> String {
+pub(super) fn render(status: u16, body: &Value) -> String {
     let mut out = String::new();
     match body {
         Value::Null => {

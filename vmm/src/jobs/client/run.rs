@@ -13,11 +13,11 @@ use crate::jobs::args::UsageError;
 
 /// The exit status of a failure the client names on stderr: a socket it cannot reach, a run
 /// that did not complete, a verify that found a mismatch.
-pub const FAILED: u8 = 1;
+const FAILED: u8 = 1;
 
 impl ClientArgs {
     /// Runs `tinyvmm client`: its log level, then the request to the socket of `--api-sock`
-    /// or the environment ([`run`]); a usage error when neither names one.
+    /// or the environment (`run`); a usage error when neither names one.
     pub fn run(self) -> Result<ExitCode, UsageError> {
         if let Some(level) = self.log_level {
             crate::lifecycle::set_log_level(level);
@@ -38,7 +38,7 @@ impl ClientArgs {
 /// Sends `args`' request to the VMM at `socket`, prints the answer (and follows a migration or
 /// a live snapshot to its end), and returns the exit status: 0 for a 2xx (a followed run: once
 /// completed), 4 for a 4xx, 5 for a 5xx, [`TIMED_OUT`], or [`FAILED`].
-pub fn run(args: &ClientArgs, socket: &Path) -> u8 {
+fn run(args: &ClientArgs, socket: &Path) -> u8 {
     let wait = timeout(&args.request, args.timeout);
     let (status, body) = match send(socket, &args.request, wait) {
         Ok(answer) => answer,

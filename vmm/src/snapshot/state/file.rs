@@ -17,7 +17,7 @@ use serde_json::Value;
 
 /// The largest state file read: a layout of every KVM slot as its own region and the most
 /// vCPUs take a few MiB.
-pub const MAX_STATE_FILE: u64 = 64 << 20;
+const MAX_STATE_FILE: u64 = 64 << 20;
 
 /// Why a state file was refused.
 #[derive(Debug, thiserror::Error)]
@@ -27,7 +27,7 @@ pub struct StateFileError(pub String);
 /// Opens `path` to read without blocking (a FIFO with no writer, or a device, cannot hang the
 /// caller) and refuses anything but a regular file, saying what it is (the caller names the
 /// path).
-pub fn open_input(path: &Path) -> Result<File, String> {
+pub(crate) fn open_input(path: &Path) -> Result<File, String> {
     let file = File::options()
         .read(true)
         .custom_flags(libc::O_NONBLOCK | libc::O_CLOEXEC)
@@ -58,7 +58,7 @@ pub fn open_input(path: &Path) -> Result<File, String> {
 /// version outside the versions it gives with it, is over [`MAX_STATE_FILE`] or another size
 /// than its header says is refused before it is read whole. The error does not name the
 /// path: the caller does.
-pub fn read_framed(
+pub(super) fn read_framed(
     path: &Path,
     format: impl Fn(&[u8]) -> (&'static [u8; 8], RangeInclusive<u32>),
 ) -> Result<Vec<u8>, StateFileError> {
@@ -97,7 +97,7 @@ pub fn read_framed(
 
 /// Checks that every vCPU's register blocks in `vcpus` (the JSON of `VcpuState`s) have
 /// exactly their structure's size: kvm-bindings' deserialiser fills a short one with zeros.
-pub fn check_register_blocks(vcpus: &Value) -> Result<(), String> {
+pub(crate) fn check_register_blocks(vcpus: &Value) -> Result<(), String> {
     use std::mem::size_of;
     let Some(vcpus) = vcpus.as_array() else {
         return Ok(()); // Not a list: the typed parse names it.

@@ -9,10 +9,10 @@
 //!
 //! The formats older builds wrote, one per kind and use, keep being read: they are turned into
 //! this one as they are read (`older.rs`). A file is opened without blocking and its header
-//! checked before it is read ([`file`](mod@file)), and read once ([`StateFile`]): its guest
+//! checked before it is read (`file`), and read once (`StateFile`): its guest
 //! kind is told from the bytes read, which are then read as that kind's state.
 
-pub mod file;
+pub(crate) mod file;
 mod older;
 
 use std::path::Path;
@@ -57,7 +57,7 @@ impl std::fmt::Display for GuestKind {
 impl GuestKind {
     /// The kind of a saved state's framed bytes (a State record's, say): an older format's
     /// magic says it, this format's JSON does.
-    pub fn of_bytes(bytes: &[u8]) -> Result<GuestKind, StateFileError> {
+    pub(crate) fn of_bytes(bytes: &[u8]) -> Result<GuestKind, StateFileError> {
         if let Some(older) = Older::of(bytes) {
             return Ok(older.kind);
         }
@@ -78,25 +78,25 @@ impl GuestKind {
 /// is told from these bytes ([`kind`](Self::kind)) and its state read from them as that
 /// kind's ([`state`](Self::state)), so that a restore reads the file once whatever its kind.
 #[derive(Debug, Clone)]
-pub struct StateFile {
+pub(crate) struct StateFile {
     bytes: Vec<u8>,
 }
 
 impl StateFile {
     /// Reads the state file at `path` ([`read_framed`], in this format or an older one). The
     /// error does not name the path: the caller does.
-    pub fn read(path: &Path) -> Result<StateFile, StateFileError> {
+    pub(crate) fn read(path: &Path) -> Result<StateFile, StateFileError> {
         read_framed(path, format_of).map(|bytes| StateFile { bytes })
     }
 
     /// Its guest kind ([`GuestKind::of_bytes`]); an error says what the file is instead.
-    pub fn kind(&self) -> Result<GuestKind, StateFileError> {
+    pub(crate) fn kind(&self) -> Result<GuestKind, StateFileError> {
         GuestKind::of_bytes(&self.bytes)
     }
 
     /// Its state, read and checked as [`SavedState::from_bytes`] does, and it must say what
     /// snapshot it is. The error does not name the path: the caller does.
-    pub fn state<G: GuestPart>(&self) -> Result<SavedState<G>, StateFileError> {
+    pub(crate) fn state<G: GuestPart>(&self) -> Result<SavedState<G>, StateFileError> {
         let state = SavedState::<G>::from_bytes(&self.bytes)?;
         match state.snapshot {
             Some(_) => Ok(state),
@@ -121,9 +121,9 @@ pub trait GuestPart: Serialize + DeserializeOwned {
 #[serde(deny_unknown_fields)]
 pub struct SavedState<G> {
     /// [`STATE_VERSION`] (a state read from an older format is turned into this one).
-    pub version: u32,
+    pub(crate) version: u32,
     /// The guest kind, whose part [`guest`](Self::guest) is.
-    pub kind: GuestKind,
+    pub(crate) kind: GuestKind,
     /// What snapshot this is: every state file says; a migration's State record, which is not
     /// a snapshot, has none.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -134,13 +134,13 @@ pub struct SavedState<G> {
     pub vcpus: Vec<VcpuState>,
     /// The irqchip, PIT and clock, where the VM has them (a Linux guest's).
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub vm: Option<VmState>,
+    pub(crate) vm: Option<VmState>,
     /// Whether a client had paused the VM (a migration's destination keeps it paused; a
     /// restore is paused anyway).
     #[serde(default)]
-    pub paused: bool,
+    pub(crate) paused: bool,
     /// The guest kind's own part.
-    pub guest: G,
+    pub(crate) guest: G,
 }
 
 impl<G: GuestPart> SavedState<G> {
@@ -176,7 +176,7 @@ impl<G: GuestPart> SavedState<G> {
     /// or an older one this build reads), naming what is wrong with bad ones: the frame's
     /// checks, another guest kind's state, register blocks of other than their exact sizes,
     /// the JSON, the header's version against the state's, and
-    /// [`validate`](Self::validate).
+    /// `validate`.
     pub fn from_bytes(bytes: &[u8]) -> Result<Self, StateFileError> {
         let bad = |why: String| StateFileError(why);
         let json = match Older::of(bytes) {
@@ -210,9 +210,9 @@ impl<G: GuestPart> SavedState<G> {
         Ok(state)
     }
 
-    /// Reads and checks the state file at `path`, its header first ([`read_framed`]), as
+    /// Reads and checks the state file at `path`, its header first (`read_framed`), as
     /// [`from_bytes`](Self::from_bytes) does, and it must say what snapshot it is
-    /// ([`StateFile::state`]). The error does not name the path: the caller does.
+    /// (`StateFile::state`). The error does not name the path: the caller does.
     pub fn read_file(path: &Path) -> Result<Self, StateFileError> {
         StateFile::read(path)?.state()
     }
@@ -221,7 +221,7 @@ impl<G: GuestPart> SavedState<G> {
     /// itself before anything is built: this format's version, this kind's state, a layout
     /// that passes [`MemoryLayout::validate`], a snapshot identity that agrees with it, and
     /// the kind's own checks ([`GuestPart::validate`]).
-    pub fn validate(&self) -> Result<(), StateFileError> {
+    fn validate(&self) -> Result<(), StateFileError> {
         let bad = |why: String| StateFileError(why);
         if self.version != STATE_VERSION {
             return Err(bad(format!(

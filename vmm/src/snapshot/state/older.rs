@@ -21,11 +21,11 @@ use kvm_memslots_persist::unframe_versions;
 #[derive(Debug)]
 pub(super) struct Older {
     /// Its frame's magic.
-    pub magic: &'static [u8; 8],
+    pub(crate) magic: &'static [u8; 8],
     /// The versions of it this build reads.
-    pub versions: RangeInclusive<u32>,
+    pub(crate) versions: RangeInclusive<u32>,
     /// The guest kind it is of.
-    pub kind: GuestKind,
+    pub(crate) kind: GuestKind,
     /// A test guest's State record: the state under `snapshot`, beside `paused`.
     nested: bool,
 }
@@ -58,7 +58,7 @@ const SHARED: [&str; 5] = ["snapshot", "layout", "vcpus", "vm", "paused"];
 
 impl Older {
     /// The older format whose magic `bytes` start with, if any.
-    pub fn of(bytes: &[u8]) -> Option<&'static Older> {
+    pub(super) fn of(bytes: &[u8]) -> Option<&'static Older> {
         OLDER
             .iter()
             .find(|older| bytes.get(..8) == Some(older.magic.as_slice()))
@@ -66,7 +66,7 @@ impl Older {
 
     /// `bytes` (framed in this format) unframed and their JSON turned into this build's
     /// envelope, its version [`STATE_VERSION`]; or why not.
-    pub fn read(&self, bytes: &[u8]) -> Result<Value, String> {
+    pub(super) fn read(&self, bytes: &[u8]) -> Result<Value, String> {
         let (version, json) = unframe_versions(self.magic, self.versions.clone(), bytes)?;
         let json: Value = serde_json::from_slice(json).map_err(|e| e.to_string())?;
         self.convert(version, json)

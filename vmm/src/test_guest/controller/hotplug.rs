@@ -21,7 +21,10 @@ impl Controller {
     /// again and given back; a piece saved with slots over its plugged blocks only (as states
     /// were before pieces kept one slot) then gets its one slot, all such pieces in one
     /// change.
-    pub fn with_hotplug(mut self, saved: Option<&HotplugState>) -> Result<Self, ControllerError> {
+    pub(crate) fn with_hotplug(
+        mut self,
+        saved: Option<&HotplugState>,
+    ) -> Result<Self, ControllerError> {
         self.guest_mut().restore_hotplug(saved)?;
         Ok(self)
     }

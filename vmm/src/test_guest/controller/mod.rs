@@ -31,14 +31,14 @@ use hotplug::no_hotplug_area;
 
 const MIB: u64 = 1 << 20;
 /// Where regions added without a guest address go (above the test area).
-pub const AUTO_PLACE_BASE: u64 = 1 << 30;
+const AUTO_PLACE_BASE: u64 = 1 << 30;
 
 /// The test guest's controller: the one controller over a [`TestGuest`].
-pub type Controller = crate::controller::Controller<TestGuest>;
+pub(crate) type Controller = crate::controller::Controller<TestGuest>;
 
 /// A running test guest, as the controller asks it.
 #[derive(Debug)]
-pub struct TestGuest {
+pub(crate) struct TestGuest {
     vm: TestVm,
     vcpus: Option<Vcpus>,
     /// The VM's run state, as the controller passed it with the request being answered.
@@ -59,7 +59,7 @@ pub struct TestGuest {
 
 impl Controller {
     /// A controller for `vm`, whose guest runs on `vcpus`.
-    pub fn new(vm: TestVm, vcpus: Vcpus) -> Self {
+    pub(crate) fn new(vm: TestVm, vcpus: Vcpus) -> Self {
         let guest = TestGuest {
             vm,
             vcpus: Some(vcpus),
@@ -76,24 +76,19 @@ impl Controller {
 
     /// Lets restored vCPUs that were saved mid-command (a write loop) run on; the others wait
     /// for their next command.
-    pub fn resume_unfinished(&mut self) {
+    pub(crate) fn resume_unfinished(&mut self) {
         self.guest_mut().resume_unfinished();
-    }
-
-    /// The VM.
-    pub fn vm(&self) -> &TestVm {
-        &self.guest().vm
     }
 
     /// Why the guest failed, if it has: the VMM should exit with [`FAILED_EXIT_STATUS`] once
     /// stopped.
-    pub fn failure(&self) -> Option<&VmFailure> {
+    pub(crate) fn failure(&self) -> Option<&VmFailure> {
         self.guest().failure.as_ref()
     }
 
     /// Stops the vCPUs (a migration or a live snapshot under way is cancelled first); returns
     /// the first error one of them stopped with.
-    pub fn shut_down(&mut self) -> Result<(), GuestError> {
+    pub(crate) fn shut_down(&mut self) -> Result<(), GuestError> {
         self.end_copies();
         match self.guest_mut().vcpus.take() {
             Some(vcpus) => vcpus.shut_down(),

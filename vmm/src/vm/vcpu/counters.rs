@@ -27,9 +27,9 @@ pub struct ExitCounters {
     /// Instructions KVM could not emulate at guest CPL > 0 with no slot change during the run,
     /// answered with `#UD` in the guest (as KVM answers them without
     /// `KVM_CAP_EXIT_ON_EMULATION_FAILURE`).
-    pub invalid_opcodes_injected: AtomicU64,
+    pub(crate) invalid_opcodes_injected: AtomicU64,
     /// Every exit by its kind ([`Exit::kind`], named by [`EXIT_KINDS`]).
-    pub by_kind: [AtomicU64; EXIT_KINDS.len()],
+    pub(crate) by_kind: [AtomicU64; EXIT_KINDS.len()],
 }
 
 impl ExitCounters {
@@ -59,9 +59,9 @@ pub(super) fn register(counters: Arc<ExitCounters>) {
 
 /// The exits of every vCPU this process started ([`exit_totals`]).
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct ExitTotals {
+pub(crate) struct ExitTotals {
     /// Every exit, by its kind ([`EXIT_KINDS`]): they add up to all exits.
-    pub by_kind: Vec<(&'static str, u64)>,
+    pub(crate) by_kind: Vec<(&'static str, u64)>,
     /// Exits the loop handled its own way (some of the MMIO, memory-fault and
     /// emulation-failure ones): writes to read-only memory dropped (`read_only_write`),
     /// accesses to absent memory (`absent_memory`), accesses completed against the map after a
@@ -70,12 +70,12 @@ pub struct ExitTotals {
     /// answered with `#UD` in the guest (`invalid_opcode_injected`), and faults on unreachable
     /// memory under a slot after which the slot went and the access ran again
     /// (`unreachable_isolated`).
-    pub handled: Vec<(&'static str, u64)>,
+    pub(crate) handled: Vec<(&'static str, u64)>,
 }
 
 /// The exits of every vCPU this process started, for `GET /metrics`. Read from each vCPU's
 /// own counters, so counting costs the exit loop no cache line shared with another vCPU.
-pub fn exit_totals() -> ExitTotals {
+pub(crate) fn exit_totals() -> ExitTotals {
     let started = STARTED.lock().unwrap_or_else(|p| p.into_inner());
     let sum = |count: &dyn Fn(&ExitCounters) -> &AtomicU64| -> u64 {
         started

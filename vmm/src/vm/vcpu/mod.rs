@@ -8,8 +8,10 @@
 mod counters;
 mod shared;
 
-pub use counters::{exit_totals, ExitCounters, ExitTotals};
-pub use shared::{install_kick_handler, kick_signal, kick_until_finished, PauseError, VcpuShared};
+pub(crate) use counters::exit_totals;
+pub use counters::ExitCounters;
+pub use shared::VcpuShared;
+pub(crate) use shared::{install_kick_handler, kick_until_finished, PauseError};
 
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
@@ -203,24 +205,24 @@ pub enum VcpuError<E: std::error::Error + 'static> {
 
 /// One vCPU, ready to run on its own thread.
 #[derive(Debug)]
-pub struct Vcpu<P> {
+pub(crate) struct Vcpu<P> {
     /// Its index (and KVM vCPU id).
-    pub index: usize,
+    pub(crate) index: usize,
     /// KVM's vCPU, set up.
-    pub fd: VcpuFd,
+    pub(crate) fd: VcpuFd,
     /// The guest's memory.
-    pub memory: Arc<MemoryManager<KvmVm>>,
+    pub(crate) memory: Arc<MemoryManager<KvmVm>>,
     /// Shared with the host.
-    pub shared: Arc<VcpuShared>,
+    pub(crate) shared: Arc<VcpuShared>,
     /// The guest kind's ports.
-    pub ports: P,
+    pub(crate) ports: P,
 }
 
 impl<P: VcpuPorts + 'static> Vcpu<P> {
     /// Starts the vCPU on a thread of its own (named `vcpuN`). When the loop ends, the thread
     /// passes its outcome to `finish`, then signals `stopped` (the event loop's wake-up) and
     /// returns what `finish` returned.
-    pub fn spawn<T: Send + 'static>(
+    pub(crate) fn spawn<T: Send + 'static>(
         self,
         stopped: Arc<EventFd>,
         finish: impl FnOnce(Result<(), VcpuError<P::Error>>) -> T + Send + 'static,
@@ -277,7 +279,7 @@ fn wait_for_change(memory: &MemoryManager<KvmVm>, shared: &VcpuShared) -> bool {
 impl<P: VcpuPorts> Vcpu<P> {
     /// Runs the guest until the host asks the vCPU to stop or a device says so (`Ok`), or an
     /// error stops it.
-    pub fn run(self) -> Result<(), VcpuError<P::Error>> {
+    fn run(self) -> Result<(), VcpuError<P::Error>> {
         let Vcpu {
             index: vcpu,
             mut fd,

@@ -18,13 +18,13 @@ use crate::vm::state::{StateError, VcpuState, SAVED_MSRS};
 extern "C" fn ignore_signal(_: libc::c_int, _: *mut libc::siginfo_t, _: *mut libc::c_void) {}
 
 /// The signal that kicks a vCPU thread out of `KVM_RUN` (its run then fails with `EINTR`).
-pub fn kick_signal() -> libc::c_int {
+fn kick_signal() -> libc::c_int {
     vmm_sys_util::signal::SIGRTMIN()
 }
 
 /// Installs the kick signal's handler (a no-op: the signal only has to interrupt `KVM_RUN`),
 /// once per process.
-pub fn install_kick_handler() {
+pub(crate) fn install_kick_handler() {
     static HANDLER: std::sync::Once = std::sync::Once::new();
     HANDLER.call_once(|| {
         vmm_sys_util::signal::register_signal_handler(kick_signal(), ignore_signal)
@@ -35,7 +35,7 @@ pub fn install_kick_handler() {
 /// Kicks the vCPU thread `thread` out of the guest until it has finished, for at most
 /// `timeout` (a kick can land just before the thread enters the guest, so one is not enough).
 /// Returns whether the thread finished.
-pub fn kick_until_finished<T>(thread: &JoinHandle<T>, timeout: Duration) -> bool {
+pub(crate) fn kick_until_finished<T>(thread: &JoinHandle<T>, timeout: Duration) -> bool {
     use vmm_sys_util::signal::Killable;
     let deadline = Instant::now() + timeout;
     while !thread.is_finished() && Instant::now() < deadline {
@@ -55,7 +55,7 @@ pub struct VcpuShared {
     /// [`ExitContext::expected_mmio`]: crate::vm::exit::ExitContext::expected_mmio
     pub expected_mmio: Mutex<Option<Range<u64>>>,
     /// Set to make the vCPU stop at its next exit (kick it to make that exit come soon).
-    pub stop: AtomicBool,
+    stop: AtomicBool,
     /// Where the host pauses the vCPU inside a guest's run (see [`VcpuShared::pause`]).
     pause: PauseGate,
     /// The vCPU thread, for kicks from any host thread: set when the thread starts, taken
@@ -118,7 +118,7 @@ impl PauseGate {
 impl VcpuShared {
     /// Shared state of a vCPU that starts paused: its thread parks before it first enters
     /// the guest (a restored vCPU, until the VM is resumed).
-    pub fn starting_paused() -> Self {
+    pub(crate) fn starting_paused() -> Self {
         let shared = VcpuShared::default();
         shared.pause.lock().requested = true;
         shared.pause.wanted.store(true, Ordering::Release);
@@ -126,7 +126,7 @@ impl VcpuShared {
     }
 
     /// Asks the vCPU to stop at its next exit.
-    pub fn request_stop(&self) {
+    pub(crate) fn request_stop(&self) {
         self.stop.store(true, Ordering::Release);
         // A parked vCPU sees it at once.
         self.pause.changed.notify_all();
@@ -137,7 +137,7 @@ impl VcpuShared {
     }
 
     /// Kicks the vCPU's thread out of `KVM_RUN` (no-op before it started or once it ended).
-    pub fn kick(&self) {
+    fn kick(&self) {
         if self.finished.load(Ordering::Acquire) {
             return;
         }
@@ -181,13 +181,13 @@ impl VcpuShared {
     }
 
     /// Whether the vCPU's loop has ended.
-    pub fn has_finished(&self) -> bool {
+    pub(crate) fn has_finished(&self) -> bool {
         self.finished.load(Ordering::Acquire)
     }
 
     /// The guest's instruction pointer where the vCPU's loop ended on an error, once it has
     /// (`None` while it runs, after a clean stop, or if the registers could not be read).
-    pub fn failed_rip(&self) -> Option<u64> {
+    pub(crate) fn failed_rip(&self) -> Option<u64> {
         self.failed_rip
             .get()
             .copied()
@@ -200,7 +200,7 @@ impl VcpuShared {
     }
 
     /// The state of a paused vCPU, read by its own thread, with the MSRs `msrs`.
-    pub fn save_paused_with(&self, msrs: &Arc<[u32]>) -> Result<VcpuState, PauseError> {
+    pub(crate) fn save_paused_with(&self, msrs: &Arc<[u32]>) -> Result<VcpuState, PauseError> {
         let (reply, state) = std::sync::mpsc::channel();
         {
             let mut gate = self.pause.lock();
@@ -217,7 +217,7 @@ impl VcpuShared {
     }
 
     /// Lifts a pause: the vCPU enters the guest again where it was; unless a migration holds
-    /// it ([`hold`](Self::hold)): then the pause stays until [`release`](Self::release).
+    /// it (`hold`): then the pause stays until `release`.
     pub fn resume(&self) {
         let mut gate = self.pause.lock();
         if gate.held {
@@ -235,7 +235,7 @@ impl VcpuShared {
     /// may run the guest here too.
     ///
     /// [`release`]: Self::release
-    pub fn hold(&self) {
+    pub(crate) fn hold(&self) {
         let mut gate = self.pause.lock();
         gate.held = true;
         gate.requested = true;
@@ -244,7 +244,7 @@ impl VcpuShared {
 
     /// Lifts a [`hold`](Self::hold) and the pause with it (a client says the destination
     /// does not run the VM: `PATCH /vm {"state": "Resumed"}`).
-    pub fn release(&self) {
+    pub(crate) fn release(&self) {
         self.pause.lock().held = false;
         self.resume();
     }
