@@ -217,7 +217,12 @@ impl Drop for Chain {
 }
 
 impl Chain {
-    fn new(name: &str) -> Self {
+    /// The chain of the scratch folder `name`, or `None` without KVM (`test` then skips,
+    /// loudly).
+    fn new(test: &str, name: &str) -> Option<Self> {
+        if !kvm_test_support::require_kvm(test) {
+            return None;
+        }
         let kvm = kvm_ioctls::Kvm::new().expect("/dev/kvm");
         let fd = Arc::new(kvm.create_vm().expect("a VM"));
         let memory = Arc::new(MemoryManager::new(
@@ -241,12 +246,12 @@ impl Chain {
             std::env::temp_dir().join(format!("tinyvmm-live-engine-{}-{name}", std::process::id()));
         let _ = std::fs::remove_dir_all(&dir);
         std::fs::create_dir_all(&dir).expect("a scratch folder");
-        Chain {
+        Some(Chain {
             memory,
             reader,
             base: SnapshotInfo::full(check).expect("an id"),
             dir,
-        }
+        })
     }
 
     /// Every page of `pages` (by guest address at harvest).
@@ -385,12 +390,12 @@ fn assert_carried(ended: &Ended, case: &str) {
 /// Diff has every page it took (and those it was carrying), whatever step it ended at.
 #[test]
 fn kvm_a_live_diff_ended_at_any_step_gives_back_every_page_it_took() {
-    if !kvm_test_support::require_kvm(
+    let Some(chain) = Chain::new(
         "tinyvmm::snapshot::live::kvm_a_live_diff_ended_at_any_step_gives_back_every_page_it_took",
-    ) {
+        "any-step",
+    ) else {
         return;
-    }
-    let chain = Chain::new("any-step");
+    };
     let mut failures = Vec::new();
     // open, accepted, expect, send_all, end_round, then three steps a round.
     for at in 0..14 {
@@ -407,12 +412,12 @@ fn kvm_a_live_diff_ended_at_any_step_gives_back_every_page_it_took() {
 /// that cannot pause ends them right after the last one: neither loses those pages.
 #[test]
 fn kvm_a_live_diff_that_times_out_or_cannot_pause_gives_back_every_page_it_took() {
-    if !kvm_test_support::require_kvm(
+    let Some(chain) = Chain::new(
         "tinyvmm::snapshot::live::kvm_a_live_diff_that_times_out_or_cannot_pause_gives_back_every_page_it_took",
-    ) {
+        "timeout",
+    ) else {
         return;
-    }
-    let chain = Chain::new("timeout");
+    };
     let never = (usize::MAX, Fault::Fail);
     let ended = live_diff(&chain, endless(Duration::ZERO), never, None);
     assert_eq!(ended.phase, Phase::Cancelled, "{:?}", ended.error);
@@ -444,12 +449,12 @@ fn kvm_a_live_diff_that_times_out_or_cannot_pause_gives_back_every_page_it_took(
 /// cancel gives back is one per region too.
 #[test]
 fn kvm_a_live_diff_holds_one_bitmap_per_region_however_many_rounds() {
-    if !kvm_test_support::require_kvm(
+    let Some(chain) = Chain::new(
         "tinyvmm::snapshot::live::kvm_a_live_diff_holds_one_bitmap_per_region_however_many_rounds",
-    ) {
+        "rounds",
+    ) else {
         return;
-    }
-    let chain = Chain::new("rounds");
+    };
     // 5 steps before round 2, then 3 a round: cancelled in round 40.
     let ended = live_diff(
         &chain,
@@ -506,12 +511,12 @@ impl Stalling {
 /// piece, as before, the round would wait at the gate until the hang guard opened it.
 #[test]
 fn kvm_a_live_diff_on_a_stalled_file_system_is_cancelled_between_slices() {
-    if !kvm_test_support::require_kvm(
+    let Some(chain) = Chain::new(
         "tinyvmm::snapshot::live::kvm_a_live_diff_on_a_stalled_file_system_is_cancelled_between_slices",
-    ) {
+        "stalled",
+    ) else {
         return;
-    }
-    let chain = Chain::new("stalled");
+    };
     for fault in [Fault::Cancel, Fault::Interrupt] {
         // Every page of both regions changed since the base: 8 MiB, 8 slices of 1 MiB.
         let ram = chain.memory.handle().memory();
@@ -610,12 +615,10 @@ mod memory_check {
     use std::sync::atomic::{AtomicBool, AtomicU64};
     use std::time::{Duration, Instant};
 
-    use kvm_memslots::RegionSpec;
     use vm_memory::{Bytes, GuestAddress, GuestAddressSpace};
 
     use super::super::*;
     use crate::precopy::Waits;
-    use crate::vm::{Vm, VmOptions};
 
     static NOT_STOPPING: AtomicBool = AtomicBool::new(false);
 
@@ -632,19 +635,13 @@ mod memory_check {
     /// would pass whatever the file missed.
     #[test]
     fn kvm_a_live_fulls_memory_check_is_read_from_memory_in_the_pause() {
-        if !kvm_test_support::require_kvm(
+        let Some(vm) = crate::vm::test_vm_with_a_page(
             "tinyvmm::snapshot::live::kvm_a_live_fulls_memory_check_is_read_from_memory_in_the_pause",
-        ) {
+        ) else {
             return;
-        }
-        let vm = Vm::new(VmOptions::default()).expect("a VM");
+        };
         let memory = vm.memory();
-        memory
-            .add_region(RegionSpec::new(GuestAddress(0), 4 << 20))
-            .expect("a region");
         let ram = memory.handle().memory();
-        ram.write_obj(0x5au64, GuestAddress(0x1000))
-            .expect("guest memory");
         let (state_path, state_file) = new_file("state");
         let (mem_path, mem_file) = new_file("mem");
         let mem_check = mem_file.try_clone().expect("a second handle");
