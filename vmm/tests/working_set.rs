@@ -609,6 +609,18 @@ impl Linux {
         Linux::start(dir, name, &[&restore[..], extra].concat())
     }
 
+    /// [`restore`](Self::restore) lazily (`--mem-backend uffd`).
+    fn restore_lazily(dir: &Path, name: &str, snapshot: (&Path, &Path), extra: &[&OsStr]) -> Linux {
+        let uffd: [&OsStr; 2] = ["--mem-backend".as_ref(), "uffd".as_ref()];
+        Linux::restore(dir, name, snapshot, &[&uffd[..], extra].concat())
+    }
+
+    /// Ends the recording of the working set (`PUT /working-set/stop`).
+    fn stop_recording(&self) {
+        let (status, body) = self.vmm.call("PUT", "/working-set/stop", None);
+        assert_eq!(status, 204, "{body}");
+    }
+
     fn console(&self) -> String {
         self.vmm.stdout_now()
     }
@@ -716,10 +728,12 @@ impl Linux {
     }
 }
 
-/// Boots Linux with 128 MiB of RAM in `page_size` pages (`4k` or `2m`), pauses it early in
-/// its boot ([`EARLY_LINE`]) and takes a Full into `dir`: the state file, the memory file and
-/// the console up to the pause.
-fn linux_snapshot(dir: &Path, vmlinux: &Path, page_size: &str) -> (PathBuf, PathBuf, String) {
+/// Boots Linux (Debian's kernel, which `test` checked it has) with 128 MiB of RAM in
+/// `page_size` pages (`4k` or `2m`), pauses it early in its boot ([`EARLY_LINE`]) and takes a
+/// Full into `dir`: the state file, the memory file and the console up to the pause.
+fn linux_snapshot(test: &str, dir: &Path, page_size: &str) -> (PathBuf, PathBuf, String) {
+    let (_, vmlinux) = support::debian_kernel(test).expect("checked");
+    let vmlinux = vmlinux.as_path();
     let state = dir.join(format!("{page_size}.state"));
     let mem = dir.join(format!("{page_size}.mem"));
     let boot = Linux::start(
@@ -764,6 +778,14 @@ fn linux_snapshot_id(state: &Path) -> u128 {
         .0
 }
 
+/// The working set recorded at `list` from the snapshot `state` (it names its id), by a VMM
+/// that said `stderr`.
+fn recorded(list: &Path, state: &Path, stderr: &str) -> WorkingSet {
+    let set = list_at(list);
+    assert_eq!(set.snapshot, linux_snapshot_id(state), "{stderr}");
+    set
+}
+
 /// Whether the hugetlb pool can hold a 128 MiB Linux guest; says SKIPPED for `what` if not.
 fn pool_holds_linux(test: &str, what: &str) -> bool {
     support::require_hugetlb_pages(
@@ -779,50 +801,42 @@ fn kvm_a_linux_guest_records_and_prefetches_its_working_set() {
     if !support::ready(test) {
         return;
     }
-    let (_, vmlinux) = support::debian_kernel(test).expect("checked");
     let scratch = Scratch::new("linux");
     let dir = scratch.0.clone();
     let list = dir.join("l.wset");
 
     // A kernel booting, paused early and snapshotted.
-    let (state, mem, before) = linux_snapshot(&dir, &vmlinux, "4k");
+    let (state, mem, before) = linux_snapshot(test, &dir, "4k");
     let snapshot = (state.as_path(), mem.as_path());
 
     // Restored lazily, recording 3 s of the guest's run until a client ends it (long before
     // its --record-secs).
-    let uffd: [&OsStr; 2] = ["--mem-backend".as_ref(), "uffd".as_ref()];
-    let record = [
-        &uffd[..],
-        &[
-            "--record-working-set".as_ref(),
-            list.as_os_str(),
-            "--record-secs".as_ref(),
-            "600".as_ref(),
-        ],
-    ]
-    .concat();
-    let recording = Linux::restore(&dir, "linux-record", snapshot, &record);
+    let record: [&OsStr; 4] = [
+        "--record-working-set".as_ref(),
+        list.as_os_str(),
+        "--record-secs".as_ref(),
+        "600".as_ref(),
+    ];
+    let recording = Linux::restore_lazily(&dir, "linux-record", snapshot, &record);
     recording.runs_on(&before);
     std::thread::sleep(Duration::from_secs(3));
-    let (status, body) = recording.vmm.call("PUT", "/working-set/stop", None);
-    assert_eq!(status, 204, "{body}");
+    recording.stop_recording();
     assert!(list.exists(), "the list is written before the answer");
     assert_eq!(recording.vmm.call("PUT", "/working-set/stop", None).0, 409);
     let stderr = recording.end();
-    let set = list_at(&list);
-    assert_eq!(set.snapshot, linux_snapshot_id(&state), "{stderr}");
+    let set = recorded(&list, &state, &stderr);
     assert!(set.pages() > 0, "{stderr}");
 
     // Restored again with the list: it runs on, nothing failed.
-    let prefetch = [&uffd[..], &["--prefetch".as_ref(), list.as_os_str()]].concat();
-    let prefetching = Linux::restore(&dir, "linux-prefetch", snapshot, &prefetch);
+    let prefetch: [&OsStr; 2] = ["--prefetch".as_ref(), list.as_os_str()];
+    let prefetching = Linux::restore_lazily(&dir, "linux-prefetch", snapshot, &prefetch);
     prefetching.runs_on(&before);
     prefetching.end();
 
     // Restored lazily in 2 MiB pages (issue 38): whole huge pages back it, and it runs on.
     if pool_holds_linux(test, " (its restore in 2 MiB pages)") {
-        let huge = [&uffd[..], &["--page-size".as_ref(), "2m".as_ref()]].concat();
-        let in_2m = Linux::restore(&dir, "linux-4k-in-2m", snapshot, &huge);
+        let huge: [&OsStr; 2] = ["--page-size".as_ref(), "2m".as_ref()];
+        let in_2m = Linux::restore_lazily(&dir, "linux-4k-in-2m", snapshot, &huge);
         assert_eq!(
             in_2m.ram(),
             ("2m".to_owned(), 0),
@@ -840,13 +854,12 @@ fn kvm_a_linux_guest_in_2m_pages_restores_every_way() {
     if !support::ready(test) || !pool_holds_linux(test, "") {
         return;
     }
-    let (_, vmlinux) = support::debian_kernel(test).expect("checked");
     let scratch = Scratch::new("linux2m");
     let dir = scratch.0.clone();
     let list = dir.join("l.wset");
 
     // Booted in 2 MiB pages (checked there), paused early, snapshotted.
-    let (state, mem, before) = linux_snapshot(&dir, &vmlinux, "2m");
+    let (state, mem, before) = linux_snapshot(test, &dir, "2m");
     let snapshot = (state.as_path(), mem.as_path());
     let layout = tinyvmm::linux::state::LinuxState::read_file(&state)
         .expect("the Linux state file")
@@ -860,21 +873,14 @@ fn kvm_a_linux_guest_in_2m_pages_restores_every_way() {
 
     // Restored lazily, recording: nothing is filled before the guest runs, then whole 2 MiB
     // pages, each the guest touched (the list) among them.
-    let uffd: [&OsStr; 2] = ["--mem-backend".as_ref(), "uffd".as_ref()];
-    let record = [
-        &uffd[..],
-        &["--record-working-set".as_ref(), list.as_os_str()],
-    ]
-    .concat();
-    let recording = Linux::restore(&dir, "linux-2m-record", snapshot, &record);
+    let record: [&OsStr; 2] = ["--record-working-set".as_ref(), list.as_os_str()];
+    let recording = Linux::restore_lazily(&dir, "linux-2m-record", snapshot, &record);
     assert_eq!(recording.ram(), ("2m".to_owned(), 0));
     recording.runs_on(&before);
-    let (status, body) = recording.vmm.call("PUT", "/working-set/stop", None);
-    assert_eq!(status, 204, "{body}");
+    recording.stop_recording();
     let filled = recording.whole_huge_pages();
     let stderr = recording.end();
-    let set = list_at(&list);
-    assert_eq!(set.snapshot, linux_snapshot_id(&state), "{stderr}");
+    let set = recorded(&list, &state, &stderr);
     assert!(
         set.runs
             .iter()
@@ -891,8 +897,8 @@ fn kvm_a_linux_guest_in_2m_pages_restores_every_way() {
 
     // Restored lazily with the list: its pages are fetched into hugetlb pages, the guest runs
     // on.
-    let prefetch = [&uffd[..], &["--prefetch".as_ref(), list.as_os_str()]].concat();
-    let prefetching = Linux::restore(&dir, "linux-2m-prefetch", snapshot, &prefetch);
+    let prefetch: [&OsStr; 2] = ["--prefetch".as_ref(), list.as_os_str()];
+    let prefetching = Linux::restore_lazily(&dir, "linux-2m-prefetch", snapshot, &prefetch);
     prefetching.runs_on(&before);
     prefetching
         .vmm
