@@ -18,13 +18,7 @@ impl TempFile {
             "kvm-memslots-persist-{binary}-{}-{name}",
             std::process::id()
         ));
-        let _ = std::fs::remove_file(&path);
-        let file = File::options()
-            .read(true)
-            .write(true)
-            .create_new(true)
-            .open(&path)
-            .expect("a new file");
+        let file = kvm_test_support::files::new_file_at(&path);
         (TempFile(path), file)
     }
 }

@@ -27,13 +27,7 @@ fn new_files(dir: &std::path::Path, stem: &str) -> [(PathBuf, File); 2] {
 
 /// A new, empty file at `path`, removed first if a run left it.
 fn new_file_at(path: PathBuf) -> (PathBuf, File) {
-    let _ = std::fs::remove_file(&path);
-    let file = File::options()
-        .read(true)
-        .write(true)
-        .create_new(true)
-        .open(&path)
-        .expect("a new file");
+    let file = kvm_test_support::files::new_file_at(&path);
     (path, file)
 }
 
