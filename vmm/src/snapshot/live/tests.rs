@@ -248,6 +248,34 @@ impl Chain {
         })
     }
 
+    /// A live Diff of the base into the snapshot files `state` and `mem`, carrying `carried`
+    /// in (its state file empty), and where it leaves what it gives back.
+    fn diff_sink(
+        &self,
+        [state, mem]: [(PathBuf, File); 2],
+        carried: PageSet,
+    ) -> (FileSink, Arc<Mutex<LiveOutcome>>) {
+        let outcome = Arc::new(Mutex::new(LiveOutcome::default()));
+        let write_state: StateWriter = Box::new(|_, _| Ok(Box::new(|_| Vec::new())));
+        let sink = FileSink::new(state, mem, write_state, Arc::clone(&outcome))
+            .diff_of(self.base, carried);
+        (sink, outcome)
+    }
+
+    /// What the chain has for its next Diff once a live Diff ended: what it gave back (in
+    /// `outcome`), and what the chain's reader logged since.
+    fn next_diff(&self, outcome: &Mutex<LiveOutcome>) -> (BTreeSet<u64>, usize) {
+        let unsaved = std::mem::take(&mut outcome.lock().expect("not poisoned").unsaved);
+        let mut next_diff = Chain::addresses(unsaved.pages());
+        next_diff.extend(Chain::addresses(
+            &self
+                .memory
+                .harvest_dirty_for(self.reader, Target::All)
+                .expect("the chain's harvest"),
+        ));
+        (next_diff, unsaved.bitmaps())
+    }
+
     /// Every page of `pages` (by guest address at harvest).
     fn addresses(pages: &[DirtyPages]) -> BTreeSet<u64> {
         pages
@@ -299,11 +327,7 @@ fn live_diff(
     }]);
     let carried_pages = Chain::addresses(carried.pages());
     let files = new_files(&chain.dir, &format!("{at}-{fault:?}"));
-    let [state, mem] = files;
-    let outcome = Arc::new(Mutex::new(LiveOutcome::default()));
-    let write_state: StateWriter = Box::new(|_, _| Ok(Box::new(|_| Vec::new())));
-    let inner =
-        FileSink::new(state, mem, write_state, Arc::clone(&outcome)).diff_of(chain.base, carried);
+    let (inner, outcome) = chain.diff_sink(files, carried);
     let interrupt: &'static AtomicBool = Box::leak(Box::new(AtomicBool::new(false)));
     let most_held = Arc::new(AtomicUsize::new(0));
     let sink = Hooked {
@@ -330,21 +354,14 @@ fn live_diff(
     .expect("the run starts");
     run.join();
     let info = run.progress();
-    let unsaved = std::mem::take(&mut outcome.lock().expect("not poisoned").unsaved);
-    let mut next_diff = Chain::addresses(unsaved.pages());
-    next_diff.extend(Chain::addresses(
-        &chain
-            .memory
-            .harvest_dirty_for(chain.reader, Target::All)
-            .expect("the chain's harvest"),
-    ));
+    let (next_diff, unsaved) = chain.next_diff(&outcome);
     let mut wanted = guest.written.lock().expect("not poisoned").clone();
     wanted.extend(carried_pages);
     Ended {
         phase: info.phase,
         error: info.error,
         next_diff,
-        unsaved: unsaved.bitmaps(),
+        unsaved,
         most_held: most_held.load(Ordering::Relaxed),
         wanted,
     }
@@ -522,7 +539,6 @@ fn kvm_a_live_diff_on_a_stalled_file_system_is_cancelled_between_slices() {
         }
         let files = new_files(&chain.dir, &format!("stalled-{fault:?}"));
         let paths = [files[0].0.clone(), files[1].0.clone()];
-        let [state, mem] = files;
         let (writing, writing_rx) = std::sync::mpsc::sync_channel(1);
         let (told_tx, told) = std::sync::mpsc::sync_channel(1);
         let gate = Arc::new((Mutex::new(false), std::sync::Condvar::new()));
@@ -532,10 +548,7 @@ fn kvm_a_live_diff_on_a_stalled_file_system_is_cancelled_between_slices() {
             gate: Arc::clone(&gate),
             calls: AtomicUsize::new(0),
         });
-        let outcome = Arc::new(Mutex::new(LiveOutcome::default()));
-        let write_state: StateWriter = Box::new(|_, _| Ok(Box::new(|_| Vec::new())));
-        let mut sink = FileSink::new(state, mem, write_state, Arc::clone(&outcome))
-            .diff_of(chain.base, PageSet::new());
+        let (mut sink, outcome) = chain.diff_sink(files, PageSet::new());
         sink.slice = MIB;
         let hook = Arc::clone(&stalling);
         sink.between_slices = Some(Arc::new(move |_| hook.between()));
@@ -587,14 +600,7 @@ fn kvm_a_live_diff_on_a_stalled_file_system_is_cancelled_between_slices() {
             assert!(!path.exists(), "{fault:?}: {} left behind", path.display());
         }
         // The chain's next Diff has every page the cancelled one took.
-        let unsaved = std::mem::take(&mut outcome.lock().expect("not poisoned").unsaved);
-        let mut next_diff = Chain::addresses(unsaved.pages());
-        next_diff.extend(Chain::addresses(
-            &chain
-                .memory
-                .harvest_dirty_for(chain.reader, Target::All)
-                .expect("the chain's harvest"),
-        ));
+        let (next_diff, _) = chain.next_diff(&outcome);
         let lost: Vec<&u64> = wanted.difference(&next_diff).collect();
         assert!(
             lost.is_empty(),
