@@ -4,12 +4,12 @@
 //! fault. Tests that need the hugetlb pool skip loudly where it is too small.
 
 mod support;
+use support::lazy::{prefetching, restored, wait_prefetched};
 use support::{pool_has, TempFile};
 
 use std::fs::File;
 use std::sync::atomic::Ordering;
 use std::sync::mpsc;
-use std::time::{Duration, Instant};
 
 use kvm_memslots::testing::FakeKvm;
 use kvm_memslots::{Backing, MemoryManager, PageSize, RegionSpec, HUGE_PAGE_SIZE, PAGE_SIZE};
@@ -114,33 +114,6 @@ fn huge_snapshot(
     Some((a, layout, path, file))
 }
 
-/// A new VM built to `layout` and restored lazily from `file` with `options`.
-fn restore(
-    layout: &MemoryLayout,
-    file: &File,
-    options: LazyOptions,
-) -> (MemoryManager<FakeKvm>, LazyLoader) {
-    let b = manager();
-    layout.build(&b).expect("built");
-    let loader = LazyLoader::start_with(&b, layout, file, options).expect("started");
-    (b, loader)
-}
-
-/// Restores lazily from `file` prefetching `set`, and waits until the prefetch is done.
-fn restore_prefetched(
-    layout: &MemoryLayout,
-    file: &File,
-    set: WorkingSet,
-) -> (MemoryManager<FakeKvm>, LazyLoader) {
-    let options = LazyOptions {
-        prefetch: Some(set),
-        ..LazyOptions::default()
-    };
-    let (c, loader) = restore(layout, file, options);
-    prefetched(&loader);
-    (c, loader)
-}
-
 /// Whether the guest range `[gpa, gpa + len)` of `m` reads all zeros.
 fn zeros(m: &MemoryManager<FakeKvm>, gpa: u64, len: u64) -> bool {
     bytes(m, gpa, len).iter().all(|b| *b == 0)
@@ -171,7 +144,7 @@ fn a_lazy_restore_fills_whole_2m_pages_with_one_copy_each() {
     );
 
     LazyLoader::check_layout(&layout).expect("this host's userfaultfd fills hugetlb pages");
-    let (b, loader) = restore(&layout, &file, LazyOptions::default());
+    let (b, loader) = restored(&layout, &file, LazyOptions::default());
     assert_eq!(stat(&loader), [0, 0, 0, 0], "nothing read up front");
 
     // One byte of the first huge page, which is mostly a hole in the file: the whole page is
@@ -216,7 +189,7 @@ fn a_2m_page_discarded_before_its_fill_reads_zeros() {
     else {
         return;
     };
-    let (b, loader) = restore(&layout, &file, LazyOptions::default());
+    let (b, loader) = restored(&layout, &file, LazyOptions::default());
     b.discard(GuestAddress(HUGE + HUGE_PAGE_SIZE), HUGE_PAGE_SIZE)
         .expect("a whole page");
     assert!(zeros(&b, HUGE + HUGE_PAGE_SIZE, HUGE_PAGE_SIZE));
@@ -226,15 +199,6 @@ fn a_2m_page_discarded_before_its_fill_reads_zeros() {
         bytes(&b, HUGE, HUGE_PAGE_SIZE),
         bytes(&a, HUGE, HUGE_PAGE_SIZE)
     );
-}
-
-/// Waits (a deadline only guards a hang) until the loader's prefetch is done.
-fn prefetched(loader: &LazyLoader) {
-    let deadline = Instant::now() + Duration::from_secs(60);
-    while !loader.stats().prefetch_done.load(Ordering::Acquire) {
-        assert!(Instant::now() < deadline, "the prefetch never ended");
-        std::thread::sleep(Duration::from_millis(1));
-    }
 }
 
 #[test]
@@ -254,7 +218,7 @@ fn a_working_set_of_2m_pages_is_recorded_and_prefetched_whole() {
         })),
         ..LazyOptions::default()
     };
-    let (b, loader) = restore(&layout, &file, options);
+    let (b, loader) = restored(&layout, &file, options);
     bytes(&b, HUGE + HUGE_PAGE_SIZE + 3 * PAGE_SIZE, 1);
     bytes(&b, HUGE + 77 * PAGE_SIZE, 1);
     assert!(loader.stop_recording());
@@ -267,7 +231,8 @@ fn a_working_set_of_2m_pages_is_recorded_and_prefetched_whole() {
     set.check(9, &layout).expect("fits");
 
     // Prefetched: two copies of 512 pages, ahead of any fault.
-    let (c, loader) = restore_prefetched(&layout, &file, set);
+    let (c, loader) = restored(&layout, &file, prefetching(set));
+    wait_prefetched(&loader);
     assert_eq!(stat(&loader), [0, 0, 1024, 2]);
     assert_eq!(
         bytes(&c, HUGE, 2 * HUGE_PAGE_SIZE),
@@ -295,7 +260,8 @@ fn a_list_page_inside_a_2m_page_prefetches_the_whole_page() {
     for page in [256 + 512 + 10, 256 + 512 + 11, 256 + 3, 256 + 1024 + 511] {
         set.push(page);
     }
-    let (c, loader) = restore_prefetched(&layout, &file, set);
+    let (c, loader) = restored(&layout, &file, prefetching(set));
+    wait_prefetched(&loader);
     assert_eq!(stat(&loader), [0, 0, 1536, 3]);
     assert_eq!(contents(&c), contents(&a));
 }
@@ -313,7 +279,7 @@ fn a_transparent_huge_page_region_is_filled_a_2m_block_a_fault() {
     }
     let (layout, _path, file) = snapshot(&a, "thp");
     assert_eq!(layout.regions[0].page_size, LayoutPageSize::Transparent);
-    let (b, loader) = restore(&layout, &file, LazyOptions::default());
+    let (b, loader) = restored(&layout, &file, LazyOptions::default());
     // A fault at 2 MiB into the region fills the 2 MiB block of host addresses around it
     // (wholly inside the 4 MiB region) with one copy.
     bytes(&b, 2 * MIB, 1);
