@@ -154,6 +154,20 @@ fn snapshot_id(state: &Path) -> u128 {
     saved(state).snapshot.expect("a snapshot's state").id.0
 }
 
+/// Has the test guest verify `[start, end)` (written with `seed`), a 4 KiB page at a time: no
+/// mismatch.
+fn verifies(vcpus: &mut tinyvmm::test_guest::vcpus::Vcpus, start: u64, end: u64, seed: u64) {
+    let verify = Command {
+        op: Op::Verify,
+        start,
+        end,
+        stride: 4096,
+        seed,
+    };
+    let outcome = vcpus.run(0, verify).expect("ran");
+    assert_eq!(outcome.mismatch, None);
+}
+
 #[test]
 fn kvm_a_recorded_working_set_is_prefetched_and_the_guest_verifies() {
     if !kvm_test_support::require_kvm(
@@ -225,15 +239,7 @@ fn kvm_a_recorded_working_set_is_prefetched_and_the_guest_verifies() {
     let mut vcpus = vm
         .start_restored_vcpus(&saved.vcpus, &stopped)
         .expect("vCPUs");
-    let verify = Command {
-        op: Op::Verify,
-        start: AREA,
-        end: AREA + AREA_SIZE,
-        stride: 4096,
-        seed: 5,
-    };
-    let outcome = vcpus.run(0, verify).expect("ran");
-    assert_eq!(outcome.mismatch, None);
+    verifies(&mut vcpus, AREA, AREA + AREA_SIZE, 5);
     assert_eq!(
         stats.copied.load(Ordering::Acquire),
         0,
@@ -356,15 +362,7 @@ fn kvm_a_2m_region_restores_lazily_and_the_guest_verifies() {
         .start_restored_vcpus(&saved.vcpus, &stopped)
         .expect("vCPUs");
     for (start, end, seed) in [(HUGE, HUGE + HUGE_WRITTEN, 11), (AREA, AREA + AREA_SIZE, 5)] {
-        let verify = Command {
-            op: Op::Verify,
-            start,
-            end,
-            stride: 4096,
-            seed,
-        };
-        let outcome = vcpus.run(0, verify).expect("ran");
-        assert_eq!(outcome.mismatch, None);
+        verifies(&mut vcpus, start, end, seed);
     }
     assert_eq!(
         stats.copied.load(Ordering::Acquire),
@@ -389,24 +387,9 @@ fn kvm_a_2m_region_restores_lazily_and_the_guest_verifies() {
         .start_restored_vcpus(&saved.vcpus, &stopped)
         .expect("vCPUs");
     // The area first: the guest's own pages (code, stack, mailbox) fault in meanwhile.
-    let area = Command {
-        op: Op::Verify,
-        start: AREA,
-        end: AREA + AREA_SIZE,
-        stride: 4096,
-        seed: 5,
-    };
-    assert_eq!(vcpus.run(0, area).expect("ran").mismatch, None);
+    verifies(&mut vcpus, AREA, AREA + AREA_SIZE, 5);
     let before = stats.copy_calls.load(Ordering::Acquire);
-    let verify = Command {
-        op: Op::Verify,
-        start: HUGE,
-        end: HUGE + HUGE_WRITTEN,
-        stride: 4096,
-        seed: 11,
-    };
-    let outcome = vcpus.run(0, verify).expect("ran");
-    assert_eq!(outcome.mismatch, None);
+    verifies(&mut vcpus, HUGE, HUGE + HUGE_WRITTEN, 11);
     // One copy a 2 MiB page (the guest's page tables for the range may take a 4 KiB page or
     // two besides); in 4 KiB pages that would be 1,792 copies.
     let copies = stats.copy_calls.load(Ordering::Acquire) - before;
