@@ -155,15 +155,23 @@ fn vm_with_ram() -> Vm {
     vm
 }
 
-#[test]
-fn kvm_the_api_sizes_virtio_mem_and_the_guest_plugs_through_mmio_exits() {
-    if !kvm_test_support::require_kvm(
-        "tinyvmm::kvm_the_api_sizes_virtio_mem_and_the_guest_plugs_through_mmio_exits",
-    ) {
-        return;
+/// [`vm_with_ram`] and its memory, or `None` without KVM (`test` then skips, loudly).
+fn kvm_vm_with_ram(test: &str) -> Option<(Vm, Arc<MemoryManager<KvmVm>>)> {
+    if !kvm_test_support::require_kvm(test) {
+        return None;
     }
     let vm = vm_with_ram();
     let memory = Arc::clone(vm.memory());
+    Some((vm, memory))
+}
+
+#[test]
+fn kvm_the_api_sizes_virtio_mem_and_the_guest_plugs_through_mmio_exits() {
+    let Some((vm, memory)) = kvm_vm_with_ram(
+        "tinyvmm::kvm_the_api_sizes_virtio_mem_and_the_guest_plugs_through_mmio_exits",
+    ) else {
+        return;
+    };
     // 1 GiB in 2 MiB blocks, above RAM at 4 GiB, a slot per block.
     let hotplug = hotplug::setup(&vm, 1024, 2, 0, Default::default()).expect("the device");
     assert!(
@@ -422,13 +430,11 @@ fn kvm_a_guest_touching_unplugged_memory_is_counted_and_goes_on() {
 #[test]
 fn kvm_a_linux_guests_plugged_blocks_share_slots_and_restore() {
     use tinyvmm::linux::config::DEFAULT_HOTPLUG_MAX_SLOT_MIB;
-    if !kvm_test_support::require_kvm(
-        "tinyvmm::kvm_a_linux_guests_plugged_blocks_share_slots_and_restore",
-    ) {
+    let Some((vm, memory)) =
+        kvm_vm_with_ram("tinyvmm::kvm_a_linux_guests_plugged_blocks_share_slots_and_restore")
+    else {
         return;
-    }
-    let vm = vm_with_ram();
-    let memory = Arc::clone(vm.memory());
+    };
     let hotplug = hotplug::setup(
         &vm,
         1024,
@@ -679,14 +685,12 @@ fn kvm_a_guest_touching_an_unplugged_block_under_its_pieces_slot_goes_on() {
 #[test]
 fn kvm_virtio_mem_with_2m_pages_plugs_huge_pages_and_gives_them_back() {
     let test = "tinyvmm::kvm_virtio_mem_with_2m_pages_plugs_huge_pages_and_gives_them_back";
-    if !kvm_test_support::require_kvm(test) {
-        return;
-    }
     if !support::require_hugetlb_pages(test, 2, "2") {
         return;
     }
-    let vm = vm_with_ram();
-    let memory = Arc::clone(vm.memory());
+    let Some((vm, memory)) = kvm_vm_with_ram(test) else {
+        return;
+    };
     // 64 MiB in 2 MiB blocks, pieces of two blocks.
     let hotplug =
         hotplug::setup(&vm, 64, 2, 4, kvm_memslots::PageSize::Huge2M).expect("the device");
@@ -747,13 +751,11 @@ fn kvm_virtio_mem_with_2m_pages_plugs_huge_pages_and_gives_them_back() {
 /// nothing is plugged.
 #[test]
 fn kvm_virtio_mem_with_2m_pages_answers_busy_when_the_pool_cannot_hold_a_piece() {
-    if !kvm_test_support::require_kvm(
+    let Some((vm, memory)) = kvm_vm_with_ram(
         "tinyvmm::kvm_virtio_mem_with_2m_pages_answers_busy_when_the_pool_cannot_hold_a_piece",
-    ) {
+    ) else {
         return;
-    }
-    let vm = vm_with_ram();
-    let memory = Arc::clone(vm.memory());
+    };
     // One piece of more pages than the pool has, whatever its size.
     let piece_mib = (kvm_memslots::hugetlb_pages_available() + 64) * 2;
     let hotplug = hotplug::setup(&vm, piece_mib, 2, piece_mib, kvm_memslots::PageSize::Huge2M)
