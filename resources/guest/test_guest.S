@@ -156,19 +156,14 @@ op_verify:
     mov r13, CHECK_EVERY                # r13: addresses until the next look at `stop`
 1:  cmp rcx, r9
     jae done
-    cancel_point 4f
+    cancel_point cut_short
     mov rax, rcx
     xor rax, r11
     mov rdx, qword ptr [rcx]
     cmp rdx, rax
-    jne 2f
+    jne mismatch
     add rcx, r10
     jmp 1b
-2:  mov qword ptr [rbx + FOUND], rdx
-    mov qword ptr [rbx + RESULT], rcx
-    jmp done
-4:  mov qword ptr [rbx + CUT_AT], rcx   # cancelled: rcx is the first address not checked
-    jmp done
 
 op_write_loop:
     xor r12, r12                        # r12: passes completed
@@ -250,22 +245,18 @@ op_exec:
     mov r13, CHECK_EVERY
 1:  cmp rcx, r9
     jae done
-    cancel_point 4f
+    cancel_point cut_short
     cmp r14, OP_EXEC
     jne 2f
     mov rax, STUB
     mov qword ptr [rcx], rax
 2:  xor rax, rax
     call rcx                            # the stub leaves every register but rax alone
-    cmp rax, rcx
-    jne 5f
+    mov rdx, rax
+    cmp rdx, rcx
+    jne mismatch
     add rcx, r10
     jmp 1b
-5:  mov qword ptr [rbx + FOUND], rax
-    mov qword ptr [rbx + RESULT], rcx
-    jmp done
-4:  mov qword ptr [rbx + CUT_AT], rcx
-    jmp done
 
 # Writes a ^ r11 at a = r8, r8 + r10, ... below r9; on a cancel, stops early and stores the
 # first address it did not write in cut_at.
@@ -282,6 +273,17 @@ write_pass:
     jmp 1b
 4:  mov qword ptr [rbx + CUT_AT], rcx
 2:  ret
+
+# A check that read rdx at rcx, not what it expected: the command's result.
+mismatch:
+    mov qword ptr [rbx + FOUND], rdx
+    mov qword ptr [rbx + RESULT], rcx
+    jmp done
+
+# A command cancelled: rcx is the first address it did not reach.
+cut_short:
+    mov qword ptr [rbx + CUT_AT], rcx
+    jmp done
 
 done:
     mov qword ptr [rbx + DONE_SEQ], r15
