@@ -751,6 +751,36 @@ fn linux_snapshot(test: &str, dir: &Path, page_size: &str) -> (PathBuf, PathBuf,
     (state, mem, console)
 }
 
+/// A Linux guest's snapshot ([`linux_snapshot`]) in a scratch folder of its own, and where
+/// its restores record their working set.
+struct LinuxSnapshot {
+    _scratch: Scratch,
+    dir: PathBuf,
+    /// The working set's list, once recorded.
+    list: PathBuf,
+    state: PathBuf,
+    mem: PathBuf,
+    /// The console up to the pause.
+    before: String,
+}
+
+impl LinuxSnapshot {
+    /// [`linux_snapshot`] in `page_size` pages, in the scratch folder `tag`.
+    fn take(test: &str, tag: &str, page_size: &str) -> LinuxSnapshot {
+        let scratch = Scratch::new(tag);
+        let dir = scratch.0.clone();
+        let (state, mem, before) = linux_snapshot(test, &dir, page_size);
+        LinuxSnapshot {
+            _scratch: scratch,
+            list: dir.join("l.wset"),
+            dir,
+            state,
+            mem,
+            before,
+        }
+    }
+}
+
 /// The snapshot id of the Linux state file `state`.
 fn linux_snapshot_id(state: &Path) -> u128 {
     tinyvmm::linux::state::LinuxState::read_file(state)
@@ -784,12 +814,15 @@ fn kvm_a_linux_guest_records_and_prefetches_its_working_set() {
     if !support::ready(test) {
         return;
     }
-    let scratch = Scratch::new("linux");
-    let dir = scratch.0.clone();
-    let list = dir.join("l.wset");
-
     // A kernel booting, paused early and snapshotted.
-    let (state, mem, before) = linux_snapshot(test, &dir, "4k");
+    let LinuxSnapshot {
+        _scratch,
+        dir,
+        list,
+        state,
+        mem,
+        before,
+    } = LinuxSnapshot::take(test, "linux", "4k");
     let snapshot = (state.as_path(), mem.as_path());
 
     // Restored lazily, recording 3 s of the guest's run until a client ends it (long before
@@ -837,12 +870,15 @@ fn kvm_a_linux_guest_in_2m_pages_restores_every_way() {
     if !support::ready(test) || !pool_holds_linux(test, "") {
         return;
     }
-    let scratch = Scratch::new("linux2m");
-    let dir = scratch.0.clone();
-    let list = dir.join("l.wset");
-
     // Booted in 2 MiB pages (checked there), paused early, snapshotted.
-    let (state, mem, before) = linux_snapshot(test, &dir, "2m");
+    let LinuxSnapshot {
+        _scratch,
+        dir,
+        list,
+        state,
+        mem,
+        before,
+    } = LinuxSnapshot::take(test, "linux2m", "2m");
     let snapshot = (state.as_path(), mem.as_path());
     let layout = tinyvmm::linux::state::LinuxState::read_file(&state)
         .expect("the Linux state file")
