@@ -754,6 +754,7 @@ fn linux_snapshot(test: &str, dir: &Path, page_size: &str) -> (PathBuf, PathBuf,
 /// A Linux guest's snapshot ([`linux_snapshot`]) in a scratch folder of its own, and where
 /// its restores record their working set.
 struct LinuxSnapshot {
+    /// Held until the test ends.
     _scratch: Scratch,
     dir: PathBuf,
     /// The working set's list, once recorded.
@@ -815,15 +816,9 @@ fn kvm_a_linux_guest_records_and_prefetches_its_working_set() {
         return;
     }
     // A kernel booting, paused early and snapshotted.
-    let LinuxSnapshot {
-        _scratch,
-        dir,
-        list,
-        state,
-        mem,
-        before,
-    } = LinuxSnapshot::take(test, "linux", "4k");
-    let snapshot = (state.as_path(), mem.as_path());
+    let linux = LinuxSnapshot::take(test, "linux", "4k");
+    let (dir, list, state, before) = (&linux.dir, &linux.list, &linux.state, &linux.before);
+    let snapshot = (state.as_path(), linux.mem.as_path());
 
     // Restored lazily, recording 3 s of the guest's run until a client ends it (long before
     // its --record-secs).
@@ -833,32 +828,32 @@ fn kvm_a_linux_guest_records_and_prefetches_its_working_set() {
         "--record-secs".as_ref(),
         "600".as_ref(),
     ];
-    let recording = Linux::restore_lazily(&dir, "linux-record", snapshot, &record);
-    recording.runs_on(&before);
+    let recording = Linux::restore_lazily(dir, "linux-record", snapshot, &record);
+    recording.runs_on(before);
     std::thread::sleep(Duration::from_secs(3));
     recording.stop_recording();
     assert!(list.exists(), "the list is written before the answer");
     assert_eq!(recording.vmm.call("PUT", "/working-set/stop", None).0, 409);
     let stderr = recording.end();
-    let set = recorded(&list, &state, &stderr);
+    let set = recorded(list, state, &stderr);
     assert!(set.pages() > 0, "{stderr}");
 
     // Restored again with the list: it runs on, nothing failed.
     let prefetch: [&OsStr; 2] = ["--prefetch".as_ref(), list.as_os_str()];
-    let prefetching = Linux::restore_lazily(&dir, "linux-prefetch", snapshot, &prefetch);
-    prefetching.runs_on(&before);
+    let prefetching = Linux::restore_lazily(dir, "linux-prefetch", snapshot, &prefetch);
+    prefetching.runs_on(before);
     prefetching.end();
 
     // Restored lazily in 2 MiB pages (issue 38): whole huge pages back it, and it runs on.
     if pool_holds_linux(test, " (its restore in 2 MiB pages)") {
         let huge: [&OsStr; 2] = ["--page-size".as_ref(), "2m".as_ref()];
-        let in_2m = Linux::restore_lazily(&dir, "linux-4k-in-2m", snapshot, &huge);
+        let in_2m = Linux::restore_lazily(dir, "linux-4k-in-2m", snapshot, &huge);
         assert_eq!(
             in_2m.ram(),
             ("2m".to_owned(), 0),
             "nothing filled before it runs"
         );
-        in_2m.runs_on(&before);
+        in_2m.runs_on(before);
         in_2m.whole_huge_pages();
         in_2m.end();
     }
@@ -871,16 +866,10 @@ fn kvm_a_linux_guest_in_2m_pages_restores_every_way() {
         return;
     }
     // Booted in 2 MiB pages (checked there), paused early, snapshotted.
-    let LinuxSnapshot {
-        _scratch,
-        dir,
-        list,
-        state,
-        mem,
-        before,
-    } = LinuxSnapshot::take(test, "linux2m", "2m");
-    let snapshot = (state.as_path(), mem.as_path());
-    let layout = tinyvmm::linux::state::LinuxState::read_file(&state)
+    let linux = LinuxSnapshot::take(test, "linux2m", "2m");
+    let (dir, list, state, before) = (&linux.dir, &linux.list, &linux.state, &linux.before);
+    let snapshot = (state.as_path(), linux.mem.as_path());
+    let layout = tinyvmm::linux::state::LinuxState::read_file(state)
         .expect("the Linux state file")
         .layout;
     assert_eq!(layout.regions.len(), 1);
@@ -893,13 +882,13 @@ fn kvm_a_linux_guest_in_2m_pages_restores_every_way() {
     // Restored lazily, recording: nothing is filled before the guest runs, then whole 2 MiB
     // pages, each the guest touched (the list) among them.
     let record: [&OsStr; 2] = ["--record-working-set".as_ref(), list.as_os_str()];
-    let recording = Linux::restore_lazily(&dir, "linux-2m-record", snapshot, &record);
+    let recording = Linux::restore_lazily(dir, "linux-2m-record", snapshot, &record);
     assert_eq!(recording.ram(), ("2m".to_owned(), 0));
-    recording.runs_on(&before);
+    recording.runs_on(before);
     recording.stop_recording();
     let filled = recording.whole_huge_pages();
     let stderr = recording.end();
-    let set = recorded(&list, &state, &stderr);
+    let set = recorded(list, state, &stderr);
     assert!(
         set.runs
             .iter()
@@ -917,8 +906,8 @@ fn kvm_a_linux_guest_in_2m_pages_restores_every_way() {
     // Restored lazily with the list: its pages are fetched into hugetlb pages, the guest runs
     // on.
     let prefetch: [&OsStr; 2] = ["--prefetch".as_ref(), list.as_os_str()];
-    let prefetching = Linux::restore_lazily(&dir, "linux-2m-prefetch", snapshot, &prefetch);
-    prefetching.runs_on(&before);
+    let prefetching = Linux::restore_lazily(dir, "linux-2m-prefetch", snapshot, &prefetch);
+    prefetching.runs_on(before);
     prefetching
         .vmm
         .wait_until("prefetch the list", Duration::from_secs(120), |vmm| {
@@ -939,20 +928,20 @@ fn kvm_a_linux_guest_in_2m_pages_restores_every_way() {
 
     // Restored by copy: in hugetlb pages before the guest runs.
     let copy: [&OsStr; 2] = ["--mem-backend".as_ref(), "copy".as_ref()];
-    let copied = Linux::restore(&dir, "linux-2m-copy", snapshot, &copy);
+    let copied = Linux::restore(dir, "linux-2m-copy", snapshot, &copy);
     let (page_size, hugetlb) = copied.ram();
     assert_eq!(page_size, "2m");
     assert!(hugetlb > 0, "copied into hugetlb pages");
     let (_, vm) = copied.vmm.call("GET", "/vm", None);
     assert!(vm.get("lazy_restore").is_none(), "not a lazy restore: {vm}");
-    copied.runs_on(&before);
+    copied.runs_on(before);
     copied.end();
 
     // Restored in 4 KiB pages (the default backend: the memory file mapped privately), no
     // hugetlb page taken.
     let small: [&OsStr; 2] = ["--page-size".as_ref(), "4k".as_ref()];
-    let in_4k = Linux::restore(&dir, "linux-2m-in-4k", snapshot, &small);
-    in_4k.runs_on(&before);
+    let in_4k = Linux::restore(dir, "linux-2m-in-4k", snapshot, &small);
+    in_4k.runs_on(before);
     assert_eq!(in_4k.ram(), ("4k".to_owned(), 0));
     in_4k.end();
 }
