@@ -110,7 +110,6 @@ fn resumed(name: &str, state: &Path, mem: &Path, files: WorkingSetFiles) -> Vmm 
     vmm
 }
 
-/// The list file at `path`.
 /// `state` and `mem` restored lazily in this process with `list` prefetched, once the
 /// prefetch has ended; and the memory file it restored from.
 fn prefetched(
@@ -146,12 +145,41 @@ fn prefetched(
     (vm, memory)
 }
 
+/// The list file at `path`.
 fn list_at(path: &Path) -> WorkingSet {
     WorkingSet::from_bytes(&std::fs::read(path).expect("the list")).expect("valid")
 }
 
 fn snapshot_id(state: &Path) -> u128 {
     saved(state).snapshot.expect("a snapshot's state").id.0
+}
+
+/// [`prefetched`], checked: every page of `set` (the list at `list`) was prefetched, and the
+/// test guest verifies each of `ranges` (start, end, seed) with no page faulting in. The VM
+/// (its vCPUs shut down) and the memory file it restored from.
+fn verify_prefetched(
+    (state, mem, list): (&Path, &Path, &Path),
+    saved: &SnapshotState,
+    set: &WorkingSet,
+    ranges: &[(u64, u64, u64)],
+) -> (TestVm, std::fs::File) {
+    let (vm, memory) = prefetched(state, mem, list, saved);
+    let stats = vm.loader().expect("a lazy restore's loader").stats();
+    assert_eq!(stats.prefetched.load(Ordering::Acquire), set.pages());
+    let stopped = Arc::new(EventFd::new(libc::EFD_NONBLOCK).expect("an eventfd"));
+    let mut vcpus = vm
+        .start_restored_vcpus(&saved.vcpus, &stopped)
+        .expect("vCPUs");
+    for &(start, end, seed) in ranges {
+        verifies(&mut vcpus, start, end, seed);
+    }
+    assert_eq!(
+        stats.copied.load(Ordering::Acquire),
+        0,
+        "no page faulted in"
+    );
+    vcpus.shut_down().expect("stopped");
+    (vm, memory)
 }
 
 /// Has the test guest verify `[start, end)` (written with `seed`), a 4 KiB page at a time: no
@@ -232,20 +260,8 @@ fn kvm_a_recorded_working_set_is_prefetched_and_the_guest_verifies() {
     // The prefetch, seen from the loader: every page of the list filled ahead of the guest,
     // whose verify then faults on none of them.
     let saved = saved(&state);
-    let (vm, _memory) = prefetched(&state, &mem, &list, &saved);
-    let stats = vm.loader().expect("a lazy restore's loader").stats();
-    assert_eq!(stats.prefetched.load(Ordering::Acquire), set.pages());
-    let stopped = Arc::new(EventFd::new(libc::EFD_NONBLOCK).expect("an eventfd"));
-    let mut vcpus = vm
-        .start_restored_vcpus(&saved.vcpus, &stopped)
-        .expect("vCPUs");
-    verifies(&mut vcpus, AREA, AREA + AREA_SIZE, 5);
-    assert_eq!(
-        stats.copied.load(Ordering::Acquire),
-        0,
-        "no page faulted in"
-    );
-    vcpus.shut_down().expect("stopped");
+    let files = (state.as_path(), mem.as_path(), list.as_path());
+    let (_vm, _memory) = verify_prefetched(files, &saved, &set, &[(AREA, AREA + AREA_SIZE, 5)]);
 
     // A timed recording writes its list while the VM runs on.
     let timed_list = dir.join("timed.wset");
@@ -354,22 +370,9 @@ fn kvm_a_2m_region_restores_lazily_and_the_guest_verifies() {
 
     // Restored lazily with the list prefetched: the guest verifies, and faults on nothing.
     let saved = saved(&state);
-    let (vm, memory) = prefetched(&state, &mem, &list, &saved);
-    let stats = vm.loader().expect("a lazy restore's loader").stats();
-    assert_eq!(stats.prefetched.load(Ordering::Acquire), set.pages());
-    let stopped = Arc::new(EventFd::new(libc::EFD_NONBLOCK).expect("an eventfd"));
-    let mut vcpus = vm
-        .start_restored_vcpus(&saved.vcpus, &stopped)
-        .expect("vCPUs");
-    for (start, end, seed) in [(HUGE, HUGE + HUGE_WRITTEN, 11), (AREA, AREA + AREA_SIZE, 5)] {
-        verifies(&mut vcpus, start, end, seed);
-    }
-    assert_eq!(
-        stats.copied.load(Ordering::Acquire),
-        0,
-        "no page faulted in"
-    );
-    vcpus.shut_down().expect("stopped");
+    let files = (state.as_path(), mem.as_path(), list.as_path());
+    let ranges = [(HUGE, HUGE + HUGE_WRITTEN, 11), (AREA, AREA + AREA_SIZE, 5)];
+    let (vm, memory) = verify_prefetched(files, &saved, &set, &ranges);
     // Its hugetlb pages go back to the pool before the next restore takes theirs.
     drop(vm);
 
@@ -383,6 +386,7 @@ fn kvm_a_2m_region_restores_lazily_and_the_guest_verifies() {
     )
     .expect("restored");
     let stats = vm.loader().expect("a lazy restore's loader").stats();
+    let stopped = Arc::new(EventFd::new(libc::EFD_NONBLOCK).expect("an eventfd"));
     let mut vcpus = vm
         .start_restored_vcpus(&saved.vcpus, &stopped)
         .expect("vCPUs");
