@@ -55,6 +55,17 @@
 9:
 .endm
 
+# The head of a command's walk over its range: rcx from r8 while below r9 (then on to `over`),
+# looking at `stop` every CHECK_EVERY addresses (r13 counts them down; a cancel goes to
+# `cut`). The walk's loop is the label 1 it leaves: the body goes on with rcx + r10 to 1b.
+.macro walk over, cut
+    mov rcx, r8
+    mov r13, CHECK_EVERY
+1:  cmp rcx, r9
+    jae \over
+    cancel_point \cut
+.endm
+
 .set OP_WRITE, 1
 .set OP_VERIFY, 2
 .set OP_WRITE_LOOP, 3
@@ -152,23 +163,14 @@ op_write:
 
 op_verify:
     mov qword ptr [rbx + RESULT], 0
-    mov rcx, r8
-    mov r13, CHECK_EVERY                # r13: addresses until the next look at `stop`
-1:  cmp rcx, r9
-    jae done
-    cancel_point 4f
+    walk done, cut_short
     mov rax, rcx
     xor rax, r11
     mov rdx, qword ptr [rcx]
     cmp rdx, rax
-    jne 2f
+    jne mismatch
     add rcx, r10
     jmp 1b
-2:  mov qword ptr [rbx + FOUND], rdx
-    mov qword ptr [rbx + RESULT], rcx
-    jmp done
-4:  mov qword ptr [rbx + CUT_AT], rcx   # cancelled: rcx is the first address not checked
-    jmp done
 
 op_write_loop:
     xor r12, r12                        # r12: passes completed
@@ -192,11 +194,7 @@ op_exit:
 # 32 bytes at each address with one VEX store: built on the stack (always memory), then stored.
 op_vex_write:
     sub rsp, 32
-    mov rcx, r8
-    mov r13, CHECK_EVERY
-1:  cmp rcx, r9
-    jae 3f
-    cancel_point 4f
+    walk vex_done, vex_cut
     xor rsi, rsi                        # rsi: the u64 of the 32 bytes
 2:  lea rax, [rcx + rsi * 8]
     xor rax, r11
@@ -208,19 +206,12 @@ op_vex_write:
     vmovdqu ymmword ptr [rcx], ymm0
     add rcx, r10
     jmp 1b
-4:  mov qword ptr [rbx + CUT_AT], rcx
-3:  add rsp, 32
-    jmp done
 
 # 32 bytes at each address with one VEX load, copied to the stack and checked there.
 op_vex_verify:
     mov qword ptr [rbx + RESULT], 0
     sub rsp, 32
-    mov rcx, r8
-    mov r13, CHECK_EVERY
-1:  cmp rcx, r9
-    jae 3f
-    cancel_point 4f
+    walk vex_done, vex_cut
     vmovdqu ymm0, ymmword ptr [rcx]
     vmovdqu ymmword ptr [rsp], ymm0
     xor rsi, rsi
@@ -237,44 +228,37 @@ op_vex_verify:
 5:  lea rax, [rcx + rsi * 8]
     mov qword ptr [rbx + FOUND], rdx
     mov qword ptr [rbx + RESULT], rax
-    jmp 3f
-4:  mov qword ptr [rbx + CUT_AT], rcx
-3:  add rsp, 32
+    jmp vex_done
+
+# The VEX commands' end: cancelled (rcx is the first address not reached) or not, their 32
+# bytes of stack given back.
+vex_cut:
+    mov qword ptr [rbx + CUT_AT], rcx
+vex_done:
+    add rsp, 32
     jmp done
 
 # Exec (rax = OP_EXEC) stores the stub at each address, then calls it; call only calls it.
 op_exec:
     mov r14, rax                        # r14: which of the two
     mov qword ptr [rbx + RESULT], 0
-    mov rcx, r8
-    mov r13, CHECK_EVERY
-1:  cmp rcx, r9
-    jae done
-    cancel_point 4f
+    walk done, cut_short
     cmp r14, OP_EXEC
     jne 2f
     mov rax, STUB
     mov qword ptr [rcx], rax
 2:  xor rax, rax
     call rcx                            # the stub leaves every register but rax alone
-    cmp rax, rcx
-    jne 5f
+    mov rdx, rax
+    cmp rdx, rcx
+    jne mismatch
     add rcx, r10
     jmp 1b
-5:  mov qword ptr [rbx + FOUND], rax
-    mov qword ptr [rbx + RESULT], rcx
-    jmp done
-4:  mov qword ptr [rbx + CUT_AT], rcx
-    jmp done
 
 # Writes a ^ r11 at a = r8, r8 + r10, ... below r9; on a cancel, stops early and stores the
 # first address it did not write in cut_at.
 write_pass:
-    mov rcx, r8
-    mov r13, CHECK_EVERY                # r13: addresses until the next look at `stop`
-1:  cmp rcx, r9
-    jae 2f
-    cancel_point 4f
+    walk 2f, 4f
     mov rax, rcx
     xor rax, r11
     mov qword ptr [rcx], rax
@@ -282,6 +266,17 @@ write_pass:
     jmp 1b
 4:  mov qword ptr [rbx + CUT_AT], rcx
 2:  ret
+
+# A check that read rdx at rcx, not what it expected: the command's result.
+mismatch:
+    mov qword ptr [rbx + FOUND], rdx
+    mov qword ptr [rbx + RESULT], rcx
+    jmp done
+
+# A command cancelled: rcx is the first address it did not reach.
+cut_short:
+    mov qword ptr [rbx + CUT_AT], rcx
+    jmp done
 
 done:
     mov qword ptr [rbx + DONE_SEQ], r15

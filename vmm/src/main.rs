@@ -4,15 +4,14 @@
 use std::process::ExitCode;
 
 use clap::{CommandFactory, Parser, Subcommand};
-use tinyvmm::jobs::args::{parse_command_line, LogArgs, UsageError};
-use tinyvmm::jobs::process::raise_open_file_limit;
+use tinyvmm::jobs::args::{start_command_line, LogArgs, UsageError};
 use tinyvmm::jobs::{boot, check, client, merge, receive, restore, serve};
 use tinyvmm::lifecycle::{log, LogLevel};
 
 #[derive(Parser)]
 #[command(
     name = "tinyvmm",
-    version = concat!(env!("CARGO_PKG_VERSION"), " (commit ", env!("TINYVMM_COMMIT"), ")"),
+    version = tinyvmm::VERSION_AND_COMMIT,
     about = "A tiny VMM that runs a test guest across tens of thousands of KVM memory slots",
     after_help = "Exit status: 0 done, 1 a failure (named on stderr), 64 a usage error, 130 a \
                   signal; serve, restore and receive also 4 (stopped after the guest failed); \
@@ -76,12 +75,10 @@ enum Commands {
 }
 
 fn main() -> ExitCode {
-    let cli: Cli = match parse_command_line() {
+    let cli = match start_command_line(|cli: &Cli| &cli.log) {
         Ok(cli) => cli,
         Err(code) => return code,
     };
-    tinyvmm::lifecycle::set_log_level(cli.log.log_level);
-    raise_open_file_limit();
     let command = cli
         .command
         .unwrap_or_else(|| Commands::Check(Default::default()));

@@ -486,6 +486,130 @@ fn wait_for<T>(
     }
 }
 
+/// What the virtio-mem boots need: hardware virtualisation (`without` says what covers the
+/// test where there is none), Debian's kernel, KVM and busybox. The kernel and busybox, or
+/// `None` where `test` skips (loudly).
+fn plug_prerequisites(test: &str, without: &str) -> Option<(std::path::PathBuf, Vec<u8>)> {
+    if !hardware_virtualisation() {
+        eprintln!(
+            "SKIPPED {test}: /proc/cpuinfo has neither vmx nor svm: this host's KVM (kvm_pvm) \
+             emulates guest ring 0, and a stock kernel stops long before it could load \
+             virtio_mem (see docs/BOOT.md); {without}"
+        );
+        return None;
+    }
+    let (vmlinuz, _) = debian_kernel(test)?;
+    if !kvm_test_support::require_kvm(test) {
+        return None;
+    }
+    let Ok(busybox) = std::fs::read(cache().join("busybox")) else {
+        eprintln!("SKIPPED {test}: busybox is missing (resources/fetch-kernel.sh fetches it)");
+        return None;
+    };
+    Some((vmlinuz, busybox))
+}
+
+/// A Linux guest with a virtio-mem device, booted in the background with its API socket in
+/// the scratch folder `dir`, whose init script lists the driver's devices and loads its
+/// modules.
+struct PlugGuest {
+    capture: Capture,
+    vm: std::thread::JoinHandle<BootReport>,
+    socket: std::path::PathBuf,
+    dir: std::path::PathBuf,
+}
+
+impl PlugGuest {
+    /// Boots `config` (its API socket in `dir`) and waits for the virtio-mem driver to bind:
+    /// the guest's MemTotal then.
+    fn boot(config: BootConfig, dir: &std::path::Path) -> (PlugGuest, String, u64) {
+        let socket = config.api_sock.clone().expect("an API socket");
+        let (capture, vm) = boot_in_background(config);
+        let guest = PlugGuest {
+            capture,
+            vm,
+            socket,
+            dir: dir.to_owned(),
+        };
+        // The driver found the device in the DSDT and bound to it.
+        let bound = wait_for(&guest.capture, 120, |log| {
+            log.lines()
+                .find_map(|l| l.strip_prefix("virtio devices: "))
+                .map(str::to_owned)
+        });
+        let log = guest.capture.text();
+        let Some(bound) = bound else {
+            guest.finish();
+            panic!("the init script never listed the virtio-mem driver's devices\n{log}");
+        };
+        assert!(bound.contains("virtio0"), "virtio_mem bound nothing\n{log}");
+        assert!(!log.contains("insmod"), "a module did not load\n{log}");
+        let base = wait_for(&guest.capture, 30, last_mem_total).expect("a MemTotal line");
+        (guest, log, base)
+    }
+
+    /// One API request to the VMM, and its answer.
+    fn call(&self, method: &str, path: &str, body: Option<Value>) -> (u16, Value) {
+        api_call(&self.socket, method, path, body)
+    }
+
+    /// The device's state, as the API gives it.
+    fn hotplug(&self) -> Value {
+        self.call("GET", "/hotplug/memory", None).1
+    }
+
+    /// Asks for `mib` MiB plugged and waits (at most `secs` s) for the device to get there.
+    fn request(&self, mib: u64, secs: u64) {
+        let (status, answer) = self.call(
+            "PATCH",
+            "/hotplug/memory",
+            Some(serde_json::json!({"requested_size_mib": mib})),
+        );
+        assert_eq!(status, 204, "{answer}");
+        let there = wait_for(&self.capture, secs, |_| {
+            (self.hotplug()["plugged_size_mib"] == serde_json::json!(mib)).then_some(())
+        });
+        assert!(
+            there.is_some(),
+            "{}\n{}",
+            self.hotplug(),
+            self.capture.text()
+        );
+    }
+
+    /// Waits (at most 30 s) for the guest's MemTotal to be `mib` MiB above `base` kB.
+    fn wait_mem_total(&self, base: u64, mib: u64) {
+        let total = wait_for(&self.capture, 30, |log| {
+            last_mem_total(log).filter(|&kib| kib.abs_diff(base + mib * 1024) <= 8 * 1024)
+        });
+        assert!(
+            total.is_some(),
+            "MemTotal is not {base} kB + {mib} MiB\n{}",
+            self.capture.text()
+        );
+    }
+
+    /// Stops the VM and removes the scratch folder: the boot's report.
+    fn finish(self) -> BootReport {
+        self.capture.stop.store(true, Ordering::Release);
+        let report = self.vm.join().expect("the boot thread");
+        std::fs::remove_dir_all(&self.dir).ok();
+        report
+    }
+
+    /// [`finish`](Self::finish), checking that the VM ended by being stopped.
+    fn finish_stopped(self) {
+        let capture = self.capture.clone();
+        let report = self.finish();
+        assert!(
+            matches!(report.ending, BootEnding::Stopped),
+            "{}\n{}",
+            report.ending,
+            capture.text()
+        );
+    }
+}
+
 #[test]
 fn linux_plugs_and_unplugs_virtio_mem_through_the_api_with_hardware_virtualisation() {
     linux_plugs_and_unplugs(
@@ -510,23 +634,11 @@ fn linux_plugs_into_shared_slots_with_hardware_virtualisation() {
 fn linux_plugs_and_unplugs(test: &str, max_slot_mib: u64) {
     use serde_json::json;
 
-    if !hardware_virtualisation() {
-        eprintln!(
-            "SKIPPED {test}: /proc/cpuinfo has neither vmx nor svm: this host's KVM (kvm_pvm) \
-             emulates guest ring 0, and a stock kernel stops long before it could load \
-             virtio_mem (see docs/BOOT.md); the ACPI tables it would find are checked by \
-             the uninterrupted boot of linux_snapshot.rs"
-        );
-        return;
-    }
-    let Some((vmlinuz, _)) = debian_kernel(test) else {
-        return;
-    };
-    if !kvm_test_support::require_kvm(test) {
-        return;
-    }
-    let Ok(busybox) = std::fs::read(cache().join("busybox")) else {
-        eprintln!("SKIPPED {test}: busybox is missing (resources/fetch-kernel.sh fetches it)");
+    let Some((vmlinuz, busybox)) = plug_prerequisites(
+        test,
+        "the ACPI tables it would find are checked by the uninterrupted boot of \
+         linux_snapshot.rs",
+    ) else {
         return;
     };
     // Debian builds virtio, virtio_mmio and virtio_mem as modules: the initramfs loads them.
@@ -550,7 +662,6 @@ fn linux_plugs_and_unplugs(test: &str, max_slot_mib: u64) {
     std::fs::create_dir_all(&dir).expect("a folder");
     let initramfs = dir.join("initramfs.cpio");
     std::fs::write(&initramfs, virtio_initramfs(&vmlinuz, &busybox, init)).expect("written");
-    let socket = dir.join("api.sock");
     let config = BootConfig {
         kernel: vmlinuz,
         initramfs: Some(initramfs),
@@ -560,37 +671,13 @@ fn linux_plugs_and_unplugs(test: &str, max_slot_mib: u64) {
         hotplug_mib: 512,
         hotplug_block_mib: 2,
         hotplug_max_slot_mib: max_slot_mib,
-        api_sock: Some(socket.clone()),
+        api_sock: Some(dir.join("api.sock")),
         timeout_secs: Some(300.0),
         ..BootConfig::default()
     };
 
-    let (capture, vm) = boot_in_background(config);
-    let call =
-        |method: &str, path: &str, body: Option<Value>| api_call(&socket, method, path, body);
-    let hotplug = || call("GET", "/hotplug/memory", None).1;
-    let slots_used = || call("GET", "/memory", None).1["slots"]["used"].clone();
-    let finish = |capture: &Capture, vm: std::thread::JoinHandle<BootReport>| {
-        capture.stop.store(true, Ordering::Release);
-        let report = vm.join().expect("the boot thread");
-        std::fs::remove_dir_all(&dir).ok();
-        report
-    };
-
-    // The driver found the device in the DSDT and bound to it.
-    let bound = wait_for(&capture, 120, |log| {
-        log.lines()
-            .find_map(|l| l.strip_prefix("virtio devices: "))
-            .map(str::to_owned)
-    });
-    let log = capture.text();
-    let Some(bound) = bound else {
-        finish(&capture, vm);
-        panic!("the init script never listed the virtio-mem driver's devices\n{log}");
-    };
-    assert!(bound.contains("virtio0"), "virtio_mem bound nothing\n{log}");
-    assert!(!log.contains("insmod"), "a module did not load\n{log}");
-    let base = wait_for(&capture, 30, last_mem_total).expect("a MemTotal line");
+    let (guest, _, base) = PlugGuest::boot(config, &dir);
+    let slots_used = || guest.call("GET", "/memory", None).1["slots"]["used"].clone();
     assert_eq!(slots_used(), json!(1), "RAM's one slot, nothing plugged");
 
     // Asks for `mib` MiB and waits (at most `secs` s) for the guest to get there: beside RAM's
@@ -598,18 +685,9 @@ fn linux_plugs_and_unplugs(test: &str, max_slot_mib: u64) {
     // blocks in each piece (at least one per piece plugged); and the guest's MemTotal as much
     // above `base`.
     let resize = |mib: u64, secs: u64| {
-        let (status, answer) = call(
-            "PATCH",
-            "/hotplug/memory",
-            Some(json!({"requested_size_mib": mib})),
-        );
-        assert_eq!(status, 204, "{answer}");
-        let there = wait_for(&capture, secs, |_| {
-            (hotplug()["plugged_size_mib"] == json!(mib)).then_some(())
-        });
-        assert!(there.is_some(), "{}\n{}", hotplug(), capture.text());
+        guest.request(mib, secs);
         let used = slots_used().as_u64().expect("slots used");
-        let plugged = hotplug()["mapped_slots"]
+        let plugged = guest.hotplug()["mapped_slots"]
             .as_u64()
             .expect("the device's slots");
         assert_eq!(used, 1 + plugged, "RAM's slot and the device's");
@@ -621,14 +699,7 @@ fn linux_plugs_and_unplugs(test: &str, max_slot_mib: u64) {
                 "{plugged} slots for {mib} MiB in pieces of {max_slot_mib} MiB"
             );
         }
-        let total = wait_for(&capture, 30, |log| {
-            last_mem_total(log).filter(|&kib| kib.abs_diff(base + mib * 1024) <= 8 * 1024)
-        });
-        assert!(
-            total.is_some(),
-            "MemTotal is not {base} kB + {mib} MiB\n{}",
-            capture.text()
-        );
+        guest.wait_mem_total(base, mib);
     };
     // Plug 256 MiB: the guest plugs 128 blocks and onlines the memory.
     resize(256, 60);
@@ -636,13 +707,7 @@ fn linux_plugs_and_unplugs(test: &str, max_slot_mib: u64) {
     // its memory busy after 50 s: allow for one retry.
     resize(0, 180);
 
-    let report = finish(&capture, vm);
-    assert!(
-        matches!(report.ending, BootEnding::Stopped),
-        "{}\n{}",
-        report.ending,
-        capture.text()
-    );
+    guest.finish_stopped();
 }
 
 /// The guest's AVX copy loop, a static x86-64 Linux program of its own (no libc): it maps 64
@@ -834,24 +899,14 @@ fn last_count(log: &str, prefix: &str) -> Option<u64> {
 #[test]
 fn linux_runs_avx_copies_and_code_in_memory_plugged_and_unplugged_under_it_with_hardware_virtualisation(
 ) {
-    use serde_json::json;
-
     let test = "tinyvmm::linux_runs_avx_copies_and_code_in_memory_plugged_and_unplugged_under_it_with_hardware_virtualisation";
-    if !hardware_virtualisation() {
-        eprintln!(
-            "SKIPPED {test}: /proc/cpuinfo has neither vmx nor svm: this host's KVM (kvm_pvm) \
-             emulates guest ring 0, and a stock kernel stops long before it could load \
-             virtio_mem (see docs/BOOT.md); vmm/tests/window.rs runs VEX accesses and code \
-             through slot changes under the test guest here"
-        );
-        return;
-    }
-    let Some((vmlinuz, _)) = debian_kernel(test) else {
+    let Some((vmlinuz, busybox)) = plug_prerequisites(
+        test,
+        "vmm/tests/window.rs runs VEX accesses and code through slot changes under the test \
+         guest here",
+    ) else {
         return;
     };
-    if !kvm_test_support::require_kvm(test) {
-        return;
-    }
     if !tinyvmm::test_guest::layout::avx_available() {
         eprintln!(
             "SKIPPED {test}: this host's KVM offers no AVX, so the guest has no VEX \
@@ -859,10 +914,6 @@ fn linux_runs_avx_copies_and_code_in_memory_plugged_and_unplugged_under_it_with_
         );
         return;
     }
-    let Ok(busybox) = std::fs::read(cache().join("busybox")) else {
-        eprintln!("SKIPPED {test}: busybox is missing (resources/fetch-kernel.sh fetches it)");
-        return;
-    };
     let dir = std::env::temp_dir().join(format!("tinyvmm-avx-plug-{}", std::process::id()));
     std::fs::create_dir_all(&dir).expect("a folder");
     let avx_loop = static_executable(AVX_LOOP, &dir);
@@ -925,7 +976,6 @@ fn linux_runs_avx_copies_and_code_in_memory_plugged_and_unplugged_under_it_with_
     let extra = cpio(&[("bin/avxloop", 0o100755, &avx_loop, (0, 0))]);
     archive.extend_from_slice(&extra);
     std::fs::write(&initramfs, archive).expect("written");
-    let socket = dir.join("api.sock");
     let config = BootConfig {
         kernel: vmlinuz,
         initramfs: Some(initramfs),
@@ -935,22 +985,18 @@ fn linux_runs_avx_copies_and_code_in_memory_plugged_and_unplugged_under_it_with_
         mem_mib: 512,
         hotplug_mib: 512,
         hotplug_block_mib: 2,
-        api_sock: Some(socket.clone()),
+        api_sock: Some(dir.join("api.sock")),
         // Only a guard: longer than all the waits below together.
         timeout_secs: Some(1800.0),
         ..BootConfig::default()
     };
 
-    let (capture, vm) = boot_in_background(config);
-    let call =
-        |method: &str, path: &str, body: Option<Value>| api_call(&socket, method, path, body);
-    let hotplug = || call("GET", "/hotplug/memory", None).1;
-    let finish = |capture: &Capture, vm: std::thread::JoinHandle<BootReport>| {
-        capture.stop.store(true, Ordering::Release);
-        let report = vm.join().expect("the boot thread");
-        std::fs::remove_dir_all(&dir).ok();
-        report
-    };
+    let (guest, log, base) = PlugGuest::boot(config, &dir);
+    let capture = &guest.capture;
+    assert!(
+        log.contains("guest has AVX"),
+        "the host's KVM offers AVX, the guest's /proc/cpuinfo does not list it\n{log}"
+    );
     // Nothing in the guest failed so far: no copy differed, no program died.
     let no_failure = |capture: &Capture| {
         let log = capture.text();
@@ -966,46 +1012,12 @@ fn linux_runs_avx_copies_and_code_in_memory_plugged_and_unplugged_under_it_with_
         }
     };
 
-    let bound = wait_for(&capture, 120, |log| {
-        log.lines()
-            .find_map(|l| l.strip_prefix("virtio devices: "))
-            .map(str::to_owned)
-    });
-    let log = capture.text();
-    let Some(bound) = bound else {
-        finish(&capture, vm);
-        panic!("the init script never listed the virtio-mem driver's devices\n{log}");
-    };
-    assert!(bound.contains("virtio0"), "virtio_mem bound nothing\n{log}");
-    assert!(!log.contains("insmod"), "a module did not load\n{log}");
-    assert!(
-        log.contains("guest has AVX"),
-        "the host's KVM offers AVX, the guest's /proc/cpuinfo does not list it\n{log}"
-    );
-    let base = wait_for(&capture, 30, last_mem_total).expect("a MemTotal line");
-
     // Asks for `mib` MiB and waits (at most `secs` s) for the device and the guest's MemTotal
     // to get there.
     let resize = |mib: u64, secs: u64| {
-        let (status, answer) = call(
-            "PATCH",
-            "/hotplug/memory",
-            Some(json!({"requested_size_mib": mib})),
-        );
-        assert_eq!(status, 204, "{answer}");
-        let there = wait_for(&capture, secs, |_| {
-            (hotplug()["plugged_size_mib"] == json!(mib)).then_some(())
-        });
-        assert!(there.is_some(), "{}\n{}", hotplug(), capture.text());
-        let total = wait_for(&capture, 30, |log| {
-            last_mem_total(log).filter(|&kib| kib.abs_diff(base + mib * 1024) <= 8 * 1024)
-        });
-        assert!(
-            total.is_some(),
-            "MemTotal is not {base} kB + {mib} MiB\n{}",
-            capture.text()
-        );
-        no_failure(&capture);
+        guest.request(mib, secs);
+        guest.wait_mem_total(base, mib);
+        no_failure(capture);
     };
     // Both loops have done `after` rounds more than `counts` (at most `secs` s).
     let rounds = |log: &str| {
@@ -1015,7 +1027,7 @@ fn linux_runs_avx_copies_and_code_in_memory_plugged_and_unplugged_under_it_with_
         ))
     };
     let go_on = |counts: (u64, u64), after: u64, secs: u64| {
-        let reached = wait_for(&capture, secs, |log| {
+        let reached = wait_for(capture, secs, |log| {
             rounds(log).filter(|&(avx, copy)| avx >= counts.0 + after && copy >= counts.1 + after)
         });
         reached.unwrap_or_else(|| {
@@ -1047,17 +1059,11 @@ fn linux_runs_avx_copies_and_code_in_memory_plugged_and_unplugged_under_it_with_
     resize(384, 60);
     resize(0, 300);
     let ended = go_on(started, 2, 120);
-    no_failure(&capture);
+    no_failure(capture);
     eprintln!(
         "{test}: AVX rounds {} → {}, copy rounds {} → {} across the plugs",
         started.0, ended.0, started.1, ended.1
     );
 
-    let report = finish(&capture, vm);
-    assert!(
-        matches!(report.ending, BootEnding::Stopped),
-        "{}\n{}",
-        report.ending,
-        capture.text()
-    );
+    guest.finish_stopped();
 }

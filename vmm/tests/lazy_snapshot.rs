@@ -9,6 +9,7 @@
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
+use kvm_test_support::files::{maps_memfd, memfd_at};
 use serde_json::{json, Value};
 
 mod support;
@@ -208,42 +209,11 @@ fn migrate_a_lazy_restore(tag: &str, extra: &[&str], local: bool) {
     let (destination, listen) = Vmm::receive(&format!("{tag}-destination"), &[]);
     let body = json!({"destination": format!("unix:{}", listen.display()), "local": local});
     source.ok("PUT", "/migrate", Some(body));
-    let output = source.wait(Duration::from_secs(120));
-    let stderr = String::from_utf8_lossy(&output.stderr);
-    assert_eq!(output.status.code(), Some(0), "{stderr}");
-    assert!(
-        stderr.contains("runs on the migration's destination"),
-        "{stderr}"
-    );
+    source.wait_migrated(Duration::from_secs(120));
     destination.wait_for_vm();
     verify(&destination, end, Some(9), "the received VM");
     destination.stop();
     clean(tag);
-}
-
-/// The memfd (device and inode, as `/proc/<pid>/maps` names it) mapped at host address `hva`
-/// in process `pid`, if a memfd is mapped there.
-fn memfd_at(pid: u32, hva: u64) -> Option<String> {
-    let maps = std::fs::read_to_string(format!("/proc/{pid}/maps")).expect("the VMM's maps");
-    maps.lines().find_map(|line| {
-        let fields: Vec<&str> = line.split_whitespace().collect();
-        let (from, to) = fields[0].split_once('-').expect("from-to");
-        let from = u64::from_str_radix(from, 16).expect("hex");
-        let to = u64::from_str_radix(to, 16).expect("hex");
-        let memfd = fields
-            .get(5)
-            .is_some_and(|name| name.starts_with("/memfd:"));
-        (memfd && from <= hva && hva < to).then(|| format!("{} {}", fields[3], fields[4]))
-    })
-}
-
-/// Whether process `pid` maps the memfd `memfd` (as [`memfd_at`] names it) anywhere.
-fn maps_memfd(pid: u32, memfd: &str) -> bool {
-    let maps = std::fs::read_to_string(format!("/proc/{pid}/maps")).expect("the VMM's maps");
-    maps.lines().any(|line| {
-        let fields: Vec<&str> = line.split_whitespace().collect();
-        fields.len() > 5 && format!("{} {}", fields[3], fields[4]) == memfd
-    })
 }
 
 /// A region removed from a lazily restored VM gives its memory back, as it does on a VM that
@@ -283,10 +253,10 @@ fn kvm_a_region_removed_from_a_lazily_restored_vm_gives_its_memory_back() {
     assert_eq!(region["guest_address"], json!(GIB), "{region}");
     let hva = region["host_address"].as_u64().expect("a host address");
     let pid = lazy.pid();
-    let memfd = memfd_at(pid, hva).expect("the region's memfd is mapped");
+    let memfd = memfd_at(&pid.to_string(), hva).expect("the region's memfd is mapped");
     lazy.ok("DELETE", &format!("/memory/regions/{id}"), None);
     assert!(
-        !maps_memfd(pid, &memfd),
+        !maps_memfd(&pid.to_string(), &memfd),
         "the removed region's memory ({memfd}, at {hva:#x}) is still mapped in the VMM"
     );
     // The rest is intact: the area (the loader has not filled most of it yet) verifies.

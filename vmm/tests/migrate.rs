@@ -21,11 +21,17 @@ const MIB: u64 = 1 << 20;
 /// Where `serve` puts its initial memory.
 const AREA: u64 = 256 * MIB;
 
+/// A hold on this binary's scratch folder (`$TMPDIR/tinyvmm-migrate-PID`), which its last
+/// holder removes: the first local of each test that puts a file there ([`path`]).
+fn scratch() -> support::scratch::Scratch {
+    support::scratch::Scratch::hold("migrate")
+}
+
+/// The socket `NAME-WHAT.sock` in the scratch folder (the test holds [`scratch`]).
 fn path(name: &str, what: &str) -> PathBuf {
-    std::env::temp_dir().join(format!(
-        "tinyvmm-migrate-{}-{name}-{what}.sock",
-        std::process::id()
-    ))
+    let dir = support::scratch::folder("migrate");
+    std::fs::create_dir_all(&dir).expect("a scratch directory");
+    dir.join(format!("{name}-{what}.sock"))
 }
 
 fn area_end(vmm: &Vmm) -> u64 {
@@ -220,13 +226,7 @@ fn migrate_a_writing_guest_serving(
         );
         std::thread::sleep(Duration::from_millis(20));
     }
-    let output = source.wait(Duration::from_secs(180));
-    let stderr = String::from_utf8_lossy(&output.stderr);
-    assert_eq!(output.status.code(), Some(0), "{stderr}");
-    assert!(
-        stderr.contains("runs on the migration's destination"),
-        "{stderr}"
-    );
+    source.wait_migrated(Duration::from_secs(180));
 
     destination.wait_for_vm();
     let after = destination.ok("GET", "/memory", None);
@@ -651,9 +651,9 @@ fn kvm_pages_a_failed_migration_harvested_go_into_the_next_diff_snapshot() {
     ) {
         return;
     }
+    let scratch = scratch();
     use std::os::unix::fs::MetadataExt;
-    let dir = std::env::temp_dir().join(format!("tinyvmm-migrate-{}-diff", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
+    let dir = scratch.dir().join("diff");
     std::fs::create_dir_all(&dir).expect("a folder");
     let source = Vmm::serve("diff", 8, 64, &[]);
     let region = 4096 * MIB;
@@ -708,7 +708,6 @@ fn kvm_pages_a_failed_migration_harvested_go_into_the_next_diff_snapshot() {
         data >= MIB,
         "the diff holds the region's 256 pages: {data} bytes"
     );
-    let _ = std::fs::remove_dir_all(&dir);
 }
 
 #[test]
@@ -821,6 +820,7 @@ fn kvm_a_destination_silent_after_the_whole_vm_leaves_it_paused_here() {
     ) {
         return;
     }
+    let _scratch = scratch();
     let (source, end) = migrate_to_a_fake_destination(
         "silent-dst",
         None,
@@ -879,6 +879,7 @@ fn kvm_a_live_snapshot_leaves_the_vcpus_an_unconfirmed_migration_holds_paused() 
     ) {
         return;
     }
+    let _scratch = scratch();
     let (source, end) = never_converging("held-live");
     migrate_source_to_a_fake_destination(
         &source,
@@ -936,6 +937,7 @@ fn kvm_a_destination_refusing_after_the_whole_vm_leaves_it_running_here() {
     ) {
         return;
     }
+    let _scratch = scratch();
     let (source, end) = migrate_to_a_fake_destination(
         "refusing-dst",
         Some("restoring the vCPUs failed"),
@@ -954,6 +956,7 @@ fn kvm_a_budget_below_one_bitmap_harvest_ends_the_rounds_early() {
     ) {
         return;
     }
+    let _scratch = scratch();
     // An idle guest in 4096 slots: each bitmap harvest reads 4096 logs (one ioctl each: a few
     // ms at the very least on any machine), and nothing is left to send. A 1 ms budget cannot
     // be met, however long the rounds go on: the migration says so after a few rounds, long
@@ -1136,6 +1139,7 @@ fn kvm_a_cancel_ends_a_migration_to_a_silent_destination_at_once() {
     ) {
         return;
     }
+    let _scratch = scratch();
     let (source, end) = never_converging("silent-cancel");
     let cancel_after = Some(Duration::from_millis(500));
     // It never answers the layout.
@@ -1165,6 +1169,7 @@ fn kvm_timeout_s_ends_a_migration_to_a_silent_destination() {
     ) {
         return;
     }
+    let _scratch = scratch();
     let (source, end) = never_converging("silent-timeout");
     let (listen, _listener) = silent_destination("silent-timeout");
     let within = CUT_SHORT;
@@ -1212,6 +1217,7 @@ fn kvm_sigterm_ends_a_source_waiting_on_a_silent_destination_at_once() {
     ) {
         return;
     }
+    let _scratch = scratch();
     let (mut source, _) = never_converging("silent-sigterm");
     let (listen, _listener) = silent_destination("silent-sigterm");
     let (status, answer) = migrate(&source, &listen, json!({}));
@@ -1249,6 +1255,7 @@ fn kvm_an_unconfirmed_migration_refuses_whatever_would_run_or_change_the_guest()
     ) {
         return;
     }
+    let _scratch = scratch();
     let (source, end) = never_converging("held");
     let area = json!({"total_size_mib": 64, "block_size_mib": 2, "slot_size_mib": 8});
     source.ok("PUT", "/hotplug/memory", Some(area.clone()));
@@ -1614,6 +1621,7 @@ fn kvm_files_handed_over_that_cannot_hold_the_region_are_refused() {
     ) {
         return;
     }
+    let scratch = scratch();
     use std::os::fd::AsRawFd;
     let (reader, _writer) = std::io::pipe().expect("a pipe");
     let stderr = hand_over("handed-fifo", &[reader.as_raw_fd()]);
@@ -1625,7 +1633,7 @@ fn kvm_files_handed_over_that_cannot_hold_the_region_are_refused() {
         "{stderr}"
     );
     // A file shorter than the region: the guest's access past its end would be a SIGBUS.
-    let dir = std::env::temp_dir().join(format!("tinyvmm-migrate-{}-handed", std::process::id()));
+    let dir = scratch.dir().join("handed");
     std::fs::create_dir_all(&dir).expect("a folder");
     let file = |name: &str, size: u64| {
         let file = std::fs::OpenOptions::new()
@@ -1648,7 +1656,6 @@ fn kvm_files_handed_over_that_cannot_hold_the_region_are_refused() {
         stderr.contains("1 file descriptors came beside the stream that no Handover record names"),
         "{stderr}"
     );
-    let _ = std::fs::remove_dir_all(&dir);
 }
 
 /// `tinyvmm receive` started under an open-file limit of `soft` (hard limit `hard`).
@@ -1669,6 +1676,7 @@ fn kvm_a_local_migration_of_more_memfd_regions_than_the_soft_open_file_limit() {
     ) {
         return;
     }
+    let _scratch = scratch();
     // 1,100 memfd regions: a local migration hands a file over for each.
     let source = Vmm::serve("nofile", 2, 2, &[]);
     for _ in 0..1100 {
@@ -1772,6 +1780,7 @@ fn kvm_a_destination_whose_memory_is_not_what_was_sent_refuses_and_the_source_ru
     ) {
         return;
     }
+    let _scratch = scratch();
     use tinyvmm::jobs::receive::{receive_in_background, ReceiveConfig, ReceiveError};
     // A guest that wrote every page of its area (so that the page dropped below held data
     // whatever the loop's first pass reached) and keeps writing.
@@ -1966,6 +1975,7 @@ fn kvm_the_client_command_fails_when_the_source_ends_under_way() {
     ) {
         return;
     }
+    let _scratch = scratch();
     let mut source = Vmm::serve("client-source-ends", 8, 64, &[]);
     // A destination that takes the connection and never answers: the migration stays in
     // its setup until the source ends.

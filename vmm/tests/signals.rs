@@ -283,12 +283,7 @@ fn kvm_a_dead_guest_is_failed_refuses_commands_and_exits_4() {
         json!({"op": "write_loop", "start": AREA, "end": AREA + 8 * MIB, "stride": PAGE});
     let started = ask(&socket, "PUT", "/guest/command", write_loop);
     assert_eq!(started.1["result"], "started", "{started:?}");
-    std::fs::OpenOptions::new()
-        .write(true)
-        .open(&mem)
-        .expect("the memory file")
-        .set_len(0)
-        .expect("truncated");
+    cut_to_nothing(&mem);
     let deadline = Instant::now() + Duration::from_secs(60);
     let state = loop {
         let (status, state) = ask(&socket, "GET", "/vm", Json::Null);
@@ -526,12 +521,7 @@ fn kvm_a_memory_file_truncated_under_a_restore_stops_the_vm_with_a_reason() {
     let dir = std::env::temp_dir().join(format!("tinyvmm-test-{}-gone", std::process::id()));
     let (restored, socket, mem) = restored_from_a_file(&dir, "gone");
     // As `cp new.mem old.mem` would: the file is cut to nothing under the mapping.
-    std::fs::OpenOptions::new()
-        .write(true)
-        .open(&mem)
-        .expect("the memory file")
-        .set_len(0)
-        .expect("truncated");
+    cut_to_nothing(&mem);
     let verified = ask(
         &socket,
         "PUT",
@@ -581,6 +571,16 @@ fn kvm_a_sigbus_sent_from_outside_ends_the_vmm_as_before() {
     };
     assert_eq!(status.signal(), Some(libc::SIGBUS), "{status:?}");
     let _ = std::fs::remove_file(&socket);
+}
+
+/// Truncates the memory file `mem` to nothing under the VM that maps it.
+fn cut_to_nothing(mem: &Path) {
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(mem)
+        .expect("the memory file")
+        .set_len(0)
+        .expect("truncated");
 }
 
 /// A `serve` VM whose 8 MiB at `AREA` were written (seed 5), paused, snapshotted (Full) into

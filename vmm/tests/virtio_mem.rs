@@ -171,15 +171,23 @@ fn vm_with_ram() -> Vm {
     vm
 }
 
-#[test]
-fn kvm_the_api_sizes_virtio_mem_and_the_guest_plugs_through_mmio_exits() {
-    if !kvm_test_support::require_kvm(
-        "tinyvmm::kvm_the_api_sizes_virtio_mem_and_the_guest_plugs_through_mmio_exits",
-    ) {
-        return;
+/// [`vm_with_ram`] and its memory, or `None` without KVM (`test` then skips, loudly).
+fn kvm_vm_with_ram(test: &str) -> Option<(Vm, Arc<MemoryManager<KvmVm>>)> {
+    if !kvm_test_support::require_kvm(test) {
+        return None;
     }
     let vm = vm_with_ram();
     let memory = Arc::clone(vm.memory());
+    Some((vm, memory))
+}
+
+#[test]
+fn kvm_the_api_sizes_virtio_mem_and_the_guest_plugs_through_mmio_exits() {
+    let Some((vm, memory)) = kvm_vm_with_ram(
+        "tinyvmm::kvm_the_api_sizes_virtio_mem_and_the_guest_plugs_through_mmio_exits",
+    ) else {
+        return;
+    };
     // 1 GiB in 2 MiB blocks, above RAM at 4 GiB, a slot per block.
     let hotplug =
         hotplug::setup(&vm, &area(1024, 2, None, Default::default())).expect("the device");
@@ -362,6 +370,34 @@ fn kvm_a_hotplug_area_needing_more_slots_than_are_free_is_refused() {
     assert_eq!(vm.memory().regions().len(), 1, "nothing was added");
 }
 
+/// The test guest's `op` over the 2 MiB block at `start`, a 4 KiB page at a time, with the
+/// pattern `seed`.
+fn block(op: tinyvmm::test_guest::Op, start: u64, seed: u64) -> tinyvmm::test_guest::Command {
+    tinyvmm::test_guest::Command {
+        op,
+        start,
+        end: start + 2 * MIB,
+        stride: 4096,
+        seed,
+    }
+}
+
+/// Checks the 2 MiB block at `start`, written with `seed` while `what` (absent memory): the
+/// guest's reads see all ones, not what it wrote.
+fn assert_reads_ones(
+    vcpus: &mut tinyvmm::test_guest::vcpus::Vcpus,
+    start: u64,
+    seed: u64,
+    what: &str,
+) {
+    use tinyvmm::test_guest::vcpus::GuestError;
+
+    match vcpus.run(0, block(tinyvmm::test_guest::Op::Verify, start, seed)) {
+        Err(GuestError::GuestSawWrongData { found, .. }) => assert_eq!(found, u64::MAX),
+        other => panic!("reading {what}: {other:?}"),
+    }
+}
+
 #[test]
 fn kvm_a_guest_touching_unplugged_memory_is_counted_and_goes_on() {
     if !kvm_test_support::require_kvm(
@@ -369,8 +405,8 @@ fn kvm_a_guest_touching_unplugged_memory_is_counted_and_goes_on() {
     ) {
         return;
     }
-    use tinyvmm::test_guest::vcpus::{GuestError, TestVm};
-    use tinyvmm::test_guest::{Command, Op};
+    use tinyvmm::test_guest::vcpus::TestVm;
+    use tinyvmm::test_guest::Op;
     use tinyvmm::vm::mmio::MmioBus;
 
     // 2 MiB of absent memory at 4 GiB (an unplugged block), and 2 MiB of RAM beside it.
@@ -384,16 +420,9 @@ fn kvm_a_guest_touching_unplugged_memory_is_counted_and_goes_on() {
         .expect("RAM");
     let stopped = Arc::new(EventFd::new(0).expect("eventfd"));
     let mut vcpus = vm.start_vcpus(1, &stopped).expect("vCPUs");
-    let command = |op, start: u64, seed| Command {
-        op,
-        start,
-        end: start + 2 * MIB,
-        stride: 4096,
-        seed,
-    };
     // A real vCPU's 512 writes into absent memory: each an MMIO exit, dropped, the guest on.
     vcpus
-        .run(0, command(Op::Write, 4 << 30, 1))
+        .run(0, block(Op::Write, 4 << 30, 1))
         .expect("the guest goes on");
     let counted = vcpus
         .shared(0)
@@ -402,16 +431,13 @@ fn kvm_a_guest_touching_unplugged_memory_is_counted_and_goes_on() {
         .load(std::sync::atomic::Ordering::Relaxed);
     assert_eq!(counted, 512);
     // Its reads see all ones, not what it wrote.
-    match vcpus.run(0, command(Op::Verify, 4 << 30, 1)) {
-        Err(GuestError::GuestSawWrongData { found, .. }) => assert_eq!(found, u64::MAX),
-        other => panic!("reading absent memory: {other:?}"),
-    }
+    assert_reads_ones(&mut vcpus, 4 << 30, 1, "absent memory");
     // And the VM is as good as before: memory beside it works both ways.
     vcpus
-        .run(0, command(Op::Write, (4 << 30) + 2 * MIB, 2))
+        .run(0, block(Op::Write, (4 << 30) + 2 * MIB, 2))
         .expect("write");
     vcpus
-        .run(0, command(Op::Verify, (4 << 30) + 2 * MIB, 2))
+        .run(0, block(Op::Verify, (4 << 30) + 2 * MIB, 2))
         .expect("verify");
     vcpus.shut_down().expect("clean stop");
 }
@@ -422,13 +448,11 @@ fn kvm_a_guest_touching_unplugged_memory_is_counted_and_goes_on() {
 #[test]
 fn kvm_a_linux_guests_plugged_blocks_share_slots_and_restore() {
     use tinyvmm::linux::config::DEFAULT_HOTPLUG_MAX_SLOT_MIB;
-    if !kvm_test_support::require_kvm(
-        "tinyvmm::kvm_a_linux_guests_plugged_blocks_share_slots_and_restore",
-    ) {
+    let Some((vm, memory)) =
+        kvm_vm_with_ram("tinyvmm::kvm_a_linux_guests_plugged_blocks_share_slots_and_restore")
+    else {
         return;
-    }
-    let vm = vm_with_ram();
-    let memory = Arc::clone(vm.memory());
+    };
     let hotplug = hotplug::setup(
         &vm,
         &area(
@@ -584,8 +608,8 @@ fn kvm_a_guest_touching_an_unplugged_block_under_its_pieces_slot_goes_on() {
     use kvm_virtio_mem::{VirtioMem, VirtioMemOptions};
     use std::sync::atomic::Ordering;
     use std::sync::Mutex;
-    use tinyvmm::test_guest::vcpus::{GuestError, TestVm};
-    use tinyvmm::test_guest::{Command, Op};
+    use tinyvmm::test_guest::vcpus::TestVm;
+    use tinyvmm::test_guest::Op;
     use tinyvmm::vm::mmio::MmioBus;
 
     const AREA: u64 = 8 << 30;
@@ -629,13 +653,6 @@ fn kvm_a_guest_touching_an_unplugged_block_under_its_pieces_slot_goes_on() {
 
     let stopped = Arc::new(EventFd::new(0).expect("eventfd"));
     let mut vcpus = vm.start_vcpus(1, &stopped).expect("vCPUs");
-    let command = |op, start: u64, seed| Command {
-        op,
-        start,
-        end: start + 2 * MIB,
-        stride: 4096,
-        seed,
-    };
     let counters = |vcpus: &tinyvmm::test_guest::vcpus::Vcpus| {
         let c = &vcpus.shared(0).counters;
         (
@@ -645,40 +662,37 @@ fn kvm_a_guest_touching_an_unplugged_block_under_its_pieces_slot_goes_on() {
     };
     for (at, seed) in [(AREA, 1), (AREA + 4 * MIB, 2)] {
         vcpus
-            .run(0, command(Op::Write, at, seed))
+            .run(0, block(Op::Write, at, seed))
             .expect("plugged memory");
     }
     assert_eq!(counters(&vcpus), (0, 0));
     // The unplugged block: a fault in KVM, the piece isolated, then 512 absent writes.
     vcpus
-        .run(0, command(Op::Write, AREA + 2 * MIB, 3))
+        .run(0, block(Op::Write, AREA + 2 * MIB, 3))
         .expect("the guest goes on");
     assert_eq!(counters(&vcpus), (1, 512));
     assert_eq!(
         memory.slot_ranges(piece),
         Some(vec![0..2 * MIB, 4 * MIB..6 * MIB])
     );
-    match vcpus.run(0, command(Op::Verify, AREA + 2 * MIB, 3)) {
-        Err(GuestError::GuestSawWrongData { found, .. }) => assert_eq!(found, u64::MAX),
-        other => panic!("reading an unplugged block: {other:?}"),
-    }
+    assert_reads_ones(&mut vcpus, AREA + 2 * MIB, 3, "an unplugged block");
     for (at, seed) in [(AREA, 1), (AREA + 4 * MIB, 2)] {
         vcpus
-            .run(0, command(Op::Verify, at, seed))
+            .run(0, block(Op::Verify, at, seed))
             .expect("the plugged blocks kept their data");
     }
     // Plugged: the piece has its one slot again, and the block is memory.
     assert_eq!(guest.plug(AREA + 2 * MIB, 1), RESP_ACK);
     assert_eq!(memory.slot_ranges(piece), Some(vec![0..128 * MIB]));
     vcpus
-        .run(0, command(Op::Write, AREA + 2 * MIB, 4))
+        .run(0, block(Op::Write, AREA + 2 * MIB, 4))
         .expect("plugged memory");
     vcpus
-        .run(0, command(Op::Verify, AREA + 2 * MIB, 4))
+        .run(0, block(Op::Verify, AREA + 2 * MIB, 4))
         .expect("plugged memory");
     // Another unplugged block of the piece, under its slot again: isolated once more.
     vcpus
-        .run(0, command(Op::Write, AREA + 6 * MIB, 5))
+        .run(0, block(Op::Write, AREA + 6 * MIB, 5))
         .expect("the guest goes on");
     assert_eq!(counters(&vcpus).0, 2);
     vcpus.shut_down().expect("clean stop");
@@ -690,14 +704,12 @@ fn kvm_a_guest_touching_an_unplugged_block_under_its_pieces_slot_goes_on() {
 #[test]
 fn kvm_virtio_mem_with_2m_pages_plugs_huge_pages_and_gives_them_back() {
     let test = "tinyvmm::kvm_virtio_mem_with_2m_pages_plugs_huge_pages_and_gives_them_back";
-    if !kvm_test_support::require_kvm(test) {
-        return;
-    }
     if !support::require_hugetlb_pages(test, 2, "2") {
         return;
     }
-    let vm = vm_with_ram();
-    let memory = Arc::clone(vm.memory());
+    let Some((vm, memory)) = kvm_vm_with_ram(test) else {
+        return;
+    };
     // 64 MiB in 2 MiB blocks, pieces of two blocks.
     let hotplug =
         hotplug::setup(&vm, &area(64, 2, Some(4), RegionPageSize::Huge2M)).expect("the device");
@@ -758,13 +770,11 @@ fn kvm_virtio_mem_with_2m_pages_plugs_huge_pages_and_gives_them_back() {
 /// nothing is plugged.
 #[test]
 fn kvm_virtio_mem_with_2m_pages_answers_busy_when_the_pool_cannot_hold_a_piece() {
-    if !kvm_test_support::require_kvm(
+    let Some((vm, memory)) = kvm_vm_with_ram(
         "tinyvmm::kvm_virtio_mem_with_2m_pages_answers_busy_when_the_pool_cannot_hold_a_piece",
-    ) {
+    ) else {
         return;
-    }
-    let vm = vm_with_ram();
-    let memory = Arc::clone(vm.memory());
+    };
     // One piece of more pages than the pool has, whatever its size.
     let piece_mib = (kvm_memslots::hugetlb_pages_available() + 64) * 2;
     let hotplug = hotplug::setup(

@@ -110,7 +110,6 @@ fn resumed(name: &str, state: &Path, mem: &Path, files: WorkingSetFiles) -> Vmm 
     vmm
 }
 
-/// The list file at `path`.
 /// `state` and `mem` restored lazily in this process with `list` prefetched, once the
 /// prefetch has ended; and the memory file it restored from.
 fn prefetched(
@@ -146,12 +145,55 @@ fn prefetched(
     (vm, memory)
 }
 
+/// The list file at `path`.
 fn list_at(path: &Path) -> WorkingSet {
     WorkingSet::from_bytes(&std::fs::read(path).expect("the list")).expect("valid")
 }
 
 fn snapshot_id(state: &Path) -> u128 {
     saved(state).snapshot.expect("a snapshot's state").id.0
+}
+
+/// [`prefetched`], checked: every page of `set` (the list at `list`) was prefetched, and the
+/// test guest verifies each of `ranges` (start, end, seed) with no page faulting in. The VM
+/// (its vCPUs shut down) and the memory file it restored from.
+fn verify_prefetched(
+    (state, mem, list): (&Path, &Path, &Path),
+    saved: &SnapshotState,
+    set: &WorkingSet,
+    ranges: &[(u64, u64, u64)],
+) -> (TestVm, std::fs::File) {
+    let (vm, memory) = prefetched(state, mem, list, saved);
+    let stats = vm.loader().expect("a lazy restore's loader").stats();
+    assert_eq!(stats.prefetched.load(Ordering::Acquire), set.pages());
+    let stopped = Arc::new(EventFd::new(libc::EFD_NONBLOCK).expect("an eventfd"));
+    let mut vcpus = vm
+        .start_restored_vcpus(&saved.vcpus, &stopped)
+        .expect("vCPUs");
+    for &(start, end, seed) in ranges {
+        verifies(&mut vcpus, start, end, seed);
+    }
+    assert_eq!(
+        stats.copied.load(Ordering::Acquire),
+        0,
+        "no page faulted in"
+    );
+    vcpus.shut_down().expect("stopped");
+    (vm, memory)
+}
+
+/// Has the test guest verify `[start, end)` (written with `seed`), a 4 KiB page at a time: no
+/// mismatch.
+fn verifies(vcpus: &mut tinyvmm::test_guest::vcpus::Vcpus, start: u64, end: u64, seed: u64) {
+    let verify = Command {
+        op: Op::Verify,
+        start,
+        end,
+        stride: 4096,
+        seed,
+    };
+    let outcome = vcpus.run(0, verify).expect("ran");
+    assert_eq!(outcome.mismatch, None);
 }
 
 #[test]
@@ -218,28 +260,8 @@ fn kvm_a_recorded_working_set_is_prefetched_and_the_guest_verifies() {
     // The prefetch, seen from the loader: every page of the list filled ahead of the guest,
     // whose verify then faults on none of them.
     let saved = saved(&state);
-    let (vm, _memory) = prefetched(&state, &mem, &list, &saved);
-    let stats = vm.loader().expect("a lazy restore's loader").stats();
-    assert_eq!(stats.prefetched.load(Ordering::Acquire), set.pages());
-    let stopped = Arc::new(EventFd::new(libc::EFD_NONBLOCK).expect("an eventfd"));
-    let mut vcpus = vm
-        .start_restored_vcpus(&saved.vcpus, &stopped)
-        .expect("vCPUs");
-    let verify = Command {
-        op: Op::Verify,
-        start: AREA,
-        end: AREA + AREA_SIZE,
-        stride: 4096,
-        seed: 5,
-    };
-    let outcome = vcpus.run(0, verify).expect("ran");
-    assert_eq!(outcome.mismatch, None);
-    assert_eq!(
-        stats.copied.load(Ordering::Acquire),
-        0,
-        "no page faulted in"
-    );
-    vcpus.shut_down().expect("stopped");
+    let files = (state.as_path(), mem.as_path(), list.as_path());
+    let (_vm, _memory) = verify_prefetched(files, &saved, &set, &[(AREA, AREA + AREA_SIZE, 5)]);
 
     // A timed recording writes its list while the VM runs on.
     let timed_list = dir.join("timed.wset");
@@ -348,30 +370,9 @@ fn kvm_a_2m_region_restores_lazily_and_the_guest_verifies() {
 
     // Restored lazily with the list prefetched: the guest verifies, and faults on nothing.
     let saved = saved(&state);
-    let (vm, memory) = prefetched(&state, &mem, &list, &saved);
-    let stats = vm.loader().expect("a lazy restore's loader").stats();
-    assert_eq!(stats.prefetched.load(Ordering::Acquire), set.pages());
-    let stopped = Arc::new(EventFd::new(libc::EFD_NONBLOCK).expect("an eventfd"));
-    let mut vcpus = vm
-        .start_restored_vcpus(&saved.vcpus, &stopped)
-        .expect("vCPUs");
-    for (start, end, seed) in [(HUGE, HUGE + HUGE_WRITTEN, 11), (AREA, AREA + AREA_SIZE, 5)] {
-        let verify = Command {
-            op: Op::Verify,
-            start,
-            end,
-            stride: 4096,
-            seed,
-        };
-        let outcome = vcpus.run(0, verify).expect("ran");
-        assert_eq!(outcome.mismatch, None);
-    }
-    assert_eq!(
-        stats.copied.load(Ordering::Acquire),
-        0,
-        "no page faulted in"
-    );
-    vcpus.shut_down().expect("stopped");
+    let files = (state.as_path(), mem.as_path(), list.as_path());
+    let ranges = [(HUGE, HUGE + HUGE_WRITTEN, 11), (AREA, AREA + AREA_SIZE, 5)];
+    let (vm, memory) = verify_prefetched(files, &saved, &set, &ranges);
     // Its hugetlb pages go back to the pool before the next restore takes theirs.
     drop(vm);
 
@@ -385,28 +386,14 @@ fn kvm_a_2m_region_restores_lazily_and_the_guest_verifies() {
     )
     .expect("restored");
     let stats = vm.loader().expect("a lazy restore's loader").stats();
+    let stopped = Arc::new(EventFd::new(libc::EFD_NONBLOCK).expect("an eventfd"));
     let mut vcpus = vm
         .start_restored_vcpus(&saved.vcpus, &stopped)
         .expect("vCPUs");
     // The area first: the guest's own pages (code, stack, mailbox) fault in meanwhile.
-    let area = Command {
-        op: Op::Verify,
-        start: AREA,
-        end: AREA + AREA_SIZE,
-        stride: 4096,
-        seed: 5,
-    };
-    assert_eq!(vcpus.run(0, area).expect("ran").mismatch, None);
+    verifies(&mut vcpus, AREA, AREA + AREA_SIZE, 5);
     let before = stats.copy_calls.load(Ordering::Acquire);
-    let verify = Command {
-        op: Op::Verify,
-        start: HUGE,
-        end: HUGE + HUGE_WRITTEN,
-        stride: 4096,
-        seed: 11,
-    };
-    let outcome = vcpus.run(0, verify).expect("ran");
-    assert_eq!(outcome.mismatch, None);
+    verifies(&mut vcpus, HUGE, HUGE + HUGE_WRITTEN, 11);
     // One copy a 2 MiB page (the guest's page tables for the range may take a 4 KiB page or
     // two besides); in 4 KiB pages that would be 1,792 copies.
     let copies = stats.copy_calls.load(Ordering::Acquire) - before;
@@ -609,6 +596,18 @@ impl Linux {
         Linux::start(dir, name, &[&restore[..], extra].concat())
     }
 
+    /// [`restore`](Self::restore) lazily (`--mem-backend uffd`).
+    fn restore_lazily(dir: &Path, name: &str, snapshot: (&Path, &Path), extra: &[&OsStr]) -> Linux {
+        let uffd: [&OsStr; 2] = ["--mem-backend".as_ref(), "uffd".as_ref()];
+        Linux::restore(dir, name, snapshot, &[&uffd[..], extra].concat())
+    }
+
+    /// Ends the recording of the working set (`PUT /working-set/stop`).
+    fn stop_recording(&self) {
+        let (status, body) = self.vmm.call("PUT", "/working-set/stop", None);
+        assert_eq!(status, 204, "{body}");
+    }
+
     fn console(&self) -> String {
         self.vmm.stdout_now()
     }
@@ -716,10 +715,12 @@ impl Linux {
     }
 }
 
-/// Boots Linux with 128 MiB of RAM in `page_size` pages (`4k` or `2m`), pauses it early in
-/// its boot ([`EARLY_LINE`]) and takes a Full into `dir`: the state file, the memory file and
-/// the console up to the pause.
-fn linux_snapshot(dir: &Path, vmlinux: &Path, page_size: &str) -> (PathBuf, PathBuf, String) {
+/// Boots Linux (Debian's kernel, which `test` checked it has) with 128 MiB of RAM in
+/// `page_size` pages (`4k` or `2m`), pauses it early in its boot ([`EARLY_LINE`]) and takes a
+/// Full into `dir`: the state file, the memory file and the console up to the pause.
+fn linux_snapshot(test: &str, dir: &Path, page_size: &str) -> (PathBuf, PathBuf, String) {
+    let (_, vmlinux) = support::debian_kernel(test).expect("checked");
+    let vmlinux = vmlinux.as_path();
     let state = dir.join(format!("{page_size}.state"));
     let mem = dir.join(format!("{page_size}.mem"));
     let boot = Linux::start(
@@ -754,6 +755,37 @@ fn linux_snapshot(dir: &Path, vmlinux: &Path, page_size: &str) -> (PathBuf, Path
     (state, mem, console)
 }
 
+/// A Linux guest's snapshot ([`linux_snapshot`]) in a scratch folder of its own, and where
+/// its restores record their working set.
+struct LinuxSnapshot {
+    /// Held until the test ends.
+    _scratch: Scratch,
+    dir: PathBuf,
+    /// The working set's list, once recorded.
+    list: PathBuf,
+    state: PathBuf,
+    mem: PathBuf,
+    /// The console up to the pause.
+    before: String,
+}
+
+impl LinuxSnapshot {
+    /// [`linux_snapshot`] in `page_size` pages, in the scratch folder `tag`.
+    fn take(test: &str, tag: &str, page_size: &str) -> LinuxSnapshot {
+        let scratch = Scratch::new(tag);
+        let dir = scratch.0.clone();
+        let (state, mem, before) = linux_snapshot(test, &dir, page_size);
+        LinuxSnapshot {
+            _scratch: scratch,
+            list: dir.join("l.wset"),
+            dir,
+            state,
+            mem,
+            before,
+        }
+    }
+}
+
 /// The snapshot id of the Linux state file `state`.
 fn linux_snapshot_id(state: &Path) -> u128 {
     tinyvmm::linux::state::LinuxState::read_file(state)
@@ -762,6 +794,14 @@ fn linux_snapshot_id(state: &Path) -> u128 {
         .expect("a snapshot")
         .id
         .0
+}
+
+/// The working set recorded at `list` from the snapshot `state` (it names its id), by a VMM
+/// that said `stderr`.
+fn recorded(list: &Path, state: &Path, stderr: &str) -> WorkingSet {
+    let set = list_at(list);
+    assert_eq!(set.snapshot, linux_snapshot_id(state), "{stderr}");
+    set
 }
 
 /// Whether the hugetlb pool can hold a 128 MiB Linux guest; says SKIPPED for `what` if not.
@@ -779,56 +819,45 @@ fn kvm_a_linux_guest_records_and_prefetches_its_working_set() {
     if !support::ready(test) {
         return;
     }
-    let (_, vmlinux) = support::debian_kernel(test).expect("checked");
-    let scratch = Scratch::new("linux");
-    let dir = scratch.0.clone();
-    let list = dir.join("l.wset");
-
     // A kernel booting, paused early and snapshotted.
-    let (state, mem, before) = linux_snapshot(&dir, &vmlinux, "4k");
-    let snapshot = (state.as_path(), mem.as_path());
+    let linux = LinuxSnapshot::take(test, "linux", "4k");
+    let (dir, list, state, before) = (&linux.dir, &linux.list, &linux.state, &linux.before);
+    let snapshot = (state.as_path(), linux.mem.as_path());
 
     // Restored lazily, recording 3 s of the guest's run until a client ends it (long before
     // its --record-secs).
-    let uffd: [&OsStr; 2] = ["--mem-backend".as_ref(), "uffd".as_ref()];
-    let record = [
-        &uffd[..],
-        &[
-            "--record-working-set".as_ref(),
-            list.as_os_str(),
-            "--record-secs".as_ref(),
-            "600".as_ref(),
-        ],
-    ]
-    .concat();
-    let recording = Linux::restore(&dir, "linux-record", snapshot, &record);
-    recording.runs_on(&before);
+    let record: [&OsStr; 4] = [
+        "--record-working-set".as_ref(),
+        list.as_os_str(),
+        "--record-secs".as_ref(),
+        "600".as_ref(),
+    ];
+    let recording = Linux::restore_lazily(dir, "linux-record", snapshot, &record);
+    recording.runs_on(before);
     std::thread::sleep(Duration::from_secs(3));
-    let (status, body) = recording.vmm.call("PUT", "/working-set/stop", None);
-    assert_eq!(status, 204, "{body}");
+    recording.stop_recording();
     assert!(list.exists(), "the list is written before the answer");
     assert_eq!(recording.vmm.call("PUT", "/working-set/stop", None).0, 409);
     let stderr = recording.end();
-    let set = list_at(&list);
-    assert_eq!(set.snapshot, linux_snapshot_id(&state), "{stderr}");
+    let set = recorded(list, state, &stderr);
     assert!(set.pages() > 0, "{stderr}");
 
     // Restored again with the list: it runs on, nothing failed.
-    let prefetch = [&uffd[..], &["--prefetch".as_ref(), list.as_os_str()]].concat();
-    let prefetching = Linux::restore(&dir, "linux-prefetch", snapshot, &prefetch);
-    prefetching.runs_on(&before);
+    let prefetch: [&OsStr; 2] = ["--prefetch".as_ref(), list.as_os_str()];
+    let prefetching = Linux::restore_lazily(dir, "linux-prefetch", snapshot, &prefetch);
+    prefetching.runs_on(before);
     prefetching.end();
 
     // Restored lazily in 2 MiB pages (issue 38): whole huge pages back it, and it runs on.
     if pool_holds_linux(test, " (its restore in 2 MiB pages)") {
-        let huge = [&uffd[..], &["--page-size".as_ref(), "2m".as_ref()]].concat();
-        let in_2m = Linux::restore(&dir, "linux-4k-in-2m", snapshot, &huge);
+        let huge: [&OsStr; 2] = ["--page-size".as_ref(), "2m".as_ref()];
+        let in_2m = Linux::restore_lazily(dir, "linux-4k-in-2m", snapshot, &huge);
         assert_eq!(
             in_2m.ram(),
             ("2m".to_owned(), 0),
             "nothing filled before it runs"
         );
-        in_2m.runs_on(&before);
+        in_2m.runs_on(before);
         in_2m.whole_huge_pages();
         in_2m.end();
     }
@@ -840,15 +869,11 @@ fn kvm_a_linux_guest_in_2m_pages_restores_every_way() {
     if !support::ready(test) || !pool_holds_linux(test, "") {
         return;
     }
-    let (_, vmlinux) = support::debian_kernel(test).expect("checked");
-    let scratch = Scratch::new("linux2m");
-    let dir = scratch.0.clone();
-    let list = dir.join("l.wset");
-
     // Booted in 2 MiB pages (checked there), paused early, snapshotted.
-    let (state, mem, before) = linux_snapshot(&dir, &vmlinux, "2m");
-    let snapshot = (state.as_path(), mem.as_path());
-    let layout = tinyvmm::linux::state::LinuxState::read_file(&state)
+    let linux = LinuxSnapshot::take(test, "linux2m", "2m");
+    let (dir, list, state, before) = (&linux.dir, &linux.list, &linux.state, &linux.before);
+    let snapshot = (state.as_path(), linux.mem.as_path());
+    let layout = tinyvmm::linux::state::LinuxState::read_file(state)
         .expect("the Linux state file")
         .layout;
     assert_eq!(layout.regions.len(), 1);
@@ -860,21 +885,14 @@ fn kvm_a_linux_guest_in_2m_pages_restores_every_way() {
 
     // Restored lazily, recording: nothing is filled before the guest runs, then whole 2 MiB
     // pages, each the guest touched (the list) among them.
-    let uffd: [&OsStr; 2] = ["--mem-backend".as_ref(), "uffd".as_ref()];
-    let record = [
-        &uffd[..],
-        &["--record-working-set".as_ref(), list.as_os_str()],
-    ]
-    .concat();
-    let recording = Linux::restore(&dir, "linux-2m-record", snapshot, &record);
+    let record: [&OsStr; 2] = ["--record-working-set".as_ref(), list.as_os_str()];
+    let recording = Linux::restore_lazily(dir, "linux-2m-record", snapshot, &record);
     assert_eq!(recording.ram(), ("2m".to_owned(), 0));
-    recording.runs_on(&before);
-    let (status, body) = recording.vmm.call("PUT", "/working-set/stop", None);
-    assert_eq!(status, 204, "{body}");
+    recording.runs_on(before);
+    recording.stop_recording();
     let filled = recording.whole_huge_pages();
     let stderr = recording.end();
-    let set = list_at(&list);
-    assert_eq!(set.snapshot, linux_snapshot_id(&state), "{stderr}");
+    let set = recorded(list, state, &stderr);
     assert!(
         set.runs
             .iter()
@@ -891,9 +909,9 @@ fn kvm_a_linux_guest_in_2m_pages_restores_every_way() {
 
     // Restored lazily with the list: its pages are fetched into hugetlb pages, the guest runs
     // on.
-    let prefetch = [&uffd[..], &["--prefetch".as_ref(), list.as_os_str()]].concat();
-    let prefetching = Linux::restore(&dir, "linux-2m-prefetch", snapshot, &prefetch);
-    prefetching.runs_on(&before);
+    let prefetch: [&OsStr; 2] = ["--prefetch".as_ref(), list.as_os_str()];
+    let prefetching = Linux::restore_lazily(dir, "linux-2m-prefetch", snapshot, &prefetch);
+    prefetching.runs_on(before);
     prefetching
         .vmm
         .wait_until("prefetch the list", Duration::from_secs(120), |vmm| {
@@ -914,20 +932,20 @@ fn kvm_a_linux_guest_in_2m_pages_restores_every_way() {
 
     // Restored by copy: in hugetlb pages before the guest runs.
     let copy: [&OsStr; 2] = ["--mem-backend".as_ref(), "copy".as_ref()];
-    let copied = Linux::restore(&dir, "linux-2m-copy", snapshot, &copy);
+    let copied = Linux::restore(dir, "linux-2m-copy", snapshot, &copy);
     let (page_size, hugetlb) = copied.ram();
     assert_eq!(page_size, "2m");
     assert!(hugetlb > 0, "copied into hugetlb pages");
     let (_, vm) = copied.vmm.call("GET", "/vm", None);
     assert!(vm.get("lazy_restore").is_none(), "not a lazy restore: {vm}");
-    copied.runs_on(&before);
+    copied.runs_on(before);
     copied.end();
 
     // Restored in 4 KiB pages (the default backend: the memory file mapped privately), no
     // hugetlb page taken.
     let small: [&OsStr; 2] = ["--page-size".as_ref(), "4k".as_ref()];
-    let in_4k = Linux::restore(&dir, "linux-2m-in-4k", snapshot, &small);
-    in_4k.runs_on(&before);
+    let in_4k = Linux::restore(dir, "linux-2m-in-4k", snapshot, &small);
+    in_4k.runs_on(before);
     assert_eq!(in_4k.ram(), ("4k".to_owned(), 0));
     in_4k.end();
 }

@@ -4,12 +4,12 @@
 //! fault. Tests that need the hugetlb pool skip loudly where it is too small.
 
 mod support;
+use support::lazy::{prefetching, restored, wait_prefetched};
 use support::{pool_has, TempFile};
 
 use std::fs::File;
 use std::sync::atomic::Ordering;
 use std::sync::mpsc;
-use std::time::{Duration, Instant};
 
 use kvm_memslots::testing::FakeKvm;
 use kvm_memslots::{Backing, MemoryManager, PageSize, RegionSpec, HUGE_PAGE_SIZE, PAGE_SIZE};
@@ -100,6 +100,25 @@ fn snapshot(a: &MemoryManager<FakeKvm>, name: &str) -> (MemoryLayout, TempFile, 
     (layout, path, file)
 }
 
+/// The [`source`] VM and its snapshot (named `name`), or `None` where the hugetlb pool is too
+/// small for `test` (which then skips, loudly).
+fn huge_snapshot(
+    test: &str,
+    name: &str,
+) -> Option<(MemoryManager<FakeKvm>, MemoryLayout, TempFile, File)> {
+    if !pool_has(test, 8) {
+        return None;
+    }
+    let a = source();
+    let (layout, path, file) = snapshot(&a, name);
+    Some((a, layout, path, file))
+}
+
+/// Whether the guest range `[gpa, gpa + len)` of `m` reads all zeros.
+fn zeros(m: &MemoryManager<FakeKvm>, gpa: u64, len: u64) -> bool {
+    bytes(m, gpa, len).iter().all(|b| *b == 0)
+}
+
 fn stat(loader: &LazyLoader) -> [u64; 4] {
     let s = loader.stats();
     [
@@ -112,22 +131,20 @@ fn stat(loader: &LazyLoader) -> [u64; 4] {
 
 #[test]
 fn a_lazy_restore_fills_whole_2m_pages_with_one_copy_each() {
-    let test = "a_lazy_restore_fills_whole_2m_pages_with_one_copy_each";
-    if !pool_has(test, 8) {
+    let Some((a, layout, _path, file)) = huge_snapshot(
+        "a_lazy_restore_fills_whole_2m_pages_with_one_copy_each",
+        "fill",
+    ) else {
         return;
-    }
-    let a = source();
-    let (layout, _path, file) = snapshot(&a, "fill");
+    };
     assert_eq!(layout.regions[1].page_size, LayoutPageSize::Huge2M);
     assert_eq!(
         layout.regions[1].file_offset, MIB,
         "off the 2 MiB grid in the file"
     );
 
-    let b = manager();
     LazyLoader::check_layout(&layout).expect("this host's userfaultfd fills hugetlb pages");
-    layout.build(&b).expect("built");
-    let loader = LazyLoader::start(&b, &layout, &file).expect("started");
+    let (b, loader) = restored(&layout, &file, LazyOptions::default());
     assert_eq!(stat(&loader), [0, 0, 0, 0], "nothing read up front");
 
     // One byte of the first huge page, which is mostly a hole in the file: the whole page is
@@ -160,29 +177,22 @@ fn a_lazy_restore_fills_whole_2m_pages_with_one_copy_each() {
     // A huge page discarded after its fill reads zeros (filled again with one copy of zeros).
     b.discard(GuestAddress(HUGE + HUGE_PAGE_SIZE), HUGE_PAGE_SIZE)
         .expect("a whole page");
-    assert!(bytes(&b, HUGE + HUGE_PAGE_SIZE, HUGE_PAGE_SIZE)
-        .iter()
-        .all(|b| *b == 0));
+    assert!(zeros(&b, HUGE + HUGE_PAGE_SIZE, HUGE_PAGE_SIZE));
     assert_eq!(stat(&loader)[3], calls + 1);
     assert!(!loader.stats().failed.load(Ordering::Acquire));
 }
 
 #[test]
 fn a_2m_page_discarded_before_its_fill_reads_zeros() {
-    let test = "a_2m_page_discarded_before_its_fill_reads_zeros";
-    if !pool_has(test, 8) {
+    let Some((a, layout, _path, file)) =
+        huge_snapshot("a_2m_page_discarded_before_its_fill_reads_zeros", "discard")
+    else {
         return;
-    }
-    let a = source();
-    let (layout, _path, file) = snapshot(&a, "discard");
-    let b = manager();
-    layout.build(&b).expect("built");
-    let loader = LazyLoader::start(&b, &layout, &file).expect("started");
+    };
+    let (b, loader) = restored(&layout, &file, LazyOptions::default());
     b.discard(GuestAddress(HUGE + HUGE_PAGE_SIZE), HUGE_PAGE_SIZE)
         .expect("a whole page");
-    assert!(bytes(&b, HUGE + HUGE_PAGE_SIZE, HUGE_PAGE_SIZE)
-        .iter()
-        .all(|b| *b == 0));
+    assert!(zeros(&b, HUGE + HUGE_PAGE_SIZE, HUGE_PAGE_SIZE));
     assert_eq!(stat(&loader), [0, 512, 0, 1], "zeros, not the file's data");
     // Its neighbours still hold the file's data.
     assert_eq!(
@@ -191,27 +201,16 @@ fn a_2m_page_discarded_before_its_fill_reads_zeros() {
     );
 }
 
-/// Waits (a deadline only guards a hang) until the loader's prefetch is done.
-fn prefetched(loader: &LazyLoader) {
-    let deadline = Instant::now() + Duration::from_secs(60);
-    while !loader.stats().prefetch_done.load(Ordering::Acquire) {
-        assert!(Instant::now() < deadline, "the prefetch never ended");
-        std::thread::sleep(Duration::from_millis(1));
-    }
-}
-
 #[test]
 fn a_working_set_of_2m_pages_is_recorded_and_prefetched_whole() {
-    let test = "a_working_set_of_2m_pages_is_recorded_and_prefetched_whole";
-    if !pool_has(test, 8) {
+    let Some((a, layout, _path, file)) = huge_snapshot(
+        "a_working_set_of_2m_pages_is_recorded_and_prefetched_whole",
+        "working-set",
+    ) else {
         return;
-    }
-    let a = source();
-    let (layout, _path, file) = snapshot(&a, "working-set");
+    };
 
     // Recorded: the guest touches the second huge page, then the first (one byte each).
-    let b = manager();
-    layout.build(&b).expect("built");
     let (tx, rx) = mpsc::channel();
     let options = LazyOptions {
         record: Some(Recording::new(9, None, move |set| {
@@ -219,7 +218,7 @@ fn a_working_set_of_2m_pages_is_recorded_and_prefetched_whole() {
         })),
         ..LazyOptions::default()
     };
-    let loader = LazyLoader::start_with(&b, &layout, &file, options).expect("started");
+    let (b, loader) = restored(&layout, &file, options);
     bytes(&b, HUGE + HUGE_PAGE_SIZE + 3 * PAGE_SIZE, 1);
     bytes(&b, HUGE + 77 * PAGE_SIZE, 1);
     assert!(loader.stop_recording());
@@ -232,14 +231,8 @@ fn a_working_set_of_2m_pages_is_recorded_and_prefetched_whole() {
     set.check(9, &layout).expect("fits");
 
     // Prefetched: two copies of 512 pages, ahead of any fault.
-    let c = manager();
-    layout.build(&c).expect("built");
-    let options = LazyOptions {
-        prefetch: Some(set),
-        ..LazyOptions::default()
-    };
-    let loader = LazyLoader::start_with(&c, &layout, &file, options).expect("started");
-    prefetched(&loader);
+    let (c, loader) = restored(&layout, &file, prefetching(set));
+    wait_prefetched(&loader);
     assert_eq!(stat(&loader), [0, 0, 1024, 2]);
     assert_eq!(
         bytes(&c, HUGE, 2 * HUGE_PAGE_SIZE),
@@ -255,26 +248,20 @@ fn a_working_set_of_2m_pages_is_recorded_and_prefetched_whole() {
 
 #[test]
 fn a_list_page_inside_a_2m_page_prefetches_the_whole_page() {
-    let test = "a_list_page_inside_a_2m_page_prefetches_the_whole_page";
-    if !pool_has(test, 8) {
+    let Some((a, layout, _path, file)) = huge_snapshot(
+        "a_list_page_inside_a_2m_page_prefetches_the_whole_page",
+        "inside",
+    ) else {
         return;
-    }
-    let a = source();
-    let (layout, _path, file) = snapshot(&a, "inside");
+    };
     // A list naming single 4 KiB pages of the huge pages (as one edited or recorded elsewhere
     // might): each fills its whole huge page, once.
     let mut set = WorkingSet::new(0, &layout);
     for page in [256 + 512 + 10, 256 + 512 + 11, 256 + 3, 256 + 1024 + 511] {
         set.push(page);
     }
-    let c = manager();
-    layout.build(&c).expect("built");
-    let options = LazyOptions {
-        prefetch: Some(set),
-        ..LazyOptions::default()
-    };
-    let loader = LazyLoader::start_with(&c, &layout, &file, options).expect("started");
-    prefetched(&loader);
+    let (c, loader) = restored(&layout, &file, prefetching(set));
+    wait_prefetched(&loader);
     assert_eq!(stat(&loader), [0, 0, 1536, 3]);
     assert_eq!(contents(&c), contents(&a));
 }
@@ -292,9 +279,7 @@ fn a_transparent_huge_page_region_is_filled_a_2m_block_a_fault() {
     }
     let (layout, _path, file) = snapshot(&a, "thp");
     assert_eq!(layout.regions[0].page_size, LayoutPageSize::Transparent);
-    let b = manager();
-    layout.build(&b).expect("built");
-    let loader = LazyLoader::start(&b, &layout, &file).expect("started");
+    let (b, loader) = restored(&layout, &file, LazyOptions::default());
     // A fault at 2 MiB into the region fills the 2 MiB block of host addresses around it
     // (wholly inside the 4 MiB region) with one copy.
     bytes(&b, 2 * MIB, 1);
@@ -302,9 +287,7 @@ fn a_transparent_huge_page_region_is_filled_a_2m_block_a_fault() {
     // A 4 KiB page of a filled block discarded reads zeros, its neighbours their data.
     b.discard(GuestAddress(2 * MIB + 5 * PAGE_SIZE), PAGE_SIZE)
         .expect("4 KiB of a THP region");
-    assert!(bytes(&b, 2 * MIB + 5 * PAGE_SIZE, PAGE_SIZE)
-        .iter()
-        .all(|b| *b == 0));
+    assert!(zeros(&b, 2 * MIB + 5 * PAGE_SIZE, PAGE_SIZE));
     assert_eq!(
         bytes(&b, 2 * MIB + 6 * PAGE_SIZE, PAGE_SIZE),
         bytes(&a, 2 * MIB + 6 * PAGE_SIZE, PAGE_SIZE)

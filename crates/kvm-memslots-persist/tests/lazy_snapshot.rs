@@ -14,6 +14,7 @@ use kvm_memslots_persist::{
     data_runs, load_memory_file, merge_memory_files, write_dirty_pages, write_memory_file,
     LazyLoader, MemoryLayout,
 };
+use kvm_test_support::files::{maps_memfd, memfd_at};
 use vm_memory::{Bytes, GuestAddress, GuestAddressSpace};
 
 const MIB: u64 = 1 << 20;
@@ -281,31 +282,6 @@ fn a_snapshot_of_a_lazy_restore_whose_loader_failed_is_refused() {
     toucher.join().expect("the toucher");
 }
 
-/// The memfd mapped at host address `hva` in this process (the device and inode
-/// `/proc/self/maps` names it by), if a memfd is mapped there.
-fn memfd_at(hva: u64) -> Option<String> {
-    let maps = std::fs::read_to_string("/proc/self/maps").expect("/proc/self/maps");
-    maps.lines().find_map(|line| {
-        let fields: Vec<&str> = line.split_whitespace().collect();
-        let (from, to) = fields[0].split_once('-').expect("from-to");
-        let from = u64::from_str_radix(from, 16).expect("hex");
-        let to = u64::from_str_radix(to, 16).expect("hex");
-        let memfd = fields
-            .get(5)
-            .is_some_and(|name| name.starts_with("/memfd:"));
-        (memfd && from <= hva && hva < to).then(|| format!("{} {}", fields[3], fields[4]))
-    })
-}
-
-/// Whether this process maps the memfd `memfd` (as [`memfd_at`] names it) anywhere.
-fn maps_memfd(memfd: &str) -> bool {
-    let maps = std::fs::read_to_string("/proc/self/maps").expect("/proc/self/maps");
-    maps.lines().any(|line| {
-        let fields: Vec<&str> = line.split_whitespace().collect();
-        fields.len() > 5 && format!("{} {}", fields[3], fields[4]) == memfd
-    })
-}
-
 /// A region removed from a lazily restored manager is unmapped as it would be without the
 /// loader (which must not hold it), and the loader no longer owes anything there: what is left
 /// snapshots whole, and a region later mapped at the same address is not taken for the old.
@@ -320,10 +296,10 @@ fn a_region_removed_under_a_lazy_restore_is_unmapped_and_forgotten() {
         .into_iter()
         .find(|r| r.gpa == GuestAddress(8 * MIB))
         .expect("the memfd region");
-    let memfd = memfd_at(region.hva.0).expect("a memfd mapped before the remove");
+    let memfd = memfd_at("self", region.hva.0).expect("a memfd mapped before the remove");
     b.remove_region(region.id).expect("removed");
     assert!(
-        !maps_memfd(&memfd),
+        !maps_memfd("self", &memfd),
         "the removed region's memory ({memfd}, at {:#x}) is still mapped under the loader",
         region.hva.0
     );

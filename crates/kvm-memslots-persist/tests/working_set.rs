@@ -2,6 +2,9 @@
 //! order; the next lazy restore of the snapshot fetches them ahead of the guest while faults
 //! are still served; a list that does not fit is refused before anything is registered.
 
+mod support;
+use support::lazy::{prefetching, restored, wait_prefetched};
+
 use std::fs::File;
 use std::os::fd::FromRawFd;
 use std::sync::atomic::Ordering;
@@ -69,38 +72,8 @@ fn recording(record: Recording) -> LazyOptions {
     }
 }
 
-/// Loader options that prefetch `set`.
-fn prefetching(set: WorkingSet) -> LazyOptions {
-    LazyOptions {
-        prefetch: Some(set),
-        ..LazyOptions::default()
-    }
-}
-
-fn restored(
-    layout: &MemoryLayout,
-    file: &File,
-    options: LazyOptions,
-) -> (MemoryManager<FakeKvm>, LazyLoader) {
-    let b = manager();
-    layout.build(&b).expect("built");
-    let loader = LazyLoader::start_with(&b, layout, file, options).expect("userfaultfd");
-    (b, loader)
-}
-
 fn read(m: &MemoryManager<FakeKvm>, page: u64) -> u64 {
     m.handle().memory().read_obj(gpa(page)).expect("read")
-}
-
-fn wait_prefetched(loader: &LazyLoader) {
-    let start = Instant::now();
-    while !loader.stats().prefetch_done.load(Ordering::Acquire) {
-        assert!(
-            start.elapsed() < Duration::from_secs(20),
-            "the prefetch ends"
-        );
-        std::thread::sleep(Duration::from_millis(1));
-    }
 }
 
 #[test]

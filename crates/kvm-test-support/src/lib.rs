@@ -1,11 +1,12 @@
 //! How the project's integration tests use `/dev/kvm` (and read a binary's `--help`:
-//! [`cli`]).
+//! [`cli`]; make scratch files and find the memfds a process maps: [`files`]).
 //!
 //! A test calls [`require_kvm`] first. Without a usable `/dev/kvm` it prints a loud SKIPPED
 //! line and the test returns early; with one, the test's name is appended to the file named by
 //! `$KVM_TEST_LOG`, which `tests/run.sh` counts so that CI reports how many KVM tests ran.
 
 pub mod cli;
+pub mod files;
 
 use std::fs::OpenOptions;
 use std::io::Write;

@@ -15,14 +15,15 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use kvm_memslots::{MemoryLimits, Target, PAGE_SIZE};
+use kvm_memslots::{Target, PAGE_SIZE};
 use serde::Serialize;
 use vmm_sys_util::eventfd::EventFd;
 
 use tinyvmm::jobs::args::{slot_count, LimitArgs};
+use tinyvmm::jobs::check::CheckConfig;
 use tinyvmm::jobs::process::{job_report, print_report, write_json};
 use tinyvmm::lifecycle::run_job;
-use tinyvmm::test_guest::area::{AreaError, TestArea, AREA_GPA};
+use tinyvmm::test_guest::area::{AreaError, TestArea};
 use tinyvmm::test_guest::vcpus::{check_slot_count, GuestError, TestVm, Vcpus};
 use tinyvmm::test_guest::{Command, Op};
 use tinyvmm::vm::VmOptions;
@@ -35,17 +36,12 @@ const CLUSTERED_KTH: [u64; 3] = [1000, 100, 10];
 /// What to measure.
 #[derive(Debug, Clone, Copy)]
 pub struct HarvestConfig {
-    /// KVM slots in all (one is the system region's).
-    pub slots: usize,
-    /// Bytes of test area.
-    pub area_size: u64,
+    /// Each VM and its test area, as `tinyvmm check` makes them (one vCPU).
+    pub area: CheckConfig,
     /// Entries per vCPU ring in ring mode.
     pub ring_entries: u32,
     /// Repetitions per share.
     pub runs: usize,
-    /// What guest memory is admitted against; `None`: this host's defaults
-    /// ([`MemoryLimits::for_this_host`]).
-    pub limits: Option<MemoryLimits>,
 }
 
 /// Why the benchmark failed.
@@ -128,19 +124,12 @@ impl Side {
         ring: Option<u32>,
         stopped: &Arc<EventFd>,
     ) -> Result<Self, HarvestError> {
-        let vm = TestVm::with_options(VmOptions {
+        let vm = config.area.vm(VmOptions {
             dirty_ring: ring,
-            limits: config.limits,
             ..VmOptions::default()
         })?;
-        vm.check_slot_count(config.slots)?;
-        let area = TestArea::add(
-            vm.memory(),
-            AREA_GPA,
-            config.area_size,
-            config.slots as u64 - 1,
-        )?;
-        let mut vcpus = vm.start_vcpus(1, stopped)?;
+        let area = config.area.add_area(&vm)?;
+        let mut vcpus = vm.start_vcpus(config.area.vcpus, stopped)?;
         vcpus.set_timeout(Duration::from_secs(600));
         let memory = Arc::clone(vm.memory());
         memory.start_dirty_log(Target::Region(area.region))?;
@@ -221,7 +210,7 @@ pub fn run_harvest_bench(
     stopped: &Arc<EventFd>,
 ) -> Result<HarvestReport, HarvestError> {
     check_slot_count(
-        config.slots,
+        config.area.slots,
         tinyvmm::vm::max_slots().map_err(GuestError::Vm)?,
     )?;
     let mut sides = [
@@ -273,8 +262,8 @@ pub fn run_harvest_bench(
         side.vcpus.shut_down()?;
     }
     Ok(HarvestReport {
-        slots: config.slots,
-        area_size: config.area_size,
+        slots: config.area.slots,
+        area_size: config.area.area_size,
         ring_entries: config.ring_entries,
         runs: config.runs,
         rows,
@@ -360,11 +349,14 @@ impl HarvestArgs {
             },
         };
         let config = HarvestConfig {
-            slots,
-            area_size: self.mem_mib.saturating_mul(1 << 20),
+            area: CheckConfig {
+                slots,
+                area_size: self.mem_mib.saturating_mul(1 << 20),
+                vcpus: 1,
+                limits: Some(self.limits.resolve()),
+            },
             ring_entries: self.dirty_ring,
             runs: self.runs,
-            limits: Some(self.limits.resolve()),
         };
         let outcome = run_job(move |ctx| run_harvest_bench(&config, &ctx.stop, &ctx.vcpu_stopped));
         let report = match job_report(outcome, "", self.json) {

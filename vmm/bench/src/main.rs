@@ -4,8 +4,7 @@
 use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
-use tinyvmm::jobs::args::{parse_command_line, LogArgs};
-use tinyvmm::jobs::process::raise_open_file_limit;
+use tinyvmm::jobs::args::{start_command_line, LogArgs};
 use tinyvmm_bench::{harvest, perf, snapshot, stress};
 
 #[derive(Parser)]
@@ -43,12 +42,10 @@ enum Commands {
 }
 
 fn main() -> ExitCode {
-    let cli: Cli = match parse_command_line() {
+    let cli = match start_command_line(|cli: &Cli| &cli.log) {
         Ok(cli) => cli,
         Err(code) => return code,
     };
-    tinyvmm::lifecycle::set_log_level(cli.log.log_level);
-    raise_open_file_limit();
     match cli.command {
         Commands::Bench(args) => args.run(),
         Commands::Stress(args) => args.run(),

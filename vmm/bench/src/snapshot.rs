@@ -282,6 +282,16 @@ fn bandwidth(path: &Path, size: u64) -> Result<(f64, f64), SnapshotBenchError> {
     Ok((mib / write.as_secs_f64(), mib / read.as_secs_f64()))
 }
 
+/// The Full snapshot at `path("full.*")`: its state, and its memory file open.
+fn read_full(path: &dyn Fn(&str) -> PathBuf) -> Result<(SnapshotState, File), SnapshotBenchError> {
+    let bytes = std::fs::read(path("full.state")).map_err(io("reading the state"))?;
+    let state = SnapshotState::from_bytes(&bytes).map_err(|e| {
+        SnapshotBenchError::Io(e.to_string(), std::io::ErrorKind::InvalidData.into())
+    })?;
+    let mem = File::open(path("full.mem")).map_err(io("the memory file"))?;
+    Ok((state, mem))
+}
+
 /// A restore of the Full snapshot at `path("full.*")` with `backend` and the loader options
 /// `lazy` gives for the snapshot's id and layout, timed to its first guest command done and
 /// to the guest having verified every page it wrote; with the pages the loader filled on
@@ -295,11 +305,7 @@ fn timed_restore(
     lazy: impl FnOnce(u128, &MemoryLayout) -> Result<LazyOptions, SnapshotBenchError>,
 ) -> Result<(RestoreRow, u64), Option<SnapshotBenchError>> {
     let start = Instant::now();
-    let bytes = std::fs::read(path("full.state")).map_err(io("reading the state"))?;
-    let state = SnapshotState::from_bytes(&bytes).map_err(|e| {
-        SnapshotBenchError::Io(e.to_string(), std::io::ErrorKind::InvalidData.into())
-    })?;
-    let mem = File::open(path("full.mem")).map_err(io("the memory file"))?;
+    let (state, mem) = read_full(path)?;
     let id = state.snapshot.map_or(0, |info| info.id.0);
     let lazy = lazy(id, &state.layout)?;
     let vm = TestVm::restore_with(&state.layout, &mem, backend, lazy, config.vm_options())
@@ -348,11 +354,7 @@ fn host_touch_restore(
 ) -> Result<RestoreRow, SnapshotBenchError> {
     use vm_memory::{Bytes, GuestAddress, GuestAddressSpace};
     let start = Instant::now();
-    let bytes = std::fs::read(path("full.state")).map_err(io("reading the state"))?;
-    let state = SnapshotState::from_bytes(&bytes).map_err(|e| {
-        SnapshotBenchError::Io(e.to_string(), std::io::ErrorKind::InvalidData.into())
-    })?;
-    let mem = File::open(path("full.mem")).map_err(io("the memory file"))?;
+    let (state, mem) = read_full(path)?;
     let vm = TestVm::restore_with(
         &state.layout,
         &mem,

@@ -271,14 +271,18 @@ fn kvm_the_harvest_bench_checks_every_harvest_in_both_modes() {
     ) {
         return;
     }
+    use tinyvmm::jobs::check::CheckConfig;
     use tinyvmm_bench::harvest::{run_harvest_bench, HarvestConfig};
     let stopped = Arc::new(EventFd::new(0).expect("eventfd"));
     let config = HarvestConfig {
-        slots: 65,
-        area_size: 8 << 20,
+        area: CheckConfig {
+            slots: 65,
+            area_size: 8 << 20,
+            vcpus: 1,
+            limits: None,
+        },
         ring_entries: 256,
         runs: 1,
-        limits: None,
     };
     // Every harvest is checked against the pages the guest wrote (an inexact one is an
     // error), in bitmap and in ring mode; the smallest ring fills during the full writes.
@@ -293,7 +297,13 @@ fn kvm_the_harvest_bench_checks_every_harvest_in_both_modes() {
     let clustered = [3, 21, 205].map(|p| ("clustered", p));
     assert_eq!(pages, [&scattered[..], &clustered[..]].concat(), "{report}");
     assert!(report.ring_full_exits > 0, "{report}");
-    let bad = HarvestConfig { slots: 1, ..config };
+    let bad = HarvestConfig {
+        area: CheckConfig {
+            slots: 1,
+            ..config.area
+        },
+        ..config
+    };
     let err = run_harvest_bench(&bad, &AtomicBool::new(false), &stopped).expect_err("refused");
     assert!(err.to_string().contains("KVM offers 2 to"), "{err}");
 }

@@ -30,6 +30,19 @@ pub fn parse_command_line<P: clap::Parser>() -> Result<P, std::process::ExitCode
     })
 }
 
+/// What both binaries do first: parse their command line `P` ([`parse_command_line`]), apply
+/// its `--log-level` (`log` finds it) and raise the open-file limit for many regions
+/// ([`raise_open_file_limit`](super::process::raise_open_file_limit)). The command line, or
+/// the exit status the binary ends with at once.
+pub fn start_command_line<P: clap::Parser>(
+    log: impl FnOnce(&P) -> &LogArgs,
+) -> Result<P, std::process::ExitCode> {
+    let cli = parse_command_line::<P>()?;
+    crate::lifecycle::set_log_level(log(&cli).log_level);
+    super::process::raise_open_file_limit();
+    Ok(cli)
+}
+
 /// A usage error a subcommand finds in its arguments after they parsed (options that do not
 /// fit together): the binary says it as clap says one, with the subcommand's usage, and exits
 /// with `USAGE_EXIT_STATUS`.

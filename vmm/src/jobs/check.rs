@@ -34,6 +34,25 @@ pub struct CheckConfig {
     pub limits: Option<MemoryLimits>,
 }
 
+impl CheckConfig {
+    /// A test VM made with `options` under these limits, refused (before any slot is made)
+    /// where KVM cannot give it this many slots.
+    pub fn vm(&self, options: VmOptions) -> Result<TestVm, GuestError> {
+        let vm = TestVm::with_options(VmOptions {
+            limits: self.limits,
+            ..options
+        })?;
+        vm.check_slot_count(self.slots)?;
+        Ok(vm)
+    }
+
+    /// The test area in `vm`: its bytes at [`AREA_GPA`], split over every slot but the
+    /// system region's.
+    pub fn add_area(&self, vm: &TestVm) -> Result<TestArea, AreaError> {
+        TestArea::add(vm.memory(), AREA_GPA, self.area_size, self.slots as u64 - 1)
+    }
+}
+
 /// Why a check run failed.
 #[derive(Debug, thiserror::Error)]
 pub enum CheckError {
@@ -96,22 +115,13 @@ fn run_check_with_progress(
     stopped: &Arc<EventFd>,
     progress: &mut dyn FnMut(&str),
 ) -> Result<CheckReport, CheckError> {
-    let vm = TestVm::with_options(VmOptions {
-        limits: config.limits,
-        ..VmOptions::default()
-    })?;
-    vm.check_slot_count(config.slots)?;
+    let vm = config.vm(VmOptions::default())?;
     progress(&format!(
         "creating {} test slots in KVM",
         config.slots.saturating_sub(1)
     ));
     let start = Instant::now();
-    let area = TestArea::add(
-        vm.memory(),
-        AREA_GPA,
-        config.area_size,
-        config.slots as u64 - 1,
-    )?;
+    let area = config.add_area(&vm)?;
     let slot_setup = start.elapsed();
     let mut vcpus = vm.start_vcpus(config.vcpus, stopped)?;
     progress(&format!(

@@ -529,11 +529,9 @@ fn new_files(paths: &[&Path]) -> Result<Vec<(PathBuf, File)>, ControllerError> {
 mod tests {
     use std::os::unix::fs::FileExt;
 
-    use kvm_memslots::RegionSpec;
     use vm_memory::{Bytes, GuestAddress, GuestAddressSpace};
 
     use super::*;
-    use crate::vm::{Vm, VmOptions};
 
     fn create(kind: SnapshotType, name: &str) -> SnapshotCreate {
         let path = |what: &str| {
@@ -570,19 +568,13 @@ mod tests {
     /// refused, "no Full before it".)
     #[test]
     fn kvm_a_full_refused_late_keeps_the_chain() {
-        if !kvm_test_support::require_kvm(
+        let Some(vm) = crate::vm::test_vm_with_a_page(
             "tinyvmm::snapshot::chain::kvm_a_full_refused_late_keeps_the_chain",
-        ) {
+        ) else {
             return;
-        }
-        let vm = Vm::new(VmOptions::default()).expect("a VM");
+        };
         let memory = vm.memory();
-        memory
-            .add_region(RegionSpec::new(GuestAddress(0), 4 << 20))
-            .expect("a region");
         let ram = memory.handle().memory();
-        ram.write_obj(0x5au64, GuestAddress(0x1000))
-            .expect("guest memory");
         let mut chain = SnapshotChain::new();
         let first = create(SnapshotType::Full, "first");
         chain

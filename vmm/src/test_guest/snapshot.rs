@@ -95,7 +95,6 @@ mod tests {
     use crate::test_guest::hotplug::tests::{hotplug, layout};
     use crate::vm::state::{VcpuState, SAVED_MSRS};
     use kvm_memslots_persist::frame;
-    use std::fs::File;
     use std::os::unix::fs::FileExt;
     use std::path::Path;
     use vm_memory::{Bytes, GuestAddress};
@@ -112,13 +111,7 @@ mod tests {
         let check = MemoryCheck::of_memory(&*memory.current(), &layout).expect("read");
         assert_eq!((check.size, check.head), (10 * MIB, MEMORY_HEAD));
         let path = std::env::temp_dir().join(format!("tinyvmm-unit-{}-check", std::process::id()));
-        let file = File::options()
-            .read(true)
-            .write(true)
-            .create(true)
-            .truncate(true)
-            .open(&path)
-            .expect("a file");
+        let file = kvm_test_support::files::new_file_at(&path);
         let _ = std::fs::remove_file(&path);
         file.set_len(10 * MIB).expect("size");
         assert!(matches!(

@@ -264,13 +264,7 @@ mod tests {
         use vm_memory::{FileOffset, GuestAddress};
         const BASE: u64 = 0x10_0000;
         let path = std::env::temp_dir().join(format!("tinyvmm-cut-at-{}", std::process::id()));
-        let file = std::fs::File::options()
-            .read(true)
-            .write(true)
-            .create(true)
-            .truncate(true)
-            .open(&path)
-            .expect("a file");
+        let file = kvm_test_support::files::new_file_at(&path);
         file.set_len(0x8000).expect("sized");
         let memory = MemoryManager::new(FakeKvm::new(8, false));
         let backing = Backing::PrivateFile(FileOffset::new(file.try_clone().expect("dup"), 0));

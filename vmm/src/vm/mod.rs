@@ -120,6 +120,27 @@ pub struct Vm {
     memory: Arc<MemoryManager<KvmVm>>,
 }
 
+/// For unit tests: a VM with 4 MiB of RAM at 0 whose u64 at 0x1000 holds 0x5a, or `None`
+/// without KVM (`test` then skips, loudly).
+#[cfg(test)]
+pub(crate) fn test_vm_with_a_page(test: &str) -> Option<Vm> {
+    use vm_memory::{Bytes, GuestAddress, GuestAddressSpace};
+
+    if !kvm_test_support::require_kvm(test) {
+        return None;
+    }
+    let vm = Vm::new(VmOptions::default()).expect("a VM");
+    vm.memory()
+        .add_region(kvm_memslots::RegionSpec::new(GuestAddress(0), 4 << 20))
+        .expect("a region");
+    vm.memory()
+        .handle()
+        .memory()
+        .write_obj(0x5au64, GuestAddress(0x1000))
+        .expect("guest memory");
+    Some(vm)
+}
+
 impl Vm {
     /// Opens `/dev/kvm` and creates the VM: with `options.irqchip`, the real-mode TSS, the
     /// in-kernel irqchip (before any vCPU, as KVM requires) and the PIT; then the memory

@@ -469,6 +469,19 @@ impl Vmm {
         self.wait_for_exit()
     }
 
+    /// Waits (at most `timeout`) for a migration's source to end as one that migrated does:
+    /// with status 0, saying that the VM runs on the destination.
+    #[track_caller]
+    pub fn wait_migrated(&mut self, timeout: Duration) {
+        let output = self.wait(timeout);
+        let stderr = String::from_utf8_lossy(&output.stderr);
+        assert_eq!(output.status.code(), Some(0), "{stderr}");
+        assert!(
+            stderr.contains("runs on the migration's destination"),
+            "{stderr}"
+        );
+    }
+
     /// Asks it to stop (`PUT /actions` Stop, whatever the answer) and waits for it to exit.
     #[track_caller]
     pub fn stop(mut self) -> Output {

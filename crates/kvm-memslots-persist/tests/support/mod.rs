@@ -4,8 +4,10 @@ use std::fs::File;
 use std::path::PathBuf;
 
 /// A new file in the temporary directory, removed when this is dropped.
+#[allow(dead_code)] // Every test binary but working_set.rs uses it.
 pub struct TempFile(pub PathBuf);
 
+#[allow(dead_code)] // As TempFile.
 impl TempFile {
     /// A new, empty file named after `name`, the test binary and the process (a file a run
     /// left is removed first), and the file open for reading and writing.
@@ -18,13 +20,7 @@ impl TempFile {
             "kvm-memslots-persist-{binary}-{}-{name}",
             std::process::id()
         ));
-        let _ = std::fs::remove_file(&path);
-        let file = File::options()
-            .read(true)
-            .write(true)
-            .create_new(true)
-            .open(&path)
-            .expect("a new file");
+        let file = kvm_test_support::files::new_file_at(&path);
         (TempFile(path), file)
     }
 }
@@ -48,4 +44,46 @@ pub fn pool_has(test: &str, pages: u64) -> bool {
         return false;
     }
     true
+}
+
+/// Lazy restores onto a fake KVM, recording or prefetching a working set.
+#[allow(dead_code)] // The lazy restore tests use it; the others do not.
+pub mod lazy {
+    use std::fs::File;
+    use std::sync::atomic::Ordering;
+    use std::time::{Duration, Instant};
+
+    use kvm_memslots::testing::FakeKvm;
+    use kvm_memslots::MemoryManager;
+    use kvm_memslots_persist::{LazyLoader, LazyOptions, MemoryLayout, WorkingSet};
+
+    /// A new VM (a fake KVM of 64 slots) built to `layout` and restored lazily from `file`
+    /// with `options`.
+    pub fn restored(
+        layout: &MemoryLayout,
+        file: &File,
+        options: LazyOptions,
+    ) -> (MemoryManager<FakeKvm>, LazyLoader) {
+        let b = MemoryManager::new(FakeKvm::new(64, true));
+        layout.build(&b).expect("built");
+        let loader = LazyLoader::start_with(&b, layout, file, options).expect("userfaultfd");
+        (b, loader)
+    }
+
+    /// Loader options that prefetch `set`.
+    pub fn prefetching(set: WorkingSet) -> LazyOptions {
+        LazyOptions {
+            prefetch: Some(set),
+            ..LazyOptions::default()
+        }
+    }
+
+    /// Waits (a deadline only guards a hang) until the loader's prefetch is done.
+    pub fn wait_prefetched(loader: &LazyLoader) {
+        let deadline = Instant::now() + Duration::from_secs(60);
+        while !loader.stats().prefetch_done.load(Ordering::Acquire) {
+            assert!(Instant::now() < deadline, "the prefetch never ended");
+            std::thread::sleep(Duration::from_millis(1));
+        }
+    }
 }

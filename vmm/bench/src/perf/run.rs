@@ -52,6 +52,19 @@ struct Timed {
     first: Duration,
 }
 
+impl Timed {
+    /// What the test measured: this, the exits of a move test and the data checks made.
+    fn measured(self, exits: Option<MoveExits>, data_checks: u64) -> Measured {
+        Measured {
+            iterations: self.iterations,
+            elapsed: self.elapsed,
+            first: self.first,
+            exits,
+            data_checks,
+        }
+    }
+}
+
 /// The VM of one test, with its vCPU running.
 struct Bench<'a> {
     vm: &'a TestVm,
@@ -225,13 +238,7 @@ impl Bench<'_> {
             data_checks += 2;
             Ok(())
         })?;
-        Ok(Measured {
-            iterations: timed.iterations,
-            elapsed: timed.elapsed,
-            first: timed.first,
-            exits: None,
-            data_checks,
-        })
+        Ok(timed.measured(None, data_checks))
     }
 
     /// Unmap: the host discards one half in `chunk`s per iteration while the guest keeps
@@ -260,13 +267,7 @@ impl Bench<'_> {
         let seed = UNMAP_SEED + passes - 1;
         self.check(low, seed)?;
         self.check(low + half, seed)?;
-        Ok(Measured {
-            iterations: timed.iterations,
-            elapsed: timed.elapsed,
-            first: timed.first,
-            exits: None,
-            data_checks: 2,
-        })
+        Ok(timed.measured(None, 2))
     }
 
     /// Move active / inactive area: the host moves the last slot away and back while the
@@ -320,17 +321,14 @@ impl Bench<'_> {
         for gpa in (window..window + MOVE_WINDOW).step_by(PAGE_SIZE as usize) {
             self.check(gpa, seed)?;
         }
-        Ok(Measured {
-            iterations: timed.iterations,
-            elapsed: timed.elapsed,
-            first: timed.first,
-            exits: Some(MoveExits {
+        Ok(timed.measured(
+            Some(MoveExits {
                 mmio_counted: after[0] - before[0],
                 completed_after_move: after[1] - before[1],
                 all: after[2] - before[2],
             }),
-            data_checks: MOVE_WINDOW / PAGE_SIZE,
-        })
+            MOVE_WINDOW / PAGE_SIZE,
+        ))
     }
 
     /// RW: the guest writes every page, the host checks them and writes the middle of every
@@ -364,12 +362,7 @@ impl Bench<'_> {
                 .run(0, command(Op::Verify, start + PAGE_SIZE / 2, host_seed))?;
             Ok(())
         })?;
-        Ok(Measured {
-            iterations: timed.iterations,
-            elapsed: timed.elapsed,
-            first: timed.first,
-            exits: None,
-            data_checks: 2 * pages * timed.iterations,
-        })
+        let data_checks = 2 * pages * timed.iterations;
+        Ok(timed.measured(None, data_checks))
     }
 }

@@ -27,13 +27,7 @@ fn new_files(dir: &std::path::Path, stem: &str) -> [(PathBuf, File); 2] {
 
 /// A new, empty file at `path`, removed first if a run left it.
 fn new_file_at(path: PathBuf) -> (PathBuf, File) {
-    let _ = std::fs::remove_file(&path);
-    let file = File::options()
-        .read(true)
-        .write(true)
-        .create_new(true)
-        .open(&path)
-        .expect("a new file");
+    let file = kvm_test_support::files::new_file_at(&path);
     (path, file)
 }
 
@@ -217,7 +211,12 @@ impl Drop for Chain {
 }
 
 impl Chain {
-    fn new(name: &str) -> Self {
+    /// The chain of the scratch folder `name`, or `None` without KVM (`test` then skips,
+    /// loudly).
+    fn new(test: &str, name: &str) -> Option<Self> {
+        if !kvm_test_support::require_kvm(test) {
+            return None;
+        }
         let kvm = kvm_ioctls::Kvm::new().expect("/dev/kvm");
         let fd = Arc::new(kvm.create_vm().expect("a VM"));
         let memory = Arc::new(MemoryManager::new(
@@ -241,12 +240,40 @@ impl Chain {
             std::env::temp_dir().join(format!("tinyvmm-live-engine-{}-{name}", std::process::id()));
         let _ = std::fs::remove_dir_all(&dir);
         std::fs::create_dir_all(&dir).expect("a scratch folder");
-        Chain {
+        Some(Chain {
             memory,
             reader,
             base: SnapshotInfo::full(check).expect("an id"),
             dir,
-        }
+        })
+    }
+
+    /// A live Diff of the base into the snapshot files `state` and `mem`, carrying `carried`
+    /// in (its state file empty), and where it leaves what it gives back.
+    fn diff_sink(
+        &self,
+        [state, mem]: [(PathBuf, File); 2],
+        carried: PageSet,
+    ) -> (FileSink, Arc<Mutex<LiveOutcome>>) {
+        let outcome = Arc::new(Mutex::new(LiveOutcome::default()));
+        let write_state: StateWriter = Box::new(|_, _| Ok(Box::new(|_| Vec::new())));
+        let sink = FileSink::new(state, mem, write_state, Arc::clone(&outcome))
+            .diff_of(self.base, carried);
+        (sink, outcome)
+    }
+
+    /// What the chain has for its next Diff once a live Diff ended: what it gave back (in
+    /// `outcome`), and what the chain's reader logged since.
+    fn next_diff(&self, outcome: &Mutex<LiveOutcome>) -> (BTreeSet<u64>, usize) {
+        let unsaved = std::mem::take(&mut outcome.lock().expect("not poisoned").unsaved);
+        let mut next_diff = Chain::addresses(unsaved.pages());
+        next_diff.extend(Chain::addresses(
+            &self
+                .memory
+                .harvest_dirty_for(self.reader, Target::All)
+                .expect("the chain's harvest"),
+        ));
+        (next_diff, unsaved.bitmaps())
     }
 
     /// Every page of `pages` (by guest address at harvest).
@@ -300,11 +327,7 @@ fn live_diff(
     }]);
     let carried_pages = Chain::addresses(carried.pages());
     let files = new_files(&chain.dir, &format!("{at}-{fault:?}"));
-    let [state, mem] = files;
-    let outcome = Arc::new(Mutex::new(LiveOutcome::default()));
-    let write_state: StateWriter = Box::new(|_, _| Ok(Box::new(|_| Vec::new())));
-    let inner =
-        FileSink::new(state, mem, write_state, Arc::clone(&outcome)).diff_of(chain.base, carried);
+    let (inner, outcome) = chain.diff_sink(files, carried);
     let interrupt: &'static AtomicBool = Box::leak(Box::new(AtomicBool::new(false)));
     let most_held = Arc::new(AtomicUsize::new(0));
     let sink = Hooked {
@@ -331,21 +354,14 @@ fn live_diff(
     .expect("the run starts");
     run.join();
     let info = run.progress();
-    let unsaved = std::mem::take(&mut outcome.lock().expect("not poisoned").unsaved);
-    let mut next_diff = Chain::addresses(unsaved.pages());
-    next_diff.extend(Chain::addresses(
-        &chain
-            .memory
-            .harvest_dirty_for(chain.reader, Target::All)
-            .expect("the chain's harvest"),
-    ));
+    let (next_diff, unsaved) = chain.next_diff(&outcome);
     let mut wanted = guest.written.lock().expect("not poisoned").clone();
     wanted.extend(carried_pages);
     Ended {
         phase: info.phase,
         error: info.error,
         next_diff,
-        unsaved: unsaved.bitmaps(),
+        unsaved,
         most_held: most_held.load(Ordering::Relaxed),
         wanted,
     }
@@ -385,12 +401,12 @@ fn assert_carried(ended: &Ended, case: &str) {
 /// Diff has every page it took (and those it was carrying), whatever step it ended at.
 #[test]
 fn kvm_a_live_diff_ended_at_any_step_gives_back_every_page_it_took() {
-    if !kvm_test_support::require_kvm(
+    let Some(chain) = Chain::new(
         "tinyvmm::snapshot::live::kvm_a_live_diff_ended_at_any_step_gives_back_every_page_it_took",
-    ) {
+        "any-step",
+    ) else {
         return;
-    }
-    let chain = Chain::new("any-step");
+    };
     let mut failures = Vec::new();
     // open, accepted, expect, send_all, end_round, then three steps a round.
     for at in 0..14 {
@@ -407,12 +423,12 @@ fn kvm_a_live_diff_ended_at_any_step_gives_back_every_page_it_took() {
 /// that cannot pause ends them right after the last one: neither loses those pages.
 #[test]
 fn kvm_a_live_diff_that_times_out_or_cannot_pause_gives_back_every_page_it_took() {
-    if !kvm_test_support::require_kvm(
+    let Some(chain) = Chain::new(
         "tinyvmm::snapshot::live::kvm_a_live_diff_that_times_out_or_cannot_pause_gives_back_every_page_it_took",
-    ) {
+        "timeout",
+    ) else {
         return;
-    }
-    let chain = Chain::new("timeout");
+    };
     let never = (usize::MAX, Fault::Fail);
     let ended = live_diff(&chain, endless(Duration::ZERO), never, None);
     assert_eq!(ended.phase, Phase::Cancelled, "{:?}", ended.error);
@@ -444,12 +460,12 @@ fn kvm_a_live_diff_that_times_out_or_cannot_pause_gives_back_every_page_it_took(
 /// cancel gives back is one per region too.
 #[test]
 fn kvm_a_live_diff_holds_one_bitmap_per_region_however_many_rounds() {
-    if !kvm_test_support::require_kvm(
+    let Some(chain) = Chain::new(
         "tinyvmm::snapshot::live::kvm_a_live_diff_holds_one_bitmap_per_region_however_many_rounds",
-    ) {
+        "rounds",
+    ) else {
         return;
-    }
-    let chain = Chain::new("rounds");
+    };
     // 5 steps before round 2, then 3 a round: cancelled in round 40.
     let ended = live_diff(
         &chain,
@@ -506,12 +522,12 @@ impl Stalling {
 /// piece, as before, the round would wait at the gate until the hang guard opened it.
 #[test]
 fn kvm_a_live_diff_on_a_stalled_file_system_is_cancelled_between_slices() {
-    if !kvm_test_support::require_kvm(
+    let Some(chain) = Chain::new(
         "tinyvmm::snapshot::live::kvm_a_live_diff_on_a_stalled_file_system_is_cancelled_between_slices",
-    ) {
+        "stalled",
+    ) else {
         return;
-    }
-    let chain = Chain::new("stalled");
+    };
     for fault in [Fault::Cancel, Fault::Interrupt] {
         // Every page of both regions changed since the base: 8 MiB, 8 slices of 1 MiB.
         let ram = chain.memory.handle().memory();
@@ -523,7 +539,6 @@ fn kvm_a_live_diff_on_a_stalled_file_system_is_cancelled_between_slices() {
         }
         let files = new_files(&chain.dir, &format!("stalled-{fault:?}"));
         let paths = [files[0].0.clone(), files[1].0.clone()];
-        let [state, mem] = files;
         let (writing, writing_rx) = std::sync::mpsc::sync_channel(1);
         let (told_tx, told) = std::sync::mpsc::sync_channel(1);
         let gate = Arc::new((Mutex::new(false), std::sync::Condvar::new()));
@@ -533,10 +548,7 @@ fn kvm_a_live_diff_on_a_stalled_file_system_is_cancelled_between_slices() {
             gate: Arc::clone(&gate),
             calls: AtomicUsize::new(0),
         });
-        let outcome = Arc::new(Mutex::new(LiveOutcome::default()));
-        let write_state: StateWriter = Box::new(|_, _| Ok(Box::new(|_| Vec::new())));
-        let mut sink = FileSink::new(state, mem, write_state, Arc::clone(&outcome))
-            .diff_of(chain.base, PageSet::new());
+        let (mut sink, outcome) = chain.diff_sink(files, PageSet::new());
         sink.slice = MIB;
         let hook = Arc::clone(&stalling);
         sink.between_slices = Some(Arc::new(move |_| hook.between()));
@@ -588,14 +600,7 @@ fn kvm_a_live_diff_on_a_stalled_file_system_is_cancelled_between_slices() {
             assert!(!path.exists(), "{fault:?}: {} left behind", path.display());
         }
         // The chain's next Diff has every page the cancelled one took.
-        let unsaved = std::mem::take(&mut outcome.lock().expect("not poisoned").unsaved);
-        let mut next_diff = Chain::addresses(unsaved.pages());
-        next_diff.extend(Chain::addresses(
-            &chain
-                .memory
-                .harvest_dirty_for(chain.reader, Target::All)
-                .expect("the chain's harvest"),
-        ));
+        let (next_diff, _) = chain.next_diff(&outcome);
         let lost: Vec<&u64> = wanted.difference(&next_diff).collect();
         assert!(
             lost.is_empty(),
@@ -610,12 +615,10 @@ mod memory_check {
     use std::sync::atomic::{AtomicBool, AtomicU64};
     use std::time::{Duration, Instant};
 
-    use kvm_memslots::RegionSpec;
     use vm_memory::{Bytes, GuestAddress, GuestAddressSpace};
 
     use super::super::*;
     use crate::precopy::Waits;
-    use crate::vm::{Vm, VmOptions};
 
     static NOT_STOPPING: AtomicBool = AtomicBool::new(false);
 
@@ -632,19 +635,13 @@ mod memory_check {
     /// would pass whatever the file missed.
     #[test]
     fn kvm_a_live_fulls_memory_check_is_read_from_memory_in_the_pause() {
-        if !kvm_test_support::require_kvm(
+        let Some(vm) = crate::vm::test_vm_with_a_page(
             "tinyvmm::snapshot::live::kvm_a_live_fulls_memory_check_is_read_from_memory_in_the_pause",
-        ) {
+        ) else {
             return;
-        }
-        let vm = Vm::new(VmOptions::default()).expect("a VM");
+        };
         let memory = vm.memory();
-        memory
-            .add_region(RegionSpec::new(GuestAddress(0), 4 << 20))
-            .expect("a region");
         let ram = memory.handle().memory();
-        ram.write_obj(0x5au64, GuestAddress(0x1000))
-            .expect("guest memory");
         let (state_path, state_file) = new_file("state");
         let (mem_path, mem_file) = new_file("mem");
         let mem_check = mem_file.try_clone().expect("a second handle");
