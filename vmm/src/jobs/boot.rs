@@ -45,7 +45,7 @@ pub enum BootJobError {
 
 /// Boots `config`'s kernel and runs it until it resets, a vCPU stops, a signal or the timeout.
 /// `on_start` sees the report (ending aside) just before the vCPUs start.
-fn boot(
+pub fn boot(
     config: &BootConfig,
     console: Console,
     on_start: impl FnOnce(&BootReport),

@@ -15,7 +15,7 @@ pub(super) const MAX_VCPUS: u8 = 32;
 /// How the vCPU enters the kernel.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
 #[serde(rename_all = "lowercase")]
-pub(crate) enum BootProtocol {
+pub enum BootProtocol {
     /// PVH for an ELF with the PVH note whose e820 map fits PVH's 127 ranges; the 64-bit Linux
     /// boot protocol otherwise.
     #[default]
@@ -39,60 +39,60 @@ pub(crate) enum BootProtocol {
 /// ```
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
-pub(crate) struct BootConfig {
+pub struct BootConfig {
     /// The kernel: a bzImage, or an ELF vmlinux (PVH entry when it has the note).
-    pub(crate) kernel: PathBuf,
+    pub kernel: PathBuf,
     /// An initramfs to load with it.
-    pub(crate) initramfs: Option<PathBuf>,
+    pub initramfs: Option<PathBuf>,
     /// The kernel command line.
-    pub(crate) cmdline: String,
-    /// vCPUs (1 to [`MAX_VCPUS`]).
-    pub(crate) vcpus: u8,
+    pub cmdline: String,
+    /// vCPUs (1 to `MAX_VCPUS`, 32).
+    pub vcpus: u8,
     /// MiB of RAM.
-    pub(crate) mem_mib: u64,
+    pub mem_mib: u64,
     /// KVM slots the RAM is split into, all of one size (which must be whole pages).
-    pub(crate) mem_slots: u64,
+    pub mem_slots: u64,
     /// Leave a hole after every slot above the first 128 MiB, so that the e820 map has one RAM
     /// range per such slot (more than the zero page's 128 with enough slots).
-    pub(crate) mem_holes: bool,
+    pub mem_holes: bool,
     /// Stop the VM after this many seconds (none: run until the guest resets or stops).
-    pub(crate) timeout_secs: Option<f64>,
+    pub timeout_secs: Option<f64>,
     /// How to enter the kernel.
-    pub(crate) protocol: BootProtocol,
+    pub protocol: BootProtocol,
     /// MiB of hotpluggable memory behind a virtio-mem device (0: no device): a multiple of the
     /// block size, at most 1 TiB (the rules of `PUT /hotplug/memory`, [`Self::hotplug`]).
     /// Nothing of it is plugged at boot; `PATCH /hotplug/memory` on the API socket asks the
     /// guest to plug.
-    pub(crate) hotplug_mib: u64,
+    pub hotplug_mib: u64,
     /// The virtio-mem device's block size in MiB (a power of two, at least 2).
-    pub(crate) hotplug_block_mib: u64,
+    pub hotplug_block_mib: u64,
     /// The largest KVM slot neighbouring plugged blocks share, in MiB: a multiple of the block
     /// size (a smaller one counts as the block size), or 0 for a slot per plugged block.
-    pub(crate) hotplug_max_slot_mib: u64,
+    pub hotplug_max_slot_mib: u64,
     /// An API socket (`/hotplug/memory`, `/memory`, `/vm`, `/actions`) while the guest runs.
-    pub(crate) api_sock: Option<PathBuf>,
+    pub api_sock: Option<PathBuf>,
     /// Give the guest ACPI tables (how a stock kernel finds the virtio-mem device). Without,
     /// it has the MP table alone and finds the device on its command line.
-    pub(crate) acpi: bool,
+    pub acpi: bool,
     /// Put RAM in memfds (shared memory): a local migration then hands it over to the
     /// destination instead of copying it.
-    pub(crate) memfd: bool,
+    pub memfd: bool,
     /// The host pages behind RAM: `4k`, `2m` (hugetlb, `MFD_HUGETLB` with `memfd`: RAM and
     /// each slot a multiple of 2 MiB, the pool holding all of RAM) or `thp`.
-    pub(crate) page_size: RegionPageSize,
+    pub page_size: RegionPageSize,
     /// The host pages behind the virtio-mem device's plugged blocks, `4k` by default whatever
     /// RAM's are (with `2m` the pool must hold a piece when the guest plugs into it: a plug
     /// it cannot hold is answered BUSY). The block size, at least 2 MiB, is whole huge pages.
-    pub(crate) hotplug_page_size: RegionPageSize,
+    pub hotplug_page_size: RegionPageSize,
     /// Harvest dirty pages from per-vCPU rings of this many entries instead of per-slot
     /// bitmaps (refused on a host that runs guest ring 0 in KVM's emulator, which can overflow
     /// a ring: see `docs/DESIGN.md`).
-    pub(crate) dirty_ring: Option<u32>,
+    pub dirty_ring: Option<u32>,
     /// What guest memory is admitted against; `None`: this host's defaults
     /// ([`MemoryLimits::for_this_host`]). From the command line only (`--max-*`), never from
     /// a configuration file.
     #[serde(skip)]
-    pub(crate) limits: Option<MemoryLimits>,
+    pub limits: Option<MemoryLimits>,
 }
 
 impl Default for BootConfig {

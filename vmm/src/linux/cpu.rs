@@ -186,7 +186,7 @@ fn regs(entry: Entry) -> kvm_regs {
     regs
 }
 
-pub(super) use crate::vm::host_emulates_ring0;
+pub use crate::vm::host_emulates_ring0;
 
 /// CPUID.1:ECX bit 13: `cmpxchg16b`.
 const CPUID_1_ECX_CX16: u32 = 1 << 13;

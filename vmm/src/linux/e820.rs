@@ -14,7 +14,7 @@ use crate::linux::layout;
 
 /// What an e820 range is.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
-pub(super) enum E820Kind {
+pub enum E820Kind {
     /// RAM the kernel may use (type 1).
     Usable,
     /// Reserved (type 2).
@@ -41,18 +41,18 @@ impl E820Kind {
 
 /// One range of the map.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(super) struct E820Entry {
+pub struct E820Entry {
     /// First address.
-    pub(crate) addr: u64,
+    pub addr: u64,
     /// Size in bytes (never 0).
-    pub(crate) size: u64,
+    pub size: u64,
     /// What it is.
-    pub(crate) kind: E820Kind,
+    pub kind: E820Kind,
 }
 
 impl E820Entry {
     /// The first address after the range.
-    pub(super) fn end(&self) -> u64 {
+    pub fn end(&self) -> u64 {
         self.addr + self.size
     }
 }
@@ -105,14 +105,13 @@ pub(super) fn build(regions: &[RegionInfo]) -> Vec<E820Entry> {
 }
 
 /// The map's lines as the kernel prints them with `prefix` (`BIOS-e820`, `extended`).
-pub(super) fn kernel_lines(map: &[E820Entry], prefix: &str) -> Vec<String> {
+pub fn kernel_lines(map: &[E820Entry], prefix: &str) -> Vec<String> {
     map.iter().map(|e| format!("{prefix}: {e}")).collect()
 }
 
 /// The e820 lines with `prefix` in a kernel log, in order, without what precedes the prefix on
 /// each line (the timestamp).
-#[cfg(test)]
-fn lines_in_log(log: &str, prefix: &str) -> Vec<String> {
+pub fn lines_in_log(log: &str, prefix: &str) -> Vec<String> {
     let marker = format!("{prefix}: [mem ");
     log.lines()
         .filter_map(|line| {

@@ -131,7 +131,7 @@ pub(super) enum Entry {
 
 /// What the kernel's format is.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum KernelFormat {
+pub enum KernelFormat {
     /// A bzImage.
     BzImage,
     /// An ELF vmlinux.
@@ -154,8 +154,7 @@ pub(crate) struct Loaded {
     /// The command line as written.
     pub(crate) cmdline: String,
     /// Where the initramfs went and its size.
-    #[cfg(test)]
-    initramfs: Option<(GuestAddress, u64)>,
+    pub(crate) initramfs: Option<(GuestAddress, u64)>,
 }
 
 /// The most e820 ranges a PVH kernel takes: Linux copies PVH's memory map into its zero page
@@ -349,7 +348,6 @@ pub(crate) fn load<M: GuestMemoryBackend>(
         zero_page_entries,
         setup_data,
         cmdline: cmdline.to_owned(),
-        #[cfg(test)]
         initramfs,
     })
 }

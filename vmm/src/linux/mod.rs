@@ -14,8 +14,8 @@ mod acpi;
 pub mod config;
 mod console;
 pub mod controller;
-mod cpu;
-mod e820;
+pub mod cpu;
+pub mod e820;
 pub mod hotplug;
 mod layout;
 mod loader;
@@ -36,10 +36,10 @@ use vmm_sys_util::eventfd::EventFd;
 use crate::vm::vcpu::{Vcpu, VcpuShared};
 use crate::vm::{self, Vm, VmError, VmOptions};
 
-pub(crate) use config::{BootConfig, BootProtocol, ConfigError};
-use e820::E820Entry;
-pub(crate) use loader::{KernelFormat, LoadError};
-use ports::GuestStop;
+pub use config::{BootConfig, BootProtocol, ConfigError};
+pub use e820::{E820Entry, E820Kind};
+pub use loader::{KernelFormat, LoadError};
+pub use ports::GuestStop;
 
 use crate::devices::legacy::SERIAL_IRQ;
 use crate::devices::{self, legacy::ConsoleOutput, legacy::DeviceError, legacy::LegacyDevices};
@@ -139,25 +139,27 @@ impl std::fmt::Display for BootEnding {
 
 /// What the VMM built and how the run ended.
 #[derive(Debug)]
-pub(crate) struct BootReport {
+pub struct BootReport {
     /// How it ended.
-    pub(crate) ending: BootEnding,
+    pub ending: BootEnding,
     /// The kernel's format.
-    pub(crate) format: KernelFormat,
+    pub format: KernelFormat,
     /// The e820 map the kernel was given, whole.
-    e820: Vec<E820Entry>,
+    pub e820: Vec<E820Entry>,
     /// How many of its ranges were in the zero page; the rest were in `SETUP_E820_EXT`.
-    zero_page_entries: usize,
+    pub zero_page_entries: usize,
     /// The `SETUP_E820_EXT` entry's address and length, if there was one.
-    setup_data: Option<(u64, u64)>,
+    pub setup_data: Option<(u64, u64)>,
     /// The command line.
-    pub(crate) cmdline: String,
+    pub cmdline: String,
+    /// Where the initramfs went and its size, if there was one.
+    pub initramfs: Option<(u64, u64)>,
     /// RAM regions and the KVM slots they took.
-    pub(crate) regions: usize,
+    pub regions: usize,
     /// KVM slots of RAM.
-    pub(crate) slots: usize,
+    pub slots: usize,
     /// Time from the start of the boot (`jobs::boot::boot`) to entering the guest.
-    pub(crate) setup_time: Duration,
+    pub setup_time: Duration,
 }
 
 /// What the VMM prints about the boot before it starts the guest.
@@ -183,14 +185,14 @@ pub(crate) fn describe(report: &BootReport) -> String {
 }
 
 /// Where the console goes and comes from.
-pub(crate) struct Console {
+pub struct Console {
     /// The serial console's output.
-    pub(crate) output: ConsoleOutput,
+    pub output: ConsoleOutput,
     /// Read console input from the process's stdin (only when it is a terminal).
-    pub(crate) stdin: bool,
+    pub stdin: bool,
     /// Set by the caller to stop the VM (for example once the console showed what it waited
     /// for); the boot then ends as [`BootEnding::Stopped`].
-    pub(crate) stop: Option<Arc<AtomicBool>>,
+    pub stop: Option<Arc<AtomicBool>>,
 }
 
 impl std::fmt::Debug for Console {
@@ -327,6 +329,7 @@ impl LinuxVm {
             setup_data: loaded.setup_data.map(|(a, l)| (a.0, l)),
             e820: loaded.e820,
             cmdline: loaded.cmdline,
+            initramfs: loaded.initramfs.map(|(a, l)| (a.0, l)),
             regions: regions.len(),
             slots: regions.iter().map(|r| r.slots).sum(),
             setup_time: Duration::ZERO,

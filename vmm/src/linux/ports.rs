@@ -10,7 +10,7 @@ use crate::vm::ports::PortBus;
 use crate::vm::vcpu::{Flow, VcpuPorts};
 
 /// Why a Linux guest's vCPU stopped, other than by the host's request.
-pub(super) type GuestStop = crate::vm::vcpu::VcpuError<DeviceIoError>;
+pub type GuestStop = crate::vm::vcpu::VcpuError<DeviceIoError>;
 
 /// A Linux vCPU's ports: the devices every vCPU shares, and their bus.
 #[derive(Debug, Clone)]

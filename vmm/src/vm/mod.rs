@@ -103,7 +103,7 @@ fn exit_on_emulation_failure(fd: &VmFd) -> Result<bool, VmError> {
 /// Whether this host's KVM runs a guest's ring 0 in its instruction emulator: kvm_pvm (KVM
 /// without VT-x or AMD-V), whose module shows in sysfs. A fact of the host, for every guest
 /// kind: what its emulator lacks stops ring-0 code, and the vCPU loop says so.
-pub(crate) fn host_emulates_ring0() -> bool {
+pub fn host_emulates_ring0() -> bool {
     std::path::Path::new("/sys/module/kvm_pvm").exists()
 }
 
