@@ -936,16 +936,12 @@ impl Sequence {
         bytes.div_ceil(2 * MIB)
     }
 
-    /// A Diff whose memory file is on hugetlbfs (`mem`) must be refused (`refused`: a paused
-    /// one's 400, a live one's 400 or its failure at its start), naming why in `answer` (its
-    /// `fault_message`, or `GET /snapshot`'s `error`: hugetlbfs files have no holes to tell a
-    /// Diff's pages by), and leave no file. The chain is as it was: the next Diff carries what
+    /// A Diff whose memory file is on hugetlbfs (`mem`) must be refused (`refused`: a 400 at
+    /// the request, paused or live), naming why in `answer` (its `fault_message`: hugetlbfs
+    /// files have no holes to tell a Diff's pages by), and leave no file. The chain is as it was: the next Diff carries what
     /// this one would have.
     fn refused_on_hugetlbfs(&mut self, refused: bool, answer: &Value, state: &Path, mem: &Path) {
-        let message = answer["fault_message"]
-            .as_str()
-            .or(answer["error"].as_str())
-            .unwrap_or_default();
+        let message = answer["fault_message"].as_str().unwrap_or_default();
         if !refused || !message.contains("Diff") || !message.contains("hugetlbfs") {
             self.fail(&format!(
                 "a Diff on hugetlbfs should be refused naming hugetlbfs: {answer}"
@@ -1025,19 +1021,9 @@ impl Sequence {
             return;
         }
         if kind == "Diff" && self.on_hugetlbfs(&mem) {
-            // Taken up (204), it fails at its start, naming why in `GET /snapshot`'s error.
-            let (refused, answer) = match status {
-                204 => {
-                    let info = self.live_outcome();
-                    (info["phase"] == "failed", info)
-                }
-                _ => (status == 400, answer),
-            };
-            self.note(format!(
-                "live Diff {name} on hugetlbfs: {status}, {}",
-                answer["phase"]
-            ));
-            return self.refused_on_hugetlbfs(refused, &answer, &state, &mem);
+            // Refused at the request, as a paused Diff is, before any round runs.
+            self.note(format!("live Diff {name} on hugetlbfs: {status}"));
+            return self.refused_on_hugetlbfs(status == 400, &answer, &state, &mem);
         }
         if status != 204 {
             self.fail(&format!("live {kind}: {status} {answer}"));

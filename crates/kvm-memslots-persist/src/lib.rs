@@ -33,8 +33,9 @@ pub use error::SnapshotError;
 pub use frame::{frame, framed_len, framed_len_versions, unframe, unframe_versions, FRAME_HEADER};
 pub use layout::{LayoutBacking, LayoutPageSize, MemoryLayout, RegionLayout, LAYOUT_VERSION};
 pub use memory_file::{
-    data_runs, load_memory_file, merge_memory_files, merge_snapshots, write_dirty_pages,
-    write_dirty_pages_sliced, write_memory_file, write_memory_file_sliced, Slices, WriteStats,
+    check_diff_file, data_runs, load_memory_file, merge_memory_files, merge_snapshots,
+    write_dirty_pages, write_dirty_pages_sliced, write_memory_file, write_memory_file_sliced,
+    Slices, WriteStats,
 };
 pub use uffd::{LazyLoader, LazyOptions, LoaderStats, Recording};
 pub use working_set::{WorkingSet, WORKING_SET_VERSION};

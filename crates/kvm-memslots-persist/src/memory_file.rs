@@ -391,6 +391,14 @@ pub fn write_dirty_pages<K: KvmMemory>(
     dirty_pages(Writer::new(memory, layout, file, None)?, dirty)
 }
 
+/// Refuses, before any page is written, a file that cannot hold a Diff
+/// ([`SnapshotError::Unsupported`]: an empty file on hugetlbfs, whose files have no holes to
+/// tell a Diff's pages by), as [`write_dirty_pages`] would once it starts: a caller that
+/// writes a Diff later (a live one, after its rounds) refuses it up front.
+pub fn check_diff_file(file: &File) -> Result<(), SnapshotError> {
+    refuse_new_diff(file, "the Diff's memory file")
+}
+
 /// As [`write_dirty_pages`], in [`Slices`]: `slices.between` may stop it between two, and the
 /// file then holds part of the Diff (the caller removes it).
 pub fn write_dirty_pages_sliced<K: KvmMemory>(

@@ -280,6 +280,16 @@ impl SnapshotChain {
                 .try_into()
                 .map_err(|_| ControllerError::internal("two paths made other than two files"))?;
         let paths = [state.0.clone(), mem.0.clone()];
+        // A Diff's memory file must be able to hold one before the rounds start, as a paused
+        // Diff's is: refused now, not reported as a failed run after its rounds.
+        if diff {
+            if let Err(e) = kvm_memslots_persist::check_diff_file(&mem.1) {
+                for path in &paths {
+                    let _ = std::fs::remove_file(path);
+                }
+                return Err(not_written(&e));
+            }
+        }
         let outcome = Arc::new(Mutex::new(LiveOutcome::default()));
         let sink = FileSink::new(state, mem, write_state, Arc::clone(&outcome));
         // A Full: until it is written whole there is no base; the chain's reader logs every
@@ -491,7 +501,6 @@ fn no_base() -> ControllerError {
     ControllerError::bad("no snapshot to diff against: take a Full snapshot first")
 }
 
-/// Creates each of `paths` (which must not exist), or none of them.
 /// A memory file that could not be written: the client's mistake (400) where the file cannot
 /// hold it (a Diff on hugetlbfs, say), else ours.
 fn not_written(e: &SnapshotError) -> ControllerError {
@@ -501,6 +510,7 @@ fn not_written(e: &SnapshotError) -> ControllerError {
     }
 }
 
+/// Creates each of `paths` (which must not exist), or none of them.
 fn new_files(paths: &[&Path]) -> Result<Vec<(PathBuf, File)>, ControllerError> {
     let mut files = Vec::with_capacity(paths.len());
     for path in paths {
