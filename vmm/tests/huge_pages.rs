@@ -12,11 +12,12 @@
 //! without them they say so loudly (`SKIPPED <test>: <why>`) and return.
 
 mod support;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 use kvm_memslots::{hugetlb_pages_available, PageSize};
 use serde_json::{json, Value};
 use support::vmm::{temp_path, InProcess};
+use support::HugetlbfsMount;
 use tinyvmm::control::hotplug::HotplugConfig;
 use tinyvmm::control::memory::RegionPageSize;
 use tinyvmm::jobs::restore::RestoreFrom;
@@ -377,56 +378,22 @@ fn kvm_a_2m_plug_the_pool_cannot_hold_is_refused_naming_the_free_pages() {
     vmm.stop();
 }
 
-/// A hugetlbfs mount of 2 MiB pages on a folder of its own: unmounted (its files and their
-/// pages gone with it) and the folder removed when dropped.
-struct HugetlbfsMount {
-    dir: PathBuf,
-}
-
-impl HugetlbfsMount {
-    /// Mounts one for `test`, or says loudly why it cannot (mounting needs root).
-    fn new(test: &str, name: &str) -> Option<HugetlbfsMount> {
-        let dir = std::env::temp_dir().join(format!(
-            "tinyvmm-test-{}-{name}-hugetlbfs",
-            std::process::id()
-        ));
-        std::fs::create_dir_all(&dir).expect("a folder to mount on");
-        let mounted = std::process::Command::new("mount")
-            .args(["-t", "hugetlbfs", "-o", "pagesize=2M", "none"])
-            .arg(&dir)
-            .output();
-        match mounted {
-            Ok(out) if out.status.success() => Some(HugetlbfsMount { dir }),
-            other => {
-                let why = match other {
-                    Ok(out) => String::from_utf8_lossy(&out.stderr).trim().to_owned(),
-                    Err(e) => e.to_string(),
-                };
-                eprintln!(
-                    "SKIPPED tinyvmm::{test}: cannot mount hugetlbfs on {}: {why} (the test \
-                     needs root)",
-                    dir.display()
-                );
-                let _ = std::fs::remove_dir(&dir);
-                None
-            }
-        }
-    }
-
-    fn path(&self, name: &str) -> PathBuf {
-        self.dir.join(name)
-    }
-}
-
-impl Drop for HugetlbfsMount {
-    fn drop(&mut self) {
-        // Lazily, so that a test failing with a clone still mapping the file unmounts too.
-        let _ = std::process::Command::new("umount")
-            .arg("-l")
-            .arg(&self.dir)
-            .status();
-        let _ = std::fs::remove_dir(&self.dir);
-    }
+/// A hugetlbfs mount for `test`, or `None` after a loud SKIPPED line saying why it cannot be
+/// made (mounting needs root).
+fn hugetlbfs_mount(test: &str, name: &str) -> Option<HugetlbfsMount> {
+    let dir = std::env::temp_dir().join(format!(
+        "tinyvmm-test-{}-{name}-hugetlbfs",
+        std::process::id()
+    ));
+    HugetlbfsMount::mount(dir.clone())
+        .inspect_err(|why| {
+            eprintln!(
+                "SKIPPED tinyvmm::{test}: cannot mount hugetlbfs on {}: {why} (the test needs \
+                 root)",
+                dir.display()
+            )
+        })
+        .ok()
 }
 
 /// A VM restored from `state` and the memory file `mem` with the file backend: the memory
@@ -458,7 +425,7 @@ fn kvm_clones_of_a_template_on_hugetlbfs_map_2m_pages_and_keep_their_writes_apar
     if !can_run(test, 20) {
         return;
     }
-    let Some(mount) = HugetlbfsMount::new(test, "clones") else {
+    let Some(mount) = hugetlbfs_mount(test, "clones") else {
         return;
     };
     let dir = std::env::temp_dir().join(format!("tinyvmm-test-{}-clones", std::process::id()));
@@ -588,7 +555,7 @@ fn kvm_a_clone_the_pool_cannot_reserve_is_refused_naming_the_free_pages() {
     if !can_run(test, 2) {
         return;
     }
-    let Some(mount) = HugetlbfsMount::new(test, "short") else {
+    let Some(mount) = hugetlbfs_mount(test, "short") else {
         return;
     };
     let dir = std::env::temp_dir().join(format!("tinyvmm-test-{}-short", std::process::id()));

@@ -44,6 +44,7 @@ use tinyvmm::api::client::Client;
 
 mod support;
 use support::vmm::Vmm;
+use support::HugetlbfsMount;
 
 const MIB: u64 = 1 << 20;
 /// Where `serve` puts its initial memory.
@@ -213,37 +214,6 @@ struct Saved {
     pages: u64,
 }
 
-/// A hugetlbfs mount of 2 MiB pages in a sequence's folder, where its snapshots put their
-/// memory file now and then: a Full of a VM on the 2 MiB grid becomes a template, a Diff is
-/// refused. Unmounted when dropped (lazily: a VMM still mapping a template cannot keep it),
-/// its files and their pages gone with it.
-struct Hugetlbfs {
-    dir: PathBuf,
-}
-
-impl Hugetlbfs {
-    /// Mounts one on `dir`, or says why not (mounting needs root).
-    fn mount(dir: PathBuf) -> Result<Hugetlbfs, String> {
-        std::fs::create_dir_all(&dir).map_err(|e| e.to_string())?;
-        let mounted = Command::new("mount")
-            .args(["-t", "hugetlbfs", "-o", "pagesize=2M", "none"])
-            .arg(&dir)
-            .output();
-        match mounted {
-            Ok(out) if out.status.success() => Ok(Hugetlbfs { dir }),
-            Ok(out) => Err(String::from_utf8_lossy(&out.stderr).trim().to_owned()),
-            Err(e) => Err(e.to_string()),
-        }
-    }
-}
-
-impl Drop for Hugetlbfs {
-    fn drop(&mut self) {
-        let _ = Command::new("umount").arg("-l").arg(&self.dir).status();
-        let _ = std::fs::remove_dir(&self.dir);
-    }
-}
-
 /// `tinyvmm ARGS` named `name`, its API socket and its stderr (`NAME.stderr`) in `dir`.
 fn spawn(dir: &Path, name: &str, args: &[&str]) -> Vmm {
     Vmm::command(name)
@@ -301,7 +271,7 @@ struct Sequence {
     chunk: u64,
     next_seed: u64,
     /// Where snapshots put their memory file now and then (`None`: no mount, said once).
-    hugetlbfs: Option<Hugetlbfs>,
+    hugetlbfs: Option<HugetlbfsMount>,
     /// The draws of the hugetlbfs variants, from a generator of their own so that the
     /// sequence's other draws stay what they were.
     places: Rng,
@@ -338,7 +308,7 @@ impl Sequence {
         if memfd {
             args.push("--memfd");
         }
-        let hugetlbfs = match Hugetlbfs::mount(dir.join("hugetlbfs")) {
+        let hugetlbfs = match HugetlbfsMount::mount(dir.join("hugetlbfs")) {
             Ok(mount) => Some(mount),
             Err(why) => {
                 eprintln!(

@@ -375,3 +375,45 @@ pub fn require_hugetlb_pages(name: &str, pages: u64, needs: &str) -> bool {
     }
     true
 }
+
+/// A hugetlbfs mount of 2 MiB pages on a folder of its own: unmounted when dropped (lazily, so
+/// that a VMM still mapping a file there cannot keep it: its files and their pages go with it)
+/// and the folder removed.
+pub struct HugetlbfsMount {
+    /// Where it is mounted.
+    pub dir: PathBuf,
+}
+
+impl HugetlbfsMount {
+    /// Mounts one on `dir` (made if missing), or says why not (mounting needs root); a folder
+    /// it made is removed again if the mount fails.
+    pub fn mount(dir: PathBuf) -> Result<HugetlbfsMount, String> {
+        std::fs::create_dir_all(&dir).map_err(|e| format!("{}: {e}", dir.display()))?;
+        let mounted = std::process::Command::new("mount")
+            .args(["-t", "hugetlbfs", "-o", "pagesize=2M", "none"])
+            .arg(&dir)
+            .output();
+        let why = match mounted {
+            Ok(out) if out.status.success() => return Ok(HugetlbfsMount { dir }),
+            Ok(out) => String::from_utf8_lossy(&out.stderr).trim().to_owned(),
+            Err(e) => e.to_string(),
+        };
+        let _ = std::fs::remove_dir(&dir);
+        Err(why)
+    }
+
+    /// The file `name` on it.
+    pub fn path(&self, name: &str) -> PathBuf {
+        self.dir.join(name)
+    }
+}
+
+impl Drop for HugetlbfsMount {
+    fn drop(&mut self) {
+        let _ = std::process::Command::new("umount")
+            .arg("-l")
+            .arg(&self.dir)
+            .status();
+        let _ = std::fs::remove_dir(&self.dir);
+    }
+}
