@@ -1,6 +1,6 @@
 //! Memory hotplug: `GET`, `PUT` and `PATCH /hotplug/memory`. The test guest's hotplug area
 //! and a Linux guest's virtio-mem device answer with the same bodies, and obey the same size
-//! rules: [`HotplugConfig::validate`]'s (see `docs/decisions/hotplug-validation.md`).
+//! rules: `HotplugConfig::validate`'s (see `docs/decisions/hotplug-validation.md`).
 
 use kvm_virtio_mem::VirtioMemOptions;
 use serde::{Deserialize, Serialize};
@@ -11,7 +11,7 @@ use super::memory::RegionPageSize;
 const MIB: u64 = 1 << 20;
 
 /// The largest hotplug area, and the largest slot size (1 TiB).
-pub const MAX_HOTPLUG_MIB: u64 = 1 << 20;
+pub(crate) const MAX_HOTPLUG_MIB: u64 = 1 << 20;
 
 /// `PUT /hotplug/memory`: the hotplug area, as Firecracker describes it. A snapshot saves it
 /// with the area's bookkeeping.
@@ -38,20 +38,20 @@ pub struct HotplugConfig {
 /// [`HotplugConfigError`]s: the request body's names ([`HotplugNames::API`]) or a boot
 /// configuration's.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct HotplugNames {
+pub(crate) struct HotplugNames {
     /// The total size's.
-    pub total: &'static str,
+    pub(crate) total: &'static str,
     /// The block size's.
-    pub block: &'static str,
+    pub(crate) block: &'static str,
     /// The slot size's.
-    pub slot: &'static str,
+    pub(crate) slot: &'static str,
     /// How the user asks for a slot per block.
-    pub slot_default: &'static str,
+    pub(crate) slot_default: &'static str,
 }
 
 impl HotplugNames {
     /// `PUT /hotplug/memory`'s fields.
-    pub const API: HotplugNames = HotplugNames {
+    pub(crate) const API: HotplugNames = HotplugNames {
         total: "total_size_mib",
         block: "block_size_mib",
         slot: "slot_size_mib",
@@ -63,14 +63,14 @@ impl HotplugNames {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct HotplugConfigError {
     /// The sizes' names.
-    pub names: HotplugNames,
+    names: HotplugNames,
     /// What is wrong.
-    pub problem: HotplugProblem,
+    pub(crate) problem: HotplugProblem,
 }
 
 /// What is wrong with a [`HotplugConfig`].
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub enum HotplugProblem {
+pub(crate) enum HotplugProblem {
     /// The block size (MiB) is not a power of two of at least 2.
     Block(u64),
     /// The slot size (MiB) is no multiple of the block size (MiB), or too large.
@@ -117,13 +117,13 @@ impl std::error::Error for HotplugConfigError {}
 
 impl HotplugConfig {
     /// The slot size in MiB: as given, or the block size.
-    pub fn slot_mib(&self) -> u64 {
+    pub(crate) fn slot_mib(&self) -> u64 {
         self.slot_size_mib.unwrap_or(self.block_size_mib)
     }
 
     /// Checks the sizes, naming them as the request body does: see
     /// [`validate_as`](Self::validate_as).
-    pub fn validate(&self) -> Result<(), HotplugConfigError> {
+    pub(crate) fn validate(&self) -> Result<(), HotplugConfigError> {
         self.validate_as(HotplugNames::API)
     }
 
@@ -134,7 +134,7 @@ impl HotplugConfig {
     /// slot); then the virtio-mem device's own rules on the same sizes
     /// ([`VirtioMemOptions::validate`]). Where the area goes (what fits, the KVM slots free)
     /// is checked where it is placed.
-    pub fn validate_as(&self, names: HotplugNames) -> Result<(), HotplugConfigError> {
+    pub(crate) fn validate_as(&self, names: HotplugNames) -> Result<(), HotplugConfigError> {
         let refuse = |problem| Err(HotplugConfigError { names, problem });
         let block = self.block_size_mib;
         if block < 2 || !block.is_power_of_two() {
@@ -157,7 +157,7 @@ impl HotplugConfig {
 
     /// The virtio-mem device's options for these sizes at `addr`: nothing requested, plugged
     /// blocks sharing KVM slots of up to the slot size, in host pages of the page size.
-    pub fn options(&self, addr: GuestAddress) -> VirtioMemOptions {
+    pub(crate) fn options(&self, addr: GuestAddress) -> VirtioMemOptions {
         VirtioMemOptions::new(
             addr,
             self.total_size_mib.saturating_mul(MIB),

@@ -60,7 +60,7 @@ pub struct BootConfig {
     /// How to enter the kernel.
     pub protocol: BootProtocol,
     /// MiB of hotpluggable memory behind a virtio-mem device (0: no device): a multiple of the
-    /// block size, at most 1 TiB (the rules of `PUT /hotplug/memory`, [`Self::hotplug`]).
+    /// block size, at most 1 TiB (the rules of `PUT /hotplug/memory`, `Self::hotplug`).
     /// Nothing of it is plugged at boot; `PATCH /hotplug/memory` on the API socket asks the
     /// guest to plug.
     pub hotplug_mib: u64,
@@ -197,7 +197,7 @@ pub enum ConfigError {
     )]
     RingOnEmulatedHost,
     /// The hotplug sizes break the rules every hotplug area obeys
-    /// ([`HotplugConfig::validate_as`]), named as in a boot configuration.
+    /// (`HotplugConfig::validate_as`), named as in a boot configuration.
     #[error(transparent)]
     Hotplug(#[from] HotplugConfigError),
 }
@@ -304,7 +304,7 @@ impl BootConfig {
     /// The virtio-mem device's area as the API describes it (`GET /hotplug/memory`'s sizes),
     /// if the guest has one (`hotplug_mib` not 0): `hotplug_max_slot_mib` 0 is a KVM slot
     /// per block (no slot size), and one below the block size counts as the block size.
-    pub fn hotplug(&self) -> Option<HotplugConfig> {
+    pub(crate) fn hotplug(&self) -> Option<HotplugConfig> {
         let (block, max_slot) = (self.hotplug_block_mib, self.hotplug_max_slot_mib);
         (self.hotplug_mib > 0).then_some(HotplugConfig {
             total_size_mib: self.hotplug_mib,

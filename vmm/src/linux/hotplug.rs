@@ -105,7 +105,7 @@ fn ram_end(vm: &Vm) -> u64 {
 }
 
 /// Sets the device up on `vm` for the area `config` describes (its sizes checked by
-/// [`HotplugConfig::validate`]'s rules, which the device applies again), above RAM: plugged
+/// `HotplugConfig::validate`'s rules, which the device applies again), above RAM: plugged
 /// blocks share KVM slots of up to its slot size (a slot per block without one).
 pub fn setup(vm: &Vm, config: &HotplugConfig) -> Result<Hotplug, HotplugError> {
     let options = config.options(GuestAddress(area_base(ram_end(vm))));

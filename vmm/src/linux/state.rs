@@ -90,7 +90,7 @@ impl Machine {
 
     /// The virtio-mem device's area, if the machine has one, without a slot size: the
     /// device's saved state records its own.
-    pub fn hotplug(&self) -> Option<HotplugConfig> {
+    pub(crate) fn hotplug(&self) -> Option<HotplugConfig> {
         (self.hotplug_mib > 0).then_some(HotplugConfig {
             total_size_mib: self.hotplug_mib,
             block_size_mib: self.hotplug_block_mib,

@@ -84,7 +84,7 @@ impl PieceChange {
 }
 
 impl HotplugArea {
-    /// Checks `config` ([`HotplugConfig::validate`], the rules a Linux guest's virtio-mem
+    /// Checks `config` (`HotplugConfig::validate`, the rules a Linux guest's virtio-mem
     /// device obeys too), then that the area at `gpa` ends at or below `limit` (where the guest
     /// reaches) and fits in `free_slots` KVM slots (KVM's free ones within the slot budget);
     /// returns the area, nothing plugged.
