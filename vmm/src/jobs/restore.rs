@@ -240,3 +240,44 @@ pub struct RestoreArgs {
     #[command(flatten)]
     pub(crate) api: ApiArgs,
 }
+
+#[cfg(test)]
+mod tests {
+    use std::path::Path;
+
+    use crate::linux::state::LinuxState;
+    use crate::snapshot::{GuestKind, StateFile};
+    use crate::test_guest::snapshot::SnapshotState;
+
+    /// The file of `name` in `vmm/tests/data`.
+    fn data_file(name: &str) -> std::path::PathBuf {
+        Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("tests/data")
+            .join(name)
+    }
+
+    /// What `tinyvmm restore` reads: a state file of an older format is read once, from its
+    /// path: its kind is told from the bytes read, and the same bytes read as that kind's
+    /// state (not as the other kind's); a State record read as a state file is refused,
+    /// saying it is no snapshot.
+    #[test]
+    fn an_older_state_file_is_read_once_for_its_kind_and_its_state() {
+        for name in ["test-guest-v2.state", "test-guest-v3.state"] {
+            let read = StateFile::read(&data_file(name)).unwrap_or_else(|e| panic!("{name}: {e}"));
+            assert_eq!(read.kind().expect("a kind"), GuestKind::TestGuest, "{name}");
+            let state: SnapshotState = read.state().unwrap_or_else(|e| panic!("{name}: {e}"));
+            assert!(state.snapshot.is_some(), "{name}");
+            let why = read.state::<crate::linux::state::LinuxPart>();
+            let why = why.expect_err("not a Linux guest's").to_string();
+            assert!(why.contains("not a Linux guest's"), "{name}: {why}");
+        }
+        let read = StateFile::read(&data_file("linux-v1.state")).expect("read");
+        assert_eq!(read.kind().expect("a kind"), GuestKind::Linux);
+        let state: LinuxState = read.state().expect("a Linux guest's state");
+        assert!(state.snapshot.is_some());
+        let record = StateFile::read(&data_file("test-guest-v3.record")).expect("read");
+        let why = record.state::<crate::test_guest::snapshot::TestGuestPart>();
+        let why = why.expect_err("no snapshot").to_string();
+        assert!(why.contains("does not say what snapshot it is"), "{why}");
+    }
+}
