@@ -165,8 +165,9 @@ impl Model {
 }
 
 /// The hotplug area the sequence configures: blocks of [`BLOCK_MIB`], pieces (slots) of
-/// [`PIECE_MIB`], [`HOTPLUG_MIB`] in all.
-const HOTPLUG_MIB: u64 = 32;
+/// [`PIECE_MIB`], [`HOTPLUG_MIB`] in all: four whole pieces and a last one of half a piece, so
+/// that snapshots, restores and migrations carry a shorter last piece too.
+const HOTPLUG_MIB: u64 = 36;
 const BLOCK_MIB: u64 = 2;
 const PIECE_MIB: u64 = 8;
 
@@ -707,12 +708,13 @@ impl Sequence {
         }
     }
 
-    /// The hotplug area: configured the first time, then plugged or unplugged to a size
-    /// picked at random (each newly plugged block written whole with a new seed; unplugged
-    /// blocks forgotten: a replug gives fresh memory).
+    /// The hotplug area: configured the first time, and plugged or unplugged to a size picked
+    /// at random (each newly plugged block written whole with a new seed; unplugged blocks
+    /// forgotten: a replug gives fresh memory), the first time too, so that what follows
+    /// meets plugged memory.
     fn hotplug_step(&mut self) {
         self.resume();
-        let Some(plugged) = self.vm.model.plugged.clone() else {
+        if self.vm.model.plugged.is_none() {
             let page_size = self.vm.model.page.name();
             let body = json!({"total_size_mib": HOTPLUG_MIB, "block_size_mib": BLOCK_MIB,
                               "slot_size_mib": PIECE_MIB, "page_size": page_size});
@@ -724,8 +726,8 @@ impl Sequence {
                 self.fail(&format!("configuring the hotplug area: {status} {answer}"));
             }
             self.vm.model.plugged = Some(Vec::new());
-            return;
-        };
+        }
+        let plugged = self.vm.model.plugged.clone().unwrap_or_default();
         let blocks = self.rng.below((HOTPLUG_MIB / BLOCK_MIB) as usize + 1);
         let body = json!({"requested_size_mib": blocks as u64 * BLOCK_MIB});
         let (status, answer) = self.call("PATCH", "/hotplug/memory", Some(body));
